@@ -1,0 +1,3 @@
+"""pdserve: disaggregated prefill/decode LLM serving."""
+
+__version__ = "0.1.0"

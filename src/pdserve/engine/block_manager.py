@@ -1,0 +1,144 @@
+"""KV-cache block allocation with reference counts and a prefix cache. Plain Python, no tensors.
+
+A full block is keyed by a hash of its tokens chained to the hash of the block before it, so equal keys
+mean equal prefixes. When its last holder frees it, a keyed block stays cached (reusable by the next
+request with the same prefix) until the pool runs dry; then cached blocks are evicted oldest first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from pdserve.engine.sequence import Sequence
+
+
+def hash_block(parent: bytes, tokens: Seq[int]) -> bytes:
+    """Stable across processes (unlike hash()), so routers and workers can share the keys."""
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+def prefix_hashes(token_ids: Seq[int], block_size: int) -> list[bytes]:
+    """The chained keys of every full block of `token_ids`."""
+    hashes: list[bytes] = []
+    parent = b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks}x{block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._hash_to_block: dict[bytes, int] = {}
+        self._free: deque[int] = deque(range(num_blocks))  # never keyed: taken before any cached block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced; oldest first
+        self._seq_hashes: dict[str, list[bytes]] = {}  # keys of each sequence's full blocks so far
+        self.prefix_hits = 0  # blocks served from the prefix cache, for metrics
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now, cached ones included (they are evicted on demand)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by live sequences or transfers."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks kept only by the prefix cache."""
+        return len(self._evictable)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the sequence's leading tokens. At least one token is always left to
+        compute, because the last one's logits are what the next token is sampled from."""
+        if not self.enable_prefix_caching:
+            return []
+        matched: list[int] = []
+        for key in prefix_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size):
+            block = self._hash_to_block.get(key)
+            if block is None:
+                break
+            matched.append(block)
+        return matched
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, prefix_blocks: Seq[int] = ()) -> bool:
+        """Grow the block table to hold `prefix_blocks` (shared) then `num_new_tokens` more tokens past
+        `seq.num_computed_tokens`. All or nothing: False and no change when the pool is too small."""
+        held = len(seq.block_table) + len(prefix_blocks)
+        covered = seq.num_computed_tokens + len(prefix_blocks) * self.block_size + num_new_tokens
+        needed = max(0, self.blocks_for(covered) - held)
+        revived = sum(1 for b in prefix_blocks if self._ref_counts[b] == 0)
+        if needed + revived > self.num_free_blocks:
+            return False
+        for block in prefix_blocks:
+            if self._ref_counts[block] == 0:
+                del self._evictable[block]
+            self._ref_counts[block] += 1
+        self.prefix_hits += len(prefix_blocks)
+        seq.block_table.extend(prefix_blocks)
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            key = self._block_hash[block]
+            self._block_hash[block] = None
+            if key is not None and self._hash_to_block.get(key) == block:
+                del self._hash_to_block[key]
+        self._ref_counts[block] = 1
+        return block
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Key the sequence's blocks that became full of computed tokens, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
+        num_full = seq.num_computed_tokens // self.block_size
+        tokens = seq.token_ids
+        while len(hashes) < num_full:
+            i = len(hashes)
+            key = hash_block(
+                hashes[-1] if hashes else b"", tokens[i * self.block_size : (i + 1) * self.block_size]
+            )
+            hashes.append(key)
+            block = seq.block_table[i]
+            if self._block_hash[block] is None and key not in self._hash_to_block:
+                self._block_hash[block] = key
+                self._hash_to_block[key] = block
+
+    def free(self, seq: Sequence) -> None:
+        """Return every block the sequence holds. Tail blocks go first, so eviction takes them before
+        the shared prefix blocks in front of them."""
+        for block in reversed(seq.block_table):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                if self._block_hash[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+        seq.block_table = []
+        self._seq_hashes.pop(seq.seq_id, None)
+
+    def block_hashes(self) -> list[bytes]:
+        """Keys of every block in the prefix cache, live or evictable: what a router may index."""
+        return list(self._hash_to_block)

@@ -1,0 +1,196 @@
+"""The engine loop: requests in, one batched model step at a time, token and text deltas out."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.model_runner import ModelRunner, kv_block_bytes, load_model
+from pdserve.engine.models import resolve_model
+from pdserve.engine.sampler import Sampler, make_generator
+from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.scheduler import EngineMode, Scheduler
+from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        path = resolve_model(config.model)
+        self.model = load_model(path, config.torch_dtype, config.torch_device)
+        self.model_config = self.model.config
+        self.tokenizer = Tokenizer(path if path.is_dir() else path.parent)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory()
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.runner = ModelRunner(self.model, config, num_blocks)
+        self.sampler = Sampler()
+        self._requests: dict[str, _Request] = {}
+
+    def _blocks_for_memory(self) -> int:
+        per_block = kv_block_bytes(self.model_config, self.config.block_size, self.config.torch_dtype)
+        return max(1, int(self.config.kv_cache_memory_gb * 2**30) // per_block)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Everything about a request that can be wrong before it runs; raises InvalidRequestError."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                "prompt_token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        sampling.check_vocab(vocab)
+        total = len(prompt_token_ids) + sampling.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} "
+                f"exceeds the model's context of {self.max_model_len} tokens",
+            )
+        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt + max_tokens needs {self.blocks.blocks_for(total)} KV blocks; "
+                f"this worker has {self.blocks.num_blocks}",
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        if self.config.mode is EngineMode.DECODE_ONLY:
+            raise RuntimeError("a decode-only engine takes sequences with their KV, through receive()")
+        seq = self._new_request(request_id, prompt_token_ids, sampling)
+        self.scheduler.add(seq)
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> Sequence:
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        self.validate(prompt_token_ids, sampling)
+        seq = Sequence(request_id, list(prompt_token_ids), sampling, arrival=time.monotonic())
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, stop=sampling.stop)
+        generator = make_generator(sampling.seed, self.config.torch_device)
+        self._requests[request_id] = _Request(seq, detok, generator)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request wherever it is and free its blocks; False when it is unknown."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req.seq, FinishReason.ABORT)
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        logits = self.runner.execute(plan.chunks)
+        self.scheduler.complete_step()
+        sampled = [self._requests[c.seq_id] for c in plan.chunks if c.sample]
+        token_ids = self.sampler(
+            logits, [r.seq.sampling for r in sampled], [r.generator for r in sampled]
+        ).tolist()
+        return [self._append_token(req, tok) for req, tok in zip(sampled, token_ids, strict=True)]
+
+    def _append_token(self, req: _Request, token: int) -> RequestOutput:
+        seq = req.seq
+        seq.output_token_ids.append(token)
+        text = req.detokenizer.step([token])
+        reason = self._finish_reason(req, token)
+        if reason is not None:
+            if reason is not FinishReason.STOP or not req.detokenizer.stopped:
+                text += req.detokenizer.flush()
+            self.scheduler.finish(seq, reason)
+            del self._requests[seq.seq_id]
+        elif self.config.mode is EngineMode.PREFILL_ONLY:
+            self.scheduler.detach(seq)
+            seq.status = SequenceStatus.HANDOFF
+        return RequestOutput(
+            request_id=seq.seq_id,
+            new_token_ids=[token],
+            new_text=text,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def _finish_reason(self, req: _Request, token: int) -> FinishReason | None:
+        seq, params = req.seq, req.seq.sampling
+        if token in params.stop_token_ids or req.detokenizer.stopped:
+            return FinishReason.STOP
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.EOS
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
+    ) -> list[Completion]:
+        """Runs every prompt to completion in one continuous batch; results in prompt order."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        ids = [f"generate-{uuid.uuid4().hex}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+            self.add_request(request_id, prompt, p)
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        reasons: dict[str, FinishReason] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                tokens[out.request_id] += out.new_token_ids
+                texts[out.request_id].append(out.new_text)
+                if out.finish_reason is not None:
+                    reasons[out.request_id] = out.finish_reason
+        return [Completion(tokens[i], "".join(texts[i]), reasons[i]) for i in ids]

@@ -1,0 +1,118 @@
+"""Turns a scheduled step into tensors, runs the model over the paged KV cache, returns logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.attention import AttentionMetadata, PrefillSpan
+from pdserve.engine.model import LlamaModel
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.weights import load_folder_weights, read_config, read_gguf
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    """From a model folder or a .gguf file."""
+    if path.suffix == ".gguf":
+        hf_config, weights = read_gguf(path)
+    else:
+        hf_config, weights = read_config(path), load_folder_weights(path)
+    return LlamaModel(ModelConfig.from_hf(hf_config), weights, dtype, device)
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (keys and values)."""
+    per_layer = 2 * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+    return per_layer * config.num_layers
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, engine_config: EngineConfig, num_blocks: int) -> None:
+        self.model = model
+        self.device = engine_config.torch_device
+        self.dtype = engine_config.torch_dtype
+        self.block_size = engine_config.block_size
+        c = model.config
+        shape = (2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        # Zeroed, not empty: padded gathers read unused blocks, and masked garbage could still be NaN.
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Runs every chunk; returns float32 logits [num sampling chunks, vocab], in chunk order."""
+        input_ids, positions, meta, sample_rows = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sample_rows:
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        rows = torch.tensor(sample_rows, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def _prepare(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos_parts, slot_parts, sample_rows = [], [], []
+        num_decode = 0
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            pos = np.arange(chunk.start_position, chunk.start_position + n)
+            table = np.asarray(chunk.block_table, dtype=np.int64)
+            ids.extend(chunk.token_ids)
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            if chunk.sample:
+                sample_rows.append(len(ids) - 1)
+            if n == 1 and chunk.start_position > 0:
+                num_decode += 1
+        dev = self.device
+        positions = np.concatenate(pos_parts)
+        decode_tables, decode_mask = self._decode_inputs(chunks[:num_decode])
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
+            num_decode=num_decode,
+            decode_block_tables=decode_tables,
+            decode_mask=decode_mask,
+            prefills=self._prefill_spans(chunks[num_decode:], start_row=num_decode),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        return input_ids, torch.from_numpy(positions).to(dev), meta, sample_rows
+
+    def _decode_inputs(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not chunks:
+            return None, None
+        context_lens = np.array([c.start_position + 1 for c in chunks])
+        max_blocks = int(-(-context_lens.max() // self.block_size))
+        tables = np.zeros((len(chunks), max_blocks), dtype=np.int64)  # padding reads block 0, masked out
+        for i, c in enumerate(chunks):
+            used = -(-int(context_lens[i]) // self.block_size)
+            tables[i, :used] = c.block_table[:used]
+        mask = np.arange(max_blocks * self.block_size)[None, :] < context_lens[:, None]
+        dev = self.device
+        return (
+            torch.from_numpy(tables.reshape(-1)).to(dev),
+            torch.from_numpy(mask[:, None, None, :]).to(dev),
+        )
+
+    def _prefill_spans(self, chunks: list[ScheduledChunk], start_row: int) -> tuple[PrefillSpan, ...]:
+        spans = []
+        row = start_row
+        for c in chunks:
+            n = len(c.token_ids)
+            if c.start_position == 0:
+                spans.append(PrefillSpan(start=row, length=n, block_table=None, mask=None))
+            else:
+                context = c.start_position + n
+                used = -(-context // self.block_size)
+                table = torch.tensor(c.block_table[:used], dtype=torch.int64, device=self.device)
+                q_pos = torch.arange(c.start_position, context, device=self.device)
+                mask = torch.arange(context, device=self.device)[None, :] <= q_pos[:, None]
+                spans.append(PrefillSpan(start=row, length=n, block_table=table, mask=mask))
+            row += n
+        return tuple(spans)

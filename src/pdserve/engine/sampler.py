@@ -1,0 +1,103 @@
+"""Turns one step's logits into one token per sequence, honouring each request's sampling settings."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+
+# Dividing by a near-zero temperature would overflow logits to inf and softmax to nan.
+_MIN_TEMPERATURE = 1e-5
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    """The per-request RNG: created once when a seeded request enters and kept across its steps."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Stateless; the engine calls it once per step on the whole batch.
+
+    A row with a generator draws its randomness only from it, so a seeded request gives the same tokens
+    whatever else shares its batch. Rows without one use the global RNG. Greedy rows draw nothing.
+    """
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        """logits [N, V] in any float dtype; returns [N] int64 token ids on logits.device."""
+        logits = logits.float()
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled_rows:
+            return logits.argmax(dim=-1)
+        if len(sampled_rows) == len(params):
+            return self._sample(logits, params, generators)
+        tokens = logits.argmax(dim=-1)
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        tokens[rows] = self._sample(
+            logits[rows], [params[i] for i in sampled_rows], [generators[i] for i in sampled_rows]
+        )
+        return tokens
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params], device=device)
+        logits = logits / temperature.unsqueeze(1)  # [n, V], a copy the masking below may write into
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            logits.masked_fill_(self._outside_top_k_top_p(logits, params), float("-inf"))
+        probs = logits.softmax(dim=-1)
+        return (probs / self._exponential_noise(probs, generators)).argmax(dim=-1)
+
+    @staticmethod
+    def _outside_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """[n, V] mask of tokens to drop: top-k, then top-p over what top-k kept; one sort for all rows."""
+        device = logits.device
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        # top_p 1 must drop nothing, even where rounding lets the cumulative sum reach 1 before the tail.
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params], device=device)
+        # Stable so tokens tied at the cut-off are chosen the same way in every batch.
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+        drop = torch.arange(vocab, device=device).unsqueeze(0) >= top_k.unsqueeze(1)
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # A token stays while the mass ranked above it is still short of top_p, so the top token (with
+        # none above it) always stays.
+        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_above >= top_p.unsqueeze(1)
+        # Sampling must happen in vocabulary order: a row's draws may not depend on whether its batch sorted.
+        return torch.empty_like(drop).scatter_(-1, order, drop)
+
+    @staticmethod
+    def _exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        """Exp(1) noise q so that argmax(probs / q) is a draw from probs (the exponential race).
+
+        Unlike torch.multinomial this lets each row take its noise from its own generator.
+        """
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if len(unseeded) == len(generators):
+            noise.exponential_()
+        else:
+            for i, generator in enumerate(generators):
+                if generator is not None:
+                    noise[i].exponential_(generator=generator)
+            if unseeded:
+                rows = torch.tensor(unseeded, device=probs.device)
+                noise[rows] = noise.new_empty((len(unseeded), noise.shape[1])).exponential_()
+        # A zero draw would make a zero-probability token 0/0 = nan, which argmax picks.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)

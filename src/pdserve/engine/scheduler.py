@@ -1,0 +1,163 @@
+"""Continuous batching: which sequences advance this step, and by how many tokens.
+
+Each step has a token budget. Running sequences go first (a decode costs one token, an unfinished
+prefill continues with a chunk), then waiting ones are admitted, oldest first, while budget, the
+running-sequence cap and free blocks allow. A long prompt is split into chunks across steps. When a
+running sequence needs a block and none is free, the most recently admitted sequence is preempted:
+its blocks are freed and it waits to be recomputed, keeping its generated tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class EngineMode(enum.Enum):
+    MIXED = "mixed"  # prefill and decode in one engine: single process and the colocated baseline
+    PREFILL_ONLY = "prefill-only"  # stop after the first token; keep the blocks for the hand-off
+    DECODE_ONLY = "decode-only"  # sequences arrive with their KV from a prefill worker
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_chunk: int = 512  # no single prefill takes more of a step than this
+    mode: EngineMode = EngineMode.MIXED
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """What the model runner needs of one sequence this step: its new tokens and where they go."""
+
+    seq_id: str
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    sample: bool  # the chunk ends the sequence's known tokens, so its last logits pick the next token
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]  # decodes (one token) first, then prefill chunks
+    preempted: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._scheduled: list[tuple[Sequence, int]] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(s.num_uncomputed_tokens for s in self.waiting)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already in its blocks (received from a prefill worker)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted: list[str] = []
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_uncomputed_tokens, budget, self.config.long_prefill_chunk)
+            while not self.blocks.allocate_slots(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+                queue = [s for s in queue if s is not victim]
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+        if not preempted:
+            budget = self._admit(budget, scheduled)
+        self._scheduled = scheduled
+        scheduled.sort(key=lambda item: item[1] > 1 or item[0].num_computed_tokens == 0)
+        chunks = [self._chunk(seq, n) for seq, n in scheduled]
+        return SchedulerOutput(chunks=chunks, preempted=preempted)
+
+    def _admit(self, budget: int, scheduled: list[tuple[Sequence, int]]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.blocks.match_prefix(seq)
+            cached = len(prefix) * self.blocks.block_size
+            n = min(seq.num_tokens - cached, budget, self.config.long_prefill_chunk)
+            if not self.blocks.allocate_slots(seq, n, prefix):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = cached
+            seq.num_cached_tokens = max(seq.num_cached_tokens, cached)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return budget
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_ids[start : start + n],
+            start_position=start,
+            block_table=list(seq.block_table),
+            sample=start + n == seq.num_tokens,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def complete_step(self) -> list[Sequence]:
+        """Advance what ran this step; returns the sequences that now have a new token to sample."""
+        sampled = []
+        for seq, n in self._scheduled:
+            seq.num_computed_tokens += n
+            self.blocks.cache_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampled.append(seq)
+        self._scheduled = []
+        return sampled
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Stop the sequence and free its blocks, wherever it is."""
+        self.detach(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def detach(self, seq: Sequence) -> None:
+        """Take the sequence out of the queues, keeping its blocks (prefill-only hand-off)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,68 @@
+"""One request's tokens and progress through the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # needs (re)computation of its prompt before it can decode
+    RUNNING = "running"  # has KV for all but its last token; advances each step
+    RECEIVING = "receiving"  # decode-only: blocks allocated, KV bytes still in flight
+    HANDOFF = "handoff"  # prefill-only: first token sampled, blocks held until the decode side has them
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"  # a stop string or stop token id
+    EOS = "eos"
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids (prompt then output), how many of them have KV in the cache, and the blocks holding it.
+
+    `num_computed_tokens` counts tokens whose keys and values are in the cache; the last sampled token
+    never is until the next step feeds it in.
+    """
+
+    seq_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

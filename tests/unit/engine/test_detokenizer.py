@@ -1,0 +1,163 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from pdserve.engine.byte_tokenizer import build_byte_tokenizer
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+
+TOKENIZER = build_byte_tokenizer()
+EOS = 2
+
+
+def _ids(text: str) -> list[int]:
+    return TOKENIZER.encode(text).ids
+
+
+def _stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1) -> list[str]:
+    """Feed `ids` `chunk` at a time, then flush unless stopped; returns every delta."""
+    deltas = [detok.step(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    deltas.append(detok.flush())
+    return deltas
+
+
+@pytest.mark.parametrize("text", ["hello world", "héllo wörld", "日本語のテキスト", "emoji 🙂👍🏽 done", "é"])
+@pytest.mark.parametrize("prompt", ["", "a prompt 世界 "])
+def test_deltas_concatenate_to_the_decoded_output(text: str, prompt: str) -> None:
+    output_ids = _ids(text)
+    detok = IncrementalDetokenizer(TOKENIZER, _ids(prompt))
+    deltas = _stream(detok, output_ids)
+    assert "".join(deltas) == TOKENIZER.decode(output_ids) == text
+    assert detok.text == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert not detok.stopped
+
+
+def test_a_character_is_emitted_when_its_last_byte_arrives() -> None:
+    detok = IncrementalDetokenizer(TOKENIZER, [])
+    first, *rest = _ids("世")
+    assert detok.step([first]) == ""
+    assert detok.step(rest[:-1]) == ""
+    assert detok.step(rest[-1:]) == "世"
+
+
+def test_special_tokens_are_skipped_unless_asked_for() -> None:
+    ids = [*_ids("hi"), EOS]
+    assert "".join(_stream(IncrementalDetokenizer(TOKENIZER, [], skip_special_tokens=True), ids)) == "hi"
+    kept = "".join(_stream(IncrementalDetokenizer(TOKENIZER, [], skip_special_tokens=False), ids))
+    assert kept == "hi<|im_end|>"
+
+
+def test_first_token_is_spaced_as_in_context() -> None:
+    # SentencePiece-style: "▁world" decodes to "world" alone but to " world" after other text.
+    tokenizer = Tokenizer(models.WordLevel({"▁hello": 0, "▁world": 1, "<unk>": 2}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    prompt, output = tokenizer.encode("hello").ids, tokenizer.encode("world").ids
+    assert tokenizer.decode(output) == "world"
+    deltas = _stream(IncrementalDetokenizer(tokenizer, prompt), output)
+    assert "".join(deltas) == tokenizer.decode(prompt + output)[len(tokenizer.decode(prompt)) :] == " world"
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_emitted() -> None:
+    detok = IncrementalDetokenizer(TOKENIZER, [], stop=("STOP",))
+    deltas = []
+    for token in _ids("Hello STOP there"):
+        deltas.append(detok.step([token]))
+        assert "S" not in "".join(deltas)
+        if detok.stopped:
+            break
+    assert detok.stopped
+    assert "".join(deltas) == detok.text == "Hello "
+    assert detok.step(_ids(" more")) == "" and detok.flush() == ""
+    assert detok.text == "Hello "
+
+
+def test_false_start_is_released_and_true_stop_is_not() -> None:
+    detok = IncrementalDetokenizer(TOKENIZER, [], stop=("abc",))
+    emitted = [detok.step([t]) for t in _ids("abx")]
+    # Only what could still begin "abc" is held back, so "abx" goes out as soon as "x" rules it out.
+    assert emitted == ["", "", "abx"]
+    assert [detok.step([t]) for t in _ids("abc")] == ["", "", ""]
+    assert detok.stopped
+    assert detok.text == "abx"
+
+
+def test_multibyte_stop_string() -> None:
+    detok = IncrementalDetokenizer(TOKENIZER, [], stop=("世界",))
+    deltas = _stream(detok, _ids("hi 世界!"))
+    assert detok.stopped
+    assert "".join(deltas) == "hi "
+
+
+def test_earliest_of_several_stop_strings_wins_within_one_step() -> None:
+    detok = IncrementalDetokenizer(TOKENIZER, [], stop=("b", "cd"))
+    assert detok.step(_ids("xcdb")) == "x"
+    assert detok.stopped
+
+
+def test_flush_releases_a_held_stop_prefix() -> None:
+    detok = IncrementalDetokenizer(TOKENIZER, [], stop=("abc",))
+    assert "".join(detok.step([t]) for t in _ids("xab")) == "x"
+    assert detok.flush() == "ab"
+    assert detok.text == "xab"
+    assert not detok.stopped
+
+
+def test_flush_drops_an_incomplete_trailing_character() -> None:
+    ids = _ids("ab") + _ids("世")[:2]
+    assert TOKENIZER.decode(ids) == "ab\ufffd"
+    detok = IncrementalDetokenizer(TOKENIZER, [])
+    assert detok.step(ids) == ""  # the whole window waits while it ends mid-character
+    assert detok.flush() == "ab"
+    assert detok.text == "ab"
+
+
+class _RecordingTokenizer:
+    def __init__(self) -> None:
+        self.longest = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.longest = max(self.longest, len(ids))
+        return TOKENIZER.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_work_per_step_does_not_grow_with_the_output() -> None:
+    recorder = _RecordingTokenizer()
+    text = "long output with ünïcödé 世界 " * 40
+    detok = IncrementalDetokenizer(recorder, _ids("prompt " * 50), stop=("never",))
+    assert "".join(_stream(detok, _ids(text))) == text
+    assert recorder.longest <= 10  # a few tokens of context plus at most one 4-byte character
+
+
+_text = st.text(st.characters(codec="utf-8", exclude_characters="\ufffd"), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt=_text, text=_text, chunk=st.integers(1, 4))
+def test_byte_by_byte_streaming_reproduces_any_text(prompt: str, text: str, chunk: int) -> None:
+    output_ids = _ids(text)
+    deltas = _stream(IncrementalDetokenizer(TOKENIZER, _ids(prompt)), output_ids, chunk)
+    # decode, not `text`: hypothesis finds special-token strings such as "<|im_start|>", which are skipped.
+    assert "".join(deltas) == TOKENIZER.decode(output_ids)
+    assert not any("\ufffd" in d for d in deltas)
+
+
+_small = st.text(st.sampled_from("abé世"), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_small, stop=_small.filter(bool), chunk=st.integers(1, 3))
+def test_output_is_the_text_before_the_first_stop(text: str, stop: str, chunk: int) -> None:
+    detok = IncrementalDetokenizer(TOKENIZER, [], stop=(stop,))
+    emitted = ""
+    for i in range(0, len(_ids(text)), chunk):
+        emitted += detok.step(_ids(text)[i : i + chunk])
+        assert stop not in emitted
+        # Nothing emitted may later turn out to be part of the stop string.
+        assert text.find(stop) < 0 or len(emitted) <= text.find(stop)
+    emitted += detok.flush()
+    assert detok.stopped == (stop in text)
+    assert emitted == detok.text == (text[: text.find(stop)] if stop in text else text)

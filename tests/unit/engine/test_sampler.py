@@ -1,0 +1,158 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.sampler import Sampler, make_generator
+from pdserve.engine.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+
+
+def _draws(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
+    """n independent draws from one row, as one batch of n copies on the global RNG."""
+    torch.manual_seed(seed)
+    return Sampler()(logits.expand(n, -1), [params] * n, [None] * n)
+
+
+def _seeded_run(
+    row: torch.Tensor, seed: int, steps: int, others: list[tuple[torch.Tensor, int | None]], position: int
+) -> list[int]:
+    """Sample `row` with its own generator for several steps, batched with `others` (row, seed or None)."""
+    params = SamplingParams(temperature=1.0)
+    own = make_generator(seed, row.device)
+    other_gens = [make_generator(s, row.device) for _, s in others]
+    tokens = []
+    for _ in range(steps):
+        rows = [r for r, _ in others]
+        gens = list(other_gens)
+        rows.insert(position, row)
+        gens.insert(position, own)
+        out = Sampler()(torch.stack(rows), [params] * len(rows), gens)
+        tokens.append(int(out[position]))
+    return tokens
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_is_argmax(device: torch.device, dtype: torch.dtype) -> None:
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    out = Sampler()(logits, [SamplingParams()] * 8, [None] * 8)
+    assert out.dtype == torch.int64
+    assert out.device == logits.device
+    assert torch.equal(out, logits.float().argmax(dim=-1))
+
+
+def test_greedy_rows_in_a_mixed_batch_are_argmax() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.5) for i in range(6)]
+    out = Sampler()(logits, params, [None] * 6)
+    assert torch.equal(out[0::2], logits[0::2].argmax(dim=-1))
+    assert out.shape == (6,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_seed_same_tokens_whatever_the_batch(device: torch.device) -> None:
+    g = torch.Generator().manual_seed(3)
+    row = torch.randn(64, generator=g).to(device)
+    others = [(torch.randn(64, generator=g).to(device), s) for s in (7, None, 11)]
+    alone = _seeded_run(row, seed=42, steps=20, others=[], position=0)
+    torch.manual_seed(123)  # the global RNG state must not matter to a seeded row
+    batched = _seeded_run(row, seed=42, steps=20, others=others, position=2)
+    reordered = _seeded_run(row, seed=42, steps=20, others=others[::-1], position=0)
+    assert alone == batched == reordered
+    assert len(set(alone)) > 1  # the draws really vary from step to step
+
+
+def test_same_seed_with_top_k_top_p_neighbours() -> None:
+    """A plain seeded row must not change when another row in the batch forces the top-k/top-p path."""
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
+    plain = SamplingParams(temperature=1.0)
+    filtered = SamplingParams(temperature=1.0, top_k=3, top_p=0.5)
+    gen_alone, gen_together = make_generator(5, CPU), make_generator(5, CPU)
+    for _ in range(20):
+        alone = Sampler()(logits[:1], [plain], [gen_alone])
+        together = Sampler()(logits, [plain, filtered], [gen_together, None])
+        assert alone[0] == together[0]
+
+
+def test_different_seeds_differ() -> None:
+    row = torch.zeros(64)  # uniform, so two seeds agreeing on 20 draws is practically impossible
+    assert _seeded_run(row, seed=1, steps=20, others=[], position=0) != _seeded_run(
+        row, seed=2, steps=20, others=[], position=0
+    )
+
+
+def test_make_generator_without_seed_is_none() -> None:
+    assert make_generator(None, CPU) is None
+
+
+def test_top_k_1_is_greedy() -> None:
+    logits = torch.randn(32, 100, generator=torch.Generator().manual_seed(6))
+    params = [SamplingParams(temperature=2.0, top_k=1)] * 32
+    assert torch.equal(Sampler()(logits, params, [None] * 32), logits.argmax(dim=-1))
+
+
+def test_top_k_restricts_support_to_the_k_most_likely() -> None:
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(7))
+    samples = _draws(logits, SamplingParams(temperature=5.0, top_k=5), n=4000)
+    assert set(samples.tolist()) == set(logits.topk(5).indices.tolist())
+
+
+def _shuffled_logits(probs: list[float], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits for `probs` at shuffled vocabulary positions (so support is not just the first ids)."""
+    perm = torch.randperm(len(probs), generator=torch.Generator().manual_seed(seed))
+    logits = torch.empty(len(probs))
+    logits[perm] = torch.tensor(probs).log()
+    return logits, perm
+
+
+@pytest.mark.parametrize(("top_p", "nucleus_size"), [(0.01, 1), (0.75, 2), (0.85, 3), (1.0, 4)])
+def test_top_p_restricts_support_to_the_nucleus(top_p: float, nucleus_size: int) -> None:
+    probs = [0.5, 0.3, 0.15, 0.05]
+    logits, perm = _shuffled_logits(probs, seed=8)
+    samples = _draws(logits, SamplingParams(temperature=1.0, top_p=top_p), n=4000)
+    assert set(samples.tolist()) == set(perm[:nucleus_size].tolist())
+    # Inside the nucleus the original proportions hold.
+    counts = torch.bincount(samples, minlength=len(probs))[perm[:nucleus_size]].float()
+    expected = torch.tensor(probs[:nucleus_size]) / sum(probs[:nucleus_size])
+    assert torch.allclose(counts / counts.sum(), expected, atol=0.03)
+
+
+def test_top_p_applies_to_what_top_k_kept() -> None:
+    # After top-k=2 the renormalised masses are 0.625 and 0.375, so top_p=0.6 keeps only the first.
+    probs = [0.5, 0.3, 0.15, 0.05]
+    logits, perm = _shuffled_logits(probs, seed=9)
+    samples = _draws(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.6), n=2000)
+    assert set(samples.tolist()) == {int(perm[0])}
+
+
+def test_temperature_frequencies_follow_softmax() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    temperature = 0.5
+    expected = (logits / temperature).softmax(dim=-1)
+    assert (expected - logits.softmax(dim=-1)).abs().max() > 0.1  # ignoring temperature would fail
+    n = 20000
+    samples = _draws(logits, SamplingParams(temperature=temperature), n=n, seed=10)
+    freq = torch.bincount(samples, minlength=len(logits)).float() / n
+    # Standard error is at most 0.0036 per token; 0.02 is over five of them.
+    assert (freq - expected).abs().max() < 0.02
+
+
+def test_seeded_rows_follow_softmax_too() -> None:
+    logits = torch.tensor([1.0, 0.0, -1.0])
+    n = 10000
+    gens = [make_generator(s, CPU) for s in range(n)]
+    samples = Sampler()(logits.expand(n, -1), [SamplingParams(temperature=1.0)] * n, gens)
+    freq = torch.bincount(samples, minlength=3).float() / n
+    assert (freq - logits.softmax(dim=-1)).abs().max() < 0.03
+
+
+def test_never_samples_a_masked_token() -> None:
+    logits = torch.full((1000, 10), float("-inf"))
+    logits[:, 3] = 0.0
+    logits[:, 7] = 0.0
+    torch.manual_seed(11)
+    out = Sampler()(logits, [SamplingParams(temperature=1.0)] * 1000, [None] * 1000)
+    assert set(out.tolist()) == {3, 7}
