@@ -1,0 +1,35 @@
+# Every set-up step lives here: `make demo` and `make test` work on a fresh machine.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+MODEL  ?= smollm2-135m
+
+.PHONY: install model demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# torch first, pinned, so pip takes the local CPU build instead of a multi-GB CUDA one.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(VENV)/bin/pdserve fetch --model $(MODEL)
+
+demo: model
+	$(VENV)/bin/pdserve generate --model $(MODEL) --chat --max-tokens 64 \
+	  --prompt "What is the capital of France?" \
+	  --prompt "Explain in two sentences why the sky is blue." \
+	  --prompt "Write a haiku about paged attention."
+
+test: model
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info
