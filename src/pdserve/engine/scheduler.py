@@ -59,6 +59,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._scheduled: list[tuple[Sequence, int]] = []
+        self.num_preemptions = 0  # since start, for metrics and tests
 
     @property
     def has_work(self) -> bool:
@@ -134,6 +135,7 @@ class Scheduler:
         self.blocks.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 

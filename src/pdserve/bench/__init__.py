@@ -1,0 +1,1 @@
+"""Micro-benchmarks that measure pdserve against a baseline in the same run."""

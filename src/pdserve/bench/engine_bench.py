@@ -1,0 +1,222 @@
+"""Prefill and decode tokens/s of pdserve's engine against Hugging Face transformers, same run.
+
+Both sides get the same model folder, dtype, device, thread count and random prompts. Every prompt
+is fresh (its own seed) so the engine's prefix cache never turns a timed prefill into a cache hit.
+Decode throughput excludes the prefill: the clock starts once every sequence has its first token.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from pdserve.config import EngineConfig
+
+PREFILL_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class DecodeTiming:
+    first_token_s: float  # prefill of the whole batch up to its first tokens
+    decode_s: float  # from then to the last token
+    decode_tokens: int  # tokens produced in decode_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s
+
+
+class _Runner(Protocol):
+    def prefill_s(self, prompt: list[int]) -> float: ...
+
+    def decode(self, prompts: list[list[int]], num_tokens: int) -> DecodeTiming: ...
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _EngineRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        from pdserve.engine.engine import LLMEngine
+
+        self.engine = LLMEngine(config)
+        self.device = config.torch_device
+
+    def prefill_s(self, prompt: list[int]) -> float:
+        from pdserve.engine.sampling_params import SamplingParams
+
+        _sync(self.device)
+        start = time.perf_counter()
+        self.engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+        _sync(self.device)
+        return time.perf_counter() - start
+
+    def decode(self, prompts: list[list[int]], num_tokens: int) -> DecodeTiming:
+        from pdserve.engine.sampling_params import SamplingParams
+
+        engine = self.engine
+        params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
+        _sync(self.device)
+        start = time.perf_counter()
+        for prompt in prompts:
+            engine.add_request(f"bench-{uuid.uuid4().hex}", prompt, params)
+        started: set[str] = set()
+        first = None
+        after_first = 0
+        while engine.has_unfinished():
+            outputs = engine.step()
+            if first is None:
+                started.update(o.request_id for o in outputs)
+                if len(started) == len(prompts):
+                    _sync(self.device)
+                    first = time.perf_counter()
+            else:
+                after_first += sum(len(o.new_token_ids) for o in outputs)
+        _sync(self.device)
+        end = time.perf_counter()
+        assert first is not None
+        return DecodeTiming(first - start, end - first, after_first)
+
+
+class _TransformersRunner:
+    """A greedy forward loop over transformers' own KV cache: what `generate` does, minus its overhead."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from pdserve.engine.models import resolve_model
+
+        self.device = config.torch_device
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(resolve_model(config.model)), dtype=config.torch_dtype, attn_implementation="sdpa"
+        ).to(self.device)
+        self.model.eval()
+
+    @torch.inference_mode()
+    def prefill_s(self, prompt: list[int]) -> float:
+        ids = torch.tensor([prompt], device=self.device)
+        _sync(self.device)
+        start = time.perf_counter()
+        logits = self.model(input_ids=ids, use_cache=True, logits_to_keep=1).logits
+        logits[:, -1].argmax(-1).tolist()
+        _sync(self.device)
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def decode(self, prompts: list[list[int]], num_tokens: int) -> DecodeTiming:
+        ids = torch.tensor(prompts, device=self.device)  # equal lengths: no padding, no mask
+        _sync(self.device)
+        start = time.perf_counter()
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
+        token.tolist()
+        _sync(self.device)
+        first = time.perf_counter()
+        cache = out.cache
+        for _ in range(num_tokens - 1):
+            out = self.model(input_ids=token, cache=cache, use_cache=True)
+            cache = out.cache
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            token.tolist()  # a server reads each token as it comes; keeps the comparison honest
+        _sync(self.device)
+        end = time.perf_counter()
+        return DecodeTiming(first - start, end - first, len(prompts) * (num_tokens - 1))
+
+
+class _Prompts:
+    """Seeded random token ids; every call gives new ones so no prefix repeats."""
+
+    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def batch(self, count: int, length: int) -> list[list[int]]:
+        return torch.randint(0, self.vocab_size, (count, length), generator=self.gen).tolist()
+
+
+def _measure(
+    runner: _Runner,
+    vocab_size: int,
+    batch_sizes: list[int],
+    prompt_len: int,
+    decode_prompt_len: int,
+    decode_tokens: int,
+) -> dict[str, float]:
+    """tokens/s by row name: 'prefill', 'decode B=1', ..."""
+    prompts = _Prompts(vocab_size)
+    runner.prefill_s(prompts.batch(1, prompt_len)[0])  # warm-up
+    times = [runner.prefill_s(prompts.batch(1, prompt_len)[0]) for _ in range(PREFILL_REPEATS)]
+    figures = {"prefill": prompt_len / statistics.median(times)}
+    for b in batch_sizes:
+        runner.decode(prompts.batch(b, decode_prompt_len), min(decode_tokens, 4))  # warm-up
+        figures[f"decode B={b}"] = runner.decode(prompts.batch(b, decode_prompt_len), decode_tokens).tokens_per_s
+    return figures
+
+
+def run_engine_bench(
+    config: EngineConfig,
+    batch_sizes: list[int],
+    prompt_len: int,
+    decode_prompt_len: int,
+    decode_tokens: int,
+    compare_transformers: bool,
+) -> dict[str, Any]:
+    """Measures, prints a rich table and returns the figures (JSON-serialisable)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if decode_tokens < 2:
+        raise ValueError(f"decode_tokens must be at least 2 (the first token is prefill), got {decode_tokens}")
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    runner = _EngineRunner(config)
+    vocab = runner.engine.model_config.vocab_size
+    args = (vocab, batch_sizes, prompt_len, decode_prompt_len, decode_tokens)
+    ours = _measure(runner, *args)
+    del runner
+    theirs: dict[str, float] = {}
+    if compare_transformers:
+        theirs = _measure(_TransformersRunner(config), *args)
+
+    result: dict[str, Any] = {
+        "model": config.model,
+        "dtype": str(config.torch_dtype).removeprefix("torch."),
+        "device": str(config.torch_device),
+        "threads": torch.get_num_threads(),
+        "prompt_len": prompt_len,
+        "decode_prompt_len": decode_prompt_len,
+        "decode_tokens": decode_tokens,
+        "rows": [],
+    }
+    for name, tok_s in ours.items():
+        row: dict[str, Any] = {"name": name, "pdserve_tok_s": tok_s}
+        if compare_transformers:
+            row["transformers_tok_s"] = theirs[name]
+            row["ratio"] = tok_s / theirs[name]
+        result["rows"].append(row)
+
+    title = (
+        f"pdserve engine bench: {result['model']}, {result['dtype']}, {result['device']}, "
+        f"{result['threads']} threads (prefill {prompt_len} tokens; decode {decode_tokens} tokens "
+        f"after {decode_prompt_len}-token prompts)"
+    )
+    table = Table(title=title)
+    table.add_column("")
+    table.add_column("pdserve tok/s", justify="right")
+    if compare_transformers:
+        table.add_column("transformers tok/s", justify="right")
+        table.add_column("ratio", justify="right")
+    for row in result["rows"]:
+        cells = [row["name"], f"{row['pdserve_tok_s']:.1f}"]
+        if compare_transformers:
+            cells += [f"{row['transformers_tok_s']:.1f}", f"{row['ratio']:.2f}×"]
+        table.add_row(*cells)
+    Console().print(table)
+    return result

@@ -1,0 +1,248 @@
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.scheduler import SchedulerConfig, SchedulerOutput
+from pdserve.engine.sequence import FinishReason
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def make_engine(num_kv_blocks: int = 256, block_size: int = 16, **scheduler: int) -> LLMEngine:
+    config = EngineConfig(
+        model="tiny-random",
+        dtype="float32",
+        device="cpu",
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        scheduler=SchedulerConfig(**scheduler),
+    )
+    return LLMEngine(config)
+
+
+def prompts(n: int, lo: int = 5, hi: int = 40, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 259) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def assert_idle(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished()
+    assert engine.blocks.num_used_blocks == 0
+    assert engine.blocks.num_used_blocks + engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def record_schedules(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[SchedulerOutput]:
+    plans: list[SchedulerOutput] = []
+    schedule = engine.scheduler.schedule
+
+    def spy() -> SchedulerOutput:
+        plans.append(schedule())
+        return plans[-1]
+
+    monkeypatch.setattr(engine.scheduler, "schedule", spy)
+    return plans
+
+
+def run_to_end(engine: LLMEngine, max_steps: int = 2000) -> dict[str, list[RequestOutput]]:
+    outs: dict[str, list[RequestOutput]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return outs
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+@pytest.fixture(scope="module")
+def shared_engine() -> LLMEngine:
+    return make_engine()
+
+
+@pytest.fixture
+def engine(shared_engine: LLMEngine) -> Iterator[LLMEngine]:
+    assert_idle(shared_engine)
+    yield shared_engine
+    # A failed test must not leave work behind for the next one.
+    for seq in [*shared_engine.scheduler.running, *shared_engine.scheduler.waiting]:
+        shared_engine.abort(seq.seq_id)
+
+
+@pytest.fixture(scope="module")
+def reference(shared_engine: LLMEngine) -> list[list[int]]:
+    """Greedy outputs of each prompt run alone on a roomy pool."""
+    return [shared_engine.generate([p], GREEDY)[0].token_ids for p in prompts(5)]
+
+
+def test_no_blocks_leak_after_finish(engine: LLMEngine) -> None:
+    done = engine.generate(prompts(4, seed=1), SamplingParams(max_tokens=10))
+    assert all(c.finish_reason in (FinishReason.LENGTH, FinishReason.EOS) for c in done)
+    assert_idle(engine)
+
+
+def test_abort_mid_generation_frees_blocks(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    for i, p in enumerate(prompts(3, seed=2)):
+        engine.add_request(f"abort-{i}", p, params)
+    for _ in range(3):
+        engine.step()
+    assert engine.blocks.num_used_blocks > 0
+    used = engine.blocks.num_used_blocks
+    assert engine.abort("abort-1")
+    assert engine.blocks.num_used_blocks < used
+    for _ in range(2):
+        assert "abort-1" not in {o.request_id for o in engine.step()}
+    assert engine.abort("abort-0")
+    assert engine.abort("abort-2")
+    assert_idle(engine)
+    assert not engine.abort("abort-1")  # already gone
+    assert engine.step() == []
+
+
+def test_abort_of_a_waiting_request() -> None:
+    engine = make_engine(max_num_seqs=1)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    engine.add_request("running", prompts(1, seed=3)[0], params)
+    engine.add_request("waiting", prompts(1, seed=4)[0], params)
+    engine.step()
+    assert engine.abort("waiting")
+    outs = run_to_end(engine)
+    assert set(outs) == {"running"}
+    assert outs["running"][-1].finish_reason is FinishReason.LENGTH
+    assert_idle(engine)
+
+
+def test_unknown_request_abort_returns_false(engine: LLMEngine) -> None:
+    assert engine.abort("never-added") is False
+    assert_idle(engine)
+
+
+def test_greedy_is_the_same_alone_and_batched(engine: LLMEngine, reference: list[list[int]]) -> None:
+    together = engine.generate(prompts(5), GREEDY)
+    assert [c.token_ids for c in together] == reference
+    assert all(c.finish_reason is FinishReason.LENGTH and len(c.token_ids) == 24 for c in together)
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize(
+    ("num_kv_blocks", "scheduler"),
+    [
+        (8, {}),  # 5 requests of up to 64 tokens, 128 tokens of KV: preemption
+        (256, {"long_prefill_chunk": 7}),
+        (256, {"max_num_batched_tokens": 9, "long_prefill_chunk": 9}),
+        (8, {"long_prefill_chunk": 5, "max_num_seqs": 3}),
+    ],
+)
+def test_greedy_is_the_same_under_preemption_and_chunked_prefill(
+    num_kv_blocks: int, scheduler: dict[str, int], reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(num_kv_blocks, **scheduler)
+    plans = record_schedules(engine, monkeypatch)
+    done = engine.generate(prompts(5), GREEDY)
+    assert [c.token_ids for c in done] == reference
+    assert_idle(engine)
+    if num_kv_blocks == 8:
+        assert any(p.preempted for p in plans)
+    if "long_prefill_chunk" in scheduler:
+        # Some prefill continued a previous chunk.
+        assert any(c.start_position > 0 and len(c.token_ids) > 1 for p in plans for c in p.chunks)
+
+
+def test_prefix_cache_hit_gives_the_same_output() -> None:
+    engine = make_engine(64)
+    prompt = prompts(1, lo=50, hi=50, seed=5)[0]
+    first = engine.generate([prompt], GREEDY)[0]
+    engine.add_request("again", prompt, GREEDY)
+    outs = run_to_end(engine)["again"]
+    assert outs[0].num_cached_tokens == 48  # 3 full blocks of 16; the rest is recomputed
+    assert engine.blocks.prefix_hits >= 3
+    assert [t for o in outs for t in o.new_token_ids] == first.token_ids
+    assert_idle(engine)
+
+
+def test_sampling_is_reproducible_per_seed(engine: LLMEngine) -> None:
+    prompt = prompts(1, seed=6)[0]
+
+    def sample(seed: int, others: int = 0) -> list[int]:
+        params = [SamplingParams(max_tokens=20, temperature=1.0, seed=seed, ignore_eos=True)]
+        params += [SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)] * others
+        return engine.generate([prompt] + prompts(others, seed=7), params)[0].token_ids
+
+    a = sample(123)
+    assert sample(123) == a
+    assert sample(123, others=3) == a  # unaffected by unseeded neighbours in the batch
+    assert sample(124) != a
+    assert_idle(engine)
+
+
+def test_max_tokens_ends_with_length(engine: LLMEngine) -> None:
+    for n in (1, 2, 7):
+        (done,) = engine.generate(prompts(1, seed=8), SamplingParams(max_tokens=n, ignore_eos=True))
+        assert len(done.token_ids) == n
+        assert done.finish_reason is FinishReason.LENGTH
+    assert_idle(engine)
+
+
+def test_stop_token_id_ends_with_stop(engine: LLMEngine, reference: list[list[int]]) -> None:
+    full = reference[0]
+    # A token whose first occurrence is past the start, so the stop is visibly early.
+    index = next(i for i, t in enumerate(full) if i > 0 and t not in full[:i])
+    stop = full[index]
+    (done,) = engine.generate(prompts(1), SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop,)))
+    assert done.finish_reason is FinishReason.STOP
+    assert done.token_ids in (full[:index], full[: index + 1])
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ([], SamplingParams(), "prompt"),
+        ([5, 259], SamplingParams(), "prompt_token_ids"),
+        ([-1, 5], SamplingParams(), "prompt_token_ids"),
+        ([5] * 100, SamplingParams(max_tokens=4000), "max_tokens"),  # 4100 > the 4096-token context
+        ([5], SamplingParams(stop_token_ids=(259,)), "stop_token_ids"),
+    ],
+)
+def test_invalid_requests_are_rejected(
+    engine: LLMEngine, prompt: list[int], params: SamplingParams, field: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("bad", prompt, params)
+    assert err.value.field == field
+    assert_idle(engine)
+    assert engine.abort("bad") is False  # nothing half-registered
+
+
+def test_context_limit_is_inclusive(engine: LLMEngine) -> None:
+    engine.validate([5] * 96, SamplingParams(max_tokens=4000))  # exactly 4096: allowed
+
+
+def test_duplicate_request_id_is_rejected(engine: LLMEngine) -> None:
+    engine.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=3))
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("dup", [8, 9], SamplingParams(max_tokens=3))
+    outs = run_to_end(engine)
+    assert len(outs["dup"]) == 3  # the first one is unharmed
+    assert_idle(engine)
+
+
+def test_request_larger_than_the_pool_is_rejected_up_front() -> None:
+    engine = make_engine(num_kv_blocks=4)  # 64 tokens of KV
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("huge", [5] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("huge-prompt", [5] * 65, SamplingParams(max_tokens=1))
+    assert_idle(engine)
+    # One that fits exactly runs to completion instead of waiting forever, even alongside others.
+    engine.add_request("fits", [5] * 50, SamplingParams(max_tokens=14, ignore_eos=True))
+    engine.add_request("other", [6] * 30, SamplingParams(max_tokens=10, ignore_eos=True))
+    outs = run_to_end(engine, max_steps=500)
+    assert outs["fits"][-1].finish_reason is FinishReason.LENGTH
+    assert sum(len(o.new_token_ids) for o in outs["fits"]) == 14
+    assert_idle(engine)
