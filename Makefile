@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 MODEL  ?= smollm2-135m
 
-.PHONY: install model demo test lint clean
+.PHONY: install model demo test lint proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,11 @@ test: model
 lint: install
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
+
+# Regenerate src/pdserve/v1 from protos/ (a test fails when the committed code is stale).
+proto: install
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=src --grpc_python_out=src --pyi_out=src \
+	  protos/pdserve/v1/generate.proto protos/pdserve/v1/worker.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info
