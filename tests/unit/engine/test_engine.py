@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
@@ -11,7 +13,11 @@ from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason
 
+# A scheduling bug tends to hang the engine loop rather than fail; bound every test.
+pytestmark = pytest.mark.timeout(60)
+
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+_request_ids = itertools.count()
 
 
 def make_engine(num_kv_blocks: int = 256, block_size: int = 16, **scheduler: int) -> LLMEngine:
@@ -21,6 +27,7 @@ def make_engine(num_kv_blocks: int = 256, block_size: int = 16, **scheduler: int
         device="cpu",
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
+        num_threads=1,
         scheduler=SchedulerConfig(**scheduler),
     )
     return LLMEngine(config)
@@ -59,6 +66,32 @@ def run_to_end(engine: LLMEngine, max_steps: int = 2000) -> dict[str, list[Reque
     raise AssertionError(f"engine still busy after {max_steps} steps")
 
 
+def complete(
+    engine: LLMEngine, batch: list[list[int]], params: SamplingParams | list[SamplingParams]
+) -> list[tuple[list[int], FinishReason | None]]:
+    """Like engine.generate, but fails instead of looping forever: (token ids, finish reason) per prompt."""
+    params = params if isinstance(params, list) else [params] * len(batch)
+    ids = [f"req-{next(_request_ids)}" for _ in batch]
+    for request_id, prompt, p in zip(ids, batch, params, strict=True):
+        engine.add_request(request_id, prompt, p)
+    outs = run_to_end(engine)
+    for request_id in ids:
+        assert [o.finished for o in outs[request_id]] == [False] * (len(outs[request_id]) - 1) + [True]
+    return [([t for o in outs[i] for t in o.new_token_ids], outs[i][-1].finish_reason) for i in ids]
+
+
+def tokens(results: list[tuple[list[int], FinishReason | None]]) -> list[list[int]]:
+    return [t for t, _ in results]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    """The engines here run single-threaded (much faster for this tiny model); leave torch as found."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def shared_engine() -> LLMEngine:
     return make_engine()
@@ -76,7 +109,7 @@ def engine(shared_engine: LLMEngine) -> Iterator[LLMEngine]:
 @pytest.fixture(scope="module")
 def reference(shared_engine: LLMEngine) -> list[list[int]]:
     """Greedy outputs of each prompt run alone on a roomy pool."""
-    return [shared_engine.generate([p], GREEDY)[0].token_ids for p in prompts(5)]
+    return [complete(shared_engine, [p], GREEDY)[0][0] for p in prompts(5)]
 
 
 def test_no_blocks_leak_after_finish(engine: LLMEngine) -> None:
@@ -123,9 +156,9 @@ def test_unknown_request_abort_returns_false(engine: LLMEngine) -> None:
 
 
 def test_greedy_is_the_same_alone_and_batched(engine: LLMEngine, reference: list[list[int]]) -> None:
-    together = engine.generate(prompts(5), GREEDY)
-    assert [c.token_ids for c in together] == reference
-    assert all(c.finish_reason is FinishReason.LENGTH and len(c.token_ids) == 24 for c in together)
+    together = complete(engine, prompts(5), GREEDY)
+    assert tokens(together) == reference
+    assert all(reason is FinishReason.LENGTH and len(t) == 24 for t, reason in together)
     assert_idle(engine)
 
 
@@ -143,8 +176,7 @@ def test_greedy_is_the_same_under_preemption_and_chunked_prefill(
 ) -> None:
     engine = make_engine(num_kv_blocks, **scheduler)
     plans = record_schedules(engine, monkeypatch)
-    done = engine.generate(prompts(5), GREEDY)
-    assert [c.token_ids for c in done] == reference
+    assert tokens(complete(engine, prompts(5), GREEDY)) == reference
     assert_idle(engine)
     if num_kv_blocks == 8:
         assert any(p.preempted for p in plans)
@@ -156,12 +188,12 @@ def test_greedy_is_the_same_under_preemption_and_chunked_prefill(
 def test_prefix_cache_hit_gives_the_same_output() -> None:
     engine = make_engine(64)
     prompt = prompts(1, lo=50, hi=50, seed=5)[0]
-    first = engine.generate([prompt], GREEDY)[0]
+    ((first, _),) = complete(engine, [prompt], GREEDY)
     engine.add_request("again", prompt, GREEDY)
     outs = run_to_end(engine)["again"]
     assert outs[0].num_cached_tokens == 48  # 3 full blocks of 16; the rest is recomputed
     assert engine.blocks.prefix_hits >= 3
-    assert [t for o in outs for t in o.new_token_ids] == first.token_ids
+    assert [t for o in outs for t in o.new_token_ids] == first
     assert_idle(engine)
 
 
@@ -171,7 +203,7 @@ def test_sampling_is_reproducible_per_seed(engine: LLMEngine) -> None:
     def sample(seed: int, others: int = 0) -> list[int]:
         params = [SamplingParams(max_tokens=20, temperature=1.0, seed=seed, ignore_eos=True)]
         params += [SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)] * others
-        return engine.generate([prompt] + prompts(others, seed=7), params)[0].token_ids
+        return complete(engine, [prompt] + prompts(others, seed=7), params)[0][0]
 
     a = sample(123)
     assert sample(123) == a
@@ -182,9 +214,9 @@ def test_sampling_is_reproducible_per_seed(engine: LLMEngine) -> None:
 
 def test_max_tokens_ends_with_length(engine: LLMEngine) -> None:
     for n in (1, 2, 7):
-        (done,) = engine.generate(prompts(1, seed=8), SamplingParams(max_tokens=n, ignore_eos=True))
-        assert len(done.token_ids) == n
-        assert done.finish_reason is FinishReason.LENGTH
+        ((done, reason),) = complete(engine, prompts(1, seed=8), SamplingParams(max_tokens=n, ignore_eos=True))
+        assert len(done) == n
+        assert reason is FinishReason.LENGTH
     assert_idle(engine)
 
 
@@ -193,9 +225,11 @@ def test_stop_token_id_ends_with_stop(engine: LLMEngine, reference: list[list[in
     # A token whose first occurrence is past the start, so the stop is visibly early.
     index = next(i for i, t in enumerate(full) if i > 0 and t not in full[:i])
     stop = full[index]
-    (done,) = engine.generate(prompts(1), SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop,)))
-    assert done.finish_reason is FinishReason.STOP
-    assert done.token_ids in (full[:index], full[: index + 1])
+    ((done, reason),) = complete(
+        engine, prompts(1), SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop,))
+    )
+    assert reason is FinishReason.STOP
+    assert done in (full[:index], full[: index + 1])
     assert_idle(engine)
 
 
