@@ -117,9 +117,7 @@ class BlockManager:
         tokens = seq.token_ids
         while len(hashes) < num_full:
             i = len(hashes)
-            key = hash_block(
-                hashes[-1] if hashes else b"", tokens[i * self.block_size : (i + 1) * self.block_size]
-            )
+            key = hash_block(hashes[-1] if hashes else b"", tokens[i * self.block_size : (i + 1) * self.block_size])
             hashes.append(key)
             block = seq.block_table[i]
             if self._block_hash[block] is None and key not in self._hash_to_block:

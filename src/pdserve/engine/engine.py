@@ -88,9 +88,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(
-                "prompt_token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-            )
+            raise InvalidRequestError("prompt_token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         sampling.check_vocab(vocab)
         total = len(prompt_token_ids) + sampling.max_tokens
         if total > self.max_model_len:
@@ -112,9 +110,7 @@ class LLMEngine:
         seq = self._new_request(request_id, prompt_token_ids, sampling)
         self.scheduler.add(seq)
 
-    def _new_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
-    ) -> Sequence:
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         self.validate(prompt_token_ids, sampling)
@@ -132,6 +128,44 @@ class LLMEngine:
         self.scheduler.finish(req.seq, FinishReason.ABORT)
         return True
 
+    # Hand-off between a prefill-only and a decode-only engine. The KV bytes move outside the engine
+    # (pdserve.transfer); these calls only account for the blocks on each side.
+
+    def handoff_blocks(self, request_id: str) -> list[int]:
+        """Prefill side: the blocks holding a HANDOFF sequence's prompt KV, in block-table order."""
+        seq = self._requests[request_id].seq
+        if seq.status is not SequenceStatus.HANDOFF:
+            raise RuntimeError(f"{request_id} is {seq.status.value}, not waiting for a hand-off")
+        return seq.block_table[: self.blocks.blocks_for(seq.num_prompt_tokens)]
+
+    def release(self, request_id: str) -> None:
+        """Prefill side: the decode side has the KV (or gave up); free the sequence's blocks."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req.seq, FinishReason.LENGTH)
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> list[int] | None:
+        """Decode side: allocate the blocks a prompt's KV will arrive in, before any byte moves.
+        None when the pool cannot hold it now (the caller retries or sheds)."""
+        seq = self._new_request(request_id, prompt_token_ids, sampling)
+        if not self.blocks.allocate_slots(seq, seq.num_prompt_tokens):
+            del self._requests[request_id]
+            return None
+        seq.status = SequenceStatus.RECEIVING
+        return list(seq.block_table)
+
+    def commit(self, request_id: str, first_token: int) -> RequestOutput:
+        """Decode side: the KV arrived and the prefill side sampled `first_token`; start decoding."""
+        req = self._requests[request_id]
+        if req.seq.status is not SequenceStatus.RECEIVING:
+            raise RuntimeError(f"{request_id} is {req.seq.status.value}, not receiving")
+        req.seq.num_computed_tokens = req.seq.num_prompt_tokens
+        self.blocks.cache_full_blocks(req.seq)
+        out = self._append_token(req, first_token)
+        if not out.finished:
+            self.scheduler.add_running(req.seq)
+        return out
+
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan.chunks:
@@ -139,9 +173,7 @@ class LLMEngine:
         logits = self.runner.execute(plan.chunks)
         self.scheduler.complete_step()
         sampled = [self._requests[c.seq_id] for c in plan.chunks if c.sample]
-        token_ids = self.sampler(
-            logits, [r.seq.sampling for r in sampled], [r.generator for r in sampled]
-        ).tolist()
+        token_ids = self.sampler(logits, [r.seq.sampling for r in sampled], [r.generator for r in sampled]).tolist()
         return [self._append_token(req, tok) for req, tok in zip(sampled, token_ids, strict=True)]
 
     def _append_token(self, req: _Request, token: int) -> RequestOutput:
@@ -176,9 +208,7 @@ class LLMEngine:
             return FinishReason.LENGTH
         return None
 
-    def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
-    ) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:
         """Runs every prompt to completion in one continuous batch; results in prompt order."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = [f"generate-{uuid.uuid4().hex}" for _ in prompts]

@@ -82,9 +82,7 @@ def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling:
     raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     rope_type = raw.get("rope_type") or raw.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"unsupported rope scaling {rope_type!r}: supported {SUPPORTED_ROPE_TYPES}"
-        )
+        raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}: supported {SUPPORTED_ROPE_TYPES}")
     return RopeScaling(
         rope_type=rope_type,
         factor=float(raw.get("factor", 1.0)),

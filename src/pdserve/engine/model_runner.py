@@ -39,9 +39,7 @@ class ModelRunner:
         c = model.config
         shape = (2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         # Zeroed, not empty: padded gathers read unused blocks, and masked garbage could still be NaN.
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)
-        ]
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)]
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -53,9 +51,7 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
 
-    def _prepare(
-        self, chunks: list[ScheduledChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         ids: list[int] = []
         pos_parts, slot_parts, sample_rows = [], [], []

@@ -47,6 +47,4 @@ class SamplingParams:
         """Reject stop token ids the model cannot produce."""
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise InvalidRequestError(
-                "stop_token_ids", f"ids {bad} are outside the vocabulary [0, {vocab_size})"
-            )
+            raise InvalidRequestError("stop_token_ids", f"ids {bad} are outside the vocabulary [0, {vocab_size})")

@@ -30,9 +30,7 @@ class Tokenizer:
             raise InvalidRequestError("messages", "must hold at least one message")
         for i, (role, _) in enumerate(messages):
             if role not in CHAT_ROLES:
-                raise InvalidRequestError(
-                    f"messages[{i}].role", f"unknown role {role!r}; use one of {CHAT_ROLES}"
-                )
+                raise InvalidRequestError(f"messages[{i}].role", f"unknown role {role!r}; use one of {CHAT_ROLES}")
         if not self._tok.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template; send a prompt instead")
         text = self._tok.apply_chat_template(
