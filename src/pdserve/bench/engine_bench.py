@@ -202,12 +202,14 @@ def run_engine_bench(
             row["ratio"] = tok_s / theirs[name]
         result["rows"].append(row)
 
-    title = (
-        f"pdserve engine bench: {result['model']}, {result['dtype']}, {result['device']}, "
-        f"{result['threads']} threads (prefill {prompt_len} tokens; decode {decode_tokens} tokens "
-        f"after {decode_prompt_len}-token prompts)"
+    console = Console()
+    console.print(
+        f"model {result['model']}, dtype {result['dtype']}, device {result['device']}, {result['threads']} threads"
     )
-    table = Table(title=title)
+    console.print(
+        f"prefill: {prompt_len} tokens; decode: {decode_tokens} tokens after {decode_prompt_len}-token prompts"
+    )
+    table = Table(title="pdserve engine bench")
     table.add_column("")
     table.add_column("pdserve tok/s", justify="right")
     if compare_transformers:
@@ -218,5 +220,5 @@ def run_engine_bench(
         if compare_transformers:
             cells += [f"{row['transformers_tok_s']:.1f}", f"{row['ratio']:.2f}×"]
         table.add_row(*cells)
-    Console().print(table)
+    console.print(table)
     return result
