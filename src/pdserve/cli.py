@@ -73,7 +73,8 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.errors import InvalidRequestError
 
     try:
         sampling = SamplingParams(
@@ -93,7 +94,8 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     for prompt, c in zip(args.prompt, completions, strict=True):
         if args.json:
-            record = {"prompt": prompt, "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason.value}
+            reason = c.finish_reason.value
+            record = {"prompt": prompt, "token_ids": c.token_ids, "text": c.text, "finish_reason": reason}
             print(json.dumps(record, ensure_ascii=False))
         else:
             print(f"### {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason.value}]\n")

@@ -14,10 +14,11 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes, load_model
 from pdserve.engine.models import resolve_model
 from pdserve.engine.sampler import Sampler, make_generator
-from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import EngineMode, Scheduler
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-
-class InvalidRequestError(ValueError):
-    """Bad input from a caller; `field` names what is wrong (maps to INVALID_ARGUMENT at the edge)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+from pdserve.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

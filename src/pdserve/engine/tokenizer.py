@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.errors import InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 

@@ -9,9 +9,10 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason
+from pdserve.errors import InvalidRequestError
 
 # A scheduling bug tends to hang the engine loop rather than fail; bound every test.
 pytestmark = pytest.mark.timeout(60)

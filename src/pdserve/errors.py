@@ -1,0 +1,23 @@
+"""Typed errors that cross layers; the gRPC edge maps each to one status code (rpc/errors.py)."""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """Bad input from a caller; `field` names what is wrong. -> INVALID_ARGUMENT."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class OverloadedError(RuntimeError):
+    """Shed: the request cannot be served in time now. -> RESOURCE_EXHAUSTED with a retry hint."""
+
+    def __init__(self, message: str, retry_after_ms: int = 1000) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+class UnavailableError(RuntimeError):
+    """No worker can take the request (draining, none registered, a peer lost). -> UNAVAILABLE."""
