@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes, load_model
 from pdserve.engine.models import resolve_model
 from pdserve.engine.sampler import Sampler, make_generator
@@ -70,6 +72,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config, num_blocks)
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
+        self.fingerprint = _fingerprint(self.model_config, self.model)
 
     def _blocks_for_memory(self) -> int:
         per_block = kv_block_bytes(self.model_config, self.config.block_size, self.config.torch_dtype)
@@ -225,3 +228,10 @@ class LLMEngine:
                 if out.finish_reason is not None:
                     reasons[out.request_id] = out.finish_reason
         return [Completion(tokens[i], "".join(texts[i]), reasons[i]) for i in ids]
+
+
+def _fingerprint(config: ModelConfig, model: torch.nn.Module) -> str:
+    """Equal on two workers only when they run the same architecture with the same weights: KV from one
+    is meaningless to the other otherwise. Hashes the config and a slice of the embedding table."""
+    sample = model.embed_tokens[:4].detach().float().cpu().numpy().tobytes()
+    return hashlib.blake2b(repr(config).encode() + sample, digest_size=8).hexdigest()

@@ -63,21 +63,35 @@ class PrefillRequest(_message.Message):
     transfer_timeout_ms: int
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transfer_timeout_ms: _Optional[int] = ...) -> None: ...
 
-class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "cached_prompt_tokens", "queue_ms", "prefill_ms", "transfer_ms", "transfer_bytes")
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+class PrefillEvent(_message.Message):
+    __slots__ = ("first_token", "transfer_done")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_DONE_FIELD_NUMBER: _ClassVar[int]
+    first_token: FirstToken
+    transfer_done: TransferDone
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
+
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "kv_follows", "cached_prompt_tokens", "queue_ms", "prefill_ms")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
-    first_token_id: int
+    token_id: int
+    kv_follows: bool
     cached_prompt_tokens: int
     queue_ms: float
     prefill_ms: float
+    def __init__(self, token_id: _Optional[int] = ..., kv_follows: _Optional[bool] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+
+class TransferDone(_message.Message):
+    __slots__ = ("bytes", "transfer_ms")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
     transfer_ms: float
-    transfer_bytes: int
-    def __init__(self, first_token_id: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -156,10 +156,10 @@ class PrefillWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/pdserve.v1.PrefillWorker/Prefill',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillEvent.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Stats',
@@ -173,8 +173,9 @@ class PrefillWorkerServicer:
     """
 
     def Prefill(self, request, context):
-        """Runs the prompt, samples the first token, sends the KV blocks to the target, frees its own copy
-        once the decode side has them, and answers with the first token.
+        """Runs the prompt and samples the first token (first event), then sends the KV blocks to the target
+        and frees its own copy once they are sent (second event). The decode side posts its receive on the
+        first event, so no receive ever waits for a prefill that failed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -189,10 +190,10 @@ class PrefillWorkerServicer:
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillEvent.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -222,12 +223,12 @@ class PrefillWorker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/pdserve.v1.PrefillWorker/Prefill',
             pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            pdserve_dot_v1_dot_worker__pb2.PrefillEvent.FromString,
             options,
             channel_credentials,
             insecure,

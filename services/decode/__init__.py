@@ -1,0 +1,1 @@
+"""Decode worker: receives KV, decodes in a running batch, streams tokens."""

@@ -1,0 +1,1 @@
+"""Prefill worker: runs prompts, hands their KV to decode workers."""

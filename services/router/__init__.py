@@ -1,0 +1,1 @@
+"""Router: the public Generate API, admission and placement."""

@@ -1,0 +1,1 @@
+"""The gRPC edge: conversions, the error interceptor, server and channel set-up."""

@@ -1,0 +1,67 @@
+"""Protobuf <-> the engine's dataclasses. Proto3 zero values mean "unset" and take the server default."""
+
+from __future__ import annotations
+
+import math
+
+from pdserve.engine.engine import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import FinishReason
+from pdserve.errors import InvalidRequestError
+from pdserve.v1 import generate_pb2 as pb
+
+_FINISH_TO_PB = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+}
+
+
+def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int) -> SamplingParams:
+    """Validates as it converts: SamplingParams raises InvalidRequestError naming the field."""
+    if math.isnan(msg.top_p) or msg.top_p < 0:
+        raise InvalidRequestError("sampling.top_p", f"must be in (0, 1] (0 = 1), got {msg.top_p}")
+    try:
+        return SamplingParams(
+            max_tokens=msg.max_tokens or default_max_tokens,
+            temperature=msg.temperature,
+            top_p=msg.top_p or 1.0,
+            top_k=msg.top_k,
+            seed=msg.seed if msg.HasField("seed") else None,
+            stop=tuple(msg.stop),
+            stop_token_ids=tuple(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+        )
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"sampling.{e.field}", str(e).split(": ", 1)[1]) from None
+
+
+def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def finish_reason_to_pb(reason: FinishReason | None) -> int:
+    if reason is None:
+        return pb.FINISH_REASON_UNSPECIFIED
+    return _FINISH_TO_PB.get(reason, pb.FINISH_REASON_UNSPECIFIED)
+
+
+def output_to_pb(out: RequestOutput) -> pb.GenerateResponse:
+    """One engine output -> one stream message (usage is the router's to add on the last)."""
+    return pb.GenerateResponse(
+        request_id=out.request_id,
+        token_ids=out.new_token_ids,
+        text=out.new_text,
+        finish_reason=finish_reason_to_pb(out.finish_reason),
+    )

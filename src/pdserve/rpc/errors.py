@@ -1,0 +1,90 @@
+"""One server interceptor maps typed exceptions to gRPC status codes, for every handler kind."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from pdserve.errors import InvalidRequestError, OverloadedError, UnavailableError
+
+log = logging.getLogger(__name__)
+UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+StreamHandler = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, OverloadedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, UnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    mapped = _status_for(exc)
+    if mapped is None:
+        log.exception("unhandled error in handler", exc_info=exc)
+        mapped = (grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
+    if isinstance(exc, OverloadedError):
+        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(exc.retry_after_ms)),))
+    await context.abort(*mapped)
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _wrap_unary(fn: UnaryHandler) -> UnaryHandler:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(request, context)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            await _abort(context, e)
+
+    return unary
+
+
+def _wrap_stream(
+    fn: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]],
+) -> Callable[..., AsyncIterator[Any]]:
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in fn(request, context):
+                yield item
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            await _abort(context, e)
+
+    return stream

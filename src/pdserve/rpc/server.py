@@ -1,0 +1,55 @@
+"""gRPC server and channel set-up shared by the router and the workers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.rpc.errors import ErrorMappingInterceptor
+
+MAX_MESSAGE_BYTES = 16 * 2**20  # explicit: a 16k-token prompt of ids is ~80 KB; nothing legitimate nears this
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class Server:
+    """A grpc.aio server with health (NOT_SERVING until `set_serving`), reflection and the error interceptor."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=CHANNEL_OPTIONS)
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {host}:{port}")
+        self.address = f"{host}:{self.port}"
+        self._service_names: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+
+    def add(self, register: Callable[[grpc.aio.Server], None], service_names: Iterable[str]) -> None:
+        register(self._server)
+        self._service_names.extend(service_names)
+
+    async def start(self) -> None:
+        reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self._server)
+        await self._server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self._service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float | None) -> None:
+        await self._server.stop(grace_s)
+
+    async def wait(self) -> None:
+        await self._server.wait_for_termination()
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
