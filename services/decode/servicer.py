@@ -74,8 +74,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         )
         receive: asyncio.Future[int] | None = None
         first: wpb.FirstToken | None = None
+        call = self._prefill_stub(peer).Prefill(prefill, timeout=context.time_remaining())
         try:
-            async for event in self._prefill_stub(peer).Prefill(prefill, timeout=context.time_remaining()):
+            async for event in call:
                 if event.HasField("first_token"):
                     first = event.first_token
                     if first.kv_follows:
@@ -92,6 +93,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except grpc.aio.AioRpcError as e:
             raise UnavailableError(f"prefill worker {peer}: {e.code().name}: {e.details()}") from e
         finally:
+            call.cancel()  # no-op once finished; on our caller's cancel it stops the prefill too
             # The blocks may be freed only once nothing writes into them any more.
             if receive is not None and not receive.done():
                 await asyncio.wait([receive])

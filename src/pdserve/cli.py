@@ -46,6 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per sequence")
     engine.add_argument("--compare", choices=["transformers", "none"], default="transformers")
     engine.set_defaults(func=_bench_engine)
+    transfer = bench_sub.add_parser("transfer", help="KV transfer GB/s between two processes vs raw gloo and a copy")
+    transfer.add_argument("--host", default="127.0.0.1", help="address both processes bind")
+    transfer.add_argument("--device", default="cpu", help="where the KV caches live: cpu, cuda, cuda:N")
+    transfer.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    transfer.add_argument("--tokens", type=int, default=1000, help="sequence length of the SmolLM2 cases")
+    transfer.add_argument("--mib", type=int, default=64, help="size of the large case")
+    transfer.add_argument("--repeats", type=int, default=7)
+    transfer.add_argument("--pipeline-depth", type=int, default=4, help="layers in flight")
+    transfer.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
+    transfer.set_defaults(func=_bench_transfer)
     return parser
 
 
@@ -113,6 +123,22 @@ def _bench_engine(args: argparse.Namespace) -> int:
         decode_tokens=args.decode_tokens,
         compare_transformers=args.compare == "transformers",
     )
+    return 0
+
+
+def _bench_transfer(args: argparse.Namespace) -> int:
+    from pdserve.bench.transfer_bench import default_cases, run_transfer_bench
+
+    result = run_transfer_bench(
+        default_cases(args.tokens, args.mib),
+        host=args.host,
+        device=args.device,
+        backend=args.backend,
+        repeats=args.repeats,
+        pipeline_depth=args.pipeline_depth,
+    )
+    if args.json:
+        print(json.dumps(result))
     return 0
 
 

@@ -152,9 +152,9 @@ class AsyncEngine:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
+                self._update_stats()
                 return
             command()
-        self._update_stats()
 
     def _deliver(self, out: RequestOutput) -> None:
         target = self._streams.get(out.request_id)

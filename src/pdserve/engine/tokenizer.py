@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from pdserve.errors import InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -11,8 +13,6 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 class Tokenizer:
     def __init__(self, folder: Path) -> None:
-        from transformers import AutoTokenizer
-
         self._tok = AutoTokenizer.from_pretrained(str(folder))
         self.eos_token_id: int | None = self._tok.eos_token_id
 

@@ -1,0 +1,32 @@
+"""Assembles the router: tokenizer and model config (no weights), placement, the public service."""
+
+from __future__ import annotations
+
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models import resolve_model
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.weights import read_config, read_gguf
+from pdserve.registry.base import Registry
+from pdserve.rpc.server import Server
+from pdserve.v1 import generate_pb2, generate_pb2_grpc
+from services.router.placement import LeastLoadedPlacement
+from services.router.servicer import GenerationServicer
+
+
+async def start_router(
+    model: str, registry: Registry, host: str, port: int, default_max_tokens: int = 256
+) -> tuple[Server, GenerationServicer]:
+    path = resolve_model(model)
+    hf_config = read_gguf(path)[0] if path.suffix == ".gguf" else read_config(path)
+    tokenizer = Tokenizer(path if path.is_dir() else path.parent)
+    servicer = GenerationServicer(
+        tokenizer, ModelConfig.from_hf(hf_config), LeastLoadedPlacement(registry), default_max_tokens
+    )
+    server = Server(host, port)
+    server.add(
+        lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
+        [generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+    )
+    await server.start()
+    await server.set_serving(True)
+    return server, servicer

@@ -1,0 +1,270 @@
+"""KV transfer throughput between two processes, against raw gloo and an in-process copy, same run.
+
+The parent process sends (prefill side), a spawned child receives (decode side). For each case:
+  ours      TorchDistSender.send of the sequence's blocks (random, non-contiguous ids on both sides) into
+            the child's preallocated blocks; timed on the sender until the receiver reports them in place.
+  raw gloo  one contiguous tensor of the same bytes over a plain gloo pair, plus a one-element ack back.
+  copy      an in-process copy of the same bytes into a preallocated tensor.
+Before each timed send the child has already posted its receive, so neither side waits for the other's start.
+The two processes talk over a pipe in JSON; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+
+_RAW_TAG = 7
+
+
+@dataclass(frozen=True)
+class TransferCase:
+    name: str
+    dtype: str
+    num_blocks: int  # blocks the sequence occupies
+    num_layers: int = 30  # SmolLM2-135M
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    block_size: int = 16
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout("bench", self.dtype, self.block_size, self.num_layers, self.num_kv_heads, self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.bytes_for(self.num_blocks)
+
+    @property
+    def cache_blocks(self) -> int:
+        return 2 * self.num_blocks + 7  # room for scattered ids
+
+    def caches(self, device: str, seed: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        shape = (2, self.cache_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        dtype = self.layout.torch_dtype
+        return [torch.randn(shape, generator=g).to(dtype).to(device) for _ in range(self.num_layers)]
+
+    def block_ids(self, seed: int) -> list[int]:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randperm(self.cache_blocks, generator=g)[: self.num_blocks].tolist()
+
+
+def default_cases(tokens: int = 1000, mib: int = 64) -> list[TransferCase]:
+    blocks = math.ceil(tokens / 16)
+    per_block = TransferCase("", "bfloat16", 1).nbytes
+    return [
+        TransferCase(f"SmolLM2 {tokens} tokens bf16", "bfloat16", blocks),
+        TransferCase(f"SmolLM2 {tokens} tokens fp32", "float32", blocks),
+        TransferCase(f"{mib} MiB of blocks bf16", "bfloat16", (mib << 20) // per_block),
+    ]
+
+
+def _send_json(conn: Connection, obj: dict[str, Any]) -> None:
+    conn.send_bytes(json.dumps(obj).encode())
+
+
+def _recv_json(conn: Connection) -> dict[str, Any]:
+    return json.loads(conn.recv_bytes())
+
+
+def _raw_group(store: dist.Store, rank: int, host: str) -> dist.ProcessGroup:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = timedelta(seconds=60)
+    return dist.ProcessGroupGloo(store, rank, 2, opts)
+
+
+def _recv_into(
+    receiver: TorchDistReceiver, tag: int, caches: list[torch.Tensor], ids: list[int], result: dict[str, Any]
+) -> None:
+    result["nbytes"] = receiver.recv("bench-parent", tag, caches, ids, 60.0)
+
+
+def _receiver_main(conn: Connection, host: str, device: str, backend: str, depth: int) -> None:
+    """The child: decode side of our transfer and of the raw gloo pair, driven by the parent over `conn`."""
+    receiver = TorchDistReceiver(host, device, "bench", backend=backend, pipeline_depth=depth)  # type: ignore[arg-type]
+    raw_store = dist.TCPStore(host, 0, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    _send_json(conn, {"rendezvous": receiver.rendezvous("bench-parent"), "raw_port": raw_store.port})
+    raw = _raw_group(raw_store, 1, host)
+    caches: list[torch.Tensor] = []
+    raw_buf = torch.empty(0, dtype=torch.uint8)
+    while True:
+        cmd = _recv_json(conn)
+        op = cmd["op"]
+        if op == "quit":
+            break
+        if op == "case":
+            case = TransferCase(**cmd["case"])
+            caches = case.caches(device, seed=2)
+            raw_buf = torch.empty(case.nbytes, dtype=torch.uint8)
+            _send_json(conn, {"ok": True})
+        elif op == "ours":
+            result: dict[str, Any] = {}
+            t = threading.Thread(target=_recv_into, args=(receiver, cmd["tag"], caches, cmd["ids"], result))
+            t.start()
+            time.sleep(0.005)  # registered well before the parent starts its clock
+            _send_json(conn, {"ready": True})
+            t.join()
+            _send_json(conn, result)
+        elif op == "raw":
+            work = raw.recv([raw_buf], 0, _RAW_TAG)
+            _send_json(conn, {"ready": True})
+            work.wait()
+            raw.send([torch.ones(1, dtype=torch.uint8)], 0, _RAW_TAG).wait()
+            _send_json(conn, {"ok": True})
+    receiver.close()
+
+
+def _median_gb_s(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+@dataclass(frozen=True)
+class TransferRow:
+    name: str
+    blocks: int
+    mib: float
+    ours_gb_s: float
+    raw_gloo_gb_s: float
+    copy_gb_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.ours_gb_s / self.raw_gloo_gb_s
+
+
+def _measure_case(
+    case: TransferCase,
+    conn: Connection,
+    sender: TorchDistSender,
+    rendezvous: str,
+    raw: dist.ProcessGroup,
+    device: str,
+    repeats: int,
+    warmup: int,
+    tag_base: int,
+) -> TransferRow:
+    _send_json(conn, {"op": "case", "case": asdict(case)})
+    _recv_json(conn)
+    caches = case.caches(device, seed=1)
+    src_ids, dst_ids = case.block_ids(seed=3), case.block_ids(seed=4)
+    ours: list[float] = []
+    for i in range(warmup + repeats):
+        _send_json(conn, {"op": "ours", "tag": tag_base + i, "ids": dst_ids})
+        _recv_json(conn)
+        start = time.perf_counter()
+        nbytes = sender.send(rendezvous, tag_base + i, caches, src_ids, 60.0)
+        elapsed = time.perf_counter() - start
+        got = _recv_json(conn)
+        if nbytes != case.nbytes or got.get("nbytes") != case.nbytes:
+            raise RuntimeError(f"{case.name}: sent {nbytes} bytes, received {got}, expected {case.nbytes}")
+        if i >= warmup:
+            ours.append(elapsed)
+
+    src = torch.randint(0, 255, (case.nbytes,), dtype=torch.uint8)
+    ack = torch.empty(1, dtype=torch.uint8)
+    raw_times: list[float] = []
+    for i in range(warmup + repeats):
+        _send_json(conn, {"op": "raw"})
+        _recv_json(conn)
+        start = time.perf_counter()
+        raw.send([src], 1, _RAW_TAG).wait()
+        raw.recv([ack], 1, _RAW_TAG).wait()
+        elapsed = time.perf_counter() - start
+        _recv_json(conn)
+        if i >= warmup:
+            raw_times.append(elapsed)
+
+    dst = torch.empty_like(src)
+    copies: list[float] = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        if i >= warmup:
+            copies.append(time.perf_counter() - start)
+
+    return TransferRow(
+        name=case.name,
+        blocks=case.num_blocks,
+        mib=case.nbytes / 2**20,
+        ours_gb_s=_median_gb_s(case.nbytes, ours),
+        raw_gloo_gb_s=_median_gb_s(case.nbytes, raw_times),
+        copy_gb_s=_median_gb_s(case.nbytes, copies),
+    )
+
+
+def run_transfer_bench(
+    cases: list[TransferCase] | None = None,
+    host: str = "127.0.0.1",
+    device: str = "cpu",
+    backend: str = "auto",
+    repeats: int = 7,
+    warmup: int = 2,
+    pipeline_depth: int = 4,
+) -> dict[str, Any]:
+    """Measures every case between this process and a spawned one, prints a rich table, returns the figures."""
+    from rich.console import Console
+    from rich.table import Table
+
+    cases = cases if cases is not None else default_cases()
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_receiver_main, args=(child_conn, host, device, backend, pipeline_depth), daemon=True)
+    child.start()
+    rows: list[TransferRow] = []
+    try:
+        if not conn.poll(120):
+            raise RuntimeError("the receiver process did not start within 120 s")
+        hello = _recv_json(conn)
+        raw_store = dist.TCPStore(host, hello["raw_port"], 2, False, timeout=timedelta(seconds=60))
+        raw = _raw_group(raw_store, 0, host)
+        sender = TorchDistSender(host, device, "bench", backend=backend, pipeline_depth=pipeline_depth)  # type: ignore[arg-type]
+        for i, case in enumerate(cases):
+            row = _measure_case(case, conn, sender, hello["rendezvous"], raw, device, repeats, warmup, (i + 1) * 1000)
+            rows.append(row)
+        _send_json(conn, {"op": "quit"})
+        sender.close()
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+
+    result: dict[str, Any] = {
+        "device": device,
+        "backend": backend,
+        "repeats": repeats,
+        "pipeline_depth": pipeline_depth,
+        "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
+    }
+    console = Console()
+    console.print(f"device {device}, backend {backend}, median of {repeats} repeats, GB = 1e9 bytes")
+    table = Table(title="pdserve KV transfer bench (two processes)")
+    for col in ("case", "blocks", "MiB", "ours GB/s", "raw gloo GB/s", "ours/raw", "in-process copy GB/s"):
+        table.add_column(col, justify="left" if col == "case" else "right")
+    for r in rows:
+        table.add_row(
+            r.name,
+            str(r.blocks),
+            f"{r.mib:.1f}",
+            f"{r.ours_gb_s:.2f}",
+            f"{r.raw_gloo_gb_s:.2f}",
+            f"{r.ratio:.2f}×",
+            f"{r.copy_gb_s:.2f}",
+        )
+    console.print(table)
+    return result

@@ -1,0 +1,1 @@
+"""Running workers as processes (Ray actors) and the cluster around them."""

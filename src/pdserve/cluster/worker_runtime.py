@@ -1,0 +1,140 @@
+"""One worker process: its engine on the engine thread, its gRPC server on an asyncio loop thread.
+
+The same class runs under Ray (as an actor) and in tests; its public methods are cheap and
+thread-safe, so a Ray actor can answer health checks while the model runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+
+from pdserve.config import EngineConfig
+from pdserve.engine.scheduler import EngineMode
+
+log = logging.getLogger(__name__)
+
+ROLE_MODES = {"prefill": EngineMode.PREFILL_ONLY, "decode": EngineMode.DECODE_ONLY, "colocated": EngineMode.MIXED}
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    role: str  # prefill, decode or colocated
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    worker_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLE_MODES:
+            raise ValueError(f"role must be one of {list(ROLE_MODES)}, got {self.role!r}")
+
+
+class WorkerRuntime:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = replace(spec, worker_id=spec.worker_id or f"{spec.role}-{uuid.uuid4().hex[:8]}")
+        self._ready: Future[str] = Future()
+        self._loop = asyncio.new_event_loop()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="worker-rpc", daemon=True)
+        self._thread.start()
+
+    def address(self, timeout_s: float = 600.0) -> str:
+        """Blocks until the model is loaded, warmed up and the server reports SERVING."""
+        return self._ready.result(timeout=timeout_s)
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+    def fingerprint(self) -> str:
+        self.address()
+        return self._engine.engine.fingerprint
+
+    def stats(self) -> dict[str, int]:
+        self.address()
+        return dict(self._engine.stats)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self._stopped.is_set():
+            return
+        if self._ready.done() and self._ready.exception() is None:
+            asyncio.run_coroutine_threadsafe(self._shutdown(grace_s), self._loop).result(timeout=grace_s + 30)
+        self._stopped.set()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start())
+        except BaseException as e:
+            log.exception("worker %s failed to start", self.spec.worker_id)
+            self._ready.set_exception(e)
+            return
+        self._loop.run_forever()
+
+    async def _start(self) -> None:
+        from pdserve.engine.async_engine import AsyncEngine
+        from pdserve.engine.engine import LLMEngine
+        from pdserve.rpc.server import Server
+
+        spec = self.spec
+        config = replace(spec.engine, scheduler=replace(spec.engine.scheduler, mode=ROLE_MODES[spec.role]))
+        engine = await asyncio.to_thread(LLMEngine, config)
+        self._engine = AsyncEngine(engine)
+        self._server = Server(spec.host, spec.port)
+        self._transfer = self._add_servicer(self._server, engine)
+        await self._server.start()
+        await self._warm_up()
+        await self._server.set_serving(True)
+        self._ready.set_result(self._server.address)
+
+    def _add_servicer(self, server: object, engine: object) -> object:
+        """Services live outside this package; imported here, where the role is known."""
+        from pdserve.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+        from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+        spec, device, fp = self.spec, self.spec.engine.torch_device, engine.fingerprint  # type: ignore[attr-defined]
+        names = worker_pb2.DESCRIPTOR.services_by_name
+        if spec.role == "prefill":
+            from services.prefill.servicer import PrefillServicer
+
+            sender = TorchDistSender(spec.host, device=device, model_fingerprint=fp)
+            servicer = PrefillServicer(self._engine, sender, spec.worker_id)
+            server.add(  # type: ignore[attr-defined]
+                lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, s),
+                [names["PrefillWorker"].full_name],
+            )
+            return sender
+        from services.decode.servicer import DecodeServicer
+
+        receiver = TorchDistReceiver(spec.host, device=device, model_fingerprint=fp) if spec.role == "decode" else None
+        servicer = DecodeServicer(self._engine, receiver, spec.worker_id, spec.role)
+        server.add(  # type: ignore[attr-defined]
+            lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
+            [names["DecodeWorker"].full_name],
+        )
+        return receiver
+
+    async def _warm_up(self) -> None:
+        """One tiny step through the model, so the first real request does not pay for lazy kernel set-up."""
+        from pdserve.engine.sampling_params import SamplingParams
+
+        engine = self._engine
+        if self.spec.role == "decode":
+            return  # a decode-only engine takes no prompts; its first step is a decode
+        params = SamplingParams(max_tokens=1)
+        out = await engine.prefill(f"warmup-{self.worker_id}", [0, 1, 2, 3], params)
+        if not out.finished:
+            await engine.call(lambda e: e.release(f"warmup-{self.worker_id}"))
+
+    async def _shutdown(self, grace_s: float) -> None:
+        await self._server.set_serving(False)
+        await self._server.stop(grace_s)
+        if self._transfer is not None:
+            self._transfer.close()  # type: ignore[attr-defined]
+        self._engine.stop()
+        self._loop.call_soon(self._loop.stop)

@@ -1,0 +1,6 @@
+"""The KV data plane: moves one sequence's KV blocks from a prefill worker into a decode worker's cache.
+
+Control (which blocks, which tag, where to rendezvous, the layout) travels over gRPC; only the bytes
+move here, over a torch.distributed pair group per (prefill, decode) pair. `base.py` holds the
+interfaces, `layout.py` what both sides must agree on, `torch_dist.py` the gloo/NCCL implementation.
+"""

@@ -1,0 +1,95 @@
+"""Interfaces of the KV data plane: the prefill side sends a sequence's blocks, the decode side receives them."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+
+class TransferError(RuntimeError):
+    """A KV transfer failed; the caller frees the blocks it reserved for it. Nothing writes them afterwards."""
+
+
+class PeerLostError(TransferError):
+    """The other process died or closed the pair; a new rendezvous is needed for the next transfer."""
+
+
+class TransferTimeoutError(TransferError):
+    """The transfer did not complete within its timeout."""
+
+
+class LayoutMismatchError(TransferError):
+    """Both sides disagree on the KV layout (model, dtype, block size, shapes); the message names the fields."""
+
+
+class KVSender(ABC):
+    """Prefill side. One per prefill worker, shared by its request handlers (thread-safe)."""
+
+    @abstractmethod
+    def send(
+        self,
+        rendezvous: str,
+        tag: int,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        timeout_s: float,
+    ) -> int:
+        """Called by the prefill worker once the prompt has run: copies `kv_caches[layer][:, block_ids]`
+        (the sequence's blocks, in block-table order) into the decode side's blocks waiting under `tag`.
+
+        `rendezvous` is the decode side's "host:port" for this pair (from `KVReceiver.rendezvous`, carried
+        in `KVTarget`); the pair group is built on first use and cached. Returns the bytes moved, once the
+        decode side reports the blocks in place; the caller may then free its own blocks. Reads the caches,
+        never changes them. Raises TransferError (PeerLostError, TransferTimeoutError, LayoutMismatchError)
+        within about `timeout_s`; a broken pair group is dropped and rebuilt by a later send.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Called at shutdown: drops every pair group; later sends raise TransferError."""
+
+    def __enter__(self) -> KVSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KVReceiver(ABC):
+    """Decode side. One per decode worker, shared by its request handlers (thread-safe)."""
+
+    @abstractmethod
+    def rendezvous(self, peer_id: str) -> str:
+        """Called by the decode worker before each transfer from prefill worker `peer_id`: returns the
+        "host:port" the sender must connect to (goes into `KVTarget.rendezvous`). Creates the pair's store
+        and starts building its group in the background when there is no live pair for that peer; cheap
+        otherwise. After a pair breaks, the next call returns a new address.
+        """
+
+    @abstractmethod
+    def recv(
+        self,
+        peer_id: str,
+        tag: int,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        timeout_s: float,
+    ) -> int:
+        """Called by the decode worker after allocating `block_ids` (block-table order) for a sequence that
+        prefill worker `peer_id` will send under `tag` (unique among this peer's transfers in flight).
+        Blocks until every layer's blocks landed in `kv_caches[layer][:, block_ids]`; returns the bytes
+        received. Writes only those blocks. Raises TransferError (PeerLostError, TransferTimeoutError,
+        LayoutMismatchError) within about `timeout_s`; once it raised, nothing writes the blocks any more.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Called at shutdown: fails every waiting recv and drops every pair."""
+
+    def __enter__(self) -> KVReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
