@@ -32,6 +32,31 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     gen.set_defaults(func=_generate)
 
+    up = sub.add_parser("up", help="start a local cluster: Ray worker actors and the router")
+    _add_model_args(up)
+    up.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
+    up.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
+    up.add_argument("--workers", type=int, default=2, help="workers doing both phases (colocated)")
+    up.add_argument("--host", default="127.0.0.1", help="address the router and workers bind")
+    up.add_argument("--port", type=int, default=50051)
+    up.add_argument("--metrics-port", type=int, default=None)
+    up.add_argument("--redis", default=None, help="redis://... registry (default: in-process)")
+    up.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
+    up.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache per worker")
+    up.add_argument("--log-level", default="INFO")
+    up.set_defaults(func=_up)
+
+    client = sub.add_parser("client", help="stream an answer from a running cluster")
+    client.add_argument("--addr", required=True, help="router HOST:PORT")
+    client.add_argument("--prompt", required=True)
+    client.add_argument("--chat", action="store_true", help="send the prompt as a user message")
+    client.add_argument("--max-tokens", type=int, default=0, help="0 = the server's default")
+    client.add_argument("--temperature", type=float, default=0.0)
+    client.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    client.add_argument("--json", action="store_true")
+    client.set_defaults(func=_client)
+
     fetch = sub.add_parser("fetch", help="fetch and convert a built-in model into the cache, once")
     fetch.add_argument("--model", default="smollm2-135m")
     fetch.set_defaults(func=_fetch)
@@ -53,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     transfer.add_argument("--tokens", type=int, default=1000, help="sequence length of the SmolLM2 cases")
     transfer.add_argument("--mib", type=int, default=64, help="size of the large case")
     transfer.add_argument("--repeats", type=int, default=7)
-    transfer.add_argument("--pipeline-depth", type=int, default=4, help="layers in flight")
+    transfer.add_argument("--pipeline-mib", type=int, default=64, help="staging bytes in flight per side")
     transfer.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     transfer.set_defaults(func=_bench_transfer)
     return parser
@@ -68,6 +93,76 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+
+
+def _up(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    from dataclasses import replace
+
+    from pdserve.cluster.launcher import ClusterConfig, run_cluster
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    unsupported = [flag for flag, value in (("--redis", args.redis), ("--metrics-port", args.metrics_port)) if value]
+    if unsupported:
+        print(f"pdserve up: {', '.join(unsupported)} not supported yet", file=sys.stderr)
+        return 2
+    config = ClusterConfig(
+        engine=replace(_engine_config(args), kv_cache_memory_gb=args.kv_cache_gb),
+        mode=args.mode,
+        prefill=args.prefill,
+        decode=args.decode,
+        workers=args.workers,
+        host=args.host,
+        port=args.port,
+        ray_address=args.ray_address,
+    )
+    asyncio.run(run_cluster(config))
+    return 0
+
+
+def _client(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import grpc
+
+    from pdserve.rpc.client import generate
+    from pdserve.v1 import generate_pb2 as pb
+
+    sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.chat:
+        request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=args.prompt)], sampling=sampling)
+    else:
+        request = pb.GenerateRequest(prompt=args.prompt, sampling=sampling)
+
+    async def run() -> int:
+        result = None
+        async for msg, running in generate(args.addr, request, args.timeout):
+            result = running
+            if not args.json:
+                print(msg.text, end="", flush=True)
+        assert result is not None
+        ttft, tpot = result.ttft_s * 1e3, result.tpot_s * 1e3
+        if args.json:
+            record = {
+                "token_ids": result.token_ids,
+                "text": result.text,
+                "finish_reason": result.finish_reason,
+                "ttft_ms": ttft,
+                "tpot_ms": tpot,
+                "messages": result.messages,
+            }
+            print(json.dumps(record, ensure_ascii=False))
+        else:
+            n = len(result.token_ids)
+            print(f"\n[{n} tokens, {result.finish_reason}; TTFT {ttft:.0f} ms, TPOT {tpot:.1f} ms]")
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except grpc.aio.AioRpcError as e:
+        print(f"pdserve client: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
 
 
 def _fetch(args: argparse.Namespace) -> int:
@@ -135,7 +230,7 @@ def _bench_transfer(args: argparse.Namespace) -> int:
         device=args.device,
         backend=args.backend,
         repeats=args.repeats,
-        pipeline_depth=args.pipeline_depth,
+        pipeline_mib=args.pipeline_mib,
     )
     if args.json:
         print(json.dumps(result))

@@ -40,6 +40,7 @@ class TransferCase:
     num_kv_heads: int = 3
     head_dim: int = 64
     block_size: int = 16
+    contiguous: bool = False  # ids a, a+1, ... on both sides (a fresh cache): no gather/scatter copies
 
     @property
     def layout(self) -> KVLayout:
@@ -61,6 +62,9 @@ class TransferCase:
 
     def block_ids(self, seed: int) -> list[int]:
         g = torch.Generator().manual_seed(seed)
+        if self.contiguous:
+            start = int(torch.randint(0, self.cache_blocks - self.num_blocks, (1,), generator=g))
+            return list(range(start, start + self.num_blocks))
         return torch.randperm(self.cache_blocks, generator=g)[: self.num_blocks].tolist()
 
 
@@ -71,6 +75,7 @@ def default_cases(tokens: int = 1000, mib: int = 64) -> list[TransferCase]:
         TransferCase(f"SmolLM2 {tokens} tokens bf16", "bfloat16", blocks),
         TransferCase(f"SmolLM2 {tokens} tokens fp32", "float32", blocks),
         TransferCase(f"{mib} MiB of blocks bf16", "bfloat16", (mib << 20) // per_block),
+        TransferCase(f"SmolLM2 {tokens} tokens bf16, contiguous ids", "bfloat16", blocks, contiguous=True),
     ]
 
 
@@ -95,9 +100,9 @@ def _recv_into(
     result["nbytes"] = receiver.recv("bench-parent", tag, caches, ids, 60.0)
 
 
-def _receiver_main(conn: Connection, host: str, device: str, backend: str, depth: int) -> None:
+def _receiver_main(conn: Connection, host: str, device: str, backend: str, pipeline_mib: int) -> None:
     """The child: decode side of our transfer and of the raw gloo pair, driven by the parent over `conn`."""
-    receiver = TorchDistReceiver(host, device, "bench", backend=backend, pipeline_depth=depth)  # type: ignore[arg-type]
+    receiver = TorchDistReceiver(host, device, "bench", backend=backend, pipeline_bytes=pipeline_mib << 20)  # type: ignore[arg-type]
     raw_store = dist.TCPStore(host, 0, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
     _send_json(conn, {"rendezvous": receiver.rendezvous("bench-parent"), "raw_port": raw_store.port})
     raw = _raw_group(raw_store, 1, host)
@@ -138,6 +143,7 @@ def _median_gb_s(nbytes: int, seconds: list[float]) -> float:
 class TransferRow:
     name: str
     blocks: int
+    ids: str
     mib: float
     ours_gb_s: float
     raw_gloo_gb_s: float
@@ -201,6 +207,7 @@ def _measure_case(
     return TransferRow(
         name=case.name,
         blocks=case.num_blocks,
+        ids="runs" if case.contiguous else "scattered",
         mib=case.nbytes / 2**20,
         ours_gb_s=_median_gb_s(case.nbytes, ours),
         raw_gloo_gb_s=_median_gb_s(case.nbytes, raw_times),
@@ -215,7 +222,7 @@ def run_transfer_bench(
     backend: str = "auto",
     repeats: int = 7,
     warmup: int = 2,
-    pipeline_depth: int = 4,
+    pipeline_mib: int = 64,
 ) -> dict[str, Any]:
     """Measures every case between this process and a spawned one, prints a rich table, returns the figures."""
     from rich.console import Console
@@ -224,7 +231,7 @@ def run_transfer_bench(
     cases = cases if cases is not None else default_cases()
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_receiver_main, args=(child_conn, host, device, backend, pipeline_depth), daemon=True)
+    child = ctx.Process(target=_receiver_main, args=(child_conn, host, device, backend, pipeline_mib), daemon=True)
     child.start()
     rows: list[TransferRow] = []
     try:
@@ -233,7 +240,7 @@ def run_transfer_bench(
         hello = _recv_json(conn)
         raw_store = dist.TCPStore(host, hello["raw_port"], 2, False, timeout=timedelta(seconds=60))
         raw = _raw_group(raw_store, 0, host)
-        sender = TorchDistSender(host, device, "bench", backend=backend, pipeline_depth=pipeline_depth)  # type: ignore[arg-type]
+        sender = TorchDistSender(host, device, "bench", backend=backend, pipeline_bytes=pipeline_mib << 20)  # type: ignore[arg-type]
         for i, case in enumerate(cases):
             row = _measure_case(case, conn, sender, hello["rendezvous"], raw, device, repeats, warmup, (i + 1) * 1000)
             rows.append(row)
@@ -248,18 +255,21 @@ def run_transfer_bench(
         "device": device,
         "backend": backend,
         "repeats": repeats,
-        "pipeline_depth": pipeline_depth,
+        "pipeline_mib": pipeline_mib,
         "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
     }
     console = Console()
+    if not console.is_terminal:  # rich would wrap the table at 80 columns in a pipe
+        console = Console(width=120)
     console.print(f"device {device}, backend {backend}, median of {repeats} repeats, GB = 1e9 bytes")
     table = Table(title="pdserve KV transfer bench (two processes)")
-    for col in ("case", "blocks", "MiB", "ours GB/s", "raw gloo GB/s", "ours/raw", "in-process copy GB/s"):
-        table.add_column(col, justify="left" if col == "case" else "right")
+    for col in ("case", "blocks", "block ids", "MiB", "ours GB/s", "raw gloo GB/s", "ours/raw", "in-process copy GB/s"):
+        table.add_column(col, justify="left" if col == "case" else "right", no_wrap=True)
     for r in rows:
         table.add_row(
             r.name,
             str(r.blocks),
+            r.ids,
             f"{r.mib:.1f}",
             f"{r.ours_gb_s:.2f}",
             f"{r.raw_gloo_gb_s:.2f}",

@@ -6,16 +6,20 @@ same backend: NCCL when both caches are on CUDA (and NCCL exists on both), gloo 
 
 One transfer at a time goes over a pair, in the order the sender starts them (a lock on the sender, one
 serving thread on the receiver), so several concurrent transfers share a pair safely:
-  1. sender -> receiver, control: header, int64[16]: magic, version, tag, block count, layout, timeout
-  2. receiver -> sender, control: status int64[2]: go, or why not (layout mismatch, tag not expected, ...)
-  3. sender -> receiver, data: one message per layer, [2, blocks, block_size, kv_heads, head_dim] as bytes,
-     `pipeline_depth` layers in flight, gathered with index_select while the previous ones are on the wire
-  4. receiver -> sender, control: status: the blocks are in place
+  1. sender -> receiver, control: header, int64[16]: magic, version, tag, block count, layout, message size, timeout
+  2. sender -> receiver, data: layer by layer, two messages per layer (keys, then values), each the sequence's
+     blocks as [blocks, block_size, kv_heads, head_dim] bytes; later messages are gathered while earlier ones are
+     on the wire, up to `pipeline_bytes` in flight per side. A side whose block ids are one run (a, a+1, ...)
+     sends from / receives into its cache directly, with no copy; otherwise it gathers / scatters through
+     staging buffers (keys and values are apart in the cache, hence two messages: both can be direct).
+  3. receiver -> sender, control: status int64[2]: the blocks are in place, or why not (layout mismatch, no
+     recv waiting for that tag, block count); a rejected transfer's layers are received and discarded
+There is no "go" round trip before the data: on a busy host each extra wake-up costs up to a scheduler tick.
 The caller's tag never reaches the backend (NCCL ignores tags): it travels in the header, and the receiver
 hands the transfer to the `recv` waiting for that tag. Control always goes over gloo (CPU tensors): the
 receiver keeps a header receive posted between transfers, which is what notices a dead sender at once, and
-a posted gloo receive never times out an NCCL kernel. gloo closes a pair when a wait times out, so any
-timeout during steps 1-4 drops the pair; a `recv` that times out before its header arrived leaves it intact.
+a posted gloo receive never times out an NCCL kernel. gloo closes a pair when a wait times out, so a timeout
+during steps 1-3 drops the pair; a `recv` that times out before its header arrived leaves the pair intact.
 Nothing is pickled: the wire carries int64 control tensors and raw bytes.
 """
 
@@ -63,8 +67,8 @@ _IDLE_TIMEOUT = timedelta(days=7)
 _RECV_KEY = "pdserve/recv"
 _SEND_KEY = "pdserve/send"
 
-# Status codes of steps 2 and 4.
-_OK, _LAYOUT, _NOT_EXPECTED, _BLOCK_COUNT, _FAILED = range(5)
+# Status codes of step 3.
+_OK, _LAYOUT, _NOT_EXPECTED, _BLOCK_COUNT = range(4)
 
 
 def _hash64(text: str) -> int:
@@ -85,6 +89,7 @@ class _Header:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    message_bytes: int  # of each data message: lets the receiver drain a transfer it rejects
     timeout_ms: int
 
     @classmethod
@@ -98,13 +103,15 @@ class _Header:
             num_layers=layout.num_layers,
             num_kv_heads=layout.num_kv_heads,
             head_dim=layout.head_dim,
+            message_bytes=layout.layer_block_bytes // 2 * num_blocks,
             timeout_ms=int(timeout_s * 1000),
         )
 
     def encode(self) -> torch.Tensor:
         t = torch.zeros(_HEADER_LEN, dtype=torch.int64)
         values = [_MAGIC, _VERSION, self.tag, self.num_blocks, self.fingerprint_hash, self.dtype_hash]
-        values += [self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.timeout_ms]
+        values += [self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.message_bytes]
+        values += [self.timeout_ms]
         t[: len(values)] = torch.tensor(values, dtype=torch.int64)
         return t
 
@@ -113,7 +120,7 @@ class _Header:
         v = t.tolist()
         if v[0] != _MAGIC or v[1] != _VERSION:
             raise PeerLostError(f"protocol error: header magic/version {v[0]:#x}/{v[1]}, want {_MAGIC:#x}/{_VERSION}")
-        return cls(*v[2:11])
+        return cls(*v[2:12])
 
     def layout(self, mine: KVLayout) -> KVLayout:
         """The sender's layout as far as the hashes tell: strings that hash like ours are ours."""
@@ -139,48 +146,61 @@ def _choose_backend(mine: str, theirs: str) -> str:
     return "nccl" if nccl_possible else "gloo"
 
 
-def _block_index(tag: int, block_ids: Sequence[int], kv: torch.Tensor, distinct: bool) -> torch.Tensor:
+def _block_index(tag: int, block_ids: Sequence[int], kv: torch.Tensor, distinct: bool) -> _Blocks:
     if not 0 <= tag < 2**63:
         raise ValueError(f"tag must lie in [0, 2**63), got {tag}")
-    ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+    id_list = [int(i) for i in block_ids]
+    ids = torch.as_tensor(id_list, dtype=torch.int64)
     num_blocks = kv.shape[1]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         bad = [i for i in ids.tolist() if not 0 <= i < num_blocks][:8]
         raise ValueError(f"block ids must lie in [0, {num_blocks}), got {bad}")
     if distinct and torch.unique(ids).numel() != ids.numel():
         raise ValueError(f"block ids must be distinct ({ids.numel()} ids, {torch.unique(ids).numel()} distinct)")
-    return ids.to(kv.device)
+    is_run = bool(id_list) and id_list == list(range(id_list[0], id_list[0] + len(id_list)))
+    return _Blocks(ids.to(kv.device), id_list[0] if is_run else None)
 
 
 class _Blocks:
-    """Gathers / scatters one sequence's blocks of a layer through a contiguous byte buffer.
+    """One side's block ids and how its data messages (layer, half) meet its cache.
 
-    On CPU this goes through numpy: single-threaded memcpy per block, GIL released, where torch's index_copy_ is
-    slow for bfloat16 and its OpenMP threads stall when gloo's I/O thread holds a core. On CUDA, torch kernels.
+    Scattered ids go through a contiguous byte buffer: on CPU with numpy (a single-threaded memcpy per block, GIL
+    released; torch's index_copy_ is slow for bfloat16 and its OpenMP threads stall while gloo's I/O thread holds a
+    core), on CUDA with index_select / index_copy_.
     """
 
-    def __init__(self, ids: torch.Tensor, num_blocks: int) -> None:
+    def __init__(self, ids: torch.Tensor, run_start: int | None) -> None:
         self.ids = ids
         self.n = ids.numel()
+        self.run_start = run_start  # the ids are run_start, run_start + 1, ...
         if ids.device.type == "cpu":
-            idx = ids.numpy()
-            self.flat = np.concatenate([idx, idx + num_blocks])  # rows of [2 * num_blocks, block_bytes]
+            self.idx = ids.numpy()
 
-    def gather(self, kv: torch.Tensor, out: torch.Tensor) -> None:
-        """out (uint8) <- kv[:, ids], as [2, n, block_size, num_kv_heads, head_dim]."""
-        if kv.device.type == "cpu":
-            rows = kv.view(torch.uint8).numpy().reshape(2 * kv.shape[1], -1)
-            np.take(rows, self.flat, axis=0, out=out.numpy().reshape(2 * self.n, -1), mode="clip")
-        else:
-            torch.index_select(kv, 1, self.ids, out=out.view(kv.dtype).view(2, self.n, *kv.shape[2:]))
+    def direct(self, kv: torch.Tensor, half: int) -> torch.Tensor | None:
+        """The cache bytes of (layer, half) as one flat uint8 tensor, when the ids are a run."""
+        if self.run_start is None:
+            return None
+        return kv[half, self.run_start : self.run_start + self.n].view(-1).view(torch.uint8)
 
-    def scatter(self, src: torch.Tensor, kv: torch.Tensor) -> None:
-        """kv[:, ids] <- src (uint8)."""
+    def gather(self, kv: torch.Tensor, half: int, out: torch.Tensor) -> None:
+        """out (uint8) <- kv[half, ids]"""
         if kv.device.type == "cpu":
-            rows = kv.view(torch.uint8).numpy().reshape(2 * kv.shape[1], -1)
-            rows[self.flat] = src.numpy().reshape(2 * self.n, -1)
+            rows = kv[half].view(torch.uint8).numpy().reshape(kv.shape[1], -1)
+            np.take(rows, self.idx, axis=0, out=out.numpy().reshape(self.n, -1), mode="clip")
         else:
-            kv.index_copy_(1, self.ids, src.view(kv.dtype).view(2, self.n, *kv.shape[2:]))
+            torch.index_select(kv[half], 0, self.ids, out=out.view(kv.dtype).view(self.n, *kv.shape[2:]))
+
+    def scatter(self, src: torch.Tensor, kv: torch.Tensor, half: int) -> None:
+        """kv[half, ids] <- src (uint8)"""
+        if kv.device.type == "cpu":
+            kv[half].view(torch.uint8).numpy().reshape(kv.shape[1], -1)[self.idx] = src.numpy().reshape(self.n, -1)
+        else:
+            kv[half].index_copy_(0, self.ids, src.view(kv.dtype).view(self.n, *kv.shape[2:]))
+
+
+def _depth(pipeline_bytes: int, message_bytes: int, num_messages: int) -> int:
+    """Messages in flight: as many as `pipeline_bytes` holds, at least two (one on the wire, one being copied)."""
+    return max(2, min(num_messages, pipeline_bytes // max(message_bytes, 1)))
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -196,7 +216,7 @@ def _describe(e: BaseException) -> str:
 
 
 class _Staging:
-    """A pair's reusable per-layer buffers, `depth` slots: layer i+1 is gathered while layer i is on the wire.
+    """A pair's reusable per-layer buffers, one slot per layer in flight.
 
     `work` lives on the cache device (index_select / index_copy_ there); `wire` is what the backend moves:
     the same tensor, or a pinned host copy when gloo carries CUDA caches.
@@ -287,12 +307,15 @@ class _PairGroup:
             delay = min(2 * delay, 2e-3)
         work.wait()
 
+    def ctrl_op(self, send: bool, t: torch.Tensor) -> dist.Work:
+        return self._op(self.ctrl.send if send else self.ctrl.recv, t, _CTRL_TAG)
+
     def send_ctrl(self, values: torch.Tensor, deadline: float | None) -> None:
-        self.wait(self._op(self.ctrl.send, values, _CTRL_TAG), deadline)
+        self.wait(self.ctrl_op(True, values), deadline)
 
     def recv_ctrl(self, n: int, deadline: float | None) -> torch.Tensor:
         t = torch.empty(n, dtype=torch.int64)
-        self.wait(self._op(self.ctrl.recv, t, _CTRL_TAG), deadline)
+        self.wait(self.ctrl_op(False, t), deadline)
         return t
 
     def send_status(self, code: int, detail: int, deadline: float | None) -> None:
@@ -343,13 +366,13 @@ class TorchDistSender(KVSender):
         model_fingerprint: str = "",
         backend: Backend = "auto",
         connect_timeout_s: float = 30.0,
-        pipeline_depth: int = 4,
+        pipeline_bytes: int = 64 << 20,
     ) -> None:
         self.device = torch.device(device)
         self.fingerprint = model_fingerprint
         self.backend = backend
         self.connect_timeout_s = connect_timeout_s
-        self.depth = max(1, pipeline_depth)
+        self.pipeline_bytes = pipeline_bytes
         self._gloo_device = _gloo_device(host)
         self._lock = threading.Lock()
         self._pairs: dict[str, _SendPair] = {}
@@ -367,8 +390,8 @@ class TorchDistSender(KVSender):
         layout = KVLayout.from_caches(kv_caches, self.fingerprint)
         if kv_caches[0].device.type != self.device.type:
             raise ValueError(f"caches are on {kv_caches[0].device}, this sender was built for {self.device}")
-        ids = _block_index(tag, block_ids, kv_caches[0], distinct=False)
-        if ids.numel() == 0:
+        blocks = _block_index(tag, block_ids, kv_caches[0], distinct=False)
+        if blocks.n == 0:
             return 0  # the receiver short-circuits an empty transfer the same way
         deadline = time.monotonic() + timeout_s
         pair = self._pair(rendezvous, deadline)
@@ -377,7 +400,7 @@ class TorchDistSender(KVSender):
         try:
             if pair.broken:
                 raise PeerLostError(f"decode side {rendezvous}: pair dropped by a concurrent failure")
-            code, detail = self._transfer(pair, tag, kv_caches, ids, layout, deadline, timeout_s)
+            code, detail = self._transfer(pair, tag, kv_caches, blocks, layout, deadline, timeout_s)
         except BaseException as e:
             self._drop(pair)
             if isinstance(e, RuntimeError) and not isinstance(e, TransferError):
@@ -386,7 +409,7 @@ class TorchDistSender(KVSender):
         finally:
             pair.lock.release()
         if code == _OK:
-            return layout.bytes_for(ids.numel())
+            return layout.bytes_for(blocks.n)
         where = f"decode side {rendezvous} rejected tag {tag}"
         if code == _LAYOUT:
             names = [f.name for i, f in enumerate(fields(KVLayout)) if detail >> i & 1]
@@ -394,7 +417,7 @@ class TorchDistSender(KVSender):
         if code == _NOT_EXPECTED:
             raise TransferError(f"{where}: no recv is waiting for that tag (timed out, cancelled or never posted)")
         if code == _BLOCK_COUNT:
-            raise TransferError(f"{where}: it expects {detail} blocks, we sent {ids.numel()}")
+            raise TransferError(f"{where}: it expects {detail} blocks, we sent {blocks.n}")
         raise TransferError(f"{where}: receive failed on the decode side (status {code})")
 
     def _transfer(
@@ -402,28 +425,31 @@ class TorchDistSender(KVSender):
         pair: _SendPair,
         tag: int,
         kv_caches: Sequence[torch.Tensor],
-        ids: torch.Tensor,
+        blocks: _Blocks,
         layout: KVLayout,
         deadline: float,
         timeout_s: float,
     ) -> tuple[int, int]:
         g = pair.group
-        g.send_ctrl(_Header.for_transfer(tag, ids.numel(), layout, timeout_s).encode(), deadline)
-        code, detail = g.recv_ctrl(2, deadline).tolist()
-        if code != _OK:
-            return code, detail
-        n = ids.numel()
-        nbytes = layout.layer_block_bytes * n
-        blocks = _Blocks(ids, kv_caches[0].shape[1])
+        header = _Header.for_transfer(tag, blocks.n, layout, timeout_s)
+        header_work = g.ctrl_op(True, header.encode())
+        num_messages = 2 * layout.num_layers
+        depth = _depth(self.pipeline_bytes, header.message_bytes, num_messages)
         in_flight: deque[dist.Work] = deque()
-        for layer, kv in enumerate(kv_caches):
-            if len(in_flight) == self.depth:
+        for m in range(num_messages):
+            if len(in_flight) == depth:
                 g.wait_data(in_flight.popleft(), deadline)
-            work, wire = pair.staging.slot(layer % self.depth, nbytes)
-            blocks.gather(kv, work)
-            if wire is not work:
-                wire.copy_(work)
-            in_flight.append(g.data_op(True, wire, layer))
+            kv, half = kv_caches[m // 2], m % 2
+            work, wire = pair.staging.slot(m % depth, header.message_bytes)
+            direct = blocks.direct(kv, half) if wire is work else None
+            if direct is not None:
+                wire = direct
+            else:
+                blocks.gather(kv, half, work)
+                if wire is not work:
+                    wire.copy_(work)
+            in_flight.append(g.data_op(True, wire, m))
+        g.wait(header_work, deadline)
         while in_flight:
             g.wait_data(in_flight.popleft(), deadline)
         code, detail = g.recv_ctrl(2, deadline).tolist()
@@ -502,9 +528,9 @@ class _Pending:
     """One recv waiting for its tag; the serving thread fills it in."""
 
     def __init__(
-        self, tag: int, kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, layout: KVLayout, deadline: float
+        self, tag: int, kv_caches: Sequence[torch.Tensor], blocks: _Blocks, layout: KVLayout, deadline: float
     ) -> None:
-        self.tag, self.kv_caches, self.ids, self.layout, self.deadline = tag, kv_caches, ids, layout, deadline
+        self.tag, self.kv_caches, self.blocks, self.layout, self.deadline = tag, kv_caches, blocks, layout, deadline
         self.state = _WAITING
         self.done = threading.Event()
         self.error: TransferError | None = None
@@ -613,14 +639,14 @@ class TorchDistReceiver(KVReceiver):
         model_fingerprint: str = "",
         backend: Backend = "auto",
         connect_timeout_s: float = 30.0,
-        pipeline_depth: int = 4,
+        pipeline_bytes: int = 64 << 20,
     ) -> None:
         self.host = host
         self.device = torch.device(device)
         self.fingerprint = model_fingerprint
         self.backend = backend
         self.connect_timeout_s = connect_timeout_s
-        self.depth = max(1, pipeline_depth)
+        self.pipeline_bytes = pipeline_bytes
         self._identity = uuid.uuid4().hex
         self._gloo_device = _gloo_device(host)
         self._lock = threading.Lock()
@@ -652,8 +678,8 @@ class TorchDistReceiver(KVReceiver):
         layout = KVLayout.from_caches(kv_caches, self.fingerprint)
         if kv_caches[0].device.type != self.device.type:
             raise ValueError(f"caches are on {kv_caches[0].device}, this receiver was built for {self.device}")
-        ids = _block_index(tag, block_ids, kv_caches[0], distinct=True)
-        if ids.numel() == 0:
+        blocks = _block_index(tag, block_ids, kv_caches[0], distinct=True)
+        if blocks.n == 0:
             return 0
         deadline = time.monotonic() + timeout_s
         with self._lock:
@@ -663,7 +689,7 @@ class TorchDistReceiver(KVReceiver):
                 if why is not None:
                     raise PeerLostError(why)
                 raise TransferError(f"no pair with prefill peer {peer_id!r}: call rendezvous() first")
-        p = _Pending(tag, kv_caches, ids, layout, deadline)
+        p = _Pending(tag, kv_caches, blocks, layout, deadline)
         pair.register(p)
         if not p.done.wait(max(_remaining(deadline), 0)):
             if pair.abandon(p):
@@ -692,15 +718,11 @@ class TorchDistReceiver(KVReceiver):
                 header = _Header.decode(group.recv_ctrl(_HEADER_LEN, None))
                 p = pair.claim(header.tag, header.timeout_ms / 2000)
                 code, detail, error = self._check(p, header, name)
-                if code != _OK:
-                    group.send_status(code, detail, time.monotonic() + self.connect_timeout_s)
-                    if p is not None:
-                        pair.finish(p, error=error)
-                    continue
-                assert p is not None
-                self._receive(group, staging, p)
-                group.send_status(_OK, 0, p.deadline)
-                pair.finish(p, nbytes=p.layout.bytes_for(p.ids.numel()))
+                deadline = p.deadline if p is not None else time.monotonic() + header.timeout_ms / 1000
+                self._receive(group, staging, header, p if code == _OK else None, deadline)
+                group.send_status(code, detail, deadline)
+                if p is not None:
+                    pair.finish(p, nbytes=p.layout.bytes_for(p.blocks.n) if error is None else 0, error=error)
             except Exception as e:
                 err = e if isinstance(e, TransferError) else PeerLostError(f"{name}: {_describe(e)}")
                 if p is not None:
@@ -731,29 +753,36 @@ class TorchDistReceiver(KVReceiver):
                 p.layout.check_compatible(theirs)
             except LayoutMismatchError as e:
                 return _LAYOUT, mask, LayoutMismatchError(f"{name}, tag {p.tag}: {e}")
-        if header.num_blocks != p.ids.numel():
-            msg = f"{name}, tag {p.tag}: sender has {header.num_blocks} blocks, we reserved {p.ids.numel()}"
-            return _BLOCK_COUNT, p.ids.numel(), TransferError(msg)
+        if header.num_blocks != p.blocks.n:
+            msg = f"{name}, tag {p.tag}: sender has {header.num_blocks} blocks, we reserved {p.blocks.n}"
+            return _BLOCK_COUNT, p.blocks.n, TransferError(msg)
         return _OK, 0, None
 
-    def _receive(self, group: _PairGroup, staging: _Staging, p: _Pending) -> None:
-        num_layers = len(p.kv_caches)
-        n = p.ids.numel()
-        nbytes = p.layout.layer_block_bytes * n
-        depth = min(self.depth, num_layers)
-        # Go first, then post: NCCL's first op on a fresh communicator would wait for the sender's.
-        group.send_status(_OK, 0, p.deadline)
-        blocks = _Blocks(p.ids, p.kv_caches[0].shape[1])
-        posted = deque(group.data_op(False, staging.slot(i, nbytes)[1], i) for i in range(depth))
-        for layer, kv in enumerate(p.kv_caches):
-            group.wait_data(posted.popleft(), p.deadline)
-            work, wire = staging.slot(layer % depth, nbytes)
-            if wire is not work:
-                work.copy_(wire)
-            blocks.scatter(work, kv)
-            if layer + depth < num_layers:
-                posted.append(group.data_op(False, wire, layer + depth))
-        if self.device.type == "cuda":
+    def _receive(
+        self, group: _PairGroup, staging: _Staging, header: _Header, p: _Pending | None, deadline: float
+    ) -> None:
+        """Receives the header's messages into p's blocks, or into the staging buffers only when p is None."""
+        num_messages, nbytes = 2 * header.num_layers, header.message_bytes
+        depth = _depth(self.pipeline_bytes, nbytes, num_messages)
+
+        def post(m: int) -> tuple[dist.Work, torch.Tensor, torch.Tensor, bool]:
+            work, wire = staging.slot(m % depth, nbytes)
+            direct = p.blocks.direct(p.kv_caches[m // 2], m % 2) if p is not None and wire is work else None
+            if direct is not None:
+                return group.data_op(False, direct, m), direct, direct, True
+            return group.data_op(False, wire, m), work, wire, False
+
+        posted = deque(post(m) for m in range(min(depth, num_messages)))
+        for m in range(num_messages):
+            op, work, wire, direct = posted.popleft()
+            group.wait_data(op, deadline)
+            if p is not None and not direct:
+                if wire is not work:
+                    work.copy_(wire)
+                p.blocks.scatter(work, p.kv_caches[m // 2], m % 2)
+            if m + depth < num_messages:
+                posted.append(post(m + depth))
+        if p is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def _drop(self, pair: _RecvPair, error: TransferError) -> None:

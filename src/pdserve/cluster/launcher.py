@@ -1,0 +1,131 @@
+"""`pdserve up`: Ray-managed worker actors, the router in this process, drain and stop on a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass, replace
+
+from pdserve import env
+from pdserve.cluster.worker_runtime import WorkerRuntime, WorkerSpec
+from pdserve.config import EngineConfig
+from pdserve.registry.base import WorkerInfo
+from pdserve.registry.memory import InMemoryRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    engine: EngineConfig
+    mode: str = "disaggregated"  # or colocated
+    prefill: int = 1
+    decode: int = 1
+    workers: int = 2  # colocated
+    host: str = "127.0.0.1"
+    port: int = 50051
+    ray_address: str | None = None
+    max_restarts: int = 3
+    drain_grace_s: float = 20.0
+    health_interval_s: float = 1.0
+
+    @property
+    def roles(self) -> list[str]:
+        if self.mode == "colocated":
+            return ["colocated"] * self.workers
+        return ["prefill"] * self.prefill + ["decode"] * self.decode
+
+    def threads_per_worker(self) -> int:
+        """A fair share of this machine's cores unless the engine config names a count."""
+        return self.engine.num_threads or max(1, (os.cpu_count() or 1) // len(self.roles))
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.registry = InMemoryRegistry()
+        self._actors: dict[str, object] = {}
+        self._started_ray = False
+
+    def start_workers(self) -> None:
+        import ray
+
+        c = self.config
+        if not ray.is_initialized():
+            ray.init(
+                address=c.ray_address,
+                include_dashboard=False,
+                num_cpus=None if c.ray_address else os.cpu_count(),
+                object_store_memory=None if c.ray_address else 100 * 2**20,  # we pass no objects through it
+                runtime_env={"env_vars": env.worker_env()},
+                logging_level=logging.WARNING,
+                log_to_driver=True,
+            )
+            self._started_ray = True
+        engine = replace(c.engine, num_threads=c.threads_per_worker())
+        gpus = 1 if engine.torch_device.type == "cuda" else 0
+        actor_cls = ray.remote(WorkerRuntime).options(
+            num_cpus=0, num_gpus=gpus, max_restarts=c.max_restarts, max_task_retries=0
+        )
+        for i, role in enumerate(c.roles):
+            worker_id = f"{role}-{i}"
+            self._actors[worker_id] = actor_cls.remote(WorkerSpec(role, engine, c.host, 0, worker_id))
+        for worker_id, actor in self._actors.items():
+            address = ray.get(actor.address.remote())
+            self.registry.register(WorkerInfo(worker_id, worker_id.rsplit("-", 1)[0], address))
+            log.info("worker %s ready at %s", worker_id, address)
+
+    async def watch(self) -> None:
+        """Keeps the registry true to the actors: a dead one leaves placement, a restarted one rejoins."""
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            for worker_id, actor in self._actors.items():
+                role = worker_id.rsplit("-", 1)[0]
+                try:
+                    address = await asyncio.wait_for(actor.address.remote(), timeout=self.config.health_interval_s)
+                except Exception:
+                    self.registry.deregister(worker_id)
+                    continue
+                self.registry.register(WorkerInfo(worker_id, role, address))
+
+    def stop_workers(self) -> None:
+        import ray
+
+        for actor in self._actors.values():
+            try:
+                ray.get(actor.stop.remote(), timeout=30)
+            except Exception as e:  # dead already, or stuck: killed below either way
+                log.warning("worker did not stop cleanly: %r", e)
+            ray.kill(actor, no_restart=True)
+        self._actors.clear()
+        if self._started_ray:
+            ray.shutdown()
+
+
+async def run_cluster(config: ClusterConfig, ready_line: bool = True) -> None:
+    from services.router.server import start_router
+
+    cluster = Cluster(config)
+    await asyncio.to_thread(cluster.start_workers)
+    server, servicer = await start_router(config.engine.model, cluster.registry, config.host, config.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(cluster.watch())
+    if ready_line:
+        print(f"ready {server.address} ({config.mode}: {', '.join(config.roles)})", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        watcher.cancel()
+        log.info("draining")
+        servicer.draining = True
+        await server.set_serving(False)
+        deadline = loop.time() + config.drain_grace_s
+        while servicer.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        await server.stop(1.0)
+        await asyncio.to_thread(cluster.stop_workers)

@@ -1,0 +1,208 @@
+"""End to end through `pdserve up` (Ray actors, real gRPC on loopback, real torch.distributed KV transfer)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.rpc.client import generate
+from pdserve.rpc.server import channel
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
+from pdserve.v1 import worker_pb2 as wpb
+from tests.integration.cluster_process import ClusterProcess, alive, descendants
+
+pytestmark = pytest.mark.timeout(300)
+MODES = {
+    "disaggregated": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1"],
+    "colocated": ["--mode", "colocated", "--workers", "2"],
+}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def cluster(request, tmp_path_factory):
+    log = tmp_path_factory.mktemp("cluster") / f"{request.param}.log"
+    proc = ClusterProcess("--model", "tiny-random", "--kv-cache-gb", "0.05", *MODES[request.param], log_path=log)
+    proc.mode = request.param
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The single-process engine: what every cluster answer must equal for greedy requests."""
+    engine = LLMEngine(EngineConfig(model="tiny-random", dtype="float32", num_threads=1))
+
+    def run(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        return engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+
+    return engine.tokenizer, run
+
+
+def collect(address: str, request: pb.GenerateRequest, timeout_s: float = 60.0):
+    async def go():
+        result = None
+        async for _, running in generate(address, request, timeout_s):
+            result = running
+        return result
+
+    return asyncio.run(go())
+
+
+def sampling(max_tokens: int, **kw) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_concurrent_requests_match_single_process_engine(cluster, reference):
+    tokenizer, run = reference
+    requests = [
+        (pb.GenerateRequest(prompt="hello world", sampling=sampling(12)), tokenizer.encode("hello world")),
+        (
+            pb.GenerateRequest(prompt="The quick brown fox", sampling=sampling(20)),
+            tokenizer.encode("The quick brown fox"),
+        ),
+        (pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8, 9] * 7, sampling=sampling(16)), [5, 6, 7, 8, 9] * 7),
+        (
+            pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi!")], sampling=sampling(10)),
+            tokenizer.apply_chat_template([("user", "hi!")]),
+        ),
+        (pb.GenerateRequest(prompt="x" * 300, sampling=sampling(8)), tokenizer.encode("x" * 300)),
+    ] * 2
+
+    async def all_at_once():
+        async def one(req):
+            result = None
+            async for _, running in generate(cluster.address, req, 60):
+                result = running
+            return result
+
+        return await asyncio.gather(*(one(r) for r, _ in requests))
+
+    results = asyncio.run(all_at_once())
+    for (req, prompt_ids), result in zip(requests, results, strict=True):
+        want = run(prompt_ids, req.sampling.max_tokens)
+        assert result.token_ids == want
+        assert result.finish_reason == "length"
+        assert result.messages == len(want) > 1  # streamed, one message per token
+        assert result.usage.prompt_tokens == len(prompt_ids)
+        assert result.usage.completion_tokens == len(want)
+        assert result.usage.ttft_ms > 0
+
+
+def test_stop_token_finishes_with_stop(cluster, reference):
+    _, run = reference
+    prompt = [10, 20, 30, 40]
+    free_run = run(prompt, 12)
+    stop_at = free_run[5]
+    first = free_run.index(stop_at)
+    result = collect(
+        cluster.address, pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling(12, stop_token_ids=[stop_at]))
+    )
+    assert result.finish_reason == "stop"
+    assert result.token_ids == free_run[: first + 1]
+
+
+def hi(params: pb.SamplingParams) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt="hi", sampling=params)
+
+
+BAD_REQUESTS = {
+    "nothing": (pb.GenerateRequest(), "prompt"),
+    "empty prompt": (pb.GenerateRequest(prompt=""), "prompt"),
+    "prompt and ids": (pb.GenerateRequest(prompt="hi", prompt_token_ids=[1, 2]), "prompt_token_ids"),
+    "ids outside vocab": (pb.GenerateRequest(prompt_token_ids=[1, 10**6]), "prompt_token_ids"),
+    "beyond context": (hi(pb.SamplingParams(max_tokens=10**6)), "max_tokens"),
+    "negative temperature": (
+        hi(pb.SamplingParams(temperature=-1)),
+        "temperature",
+    ),
+    "nan temperature": (
+        hi(pb.SamplingParams(temperature=math.nan)),
+        "temperature",
+    ),
+    "negative top_p": (hi(pb.SamplingParams(top_p=-0.5)), "top_p"),
+    "nan top_p": (hi(pb.SamplingParams(top_p=math.nan)), "top_p"),
+    "top_p above 1": (hi(pb.SamplingParams(top_p=1.5)), "top_p"),
+    "negative top_k": (hi(pb.SamplingParams(top_k=-3)), "top_k"),
+    "stop id outside vocab": (
+        hi(pb.SamplingParams(stop_token_ids=[10**6])),
+        "stop_token_ids",
+    ),
+    "unknown role": (pb.GenerateRequest(messages=[pb.ChatMessage(role="wizard", content="hi")]), "role"),
+    "negative ttft slo": (pb.GenerateRequest(prompt="hi", slo=pb.SLO(ttft_ms=-1)), "slo.ttft_ms"),
+    "nan tpot slo": (pb.GenerateRequest(prompt="hi", slo=pb.SLO(tpot_ms=math.nan)), "slo.tpot_ms"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_input_is_invalid_argument_and_server_stays_up(cluster, case):
+    request, field = BAD_REQUESTS[case]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        collect(cluster.address, request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    good = collect(cluster.address, pb.GenerateRequest(prompt="ok", sampling=sampling(3)))
+    assert len(good.token_ids) == 3
+
+
+def worker_stats(address: str, role: str) -> wpb.WorkerStats:
+    async def ask():
+        async with channel(address) as ch:
+            stub = worker_pb2_grpc.PrefillWorkerStub(ch) if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub(ch)
+            return await stub.Stats(wpb.StatsRequest(), timeout=5)
+
+    return asyncio.run(ask())
+
+
+def test_cancel_mid_stream_frees_blocks_everywhere(cluster):
+    workers = cluster.worker_addresses()
+    assert workers
+
+    async def blocks_in_use() -> int:
+        stats = [await asyncio.to_thread(worker_stats, a, w.rsplit("-", 1)[0]) for w, a in workers.items()]
+        return sum(s.kv_blocks_used for s in stats)
+
+    async def start_then_cancel():
+        request = pb.GenerateRequest(prompt="cancel me " * 20, sampling=sampling(3000))
+        async with channel(cluster.address) as ch:
+            call = generate_pb2_grpc.GenerationStub(ch).Generate(request)
+            seen = 0
+            async for _ in call:
+                seen += 1
+                if seen == 5:
+                    in_use = await blocks_in_use()
+                    call.cancel()
+                    return seen, in_use
+        raise AssertionError("the stream ended before it could be cancelled")
+
+    seen, in_use = asyncio.run(start_then_cancel())
+    assert seen == 5 and in_use > 0  # the sequence held blocks while it streamed
+    idle = asyncio.run(_wait_until_idle(workers))
+    assert idle, {w: worker_stats(a, w.rsplit("-", 1)[0]) for w, a in workers.items()}
+
+
+async def _wait_until_idle(workers: dict[str, str], timeout_s: float = 10.0) -> bool:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while loop.time() < end:
+        stats = [await asyncio.to_thread(worker_stats, a, w.rsplit("-", 1)[0]) for w, a in workers.items()]
+        if all(s.kv_blocks_used == 0 and s.running == 0 for s in stats):
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+def test_sigterm_stops_everything_within_60s(cluster):
+    children = descendants(cluster.proc.pid)
+    assert children, "Ray and the worker actors run as child processes"
+    took = cluster.stop()
+    assert cluster.proc.returncode == 0, cluster.log()[-2000:]
+    assert took < 60
+    leftovers = [pid for pid in children if alive(pid)]
+    assert not leftovers, leftovers
