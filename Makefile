@@ -19,10 +19,7 @@ model: install
 	$(VENV)/bin/pdserve fetch --model $(MODEL)
 
 demo: model
-	$(VENV)/bin/pdserve generate --model $(MODEL) --chat --max-tokens 64 \
-	  --prompt "What is the capital of France?" \
-	  --prompt "Explain in two sentences why the sky is blue." \
-	  --prompt "Write a haiku about paged attention."
+	MODEL=$(MODEL) scripts/demo.sh
 
 test: model
 	$(PY) -m pytest -q
