@@ -25,8 +25,8 @@ test: model
 	$(PY) -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src services tests
+	$(VENV)/bin/ruff format --check src services tests
 
 # Regenerate src/pdserve/v1 from protos/ (a test fails when the committed code is stale).
 proto: install
