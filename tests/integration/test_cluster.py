@@ -187,6 +187,15 @@ def test_cancel_mid_stream_frees_blocks_everywhere(cluster):
     assert idle, {w: worker_stats(a, w.rsplit("-", 1)[0]) for w, a in workers.items()}
 
 
+def test_deadline_propagates_and_frees_blocks(cluster):
+    workers = cluster.worker_addresses()
+    request = pb.GenerateRequest(prompt="slow " * 10, sampling=sampling(3000))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        collect(cluster.address, request, timeout_s=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert asyncio.run(_wait_until_idle(workers))
+
+
 async def _wait_until_idle(workers: dict[str, str], timeout_s: float = 10.0) -> bool:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
