@@ -1,54 +1,101 @@
-"""Choosing the workers for one request. Least loaded here; SLO-aware placement builds on the same interface."""
+"""Choosing the workers for one request: SLO-aware and prefix-aware by default, round-robin to compare."""
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
-from collections import Counter
 from dataclasses import dataclass
 
+from pdserve.engine.block_manager import prefix_hashes
 from pdserve.errors import UnavailableError
-from pdserve.registry.base import Registry, WorkerInfo
+from pdserve.registry.base import PrefixIndex, Registry, WorkerState
+from services.router.predictor import Predictor
 
 
 @dataclass(frozen=True)
 class Placement:
-    decode: WorkerInfo  # the worker whose stream the router relays (a colocated worker in colocated mode)
-    prefill: WorkerInfo | None  # None: the decode worker prefills itself (colocated)
+    decode: WorkerState  # whose stream the router relays (a colocated worker in colocated mode)
+    prefill: WorkerState | None  # None: the decode worker prefills itself (colocated)
+    cached_tokens: int  # prompt tokens the prefill worker is expected to hold already
+    predicted_ttft_s: float
+    predicted_tpot_s: float
+    blocks_needed: int
+    block_hashes: list[bytes]
+
+    @property
+    def prefill_worker(self) -> WorkerState:
+        return self.prefill or self.decode
 
 
 class PlacementPolicy(ABC):
-    @abstractmethod
-    def place(self, prompt_tokens: int) -> Placement:
-        """Called by the router for each admitted request; raises UnavailableError when no worker fits."""
-
-    @abstractmethod
-    def release(self, placement: Placement) -> None:
-        """Called by the router when the request's stream ends, however it ends."""
-
-
-class LeastLoadedPlacement(PlacementPolicy):
-    """Fewest requests in flight from this router, per role; ties go to the first registered."""
-
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, prefix_index: PrefixIndex, predictor: Predictor) -> None:
         self.registry = registry
-        self._in_flight: Counter[str] = Counter()
+        self.prefix_index = prefix_index
+        self.predictor = predictor
 
-    def place(self, prompt_tokens: int) -> Placement:
+    def place(self, prompt: list[int], max_tokens: int, tpot_slo_s: float) -> Placement:
+        """Called by the router per request; raises UnavailableError when no worker serves at all."""
         colocated = self.registry.workers("colocated")
+        prefills = colocated or self.registry.workers("prefill")
+        decodes = colocated or self.registry.workers("decode")
+        if not prefills or not decodes:
+            raise UnavailableError(f"no workers to serve: {len(prefills)} prefill, {len(decodes)} decode live")
+        block_size = prefills[0].block_size
+        hashes = prefix_hashes(prompt[: len(prompt) - 1], block_size)
+        hits = self.prefix_index.match([w.worker_id for w in prefills], hashes)
+        blocks = -(-(len(prompt) + max_tokens) // block_size)
+        prefill, decode = self.choose(prefills, decodes, hits, len(prompt), blocks, tpot_slo_s)
         if colocated:
-            return Placement(decode=self._least_loaded(colocated), prefill=None)
-        prefill, decode = self.registry.workers("prefill"), self.registry.workers("decode")
-        if not prefill or not decode:
-            raise UnavailableError(f"no workers to serve: {len(prefill)} prefill, {len(decode)} decode registered")
-        placement = Placement(decode=self._least_loaded(decode), prefill=self._least_loaded(prefill))
-        return placement
+            decode = prefill
+        cached = hits.get(prefill.worker_id, 0) * block_size
+        return Placement(
+            decode=decode,
+            prefill=None if colocated else prefill,
+            cached_tokens=cached,
+            predicted_ttft_s=self.predictor.ttft_s(prefill, len(prompt), cached),
+            predicted_tpot_s=self.predictor.tpot_s(decode),
+            blocks_needed=blocks,
+            block_hashes=hashes,
+        )
 
-    def _least_loaded(self, workers: list[WorkerInfo]) -> WorkerInfo:
-        chosen = min(workers, key=lambda w: self._in_flight[w.worker_id])
-        self._in_flight[chosen.worker_id] += 1
-        return chosen
+    @abstractmethod
+    def choose(
+        self,
+        prefills: list[WorkerState],
+        decodes: list[WorkerState],
+        hits: dict[str, int],
+        prompt_tokens: int,
+        blocks: int,
+        tpot_slo_s: float,
+    ) -> tuple[WorkerState, WorkerState]:
+        """The (prefill, decode) pair for a request."""
 
-    def release(self, placement: Placement) -> None:
-        for worker in (placement.decode, placement.prefill):
-            if worker is not None:
-                self._in_flight[worker.worker_id] -= 1
+
+class SLOAwarePlacement(PlacementPolicy):
+    """Prefill: the lowest predicted TTFT, a cached prefix counting as work already done. Decode: among
+    workers with room for prompt + max_tokens whose predicted TPOT meets the SLO, the most free blocks."""
+
+    def choose(self, prefills, decodes, hits, prompt_tokens, blocks, tpot_slo_s):  # type: ignore[no-untyped-def]
+        p = self.predictor
+        bs = prefills[0].block_size
+        prefill = min(prefills, key=lambda w: (p.ttft_s(w, prompt_tokens, hits.get(w.worker_id, 0) * bs), w.worker_id))
+        roomy = [w for w in decodes if p.free_blocks(w) >= blocks]
+        within = [w for w in roomy if p.tpot_s(w) <= tpot_slo_s]
+        if within:
+            decode = max(within, key=lambda w: (p.free_blocks(w), -p.tpot_s(w)))
+        else:  # nothing meets both: the best effort, which admission then judges
+            decode = min(roomy or decodes, key=lambda w: (p.tpot_s(w), -p.free_blocks(w)))
+        return prefill, decode
+
+
+class RoundRobinPlacement(PlacementPolicy):
+    """Each role in turn, blind to load and cache: the baseline placement is compared against."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self._turn = itertools.count()
+
+    def choose(self, prefills, decodes, hits, prompt_tokens, blocks, tpot_slo_s):  # type: ignore[no-untyped-def]
+        turn = next(self._turn)
+        prefills, decodes = sorted(prefills, key=lambda w: w.worker_id), sorted(decodes, key=lambda w: w.worker_id)
+        return prefills[turn % len(prefills)], decodes[turn % len(decodes)]

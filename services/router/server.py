@@ -2,26 +2,30 @@
 
 from __future__ import annotations
 
+from pdserve.config import RouterConfig
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import resolve_model
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import read_config, read_gguf
-from pdserve.registry.base import Registry
+from pdserve.registry.base import PrefixIndex, Registry
 from pdserve.rpc.server import Server
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
-from services.router.placement import LeastLoadedPlacement
+from services.router.load_tracker import LoadTracker
+from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
+from services.router.predictor import Predictor
 from services.router.servicer import GenerationServicer
 
 
 async def start_router(
-    model: str, registry: Registry, host: str, port: int, default_max_tokens: int = 256
+    model: str, registry: Registry, prefix_index: PrefixIndex, config: RouterConfig, host: str, port: int
 ) -> tuple[Server, GenerationServicer]:
     path = resolve_model(model)
     hf_config = read_gguf(path)[0] if path.suffix == ".gguf" else read_config(path)
     tokenizer = Tokenizer(path if path.is_dir() else path.parent)
-    servicer = GenerationServicer(
-        tokenizer, ModelConfig.from_hf(hf_config), LeastLoadedPlacement(registry), default_max_tokens
-    )
+    tracker = LoadTracker()
+    policy_cls = SLOAwarePlacement if config.policy == "slo" else RoundRobinPlacement
+    policy = policy_cls(registry, prefix_index, Predictor(config, tracker))
+    servicer = GenerationServicer(tokenizer, ModelConfig.from_hf(hf_config), config, policy, prefix_index, tracker)
     server = Server(host, port)
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),

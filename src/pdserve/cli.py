@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, RouterConfig
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--redis", default=None, help="redis://... registry (default: in-process)")
     up.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
     up.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache per worker")
+    up.add_argument("--router-config", default=None, help="TOML file with a [router] table (see README)")
+    up.add_argument("--policy", choices=["slo", "round-robin"], default=None, help="placement policy")
+    up.add_argument("--default-ttft-ms", type=float, default=None, help="TTFT SLO for requests that set none")
+    up.add_argument("--default-tpot-ms", type=float, default=None, help="TPOT SLO for requests that set none")
+    up.add_argument("--max-queued-prefill-tokens", type=int, default=None, help="per prefill worker")
     up.add_argument("--log-level", default="INFO")
     up.set_defaults(func=_up)
 
@@ -78,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     transfer.add_argument("--tokens", type=int, default=1000, help="sequence length of the SmolLM2 cases")
     transfer.add_argument("--mib", type=int, default=64, help="size of the large case")
     transfer.add_argument("--repeats", type=int, default=7)
-    transfer.add_argument("--pipeline-mib", type=int, default=64, help="staging bytes in flight per side")
+    transfer.add_argument("--pipeline-mib", type=int, default=32, help="staging bytes in flight per side")
     transfer.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     transfer.set_defaults(func=_bench_transfer)
     return parser
@@ -103,10 +108,19 @@ def _up(args: argparse.Namespace) -> int:
     from pdserve.cluster.launcher import ClusterConfig, run_cluster
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    unsupported = [flag for flag, value in (("--redis", args.redis), ("--metrics-port", args.metrics_port)) if value]
-    if unsupported:
-        print(f"pdserve up: {', '.join(unsupported)} not supported yet", file=sys.stderr)
+    if args.metrics_port:
+        print("pdserve up: --metrics-port is not supported yet", file=sys.stderr)
         return 2
+    overrides = {
+        "policy": args.policy,
+        "default_ttft_ms": args.default_ttft_ms,
+        "default_tpot_ms": args.default_tpot_ms,
+        "max_queued_prefill_tokens": args.max_queued_prefill_tokens,
+    }
+    if args.router_config:
+        router = RouterConfig.from_file(args.router_config, **overrides)
+    else:
+        router = RouterConfig(**{k: v for k, v in overrides.items() if v is not None})
     config = ClusterConfig(
         engine=replace(_engine_config(args), kv_cache_memory_gb=args.kv_cache_gb),
         mode=args.mode,
@@ -116,6 +130,8 @@ def _up(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         ray_address=args.ray_address,
+        redis_url=args.redis,
+        router=router,
     )
     asyncio.run(run_cluster(config))
     return 0

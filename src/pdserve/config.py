@@ -42,3 +42,56 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class SLOClass:
+    """Default SLO for requests of at least this priority that name none themselves."""
+
+    priority: int
+    ttft_ms: float
+    tpot_ms: float
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    default_ttft_ms: float = 5000.0
+    default_tpot_ms: float = 500.0
+    slo_classes: tuple[SLOClass, ...] = ()
+    default_max_tokens: int = 256
+    max_in_flight: int = 1024  # requests streaming through this router
+    max_queued_prefill_tokens: int = 32768  # per prefill worker, predicted
+    low_priority_reserve: float = 0.2  # share of the queue bound only priority > 0 may fill
+    policy: str = "slo"  # "slo" (predicted TTFT/TPOT, prefix-aware) or "round-robin"
+    transfer_gbps: float = 1.0  # KV transfer speed assumed in TTFT predictions
+    heartbeat_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("slo", "round-robin"):
+            raise ValueError(f"policy must be 'slo' or 'round-robin', got {self.policy!r}")
+
+    def slo_for(self, priority: int, ttft_ms: float, tpot_ms: float) -> tuple[float, float]:
+        """The request's own SLO where it set one (non-zero), else its priority class's, else the default."""
+        default_ttft, default_tpot = self.default_ttft_ms, self.default_tpot_ms
+        for c in sorted(self.slo_classes, key=lambda c: c.priority):
+            if priority >= c.priority:
+                default_ttft, default_tpot = c.ttft_ms, c.tpot_ms
+        return ttft_ms or default_ttft, tpot_ms or default_tpot
+
+    def queue_bound(self, priority: int) -> float:
+        """Higher priority gets in first when capacity is short: lower ones see a smaller queue bound."""
+        if priority > 0:
+            return self.max_queued_prefill_tokens
+        share = 1 - self.low_priority_reserve * (1 if priority == 0 else 2)
+        return self.max_queued_prefill_tokens * max(share, 0.0)
+
+    @classmethod
+    def from_file(cls, path: str, **overrides: object) -> RouterConfig:
+        """A TOML file's [router] table (slo classes as [[router.slo_classes]]), then explicit overrides."""
+        import tomllib
+
+        with open(path, "rb") as f:
+            table = dict(tomllib.load(f).get("router", {}))
+        table["slo_classes"] = tuple(SLOClass(**c) for c in table.get("slo_classes", ()))
+        table.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**table)

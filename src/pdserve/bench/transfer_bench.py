@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.transfer.layout import KVLayout
-from pdserve.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from pdserve.transfer.torch_dist import Backend, TorchDistReceiver, TorchDistSender
 
 _RAW_TAG = 7
 
@@ -72,10 +72,10 @@ def default_cases(tokens: int = 1000, mib: int = 64) -> list[TransferCase]:
     blocks = math.ceil(tokens / 16)
     per_block = TransferCase("", "bfloat16", 1).nbytes
     return [
-        TransferCase(f"SmolLM2 {tokens} tokens bf16", "bfloat16", blocks),
-        TransferCase(f"SmolLM2 {tokens} tokens fp32", "float32", blocks),
+        TransferCase(f"SmolLM2 {tokens} tok bf16", "bfloat16", blocks),
+        TransferCase(f"SmolLM2 {tokens} tok fp32", "float32", blocks),
         TransferCase(f"{mib} MiB of blocks bf16", "bfloat16", (mib << 20) // per_block),
-        TransferCase(f"SmolLM2 {tokens} tokens bf16, contiguous ids", "bfloat16", blocks, contiguous=True),
+        TransferCase(f"SmolLM2 {tokens} tok bf16", "bfloat16", blocks, contiguous=True),
     ]
 
 
@@ -87,8 +87,8 @@ def _recv_json(conn: Connection) -> dict[str, Any]:
     return json.loads(conn.recv_bytes())
 
 
-def _raw_group(store: dist.Store, rank: int, host: str) -> dist.ProcessGroup:
-    opts = dist.ProcessGroupGloo._Options()
+def _raw_group(store: dist.Store, rank: int, host: str) -> Any:
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     opts._timeout = timedelta(seconds=60)
     return dist.ProcessGroupGloo(store, rank, 2, opts)
@@ -100,9 +100,9 @@ def _recv_into(
     result["nbytes"] = receiver.recv("bench-parent", tag, caches, ids, 60.0)
 
 
-def _receiver_main(conn: Connection, host: str, device: str, backend: str, pipeline_mib: int) -> None:
+def _receiver_main(conn: Connection, host: str, device: str, backend: Backend, pipeline_mib: int) -> None:
     """The child: decode side of our transfer and of the raw gloo pair, driven by the parent over `conn`."""
-    receiver = TorchDistReceiver(host, device, "bench", backend=backend, pipeline_bytes=pipeline_mib << 20)  # type: ignore[arg-type]
+    receiver = TorchDistReceiver(host, device, "bench", backend=backend, pipeline_bytes=pipeline_mib << 20)
     raw_store = dist.TCPStore(host, 0, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
     _send_json(conn, {"rendezvous": receiver.rendezvous("bench-parent"), "raw_port": raw_store.port})
     raw = _raw_group(raw_store, 1, host)
@@ -159,7 +159,7 @@ def _measure_case(
     conn: Connection,
     sender: TorchDistSender,
     rendezvous: str,
-    raw: dist.ProcessGroup,
+    raw: Any,
     device: str,
     repeats: int,
     warmup: int,
@@ -169,7 +169,13 @@ def _measure_case(
     _recv_json(conn)
     caches = case.caches(device, seed=1)
     src_ids, dst_ids = case.block_ids(seed=3), case.block_ids(seed=4)
+    src = torch.randint(0, 255, (case.nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    ack = torch.empty(1, dtype=torch.uint8)
     ours: list[float] = []
+    raw_times: list[float] = []
+    copies: list[float] = []
+    # Interleaved, one of each per repeat, so a busy neighbour slows all three alike.
     for i in range(warmup + repeats):
         _send_json(conn, {"op": "ours", "tag": tag_base + i, "ids": dst_ids})
         _recv_json(conn)
@@ -179,30 +185,22 @@ def _measure_case(
         got = _recv_json(conn)
         if nbytes != case.nbytes or got.get("nbytes") != case.nbytes:
             raise RuntimeError(f"{case.name}: sent {nbytes} bytes, received {got}, expected {case.nbytes}")
-        if i >= warmup:
-            ours.append(elapsed)
 
-    src = torch.randint(0, 255, (case.nbytes,), dtype=torch.uint8)
-    ack = torch.empty(1, dtype=torch.uint8)
-    raw_times: list[float] = []
-    for i in range(warmup + repeats):
         _send_json(conn, {"op": "raw"})
         _recv_json(conn)
         start = time.perf_counter()
         raw.send([src], 1, _RAW_TAG).wait()
         raw.recv([ack], 1, _RAW_TAG).wait()
-        elapsed = time.perf_counter() - start
+        raw_elapsed = time.perf_counter() - start
         _recv_json(conn)
-        if i >= warmup:
-            raw_times.append(elapsed)
 
-    dst = torch.empty_like(src)
-    copies: list[float] = []
-    for i in range(warmup + repeats):
         start = time.perf_counter()
         dst.copy_(src)
+        copy_elapsed = time.perf_counter() - start
         if i >= warmup:
-            copies.append(time.perf_counter() - start)
+            ours.append(elapsed)
+            raw_times.append(raw_elapsed)
+            copies.append(copy_elapsed)
 
     return TransferRow(
         name=case.name,
@@ -219,10 +217,10 @@ def run_transfer_bench(
     cases: list[TransferCase] | None = None,
     host: str = "127.0.0.1",
     device: str = "cpu",
-    backend: str = "auto",
+    backend: Backend = "auto",
     repeats: int = 7,
     warmup: int = 2,
-    pipeline_mib: int = 64,
+    pipeline_mib: int = 32,
 ) -> dict[str, Any]:
     """Measures every case between this process and a spawned one, prints a rich table, returns the figures."""
     from rich.console import Console
@@ -240,7 +238,7 @@ def run_transfer_bench(
         hello = _recv_json(conn)
         raw_store = dist.TCPStore(host, hello["raw_port"], 2, False, timeout=timedelta(seconds=60))
         raw = _raw_group(raw_store, 0, host)
-        sender = TorchDistSender(host, device, "bench", backend=backend, pipeline_bytes=pipeline_mib << 20)  # type: ignore[arg-type]
+        sender = TorchDistSender(host, device, "bench", backend=backend, pipeline_bytes=pipeline_mib << 20)
         for i, case in enumerate(cases):
             row = _measure_case(case, conn, sender, hello["rendezvous"], raw, device, repeats, warmup, (i + 1) * 1000)
             rows.append(row)
@@ -260,7 +258,7 @@ def run_transfer_bench(
     }
     console = Console()
     if not console.is_terminal:  # rich would wrap the table at 80 columns in a pipe
-        console = Console(width=120)
+        console = Console(width=130)
     console.print(f"device {device}, backend {backend}, median of {repeats} repeats, GB = 1e9 bytes")
     table = Table(title="pdserve KV transfer bench (two processes)")
     for col in ("case", "blocks", "block ids", "MiB", "ours GB/s", "raw gloo GB/s", "ours/raw", "in-process copy GB/s"):

@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 
 from pdserve import env
 from pdserve.cluster.worker_runtime import WorkerRuntime, WorkerSpec
-from pdserve.config import EngineConfig
-from pdserve.registry.base import WorkerInfo
-from pdserve.registry.memory import InMemoryRegistry
+from pdserve.config import EngineConfig, RouterConfig
+from pdserve.registry.base import PrefixIndex, Registry
+from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +27,10 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     ray_address: str | None = None
+    redis_url: str | None = None  # None: the embedded in-process registry
+    router: RouterConfig = RouterConfig()
     max_restarts: int = 3
     drain_grace_s: float = 20.0
-    health_interval_s: float = 1.0
 
     @property
     def roles(self) -> list[str]:
@@ -45,7 +46,16 @@ class ClusterConfig:
 class Cluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
-        self.registry = InMemoryRegistry()
+        self.registry: Registry
+        self.prefix_index: PrefixIndex
+        if config.redis_url:
+            from pdserve.registry.redis import RedisPrefixIndex, RedisRegistry
+
+            self.registry = RedisRegistry(config.redis_url)
+            self.prefix_index = RedisPrefixIndex(config.redis_url)
+        else:
+            self.registry = InMemoryRegistry()
+            self.prefix_index = InMemoryPrefixIndex()
         self._actors: dict[str, object] = {}
         self._started_ray = False
 
@@ -71,24 +81,28 @@ class Cluster:
         )
         for i, role in enumerate(c.roles):
             worker_id = f"{role}-{i}"
-            self._actors[worker_id] = actor_cls.remote(WorkerSpec(role, engine, c.host, 0, worker_id))
+            spec = WorkerSpec(role, engine, c.host, 0, worker_id, c.redis_url, c.router.heartbeat_s)
+            self._actors[worker_id] = actor_cls.remote(spec)
         for worker_id, actor in self._actors.items():
-            address = ray.get(actor.address.remote())
-            self.registry.register(WorkerInfo(worker_id, worker_id.rsplit("-", 1)[0], address))
-            log.info("worker %s ready at %s", worker_id, address)
+            state = ray.get(actor.state.remote())
+            self.registry.publish(state)
+            log.info("worker %s ready at %s", worker_id, state.address)
 
     async def watch(self) -> None:
-        """Keeps the registry true to the actors: a dead one leaves placement, a restarted one rejoins."""
+        """The embedded registry's heartbeat: publishes each actor's state; a dead one leaves placement, a
+        restarted one rejoins. With Redis the workers publish themselves and the TTL drops the dead."""
+        interval = self.config.router.heartbeat_s
         while True:
-            await asyncio.sleep(self.config.health_interval_s)
+            await asyncio.sleep(interval)
+            if self.config.redis_url:
+                continue
             for worker_id, actor in self._actors.items():
-                role = worker_id.rsplit("-", 1)[0]
                 try:
-                    address = await asyncio.wait_for(actor.address.remote(), timeout=self.config.health_interval_s)
+                    state = await asyncio.wait_for(actor.state.remote(), timeout=max(interval, 1.0))
                 except Exception:
-                    self.registry.deregister(worker_id)
+                    self.registry.remove(worker_id)
                     continue
-                self.registry.register(WorkerInfo(worker_id, role, address))
+                self.registry.publish(state)
 
     def stop_workers(self) -> None:
         import ray
@@ -109,7 +123,9 @@ async def run_cluster(config: ClusterConfig, ready_line: bool = True) -> None:
 
     cluster = Cluster(config)
     await asyncio.to_thread(cluster.start_workers)
-    server, servicer = await start_router(config.engine.model, cluster.registry, config.host, config.port)
+    server, servicer = await start_router(
+        config.engine.model, cluster.registry, cluster.prefix_index, config.router, config.host, config.port
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

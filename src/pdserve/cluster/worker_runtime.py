@@ -14,7 +14,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from pdserve.config import EngineConfig
+from pdserve.engine.model_runner import kv_block_bytes
 from pdserve.engine.scheduler import EngineMode
+from pdserve.perf_model import SpeedTracker, measure_profile
+from pdserve.registry.base import WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +31,8 @@ class WorkerSpec:
     host: str = "127.0.0.1"
     port: int = 0
     worker_id: str = ""
+    registry_url: str | None = None  # redis://...: heartbeat there; None: the launcher publishes for us
+    heartbeat_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.role not in ROLE_MODES:
@@ -59,12 +64,48 @@ class WorkerRuntime:
         self.address()
         return dict(self._engine.stats)
 
+    def state(self) -> WorkerState:
+        """What routers need to know of this worker now: identity, profile, load."""
+        self.address()
+        stats = self._engine.stats
+        engine = self._engine.engine
+        return WorkerState(
+            worker_id=self.worker_id,
+            role=self.spec.role,
+            address=self._server.address,
+            model_fingerprint=engine.fingerprint,
+            block_size=engine.config.block_size,
+            kv_bytes_per_token=self._kv_bytes_per_token,
+            kv_blocks_total=stats["kv_blocks_total"],
+            kv_blocks_free=stats["kv_blocks_total"] - stats["kv_blocks_used"],
+            queued_prefill_tokens=stats["queued_prefill_tokens"],
+            running=stats["running"],
+            waiting=stats["waiting"],
+            profile=self._speed.profile,
+            speed_factor=self._speed.factor,
+        )
+
+    def _heartbeat(self) -> None:
+        from pdserve.registry.redis import RedisRegistry
+
+        assert self.spec.registry_url is not None
+        registry = RedisRegistry(self.spec.registry_url, ttl_s=max(2.0, 6 * self.spec.heartbeat_s))
+        while not self._stopped.wait(self.spec.heartbeat_s):
+            try:
+                registry.publish(self.state())
+            except Exception as e:  # Redis down: keep serving, publish again when it is back
+                log.warning("heartbeat to %s failed: %s", self.spec.registry_url, e)
+        try:
+            registry.remove(self.worker_id)
+        except Exception as e:
+            log.warning("could not deregister %s: %s", self.worker_id, e)
+
     def stop(self, grace_s: float = 5.0) -> None:
         if self._stopped.is_set():
             return
+        self._stopped.set()
         if self._ready.done() and self._ready.exception() is None:
             asyncio.run_coroutine_threadsafe(self._shutdown(grace_s), self._loop).result(timeout=grace_s + 30)
-        self._stopped.set()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -89,8 +130,16 @@ class WorkerRuntime:
         self._transfer = self._add_servicer(self._server, engine)
         await self._server.start()
         await self._warm_up()
+        profile = await asyncio.to_thread(measure_profile, engine)
+        self._speed = SpeedTracker(profile)
+        self._engine.on_step = self._speed.observe
+        self._kv_bytes_per_token = kv_block_bytes(engine.model_config, config.block_size, config.torch_dtype) // (
+            config.block_size
+        )
         await self._server.set_serving(True)
         self._ready.set_result(self._server.address)
+        if spec.registry_url:
+            threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
 
     def _add_servicer(self, server: object, engine: object) -> object:
         """Services live outside this package; imported here, where the role is known."""

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import TypeVar
@@ -35,6 +36,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
         self._error: BaseException | None = None
         self.stats: dict[str, int] = {}
+        self.on_step: Callable[[int, int, float], None] | None = None  # (prefill tokens, decode seqs, seconds)
         self._update_stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -139,7 +141,13 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
+                decoding = len(self.engine.scheduler.running)
+                start = time.perf_counter()
+                outputs = self.engine.step()
+                if self.on_step is not None:
+                    decode_seqs = min(decoding, self.engine.last_step_tokens)
+                    self.on_step(self.engine.last_step_tokens - decode_seqs, decode_seqs, time.perf_counter() - start)
+                for out in outputs:
                     self._deliver(out)
                 self._update_stats()
         except BaseException as e:

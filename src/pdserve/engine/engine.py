@@ -73,6 +73,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
         self.fingerprint = _fingerprint(self.model_config, self.model)
+        self.last_step_tokens = 0  # tokens the last step ran, for live speed tracking
 
     def _blocks_for_memory(self) -> int:
         per_block = kv_block_bytes(self.model_config, self.config.block_size, self.config.torch_dtype)
@@ -174,6 +175,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
+        self.last_step_tokens = plan.num_tokens
         logits = self.runner.execute(plan.chunks)
         self.scheduler.complete_step()
         sampled = [self._requests[c.seq_id] for c in plan.chunks if c.sample]

@@ -1,28 +1,79 @@
-"""The worker registry interface."""
+"""The worker registry: who serves, where, and how loaded; plus the index of cached prompt prefixes."""
 
 from __future__ import annotations
 
+import json
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from pdserve.perf_model import PerfProfile
 
 
 @dataclass(frozen=True)
-class WorkerInfo:
+class WorkerState:
+    """One worker as routers see it; refreshed by heartbeat, gone when the heartbeat stops."""
+
     worker_id: str
     role: str  # "prefill", "decode" or "colocated"
     address: str  # host:port of its gRPC server
     model_fingerprint: str = ""
+    block_size: int = 16
+    kv_bytes_per_token: int = 0  # what moving one prompt token's KV costs
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0  # free now, prefix-cached blocks included (evicted on demand)
+    queued_prefill_tokens: int = 0
+    running: int = 0
+    waiting: int = 0
+    profile: PerfProfile | None = None
+    speed_factor: float = 1.0  # measured / profiled step time, from live steps
+    updated_at: float = field(default_factory=time.time)
+
+    def with_load(self, load: dict[str, Any]) -> WorkerState:
+        known = {k: v for k, v in load.items() if k in _LOAD_FIELDS}
+        return replace(self, updated_at=time.time(), **known)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["profile"] = self.profile.to_dict() if self.profile else None
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerState:
+        d = json.loads(text)
+        d["profile"] = PerfProfile.from_dict(d["profile"]) if d.get("profile") else None
+        return cls(**d)
+
+
+_LOAD_FIELDS = {"kv_blocks_total", "kv_blocks_free", "queued_prefill_tokens", "running", "waiting", "speed_factor"}
 
 
 class Registry(ABC):
-    @abstractmethod
-    def register(self, worker: WorkerInfo) -> None:
-        """Called by whoever started the worker, once it serves (and again after a restart moved it)."""
+    ttl_s: float = 5.0
 
     @abstractmethod
-    def deregister(self, worker_id: str) -> None:
-        """Called when a worker is stopped or found dead; routers stop placing on it."""
+    def publish(self, state: WorkerState) -> None:
+        """Called by a worker's heartbeat (or the launcher on its behalf): registers or refreshes it for
+        `ttl_s`. A worker that stops publishing drops out of `workers` when the TTL runs out."""
 
     @abstractmethod
-    def workers(self, role: str | None = None) -> list[WorkerInfo]:
-        """Called by routers on every placement: the live workers, optionally of one role."""
+    def remove(self, worker_id: str) -> None:
+        """Called when a worker stops or is found dead; routers stop placing on it at once."""
+
+    @abstractmethod
+    def workers(self, role: str | None = None) -> list[WorkerState]:
+        """Called by routers: the live workers, optionally of one role. Never raises for a lost backend:
+        it answers from the last view it had."""
+
+
+class PrefixIndex(ABC):
+    """Which prompt-prefix blocks (by the engine's chained block hash) each prefill worker likely caches."""
+
+    @abstractmethod
+    def record(self, worker_id: str, block_hashes: list[bytes]) -> None:
+        """Called by a router after placing a prompt on a worker: that worker will cache these blocks."""
+
+    @abstractmethod
+    def match(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
+        """For each worker, how many of the leading `block_hashes` it holds (a hit must start at block 0)."""

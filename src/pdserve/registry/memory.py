@@ -1,25 +1,60 @@
-"""The embedded registry of a local cluster with one router: a dict in the router's process."""
+"""The embedded registry of a local cluster with one router: dicts in the router's process."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import OrderedDict
 
-from pdserve.registry.base import Registry, WorkerInfo
+from pdserve.registry.base import PrefixIndex, Registry, WorkerState
 
 
 class InMemoryRegistry(Registry):
-    def __init__(self) -> None:
-        self._workers: dict[str, WorkerInfo] = {}
+    def __init__(self, ttl_s: float = 5.0) -> None:
+        self.ttl_s = ttl_s
+        self._workers: dict[str, WorkerState] = {}
         self._lock = threading.Lock()
 
-    def register(self, worker: WorkerInfo) -> None:
+    def publish(self, state: WorkerState) -> None:
         with self._lock:
-            self._workers[worker.worker_id] = worker
+            self._workers[state.worker_id] = state
 
-    def deregister(self, worker_id: str) -> None:
+    def remove(self, worker_id: str) -> None:
         with self._lock:
             self._workers.pop(worker_id, None)
 
-    def workers(self, role: str | None = None) -> list[WorkerInfo]:
+    def workers(self, role: str | None = None) -> list[WorkerState]:
+        oldest = time.time() - self.ttl_s
         with self._lock:
-            return [w for w in self._workers.values() if role is None or w.role == role]
+            return [w for w in self._workers.values() if w.updated_at >= oldest and (role is None or w.role == role)]
+
+
+class InMemoryPrefixIndex(PrefixIndex):
+    """Per worker, an LRU set of block hashes bounded like the worker's own cache."""
+
+    def __init__(self, max_blocks_per_worker: int = 65536) -> None:
+        self.max_blocks = max_blocks_per_worker
+        self._blocks: dict[str, OrderedDict[bytes, None]] = {}
+        self._lock = threading.Lock()
+
+    def record(self, worker_id: str, block_hashes: list[bytes]) -> None:
+        with self._lock:
+            held = self._blocks.setdefault(worker_id, OrderedDict())
+            for h in block_hashes:
+                held[h] = None
+                held.move_to_end(h)
+            while len(held) > self.max_blocks:
+                held.popitem(last=False)
+
+    def match(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
+        with self._lock:
+            return {w: _leading(self._blocks.get(w, {}), block_hashes) for w in worker_ids}
+
+
+def _leading(held: object, block_hashes: list[bytes]) -> int:
+    n = 0
+    for h in block_hashes:
+        if h not in held:  # type: ignore[operator]
+            break
+        n += 1
+    return n

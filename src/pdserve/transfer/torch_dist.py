@@ -15,6 +15,8 @@ serving thread on the receiver), so several concurrent transfers share a pair sa
   3. receiver -> sender, control: status int64[2]: the blocks are in place, or why not (layout mismatch, no
      recv waiting for that tag, block count); a rejected transfer's layers are received and discarded
 There is no "go" round trip before the data: on a busy host each extra wake-up costs up to a scheduler tick.
+gloo aborts the whole process when a message is larger than the receive posted for it, so every data receive
+is posted with the size the header announced, and a transfer is accepted only when that size is ours.
 The caller's tag never reaches the backend (NCCL ignores tags): it travels in the header, and the receiver
 hands the transfer to the `recv` waiting for that tag. Control always goes over gloo (CPU tensors): the
 receiver keeps a header receive posted between transfers, which is what notices a dead sender at once, and
@@ -37,7 +39,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -61,11 +63,12 @@ _MAGIC = 0x7064_4B56  # "pdKV"
 _VERSION = 1
 _HEADER_LEN = 16
 _CTRL_TAG = 0
-_DATA_TAG = 1  # + layer index
+_DATA_TAG = 1  # + message index (2 * layer + half)
 # How long a pair may sit idle between transfers before gloo closes it; a later rendezvous builds a new one.
 _IDLE_TIMEOUT = timedelta(days=7)
 _RECV_KEY = "pdserve/recv"
 _SEND_KEY = "pdserve/send"
+_CLAIM_KEY = "pdserve/claimed"
 
 # Status codes of step 3.
 _OK, _LAYOUT, _NOT_EXPECTED, _BLOCK_COUNT = range(4)
@@ -216,10 +219,10 @@ def _describe(e: BaseException) -> str:
 
 
 class _Staging:
-    """A pair's reusable per-layer buffers, one slot per layer in flight.
+    """A pair's reusable message buffers, one slot per message in flight, allocated on first use.
 
-    `work` lives on the cache device (index_select / index_copy_ there); `wire` is what the backend moves:
-    the same tensor, or a pinned host copy when gloo carries CUDA caches.
+    `work` lives on the cache device (gather / scatter there); `wire` is what the backend moves: the same tensor,
+    or a pinned host copy when gloo carries CUDA caches (then the cache itself can never go on the wire).
     """
 
     def __init__(self, device: torch.device, wire_on_host: bool) -> None:
@@ -235,13 +238,15 @@ class _Staging:
         if self._work[i].numel() < nbytes:
             self._work[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._wire[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if self.host else self._work[i]
-        return self._work[i][:nbytes], self._wire[i][:nbytes]
+        work = self._work[i][:nbytes]
+        return work, (self._wire[i][:nbytes] if self.host else work)
 
 
 class _PairGroup:
     """One pair's process groups (control over gloo, data over gloo or NCCL); failures become TransferErrors."""
 
-    def __init__(self, ctrl: dist.ProcessGroup, data: dist.ProcessGroup, backend: str, peer: int, name: str) -> None:
+    # ctrl / data are c10d backends (ProcessGroupGloo, ProcessGroupNCCL): no common typed base in torch's stubs.
+    def __init__(self, ctrl: Any, data: Any, backend: str, peer: int, name: str) -> None:
         self.ctrl, self.data, self.backend, self.peer, self.name = ctrl, data, backend, peer, name
 
     @classmethod
@@ -256,13 +261,13 @@ class _PairGroup:
         name: str,
     ) -> _PairGroup:
         timeout = timedelta(seconds=max(timeout_s, 0.001))
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._devices = [gloo_device]
         opts._timeout = timeout
         opts._threads = 1  # the worker threads serve collectives only; send/recv run on gloo's I/O loop
         try:
-            ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl/", store), rank, 2, opts)
-            data = ctrl
+            ctrl: Any = dist.ProcessGroupGloo(dist.PrefixStore("ctrl/", store), rank, 2, opts)
+            data: Any = ctrl
             if backend == "nccl":
                 nccl_opts = dist.ProcessGroupNCCL.Options()
                 nccl_opts._timeout = max(timeout, timedelta(minutes=10))
@@ -321,8 +326,8 @@ class _PairGroup:
     def send_status(self, code: int, detail: int, deadline: float | None) -> None:
         self.send_ctrl(torch.tensor([code, detail], dtype=torch.int64), deadline)
 
-    def data_op(self, send: bool, buf: torch.Tensor, layer: int) -> dist.Work:
-        return self._op(self.data.send if send else self.data.recv, buf, _DATA_TAG + layer)
+    def data_op(self, send: bool, buf: torch.Tensor, message: int) -> dist.Work:
+        return self._op(self.data.send if send else self.data.recv, buf, _DATA_TAG + message)
 
     def wait_data(self, work: dist.Work, deadline: float) -> None:
         self.wait(work, deadline, nccl=self.backend == "nccl")
@@ -366,7 +371,7 @@ class TorchDistSender(KVSender):
         model_fingerprint: str = "",
         backend: Backend = "auto",
         connect_timeout_s: float = 30.0,
-        pipeline_bytes: int = 64 << 20,
+        pipeline_bytes: int = 32 << 20,
     ) -> None:
         self.device = torch.device(device)
         self.fingerprint = model_fingerprint
@@ -440,11 +445,9 @@ class TorchDistSender(KVSender):
             if len(in_flight) == depth:
                 g.wait_data(in_flight.popleft(), deadline)
             kv, half = kv_caches[m // 2], m % 2
-            work, wire = pair.staging.slot(m % depth, header.message_bytes)
-            direct = blocks.direct(kv, half) if wire is work else None
-            if direct is not None:
-                wire = direct
-            else:
+            wire = None if pair.staging.host else blocks.direct(kv, half)
+            if wire is None:
+                work, wire = pair.staging.slot(m % depth, header.message_bytes)
                 blocks.gather(kv, half, work)
                 if wire is not work:
                     wire.copy_(work)
@@ -477,11 +480,10 @@ class TorchDistSender(KVSender):
                     p.broken = True
                     p.group.close()
                 self._pairs[rendezvous] = pair
+                self._connecting.pop(rendezvous, None)  # waiters find the pair; on failure they retry
             return pair
         finally:
             connecting.release()
-            with self._lock:
-                self._connecting.pop(rendezvous, None)
 
     def _connect(self, rendezvous: str, deadline: float) -> _SendPair:
         host, port = _split_address(rendezvous)
@@ -491,12 +493,16 @@ class TorchDistSender(KVSender):
                 host, port, 2, False, timeout=timedelta(seconds=max(_remaining(deadline), 0.001)), use_libuv=True
             )
             identity, their_info = store.get(_RECV_KEY).decode().split(" ", 1)
+            claimed = store.add(_CLAIM_KEY, 1)
             mine = _device_info(self.device, self.backend)
-            store.set(_SEND_KEY, mine)
+            if claimed == 1:
+                store.set(_SEND_KEY, mine)
         except RuntimeError as e:
             if _remaining(deadline) < 0.05:
                 raise TransferTimeoutError(f"{name}: timed out connecting: {_describe(e)}") from e
             raise PeerLostError(f"{name}: cannot connect: {_describe(e)}") from e
+        if claimed != 1:
+            raise TransferError(f"{name}: another sender already holds this rendezvous (one sender per process)")
         backend = _choose_backend(mine, their_info)
         group = _PairGroup.build(store, 0, self._gloo_device, backend, self.device, _remaining(deadline), name)
         log.debug("kv sender: pair with %s over %s", rendezvous, backend)
@@ -639,7 +645,7 @@ class TorchDistReceiver(KVReceiver):
         model_fingerprint: str = "",
         backend: Backend = "auto",
         connect_timeout_s: float = 30.0,
-        pipeline_bytes: int = 64 << 20,
+        pipeline_bytes: int = 32 << 20,
     ) -> None:
         self.host = host
         self.device = torch.device(device)
@@ -753,6 +759,9 @@ class TorchDistReceiver(KVReceiver):
                 p.layout.check_compatible(theirs)
             except LayoutMismatchError as e:
                 return _LAYOUT, mask, LayoutMismatchError(f"{name}, tag {p.tag}: {e}")
+        if header.message_bytes != p.layout.layer_block_bytes // 2 * p.blocks.n and header.num_blocks == p.blocks.n:
+            # Same layout by the hashes, other sizes: never post a receive of the wrong size (gloo aborts on that).
+            return _LAYOUT, 0, LayoutMismatchError(f"{name}, tag {p.tag}: message size {header.message_bytes} differs")
         if header.num_blocks != p.blocks.n:
             msg = f"{name}, tag {p.tag}: sender has {header.num_blocks} blocks, we reserved {p.blocks.n}"
             return _BLOCK_COUNT, p.blocks.n, TransferError(msg)
@@ -766,10 +775,10 @@ class TorchDistReceiver(KVReceiver):
         depth = _depth(self.pipeline_bytes, nbytes, num_messages)
 
         def post(m: int) -> tuple[dist.Work, torch.Tensor, torch.Tensor, bool]:
-            work, wire = staging.slot(m % depth, nbytes)
-            direct = p.blocks.direct(p.kv_caches[m // 2], m % 2) if p is not None and wire is work else None
+            direct = p.blocks.direct(p.kv_caches[m // 2], m % 2) if p is not None and not staging.host else None
             if direct is not None:
                 return group.data_op(False, direct, m), direct, direct, True
+            work, wire = staging.slot(m % depth, nbytes)
             return group.data_op(False, wire, m), work, wire, False
 
         posted = deque(post(m) for m in range(min(depth, num_messages)))

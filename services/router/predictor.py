@@ -1,0 +1,46 @@
+"""Predicted TTFT and TPOT of a request on a candidate worker, from its profile, heartbeat and our own sends."""
+
+from __future__ import annotations
+
+from pdserve.config import RouterConfig
+from pdserve.registry.base import WorkerState
+from services.router.load_tracker import LoadTracker
+
+
+class Predictor:
+    def __init__(self, config: RouterConfig, tracker: LoadTracker) -> None:
+        self.config = config
+        self.tracker = tracker
+
+    def prefill_s(self, w: WorkerState, new_tokens: int) -> float:
+        """This prompt's own compute on `w`, live speed included."""
+        return w.profile.prefill_s(new_tokens) * w.speed_factor if w.profile else 0.0
+
+    def queue_s(self, w: WorkerState) -> float:
+        """Work ahead of a new prompt: what we sent and is not done, or what the worker last reported."""
+        local = self.tracker.pending_prefill_s[w.worker_id]
+        if not w.profile:
+            return local
+        p = w.profile
+        reported = (p.prefill_per_token_s * w.queued_prefill_tokens) * w.speed_factor
+        return max(local, reported)
+
+    def queued_tokens(self, w: WorkerState) -> int:
+        return max(w.queued_prefill_tokens, self.tracker.pending_prefill_tokens[w.worker_id])
+
+    def ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
+        own = self.prefill_s(w, max(prompt_tokens - cached_tokens, 1))
+        return self.queue_s(w) + own + self.transfer_s(w, prompt_tokens)
+
+    def transfer_s(self, w: WorkerState, prompt_tokens: int) -> float:
+        if w.role == "colocated" or not w.kv_bytes_per_token:
+            return 0.0
+        return prompt_tokens * w.kv_bytes_per_token / (self.config.transfer_gbps * 1e9)
+
+    def tpot_s(self, w: WorkerState) -> float:
+        """The step time once this request joins the batch."""
+        running = max(w.running, self.tracker.decoding[w.worker_id])
+        return w.profile.decode_step_s(running + 1) * w.speed_factor if w.profile else 0.0
+
+    def free_blocks(self, w: WorkerState) -> int:
+        return w.kv_blocks_free - self.tracker.pending_blocks[w.worker_id]
