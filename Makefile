@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 MODEL  ?= smollm2-135m
 
-.PHONY: install model demo test lint proto clean
+.PHONY: install model demo test lint proto clean redis-server
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,7 +21,11 @@ model: install
 demo: model
 	MODEL=$(MODEL) scripts/demo.sh
 
-test: model
+# Tests that need Redis start their own redis-server on a free port; install Debian's when missing.
+redis-server:
+	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
+
+test: model redis-server
 	$(PY) -m pytest -q
 
 lint: install
