@@ -54,7 +54,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise UnavailableError("the router is draining; retry on another replica")
         ttft_ms, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         placement = self.placement.place(req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3)
-        self.admission.check(placement, len(req.prompt_token_ids), req.priority, (ttft_ms / 1e3, tpot_ms / 1e3))
+        headroom = self.config.slo_headroom / 1e3  # predictions are seconds; keep a margin for the unmodelled
+        slo_s = (ttft_ms * headroom, tpot_ms * headroom)
+        self.admission.check(placement, len(req.prompt_token_ids), req.priority, slo_s)
         return placement
 
     async def Generate(  # noqa: N802 (gRPC method name)
