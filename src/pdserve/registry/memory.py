@@ -40,7 +40,7 @@ class InMemoryPrefixIndex(PrefixIndex):
     def record(self, worker_id: str, block_hashes: list[bytes]) -> None:
         with self._lock:
             held = self._blocks.setdefault(worker_id, OrderedDict())
-            for h in block_hashes:
+            for h in reversed(block_hashes):  # leading blocks end most recent: evicted last
                 held[h] = None
                 held.move_to_end(h)
             while len(held) > self.max_blocks:

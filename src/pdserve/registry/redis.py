@@ -17,6 +17,7 @@ from pdserve.registry.base import PrefixIndex, Registry, WorkerState
 
 log = logging.getLogger(__name__)
 PREFIX = "pdserve"
+PREFIX_TTL_S = 3600
 
 
 def connect(url: str) -> redis.Redis:
@@ -65,7 +66,10 @@ class RedisRegistry(Registry):
             return
         expired = [i for i, v in zip(ids, values, strict=True) if v is None]
         if expired:
-            self._redis.srem(f"{PREFIX}:workers", *expired)
+            try:  # tidying only: the keys are gone either way, and the view must not fail over it
+                self._redis.srem(f"{PREFIX}:workers", *expired)
+            except redis.RedisError as e:
+                log.warning("could not drop expired workers %s: %s", expired, e)
         self._view = [WorkerState.from_json(v) for v in values if v is not None]
         self._fresh_until = time.monotonic() + self.refresh_s
 
@@ -84,8 +88,10 @@ class RedisPrefixIndex(PrefixIndex):
         now = time.time()
         try:
             pipe = self._redis.pipeline()
-            pipe.zadd(key, {h: now for h in block_hashes})
+            # Leading blocks score highest, so trimming drops a prompt's tail before its shared head.
+            pipe.zadd(key, {h: now - i * 1e-6 for i, h in enumerate(block_hashes)})
             pipe.zremrangebyrank(key, 0, -self.max_blocks - 1)
+            pipe.expire(key, PREFIX_TTL_S)  # a worker that is gone stops refreshing its index
             pipe.execute()
         except redis.RedisError as e:  # a lost hint costs a cache hit, never a request
             log.warning("prefix index not updated: %s", e)

@@ -1,0 +1,110 @@
+"""The embedded registry and prefix index: publish/remove/TTL, LRU bound, leading-block matches."""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.engine.block_manager import prefix_hashes
+from pdserve.perf_model import PerfProfile
+from pdserve.registry.base import WorkerState
+from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
+
+PROFILE = PerfProfile(0.01, 1e-3, 1e-8, 0.02, 0.005)
+
+
+def state(worker_id: str, role: str = "prefill", **fields: object) -> WorkerState:
+    return WorkerState(worker_id=worker_id, role=role, address=f"{worker_id}:1", **fields)  # type: ignore[arg-type]
+
+
+def ids(workers: list[WorkerState]) -> list[str]:
+    return sorted(w.worker_id for w in workers)
+
+
+def test_publish_lists_workers_by_role_and_refreshes_in_place():
+    reg = InMemoryRegistry(ttl_s=60)
+    reg.publish(state("p0"))
+    reg.publish(state("d0", "decode", running=1))
+    reg.publish(state("c0", "colocated"))
+    assert ids(reg.workers()) == ["c0", "d0", "p0"]
+    assert ids(reg.workers("prefill")) == ["p0"]
+    assert ids(reg.workers("decode")) == ["d0"]
+    assert reg.workers("nothing") == []
+    reg.publish(state("d0", "decode", running=7))
+    (d0,) = reg.workers("decode")
+    assert d0.running == 7
+
+
+def test_remove_drops_a_worker_at_once_and_ignores_unknown_ids():
+    reg = InMemoryRegistry(ttl_s=60)
+    reg.publish(state("p0"))
+    reg.publish(state("p1"))
+    reg.remove("p0")
+    reg.remove("never-there")
+    assert ids(reg.workers()) == ["p1"]
+
+
+def test_a_worker_that_stops_publishing_expires_after_the_ttl():
+    reg = InMemoryRegistry(ttl_s=0.15)
+    beating = state("beating")
+    reg.publish(state("quiet"))
+    reg.publish(beating)
+    assert ids(reg.workers()) == ["beating", "quiet"]
+    deadline = time.monotonic() + 0.45
+    while time.monotonic() < deadline:  # three TTLs of heartbeats from one worker only
+        beating = beating.with_load({"running": beating.running + 1})
+        reg.publish(beating)
+        time.sleep(0.03)
+    assert ids(reg.workers()) == ["beating"]
+    reg.publish(state("quiet"))  # a fresh heartbeat brings it back
+    assert ids(reg.workers()) == ["beating", "quiet"]
+
+
+def test_a_stale_state_is_not_live_even_when_just_published():
+    reg = InMemoryRegistry(ttl_s=1.0)
+    reg.publish(state("old", updated_at=time.time() - 5))
+    assert reg.workers() == []
+
+
+def test_with_load_takes_load_fields_only_and_stamps_the_time():
+    before = state("w", updated_at=time.time() - 100, profile=PROFILE)
+    after = before.with_load({"running": 3, "kv_blocks_free": 9, "role": "decode", "bogus": 1})
+    assert (after.running, after.kv_blocks_free, after.role, after.profile) == (3, 9, "prefill", PROFILE)
+    assert after.updated_at > before.updated_at + 99
+
+
+def test_worker_state_json_round_trip_with_and_without_profile():
+    w = state("w", "decode", profile=PROFILE, kv_blocks_free=12, speed_factor=1.25)
+    assert WorkerState.from_json(w.to_json()) == w
+    assert WorkerState.from_json(w.to_json().encode()) == w
+    bare = state("b")
+    assert WorkerState.from_json(bare.to_json()) == bare and bare.profile is None
+
+
+def test_prefix_match_counts_leading_blocks_only():
+    index = InMemoryPrefixIndex()
+    hashes = prefix_hashes(list(range(160)), 16)  # 10 chained blocks
+    index.record("a", hashes[:6])
+    index.record("b", hashes[1:])  # everything but block 0: no hit at all
+    index.record("c", [hashes[0], hashes[1], hashes[3]])  # a gap after block 1
+    assert index.match(["a", "b", "c", "nobody"], hashes) == {"a": 6, "b": 0, "c": 2, "nobody": 0}
+    assert index.match(["a"], hashes[:3]) == {"a": 3}
+    assert index.match(["a"], []) == {"a": 0}
+    assert index.match([], hashes) == {}
+    other = prefix_hashes([999, *range(1, 160)], 16)  # first block differs: every chained key differs
+    assert index.match(["a", "c"], other) == {"a": 0, "c": 0}
+
+
+def test_prefix_index_is_an_lru_bounded_per_worker():
+    index = InMemoryPrefixIndex(max_blocks_per_worker=4)
+    a, b, c, d, e = (bytes([i]) * 16 for i in range(5))
+    index.record("w", [a, b, c])  # a prompt's tail is older than its head: c, b, a
+    index.record("w", [a])  # a used again
+    index.record("w", [d, e])  # 5 blocks > 4: c, the oldest, goes
+    assert index.match(["w"], [a, b]) == {"w": 2}
+    assert index.match(["w"], [c]) == {"w": 0}
+    assert index.match(["w"], [d, e]) == {"w": 2}
+    index.record("w", [c])  # evicts b, the oldest now
+    assert index.match(["w"], [b]) == {"w": 0}
+    assert sum(index.match(["w"], [h])["w"] for h in (a, b, c, d, e)) == 4
+    index.record("other", [a, b, c, d, e])  # bounded per worker, not shared
+    assert index.match(["w"], [a]) == {"w": 1}
