@@ -39,7 +39,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         sampling = sampling_from_pb(request.sampling, default_max_tokens=16)
         if not request.prefill_address:
             async for out in self.engine.generate(request_id, prompt, sampling):
-                yield output_to_pb(out)
+                yield _with_cached(output_to_pb(out), out.finished, out.num_cached_tokens)
             return
         if self.receiver is None:
             raise UnavailableError(f"worker {self.worker_id} ({self.role}) takes no KV hand-offs")
@@ -47,17 +47,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if blocks is None:
             raise OverloadedError(f"decode worker {self.worker_id} has no free KV blocks for {len(prompt)} tokens")
         try:
-            first_token = await self._remote_prefill(request, blocks, context)
+            first_token, cached = await self._remote_prefill(request, blocks, context)
         except BaseException:
             await self.engine.abort(request_id)
             raise
         async for out in self.engine.commit_and_stream(request_id, first_token):
-            yield output_to_pb(out)
+            yield _with_cached(output_to_pb(out), out.finished, cached)
 
     async def _remote_prefill(
         self, request: wpb.WorkerGenerateRequest, blocks: list[int], context: grpc.aio.ServicerContext
-    ) -> int:
-        """Ask the prefill worker to fill `blocks`; returns the first token once the KV is in place."""
+    ) -> tuple[int, int]:
+        """Ask the prefill worker to fill `blocks`; returns the first token and the prompt tokens its prefix
+        cache served, once the KV is in place."""
         assert self.receiver is not None
         peer = request.prefill_address
         timeout_s = min(context.time_remaining() or DEFAULT_TRANSFER_TIMEOUT_S, DEFAULT_TRANSFER_TIMEOUT_S)
@@ -97,7 +98,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             # The blocks may be freed only once nothing writes into them any more.
             if receive is not None and not receive.done():
                 await asyncio.wait([receive])
-        return first.token_id
+        return first.token_id, first.cached_prompt_tokens
 
     def _prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         if address not in self._prefill_stubs:
@@ -108,3 +109,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: wpb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> wpb.WorkerStats:
         return wpb.WorkerStats(worker_id=self.worker_id, role=self.role, **self.engine.stats)
+
+
+def _with_cached(msg: pb.GenerateResponse, last: bool, cached_tokens: int) -> pb.GenerateResponse:
+    """The last message reports how much of the prompt the prefill side's prefix cache served."""
+    if last:
+        msg.usage.cached_prompt_tokens = cached_tokens
+    return msg

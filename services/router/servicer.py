@@ -95,7 +95,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                             prompt_tokens=len(req.prompt_token_ids),
                             completion_tokens=completion_tokens,
                             ttft_ms=ttft_ms,
-                            cached_prompt_tokens=placement.cached_tokens,
+                            cached_prompt_tokens=msg.usage.cached_prompt_tokens,
                         )
                     )
                 yield msg

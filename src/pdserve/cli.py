@@ -76,6 +76,16 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per sequence")
     engine.add_argument("--compare", choices=["transformers", "none"], default="transformers")
     engine.set_defaults(func=_bench_engine)
+    placement = bench_sub.add_parser("placement", help="prefix-aware placement vs round-robin, TTFT and hit rate")
+    placement.add_argument("--model", default="smollm2-135m")
+    placement.add_argument("--prefill", type=int, default=2)
+    placement.add_argument("--decode", type=int, default=1)
+    placement.add_argument("--num-prefixes", type=int, default=8)
+    placement.add_argument("--requests-per-prefix", type=int, default=4)
+    placement.add_argument("--prefix-len", type=int, default=512)
+    placement.add_argument("--suffix-len", type=int, default=32)
+    placement.add_argument("--request-rate", type=float, default=0.5, help="Poisson arrivals per second")
+    placement.set_defaults(func=_bench_placement)
     transfer = bench_sub.add_parser("transfer", help="KV transfer GB/s between two processes vs raw gloo and a copy")
     transfer.add_argument("--host", default="127.0.0.1", help="address both processes bind")
     transfer.add_argument("--device", default="cpu", help="where the KV caches live: cpu, cuda, cuda:N")
@@ -220,6 +230,22 @@ def _generate(args: argparse.Namespace) -> int:
             print(json.dumps(record, ensure_ascii=False))
         else:
             print(f"### {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason.value}]\n")
+    return 0
+
+
+def _bench_placement(args: argparse.Namespace) -> int:
+    from pdserve.bench.placement_bench import run_placement_bench
+
+    run_placement_bench(
+        args.model,
+        args.prefill,
+        args.decode,
+        args.num_prefixes,
+        args.requests_per_prefix,
+        args.prefix_len,
+        args.suffix_len,
+        args.request_rate,
+    )
     return 0
 
 

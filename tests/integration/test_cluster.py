@@ -16,7 +16,7 @@ from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from pdserve.v1 import worker_pb2 as wpb
-from tests.integration.cluster_process import ClusterProcess, alive, descendants
+from pdserve.cluster.local_process import ClusterProcess, alive, descendants
 
 pytestmark = pytest.mark.timeout(300)
 MODES = {

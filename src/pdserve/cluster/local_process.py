@@ -1,4 +1,4 @@
-"""A real `pdserve up` in a subprocess, for integration tests: started, waited for, stopped."""
+"""A real `pdserve up` in a subprocess (benchmarks and tests): started, waited for, stopped."""
 
 from __future__ import annotations
 
