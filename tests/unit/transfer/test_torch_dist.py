@@ -49,9 +49,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def _sender_main(conn: Connection, slow_at: int) -> None:
     """Runs JSON commands from the test; `slow_at` >= 0 makes the gather of that message announce itself and stall."""
     if slow_at >= 0:
-        from pdserve.transfer import torch_dist
+        from pdserve.transfer.blocks import Blocks
 
-        original = torch_dist._Blocks.gather
+        original = Blocks.gather
         calls = {"n": 0}
 
         def stalling_gather(self: Any, kv: torch.Tensor, half: int, out: torch.Tensor) -> None:
@@ -61,7 +61,7 @@ def _sender_main(conn: Connection, slow_at: int) -> None:
             calls["n"] += 1
             original(self, kv, half, out)
 
-        torch_dist._Blocks.gather = stalling_gather  # type: ignore[method-assign]
+        Blocks.gather = stalling_gather  # type: ignore[method-assign]
 
     senders: dict[str, TorchDistSender] = {}
 

@@ -1,0 +1,135 @@
+"""The decode side of one pair: its store, the recvs waiting on it by tag, and whether a header fits them."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.transfer.base import LayoutMismatchError, TransferError
+from pdserve.transfer.blocks import Blocks
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.pair_group import PairGroup, time_left
+from pdserve.transfer.rendezvous import choose_backend, open_store, sender_info
+from pdserve.transfer.wire import BLOCK_COUNT, LAYOUT, NOT_EXPECTED, OK, Header, layout_mask, message_bytes
+
+log = logging.getLogger(__name__)
+
+_WAITING, _RECEIVING, _FINISHED = range(3)
+# Tags whose recv gave up, so a late sender is refused at once; only the latest are kept.
+_MAX_ABANDONED = 4096
+
+
+class Pending:
+    """One recv waiting for its tag; the serving thread fills it in."""
+
+    def __init__(
+        self, tag: int, kv_caches: Sequence[torch.Tensor], blocks: Blocks, layout: KVLayout, deadline: float
+    ) -> None:
+        self.tag, self.kv_caches, self.blocks, self.layout, self.deadline = tag, kv_caches, blocks, layout, deadline
+        self.state = _WAITING
+        self.done = threading.Event()
+        self.error: TransferError | None = None
+        self.nbytes = 0
+
+
+class RecvPair:
+    """`info` is this side's `device_info`; `identity` tells the sender which receiver (and pair) it reached."""
+
+    def __init__(self, peer_id: str, host: str, identity: str, info: str, connect_timeout_s: float) -> None:
+        self.peer_id = peer_id
+        self.info = info
+        self.store, self.address = open_store(host, connect_timeout_s, f"{identity}/{peer_id} {info}")
+        self.cond = threading.Condition()
+        self.pending: dict[int, Pending] = {}
+        self.abandoned: OrderedDict[int, None] = OrderedDict()
+        self.error: TransferError | None = None
+        self.closed = False
+
+    def accept(self, gloo_device: object, device: torch.device, timeout_s: float, name: str) -> PairGroup:
+        """Serving thread: waits as long as it takes for the sender to claim the store, then builds the group."""
+        while (theirs := sender_info(self.store)) is None:
+            if self.closed:
+                raise TransferError(f"{name}: receiver closed")
+            time.sleep(0.02)
+        backend = choose_backend(self.info, theirs)
+        group = PairGroup.build(self.store, 1, gloo_device, backend, device, timeout_s, name)
+        log.debug("kv receiver: pair with %s over %s", self.peer_id, backend)
+        return group
+
+    def register(self, p: Pending) -> None:
+        with self.cond:
+            if self.error is not None:
+                raise type(self.error)(str(self.error))
+            if p.tag in self.pending:
+                raise ValueError(f"tag {p.tag} already has a recv waiting on peer {self.peer_id!r}")
+            self.abandoned.pop(p.tag, None)
+            self.pending[p.tag] = p
+            self.cond.notify_all()
+
+    def claim(self, tag: int, wait_s: float) -> Pending | None:
+        """Serving thread: the recv waiting for `tag`, or None when it gave up or never comes."""
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            while True:
+                p = self.pending.get(tag)
+                if p is not None and p.state == _WAITING:
+                    p.state = _RECEIVING
+                    return p
+                if tag in self.abandoned or self.error is not None or self.closed or time_left(deadline) <= 0:
+                    return None
+                self.cond.wait(time_left(deadline))
+
+    def abandon(self, p: Pending) -> bool:
+        """recv's caller gave up; True when the serving thread had not started on it (nothing will write)."""
+        with self.cond:
+            if p.state != _WAITING:
+                return False
+            self._remove(p)
+            self.abandoned[p.tag] = None
+            while len(self.abandoned) > _MAX_ABANDONED:
+                self.abandoned.popitem(last=False)
+            return True
+
+    def finish(self, p: Pending, nbytes: int = 0, error: TransferError | None = None) -> None:
+        with self.cond:
+            self._remove(p)
+            p.nbytes, p.error, p.state = nbytes, error, _FINISHED
+        p.done.set()
+
+    def _remove(self, p: Pending) -> None:
+        if self.pending.get(p.tag) is p:
+            del self.pending[p.tag]
+
+    def fail(self, error: TransferError) -> None:
+        """The pair is dead: every waiting recv raises `error`; a receiving one is finished by the serving thread."""
+        with self.cond:
+            self.error = self.error or error
+            waiting = [p for p in self.pending.values() if p.state == _WAITING]
+            self.cond.notify_all()
+        for p in waiting:
+            self.finish(p, error=error)
+
+
+def check_header(p: Pending | None, header: Header, name: str) -> tuple[int, int, TransferError | None]:
+    """The status to send back (code, detail) and the error for the recv, if any."""
+    if p is None:
+        return NOT_EXPECTED, 0, None
+    theirs = header.layout(p.layout)
+    diffs = p.layout.mismatches(theirs)
+    if diffs:
+        try:
+            p.layout.check_compatible(theirs)
+        except LayoutMismatchError as e:
+            return LAYOUT, layout_mask(diffs), LayoutMismatchError(f"{name}, tag {p.tag}: {e}")
+    if header.message_bytes != message_bytes(p.layout, p.blocks.n) and header.num_blocks == p.blocks.n:
+        # Same layout by the hashes, other sizes: never post a receive of the wrong size (gloo aborts on that).
+        return LAYOUT, 0, LayoutMismatchError(f"{name}, tag {p.tag}: message size {header.message_bytes} differs")
+    if header.num_blocks != p.blocks.n:
+        msg = f"{name}, tag {p.tag}: sender has {header.num_blocks} blocks, we reserved {p.blocks.n}"
+        return BLOCK_COUNT, p.blocks.n, TransferError(msg)
+    return OK, 0, None

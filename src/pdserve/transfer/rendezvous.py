@@ -1,0 +1,108 @@
+"""How the two sides of a pair meet: the decode side's TCPStore, the sender's claim on it, the backend choice.
+
+The decode side hosts one store per prefill peer, bound to its own host; the prefill side connects to it on its
+first send. Both write their device and backend preference into the store and pick the same backend: NCCL when
+both caches are on CUDA (and NCCL exists on both), gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pdserve.transfer.base import PeerLostError, TransferError, TransferTimeoutError
+from pdserve.transfer.pair_group import error_summary, time_left
+
+_RECV_KEY = "pdserve/recv"  # "<receiver identity>/<peer id> <device info>"
+_SEND_KEY = "pdserve/send"  # the sender's device info
+_CLAIM_KEY = "pdserve/claimed"  # counts senders: only the first may use the store
+
+
+def device_info(device: torch.device, backend: str) -> str:
+    """What `choose_backend` needs from one side: "device preference nccl_ok"."""
+    nccl_ok = int(device.type == "cuda" and dist.is_nccl_available())
+    return f"{device.type} {backend} {nccl_ok}"
+
+
+def choose_backend(mine: str, theirs: str) -> str:
+    """Both sides call this with the two `device_info` strings and get the same answer."""
+    devices, prefs, nccl_ok = zip(*(s.split() for s in (mine, theirs)), strict=True)
+    forced = set(prefs) - {"auto"}
+    if len(forced) > 1:
+        raise TransferError(f"backend conflict: one side wants gloo, the other nccl ({mine!r} vs {theirs!r})")
+    nccl_possible = devices == ("cuda", "cuda") and nccl_ok == ("1", "1")
+    if forced == {"nccl"} and not nccl_possible:
+        raise TransferError(f"backend nccl needs CUDA caches and NCCL on both sides ({mine!r} vs {theirs!r})")
+    if forced == {"gloo"}:
+        return "gloo"
+    return "nccl" if nccl_possible else "gloo"
+
+
+def open_store(host: str, timeout_s: float, receiver_info: str) -> tuple[dist.TCPStore, str]:
+    """Decode side: a store on `host` and a port the OS picks, announcing `receiver_info`; returns it and its
+    "host:port"."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))  # our host only: TCPStore itself would listen on every interface
+        sock.listen(16)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store owns the socket from here on
+    try:
+        store = dist.TCPStore(
+            host,
+            port,
+            2,
+            True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            use_libuv=True,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    store.set(_RECV_KEY, receiver_info)
+    return store, (f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}")
+
+
+def sender_info(store: dist.Store) -> str | None:
+    """Decode side: the sender's `device_info` once it claimed the store, else None."""
+    if not store.check([_SEND_KEY]):
+        return None
+    return store.get(_SEND_KEY).decode()
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"rendezvous must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def claim_store(address: str, mine: str, deadline: float, name: str) -> tuple[dist.TCPStore, str, str]:
+    """Prefill side: connects to the decode side's store and claims it with our `device_info`; returns the store,
+    the receiver's identity and its `device_info`."""
+    host, port = _split_address(address)
+    try:
+        store = dist.TCPStore(
+            host, port, 2, False, timeout=timedelta(seconds=max(time_left(deadline), 0.001)), use_libuv=True
+        )
+        identity, their_info = store.get(_RECV_KEY).decode().split(" ", 1)
+        claimed = store.add(_CLAIM_KEY, 1)
+        if claimed == 1:
+            store.set(_SEND_KEY, mine)
+    except RuntimeError as e:
+        if time_left(deadline) < 0.05:
+            raise TransferTimeoutError(f"{name}: timed out connecting: {error_summary(e)}") from e
+        raise PeerLostError(f"{name}: cannot connect: {error_summary(e)}") from e
+    if claimed != 1:
+        raise TransferError(f"{name}: another sender already holds this rendezvous (one sender per process)")
+    return store, identity, their_info

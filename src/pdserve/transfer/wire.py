@@ -1,0 +1,105 @@
+"""The control messages of a transfer: the header that opens it and the status that closes it.
+
+Both are int64 tensors, so nothing is pickled. Strings (model fingerprint, dtype) travel as 64-bit hashes: the
+header has a fixed size, and the receiver keeps it posted between transfers without knowing what comes next.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, fields
+
+import torch
+
+from pdserve.transfer.base import PeerLostError
+from pdserve.transfer.layout import KVLayout
+
+_MAGIC = 0x7064_4B56  # "pdKV"
+_VERSION = 1
+HEADER_LEN = 16
+STATUS_LEN = 2  # code, detail
+
+# Status codes: the blocks are in place, or why the receiver refused the transfer.
+OK, LAYOUT, NOT_EXPECTED, BLOCK_COUNT = range(4)
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+# Dtype names a receiver can recover from their hash, to name the sender's dtype in a mismatch.
+_KNOWN_DTYPES = {_hash64(n): n for n in ("float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2")}
+
+
+def check_tag(tag: int) -> None:
+    """The tag travels in an int64 header field."""
+    if not 0 <= tag < 2**63:
+        raise ValueError(f"tag must lie in [0, 2**63), got {tag}")
+
+
+def message_bytes(layout: KVLayout, num_blocks: int) -> int:
+    """Bytes of one data message: one layer's keys (or values) of the transfer's blocks."""
+    return layout.layer_block_bytes // 2 * num_blocks
+
+
+def layout_mask(names: list[str]) -> int:
+    """The differing KVLayout fields as a bit mask, to fit a status detail."""
+    return sum(1 << i for i, f in enumerate(fields(KVLayout)) if f.name in names)
+
+
+def layout_fields(mask: int) -> list[str]:
+    return [f.name for i, f in enumerate(fields(KVLayout)) if mask >> i & 1]
+
+
+@dataclass(frozen=True)
+class Header:
+    tag: int
+    num_blocks: int
+    fingerprint_hash: int
+    dtype_hash: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    message_bytes: int  # of each data message: lets the receiver drain a transfer it rejects
+    timeout_ms: int
+
+    @classmethod
+    def for_transfer(cls, tag: int, num_blocks: int, layout: KVLayout, timeout_s: float) -> Header:
+        return cls(
+            tag=tag,
+            num_blocks=num_blocks,
+            fingerprint_hash=_hash64(layout.model_fingerprint),
+            dtype_hash=_hash64(layout.dtype),
+            block_size=layout.block_size,
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            message_bytes=message_bytes(layout, num_blocks),
+            timeout_ms=int(timeout_s * 1000),
+        )
+
+    def encode(self) -> torch.Tensor:
+        t = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        values = [_MAGIC, _VERSION, self.tag, self.num_blocks, self.fingerprint_hash, self.dtype_hash]
+        values += [self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.message_bytes]
+        values += [self.timeout_ms]
+        t[: len(values)] = torch.tensor(values, dtype=torch.int64)
+        return t
+
+    @classmethod
+    def decode(cls, t: torch.Tensor) -> Header:
+        v = t.tolist()
+        if v[0] != _MAGIC or v[1] != _VERSION:
+            raise PeerLostError(f"protocol error: header magic/version {v[0]:#x}/{v[1]}, want {_MAGIC:#x}/{_VERSION}")
+        return cls(*v[2:12])
+
+    def layout(self, mine: KVLayout) -> KVLayout:
+        """The sender's layout as far as the hashes tell: strings that hash like ours are ours."""
+        fingerprint = mine.model_fingerprint
+        if _hash64(fingerprint) != self.fingerprint_hash:
+            fingerprint = f"<another fingerprint, hash {self.fingerprint_hash & (2**64 - 1):016x}>"
+        dtype = mine.dtype
+        if _hash64(dtype) != self.dtype_hash:
+            dtype = _KNOWN_DTYPES.get(self.dtype_hash, "<other dtype>")
+        return KVLayout(fingerprint, dtype, self.block_size, self.num_layers, self.num_kv_heads, self.head_dim)
