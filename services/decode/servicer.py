@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -12,18 +13,28 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.errors import OverloadedError, UnavailableError
 from pdserve.rpc.convert import output_to_pb, sampling_from_pb
 from pdserve.rpc.server import channel
+from pdserve.telemetry import Telemetry, now_ns, request_id_var
 from pdserve.transfer.base import KVReceiver, TransferError
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
 
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+log = logging.getLogger(__name__)
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     """Also the colocated worker: a request with no prefill address is prefilled here (mixed engine)."""
 
-    def __init__(self, engine: AsyncEngine, receiver: KVReceiver | None, worker_id: str, role: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        receiver: KVReceiver | None,
+        worker_id: str,
+        role: str,
+        telemetry: Telemetry | None = None,
+    ) -> None:
+        self.telemetry = telemetry or Telemetry(f"pdserve-{role}")
         self.engine = engine
         self.receiver = receiver
         self.worker_id = worker_id
@@ -35,11 +46,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id
+        request_id_var.set(request_id)
         prompt = list(request.prompt_token_ids)
         sampling = sampling_from_pb(request.sampling, default_max_tokens=16)
+        ids = {"request.id": request_id, "worker.id": self.worker_id}
         if not request.prefill_address:
-            async for out in self.engine.generate(request_id, prompt, sampling):
-                yield _with_cached(output_to_pb(out), out.finished, out.num_cached_tokens)
+            with self.telemetry.tracer.start_as_current_span("decode.stream", attributes=ids) as span:
+                tokens = 0
+                async for out in self.engine.generate(request_id, prompt, sampling):
+                    tokens += len(out.new_token_ids)
+                    span.set_attribute("completion_tokens", tokens)
+                    yield _with_cached(output_to_pb(out), out.finished, out.num_cached_tokens)
             return
         if self.receiver is None:
             raise UnavailableError(f"worker {self.worker_id} ({self.role}) takes no KV hand-offs")
@@ -51,8 +68,26 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except BaseException:
             await self.engine.abort(request_id)
             raise
-        async for out in self.engine.commit_and_stream(request_id, first_token):
-            yield _with_cached(output_to_pb(out), out.finished, cached)
+        committed_ns = now_ns()
+        tokens = 0
+        # The stream span starts when the sequence joins the batch; it is opened by hand because that
+        # moment (the first step that runs it) is known only after the first decoded token arrives.
+        stream = None
+        try:
+            async for out in self.engine.commit_and_stream(request_id, first_token):
+                tokens += len(out.new_token_ids)
+                if stream is None and tokens > 1:
+                    ran_ns = self.engine.take_started_ns(request_id) or committed_ns
+                    self.telemetry.span("decode.queue_wait", committed_ns, ran_ns, **ids)
+                    stream = self.telemetry.tracer.start_span("decode.stream", start_time=ran_ns, attributes=ids)
+                yield _with_cached(output_to_pb(out), out.finished, cached)
+        finally:
+            if stream is None:
+                stream = self.telemetry.tracer.start_span("decode.stream", start_time=committed_ns, attributes=ids)
+            stream.set_attribute("completion_tokens", tokens)
+            stream.set_attribute("prompt_tokens", len(prompt))
+            stream.end()
+            log.debug("decode finished", extra={"completion_tokens": tokens})
 
     async def _remote_prefill(
         self, request: wpb.WorkerGenerateRequest, blocks: list[int], context: grpc.aio.ServicerContext
@@ -75,6 +110,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         )
         receive: asyncio.Future[int] | None = None
         first: wpb.FirstToken | None = None
+        received_from_ns = 0
         call = self._prefill_stub(peer).Prefill(prefill, timeout=context.time_remaining())
         try:
             async for event in call:
@@ -82,13 +118,23 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     first = event.first_token
                     if first.kv_follows:
                         caches = engine.runner.kv_caches
+                        received_from_ns = now_ns()
                         receive = asyncio.ensure_future(
                             asyncio.to_thread(self.receiver.recv, peer, tag, caches, blocks, timeout_s)
                         )
             if first is None:
                 raise UnavailableError(f"prefill worker {peer} ended without a first token")
             if receive is not None:
-                await asyncio.shield(receive)
+                nbytes = await asyncio.shield(receive)
+                self.telemetry.span(
+                    "kv_transfer.recv",
+                    received_from_ns,
+                    now_ns(),
+                    request__id=request.request_id,
+                    worker__id=self.worker_id,
+                    kv__blocks=len(blocks),
+                    kv__bytes=nbytes if isinstance(nbytes, int) else None,
+                )
         except TransferError as e:
             raise UnavailableError(f"KV transfer from {peer} failed: {e}") from e
         except grpc.aio.AioRpcError as e:
@@ -102,7 +148,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         if address not in self._prefill_stubs:
-            self._prefill_stubs[address] = worker_pb2_grpc.PrefillWorkerStub(channel(address))
+            ch = channel(address, self.telemetry.client_interceptors())
+            self._prefill_stubs[address] = worker_pb2_grpc.PrefillWorkerStub(ch)
         return self._prefill_stubs[address]
 
     async def Stats(  # noqa: N802

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.request_checks import check_request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError
@@ -35,29 +36,12 @@ def build_request(
         raise InvalidRequestError(given[1], f"set exactly one of prompt, prompt_token_ids or messages; got {given}")
     if msg.prompt_token_ids:
         prompt = list(msg.prompt_token_ids)
-        bad = [t for t in prompt if t >= model.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                "prompt_token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {model.vocab_size})"
-            )
     elif msg.messages:
         prompt = tokenizer.apply_chat_template([(m.role, m.content) for m in msg.messages])
     else:
         prompt = tokenizer.encode(msg.prompt)
-        if not prompt:
-            raise InvalidRequestError("prompt", "the prompt tokenizes to nothing")
     sampling = sampling_from_pb(msg.sampling, default_max_tokens=min(default_max_tokens, _room(prompt, model)))
-    try:
-        sampling.check_vocab(model.vocab_size)
-    except InvalidRequestError as e:
-        raise InvalidRequestError(f"sampling.{e.field}", str(e).split(": ", 1)[1]) from None
-    total = len(prompt) + sampling.max_tokens
-    if total > model.max_position_embeddings:
-        raise InvalidRequestError(
-            "sampling.max_tokens",
-            f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) = {total} exceeds the model's "
-            f"context of {model.max_position_embeddings} tokens",
-        )
+    check_request(prompt, sampling, model)
     for name in ("ttft_ms", "tpot_ms"):
         value = getattr(msg.slo, name)
         if math.isnan(value) or value < 0:

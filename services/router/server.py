@@ -9,7 +9,9 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import read_config, read_gguf
 from pdserve.registry.base import PrefixIndex, Registry
 from pdserve.rpc.server import Server
-from pdserve.v1 import generate_pb2, generate_pb2_grpc
+from pdserve.telemetry import Telemetry
+from pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
+from services.router.admin import AdminServicer
 from services.router.load_tracker import LoadTracker
 from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
 from services.router.predictor import Predictor
@@ -17,19 +19,33 @@ from services.router.servicer import GenerationServicer
 
 
 async def start_router(
-    model: str, registry: Registry, prefix_index: PrefixIndex, config: RouterConfig, host: str, port: int
+    model: str,
+    registry: Registry,
+    prefix_index: PrefixIndex,
+    config: RouterConfig,
+    host: str,
+    port: int,
+    telemetry: Telemetry | None = None,
 ) -> tuple[Server, GenerationServicer]:
+    telemetry = telemetry or Telemetry("pdserve-router")
     path = resolve_model(model)
     hf_config = read_gguf(path)[0] if path.suffix == ".gguf" else read_config(path)
     tokenizer = Tokenizer(path if path.is_dir() else path.parent)
     tracker = LoadTracker()
     policy_cls = SLOAwarePlacement if config.policy == "slo" else RoundRobinPlacement
     policy = policy_cls(registry, prefix_index, Predictor(config, tracker))
-    servicer = GenerationServicer(tokenizer, ModelConfig.from_hf(hf_config), config, policy, prefix_index, tracker)
-    server = Server(host, port)
+    servicer = GenerationServicer(
+        tokenizer, ModelConfig.from_hf(hf_config), config, policy, prefix_index, tracker, telemetry
+    )
+    server = Server(host, port, telemetry.server_interceptors())
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+    )
+    admin = AdminServicer(registry, servicer.recent, servicer)
+    server.add(
+        lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s),
+        [admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name],
     )
     await server.start()
     await server.set_serving(True)

@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=2, help="workers doing both phases (colocated)")
     up.add_argument("--host", default="127.0.0.1", help="address the router and workers bind")
     up.add_argument("--port", type=int, default=50051)
-    up.add_argument("--metrics-port", type=int, default=None)
+    up.add_argument("--metrics-port", type=int, default=None, help="serve the router's metrics at :P/metrics")
     up.add_argument("--redis", default=None, help="redis://... registry (default: in-process)")
     up.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
     up.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache per worker")
@@ -49,8 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--default-ttft-ms", type=float, default=None, help="TTFT SLO for requests that set none")
     up.add_argument("--default-tpot-ms", type=float, default=None, help="TPOT SLO for requests that set none")
     up.add_argument("--max-queued-prefill-tokens", type=int, default=None, help="per prefill worker")
-    up.add_argument("--log-level", default="INFO")
+    up.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (JSON lines on stderr)")
     up.set_defaults(func=_up)
+
+    status = sub.add_parser("status", help="a running cluster's workers, their health and load")
+    status.add_argument("--addr", required=True, help="router HOST:PORT")
+    status.add_argument("--json", action="store_true", help='print {"workers": [...]} as JSON')
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    status.set_defaults(func=_status)
 
     client = sub.add_parser("client", help="stream an answer from a running cluster")
     client.add_argument("--addr", required=True, help="router HOST:PORT")
@@ -116,11 +122,14 @@ def _up(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from pdserve.cluster.launcher import ClusterConfig, run_cluster
+    from pdserve.telemetry import configure_logging
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    if args.metrics_port:
-        print("pdserve up: --metrics-port is not supported yet", file=sys.stderr)
+    try:
+        logging.getLevelName(args.log_level.upper()) + 0
+    except TypeError:
+        print(f"pdserve up: unknown --log-level {args.log_level!r}", file=sys.stderr)
         return 2
+    configure_logging(args.log_level, service="pdserve-router")
     overrides = {
         "policy": args.policy,
         "default_ttft_ms": args.default_ttft_ms,
@@ -142,6 +151,8 @@ def _up(args: argparse.Namespace) -> int:
         ray_address=args.ray_address,
         redis_url=args.redis,
         router=router,
+        metrics_port=args.metrics_port,
+        log_level=args.log_level.upper(),
     )
     asyncio.run(run_cluster(config))
     return 0
@@ -189,6 +200,73 @@ def _client(args: argparse.Namespace) -> int:
     except grpc.aio.AioRpcError as e:
         print(f"pdserve client: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+
+
+STATUS_FIELDS = (
+    "id",
+    "role",
+    "address",
+    "health",
+    "running",
+    "waiting",
+    "queued_prefill_tokens",
+    "kv_blocks_used",
+    "kv_blocks_cached",
+    "kv_blocks_total",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "tpot_p50_ms",
+    "tpot_p99_ms",
+    "metrics_address",
+)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import grpc
+
+    from pdserve.rpc.server import channel
+    from pdserve.v1 import admin_pb2, admin_pb2_grpc
+
+    async def ask() -> admin_pb2.ClusterStatusResponse:
+        async with channel(args.addr) as ch:
+            return await admin_pb2_grpc.AdminStub(ch).ClusterStatus(
+                admin_pb2.ClusterStatusRequest(), timeout=args.timeout
+            )
+
+    try:
+        reply = asyncio.run(ask())
+    except grpc.aio.AioRpcError as e:
+        print(f"pdserve status: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    workers = [{f: getattr(w, f) for f in STATUS_FIELDS} for w in reply.workers]
+    if args.json:
+        print(json.dumps({"workers": workers, "in_flight": reply.in_flight, "draining": reply.draining}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"pdserve at {args.addr}: {reply.in_flight} in flight{', draining' if reply.draining else ''}")
+    for col in ("worker", "role", "address", "health", "running", "waiting", "queued tok", "KV used/total"):
+        table.add_column(col)
+    for col in ("TTFT p50/p99 ms", "TPOT p50/p99 ms"):
+        table.add_column(col, justify="right")
+    for w in workers:
+        table.add_row(
+            w["id"],
+            w["role"],
+            w["address"],
+            w["health"],
+            str(w["running"]),
+            str(w["waiting"]),
+            str(w["queued_prefill_tokens"]),
+            f"{w['kv_blocks_used']}/{w['kv_blocks_total']} ({w['kv_blocks_cached']} cached)",
+            f"{w['ttft_p50_ms']:.1f} / {w['ttft_p99_ms']:.1f}",
+            f"{w['tpot_p50_ms']:.1f} / {w['tpot_p99_ms']:.1f}",
+        )
+    Console().print(table)
+    return 0
 
 
 def _fetch(args: argparse.Namespace) -> int:

@@ -14,3 +14,25 @@ def cache_dir() -> Path:
 def worker_env() -> dict[str, str]:
     """The variables a launched worker process must see as the launcher does (model cache, telemetry)."""
     return {k: v for k, v in os.environ.items() if k.startswith(("PDSERVE_", "OTEL_"))}
+
+
+def otel_traces_exporter() -> str | None:
+    """Which span exporter the standard OTEL_* variables ask for: "otlp", "console", or None (export nothing).
+    An OTLP endpoint alone means OTLP; OTEL_TRACES_EXPORTER=none turns exporting off."""
+    named = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if named == "none":
+        return None
+    if named in ("otlp", "console"):
+        return named
+    if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return "otlp"
+    return None
+
+
+def otel_traces_protocol() -> str:
+    """grpc or http/protobuf (the OpenTelemetry default)."""
+    return (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
+    ).strip()

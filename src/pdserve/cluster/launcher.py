@@ -31,6 +31,8 @@ class ClusterConfig:
     router: RouterConfig = RouterConfig()
     max_restarts: int = 3
     drain_grace_s: float = 20.0
+    metrics_port: int | None = None  # the router's Prometheus /metrics; None: not served
+    log_level: str = "INFO"
 
     @property
     def roles(self) -> list[str]:
@@ -81,12 +83,15 @@ class Cluster:
         )
         for i, role in enumerate(c.roles):
             worker_id = f"{role}-{i}"
-            spec = WorkerSpec(role, engine, c.host, 0, worker_id, c.redis_url, c.router.heartbeat_s)
+            spec = WorkerSpec(
+                role, engine, c.host, 0, worker_id, c.redis_url, c.router.heartbeat_s, log_level=c.log_level
+            )
             self._actors[worker_id] = actor_cls.remote(spec)
         for worker_id, actor in self._actors.items():
             state = ray.get(actor.state.remote())
             self.registry.publish(state)
             log.info("worker %s ready at %s", worker_id, state.address)
+            log.info("worker %s metrics at %s", worker_id, state.metrics_address)
 
     async def watch(self) -> None:
         """The embedded registry's heartbeat: publishes each actor's state; a dead one leaves placement, a
@@ -119,13 +124,18 @@ class Cluster:
 
 
 async def run_cluster(config: ClusterConfig, ready_line: bool = True) -> None:
+    from pdserve.telemetry import Telemetry
     from services.router.server import start_router
 
     cluster = Cluster(config)
     await asyncio.to_thread(cluster.start_workers)
+    telemetry = Telemetry("pdserve-router")
     server, servicer = await start_router(
-        config.engine.model, cluster.registry, cluster.prefix_index, config.router, config.host, config.port
+        config.engine.model, cluster.registry, cluster.prefix_index, config.router, config.host, config.port, telemetry
     )
+    if config.metrics_port is not None:
+        port = telemetry.serve_metrics(config.host, config.metrics_port)
+        log.info("router metrics at http://%s:%d/metrics", config.host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -145,3 +155,4 @@ async def run_cluster(config: ClusterConfig, ready_line: bool = True) -> None:
             await asyncio.sleep(0.1)
         await server.stop(1.0)
         await asyncio.to_thread(cluster.stop_workers)
+        telemetry.shutdown()

@@ -46,13 +46,17 @@ def alive(pid: int) -> bool:
 
 
 class ClusterProcess:
-    def __init__(self, *args: str, log_path: Path, startup_timeout_s: float = 180.0) -> None:
+    def __init__(
+        self, *args: str, log_path: Path, startup_timeout_s: float = 180.0, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(self.port), *args]
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+        )
         deadline = time.monotonic() + startup_timeout_s
         while not re.search(r"^ready \S+", self.log(), re.MULTILINE):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -65,7 +69,7 @@ class ClusterProcess:
 
     def worker_addresses(self) -> dict[str, str]:
         """worker id -> address, from the launcher's log lines."""
-        return dict(re.findall(r"worker (\S+) ready at (\S+)", self.log()))
+        return dict(re.findall(r"worker (\S+) ready at ([\w.\-]+:\d+)", self.log()))
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> float:
         """Signals the launcher; returns the seconds it took to exit. Kills the whole group if it hangs."""

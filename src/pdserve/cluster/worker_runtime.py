@@ -33,6 +33,8 @@ class WorkerSpec:
     worker_id: str = ""
     registry_url: str | None = None  # redis://...: heartbeat there; None: the launcher publishes for us
     heartbeat_s: float = 0.5
+    metrics_port: int | None = 0  # Prometheus /metrics on this port (0: a free one, registered); None: none
+    log_level: str | None = None  # set: this process logs structured lines at that level
 
     def __post_init__(self) -> None:
         if self.role not in ROLE_MODES:
@@ -42,6 +44,12 @@ class WorkerSpec:
 class WorkerRuntime:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = replace(spec, worker_id=spec.worker_id or f"{spec.role}-{uuid.uuid4().hex[:8]}")
+        from pdserve.telemetry import Telemetry, configure_logging
+
+        if spec.log_level:
+            configure_logging(spec.log_level, service=f"pdserve-{spec.role}")
+        self.telemetry = Telemetry(f"pdserve-{spec.role}")
+        self._metrics_address = ""
         self._ready: Future[str] = Future()
         self._loop = asyncio.new_event_loop()
         self._stopped = threading.Event()
@@ -78,11 +86,13 @@ class WorkerRuntime:
             kv_bytes_per_token=self._kv_bytes_per_token,
             kv_blocks_total=stats["kv_blocks_total"],
             kv_blocks_free=stats["kv_blocks_total"] - stats["kv_blocks_used"],
+            kv_blocks_cached=stats["kv_blocks_cached"],
             queued_prefill_tokens=stats["queued_prefill_tokens"],
             running=stats["running"],
             waiting=stats["waiting"],
             profile=self._speed.profile,
             speed_factor=self._speed.factor,
+            metrics_address=self._metrics_address,
         )
 
     def _heartbeat(self) -> None:
@@ -120,13 +130,24 @@ class WorkerRuntime:
     async def _start(self) -> None:
         from pdserve.engine.async_engine import AsyncEngine
         from pdserve.engine.engine import LLMEngine
+        from pdserve.metrics import WorkerMetrics
         from pdserve.rpc.server import Server
 
         spec = self.spec
         config = replace(spec.engine, scheduler=replace(spec.engine.scheduler, mode=ROLE_MODES[spec.role]))
         engine = await asyncio.to_thread(LLMEngine, config)
         self._engine = AsyncEngine(engine)
-        self._server = Server(spec.host, spec.port)
+        self._server = Server(spec.host, spec.port, self.telemetry.server_interceptors())
+        self._metrics = WorkerMetrics(
+            self.telemetry.meter,
+            spec.worker_id,
+            spec.role,
+            lambda: self._engine.stats,
+            lambda: engine.blocks.prefix_hits,
+        )
+        if spec.metrics_port is not None:
+            port = self.telemetry.serve_metrics(spec.host, spec.metrics_port)
+            self._metrics_address = f"{spec.host}:{port}"
         self._transfer = self._add_servicer(self._server, engine)
         await self._server.start()
         await self._warm_up()
@@ -152,7 +173,7 @@ class WorkerRuntime:
             from services.prefill.servicer import PrefillServicer
 
             sender = TorchDistSender(spec.host, device=device, model_fingerprint=fp)
-            servicer = PrefillServicer(self._engine, sender, spec.worker_id)
+            servicer = PrefillServicer(self._engine, sender, spec.worker_id, self.telemetry, self._metrics)
             server.add(  # type: ignore[attr-defined]
                 lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, s),
                 [names["PrefillWorker"].full_name],
@@ -161,7 +182,7 @@ class WorkerRuntime:
         from services.decode.servicer import DecodeServicer
 
         receiver = TorchDistReceiver(spec.host, device=device, model_fingerprint=fp) if spec.role == "decode" else None
-        servicer = DecodeServicer(self._engine, receiver, spec.worker_id, spec.role)
+        servicer = DecodeServicer(self._engine, receiver, spec.worker_id, spec.role, self.telemetry)
         server.add(  # type: ignore[attr-defined]
             lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
             [names["DecodeWorker"].full_name],
@@ -186,4 +207,5 @@ class WorkerRuntime:
         if self._transfer is not None:
             self._transfer.close()  # type: ignore[attr-defined]
         self._engine.stop()
+        self.telemetry.shutdown()  # flushes spans still batched
         self._loop.call_soon(self._loop.stop)

@@ -37,6 +37,8 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self.stats: dict[str, int] = {}
         self.on_step: Callable[[int, int, float], None] | None = None  # (prefill tokens, decode seqs, seconds)
+        # request id -> wall-clock ns when the first step that ran it began (its queue wait ends there)
+        self._started_ns: dict[str, int] = {}
         self._update_stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -102,6 +104,10 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
 
+    def take_started_ns(self, request_id: str) -> int | None:
+        """When the request first ran in a step (time.time_ns), once; None if it has not run."""
+        return self._started_ns.pop(request_id, None)
+
     @property
     def alive(self) -> bool:
         return self._error is None and self._thread.is_alive()
@@ -143,7 +149,9 @@ class AsyncEngine:
                     continue
                 decoding = len(self.engine.scheduler.running)
                 start = time.perf_counter()
+                start_ns = time.time_ns()
                 outputs = self.engine.step()
+                self._mark_started(outputs, start_ns)
                 if self.on_step is not None:
                     decode_seqs = min(decoding, self.engine.last_step_tokens)
                     self.on_step(self.engine.last_step_tokens - decode_seqs, decode_seqs, time.perf_counter() - start)
@@ -154,6 +162,14 @@ class AsyncEngine:
             log.exception("engine loop failed")
             self._error = e
             self._fail_all(EngineDeadError(f"engine failed: {e!r}"))
+
+    def _mark_started(self, outputs: list[RequestOutput], start_ns: int) -> None:
+        started = self._started_ns
+        for rid in [o.request_id for o in outputs] + [s.seq_id for s in self.engine.scheduler.running]:
+            if rid not in started and rid in self._streams:
+                started[rid] = start_ns
+        while len(started) > 4096:  # never taken (a caller that does not trace): forget the oldest
+            started.pop(next(iter(started)))
 
     def _apply_commands(self) -> None:
         while True:

@@ -15,6 +15,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes, load_model
 from pdserve.engine.models import resolve_model
+from pdserve.engine.request_checks import check_request
 from pdserve.engine.sampler import Sampler, make_generator
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import EngineMode, Scheduler
@@ -88,23 +89,11 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Everything about a request that can be wrong before it runs; raises InvalidRequestError."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt", "the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError("prompt_token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        sampling.check_vocab(vocab)
+        check_request(prompt_token_ids, sampling, self.model_config)
         total = len(prompt_token_ids) + sampling.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} "
-                f"exceeds the model's context of {self.max_model_len} tokens",
-            )
         if self.blocks.blocks_for(total) > self.blocks.num_blocks:
             raise InvalidRequestError(
-                "max_tokens",
+                "sampling.max_tokens",
                 f"prompt + max_tokens needs {self.blocks.blocks_for(total)} KV blocks; "
                 f"this worker has {self.blocks.num_blocks}",
             )

@@ -36,9 +36,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """Reject stop token ids the model cannot produce."""
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError("stop_token_ids", f"ids {bad} are outside the vocabulary [0, {vocab_size})")

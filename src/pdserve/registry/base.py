@@ -28,6 +28,8 @@ class WorkerState:
     waiting: int = 0
     profile: PerfProfile | None = None
     speed_factor: float = 1.0  # measured / profiled step time, from live steps
+    metrics_address: str = ""  # host:port serving this worker's Prometheus /metrics; "" when it serves none
+    kv_blocks_cached: int = 0  # free blocks that still hold prefix-cached KV (kept until evicted)
     updated_at: float = field(default_factory=time.time)
 
     def with_load(self, load: dict[str, Any]) -> WorkerState:
@@ -46,7 +48,15 @@ class WorkerState:
         return cls(**d)
 
 
-_LOAD_FIELDS = {"kv_blocks_total", "kv_blocks_free", "queued_prefill_tokens", "running", "waiting", "speed_factor"}
+_LOAD_FIELDS = {
+    "kv_blocks_total",
+    "kv_blocks_free",
+    "kv_blocks_cached",
+    "queued_prefill_tokens",
+    "running",
+    "waiting",
+    "speed_factor",
+}
 
 
 class Registry(ABC):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,8 +22,10 @@ CHANNEL_OPTIONS = [
 class Server:
     """A grpc.aio server with health (NOT_SERVING until `set_serving`), reflection and the error interceptor."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self._server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=CHANNEL_OPTIONS)
+    def __init__(self, host: str, port: int, interceptors: Sequence[Any] = ()) -> None:
+        # Tracing interceptors first (outermost), so their spans see the status the error mapping chose.
+        chain = [*interceptors, ErrorMappingInterceptor()]
+        self._server = grpc.aio.server(interceptors=chain, options=CHANNEL_OPTIONS)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port = self._server.add_insecure_port(f"{host}:{port}")
@@ -51,5 +54,6 @@ class Server:
         await self._server.wait_for_termination()
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, interceptors: Sequence[Any] | None = None) -> grpc.aio.Channel:
+    """`interceptors`: a service's tracing client interceptors, so the trace context rides the metadata."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors or None)

@@ -240,8 +240,8 @@ def test_stop_token_id_ends_with_stop(engine: LLMEngine, reference: list[list[in
         ([], SamplingParams(), "prompt"),
         ([5, 259], SamplingParams(), "prompt_token_ids"),
         ([-1, 5], SamplingParams(), "prompt_token_ids"),
-        ([5] * 100, SamplingParams(max_tokens=4000), "max_tokens"),  # 4100 > the 4096-token context
-        ([5], SamplingParams(stop_token_ids=(259,)), "stop_token_ids"),
+        ([5] * 100, SamplingParams(max_tokens=4000), "sampling.max_tokens"),  # 4100 > the 4096-token context
+        ([5], SamplingParams(stop_token_ids=(259,)), "sampling.stop_token_ids"),
     ],
 )
 def test_invalid_requests_are_rejected(

@@ -1,0 +1,68 @@
+"""The Admin service: the router's view of the cluster for `pdserve status`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.metrics import RecentLatencies
+from pdserve.registry.base import Registry, WorkerState
+from pdserve.rpc.server import channel
+from pdserve.v1 import admin_pb2 as apb
+from pdserve.v1 import admin_pb2_grpc
+
+HEALTH_TIMEOUT_S = 1.0
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, registry: Registry, recent: RecentLatencies, router: object) -> None:
+        self.registry = registry
+        self.recent = recent
+        self.router = router  # the GenerationServicer: in-flight count and draining flag
+
+    async def ClusterStatus(  # noqa: N802 (gRPC method name)
+        self, request: apb.ClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> apb.ClusterStatusResponse:
+        workers = sorted(self.registry.workers(), key=lambda w: (w.role, w.worker_id))
+        health = await asyncio.gather(*(_health(w.address) for w in workers))
+        return apb.ClusterStatusResponse(
+            workers=[self._status(w, h) for w, h in zip(workers, health, strict=True)],
+            in_flight=getattr(self.router, "in_flight", 0),
+            draining=getattr(self.router, "draining", False),
+        )
+
+    def _status(self, w: WorkerState, health: str) -> apb.WorkerStatus:
+        ttft = self.recent.quantiles(w.worker_id, "ttft")
+        tpot = self.recent.quantiles(w.worker_id, "tpot")
+        return apb.WorkerStatus(
+            id=w.worker_id,
+            role=w.role,
+            address=w.address,
+            health=health,
+            running=w.running,
+            waiting=w.waiting,
+            queued_prefill_tokens=w.queued_prefill_tokens,
+            kv_blocks_used=w.kv_blocks_total - w.kv_blocks_free,
+            kv_blocks_cached=w.kv_blocks_cached,
+            kv_blocks_total=w.kv_blocks_total,
+            ttft_p50_ms=ttft[0] * 1e3,
+            ttft_p99_ms=ttft[1] * 1e3,
+            tpot_p50_ms=tpot[0] * 1e3,
+            tpot_p99_ms=tpot[1] * 1e3,
+            metrics_address=w.metrics_address,
+            state_age_s=max(0.0, time.time() - w.updated_at),
+        )
+
+
+async def _health(address: str) -> str:
+    try:
+        async with channel(address) as ch:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S
+            )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.aio.AioRpcError:
+        return "UNREACHABLE"

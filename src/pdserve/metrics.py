@@ -1,0 +1,97 @@
+"""The metric names and meanings (contract: see the observability issue), for the router and the workers."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from pdserve.telemetry import LATENCY_BUCKETS_S, TOKEN_BUCKETS_S
+
+OUTCOMES = ("finished", "rejected", "invalid", "cancelled", "failed")
+
+
+class RouterMetrics:
+    """Request latencies as the router sees them (it relays every token), and how requests ended."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.ttft = meter.create_histogram(
+            "pdserve_time_to_first_token_seconds", unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S
+        )
+        self.tpot = meter.create_histogram(
+            "pdserve_time_per_output_token_seconds", unit="s", explicit_bucket_boundaries_advisory=TOKEN_BUCKETS_S
+        )
+        self.itl = meter.create_histogram(
+            "pdserve_inter_token_latency_seconds", unit="s", explicit_bucket_boundaries_advisory=TOKEN_BUCKETS_S
+        )
+        self.e2e = meter.create_histogram(
+            "pdserve_e2e_request_latency_seconds", unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S
+        )
+        self.requests = meter.create_counter("pdserve_requests_total", description="requests by outcome")
+
+
+class WorkerMetrics:
+    """One worker's load (gauges read from the engine's stats when scraped) and its KV traffic."""
+
+    def __init__(
+        self,
+        meter: Meter,
+        worker_id: str,
+        role: str,
+        stats: Callable[[], dict[str, int]],
+        prefix_hits: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.labels = {"worker_id": worker_id, "role": role}
+        self._stats = stats
+        for name, key, what in (
+            ("pdserve_queue_tokens", "queued_prefill_tokens", "prompt tokens waiting for prefill"),
+            ("pdserve_running_sequences", "running", "sequences in the running batch"),
+            ("pdserve_kv_blocks_used", "kv_blocks_used", "KV blocks held by live sequences or transfers"),
+            ("pdserve_kv_blocks_cached", "kv_blocks_cached", "KV blocks kept only by the prefix cache"),
+            ("pdserve_kv_blocks_total", "kv_blocks_total", "KV blocks in the cache"),
+        ):
+            meter.create_observable_gauge(name, callbacks=[self._gauge(key)], description=what)
+        meter.create_observable_counter(
+            "pdserve_prefix_cache_hits_total",
+            callbacks=[lambda options: [Observation(prefix_hits(), self.labels)]],
+            description="KV blocks served from the prefix cache instead of computed",
+        )
+        self.transfer_bytes = meter.create_counter(
+            "pdserve_kv_transfer_bytes_total", description="KV bytes sent to decode workers"
+        )
+        self.transfer_seconds = meter.create_histogram(
+            "pdserve_kv_transfer_seconds", unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S
+        )
+
+    def _gauge(self, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(self._stats().get(key, 0), self.labels)]
+
+        return observe
+
+
+class RecentLatencies:
+    """The last `size` TTFT and TPOT samples per worker, for `pdserve status` (p50, p99)."""
+
+    def __init__(self, size: int = 512) -> None:
+        self.size = size
+        self._samples: dict[tuple[str, str], deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, worker_id: str, kind: str, seconds: float) -> None:
+        with self._lock:
+            self._samples.setdefault((worker_id, kind), deque(maxlen=self.size)).append(seconds)
+
+    def quantiles(self, worker_id: str, kind: str) -> tuple[float, float]:
+        """(p50, p99) in seconds; zeros without samples."""
+        with self._lock:
+            values = sorted(self._samples.get((worker_id, kind), ()))
+        if not values:
+            return 0.0, 0.0
+        return _pick(values, 0.5), _pick(values, 0.99)
+
+
+def _pick(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))]

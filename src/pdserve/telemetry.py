@@ -1,0 +1,150 @@
+"""Tracing, metrics and structured logs for one service (router, prefill or decode worker).
+
+One `Telemetry` per service, each with its own tracer provider (resource `service.name`) and its own
+Prometheus registry, so several services can live in one process (tests) without mixing. Spans are
+exported only when the standard OTEL_* variables ask for it; the sampler and batch settings are the
+SDK's own OTEL_* handling. Trace context rides gRPC metadata through the instrumentation interceptors.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import time
+from typing import Any
+
+from opentelemetry import metrics, trace
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from prometheus_client import CollectorRegistry, start_http_server
+
+from pdserve import env
+
+# Seconds: first tokens and whole requests (TTFT, e2e) span ms to minutes; per-token gaps ms to seconds.
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_id", default=None)
+
+
+def default_span_processor() -> SpanProcessor | None:
+    """What the OTEL_* environment asks for; None when it asks for nothing (no endpoint, no exporter)."""
+    kind = env.otel_traces_exporter()
+    if kind is None:
+        return None
+    if kind == "console":
+        return BatchSpanProcessor(ConsoleSpanExporter())
+    if env.otel_traces_protocol() == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
+    return BatchSpanProcessor(OTLPSpanExporter())
+
+
+class Telemetry:
+    """One service's tracer, meter, gRPC interceptors and /metrics endpoint.
+
+    `span_processor` replaces the environment's choice (tests pass a SimpleSpanProcessor around an
+    InMemorySpanExporter); without either, spans are still created so context propagates, never exported.
+    """
+
+    def __init__(self, service: str, span_processor: SpanProcessor | None = None, enabled: bool = True) -> None:
+        self.service = service
+        self.enabled = enabled
+        self.registry = CollectorRegistry()
+        self._http: Any = None
+        if not enabled:  # no spans, no metrics, no interceptors: the baseline overhead is measured against
+            self.tracer_provider: Any = trace.NoOpTracerProvider()
+            self.meter_provider: Any = metrics.NoOpMeterProvider()
+        else:
+            resource = Resource.create({SERVICE_NAME: service})
+            self.tracer_provider = TracerProvider(resource=resource)
+            processor = span_processor or default_span_processor()
+            if processor is not None:
+                self.tracer_provider.add_span_processor(processor)
+            reader = PrometheusMetricReader(registry=self.registry)
+            self.meter_provider = MeterProvider(metric_readers=[reader], resource=resource)
+        self.tracer = self.tracer_provider.get_tracer("pdserve")
+        self.meter = self.meter_provider.get_meter("pdserve")
+
+    def server_interceptors(self) -> list[Any]:
+        return [aio_server_interceptor(tracer_provider=self.tracer_provider)] if self.enabled else []
+
+    def client_interceptors(self) -> list[Any]:
+        return list(aio_client_interceptors(tracer_provider=self.tracer_provider)) if self.enabled else []
+
+    def serve_metrics(self, host: str, port: int = 0) -> int:
+        """Serves this service's metrics at http://host:port/metrics (port 0: a free one); returns the port."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_port)
+
+    def span(self, name: str, start_ns: int, end_ns: int, **attributes: Any) -> None:
+        """A span measured after the fact (queue waits: their start is known only once they end)."""
+        span = self.tracer.start_span(name, start_time=start_ns, attributes=_attrs(attributes))
+        span.end(end_time=max(end_ns, start_ns))
+
+    def shutdown(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        if self.enabled:
+            self.tracer_provider.shutdown()
+            self.meter_provider.shutdown()
+
+
+def _attrs(attributes: dict[str, Any]) -> dict[str, Any]:
+    return {k.replace("__", "."): v for k, v in attributes.items() if v is not None}
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, request_id (null outside a request), extras."""
+
+    _SKIP = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+            "request_id": getattr(record, "request_id", None) or request_id_var.get(),
+        }
+        extras = {k: v for k, v in vars(record).items() if k not in self._SKIP and not k.startswith("_")}
+        line.update({k: v for k, v in extras.items() if k not in line})
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def configure_logging(level: str | int = "INFO", service: str | None = None) -> None:
+    """Structured logs on stderr for this process, at `level` (a name or number)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter())
+    if service:
+        handler.addFilter(_ServiceFilter(service))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(level.upper() if isinstance(level, str) else level)
+    logging.Formatter.converter = time.gmtime
+
+
+class _ServiceFilter(logging.Filter):
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.service = self.service
+        return True
