@@ -35,7 +35,7 @@ lint: install
 # Regenerate src/pdserve/v1 from protos/ (a test fails when the committed code is stale).
 proto: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=src --grpc_python_out=src --pyi_out=src \
-	  protos/pdserve/v1/generate.proto protos/pdserve/v1/worker.proto
+	  protos/pdserve/v1/generate.proto protos/pdserve/v1/worker.proto protos/pdserve/v1/admin.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info

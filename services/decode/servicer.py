@@ -51,12 +51,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         sampling = sampling_from_pb(request.sampling, default_max_tokens=16)
         ids = {"request.id": request_id, "worker.id": self.worker_id}
         if not request.prefill_address:
-            with self.telemetry.tracer.start_as_current_span("decode.stream", attributes=ids) as span:
-                tokens = 0
+            # Not made current: a span context entered across `yield`s can be left from another context.
+            span = self.telemetry.tracer.start_span("decode.stream", attributes=ids)
+            tokens = 0
+            try:
                 async for out in self.engine.generate(request_id, prompt, sampling):
                     tokens += len(out.new_token_ids)
-                    span.set_attribute("completion_tokens", tokens)
                     yield _with_cached(output_to_pb(out), out.finished, out.num_cached_tokens)
+            finally:
+                span.set_attribute("completion_tokens", tokens)
+                span.end()
             return
         if self.receiver is None:
             raise UnavailableError(f"worker {self.worker_id} ({self.role}) takes no KV hand-offs")

@@ -9,10 +9,10 @@ import time
 import grpc
 import pytest
 
+from pdserve.cluster.local_process import ClusterProcess
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
-from pdserve.cluster.local_process import ClusterProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 BURST, PROMPT_TOKENS, TTFT_SLO_MS = 100, 500, 3000.0

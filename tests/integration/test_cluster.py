@@ -8,6 +8,7 @@ import math
 import grpc
 import pytest
 
+from pdserve.cluster.local_process import ClusterProcess, alive, descendants
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
@@ -16,7 +17,6 @@ from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from pdserve.v1 import worker_pb2 as wpb
-from pdserve.cluster.local_process import ClusterProcess, alive, descendants
 
 pytestmark = pytest.mark.timeout(300)
 MODES = {

@@ -1,0 +1,220 @@
+"""Traces, metrics and `pdserve status` of a real `pdserve up` (Ray actors, real gRPC, real KV transfer).
+
+The workers run in other processes, so their in-memory exporters cannot be read from here: the cluster
+exports with the SDK's own OTLP/gRPC exporter (configured only by OTEL_* variables, as in production) to a
+small OTLP trace receiver running in this test process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from concurrent import futures
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.cluster.local_process import ClusterProcess, free_port
+from pdserve.rpc.client import generate
+from pdserve.v1 import generate_pb2 as pb
+
+pytestmark = pytest.mark.timeout(180)
+SERVICES = {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
+
+
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP trace receiver: keeps every span with its resource's service.name."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, object]] = []
+        self.lock = threading.Lock()
+
+    def Export(self, request, context):  # noqa: N802
+        with self.lock:
+            for rs in request.resource_spans:
+                attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
+                for ss in rs.scope_spans:
+                    self.spans.extend((attrs.get("service.name", ""), s) for s in ss.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def trace(self, trace_id: bytes) -> list[tuple[str, object]]:
+        with self.lock:
+            return [(svc, s) for svc, s in self.spans if s.trace_id == trace_id]
+
+    def trace_of(self, request_id: str) -> bytes | None:
+        with self.lock:
+            for svc, s in self.spans:
+                if svc == "pdserve-router" and any(
+                    a.key == "request.id" and a.value.string_value == request_id for a in s.attributes
+                ):
+                    return s.trace_id
+        return None
+
+
+@pytest.fixture(scope="module")
+def collector():
+    c = Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(c, server)
+    c.port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield c
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def cluster(collector, tmp_path_factory):
+    log = tmp_path_factory.mktemp("observability") / "cluster.log"
+    metrics_port = free_port()
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--prefill", "1", "--decode", "1"]
+    proc = ClusterProcess(*args, "--metrics-port", str(metrics_port), log_path=log, env=env)
+    proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    yield proc
+    proc.stop()
+
+
+def run(address: str, request: pb.GenerateRequest, n: int = 1) -> list:
+    async def one():
+        result = None
+        async for _, running in generate(address, request, 60):
+            result = running
+        return result
+
+    async def all_():
+        return await asyncio.gather(*(one() for _ in range(n)))
+
+    return asyncio.run(all_())
+
+
+def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    return samples
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == w for k, w in labels.items()))
+
+
+def status_json(address: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "status", "--addr", address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_one_request_is_one_trace_across_all_three_services(cluster, collector):
+    request_id = uuid.uuid4().hex
+    request = pb.GenerateRequest(
+        request_id=request_id, prompt="trace me " * 5, sampling=pb.SamplingParams(max_tokens=6)
+    )
+    (result,) = run(cluster.address, request)
+    assert len(result.token_ids) >= 1
+    want = {
+        "admission",
+        "placement",
+        "prefill.queue_wait",
+        "prefill.compute",
+        "kv_transfer.send",
+        "kv_transfer.recv",
+        "decode.queue_wait",
+        "decode.stream",
+    }
+    deadline = time.monotonic() + 20
+    while True:
+        trace_id = collector.trace_of(request_id)
+        spans = collector.trace(trace_id) if trace_id else []
+        names = {s.name for _, s in spans}
+        if (want <= names and {svc for svc, _ in spans} == SERVICES) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert trace_id is not None, "no router span carried the request id"
+    assert {svc for svc, _ in spans} == SERVICES, sorted(names)
+    assert want <= names, sorted(want - names)
+    ids = {s.span_id for _, s in spans}
+    roots = [s for _, s in spans if not s.parent_span_id]
+    assert len(roots) == 1 and roots[0].name.endswith("Generation/Generate"), [s.name for s in roots]
+    orphans = [s.name for _, s in spans if s.parent_span_id and s.parent_span_id not in ids]
+    assert not orphans, orphans  # every parent link resolves inside the one trace, across both gRPC hops
+    by_name = {s.name: (svc, s) for svc, s in spans}
+    stream_svc, stream = by_name["decode.stream"]
+    assert stream_svc == "pdserve-decode"
+    attrs = {a.key: a.value for a in stream.attributes}
+    assert attrs["completion_tokens"].int_value == len(result.token_ids) and attrs["worker.id"].string_value
+
+
+def test_metrics_count_requests_and_blocks_return_to_zero(cluster):
+    n = 5
+    before = scrape(cluster.metrics_url)
+    results = run(cluster.address, pb.GenerateRequest(prompt="count me", sampling=pb.SamplingParams(max_tokens=8)), n)
+    assert all(r.token_ids for r in results)
+    after = scrape(cluster.metrics_url)
+    name = "pdserve_time_to_first_token_seconds_count"
+    assert total(after, name) - total(before, name) == n
+    finished = "pdserve_requests_total"
+    assert total(after, finished, outcome="finished") - total(before, finished, outcome="finished") == n
+    assert total(after, "pdserve_e2e_request_latency_seconds_count") >= n
+
+    workers = status_json(cluster.address)["workers"]
+    assert {w["role"] for w in workers} == {"prefill", "decode"}
+    urls = {w["id"]: f"http://{w['metrics_address']}/metrics" for w in workers}
+    deadline = time.monotonic() + 15
+    while True:
+        used = {w: total(scrape(u), "pdserve_kv_blocks_used") for w, u in urls.items()}
+        if not any(used.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not any(used.values()), used
+    prefill = next(u for w, u in urls.items() if w.startswith("prefill"))
+    samples = scrape(prefill)
+    assert total(samples, "pdserve_kv_transfer_bytes_total") > 0
+    assert total(samples, "pdserve_kv_transfer_seconds_count") > 0
+    assert total(samples, "pdserve_kv_blocks_total") > 0
+
+
+def test_status_lists_workers_with_block_counts(cluster):
+    run(cluster.address, pb.GenerateRequest(prompt="status", sampling=pb.SamplingParams(max_tokens=4)))
+    workers = status_json(cluster.address)["workers"]
+    assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
+    for w in workers:
+        assert {
+            "id",
+            "role",
+            "address",
+            "kv_blocks_used",
+            "kv_blocks_cached",
+            "kv_blocks_total",
+            "running",
+            "waiting",
+        } <= set(w)
+        assert w["kv_blocks_total"] > 0 and 0 <= w["kv_blocks_used"] <= w["kv_blocks_total"]
+        assert w["health"] == "SERVING"
+    table = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "status", "--addr", cluster.address],
+        env={**os.environ, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert table.returncode == 0 and "prefill-0" in table.stdout and "decode-1" in table.stdout, table.stdout

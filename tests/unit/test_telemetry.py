@@ -1,0 +1,54 @@
+"""Telemetry set-up: nothing exported without OTEL_* settings, context across a grpc.aio hop, JSON logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from pdserve.rpc.server import Server, channel
+from pdserve.telemetry import JsonFormatter, Telemetry, default_span_processor, request_id_var
+
+
+def test_nothing_exported_without_otel_settings(monkeypatch):
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER"):
+        monkeypatch.delenv(name, raising=False)
+    assert default_span_processor() is None
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert default_span_processor() is None
+
+
+async def test_one_trace_across_a_grpc_hop_with_a_provider_per_service():
+    exporter = InMemorySpanExporter()
+    server_side = Telemetry("pdserve-decode", span_processor=SimpleSpanProcessor(exporter))
+    client_side = Telemetry("pdserve-router", span_processor=SimpleSpanProcessor(exporter))
+    server = Server("127.0.0.1", 0, server_side.server_interceptors())
+    await server.start()
+    await server.set_serving(True)
+    try:
+        with client_side.tracer.start_as_current_span("admission"):
+            async with channel(server.address, client_side.client_interceptors()) as ch:
+                await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    finally:
+        await server.stop(None)
+    spans = exporter.get_finished_spans()
+    assert {s.resource.attributes["service.name"] for s in spans} == {"pdserve-router", "pdserve-decode"}
+    assert len({s.context.trace_id for s in spans}) == 1
+    ids = {s.context.span_id for s in spans}
+    assert [s.name for s in spans if s.parent is None] == ["admission"]
+    assert all(s.parent.span_id in ids for s in spans if s.parent is not None)
+
+
+def test_json_log_lines_carry_the_request_id():
+    record = logging.LogRecord("x", logging.INFO, __file__, 1, "done %s", ("ok",), None)
+    record.outcome = "finished"
+    token = request_id_var.set("req-1")
+    try:
+        line = json.loads(JsonFormatter().format(record))
+    finally:
+        request_id_var.reset(token)
+    assert line["msg"] == "done ok" and line["request_id"] == "req-1" and line["outcome"] == "finished"
