@@ -29,8 +29,8 @@ test: model redis-server
 	$(PY) -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check src services tests
-	$(VENV)/bin/ruff format --check src services tests
+	$(VENV)/bin/ruff check src services loadgen tests
+	$(VENV)/bin/ruff format --check src services loadgen tests
 
 # Regenerate src/pdserve/v1 from protos/ (a test fails when the committed code is stale).
 proto: install

@@ -1,0 +1,1 @@
+"""loadgen: the SLO benchmark harness for pdserve's public Generate API."""

@@ -1,0 +1,156 @@
+"""`loadgen`: benchmark a pdserve cluster (`loadgen --addr HOST:PORT ...`) or compare two results
+(`loadgen compare A.json B.json`). Flags are named as in `vllm bench serve`."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+
+from loadgen.metrics import GoodputSLO
+from loadgen.workload import DATASETS, WorkloadConfig
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["compare"]:
+        return _compare(_compare_parser().parse_args(argv[1:]))
+    return _bench(_bench_parser().parse_args(argv))
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(r) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rates like 0.5,1,2 or inf, got {text!r}") from None
+    if any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"request rates must be > 0, got {text!r}")
+    return rates
+
+
+def _bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loadgen", description=__doc__)
+    p.add_argument("--addr", required=True, help="router HOST:PORT")
+    p.add_argument("--model", default="smollm2-135m", help="the served model; its vocabulary bounds the prompt ids")
+    p.add_argument("--dataset-name", choices=DATASETS, default="random")
+    p.add_argument("--num-prompts", type=int, default=1000, help="requests per rate (a trace: at most this many)")
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    p.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    p.add_argument("--trace", type=Path, help="Mooncake-format JSONL: timestamp (ms), input_length, output_length")
+    p.add_argument(
+        "--request-rate",
+        "--sweep",
+        type=_rates,
+        default=None,
+        help="requests per second, inf = all at once (default); a comma list (0.5,1,2,4) runs each in turn",
+    )
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLO bounds: ttft:MS tpot:MS e2el:MS")
+    p.add_argument(
+        "--send-slo", action="store_true", help="send the ttft/tpot bounds with each request (router admission)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-json", type=Path, help="write the results (with per-request records) here")
+    p.add_argument("--plot-dir", type=Path, help="write PNG plots here")
+    return p
+
+
+def _compare_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loadgen compare", description="two result files side by side, ratios B / A")
+    p.add_argument("a", type=Path)
+    p.add_argument("b", type=Path)
+    p.add_argument("--plot-dir", type=Path, help="write both runs into the same PNG plots here")
+    return p
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from loadgen.benchmark import BenchmarkConfig, ClusterCheckFailed, run_benchmark
+    from loadgen.report import write_results
+
+    console, errors = Console(), Console(stderr=True)
+    if args.dataset_name == "trace" and args.request_rate is not None:
+        errors.print("loadgen: a trace replays its own timestamps; drop --request-rate", style="red")
+        return 2
+    try:
+        config = BenchmarkConfig(
+            address=args.addr,
+            workload=WorkloadConfig(
+                dataset_name=args.dataset_name,
+                num_prompts=args.num_prompts,
+                vocab_size=_vocab_size(args.model),
+                random_input_len=args.random_input_len,
+                random_output_len=args.random_output_len,
+                random_range_ratio=args.random_range_ratio,
+                prefix_len=args.prefix_repetition_prefix_len,
+                suffix_len=args.prefix_repetition_suffix_len,
+                num_prefixes=args.prefix_repetition_num_prefixes,
+                prefix_output_len=args.prefix_repetition_output_len,
+                trace=args.trace,
+            ),
+            model=args.model,
+            request_rates=args.request_rate or (math.inf,),
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            slo=GoodputSLO.parse(args.goodput),
+            seed=args.seed,
+            send_slo=args.send_slo,
+        )
+    except (ValueError, OSError, RuntimeError) as e:  # bad flags, or a model whose vocabulary cannot be read
+        errors.print(f"loadgen: {e}", style="red")
+        return 2
+    try:
+        results = run_benchmark(config, console)
+    except (ClusterCheckFailed, TimeoutError) as e:
+        errors.print(f"loadgen: {str(e) or 'no answer from ' + args.addr}", style="red")
+        return 1
+    if args.result_json:
+        write_results(args.result_json, results)
+    if args.plot_dir:
+        _plot(console, args.plot_dir, {args.result_json.stem if args.result_json else "run": results})
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from loadgen.report import comparison_table, load_runs, sweep_table
+
+    console = Console()
+    runs_a, runs_b = load_runs(args.a), load_runs(args.b)
+    label_a, label_b = args.a.stem, args.b.stem
+    if label_a == label_b:
+        label_a, label_b = str(args.a), str(args.b)
+    for a, b in zip(runs_a, runs_b, strict=False):
+        console.print(comparison_table(a, b, label_a, label_b))
+    if len(runs_a) > 1 or len(runs_b) > 1:
+        console.print(sweep_table(runs_a, runs_b, label_a, label_b))
+    if args.plot_dir:
+        _plot(console, args.plot_dir, {label_a: runs_a, label_b: runs_b})
+    return 0
+
+
+def _plot(console: Console, plot_dir: Path, series: dict) -> None:
+    from loadgen.plots import write_plots
+
+    for path in write_plots(plot_dir, series):
+        console.print(f"wrote {path}")
+
+
+def _vocab_size(model: str) -> int:
+    """From the model's config, so random prompt ids are always valid for the served model."""
+    from pdserve.engine.models import resolve_model
+    from pdserve.engine.weights import read_config
+
+    return int(read_config(resolve_model(model))["vocab_size"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

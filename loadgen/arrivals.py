@@ -1,0 +1,29 @@
+"""When each request is sent: gamma-distributed gaps at a mean rate, as `vllm bench serve` draws them.
+
+Burstiness is the gamma shape: 1 gives a Poisson process (exponential gaps); below 1 burstier, above 1
+more regular. The mean gap stays 1 / rate whatever the shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from loadgen.workload import Request
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
+    """Seconds from the start for `n` requests; the first at 0. An infinite rate sends all at once."""
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError(f"request rate and burstiness must be > 0, got {rate} and {burstiness}")
+    if math.isinf(rate) or n == 0:
+        return np.zeros(n)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+def schedule(requests: list[Request], rate: float, burstiness: float, rng: np.random.Generator) -> list[Request]:
+    offsets = arrival_offsets(len(requests), rate, burstiness, rng)
+    return [replace(r, arrival_s=float(t)) for r, t in zip(requests, offsets, strict=True)]

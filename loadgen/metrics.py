@@ -1,0 +1,131 @@
+"""The metric definitions, as `vllm bench serve` has them, as pure functions of the client's records.
+
+Per request: TTFT is send -> first message carrying tokens; E2EL is send -> last message; TPOT is
+(E2EL - TTFT) / (output tokens - 1), defined for two or more tokens; ITL is each gap between consecutive
+token-carrying messages, spread evenly over the tokens of the later one (a message of k tokens after a
+gap g counts k gaps of g / k), so every token after the first has one ITL whatever the stream's chunking.
+A request is good when it completed and meets every goodput bound; goodput is good requests per second
+of the run, SLO attainment the share of all sent requests that were good.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loadgen.record import REJECTED, RequestRecord
+
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+PERCENTILES = (90, 99)
+
+
+@dataclass(frozen=True)
+class GoodputSLO:
+    """Upper bounds in milliseconds; None leaves the metric unbounded."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    @classmethod
+    def parse(cls, items: list[str]) -> GoodputSLO:
+        """From `--goodput ttft:500 tpot:50`."""
+        bounds: dict[str, float] = {}
+        for item in items:
+            name, sep, value = item.partition(":")
+            if not sep or name not in GOODPUT_METRICS:
+                raise ValueError(f"--goodput takes NAME:MS with NAME in {GOODPUT_METRICS}, got {item!r}")
+            ms = float(value)
+            if not ms > 0:
+                raise ValueError(f"--goodput bound must be > 0 ms, got {item!r}")
+            bounds[f"{name}_ms"] = ms
+        return cls(**bounds)
+
+    @property
+    def bounded(self) -> bool:
+        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2el_ms))
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+def ttft_s(record: RequestRecord) -> float | None:
+    return next((t for t, n in zip(record.message_times_s, record.message_tokens, strict=True) if n), None)
+
+
+def e2el_s(record: RequestRecord) -> float | None:
+    return record.message_times_s[-1] if record.message_times_s else None
+
+
+def tpot_s(record: RequestRecord) -> float | None:
+    first, last, n = ttft_s(record), e2el_s(record), record.output_tokens
+    if first is None or last is None or n < 2:
+        return None
+    return (last - first) / (n - 1)
+
+
+def itls_s(record: RequestRecord) -> list[float]:
+    gaps: list[float] = []
+    previous: float | None = None
+    for t, n in zip(record.message_times_s, record.message_tokens, strict=True):
+        if not n:
+            continue
+        if previous is not None:
+            gaps += [(t - previous) / n] * n
+        previous = t
+    return gaps
+
+
+def is_good(record: RequestRecord, slo: GoodputSLO) -> bool:
+    if not record.completed:
+        return False
+    for bound, value in ((slo.ttft_ms, ttft_s(record)), (slo.tpot_ms, tpot_s(record)), (slo.e2el_ms, e2el_s(record))):
+        if bound is not None and value is not None and value * 1e3 > bound:
+            return False
+    return True
+
+
+def summarize(records: list[RequestRecord], duration_s: float, slo: GoodputSLO) -> dict[str, Any]:
+    """The result fields of `vllm bench serve` (same names) plus rejected, failed and SLO attainment."""
+    done = [r for r in records if r.completed]
+    failures = Counter(r.status for r in records if not r.completed and r.status != REJECTED)
+    good = sum(is_good(r, slo) for r in records)
+    total_input = sum(r.input_len for r in done)
+    total_output = sum(r.output_tokens for r in done)
+    summary: dict[str, Any] = {
+        "duration": duration_s,
+        "completed": len(done),
+        "rejected": sum(r.status == REJECTED for r in records),
+        "failed": sum(failures.values()),
+        "failed_by_code": dict(failures),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(done) / duration_s,
+        "request_goodput": good / duration_s if slo.bounded else None,
+        "slo_attainment": good / len(records) if slo.bounded and records else None,
+        "output_throughput": total_output / duration_s,
+        "total_token_throughput": (total_input + total_output) / duration_s,
+    }
+    per_request: dict[str, list[float | None]] = {
+        "ttft": [ttft_s(r) for r in done],
+        "tpot": [tpot_s(r) for r in done],
+        "itl": [gap for r in done for gap in itls_s(r)],
+        "e2el": [e2el_s(r) for r in done],
+    }
+    for name, values in per_request.items():
+        summary |= _stats(name, [v * 1e3 for v in values if v is not None])
+    return summary
+
+
+def _stats(name: str, ms: list[float]) -> dict[str, float]:
+    """Mean, median, std and percentiles; 0 when there are no values, as vLLM reports them."""
+    values = np.asarray(ms or [0.0])
+    stats = {
+        f"mean_{name}_ms": float(values.mean()),
+        f"median_{name}_ms": float(np.median(values)),
+        f"std_{name}_ms": float(values.std()),
+    }
+    return stats | {f"p{p}_{name}_ms": float(np.percentile(values, p)) for p in PERCENTILES}

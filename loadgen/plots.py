@@ -1,0 +1,66 @@
+"""PNG figures of one or more labelled runs: TTFT and TPOT CDFs, SLO attainment and goodput vs request rate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display here, and none wanted
+
+import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
+import numpy as np  # noqa: E402
+
+from loadgen.report import rate_label  # noqa: E402
+
+Series = dict[str, list[dict[str, Any]]]  # label -> runs (one per request rate)
+
+
+def write_plots(plot_dir: Path, series: Series) -> list[Path]:
+    """Returns the files written; the rate plots need finite rates and the SLO ones --goodput bounds."""
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    written = [_cdf(plot_dir / f"{m}_cdf.png", series, m) for m in ("ttft", "tpot")]
+    runs = [r for rs in series.values() for r in rs]
+    if any(r["request_rate"] != "inf" for r in runs) and any(r["request_goodput"] is not None for r in runs):
+        written.append(_vs_rate(plot_dir / "slo_attainment.png", series, "slo_attainment", "SLO attainment"))
+        written.append(_vs_rate(plot_dir / "goodput.png", series, "request_goodput", "request goodput (req/s)"))
+    return written
+
+
+def _cdf(path: Path, series: Series, metric: str) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, runs in series.items():
+        for run in runs:
+            values = np.sort([r[f"{metric}_ms"] for r in run["requests"] if r[f"{metric}_ms"] is not None])
+            if len(values):
+                fraction = np.arange(1, len(values) + 1) / len(values)
+                ax.step(values, fraction, where="post", label=f"{label} @ {rate_label(run)}")
+    bound = next((r["goodput"].get(f"{metric}_ms") for rs in series.values() for r in rs), None)
+    if bound is not None:
+        ax.axvline(bound, color="black", linestyle="--", linewidth=1, label=f"SLO {bound:g} ms")
+    ax.set(xlabel=f"{metric.upper()} (ms)", ylabel="fraction of completed requests", title=f"{metric.upper()} CDF")
+    ax.set_xscale("log")
+    return _save(fig, ax, path)
+
+
+def _vs_rate(path: Path, series: Series, key: str, ylabel: str) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, runs in series.items():
+        points = sorted((r["request_rate"], r[key]) for r in runs if r["request_rate"] != "inf" and r[key] is not None)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    if key == "request_goodput":
+        rates = [r["request_rate"] for rs in series.values() for r in rs if r["request_rate"] != "inf"]
+        ax.plot([0, max(rates)], [0, max(rates)], color="gray", linestyle=":", label="offered rate")
+    ax.set(xlabel="request rate (req/s)", ylabel=ylabel, title=f"{ylabel} vs request rate")
+    ax.set_ylim(bottom=0)
+    return _save(fig, ax, path)
+
+
+def _save(fig: Any, ax: Any, path: Path) -> Path:
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,29 @@
+"""What the client saw of one request: when it was sent, when each streamed message came, how it ended."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+OK = "OK"
+REJECTED = "RESOURCE_EXHAUSTED"  # shed by the router's admission
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    input_len: int
+    output_len: int  # asked for (max_tokens with ignore_eos)
+    scheduled_s: float  # planned send time, from the run's start
+    start_s: float = 0.0  # actual send time, from the run's start (later than planned when concurrency is full)
+    status: str = OK  # a gRPC status code name
+    error: str = ""
+    message_times_s: list[float] = field(default_factory=list)  # from start_s to each streamed message
+    message_tokens: list[int] = field(default_factory=list)  # tokens in each streamed message
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.message_tokens)
+
+    @property
+    def completed(self) -> bool:
+        return self.status == OK

@@ -1,0 +1,113 @@
+"""What a person reads: the live progress bar, the summary and comparison tables, the result JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+COUNTS = [
+    ("completed", "Successful requests"),
+    ("rejected", "Rejected (RESOURCE_EXHAUSTED)"),
+    ("failed", "Failed (other status codes)"),
+    ("total_input_tokens", "Total input tokens"),
+    ("total_output_tokens", "Total generated tokens"),
+]
+RATES = [
+    ("duration", "Benchmark duration (s)"),
+    ("request_throughput", "Request throughput (req/s)"),
+    ("request_goodput", "Request goodput (req/s)"),
+    ("slo_attainment", "SLO attainment"),
+    ("output_throughput", "Output token throughput (tok/s)"),
+    ("total_token_throughput", "Total token throughput (tok/s)"),
+]
+LATENCIES = [
+    (f"{stat}_{m}_ms", f"{stat.capitalize()} {m.upper()} (ms)")
+    for m in ("ttft", "tpot", "itl", "e2el")
+    for stat in ("mean", "median", "std", "p90", "p99")
+]
+ROWS = COUNTS + RATES + LATENCIES
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.2f}"
+
+
+def rate_label(result: dict[str, Any]) -> str:
+    rate = result["request_rate"]
+    if result["dataset_name"] == "trace":
+        return "trace timestamps"
+    return "all at once" if rate == "inf" else f"{rate:g} req/s"
+
+
+def summary_table(result: dict[str, Any]) -> Table:
+    table = Table(title=f"{result['dataset_name']} @ {rate_label(result)}", title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, name in ROWS:
+        table.add_row(name, _fmt(result.get(key)))
+    if result["failed_by_code"]:
+        table.add_row("Failed by code", ", ".join(f"{k}: {v}" for k, v in result["failed_by_code"].items()))
+    return table
+
+
+def comparison_table(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b: str) -> Table:
+    """Side by side; the ratio is B / A."""
+    table = Table(title=f"{label_a} ({rate_label(a)}) vs {label_b} ({rate_label(b)})", title_justify="left")
+    for column, justify in (("metric", "left"), (label_a, "right"), (label_b, "right"), ("B / A", "right")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for key, name in ROWS:
+        va, vb = a.get(key), b.get(key)
+        ratio = vb / va if isinstance(va, int | float) and isinstance(vb, int | float) and va else None
+        table.add_row(name, _fmt(va), _fmt(vb), "-" if ratio is None else f"{ratio:.2f}x")
+    return table
+
+
+def sweep_table(runs_a: list[dict[str, Any]], runs_b: list[dict[str, Any]], label_a: str, label_b: str) -> Table:
+    """The headline of two sweeps: goodput, attainment and p99 TPOT per rate."""
+    table = Table(title=f"{label_a} vs {label_b} across the sweep (ratio B / A)", title_justify="left")
+    for column in ("rate", "goodput A", "goodput B", "B / A", "attain A", "attain B", "p99 TPOT A", "p99 TPOT B"):
+        table.add_column(column, justify="right")
+    for a, b in zip(runs_a, runs_b, strict=False):
+        ga, gb = a["request_goodput"], b["request_goodput"]
+        ratio = f"{gb / ga:.2f}x" if ga and gb is not None else "-"
+        rate = rate_label(a) if rate_label(a) == rate_label(b) else f"{rate_label(a)} / {rate_label(b)}"
+        attainment = (_fmt(a["slo_attainment"]), _fmt(b["slo_attainment"]))
+        table.add_row(rate, _fmt(ga), _fmt(gb), ratio, *attainment, _fmt(a["p99_tpot_ms"]), _fmt(b["p99_tpot_ms"]))
+    return table
+
+
+@contextmanager
+def progress(console: Console, total: int, description: str) -> Iterator[Callable[[Any], None]]:
+    """A live bar advanced once per finished request."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda _record: bar.advance(task)
+
+
+def write_results(path: Path, runs: list[dict[str, Any]]) -> None:
+    """One run: the run's object, as `vllm bench serve` writes it; a sweep: {"runs": [...]}, one per rate."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}, indent=1))
+
+
+def load_runs(path: Path) -> list[dict[str, Any]]:
+    data = json.loads(path.read_text())
+    return data.get("runs", [data])
+
+
+def json_rate(rate: float) -> float | str:
+    """JSON has no infinity; vLLM writes the string "inf"."""
+    return "inf" if math.isinf(rate) else rate

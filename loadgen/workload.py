@@ -1,0 +1,123 @@
+"""Datasets: what each request sends (prompt token ids) and how many tokens it asks back.
+
+Prompts are random token ids, so a run measures the serving system, not the text. Every run of a
+sweep draws its own prompts (the caller passes a fresh generator): the server's prefix cache must not
+turn a later rate's prefills into cache hits.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DATASETS = ("random", "sharegpt-synthetic", "prefix-repetition", "trace")
+FIRST_TOKEN_ID = 3  # ids below are special tokens (pad/bos/eos) in the built-in models
+TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake trace format
+
+# Lognormal (mu, sigma) of ShareGPT lengths, in tokens. The means after vLLM's filter below match the
+# published ShareGPT means (161 input, 338 output tokens; Kwon et al. 2023, the vLLM paper); the sigmas
+# are our choice, giving the heavy right tail (median input ~97, output ~230).
+SHAREGPT_INPUT = (4.62, 1.2)
+SHAREGPT_OUTPUT = (5.47, 0.95)
+SHAREGPT_MIN_LEN, SHAREGPT_MAX_INPUT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048  # vLLM's ShareGPT filter
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_token_ids: list[int]
+    output_len: int
+    arrival_s: float = 0.0  # offset from the run's start; set by the trace or by arrivals.schedule
+
+    @property
+    def input_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    dataset_name: str = "random"
+    num_prompts: int = 1000
+    vocab_size: int = 49152
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    random_range_ratio: float = 0.0
+    prefix_len: int = 256
+    suffix_len: int = 256
+    num_prefixes: int = 10
+    prefix_output_len: int = 128
+    trace: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.dataset_name not in DATASETS:
+            raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset_name!r}")
+        if not 0 <= self.random_range_ratio < 1:
+            raise ValueError(f"--random-range-ratio must be in [0, 1), got {self.random_range_ratio}")
+        if self.dataset_name == "trace" and self.trace is None:
+            raise ValueError("--dataset-name trace needs --trace PATH")
+        if self.vocab_size <= FIRST_TOKEN_ID:
+            raise ValueError(f"vocab size {self.vocab_size} leaves no ordinary token ids")
+
+
+def build_workload(config: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
+    builders = {
+        "random": _random,
+        "sharegpt-synthetic": _sharegpt_synthetic,
+        "prefix-repetition": _prefix_repetition,
+        "trace": _trace,
+    }
+    return builders[config.dataset_name](config, rng)
+
+
+def _tokens(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
+    return rng.integers(FIRST_TOKEN_ID, vocab_size, size=n).tolist()
+
+
+def _lengths(rng: np.random.Generator, length: int, ratio: float, n: int) -> np.ndarray:
+    """Uniform integers in [length * (1 - ratio), length * (1 + ratio)], as vLLM's random dataset; at least 1."""
+    low, high = max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+    return rng.integers(low, high + 1, size=n)
+
+
+def _random(c: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
+    inputs = _lengths(rng, c.random_input_len, c.random_range_ratio, c.num_prompts)
+    outputs = _lengths(rng, c.random_output_len, c.random_range_ratio, c.num_prompts)
+    return [Request(_tokens(rng, int(i), c.vocab_size), int(o)) for i, o in zip(inputs, outputs, strict=True)]
+
+
+def _sharegpt_synthetic(c: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
+    requests: list[Request] = []
+    while len(requests) < c.num_prompts:
+        i = max(SHAREGPT_MIN_LEN, round(rng.lognormal(*SHAREGPT_INPUT)))
+        o = max(SHAREGPT_MIN_LEN, round(rng.lognormal(*SHAREGPT_OUTPUT)))
+        if i <= SHAREGPT_MAX_INPUT and i + o <= SHAREGPT_MAX_TOTAL:
+            requests.append(Request(_tokens(rng, i, c.vocab_size), o))
+    return requests
+
+
+def _prefix_repetition(c: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
+    """`num_prefixes` shared prefixes, each used by an equal share of the prompts, in shuffled order."""
+    prefixes = [_tokens(rng, c.prefix_len, c.vocab_size) for _ in range(c.num_prefixes)]
+    order = rng.permutation(np.arange(c.num_prompts) % c.num_prefixes)
+    return [Request(prefixes[p] + _tokens(rng, c.suffix_len, c.vocab_size), c.prefix_output_len) for p in order]
+
+
+def _trace(c: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
+    """Mooncake-format JSONL replayed from its first timestamp; equal hash ids give equal prompt blocks."""
+    assert c.trace is not None
+    lines = [json.loads(line) for line in c.trace.read_text().splitlines() if line.strip()][: c.num_prompts]
+    if not lines:
+        raise ValueError(f"trace {c.trace} holds no requests")
+    start_ms = min(line["timestamp"] for line in lines)
+    seed = int(rng.integers(2**63))  # one seed for the whole trace, so a hash id means one block everywhere
+    requests = []
+    for line in lines:
+        prompt: list[int] = []
+        for hash_id in line.get("hash_ids", []):
+            prompt += _tokens(np.random.default_rng([seed, hash_id]), TRACE_BLOCK_TOKENS, c.vocab_size)
+        n = line["input_length"]
+        prompt = prompt[:n] + _tokens(rng, max(0, n - len(prompt)), c.vocab_size)
+        requests.append(Request(prompt, line["output_length"], (line["timestamp"] - start_ms) / 1e3))
+    return requests

@@ -1,0 +1,52 @@
+"""Arrival times: gamma gaps at the asked mean rate, Poisson at burstiness 1, seeded."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from loadgen.arrivals import arrival_offsets, schedule
+from loadgen.workload import Request
+
+
+@pytest.mark.parametrize("burstiness", [0.5, 1.0, 4.0])
+def test_gaps_have_the_asked_mean_and_gamma_spread(burstiness):
+    rate, n = 8.0, 40_001
+    gaps = np.diff(arrival_offsets(n, rate, burstiness, np.random.default_rng(1)))
+    assert gaps.mean() == pytest.approx(1 / rate, rel=0.03)
+    # A gamma of shape k has coefficient of variation 1 / sqrt(k): 1 for Poisson.
+    assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.05)
+
+
+def test_poisson_gaps_are_exponential():
+    rate = 3.0
+    gaps = np.sort(np.diff(arrival_offsets(5001, rate, 1.0, np.random.default_rng(2))))
+    empirical = np.arange(1, len(gaps) + 1) / len(gaps)
+    ks = np.max(np.abs(empirical - (1 - np.exp(-rate * gaps))))
+    assert ks < 1.63 / math.sqrt(len(gaps))  # Kolmogorov-Smirnov at the 1% level
+
+
+def test_first_at_zero_increasing_and_seeded():
+    a = arrival_offsets(50, 2.0, 1.0, np.random.default_rng(7))
+    assert a[0] == 0.0 and np.all(np.diff(a) > 0)
+    assert np.array_equal(a, arrival_offsets(50, 2.0, 1.0, np.random.default_rng(7)))
+    assert not np.array_equal(a, arrival_offsets(50, 2.0, 1.0, np.random.default_rng(8)))
+
+
+def test_infinite_rate_sends_everything_at_once():
+    assert np.array_equal(arrival_offsets(5, math.inf, 1.0, np.random.default_rng(0)), np.zeros(5))
+
+
+def test_bad_rates_are_refused():
+    for rate, burstiness in ((0.0, 1.0), (-1.0, 1.0), (1.0, 0.0)):
+        with pytest.raises(ValueError):
+            arrival_offsets(3, rate, burstiness, np.random.default_rng(0))
+
+
+def test_schedule_sets_the_offsets_and_keeps_the_requests():
+    requests = [Request([3, 4], 5), Request([5], 6), Request([7, 8, 9], 7)]
+    scheduled = schedule(requests, 10.0, 1.0, np.random.default_rng(0))
+    assert [r.prompt_token_ids for r in scheduled] == [r.prompt_token_ids for r in requests]
+    assert [r.arrival_s for r in scheduled] == arrival_offsets(3, 10.0, 1.0, np.random.default_rng(0)).tolist()

@@ -1,0 +1,48 @@
+"""Result files, `loadgen compare` and the plots, from hand-made runs."""
+
+from __future__ import annotations
+
+import json
+
+from loadgen.__main__ import main
+from loadgen.benchmark import BenchmarkConfig, build_result
+from loadgen.metrics import GoodputSLO
+from loadgen.record import RequestRecord
+from loadgen.report import load_runs, write_results
+from loadgen.workload import WorkloadConfig
+
+CONFIG = BenchmarkConfig(address="x:1", workload=WorkloadConfig(), slo=GoodputSLO(ttft_ms=300, tpot_ms=100))
+
+
+def run(rate: float, ttfts: list[float], duration_s: float) -> dict:
+    records = []
+    for i, ttft in enumerate(ttfts):
+        r = RequestRecord(f"r{i}", input_len=8, output_len=3, scheduled_s=i / rate)
+        r.message_times_s, r.message_tokens = [ttft, ttft + 0.05, ttft + 0.1], [1, 1, 1]
+        records.append(r)
+    return build_result(CONFIG, rate, records, duration_s)
+
+
+def test_single_run_file_has_vllm_fields_at_top_level(tmp_path):
+    path = tmp_path / "one.json"
+    write_results(path, [run(1.0, [0.1, 0.2], 2.0)])
+    data = json.loads(path.read_text())
+    for key in ("completed", "total_input_tokens", "request_goodput", "mean_ttft_ms", "p99_e2el_ms", "duration"):
+        assert key in data
+    assert data["request_rate"] == 1.0 and data["goodput"] == {"ttft_ms": 300, "tpot_ms": 100}
+    assert [r["ttft_ms"] for r in data["requests"]] == [100.0, 200.0]
+    assert load_runs(path) == [data]
+
+
+def test_compare_prints_ratios_and_plots_both_sweeps(tmp_path, capsys):
+    a, b = tmp_path / "colocated.json", tmp_path / "disaggregated.json"
+    write_results(a, [run(1.0, [0.1, 0.5], 2.0), run(2.0, [0.5, 0.5], 2.0)])  # goodput 0.5, then 0
+    write_results(b, [run(1.0, [0.1, 0.2], 2.0), run(2.0, [0.1, 0.5], 2.0)])  # goodput 1.0, then 0.5
+    assert len(load_runs(a)) == 2
+    assert main(["compare", str(a), str(b), "--plot-dir", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out
+    assert "Request goodput (req/s)" in out and "2.00x" in out
+    assert "across the sweep" in out
+    names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert names == ["goodput.png", "slo_attainment.png", "tpot_cdf.png", "ttft_cdf.png"]
+    assert all((tmp_path / "plots" / n).stat().st_size > 10_000 for n in names)
