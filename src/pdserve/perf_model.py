@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-PREFILL_LENGTHS = (32, 128, 512)
+PREFILL_LENGTHS = (64, 256, 1024)  # the range prompts come in: extrapolating a quadratic misleads
 DECODE_BATCHES = (1, 8, 32)
 
 

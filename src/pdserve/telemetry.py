@@ -50,7 +50,9 @@ class Telemetry:
     """One service's tracer, meter, gRPC interceptors and /metrics endpoint.
 
     `span_processor` replaces the environment's choice (tests pass a SimpleSpanProcessor around an
-    InMemorySpanExporter); without either, spans are still created so context propagates, never exported.
+    InMemorySpanExporter). With neither, tracing is off: no spans, no interceptors (measured: recording
+    spans nobody exports cost ~1.8 ms per request in the router). `pdserve up` hands its OTEL_* environment
+    to every worker, so a cluster traces everywhere or nowhere.
     """
 
     def __init__(self, service: str, span_processor: SpanProcessor | None = None, enabled: bool = True) -> None:
@@ -58,25 +60,25 @@ class Telemetry:
         self.enabled = enabled
         self.registry = CollectorRegistry()
         self._http: Any = None
-        if not enabled:  # no spans, no metrics, no interceptors: the baseline overhead is measured against
-            self.tracer_provider: Any = trace.NoOpTracerProvider()
-            self.meter_provider: Any = metrics.NoOpMeterProvider()
-        else:
-            resource = Resource.create({SERVICE_NAME: service})
+        processor = (span_processor or default_span_processor()) if enabled else None
+        self.tracing = processor is not None
+        resource = Resource.create({SERVICE_NAME: service})
+        self.tracer_provider: Any = trace.NoOpTracerProvider()
+        if processor is not None:
             self.tracer_provider = TracerProvider(resource=resource)
-            processor = span_processor or default_span_processor()
-            if processor is not None:
-                self.tracer_provider.add_span_processor(processor)
+            self.tracer_provider.add_span_processor(processor)
+        self.meter_provider: Any = metrics.NoOpMeterProvider()
+        if enabled:  # disabled: the baseline the overhead is measured against
             reader = PrometheusMetricReader(registry=self.registry)
             self.meter_provider = MeterProvider(metric_readers=[reader], resource=resource)
         self.tracer = self.tracer_provider.get_tracer("pdserve")
         self.meter = self.meter_provider.get_meter("pdserve")
 
     def server_interceptors(self) -> list[Any]:
-        return [aio_server_interceptor(tracer_provider=self.tracer_provider)] if self.enabled else []
+        return [aio_server_interceptor(tracer_provider=self.tracer_provider)] if self.tracing else []
 
     def client_interceptors(self) -> list[Any]:
-        return list(aio_client_interceptors(tracer_provider=self.tracer_provider)) if self.enabled else []
+        return list(aio_client_interceptors(tracer_provider=self.tracer_provider)) if self.tracing else []
 
     def serve_metrics(self, host: str, port: int = 0) -> int:
         """Serves this service's metrics at http://host:port/metrics (port 0: a free one); returns the port."""
@@ -93,8 +95,9 @@ class Telemetry:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
-        if self.enabled:
+        if self.tracing:
             self.tracer_provider.shutdown()
+        if self.enabled:
             self.meter_provider.shutdown()
 
 
