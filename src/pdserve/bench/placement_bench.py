@@ -87,7 +87,7 @@ def run_placement_bench(
         table.add_row(policy, f"{f['ttft_p50_ms']:.0f}", f"{f['ttft_p99_ms']:.0f}", f"{f['prefix_hit_rate']:.1%}")
     base, ours = figures["round-robin"], figures["slo"]
     table.add_row(
-        "ratio",
+        "round-robin / slo",
         f"{base['ttft_p50_ms'] / ours['ttft_p50_ms']:.2f}x",
         f"{base['ttft_p99_ms'] / ours['ttft_p99_ms']:.2f}x",
         "",
