@@ -83,12 +83,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     """One sequence: q [n, heads, d], k/v [ctx, kv_heads, d]; causal from the first token when mask is None.
 
     K/V are repeated per query head, as transformers does: SDPA's own GQA path falls back to the
-    unfused math kernel on CPU."""
+    unfused math kernel on CPU, and so do 3-D inputs, hence the batch axis of one."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=mask is None
-    )
-    return o.transpose(0, 1)
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
+    )  # [1, heads, n, d]
+    return o.squeeze(0).transpose(0, 1)
