@@ -64,7 +64,7 @@ class RouterConfig:
     low_priority_reserve: float = 0.2  # share of the queue bound only priority > 0 may fill
     policy: str = "slo"  # "slo" (predicted TTFT/TPOT, prefix-aware) or "round-robin"
     transfer_gbps: float = 1.0  # KV transfer speed assumed in TTFT predictions
-    slo_headroom: float = 0.9  # admit only when the prediction is within this share of the SLO
+    slo_headroom: float = 0.8  # admit only when the prediction is within this share of the SLO
     heartbeat_s: float = 0.5
 
     def __post_init__(self) -> None:

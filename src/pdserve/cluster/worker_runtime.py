@@ -134,7 +134,12 @@ class WorkerRuntime:
         from pdserve.rpc.server import Server
 
         spec = self.spec
-        config = replace(spec.engine, scheduler=replace(spec.engine.scheduler, mode=ROLE_MODES[spec.role]))
+        scheduler = replace(spec.engine.scheduler, mode=ROLE_MODES[spec.role])
+        if spec.role == "prefill":
+            # One prompt chunk per step, first come first served: batching later prompts into an earlier
+            # one's step delays its first token past what admission promised it.
+            scheduler = replace(scheduler, max_num_batched_tokens=scheduler.long_prefill_chunk)
+        config = replace(spec.engine, scheduler=scheduler)
         engine = await asyncio.to_thread(LLMEngine, config)
         self._engine = AsyncEngine(engine)
         self._server = Server(spec.host, spec.port, self.telemetry.server_interceptors())
