@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from pdserve.config import RouterConfig, SLOClass
+from pdserve.config import RouterConfig
 from pdserve.engine.block_manager import prefix_hashes
 from pdserve.errors import OverloadedError, UnavailableError
-from pdserve.perf_model import PerfProfile, SpeedTracker
+from pdserve.perf_model import PerfProfile
 from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS, Admission
@@ -63,83 +63,6 @@ class Router:
         placed = self.placement.place(tokens, max_tokens, slo_s[1])
         self.admission.check(placed, len(tokens), priority, slo_s)
         return placed
-
-
-# --- PerfProfile and SpeedTracker -----------------------------------------------------------------------------
-
-
-def test_fit_recovers_exact_quadratic_prefill_and_linear_decode():
-    truth = PerfProfile(0.004, 2.5e-4, 3e-7, 0.015, 0.0021)
-    prefill = [(n, truth.prefill_s(n)) for n in (32, 128, 512)]
-    decode = [(b, truth.decode_step_s(b)) for b in (1, 8, 32)]
-    fitted = PerfProfile.fit(prefill, decode)
-    for name, want in truth.to_dict().items():
-        assert getattr(fitted, name) == pytest.approx(want, rel=1e-6, abs=1e-12), name
-
-
-def test_fit_recovers_a_purely_linear_prefill_with_no_quadratic_term():
-    truth = PerfProfile(0.002, 1e-4, 0.0, 0.01, 0.0)
-    fitted = PerfProfile.fit(
-        [(n, truth.prefill_s(n)) for n in (16, 64, 256, 1024)], [(b, truth.decode_step_s(b)) for b in (1, 4, 16)]
-    )
-    assert fitted.prefill_per_token_s == pytest.approx(1e-4, rel=1e-6)
-    assert fitted.prefill_per_token2_s == pytest.approx(0.0, abs=1e-15)
-    assert fitted.prefill_fixed_s == pytest.approx(0.002, rel=1e-6)
-    assert fitted.decode_fixed_s == pytest.approx(0.01, rel=1e-6)
-    assert fitted.decode_per_seq_s == pytest.approx(0.0, abs=1e-15)
-
-
-@pytest.mark.parametrize(
-    "prefill,decode",
-    [
-        ([(32, 0.05), (128, 0.04), (512, 0.03)], [(1, 0.01), (8, 0.009), (32, 0.008)]),  # faster with more work
-        ([(32, 0.001), (128, 0.2), (512, 0.21)], [(1, 0.0), (8, 0.05), (32, 0.051)]),  # concave: a negative n^2
-        ([(32, 0.0), (128, 0.0), (512, 0.0)], [(1, 0.0), (8, 0.0), (32, 0.0)]),  # all zero
-    ],
-)
-def test_fit_never_yields_negative_coefficients_or_times(prefill, decode):
-    fitted = PerfProfile.fit(prefill, decode)
-    assert all(v >= 0 for v in fitted.to_dict().values()), fitted
-    assert all(fitted.prefill_s(n) >= 0 for n in range(0, 4096, 7))
-    assert all(fitted.decode_step_s(b) >= 0 for b in range(0, 128))
-
-
-def test_fit_drops_a_negative_term_and_refits_the_rest():
-    # Prefill time flat in tokens: the fit must keep the fixed part, not zero everything.
-    fitted = PerfProfile.fit([(32, 0.05), (128, 0.05), (512, 0.05)], [(1, 0.02), (8, 0.02), (32, 0.02)])
-    assert fitted.prefill_s(100) == pytest.approx(0.05, rel=1e-3)
-    assert fitted.decode_step_s(4) == pytest.approx(0.02, rel=1e-3)
-
-
-def test_profile_round_trips_through_a_dict():
-    assert PerfProfile.from_dict(PROFILE.to_dict()) == PROFILE
-    assert PerfProfile.from_dict({k: str(v) for k, v in PROFILE.to_dict().items()}) == PROFILE
-    assert PROFILE.prefill_s(0) == 0.0
-
-
-def test_speed_tracker_moves_toward_the_measured_over_predicted_ratio():
-    slow = SpeedTracker(PROFILE, alpha=0.5)
-    predicted = PROFILE.prefill_s(100)
-    slow.observe(100, 0, 2 * predicted)
-    assert slow.factor == pytest.approx(1.5)
-    for _ in range(30):
-        slow.observe(100, 0, 2 * predicted)
-    assert slow.factor == pytest.approx(2.0, rel=1e-3)
-
-    fast = SpeedTracker(PROFILE, alpha=0.5)
-    for _ in range(30):
-        fast.observe(0, 8, 0.5 * PROFILE.decode_step_s(8))
-    assert fast.factor == pytest.approx(0.5, rel=1e-3)
-
-
-def test_speed_tracker_counts_both_phases_of_a_mixed_step_and_ignores_empty_ones():
-    t = SpeedTracker(PROFILE, alpha=1.0)
-    t.observe(64, 4, PROFILE.prefill_s(64) + PROFILE.decode_step_s(4))
-    assert t.factor == pytest.approx(1.0)
-    t.observe(0, 0, 5.0)  # nothing was predicted: nothing to learn
-    assert t.factor == pytest.approx(1.0)
-    t.observe(10, 0, 1e6)  # one pathological step moves it by a bounded amount
-    assert t.factor == pytest.approx(4.0)
 
 
 # --- Predictor -----------------------------------------------------------------------------------------------
@@ -402,73 +325,3 @@ def test_admission_sheds_at_the_in_flight_limit():
     shed(r, prompt(10), "in flight")
     r.admission.in_flight = 10
     shed(r, prompt(10), "in flight")
-
-
-# --- RouterConfig --------------------------------------------------------------------------------------------
-
-
-def test_slo_for_prefers_the_request_then_its_priority_class_then_the_default():
-    cfg = RouterConfig(
-        default_ttft_ms=5000,
-        default_tpot_ms=500,
-        slo_classes=(SLOClass(priority=5, ttft_ms=500, tpot_ms=50), SLOClass(priority=0, ttft_ms=2000, tpot_ms=200)),
-    )
-    assert cfg.slo_for(-1, 0, 0) == (5000, 500)  # below every class
-    assert cfg.slo_for(0, 0, 0) == (2000, 200)
-    assert cfg.slo_for(4, 0, 0) == (2000, 200)
-    assert cfg.slo_for(5, 0, 0) == (500, 50)
-    assert cfg.slo_for(9, 0, 0) == (500, 50)  # the highest class it reaches
-    assert cfg.slo_for(9, 123, 0) == (123, 50)
-    assert cfg.slo_for(0, 0, 7) == (2000, 7)
-    assert cfg.slo_for(-3, 42, 4) == (42, 4)
-    assert RouterConfig().slo_for(3, 0, 0) == (RouterConfig.default_ttft_ms, RouterConfig.default_tpot_ms)
-
-
-def test_queue_bound_by_priority():
-    cfg = RouterConfig(max_queued_prefill_tokens=10_000, low_priority_reserve=0.2)
-    assert cfg.queue_bound(1) == 10_000
-    assert cfg.queue_bound(0) == pytest.approx(8_000)
-    assert cfg.queue_bound(-1) == pytest.approx(6_000)
-    assert RouterConfig(low_priority_reserve=0.75).queue_bound(-1) == 0
-
-
-def test_router_config_from_toml_file(tmp_path):
-    path = tmp_path / "router.toml"
-    path.write_text(
-        """
-[router]
-default_ttft_ms = 1500
-max_in_flight = 7
-policy = "round-robin"
-
-[[router.slo_classes]]
-priority = 1
-ttft_ms = 300
-tpot_ms = 30
-
-[[router.slo_classes]]
-priority = 0
-ttft_ms = 900.5
-tpot_ms = 90
-
-[other]
-ignored = true
-"""
-    )
-    cfg = RouterConfig.from_file(str(path), max_in_flight=None, transfer_gbps=10.0)
-    assert cfg.default_ttft_ms == 1500 and cfg.default_tpot_ms == RouterConfig.default_tpot_ms
-    assert cfg.max_in_flight == 7  # a None override leaves the file's value
-    assert cfg.transfer_gbps == 10.0
-    assert cfg.policy == "round-robin"
-    assert cfg.slo_classes == (SLOClass(1, 300, 30), SLOClass(0, 900.5, 90))
-    assert cfg.slo_for(0, 0, 0) == (900.5, 90) and cfg.slo_for(2, 0, 0) == (300, 30)
-    assert RouterConfig.from_file(str(path), max_in_flight=3).max_in_flight == 3
-
-    empty = tmp_path / "empty.toml"
-    empty.write_text("")
-    assert RouterConfig.from_file(str(empty)) == RouterConfig()
-
-    bad = tmp_path / "bad.toml"
-    bad.write_text('[router]\npolicy = "random"\n')
-    with pytest.raises(ValueError, match="policy"):
-        RouterConfig.from_file(str(bad))

@@ -1,0 +1,74 @@
+"""RouterConfig: SLO precedence, priority queue bounds, TOML files."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import RouterConfig, SLOClass
+
+
+def test_slo_for_prefers_the_request_then_its_priority_class_then_the_default():
+    cfg = RouterConfig(
+        default_ttft_ms=5000,
+        default_tpot_ms=500,
+        slo_classes=(SLOClass(priority=5, ttft_ms=500, tpot_ms=50), SLOClass(priority=0, ttft_ms=2000, tpot_ms=200)),
+    )
+    assert cfg.slo_for(-1, 0, 0) == (5000, 500)  # below every class
+    assert cfg.slo_for(0, 0, 0) == (2000, 200)
+    assert cfg.slo_for(4, 0, 0) == (2000, 200)
+    assert cfg.slo_for(5, 0, 0) == (500, 50)
+    assert cfg.slo_for(9, 0, 0) == (500, 50)  # the highest class it reaches
+    assert cfg.slo_for(9, 123, 0) == (123, 50)
+    assert cfg.slo_for(0, 0, 7) == (2000, 7)
+    assert cfg.slo_for(-3, 42, 4) == (42, 4)
+    assert RouterConfig().slo_for(3, 0, 0) == (RouterConfig.default_ttft_ms, RouterConfig.default_tpot_ms)
+
+
+def test_queue_bound_by_priority():
+    cfg = RouterConfig(max_queued_prefill_tokens=10_000, low_priority_reserve=0.2)
+    assert cfg.queue_bound(1) == 10_000
+    assert cfg.queue_bound(0) == pytest.approx(8_000)
+    assert cfg.queue_bound(-1) == pytest.approx(6_000)
+    assert RouterConfig(low_priority_reserve=0.75).queue_bound(-1) == 0
+
+
+def test_router_config_from_toml_file(tmp_path):
+    path = tmp_path / "router.toml"
+    path.write_text(
+        """
+[router]
+default_ttft_ms = 1500
+max_in_flight = 7
+policy = "round-robin"
+
+[[router.slo_classes]]
+priority = 1
+ttft_ms = 300
+tpot_ms = 30
+
+[[router.slo_classes]]
+priority = 0
+ttft_ms = 900.5
+tpot_ms = 90
+
+[other]
+ignored = true
+"""
+    )
+    cfg = RouterConfig.from_file(str(path), max_in_flight=None, transfer_gbps=10.0)
+    assert cfg.default_ttft_ms == 1500 and cfg.default_tpot_ms == RouterConfig.default_tpot_ms
+    assert cfg.max_in_flight == 7  # a None override leaves the file's value
+    assert cfg.transfer_gbps == 10.0
+    assert cfg.policy == "round-robin"
+    assert cfg.slo_classes == (SLOClass(1, 300, 30), SLOClass(0, 900.5, 90))
+    assert cfg.slo_for(0, 0, 0) == (900.5, 90) and cfg.slo_for(2, 0, 0) == (300, 30)
+    assert RouterConfig.from_file(str(path), max_in_flight=3).max_in_flight == 3
+
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    assert RouterConfig.from_file(str(empty)) == RouterConfig()
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[router]\npolicy = "random"\n')
+    with pytest.raises(ValueError, match="policy"):
+        RouterConfig.from_file(str(bad))
