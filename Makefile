@@ -25,8 +25,10 @@ demo: model
 redis-server:
 	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
 
+# Latency tests run in a pytest process of their own, apart from the heavy imports of the rest.
 test: model redis-server
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not latency"
+	$(PY) -m pytest -q -m latency
 
 lint: install
 	$(VENV)/bin/ruff check src services loadgen tests

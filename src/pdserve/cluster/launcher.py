@@ -96,6 +96,8 @@ class Cluster:
     async def watch(self) -> None:
         """The embedded registry's heartbeat: publishes each actor's state; a dead one leaves placement, a
         restarted one rejoins. With Redis the workers publish themselves and the TTL drops the dead."""
+        from ray.exceptions import RayActorError
+
         interval = self.config.router.heartbeat_s
         while True:
             await asyncio.sleep(interval)
@@ -104,8 +106,11 @@ class Cluster:
             for worker_id, actor in self._actors.items():
                 try:
                     state = await asyncio.wait_for(actor.state.remote(), timeout=max(interval, 1.0))
-                except Exception:
+                except RayActorError:  # dead or restarting: out of placement until it answers again
                     self.registry.remove(worker_id)
+                    continue
+                except TimeoutError:  # busy, not dead: its last state stands until the registry's TTL
+                    log.warning("worker %s heartbeat late", worker_id)
                     continue
                 self.registry.publish(state)
 
