@@ -67,11 +67,7 @@ class TorchDistSender(KVSender):
         block_ids: Sequence[int],
         timeout_s: float,
     ) -> int:
-        layout = KVLayout.from_caches(kv_caches, self.fingerprint)
-        if kv_caches[0].device.type != self.device.type:
-            raise ValueError(f"caches are on {kv_caches[0].device}, this sender was built for {self.device}")
-        check_tag(tag)
-        blocks = Blocks.from_ids(block_ids, kv_caches[0], distinct=False)
+        layout, blocks = _checked(kv_caches, block_ids, tag, self.fingerprint, self.device, distinct=False)
         if blocks.n == 0:
             return 0  # the receiver short-circuits an empty transfer the same way
         deadline = time.monotonic() + timeout_s
@@ -184,11 +180,7 @@ class TorchDistReceiver(KVReceiver):
         block_ids: Sequence[int],
         timeout_s: float,
     ) -> int:
-        layout = KVLayout.from_caches(kv_caches, self.fingerprint)
-        if kv_caches[0].device.type != self.device.type:
-            raise ValueError(f"caches are on {kv_caches[0].device}, this receiver was built for {self.device}")
-        check_tag(tag)
-        blocks = Blocks.from_ids(block_ids, kv_caches[0], distinct=True)
+        layout, blocks = _checked(kv_caches, block_ids, tag, self.fingerprint, self.device, distinct=True)
         if blocks.n == 0:
             return 0
         deadline = time.monotonic() + timeout_s
@@ -260,3 +252,19 @@ class TorchDistReceiver(KVReceiver):
         for pair in pairs:
             pair.closed = True
             pair.fail(TransferError(f"prefill peer {pair.peer_id!r}: receiver closed"))
+
+
+def _checked(
+    kv_caches: Sequence[torch.Tensor],
+    block_ids: Sequence[int],
+    tag: int,
+    fingerprint: str,
+    device: torch.device,
+    distinct: bool,
+) -> tuple[KVLayout, Blocks]:
+    """What both sides check before a transfer: caches on this endpoint's device, a valid tag, the block ids
+    (which the receiver, writing into them, needs distinct)."""
+    if kv_caches[0].device.type != device.type:
+        raise ValueError(f"caches are on {kv_caches[0].device}, this endpoint was built for {device}")
+    check_tag(tag)
+    return KVLayout.from_caches(kv_caches, fingerprint), Blocks.from_ids(block_ids, kv_caches[0], distinct=distinct)
