@@ -1,8 +1,10 @@
 """KV transfer throughput between two processes, against raw gloo and an in-process copy, same run.
 
 The parent process sends (prefill side), a spawned child receives (decode side). For each case:
-  ours      TorchDistSender.send of the sequence's blocks (random, non-contiguous ids on both sides) into
-            the child's preallocated blocks; timed on the sender until the receiver reports them in place.
+  ours      TorchDistSender.send of the sequence's blocks into the child's preallocated blocks; timed on the
+            sender until the receiver reports them in place. Block ids on each side are those a BlockManager
+            hands a new sequence in a pool other sequences have churned through (what the workers send), one
+            run (a fresh pool), or random (the worst case: every block alone, so both sides copy).
   raw gloo  one contiguous tensor of the same bytes over a plain gloo pair, plus a one-element ack back.
   copy      an in-process copy of the same bytes into a preallocated tensor.
 Before each timed send the child has already posted its receive, so neither side waits for the other's start.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing as mp
+import random
 import statistics
 import threading
 import time
@@ -25,6 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.torch_dist import Backend, TorchDistReceiver, TorchDistSender
 
@@ -40,7 +46,7 @@ class TransferCase:
     num_kv_heads: int = 3
     head_dim: int = 64
     block_size: int = 16
-    contiguous: bool = False  # ids a, a+1, ... on both sides (a fresh cache): no gather/scatter copies
+    ids: str = "allocator"  # "allocator" (after churn), "run" (a, a+1, ...) or "random"
 
     @property
     def layout(self) -> KVLayout:
@@ -52,7 +58,7 @@ class TransferCase:
 
     @property
     def cache_blocks(self) -> int:
-        return 2 * self.num_blocks + 7  # room for scattered ids
+        return 4 * self.num_blocks + 7  # the sequence's blocks are a quarter of the pool
 
     def caches(self, device: str, seed: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
@@ -62,10 +68,48 @@ class TransferCase:
 
     def block_ids(self, seed: int) -> list[int]:
         g = torch.Generator().manual_seed(seed)
-        if self.contiguous:
+        if self.ids == "run":
             start = int(torch.randint(0, self.cache_blocks - self.num_blocks, (1,), generator=g))
             return list(range(start, start + self.num_blocks))
-        return torch.randperm(self.cache_blocks, generator=g)[: self.num_blocks].tolist()
+        if self.ids == "random":
+            return torch.randperm(self.cache_blocks, generator=g)[: self.num_blocks].tolist()
+        return churned_block_ids(self.cache_blocks, self.num_blocks, self.block_size, seed)
+
+
+def churned_block_ids(pool_blocks: int, num_blocks: int, block_size: int, seed: int) -> list[int]:
+    """The table a BlockManager gives a new sequence of `num_blocks` after 300 sequences of random length came
+    and went in random order: prompts allocated a 512-token chunk at a time as a prefill worker's scheduler does, and
+    kept in the prefix cache once freed, so that (as on a worker that has run a while) most free blocks are
+    cached ones, evicted on demand."""
+    rng = random.Random(seed)
+    bm = BlockManager(pool_blocks, block_size)
+    live: list[Sequence] = []
+
+    def admit(seq_id: int, blocks: int) -> Sequence | None:
+        seq = Sequence(f"s{seq_id}", [seq_id] * (blocks * block_size), SamplingParams())
+        while seq.num_computed_tokens < seq.num_tokens:
+            chunk = min(512, seq.num_uncomputed_tokens)
+            if not bm.allocate_slots(seq, chunk):
+                bm.free(seq)
+                return None
+            seq.num_computed_tokens += chunk
+            bm.cache_full_blocks(seq)
+        return seq
+
+    for i in range(300):
+        if live and rng.random() < 0.45:
+            bm.free(live.pop(rng.randrange(len(live))))
+        elif (seq := admit(i, rng.randint(1, 2 * num_blocks))) is not None:
+            live.append(seq)
+    while bm.num_free_blocks < num_blocks:
+        bm.free(live.pop(rng.randrange(len(live))))
+    seq = admit(-1, num_blocks)
+    assert seq is not None
+    return seq.block_table
+
+
+def count_runs(ids: list[int]) -> int:
+    return 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:], strict=False))
 
 
 def default_cases(tokens: int = 1000, mib: int = 64) -> list[TransferCase]:
@@ -75,7 +119,9 @@ def default_cases(tokens: int = 1000, mib: int = 64) -> list[TransferCase]:
         TransferCase(f"SmolLM2 {tokens} tok bf16", "bfloat16", blocks),
         TransferCase(f"SmolLM2 {tokens} tok fp32", "float32", blocks),
         TransferCase(f"{mib} MiB of blocks bf16", "bfloat16", (mib << 20) // per_block),
-        TransferCase(f"SmolLM2 {tokens} tok bf16", "bfloat16", blocks, contiguous=True),
+        TransferCase(f"SmolLM2 {tokens} tok bf16", "bfloat16", blocks, ids="run"),
+        TransferCase(f"SmolLM2 {tokens} tok bf16", "bfloat16", blocks, ids="random"),
+        TransferCase(f"{mib} MiB of blocks bf16", "bfloat16", (mib << 20) // per_block, ids="random"),
     ]
 
 
@@ -144,6 +190,7 @@ class TransferRow:
     name: str
     blocks: int
     ids: str
+    runs: str  # runs of consecutive ids, sender/receiver
     mib: float
     ours_gb_s: float
     raw_gloo_gb_s: float
@@ -205,7 +252,8 @@ def _measure_case(
     return TransferRow(
         name=case.name,
         blocks=case.num_blocks,
-        ids="runs" if case.contiguous else "scattered",
+        ids=case.ids,
+        runs=f"{count_runs(src_ids)}/{count_runs(dst_ids)}",
         mib=case.nbytes / 2**20,
         ours_gb_s=_median_gb_s(case.nbytes, ours),
         raw_gloo_gb_s=_median_gb_s(case.nbytes, raw_times),
@@ -261,13 +309,15 @@ def run_transfer_bench(
         console = Console(width=130)
     console.print(f"device {device}, backend {backend}, median of {repeats} repeats, GB = 1e9 bytes")
     table = Table(title="pdserve KV transfer bench (two processes)")
-    for col in ("case", "blocks", "block ids", "MiB", "ours GB/s", "raw gloo GB/s", "ours/raw", "in-process copy GB/s"):
+    columns = ("case", "blocks", "block ids", "runs", "MiB", "ours GB/s", "raw gloo GB/s", "ours/raw", "copy GB/s")
+    for col in columns:
         table.add_column(col, justify="left" if col == "case" else "right", no_wrap=True)
     for r in rows:
         table.add_row(
             r.name,
             str(r.blocks),
             r.ids,
+            r.runs,
             f"{r.mib:.1f}",
             f"{r.ours_gb_s:.2f}",
             f"{r.raw_gloo_gb_s:.2f}",

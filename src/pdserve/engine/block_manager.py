@@ -3,12 +3,16 @@
 A full block is keyed by a hash of its tokens chained to the hash of the block before it, so equal keys
 mean equal prefixes. When its last holder frees it, a keyed block stays cached (reusable by the next
 request with the same prefix) until the pool runs dry; then cached blocks are evicted oldest first.
+
+Free blocks are handed out in runs of consecutive ids where the pool allows: a sequence's table grows from the
+block after its last one, and a new run is cut best-fit from the free runs. A KV transfer moves a run of blocks
+straight from and into the cache, without a gather or scatter copy (`pdserve.transfer.blocks`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -41,7 +45,8 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
-        self._free: deque[int] = deque(range(num_blocks))  # never keyed: taken before any cached block
+        self._is_free = np.ones(num_blocks, dtype=bool)  # never keyed: taken before any cached block
+        self._num_free = num_blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced; oldest first
         self._seq_hashes: dict[str, list[bytes]] = {}  # keys of each sequence's full blocks so far
         self.prefix_hits = 0  # blocks served from the prefix cache, for metrics
@@ -49,7 +54,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now, cached ones included (they are evicted on demand)."""
-        return len(self._free) + len(self._evictable)
+        return self._num_free + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
@@ -92,21 +97,65 @@ class BlockManager:
             self._ref_counts[block] += 1
         self.prefix_hits += len(prefix_blocks)
         seq.block_table.extend(prefix_blocks)
-        for _ in range(needed):
-            seq.block_table.append(self._take_free_block())
+        if needed:
+            # A prompt computed in chunks takes its first blocks where the whole prompt fits, so later chunks
+            # continue the run.
+            whole = max(needed, self.blocks_for(seq.num_tokens) - held)
+            after = seq.block_table[-1] if seq.block_table else None
+            seq.block_table.extend(self._take_blocks(needed, after, whole))
         return True
 
-    def _take_free_block(self) -> int:
-        if self._free:
-            block = self._free.popleft()
-        else:
-            block, _ = self._evictable.popitem(last=False)
-            key = self._block_hash[block]
-            self._block_hash[block] = None
-            if key is not None and self._hash_to_block.get(key) == block:
-                del self._hash_to_block[key]
-        self._ref_counts[block] = 1
-        return block
+    def _take_blocks(self, count: int, after: int | None, room: int) -> list[int]:
+        """`count` blocks: the ones right after `after` while free, then runs cut from the free ones (best fit
+        for `room` >= count blocks), then cached blocks evicted about oldest first."""
+        taken: list[int] = []
+        block = -1 if after is None else after + 1
+        while 0 <= block < self.num_blocks and len(taken) < count and self._is_free[block]:
+            taken.append(block)
+            block += 1
+        while len(taken) < count and self._num_free - len(taken) > 0:
+            self._is_free[taken] = False  # so the run search skips them
+            start, length = self._free_run(room - len(taken))
+            taken.extend(range(start, start + min(length, count - len(taken))))
+        self._is_free[taken] = False
+        self._num_free -= len(taken)
+        # Then cached blocks, least recently used first. Tables are freed tail first, so the blocks just below the
+        # oldest one are the next oldest: taken sorted, a freed run stays a run. Evicting `room` blocks, not just
+        # `count`, leaves the rest of the run free for this table's next chunk.
+        evicted: list[int] = []
+        while len(taken) + len(evicted) < max(room, count) and self._evictable:
+            block = next(iter(self._evictable))
+            while len(taken) + len(evicted) < max(room, count) and block in self._evictable:
+                self._evict(block)
+                evicted.append(block)
+                block -= 1
+        evicted.sort()
+        spare = evicted[count - len(taken) :]
+        taken.extend(evicted[: count - len(taken)])
+        self._is_free[spare] = True
+        self._num_free += len(spare)
+        for block in taken:
+            self._ref_counts[block] = 1
+        return taken
+
+    def _evict(self, block: int) -> None:
+        del self._evictable[block]
+        key = self._block_hash[block]
+        self._block_hash[block] = None
+        if key is not None and self._hash_to_block.get(key) == block:
+            del self._hash_to_block[key]
+
+    def _free_run(self, count: int) -> tuple[int, int]:
+        """(start, length <= count) of free blocks: the shortest free run that holds `count`, else the longest."""
+        edges = np.diff(np.concatenate(([0], self._is_free.view(np.int8), [0])))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        lengths = ends - starts
+        fits = np.flatnonzero(lengths >= count)
+        if fits.size:
+            best = fits[lengths[fits].argmin()]
+            return int(starts[best]), count
+        longest = int(lengths.argmax())
+        return int(starts[longest]), int(lengths[longest])
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Key the sequence's blocks that became full of computed tokens, so later requests can reuse them."""
@@ -133,7 +182,8 @@ class BlockManager:
                 if self._block_hash[block] is not None:
                     self._evictable[block] = None
                 else:
-                    self._free.append(block)
+                    self._is_free[block] = True
+                    self._num_free += 1
         seq.block_table = []
         self._seq_hashes.pop(seq.seq_id, None)
 

@@ -1,14 +1,18 @@
-"""The data step of a transfer: two messages per layer (keys, then values), pipelined.
+"""The data step of a transfer: layer by layer, keys then values, one message per segment, pipelined.
 
-Later messages are gathered while earlier ones are on the wire, up to `pipeline_bytes` in flight per side. Keys and
-values lie apart in the cache, hence two messages per layer: both can go direct when the block ids are a run.
-Every receive is posted with the size the header announced: gloo aborts the whole process on a larger message.
+The sender splits its block list into segments at the breaks between its runs of consecutive ids (up to
+MAX_SEGMENTS, else one segment), so each of its messages can go straight from the cache; the receiver takes a
+message straight into its cache wherever its own ids for that segment are a run too, and scatters it otherwise.
+Keys and values lie apart in the cache, hence separate messages. Later messages are gathered while earlier ones
+are on the wire, up to `pipeline_bytes` in flight per side. Every receive is posted with the size the header
+announced: gloo aborts the whole process on a larger message.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,8 +45,30 @@ class Staging:
         return work, (self._wire[i][:nbytes] if self.host else work)
 
 
+class Message(NamedTuple):
+    """One data message: the keys (half 0) or values (half 1) of one layer for the ids at [start, start + length)
+    of the transfer's block list."""
+
+    layer: int
+    half: int
+    start: int
+    length: int
+
+
+def plan(num_layers: int, segments: tuple[int, ...]) -> list[Message]:
+    """Every message of a transfer in wire order: layer by layer, keys then values, span by span."""
+    starts = [sum(segments[:i]) for i in range(len(segments))]
+    return [
+        Message(layer, half, start, length)
+        for layer in range(num_layers)
+        for half in (0, 1)
+        for start, length in zip(starts, segments, strict=True)
+    ]
+
+
 def _pipeline_depth(pipeline_bytes: int, message_bytes: int, num_messages: int) -> int:
-    """Messages in flight: as many as `pipeline_bytes` holds, at least two (one on the wire, one being copied)."""
+    """Messages in flight: as many of the largest as `pipeline_bytes` holds, at least two (one on the wire, one
+    being copied)."""
     return max(2, min(num_messages, pipeline_bytes // max(message_bytes, 1)))
 
 
@@ -51,25 +77,26 @@ def send_messages(
     staging: Staging,
     blocks: Blocks,
     kv_caches: Sequence[torch.Tensor],
-    message_bytes: int,
+    segments: tuple[int, ...],
+    block_bytes: int,
     pipeline_bytes: int,
     deadline: float,
 ) -> deque[dist.Work]:
-    """Posts every layer's messages, waiting only to stay within the pipeline; returns the sends still in flight."""
-    num_messages = 2 * len(kv_caches)
-    depth = _pipeline_depth(pipeline_bytes, message_bytes, num_messages)
+    """Posts every message, waiting only to stay within the pipeline; returns the sends still in flight."""
+    messages = plan(len(kv_caches), segments)
+    depth = _pipeline_depth(pipeline_bytes, max(segments) * block_bytes, len(messages))
     in_flight: deque[dist.Work] = deque()
-    for m in range(num_messages):
+    for i, (layer, half, start, length) in enumerate(messages):
         if len(in_flight) == depth:
             group.wait_data(in_flight.popleft(), deadline)
-        kv, half = kv_caches[m // 2], m % 2
-        wire = None if staging.host else blocks.direct(kv, half)
+        kv = kv_caches[layer]
+        wire = None if staging.host else blocks.direct(kv, half, start, length)
         if wire is None:
-            work, wire = staging.slot(m % depth, message_bytes)
-            blocks.gather(kv, half, work)
+            work, wire = staging.slot(i % depth, length * block_bytes)
+            blocks.gather(kv, half, start, length, work)
             if wire is not work:
                 wire.copy_(work)
-        in_flight.append(group.data_op(True, wire, m))
+        in_flight.append(group.data_op(True, wire, i))
     return in_flight
 
 
@@ -77,33 +104,37 @@ def receive_messages(
     group: PairGroup,
     staging: Staging,
     num_layers: int,
-    message_bytes: int,
+    segments: tuple[int, ...],
+    block_bytes: int,
     pipeline_bytes: int,
     deadline: float,
     target: tuple[Blocks, Sequence[torch.Tensor]] | None,
 ) -> None:
-    """Receives every layer's messages into the target's blocks, or into the staging buffers only (a rejected
-    transfer is drained, so the pair stays in step) when target is None."""
-    num_messages = 2 * num_layers
-    depth = _pipeline_depth(pipeline_bytes, message_bytes, num_messages)
+    """Receives every message into the target's blocks, or into the staging buffers only (a rejected transfer is
+    drained, so the pair stays in step) when target is None."""
+    messages = plan(num_layers, segments)
+    depth = _pipeline_depth(pipeline_bytes, max(segments) * block_bytes, len(messages))
 
-    def post(m: int) -> tuple[dist.Work, torch.Tensor, torch.Tensor, bool]:
-        direct = target[0].direct(target[1][m // 2], m % 2) if target is not None and not staging.host else None
+    def post(i: int) -> tuple[dist.Work, torch.Tensor, torch.Tensor, bool]:
+        layer, half, start, length = messages[i]
+        direct = None
+        if target is not None and not staging.host:
+            direct = target[0].direct(target[1][layer], half, start, length)
         if direct is not None:
-            return group.data_op(False, direct, m), direct, direct, True
-        work, wire = staging.slot(m % depth, message_bytes)
-        return group.data_op(False, wire, m), work, wire, False
+            return group.data_op(False, direct, i), direct, direct, True
+        work, wire = staging.slot(i % depth, length * block_bytes)
+        return group.data_op(False, wire, i), work, wire, False
 
-    posted = deque(post(m) for m in range(min(depth, num_messages)))
-    for m in range(num_messages):
+    posted = deque(post(i) for i in range(min(depth, len(messages))))
+    for i, (layer, half, start, length) in enumerate(messages):
         op, work, wire, direct = posted.popleft()
         group.wait_data(op, deadline)
         if target is not None and not direct:
             if wire is not work:
                 work.copy_(wire)
             blocks, kv_caches = target
-            blocks.scatter(work, kv_caches[m // 2], m % 2)
-        if m + depth < num_messages:
-            posted.append(post(m + depth))
+            blocks.scatter(work, kv_caches[layer], half, start, length)
+        if i + depth < len(messages):
+            posted.append(post(i + depth))
     if target is not None and staging.device.type == "cuda":
         torch.cuda.synchronize(staging.device)

@@ -15,7 +15,7 @@ from pdserve.transfer.blocks import Blocks
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.pair_group import PairGroup, time_left
 from pdserve.transfer.rendezvous import choose_backend, open_store, sender_info
-from pdserve.transfer.wire import BLOCK_COUNT, LAYOUT, NOT_EXPECTED, OK, Header, layout_mask, message_bytes
+from pdserve.transfer.wire import BLOCK_COUNT, LAYOUT, NOT_EXPECTED, OK, Header, block_bytes, layout_mask
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +126,9 @@ def check_header(p: Pending | None, header: Header, name: str) -> tuple[int, int
             p.layout.check_compatible(theirs)
         except LayoutMismatchError as e:
             return LAYOUT, layout_mask(diffs), LayoutMismatchError(f"{name}, tag {p.tag}: {e}")
-    if header.message_bytes != message_bytes(p.layout, p.blocks.n) and header.num_blocks == p.blocks.n:
+    if header.block_bytes != block_bytes(p.layout):
         # Same layout by the hashes, other sizes: never post a receive of the wrong size (gloo aborts on that).
-        return LAYOUT, 0, LayoutMismatchError(f"{name}, tag {p.tag}: message size {header.message_bytes} differs")
+        return LAYOUT, 0, LayoutMismatchError(f"{name}, tag {p.tag}: block size {header.block_bytes} B differs")
     if header.num_blocks != p.blocks.n:
         msg = f"{name}, tag {p.tag}: sender has {header.num_blocks} blocks, we reserved {p.blocks.n}"
         return BLOCK_COUNT, p.blocks.n, TransferError(msg)

@@ -14,7 +14,7 @@ from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.pair_group import PairGroup, time_left
 from pdserve.transfer.pipeline import Staging, send_messages
 from pdserve.transfer.rendezvous import choose_backend, claim_store, device_info
-from pdserve.transfer.wire import BLOCK_COUNT, LAYOUT, NOT_EXPECTED, Header, layout_fields
+from pdserve.transfer.wire import BLOCK_COUNT, LAYOUT, MAX_SEGMENTS, NOT_EXPECTED, Header, layout_fields
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,11 @@ class SendPair:
         """Header, data, then the receiver's status (code, detail). There is no "go" round trip before the data:
         on a busy host each extra wake-up costs up to a scheduler tick."""
         g = self.group
-        header = Header.for_transfer(tag, blocks.n, layout, timeout_s)
+        header = Header.for_transfer(tag, blocks.n, layout, timeout_s, blocks.runs(MAX_SEGMENTS))
         header_work = g.ctrl_op(True, header.encode())
-        in_flight = send_messages(g, self.staging, blocks, kv_caches, header.message_bytes, pipeline_bytes, deadline)
+        in_flight = send_messages(
+            g, self.staging, blocks, kv_caches, header.segments, header.block_bytes, pipeline_bytes, deadline
+        )
         g.wait(header_work, deadline)
         while in_flight:
             g.wait_data(in_flight.popleft(), deadline)

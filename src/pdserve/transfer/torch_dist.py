@@ -4,7 +4,8 @@ The decode side (rank 1) hosts a store per prefill peer (`rendezvous.py`); the p
 it on its first send. One transfer at a time goes over a pair, in the order the sender starts them (a lock on the
 sender, one serving thread on the receiver), so several concurrent transfers share a pair safely:
   1. sender -> receiver, control: the header (`wire.py`): tag, block count, layout, message size, timeout
-  2. sender -> receiver, data: two messages per layer (`pipeline.py`), direct or staged (`blocks.py`)
+  2. sender -> receiver, data: layer by layer, keys then values, a message per segment of the block list
+     (`pipeline.py`), each straight from / into the cache or staged (`blocks.py`)
   3. receiver -> sender, control: status: the blocks are in place, or why not (layout mismatch, no recv waiting
      for that tag, block count); a rejected transfer's messages are received and discarded
 The caller's tag travels in the header, and the receiver hands the transfer to the `recv` waiting for that tag.
@@ -222,7 +223,14 @@ class TorchDistReceiver(KVReceiver):
                 deadline = p.deadline if p is not None else time.monotonic() + header.timeout_ms / 1000
                 target = (p.blocks, p.kv_caches) if p is not None and code == OK else None
                 receive_messages(
-                    group, staging, header.num_layers, header.message_bytes, self.pipeline_bytes, deadline, target
+                    group,
+                    staging,
+                    header.num_layers,
+                    header.segments,
+                    header.block_bytes,
+                    self.pipeline_bytes,
+                    deadline,
+                    target,
                 )
                 group.send_status(code, detail, deadline)
                 if p is not None:

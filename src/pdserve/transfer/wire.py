@@ -15,8 +15,9 @@ from pdserve.transfer.base import PeerLostError
 from pdserve.transfer.layout import KVLayout
 
 _MAGIC = 0x7064_4B56  # "pdKV"
-_VERSION = 1
-HEADER_LEN = 16
+_VERSION = 2
+MAX_SEGMENTS = 4
+HEADER_LEN = 24
 STATUS_LEN = 2  # code, detail
 
 # Status codes: the blocks are in place, or why the receiver refused the transfer.
@@ -37,9 +38,9 @@ def check_tag(tag: int) -> None:
         raise ValueError(f"tag must lie in [0, 2**63), got {tag}")
 
 
-def message_bytes(layout: KVLayout, num_blocks: int) -> int:
-    """Bytes of one data message: one layer's keys (or values) of the transfer's blocks."""
-    return layout.layer_block_bytes // 2 * num_blocks
+def block_bytes(layout: KVLayout) -> int:
+    """Bytes one block adds to a data message: its keys (or values) in one layer."""
+    return layout.layer_block_bytes // 2
 
 
 def layout_mask(names: list[str]) -> int:
@@ -61,11 +62,14 @@ class Header:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    message_bytes: int  # of each data message: lets the receiver drain a transfer it rejects
+    block_bytes: int  # of one block in one data message: lets the receiver drain a transfer it rejects
     timeout_ms: int
+    segments: tuple[int, ...]  # block counts of the consecutive spans each layer's keys (values) are sent in
 
     @classmethod
-    def for_transfer(cls, tag: int, num_blocks: int, layout: KVLayout, timeout_s: float) -> Header:
+    def for_transfer(
+        cls, tag: int, num_blocks: int, layout: KVLayout, timeout_s: float, segments: tuple[int, ...]
+    ) -> Header:
         return cls(
             tag=tag,
             num_blocks=num_blocks,
@@ -75,15 +79,16 @@ class Header:
             num_layers=layout.num_layers,
             num_kv_heads=layout.num_kv_heads,
             head_dim=layout.head_dim,
-            message_bytes=message_bytes(layout, num_blocks),
+            block_bytes=block_bytes(layout),
             timeout_ms=int(timeout_s * 1000),
+            segments=segments,
         )
 
     def encode(self) -> torch.Tensor:
         t = torch.zeros(HEADER_LEN, dtype=torch.int64)
         values = [_MAGIC, _VERSION, self.tag, self.num_blocks, self.fingerprint_hash, self.dtype_hash]
-        values += [self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.message_bytes]
-        values += [self.timeout_ms]
+        values += [self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.block_bytes]
+        values += [self.timeout_ms, len(self.segments), *self.segments]
         t[: len(values)] = torch.tensor(values, dtype=torch.int64)
         return t
 
@@ -92,7 +97,11 @@ class Header:
         v = t.tolist()
         if v[0] != _MAGIC or v[1] != _VERSION:
             raise PeerLostError(f"protocol error: header magic/version {v[0]:#x}/{v[1]}, want {_MAGIC:#x}/{_VERSION}")
-        return cls(*v[2:12])
+        num_segments = v[12]
+        segments = tuple(v[13 : 13 + num_segments]) if 0 < num_segments <= MAX_SEGMENTS else ()
+        if not segments or min(segments) < 1 or sum(segments) != v[3]:
+            raise PeerLostError(f"protocol error: segments {v[12:]} do not split {v[3]} blocks")
+        return cls(*v[2:12], segments=segments)
 
     def layout(self, mine: KVLayout) -> KVLayout:
         """The sender's layout as far as the hashes tell: strings that hash like ours are ours."""

@@ -265,6 +265,59 @@ def test_failed_allocation_with_a_cached_prefix_leaves_the_cache_alone() -> None
     _check_counts(bm)
 
 
+def _is_run(blocks: list[int]) -> bool:
+    return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+
+
+def test_blocks_come_in_runs_after_churn() -> None:
+    """Transfers move runs without copies: a new table is one run when a free run holds it, and a table
+    that grows continues its run while the next block is free."""
+    bm = BlockManager(64, BS, enable_prefix_caching=False)
+    seqs = [_seq(f"s{i}", [1] * (BS * (i % 3 + 1))) for i in range(20)]
+    for s in seqs:
+        assert bm.allocate_slots(s, s.num_tokens)
+    holes = [list(s.block_table) for s in seqs[::2]]  # of 1-3 blocks between live tables once freed
+    for s in seqs[::2]:
+        bm.free(s)
+    big = _seq("big", [1] * (BS * 9))
+    assert bm.allocate_slots(big, big.num_tokens)
+    assert _is_run(big.block_table)
+    small = _seq("small", [1] * BS)
+    assert bm.allocate_slots(small, BS)
+    assert [small.block_table[0]] in holes  # best fit: a one-block hole, not the start of a longer run
+    chunked = _seq("chunked", [1] * (BS * 4))  # a prompt computed one block per step
+    for _ in range(4):
+        assert bm.allocate_slots(chunked, BS)
+        chunked.num_computed_tokens += BS
+    assert _is_run(chunked.block_table)
+    chunked.output_token_ids.extend([1] * BS)  # and decoding on past it
+    assert bm.allocate_slots(chunked, BS)
+    assert _is_run(chunked.block_table)
+    # A table longer than any free run takes the longest runs it can, and the pool still adds up.
+    rest = _seq("rest", [1] * (BS * bm.num_free_blocks))
+    assert bm.allocate_slots(rest, rest.num_tokens)
+    assert bm.num_free_blocks == 0
+    for s in [*seqs[1::2], big, small, chunked, rest]:
+        bm.free(s)
+    assert bm.num_free_blocks == bm.num_blocks
+    _check_counts(bm)
+
+
+def test_evicted_cached_blocks_come_back_as_a_run_oldest_first() -> None:
+    bm = BlockManager(12, BS)
+    a, b = _seq("a", list(range(6 * BS))), _seq("b", [100 + i for i in range(6 * BS)])
+    _admit(bm, a)
+    _admit(bm, b)
+    assert (a.block_table, b.block_table) == (list(range(6)), list(range(6, 12)))
+    bm.free(a)  # tail first: 5 is the least recently used block, then 4, ...
+    bm.free(b)
+    assert bm.num_cached_blocks == 12
+    c = _seq("c", [200] * (4 * BS))
+    assert bm.allocate_slots(c, c.num_tokens)
+    assert c.block_table == [2, 3, 4, 5]
+    assert bm.match_prefix(_seq("a2", list(range(6 * BS)))) == [0, 1]  # a's prefix blocks stay cached
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random admit/grow/free of sequences that share prefixes, with a model of what each block holds."""
 

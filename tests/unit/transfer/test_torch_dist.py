@@ -47,21 +47,20 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sender_main(conn: Connection, slow_at: int) -> None:
-    """Runs JSON commands from the test; `slow_at` >= 0 makes the gather of that message announce itself and stall."""
+    """Runs JSON commands from the test; `slow_at` >= 0 makes the send of that data message announce itself and
+    stall, with the messages before it on the wire."""
     if slow_at >= 0:
-        from pdserve.transfer.blocks import Blocks
+        from pdserve.transfer.pair_group import PairGroup
 
-        original = Blocks.gather
-        calls = {"n": 0}
+        original = PairGroup.data_op
 
-        def stalling_gather(self: Any, kv: torch.Tensor, half: int, out: torch.Tensor) -> None:
-            if calls["n"] == slow_at:
+        def stalling_data_op(self: Any, send: bool, buf: torch.Tensor, message: int) -> Any:
+            if send and message == slow_at:
                 conn.send_bytes(json.dumps({"stalled": True}).encode())
                 time.sleep(3600)
-            calls["n"] += 1
-            original(self, kv, half, out)
+            return original(self, send, buf, message)
 
-        Blocks.gather = stalling_gather  # type: ignore[method-assign]
+        PairGroup.data_op = stalling_data_op  # type: ignore[method-assign]
 
     senders: dict[str, TorchDistSender] = {}
 
@@ -187,39 +186,22 @@ def assert_landed(kv: list[torch.Tensor], before: list[torch.Tensor], src: list[
         assert torch.equal(bits(got[:, others]), bits(old[:, others])), f"layer {layer}: other blocks changed"
 
 
-# ------------------------------------------------------------------------------------------------ layout
-
-
-def test_layout_from_caches_and_bytes() -> None:
-    kv = make_caches(0, "bfloat16")
-    layout = KVLayout.from_caches(kv, "m")
-    assert layout == KVLayout("m", "bfloat16", 4, 3, 2, 8)
-    assert layout.bytes_for(5) == 3 * 5 * 2 * 4 * 2 * 8 * 2 == sum(t[:, :5].numel() * 2 for t in kv)
-    with pytest.raises(ValueError, match="layer 1"):
-        KVLayout.from_caches([kv[0], kv[1].float()], "m")
-
-
-def test_layout_mismatch_names_every_differing_field() -> None:
-    a = KVLayout("m", "bfloat16", 16, 30, 3, 64)
-    a.check_compatible(KVLayout("m", "bfloat16", 16, 30, 3, 64))
-    with pytest.raises(LayoutMismatchError, match=r"head_dim 64 here vs 128.*") as e:
-        a.check_compatible(KVLayout("m", "bfloat16", 16, 30, 3, 128))
-    assert "num_kv_heads" not in str(e.value)
-    with pytest.raises(LayoutMismatchError, match="model_fingerprint.*dtype"):
-        a.check_compatible(KVLayout("other", "float32", 16, 30, 3, 64))
-
-
 # --------------------------------------------------------------------------------------------- transfers
 
 
-@pytest.mark.parametrize("ids", ["scattered", "runs"])
+IDS = {  # (src ids, dst ids); the sender sends a message per run of its ids (4 at most, else one message)
+    "runs": (list(range(4, 13)), list(range(10, 19))),  # one run each side: no copy on either
+    "scattered": ([9, 2, 17, 5], [3, 20, 7, 14]),  # single blocks: no copy either
+    "mixed": ([4, 5, 6, 7, 15, 16, 2], [3, 20, 7, 8, 1, 2, 12]),  # a sender run lands on scattered blocks
+    "many-runs": (list(range(23, 5, -1)), list(range(9)) + [12, 14, 16] + list(range(18, 24))),  # gathered
+}
+
+
+@pytest.mark.parametrize("ids", list(IDS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_blocks_land_bit_exact(receiver: TorchDistReceiver, peer: Peer, dtype: str, ids: str) -> None:
-    if ids == "scattered":  # out of order, gaps, different numbers on each side
-        src_ids, dst_ids = [9, 2, 17, 5, 0, 23, 11], [3, 20, 7, 14, 1, 6, 12]
-    else:  # one run on each side: both sides skip the staging copy
-        src_ids, dst_ids = list(range(4, 13)), list(range(10, 19))
-    tag = {"float32": 10, "bfloat16": 20}[dtype] + (ids == "runs")
+    src_ids, dst_ids = IDS[ids]
+    tag = {"float32": 10, "bfloat16": 20}[dtype] + list(IDS).index(ids)
     kv = make_caches(100 + tag, dtype)  # the decode side's own content, which must survive outside dst_ids
     before = [t.clone() for t in kv]
     rendezvous = receiver.rendezvous("prefill-0")
@@ -336,7 +318,7 @@ def test_killed_sender_fails_recv_at_once_and_a_new_sender_works(
             r = Recv(receiver, peer_id, 60, kv, dst_ids, timeout=30)
             victim.conn.send_bytes(json.dumps({"op": "send", "rendezvous": rendezvous, "tag": 60, "seed": 2,
                                                "ids": [1, 8, 3]}).encode())  # fmt: skip
-            assert victim.reply() == {"stalled": True}  # three of its six messages are on the wire
+            assert victim.reply() == {"stalled": True}  # three of its 18 messages are on the wire
         killed = time.monotonic()
         victim.kill()
         err = r.join(timeout=10)
@@ -371,7 +353,7 @@ def test_sender_stalled_mid_transfer_times_out_and_drops_the_pair(receiver: Torc
             receiver.recv("prefill-stalled", 70, kv, [5, 9, 2], timeout_s=1.5)
         assert 1.4 <= time.monotonic() - start < 4
     finally:
-        victim.kill()  # it sleeps in the stalled gather
+        victim.kill()  # it sleeps in the stalled send
     new_rendezvous = receiver.rendezvous("prefill-stalled")
     assert new_rendezvous != rendezvous  # a wait that timed out closed the gloo pair: a new one is built
     r = Recv(receiver, "prefill-stalled", 71, kv, [5, 9, 2])
