@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -14,7 +16,7 @@ from pdserve.errors import OverloadedError, UnavailableError
 from pdserve.rpc.convert import output_to_pb, sampling_from_pb
 from pdserve.rpc.server import channel
 from pdserve.telemetry import Telemetry, now_ns, request_id_var
-from pdserve.transfer.base import KVReceiver, TransferError
+from pdserve.transfer.base import KVReceiver, TransferError, TransferTimeoutError
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
@@ -33,14 +35,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         worker_id: str,
         role: str,
         telemetry: Telemetry | None = None,
+        transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
     ) -> None:
         self.telemetry = telemetry or Telemetry(f"pdserve-{role}")
         self.engine = engine
         self.receiver = receiver
         self.worker_id = worker_id
         self.role = role
+        self.transfer_timeout_s = transfer_timeout_s
         self._tags = itertools.count(1)
         self._prefill_stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
+        self._freeing: set[asyncio.Future[None]] = set()
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
@@ -67,11 +72,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         blocks = await self.engine.call(lambda e: e.reserve(request_id, prompt, sampling))
         if blocks is None:
             raise OverloadedError(f"decode worker {self.worker_id} has no free KV blocks for {len(prompt)} tokens")
-        try:
-            first_token, cached = await self._remote_prefill(request, blocks, context)
-        except BaseException:
-            await self.engine.abort(request_id)
-            raise
+        first_token, cached = await self._remote_prefill(request, blocks, context)  # frees `blocks` if it fails
         committed_ns = now_ns()
         tokens = 0
         # The stream span starts when the sequence joins the batch; it is opened by hand because that
@@ -97,58 +98,78 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: wpb.WorkerGenerateRequest, blocks: list[int], context: grpc.aio.ServicerContext
     ) -> tuple[int, int]:
         """Ask the prefill worker to fill `blocks`; returns the first token and the prompt tokens its prefix
-        cache served, once the KV is in place."""
+        cache served, once the KV is in place. Fails as soon as the transfer or the prefill worker fails, and
+        then frees `blocks`: at once, or, while a receive may still write into them, when that receive ends."""
         assert self.receiver is not None
-        peer = request.prefill_address
-        timeout_s = min(context.time_remaining() or DEFAULT_TRANSFER_TIMEOUT_S, DEFAULT_TRANSFER_TIMEOUT_S)
+        request_id, peer = request.request_id, request.prefill_address
+        timeout_s = min(context.time_remaining() or self.transfer_timeout_s, self.transfer_timeout_s)
         tag = next(self._tags)
-        rendezvous = await asyncio.to_thread(self.receiver.rendezvous, peer)
         engine = self.engine.engine
-        prefill = wpb.PrefillRequest(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling=request.sampling,
-            target=wpb.KVTarget(decode_worker_id=self.worker_id, rendezvous=rendezvous, block_ids=blocks, tag=tag),
-            layout=wpb.KVLayout(model_fingerprint=engine.fingerprint, block_size=engine.config.block_size),
-            transfer_timeout_ms=int(timeout_s * 1e3),
-        )
         receive: asyncio.Future[int] | None = None
-        first: wpb.FirstToken | None = None
-        received_from_ns = 0
-        call = self._prefill_stub(peer).Prefill(prefill, timeout=context.time_remaining())
+        call: grpc.aio.UnaryStreamCall | None = None
         try:
-            async for event in call:
-                if event.HasField("first_token"):
-                    first = event.first_token
-                    if first.kv_follows:
-                        caches = engine.runner.kv_caches
-                        received_from_ns = now_ns()
-                        receive = asyncio.ensure_future(
-                            asyncio.to_thread(self.receiver.recv, peer, tag, caches, blocks, timeout_s)
-                        )
-            if first is None:
+            rendezvous = await asyncio.to_thread(self.receiver.rendezvous, peer)
+            prefill = wpb.PrefillRequest(
+                request_id=request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling=request.sampling,
+                target=wpb.KVTarget(decode_worker_id=self.worker_id, rendezvous=rendezvous, block_ids=blocks, tag=tag),
+                layout=wpb.KVLayout(model_fingerprint=engine.fingerprint, block_size=engine.config.block_size),
+                transfer_timeout_ms=int(timeout_s * 1e3),
+            )
+            call = self._prefill_stub(peer).Prefill(prefill, timeout=context.time_remaining())
+            event = await call.read()
+            if event is grpc.aio.EOF or not event.HasField("first_token"):
                 raise UnavailableError(f"prefill worker {peer} ended without a first token")
-            if receive is not None:
-                nbytes = await asyncio.shield(receive)
+            first = event.first_token
+            if first.kv_follows:
+                received_from_ns = now_ns()
+                caches = engine.runner.kv_caches
+                receive = asyncio.ensure_future(
+                    asyncio.to_thread(self.receiver.recv, peer, tag, caches, blocks, timeout_s)
+                )
+                receive.add_done_callback(_read_outcome)
+                nbytes = await _until_transferred(call, receive)
                 self.telemetry.span(
                     "kv_transfer.recv",
                     received_from_ns,
                     now_ns(),
-                    request__id=request.request_id,
+                    request__id=request_id,
                     worker__id=self.worker_id,
                     kv__blocks=len(blocks),
-                    kv__bytes=nbytes if isinstance(nbytes, int) else None,
+                    kv__bytes=nbytes,
                 )
-        except TransferError as e:
-            raise UnavailableError(f"KV transfer from {peer} failed: {e}") from e
-        except grpc.aio.AioRpcError as e:
-            raise UnavailableError(f"prefill worker {peer}: {e.code().name}: {e.details()}") from e
+            else:
+                await _to_end(call)
+            return first.token_id, first.cached_prompt_tokens
+        except BaseException as e:
+            await self._free(request_id, receive)
+            if isinstance(e, TransferTimeoutError):
+                raise UnavailableError(f"KV transfer from {peer} timed out after {timeout_s:g}s: {e}") from e
+            if isinstance(e, TransferError):
+                raise UnavailableError(f"KV transfer from {peer} failed: {e}") from e
+            if isinstance(e, grpc.aio.AioRpcError):
+                raise UnavailableError(f"prefill worker {peer}: {e.code().name}: {e.details()}") from e
+            raise
         finally:
-            call.cancel()  # no-op once finished; on our caller's cancel it stops the prefill too
-            # The blocks may be freed only once nothing writes into them any more.
-            if receive is not None and not receive.done():
-                await asyncio.wait([receive])
-        return first.token_id, first.cached_prompt_tokens
+            if call is not None:
+                call.cancel()  # no-op once finished; on our caller's cancel it stops the prefill too
+
+    async def _free(self, request_id: str, receive: asyncio.Future[int] | None) -> None:
+        """Frees a failed hand-off's blocks once nothing writes into them any more. A receive still waiting
+        (its pair not yet connected to a prefill worker that died, say) ends by its own timeout; the request's
+        caller hears of the failure now, and the blocks go when the receive ends."""
+        if receive is None or receive.done():
+            await self.engine.abort(request_id)
+            return
+
+        async def when_received() -> None:
+            await asyncio.wait([receive])
+            await self.engine.abort(request_id)
+
+        task = asyncio.ensure_future(when_received())
+        self._freeing.add(task)  # a strong reference until done: the loop keeps only weak ones
+        task.add_done_callback(self._freeing.discard)
 
     def _prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         if address not in self._prefill_stubs:
@@ -159,7 +180,39 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Stats(  # noqa: N802
         self, request: wpb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> wpb.WorkerStats:
-        return wpb.WorkerStats(worker_id=self.worker_id, role=self.role, **self.engine.stats)
+        return wpb.WorkerStats(worker_id=self.worker_id, role=self.role, pid=os.getpid(), **self.engine.stats)
+
+
+async def _until_transferred(call: grpc.aio.UnaryStreamCall, receive: asyncio.Future[int]) -> int:
+    """The bytes received, once the KV is in place and the prefill worker confirmed it. Whichever side fails
+    first fails the transfer: a stalled prefill worker (stream open, no bytes) meets the receive's timeout, a
+    lost one its stream's error, even while the receive still waits for a pair that will never connect."""
+    done = asyncio.ensure_future(_to_end(call))  # TransferDone and an OK status, or the prefill worker's error
+    done.add_done_callback(_read_outcome)
+    try:
+        either: list[asyncio.Future[Any]] = [receive, done]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if receive.done():
+            nbytes = receive.result()  # raises the TransferError
+            await done
+            return nbytes
+        await done
+        return await asyncio.shield(receive)  # it confirmed the transfer; the receive is ending too
+    finally:
+        done.cancel()
+
+
+async def _to_end(call: grpc.aio.UnaryStreamCall) -> None:
+    """Reads the Prefill stream to its status, which raises if the prefill worker failed."""
+    while await call.read() is not grpc.aio.EOF:
+        pass
+
+
+def _read_outcome(future: asyncio.Future[Any]) -> None:
+    """When one of a transfer's two futures fails first, the other's error goes unread; reading it here keeps
+    asyncio from logging it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _with_cached(msg: pb.GenerateResponse, last: bool, cached_tokens: int) -> pb.GenerateResponse:

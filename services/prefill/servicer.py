@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.config import FaultConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.errors import UnavailableError
 from pdserve.metrics import WorkerMetrics
 from pdserve.rpc.convert import sampling_from_pb
 from pdserve.telemetry import Telemetry, now_ns, request_id_var
-from pdserve.transfer.base import KVSender
+from pdserve.transfer.base import KVSender, TransferError
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
 
@@ -29,12 +31,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         worker_id: str,
         telemetry: Telemetry | None = None,
         metrics: WorkerMetrics | None = None,
+        faults: FaultConfig | None = None,
     ) -> None:
         self.engine = engine
         self.sender = sender
         self.worker_id = worker_id
         self.telemetry = telemetry or Telemetry("pdserve-prefill")
         self.metrics = metrics
+        self.faults = faults or FaultConfig()  # none injected
 
     async def Prefill(  # noqa: N802 (gRPC method name)
         self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
@@ -66,7 +70,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         log.debug(
             "prefilled", extra={"prompt_tokens": len(request.prompt_token_ids), "prefill_ms": round(prefill_ms, 2)}
         )
-        yield wpb.PrefillEvent(
+        first = wpb.PrefillEvent(
             first_token=wpb.FirstToken(
                 token_id=out.new_token_ids[0],
                 kv_follows=not out.finished,
@@ -76,11 +80,21 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             )
         )
         if out.finished:
+            yield first
             return
-        yield await self._send_and_release(request_id, request.target, request.transfer_timeout_ms / 1e3)
+        try:
+            yield first
+            if delay_s := self.faults.kv_send_delay_for(request_id):
+                await asyncio.sleep(delay_s)
+            done = await self._send(request_id, request.target, request.transfer_timeout_ms / 1e3)
+        finally:
+            # The blocks wait for the hand-off from the first token on: freed however it ends (sent, failed, or
+            # cancelled by a decode side that gave up, as during a stall before the send).
+            await self.engine.call(lambda e: e.release(request_id))
+        yield done  # after the release: the decode side may end the call once it has this
 
-    async def _send_and_release(self, request_id: str, target: wpb.KVTarget, timeout_s: float) -> wpb.PrefillEvent:
-        """The blocks are freed only after the send thread is done with them, even when the caller cancels."""
+    async def _send(self, request_id: str, target: wpb.KVTarget, timeout_s: float) -> wpb.PrefillEvent:
+        """Returns only once the send thread is done with the blocks, even when the caller cancels."""
         send: asyncio.Future[int] | None = None
         try:
             blocks = await self.engine.call(lambda e: e.handoff_blocks(request_id))
@@ -110,12 +124,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 self.metrics.transfer_seconds.record(seconds, self.metrics.labels)
             log.debug("kv sent", extra={"bytes": nbytes, "transfer_ms": round(seconds * 1e3, 2)})
             return wpb.PrefillEvent(transfer_done=wpb.TransferDone(bytes=nbytes, transfer_ms=seconds * 1e3))
+        except TransferError as e:
+            raise UnavailableError(f"KV transfer to decode worker {target.decode_worker_id} failed: {e}") from e
         finally:
             if send is not None and not send.done():
                 await asyncio.wait([send])
-            await self.engine.call(lambda e: e.release(request_id))
 
     async def Stats(  # noqa: N802
         self, request: wpb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> wpb.WorkerStats:
-        return wpb.WorkerStats(worker_id=self.worker_id, role="prefill", **self.engine.stats)
+        return wpb.WorkerStats(worker_id=self.worker_id, role="prefill", pid=os.getpid(), **self.engine.stats)

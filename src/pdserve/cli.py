@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--default-ttft-ms", type=float, default=None, help="TTFT SLO for requests that set none")
     up.add_argument("--default-tpot-ms", type=float, default=None, help="TPOT SLO for requests that set none")
     up.add_argument("--max-queued-prefill-tokens", type=int, default=None, help="per prefill worker")
+    up.add_argument(
+        "--kv-transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may take before it fails"
+    )
     up.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (JSON lines on stderr)")
     up.set_defaults(func=_up)
 
@@ -153,6 +156,7 @@ def _up(args: argparse.Namespace) -> int:
         router=router,
         metrics_port=args.metrics_port,
         log_level=args.log_level.upper(),
+        kv_transfer_timeout_s=args.kv_transfer_timeout,
     )
     asyncio.run(run_cluster(config))
     return 0

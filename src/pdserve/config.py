@@ -45,6 +45,17 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class FaultConfig:
+    """Fault injection for tests and chaos runs (see `env.fault_config`); the default injects nothing."""
+
+    kv_send_delay_s: float = 0.0  # a prefill worker stalls this long between the first token and the KV send
+    request_id_prefix: str = ""  # only requests whose id starts with this are faulted ("": every request)
+
+    def kv_send_delay_for(self, request_id: str) -> float:
+        return self.kv_send_delay_s if request_id.startswith(self.request_id_prefix) else 0.0
+
+
+@dataclass(frozen=True)
 class SLOClass:
     """Default SLO for requests of at least this priority that name none themselves."""
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.config import FaultConfig
 
 
 def cache_dir() -> Path:
@@ -14,6 +18,23 @@ def cache_dir() -> Path:
 def worker_env() -> dict[str, str]:
     """The variables a launched worker process must see as the launcher does (model cache, telemetry)."""
     return {k: v for k, v in os.environ.items() if k.startswith(("PDSERVE_", "OTEL_"))}
+
+
+def fault_config() -> FaultConfig:
+    """Testing and chaos knobs, all off unless set; they let tests fail a real cluster at a chosen moment.
+
+    PDSERVE_FAULT_KV_SEND_DELAY_S: a prefill worker sleeps this many seconds after streaming a request's first
+      token and before sending its KV, so a test can outwait the decode side's transfer timeout or kill the
+      worker mid-transfer without racing a sub-millisecond send.
+    PDSERVE_FAULT_REQUEST_ID_PREFIX: only requests whose id starts with this are faulted (default: every one),
+      so healthy requests can run beside faulted ones on the same cluster.
+    """
+    from pdserve.config import FaultConfig  # here, not at the top: config imports the engine, which imports env
+
+    return FaultConfig(
+        kv_send_delay_s=float(os.environ.get("PDSERVE_FAULT_KV_SEND_DELAY_S") or 0.0),
+        request_id_prefix=os.environ.get("PDSERVE_FAULT_REQUEST_ID_PREFIX", ""),
+    )
 
 
 def otel_traces_exporter() -> str | None:

@@ -33,6 +33,7 @@ class ClusterConfig:
     drain_grace_s: float = 20.0
     metrics_port: int | None = None  # the router's Prometheus /metrics; None: not served
     log_level: str = "INFO"
+    kv_transfer_timeout_s: float = 30.0
 
     @property
     def roles(self) -> list[str]:
@@ -84,7 +85,15 @@ class Cluster:
         for i, role in enumerate(c.roles):
             worker_id = f"{role}-{i}"
             spec = WorkerSpec(
-                role, engine, c.host, 0, worker_id, c.redis_url, c.router.heartbeat_s, log_level=c.log_level
+                role,
+                engine,
+                c.host,
+                0,
+                worker_id,
+                c.redis_url,
+                c.router.heartbeat_s,
+                log_level=c.log_level,
+                kv_transfer_timeout_s=c.kv_transfer_timeout_s,
             )
             self._actors[worker_id] = actor_cls.remote(spec)
         for worker_id, actor in self._actors.items():

@@ -35,6 +35,7 @@ class WorkerSpec:
     heartbeat_s: float = 0.5
     metrics_port: int | None = 0  # Prometheus /metrics on this port (0: a free one, registered); None: none
     log_level: str | None = None  # set: this process logs structured lines at that level
+    kv_transfer_timeout_s: float = 30.0  # decode side: a KV transfer not done by then fails, freeing its blocks
 
     def __post_init__(self) -> None:
         if self.role not in ROLE_MODES:
@@ -169,6 +170,7 @@ class WorkerRuntime:
 
     def _add_servicer(self, server: object, engine: object) -> object:
         """Services live outside this package; imported here, where the role is known."""
+        from pdserve import env
         from pdserve.transfer.torch_dist import TorchDistReceiver, TorchDistSender
         from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -178,7 +180,9 @@ class WorkerRuntime:
             from services.prefill.servicer import PrefillServicer
 
             sender = TorchDistSender(spec.host, device=device, model_fingerprint=fp)
-            servicer = PrefillServicer(self._engine, sender, spec.worker_id, self.telemetry, self._metrics)
+            servicer = PrefillServicer(
+                self._engine, sender, spec.worker_id, self.telemetry, self._metrics, env.fault_config()
+            )
             server.add(  # type: ignore[attr-defined]
                 lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, s),
                 [names["PrefillWorker"].full_name],
@@ -187,7 +191,9 @@ class WorkerRuntime:
         from services.decode.servicer import DecodeServicer
 
         receiver = TorchDistReceiver(spec.host, device=device, model_fingerprint=fp) if spec.role == "decode" else None
-        servicer = DecodeServicer(self._engine, receiver, spec.worker_id, spec.role, self.telemetry)
+        servicer = DecodeServicer(
+            self._engine, receiver, spec.worker_id, spec.role, self.telemetry, spec.kv_transfer_timeout_s
+        )
         server.add(  # type: ignore[attr-defined]
             lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
             [names["DecodeWorker"].full_name],

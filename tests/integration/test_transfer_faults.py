@@ -1,0 +1,164 @@
+"""A KV transfer that fails mid-way (a stalled or killed prefill worker) through a real `pdserve up`: the client
+gets a clear status at once, the KV blocks are freed on both sides, and the cluster serves the next request.
+
+A tiny-random transfer takes well under a millisecond, so the prefill worker is made to stall between the first
+token and the KV send with the PDSERVE_FAULT_* knobs (`pdserve.env.fault_config`), for faulted request ids only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import pytest
+
+from pdserve.cluster.local_process import ClusterProcess
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.rpc.client import generate
+from pdserve.rpc.server import channel
+from pdserve.v1 import admin_pb2, admin_pb2_grpc, worker_pb2_grpc
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import worker_pb2 as wpb
+
+pytestmark = pytest.mark.timeout(180)
+TRANSFER_TIMEOUT_S = 3.0
+SEND_DELAY_S = 8.0  # the stall: far past the transfer timeout, so the two outcomes cannot be confused
+FAULTED = "fault-"  # request ids starting with this stall; the others run normally
+PROMPT = [5, 6, 7, 8, 9] * 7  # three KV blocks
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    log = tmp_path_factory.mktemp("transfer-faults") / "cluster.log"
+    args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--mode", "disaggregated", "--prefill", "1"]
+    args += ["--decode", "1", "--kv-transfer-timeout", str(TRANSFER_TIMEOUT_S)]
+    faults = {"PDSERVE_FAULT_KV_SEND_DELAY_S": str(SEND_DELAY_S), "PDSERVE_FAULT_REQUEST_ID_PREFIX": FAULTED}
+    proc = ClusterProcess(*args, log_path=log, env=faults)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[int]:
+    """What the single-process engine answers to PROMPT: a healthy request through the cluster must match it."""
+    engine = LLMEngine(EngineConfig(model="tiny-random", dtype="float32", num_threads=1, num_kv_blocks=16))
+    return engine.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+
+
+def request(request_id: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id, prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True)
+    )
+
+
+async def tokens(address: str, req: pb.GenerateRequest, timeout_s: float = 30.0) -> list[int]:
+    result = None
+    async for _, result in generate(address, req, timeout_s):  # noqa: B007 (the last one is the answer)
+        pass
+    assert result is not None and result.finish_reason == "length"
+    return result.token_ids
+
+
+async def workers(router: str) -> dict[str, admin_pb2.WorkerStatus]:
+    """role -> the router's view of the one worker in that role (its address changes when Ray restarts it)."""
+    async with channel(router) as ch:
+        reply = await admin_pb2_grpc.AdminStub(ch).ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=5)
+    return {w.role: w for w in reply.workers}
+
+
+async def stats(address: str, role: str) -> wpb.WorkerStats:
+    async with channel(address) as ch:
+        stub = worker_pb2_grpc.PrefillWorkerStub(ch) if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub(ch)
+        return await stub.Stats(wpb.StatsRequest(), timeout=5)
+
+
+async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, interval_s: float = 0.05) -> None:
+    """Polls `check` until it holds; fails the test when it does not within `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > end:
+            raise AssertionError(f"{check.__name__} did not hold within {timeout_s}s")
+        await asyncio.sleep(interval_s)
+
+
+async def blocks_freed(addresses: dict[str, str]) -> None:
+    """Every worker (role -> address) soon holds no KV block for a live sequence or transfer (the prefix cache
+    may keep some); a receive left waiting by a lost peer frees its blocks when the transfer timeout ends it."""
+    end = time.monotonic() + TRANSFER_TIMEOUT_S + 10
+    while True:
+        got = {role: await stats(address, role) for role, address in addresses.items()}
+        if all(s.kv_blocks_used == 0 and s.running == 0 and s.waiting == 0 for s in got.values()):
+            return
+        if time.monotonic() > end:
+            raise AssertionError(f"KV blocks still held: {got}")
+        await asyncio.sleep(0.2)
+
+
+def test_killed_prefill_worker_fails_the_request_at_once_and_ray_restarts_it(cluster, expected):
+    """First in the module: the prefill worker has never sent to the decode worker, so the decode side's receive
+    waits on a pair that will never connect, and only the lost Prefill stream can end the request early."""
+
+    async def run() -> None:
+        before = await workers(cluster.address)
+        prefill_address, decode_address = before["prefill"].address, before["decode"].address
+        pid = (await stats(prefill_address, "prefill")).pid
+        start = time.monotonic()
+        call = asyncio.create_task(tokens(cluster.address, request(f"{FAULTED}kill")))
+
+        async def stalled_after_first_token() -> bool:
+            # The prompt ran (nothing left to schedule) and its blocks wait for the hand-off: the worker stalls.
+            s = await stats(prefill_address, "prefill")
+            return s.kv_blocks_used > 0 and s.running == 0 and s.waiting == 0
+
+        await until(stalled_after_first_token, timeout_s=5)
+        # Within the stall's seconds: let the first token reach the decode worker, which then waits for the KV.
+        await asyncio.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        failed_after = time.monotonic() - start
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert prefill_address in err.value.details()
+        # The lost peer ends the request, not the transfer timeout (which counts from the first token).
+        assert failed_after < TRANSFER_TIMEOUT_S, failed_after
+        await blocks_freed({"decode": decode_address})
+
+        async def restarted() -> bool:
+            prefill = (await workers(cluster.address)).get("prefill")
+            return prefill is not None and prefill.address != prefill_address and prefill.health == "SERVING"
+
+        await until(restarted, timeout_s=60, interval_s=0.5)
+        now = await workers(cluster.address)
+        assert (await stats(now["prefill"].address, "prefill")).pid != pid
+        assert await tokens(cluster.address, request("after-kill")) == expected
+        await blocks_freed({role: w.address for role, w in now.items()})
+
+    asyncio.run(run())
+
+
+def test_transfer_timeout_fails_the_request_and_frees_blocks_on_both_sides(cluster, expected):
+    """The prefill worker stalls past the decode side's transfer timeout: the decode side gives up and cancels
+    the Prefill call, which ends the stall before any late send, and the prefill worker frees its blocks."""
+
+    async def run() -> None:
+        addresses = {role: w.address for role, w in (await workers(cluster.address)).items()}
+        prefill_pid = (await stats(addresses["prefill"], "prefill")).pid
+        start = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await tokens(cluster.address, request(f"{FAULTED}timeout"))
+        took = time.monotonic() - start
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert "KV transfer" in err.value.details() and "timed out" in err.value.details(), err.value.details()
+        # The decode side's transfer timeout ended it, not the stalled prefill worker finally sending.
+        assert TRANSFER_TIMEOUT_S <= took < SEND_DELAY_S, (took, err.value.details())
+        await blocks_freed(addresses)
+        assert (await stats(addresses["prefill"], "prefill")).pid == prefill_pid  # stalled, never crashed
+        assert await tokens(cluster.address, request("after-timeout")) == expected
+
+    asyncio.run(run())
