@@ -69,7 +69,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return
         if self.receiver is None:
             raise UnavailableError(f"worker {self.worker_id} ({self.role}) takes no KV hand-offs")
-        blocks = await self.engine.call(lambda e: e.reserve(request_id, prompt, sampling))
+        try:
+            blocks = await self.engine.call(lambda e: e.reserve(request_id, prompt, sampling))
+        except asyncio.CancelledError:
+            await self.engine.abort(request_id)  # the reserve runs all the same: undo it
+            raise
         if blocks is None:
             raise OverloadedError(f"decode worker {self.worker_id} has no free KV blocks for {len(prompt)} tokens")
         first_token, cached = await self._remote_prefill(request, blocks, context)  # frees `blocks` if it fails

@@ -8,12 +8,13 @@ each step's outputs to the per-request asyncio queues. Nothing else touches the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TypeVar
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
@@ -46,14 +47,20 @@ class AsyncEngine:
     # -- called from asyncio -------------------------------------------------------------------------
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run `fn(engine)` on the engine thread between steps and await its result."""
+        """Run `fn(engine)` on the engine thread between steps and await its result. Cancelling the caller
+        does not stop `fn` from running: a caller whose command changes state undoes it if it must."""
         future: Future[T] = Future()
 
         def command() -> None:
-            try:
-                future.set_result(fn(self.engine))
-            except Exception as e:  # handed to the awaiting caller
-                future.set_exception(e)
+            # Runs even when the caller was cancelled meanwhile (it may be the release or abort that frees a
+            # request's blocks); the outcome then has nobody to go to, and must not stop the engine thread.
+            with contextlib.suppress(InvalidStateError):
+                try:
+                    result = fn(self.engine)
+                except Exception as e:  # handed to the awaiting caller
+                    future.set_exception(e)
+                else:
+                    future.set_result(result)
 
         self._submit(command)
         return await asyncio.wrap_future(future)
