@@ -58,7 +58,8 @@ class TransferCase:
 
     @property
     def cache_blocks(self) -> int:
-        return 4 * self.num_blocks + 7  # the sequence's blocks are a quarter of the pool
+        """A worker's default pool: 1 GiB of blocks (SmolLM2 bf16: 2,917), at least 4x the sequence."""
+        return max((1 << 30) // self.layout.bytes_for(1), 4 * self.num_blocks)
 
     def caches(self, device: str, seed: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
@@ -66,21 +67,23 @@ class TransferCase:
         dtype = self.layout.torch_dtype
         return [torch.randn(shape, generator=g).to(dtype).to(device) for _ in range(self.num_layers)]
 
-    def block_ids(self, seed: int) -> list[int]:
+    def block_ids(self, seed: int, side: str) -> list[int]:
+        """`side` "prefill" allocates prompts in 512-token chunks, "decode" reserves a whole prompt at once."""
         g = torch.Generator().manual_seed(seed)
         if self.ids == "run":
             start = int(torch.randint(0, self.cache_blocks - self.num_blocks, (1,), generator=g))
             return list(range(start, start + self.num_blocks))
         if self.ids == "random":
             return torch.randperm(self.cache_blocks, generator=g)[: self.num_blocks].tolist()
-        return churned_block_ids(self.cache_blocks, self.num_blocks, self.block_size, seed)
+        chunk_tokens = 512 if side == "prefill" else 1 << 30
+        return churned_block_ids(self.cache_blocks, self.num_blocks, self.block_size, chunk_tokens, seed)
 
 
-def churned_block_ids(pool_blocks: int, num_blocks: int, block_size: int, seed: int) -> list[int]:
-    """The table a BlockManager gives a new sequence of `num_blocks` after 300 sequences of random length came
-    and went in random order: prompts allocated a 512-token chunk at a time as a prefill worker's scheduler does, and
-    kept in the prefix cache once freed, so that (as on a worker that has run a while) most free blocks are
-    cached ones, evicted on demand."""
+def churned_block_ids(pool_blocks: int, num_blocks: int, block_size: int, chunk_tokens: int, seed: int) -> list[int]:
+    """The table a BlockManager gives a new sequence of `num_blocks` in a worker that has been serving a while:
+    2,000 sequences of 1-128 blocks came and went in random order, keeping the pool about 60% in use, each
+    allocated `chunk_tokens` at a time as the scheduler does and kept in the prefix cache once freed (so most free
+    blocks are cached ones, evicted on demand)."""
     rng = random.Random(seed)
     bm = BlockManager(pool_blocks, block_size)
     live: list[Sequence] = []
@@ -88,7 +91,7 @@ def churned_block_ids(pool_blocks: int, num_blocks: int, block_size: int, seed: 
     def admit(seq_id: int, blocks: int) -> Sequence | None:
         seq = Sequence(f"s{seq_id}", [seq_id] * (blocks * block_size), SamplingParams())
         while seq.num_computed_tokens < seq.num_tokens:
-            chunk = min(512, seq.num_uncomputed_tokens)
+            chunk = min(chunk_tokens, seq.num_uncomputed_tokens)
             if not bm.allocate_slots(seq, chunk):
                 bm.free(seq)
                 return None
@@ -96,10 +99,10 @@ def churned_block_ids(pool_blocks: int, num_blocks: int, block_size: int, seed: 
             bm.cache_full_blocks(seq)
         return seq
 
-    for i in range(300):
-        if live and rng.random() < 0.45:
+    for i in range(2000):
+        if live and (bm.num_used_blocks > 0.6 * pool_blocks or rng.random() < 0.3):
             bm.free(live.pop(rng.randrange(len(live))))
-        elif (seq := admit(i, rng.randint(1, 2 * num_blocks))) is not None:
+        elif (seq := admit(i, rng.randint(1, 128))) is not None:
             live.append(seq)
     while bm.num_free_blocks < num_blocks:
         bm.free(live.pop(rng.randrange(len(live))))
@@ -215,7 +218,7 @@ def _measure_case(
     _send_json(conn, {"op": "case", "case": asdict(case)})
     _recv_json(conn)
     caches = case.caches(device, seed=1)
-    src_ids, dst_ids = case.block_ids(seed=3), case.block_ids(seed=4)
+    src_ids, dst_ids = case.block_ids(seed=3, side="prefill"), case.block_ids(seed=4, side="decode")
     src = torch.randint(0, 255, (case.nbytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     ack = torch.empty(1, dtype=torch.uint8)

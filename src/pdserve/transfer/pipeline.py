@@ -126,9 +126,14 @@ def receive_messages(
         return group.data_op(False, wire, i), work, wire, False
 
     posted = deque(post(i) for i in range(min(depth, len(messages))))
+    unwaited: list[dist.Work] = []  # alive until a later wait: dropping a gloo Work cancels its receive
     for i, (layer, half, start, length) in enumerate(messages):
         op, work, wire, direct = posted.popleft()
-        group.wait_data(op, deadline)
+        if direct and i < len(messages) - 1:
+            unwaited.append(op)  # a pair delivers in order: the next wait covers it
+        else:
+            group.wait_data(op, deadline)
+            unwaited.clear()
         if target is not None and not direct:
             if wire is not work:
                 work.copy_(wire)

@@ -57,8 +57,8 @@ class SendPair:
             g, self.staging, blocks, kv_caches, header.segments, header.block_bytes, pipeline_bytes, deadline
         )
         g.wait(header_work, deadline)
-        while in_flight:
-            g.wait_data(in_flight.popleft(), deadline)
+        if in_flight:  # a pair sends in order: the last done, all are (and only then may the others be dropped)
+            g.wait_data(in_flight[-1], deadline)
         return g.recv_status(deadline)
 
     def close(self) -> None:

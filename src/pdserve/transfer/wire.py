@@ -16,7 +16,7 @@ from pdserve.transfer.layout import KVLayout
 
 _MAGIC = 0x7064_4B56  # "pdKV"
 _VERSION = 2
-MAX_SEGMENTS = 4
+MAX_SEGMENTS = 8
 HEADER_LEN = 24
 STATUS_LEN = 2  # code, detail
 
