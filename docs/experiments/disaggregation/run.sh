@@ -5,7 +5,7 @@ cd "$(dirname "$0")/../../.."
 
 OUT=${OUT:-/tmp/loadgen-exp}
 WORKLOAD="--model smollm2-135m --dataset-name random --random-input-len 1024 --random-output-len 64
-  --num-prompts 16 --request-rate 0.1,0.2,0.3 --burstiness 1 --goodput ttft:10000 tpot:100 --seed 0"
+  --num-prompts 24 --request-rate 0.1,0.2,0.3,0.4 --burstiness 1 --goodput ttft:10000 tpot:100 --seed 0"
 run_mode() {  # name, pdserve up flags...
   local name=$1; shift
   mkdir -p $OUT; printf "[router]\ndefault_ttft_ms = 10000.0\n" > $OUT/router.toml
