@@ -68,24 +68,28 @@ class TransferCase:
         return [torch.randn(shape, generator=g).to(dtype).to(device) for _ in range(self.num_layers)]
 
     def block_ids(self, seed: int, side: str) -> list[int]:
-        """`side` "prefill" allocates prompts in 512-token chunks, "decode" reserves a whole prompt at once."""
+        """`side` "prefill" allocates prompts in 512-token chunks, "decode" reserves a whole prompt at once
+        (each as their workers do)."""
         g = torch.Generator().manual_seed(seed)
         if self.ids == "run":
             start = int(torch.randint(0, self.cache_blocks - self.num_blocks, (1,), generator=g))
             return list(range(start, start + self.num_blocks))
         if self.ids == "random":
             return torch.randperm(self.cache_blocks, generator=g)[: self.num_blocks].tolist()
-        chunk_tokens = 512 if side == "prefill" else 1 << 30
-        return churned_block_ids(self.cache_blocks, self.num_blocks, self.block_size, chunk_tokens, seed)
+        if side == "prefill":
+            return churned_block_ids(self.cache_blocks, self.num_blocks, self.block_size, 512, True, seed)
+        return churned_block_ids(self.cache_blocks, self.num_blocks, self.block_size, 1 << 30, False, seed)
 
 
-def churned_block_ids(pool_blocks: int, num_blocks: int, block_size: int, chunk_tokens: int, seed: int) -> list[int]:
+def churned_block_ids(
+    pool_blocks: int, num_blocks: int, block_size: int, chunk_tokens: int, prefix_caching: bool, seed: int
+) -> list[int]:
     """The table a BlockManager gives a new sequence of `num_blocks` in a worker that has been serving a while:
     2,000 sequences of 1-128 blocks came and went in random order, keeping the pool about 60% in use, each
-    allocated `chunk_tokens` at a time as the scheduler does and kept in the prefix cache once freed (so most free
-    blocks are cached ones, evicted on demand)."""
+    allocated `chunk_tokens` at a time as the scheduler does. With `prefix_caching` (prefill workers) freed
+    blocks stay cached, so most free blocks are cached ones, evicted on demand; decode workers cache nothing."""
     rng = random.Random(seed)
-    bm = BlockManager(pool_blocks, block_size)
+    bm = BlockManager(pool_blocks, block_size, prefix_caching)
     live: list[Sequence] = []
 
     def admit(seq_id: int, blocks: int) -> Sequence | None:

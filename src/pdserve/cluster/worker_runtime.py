@@ -141,6 +141,10 @@ class WorkerRuntime:
             # one's step delays its first token past what admission promised it.
             scheduler = replace(scheduler, max_num_batched_tokens=scheduler.long_prefill_chunk)
         config = replace(spec.engine, scheduler=scheduler)
+        if spec.role == "decode":
+            # Every prompt block arrives from a prefill worker, so nothing a decode worker caches is ever
+            # matched; uncached freed blocks stay free, and reservations stay whole runs (copy-free transfers).
+            config = replace(config, enable_prefix_caching=False)
         engine = await asyncio.to_thread(LLMEngine, config)
         self._engine = AsyncEngine(engine)
         self._server = Server(spec.host, spec.port, self.telemetry.server_interceptors())
