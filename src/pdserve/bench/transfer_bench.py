@@ -76,16 +76,23 @@ class TransferCase:
             return list(range(start, start + self.num_blocks))
         if self.ids == "random":
             return torch.randperm(self.cache_blocks, generator=g)[: self.num_blocks].tolist()
-        if side == "prefill":
-            return churned_block_ids(self.cache_blocks, self.num_blocks, self.block_size, 512, True, seed)
-        return churned_block_ids(self.cache_blocks, self.num_blocks, self.block_size, 1 << 30, False, seed)
+        if side == "prefill":  # a few prompts hold blocks at a time, in 512-token chunks; freed ones stay cached
+            return churned_block_ids(self.cache_blocks, self.num_blocks, self.block_size, 0.1, 512, True, seed)
+        # many decoding sequences hold blocks; each reservation is a whole prompt; nothing is cached
+        return churned_block_ids(self.cache_blocks, self.num_blocks, self.block_size, 0.6, 1 << 30, False, seed)
 
 
 def churned_block_ids(
-    pool_blocks: int, num_blocks: int, block_size: int, chunk_tokens: int, prefix_caching: bool, seed: int
+    pool_blocks: int,
+    num_blocks: int,
+    block_size: int,
+    in_use: float,
+    chunk_tokens: int,
+    prefix_caching: bool,
+    seed: int,
 ) -> list[int]:
     """The table a BlockManager gives a new sequence of `num_blocks` in a worker that has been serving a while:
-    2,000 sequences of 1-128 blocks came and went in random order, keeping the pool about 60% in use, each
+    2,000 sequences of 1-128 blocks came and went in random order, keeping about `in_use` of the pool held, each
     allocated `chunk_tokens` at a time as the scheduler does. With `prefix_caching` (prefill workers) freed
     blocks stay cached, so most free blocks are cached ones, evicted on demand; decode workers cache nothing."""
     rng = random.Random(seed)
@@ -104,7 +111,7 @@ def churned_block_ids(
         return seq
 
     for i in range(2000):
-        if live and (bm.num_used_blocks > 0.6 * pool_blocks or rng.random() < 0.3):
+        if live and (bm.num_used_blocks > in_use * pool_blocks or rng.random() < 0.3):
             bm.free(live.pop(rng.randrange(len(live))))
         elif (seq := admit(i, rng.randint(1, 128))) is not None:
             live.append(seq)

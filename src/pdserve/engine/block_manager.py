@@ -106,37 +106,60 @@ class BlockManager:
         return True
 
     def _take_blocks(self, count: int, after: int | None, room: int) -> list[int]:
-        """`count` blocks: the ones right after `after` while free, then runs cut from the free ones (best fit
-        for `room` >= count blocks), then cached blocks evicted about oldest first."""
+        """`count` blocks, in runs where the pool allows; `room` >= count is what the table will grow to.
+
+        In order: the free blocks right after `after`; a free run that holds `room` (best fit); then cached
+        blocks, oldest first, with the free blocks around them: a run from the free blocks just above the oldest
+        cached block down through it and the blocks below (after a table was freed tail first, the next oldest),
+        taken sorted. Evicting `room` blocks, not just
+        `count`, leaves the rest of that run free for this table's next chunk. Last, free runs, longest first."""
+        want = max(room, count)
         taken: list[int] = []
         block = -1 if after is None else after + 1
         while 0 <= block < self.num_blocks and len(taken) < count and self._is_free[block]:
             taken.append(block)
             block += 1
-        while len(taken) < count and self._num_free - len(taken) > 0:
-            self._is_free[taken] = False  # so the run search skips them
-            start, length = self._free_run(room - len(taken))
-            taken.extend(range(start, start + min(length, count - len(taken))))
-        self._is_free[taken] = False
-        self._num_free -= len(taken)
-        # Then cached blocks, least recently used first. Tables are freed tail first, so the blocks just below the
-        # oldest one are the next oldest: taken sorted, a freed run stays a run. Evicting `room` blocks, not just
-        # `count`, leaves the rest of the run free for this table's next chunk.
-        evicted: list[int] = []
-        while len(taken) + len(evicted) < max(room, count) and self._evictable:
-            block = next(iter(self._evictable))
-            while len(taken) + len(evicted) < max(room, count) and block in self._evictable:
-                self._evict(block)
-                evicted.append(block)
+        self._claim(taken)
+        fit = self._free_run(want - len(taken)) if len(taken) < count and self._num_free else None
+        if fit is not None and fit[1] >= want - len(taken):
+            run = list(range(fit[0], fit[0] + count - len(taken)))
+            self._claim(run)
+            taken.extend(run)
+        run = []
+        while len(taken) + len(run) < want and self._evictable:
+            oldest = next(iter(self._evictable))
+            block = oldest + 1
+            while len(taken) + len(run) < want and block < self.num_blocks and self._is_free[block]:
+                self._claim([block])
+                run.append(block)
+                block += 1
+            block = oldest
+            while len(taken) + len(run) < want and block >= 0:
+                if block in self._evictable:
+                    self._evict(block)
+                elif self._is_free[block]:
+                    self._claim([block])
+                else:
+                    break
+                run.append(block)
                 block -= 1
-        evicted.sort()
-        spare = evicted[count - len(taken) :]
-        taken.extend(evicted[: count - len(taken)])
+        run.sort()
+        spare = run[count - len(taken) :]
+        taken.extend(run[: count - len(taken)])
         self._is_free[spare] = True
         self._num_free += len(spare)
+        while len(taken) < count:
+            start, length = self._free_run(count - len(taken))
+            run = list(range(start, start + min(length, count - len(taken))))
+            self._claim(run)
+            taken.extend(run)
         for block in taken:
             self._ref_counts[block] = 1
         return taken
+
+    def _claim(self, free_blocks: list[int]) -> None:
+        self._is_free[free_blocks] = False
+        self._num_free -= len(free_blocks)
 
     def _evict(self, block: int) -> None:
         del self._evictable[block]

@@ -5,6 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from pdserve.bench.transfer_bench import churned_block_ids, count_runs
 from pdserve.engine.block_manager import BlockManager, prefix_hashes
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
@@ -435,3 +436,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_block_manager_state_machine = BlockManagerMachine.TestCase
+
+
+def test_a_worker_that_has_served_a_while_still_hands_out_runs() -> None:
+    """Fragmentation guard, on the transfer bench's model of a worker's pool (1 GiB of SmolLM2 bf16 blocks):
+    a 1,000-token prompt gets at most two runs on a prefill worker and one on a decode worker."""
+    prefill = [count_runs(churned_block_ids(2917, 63, 16, 0.1, 512, True, seed)) for seed in range(5)]
+    decode = [count_runs(churned_block_ids(2917, 63, 16, 0.6, 1 << 30, False, seed)) for seed in range(5)]
+    assert max(prefill) <= 2, prefill
+    assert decode == [1] * 5, decode
