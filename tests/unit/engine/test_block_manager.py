@@ -5,38 +5,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdserve.bench.transfer_bench import churned_block_ids, count_runs
 from pdserve.engine.block_manager import BlockManager, prefix_hashes
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
-
-BS = 4
-
-
-def _seq(seq_id: str, tokens: list[int]) -> Sequence:
-    return Sequence(seq_id, list(tokens), SamplingParams())
-
-
-def _check_counts(bm: BlockManager) -> None:
-    assert bm.num_used_blocks + bm.num_free_blocks == bm.num_blocks
-    assert 0 <= bm.num_cached_blocks <= bm.num_free_blocks
-    assert 0 <= bm.num_used_blocks <= bm.num_blocks
-
-
-def _admit(bm: BlockManager, seq: Sequence) -> list[int]:
-    """What the scheduler does on admission: reuse the cached prefix, compute the rest in one chunk."""
-    prefix = bm.match_prefix(seq)
-    cached = len(prefix) * bm.block_size
-    assert bm.allocate_slots(seq, seq.num_tokens - cached, prefix)
-    seq.num_computed_tokens = seq.num_tokens
-    bm.cache_full_blocks(seq)
-    _check_counts(bm)
-    return prefix
+from tests.unit.engine.block_helpers import BS, admit, check_counts, make_seq
 
 
 def _drain(bm: BlockManager, seq_id: str = "drain") -> Sequence:
     """Take every block an allocation can get (evicting all cached ones)."""
-    seq = _seq(seq_id, [7] * (bm.num_free_blocks * bm.block_size))
+    seq = make_seq(seq_id, [7] * (bm.num_free_blocks * bm.block_size))
     assert bm.allocate_slots(seq, seq.num_tokens)
     assert bm.num_free_blocks == 0
     return seq
@@ -51,12 +27,12 @@ def test_rejects_an_empty_pool() -> None:
 
 def test_allocate_append_free() -> None:
     bm = BlockManager(8, BS)
-    seq = _seq("a", list(range(10)))
+    seq = make_seq("a", list(range(10)))
     assert bm.allocate_slots(seq, 10)
     assert len(seq.block_table) == 3
     assert len(set(seq.block_table)) == 3
     assert bm.num_used_blocks == 3
-    _check_counts(bm)
+    check_counts(bm)
 
     seq.num_computed_tokens = 10
     seq.output_token_ids += [100, 101]  # 12 tokens still fit in 3 blocks
@@ -69,18 +45,18 @@ def test_allocate_append_free() -> None:
     assert seq.block_table[:3] == first_three
     assert len(set(seq.block_table)) == 4
     assert bm.num_used_blocks == 4
-    _check_counts(bm)
+    check_counts(bm)
 
     bm.free(seq)
     assert seq.block_table == []
     assert bm.num_used_blocks == 0
     assert bm.num_free_blocks == 8
-    _check_counts(bm)
+    check_counts(bm)
 
 
 def test_zero_new_tokens_allocates_nothing() -> None:
     bm = BlockManager(4, BS)
-    seq = _seq("a", [1, 2, 3, 4])
+    seq = make_seq("a", [1, 2, 3, 4])
     assert bm.allocate_slots(seq, 4)
     seq.num_computed_tokens = 4
     assert bm.allocate_slots(seq, 0)
@@ -90,10 +66,10 @@ def test_zero_new_tokens_allocates_nothing() -> None:
 def test_shared_prefix_blocks_are_reference_counted() -> None:
     bm = BlockManager(16, BS)
     prefix = list(range(50, 62))  # 3 full blocks
-    a = _seq("a", prefix + [1, 2])
-    b = _seq("b", prefix + [3, 4, 5])
-    assert _admit(bm, a) == []
-    shared = _admit(bm, b)
+    a = make_seq("a", prefix + [1, 2])
+    b = make_seq("b", prefix + [3, 4, 5])
+    assert admit(bm, a) == []
+    shared = admit(bm, b)
     assert shared == a.block_table[:3]
     assert b.block_table[:3] == a.block_table[:3]
     assert set(b.block_table[3:]).isdisjoint(a.block_table)
@@ -102,7 +78,7 @@ def test_shared_prefix_blocks_are_reference_counted() -> None:
     a_tail = a.block_table[3:]
     bm.free(a)
     assert bm.num_used_blocks == 4  # b still holds the shared ones
-    _check_counts(bm)
+    check_counts(bm)
     # Nothing b holds can be handed to anyone else, even when the pool is drained.
     drain = _drain(bm)
     assert set(drain.block_table).isdisjoint(b.block_table)
@@ -110,102 +86,102 @@ def test_shared_prefix_blocks_are_reference_counted() -> None:
     bm.free(drain)
     bm.free(b)
     assert bm.num_used_blocks == 0
-    _check_counts(bm)
+    check_counts(bm)
 
 
 def test_prefix_blocks_are_reused_after_the_first_request_finishes() -> None:
     bm = BlockManager(16, BS)
     prefix = list(range(30, 42))
-    a = _seq("a", prefix + [1, 2])
-    _admit(bm, a)
+    a = make_seq("a", prefix + [1, 2])
+    admit(bm, a)
     a_blocks = list(a.block_table)
     bm.free(a)
     assert bm.num_used_blocks == 0
     assert bm.num_cached_blocks == 3  # the partial tail block is not cached
     assert set(bm.block_hashes()) == set(prefix_hashes(a.token_ids, BS))
 
-    c = _seq("c", prefix + [9, 9, 9, 9, 9])
+    c = make_seq("c", prefix + [9, 9, 9, 9, 9])
     assert bm.match_prefix(c) == a_blocks[:3]
     hits = bm.prefix_hits
-    _admit(bm, c)
+    admit(bm, c)
     assert bm.prefix_hits == hits + 3
     assert c.block_table[:3] == a_blocks[:3]
     assert bm.num_cached_blocks == 0  # revived: held again
     assert bm.num_used_blocks == 5
 
     # A partial match stops at the first block that differs, even if later blocks coincide.
-    d = _seq("d", prefix[:4] + [0, 0, 0, 0] + prefix[8:] + [1])
+    d = make_seq("d", prefix[:4] + [0, 0, 0, 0] + prefix[8:] + [1])
     assert bm.match_prefix(d) == a_blocks[:1]
 
 
 def test_different_block_contents_do_not_match() -> None:
     bm = BlockManager(16, BS)
-    _admit(bm, _seq("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
-    assert bm.match_prefix(_seq("b", [1, 2, 3, 5, 5, 6, 7, 8, 9])) == []
+    admit(bm, make_seq("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert bm.match_prefix(make_seq("b", [1, 2, 3, 5, 5, 6, 7, 8, 9])) == []
     # Same second block after a different first block: chained keys must not match it.
-    assert bm.match_prefix(_seq("c", [0, 2, 3, 4, 5, 6, 7, 8, 9])) == []
+    assert bm.match_prefix(make_seq("c", [0, 2, 3, 4, 5, 6, 7, 8, 9])) == []
 
 
 @pytest.mark.parametrize("num_blocks_in_prompt", [1, 2, 3])
 def test_at_least_one_token_is_left_to_compute(num_blocks_in_prompt: int) -> None:
     bm = BlockManager(16, BS)
     tokens = list(range(100, 100 + num_blocks_in_prompt * BS))
-    a = _seq("a", tokens)
-    _admit(bm, a)
+    a = make_seq("a", tokens)
+    admit(bm, a)
     bm.free(a)
-    again = _seq("again", tokens)
+    again = make_seq("again", tokens)
     prefix = bm.match_prefix(again)
     assert len(prefix) * BS < again.num_tokens
     assert len(prefix) == num_blocks_in_prompt - 1
     # One token more and the whole original prompt is reusable.
-    longer = _seq("longer", tokens + [5])
+    longer = make_seq("longer", tokens + [5])
     assert len(bm.match_prefix(longer)) == num_blocks_in_prompt
 
 
 def test_prefix_caching_disabled_never_matches() -> None:
     bm = BlockManager(16, BS, enable_prefix_caching=False)
-    a = _seq("a", list(range(20)))
-    _admit(bm, a)
+    a = make_seq("a", list(range(20)))
+    admit(bm, a)
     bm.free(a)
     assert bm.num_cached_blocks == 0
     assert bm.block_hashes() == []
-    assert bm.match_prefix(_seq("b", list(range(20)))) == []
+    assert bm.match_prefix(make_seq("b", list(range(20)))) == []
 
 
 def test_lru_eviction_takes_the_least_recently_used_cached_blocks_first() -> None:
     bm = BlockManager(5, 2)
-    a, b = _seq("a", [1, 2, 3, 4]), _seq("b", [5, 6, 7, 8])
-    _admit(bm, a)
+    a, b = make_seq("a", [1, 2, 3, 4]), make_seq("b", [5, 6, 7, 8])
+    admit(bm, a)
     bm.free(a)
-    _admit(bm, b)
+    admit(bm, b)
     bm.free(b)
     a_keys, b_keys = prefix_hashes(a.token_ids, 2), prefix_hashes(b.token_ids, 2)
     assert bm.num_cached_blocks == 4 and bm.num_used_blocks == 0
 
     # Reusing a (2 cached blocks + the one never-cached block) makes it the most recently used.
-    a2 = _seq("a2", [1, 2, 3, 4, 0])
-    assert len(_admit(bm, a2)) == 2
+    a2 = make_seq("a2", [1, 2, 3, 4, 0])
+    assert len(admit(bm, a2)) == 2
     assert bm.num_free_blocks == 2  # b's blocks, still cached
     bm.free(a2)
     assert set(bm.block_hashes()) == set(a_keys) | set(b_keys)
 
-    c = _seq("c", [9, 9, 9, 9])  # the free block, then b's tail (tails are freed before heads)
+    c = make_seq("c", [9, 9, 9, 9])  # the free block, then b's tail (tails are freed before heads)
     assert bm.allocate_slots(c, 4)
     assert b_keys[1] not in bm.block_hashes()
     assert b_keys[0] in bm.block_hashes()
     assert set(a_keys) <= set(bm.block_hashes())
-    assert len(bm.match_prefix(_seq("b3", [5, 6, 7, 8, 0]))) == 1
-    _check_counts(bm)
+    assert len(bm.match_prefix(make_seq("b3", [5, 6, 7, 8, 0]))) == 1
+    check_counts(bm)
 
-    d = _seq("d", [8, 8])
+    d = make_seq("d", [8, 8])
     assert bm.allocate_slots(d, 2)  # then b's head, before anything of a
     assert not set(b_keys) & set(bm.block_hashes())
     assert set(a_keys) == set(bm.block_hashes())
-    assert bm.match_prefix(_seq("b4", [5, 6, 7, 8, 0])) == []
-    assert len(bm.match_prefix(_seq("a3", [1, 2, 3, 4, 0]))) == 2
-    _check_counts(bm)
+    assert bm.match_prefix(make_seq("b4", [5, 6, 7, 8, 0])) == []
+    assert len(bm.match_prefix(make_seq("a3", [1, 2, 3, 4, 0]))) == 2
+    check_counts(bm)
 
-    e = _seq("e", [7, 7])
+    e = make_seq("e", [7, 7])
     assert bm.allocate_slots(e, 2)  # only a is left to evict: its tail goes first
     assert set(bm.block_hashes()) == {a_keys[0]}
     assert bm.num_free_blocks == 1 and bm.num_cached_blocks == 1
@@ -213,20 +189,20 @@ def test_lru_eviction_takes_the_least_recently_used_cached_blocks_first() -> Non
 
 def test_free_blocks_are_used_before_cached_ones() -> None:
     bm = BlockManager(6, 2)
-    a = _seq("a", [1, 2, 3, 4])
-    _admit(bm, a)
+    a = make_seq("a", [1, 2, 3, 4])
+    admit(bm, a)
     bm.free(a)
-    b = _seq("b", [9] * 8)  # exactly the 4 never-cached blocks
+    b = make_seq("b", [9] * 8)  # exactly the 4 never-cached blocks
     assert bm.allocate_slots(b, 8)
     assert bm.num_cached_blocks == 2
-    assert len(bm.match_prefix(_seq("a2", [1, 2, 3, 4, 5]))) == 2
+    assert len(bm.match_prefix(make_seq("a2", [1, 2, 3, 4, 5]))) == 2
 
 
 def test_allocate_slots_is_all_or_nothing() -> None:
     bm = BlockManager(4, BS)
-    a = _seq("a", list(range(12)))
+    a = make_seq("a", list(range(12)))
     assert bm.allocate_slots(a, 12)
-    b = _seq("b", list(range(50, 58)))
+    b = make_seq("b", list(range(50, 58)))
     before = (bm.num_used_blocks, bm.num_free_blocks, bm.num_cached_blocks, bm.prefix_hits)
     assert not bm.allocate_slots(b, 8)
     assert b.block_table == []
@@ -243,13 +219,13 @@ def test_allocate_slots_is_all_or_nothing() -> None:
 
 def test_failed_allocation_with_a_cached_prefix_leaves_the_cache_alone() -> None:
     bm = BlockManager(4, BS)
-    a = _seq("a", list(range(9)))  # 2 full blocks + 1
-    _admit(bm, a)
+    a = make_seq("a", list(range(9)))  # 2 full blocks + 1
+    admit(bm, a)
     bm.free(a)
     assert bm.num_cached_blocks == 2
-    holder = _seq("holder", [0] * 8)
+    holder = make_seq("holder", [0] * 8)
     assert bm.allocate_slots(holder, 8)  # takes the 2 uncached blocks
-    b = _seq("b", list(range(8)) + [1] * 6)  # 2 prefix blocks + 6 tokens: needs 2 more, none free
+    b = make_seq("b", list(range(8)) + [1] * 6)  # 2 prefix blocks + 6 tokens: needs 2 more, none free
     prefix = bm.match_prefix(b)
     assert len(prefix) == 2
     hits = bm.prefix_hits
@@ -263,60 +239,7 @@ def test_failed_allocation_with_a_cached_prefix_leaves_the_cache_alone() -> None
     bm.free(holder)
     assert bm.allocate_slots(b, 6, prefix)
     assert b.block_table[:2] == prefix
-    _check_counts(bm)
-
-
-def _is_run(blocks: list[int]) -> bool:
-    return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
-
-
-def test_blocks_come_in_runs_after_churn() -> None:
-    """Transfers move runs without copies: a new table is one run when a free run holds it, and a table
-    that grows continues its run while the next block is free."""
-    bm = BlockManager(64, BS, enable_prefix_caching=False)
-    seqs = [_seq(f"s{i}", [1] * (BS * (i % 3 + 1))) for i in range(20)]
-    for s in seqs:
-        assert bm.allocate_slots(s, s.num_tokens)
-    holes = [list(s.block_table) for s in seqs[::2]]  # of 1-3 blocks between live tables once freed
-    for s in seqs[::2]:
-        bm.free(s)
-    big = _seq("big", [1] * (BS * 9))
-    assert bm.allocate_slots(big, big.num_tokens)
-    assert _is_run(big.block_table)
-    small = _seq("small", [1] * BS)
-    assert bm.allocate_slots(small, BS)
-    assert [small.block_table[0]] in holes  # best fit: a one-block hole, not the start of a longer run
-    chunked = _seq("chunked", [1] * (BS * 4))  # a prompt computed one block per step
-    for _ in range(4):
-        assert bm.allocate_slots(chunked, BS)
-        chunked.num_computed_tokens += BS
-    assert _is_run(chunked.block_table)
-    chunked.output_token_ids.extend([1] * BS)  # and decoding on past it
-    assert bm.allocate_slots(chunked, BS)
-    assert _is_run(chunked.block_table)
-    # A table longer than any free run takes the longest runs it can, and the pool still adds up.
-    rest = _seq("rest", [1] * (BS * bm.num_free_blocks))
-    assert bm.allocate_slots(rest, rest.num_tokens)
-    assert bm.num_free_blocks == 0
-    for s in [*seqs[1::2], big, small, chunked, rest]:
-        bm.free(s)
-    assert bm.num_free_blocks == bm.num_blocks
-    _check_counts(bm)
-
-
-def test_evicted_cached_blocks_come_back_as_a_run_oldest_first() -> None:
-    bm = BlockManager(12, BS)
-    a, b = _seq("a", list(range(6 * BS))), _seq("b", [100 + i for i in range(6 * BS)])
-    _admit(bm, a)
-    _admit(bm, b)
-    assert (a.block_table, b.block_table) == (list(range(6)), list(range(6, 12)))
-    bm.free(a)  # tail first: 5 is the least recently used block, then 4, ...
-    bm.free(b)
-    assert bm.num_cached_blocks == 12
-    c = _seq("c", [200] * (4 * BS))
-    assert bm.allocate_slots(c, c.num_tokens)
-    assert c.block_table == [2, 3, 4, 5]
-    assert bm.match_prefix(_seq("a2", list(range(6 * BS)))) == [0, 1]  # a's prefix blocks stay cached
+    check_counts(bm)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -354,7 +277,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not tokens:
             return
         self.counter += 1
-        seq = _seq(f"s{self.counter}", tokens)
+        seq = make_seq(f"s{self.counter}", tokens)
         prefix = self.bm.match_prefix(seq)
         cached = len(prefix) * BS
         assert cached < seq.num_tokens
@@ -397,7 +320,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def counts_add_up(self) -> None:
-        _check_counts(self.bm)
+        check_counts(self.bm)
         assert self.bm.prefix_hits == self.expected_hits
         held = {b for s in self.live for b in s.block_table}
         assert self.bm.num_used_blocks == len(held)
@@ -431,17 +354,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.free(seq)
         assert self.bm.num_used_blocks == 0
         assert self.bm.num_free_blocks == self.bm.num_blocks
-        _check_counts(self.bm)
+        check_counts(self.bm)
 
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_block_manager_state_machine = BlockManagerMachine.TestCase
-
-
-def test_a_worker_that_has_served_a_while_still_hands_out_runs() -> None:
-    """Fragmentation guard, on the transfer bench's model of a worker's pool (1 GiB of SmolLM2 bf16 blocks):
-    a 1,000-token prompt gets at most two runs on a prefill worker and one on a decode worker."""
-    prefill = [count_runs(churned_block_ids(2917, 63, 16, 0.1, 512, True, seed)) for seed in range(5)]
-    decode = [count_runs(churned_block_ids(2917, 63, 16, 0.6, 1 << 30, False, seed)) for seed in range(5)]
-    assert max(prefill) <= 2, prefill
-    assert decode == [1] * 5, decode
