@@ -1,0 +1,38 @@
+"""The engine on CUDA, skipped without a GPU (`scripts/gpu_check.sh` runs these on a device machine): float32
+greedy output equals the CPU's token for token; bfloat16 runs the real model and returns every block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 180)), [7] * 300, list(range(1000, 1017))]
+
+
+def _greedy(model: str, device: str, dtype: str) -> tuple[list[list[int]], LLMEngine]:
+    engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype))
+    completions = engine.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+    return [c.token_ids for c in completions], engine
+
+
+@pytest.mark.parametrize("model", ["tiny-random", "smollm2-135m"])
+def test_greedy_float32_on_cuda_equals_cpu(model: str) -> None:
+    on_cpu, _ = _greedy(model, "cpu", "float32")
+    on_cuda, _ = _greedy(model, "cuda", "float32")
+    assert on_cuda == on_cpu
+
+
+def test_bfloat16_on_cuda_generates_and_frees_every_block() -> None:
+    tokens, engine = _greedy("smollm2-135m", "cuda", "bfloat16")
+    assert [len(t) for t in tokens] == [24] * len(PROMPTS)
+    assert all(0 <= t < engine.model_config.vocab_size for seq in tokens for t in seq)
+    assert engine.blocks.num_used_blocks == 0
