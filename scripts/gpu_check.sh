@@ -2,13 +2,18 @@
 # The checks a session with a lent GPU runs, as one device call (see ../shared/PLATFORM-NOTES.md): the CUDA
 # tests (engine float32 on CUDA == CPU, bfloat16 on CUDA, a transfer of CUDA caches over gloo), then the engine
 # and transfer benches on CUDA. NCCL needs two GPUs (one rank per GPU), so the transfer bench forces gloo.
-# PY picks the interpreter (the device machine brings its own torch); the model cache must hold smollm2-135m.
-set -u
+# MODEL=tiny-random limits it to the model that needs no cache (SmolLM2's converted folder is too big to carry);
+# PY picks the interpreter (the device machine brings its own torch). Logs land in $OUT when it is set.
+set -u -o pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
-export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH}
+MODEL=${MODEL:-smollm2-135m}
+PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+LOGS=${OUT:-/tmp}
+export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+filter=$([ "$MODEL" = tiny-random ] && echo "tiny or device" || echo "")
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-"$PY" -m pytest -q -p no:cacheprovider -m cuda tests/unit
-"$PY" -m pdserve.cli bench engine --model smollm2-135m --device cuda --dtype bfloat16 --batch-sizes 1,8,32,128 \
-  --compare transformers
-"$PY" -m pdserve.cli bench transfer --device cuda --backend gloo --repeats 5
+"$PY" -m pytest -q -p no:cacheprovider -m cuda -k "$filter" tests/unit/engine/test_cuda_engine.py \
+  tests/unit/transfer/test_device_caches.py 2>&1 | tee "$LOGS/cuda_tests.log"
+"$PY" -m pdserve.cli bench transfer --device cuda --backend gloo --repeats 5 2>&1 | tee "$LOGS/transfer_bench.log"
+"$PY" -m pdserve.cli bench engine --model "$MODEL" --device cuda --dtype bfloat16 --batch-sizes 1,8,32,128 \
+  --compare transformers 2>&1 | tee "$LOGS/engine_bench.log"

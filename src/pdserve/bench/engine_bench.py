@@ -7,6 +7,7 @@ Decode throughput excludes the prefill: the clock starts once every sequence has
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 import uuid
@@ -98,6 +99,9 @@ class _TransformersRunner:
             str(resolve_model(config.model)), dtype=config.torch_dtype, attn_implementation="sdpa"
         ).to(self.device)
         self.model.eval()
+        # transformers renamed `past_key_values` to `cache` within 5.x; take whichever this version has.
+        forward_args = inspect.signature(self.model.forward).parameters
+        self.cache_arg = "cache" if "cache" in forward_args else "past_key_values"
 
     @torch.inference_mode()
     def prefill_s(self, prompt: list[int]) -> float:
@@ -119,10 +123,10 @@ class _TransformersRunner:
         token.tolist()
         _sync(self.device)
         first = time.perf_counter()
-        cache = out.cache
+        cache = getattr(out, self.cache_arg)
         for _ in range(num_tokens - 1):
-            out = self.model(input_ids=token, cache=cache, use_cache=True)
-            cache = out.cache
+            out = self.model(input_ids=token, use_cache=True, **{self.cache_arg: cache})
+            cache = getattr(out, self.cache_arg)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             token.tolist()  # a server reads each token as it comes; keeps the comparison honest
         _sync(self.device)
