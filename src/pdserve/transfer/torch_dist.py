@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import torch
 
@@ -34,11 +34,13 @@ from pdserve.transfer.send_pair import SendPair, rejection
 from pdserve.transfer.wire import HEADER_LEN, OK, Header, check_tag
 
 Backend = Literal["auto", "gloo", "nccl"]
+PairT = TypeVar("PairT", SendPair, RecvPair)
 
 
-class TorchDistSender(KVSender):
-    """Prefill side (rank 0 of every pair). `host` is this worker's address, the one gloo binds and advertises;
-    `device` is where the caches live; `model_fingerprint` goes into the layout the decode side checks."""
+class _Endpoint(Generic[PairT]):
+    """What both ends keep: `host` is this worker's configured address, the one gloo (and, on the decode side, each
+    pair's store) binds and advertises, never every interface; `device` is where the caches live;
+    `model_fingerprint` goes into the layout both sides compare."""
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class TorchDistSender(KVSender):
         connect_timeout_s: float = 30.0,
         pipeline_bytes: int = 32 << 20,
     ) -> None:
+        self.host = host
         self.device = torch.device(device)
         self.fingerprint = model_fingerprint
         self.backend = backend
@@ -56,9 +59,30 @@ class TorchDistSender(KVSender):
         self.pipeline_bytes = pipeline_bytes
         self._gloo_device = gloo_device(host)
         self._lock = threading.Lock()
-        self._pairs: dict[str, SendPair] = {}
-        self._connecting: dict[str, threading.Lock] = {}
+        self._pairs: dict[str, PairT] = {}
         self._closed = False
+        self._init_side()
+
+    def _init_side(self) -> None:
+        """The state only one side keeps."""
+
+    def _checked(
+        self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], tag: int, distinct: bool
+    ) -> tuple[KVLayout, Blocks]:
+        """What both sides check before a transfer: caches on this endpoint's device, a valid tag, the block ids
+        (which the receiver, writing into them, needs distinct)."""
+        if kv_caches[0].device.type != self.device.type:
+            raise ValueError(f"caches are on {kv_caches[0].device}, this endpoint was built for {self.device}")
+        check_tag(tag)
+        layout = KVLayout.from_caches(kv_caches, self.fingerprint)
+        return layout, Blocks.from_ids(block_ids, kv_caches[0], distinct=distinct)
+
+
+class TorchDistSender(_Endpoint[SendPair], KVSender):
+    """Prefill side (rank 0 of every pair)."""
+
+    def _init_side(self) -> None:
+        self._connecting: dict[str, threading.Lock] = {}
 
     def send(
         self,
@@ -68,7 +92,7 @@ class TorchDistSender(KVSender):
         block_ids: Sequence[int],
         timeout_s: float,
     ) -> int:
-        layout, blocks = _checked(kv_caches, block_ids, tag, self.fingerprint, self.device, distinct=False)
+        layout, blocks = self._checked(kv_caches, block_ids, tag, distinct=False)
         if blocks.n == 0:
             return 0  # the receiver short-circuits an empty transfer the same way
         deadline = time.monotonic() + timeout_s
@@ -134,31 +158,12 @@ class TorchDistSender(KVSender):
             pair.close()
 
 
-class TorchDistReceiver(KVReceiver):
-    """Decode side (rank 1 of every pair). `host` is this worker's configured address: each pair's store and gloo
-    bind there (never every interface), on a port the OS picks. `device` is where the caches live."""
+class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
+    """Decode side (rank 1 of every pair): hosts a store per prefill peer, on a port the OS picks."""
 
-    def __init__(
-        self,
-        host: str,
-        device: torch.device | str = "cpu",
-        model_fingerprint: str = "",
-        backend: Backend = "auto",
-        connect_timeout_s: float = 30.0,
-        pipeline_bytes: int = 32 << 20,
-    ) -> None:
-        self.host = host
-        self.device = torch.device(device)
-        self.fingerprint = model_fingerprint
-        self.backend = backend
-        self.connect_timeout_s = connect_timeout_s
-        self.pipeline_bytes = pipeline_bytes
+    def _init_side(self) -> None:
         self._identity = uuid.uuid4().hex
-        self._gloo_device = gloo_device(host)
-        self._lock = threading.Lock()
-        self._pairs: dict[str, RecvPair] = {}
         self._lost: dict[str, str] = {}  # peer -> why its last pair died, until the next rendezvous
-        self._closed = False
 
     def rendezvous(self, peer_id: str) -> str:
         with self._lock:
@@ -181,7 +186,7 @@ class TorchDistReceiver(KVReceiver):
         block_ids: Sequence[int],
         timeout_s: float,
     ) -> int:
-        layout, blocks = _checked(kv_caches, block_ids, tag, self.fingerprint, self.device, distinct=True)
+        layout, blocks = self._checked(kv_caches, block_ids, tag, distinct=True)
         if blocks.n == 0:
             return 0
         deadline = time.monotonic() + timeout_s
@@ -260,19 +265,3 @@ class TorchDistReceiver(KVReceiver):
         for pair in pairs:
             pair.closed = True
             pair.fail(TransferError(f"prefill peer {pair.peer_id!r}: receiver closed"))
-
-
-def _checked(
-    kv_caches: Sequence[torch.Tensor],
-    block_ids: Sequence[int],
-    tag: int,
-    fingerprint: str,
-    device: torch.device,
-    distinct: bool,
-) -> tuple[KVLayout, Blocks]:
-    """What both sides check before a transfer: caches on this endpoint's device, a valid tag, the block ids
-    (which the receiver, writing into them, needs distinct)."""
-    if kv_caches[0].device.type != device.type:
-        raise ValueError(f"caches are on {kv_caches[0].device}, this endpoint was built for {device}")
-    check_tag(tag)
-    return KVLayout.from_caches(kv_caches, fingerprint), Blocks.from_ids(block_ids, kv_caches[0], distinct=distinct)

@@ -101,7 +101,20 @@ class Header:
         segments = tuple(v[13 : 13 + num_segments]) if 0 < num_segments <= MAX_SEGMENTS else ()
         if not segments or min(segments) < 1 or sum(segments) != v[3]:
             raise PeerLostError(f"protocol error: segments {v[12:]} do not split {v[3]} blocks")
-        return cls(*v[2:12], segments=segments)
+        tag, num_blocks, fingerprint_hash, dtype_hash, block_size, num_layers, num_kv_heads, head_dim = v[2:10]
+        return cls(
+            tag,
+            num_blocks,
+            fingerprint_hash,
+            dtype_hash,
+            block_size,
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            block_bytes=v[10],
+            timeout_ms=v[11],
+            segments=segments,
+        )
 
     def layout(self, mine: KVLayout) -> KVLayout:
         """The sender's layout as far as the hashes tell: strings that hash like ours are ours."""
