@@ -5,15 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.perf_model import PerfProfile, SpeedTracker
-
-# 1 ms per prompt token, a 20 ms decode step plus 5 ms per sequence: round numbers to reason with.
-PROFILE = PerfProfile(
-    prefill_fixed_s=0.01,
-    prefill_per_token_s=1e-3,
-    prefill_per_token2_s=0.0,
-    decode_fixed_s=0.02,
-    decode_per_seq_s=0.005,
-)
+from tests.unit.round_profile import PROFILE
 
 
 def test_fit_recovers_exact_quadratic_prefill_and_linear_decode():

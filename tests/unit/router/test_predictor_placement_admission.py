@@ -9,23 +9,15 @@ import pytest
 from pdserve.config import RouterConfig
 from pdserve.engine.block_manager import prefix_hashes
 from pdserve.errors import OverloadedError, UnavailableError
-from pdserve.perf_model import PerfProfile
 from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS, Admission
 from services.router.load_tracker import LoadTracker
 from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
 from services.router.predictor import Predictor
+from tests.unit.round_profile import PROFILE
 
 BS = 16
-# 1 ms per prompt token, a 20 ms decode step plus 5 ms per sequence: round numbers to reason with.
-PROFILE = PerfProfile(
-    prefill_fixed_s=0.01,
-    prefill_per_token_s=1e-3,
-    prefill_per_token2_s=0.0,
-    decode_fixed_s=0.02,
-    decode_per_seq_s=0.005,
-)
 
 
 def worker(worker_id: str, role: str = "prefill", **fields: object) -> WorkerState:
