@@ -3,6 +3,9 @@
 Both sides get the same model folder, dtype, device, thread count and random prompts. Every prompt
 is fresh (its own seed) so the engine's prefix cache never turns a timed prefill into a cache hit.
 Decode throughput excludes the prefill: the clock starts once every sequence has its first token.
+Each row also gets a GEMM floor: the tokens/s of a step that did nothing but the model's own projections
+(same weights, kernels and order), measured in the same run. No engine using these kernels can beat it,
+so it says how much of a target the hardware leaves to reach.
 """
 
 from __future__ import annotations
@@ -12,13 +15,17 @@ import statistics
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from pdserve.config import EngineConfig
 
+if TYPE_CHECKING:
+    from pdserve.engine.model import LlamaModel
+
 PREFILL_REPEATS = 3
+GEMM_FLOOR_REPEATS = 9
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,37 @@ class _TransformersRunner:
         return DecodeTiming(first - start, end - first, len(prompts) * (num_tokens - 1))
 
 
+def _gemm_floor_tok_s(model: LlamaModel, tokens: int, logit_rows: int, device: torch.device) -> float:
+    """tokens/s of a forward pass of `tokens` rows reduced to its GEMMs (the LM head over `logit_rows`)."""
+    projections = model.projections()
+    dtype = model.embed_tokens.dtype
+    widths = {p.in_features for p in projections}
+    inputs = {w: torch.randn(tokens, w, dtype=dtype, device=device) for w in widths}
+    head = projections.pop()
+    head_input = inputs[head.in_features][:logit_rows]
+
+    def one_pass() -> float:
+        _sync(device)
+        start = time.perf_counter()
+        for projection in projections:
+            projection(inputs[projection.in_features])
+        head(head_input)
+        _sync(device)
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        one_pass()  # warm-up
+        return tokens / statistics.median(one_pass() for _ in range(GEMM_FLOOR_REPEATS))
+
+
+def _gemm_floors(model: LlamaModel, batch_sizes: list[int], prompt_len: int, device: torch.device) -> dict[str, float]:
+    """The GEMM floor of every row _measure fills: a prefill samples one row, a decode step every row."""
+    floors = {"prefill": _gemm_floor_tok_s(model, prompt_len, 1, device)}
+    for b in batch_sizes:
+        floors[f"decode B={b}"] = _gemm_floor_tok_s(model, b, b, device)
+    return floors
+
+
 class _Prompts:
     """Seeded random token ids; every call gives new ones so no prefix repeats."""
 
@@ -173,8 +211,9 @@ def run_engine_bench(
     compare_transformers: bool,
 ) -> dict[str, Any]:
     """Measures, prints a rich table and returns the figures (JSON-serialisable)."""
-    from rich.console import Console
     from rich.table import Table
+
+    from pdserve.bench.report_console import report_console
 
     if decode_tokens < 2:
         raise ValueError(f"decode_tokens must be at least 2 (the first token is prefill), got {decode_tokens}")
@@ -184,6 +223,7 @@ def run_engine_bench(
     vocab = runner.engine.model_config.vocab_size
     args = (vocab, batch_sizes, prompt_len, decode_prompt_len, decode_tokens)
     ours = _measure(runner, *args)
+    floors = _gemm_floors(runner.engine.model, batch_sizes, prompt_len, config.torch_device)
     del runner
     theirs: dict[str, float] = {}
     if compare_transformers:
@@ -200,29 +240,43 @@ def run_engine_bench(
         "rows": [],
     }
     for name, tok_s in ours.items():
-        row: dict[str, Any] = {"name": name, "pdserve_tok_s": tok_s}
+        row: dict[str, Any] = {
+            "name": name,
+            "pdserve_tok_s": tok_s,
+            "gemm_floor_tok_s": floors[name],
+            "pdserve_share_of_floor": tok_s / floors[name],
+        }
         if compare_transformers:
             row["transformers_tok_s"] = theirs[name]
             row["ratio"] = tok_s / theirs[name]
+            row["floor_ratio"] = floors[name] / theirs[name]
         result["rows"].append(row)
 
-    console = Console()
+    console = report_console()
     console.print(
         f"model {result['model']}, dtype {result['dtype']}, device {result['device']}, {result['threads']} threads"
     )
     console.print(
         f"prefill: {prompt_len} tokens; decode: {decode_tokens} tokens after {decode_prompt_len}-token prompts"
     )
+    console.print("GEMM floor: the step reduced to the model's projections; no engine using these kernels is faster")
     table = Table(title="pdserve engine bench")
     table.add_column("")
     table.add_column("pdserve tok/s", justify="right")
     if compare_transformers:
         table.add_column("transformers tok/s", justify="right")
         table.add_column("ratio", justify="right")
+    table.add_column("GEMM floor tok/s", justify="right")
+    table.add_column("pdserve / floor", justify="right")
+    if compare_transformers:
+        table.add_column("floor / transformers", justify="right")
     for row in result["rows"]:
         cells = [row["name"], f"{row['pdserve_tok_s']:.1f}"]
         if compare_transformers:
             cells += [f"{row['transformers_tok_s']:.1f}", f"{row['ratio']:.2f}×"]
+        cells += [f"{row['gemm_floor_tok_s']:.1f}", f"{row['pdserve_share_of_floor']:.0%}"]
+        if compare_transformers:
+            cells.append(f"{row['floor_ratio']:.2f}×")
         table.add_row(*cells)
     console.print(table)
     return result

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
+from pdserve.bench.report_console import report_console
 from pdserve.cluster.local_process import ClusterProcess
 from pdserve.rpc.client import generate
 from pdserve.v1 import generate_pb2 as pb
@@ -92,5 +92,5 @@ def run_placement_bench(
         f"{base['ttft_p99_ms'] / ours['ttft_p99_ms']:.2f}x",
         "",
     )
-    Console().print(table)
+    report_console().print(table)
     return figures

@@ -285,8 +285,9 @@ def run_transfer_bench(
     pipeline_mib: int = 32,
 ) -> dict[str, Any]:
     """Measures every case between this process and a spawned one, prints a rich table, returns the figures."""
-    from rich.console import Console
     from rich.table import Table
+
+    from pdserve.bench.report_console import report_console
 
     cases = cases if cases is not None else default_cases()
     ctx = mp.get_context("spawn")
@@ -318,9 +319,7 @@ def run_transfer_bench(
         "pipeline_mib": pipeline_mib,
         "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
     }
-    console = Console()
-    if not console.is_terminal:  # rich would wrap the table at 80 columns in a pipe
-        console = Console(width=130)
+    console = report_console()
     console.print(f"device {device}, backend {backend}, median of {repeats} repeats, GB = 1e9 bytes")
     table = Table(title="pdserve KV transfer bench (two processes)")
     columns = ("case", "blocks", "block ids", "runs", "MiB", "ours GB/s", "raw gloo GB/s", "ours/raw", "copy GB/s")

@@ -27,6 +27,7 @@ class Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
+        self.out_features, self.in_features = weight.shape
         on_cpu = weight.device.type == "cpu"
         self.mode = "plain"
         if on_cpu and weight.dtype == torch.float32:
@@ -138,6 +139,11 @@ class LlamaModel(nn.Module):
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, cache, meta)
         return self.norm(hidden)
+
+    def projections(self) -> list[Linear]:
+        """Every GEMM of a forward pass, in the order it runs (the LM head last): what bounds a step's speed."""
+        per_layer = [(layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) for layer in self.layers]
+        return [projection for projections in per_layer for projection in projections] + [self.lm_head]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] for the rows that sample; returns float32 logits [n, vocab]."""
