@@ -29,7 +29,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset) of each token
     num_decode: int
     decode_block_tables: torch.Tensor | None  # [num_decode * max_blocks] int64, flattened
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size]: 0 where allowed, else -inf
     prefills: tuple[PrefillSpan, ...] = ()
 
 

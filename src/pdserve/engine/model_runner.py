@@ -89,12 +89,11 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             used = -(-int(context_lens[i]) // self.block_size)
             tables[i, :used] = c.block_table[:used]
-        mask = np.arange(max_blocks * self.block_size)[None, :] < context_lens[:, None]
+        allowed = np.arange(max_blocks * self.block_size)[None, :] < context_lens[:, None]
+        # Additive, in the model's dtype: SDPA would otherwise turn a boolean mask into this in every layer.
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(torch.from_numpy(~allowed), float("-inf"))
         dev = self.device
-        return (
-            torch.from_numpy(tables.reshape(-1)).to(dev),
-            torch.from_numpy(mask[:, None, None, :]).to(dev),
-        )
+        return torch.from_numpy(tables.reshape(-1)).to(dev), mask[:, None, None, :].to(dev)
 
     def _prefill_spans(self, chunks: list[ScheduledChunk], start_row: int) -> tuple[PrefillSpan, ...]:
         spans = []

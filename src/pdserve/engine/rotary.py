@@ -37,22 +37,24 @@ def _llama3_scaled(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """A cos/sin table for every position up to the context length, looked up per token."""
+    """cos/sin tables for every position up to the context length, looked up per token.
+
+    The sin table carries rotate-half's sign (its first half negated), so applying the rotation takes one
+    roll instead of two slices, a negation and a concatenation; negating a factor instead of the term
+    is exact, so the result is bit-identical to Hugging Face's `x * cos + rotate_half(x) * sin`.
+    """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float)
         freqs = positions[:, None] * inverse_frequencies(config)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
-        self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        self.cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1).to(dtype=dtype, device=device)  # [max_pos, head_dim]
+        self.signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(dtype=dtype, device=device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each token, shaped to broadcast over heads: [num_tokens, 1, head_dim]."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos and signed sin for each token, shaped to broadcast over heads: [num_tokens, 1, head_dim]."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim]; rolling by half swaps the halves as rotate-half does."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
