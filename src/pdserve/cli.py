@@ -84,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--decode-prompt-len", type=int, default=32, help="prompt tokens before decoding")
     engine.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per sequence")
     engine.add_argument("--compare", choices=["transformers", "none"], default="transformers")
+    engine.add_argument("--rounds", type=int, default=3, help="rounds of every row on both engines, back to back")
     engine.set_defaults(func=_bench_engine)
     placement = bench_sub.add_parser("placement", help="prefix-aware placement vs round-robin, TTFT and hit rate")
     placement.add_argument("--model", default="smollm2-135m")
@@ -341,6 +342,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
         decode_prompt_len=args.decode_prompt_len,
         decode_tokens=args.decode_tokens,
         compare_transformers=args.compare == "transformers",
+        rounds=args.rounds,
     )
     return 0
 

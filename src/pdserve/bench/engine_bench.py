@@ -1,7 +1,7 @@
 """Prefill and decode tokens/s of pdserve's engine against Hugging Face transformers, same run.
 
 Both sides get the same model folder, dtype, device, thread count and random prompts. Every prompt
-is fresh (its own seed) so the engine's prefix cache never turns a timed prefill into a cache hit.
+is new to the engine, so its prefix cache never turns a timed prefill into a cache hit.
 Decode throughput excludes the prefill: the clock starts once every sequence has its first token.
 Each row also gets a GEMM floor: the tokens/s of a step that did nothing but the model's own projections
 (same weights, kernels and order), measured in the same run. No engine using these kernels can beat it,
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from pdserve.engine.model import LlamaModel
 
 PREFILL_REPEATS = 3
-GEMM_FLOOR_REPEATS = 9
+GEMM_FLOOR_REPEATS = 5
 
 
 @dataclass(frozen=True)
@@ -164,14 +164,6 @@ def _gemm_floor_tok_s(model: LlamaModel, tokens: int, logit_rows: int, device: t
         return tokens / statistics.median(one_pass() for _ in range(GEMM_FLOOR_REPEATS))
 
 
-def _gemm_floors(model: LlamaModel, batch_sizes: list[int], prompt_len: int, device: torch.device) -> dict[str, float]:
-    """The GEMM floor of every row _measure fills: a prefill samples one row, a decode step every row."""
-    floors = {"prefill": _gemm_floor_tok_s(model, prompt_len, 1, device)}
-    for b in batch_sizes:
-        floors[f"decode B={b}"] = _gemm_floor_tok_s(model, b, b, device)
-    return floors
-
-
 class _Prompts:
     """Seeded random token ids; every call gives new ones so no prefix repeats."""
 
@@ -183,23 +175,48 @@ class _Prompts:
         return torch.randint(0, self.vocab_size, (count, length), generator=self.gen).tolist()
 
 
-def _measure(
-    runner: _Runner,
-    vocab_size: int,
-    batch_sizes: list[int],
-    prompt_len: int,
-    decode_prompt_len: int,
-    decode_tokens: int,
-) -> dict[str, float]:
-    """tokens/s by row name: 'prefill', 'decode B=1', ..."""
-    prompts = _Prompts(vocab_size)
-    runner.prefill_s(prompts.batch(1, prompt_len)[0])  # warm-up
-    times = [runner.prefill_s(prompts.batch(1, prompt_len)[0]) for _ in range(PREFILL_REPEATS)]
-    figures = {"prefill": prompt_len / statistics.median(times)}
-    for b in batch_sizes:
-        runner.decode(prompts.batch(b, decode_prompt_len), min(decode_tokens, 4))  # warm-up
-        figures[f"decode B={b}"] = runner.decode(prompts.batch(b, decode_prompt_len), decode_tokens).tokens_per_s
-    return figures
+@dataclass(frozen=True)
+class _Case:
+    """One row of the table. A prefill row times single prompts; a decode row `batch` sequences at once."""
+
+    name: str
+    batch: int
+    prompt_len: int
+    decode_tokens: int  # 0 for the prefill row
+
+    def prompts(self, source: _Prompts) -> list[list[int]]:
+        return source.batch(PREFILL_REPEATS if self.is_prefill else self.batch, self.prompt_len)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.decode_tokens == 0
+
+    def tok_s(self, runner: _Runner, prompts: list[list[int]]) -> float:
+        if self.is_prefill:
+            return self.prompt_len / statistics.median(runner.prefill_s(p) for p in prompts)
+        return runner.decode(prompts, self.decode_tokens).tokens_per_s
+
+    def warm_up(self, runner: _Runner, source: _Prompts) -> None:
+        if self.is_prefill:
+            runner.prefill_s(source.batch(1, self.prompt_len)[0])
+        else:
+            runner.decode(source.batch(self.batch, self.prompt_len), min(self.decode_tokens, 4))
+
+    def gemm_floor_tok_s(self, model: LlamaModel, device: torch.device) -> float:
+        """A prefill samples its last row only; a decode step samples every row."""
+        if self.is_prefill:
+            return _gemm_floor_tok_s(model, self.prompt_len, 1, device)
+        return _gemm_floor_tok_s(model, self.batch, self.batch, device)
+
+
+def _cases(batch_sizes: list[int], prompt_len: int, decode_prompt_len: int, decode_tokens: int) -> list[_Case]:
+    prefill = _Case("prefill", 1, prompt_len, 0)
+    return [prefill] + [_Case(f"decode B={b}", b, decode_prompt_len, decode_tokens) for b in batch_sizes]
+
+
+def _median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """Of ratios taken round by round: each pair was measured minutes apart at most, so drift cancels."""
+    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
 
 
 def run_engine_bench(
@@ -209,25 +226,43 @@ def run_engine_bench(
     decode_prompt_len: int,
     decode_tokens: int,
     compare_transformers: bool,
+    rounds: int = 3,
 ) -> dict[str, Any]:
-    """Measures, prints a rich table and returns the figures (JSON-serialisable)."""
+    """Measures, prints a rich table and returns the figures (JSON-serialisable).
+
+    Each round times every row on pdserve and on transformers back to back (in alternating order) and the
+    GEMM floor after them: a shared machine's speed drifts by tens of percent over minutes, so figures taken
+    one engine after the other would compare different machines.
+    """
     from rich.table import Table
 
     from pdserve.bench.report_console import report_console
 
     if decode_tokens < 2:
         raise ValueError(f"decode_tokens must be at least 2 (the first token is prefill), got {decode_tokens}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    runner = _EngineRunner(config)
-    vocab = runner.engine.model_config.vocab_size
-    args = (vocab, batch_sizes, prompt_len, decode_prompt_len, decode_tokens)
-    ours = _measure(runner, *args)
-    floors = _gemm_floors(runner.engine.model, batch_sizes, prompt_len, config.torch_device)
-    del runner
-    theirs: dict[str, float] = {}
+    ours = _EngineRunner(config)
+    runners: dict[str, _Runner] = {"pdserve": ours}
     if compare_transformers:
-        theirs = _measure(_TransformersRunner(config), *args)
+        runners["transformers"] = _TransformersRunner(config)
+    prompts = _Prompts(ours.engine.model_config.vocab_size)
+    cases = _cases(batch_sizes, prompt_len, decode_prompt_len, decode_tokens)
+    for runner in runners.values():
+        for case in cases:
+            case.warm_up(runner, prompts)
+    samples = {case.name: {label: [] for label in [*runners, "floor"]} for case in cases}
+    for round_index in range(rounds):
+        order = list(runners.items())
+        if round_index % 2:
+            order.reverse()
+        for case in cases:
+            batch = case.prompts(prompts)  # both engines get the same prompts
+            for label, runner in order:
+                samples[case.name][label].append(case.tok_s(runner, batch))
+            samples[case.name]["floor"].append(case.gemm_floor_tok_s(ours.engine.model, config.torch_device))
 
     result: dict[str, Any] = {
         "model": config.model,
@@ -237,19 +272,23 @@ def run_engine_bench(
         "prompt_len": prompt_len,
         "decode_prompt_len": decode_prompt_len,
         "decode_tokens": decode_tokens,
+        "rounds": rounds,
         "rows": [],
     }
-    for name, tok_s in ours.items():
+    for name, per_round in samples.items():
+        mine, floor = per_round["pdserve"], per_round["floor"]
         row: dict[str, Any] = {
             "name": name,
-            "pdserve_tok_s": tok_s,
-            "gemm_floor_tok_s": floors[name],
-            "pdserve_share_of_floor": tok_s / floors[name],
+            "pdserve_tok_s": statistics.median(mine),
+            "gemm_floor_tok_s": statistics.median(floor),
+            "pdserve_share_of_floor": _median_ratio(mine, floor),
+            "per_round": per_round,
         }
         if compare_transformers:
-            row["transformers_tok_s"] = theirs[name]
-            row["ratio"] = tok_s / theirs[name]
-            row["floor_ratio"] = floors[name] / theirs[name]
+            theirs = per_round["transformers"]
+            row["transformers_tok_s"] = statistics.median(theirs)
+            row["ratio"] = _median_ratio(mine, theirs)
+            row["floor_ratio"] = _median_ratio(floor, theirs)
         result["rows"].append(row)
 
     console = report_console()
@@ -258,6 +297,9 @@ def run_engine_bench(
     )
     console.print(
         f"prefill: {prompt_len} tokens; decode: {decode_tokens} tokens after {decode_prompt_len}-token prompts"
+    )
+    console.print(
+        f"medians of {rounds} rounds, the engines back to back in each; ratios are medians of per-round ratios"
     )
     console.print("GEMM floor: the step reduced to the model's projections; no engine using these kernels is faster")
     table = Table(title="pdserve engine bench")
