@@ -215,7 +215,7 @@ def _cases(batch_sizes: list[int], prompt_len: int, decode_prompt_len: int, deco
 
 
 def _median_ratio(numerators: list[float], denominators: list[float]) -> float:
-    """Of ratios taken round by round: each pair was measured minutes apart at most, so drift cancels."""
+    """Of ratios taken round by round: the two sides of each were measured seconds apart, so drift cancels."""
     return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
 
 
