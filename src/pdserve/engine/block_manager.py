@@ -111,8 +111,8 @@ class BlockManager:
         In order: the free blocks right after `after`; a free run that holds `room` (best fit); then cached
         blocks, oldest first, with the free blocks around them: a run from the free blocks just above the oldest
         cached block down through it and the blocks below (after a table was freed tail first, the next oldest),
-        taken sorted. Evicting `room` blocks, not just
-        `count`, leaves the rest of that run free for this table's next chunk. Last, free runs, longest first."""
+        taken sorted. Evicting `room` blocks, not just `count`, leaves the rest of that run free for this table's
+        next chunk. Last, free runs, longest first."""
         want = max(room, count)
         taken: list[int] = []
         block = -1 if after is None else after + 1

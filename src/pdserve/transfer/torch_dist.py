@@ -3,7 +3,7 @@
 The decode side (rank 1) hosts a store per prefill peer (`rendezvous.py`); the prefill side (rank 0) connects to
 it on its first send. One transfer at a time goes over a pair, in the order the sender starts them (a lock on the
 sender, one serving thread on the receiver), so several concurrent transfers share a pair safely:
-  1. sender -> receiver, control: the header (`wire.py`): tag, block count, layout, message size, timeout
+  1. sender -> receiver, control: the header (`wire.py`): tag, block count, layout, bytes per block, segments, timeout
   2. sender -> receiver, data: layer by layer, keys then values, a message per segment of the block list
      (`pipeline.py`), each straight from / into the cache or staged (`blocks.py`)
   3. receiver -> sender, control: status: the blocks are in place, or why not (layout mismatch, no recv waiting
