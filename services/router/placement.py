@@ -6,8 +6,8 @@ import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from pdserve.engine.block_manager import prefix_hashes
 from pdserve.errors import UnavailableError
+from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.registry.base import PrefixIndex, Registry, WorkerState
 from services.router.predictor import Predictor
 

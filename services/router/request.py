@@ -6,11 +6,11 @@ import math
 import uuid
 from dataclasses import dataclass
 
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.request_checks import check_request
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.model_config import ModelConfig
+from pdserve.protocol.request_checks import check_request
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.rpc.convert import sampling_from_pb
 from pdserve.v1 import generate_pb2 as pb
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pdserve.config import RouterConfig
-from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import resolve_model
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import read_config, read_gguf
+from pdserve.protocol.model_config import ModelConfig
 from pdserve.registry.base import PrefixIndex, Registry
 from pdserve.rpc.server import Server
 from pdserve.telemetry import Telemetry

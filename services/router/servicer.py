@@ -11,12 +11,13 @@ import grpc
 from opentelemetry import trace
 
 from pdserve.config import RouterConfig
-from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError, OverloadedError, UnavailableError
 from pdserve.metrics import RecentLatencies, RouterMetrics
+from pdserve.protocol.model_config import ModelConfig
 from pdserve.registry.base import PrefixIndex
 from pdserve.rpc.convert import sampling_to_pb
+from pdserve.rpc.errors import error_from_rpc
 from pdserve.rpc.server import channel
 from pdserve.telemetry import Telemetry, request_id_var
 from pdserve.v1 import generate_pb2 as pb
@@ -174,7 +175,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     trace.get_current_span().set_attribute("completion_tokens", completion_tokens)
                 yield msg
         except grpc.aio.AioRpcError as e:
-            raise _from_worker(e, decode.address) from e
+            raise error_from_rpc(e, f"decode worker {decode.address}") from e
         finally:
             call.cancel()  # a no-op once finished; on client cancel or error it frees the worker's blocks
             if not ttft_ms:
@@ -187,16 +188,3 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             ch = channel(address, self.telemetry.client_interceptors())
             self._stubs[address] = worker_pb2_grpc.DecodeWorkerStub(ch)
         return self._stubs[address]
-
-
-def _from_worker(e: grpc.aio.AioRpcError, address: str) -> Exception:
-    """A worker's status, re-raised as the typed error the interceptor maps back to the same code."""
-    detail = f"worker {address}: {e.details()}"
-    code = e.code()
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequestError("request", detail)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return OverloadedError(detail)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return TimeoutError(detail)
-    return UnavailableError(detail)

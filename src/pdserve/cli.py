@@ -287,8 +287,8 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.errors import InvalidRequestError
+    from pdserve.protocol.sampling import SamplingParams
 
     try:
         sampling = SamplingParams(

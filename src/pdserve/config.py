@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.scheduler import EngineMode, SchedulerConfig
+from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.protocol.roles import EngineMode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -11,7 +11,7 @@ import pytest
 from pdserve.cluster.local_process import ClusterProcess, alive, descendants
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.rpc.client import generate
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb

@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from pdserve.config import EngineConfig
-from pdserve.engine.block_manager import prefix_hashes
-from pdserve.perf_model import PerfProfile
+from pdserve.protocol.perf_profile import PerfProfile
+from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import PREFIX, RedisPrefixIndex, RedisRegistry
 from tests.redis_server import RedisServer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.perf_model import PerfProfile
+from pdserve.protocol.perf_profile import PerfProfile
 
 # 1 ms per prompt token, a 20 ms decode step plus 5 ms per sequence: round numbers to reason with.
 PROFILE = PerfProfile(

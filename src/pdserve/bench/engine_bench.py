@@ -58,7 +58,7 @@ class _EngineRunner:
         self.device = config.torch_device
 
     def prefill_s(self, prompt: list[int]) -> float:
-        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.protocol.sampling import SamplingParams
 
         _sync(self.device)
         start = time.perf_counter()
@@ -67,7 +67,7 @@ class _EngineRunner:
         return time.perf_counter() - start
 
     def decode(self, prompts: list[list[int]], num_tokens: int) -> DecodeTiming:
-        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.protocol.sampling import SamplingParams
 
         engine = self.engine
         params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.torch_dist import Backend, TorchDistReceiver, TorchDistSender
 

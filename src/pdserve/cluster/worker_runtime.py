@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 
 from pdserve.config import EngineConfig
 from pdserve.engine.model_runner import kv_block_bytes
-from pdserve.engine.scheduler import EngineMode
-from pdserve.perf_model import SpeedTracker, measure_profile
+from pdserve.engine.profiling import SpeedTracker, measure_profile
+from pdserve.protocol.roles import EngineMode
 from pdserve.registry.base import WorkerState
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ class WorkerRuntime:
 
     async def _warm_up(self) -> None:
         """One tiny step through the model, so the first real request does not pay for lazy kernel set-up."""
-        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.protocol.sampling import SamplingParams
 
         engine = self._engine
         if self.spec.role == "decode":

@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import TypeVar
 
-from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.outputs import RequestOutput
+from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,32 +12,18 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes, load_model
 from pdserve.engine.models import resolve_model
-from pdserve.engine.request_checks import check_request
 from pdserve.engine.sampler import Sampler, make_generator
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import EngineMode, Scheduler
-from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+from pdserve.protocol.model_config import ModelConfig
+from pdserve.protocol.outputs import FinishReason, RequestOutput
+from pdserve.protocol.request_checks import check_request
+from pdserve.protocol.roles import EngineMode
+from pdserve.protocol.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata, paged_attention, write_kv
-from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.rotary import RotaryEmbedding, apply_rotary
+from pdserve.protocol.model_config import ModelConfig
 
 
 def _onednn_bf16_available() -> bool:

@@ -10,9 +10,9 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.attention import AttentionMetadata, PrefillSpan
 from pdserve.engine.model import LlamaModel
-from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.engine.weights import load_folder_weights, read_config, read_gguf
+from pdserve.protocol.model_config import ModelConfig
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaModel:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from pdserve.engine.model_config import ModelConfig
+from pdserve.protocol.model_config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

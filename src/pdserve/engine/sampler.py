@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 
 # Dividing by a near-zero temperature would overflow logits to inf and softmax to nan.
 _MIN_TEMPERATURE = 1e-5

@@ -9,18 +9,13 @@ its blocks are freed and it waits to be recomputed, keeping its generated tokens
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from dataclasses import dataclass
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
-
-
-class EngineMode(enum.Enum):
-    MIXED = "mixed"  # prefill and decode in one engine: single process and the colocated baseline
-    PREFILL_ONLY = "prefill-only"  # stop after the first token; keep the blocks for the hand-off
-    DECODE_ONLY = "decode-only"  # sequences arrive with their KV from a prefill worker
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.protocol.outputs import FinishReason
+from pdserve.protocol.roles import EngineMode
 
 
 @dataclass(frozen=True)

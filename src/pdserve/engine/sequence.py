@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.outputs import FinishReason
+from pdserve.protocol.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -14,13 +15,6 @@ class SequenceStatus(enum.Enum):
     RECEIVING = "receiving"  # decode-only: blocks allocated, KV bytes still in flight
     HANDOFF = "handoff"  # prefill-only: first token sampled, blocks held until the decode side has them
     FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    LENGTH = "length"
-    STOP = "stop"  # a stop string or stop token id
-    EOS = "eos"
-    ABORT = "abort"
 
 
 @dataclass(eq=False)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from pdserve.engine.model_config import UnsupportedModelError
+from pdserve.protocol.model_config import UnsupportedModelError
 
 # GGUF tensor names (per layer after "blk.N.") -> Hugging Face names (after "model.layers.N.").
 _GGUF_LAYER_NAMES = {

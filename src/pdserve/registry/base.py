@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from pdserve.perf_model import PerfProfile
+from pdserve.protocol.perf_profile import PerfProfile
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import math
 
-from pdserve.engine.engine import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import FinishReason
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.outputs import FinishReason, RequestOutput
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.v1 import generate_pb2 as pb
 
 _FINISH_TO_PB = {

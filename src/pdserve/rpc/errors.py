@@ -1,4 +1,9 @@
-"""One server interceptor maps typed exceptions to gRPC status codes, for every handler kind."""
+"""The one mapping between typed exceptions and gRPC status codes, both directions.
+
+Servers raise typed errors and one interceptor turns them into statuses; a caller of another pdserve
+server turns the status it got back into the same typed error (`error_from_rpc`), so a code keeps its
+meaning across every hop.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +31,27 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
+    return None
+
+
+def error_from_rpc(e: grpc.aio.AioRpcError, peer: str) -> Exception:
+    """A peer's status as the typed error that maps back to the same code; its retry hint is kept."""
+    detail = f"{peer}: {e.details()}"
+    code = e.code()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequestError("request", detail)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return OverloadedError(detail, retry_after_ms(e.trailing_metadata()) or 1000)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TimeoutError(detail)
+    return UnavailableError(f"{detail} ({code.name})")
+
+
+def retry_after_ms(metadata: Any) -> int | None:
+    """The retry hint a RESOURCE_EXHAUSTED status carries in its trailers, if any."""
+    for key, value in metadata or ():
+        if key == RETRY_PUSHBACK_KEY:
+            return int(value)
     return None
 
 

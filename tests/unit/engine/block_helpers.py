@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
+from pdserve.protocol.sampling import SamplingParams
 
 BS = 4
 

@@ -5,8 +5,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdserve.engine.block_manager import BlockManager, prefix_hashes
+from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence
+from pdserve.protocol.prefix_hash import prefix_hashes
 from tests.unit.engine.block_helpers import BS, admit, check_counts, make_seq
 
 

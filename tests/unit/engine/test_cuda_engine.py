@@ -8,7 +8,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 
 pytestmark = [
     pytest.mark.cuda,

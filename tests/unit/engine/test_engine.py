@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.scheduler import SchedulerConfig, SchedulerOutput
-from pdserve.engine.sequence import FinishReason
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.outputs import FinishReason, RequestOutput
+from pdserve.protocol.sampling import SamplingParams
 
 # A scheduling bug tends to hang the engine loop rather than fail; bound every test.
 pytestmark = pytest.mark.timeout(60)

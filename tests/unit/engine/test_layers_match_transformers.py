@@ -12,8 +12,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from pdserve.engine.model import RMSNorm
-from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.rotary import RotaryEmbedding, apply_rotary
+from pdserve.protocol.model_config import ModelConfig
 
 DTYPES = [torch.float32, torch.bfloat16]
 HIDDEN = 576

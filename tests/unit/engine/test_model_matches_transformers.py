@@ -8,8 +8,8 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.models import SMOLLM2_GGUF_NAME, resolve_model
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

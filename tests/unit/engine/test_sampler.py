@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pdserve.engine.sampler import Sampler, make_generator
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])

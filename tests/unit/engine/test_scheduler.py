@@ -5,9 +5,10 @@ import random
 import pytest
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.protocol.outputs import FinishReason
+from pdserve.protocol.sampling import SamplingParams
 
 
 def fake_token(seq: Sequence) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from pdserve.engine.block_manager import prefix_hashes
-from pdserve.perf_model import PerfProfile
+from pdserve.protocol.perf_profile import PerfProfile
+from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 

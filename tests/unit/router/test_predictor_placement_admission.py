@@ -7,8 +7,8 @@ import math
 import pytest
 
 from pdserve.config import RouterConfig
-from pdserve.engine.block_manager import prefix_hashes
 from pdserve.errors import OverloadedError, UnavailableError
+from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS, Admission

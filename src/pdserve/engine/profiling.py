@@ -1,66 +1,16 @@
-"""How fast a worker runs: measured at start-up, corrected from live steps, read by the router to predict.
-
-Prefill time grows linearly in tokens plus a quadratic attention term; a decode step costs a fixed part
-(reading the weights) plus a part per sequence in the batch. Both are least-squares fits of a few
-measured points, so the same code describes a 2-core CPU and an H200.
-"""
+"""A worker's speed: measured at start-up on its own model runner, corrected from its live steps."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
+
+from pdserve.protocol.perf_profile import PerfProfile
 
 PREFILL_LENGTHS = (64, 256, 1024)  # the range prompts come in: extrapolating a quadratic misleads
 DECODE_BATCHES = (1, 8, 32)
-
-
-@dataclass(frozen=True)
-class PerfProfile:
-    prefill_fixed_s: float
-    prefill_per_token_s: float
-    prefill_per_token2_s: float
-    decode_fixed_s: float
-    decode_per_seq_s: float
-
-    def prefill_s(self, tokens: int) -> float:
-        if tokens <= 0:
-            return 0.0
-        return self.prefill_fixed_s + self.prefill_per_token_s * tokens + self.prefill_per_token2_s * tokens**2
-
-    def decode_step_s(self, batch: int) -> float:
-        return self.decode_fixed_s + self.decode_per_seq_s * max(batch, 1)
-
-    @classmethod
-    def fit(cls, prefill: list[tuple[int, float]], decode: list[tuple[int, float]]) -> PerfProfile:
-        n = np.array([p[0] for p in prefill], dtype=float)
-        a = _nonneg_lstsq(np.stack([np.ones_like(n), n, n**2], axis=1), np.array([p[1] for p in prefill]))
-        b_ = np.array([d[0] for d in decode], dtype=float)
-        b = _nonneg_lstsq(np.stack([np.ones_like(b_), b_], axis=1), np.array([d[1] for d in decode]))
-        return cls(float(a[0]), float(a[1]), float(a[2]), float(b[0]), float(b[1]))
-
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> PerfProfile:
-        return cls(**{k: float(v) for k, v in d.items()})
-
-
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with negative coefficients dropped and the rest refitted: time never shrinks with work."""
-    keep = np.ones(x.shape[1], dtype=bool)
-    while True:
-        coef = np.zeros(x.shape[1])
-        coef[keep] = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
-        if (coef >= 0).all():
-            return coef
-        keep &= coef > 0
-        if not keep.any():
-            return np.zeros(x.shape[1])
 
 
 class SpeedTracker:

@@ -5,9 +5,9 @@ Field names follow the public API (`sampling.max_tokens`), so the error reads th
 
 from __future__ import annotations
 
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.model_config import ModelConfig
+from pdserve.protocol.sampling import SamplingParams
 
 
 def check_request(prompt_token_ids: list[int], sampling: SamplingParams, model: ModelConfig) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.perf_model import PerfProfile, SpeedTracker
+from pdserve.engine.profiling import SpeedTracker
+from pdserve.protocol.perf_profile import PerfProfile
 from tests.unit.round_profile import PROFILE
 
 

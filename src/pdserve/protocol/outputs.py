@@ -1,0 +1,29 @@
+"""What a request produces, step by step: the same on the engine thread, in a worker and at the router."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"  # a stop string or stop token id
+    EOS = "eos"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
