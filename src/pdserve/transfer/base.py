@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Self
 
 import torch
+
+KVCaches = Sequence[torch.Tensor]  # one cache tensor per layer
 
 
 class TransferError(RuntimeError):
@@ -24,18 +27,26 @@ class LayoutMismatchError(TransferError):
     """Both sides disagree on the KV layout (model, dtype, block size, shapes); the message names the fields."""
 
 
-class KVSender(ABC):
+class _Closeable(ABC):
+    """One side of the data plane; closing it (at shutdown, or leaving a `with`) drops every pair group:
+    waiting calls fail and later ones raise TransferError."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Called at shutdown."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KVSender(_Closeable):
     """Prefill side. One per prefill worker, shared by its request handlers (thread-safe)."""
 
     @abstractmethod
-    def send(
-        self,
-        rendezvous: str,
-        tag: int,
-        kv_caches: Sequence[torch.Tensor],
-        block_ids: Sequence[int],
-        timeout_s: float,
-    ) -> int:
+    def send(self, rendezvous: str, tag: int, kv_caches: KVCaches, block_ids: Sequence[int], timeout_s: float) -> int:
         """Called by the prefill worker once the prompt has run: copies `kv_caches[layer][:, block_ids]`
         (the sequence's blocks, in block-table order) into the decode side's blocks waiting under `tag`.
 
@@ -46,18 +57,8 @@ class KVSender(ABC):
         within about `timeout_s`; a broken pair group is dropped and rebuilt by a later send.
         """
 
-    @abstractmethod
-    def close(self) -> None:
-        """Called at shutdown: drops every pair group; later sends raise TransferError."""
 
-    def __enter__(self) -> KVSender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class KVReceiver(ABC):
+class KVReceiver(_Closeable):
     """Decode side. One per decode worker, shared by its request handlers (thread-safe)."""
 
     @abstractmethod
@@ -69,27 +70,10 @@ class KVReceiver(ABC):
         """
 
     @abstractmethod
-    def recv(
-        self,
-        peer_id: str,
-        tag: int,
-        kv_caches: Sequence[torch.Tensor],
-        block_ids: Sequence[int],
-        timeout_s: float,
-    ) -> int:
+    def recv(self, peer_id: str, tag: int, kv_caches: KVCaches, block_ids: Sequence[int], timeout_s: float) -> int:
         """Called by the decode worker after allocating `block_ids` (block-table order) for a sequence that
         prefill worker `peer_id` will send under `tag` (unique among this peer's transfers in flight).
         Blocks until every layer's blocks landed in `kv_caches[layer][:, block_ids]`; returns the bytes
         received. Writes only those blocks. Raises TransferError (PeerLostError, TransferTimeoutError,
         LayoutMismatchError) within about `timeout_s`; once it raised, nothing writes the blocks any more.
         """
-
-    @abstractmethod
-    def close(self) -> None:
-        """Called at shutdown: fails every waiting recv and drops every pair."""
-
-    def __enter__(self) -> KVReceiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

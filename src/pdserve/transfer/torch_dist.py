@@ -23,7 +23,7 @@ from typing import Generic, Literal, TypeVar
 
 import torch
 
-from pdserve.transfer.base import KVReceiver, KVSender, PeerLostError, TransferError, TransferTimeoutError
+from pdserve.transfer.base import KVCaches, KVReceiver, KVSender, PeerLostError, TransferError, TransferTimeoutError
 from pdserve.transfer.blocks import Blocks
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.pair_group import as_transfer_error, error_summary, gloo_device, time_left
@@ -84,14 +84,7 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
     def _init_side(self) -> None:
         self._connecting: dict[str, threading.Lock] = {}
 
-    def send(
-        self,
-        rendezvous: str,
-        tag: int,
-        kv_caches: Sequence[torch.Tensor],
-        block_ids: Sequence[int],
-        timeout_s: float,
-    ) -> int:
+    def send(self, rendezvous: str, tag: int, kv_caches: KVCaches, block_ids: Sequence[int], timeout_s: float) -> int:
         layout, blocks = self._checked(kv_caches, block_ids, tag, distinct=False)
         if blocks.n == 0:
             return 0  # the receiver short-circuits an empty transfer the same way
@@ -178,14 +171,7 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
                 threading.Thread(target=self._serve, args=(pair,), name=f"kv-recv-{peer_id}", daemon=True).start()
             return pair.address
 
-    def recv(
-        self,
-        peer_id: str,
-        tag: int,
-        kv_caches: Sequence[torch.Tensor],
-        block_ids: Sequence[int],
-        timeout_s: float,
-    ) -> int:
+    def recv(self, peer_id: str, tag: int, kv_caches: KVCaches, block_ids: Sequence[int], timeout_s: float) -> int:
         layout, blocks = self._checked(kv_caches, block_ids, tag, distinct=True)
         if blocks.n == 0:
             return 0
