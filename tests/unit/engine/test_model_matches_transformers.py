@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.models import SMOLLM2_GGUF_NAME, resolve_model
-from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -4,8 +4,9 @@ import random
 
 import pytest
 
+from pdserve.config import SchedulerConfig
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.protocol.outputs import FinishReason
 from pdserve.protocol.sampling import SamplingParams
