@@ -9,6 +9,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pdserve.protocol.perf_profile import PerfProfile
+from pdserve.protocol.roles import Role
+
+DEFAULT_TTL_S = 5.0  # a worker silent this long is gone; heartbeats come every fraction of a second
 
 
 @dataclass(frozen=True)
@@ -16,7 +19,7 @@ class WorkerState:
     """One worker as routers see it; refreshed by heartbeat, gone when the heartbeat stops."""
 
     worker_id: str
-    role: str  # "prefill", "decode" or "colocated"
+    role: Role
     address: str  # host:port of its gRPC server
     model_fingerprint: str = ""
     block_size: int = 16
@@ -31,6 +34,9 @@ class WorkerState:
     metrics_address: str = ""  # host:port serving this worker's Prometheus /metrics; "" when it serves none
     kv_blocks_cached: int = 0  # free blocks that still hold prefix-cached KV (kept until evicted)
     updated_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))  # from JSON or a caller's string: one type, checked
 
     def with_load(self, load: dict[str, Any]) -> WorkerState:
         known = {k: v for k, v in load.items() if k in _LOAD_FIELDS}
@@ -60,7 +66,7 @@ _LOAD_FIELDS = {
 
 
 class Registry(ABC):
-    ttl_s: float = 5.0
+    ttl_s: float = DEFAULT_TTL_S
 
     @abstractmethod
     def publish(self, state: WorkerState) -> None:
@@ -72,7 +78,7 @@ class Registry(ABC):
         """Called when a worker stops or is found dead; routers stop placing on it at once."""
 
     @abstractmethod
-    def workers(self, role: str | None = None) -> list[WorkerState]:
+    def workers(self, role: Role | None = None) -> list[WorkerState]:
         """Called by routers: the live workers, optionally of one role. Never raises for a lost backend:
         it answers from the last view it had."""
 
