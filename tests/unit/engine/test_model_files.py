@@ -15,7 +15,7 @@ from pdserve.engine.model_files import (
     read_hf_config,
     read_model_config,
 )
-from pdserve.engine.models import SMOLLM2_GGUF_NAME, resolve_model
+from pdserve.engine.models import SMOLLM2_GGUF, resolve_model
 from pdserve.protocol.model_config import UnsupportedModelError
 
 
@@ -26,7 +26,7 @@ def smollm2() -> Path:
 
 def test_gguf_header_alone_gives_the_converted_config(smollm2: Path, tmp_path: Path) -> None:
     """A copy cut where the tensor data begins reads the same: no tensor byte is needed for the config."""
-    gguf = smollm2 / SMOLLM2_GGUF_NAME
+    gguf = smollm2 / Path(SMOLLM2_GGUF).name
     header_only = tmp_path / "header.gguf"
     header_only.write_bytes(gguf.read_bytes()[: GGUFReader(gguf).data_offset])
     converted = json.loads((smollm2 / "config.json").read_text())
@@ -35,7 +35,7 @@ def test_gguf_header_alone_gives_the_converted_config(smollm2: Path, tmp_path: P
 
 
 def test_gguf_header_matches_the_gguf_library(smollm2: Path) -> None:
-    gguf = smollm2 / SMOLLM2_GGUF_NAME
+    gguf = smollm2 / Path(SMOLLM2_GGUF).name
     reader = GGUFReader(gguf)
     meta, names = read_gguf_header(gguf)
     assert names == {t.name for t in reader.tensors}

@@ -49,11 +49,11 @@ print(json.dumps({{"heavy": heavy, "same": configs[0] == configs[1], "vocab": co
 
 
 def test_router_side_imports_and_model_metadata_need_no_torch() -> None:
-    from pdserve.engine.models import SMOLLM2_GGUF_NAME
+    from pdserve.engine.models import SMOLLM2_GGUF
 
     resolve_model("smollm2-135m")  # built into the cache beforehand, as `pdserve up`'s workers do
     assert "services.router.server" in ROUTER_SIDE and "pdserve.registry.redis" in ROUTER_SIDE
-    code = PROBE.format(modules=ROUTER_SIDE, gguf=SMOLLM2_GGUF_NAME)
+    code = PROBE.format(modules=ROUTER_SIDE, gguf=Path(SMOLLM2_GGUF).name)
     child_env = {**env.worker_env(), "HOME": str(Path.home()), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
     cmd = [sys.executable, "-c", code]
     out = subprocess.run(cmd, capture_output=True, text=True, env=child_env, cwd=ROOT, timeout=120)
