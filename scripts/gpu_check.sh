@@ -1,5 +1,5 @@
 #!/bin/bash
-# The checks a session with a lent GPU runs, as one device call (see ../shared/PLATFORM-NOTES.md): the CUDA
+# The checks to run on a machine with a GPU, as one command: the CUDA
 # tests (engine float32 on CUDA == CPU, bfloat16 on CUDA, a transfer of CUDA caches over gloo), then the engine
 # and transfer benches on CUDA. NCCL needs two GPUs (one rank per GPU), so the transfer bench forces gloo.
 # MODEL=tiny-random limits it to the model that needs no cache (SmolLM2's converted folder is too big to carry);

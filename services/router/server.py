@@ -1,12 +1,10 @@
-"""Assembles the router: tokenizer and model config (no weights), placement, the public service."""
+"""Assembles the router: tokenizer and model config (read from metadata, torch-free), placement, the service."""
 
 from __future__ import annotations
 
 from pdserve.config import RouterConfig
-from pdserve.engine.models import resolve_model
+from pdserve.engine.model_files import locate_model, read_model_config, tokenizer_folder
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.weights import read_config, read_gguf
-from pdserve.protocol.model_config import ModelConfig
 from pdserve.registry.base import PrefixIndex, Registry
 from pdserve.rpc.server import Server
 from pdserve.telemetry import Telemetry
@@ -28,15 +26,12 @@ async def start_router(
     telemetry: Telemetry | None = None,
 ) -> tuple[Server, GenerationServicer]:
     telemetry = telemetry or Telemetry("pdserve-router")
-    path = resolve_model(model)
-    hf_config = read_gguf(path)[0] if path.suffix == ".gguf" else read_config(path)
-    tokenizer = Tokenizer(path if path.is_dir() else path.parent)
+    path = locate_model(model)  # the workers, started first, have built a built-in model into the cache
+    tokenizer, model_config = Tokenizer(tokenizer_folder(path)), read_model_config(path)
     tracker = LoadTracker()
     policy_cls = SLOAwarePlacement if config.policy == "slo" else RoundRobinPlacement
     policy = policy_cls(registry, prefix_index, Predictor(config, tracker))
-    servicer = GenerationServicer(
-        tokenizer, ModelConfig.from_hf(hf_config), config, policy, prefix_index, tracker, telemetry
-    )
+    servicer = GenerationServicer(tokenizer, model_config, config, policy, prefix_index, tracker, telemetry)
     server = Server(host, port, telemetry.server_interceptors())
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),

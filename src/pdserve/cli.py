@@ -7,7 +7,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pdserve.config import EngineConfig, RouterConfig
+from pdserve.config import CLUSTER_MODES, DTYPE_NAMES, ClusterConfig, EngineConfig, RouterConfig
+from pdserve.protocol.sampling import SamplingParams
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -15,18 +16,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(args.func(args) or 0)
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (None, a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every command's and subcommand's --help shows the defaults, which come from the config dataclasses."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    parser = _Parser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="run prompts through the engine in one process, one continuous batch")
     _add_model_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt, at most")
+    gen.add_argument("--temperature", type=float, default=SamplingParams.temperature, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=SamplingParams.top_p, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="0: off")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
@@ -34,25 +52,26 @@ def _parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start a local cluster: Ray worker actors and the router")
     _add_model_args(up)
-    up.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
-    up.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
-    up.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
-    up.add_argument("--workers", type=int, default=2, help="workers doing both phases (colocated)")
-    up.add_argument("--host", default="127.0.0.1", help="address the router and workers bind")
-    up.add_argument("--port", type=int, default=50051)
-    up.add_argument("--metrics-port", type=int, default=None, help="serve the router's metrics at :P/metrics")
-    up.add_argument("--redis", default=None, help="redis://... registry (default: in-process)")
-    up.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
-    up.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache per worker")
+    c = ClusterConfig
+    up.add_argument("--mode", choices=CLUSTER_MODES, default=c.mode, help="separate prefill/decode workers, or not")
+    up.add_argument("--prefill", type=int, default=c.prefill, help="prefill workers (disaggregated)")
+    up.add_argument("--decode", type=int, default=c.decode, help="decode workers (disaggregated)")
+    up.add_argument("--workers", type=int, default=c.workers, help="workers doing both phases (colocated)")
+    up.add_argument("--host", default=c.host, help="address the router and workers bind")
+    up.add_argument("--port", type=int, default=c.port, help="the router's gRPC port")
+    up.add_argument("--metrics-port", type=int, default=c.metrics_port, help="serve the router's metrics at :P/metrics")
+    up.add_argument("--redis", default=c.redis_url, help="redis://... registry (default: in-process)")
+    up.add_argument("--ray-address", default=c.ray_address, help="join this Ray cluster instead of starting one")
+    up.add_argument("--kv-cache-gb", type=float, default=EngineConfig.kv_cache_memory_gb, help="KV cache per worker")
     up.add_argument("--router-config", default=None, help="TOML file with a [router] table (see README)")
-    up.add_argument("--policy", choices=["slo", "round-robin"], default=None, help="placement policy")
-    up.add_argument("--default-ttft-ms", type=float, default=None, help="TTFT SLO for requests that set none")
-    up.add_argument("--default-tpot-ms", type=float, default=None, help="TPOT SLO for requests that set none")
-    up.add_argument("--max-queued-prefill-tokens", type=int, default=None, help="per prefill worker")
+    _add_router_overrides(up)
     up.add_argument(
-        "--kv-transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may take before it fails"
+        "--kv-transfer-timeout",
+        type=float,
+        default=c.kv_transfer_timeout_s,
+        help="seconds a KV transfer may take before it fails",
     )
-    up.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (JSON lines on stderr)")
+    up.add_argument("--log-level", default=c.log_level, help="DEBUG, INFO, WARNING, ERROR (JSON lines on stderr)")
     up.set_defaults(func=_up)
 
     status = sub.add_parser("status", help="a running cluster's workers, their health and load")
@@ -66,43 +85,43 @@ def _parser() -> argparse.ArgumentParser:
     client.add_argument("--prompt", required=True)
     client.add_argument("--chat", action="store_true", help="send the prompt as a user message")
     client.add_argument("--max-tokens", type=int, default=0, help="0 = the server's default")
-    client.add_argument("--temperature", type=float, default=0.0)
+    client.add_argument("--temperature", type=float, default=SamplingParams.temperature, help="0: greedy")
     client.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     client.add_argument("--json", action="store_true")
     client.set_defaults(func=_client)
 
     fetch = sub.add_parser("fetch", help="fetch and convert a built-in model into the cache, once")
-    fetch.add_argument("--model", default="smollm2-135m")
+    fetch.add_argument("--model", default=EngineConfig.model, help="a built-in model name")
     fetch.set_defaults(func=_fetch)
 
     bench = sub.add_parser("bench", help="micro-benchmarks against a baseline measured in the same run")
     bench_sub = bench.add_subparsers(required=True, metavar="WHAT")
     engine = bench_sub.add_parser("engine", help="prefill and decode tokens/s, engine vs transformers")
     _add_model_args(engine)
-    engine.add_argument("--batch-sizes", default="1,8,32")
+    engine.add_argument("--batch-sizes", default="1,8,32", help="comma-separated, one row each")
     engine.add_argument("--prompt-len", type=int, default=512, help="prompt tokens for the prefill figure")
     engine.add_argument("--decode-prompt-len", type=int, default=32, help="prompt tokens before decoding")
     engine.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per sequence")
-    engine.add_argument("--compare", choices=["transformers", "none"], default="transformers")
+    engine.add_argument("--compare", choices=["transformers", "none"], default="transformers", help="baseline")
     engine.add_argument("--rounds", type=int, default=3, help="rounds of every row on both engines, back to back")
     engine.set_defaults(func=_bench_engine)
     placement = bench_sub.add_parser("placement", help="prefix-aware placement vs round-robin, TTFT and hit rate")
-    placement.add_argument("--model", default="smollm2-135m")
-    placement.add_argument("--prefill", type=int, default=2)
-    placement.add_argument("--decode", type=int, default=1)
-    placement.add_argument("--num-prefixes", type=int, default=8)
-    placement.add_argument("--requests-per-prefix", type=int, default=4)
-    placement.add_argument("--prefix-len", type=int, default=512)
-    placement.add_argument("--suffix-len", type=int, default=32)
+    placement.add_argument("--model", default=EngineConfig.model, help="as for up")
+    placement.add_argument("--prefill", type=int, default=2, help="prefill workers")
+    placement.add_argument("--decode", type=int, default=1, help="decode workers")
+    placement.add_argument("--num-prefixes", type=int, default=8, help="distinct shared prefixes")
+    placement.add_argument("--requests-per-prefix", type=int, default=4, help="requests sharing each")
+    placement.add_argument("--prefix-len", type=int, default=512, help="tokens")
+    placement.add_argument("--suffix-len", type=int, default=32, help="tokens after the prefix")
     placement.add_argument("--request-rate", type=float, default=0.5, help="Poisson arrivals per second")
     placement.set_defaults(func=_bench_placement)
     transfer = bench_sub.add_parser("transfer", help="KV transfer GB/s between two processes vs raw gloo and a copy")
-    transfer.add_argument("--host", default="127.0.0.1", help="address both processes bind")
+    transfer.add_argument("--host", default=ClusterConfig.host, help="address both processes bind")
     transfer.add_argument("--device", default="cpu", help="where the KV caches live: cpu, cuda, cuda:N")
-    transfer.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    transfer.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"], help="auto: by device")
     transfer.add_argument("--tokens", type=int, default=1000, help="sequence length of the SmolLM2 cases")
     transfer.add_argument("--mib", type=int, default=64, help="size of the large case")
-    transfer.add_argument("--repeats", type=int, default=7)
+    transfer.add_argument("--repeats", type=int, default=7, help="timed runs per case")
     transfer.add_argument("--pipeline-mib", type=int, default=32, help="staging bytes in flight per side")
     transfer.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     transfer.set_defaults(func=_bench_transfer)
@@ -110,10 +129,28 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny-random, a model folder or a .gguf")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    e = EngineConfig
+    p.add_argument("--model", default=e.model, help="smollm2-135m, tiny-random, a model folder or a .gguf")
+    p.add_argument(
+        "--dtype", default=e.dtype, choices=["auto", *DTYPE_NAMES], help="auto: bfloat16 on CUDA, else float32"
+    )
+    p.add_argument("--device", default=e.device, help="auto (cuda when available), cpu, cuda, cuda:N")
+    p.add_argument("--threads", type=int, default=e.num_threads, help="CPU threads for torch (default: torch's own)")
+
+
+def _add_router_overrides(p: argparse.ArgumentParser) -> None:
+    """Unset (None) unless given, so a --router-config file's values stand; the help shows RouterConfig's."""
+    r = RouterConfig
+    p.add_argument("--policy", choices=["slo", "round-robin"], help=f"placement policy (default: {r.policy})")
+    p.add_argument(
+        "--default-ttft-ms", type=float, help=f"TTFT SLO for requests that set none (default: {r.default_ttft_ms:g})"
+    )
+    p.add_argument(
+        "--default-tpot-ms", type=float, help=f"TPOT SLO for requests that set none (default: {r.default_tpot_ms:g})"
+    )
+    p.add_argument(
+        "--max-queued-prefill-tokens", type=int, help=f"per prefill worker (default: {r.max_queued_prefill_tokens})"
+    )
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -123,9 +160,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 def _up(args: argparse.Namespace) -> int:
     import asyncio
     import logging
-    from dataclasses import replace
 
-    from pdserve.cluster.launcher import ClusterConfig, run_cluster
+    from pdserve.cluster.launcher import run_cluster
     from pdserve.telemetry import configure_logging
 
     try:
@@ -134,6 +170,13 @@ def _up(args: argparse.Namespace) -> int:
         print(f"pdserve up: unknown --log-level {args.log_level!r}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, service="pdserve-router")
+    asyncio.run(run_cluster(_cluster_config(args)))
+    return 0
+
+
+def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    from dataclasses import replace
+
     overrides = {
         "policy": args.policy,
         "default_ttft_ms": args.default_ttft_ms,
@@ -144,7 +187,7 @@ def _up(args: argparse.Namespace) -> int:
         router = RouterConfig.from_file(args.router_config, **overrides)
     else:
         router = RouterConfig(**{k: v for k, v in overrides.items() if v is not None})
-    config = ClusterConfig(
+    return ClusterConfig(
         engine=replace(_engine_config(args), kv_cache_memory_gb=args.kv_cache_gb),
         mode=args.mode,
         prefill=args.prefill,
@@ -159,8 +202,6 @@ def _up(args: argparse.Namespace) -> int:
         log_level=args.log_level.upper(),
         kv_transfer_timeout_s=args.kv_transfer_timeout,
     )
-    asyncio.run(run_cluster(config))
-    return 0
 
 
 def _client(args: argparse.Namespace) -> int:
@@ -288,7 +329,6 @@ def _fetch(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from pdserve.engine.engine import LLMEngine
     from pdserve.errors import InvalidRequestError
-    from pdserve.protocol.sampling import SamplingParams
 
     try:
         sampling = SamplingParams(

@@ -1,20 +1,36 @@
-"""Engine configuration: built once at the edge (CLI, worker start-up) and passed down, never mutated."""
+"""Configuration, one frozen dataclass per concern: built once at the edge (CLI, worker start-up), passed down,
+never mutated. Each default is written here once; the CLI takes its defaults from these classes.
+
+Torch-free: the router, the registry and the CLI import this module; torch specifics (which device, which
+dtype object) are resolved in the engine (`pdserve.engine.device`).
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
-import torch
+from pdserve.protocol.roles import EngineMode, Role
 
-from pdserve.engine.scheduler import SchedulerConfig
-from pdserve.protocol.roles import EngineMode
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+CLUSTER_MODES = ("disaggregated", "colocated")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits of one engine step."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_chunk: int = 512  # no single prefill takes more of a step than this
+    mode: EngineMode = EngineMode.MIXED
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "tiny-random"
+    """One engine: which model, in which precision on which device, its KV cache and its batching."""
+
+    model: str = "smollm2-135m"  # a built-in name (smollm2-135m, tiny-random), a model folder or a .gguf
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available
     block_size: int = 16
@@ -25,24 +41,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in (*DTYPES, "auto"):
-            raise ValueError(f"dtype must be one of {[*DTYPES, 'auto']}, got {self.dtype!r}")
+        if self.dtype not in (*DTYPE_NAMES, "auto"):
+            raise ValueError(f"dtype must be one of {[*DTYPE_NAMES, 'auto']}, got {self.dtype!r}")
 
     @property
     def mode(self) -> EngineMode:
         return self.scheduler.mode
-
-    @property
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -108,3 +112,38 @@ class RouterConfig:
         table["slo_classes"] = tuple(SLOClass(**c) for c in table.get("slo_classes", ()))
         table.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**table)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What `pdserve up` starts: the cluster's shape, where it listens, and each part's own config."""
+
+    engine: EngineConfig = EngineConfig()
+    mode: str = "disaggregated"  # one of CLUSTER_MODES
+    prefill: int = 1  # workers per role when disaggregated
+    decode: int = 1
+    workers: int = 2  # workers doing both phases when colocated
+    host: str = "127.0.0.1"  # address the router and the workers bind
+    port: int = 50051  # the router's public gRPC port
+    ray_address: str | None = None  # None: start a local Ray
+    redis_url: str | None = None  # None: the embedded in-process registry
+    router: RouterConfig = RouterConfig()
+    max_restarts: int = 3  # per worker actor
+    drain_grace_s: float = 20.0  # on SIGTERM, how long in-flight requests may finish
+    metrics_port: int | None = None  # the router's Prometheus /metrics; None: not served
+    log_level: str = "INFO"
+    kv_transfer_timeout_s: float = 30.0  # decode side: a KV transfer not done by then fails, freeing its blocks
+
+    def __post_init__(self) -> None:
+        if self.mode not in CLUSTER_MODES:
+            raise ValueError(f"mode must be one of {CLUSTER_MODES}, got {self.mode!r}")
+
+    @property
+    def roles(self) -> list[Role]:
+        if self.mode == "colocated":
+            return [Role.COLOCATED] * self.workers
+        return [Role.PREFILL] * self.prefill + [Role.DECODE] * self.decode
+
+    def threads_per_worker(self) -> int:
+        """A fair share of this machine's cores unless the engine config names a count."""
+        return self.engine.num_threads or max(1, (os.cpu_count() or 1) // len(self.roles))

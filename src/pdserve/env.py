@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from pdserve.config import FaultConfig
+from pdserve.config import FaultConfig
 
 
 def cache_dir() -> Path:
@@ -29,12 +27,12 @@ def fault_config() -> FaultConfig:
     PDSERVE_FAULT_REQUEST_ID_PREFIX: only requests whose id starts with this are faulted (default: every one),
       so healthy requests can run beside faulted ones on the same cluster.
     """
-    from pdserve.config import FaultConfig  # here, not at the top: config imports the engine, which imports env
-
-    return FaultConfig(
-        kv_send_delay_s=float(os.environ.get("PDSERVE_FAULT_KV_SEND_DELAY_S") or 0.0),
-        request_id_prefix=os.environ.get("PDSERVE_FAULT_REQUEST_ID_PREFIX", ""),
-    )
+    faults: dict[str, float | str] = {}
+    if delay := os.environ.get("PDSERVE_FAULT_KV_SEND_DELAY_S"):
+        faults["kv_send_delay_s"] = float(delay)
+    if prefix := os.environ.get("PDSERVE_FAULT_REQUEST_ID_PREFIX"):
+        faults["request_id_prefix"] = prefix
+    return FaultConfig(**faults)  # type: ignore[arg-type]
 
 
 def otel_traces_exporter() -> str | None:

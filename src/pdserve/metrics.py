@@ -10,8 +10,6 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from pdserve.telemetry import LATENCY_BUCKETS_S, TOKEN_BUCKETS_S
 
-OUTCOMES = ("finished", "rejected", "invalid", "cancelled", "failed")
-
 
 class RouterMetrics:
     """Request latencies as the router sees them (it relays every token), and how requests ended."""

@@ -6,6 +6,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 import redis
@@ -81,7 +82,7 @@ def test_a_worker_that_stops_heartbeating_expires(url, server):
     deadline = time.monotonic() + 5
     while "quiet" in ids(router.workers()):
         assert time.monotonic() < deadline, "a silent worker outlived its TTL"
-        beating = beating.with_load({"running": beating.running + 1})
+        beating = replace(beating, running=beating.running + 1, updated_at=time.time())
         publisher.publish(beating)
         time.sleep(0.1)
     assert ids(router.workers()) == ["beating"]

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.device import resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
     from pdserve.engine.model import LlamaModel
@@ -55,7 +56,7 @@ class _EngineRunner:
         from pdserve.engine.engine import LLMEngine
 
         self.engine = LLMEngine(config)
-        self.device = config.torch_device
+        self.device = resolve_device(config)
 
     def prefill_s(self, prompt: list[int]) -> float:
         from pdserve.protocol.sampling import SamplingParams
@@ -101,9 +102,9 @@ class _TransformersRunner:
 
         from pdserve.engine.models import resolve_model
 
-        self.device = config.torch_device
+        self.device = resolve_device(config)
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(resolve_model(config.model)), dtype=config.torch_dtype, attn_implementation="sdpa"
+            str(resolve_model(config.model)), dtype=resolve_dtype(config), attn_implementation="sdpa"
         ).to(self.device)
         self.model.eval()
         # transformers renamed `past_key_values` to `cache` within 5.x; take whichever this version has.
@@ -262,12 +263,12 @@ def run_engine_bench(
             batch = case.prompts(prompts)  # both engines get the same prompts
             for label, runner in order:
                 samples[case.name][label].append(case.tok_s(runner, batch))
-            samples[case.name]["floor"].append(case.gemm_floor_tok_s(ours.engine.model, config.torch_device))
+            samples[case.name]["floor"].append(case.gemm_floor_tok_s(ours.engine.model, resolve_device(config)))
 
     result: dict[str, Any] = {
         "model": config.model,
-        "dtype": str(config.torch_dtype).removeprefix("torch."),
-        "device": str(config.torch_device),
+        "dtype": str(resolve_dtype(config)).removeprefix("torch."),
+        "device": str(resolve_device(config)),
         "threads": torch.get_num_threads(),
         "prompt_len": prompt_len,
         "decode_prompt_len": decode_prompt_len,

@@ -64,10 +64,10 @@ def run_placement_bench(
     rate: float,
     seed: int = 0,
 ) -> dict[str, dict[str, float]]:
+    from pdserve.engine.model_files import read_model_config
     from pdserve.engine.models import resolve_model
-    from pdserve.engine.weights import read_config
 
-    vocab = read_config(resolve_model(model))["vocab_size"]
+    vocab = read_model_config(resolve_model(model)).vocab_size
     prompts = shared_prefix_workload(vocab, num_prefixes, requests_per_prefix, prefix_len, suffix_len, seed)
     figures: dict[str, dict[str, float]] = {}
     for policy in ("slo", "round-robin"):

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence
 from pdserve.protocol.sampling import SamplingParams
@@ -45,7 +46,7 @@ class TransferCase:
     num_layers: int = 30  # SmolLM2-135M
     num_kv_heads: int = 3
     head_dim: int = 64
-    block_size: int = 16
+    block_size: int = EngineConfig.block_size
     ids: str = "allocator"  # "allocator" (after churn), "run" (a, a+1, ...) or "random"
 
     @property

@@ -6,44 +6,15 @@ import asyncio
 import logging
 import os
 import signal
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from pdserve import env
 from pdserve.cluster.worker_runtime import WorkerRuntime, WorkerSpec
-from pdserve.config import EngineConfig, RouterConfig
+from pdserve.config import ClusterConfig
 from pdserve.registry.base import PrefixIndex, Registry
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    engine: EngineConfig
-    mode: str = "disaggregated"  # or colocated
-    prefill: int = 1
-    decode: int = 1
-    workers: int = 2  # colocated
-    host: str = "127.0.0.1"
-    port: int = 50051
-    ray_address: str | None = None
-    redis_url: str | None = None  # None: the embedded in-process registry
-    router: RouterConfig = RouterConfig()
-    max_restarts: int = 3
-    drain_grace_s: float = 20.0
-    metrics_port: int | None = None  # the router's Prometheus /metrics; None: not served
-    log_level: str = "INFO"
-    kv_transfer_timeout_s: float = 30.0
-
-    @property
-    def roles(self) -> list[str]:
-        if self.mode == "colocated":
-            return ["colocated"] * self.workers
-        return ["prefill"] * self.prefill + ["decode"] * self.decode
-
-    def threads_per_worker(self) -> int:
-        """A fair share of this machine's cores unless the engine config names a count."""
-        return self.engine.num_threads or max(1, (os.cpu_count() or 1) // len(self.roles))
 
 
 class Cluster:
@@ -78,7 +49,9 @@ class Cluster:
             )
             self._started_ray = True
         engine = replace(c.engine, num_threads=c.threads_per_worker())
-        gpus = 1 if engine.torch_device.type == "cuda" else 0
+        from pdserve.engine.device import resolve_device
+
+        gpus = 1 if resolve_device(engine).type == "cuda" else 0
         actor_cls = ray.remote(WorkerRuntime).options(
             num_cpus=0, num_gpus=gpus, max_restarts=c.max_restarts, max_task_retries=0
         )

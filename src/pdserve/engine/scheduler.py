@@ -12,18 +12,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from pdserve.config import SchedulerConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.protocol.outputs import FinishReason
-from pdserve.protocol.roles import EngineMode
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    long_prefill_chunk: int = 512  # no single prefill takes more of a step than this
-    mode: EngineMode = EngineMode.MIXED
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,49 @@
-"""The model folder's tokenizer and chat template, behind the few calls the engine and router make."""
+"""The model folder's tokenizer and chat template, behind the few calls the engine and router make.
+
+One class for both, torch-free: the `tokenizers` library reads tokenizer.json, and the chat template is
+rendered with jinja2 the way transformers renders it (sandboxed, trim_blocks and lstrip_blocks, its
+`tojson`, `raise_exception` and `strftime_now`, the special tokens as variables), so the router and the
+engine produce the same ids transformers would, without importing transformers (which imports torch).
+"""
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
-from transformers import AutoTokenizer
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
 
 from pdserve.errors import InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class Tokenizer:
     def __init__(self, folder: Path) -> None:
-        self._tok = AutoTokenizer.from_pretrained(str(folder))
-        self.eos_token_id: int | None = self._tok.eos_token_id
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{folder} has no tokenizer.json: pdserve reads fast (tokenizers) tokenizers")
+        self._tok = _HFTokenizer.from_file(str(path))
+        settings = _tokenizer_settings(folder)
+        self.special_tokens = {n: t for n in SPECIAL_TOKEN_NAMES if (t := _token_text(settings.get(n))) is not None}
+        eos = self.special_tokens.get("eos_token")
+        self.eos_token_id: int | None = self._tok.token_to_id(eos) if eos is not None else None
+        template = _chat_template(folder, settings)
+        self._template = _compile(template) if template else None
 
     @property
     def vocab_size(self) -> int:
-        return len(self._tok)
+        return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
         """Raw text, without added special tokens (the chat template adds its own)."""
-        return list(self._tok.encode(text, add_special_tokens=False))
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def apply_chat_template(self, messages: list[tuple[str, str]]) -> list[int]:
         """(role, content) pairs -> the prompt ids, ending with the assistant's turn opener."""
@@ -31,12 +52,63 @@ class Tokenizer:
         for i, (role, _) in enumerate(messages):
             if role not in CHAT_ROLES:
                 raise InvalidRequestError(f"messages[{i}].role", f"unknown role {role!r}; use one of {CHAT_ROLES}")
-        if not self._tok.chat_template:
+        if self._template is None:
             raise InvalidRequestError("messages", "this model has no chat template; send a prompt instead")
-        text = self._tok.apply_chat_template(
-            [{"role": r, "content": c} for r, c in messages], tokenize=False, add_generation_prompt=True
+        text = self._template.render(
+            messages=[{"role": r, "content": c} for r, c in messages],
+            add_generation_prompt=True,
+            **self.special_tokens,
         )
         return self.encode(text)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def _tokenizer_settings(folder: Path) -> dict[str, Any]:
+    """tokenizer_config.json, with special_tokens_map.json (older folders) filling what it lacks."""
+    settings: dict[str, Any] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (folder / name).exists():
+            settings.update(json.loads((folder / name).read_text()))
+    return settings
+
+
+def _token_text(token: Any) -> str | None:
+    """A special token is written as its text or, by older transformers, as an AddedToken dict."""
+    if isinstance(token, dict):
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _chat_template(folder: Path, settings: dict[str, Any]) -> str | None:
+    """chat_template.jinja (transformers 5) or tokenizer_config.json's chat_template (4.x: a string, or a list
+    of named templates of which "default" is the one used for chat)."""
+    if (folder / "chat_template.jinja").exists():
+        return (folder / "chat_template.jinja").read_text()
+    template = settings.get("chat_template")
+    if isinstance(template, list):
+        named = {t["name"]: t["template"] for t in template}
+        return named.get("default")
+    return template
+
+
+def _compile(template: str) -> jinja2.Template:
+    """Chat templates come from model folders, so they are untrusted code: rendered in jinja2's sandbox."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    """jinja2's own tojson escapes HTML characters, which would change the prompt."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    """Templates call this to refuse a conversation they cannot format (e.g. roles out of order)."""
+    raise InvalidRequestError("messages", message)

@@ -1,8 +1,9 @@
-"""Reading model weights: Hugging Face folders (safetensors) and GGUF files (dequantized, un-permuted)."""
+"""Reading model weights: Hugging Face folders (safetensors) and GGUF files (dequantized, un-permuted).
+
+The config alone is read without any of this, from metadata (`pdserve.engine.model_files`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from pdserve.engine.model_files import gguf_hf_config
 from pdserve.protocol.model_config import UnsupportedModelError
 
 # GGUF tensor names (per layer after "blk.N.") -> Hugging Face names (after "model.layers.N.").
@@ -47,14 +49,9 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
-    meta = {name: field.contents() for name, field in reader.fields.items()}
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}: pdserve runs llama")
-    config = _gguf_config(meta)
+    config = gguf_hf_config(path)
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in GGUFReader(path).tensors:
         array = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if not array.flags.writeable:  # unquantized tensors come straight from the memory map
             array = array.copy()
@@ -65,34 +62,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         elif name.endswith("k_proj.weight"):
             tensor = _unpermute_rope(tensor, config["num_key_value_heads"])
         tensors[name] = tensor
-    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     return config, tensors
-
-
-def _gguf_config(meta: dict[str, Any]) -> dict[str, Any]:
-    heads = int(meta["llama.attention.head_count"])
-    hidden = int(meta["llama.embedding_length"])
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
-        "hidden_size": hidden,
-        "intermediate_size": int(meta["llama.feed_forward_length"]),
-        "num_hidden_layers": int(meta["llama.block_count"]),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
-        "head_dim": int(meta.get("llama.rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
-        "hidden_act": "silu",
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
-    }
-    if "llama.rope.scaling.type" in meta:
-        raise UnsupportedModelError("GGUF rope scaling is not supported; convert the model to a folder first")
-    return config
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -114,10 +84,3 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     out_features = weight.shape[0]
     half = out_features // num_heads // 2
     return weight.reshape(num_heads, half, 2, -1).transpose(1, 2).reshape(weight.shape).contiguous()
-
-
-def read_config(folder: Path) -> dict[str, Any]:
-    path = folder / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{folder} is not a model folder: it has no config.json")
-    return json.loads(path.read_text())

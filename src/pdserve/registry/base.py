@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field
 
+from pdserve.config import EngineConfig
 from pdserve.protocol.perf_profile import PerfProfile
+from pdserve.protocol.roles import Role
+
+DEFAULT_TTL_S = 5.0  # a worker silent this long is gone; heartbeats come every fraction of a second
 
 
 @dataclass(frozen=True)
@@ -16,10 +19,10 @@ class WorkerState:
     """One worker as routers see it; refreshed by heartbeat, gone when the heartbeat stops."""
 
     worker_id: str
-    role: str  # "prefill", "decode" or "colocated"
+    role: Role
     address: str  # host:port of its gRPC server
     model_fingerprint: str = ""
-    block_size: int = 16
+    block_size: int = EngineConfig.block_size
     kv_bytes_per_token: int = 0  # what moving one prompt token's KV costs
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0  # free now, prefix-cached blocks included (evicted on demand)
@@ -32,9 +35,8 @@ class WorkerState:
     kv_blocks_cached: int = 0  # free blocks that still hold prefix-cached KV (kept until evicted)
     updated_at: float = field(default_factory=time.time)
 
-    def with_load(self, load: dict[str, Any]) -> WorkerState:
-        known = {k: v for k, v in load.items() if k in _LOAD_FIELDS}
-        return replace(self, updated_at=time.time(), **known)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))  # from JSON or a caller's string: one type, checked
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -48,19 +50,8 @@ class WorkerState:
         return cls(**d)
 
 
-_LOAD_FIELDS = {
-    "kv_blocks_total",
-    "kv_blocks_free",
-    "kv_blocks_cached",
-    "queued_prefill_tokens",
-    "running",
-    "waiting",
-    "speed_factor",
-}
-
-
 class Registry(ABC):
-    ttl_s: float = 5.0
+    ttl_s: float = DEFAULT_TTL_S
 
     @abstractmethod
     def publish(self, state: WorkerState) -> None:
@@ -72,7 +63,7 @@ class Registry(ABC):
         """Called when a worker stops or is found dead; routers stop placing on it at once."""
 
     @abstractmethod
-    def workers(self, role: str | None = None) -> list[WorkerState]:
+    def workers(self, role: Role | None = None) -> list[WorkerState]:
         """Called by routers: the live workers, optionally of one role. Never raises for a lost backend:
         it answers from the last view it had."""
 

@@ -6,11 +6,12 @@ import threading
 import time
 from collections import OrderedDict
 
-from pdserve.registry.base import PrefixIndex, Registry, WorkerState
+from pdserve.protocol.roles import Role
+from pdserve.registry.base import DEFAULT_TTL_S, PrefixIndex, Registry, WorkerState
 
 
 class InMemoryRegistry(Registry):
-    def __init__(self, ttl_s: float = 5.0) -> None:
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S) -> None:
         self.ttl_s = ttl_s
         self._workers: dict[str, WorkerState] = {}
         self._lock = threading.Lock()
@@ -23,7 +24,7 @@ class InMemoryRegistry(Registry):
         with self._lock:
             self._workers.pop(worker_id, None)
 
-    def workers(self, role: str | None = None) -> list[WorkerState]:
+    def workers(self, role: Role | None = None) -> list[WorkerState]:
         oldest = time.time() - self.ttl_s
         with self._lock:
             return [w for w in self._workers.values() if w.updated_at >= oldest and (role is None or w.role == role)]

@@ -13,7 +13,8 @@ import time
 
 import redis
 
-from pdserve.registry.base import PrefixIndex, Registry, WorkerState
+from pdserve.protocol.roles import Role
+from pdserve.registry.base import DEFAULT_TTL_S, PrefixIndex, Registry, WorkerState
 
 log = logging.getLogger(__name__)
 PREFIX = "pdserve"
@@ -26,7 +27,7 @@ def connect(url: str) -> redis.Redis:
 
 
 class RedisRegistry(Registry):
-    def __init__(self, url: str, ttl_s: float = 5.0, refresh_s: float = 0.25, retry_s: float = 1.0) -> None:
+    def __init__(self, url: str, ttl_s: float = DEFAULT_TTL_S, refresh_s: float = 0.25, retry_s: float = 1.0) -> None:
         self.ttl_s = ttl_s
         self.refresh_s = refresh_s
         self.retry_s = retry_s
@@ -49,7 +50,7 @@ class RedisRegistry(Registry):
         with self._lock:
             self._view = [w for w in self._view if w.worker_id != worker_id]
 
-    def workers(self, role: str | None = None) -> list[WorkerState]:
+    def workers(self, role: Role | None = None) -> list[WorkerState]:
         with self._lock:
             if time.monotonic() >= self._fresh_until:
                 self._refresh()

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.scheduler import SchedulerConfig, SchedulerOutput
+from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.outputs import FinishReason, RequestOutput
 from pdserve.protocol.sampling import SamplingParams

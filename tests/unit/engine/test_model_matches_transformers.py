@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.models import SMOLLM2_GGUF_NAME, resolve_model
-from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.engine.models import SMOLLM2_GGUF, resolve_model
 from pdserve.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,7 @@ def reference():
     from transformers import AutoModelForCausalLM
 
     folder = resolve_model("smollm2-135m")
-    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF_NAME, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=Path(SMOLLM2_GGUF).name, dtype=torch.float32)
     model.eval()
 
     def generate(prompt: list[int]) -> list[int]:

@@ -4,8 +4,9 @@ import random
 
 import pytest
 
+from pdserve.config import SchedulerConfig
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.protocol.outputs import FinishReason
 from pdserve.protocol.sampling import SamplingParams
@@ -107,7 +108,7 @@ class Sim:
 
     def _check_blocks(self) -> None:
         queued = {id(s) for s in self.sched.running} | {id(s) for s in self.sched.waiting}
-        detached = [s for s in self.seqs.values() if not s.is_finished and id(s) not in queued]
+        detached = [s for s in self.seqs.values() if s.status is not SequenceStatus.FINISHED and id(s) not in queued]
         held = [b for s in [*self.sched.running, *detached] for b in s.block_table]
         assert self.bm.num_used_blocks == len(set(held))
         assert self.bm.num_used_blocks + self.bm.num_free_blocks == self.bm.num_blocks
@@ -148,7 +149,7 @@ def test_budget_and_sequence_cap_hold_every_step(seed: int, num_blocks: int) -> 
     assert max(out.num_tokens for out in sim.history) == cfg.max_num_batched_tokens
     assert max(len(out.chunks) for out in sim.history) == cfg.max_num_seqs
     for seq in sim.seqs.values():
-        assert seq.is_finished and seq.finish_reason is FinishReason.LENGTH
+        assert seq.status is SequenceStatus.FINISHED and seq.finish_reason is FinishReason.LENGTH
         assert seq.output_token_ids == expected_outputs(seq.seq_id, seq.sampling.max_tokens)
     assert sim.bm.num_used_blocks == 0
     if num_blocks < 20:
@@ -223,7 +224,7 @@ def test_preemption_frees_the_newest_and_recomputes_it(caching: bool) -> None:
     assert not sim.sched.has_work
     assert sum(s.num_preemptions for s in sim.seqs.values()) >= recomputes
     for seq in sim.seqs.values():
-        assert seq.is_finished
+        assert seq.status is SequenceStatus.FINISHED
         assert seq.output_token_ids == expected_outputs(seq.seq_id, 10)
     assert sim.bm.num_used_blocks == 0
 
@@ -250,14 +251,14 @@ def test_finishing_everything_midway_frees_every_block(reason: FinishReason) -> 
         sim.step()
     assert sim.sched.waiting and sim.sched.running and sim.bm.num_used_blocks > 0
     for seq in list(sim.seqs.values()):
-        if not seq.is_finished:
+        if seq.status is not SequenceStatus.FINISHED:
             sim.sched.finish(seq, reason)
     assert sim.bm.num_used_blocks == 0
     assert sim.bm.num_free_blocks == sim.bm.num_blocks
     assert not sim.sched.has_work
     assert sim.sched.schedule().chunks == []
     for seq in sim.seqs.values():
-        assert seq.is_finished and seq.finish_reason is reason and seq.block_table == []
+        assert seq.status is SequenceStatus.FINISHED and seq.finish_reason is reason and seq.block_table == []
 
 
 def test_a_request_sharing_a_finished_prefix_starts_past_it() -> None:
@@ -293,7 +294,7 @@ def test_prefix_hit_respects_the_prefill_chunk() -> None:
     sim.run()
     b = sim.add("b", a.prompt_token_ids[:20] + list(range(60, 75)), max_tokens=1)
     starts = []
-    while not b.is_finished:
+    while b.status is not SequenceStatus.FINISHED:
         (chunk,) = sim.step().chunks
         starts.append(chunk.start_position)
     assert starts == [20, 25, 30]
@@ -315,9 +316,9 @@ def test_detach_keeps_blocks_until_freed() -> None:
     (chunk,) = sim.step().chunks
     assert set(chunk.block_table).isdisjoint(table)
     c = sim.add("c", [1, 2, 3], max_tokens=1)
-    assert b.is_finished
+    assert b.status is SequenceStatus.FINISHED
     sim.step()  # b's blocks came back, c fits in them; a's are still held
-    assert c.is_finished
+    assert c.status is SequenceStatus.FINISHED
     assert sim.bm.num_used_blocks == 3
     sim.bm.free(a)
     assert sim.bm.num_used_blocks == 0
@@ -334,5 +335,5 @@ def test_detached_blocks_are_not_handed_out_under_pressure() -> None:
     assert big.status is SequenceStatus.WAITING and big.block_table == []
     sim.sched.finish(a, FinishReason.ABORT)
     sim.run()
-    assert big.is_finished
+    assert big.status is SequenceStatus.FINISHED
     assert sim.bm.num_used_blocks == 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import replace
 
 import pytest
 
@@ -203,7 +205,7 @@ def test_slo_placement_falls_back_to_the_fastest_roomy_decode_worker_when_none_m
 
 
 def replace_free(w: WorkerState, free: int) -> WorkerState:
-    return w.with_load({"kv_blocks_free": free})
+    return replace(w, kv_blocks_free=free, updated_at=time.time())
 
 
 def test_colocated_placement_uses_one_worker_for_both_phases_without_transfer():

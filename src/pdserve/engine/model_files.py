@@ -1,0 +1,170 @@
+"""A model's files: where they are (built-in name, model folder, .gguf file) and the config they describe.
+
+Torch-free and weight-free: the router reads the model's architecture and tokenizer from here without
+loading, converting or dequantizing a single tensor. Building a built-in model into the cache is the
+engine's job (`pdserve.engine.models`), since it needs torch.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+from typing import Any
+
+from pdserve import env
+from pdserve.protocol.model_config import ModelConfig, UnsupportedModelError
+
+BUILTIN_MODELS = ("smollm2-135m", "tiny-random")
+
+
+class ModelNotFetchedError(FileNotFoundError):
+    """A built-in model that is not in the cache yet; the message says how to put it there."""
+
+
+def builtin_folder(name: str) -> Path:
+    """Where a built-in model's converted folder lives (or will, once built)."""
+    return env.cache_dir() / "models" / name
+
+
+def is_built(folder: Path) -> bool:
+    """config.json is written last (the folder is renamed into place whole), so it marks a complete build."""
+    return (folder / "config.json").exists()
+
+
+def locate_model(model: str) -> Path:
+    """A built-in name, a Hugging Face model folder or a .gguf file -> the path to read, without building."""
+    if model in BUILTIN_MODELS:
+        folder = builtin_folder(model)
+        if not is_built(folder):
+            raise ModelNotFetchedError(f"model {model!r} is not in the cache yet: run `pdserve fetch --model {model}`")
+        return folder
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {model!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}) nor an existing path"
+        )
+    return path
+
+
+def tokenizer_folder(path: Path) -> Path:
+    """A model folder holds its tokenizer; a .gguf file's is read from the folder beside it."""
+    return path if path.is_dir() else path.parent
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """The architecture of a model folder or .gguf file, from metadata only."""
+    return ModelConfig.from_hf(read_hf_config(path))
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """A Hugging Face style config dict: a folder's config.json, or built from a .gguf file's header."""
+    if path.suffix == ".gguf":
+        return gguf_hf_config(path)
+    config = path / "config.json"
+    if not config.exists():
+        raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
+    return json.loads(config.read_text())
+
+
+def gguf_hf_config(path: Path) -> dict[str, Any]:
+    """What a .gguf file's metadata says, in config.json's terms."""
+    meta, tensor_names = read_gguf_header(path)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}: pdserve runs llama")
+    if "llama.rope.scaling.type" in meta:
+        raise UnsupportedModelError("GGUF rope scaling is not supported; convert the model to a folder first")
+    heads = int(meta["llama.attention.head_count"])
+    hidden = int(meta["llama.embedding_length"])
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(meta["tokenizer.ggml.tokens"]),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta["llama.feed_forward_length"]),
+        "num_hidden_layers": int(meta["llama.block_count"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
+        "head_dim": int(meta.get("llama.rope.dimension_count", hidden // heads)),
+        "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        "hidden_act": "silu",
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+
+
+# GGUF metadata value types (the format's numbering) -> struct formats; 8 is a string, 9 an array.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_GGUF_MAGIC = b"GGUF"
+
+
+def read_gguf_header(path: Path) -> tuple[dict[str, Any], set[str]]:
+    """A .gguf file's metadata and its tensors' names, read from the header; tensor data is never touched.
+
+    Arrays (the vocabulary, merges, scores) come back as their length: nothing pdserve reads from the header
+    needs more, and decoding 100k strings would cost seconds.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != _GGUF_MAGIC:
+            raise UnsupportedModelError(f"{path} is not a GGUF file")
+        reader = _HeaderReader(buf, 4)
+        version = reader.scalar(4)
+        if version < 2:
+            raise UnsupportedModelError(f"{path}: GGUF version {version} is not supported (2 or later)")
+        tensor_count, kv_count = reader.scalar(10), reader.scalar(10)
+        meta = {reader.string(): reader.value(reader.scalar(4)) for _ in range(kv_count)}
+        names = set()
+        for _ in range(tensor_count):
+            names.add(reader.string())
+            reader.skip(8 * reader.scalar(4) + 4 + 8)  # the dimensions, element type and data offset
+        return meta, names
+
+
+class _HeaderReader:
+    """Little-endian GGUF (version 2+) fields read one after another from a byte buffer."""
+
+    def __init__(self, buf: mmap.mmap, offset: int) -> None:
+        self.buf, self.offset = buf, offset
+
+    def scalar(self, value_type: int) -> Any:
+        fmt = "<" + _SCALARS[value_type]
+        (value,) = struct.unpack_from(fmt, self.buf, self.offset)
+        self.offset += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar(10)
+        text = self.buf[self.offset : self.offset + n].decode("utf-8", errors="replace")
+        self.offset += n
+        return text
+
+    def skip(self, n: int) -> None:
+        self.offset += n
+
+    def value(self, value_type: int) -> Any:
+        if value_type == _STRING:
+            return self.string()
+        if value_type == _ARRAY:
+            return self._skip_array()
+        if value_type not in _SCALARS:
+            raise UnsupportedModelError(f"unknown GGUF metadata type {value_type}")
+        return self.scalar(value_type)
+
+    def _skip_array(self) -> int:
+        item_type, length = self.scalar(4), self.scalar(10)
+        if item_type in _SCALARS:
+            self.skip(length * struct.calcsize(_SCALARS[item_type]))
+        elif item_type == _STRING:
+            for _ in range(length):
+                self.skip(self.scalar(10))
+        else:  # arrays of arrays
+            for _ in range(length):
+                self.value(item_type)
+        return length

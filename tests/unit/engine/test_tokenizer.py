@@ -1,0 +1,82 @@
+"""pdserve's torch-free tokenizer gives the ids and text transformers gives, for every built-in model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from pdserve.engine.models import resolve_model
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.errors import InvalidRequestError
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and trailing  ",
+    "naïve café — 東京 🙂 \u200b zero-width",
+    "line one\nline two\r\n\ttabbed",
+    "<|im_start|>user\nspecial tokens inside text<|im_end|>",
+    "def f(x):\n    return x ** 2  # code",
+    "",
+]
+CHATS = [
+    [("user", "What is 2+2?")],
+    [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye 🙂")],
+    [("user", "  spaces\n\nand <|im_end|> inside  ")],
+]
+
+
+@pytest.fixture(scope="module", params=["tiny-random", "smollm2-135m"])
+def pair(request: pytest.FixtureRequest) -> tuple[Tokenizer, object]:
+    folder = resolve_model(request.param)
+    return Tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+
+
+def test_encode_matches_transformers(pair: tuple[Tokenizer, object]) -> None:
+    ours, theirs = pair
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
+
+
+def test_chat_template_matches_transformers(pair: tuple[Tokenizer, object]) -> None:
+    ours, theirs = pair
+    for chat in CHATS:
+        messages = [{"role": r, "content": c} for r, c in chat]
+        expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.apply_chat_template(chat) == theirs.encode(expected, add_special_tokens=False)
+
+
+def test_decode_and_specials_match_transformers(pair: tuple[Tokenizer, object]) -> None:
+    ours, theirs = pair
+    assert ours.eos_token_id == theirs.eos_token_id is not None
+    assert ours.vocab_size == len(theirs)
+    for chat in CHATS:
+        ids = ours.apply_chat_template(chat)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+
+
+def test_unknown_role_and_template_refusal_name_the_field(pair: tuple[Tokenizer, object]) -> None:
+    ours, _ = pair
+    with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.role"):
+        ours.apply_chat_template([("user", "a"), ("robot", "b")])
+    with pytest.raises(InvalidRequestError, match="messages"):
+        ours.apply_chat_template([])
+
+
+def test_older_folders_template_and_raise_exception(tmp_path: Path) -> None:
+    """transformers 4.x folders keep the template in tokenizer_config.json and the special tokens as dicts; a
+    template's raise_exception is the client's mistake, so it names `messages`."""
+
+    shutil.copy(resolve_model("tiny-random") / "tokenizer.json", tmp_path / "tokenizer.json")
+    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}{{ eos_token }}"
+    settings = {"eos_token": {"content": "<|im_end|>"}, "chat_template": [{"name": "default", "template": template}]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
+    tok = Tokenizer(tmp_path)
+    assert tok.eos_token_id == 2
+    assert tok.apply_chat_template([("user", "x")]) == [2]
+    with pytest.raises(InvalidRequestError, match="user first"):
+        tok.apply_chat_template([("assistant", "x")])
