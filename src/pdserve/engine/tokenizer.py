@@ -7,8 +7,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from pdserve.errors import InvalidRequestError
-
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+from pdserve.protocol.request_checks import CHAT_ROLES
 
 
 class Tokenizer:
