@@ -245,32 +245,15 @@ def _status(args: argparse.Namespace) -> int:
     except grpc.aio.AioRpcError as e:
         print(f"pdserve status: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    workers = [{f: getattr(w, f) for f in STATUS_FIELDS} for w in reply.workers]
     if args.json:
+        workers = [{f: getattr(w, f) for f in STATUS_FIELDS} for w in reply.workers]
         print(json.dumps({"workers": workers, "in_flight": reply.in_flight, "draining": reply.draining}))
         return 0
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title=f"pdserve at {args.addr}: {reply.in_flight} in flight{', draining' if reply.draining else ''}")
-    for col in ("worker", "role", "address", "health", "running", "waiting", "queued tok", "KV used/total"):
-        table.add_column(col)
-    for col in ("TTFT p50/p99 ms", "TPOT p50/p99 ms"):
-        table.add_column(col, justify="right")
-    for w in workers:
-        table.add_row(
-            w["id"],
-            w["role"],
-            w["address"],
-            w["health"],
-            str(w["running"]),
-            str(w["waiting"]),
-            str(w["queued_prefill_tokens"]),
-            f"{w['kv_blocks_used']}/{w['kv_blocks_total']} ({w['kv_blocks_cached']} cached)",
-            f"{w['ttft_p50_ms']:.1f} / {w['ttft_p99_ms']:.1f}",
-            f"{w['tpot_p50_ms']:.1f} / {w['tpot_p99_ms']:.1f}",
-        )
-    Console().print(table)
+    from pdserve.status_view import print_status
+
+    print_status(reply, args.addr, Console())
     return 0
 
 
