@@ -59,7 +59,7 @@ def print_status(reply: apb.ClusterStatusResponse, address: str, console: Consol
     if natural <= console.width:
         console.print(table)
         return
-    console.print(title(reply, address), overflow="fold")
+    console.print(title(reply, address), overflow="fold", highlight=False)
     label_width = max(len(name) for name, _ in COLUMNS[1:])
     for row in rows(reply):
         console.print()
