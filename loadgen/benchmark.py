@@ -16,8 +16,9 @@ from loadgen.arrivals import schedule
 from loadgen.client import Client
 from loadgen.metrics import GoodputSLO
 from loadgen.record import OK, REJECTED, RequestRecord
-from loadgen.report import json_rate, progress, summary_table
+from loadgen.report import json_rate, summary_table
 from loadgen.workload import WorkloadConfig, build_workload
+from pdserve.progress import counting
 from pdserve.v1 import generate_pb2 as pb
 
 
@@ -54,12 +55,18 @@ def run_benchmark(config: BenchmarkConfig, console: Console) -> list[dict[str, A
         trace = config.workload.dataset_name == "trace"
         if not trace:  # a trace brings its own arrival times
             requests = schedule(requests, rate, config.burstiness, rng)
-        with progress(console, len(requests), "trace" if trace else f"rate {rate:g}") as advance:
-            records, duration_s = asyncio.run(client.run(requests, advance))
+        with counting(_run_label(rate, trace), len(requests)) as advance:
+            records, duration_s = asyncio.run(client.run(requests, lambda _record: advance()))
         result = build_result(config, rate, records, duration_s)
         console.print(summary_table(result))
         results.append(result)
     return results
+
+
+def _run_label(rate: float, trace: bool) -> str:
+    if trace:
+        return "requests at trace timestamps"
+    return "requests all at once" if math.isinf(rate) else f"requests at {rate:g}/s"
 
 
 def build_result(

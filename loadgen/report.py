@@ -1,16 +1,12 @@
-"""What a person reads: the live progress bar, the summary and comparison tables, the result JSON."""
+"""What a person reads: the summary and comparison tables, the result JSON."""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 COUNTS = [
@@ -86,15 +82,6 @@ def sweep_table(runs_a: list[dict[str, Any]], runs_b: list[dict[str, Any]], labe
         attainment = (_fmt(a["slo_attainment"]), _fmt(b["slo_attainment"]))
         table.add_row(rate, _fmt(ga), _fmt(gb), ratio, *attainment, _fmt(a["p99_tpot_ms"]), _fmt(b["p99_tpot_ms"]))
     return table
-
-
-@contextmanager
-def progress(console: Console, total: int, description: str) -> Iterator[Callable[[Any], None]]:
-    """A live bar advanced once per finished request."""
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda _record: bar.advance(task)
 
 
 def write_results(path: Path, runs: list[dict[str, Any]]) -> None:

@@ -110,7 +110,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         tracer = self.telemetry.tracer
         with tracer.start_as_current_span("admission") as span:
-            req = build_request(request, self.tokenizer, self.model, self.config.default_max_tokens)
+            req = await build_request(request, self.tokenizer, self.model, self.config.default_max_tokens)
             request_id_var.set(req.request_id)
             span.set_attribute("request.id", req.request_id)
             span.set_attribute("prompt_tokens", len(req.prompt_token_ids))

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pdserve.config import CLUSTER_MODES, DTYPE_NAMES, ClusterConfig, EngineConfig, RouterConfig
 from pdserve.protocol.sampling import SamplingParams
@@ -170,6 +171,8 @@ def _up(args: argparse.Namespace) -> int:
         print(f"pdserve up: unknown --log-level {args.log_level!r}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, service="pdserve-router")
+    if _fetch_model(args.model, "pdserve up") is None:  # here, with progress on a terminal, not in every worker
+        return 1
     asyncio.run(run_cluster(_cluster_config(args)))
     return 0
 
@@ -286,44 +289,36 @@ def _status(args: argparse.Namespace) -> int:
     except grpc.aio.AioRpcError as e:
         print(f"pdserve status: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    workers = [{f: getattr(w, f) for f in STATUS_FIELDS} for w in reply.workers]
     if args.json:
+        workers = [{f: getattr(w, f) for f in STATUS_FIELDS} for w in reply.workers]
         print(json.dumps({"workers": workers, "in_flight": reply.in_flight, "draining": reply.draining}))
         return 0
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title=f"pdserve at {args.addr}: {reply.in_flight} in flight{', draining' if reply.draining else ''}")
-    for col in ("worker", "role", "address", "health", "running", "waiting", "queued tok", "KV used/total"):
-        table.add_column(col)
-    for col in ("TTFT p50/p99 ms", "TPOT p50/p99 ms"):
-        table.add_column(col, justify="right")
-    for w in workers:
-        table.add_row(
-            w["id"],
-            w["role"],
-            w["address"],
-            w["health"],
-            str(w["running"]),
-            str(w["waiting"]),
-            str(w["queued_prefill_tokens"]),
-            f"{w['kv_blocks_used']}/{w['kv_blocks_total']} ({w['kv_blocks_cached']} cached)",
-            f"{w['ttft_p50_ms']:.1f} / {w['ttft_p99_ms']:.1f}",
-            f"{w['tpot_p50_ms']:.1f} / {w['tpot_p99_ms']:.1f}",
-        )
-    Console().print(table)
+    from pdserve.status_view import print_status
+
+    print_status(reply, args.addr, Console())
     return 0
 
 
 def _fetch(args: argparse.Namespace) -> int:
+    path = _fetch_model(args.model, "pdserve fetch")
+    if path is None:
+        return 1
+    print(path)
+    return 0
+
+
+def _fetch_model(model: str, command: str) -> Path | None:
+    """The model's folder, fetched and converted on first use (a progress line on a terminal's stderr);
+    None, said on stderr, when it cannot be had."""
     from pdserve.engine.models import ModelFetchError, resolve_model
 
     try:
-        print(resolve_model(args.model))
-    except ModelFetchError as e:
-        print(f"pdserve fetch: {e}", file=sys.stderr)
-        return 1
-    return 0
+        return resolve_model(model)
+    except (ModelFetchError, FileNotFoundError) as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        return None
 
 
 def _generate(args: argparse.Namespace) -> int:

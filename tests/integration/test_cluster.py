@@ -137,6 +137,11 @@ BAD_REQUESTS = {
     "unknown role": (pb.GenerateRequest(messages=[pb.ChatMessage(role="wizard", content="hi")]), "role"),
     "negative ttft slo": (pb.GenerateRequest(prompt="hi", slo=pb.SLO(ttft_ms=-1)), "slo.ttft_ms"),
     "nan tpot slo": (pb.GenerateRequest(prompt="hi", slo=pb.SLO(tpot_ms=math.nan)), "slo.tpot_ms"),
+    "inf ttft slo": (pb.GenerateRequest(prompt="hi", slo=pb.SLO(ttft_ms=math.inf)), "slo.ttft_ms"),
+    "inf temperature": (hi(pb.SamplingParams(temperature=math.inf)), "sampling.temperature"),
+    "request_id too long": (pb.GenerateRequest(request_id="r" * 257, prompt="hi"), "request_id"),
+    "too many stop strings": (hi(pb.SamplingParams(stop=["s"] * 17)), "sampling.stop"),
+    "prompt too large": (pb.GenerateRequest(prompt="x" * (1 << 20)), "prompt"),
 }
 
 

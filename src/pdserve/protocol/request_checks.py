@@ -1,18 +1,113 @@
 """The checks a request must pass wherever it enters: the router, before placement, and the engine itself.
 
-Field names follow the public API (`sampling.max_tokens`), so the error reads the same from either.
+Two kinds. Caps (RequestLimits): counts and lengths of what the client sent, cheap to check and checked
+before anything expensive (tokenization, placement). Model checks (check_request): the token ids against
+the model's vocabulary and context. Field names follow the public API (`sampling.max_tokens`), so the
+error reads the same from any entry.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.sampling import SamplingParams
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
-def check_request(prompt_token_ids: list[int], sampling: SamplingParams, model: ModelConfig) -> None:
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may carry; a router configuration may change any of them.
+
+    Prompt text is capped per token of the model's context, not in absolute bytes: tokenizing is the cost
+    being bounded (1 MiB of English took 1.2 s with SmolLM2's tokenizer on a 2-core VM), and text many
+    times longer than the context can hold cannot fit anyway. English averages about 4 bytes per token;
+    16 leaves room for code, whitespace runs and non-Latin scripts (SmolLM2, 8192 tokens: 128 KiB).
+    """
+
+    max_request_id_chars: int = 256
+    max_stop: int = 16  # stop strings
+    max_stop_bytes: int = 256  # each stop string, UTF-8
+    max_stop_token_ids: int = 64
+    max_messages: int = 1024
+    prompt_bytes_per_token: int = 16  # prompt text, or all messages' contents together, per context token
+
+    def max_prompt_bytes(self, model: ModelConfig) -> int:
+        return self.prompt_bytes_per_token * model.max_position_embeddings
+
+
+def check_request_id(request_id: str, limits: RequestLimits) -> None:
+    if len(request_id) > limits.max_request_id_chars:
+        raise InvalidRequestError(
+            "request_id", f"{len(request_id)} characters; at most {limits.max_request_id_chars} are accepted"
+        )
+
+
+def check_stops(stop: Sequence[str], stop_token_ids: Sequence[int], limits: RequestLimits) -> None:
+    if len(stop) > limits.max_stop:
+        raise InvalidRequestError("sampling.stop", f"{len(stop)} stop strings; at most {limits.max_stop}")
+    for i, s in enumerate(stop):
+        if utf8_len(s) > limits.max_stop_bytes:
+            raise InvalidRequestError(
+                f"sampling.stop[{i}]", f"{utf8_len(s)} bytes; at most {limits.max_stop_bytes} per stop string"
+            )
+    if len(stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequestError(
+            "sampling.stop_token_ids", f"{len(stop_token_ids)} ids; at most {limits.max_stop_token_ids}"
+        )
+
+
+def check_prompt_text(text: str, limits: RequestLimits, model: ModelConfig) -> None:
+    cap = limits.max_prompt_bytes(model)
+    if utf8_len(text) > cap:
+        raise InvalidRequestError("prompt", f"{utf8_len(text)} bytes; at most {cap} ({_cap_reason(limits, model)})")
+
+
+def check_messages(messages: Sequence[tuple[str, str]], limits: RequestLimits, model: ModelConfig) -> None:
+    """(role, content) pairs: their number, each role, each content's size and all contents' together."""
+    if len(messages) > limits.max_messages:
+        raise InvalidRequestError("messages", f"{len(messages)} messages; at most {limits.max_messages}")
+    cap, total = limits.max_prompt_bytes(model), 0
+    for i, (role, content) in enumerate(messages):
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role", f"unknown role {role[:32]!r}; use one of {CHAT_ROLES}")
+        size = utf8_len(content)
+        if size > cap:
+            raise InvalidRequestError(
+                f"messages[{i}].content", f"{size} bytes; at most {cap} ({_cap_reason(limits, model)})"
+            )
+        total += size
+    if total > cap:
+        raise InvalidRequestError(
+            "messages", f"contents total {total} bytes; at most {cap} ({_cap_reason(limits, model)})"
+        )
+
+
+def check_prompt_length(field: str, num_tokens: int, model: ModelConfig) -> None:
+    """A prompt must leave at least one token of the context to generate into."""
+    context = model.max_position_embeddings
+    if num_tokens >= context:
+        raise InvalidRequestError(
+            field, f"{num_tokens} tokens leave no room to generate in the model's context of {context} tokens"
+        )
+
+
+def check_slo_ms(field: str, value: float) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise InvalidRequestError(field, f"must be a finite number >= 0 (0 = server default), got {value}")
+
+
+def check_request(
+    prompt_token_ids: list[int], sampling: SamplingParams, model: ModelConfig, prompt_field: str = "prompt_token_ids"
+) -> None:
+    """The token ids against the model; `prompt_field` names what the ids came from (prompt, messages)."""
     if not prompt_token_ids:
         raise InvalidRequestError("prompt", "the prompt is empty")
+    check_prompt_length(prompt_field, len(prompt_token_ids), model)
     vocab = model.vocab_size
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
     if bad:
@@ -27,3 +122,14 @@ def check_request(prompt_token_ids: list[int], sampling: SamplingParams, model: 
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} exceeds "
             f"the model's context of {model.max_position_embeddings} tokens",
         )
+
+
+def utf8_len(text: str) -> int:
+    """Bytes on the wire, without copying ASCII text (the common case) to count them."""
+    return len(text) if text.isascii() else len(text.encode())
+
+
+def _cap_reason(limits: RequestLimits, model: ModelConfig) -> str:
+    return (
+        f"{limits.prompt_bytes_per_token} bytes per token of the model's {model.max_position_embeddings}-token context"
+    )

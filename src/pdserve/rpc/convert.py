@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
-from pdserve.errors import InvalidRequestError
 from pdserve.protocol.outputs import FinishReason, RequestOutput
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.v1 import generate_pb2 as pb
@@ -16,26 +13,25 @@ _FINISH_TO_PB = {
 }
 
 
-def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int) -> SamplingParams:
-    """Validates as it converts: SamplingParams raises InvalidRequestError naming the field."""
-    if math.isnan(msg.top_p) or msg.top_p < 0:
-        raise InvalidRequestError("sampling.top_p", f"must be in (0, 1] (0 = 1), got {msg.top_p}")
-    try:
-        return SamplingParams(
-            max_tokens=msg.max_tokens or default_max_tokens,
-            temperature=msg.temperature,
-            top_p=msg.top_p or 1.0,
-            top_k=msg.top_k,
-            seed=msg.seed if msg.HasField("seed") else None,
-            stop=tuple(msg.stop),
-            stop_token_ids=tuple(msg.stop_token_ids),
-            ignore_eos=msg.ignore_eos,
-        )
-    except InvalidRequestError as e:
-        raise InvalidRequestError(f"sampling.{e.field}", str(e).split(": ", 1)[1]) from None
+def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int = 0) -> SamplingParams:
+    """The one conversion in; SamplingParams itself checks every rule, naming `sampling.<field>`.
+
+    Unset max_tokens takes `default_max_tokens`; the router sets it on everything it forwards, so a worker
+    needs no default of its own (0: a missing value is an error, not a guess). top_p 0 means 1 (off)."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens or default_max_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
 
 
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
+    """The one conversion out: every field set, so the receiver needs no defaults."""
     msg = pb.SamplingParams(
         max_tokens=params.max_tokens,
         temperature=params.temperature,

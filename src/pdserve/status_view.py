@@ -1,0 +1,81 @@
+"""How `pdserve status` shows the cluster to a person: every cell whole, however it is read.
+
+Piped or redirected, the output is plain aligned columns, one worker per line, for grep and awk. On a
+terminal it is a table when the table fits the width and otherwise one block of `field  value` lines per
+worker: a table squeezed into a narrow terminal cuts its cells to "deco…", which is what this avoids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+from rich.text import Text
+
+from pdserve.v1 import admin_pb2 as apb
+
+_Cell = Callable[[apb.WorkerStatus], str]
+COLUMNS: tuple[tuple[str, _Cell], ...] = (
+    ("worker", lambda w: w.id),
+    ("role", lambda w: w.role),
+    ("address", lambda w: w.address),
+    ("health", lambda w: w.health),
+    ("running", lambda w: str(w.running)),
+    ("waiting", lambda w: str(w.waiting)),
+    ("queued tok", lambda w: str(w.queued_prefill_tokens)),
+    ("KV used/total", lambda w: f"{w.kv_blocks_used}/{w.kv_blocks_total} ({w.kv_blocks_cached} cached)"),
+    ("TTFT p50/p99 ms", lambda w: f"{w.ttft_p50_ms:.1f} / {w.ttft_p99_ms:.1f}"),
+    ("TPOT p50/p99 ms", lambda w: f"{w.tpot_p50_ms:.1f} / {w.tpot_p99_ms:.1f}"),
+)
+_UNBOUNDED = 1 << 16  # measure the table as if the terminal had no edge
+_RIGHT = {"TTFT p50/p99 ms", "TPOT p50/p99 ms"}
+
+
+def title(reply: apb.ClusterStatusResponse, address: str) -> str:
+    return f"pdserve at {address}: {reply.in_flight} in flight{', draining' if reply.draining else ''}"
+
+
+def rows(reply: apb.ClusterStatusResponse) -> list[list[str]]:
+    return [[cell(w) for _, cell in COLUMNS] for w in reply.workers]
+
+
+def plain_text(reply: apb.ClusterStatusResponse, address: str) -> str:
+    """Columns padded to their widest cell, two spaces apart; nothing depends on a terminal's width."""
+    table = [[name for name, _ in COLUMNS], *rows(reply)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    lines = ["  ".join(_pad(c, w, n) for c, w, (n, _) in zip(row, widths, COLUMNS, strict=True)) for row in table]
+    return "\n".join([title(reply, address), *(line.rstrip() for line in lines)])
+
+
+def print_status(reply: apb.ClusterStatusResponse, address: str, console: Console) -> None:
+    """To a terminal: the table if it fits whole, else one block per worker. Elsewhere: plain_text."""
+    if not console.is_terminal:
+        console.file.write(plain_text(reply, address) + "\n")
+        return
+    table = _table(reply, address)
+    natural = Measurement.get(console, console.options.update_width(_UNBOUNDED), table).maximum
+    if natural <= console.width:
+        console.print(table)
+        return
+    console.print(title(reply, address), overflow="fold", highlight=False)
+    label_width = max(len(name) for name, _ in COLUMNS[1:])
+    for row in rows(reply):
+        console.print()
+        console.print(Text(row[0], style="bold"), overflow="fold")
+        for (name, _), cell in zip(COLUMNS[1:], row[1:], strict=True):
+            console.print(f"  {name:<{label_width}}  {cell}", overflow="fold", highlight=False, markup=False)
+
+
+def _table(reply: apb.ClusterStatusResponse, address: str) -> Table:
+    table = Table(title=title(reply, address))
+    for name, _ in COLUMNS:
+        table.add_column(name, justify="right" if name in _RIGHT else "left", no_wrap=True)
+    for row in rows(reply):
+        table.add_row(*row)
+    return table
+
+
+def _pad(cell: str, width: int, column: str) -> str:
+    return cell.rjust(width) if column in _RIGHT else cell.ljust(width)

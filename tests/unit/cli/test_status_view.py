@@ -1,0 +1,96 @@
+"""`pdserve status` output: every worker id and role whole, piped, on a wide terminal and on a narrow one."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from pdserve.status_view import COLUMNS, plain_text, print_status
+from pdserve.v1 import admin_pb2 as apb
+
+ADDRESS = "127.0.0.1:50051"
+
+
+def reply() -> apb.ClusterStatusResponse:
+    """What the router answers for a cluster of three workers, one of each role, with long ids."""
+    workers = [
+        ("colocated-7f3e9a1c", "colocated", "10.0.0.17:41233"),
+        ("decode-1a2b3c4d", "decode", "10.0.0.17:40111"),
+        ("prefill-0", "prefill", "10.0.0.17:40007"),
+    ]
+    return apb.ClusterStatusResponse(
+        workers=[
+            apb.WorkerStatus(
+                id=worker_id,
+                role=role,
+                address=address,
+                health="SERVING",
+                running=3,
+                waiting=1,
+                queued_prefill_tokens=2048,
+                kv_blocks_used=120,
+                kv_blocks_cached=40,
+                kv_blocks_total=4096,
+                ttft_p50_ms=812.25,
+                ttft_p99_ms=1940.5,
+                tpot_p50_ms=41.0,
+                tpot_p99_ms=88.75,
+            )
+            for worker_id, role, address in workers
+        ],
+        in_flight=5,
+        draining=False,
+    )
+
+
+def render(terminal: bool, width: int) -> str:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=terminal, width=width, color_system=None, legacy_windows=False)
+    print_status(reply(), ADDRESS, console)
+    return out.getvalue()
+
+
+def assert_whole(text: str) -> None:
+    """Ids, roles, addresses and health each whole on one line; longer cells may wrap at a space, never cut."""
+    assert "…" not in text and "..." not in text
+    for w in reply().workers:
+        for value in (w.id, w.role, w.address, w.health):
+            assert value in text, f"{value!r} is cut in:\n{text}"
+    words = " ".join(text.split())
+    assert words.count("120/4096 (40 cached)") == 3 and words.count("812.2 / 1940.5") == 3
+
+
+def test_piped_output_is_plain_aligned_text_one_worker_a_line():
+    text = render(terminal=False, width=40)  # a pipe's "width" must not matter
+    assert text == plain_text(reply(), ADDRESS) + "\n"
+    assert_whole(text)
+    lines = text.splitlines()
+    assert lines[0] == f"pdserve at {ADDRESS}: 5 in flight"
+    header, body = lines[1], lines[2:]
+    assert len(body) == 3 and not any(c in text for c in "│┃━─")
+    for line, w in zip(body, reply().workers, strict=True):
+        assert line.split()[:4] == [w.id, w.role, w.address, w.health]
+        # aligned: each column starts where its header does
+        for name, _ in COLUMNS[:4]:
+            start = header.index(name)
+            assert line[start - 1 : start] in ("", " ") and line[start] != " "
+
+
+@pytest.mark.parametrize("width", [24, 40, 80])
+def test_a_narrow_terminal_gets_one_block_per_worker_nothing_cut(width):
+    text = render(terminal=True, width=width)
+    assert_whole(text)
+    assert "┃" not in text  # the table did not fit, so none was squeezed
+    for w in reply().workers:
+        assert f"\n{w.id}\n" in text and "  role" in text
+
+
+def test_a_wide_terminal_gets_the_table():
+    text = render(terminal=True, width=200)
+    assert_whole(text)
+    assert "┃" in text or "│" in text
+    for w in reply().workers:
+        row = next(line for line in text.splitlines() if w.id in line)
+        assert w.role in row and w.address in row  # one row per worker
