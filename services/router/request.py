@@ -114,5 +114,5 @@ async def _off_loop_if_large(size: int, fn: Callable[[_T], list[int]], arg: _T) 
 
 
 def _room(prompt: list[int], model: ModelConfig) -> int:
-    """At least 1, so check_request names the prompt when it alone fills the context."""
+    """At least 1, which SamplingParams requires; check_request then names a prompt that fills the context."""
     return max(1, model.max_position_embeddings - len(prompt))

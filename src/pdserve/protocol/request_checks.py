@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.model_config import ModelConfig
@@ -35,6 +35,11 @@ class RequestLimits:
     max_stop_token_ids: int = 64
     max_messages: int = 1024
     prompt_bytes_per_token: int = 16  # prompt text, or all messages' contents together, per context token
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"RequestLimits.{f.name} must be at least 1, got {getattr(self, f.name)}")
 
     def max_prompt_bytes(self, model: ModelConfig) -> int:
         return self.prompt_bytes_per_token * model.max_position_embeddings

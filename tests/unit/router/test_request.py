@@ -175,6 +175,11 @@ def test_limits_are_configurable(tiny):
             build(msg, NoTokenizer(), tiny[1])
 
 
+def test_a_limit_below_one_is_a_configuration_error():
+    with pytest.raises(ValueError, match="max_stop_token_ids"):
+        RequestLimits(max_stop_token_ids=0)
+
+
 def test_sampling_is_converted_once_with_the_default_max_tokens_bounded_by_the_context(tiny):
     tokenizer, model = tiny
     req = build(pb.GenerateRequest(prompt="x" * 4000, sampling=pb.SamplingParams(temperature=0.5, seed=7)), *tiny)
