@@ -27,12 +27,10 @@ def fault_config() -> FaultConfig:
     PDSERVE_FAULT_REQUEST_ID_PREFIX: only requests whose id starts with this are faulted (default: every one),
       so healthy requests can run beside faulted ones on the same cluster.
     """
-    faults: dict[str, float | str] = {}
-    if delay := os.environ.get("PDSERVE_FAULT_KV_SEND_DELAY_S"):
-        faults["kv_send_delay_s"] = float(delay)
-    if prefix := os.environ.get("PDSERVE_FAULT_REQUEST_ID_PREFIX"):
-        faults["request_id_prefix"] = prefix
-    return FaultConfig(**faults)  # type: ignore[arg-type]
+    return FaultConfig(
+        kv_send_delay_s=float(os.environ.get("PDSERVE_FAULT_KV_SEND_DELAY_S") or FaultConfig.kv_send_delay_s),
+        request_id_prefix=os.environ.get("PDSERVE_FAULT_REQUEST_ID_PREFIX") or FaultConfig.request_id_prefix,
+    )
 
 
 def otel_traces_exporter() -> str | None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdserve.config import EngineConfig
+from pdserve.config import ClusterConfig, EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence
 from pdserve.protocol.sampling import SamplingParams
@@ -278,7 +278,7 @@ def _measure_case(
 
 def run_transfer_bench(
     cases: list[TransferCase] | None = None,
-    host: str = "127.0.0.1",
+    host: str = ClusterConfig.host,
     device: str = "cpu",
     backend: Backend = "auto",
     repeats: int = 7,

@@ -94,3 +94,14 @@ def test_matches_under_preemption_and_chunked_prefill(engine_factory, prompts, e
     for i, (c, want) in enumerate(zip(got, expected, strict=True)):
         assert c.token_ids == want, f"prompt {i} diverges"
     assert engine.blocks.num_used_blocks == 0
+
+
+def test_the_gguf_file_itself_loads_the_same_model(engine_factory, prompts):
+    """--model path/to/file.gguf: config from its header, weights dequantized, tokenizer from its folder."""
+    gguf = resolve_model("smollm2-135m") / Path(SMOLLM2_GGUF).name
+    from_gguf = LLMEngine(EngineConfig(model=str(gguf), dtype="float32", num_kv_blocks=128))
+    from_folder = engine_factory()
+    assert from_gguf.model_config == from_folder.model_config
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    ours = [c.token_ids for c in from_gguf.generate(prompts[:2], sampling)]
+    assert ours == [c.token_ids for c in from_folder.generate(prompts[:2], sampling)]
