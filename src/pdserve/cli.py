@@ -6,16 +6,24 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING
 
+from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import EngineConfig, RouterConfig
 
+if TYPE_CHECKING:
+    from pdserve.cluster.factories import ClusterServices
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+
+def main(argv: Sequence[str] | None = None, services: ClusterServices | None = None) -> int:
+    """`services`: what `pdserve up` runs, composed outside this package (services/main.py, the `pdserve`
+    command); without them every command but `up` works."""
+    args = _parser(services).parse_args(argv)
     return int(args.func(args) or 0)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
@@ -50,10 +58,13 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--default-tpot-ms", type=float, default=None, help="TPOT SLO for requests that set none")
     up.add_argument("--max-queued-prefill-tokens", type=int, default=None, help="per prefill worker")
     up.add_argument(
-        "--kv-transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may take before it fails"
+        "--kv-transfer-timeout",
+        type=float,
+        default=WorkerSpec.kv_transfer_timeout_s,
+        help="seconds a KV transfer may take before it fails (default: %(default)s)",
     )
     up.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (JSON lines on stderr)")
-    up.set_defaults(func=_up)
+    up.set_defaults(func=partial(_up, services=services))
 
     status = sub.add_parser("status", help="a running cluster's workers, their health and load")
     status.add_argument("--addr", required=True, help="router HOST:PORT")
@@ -120,7 +131,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
 
 
-def _up(args: argparse.Namespace) -> int:
+def _up(args: argparse.Namespace, services: ClusterServices | None) -> int:
     import asyncio
     import logging
     from dataclasses import replace
@@ -128,6 +139,9 @@ def _up(args: argparse.Namespace) -> int:
     from pdserve.cluster.launcher import ClusterConfig, run_cluster
     from pdserve.telemetry import configure_logging
 
+    if services is None:
+        print("pdserve up: this entry point has no services to run; use the `pdserve` command", file=sys.stderr)
+        return 2
     try:
         logging.getLevelName(args.log_level.upper()) + 0
     except TypeError:
@@ -159,7 +173,7 @@ def _up(args: argparse.Namespace) -> int:
         log_level=args.log_level.upper(),
         kv_transfer_timeout_s=args.kv_transfer_timeout,
     )
-    asyncio.run(run_cluster(config))
+    asyncio.run(run_cluster(config, services))
     return 0
 
 

@@ -198,12 +198,19 @@ def test_redis_restart_serves_the_last_view_then_picks_up_again(url, server):
 
 
 def test_real_workers_heartbeat_into_redis_and_deregister_on_stop(url):
-    from pdserve.cluster.worker_runtime import WorkerRuntime, WorkerSpec
+    from pdserve.cluster.worker_runtime import WorkerRuntime
+    from pdserve.cluster.worker_spec import WorkerSpec
+    from services.workers import add_worker_services
 
     engine = EngineConfig(model="tiny-random", num_threads=1, kv_cache_memory_gb=0.05)
     suffix = uuid.uuid4().hex[:6]
-    prefill = WorkerRuntime(WorkerSpec("prefill", engine, worker_id=f"pw-{suffix}", registry_url=url, heartbeat_s=0.2))
-    decode = WorkerRuntime(WorkerSpec("decode", engine, worker_id=f"dw-{suffix}", registry_url=url, heartbeat_s=0.2))
+
+    def worker(role: str, worker_id: str) -> WorkerRuntime:
+        spec = WorkerSpec(role, engine, worker_id=worker_id, registry_url=url, heartbeat_s=0.2)
+        return WorkerRuntime(spec, add_worker_services)
+
+    prefill = worker("prefill", f"pw-{suffix}")
+    decode = worker("decode", f"dw-{suffix}")
     try:
         addresses = {prefill.worker_id: prefill.address(60), decode.worker_id: decode.address(60)}
         router = RedisRegistry(url, refresh_s=0.05)

@@ -9,8 +9,11 @@ import signal
 from dataclasses import dataclass, replace
 
 from pdserve import env
-from pdserve.cluster.worker_runtime import WorkerRuntime, WorkerSpec
+from pdserve.cluster.factories import ClusterServices
+from pdserve.cluster.worker_runtime import WorkerRuntime
+from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import EngineConfig, RouterConfig
+from pdserve.protocol.roles import Role
 from pdserve.registry.base import PrefixIndex, Registry
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 
@@ -33,13 +36,13 @@ class ClusterConfig:
     drain_grace_s: float = 20.0
     metrics_port: int | None = None  # the router's Prometheus /metrics; None: not served
     log_level: str = "INFO"
-    kv_transfer_timeout_s: float = 30.0
+    kv_transfer_timeout_s: float = WorkerSpec.kv_transfer_timeout_s
 
     @property
-    def roles(self) -> list[str]:
+    def roles(self) -> list[Role]:
         if self.mode == "colocated":
-            return ["colocated"] * self.workers
-        return ["prefill"] * self.prefill + ["decode"] * self.decode
+            return [Role.COLOCATED] * self.workers
+        return [Role.PREFILL] * self.prefill + [Role.DECODE] * self.decode
 
     def threads_per_worker(self) -> int:
         """A fair share of this machine's cores unless the engine config names a count."""
@@ -47,8 +50,9 @@ class ClusterConfig:
 
 
 class Cluster:
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(self, config: ClusterConfig, services: ClusterServices) -> None:
         self.config = config
+        self.services = services
         self.registry: Registry
         self.prefix_index: PrefixIndex
         if config.redis_url:
@@ -95,7 +99,7 @@ class Cluster:
                 log_level=c.log_level,
                 kv_transfer_timeout_s=c.kv_transfer_timeout_s,
             )
-            self._actors[worker_id] = actor_cls.remote(spec)
+            self._actors[worker_id] = actor_cls.remote(spec, self.services.workers)
         for worker_id, actor in self._actors.items():
             state = ray.get(actor.state.remote())
             self.registry.publish(state)
@@ -137,14 +141,13 @@ class Cluster:
             ray.shutdown()
 
 
-async def run_cluster(config: ClusterConfig, ready_line: bool = True) -> None:
+async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_line: bool = True) -> None:
     from pdserve.telemetry import Telemetry
-    from services.router.server import start_router
 
-    cluster = Cluster(config)
+    cluster = Cluster(config, services)
     await asyncio.to_thread(cluster.start_workers)
     telemetry = Telemetry("pdserve-router")
-    server, servicer = await start_router(
+    server, router = await services.router(
         config.engine.model, cluster.registry, cluster.prefix_index, config.router, config.host, config.port, telemetry
     )
     if config.metrics_port is not None:
@@ -162,10 +165,10 @@ async def run_cluster(config: ClusterConfig, ready_line: bool = True) -> None:
     finally:
         watcher.cancel()
         log.info("draining")
-        servicer.draining = True
+        router.draining = True
         await server.set_serving(False)
         deadline = loop.time() + config.drain_grace_s
-        while servicer.in_flight and loop.time() < deadline:
+        while router.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.1)
         await server.stop(1.0)
         await asyncio.to_thread(cluster.stop_workers)
