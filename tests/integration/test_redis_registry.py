@@ -222,9 +222,9 @@ def test_real_workers_heartbeat_into_redis_and_deregister_on_stop(url):
         wait_for(both_with_profiles, 10, "both workers to register with profiles")
         (p,) = router.workers("prefill")
         (d,) = router.workers("decode")
+        assert p.model_fingerprint == d.model_fingerprint != ""  # one model on both sides of the hand-off
         for w, runtime in ((p, prefill), (d, decode)):
             assert w.worker_id == runtime.worker_id and w.address == addresses[w.worker_id]
-            assert w.model_fingerprint == runtime.fingerprint() and w.model_fingerprint
             assert w.block_size == engine.block_size and w.kv_bytes_per_token > 0
             assert 0 < w.kv_blocks_free <= w.kv_blocks_total
             assert all(v >= 0 for v in w.profile.to_dict().values())

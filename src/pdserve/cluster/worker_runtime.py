@@ -50,10 +50,6 @@ class WorkerRuntime:
     def worker_id(self) -> str:
         return self.spec.worker_id
 
-    def fingerprint(self) -> str:
-        self.address()
-        return self._engine.fingerprint
-
     def state(self) -> WorkerState:
         """What routers need to know of this worker now: identity, profile, load."""
         self.address()

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -31,6 +32,11 @@ from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def _drop(engine: LLMEngine, request_id: str) -> None:
+    """Undoes an add or a reservation whose caller left before it ran."""
+    engine.abort(request_id)
 
 
 @dataclass(frozen=True)
@@ -135,7 +141,7 @@ class AsyncEngine:
         `abort`; None when the pool cannot hold them now. A caller cancelled meanwhile holds nothing."""
         return await self._call(
             lambda e: e.reserve(request_id, prompt_token_ids, sampling),
-            undo=lambda e, blocks: blocks is not None and e.abort(request_id),
+            undo=lambda e, blocks: None if blocks is None else _drop(e, request_id),
         )
 
     async def commit_and_stream(self, request_id: str, first_token: int) -> AsyncIterator[RequestOutput]:
@@ -182,7 +188,7 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._error is None and self._thread.is_alive()
 
-    async def _call(self, fn: Callable[[LLMEngine], T], undo: Callable[[LLMEngine, T], object] | None = None) -> T:
+    async def _call(self, fn: Callable[[LLMEngine], T], undo: Callable[[LLMEngine, T], None] | None = None) -> T:
         """Run `fn(engine)` on the engine thread between steps and await its result. Cancelling the caller
         does not stop `fn` from running; `undo(engine, result)` then reverts what `fn` did for nobody."""
         future: Future[T] = Future()
@@ -208,13 +214,12 @@ class AsyncEngine:
         except asyncio.CancelledError:
             # The result may have been set just as the caller left: then nobody else will undo it.
             if undo is not None and future.done() and not future.cancelled() and future.exception() is None:
-                result = future.result()
-                self._submit(lambda: undo(self._engine, result))
+                self._submit(partial(undo, self._engine, future.result()))
             raise
 
     async def _add(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         await self._call(
-            lambda e: e.add_request(request_id, prompt_token_ids, sampling), undo=lambda e, _: e.abort(request_id)
+            lambda e: e.add_request(request_id, prompt_token_ids, sampling), undo=lambda e, _: _drop(e, request_id)
         )
 
     def _open(self, request_id: str) -> _Stream:
