@@ -21,6 +21,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.rpc.client import generate
+from pdserve.rpc.server import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from pdserve.v1 import generate_pb2 as pb
 from tests.integration.worker_view import by_role, idle, pid_serving
 
@@ -55,7 +56,7 @@ def request(request_id: str) -> pb.GenerateRequest:
     )
 
 
-async def tokens(address: str, req: pb.GenerateRequest, timeout_s: float = 30.0) -> list[int]:
+async def tokens(address: str, req: pb.GenerateRequest, timeout_s: float | None = 30.0) -> list[int]:
     result = None
     async for _, result in generate(address, req, timeout_s):  # noqa: B007 (the last one is the answer)
         pass
@@ -176,5 +177,29 @@ def test_stopped_prefill_worker_and_a_cancelled_caller_free_the_decode_blocks_at
         await blocks_freed(cluster.address)
         assert pid_serving((await by_role(cluster.address))["prefill"].address) == pid
         assert await tokens(cluster.address, request("after-stop")) == expected
+
+    asyncio.run(run())
+
+
+def test_stopped_prefill_worker_fails_a_request_without_deadline_by_keepalive(cluster, expected):
+    """The prefill worker is SIGSTOPped before the request reaches it, and the client sets no deadline: no first
+    token ever comes and no transfer starts, so only the decode worker's keepalive pings can tell. The request
+    fails with UNAVAILABLE within the keepalive bound, and every block is free once the worker runs again."""
+
+    async def run() -> None:
+        pid = pid_serving((await by_role(cluster.address))["prefill"].address)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await tokens(cluster.address, request("stopped"), timeout_s=None)
+            took = time.monotonic() - start
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            assert took < (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1e3 + 10, took
+            await blocks_freed(cluster.address, ("decode",), within_s=5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await blocks_freed(cluster.address)
+        assert await tokens(cluster.address, request("after-stopped")) == expected
 
     asyncio.run(run())

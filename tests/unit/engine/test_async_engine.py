@@ -132,3 +132,32 @@ async def test_duplicate_reservation_leaves_the_first_alone():
         await until_used(engine, 0)
     finally:
         engine.stop()
+
+
+async def test_a_reservation_whose_caller_left_holds_no_blocks():
+    """The reserve runs on the engine thread after its caller was cancelled: it is undone, not leaked."""
+    engine = make_engine(EngineMode.DECODE_ONLY)
+    try:
+        assert await engine.reserve("busy", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True)) is not None
+        gate, stepping = threading.Event(), threading.Event()
+
+        def hold_the_engine_thread(*_: object) -> None:
+            stepping.set()
+            gate.wait(10)
+
+        engine.on_step = hold_the_engine_thread
+        busy = engine.commit_and_stream("busy", 7)
+        await anext(busy)  # committed: the engine thread now steps it
+        assert await asyncio.to_thread(stepping.wait, 10)
+        reserve = asyncio.ensure_future(engine.reserve("left", PROMPT, GREEDY))
+        await asyncio.sleep(0)  # submitted, queued behind the held step
+        reserve.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reserve
+        engine.on_step = None
+        gate.set()
+        await busy.aclose()  # aborts "busy"
+        await until_used(engine, 0)
+        assert not await engine.abort("left")  # it ran, and was dropped at once
+    finally:
+        engine.stop()
