@@ -75,7 +75,7 @@ class Handoff:
         peer, tag = request.prefill_address, next(self._tags)
         receive: asyncio.Future[int] | None = None
         call: PrefillCall | None = None
-        timeout_s = self.transfer_timeout_s
+        timeout_s = self._transfer_timeout(time_remaining)
         try:
             rendezvous = await asyncio.to_thread(self.receiver.rendezvous, peer)
             target = KVTarget(self.worker_id, rendezvous, blocks, tag, self.engine.fingerprint, self.engine.block_size)
@@ -86,7 +86,7 @@ class Handoff:
             if not first.kv_follows:
                 await call.sent()
                 return first
-            timeout_s = min(time_remaining() or timeout_s, timeout_s)
+            timeout_s = self._transfer_timeout(time_remaining)  # counted from the first token
             receive = asyncio.ensure_future(
                 asyncio.to_thread(self.receiver.recv, peer, tag, self.engine.kv_caches, blocks, timeout_s)
             )
@@ -103,6 +103,10 @@ class Handoff:
         finally:
             if call is not None:
                 call.cancel()  # no-op once finished; on our caller's cancel it stops the prefill too
+
+    def _transfer_timeout(self, time_remaining: TimeRemaining) -> float:
+        """The configured bound, or the caller's remaining time when that is shorter."""
+        return min(time_remaining() or self.transfer_timeout_s, self.transfer_timeout_s)
 
     async def _until_received(
         self, request: HandoffRequest, call: PrefillCall, receive: asyncio.Future[int], num_blocks: int
