@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.engine.async_engine import AsyncEngine
@@ -36,27 +36,20 @@ class HandoffRequest:
     prefill_address: str  # host:port of the prefill worker the router placed it on
 
 
+@dataclass
 class Handoff:
     """One decode worker's hand-offs; `transfer_timeout_s` bounds each KV transfer (and the request's own
     deadline, when shorter)."""
 
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        receiver: KVReceiver,
-        prefill: PrefillClient,
-        worker_id: str,
-        telemetry: Telemetry,
-        transfer_timeout_s: float,
-    ) -> None:
-        self.engine = engine
-        self.receiver = receiver
-        self.prefill = prefill
-        self.worker_id = worker_id
-        self.telemetry = telemetry
-        self.transfer_timeout_s = transfer_timeout_s
-        self._tags = itertools.count(1)
-        self._freeing: set[asyncio.Future[None]] = set()
+    engine: AsyncEngine
+    receiver: KVReceiver
+    prefill: PrefillClient
+    worker_id: str
+    telemetry: Telemetry
+    transfer_timeout_s: float
+    _tags: Iterator[int] = field(default_factory=lambda: itertools.count(1), init=False)
+    # Frees waiting for a receive to end; a strong reference each until done (the loop keeps only weak ones).
+    _freeing: set[asyncio.Future[None]] = field(default_factory=set, init=False)
 
     async def stream(self, request: HandoffRequest, time_remaining: TimeRemaining) -> AsyncIterator[RequestOutput]:
         """The request's outputs; the last one counts the prompt tokens the prefill worker's cache served."""
@@ -160,7 +153,7 @@ class Handoff:
             await self.engine.abort(request_id)
 
         task = asyncio.ensure_future(when_received())
-        self._freeing.add(task)  # a strong reference until done: the loop keeps only weak ones
+        self._freeing.add(task)
         task.add_done_callback(self._freeing.discard)
 
 

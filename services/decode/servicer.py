@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -20,18 +21,16 @@ from services.decode.colocated import generate_here
 from services.decode.handoff import Handoff, HandoffRequest
 
 
+@dataclass
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     """Also the colocated worker: a request with no prefill address is prefilled here (mixed engine).
     `handoff` is None on a worker that takes no KV hand-offs (colocated)."""
 
-    def __init__(
-        self, engine: AsyncEngine, handoff: Handoff | None, worker_id: str, role: Role, telemetry: Telemetry
-    ) -> None:
-        self.engine = engine
-        self.handoff = handoff
-        self.worker_id = worker_id
-        self.role = role
-        self.telemetry = telemetry
+    engine: AsyncEngine
+    handoff: Handoff | None
+    worker_id: str
+    role: Role
+    telemetry: Telemetry
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext

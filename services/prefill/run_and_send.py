@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.config import FaultConfig
 from pdserve.engine.async_engine import AsyncEngine
@@ -32,22 +32,14 @@ class PrefillJob:
     transfer_timeout_s: float  # the decode side's own deadline for the transfer
 
 
+@dataclass
 class RunAndSend:
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        sender: KVSender,
-        worker_id: str,
-        telemetry: Telemetry,
-        metrics: WorkerMetrics | None = None,
-        faults: FaultConfig | None = None,
-    ) -> None:
-        self.engine = engine
-        self.sender = sender
-        self.worker_id = worker_id
-        self.telemetry = telemetry
-        self.metrics = metrics
-        self.faults = faults or FaultConfig()  # none injected
+    engine: AsyncEngine
+    sender: KVSender
+    worker_id: str
+    telemetry: Telemetry
+    metrics: WorkerMetrics | None = None
+    faults: FaultConfig = field(default_factory=FaultConfig)  # none injected
 
     async def run(self, job: PrefillJob) -> AsyncIterator[FirstToken | KVSent]:
         """The first token, then (unless it ended the request) the confirmation that the KV was sent."""
