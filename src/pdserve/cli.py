@@ -6,14 +6,21 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.config import CLUSTER_MODES, DTYPE_NAMES, ClusterConfig, EngineConfig, RouterConfig
 from pdserve.protocol.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from pdserve.cluster.factories import ClusterServices
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+
+def main(argv: Sequence[str] | None = None, services: ClusterServices | None = None) -> int:
+    """`services`: what `pdserve up` runs, composed outside this package (services/main.py, the `pdserve`
+    command); without them every command but `up` works."""
+    args = _parser(services).parse_args(argv)
     return int(args.func(args) or 0)
 
 
@@ -34,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
@@ -73,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a KV transfer may take before it fails",
     )
     up.add_argument("--log-level", default=c.log_level, help="DEBUG, INFO, WARNING, ERROR (JSON lines on stderr)")
-    up.set_defaults(func=_up)
+    up.set_defaults(func=partial(_up, services=services))
 
     status = sub.add_parser("status", help="a running cluster's workers, their health and load")
     status.add_argument("--addr", required=True, help="router HOST:PORT")
@@ -158,13 +165,16 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
 
 
-def _up(args: argparse.Namespace) -> int:
+def _up(args: argparse.Namespace, services: ClusterServices | None) -> int:
     import asyncio
     import logging
 
     from pdserve.cluster.launcher import run_cluster
     from pdserve.telemetry import configure_logging
 
+    if services is None:
+        print("pdserve up: this entry point has no services to run; use the `pdserve` command", file=sys.stderr)
+        return 2
     try:
         logging.getLevelName(args.log_level.upper()) + 0
     except TypeError:
@@ -173,7 +183,7 @@ def _up(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, service="pdserve-router")
     if _fetch_model(args.model, "pdserve up") is None:  # here, with progress on a terminal, not in every worker
         return 1
-    asyncio.run(run_cluster(_cluster_config(args)))
+    asyncio.run(run_cluster(_cluster_config(args), services))
     return 0
 
 

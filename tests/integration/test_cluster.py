@@ -15,8 +15,8 @@ from pdserve.protocol.sampling import SamplingParams
 from pdserve.rpc.client import generate
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
-from pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
-from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import generate_pb2_grpc
+from tests.integration.worker_view import idle, workers
 
 pytestmark = pytest.mark.timeout(300)
 MODES = {
@@ -156,22 +156,14 @@ def test_bad_input_is_invalid_argument_and_server_stays_up(cluster, case):
     assert len(good.token_ids) == 3
 
 
-def worker_stats(address: str, role: str) -> wpb.WorkerStats:
-    async def ask():
-        async with channel(address) as ch:
-            stub = worker_pb2_grpc.PrefillWorkerStub(ch) if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub(ch)
-            return await stub.Stats(wpb.StatsRequest(), timeout=5)
-
-    return asyncio.run(ask())
-
-
 def test_cancel_mid_stream_frees_blocks_everywhere(cluster):
-    workers = cluster.worker_addresses()
-    assert workers
-
     async def blocks_in_use() -> int:
-        stats = [await asyncio.to_thread(worker_stats, a, w.rsplit("-", 1)[0]) for w, a in workers.items()]
-        return sum(s.kv_blocks_used for s in stats)
+        """Polled while the request streams: the router's view is as of each worker's last heartbeat."""
+        for _ in range(50):
+            if used := sum(w.kv_blocks_used for w in await workers(cluster.address)):
+                return used
+            await asyncio.sleep(0.1)
+        return 0
 
     async def start_then_cancel():
         request = pb.GenerateRequest(prompt="cancel me " * 20, sampling=sampling(3000))
@@ -188,25 +180,24 @@ def test_cancel_mid_stream_frees_blocks_everywhere(cluster):
 
     seen, in_use = asyncio.run(start_then_cancel())
     assert seen == 5 and in_use > 0  # the sequence held blocks while it streamed
-    idle = asyncio.run(_wait_until_idle(workers))
-    assert idle, {w: worker_stats(a, w.rsplit("-", 1)[0]) for w, a in workers.items()}
+    assert asyncio.run(_wait_until_idle(cluster.address))
 
 
 def test_deadline_propagates_and_frees_blocks(cluster):
-    workers = cluster.worker_addresses()
     request = pb.GenerateRequest(prompt="slow " * 10, sampling=sampling(3000))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         collect(cluster.address, request, timeout_s=0.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert asyncio.run(_wait_until_idle(workers))
+    assert asyncio.run(_wait_until_idle(cluster.address))
 
 
-async def _wait_until_idle(workers: dict[str, str], timeout_s: float = 10.0) -> bool:
+async def _wait_until_idle(router: str, timeout_s: float = 10.0) -> bool:
+    """Every worker the router knows soon holds no block for a live sequence and runs nothing."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
     while loop.time() < end:
-        stats = [await asyncio.to_thread(worker_stats, a, w.rsplit("-", 1)[0]) for w, a in workers.items()]
-        if all(s.kv_blocks_used == 0 and s.running == 0 for s in stats):
+        found = await workers(router)
+        if found and all(idle(w) for w in found):
             return True
         await asyncio.sleep(0.2)
     return False

@@ -21,14 +21,13 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.rpc.client import generate
-from pdserve.rpc.server import channel
-from pdserve.v1 import admin_pb2, admin_pb2_grpc, worker_pb2_grpc
+from pdserve.rpc.server import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from pdserve.v1 import generate_pb2 as pb
-from pdserve.v1 import worker_pb2 as wpb
+from tests.integration.worker_view import by_role, idle, pid_serving
 
-pytestmark = pytest.mark.timeout(180)
-TRANSFER_TIMEOUT_S = 3.0
-SEND_DELAY_S = 8.0  # the stall: far past the transfer timeout, so the two outcomes cannot be confused
+pytestmark = pytest.mark.timeout(240)
+TRANSFER_TIMEOUT_S = 8.0
+SEND_DELAY_S = 30.0  # the stall: far past the transfer timeout, so the two outcomes cannot be confused
 FAULTED = "fault-"  # request ids starting with this stall; the others run normally
 PROMPT = [5, 6, 7, 8, 9] * 7  # three KV blocks
 
@@ -57,25 +56,12 @@ def request(request_id: str) -> pb.GenerateRequest:
     )
 
 
-async def tokens(address: str, req: pb.GenerateRequest, timeout_s: float = 30.0) -> list[int]:
+async def tokens(address: str, req: pb.GenerateRequest, timeout_s: float | None = 30.0) -> list[int]:
     result = None
     async for _, result in generate(address, req, timeout_s):  # noqa: B007 (the last one is the answer)
         pass
     assert result is not None and result.finish_reason == "length"
     return result.token_ids
-
-
-async def workers(router: str) -> dict[str, admin_pb2.WorkerStatus]:
-    """role -> the router's view of the one worker in that role (its address changes when Ray restarts it)."""
-    async with channel(router) as ch:
-        reply = await admin_pb2_grpc.AdminStub(ch).ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=5)
-    return {w.role: w for w in reply.workers}
-
-
-async def stats(address: str, role: str) -> wpb.WorkerStats:
-    async with channel(address) as ch:
-        stub = worker_pb2_grpc.PrefillWorkerStub(ch) if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub(ch)
-        return await stub.Stats(wpb.StatsRequest(), timeout=5)
 
 
 async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, interval_s: float = 0.05) -> None:
@@ -87,17 +73,26 @@ async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, interval
         await asyncio.sleep(interval_s)
 
 
-async def blocks_freed(addresses: dict[str, str]) -> None:
-    """Every worker (role -> address) soon holds no KV block for a live sequence or transfer (the prefix cache
-    may keep some); a receive left waiting by a lost peer frees its blocks when the transfer timeout ends it."""
-    end = time.monotonic() + TRANSFER_TIMEOUT_S + 10
+async def blocks_freed(router: str, roles: tuple[str, ...] = ("prefill", "decode"), within_s: float = 0.0) -> None:
+    """Every worker in `roles` soon holds no KV block for a live sequence or transfer (the prefix cache may keep
+    some); by default within the transfer timeout, which ends even a receive whose bytes already flowed."""
+    end = time.monotonic() + (within_s or TRANSFER_TIMEOUT_S + 10)
     while True:
-        got = {role: await stats(address, role) for role, address in addresses.items()}
-        if all(s.kv_blocks_used == 0 and s.running == 0 and s.waiting == 0 for s in got.values()):
+        got = {role: w for role, w in (await by_role(router)).items() if role in roles}
+        if len(got) == len(roles) and all(idle(w) for w in got.values()):
             return
         if time.monotonic() > end:
             raise AssertionError(f"KV blocks still held: {got}")
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.1)
+
+
+def stalled_after_first_token(router: str) -> Callable[[], Awaitable[bool]]:
+    async def stalled_after_first_token() -> bool:
+        # The prompt ran (nothing left to schedule) and its blocks wait for the hand-off: the worker stalls.
+        w = (await by_role(router))["prefill"]
+        return w.kv_blocks_used > 0 and w.running == 0 and w.waiting == 0
+
+    return stalled_after_first_token
 
 
 def test_killed_prefill_worker_fails_the_request_at_once_and_ray_restarts_it(cluster, expected):
@@ -105,18 +100,12 @@ def test_killed_prefill_worker_fails_the_request_at_once_and_ray_restarts_it(clu
     waits on a pair that will never connect, and only the lost Prefill stream can end the request early."""
 
     async def run() -> None:
-        before = await workers(cluster.address)
-        prefill_address, decode_address = before["prefill"].address, before["decode"].address
-        pid = (await stats(prefill_address, "prefill")).pid
+        prefill_address = (await by_role(cluster.address))["prefill"].address
+        pid = pid_serving(prefill_address)
         start = time.monotonic()
         call = asyncio.create_task(tokens(cluster.address, request(f"{FAULTED}kill")))
 
-        async def stalled_after_first_token() -> bool:
-            # The prompt ran (nothing left to schedule) and its blocks wait for the hand-off: the worker stalls.
-            s = await stats(prefill_address, "prefill")
-            return s.kv_blocks_used > 0 and s.running == 0 and s.waiting == 0
-
-        await until(stalled_after_first_token, timeout_s=5)
+        await until(stalled_after_first_token(cluster.address), timeout_s=5)
         # Within the stall's seconds: let the first token reach the decode worker, which then waits for the KV.
         await asyncio.sleep(0.3)
         os.kill(pid, signal.SIGKILL)
@@ -127,17 +116,16 @@ def test_killed_prefill_worker_fails_the_request_at_once_and_ray_restarts_it(clu
         assert prefill_address in err.value.details()
         # The lost peer ends the request, not the transfer timeout (which counts from the first token).
         assert failed_after < TRANSFER_TIMEOUT_S, failed_after
-        await blocks_freed({"decode": decode_address})
+        await blocks_freed(cluster.address, ("decode",))
 
         async def restarted() -> bool:
-            prefill = (await workers(cluster.address)).get("prefill")
+            prefill = (await by_role(cluster.address)).get("prefill")
             return prefill is not None and prefill.address != prefill_address and prefill.health == "SERVING"
 
         await until(restarted, timeout_s=60, interval_s=0.5)
-        now = await workers(cluster.address)
-        assert (await stats(now["prefill"].address, "prefill")).pid != pid
+        assert pid_serving((await by_role(cluster.address))["prefill"].address) != pid
         assert await tokens(cluster.address, request("after-kill")) == expected
-        await blocks_freed({role: w.address for role, w in now.items()})
+        await blocks_freed(cluster.address)
 
     asyncio.run(run())
 
@@ -147,8 +135,7 @@ def test_transfer_timeout_fails_the_request_and_frees_blocks_on_both_sides(clust
     the Prefill call, which ends the stall before any late send, and the prefill worker frees its blocks."""
 
     async def run() -> None:
-        addresses = {role: w.address for role, w in (await workers(cluster.address)).items()}
-        prefill_pid = (await stats(addresses["prefill"], "prefill")).pid
+        prefill_pid = pid_serving((await by_role(cluster.address))["prefill"].address)
         start = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await tokens(cluster.address, request(f"{FAULTED}timeout"))
@@ -157,8 +144,62 @@ def test_transfer_timeout_fails_the_request_and_frees_blocks_on_both_sides(clust
         assert "KV transfer" in err.value.details() and "timed out" in err.value.details(), err.value.details()
         # The decode side's transfer timeout ended it, not the stalled prefill worker finally sending.
         assert TRANSFER_TIMEOUT_S <= took < SEND_DELAY_S, (took, err.value.details())
-        await blocks_freed(addresses)
-        assert (await stats(addresses["prefill"], "prefill")).pid == prefill_pid  # stalled, never crashed
+        await blocks_freed(cluster.address)
+        assert pid_serving((await by_role(cluster.address))["prefill"].address) == prefill_pid  # stalled, not crashed
         assert await tokens(cluster.address, request("after-timeout")) == expected
+
+    asyncio.run(run())
+
+
+def test_stopped_prefill_worker_and_a_cancelled_caller_free_the_decode_blocks_at_once(cluster, expected):
+    """The prefill worker is SIGSTOPped after its first token, while the decode side waits for the KV; the caller
+    gives up. The decode worker frees its blocks at once (its receive had not started: nothing can write them),
+    not when the transfer timeout ends the receive; the prefill worker frees its own once it runs again."""
+
+    async def run() -> None:
+        pid = pid_serving((await by_role(cluster.address))["prefill"].address)
+        call = asyncio.create_task(tokens(cluster.address, request(f"{FAULTED}stop")))
+        await until(stalled_after_first_token(cluster.address), timeout_s=5)
+        await asyncio.sleep(0.3)  # the first token reaches the decode worker, which waits for the KV
+        os.kill(pid, signal.SIGSTOP)
+        try:
+
+            async def decode_holds_blocks() -> bool:
+                return (await by_role(cluster.address))["decode"].kv_blocks_used > 0
+
+            await until(decode_holds_blocks, timeout_s=5)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            await blocks_freed(cluster.address, ("decode",), within_s=TRANSFER_TIMEOUT_S / 2)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await blocks_freed(cluster.address)
+        assert pid_serving((await by_role(cluster.address))["prefill"].address) == pid
+        assert await tokens(cluster.address, request("after-stop")) == expected
+
+    asyncio.run(run())
+
+
+def test_stopped_prefill_worker_fails_a_request_without_deadline_by_keepalive(cluster, expected):
+    """The prefill worker is SIGSTOPped before the request reaches it, and the client sets no deadline: no first
+    token ever comes and no transfer starts, so only the decode worker's keepalive pings can tell. The request
+    fails with UNAVAILABLE within the keepalive bound, and every block is free once the worker runs again."""
+
+    async def run() -> None:
+        pid = pid_serving((await by_role(cluster.address))["prefill"].address)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await tokens(cluster.address, request("stopped"), timeout_s=None)
+            took = time.monotonic() - start
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            assert took < (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1e3 + 10, took
+            await blocks_freed(cluster.address, ("decode",), within_s=5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await blocks_freed(cluster.address)
+        assert await tokens(cluster.address, request("after-stopped")) == expected
 
     asyncio.run(run())

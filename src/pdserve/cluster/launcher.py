@@ -9,7 +9,9 @@ import signal
 from dataclasses import replace
 
 from pdserve import env
-from pdserve.cluster.worker_runtime import WorkerRuntime, WorkerSpec
+from pdserve.cluster.factories import ClusterServices
+from pdserve.cluster.worker_runtime import WorkerRuntime
+from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import ClusterConfig
 from pdserve.registry.base import PrefixIndex, Registry
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
@@ -18,8 +20,9 @@ log = logging.getLogger(__name__)
 
 
 class Cluster:
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(self, config: ClusterConfig, services: ClusterServices) -> None:
         self.config = config
+        self.services = services
         self.registry: Registry
         self.prefix_index: PrefixIndex
         if config.redis_url:
@@ -68,7 +71,7 @@ class Cluster:
                 log_level=c.log_level,
                 kv_transfer_timeout_s=c.kv_transfer_timeout_s,
             )
-            self._actors[worker_id] = actor_cls.remote(spec)
+            self._actors[worker_id] = actor_cls.remote(spec, self.services.workers)
         for worker_id, actor in self._actors.items():
             state = ray.get(actor.state.remote())
             self.registry.publish(state)
@@ -110,14 +113,13 @@ class Cluster:
             ray.shutdown()
 
 
-async def run_cluster(config: ClusterConfig, ready_line: bool = True) -> None:
+async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_line: bool = True) -> None:
     from pdserve.telemetry import Telemetry
-    from services.router.server import start_router
 
-    cluster = Cluster(config)
+    cluster = Cluster(config, services)
     await asyncio.to_thread(cluster.start_workers)
     telemetry = Telemetry("pdserve-router")
-    server, servicer = await start_router(
+    server, router = await services.router(
         config.engine.model, cluster.registry, cluster.prefix_index, config.router, config.host, config.port, telemetry
     )
     if config.metrics_port is not None:
@@ -135,10 +137,10 @@ async def run_cluster(config: ClusterConfig, ready_line: bool = True) -> None:
     finally:
         watcher.cancel()
         log.info("draining")
-        servicer.draining = True
+        router.draining = True
         await server.set_serving(False)
         deadline = loop.time() + config.drain_grace_s
-        while servicer.in_flight and loop.time() < deadline:
+        while router.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.1)
         await server.stop(1.0)
         await asyncio.to_thread(cluster.stop_workers)

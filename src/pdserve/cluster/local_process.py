@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+PDSERVE_COMMAND = "services.main"  # the module behind the `pdserve` console script
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -52,7 +54,8 @@ class ClusterProcess:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(self.port), *args]
+        # The `pdserve` command: its module composes the services (this package never imports them).
+        cmd = [sys.executable, "-m", PDSERVE_COMMAND, "up", "--port", str(self.port), *args]
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}

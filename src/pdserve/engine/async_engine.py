@@ -2,7 +2,8 @@
 
 gRPC servicers live on an event loop; the model step is long, blocking tensor work. One thread owns the
 engine: it applies queued commands (add, abort, reserve, commit, release) between steps and hands
-each step's outputs to the per-request asyncio queues. Nothing else touches the engine.
+each step's outputs to the per-request asyncio queues. Nothing else touches the engine: callers use the
+named operations below. A request id is a key here: a second caller with an id in flight is refused.
 """
 
 from __future__ import annotations
@@ -15,27 +16,57 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
+import torch
+
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.model_runner import kv_block_bytes
+from pdserve.engine.profiling import measure_profile
+from pdserve.errors import InvalidRequestError
 from pdserve.protocol.outputs import RequestOutput
+from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def _drop(engine: LLMEngine, request_id: str) -> None:
+    """Undoes an add or a reservation whose caller left before it ran."""
+    engine.abort(request_id)
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """One caller's outputs: the engine thread puts them on the caller's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | Exception]
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error; the worker must be restarted."""
 
 
+class DuplicateRequestError(InvalidRequestError):
+    """Another caller's request with this id is in flight on this worker; that one keeps running."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__("request_id", f"{request_id!r} is already in flight on this worker")
+
+
 class AsyncEngine:
+    """The named operations workers need; the engine itself and its thread stay private."""
+
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self._engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._error: BaseException | None = None
         self.stats: dict[str, int] = {}
         self.on_step: Callable[[int, int, float], None] | None = None  # (prefill tokens, decode seqs, seconds)
@@ -45,67 +76,104 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
+    # -- what the engine is (fixed at start-up; safe to read from any thread) --------------------------
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the model's weights: both sides of a KV hand-off must run the same."""
+        return self._engine.fingerprint
+
+    @property
+    def block_size(self) -> int:
+        return self._engine.config.block_size
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """The KV cache tensors the transfer reads from or writes into, one per layer. Only blocks a hand-off
+        holds (`reserve` on the decode side, `handoff_blocks` on the prefill side) may be touched."""
+        return self._engine.runner.kv_caches
+
+    @property
+    def device(self) -> torch.device:
+        """Where the KV caches live: the transfer endpoints are built for it."""
+        return self._engine.runner.device
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        e = self._engine
+        return kv_block_bytes(e.model_config, e.config.block_size, e.runner.dtype) // e.config.block_size
+
     # -- called from asyncio -------------------------------------------------------------------------
-
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run `fn(engine)` on the engine thread between steps and await its result. Cancelling the caller
-        does not stop `fn` from running: a caller whose command changes state undoes it if it must."""
-        future: Future[T] = Future()
-
-        def command() -> None:
-            # Runs even when the caller was cancelled meanwhile (it may be the release or abort that frees a
-            # request's blocks); the outcome then has nobody to go to, and must not stop the engine thread.
-            with contextlib.suppress(InvalidStateError):
-                try:
-                    result = fn(self.engine)
-                except Exception as e:  # handed to the awaiting caller
-                    future.set_exception(e)
-                else:
-                    future.set_result(result)
-
-        self._submit(command)
-        return await asyncio.wrap_future(future)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request (mixed or prefill-only engine) and yield its outputs; abort it if the caller leaves."""
+        """Add a request (mixed or prefill-only engine) and yield its outputs; abort it if the caller leaves.
+        Raises DuplicateRequestError while another request with this id is in flight here."""
         stream = self._open(request_id)
+        live = False  # the engine holds this caller's request: abort it if the caller leaves early
         try:
-            await self.call(lambda e: e.add_request(request_id, prompt_token_ids, sampling))
+            await self._add(request_id, prompt_token_ids, sampling)
+            live = True
             async for out in self._drain(stream):
+                live = not out.finished
                 yield out
         finally:
-            await self._close(request_id)
+            await self._close(request_id, stream, abort=live)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> RequestOutput:
         """Prefill-only engine: run the prompt and return the first token. Unless that finished the
         request, its blocks stay held for the hand-off until `release` (or `abort`)."""
         stream = self._open(request_id)
-        handed_off = False
+        live = False
         try:
-            await self.call(lambda e: e.add_request(request_id, prompt_token_ids, sampling))
+            await self._add(request_id, prompt_token_ids, sampling)
+            live = True
             async for out in self._drain(stream):
-                handed_off = True
+                live = False  # finished, or held for the hand-off: the caller releases it
                 return out
             raise AssertionError("unreachable: a prefill always yields its first token")
         finally:
-            await self._close(request_id, abort=not handed_off)
+            await self._close(request_id, stream, abort=live)
+
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> list[int] | None:
+        """Decode-only engine: the blocks the prompt's KV will arrive in, held until `commit_and_stream` or
+        `abort`; None when the pool cannot hold them now. A caller cancelled meanwhile holds nothing."""
+        return await self._call(
+            lambda e: e.reserve(request_id, prompt_token_ids, sampling),
+            undo=lambda e, blocks: None if blocks is None else _drop(e, request_id),
+        )
 
     async def commit_and_stream(self, request_id: str, first_token: int) -> AsyncIterator[RequestOutput]:
         """Decode side: the reserved blocks hold the KV; yield the first token's output, then the decode's."""
         stream = self._open(request_id)
+        live = True  # reserved by this caller
         try:
-            first = await self.call(lambda e: e.commit(request_id, first_token))
+            first = await self._call(lambda e: e.commit(request_id, first_token))
+            live = not first.finished
             yield first
-            if not first.finished:
+            if live:
                 async for out in self._drain(stream):
+                    live = not out.finished
                     yield out
         finally:
-            await self._close(request_id)
+            await self._close(request_id, stream, abort=live)
+
+    async def handoff_blocks(self, request_id: str) -> list[int]:
+        """Prefill side: the blocks holding a prefilled request's prompt KV, in block-table order."""
+        return await self._call(lambda e: e.handoff_blocks(request_id))
+
+    async def release(self, request_id: str) -> None:
+        """Prefill side: the hand-off is over (sent, failed or given up); free the request's blocks."""
+        await self._call(lambda e: e.release(request_id))
 
     async def abort(self, request_id: str) -> bool:
-        return await self.call(lambda e: e.abort(request_id))
+        """Drop the request wherever it is and free its blocks; False when it is unknown."""
+        return await self._call(lambda e: e.abort(request_id))
+
+    async def measure_profile(self) -> PerfProfile:
+        """Times the model on the engine thread; before the worker takes requests (it uses scratch blocks)."""
+        return await self._call(measure_profile)
 
     def stop(self) -> None:
         self._stopping = True
@@ -120,24 +188,63 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._error is None and self._thread.is_alive()
 
-    def _open(self, request_id: str) -> asyncio.Queue[RequestOutput | Exception]:
-        q: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        return q
+    async def _call(self, fn: Callable[[LLMEngine], T], undo: Callable[[LLMEngine, T], None] | None = None) -> T:
+        """Run `fn(engine)` on the engine thread between steps and await its result. Cancelling the caller
+        does not stop `fn` from running; `undo(engine, result)` then reverts what `fn` did for nobody."""
+        future: Future[T] = Future()
 
-    async def _drain(self, q: asyncio.Queue[RequestOutput | Exception]) -> AsyncIterator[RequestOutput]:
+        def command() -> None:
+            # Runs even when the caller was cancelled meanwhile (it may be the release or abort that frees a
+            # request's blocks); the outcome then has nobody to go to, and must not stop the engine thread.
+            try:
+                result = fn(self._engine)
+            except Exception as e:  # handed to the awaiting caller
+                with contextlib.suppress(InvalidStateError):
+                    future.set_exception(e)
+                return
+            try:
+                future.set_result(result)
+            except InvalidStateError:  # the caller left before it ran
+                if undo is not None:
+                    undo(self._engine, result)
+
+        self._submit(command)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # The result may have been set just as the caller left: then nobody else will undo it.
+            if undo is not None and future.done() and not future.cancelled() and future.exception() is None:
+                self._submit(partial(undo, self._engine, future.result()))
+            raise
+
+    async def _add(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        await self._call(
+            lambda e: e.add_request(request_id, prompt_token_ids, sampling), undo=lambda e, _: _drop(e, request_id)
+        )
+
+    def _open(self, request_id: str) -> _Stream:
+        """The request's output queue. An id already streaming belongs to another caller: never replaced."""
+        if request_id in self._streams:
+            raise DuplicateRequestError(request_id)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        return stream
+
+    async def _drain(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
         while True:
-            item = await q.get()
+            item = await stream.queue.get()
             if isinstance(item, Exception):
                 raise item
             yield item
             if item.finished:
                 return
 
-    async def _close(self, request_id: str, abort: bool = True) -> None:
-        """Stream over: forget it, and abort the request if it has not finished (cancel, error)."""
-        if self._streams.pop(request_id, None) is not None and abort and self.alive:
-            await self.call(lambda e: e.abort(request_id))
+    async def _close(self, request_id: str, stream: _Stream, abort: bool) -> None:
+        """Stream over: forget it, and abort this caller's request if it is still live (cancel, error)."""
+        if self._streams.get(request_id) is stream:
+            del self._streams[request_id]
+        if abort and self.alive:
+            await self._call(lambda e: e.abort(request_id))
 
     def _submit(self, command: Callable[[], None]) -> None:
         if not self.alive:
@@ -151,18 +258,18 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._apply_commands()
-                if not self.engine.has_unfinished():
+                if not self._engine.has_unfinished():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                decoding = len(self.engine.scheduler.running)
+                decoding = len(self._engine.scheduler.running)
                 start = time.perf_counter()
                 start_ns = time.time_ns()
-                outputs = self.engine.step()
+                outputs = self._engine.step()
                 self._mark_started(outputs, start_ns)
                 if self.on_step is not None:
-                    decode_seqs = min(decoding, self.engine.last_step_tokens)
-                    self.on_step(self.engine.last_step_tokens - decode_seqs, decode_seqs, time.perf_counter() - start)
+                    decode_seqs = min(decoding, self._engine.last_step_tokens)
+                    self.on_step(self._engine.last_step_tokens - decode_seqs, decode_seqs, time.perf_counter() - start)
                 for out in outputs:
                     self._deliver(out)
                 self._update_stats()
@@ -173,7 +280,7 @@ class AsyncEngine:
 
     def _mark_started(self, outputs: list[RequestOutput], start_ns: int) -> None:
         started = self._started_ns
-        for rid in [o.request_id for o in outputs] + [s.seq_id for s in self.engine.scheduler.running]:
+        for rid in [o.request_id for o in outputs] + [s.seq_id for s in self._engine.scheduler.running]:
             if rid not in started and rid in self._streams:
                 started[rid] = start_ns
         while len(started) > 4096:  # never taken (a caller that does not trace): forget the oldest
@@ -191,16 +298,15 @@ class AsyncEngine:
     def _deliver(self, out: RequestOutput) -> None:
         target = self._streams.get(out.request_id)
         if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, out)
+            target.loop.call_soon_threadsafe(target.queue.put_nowait, out)
 
     def _fail_all(self, error: Exception) -> None:
-        for loop, q in list(self._streams.values()):
-            loop.call_soon_threadsafe(q.put_nowait, error)
+        for stream in list(self._streams.values()):
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
 
     def _update_stats(self) -> None:
         """Published as one dict swap, so readers on other threads never see the queues mid-change."""
-        e = self.engine
+        e = self._engine
         self.stats = {
             "kv_blocks_total": e.blocks.num_blocks,
             "kv_blocks_used": e.blocks.num_used_blocks,
@@ -208,4 +314,5 @@ class AsyncEngine:
             "running": len(e.scheduler.running),
             "waiting": len(e.scheduler.waiting),
             "queued_prefill_tokens": e.scheduler.num_waiting_tokens,
+            "prefix_hits": e.blocks.prefix_hits,
         }

@@ -8,6 +8,7 @@ meaning across every hop.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -81,8 +82,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
+            # A streaming handler that writes with `context.write` (Health.Watch) is a coroutine, not a generator.
+            fn = handler.unary_stream
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream),
+                _wrap_stream(fn) if inspect.isasyncgenfunction(fn) else _wrap_unary(fn),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )

@@ -13,9 +13,29 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.rpc.errors import ErrorMappingInterceptor
 
 MAX_MESSAGE_BYTES = 16 * 2**20  # explicit: a 16k-token prompt of ids is ~80 KB; nothing legitimate nears this
-CHANNEL_OPTIONS = [
+_MESSAGE_SIZES = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+# A stopped or partitioned peer answers no HTTP/2 ping: both ends ping every KEEPALIVE_TIME_MS, and a ping not
+# answered within KEEPALIVE_TIMEOUT_MS fails every call on that connection (UNAVAILABLE), instead of a stream
+# that waits forever for a first token. Pings go on while a stream sends no data (a long prefill) and while no
+# call is open, and a server accepts them that often. gRPC core (1.85) times a ping out by ping_timeout_ms (60 s
+# by default), not by keepalive_timeout_ms alone: both are set.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+CHANNEL_OPTIONS = [*_MESSAGE_SIZES, *_KEEPALIVE]
+SERVER_OPTIONS = [
+    *_MESSAGE_SIZES,
+    *_KEEPALIVE,
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
 ]
 
 
@@ -25,7 +45,7 @@ class Server:
     def __init__(self, host: str, port: int, interceptors: Sequence[Any] = ()) -> None:
         # Tracing interceptors first (outermost), so their spans see the status the error mapping chose.
         chain = [*interceptors, ErrorMappingInterceptor()]
-        self._server = grpc.aio.server(interceptors=chain, options=CHANNEL_OPTIONS)
+        self._server = grpc.aio.server(interceptors=chain, options=SERVER_OPTIONS)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port = self._server.add_insecure_port(f"{host}:{port}")
@@ -55,5 +75,6 @@ class Server:
 
 
 def channel(address: str, interceptors: Sequence[Any] | None = None) -> grpc.aio.Channel:
-    """`interceptors`: a service's tracing client interceptors, so the trace context rides the metadata."""
+    """With keepalive: a call to a peer that stopped answering fails within about 15 s.
+    `interceptors`: a service's tracing client interceptors, so the trace context rides the metadata."""
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors or None)

@@ -23,6 +23,10 @@ class TransferTimeoutError(TransferError):
     """The transfer did not complete within its timeout."""
 
 
+class TransferCancelledError(TransferError):
+    """The caller cancelled the recv before any byte of it arrived; nothing writes its blocks."""
+
+
 class LayoutMismatchError(TransferError):
     """Both sides disagree on the KV layout (model, dtype, block size, shapes); the message names the fields."""
 
@@ -75,5 +79,12 @@ class KVReceiver(_Closeable):
         prefill worker `peer_id` will send under `tag` (unique among this peer's transfers in flight).
         Blocks until every layer's blocks landed in `kv_caches[layer][:, block_ids]`; returns the bytes
         received. Writes only those blocks. Raises TransferError (PeerLostError, TransferTimeoutError,
-        LayoutMismatchError) within about `timeout_s`; once it raised, nothing writes the blocks any more.
+        LayoutMismatchError, TransferCancelledError) within about `timeout_s`; once it raised, nothing writes the
+        blocks any more.
         """
+
+    @abstractmethod
+    def cancel(self, peer_id: str, tag: int) -> None:
+        """Called from any thread when the caller of `recv(peer_id, tag, ...)` gives up (its request was
+        cancelled): a recv whose transfer has not started raises TransferCancelledError at once, even one not yet
+        posted; one already receiving ends as it would have (its blocks may be in use until it returns)."""

@@ -95,6 +95,14 @@ class RecvPair:
                 self.abandoned.popitem(last=False)
             return True
 
+    def cancel(self, tag: int, error: TransferError) -> None:
+        """The recv waiting for `tag` fails with `error` now, unless the serving thread already receives it."""
+        with self.cond:
+            p = self.pending.get(tag)
+            if p is None or not self.abandon(p):
+                return
+        self.finish(p, error=error)
+
     def finish(self, p: Pending, nbytes: int = 0, error: TransferError | None = None) -> None:
         with self.cond:
             self._remove(p)

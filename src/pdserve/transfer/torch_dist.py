@@ -18,12 +18,21 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Generic, Literal, TypeVar
 
 import torch
 
-from pdserve.transfer.base import KVCaches, KVReceiver, KVSender, PeerLostError, TransferError, TransferTimeoutError
+from pdserve.transfer.base import (
+    KVCaches,
+    KVReceiver,
+    KVSender,
+    PeerLostError,
+    TransferCancelledError,
+    TransferError,
+    TransferTimeoutError,
+)
 from pdserve.transfer.blocks import Blocks
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.pair_group import as_transfer_error, error_summary, gloo_device, time_left
@@ -34,6 +43,7 @@ from pdserve.transfer.send_pair import SendPair, rejection
 from pdserve.transfer.wire import HEADER_LEN, OK, Header, check_tag
 
 Backend = Literal["auto", "gloo", "nccl"]
+_MAX_CANCELLED = 4096  # (peer, tag) of recvs cancelled before they were posted; only the latest are kept
 PairT = TypeVar("PairT", SendPair, RecvPair)
 
 
@@ -157,6 +167,7 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
     def _init_side(self) -> None:
         self._identity = uuid.uuid4().hex
         self._lost: dict[str, str] = {}  # peer -> why its last pair died, until the next rendezvous
+        self._cancelled: OrderedDict[tuple[str, int], None] = OrderedDict()
 
     def rendezvous(self, peer_id: str) -> str:
         with self._lock:
@@ -176,15 +187,18 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
         if blocks.n == 0:
             return 0
         deadline = time.monotonic() + timeout_s
-        with self._lock:
+        p = Pending(tag, kv_caches, blocks, layout, deadline)
+        with self._lock:  # registered under the lock `cancel` takes: a cancel is never missed
+            if (peer_id, tag) in self._cancelled:
+                del self._cancelled[(peer_id, tag)]
+                raise TransferCancelledError(f"prefill peer {peer_id!r}: tag {tag} cancelled")
             pair = self._pairs.get(peer_id)
             if pair is None:
                 why = self._lost.get(peer_id)
                 if why is not None:
                     raise PeerLostError(why)
                 raise TransferError(f"no pair with prefill peer {peer_id!r}: call rendezvous() first")
-        p = Pending(tag, kv_caches, blocks, layout, deadline)
-        pair.register(p)
+            pair.register(p)
         if not p.done.wait(max(time_left(deadline), 0)):
             if pair.abandon(p):
                 raise TransferTimeoutError(f"prefill peer {peer_id!r}: no KV data for tag {tag} within {timeout_s}s")
@@ -195,6 +209,15 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
         if p.error is not None:
             raise type(p.error)(str(p.error))  # a fresh exception per caller: one error may fail several recvs
         return p.nbytes
+
+    def cancel(self, peer_id: str, tag: int) -> None:
+        with self._lock:
+            self._cancelled[(peer_id, tag)] = None
+            while len(self._cancelled) > _MAX_CANCELLED:
+                self._cancelled.popitem(last=False)
+            pair = self._pairs.get(peer_id)
+            if pair is not None:
+                pair.cancel(tag, TransferCancelledError(f"prefill peer {peer_id!r}: tag {tag} cancelled"))
 
     def _serve(self, pair: RecvPair) -> None:
         """The pair's serving thread: builds the group, then runs transfers one by one until the pair dies."""

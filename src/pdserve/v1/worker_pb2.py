@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import generate_pb2 as pdserve_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\"\x8c\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\"X\n\x08KVTarget\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x12\n\nrendezvous\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x0b\n\x03tag\x18\x04 \x01(\r\"\x84\x01\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\"\xd5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x1b\n\x13transfer_timeout_ms\x18\x06 \x01(\r\"y\n\x0cPrefillEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12\x31\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"v\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x12\n\nkv_follows\x18\x02 \x01(\x08\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x10\n\x08queue_ms\x18\x04 \x01(\x02\x12\x12\n\nprefill_ms\x18\x05 \x01(\x02\"2\n\x0cTransferDone\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x13\n\x0btransfer_ms\x18\x02 \x01(\x02\"\x0e\n\x0cStatsRequest\"\xc7\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x08 \x01(\x04\x12\x0b\n\x03pid\x18\t \x01(\r2\x99\x01\n\x0c\x44\x65\x63odeWorker\x12M\n\x08Generate\x12!.pdserve.v1.WorkerGenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\x8e\x01\n\rPrefillWorker\x12\x41\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\"\x8c\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\"X\n\x08KVTarget\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x12\n\nrendezvous\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x0b\n\x03tag\x18\x04 \x01(\r\"|\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\rJ\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x05\x64typeR\nnum_layersR\x0cnum_kv_headsR\x08head_dim\"\xd5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x1b\n\x13transfer_timeout_ms\x18\x06 \x01(\r\"y\n\x0cPrefillEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12\x31\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"r\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x12\n\nkv_follows\x18\x02 \x01(\x08\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\rJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\x08queue_msR\nprefill_ms\".\n\x0cTransferDoneJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03R\x05\x62ytesR\x0btransfer_ms2]\n\x0c\x44\x65\x63odeWorker\x12M\n\x08Generate\x12!.pdserve.v1.WorkerGenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32R\n\rPrefillWorker\x12\x41\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,22 +36,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERGENERATEREQUEST']._serialized_end=207
   _globals['_KVTARGET']._serialized_start=209
   _globals['_KVTARGET']._serialized_end=297
-  _globals['_KVLAYOUT']._serialized_start=300
-  _globals['_KVLAYOUT']._serialized_end=432
-  _globals['_PREFILLREQUEST']._serialized_start=435
-  _globals['_PREFILLREQUEST']._serialized_end=648
-  _globals['_PREFILLEVENT']._serialized_start=650
-  _globals['_PREFILLEVENT']._serialized_end=771
-  _globals['_FIRSTTOKEN']._serialized_start=773
-  _globals['_FIRSTTOKEN']._serialized_end=891
-  _globals['_TRANSFERDONE']._serialized_start=893
-  _globals['_TRANSFERDONE']._serialized_end=943
-  _globals['_STATSREQUEST']._serialized_start=945
-  _globals['_STATSREQUEST']._serialized_end=959
-  _globals['_WORKERSTATS']._serialized_start=962
-  _globals['_WORKERSTATS']._serialized_end=1161
-  _globals['_DECODEWORKER']._serialized_start=1164
-  _globals['_DECODEWORKER']._serialized_end=1317
-  _globals['_PREFILLWORKER']._serialized_start=1320
-  _globals['_PREFILLWORKER']._serialized_end=1462
+  _globals['_KVLAYOUT']._serialized_start=299
+  _globals['_KVLAYOUT']._serialized_end=423
+  _globals['_PREFILLREQUEST']._serialized_start=426
+  _globals['_PREFILLREQUEST']._serialized_end=639
+  _globals['_PREFILLEVENT']._serialized_start=641
+  _globals['_PREFILLEVENT']._serialized_end=762
+  _globals['_FIRSTTOKEN']._serialized_start=764
+  _globals['_FIRSTTOKEN']._serialized_end=878
+  _globals['_TRANSFERDONE']._serialized_start=880
+  _globals['_TRANSFERDONE']._serialized_end=926
+  _globals['_DECODEWORKER']._serialized_start=928
+  _globals['_DECODEWORKER']._serialized_end=1021
+  _globals['_PREFILLWORKER']._serialized_start=1023
+  _globals['_PREFILLWORKER']._serialized_end=1105
 # @@protoc_insertion_point(module_scope)

@@ -32,20 +32,12 @@ class KVTarget(_message.Message):
     def __init__(self, decode_worker_id: _Optional[str] = ..., rendezvous: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., tag: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+    __slots__ = ("model_fingerprint", "block_size")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
-    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
-    dtype: str
     block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    def __init__(self, model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "layout", "transfer_timeout_ms")
@@ -72,49 +64,15 @@ class PrefillEvent(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "kv_follows", "cached_prompt_tokens", "queue_ms", "prefill_ms")
+    __slots__ = ("token_id", "kv_follows", "cached_prompt_tokens")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     kv_follows: bool
     cached_prompt_tokens: int
-    queue_ms: float
-    prefill_ms: float
-    def __init__(self, token_id: _Optional[int] = ..., kv_follows: _Optional[bool] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., kv_follows: _Optional[bool] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("bytes", "transfer_ms")
-    BYTES_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
-    bytes: int
-    transfer_ms: float
-    def __init__(self, bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
-
-class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
-
-class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "running", "waiting", "queued_prefill_tokens", "pid")
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    ROLE_FIELD_NUMBER: _ClassVar[int]
-    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
-    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_FIELD_NUMBER: _ClassVar[int]
-    WAITING_FIELD_NUMBER: _ClassVar[int]
-    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PID_FIELD_NUMBER: _ClassVar[int]
-    worker_id: str
-    role: str
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_cached: int
-    running: int
-    waiting: int
-    queued_prefill_tokens: int
-    pid: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...

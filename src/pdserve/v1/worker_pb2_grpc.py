@@ -41,11 +41,6 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
-        self.Stats = channel.unary_unary(
-                '/pdserve.v1.DecodeWorker/Stats',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
-                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -60,12 +55,6 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,11 +62,6 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerGenerateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
-            ),
-            'Stats': grpc.unary_unary_rpc_method_handler(
-                    servicer.Stats,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -118,33 +102,6 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
-    @staticmethod
-    def Stats(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.DecodeWorker/Stats',
-            pdserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
 
 class PrefillWorkerStub:
     """Served by prefill workers.
@@ -161,11 +118,6 @@ class PrefillWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillEvent.FromString,
                 _registered_method=True)
-        self.Stats = channel.unary_unary(
-                '/pdserve.v1.PrefillWorker/Stats',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
-                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -181,12 +133,6 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,11 +140,6 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillEvent.SerializeToString,
-            ),
-            'Stats': grpc.unary_unary_rpc_method_handler(
-                    servicer.Stats,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -229,33 +170,6 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/Prefill',
             pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.PrefillEvent.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Stats(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.PrefillWorker/Stats',
-            pdserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,

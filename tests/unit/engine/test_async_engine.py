@@ -1,33 +1,163 @@
-"""AsyncEngine: callers on an event loop, the engine on its own thread; a caller that leaves must not stop it."""
+"""AsyncEngine: callers on an event loop, the engine on its own thread; a caller that leaves must not stop it,
+and a request id in flight belongs to its first caller."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 from pdserve.config import EngineConfig
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.async_engine import AsyncEngine, DuplicateRequestError
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.errors import InvalidRequestError
+from pdserve.protocol.roles import EngineMode
+from pdserve.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
+PROMPT = [5, 6, 7, 8, 9] * 4  # two blocks of 16
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
-async def test_a_call_cancelled_while_queued_still_runs_and_the_engine_keeps_serving():
-    engine = AsyncEngine(LLMEngine(EngineConfig(model="tiny-random", device="cpu", num_kv_blocks=8, num_threads=1)))
+def make_engine(mode: EngineMode) -> AsyncEngine:
+    config = EngineConfig(
+        model="tiny-random", device="cpu", num_kv_blocks=16, num_threads=1, scheduler=SchedulerConfig(mode=mode)
+    )
+    return AsyncEngine(LLMEngine(config))
+
+
+@pytest.fixture
+def mixed() -> Iterator[AsyncEngine]:
+    engine = make_engine(EngineMode.MIXED)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture
+def prefill_only() -> Iterator[AsyncEngine]:
+    engine = make_engine(EngineMode.PREFILL_ONLY)
+    yield engine
+    engine.stop()
+
+
+async def until_used(engine: AsyncEngine, blocks: int) -> None:
+    """The engine's published stats show `blocks` KV blocks held by live requests or hand-offs."""
+    for _ in range(200):
+        if engine.stats["kv_blocks_used"] == blocks:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{engine.stats['kv_blocks_used']} blocks used, expected {blocks}")
+
+
+async def tokens(outputs: AsyncIterator) -> list[int]:
+    return [t async for out in outputs for t in out.new_token_ids]
+
+
+async def test_a_release_cancelled_while_queued_still_runs_and_the_engine_keeps_serving(prefill_only):
+    engine = prefill_only
+    held = await engine.prefill("held", PROMPT, GREEDY)
+    assert not held.finished
+    await until_used(engine, 2)
+    gate, stepping = threading.Event(), threading.Event()
+
+    def hold_the_engine_thread(*_: object) -> None:
+        stepping.set()
+        gate.wait(10)
+
+    engine.on_step = hold_the_engine_thread
+    other = asyncio.ensure_future(engine.prefill("other", [1, 2, 3], GREEDY))
+    assert await asyncio.to_thread(stepping.wait, 10)  # the engine thread is busy: the next command queues
+    release = asyncio.ensure_future(engine.release("held"))
+    await asyncio.sleep(0)  # submitted
+    release.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await release
+    engine.on_step = None
+    gate.set()
+    await asyncio.wait_for(other, timeout=10)
+    await engine.release("other")
+    await until_used(engine, 0)  # the cancelled release freed "held" all the same
+    assert engine.alive
+
+
+async def test_duplicate_id_fails_the_second_caller_and_the_first_completes_mixed(mixed):
+    expected = await tokens(mixed.generate("alone", PROMPT, GREEDY))
+    assert len(expected) == GREEDY.max_tokens
+    first = mixed.generate("dup", PROMPT, GREEDY)
+    got = (await anext(first)).new_token_ids
+    with pytest.raises(DuplicateRequestError) as err:
+        await anext(mixed.generate("dup", [1, 2, 3], GREEDY))
+    assert err.value.field == "request_id"
+    got += await asyncio.wait_for(tokens(first), timeout=20)
+    assert got == expected
+    await until_used(mixed, 0)
+
+
+async def test_duplicate_id_fails_the_second_caller_and_the_first_completes_prefill(prefill_only):
+    engine = prefill_only
+    gate = threading.Event()
+    engine.on_step = lambda *_: gate.wait(10)  # the first prefill is mid-step when the second arrives
+    first = asyncio.ensure_future(engine.prefill("dup", PROMPT, GREEDY))
+    await asyncio.sleep(0.2)
+    with pytest.raises(DuplicateRequestError):
+        await engine.prefill("dup", [1, 2, 3], GREEDY)
+    engine.on_step = None
+    gate.set()
+    out = await asyncio.wait_for(first, timeout=10)
+    assert not out.finished and len(out.new_token_ids) == 1
+    blocks = await engine.handoff_blocks("dup")
+    # Its blocks are held for the hand-off, stream closed: a second prefill now is refused by the engine itself,
+    # and leaves the first's hand-off alone.
+    with pytest.raises(InvalidRequestError, match="request_id"):
+        await engine.prefill("dup", [1, 2, 3], GREEDY)
+    assert await engine.handoff_blocks("dup") == blocks
+    await until_used(engine, len(blocks))
+    await engine.release("dup")
+    await until_used(engine, 0)
+
+
+async def test_duplicate_reservation_leaves_the_first_alone():
+    engine = make_engine(EngineMode.DECODE_ONLY)
     try:
-        gate, ran = threading.Event(), threading.Event()
-        held = asyncio.ensure_future(engine.call(lambda e: gate.wait(10)))  # keeps the next command queued
-        queued = asyncio.ensure_future(engine.call(lambda e: ran.set()))
-        await asyncio.sleep(0)  # both submitted
-        queued.cancel()
+        blocks = await engine.reserve("dup", PROMPT, GREEDY)
+        assert blocks is not None and len(blocks) == 2
+        with pytest.raises(InvalidRequestError, match="request_id"):
+            await engine.reserve("dup", PROMPT, GREEDY)
+        await until_used(engine, 2)
+        outputs = await tokens(engine.commit_and_stream("dup", 7))
+        assert outputs[0] == 7 and len(outputs) == GREEDY.max_tokens
+        await until_used(engine, 0)
+    finally:
+        engine.stop()
+
+
+async def test_a_reservation_whose_caller_left_holds_no_blocks():
+    """The reserve runs on the engine thread after its caller was cancelled: it is undone, not leaked."""
+    engine = make_engine(EngineMode.DECODE_ONLY)
+    try:
+        assert await engine.reserve("busy", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True)) is not None
+        gate, stepping = threading.Event(), threading.Event()
+
+        def hold_the_engine_thread(*_: object) -> None:
+            stepping.set()
+            gate.wait(10)
+
+        engine.on_step = hold_the_engine_thread
+        busy = engine.commit_and_stream("busy", 7)
+        await anext(busy)  # committed: the engine thread now steps it
+        assert await asyncio.to_thread(stepping.wait, 10)
+        reserve = asyncio.ensure_future(engine.reserve("left", PROMPT, GREEDY))
+        await asyncio.sleep(0)  # submitted, queued behind the held step
+        reserve.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await queued
+            await reserve
+        engine.on_step = None
         gate.set()
-        assert await held
-        assert await asyncio.wait_for(engine.call(lambda e: "serving"), timeout=10) == "serving"
-        assert ran.is_set()  # a release or abort must not be lost with its caller
-        assert engine.alive
+        await busy.aclose()  # aborts "busy"
+        await until_used(engine, 0)
+        assert not await engine.abort("left")  # it ran, and was dropped at once
     finally:
         engine.stop()

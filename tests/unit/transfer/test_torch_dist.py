@@ -20,7 +20,13 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.transfer.base import LayoutMismatchError, PeerLostError, TransferError, TransferTimeoutError
+from pdserve.transfer.base import (
+    LayoutMismatchError,
+    PeerLostError,
+    TransferCancelledError,
+    TransferError,
+    TransferTimeoutError,
+)
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 
@@ -278,6 +284,29 @@ def test_silent_sender_times_out_and_leaves_the_pair_usable(receiver: TorchDistR
     assert time.monotonic() - start < 5
     r = Recv(receiver, "prefill-0", 51, kv, [0, 1])
     assert peer.call(op="send", rendezvous=rendezvous, tag=51, seed=1, ids=[0, 1]) == {"nbytes": r.join()}
+
+
+def test_cancelled_recv_ends_at_once_and_the_pair_stays_usable(receiver: TorchDistReceiver, peer: Peer) -> None:
+    """A request cancelled while its recv waits for a stalled sender frees its blocks now, not at the timeout."""
+    rendezvous = receiver.rendezvous("prefill-0")
+    peer.call(op="connect", rendezvous=rendezvous)
+    kv = make_caches(4)
+    before = [t.clone() for t in kv]
+    r = Recv(receiver, "prefill-0", 52, kv, [0, 1], timeout=20)
+    receiver.cancel("prefill-0", 52)
+    assert isinstance(r.join(timeout=5), TransferCancelledError), r.result
+    assert r.elapsed < 2
+    # Cancelled before it was posted (the caller left first): it never waits.
+    receiver.cancel("prefill-0", 53)
+    with pytest.raises(TransferCancelledError):
+        receiver.recv("prefill-0", 53, kv, [0, 1], timeout_s=20)
+    # The sender turns up late with the cancelled tag: refused, and nothing written.
+    reply = peer.call(op="send", rendezvous=rendezvous, tag=52, seed=1, ids=[0, 1], timeout=20)
+    assert reply["error"] == "TransferError" and "no recv is waiting" in reply["message"], reply
+    for got, old in zip(kv, before, strict=True):
+        assert torch.equal(bits(got), bits(old))
+    r = Recv(receiver, "prefill-0", 54, kv, [0, 1])
+    assert peer.call(op="send", rendezvous=rendezvous, tag=54, seed=1, ids=[0, 1]) == {"nbytes": r.join()}
 
 
 def test_sender_that_never_connects_times_out(receiver: TorchDistReceiver) -> None:

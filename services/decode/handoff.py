@@ -1,0 +1,183 @@
+"""The decode worker's side of a disaggregated request: reserve the prompt's KV blocks, have the prefill worker
+fill them, then decode in the running batch and stream.
+
+A failed hand-off frees its blocks on every path: at once when nothing can write into them any more, else (a
+receive whose bytes already flow) when that receive ends, by its deadline at the latest. A cancelled caller
+cancels the Prefill call and a receive still waiting for its transfer, so a stuck prefill worker holds nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.errors import OverloadedError, UnavailableError
+from pdserve.protocol.handoff import FirstToken, KVTarget
+from pdserve.protocol.outputs import RequestOutput
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.telemetry import Telemetry, now_ns
+from pdserve.transfer.base import KVReceiver, TransferError, TransferTimeoutError
+from services.decode.prefill_client import PrefillCall, PrefillClient
+
+log = logging.getLogger(__name__)
+TimeRemaining = Callable[[], float | None]  # seconds left of the caller's deadline; None: it set none
+
+
+@dataclass(frozen=True)
+class HandoffRequest:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    prefill_address: str  # host:port of the prefill worker the router placed it on
+
+
+@dataclass
+class Handoff:
+    """One decode worker's hand-offs; `transfer_timeout_s` bounds each KV transfer (and the request's own
+    deadline, when shorter)."""
+
+    engine: AsyncEngine
+    receiver: KVReceiver
+    prefill: PrefillClient
+    worker_id: str
+    telemetry: Telemetry
+    transfer_timeout_s: float
+    _tags: Iterator[int] = field(default_factory=lambda: itertools.count(1), init=False)
+    # Frees waiting for a receive to end; a strong reference each until done (the loop keeps only weak ones).
+    _freeing: set[asyncio.Future[None]] = field(default_factory=set, init=False)
+
+    async def stream(self, request: HandoffRequest, time_remaining: TimeRemaining) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; the last one counts the prompt tokens the prefill worker's cache served."""
+        blocks = await self.engine.reserve(request.request_id, request.prompt, request.sampling)
+        if blocks is None:
+            raise OverloadedError(
+                f"decode worker {self.worker_id} has no free KV blocks for {len(request.prompt)} tokens"
+            )
+        first = await self._fill(request, blocks, time_remaining)  # frees `blocks` if it fails
+        async for out in self._decode(request, first):
+            yield replace(out, num_cached_tokens=first.cached_prompt_tokens)
+
+    async def _fill(self, request: HandoffRequest, blocks: list[int], time_remaining: TimeRemaining) -> FirstToken:
+        """Has the prefill worker fill `blocks`; returns its first token once the KV is in place. Fails as soon
+        as the transfer or the prefill worker fails, or the caller leaves, and then frees `blocks`."""
+        peer, tag = request.prefill_address, next(self._tags)
+        receive: asyncio.Future[int] | None = None
+        call: PrefillCall | None = None
+        timeout_s = self._transfer_timeout(time_remaining)
+        try:
+            rendezvous = await asyncio.to_thread(self.receiver.rendezvous, peer)
+            target = KVTarget(self.worker_id, rendezvous, blocks, tag, self.engine.fingerprint, self.engine.block_size)
+            call = self.prefill.prefill(
+                peer, request.request_id, request.prompt, request.sampling, target, timeout_s, time_remaining()
+            )
+            first = await call.first_token()  # bounded by the caller's deadline, or its cancel
+            if not first.kv_follows:
+                await call.sent()
+                return first
+            timeout_s = self._transfer_timeout(time_remaining)  # counted from the first token
+            receive = asyncio.ensure_future(
+                asyncio.to_thread(self.receiver.recv, peer, tag, self.engine.kv_caches, blocks, timeout_s)
+            )
+            receive.add_done_callback(_read_outcome)
+            await self._until_received(request, call, receive, len(blocks))
+            return first
+        except BaseException as e:
+            self._free(request.request_id, peer, tag, receive)
+            if isinstance(e, TransferTimeoutError):
+                raise UnavailableError(f"KV transfer from {peer} timed out after {timeout_s:g}s: {e}") from e
+            if isinstance(e, TransferError):
+                raise UnavailableError(f"KV transfer from {peer} failed: {e}") from e
+            raise
+        finally:
+            if call is not None:
+                call.cancel()  # no-op once finished; on our caller's cancel it stops the prefill too
+
+    def _transfer_timeout(self, time_remaining: TimeRemaining) -> float:
+        """The configured bound, or the caller's remaining time when that is shorter."""
+        return min(time_remaining() or self.transfer_timeout_s, self.transfer_timeout_s)
+
+    async def _until_received(
+        self, request: HandoffRequest, call: PrefillCall, receive: asyncio.Future[int], num_blocks: int
+    ) -> None:
+        """Waits for the KV to land and the prefill worker to confirm it; traces the receive."""
+        start_ns = now_ns()
+        nbytes = await _until_transferred(call, receive)
+        self.telemetry.span(
+            "kv_transfer.recv",
+            start_ns,
+            now_ns(),
+            request__id=request.request_id,
+            worker__id=self.worker_id,
+            kv__blocks=num_blocks,
+            kv__bytes=nbytes,
+        )
+
+    async def _decode(self, request: HandoffRequest, first: FirstToken) -> AsyncIterator[RequestOutput]:
+        """Commits the received KV and streams the decode. The stream span starts when the sequence joins the
+        batch: that moment (the first step that runs it) is known only once its first decoded token arrives."""
+        ids = {"request.id": request.request_id, "worker.id": self.worker_id}
+        committed_ns = now_ns()
+        tokens = 0
+        stream = None
+        try:
+            async for out in self.engine.commit_and_stream(request.request_id, first.token_id):
+                tokens += len(out.new_token_ids)
+                if stream is None and tokens > 1:
+                    ran_ns = self.engine.take_started_ns(request.request_id) or committed_ns
+                    self.telemetry.span("decode.queue_wait", committed_ns, ran_ns, **ids)
+                    stream = self.telemetry.tracer.start_span("decode.stream", start_time=ran_ns, attributes=ids)
+                yield out
+        finally:
+            if stream is None:
+                stream = self.telemetry.tracer.start_span("decode.stream", start_time=committed_ns, attributes=ids)
+            stream.set_attribute("completion_tokens", tokens)
+            stream.set_attribute("prompt_tokens", len(request.prompt))
+            stream.end()
+            log.debug("decode finished", extra={"completion_tokens": tokens})
+
+    def _free(self, request_id: str, peer: str, tag: int, receive: asyncio.Future[int] | None) -> None:
+        """Frees a failed hand-off's blocks once nothing writes into them any more. A receive still waiting for
+        its transfer is cancelled (it ends at once); one whose bytes already flow ends by its own deadline. The
+        caller hears of the failure now, and the blocks go when the receive ends."""
+        if receive is not None and not receive.done():
+            self.receiver.cancel(peer, tag)
+
+        async def when_received() -> None:
+            if receive is not None:
+                await asyncio.wait([receive])
+            await self.engine.abort(request_id)
+
+        task = asyncio.ensure_future(when_received())
+        self._freeing.add(task)
+        task.add_done_callback(self._freeing.discard)
+
+
+async def _until_transferred(call: PrefillCall, receive: asyncio.Future[int]) -> int:
+    """The bytes received, once the KV is in place and the prefill worker confirmed it. Whichever side fails
+    first fails the transfer: a stalled prefill worker (stream open, no bytes) meets the receive's timeout, a
+    lost one its stream's error, even while the receive still waits for a pair that will never connect."""
+    done = asyncio.ensure_future(call.sent())  # the confirmation and an OK status, or the prefill worker's error
+    done.add_done_callback(_read_outcome)
+    try:
+        either: list[asyncio.Future[Any]] = [receive, done]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if receive.done():
+            nbytes = receive.result()  # raises the TransferError
+            await done
+            return nbytes
+        await done
+        return await asyncio.shield(receive)  # it confirmed the transfer; the receive is ending too
+    finally:
+        done.cancel()
+
+
+def _read_outcome(future: asyncio.Future[Any]) -> None:
+    """When one of a transfer's two futures fails first, the other's error goes unread; reading it here keeps
+    asyncio from logging it as never retrieved."""
+    if not future.cancelled():
+        future.exception()

@@ -1,0 +1,84 @@
+"""The decode worker's client of prefill workers: one Prefill call, its two events as plain values."""
+
+from __future__ import annotations
+
+import grpc
+
+from pdserve.errors import UnavailableError
+from pdserve.protocol.handoff import FirstToken, KVTarget
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.rpc.convert import sampling_to_pb
+from pdserve.rpc.errors import error_from_rpc
+from pdserve.rpc.server import channel
+from pdserve.telemetry import Telemetry
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc
+
+
+class PrefillCall:
+    """One Prefill call in flight. Errors arrive as the typed errors of `rpc/errors.py`, naming the worker."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, address: str) -> None:
+        self._call = call
+        self._peer = f"prefill worker {address}"
+
+    async def first_token(self) -> FirstToken:
+        event = await self._read()
+        if event is grpc.aio.EOF or not event.HasField("first_token"):
+            raise UnavailableError(f"{self._peer} ended without a first token")
+        first = event.first_token
+        return FirstToken(first.token_id, first.kv_follows, first.cached_prompt_tokens)
+
+    async def sent(self) -> None:
+        """Returns once the prefill worker confirmed the KV sent and ended the call with OK."""
+        while await self._read() is not grpc.aio.EOF:
+            pass
+
+    def cancel(self) -> None:
+        """Stops the prefill worker's work on it; a no-op once the call ended."""
+        self._call.cancel()
+
+    async def _read(self) -> wpb.PrefillEvent:
+        try:
+            return await self._call.read()
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, self._peer) from e
+
+
+class PrefillClient:
+    """One channel per prefill worker, kept for the worker's life."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self._telemetry = telemetry
+        self._stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
+
+    def prefill(
+        self,
+        address: str,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        target: KVTarget,
+        transfer_timeout_s: float,
+        timeout_s: float | None,
+    ) -> PrefillCall:
+        request = wpb.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling_to_pb(sampling),
+            target=wpb.KVTarget(
+                decode_worker_id=target.decode_worker_id,
+                rendezvous=target.rendezvous,
+                block_ids=target.block_ids,
+                tag=target.tag,
+            ),
+            layout=wpb.KVLayout(model_fingerprint=target.model_fingerprint, block_size=target.block_size),
+            transfer_timeout_ms=max(1, int(transfer_timeout_s * 1e3)),
+        )
+        return PrefillCall(self._stub(address).Prefill(request, timeout=timeout_s), address)
+
+    def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
+        if address not in self._stubs:
+            ch = channel(address, self._telemetry.client_interceptors())
+            self._stubs[address] = worker_pb2_grpc.PrefillWorkerStub(ch)
+        return self._stubs[address]

@@ -1,0 +1,122 @@
+"""The prefill worker's side of a hand-off: run the prompt, report the first token, send the KV blocks to the
+decode worker's reserved blocks, free its own. The blocks are held from the first token on and freed however
+the hand-off ends: sent, failed, or cancelled by a decode side that gave up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pdserve.config import FaultConfig
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.errors import InvalidRequestError, UnavailableError
+from pdserve.metrics import WorkerMetrics
+from pdserve.protocol.handoff import FirstToken, KVSent, KVTarget
+from pdserve.protocol.outputs import RequestOutput
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.telemetry import Telemetry, now_ns
+from pdserve.transfer.base import KVSender, TransferError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    target: KVTarget
+    transfer_timeout_s: float  # the decode side's own deadline for the transfer
+
+
+@dataclass
+class RunAndSend:
+    engine: AsyncEngine
+    sender: KVSender
+    worker_id: str
+    telemetry: Telemetry
+    metrics: WorkerMetrics | None = None
+    faults: FaultConfig = field(default_factory=FaultConfig)  # none injected
+
+    async def run(self, job: PrefillJob) -> AsyncIterator[FirstToken | KVSent]:
+        """The first token, then (unless it ended the request) the confirmation that the KV was sent."""
+        self._check(job)
+        out = await self._run_prompt(job)
+        first = FirstToken(out.new_token_ids[0], not out.finished, out.num_cached_tokens)
+        if out.finished:
+            yield first
+            return
+        try:
+            yield first
+            if delay_s := self.faults.kv_send_delay_for(job.request_id):
+                await asyncio.sleep(delay_s)
+            await self._send(job)
+        finally:
+            await self.engine.release(job.request_id)
+        yield KVSent()  # after the release: the decode side may end the call once it has this
+
+    def _check(self, job: PrefillJob) -> None:
+        """What would make the hand-off fail, found before the prompt runs."""
+        ours = (self.engine.fingerprint, self.engine.block_size)
+        theirs = (job.target.model_fingerprint, job.target.block_size)
+        if theirs != ours:
+            raise UnavailableError(f"KV layout mismatch: decode runs (model, block size) {theirs}, this worker {ours}")
+        if job.transfer_timeout_s <= 0:
+            raise InvalidRequestError("transfer_timeout_ms", f"must be positive, got {job.transfer_timeout_s * 1e3:g}")
+
+    async def _run_prompt(self, job: PrefillJob) -> RequestOutput:
+        """Prefills the prompt; its blocks stay held for the hand-off. Traces its queue wait and compute."""
+        start_ns = now_ns()
+        out = await self.engine.prefill(job.request_id, job.prompt, job.sampling)
+        end_ns = now_ns()
+        ran_ns = self.engine.take_started_ns(job.request_id) or start_ns
+        ids = {"request__id": job.request_id, "worker__id": self.worker_id}
+        self.telemetry.span("prefill.queue_wait", start_ns, ran_ns, **ids)
+        self.telemetry.span(
+            "prefill.compute",
+            ran_ns,
+            end_ns,
+            **ids,
+            prompt_tokens=len(job.prompt),
+            cached_prompt_tokens=out.num_cached_tokens,
+        )
+        prefill_ms = round((end_ns - start_ns) / 1e6, 2)
+        log.debug("prefilled", extra={"prompt_tokens": len(job.prompt), "prefill_ms": prefill_ms})
+        return out
+
+    async def _send(self, job: PrefillJob) -> None:
+        """Returns only once the send thread is done with the blocks, even when the caller cancels."""
+        target = job.target
+        blocks = await self.engine.handoff_blocks(job.request_id)
+        if len(blocks) != len(target.block_ids):
+            raise UnavailableError(f"decode side reserved {len(target.block_ids)} blocks, prompt has {len(blocks)}")
+        attributes = {
+            "request.id": job.request_id,
+            "worker.id": self.worker_id,
+            "decode.worker.id": target.decode_worker_id,
+            "kv.blocks": len(blocks),
+        }
+        start = time.perf_counter()
+        with self.telemetry.tracer.start_as_current_span("kv_transfer.send", attributes=attributes) as span:
+            caches, timeout_s = self.engine.kv_caches, job.transfer_timeout_s
+            send = asyncio.ensure_future(
+                asyncio.to_thread(self.sender.send, target.rendezvous, target.tag, caches, blocks, timeout_s)
+            )
+            try:
+                nbytes = await asyncio.shield(send)
+            except TransferError as e:
+                raise UnavailableError(f"KV transfer to decode worker {target.decode_worker_id} failed: {e}") from e
+            finally:
+                if not send.done():  # the caller left: the blocks stay held until the send thread lets go
+                    await asyncio.wait([send])
+            span.set_attribute("kv.bytes", nbytes)
+        self._record(nbytes, time.perf_counter() - start)
+
+    def _record(self, nbytes: int, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.transfer_bytes.add(nbytes, self.metrics.labels)
+            self.metrics.transfer_seconds.record(seconds, self.metrics.labels)
+        log.debug("kv sent", extra={"bytes": nbytes, "transfer_ms": round(seconds * 1e3, 2)})

@@ -1,0 +1,26 @@
+"""What one worker is asked to be: its role, its engine, where it serves and reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.config import ClusterConfig, EngineConfig, RouterConfig
+from pdserve.protocol.roles import Role
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    role: Role
+    engine: EngineConfig
+    host: str = ClusterConfig.host
+    port: int = 0
+    worker_id: str = ""
+    registry_url: str | None = None  # redis://...: heartbeat there; None: the launcher publishes for us
+    heartbeat_s: float = RouterConfig.heartbeat_s
+    metrics_port: int | None = 0  # Prometheus /metrics on this port (0: a free one, registered); None: none
+    log_level: str | None = None  # set: this process logs structured lines at that level
+    # Decode side: a KV transfer not done by then fails, freeing its blocks.
+    kv_transfer_timeout_s: float = ClusterConfig.kv_transfer_timeout_s
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))  # a role's string is accepted, and checked here
