@@ -82,6 +82,8 @@ class RouterConfig:
     transfer_gbps: float = 1.0  # KV transfer speed assumed in TTFT predictions
     slo_headroom: float = 0.8  # admit only when the prediction is within this share of the SLO
     heartbeat_s: float = 0.5
+    registry_max_view_age_s: float = 15.0  # Redis unreachable this long: drop the workers it cannot confirm
+    prefix_match_budget_s: float = 0.03  # a prefix index slower than this: place as if no prefix were cached
 
     def __post_init__(self) -> None:
         if self.policy not in ("slo", "round-robin"):
