@@ -4,12 +4,14 @@ connections and reads nothing, as a stopped or partitioned server looks. No call
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from pdserve.config import RouterConfig
 from pdserve.registry.redis import RedisPrefixIndex, RedisRegistry, Throttled
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,3 +79,11 @@ def test_throttled_warnings_say_how_many_were_held_back(caplog):
         time.sleep(0.25)
         throttled.warning("lost %s", "y")
     assert [r.getMessage() for r in caplog.records] == ["lost x", "lost y (and 4 more since the last report)"]
+
+
+@pytest.mark.parametrize("name", ["registry_max_view_age_s", "prefix_match_budget_s"])
+def test_router_config_refuses_a_registry_limit_that_is_not_positive(name):
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match=name):
+            RouterConfig(**{name: bad})
+    assert getattr(RouterConfig(**{name: 2.5}), name) == 2.5
