@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdserve.cluster.local_process import ClusterProcess
+from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import PREFIX
 from pdserve.rpc.client import generate
 from pdserve.v1 import generate_pb2 as pb
@@ -92,7 +93,7 @@ def test_requests_complete_without_stalls_while_redis_is_stopped_and_after(clust
         c.set(f"{PREFIX}:worker:garbled", b'{"worker_id": "garbled", "role": ')
         c.sadd(f"{PREFIX}:workers", "garbled")
 
-    async def run() -> tuple[list[float], list[float], list[float]]:
+    async def run() -> tuple[list[float], list[float], list[float], float]:
         for i in range(4):  # warm-up: the router's predictions learn this machine
             _, expected = await one_request(cluster.address, -1 - i)
         assert isinstance(expected, list) and len(expected) == 8, expected
@@ -102,10 +103,16 @@ def test_requests_complete_without_stalls_while_redis_is_stopped_and_after(clust
             during = latencies(await load(cluster.address, PHASE_S, 10_000), expected)
         finally:
             redis_server.proc.send_signal(signal.SIGCONT)
+            resumed_at = time.time()
         after = latencies(await load(cluster.address, PHASE_S, 20_000), expected)
-        return before, during, after
+        return before, during, after, resumed_at
 
-    before, during, after = asyncio.run(run())
+    before, during, after, resumed_at = asyncio.run(run())
+    with redis_server.client() as c:  # the workers' heartbeat threads outlived the outage and beat again
+        beats = {i.decode(): c.get(f"{PREFIX}:worker:{i.decode()}") for i in c.smembers(f"{PREFIX}:workers")}
+    states = [WorkerState.from_json(v) for i, v in beats.items() if i != "garbled" and v is not None]
+    assert sorted(w.role for w in states) == ["decode", "prefill"], beats.keys()
+    assert all(w.updated_at > resumed_at for w in states)
     report = (
         f"requests before/during/after: {len(before)}/{len(during)}/{len(after)}; "
         f"p50 {statistics.median(before) * 1e3:.0f}/{statistics.median(during) * 1e3:.0f}/"
