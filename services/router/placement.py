@@ -33,7 +33,7 @@ class PlacementPolicy(ABC):
         self.prefix_index = prefix_index
         self.predictor = predictor
 
-    def place(self, prompt: list[int], max_tokens: int, tpot_slo_s: float) -> Placement:
+    async def place(self, prompt: list[int], max_tokens: int, tpot_slo_s: float) -> Placement:
         """Called by the router per request; raises UnavailableError when no worker serves at all."""
         colocated = self.registry.workers("colocated")
         prefills = colocated or self.registry.workers("prefill")
@@ -42,7 +42,7 @@ class PlacementPolicy(ABC):
             raise UnavailableError(f"no workers to serve: {len(prefills)} prefill, {len(decodes)} decode live")
         block_size = prefills[0].block_size
         hashes = prefix_hashes(prompt[: len(prompt) - 1], block_size)
-        hits = self.prefix_index.match([w.worker_id for w in prefills], hashes)
+        hits = await self.prefix_index.match([w.worker_id for w in prefills], hashes)
         blocks = -(-(len(prompt) + max_tokens) // block_size)
         prefill, decode = self.choose(prefills, decodes, hits, len(prompt), blocks, tpot_slo_s)
         if colocated:

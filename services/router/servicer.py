@@ -60,13 +60,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def in_flight(self) -> int:
         return self.admission.in_flight
 
-    def admit(self, req: RoutedRequest) -> Placement:
+    async def admit(self, req: RoutedRequest) -> Placement:
         """Place and admit, or raise (UnavailableError, OverloadedError) before anything is sent."""
         if self.draining:
             raise UnavailableError("the router is draining; retry on another replica")
         ttft_ms, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         with self.telemetry.tracer.start_as_current_span("placement") as span:
-            placement = self.placement.place(req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3)
+            placement = await self.placement.place(req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3)
             span.set_attribute("prefill.worker.id", placement.prefill_worker.worker_id)
             span.set_attribute("decode.worker.id", placement.decode.worker_id)
             span.set_attribute("cached_tokens", placement.cached_tokens)
@@ -115,7 +115,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             span.set_attribute("request.id", req.request_id)
             span.set_attribute("prompt_tokens", len(req.prompt_token_ids))
             try:
-                placement = self.admit(req)
+                placement = await self.admit(req)
             except OverloadedError as e:
                 span.set_attribute("rejected", str(e))
                 raise

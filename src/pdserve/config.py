@@ -82,10 +82,15 @@ class RouterConfig:
     transfer_gbps: float = 1.0  # KV transfer speed assumed in TTFT predictions
     slo_headroom: float = 0.8  # admit only when the prediction is within this share of the SLO
     heartbeat_s: float = 0.5
+    registry_max_view_age_s: float = 15.0  # Redis unreachable this long: drop the workers it cannot confirm
+    prefix_match_budget_s: float = 0.03  # a prefix index slower than this: place as if no prefix were cached
 
     def __post_init__(self) -> None:
         if self.policy not in ("slo", "round-robin"):
             raise ValueError(f"policy must be 'slo' or 'round-robin', got {self.policy!r}")
+        for name in ("registry_max_view_age_s", "prefix_match_budget_s"):
+            if not getattr(self, name) > 0:  # zero would route to nobody, or never use the prefix index
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 
     def slo_for(self, priority: int, ttft_ms: float, tpot_ms: float) -> tuple[float, float]:
         """The request's own SLO where it set one (non-zero), else its priority class's, else the default."""

@@ -1,16 +1,22 @@
-"""The Redis registry against a real redis-server: TTL, two routers, a Redis restart, real workers heartbeating."""
+"""The Redis registry against a real redis-server: TTL, two routers, a Redis restart, a stopped (unanswering)
+Redis, malformed entries, real workers heartbeating."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 
 import pytest
 import redis
 
+from pdserve.cluster.worker_runtime import WorkerRuntime
 from pdserve.config import EngineConfig
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.prefix_hash import prefix_hashes
@@ -48,157 +54,253 @@ def ids(workers: list[WorkerState]) -> list[str]:
     return sorted(w.worker_id for w in workers)
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+async def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
+        await asyncio.sleep(0.02)
 
 
-def test_a_published_worker_reads_back_whole_profile_included(url):
+@contextlib.asynccontextmanager
+async def router_view(url: str, **kwargs: object) -> AsyncIterator[RedisRegistry]:
+    """A router's side of the registry: its view kept fresh in the background on this loop."""
+    registry = RedisRegistry(url, **kwargs)  # type: ignore[arg-type]
+    await registry.start()
+    try:
+        yield registry
+    finally:
+        await registry.close()
+
+
+@contextlib.contextmanager
+def stopped(server: RedisServer) -> Iterator[None]:
+    """SIGSTOP: the server keeps its port and accepts connections but answers nothing, as a hung or
+    partitioned Redis does (not the refused connection of a dead one)."""
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+
+
+async def test_a_published_worker_reads_back_whole_profile_included(url):
     worker = RedisRegistry(url)
     w = state("p-readback", kv_bytes_per_token=4096, kv_blocks_total=100, kv_blocks_free=40, speed_factor=1.5)
     d = state("d-readback", "decode", running=3)
     worker.publish(w)
     worker.publish(d)
-    router = RedisRegistry(url)
-    assert sorted(router.workers(), key=lambda s: s.worker_id) == [d, w]
-    (got,) = router.workers("prefill")
-    assert got == w and got.profile == PROFILE
-    assert router.workers("decode") == [d]
-    assert router.workers("colocated") == []
+    async with router_view(url) as router:
+        assert sorted(router.workers(), key=lambda s: s.worker_id) == [d, w]
+        (got,) = router.workers("prefill")
+        assert got == w and got.profile == PROFILE
+        assert router.workers("decode") == [d]
+        assert router.workers("colocated") == []
 
 
-def test_a_worker_that_stops_heartbeating_expires(url, server):
+async def test_a_worker_that_stops_heartbeating_expires(url, server):
     publisher = RedisRegistry(url, ttl_s=1.0)
-    router = RedisRegistry(url, refresh_s=0.05)
     publisher.publish(state("quiet"))
     beating = state("beating")
     publisher.publish(beating)
     with server.client() as c:
         assert 0 < c.pttl(f"{PREFIX}:worker:quiet") <= 1000
-    assert ids(router.workers()) == ["beating", "quiet"]
-    deadline = time.monotonic() + 5
-    while "quiet" in ids(router.workers()):
-        assert time.monotonic() < deadline, "a silent worker outlived its TTL"
-        beating = replace(beating, running=beating.running + 1, updated_at=time.time())
-        publisher.publish(beating)
-        time.sleep(0.1)
-    assert ids(router.workers()) == ["beating"]
-    assert router.workers()[0].running == beating.running  # and its heartbeats did arrive
+    async with router_view(url, refresh_s=0.05) as router:
+        assert ids(router.workers()) == ["beating", "quiet"]
+        deadline = time.monotonic() + 5
+        while "quiet" in ids(router.workers()):
+            assert time.monotonic() < deadline, "a silent worker outlived its TTL"
+            beating = replace(beating, running=beating.running + 1, updated_at=time.time())
+            publisher.publish(beating)
+            await asyncio.sleep(0.1)
+        assert ids(router.workers()) == ["beating"]
+        await wait_for(lambda: router.workers()[0].running == beating.running, 1, "the last heartbeat")
     with server.client() as c:  # the expired id is cleaned from the set of workers
         assert c.smembers(f"{PREFIX}:workers") == {b"beating"}
 
 
-def test_remove_is_seen_at_once_by_its_router_and_soon_by_others(url):
-    r1, r2 = RedisRegistry(url, refresh_s=0.05), RedisRegistry(url, refresh_s=0.05)
-    r1.publish(state("gone"))
-    r1.publish(state("stays"))
-    assert ids(r1.workers()) == ids(r2.workers()) == ["gone", "stays"]
-    r1.remove("gone")
-    assert ids(r1.workers()) == ["stays"]  # no refresh needed
-    wait_for(lambda: ids(r2.workers()) == ["stays"], 2, "the other router to drop the removed worker")
+async def test_remove_is_seen_at_once_by_its_router_and_soon_by_others(url):
+    async with router_view(url, refresh_s=0.05) as r1, router_view(url, refresh_s=0.05) as r2:
+        r1.publish(state("gone"))
+        r1.publish(state("stays"))
+        await wait_for(lambda: ids(r1.workers()) == ids(r2.workers()) == ["gone", "stays"], 2, "both to see both")
+        r1.remove("gone")
+        assert ids(r1.workers()) == ["stays"]  # no refresh needed
+        await wait_for(lambda: ids(r2.workers()) == ["stays"], 2, "the other router to drop the removed worker")
 
 
-def test_two_routers_see_the_same_workers_and_share_the_prefix_index(url):
+async def test_two_routers_see_the_same_workers_and_share_the_prefix_index(url):
     worker = RedisRegistry(url)
     for i in range(3):
         worker.publish(state(f"p{i}"))
     worker.publish(state("d0", "decode"))
-    router_a, router_b = RedisRegistry(url, refresh_s=0.05), RedisRegistry(url, refresh_s=0.05)
-    assert ids(router_a.workers("prefill")) == ids(router_b.workers("prefill")) == ["p0", "p1", "p2"]
-    worker.publish(state("p3"))
-    wait_for(lambda: "p3" in ids(router_a.workers()) and "p3" in ids(router_b.workers()), 2, "both to see p3")
+    async with router_view(url, refresh_s=0.05) as router_a, router_view(url, refresh_s=0.05) as router_b:
+        assert ids(router_a.workers("prefill")) == ids(router_b.workers("prefill")) == ["p0", "p1", "p2"]
+        worker.publish(state("p3"))
+        await wait_for(lambda: "p3" in ids(router_a.workers()) and "p3" in ids(router_b.workers()), 2, "p3 seen")
 
-    index_a, index_b = RedisPrefixIndex(url), RedisPrefixIndex(url)
+    index_a, index_b = RedisPrefixIndex(url, match_budget_s=1.0), RedisPrefixIndex(url, match_budget_s=1.0)
     hashes = prefix_hashes(list(range(1, 161)), 16)  # 10 blocks
     index_a.record("p1", hashes[:7])
     index_a.record("p2", hashes[1:])  # no block 0: no hit
     index_a.record("p3", [hashes[0], hashes[2]])  # a gap after block 0
-    assert index_b.match(["p0", "p1", "p2", "p3"], hashes) == {"p0": 0, "p1": 7, "p2": 0, "p3": 1}
-    assert index_b.match(["p1"], []) == {"p1": 0}
-    assert index_b.match([], hashes) == {}
+    await index_a.flush()
+    assert await index_b.match(["p0", "p1", "p2", "p3"], hashes) == {"p0": 0, "p1": 7, "p2": 0, "p3": 1}
+    assert await index_b.match(["p1"], []) == {"p1": 0}
+    assert await index_b.match([], hashes) == {}
     index_b.record("p0", hashes)  # and the other way round
-    assert index_a.match(["p0"], hashes) == {"p0": 10}
+    await index_b.flush()
+    assert await index_a.match(["p0"], hashes) == {"p0": 10}
+    await index_a.close()
+    await index_b.close()
 
 
-def test_prefix_index_is_bounded_per_worker_dropping_the_least_recently_used(url):
+async def test_prefix_index_is_bounded_per_worker_dropping_the_least_recently_used(url):
     index = RedisPrefixIndex(url, max_blocks_per_worker=3)
     a, b, c, d = (bytes([i]) * 16 for i in range(4))
-    for h in (a, b, c):
+    for h in (a, b, c, a, d):  # a used again before d comes: b is the oldest then
         index.record("w", [h])
-        time.sleep(0.01)  # distinct last-use scores
-    index.record("w", [a])  # a used again: b is the oldest
-    time.sleep(0.01)
-    index.record("w", [d])
-    other = RedisPrefixIndex(url)
-    assert {h: other.match(["w"], [h])["w"] for h in (a, b, c, d)} == {a: 1, b: 0, c: 1, d: 1}
+        await index.flush()
+        await asyncio.sleep(0.01)  # distinct last-use scores
+    other = RedisPrefixIndex(url, match_budget_s=1.0)
+    assert {h: (await other.match(["w"], [h]))["w"] for h in (a, b, c, d)} == {a: 1, b: 0, c: 1, d: 1}
     with redis.Redis.from_url(url) as client:
         assert client.zcard(f"{PREFIX}:prefix:w") == 3
+    await index.close()
+    await other.close()
 
 
-def test_expired_worker_cleanup_failing_does_not_break_the_view(url, server, monkeypatch):
+async def test_expired_worker_cleanup_failing_does_not_break_the_view(url, server, monkeypatch):
     publisher = RedisRegistry(url)
     publisher.publish(state("live"))
     with server.client() as c:
         c.sadd(f"{PREFIX}:workers", "ghost")  # listed, but its key has expired
-    router = RedisRegistry(url)
+    async with router_view(url, refresh_s=60) as router:
 
-    def lost(*args: object, **kwargs: object) -> None:
-        raise redis.ConnectionError("connection lost mid-refresh")
+        async def lost(*args: object, **kwargs: object) -> None:
+            raise redis.ConnectionError("connection lost mid-refresh")
 
-    monkeypatch.setattr(router._redis, "srem", lost)
-    assert ids(router.workers()) == ["live"]  # workers() never raises for a lost backend
+        monkeypatch.setattr(router._async, "srem", lost)
+        assert await router.refresh()
+        assert ids(router.workers()) == ["live"]
 
 
-def test_redis_restart_serves_the_last_view_then_picks_up_again(url, server):
-    router = RedisRegistry(url, refresh_s=0.05, retry_s=0.2)
-    index = RedisPrefixIndex(url)
+async def test_malformed_entries_are_skipped_and_logged_once_each(url, server, caplog):
+    publisher = RedisRegistry(url)
+    good = [state("p-good"), state("d-good", "decode")]
+    for w in good:
+        publisher.publish(w)
+    bad = {
+        "not-json": b"{not json",
+        "a-list": b"[1, 2, 3]",
+        "unknown-field": state("unknown-field").to_json().replace('"worker_id"', '"colour": 1, "worker_id"'),
+        "bad-role": state("bad-role").to_json().replace('"prefill"', '"sideways"'),
+        "bad-profile": state("bad-profile").to_json().replace('"profile": {', '"profile": {"nonsense": 1, '),
+    }
+    with server.client() as c:
+        for worker_id, value in bad.items():
+            c.set(f"{PREFIX}:worker:{worker_id}", value)
+            c.sadd(f"{PREFIX}:workers", worker_id)
+    with caplog.at_level(logging.ERROR, logger="pdserve.registry.redis"):
+        async with router_view(url, refresh_s=0.02) as router:
+            assert router.workers() == sorted(good, key=lambda w: w.worker_id)
+            await asyncio.sleep(0.3)  # many refreshes
+            assert ids(router.workers("prefill")) == ["p-good"] and ids(router.workers("decode")) == ["d-good"]
+    logged = [r.getMessage() for r in caplog.records if "does not parse" in r.getMessage()]
+    assert sorted(m.split()[2] for m in logged) == sorted(f"{PREFIX}:worker:{i}" for i in bad)
+
+
+async def test_a_stopped_redis_stalls_nothing_the_view_ages_out_and_then_recovers(url, server, caplog):
+    publisher = RedisRegistry(url, ttl_s=1.0)
+    before = [state("p0"), state("d0", "decode")]
+    for w in before:
+        publisher.publish(w)
+    index = RedisPrefixIndex(url, match_budget_s=0.05, retry_s=0.2)
+    index.record("p0", [b"h0"])
+    await index.flush()
+    assert await index.match(["p0"], [b"h0"]) == {"p0": 1}
+    caplog.set_level(logging.WARNING, logger="pdserve.registry.redis")
+    async with router_view(url, ttl_s=1.0, refresh_s=0.05, timeout_s=0.1, max_view_age_s=1.5) as router:
+        assert ids(router.workers()) == ["d0", "p0"]
+        with stopped(server):
+            served_stale, slowest = 0, 0.0
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                start = time.monotonic()
+                served_stale += ids(router.workers()) == ["d0", "p0"]
+                hits = await index.match(["p0"], [b"h0"])
+                index.record("p0", [b"h1"])
+                slowest = max(slowest, time.monotonic() - start)
+                assert hits == {"p0": 0}  # no answer within the budget: no prefix hit, not a wait
+                await asyncio.sleep(0.02)
+            assert router.workers() == []  # 3 s without Redis, past the 1.5 s limit: nobody is confirmed
+            assert slowest < 0.5, f"a request-path call took {slowest:.2f} s with Redis stopped"
+            assert served_stale > 10  # the last view served while it was young enough
+            with pytest.raises(redis.RedisError):
+                publisher.publish(state("while-down"))  # the heartbeat thread's call times out, briefly
+        for w in before:  # the workers' next heartbeats
+            publisher.publish(w)
+        # ("while-down" may show up too: its timed-out SET sat in the stopped server's socket and ran on SIGCONT.)
+        await wait_for(lambda: {"d0", "p0"} <= set(ids(router.workers())), 5, "the view to recover")
+    await index.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("registry redis unreachable" in m for m in messages) == 1
+    assert sum("past its limit" in m for m in messages) == 1
+    assert sum("answers again" in m for m in messages) == 1
+
+
+async def test_a_short_stall_keeps_workers_whose_keys_expired_meanwhile(url, server):
+    publisher = RedisRegistry(url, ttl_s=0.5)
+    publisher.publish(state("p0"))
+    async with router_view(url, ttl_s=1.0, refresh_s=0.05, timeout_s=0.1, max_view_age_s=10) as router:
+        assert ids(router.workers()) == ["p0"]
+        with stopped(server):
+            await asyncio.sleep(1.0)  # p0's key expires as soon as Redis runs again: it could not beat
+            assert ids(router.workers()) == ["p0"]
+        await router.refresh()
+        assert ids(router.workers()) == ["p0"]  # one TTL of grace to heartbeat again
+        await wait_for(lambda: router.workers() == [], 3, "the silent worker to leave after the grace")
+
+
+async def test_redis_restart_serves_the_last_view_then_picks_up_again(url, server):
     publisher = RedisRegistry(url)
     before = state("before-restart")
     publisher.publish(before)
-    index.record("before-restart", [b"h0"])
-    assert router.workers() == [before]
-
-    server.stop()
-    try:
-        time.sleep(0.1)  # past refresh_s: the next call does go to Redis
-        for _ in range(10):
-            start = time.monotonic()
-            assert router.workers() == [before]
-            assert router.workers("prefill") == [before]
-            assert time.monotonic() - start < 1.0, "a router call stalled on a dead Redis"
-            time.sleep(0.05)
-        start = time.monotonic()
-        index.record("before-restart", [b"h1"])  # a lost hint, not an error
-        assert index.match(["before-restart"], [b"h0"]) == {"before-restart": 0}
-        assert time.monotonic() - start < 1.0
-        with pytest.raises(redis.RedisError):
-            publisher.publish(state("while-down"))  # workers see the error and retry on their next beat
-        fresh = RedisRegistry(url)
-        assert fresh.workers() == []  # never reached Redis: an empty view, still no exception
-    finally:
-        server.start()
-
-    after = state("after-restart", "decode")
-
-    def published() -> bool:
+    async with router_view(url, ttl_s=0.5, refresh_s=0.05, timeout_s=0.1) as router:
+        assert router.workers() == [before]
+        server.stop()
         try:
-            publisher.publish(after)
-            return True
-        except redis.RedisError:
-            return False
+            await asyncio.sleep(0.3)  # several failed refreshes
+            assert router.workers() == [before]
+            with pytest.raises(redis.RedisError):
+                publisher.publish(state("while-down"))  # workers see the error and retry on their next beat
+            async with router_view(url) as fresh:
+                assert fresh.workers() == []  # never reached Redis: an empty view, still no exception
+        finally:
+            server.start()
 
-    wait_for(published, 5, "a publish to succeed after the restart")
-    # The restarted server kept nothing (no persistence): only what was published since.
-    wait_for(lambda: ids(router.workers()) == ["after-restart"], 5, "the router to see the new publish")
-    assert router.workers("decode") == [after]
+        after = state("after-restart", "decode")
+
+        def published() -> bool:
+            try:
+                publisher.publish(after)
+                return True
+            except redis.RedisError:
+                return False
+
+        await wait_for(published, 5, "a publish to succeed after the restart")
+        # The restarted server kept nothing (no persistence): only what was published since.
+        await wait_for(lambda: ids(router.workers()) == ["after-restart"], 5, "the router to see the new publish")
+        assert router.workers("decode") == [after]
+    index = RedisPrefixIndex(url, match_budget_s=1.0)
     index.record("after-restart", [b"h0"])
-    assert index.match(["after-restart"], [b"h0"]) == {"after-restart": 1}
+    await index.flush()
+    assert await index.match(["after-restart"], [b"h0"]) == {"after-restart": 1}
+    await index.close()
 
 
-def test_real_workers_heartbeat_into_redis_and_deregister_on_stop(url):
+async def test_real_workers_heartbeat_into_redis_and_deregister_on_stop(url):
     from pdserve.cluster.worker_runtime import WorkerRuntime
     from pdserve.cluster.worker_spec import WorkerSpec
     from services.workers import add_worker_services
@@ -214,35 +316,45 @@ def test_real_workers_heartbeat_into_redis_and_deregister_on_stop(url):
     decode = worker("decode", f"dw-{suffix}")
     try:
         addresses = {prefill.worker_id: prefill.address(60), decode.worker_id: decode.address(60)}
-        router = RedisRegistry(url, refresh_s=0.05)
-
-        def both_with_profiles() -> bool:
-            seen = {w.worker_id: w for w in router.workers()}
-            return set(seen) == set(addresses) and all(w.profile is not None for w in seen.values())
-
-        wait_for(both_with_profiles, 10, "both workers to register with profiles")
-        (p,) = router.workers("prefill")
-        (d,) = router.workers("decode")
-        assert p.model_fingerprint == d.model_fingerprint != ""  # one model on both sides of the hand-off
-        for w, runtime in ((p, prefill), (d, decode)):
-            assert w.worker_id == runtime.worker_id and w.address == addresses[w.worker_id]
-            assert w.block_size == engine.block_size and w.kv_bytes_per_token > 0
-            assert 0 < w.kv_blocks_free <= w.kv_blocks_total
-            assert all(v >= 0 for v in w.profile.to_dict().values())
-            assert w.profile.prefill_s(128) > 0 and w.profile.decode_step_s(8) > 0
-
-        # Stop the decode worker on another thread and time its disappearance from the first call: a heartbeat
-        # TTL (at least 2 s here) would only drop it later, deregistration drops it at once.
-        stopper = threading.Thread(target=decode.stop)
-        start = time.monotonic()
-        stopper.start()
-        wait_for(lambda: router.workers("decode") == [], 10, "the stopped worker to leave the registry")
-        gone_after = time.monotonic() - start
-        stopper.join(30)
-        assert not stopper.is_alive()
-        assert gone_after < 1.5, f"took {gone_after:.1f} s: expired by TTL instead of deregistering?"
-        time.sleep(0.5)  # several heartbeats later: still gone, and the other still there
-        assert ids(router.workers()) == [prefill.worker_id]
+        async with router_view(url, refresh_s=0.05) as router:
+            await see_them_register_and_deregister(router, prefill, decode, addresses, engine)
     finally:
         decode.stop()
         prefill.stop()
+
+
+async def see_them_register_and_deregister(
+    router: RedisRegistry,
+    prefill: WorkerRuntime,
+    decode: WorkerRuntime,
+    addresses: dict[str, str],
+    engine: EngineConfig,
+) -> None:
+
+    def both_with_profiles() -> bool:
+        seen = {w.worker_id: w for w in router.workers()}
+        return set(seen) == set(addresses) and all(w.profile is not None for w in seen.values())
+
+    await wait_for(both_with_profiles, 10, "both workers to register with profiles")
+    (p,) = router.workers("prefill")
+    (d,) = router.workers("decode")
+    assert p.model_fingerprint == d.model_fingerprint != ""  # one model on both sides of the hand-off
+    for w, runtime in ((p, prefill), (d, decode)):
+        assert w.worker_id == runtime.worker_id and w.address == addresses[w.worker_id]
+        assert w.block_size == engine.block_size and w.kv_bytes_per_token > 0
+        assert 0 < w.kv_blocks_free <= w.kv_blocks_total
+        assert all(v >= 0 for v in w.profile.to_dict().values())
+        assert w.profile.prefill_s(128) > 0 and w.profile.decode_step_s(8) > 0
+
+    # Stop the decode worker on another thread and time its disappearance from the first call: a heartbeat
+    # TTL (at least 2 s here) would only drop it later, deregistration drops it at once.
+    stopper = threading.Thread(target=decode.stop)
+    start = time.monotonic()
+    stopper.start()
+    await wait_for(lambda: router.workers("decode") == [], 10, "the stopped worker to leave the registry")
+    gone_after = time.monotonic() - start
+    stopper.join(30)
+    assert not stopper.is_alive()
+    assert gone_after < 1.5, f"took {gone_after:.1f} s: expired by TTL instead of deregistering?"
+    await asyncio.sleep(0.5)  # several heartbeats later: still gone, and the other still there
+    assert ids(router.workers()) == [prefill.worker_id]

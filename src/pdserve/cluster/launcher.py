@@ -28,8 +28,9 @@ class Cluster:
         if config.redis_url:
             from pdserve.registry.redis import RedisPrefixIndex, RedisRegistry
 
-            self.registry = RedisRegistry(config.redis_url)
-            self.prefix_index = RedisPrefixIndex(config.redis_url)
+            r = config.router
+            self.registry = RedisRegistry(config.redis_url, max_view_age_s=r.registry_max_view_age_s)
+            self.prefix_index = RedisPrefixIndex(config.redis_url, match_budget_s=r.prefix_match_budget_s)
         else:
             self.registry = InMemoryRegistry()
             self.prefix_index = InMemoryPrefixIndex()
@@ -119,6 +120,7 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
     cluster = Cluster(config, services)
     await asyncio.to_thread(cluster.start_workers)
     telemetry = Telemetry("pdserve-router")
+    await cluster.registry.start()
     server, router = await services.router(
         config.engine.model, cluster.registry, cluster.prefix_index, config.router, config.host, config.port, telemetry
     )
@@ -143,5 +145,7 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
         while router.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.1)
         await server.stop(1.0)
+        await cluster.prefix_index.close()
+        await cluster.registry.close()
         await asyncio.to_thread(cluster.stop_workers)
         telemetry.shutdown()

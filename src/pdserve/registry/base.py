@@ -64,8 +64,15 @@ class Registry(ABC):
 
     @abstractmethod
     def workers(self, role: Role | None = None) -> list[WorkerState]:
-        """Called by routers: the live workers, optionally of one role. Never raises for a lost backend:
-        it answers from the last view it had."""
+        """Called by routers per request: the live workers, optionally of one role. Never does I/O and never
+        raises for a lost backend: it answers from the last view it had, within that view's age limit."""
+
+    async def start(self) -> None:  # noqa: B027 (a no-op unless the registry is remote)
+        """Called once on the router's event loop before it serves: a remote registry starts keeping its
+        view fresh in the background here, so that `workers` never waits on the network."""
+
+    async def close(self) -> None:  # noqa: B027 (a no-op unless the registry is remote)
+        """Called when the router stops: ends what `start` began."""
 
 
 class PrefixIndex(ABC):
@@ -73,8 +80,15 @@ class PrefixIndex(ABC):
 
     @abstractmethod
     def record(self, worker_id: str, block_hashes: list[bytes]) -> None:
-        """Called by a router after placing a prompt on a worker: that worker will cache these blocks."""
+        """Called by a router on its event loop after placing a prompt on a worker: that worker will cache
+        these blocks. Never blocks the request: a remote index writes in the background, and a lost write
+        costs a cache hit, never a request."""
 
     @abstractmethod
-    def match(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
-        """For each worker, how many of the leading `block_hashes` it holds (a hit must start at block 0)."""
+    async def match(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
+        """For each worker, how many of the leading `block_hashes` it holds (a hit must start at block 0).
+        A remote index answers within a short budget, or all zeros: placement without a prefix hit beats a
+        request waiting on a slow index."""
+
+    async def close(self) -> None:  # noqa: B027 (a no-op unless the registry is remote)
+        """Called when the router stops: ends any background writes."""

@@ -47,7 +47,7 @@ class InMemoryPrefixIndex(PrefixIndex):
             while len(held) > self.max_blocks:
                 held.popitem(last=False)
 
-    def match(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
+    async def match(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
         with self._lock:
             return {w: _leading(self._blocks.get(w, {}), block_hashes) for w in worker_ids}
 

@@ -1,17 +1,23 @@
 """The registry in Redis: several routers see the same workers and share one prefix index.
 
-Each worker's state is one key with a TTL, refreshed by its heartbeat, so a dead worker vanishes
-without anyone deleting it. Routers read through a short-lived cached view; when Redis is unreachable
-they keep serving from the last view they had and pick up again once it answers.
+Each worker's state is one key with a TTL, refreshed by its heartbeat, so a dead worker vanishes without anyone
+deleting it. Workers publish with a synchronous client on their own heartbeat thread. A router never waits on
+Redis while serving a request: a background task on its event loop keeps a view of the workers fresh and
+requests read that view; when Redis stops answering the router serves from its last view until the view is
+`max_view_age_s` old, then drops the workers it can no longer confirm. The prefix index answers within a
+budget or not at all, and its writes happen in the background.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import threading
+import math
 import time
 
 import redis
+import redis.asyncio as aredis
 
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import DEFAULT_TTL_S, PrefixIndex, Registry, WorkerState
@@ -19,96 +25,274 @@ from pdserve.registry.base import DEFAULT_TTL_S, PrefixIndex, Registry, WorkerSt
 log = logging.getLogger(__name__)
 PREFIX = "pdserve"
 PREFIX_TTL_S = 3600
+TIMEOUT_S = 0.25  # any one Redis call: an unreachable Redis costs this, never a stalled thread or request
+WORKERS_KEY = f"{PREFIX}:workers"
 
 
-def connect(url: str) -> redis.Redis:
-    # Short timeouts: a router must never stall a request on an unreachable Redis.
-    return redis.Redis.from_url(url, socket_timeout=0.25, socket_connect_timeout=0.25)
+def worker_key(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+def connect(url: str, timeout_s: float = TIMEOUT_S) -> redis.Redis:
+    """For threads that may block (a worker's heartbeat, the launcher starting workers), briefly."""
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+
+def connect_async(url: str, timeout_s: float = TIMEOUT_S) -> aredis.Redis:
+    """For the router's event loop; its connections belong to the loop that first uses it."""
+    return aredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+
+class Throttled:
+    """A warning a lasting failure would repeat on every request: logged at most once per interval."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._next = 0.0
+        self._suppressed = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            msg, args = msg + " (and %d more since the last report)", (*args, self._suppressed)
+        log.warning(msg, *args)
+        self._next, self._suppressed = now + self.interval_s, 0
 
 
 class RedisRegistry(Registry):
-    def __init__(self, url: str, ttl_s: float = DEFAULT_TTL_S, refresh_s: float = 0.25, retry_s: float = 1.0) -> None:
+    """Workers call `publish`/`remove` (blocking, short timeouts); a router calls `start` on its loop, then
+    reads `workers` per request without I/O."""
+
+    def __init__(
+        self,
+        url: str,
+        ttl_s: float = DEFAULT_TTL_S,
+        refresh_s: float = 0.25,
+        timeout_s: float = TIMEOUT_S,
+        max_view_age_s: float | None = None,
+    ) -> None:
+        self.url = url
         self.ttl_s = ttl_s
         self.refresh_s = refresh_s
-        self.retry_s = retry_s
-        self._redis = connect(url)
-        self._view: list[WorkerState] = []
-        self._fresh_until = 0.0
-        self._lock = threading.Lock()
+        self.timeout_s = timeout_s
+        self.max_view_age_s = 3 * ttl_s if max_view_age_s is None else max_view_age_s
+        self._redis = connect(url, timeout_s)
+        self._async: aredis.Redis | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._view: dict[str, WorkerState] = {}
+        self._confirmed_at = -math.inf  # monotonic time Redis last answered a refresh
+        self._down_since: float | None = None  # the first failed refresh of the current outage
+        self._recovered_at = -math.inf
+        self._malformed: set[str] = set()  # ids whose entries failed to parse, logged once each
 
     def publish(self, state: WorkerState) -> None:
         pipe = self._redis.pipeline()
-        pipe.set(f"{PREFIX}:worker:{state.worker_id}", state.to_json(), px=int(self.ttl_s * 1000))
-        pipe.sadd(f"{PREFIX}:workers", state.worker_id)
+        pipe.set(worker_key(state.worker_id), state.to_json(), px=int(self.ttl_s * 1000))
+        pipe.sadd(WORKERS_KEY, state.worker_id)
         pipe.execute()
 
     def remove(self, worker_id: str) -> None:
+        self._view = {k: w for k, w in self._view.items() if k != worker_id}  # this router stops at once
         pipe = self._redis.pipeline()
-        pipe.delete(f"{PREFIX}:worker:{worker_id}")
-        pipe.srem(f"{PREFIX}:workers", worker_id)
+        pipe.delete(worker_key(worker_id))
+        pipe.srem(WORKERS_KEY, worker_id)
         pipe.execute()
-        with self._lock:
-            self._view = [w for w in self._view if w.worker_id != worker_id]
 
     def workers(self, role: Role | None = None) -> list[WorkerState]:
-        with self._lock:
-            if time.monotonic() >= self._fresh_until:
-                self._refresh()
-            view = self._view
-        return [w for w in view if role is None or w.role == role]
+        if time.monotonic() - self._confirmed_at > self.max_view_age_s:
+            return []  # too old to trust, whatever the background task is doing
+        return [w for w in self._view.values() if role is None or w.role == role]
 
-    def _refresh(self) -> None:
-        try:
-            ids = sorted(i.decode() for i in self._redis.smembers(f"{PREFIX}:workers"))
-            values = self._redis.mget([f"{PREFIX}:worker:{i}" for i in ids]) if ids else []
-        except redis.RedisError as e:
-            log.warning("redis unreachable (%s); serving from the last view of %d workers", e, len(self._view))
-            self._fresh_until = time.monotonic() + self.retry_s
+    async def start(self) -> None:
+        if self._task is not None:
             return
-        expired = [i for i, v in zip(ids, values, strict=True) if v is None]
-        if expired:
-            try:  # tidying only: the keys are gone either way, and the view must not fail over it
-                self._redis.srem(f"{PREFIX}:workers", *expired)
-            except redis.RedisError as e:
-                log.warning("could not drop expired workers %s: %s", expired, e)
-        self._view = [WorkerState.from_json(v) for v in values if v is not None]
-        self._fresh_until = time.monotonic() + self.refresh_s
+        self._async = connect_async(self.url, self.timeout_s)
+        await self.refresh()  # a first view before serving; an unreachable Redis costs one timeout
+        self._task = asyncio.create_task(self._keep_fresh(), name="redis-registry-view")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._async is not None:
+            await self._async.aclose()
+            self._async = None
+        self._redis.close()
+
+    async def _keep_fresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    async def refresh(self) -> bool:
+        """One read of every worker's state into the view; False when Redis did not answer in time."""
+        assert self._async is not None, "start() first"
+        try:
+            values = await asyncio.wait_for(self._read(self._async), 2 * self.timeout_s)
+        except Exception as e:  # unreachable, stalled, or a wrong-typed key: the same for a router
+            self._unreachable(e)
+            return False
+        self._reachable(values)
+        await self._forget_expired(self._async, [i for i, v in values.items() if v is None])
+        return True
+
+    @staticmethod
+    async def _read(client: aredis.Redis) -> dict[str, bytes | None]:
+        ids = sorted(i.decode() for i in await client.smembers(WORKERS_KEY))
+        values = await client.mget([worker_key(i) for i in ids]) if ids else []
+        return dict(zip(ids, values, strict=True))
+
+    async def _forget_expired(self, client: aredis.Redis, expired: list[str]) -> None:
+        if not expired:
+            return
+        try:  # tidying only: their keys are gone either way, and the view must not fail over it
+            await asyncio.wait_for(client.srem(WORKERS_KEY, *expired), self.timeout_s)
+        except Exception as e:
+            log.info("could not drop expired workers %s: %r", expired, e)
+
+    def _reachable(self, values: dict[str, bytes | None]) -> None:
+        now = time.monotonic()
+        if self._down_since is not None:
+            log.warning("registry redis answers again after %.1f s; the view is current", now - self._down_since)
+            self._down_since, self._recovered_at = None, now
+        view = self._parse(values)
+        if now - self._recovered_at < self.ttl_s:
+            # Keys may have expired while Redis stood still and their workers could not beat: those get one
+            # TTL to heartbeat again before they leave the view.
+            view = {**self._view, **view}
+        self._view, self._confirmed_at = view, now
+
+    def _parse(self, values: dict[str, bytes | None]) -> dict[str, WorkerState]:
+        """Entries that fail to parse are skipped (logged once each): one bad entry must not fail every request."""
+        view: dict[str, WorkerState] = {}
+        malformed: set[str] = set()
+        for worker_id, value in values.items():
+            if value is None:
+                continue
+            try:
+                view[worker_id] = WorkerState.from_json(value)
+            except Exception as e:  # written by anyone with access to Redis: any shape at all
+                malformed.add(worker_id)
+                if worker_id not in self._malformed:
+                    log.error(
+                        "registry entry %s skipped, it does not parse: %r; value %.200r",
+                        worker_key(worker_id),
+                        e,
+                        value,
+                    )
+        self._malformed = malformed
+        return view
+
+    def _unreachable(self, e: Exception) -> None:
+        now = time.monotonic()
+        if self._down_since is None:
+            self._down_since = now
+            log.warning(
+                "registry redis unreachable (%r); serving the last view of %d workers for up to %.0f s",
+                e,
+                len(self._view),
+                self.max_view_age_s,
+            )
+        if self._view and now - self._confirmed_at > self.max_view_age_s:
+            log.error(
+                "registry view is %.0f s old, past its limit of %.0f s: dropping its %d workers until redis answers",
+                now - self._confirmed_at,
+                self.max_view_age_s,
+                len(self._view),
+            )
+            self._view = {}
 
 
 class RedisPrefixIndex(PrefixIndex):
-    """Per worker a sorted set of block hashes scored by last use, trimmed to the worker's cache size."""
+    """Per worker a sorted set of block hashes scored by last use, trimmed to the worker's cache size.
 
-    def __init__(self, url: str, max_blocks_per_worker: int = 65536) -> None:
-        self._redis = connect(url)
+    Used on the router's event loop only. `match` answers within `match_budget_s` or with no hits, and after a
+    miss skips Redis for `retry_s`, so an outage costs requests their prefix hits, not their latency."""
+
+    def __init__(
+        self,
+        url: str,
+        max_blocks_per_worker: int = 65536,
+        match_budget_s: float = 0.03,
+        record_timeout_s: float = 1.0,
+        retry_s: float = 1.0,
+        max_pending_writes: int = 64,
+        log_every_s: float = 30.0,
+    ) -> None:
+        self.url = url
         self.max_blocks = max_blocks_per_worker
+        self.match_budget_s = match_budget_s
+        self.record_timeout_s = record_timeout_s
+        self.retry_s = retry_s
+        self.max_pending_writes = max_pending_writes
+        self._redis: aredis.Redis | None = None
+        self._writes: set[asyncio.Task[None]] = set()
+        self._skip_until = 0.0
+        self._match_failed = Throttled(log_every_s)
+        self._record_failed = Throttled(log_every_s)
+
+    def _client(self) -> aredis.Redis:
+        if self._redis is None:
+            self._redis = connect_async(self.url, self.record_timeout_s)
+        return self._redis
 
     def record(self, worker_id: str, block_hashes: list[bytes]) -> None:
         if not block_hashes:
             return
+        if len(self._writes) >= self.max_pending_writes:  # Redis is slow: a lost hint beats a pile of tasks
+            self._record_failed.warning(
+                "prefix index not updated for %s: %d writes pending", worker_id, len(self._writes)
+            )
+            return
+        task = asyncio.get_running_loop().create_task(self._record(worker_id, list(block_hashes)))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _record(self, worker_id: str, block_hashes: list[bytes]) -> None:
         key = f"{PREFIX}:prefix:{worker_id}"
         now = time.time()
+        pipe = self._client().pipeline()
+        # Leading blocks score highest, so trimming drops a prompt's tail before its shared head.
+        pipe.zadd(key, {h: now - i * 1e-6 for i, h in enumerate(block_hashes)})
+        pipe.zremrangebyrank(key, 0, -self.max_blocks - 1)
+        pipe.expire(key, PREFIX_TTL_S)  # a worker that is gone stops refreshing its index
         try:
-            pipe = self._redis.pipeline()
-            # Leading blocks score highest, so trimming drops a prompt's tail before its shared head.
-            pipe.zadd(key, {h: now - i * 1e-6 for i, h in enumerate(block_hashes)})
-            pipe.zremrangebyrank(key, 0, -self.max_blocks - 1)
-            pipe.expire(key, PREFIX_TTL_S)  # a worker that is gone stops refreshing its index
-            pipe.execute()
-        except redis.RedisError as e:  # a lost hint costs a cache hit, never a request
-            log.warning("prefix index not updated: %s", e)
+            await asyncio.wait_for(pipe.execute(), self.record_timeout_s)
+        except Exception as e:  # a lost hint costs a cache hit, never a request
+            self._record_failed.warning("prefix index not updated for %s: %r", worker_id, e)
 
-    def match(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
-        if not block_hashes or not worker_ids:
+    async def match(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
+        if not block_hashes or not worker_ids or time.monotonic() < self._skip_until:
             return dict.fromkeys(worker_ids, 0)
+        pipe = self._client().pipeline(transaction=False)
+        for w in worker_ids:
+            pipe.zmscore(f"{PREFIX}:prefix:{w}", block_hashes)
         try:
-            pipe = self._redis.pipeline()
-            for w in worker_ids:
-                pipe.zmscore(f"{PREFIX}:prefix:{w}", block_hashes)
-            scores = pipe.execute()
-        except redis.RedisError as e:
-            log.warning("prefix index unreachable: %s", e)
+            scores = await asyncio.wait_for(pipe.execute(), self.match_budget_s)
+        except Exception as e:
+            self._skip_until = time.monotonic() + self.retry_s
+            self._match_failed.warning(
+                "prefix index gave no answer within %.0f ms (%r): placing without prefix hits",
+                1e3 * self.match_budget_s,
+                e,
+            )
             return dict.fromkeys(worker_ids, 0)
         return {w: _leading(s) for w, s in zip(worker_ids, scores, strict=True)}
+
+    async def flush(self) -> None:
+        """Waits for the writes under way (each ends within `record_timeout_s`)."""
+        await asyncio.gather(*self._writes, return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.flush()
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
 
 
 def _leading(scores: list[float | None]) -> int:

@@ -74,31 +74,31 @@ def test_worker_state_json_round_trip_with_and_without_profile():
     assert WorkerState.from_json(bare.to_json()) == bare and bare.profile is None
 
 
-def test_prefix_match_counts_leading_blocks_only():
+async def test_prefix_match_counts_leading_blocks_only():
     index = InMemoryPrefixIndex()
     hashes = prefix_hashes(list(range(160)), 16)  # 10 chained blocks
     index.record("a", hashes[:6])
     index.record("b", hashes[1:])  # everything but block 0: no hit at all
     index.record("c", [hashes[0], hashes[1], hashes[3]])  # a gap after block 1
-    assert index.match(["a", "b", "c", "nobody"], hashes) == {"a": 6, "b": 0, "c": 2, "nobody": 0}
-    assert index.match(["a"], hashes[:3]) == {"a": 3}
-    assert index.match(["a"], []) == {"a": 0}
-    assert index.match([], hashes) == {}
+    assert await index.match(["a", "b", "c", "nobody"], hashes) == {"a": 6, "b": 0, "c": 2, "nobody": 0}
+    assert await index.match(["a"], hashes[:3]) == {"a": 3}
+    assert await index.match(["a"], []) == {"a": 0}
+    assert await index.match([], hashes) == {}
     other = prefix_hashes([999, *range(1, 160)], 16)  # first block differs: every chained key differs
-    assert index.match(["a", "c"], other) == {"a": 0, "c": 0}
+    assert await index.match(["a", "c"], other) == {"a": 0, "c": 0}
 
 
-def test_prefix_index_is_an_lru_bounded_per_worker():
+async def test_prefix_index_is_an_lru_bounded_per_worker():
     index = InMemoryPrefixIndex(max_blocks_per_worker=4)
     a, b, c, d, e = (bytes([i]) * 16 for i in range(5))
     index.record("w", [a, b, c])  # a prompt's tail is older than its head: c, b, a
     index.record("w", [a])  # a used again
     index.record("w", [d, e])  # 5 blocks > 4: c, the oldest, goes
-    assert index.match(["w"], [a, b]) == {"w": 2}
-    assert index.match(["w"], [c]) == {"w": 0}
-    assert index.match(["w"], [d, e]) == {"w": 2}
+    assert await index.match(["w"], [a, b]) == {"w": 2}
+    assert await index.match(["w"], [c]) == {"w": 0}
+    assert await index.match(["w"], [d, e]) == {"w": 2}
     index.record("w", [c])  # evicts b, the oldest now
-    assert index.match(["w"], [b]) == {"w": 0}
-    assert sum(index.match(["w"], [h])["w"] for h in (a, b, c, d, e)) == 4
+    assert await index.match(["w"], [b]) == {"w": 0}
+    assert sum([(await index.match(["w"], [h]))["w"] for h in (a, b, c, d, e)]) == 4
     index.record("other", [a, b, c, d, e])  # bounded per worker, not shared
-    assert index.match(["w"], [a]) == {"w": 1}
+    assert await index.match(["w"], [a]) == {"w": 1}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from dataclasses import replace
@@ -15,7 +16,7 @@ from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS, Admission
 from services.router.load_tracker import LoadTracker
-from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
+from services.router.placement import Placement, RoundRobinPlacement, SLOAwarePlacement
 from services.router.predictor import Predictor
 from tests.unit.round_profile import PROFILE
 
@@ -53,8 +54,11 @@ class Router:
         self.placement = cls(self.registry, self.index, self.predictor)
         self.admission = Admission(self.config, self.predictor)
 
+    def place(self, tokens: list[int], max_tokens: int, tpot_slo_s: float) -> Placement:
+        return asyncio.run(self.placement.place(tokens, max_tokens, tpot_slo_s))
+
     def admit(self, tokens: list[int], max_tokens: int = 16, priority: int = 0, slo_s: tuple[float, float] = (5, 1)):
-        placed = self.placement.place(tokens, max_tokens, slo_s[1])
+        placed = self.place(tokens, max_tokens, slo_s[1])
         self.admission.check(placed, len(tokens), priority, slo_s)
         return placed
 
@@ -139,27 +143,27 @@ def test_slo_placement_picks_the_prefill_worker_with_the_lowest_predicted_ttft()
             worker("d0", "decode"),
         ]
     )
-    placed = r.placement.place(prompt(100), 16, 1.0)
+    placed = r.place(prompt(100), 16, 1.0)
     assert placed.prefill is not None and placed.prefill.worker_id == "p2"
     assert placed.predicted_ttft_s == pytest.approx(r.predictor.ttft_s(placed.prefill, 100, 0))
     assert placed.cached_tokens == 0
     r.tracker.start("p2", "d0", tokens=2000, seconds=2.0, blocks=10)  # our own sends count too
-    assert r.placement.place(prompt(100), 16, 1.0).prefill.worker_id == "p3"
+    assert r.place(prompt(100), 16, 1.0).prefill.worker_id == "p3"
 
 
 def test_slo_placement_prefers_the_prefill_worker_holding_the_prompts_prefix():
     r = Router([worker("p0"), worker("p1", queued_prefill_tokens=200), worker("d0", "decode")])
     tokens = prompt(1024)
-    first = r.placement.place(tokens, 16, 1.0)
+    first = r.place(tokens, 16, 1.0)
     assert first.prefill.worker_id == "p0"  # less loaded, nobody has the prefix
     assert len(first.block_hashes) == (1024 - 1) // BS
     r.index.record("p1", first.block_hashes)  # what the router does after placing on p1
-    second = r.placement.place(tokens, 16, 1.0)
+    second = r.place(tokens, 16, 1.0)
     assert second.prefill.worker_id == "p1"
     assert second.cached_tokens == len(first.block_hashes) * BS
     assert second.predicted_ttft_s < first.predicted_ttft_s
     # A different prompt shares no leading block: back to the idle worker.
-    assert r.placement.place(prompt(1024, seed=1), 16, 1.0).prefill.worker_id == "p0"
+    assert r.place(prompt(1024, seed=1), 16, 1.0).prefill.worker_id == "p0"
 
 
 def test_slo_placement_ignores_a_prefix_hit_that_does_not_start_at_block_0():
@@ -167,7 +171,7 @@ def test_slo_placement_ignores_a_prefix_hit_that_does_not_start_at_block_0():
     tokens = prompt(1024)
     hashes = prefix_hashes(tokens[:-1], BS)
     r.index.record("p1", hashes[1:])
-    placed = r.placement.place(tokens, 16, 1.0)
+    placed = r.place(tokens, 16, 1.0)
     assert placed.prefill.worker_id == "p0" and placed.cached_tokens == 0
 
 
@@ -181,12 +185,12 @@ def test_slo_placement_picks_a_decode_worker_with_room_within_tpot_preferring_th
             worker("d3", "decode", kv_blocks_free=4000, running=100),  # roomiest but too slow
         ]
     )
-    placed = r.placement.place(prompt(100), 16, tpot_slo_s=0.1)
+    placed = r.place(prompt(100), 16, tpot_slo_s=0.1)
     assert placed.blocks_needed == math.ceil((100 + 16) / BS)
     assert placed.decode.worker_id == "d2"
     assert placed.predicted_tpot_s == pytest.approx(PROFILE.decode_step_s(5))
     r.tracker.start("p0", "d2", tokens=100, seconds=0.1, blocks=750)  # d2's room is promised away
-    assert r.placement.place(prompt(100), 16, tpot_slo_s=0.1).decode.worker_id == "d1"
+    assert r.place(prompt(100), 16, tpot_slo_s=0.1).decode.worker_id == "d1"
 
 
 def test_slo_placement_falls_back_to_the_fastest_roomy_decode_worker_when_none_meets_tpot():
@@ -196,12 +200,12 @@ def test_slo_placement_falls_back_to_the_fastest_roomy_decode_worker_when_none_m
         worker("d2", "decode", kv_blocks_free=2, running=1),  # fastest, but no room
     ]
     r = Router([worker("p0"), *decodes])
-    placed = r.placement.place(prompt(100), 16, tpot_slo_s=0.01)
+    placed = r.place(prompt(100), 16, tpot_slo_s=0.01)
     assert placed.decode.worker_id == "d1"
     assert placed.predicted_tpot_s > 0.01
     # With no room anywhere, the fastest of all.
     r2 = Router([worker("p0"), *(replace_free(w, 1) for w in decodes)])
-    assert r2.placement.place(prompt(100), 16, tpot_slo_s=0.01).decode.worker_id == "d2"
+    assert r2.place(prompt(100), 16, tpot_slo_s=0.01).decode.worker_id == "d2"
 
 
 def replace_free(w: WorkerState, free: int) -> WorkerState:
@@ -216,7 +220,7 @@ def test_colocated_placement_uses_one_worker_for_both_phases_without_transfer():
             worker("p9"),  # a stray prefill worker: colocated mode ignores it
         ]
     )
-    placed = r.placement.place(prompt(500), 16, 1.0)
+    placed = r.place(prompt(500), 16, 1.0)
     assert placed.prefill is None
     assert placed.decode.worker_id == "c1" and placed.prefill_worker.worker_id == "c1"
     assert placed.predicted_ttft_s == pytest.approx(PROFILE.prefill_s(500))
@@ -224,9 +228,9 @@ def test_colocated_placement_uses_one_worker_for_both_phases_without_transfer():
 
 def test_placement_without_workers_of_both_roles_is_unavailable():
     with pytest.raises(UnavailableError):
-        Router([worker("p0")]).placement.place(prompt(10), 4, 1.0)
+        Router([worker("p0")]).place(prompt(10), 4, 1.0)
     with pytest.raises(UnavailableError):
-        Router([worker("d0", "decode")]).placement.place(prompt(10), 4, 1.0)
+        Router([worker("d0", "decode")]).place(prompt(10), 4, 1.0)
 
 
 def test_round_robin_cycles_each_role_blind_to_load():
@@ -240,7 +244,7 @@ def test_round_robin_cycles_each_role_blind_to_load():
         ],
         policy="round-robin",
     )
-    chosen = [r.placement.place(prompt(50), 4, 1.0) for _ in range(6)]
+    chosen = [r.place(prompt(50), 4, 1.0) for _ in range(6)]
     assert [p.prefill.worker_id for p in chosen] == ["p0", "p1", "p2", "p0", "p1", "p2"]
     assert [p.decode.worker_id for p in chosen] == ["d0", "d1", "d0", "d1", "d0", "d1"]
 

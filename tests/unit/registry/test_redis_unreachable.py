@@ -1,0 +1,89 @@
+"""The Redis registry and prefix index against a Redis that never answers: a listener that accepts
+connections and reads nothing, as a stopped or partitioned server looks. No call may wait past its budget."""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from pdserve.config import RouterConfig
+from pdserve.registry.redis import RedisPrefixIndex, RedisRegistry, Throttled
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def silent_url() -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)  # the kernel completes handshakes; nobody ever reads or writes
+        yield f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+
+
+async def test_a_router_view_starts_empty_within_its_timeout_and_answers_without_io(silent_url):
+    registry = RedisRegistry(silent_url, refresh_s=0.05, timeout_s=0.1)
+    start = time.monotonic()
+    await registry.start()
+    try:
+        assert time.monotonic() - start < 1.0, "start() waited on a Redis that never answers"
+        assert not await registry.refresh()
+        start = time.monotonic()
+        for _ in range(1000):
+            assert registry.workers() == [] and registry.workers("prefill") == []
+        assert time.monotonic() - start < 0.5
+    finally:
+        await registry.close()
+
+
+async def test_prefix_match_gives_no_hits_within_its_budget_and_then_skips_redis(silent_url, caplog):
+    index = RedisPrefixIndex(silent_url, match_budget_s=0.05, record_timeout_s=0.2, retry_s=30, log_every_s=30)
+    hashes = [b"a" * 16, b"b" * 16]
+    with caplog.at_level(logging.WARNING, logger="pdserve.registry.redis"):
+        start = time.monotonic()
+        assert await index.match(["p0", "p1"], hashes) == {"p0": 0, "p1": 0}
+        first = time.monotonic() - start
+        start = time.monotonic()
+        for _ in range(50):  # within retry_s: Redis is not asked again, so no request pays the budget
+            assert await index.match(["p0"], hashes) == {"p0": 0}
+        assert time.monotonic() - start < first * 10
+        start = time.monotonic()
+        for i in range(10):
+            index.record(f"p{i}", hashes)  # returns at once: the write runs in the background
+        assert time.monotonic() - start < 0.1
+        await index.close()  # the writes end within record_timeout_s, failed
+    assert first < 0.5, f"match took {first:.2f} s against a budget of 0.05 s"
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("placing without prefix hits" in m for m in messages) == 1
+    assert sum("prefix index not updated" in m for m in messages) == 1  # ten failures, one line
+
+
+async def test_pending_prefix_writes_are_bounded(silent_url):
+    index = RedisPrefixIndex(silent_url, record_timeout_s=0.3, max_pending_writes=4)
+    for i in range(20):
+        index.record(f"p{i}", [b"x" * 16])
+    assert len(index._writes) == 4
+    await index.close()
+    assert not index._writes
+
+
+def test_throttled_warnings_say_how_many_were_held_back(caplog):
+    throttled = Throttled(interval_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="pdserve.registry.redis"):
+        for _ in range(5):
+            throttled.warning("lost %s", "x")
+        time.sleep(0.25)
+        throttled.warning("lost %s", "y")
+    assert [r.getMessage() for r in caplog.records] == ["lost x", "lost y (and 4 more since the last report)"]
+
+
+@pytest.mark.parametrize("name", ["registry_max_view_age_s", "prefix_match_budget_s"])
+def test_router_config_refuses_a_registry_limit_that_is_not_positive(name):
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match=name):
+            RouterConfig(**{name: bad})
+    assert getattr(RouterConfig(**{name: 2.5}), name) == 2.5
