@@ -1,8 +1,15 @@
-"""Predicted TTFT and TPOT of a request on a candidate worker, from its profile, heartbeat and our own sends."""
+"""Predicted TTFT and TPOT of a request on a candidate worker, from its profile, heartbeat and our own sends.
+
+A prediction has two parts that admission treats differently: the request's own isolated cost (its
+prefill on an idle worker, minus prefix-cache hits, plus the KV transfer; one decode step on an idle
+batch) and the part other requests add (the queue ahead of it, the batch it joins). Only the second
+changes with load, so only it can make a retry succeed.
+"""
 
 from __future__ import annotations
 
 from pdserve.config import RouterConfig
+from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from services.router.load_tracker import LoadTracker
 
@@ -28,14 +35,21 @@ class Predictor:
     def queued_tokens(self, w: WorkerState) -> int:
         return max(w.queued_prefill_tokens, self.tracker.pending_prefill_tokens[w.worker_id])
 
+    def own_ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
+        """The request's TTFT on `w` were it idle: what no amount of waiting makes shorter."""
+        return self.prefill_s(w, max(prompt_tokens - cached_tokens, 1)) + self.transfer_s(w, prompt_tokens)
+
     def ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
-        own = self.prefill_s(w, max(prompt_tokens - cached_tokens, 1))
-        return self.queue_s(w) + own + self.transfer_s(w, prompt_tokens)
+        return self.queue_s(w) + self.own_ttft_s(w, prompt_tokens, cached_tokens)
 
     def transfer_s(self, w: WorkerState, prompt_tokens: int) -> float:
-        if w.role == "colocated" or not w.kv_bytes_per_token:
+        if w.role == Role.COLOCATED or not w.kv_bytes_per_token:
             return 0.0
         return prompt_tokens * w.kv_bytes_per_token / (self.config.transfer_gbps * 1e9)
+
+    def idle_tpot_s(self, w: WorkerState) -> float:
+        """One decode step of this request alone on `w`."""
+        return w.profile.decode_step_s(1) * w.speed_factor if w.profile else 0.0
 
     def tpot_s(self, w: WorkerState) -> float:
         """The step time once this request joins the batch."""

@@ -76,12 +76,15 @@ class RouterConfig:
     low_priority_reserve: float = 0.2  # share of the queue bound only priority > 0 may fill
     policy: str = "slo"  # "slo" (predicted TTFT/TPOT, prefix-aware) or "round-robin"
     transfer_gbps: float = 1.0  # KV transfer speed assumed in TTFT predictions
-    slo_headroom: float = 0.8  # admit only when the prediction is within this share of the SLO
+    slo_headroom: float = 0.8  # share of (SLO - own cost) that the predicted queueing may fill
     heartbeat_s: float = 0.5
+    first_token_timeout_s: float = 60.0  # no first token by then (and no shorter client deadline): UNAVAILABLE
 
     def __post_init__(self) -> None:
         if self.policy not in ("slo", "round-robin"):
             raise ValueError(f"policy must be 'slo' or 'round-robin', got {self.policy!r}")
+        if not 0 < self.first_token_timeout_s < float("inf"):
+            raise ValueError(f"first_token_timeout_s must be a positive number, got {self.first_token_timeout_s}")
 
     def slo_for(self, priority: int, ttft_ms: float, tpot_ms: float) -> tuple[float, float]:
         """The request's own SLO where it set one (non-zero), else its priority class's, else the default."""

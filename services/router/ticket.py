@@ -1,0 +1,62 @@
+"""An admitted request's claim on the router's load bookkeeping, released exactly once however it ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from services.router.admission import Admission
+from services.router.load_tracker import LoadTracker
+from services.router.placement import Placement
+from services.router.request import RoutedRequest
+
+
+@dataclass
+class Ticket:
+    """`key`: the router's own unique id for the request, the key on every hop; `client_id`: the caller's
+    request_id, only echoed (two clients may well send the same one)."""
+
+    key: str
+    client_id: str
+    request: RoutedRequest
+    placement: Placement
+    new_tokens: int  # prompt tokens the prefill worker computes (the rest its prefix cache holds)
+    own_prefill_s: float  # their predicted compute, what the prefill queue holds for us until the first token
+    started_at: float  # time.perf_counter() when the router received the request
+    tracker: LoadTracker
+    admission: Admission
+    _prefilled: bool = field(default=False, init=False)
+    _released: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        p = self.placement
+        self.tracker.start(
+            p.prefill_worker.worker_id, p.decode.worker_id, self.new_tokens, self.own_prefill_s, p.blocks_needed
+        )
+        self.admission.in_flight += 1
+
+    def prefilled(self) -> None:
+        """The first token is back (or never will be): its prefill no longer queues."""
+        if self._prefilled:
+            return
+        self._prefilled = True
+        p = self.placement
+        self.tracker.prefilled(
+            p.prefill_worker.worker_id, p.decode.worker_id, self.new_tokens, self.own_prefill_s, p.blocks_needed
+        )
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.prefilled()
+        self.tracker.finished(self.placement.decode.worker_id)
+        self.admission.in_flight -= 1
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
