@@ -72,3 +72,10 @@ ignored = true
     bad.write_text('[router]\npolicy = "random"\n')
     with pytest.raises(ValueError, match="policy"):
         RouterConfig.from_file(str(bad))
+
+
+def test_first_token_timeout_must_be_positive_and_finite():
+    assert RouterConfig().first_token_timeout_s == 60.0
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="first_token_timeout_s"):
+            RouterConfig(first_token_timeout_s=bad)
