@@ -4,6 +4,7 @@ relay the decode worker's stream, account for how it ended. The gRPC servicer on
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
@@ -28,6 +29,8 @@ from services.router.request import RoutedRequest, build_request
 from services.router.ticket import Ticket
 
 log = logging.getLogger(__name__)
+# The router's own key of the request being served in this context, for its log lines beside the client's id.
+request_key_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_key", default=None)
 
 
 class RequestLifecycle:
@@ -51,7 +54,9 @@ class RequestLifecycle:
         self.prefix_index = prefix_index
         self.tracker = tracker
         self.admission = Admission(config, placement.predictor)
-        self.relay = Relay(telemetry, self.metrics, self.recent, config.first_token_timeout_s)
+        self.relay = Relay(
+            telemetry, self.metrics, self.recent, placement.predictor.calibration, config.first_token_timeout_s
+        )
         self.draining = False
 
     @property
@@ -64,6 +69,7 @@ class RequestLifecycle:
         key = uuid.uuid4().hex
         client_id = msg.request_id or key
         request_id_var.set(client_id)
+        request_key_var.set(key)
         ids = {"request.id": key, "request.client_id": client_id}
         trace.get_current_span().set_attributes(ids)
         with self.telemetry.tracer.start_as_current_span("admission", attributes=ids) as span:
@@ -121,4 +127,5 @@ class RequestLifecycle:
             e2e_s = time.perf_counter() - started_at
             if outcome == "finished":
                 self.metrics.e2e.record(e2e_s)
-            log.info("request %s", outcome, extra={"outcome": outcome, "e2e_ms": round(e2e_s * 1e3, 2)})
+            extra = {"outcome": outcome, "e2e_ms": round(e2e_s * 1e3, 2), "request_key": request_key_var.get()}
+            log.info("request %s", outcome, extra=extra)

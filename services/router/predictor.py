@@ -11,29 +11,37 @@ from __future__ import annotations
 from pdserve.config import RouterConfig
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
+from services.router.calibration import TTFTCalibration
 from services.router.load_tracker import LoadTracker
 
 
 class Predictor:
-    def __init__(self, config: RouterConfig, tracker: LoadTracker) -> None:
+    def __init__(self, config: RouterConfig, tracker: LoadTracker, calibration: TTFTCalibration | None = None):
         self.config = config
         self.tracker = tracker
+        self.calibration = calibration or TTFTCalibration()
+
+    def speed(self, w: WorkerState) -> float:
+        """Profiled seconds -> predicted seconds on `w`: its live speed and the router's own correction."""
+        return w.speed_factor * self.calibration.factor(w.worker_id)
 
     def prefill_s(self, w: WorkerState, new_tokens: int) -> float:
         """This prompt's own compute on `w`, live speed included."""
-        return w.profile.prefill_s(new_tokens) * w.speed_factor if w.profile else 0.0
+        return w.profile.prefill_s(new_tokens) * self.speed(w) if w.profile else 0.0
 
     def queue_s(self, w: WorkerState) -> float:
         """Work ahead of a new prompt: what we sent and is not done, or what the worker last reported."""
         local = self.tracker.pending_prefill_s[w.worker_id]
         if not w.profile:
             return local
-        p = w.profile
-        reported = (p.prefill_per_token_s * w.queued_prefill_tokens) * w.speed_factor
-        return max(local, reported)
+        return max(local, w.profile.prefill_per_token_s * self.reported_tokens(w) * self.speed(w))
+
+    def reported_tokens(self, w: WorkerState) -> int:
+        """The worker's last reported queue, less what of ours it has finished since it reported."""
+        return max(0, w.queued_prefill_tokens - self.tracker.prefilled_since(w.worker_id, w.updated_at))
 
     def queued_tokens(self, w: WorkerState) -> int:
-        return max(w.queued_prefill_tokens, self.tracker.pending_prefill_tokens[w.worker_id])
+        return max(self.reported_tokens(w), self.tracker.pending_prefill_tokens[w.worker_id])
 
     def own_ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
         """The request's TTFT on `w` were it idle: what no amount of waiting makes shorter."""

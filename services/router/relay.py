@@ -19,6 +19,7 @@ from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
+from services.router.calibration import TTFTCalibration
 from services.router.ticket import Ticket
 
 
@@ -33,10 +34,18 @@ class _Clock:
 
 
 class Relay:
-    def __init__(self, telemetry: Telemetry, metrics: RouterMetrics, recent: RecentLatencies, first_token_s: float):
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        metrics: RouterMetrics,
+        recent: RecentLatencies,
+        calibration: TTFTCalibration,
+        first_token_s: float,
+    ) -> None:
         self.telemetry = telemetry
         self.metrics = metrics
         self.recent = recent
+        self.calibration = calibration  # learns from every TTFT relayed against its prediction
         self.first_token_s = first_token_s
         self._stubs: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
 
@@ -84,8 +93,10 @@ class Relay:
         if msg.token_ids and not clock.ttft_s:
             clock.ttft_s = now - clock.start
             self.metrics.ttft.record(clock.ttft_s)
-            for worker in {ticket.placement.prefill_worker.worker_id, ticket.placement.decode.worker_id}:
+            p = ticket.placement
+            for worker in {p.prefill_worker.worker_id, p.decode.worker_id}:
                 self.recent.add(worker, "ttft", clock.ttft_s)
+            self.calibration.observe(p.prefill_worker.worker_id, p.predicted_ttft_s, clock.ttft_s)
             ticket.prefilled()
         elif msg.token_ids:
             self.metrics.itl.record(now - clock.last_token_at)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -59,6 +60,20 @@ def test_two_concurrent_requests_with_one_client_id_both_complete(cluster):
     for p, (tokens, ids) in zip(prompts, results, strict=True):
         assert ids == {"same-id"}  # echoed on every message
         assert tokens == expected(p, 24)
+    finished = [line for line in router_log_lines(cluster) if line.get("msg") == "request finished"]
+    keys = {line["request_key"] for line in finished if line.get("request_id") == "same-id"}
+    assert len(keys) == 2, finished  # logged under the client's id, each with the router's own key
+
+
+def router_log_lines(cluster: ClusterProcess) -> list[dict]:
+    lines = []
+    for text in cluster.log().splitlines():
+        if text.startswith("{"):
+            try:
+                lines.append(json.loads(text))
+            except json.JSONDecodeError:
+                continue
+    return lines
 
 
 def test_a_request_without_a_client_id_echoes_the_routers_own(cluster):

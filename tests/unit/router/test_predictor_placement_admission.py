@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -12,6 +13,7 @@ from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS, Admission, SLOTarget
+from services.router.calibration import TTFTCalibration
 from services.router.load_tracker import LoadTracker
 from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
 from services.router.predictor import Predictor
@@ -424,3 +426,34 @@ def test_invalid_wins_over_overloaded():
     r.admission.in_flight = 5
     with pytest.raises(InvalidRequestError, match="slo.ttft_ms"):
         r.admit(prompt(500), slo_s=(0.1, 1.0))
+
+
+# --- What the router learns itself -----------------------------------------------------------------------------
+
+
+def test_a_stale_heartbeat_does_not_count_prompts_this_router_saw_prefilled_since():
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    stale = worker("p0", queued_prefill_tokens=512, updated_at=time.time() - 1.0)  # taken mid-prefill
+    assert pred.queued_tokens(stale) == 512 and pred.queue_s(stale) == pytest.approx(0.512)
+    tracker.start("p0", "d0", tokens=512, seconds=0.52, blocks=33)
+    tracker.prefilled("p0", "d0", tokens=512, seconds=0.52, blocks=33)  # its first token came back since
+    assert pred.queued_tokens(stale) == 0 and pred.queue_s(stale) == 0.0
+    fresh = worker("p0", queued_prefill_tokens=300)  # reported after: all of it still queues
+    assert pred.queued_tokens(fresh) == 300
+
+
+def test_calibration_moves_predictions_toward_measured_ttfts_per_worker():
+    cal = TTFTCalibration(alpha=0.5)
+    pred = Predictor(RouterConfig(), LoadTracker(), cal)
+    w = worker("p0")
+    before = pred.ttft_s(w, 500, 0)
+    for _ in range(30):  # the worker is really half as fast as profiled
+        cal.observe("p0", pred.ttft_s(w, 500, 0), 2 * before)
+    assert pred.ttft_s(w, 500, 0) == pytest.approx(2 * before, rel=1e-3)
+    assert pred.ttft_s(worker("p1"), 500, 0) == pytest.approx(before)  # only the worker it measured
+    for _ in range(100):
+        cal.observe("p0", 1.0, 100.0)
+    assert cal.factor("p0") == pytest.approx(4.0)  # bounded
+    cal.observe("p0", 0.0, 1.0)  # nothing to learn from
+    assert cal.factor("p0") == pytest.approx(4.0)
