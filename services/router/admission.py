@@ -79,7 +79,7 @@ class Admission:
         prefill = placement.prefill_worker
         queued = self.predictor.queued_tokens(prefill)
         bound = self.config.queue_bound(priority)
-        if queued + prompt_tokens > bound:
+        if queued and queued + prompt_tokens > bound:  # an empty queue takes any prompt: never shed for its size
             raise OverloadedError(
                 f"prefill queue full: {queued} + {prompt_tokens} tokens > {bound:.0f} at priority {priority}",
                 _retry_ms(self.predictor.queue_s(prefill)),

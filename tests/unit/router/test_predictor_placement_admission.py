@@ -457,3 +457,10 @@ def test_calibration_moves_predictions_toward_measured_ttfts_per_worker():
     assert cal.factor("p0") == pytest.approx(4.0)  # bounded
     cal.observe("p0", 0.0, 1.0)  # nothing to learn from
     assert cal.factor("p0") == pytest.approx(4.0)
+
+
+def test_the_queue_bound_never_sheds_a_prompt_for_its_own_size():
+    r = Router([worker("p0"), worker("d0", "decode")], max_queued_prefill_tokens=1000)
+    r.admit(prompt(1500), slo_s=(1000.0, 1.0))  # alone in an empty queue
+    r.tracker.start("p0", "d0", tokens=10, seconds=0.01, blocks=1)
+    shed(r, prompt(1500), "queue full", slo_s=(1000.0, 1.0))  # behind anything: a retry can succeed
