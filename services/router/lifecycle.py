@@ -85,9 +85,7 @@ class RequestLifecycle:
             {"prefill.worker.id": prefill.worker_id, "decode.worker.id": decode.worker_id}
         )
         self.prefix_index.record(prefill.worker_id, placement.block_hashes)
-        new_tokens = len(req.prompt_token_ids) - placement.cached_tokens
-        own_s = self.placement.predictor.prefill_s(prefill, new_tokens)
-        return Ticket(key, client_id, req, placement, new_tokens, own_s, started_at, self.tracker, self.admission)
+        return Ticket(key, client_id, req, placement, started_at, self.tracker, self.admission)
 
     def _place_and_check(self, req: RoutedRequest) -> Placement:
         if self.draining:

@@ -12,7 +12,7 @@ FORGET_AFTER_S = 60.0  # far older than any heartbeat a router still places by
 class LoadTracker:
     def __init__(self) -> None:
         self.pending_prefill_tokens: Counter[str] = Counter()  # placed, first token not back yet
-        self.pending_prefill_s: defaultdict[str, float] = defaultdict(float)  # the same, as predicted compute
+        self.pending_prefill_s: defaultdict[str, float] = defaultdict(float)  # the same, in predicted seconds
         self.pending_blocks: Counter[str] = Counter()  # KV blocks a decode worker is about to reserve
         self.decoding: Counter[str] = Counter()  # streams in flight per decode worker
         self._prefilled: defaultdict[str, deque[tuple[float, int]]] = defaultdict(deque)  # (wall time, tokens)

@@ -20,8 +20,6 @@ class Ticket:
     client_id: str
     request: RoutedRequest
     placement: Placement
-    new_tokens: int  # prompt tokens the prefill worker computes (the rest its prefix cache holds)
-    own_prefill_s: float  # their predicted compute, what the prefill queue holds for us until the first token
     started_at: float  # time.perf_counter() when the router received the request
     tracker: LoadTracker
     admission: Admission
@@ -31,9 +29,20 @@ class Ticket:
     def __post_init__(self) -> None:
         p = self.placement
         self.tracker.start(
-            p.prefill_worker.worker_id, p.decode.worker_id, self.new_tokens, self.own_prefill_s, p.blocks_needed
+            p.prefill_worker.worker_id, p.decode.worker_id, self.new_tokens, self.holds_s, p.blocks_needed
         )
         self.admission.in_flight += 1
+
+    @property
+    def new_tokens(self) -> int:
+        """Prompt tokens the prefill worker computes (the rest its prefix cache holds)."""
+        return len(self.request.prompt_token_ids) - self.placement.cached_tokens
+
+    @property
+    def holds_s(self) -> float:
+        """What the request adds to its prefill worker's queue until its first token: its whole own TTFT, not
+        only its compute, since behind a queue the hand-offs (KV send, decode commit) measure as serial too."""
+        return self.placement.own_ttft_s
 
     def prefilled(self) -> None:
         """The first token is back (or never will be): its prefill no longer queues."""
@@ -42,7 +51,7 @@ class Ticket:
         self._prefilled = True
         p = self.placement
         self.tracker.prefilled(
-            p.prefill_worker.worker_id, p.decode.worker_id, self.new_tokens, self.own_prefill_s, p.blocks_needed
+            p.prefill_worker.worker_id, p.decode.worker_id, self.new_tokens, self.holds_s, p.blocks_needed
         )
 
     def release(self) -> None:

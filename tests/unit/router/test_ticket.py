@@ -13,7 +13,7 @@ from tests.unit.router.test_predictor_placement_admission import Router, prompt,
 def ticket(r: Router) -> Ticket:
     placed = r.admit(prompt(100))
     req = RoutedRequest("client", prompt(100), SamplingParams(max_tokens=16), 0.0, 0.0, 0)
-    return Ticket("key", "client", req, placed, 100, 0.1, 0.0, r.tracker, r.admission)
+    return Ticket("key", "client", req, placed, 0.0, r.tracker, r.admission)
 
 
 def test_a_ticket_holds_the_load_until_released_once_however_often_it_is_released():
@@ -21,7 +21,7 @@ def test_a_ticket_holds_the_load_until_released_once_however_often_it_is_release
     with ticket(r) as t:
         assert r.admission.in_flight == 1
         assert r.tracker.pending_prefill_tokens["p0"] == 100 and r.tracker.decoding["d0"] == 1
-        assert r.predictor.queue_s(worker("p0")) == pytest.approx(0.1)
+        assert r.predictor.queue_s(worker("p0")) == pytest.approx(t.placement.own_ttft_s)  # 110 ms
         t.prefilled()
         t.prefilled()
         assert r.tracker.pending_prefill_tokens["p0"] == 0 and r.tracker.pending_blocks["d0"] == 0
