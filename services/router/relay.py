@@ -45,7 +45,7 @@ class Relay:
         self.telemetry = telemetry
         self.metrics = metrics
         self.recent = recent
-        self.calibration = calibration  # learns from every TTFT relayed against its prediction
+        self.calibration = calibration  # learns from the TTFTs of requests that ran alone
         self.first_token_s = first_token_s
         self._stubs: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
 
@@ -96,7 +96,8 @@ class Relay:
             p = ticket.placement
             for worker in {p.prefill_worker.worker_id, p.decode.worker_id}:
                 self.recent.add(worker, "ttft", clock.ttft_s)
-            self.calibration.observe(p.prefill_worker.worker_id, p.predicted_ttft_s, clock.ttft_s)
+            if ticket.ran_alone():
+                self.calibration.observe(p.prefill_worker.worker_id, p.predicted_ttft_s, clock.ttft_s)
             ticket.prefilled()
         elif msg.token_ids:
             self.metrics.itl.record(now - clock.last_token_at)

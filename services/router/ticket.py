@@ -25,9 +25,11 @@ class Ticket:
     admission: Admission
     _prefilled: bool = field(default=False, init=False)
     _released: bool = field(default=False, init=False)
+    _found_idle: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         p = self.placement
+        self._found_idle = not self.tracker.pending_prefill_tokens[p.prefill_worker.worker_id]
         self.tracker.start(
             p.prefill_worker.worker_id, p.decode.worker_id, self.new_tokens, self.holds_s, p.blocks_needed
         )
@@ -43,6 +45,12 @@ class Ticket:
         """What the request adds to its prefill worker's queue until its first token: its whole own TTFT, not
         only its compute, since behind a queue the hand-offs (KV send, decode commit) measure as serial too."""
         return self.placement.own_ttft_s
+
+    def ran_alone(self) -> bool:
+        """Nothing of ours was queued on its prefill worker when it was placed, nor placed there since: until
+        its first token, its TTFT is its own cost, which is what calibration learns from."""
+        queued = self.tracker.pending_prefill_tokens[self.placement.prefill_worker.worker_id]
+        return self._found_idle and not self._prefilled and queued == self.new_tokens
 
     def prefilled(self) -> None:
         """The first token is back (or never will be): its prefill no longer queues."""

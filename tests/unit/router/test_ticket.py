@@ -39,3 +39,15 @@ def test_a_ticket_released_by_an_error_before_its_first_token_returns_the_prefil
     assert r.admission.in_flight == 0
     assert r.tracker.pending_prefill_tokens["p0"] == 0 and r.tracker.pending_prefill_s["p0"] == 0
     assert r.tracker.pending_blocks["d0"] == 0 and r.tracker.decoding["d0"] == 0
+
+
+def test_a_ticket_ran_alone_only_when_nothing_of_ours_queued_before_or_behind_it():
+    r = Router([worker("p0"), worker("d0", "decode")])
+    with ticket(r) as first:
+        assert first.ran_alone()
+        with ticket(r) as second:
+            assert not second.ran_alone()  # found the first one queued
+            assert not first.ran_alone()  # the second was placed behind it before its first token
+    with ticket(r) as third:
+        third.prefilled()
+        assert not third.ran_alone()  # asked once, at the first token, before `prefilled`
