@@ -8,20 +8,20 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.metrics import RecentLatencies
 from pdserve.registry.base import Registry, WorkerState
 from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2 as apb
 from pdserve.v1 import admin_pb2_grpc
+from services.router.lifecycle import RequestLifecycle
 
 HEALTH_TIMEOUT_S = 1.0
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    def __init__(self, registry: Registry, recent: RecentLatencies, router: object) -> None:
+    def __init__(self, registry: Registry, router: RequestLifecycle) -> None:
         self.registry = registry
-        self.recent = recent
-        self.router = router  # the GenerationServicer: in-flight count and draining flag
+        self.recent = router.recent
+        self.router = router  # also its in-flight count and draining flag
 
     async def ClusterStatus(  # noqa: N802 (gRPC method name)
         self, request: apb.ClusterStatusRequest, context: grpc.aio.ServicerContext
@@ -30,8 +30,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         health = await asyncio.gather(*(_health(w.address) for w in workers))
         return apb.ClusterStatusResponse(
             workers=[self._status(w, h) for w, h in zip(workers, health, strict=True)],
-            in_flight=getattr(self.router, "in_flight", 0),
-            draining=getattr(self.router, "draining", False),
+            in_flight=self.router.in_flight,
+            draining=self.router.draining,
         )
 
     def _status(self, w: WorkerState, health: str) -> apb.WorkerStatus:

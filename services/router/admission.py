@@ -1,18 +1,36 @@
-"""Admission control: admit a request only when its placement is predicted to meet its SLO, else shed at once.
+"""Admission control: admit a request only when its placement is predicted to meet its SLO, else answer at once.
 
-Shedding early, with a retry hint, lets a client go to another replica while there is still time,
-instead of waiting in a queue that cannot serve it in time. Every check is arithmetic on the router's
-cached view: no I/O, sub-millisecond.
+A prediction splits into the request's own isolated cost and what the current queues add (predictor.py).
+What the own cost alone rules out is the request's fault and no retry helps: INVALID_ARGUMENT naming the
+SLO field and the smallest value the cluster offers, or the KV blocks it needs beyond any worker's total.
+What the queues rule out is shed with RESOURCE_EXHAUSTED and a retry hint estimating when it would fit,
+so a client can go elsewhere while there is still time. A request that set no SLO gets the default, but
+never less than its own cost: an idle cluster serves every valid one. The safety margin (slo_headroom)
+applies only to the queueing part, which is the part the predictor knows least. Every check is
+arithmetic on the router's cached view: no I/O, sub-millisecond.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from pdserve.config import RouterConfig
-from pdserve.errors import OverloadedError
+from pdserve.errors import InvalidRequestError, OverloadedError
 from services.router.placement import Placement
 from services.router.predictor import Predictor
 
 MIN_RETRY_MS, MAX_RETRY_MS = 100, 30_000
+
+
+@dataclass(frozen=True)
+class SLOTarget:
+    """The SLO a request is held to, in seconds; `explicit`: the request set it, not the server's default."""
+
+    ttft_s: float
+    tpot_s: float
+    ttft_explicit: bool = True
+    tpot_explicit: bool = True
 
 
 class Admission:
@@ -21,35 +39,71 @@ class Admission:
         self.predictor = predictor
         self.in_flight = 0
 
-    def check(self, placement: Placement, prompt_tokens: int, priority: int, slo_s: tuple[float, float]) -> None:
-        """Raises OverloadedError saying why, with a retry hint in milliseconds. `slo_s`: (TTFT, TPOT)."""
-        ttft_slo_s, tpot_slo_s = slo_s
+    def check(self, placement: Placement, prompt_tokens: int, priority: int, slo: SLOTarget) -> None:
+        """Raises InvalidRequestError when no idle cluster could serve the request as asked, OverloadedError
+        (with a retry hint in milliseconds) when the current load cannot; returns when it is admitted."""
+        self._check_feasible(placement, prompt_tokens, slo)
         if self.in_flight >= self.config.max_in_flight:
             raise OverloadedError(f"router has {self.in_flight} requests in flight (limit {self.config.max_in_flight})")
+        self._check_queue_bound(placement, prompt_tokens, priority)
+        self._check_ttft(placement, slo)
+        if self.predictor.free_blocks(placement.decode) < placement.blocks_needed:
+            raise OverloadedError(
+                f"no decode worker has {placement.blocks_needed} free KV blocks now",
+                _retry_ms(placement.predicted_tpot_s * 32),
+            )
+        self._check_tpot(placement, slo)
+
+    def _check_feasible(self, placement: Placement, prompt_tokens: int, slo: SLOTarget) -> None:
+        offer = placement.offer
+        if placement.blocks_needed > offer.kv_blocks:
+            raise InvalidRequestError(
+                "sampling.max_tokens",
+                f"the prompt ({prompt_tokens} tokens) plus max_tokens need {placement.blocks_needed} KV blocks; "
+                f"the largest worker has {offer.kv_blocks} in total",
+            )
+        if slo.ttft_explicit and offer.ttft_s > slo.ttft_s:
+            raise InvalidRequestError(
+                "slo.ttft_ms",
+                f"{slo.ttft_s * 1e3:g} ms is below this {prompt_tokens}-token prompt's TTFT on an idle worker; "
+                f"the smallest this cluster can offer is {math.ceil(offer.ttft_s * 1e3)} ms",
+            )
+        if slo.tpot_explicit and offer.tpot_s > slo.tpot_s:
+            raise InvalidRequestError(
+                "slo.tpot_ms",
+                f"{slo.tpot_s * 1e3:g} ms is below one decode step on an idle worker; "
+                f"the smallest this cluster can offer is {math.ceil(offer.tpot_s * 1e3)} ms",
+            )
+
+    def _check_queue_bound(self, placement: Placement, prompt_tokens: int, priority: int) -> None:
         prefill = placement.prefill_worker
         queued = self.predictor.queued_tokens(prefill)
         bound = self.config.queue_bound(priority)
-        if queued + prompt_tokens > bound:
+        if queued and queued + prompt_tokens > bound:  # an empty queue takes any prompt: never shed for its size
             raise OverloadedError(
                 f"prefill queue full: {queued} + {prompt_tokens} tokens > {bound:.0f} at priority {priority}",
                 _retry_ms(self.predictor.queue_s(prefill)),
             )
-        if placement.predicted_ttft_s > ttft_slo_s:
-            late = placement.predicted_ttft_s - ttft_slo_s
+
+    def _check_ttft(self, placement: Placement, slo: SLOTarget) -> None:
+        own = placement.own_ttft_s
+        budget = slo.ttft_s if slo.ttft_explicit else max(slo.ttft_s, own)
+        room = self.config.slo_headroom * (budget - own)
+        if placement.queue_s > room:
             raise OverloadedError(
-                f"predicted TTFT {placement.predicted_ttft_s * 1e3:.0f} ms exceeds the SLO of "
-                f"{ttft_slo_s * 1e3:.0f} ms on the best prefill worker",
-                _retry_ms(late),
+                f"predicted TTFT {placement.predicted_ttft_s * 1e3:.0f} ms ({own * 1e3:.0f} ms own, "
+                f"{placement.queue_s * 1e3:.0f} ms queued) exceeds the SLO of {budget * 1e3:.0f} ms "
+                f"on the best prefill worker",
+                _retry_ms(placement.queue_s - room),
             )
-        if self.predictor.free_blocks(placement.decode) < placement.blocks_needed:
-            raise OverloadedError(
-                f"no decode worker has {placement.blocks_needed} free KV blocks",
-                _retry_ms(placement.predicted_tpot_s * 32),
-            )
-        if placement.predicted_tpot_s > tpot_slo_s:
+
+    def _check_tpot(self, placement: Placement, slo: SLOTarget) -> None:
+        idle = self.predictor.idle_tpot_s(placement.decode)
+        budget = slo.tpot_s if slo.tpot_explicit else max(slo.tpot_s, idle)
+        if placement.predicted_tpot_s - idle > self.config.slo_headroom * (budget - idle):
             raise OverloadedError(
                 f"predicted TPOT {placement.predicted_tpot_s * 1e3:.1f} ms exceeds the SLO of "
-                f"{tpot_slo_s * 1e3:.1f} ms on every decode worker",
+                f"{budget * 1e3:.1f} ms on every decode worker",
                 _retry_ms(placement.predicted_tpot_s * 64),
             )
 

@@ -1,16 +1,21 @@
-"""What this router has sent to each worker that the worker's last heartbeat cannot show yet."""
+"""What this router has sent to each worker that the worker's last heartbeat cannot show yet, and what it has
+seen finish since: a heartbeat taken before a prompt's first token came back still counts that prompt."""
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+import time
+from collections import Counter, defaultdict, deque
+
+FORGET_AFTER_S = 60.0  # far older than any heartbeat a router still places by
 
 
 class LoadTracker:
     def __init__(self) -> None:
         self.pending_prefill_tokens: Counter[str] = Counter()  # placed, first token not back yet
-        self.pending_prefill_s: defaultdict[str, float] = defaultdict(float)  # the same, as predicted compute
+        self.pending_prefill_s: defaultdict[str, float] = defaultdict(float)  # the same, in predicted seconds
         self.pending_blocks: Counter[str] = Counter()  # KV blocks a decode worker is about to reserve
         self.decoding: Counter[str] = Counter()  # streams in flight per decode worker
+        self._prefilled: defaultdict[str, deque[tuple[float, int]]] = defaultdict(deque)  # (wall time, tokens)
 
     def start(self, prefill_id: str, decode_id: str, tokens: int, seconds: float, blocks: int) -> None:
         self.pending_prefill_tokens[prefill_id] += tokens
@@ -23,6 +28,15 @@ class LoadTracker:
         self.pending_prefill_tokens[prefill_id] -= tokens
         self.pending_prefill_s[prefill_id] = max(0.0, self.pending_prefill_s[prefill_id] - seconds)
         self.pending_blocks[decode_id] -= blocks
+        done = self._prefilled[prefill_id]
+        now = time.time()
+        done.append((now, tokens))
+        while done and done[0][0] < now - FORGET_AFTER_S:
+            done.popleft()
+
+    def prefilled_since(self, prefill_id: str, since: float) -> int:
+        """Prompt tokens of ours whose prefill ended after wall time `since` (a heartbeat's)."""
+        return sum(tokens for at, tokens in self._prefilled[prefill_id] if at > since)
 
     def finished(self, decode_id: str) -> None:
         self.decoding[decode_id] -= 1

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pdserve.errors import UnavailableError
 from pdserve.protocol.prefix_hash import prefix_hashes
+from pdserve.protocol.roles import Role
 from pdserve.registry.base import PrefixIndex, Registry, WorkerState
 from services.router.predictor import Predictor
 
@@ -17,14 +18,30 @@ class Placement:
     decode: WorkerState  # whose stream the router relays (a colocated worker in colocated mode)
     prefill: WorkerState | None  # None: the decode worker prefills itself (colocated)
     cached_tokens: int  # prompt tokens the prefill worker is expected to hold already
-    predicted_ttft_s: float
+    own_ttft_s: float  # this request's TTFT on the chosen prefill worker were it idle
+    queue_s: float  # what the queue ahead of it adds there
     predicted_tpot_s: float
     blocks_needed: int
     block_hashes: list[bytes]
+    offer: Offer
 
     @property
     def prefill_worker(self) -> WorkerState:
         return self.prefill or self.decode
+
+    @property
+    def predicted_ttft_s(self) -> float:
+        return self.own_ttft_s + self.queue_s
+
+
+@dataclass(frozen=True)
+class Offer:
+    """The best the cluster could do for this request were it idle: what admission tells a request whose
+    SLO asks for less, since no retry can get under it."""
+
+    ttft_s: float  # the smallest own TTFT over the prefill workers
+    tpot_s: float  # the smallest one-sequence decode step over the decode workers
+    kv_blocks: int  # the most KV blocks any decode worker has in total
 
 
 class PlacementPolicy(ABC):
@@ -35,9 +52,9 @@ class PlacementPolicy(ABC):
 
     async def place(self, prompt: list[int], max_tokens: int, tpot_slo_s: float) -> Placement:
         """Called by the router per request; raises UnavailableError when no worker serves at all."""
-        colocated = self.registry.workers("colocated")
-        prefills = colocated or self.registry.workers("prefill")
-        decodes = colocated or self.registry.workers("decode")
+        colocated = self.registry.workers(Role.COLOCATED)
+        prefills = colocated or self.registry.workers(Role.PREFILL)
+        decodes = colocated or self.registry.workers(Role.DECODE)
         if not prefills or not decodes:
             raise UnavailableError(f"no workers to serve: {len(prefills)} prefill, {len(decodes)} decode live")
         block_size = prefills[0].block_size
@@ -52,10 +69,23 @@ class PlacementPolicy(ABC):
             decode=decode,
             prefill=None if colocated else prefill,
             cached_tokens=cached,
-            predicted_ttft_s=self.predictor.ttft_s(prefill, len(prompt), cached),
+            own_ttft_s=self.predictor.own_ttft_s(prefill, len(prompt), cached),
+            queue_s=self.predictor.queue_s(prefill),
             predicted_tpot_s=self.predictor.tpot_s(decode),
             blocks_needed=blocks,
             block_hashes=hashes,
+            offer=self._offer(prefills, decodes, hits, len(prompt)),
+        )
+
+    def _offer(
+        self, prefills: list[WorkerState], decodes: list[WorkerState], hits: dict[str, int], prompt_tokens: int
+    ) -> Offer:
+        p = self.predictor
+        bs = prefills[0].block_size
+        return Offer(
+            ttft_s=min(p.own_ttft_s(w, prompt_tokens, hits.get(w.worker_id, 0) * bs) for w in prefills),
+            tpot_s=min(p.idle_tpot_s(w) for w in decodes),
+            kv_blocks=max(w.kv_blocks_total for w in decodes),
         )
 
     @abstractmethod

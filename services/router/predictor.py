@@ -1,41 +1,63 @@
-"""Predicted TTFT and TPOT of a request on a candidate worker, from its profile, heartbeat and our own sends."""
+"""Predicted TTFT and TPOT of a request on a candidate worker, from its profile, heartbeat and our own sends.
+
+A prediction has two parts that admission treats differently: the request's own isolated cost (its
+prefill on an idle worker, minus prefix-cache hits, plus the KV transfer; one decode step on an idle
+batch) and the part other requests add (the queue ahead of it, the batch it joins). Only the second
+changes with load, so only it can make a retry succeed.
+"""
 
 from __future__ import annotations
 
 from pdserve.config import RouterConfig
+from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
+from services.router.calibration import TTFTCalibration
 from services.router.load_tracker import LoadTracker
 
 
 class Predictor:
-    def __init__(self, config: RouterConfig, tracker: LoadTracker) -> None:
+    def __init__(self, config: RouterConfig, tracker: LoadTracker, calibration: TTFTCalibration | None = None):
         self.config = config
         self.tracker = tracker
+        self.calibration = calibration or TTFTCalibration()
+
+    def speed(self, w: WorkerState) -> float:
+        """Profiled seconds -> predicted seconds on `w`: its live speed and the router's own correction."""
+        return w.speed_factor * self.calibration.factor(w.worker_id)
 
     def prefill_s(self, w: WorkerState, new_tokens: int) -> float:
         """This prompt's own compute on `w`, live speed included."""
-        return w.profile.prefill_s(new_tokens) * w.speed_factor if w.profile else 0.0
+        return w.profile.prefill_s(new_tokens) * self.speed(w) if w.profile else 0.0
 
     def queue_s(self, w: WorkerState) -> float:
         """Work ahead of a new prompt: what we sent and is not done, or what the worker last reported."""
         local = self.tracker.pending_prefill_s[w.worker_id]
         if not w.profile:
             return local
-        p = w.profile
-        reported = (p.prefill_per_token_s * w.queued_prefill_tokens) * w.speed_factor
-        return max(local, reported)
+        return max(local, w.profile.prefill_per_token_s * self.reported_tokens(w) * self.speed(w))
+
+    def reported_tokens(self, w: WorkerState) -> int:
+        """The worker's last reported queue, less what of ours it has finished since it reported."""
+        return max(0, w.queued_prefill_tokens - self.tracker.prefilled_since(w.worker_id, w.updated_at))
 
     def queued_tokens(self, w: WorkerState) -> int:
-        return max(w.queued_prefill_tokens, self.tracker.pending_prefill_tokens[w.worker_id])
+        return max(self.reported_tokens(w), self.tracker.pending_prefill_tokens[w.worker_id])
+
+    def own_ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
+        """The request's TTFT on `w` were it idle: what no amount of waiting makes shorter."""
+        return self.prefill_s(w, max(prompt_tokens - cached_tokens, 1)) + self.transfer_s(w, prompt_tokens)
 
     def ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
-        own = self.prefill_s(w, max(prompt_tokens - cached_tokens, 1))
-        return self.queue_s(w) + own + self.transfer_s(w, prompt_tokens)
+        return self.queue_s(w) + self.own_ttft_s(w, prompt_tokens, cached_tokens)
 
     def transfer_s(self, w: WorkerState, prompt_tokens: int) -> float:
-        if w.role == "colocated" or not w.kv_bytes_per_token:
+        if w.role == Role.COLOCATED or not w.kv_bytes_per_token:
             return 0.0
         return prompt_tokens * w.kv_bytes_per_token / (self.config.transfer_gbps * 1e9)
+
+    def idle_tpot_s(self, w: WorkerState) -> float:
+        """One decode step of this request alone on `w`."""
+        return w.profile.decode_step_s(1) * w.speed_factor if w.profile else 0.0
 
     def tpot_s(self, w: WorkerState) -> float:
         """The step time once this request joins the batch."""

@@ -10,6 +10,7 @@ from pdserve.rpc.server import Server
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
 from services.router.admin import AdminServicer
+from services.router.lifecycle import RequestLifecycle
 from services.router.load_tracker import LoadTracker
 from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
 from services.router.predictor import Predictor
@@ -24,24 +25,26 @@ async def start_router(
     host: str,
     port: int,
     telemetry: Telemetry | None = None,
-) -> tuple[Server, GenerationServicer]:
+) -> tuple[Server, RequestLifecycle]:
+    """The serving router and its request lifecycle (whose `draining` flag and `in_flight` count drive a drain)."""
     telemetry = telemetry or Telemetry("pdserve-router")
     path = locate_model(model)  # the workers, started first, have built a built-in model into the cache
     tokenizer, model_config = Tokenizer(tokenizer_folder(path)), read_model_config(path)
     tracker = LoadTracker()
     policy_cls = SLOAwarePlacement if config.policy == "slo" else RoundRobinPlacement
     policy = policy_cls(registry, prefix_index, Predictor(config, tracker))
-    servicer = GenerationServicer(tokenizer, model_config, config, policy, prefix_index, tracker, telemetry)
+    lifecycle = RequestLifecycle(tokenizer, model_config, config, policy, prefix_index, tracker, telemetry)
+    servicer = GenerationServicer(lifecycle)
     server = Server(host, port, telemetry.server_interceptors())
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
     )
-    admin = AdminServicer(registry, servicer.recent, servicer)
+    admin = AdminServicer(registry, lifecycle)
     server.add(
         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s),
         [admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name],
     )
     await server.start()
     await server.set_serving(True)
-    return server, servicer
+    return server, lifecycle

@@ -74,6 +74,13 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     up.add_argument("--router-config", default=None, help="TOML file with a [router] table (see README)")
     _add_router_overrides(up)
     up.add_argument(
+        "--first-token-timeout-s",
+        type=float,
+        default=None,
+        help="fail a request with UNAVAILABLE when no first token came by then and the client set no sooner "
+        f"deadline (default: {RouterConfig.first_token_timeout_s:g})",
+    )
+    up.add_argument(
         "--kv-transfer-timeout",
         type=float,
         default=c.kv_transfer_timeout_s,
@@ -133,7 +140,49 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     transfer.add_argument("--pipeline-mib", type=int, default=32, help="staging bytes in flight per side")
     transfer.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     transfer.set_defaults(func=_bench_transfer)
+    _add_admission_bench(bench_sub)
     return parser
+
+
+def _add_admission_bench(bench_sub: argparse._SubParsersAction) -> None:
+    from pdserve.bench.admission_bench import AdmissionBench
+
+    d = AdmissionBench()
+    admission = bench_sub.add_parser(
+        "admission",
+        help="predicted vs measured TTFT, and a burst far above capacity",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    admission.add_argument("--addr", default=None, help="a running router HOST:PORT (default: start a cluster)")
+    admission.add_argument("--model", default="smollm2-135m", help="for the cluster it starts")
+    admission.add_argument("--prefill", type=int, default=1, help="for the cluster it starts")
+    admission.add_argument("--decode", type=int, default=1, help="for the cluster it starts")
+    admission.add_argument("--prompt-lens", default=",".join(map(str, d.prompt_lens)), help="sequential phase")
+    admission.add_argument("--repeats", type=int, default=d.repeats, help="sequential requests per prompt length")
+    admission.add_argument("--burst", type=int, default=d.burst, help="simultaneous requests")
+    admission.add_argument("--burst-prompt-len", type=int, default=d.burst_prompt_len)
+    admission.add_argument("--ttft-slo-ms", type=float, default=d.ttft_slo_ms, help="explicit SLO of the burst")
+    admission.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    admission.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
+    admission.set_defaults(func=_bench_admission)
+
+
+def _bench_admission(args: argparse.Namespace) -> int:
+    from pdserve.bench.admission_bench import AdmissionBench, run_admission_bench
+
+    bench = AdmissionBench(
+        prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")),
+        repeats=args.repeats,
+        burst=args.burst,
+        burst_prompt_len=args.burst_prompt_len,
+        ttft_slo_ms=args.ttft_slo_ms,
+        max_tokens=args.max_tokens,
+    )
+    cluster = ("--model", args.model, "--prefill", str(args.prefill), "--decode", str(args.decode))
+    result = run_admission_bench(bench, args.addr, cluster)
+    if args.json:
+        print(json.dumps(result))
+    return 0
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -195,6 +244,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         "default_ttft_ms": args.default_ttft_ms,
         "default_tpot_ms": args.default_tpot_ms,
         "max_queued_prefill_tokens": args.max_queued_prefill_tokens,
+        "first_token_timeout_s": args.first_token_timeout_s,
     }
     if args.router_config:
         router = RouterConfig.from_file(args.router_config, **overrides)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from pdserve.protocol.request_checks import RequestLimits
 from pdserve.protocol.roles import EngineMode, Role
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -80,10 +81,12 @@ class RouterConfig:
     low_priority_reserve: float = 0.2  # share of the queue bound only priority > 0 may fill
     policy: str = "slo"  # "slo" (predicted TTFT/TPOT, prefix-aware) or "round-robin"
     transfer_gbps: float = 1.0  # KV transfer speed assumed in TTFT predictions
-    slo_headroom: float = 0.8  # admit only when the prediction is within this share of the SLO
+    slo_headroom: float = 0.8  # share of (SLO - own cost) that the predicted queueing may fill
     heartbeat_s: float = 0.5
     registry_max_view_age_s: float = 15.0  # Redis unreachable this long: drop the workers it cannot confirm
     prefix_match_budget_s: float = 0.03  # a prefix index slower than this: place as if no prefix were cached
+    request_limits: RequestLimits = RequestLimits()  # [router.request_limits] in a TOML file
+    first_token_timeout_s: float = 60.0  # no first token by then (and no shorter client deadline): UNAVAILABLE
 
     def __post_init__(self) -> None:
         if self.policy not in ("slo", "round-robin"):
@@ -91,6 +94,8 @@ class RouterConfig:
         for name in ("registry_max_view_age_s", "prefix_match_budget_s"):
             if not getattr(self, name) > 0:  # zero would route to nobody, or never use the prefix index
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 < self.first_token_timeout_s < float("inf"):
+            raise ValueError(f"first_token_timeout_s must be a positive number, got {self.first_token_timeout_s}")
 
     def slo_for(self, priority: int, ttft_ms: float, tpot_ms: float) -> tuple[float, float]:
         """The request's own SLO where it set one (non-zero), else its priority class's, else the default."""
@@ -109,12 +114,14 @@ class RouterConfig:
 
     @classmethod
     def from_file(cls, path: str, **overrides: object) -> RouterConfig:
-        """A TOML file's [router] table (slo classes as [[router.slo_classes]]), then explicit overrides."""
+        """A TOML file's [router] table (slo classes as [[router.slo_classes]], limits as
+        [router.request_limits]), then explicit overrides."""
         import tomllib
 
         with open(path, "rb") as f:
             table = dict(tomllib.load(f).get("router", {}))
         table["slo_classes"] = tuple(SLOClass(**c) for c in table.get("slo_classes", ()))
+        table["request_limits"] = RequestLimits(**table.get("request_limits", {}))
         table.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**table)
 

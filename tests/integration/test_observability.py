@@ -50,11 +50,12 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
         with self.lock:
             return [(svc, s) for svc, s in self.spans if s.trace_id == trace_id]
 
-    def trace_of(self, request_id: str) -> bytes | None:
+    def trace_of(self, client_request_id: str) -> bytes | None:
+        """The trace of the request a client sent with this request_id (the router keys it by its own id)."""
         with self.lock:
             for svc, s in self.spans:
                 if svc == "pdserve-router" and any(
-                    a.key == "request.id" and a.value.string_value == request_id for a in s.attributes
+                    a.key == "request.client_id" and a.value.string_value == client_request_id for a in s.attributes
                 ):
                     return s.trace_id
         return None
@@ -162,6 +163,9 @@ def test_one_request_is_one_trace_across_all_three_services(cluster, collector):
     assert stream_svc == "pdserve-decode"
     attrs = {a.key: a.value for a in stream.attributes}
     assert attrs["completion_tokens"].int_value == len(result.token_ids) and attrs["worker.id"].string_value
+    # Every hop is keyed by the router's own id, which the router's spans carry beside the client's.
+    keys = {a.value.string_value for svc, s in spans for a in s.attributes if a.key == "request.id"}
+    assert len(keys) == 1 and request_id not in keys, keys
 
 
 def test_metrics_count_requests_and_blocks_return_to_zero(cluster):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.config import RouterConfig, SLOClass
+from pdserve.protocol.request_checks import RequestLimits
 
 
 def test_slo_for_prefers_the_request_then_its_priority_class_then_the_default():
@@ -51,6 +52,9 @@ priority = 0
 ttft_ms = 900.5
 tpot_ms = 90
 
+[router.request_limits]
+max_stop = 4
+
 [other]
 ignored = true
 """
@@ -62,6 +66,7 @@ ignored = true
     assert cfg.policy == "round-robin"
     assert cfg.slo_classes == (SLOClass(1, 300, 30), SLOClass(0, 900.5, 90))
     assert cfg.slo_for(0, 0, 0) == (900.5, 90) and cfg.slo_for(2, 0, 0) == (300, 30)
+    assert cfg.request_limits == RequestLimits(max_stop=4)  # the others keep their defaults
     assert RouterConfig.from_file(str(path), max_in_flight=3).max_in_flight == 3
 
     empty = tmp_path / "empty.toml"
@@ -72,3 +77,10 @@ ignored = true
     bad.write_text('[router]\npolicy = "random"\n')
     with pytest.raises(ValueError, match="policy"):
         RouterConfig.from_file(str(bad))
+
+
+def test_first_token_timeout_must_be_positive_and_finite():
+    assert RouterConfig().first_token_timeout_s == 60.0
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="first_token_timeout_s"):
+            RouterConfig(first_token_timeout_s=bad)

@@ -1,0 +1,32 @@
+"""The router's own correction of its TTFT predictions, per prefill worker, from the TTFTs it relays.
+
+A worker's profile is measured once at start-up (often while its neighbours measure theirs) and corrected by
+its own step times; what a client waits for also holds the hops, the hand-off and the scheduling around the
+steps. The router sees every first token it predicted; from a request that ran alone on its prefill worker (its
+TTFT is then its own cost, with no queue or batch-mates to blur it) it keeps the residual: a factor that
+moves, in log space, a share of the way toward measured / predicted on each such observation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+MIN_FACTOR, MAX_FACTOR = 0.25, 4.0
+
+
+class TTFTCalibration:
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self._log_factor: defaultdict[str, float] = defaultdict(float)
+
+    def factor(self, worker_id: str) -> float:
+        return math.exp(self._log_factor[worker_id])
+
+    def observe(self, worker_id: str, predicted_s: float, measured_s: float) -> None:
+        """`predicted_s`: what was predicted with the factor at the time; the factor absorbs the rest."""
+        if predicted_s <= 0 or measured_s <= 0:
+            return
+        step = self.alpha * math.log(measured_s / predicted_s)
+        bounds = math.log(MIN_FACTOR), math.log(MAX_FACTOR)
+        self._log_factor[worker_id] = min(max(self._log_factor[worker_id] + step, bounds[0]), bounds[1])

@@ -1,0 +1,132 @@
+"""Relaying the decode worker's stream to the caller: the first-token bound, latency metrics, usage."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry import trace
+
+from pdserve.errors import UnavailableError
+from pdserve.metrics import RecentLatencies, RouterMetrics
+from pdserve.rpc.convert import sampling_to_pb
+from pdserve.rpc.errors import error_from_rpc
+from pdserve.rpc.server import channel
+from pdserve.telemetry import Telemetry
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc
+from services.router.calibration import TTFTCalibration
+from services.router.ticket import Ticket
+
+
+@dataclass
+class _Clock:
+    """One stream's timings, from the router's receipt of the request."""
+
+    start: float
+    ttft_s: float = 0.0
+    last_token_at: float = 0.0
+    completion_tokens: int = 0
+
+
+class Relay:
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        metrics: RouterMetrics,
+        recent: RecentLatencies,
+        calibration: TTFTCalibration,
+        first_token_s: float,
+    ) -> None:
+        self.telemetry = telemetry
+        self.metrics = metrics
+        self.recent = recent
+        self.calibration = calibration  # learns from the TTFTs of requests that ran alone
+        self.first_token_s = first_token_s
+        self._stubs: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
+
+    async def stream(self, ticket: Ticket, time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        """The decode worker's messages, each carrying the caller's request_id, the last one usage. Cancelling
+        the decode call (done here however the stream ends) cancels its prefill and frees blocks on both."""
+        p, req = ticket.placement, ticket.request
+        forward = wpb.WorkerGenerateRequest(
+            request_id=ticket.key,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=sampling_to_pb(req.sampling),
+            prefill_address=p.prefill.address if p.prefill else "",
+        )
+        call = self._stub(p.decode.address).Generate(forward, timeout=time_remaining)
+        clock = _Clock(ticket.started_at)
+        try:
+            msg = await self._first(call, ticket, time_remaining)
+            while msg is not grpc.aio.EOF:
+                yield self._relayed(msg, ticket, clock)
+                msg = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e, f"decode worker {p.decode.worker_id} at {p.decode.address}") from e
+        finally:
+            call.cancel()  # a no-op once finished
+
+    async def _first(self, call: grpc.aio.UnaryStreamCall, ticket: Ticket, time_remaining: float | None) -> object:
+        """The first message, within the router's first-token bound unless the caller's deadline is sooner
+        (the decode call carries that one, and ends in DEADLINE_EXCEEDED)."""
+        bound = self.first_token_s - (time.perf_counter() - ticket.started_at)
+        if time_remaining is not None and time_remaining <= bound:
+            return await call.read()
+        try:
+            return await asyncio.wait_for(call.read(), max(bound, 0.0))
+        except TimeoutError:
+            call.cancel()
+            p = ticket.placement
+            via = f" via prefill worker {p.prefill.worker_id} at {p.prefill.address}" if p.prefill else ""
+            raise UnavailableError(
+                f"no first token within the router's bound of {self.first_token_s:g} s from decode worker "
+                f"{p.decode.worker_id} at {p.decode.address}{via}; the request was cancelled there"
+            ) from None
+
+    def _relayed(self, msg: pb.GenerateResponse, ticket: Ticket, clock: _Clock) -> pb.GenerateResponse:
+        now = time.perf_counter()
+        if msg.token_ids and not clock.ttft_s:
+            clock.ttft_s = now - clock.start
+            self.metrics.ttft.record(clock.ttft_s)
+            p = ticket.placement
+            for worker in {p.prefill_worker.worker_id, p.decode.worker_id}:
+                self.recent.add(worker, "ttft", clock.ttft_s)
+            if ticket.ran_alone():
+                self.calibration.observe(p.prefill_worker.worker_id, p.predicted_ttft_s, clock.ttft_s)
+            ticket.prefilled()
+        elif msg.token_ids:
+            self.metrics.itl.record(now - clock.last_token_at)
+        if msg.token_ids:
+            clock.last_token_at = now
+        clock.completion_tokens += len(msg.token_ids)
+        msg.request_id = ticket.client_id
+        if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self._finish(msg, ticket, clock, now)
+        return msg
+
+    def _finish(self, msg: pb.GenerateResponse, ticket: Ticket, clock: _Clock, now: float) -> None:
+        """Usage on the last message; TPOT as vLLM defines it, (e2e - TTFT) / (tokens - 1)."""
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=len(ticket.request.prompt_token_ids),
+                completion_tokens=clock.completion_tokens,
+                ttft_ms=clock.ttft_s * 1e3,
+                cached_prompt_tokens=msg.usage.cached_prompt_tokens,
+            )
+        )
+        if clock.completion_tokens > 1:
+            tpot_s = (now - clock.start - clock.ttft_s) / (clock.completion_tokens - 1)
+            self.metrics.tpot.record(tpot_s)
+            self.recent.add(ticket.placement.decode.worker_id, "tpot", tpot_s)
+        trace.get_current_span().set_attribute("completion_tokens", clock.completion_tokens)
+
+    def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
+        if address not in self._stubs:
+            ch = channel(address, self.telemetry.client_interceptors())
+            self._stubs[address] = worker_pb2_grpc.DecodeWorkerStub(ch)
+        return self._stubs[address]

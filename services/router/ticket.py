@@ -1,0 +1,79 @@
+"""An admitted request's claim on the router's load bookkeeping, released exactly once however it ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from services.router.admission import Admission
+from services.router.load_tracker import LoadTracker
+from services.router.placement import Placement
+from services.router.request import RoutedRequest
+
+
+@dataclass
+class Ticket:
+    """`key`: the router's own unique id for the request, the key on every hop; `client_id`: the caller's
+    request_id, only echoed (two clients may well send the same one)."""
+
+    key: str
+    client_id: str
+    request: RoutedRequest
+    placement: Placement
+    started_at: float  # time.perf_counter() when the router received the request
+    tracker: LoadTracker
+    admission: Admission
+    _prefilled: bool = field(default=False, init=False)
+    _released: bool = field(default=False, init=False)
+    _found_idle: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        p = self.placement
+        self._found_idle = not self.tracker.pending_prefill_tokens[p.prefill_worker.worker_id]
+        self.tracker.start(
+            p.prefill_worker.worker_id, p.decode.worker_id, self.new_tokens, self.holds_s, p.blocks_needed
+        )
+        self.admission.in_flight += 1
+
+    @property
+    def new_tokens(self) -> int:
+        """Prompt tokens the prefill worker computes (the rest its prefix cache holds)."""
+        return len(self.request.prompt_token_ids) - self.placement.cached_tokens
+
+    @property
+    def holds_s(self) -> float:
+        """What the request adds to its prefill worker's queue until its first token: its whole own TTFT, not
+        only its compute, since behind a queue the hand-offs (KV send, decode commit) measure as serial too."""
+        return self.placement.own_ttft_s
+
+    def ran_alone(self) -> bool:
+        """Nothing of ours was queued on its prefill worker when it was placed, nor placed there since: until
+        its first token, its TTFT is its own cost, which is what calibration learns from."""
+        queued = self.tracker.pending_prefill_tokens[self.placement.prefill_worker.worker_id]
+        return self._found_idle and not self._prefilled and queued == self.new_tokens
+
+    def prefilled(self) -> None:
+        """The first token is back (or never will be): its prefill no longer queues."""
+        if self._prefilled:
+            return
+        self._prefilled = True
+        p = self.placement
+        self.tracker.prefilled(
+            p.prefill_worker.worker_id, p.decode.worker_id, self.new_tokens, self.holds_s, p.blocks_needed
+        )
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.prefilled()
+        self.tracker.finished(self.placement.decode.worker_id)
+        self.admission.in_flight -= 1
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()

@@ -1,0 +1,137 @@
+"""The four admission rules through a real `pdserve up` (tiny-random, disaggregated 1 + 1).
+
+The cluster runs with a 1 ms default TTFT, below any prompt's own cost, and a KV cache smaller than the
+model's context, so each rule can be reached with ordinary requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from pdserve.cluster.local_process import ClusterProcess
+from pdserve.rpc.errors import retry_after_ms
+from pdserve.rpc.metadata import PREDICTED_TTFT_KEY
+from pdserve.rpc.server import channel
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc
+
+pytestmark = pytest.mark.timeout(300)
+DEFAULT_TTFT_MS = 1.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    log = tmp_path_factory.mktemp("admission") / "cluster.log"
+    args = ["--model", "tiny-random", "--prefill", "1", "--decode", "1", "--kv-cache-gb", "0.0018"]
+    proc = ClusterProcess(*args, "--default-ttft-ms", str(DEFAULT_TTFT_MS), log_path=log)
+    yield proc
+    proc.stop()
+
+
+def status(address: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "status", "--addr", address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def wait_idle(address: str, timeout_s: float = 15.0) -> dict:
+    """Until the router's view shows no work anywhere (heartbeats included)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        s = status(address)
+        busy = [w for w in s["workers"] if w["running"] or w["waiting"] or w["queued_prefill_tokens"]]
+        if (not busy and not s["in_flight"]) or time.monotonic() > end:
+            assert not busy and not s["in_flight"], s
+            return s
+        time.sleep(0.3)
+
+
+def send(address: str, requests: list[pb.GenerateRequest]) -> list[tuple[str, dict, object]]:
+    """All at once; per request (status name, initial and trailing metadata, tokens or the error)."""
+
+    async def one(stub, request):
+        call = stub.Generate(request, timeout=60)
+        try:
+            tokens = [t async for msg in call for t in msg.token_ids]
+        except grpc.aio.AioRpcError as e:
+            return e.code().name, dict(e.trailing_metadata() or ()), e
+        return "OK", dict(await call.initial_metadata()), tokens
+
+    async def all_():
+        async with channel(address) as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            return await asyncio.gather(*(one(stub, r) for r in requests))
+
+    return asyncio.run(all_())
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [3 + (seed * 31 + i * 7) % 250 for i in range(n)]
+
+
+def request(n: int, seed: int = 0, max_tokens: int = 4, ttft_ms: float = 0.0) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt_token_ids=prompt(n, seed),
+        sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        slo=pb.SLO(ttft_ms=ttft_ms),
+    )
+
+
+def test_no_slo_request_costlier_than_the_default_ttft_is_served_on_an_idle_cluster(cluster):
+    wait_idle(cluster.address)
+    ((code, meta, tokens),) = send(cluster.address, [request(1000)])
+    assert code == "OK", tokens
+    assert len(tokens) == 4
+    assert float(meta[PREDICTED_TTFT_KEY]) > DEFAULT_TTFT_MS  # its own cost alone exceeds the default
+
+
+def test_explicit_slo_below_the_idle_cost_is_invalid_naming_the_offer(cluster):
+    wait_idle(cluster.address)
+    ((code, _, err),) = send(cluster.address, [request(1000, seed=1, ttft_ms=0.01)])
+    assert code == "INVALID_ARGUMENT", err
+    details = err.details()
+    assert "slo.ttft_ms" in details
+    offered = int(re.search(r"smallest this cluster can offer is (\d+) ms", details).group(1))
+    assert offered >= 1
+    assert retry_after_ms(err.trailing_metadata()) is None  # no retry can help
+    wait_idle(cluster.address)
+    ((code, _, tokens),) = send(cluster.address, [request(1000, seed=2, ttft_ms=offered * 1.5 + 5)])
+    assert code == "OK", tokens  # the offer is honest: an idle cluster meets a little above it
+
+
+def test_queueing_sheds_with_a_retry_hint_and_serves_the_rest(cluster):
+    wait_idle(cluster.address)
+    results = send(cluster.address, [request(300, seed=10 + i) for i in range(24)])
+    codes = [code for code, _, _ in results]
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
+    assert "OK" in codes  # the first finds the queue empty
+    shed = [(meta, err) for code, meta, err in results if code == "RESOURCE_EXHAUSTED"]
+    assert shed, "24 simultaneous no-SLO requests over a 1 ms default: all but the first queue"
+    assert any("TTFT" in err.details() and "queued" in err.details() for _, err in shed), [e.details() for _, e in shed]
+    assert all(int(meta["grpc-retry-pushback-ms"]) >= 100 for meta, _ in shed)
+
+
+def test_more_kv_blocks_than_any_worker_holds_is_invalid(cluster):
+    s = wait_idle(cluster.address)
+    total = max(w["kv_blocks_total"] for w in s["workers"] if w["role"] == "decode")
+    assert (total + 1) * 16 <= 4096, total  # reachable inside tiny-random's context
+    too_many = (total + 1) * 16 - 16
+    ((code, meta, err),) = send(cluster.address, [request(16, seed=3, max_tokens=too_many)])
+    assert code == "INVALID_ARGUMENT", err
+    assert "sampling.max_tokens" in err.details() and f"{total} in total" in err.details()
+    assert "grpc-retry-pushback-ms" not in meta
+    ((code, _, tokens),) = send(cluster.address, [request(16, seed=3, max_tokens=total * 16 - 32)])
+    assert code == "OK", tokens  # what fits in the total is served

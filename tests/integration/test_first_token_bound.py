@@ -1,0 +1,89 @@
+"""A stuck prefill worker and a client with no deadline: the router's first-token bound fails the request
+with UNAVAILABLE, and once the worker runs again every KV block is free on both sides."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+import pytest
+
+from pdserve.cluster.local_process import ClusterProcess, descendants
+from pdserve.rpc.server import channel
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc
+
+pytestmark = pytest.mark.timeout(300)
+BOUND_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    log = tmp_path_factory.mktemp("first_token") / "cluster.log"
+    args = ["--model", "tiny-random", "--prefill", "1", "--decode", "1", "--kv-cache-gb", "0.05"]
+    proc = ClusterProcess(*args, "--first-token-timeout-s", str(BOUND_S), log_path=log)
+    yield proc
+    proc.stop()
+
+
+def status(address: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "status", "--addr", address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def listening_pid(root: int, port: int) -> int:
+    """The process under `root` (the launcher) that serves `port`: a worker actor."""
+    for pid in descendants(root):
+        try:
+            conns = psutil.Process(pid).net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns):
+            return pid
+    raise AssertionError(f"no process under {root} listens on {port}")
+
+
+async def first_token(address: str, request: pb.GenerateRequest) -> list[int]:
+    async with channel(address) as ch:
+        return [t async for msg in generate_pb2_grpc.GenerationStub(ch).Generate(request) for t in msg.token_ids]
+
+
+def test_stuck_prefill_worker_fails_the_request_within_the_bound_and_frees_every_block(cluster):
+    request = pb.GenerateRequest(prompt_token_ids=[7, 8, 9] * 30, sampling=pb.SamplingParams(max_tokens=8))
+    assert len(asyncio.run(first_token(cluster.address, request))) == 8  # warm: channels and rendezvous made
+    prefill = next(w for w in status(cluster.address)["workers"] if w["role"] == "prefill")
+    pid = listening_pid(cluster.proc.pid, int(prefill["address"].rsplit(":", 1)[1]))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(first_token(cluster.address, request))  # no client deadline
+        took = time.monotonic() - start
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+    details = err.value.details()
+    assert "first token" in details and f"{BOUND_S:g} s" in details
+    assert prefill["id"] in details and "decode-" in details  # names the workers
+    assert BOUND_S - 0.5 <= took <= BOUND_S + 5, took
+    time.sleep(1.5)  # a heartbeat from the resumed worker: its state is no longer the one before the stop
+    end, zero_in_a_row = time.monotonic() + 20, 0
+    while zero_in_a_row < 2 and time.monotonic() < end:
+        used = {w["id"]: w["kv_blocks_used"] for w in status(cluster.address)["workers"]}
+        zero_in_a_row = zero_in_a_row + 1 if not any(used.values()) else 0
+        time.sleep(1.0)
+    assert zero_in_a_row == 2, used
+    assert len(asyncio.run(first_token(cluster.address, request))) == 8  # and it serves again
