@@ -13,6 +13,7 @@ from rich.console import Console
 
 from loadgen.metrics import GoodputSLO
 from loadgen.workload import DATASETS, WorkloadConfig
+from pdserve.flags import from_flags
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,28 +83,17 @@ def _bench(args: argparse.Namespace) -> int:
         errors.print("loadgen: a trace replays its own timestamps; drop --request-rate", style="red")
         return 2
     try:
-        config = BenchmarkConfig(
-            address=args.addr,
-            workload=WorkloadConfig(
-                dataset_name=args.dataset_name,
-                num_prompts=args.num_prompts,
-                vocab_size=_vocab_size(args.model),
-                random_input_len=args.random_input_len,
-                random_output_len=args.random_output_len,
-                random_range_ratio=args.random_range_ratio,
-                prefix_len=args.prefix_repetition_prefix_len,
-                suffix_len=args.prefix_repetition_suffix_len,
-                num_prefixes=args.prefix_repetition_num_prefixes,
-                prefix_output_len=args.prefix_repetition_output_len,
-                trace=args.trace,
-            ),
-            model=args.model,
+        prefixed = ("prefix_len", "suffix_len", "num_prefixes", "prefix_output_len")
+        workload = from_flags(
+            WorkloadConfig, args, {f: f"prefix_repetition_{f}" for f in prefixed}, vocab_size=_vocab_size(args.model)
+        )
+        config = from_flags(
+            BenchmarkConfig,
+            args,
+            {"address": "addr"},
+            workload=workload,
             request_rates=args.request_rate or (math.inf,),
-            burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency,
             slo=GoodputSLO.parse(args.goodput),
-            seed=args.seed,
-            send_slo=args.send_slo,
         )
     except (ValueError, OSError, RuntimeError) as e:  # bad flags, or a model whose vocabulary cannot be read
         errors.print(f"loadgen: {e}", style="red")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.config import CLUSTER_MODES, DTYPE_NAMES, ClusterConfig, EngineConfig, RouterConfig
+from pdserve.flags import flag_values, from_flags
 from pdserve.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -170,14 +171,7 @@ def _add_admission_bench(bench_sub: argparse._SubParsersAction) -> None:
 def _bench_admission(args: argparse.Namespace) -> int:
     from pdserve.bench.admission_bench import AdmissionBench, run_admission_bench
 
-    bench = AdmissionBench(
-        prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")),
-        repeats=args.repeats,
-        burst=args.burst,
-        burst_prompt_len=args.burst_prompt_len,
-        ttft_slo_ms=args.ttft_slo_ms,
-        max_tokens=args.max_tokens,
-    )
+    bench = from_flags(AdmissionBench, args, prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")))
     cluster = ("--model", args.model, "--prefill", str(args.prefill), "--decode", str(args.decode))
     result = run_admission_bench(bench, args.addr, cluster)
     if args.json:
@@ -211,7 +205,7 @@ def _add_router_overrides(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    return from_flags(EngineConfig, args, {"num_threads": "threads", "kv_cache_memory_gb": "kv_cache_gb"})
 
 
 def _up(args: argparse.Namespace, services: ClusterServices | None) -> int:
@@ -230,40 +224,21 @@ def _up(args: argparse.Namespace, services: ClusterServices | None) -> int:
         print(f"pdserve up: unknown --log-level {args.log_level!r}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, service="pdserve-router")
-    if _fetch_model(args.model, "pdserve up") is None:  # here, with progress on a terminal, not in every worker
+    if not _model_in_cache(args.model):  # here, with progress on a terminal, not in every worker
         return 1
     asyncio.run(run_cluster(_cluster_config(args), services))
     return 0
 
 
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
-    from dataclasses import replace
-
-    overrides = {
-        "policy": args.policy,
-        "default_ttft_ms": args.default_ttft_ms,
-        "default_tpot_ms": args.default_tpot_ms,
-        "max_queued_prefill_tokens": args.max_queued_prefill_tokens,
-        "first_token_timeout_s": args.first_token_timeout_s,
-    }
+    overrides = flag_values(RouterConfig, args)
     if args.router_config:
         router = RouterConfig.from_file(args.router_config, **overrides)
     else:
-        router = RouterConfig(**{k: v for k, v in overrides.items() if v is not None})
-    return ClusterConfig(
-        engine=replace(_engine_config(args), kv_cache_memory_gb=args.kv_cache_gb),
-        mode=args.mode,
-        prefill=args.prefill,
-        decode=args.decode,
-        workers=args.workers,
-        host=args.host,
-        port=args.port,
-        ray_address=args.ray_address,
-        redis_url=args.redis,
-        router=router,
-        metrics_port=args.metrics_port,
-        log_level=args.log_level.upper(),
-        kv_transfer_timeout_s=args.kv_transfer_timeout,
+        router = RouterConfig(**overrides)
+    renamed = {"redis_url": "redis", "kv_transfer_timeout_s": "kv_transfer_timeout"}
+    return from_flags(
+        ClusterConfig, args, renamed, engine=_engine_config(args), router=router, log_level=args.log_level.upper()
     )
 
 
@@ -369,6 +344,23 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_in_cache(model: str) -> bool:
+    """For `pdserve up`: the model is there to read, a built-in one fetched and converted first by
+    `pdserve fetch` in a child process, so that this process (the router's) never imports torch."""
+    import subprocess
+
+    from pdserve.engine.model_files import ModelNotFetchedError, locate_model
+
+    try:
+        locate_model(model)
+        return True
+    except ModelNotFetchedError:
+        return subprocess.run([sys.executable, "-m", "pdserve.cli", "fetch", "--model", model]).returncode == 0
+    except FileNotFoundError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return False
+
+
 def _fetch_model(model: str, command: str) -> Path | None:
     """The model's folder, fetched and converted on first use (a progress line on a terminal's stderr);
     None, said on stderr, when it cannot be had."""
@@ -386,14 +378,7 @@ def _generate(args: argparse.Namespace) -> int:
     from pdserve.errors import InvalidRequestError
 
     try:
-        sampling = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-        )
+        sampling = from_flags(SamplingParams, args)
         engine = LLMEngine(_engine_config(args))
         tok = engine.tokenizer
         prompts = [tok.apply_chat_template([("user", p)]) if args.chat else tok.encode(p) for p in args.prompt]

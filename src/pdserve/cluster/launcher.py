@@ -53,9 +53,7 @@ class Cluster:
             )
             self._started_ray = True
         engine = replace(c.engine, num_threads=c.threads_per_worker())
-        from pdserve.engine.device import resolve_device
-
-        gpus = 1 if resolve_device(engine).type == "cuda" else 0
+        gpus = 1 if _wants_gpu(engine.device) else 0
         actor_cls = ray.remote(WorkerRuntime).options(
             num_cpus=0, num_gpus=gpus, max_restarts=c.max_restarts, max_task_retries=0
         )
@@ -149,3 +147,13 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
         await cluster.registry.close()
         await asyncio.to_thread(cluster.stop_workers)
         telemetry.shutdown()
+
+
+def _wants_gpu(device: str) -> bool:
+    """Whether a worker gets a GPU, decided from Ray's view of the cluster rather than torch's, so that the
+    launcher (the router's process) never imports torch: "auto" means CUDA wherever Ray found GPUs."""
+    import ray
+
+    if device == "auto":
+        return ray.cluster_resources().get("GPU", 0) > 0
+    return device.startswith("cuda")

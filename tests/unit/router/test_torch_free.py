@@ -29,6 +29,10 @@ ROUTER_SIDE = [
     "pdserve.metrics",
     "pdserve.telemetry",
     "pdserve.cli",
+    "pdserve.cluster.launcher",  # `pdserve up`'s process is the router's: launcher, CLI and services wired in
+    "pdserve.cluster.worker_runtime",
+    "services.main",
+    "services.workers",
     "pdserve.engine.model_files",
     "pdserve.engine.tokenizer",
 ]

@@ -1,0 +1,24 @@
+"""Parsed command-line flags into the config dataclasses, by field name: each field is mapped once, here
+or by its flag's name, instead of in a keyword list beside every command."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def flag_values(cls: type, args: argparse.Namespace, renamed: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The flags that carry one of `cls`'s field names (or the flag `renamed` maps a field to), None left out:
+    an unset flag keeps the dataclass's default, or a config file's value."""
+    renamed = renamed or {}
+    values = {f.name: getattr(args, renamed.get(f.name, f.name), None) for f in fields(cls)}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def from_flags(cls: type[T], args: argparse.Namespace, renamed: Mapping[str, str] | None = None, **given: Any) -> T:
+    """`cls` built from the flags named after its fields; `given` values win."""
+    return cls(**{**flag_values(cls, args, renamed), **given})
