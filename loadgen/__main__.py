@@ -83,10 +83,9 @@ def _bench(args: argparse.Namespace) -> int:
         errors.print("loadgen: a trace replays its own timestamps; drop --request-rate", style="red")
         return 2
     try:
-        prefixed = ("prefix_len", "suffix_len", "num_prefixes", "prefix_output_len")
-        workload = from_flags(
-            WorkloadConfig, args, {f: f"prefix_repetition_{f}" for f in prefixed}, vocab_size=_vocab_size(args.model)
-        )
+        prefixed = {f: f"prefix_repetition_{f}" for f in ("prefix_len", "suffix_len", "num_prefixes")}
+        prefixed["prefix_output_len"] = "prefix_repetition_output_len"
+        workload = from_flags(WorkloadConfig, args, prefixed, vocab_size=_vocab_size(args.model))
         config = from_flags(
             BenchmarkConfig,
             args,

@@ -34,6 +34,7 @@ class HandoffRequest:
     prompt: list[int]
     sampling: SamplingParams
     prefill_address: str  # host:port of the prefill worker the router placed it on
+    client_request_id: str = ""  # the caller's own id: echoed in logs and traces, never a key
 
 
 @dataclass
@@ -72,9 +73,7 @@ class Handoff:
         try:
             rendezvous = await asyncio.to_thread(self.receiver.rendezvous, peer)
             target = KVTarget(self.worker_id, rendezvous, blocks, tag, self.engine.fingerprint, self.engine.block_size)
-            call = self.prefill.prefill(
-                peer, request.request_id, request.prompt, request.sampling, target, timeout_s, time_remaining()
-            )
+            call = self.prefill.prefill(peer, request, target, timeout_s, time_remaining())
             first = await call.first_token()  # bounded by the caller's deadline, or its cancel
             if not first.kv_follows:
                 await call.sent()

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 
 from pdserve.errors import UnavailableError
 from pdserve.protocol.handoff import FirstToken, KVTarget
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.rpc.convert import sampling_to_pb
 from pdserve.rpc.errors import error_from_rpc
 from pdserve.rpc.server import channel
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from services.decode.handoff import HandoffRequest
 
 
 class PrefillCall:
@@ -55,17 +59,16 @@ class PrefillClient:
     def prefill(
         self,
         address: str,
-        request_id: str,
-        prompt: list[int],
-        sampling: SamplingParams,
+        handoff: HandoffRequest,
         target: KVTarget,
         transfer_timeout_s: float,
         timeout_s: float | None,
     ) -> PrefillCall:
         request = wpb.PrefillRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            sampling=sampling_to_pb(sampling),
+            request_id=handoff.request_id,
+            client_request_id=handoff.client_request_id,
+            prompt_token_ids=handoff.prompt,
+            sampling=sampling_to_pb(handoff.sampling),
             target=wpb.KVTarget(
                 decode_worker_id=target.decode_worker_id,
                 rendezvous=target.rendezvous,

@@ -35,16 +35,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        request_id_var.set(request.request_id)
+        request_id_var.set(request.client_request_id or request.request_id)
         prompt = list(request.prompt_token_ids)
-        sampling = sampling_from_pb(request.sampling, default_max_tokens=16)
+        sampling = sampling_from_pb(request.sampling)  # the router filled in every default
         outputs: AsyncIterator[RequestOutput]
         if not request.prefill_address:
             outputs = generate_here(self.engine, self.telemetry, self.worker_id, request.request_id, prompt, sampling)
         elif self.handoff is None:
             raise UnavailableError(f"worker {self.worker_id} ({self.role}) takes no KV hand-offs")
         else:
-            handoff = HandoffRequest(request.request_id, prompt, sampling, request.prefill_address)
+            handoff = HandoffRequest(
+                request.request_id, prompt, sampling, request.prefill_address, request.client_request_id
+            )
             outputs = self.handoff.stream(handoff, context.time_remaining)
         async with contextlib.aclosing(outputs) as stream:  # type: ignore[type-var]
             async for out in stream:

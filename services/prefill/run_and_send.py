@@ -30,6 +30,7 @@ class PrefillJob:
     sampling: SamplingParams
     target: KVTarget
     transfer_timeout_s: float  # the decode side's own deadline for the transfer
+    client_request_id: str = ""  # the caller's own id: echoed in logs, matched by fault injection, never a key
 
 
 @dataclass
@@ -51,7 +52,7 @@ class RunAndSend:
             return
         try:
             yield first
-            if delay_s := self.faults.kv_send_delay_for(job.request_id):
+            if delay_s := self.faults.kv_send_delay_for(job.client_request_id):
                 await asyncio.sleep(delay_s)
             await self._send(job)
         finally:

@@ -22,12 +22,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(  # noqa: N802 (gRPC method name)
         self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[wpb.PrefillEvent]:
-        request_id_var.set(request.request_id)
+        request_id_var.set(request.client_request_id or request.request_id)
         target = request.target
         job = PrefillJob(
             request.request_id,
             list(request.prompt_token_ids),
-            sampling_from_pb(request.sampling, default_max_tokens=1),
+            sampling_from_pb(request.sampling),  # as the router filled it in
             KVTarget(
                 target.decode_worker_id,
                 target.rendezvous,
@@ -37,6 +37,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 request.layout.block_size,
             ),
             request.transfer_timeout_ms / 1e3,
+            request.client_request_id,
         )
         async with contextlib.aclosing(self.run_and_send.run(job)) as events:  # type: ignore[type-var]
             async for event in events:

@@ -58,6 +58,7 @@ class Relay:
             prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_pb(req.sampling),
             prefill_address=p.prefill.address if p.prefill else "",
+            client_request_id=ticket.client_id,
         )
         call = self._stub(p.decode.address).Generate(forward, timeout=time_remaining)
         clock = _Clock(ticket.started_at)

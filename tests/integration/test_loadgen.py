@@ -147,10 +147,38 @@ def test_trace_replays_its_timestamps(cluster, tmp_path):
     assert run["total_output_tokens"] == sum(line["output_length"] for line in lines)
 
 
-def test_requests_shed_by_admission_are_counted_as_rejected(cluster, tmp_path):
-    # A 1 µs TTFT bound sent with each request: the router's admission sheds every one at once.
-    flags = ["--num-prompts", "10", "--random-input-len", "32", "--random-output-len", "4", "--request-rate", "50"]
-    (run,) = loadgen(cluster, tmp_path, *flags, "--goodput", "ttft:0.001", "--send-slo")
-    assert (run["completed"], run["rejected"], run["failed"]) == (0, 10, 0)
-    assert {r["status"] for r in run["requests"]} == {"RESOURCE_EXHAUSTED"}
-    assert run["request_goodput"] == 0.0 and run["slo_attainment"] == 0.0
+def test_requests_shed_by_admission_are_counted_as_rejected(tmp_path):
+    """A prefill queue bound below two prompts: of ten sent at once, the first fits alone in the empty queue and
+    the ones arriving behind it are shed."""
+    args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--prefill", "1", "--decode", "1"]
+    proc = ClusterProcess(*args, "--max-queued-prefill-tokens", "40", log_path=tmp_path / "cluster.log")
+    try:
+        (run,) = loadgen(proc, tmp_path, "--num-prompts", "10", "--random-input-len", "32", "--random-output-len", "4")
+    finally:
+        proc.stop()
+    assert run["failed"] == 0 and run["completed"] >= 1 and run["rejected"] >= 1
+    assert run["completed"] + run["rejected"] == 10
+    statuses = {r["status"] for r in run["requests"]}
+    assert "RESOURCE_EXHAUSTED" in statuses and statuses <= {"OK", "RESOURCE_EXHAUSTED"}
+
+
+def test_an_slo_no_worker_can_meet_stops_the_run_with_the_reason(cluster, tmp_path, capsys):
+    # A 1 µs TTFT bound sent with each request: no retry can meet it, so the check request is INVALID_ARGUMENT.
+    flags = ["--num-prompts", "2", "--random-input-len", "32", "--random-output-len", "4", "--send-slo"]
+    path = tmp_path / "result.json"
+    code = main(
+        [
+            "--addr",
+            cluster.address,
+            "--model",
+            "tiny-random",
+            "--result-json",
+            str(path),
+            *flags,
+            "--goodput",
+            "ttft:0.001",
+        ]
+    )
+    assert code == 1 and not path.exists()
+    err = capsys.readouterr().err
+    assert "INVALID_ARGUMENT" in err and "slo.ttft_ms" in err and "smallest" in err
