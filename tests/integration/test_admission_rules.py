@@ -48,11 +48,13 @@ def status(address: str) -> dict:
 
 
 def wait_idle(address: str, timeout_s: float = 15.0) -> dict:
-    """Until the router's view shows no work anywhere (heartbeats included)."""
+    """Until the router's view shows no work anywhere (heartbeats included) and no KV block held."""
     end = time.monotonic() + timeout_s
     while True:
         s = status(address)
-        busy = [w for w in s["workers"] if w["running"] or w["waiting"] or w["queued_prefill_tokens"]]
+        busy = [
+            w for w in s["workers"] if w["running"] or w["waiting"] or w["queued_prefill_tokens"] or w["kv_blocks_used"]
+        ]
         if (not busy and not s["in_flight"]) or time.monotonic() > end:
             assert not busy and not s["in_flight"], s
             return s
