@@ -42,8 +42,10 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Raw text, without added special tokens (the chat template adds its own)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Raw text, without added special tokens (the chat template adds its own). Through `encode_batch`,
+        which releases the GIL while it works (`encode` holds it), so a router that tokenizes a long prompt on
+        a thread keeps serving its other streams meanwhile."""
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def apply_chat_template(self, messages: list[tuple[str, str]]) -> list[int]:
         """(role, content) pairs -> the prompt ids, ending with the assistant's turn opener."""
