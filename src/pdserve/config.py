@@ -24,6 +24,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512  # no single prefill takes more of a step than this
+    max_prefills_per_step: int | None = None  # prompts a step may run; None: as many as the budget holds
     mode: EngineMode = EngineMode.MIXED
 
 

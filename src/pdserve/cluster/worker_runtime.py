@@ -156,9 +156,9 @@ def _engine_config(spec: WorkerSpec) -> EngineConfig:
     """The engine a role runs."""
     scheduler = replace(spec.engine.scheduler, mode=spec.role.engine_mode)
     if spec.role is Role.PREFILL:
-        # One prompt chunk per step, first come first served: batching later prompts into an earlier
-        # one's step delays its first token past what admission promised it.
-        scheduler = replace(scheduler, max_num_batched_tokens=scheduler.long_prefill_chunk)
+        # One prompt (or one chunk of a long one) per step, first come first served: batching later prompts
+        # into an earlier one's step delays its first token past what admission promised it.
+        scheduler = replace(scheduler, max_num_batched_tokens=scheduler.long_prefill_chunk, max_prefills_per_step=1)
     config = replace(spec.engine, scheduler=scheduler)
     if spec.role is Role.DECODE:
         # Every prompt block arrives from a prefill worker, so nothing a decode worker caches is ever

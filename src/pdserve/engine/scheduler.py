@@ -91,7 +91,12 @@ class Scheduler:
         return SchedulerOutput(chunks=chunks, preempted=preempted)
 
     def _admit(self, budget: int, scheduled: list[tuple[Sequence, int]]) -> int:
+        cap = self.config.max_prefills_per_step
+        prefills = sum(1 for seq, n in scheduled if n > 1 or seq.num_computed_tokens == 0)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if cap is not None and prefills >= cap:
+                break
+            prefills += 1
             seq = self.waiting[0]
             prefix = self.blocks.match_prefix(seq)
             cached = len(prefix) * self.blocks.block_size

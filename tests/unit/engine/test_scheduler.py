@@ -191,6 +191,20 @@ def test_decodes_come_before_prefill_chunks() -> None:
     assert sim.bm.num_used_blocks == 0
 
 
+def test_a_prefill_cap_of_one_runs_prompts_first_come_first_served() -> None:
+    """As a prefill worker runs: one prompt per step (each chunk of a long one before the next prompt starts),
+    although the budget would hold several short ones; decodes still join every step."""
+    cfg = SchedulerConfig(max_num_batched_tokens=64, long_prefill_chunk=8, max_prefills_per_step=1)
+    sim = Sim(cfg, num_blocks=64)
+    sim.add("a", [1, 2, 3, 4], max_tokens=3)
+    sim.add("b", list(range(100, 112)), max_tokens=3)
+    sim.add("c", [5, 6, 7], max_tokens=3)
+    steps = [[(c.seq_id, len(c.token_ids)) for c in sim.step().chunks] for _ in range(4)]
+    assert steps == [[("a", 4)], [("a", 1), ("b", 8)], [("a", 1), ("b", 4)], [("b", 1), ("c", 3)]]
+    sim.run()
+    assert sim.bm.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("caching", [False, True])
 def test_preemption_frees_the_newest_and_recomputes_it(caching: bool) -> None:
     bs = 4
