@@ -13,6 +13,7 @@ from rich.console import Console
 
 from loadgen.metrics import GoodputSLO
 from loadgen.workload import DATASETS, WorkloadConfig
+from pdserve.config import EngineConfig
 from pdserve.flags import from_flags
 
 
@@ -36,16 +37,21 @@ def _rates(text: str) -> tuple[float, ...]:
 def _bench_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loadgen", description=__doc__)
     p.add_argument("--addr", required=True, help="router HOST:PORT")
-    p.add_argument("--model", default="smollm2-135m", help="the served model; its vocabulary bounds the prompt ids")
-    p.add_argument("--dataset-name", choices=DATASETS, default="random")
-    p.add_argument("--num-prompts", type=int, default=1000, help="requests per rate (a trace: at most this many)")
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
-    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    p.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    p.add_argument("--model", default=EngineConfig.model, help="the served model; its vocabulary bounds the prompt ids")
+    w = WorkloadConfig
+    p.add_argument("--dataset-name", choices=DATASETS, default=w.dataset_name)
+    p.add_argument(
+        "--num-prompts", type=int, default=w.num_prompts, help="requests per rate (a trace: at most this many)"
+    )
+    p.add_argument("--random-input-len", type=int, default=w.random_input_len)
+    p.add_argument("--random-output-len", type=int, default=w.random_output_len)
+    p.add_argument(
+        "--random-range-ratio", type=float, default=w.random_range_ratio, help="lengths uniform in len * [1 - r, 1 + r]"
+    )
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=w.prefix_len)
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=w.suffix_len)
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=w.num_prefixes)
+    p.add_argument("--prefix-repetition-output-len", type=int, default=w.prefix_output_len)
     p.add_argument("--trace", type=Path, help="Mooncake-format JSONL: timestamp (ms), input_length, output_length")
     p.add_argument(
         "--request-rate",

@@ -18,6 +18,7 @@ from loadgen.metrics import GoodputSLO
 from loadgen.record import OK, REJECTED, RequestRecord
 from loadgen.report import json_rate, summary_table
 from loadgen.workload import WorkloadConfig, build_workload
+from pdserve.config import EngineConfig
 from pdserve.progress import counting
 from pdserve.v1 import generate_pb2 as pb
 
@@ -30,7 +31,7 @@ class ClusterCheckFailed(RuntimeError):
 class BenchmarkConfig:
     address: str
     workload: WorkloadConfig
-    model: str = "smollm2-135m"
+    model: str = EngineConfig.model
     request_rates: tuple[float, ...] = (math.inf,)
     burstiness: float = 1.0
     max_concurrency: int | None = None

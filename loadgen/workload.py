@@ -38,17 +38,19 @@ class Request:
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    dataset_name: str = "random"
-    num_prompts: int = 1000
-    vocab_size: int = 49152
-    random_input_len: int = 1024
-    random_output_len: int = 128
-    random_range_ratio: float = 0.0
-    prefix_len: int = 256
-    suffix_len: int = 256
-    num_prefixes: int = 10
-    prefix_output_len: int = 128
-    trace: Path | None = None
+    """What to send; loadgen's flags take their defaults from here (`--random-input-len` -> random_input_len)."""
+
+    dataset_name: str = "random"  # one of DATASETS
+    num_prompts: int = 1000  # requests per rate (a trace: at most this many)
+    vocab_size: int = 49152  # prompt ids are drawn below this (the served model's vocabulary)
+    random_input_len: int = 1024  # random and sharegpt-synthetic: prompt tokens
+    random_output_len: int = 128  # ... and output tokens
+    random_range_ratio: float = 0.0  # lengths uniform in len * [1 - r, 1 + r]
+    prefix_len: int = 256  # prefix-repetition: shared prefix tokens
+    suffix_len: int = 256  # ... each request's own suffix tokens
+    num_prefixes: int = 10  # ... distinct prefixes
+    prefix_output_len: int = 128  # ... output tokens
+    trace: Path | None = None  # Mooncake-format JSONL: timestamp (ms), input_length, output_length
 
     def __post_init__(self) -> None:
         if self.dataset_name not in DATASETS:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 
 import redis
 import redis.asyncio as aredis
@@ -208,33 +209,27 @@ class RedisRegistry(Registry):
             self._view = {}
 
 
+@dataclass(eq=False)
 class RedisPrefixIndex(PrefixIndex):
     """Per worker a sorted set of block hashes scored by last use, trimmed to the worker's cache size.
 
     Used on the router's event loop only. `match` answers within `match_budget_s` or with no hits, and after a
     miss skips Redis for `retry_s`, so an outage costs requests their prefix hits, not their latency."""
 
-    def __init__(
-        self,
-        url: str,
-        max_blocks_per_worker: int = 65536,
-        match_budget_s: float = 0.03,
-        record_timeout_s: float = 1.0,
-        retry_s: float = 1.0,
-        max_pending_writes: int = 64,
-        log_every_s: float = 30.0,
-    ) -> None:
-        self.url = url
-        self.max_blocks = max_blocks_per_worker
-        self.match_budget_s = match_budget_s
-        self.record_timeout_s = record_timeout_s
-        self.retry_s = retry_s
-        self.max_pending_writes = max_pending_writes
-        self._redis: aredis.Redis | None = None
-        self._writes: set[asyncio.Task[None]] = set()
-        self._skip_until = 0.0
-        self._match_failed = Throttled(log_every_s)
-        self._record_failed = Throttled(log_every_s)
+    url: str
+    max_blocks_per_worker: int = 65536
+    match_budget_s: float = 0.03
+    record_timeout_s: float = 1.0
+    retry_s: float = 1.0
+    max_pending_writes: int = 64
+    log_every_s: float = 30.0
+    _redis: aredis.Redis | None = field(default=None, init=False, repr=False)
+    _writes: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
+    _skip_until: float = field(default=0.0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._match_failed = Throttled(self.log_every_s)
+        self._record_failed = Throttled(self.log_every_s)
 
     def _client(self) -> aredis.Redis:
         if self._redis is None:
@@ -259,7 +254,7 @@ class RedisPrefixIndex(PrefixIndex):
         pipe = self._client().pipeline()
         # Leading blocks score highest, so trimming drops a prompt's tail before its shared head.
         pipe.zadd(key, {h: now - i * 1e-6 for i, h in enumerate(block_hashes)})
-        pipe.zremrangebyrank(key, 0, -self.max_blocks - 1)
+        pipe.zremrangebyrank(key, 0, -self.max_blocks_per_worker - 1)
         pipe.expire(key, PREFIX_TTL_S)  # a worker that is gone stops refreshing its index
         try:
             await asyncio.wait_for(pipe.execute(), self.record_timeout_s)
