@@ -83,6 +83,7 @@ class RedisRegistry(Registry):
         self._redis = connect(url, timeout_s)
         self._async: aredis.Redis | None = None
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
         self._view: dict[str, WorkerState] = {}
         self._confirmed_at = -math.inf  # monotonic time Redis last answered a refresh
         self._down_since: float | None = None  # the first failed refresh of the current outage
@@ -115,6 +116,7 @@ class RedisRegistry(Registry):
         self._task = asyncio.create_task(self._keep_fresh(), name="redis-registry-view")
 
     async def close(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -126,7 +128,9 @@ class RedisRegistry(Registry):
         self._redis.close()
 
     async def _keep_fresh(self) -> None:
-        while True:
+        # Not `while True`: on Python 3.11 a wait_for whose read completes just as the task is cancelled
+        # swallows the cancel, and close() would then wait on this loop forever (seen in CI).
+        while not self._closing:
             await asyncio.sleep(self.refresh_s)
             await self.refresh()
 
