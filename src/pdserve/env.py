@@ -26,10 +26,13 @@ def fault_config() -> FaultConfig:
       worker mid-transfer without racing a sub-millisecond send.
     PDSERVE_FAULT_REQUEST_ID_PREFIX: only requests whose id starts with this are faulted (default: every one),
       so healthy requests can run beside faulted ones on the same cluster.
+    PDSERVE_FAULT_ENGINE_DIE_REQUEST_ID_PREFIX: a worker's engine step raises (its engine thread dies, as on a
+      real step failure) when it runs a request whose client request id starts with this; unset: never.
     """
     return FaultConfig(
         kv_send_delay_s=float(os.environ.get("PDSERVE_FAULT_KV_SEND_DELAY_S") or FaultConfig.kv_send_delay_s),
         request_id_prefix=os.environ.get("PDSERVE_FAULT_REQUEST_ID_PREFIX") or FaultConfig.request_id_prefix,
+        engine_die_prefix=os.environ.get("PDSERVE_FAULT_ENGINE_DIE_REQUEST_ID_PREFIX") or FaultConfig.engine_die_prefix,
     )
 
 
