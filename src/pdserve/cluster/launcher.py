@@ -79,7 +79,7 @@ class Cluster:
         for worker_id, slot in self.supervisor.slots.items():
             state = self._await_start(slot)
             self.registry.publish(state)
-            slot.listed = True
+            slot.listed, slot.address = True, state.address
             log.info("worker %s ready at %s", worker_id, state.address)
             log.info("worker %s metrics at %s", worker_id, state.metrics_address)
 

@@ -3,9 +3,11 @@
 Ray restarts a worker actor whose process died while it has restarts left; calls to it wait meanwhile. This loop
 checks every actor at once (one slow actor never delays the others' checks), each within a timeout, and takes
 any actor that does not answer with its state out of placement at once: dead, restarting, starting, or leaving
-because its engine died. An actor that answers again rejoins. One whose restarts are used up (every call fails
-at once with ActorDiedError, twice in a row: a call in flight when a process dies fails once too) is replaced by
-a new actor with the same spec, so the cluster keeps its shape. No error of one actor ends the loop.
+because its engine died. An actor that answers again rejoins. Ray itself takes over a second to notice a killed
+process, so each check first knocks on the worker's gRPC port: a refused connection is a dead process, out at
+once. One whose restarts are used up (every call fails at once with ActorDiedError, twice in a row: a call in
+flight when a process dies fails once too) is replaced by a new actor with the same spec, so the cluster keeps its
+shape. No error of one actor ends the loop.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pdserve.registry.base import Registry
 
 log = logging.getLogger(__name__)
 CHECK_TIMEOUT_S = 1.0  # an actor's state() is cheap: one that takes longer is restarting, or stuck
+KNOCK_TIMEOUT_S = 0.25  # a port that neither accepts nor refuses by then: the state check decides
 DEAD_AFTER = 2  # ActorDiedErrors in a row that mean the actor is dead for good
 
 
@@ -31,6 +34,7 @@ class Slot:
     spec: WorkerSpec
     actor: Any
     listed: bool = False  # in placement: its last check succeeded
+    address: str = ""  # host:port of its gRPC server, as its last state said
     died: int = 0  # ActorDiedErrors in a row
     replacements: int = 0
 
@@ -70,6 +74,8 @@ class Supervisor:
     async def _check(self, slot: Slot) -> None:
         from ray.exceptions import ActorDiedError
 
+        if slot.listed and not await _port_open(slot.address):
+            await self._unlist(slot, f"its port {slot.address} refuses connections")
         try:
             state = await asyncio.wait_for(slot.actor.state.remote(), timeout=self.check_timeout_s)
         except ActorDiedError as e:
@@ -87,6 +93,7 @@ class Supervisor:
             await self._unlist(slot, _first_line(e))
             return
         slot.died = 0
+        slot.address = state.address
         if self.publish:
             self.registry.publish(state)
         if not slot.listed:
@@ -117,6 +124,19 @@ class Supervisor:
         slot.actor = self.new_actor(slot.spec)
         slot.died = 0
         self.on_replaced(slot.spec)
+
+
+async def _port_open(address: str) -> bool:
+    """False only when the port refuses connections (nothing listens: the process is gone)."""
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), KNOCK_TIMEOUT_S)
+    except (ConnectionRefusedError, ValueError):
+        return False
+    except (TimeoutError, OSError):  # slow or unreachable, not refused: not proof of death
+        return True
+    writer.close()
+    return True
 
 
 def _first_line(e: BaseException) -> str:
