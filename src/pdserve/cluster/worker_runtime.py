@@ -133,15 +133,20 @@ class WorkerRuntime:
         asyncio.run_coroutine_threadsafe(self._leave(error), self._loop)
 
     async def _leave(self, error: BaseException) -> None:
-        """Out of service at once; in-flight calls (already failed by the engine) get their status; then exit."""
+        """Out of service at once; in-flight calls (already failed by the engine) get their status; then exit.
+        An engine that dies while the worker starts fails the start instead (`_run` reports it and exits)."""
         log.error("worker %s: engine thread died (%r); leaving service", self.worker_id, error)
-        await self._server.set_serving(False)
-        self._stopped.set()  # the heartbeat deregisters and ends
-        if self._heartbeat_thread is not None:
-            await asyncio.to_thread(self._heartbeat_thread.join, EXIT_GRACE_S)
-        await self._server.stop(EXIT_GRACE_S)
-        if self.spec.exit_on_fatal:
-            self._exit_for_restart(f"engine thread died: {error!r}")
+        if not self._ready.done() or self._ready.exception() is not None:
+            return
+        try:
+            await self._server.set_serving(False)
+            self._stopped.set()  # the heartbeat deregisters and ends
+            if self._heartbeat_thread is not None:
+                await asyncio.to_thread(self._heartbeat_thread.join, EXIT_GRACE_S)
+            await self._server.stop(EXIT_GRACE_S)
+        finally:
+            if self.spec.exit_on_fatal:
+                self._exit_for_restart(f"engine thread died: {error!r}")
 
     def _exit_for_restart(self, reason: str) -> None:
         log.error("worker %s exits for Ray to restart it: %s", self.worker_id, reason)
