@@ -1,9 +1,12 @@
-"""Self-healing workers through a real `pdserve up` (two colocated workers, one Ray restart each): a worker whose
-engine thread dies fails what it held with UNAVAILABLE, leaves placement and comes back restarted by Ray; a
-SIGKILLed worker leaves placement within 2 s; a worker killed past its restarts is replaced by a new actor while
-the other one serves, and the launcher says so in its log and in a metric.
+"""Self-healing workers through a real `pdserve up` (two colocated workers, two Ray restarts each):
+- each worker's first start fails (injected), is logged with its reason, and Ray's restart starts it;
+- a worker whose engine thread dies fails what it held with UNAVAILABLE, leaves placement and is restarted by Ray;
+- a SIGKILLed worker leaves placement within 2 s;
+- a worker killed past its restarts is replaced by a new actor while the other one serves, and the launcher says
+  so in its log and in a metric.
 
-The tests run in file order on one cluster: the first uses colocated-0's restart, the next two colocated-1's.
+The tests run in file order on one cluster: the failed starts use one restart of each worker; then the engine's
+death uses colocated-0's second, and the next two tests colocated-1's.
 """
 
 from __future__ import annotations
@@ -37,8 +40,12 @@ def cluster(tmp_path_factory):
     log = tmp_path_factory.mktemp("self-healing") / "cluster.log"
     metrics_port = free_port()
     args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--mode", "colocated", "--workers", "2"]
-    args += ["--max-restarts", "1", "--metrics-port", str(metrics_port)]
-    proc = ClusterProcess(*args, log_path=log, env={"PDSERVE_FAULT_ENGINE_DIE_REQUEST_ID_PREFIX": DIE})
+    args += ["--max-restarts", "2", "--metrics-port", str(metrics_port)]
+    faults = {
+        "PDSERVE_FAULT_ENGINE_DIE_REQUEST_ID_PREFIX": DIE,
+        "PDSERVE_FAULT_FIRST_START_FAILS_DIR": str(tmp_path_factory.mktemp("started")),
+    }
+    proc = ClusterProcess(*args, log_path=log, env=faults)
     proc.metrics_address = f"127.0.0.1:{metrics_port}"  # type: ignore[attr-defined]
     yield proc
     proc.stop()
@@ -94,6 +101,15 @@ async def through_router(router: str, request_id: str) -> list[int]:
         pass
     assert result is not None and result.finish_reason == "length"
     return list(result.token_ids)
+
+
+def test_a_failed_start_is_logged_with_its_reason_and_ray_retries_it(cluster):
+    """The launcher waits on colocated-0 first, so it sees that start fail and logs the reason; the worker exits,
+    and Ray's restart starts it: `pdserve up` became ready with both workers. (Each worker logs its own failure
+    too, but Ray forwards a dead process's lines late.)"""
+    reason = "fault injected: the first start of colocated-0 fails"
+    assert f"worker colocated-0 failed to start (attempt 1): {reason}" in cluster.log()
+    assert set(asyncio.run(placed(cluster.address))) == {"colocated-0", "colocated-1"}
 
 
 def test_a_dead_engine_thread_fails_its_requests_unavailable_and_ray_restarts_the_worker(cluster):

@@ -90,23 +90,26 @@ class Cluster:
         """The worker's state once it serves. A failed start is logged with its reason, and Ray restarts the
         worker (it exits); when its restarts are used up, `pdserve up` fails instead of waiting forever."""
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorUnavailableError, RayActorError
 
-        worker_id = slot.spec.worker_id
-        error: Exception | None = None
-        for attempt in range(1, self.config.max_restarts + 2):
+        worker_id, failures, died = slot.spec.worker_id, 0, 0
+        while True:
             try:
                 ray.get(slot.actor.wait_ready.remote())
                 return ray.get(slot.actor.state.remote())
-            except RayActorError as e:  # its process died: Ray restarts it, or it is dead for good
-                error = e
-                log.error("worker %s died while starting (attempt %d): %s", worker_id, attempt, _reason(e))
+            except ActorUnavailableError:  # Ray is restarting it
+                time.sleep(0.5)
+            except RayActorError as e:  # its process died; twice in a row at once: dead for good
+                died += 1
+                log.error("worker %s died while starting: %s", worker_id, _reason(e))
+                if died >= 2:
+                    raise RuntimeError(f"worker {worker_id} could not be started: {_reason(e)}") from e
             except Exception as e:  # its start failed with this reason; it exits and Ray restarts it
-                error = e
-                log.error("worker %s failed to start (attempt %d): %s", worker_id, attempt, _reason(e))
+                died, failures = 0, failures + 1
+                log.error("worker %s failed to start (attempt %d): %s", worker_id, failures, _reason(e))
+                if failures > self.config.max_restarts:
+                    raise RuntimeError(f"worker {worker_id} failed to start {failures} times: {_reason(e)}") from e
                 time.sleep(2 * EXIT_GRACE_S)  # until the failed process is gone, not to ask it again
-        assert error is not None
-        raise RuntimeError(f"worker {worker_id} failed to start {self.config.max_restarts + 1} times: {_reason(error)}")
 
     async def watch(self) -> None:
         """Supervises the worker actors until cancelled (see `Supervisor`)."""

@@ -161,6 +161,7 @@ class WorkerRuntime:
         from pdserve.rpc.server import Server
 
         spec = self.spec
+        _injected_start_fault(spec.worker_id)
         self._engine = AsyncEngine(await asyncio.to_thread(LLMEngine, _engine_config(spec)))
         self._engine.on_death = self._engine_died
         self._server = Server(spec.host, spec.port, self.telemetry.server_interceptors())
@@ -201,6 +202,18 @@ class WorkerRuntime:
         self._engine.stop()
         self.telemetry.shutdown()  # flushes spans still batched
         self._loop.call_soon(self._loop.stop)
+
+
+def _injected_start_fault(worker_id: str) -> None:
+    """Fault injection (PDSERVE_FAULT_FIRST_START_FAILS_DIR): this worker's first start fails, its next succeeds."""
+    from pathlib import Path
+
+    from pdserve import env
+
+    folder = env.fault_config().first_start_fails_dir
+    if folder and not (marker := Path(folder) / worker_id).exists():
+        marker.touch()
+        raise RuntimeError(f"fault injected: the first start of {worker_id} fails")
 
 
 def _engine_config(spec: WorkerSpec) -> EngineConfig:
