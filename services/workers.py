@@ -43,6 +43,7 @@ def _add_prefill(ctx: WorkerContext) -> TorchDistSender:
 
 def _add_decode(ctx: WorkerContext) -> TorchDistReceiver | None:
     """A decode worker takes KV hand-offs; a colocated one prefills its requests itself."""
+    from pdserve import env
     from pdserve.transfer.torch_dist import TorchDistReceiver
     from services.decode.handoff import Handoff
     from services.decode.prefill_client import PrefillClient
@@ -54,7 +55,7 @@ def _add_decode(ctx: WorkerContext) -> TorchDistReceiver | None:
         receiver = TorchDistReceiver(spec.host, device=engine.device, model_fingerprint=engine.fingerprint)
         prefill = PrefillClient(ctx.telemetry)
         handoff = Handoff(engine, receiver, prefill, spec.worker_id, ctx.telemetry, spec.kv_transfer_timeout_s)
-    servicer = DecodeServicer(engine, handoff, spec.worker_id, spec.role, ctx.telemetry)
+    servicer = DecodeServicer(engine, handoff, spec.worker_id, spec.role, ctx.telemetry, env.fault_config())
     ctx.server.add(
         lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
         [_SERVICES["DecodeWorker"].full_name],

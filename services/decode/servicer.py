@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.config import FaultConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.errors import UnavailableError
 from pdserve.protocol.outputs import RequestOutput
@@ -31,6 +32,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     worker_id: str
     role: Role
     telemetry: Telemetry
+    faults: FaultConfig = field(default_factory=FaultConfig)  # none injected
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
@@ -38,6 +40,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         request_id_var.set(request.client_request_id or request.request_id)
         prompt = list(request.prompt_token_ids)
         sampling = sampling_from_pb(request.sampling)  # the router filled in every default
+        if self.faults.engine_dies_for(request.client_request_id):
+            self.engine.fail_when_stepped(request.request_id)
         outputs: AsyncIterator[RequestOutput]
         if not request.prefill_address:
             outputs = generate_here(self.engine, self.telemetry, self.worker_id, request.request_id, prompt, sampling)

@@ -45,6 +45,8 @@ class RunAndSend:
     async def run(self, job: PrefillJob) -> AsyncIterator[FirstToken | KVSent]:
         """The first token, then (unless it ended the request) the confirmation that the KV was sent."""
         self._check(job)
+        if self.faults.engine_dies_for(job.client_request_id):
+            self.engine.fail_when_stepped(job.request_id)
         out = await self._run_prompt(job)
         first = FirstToken(out.new_token_ids[0], not out.finished, out.num_cached_tokens)
         if out.finished:

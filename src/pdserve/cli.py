@@ -87,6 +87,12 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
         default=c.kv_transfer_timeout_s,
         help="seconds a KV transfer may take before it fails",
     )
+    up.add_argument(
+        "--max-restarts",
+        type=int,
+        default=c.max_restarts,
+        help="times Ray restarts a worker that died; past that the launcher replaces it with a new one",
+    )
     up.add_argument("--log-level", default=c.log_level, help="DEBUG, INFO, WARNING, ERROR (JSON lines on stderr)")
     up.set_defaults(func=partial(_up, services=services))
 

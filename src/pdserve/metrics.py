@@ -5,10 +5,14 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from pdserve.telemetry import LATENCY_BUCKETS_S, TOKEN_BUCKETS_S
+
+if TYPE_CHECKING:
+    from pdserve.cluster.worker_spec import WorkerSpec
 
 
 class RouterMetrics:
@@ -28,6 +32,18 @@ class RouterMetrics:
             "pdserve_e2e_request_latency_seconds", unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S
         )
         self.requests = meter.create_counter("pdserve_requests_total", description="requests by outcome")
+
+
+class SupervisionMetrics:
+    """What the launcher's supervision did: worker actors replaced after their restarts were used up."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.replacements = meter.create_counter(
+            "pdserve_worker_replacements_total", description="worker actors replaced after their restarts ran out"
+        )
+
+    def replaced(self, spec: WorkerSpec) -> None:
+        self.replacements.add(1, {"role": str(spec.role)})
 
 
 class WorkerMetrics:

@@ -358,3 +358,39 @@ async def see_them_register_and_deregister(
     assert gone_after < 1.5, f"took {gone_after:.1f} s: expired by TTL instead of deregistering?"
     await asyncio.sleep(0.5)  # several heartbeats later: still gone, and the other still there
     assert ids(router.workers()) == [prefill.worker_id]
+
+
+async def test_a_worker_whose_engine_thread_dies_fails_its_request_unavailable_and_deregisters(url, monkeypatch):
+    """In-process (no Ray to restart it): the worker leaves service as it would under Ray, just without exiting."""
+    import grpc
+
+    from pdserve.cluster.worker_runtime import WorkerUnavailableError
+    from pdserve.cluster.worker_spec import WorkerSpec
+    from pdserve.rpc.server import channel
+    from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+    from services.workers import add_worker_services
+
+    monkeypatch.setenv("PDSERVE_FAULT_ENGINE_DIE_REQUEST_ID_PREFIX", "die-")  # read as the worker builds services
+    engine = EngineConfig(model="tiny-random", num_threads=1, kv_cache_memory_gb=0.05)
+    spec = WorkerSpec("colocated", engine, worker_id=f"cw-{uuid.uuid4().hex[:6]}", registry_url=url, heartbeat_s=0.2)
+    worker = WorkerRuntime(spec, add_worker_services)
+    try:
+        address = worker.address(60)
+        async with router_view(url, refresh_s=0.05) as router:
+            await wait_for(lambda: ids(router.workers()) == [worker.worker_id], 10, "the worker to register")
+            request = worker_pb2.WorkerGenerateRequest(
+                request_id="key-1",
+                client_request_id="die-1",
+                prompt_token_ids=[5, 6, 7, 8],
+                sampling=generate_pb2.SamplingParams(max_tokens=8, ignore_eos=True),
+            )
+            async with channel(address) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in worker_pb2_grpc.DecodeWorkerStub(ch).Generate(request, timeout=30):
+                        pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            await wait_for(lambda: router.workers() == [], 5, "the worker to deregister")
+            with pytest.raises(WorkerUnavailableError):
+                worker.state()
+    finally:
+        worker.stop()

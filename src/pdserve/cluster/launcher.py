@@ -6,14 +6,17 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from dataclasses import replace
+from typing import Any
 
 from pdserve import env
 from pdserve.cluster.factories import ClusterServices
-from pdserve.cluster.worker_runtime import WorkerRuntime
+from pdserve.cluster.supervisor import Slot, Supervisor
+from pdserve.cluster.worker_runtime import EXIT_GRACE_S, WorkerRuntime
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import ClusterConfig
-from pdserve.registry.base import PrefixIndex, Registry
+from pdserve.registry.base import PrefixIndex, Registry, WorkerState
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 
 log = logging.getLogger(__name__)
@@ -34,7 +37,8 @@ class Cluster:
         else:
             self.registry = InMemoryRegistry()
             self.prefix_index = InMemoryPrefixIndex()
-        self._actors: dict[str, object] = {}
+        self.supervisor = Supervisor(self.registry, publish=not config.redis_url, new_actor=self._new_actor)
+        self._actor_cls: Any = None
         self._started_ray = False
 
     def start_workers(self) -> None:
@@ -54,7 +58,7 @@ class Cluster:
             self._started_ray = True
         engine = replace(c.engine, num_threads=c.threads_per_worker())
         gpus = 1 if _wants_gpu(engine.device) else 0
-        actor_cls = ray.remote(WorkerRuntime).options(
+        self._actor_cls = ray.remote(WorkerRuntime).options(
             num_cpus=0, num_gpus=gpus, max_restarts=c.max_restarts, max_task_retries=0
         )
         for i, role in enumerate(c.roles):
@@ -69,55 +73,74 @@ class Cluster:
                 c.router.heartbeat_s,
                 log_level=c.log_level,
                 kv_transfer_timeout_s=c.kv_transfer_timeout_s,
+                exit_on_fatal=True,
             )
-            self._actors[worker_id] = actor_cls.remote(spec, self.services.workers)
-        for worker_id, actor in self._actors.items():
-            state = ray.get(actor.state.remote())
+            self.supervisor.slots[worker_id] = Slot(spec, self._new_actor(spec))
+        for worker_id, slot in self.supervisor.slots.items():
+            state = self._await_start(slot)
             self.registry.publish(state)
+            slot.listed, slot.address = True, state.address
             log.info("worker %s ready at %s", worker_id, state.address)
             log.info("worker %s metrics at %s", worker_id, state.metrics_address)
 
-    async def watch(self) -> None:
-        """The embedded registry's heartbeat: publishes each actor's state; a dead one leaves placement, a
-        restarted one rejoins. With Redis the workers publish themselves and the TTL drops the dead."""
-        from ray.exceptions import RayActorError
+    def _new_actor(self, spec: WorkerSpec) -> Any:
+        return self._actor_cls.remote(spec, self.services.workers)
 
-        interval = self.config.router.heartbeat_s
+    def _await_start(self, slot: Slot) -> WorkerState:
+        """The worker's state once it serves. A failed start is logged with its reason, and Ray restarts the
+        worker (it exits); when its restarts are used up, `pdserve up` fails instead of waiting forever."""
+        import ray
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        worker_id, failures, died = slot.spec.worker_id, 0, 0
         while True:
-            await asyncio.sleep(interval)
-            if self.config.redis_url:
-                continue
-            for worker_id, actor in self._actors.items():
-                try:
-                    state = await asyncio.wait_for(actor.state.remote(), timeout=max(interval, 1.0))
-                except RayActorError:  # dead or restarting: out of placement until it answers again
-                    self.registry.remove(worker_id)
-                    continue
-                except TimeoutError:  # busy, not dead: its last state stands until the registry's TTL
-                    log.warning("worker %s heartbeat late", worker_id)
-                    continue
-                self.registry.publish(state)
+            try:
+                ray.get(slot.actor.wait_ready.remote())
+                return ray.get(slot.actor.state.remote())
+            except ActorUnavailableError:  # Ray is restarting it
+                time.sleep(0.5)
+            except RayActorError as e:  # its process died; twice in a row at once: dead for good
+                died += 1
+                log.error("worker %s died while starting: %s", worker_id, _reason(e))
+                if died >= 2:
+                    raise RuntimeError(f"worker {worker_id} could not be started: {_reason(e)}") from e
+            except Exception as e:  # its start failed with this reason; it exits and Ray restarts it
+                died, failures = 0, failures + 1
+                log.error("worker %s failed to start (attempt %d): %s", worker_id, failures, _reason(e))
+                if failures > self.config.max_restarts:
+                    raise RuntimeError(f"worker {worker_id} failed to start {failures} times: {_reason(e)}") from e
+                time.sleep(2 * EXIT_GRACE_S)  # until the failed process is gone, not to ask it again
+
+    async def watch(self) -> None:
+        """Supervises the worker actors until cancelled (see `Supervisor`)."""
+        await self.supervisor.run(self.config.router.heartbeat_s)
 
     def stop_workers(self) -> None:
         import ray
 
-        for actor in self._actors.values():
+        for slot in self.supervisor.slots.values():
             try:
-                ray.get(actor.stop.remote(), timeout=30)
+                ray.get(slot.actor.stop.remote(), timeout=30)
             except Exception as e:  # dead already, or stuck: killed below either way
                 log.warning("worker did not stop cleanly: %r", e)
-            ray.kill(actor, no_restart=True)
-        self._actors.clear()
+            ray.kill(slot.actor, no_restart=True)
+        self.supervisor.slots.clear()
         if self._started_ray:
             ray.shutdown()
 
 
 async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_line: bool = True) -> None:
+    from pdserve.metrics import SupervisionMetrics
     from pdserve.telemetry import Telemetry
 
     cluster = Cluster(config, services)
-    await asyncio.to_thread(cluster.start_workers)
+    try:
+        await asyncio.to_thread(cluster.start_workers)
+    except BaseException:  # a worker that cannot start: stop the others rather than leave them running
+        await asyncio.to_thread(cluster.stop_workers)
+        raise
     telemetry = Telemetry("pdserve-router")
+    cluster.supervisor.on_replaced = SupervisionMetrics(telemetry.meter).replaced
     await cluster.registry.start()
     server, router = await services.router(
         config.engine.model, cluster.registry, cluster.prefix_index, config.router, config.host, config.port, telemetry
@@ -147,6 +170,12 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
         await cluster.registry.close()
         await asyncio.to_thread(cluster.stop_workers)
         telemetry.shutdown()
+
+
+def _reason(e: BaseException) -> str:
+    """An actor's own exception without Ray's traceback around it."""
+    e = getattr(e, "cause", None) or e
+    return (str(e).strip() or repr(e)).splitlines()[0][:500]
 
 
 def _wants_gpu(device: str) -> bool:

@@ -2,12 +2,18 @@
 
 The same class runs under Ray (as an actor) and in tests; its public methods are cheap and
 thread-safe, so a Ray actor can answer health checks while the model runs.
+
+A worker that can no longer serve (its start failed, or its engine thread died) says so and leaves: NOT_SERVING,
+out of the registry, its in-flight requests failed with UNAVAILABLE, and under Ray (`spec.exit_on_fatal`) its
+process exits, which is how an actor asks Ray for a restart (`ray.actor.exit_actor` would end it for good).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import threading
 import uuid
 from concurrent.futures import Future
@@ -23,6 +29,11 @@ if TYPE_CHECKING:
     from pdserve.config import EngineConfig
 
 log = logging.getLogger(__name__)
+EXIT_GRACE_S = 1.0  # a failing worker's last words: its callers get their status, the launcher the reason
+
+
+class WorkerUnavailableError(RuntimeError):
+    """The worker is starting, or is leaving because it can no longer serve: keep it out of placement."""
 
 
 class WorkerRuntime:
@@ -39,6 +50,8 @@ class WorkerRuntime:
         self._ready: Future[str] = Future()
         self._loop = asyncio.new_event_loop()
         self._stopped = threading.Event()
+        self._fatal: BaseException | None = None  # why this worker can no longer serve
+        self._heartbeat_thread: threading.Thread | None = None
         self._thread = threading.Thread(target=self._run, name="worker-rpc", daemon=True)
         self._thread.start()
 
@@ -50,9 +63,17 @@ class WorkerRuntime:
     def worker_id(self) -> str:
         return self.spec.worker_id
 
+    def wait_ready(self, timeout_s: float = 600.0) -> str:
+        """The launcher's wait for the start; raises the start's own error if it failed."""
+        return self.address(timeout_s)
+
     def state(self) -> WorkerState:
-        """What routers need to know of this worker now: identity, profile, load."""
-        self.address()
+        """What routers need to know of this worker now: identity, profile, load. Never waits: raises
+        WorkerUnavailableError while it starts or once it can no longer serve."""
+        if not self._ready.done() or self._ready.exception() is not None:
+            raise WorkerUnavailableError(f"worker {self.worker_id} is not started")
+        if self._fatal is not None or not self._engine.alive:
+            raise WorkerUnavailableError(f"worker {self.worker_id} can no longer serve: {self._fatal!r}")
         stats = self._engine.stats
         return WorkerState(
             worker_id=self.worker_id,
@@ -99,10 +120,38 @@ class WorkerRuntime:
         try:
             self._loop.run_until_complete(self._start())
         except BaseException as e:
-            log.exception("worker %s failed to start", self.spec.worker_id)
+            log.exception("worker %s failed to start: %r", self.spec.worker_id, e)
             self._ready.set_exception(e)
+            if self.spec.exit_on_fatal:  # after a grace, so the launcher's wait_ready reports the reason
+                threading.Timer(EXIT_GRACE_S, self._exit_for_restart, [f"start failed: {e!r}"]).start()
             return
         self._loop.run_forever()
+
+    def _engine_died(self, error: BaseException) -> None:
+        """On the engine thread, as it dies: the rest happens on the server's loop."""
+        self._fatal = error
+        asyncio.run_coroutine_threadsafe(self._leave(error), self._loop)
+
+    async def _leave(self, error: BaseException) -> None:
+        """Out of service at once; in-flight calls (already failed by the engine) get their status; then exit.
+        An engine that dies while the worker starts fails the start instead (`_run` reports it and exits)."""
+        log.error("worker %s: engine thread died (%r); leaving service", self.worker_id, error)
+        if not self._ready.done() or self._ready.exception() is not None:
+            return
+        try:
+            await self._server.set_serving(False)
+            self._stopped.set()  # the heartbeat deregisters and ends
+            if self._heartbeat_thread is not None:
+                await asyncio.to_thread(self._heartbeat_thread.join, EXIT_GRACE_S)
+            await self._server.stop(EXIT_GRACE_S)
+        finally:
+            if self.spec.exit_on_fatal:
+                self._exit_for_restart(f"engine thread died: {error!r}")
+
+    def _exit_for_restart(self, reason: str) -> None:
+        log.error("worker %s exits for Ray to restart it: %s", self.worker_id, reason)
+        sys.stderr.flush()
+        os._exit(1)
 
     async def _start(self) -> None:
         from pdserve.engine.async_engine import AsyncEngine
@@ -112,7 +161,9 @@ class WorkerRuntime:
         from pdserve.rpc.server import Server
 
         spec = self.spec
+        _injected_start_fault(spec.worker_id)
         self._engine = AsyncEngine(await asyncio.to_thread(LLMEngine, _engine_config(spec)))
+        self._engine.on_death = self._engine_died
         self._server = Server(spec.host, spec.port, self.telemetry.server_interceptors())
         engine = self._engine
         metrics = WorkerMetrics(
@@ -129,7 +180,8 @@ class WorkerRuntime:
         await self._server.set_serving(True)
         self._ready.set_result(self._server.address)
         if spec.registry_url:
-            threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+            self._heartbeat_thread = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
+            self._heartbeat_thread.start()
 
     async def _warm_up(self) -> None:
         """One tiny step through the model, so the first real request does not pay for lazy kernel set-up."""
@@ -150,6 +202,18 @@ class WorkerRuntime:
         self._engine.stop()
         self.telemetry.shutdown()  # flushes spans still batched
         self._loop.call_soon(self._loop.stop)
+
+
+def _injected_start_fault(worker_id: str) -> None:
+    """Fault injection (PDSERVE_FAULT_FIRST_START_FAILS_DIR): this worker's first start fails, its next succeeds."""
+    from pathlib import Path
+
+    from pdserve import env
+
+    folder = env.fault_config().first_start_fails_dir
+    if folder and not (marker := Path(folder) / worker_id).exists():
+        marker.touch()
+        raise RuntimeError(f"fault injected: the first start of {worker_id} fails")
 
 
 def _engine_config(spec: WorkerSpec) -> EngineConfig:

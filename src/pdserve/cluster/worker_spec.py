@@ -21,6 +21,9 @@ class WorkerSpec:
     log_level: str | None = None  # set: this process logs structured lines at that level
     # Decode side: a KV transfer not done by then fails, freeing its blocks.
     kv_transfer_timeout_s: float = ClusterConfig.kv_transfer_timeout_s
+    # A Ray actor: a failed start or a dead engine exits the process, so Ray restarts it. False in tests that
+    # run a worker inside their own process.
+    exit_on_fatal: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # a role's string is accepted, and checked here

@@ -25,7 +25,7 @@ import torch
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import kv_block_bytes
 from pdserve.engine.profiling import measure_profile
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import InvalidRequestError, UnavailableError
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.sampling import SamplingParams
@@ -47,8 +47,12 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | Exception]
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an error; the worker must be restarted."""
+class EngineDeadError(UnavailableError):
+    """The engine thread stopped on an error; the worker must be restarted (its callers get UNAVAILABLE)."""
+
+
+class InjectedEngineFault(RuntimeError):
+    """Raised in the engine step on purpose (`fail_when_stepped`): tests kill the engine thread with it."""
 
 
 class DuplicateRequestError(InvalidRequestError):
@@ -68,6 +72,9 @@ class AsyncEngine:
         self._stopping = False
         self._streams: dict[str, _Stream] = {}
         self._error: BaseException | None = None
+        self._pending: set[Future[object]] = set()  # commands awaited: failed at once if the thread dies
+        self._doomed: set[str] = set()  # fault injection: a step that runs one of these request ids raises
+        self.on_death: Callable[[BaseException], None] | None = None  # called on the engine thread as it dies
         self.stats: dict[str, int] = {}
         self.on_step: Callable[[int, int, float], None] | None = None  # (prefill tokens, decode seqs, seconds)
         # request id -> wall-clock ns when the first step that ran it began (its queue wait ends there)
@@ -188,6 +195,11 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._error is None and self._thread.is_alive()
 
+    def fail_when_stepped(self, request_id: str) -> None:
+        """Fault injection: the first engine step that runs `request_id` raises, which ends the engine
+        thread as a real step failure would (tests of what a worker does when its engine dies)."""
+        self._doomed.add(request_id)
+
     async def _call(self, fn: Callable[[LLMEngine], T], undo: Callable[[LLMEngine, T], None] | None = None) -> T:
         """Run `fn(engine)` on the engine thread between steps and await its result. Cancelling the caller
         does not stop `fn` from running; `undo(engine, result)` then reverts what `fn` did for nobody."""
@@ -208,7 +220,14 @@ class AsyncEngine:
                 if undo is not None:
                     undo(self._engine, result)
 
-        self._submit(command)
+        # Registered before the liveness check in `_submit`: a thread dying after the check still fails it.
+        self._pending.add(future)  # type: ignore[arg-type]
+        future.add_done_callback(self._pending.discard)  # type: ignore[arg-type]
+        try:
+            self._submit(command)
+        except EngineDeadError:
+            self._pending.discard(future)  # type: ignore[arg-type]
+            raise
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -270,13 +289,23 @@ class AsyncEngine:
                 if self.on_step is not None:
                     decode_seqs = min(decoding, self._engine.last_step_tokens)
                     self.on_step(self._engine.last_step_tokens - decode_seqs, decode_seqs, time.perf_counter() - start)
+                self._check_doomed(outputs)
                 for out in outputs:
                     self._deliver(out)
                 self._update_stats()
         except BaseException as e:
             log.exception("engine loop failed")
             self._error = e
+            if self.on_death is not None:  # first: whoever it tells learns before any caller sees the failure
+                try:
+                    self.on_death(e)
+                except Exception:
+                    log.exception("on_death failed")
             self._fail_all(EngineDeadError(f"engine failed: {e!r}"))
+
+    def _check_doomed(self, outputs: list[RequestOutput]) -> None:
+        if self._doomed and (hit := self._doomed & {o.request_id for o in outputs}):
+            raise InjectedEngineFault(f"fault injected: the engine step ran {sorted(hit)}")
 
     def _mark_started(self, outputs: list[RequestOutput], start_ns: int) -> None:
         started = self._started_ns
@@ -301,8 +330,15 @@ class AsyncEngine:
             target.loop.call_soon_threadsafe(target.queue.put_nowait, out)
 
     def _fail_all(self, error: Exception) -> None:
+        """Every caller waiting on the dead thread gets `error`: streams, and commands it will never run."""
         for stream in list(self._streams.values()):
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+        self._fail_pending(error)
+
+    def _fail_pending(self, error: Exception) -> None:
+        for future in list(self._pending):
+            with contextlib.suppress(InvalidStateError):
+                future.set_exception(error)
 
     def _update_stats(self) -> None:
         """Published as one dict swap, so readers on other threads never see the queues mid-change."""

@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from pdserve.config import EngineConfig
-from pdserve.engine.async_engine import AsyncEngine, DuplicateRequestError
+from pdserve.engine.async_engine import AsyncEngine, DuplicateRequestError, EngineDeadError, InjectedEngineFault
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.scheduler import SchedulerConfig
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import InvalidRequestError, UnavailableError
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
 
@@ -161,3 +161,38 @@ async def test_a_reservation_whose_caller_left_holds_no_blocks():
         assert not await engine.abort("left")  # it ran, and was dropped at once
     finally:
         engine.stop()
+
+
+async def test_a_dead_engine_thread_fails_every_waiting_caller_as_unavailable_and_says_so(mixed):
+    """A step that raises ends the engine thread: the streams on it, a command queued behind that step and every
+    later call fail with EngineDeadError (UNAVAILABLE at the gRPC edge) instead of waiting forever."""
+    engine = mixed
+    died: list[BaseException] = []
+    engine.on_death = died.append
+    long = SamplingParams(max_tokens=100, ignore_eos=True)
+    holds = [(threading.Event(), threading.Event()) for _ in range(2)]  # (stepping, gate) for two steps in a row
+
+    def hold_the_engine_thread(*_: object) -> None:
+        stepping, gate = next((e for e in holds if not e[1].is_set()), holds[-1])
+        stepping.set()
+        gate.wait(10)
+
+    engine.on_step = hold_the_engine_thread
+    other = asyncio.ensure_future(tokens(engine.generate("other", PROMPT, long)))
+    assert await asyncio.to_thread(holds[0][0].wait, 10)  # held after other's first step: the add below runs next
+    engine.fail_when_stepped("doomed")
+    doomed = asyncio.ensure_future(tokens(engine.generate("doomed", PROMPT, long)))
+    await asyncio.sleep(0.05)
+    holds[0][1].set()
+    assert await asyncio.to_thread(holds[1][0].wait, 10)  # held in the step that ran "doomed"
+    queued = asyncio.ensure_future(engine.abort("nobody"))  # waits behind the step that will raise
+    await asyncio.sleep(0.05)
+    holds[1][1].set()
+    for call in (doomed, other, queued):
+        with pytest.raises(EngineDeadError) as err:
+            await asyncio.wait_for(call, timeout=10)
+        assert isinstance(err.value, UnavailableError)
+    assert not engine.alive
+    assert [type(e) for e in died] == [InjectedEngineFault]
+    with pytest.raises(EngineDeadError):
+        await engine.abort("later")

@@ -1,0 +1,146 @@
+"""The launcher's supervision of its worker actors: who is in placement, and a new actor for one that died for good.
+
+Ray restarts a worker actor whose process died while it has restarts left; calls to it wait meanwhile. This loop
+checks every actor at once (one slow actor never delays the others' checks), each within a timeout, and takes
+any actor that does not answer with its state out of placement at once: dead, restarting, starting, or leaving
+because its engine died. An actor that answers again rejoins. Ray itself takes over a second to notice a killed
+process, so each check first knocks on the worker's gRPC port: a refused connection is a dead process, out at
+once. One whose restarts are used up (every call fails at once with ActorDiedError, twice in a row: a call in
+flight when a process dies fails once too) is replaced by a new actor with the same spec, so the cluster keeps its
+shape. No error of one actor ends the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.cluster.worker_spec import WorkerSpec
+from pdserve.registry.base import Registry
+
+log = logging.getLogger(__name__)
+CHECK_TIMEOUT_S = 1.0  # an actor's state() is cheap: one that takes longer is restarting, or stuck
+KNOCK_TIMEOUT_S = 0.25  # a port that neither accepts nor refuses by then: the state check decides
+DEAD_AFTER = 2  # ActorDiedErrors in a row that mean the actor is dead for good
+
+
+@dataclass
+class Slot:
+    """One worker the cluster wants, and the actor filling it now."""
+
+    spec: WorkerSpec
+    actor: Any
+    listed: bool = False  # in placement: its last check succeeded
+    address: str = ""  # host:port of its gRPC server, as its last state said
+    died: int = 0  # ActorDiedErrors in a row
+    replacements: int = 0
+
+
+class Supervisor:
+    """`publish`: the launcher keeps the (embedded) registry current itself; with Redis the workers heartbeat
+    and the supervisor only removes the ones it finds gone, which beats waiting for their key's TTL."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        publish: bool,
+        new_actor: Callable[[WorkerSpec], Any],
+        on_replaced: Callable[[WorkerSpec], None] = lambda spec: None,
+        check_timeout_s: float = CHECK_TIMEOUT_S,
+    ) -> None:
+        self.registry = registry
+        self.publish = publish
+        self.new_actor = new_actor
+        self.on_replaced = on_replaced
+        self.check_timeout_s = check_timeout_s
+        self.slots: dict[str, Slot] = {}
+
+    async def run(self, interval_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await self.check_all()
+            await asyncio.sleep(max(0.0, interval_s - (loop.time() - start)))
+
+    async def check_all(self) -> None:
+        results = await asyncio.gather(*(self._check(s) for s in list(self.slots.values())), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):  # a bug in the check itself: reported, and the loop goes on
+                log.error("worker check failed: %r", r, exc_info=r)
+
+    async def _check(self, slot: Slot) -> None:
+        from ray.exceptions import ActorDiedError
+
+        if slot.listed and not await _port_open(slot.address):
+            await self._unlist(slot, f"its port {slot.address} refuses connections")
+        try:
+            state = await asyncio.wait_for(slot.actor.state.remote(), timeout=self.check_timeout_s)
+        except ActorDiedError as e:
+            slot.died += 1
+            await self._unlist(slot, "its actor died")
+            if slot.died >= DEAD_AFTER:
+                self._replace(slot, e)
+            return
+        except TimeoutError:
+            slot.died = 0
+            await self._unlist(slot, f"no answer within {self.check_timeout_s:g}s (restarting, or stuck)")
+            return
+        except Exception as e:  # starting, leaving (its engine died), or an error of its own
+            slot.died = 0
+            await self._unlist(slot, _first_line(e))
+            return
+        slot.died = 0
+        slot.address = state.address
+        if self.publish:
+            self.registry.publish(state)
+        if not slot.listed:
+            log.info("worker %s in placement at %s", slot.spec.worker_id, state.address)
+            slot.listed = True
+
+    async def _unlist(self, slot: Slot, why: str) -> None:
+        if not slot.listed:
+            return
+        slot.listed = False
+        log.warning("worker %s left placement: %s", slot.spec.worker_id, why)
+        if self.publish:
+            self.registry.remove(slot.spec.worker_id)
+        else:  # Redis: a blocking call, off the loop; the worker's own heartbeat re-adds it if it is alive
+            try:
+                await asyncio.to_thread(self.registry.remove, slot.spec.worker_id)
+            except Exception as e:  # Redis down: its key's TTL removes it
+                log.warning("could not remove worker %s from the registry: %r", slot.spec.worker_id, e)
+
+    def _replace(self, slot: Slot, error: BaseException) -> None:
+        slot.replacements += 1
+        log.error(
+            "worker %s is dead for good (its restarts are used up: %s); replacing it with a new actor (replacement %d)",
+            slot.spec.worker_id,
+            _first_line(error),
+            slot.replacements,
+        )
+        slot.actor = self.new_actor(slot.spec)
+        slot.died = 0
+        self.on_replaced(slot.spec)
+
+
+async def _port_open(address: str) -> bool:
+    """False only when the port refuses connections (nothing listens: the process is gone)."""
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), KNOCK_TIMEOUT_S)
+    except (ConnectionRefusedError, ValueError):
+        return False
+    except (TimeoutError, OSError):  # slow or unreachable, not refused: not proof of death
+        return True
+    writer.close()
+    return True
+
+
+def _first_line(e: BaseException) -> str:
+    """The reason, without Ray's traceback around an actor's own exception."""
+    e = getattr(e, "cause", None) or e
+    text = str(e).strip() or repr(e)
+    return text.splitlines()[0][:300]

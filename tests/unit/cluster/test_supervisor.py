@@ -1,0 +1,99 @@
+"""The launcher's supervision loop against stand-ins for Ray actor handles (their `state.remote()` is awaitable, as a
+Ray ObjectRef is): one actor's error never ends the loop, slow actors do not delay the others' checks, and an actor
+dead for good is replaced."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from pdserve.cluster.supervisor import Slot, Supervisor
+from pdserve.cluster.worker_spec import WorkerSpec
+from pdserve.config import EngineConfig
+from pdserve.protocol.roles import Role
+from pdserve.registry.base import WorkerState
+from pdserve.registry.memory import InMemoryRegistry
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Method:
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+
+    def remote(self) -> Any:
+        return self.answer()
+
+
+class StandInActor:
+    """Answers `state` with `behaviour()`: a coroutine that returns a state, raises, or takes its time."""
+
+    address = ""  # a port that accepts connections: set by `listening`
+
+    def __init__(self, worker_id: str, behaviour: str) -> None:
+        self.worker_id = worker_id
+        self.behaviour = behaviour
+        self.state = _Method(self._state)
+
+    async def _state(self) -> WorkerState:
+        self.asked_at = asyncio.get_running_loop().time()
+        if self.behaviour == "dead":
+            raise ActorDiedError()
+        if self.behaviour == "broken":
+            raise RuntimeError("its own error")
+        if self.behaviour == "slow":
+            await asyncio.sleep(10)
+        return WorkerState(self.worker_id, Role.DECODE, self.address)
+
+
+@pytest.fixture(autouse=True)
+async def listening() -> Any:
+    """The stand-ins' gRPC port: it accepts, as a live worker's does (the supervisor knocks on it)."""
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    StandInActor.address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    yield
+    server.close()
+
+
+def supervisor(behaviours: dict[str, str], new_actor: Any = None) -> tuple[Supervisor, InMemoryRegistry]:
+    registry = InMemoryRegistry()
+    sup = Supervisor(registry, publish=True, new_actor=new_actor or (lambda spec: None), check_timeout_s=0.3)
+    for worker_id, behaviour in behaviours.items():
+        sup.slots[worker_id] = Slot(WorkerSpec(Role.DECODE, EngineConfig(), worker_id=worker_id), None)
+        sup.slots[worker_id].actor = StandInActor(worker_id, behaviour)
+    return sup, registry
+
+
+async def test_slow_and_failing_actors_neither_stop_nor_delay_the_healthy_ones() -> None:
+    sup, registry = supervisor({"slow-1": "slow", "slow-2": "slow", "broken": "broken", "ok": "ok"})
+    await sup.check_all()
+    asked = [s.actor.asked_at for s in sup.slots.values()]
+    assert max(asked) - min(asked) < sup.check_timeout_s  # all asked at once: "ok" did not wait on the slow ones
+    assert [w.worker_id for w in registry.workers()] == ["ok"]
+    task = asyncio.create_task(sup.run(0.05))
+    await asyncio.sleep(1.0)
+    assert not task.done()  # the loop goes on through every round of errors
+    task.cancel()
+
+
+async def test_an_actor_dead_for_good_leaves_placement_and_is_replaced() -> None:
+    replaced: list[str] = []
+
+    def new_actor(spec: WorkerSpec) -> StandInActor:
+        replaced.append(spec.worker_id)
+        return StandInActor(spec.worker_id, "ok")
+
+    sup, registry = supervisor({"a": "ok", "b": "ok"}, new_actor)
+    await sup.check_all()
+    assert {w.worker_id for w in registry.workers()} == {"a", "b"}
+    sup.slots["b"].actor.behaviour = "dead"
+    await sup.check_all()
+    assert {w.worker_id for w in registry.workers()} == {"a"}  # out at once
+    assert replaced == []  # a call in flight at a process's death fails once even when Ray restarts it
+    await sup.check_all()
+    assert replaced == ["b"]
+    await sup.check_all()
+    assert {w.worker_id for w in registry.workers()} == {"a", "b"}  # the new actor is in placement
