@@ -8,7 +8,7 @@ import contextvars
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 
 from opentelemetry import trace
@@ -24,8 +24,9 @@ from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import Admission, SLOTarget
 from services.router.load_tracker import LoadTracker
 from services.router.placement import Placement, PlacementPolicy
-from services.router.relay import Relay
+from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request
+from services.router.retry import blamed_worker, may_retry
 from services.router.ticket import Ticket
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,54 @@ class RequestLifecycle:
         self.admission.check(placement, len(req.prompt_token_ids), req.priority, slo)
         return placement
 
-    def stream(self, ticket: Ticket, time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
-        return self.relay.stream(ticket, time_remaining)
+    async def stream(
+        self, ticket: Ticket, time_remaining: Callable[[], float | None]
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The decode worker's stream; a failure before any message reached the caller places the request again
+        (up to `max_attempts`, never on a worker that failed it), each attempt with its own ticket."""
+        clock = Clock(ticket.started_at)
+        failed: set[str] = set()
+        attempt, sent = 1, False
+        try:
+            while True:
+                try:
+                    async for msg in self.relay.stream(ticket, time_remaining(), clock):
+                        sent = True
+                        yield msg
+                    return
+                except UnavailableError as e:
+                    ticket.release()
+                    ticket = await self._retry(ticket, e, attempt, sent, failed, time_remaining())
+                    attempt += 1
+        finally:
+            ticket.release()
+
+    async def _retry(
+        self, ticket: Ticket, error: UnavailableError, attempt: int, sent: bool, failed: set[str], left: float | None
+    ) -> Ticket:
+        """A new ticket on other workers, or `error` raised again when the request may not or cannot move."""
+        worker = blamed_worker(error, ticket.placement)
+        self.placement.ejections.eject(worker, str(error))
+        failed.add(worker.worker_id)
+        if not may_retry(attempt, self.config.max_attempts, sent, left):
+            raise error
+        req = ticket.request
+        _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
+        try:
+            placement = await self.placement.place(
+                req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3, frozenset(failed)
+            )
+        except UnavailableError:
+            raise error from None  # nowhere else to go: the failure itself is the answer
+        key = f"{ticket.key.split('.')[0]}.{attempt + 1}"
+        retried = {"attempt": attempt + 1, "failed.worker.id": worker.worker_id, "error": str(error)}
+        retried["prefill.worker.id"] = placement.prefill_worker.worker_id
+        retried["decode.worker.id"] = placement.decode.worker_id
+        trace.get_current_span().add_event("retry", retried)
+        trace.get_current_span().set_attribute("attempts", attempt + 1)
+        log.warning("request placed again after worker %s failed it", worker.worker_id, extra=retried | {"key": key})
+        self.prefix_index.record(placement.prefill_worker.worker_id, placement.block_hashes)
+        return Ticket(key, ticket.client_id, req, placement, time.perf_counter(), self.tracker, self.admission)
 
     @contextmanager
     def accounting(self, started_at: float) -> Iterator[None]:

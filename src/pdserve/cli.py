@@ -202,6 +202,12 @@ def _add_router_overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-queued-prefill-tokens", type=int, help=f"per prefill worker (default: {r.max_queued_prefill_tokens})"
     )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        help="placements a request may get when workers fail before its first token, the first included "
+        f"(default: {r.max_attempts}; 1 never retries)",
+    )
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -1,0 +1,103 @@
+"""Retry before the first token through a real `pdserve up` (2 prefill + 2 decode, tiny-random): a worker that
+dies before the client got anything costs the client nothing but time. The router places the request again on
+the other workers, and the answer is the single-process engine's.
+
+The prefill workers hold requests whose client id starts with HELD between the first token and the KV send
+(PDSERVE_FAULT_*), so a test can SIGKILL the one holding it; the retry is held as long on the other one, then
+completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from pdserve.cluster.local_process import ClusterProcess
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.rpc.client import generate
+from pdserve.v1 import admin_pb2
+from pdserve.v1 import generate_pb2 as pb
+from tests.integration.worker_view import pid_serving, workers
+
+pytestmark = pytest.mark.timeout(300)
+HOLD_S = 4.0
+HELD = "held-"
+PROMPT = [5, 6, 7, 8, 9] * 7
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    log = tmp_path_factory.mktemp("retry") / "cluster.log"
+    args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--prefill", "2", "--decode", "2"]
+    faults = {"PDSERVE_FAULT_KV_SEND_DELAY_S": str(HOLD_S), "PDSERVE_FAULT_REQUEST_ID_PREFIX": HELD}
+    proc = ClusterProcess(*args, log_path=log, env=faults)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[int]:
+    engine = LLMEngine(EngineConfig(model="tiny-random", dtype="float32", num_threads=1, num_kv_blocks=16))
+    return engine.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+
+
+def request(request_id: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id, prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True)
+    )
+
+
+async def tokens(address: str, req: pb.GenerateRequest) -> list[int]:
+    result = None
+    async for _, result in generate(address, req, 60.0):  # noqa: B007 (the last one is the answer)
+        pass
+    assert result is not None and result.finish_reason == "length"
+    return result.token_ids
+
+
+async def holding(router: str, timeout_s: float = 5.0) -> admin_pb2.WorkerStatus:
+    """The prefill worker that ran the prompt and now holds its blocks for the delayed KV send."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for w in await workers(router):
+            if w.role == "prefill" and w.kv_blocks_used > 0 and w.running == 0 and w.waiting == 0:
+                return w
+        await asyncio.sleep(0.05)
+    raise AssertionError("no prefill worker held the request")
+
+
+def retried_after(log: str, worker_id: str) -> bool:
+    return f"request placed again after worker {worker_id} failed it" in log
+
+
+def test_prefill_worker_killed_while_holding_the_request_it_completes_on_the_other(cluster, expected):
+    async def run() -> None:
+        assert await tokens(cluster.address, request("warm")) == expected
+        call = asyncio.create_task(tokens(cluster.address, request(f"{HELD}prefill-kill")))
+        victim = await holding(cluster.address)
+        await asyncio.sleep(0.3)  # the first token reaches the decode worker, which waits for the KV
+        os.kill(pid_serving(victim.address), signal.SIGKILL)
+        assert await call == expected
+        assert retried_after(cluster.log(), victim.id), cluster.log()[-3000:]
+
+    asyncio.run(run())
+
+
+def test_decode_worker_killed_before_the_stream_starts_requests_complete_on_the_other(cluster, expected):
+    async def run() -> None:
+        decodes = [w for w in await workers(cluster.address) if w.role == "decode"]
+        assert len(decodes) == 2, decodes
+        victim = decodes[0]
+        os.kill(pid_serving(victim.address), signal.SIGKILL)
+        # Its registry entry lives on until the TTL: concurrent requests spread over both decode workers.
+        got = await asyncio.gather(*(tokens(cluster.address, request(f"after-kill-{i}")) for i in range(4)))
+        assert got == [expected] * 4
+        assert retried_after(cluster.log(), victim.id), cluster.log()[-3000:]
+
+    asyncio.run(run())
