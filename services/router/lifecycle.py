@@ -18,15 +18,16 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError, OverloadedError, UnavailableError
 from pdserve.metrics import RecentLatencies, RouterMetrics
 from pdserve.protocol.model_config import ModelConfig
-from pdserve.registry.base import PrefixIndex
+from pdserve.registry.base import PrefixIndex, WorkerState
 from pdserve.telemetry import Telemetry, request_id_var
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import Admission, SLOTarget
 from services.router.load_tracker import LoadTracker
+from services.router.migration import Continuation, continued_request
 from services.router.placement import Placement, PlacementPolicy
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request
-from services.router.retry import blamed_worker, may_retry
+from services.router.retry import Moves, blamed_worker
 from services.router.ticket import Ticket
 
 log = logging.getLogger(__name__)
@@ -106,35 +107,47 @@ class RequestLifecycle:
     async def stream(
         self, ticket: Ticket, time_remaining: Callable[[], float | None]
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """The decode worker's stream; a failure before any message reached the caller places the request again
-        (up to `max_attempts`, never on a worker that failed it), each attempt with its own ticket."""
-        clock = Clock(ticket.started_at)
-        failed: set[str] = set()
-        attempt, sent = 1, False
+        """The decode worker's stream. When an attempt fails with UNAVAILABLE the request moves to other workers,
+        each attempt with its own ticket: retried as it came before any message reached the caller (up to
+        `max_attempts` placements), migrated with the tokens already streamed after (up to `migration_limit`)."""
+        clock = Clock(ticket.started_at, len(ticket.request.prompt_token_ids))
+        original, chunks, moves, failed = ticket.request, [], Moves(), set()
+        done = False
         try:
             while True:
                 try:
                     async for msg in self.relay.stream(ticket, time_remaining(), clock):
-                        sent = True
+                        chunks.append(list(msg.token_ids))
+                        done = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
                         yield msg
                     return
                 except UnavailableError as e:
+                    if done:  # the last message is out: a worker lost after it leaves nothing to redo
+                        return
                     ticket.release()
-                    ticket = await self._retry(ticket, e, attempt, sent, failed, time_remaining())
-                    attempt += 1
+                    ticket = await self._move(ticket, e, original, chunks, moves, failed, time_remaining())
         finally:
             ticket.release()
 
-    async def _retry(
-        self, ticket: Ticket, error: UnavailableError, attempt: int, sent: bool, failed: set[str], left: float | None
+    async def _move(
+        self,
+        ticket: Ticket,
+        error: UnavailableError,
+        original: RoutedRequest,
+        chunks: list[list[int]],
+        moves: Moves,
+        failed: set[str],
+        left: float | None,
     ) -> Ticket:
-        """A new ticket on other workers, or `error` raised again when the request may not or cannot move."""
+        """A new ticket on workers that did not fail the request, or `error` raised again when it may not or
+        cannot move."""
         worker = blamed_worker(error, ticket.placement)
         self.placement.ejections.eject(worker, str(error))
         failed.add(worker.worker_id)
-        if not may_retry(attempt, self.config.max_attempts, sent, left):
+        streamed = [t for chunk in chunks for t in chunk]
+        if not moves.allow(self.config, len(streamed) if chunks else -1, original.sampling.max_tokens, left):
             raise error
-        req = ticket.request
+        req = continued_request(original, streamed) if chunks else original
         _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         try:
             placement = await self.placement.place(
@@ -142,15 +155,35 @@ class RequestLifecycle:
             )
         except UnavailableError:
             raise error from None  # nowhere else to go: the failure itself is the answer
-        key = f"{ticket.key.split('.')[0]}.{attempt + 1}"
-        retried = {"attempt": attempt + 1, "failed.worker.id": worker.worker_id, "error": str(error)}
-        retried["prefill.worker.id"] = placement.prefill_worker.worker_id
-        retried["decode.worker.id"] = placement.decode.worker_id
-        trace.get_current_span().add_event("retry", retried)
-        trace.get_current_span().set_attribute("attempts", attempt + 1)
-        log.warning("request placed again after worker %s failed it", worker.worker_id, extra=retried | {"key": key})
+        attempt = 1 + moves.retries + moves.migrations
+        key = f"{ticket.key.split('.')[0]}.{attempt}"
+        self._record_move(worker, error, placement, attempt, key, len(streamed) if chunks else None)
         self.prefix_index.record(placement.prefill_worker.worker_id, placement.block_hashes)
-        return Ticket(key, ticket.client_id, req, placement, time.perf_counter(), self.tracker, self.admission)
+        continuation = Continuation(self.tokenizer, original, chunks) if chunks else None
+        started = time.perf_counter()
+        return Ticket(key, ticket.client_id, req, placement, started, self.tracker, self.admission, continuation)
+
+    def _record_move(
+        self,
+        worker: WorkerState,
+        error: UnavailableError,
+        placement: Placement,
+        attempt: int,
+        key: str,
+        sent: int | None,
+    ) -> None:
+        """A `retry` or `migration` event on the request's span, its `attempts`, and one log line."""
+        kind = "retry" if sent is None else "migration"
+        attrs: dict[str, str | int] = {"attempt": attempt, "failed.worker.id": worker.worker_id, "error": str(error)}
+        attrs["prefill.worker.id"] = placement.prefill_worker.worker_id
+        attrs["decode.worker.id"] = placement.decode.worker_id
+        if sent is not None:
+            attrs["streamed_tokens"] = sent
+        span = trace.get_current_span()
+        span.add_event(kind, attrs)
+        span.set_attribute("attempts", attempt)
+        verb = "placed again" if sent is None else f"migrated after {sent} streamed tokens"
+        log.warning("request %s after worker %s failed it", verb, worker.worker_id, extra=attrs | {"key": key})
 
     @contextmanager
     def accounting(self, started_at: float) -> Iterator[None]:

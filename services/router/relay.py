@@ -28,6 +28,7 @@ class Clock:
     """One stream's timings, from the router's receipt of the request, across all its attempts."""
 
     start: float
+    prompt_tokens: int  # the client's prompt, however long a migrated attempt's is
     ttft_s: float = 0.0
     last_token_at: float = 0.0
     completion_tokens: int = 0
@@ -67,7 +68,10 @@ class Relay:
         try:
             msg = await self._first(call, ticket, time_remaining)
             while msg is not grpc.aio.EOF:
-                yield self._relayed(msg, ticket, clock)
+                relayed = self._relayed(msg, ticket, clock)
+                yield relayed
+                if ticket.continuation is not None and relayed.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    return  # a migrated stream may end on a stop string its decode worker did not see
                 msg = await call.read()
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, f"decode worker {p.decode.worker_id} at {p.decode.address}") from e
@@ -107,6 +111,8 @@ class Relay:
             ticket.prefilled()  # once per ticket: this attempt's first token
             clock.last_token_at = now
         clock.completion_tokens += len(msg.token_ids)
+        if ticket.continuation is not None:
+            ticket.continuation.rewrite(msg)
         msg.request_id = ticket.client_id
         if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self._finish(msg, ticket, clock, now)
@@ -116,10 +122,10 @@ class Relay:
         """Usage on the last message; TPOT as vLLM defines it, (e2e - TTFT) / (tokens - 1)."""
         msg.usage.CopyFrom(
             pb.Usage(
-                prompt_tokens=len(ticket.request.prompt_token_ids),
+                prompt_tokens=clock.prompt_tokens,
                 completion_tokens=clock.completion_tokens,
                 ttft_ms=clock.ttft_s * 1e3,
-                cached_prompt_tokens=msg.usage.cached_prompt_tokens,
+                cached_prompt_tokens=min(msg.usage.cached_prompt_tokens, clock.prompt_tokens),
             )
         )
         if clock.completion_tokens > 1:

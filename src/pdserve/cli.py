@@ -208,6 +208,12 @@ def _add_router_overrides(p: argparse.ArgumentParser) -> None:
         help="placements a request may get when workers fail before its first token, the first included "
         f"(default: {r.max_attempts}; 1 never retries)",
     )
+    p.add_argument(
+        "--migration-limit",
+        type=int,
+        help="times a stream may move to another decode worker when its worker fails after tokens were sent "
+        f"(default: {r.migration_limit}; 0 never migrates)",
+    )
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:

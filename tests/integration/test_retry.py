@@ -101,3 +101,70 @@ def test_decode_worker_killed_before_the_stream_starts_requests_complete_on_the_
         assert retried_after(cluster.log(), victim.id), cluster.log()[-3000:]
 
     asyncio.run(run())
+
+
+LONG = 1500  # output tokens: seconds of decoding on tiny-random, time to find the decode worker and kill it
+
+
+def long_request(request_id: str) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=LONG, ignore_eos=True)
+    return pb.GenerateRequest(request_id=request_id, prompt_token_ids=PROMPT, sampling=sampling)
+
+
+async def all_serving(router: str, timeout_s: float = 90.0) -> None:
+    """Two workers of each role, each served by a live process (Ray restarted the ones killed before)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        ws = [w for w in await workers(router) if w.health == "SERVING"]
+        roles = sorted(w.role for w in ws)
+        try:
+            if roles == ["decode", "decode", "prefill", "prefill"] and all(pid_serving(w.address) for w in ws):
+                return
+        except LookupError:
+            pass
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"cluster not back to 2 + 2 workers: {await workers(router)}")
+
+
+async def no_decode_running(router: str, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while any(w.role == "decode" and w.running for w in await workers(router)):
+        assert time.monotonic() < end, await workers(router)
+        await asyncio.sleep(0.1)
+
+
+async def decoding(router: str, timeout_s: float = 5.0) -> admin_pb2.WorkerStatus:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for w in await workers(router):
+            if w.role == "decode" and w.running > 0:
+                return w
+        await asyncio.sleep(0.05)
+    raise AssertionError("no decode worker shows the request running")
+
+
+def test_decode_worker_killed_mid_stream_the_client_gets_the_unfailed_output(cluster):
+    async def run() -> None:
+        await all_serving(cluster.address)
+        unfailed = None
+        async for _, unfailed in generate(cluster.address, long_request("unfailed"), 120.0):  # noqa: B007
+            pass
+        assert unfailed is not None and len(unfailed.token_ids) == LONG
+        await no_decode_running(cluster.address)  # so `decoding` cannot find the unfailed run's worker
+
+        got, killed_at, victim = None, 0, None
+        async for _, got in generate(cluster.address, long_request("migrated"), 120.0):
+            if victim is None and got.token_ids:
+                victim = await decoding(cluster.address)
+                killed_at = len(got.token_ids)
+                os.kill(pid_serving(victim.address), signal.SIGKILL)
+        assert got is not None and victim is not None
+        assert 0 < killed_at < LONG
+        log = cluster.log()
+        assert "migrated after" in log and f"worker {victim.id} failed it" in log, log[-3000:]
+        assert got.token_ids == unfailed.token_ids  # no gap, no repeat, the same greedy tokens
+        assert got.text == unfailed.text
+        assert got.finish_reason == "length"
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(PROMPT), LONG)
+
+    asyncio.run(run())

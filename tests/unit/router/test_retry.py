@@ -11,7 +11,7 @@ import pytest
 from pdserve.config import RouterConfig
 from pdserve.errors import UnavailableError
 from services.router.ejection import Ejections
-from services.router.retry import blamed_worker, may_retry
+from services.router.retry import Moves, blamed_worker
 from tests.unit.router.test_predictor_placement_admission import Router, prompt, worker
 
 
@@ -28,13 +28,19 @@ def test_a_status_naming_the_prefill_address_blames_the_prefill_worker_else_the_
     assert blamed_worker(gone, placed) is d
 
 
-def test_a_request_moves_only_before_anything_was_sent_within_its_attempts_and_deadline():
-    assert may_retry(1, 3, sent_anything=False, time_remaining=None)
-    assert may_retry(2, 3, sent_anything=False, time_remaining=5.0)
-    assert not may_retry(3, 3, sent_anything=False, time_remaining=None)  # attempts used up
-    assert not may_retry(1, 3, sent_anything=True, time_remaining=None)  # the client has tokens already
-    assert not may_retry(1, 3, sent_anything=False, time_remaining=0.0)  # its deadline passed
-    assert not may_retry(1, 1, sent_anything=False, time_remaining=None)  # max_attempts=1: never retried
+def test_a_request_is_retried_up_to_max_attempts_then_migrated_up_to_the_limit_within_its_deadline():
+    config = RouterConfig(max_attempts=3, migration_limit=2)
+    moves = Moves()
+    assert moves.allow(config, sent=-1, max_tokens=8, time_remaining=None)  # attempt 2
+    assert moves.allow(config, sent=-1, max_tokens=8, time_remaining=5.0)  # attempt 3
+    assert not moves.allow(config, sent=-1, max_tokens=8, time_remaining=None)  # 3 placements used
+    assert moves.allow(config, sent=0, max_tokens=8, time_remaining=None)  # a message went out: migrated
+    assert moves.allow(config, sent=3, max_tokens=8, time_remaining=None)
+    assert not moves.allow(config, sent=4, max_tokens=8, time_remaining=None)  # migration_limit
+    assert not Moves().allow(config, sent=-1, max_tokens=8, time_remaining=0.0)  # its deadline passed
+    assert not Moves().allow(config, sent=8, max_tokens=8, time_remaining=None)  # nothing left to generate
+    assert not Moves().allow(RouterConfig(max_attempts=1), sent=-1, max_tokens=8, time_remaining=None)
+    assert not Moves().allow(RouterConfig(migration_limit=0), sent=2, max_tokens=8, time_remaining=None)
 
 
 def test_placement_avoids_the_workers_that_failed_the_request_and_fails_when_none_is_left():
@@ -68,6 +74,8 @@ def test_ejections_never_leave_a_role_empty():
     assert ejections.usable([p0, p1]) == [p0, p1]  # all out: try them rather than answer UNAVAILABLE
 
 
-def test_max_attempts_below_one_is_refused():
+def test_max_attempts_below_one_and_a_negative_migration_limit_are_refused():
     with pytest.raises(ValueError, match="max_attempts"):
         RouterConfig(max_attempts=0)
+    with pytest.raises(ValueError, match="migration_limit"):
+        RouterConfig(migration_limit=-1)
