@@ -124,7 +124,6 @@ class RequestLifecycle:
                 except UnavailableError as e:
                     if done:  # the last message is out: a worker lost after it leaves nothing to redo
                         return
-                    ticket.release()
                     ticket = await self._move(ticket, e, original, chunks, moves, failed, time_remaining())
         finally:
             ticket.release()
@@ -139,8 +138,8 @@ class RequestLifecycle:
         failed: set[str],
         left: float | None,
     ) -> Ticket:
-        """A new ticket on workers that did not fail the request, or `error` raised again when it may not or
-        cannot move."""
+        """A new ticket on workers that did not fail the request (the old one released), or `error` raised again
+        when it may not or cannot move (the caller's `finally` releases the old one)."""
         worker = blamed_worker(error, ticket.placement)
         self.placement.ejections.eject(worker, str(error))
         failed.add(worker.worker_id)
@@ -161,7 +160,9 @@ class RequestLifecycle:
         self.prefix_index.record(placement.prefill_worker.worker_id, placement.block_hashes)
         continuation = Continuation(self.tokenizer, original, chunks) if chunks else None
         started = time.perf_counter()
-        return Ticket(key, ticket.client_id, req, placement, started, self.tracker, self.admission, continuation)
+        moved = Ticket(key, ticket.client_id, req, placement, started, self.tracker, self.admission, continuation)
+        ticket.release()  # only now: the request stays in flight throughout (a drain waits for it)
+        return moved
 
     def _record_move(
         self,

@@ -21,7 +21,8 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.rpc.client import generate
-from pdserve.v1 import admin_pb2
+from pdserve.rpc.server import channel
+from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generate_pb2 as pb
 from tests.integration.worker_view import pid_serving, workers
 
@@ -72,6 +73,19 @@ async def holding(router: str, timeout_s: float = 5.0) -> admin_pb2.WorkerStatus
     raise AssertionError("no prefill worker held the request")
 
 
+async def none_in_flight(router: str, timeout_s: float = 3.0) -> None:
+    """The router's count of requests in flight is back to zero: every attempt's ticket was released once (a
+    double release would drive it below zero, which the reply could not even carry)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        async with channel(router) as ch:
+            reply = await admin_pb2_grpc.AdminStub(ch).ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=5)
+        if reply.in_flight == 0:
+            return
+        assert time.monotonic() < end, reply.in_flight
+        await asyncio.sleep(0.1)
+
+
 def retried_after(log: str, worker_id: str) -> bool:
     return f"request placed again after worker {worker_id} failed it" in log
 
@@ -85,6 +99,7 @@ def test_prefill_worker_killed_while_holding_the_request_it_completes_on_the_oth
         os.kill(pid_serving(victim.address), signal.SIGKILL)
         assert await call == expected
         assert retried_after(cluster.log(), victim.id), cluster.log()[-3000:]
+        await none_in_flight(cluster.address)
 
     asyncio.run(run())
 
@@ -99,6 +114,7 @@ def test_decode_worker_killed_before_the_stream_starts_requests_complete_on_the_
         got = await asyncio.gather(*(tokens(cluster.address, request(f"after-kill-{i}")) for i in range(4)))
         assert got == [expected] * 4
         assert retried_after(cluster.log(), victim.id), cluster.log()[-3000:]
+        await none_in_flight(cluster.address)
 
     asyncio.run(run())
 
@@ -166,5 +182,6 @@ def test_decode_worker_killed_mid_stream_the_client_gets_the_unfailed_output(clu
         assert got.text == unfailed.text
         assert got.finish_reason == "length"
         assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(PROMPT), LONG)
+        await none_in_flight(cluster.address)
 
     asyncio.run(run())
