@@ -13,8 +13,11 @@ import asyncio
 import os
 import signal
 import time
+from concurrent import futures
 
+import grpc
 import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from pdserve.cluster.local_process import ClusterProcess
 from pdserve.config import EngineConfig
@@ -24,6 +27,7 @@ from pdserve.rpc.client import generate
 from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generate_pb2 as pb
+from tests.integration.test_observability import Collector
 from tests.integration.worker_view import pid_serving, workers
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,11 +37,24 @@ PROMPT = [5, 6, 7, 8, 9] * 7
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def collector():
+    """The router's spans, for the retry and migration events on them."""
+    c = Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(c, server)
+    c.port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield c
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def cluster(collector, tmp_path_factory):
     log = tmp_path_factory.mktemp("retry") / "cluster.log"
     args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--prefill", "2", "--decode", "2"]
     faults = {"PDSERVE_FAULT_KV_SEND_DELAY_S": str(HOLD_S), "PDSERVE_FAULT_REQUEST_ID_PREFIX": HELD}
-    proc = ClusterProcess(*args, log_path=log, env=faults)
+    otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    proc = ClusterProcess(*args, log_path=log, env=faults | otel | {"OTEL_BSP_SCHEDULE_DELAY": "100"})
     yield proc
     proc.stop()
 
@@ -86,11 +103,28 @@ async def none_in_flight(router: str, timeout_s: float = 3.0) -> None:
         await asyncio.sleep(0.1)
 
 
+async def router_event(collector: Collector, client_id: str, name: str, timeout_s: float = 10.0) -> dict:
+    """The attributes of the `name` event on the router's span of the request the client sent as `client_id`."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        with collector.lock:
+            spans = [s for svc, s in collector.spans if svc == "pdserve-router"]
+        for s in spans:
+            attrs = {a.key: a.value for a in s.attributes}
+            if "request.client_id" in attrs and attrs["request.client_id"].string_value == client_id:
+                for e in s.events:
+                    if e.name == name:
+                        got = {a.key: a.value.string_value or a.value.int_value for a in e.attributes}
+                        return got | {"span.attempts": attrs["attempts"].int_value}
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no {name} event on the router's span of {client_id}")
+
+
 def retried_after(log: str, worker_id: str) -> bool:
     return f"request placed again after worker {worker_id} failed it" in log
 
 
-def test_prefill_worker_killed_while_holding_the_request_it_completes_on_the_other(cluster, expected):
+def test_prefill_worker_killed_while_holding_the_request_it_completes_on_the_other(cluster, collector, expected):
     async def run() -> None:
         assert await tokens(cluster.address, request("warm")) == expected
         call = asyncio.create_task(tokens(cluster.address, request(f"{HELD}prefill-kill")))
@@ -99,6 +133,9 @@ def test_prefill_worker_killed_while_holding_the_request_it_completes_on_the_oth
         os.kill(pid_serving(victim.address), signal.SIGKILL)
         assert await call == expected
         assert retried_after(cluster.log(), victim.id), cluster.log()[-3000:]
+        event = await router_event(collector, f"{HELD}prefill-kill", "retry")
+        assert (event["attempt"], event["failed.worker.id"], event["span.attempts"]) == (2, victim.id, 2), event
+        assert event["prefill.worker.id"] != victim.id
         await none_in_flight(cluster.address)
 
     asyncio.run(run())
@@ -159,7 +196,7 @@ async def decoding(router: str, timeout_s: float = 5.0) -> admin_pb2.WorkerStatu
     raise AssertionError("no decode worker shows the request running")
 
 
-def test_decode_worker_killed_mid_stream_the_client_gets_the_unfailed_output(cluster):
+def test_decode_worker_killed_mid_stream_the_client_gets_the_unfailed_output(cluster, collector):
     async def run() -> None:
         await all_serving(cluster.address)
         unfailed = None
@@ -182,6 +219,9 @@ def test_decode_worker_killed_mid_stream_the_client_gets_the_unfailed_output(clu
         assert got.text == unfailed.text
         assert got.finish_reason == "length"
         assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(PROMPT), LONG)
+        event = await router_event(collector, "migrated", "migration")
+        assert event["failed.worker.id"] == victim.id and event["decode.worker.id"] != victim.id, event
+        assert killed_at <= event["streamed_tokens"] < LONG, event
         await none_in_flight(cluster.address)
 
     asyncio.run(run())
