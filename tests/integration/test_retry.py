@@ -34,6 +34,7 @@ pytestmark = pytest.mark.timeout(300)
 HOLD_S = 4.0
 HELD = "held-"
 PROMPT = [5, 6, 7, 8, 9] * 7
+FIRST_TOKEN_S = 6.0  # the router's first-token bound: past HOLD_S, so a held request is not cut short by it
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,7 @@ def cluster(collector, tmp_path_factory):
     args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--prefill", "2", "--decode", "2"]
     faults = {"PDSERVE_FAULT_KV_SEND_DELAY_S": str(HOLD_S), "PDSERVE_FAULT_REQUEST_ID_PREFIX": HELD}
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    args += ["--first-token-timeout-s", str(FIRST_TOKEN_S)]
     proc = ClusterProcess(*args, log_path=log, env=faults | otel | {"OTEL_BSP_SCHEDULE_DELAY": "100"})
     yield proc
     proc.stop()
@@ -151,6 +153,30 @@ def test_decode_worker_killed_before_the_stream_starts_requests_complete_on_the_
         got = await asyncio.gather(*(tokens(cluster.address, request(f"after-kill-{i}")) for i in range(4)))
         assert got == [expected] * 4
         assert retried_after(cluster.log(), victim.id), cluster.log()[-3000:]
+        await none_in_flight(cluster.address)
+
+    asyncio.run(run())
+
+
+def test_a_stuck_prefill_worker_costs_the_first_token_bound_then_the_request_runs_on_the_other(cluster, expected):
+    """SIGSTOPped, the prefill worker still looks alive (its registry entry outlives the bound): the requests
+    placed on it get no first token within the bound and are placed again on the other one."""
+
+    async def run() -> None:
+        await all_serving(cluster.address)
+        victim = next(w for w in await workers(cluster.address) if w.role == "prefill")
+        pid = pid_serving(victim.address)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            got = await asyncio.gather(*(tokens(cluster.address, request(f"stuck-{i}")) for i in range(4)))
+            took = time.monotonic() - start
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert got == [expected] * 4
+        assert retried_after(cluster.log(), victim.id), cluster.log()[-3000:]
+        assert "no first token within the router's bound" in cluster.log()
+        assert took < FIRST_TOKEN_S + 20, took
         await none_in_flight(cluster.address)
 
     asyncio.run(run())
