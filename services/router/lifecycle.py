@@ -180,6 +180,7 @@ class RequestLifecycle:
         attrs["decode.worker.id"] = placement.decode.worker_id
         if sent is not None:
             attrs["streamed_tokens"] = sent
+        self.metrics.moves.add(1, {"kind": kind})
         span = trace.get_current_span()
         span.add_event(kind, attrs)
         span.set_attribute("attempts", attempt)

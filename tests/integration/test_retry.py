@@ -19,7 +19,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
-from pdserve.cluster.local_process import ClusterProcess
+from pdserve.cluster.local_process import ClusterProcess, free_port
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.protocol.sampling import SamplingParams
@@ -27,7 +27,7 @@ from pdserve.rpc.client import generate
 from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generate_pb2 as pb
-from tests.integration.test_observability import Collector
+from tests.integration.test_observability import Collector, scrape, total
 from tests.integration.worker_view import pid_serving, workers
 
 pytestmark = pytest.mark.timeout(300)
@@ -55,8 +55,10 @@ def cluster(collector, tmp_path_factory):
     args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--prefill", "2", "--decode", "2"]
     faults = {"PDSERVE_FAULT_KV_SEND_DELAY_S": str(HOLD_S), "PDSERVE_FAULT_REQUEST_ID_PREFIX": HELD}
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
-    args += ["--first-token-timeout-s", str(FIRST_TOKEN_S)]
+    metrics_port = free_port()
+    args += ["--first-token-timeout-s", str(FIRST_TOKEN_S), "--metrics-port", str(metrics_port)]
     proc = ClusterProcess(*args, log_path=log, env=faults | otel | {"OTEL_BSP_SCHEDULE_DELAY": "100"})
+    proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     yield proc
     proc.stop()
 
@@ -251,3 +253,10 @@ def test_decode_worker_killed_mid_stream_the_client_gets_the_unfailed_output(clu
         await none_in_flight(cluster.address)
 
     asyncio.run(run())
+
+
+def test_the_router_counts_retries_and_migrations(cluster):
+    """Runs last in the module: by now it has retried (the killed and stuck workers) and migrated once."""
+    moves = scrape(cluster.metrics_url)
+    assert total(moves, "pdserve_request_moves_total", kind="retry") >= 2
+    assert total(moves, "pdserve_request_moves_total", kind="migration") == 1
