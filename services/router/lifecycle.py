@@ -8,7 +8,7 @@ import contextvars
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 
 from opentelemetry import trace
@@ -18,14 +18,16 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError, OverloadedError, UnavailableError
 from pdserve.metrics import RecentLatencies, RouterMetrics
 from pdserve.protocol.model_config import ModelConfig
-from pdserve.registry.base import PrefixIndex
+from pdserve.registry.base import PrefixIndex, WorkerState
 from pdserve.telemetry import Telemetry, request_id_var
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import Admission, SLOTarget
 from services.router.load_tracker import LoadTracker
+from services.router.migration import Continuation, continued_request
 from services.router.placement import Placement, PlacementPolicy
-from services.router.relay import Relay
+from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request
+from services.router.retry import Moves, blamed_worker
 from services.router.ticket import Ticket
 
 log = logging.getLogger(__name__)
@@ -102,8 +104,88 @@ class RequestLifecycle:
         self.admission.check(placement, len(req.prompt_token_ids), req.priority, slo)
         return placement
 
-    def stream(self, ticket: Ticket, time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
-        return self.relay.stream(ticket, time_remaining)
+    async def stream(
+        self, ticket: Ticket, time_remaining: Callable[[], float | None]
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The decode worker's stream. When an attempt fails with UNAVAILABLE the request moves to other workers,
+        each attempt with its own ticket: retried as it came before any message reached the caller (up to
+        `max_attempts` placements), migrated with the tokens already streamed after (up to `migration_limit`)."""
+        clock = Clock(ticket.started_at, len(ticket.request.prompt_token_ids))
+        original, chunks, moves, failed = ticket.request, [], Moves(), set()
+        done = False
+        try:
+            while True:
+                try:
+                    async for msg in self.relay.stream(ticket, time_remaining(), clock):
+                        chunks.append(list(msg.token_ids))
+                        done = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                        yield msg
+                    return
+                except UnavailableError as e:
+                    if done:  # the last message is out: a worker lost after it leaves nothing to redo
+                        return
+                    ticket = await self._move(ticket, e, original, chunks, moves, failed, time_remaining())
+        finally:
+            ticket.release()
+
+    async def _move(
+        self,
+        ticket: Ticket,
+        error: UnavailableError,
+        original: RoutedRequest,
+        chunks: list[list[int]],
+        moves: Moves,
+        failed: set[str],
+        left: float | None,
+    ) -> Ticket:
+        """A new ticket on workers that did not fail the request (the old one released), or `error` raised again
+        when it may not or cannot move (the caller's `finally` releases the old one)."""
+        worker = blamed_worker(error, ticket.placement)
+        self.placement.ejections.eject(worker, str(error))
+        failed.add(worker.worker_id)
+        streamed = [t for chunk in chunks for t in chunk]
+        if not moves.allow(self.config, len(streamed) if chunks else -1, original.sampling.max_tokens, left):
+            raise error
+        req = continued_request(original, streamed) if chunks else original
+        _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
+        try:
+            placement = await self.placement.place(
+                req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3, frozenset(failed)
+            )
+        except UnavailableError:
+            raise error from None  # nowhere else to go: the failure itself is the answer
+        attempt = 1 + moves.retries + moves.migrations
+        key = f"{ticket.key.split('.')[0]}.{attempt}"
+        self._record_move(worker, error, placement, attempt, key, len(streamed) if chunks else None)
+        self.prefix_index.record(placement.prefill_worker.worker_id, placement.block_hashes)
+        continuation = Continuation(self.tokenizer, original, chunks) if chunks else None
+        started = time.perf_counter()
+        moved = Ticket(key, ticket.client_id, req, placement, started, self.tracker, self.admission, continuation)
+        ticket.release()  # only now: the request stays in flight throughout (a drain waits for it)
+        return moved
+
+    def _record_move(
+        self,
+        worker: WorkerState,
+        error: UnavailableError,
+        placement: Placement,
+        attempt: int,
+        key: str,
+        sent: int | None,
+    ) -> None:
+        """A `retry` or `migration` event on the request's span, its `attempts`, and one log line."""
+        kind = "retry" if sent is None else "migration"
+        attrs: dict[str, str | int] = {"attempt": attempt, "failed.worker.id": worker.worker_id, "error": str(error)}
+        attrs["prefill.worker.id"] = placement.prefill_worker.worker_id
+        attrs["decode.worker.id"] = placement.decode.worker_id
+        if sent is not None:
+            attrs["streamed_tokens"] = sent
+        self.metrics.moves.add(1, {"kind": kind})
+        span = trace.get_current_span()
+        span.add_event(kind, attrs)
+        span.set_attribute("attempts", attempt)
+        verb = "placed again" if sent is None else f"migrated after {sent} streamed tokens"
+        log.warning("request %s after worker %s failed it", verb, worker.worker_id, extra=attrs | {"key": key})
 
     @contextmanager
     def accounting(self, started_at: float) -> Iterator[None]:

@@ -10,6 +10,7 @@ from pdserve.errors import UnavailableError
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import PrefixIndex, Registry, WorkerState
+from services.router.ejection import Ejections
 from services.router.predictor import Predictor
 
 
@@ -45,16 +46,22 @@ class Offer:
 
 
 class PlacementPolicy(ABC):
-    def __init__(self, registry: Registry, prefix_index: PrefixIndex, predictor: Predictor) -> None:
+    def __init__(
+        self, registry: Registry, prefix_index: PrefixIndex, predictor: Predictor, ejections: Ejections | None = None
+    ) -> None:
         self.registry = registry
         self.prefix_index = prefix_index
         self.predictor = predictor
+        self.ejections = ejections or Ejections(predictor.config.ejection_s)
 
-    async def place(self, prompt: list[int], max_tokens: int, tpot_slo_s: float) -> Placement:
-        """Called by the router per request; raises UnavailableError when no worker serves at all."""
-        colocated = self.registry.workers(Role.COLOCATED)
-        prefills = colocated or self.registry.workers(Role.PREFILL)
-        decodes = colocated or self.registry.workers(Role.DECODE)
+    async def place(
+        self, prompt: list[int], max_tokens: int, tpot_slo_s: float, avoid: frozenset[str] = frozenset()
+    ) -> Placement:
+        """Called by the router per request; raises UnavailableError when no worker serves at all. `avoid`:
+        workers that already failed this request (a retry never goes back to them)."""
+        colocated = self._workers(Role.COLOCATED, avoid)
+        prefills = colocated or self._workers(Role.PREFILL, avoid)
+        decodes = colocated or self._workers(Role.DECODE, avoid)
         if not prefills or not decodes:
             raise UnavailableError(f"no workers to serve: {len(prefills)} prefill, {len(decodes)} decode live")
         block_size = prefills[0].block_size
@@ -76,6 +83,9 @@ class PlacementPolicy(ABC):
             block_hashes=hashes,
             offer=self._offer(prefills, decodes, hits, len(prompt)),
         )
+
+    def _workers(self, role: Role, avoid: frozenset[str]) -> list[WorkerState]:
+        return self.ejections.usable([w for w in self.registry.workers(role) if w.worker_id not in avoid])
 
     def _offer(
         self, prefills: list[WorkerState], decodes: list[WorkerState], hits: dict[str, int], prompt_tokens: int

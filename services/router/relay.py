@@ -24,10 +24,11 @@ from services.router.ticket import Ticket
 
 
 @dataclass
-class _Clock:
-    """One stream's timings, from the router's receipt of the request."""
+class Clock:
+    """One stream's timings, from the router's receipt of the request, across all its attempts."""
 
     start: float
+    prompt_tokens: int  # the client's prompt, however long a migrated attempt's is
     ttft_s: float = 0.0
     last_token_at: float = 0.0
     completion_tokens: int = 0
@@ -49,9 +50,12 @@ class Relay:
         self.first_token_s = first_token_s
         self._stubs: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
 
-    async def stream(self, ticket: Ticket, time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
+    async def stream(
+        self, ticket: Ticket, time_remaining: float | None, clock: Clock
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """The decode worker's messages, each carrying the caller's request_id, the last one usage. Cancelling
-        the decode call (done here however the stream ends) cancels its prefill and frees blocks on both."""
+        the decode call (done here however the stream ends) cancels its prefill and frees blocks on both. The
+        first-token bound counts from `ticket.started_at` (this attempt's start), latencies from `clock`'s."""
         p, req = ticket.placement, ticket.request
         forward = wpb.WorkerGenerateRequest(
             request_id=ticket.key,
@@ -61,11 +65,13 @@ class Relay:
             client_request_id=ticket.client_id,
         )
         call = self._stub(p.decode.address).Generate(forward, timeout=time_remaining)
-        clock = _Clock(ticket.started_at)
         try:
             msg = await self._first(call, ticket, time_remaining)
             while msg is not grpc.aio.EOF:
-                yield self._relayed(msg, ticket, clock)
+                relayed = self._relayed(msg, ticket, clock)
+                yield relayed
+                if ticket.continuation is not None and relayed.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    return  # a migrated stream may end on a stop string its decode worker did not see
                 msg = await call.read()
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, f"decode worker {p.decode.worker_id} at {p.decode.address}") from e
@@ -89,7 +95,7 @@ class Relay:
                 f"{p.decode.worker_id} at {p.decode.address}{via}; the request was cancelled there"
             ) from None
 
-    def _relayed(self, msg: pb.GenerateResponse, ticket: Ticket, clock: _Clock) -> pb.GenerateResponse:
+    def _relayed(self, msg: pb.GenerateResponse, ticket: Ticket, clock: Clock) -> pb.GenerateResponse:
         now = time.perf_counter()
         if msg.token_ids and not clock.ttft_s:
             clock.ttft_s = now - clock.start
@@ -99,25 +105,27 @@ class Relay:
                 self.recent.add(worker, "ttft", clock.ttft_s)
             if ticket.ran_alone():
                 self.calibration.observe(p.prefill_worker.worker_id, p.predicted_ttft_s, clock.ttft_s)
-            ticket.prefilled()
         elif msg.token_ids:
             self.metrics.itl.record(now - clock.last_token_at)
         if msg.token_ids:
+            ticket.prefilled()  # once per ticket: this attempt's first token
             clock.last_token_at = now
         clock.completion_tokens += len(msg.token_ids)
+        if ticket.continuation is not None:
+            ticket.continuation.rewrite(msg)
         msg.request_id = ticket.client_id
         if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self._finish(msg, ticket, clock, now)
         return msg
 
-    def _finish(self, msg: pb.GenerateResponse, ticket: Ticket, clock: _Clock, now: float) -> None:
+    def _finish(self, msg: pb.GenerateResponse, ticket: Ticket, clock: Clock, now: float) -> None:
         """Usage on the last message; TPOT as vLLM defines it, (e2e - TTFT) / (tokens - 1)."""
         msg.usage.CopyFrom(
             pb.Usage(
-                prompt_tokens=len(ticket.request.prompt_token_ids),
+                prompt_tokens=clock.prompt_tokens,
                 completion_tokens=clock.completion_tokens,
                 ttft_ms=clock.ttft_s * 1e3,
-                cached_prompt_tokens=msg.usage.cached_prompt_tokens,
+                cached_prompt_tokens=min(msg.usage.cached_prompt_tokens, clock.prompt_tokens),
             )
         )
         if clock.completion_tokens > 1:

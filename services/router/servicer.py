@@ -26,5 +26,5 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             with ticket:
                 predicted_ms = round(ticket.placement.predicted_ttft_s * 1e3)
                 await context.send_initial_metadata(((PREDICTED_TTFT_KEY, str(predicted_ms)),))
-                async for msg in self.lifecycle.stream(ticket, context.time_remaining()):
+                async for msg in self.lifecycle.stream(ticket, context.time_remaining):
                     yield msg

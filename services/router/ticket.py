@@ -7,6 +7,7 @@ from types import TracebackType
 
 from services.router.admission import Admission
 from services.router.load_tracker import LoadTracker
+from services.router.migration import Continuation
 from services.router.placement import Placement
 from services.router.request import RoutedRequest
 
@@ -23,6 +24,7 @@ class Ticket:
     started_at: float  # time.perf_counter() when the router received the request
     tracker: LoadTracker
     admission: Admission
+    continuation: Continuation | None = None  # set when the stream migrated here after tokens were sent
     _prefilled: bool = field(default=False, init=False)
     _released: bool = field(default=False, init=False)
     _found_idle: bool = field(default=False, init=False)

@@ -208,6 +208,18 @@ def _add_router_overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-queued-prefill-tokens", type=int, help=f"per prefill worker (default: {r.max_queued_prefill_tokens})"
     )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        help="placements a request may get when workers fail before its first token, the first included "
+        f"(default: {r.max_attempts}; 1 never retries)",
+    )
+    p.add_argument(
+        "--migration-limit",
+        type=int,
+        help="times a stream may move to another decode worker when its worker fails after tokens were sent "
+        f"(default: {r.migration_limit}; 0 never migrates)",
+    )
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:

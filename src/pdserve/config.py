@@ -93,6 +93,9 @@ class RouterConfig:
     prefix_match_budget_s: float = 0.03  # a prefix index slower than this: place as if no prefix were cached
     request_limits: RequestLimits = RequestLimits()  # [router.request_limits] in a TOML file
     first_token_timeout_s: float = 60.0  # no first token by then (and no shorter client deadline): UNAVAILABLE
+    max_attempts: int = 3  # placements a request may get before its first token (1: never retried)
+    migration_limit: int = 3  # moves of a stream to another decode worker after tokens were sent (0: none)
+    ejection_s: float = 10.0  # a worker whose call failed stays out of placement this long (or until restarted)
 
     def __post_init__(self) -> None:
         if self.policy not in ("slo", "round-robin"):
@@ -100,6 +103,10 @@ class RouterConfig:
         for name in ("registry_max_view_age_s", "prefix_match_budget_s"):
             if not getattr(self, name) > 0:  # zero would route to nobody, or never use the prefix index
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must not be negative, got {self.migration_limit}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if not 0 < self.first_token_timeout_s < float("inf"):
             raise ValueError(f"first_token_timeout_s must be a positive number, got {self.first_token_timeout_s}")
 

@@ -32,6 +32,9 @@ class RouterMetrics:
             "pdserve_e2e_request_latency_seconds", unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S
         )
         self.requests = meter.create_counter("pdserve_requests_total", description="requests by outcome")
+        self.moves = meter.create_counter(
+            "pdserve_request_moves_total", description="requests placed again after a worker failed them, by kind"
+        )
 
 
 class SupervisionMetrics:

@@ -27,6 +27,8 @@ BOUND_S = 3.0
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     log = tmp_path_factory.mktemp("first_token") / "cluster.log"
+    # One worker of each role: the router's retry has no other prefill worker to go to, so the bound's failure
+    # reaches the client (with two, the request would be placed again and succeed: tests/integration/test_retry.py).
     args = ["--model", "tiny-random", "--prefill", "1", "--decode", "1", "--kv-cache-gb", "0.05"]
     proc = ClusterProcess(*args, "--first-token-timeout-s", str(BOUND_S), log_path=log)
     yield proc

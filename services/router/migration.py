@@ -1,0 +1,43 @@
+"""A stream that moves to another decode worker after tokens reached the client: the prompt plus the tokens
+already streamed is prefilled again and decoding goes on from there, max_tokens reduced by what was streamed.
+
+The new decode worker's detokenizer starts fresh on that longer prompt, so the router re-derives the text of the
+continuation itself: an `IncrementalDetokenizer` over the original prompt, fed the streamed tokens in the chunks
+the client got, then the continuation's. Text the old worker still held back (half a character, the start of a
+possible stop string) and stop strings spanning the break come out exactly as in an unfailed run. Limits: the
+sampler's random state restarts on the new worker, so a sampled (seeded) request continues validly but not
+bit-identically; greedy output is identical (the prompt's KV is recomputed, not copied, so a near-tie between
+two logits could in principle flip).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pdserve.engine.detokenizer import Decoder, IncrementalDetokenizer
+from pdserve.v1 import generate_pb2 as pb
+from services.router.request import RoutedRequest
+
+
+def continued_request(original: RoutedRequest, streamed: list[int]) -> RoutedRequest:
+    sampling = replace(original.sampling, max_tokens=original.sampling.max_tokens - len(streamed))
+    return replace(original, prompt_token_ids=original.prompt_token_ids + streamed, sampling=sampling)
+
+
+class Continuation:
+    """Rewrites the continuation's messages as the original stream's detokenizer would have written them."""
+
+    def __init__(self, decoder: Decoder, original: RoutedRequest, chunks: list[list[int]]) -> None:
+        self._detok = IncrementalDetokenizer(decoder, original.prompt_token_ids, stop=original.sampling.stop)
+        for chunk in chunks:
+            self._detok.step(chunk)
+
+    def rewrite(self, msg: pb.GenerateResponse) -> None:
+        """The engine's rule: a stop string ends the stream with STOP (even one the new worker could not see,
+        spanning the break); any other finish releases the held-back text."""
+        text = self._detok.step(list(msg.token_ids))
+        if self._detok.stopped:
+            msg.finish_reason = pb.FINISH_REASON_STOP
+        elif msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            text += self._detok.flush()
+        msg.text = text

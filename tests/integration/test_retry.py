@@ -1,0 +1,265 @@
+"""Retry before the first token through a real `pdserve up` (2 prefill + 2 decode, tiny-random): a worker that
+dies before the client got anything costs the client nothing but time. The router places the request again on
+the other workers, and the answer is the single-process engine's.
+
+The prefill workers hold requests whose client id starts with HELD between the first token and the KV send
+(PDSERVE_FAULT_*), so a test can SIGKILL the one holding it; the retry is held as long on the other one, then
+completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+from pdserve.cluster.local_process import ClusterProcess, free_port
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.rpc.client import generate
+from pdserve.rpc.server import channel
+from pdserve.v1 import admin_pb2, admin_pb2_grpc
+from pdserve.v1 import generate_pb2 as pb
+from tests.integration.test_observability import Collector, scrape, total
+from tests.integration.worker_view import pid_serving, workers
+
+pytestmark = pytest.mark.timeout(300)
+HOLD_S = 4.0
+HELD = "held-"
+PROMPT = [5, 6, 7, 8, 9] * 7
+FIRST_TOKEN_S = 6.0  # the router's first-token bound: past HOLD_S, so a held request is not cut short by it
+
+
+@pytest.fixture(scope="module")
+def collector():
+    """The router's spans, for the retry and migration events on them."""
+    c = Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(c, server)
+    c.port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield c
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def cluster(collector, tmp_path_factory):
+    log = tmp_path_factory.mktemp("retry") / "cluster.log"
+    # Round-robin placement: concurrent requests are sure to reach a killed or stopped worker still registered.
+    args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--prefill", "2", "--decode", "2"]
+    args += ["--policy", "round-robin"]
+    faults = {"PDSERVE_FAULT_KV_SEND_DELAY_S": str(HOLD_S), "PDSERVE_FAULT_REQUEST_ID_PREFIX": HELD}
+    otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    metrics_port = free_port()
+    args += ["--first-token-timeout-s", str(FIRST_TOKEN_S), "--metrics-port", str(metrics_port)]
+    proc = ClusterProcess(*args, log_path=log, env=faults | otel | {"OTEL_BSP_SCHEDULE_DELAY": "100"})
+    proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[int]:
+    engine = LLMEngine(EngineConfig(model="tiny-random", dtype="float32", num_threads=1, num_kv_blocks=16))
+    return engine.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+
+
+def request(request_id: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id, prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True)
+    )
+
+
+async def tokens(address: str, req: pb.GenerateRequest) -> list[int]:
+    result = None
+    async for _, result in generate(address, req, 60.0):  # noqa: B007 (the last one is the answer)
+        pass
+    assert result is not None and result.finish_reason == "length"
+    return result.token_ids
+
+
+async def holding(router: str, timeout_s: float = 5.0) -> admin_pb2.WorkerStatus:
+    """The prefill worker that ran the prompt and now holds its blocks for the delayed KV send."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for w in await workers(router):
+            if w.role == "prefill" and w.kv_blocks_used > 0 and w.running == 0 and w.waiting == 0:
+                return w
+        await asyncio.sleep(0.05)
+    raise AssertionError("no prefill worker held the request")
+
+
+async def none_in_flight(router: str, timeout_s: float = 3.0) -> None:
+    """The router's count of requests in flight is back to zero: every attempt's ticket was released once (a
+    double release would drive it below zero, which the reply could not even carry)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        async with channel(router) as ch:
+            reply = await admin_pb2_grpc.AdminStub(ch).ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=5)
+        if reply.in_flight == 0:
+            return
+        assert time.monotonic() < end, reply.in_flight
+        await asyncio.sleep(0.1)
+
+
+async def router_event(collector: Collector, client_id: str, name: str, timeout_s: float = 10.0) -> dict:
+    """The attributes of the `name` event on the router's span of the request the client sent as `client_id`."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        with collector.lock:
+            spans = [s for svc, s in collector.spans if svc == "pdserve-router"]
+        for s in spans:
+            attrs = {a.key: a.value for a in s.attributes}
+            if "request.client_id" in attrs and attrs["request.client_id"].string_value == client_id:
+                for e in s.events:
+                    if e.name == name:
+                        got = {a.key: a.value.string_value or a.value.int_value for a in e.attributes}
+                        return got | {"span.attempts": attrs["attempts"].int_value}
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no {name} event on the router's span of {client_id}")
+
+
+def retried_after(log: str, worker_id: str) -> bool:
+    return f"request placed again after worker {worker_id} failed it" in log
+
+
+def test_prefill_worker_killed_while_holding_the_request_it_completes_on_the_other(cluster, collector, expected):
+    async def run() -> None:
+        assert await tokens(cluster.address, request("warm")) == expected
+        call = asyncio.create_task(tokens(cluster.address, request(f"{HELD}prefill-kill")))
+        victim = await holding(cluster.address)
+        await asyncio.sleep(0.3)  # the first token reaches the decode worker, which waits for the KV
+        os.kill(pid_serving(victim.address), signal.SIGKILL)
+        assert await call == expected
+        assert retried_after(cluster.log(), victim.id), cluster.log()[-3000:]
+        event = await router_event(collector, f"{HELD}prefill-kill", "retry")
+        assert (event["attempt"], event["failed.worker.id"], event["span.attempts"]) == (2, victim.id, 2), event
+        assert event["prefill.worker.id"] != victim.id
+        await none_in_flight(cluster.address)
+
+    asyncio.run(run())
+
+
+def test_decode_worker_killed_before_the_stream_starts_requests_complete_on_the_other(cluster, expected):
+    async def run() -> None:
+        decodes = [w for w in await workers(cluster.address) if w.role == "decode"]
+        assert len(decodes) == 2, decodes
+        victim = decodes[0]
+        os.kill(pid_serving(victim.address), signal.SIGKILL)
+        # Its registry entry lives on until the TTL: concurrent requests spread over both decode workers.
+        got = await asyncio.gather(*(tokens(cluster.address, request(f"after-kill-{i}")) for i in range(4)))
+        assert got == [expected] * 4
+        assert retried_after(cluster.log(), victim.id), cluster.log()[-3000:]
+        await none_in_flight(cluster.address)
+
+    asyncio.run(run())
+
+
+def test_a_stuck_prefill_worker_costs_the_first_token_bound_then_the_request_runs_on_the_other(cluster, expected):
+    """SIGSTOPped, the prefill worker still looks alive (its registry entry outlives the bound): the requests
+    placed on it get no first token within the bound and are placed again on the other one."""
+
+    async def run() -> None:
+        await all_serving(cluster.address)
+        victim = next(w for w in await workers(cluster.address) if w.role == "prefill")
+        pid = pid_serving(victim.address)
+        seen = len(cluster.log())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            got = await asyncio.gather(*(tokens(cluster.address, request(f"stuck-{i}")) for i in range(4)))
+            took = time.monotonic() - start
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert got == [expected] * 4
+        log = cluster.log()[seen:]
+        assert retried_after(log, victim.id) and "no first token within the router's bound" in log, log[-3000:]
+        assert took < FIRST_TOKEN_S + 20, took
+        await none_in_flight(cluster.address)
+
+    asyncio.run(run())
+
+
+LONG = 1500  # output tokens: seconds of decoding on tiny-random, time to find the decode worker and kill it
+
+
+def long_request(request_id: str) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=LONG, ignore_eos=True)
+    return pb.GenerateRequest(request_id=request_id, prompt_token_ids=PROMPT, sampling=sampling)
+
+
+async def all_serving(router: str, timeout_s: float = 90.0) -> None:
+    """Two workers of each role, each served by a live process (Ray restarted the ones killed before)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        ws = [w for w in await workers(router) if w.health == "SERVING"]
+        roles = sorted(w.role for w in ws)
+        try:
+            if roles == ["decode", "decode", "prefill", "prefill"] and all(pid_serving(w.address) for w in ws):
+                return
+        except LookupError:
+            pass
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"cluster not back to 2 + 2 workers: {await workers(router)}")
+
+
+async def no_decode_running(router: str, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while any(w.role == "decode" and w.running for w in await workers(router)):
+        assert time.monotonic() < end, await workers(router)
+        await asyncio.sleep(0.1)
+
+
+async def decoding(router: str, timeout_s: float = 5.0) -> admin_pb2.WorkerStatus:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for w in await workers(router):
+            if w.role == "decode" and w.running > 0:
+                return w
+        await asyncio.sleep(0.05)
+    raise AssertionError("no decode worker shows the request running")
+
+
+def test_decode_worker_killed_mid_stream_the_client_gets_the_unfailed_output(cluster, collector):
+    async def run() -> None:
+        await all_serving(cluster.address)
+        unfailed = None
+        async for _, unfailed in generate(cluster.address, long_request("unfailed"), 120.0):  # noqa: B007
+            pass
+        assert unfailed is not None and len(unfailed.token_ids) == LONG
+        await no_decode_running(cluster.address)  # so `decoding` cannot find the unfailed run's worker
+
+        got, killed_at, victim = None, 0, None
+        async for _, got in generate(cluster.address, long_request("migrated"), 120.0):
+            if victim is None and got.token_ids:
+                victim = await decoding(cluster.address)
+                killed_at = len(got.token_ids)
+                os.kill(pid_serving(victim.address), signal.SIGKILL)
+        assert got is not None and victim is not None
+        assert 0 < killed_at < LONG
+        log = cluster.log()
+        assert "migrated after" in log and f"worker {victim.id} failed it" in log, log[-3000:]
+        assert got.token_ids == unfailed.token_ids  # no gap, no repeat, the same greedy tokens
+        assert got.text == unfailed.text
+        assert got.finish_reason == "length"
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(PROMPT), LONG)
+        event = await router_event(collector, "migrated", "migration")
+        assert event["failed.worker.id"] == victim.id and event["decode.worker.id"] != victim.id, event
+        assert killed_at <= event["streamed_tokens"] < LONG, event
+        await none_in_flight(cluster.address)
+
+    asyncio.run(run())
+
+
+def test_the_router_counts_retries_and_migrations(cluster):
+    """Runs last in the module: by now it has retried (the killed and stuck workers) and migrated once."""
+    moves = scrape(cluster.metrics_url)
+    assert total(moves, "pdserve_request_moves_total", kind="retry") >= 2
+    assert total(moves, "pdserve_request_moves_total", kind="migration") == 1

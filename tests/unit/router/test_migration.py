@@ -1,0 +1,66 @@
+"""A migrated stream's text, re-derived by the router: identical to what one detokenizer over the whole output
+writes, even where the break falls inside a held-back character or a stop string."""
+
+from __future__ import annotations
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.v1 import generate_pb2 as pb
+from services.router.migration import Continuation, continued_request
+from services.router.request import RoutedRequest
+
+ALPHABET = "xyzabcdefgh"
+
+
+class Letters:
+    """A decoder with one letter per token id."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(ALPHABET[i] for i in ids)
+
+
+def request(max_tokens: int = 10, stop: tuple[str, ...] = ()) -> RoutedRequest:
+    return RoutedRequest("r", [0, 1, 2], SamplingParams(max_tokens=max_tokens, stop=stop), 0.0, 0.0, 0)
+
+
+def whole(req: RoutedRequest, tokens: list[int]) -> tuple[str, bool]:
+    detok = IncrementalDetokenizer(Letters(), req.prompt_token_ids, stop=req.sampling.stop)
+    text = "".join(detok.step([t]) for t in tokens)
+    return (text if detok.stopped else text + detok.flush()), detok.stopped
+
+
+def migrated(req: RoutedRequest, streamed: list[int], rest: list[int]) -> tuple[str, int]:
+    """The client's text: the old worker's messages, then the continuation's as the router rewrites them."""
+    old = IncrementalDetokenizer(Letters(), req.prompt_token_ids, stop=req.sampling.stop)
+    text = "".join(old.step([t]) for t in streamed)
+    continuation = Continuation(Letters(), req, [[t] for t in streamed])
+    reason = pb.FINISH_REASON_UNSPECIFIED
+    for i, t in enumerate(rest):
+        last = i == len(rest) - 1
+        msg = pb.GenerateResponse(token_ids=[t], text="?", finish_reason=pb.FINISH_REASON_LENGTH if last else 0)
+        continuation.rewrite(msg)
+        text, reason = text + msg.text, msg.finish_reason
+        if reason != pb.FINISH_REASON_UNSPECIFIED:
+            break
+    return text, reason
+
+
+def test_a_continued_request_prefills_what_was_streamed_and_asks_for_the_rest():
+    req = continued_request(request(max_tokens=10), [5, 6, 7])
+    assert req.prompt_token_ids == [0, 1, 2, 5, 6, 7] and req.sampling.max_tokens == 7
+
+
+def test_the_text_after_a_break_is_the_unbroken_stream_s_text():
+    req, tokens = request(stop=("gh",)), [3, 4, 5, 6, 3, 4]
+    for cut in range(1, len(tokens)):
+        text, reason = migrated(req, tokens[:cut], tokens[cut:])
+        assert (text, reason) == (whole(req, tokens)[0], pb.FINISH_REASON_LENGTH), cut
+
+
+def test_a_stop_string_spanning_the_break_ends_the_stream_with_stop():
+    req = request(stop=("cd",))  # "c" is token 5, "d" token 6
+    tokens = [3, 4, 5, 6, 7]
+    expected_text, stopped = whole(req, tokens[:4])
+    assert stopped
+    text, reason = migrated(req, tokens[:3], tokens[3:])  # the break between "c" and "d"
+    assert (text, reason) == (expected_text, pb.FINISH_REASON_STOP)

@@ -1,0 +1,81 @@
+"""Retry before the first token: whom a failure blames, when a request may move, and placement around failed
+workers (ejected for a while, or avoided for the rest of one request)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from pdserve.config import RouterConfig
+from pdserve.errors import UnavailableError
+from services.router.ejection import Ejections
+from services.router.retry import Moves, blamed_worker
+from tests.unit.router.test_predictor_placement_admission import Router, prompt, worker
+
+
+def cluster(**config: object) -> Router:
+    return Router([worker("p0"), worker("p1"), worker("d0", "decode"), worker("d1", "decode")], **config)
+
+
+def test_a_status_naming_the_prefill_address_blames_the_prefill_worker_else_the_decode_worker():
+    placed = cluster().place(prompt(40), 8, 1.0)
+    p, d = placed.prefill_worker, placed.decode
+    via = UnavailableError(f"decode worker {d.worker_id} at {d.address}: KV transfer from {p.address} failed")
+    assert blamed_worker(via, placed) is p
+    gone = UnavailableError(f"decode worker {d.worker_id} at {d.address}: failed to connect (UNAVAILABLE)")
+    assert blamed_worker(gone, placed) is d
+
+
+def test_a_request_is_retried_up_to_max_attempts_then_migrated_up_to_the_limit_within_its_deadline():
+    config = RouterConfig(max_attempts=3, migration_limit=2)
+    moves = Moves()
+    assert moves.allow(config, sent=-1, max_tokens=8, time_remaining=None)  # attempt 2
+    assert moves.allow(config, sent=-1, max_tokens=8, time_remaining=5.0)  # attempt 3
+    assert not moves.allow(config, sent=-1, max_tokens=8, time_remaining=None)  # 3 placements used
+    assert moves.allow(config, sent=0, max_tokens=8, time_remaining=None)  # a message went out: migrated
+    assert moves.allow(config, sent=3, max_tokens=8, time_remaining=None)
+    assert not moves.allow(config, sent=4, max_tokens=8, time_remaining=None)  # migration_limit
+    assert not Moves().allow(config, sent=-1, max_tokens=8, time_remaining=0.0)  # its deadline passed
+    assert not Moves().allow(config, sent=8, max_tokens=8, time_remaining=None)  # nothing left to generate
+    assert not Moves().allow(RouterConfig(max_attempts=1), sent=-1, max_tokens=8, time_remaining=None)
+    assert not Moves().allow(RouterConfig(migration_limit=0), sent=2, max_tokens=8, time_remaining=None)
+
+
+def test_placement_avoids_the_workers_that_failed_the_request_and_fails_when_none_is_left():
+    r = cluster()
+    for _ in range(4):
+        placed = asyncio.run(r.placement.place(prompt(40), 8, 1.0, frozenset({"p0", "d1"})))
+        assert (placed.prefill_worker.worker_id, placed.decode.worker_id) == ("p1", "d0")
+    with pytest.raises(UnavailableError):
+        asyncio.run(r.placement.place(prompt(40), 8, 1.0, frozenset({"p0", "p1"})))
+
+
+def test_an_ejected_worker_leaves_placement_until_its_hold_ends_or_it_restarts(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("services.router.ejection.time.monotonic", lambda: clock[0])
+    r = cluster(policy="round-robin", ejection_s=10.0)
+    r.placement.ejections.eject(worker("p0"), "killed")
+    assert {r.place(prompt(40), 8, 1.0).prefill_worker.worker_id for _ in range(4)} == {"p1"}
+    r.registry.publish(replace(worker("p0"), address="p0.local:60000"))  # Ray restarted it elsewhere
+    assert {r.place(prompt(40), 8, 1.0).prefill_worker.worker_id for _ in range(4)} == {"p0", "p1"}
+    r.placement.ejections.eject(worker("p1"), "killed")
+    clock[0] += 10.5
+    assert {r.place(prompt(40), 8, 1.0).prefill_worker.worker_id for _ in range(4)} == {"p0", "p1"}
+
+
+def test_ejections_never_leave_a_role_empty():
+    ejections = Ejections(hold_s=10.0)
+    p0, p1 = worker("p0"), worker("p1")
+    ejections.eject(p0, "x")
+    assert ejections.usable([p0, p1]) == [p1]
+    ejections.eject(p1, "y")
+    assert ejections.usable([p0, p1]) == [p0, p1]  # all out: try them rather than answer UNAVAILABLE
+
+
+def test_max_attempts_below_one_and_a_negative_migration_limit_are_refused():
+    with pytest.raises(ValueError, match="max_attempts"):
+        RouterConfig(max_attempts=0)
+    with pytest.raises(ValueError, match="migration_limit"):
+        RouterConfig(migration_limit=-1)
