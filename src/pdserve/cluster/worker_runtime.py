@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from pdserve.config import EngineConfig
 
 log = logging.getLogger(__name__)
+HEARTBEAT_FAILURE_LOG_EVERY_S = 30.0
 EXIT_GRACE_S = 1.0  # a failing worker's last words: its callers get their status, the launcher the reason
 
 
@@ -94,15 +95,16 @@ class WorkerRuntime:
         )
 
     def _heartbeat(self) -> None:
-        from pdserve.registry.redis import RedisRegistry
+        from pdserve.registry.redis import RedisRegistry, Throttled
 
         assert self.spec.registry_url is not None
         registry = RedisRegistry(self.spec.registry_url, ttl_s=max(2.0, 6 * self.spec.heartbeat_s))
+        failed = Throttled(HEARTBEAT_FAILURE_LOG_EVERY_S)  # a Redis outage is one line per interval, not per beat
         while not self._stopped.wait(self.spec.heartbeat_s):
             try:
                 registry.publish(self.state())
             except Exception as e:  # Redis down: keep serving, publish again when it is back
-                log.warning("heartbeat to %s failed: %s", self.spec.registry_url, e)
+                failed.warning("heartbeat to %s failed: %s", self.spec.registry_url, e)
         try:
             registry.remove(self.worker_id)
         except Exception as e:
