@@ -7,10 +7,7 @@ model's context, so each rule can be reached with ordinary requests.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
-import subprocess
-import sys
 import time
 
 import grpc
@@ -22,6 +19,7 @@ from pdserve.rpc.metadata import PREDICTED_TTFT_KEY
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
+from tests.integration.cluster_view import status_json
 
 pytestmark = pytest.mark.timeout(300)
 DEFAULT_TTFT_MS = 1.0
@@ -36,22 +34,11 @@ def cluster(tmp_path_factory):
     proc.stop()
 
 
-def status(address: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "status", "--addr", address, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
-    return json.loads(out.stdout)
-
-
 def wait_idle(address: str, timeout_s: float = 15.0) -> dict:
     """Until the router's view shows no work anywhere (heartbeats included) and no KV block held."""
     end = time.monotonic() + timeout_s
     while True:
-        s = status(address)
+        s = status_json(address)
         busy = [
             w for w in s["workers"] if w["running"] or w["waiting"] or w["queued_prefill_tokens"] or w["kv_blocks_used"]
         ]

@@ -4,11 +4,8 @@ with UNAVAILABLE, and once the worker runs again every KV block is free on both 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
@@ -19,6 +16,7 @@ from pdserve.cluster.local_process import ClusterProcess, descendants
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
+from tests.integration.cluster_view import status_json
 
 pytestmark = pytest.mark.timeout(300)
 BOUND_S = 3.0
@@ -33,17 +31,6 @@ def cluster(tmp_path_factory):
     proc = ClusterProcess(*args, "--first-token-timeout-s", str(BOUND_S), log_path=log)
     yield proc
     proc.stop()
-
-
-def status(address: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "status", "--addr", address, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
-    return json.loads(out.stdout)
 
 
 def listening_pid(root: int, port: int) -> int:
@@ -66,7 +53,7 @@ async def first_token(address: str, request: pb.GenerateRequest) -> list[int]:
 def test_stuck_prefill_worker_fails_the_request_within_the_bound_and_frees_every_block(cluster):
     request = pb.GenerateRequest(prompt_token_ids=[7, 8, 9] * 30, sampling=pb.SamplingParams(max_tokens=8))
     assert len(asyncio.run(first_token(cluster.address, request))) == 8  # warm: channels and rendezvous made
-    prefill = next(w for w in status(cluster.address)["workers"] if w["role"] == "prefill")
+    prefill = next(w for w in status_json(cluster.address)["workers"] if w["role"] == "prefill")
     pid = listening_pid(cluster.proc.pid, int(prefill["address"].rsplit(":", 1)[1]))
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -84,7 +71,7 @@ def test_stuck_prefill_worker_fails_the_request_within_the_bound_and_frees_every
     time.sleep(1.5)  # a heartbeat from the resumed worker: its state is no longer the one before the stop
     end, zero_in_a_row = time.monotonic() + 20, 0
     while zero_in_a_row < 2 and time.monotonic() < end:
-        used = {w["id"]: w["kv_blocks_used"] for w in status(cluster.address)["workers"]}
+        used = {w["id"]: w["kv_blocks_used"] for w in status_json(cluster.address)["workers"]}
         zero_in_a_row = zero_in_a_row + 1 if not any(used.values()) else 0
         time.sleep(1.0)
     assert zero_in_a_row == 2, used

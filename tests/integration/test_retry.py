@@ -13,40 +13,22 @@ import asyncio
 import os
 import signal
 import time
-from concurrent import futures
 
-import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from pdserve.cluster.local_process import ClusterProcess, free_port
-from pdserve.config import EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.rpc.client import generate
 from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generate_pb2 as pb
-from tests.integration.test_observability import Collector, scrape, total
+from tests.integration.cluster_view import Collector, scrape, total
+from tests.integration.reference import PROMPT, request
 from tests.integration.worker_view import pid_serving, workers
 
 pytestmark = pytest.mark.timeout(300)
 HOLD_S = 4.0
 HELD = "held-"
-PROMPT = [5, 6, 7, 8, 9] * 7
 FIRST_TOKEN_S = 6.0  # the router's first-token bound: past HOLD_S, so a held request is not cut short by it
-
-
-@pytest.fixture(scope="module")
-def collector():
-    """The router's spans, for the retry and migration events on them."""
-    c = Collector()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(c, server)
-    c.port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield c
-    server.stop(0)
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +45,6 @@ def cluster(collector, tmp_path_factory):
     proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     yield proc
     proc.stop()
-
-
-@pytest.fixture(scope="module")
-def expected() -> list[int]:
-    engine = LLMEngine(EngineConfig(model="tiny-random", dtype="float32", num_threads=1, num_kv_blocks=16))
-    return engine.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
-
-
-def request(request_id: str) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        request_id=request_id, prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True)
-    )
 
 
 async def tokens(address: str, req: pb.GenerateRequest) -> list[int]:

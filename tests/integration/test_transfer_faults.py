@@ -17,19 +17,16 @@ import grpc
 import pytest
 
 from pdserve.cluster.local_process import ClusterProcess
-from pdserve.config import EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.rpc.client import generate
 from pdserve.rpc.server import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from pdserve.v1 import generate_pb2 as pb
+from tests.integration.reference import request
 from tests.integration.worker_view import by_role, idle, pid_serving
 
 pytestmark = pytest.mark.timeout(240)
 TRANSFER_TIMEOUT_S = 8.0
 SEND_DELAY_S = 30.0  # the stall: far past the transfer timeout, so the two outcomes cannot be confused
 FAULTED = "fault-"  # request ids starting with this stall; the others run normally
-PROMPT = [5, 6, 7, 8, 9] * 7  # three KV blocks
 
 
 @pytest.fixture(scope="module")
@@ -41,19 +38,6 @@ def cluster(tmp_path_factory):
     proc = ClusterProcess(*args, log_path=log, env=faults)
     yield proc
     proc.stop()
-
-
-@pytest.fixture(scope="module")
-def expected() -> list[int]:
-    """What the single-process engine answers to PROMPT: a healthy request through the cluster must match it."""
-    engine = LLMEngine(EngineConfig(model="tiny-random", dtype="float32", num_threads=1, num_kv_blocks=16))
-    return engine.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
-
-
-def request(request_id: str) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        request_id=request_id, prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True)
-    )
 
 
 async def tokens(address: str, req: pb.GenerateRequest, timeout_s: float | None = 30.0) -> list[int]:
