@@ -10,8 +10,9 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.config import CLUSTER_MODES, DTYPE_NAMES, ClusterConfig, EngineConfig, RouterConfig
-from pdserve.flags import flag_values, from_flags
+from pdserve.bench.commands import add_bench_commands
+from pdserve.config import CLUSTER_MODES, ClusterConfig, EngineConfig, RouterConfig
+from pdserve.flags import add_engine_flags, engine_config, flag_values, from_flags
 from pdserve.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="run prompts through the engine in one process, one continuous batch")
-    _add_model_args(gen)
+    add_engine_flags(gen)
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt, at most")
@@ -60,7 +61,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     up = sub.add_parser("up", help="start a local cluster: Ray worker actors and the router")
-    _add_model_args(up)
+    add_engine_flags(up)
     c = ClusterConfig
     up.add_argument("--mode", choices=CLUSTER_MODES, default=c.mode, help="separate prefill/decode workers, or not")
     up.add_argument("--prefill", type=int, default=c.prefill, help="prefill workers (disaggregated)")
@@ -116,83 +117,8 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     fetch.add_argument("--model", default=EngineConfig.model, help="a built-in model name")
     fetch.set_defaults(func=_fetch)
 
-    bench = sub.add_parser("bench", help="micro-benchmarks against a baseline measured in the same run")
-    bench_sub = bench.add_subparsers(required=True, metavar="WHAT")
-    engine = bench_sub.add_parser("engine", help="prefill and decode tokens/s, engine vs transformers")
-    _add_model_args(engine)
-    engine.add_argument("--batch-sizes", default="1,8,32", help="comma-separated, one row each")
-    engine.add_argument("--prompt-len", type=int, default=512, help="prompt tokens for the prefill figure")
-    engine.add_argument("--decode-prompt-len", type=int, default=32, help="prompt tokens before decoding")
-    engine.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per sequence")
-    engine.add_argument("--compare", choices=["transformers", "none"], default="transformers", help="baseline")
-    engine.add_argument("--rounds", type=int, default=3, help="rounds of every row on both engines, back to back")
-    engine.set_defaults(func=_bench_engine)
-    placement = bench_sub.add_parser("placement", help="prefix-aware placement vs round-robin, TTFT and hit rate")
-    placement.add_argument("--model", default=EngineConfig.model, help="as for up")
-    placement.add_argument("--prefill", type=int, default=2, help="prefill workers")
-    placement.add_argument("--decode", type=int, default=1, help="decode workers")
-    placement.add_argument("--num-prefixes", type=int, default=8, help="distinct shared prefixes")
-    placement.add_argument("--requests-per-prefix", type=int, default=4, help="requests sharing each")
-    placement.add_argument("--prefix-len", type=int, default=512, help="tokens")
-    placement.add_argument("--suffix-len", type=int, default=32, help="tokens after the prefix")
-    placement.add_argument("--request-rate", type=float, default=0.5, help="Poisson arrivals per second")
-    placement.set_defaults(func=_bench_placement)
-    transfer = bench_sub.add_parser("transfer", help="KV transfer GB/s between two processes vs raw gloo and a copy")
-    transfer.add_argument("--host", default=ClusterConfig.host, help="address both processes bind")
-    transfer.add_argument("--device", default="cpu", help="where the KV caches live: cpu, cuda, cuda:N")
-    transfer.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"], help="auto: by device")
-    transfer.add_argument("--tokens", type=int, default=1000, help="sequence length of the SmolLM2 cases")
-    transfer.add_argument("--mib", type=int, default=64, help="size of the large case")
-    transfer.add_argument("--repeats", type=int, default=7, help="timed runs per case")
-    transfer.add_argument("--pipeline-mib", type=int, default=32, help="staging bytes in flight per side")
-    transfer.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
-    transfer.set_defaults(func=_bench_transfer)
-    _add_admission_bench(bench_sub)
+    add_bench_commands(sub)
     return parser
-
-
-def _add_admission_bench(bench_sub: argparse._SubParsersAction) -> None:
-    from pdserve.bench.admission_bench import AdmissionBench
-
-    d = AdmissionBench()
-    admission = bench_sub.add_parser(
-        "admission",
-        help="predicted vs measured TTFT, and a burst far above capacity",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    admission.add_argument("--addr", default=None, help="a running router HOST:PORT (default: start a cluster)")
-    admission.add_argument("--model", default="smollm2-135m", help="for the cluster it starts")
-    admission.add_argument("--prefill", type=int, default=1, help="for the cluster it starts")
-    admission.add_argument("--decode", type=int, default=1, help="for the cluster it starts")
-    admission.add_argument("--prompt-lens", default=",".join(map(str, d.prompt_lens)), help="sequential phase")
-    admission.add_argument("--repeats", type=int, default=d.repeats, help="sequential requests per prompt length")
-    admission.add_argument("--burst", type=int, default=d.burst, help="simultaneous requests")
-    admission.add_argument("--burst-prompt-len", type=int, default=d.burst_prompt_len)
-    admission.add_argument("--ttft-slo-ms", type=float, default=d.ttft_slo_ms, help="explicit SLO of the burst")
-    admission.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    admission.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
-    admission.set_defaults(func=_bench_admission)
-
-
-def _bench_admission(args: argparse.Namespace) -> int:
-    from pdserve.bench.admission_bench import AdmissionBench, run_admission_bench
-
-    bench = from_flags(AdmissionBench, args, prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")))
-    cluster = ("--model", args.model, "--prefill", str(args.prefill), "--decode", str(args.decode))
-    result = run_admission_bench(bench, args.addr, cluster)
-    if args.json:
-        print(json.dumps(result))
-    return 0
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    e = EngineConfig
-    p.add_argument("--model", default=e.model, help="smollm2-135m, tiny-random, a model folder or a .gguf")
-    p.add_argument(
-        "--dtype", default=e.dtype, choices=["auto", *DTYPE_NAMES], help="auto: bfloat16 on CUDA, else float32"
-    )
-    p.add_argument("--device", default=e.device, help="auto (cuda when available), cpu, cuda, cuda:N")
-    p.add_argument("--threads", type=int, default=e.num_threads, help="CPU threads for torch (default: torch's own)")
 
 
 def _add_router_overrides(p: argparse.ArgumentParser) -> None:
@@ -220,10 +146,6 @@ def _add_router_overrides(p: argparse.ArgumentParser) -> None:
         help="times a stream may move to another decode worker when its worker fails after tokens were sent "
         f"(default: {r.migration_limit}; 0 never migrates)",
     )
-
-
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return from_flags(EngineConfig, args, {"num_threads": "threads", "kv_cache_memory_gb": "kv_cache_gb"})
 
 
 def _up(args: argparse.Namespace, services: ClusterServices | None) -> int:
@@ -256,7 +178,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         router = RouterConfig(**overrides)
     renamed = {"redis_url": "redis", "kv_transfer_timeout_s": "kv_transfer_timeout"}
     return from_flags(
-        ClusterConfig, args, renamed, engine=_engine_config(args), router=router, log_level=args.log_level.upper()
+        ClusterConfig, args, renamed, engine=engine_config(args), router=router, log_level=args.log_level.upper()
     )
 
 
@@ -397,7 +319,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     try:
         sampling = from_flags(SamplingParams, args)
-        engine = LLMEngine(_engine_config(args))
+        engine = LLMEngine(engine_config(args))
         tok = engine.tokenizer
         prompts = [tok.apply_chat_template([("user", p)]) if args.chat else tok.encode(p) for p in args.prompt]
         completions = engine.generate(prompts, sampling)
@@ -411,53 +333,6 @@ def _generate(args: argparse.Namespace) -> int:
             print(json.dumps(record, ensure_ascii=False))
         else:
             print(f"### {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason.value}]\n")
-    return 0
-
-
-def _bench_placement(args: argparse.Namespace) -> int:
-    from pdserve.bench.placement_bench import run_placement_bench
-
-    run_placement_bench(
-        args.model,
-        args.prefill,
-        args.decode,
-        args.num_prefixes,
-        args.requests_per_prefix,
-        args.prefix_len,
-        args.suffix_len,
-        args.request_rate,
-    )
-    return 0
-
-
-def _bench_engine(args: argparse.Namespace) -> int:
-    from pdserve.bench.engine_bench import run_engine_bench
-
-    run_engine_bench(
-        _engine_config(args),
-        batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
-        prompt_len=args.prompt_len,
-        decode_prompt_len=args.decode_prompt_len,
-        decode_tokens=args.decode_tokens,
-        compare_transformers=args.compare == "transformers",
-        rounds=args.rounds,
-    )
-    return 0
-
-
-def _bench_transfer(args: argparse.Namespace) -> int:
-    from pdserve.bench.transfer_bench import default_cases, run_transfer_bench
-
-    result = run_transfer_bench(
-        default_cases(args.tokens, args.mib),
-        host=args.host,
-        device=args.device,
-        backend=args.backend,
-        repeats=args.repeats,
-        pipeline_mib=args.pipeline_mib,
-    )
-    if args.json:
-        print(json.dumps(result))
     return 0
 
 

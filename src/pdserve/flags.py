@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any, TypeVar
 
+from pdserve.config import DTYPE_NAMES, EngineConfig
+
 T = TypeVar("T")
 
 
@@ -22,3 +24,18 @@ def flag_values(cls: type, args: argparse.Namespace, renamed: Mapping[str, str] 
 def from_flags(cls: type[T], args: argparse.Namespace, renamed: Mapping[str, str] | None = None, **given: Any) -> T:
     """`cls` built from the flags named after its fields; `given` values win."""
     return cls(**{**flag_values(cls, args, renamed), **given})
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --device, --threads: what every command that builds an engine takes."""
+    e = EngineConfig
+    p.add_argument("--model", default=e.model, help="smollm2-135m, tiny-random, a model folder or a .gguf")
+    p.add_argument(
+        "--dtype", default=e.dtype, choices=["auto", *DTYPE_NAMES], help="auto: bfloat16 on CUDA, else float32"
+    )
+    p.add_argument("--device", default=e.device, help="auto (cuda when available), cpu, cuda, cuda:N")
+    p.add_argument("--threads", type=int, default=e.num_threads, help="CPU threads for torch (default: torch's own)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return from_flags(EngineConfig, args, {"num_threads": "threads", "kv_cache_memory_gb": "kv_cache_gb"})
