@@ -12,7 +12,7 @@ from pdserve.config import RouterConfig
 from pdserve.errors import UnavailableError
 from services.router.ejection import Ejections
 from services.router.retry import Moves, blamed_worker
-from tests.unit.router.test_predictor_placement_admission import Router, prompt, worker
+from tests.unit.router.router_builder import Router, prompt, worker
 
 
 def cluster(**config: object) -> Router:

@@ -7,7 +7,7 @@ import pytest
 from pdserve.protocol.sampling import SamplingParams
 from services.router.request import RoutedRequest
 from services.router.ticket import Ticket
-from tests.unit.router.test_predictor_placement_admission import Router, prompt, worker
+from tests.unit.router.router_builder import Router, prompt, worker
 
 
 def ticket(r: Router) -> Ticket:

@@ -1,0 +1,83 @@
+"""A router's predictor, placement and admission over an in-process registry, built for unit tests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import pytest
+
+from pdserve.config import RouterConfig
+from pdserve.errors import OverloadedError
+from pdserve.registry.base import WorkerState
+from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
+from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS, Admission, SLOTarget
+from services.router.load_tracker import LoadTracker
+from services.router.placement import Placement, RoundRobinPlacement, SLOAwarePlacement
+from services.router.predictor import Predictor
+from tests.unit.round_profile import PROFILE
+
+BS = 16
+
+
+def worker(worker_id: str, role: str = "prefill", **fields: object) -> WorkerState:
+    base: dict[str, object] = dict(
+        address=f"{worker_id}.local:50051",
+        block_size=BS,
+        kv_blocks_total=4096,
+        kv_blocks_free=4096,
+        profile=PROFILE,
+    )
+    base.update(fields)
+    return WorkerState(worker_id=worker_id, role=role, **base)  # type: ignore[arg-type]
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 7919 + i * 31) % 30000 + 1 for i in range(n)]
+
+
+class Router:
+    """What the router wires together per process, on an in-memory registry."""
+
+    def __init__(self, workers: list[WorkerState], policy: str = "slo", **config: object) -> None:
+        self.config = RouterConfig(policy=policy, **config)  # type: ignore[arg-type]
+        self.registry = InMemoryRegistry(ttl_s=600)
+        for w in workers:
+            self.registry.publish(w)
+        self.index = InMemoryPrefixIndex()
+        self.tracker = LoadTracker()
+        self.predictor = Predictor(self.config, self.tracker)
+        cls = SLOAwarePlacement if policy == "slo" else RoundRobinPlacement
+        self.placement = cls(self.registry, self.index, self.predictor)
+        self.admission = Admission(self.config, self.predictor)
+
+    def place(self, tokens: list[int], max_tokens: int, tpot_slo_s: float) -> Placement:
+        return asyncio.run(self.placement.place(tokens, max_tokens, tpot_slo_s))
+
+    def admit(
+        self,
+        tokens: list[int],
+        max_tokens: int = 16,
+        priority: int = 0,
+        slo_s: tuple[float, float] = (5, 1),
+        explicit: bool = True,
+    ):
+        placed = self.place(tokens, max_tokens, slo_s[1])
+        self.admission.check(placed, len(tokens), priority, SLOTarget(*slo_s, explicit, explicit))
+        return placed
+
+
+# --- Predictor -----------------------------------------------------------------------------------------------
+
+
+def replace_free(w: WorkerState, free: int) -> WorkerState:
+    return replace(w, kv_blocks_free=free, updated_at=time.time())
+
+
+def shed(r: Router, tokens: list[int], match: str, **kw: object) -> OverloadedError:
+    with pytest.raises(OverloadedError, match=match) as info:
+        r.admit(tokens, **kw)  # type: ignore[arg-type]
+    assert MIN_RETRY_MS <= info.value.retry_after_ms <= MAX_RETRY_MS
+    assert 100 <= info.value.retry_after_ms <= 30_000
+    return info.value

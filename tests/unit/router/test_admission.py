@@ -1,0 +1,220 @@
+"""Admission's answers: admitted, RESOURCE_EXHAUSTED with a retry hint, or INVALID_ARGUMENT naming the field."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdserve.config import RouterConfig
+from pdserve.errors import InvalidRequestError, OverloadedError
+from pdserve.protocol.prefix_hash import prefix_hashes
+from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS
+from services.router.calibration import TTFTCalibration
+from services.router.load_tracker import LoadTracker
+from services.router.predictor import Predictor
+from tests.unit.round_profile import PROFILE
+from tests.unit.router.router_builder import BS, Router, prompt, shed, worker
+
+
+def test_admission_admits_when_every_prediction_fits():
+    r = Router([worker("p0"), worker("d0", "decode")])
+    placed = r.admit(prompt(100), slo_s=(1.0, 0.1))
+    assert placed.prefill.worker_id == "p0" and placed.decode.worker_id == "d0"
+
+
+def test_admission_sheds_when_predicted_ttft_exceeds_the_slo():
+    r = Router([worker("p0", queued_prefill_tokens=8000), worker("d0", "decode")], max_queued_prefill_tokens=10**6)
+    err = shed(r, prompt(100), "TTFT", slo_s=(1.0, 1.0))
+    assert err.retry_after_ms >= 5000  # about how late it would be: 8.1 s predicted vs 1 s
+    r.admit(prompt(100), slo_s=(12.0, 1.0))  # the same load meets a looser SLO (8 s queue <= 0.8 * 11.89 s)
+
+
+def test_admission_retry_hint_is_clamped():
+    r = Router([worker("p0", queued_prefill_tokens=10**8), worker("d0", "decode")], max_queued_prefill_tokens=10**9)
+    assert shed(r, prompt(100), "TTFT", slo_s=(1.0, 1.0)).retry_after_ms == MAX_RETRY_MS
+    # Own cost 110 ms, SLO 250 ms: the queue may fill 0.8 * 140 = 112 ms of it; 117 queued is 5 ms too many.
+    r2 = Router([worker("p0", queued_prefill_tokens=117), worker("d0", "decode")])
+    assert shed(r2, prompt(100), "TTFT", slo_s=(0.25, 1.0)).retry_after_ms == MIN_RETRY_MS
+
+
+def test_admission_queue_bound_sheds_low_priority_first():
+    # Bound 10000 tokens; priority 0 may fill 80 %, priority < 0 60 %, priority > 0 all of it.
+    r = Router(
+        [worker("p0", queued_prefill_tokens=7950), worker("d0", "decode")],
+        max_queued_prefill_tokens=10_000,
+        low_priority_reserve=0.2,
+    )
+    loose = (1000.0, 1.0)
+    shed(r, prompt(100), "queue full", priority=0, slo_s=loose)
+    shed(r, prompt(100), "queue full", priority=-1, slo_s=loose)
+    r.admit(prompt(100), priority=1, slo_s=loose)
+    r.admit(prompt(40), priority=0, slo_s=loose)  # 7990 fits under 8000
+
+
+def test_admission_queue_bound_counts_router_local_pending_tokens():
+    r = Router([worker("p0"), worker("d0", "decode")], max_queued_prefill_tokens=1000)
+    loose = (1000.0, 1.0)
+    r.admit(prompt(100), slo_s=loose)
+    r.tracker.start("p0", "d0", tokens=750, seconds=0.75, blocks=50)
+    shed(r, prompt(100), "queue full", slo_s=loose)
+    r.admit(prompt(100), priority=1, slo_s=loose)
+
+
+def test_admission_sheds_when_no_decode_worker_has_the_blocks():
+    r = Router([worker("p0"), worker("d0", "decode", kv_blocks_free=7), worker("d1", "decode", kv_blocks_free=3)])
+    shed(r, prompt(100), "free KV blocks", slo_s=(5.0, 1.0))  # 8 blocks needed, 4096 in total
+    r.admit(prompt(100), max_tokens=12, slo_s=(5.0, 1.0))  # 7 blocks fit
+
+
+def test_admission_sheds_when_predicted_tpot_exceeds_the_slo():
+    r = Router([worker("p0"), worker("d0", "decode", running=100), worker("d1", "decode", running=60)])
+    shed(r, prompt(100), "TPOT", slo_s=(5.0, 0.1))
+    r.admit(prompt(100), slo_s=(5.0, 0.5))  # d1: 20 + 5 * 61 ms = 325 ms
+
+
+def test_admission_sheds_at_the_in_flight_limit():
+    r = Router([worker("p0"), worker("d0", "decode")], max_in_flight=4)
+    r.admission.in_flight = 3
+    r.admit(prompt(10))
+    r.admission.in_flight = 4
+    shed(r, prompt(10), "in flight")
+    r.admission.in_flight = 10
+    shed(r, prompt(10), "in flight")
+
+
+# --- Admission: own cost vs queueing ---------------------------------------------------------------------------
+
+
+def test_prediction_splits_into_own_cost_and_queueing():
+    r = Router([worker("p0", queued_prefill_tokens=300, kv_bytes_per_token=10**6), worker("d0", "decode")])
+    placed = r.place(prompt(200), 16, 1.0)
+    assert placed.own_ttft_s == pytest.approx(0.01 + 0.2 + 0.2)  # prefill 210 ms + 200 tokens at 1 GB/s
+    assert placed.queue_s == pytest.approx(0.3)
+    assert placed.predicted_ttft_s == pytest.approx(placed.own_ttft_s + placed.queue_s)
+    assert placed.offer.ttft_s == pytest.approx(placed.own_ttft_s)
+    assert placed.offer.tpot_s == pytest.approx(PROFILE.decode_step_s(1))
+    assert placed.offer.kv_blocks == 4096
+
+
+def test_offer_is_the_best_idle_worker_even_when_placement_picks_another():
+    r = Router([worker("p0", speed_factor=3.0), worker("p1", queued_prefill_tokens=5000), worker("d0", "decode")])
+    placed = r.place(prompt(500), 16, 1.0)
+    assert placed.prefill.worker_id == "p0"  # 1.53 s on a slow idle worker beats 5.51 s behind a queue
+    assert placed.offer.ttft_s == pytest.approx(PROFILE.prefill_s(500))  # p1, were it idle
+
+
+def test_no_slo_request_larger_than_the_default_is_served_on_an_idle_cluster():
+    r = Router([worker("p0"), worker("d0", "decode")])
+    placed = r.admit(prompt(2000), slo_s=(1.0, 1.0), explicit=False)  # own cost 2.01 s > the 1 s default
+    assert placed.own_ttft_s > 1.0
+
+
+def test_no_slo_request_larger_than_the_default_is_shed_behind_a_queue_with_a_retry_hint():
+    r = Router([worker("p0", queued_prefill_tokens=500), worker("d0", "decode")])
+    err = shed(r, prompt(2000), "TTFT", slo_s=(1.0, 1.0), explicit=False)
+    assert err.retry_after_ms == 500  # the queue must drain first: its 0.5 s
+
+
+def test_no_slo_request_within_the_default_keeps_the_default_and_margin():
+    # Own 110 ms, default 1 s: the queue may fill 0.8 * 890 = 712 ms.
+    r = Router([worker("p0", queued_prefill_tokens=700), worker("d0", "decode")])
+    r.admit(prompt(100), slo_s=(1.0, 1.0), explicit=False)
+    r2 = Router([worker("p0", queued_prefill_tokens=750), worker("d0", "decode")])
+    assert shed(r2, prompt(100), "TTFT", slo_s=(1.0, 1.0), explicit=False).retry_after_ms == MIN_RETRY_MS
+
+
+def test_the_margin_applies_to_the_queue_not_to_the_own_cost():
+    # Own 510 ms against a 600 ms SLO: the old rule (predicted <= 0.8 * SLO) refused it even when idle.
+    r = Router([worker("p0"), worker("d0", "decode")])
+    assert r.admit(prompt(500), slo_s=(0.6, 1.0)).predicted_ttft_s == pytest.approx(0.51)
+    # The queue may add 0.8 * 90 = 72 ms: 70 queued tokens fit, 80 do not.
+    Router([worker("p0", queued_prefill_tokens=70), worker("d0", "decode")]).admit(prompt(500), slo_s=(0.6, 1.0))
+    late = Router([worker("p0", queued_prefill_tokens=80), worker("d0", "decode")])
+    shed(late, prompt(500), "TTFT", slo_s=(0.6, 1.0))
+
+
+def test_explicit_ttft_slo_below_the_idle_cost_is_invalid_naming_the_offer():
+    r = Router([worker("p0", queued_prefill_tokens=10_000), worker("p1", speed_factor=2.0), worker("d0", "decode")])
+    with pytest.raises(InvalidRequestError, match="smallest this cluster can offer is 510 ms") as info:
+        r.admit(prompt(500), slo_s=(0.3, 1.0))  # p0 idle would take 510 ms, p1 1020 ms
+    assert info.value.field == "slo.ttft_ms"
+    assert "300 ms" in str(info.value)
+    with pytest.raises(OverloadedError):  # meets it idle, not behind p0's queue
+        r.admit(prompt(500), slo_s=(0.6, 1.0))
+
+
+def test_explicit_ttft_slo_uses_the_prefix_cache_in_the_offer():
+    r = Router([worker("p0"), worker("d0", "decode")])
+    tokens = prompt(1024)
+    with pytest.raises(InvalidRequestError, match="slo.ttft_ms"):
+        r.admit(tokens, slo_s=(0.5, 1.0))
+    r.index.record("p0", prefix_hashes(tokens[:-1], BS))
+    assert r.admit(tokens, slo_s=(0.5, 1.0)).own_ttft_s < 0.05
+
+
+def test_explicit_tpot_slo_below_an_idle_decode_step_is_invalid():
+    r = Router([worker("p0"), worker("d0", "decode", running=100), worker("d1", "decode", running=60)])
+    with pytest.raises(InvalidRequestError, match="offer is 25 ms") as info:
+        r.admit(prompt(100), slo_s=(5.0, 0.02))  # one sequence alone steps in 20 + 5 ms
+    assert info.value.field == "slo.tpot_ms"
+    shed(r, prompt(100), "TPOT", slo_s=(5.0, 0.1))  # meets it alone, not in these batches
+
+
+def test_default_tpot_slo_never_sheds_what_one_idle_step_costs():
+    r = Router([worker("p0"), worker("d0", "decode")])
+    r.admit(prompt(100), slo_s=(5.0, 0.001), explicit=False)
+
+
+def test_more_kv_blocks_than_any_worker_holds_is_invalid_fewer_is_retryable():
+    r = Router([worker("p0"), worker("d0", "decode", kv_blocks_total=10, kv_blocks_free=10)])
+    with pytest.raises(InvalidRequestError, match="11 KV blocks.*10 in total") as info:
+        r.admit(prompt(100), max_tokens=70, slo_s=(5.0, 1.0))  # 170 tokens: 11 blocks
+    assert info.value.field == "sampling.max_tokens"
+    busy = Router([worker("p0"), worker("d0", "decode", kv_blocks_total=10, kv_blocks_free=4)])
+    shed(busy, prompt(100), "free KV blocks", max_tokens=40, slo_s=(5.0, 1.0))  # 9 blocks: later, maybe
+
+
+def test_invalid_wins_over_overloaded():
+    r = Router([worker("p0", queued_prefill_tokens=10**6), worker("d0", "decode")], max_in_flight=1)
+    r.admission.in_flight = 5
+    with pytest.raises(InvalidRequestError, match="slo.ttft_ms"):
+        r.admit(prompt(500), slo_s=(0.1, 1.0))
+
+
+# --- What the router learns itself -----------------------------------------------------------------------------
+
+
+def test_a_stale_heartbeat_does_not_count_prompts_this_router_saw_prefilled_since():
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    stale = worker("p0", queued_prefill_tokens=512, updated_at=time.time() - 1.0)  # taken mid-prefill
+    assert pred.queued_tokens(stale) == 512 and pred.queue_s(stale) == pytest.approx(0.512)
+    tracker.start("p0", "d0", tokens=512, seconds=0.52, blocks=33)
+    tracker.prefilled("p0", "d0", tokens=512, seconds=0.52, blocks=33)  # its first token came back since
+    assert pred.queued_tokens(stale) == 0 and pred.queue_s(stale) == 0.0
+    fresh = worker("p0", queued_prefill_tokens=300)  # reported after: all of it still queues
+    assert pred.queued_tokens(fresh) == 300
+
+
+def test_calibration_moves_predictions_toward_measured_ttfts_per_worker():
+    cal = TTFTCalibration(alpha=0.5)
+    pred = Predictor(RouterConfig(), LoadTracker(), cal)
+    w = worker("p0")
+    before = pred.ttft_s(w, 500, 0)
+    for _ in range(30):  # the worker is really half as fast as profiled
+        cal.observe("p0", pred.ttft_s(w, 500, 0), 2 * before)
+    assert pred.ttft_s(w, 500, 0) == pytest.approx(2 * before, rel=1e-3)
+    assert pred.ttft_s(worker("p1"), 500, 0) == pytest.approx(before)  # only the worker it measured
+    for _ in range(100):
+        cal.observe("p0", 1.0, 100.0)
+    assert cal.factor("p0") == pytest.approx(4.0)  # bounded
+    cal.observe("p0", 0.0, 1.0)  # nothing to learn from
+    assert cal.factor("p0") == pytest.approx(4.0)
+
+
+def test_the_queue_bound_never_sheds_a_prompt_for_its_own_size():
+    r = Router([worker("p0"), worker("d0", "decode")], max_queued_prefill_tokens=1000)
+    r.admit(prompt(1500), slo_s=(1000.0, 1.0))  # alone in an empty queue
+    r.tracker.start("p0", "d0", tokens=10, seconds=0.01, blocks=1)
+    shed(r, prompt(1500), "queue full", slo_s=(1000.0, 1.0))  # behind anything: a retry can succeed

@@ -1,0 +1,197 @@
+"""The predictor's TTFT/TPOT and placement's choices, on an in-process registry."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdserve.config import RouterConfig
+from pdserve.errors import UnavailableError
+from pdserve.protocol.prefix_hash import prefix_hashes
+from services.router.load_tracker import LoadTracker
+from services.router.predictor import Predictor
+from tests.unit.round_profile import PROFILE
+from tests.unit.router.router_builder import BS, Router, prompt, replace_free, worker
+
+
+def test_ttft_grows_with_the_reported_queue():
+    pred = Predictor(RouterConfig(), LoadTracker())
+    idle, busy = worker("p0"), worker("p1", queued_prefill_tokens=5000)
+    assert pred.ttft_s(busy, 100, 0) == pytest.approx(pred.ttft_s(idle, 100, 0) + 5.0)
+    slow = worker("p2", queued_prefill_tokens=5000, speed_factor=2.0)
+    assert pred.ttft_s(slow, 100, 0) > pred.ttft_s(busy, 100, 0)
+
+
+def test_ttft_grows_with_work_this_router_sent_but_the_heartbeat_does_not_show_yet():
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    w = worker("p0")
+    before = pred.ttft_s(w, 100, 0)
+    tracker.start("p0", "d0", tokens=3000, seconds=3.0, blocks=200)
+    assert pred.ttft_s(w, 100, 0) == pytest.approx(before + 3.0)
+    assert pred.queued_tokens(w) == 3000
+    assert pred.ttft_s(worker("p1"), 100, 0) == pytest.approx(before)  # only the worker it went to
+    tracker.prefilled("p0", "d0", tokens=3000, seconds=3.0, blocks=200)
+    assert pred.ttft_s(w, 100, 0) == pytest.approx(before)
+    assert pred.queued_tokens(w) == 0
+
+
+def test_ttft_shrinks_with_a_prefix_hit():
+    pred = Predictor(RouterConfig(), LoadTracker())
+    w = worker("p0")
+    cold, warm, full = pred.ttft_s(w, 1024, 0), pred.ttft_s(w, 1024, 512), pred.ttft_s(w, 1024, 1024)
+    assert cold - warm == pytest.approx(0.512)
+    assert 0 < full < warm < cold  # a full hit still computes one token
+
+
+def test_ttft_includes_kv_transfer_when_disaggregated_and_not_when_colocated():
+    pred = Predictor(RouterConfig(transfer_gbps=1.0), LoadTracker())
+    heavy = 1_000_000  # bytes of KV per prompt token: 1000 tokens take 1 s at 1 GB/s
+    plain = pred.ttft_s(worker("p0", kv_bytes_per_token=0), 1000, 0)
+    assert pred.transfer_s(worker("p0", kv_bytes_per_token=heavy), 1000) == pytest.approx(1.0)
+    assert pred.ttft_s(worker("p0", kv_bytes_per_token=heavy), 1000, 0) == pytest.approx(plain + 1.0)
+    colocated = worker("c0", role="colocated", kv_bytes_per_token=heavy)
+    assert pred.transfer_s(colocated, 1000) == 0.0
+    assert pred.ttft_s(colocated, 1000, 0) == pytest.approx(plain)
+    faster = Predictor(RouterConfig(transfer_gbps=10.0), LoadTracker())
+    assert faster.transfer_s(worker("p0", kv_bytes_per_token=heavy), 1000) == pytest.approx(0.1)
+
+
+def test_tpot_grows_with_the_running_batch_reported_or_sent():
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    assert pred.tpot_s(worker("d0", "decode")) == pytest.approx(PROFILE.decode_step_s(1))
+    assert pred.tpot_s(worker("d0", "decode", running=30)) == pytest.approx(PROFILE.decode_step_s(31))
+    for _ in range(10):
+        tracker.start("p0", "d1", tokens=10, seconds=0.01, blocks=1)
+    assert pred.tpot_s(worker("d1", "decode")) == pytest.approx(PROFILE.decode_step_s(11))
+    tracker.finished("d1")
+    assert pred.tpot_s(worker("d1", "decode")) == pytest.approx(PROFILE.decode_step_s(10))
+
+
+def test_free_blocks_subtract_blocks_about_to_be_reserved():
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    tracker.start("p0", "d0", tokens=100, seconds=0.1, blocks=90)
+    assert pred.free_blocks(worker("d0", "decode", kv_blocks_free=100)) == 10
+    tracker.prefilled("p0", "d0", tokens=100, seconds=0.1, blocks=90)
+    assert pred.free_blocks(worker("d0", "decode", kv_blocks_free=100)) == 100
+
+
+# --- Placement -----------------------------------------------------------------------------------------------
+
+
+def test_slo_placement_picks_the_prefill_worker_with_the_lowest_predicted_ttft():
+    r = Router(
+        [
+            worker("p0", queued_prefill_tokens=4000),
+            worker("p1", queued_prefill_tokens=1000),
+            worker("p2", queued_prefill_tokens=50),
+            worker("p3", queued_prefill_tokens=0, speed_factor=3.0),  # idle but slow: 3 * 0.11 s
+            worker("d0", "decode"),
+        ]
+    )
+    placed = r.place(prompt(100), 16, 1.0)
+    assert placed.prefill is not None and placed.prefill.worker_id == "p2"
+    assert placed.predicted_ttft_s == pytest.approx(r.predictor.ttft_s(placed.prefill, 100, 0))
+    assert placed.cached_tokens == 0
+    r.tracker.start("p2", "d0", tokens=2000, seconds=2.0, blocks=10)  # our own sends count too
+    assert r.place(prompt(100), 16, 1.0).prefill.worker_id == "p3"
+
+
+def test_slo_placement_prefers_the_prefill_worker_holding_the_prompts_prefix():
+    r = Router([worker("p0"), worker("p1", queued_prefill_tokens=200), worker("d0", "decode")])
+    tokens = prompt(1024)
+    first = r.place(tokens, 16, 1.0)
+    assert first.prefill.worker_id == "p0"  # less loaded, nobody has the prefix
+    assert len(first.block_hashes) == (1024 - 1) // BS
+    r.index.record("p1", first.block_hashes)  # what the router does after placing on p1
+    second = r.place(tokens, 16, 1.0)
+    assert second.prefill.worker_id == "p1"
+    assert second.cached_tokens == len(first.block_hashes) * BS
+    assert second.predicted_ttft_s < first.predicted_ttft_s
+    # A different prompt shares no leading block: back to the idle worker.
+    assert r.place(prompt(1024, seed=1), 16, 1.0).prefill.worker_id == "p0"
+
+
+def test_slo_placement_ignores_a_prefix_hit_that_does_not_start_at_block_0():
+    r = Router([worker("p0"), worker("p1", queued_prefill_tokens=200), worker("d0", "decode")])
+    tokens = prompt(1024)
+    hashes = prefix_hashes(tokens[:-1], BS)
+    r.index.record("p1", hashes[1:])
+    placed = r.place(tokens, 16, 1.0)
+    assert placed.prefill.worker_id == "p0" and placed.cached_tokens == 0
+
+
+def test_slo_placement_picks_a_decode_worker_with_room_within_tpot_preferring_the_most_free_blocks():
+    r = Router(
+        [
+            worker("p0"),
+            worker("d0", "decode", kv_blocks_free=5),  # no room for 100 + 16 tokens (8 blocks)
+            worker("d1", "decode", kv_blocks_free=500),
+            worker("d2", "decode", kv_blocks_free=800, running=4),
+            worker("d3", "decode", kv_blocks_free=4000, running=100),  # roomiest but too slow
+        ]
+    )
+    placed = r.place(prompt(100), 16, tpot_slo_s=0.1)
+    assert placed.blocks_needed == math.ceil((100 + 16) / BS)
+    assert placed.decode.worker_id == "d2"
+    assert placed.predicted_tpot_s == pytest.approx(PROFILE.decode_step_s(5))
+    r.tracker.start("p0", "d2", tokens=100, seconds=0.1, blocks=750)  # d2's room is promised away
+    assert r.place(prompt(100), 16, tpot_slo_s=0.1).decode.worker_id == "d1"
+
+
+def test_slo_placement_falls_back_to_the_fastest_roomy_decode_worker_when_none_meets_tpot():
+    decodes = [
+        worker("d0", "decode", kv_blocks_free=900, running=50),
+        worker("d1", "decode", kv_blocks_free=100, running=20),
+        worker("d2", "decode", kv_blocks_free=2, running=1),  # fastest, but no room
+    ]
+    r = Router([worker("p0"), *decodes])
+    placed = r.place(prompt(100), 16, tpot_slo_s=0.01)
+    assert placed.decode.worker_id == "d1"
+    assert placed.predicted_tpot_s > 0.01
+    # With no room anywhere, the fastest of all.
+    r2 = Router([worker("p0"), *(replace_free(w, 1) for w in decodes)])
+    assert r2.place(prompt(100), 16, tpot_slo_s=0.01).decode.worker_id == "d2"
+
+
+def test_colocated_placement_uses_one_worker_for_both_phases_without_transfer():
+    r = Router(
+        [
+            worker("c0", "colocated", queued_prefill_tokens=3000, kv_bytes_per_token=10**6),
+            worker("c1", "colocated", kv_bytes_per_token=10**6),
+            worker("p9"),  # a stray prefill worker: colocated mode ignores it
+        ]
+    )
+    placed = r.place(prompt(500), 16, 1.0)
+    assert placed.prefill is None
+    assert placed.decode.worker_id == "c1" and placed.prefill_worker.worker_id == "c1"
+    assert placed.predicted_ttft_s == pytest.approx(PROFILE.prefill_s(500))
+
+
+def test_placement_without_workers_of_both_roles_is_unavailable():
+    with pytest.raises(UnavailableError):
+        Router([worker("p0")]).place(prompt(10), 4, 1.0)
+    with pytest.raises(UnavailableError):
+        Router([worker("d0", "decode")]).place(prompt(10), 4, 1.0)
+
+
+def test_round_robin_cycles_each_role_blind_to_load():
+    r = Router(
+        [
+            worker("p1"),
+            worker("p0", queued_prefill_tokens=10**6),
+            worker("p2"),
+            worker("d1", "decode"),
+            worker("d0", "decode", running=500),
+        ],
+        policy="round-robin",
+    )
+    chosen = [r.place(prompt(50), 4, 1.0) for _ in range(6)]
+    assert [p.prefill.worker_id for p in chosen] == ["p0", "p1", "p2", "p0", "p1", "p2"]
+    assert [p.decode.worker_id for p in chosen] == ["d0", "d1", "d0", "d1", "d0", "d1"]
+
+
+# --- Admission -----------------------------------------------------------------------------------------------
