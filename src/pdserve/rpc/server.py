@@ -60,6 +60,9 @@ class Server:
 
     async def start(self) -> None:
         reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self._server)
+        # grpc's HealthServicer answers SERVING for "" from the start; a readiness probe must not pass while a
+        # worker still warms up, so "" too is NOT_SERVING until set_serving(True).
+        await self.set_serving(False)
         await self._server.start()
 
     async def set_serving(self, serving: bool) -> None:
