@@ -1,0 +1,252 @@
+{{/* Names */}}
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else if contains (include "pdserve.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "pdserve.name" .) | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The RayCluster; KubeRay names its head Service "<name>-head-svc". */}}
+{{- define "pdserve.rayClusterName" -}}{{ include "pdserve.fullname" . }}{{- end -}}
+{{- define "pdserve.routerName" -}}{{ include "pdserve.fullname" . }}-router{{- end -}}
+{{- define "pdserve.redisName" -}}{{ include "pdserve.fullname" . }}-redis{{- end -}}
+
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "pdserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "pdserve.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels. Call with (dict "ctx" $ "component" "router"). */}}
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "pdserve.labels" -}}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/part-of: pdserve
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
+{{- end -}}
+
+{{/* Redis: the bundled one's URL, or the external redis.url. */}}
+{{- define "pdserve.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s:6379/0" (include "pdserve.redisName" .) -}}
+{{- else -}}
+{{- required "redis.url is required when redis.enabled is false" .Values.redis.url -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.redisSecretName" -}}
+{{- if .Values.redis.existingSecret -}}{{ .Values.redis.existingSecret }}{{- else if .Values.redis.enabled -}}{{ include "pdserve.redisName" . }}{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.clusterSecretName" -}}
+{{- default (printf "%s-cluster" (include "pdserve.fullname" .)) .Values.clusterSecret.existingSecret -}}
+{{- end -}}
+
+{{- define "pdserve.rayTokenSecretName" -}}
+{{- default (printf "%s-ray-token" (include "pdserve.fullname" .)) .Values.ray.authToken.existingSecret -}}
+{{- end -}}
+
+{{/* A generated secret keeps its value across upgrades (lookup; empty under `helm template`). */}}
+{{- define "pdserve.keptSecret" -}}
+{{- $old := lookup "v1" "Secret" .ctx.Release.Namespace .name -}}
+{{- if and $old $old.data (hasKey $old.data .key) -}}
+{{- index $old.data .key -}}
+{{- else -}}
+{{- randAlphaNum 48 | b64enc -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Ray token authentication: every Ray process and every Ray client carry the token. */}}
+{{- define "pdserve.rayAuthEnv" -}}
+{{- if .Values.ray.authToken.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom: {secretKeyRef: {name: {{ include "pdserve.rayTokenSecretName" . }}, key: token}}
+{{- end }}
+{{- end -}}
+
+{{/* Environment every pdserve process shares: the model cache, addresses, secrets, Ray auth, OpenTelemetry. */}}
+{{- define "pdserve.env" -}}
+- name: PDSERVE_CACHE_DIR
+  value: {{ .Values.model.cache.mountPath | quote }}
+- name: POD_IP
+  valueFrom: {fieldRef: {fieldPath: status.podIP}}
+- name: POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+- name: POD_NAMESPACE
+  valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
+- name: PDSERVE_CLUSTER_SECRET
+  valueFrom: {secretKeyRef: {name: {{ include "pdserve.clusterSecretName" . }}, key: secret}}
+{{- with include "pdserve.redisSecretName" . }}
+- name: PDSERVE_REDIS_PASSWORD
+  valueFrom: {secretKeyRef: {name: {{ . }}, key: {{ $.Values.redis.passwordKey }}}}
+{{- end }}
+{{- include "pdserve.rayAuthEnv" . }}
+{{- with .Values.otel.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ $.Values.otel.protocol | quote }}
+{{- end }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE),service.instance.id=$(POD_NAME)"
+{{- range $name, $value := .Values.otel.env }}
+- name: {{ $name }}
+  value: {{ $value | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The model cache volume and the init container that fills it. */}}
+{{- define "pdserve.modelVolume" -}}
+- name: model-cache
+{{- if .Values.model.cache.existingClaim }}
+  persistentVolumeClaim: {claimName: {{ .Values.model.cache.existingClaim }}}
+{{- else if .Values.model.cache.persistentVolumeClaim.create }}
+  persistentVolumeClaim: {claimName: {{ include "pdserve.fullname" . }}-models}
+{{- else }}
+  emptyDir: {sizeLimit: {{ .Values.model.cache.emptyDir.sizeLimit }}}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.modelInit" -}}
+{{- if .Values.model.fetch }}
+- name: fetch-model
+  image: {{ include "pdserve.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args: ["fetch", "--model", {{ .Values.model.name | quote }}]
+  env:
+    - name: PDSERVE_CACHE_DIR
+      value: {{ .Values.model.cache.mountPath | quote }}
+  securityContext: {{- toYaml .Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - {name: model-cache, mountPath: {{ .Values.model.cache.mountPath }}}
+{{- end }}
+{{- end -}}
+
+{{/* TLS: which Secrets a pod mounts, and where. role: router, controller or worker. */}}
+{{- define "pdserve.tlsVolumes" -}}
+{{- if .ctx.Values.tls.enabled }}
+- name: tls-internal
+  secret: {secretName: {{ required "tls.internalSecret is required when tls.enabled" .ctx.Values.tls.internalSecret }}}
+{{- if eq .role "router" }}
+- name: tls-public
+  secret: {secretName: {{ required "tls.publicSecret is required when tls.enabled" .ctx.Values.tls.publicSecret }}}
+{{- else if eq .role "worker" }}
+# A worker's preStop drain is a client of the router: it needs the CA, never the router's key.
+- name: tls-public
+  secret:
+    secretName: {{ required "tls.publicSecret is required when tls.enabled" .ctx.Values.tls.publicSecret }}
+    items: [{key: ca.crt, path: ca.crt}]
+{{- end }}
+{{- if and (eq .role "router") .ctx.Values.tls.clientCASecret }}
+- name: tls-client-ca
+  secret: {secretName: {{ .ctx.Values.tls.clientCASecret }}}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.tlsMounts" -}}
+{{- if .ctx.Values.tls.enabled }}
+- {name: tls-internal, mountPath: /etc/pdserve/tls/internal, readOnly: true}
+{{- if ne .role "controller" }}
+- {name: tls-public, mountPath: /etc/pdserve/tls/public, readOnly: true}
+{{- end }}
+{{- if and (eq .role "router") .ctx.Values.tls.clientCASecret }}
+- {name: tls-client-ca, mountPath: /etc/pdserve/tls/client-ca, readOnly: true}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.internalTlsArgs" -}}
+{{- if .Values.tls.enabled }}
+- --internal-tls-cert
+- /etc/pdserve/tls/internal/tls.crt
+- --internal-tls-key
+- /etc/pdserve/tls/internal/tls.key
+- --internal-tls-ca
+- /etc/pdserve/tls/internal/ca.crt
+{{- end }}
+{{- end -}}
+
+{{/* A client of the router's public port (a worker's preStop drain): its CA, and a client certificate when
+the router asks for one. */}}
+{{- define "pdserve.publicClientTlsArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-ca
+- /etc/pdserve/tls/public/ca.crt
+{{- if .Values.tls.clientCASecret }}
+- --tls-cert
+- /etc/pdserve/tls/internal/tls.crt
+- --tls-key
+- /etc/pdserve/tls/internal/tls.key
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* A gRPC health probe on a port: the kubelet's own gRPC probe over plaintext; with TLS (which the kubelet
+cannot speak) the same Health/Check from pdserve's probe module with the pod's certificates.
+Call with (dict "ctx" $ "port" 50061 "public" false). */}}
+{{- define "pdserve.grpcProbe" -}}
+{{- if .ctx.Values.tls.enabled }}
+exec:
+  command:
+    - python
+    - -m
+    - pdserve.rpc.health_probe
+    - --addr
+    - 127.0.0.1:{{ .port }}
+{{- if .public }}
+    - --tls-ca
+    - /etc/pdserve/tls/public/ca.crt
+    - --server-name
+    - {{ default (include "pdserve.routerName" .ctx) .ctx.Values.tls.serverName }}
+{{- if .ctx.Values.tls.clientCASecret }}
+    - --tls-cert
+    - /etc/pdserve/tls/internal/tls.crt
+    - --tls-key
+    - /etc/pdserve/tls/internal/tls.key
+{{- end }}
+{{- else }}
+    - --tls-ca
+    - /etc/pdserve/tls/internal/ca.crt
+    - --tls-cert
+    - /etc/pdserve/tls/internal/tls.crt
+    - --tls-key
+    - /etc/pdserve/tls/internal/tls.key
+    - --server-name
+    - {{ .ctx.Values.tls.internalServerName }}
+{{- end }}
+{{- else }}
+grpc:
+  port: {{ .port }}
+{{- end }}
+{{- end -}}
+
+{{/* NetworkPolicy peers: this release's pods of the given components. */}}
+{{- define "pdserve.peers" -}}
+- podSelector:
+    matchExpressions:
+      - {key: app.kubernetes.io/instance, operator: In, values: [{{ .ctx.Release.Name | quote }}]}
+      - {key: app.kubernetes.io/component, operator: In, values: [{{ join ", " .components }}]}
+{{- end -}}
