@@ -1,0 +1,68 @@
+"""The chart lints with --strict, and every object it renders from each example values file is valid:
+core kinds against Kubernetes' own schemas (kubernetes-validate, strict, 1.33), the RayCluster against
+KubeRay's CRD schema."""
+
+from __future__ import annotations
+
+import copy
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.chart import CHART, CUSTOM_KINDS, EXAMPLES, LOADER, helm, one
+from tests.deploy.conftest import EXAMPLE_FILES
+
+KUBERNETES_VERSION = "1.33.0"
+CRD = Path(__file__).parent / "data" / "ray.io_rayclusters.yaml"
+
+
+@cache
+def raycluster_schema() -> dict[str, Any]:
+    crd = yaml.load(CRD.read_text(), Loader=LOADER)  # 0.9 MB: libyaml takes ~1 s, pure Python ~10 s
+    return next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+
+
+def check_raycluster(obj: dict[str, Any]) -> None:
+    jsonschema.validate(obj, raycluster_schema(), cls=jsonschema.Draft7Validator)
+
+
+@pytest.mark.parametrize("values", EXAMPLE_FILES)
+def test_lint_strict(values: str) -> None:
+    out = helm("lint", "--strict", str(CHART), "-f", str(EXAMPLES / values))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("values", EXAMPLE_FILES)
+def test_core_objects_valid(rendered: dict[str, list[dict[str, Any]]], values: str) -> None:
+    core = [o for o in rendered[values] if o["kind"] not in CUSTOM_KINDS]
+    assert len(core) >= 12
+    for obj in core:
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {e}")
+
+
+@pytest.mark.parametrize("values", EXAMPLE_FILES)
+def test_raycluster_valid_against_kuberay_crd(rendered: dict[str, list[dict[str, Any]]], values: str) -> None:
+    check_raycluster(one(rendered[values], "RayCluster"))
+
+
+def test_crd_check_catches_a_bad_worker_group(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The CRD check can fail: KubeRay requires minReplicas and maxReplicas on each worker group."""
+    rc = copy.deepcopy(one(rendered["gpu.yaml"], "RayCluster"))
+    del rc["spec"]["workerGroupSpecs"][0]["minReplicas"]
+    with pytest.raises(jsonschema.ValidationError, match="minReplicas"):
+        check_raycluster(rc)
+
+
+def test_strict_validation_catches_an_unknown_field(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    deployment = copy.deepcopy(one(rendered["gpu.yaml"], "Deployment", "pd-pdserve-router"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)

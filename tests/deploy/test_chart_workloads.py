@@ -1,0 +1,148 @@
+"""What the rendered workloads carry: GPUs and Ray resources per worker group, probes on the ports that
+serve them, the drain before a worker pod stops, the controller's contract flags, the router's TOML."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+import pytest
+
+from pdserve.config import RouterConfig
+from tests.deploy.chart import one, pod_templates, render
+
+Objects = list[dict[str, Any]]
+ROUTER = "pd-pdserve-router"
+
+
+def worker_groups(objects: Objects) -> dict[str, dict[str, Any]]:
+    return {g["groupName"]: g for g in one(objects, "RayCluster")["spec"]["workerGroupSpecs"]}
+
+
+def container(template: dict[str, Any]) -> dict[str, Any]:
+    return template["spec"]["containers"][0]
+
+
+def args_of(objects: Objects, name: str) -> list[str]:
+    return container(one(objects, "Deployment", name)["spec"]["template"])["args"]
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_one_gpu_per_worker_pod_on_gpu_and_none_on_cpu(rendered: dict[str, Objects]) -> None:
+    for role, group in worker_groups(rendered["gpu.yaml"]).items():
+        resources = container(group["template"])["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == 1, role
+        assert resources["requests"]["nvidia.com/gpu"] == 1, role
+        assert group["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"], role
+        assert any(t["key"] == "nvidia.com/gpu" for t in group["template"]["spec"]["tolerations"]), role
+    assert "nvidia.com/gpu" not in json.dumps(rendered["cpu-small.yaml"])
+
+
+def test_each_worker_group_offers_its_role_resource(rendered: dict[str, Objects]) -> None:
+    """`--role-resources` actors ask for {"pdserve_<role>": 1}: each pod of a group hosts one of its role."""
+    objects = rendered["gpu.yaml"]
+    groups = worker_groups(objects)
+    assert set(groups) == {"prefill", "decode"}
+    for role, group in groups.items():
+        # KubeRay pastes the value into a shell command line: the shell's word is the JSON.
+        (word,) = shlex.split(group["rayStartParams"]["resources"])
+        assert json.loads(word) == {f"pdserve_{role}": 1}
+        assert group["minReplicas"] <= group["replicas"] == 2 <= group["maxReplicas"]
+    args = args_of(objects, "pd-pdserve-controller")
+    assert "--role-resources" in args
+    assert (flag(args, "--prefill"), flag(args, "--decode")) == ("2", "2")
+    assert flag(args, "--ray-address") == "ray://pd-pdserve-head-svc:10001"
+    head = container(one(objects, "RayCluster")["spec"]["headGroupSpec"]["template"])
+    assert {"name": "client", "containerPort": 10001, "protocol": "TCP"} in head["ports"]
+    assert (flag(args, "--worker-port"), flag(args, "--transfer-port")) == ("50061", "50062")
+
+
+def test_shm_and_model_cache_on_worker_pods(rendered: dict[str, Objects]) -> None:
+    for values, claim in (("gpu.yaml", "pd-pdserve-models"), ("cpu-small.yaml", None)):
+        for role, group in worker_groups(rendered[values]).items():
+            spec = group["template"]["spec"]
+            volumes = {v["name"]: v for v in spec["volumes"]}
+            assert volumes["shm"]["emptyDir"]["medium"] == "Memory", role
+            cache = volumes["model-cache"]
+            assert (cache.get("persistentVolumeClaim") or {}).get("claimName") == claim, (values, role)
+            (init,) = spec["initContainers"]
+            assert init["args"][:2] == ["fetch", "--model"]
+            mounts = {m["name"]: m["mountPath"] for m in container(group["template"])["volumeMounts"]}
+            assert mounts["shm"] == "/dev/shm" and mounts["model-cache"] == "/models"
+    one(rendered["gpu.yaml"], "PersistentVolumeClaim", "pd-pdserve-models")
+
+
+def _probe_ports(c: dict[str, Any]) -> set[int]:
+    ports = set()
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = c[kind]
+        if "grpc" in probe:
+            ports.add(probe["grpc"]["port"])
+        else:  # TLS: pdserve's own health probe, which can present certificates
+            command = probe["exec"]["command"]
+            assert command[:3] == ["python", "-m", "pdserve.rpc.health_probe"]
+            ports.add(int(flag(command, "--addr").rsplit(":", 1)[1]))
+    return ports
+
+
+@pytest.mark.parametrize("values", ["gpu.yaml", "external-redis-tls-monitoring.yaml"])
+def test_health_probes_on_the_grpc_ports(rendered: dict[str, Objects], values: str) -> None:
+    objects = rendered[values]
+    router = container(one(objects, "Deployment", ROUTER)["spec"]["template"])
+    router_port = next(p["containerPort"] for p in router["ports"] if p["name"] == "grpc")
+    assert _probe_ports(router) == {router_port} == {int(flag(router["args"], "--port"))}
+    service = one(objects, "Service", ROUTER)
+    assert {"name": "grpc", "port": router_port, "targetPort": "grpc"}.items() <= service["spec"]["ports"][0].items()
+    for role, group in worker_groups(objects).items():
+        worker = container(group["template"])
+        grpc_port = next(p["containerPort"] for p in worker["ports"] if p["name"] == "grpc")
+        assert _probe_ports(worker) == {grpc_port} == {50061}, role
+
+
+def test_tls_probes_present_the_pods_certificates(rendered: dict[str, Objects]) -> None:
+    objects = rendered["external-redis-tls-monitoring.yaml"]
+    worker = container(worker_groups(objects)["decode"]["template"])
+    command = worker["readinessProbe"]["exec"]["command"]
+    mounts = {m["mountPath"] for m in worker["volumeMounts"]}
+    for option in ("--tls-ca", "--tls-cert", "--tls-key"):
+        assert flag(command, option).rsplit("/", 1)[0] in mounts
+
+
+@pytest.mark.parametrize("timeout", [60, 300])
+def test_prestop_drains_within_the_grace_period(timeout: int) -> None:
+    objects = render(["gpu.yaml"], {"drain.timeoutSeconds": str(timeout)})
+    for role, group in worker_groups(objects).items():
+        spec = group["template"]["spec"]
+        script = container(group["template"])["lifecycle"]["preStop"]["exec"]["command"][-1]
+        drain = shlex.split(script)
+        assert drain[:2] == ["pdserve", "drain"], script
+        assert flag(drain, "--addr") == f"{ROUTER}:50051"
+        assert flag(drain, "--host") == "$POD_IP"  # shlex keeps it; /bin/sh expands it
+        assert int(flag(drain, "--timeout")) == timeout
+        assert spec["terminationGracePeriodSeconds"] >= timeout + 10, role
+        env = {e["name"] for e in container(group["template"])["env"]}
+        assert "POD_IP" in env
+
+
+def test_router_reads_its_toml_and_the_contract_flags(rendered: dict[str, Objects], tmp_path: Any) -> None:
+    objects = render(["gpu.yaml"], {"router.config.slo_headroom": 0.7, "router.config.max_attempts": "2"})
+    toml = one(objects, "ConfigMap", ROUTER)["data"]["router.toml"]
+    (tmp_path / "router.toml").write_text(toml)
+    config = RouterConfig.from_file(str(tmp_path / "router.toml"))
+    assert (config.slo_headroom, config.max_attempts, config.policy) == (0.7, 2, "slo")
+    assert config.default_ttft_ms == 5000
+    args = args_of(objects, ROUTER)
+    assert args[0] == "router" and flag(args, "--router-config") == "/etc/pdserve/router/router.toml"
+    assert "--no-reflection" in args
+    assert (flag(args, "--host"), flag(args, "--port"), flag(args, "--metrics-port")) == ("0.0.0.0", "50051", "9400")
+
+
+def test_pods_run_as_non_root_and_only_the_controller_holds_an_api_token(rendered: dict[str, Objects]) -> None:
+    for component, template in pod_templates(rendered["gpu.yaml"]).items():
+        spec = template["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, component
+        assert spec["automountServiceAccountToken"] is (component == "controller"), component
