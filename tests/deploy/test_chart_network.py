@@ -1,0 +1,148 @@
+"""NetworkPolicies select the pods the chart renders and let through exactly the flows pdserve needs;
+Redis, secrets, RBAC and monitoring are wired to the objects they name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.deploy.chart import one, pod_templates, render, selects
+
+Objects = list[dict[str, Any]]
+
+
+def labels(objects: Objects) -> dict[str, dict[str, str]]:
+    return {c: t["metadata"]["labels"] for c, t in pod_templates(objects).items()}
+
+
+def allowed(objects: Objects, source: str, target: str, port: int) -> bool:
+    """Whether the policies let `source` pods reach `target` pods on `port` (ingress; pods of no policy
+    are open)."""
+    pods = labels(objects)
+    policies = [p for p in objects if p["kind"] == "NetworkPolicy" and selects(p["spec"]["podSelector"], pods[target])]
+    if not policies:
+        return True
+    for rule in (r for p in policies for r in p["spec"].get("ingress", [])):
+        ports = [p["port"] for p in rule.get("ports", [])]
+        peers = rule.get("from")
+        if (not ports or port in ports) and (
+            peers is None or any(selects(peer["podSelector"], pods[source]) for peer in peers if "podSelector" in peer)
+        ):
+            return True
+    return False
+
+
+def test_every_selector_matches_rendered_pods(rendered: dict[str, Objects]) -> None:
+    for values, objects in rendered.items():
+        pods = labels(objects)
+        for policy in (o for o in objects if o["kind"] == "NetworkPolicy"):
+            name = policy["metadata"]["name"]
+            assert any(selects(policy["spec"]["podSelector"], pod) for pod in pods.values()), (values, name)
+            for rule in policy["spec"].get("ingress", []):
+                for peer in (p for p in rule.get("from", []) if "podSelector" in p):
+                    assert any(selects(peer["podSelector"], pod) for pod in pods.values()), (values, name, peer)
+        for pdb in (o for o in objects if o["kind"] == "PodDisruptionBudget"):
+            assert sum(selects(pdb["spec"]["selector"], pod) for pod in pods.values()) == 1, pdb["metadata"]["name"]
+
+
+def test_flows_pdserve_needs_are_open_and_others_closed(rendered: dict[str, Objects]) -> None:
+    objects = rendered["gpu.yaml"]
+    assert {"router", "controller", "ray-head", "prefill", "decode", "redis"} <= set(labels(objects))
+    for source in ("router", "controller", "prefill", "decode"):
+        assert allowed(objects, source, "prefill", 50061) and allowed(objects, source, "decode", 50061), source
+        assert allowed(objects, source, "redis", 6379), source
+    assert allowed(objects, "decode", "prefill", 50062) and allowed(objects, "prefill", "decode", 50062)
+    assert allowed(objects, "controller", "ray-head", 10001)
+    assert not allowed(objects, "router", "prefill", 50062)
+    assert not allowed(objects, "router", "ray-head", 10001)
+    assert not allowed(objects, "ray-head", "redis", 6379)
+    assert not allowed(objects, "router", "controller", 50061)
+
+
+def test_router_clients_from_values(rendered: dict[str, Objects]) -> None:
+    policy = one(rendered["external-redis-tls-monitoring.yaml"], "NetworkPolicy", "pd-pdserve-router")
+    grpc_rule = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == 50051)
+    assert grpc_rule["from"] == [{"namespaceSelector": {"matchLabels": {"pdserve.io/client": "true"}}}]
+    assert not [o for o in render(sets={"networkPolicy.enabled": "false"}) if o["kind"] == "NetworkPolicy"]
+
+
+def _env(template: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in template["spec"]["containers"][0].get("env", [])}
+
+
+def test_redis_password_from_one_secret(rendered: dict[str, Objects]) -> None:
+    for values, secret in (
+        ("gpu.yaml", "pd-pdserve-redis"),
+        ("external-redis-tls-monitoring.yaml", "pdserve-redis-auth"),
+    ):
+        objects = rendered[values]
+        for component in ("router", "controller", "prefill", "decode"):
+            ref = _env(pod_templates(objects)[component])["PDSERVE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": secret, "key": "password"}, (values, component)
+    bundled = rendered["gpu.yaml"]
+    one(bundled, "Secret", "pd-pdserve-redis")
+    redis = pod_templates(bundled)["redis"]
+    assert _env(redis)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "pd-pdserve-redis"
+    assert "--requirepass" in redis["spec"]["containers"][0]["args"]
+    external = rendered["external-redis-tls-monitoring.yaml"]
+    assert not [o for o in external if o["kind"] == "StatefulSet"]
+    assert (
+        "rediss://redis.data.svc.cluster.local:6380/0"
+        in pod_templates(external)["router"]["spec"]["containers"][0]["args"]
+    )
+
+
+def test_cluster_secret_and_tls_mounts(rendered: dict[str, Objects]) -> None:
+    objects = rendered["external-redis-tls-monitoring.yaml"]
+    templates = pod_templates(objects)
+    for component in ("router", "controller", "prefill", "decode"):
+        ref = _env(templates[component])["PDSERVE_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "pdserve-cluster-secret", component
+        volumes = {v["name"]: v for v in templates[component]["spec"]["volumes"]}
+        assert volumes["tls-internal"]["secret"]["secretName"] == "pdserve-internal-tls", component
+    router_args = templates["router"]["spec"]["containers"][0]["args"]
+    for option in ("--tls-cert", "--tls-key", "--tls-client-ca", "--internal-tls-cert", "--api-keys"):
+        assert option in router_args, option
+    worker_public = {v["name"]: v for v in templates["decode"]["spec"]["volumes"]}["tls-public"]["secret"]
+    assert worker_public["items"] == [{"key": "ca.crt", "path": "ca.crt"}]  # never the router's key
+    assert _env(templates["decode"])["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "pdserve-drain-key"
+    assert not [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-cluster")]
+    assert (
+        _env(templates["router"])["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"]
+        == "http://otel-collector.observability.svc:4317"
+    )
+    assert _env(templates["prefill"])["OTEL_TRACES_SAMPLER"]["value"] == "parentbased_traceidratio"
+
+
+def test_controller_may_patch_only_its_raycluster(rendered: dict[str, Objects]) -> None:
+    objects = rendered["gpu.yaml"]
+    role = one(objects, "Role", "pd-pdserve-controller")
+    patch = [r for r in role["rules"] if "patch" in r["verbs"]]
+    assert patch == [
+        {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "resourceNames": ["pd-pdserve"],
+         "verbs": ["get", "watch", "patch", "update"]}
+    ]  # fmt: skip
+    assert one(objects, "RayCluster")["metadata"]["name"] == "pd-pdserve"
+    binding = one(objects, "RoleBinding", "pd-pdserve-controller")
+    account = pod_templates(objects)["controller"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "serving"}]
+    one(objects, "ServiceAccount", account)
+
+
+def test_monitors_select_the_metrics_ports(rendered: dict[str, Objects]) -> None:
+    assert not [o for o in rendered["gpu.yaml"] if o["kind"] in ("ServiceMonitor", "PodMonitor")]
+    objects = rendered["external-redis-tls-monitoring.yaml"]
+    service_monitor = one(objects, "ServiceMonitor")
+    service = one(objects, "Service", "pd-pdserve-router")
+    assert selects(service_monitor["spec"]["selector"], service["metadata"]["labels"])
+    assert service_monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert service_monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    pod_monitor = one(objects, "PodMonitor")
+    pods = labels(objects)
+    assert {c for c, pod in pods.items() if selects(pod_monitor["spec"]["selector"], pod)} == {
+        "ray-head",
+        "prefill",
+        "decode",
+    }
+    for component in ("ray-head", "prefill", "decode"):
+        ports = pod_templates(objects)[component]["spec"]["containers"][0]["ports"]
+        assert "metrics" in {p["name"] for p in ports}

@@ -1,0 +1,96 @@
+"""The values the issue names each change what is rendered; values.schema.json (and the templates' own
+checks) refuse bad values with a message naming the field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.deploy.chart import CHART, one, pod_templates, render, render_error
+
+Objects = list[dict[str, Any]]
+
+
+def args(objects: Objects, component: str) -> list[str]:
+    return pod_templates(objects)[component]["spec"]["containers"][0]["args"]
+
+
+def flag(objects: Objects, component: str, name: str) -> str:
+    a = args(objects, component)
+    return a[a.index(name) + 1]
+
+
+def group(objects: Objects, role: str) -> dict[str, Any]:
+    return next(g for g in one(objects, "RayCluster")["spec"]["workerGroupSpecs"] if g["groupName"] == role)
+
+
+def kinds(objects: Objects) -> set[str]:
+    return {o["kind"] for o in objects}
+
+
+# (value name, what to set, how the rendered objects show it)
+REQUIRED: list[tuple[str, dict[str, Any], Any]] = [
+    ("model.name", {"model.name": "my-llama"},
+     lambda o: all("my-llama" in args(o, c) for c in ("router", "controller"))
+     and group(o, "decode")["template"]["spec"]["initContainers"][0]["args"][-1] == "my-llama"),
+    ("router.replicas", {"router.replicas": "5"},
+     lambda o: one(o, "Deployment", "pd-pdserve-router")["spec"]["replicas"] == 5),
+    ("prefill.replicas", {"prefill.replicas": "3"},
+     lambda o: group(o, "prefill")["replicas"] == 3 and flag(o, "controller", "--prefill") == "3"),
+    ("decode.replicas", {"decode.replicas": "4"},
+     lambda o: group(o, "decode")["replicas"] == 4 and flag(o, "controller", "--decode") == "4"),
+    ("prefill.resources", {"prefill.resources": {"requests": {"cpu": "3"}, "limits": {"memory": "7Gi"}}},
+     lambda o: group(o, "prefill")["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] == "7Gi"),
+    ("decode.resources", {"decode.resources": {"requests": {"cpu": "5"}, "limits": {"memory": "9Gi"}}},
+     lambda o: group(o, "decode")["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "5"),
+    ("redis.enabled", {"redis.enabled": "false", "redis.url": "redis://elsewhere:6379/0"},
+     lambda o: "StatefulSet" not in kinds(o)),
+    ("redis.url", {"redis.enabled": "false", "redis.url": "redis://elsewhere:6379/0"},
+     lambda o: "redis://elsewhere:6379/0" in args(o, "router") and "redis://elsewhere:6379/0" in args(o, "controller")),
+    ("monitoring.serviceMonitor.enabled", {"monitoring.serviceMonitor.enabled": "true"},
+     lambda o: "ServiceMonitor" in kinds(o)),
+    ("networkPolicy.enabled", {"networkPolicy.enabled": "false"}, lambda o: "NetworkPolicy" not in kinds(o)),
+    ("tls.enabled", {"tls.enabled": "true", "tls.publicSecret": "pub", "tls.internalSecret": "int"},
+     lambda o: "--tls-cert" in args(o, "router") and "--internal-tls-ca" in args(o, "controller")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "sets", "shows"), REQUIRED, ids=[r[0] for r in REQUIRED])
+def test_required_value_changes_the_render(name: str, sets: dict[str, Any], shows: Any) -> None:
+    default = render()
+    assert not shows(default), f"{name}: the default render already shows it, so the check proves nothing"
+    assert shows(render(sets=sets)), name
+
+
+def test_every_required_value_is_in_the_schema() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for name, _, _ in REQUIRED:
+        node = schema
+        for part in name.split("."):
+            node = node["properties"][part]
+        assert node, name
+
+
+BAD: list[tuple[dict[str, Any], str]] = [
+    ({"prefill.replicas": "-1"}, "prefill/replicas"),
+    ({"router.replicas": "0"}, "router/replicas"),
+    ({"model.name": ""}, "model/name"),
+    ({"redis.enabled": "false"}, "redis/url"),
+    ({"redis.url": "http://redis:6379"}, "redis/url"),
+    ({"tls.enabled": "true"}, "tls"),
+    ({"networkPolicy.enabled": "yes please"}, "networkPolicy/enabled"),
+    ({"workers.port": "70000"}, "workers/port"),
+    ({"prefil.replicas": "1"}, "prefil"),
+    ({"decode.resources": {"limits": {"memory": "lots"}}}, "decode/resources/limits/memory"),
+    ({"router.config.policy": "random"}, "router/config/policy"),
+    ({"router.config.slo_headroom": "0.7"}, "router/config/slo_headroom"),  # --set makes it a string
+    ({"engine.device": "tpu"}, "engine/device"),
+    ({"decode.replicas": "9"}, "decode.replicas (9) must lie between"),
+]
+
+
+@pytest.mark.parametrize(("sets", "named"), BAD, ids=[next(iter(b[0])) for b in BAD])
+def test_bad_values_are_refused_naming_the_field(sets: dict[str, Any], named: str) -> None:
+    assert named in render_error(sets=sets)
