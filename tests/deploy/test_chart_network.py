@@ -61,7 +61,10 @@ def test_flows_pdserve_needs_are_open_and_others_closed(rendered: dict[str, Obje
 def test_router_clients_from_values(rendered: dict[str, Objects]) -> None:
     policy = one(rendered["external-redis-tls-monitoring.yaml"], "NetworkPolicy", "pd-pdserve-router")
     grpc_rule = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == 50051)
-    assert grpc_rule["from"] == [{"namespaceSelector": {"matchLabels": {"pdserve.io/client": "true"}}}]
+    assert grpc_rule["from"][0] == {"namespaceSelector": {"matchLabels": {"pdserve.io/client": "true"}}}
+    objects = rendered["external-redis-tls-monitoring.yaml"]
+    assert allowed(objects, "decode", "router", 50051) and allowed(objects, "prefill", "router", 50051)  # drain
+    assert not allowed(objects, "controller", "router", 50051)
     assert not [o for o in render(sets={"networkPolicy.enabled": "false"}) if o["kind"] == "NetworkPolicy"]
 
 
