@@ -114,6 +114,11 @@ def test_cluster_secret_and_tls_mounts(rendered: dict[str, Objects]) -> None:
         == "http://otel-collector.observability.svc:4317"
     )
     assert _env(templates["prefill"])["OTEL_TRACES_SAMPLER"]["value"] == "parentbased_traceidratio"
+    assert "k8s.pod.name=$(POD_NAME)" in _env(templates["prefill"])["OTEL_RESOURCE_ATTRIBUTES"]["value"]
+    # The controller may hand its OTEL_* to the actors it starts: no pod name of its own to hand over.
+    assert "OTEL_RESOURCE_ATTRIBUTES" not in _env(templates["controller"])
+    ray_token = {c for c, t in templates.items() if "RAY_AUTH_TOKEN" in _env(t)}
+    assert ray_token == {"controller", "ray-head", "prefill", "decode"}  # not the router, not Redis
 
 
 def test_controller_may_patch_only_its_raycluster(rendered: dict[str, Objects]) -> None:

@@ -86,10 +86,14 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{- end }}
 {{- end -}}
 
-{{/* Environment every pdserve process shares: the model cache, addresses, secrets, Ray auth, OpenTelemetry. */}}
+{{/* Environment of the pdserve processes: the model cache, addresses, secrets, OpenTelemetry. Call with
+(dict "ctx" $ "ray" true "podAttributes" true): `ray` adds the Ray token (the router never talks to Ray);
+`podAttributes` names the pod in OTEL_RESOURCE_ATTRIBUTES, off for the controller, which may hand its OTEL_*
+variables to the worker actors it starts (they would report the controller's pod). */}}
 {{- define "pdserve.env" -}}
+{{- $v := .ctx.Values -}}
 - name: PDSERVE_CACHE_DIR
-  value: {{ .Values.model.cache.mountPath | quote }}
+  value: {{ $v.model.cache.mountPath | quote }}
 - name: POD_IP
   valueFrom: {fieldRef: {fieldPath: status.podIP}}
 - name: POD_NAME
@@ -97,21 +101,25 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 - name: POD_NAMESPACE
   valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
 - name: PDSERVE_CLUSTER_SECRET
-  valueFrom: {secretKeyRef: {name: {{ include "pdserve.clusterSecretName" . }}, key: secret}}
-{{- with include "pdserve.redisSecretName" . }}
+  valueFrom: {secretKeyRef: {name: {{ include "pdserve.clusterSecretName" .ctx }}, key: secret}}
+{{- with include "pdserve.redisSecretName" .ctx }}
 - name: PDSERVE_REDIS_PASSWORD
-  valueFrom: {secretKeyRef: {name: {{ . }}, key: {{ $.Values.redis.passwordKey }}}}
+  valueFrom: {secretKeyRef: {name: {{ . }}, key: {{ $v.redis.passwordKey }}}}
 {{- end }}
-{{- include "pdserve.rayAuthEnv" . }}
-{{- with .Values.otel.endpoint }}
+{{- if .ray }}
+{{- include "pdserve.rayAuthEnv" .ctx }}
+{{- end }}
+{{- with $v.otel.endpoint }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ . | quote }}
 - name: OTEL_EXPORTER_OTLP_PROTOCOL
-  value: {{ $.Values.otel.protocol | quote }}
+  value: {{ $v.otel.protocol | quote }}
 {{- end }}
+{{- if .podAttributes }}
 - name: OTEL_RESOURCE_ATTRIBUTES
   value: "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE),service.instance.id=$(POD_NAME)"
-{{- range $name, $value := .Values.otel.env }}
+{{- end }}
+{{- range $name, $value := $v.otel.env }}
 - name: {{ $name }}
   value: {{ $value | quote }}
 {{- end }}
