@@ -144,13 +144,13 @@ def test_monitors_select_the_metrics_ports(rendered: dict[str, Objects]) -> None
     assert selects(service_monitor["spec"]["selector"], service["metadata"]["labels"])
     assert service_monitor["metadata"]["labels"]["release"] == "prometheus"
     assert service_monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
-    pod_monitor = one(objects, "PodMonitor")
     pods = labels(objects)
-    assert {c for c, pod in pods.items() if selects(pod_monitor["spec"]["selector"], pod)} == {
-        "ray-head",
-        "prefill",
-        "decode",
-    }
-    for component in ("ray-head", "prefill", "decode"):
-        ports = pod_templates(objects)[component]["spec"]["containers"][0]["ports"]
-        assert "metrics" in {p["name"] for p in ports}
+    monitors = {"pd-pdserve-ray": {"ray-head", "prefill", "decode"}, "pd-pdserve-workers": {"prefill", "decode"}}
+    for name, components in monitors.items():
+        pod_monitor = one(objects, "PodMonitor", name)
+        assert {c for c, pod in pods.items() if selects(pod_monitor["spec"]["selector"], pod)} == components
+        port = pod_monitor["spec"]["podMetricsEndpoints"][0]["port"]
+        for component in components:
+            ports = pod_templates(objects)[component]["spec"]["containers"][0]["ports"]
+            assert port in {p["name"] for p in ports}, (name, component)
+    assert not allowed(objects, "router", "decode", 9401)  # metricsFrom names the monitoring namespace only
