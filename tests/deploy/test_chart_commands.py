@@ -1,0 +1,71 @@
+"""Every command line the chart renders parses with the real `pdserve` parser: the router, the controller, the
+model fetch, the preStop drain, and the TLS health probe. A subcommand another slice adds (controller, router,
+drain) is skipped while it is not on this branch, and checked once it is: a renamed flag fails here, not in a
+cluster."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from typing import Any
+
+import pytest
+
+from pdserve import cli
+from pdserve.rpc import health_probe
+from tests.deploy.chart import pod_templates, render
+from tests.deploy.conftest import EXAMPLE_FILES
+
+Objects = list[dict[str, Any]]
+POD_IP = "10.1.2.3"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = cli._parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if argv[0] not in commands:
+        pytest.skip(f"`pdserve {argv[0]}` is not on this branch yet")
+    try:
+        return parser.parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"pdserve does not parse the chart's command line: {shlex.join(argv)}")
+
+
+def command_lines(objects: Objects) -> dict[str, list[str]]:
+    """Each pdserve command line of the render (the init containers' are all the same fetch)."""
+    pods = pod_templates(objects)
+    lines = {c: pods[c]["spec"]["containers"][0]["args"] for c in ("router", "controller")}
+    decode = pods["decode"]["spec"]
+    lines["fetch"] = decode["initContainers"][0]["args"]
+    script = decode["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1]
+    drain = shlex.split(script.replace("$POD_IP", POD_IP))
+    assert drain[0] == "pdserve"
+    lines["drain"] = drain[1:]
+    return lines
+
+
+@pytest.fixture(scope="module")
+def with_api_keys() -> Objects:
+    return render(["external-redis-tls-monitoring.yaml"], {"tls.enabled": "false"})
+
+
+@pytest.mark.parametrize("command", ["router", "controller", "fetch", "drain"])
+@pytest.mark.parametrize("values", [*EXAMPLE_FILES, "api-keys without TLS"])
+def test_command_line_parses(rendered: dict[str, Objects], with_api_keys: Objects, values: str, command: str) -> None:
+    objects = with_api_keys if values == "api-keys without TLS" else rendered[values]
+    argv = command_lines(objects)[command]
+    assert argv[0] == command
+    args = parse(argv)
+    if command in ("router", "controller", "fetch"):
+        assert args.model == argv[argv.index("--model") + 1]
+    if command == "drain":
+        assert POD_IP in argv
+
+
+@pytest.mark.parametrize("component", ["router", "prefill"])
+def test_tls_health_probe_parses(rendered: dict[str, Objects], component: str) -> None:
+    container = pod_templates(rendered["external-redis-tls-monitoring.yaml"])[component]["spec"]["containers"][0]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = container[probe]["exec"]["command"]
+        args = health_probe.parser().parse_args(command[3:])
+        assert args.tls_ca and args.server_name
