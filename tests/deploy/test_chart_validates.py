@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.chart import CHART, CUSTOM_KINDS, EXAMPLES, LOADER, helm, one
+from tests.deploy.chart import CHART, CUSTOM_KINDS, EXAMPLES, LOADER, helm, one, render
 from tests.deploy.conftest import EXAMPLE_FILES
 
 KUBERNETES_VERSION = "1.33.0"
@@ -69,3 +69,22 @@ def test_strict_validation_catches_an_unknown_field(rendered: dict[str, list[dic
     deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbes"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+
+
+def _nulls(node: Any, path: str) -> list[str]:
+    if node is None:
+        return [path]
+    if isinstance(node, dict):
+        return [n for k, v in node.items() for n in _nulls(v, f"{path}.{k}")]
+    if isinstance(node, list):
+        return [n for i, v in enumerate(node) for n in _nulls(v, f"{path}[{i}]")]
+    return []
+
+
+def test_no_field_renders_empty(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """An optional block left out must leave no `key:` with nothing under it (null), here or with the
+    optional parts off."""
+    bare = render(sets={"model.fetch": "false", "ray.authToken.enabled": "false", "networkPolicy.enabled": "false"})
+    for name, objects in [*rendered.items(), ("bare", bare)]:
+        for obj in objects:
+            assert not _nulls(obj, f"{name}:{obj['kind']}/{obj['metadata']['name']}")
