@@ -38,10 +38,25 @@ def command_lines(objects: Objects) -> dict[str, list[str]]:
     decode = pods["decode"]["spec"]
     lines["fetch"] = decode["initContainers"][0]["args"]
     script = decode["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1]
-    drain = shlex.split(script.replace("$POD_IP", POD_IP))
+    ray_drain, pdserve_drain = script.replace("$POD_IP", POD_IP).splitlines()
+    drain = shlex.split(pdserve_drain)
     assert drain[0] == "pdserve"
     lines["drain"] = drain[1:]
+    lines["ray drain-node"] = shlex.split(ray_drain.removesuffix("|| true"))
     return lines
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # ray.scripts imports Ray Serve's pydantic models
+def test_ray_drain_node_parses(rendered: dict[str, Objects]) -> None:
+    """`ray drain-node` is hidden in Ray's CLI (no stability promise): its options are checked against the Ray
+    installed here, the one the image installs."""
+    from ray.scripts.scripts import drain_node
+
+    argv = command_lines(rendered["gpu.yaml"])["ray drain-node"]
+    assert argv[:2] == ["ray", "drain-node"]
+    context = drain_node.make_context("drain-node", argv[2:])
+    assert context.params["reason"] == "DRAIN_NODE_REASON_PREEMPTION"
+    assert context.params["deadline_remaining_seconds"] == 70
 
 
 @pytest.fixture(scope="module")

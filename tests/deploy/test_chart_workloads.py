@@ -120,7 +120,10 @@ def test_prestop_drains_within_the_grace_period(timeout: int) -> None:
     for role, group in worker_groups(objects).items():
         spec = group["template"]["spec"]
         script = container(group["template"])["lifecycle"]["preStop"]["exec"]["command"][-1]
-        drain = shlex.split(script)
+        ray_drain, pdserve_drain = script.splitlines()
+        assert shlex.split(ray_drain)[:2] == ["ray", "drain-node"] and ray_drain.endswith("|| true"), script
+        assert f"--deadline-remaining-seconds {timeout + 10}" in ray_drain
+        drain = shlex.split(pdserve_drain)
         assert drain[:2] == ["pdserve", "drain"], script
         assert flag(drain, "--addr") == f"{ROUTER}:50051"
         assert flag(drain, "--host") == "$POD_IP"  # shlex keeps it; /bin/sh expands it
