@@ -9,7 +9,7 @@ import tomllib
 
 import yaml
 
-from tests.deploy.chart import CHART, REPO
+from tests.deploy.chart import CHART, REPO  # paths only: these checks need no helm
 
 
 def instructions() -> list[tuple[str, str]]:
