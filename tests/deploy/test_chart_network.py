@@ -119,6 +119,9 @@ def test_cluster_secret_and_tls_mounts(rendered: dict[str, Objects]) -> None:
     assert "OTEL_RESOURCE_ATTRIBUTES" not in _env(templates["controller"])
     ray_token = {c for c, t in templates.items() if "RAY_AUTH_TOKEN" in _env(t)}
     assert ray_token == {"controller", "ray-head", "prefill", "decode"}  # not the router, not Redis
+    off = pod_templates(render(sets={"ray.authToken.enabled": "false"}))
+    modes = {c: _env(t)["RAY_AUTH_MODE"]["value"] for c, t in off.items() if "RAY_AUTH_MODE" in _env(t)}
+    assert modes == dict.fromkeys(ray_token, "disabled")  # said, not left to Ray's default
 
 
 def test_controller_may_patch_only_its_raycluster(rendered: dict[str, Objects]) -> None:

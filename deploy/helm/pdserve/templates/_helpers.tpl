@@ -76,13 +76,17 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{- end -}}
 {{- end -}}
 
-{{/* Ray token authentication: every Ray process and every Ray client carry the token. */}}
+{{/* Ray token authentication: every Ray process and every Ray client carry the same token. Off is said
+explicitly: with RAY_AUTH_MODE unset, Ray 2.60 turns token auth on by itself wherever it finds a token file. */}}
 {{- define "pdserve.rayAuthEnv" -}}
 {{- if .Values.ray.authToken.enabled }}
 - name: RAY_AUTH_MODE
   value: token
 - name: RAY_AUTH_TOKEN
   valueFrom: {secretKeyRef: {name: {{ include "pdserve.rayTokenSecretName" . }}, key: token}}
+{{- else }}
+- name: RAY_AUTH_MODE
+  value: disabled
 {{- end }}
 {{- end -}}
 
