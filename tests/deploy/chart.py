@@ -78,8 +78,10 @@ def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> di
 
 
 def pod_templates(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every pod template the chart renders, by component label: Deployments, StatefulSets, Ray groups."""
+    """Every pod template the chart renders, by component label: Deployments, StatefulSets, Ray groups, and bare
+    Pods (the `helm test` one)."""
     templates = [o["spec"]["template"] for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+    templates += [{"metadata": o["metadata"], "spec": o["spec"]} for o in objects if o["kind"] == "Pod"]
     for rc in (o for o in objects if o["kind"] == "RayCluster"):
         templates.append(rc["spec"]["headGroupSpec"]["template"])
         templates += [g["template"] for g in rc["spec"]["workerGroupSpecs"]]

@@ -64,6 +64,7 @@ def test_router_clients_from_values(rendered: dict[str, Objects]) -> None:
     assert grpc_rule["from"][0] == {"namespaceSelector": {"matchLabels": {"pdserve.io/client": "true"}}}
     objects = rendered["external-redis-tls-monitoring.yaml"]
     assert allowed(objects, "decode", "router", 50051) and allowed(objects, "prefill", "router", 50051)  # drain
+    assert allowed(objects, "smoke-test", "router", 50051)  # helm test
     assert not allowed(objects, "controller", "router", 50051)
     assert not [o for o in render(sets={"networkPolicy.enabled": "false"}) if o["kind"] == "NetworkPolicy"]
 
