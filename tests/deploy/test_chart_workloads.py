@@ -129,6 +129,8 @@ def test_prestop_drains_within_the_grace_period(timeout: int) -> None:
         assert flag(drain, "--host") == "$POD_IP"  # shlex keeps it; /bin/sh expands it
         assert int(flag(drain, "--timeout")) == timeout
         assert spec["terminationGracePeriodSeconds"] >= timeout + 10, role
+        liveness = container(group["template"])["livenessProbe"]  # NOT_SERVING while draining: outlast it
+        assert liveness["failureThreshold"] * liveness["periodSeconds"] > timeout, role
         env = {e["name"] for e in container(group["template"])["env"]}
         assert "POD_IP" in env
 
