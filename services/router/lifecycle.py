@@ -1,5 +1,6 @@
 """A request's life in the router, as code: build, admit (a ticket that owns the load bookkeeping), place,
-relay the decode worker's stream, account for how it ended. The gRPC servicer only converts around it."""
+relay the decode worker's stream, account for how it ended. The front ends (gRPC servicer, HTTP API) run it
+through generation.py and only convert around it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import contextvars
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 from opentelemetry import trace
@@ -45,8 +46,10 @@ class RequestLifecycle:
         prefix_index: PrefixIndex,
         tracker: LoadTracker,
         telemetry: Telemetry,
+        served_model: str = "",
     ) -> None:
         self.telemetry = telemetry
+        self.served_model = served_model  # the name clients use for the model (the HTTP API's `model`)
         self.metrics = RouterMetrics(telemetry.meter)
         self.recent = RecentLatencies()
         self.tokenizer = tokenizer
@@ -60,6 +63,8 @@ class RequestLifecycle:
             telemetry, self.metrics, self.recent, placement.predictor.calibration, config.first_token_timeout_s
         )
         self.draining = False
+        # The caller's check on its headers (the API keys of issue 14); raises to refuse. None: no check.
+        self.authenticate: Callable[[Mapping[str, str]], object] | None = None
 
     @property
     def in_flight(self) -> int:
