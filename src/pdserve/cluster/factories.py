@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from pdserve.cluster.worker_spec import WorkerSpec
@@ -49,10 +49,22 @@ class RouterHandle(Protocol):
     def in_flight(self) -> int: ...
 
 
-# (model, registry, prefix index, config, host, port, telemetry) -> the started server and its handle.
+class RouterServer(Protocol):
+    """The router's listeners (gRPC, and HTTP when asked), drained and stopped together."""
+
+    address: str
+    http: Any
+
+    async def set_serving(self, serving: bool) -> None: ...
+
+    async def stop(self, grace_s: float | None) -> None: ...
+
+
+# (model, registry, prefix index, config, host, port, telemetry, http port or None) -> the started server and
+# its handle.
 StartRouter = Callable[
-    ["str", "Registry", "PrefixIndex", "RouterConfig", "str", "int", "Telemetry"],
-    Awaitable["tuple[Server, RouterHandle]"],
+    ["str", "Registry", "PrefixIndex", "RouterConfig", "str", "int", "Telemetry", "int | None"],
+    Awaitable["tuple[RouterServer, RouterHandle]"],
 ]
 
 
