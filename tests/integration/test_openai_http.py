@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -185,3 +188,38 @@ def test_loadgen_runs_over_http(cluster, tmp_path, backend):
     for r in run["requests"]:
         assert r["output_tokens"] == 6 and r["ttft_ms"] > 0 and r["e2el_ms"] >= r["ttft_ms"]
         assert len(r["message_times_ms"]) >= 2  # streamed: timed per chunk, not once at the end
+
+
+def health_status(cluster) -> int:
+    try:
+        with urllib.request.urlopen(cluster.base_url.removesuffix("/v1") + "/health", timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_sigterm_drains_http_too_an_open_stream_finishes(cluster, client):
+    """Last in the module: it stops the cluster. An HTTP stream open when SIGTERM arrives runs to its end;
+    meanwhile /health says 503 and a new request is refused with 503, as gRPC is while draining."""
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="x",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    first = next(stream)
+    cluster.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while health_status(cluster) != 503:
+        assert time.monotonic() < deadline, "/health never turned 503 while draining"
+        time.sleep(0.05)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert e.value.status_code == 503 and "draining" in e.value.message
+    *rest, last = list(stream)
+    assert [first, *rest][-1].choices[0].finish_reason == "length"
+    assert last.usage.completion_tokens == 400
+    assert cluster.proc.wait(timeout=60) == 0

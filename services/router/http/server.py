@@ -30,6 +30,7 @@ class HttpServer:
             port=port,
             lifespan="off",
             log_config=None,  # the process's JSON logging stands
+            log_level="warning",  # its start-up lines advise CTRL+C; the launcher logs the address itself
             access_log=False,
             timeout_graceful_shutdown=grace_s,
         )
