@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from opentelemetry import trace
 
@@ -191,6 +191,12 @@ class RequestLifecycle:
         span.set_attribute("attempts", attempt)
         verb = "placed again" if sent is None else f"migrated after {sent} streamed tokens"
         log.warning("request %s after worker %s failed it", verb, worker.worker_id, extra=attrs | {"key": key})
+
+    def refused(self, error: InvalidRequestError, started_at: float) -> None:
+        """A request its front end could not even read into a GenerateRequest (an HTTP body of the wrong
+        shape): counted and logged as `accounting` counts any invalid one."""
+        with suppress(InvalidRequestError), self.accounting(started_at):
+            raise error
 
     @contextmanager
     def accounting(self, started_at: float) -> Iterator[None]:

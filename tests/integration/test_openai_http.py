@@ -12,6 +12,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
+import uuid
 
 import openai
 import pytest
@@ -21,6 +22,7 @@ from loadgen.report import load_runs
 from pdserve.cluster.local_process import ClusterProcess, free_port
 from pdserve.rpc.client import generate
 from pdserve.v1 import generate_pb2 as pb
+from tests.integration.cluster_view import scrape, total
 from tests.integration.reference import MAX_TOKENS, PROMPT
 
 pytestmark = pytest.mark.timeout(180)
@@ -28,12 +30,15 @@ MODEL = "tiny-random"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(collector, tmp_path_factory):
     log = tmp_path_factory.mktemp("openai_http") / "cluster.log"
     args = ["--model", MODEL, "--kv-cache-gb", "0.05", "--prefill", "1", "--decode", "1"]
-    http_port = free_port()
-    proc = ClusterProcess(*args, "--max-queued-prefill-tokens", "40", "--http-port", str(http_port), log_path=log)
+    http_port, metrics_port = free_port(), free_port()
+    args += ["--max-queued-prefill-tokens", "40", "--http-port", str(http_port), "--metrics-port", str(metrics_port)]
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    proc = ClusterProcess(*args, log_path=log, env=env | {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
     proc.base_url = f"http://127.0.0.1:{http_port}/v1"
+    proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     yield proc
     proc.stop()
 
@@ -102,6 +107,36 @@ def test_models_lists_the_served_model_and_health_answers(cluster, client):
     assert e.value.param == "model" and e.value.code == "model_not_found"
     with urllib.request.urlopen(cluster.base_url.removesuffix("/v1") + "/health", timeout=10) as r:
         assert (r.status, json.loads(r.read())) == (200, {"status": "ok"})
+
+
+def test_http_requests_are_traced_and_counted_as_grpc_ones(cluster, client, collector):
+    """The caller's traceparent starts the trace; the router's HTTP span holds the same admission and placement
+    spans as a gRPC call's, the workers' spans join it; the router's metrics count the request (and a body it
+    could not read) by outcome."""
+    before = scrape(cluster.metrics_url)
+    trace_id, request_id = uuid.uuid4().hex, uuid.uuid4().hex
+    headers = {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01", "x-request-id": request_id}
+    answer = client.completions.create(model=MODEL, prompt="trace me", max_tokens=3, extra_headers=headers)
+    assert answer.id == f"cmpl-{request_id}"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"beam_width": 2})
+    after = scrape(cluster.metrics_url)
+    for outcome in ("finished", "invalid"):
+        count = total(after, "pdserve_requests_total", outcome=outcome)
+        assert count - total(before, "pdserve_requests_total", outcome=outcome) == 1, outcome
+    ttft = "pdserve_time_to_first_token_seconds_count"
+    assert total(after, ttft) - total(before, ttft) == 1
+
+    want = {"POST /v1/completions", "admission", "placement", "prefill.compute", "decode.stream"}
+    deadline = time.monotonic() + 20
+    while not want <= {s.name for _, s in collector.trace(bytes.fromhex(trace_id))} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    spans = collector.trace(bytes.fromhex(trace_id))
+    assert want <= {s.name for _, s in spans}, sorted(s.name for _, s in spans)
+    assert {svc for svc, _ in spans} == {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
+    (http_span,) = [s for _, s in spans if s.name == "POST /v1/completions"]
+    attrs = {a.key: a.value.string_value for a in http_span.attributes}
+    assert attrs["request.client_id"] == request_id and attrs["decode.worker.id"] == "decode-1"
 
 
 BAD_COMPLETIONS = [

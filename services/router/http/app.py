@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -64,20 +64,17 @@ class OpenAIAPI:
         return await self._complete(request, chat=True)
 
     async def _complete(self, request: Request, chat: bool) -> Response:
+        start = time.perf_counter()
         try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            return error_response(InvalidRequestError("body", f"not valid JSON: {e}"))
-        try:
-            req = parse_request(body, chat, request.headers.get("x-request-id", "")[:256])
+            req = parse_request(_json(await request.body()), chat, request.headers.get("x-request-id", ""))
         except InvalidRequestError as e:
+            self.lifecycle.refused(e, start)
             return error_response(e)
         answer = Answer(req, f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id or uuid.uuid4().hex}")
-        span_name = f"POST {request.url.path}"
         if req.stream:
-            return SSEResponse(self._events(req, answer, request, span_name), req.max_tokens_param)
+            return SSEResponse(self._events(req, answer, request), req.max_tokens_param)
         headers: dict[str, str] = {}
-        with self._span(span_name):
+        with self._span(request):
             try:
                 async for msg in self._generate(req, request, headers):
                     answer.add(msg)
@@ -85,11 +82,9 @@ class OpenAIAPI:
                 return error_response(e, req.max_tokens_param)
         return JSONResponse(answer.whole(), headers=headers)
 
-    async def _events(
-        self, req: OpenAIRequest, answer: Answer, request: Request, span_name: str
-    ) -> AsyncIterator[bytes]:
+    async def _events(self, req: OpenAIRequest, answer: Answer, request: Request) -> AsyncIterator[bytes]:
         """Within one task (the response's), so the span and the request's context live and end there."""
-        with self._span(span_name):
+        with self._span(request):
             async for event in sse_events(answer, self._generate(req, request, {})):
                 yield event
 
@@ -99,8 +94,17 @@ class OpenAIAPI:
 
         return generate(self.lifecycle, req.message, request.headers, lambda: None, on_admitted, req.model)
 
-    def _span(self, name: str) -> trace.Span:
-        return self.lifecycle.telemetry.tracer.start_as_current_span(name, kind=trace.SpanKind.SERVER)
+    def _span(self, request: Request) -> trace.Span:
+        """The request's server span, a child of the caller's trace when its `traceparent` header names one."""
+        tracer, parent = self.lifecycle.telemetry.tracer, propagate.extract(request.headers)
+        return tracer.start_as_current_span(f"POST {request.url.path}", parent, kind=trace.SpanKind.SERVER)
+
+
+def _json(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise InvalidRequestError("body", f"not valid JSON: {e}") from None
 
 
 class SSEResponse(StreamingResponse):
