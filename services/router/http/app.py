@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 
 from opentelemetry import propagate, trace
 from starlette.applications import Starlette
@@ -16,6 +17,7 @@ from starlette.routing import Route
 from starlette.types import Send
 
 from pdserve.errors import InvalidRequestError
+from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, generate
 from services.router.http.errors import error_body, error_response
 from services.router.http.openai_request import OpenAIRequest, parse_request
@@ -74,11 +76,13 @@ class OpenAIAPI:
         if req.stream:
             return SSEResponse(self._events(req, answer, request), req.max_tokens_param)
         headers: dict[str, str] = {}
-        with self._span(request):
+        with self._span(request) as span:
             try:
                 async for msg in self._generate(req, request, headers):
                     answer.add(msg)
             except Exception as e:
+                span.record_exception(e)
+                span.set_status(trace.StatusCode.ERROR, str(e))
                 return error_response(e, req.max_tokens_param)
         return JSONResponse(answer.whole(), headers=headers)
 
@@ -88,13 +92,15 @@ class OpenAIAPI:
             async for event in sse_events(answer, self._generate(req, request, {})):
                 yield event
 
-    def _generate(self, req: OpenAIRequest, request: Request, headers: dict[str, str]) -> AsyncIterator:
+    def _generate(
+        self, req: OpenAIRequest, request: Request, headers: dict[str, str]
+    ) -> AsyncIterator[pb.GenerateResponse]:
         async def on_admitted(ticket: Ticket) -> None:
             headers[PREDICTED_TTFT_HEADER] = str(round(ticket.placement.predicted_ttft_s * 1e3))
 
         return generate(self.lifecycle, req.message, request.headers, lambda: None, on_admitted, req.model)
 
-    def _span(self, request: Request) -> trace.Span:
+    def _span(self, request: Request) -> AbstractContextManager[trace.Span]:
         """The request's server span, a child of the caller's trace when its `traceparent` header names one."""
         tracer, parent = self.lifecycle.telemetry.tracer, propagate.extract(request.headers)
         return tracer.start_as_current_span(f"POST {request.url.path}", parent, kind=trace.SpanKind.SERVER)

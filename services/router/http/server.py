@@ -23,7 +23,7 @@ class _Embedded(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: ASGIApp, host: str, port: int, grace_s: float = 1.0) -> None:
+    def __init__(self, app: ASGIApp, host: str, port: int, grace_s: int = 1) -> None:
         config = uvicorn.Config(
             app,
             host=host,
