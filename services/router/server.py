@@ -50,6 +50,7 @@ async def start_router(
     host: str,
     port: int,
     telemetry: Telemetry | None = None,
+    *,
     http_port: int | None = None,
 ) -> tuple[RouterServer, RequestLifecycle]:
     """The serving router and its request lifecycle (whose `draining` flag and `in_flight` count drive a drain).

@@ -60,12 +60,21 @@ class RouterServer(Protocol):
     async def stop(self, grace_s: float | None) -> None: ...
 
 
-# (model, registry, prefix index, config, host, port, telemetry, http port or None) -> the started server and
-# its handle.
-StartRouter = Callable[
-    ["str", "Registry", "PrefixIndex", "RouterConfig", "str", "int", "Telemetry", "int | None"],
-    Awaitable["tuple[RouterServer, RouterHandle]"],
-]
+class StartRouter(Protocol):
+    """Starts the router's listeners: gRPC on host:port, the HTTP API on `http_port` unless None."""
+
+    def __call__(
+        self,
+        model: str,
+        registry: Registry,
+        prefix_index: PrefixIndex,
+        config: RouterConfig,
+        host: str,
+        port: int,
+        telemetry: Telemetry,
+        *,
+        http_port: int | None = None,
+    ) -> Awaitable[tuple[RouterServer, RouterHandle]]: ...
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,14 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
     await cluster.registry.start()
     c = config
     server, router = await services.router(
-        c.engine.model, cluster.registry, cluster.prefix_index, c.router, c.host, c.port, telemetry, c.http_port
+        c.engine.model,
+        cluster.registry,
+        cluster.prefix_index,
+        c.router,
+        c.host,
+        c.port,
+        telemetry,
+        http_port=c.http_port,
     )
     if server.http is not None:
         log.info("router OpenAI-compatible HTTP API at http://%s/v1", server.http.address)
