@@ -71,7 +71,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=c.port, help="the router's gRPC port")
     up.add_argument("--metrics-port", type=int, default=c.metrics_port, help="serve the router's metrics at :P/metrics")
     up.add_argument(
-        "--http-port", type=int, default=None, help="serve the OpenAI-compatible HTTP API on this port (0/unset: off)"
+        "--http-port", type=int, default=c.http_port, help="serve the OpenAI-compatible HTTP API on this port (0: off)"
     )
     up.add_argument("--redis", default=c.redis_url, help="redis://... registry (default: in-process)")
     up.add_argument("--ray-address", default=c.ray_address, help="join this Ray cluster instead of starting one")
