@@ -7,13 +7,18 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
+from pdserve.errors import InvalidRequestError
 from pdserve.v1 import generate_pb2 as pb
 from services.router.lifecycle import RequestLifecycle
 from services.router.ticket import Ticket
 
 
-class ModelNotFoundError(LookupError):
-    """The request names a model this router does not serve (the HTTP API's `model`). -> HTTP 404."""
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this router does not serve (the HTTP API's `model`): invalid input, counted
+    so, which HTTP answers with OpenAI's 404 `model_not_found`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("model", message)
 
 
 def check_caller(lifecycle: RequestLifecycle, headers: Mapping[str, str]) -> None:

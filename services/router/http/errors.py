@@ -22,11 +22,11 @@ from services.router.http.openai_request import openai_param
 log = logging.getLogger(__name__)
 
 
-_STATUS: list[tuple[type[BaseException], int, str]] = [
+_STATUS: list[tuple[type[BaseException], int, str]] = [  # the first match wins: a subclass before its base
+    (ModelNotFoundError, 404, "not_found_error"),
     (InvalidRequestError, 400, "invalid_request_error"),
     (UnauthenticatedError, 401, "authentication_error"),
     (PermissionDeniedError, 403, "permission_error"),
-    (ModelNotFoundError, 404, "not_found_error"),
     (OverloadedError, 429, "rate_limit_error"),
     (UnavailableError, 503, "service_unavailable_error"),
     (TimeoutError, 504, "timeout_error"),
@@ -45,8 +45,7 @@ def error_body(exc: BaseException, max_tokens_param: str = "max_tokens") -> tupl
     if isinstance(exc, InvalidRequestError):
         param = openai_param(exc.field, max_tokens_param)
         message = f"{param}: {message.split(': ', 1)[1]}" if ": " in message else message
-    elif isinstance(exc, ModelNotFoundError):
-        param, code = "model", "model_not_found"
+        code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None
     elif isinstance(exc, OverloadedError):
         ms = exc.retry_after_ms
         headers = {"retry-after": str(max(1, -(-ms // 1000))), "retry-after-ms": str(ms)}
