@@ -1,4 +1,5 @@
-"""`loadgen`: benchmark a pdserve cluster (`loadgen --addr HOST:PORT ...`) or compare two results
+"""`loadgen`: benchmark a pdserve cluster over gRPC (`loadgen --addr HOST:PORT ...`) or any OpenAI-compatible
+server over HTTP (`loadgen --backend openai --base-url http://HOST:PORT ...`), or compare two results
 (`loadgen compare A.json B.json`). Flags are named as in `vllm bench serve`."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from loadgen.client import BACKENDS
 from loadgen.metrics import GoodputSLO
 from loadgen.workload import DATASETS, WorkloadConfig
 from pdserve.config import EngineConfig
@@ -36,8 +38,12 @@ def _rates(text: str) -> tuple[float, ...]:
 
 def _bench_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loadgen", description=__doc__)
-    p.add_argument("--addr", required=True, help="router HOST:PORT")
+    p.add_argument("--backend", choices=BACKENDS, default="grpc", help="grpc: pdserve's Generate; openai*: HTTP")
+    p.add_argument("--addr", help="router HOST:PORT (--backend grpc)")
+    p.add_argument("--base-url", help="server root, e.g. http://127.0.0.1:8000 (--backend openai, openai-chat)")
+    p.add_argument("--endpoint", help="openai backends: default /v1/completions or /v1/chat/completions")
     p.add_argument("--model", default=EngineConfig.model, help="the served model; its vocabulary bounds the prompt ids")
+    p.add_argument("--served-model-name", help="openai backends: the `model` sent (default: --model)")
     w = WorkloadConfig
     p.add_argument("--dataset-name", choices=DATASETS, default=w.dataset_name)
     p.add_argument(
@@ -88,6 +94,10 @@ def _bench(args: argparse.Namespace) -> int:
     if args.dataset_name == "trace" and args.request_rate is not None:
         errors.print("loadgen: a trace replays its own timestamps; drop --request-rate", style="red")
         return 2
+    address = args.addr if args.backend == "grpc" else args.base_url
+    if not address:
+        errors.print(f"loadgen: --backend {args.backend} needs {_ADDRESS_FLAG[args.backend]}", style="red")
+        return 2
     try:
         prefixed = {f: f"prefix_repetition_{f}" for f in ("prefix_len", "suffix_len", "num_prefixes")}
         prefixed["prefix_output_len"] = "prefix_repetition_output_len"
@@ -95,7 +105,7 @@ def _bench(args: argparse.Namespace) -> int:
         config = from_flags(
             BenchmarkConfig,
             args,
-            {"address": "addr"},
+            address=address,
             workload=workload,
             request_rates=args.request_rate or (math.inf,),
             slo=GoodputSLO.parse(args.goodput),
@@ -106,13 +116,16 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         results = run_benchmark(config, console)
     except (ClusterCheckFailed, TimeoutError) as e:
-        errors.print(f"loadgen: {str(e) or 'no answer from ' + args.addr}", style="red")
+        errors.print(f"loadgen: {str(e) or 'no answer from ' + address}", style="red")
         return 1
     if args.result_json:
         write_results(args.result_json, results)
     if args.plot_dir:
         _plot(console, args.plot_dir, {args.result_json.stem if args.result_json else "run": results})
     return 0
+
+
+_ADDRESS_FLAG = {"grpc": "--addr HOST:PORT", "openai": "--base-url URL", "openai-chat": "--base-url URL"}
 
 
 def _compare(args: argparse.Namespace) -> int:

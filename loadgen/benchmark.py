@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -13,7 +14,7 @@ from rich.console import Console
 
 from loadgen import metrics
 from loadgen.arrivals import schedule
-from loadgen.client import Client
+from loadgen.client import BACKENDS, Backend, Client
 from loadgen.metrics import GoodputSLO
 from loadgen.record import OK, REJECTED, RequestRecord
 from loadgen.report import json_rate, summary_table
@@ -29,9 +30,12 @@ class ClusterCheckFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class BenchmarkConfig:
-    address: str
+    address: str  # grpc: the router's HOST:PORT; openai backends: the server's base URL
     workload: WorkloadConfig
     model: str = EngineConfig.model
+    backend: str = "grpc"  # one of BACKENDS
+    endpoint: str | None = None  # openai backends: the path; default /v1/completions or /v1/chat/completions
+    served_model_name: str | None = None  # openai backends: the `model` sent; default `model`
     request_rates: tuple[float, ...] = (math.inf,)
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -39,11 +43,42 @@ class BenchmarkConfig:
     seed: int = 0
     send_slo: bool = False  # put the goodput TTFT/TPOT bounds into each request, for the router's admission
 
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+def make_backend(config: BenchmarkConfig) -> Backend:
+    """The protocol the workload goes over; the same requests, timings and summary whichever it is."""
+    bounds = {"ttft_ms": config.slo.ttft_ms or 0.0, "tpot_ms": config.slo.tpot_ms or 0.0}
+    if config.backend == "grpc":
+        from loadgen.grpc_backend import GrpcBackend
+
+        return GrpcBackend(config.address, pb.SLO(**bounds) if config.send_slo else None)
+    from loadgen.openai_backend import OpenAIBackend
+
+    chat = config.backend == "openai-chat"
+    return OpenAIBackend(
+        config.address,
+        config.served_model_name or config.model,
+        chat,
+        config.endpoint,
+        {k: v for k, v in bounds.items() if v} if config.send_slo else None,
+        _detokenizer(config.model) if chat else None,
+    )
+
+
+def _detokenizer(model: str) -> Callable[[list[int]], str]:
+    from pdserve.engine.model_files import tokenizer_folder
+    from pdserve.engine.models import resolve_model
+    from pdserve.engine.tokenizer import Tokenizer
+
+    return Tokenizer(tokenizer_folder(resolve_model(model))).decode
+
 
 def run_benchmark(config: BenchmarkConfig, console: Console) -> list[dict[str, Any]]:
     """One result per rate. Each run draws fresh prompts from (seed, run index): same seed, same benchmark."""
-    slo = pb.SLO(ttft_ms=config.slo.ttft_ms or 0, tpot_ms=config.slo.tpot_ms or 0) if config.send_slo else None
-    client = Client(config.address, config.max_concurrency, slo)
+    client = Client(make_backend(config), config.max_concurrency)
     check_rng = np.random.default_rng([config.seed, len(config.request_rates)])
     check = build_workload(replace(config.workload, num_prompts=1), check_rng)[0]
     record = asyncio.run(client.check(replace(check, arrival_s=0.0)))
@@ -75,7 +110,7 @@ def build_result(
 ) -> dict[str, Any]:
     return {
         "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "pdserve",
+        "backend": config.backend,
         "model_id": config.model,
         "address": config.address,
         "dataset_name": config.workload.dataset_name,

@@ -1,31 +1,38 @@
-"""Sending a workload through the public Generate API on one grpc.aio channel, timing every message."""
+"""Sending a workload through one backend's session, each request at its arrival offset, in flight at most
+`max_in_flight` at a time. What a request looks like on the wire is the backend's (grpc_backend.py,
+openai_backend.py); the timing of every streamed message goes into the same RequestRecord either way."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
-
-import grpc
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
 
 from loadgen.record import RequestRecord
 from loadgen.workload import Request
-from pdserve.rpc.server import channel
-from pdserve.v1 import generate_pb2 as pb
-from pdserve.v1 import generate_pb2_grpc
 
 # grpc.aio starts cancelling calls when too many are in flight on one channel (measured: 2,000 unbounded
 # calls gave 140 CANCELLED), so in-flight calls are always bounded: by this when --max-concurrency is not given.
 DEFAULT_MAX_IN_FLIGHT = 256
-CONNECT_TIMEOUT_S = 30.0
+BACKENDS = ("grpc", "openai", "openai-chat")  # as `vllm bench serve --backend` names the OpenAI ones
+
+# Sends one request and fills its record: status, and the time and token count of each streamed message.
+Send = Callable[[Request, RequestRecord], Awaitable[None]]
+
+
+class Backend(Protocol):
+    def session(self, max_in_flight: int) -> AbstractAsyncContextManager[Send]:
+        """Connected (connecting is not the server's latency) until the context ends."""
+        ...
 
 
 class Client:
-    def __init__(self, address: str, max_concurrency: int | None = None, slo: pb.SLO | None = None) -> None:
-        self.address = address
+    def __init__(self, backend: Backend, max_concurrency: int | None = None) -> None:
+        self.backend = backend
         self.max_in_flight = max_concurrency or DEFAULT_MAX_IN_FLIGHT
-        self.slo = slo  # sent with every request when set, for the router's admission; else the server's default
 
     async def run(
         self, requests: list[Request], on_done: Callable[[RequestRecord], None] = lambda r: None
@@ -33,9 +40,7 @@ class Client:
         """Sends each request at its arrival offset; returns the records (in workload order) and the duration
         from the first send to the last answer."""
         tag = uuid.uuid4().hex[:8]
-        async with channel(self.address) as ch:
-            await asyncio.wait_for(ch.channel_ready(), CONNECT_TIMEOUT_S)  # connecting is not the server's latency
-            stub = generate_pb2_grpc.GenerationStub(ch)
+        async with self.backend.session(self.max_in_flight) as send:
             slots = asyncio.Semaphore(self.max_in_flight)
             start = time.perf_counter()
 
@@ -43,7 +48,7 @@ class Client:
                 record = RequestRecord(f"loadgen-{tag}-{i}", req.input_len, req.output_len, req.arrival_s)
                 async with slots:
                     record.start_s = time.perf_counter() - start
-                    await _stream(stub, req, record, self.slo)
+                    await send(req, record)
                 on_done(record)
                 return record
 
@@ -60,22 +65,3 @@ class Client:
         """One request on its own, before a run: a cluster that cannot answer fails fast, not N times."""
         records, _ = await self.run([request])
         return records[0]
-
-
-async def _stream(
-    stub: generate_pb2_grpc.GenerationStub, req: Request, record: RequestRecord, slo: pb.SLO | None
-) -> None:
-    msg = pb.GenerateRequest(
-        request_id=record.request_id,
-        prompt_token_ids=req.prompt_token_ids,
-        sampling=pb.SamplingParams(max_tokens=req.output_len, ignore_eos=True),
-        slo=slo,
-    )
-    sent = time.perf_counter()
-    try:
-        async for response in stub.Generate(msg):
-            record.message_times_s.append(time.perf_counter() - sent)
-            record.message_tokens.append(len(response.token_ids))
-    except grpc.aio.AioRpcError as e:
-        record.status = e.code().name
-        record.error = e.details() or ""

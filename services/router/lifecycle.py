@@ -1,5 +1,6 @@
 """A request's life in the router, as code: build, admit (a ticket that owns the load bookkeeping), place,
-relay the decode worker's stream, account for how it ended. The gRPC servicer only converts around it."""
+relay the decode worker's stream, account for how it ended. The front ends (gRPC servicer, HTTP API) run it
+through generation.py and only convert around it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import contextvars
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 
 from opentelemetry import trace
 
@@ -45,8 +46,10 @@ class RequestLifecycle:
         prefix_index: PrefixIndex,
         tracker: LoadTracker,
         telemetry: Telemetry,
+        served_model: str = "",
     ) -> None:
         self.telemetry = telemetry
+        self.served_model = served_model  # the name clients use for the model (the HTTP API's `model`)
         self.metrics = RouterMetrics(telemetry.meter)
         self.recent = RecentLatencies()
         self.tokenizer = tokenizer
@@ -60,6 +63,8 @@ class RequestLifecycle:
             telemetry, self.metrics, self.recent, placement.predictor.calibration, config.first_token_timeout_s
         )
         self.draining = False
+        # The caller's check on its headers (the API keys of issue 14); raises to refuse. None: no check.
+        self.authenticate: Callable[[Mapping[str, str]], object] | None = None
 
     @property
     def in_flight(self) -> int:
@@ -186,6 +191,12 @@ class RequestLifecycle:
         span.set_attribute("attempts", attempt)
         verb = "placed again" if sent is None else f"migrated after {sent} streamed tokens"
         log.warning("request %s after worker %s failed it", verb, worker.worker_id, extra=attrs | {"key": key})
+
+    def refused(self, error: InvalidRequestError, started_at: float) -> None:
+        """A request its front end could not even read into a GenerateRequest (an HTTP body of the wrong
+        shape): counted and logged as `accounting` counts any invalid one."""
+        with suppress(InvalidRequestError), self.accounting(started_at):
+            raise error
 
     @contextmanager
     def accounting(self, started_at: float) -> Iterator[None]:

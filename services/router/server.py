@@ -1,4 +1,5 @@
-"""Assembles the router: tokenizer and model config (read from metadata, torch-free), placement, the service."""
+"""Assembles the router: tokenizer and model config (read from metadata, torch-free), placement, the service,
+and its listeners: gRPC always, the OpenAI-compatible HTTP API when asked, both on one request lifecycle."""
 
 from __future__ import annotations
 
@@ -10,11 +11,35 @@ from pdserve.rpc.server import Server
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
 from services.router.admin import AdminServicer
+from services.router.http.app import openai_app
+from services.router.http.server import HttpServer
 from services.router.lifecycle import RequestLifecycle
 from services.router.load_tracker import LoadTracker
 from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
 from services.router.predictor import Predictor
 from services.router.servicer import GenerationServicer
+
+
+class RouterServer:
+    """The router's listeners, drained and stopped together: the launcher sees one server."""
+
+    def __init__(self, grpc_server: Server, http: HttpServer | None) -> None:
+        self.grpc = grpc_server
+        self.http = http
+        self.address = grpc_server.address
+        self.port = grpc_server.port
+
+    async def set_serving(self, serving: bool) -> None:
+        """gRPC health; the HTTP API's /health follows the lifecycle's `draining` flag."""
+        await self.grpc.set_serving(serving)
+
+    async def stop(self, grace_s: float | None) -> None:
+        if self.http is not None:
+            await self.http.stop()
+        await self.grpc.stop(grace_s)
+
+    async def wait(self) -> None:
+        await self.grpc.wait()
 
 
 async def start_router(
@@ -25,17 +50,20 @@ async def start_router(
     host: str,
     port: int,
     telemetry: Telemetry | None = None,
-) -> tuple[Server, RequestLifecycle]:
-    """The serving router and its request lifecycle (whose `draining` flag and `in_flight` count drive a drain)."""
+    *,
+    http_port: int | None = None,
+) -> tuple[RouterServer, RequestLifecycle]:
+    """The serving router and its request lifecycle (whose `draining` flag and `in_flight` count drive a drain).
+    `http_port`: also serve the OpenAI-compatible HTTP API there (0: any free port; None: not at all)."""
     telemetry = telemetry or Telemetry("pdserve-router")
     path = locate_model(model)  # the workers, started first, have built a built-in model into the cache
     tokenizer, model_config = Tokenizer(tokenizer_folder(path)), read_model_config(path)
     tracker = LoadTracker()
     policy_cls = SLOAwarePlacement if config.policy == "slo" else RoundRobinPlacement
     policy = policy_cls(registry, prefix_index, Predictor(config, tracker))
-    lifecycle = RequestLifecycle(tokenizer, model_config, config, policy, prefix_index, tracker, telemetry)
-    servicer = GenerationServicer(lifecycle)
+    lifecycle = RequestLifecycle(tokenizer, model_config, config, policy, prefix_index, tracker, telemetry, model)
     server = Server(host, port, telemetry.server_interceptors())
+    servicer = GenerationServicer(lifecycle)
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
@@ -45,6 +73,9 @@ async def start_router(
         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s),
         [admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name],
     )
+    http = HttpServer(openai_app(lifecycle), host, http_port) if http_port is not None else None
     await server.start()
+    if http is not None:
+        await http.start()
     await server.set_serving(True)
-    return server, lifecycle
+    return RouterServer(server, http), lifecycle

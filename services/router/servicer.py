@@ -1,8 +1,7 @@
-"""The public pdserve.v1.Generation service: protobuf in, the request lifecycle, protobuf out."""
+"""The public pdserve.v1.Generation service: protobuf in, the shared request path, protobuf out."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -10,7 +9,9 @@ import grpc
 from pdserve.rpc.metadata import PREDICTED_TTFT_KEY
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
+from services.router.generation import generate
 from services.router.lifecycle import RequestLifecycle
+from services.router.ticket import Ticket
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -20,11 +21,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        start = time.perf_counter()
-        with self.lifecycle.accounting(start):
-            ticket = await self.lifecycle.admit(request, start)
-            with ticket:
-                predicted_ms = round(ticket.placement.predicted_ttft_s * 1e3)
-                await context.send_initial_metadata(((PREDICTED_TTFT_KEY, str(predicted_ms)),))
-                async for msg in self.lifecycle.stream(ticket, context.time_remaining):
-                    yield msg
+        async def send_prediction(ticket: Ticket) -> None:
+            predicted_ms = round(ticket.placement.predicted_ttft_s * 1e3)
+            await context.send_initial_metadata(((PREDICTED_TTFT_KEY, str(predicted_ms)),))
+
+        headers = {m.key: m.value for m in context.invocation_metadata() or () if isinstance(m.value, str)}
+        async for msg in generate(self.lifecycle, request, headers, context.time_remaining, send_prediction):
+            yield msg

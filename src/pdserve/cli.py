@@ -70,6 +70,9 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     up.add_argument("--host", default=c.host, help="address the router and workers bind")
     up.add_argument("--port", type=int, default=c.port, help="the router's gRPC port")
     up.add_argument("--metrics-port", type=int, default=c.metrics_port, help="serve the router's metrics at :P/metrics")
+    up.add_argument(
+        "--http-port", type=int, default=c.http_port, help="serve the OpenAI-compatible HTTP API on this port (0: off)"
+    )
     up.add_argument("--redis", default=c.redis_url, help="redis://... registry (default: in-process)")
     up.add_argument("--ray-address", default=c.ray_address, help="join this Ray cluster instead of starting one")
     up.add_argument("--kv-cache-gb", type=float, default=EngineConfig.kv_cache_memory_gb, help="KV cache per worker")
@@ -178,7 +181,13 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         router = RouterConfig(**overrides)
     renamed = {"redis_url": "redis", "kv_transfer_timeout_s": "kv_transfer_timeout"}
     return from_flags(
-        ClusterConfig, args, renamed, engine=engine_config(args), router=router, log_level=args.log_level.upper()
+        ClusterConfig,
+        args,
+        renamed,
+        engine=engine_config(args),
+        router=router,
+        log_level=args.log_level.upper(),
+        http_port=args.http_port or None,
     )
 
 

@@ -156,6 +156,7 @@ class ClusterConfig:
     max_restarts: int = 3  # per worker actor
     drain_grace_s: float = 20.0  # on SIGTERM, how long in-flight requests may finish
     metrics_port: int | None = None  # the router's Prometheus /metrics; None: not served
+    http_port: int | None = None  # the router's OpenAI-compatible HTTP API; None (or --http-port 0): not served
     log_level: str = "INFO"
     kv_transfer_timeout_s: float = 30.0  # decode side: a KV transfer not done by then fails, freeing its blocks
 

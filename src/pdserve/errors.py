@@ -21,3 +21,11 @@ class OverloadedError(RuntimeError):
 
 class UnavailableError(RuntimeError):
     """No worker can take the request (draining, none registered, a peer lost). -> UNAVAILABLE."""
+
+
+class UnauthenticatedError(RuntimeError):
+    """The caller sent no credentials, or ones the server does not know. -> UNAUTHENTICATED (HTTP 401)."""
+
+
+class PermissionDeniedError(RuntimeError):
+    """The caller is known but may not do this. -> PERMISSION_DENIED (HTTP 403)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from pdserve.cluster.worker_spec import WorkerSpec
@@ -49,11 +49,32 @@ class RouterHandle(Protocol):
     def in_flight(self) -> int: ...
 
 
-# (model, registry, prefix index, config, host, port, telemetry) -> the started server and its handle.
-StartRouter = Callable[
-    ["str", "Registry", "PrefixIndex", "RouterConfig", "str", "int", "Telemetry"],
-    Awaitable["tuple[Server, RouterHandle]"],
-]
+class RouterServer(Protocol):
+    """The router's listeners (gRPC, and HTTP when asked), drained and stopped together."""
+
+    address: str
+    http: Any
+
+    async def set_serving(self, serving: bool) -> None: ...
+
+    async def stop(self, grace_s: float | None) -> None: ...
+
+
+class StartRouter(Protocol):
+    """Starts the router's listeners: gRPC on host:port, the HTTP API on `http_port` unless None."""
+
+    def __call__(
+        self,
+        model: str,
+        registry: Registry,
+        prefix_index: PrefixIndex,
+        config: RouterConfig,
+        host: str,
+        port: int,
+        telemetry: Telemetry,
+        *,
+        http_port: int | None = None,
+    ) -> Awaitable[tuple[RouterServer, RouterHandle]]: ...
 
 
 @dataclass(frozen=True)

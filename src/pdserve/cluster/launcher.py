@@ -142,9 +142,19 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
     telemetry = Telemetry("pdserve-router")
     cluster.supervisor.on_replaced = SupervisionMetrics(telemetry.meter).replaced
     await cluster.registry.start()
+    c = config
     server, router = await services.router(
-        config.engine.model, cluster.registry, cluster.prefix_index, config.router, config.host, config.port, telemetry
+        c.engine.model,
+        cluster.registry,
+        cluster.prefix_index,
+        c.router,
+        c.host,
+        c.port,
+        telemetry,
+        http_port=c.http_port,
     )
+    if server.http is not None:
+        log.info("router OpenAI-compatible HTTP API at http://%s/v1", server.http.address)
     if config.metrics_port is not None:
         port = telemetry.serve_metrics(config.host, config.metrics_port)
         log.info("router metrics at http://%s:%d/metrics", config.host, port)

@@ -15,7 +15,13 @@ from typing import Any
 
 import grpc
 
-from pdserve.errors import InvalidRequestError, OverloadedError, UnavailableError
+from pdserve.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 
 log = logging.getLogger(__name__)
 UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
@@ -32,6 +38,10 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
+    if isinstance(exc, UnauthenticatedError):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
+    if isinstance(exc, PermissionDeniedError):
+        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
     return None
 
 

@@ -1,0 +1,52 @@
+"""The `grpc` backend: pdserve's public Generate API on one grpc.aio channel."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import grpc
+
+from loadgen.client import Send
+from loadgen.record import RequestRecord
+from loadgen.workload import Request
+from pdserve.rpc.server import channel
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc
+
+CONNECT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class GrpcBackend:
+    address: str
+    slo: pb.SLO | None = None  # sent with every request when set, for the router's admission
+
+    @asynccontextmanager
+    async def session(self, max_in_flight: int) -> AsyncIterator[Send]:
+        async with channel(self.address) as ch:
+            await asyncio.wait_for(ch.channel_ready(), CONNECT_TIMEOUT_S)
+            yield partial(_stream, generate_pb2_grpc.GenerationStub(ch), self.slo)
+
+
+async def _stream(
+    stub: generate_pb2_grpc.GenerationStub, slo: pb.SLO | None, req: Request, record: RequestRecord
+) -> None:
+    msg = pb.GenerateRequest(
+        request_id=record.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        sampling=pb.SamplingParams(max_tokens=req.output_len, ignore_eos=True),
+        slo=slo,
+    )
+    sent = time.perf_counter()
+    try:
+        async for response in stub.Generate(msg):
+            record.message_times_s.append(time.perf_counter() - sent)
+            record.message_tokens.append(len(response.token_ids))
+    except grpc.aio.AioRpcError as e:
+        record.status = e.code().name
+        record.error = e.details() or ""

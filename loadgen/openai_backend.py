@@ -1,0 +1,128 @@
+"""The `openai` and `openai-chat` backends: any OpenAI-compatible server (pdserve's HTTP API, vLLM, SGLang, ...)
+over HTTP, streamed as Server-Sent Events, sent as `vllm bench serve` sends them: temperature 0, ignore_eos,
+stream_options.include_usage.
+
+Timing follows vLLM's: each SSE chunk that carries output (completions: any chunk with a choice; chat: a
+non-empty content delta, so a role-only opener is not a first token) is one streamed message of one token.
+The final usage chunk's completion_tokens then corrects the count, on the last message, wherever a server
+packs several tokens into one chunk. Chat prompts are the workload's token ids decoded to text, so the
+server's chat template and tokenizer make the prompt's exact length."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import httpx2
+
+from loadgen.client import Send
+from loadgen.record import RequestRecord
+from loadgen.workload import Request
+
+ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+# HTTP statuses as the gRPC code names the records and summaries count (429: shed, as RESOURCE_EXHAUSTED).
+STATUS_NAMES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    429: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+
+
+@dataclass(frozen=True)
+class OpenAIBackend:
+    base_url: str  # the server's root, e.g. http://127.0.0.1:8000
+    model: str  # sent as `model`
+    chat: bool = False
+    endpoint: str | None = None  # default: ENDPOINTS for the backend
+    slo: dict[str, float] | None = None  # pdserve's `slo` extension, sent when set
+    detokenize: Callable[[list[int]], str] | None = None  # chat: the prompt ids as text
+
+    @asynccontextmanager
+    async def session(self, max_in_flight: int) -> AsyncIterator[Send]:
+        limits = httpx2.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
+        async with httpx2.AsyncClient(base_url=self.base_url, timeout=None, limits=limits) as http:
+            yield partial(self._stream, http)
+
+    def payload(self, req: Request) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "temperature": 0.0, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        if self.chat:
+            assert self.detokenize is not None
+            body["messages"] = [{"role": "user", "content": self.detokenize(req.prompt_token_ids)}]
+            body["max_completion_tokens"] = req.output_len
+        else:
+            body["prompt"] = req.prompt_token_ids
+            body["max_tokens"] = req.output_len
+        if self.slo:
+            body["slo"] = self.slo
+        return body
+
+    async def _stream(self, http: httpx2.AsyncClient, req: Request, record: RequestRecord) -> None:
+        url = self.endpoint or ENDPOINTS["openai-chat" if self.chat else "openai"]
+        sent = time.perf_counter()
+        usage_tokens = None
+        try:
+            async with http.stream("POST", url, json=self.payload(req)) as response:
+                if response.status_code != 200:
+                    _failed(record, response.status_code, (await response.aread()).decode(errors="replace"))
+                    return
+                async for chunk in _events(response):
+                    if "error" in chunk:  # failed after the stream began
+                        _failed(record, 500, json.dumps(chunk["error"]))
+                        return
+                    if self._carries_output(chunk):
+                        record.message_times_s.append(time.perf_counter() - sent)
+                        record.message_tokens.append(1)
+                    usage_tokens = (chunk.get("usage") or {}).get("completion_tokens", usage_tokens)
+        except httpx2.HTTPError as e:
+            record.status, record.error = "UNAVAILABLE", f"{type(e).__name__}: {e}"
+            return
+        _fit_tokens(record, usage_tokens)
+
+    def _carries_output(self, chunk: dict[str, Any]) -> bool:
+        choices = chunk.get("choices")
+        if not choices:
+            return False
+        return bool(choices[0].get("delta", {}).get("content")) if self.chat else True
+
+
+async def _events(response: httpx2.Response) -> AsyncIterator[dict[str, Any]]:
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def _failed(record: RequestRecord, status: int, body: str) -> None:
+    record.status = STATUS_NAMES.get(status, f"HTTP_{status}")
+    try:
+        record.error = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        record.error = body[:500]
+
+
+def _fit_tokens(record: RequestRecord, usage_tokens: int | None) -> None:
+    """The server's own count wins over one token per chunk: the difference goes on the last message (or comes
+    off the last ones) so the stream's total, and so TPOT, is right."""
+    if usage_tokens is None or not record.message_tokens:
+        return
+    diff = usage_tokens - sum(record.message_tokens)
+    i = len(record.message_tokens) - 1
+    while diff and i >= 0:
+        change = diff if diff > 0 else -min(-diff, record.message_tokens[i])
+        record.message_tokens[i] += change
+        diff -= change
+        i -= 1

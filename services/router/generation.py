@@ -1,0 +1,53 @@
+"""The one request path every public front end runs (gRPC `Generate`, the OpenAI-compatible HTTP API): the
+caller's check, then the lifecycle's accounting, admission, placement and relayed stream. A front end only
+converts its wire format to a GenerateRequest and the stream back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+
+from pdserve.errors import InvalidRequestError
+from pdserve.v1 import generate_pb2 as pb
+from services.router.lifecycle import RequestLifecycle
+from services.router.ticket import Ticket
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this router does not serve (the HTTP API's `model`): invalid input, counted
+    so, which HTTP answers with OpenAI's 404 `model_not_found`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("model", message)
+
+
+def check_caller(lifecycle: RequestLifecycle, headers: Mapping[str, str]) -> None:
+    """The one place a caller's headers (gRPC metadata, HTTP headers: `authorization`) are checked; raises
+    when the lifecycle's `authenticate` hook refuses them."""
+    if lifecycle.authenticate is not None:
+        lifecycle.authenticate(headers)
+
+
+async def generate(
+    lifecycle: RequestLifecycle,
+    request: pb.GenerateRequest,
+    headers: Mapping[str, str],
+    time_remaining: Callable[[], float | None],
+    on_admitted: Callable[[Ticket], Awaitable[None]],
+    model: str | None = None,
+) -> AsyncIterator[pb.GenerateResponse]:
+    """The request's stream. Everything refused before the first message raises here (InvalidRequestError,
+    OverloadedError, UnavailableError, ModelNotFoundError for a `model` not served, and the caller's check
+    first of all); `on_admitted` runs once it is placed, before anything is relayed."""
+    start = time.perf_counter()
+    with lifecycle.accounting(start):
+        check_caller(lifecycle, headers)
+        if model is not None and model != lifecycle.served_model:
+            raise ModelNotFoundError(
+                f"model {model[:128]!r} is not served here; this router serves {lifecycle.served_model!r}"
+            )
+        ticket = await lifecycle.admit(request, start)
+        with ticket:
+            await on_admitted(ticket)
+            async for msg in lifecycle.stream(ticket, time_remaining):
+                yield msg

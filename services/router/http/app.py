@@ -1,0 +1,146 @@
+"""The OpenAI-compatible HTTP API as an ASGI app: JSON in, the shared request path (generation.py), JSON or
+Server-Sent Events out. Nothing here decides anything about a request; it converts, like the gRPC servicer."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
+
+from opentelemetry import propagate, trace
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Send
+
+from pdserve.errors import InvalidRequestError
+from pdserve.v1 import generate_pb2 as pb
+from services.router.generation import check_caller, generate
+from services.router.http.errors import error_body, error_response
+from services.router.http.openai_request import OpenAIRequest, parse_request
+from services.router.http.openai_response import Answer, sse_events
+from services.router.lifecycle import RequestLifecycle
+from services.router.ticket import Ticket
+
+PREDICTED_TTFT_HEADER = "x-pdserve-predicted-ttft-ms"
+
+
+def openai_app(lifecycle: RequestLifecycle) -> Starlette:
+    api = OpenAIAPI(lifecycle)
+    return Starlette(
+        routes=[
+            Route("/v1/completions", api.completions, methods=["POST"]),
+            Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+            Route("/v1/models", api.models, methods=["GET"]),
+            Route("/health", api.health, methods=["GET"]),
+        ]
+    )
+
+
+class OpenAIAPI:
+    def __init__(self, lifecycle: RequestLifecycle) -> None:
+        self.lifecycle = lifecycle
+        self.created = int(time.time())
+
+    async def health(self, request: Request) -> Response:
+        """200 while the router takes requests, 503 once it drains (a load balancer's readiness probe)."""
+        if self.lifecycle.draining:
+            return JSONResponse({"status": "draining"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        try:
+            check_caller(self.lifecycle, request.headers)
+        except Exception as e:
+            return error_response(e)
+        model = {"id": self.lifecycle.served_model, "object": "model", "created": self.created, "owned_by": "pdserve"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def _complete(self, request: Request, chat: bool) -> Response:
+        start = time.perf_counter()
+        try:
+            req = parse_request(_json(await request.body()), chat, request.headers.get("x-request-id", ""))
+        except InvalidRequestError as e:
+            self.lifecycle.refused(e, start)
+            return error_response(e)
+        answer = Answer(req, f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id or uuid.uuid4().hex}")
+        if req.stream:
+            return SSEResponse(self._events(req, answer, request), req.max_tokens_param)
+        headers: dict[str, str] = {}
+        with self._span(request) as span:
+            try:
+                async for msg in self._generate(req, request, headers):
+                    answer.add(msg)
+            except Exception as e:
+                span.record_exception(e)
+                span.set_status(trace.StatusCode.ERROR, str(e))
+                return error_response(e, req.max_tokens_param)
+        return JSONResponse(answer.whole(), headers=headers)
+
+    async def _events(self, req: OpenAIRequest, answer: Answer, request: Request) -> AsyncIterator[bytes]:
+        """Within one task (the response's), so the span and the request's context live and end there."""
+        with self._span(request):
+            async for event in sse_events(answer, self._generate(req, request, {})):
+                yield event
+
+    def _generate(
+        self, req: OpenAIRequest, request: Request, headers: dict[str, str]
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        async def on_admitted(ticket: Ticket) -> None:
+            headers[PREDICTED_TTFT_HEADER] = str(round(ticket.placement.predicted_ttft_s * 1e3))
+
+        return generate(self.lifecycle, req.message, request.headers, lambda: None, on_admitted, req.model)
+
+    def _span(self, request: Request) -> AbstractContextManager[trace.Span]:
+        """The request's server span, a child of the caller's trace when its `traceparent` header names one."""
+        tracer, parent = self.lifecycle.telemetry.tracer, propagate.extract(request.headers)
+        return tracer.start_as_current_span(f"POST {request.url.path}", parent, kind=trace.SpanKind.SERVER)
+
+
+def _json(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise InvalidRequestError("body", f"not valid JSON: {e}") from None
+
+
+class SSEResponse(StreamingResponse):
+    """A stream whose status waits for its first event: a request refused before its first token (invalid,
+    shed, nowhere to place it) gets the same JSON error and status as a non-streaming one. An error after the
+    first event can only end the stream, with an `error` event."""
+
+    def __init__(self, events: AsyncIterator[bytes], max_tokens_param: str) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        self.max_tokens_param = max_tokens_param
+
+    async def stream_response(self, send: Send) -> None:
+        events = self.body_iterator
+        try:
+            first = await anext(events)  # type: ignore[call-overload]
+        except Exception as e:
+            status, body, headers = error_body(e, self.max_tokens_param)
+            data = json.dumps(body).encode()
+            raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+            raw += [(k.encode(), v.encode()) for k, v in headers.items()]
+            await send({"type": "http.response.start", "status": status, "headers": raw})
+            await send({"type": "http.response.body", "body": data})
+            return
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": first, "more_body": True})
+        try:
+            async for event in events:  # type: ignore[attr-defined]
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        except Exception as e:
+            _, body, _ = error_body(e, self.max_tokens_param)
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(body).encode() + b"\n\n"})
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,59 @@
+"""The typed errors of the shared request path as OpenAI-shaped HTTP errors, the HTTP counterpart of
+pdserve.rpc.errors: {"error": {"message", "type", "param", "code"}} with the status a client's SDK maps to
+its own exception (openai.BadRequestError, RateLimitError, ...)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.responses import JSONResponse
+
+from pdserve.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from services.router.generation import ModelNotFoundError
+from services.router.http.openai_request import openai_param
+
+log = logging.getLogger(__name__)
+
+
+_STATUS: list[tuple[type[BaseException], int, str]] = [  # the first match wins: a subclass before its base
+    (ModelNotFoundError, 404, "not_found_error"),
+    (InvalidRequestError, 400, "invalid_request_error"),
+    (UnauthenticatedError, 401, "authentication_error"),
+    (PermissionDeniedError, 403, "permission_error"),
+    (OverloadedError, 429, "rate_limit_error"),
+    (UnavailableError, 503, "service_unavailable_error"),
+    (TimeoutError, 504, "timeout_error"),
+    (asyncio.TimeoutError, 504, "timeout_error"),
+]
+
+
+def error_body(exc: BaseException, max_tokens_param: str = "max_tokens") -> tuple[int, dict, dict[str, str]]:
+    """(status, body, headers) for `exc`; an error not of the shared path's kinds is a 500, logged."""
+    status, kind = next(((s, k) for cls, s, k in _STATUS if isinstance(exc, cls)), (500, "internal_error"))
+    if status == 500:
+        log.exception("unhandled error in an HTTP handler", exc_info=exc)
+    param, code = None, None
+    message = str(exc) or type(exc).__name__
+    headers: dict[str, str] = {}
+    if isinstance(exc, InvalidRequestError):
+        param = openai_param(exc.field, max_tokens_param)
+        message = f"{param}: {message.split(': ', 1)[1]}" if ": " in message else message
+        code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None
+    elif isinstance(exc, OverloadedError):
+        ms = exc.retry_after_ms
+        headers = {"retry-after": str(max(1, -(-ms // 1000))), "retry-after-ms": str(ms)}
+        code = "rate_limit_exceeded"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return status, body, headers
+
+
+def error_response(exc: BaseException, max_tokens_param: str = "max_tokens") -> JSONResponse:
+    status, body, headers = error_body(exc, max_tokens_param)
+    return JSONResponse(body, status, headers)

@@ -1,0 +1,207 @@
+"""An OpenAI completions or chat completions body -> the GenerateRequest the gRPC API takes, so both run the same
+path. Only the shapes are checked here (which parameters, of which JSON type); the values are checked once, by
+the shared path, and its field names are translated back (`openai_param`). A parameter pdserve does not
+implement is refused by name, never ignored: a client must not believe it got what it did not."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.errors import InvalidRequestError
+from pdserve.v1 import generate_pb2 as pb
+
+SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "slo", *SAMPLING}
+COMPLETION_PARAMS = frozenset({*COMMON, "prompt"})
+CHAT_PARAMS = frozenset({*COMMON, "messages", "max_completion_tokens"})
+SLO_FIELDS = ("ttft_ms", "tpot_ms")
+UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
+# OpenAI's own default; the gRPC API's is 0 (greedy), which a client asks for with temperature=0.
+DEFAULT_TEMPERATURE = 1.0
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    chat: bool
+    model: str
+    message: pb.GenerateRequest
+    stream: bool
+    include_usage: bool
+    max_tokens_param: str  # which name the body used, for errors about it
+
+
+def parse_request(body: object, chat: bool, request_id: str = "") -> OpenAIRequest:
+    """Raises InvalidRequestError naming the OpenAI parameter at fault."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", "must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}  # null is "not given", as OpenAI's clients send it
+    allowed = CHAT_PARAMS if chat else COMPLETION_PARAMS
+    for name in body:
+        if name not in allowed:
+            raise InvalidRequestError(name, "is not supported by pdserve")
+    model = _typed(body, "model", str)
+    if model is None:
+        raise InvalidRequestError("model", "is required")
+    if _int(body, "n") not in (None, 1):
+        raise InvalidRequestError("n", "only n=1 (one choice per request) is supported")
+    msg = pb.GenerateRequest(request_id=request_id, sampling=_sampling(body, chat), priority=_int(body, "priority"))
+    if chat:
+        msg.messages.extend(_messages(body))
+    else:
+        _set_prompt(msg, body)
+    _set_slo(msg, body)
+    stream = bool(_typed(body, "stream", bool))
+    max_tokens_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    return OpenAIRequest(chat, model, msg, stream, _include_usage(body, stream), max_tokens_param)
+
+
+def openai_param(field: str, max_tokens_param: str = "max_tokens") -> str:
+    """The shared path's field name (`sampling.top_p`, `prompt_token_ids`) as the OpenAI parameter."""
+    if field == "sampling.max_tokens":
+        return max_tokens_param
+    if field == "prompt_token_ids":
+        return "prompt"
+    return field.removeprefix("sampling.")
+
+
+def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
+    max_tokens = _int(body, "max_completion_tokens", 1, UINT32) if chat else None
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1, UINT32)
+    temperature = _number(body, "temperature")
+    top_p = _number(body, "top_p")
+    if top_p is not None and not 0 < top_p <= 1:  # checked here: the gRPC API reads 0 as "off"
+        raise InvalidRequestError("top_p", f"must be in (0, 1], got {top_p}")
+    top_k = _int(body, "top_k", -1, INT32)
+    msg = pb.SamplingParams(
+        max_tokens=max_tokens or 0,
+        temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
+        top_p=top_p or 0.0,
+        top_k=max(top_k or 0, 0),  # -1 is vLLM's "off", as 0 is ours
+        stop=_stops(body),
+        ignore_eos=bool(_typed(body, "ignore_eos", bool)),
+    )
+    seed = _int(body, "seed", 0, UINT64)
+    if seed is not None:
+        msg.seed = seed
+    return msg
+
+
+def _set_prompt(msg: pb.GenerateRequest, body: dict[str, Any]) -> None:
+    """A string, a list of token ids, or a batch of exactly one of either."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        msg.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) and 0 <= t <= UINT32 for t in prompt):
+        msg.prompt_token_ids.extend(prompt)
+    elif prompt is None:
+        raise InvalidRequestError("prompt", "is required")
+    else:
+        raise InvalidRequestError("prompt", "must be a string or a non-empty list of token ids (one prompt)")
+
+
+def _messages(body: dict[str, Any]) -> list[pb.ChatMessage]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages", "must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequestError(f"messages[{i}]", "must be an object with role and content")
+        for key in m:
+            if key not in ("role", "content"):
+                raise InvalidRequestError(f"messages[{i}].{key}", "is not supported by pdserve")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise InvalidRequestError(f"messages[{i}].role", "must be a string")
+        out.append(pb.ChatMessage(role=role, content=_content(m.get("content"), i)))
+    return out
+
+
+def _content(content: object, i: int) -> str:
+    """A string, or a list of text parts (what OpenAI's clients send for multi-part text)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise InvalidRequestError(f"messages[{i}].content[{j}]", "only text parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise InvalidRequestError("stop", "must be a string or a list of strings")
+
+
+def _set_slo(msg: pb.GenerateRequest, body: dict[str, Any]) -> None:
+    """`slo`: {"ttft_ms": .., "tpot_ms": ..}, the gRPC API's SLO message under the same names."""
+    slo = _typed(body, "slo", dict)
+    for key in slo or {}:
+        if key not in SLO_FIELDS:
+            raise InvalidRequestError(f"slo.{key}", f"is not supported; use {SLO_FIELDS}")
+        value = _number(slo, key, prefix="slo.")
+        setattr(msg.slo, key, value)
+
+
+def _include_usage(body: dict[str, Any], stream: bool) -> bool:
+    options = _typed(body, "stream_options", dict)
+    if options is None:
+        return False
+    if not stream:
+        raise InvalidRequestError("stream_options", "is only allowed when stream is true")
+    for key in options:
+        if key != "include_usage":
+            raise InvalidRequestError(f"stream_options.{key}", "is not supported by pdserve")
+    return bool(_typed(options, "include_usage", bool, prefix="stream_options."))
+
+
+def _typed(body: dict[str, Any], name: str, kind: type, prefix: str = "") -> Any:
+    value = body.get(name)
+    if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+        raise InvalidRequestError(prefix + name, f"must be a {_JSON_TYPE[kind]}, got {_json_type(value)}")
+    return value
+
+
+def _number(body: dict[str, Any], name: str, prefix: str = "") -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequestError(prefix + name, f"must be a finite number, got {_json_type(value)}")
+    return float(value)
+
+
+def _int(body: dict[str, Any], name: str, low: int = -INT32 - 1, high: int = INT32) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise InvalidRequestError(name, f"must be an integer, got {_json_type(value)}")
+    if not low <= value <= high:
+        raise InvalidRequestError(name, f"must be in [{low}, {high}], got {value}")
+    return int(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_JSON_TYPE = {str: "string", bool: "boolean", dict: "object", list: "array", int: "integer", float: "number"}
+
+
+def _json_type(value: object) -> str:
+    return next((name for kind, name in _JSON_TYPE.items() if isinstance(value, kind)), type(value).__name__)

@@ -1,0 +1,65 @@
+"""The HTTP listener: uvicorn serving the ASGI app on the router's own event loop, beside the gRPC server.
+
+Embedded (`uvicorn.Server.serve()` as a task) rather than a second process: one process means one
+lifecycle, one admission count and one drain for both protocols. uvicorn's own signal handling is off,
+since the process that runs the router owns SIGTERM and drains both listeners itself."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+STARTUP_TIMEOUT_S = 10.0
+
+
+class _Embedded(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    def __init__(self, app: ASGIApp, host: str, port: int, grace_s: int = 1) -> None:
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            lifespan="off",
+            log_config=None,  # the process's JSON logging stands
+            log_level="warning",  # its start-up lines advise CTRL+C; the launcher logs the address itself
+            access_log=False,
+            timeout_graceful_shutdown=grace_s,
+        )
+        self._server = _Embedded(config)
+        self._task: asyncio.Task[None] | None = None
+        self.host = host
+        self.port = port
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Returns once listening; `port` is then the bound one (0 asks for any free port)."""
+        self._task = asyncio.create_task(self._server.serve())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STARTUP_TIMEOUT_S
+        while not self._server.started:
+            if self._task.done() or loop.time() > deadline:
+                await self.stop()
+                raise OSError(f"could not serve HTTP on {self.address}")
+            await asyncio.sleep(0.02)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stops accepting, lets open responses finish within the grace, then closes."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(Exception, SystemExit):
+            await self._task
+        self._task = None

@@ -1,0 +1,43 @@
+"""The openai backends' request bodies and their token counting from SSE chunks and the usage chunk."""
+
+from __future__ import annotations
+
+from loadgen.openai_backend import OpenAIBackend, _fit_tokens
+from loadgen.record import RequestRecord
+from loadgen.workload import Request
+
+
+def test_bodies_are_what_vllms_benchmark_sends():
+    req = Request([5, 6, 7], 4)
+    body = OpenAIBackend("http://h", "m").payload(req)
+    assert body == {
+        "model": "m",
+        "prompt": [5, 6, 7],
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    chat = OpenAIBackend("http://h", "m", chat=True, slo={"ttft_ms": 100}, detokenize=lambda ids: f"t{len(ids)}")
+    body = chat.payload(req)
+    assert body["messages"] == [{"role": "user", "content": "t3"}] and body["max_completion_tokens"] == 4
+    assert body["slo"] == {"ttft_ms": 100} and "prompt" not in body and "max_tokens" not in body
+
+
+def record(tokens: list[int]) -> RequestRecord:
+    r = RequestRecord("r", 3, 8, 0.0)
+    r.message_times_s, r.message_tokens = [0.1 * (i + 1) for i in range(len(tokens))], list(tokens)
+    return r
+
+
+def test_the_usage_count_corrects_one_token_per_chunk():
+    more = record([1, 1, 1])
+    _fit_tokens(more, 5)  # a server that packed tokens into chunks
+    assert more.message_tokens == [1, 1, 3]
+    fewer = record([1, 1, 1])
+    _fit_tokens(fewer, 1)
+    assert fewer.message_tokens == [1, 0, 0]
+    unknown = record([1, 1])
+    _fit_tokens(unknown, None)  # no usage chunk: one token per chunk stands
+    assert unknown.message_tokens == [1, 1]

@@ -1,0 +1,45 @@
+"""The shared path's typed errors as OpenAI-shaped HTTP errors: status, type, param, code, retry headers."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from services.router.generation import ModelNotFoundError
+from services.router.http.errors import error_body
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "kind", "param", "code"),
+    [
+        (InvalidRequestError("sampling.top_p", "must be in (0, 1]"), 400, "invalid_request_error", "top_p", None),
+        (ModelNotFoundError("not served"), 404, "not_found_error", "model", "model_not_found"),
+        (UnauthenticatedError("no key"), 401, "authentication_error", None, None),
+        (PermissionDeniedError("not yours"), 403, "permission_error", None, None),
+        (UnavailableError("draining"), 503, "service_unavailable_error", None, None),
+        (TimeoutError("deadline"), 504, "timeout_error", None, None),
+        (RuntimeError("bug"), 500, "internal_error", None, None),
+    ],
+)
+def test_each_error_has_its_status_and_shape(exc, status, kind, param, code):
+    got, body, headers = error_body(exc)
+    assert (got, body["error"]["type"], body["error"]["param"], body["error"]["code"]) == (status, kind, param, code)
+    assert headers == {}
+
+
+def test_a_bad_field_reads_as_the_openai_parameter_the_body_used():
+    _, body, _ = error_body(InvalidRequestError("sampling.max_tokens", "too many"), "max_completion_tokens")
+    assert body["error"]["message"] == "max_completion_tokens: too many"
+
+
+@pytest.mark.parametrize(("ms", "seconds"), [(100, "1"), (1000, "1"), (1001, "2"), (30_000, "30")])
+def test_shed_carries_both_retry_hints(ms, seconds):
+    status, body, headers = error_body(OverloadedError("prefill queue full", ms))
+    assert (status, body["error"]["code"]) == (429, "rate_limit_exceeded")
+    assert headers == {"retry-after": seconds, "retry-after-ms": str(ms)}

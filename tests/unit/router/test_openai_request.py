@@ -1,0 +1,83 @@
+"""An OpenAI body's shape -> the GenerateRequest of the gRPC API, and each refused shape named by its parameter."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.errors import InvalidRequestError
+from pdserve.v1 import generate_pb2 as pb
+from services.router.http.openai_request import openai_param, parse_request
+
+
+def test_a_completion_becomes_the_grpc_request():
+    body = {"model": "m", "prompt": [[5, 6, 7]], "max_tokens": 4, "temperature": 0, "top_p": 0.5, "seed": 3}
+    body |= {"stop": "x", "top_k": -1, "ignore_eos": True, "priority": 2, "slo": {"ttft_ms": 500}, "n": 1}
+    req = parse_request(body | {"stream": True, "stream_options": {"include_usage": True}}, chat=False, request_id="r")
+    m = req.message
+    assert (req.model, req.stream, req.include_usage, req.chat) == ("m", True, True, False)
+    assert (m.request_id, list(m.prompt_token_ids), m.priority, m.slo.ttft_ms, m.slo.tpot_ms) == (
+        "r",
+        [5, 6, 7],
+        2,
+        500,
+        0,
+    )
+    s = m.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, list(s.stop), s.ignore_eos) == (
+        4,
+        0.0,
+        0.5,
+        0,
+        3,
+        ["x"],
+        True,
+    )
+
+
+def test_a_chat_takes_text_parts_and_openais_defaults():
+    content = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_completion_tokens": 9}
+    req = parse_request(body | {"user": None}, chat=True)  # null is "not given"
+    assert list(req.message.messages) == [pb.ChatMessage(role="user", content="ab")]
+    assert req.message.sampling.max_tokens == 9 and req.max_tokens_param == "max_completion_tokens"
+    assert req.message.sampling.temperature == 1.0  # OpenAI's default, not the gRPC API's greedy 0
+    assert not req.message.sampling.HasField("seed") and not req.stream and not req.include_usage
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x"}, "model"),
+        ({"model": 3, "prompt": "x"}, "model"),
+        ({"model": "m"}, "prompt"),
+        ({"model": "m", "prompt": []}, "prompt"),
+        ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+        (
+            {"model": "m", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        ({"model": "m", "prompt": "x", "slo": {"ttft_ms": "fast"}}, "slo.ttft_ms"),
+        ({"model": "m", "prompt": "x", "messages": []}, "messages"),
+        ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
+    ],
+)
+def test_a_refused_shape_names_its_parameter(body, param):
+    with pytest.raises(InvalidRequestError) as e:
+        parse_request(body, chat=False)
+    assert e.value.field == param
+
+
+def test_a_chat_message_with_other_fields_is_refused_by_name():
+    with pytest.raises(InvalidRequestError) as e:
+        parse_request({"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}, chat=True)
+    assert e.value.field == "messages[0].name"
+
+
+def test_the_shared_paths_field_names_read_as_openai_parameters():
+    assert openai_param("sampling.max_tokens", "max_completion_tokens") == "max_completion_tokens"
+    assert openai_param("sampling.stop[1]") == "stop[1]"
+    assert openai_param("prompt_token_ids") == "prompt"
+    assert (openai_param("slo.tpot_ms"), openai_param("messages[2].role")) == ("slo.tpot_ms", "messages[2].role")
