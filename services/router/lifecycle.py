@@ -57,7 +57,12 @@ class RequestLifecycle:
         self.tracker = tracker
         self.admission = Admission(config, placement.predictor)
         self.relay = Relay(
-            telemetry, self.metrics, self.recent, placement.predictor.calibration, config.first_token_timeout_s
+            telemetry,
+            self.metrics,
+            self.recent,
+            placement.predictor.calibration,
+            config.first_token_timeout_s,
+            config.stall_timeout_s,
         )
         self.draining = False
 

@@ -146,6 +146,12 @@ def _add_router_overrides(p: argparse.ArgumentParser) -> None:
         help="times a stream may move to another decode worker when its worker fails after tokens were sent "
         f"(default: {r.migration_limit}; 0 never migrates)",
     )
+    p.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        help="treat a stream as broken (its decode worker ejected, the request migrated) when the worker sends "
+        f"nothing this long after the first message (default: {r.stall_timeout_s:g})",
+    )
 
 
 def _up(args: argparse.Namespace, services: ClusterServices | None) -> int:
