@@ -248,6 +248,7 @@ STATUS_FIELDS = (
     "tpot_p50_ms",
     "tpot_p99_ms",
     "metrics_address",
+    "pid",
 )
 
 
