@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.bench.commands import add_bench_commands
+from pdserve.chaos.command import add_chaos_command
 from pdserve.config import CLUSTER_MODES, ClusterConfig, EngineConfig, RouterConfig
 from pdserve.flags import add_engine_flags, engine_config, flag_values, from_flags
 from pdserve.protocol.sampling import SamplingParams
@@ -118,6 +119,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     fetch.set_defaults(func=_fetch)
 
     add_bench_commands(sub)
+    add_chaos_command(sub)
     return parser
 
 
