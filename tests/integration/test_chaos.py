@@ -38,6 +38,7 @@ def test_a_small_chaos_run_loses_nothing(cluster):
     assert (report["failed"], report["lost"], report["completed_wrong_output"]) == (0, 0, 0), summary
     assert report["completed_right_output"] == report["requests"], summary
     assert report["kv_blocks_held_after_idle"] == 0, summary
+    assert report["router_in_flight_after_idle"] == 0, summary
     assert [f["kind"] for f in report["faults"]] == ["kill", "stop", "kill"], report["faults"]
     assert report["not_recovered"] == 0, report["faults"]
     assert clean(report)

@@ -55,10 +55,12 @@ class Fleet:
         return (await self.admin.ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=5)).in_flight
 
     async def learn_shape(self) -> Counter[str]:
-        self.desired = Counter(w.role for w in await self.serving())
-        missing = [w for w in await self.serving() if not w.pid]
-        if missing:
-            raise RuntimeError(f"worker {missing[0].id} reports no pid: its process cannot be signalled")
+        """The desired counts; fails when a worker's process is not one this run can signal (not on this host)."""
+        ws = await self.serving()
+        self.desired = Counter(w.role for w in ws)
+        for w in ws:
+            if not (w.pid and _signallable(w.pid)):
+                raise RuntimeError(f"worker {w.id}'s process is not one pdserve chaos can signal (another host?)")
         return self.desired
 
     async def serving(self) -> list[admin_pb2.WorkerStatus]:
@@ -122,3 +124,11 @@ class Fleet:
             if (not any(held.values()) and not busy) or time.monotonic() > end:
                 return held
             await asyncio.sleep(0.2)
+
+
+def _signallable(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists and is ours to signal
+    except OSError:
+        return False
+    return True

@@ -14,9 +14,10 @@ from pdserve.chaos.load import Outcome
 
 
 def summarize(
-    outcomes: list[Outcome], reference: list[list[int]], faults: list[Fault], blocks: dict[str, int]
+    outcomes: list[Outcome], reference: list[list[int]], faults: list[Fault], blocks: dict[str, int], in_flight: int
 ) -> dict[str, Any]:
-    """A failed request has a status; a completed one got its final message; a lost one neither."""
+    """A failed request has a status; a completed one got its final message; a lost one neither. `in_flight`: the
+    router's count once idle (a request it still counts leaked its ticket)."""
     failed = [o for o in outcomes if o.status]
     completed = [o for o in outcomes if o.finished and not o.status]
     lost = [o for o in outcomes if not o.finished and not o.status]
@@ -31,6 +32,7 @@ def summarize(
         "lost": len(lost),
         "kv_blocks_held_after_idle": sum(blocks.values()),
         "kv_blocks_held_by_worker": blocks,
+        "router_in_flight_after_idle": in_flight,
         "kills": sum(f.kind == "kill" for f in faults),
         "stops": sum(f.kind == "stop" for f in faults),
         "recover_s": {kind: _spread([f for f in faults if f.kind == kind]) for kind in ("kill", "stop")},
@@ -45,8 +47,9 @@ def summarize(
 
 
 def clean(report: dict[str, Any]) -> bool:
-    """The run lost nothing: no request lost or failed, every output right, no block held, every fault healed."""
-    keys = ("completed_wrong_output", "failed", "lost", "kv_blocks_held_after_idle", "not_recovered")
+    """The run lost nothing: no request lost or failed, every output right, nothing held, every fault healed."""
+    keys = ("completed_wrong_output", "failed", "lost", "kv_blocks_held_after_idle", "router_in_flight_after_idle")
+    keys += ("not_recovered",)
     return report["requests"] > 0 and not any(report[k] for k in keys)
 
 
@@ -71,6 +74,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         ("failed (by status)", f"{report['failed']} ({by_status})"),
         ("lost (no final message, no status)", report["lost"]),
         ("KV blocks held after idle", report["kv_blocks_held_after_idle"]),
+        ("router's in-flight count after idle", report["router_in_flight_after_idle"]),
         ("SIGKILLs / SIGSTOPs", f"{report['kills']} / {report['stops']}"),
         ("time to recover after a kill, p50 / max", _times(report["recover_s"]["kill"])),
         ("time to recover after SIGCONT, p50 / max", _times(report["recover_s"]["stop"])),

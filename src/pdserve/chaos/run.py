@@ -58,7 +58,8 @@ async def run_chaos(config: ChaosConfig, address: str, vocab_size: int) -> dict[
         log.info("chaos: load stopped after %d requests; waiting for them to end", len(load.outcomes))
         await load.settle(config.settle_timeout_s)
         blocks = await fleet.idle_blocks(config.idle_timeout_s)
-    return summarize(load.outcomes, reference, faults, blocks)
+        in_flight = await fleet.in_flight()
+    return summarize(load.outcomes, reference, faults, blocks, in_flight)
 
 
 async def _inject(config: ChaosConfig, fleet: Fleet) -> list[Fault]:

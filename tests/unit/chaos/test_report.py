@@ -26,11 +26,12 @@ def test_each_request_is_completed_failed_or_lost_and_completed_ones_are_checked
         Outcome("hung", 0, [1]),  # never ended
     ]
     faults = [Fault("kill", "decode-2", "decode", 10, 1.0, recover_s=4.0), Fault("stop", "p", "prefill", 11, 9.0)]
-    report = summarize(outcomes, reference, faults, {"decode-2": 0, "prefill-0": 3})
+    report = summarize(outcomes, reference, faults, {"decode-2": 0, "prefill-0": 3}, in_flight=0)
     assert (report["completed"], report["completed_right_output"], report["completed_wrong_output"]) == (2, 1, 1)
     assert (report["failed"], report["failed_by_status"], report["lost"]) == (1, {"UNAVAILABLE": 1}, 2)
     assert report["kv_blocks_held_after_idle"] == 3
     assert report["recover_s"] == {"kill": {"p50": 4.0, "max": 4.0}, "stop": {"p50": None, "max": None}}
     assert report["not_recovered"] == 1
     assert not clean(report)
-    assert clean(summarize(outcomes[:1], reference, faults[:1], {"decode-2": 0}))
+    assert clean(summarize(outcomes[:1], reference, faults[:1], {"decode-2": 0}, in_flight=0))
+    assert not clean(summarize(outcomes[:1], reference, faults[:1], {"decode-2": 0}, in_flight=1))
