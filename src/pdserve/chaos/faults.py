@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 
 POLL_S = 0.1
+BUSY_WAIT_S = 10.0  # how long a stop waits for a worker of its role to hold requests
 
 
 @dataclass
@@ -76,10 +77,8 @@ class Fleet:
         return fault
 
     async def stop(self, role: str, hold_s: float) -> Fault:
-        """SIGSTOP the busiest worker of `role` (any role when none serves), SIGCONT after `hold_s`."""
-        ws = [w for w in await self.serving() if w.role == role] or await self.serving()
-        busiest = max(w.running + w.waiting for w in ws)  # a stopped worker should hold streams
-        victim = self.rng.choice([w for w in ws if w.running + w.waiting == busiest])
+        """SIGSTOP a busy worker of `role`, SIGCONT after `hold_s`."""
+        victim = await self._busy(role)
         fault = self._fault("stop", victim)
         os.kill(victim.pid, signal.SIGSTOP)
         stopped = time.monotonic()
@@ -92,6 +91,17 @@ class Fleet:
         if await self._back(victim.id, lambda w: w.pid == victim.pid):
             fault.recover_s = time.monotonic() - start
         return fault
+
+    async def _busy(self, role: str) -> admin_pb2.WorkerStatus:
+        """A worker of `role` (any, if none serves) holding requests: the first one seen within BUSY_WAIT_S, else
+        a random one. A stop is meant to catch streams in flight."""
+        end = time.monotonic() + BUSY_WAIT_S
+        while True:
+            ws = [w for w in await self.serving() if w.role == role] or await self.serving()
+            busy = [w for w in ws if w.running + w.waiting]
+            if busy or time.monotonic() > end:
+                return self.rng.choice(busy or ws)
+            await asyncio.sleep(POLL_S / 2)
 
     async def settled(self) -> bool:
         """Every role at its desired count of SERVING workers."""
