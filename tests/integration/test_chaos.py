@@ -30,7 +30,7 @@ def cluster(tmp_path_factory):
 
 
 def test_a_small_chaos_run_loses_nothing(cluster):
-    config = ChaosConfig(kills=2, stops=1, stop_s=STALL_S + 3, interval_s=1.0, rate=4.0, output_len=160)
+    config = ChaosConfig(kills=2, stops=1, stop_s=STALL_S + 3, interval_s=1.0, rate=4.0, output_len=400)
     vocab_size = read_model_config(resolve_model("tiny-random")).vocab_size
     report = asyncio.run(run_chaos(config, cluster.address, vocab_size))
     summary = {k: v for k, v in report.items() if k != "faults"}

@@ -27,7 +27,7 @@ class ChaosConfig:
     rate: float = 4.0  # requests per second, Poisson
     prompts: int = 16  # distinct prompts the requests draw from
     input_len: int = 64
-    output_len: int = 120
+    output_len: int = 256  # long enough that a fault usually finds streams in flight (tiny-random: ~1 s)
     seed: int = 0
     recover_timeout_s: float = 120.0  # a fault the cluster has not recovered from by then counts as not recovered
     settle_timeout_s: float = 120.0  # after the load stops, requests still open by then are lost
