@@ -13,7 +13,7 @@ from pdserve.chaos.run import ChaosConfig
 from pdserve.config import RouterConfig
 
 # The cluster `pdserve chaos` starts when given no --addr: small, with router bounds a stop outlasts.
-FIRST_TOKEN_TIMEOUT_S = 10.0
+FIRST_TOKEN_TIMEOUT_S = 20.0
 
 
 def add_chaos_command(sub: argparse._SubParsersAction) -> None:

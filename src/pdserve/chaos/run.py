@@ -23,11 +23,11 @@ class ChaosConfig:
     kills: int = 20  # SIGKILLs, one worker at a time
     interval_s: float = 3.0  # from the cluster's recovery to the next fault
     stops: int = 1  # SIGSTOPs (the first of a decode worker, then alternating roles), spread among the kills
-    stop_s: float = 15.0  # how long a stopped worker stays stopped: past the router's stall and first-token bounds
+    stop_s: float = 25.0  # how long a stopped worker stays stopped: past the router's stall and first-token bounds
     rate: float = 4.0  # requests per second, Poisson
     prompts: int = 16  # distinct prompts the requests draw from
     input_len: int = 64
-    output_len: int = 256  # long enough that a fault usually finds streams in flight (tiny-random: ~1 s)
+    output_len: int = 120
     seed: int = 0
     recover_timeout_s: float = 120.0  # a fault the cluster has not recovered from by then counts as not recovered
     settle_timeout_s: float = 120.0  # after the load stops, requests still open by then are lost
