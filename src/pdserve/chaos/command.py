@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -96,6 +97,7 @@ def _run(config: ChaosConfig, args: argparse.Namespace) -> dict:
     from pdserve.engine.models import resolve_model
 
     vocab_size = read_model_config(resolve_model(args.model)).vocab_size
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as SIGINT: the cluster started here is stopped
     if args.addr:
         return asyncio.run(run_chaos(config, args.addr, vocab_size))
     with tempfile.TemporaryDirectory() as tmp:
