@@ -115,6 +115,8 @@ class RunAndSend:
             finally:
                 if not send.done():  # the caller left: the blocks stay held until the send thread lets go
                     await asyncio.wait([send])
+                    if not send.cancelled():
+                        send.exception()  # seen: the caller left, so its failure is no news (no asyncio error log)
             span.set_attribute("kv.bytes", nbytes)
         self._record(nbytes, time.perf_counter() - start)
 

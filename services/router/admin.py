@@ -54,6 +54,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             tpot_p99_ms=tpot[1] * 1e3,
             metrics_address=w.metrics_address,
             state_age_s=max(0.0, time.time() - w.updated_at),
+            pid=w.pid,
         )
 
 

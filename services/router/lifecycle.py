@@ -60,7 +60,12 @@ class RequestLifecycle:
         self.tracker = tracker
         self.admission = Admission(config, placement.predictor)
         self.relay = Relay(
-            telemetry, self.metrics, self.recent, placement.predictor.calibration, config.first_token_timeout_s
+            telemetry,
+            self.metrics,
+            self.recent,
+            placement.predictor.calibration,
+            config.first_token_timeout_s,
+            config.stall_timeout_s,
         )
         self.draining = False
         # The caller's check on its headers (the API keys of issue 14); raises to refuse. None: no check.
@@ -152,13 +157,10 @@ class RequestLifecycle:
         if not moves.allow(self.config, len(streamed) if chunks else -1, original.sampling.max_tokens, left):
             raise error
         req = continued_request(original, streamed) if chunks else original
-        _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         try:
-            placement = await self.placement.place(
-                req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3, frozenset(failed)
-            )
+            placement = await self._place_again(req, failed)
         except UnavailableError:
-            raise error from None  # nowhere else to go: the failure itself is the answer
+            raise error from None  # no worker live at all: the failure itself is the answer
         attempt = 1 + moves.retries + moves.migrations
         key = f"{ticket.key.split('.')[0]}.{attempt}"
         self._record_move(worker, error, placement, attempt, key, len(streamed) if chunks else None)
@@ -168,6 +170,17 @@ class RequestLifecycle:
         moved = Ticket(key, ticket.client_id, req, placement, started, self.tracker, self.admission, continuation)
         ticket.release()  # only now: the request stays in flight throughout (a drain waits for it)
         return moved
+
+    async def _place_again(self, req: RoutedRequest, failed: set[str]) -> Placement:
+        """On workers that did not fail the request; when none is left, on any live one: a worker that failed it
+        may have recovered (one starved of CPU past the first-token bound, say), which beats failing the request
+        while attempts and time remain. UnavailableError when no worker is live."""
+        _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
+        args = (req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3)
+        try:
+            return await self.placement.place(*args, frozenset(failed))
+        except UnavailableError:
+            return await self.placement.place(*args)
 
     def _record_move(
         self,

@@ -1,4 +1,4 @@
-"""Relaying the decode worker's stream to the caller: the first-token bound, latency metrics, usage."""
+"""Relaying the decode worker's stream to the caller: the first-token and stall bounds, latency metrics, usage."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
 from services.router.calibration import TTFTCalibration
+from services.router.stall import read_within
 from services.router.ticket import Ticket
 
 
@@ -42,12 +43,14 @@ class Relay:
         recent: RecentLatencies,
         calibration: TTFTCalibration,
         first_token_s: float,
+        stall_s: float,
     ) -> None:
         self.telemetry = telemetry
         self.metrics = metrics
         self.recent = recent
         self.calibration = calibration  # learns from the TTFTs of requests that ran alone
         self.first_token_s = first_token_s
+        self.stall_s = stall_s  # the longest silence after the first message (services/router/stall.py)
         self._stubs: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
 
     async def stream(
@@ -72,7 +75,7 @@ class Relay:
                 yield relayed
                 if ticket.continuation is not None and relayed.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     return  # a migrated stream may end on a stop string its decode worker did not see
-                msg = await call.read()
+                msg = await read_within(call, self.stall_s, p.decode)
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, f"decode worker {p.decode.worker_id} at {p.decode.address}") from e
         finally:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.bench.commands import add_bench_commands
+from pdserve.chaos.command import add_chaos_command
 from pdserve.config import CLUSTER_MODES, ClusterConfig, EngineConfig, RouterConfig
 from pdserve.flags import add_engine_flags, engine_config, flag_values, from_flags
 from pdserve.protocol.sampling import SamplingParams
@@ -121,6 +122,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     fetch.set_defaults(func=_fetch)
 
     add_bench_commands(sub)
+    add_chaos_command(sub)
     return parser
 
 
@@ -148,6 +150,12 @@ def _add_router_overrides(p: argparse.ArgumentParser) -> None:
         type=int,
         help="times a stream may move to another decode worker when its worker fails after tokens were sent "
         f"(default: {r.migration_limit}; 0 never migrates)",
+    )
+    p.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        help="treat a stream as broken (its decode worker ejected, the request migrated) when the worker sends "
+        f"nothing this long after the first message (default: {r.stall_timeout_s:g})",
     )
 
 
@@ -251,6 +259,7 @@ STATUS_FIELDS = (
     "tpot_p50_ms",
     "tpot_p99_ms",
     "metrics_address",
+    "pid",
 )
 
 

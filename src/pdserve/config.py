@@ -93,6 +93,7 @@ class RouterConfig:
     prefix_match_budget_s: float = 0.03  # a prefix index slower than this: place as if no prefix were cached
     request_limits: RequestLimits = RequestLimits()  # [router.request_limits] in a TOML file
     first_token_timeout_s: float = 60.0  # no first token by then (and no shorter client deadline): UNAVAILABLE
+    stall_timeout_s: float = 5.0  # no message this long after the first: the stream is broken, and migrated
     max_attempts: int = 3  # placements a request may get before its first token (1: never retried)
     migration_limit: int = 3  # moves of a stream to another decode worker after tokens were sent (0: none)
     ejection_s: float = 10.0  # a worker whose call failed stays out of placement this long (or until restarted)
@@ -107,8 +108,9 @@ class RouterConfig:
             raise ValueError(f"migration_limit must not be negative, got {self.migration_limit}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
-        if not 0 < self.first_token_timeout_s < float("inf"):
-            raise ValueError(f"first_token_timeout_s must be a positive number, got {self.first_token_timeout_s}")
+        for name in ("first_token_timeout_s", "stall_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
 
     def slo_for(self, priority: int, ttft_ms: float, tpot_ms: float) -> tuple[float, float]:
         """The request's own SLO where it set one (non-zero), else its priority class's, else the default."""

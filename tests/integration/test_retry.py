@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(300)
 HOLD_S = 4.0
 HELD = "held-"
 FIRST_TOKEN_S = 6.0  # the router's first-token bound: past HOLD_S, so a held request is not cut short by it
+STALL_S = 10.0  # the router's stall bound: the hold falls between the first and second token, so past HOLD_S too
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,7 @@ def cluster(collector, tmp_path_factory):
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
     metrics_port = free_port()
     args += ["--first-token-timeout-s", str(FIRST_TOKEN_S), "--metrics-port", str(metrics_port)]
+    args += ["--stall-timeout-s", str(STALL_S)]
     proc = ClusterProcess(*args, log_path=log, env=faults | otel | {"OTEL_BSP_SCHEDULE_DELAY": "100"})
     proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     yield proc

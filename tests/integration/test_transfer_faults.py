@@ -34,6 +34,7 @@ def cluster(tmp_path_factory):
     log = tmp_path_factory.mktemp("transfer-faults") / "cluster.log"
     args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--mode", "disaggregated", "--prefill", "1"]
     args += ["--decode", "1", "--kv-transfer-timeout", str(TRANSFER_TIMEOUT_S)]
+    args += ["--stall-timeout-s", str(2 * SEND_DELAY_S)]  # the decode side's transfer timeout ends a stall here
     faults = {"PDSERVE_FAULT_KV_SEND_DELAY_S": str(SEND_DELAY_S), "PDSERVE_FAULT_REQUEST_ID_PREFIX": FAULTED}
     proc = ClusterProcess(*args, log_path=log, env=faults)
     yield proc

@@ -2,8 +2,10 @@
 
 Ray restarts a worker actor whose process died while it has restarts left; calls to it wait meanwhile. This loop
 checks every actor at once (one slow actor never delays the others' checks), each within a timeout, and takes
-any actor that does not answer with its state out of placement at once: dead, restarting, starting, or leaving
-because its engine died. An actor that answers again rejoins. Ray itself takes over a second to notice a killed
+any actor that does not answer with its state out of placement: dead, restarting, starting, or leaving because
+its engine died, at once; silent (the check timed out) only after two checks in a row, and never the last worker of
+its role in placement (on a loaded machine a healthy actor misses a check now and then). An actor that answers
+again rejoins. Ray itself takes over a second to notice a killed
 process, so each check first knocks on the worker's gRPC port: a refused connection is a dead process, out at
 once. One whose restarts are used up (every call fails at once with ActorDiedError, twice in a row: a call in
 flight when a process dies fails once too) is replaced by a new actor with the same spec, so the cluster keeps its
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 CHECK_TIMEOUT_S = 1.0  # an actor's state() is cheap: one that takes longer is restarting, or stuck
 KNOCK_TIMEOUT_S = 0.25  # a port that neither accepts nor refuses by then: the state check decides
 DEAD_AFTER = 2  # ActorDiedErrors in a row that mean the actor is dead for good
+STUCK_AFTER = 2  # checks in a row without an answer that mean stuck (one alone: often a CPU-starved moment)
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Slot:
     listed: bool = False  # in placement: its last check succeeded
     address: str = ""  # host:port of its gRPC server, as its last state said
     died: int = 0  # ActorDiedErrors in a row
+    timeouts: int = 0  # checks in a row that got no answer in time
     replacements: int = 0
 
 
@@ -85,20 +89,27 @@ class Supervisor:
                 self._replace(slot, e)
             return
         except TimeoutError:
-            slot.died = 0
-            await self._unlist(slot, f"no answer within {self.check_timeout_s:g}s (restarting, or stuck)")
+            slot.died, slot.timeouts = 0, slot.timeouts + 1
+            if slot.timeouts >= STUCK_AFTER and self._another_listed(slot):
+                await self._unlist(slot, f"no answer within {self.check_timeout_s:g}s (restarting, or stuck)")
             return
         except Exception as e:  # starting, leaving (its engine died), or an error of its own
             slot.died = 0
             await self._unlist(slot, _first_line(e))
             return
-        slot.died = 0
+        slot.died = slot.timeouts = 0
         slot.address = state.address
         if self.publish:
             self.registry.publish(state)
         if not slot.listed:
             log.info("worker %s in placement at %s", slot.spec.worker_id, state.address)
             slot.listed = True
+
+    def _another_listed(self, slot: Slot) -> bool:
+        """A check that times out (the port still accepts) is as likely this process starved of CPU as the worker
+        stuck: the last worker of a role in placement stays there on that alone (the router's first-token and stall
+        bounds cover one truly stuck), since taking it out fails every request at once."""
+        return any(s is not slot and s.listed and s.spec.role == slot.spec.role for s in self.slots.values())
 
     async def _unlist(self, slot: Slot, why: str) -> None:
         if not slot.listed:

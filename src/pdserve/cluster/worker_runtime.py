@@ -92,6 +92,7 @@ class WorkerRuntime:
             profile=self._speed.profile,
             speed_factor=self._speed.factor,
             metrics_address=self._metrics_address,
+            pid=os.getpid(),
         )
 
     def _heartbeat(self) -> None:

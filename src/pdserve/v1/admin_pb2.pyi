@@ -11,7 +11,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("id", "role", "address", "health", "running", "waiting", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "metrics_address", "state_age_s")
+    __slots__ = ("id", "role", "address", "health", "running", "waiting", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "metrics_address", "state_age_s", "pid")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class WorkerStatus(_message.Message):
     TPOT_P99_MS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     address: str
@@ -44,7 +45,8 @@ class WorkerStatus(_message.Message):
     tpot_p99_ms: float
     metrics_address: str
     state_age_s: float
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tpot_p50_ms: _Optional[float] = ..., tpot_p99_ms: _Optional[float] = ..., metrics_address: _Optional[str] = ..., state_age_s: _Optional[float] = ...) -> None: ...
+    pid: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tpot_p50_ms: _Optional[float] = ..., tpot_p99_ms: _Optional[float] = ..., metrics_address: _Optional[str] = ..., state_age_s: _Optional[float] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("workers", "in_flight", "draining")

@@ -97,3 +97,17 @@ async def test_an_actor_dead_for_good_leaves_placement_and_is_replaced() -> None
     assert replaced == ["b"]
     await sup.check_all()
     assert {w.worker_id for w in registry.workers()} == {"a", "b"}  # the new actor is in placement
+
+
+async def test_a_silent_actor_leaves_placement_after_two_checks_but_never_the_last_of_its_role() -> None:
+    sup, registry = supervisor({"a": "ok", "b": "ok"})
+    await sup.check_all()
+    for slot in sup.slots.values():
+        slot.actor.behaviour = "slow"  # both stop answering in time (a CPU-starved launcher looks the same)
+    await sup.check_all()
+    assert {w.worker_id for w in registry.workers()} == {"a", "b"}  # one missed check is not enough
+    await sup.check_all()
+    assert len(registry.workers()) == 1  # one leaves; the last decode worker stays in placement
+    sup.slots["a"].actor.behaviour = sup.slots["b"].actor.behaviour = "ok"
+    await sup.check_all()
+    assert {w.worker_id for w in registry.workers()} == {"a", "b"}

@@ -1,0 +1,37 @@
+"""The chaos run's plan and verdict: where the stops fall among the kills, and how each request is counted."""
+
+from __future__ import annotations
+
+from pdserve.chaos.faults import Fault
+from pdserve.chaos.load import Outcome
+from pdserve.chaos.report import clean, summarize
+from pdserve.chaos.run import ChaosConfig
+
+
+def test_stops_spread_evenly_among_the_kills_decode_first():
+    plan = ChaosConfig(kills=20, stops=2).schedule()
+    assert len(plan) == 22 and plan.count(("kill", "")) == 20
+    stops = [(i, role) for i, (kind, role) in enumerate(plan) if kind == "stop"]
+    assert stops == [(6, "decode"), (14, "prefill")]
+    assert ChaosConfig(kills=3, stops=0).schedule() == [("kill", "")] * 3
+
+
+def test_each_request_is_completed_failed_or_lost_and_completed_ones_are_checked_against_the_reference():
+    reference = [[1, 2, 3], [4, 5, 6]]
+    outcomes = [
+        Outcome("right", 0, [1, 2, 3], finished=True, ended=True),
+        Outcome("wrong", 1, [4, 5, 7], finished=True, ended=True),
+        Outcome("failed", 1, [4], status="UNAVAILABLE", error="gone", ended=True),
+        Outcome("cut", 0, [1, 2], ended=True),  # the stream ended without a final message
+        Outcome("hung", 0, [1]),  # never ended
+    ]
+    faults = [Fault("kill", "decode-2", "decode", 10, 1.0, recover_s=4.0), Fault("stop", "p", "prefill", 11, 9.0)]
+    report = summarize(outcomes, reference, faults, {"decode-2": 0, "prefill-0": 3}, in_flight=0)
+    assert (report["completed"], report["completed_right_output"], report["completed_wrong_output"]) == (2, 1, 1)
+    assert (report["failed"], report["failed_by_status"], report["lost"]) == (1, {"UNAVAILABLE": 1}, 2)
+    assert report["kv_blocks_held_after_idle"] == 3
+    assert report["recover_s"] == {"kill": {"p50": 4.0, "max": 4.0}, "stop": {"p50": None, "max": None}}
+    assert report["not_recovered"] == 1
+    assert not clean(report)
+    assert clean(summarize(outcomes[:1], reference, faults[:1], {"decode-2": 0}, in_flight=0))
+    assert not clean(summarize(outcomes[:1], reference, faults[:1], {"decode-2": 0}, in_flight=1))
