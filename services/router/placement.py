@@ -85,7 +85,8 @@ class PlacementPolicy(ABC):
         )
 
     def _workers(self, role: Role, avoid: frozenset[str]) -> list[WorkerState]:
-        return self.ejections.usable([w for w in self.registry.workers(role) if w.worker_id not in avoid])
+        live = [w for w in self.registry.workers(role) if w.worker_id not in avoid and not w.draining]
+        return self.ejections.usable(live)
 
     def _offer(
         self, prefills: list[WorkerState], decodes: list[WorkerState], hits: dict[str, int], prompt_tokens: int

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.bench.commands import add_bench_commands
 from pdserve.config import CLUSTER_MODES, ClusterConfig, EngineConfig, RouterConfig
+from pdserve.drain_commands import add_drain_commands
 from pdserve.flags import add_engine_flags, engine_config, flag_values, from_flags
 from pdserve.protocol.sampling import SamplingParams
 
@@ -118,6 +119,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     fetch.set_defaults(func=_fetch)
 
     add_bench_commands(sub)
+    add_drain_commands(sub)
     return parser
 
 
@@ -242,6 +244,7 @@ STATUS_FIELDS = (
     "tpot_p50_ms",
     "tpot_p99_ms",
     "metrics_address",
+    "draining",
 )
 
 

@@ -155,6 +155,9 @@ class ClusterConfig:
     router: RouterConfig = RouterConfig()
     max_restarts: int = 3  # per worker actor
     drain_grace_s: float = 20.0  # on SIGTERM, how long in-flight requests may finish
+    # A worker's drain (SIGTERM to it, or `pdserve drain` without --timeout): how long its in-flight requests may
+    # finish before what is left moves to other workers.
+    worker_drain_timeout_s: float = 30.0
     metrics_port: int | None = None  # the router's Prometheus /metrics; None: not served
     log_level: str = "INFO"
     kv_transfer_timeout_s: float = 30.0  # decode side: a KV transfer not done by then fails, freeing its blocks

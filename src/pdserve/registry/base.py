@@ -33,6 +33,7 @@ class WorkerState:
     speed_factor: float = 1.0  # measured / profiled step time, from live steps
     metrics_address: str = ""  # host:port serving this worker's Prometheus /metrics; "" when it serves none
     kv_blocks_cached: int = 0  # free blocks that still hold prefix-cached KV (kept until evicted)
+    draining: bool = False  # leaving: no router places a request on it (its in-flight ones finish or move)
     updated_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
