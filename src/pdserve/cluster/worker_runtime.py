@@ -198,7 +198,7 @@ class WorkerRuntime:
             port = self.telemetry.serve_metrics(spec.host, spec.metrics_port)
             self._metrics_address = f"{spec.host}:{port}"
         self._transfer = self._services(WorkerContext(spec, self._engine, self._server, self.telemetry, metrics))
-        add_control_service(self._server, self.drain)
+        add_control_service(self._server, self._drain_here)
         await self._server.start()
         await self._warm_up()
         self._speed = SpeedTracker(await self._engine.measure_profile())
@@ -220,9 +220,9 @@ class WorkerRuntime:
         if not out.finished:
             await self._engine.release(request_id)
 
-    async def drain(self, timeout_s: float = 0.0) -> DrainReport:
+    async def _drain_here(self, timeout_s: float = 0.0) -> DrainReport:
         """On the server's loop: drains (or joins the drain under way) and reports how it ended; then the worker
-        leaves. `timeout_s` 0: the spec's."""
+        leaves. `timeout_s` 0: the spec's. (Not a public method: a Ray actor's callers would run it on Ray's loop.)"""
         if self._drain is None:
             self._drain = asyncio.ensure_future(self._drain_and_leave(timeout_s or self.spec.drain_timeout_s))
         return await asyncio.shield(self._drain)
@@ -259,7 +259,7 @@ class WorkerRuntime:
             self.address(timeout_s=0)
         except BaseException:
             self._exit_for_restart("SIGTERM before it served")
-        asyncio.run_coroutine_threadsafe(self.drain(), self._loop).result()
+        asyncio.run_coroutine_threadsafe(self._drain_here(), self._loop).result()
 
     async def _shutdown(self, grace_s: float) -> None:
         await self._server.set_serving(False)
