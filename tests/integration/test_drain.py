@@ -5,7 +5,9 @@
 - `pdserve restart` rolls through all four workers under steady load: no request fails, every output is the
   reference, and the cluster is back at full counts.
 
-Every test ends with every worker's KV blocks free. The tests run in file order on one cluster.
+The load's requests hold their prefill worker for half a second before the KV send (PDSERVE_FAULT_KV_SEND_DELAY_S), so
+a prefill worker's drain has hand-offs to finish. Every test ends with every worker's KV blocks free. The tests
+run in file order on one cluster.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from tests.integration.reference import PROMPT, greedy, greedy_request
 from tests.integration.worker_view import idle, pid_serving, workers
 
 pytestmark = pytest.mark.timeout(400)
-LOAD_TOKENS = 96
+LOAD_TOKENS = 64
+LOAD = "load-"  # the load's requests: a prefill worker holds each 0.5 s between its first token and KV send
 LONG_TOKENS = 3000  # streams that outlast the start of `pdserve drain` and its timeout of 0.5 s
 
 
@@ -34,7 +37,8 @@ LONG_TOKENS = 3000  # streams that outlast the start of `pdserve drain` and its 
 def cluster(tmp_path_factory):
     log = tmp_path_factory.mktemp("drain") / "cluster.log"
     args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--prefill", "2", "--decode", "2"]
-    proc = ClusterProcess(*args, log_path=log)
+    faults = {"PDSERVE_FAULT_KV_SEND_DELAY_S": "0.5", "PDSERVE_FAULT_REQUEST_ID_PREFIX": LOAD}
+    proc = ClusterProcess(*args, log_path=log, env=faults)
     yield proc
     proc.stop()
 
@@ -56,7 +60,7 @@ async def steady_load(router: str, stop: asyncio.Event, rate_per_s: float) -> li
     """Greedy requests at a steady rate until `stop`; every one's outcome."""
     calls = []
     while not stop.is_set():
-        req = greedy_request(f"load-{len(calls)}", PROMPT, LOAD_TOKENS)
+        req = greedy_request(f"{LOAD}{len(calls)}", PROMPT, LOAD_TOKENS)
         calls.append(asyncio.create_task(tokens(router, req)))
         await asyncio.sleep(1 / rate_per_s)
     return await asyncio.gather(*calls, return_exceptions=True)
@@ -68,12 +72,12 @@ def assert_all_served(outcomes: list, expected: list[int]) -> None:
     assert all(o == expected for o in outcomes)
 
 
-async def full_and_idle(router: str, timeout_s: float = 180.0) -> dict[str, str]:
-    """Every worker id back, SERVING, not draining, holding no KV block; worker id -> address."""
+async def full(router: str, idle_too: bool = False, timeout_s: float = 180.0) -> dict[str, str]:
+    """Every worker back, SERVING, not draining (and, `idle_too`, holding no KV block); worker id -> address."""
     end = time.monotonic() + timeout_s
     while True:
         ws = await workers(router)
-        ok = [w for w in ws if w.health == "SERVING" and not w.draining and idle(w)]
+        ok = [w for w in ws if w.health == "SERVING" and not w.draining and (idle(w) or not idle_too)]
         if len(ok) == 4 and {w.role for w in ok} == {"prefill", "decode"}:
             return {w.id: w.address for w in ok}
         assert time.monotonic() < end, ws
@@ -101,14 +105,15 @@ def drained_line(log: str, worker_id: str) -> re.Match[str] | None:
 
 def test_sigterm_to_a_decode_worker_under_load_loses_nothing(cluster, load_expected):
     async def run() -> None:
-        before = await full_and_idle(cluster.address)
+        before = await full(cluster.address, idle_too=True)
         victim = min(w for w in before if w.startswith("decode"))
         stop = asyncio.Event()
-        load = asyncio.create_task(steady_load(cluster.address, stop, rate_per_s=6))
+        load = asyncio.create_task(steady_load(cluster.address, stop, rate_per_s=4))
         await until_running(cluster.address, victim)
+        await asyncio.sleep(0.5)  # a request mid-stream, and one in its hand-off
         os.kill(pid_serving(before[victim]), signal.SIGTERM)
-        await asyncio.sleep(2.0)
-        after = await full_and_idle(cluster.address)  # the load goes on meanwhile
+        while (after := await full(cluster.address))[victim] == before[victim]:  # the load goes on meanwhile
+            await asyncio.sleep(0.5)
         stop.set()
         outcomes = await load
         assert_all_served(outcomes, load_expected)
@@ -121,7 +126,7 @@ def test_sigterm_to_a_decode_worker_under_load_loses_nothing(cluster, load_expec
         print(f"{victim} held {held} requests at SIGTERM; {len(outcomes)} requests in all")
         assert (moved, kv_left) == (0, 0)  # within the default timeout everything finished there, and freed
         assert f"worker {victim} drained; a new actor takes its place" in cluster.log()
-        await full_and_idle(cluster.address)
+        await full(cluster.address, idle_too=True)
 
     asyncio.run(run())
 
@@ -142,14 +147,14 @@ def test_pdserve_drain_cuts_long_streams_at_its_timeout_and_they_migrate(cluster
         assert m and int(m.group(2)) >= 1, out
         assert [await t for t in long] == [expected] * 3  # each one stream, no gap, no repeat
         assert "request migrated after" in cluster.log()
-        await full_and_idle(cluster.address)
+        await full(cluster.address, idle_too=True)
 
     asyncio.run(run())
 
 
 def test_a_rolling_restart_of_every_worker_under_steady_load_loses_no_request(cluster, load_expected):
     async def run() -> None:
-        before = await full_and_idle(cluster.address)
+        before = await full(cluster.address, idle_too=True)
         stop = asyncio.Event()
         load = asyncio.create_task(steady_load(cluster.address, stop, rate_per_s=4))
         code, out = await cli("restart", "--addr", cluster.address, "--timeout", "5")
@@ -159,7 +164,7 @@ def test_a_rolling_restart_of_every_worker_under_steady_load_loses_no_request(cl
         print(out)
         assert out.count("drained ") == 4 and out.count(" back at ") == 4, out
         assert_all_served(outcomes, load_expected)
-        after = await full_and_idle(cluster.address)
+        after = await full(cluster.address, idle_too=True)
         assert set(after) == set(before) and not set(after.values()) & set(before.values())  # all new processes
         print(f"{len(outcomes)} requests during the rolling restart, all served")
 
