@@ -96,6 +96,9 @@ class RouterConfig:
     max_attempts: int = 3  # placements a request may get before its first token (1: never retried)
     migration_limit: int = 3  # moves of a stream to another decode worker after tokens were sent (0: none)
     ejection_s: float = 10.0  # a worker whose call failed stays out of placement this long (or until restarted)
+    # A role with no live worker at all: wait this long for one (a drained worker's replacement, a slow worker
+    # re-listed) before answering UNAVAILABLE.
+    no_workers_wait_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.policy not in ("slo", "round-robin"):
