@@ -30,7 +30,7 @@ from tests.integration.worker_view import idle, pid_serving, workers
 pytestmark = pytest.mark.timeout(400)
 LOAD_TOKENS = 64
 LOAD = "load-"  # the load's requests: a prefill worker holds each 0.5 s between its first token and KV send
-LONG_TOKENS = 2000  # streams that outlast the start of `pdserve drain` and its timeout of 0.5 s
+LONG_TOKENS = 3000  # streams that outlast the start of `pdserve drain` and its timeout of 0.5 s
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,6 @@ def test_sigterm_to_a_decode_worker_under_load_loses_nothing(cluster, load_expec
 
 def test_pdserve_drain_cuts_long_streams_at_its_timeout_and_they_migrate(cluster):
     async def run() -> None:
-        expected = asyncio.create_task(asyncio.to_thread(greedy, PROMPT, LONG_TOKENS))  # meanwhile
         reqs = [greedy_request(f"long-{i}", PROMPT, LONG_TOKENS) for i in range(3)]
         long = [asyncio.create_task(tokens(cluster.address, r)) for r in reqs]
         holder = None
@@ -142,6 +141,8 @@ def test_pdserve_drain_cuts_long_streams_at_its_timeout_and_they_migrate(cluster
             holding = [w for w in await workers(cluster.address) if w.role == "decode" and w.kv_blocks_used]
             holder = max(holding, key=lambda w: w.kv_blocks_used, default=None)
         code, out = await cli("drain", "--addr", cluster.address, holder.id, "--timeout", "0.5")
+        # Only now (it holds the GIL of this process, whose loop must spot the holder in time), while they finish:
+        expected = asyncio.create_task(asyncio.to_thread(greedy, PROMPT, LONG_TOKENS))
         assert code == 0, out
         m = re.search(rf"drained {holder.id} .* held (\d+) requests .* (\d+) moved; 0 KV blocks left", out)
         assert m and int(m.group(2)) >= 1, out
