@@ -166,6 +166,7 @@ class WorkerRuntime:
         try:
             await self._server.set_serving(False)
             self._stopped.set()  # the heartbeat deregisters and ends
+            self._beat.set()
             if self._heartbeat_thread is not None:
                 await asyncio.to_thread(self._heartbeat_thread.join, EXIT_GRACE_S)
             await self._server.stop(EXIT_GRACE_S)
