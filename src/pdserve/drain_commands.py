@@ -25,7 +25,7 @@ def add_drain_commands(sub: Any) -> None:
     drain = sub.add_parser("drain", help="drain workers: out of placement, requests finish or move, then replaced")
     drain.add_argument("--addr", required=True, help="router HOST:PORT")
     drain.add_argument("worker_ids", nargs="*", metavar="WORKER_ID", help="workers to drain (see pdserve status)")
-    drain.add_argument("--host", default="", help="drain every worker advertised on this host instead")
+    drain.add_argument("--host", default=None, help="drain every worker advertised on this host instead")
     drain.add_argument("--timeout", type=float, default=ClusterConfig.worker_drain_timeout_s, help=timeout_help)
     drain.add_argument("--json", action="store_true", help="one JSON object per worker per line")
     drain.set_defaults(func=_drain)
@@ -44,7 +44,7 @@ def _drain(args: argparse.Namespace) -> int:
     if bool(args.worker_ids) == bool(args.host):
         print("pdserve drain: name WORKER_IDs or --host, not both or neither", file=sys.stderr)
         return 2
-    return _run(_drain_and_print(args.addr, args.worker_ids, args.host, args.timeout, args.json), "drain")
+    return _run(_drain_and_print(args.addr, args.worker_ids, args.host or "", args.timeout, args.json), "drain")
 
 
 def _restart(args: argparse.Namespace) -> int:
