@@ -1,4 +1,4 @@
-"""The Admin service: the router's view of the cluster for `pdserve status`."""
+"""The Admin service: the router's view of the cluster for `pdserve status`, and `pdserve drain`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pdserve.registry.base import Registry, WorkerState
 from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2 as apb
 from pdserve.v1 import admin_pb2_grpc
+from services.router.drain import DrainOutcome, drain_targets, drain_workers
 from services.router.lifecycle import RequestLifecycle
 
 HEALTH_TIMEOUT_S = 1.0
@@ -34,6 +35,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             draining=self.router.draining,
         )
 
+    async def DrainWorkers(  # noqa: N802 (gRPC method name)
+        self, request: apb.DrainWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> apb.DrainWorkersResponse:
+        workers = drain_targets(self.registry, list(request.worker_ids), request.host)
+        outcomes = await drain_workers(workers, request.timeout_s, self.router.placement.ejections)
+        return apb.DrainWorkersResponse(workers=[_drained(o) for o in outcomes])
+
     def _status(self, w: WorkerState, health: str) -> apb.WorkerStatus:
         ttft = self.recent.quantiles(w.worker_id, "ttft")
         tpot = self.recent.quantiles(w.worker_id, "tpot")
@@ -55,7 +63,24 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             metrics_address=w.metrics_address,
             state_age_s=max(0.0, time.time() - w.updated_at),
             pid=w.pid,
+            draining=w.draining,
         )
+
+
+def _drained(o: DrainOutcome) -> apb.WorkerDrain:
+    msg = apb.WorkerDrain(id=o.worker.worker_id, address=o.worker.address, drained=o.report is not None, error=o.error)
+    if (r := o.report) is not None:
+        msg.MergeFrom(
+            apb.WorkerDrain(
+                held=r.held,
+                finished=r.finished,
+                moved=r.moved,
+                kv_blocks_held=r.kv_blocks_held,
+                kv_blocks_left=r.kv_blocks_left,
+                seconds=r.seconds,
+            )
+        )
+    return msg
 
 
 async def _health(address: str) -> str:

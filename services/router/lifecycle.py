@@ -25,7 +25,7 @@ from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import Admission, SLOTarget
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
-from services.router.placement import Placement, PlacementPolicy
+from services.router.placement import NoWorkersError, Placement, PlacementPolicy
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request
 from services.router.retry import Moves, blamed_worker
@@ -33,6 +33,7 @@ from services.router.ticket import Ticket
 
 log = logging.getLogger(__name__)
 # The router's own key of the request being served in this context, for its log lines beside the client's id.
+NO_WORKERS_POLL_S = 0.1
 request_key_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_key", default=None)
 
 
@@ -105,7 +106,7 @@ class RequestLifecycle:
             raise UnavailableError("the router is draining; retry on another replica")
         ttft_ms, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         with self.telemetry.tracer.start_as_current_span("placement") as span:
-            placement = await self.placement.place(req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3)
+            placement = await self._place_when_served(req, tpot_ms / 1e3)
             span.set_attribute("prefill.worker.id", placement.prefill_worker.worker_id)
             span.set_attribute("decode.worker.id", placement.decode.worker_id)
             span.set_attribute("cached_tokens", placement.cached_tokens)
@@ -113,6 +114,19 @@ class RequestLifecycle:
         slo = SLOTarget(ttft_ms / 1e3, tpot_ms / 1e3, req.ttft_slo_ms > 0, req.tpot_slo_ms > 0)
         self.admission.check(placement, len(req.prompt_token_ids), req.priority, slo)
         return placement
+
+    async def _place_when_served(self, req: RoutedRequest, tpot_slo_s: float) -> Placement:
+        """A role without any live worker is mostly a moment's gap: the last worker of a role draining while its
+        replacement starts, or one the supervisor found slow and lists again at its next check. The request waits
+        up to `no_workers_wait_s` (within the client's deadline, which cancels it) before UNAVAILABLE."""
+        end = time.monotonic() + self.config.no_workers_wait_s
+        while True:
+            try:
+                return await self.placement.place(req.prompt_token_ids, req.sampling.max_tokens, tpot_slo_s)
+            except NoWorkersError:
+                if time.monotonic() >= end:
+                    raise
+                await asyncio.sleep(NO_WORKERS_POLL_S)
 
     async def stream(
         self, ticket: Ticket, time_remaining: Callable[[], float | None]

@@ -35,6 +35,10 @@ class Placement:
         return self.own_ttft_s + self.queue_s
 
 
+class NoWorkersError(UnavailableError):
+    """No live worker of a role (after ejections and drains): often a moment's gap, see RequestLifecycle."""
+
+
 @dataclass(frozen=True)
 class Offer:
     """The best the cluster could do for this request were it idle: what admission tells a request whose
@@ -63,7 +67,7 @@ class PlacementPolicy(ABC):
         prefills = colocated or self._workers(Role.PREFILL, avoid)
         decodes = colocated or self._workers(Role.DECODE, avoid)
         if not prefills or not decodes:
-            raise UnavailableError(f"no workers to serve: {len(prefills)} prefill, {len(decodes)} decode live")
+            raise NoWorkersError(f"no workers to serve: {len(prefills)} prefill, {len(decodes)} decode live")
         block_size = prefills[0].block_size
         hashes = prefix_hashes(prompt[: len(prompt) - 1], block_size)
         hits = await self.prefix_index.match([w.worker_id for w in prefills], hashes)
@@ -85,7 +89,8 @@ class PlacementPolicy(ABC):
         )
 
     def _workers(self, role: Role, avoid: frozenset[str]) -> list[WorkerState]:
-        return self.ejections.usable([w for w in self.registry.workers(role) if w.worker_id not in avoid])
+        live = [w for w in self.registry.workers(role) if w.worker_id not in avoid and not w.draining]
+        return self.ejections.usable(live)
 
     def _offer(
         self, prefills: list[WorkerState], decodes: list[WorkerState], hits: dict[str, int], prompt_tokens: int

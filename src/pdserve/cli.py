@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from pdserve.bench.commands import add_bench_commands
 from pdserve.chaos.command import add_chaos_command
 from pdserve.config import CLUSTER_MODES, ClusterConfig, EngineConfig, RouterConfig
+from pdserve.drain_commands import add_drain_commands
 from pdserve.flags import add_engine_flags, engine_config, flag_values, from_flags
 from pdserve.protocol.sampling import SamplingParams
 
@@ -123,6 +124,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
 
     add_bench_commands(sub)
     add_chaos_command(sub)
+    add_drain_commands(sub)
     return parser
 
 
@@ -260,6 +262,7 @@ STATUS_FIELDS = (
     "tpot_p99_ms",
     "metrics_address",
     "pid",
+    "draining",
 )
 
 

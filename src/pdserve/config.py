@@ -97,6 +97,9 @@ class RouterConfig:
     max_attempts: int = 3  # placements a request may get before its first token (1: never retried)
     migration_limit: int = 3  # moves of a stream to another decode worker after tokens were sent (0: none)
     ejection_s: float = 10.0  # a worker whose call failed stays out of placement this long (or until restarted)
+    # A role with no live worker at all: wait this long for one (a drained worker's replacement, a slow worker
+    # re-listed) before answering UNAVAILABLE.
+    no_workers_wait_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.policy not in ("slo", "round-robin"):
@@ -157,6 +160,9 @@ class ClusterConfig:
     router: RouterConfig = RouterConfig()
     max_restarts: int = 3  # per worker actor
     drain_grace_s: float = 20.0  # on SIGTERM, how long in-flight requests may finish
+    # A worker's drain (SIGTERM to it, or `pdserve drain` without --timeout): how long its in-flight requests may
+    # finish before what is left moves to other workers.
+    worker_drain_timeout_s: float = 30.0
     metrics_port: int | None = None  # the router's Prometheus /metrics; None: not served
     http_port: int | None = None  # the router's OpenAI-compatible HTTP API; None (or --http-port 0): not served
     log_level: str = "INFO"

@@ -14,7 +14,8 @@ MAX_TOKENS = 8
 
 def greedy(prompt: list[int], max_tokens: int) -> list[int]:
     """tiny-random's greedy tokens for `prompt`, in float32 on one thread, as the cluster's workers compute."""
-    engine = LLMEngine(EngineConfig(model="tiny-random", dtype="float32", num_threads=1, num_kv_blocks=16))
+    blocks = max(16, -(-(len(prompt) + max_tokens) // EngineConfig.block_size))
+    engine = LLMEngine(EngineConfig(model="tiny-random", dtype="float32", num_threads=1, num_kv_blocks=blocks))
     return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
 
 

@@ -9,7 +9,8 @@ again rejoins. Ray itself takes over a second to notice a killed
 process, so each check first knocks on the worker's gRPC port: a refused connection is a dead process, out at
 once. One whose restarts are used up (every call fails at once with ActorDiedError, twice in a row: a call in
 flight when a process dies fails once too) is replaced by a new actor with the same spec, so the cluster keeps its
-shape. No error of one actor ends the loop.
+shape. So is one that drained (its state raises WorkerDrainedError): a drain means restart, and it costs the slot
+none of Ray's restarts. No error of one actor ends the loop.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.cluster.drain import WorkerDrainedError
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.registry.base import Registry
 
@@ -28,6 +30,12 @@ CHECK_TIMEOUT_S = 1.0  # an actor's state() is cheap: one that takes longer is r
 KNOCK_TIMEOUT_S = 0.25  # a port that neither accepts nor refuses by then: the state check decides
 DEAD_AFTER = 2  # ActorDiedErrors in a row that mean the actor is dead for good
 STUCK_AFTER = 2  # checks in a row without an answer that mean stuck (one alone: often a CPU-starved moment)
+
+
+def _kill(actor: Any) -> None:
+    import ray
+
+    ray.kill(actor, no_restart=True)
 
 
 @dataclass
@@ -54,12 +62,14 @@ class Supervisor:
         new_actor: Callable[[WorkerSpec], Any],
         on_replaced: Callable[[WorkerSpec], None] = lambda spec: None,
         check_timeout_s: float = CHECK_TIMEOUT_S,
+        kill: Callable[[Any], None] = _kill,
     ) -> None:
         self.registry = registry
         self.publish = publish
         self.new_actor = new_actor
         self.on_replaced = on_replaced
         self.check_timeout_s = check_timeout_s
+        self.kill = kill
         self.slots: dict[str, Slot] = {}
 
     async def run(self, interval_s: float) -> None:
@@ -93,9 +103,11 @@ class Supervisor:
             if slot.timeouts >= STUCK_AFTER and self._another_listed(slot):
                 await self._unlist(slot, f"no answer within {self.check_timeout_s:g}s (restarting, or stuck)")
             return
-        except Exception as e:  # starting, leaving (its engine died), or an error of its own
+        except Exception as e:  # starting, leaving (its engine died, or drained), or an error of its own
             slot.died = 0
             await self._unlist(slot, _first_line(e))
+            if isinstance(getattr(e, "cause", None) or e, WorkerDrainedError):
+                self._restart_drained(slot)
             return
         slot.died = slot.timeouts = 0
         slot.address = state.address
@@ -135,6 +147,11 @@ class Supervisor:
         slot.actor = self.new_actor(slot.spec)
         slot.died = 0
         self.on_replaced(slot.spec)
+
+    def _restart_drained(self, slot: Slot) -> None:
+        log.warning("worker %s drained; a new actor takes its place", slot.spec.worker_id)
+        self.kill(slot.actor)
+        slot.actor = self.new_actor(slot.spec)
 
 
 async def _port_open(address: str) -> bool:

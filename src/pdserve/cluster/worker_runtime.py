@@ -6,6 +6,11 @@ thread-safe, so a Ray actor can answer health checks while the model runs.
 A worker that can no longer serve (its start failed, or its engine thread died) says so and leaves: NOT_SERVING,
 out of the registry, its in-flight requests failed with UNAVAILABLE, and under Ray (`spec.exit_on_fatal`) its
 process exits, which is how an actor asks Ray for a restart (`ray.actor.exit_actor` would end it for good).
+
+A drain (SIGTERM to the process, or the WorkerControl `Drain` RPC) takes it out of placement at once (its state
+says `draining`), lets its requests finish or move (`drain.py`), then leaves: its state raises WorkerDrainedError,
+which its supervisor answers with a new actor in its place; under Ray the process exits a little later in case no
+supervisor does.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import sys
 import threading
 import uuid
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
+from pdserve.cluster.drain import DrainGate, DrainReport, WorkerDrainedError, run_drain
+from pdserve.cluster.drain_service import add_control_service
 from pdserve.cluster.factories import WorkerContext, WorkerServices
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.protocol.roles import Role
@@ -31,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 HEARTBEAT_FAILURE_LOG_EVERY_S = 30.0
 EXIT_GRACE_S = 1.0  # a failing worker's last words: its callers get their status, the launcher the reason
+DRAINED_EXIT_S = 10.0  # a drained worker's supervisor replaces it within this; else the process exits by itself
 
 
 class WorkerUnavailableError(RuntimeError):
@@ -53,8 +61,16 @@ class WorkerRuntime:
         self._stopped = threading.Event()
         self._fatal: BaseException | None = None  # why this worker can no longer serve
         self._heartbeat_thread: threading.Thread | None = None
+        self._beat = threading.Event()  # set: heartbeat now (the registry learns of a drain at once)
+        self._drain: asyncio.Future[DrainReport] | None = None
+        self._drained = False
+        self._gate = DrainGate(self.spec.worker_id)
         self._thread = threading.Thread(target=self._run, name="worker-rpc", daemon=True)
         self._thread.start()
+        if spec.exit_on_fatal:  # a process of its own: SIGTERM drains it
+            from pdserve.cluster.signals import on_sigterm
+
+            on_sigterm(self._drain_on_sigterm)
 
     def address(self, timeout_s: float = 600.0) -> str:
         """Blocks until the model is loaded, warmed up and the server reports SERVING."""
@@ -71,6 +87,8 @@ class WorkerRuntime:
     def state(self) -> WorkerState:
         """What routers need to know of this worker now: identity, profile, load. Never waits: raises
         WorkerUnavailableError while it starts or once it can no longer serve."""
+        if self._drained:
+            raise WorkerDrainedError(f"worker {self.worker_id} drained: start a new one in its place")
         if not self._ready.done() or self._ready.exception() is not None:
             raise WorkerUnavailableError(f"worker {self.worker_id} is not started")
         if self._fatal is not None or not self._engine.alive:
@@ -93,6 +111,7 @@ class WorkerRuntime:
             speed_factor=self._speed.factor,
             metrics_address=self._metrics_address,
             pid=os.getpid(),
+            draining=self._drain is not None,
         )
 
     def _heartbeat(self) -> None:
@@ -101,7 +120,11 @@ class WorkerRuntime:
         assert self.spec.registry_url is not None
         registry = RedisRegistry(self.spec.registry_url, ttl_s=max(2.0, 6 * self.spec.heartbeat_s))
         failed = Throttled(HEARTBEAT_FAILURE_LOG_EVERY_S)  # a Redis outage is one line per interval, not per beat
-        while not self._stopped.wait(self.spec.heartbeat_s):
+        while not self._stopped.is_set():
+            self._beat.wait(self.spec.heartbeat_s)
+            self._beat.clear()
+            if self._stopped.is_set():
+                break
             try:
                 registry.publish(self.state())
             except Exception as e:  # Redis down: keep serving, publish again when it is back
@@ -144,6 +167,7 @@ class WorkerRuntime:
         try:
             await self._server.set_serving(False)
             self._stopped.set()  # the heartbeat deregisters and ends
+            self._beat.set()
             if self._heartbeat_thread is not None:
                 await asyncio.to_thread(self._heartbeat_thread.join, EXIT_GRACE_S)
             await self._server.stop(EXIT_GRACE_S)
@@ -167,7 +191,7 @@ class WorkerRuntime:
         _injected_start_fault(spec.worker_id)
         self._engine = AsyncEngine(await asyncio.to_thread(LLMEngine, _engine_config(spec)))
         self._engine.on_death = self._engine_died
-        self._server = Server(spec.host, spec.port, self.telemetry.server_interceptors())
+        self._server = Server(spec.host, spec.port, self.telemetry.server_interceptors(), inner=[self._gate])
         engine = self._engine
         metrics = WorkerMetrics(
             self.telemetry.meter, spec.worker_id, spec.role, lambda: engine.stats, lambda: engine.stats["prefix_hits"]
@@ -176,6 +200,7 @@ class WorkerRuntime:
             port = self.telemetry.serve_metrics(spec.host, spec.metrics_port)
             self._metrics_address = f"{spec.host}:{port}"
         self._transfer = self._services(WorkerContext(spec, self._engine, self._server, self.telemetry, metrics))
+        add_control_service(self._server, self._drain_here)
         await self._server.start()
         await self._warm_up()
         self._speed = SpeedTracker(await self._engine.measure_profile())
@@ -196,6 +221,47 @@ class WorkerRuntime:
         out = await self._engine.prefill(request_id, [0, 1, 2, 3], SamplingParams(max_tokens=1))
         if not out.finished:
             await self._engine.release(request_id)
+
+    async def _drain_here(self, timeout_s: float = 0.0) -> DrainReport:
+        """On the server's loop: drains (or joins the drain under way) and reports how it ended; then the worker
+        leaves. `timeout_s` 0: the spec's. (Not a public method: a Ray actor's callers would run it on Ray's loop.)"""
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._drain_and_leave(timeout_s or self.spec.drain_timeout_s))
+        return await asyncio.shield(self._drain)
+
+    async def _drain_and_leave(self, timeout_s: float) -> DrainReport:
+        engine = self._engine
+        log.warning("worker %s draining: in-flight requests may take %g s, then move", self.worker_id, timeout_s)
+        await self._server.set_serving(False)
+        self._beat.set()  # with Redis, the entry says draining now, not at the next beat
+        cut_wait_s = self.spec.kv_transfer_timeout_s + EXIT_GRACE_S
+        report = await run_drain(self._gate, lambda: engine.stats["kv_blocks_used"], timeout_s, cut_wait_s)
+        log.warning(
+            "worker %s drained in %.1f s: held %d requests (%d KV blocks); %d finished, %d moved; %d KV blocks left",
+            *(self.worker_id, report.seconds, report.held, report.kv_blocks_held),
+            *(report.finished, report.moved, report.kv_blocks_left),
+            extra={"drain": asdict(report)},
+        )
+        self._stopped.set()
+        self._beat.set()  # the heartbeat deregisters and ends
+        if self._heartbeat_thread is not None:
+            await asyncio.to_thread(self._heartbeat_thread.join, EXIT_GRACE_S)
+        self._loop.call_later(EXIT_GRACE_S, self._leave_drained)  # after the Drain call's answer went out
+        return report
+
+    def _leave_drained(self) -> None:
+        self._drained = True  # the supervisor replaces this worker now
+        asyncio.ensure_future(self._shutdown(EXIT_GRACE_S))
+        if self.spec.exit_on_fatal:
+            threading.Timer(DRAINED_EXIT_S, self._exit_for_restart, ["drained, and no supervisor replaced it"]).start()
+
+    def _drain_on_sigterm(self) -> None:
+        """On the SIGTERM thread: a worker still starting just exits (no request reached it yet)."""
+        try:
+            self.address(timeout_s=0)
+        except BaseException:
+            self._exit_for_restart("SIGTERM before it served")
+        asyncio.run_coroutine_threadsafe(self._drain_here(), self._loop).result()
 
     async def _shutdown(self, grace_s: float) -> None:
         await self._server.set_serving(False)

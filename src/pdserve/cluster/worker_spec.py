@@ -21,9 +21,10 @@ class WorkerSpec:
     log_level: str | None = None  # set: this process logs structured lines at that level
     # Decode side: a KV transfer not done by then fails, freeing its blocks.
     kv_transfer_timeout_s: float = ClusterConfig.kv_transfer_timeout_s
-    # A Ray actor: a failed start or a dead engine exits the process, so Ray restarts it. False in tests that
-    # run a worker inside their own process.
+    # A Ray actor: a failed start or a dead engine exits the process, so Ray restarts it; SIGTERM drains it. False
+    # in tests that run a worker inside their own process.
     exit_on_fatal: bool = False
+    drain_timeout_s: float = ClusterConfig.worker_drain_timeout_s  # SIGTERM's drain, and a drain asking for 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # a role's string is accepted, and checked here

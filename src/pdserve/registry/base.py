@@ -34,6 +34,7 @@ class WorkerState:
     metrics_address: str = ""  # host:port serving this worker's Prometheus /metrics; "" when it serves none
     kv_blocks_cached: int = 0  # free blocks that still hold prefix-cached KV (kept until evicted)
     pid: int = 0  # the worker's process id on its host (what an operator or `pdserve chaos` signals); 0: unknown
+    draining: bool = False  # leaving: no router places a request on it (its in-flight ones finish or move)
     updated_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:

@@ -42,9 +42,10 @@ SERVER_OPTIONS = [
 class Server:
     """A grpc.aio server with health (NOT_SERVING until `set_serving`), reflection and the error interceptor."""
 
-    def __init__(self, host: str, port: int, interceptors: Sequence[Any] = ()) -> None:
-        # Tracing interceptors first (outermost), so their spans see the status the error mapping chose.
-        chain = [*interceptors, ErrorMappingInterceptor()]
+    def __init__(self, host: str, port: int, interceptors: Sequence[Any] = (), inner: Sequence[Any] = ()) -> None:
+        # Tracing interceptors first (outermost), so their spans see the status the error mapping chose; `inner`
+        # ones (a worker's drain gate) inside the mapping, so the typed errors they raise get their status.
+        chain = [*interceptors, ErrorMappingInterceptor(), *inner]
         self._server = grpc.aio.server(interceptors=chain, options=SERVER_OPTIONS)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

@@ -39,6 +39,11 @@ class AdminStub:
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_admin__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.DrainWorkers = channel.unary_unary(
+                '/pdserve.v1.Admin/DrainWorkers',
+                request_serializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkersRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkersResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -51,6 +56,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainWorkers(self, request, context):
+        """Drains the named workers (or every worker advertised on `host`) at once and answers when all have drained
+        (`pdserve drain`). Under a supervisor a drained worker is replaced by a new one (`pdserve restart` rolls).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +71,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ClusterStatus,
                     request_deserializer=pdserve_dot_v1_dot_admin__pb2.ClusterStatusRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_admin__pb2.ClusterStatusResponse.SerializeToString,
+            ),
+            'DrainWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainWorkers,
+                    request_deserializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkersRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +105,33 @@ class Admin:
             '/pdserve.v1.Admin/ClusterStatus',
             pdserve_dot_v1_dot_admin__pb2.ClusterStatusRequest.SerializeToString,
             pdserve_dot_v1_dot_admin__pb2.ClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/DrainWorkers',
+            pdserve_dot_v1_dot_admin__pb2.DrainWorkersRequest.SerializeToString,
+            pdserve_dot_v1_dot_admin__pb2.DrainWorkersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DrainRequest(_message.Message):
+    __slots__ = ("timeout_s",)
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    timeout_s: float
+    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+
+class DrainReport(_message.Message):
+    __slots__ = ("worker_id", "held", "finished", "moved", "kv_blocks_held", "kv_blocks_left", "seconds")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    held: int
+    finished: int
+    moved: int
+    kv_blocks_held: int
+    kv_blocks_left: int
+    seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., held: _Optional[int] = ..., finished: _Optional[int] = ..., moved: _Optional[int] = ..., kv_blocks_held: _Optional[int] = ..., kv_blocks_left: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class WorkerGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "client_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -179,3 +179,82 @@ class PrefillWorker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WorkerControlStub:
+    """Served by every worker: operator control, reached through the router's Admin service.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Drain = channel.unary_unary(
+                '/pdserve.v1.WorkerControl/Drain',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DrainReport.FromString,
+                _registered_method=True)
+
+
+class WorkerControlServicer:
+    """Served by every worker: operator control, reached through the router's Admin service.
+    """
+
+    def Drain(self, request, context):
+        """Drains the worker: out of placement at once (its registry entry says draining), no new requests (UNAVAILABLE,
+        which the router retries elsewhere), in-flight ones finish within timeout_s and what is left is cut with
+        UNAVAILABLE so the router moves it; every KV block freed. Answers once drained; the worker then leaves and its
+        supervisor starts a new one in its place. A second call while draining waits for the same drain.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DrainReport.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.WorkerControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.WorkerControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerControl:
+    """Served by every worker: operator control, reached through the router's Admin service.
+    """
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.WorkerControl/Drain',
+            pdserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.DrainReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError
 
+from pdserve.cluster.drain import WorkerDrainedError
 from pdserve.cluster.supervisor import Slot, Supervisor
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import EngineConfig
@@ -44,6 +45,8 @@ class StandInActor:
             raise ActorDiedError()
         if self.behaviour == "broken":
             raise RuntimeError("its own error")
+        if self.behaviour == "drained":
+            raise WorkerDrainedError(f"worker {self.worker_id} drained")
         if self.behaviour == "slow":
             await asyncio.sleep(10)
         return WorkerState(self.worker_id, Role.DECODE, self.address)
@@ -58,9 +61,17 @@ async def listening() -> Any:
     server.close()
 
 
-def supervisor(behaviours: dict[str, str], new_actor: Any = None) -> tuple[Supervisor, InMemoryRegistry]:
+def supervisor(
+    behaviours: dict[str, str], new_actor: Any = None, kill: Any = None
+) -> tuple[Supervisor, InMemoryRegistry]:
     registry = InMemoryRegistry()
-    sup = Supervisor(registry, publish=True, new_actor=new_actor or (lambda spec: None), check_timeout_s=0.3)
+    sup = Supervisor(
+        registry,
+        publish=True,
+        new_actor=new_actor or (lambda spec: None),
+        check_timeout_s=0.3,
+        kill=kill or (lambda actor: None),
+    )
     for worker_id, behaviour in behaviours.items():
         sup.slots[worker_id] = Slot(WorkerSpec(Role.DECODE, EngineConfig(), worker_id=worker_id), None)
         sup.slots[worker_id].actor = StandInActor(worker_id, behaviour)
@@ -109,5 +120,21 @@ async def test_a_silent_actor_leaves_placement_after_two_checks_but_never_the_la
     await sup.check_all()
     assert len(registry.workers()) == 1  # one leaves; the last decode worker stays in placement
     sup.slots["a"].actor.behaviour = sup.slots["b"].actor.behaviour = "ok"
+    await sup.check_all()
+    assert {w.worker_id for w in registry.workers()} == {"a", "b"}
+
+
+async def test_a_drained_actor_is_killed_and_a_new_one_takes_its_slot_at_once() -> None:
+    """A drain means restart: the slot keeps its shape without waiting for deaths or using Ray's restarts."""
+    killed: list[StandInActor] = []
+    sup, registry = supervisor(
+        {"a": "ok", "b": "ok"}, lambda spec: StandInActor(spec.worker_id, "ok"), kill=killed.append
+    )
+    await sup.check_all()
+    old = sup.slots["b"].actor
+    old.behaviour = "drained"
+    await sup.check_all()
+    assert killed == [old] and sup.slots["b"].actor is not old
+    assert {w.worker_id for w in registry.workers()} == {"a"}  # out of placement until the new one answers
     await sup.check_all()
     assert {w.worker_id for w in registry.workers()} == {"a", "b"}

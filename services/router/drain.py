@@ -1,0 +1,64 @@
+"""`pdserve drain` as the router runs it: find the named workers (or every worker on a host) in the registry, take
+them out of this router's placement at once, and ask each to drain (WorkerControl `Drain`), all at once. Other
+routers stop placing on them when the registry shows them draining. Each worker's answer says how its drain ended;
+one that cannot be reached is reported, not raised, so the others' reports still come back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.cluster.drain import DrainReport
+from pdserve.errors import InvalidRequestError
+from pdserve.registry.base import Registry, WorkerState
+from pdserve.rpc.server import channel
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc
+from services.router.ejection import Ejections
+
+log = logging.getLogger(__name__)
+# Past the drain's own timeout: cut streams' cleanup (a KV send ends by its deadline) and the free of the blocks.
+ANSWER_SLACK_S = 90.0
+
+
+@dataclass(frozen=True)
+class DrainOutcome:
+    worker: WorkerState
+    report: DrainReport | None  # None: it did not drain, for `error`
+    error: str = ""
+
+
+def drain_targets(registry: Registry, worker_ids: list[str], host: str) -> list[WorkerState]:
+    """The workers named, or every worker whose address has `host`; bad input is INVALID_ARGUMENT."""
+    if bool(worker_ids) == bool(host):
+        raise InvalidRequestError("worker_ids", "name the workers to drain, or a host, not both or neither")
+    workers = {w.worker_id: w for w in registry.workers()}
+    if host:
+        return [w for w in workers.values() if w.address.rpartition(":")[0] == host]
+    unknown = sorted(set(worker_ids) - set(workers))
+    if unknown:
+        raise InvalidRequestError("worker_ids", f"not registered: {', '.join(unknown)} (see `pdserve status`)")
+    return [workers[i] for i in dict.fromkeys(worker_ids)]
+
+
+async def drain_workers(workers: list[WorkerState], timeout_s: float, ejections: Ejections) -> list[DrainOutcome]:
+    for w in workers:
+        ejections.eject(w, "draining")
+    return list(await asyncio.gather(*(_drain(w, timeout_s) for w in workers)))
+
+
+async def _drain(worker: WorkerState, timeout_s: float) -> DrainOutcome:
+    log.warning("draining worker %s at %s", worker.worker_id, worker.address)
+    try:
+        async with channel(worker.address) as ch:
+            r = await worker_pb2_grpc.WorkerControlStub(ch).Drain(
+                wpb.DrainRequest(timeout_s=timeout_s), timeout=timeout_s + ANSWER_SLACK_S
+            )
+    except grpc.aio.AioRpcError as e:
+        log.error("worker %s did not drain: %s", worker.worker_id, e.details())
+        return DrainOutcome(worker, None, f"{e.code().name}: {e.details()}")
+    report = DrainReport(r.worker_id, r.held, r.finished, r.moved, r.kv_blocks_held, r.kv_blocks_left, r.seconds)
+    return DrainOutcome(worker, report)

@@ -1,0 +1,41 @@
+"""The WorkerControl service every worker serves: its `Drain`, as the router's `pdserve drain` reaches it."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from pdserve.cluster.drain import DrainReport
+from pdserve.rpc.server import Server
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc
+
+Drain = Callable[[float], Awaitable[DrainReport]]
+
+
+class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
+    def __init__(self, drain: Drain) -> None:
+        self._drain = drain
+
+    async def Drain(  # noqa: N802 (gRPC method name)
+        self, request: wpb.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.DrainReport:
+        r = await self._drain(request.timeout_s)
+        return wpb.DrainReport(
+            worker_id=r.worker_id,
+            held=r.held,
+            finished=r.finished,
+            moved=r.moved,
+            kv_blocks_held=r.kv_blocks_held,
+            kv_blocks_left=r.kv_blocks_left,
+            seconds=r.seconds,
+        )
+
+
+def add_control_service(server: Server, drain: Drain) -> None:
+    servicer = WorkerControlServicer(drain)
+    server.add(
+        lambda s: worker_pb2_grpc.add_WorkerControlServicer_to_server(servicer, s),
+        [wpb.DESCRIPTOR.services_by_name["WorkerControl"].full_name],
+    )

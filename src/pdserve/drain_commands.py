@@ -1,0 +1,125 @@
+"""`pdserve drain` and `pdserve restart`: operator commands that reach workers through a router's Admin service.
+
+A drained worker leaves and its supervisor starts a new one in its place, so a drain is a restart: `pdserve drain`
+drains the named workers (or every worker on a host: a Kubernetes preStop hook) all at once, and `pdserve restart`
+rolls through them one at a time, each drained and then awaited back in placement before the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from pdserve.config import ClusterConfig
+
+ANSWER_SLACK_S = 120.0  # past the drain timeout: cut streams' cleanup, the router's own slack
+READY_POLL_S = 0.5
+
+
+def add_drain_commands(sub: Any) -> None:
+    timeout_help = "seconds in-flight requests may take to finish on a draining worker before they move elsewhere"
+    drain = sub.add_parser("drain", help="drain workers: out of placement, requests finish or move, then replaced")
+    drain.add_argument("--addr", required=True, help="router HOST:PORT")
+    drain.add_argument("worker_ids", nargs="*", metavar="WORKER_ID", help="workers to drain (see pdserve status)")
+    drain.add_argument("--host", default=None, help="drain every worker advertised on this host instead")
+    drain.add_argument("--timeout", type=float, default=ClusterConfig.worker_drain_timeout_s, help=timeout_help)
+    drain.add_argument("--json", action="store_true", help="one JSON object per worker per line")
+    drain.set_defaults(func=_drain)
+
+    restart = sub.add_parser("restart", help="rolling restart: drain each worker in turn, wait until it is back")
+    restart.add_argument("--addr", required=True, help="router HOST:PORT")
+    restart.add_argument("worker_ids", nargs="*", metavar="WORKER_ID", help="workers to restart (default: all)")
+    restart.add_argument("--timeout", type=float, default=ClusterConfig.worker_drain_timeout_s, help=timeout_help)
+    restart.add_argument(
+        "--ready-timeout", type=float, default=300.0, help="seconds to wait for each new worker to serve"
+    )
+    restart.set_defaults(func=_restart)
+
+
+def _drain(args: argparse.Namespace) -> int:
+    if bool(args.worker_ids) == bool(args.host):
+        print("pdserve drain: name WORKER_IDs or --host, not both or neither", file=sys.stderr)
+        return 2
+    return _run(_drain_and_print(args.addr, args.worker_ids, args.host or "", args.timeout, args.json), "drain")
+
+
+def _restart(args: argparse.Namespace) -> int:
+    return _run(_rolling_restart(args), "restart")
+
+
+def _run(work: Any, command: str) -> int:
+    import grpc
+
+    try:
+        return asyncio.run(work)
+    except grpc.aio.AioRpcError as e:
+        print(f"pdserve {command}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+
+
+async def _drain_and_print(addr: str, worker_ids: list[str], host: str, timeout_s: float, as_json: bool) -> int:
+    from pdserve.rpc.server import channel
+    from pdserve.v1 import admin_pb2, admin_pb2_grpc
+
+    request = admin_pb2.DrainWorkersRequest(worker_ids=worker_ids, host=host, timeout_s=timeout_s)
+    async with channel(addr) as ch:
+        reply = await admin_pb2_grpc.AdminStub(ch).DrainWorkers(request, timeout=timeout_s + ANSWER_SLACK_S)
+    for w in reply.workers:
+        print(_json(w) if as_json else _line(w), flush=True)
+    if not reply.workers:
+        print(f"pdserve drain: no worker on host {host}", file=sys.stderr)
+    return 0 if all(w.drained for w in reply.workers) else 1
+
+
+def _line(w: Any) -> str:
+    if not w.drained:
+        return f"NOT drained {w.id} at {w.address}: {w.error}"
+    return (
+        f"drained {w.id} at {w.address} in {w.seconds:.1f} s: held {w.held} requests ({w.kv_blocks_held} KV blocks);"
+        f" {w.finished} finished, {w.moved} moved; {w.kv_blocks_left} KV blocks left"
+    )
+
+
+def _json(w: Any) -> str:
+    from google.protobuf.json_format import MessageToDict
+
+    return json.dumps(MessageToDict(w, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
+
+
+async def _rolling_restart(args: argparse.Namespace) -> int:
+    workers = await _workers(args.addr)
+    ids = args.worker_ids or [w.id for w in sorted(workers, key=lambda w: (w.role, w.id))]
+    for worker_id in ids:
+        if await _drain_and_print(args.addr, [worker_id], "", args.timeout, False) != 0:
+            return 1
+        start = time.monotonic()
+        address = await _until_serving(args.addr, worker_id, args.ready_timeout)
+        if address is None:
+            print(f"pdserve restart: {worker_id} not back within {args.ready_timeout:g} s", file=sys.stderr)
+            return 1
+        print(f"{worker_id} back at {address} after {time.monotonic() - start:.1f} s", flush=True)
+    return 0
+
+
+async def _workers(addr: str) -> list[Any]:
+    from pdserve.rpc.server import channel
+    from pdserve.v1 import admin_pb2, admin_pb2_grpc
+
+    async with channel(addr) as ch:
+        reply = await admin_pb2_grpc.AdminStub(ch).ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=10)
+    return list(reply.workers)
+
+
+async def _until_serving(addr: str, worker_id: str, timeout_s: float) -> str | None:
+    """The address of the worker with this id once it is in placement again, serving and not draining."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for w in await _workers(addr):
+            if w.id == worker_id and w.health == "SERVING" and not w.draining:
+                return w.address
+        await asyncio.sleep(READY_POLL_S)
+    return None
