@@ -35,7 +35,7 @@ async def start_router(
     policy = policy_cls(registry, prefix_index, Predictor(config, tracker))
     lifecycle = RequestLifecycle(tokenizer, model_config, config, policy, prefix_index, tracker, telemetry)
     servicer = GenerationServicer(lifecycle)
-    server = Server(host, port, telemetry.server_interceptors())
+    server = Server(host, port, telemetry.server_interceptors(), reflection=config.reflection)
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],

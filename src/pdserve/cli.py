@@ -146,6 +146,19 @@ def _add_router_overrides(p: argparse.ArgumentParser) -> None:
         help="times a stream may move to another decode worker when its worker fails after tokens were sent "
         f"(default: {r.migration_limit}; 0 never migrates)",
     )
+    p.add_argument(
+        "--no-reflection",
+        dest="reflection",
+        action="store_const",
+        const=False,
+        help="turn gRPC server reflection off on the public port (on by default)",
+    )
+    p.add_argument(
+        "--api-keys",
+        dest="api_keys_file",
+        metavar="FILE",
+        help="TOML file of API keys (SHA-256 digests, tenants, limits; see README); without it the cluster is open",
+    )
 
 
 def _up(args: argparse.Namespace, services: ClusterServices | None) -> int:

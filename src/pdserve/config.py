@@ -96,6 +96,8 @@ class RouterConfig:
     max_attempts: int = 3  # placements a request may get before its first token (1: never retried)
     migration_limit: int = 3  # moves of a stream to another decode worker after tokens were sent (0: none)
     ejection_s: float = 10.0  # a worker whose call failed stays out of placement this long (or until restarted)
+    reflection: bool = True  # gRPC server reflection on the public port (--no-reflection: off)
+    api_keys_file: str | None = None  # TOML of API keys (--api-keys); None: an open cluster, said at start
 
     def __post_init__(self) -> None:
         if self.policy not in ("slo", "round-robin"):

@@ -21,3 +21,15 @@ class OverloadedError(RuntimeError):
 
 class UnavailableError(RuntimeError):
     """No worker can take the request (draining, none registered, a peer lost). -> UNAVAILABLE."""
+
+
+class UnauthenticatedError(RuntimeError):
+    """No credential, or one the server does not know. -> UNAUTHENTICATED."""
+
+
+class PermissionDeniedError(RuntimeError):
+    """A known caller asked for more than it may; `field` names what. -> PERMISSION_DENIED."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field

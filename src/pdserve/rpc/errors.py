@@ -10,12 +10,19 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
-from pdserve.errors import InvalidRequestError, OverloadedError, UnavailableError
+from pdserve.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 
 log = logging.getLogger(__name__)
 UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
@@ -30,6 +37,10 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, UnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, UnauthenticatedError):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
+    if isinstance(exc, PermissionDeniedError):
+        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
     return None
@@ -45,6 +56,8 @@ def error_from_rpc(e: grpc.aio.AioRpcError, peer: str) -> Exception:
         return OverloadedError(detail, retry_after_ms(e.trailing_metadata()) or 1000)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError(detail)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return UnauthenticatedError(detail)
     return UnavailableError(f"{detail} ({code.name})")
 
 
@@ -58,9 +71,10 @@ def retry_after_ms(metadata: Any) -> int | None:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     mapped = _status_for(exc)
-    if mapped is None:
-        log.exception("unhandled error in handler", exc_info=exc)
-        mapped = (grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
+    if mapped is None:  # a bug: its text may hold paths, addresses or another request's data, so only the log has it
+        error_id = uuid.uuid4().hex[:16]
+        log.exception("unhandled error in handler (error id %s)", error_id, exc_info=exc, extra={"error_id": error_id})
+        mapped = (grpc.StatusCode.INTERNAL, f"internal error (error id {error_id}, in the server's log)")
     if isinstance(exc, OverloadedError):
         context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(exc.retry_after_ms)),))
     await context.abort(*mapped)

@@ -40,9 +40,10 @@ SERVER_OPTIONS = [
 
 
 class Server:
-    """A grpc.aio server with health (NOT_SERVING until `set_serving`), reflection and the error interceptor."""
+    """A grpc.aio server with health (NOT_SERVING until `set_serving`), reflection and the error interceptor.
+    `reflection=False` leaves server reflection off: a public port need not list its services to a stranger."""
 
-    def __init__(self, host: str, port: int, interceptors: Sequence[Any] = ()) -> None:
+    def __init__(self, host: str, port: int, interceptors: Sequence[Any] = (), reflection: bool = True) -> None:
         # Tracing interceptors first (outermost), so their spans see the status the error mapping chose.
         chain = [*interceptors, ErrorMappingInterceptor()]
         self._server = grpc.aio.server(interceptors=chain, options=SERVER_OPTIONS)
@@ -52,6 +53,7 @@ class Server:
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
         self.address = f"{host}:{self.port}"
+        self._reflection = reflection
         self._service_names: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
 
     def add(self, register: Callable[[grpc.aio.Server], None], service_names: Iterable[str]) -> None:
@@ -59,7 +61,8 @@ class Server:
         self._service_names.extend(service_names)
 
     async def start(self) -> None:
-        reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self._server)
+        if self._reflection:
+            reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self._server)
         await self._server.start()
 
     async def set_serving(self, serving: bool) -> None:
