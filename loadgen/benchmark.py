@@ -20,6 +20,7 @@ from loadgen.report import json_rate, summary_table
 from loadgen.workload import WorkloadConfig, build_workload
 from pdserve.config import EngineConfig
 from pdserve.progress import counting
+from pdserve.rpc.credentials import ClientCredentials
 from pdserve.v1 import generate_pb2 as pb
 
 
@@ -38,12 +39,13 @@ class BenchmarkConfig:
     slo: GoodputSLO = field(default_factory=GoodputSLO)
     seed: int = 0
     send_slo: bool = False  # put the goodput TTFT/TPOT bounds into each request, for the router's admission
+    credentials: ClientCredentials | None = None  # TLS and API key (None: plaintext, no key)
 
 
 def run_benchmark(config: BenchmarkConfig, console: Console) -> list[dict[str, Any]]:
     """One result per rate. Each run draws fresh prompts from (seed, run index): same seed, same benchmark."""
     slo = pb.SLO(ttft_ms=config.slo.ttft_ms or 0, tpot_ms=config.slo.tpot_ms or 0) if config.send_slo else None
-    client = Client(config.address, config.max_concurrency, slo)
+    client = Client(config.address, config.max_concurrency, slo, config.credentials)
     check_rng = np.random.default_rng([config.seed, len(config.request_rates)])
     check = build_workload(replace(config.workload, num_prompts=1), check_rng)[0]
     record = asyncio.run(client.check(replace(check, arrival_s=0.0)))

@@ -11,6 +11,7 @@ import grpc
 
 from loadgen.record import RequestRecord
 from loadgen.workload import Request
+from pdserve.rpc.credentials import ClientCredentials
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
@@ -22,8 +23,15 @@ CONNECT_TIMEOUT_S = 30.0
 
 
 class Client:
-    def __init__(self, address: str, max_concurrency: int | None = None, slo: pb.SLO | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        max_concurrency: int | None = None,
+        slo: pb.SLO | None = None,
+        credentials: ClientCredentials | None = None,
+    ) -> None:
         self.address = address
+        self.credentials = credentials
         self.max_in_flight = max_concurrency or DEFAULT_MAX_IN_FLIGHT
         self.slo = slo  # sent with every request when set, for the router's admission; else the server's default
 
@@ -33,7 +41,8 @@ class Client:
         """Sends each request at its arrival offset; returns the records (in workload order) and the duration
         from the first send to the last answer."""
         tag = uuid.uuid4().hex[:8]
-        async with channel(self.address) as ch:
+        metadata = self.credentials.metadata() if self.credentials else ()
+        async with channel(self.address, credentials=self.credentials) as ch:
             await asyncio.wait_for(ch.channel_ready(), CONNECT_TIMEOUT_S)  # connecting is not the server's latency
             stub = generate_pb2_grpc.GenerationStub(ch)
             slots = asyncio.Semaphore(self.max_in_flight)
@@ -43,7 +52,7 @@ class Client:
                 record = RequestRecord(f"loadgen-{tag}-{i}", req.input_len, req.output_len, req.arrival_s)
                 async with slots:
                     record.start_s = time.perf_counter() - start
-                    await _stream(stub, req, record, self.slo)
+                    await _stream(stub, req, record, self.slo, metadata)
                 on_done(record)
                 return record
 
@@ -63,7 +72,11 @@ class Client:
 
 
 async def _stream(
-    stub: generate_pb2_grpc.GenerationStub, req: Request, record: RequestRecord, slo: pb.SLO | None
+    stub: generate_pb2_grpc.GenerationStub,
+    req: Request,
+    record: RequestRecord,
+    slo: pb.SLO | None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> None:
     msg = pb.GenerateRequest(
         request_id=record.request_id,
@@ -73,7 +86,7 @@ async def _stream(
     )
     sent = time.perf_counter()
     try:
-        async for response in stub.Generate(msg):
+        async for response in stub.Generate(msg, metadata=metadata):
             record.message_times_s.append(time.perf_counter() - sent)
             record.message_tokens.append(len(response.token_ids))
     except grpc.aio.AioRpcError as e:

@@ -26,6 +26,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ClusterStatus(  # noqa: N802 (gRPC method name)
         self, request: apb.ClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> apb.ClusterStatusResponse:
+        self.router.authenticate(context.invocation_metadata()).check_admin()
         workers = sorted(self.registry.workers(), key=lambda w: (w.role, w.worker_id))
         health = await asyncio.gather(*(_health(w.address) for w in workers))
         return apb.ClusterStatusResponse(

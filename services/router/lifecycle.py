@@ -10,15 +10,24 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from opentelemetry import trace
 
 from pdserve.config import RouterConfig
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.errors import InvalidRequestError, OverloadedError, UnavailableError
+from pdserve.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from pdserve.metrics import RecentLatencies, RouterMetrics
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.registry.base import PrefixIndex, WorkerState
+from pdserve.security.api_keys import KeyTable, Metadata, Tenant, authenticate
+from pdserve.security.quotas import Quotas, QuotaSession
 from pdserve.telemetry import Telemetry, request_id_var
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import Admission, SLOTarget
@@ -35,6 +44,13 @@ log = logging.getLogger(__name__)
 request_key_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_key", default=None)
 
 
+@dataclass
+class Caller:
+    """Who sent the request being accounted for, once known (its label on the request metrics and log line)."""
+
+    tenant: Tenant | None = None
+
+
 class RequestLifecycle:
     def __init__(
         self,
@@ -45,8 +61,11 @@ class RequestLifecycle:
         prefix_index: PrefixIndex,
         tracker: LoadTracker,
         telemetry: Telemetry,
+        keys: KeyTable | None = None,
     ) -> None:
         self.telemetry = telemetry
+        self.keys = keys  # None: an open cluster
+        self.quotas = Quotas()
         self.metrics = RouterMetrics(telemetry.meter)
         self.recent = RecentLatencies()
         self.tokenizer = tokenizer
@@ -65,9 +84,14 @@ class RequestLifecycle:
     def in_flight(self) -> int:
         return self.admission.in_flight
 
-    async def admit(self, msg: pb.GenerateRequest, started_at: float) -> Ticket:
-        """Build, place and admit, or raise (InvalidRequestError, OverloadedError, UnavailableError) before
-        anything is sent. The request gets its own unique key here; the caller's request_id is only echoed."""
+    def authenticate(self, metadata: Metadata) -> Tenant:
+        """The caller's tenant from its `authorization` metadata (UnauthenticatedError without a known key)."""
+        return authenticate(self.keys, metadata)
+
+    async def admit(self, msg: pb.GenerateRequest, started_at: float, quota: QuotaSession) -> Ticket:
+        """Build, place and admit, or raise (InvalidRequestError, OverloadedError, UnavailableError,
+        PermissionDeniedError) before anything is sent. The request gets its own unique key here; the caller's
+        request_id is only echoed. Its prompt and max_tokens are charged to its key's token rate."""
         key = uuid.uuid4().hex
         client_id = msg.request_id or key
         request_id_var.set(client_id)
@@ -75,14 +99,17 @@ class RequestLifecycle:
         ids = {"request.id": key, "request.client_id": client_id}
         trace.get_current_span().set_attributes(ids)
         with self.telemetry.tracer.start_as_current_span("admission", attributes=ids) as span:
+            quota.tenant.check_priority(msg.priority)
             config = self.config
             req = await build_request(msg, self.tokenizer, self.model, config.default_max_tokens, config.request_limits)
             span.set_attribute("prompt_tokens", len(req.prompt_token_ids))
             try:
+                quota.charge_tokens(len(req.prompt_token_ids) + req.sampling.max_tokens)
                 placement = await self._place_and_check(req)
             except (OverloadedError, InvalidRequestError) as e:
                 span.set_attribute("rejected", str(e))
                 raise
+            quota.admitted()
         prefill, decode = placement.prefill_worker, placement.decode
         trace.get_current_span().set_attributes(
             {"prefill.worker.id": prefill.worker_id, "decode.worker.id": decode.worker_id}
@@ -188,12 +215,18 @@ class RequestLifecycle:
         log.warning("request %s after worker %s failed it", verb, worker.worker_id, extra=attrs | {"key": key})
 
     @contextmanager
-    def accounting(self, started_at: float) -> Iterator[None]:
-        """Counts the request by how it ended and logs it once."""
-        outcome = "failed"
+    def accounting(self, started_at: float) -> Iterator[Caller]:
+        """Counts the request by how it ended and by tenant, and logs it once."""
+        outcome, caller = "failed", Caller()
         try:
-            yield
+            yield caller
             outcome = "finished"
+        except UnauthenticatedError:
+            outcome = "unauthenticated"
+            raise
+        except PermissionDeniedError:
+            outcome = "denied"
+            raise
         except InvalidRequestError:
             outcome = "invalid"
             raise
@@ -204,9 +237,11 @@ class RequestLifecycle:
             outcome = "cancelled"  # by the caller, or its deadline passed
             raise
         finally:
-            self.metrics.requests.add(1, {"outcome": outcome})
+            tenant = caller.tenant.name if caller.tenant else ""  # "": not authenticated
+            self.metrics.requests.add(1, {"outcome": outcome, "tenant": tenant})
             e2e_s = time.perf_counter() - started_at
             if outcome == "finished":
-                self.metrics.e2e.record(e2e_s)
+                self.metrics.e2e.record(e2e_s, {"tenant": tenant})
             extra = {"outcome": outcome, "e2e_ms": round(e2e_s * 1e3, 2), "request_key": request_key_var.get()}
+            extra["tenant"] = tenant
             log.info("request %s", outcome, extra=extra)

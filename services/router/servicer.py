@@ -21,10 +21,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         start = time.perf_counter()
-        with self.lifecycle.accounting(start):
-            ticket = await self.lifecycle.admit(request, start)
-            with ticket:
-                predicted_ms = round(ticket.placement.predicted_ttft_s * 1e3)
-                await context.send_initial_metadata(((PREDICTED_TTFT_KEY, str(predicted_ms)),))
-                async for msg in self.lifecycle.stream(ticket, context.time_remaining):
-                    yield msg
+        with self.lifecycle.accounting(start) as caller:
+            caller.tenant = self.lifecycle.authenticate(context.invocation_metadata())
+            with self.lifecycle.quotas.session(caller.tenant) as quota:
+                ticket = await self.lifecycle.admit(request, start, quota)
+                with ticket:
+                    predicted_ms = round(ticket.placement.predicted_ttft_s * 1e3)
+                    await context.send_initial_metadata(((PREDICTED_TTFT_KEY, str(predicted_ms)),))
+                    async for msg in self.lifecycle.stream(ticket, context.time_remaining):
+                        yield msg

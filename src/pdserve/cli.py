@@ -14,6 +14,7 @@ from pdserve.bench.commands import add_bench_commands
 from pdserve.config import CLUSTER_MODES, ClusterConfig, EngineConfig, RouterConfig
 from pdserve.flags import add_engine_flags, engine_config, flag_values, from_flags
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 if TYPE_CHECKING:
     from pdserve.cluster.factories import ClusterServices
@@ -101,6 +102,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     status.add_argument("--addr", required=True, help="router HOST:PORT")
     status.add_argument("--json", action="store_true", help='print {"workers": [...]} as JSON')
     status.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    add_client_flags(status)
     status.set_defaults(func=_status)
 
     client = sub.add_parser("client", help="stream an answer from a running cluster")
@@ -111,6 +113,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     client.add_argument("--temperature", type=float, default=SamplingParams.temperature, help="0: greedy")
     client.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     client.add_argument("--json", action="store_true")
+    add_client_flags(client)
     client.set_defaults(func=_client)
 
     fetch = sub.add_parser("fetch", help="fetch and convert a built-in model into the cache, once")
@@ -159,6 +162,9 @@ def _add_router_overrides(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="TOML file of API keys (SHA-256 digests, tenants, limits; see README); without it the cluster is open",
     )
+    p.add_argument("--tls-cert", help="PEM certificate: serve TLS on the public port (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="PEM CA: require client certificates signed by it (mTLS)")
 
 
 def _up(args: argparse.Namespace, services: ClusterServices | None) -> int:
@@ -211,7 +217,7 @@ def _client(args: argparse.Namespace) -> int:
 
     async def run() -> int:
         result = None
-        async for msg, running in generate(args.addr, request, args.timeout):
+        async for msg, running in generate(args.addr, request, args.timeout, client_credentials(args)):
             result = running
             if not args.json:
                 print(msg.text, end="", flush=True)
@@ -266,10 +272,12 @@ def _status(args: argparse.Namespace) -> int:
     from pdserve.rpc.server import channel
     from pdserve.v1 import admin_pb2, admin_pb2_grpc
 
+    credentials = client_credentials(args)
+
     async def ask() -> admin_pb2.ClusterStatusResponse:
-        async with channel(args.addr) as ch:
+        async with channel(args.addr, credentials=credentials) as ch:
             return await admin_pb2_grpc.AdminStub(ch).ClusterStatus(
-                admin_pb2.ClusterStatusRequest(), timeout=args.timeout
+                admin_pb2.ClusterStatusRequest(), timeout=args.timeout, metadata=credentials.metadata()
             )
 
     try:

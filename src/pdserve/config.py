@@ -98,6 +98,9 @@ class RouterConfig:
     ejection_s: float = 10.0  # a worker whose call failed stays out of placement this long (or until restarted)
     reflection: bool = True  # gRPC server reflection on the public port (--no-reflection: off)
     api_keys_file: str | None = None  # TOML of API keys (--api-keys); None: an open cluster, said at start
+    tls_cert: str | None = None  # PEM files: TLS on the public port (--tls-cert/--tls-key); None: plaintext
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # clients must present a certificate signed by this CA (mTLS)
 
     def __post_init__(self) -> None:
         if self.policy not in ("slo", "round-robin"):

@@ -59,3 +59,8 @@ def otel_traces_protocol() -> str:
         or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
         or "http/protobuf"
     ).strip()
+
+
+def api_key() -> str | None:
+    """PDSERVE_API_KEY: the key clients send when no --api-key is given (keeps it out of `ps` output)."""
+    return os.environ.get("PDSERVE_API_KEY") or None

@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.rpc.credentials import ClientCredentials, ServerTLS, add_port, make_channel
 from pdserve.rpc.errors import ErrorMappingInterceptor
 
 MAX_MESSAGE_BYTES = 16 * 2**20  # explicit: a 16k-token prompt of ids is ~80 KB; nothing legitimate nears this
@@ -41,15 +42,23 @@ SERVER_OPTIONS = [
 
 class Server:
     """A grpc.aio server with health (NOT_SERVING until `set_serving`), reflection and the error interceptor.
-    `reflection=False` leaves server reflection off: a public port need not list its services to a stranger."""
+    `reflection=False` leaves server reflection off: a public port need not list its services to a stranger.
+    `tls`: serve TLS (and require client certificates when it names a client CA); None: plaintext."""
 
-    def __init__(self, host: str, port: int, interceptors: Sequence[Any] = (), reflection: bool = True) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        interceptors: Sequence[Any] = (),
+        reflection: bool = True,
+        tls: ServerTLS | None = None,
+    ) -> None:
         # Tracing interceptors first (outermost), so their spans see the status the error mapping chose.
         chain = [*interceptors, ErrorMappingInterceptor()]
         self._server = grpc.aio.server(interceptors=chain, options=SERVER_OPTIONS)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        self.port = add_port(self._server, f"{host}:{port}", tls)
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
         self.address = f"{host}:{self.port}"
@@ -77,7 +86,10 @@ class Server:
         await self._server.wait_for_termination()
 
 
-def channel(address: str, interceptors: Sequence[Any] | None = None) -> grpc.aio.Channel:
+def channel(
+    address: str, interceptors: Sequence[Any] | None = None, credentials: ClientCredentials | None = None
+) -> grpc.aio.Channel:
     """With keepalive: a call to a peer that stopped answering fails within about 15 s.
-    `interceptors`: a service's tracing client interceptors, so the trace context rides the metadata."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors or None)
+    `interceptors`: a service's tracing client interceptors, so the trace context rides the metadata.
+    `credentials`: TLS and client certificate (rpc/credentials.py); None: plaintext."""
+    return make_channel(address, CHANNEL_OPTIONS, interceptors or None, credentials)
