@@ -35,6 +35,7 @@ class HandoffRequest:
     sampling: SamplingParams
     prefill_address: str  # host:port of the prefill worker the router placed it on
     client_request_id: str = ""  # the caller's own id: echoed in logs and traces, never a key
+    cache_salt: bytes = b""  # the router's prefix-cache salt, for the prefill worker's cache
 
 
 @dataclass

@@ -67,6 +67,7 @@ class PrefillClient:
         request = wpb.PrefillRequest(
             request_id=handoff.request_id,
             client_request_id=handoff.client_request_id,
+            cache_salt=handoff.cache_salt,
             prompt_token_ids=handoff.prompt,
             sampling=sampling_to_pb(handoff.sampling),
             target=wpb.KVTarget(

@@ -44,12 +44,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.engine.fail_when_stepped(request.request_id)
         outputs: AsyncIterator[RequestOutput]
         if not request.prefill_address:
-            outputs = generate_here(self.engine, self.telemetry, self.worker_id, request.request_id, prompt, sampling)
+            outputs = generate_here(
+                self.engine, self.telemetry, self.worker_id, request.request_id, prompt, sampling, request.cache_salt
+            )
         elif self.handoff is None:
             raise UnavailableError(f"worker {self.worker_id} ({self.role}) takes no KV hand-offs")
         else:
             handoff = HandoffRequest(
-                request.request_id, prompt, sampling, request.prefill_address, request.client_request_id
+                request.request_id,
+                prompt,
+                sampling,
+                request.prefill_address,
+                request.client_request_id,
+                request.cache_salt,
             )
             outputs = self.handoff.stream(handoff, context.time_remaining)
         async with contextlib.aclosing(outputs) as stream:  # type: ignore[type-var]

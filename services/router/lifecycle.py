@@ -101,7 +101,9 @@ class RequestLifecycle:
         with self.telemetry.tracer.start_as_current_span("admission", attributes=ids) as span:
             quota.tenant.check_priority(msg.priority)
             config = self.config
-            req = await build_request(msg, self.tokenizer, self.model, config.default_max_tokens, config.request_limits)
+            req = await build_request(
+                msg, self.tokenizer, self.model, config.default_max_tokens, config.request_limits, quota.tenant.name
+            )
             span.set_attribute("prompt_tokens", len(req.prompt_token_ids))
             try:
                 quota.charge_tokens(len(req.prompt_token_ids) + req.sampling.max_tokens)
@@ -122,7 +124,9 @@ class RequestLifecycle:
             raise UnavailableError("the router is draining; retry on another replica")
         ttft_ms, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         with self.telemetry.tracer.start_as_current_span("placement") as span:
-            placement = await self.placement.place(req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3)
+            placement = await self.placement.place(
+                req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3, cache_salt=req.cache_salt
+            )
             span.set_attribute("prefill.worker.id", placement.prefill_worker.worker_id)
             span.set_attribute("decode.worker.id", placement.decode.worker_id)
             span.set_attribute("cached_tokens", placement.cached_tokens)
@@ -177,7 +181,7 @@ class RequestLifecycle:
         _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         try:
             placement = await self.placement.place(
-                req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3, frozenset(failed)
+                req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3, frozenset(failed), req.cache_salt
             )
         except UnavailableError:
             raise error from None  # nowhere else to go: the failure itself is the answer

@@ -63,6 +63,7 @@ class Relay:
             sampling=sampling_to_pb(req.sampling),
             prefill_address=p.prefill.address if p.prefill else "",
             client_request_id=ticket.client_id,
+            cache_salt=req.cache_salt,
         )
         call = self._stub(p.decode.address).Generate(forward, timeout=time_remaining)
         try:
