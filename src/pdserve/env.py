@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 from pdserve.config import FaultConfig
@@ -64,3 +65,18 @@ def otel_traces_protocol() -> str:
 def api_key() -> str | None:
     """PDSERVE_API_KEY: the key clients send when no --api-key is given (keeps it out of `ps` output)."""
     return os.environ.get("PDSERVE_API_KEY") or None
+
+
+CLUSTER_SECRET_VAR = "PDSERVE_CLUSTER_SECRET"
+
+
+def cluster_secret() -> bytes:
+    """PDSERVE_CLUSTER_SECRET: proves a caller is a cluster peer (security/cluster_secret.py); b"": none."""
+    return os.environ.get(CLUSTER_SECRET_VAR, "").encode()
+
+
+def ensure_cluster_secret() -> None:
+    """`pdserve up`: a fresh random secret for this run unless one is set; its workers inherit it with the other
+    PDSERVE_* variables (`worker_env`)."""
+    if not os.environ.get(CLUSTER_SECRET_VAR):
+        os.environ[CLUSTER_SECRET_VAR] = secrets.token_hex(32)

@@ -4,10 +4,12 @@ served, chat content that cannot become control tokens, and no prefix-cache hit 
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster.local_process import ClusterProcess
 from pdserve.engine.model_files import locate_model, tokenizer_folder
@@ -15,8 +17,10 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.rpc.credentials import ClientCredentials
 from pdserve.rpc.server import channel
 from pdserve.security.api_keys import digest
+from pdserve.security.cluster_secret import CLUSTER_AUTH_KEY, ClusterSecret
 from pdserve.v1 import generate_pb2 as pb
-from pdserve.v1 import generate_pb2_grpc
+from pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
+from pdserve.v1 import worker_pb2 as wpb
 from tests.certs import make_certs
 from tests.integration.secure_client import ask_sync, cluster_status
 
@@ -74,7 +78,7 @@ def test_a_plaintext_client_is_refused_on_the_tls_port(cluster) -> None:
         return grpc.StatusCode.OK
 
     assert asyncio.run(plaintext()) == grpc.StatusCode.UNAVAILABLE
-    assert "API keys required: 3 keys" in cluster.log() and "OPEN" not in cluster.log()
+    assert "API keys required: 3 keys" in cluster.log() and "cluster is OPEN" not in cluster.log()
 
 
 def test_each_key_gets_the_status_its_caps_say(cluster) -> None:
@@ -134,3 +138,39 @@ def test_two_tenants_with_the_same_prompt_see_no_cross_tenant_cache_hits(cluster
     assert cached("other-key") == 0  # the same prompt, another tenant: computed afresh
     assert cached("other-key") == 48
     assert cached("good-key", salt="private") == 0  # a request salt isolates within a tenant too
+
+
+def test_internal_rpcs_take_only_cluster_peers_and_decode_dials_only_granted_prefill_addresses(cluster) -> None:
+    """A decode worker refuses a caller without the cluster's RPC token, and a cluster peer's request naming a
+    prefill address the router did not grant: it never connects there (a listener on that address sees no one)."""
+    decode = next(a for w, a in cluster.worker_addresses().items() if w.startswith("decode"))
+    peer = ((CLUSTER_AUTH_KEY, ClusterSecret(cluster.cluster_secret.encode()).rpc_token),)
+    with socket.create_server(("127.0.0.1", 0)) as bait:
+        bait.settimeout(0.5)
+        request = wpb.WorkerGenerateRequest(
+            request_id="forged-1",
+            prompt_token_ids=[5, 6, 7, 8] * 8,
+            sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True),
+            prefill_address=f"127.0.0.1:{bait.getsockname()[1]}",
+        )
+
+        async def call(metadata: tuple[tuple[str, str], ...]) -> grpc.aio.AioRpcError:
+            async with channel(decode) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    async for _ in worker_pb2_grpc.DecodeWorkerStub(ch).Generate(
+                        request, timeout=10, metadata=metadata
+                    ):
+                        pass
+                health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert health.status == health_pb2.HealthCheckResponse.SERVING  # health stays open to probes
+            return caught.value
+
+        assert asyncio.run(call(())).code() == grpc.StatusCode.UNAUTHENTICATED
+        denied = asyncio.run(call(peer))
+        assert denied.code() == grpc.StatusCode.PERMISSION_DENIED and denied.details().startswith("prefill_address")
+        with pytest.raises(TimeoutError):
+            bait.accept()
+    served = ask_sync(
+        cluster.address, creds(cluster, "good-key"), pb.GenerateRequest(prompt="hi", sampling=sampling(3))
+    )
+    assert served.code == grpc.StatusCode.OK  # the router's own grants still work

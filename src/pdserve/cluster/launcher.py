@@ -133,6 +133,7 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
     from pdserve.metrics import SupervisionMetrics
     from pdserve.telemetry import Telemetry
 
+    env.ensure_cluster_secret()  # before Ray starts: the workers inherit it
     cluster = Cluster(config, services)
     try:
         await asyncio.to_thread(cluster.start_workers)

@@ -10,8 +10,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.rpc.cluster_auth import ClusterAuthServerInterceptor, cluster_client_interceptors
 from pdserve.rpc.credentials import ClientCredentials, ServerTLS, add_port, make_channel
 from pdserve.rpc.errors import ErrorMappingInterceptor
+from pdserve.security.cluster_secret import ClusterSecret
 
 MAX_MESSAGE_BYTES = 16 * 2**20  # explicit: a 16k-token prompt of ids is ~80 KB; nothing legitimate nears this
 _MESSAGE_SIZES = [
@@ -43,7 +45,8 @@ SERVER_OPTIONS = [
 class Server:
     """A grpc.aio server with health (NOT_SERVING until `set_serving`), reflection and the error interceptor.
     `reflection=False` leaves server reflection off: a public port need not list its services to a stranger.
-    `tls`: serve TLS (and require client certificates when it names a client CA); None: plaintext."""
+    `tls`: serve TLS (and require client certificates when it names a client CA); None: plaintext.
+    `cluster`: an internal server's cluster secret; calls without its token are refused (health stays open)."""
 
     def __init__(
         self,
@@ -52,9 +55,11 @@ class Server:
         interceptors: Sequence[Any] = (),
         reflection: bool = True,
         tls: ServerTLS | None = None,
+        cluster: ClusterSecret | None = None,
     ) -> None:
         # Tracing interceptors first (outermost), so their spans see the status the error mapping chose.
-        chain = [*interceptors, ErrorMappingInterceptor()]
+        auth = [ClusterAuthServerInterceptor(cluster)] if cluster is not None and cluster.enabled else []
+        chain = [*interceptors, *auth, ErrorMappingInterceptor()]
         self._server = grpc.aio.server(interceptors=chain, options=SERVER_OPTIONS)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -93,3 +98,9 @@ def channel(
     `interceptors`: a service's tracing client interceptors, so the trace context rides the metadata.
     `credentials`: TLS and client certificate (rpc/credentials.py); None: plaintext."""
     return make_channel(address, CHANNEL_OPTIONS, interceptors or None, credentials)
+
+
+def internal_channel(address: str, interceptors: Sequence[Any] = ()) -> grpc.aio.Channel:
+    """A channel to another pdserve server of this cluster: every call carries the cluster's RPC token."""
+    cluster = ClusterSecret.from_env()
+    return channel(address, [*interceptors, *cluster_client_interceptors(cluster)])

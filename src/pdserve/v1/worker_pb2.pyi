@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "client_request_id", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "client_request_id", "cache_salt", "prefill_grant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_GRANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
     prefill_address: str
     client_request_id: str
     cache_salt: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., client_request_id: _Optional[str] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    prefill_grant: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., client_request_id: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., prefill_grant: _Optional[bytes] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("decode_worker_id", "rendezvous", "block_ids", "tag")
