@@ -80,6 +80,32 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await context.abort(*mapped)
 
 
+class _Malformed:
+    """What a request that does not parse (bad wire format, invalid UTF-8 in a string) becomes, so the handler
+    answers INVALID_ARGUMENT instead of gRPC's UNKNOWN with the parser's exception text."""
+
+
+_MALFORMED = _Malformed()
+
+
+def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception:
+            return _MALFORMED
+
+    return parse
+
+
+def _check_parsed(request: Any) -> None:
+    if request is _MALFORMED:
+        raise InvalidRequestError("request", "the message does not parse (corrupt wire format or invalid UTF-8)")
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(
         self,
@@ -92,7 +118,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
@@ -100,7 +126,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             fn = handler.unary_stream
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(fn) if inspect.isasyncgenfunction(fn) else _wrap_unary(fn),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -109,6 +135,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 def _wrap_unary(fn: UnaryHandler) -> UnaryHandler:
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            _check_parsed(request)
             return await fn(request, context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
@@ -123,6 +150,7 @@ def _wrap_stream(
 ) -> Callable[..., AsyncIterator[Any]]:
     async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
+            _check_parsed(request)
             async for item in fn(request, context):
                 yield item
         except (grpc.aio.AbortError, asyncio.CancelledError):

@@ -78,3 +78,18 @@ async def test_reflection_is_a_switch(on: bool) -> None:
                 assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         await server.stop(None)
+
+
+async def test_a_message_that_does_not_parse_is_invalid_argument_without_parser_text() -> None:
+    server = await _serve(reflection=False)
+    try:
+        async with channel(server.address) as ch:
+            call = ch.unary_stream("/pdserve.v1.Generation/Generate", request_serializer=bytes)
+            for raw in (b"\x12\x02\xff\xfe", b"\xff\xff\xff", b"\x0a\x05ab"):  # bad UTF-8, corrupt, truncated
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    async for _ in call(raw):
+                        pass
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert caught.value.details().startswith("request:") and "DecodeError" not in caught.value.details()
+    finally:
+        await server.stop(None)
