@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.registry.base import Registry, WorkerState
-from pdserve.rpc.server import channel
+from pdserve.rpc.server import internal_channel
 from pdserve.v1 import admin_pb2 as apb
 from pdserve.v1 import admin_pb2_grpc
 from services.router.lifecycle import RequestLifecycle
@@ -60,7 +60,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
 async def _health(address: str) -> str:
     try:
-        async with channel(address) as ch:
+        async with internal_channel(address) as ch:
             reply = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S
             )

@@ -95,6 +95,9 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
         default=c.max_restarts,
         help="times Ray restarts a worker that died; past that the launcher replaces it with a new one",
     )
+    up.add_argument("--internal-tls-cert", help="PEM certificate every worker and the router present internally")
+    up.add_argument("--internal-tls-key", help="PEM key of --internal-tls-cert")
+    up.add_argument("--internal-tls-ca", help="PEM cluster CA: internal peers must hold a certificate it signed (mTLS)")
     up.add_argument("--log-level", default=c.log_level, help="DEBUG, INFO, WARNING, ERROR (JSON lines on stderr)")
     up.set_defaults(func=partial(_up, services=services))
 

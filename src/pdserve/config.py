@@ -163,10 +163,16 @@ class ClusterConfig:
     metrics_port: int | None = None  # the router's Prometheus /metrics; None: not served
     log_level: str = "INFO"
     kv_transfer_timeout_s: float = 30.0  # decode side: a KV transfer not done by then fails, freeing its blocks
+    internal_tls_cert: str | None = None  # PEM files: mTLS on every internal hop (all three, or none)
+    internal_tls_key: str | None = None
+    internal_tls_ca: str | None = None  # the cluster CA: internal peers must present a certificate it signed
 
     def __post_init__(self) -> None:
         if self.mode not in CLUSTER_MODES:
             raise ValueError(f"mode must be one of {CLUSTER_MODES}, got {self.mode!r}")
+        given = [self.internal_tls_cert, self.internal_tls_key, self.internal_tls_ca]
+        if any(given) and not all(given):
+            raise ValueError("give all of --internal-tls-cert, --internal-tls-key and --internal-tls-ca, or none")
 
     @property
     def roles(self) -> list[Role]:

@@ -80,3 +80,18 @@ def ensure_cluster_secret() -> None:
     PDSERVE_* variables (`worker_env`)."""
     if not os.environ.get(CLUSTER_SECRET_VAR):
         os.environ[CLUSTER_SECRET_VAR] = secrets.token_hex(32)
+
+
+_INTERNAL_TLS_VARS = ("PDSERVE_INTERNAL_TLS_CERT", "PDSERVE_INTERNAL_TLS_KEY", "PDSERVE_INTERNAL_TLS_CA")
+
+
+def internal_tls() -> tuple[str, str, str] | None:
+    """PDSERVE_INTERNAL_TLS_{CERT,KEY,CA}: PEM files for mTLS on every internal hop; None when unset."""
+    cert, key, ca = (os.environ.get(v, "") for v in _INTERNAL_TLS_VARS)
+    return (cert, key, ca) if cert and key and ca else None
+
+
+def export_internal_tls(cert: str, key: str, ca: str) -> None:
+    """`pdserve up --internal-tls-*`: before Ray starts, so the workers (and this process's channels) read them."""
+    for name, value in zip(_INTERNAL_TLS_VARS, (cert, key, ca), strict=True):
+        os.environ[name] = value

@@ -57,9 +57,12 @@ def cluster(tmp_path_factory):
         "--model", "tiny-random", "--kv-cache-gb", "0.05", "--prefill", "1", "--decode", "1",
         "--api-keys", str(_key_file(folder / "keys.toml")),
         "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+        "--internal-tls-cert", str(certs.server_cert), "--internal-tls-key", str(certs.server_key),
+        "--internal-tls-ca", str(certs.ca),
         log_path=folder / "cluster.log",
     )  # fmt: skip
     proc.ca = str(certs.ca)
+    proc.peer_tls = ClientCredentials(str(certs.ca), str(certs.client_cert), str(certs.client_key))
     yield proc
     proc.stop()
 
@@ -148,8 +151,9 @@ def test_two_tenants_with_the_same_prompt_see_no_cross_tenant_cache_hits(cluster
 
 
 def test_internal_rpcs_take_only_cluster_peers_and_decode_dials_only_granted_prefill_addresses(cluster) -> None:
-    """A decode worker refuses a caller without the cluster's RPC token, and a cluster peer's request naming a
-    prefill address the router did not grant: it never connects there (a listener on that address sees no one)."""
+    """A decode worker (mTLS with the cluster CA) refuses a plaintext caller and a TLS caller without a client
+    certificate; with one, a caller without the cluster's RPC token, and a cluster peer's request naming a prefill
+    address the router did not grant: it never connects there (a listener on that address sees no one)."""
     decode = next(a for w, a in cluster.worker_addresses().items() if w.startswith("decode"))
     peer = ((CLUSTER_AUTH_KEY, ClusterSecret(cluster.cluster_secret.encode()).rpc_token),)
     with socket.create_server(("127.0.0.1", 0)) as bait:
@@ -161,17 +165,22 @@ def test_internal_rpcs_take_only_cluster_peers_and_decode_dials_only_granted_pre
             prefill_address=f"127.0.0.1:{bait.getsockname()[1]}",
         )
 
-        async def call(metadata: tuple[tuple[str, str], ...]) -> grpc.aio.AioRpcError:
-            async with channel(decode) as ch:
+        async def call(
+            metadata: tuple[tuple[str, str], ...], tls: ClientCredentials | None = cluster.peer_tls
+        ) -> grpc.aio.AioRpcError:
+            async with channel(decode, credentials=tls) as ch:
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     async for _ in worker_pb2_grpc.DecodeWorkerStub(ch).Generate(
                         request, timeout=10, metadata=metadata
                     ):
                         pass
-                health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
-                assert health.status == health_pb2.HealthCheckResponse.SERVING  # health stays open to probes
+                if tls is cluster.peer_tls:
+                    health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    assert health.status == health_pb2.HealthCheckResponse.SERVING  # open to any TLS peer's probe
             return caught.value
 
+        assert asyncio.run(call(peer, tls=None)).code() == grpc.StatusCode.UNAVAILABLE  # plaintext
+        assert asyncio.run(call(peer, tls=creds(cluster, None))).code() == grpc.StatusCode.UNAVAILABLE  # no cert
         assert asyncio.run(call(())).code() == grpc.StatusCode.UNAUTHENTICATED
         denied = asyncio.run(call(peer))
         assert denied.code() == grpc.StatusCode.PERMISSION_DENIED and denied.details().startswith("prefill_address")

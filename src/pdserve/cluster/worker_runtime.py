@@ -24,6 +24,7 @@ from pdserve.cluster.factories import WorkerContext, WorkerServices
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
+from pdserve.rpc.credentials import internal_server_tls
 from pdserve.security.cluster_secret import ClusterSecret
 
 if TYPE_CHECKING:
@@ -168,7 +169,11 @@ class WorkerRuntime:
         self._engine = AsyncEngine(await asyncio.to_thread(LLMEngine, _engine_config(spec)))
         self._engine.on_death = self._engine_died
         self._server = Server(
-            spec.host, spec.port, self.telemetry.server_interceptors(), cluster=ClusterSecret.from_env()
+            spec.host,
+            spec.port,
+            self.telemetry.server_interceptors(),
+            tls=internal_server_tls(),
+            cluster=ClusterSecret.from_env(),
         )
         engine = self._engine
         metrics = WorkerMetrics(

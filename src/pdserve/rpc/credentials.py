@@ -5,6 +5,9 @@ through here, so TLS (and who holds which certificate) is decided once.
   `--tls-client-ca` is given (mTLS). Without a certificate the port is plaintext, as before.
 - Clients (`pdserve client/status`, loadgen): `--tls-ca [--tls-cert --tls-key]` and `--api-key` (or the
   environment's PDSERVE_API_KEY), sent as `authorization: Bearer KEY`.
+- Internal hops (router -> workers, decode -> prefill): mTLS with the cluster CA when `pdserve up
+  --internal-tls-cert/--internal-tls-key/--internal-tls-ca` is given (the environment carries the paths to the
+  workers): each side presents that certificate and accepts only peers whose certificate the CA signed.
 """
 
 from __future__ import annotations
@@ -105,3 +108,15 @@ def client_credentials(args: argparse.Namespace) -> ClientCredentials:
     if args.tls_cert and not args.tls_ca:
         raise SystemExit("--tls-cert needs --tls-ca (the client certificate is only sent over TLS)")
     return ClientCredentials(args.tls_ca, args.tls_cert, args.tls_key, args.api_key or env.api_key())
+
+
+def internal_server_tls() -> ServerTLS | None:
+    """A worker's listener: mTLS with the cluster CA when internal TLS is configured, else plaintext."""
+    paths = env.internal_tls()
+    return ServerTLS(paths[0], paths[1], client_ca=paths[2]) if paths else None
+
+
+def internal_client_credentials() -> ClientCredentials | None:
+    """What a cluster member presents when it calls another: its certificate, trusting only the cluster CA."""
+    paths = env.internal_tls()
+    return ClientCredentials(tls_ca=paths[2], tls_cert=paths[0], tls_key=paths[1]) if paths else None

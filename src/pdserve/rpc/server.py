@@ -11,7 +11,13 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.rpc.cluster_auth import ClusterAuthServerInterceptor, cluster_client_interceptors
-from pdserve.rpc.credentials import ClientCredentials, ServerTLS, add_port, make_channel
+from pdserve.rpc.credentials import (
+    ClientCredentials,
+    ServerTLS,
+    add_port,
+    internal_client_credentials,
+    make_channel,
+)
 from pdserve.rpc.errors import ErrorMappingInterceptor
 from pdserve.security.cluster_secret import ClusterSecret
 
@@ -101,6 +107,7 @@ def channel(
 
 
 def internal_channel(address: str, interceptors: Sequence[Any] = ()) -> grpc.aio.Channel:
-    """A channel to another pdserve server of this cluster: every call carries the cluster's RPC token."""
+    """A channel to another pdserve server of this cluster: every call carries the cluster's RPC token, over
+    mTLS when internal TLS is configured."""
     cluster = ClusterSecret.from_env()
-    return channel(address, [*interceptors, *cluster_client_interceptors(cluster)])
+    return channel(address, [*interceptors, *cluster_client_interceptors(cluster)], internal_client_credentials())
