@@ -95,3 +95,8 @@ def export_internal_tls(cert: str, key: str, ca: str) -> None:
     """`pdserve up --internal-tls-*`: before Ray starts, so the workers (and this process's channels) read them."""
     for name, value in zip(_INTERNAL_TLS_VARS, (cert, key, ca), strict=True):
         os.environ[name] = value
+
+
+def redis_password() -> str | None:
+    """PDSERVE_REDIS_PASSWORD: the registry's Redis password when its URL carries none (a URL's own wins)."""
+    return os.environ.get("PDSERVE_REDIS_PASSWORD") or None
