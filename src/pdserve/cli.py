@@ -186,10 +186,33 @@ def _up(args: argparse.Namespace, services: ClusterServices | None) -> int:
         print(f"pdserve up: unknown --log-level {args.log_level!r}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, service="pdserve-router")
+    try:
+        config = _cluster_config(args)
+        _check_security_files(config)
+    except (ValueError, OSError) as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
     if not _model_in_cache(args.model):  # here, with progress on a terminal, not in every worker
         return 1
-    asyncio.run(run_cluster(_cluster_config(args), services))
+    asyncio.run(run_cluster(config, services))
     return 0
+
+
+def _check_security_files(config: ClusterConfig) -> None:
+    """Before any worker starts: a key file that does not parse or a certificate file that is missing fails
+    `pdserve up` at once, naming it, instead of after the workers are up."""
+    from pdserve.rpc.credentials import server_tls
+    from pdserve.security.api_keys import KeyTable
+
+    r = config.router
+    if r.api_keys_file:
+        KeyTable.from_file(r.api_keys_file)
+    server_tls(r.tls_cert, r.tls_key, r.tls_client_ca)
+    paths = [r.tls_cert, r.tls_key, r.tls_client_ca, config.internal_tls_cert]
+    paths += [config.internal_tls_key, config.internal_tls_ca]
+    for path in filter(None, paths):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no such file: {path}")
 
 
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
