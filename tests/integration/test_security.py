@@ -192,7 +192,7 @@ def test_internal_rpcs_take_only_cluster_peers_and_decode_dials_only_granted_pre
     assert served.code == grpc.StatusCode.OK  # the router's own grants still work
 
 
-def test_fuzzed_requests_never_get_internal_nor_break_the_cluster(cluster) -> None:
+def test_fuzzed_requests_never_get_internal_nor_break_the_cluster(cluster, capsys) -> None:
     """Named kinds of bad input and random wire bytes, through the real router: every answer is a status that
     says what happened (never INTERNAL or UNKNOWN), and afterwards the router is SERVING and no KV block is held."""
     good = creds(cluster, "fuzz-key")
@@ -234,7 +234,8 @@ def test_fuzzed_requests_never_get_internal_nor_break_the_cluster(cluster) -> No
         loop.run_until_complete(ch.close())
         asyncio.set_event_loop(None)
         loop.close()
-    print(f"\nfuzz: {sum(kinds.values())} cases of {len(kinds)} kinds ({len(KINDS)} named); statuses {dict(codes)}")
+    with capsys.disabled():  # shown in `make test`'s output too, not only under -s
+        print(f"\nfuzz: {sum(kinds.values())} cases of {len(kinds)} kinds ({len(KINDS)} named); statuses {dict(codes)}")
     assert len(KINDS) >= 30
 
 
