@@ -17,6 +17,7 @@ from loadgen.metrics import GoodputSLO
 from loadgen.workload import DATASETS, WorkloadConfig
 from pdserve.config import EngineConfig
 from pdserve.flags import from_flags
+from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,6 +76,7 @@ def _bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", type=Path, help="write the results (with per-request records) here")
     p.add_argument("--plot-dir", type=Path, help="write PNG plots here")
+    add_client_flags(p)
     return p
 
 
@@ -109,6 +111,7 @@ def _bench(args: argparse.Namespace) -> int:
             workload=workload,
             request_rates=args.request_rate or (math.inf,),
             slo=GoodputSLO.parse(args.goodput),
+            credentials=client_credentials(args),
         )
     except (ValueError, OSError, RuntimeError) as e:  # bad flags, or a model whose vocabulary cannot be read
         errors.print(f"loadgen: {e}", style="red")

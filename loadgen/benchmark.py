@@ -21,6 +21,7 @@ from loadgen.report import json_rate, summary_table
 from loadgen.workload import WorkloadConfig, build_workload
 from pdserve.config import EngineConfig
 from pdserve.progress import counting
+from pdserve.rpc.credentials import ClientCredentials
 from pdserve.v1 import generate_pb2 as pb
 
 
@@ -42,6 +43,7 @@ class BenchmarkConfig:
     slo: GoodputSLO = field(default_factory=GoodputSLO)
     seed: int = 0
     send_slo: bool = False  # put the goodput TTFT/TPOT bounds into each request, for the router's admission
+    credentials: ClientCredentials | None = None  # TLS and API key (None: plaintext, no key)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -54,7 +56,7 @@ def make_backend(config: BenchmarkConfig) -> Backend:
     if config.backend == "grpc":
         from loadgen.grpc_backend import GrpcBackend
 
-        return GrpcBackend(config.address, pb.SLO(**bounds) if config.send_slo else None)
+        return GrpcBackend(config.address, pb.SLO(**bounds) if config.send_slo else None, config.credentials)
     from loadgen.openai_backend import OpenAIBackend
 
     chat = config.backend == "openai-chat"
@@ -65,6 +67,7 @@ def make_backend(config: BenchmarkConfig) -> Backend:
         config.endpoint,
         {k: v for k, v in bounds.items() if v} if config.send_slo else None,
         _detokenizer(config.model) if chat else None,
+        config.credentials.api_key if config.credentials else None,
     )
 
 

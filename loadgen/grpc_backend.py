@@ -14,6 +14,7 @@ import grpc
 from loadgen.client import Send
 from loadgen.record import RequestRecord
 from loadgen.workload import Request
+from pdserve.rpc.credentials import ClientCredentials
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
@@ -25,16 +26,22 @@ CONNECT_TIMEOUT_S = 30.0
 class GrpcBackend:
     address: str
     slo: pb.SLO | None = None  # sent with every request when set, for the router's admission
+    credentials: ClientCredentials | None = None  # TLS and API key (None: plaintext, no key)
 
     @asynccontextmanager
     async def session(self, max_in_flight: int) -> AsyncIterator[Send]:
-        async with channel(self.address) as ch:
-            await asyncio.wait_for(ch.channel_ready(), CONNECT_TIMEOUT_S)
-            yield partial(_stream, generate_pb2_grpc.GenerationStub(ch), self.slo)
+        metadata = self.credentials.metadata() if self.credentials else ()
+        async with channel(self.address, credentials=self.credentials) as ch:
+            await asyncio.wait_for(ch.channel_ready(), CONNECT_TIMEOUT_S)  # connecting is not the server's latency
+            yield partial(_stream, generate_pb2_grpc.GenerationStub(ch), self.slo, metadata)
 
 
 async def _stream(
-    stub: generate_pb2_grpc.GenerationStub, slo: pb.SLO | None, req: Request, record: RequestRecord
+    stub: generate_pb2_grpc.GenerationStub,
+    slo: pb.SLO | None,
+    metadata: tuple[tuple[str, str], ...],
+    req: Request,
+    record: RequestRecord,
 ) -> None:
     msg = pb.GenerateRequest(
         request_id=record.request_id,
@@ -44,7 +51,7 @@ async def _stream(
     )
     sent = time.perf_counter()
     try:
-        async for response in stub.Generate(msg):
+        async for response in stub.Generate(msg, metadata=metadata):
             record.message_times_s.append(time.perf_counter() - sent)
             record.message_tokens.append(len(response.token_ids))
     except grpc.aio.AioRpcError as e:

@@ -46,11 +46,13 @@ class OpenAIBackend:
     endpoint: str | None = None  # default: ENDPOINTS for the backend
     slo: dict[str, float] | None = None  # pdserve's `slo` extension, sent when set
     detokenize: Callable[[list[int]], str] | None = None  # chat: the prompt ids as text
+    api_key: str | None = None  # sent as `Authorization: Bearer KEY` when set
 
     @asynccontextmanager
     async def session(self, max_in_flight: int) -> AsyncIterator[Send]:
         limits = httpx2.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
-        async with httpx2.AsyncClient(base_url=self.base_url, timeout=None, limits=limits) as http:
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        async with httpx2.AsyncClient(base_url=self.base_url, timeout=None, limits=limits, headers=headers) as http:
             yield partial(self._stream, http)
 
     def payload(self, req: Request) -> dict[str, Any]:

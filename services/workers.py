@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.cluster.factories import Closeable, WorkerContext
 from pdserve.protocol.roles import Role
+from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
@@ -31,7 +32,8 @@ def _add_prefill(ctx: WorkerContext) -> TorchDistSender:
     from services.prefill.servicer import PrefillServicer
 
     engine, spec = ctx.engine, ctx.spec
-    sender = TorchDistSender(spec.host, device=engine.device, model_fingerprint=engine.fingerprint)
+    secret = ClusterSecret.from_env().transfer_key
+    sender = TorchDistSender(spec.host, device=engine.device, model_fingerprint=engine.fingerprint, secret=secret)
     run_and_send = RunAndSend(engine, sender, spec.worker_id, ctx.telemetry, ctx.metrics, env.fault_config())
     servicer = PrefillServicer(run_and_send)
     ctx.server.add(
@@ -49,13 +51,15 @@ def _add_decode(ctx: WorkerContext) -> TorchDistReceiver | None:
     from services.decode.prefill_client import PrefillClient
     from services.decode.servicer import DecodeServicer
 
-    engine, spec = ctx.engine, ctx.spec
+    engine, spec, cluster = ctx.engine, ctx.spec, ClusterSecret.from_env()
     receiver, handoff = None, None
     if spec.role is Role.DECODE:
-        receiver = TorchDistReceiver(spec.host, device=engine.device, model_fingerprint=engine.fingerprint)
+        receiver = TorchDistReceiver(
+            spec.host, device=engine.device, model_fingerprint=engine.fingerprint, secret=cluster.transfer_key
+        )
         prefill = PrefillClient(ctx.telemetry)
         handoff = Handoff(engine, receiver, prefill, spec.worker_id, ctx.telemetry, spec.kv_transfer_timeout_s)
-    servicer = DecodeServicer(engine, handoff, spec.worker_id, spec.role, ctx.telemetry, env.fault_config())
+    servicer = DecodeServicer(engine, handoff, spec.worker_id, spec.role, ctx.telemetry, env.fault_config(), cluster)
     ctx.server.add(
         lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
         [_SERVICES["DecodeWorker"].full_name],

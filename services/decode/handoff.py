@@ -9,9 +9,9 @@ cancels the Prefill call and a receive still waiting for its transfer, so a stuc
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+import secrets
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,6 +35,7 @@ class HandoffRequest:
     sampling: SamplingParams
     prefill_address: str  # host:port of the prefill worker the router placed it on
     client_request_id: str = ""  # the caller's own id: echoed in logs and traces, never a key
+    cache_salt: bytes = b""  # the router's prefix-cache salt, for the prefill worker's cache
 
 
 @dataclass
@@ -48,7 +49,6 @@ class Handoff:
     worker_id: str
     telemetry: Telemetry
     transfer_timeout_s: float
-    _tags: Iterator[int] = field(default_factory=lambda: itertools.count(1), init=False)
     # Frees waiting for a receive to end; a strong reference each until done (the loop keeps only weak ones).
     _freeing: set[asyncio.Future[None]] = field(default_factory=set, init=False)
 
@@ -66,7 +66,7 @@ class Handoff:
     async def _fill(self, request: HandoffRequest, blocks: list[int], time_remaining: TimeRemaining) -> FirstToken:
         """Has the prefill worker fill `blocks`; returns its first token once the KV is in place. Fails as soon
         as the transfer or the prefill worker fails, or the caller leaves, and then frees `blocks`."""
-        peer, tag = request.prefill_address, next(self._tags)
+        peer, tag = request.prefill_address, secrets.randbits(63)  # unguessable: names no other request
         receive: asyncio.Future[int] | None = None
         call: PrefillCall | None = None
         timeout_s = self._transfer_timeout(time_remaining)

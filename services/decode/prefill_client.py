@@ -10,7 +10,7 @@ from pdserve.errors import UnavailableError
 from pdserve.protocol.handoff import FirstToken, KVTarget
 from pdserve.rpc.convert import sampling_to_pb
 from pdserve.rpc.errors import error_from_rpc
-from pdserve.rpc.server import channel
+from pdserve.rpc.server import internal_channel
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
@@ -67,6 +67,7 @@ class PrefillClient:
         request = wpb.PrefillRequest(
             request_id=handoff.request_id,
             client_request_id=handoff.client_request_id,
+            cache_salt=handoff.cache_salt,
             prompt_token_ids=handoff.prompt,
             sampling=sampling_to_pb(handoff.sampling),
             target=wpb.KVTarget(
@@ -82,6 +83,6 @@ class PrefillClient:
 
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         if address not in self._stubs:
-            ch = channel(address, self._telemetry.client_interceptors())
+            ch = internal_channel(address, self._telemetry.client_interceptors())
             self._stubs[address] = worker_pb2_grpc.PrefillWorkerStub(ch)
         return self._stubs[address]

@@ -10,10 +10,11 @@ import grpc
 
 from pdserve.config import FaultConfig
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.errors import UnavailableError
+from pdserve.errors import PermissionDeniedError, UnavailableError
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.roles import Role
 from pdserve.rpc.convert import output_to_pb, sampling_from_pb
+from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.telemetry import Telemetry, request_id_var
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
@@ -33,6 +34,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     role: Role
     telemetry: Telemetry
     faults: FaultConfig = field(default_factory=FaultConfig)  # none injected
+    cluster: ClusterSecret = field(default_factory=ClusterSecret)  # checks the router's prefill grants
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
@@ -44,12 +46,23 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.engine.fail_when_stepped(request.request_id)
         outputs: AsyncIterator[RequestOutput]
         if not request.prefill_address:
-            outputs = generate_here(self.engine, self.telemetry, self.worker_id, request.request_id, prompt, sampling)
+            outputs = generate_here(
+                self.engine, self.telemetry, self.worker_id, request.request_id, prompt, sampling, request.cache_salt
+            )
         elif self.handoff is None:
             raise UnavailableError(f"worker {self.worker_id} ({self.role}) takes no KV hand-offs")
+        elif not self.cluster.check_prefill_grant(request.request_id, request.prefill_address, request.prefill_grant):
+            raise PermissionDeniedError(
+                "prefill_address", "not granted by the router: this worker dials only registered prefill workers"
+            )
         else:
             handoff = HandoffRequest(
-                request.request_id, prompt, sampling, request.prefill_address, request.client_request_id
+                request.request_id,
+                prompt,
+                sampling,
+                request.prefill_address,
+                request.client_request_id,
+                request.cache_salt,
             )
             outputs = self.handoff.stream(handoff, context.time_remaining)
         async with contextlib.aclosing(outputs) as stream:  # type: ignore[type-var]

@@ -38,6 +38,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             ),
             request.transfer_timeout_ms / 1e3,
             request.client_request_id,
+            request.cache_salt,
         )
         async with contextlib.aclosing(self.run_and_send.run(job)) as events:  # type: ignore[type-var]
             async for event in events:

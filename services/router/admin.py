@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.registry.base import Registry, WorkerState
-from pdserve.rpc.server import channel
+from pdserve.rpc.server import internal_channel
 from pdserve.v1 import admin_pb2 as apb
 from pdserve.v1 import admin_pb2_grpc
 from services.router.drain import DrainOutcome, drain_targets, drain_workers
@@ -27,6 +27,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ClusterStatus(  # noqa: N802 (gRPC method name)
         self, request: apb.ClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> apb.ClusterStatusResponse:
+        self.router.authenticate(context.invocation_metadata()).check_admin()
         workers = sorted(self.registry.workers(), key=lambda w: (w.role, w.worker_id))
         health = await asyncio.gather(*(_health(w.address) for w in workers))
         return apb.ClusterStatusResponse(
@@ -38,6 +39,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def DrainWorkers(  # noqa: N802 (gRPC method name)
         self, request: apb.DrainWorkersRequest, context: grpc.aio.ServicerContext
     ) -> apb.DrainWorkersResponse:
+        self.router.authenticate(context.invocation_metadata()).check_admin()
         workers = drain_targets(self.registry, list(request.worker_ids), request.host)
         outcomes = await drain_workers(workers, request.timeout_s, self.router.placement.ejections)
         return apb.DrainWorkersResponse(workers=[_drained(o) for o in outcomes])
@@ -85,7 +87,7 @@ def _drained(o: DrainOutcome) -> apb.WorkerDrain:
 
 async def _health(address: str) -> str:
     try:
-        async with channel(address) as ch:
+        async with internal_channel(address) as ch:
             reply = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S
             )

@@ -14,7 +14,7 @@ import grpc
 from pdserve.cluster.drain import DrainReport
 from pdserve.errors import InvalidRequestError
 from pdserve.registry.base import Registry, WorkerState
-from pdserve.rpc.server import channel
+from pdserve.rpc.server import internal_channel
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
 from services.router.ejection import Ejections
@@ -53,7 +53,7 @@ async def drain_workers(workers: list[WorkerState], timeout_s: float, ejections:
 async def _drain(worker: WorkerState, timeout_s: float) -> DrainOutcome:
     log.warning("draining worker %s at %s", worker.worker_id, worker.address)
     try:
-        async with channel(worker.address) as ch:
+        async with internal_channel(worker.address) as ch:
             r = await worker_pb2_grpc.WorkerControlStub(ch).Drain(
                 wpb.DrainRequest(timeout_s=timeout_s), timeout=timeout_s + ANSWER_SLACK_S
             )

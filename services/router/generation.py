@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 from pdserve.errors import InvalidRequestError
+from pdserve.security.api_keys import Tenant
 from pdserve.v1 import generate_pb2 as pb
 from services.router.lifecycle import RequestLifecycle
 from services.router.ticket import Ticket
@@ -21,11 +22,10 @@ class ModelNotFoundError(InvalidRequestError):
         super().__init__("model", message)
 
 
-def check_caller(lifecycle: RequestLifecycle, headers: Mapping[str, str]) -> None:
-    """The one place a caller's headers (gRPC metadata, HTTP headers: `authorization`) are checked; raises
-    when the lifecycle's `authenticate` hook refuses them."""
-    if lifecycle.authenticate is not None:
-        lifecycle.authenticate(headers)
+def check_caller(lifecycle: RequestLifecycle, headers: Mapping[str, str]) -> Tenant:
+    """The one place a caller's headers (gRPC metadata, HTTP headers: `authorization`) are checked: the
+    caller's tenant, or UnauthenticatedError (an open cluster serves everyone as one tenant)."""
+    return lifecycle.authenticate(headers)
 
 
 async def generate(
@@ -38,16 +38,18 @@ async def generate(
 ) -> AsyncIterator[pb.GenerateResponse]:
     """The request's stream. Everything refused before the first message raises here (InvalidRequestError,
     OverloadedError, UnavailableError, ModelNotFoundError for a `model` not served, and the caller's check
-    first of all); `on_admitted` runs once it is placed, before anything is relayed."""
+    first of all: UnauthenticatedError, PermissionDeniedError); `on_admitted` runs once it is placed, before
+    anything is relayed."""
     start = time.perf_counter()
-    with lifecycle.accounting(start):
-        check_caller(lifecycle, headers)
+    with lifecycle.accounting(start) as caller:
+        caller.tenant = check_caller(lifecycle, headers)
         if model is not None and model != lifecycle.served_model:
             raise ModelNotFoundError(
                 f"model {model[:128]!r} is not served here; this router serves {lifecycle.served_model!r}"
             )
-        ticket = await lifecycle.admit(request, start)
-        with ticket:
-            await on_admitted(ticket)
-            async for msg in lifecycle.stream(ticket, time_remaining):
-                yield msg
+        with lifecycle.quotas.session(caller.tenant) as quota:
+            ticket = await lifecycle.admit(request, start, quota)
+            with ticket:
+                await on_admitted(ticket)
+                async for msg in lifecycle.stream(ticket, time_remaining):
+                    yield msg

@@ -9,17 +9,26 @@ import contextvars
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 
 from opentelemetry import trace
 
 from pdserve.config import RouterConfig
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.errors import InvalidRequestError, OverloadedError, UnavailableError
+from pdserve.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from pdserve.metrics import RecentLatencies, RouterMetrics
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.registry.base import PrefixIndex, WorkerState
+from pdserve.security.api_keys import KeyTable, Metadata, Tenant, authenticate
+from pdserve.security.quotas import Quotas, QuotaSession
 from pdserve.telemetry import Telemetry, request_id_var
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import Admission, SLOTarget
@@ -37,6 +46,13 @@ NO_WORKERS_POLL_S = 0.1
 request_key_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_key", default=None)
 
 
+@dataclass
+class Caller:
+    """Who sent the request being accounted for, once known (its label on the request metrics and log line)."""
+
+    tenant: Tenant | None = None
+
+
 class RequestLifecycle:
     def __init__(
         self,
@@ -48,9 +64,12 @@ class RequestLifecycle:
         tracker: LoadTracker,
         telemetry: Telemetry,
         served_model: str = "",
+        keys: KeyTable | None = None,
     ) -> None:
         self.telemetry = telemetry
         self.served_model = served_model  # the name clients use for the model (the HTTP API's `model`)
+        self.keys = keys  # None: an open cluster
+        self.quotas = Quotas()
         self.metrics = RouterMetrics(telemetry.meter)
         self.recent = RecentLatencies()
         self.tokenizer = tokenizer
@@ -69,16 +88,19 @@ class RequestLifecycle:
             config.stall_timeout_s,
         )
         self.draining = False
-        # The caller's check on its headers (the API keys of issue 14); raises to refuse. None: no check.
-        self.authenticate: Callable[[Mapping[str, str]], object] | None = None
 
     @property
     def in_flight(self) -> int:
         return self.admission.in_flight
 
-    async def admit(self, msg: pb.GenerateRequest, started_at: float) -> Ticket:
-        """Build, place and admit, or raise (InvalidRequestError, OverloadedError, UnavailableError) before
-        anything is sent. The request gets its own unique key here; the caller's request_id is only echoed."""
+    def authenticate(self, metadata: Metadata) -> Tenant:
+        """The caller's tenant from its `authorization` metadata (UnauthenticatedError without a known key)."""
+        return authenticate(self.keys, metadata)
+
+    async def admit(self, msg: pb.GenerateRequest, started_at: float, quota: QuotaSession) -> Ticket:
+        """Build, place and admit, or raise (InvalidRequestError, OverloadedError, UnavailableError,
+        PermissionDeniedError) before anything is sent. The request gets its own unique key here; the caller's
+        request_id is only echoed. Its prompt and max_tokens are charged to its key's token rate."""
         key = uuid.uuid4().hex
         client_id = msg.request_id or key
         request_id_var.set(client_id)
@@ -86,14 +108,19 @@ class RequestLifecycle:
         ids = {"request.id": key, "request.client_id": client_id}
         trace.get_current_span().set_attributes(ids)
         with self.telemetry.tracer.start_as_current_span("admission", attributes=ids) as span:
+            quota.tenant.check_priority(msg.priority)
             config = self.config
-            req = await build_request(msg, self.tokenizer, self.model, config.default_max_tokens, config.request_limits)
+            req = await build_request(
+                msg, self.tokenizer, self.model, config.default_max_tokens, config.request_limits, quota.tenant.name
+            )
             span.set_attribute("prompt_tokens", len(req.prompt_token_ids))
             try:
+                quota.charge_tokens(len(req.prompt_token_ids) + req.sampling.max_tokens)
                 placement = await self._place_and_check(req)
             except (OverloadedError, InvalidRequestError) as e:
                 span.set_attribute("rejected", str(e))
                 raise
+            quota.admitted()
         prefill, decode = placement.prefill_worker, placement.decode
         trace.get_current_span().set_attributes(
             {"prefill.worker.id": prefill.worker_id, "decode.worker.id": decode.worker_id}
@@ -122,7 +149,9 @@ class RequestLifecycle:
         end = time.monotonic() + self.config.no_workers_wait_s
         while True:
             try:
-                return await self.placement.place(req.prompt_token_ids, req.sampling.max_tokens, tpot_slo_s)
+                return await self.placement.place(
+                    req.prompt_token_ids, req.sampling.max_tokens, tpot_slo_s, cache_salt=req.cache_salt
+                )
             except NoWorkersError:
                 if time.monotonic() >= end:
                     raise
@@ -192,9 +221,9 @@ class RequestLifecycle:
         _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         args = (req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3)
         try:
-            return await self.placement.place(*args, frozenset(failed))
+            return await self.placement.place(*args, frozenset(failed), req.cache_salt)
         except UnavailableError:
-            return await self.placement.place(*args)
+            return await self.placement.place(*args, cache_salt=req.cache_salt)
 
     def _record_move(
         self,
@@ -226,12 +255,18 @@ class RequestLifecycle:
             raise error
 
     @contextmanager
-    def accounting(self, started_at: float) -> Iterator[None]:
-        """Counts the request by how it ended and logs it once."""
-        outcome = "failed"
+    def accounting(self, started_at: float) -> Iterator[Caller]:
+        """Counts the request by how it ended and by tenant, and logs it once."""
+        outcome, caller = "failed", Caller()
         try:
-            yield
+            yield caller
             outcome = "finished"
+        except UnauthenticatedError:
+            outcome = "unauthenticated"
+            raise
+        except PermissionDeniedError:
+            outcome = "denied"
+            raise
         except InvalidRequestError:
             outcome = "invalid"
             raise
@@ -242,9 +277,11 @@ class RequestLifecycle:
             outcome = "cancelled"  # by the caller, or its deadline passed
             raise
         finally:
-            self.metrics.requests.add(1, {"outcome": outcome})
+            tenant = caller.tenant.name if caller.tenant else ""  # "": not authenticated
+            self.metrics.requests.add(1, {"outcome": outcome, "tenant": tenant})
             e2e_s = time.perf_counter() - started_at
             if outcome == "finished":
-                self.metrics.e2e.record(e2e_s)
+                self.metrics.e2e.record(e2e_s, {"tenant": tenant})
             extra = {"outcome": outcome, "e2e_ms": round(e2e_s * 1e3, 2), "request_key": request_key_var.get()}
+            extra["tenant"] = tenant
             log.info("request %s", outcome, extra=extra)

@@ -59,17 +59,23 @@ class PlacementPolicy(ABC):
         self.ejections = ejections or Ejections(predictor.config.ejection_s)
 
     async def place(
-        self, prompt: list[int], max_tokens: int, tpot_slo_s: float, avoid: frozenset[str] = frozenset()
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        tpot_slo_s: float,
+        avoid: frozenset[str] = frozenset(),
+        cache_salt: bytes = b"",
     ) -> Placement:
         """Called by the router per request; raises UnavailableError when no worker serves at all. `avoid`:
-        workers that already failed this request (a retry never goes back to them)."""
+        workers that already failed this request (a retry never goes back to them). `cache_salt`: the
+        request's prefix-cache salt; only blocks cached under it count as hits."""
         colocated = self._workers(Role.COLOCATED, avoid)
         prefills = colocated or self._workers(Role.PREFILL, avoid)
         decodes = colocated or self._workers(Role.DECODE, avoid)
         if not prefills or not decodes:
             raise NoWorkersError(f"no workers to serve: {len(prefills)} prefill, {len(decodes)} decode live")
         block_size = prefills[0].block_size
-        hashes = prefix_hashes(prompt[: len(prompt) - 1], block_size)
+        hashes = prefix_hashes(prompt[: len(prompt) - 1], block_size, cache_salt)
         hits = await self.prefix_index.match([w.worker_id for w in prefills], hashes)
         blocks = -(-(len(prompt) + max_tokens) // block_size)
         prefill, decode = self.choose(prefills, decodes, hits, len(prompt), blocks, tpot_slo_s)

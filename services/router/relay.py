@@ -14,7 +14,8 @@ from pdserve.errors import UnavailableError
 from pdserve.metrics import RecentLatencies, RouterMetrics
 from pdserve.rpc.convert import sampling_to_pb
 from pdserve.rpc.errors import error_from_rpc
-from pdserve.rpc.server import channel
+from pdserve.rpc.server import internal_channel
+from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
@@ -52,6 +53,7 @@ class Relay:
         self.first_token_s = first_token_s
         self.stall_s = stall_s  # the longest silence after the first message (services/router/stall.py)
         self._stubs: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
+        self.cluster = ClusterSecret.from_env()  # grants the decode worker the prefill address placed
 
     async def stream(
         self, ticket: Ticket, time_remaining: float | None, clock: Clock
@@ -65,7 +67,9 @@ class Relay:
             prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_pb(req.sampling),
             prefill_address=p.prefill.address if p.prefill else "",
+            prefill_grant=self.cluster.prefill_grant(ticket.key, p.prefill.address) if p.prefill else b"",
             client_request_id=ticket.client_id,
+            cache_salt=req.cache_salt,
         )
         call = self._stub(p.decode.address).Generate(forward, timeout=time_remaining)
         try:
@@ -139,6 +143,6 @@ class Relay:
 
     def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         if address not in self._stubs:
-            ch = channel(address, self.telemetry.client_interceptors())
+            ch = internal_channel(address, self.telemetry.client_interceptors())
             self._stubs[address] = worker_pb2_grpc.DecodeWorkerStub(ch)
         return self._stubs[address]

@@ -29,6 +29,8 @@ from pdserve.protocol.request_checks import (
 )
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.rpc.convert import sampling_from_pb
+from pdserve.security.api_keys import OPEN_TENANT
+from pdserve.security.cache_salt import cache_salt
 from pdserve.v1 import generate_pb2 as pb
 
 _T = TypeVar("_T")
@@ -46,6 +48,7 @@ class RoutedRequest:
     ttft_slo_ms: float
     tpot_slo_ms: float
     priority: int
+    cache_salt: bytes = b""  # the prefix-cache salt of its tenant (and its own cache_salt)
 
 
 async def build_request(
@@ -54,9 +57,12 @@ async def build_request(
     model: ModelConfig,
     default_max_tokens: int,
     limits: RequestLimits | None = None,
+    tenant: str = OPEN_TENANT,
 ) -> RoutedRequest:
-    """Raises InvalidRequestError naming the first bad field; nothing is sent anywhere before this passes."""
+    """Raises InvalidRequestError naming the first bad field; nothing is sent anywhere before this passes.
+    `tenant` salts the request's prefix-cache keys."""
     field = _input_field(msg)
+    salt = cache_salt(tenant, msg.cache_salt)
     _check_caps(msg, field, model, limits or RequestLimits())
     sampling = sampling_from_pb(msg.sampling, default_max_tokens)  # the one conversion, checked before tokenizing
     prompt = await _tokenize(msg, field, tokenizer)
@@ -70,6 +76,7 @@ async def build_request(
         ttft_slo_ms=msg.slo.ttft_ms,
         tpot_slo_ms=msg.slo.tpot_ms,
         priority=msg.priority,
+        cache_salt=salt,
     )
 
 

@@ -3,11 +3,15 @@ and its listeners: gRPC always, the OpenAI-compatible HTTP API when asked, both 
 
 from __future__ import annotations
 
+import logging
+
 from pdserve.config import RouterConfig
 from pdserve.engine.model_files import locate_model, read_model_config, tokenizer_folder
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.registry.base import PrefixIndex, Registry
+from pdserve.rpc.credentials import server_tls
 from pdserve.rpc.server import Server
+from pdserve.security.api_keys import KeyTable
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
 from services.router.admin import AdminServicer
@@ -18,6 +22,8 @@ from services.router.load_tracker import LoadTracker
 from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
 from services.router.predictor import Predictor
 from services.router.servicer import GenerationServicer
+
+log = logging.getLogger(__name__)
 
 
 class RouterServer:
@@ -61,9 +67,11 @@ async def start_router(
     tracker = LoadTracker()
     policy_cls = SLOAwarePlacement if config.policy == "slo" else RoundRobinPlacement
     policy = policy_cls(registry, prefix_index, Predictor(config, tracker))
-    lifecycle = RequestLifecycle(tokenizer, model_config, config, policy, prefix_index, tracker, telemetry, model)
-    server = Server(host, port, telemetry.server_interceptors())
+    keys = _key_table(config, host, port)
+    lifecycle = RequestLifecycle(tokenizer, model_config, config, policy, prefix_index, tracker, telemetry, model, keys)
     servicer = GenerationServicer(lifecycle)
+    tls = server_tls(config.tls_cert, config.tls_key, config.tls_client_ca)
+    server = Server(host, port, telemetry.server_interceptors(), reflection=config.reflection, tls=tls)
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
@@ -73,9 +81,21 @@ async def start_router(
         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s),
         [admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name],
     )
-    http = HttpServer(openai_app(lifecycle), host, http_port) if http_port is not None else None
+    http = HttpServer(openai_app(lifecycle), host, http_port, tls) if http_port is not None else None
     await server.start()
     if http is not None:
         await http.start()
     await server.set_serving(True)
     return RouterServer(server, http), lifecycle
+
+
+def _key_table(config: RouterConfig, host: str, port: int) -> KeyTable | None:
+    """The API keys, or None and a warning: without keys anyone who reaches the port is served, at any priority."""
+    if config.api_keys_file:
+        keys = KeyTable.from_file(config.api_keys_file)
+        log.info("API keys required: %d keys from %s", len(keys), config.api_keys_file)
+        return keys
+    log.warning(
+        "no --api-keys: this cluster is OPEN; anyone who can reach %s:%d may send requests at any priority", host, port
+    )
+    return None

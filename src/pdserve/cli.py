@@ -16,6 +16,7 @@ from pdserve.config import CLUSTER_MODES, ClusterConfig, EngineConfig, RouterCon
 from pdserve.drain_commands import add_drain_commands
 from pdserve.flags import add_engine_flags, engine_config, flag_values, from_flags
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 if TYPE_CHECKING:
     from pdserve.cluster.factories import ClusterServices
@@ -99,6 +100,9 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
         default=c.max_restarts,
         help="times Ray restarts a worker that died; past that the launcher replaces it with a new one",
     )
+    up.add_argument("--internal-tls-cert", help="PEM certificate every worker and the router present internally")
+    up.add_argument("--internal-tls-key", help="PEM key of --internal-tls-cert")
+    up.add_argument("--internal-tls-ca", help="PEM cluster CA: internal peers must hold a certificate it signed (mTLS)")
     up.add_argument("--log-level", default=c.log_level, help="DEBUG, INFO, WARNING, ERROR (JSON lines on stderr)")
     up.set_defaults(func=partial(_up, services=services))
 
@@ -106,6 +110,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     status.add_argument("--addr", required=True, help="router HOST:PORT")
     status.add_argument("--json", action="store_true", help='print {"workers": [...]} as JSON')
     status.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    add_client_flags(status)
     status.set_defaults(func=_status)
 
     client = sub.add_parser("client", help="stream an answer from a running cluster")
@@ -116,6 +121,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     client.add_argument("--temperature", type=float, default=SamplingParams.temperature, help="0: greedy")
     client.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     client.add_argument("--json", action="store_true")
+    add_client_flags(client)
     client.set_defaults(func=_client)
 
     fetch = sub.add_parser("fetch", help="fetch and convert a built-in model into the cache, once")
@@ -159,6 +165,22 @@ def _add_router_overrides(p: argparse.ArgumentParser) -> None:
         help="treat a stream as broken (its decode worker ejected, the request migrated) when the worker sends "
         f"nothing this long after the first message (default: {r.stall_timeout_s:g})",
     )
+    p.add_argument(
+        "--no-reflection",
+        dest="reflection",
+        action="store_const",
+        const=False,
+        help="turn gRPC server reflection off on the public port (on by default)",
+    )
+    p.add_argument(
+        "--api-keys",
+        dest="api_keys_file",
+        metavar="FILE",
+        help="TOML file of API keys (SHA-256 digests, tenants, limits; see README); without it the cluster is open",
+    )
+    p.add_argument("--tls-cert", help="PEM certificate: serve TLS on the public port (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="PEM CA: require client certificates signed by it (mTLS)")
 
 
 def _up(args: argparse.Namespace, services: ClusterServices | None) -> int:
@@ -177,10 +199,33 @@ def _up(args: argparse.Namespace, services: ClusterServices | None) -> int:
         print(f"pdserve up: unknown --log-level {args.log_level!r}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, service="pdserve-router")
+    try:
+        config = _cluster_config(args)
+        _check_security_files(config)
+    except (ValueError, OSError) as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
     if not _model_in_cache(args.model):  # here, with progress on a terminal, not in every worker
         return 1
-    asyncio.run(run_cluster(_cluster_config(args), services))
+    asyncio.run(run_cluster(config, services))
     return 0
+
+
+def _check_security_files(config: ClusterConfig) -> None:
+    """Before any worker starts: a key file that does not parse or a certificate file that is missing fails
+    `pdserve up` at once, naming it, instead of after the workers are up."""
+    from pdserve.rpc.credentials import server_tls
+    from pdserve.security.api_keys import KeyTable
+
+    r = config.router
+    if r.api_keys_file:
+        KeyTable.from_file(r.api_keys_file)
+    server_tls(r.tls_cert, r.tls_key, r.tls_client_ca)
+    paths = [r.tls_cert, r.tls_key, r.tls_client_ca, config.internal_tls_cert]
+    paths += [config.internal_tls_key, config.internal_tls_ca]
+    for path in filter(None, paths):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no such file: {path}")
 
 
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
@@ -217,7 +262,7 @@ def _client(args: argparse.Namespace) -> int:
 
     async def run() -> int:
         result = None
-        async for msg, running in generate(args.addr, request, args.timeout):
+        async for msg, running in generate(args.addr, request, args.timeout, client_credentials(args)):
             result = running
             if not args.json:
                 print(msg.text, end="", flush=True)
@@ -274,10 +319,12 @@ def _status(args: argparse.Namespace) -> int:
     from pdserve.rpc.server import channel
     from pdserve.v1 import admin_pb2, admin_pb2_grpc
 
+    credentials = client_credentials(args)
+
     async def ask() -> admin_pb2.ClusterStatusResponse:
-        async with channel(args.addr) as ch:
+        async with channel(args.addr, credentials=credentials) as ch:
             return await admin_pb2_grpc.AdminStub(ch).ClusterStatus(
-                admin_pb2.ClusterStatusRequest(), timeout=args.timeout
+                admin_pb2.ClusterStatusRequest(), timeout=args.timeout, metadata=credentials.metadata()
             )
 
     try:

@@ -100,6 +100,11 @@ class RouterConfig:
     # A role with no live worker at all: wait this long for one (a drained worker's replacement, a slow worker
     # re-listed) before answering UNAVAILABLE.
     no_workers_wait_s: float = 3.0
+    reflection: bool = True  # gRPC server reflection on the public port (--no-reflection: off)
+    api_keys_file: str | None = None  # TOML of API keys (--api-keys); None: an open cluster, said at start
+    tls_cert: str | None = None  # PEM files: TLS on the public port (--tls-cert/--tls-key); None: plaintext
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # clients must present a certificate signed by this CA (mTLS)
 
     def __post_init__(self) -> None:
         if self.policy not in ("slo", "round-robin"):
@@ -167,10 +172,16 @@ class ClusterConfig:
     http_port: int | None = None  # the router's OpenAI-compatible HTTP API; None (or --http-port 0): not served
     log_level: str = "INFO"
     kv_transfer_timeout_s: float = 30.0  # decode side: a KV transfer not done by then fails, freeing its blocks
+    internal_tls_cert: str | None = None  # PEM files: mTLS on every internal hop (all three, or none)
+    internal_tls_key: str | None = None
+    internal_tls_ca: str | None = None  # the cluster CA: internal peers must present a certificate it signed
 
     def __post_init__(self) -> None:
         if self.mode not in CLUSTER_MODES:
             raise ValueError(f"mode must be one of {CLUSTER_MODES}, got {self.mode!r}")
+        given = [self.internal_tls_cert, self.internal_tls_key, self.internal_tls_ca]
+        if any(given) and not all(given):
+            raise ValueError("give all of --internal-tls-cert, --internal-tls-key and --internal-tls-ca, or none")
 
     @property
     def roles(self) -> list[Role]:

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from pdserve.config import ClusterConfig
+from pdserve.rpc.credentials import ClientCredentials, add_client_flags, client_credentials
 
 ANSWER_SLACK_S = 120.0  # past the drain timeout: cut streams' cleanup, the router's own slack
 READY_POLL_S = 0.5
@@ -28,6 +29,7 @@ def add_drain_commands(sub: Any) -> None:
     drain.add_argument("--host", default=None, help="drain every worker advertised on this host instead")
     drain.add_argument("--timeout", type=float, default=ClusterConfig.worker_drain_timeout_s, help=timeout_help)
     drain.add_argument("--json", action="store_true", help="one JSON object per worker per line")
+    add_client_flags(drain)
     drain.set_defaults(func=_drain)
 
     restart = sub.add_parser("restart", help="rolling restart: drain each worker in turn, wait until it is back")
@@ -37,6 +39,7 @@ def add_drain_commands(sub: Any) -> None:
     restart.add_argument(
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for each new worker to serve"
     )
+    add_client_flags(restart)
     restart.set_defaults(func=_restart)
 
 
@@ -44,7 +47,8 @@ def _drain(args: argparse.Namespace) -> int:
     if bool(args.worker_ids) == bool(args.host):
         print("pdserve drain: name WORKER_IDs or --host, not both or neither", file=sys.stderr)
         return 2
-    return _run(_drain_and_print(args.addr, args.worker_ids, args.host or "", args.timeout, args.json), "drain")
+    creds = client_credentials(args)
+    return _run(_drain_and_print(args.addr, args.worker_ids, args.host or "", args.timeout, args.json, creds), "drain")
 
 
 def _restart(args: argparse.Namespace) -> int:
@@ -61,13 +65,17 @@ def _run(work: Any, command: str) -> int:
         return 1
 
 
-async def _drain_and_print(addr: str, worker_ids: list[str], host: str, timeout_s: float, as_json: bool) -> int:
+async def _drain_and_print(
+    addr: str, worker_ids: list[str], host: str, timeout_s: float, as_json: bool, creds: ClientCredentials
+) -> int:
     from pdserve.rpc.server import channel
     from pdserve.v1 import admin_pb2, admin_pb2_grpc
 
     request = admin_pb2.DrainWorkersRequest(worker_ids=worker_ids, host=host, timeout_s=timeout_s)
-    async with channel(addr) as ch:
-        reply = await admin_pb2_grpc.AdminStub(ch).DrainWorkers(request, timeout=timeout_s + ANSWER_SLACK_S)
+    async with channel(addr, credentials=creds) as ch:
+        reply = await admin_pb2_grpc.AdminStub(ch).DrainWorkers(
+            request, timeout=timeout_s + ANSWER_SLACK_S, metadata=creds.metadata()
+        )
     for w in reply.workers:
         print(_json(w) if as_json else _line(w), flush=True)
     if not reply.workers:
@@ -91,13 +99,14 @@ def _json(w: Any) -> str:
 
 
 async def _rolling_restart(args: argparse.Namespace) -> int:
-    workers = await _workers(args.addr)
+    creds = client_credentials(args)
+    workers = await _workers(args.addr, creds)
     ids = args.worker_ids or [w.id for w in sorted(workers, key=lambda w: (w.role, w.id))]
     for worker_id in ids:
-        if await _drain_and_print(args.addr, [worker_id], "", args.timeout, False) != 0:
+        if await _drain_and_print(args.addr, [worker_id], "", args.timeout, False, creds) != 0:
             return 1
         start = time.monotonic()
-        address = await _until_serving(args.addr, worker_id, args.ready_timeout)
+        address = await _until_serving(args.addr, worker_id, args.ready_timeout, creds)
         if address is None:
             print(f"pdserve restart: {worker_id} not back within {args.ready_timeout:g} s", file=sys.stderr)
             return 1
@@ -105,20 +114,22 @@ async def _rolling_restart(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _workers(addr: str) -> list[Any]:
+async def _workers(addr: str, creds: ClientCredentials) -> list[Any]:
     from pdserve.rpc.server import channel
     from pdserve.v1 import admin_pb2, admin_pb2_grpc
 
-    async with channel(addr) as ch:
-        reply = await admin_pb2_grpc.AdminStub(ch).ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=10)
+    async with channel(addr, credentials=creds) as ch:
+        reply = await admin_pb2_grpc.AdminStub(ch).ClusterStatus(
+            admin_pb2.ClusterStatusRequest(), timeout=10, metadata=creds.metadata()
+        )
     return list(reply.workers)
 
 
-async def _until_serving(addr: str, worker_id: str, timeout_s: float) -> str | None:
+async def _until_serving(addr: str, worker_id: str, timeout_s: float, creds: ClientCredentials) -> str | None:
     """The address of the worker with this id once it is in placement again, serving and not draining."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        for w in await _workers(addr):
+        for w in await _workers(addr, creds):
             if w.id == worker_id and w.health == "SERVING" and not w.draining:
                 return w.address
         await asyncio.sleep(READY_POLL_S)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 from pdserve.config import FaultConfig
@@ -59,3 +60,43 @@ def otel_traces_protocol() -> str:
         or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
         or "http/protobuf"
     ).strip()
+
+
+def api_key() -> str | None:
+    """PDSERVE_API_KEY: the key clients send when no --api-key is given (keeps it out of `ps` output)."""
+    return os.environ.get("PDSERVE_API_KEY") or None
+
+
+CLUSTER_SECRET_VAR = "PDSERVE_CLUSTER_SECRET"
+
+
+def cluster_secret() -> bytes:
+    """PDSERVE_CLUSTER_SECRET: proves a caller is a cluster peer (security/cluster_secret.py); b"": none."""
+    return os.environ.get(CLUSTER_SECRET_VAR, "").encode()
+
+
+def ensure_cluster_secret() -> None:
+    """`pdserve up`: a fresh random secret for this run unless one is set; its workers inherit it with the other
+    PDSERVE_* variables (`worker_env`)."""
+    if not os.environ.get(CLUSTER_SECRET_VAR):
+        os.environ[CLUSTER_SECRET_VAR] = secrets.token_hex(32)
+
+
+_INTERNAL_TLS_VARS = ("PDSERVE_INTERNAL_TLS_CERT", "PDSERVE_INTERNAL_TLS_KEY", "PDSERVE_INTERNAL_TLS_CA")
+
+
+def internal_tls() -> tuple[str, str, str] | None:
+    """PDSERVE_INTERNAL_TLS_{CERT,KEY,CA}: PEM files for mTLS on every internal hop; None when unset."""
+    cert, key, ca = (os.environ.get(v, "") for v in _INTERNAL_TLS_VARS)
+    return (cert, key, ca) if cert and key and ca else None
+
+
+def export_internal_tls(cert: str, key: str, ca: str) -> None:
+    """`pdserve up --internal-tls-*`: before Ray starts, so the workers (and this process's channels) read them."""
+    for name, value in zip(_INTERNAL_TLS_VARS, (cert, key, ca), strict=True):
+        os.environ[name] = value
+
+
+def redis_password() -> str | None:
+    """PDSERVE_REDIS_PASSWORD: the registry's Redis password when its URL carries none (a URL's own wins)."""
+    return os.environ.get("PDSERVE_REDIS_PASSWORD") or None

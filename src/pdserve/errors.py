@@ -24,8 +24,12 @@ class UnavailableError(RuntimeError):
 
 
 class UnauthenticatedError(RuntimeError):
-    """The caller sent no credentials, or ones the server does not know. -> UNAUTHENTICATED (HTTP 401)."""
+    """No credential, or one the server does not know. -> UNAUTHENTICATED."""
 
 
 class PermissionDeniedError(RuntimeError):
-    """The caller is known but may not do this. -> PERMISSION_DENIED (HTTP 403)."""
+    """A known caller asked for more than it may; `field` names what. -> PERMISSION_DENIED."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field

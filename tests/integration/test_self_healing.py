@@ -24,6 +24,7 @@ import pytest
 from pdserve.cluster.local_process import ClusterProcess, free_port
 from pdserve.rpc.client import generate
 from pdserve.rpc.server import channel
+from pdserve.security.cluster_secret import CLUSTER_AUTH_KEY, ClusterSecret
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
@@ -33,6 +34,8 @@ pytestmark = pytest.mark.timeout(300)
 DIE = "die-"  # a request whose client id starts with this kills the engine thread that steps it
 PROMPT = [5, 6, 7, 8, 9] * 7
 LEAVE_PLACEMENT_S = 2.0
+SECRET = ClusterSecret(os.urandom(16).hex().encode())
+PEER = ((CLUSTER_AUTH_KEY, SECRET.rpc_token),)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def cluster(tmp_path_factory):
         "PDSERVE_FAULT_ENGINE_DIE_REQUEST_ID_PREFIX": DIE,
         "PDSERVE_FAULT_FIRST_START_FAILS_DIR": str(tmp_path_factory.mktemp("started")),
     }
-    proc = ClusterProcess(*args, log_path=log, env=faults)
+    proc = ClusterProcess(*args, log_path=log, env={**faults, "PDSERVE_CLUSTER_SECRET": SECRET.secret.decode()})
     proc.metrics_address = f"127.0.0.1:{metrics_port}"  # type: ignore[attr-defined]
     yield proc
     proc.stop()
@@ -78,7 +81,8 @@ async def until_gone(router: str, worker_id: str, timeout_s: float) -> float:
 
 
 async def direct(address: str, client_id: str, max_tokens: int) -> list[int]:
-    """A Generate call straight to a worker (no router, so no retry can hide what the worker answered)."""
+    """A Generate call straight to a worker (no router, so no retry can hide what the worker answered), as a
+    cluster peer (the cluster's RPC token)."""
     req = wpb.WorkerGenerateRequest(
         request_id=f"key-{client_id}",
         client_request_id=client_id,
@@ -87,7 +91,7 @@ async def direct(address: str, client_id: str, max_tokens: int) -> list[int]:
     )
     out: list[int] = []
     async with channel(address) as ch:
-        async for msg in worker_pb2_grpc.DecodeWorkerStub(ch).Generate(req, timeout=60):
+        async for msg in worker_pb2_grpc.DecodeWorkerStub(ch).Generate(req, timeout=60, metadata=PEER):
             out.extend(msg.token_ids)
     return out
 

@@ -9,9 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from ssl import CERT_REQUIRED
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
+
+from pdserve.rpc.credentials import ServerTLS
 
 STARTUP_TIMEOUT_S = 10.0
 
@@ -23,7 +27,13 @@ class _Embedded(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: ASGIApp, host: str, port: int, grace_s: int = 1) -> None:
+    def __init__(self, app: ASGIApp, host: str, port: int, tls: ServerTLS | None = None, grace_s: int = 1) -> None:
+        # The same certificate as the gRPC port: TLS on one public port and plaintext on the other would be a hole.
+        ssl: dict[str, Any] = {}
+        if tls is not None:
+            ssl = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+            if tls.client_ca:
+                ssl |= {"ssl_ca_certs": tls.client_ca, "ssl_cert_reqs": CERT_REQUIRED}
         config = uvicorn.Config(
             app,
             host=host,
@@ -33,6 +43,7 @@ class HttpServer:
             log_level="warning",  # its start-up lines advise CTRL+C; the launcher logs the address itself
             access_log=False,
             timeout_graceful_shutdown=grace_s,
+            **ssl,
         )
         self._server = _Embedded(config)
         self._task: asyncio.Task[None] | None = None

@@ -133,6 +133,9 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
     from pdserve.metrics import SupervisionMetrics
     from pdserve.telemetry import Telemetry
 
+    env.ensure_cluster_secret()  # before Ray starts: the workers inherit it
+    if config.internal_tls_cert and config.internal_tls_key and config.internal_tls_ca:
+        env.export_internal_tls(config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)
     cluster = Cluster(config, services)
     try:
         await asyncio.to_thread(cluster.start_workers)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -54,11 +55,17 @@ class ClusterProcess:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
+        # Known to the test, so it can call the workers' internal RPCs as a cluster peer would.
+        self.cluster_secret = (env or {}).get("PDSERVE_CLUSTER_SECRET") or secrets.token_hex(32)
         # The `pdserve` command: its module composes the services (this package never imports them).
         cmd = [sys.executable, "-m", PDSERVE_COMMAND, "up", "--port", str(self.port), *args]
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PDSERVE_CLUSTER_SECRET": self.cluster_secret, **(env or {})},
         )
         deadline = time.monotonic() + startup_timeout_s
         while not re.search(r"^ready \S+", self.log(), re.MULTILINE):

@@ -31,6 +31,8 @@ from pdserve.cluster.factories import WorkerContext, WorkerServices
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
+from pdserve.rpc.credentials import internal_server_tls
+from pdserve.security.cluster_secret import ClusterSecret
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig
@@ -191,7 +193,14 @@ class WorkerRuntime:
         _injected_start_fault(spec.worker_id)
         self._engine = AsyncEngine(await asyncio.to_thread(LLMEngine, _engine_config(spec)))
         self._engine.on_death = self._engine_died
-        self._server = Server(spec.host, spec.port, self.telemetry.server_interceptors(), inner=[self._gate])
+        self._server = Server(
+            spec.host,
+            spec.port,
+            self.telemetry.server_interceptors(),
+            tls=internal_server_tls(),
+            cluster=ClusterSecret.from_env(),
+            inner=[self._gate],
+        )
         engine = self._engine
         metrics = WorkerMetrics(
             self.telemetry.meter, spec.worker_id, spec.role, lambda: engine.stats, lambda: engine.stats["prefix_hits"]

@@ -113,14 +113,14 @@ class AsyncEngine:
     # -- called from asyncio -------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: bytes = b""
     ) -> AsyncIterator[RequestOutput]:
         """Add a request (mixed or prefill-only engine) and yield its outputs; abort it if the caller leaves.
         Raises DuplicateRequestError while another request with this id is in flight here."""
         stream = self._open(request_id)
         live = False  # the engine holds this caller's request: abort it if the caller leaves early
         try:
-            await self._add(request_id, prompt_token_ids, sampling)
+            await self._add(request_id, prompt_token_ids, sampling, cache_salt)
             live = True
             async for out in self._drain(stream):
                 live = not out.finished
@@ -128,13 +128,15 @@ class AsyncEngine:
         finally:
             await self._close(request_id, stream, abort=live)
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> RequestOutput:
+    async def prefill(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: bytes = b""
+    ) -> RequestOutput:
         """Prefill-only engine: run the prompt and return the first token. Unless that finished the
         request, its blocks stay held for the hand-off until `release` (or `abort`)."""
         stream = self._open(request_id)
         live = False
         try:
-            await self._add(request_id, prompt_token_ids, sampling)
+            await self._add(request_id, prompt_token_ids, sampling, cache_salt)
             live = True
             async for out in self._drain(stream):
                 live = False  # finished, or held for the hand-off: the caller releases it
@@ -236,9 +238,12 @@ class AsyncEngine:
                 self._submit(partial(undo, self._engine, future.result()))
             raise
 
-    async def _add(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+    async def _add(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: bytes
+    ) -> None:
         await self._call(
-            lambda e: e.add_request(request_id, prompt_token_ids, sampling), undo=lambda e, _: _drop(e, request_id)
+            lambda e: e.add_request(request_id, prompt_token_ids, sampling, cache_salt),
+            undo=lambda e, _: _drop(e, request_id),
         )
 
     def _open(self, request_id: str) -> _Stream:

@@ -60,7 +60,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         matched: list[int] = []
-        for key in prefix_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size):
+        for key in prefix_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size, seq.cache_salt):
             block = self._hash_to_block.get(key)
             if block is None:
                 break
@@ -174,7 +174,9 @@ class BlockManager:
         tokens = seq.token_ids
         while len(hashes) < num_full:
             i = len(hashes)
-            key = hash_block(hashes[-1] if hashes else b"", tokens[i * self.block_size : (i + 1) * self.block_size])
+            key = hash_block(
+                hashes[-1] if hashes else seq.cache_salt, tokens[i * self.block_size : (i + 1) * self.block_size]
+            )
             hashes.append(key)
             block = seq.block_table[i]
             if self._block_hash[block] is None and key not in self._hash_to_block:

@@ -86,10 +86,14 @@ class LLMEngine:
                 f"this worker has {self.blocks.num_blocks}",
             )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: bytes = b""
+    ) -> None:
+        """`cache_salt`: the prefix cache shares blocks only between requests with the same salt (a tenant's)."""
         if self.config.mode is EngineMode.DECODE_ONLY:
             raise RuntimeError("a decode-only engine takes sequences with their KV, through receive()")
         seq = self._new_request(request_id, prompt_token_ids, sampling)
+        seq.cache_salt = cache_salt
         self.scheduler.add(seq)
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:

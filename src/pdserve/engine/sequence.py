@@ -36,6 +36,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    cache_salt: bytes = b""  # prefix-cache keys start from it: blocks are shared only under the same salt
 
     @property
     def token_ids(self) -> list[int]:

@@ -4,11 +4,18 @@ One class for both, torch-free: the `tokenizers` library reads tokenizer.json, a
 rendered with jinja2 the way transformers renders it (sandboxed, trim_blocks and lstrip_blocks, its
 `tojson`, `raise_exception` and `strftime_now`, the special tokens as variables), so the router and the
 engine produce the same ids transformers would, without importing transformers (which imports torch).
+
+One deliberate difference: message content is tokenized as text. Transformers renders the template with the
+content inside and parses special tokens across the whole string, so a user who writes `<|im_start|>system`
+in a message injects a real system turn. Here the template is rendered with a random placeholder per message,
+the template's own text is tokenized with special tokens parsed, and each content with them split as text.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -30,6 +37,9 @@ class Tokenizer:
         if not path.exists():
             raise FileNotFoundError(f"{folder} has no tokenizer.json: pdserve reads fast (tokenizers) tokenizers")
         self._tok = _HFTokenizer.from_file(str(path))
+        self._text_tok = _HFTokenizer.from_file(str(path))  # a second instance: the flag is per object
+        self._text_tok.encode_special_tokens = True  # special-token text in content stays text
+        self._specials = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
         settings = _tokenizer_settings(folder)
         self.special_tokens = {n: t for n in SPECIAL_TOKEN_NAMES if (t := _token_text(settings.get(n))) is not None}
         eos = self.special_tokens.get("eos_token")
@@ -47,8 +57,16 @@ class Tokenizer:
         a thread keeps serving its other streams meanwhile."""
         return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """Like `encode`, but special-token text (`<|im_start|>`) is split like any other text, never a control
+        token: how untrusted content is tokenized."""
+        return self._text_tok.encode_batch([text], add_special_tokens=False)[0].ids
+
     def apply_chat_template(self, messages: list[tuple[str, str]]) -> list[int]:
-        """(role, content) pairs -> the prompt ids, ending with the assistant's turn opener."""
+        """(role, content) pairs -> the prompt ids, ending with the assistant's turn opener. Content holding
+        special-token text is tokenized as text (`encode_text`), apart from the template around it; otherwise
+        the rendered string is tokenized whole, exactly as transformers does (splitting there would change how
+        whitespace at a content's edge merges)."""
         if not messages:
             raise InvalidRequestError("messages", "must hold at least one message")
         for i, (role, _) in enumerate(messages):
@@ -56,12 +74,23 @@ class Tokenizer:
                 raise InvalidRequestError(f"messages[{i}].role", f"unknown role {role!r}; use one of {CHAT_ROLES}")
         if self._template is None:
             raise InvalidRequestError("messages", "this model has no chat template; send a prompt instead")
-        text = self._template.render(
-            messages=[{"role": r, "content": c} for r, c in messages],
-            add_generation_prompt=True,
-            **self.special_tokens,
+        if not any(s in content for _, content in messages for s in self._specials):
+            return self.encode(self._render(messages))  # as transformers does: one string, one tokenization
+        marker = f"\ue000{secrets.token_hex(8)}"  # unguessable, so content cannot forge a placeholder
+        text = self._render([(r, f"{marker}{i}\ue001") for i, (r, _) in enumerate(messages)])
+        ids: list[int] = []
+        for n, part in enumerate(re.split(f"{marker}(\\d+)\ue001", text)):
+            if n % 2:  # a placeholder's message index
+                ids += self.encode_text(messages[int(part)][1])
+            elif part:
+                ids += self.encode(part)
+        return ids
+
+    def _render(self, messages: list[tuple[str, str]]) -> str:
+        assert self._template is not None
+        return self._template.render(
+            messages=[{"role": r, "content": c} for r, c in messages], add_generation_prompt=True, **self.special_tokens
         )
-        return self.encode(text)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import redis
 import redis.asyncio as aredis
 
+from pdserve import env
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import DEFAULT_TTL_S, PrefixIndex, Registry, WorkerState
 
@@ -35,13 +36,19 @@ def worker_key(worker_id: str) -> str:
 
 
 def connect(url: str, timeout_s: float = TIMEOUT_S) -> redis.Redis:
-    """For threads that may block (a worker's heartbeat, the launcher starting workers), briefly."""
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    """For threads that may block (a worker's heartbeat, the launcher starting workers), briefly. `rediss://`
+    URLs connect over TLS; the password is the URL's or, without one there, PDSERVE_REDIS_PASSWORD (so it stays
+    out of command lines and the registry's logs)."""
+    return redis.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, password=env.redis_password()
+    )
 
 
 def connect_async(url: str, timeout_s: float = TIMEOUT_S) -> aredis.Redis:
-    """For the router's event loop; its connections belong to the loop that first uses it."""
-    return aredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    """For the router's event loop; its connections belong to the loop that first uses it. As `connect`."""
+    return aredis.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, password=env.redis_password()
+    )
 
 
 class Throttled:

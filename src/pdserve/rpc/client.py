@@ -6,6 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pdserve.rpc.credentials import ClientCredentials
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
@@ -29,14 +30,18 @@ class StreamResult:
 
 
 async def generate(
-    address: str, request: pb.GenerateRequest, timeout_s: float | None = None
+    address: str,
+    request: pb.GenerateRequest,
+    timeout_s: float | None = None,
+    credentials: ClientCredentials | None = None,
 ) -> AsyncIterator[tuple[pb.GenerateResponse, StreamResult]]:
     """Yields each stream message with the running result (timings filled in as they become known)."""
     result = StreamResult()
     start = time.perf_counter()
-    async with channel(address) as ch:
+    async with channel(address, credentials=credentials) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
-        async for msg in stub.Generate(request, timeout=timeout_s):
+        metadata = credentials.metadata() if credentials else ()
+        async for msg in stub.Generate(request, timeout=timeout_s, metadata=metadata):
             now = time.perf_counter() - start
             if msg.token_ids and not result.token_ids:
                 result.ttft_s = now

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -36,6 +37,10 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, UnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, UnauthenticatedError):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
+    if isinstance(exc, PermissionDeniedError):
+        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
     if isinstance(exc, UnauthenticatedError):
@@ -55,6 +60,8 @@ def error_from_rpc(e: grpc.aio.AioRpcError, peer: str) -> Exception:
         return OverloadedError(detail, retry_after_ms(e.trailing_metadata()) or 1000)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError(detail)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return UnauthenticatedError(detail)
     return UnavailableError(f"{detail} ({code.name})")
 
 
@@ -68,12 +75,39 @@ def retry_after_ms(metadata: Any) -> int | None:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     mapped = _status_for(exc)
-    if mapped is None:
-        log.exception("unhandled error in handler", exc_info=exc)
-        mapped = (grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
+    if mapped is None:  # a bug: its text may hold paths, addresses or another request's data, so only the log has it
+        error_id = uuid.uuid4().hex[:16]
+        log.exception("unhandled error in handler (error id %s)", error_id, exc_info=exc, extra={"error_id": error_id})
+        mapped = (grpc.StatusCode.INTERNAL, f"internal error (error id {error_id}, in the server's log)")
     if isinstance(exc, OverloadedError):
         context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(exc.retry_after_ms)),))
     await context.abort(*mapped)
+
+
+class _Malformed:
+    """What a request that does not parse (bad wire format, invalid UTF-8 in a string) becomes, so the handler
+    answers INVALID_ARGUMENT instead of gRPC's UNKNOWN with the parser's exception text."""
+
+
+_MALFORMED = _Malformed()
+
+
+def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception:
+            return _MALFORMED
+
+    return parse
+
+
+def _check_parsed(request: Any) -> None:
+    if request is _MALFORMED:
+        raise InvalidRequestError("request", "the message does not parse (corrupt wire format or invalid UTF-8)")
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
@@ -88,7 +122,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
@@ -96,7 +130,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             fn = handler.unary_stream
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(fn) if inspect.isasyncgenfunction(fn) else _wrap_unary(fn),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -105,6 +139,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 def _wrap_unary(fn: UnaryHandler) -> UnaryHandler:
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            _check_parsed(request)
             return await fn(request, context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
@@ -119,6 +154,7 @@ def _wrap_stream(
 ) -> Callable[..., AsyncIterator[Any]]:
     async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
+            _check_parsed(request)
             async for item in fn(request, context):
                 yield item
         except (grpc.aio.AbortError, asyncio.CancelledError):

@@ -10,7 +10,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.rpc.cluster_auth import ClusterAuthServerInterceptor, cluster_client_interceptors
+from pdserve.rpc.credentials import (
+    ClientCredentials,
+    ServerTLS,
+    add_port,
+    internal_client_credentials,
+    make_channel,
+)
 from pdserve.rpc.errors import ErrorMappingInterceptor
+from pdserve.security.cluster_secret import ClusterSecret
 
 MAX_MESSAGE_BYTES = 16 * 2**20  # explicit: a 16k-token prompt of ids is ~80 KB; nothing legitimate nears this
 _MESSAGE_SIZES = [
@@ -40,19 +49,33 @@ SERVER_OPTIONS = [
 
 
 class Server:
-    """A grpc.aio server with health (NOT_SERVING until `set_serving`), reflection and the error interceptor."""
+    """A grpc.aio server with health (NOT_SERVING until `set_serving`), reflection and the error interceptor.
+    `reflection=False` leaves server reflection off: a public port need not list its services to a stranger.
+    `tls`: serve TLS (and require client certificates when it names a client CA); None: plaintext.
+    `cluster`: an internal server's cluster secret; calls without its token are refused (health stays open)."""
 
-    def __init__(self, host: str, port: int, interceptors: Sequence[Any] = (), inner: Sequence[Any] = ()) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        interceptors: Sequence[Any] = (),
+        reflection: bool = True,
+        tls: ServerTLS | None = None,
+        cluster: ClusterSecret | None = None,
+        inner: Sequence[Any] = (),
+    ) -> None:
         # Tracing interceptors first (outermost), so their spans see the status the error mapping chose; `inner`
         # ones (a worker's drain gate) inside the mapping, so the typed errors they raise get their status.
-        chain = [*interceptors, ErrorMappingInterceptor(), *inner]
+        auth = [ClusterAuthServerInterceptor(cluster)] if cluster is not None and cluster.enabled else []
+        chain = [*interceptors, *auth, ErrorMappingInterceptor(), *inner]
         self._server = grpc.aio.server(interceptors=chain, options=SERVER_OPTIONS)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        self.port = add_port(self._server, f"{host}:{port}", tls)
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
         self.address = f"{host}:{self.port}"
+        self._reflection = reflection
         self._service_names: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
 
     def add(self, register: Callable[[grpc.aio.Server], None], service_names: Iterable[str]) -> None:
@@ -60,7 +83,8 @@ class Server:
         self._service_names.extend(service_names)
 
     async def start(self) -> None:
-        reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self._server)
+        if self._reflection:
+            reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self._server)
         # grpc's HealthServicer answers SERVING for "" from the start; a readiness probe must not pass while a
         # worker still warms up, so "" too is NOT_SERVING until set_serving(True).
         await self.set_serving(False)
@@ -78,7 +102,17 @@ class Server:
         await self._server.wait_for_termination()
 
 
-def channel(address: str, interceptors: Sequence[Any] | None = None) -> grpc.aio.Channel:
+def channel(
+    address: str, interceptors: Sequence[Any] | None = None, credentials: ClientCredentials | None = None
+) -> grpc.aio.Channel:
     """With keepalive: a call to a peer that stopped answering fails within about 15 s.
-    `interceptors`: a service's tracing client interceptors, so the trace context rides the metadata."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors or None)
+    `interceptors`: a service's tracing client interceptors, so the trace context rides the metadata.
+    `credentials`: TLS and client certificate (rpc/credentials.py); None: plaintext."""
+    return make_channel(address, CHANNEL_OPTIONS, interceptors or None, credentials)
+
+
+def internal_channel(address: str, interceptors: Sequence[Any] = ()) -> grpc.aio.Channel:
+    """A channel to another pdserve server of this cluster: every call carries the cluster's RPC token, over
+    mTLS when internal TLS is configured."""
+    cluster = ClusterSecret.from_env()
+    return channel(address, [*interceptors, *cluster_client_interceptors(cluster)], internal_client_credentials())

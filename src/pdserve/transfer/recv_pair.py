@@ -15,7 +15,7 @@ from pdserve.transfer.blocks import Blocks
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.pair_group import PairGroup, time_left
 from pdserve.transfer.rendezvous import choose_backend, open_store, sender_info
-from pdserve.transfer.wire import BLOCK_COUNT, LAYOUT, NOT_EXPECTED, OK, Header, block_bytes, layout_mask
+from pdserve.transfer.wire import BLOCK_COUNT, FORGED, LAYOUT, NOT_EXPECTED, OK, Header, block_bytes, layout_mask
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,11 @@ class RecvPair:
 
 
 def check_header(p: Pending | None, header: Header, name: str) -> tuple[int, int, TransferError | None]:
-    """The status to send back (code, detail) and the error for the recv, if any."""
+    """The status to send back (code, detail) and the error for the recv, if any. A header whose MAC fails was
+    never matched to a recv (`p` is None): the recv its tag names keeps waiting for the real one."""
+    if not header.authentic:
+        log.warning("%s: refused a KV transfer whose header MAC does not verify (tag %d)", name, header.tag)
+        return FORGED, 0, None
     if p is None:
         return NOT_EXPECTED, 0, None
     theirs = header.layout(p.layout)

@@ -15,7 +15,7 @@ from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.pair_group import PairGroup, error_summary, time_left
 from pdserve.transfer.pipeline import Staging, send_messages
 from pdserve.transfer.rendezvous import choose_backend, claim_store, device_info
-from pdserve.transfer.wire import BLOCK_COUNT, LAYOUT, MAX_SEGMENTS, NOT_EXPECTED, Header, layout_fields
+from pdserve.transfer.wire import BLOCK_COUNT, FORGED, LAYOUT, MAX_SEGMENTS, NOT_EXPECTED, Header, layout_fields
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +53,14 @@ class SendPair:
         deadline: float,
         timeout_s: float,
         pipeline_bytes: int,
+        secret: bytes = b"",
     ) -> tuple[int, int]:
         """Header, data, then the receiver's status (code, detail). There is no "go" round trip before the data:
         on a busy host each extra wake-up costs up to a scheduler tick."""
         g = self.group
         self._check_peer()
         header = Header.for_transfer(tag, blocks.n, layout, timeout_s, blocks.runs(MAX_SEGMENTS))
-        header_work = g.ctrl_op(True, header.encode())
+        header_work = g.ctrl_op(True, header.encode(secret))
         in_flight = send_messages(
             g, self.staging, blocks, kv_caches, header.segments, header.block_bytes, pipeline_bytes, deadline
         )
@@ -89,6 +90,8 @@ def rejection(code: int, detail: int, where: str, layout: KVLayout, num_blocks: 
         return LayoutMismatchError(f"{where}: KV layout mismatch in {', '.join(names)} (ours: {layout})")
     if code == NOT_EXPECTED:
         return TransferError(f"{where}: no recv is waiting for that tag (timed out, cancelled or never posted)")
+    if code == FORGED:
+        return TransferError(f"{where}: the header's MAC did not verify (the sides hold different cluster secrets)")
     if code == BLOCK_COUNT:
         return TransferError(f"{where}: it expects {detail} blocks, we sent {num_blocks}")
     return TransferError(f"{where}: receive failed on the decode side (status {code})")

@@ -60,8 +60,10 @@ class _Endpoint(Generic[PairT]):
         backend: Backend = "auto",
         connect_timeout_s: float = 30.0,
         pipeline_bytes: int = 32 << 20,
+        secret: bytes = b"",
     ) -> None:
         self.host = host
+        self.secret = secret  # the cluster secret: keys the control header's MAC (wire.py)
         self.device = torch.device(device)
         self.fingerprint = model_fingerprint
         self.backend = backend
@@ -105,7 +107,9 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
         try:
             if pair.broken:
                 raise PeerLostError(f"decode side {rendezvous}: pair dropped by a concurrent failure")
-            code, detail = pair.transfer(tag, kv_caches, blocks, layout, deadline, timeout_s, self.pipeline_bytes)
+            code, detail = pair.transfer(
+                tag, kv_caches, blocks, layout, deadline, timeout_s, self.pipeline_bytes, self.secret
+            )
         except BaseException as e:
             self._drop(pair)
             if isinstance(e, RuntimeError) and not isinstance(e, TransferError):
@@ -231,8 +235,8 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
         while not pair.closed:
             p: Pending | None = None
             try:
-                header = Header.decode(group.recv_ctrl(HEADER_LEN, None))
-                p = pair.claim(header.tag, header.timeout_ms / 2000)
+                header = Header.decode(group.recv_ctrl(HEADER_LEN, None), self.secret)
+                p = pair.claim(header.tag, header.timeout_ms / 2000) if header.authentic else None
                 code, detail, error = check_header(p, header, name)
                 deadline = p.deadline if p is not None else time.monotonic() + header.timeout_ms / 1000
                 target = (p.blocks, p.kv_caches) if p is not None and code == OK else None

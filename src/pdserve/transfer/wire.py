@@ -2,11 +2,17 @@
 
 Both are int64 tensors, so nothing is pickled. Strings (model fingerprint, dtype) travel as 64-bit hashes: the
 header has a fixed size, and the receiver keeps it posted between transfers without knowing what comes next.
+
+The header's last two words are an HMAC-SHA256 (first 128 bits) of the rest, keyed with the cluster secret: it
+binds the request (its tag, random per request) to the layout and block count, so a peer that does not hold the
+secret cannot aim blocks at another request's pending receive. A header that fails it is drained and refused
+(FORGED) without touching the receive its tag names, which still takes the real transfer.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 from dataclasses import dataclass, fields
 
 import torch
@@ -15,13 +21,14 @@ from pdserve.transfer.base import PeerLostError
 from pdserve.transfer.layout import KVLayout
 
 _MAGIC = 0x7064_4B56  # "pdKV"
-_VERSION = 2
+_VERSION = 3
 MAX_SEGMENTS = 8
 HEADER_LEN = 24
+_MAC_AT = HEADER_LEN - 2  # two int64 words: 128 bits of HMAC-SHA256
 STATUS_LEN = 2  # code, detail
 
 # Status codes: the blocks are in place, or why the receiver refused the transfer.
-OK, LAYOUT, NOT_EXPECTED, BLOCK_COUNT = range(4)
+OK, LAYOUT, NOT_EXPECTED, BLOCK_COUNT, FORGED = range(5)
 
 
 def _hash64(text: str) -> int:
@@ -65,6 +72,7 @@ class Header:
     block_bytes: int  # of one block in one data message: lets the receiver drain a transfer it rejects
     timeout_ms: int
     segments: tuple[int, ...]  # block counts of the consecutive spans each layer's keys (values) are sent in
+    authentic: bool = True  # on a decoded header: its MAC verified under the receiver's secret
 
     @classmethod
     def for_transfer(
@@ -84,17 +92,19 @@ class Header:
             segments=segments,
         )
 
-    def encode(self) -> torch.Tensor:
+    def encode(self, secret: bytes = b"") -> torch.Tensor:
         t = torch.zeros(HEADER_LEN, dtype=torch.int64)
         values = [_MAGIC, _VERSION, self.tag, self.num_blocks, self.fingerprint_hash, self.dtype_hash]
         values += [self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.block_bytes]
         values += [self.timeout_ms, len(self.segments), *self.segments]
         t[: len(values)] = torch.tensor(values, dtype=torch.int64)
+        t[_MAC_AT:] = torch.tensor(_mac(secret, t[:_MAC_AT].tolist()), dtype=torch.int64)
         return t
 
     @classmethod
-    def decode(cls, t: torch.Tensor) -> Header:
+    def decode(cls, t: torch.Tensor, secret: bytes = b"") -> Header:
         v = t.tolist()
+        authentic = hmac.compare_digest(_mac_bytes(secret, v[:_MAC_AT]), _words_bytes(v[_MAC_AT:]))
         if v[0] != _MAGIC or v[1] != _VERSION:
             raise PeerLostError(f"protocol error: header magic/version {v[0]:#x}/{v[1]}, want {_MAGIC:#x}/{_VERSION}")
         num_segments = v[12]
@@ -114,6 +124,7 @@ class Header:
             block_bytes=v[10],
             timeout_ms=v[11],
             segments=segments,
+            authentic=authentic,
         )
 
     def layout(self, mine: KVLayout) -> KVLayout:
@@ -125,3 +136,16 @@ class Header:
         if _hash64(dtype) != self.dtype_hash:
             dtype = _KNOWN_DTYPES.get(self.dtype_hash, "<other dtype>")
         return KVLayout(fingerprint, dtype, self.block_size, self.num_layers, self.num_kv_heads, self.head_dim)
+
+
+def _words_bytes(words: list[int]) -> bytes:
+    return b"".join(w.to_bytes(8, "little", signed=True) for w in words)
+
+
+def _mac_bytes(secret: bytes, words: list[int]) -> bytes:
+    return hmac.new(secret, _words_bytes(words), hashlib.sha256).digest()[:16]
+
+
+def _mac(secret: bytes, words: list[int]) -> list[int]:
+    mac = _mac_bytes(secret, words)
+    return [int.from_bytes(mac[i : i + 8], "little", signed=True) for i in (0, 8)]

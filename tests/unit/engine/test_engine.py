@@ -281,3 +281,21 @@ def test_request_larger_than_the_pool_is_rejected_up_front() -> None:
     assert outs["fits"][-1].finish_reason is FinishReason.LENGTH
     assert sum(len(o.new_token_ids) for o in outs["fits"]) == 14
     assert_idle(engine)
+
+
+def test_prefix_cache_is_shared_only_under_the_same_salt() -> None:
+    """A tenant's salt starts its key chain: the same prompt under another salt is computed afresh (no hit,
+    so no timing difference to observe), and under its own salt hits as before."""
+    engine = make_engine(64)
+    prompt = prompts(1, lo=50, hi=50, seed=6)[0]
+    engine.add_request("a", prompt, GREEDY, cache_salt=b"tenant-a")
+    first = run_to_end(engine)["a"]
+    engine.add_request("b", prompt, GREEDY, cache_salt=b"tenant-b")
+    engine.add_request("plain", prompt, GREEDY)
+    outs = run_to_end(engine)
+    assert outs["b"][0].num_cached_tokens == 0 == outs["plain"][0].num_cached_tokens
+    engine.add_request("a-again", prompt, GREEDY, cache_salt=b"tenant-a")
+    again = run_to_end(engine)["a-again"]
+    assert again[0].num_cached_tokens == 48
+    assert [t for o in again for t in o.new_token_ids] == [t for o in first for t in o.new_token_ids]
+    assert_idle(engine)

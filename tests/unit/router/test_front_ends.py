@@ -1,17 +1,17 @@
 """Both front ends of a real in-process router (gRPC and HTTP on loopback, tiny-random's tokenizer, no workers):
 the caller's headers reach the one check from either protocol, and its refusals and the lifecycle's keep their
-meaning on each (401/UNAUTHENTICATED, 403/PERMISSION_DENIED, 503/UNAVAILABLE when no worker can serve)."""
+meaning on each (401/UNAUTHENTICATED for no key or an unknown one, 403/PERMISSION_DENIED for a priority above the
+key's cap, 503/UNAVAILABLE when no worker can serve), with a real API-key file."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
 
 import grpc
 import httpx2
 import pytest
 
 from pdserve.config import RouterConfig
-from pdserve.errors import PermissionDeniedError, UnauthenticatedError
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
@@ -19,38 +19,30 @@ from pdserve.v1 import generate_pb2_grpc
 from services.router.server import start_router
 
 TYPES = {401: "authentication_error", 403: "permission_error", 503: "service_unavailable_error"}
-KEYS = {"Bearer good": "tenant-a", "Bearer other": None}  # None: a known key without access
-
-
-def authenticate(headers: Mapping[str, str]) -> str:
-    """A stand-in for the API-key check: what it sees is what each front end passed."""
-    key = headers.get("authorization")
-    if key not in KEYS:
-        raise UnauthenticatedError("no valid API key")
-    if KEYS[key] is None:
-        raise PermissionDeniedError("this key may not generate")
-    return KEYS[key]
+KEY = "good-key"
 
 
 @pytest.fixture
-async def router():
-    server, lifecycle = await start_router(
+async def router(tmp_path):
+    keys = tmp_path / "keys.toml"
+    digest = hashlib.sha256(KEY.encode()).hexdigest()
+    keys.write_text(f'[[keys]]\nname = "k"\nsha256 = "{digest}"\ntenant = "team-a"\nmax_priority = 0\n')
+    server, _ = await start_router(
         "tiny-random",
         InMemoryRegistry(),
         InMemoryPrefixIndex(),
-        RouterConfig(),
+        RouterConfig(api_keys_file=str(keys), no_workers_wait_s=0.1),
         "127.0.0.1",
         0,
         Telemetry("pdserve-router", enabled=False),
         http_port=0,
     )
-    lifecycle.authenticate = authenticate
     yield server
     await server.stop(None)
 
 
-async def grpc_status(address: str, metadata: tuple = ()) -> grpc.StatusCode:
-    request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=2))
+async def grpc_status(address: str, metadata: tuple = (), priority: int = 0) -> grpc.StatusCode:
+    request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=2), priority=priority)
     with pytest.raises(grpc.aio.AioRpcError) as e:
         async with grpc.aio.insecure_channel(address) as ch:
             async for _ in generate_pb2_grpc.GenerationStub(ch).Generate(request, metadata=metadata, timeout=10):
@@ -59,22 +51,23 @@ async def grpc_status(address: str, metadata: tuple = ()) -> grpc.StatusCode:
 
 
 @pytest.mark.parametrize(
-    ("key", "status", "code"),
+    ("key", "priority", "status", "code"),
     [
-        (None, 401, grpc.StatusCode.UNAUTHENTICATED),
-        ("Bearer other", 403, grpc.StatusCode.PERMISSION_DENIED),
-        ("Bearer good", 503, grpc.StatusCode.UNAVAILABLE),  # let in; no worker to serve it
+        (None, 0, 401, grpc.StatusCode.UNAUTHENTICATED),
+        ("Bearer wrong-key", 0, 401, grpc.StatusCode.UNAUTHENTICATED),
+        (f"Bearer {KEY}", 1, 403, grpc.StatusCode.PERMISSION_DENIED),  # above the key's max_priority
+        (f"Bearer {KEY}", 0, 503, grpc.StatusCode.UNAVAILABLE),  # let in; no worker to serve it
     ],
 )
-async def test_one_caller_check_covers_both_protocols(router, key, status, code):
+async def test_one_caller_check_covers_both_protocols(router, key, priority, status, code):
     headers = {"authorization": key} if key else {}
     base = f"http://{router.http.address}"
-    body = {"model": "tiny-random", "prompt": "hi", "max_tokens": 2}
+    body = {"model": "tiny-random", "prompt": "hi", "max_tokens": 2, "priority": priority}
     async with httpx2.AsyncClient(base_url=base, timeout=10) as http:
         for stream in (False, True):
             r = await http.post("/v1/completions", json=body | {"stream": stream}, headers=headers)
             assert r.status_code == status, r.text
             assert r.json()["error"]["type"] == TYPES[status]
         models = await http.get("/v1/models", headers=headers)
-        assert models.status_code == (200 if status == 503 else status)
-    assert await grpc_status(router.address, tuple(headers.items())) == code
+        assert models.status_code == (401 if status == 401 else 200)
+    assert await grpc_status(router.address, tuple(headers.items()), priority) == code

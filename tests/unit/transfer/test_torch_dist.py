@@ -79,6 +79,7 @@ def _sender_main(conn: Connection, slow_at: int) -> None:
         kv = make_caches(item["seed"], item.get("dtype", "float32"), item.get("head_dim", 8))
         try:
             s = sender(item.get("fingerprint", FINGERPRINT))
+            s.secret = item.get("secret", "").encode()  # the receiver's is b"": any other forges the header MAC
             return {"nbytes": s.send(item["rendezvous"], item["tag"], kv, item["ids"], item.get("timeout", 20))}
         except TransferError as e:
             return {"error": type(e).__name__, "message": str(e)}
@@ -267,6 +268,23 @@ def test_layout_mismatch_fails_both_sides_naming_the_field(receiver: TorchDistRe
     assert isinstance(r.join(), TransferError) and reply["error"] == "TransferError"
     r = Recv(receiver, "prefill-0", 43, kv, [1, 2])
     assert peer.call(op="send", rendezvous=rendezvous, tag=43, seed=5, ids=[3, 4]) == {"nbytes": r.join()}
+
+
+def test_a_forged_header_is_refused_and_the_real_transfer_still_lands(receiver: TorchDistReceiver, peer: Peer) -> None:
+    """A sender without the cluster secret aims at a pending recv's tag: refused (FORGED) and drained, nothing
+    written; the recv keeps waiting and takes the real transfer, bit exact."""
+    rendezvous = receiver.rendezvous("prefill-0")
+    kv = make_caches(77)
+    before = [t.clone() for t in kv]
+    r = Recv(receiver, "prefill-0", 44, kv, [5, 6, 7])
+    forged = peer.call(op="send", rendezvous=rendezvous, tag=44, seed=666, ids=[1, 2, 3], secret="not-the-secret")
+    assert forged["error"] == "TransferError" and "MAC" in forged["message"], forged
+    assert r.thread.is_alive()  # still waiting for the real one
+    for got, old in zip(kv, before, strict=True):
+        assert torch.equal(bits(got), bits(old))
+    sent = peer.call(op="send", rendezvous=rendezvous, tag=44, seed=44, ids=[1, 2, 3])
+    assert sent == {"nbytes": r.join()}
+    assert_landed(kv, before, make_caches(44), [1, 2, 3], [5, 6, 7])
 
 
 def test_silent_sender_times_out_and_leaves_the_pair_usable(receiver: TorchDistReceiver, peer: Peer) -> None:

@@ -1,0 +1,122 @@
+"""Transport credentials and call credentials, in one place: every server listener and every channel is made
+through here, so TLS (and who holds which certificate) is decided once.
+
+- Public side (the router's port): server TLS from `--tls-cert/--tls-key`, client certificates required when
+  `--tls-client-ca` is given (mTLS). Without a certificate the port is plaintext, as before.
+- Clients (`pdserve client/status`, loadgen): `--tls-ca [--tls-cert --tls-key]` and `--api-key` (or the
+  environment's PDSERVE_API_KEY), sent as `authorization: Bearer KEY`.
+- Internal hops (router -> workers, decode -> prefill): mTLS with the cluster CA when `pdserve up
+  --internal-tls-cert/--internal-tls-key/--internal-tls-ca` is given (the environment carries the paths to the
+  workers): each side presents that certificate and accepts only peers whose certificate the CA signed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from pdserve import env
+from pdserve.security.api_keys import bearer_metadata
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """A listener's certificate and key (PEM files), and the CA its clients' certificates must chain to (mTLS)."""
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        pair = [(_read(self.key), _read(self.cert))]
+        ca = _read(self.client_ca)
+        return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=ca is not None)
+
+
+def server_tls(cert: str | None, key: str | None, client_ca: str | None = None) -> ServerTLS | None:
+    """None (plaintext) when no certificate is given; a half-given pair is an error, not a silent plaintext."""
+    if not cert and not key:
+        if client_ca:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not (cert and key):
+        raise ValueError("give both --tls-cert and --tls-key")
+    return ServerTLS(cert, key, client_ca)
+
+
+def add_port(server: grpc.aio.Server, address: str, tls: ServerTLS | None) -> int:
+    """Binds `address`, with TLS when given; the bound port (0 when it could not be bound)."""
+    if tls is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, tls.credentials())
+
+
+@dataclass(frozen=True)
+class ClientCredentials:
+    """What a client presents: the CA that signed the server's certificate (TLS on when set), its own
+    certificate and key for mTLS, and an API key."""
+
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    api_key: str | None = None
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.tls_ca:
+            return None
+        return grpc.ssl_channel_credentials(_read(self.tls_ca), _read(self.tls_key), _read(self.tls_cert))
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return bearer_metadata(self.api_key)
+
+
+PLAINTEXT = ClientCredentials()
+
+
+def make_channel(
+    address: str,
+    options: Sequence[tuple[str, Any]],
+    interceptors: Sequence[Any] | None,
+    credentials: ClientCredentials | None,
+) -> grpc.aio.Channel:
+    creds = (credentials or PLAINTEXT).channel_credentials()
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
+
+
+def add_client_flags(p: argparse.ArgumentParser) -> None:
+    """--tls-ca, --tls-cert, --tls-key, --api-key: what every command that calls the router takes."""
+    p.add_argument("--tls-ca", help="PEM CA of the router's certificate: connect with TLS")
+    p.add_argument("--tls-cert", help="PEM client certificate, for a router that requires one (mTLS)")
+    p.add_argument("--tls-key", help="PEM key of --tls-cert")
+    p.add_argument("--api-key", help="sent as `authorization: Bearer KEY` (default: $PDSERVE_API_KEY)")
+
+
+def client_credentials(args: argparse.Namespace) -> ClientCredentials:
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("give both --tls-cert and --tls-key, or neither")
+    if args.tls_cert and not args.tls_ca:
+        raise SystemExit("--tls-cert needs --tls-ca (the client certificate is only sent over TLS)")
+    return ClientCredentials(args.tls_ca, args.tls_cert, args.tls_key, args.api_key or env.api_key())
+
+
+def internal_server_tls() -> ServerTLS | None:
+    """A worker's listener: mTLS with the cluster CA when internal TLS is configured, else plaintext."""
+    paths = env.internal_tls()
+    return ServerTLS(paths[0], paths[1], client_ca=paths[2]) if paths else None
+
+
+def internal_client_credentials() -> ClientCredentials | None:
+    """What a cluster member presents when it calls another: its certificate, trusting only the cluster CA."""
+    paths = env.internal_tls()
+    return ClientCredentials(tls_ca=paths[2], tls_cert=paths[0], tls_key=paths[1]) if paths else None

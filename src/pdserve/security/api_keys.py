@@ -1,0 +1,118 @@
+"""API keys: a TOML file of SHA-256 digests, each naming a tenant and its caps, and `authenticate`, the one key
+check every front end calls (the gRPC servicer today; an HTTP front end would call it with its headers).
+
+Only digests are stored, so a leaked key file leaks no usable key. A key is compared by its digest's lookup;
+the digest of a guess reveals nothing about a real key's bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.errors import PermissionDeniedError, UnauthenticatedError
+
+AUTHORIZATION_KEY = "authorization"  # gRPC metadata keys are lower case; HTTP's Authorization header folds to it
+BEARER = "bearer "
+OPEN_TENANT = "anonymous"  # the tenant of every request on a cluster started without --api-keys
+Metadata = Mapping[str, str] | Iterable[tuple[str, str | bytes]]
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """The caller a request was authenticated as: its tenant, the key it used, and that key's caps.
+    A limit of 0 means unlimited."""
+
+    name: str
+    key_name: str = ""
+    max_priority: int = 2**31 - 1
+    requests_per_second: float = 0.0
+    tokens_per_minute: float = 0.0
+    max_concurrent: int = 0
+    admin: bool = False  # may call the Admin service (pdserve status); an open cluster lets everyone
+
+    def check_admin(self) -> None:
+        if not self.admin:
+            raise PermissionDeniedError("authorization", f"API key {self.key_name!r} may not call the Admin service")
+
+    def check_priority(self, priority: int) -> None:
+        if priority > self.max_priority:
+            raise PermissionDeniedError(
+                "priority", f"{priority} is above the highest this API key may use ({self.max_priority})"
+            )
+
+
+OPEN = Tenant(OPEN_TENANT, admin=True)
+
+
+class KeyTable:
+    """sha256 hex digest -> Tenant, from the `[[keys]]` tables of an --api-keys file."""
+
+    def __init__(self, tenants: Mapping[str, Tenant]) -> None:
+        self._by_digest = dict(tenants)
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> KeyTable:
+        """Raises ValueError naming the entry when a key table is malformed, so a typo fails the start."""
+        with open(path, "rb") as f:
+            entries = tomllib.load(f).get("keys", [])
+        tenants: dict[str, Tenant] = {}
+        for i, entry in enumerate(entries):
+            entry = dict(entry)
+            digest = str(entry.pop("sha256", "")).lower()
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError(f"{path}: keys[{i}].sha256 must be 64 hex digits (the SHA-256 of the key)")
+            if digest in tenants:
+                raise ValueError(f"{path}: keys[{i}] repeats the digest of {tenants[digest].key_name!r}")
+            if "tenant" not in entry:
+                raise ValueError(f"{path}: keys[{i}] names no tenant")
+            name = entry.pop("name", f"keys[{i}]")
+            try:
+                tenants[digest] = Tenant(name=entry.pop("tenant"), key_name=name, **entry)
+            except TypeError as e:
+                raise ValueError(f"{path}: keys[{i}]: {e}") from None
+        if not tenants:
+            raise ValueError(f"{path}: holds no [[keys]]; omit --api-keys to run an open cluster")
+        return cls(tenants)
+
+    def authenticate(self, metadata: Metadata) -> Tenant:
+        """The tenant of the request's `authorization: Bearer KEY`, or UnauthenticatedError (no key, or one
+        this table does not hold; the message never echoes the key)."""
+        key = bearer_key(metadata)
+        if key is None:
+            raise UnauthenticatedError("this cluster requires an API key: send metadata `authorization: Bearer KEY`")
+        tenant = self._by_digest.get(digest(key))
+        if tenant is None:
+            raise UnauthenticatedError("unknown API key")
+        return tenant
+
+
+def authenticate(table: KeyTable | None, metadata: Metadata) -> Tenant:
+    """The one entry point: an open cluster (no table) serves everyone as the `anonymous` tenant."""
+    return OPEN if table is None else table.authenticate(metadata)
+
+
+def bearer_key(metadata: Metadata) -> str | None:
+    items = metadata.items() if isinstance(metadata, Mapping) else metadata
+    for name, value in items:
+        if name.lower() == AUTHORIZATION_KEY:
+            text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            if text[: len(BEARER)].lower() == BEARER and text[len(BEARER) :].strip():
+                return text[len(BEARER) :].strip()
+    return None
+
+
+def digest(key: str) -> str:
+    """What the key file stores: `printf %s KEY | sha256sum`."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def bearer_metadata(key: str | None) -> tuple[tuple[str, str], ...]:
+    """A client's call metadata for `key` (none without one)."""
+    return ((AUTHORIZATION_KEY, f"Bearer {key}"),) if key else ()

@@ -1,0 +1,28 @@
+"""Prefix-cache salts: the key chain of a request's cached blocks starts from its tenant's salt (and the
+request's own `cache_salt`, when it sends one), so a tenant never hits, nor times, another tenant's blocks.
+
+The open cluster's anonymous tenant without a request salt keeps the unsalted chain, as before keys existed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from pdserve.errors import InvalidRequestError
+from pdserve.protocol.request_checks import utf8_len
+from pdserve.security.api_keys import OPEN_TENANT
+
+MAX_CACHE_SALT_BYTES = 256
+
+
+def cache_salt(tenant: str, request_salt: str = "") -> bytes:
+    """16 bytes that differ for every (tenant, request salt) pair; b"" for the anonymous tenant unsalted."""
+    if utf8_len(request_salt) > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequestError(
+            "cache_salt", f"{utf8_len(request_salt)} bytes; at most {MAX_CACHE_SALT_BYTES} are accepted"
+        )
+    if tenant == OPEN_TENANT and not request_salt:
+        return b""
+    name = tenant.encode()
+    material = len(name).to_bytes(4, "big") + name + request_salt.encode()  # length first: no ambiguous joins
+    return hashlib.blake2b(material, digest_size=16, person=b"pdserve-salt").digest()

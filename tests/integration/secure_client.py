@@ -1,0 +1,49 @@
+"""Calls into a cluster that serves TLS and requires API keys: one stream's messages, or the status it ended
+with (and its trailers), as a test sees them."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.rpc.credentials import ClientCredentials
+from pdserve.rpc.errors import retry_after_ms
+from pdserve.rpc.server import channel
+from pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2_grpc
+from pdserve.v1 import generate_pb2 as pb
+
+
+@dataclass
+class Answer:
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    details: str = ""
+    retry_after_ms: int | None = None
+    token_ids: list[int] = field(default_factory=list)
+    usage: pb.Usage | None = None
+
+
+async def ask(address: str, creds: ClientCredentials, request: pb.GenerateRequest, timeout_s: float = 60) -> Answer:
+    answer = Answer()
+    async with channel(address, credentials=creds) as ch:
+        call = generate_pb2_grpc.GenerationStub(ch).Generate(request, timeout=timeout_s, metadata=creds.metadata())
+        try:
+            async for msg in call:
+                answer.token_ids += msg.token_ids
+                if msg.HasField("usage"):
+                    answer.usage = msg.usage
+        except grpc.aio.AioRpcError as e:
+            answer.code, answer.details = e.code(), e.details() or ""
+            answer.retry_after_ms = retry_after_ms(e.trailing_metadata())
+    return answer
+
+
+def ask_sync(address: str, creds: ClientCredentials, request: pb.GenerateRequest) -> Answer:
+    return asyncio.run(ask(address, creds, request))
+
+
+async def cluster_status(address: str, creds: ClientCredentials) -> admin_pb2.ClusterStatusResponse:
+    async with channel(address, credentials=creds) as ch:
+        stub = admin_pb2_grpc.AdminStub(ch)
+        return await stub.ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=5, metadata=creds.metadata())

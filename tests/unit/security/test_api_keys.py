@@ -1,0 +1,78 @@
+"""The key file and `authenticate`: digests only, bearer metadata, the caps each key carries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.errors import PermissionDeniedError, UnauthenticatedError
+from pdserve.security.api_keys import OPEN, KeyTable, authenticate, bearer_metadata, digest
+
+KEYS = """
+[[keys]]
+name = "team-a-prod"
+sha256 = "{a}"
+tenant = "team-a"
+max_priority = 0
+requests_per_second = 50
+tokens_per_minute = 200000
+max_concurrent = 64
+
+[[keys]]
+name = "ops"
+sha256 = "{b}"
+tenant = "ops"
+max_priority = 2
+admin = true
+"""
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> KeyTable:
+    path = tmp_path / "keys.toml"
+    path.write_text(KEYS.format(a=digest("key-a"), b=digest("key-b").upper()))
+    return KeyTable.from_file(path)
+
+
+def test_a_known_bearer_key_is_its_tenant_with_its_caps(table: KeyTable) -> None:
+    a = authenticate(table, bearer_metadata("key-a"))
+    assert (a.name, a.key_name, a.max_priority, a.max_concurrent) == ("team-a", "team-a-prod", 0, 64)
+    assert authenticate(table, {"authorization": "bearer key-b"}).name == "ops"  # scheme and digest case-blind
+    assert authenticate(table, [("authorization", b"Bearer key-b")]).admin
+
+
+@pytest.mark.parametrize(
+    "metadata", [(), (("authorization", "Bearer wrong"),), (("authorization", "key-a"),), (("x", "Bearer key-a"),)]
+)
+def test_missing_or_unknown_keys_are_unauthenticated_without_echoing_the_key(
+    table: KeyTable, metadata: tuple[tuple[str, str], ...]
+) -> None:
+    with pytest.raises(UnauthenticatedError) as caught:
+        authenticate(table, metadata)
+    assert "wrong" not in str(caught.value)
+
+
+def test_caps_priority_and_admin(table: KeyTable) -> None:
+    a = authenticate(table, bearer_metadata("key-a"))
+    a.check_priority(0)
+    with pytest.raises(PermissionDeniedError, match="^priority: 1 is above"):
+        a.check_priority(1)
+    with pytest.raises(PermissionDeniedError, match="^authorization"):
+        a.check_admin()
+    assert authenticate(None, ()) is OPEN and OPEN.admin  # no key file: an open cluster
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ('sha256 = "abc"\ntenant = "t"', "64 hex digits"),
+        (f'sha256 = "{digest("k")}"', "names no tenant"),
+        (f'sha256 = "{digest("k")}"\ntenant = "t"\nmax_prio = 1', "max_prio"),
+    ],
+)
+def test_a_malformed_file_fails_naming_the_entry(tmp_path: Path, entry: str, message: str) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(f"[[keys]]\n{entry}\n")
+    with pytest.raises(ValueError, match=message):
+        KeyTable.from_file(path)

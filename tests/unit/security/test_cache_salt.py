@@ -1,0 +1,24 @@
+"""Salts differ per tenant and per request salt; the anonymous tenant unsalted keeps the old keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.errors import InvalidRequestError
+from pdserve.protocol.prefix_hash import prefix_hashes
+from pdserve.security.cache_salt import MAX_CACHE_SALT_BYTES, cache_salt
+
+
+def test_salts_separate_tenants_and_request_salts() -> None:
+    salts = {cache_salt(t, s) for t in ("a", "b", "ab", "anonymous") for s in ("", "b", "x")}
+    assert len(salts) == 12 and cache_salt("anonymous") == b""
+    assert cache_salt("a", "b") != cache_salt("ab", "")  # no ambiguous joins
+    tokens = list(range(64))
+    assert prefix_hashes(tokens, 16) == prefix_hashes(tokens, 16, cache_salt("anonymous"))
+    assert not set(prefix_hashes(tokens, 16, cache_salt("a"))) & set(prefix_hashes(tokens, 16, cache_salt("b")))
+
+
+def test_an_oversized_salt_names_the_field() -> None:
+    cache_salt("a", "x" * MAX_CACHE_SALT_BYTES)
+    with pytest.raises(InvalidRequestError, match="^cache_salt"):
+        cache_salt("a", "x" * (MAX_CACHE_SALT_BYTES + 1))
