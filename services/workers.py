@@ -31,7 +31,7 @@ def _add_prefill(ctx: WorkerContext) -> TorchDistSender:
     from services.prefill.servicer import PrefillServicer
 
     engine, spec = ctx.engine, ctx.spec
-    sender = TorchDistSender(spec.host, device=engine.device, model_fingerprint=engine.fingerprint)
+    sender = TorchDistSender(spec.advertise_host, device=engine.device, model_fingerprint=engine.fingerprint)
     run_and_send = RunAndSend(engine, sender, spec.worker_id, ctx.telemetry, ctx.metrics, env.fault_config())
     servicer = PrefillServicer(run_and_send)
     ctx.server.add(
@@ -52,7 +52,13 @@ def _add_decode(ctx: WorkerContext) -> TorchDistReceiver | None:
     engine, spec = ctx.engine, ctx.spec
     receiver, handoff = None, None
     if spec.role is Role.DECODE:
-        receiver = TorchDistReceiver(spec.host, device=engine.device, model_fingerprint=engine.fingerprint)
+        receiver = TorchDistReceiver(
+            spec.advertise_host,
+            device=engine.device,
+            model_fingerprint=engine.fingerprint,
+            bind_host=spec.host,
+            store_port=spec.transfer_port,
+        )
         prefill = PrefillClient(ctx.telemetry)
         handoff = Handoff(engine, receiver, prefill, spec.worker_id, ctx.telemetry, spec.kv_transfer_timeout_s)
     servicer = DecodeServicer(engine, handoff, spec.worker_id, spec.role, ctx.telemetry, env.fault_config())

@@ -21,22 +21,23 @@ def free_port() -> int:
 class RedisServer:
     """One server process; `stop()` kills it (its data goes with it), `start()` brings it back on the same port."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> None:
         assert self.proc is None, "already running"
         self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            [REDIS_SERVER, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2, socket_timeout=0.5)
+        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.2, socket_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         try:
             while True:

@@ -25,6 +25,7 @@ async def start_router(
     host: str,
     port: int,
     telemetry: Telemetry | None = None,
+    advertise_host: str | None = None,
 ) -> tuple[Server, RequestLifecycle]:
     """The serving router and its request lifecycle (whose `draining` flag and `in_flight` count drive a drain)."""
     telemetry = telemetry or Telemetry("pdserve-router")
@@ -35,7 +36,7 @@ async def start_router(
     policy = policy_cls(registry, prefix_index, Predictor(config, tracker))
     lifecycle = RequestLifecycle(tokenizer, model_config, config, policy, prefix_index, tracker, telemetry)
     servicer = GenerationServicer(lifecycle)
-    server = Server(host, port, telemetry.server_interceptors())
+    server = Server(host, port, telemetry.server_interceptors(), advertise_host)
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],

@@ -49,16 +49,17 @@ class RouterHandle(Protocol):
     def in_flight(self) -> int: ...
 
 
-# (model, registry, prefix index, config, host, port, telemetry) -> the started server and its handle.
+# (model, registry, prefix index, config, bind host, port, telemetry, advertised host) -> the started server and
+# its handle.
 StartRouter = Callable[
-    ["str", "Registry", "PrefixIndex", "RouterConfig", "str", "int", "Telemetry"],
+    ["str", "Registry", "PrefixIndex", "RouterConfig", "str", "int", "Telemetry", "str | None"],
     Awaitable["tuple[Server, RouterHandle]"],
 ]
 
 
 @dataclass(frozen=True)
 class ClusterServices:
-    """Everything `pdserve up` runs that is not cluster machinery."""
+    """Everything `pdserve up`, `controller` and `router` run that is not cluster machinery."""
 
     workers: WorkerServices
     router: StartRouter
