@@ -33,7 +33,8 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> None:
         assert self.proc is None, "already running"
         self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no"],
+            [REDIS_SERVER, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no"]
+            + ([] if self.host == "127.0.0.1" else ["--protected-mode", "no"]),  # a test's own address, no password
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -48,7 +48,10 @@ class RayNode:
             name: free_port()
             for name in ("node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc")
         } | {name: free_port() for name in ("runtime-env-agent", "metrics-export")}
-        args = [RAY, "start", "--block", "--disable-usage-stats", "--num-cpus", "1", "--temp-dir", str(temp_dir)]
+        # No CPUs (the worker actors ask for none, and no worker process is started ahead), no GPUs, no log monitor:
+        # as few processes as a node can have, on a machine other tests load too.
+        args = [RAY, "start", "--block", "--disable-usage-stats", "--temp-dir", str(temp_dir), "--num-cpus", "0"]
+        args += ["--num-gpus", "0", "--include-log-monitor", "false"]
         args += ["--node-ip-address", ip, "--resources", json.dumps(resources), "--object-store-memory", "80000000"]
         for name, port in ports.items():
             args += [f"--{name}-port", str(port)]
@@ -113,7 +116,7 @@ ray.init(address=sys.argv[1], namespace=sys.argv[2], logging_level="ERROR", log_
 nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if k.startswith("pdserve_")) for n in ray.nodes() if n["Alive"]}
 actors = {}
 for a in ray._private.state.state.actor_table(None).values():
-    if a.get("Name") and a.get("RayNamespace") == sys.argv[2]:
+    if a.get("Name") and a["State"] != "DEAD":  # the table holds no namespace: the test's cluster has one
         actors[a["Name"]] = {"state": a["State"], "pid": a["Pid"], "restarts": a["NumRestarts"],
                              "node_resources": nodes.get(a["Address"]["NodeID"], [])}
 print(json.dumps(actors))
@@ -121,8 +124,9 @@ print(json.dumps(actors))
 
 
 def named_actors(address: str, namespace: str, env: dict[str, str], netns: str | None = None) -> dict[str, dict]:
-    """Ray's own record of the named actors in `namespace`: state, pid, restarts and the pdserve_* resources of
-    the node each lives on (a driver of its own in a subprocess, so this test process never joins Ray)."""
+    """Ray's own record of the live named actors (the cluster's, whose only namespace is `namespace`): state,
+    pid, restarts and the pdserve_* resources of the node each lives on (a driver of its own in a subprocess, so
+    this test process never joins Ray)."""
     args = [sys.executable, "-c", _ACTORS_SCRIPT, address, namespace]
     if netns:
         args = ["ip", "netns", "exec", netns, *args]

@@ -7,6 +7,7 @@ and pick the same backend: NCCL when both caches are on CUDA (and NCCL exists on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from datetime import timedelta
@@ -53,7 +54,7 @@ def open_store(
     fd = sock.detach()  # the store owns the socket from here on
     try:
         store = dist.TCPStore(
-            advertise_host,
+            _self_dialable(bind_host),  # the store's own client connects here: the bind host, not the advertised
             port,
             2,
             True,
@@ -63,10 +64,16 @@ def open_store(
             use_libuv=True,
         )
     except BaseException:
-        os.close(fd)
+        with contextlib.suppress(OSError):  # the store may have closed it already
+            os.close(fd)
         raise
     store.set(_RECV_KEY, receiver_info)
     return store, join(advertise_host, port)
+
+
+def _self_dialable(bind_host: str) -> str:
+    """Where this process reaches a socket bound to `bind_host`: loopback for a wildcard."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(bind_host, bind_host)
 
 
 def _listen(host: str, first_port: int) -> socket.socket:
