@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from pdserve import env
@@ -21,6 +22,7 @@ from pdserve.config import ClusterConfig
 from pdserve.protocol.roles import Role
 
 log = logging.getLogger(__name__)
+NAME_RELEASE_TRIES = 20  # a dead actor's name is free once its handles are gone: well within 5 s
 
 
 def role_resource(role: Role) -> str:
@@ -76,13 +78,19 @@ class WorkerActors:
             "num_gpus": self._gpus,
             "max_restarts": self.config.max_restarts,
             "max_task_retries": 0,
-            "get_if_exists": True,  # a controller racing another one gets the same actor, not a second
         }
         if self.detached:
             options["lifetime"] = "detached"
         if self.config.role_resources:
             options["resources"] = {role_resource(spec.role): 1}
-        return ray.remote(WorkerRuntime).options(**options).remote(spec, self.services)
+        actor_cls = ray.remote(WorkerRuntime).options(**options)
+        for _ in range(NAME_RELEASE_TRIES):
+            try:
+                return actor_cls.remote(spec, self.services)
+            except ValueError as e:  # the name is still held by a dead actor whose handles are being dropped
+                log.info("worker %s: waiting for Ray to release its name: %s", spec.worker_id, e)
+                time.sleep(0.25)
+        return actor_cls.remote(spec, self.services)
 
     def kill(self, actor: Any) -> None:
         import ray

@@ -82,7 +82,7 @@ class Supervisor:
             slot.died += 1
             await self._unlist(slot, "its actor died")
             if slot.died >= DEAD_AFTER:
-                self._replace(slot, e)
+                await self._replace(slot, e)
             return
         except TimeoutError:
             slot.died = 0
@@ -113,7 +113,7 @@ class Supervisor:
             except Exception as e:  # Redis down: its key's TTL removes it
                 log.warning("could not remove worker %s from the registry: %r", slot.spec.worker_id, e)
 
-    def _replace(self, slot: Slot, error: BaseException) -> None:
+    async def _replace(self, slot: Slot, error: BaseException) -> None:
         slot.replacements += 1
         log.error(
             "worker %s is dead for good (its restarts are used up: %s); replacing it with a new actor (replacement %d)",
@@ -121,7 +121,8 @@ class Supervisor:
             _first_line(error),
             slot.replacements,
         )
-        slot.actor = self.new_actor(slot.spec)
+        slot.actor = None  # the dead actor's handle goes first: Ray frees its name (the worker id) only then
+        slot.actor = await asyncio.to_thread(self.new_actor, slot.spec)  # may wait for the name, off the loop
         slot.died = 0
         self.on_replaced(slot.spec)
 
