@@ -30,7 +30,10 @@ def add_fleet_flags(p: argparse.ArgumentParser) -> None:
         "(1), so each role runs only on Ray nodes started with it",
     )
     p.add_argument(
-        "--worker-port", type=int, default=c.worker_port, help="workers' gRPC port, the next ones for more per host"
+        "--worker-port",
+        type=int,
+        default=c.worker_port,
+        help="workers' gRPC port, the next ones for more per host (0: free ports)",
     )
     p.add_argument(
         "--transfer-port",
