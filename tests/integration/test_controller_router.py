@@ -162,12 +162,20 @@ def test_each_role_runs_on_its_own_ray_node(rehearsal: Rehearsal) -> None:
     assert {a["state"] for a in actors.values()} == {"ALIVE"}
     registry = rehearsal.registry()
     assert sorted(registry) == sorted(WORKERS)
-    for w in registry.values():  # never a wildcard; in namespaces, each its own node's address
+    for w in registry.values():  # never a wildcard
         assert not w.address.startswith(("0.0.0.0", "[::]")), w
-    if rehearsal.network:
-        hosts = dict(zip(WORKERS, (ip for _, ip in rehearsal.network.hosts), strict=True))
-        for worker_id, w in registry.items():
-            assert w.address.rpartition(":")[0] == hosts[worker_id], w
+
+
+def test_each_worker_advertises_its_own_hosts_address(rehearsal: Rehearsal, expected: list[int]) -> None:
+    """Workers bind 0.0.0.0 and advertise their node's POD_IP; the router (another host) and the prefill worker
+    (the KV rendezvous on the decode worker's host) dial exactly those addresses, or no request is served."""
+    if rehearsal.network is None:
+        pytest.skip(f"no network namespaces here ({netns.unavailable()}): both Ray nodes share loopback")
+    hosts = dict(zip(WORKERS, (ip for _, ip in rehearsal.network.hosts), strict=True))
+    for worker_id, w in rehearsal.registry().items():
+        assert w.address.rpartition(":")[0] == hosts[worker_id], w
+        assert w.metrics_address.rpartition(":")[0] == hosts[worker_id], w
+    assert serve(rehearsal, "rehearsal-across-hosts") == expected
 
 
 def test_the_router_serves_through_redis(rehearsal: Rehearsal, expected: list[int]) -> None:
