@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import redis
 
 from pdserve.cluster.local_process import free_port
 from pdserve.registry.base import WorkerState
@@ -205,3 +206,29 @@ def test_a_restarted_controller_finds_its_workers(rehearsal: Rehearsal, expected
     after = rehearsal.actors()
     assert {w: a["pid"] for w, a in after.items()} == {w: a["pid"] for w, a in before.items()}
     assert serve(rehearsal, "rehearsal-after-controller-restart") == expected
+
+
+def test_a_sigkilled_pdserve_up_leaves_its_workers_to_a_router(rehearsal: Rehearsal, expected: list[int]) -> None:
+    """Issue 12 item 6 with `pdserve up --ray-address`: its actors are detached in its own Ray namespace, so when
+    the process (router and supervision) dies, a `pdserve router` on the same Redis serves from the same workers."""
+    url = rehearsal.redis.url.removesuffix("/0") + "/1"  # a registry of its own beside the controller's
+    port = free_port()
+    args = ["up", "--model", "tiny-random", "--ray-address", rehearsal.nodes[0].address, "--redis", url]
+    args += ["--ray-namespace", "pdserve-up", "--port", str(port), "--threads", "1", "--kv-cache-gb", "0.05"]
+    if rehearsal.network:
+        args += ["--bind-host", "0.0.0.0"]  # its router too: the test dials it from the root namespace
+    up = PdserveProcess(*args, log_path=rehearsal.temp_dir / "up.log", env=rehearsal.env, netns=rehearsal.head_netns)
+    rehearsal.started.append(up)
+    up.wait_ready()
+    with redis.Redis.from_url(url) as r:
+        before = {w: WorkerState.from_json(r.get(worker_key(w))).address for w in WORKERS}
+    up.stop(signal.SIGKILL)
+    router = PdserveProcess(
+        "router", "--model", "tiny-random", "--redis", url, "--port", str(port), log_path=rehearsal.temp_dir / "r.log"
+    )
+    rehearsal.started.append(router)
+    router.wait_ready()
+    tokens = asyncio.run(_serve(f"127.0.0.1:{port}", "after-up-was-killed"))
+    assert tokens == expected
+    with redis.Redis.from_url(url) as r:  # a restarted worker would have bound a new free port
+        assert {w: WorkerState.from_json(r.get(worker_key(w))).address for w in WORKERS} == before
