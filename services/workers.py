@@ -33,7 +33,9 @@ def _add_prefill(ctx: WorkerContext) -> TorchDistSender:
 
     engine, spec = ctx.engine, ctx.spec
     secret = ClusterSecret.from_env().transfer_key
-    sender = TorchDistSender(spec.host, device=engine.device, model_fingerprint=engine.fingerprint, secret=secret)
+    sender = TorchDistSender(
+        spec.advertise_host, device=engine.device, model_fingerprint=engine.fingerprint, secret=secret
+    )
     run_and_send = RunAndSend(engine, sender, spec.worker_id, ctx.telemetry, ctx.metrics, env.fault_config())
     servicer = PrefillServicer(run_and_send)
     ctx.server.add(
@@ -55,7 +57,12 @@ def _add_decode(ctx: WorkerContext) -> TorchDistReceiver | None:
     receiver, handoff = None, None
     if spec.role is Role.DECODE:
         receiver = TorchDistReceiver(
-            spec.host, device=engine.device, model_fingerprint=engine.fingerprint, secret=cluster.transfer_key
+            spec.advertise_host,
+            device=engine.device,
+            model_fingerprint=engine.fingerprint,
+            secret=cluster.transfer_key,
+            bind_host=spec.host,
+            store_port=spec.transfer_port,
         )
         prefill = PrefillClient(ctx.telemetry)
         handoff = Handoff(engine, receiver, prefill, spec.worker_id, ctx.telemetry, spec.kv_transfer_timeout_s)

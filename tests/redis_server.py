@@ -21,25 +21,27 @@ def free_port() -> int:
 class RedisServer:
     """One server process; `stop()` kills it (its data goes with it), `start()` brings it back on the same port."""
 
-    def __init__(self, port: int | None = None, password: str | None = None) -> None:
+    def __init__(self, port: int | None = None, password: str | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.port = port or free_port()
         self.password = password  # set: clients must AUTH (--requirepass)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> None:
         assert self.proc is None, "already running"
         self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-            + (["--requirepass", self.password] if self.password else []),
+            [REDIS_SERVER, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no"]
+            + (["--requirepass", self.password] if self.password else [])
+            + ([] if self.host == "127.0.0.1" else ["--protected-mode", "no"]),  # a test's own address
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(
-            host="127.0.0.1", port=self.port, password=self.password, socket_connect_timeout=0.2, socket_timeout=0.5
+            host=self.host, port=self.port, password=self.password, socket_connect_timeout=0.2, socket_timeout=0.5
         )
         deadline = time.monotonic() + timeout_s
         try:

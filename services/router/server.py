@@ -56,6 +56,7 @@ async def start_router(
     host: str,
     port: int,
     telemetry: Telemetry | None = None,
+    advertise_host: str | None = None,
     *,
     http_port: int | None = None,
 ) -> tuple[RouterServer, RequestLifecycle]:
@@ -71,7 +72,8 @@ async def start_router(
     lifecycle = RequestLifecycle(tokenizer, model_config, config, policy, prefix_index, tracker, telemetry, model, keys)
     servicer = GenerationServicer(lifecycle)
     tls = server_tls(config.tls_cert, config.tls_key, config.tls_client_ca)
-    server = Server(host, port, telemetry.server_interceptors(), reflection=config.reflection, tls=tls)
+    interceptors = telemetry.server_interceptors()
+    server = Server(host, port, interceptors, reflection=config.reflection, tls=tls, advertise_host=advertise_host)
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],

@@ -5,14 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.bench.commands import add_bench_commands
 from pdserve.chaos.command import add_chaos_command
-from pdserve.config import CLUSTER_MODES, ClusterConfig, EngineConfig, RouterConfig
+from pdserve.cluster.commands import (
+    add_address_flags,
+    add_controller_command,
+    add_fleet_flags,
+    add_internal_tls_flags,
+    add_router_command,
+)
+from pdserve.config import ClusterConfig, EngineConfig, RouterConfig
 from pdserve.drain_commands import add_drain_commands
 from pdserve.flags import add_engine_flags, engine_config, flag_values, from_flags
 from pdserve.protocol.sampling import SamplingParams
@@ -66,45 +73,25 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a local cluster: Ray worker actors and the router")
     add_engine_flags(up)
     c = ClusterConfig
-    up.add_argument("--mode", choices=CLUSTER_MODES, default=c.mode, help="separate prefill/decode workers, or not")
-    up.add_argument("--prefill", type=int, default=c.prefill, help="prefill workers (disaggregated)")
-    up.add_argument("--decode", type=int, default=c.decode, help="decode workers (disaggregated)")
-    up.add_argument("--workers", type=int, default=c.workers, help="workers doing both phases (colocated)")
-    up.add_argument("--host", default=c.host, help="address the router and workers bind")
+    add_fleet_flags(up)
+    add_address_flags(up, host_alias=True)
     up.add_argument("--port", type=int, default=c.port, help="the router's gRPC port")
     up.add_argument("--metrics-port", type=int, default=c.metrics_port, help="serve the router's metrics at :P/metrics")
     up.add_argument(
         "--http-port", type=int, default=c.http_port, help="serve the OpenAI-compatible HTTP API on this port (0: off)"
     )
     up.add_argument("--redis", default=c.redis_url, help="redis://... registry (default: in-process)")
-    up.add_argument("--ray-address", default=c.ray_address, help="join this Ray cluster instead of starting one")
-    up.add_argument("--kv-cache-gb", type=float, default=EngineConfig.kv_cache_memory_gb, help="KV cache per worker")
-    up.add_argument("--router-config", default=None, help="TOML file with a [router] table (see README)")
-    _add_router_overrides(up)
     up.add_argument(
-        "--first-token-timeout-s",
-        type=float,
-        default=None,
-        help="fail a request with UNAVAILABLE when no first token came by then and the client set no sooner "
-        f"deadline (default: {RouterConfig.first_token_timeout_s:g})",
+        "--ray-address",
+        default=c.ray_address,
+        help="join this Ray cluster instead of starting one (the worker actors are then detached)",
     )
-    up.add_argument(
-        "--kv-transfer-timeout",
-        type=float,
-        default=c.kv_transfer_timeout_s,
-        help="seconds a KV transfer may take before it fails",
-    )
-    up.add_argument(
-        "--max-restarts",
-        type=int,
-        default=c.max_restarts,
-        help="times Ray restarts a worker that died; past that the launcher replaces it with a new one",
-    )
-    up.add_argument("--internal-tls-cert", help="PEM certificate every worker and the router present internally")
-    up.add_argument("--internal-tls-key", help="PEM key of --internal-tls-cert")
-    up.add_argument("--internal-tls-ca", help="PEM cluster CA: internal peers must hold a certificate it signed (mTLS)")
+    add_internal_tls_flags(up)
+    _add_router_flags(up)
     up.add_argument("--log-level", default=c.log_level, help="DEBUG, INFO, WARNING, ERROR (JSON lines on stderr)")
-    up.set_defaults(func=partial(_up, services=services))
+    up.set_defaults(func=partial(_serve, services=services), command="up")
+    add_controller_command(sub, partial(_serve, services=services), add_engine_flags)
+    add_router_command(sub, partial(_serve, services=services), _add_router_flags)
 
     status = sub.add_parser("status", help="a running cluster's workers, their health and load")
     status.add_argument("--addr", required=True, help="router HOST:PORT")
@@ -134,9 +121,10 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _add_router_overrides(p: argparse.ArgumentParser) -> None:
+def _add_router_flags(p: argparse.ArgumentParser) -> None:
     """Unset (None) unless given, so a --router-config file's values stand; the help shows RouterConfig's."""
     r = RouterConfig
+    p.add_argument("--router-config", default=None, help="TOML file with a [router] table (see README)")
     p.add_argument("--policy", choices=["slo", "round-robin"], help=f"placement policy (default: {r.policy})")
     p.add_argument(
         "--default-ttft-ms", type=float, help=f"TTFT SLO for requests that set none (default: {r.default_ttft_ms:g})"
@@ -181,39 +169,63 @@ def _add_router_overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="PEM certificate: serve TLS on the public port (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA: require client certificates signed by it (mTLS)")
+    p.add_argument(
+        "--first-token-timeout-s",
+        type=float,
+        default=None,
+        help="fail a request with UNAVAILABLE when no first token came by then and the client set no sooner "
+        f"deadline (default: {r.first_token_timeout_s:g})",
+    )
 
 
-def _up(args: argparse.Namespace, services: ClusterServices | None) -> int:
+def _serve(args: argparse.Namespace, services: ClusterServices | None) -> int:
+    """`pdserve up`, `controller` or `router` (args.command): a long-running process until SIGINT/SIGTERM."""
     import asyncio
     import logging
 
-    from pdserve.cluster.launcher import run_cluster
     from pdserve.telemetry import configure_logging
 
+    name = f"pdserve {args.command}"
     if services is None:
-        print("pdserve up: this entry point has no services to run; use the `pdserve` command", file=sys.stderr)
+        print(f"{name}: this entry point has no services to run; use the `pdserve` command", file=sys.stderr)
         return 2
     try:
         logging.getLevelName(args.log_level.upper()) + 0
     except TypeError:
-        print(f"pdserve up: unknown --log-level {args.log_level!r}", file=sys.stderr)
+        print(f"{name}: unknown --log-level {args.log_level!r}", file=sys.stderr)
         return 2
-    configure_logging(args.log_level, service="pdserve-router")
     try:
         config = _cluster_config(args)
         _check_security_files(config)
     except (ValueError, OSError) as e:
-        print(f"pdserve up: {e}", file=sys.stderr)
+        print(f"{name}: {e}", file=sys.stderr)
         return 2
-    if not _model_in_cache(args.model):  # here, with progress on a terminal, not in every worker
+    configure_logging(args.log_level, service=f"pdserve-{args.command}")
+    # The model, here with progress on a terminal rather than in every worker; a controller's workers fetch it on
+    # their own nodes.
+    if args.command != "controller" and not _model_in_cache(args.model):
         return 1
-    asyncio.run(run_cluster(config, services))
+    asyncio.run(_runner(args.command)(config, services))
     return 0
+
+
+def _runner(command: str) -> Callable[[ClusterConfig, ClusterServices], Awaitable[None]]:
+    if command == "controller":
+        from pdserve.cluster.controller import run_controller
+
+        return run_controller
+    if command == "router":
+        from pdserve.cluster.router_process import run_router
+
+        return lambda config, services: run_router(config, services.router)
+    from pdserve.cluster.up import run_cluster
+
+    return run_cluster
 
 
 def _check_security_files(config: ClusterConfig) -> None:
     """Before any worker starts: a key file that does not parse or a certificate file that is missing fails
-    `pdserve up` at once, naming it, instead of after the workers are up."""
+    the command at once, naming it, instead of after the workers are up."""
     from pdserve.rpc.credentials import server_tls
     from pdserve.security.api_keys import KeyTable
 
@@ -230,7 +242,7 @@ def _check_security_files(config: ClusterConfig) -> None:
 
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
     overrides = flag_values(RouterConfig, args)
-    if args.router_config:
+    if getattr(args, "router_config", None):  # `controller` takes none
         router = RouterConfig.from_file(args.router_config, **overrides)
     else:
         router = RouterConfig(**overrides)
@@ -242,7 +254,9 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         engine=engine_config(args),
         router=router,
         log_level=args.log_level.upper(),
-        http_port=args.http_port or None,
+        http_port=getattr(args, "http_port", None) or None,  # `controller` serves no HTTP
+        # `up` stops everything it started; a controller leaves its actors serving unless told otherwise
+        stop_workers_on_exit=args.command != "controller" or args.stop_workers_on_exit,
     )
 
 
@@ -365,7 +379,7 @@ def _model_in_cache(model: str) -> bool:
     except ModelNotFetchedError:
         return subprocess.run([sys.executable, "-m", "pdserve.cli", "fetch", "--model", model]).returncode == 0
     except FileNotFoundError as e:
-        print(f"pdserve up: {e}", file=sys.stderr)
+        print(f"pdserve: {e}", file=sys.stderr)
         return False
 
 

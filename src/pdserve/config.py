@@ -8,7 +8,7 @@ dtype object) are resolved in the engine (`pdserve.engine.device`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.protocol.request_checks import RequestLimits
 from pdserve.protocol.roles import EngineMode, Role
@@ -151,16 +151,24 @@ class RouterConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """What `pdserve up` starts: the cluster's shape, where it listens, and each part's own config."""
+    """What `pdserve up`, `pdserve controller` and `pdserve router` run: the cluster's shape, where it listens,
+    and each part's own config."""
 
     engine: EngineConfig = EngineConfig()
     mode: str = "disaggregated"  # one of CLUSTER_MODES
     prefill: int = 1  # workers per role when disaggregated
     decode: int = 1
     workers: int = 2  # workers doing both phases when colocated
-    host: str = "127.0.0.1"  # address the router and the workers bind
+    host: str = "127.0.0.1"  # address the router and the workers bind (--bind-host; `up` also takes --host)
+    advertise_host: str | None = None  # what addresses name; None: POD_IP, else the bind host unless a wildcard
     port: int = 50051  # the router's public gRPC port
+    worker_port: int = 0  # a worker's gRPC port, the next ones for more workers on a host (0: free ports)
+    transfer_port: int = 0  # a decode worker's first KV rendezvous port, the next per prefill peer (0: free ports)
+    worker_metrics_port: int = 0  # a worker's /metrics port, the next ones for more workers on a host (0: free)
     ray_address: str | None = None  # None: start a local Ray
+    ray_namespace: str = "pdserve"  # the Ray namespace the worker actors are named in
+    role_resources: bool = False  # each actor asks for Ray resource pdserve_<role>: one worker group per role
+    stop_workers_on_exit: bool = True  # on SIGTERM; `pdserve controller` leaves them serving unless told to
     redis_url: str | None = None  # None: the embedded in-process registry
     router: RouterConfig = RouterConfig()
     max_restarts: int = 3  # per worker actor
@@ -182,12 +190,20 @@ class ClusterConfig:
         given = [self.internal_tls_cert, self.internal_tls_key, self.internal_tls_ca]
         if any(given) and not all(given):
             raise ValueError("give all of --internal-tls-cert, --internal-tls-key and --internal-tls-ca, or none")
+        for name in ("port", "worker_port", "transfer_port", "worker_metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be a TCP port (0: any free one), got {getattr(self, name)}")
+        if self.advertise_host in ("0.0.0.0", "::"):
+            raise ValueError(f"advertise_host must be an address others can dial, got {self.advertise_host!r}")
 
     @property
     def roles(self) -> list[Role]:
         if self.mode == "colocated":
             return [Role.COLOCATED] * self.workers
         return [Role.PREFILL] * self.prefill + [Role.DECODE] * self.decode
+
+    def worker_engine(self) -> EngineConfig:
+        return replace(self.engine, num_threads=self.threads_per_worker())
 
     def threads_per_worker(self) -> int:
         """A fair share of this machine's cores unless the engine config names a count."""

@@ -14,6 +14,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
 
 
+def pod_ip() -> str | None:
+    """POD_IP (Kubernetes' downward API): the address a process in a pod advertises unless told another."""
+    return os.environ.get("POD_IP") or None
+
+
 def worker_env() -> dict[str, str]:
     """The variables a launched worker process must see as the launcher does (model cache, telemetry)."""
     return {k: v for k, v in os.environ.items() if k.startswith(("PDSERVE_", "OTEL_"))}

@@ -38,3 +38,26 @@ def test_help_shows_defaults(argv: list[str], shown: list[str], capsys: pytest.C
     for default in shown:
         assert default in text
     assert "(default: None)" not in text
+
+
+def test_controller_and_router_flags_reach_the_config() -> None:
+    argv = ["controller", "--ray-address", "10.0.0.1:6379", "--redis", "redis://r:6379/0", "--role-resources"]
+    argv += ["--bind-host", "0.0.0.0", "--advertise-host", "10.0.0.7", "--worker-port", "50061"]
+    config = cli._cluster_config(cli._parser().parse_args([*argv, "--transfer-port", "50062", "--decode", "2"]))
+    assert (config.ray_address, config.redis_url) == ("10.0.0.1:6379", "redis://r:6379/0")
+    assert config.ray_namespace == "pdserve"
+    assert (config.host, config.advertise_host, config.worker_port, config.transfer_port) == (
+        "0.0.0.0",
+        "10.0.0.7",
+        50061,
+        50062,
+    )
+    assert config.role_resources and config.decode == 2 and not config.stop_workers_on_exit
+    router = cli._parser().parse_args(["router", "--redis", "redis://r/0", "--host", "0.0.0.0", "--port", "0"])
+    config = cli._cluster_config(router)
+    assert (config.redis_url, config.host, config.port, config.ray_address) == ("redis://r/0", "0.0.0.0", 0, None)
+
+
+def test_a_wildcard_is_never_advertised() -> None:
+    with pytest.raises(ValueError, match="advertise_host"):
+        cli._cluster_config(cli._parser().parse_args(["up", "--advertise-host", "0.0.0.0"]))

@@ -61,7 +61,8 @@ class RouterServer(Protocol):
 
 
 class StartRouter(Protocol):
-    """Starts the router's listeners: gRPC on host:port, the HTTP API on `http_port` unless None."""
+    """Starts the router's listeners: gRPC bound on host:port and named by `advertise_host` (default: host), the
+    HTTP API on `http_port` unless None."""
 
     def __call__(
         self,
@@ -72,6 +73,7 @@ class StartRouter(Protocol):
         host: str,
         port: int,
         telemetry: Telemetry,
+        advertise_host: str | None = None,
         *,
         http_port: int | None = None,
     ) -> Awaitable[tuple[RouterServer, RouterHandle]]: ...
@@ -79,7 +81,7 @@ class StartRouter(Protocol):
 
 @dataclass(frozen=True)
 class ClusterServices:
-    """Everything `pdserve up` runs that is not cluster machinery."""
+    """Everything `pdserve up`, `controller` and `router` run that is not cluster machinery."""
 
     workers: WorkerServices
     router: StartRouter

@@ -96,7 +96,7 @@ class Supervisor:
             slot.died += 1
             await self._unlist(slot, "its actor died")
             if slot.died >= DEAD_AFTER:
-                self._replace(slot, e)
+                await self._replace(slot, e)
             return
         except TimeoutError:
             slot.died, slot.timeouts = 0, slot.timeouts + 1
@@ -107,7 +107,7 @@ class Supervisor:
             slot.died = 0
             await self._unlist(slot, _first_line(e))
             if isinstance(getattr(e, "cause", None) or e, WorkerDrainedError):
-                self._restart_drained(slot)
+                await self._restart_drained(slot)
             return
         slot.died = slot.timeouts = 0
         slot.address = state.address
@@ -136,7 +136,7 @@ class Supervisor:
             except Exception as e:  # Redis down: its key's TTL removes it
                 log.warning("could not remove worker %s from the registry: %r", slot.spec.worker_id, e)
 
-    def _replace(self, slot: Slot, error: BaseException) -> None:
+    async def _replace(self, slot: Slot, error: BaseException) -> None:
         slot.replacements += 1
         log.error(
             "worker %s is dead for good (its restarts are used up: %s); replacing it with a new actor (replacement %d)",
@@ -144,14 +144,16 @@ class Supervisor:
             _first_line(error),
             slot.replacements,
         )
-        slot.actor = self.new_actor(slot.spec)
+        slot.actor = None  # the dead actor's handle goes first: Ray frees its name (the worker id) only then
+        slot.actor = await asyncio.to_thread(self.new_actor, slot.spec)  # may wait for the name, off the loop
         slot.died = 0
         self.on_replaced(slot.spec)
 
-    def _restart_drained(self, slot: Slot) -> None:
+    async def _restart_drained(self, slot: Slot) -> None:
         log.warning("worker %s drained; a new actor takes its place", slot.spec.worker_id)
         self.kill(slot.actor)
-        slot.actor = self.new_actor(slot.spec)
+        slot.actor = None  # as in _replace: the handle goes first so Ray frees the name for the new actor
+        slot.actor = await asyncio.to_thread(self.new_actor, slot.spec)
 
 
 async def _port_open(address: str) -> bool:

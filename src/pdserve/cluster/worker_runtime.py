@@ -23,6 +23,7 @@ import threading
 import uuid
 from concurrent.futures import Future
 from dataclasses import asdict, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 from pdserve.cluster.drain import DrainGate, DrainReport, WorkerDrainedError, run_drain
@@ -50,7 +51,13 @@ class WorkerUnavailableError(RuntimeError):
 class WorkerRuntime:
     def __init__(self, spec: WorkerSpec, services: WorkerServices) -> None:
         """`services` adds the role's gRPC services (built outside this package) once the engine is loaded."""
-        self.spec = replace(spec, worker_id=spec.worker_id or f"{spec.role}-{uuid.uuid4().hex[:8]}")
+        from pdserve.addresses import advertised_host
+
+        self.spec = replace(
+            spec,
+            worker_id=spec.worker_id or f"{spec.role}-{uuid.uuid4().hex[:8]}",
+            advertise_host=advertised_host(spec.host, spec.advertise_host),  # here: on the worker's own node
+        )
         self._services = services
         from pdserve.telemetry import Telemetry, configure_logging
 
@@ -183,6 +190,7 @@ class WorkerRuntime:
         os._exit(1)
 
     async def _start(self) -> None:
+        from pdserve.addresses import PORT_SPAN, bind_first_free, join
         from pdserve.engine.async_engine import AsyncEngine
         from pdserve.engine.engine import LLMEngine
         from pdserve.engine.profiling import SpeedTracker
@@ -200,14 +208,16 @@ class WorkerRuntime:
             tls=internal_server_tls(),
             cluster=ClusterSecret.from_env(),
             inner=[self._gate],
+            advertise_host=spec.advertise_host,
+            port_span=PORT_SPAN,
         )
         engine = self._engine
         metrics = WorkerMetrics(
             self.telemetry.meter, spec.worker_id, spec.role, lambda: engine.stats, lambda: engine.stats["prefix_hits"]
         )
         if spec.metrics_port is not None:
-            port = self.telemetry.serve_metrics(spec.host, spec.metrics_port)
-            self._metrics_address = f"{spec.host}:{port}"
+            port = bind_first_free(partial(self.telemetry.serve_metrics, spec.host), spec.metrics_port)
+            self._metrics_address = join(spec.advertise_host, port)
         self._transfer = self._services(WorkerContext(spec, self._engine, self._server, self.telemetry, metrics))
         add_control_service(self._server, self._drain_here)
         await self._server.start()

@@ -12,8 +12,8 @@ from pdserve.protocol.roles import Role
 class WorkerSpec:
     role: Role
     engine: EngineConfig
-    host: str = ClusterConfig.host
-    port: int = 0
+    host: str = ClusterConfig.host  # where its listeners bind (a wildcard allowed)
+    port: int = 0  # its gRPC port (0: a free one)
     worker_id: str = ""
     registry_url: str | None = None  # redis://...: heartbeat there; None: the launcher publishes for us
     heartbeat_s: float = RouterConfig.heartbeat_s
@@ -25,6 +25,10 @@ class WorkerSpec:
     # in tests that run a worker inside their own process.
     exit_on_fatal: bool = False
     drain_timeout_s: float = ClusterConfig.worker_drain_timeout_s  # SIGTERM's drain, and a drain asking for 0
+    # The host its addresses name (gRPC, metrics, KV rendezvous): "" until the worker resolves it in its own
+    # process (`pdserve.addresses.advertised_host`: the flag, its node's POD_IP, or the bind host).
+    advertise_host: str = ""
+    transfer_port: int = 0  # decode side: the first port of its KV rendezvous stores (0: free ones)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # a role's string is accepted, and checked here

@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.addresses import candidate_ports, join
 from pdserve.rpc.cluster_auth import ClusterAuthServerInterceptor, cluster_client_interceptors
 from pdserve.rpc.credentials import (
     ClientCredentials,
@@ -45,11 +46,18 @@ SERVER_OPTIONS = [
     *_MESSAGE_SIZES,
     *_KEEPALIVE,
     ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    # gRPC sets SO_REUSEPORT by default: a second server on a taken fixed port would bind it too and silently
+    # take half of its connections. Off, a taken port is an error (and `port_span` moves on to the next).
+    ("grpc.so_reuseport", 0),
 ]
 
 
 class Server:
     """A grpc.aio server with health (NOT_SERVING until `set_serving`), reflection and the error interceptor.
+    It binds `host` (a wildcard allowed) and its `address` names `advertise_host` (default: `host`), the one
+    peers dial; every server in pdserve is made here, so transport settings apply to all of them at once. A fixed
+    `port` that is taken moves on to the next of `port_span` ports (several workers on one host share a first
+    port); port 0 is any free port.
     `reflection=False` leaves server reflection off: a public port need not list its services to a stranger.
     `tls`: serve TLS (and require client certificates when it names a client CA); None: plaintext.
     `cluster`: an internal server's cluster secret; calls without its token are refused (health stays open)."""
@@ -63,6 +71,8 @@ class Server:
         tls: ServerTLS | None = None,
         cluster: ClusterSecret | None = None,
         inner: Sequence[Any] = (),
+        advertise_host: str | None = None,
+        port_span: int = 1,
     ) -> None:
         # Tracing interceptors first (outermost), so their spans see the status the error mapping chose; `inner`
         # ones (a worker's drain gate) inside the mapping, so the typed errors they raise get their status.
@@ -71,10 +81,8 @@ class Server:
         self._server = grpc.aio.server(interceptors=chain, options=SERVER_OPTIONS)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        self.port = add_port(self._server, f"{host}:{port}", tls)
-        if self.port == 0:
-            raise OSError(f"could not bind {host}:{port}")
-        self.address = f"{host}:{self.port}"
+        self.port = _bind(self._server, host, port, port_span, tls)
+        self.address = join(advertise_host or host, self.port)
         self._reflection = reflection
         self._service_names: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
 
@@ -100,6 +108,16 @@ class Server:
 
     async def wait(self) -> None:
         await self._server.wait_for_termination()
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, span: int, tls: ServerTLS | None) -> int:
+    for candidate in candidate_ports(port, span):
+        try:
+            if bound := add_port(server, join(host, candidate), tls):
+                return bound
+        except RuntimeError:  # gRPC raises or returns 0 for a port it cannot bind, by version
+            pass
+    raise OSError(f"could not bind {join(host, port)}" + (f" nor the {span - 1} ports after it" if span > 1 else ""))
 
 
 def channel(

@@ -40,10 +40,12 @@ class Pending:
 class RecvPair:
     """`info` is this side's `device_info`; `identity` tells the sender which receiver (and pair) it reached."""
 
-    def __init__(self, peer_id: str, host: str, identity: str, info: str, connect_timeout_s: float) -> None:
+    def __init__(
+        self, peer_id: str, host: str, identity: str, info: str, connect_timeout_s: float, bind_host: str, port: int
+    ) -> None:
         self.peer_id = peer_id
         self.info = info
-        self.store, self.address = open_store(host, connect_timeout_s, f"{identity}/{peer_id} {info}")
+        self.store, self.address = open_store(bind_host, host, port, connect_timeout_s, f"{identity}/{peer_id} {info}")
         self.cond = threading.Condition()
         self.pending: dict[int, Pending] = {}
         self.abandoned: OrderedDict[int, None] = OrderedDict()

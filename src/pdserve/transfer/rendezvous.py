@@ -1,12 +1,13 @@
 """How the two sides of a pair meet: the decode side's TCPStore, the sender's claim on it, the backend choice.
 
-The decode side hosts one store per prefill peer, bound to its own host; the prefill side connects to it on its
-first send. Both write their device and backend preference into the store and pick the same backend: NCCL when
-both caches are on CUDA (and NCCL exists on both), gloo otherwise.
+The decode side hosts one store per prefill peer, bound to its bind host and announced on its advertised host;
+the prefill side connects to it on its first send. Both write their device and backend preference into the store
+and pick the same backend: NCCL when both caches are on CUDA (and NCCL exists on both), gloo otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from datetime import timedelta
@@ -14,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pdserve.addresses import bind_first_free, join
 from pdserve.transfer.base import PeerLostError, TransferError, TransferTimeoutError
 from pdserve.transfer.pair_group import error_summary, time_left
 
@@ -42,22 +44,17 @@ def choose_backend(mine: str, theirs: str) -> str:
     return "nccl" if nccl_possible else "gloo"
 
 
-def open_store(host: str, timeout_s: float, receiver_info: str) -> tuple[dist.TCPStore, str]:
-    """Decode side: a store on `host` and a port the OS picks, announcing `receiver_info`; returns it and its
-    "host:port"."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.bind((host, 0))  # our host only: TCPStore itself would listen on every interface
-        sock.listen(16)
-        port = sock.getsockname()[1]
-    except OSError:
-        sock.close()
-        raise
+def open_store(
+    bind_host: str, advertise_host: str, first_port: int, timeout_s: float, receiver_info: str
+) -> tuple[dist.TCPStore, str]:
+    """Decode side: a store bound to `bind_host` on the first free port from `first_port` on (0: any free port),
+    announcing `receiver_info`; returns it and the "host:port" a sender dials (on `advertise_host`)."""
+    sock = _listen(bind_host, first_port)
+    port = sock.getsockname()[1]
     fd = sock.detach()  # the store owns the socket from here on
     try:
         store = dist.TCPStore(
-            host,
+            _self_dialable(bind_host),  # the store's own client connects here: the bind host, not the advertised
             port,
             2,
             True,
@@ -67,10 +64,34 @@ def open_store(host: str, timeout_s: float, receiver_info: str) -> tuple[dist.TC
             use_libuv=True,
         )
     except BaseException:
-        os.close(fd)
+        with contextlib.suppress(OSError):  # the store may have closed it already
+            os.close(fd)
         raise
     store.set(_RECV_KEY, receiver_info)
-    return store, (f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}")
+    return store, join(advertise_host, port)
+
+
+def _self_dialable(bind_host: str) -> str:
+    """Where this process reaches a socket bound to `bind_host`: loopback for a wildcard."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(bind_host, bind_host)
+
+
+def _listen(host: str, first_port: int) -> socket.socket:
+    """A listening socket on `host` only (TCPStore itself would listen on every interface); one store per prefill
+    peer, so a fixed first port is followed by the next free ones."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    def listen(port: int) -> socket.socket:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, port))
+            sock.listen(16)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    return bind_first_free(listen, first_port)
 
 
 def sender_info(store: dist.Store) -> str | None:

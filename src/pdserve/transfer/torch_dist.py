@@ -48,9 +48,11 @@ PairT = TypeVar("PairT", SendPair, RecvPair)
 
 
 class _Endpoint(Generic[PairT]):
-    """What both ends keep: `host` is this worker's configured address, the one gloo (and, on the decode side, each
-    pair's store) binds and advertises, never every interface; `device` is where the caches live;
-    `model_fingerprint` goes into the layout both sides compare."""
+    """What both ends keep: `host` is this worker's advertised address, the one gloo binds and announces (gloo
+    announces the address it listens on, so it must be this host's own, never a wildcard); on the decode side each
+    pair's store binds `bind_host` (default `host`) on `store_port` or the next free ports (0: any) and is
+    announced on `host`; `device` is where the caches live; `model_fingerprint` goes into the layout both sides
+    compare."""
 
     def __init__(
         self,
@@ -61,9 +63,13 @@ class _Endpoint(Generic[PairT]):
         connect_timeout_s: float = 30.0,
         pipeline_bytes: int = 32 << 20,
         secret: bytes = b"",
+        bind_host: str | None = None,
+        store_port: int = 0,
     ) -> None:
         self.host = host
         self.secret = secret  # the cluster secret: keys the control header's MAC (wire.py)
+        self.bind_host = bind_host or host
+        self.store_port = store_port
         self.device = torch.device(device)
         self.fingerprint = model_fingerprint
         self.backend = backend
@@ -180,7 +186,9 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
             pair = self._pairs.get(peer_id)
             if pair is None or pair.error is not None:
                 info = device_info(self.device, self.backend)
-                pair = RecvPair(peer_id, self.host, self._identity, info, self.connect_timeout_s)
+                pair = RecvPair(
+                    peer_id, self.host, self._identity, info, self.connect_timeout_s, self.bind_host, self.store_port
+                )
                 self._pairs[peer_id] = pair
                 self._lost.pop(peer_id, None)
                 threading.Thread(target=self._serve, args=(pair,), name=f"kv-recv-{peer_id}", daemon=True).start()

@@ -1,0 +1,72 @@
+"""Where a listener binds and what it tells others to dial: two addresses, because the first may be a wildcard
+(0.0.0.0 in a container) that no other host can dial, and the second must be one they can (a pod's IP)."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Callable
+from typing import TypeVar
+
+from pdserve import env
+
+T = TypeVar("T")
+WILDCARDS = ("0.0.0.0", "::", "")
+# A fixed port is the first of this many: several workers on one host (or a decode worker's rendezvous store per
+# prefill peer) take the next free ones, so a NetworkPolicy names the range P..P+PORT_SPAN-1.
+PORT_SPAN = 64
+
+
+def is_wildcard(host: str) -> bool:
+    return host in WILDCARDS
+
+
+def advertised_host(bind_host: str, advertise_host: str | None = None) -> str:
+    """The host others dial: the one asked for, else env POD_IP, else the bind host unless it is a wildcard, in
+    which case this machine's primary address. Never a wildcard: nobody can dial 0.0.0.0."""
+    for host in (advertise_host, env.pod_ip()):
+        if host:
+            if is_wildcard(host):
+                raise ValueError(f"advertised host must be dialable, got {host!r}")
+            return host
+    return primary_address() if is_wildcard(bind_host) else bind_host
+
+
+def primary_address() -> str:
+    """The address this machine's default route leaves from (no packet is sent), else its hostname's address,
+    else loopback: what a peer on the same network would dial."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only the route is looked up
+            return s.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def join(host: str, port: int) -> str:
+    """host:port, an IPv6 literal in brackets."""
+    try:
+        v6 = ipaddress.ip_address(host).version == 6
+    except ValueError:
+        v6 = False
+    return f"[{host}]:{port}" if v6 else f"{host}:{port}"
+
+
+def candidate_ports(first: int, span: int = PORT_SPAN) -> list[int]:
+    """The ports to try in order: [0] (the OS picks) for 0, else `first` and the ones after it."""
+    return [0] if first == 0 else list(range(first, min(first + max(span, 1), 65536)))
+
+
+def bind_first_free(bind: Callable[[int], T], first: int, span: int = PORT_SPAN) -> T:
+    """`bind(port)` on the first candidate port that is free (`bind` raises OSError for a taken one)."""
+    error: OSError | None = None
+    for port in candidate_ports(first, span):
+        try:
+            return bind(port)
+        except OSError as e:
+            error = e
+    raise OSError(f"no free port from {first} ({span} tried): {error}")

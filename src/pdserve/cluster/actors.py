@@ -1,0 +1,115 @@
+"""The worker actors in Ray: one named actor per worker id in the cluster's Ray namespace, found again by name.
+
+Joined to a Ray cluster (`--ray-address`), actors are detached: they outlive the process that made them, so a
+controller or router restart (a Kubernetes Deployment's pod replaced) finds the same workers serving instead of
+starting a second fleet. A local Ray started by `pdserve up` ends with it, and its actors are its own.
+With role resources each actor asks for the Ray custom resource of its role (`pdserve_prefill`, `pdserve_decode`,
+`pdserve_colocated`), so a Ray node (a KubeRay worker group) started with that resource hosts that role only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from pdserve import env
+from pdserve.cluster.factories import WorkerServices
+from pdserve.cluster.worker_runtime import WorkerRuntime
+from pdserve.cluster.worker_spec import WorkerSpec
+from pdserve.config import ClusterConfig
+from pdserve.protocol.roles import Role
+
+log = logging.getLogger(__name__)
+NAME_RELEASE_TRIES = 20  # a dead actor's name is free once its handles are gone: well within 5 s
+
+
+def role_resource(role: Role) -> str:
+    """The Ray custom resource a worker of `role` asks for with role resources: one per worker on its node."""
+    return f"pdserve_{role}"
+
+
+class WorkerActors:
+    """Connects to Ray (starting a local one unless joined) and finds or creates the worker actors."""
+
+    def __init__(self, config: ClusterConfig, services: WorkerServices) -> None:
+        self.config = config
+        self.services = services
+        self.detached = config.ray_address is not None
+        self.started_ray = False
+        self._gpus = 0
+
+    def connect(self) -> None:
+        import ray
+
+        c = self.config
+        if not ray.is_initialized():
+            ray.init(
+                address=c.ray_address,
+                namespace=c.ray_namespace,
+                include_dashboard=False,
+                num_cpus=None if c.ray_address else os.cpu_count(),
+                object_store_memory=None if c.ray_address else 100 * 2**20,  # we pass no objects through it
+                runtime_env={"env_vars": env.worker_env()},
+                logging_level=logging.WARNING,
+                log_to_driver=True,
+            )
+            self.started_ray = c.ray_address is None
+        self._gpus = 1 if _wants_gpu(c.engine.device) else 0
+
+    def get_or_create(self, spec: WorkerSpec) -> tuple[Any, bool]:
+        """The actor named `spec.worker_id` in the namespace, and whether it existed already (it keeps the spec it
+        was made with)."""
+        import ray
+
+        try:
+            return ray.get_actor(spec.worker_id, namespace=self.config.ray_namespace), True
+        except ValueError:  # no live actor of that name
+            return self.create(spec), False
+
+    def create(self, spec: WorkerSpec) -> Any:
+        import ray
+
+        options: dict[str, Any] = {
+            "name": spec.worker_id,
+            "namespace": self.config.ray_namespace,
+            "num_cpus": 0,
+            "num_gpus": self._gpus,
+            "max_restarts": self.config.max_restarts,
+            "max_task_retries": 0,
+        }
+        if self.detached:
+            options["lifetime"] = "detached"
+        if self.config.role_resources:
+            options["resources"] = {role_resource(spec.role): 1}
+        actor_cls = ray.remote(WorkerRuntime).options(**options)
+        for _ in range(NAME_RELEASE_TRIES):
+            try:
+                return actor_cls.remote(spec, self.services)
+            except ValueError as e:  # the name is still held by a dead actor whose handles are being dropped
+                log.info("worker %s: waiting for Ray to release its name: %s", spec.worker_id, e)
+                time.sleep(0.25)
+        return actor_cls.remote(spec, self.services)
+
+    def kill(self, actor: Any) -> None:
+        import ray
+
+        ray.kill(actor, no_restart=True)
+
+    def disconnect(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def _wants_gpu(device: str) -> bool:
+    """Whether a worker gets a GPU, decided from Ray's view of the cluster rather than torch's, so that the
+    controller (the router's process under `pdserve up`) never imports torch: "auto" means CUDA wherever Ray
+    found GPUs."""
+    import ray
+
+    if device == "auto":
+        return ray.cluster_resources().get("GPU", 0) > 0
+    return device.startswith("cuda")

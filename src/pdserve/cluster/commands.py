@@ -1,0 +1,116 @@
+"""The flags of the commands that run cluster processes: `pdserve up` (all in one), `pdserve controller` (the
+worker fleet in a Ray cluster) and `pdserve router` (the public API from the Redis registry)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.config import CLUSTER_MODES, ClusterConfig, EngineConfig
+
+Run = Callable[[argparse.Namespace], Any]
+
+
+def add_fleet_flags(p: argparse.ArgumentParser) -> None:
+    """The workers' shape, their Ray placement and their registry: what `up` and `controller` share."""
+    c = ClusterConfig
+    p.add_argument("--mode", choices=CLUSTER_MODES, default=c.mode, help="separate prefill/decode workers, or not")
+    p.add_argument("--prefill", type=int, default=c.prefill, help="prefill workers (disaggregated)")
+    p.add_argument("--decode", type=int, default=c.decode, help="decode workers (disaggregated)")
+    p.add_argument("--workers", type=int, default=c.workers, help="workers doing both phases (colocated)")
+    p.add_argument("--kv-cache-gb", type=float, default=EngineConfig.kv_cache_memory_gb, help="KV cache per worker")
+    p.add_argument(
+        "--ray-namespace", default=c.ray_namespace, help="Ray namespace the worker actors are named (and found) in"
+    )
+    p.add_argument(
+        "--role-resources",
+        action="store_true",
+        help="each actor asks for Ray custom resource pdserve_prefill / pdserve_decode / pdserve_colocated "
+        "(1), so each role runs only on Ray nodes started with it",
+    )
+    p.add_argument(
+        "--worker-port",
+        type=int,
+        default=c.worker_port,
+        help="workers' gRPC port, the next ones for more per host (0: free ports)",
+    )
+    p.add_argument(
+        "--transfer-port",
+        type=int,
+        default=c.transfer_port,
+        help="a decode worker's KV rendezvous port, the next ones for more prefill peers (0: free ports)",
+    )
+    p.add_argument(
+        "--worker-metrics-port",
+        type=int,
+        default=c.worker_metrics_port,
+        help="workers' /metrics port, the next ones for more per host (0: free ports)",
+    )
+    p.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=c.kv_transfer_timeout_s,
+        help="seconds a KV transfer may take before it fails",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=c.max_restarts,
+        help="times Ray restarts a worker that died; past that the launcher replaces it with a new one",
+    )
+
+
+def add_address_flags(p: argparse.ArgumentParser, host_alias: bool = False) -> None:
+    """Where every listener binds and which host its addresses name. `host_alias`: `up`'s older --host too."""
+    names = ["--bind-host", "--host"] if host_alias else ["--bind-host"]
+    p.add_argument(*names, dest="host", default=ClusterConfig.host, help="address every listener binds (0.0.0.0: all)")
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host the addresses others dial name (default: env POD_IP, else the bind host unless 0.0.0.0/::, "
+        "then this machine's primary address)",
+    )
+
+
+def add_internal_tls_flags(p: argparse.ArgumentParser) -> None:
+    """mTLS with the cluster CA on every internal hop; every process of a cluster takes the same three files."""
+    p.add_argument("--internal-tls-cert", help="PEM certificate every worker and the router present internally")
+    p.add_argument("--internal-tls-key", help="PEM key of --internal-tls-cert")
+    p.add_argument("--internal-tls-ca", help="PEM cluster CA: internal peers must hold a certificate it signed (mTLS)")
+
+
+def add_controller_command(sub: Any, run: Run, add_engine_flags: Callable[[argparse.ArgumentParser], None]) -> None:
+    c = ClusterConfig
+    p = sub.add_parser("controller", help="create and supervise the worker actors in a Ray cluster (no router)")
+    add_engine_flags(p)
+    p.add_argument("--ray-address", required=True, help="the Ray cluster to join (HOST:PORT of its GCS, or auto)")
+    p.add_argument("--redis", required=True, help="redis://... registry the workers publish to, routers read")
+    add_fleet_flags(p)
+    add_address_flags(p)
+    add_internal_tls_flags(p)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve the controller's metrics at :P/metrics")
+    p.add_argument(
+        "--stop-workers-on-exit",
+        action="store_true",
+        help="stop the worker actors on SIGTERM (default: leave them serving for the next controller)",
+    )
+    p.add_argument("--log-level", default=c.log_level, help="DEBUG, INFO, WARNING, ERROR (JSON lines on stderr)")
+    p.set_defaults(func=run, command="controller")
+
+
+def add_router_command(sub: Any, run: Run, add_router_flags: Callable[[argparse.ArgumentParser], None]) -> None:
+    c = ClusterConfig
+    p = sub.add_parser("router", help="serve the public API from the Redis registry (several may run)")
+    p.add_argument("--model", default=EngineConfig.model, help="the model the workers serve (its tokenizer)")
+    p.add_argument("--redis", required=True, help="redis://... registry the workers publish to")
+    add_address_flags(p, host_alias=True)
+    p.add_argument("--port", type=int, default=c.port, help="the router's gRPC port")
+    p.add_argument("--metrics-port", type=int, default=c.metrics_port, help="serve the router's metrics at :P/metrics")
+    p.add_argument(
+        "--http-port", type=int, default=c.http_port, help="serve the OpenAI-compatible HTTP API on this port (0: off)"
+    )
+    add_router_flags(p)
+    add_internal_tls_flags(p)
+    p.add_argument("--log-level", default=c.log_level, help="DEBUG, INFO, WARNING, ERROR (JSON lines on stderr)")
+    p.set_defaults(func=run, command="router")

@@ -1,0 +1,48 @@
+"""`pdserve controller`: the worker fleet in a Ray cluster, apart from any router.
+
+It joins Ray, creates the worker actors (or finds them again in its Ray namespace after its own restart),
+supervises them, and has them publish to Redis, where routers find them. On SIGTERM it leaves the actors serving
+(they are detached) unless told to stop them: a controller's restart is not a fleet's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pdserve.cluster.factories import ClusterServices
+from pdserve.cluster.internal_security import prepare_internal_security
+from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.router_process import until_signal
+from pdserve.config import ClusterConfig
+
+log = logging.getLogger(__name__)
+
+
+async def run_controller(config: ClusterConfig, services: ClusterServices) -> None:
+    from pdserve.metrics import SupervisionMetrics
+    from pdserve.registry.redis import RedisRegistry
+    from pdserve.telemetry import Telemetry
+
+    if not config.redis_url or not config.ray_address:
+        raise ValueError("pdserve controller needs --redis and --ray-address")
+    prepare_internal_security(config, make_secret=False)  # before Ray connects: the workers inherit it
+    cluster = Cluster(config, services.workers, RedisRegistry(config.redis_url), publish=False)
+    await asyncio.to_thread(cluster.start_workers)
+    telemetry = Telemetry("pdserve-controller")
+    cluster.supervisor.on_replaced = SupervisionMetrics(telemetry.meter).replaced
+    if config.metrics_port is not None:
+        port = telemetry.serve_metrics(config.host, config.metrics_port)
+        log.info("controller metrics at http://%s:%d/metrics", config.host, port)
+    watcher = asyncio.create_task(cluster.watch())
+    roles = ", ".join(config.roles)
+    print(f"ready controller ({config.mode}: {roles}) in Ray namespace {config.ray_namespace}", flush=True)
+    try:
+        await until_signal()
+    finally:
+        watcher.cancel()
+        if config.stop_workers_on_exit:
+            await asyncio.to_thread(cluster.stop_workers)
+        else:
+            await asyncio.to_thread(cluster.leave_workers)
+        telemetry.shutdown()

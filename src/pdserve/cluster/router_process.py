@@ -1,0 +1,101 @@
+"""The router's side of a process: its registry view, its servers (public gRPC, metrics), and its drain.
+
+`pdserve router` runs only this, reading the workers from Redis (several routers may); `pdserve up` runs it beside
+the worker fleet with the embedded registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+from pdserve.addresses import advertised_host, join
+from pdserve.cluster.factories import RouterHandle, RouterServer, StartRouter
+from pdserve.cluster.internal_security import prepare_internal_security
+from pdserve.config import ClusterConfig
+from pdserve.registry.base import PrefixIndex, Registry
+from pdserve.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+
+def registry_for(config: ClusterConfig) -> tuple[Registry, PrefixIndex]:
+    """Redis when a URL is given (shared by every router), else the in-process registry of a one-router cluster."""
+    if config.redis_url:
+        from pdserve.registry.redis import RedisPrefixIndex, RedisRegistry
+
+        r = config.router
+        registry = RedisRegistry(config.redis_url, max_view_age_s=r.registry_max_view_age_s)
+        return registry, RedisPrefixIndex(config.redis_url, match_budget_s=r.prefix_match_budget_s)
+    from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
+
+    return InMemoryRegistry(), InMemoryPrefixIndex()
+
+
+@dataclass
+class RunningRouter:
+    server: RouterServer
+    handle: RouterHandle
+    registry: Registry
+    prefix_index: PrefixIndex
+
+    async def drain_and_stop(self, grace_s: float) -> None:
+        """NOT_SERVING, in-flight streams finish within `grace_s`, then the server and the registry view stop."""
+        log.info("draining")
+        self.handle.draining = True
+        await self.server.set_serving(False)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.handle.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        await self.server.stop(1.0)
+        await self.prefix_index.close()
+        await self.registry.close()
+
+
+async def start_router_process(
+    config: ClusterConfig,
+    start_router: StartRouter,
+    registry: Registry,
+    prefix_index: PrefixIndex,
+    telemetry: Telemetry,
+) -> RunningRouter:
+    """The router serving on `config.host:port` (advertised on `config.advertise_host`), its metrics too."""
+    await registry.start()
+    host = advertised_host(config.host, config.advertise_host)
+    c = config
+    server, handle = await start_router(
+        c.engine.model, registry, prefix_index, c.router, c.host, c.port, telemetry, host, http_port=c.http_port
+    )
+    if server.http is not None:
+        log.info("router OpenAI-compatible HTTP API at http://%s/v1", join(host, server.http.port))
+    if config.metrics_port is not None:
+        port = telemetry.serve_metrics(config.host, config.metrics_port)
+        log.info("router metrics at http://%s/metrics", join(host, port))
+    return RunningRouter(server, handle, registry, prefix_index)
+
+
+async def until_signal() -> None:
+    """Returns on SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def run_router(config: ClusterConfig, start_router: StartRouter) -> None:
+    """`pdserve router`: serves from the Redis registry until SIGTERM, then drains."""
+    prepare_internal_security(config, make_secret=False)
+    telemetry = Telemetry("pdserve-router")
+    registry, prefix_index = registry_for(config)
+    router = await start_router_process(config, start_router, registry, prefix_index, telemetry)
+    workers = len(registry.workers())
+    print(f"ready {router.server.address} (router; {workers} workers in the registry)", flush=True)
+    try:
+        await until_signal()
+    finally:
+        await router.drain_and_stop(config.drain_grace_s)
+        telemetry.shutdown()

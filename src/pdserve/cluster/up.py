@@ -1,0 +1,42 @@
+"""`pdserve up`: the one-command local cluster, the worker fleet and a router in one process around the embedded
+registry (or Redis). It stops everything it started on SIGINT/SIGTERM. Joined to a Ray cluster (`--ray-address`),
+its actors are detached in the Ray namespace, so a SIGKILLed `pdserve up` leaves them serving for a
+`pdserve router` (with Redis) or a `pdserve controller` to find.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.cluster.factories import ClusterServices
+from pdserve.cluster.internal_security import prepare_internal_security
+from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.router_process import registry_for, start_router_process, until_signal
+from pdserve.config import ClusterConfig
+
+
+async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_line: bool = True) -> None:
+    from pdserve.metrics import SupervisionMetrics
+    from pdserve.telemetry import Telemetry
+
+    prepare_internal_security(config, make_secret=True)  # before Ray starts: the workers inherit it
+    registry, prefix_index = registry_for(config)
+    cluster = Cluster(config, services.workers, registry, publish=not config.redis_url)
+    try:
+        await asyncio.to_thread(cluster.start_workers)
+    except BaseException:  # a worker that cannot start: stop the others rather than leave them running
+        await asyncio.to_thread(cluster.stop_workers)
+        raise
+    telemetry = Telemetry("pdserve-router")
+    cluster.supervisor.on_replaced = SupervisionMetrics(telemetry.meter).replaced
+    router = await start_router_process(config, services.router, registry, prefix_index, telemetry)
+    watcher = asyncio.create_task(cluster.watch())
+    if ready_line:
+        print(f"ready {router.server.address} ({config.mode}: {', '.join(config.roles)})", flush=True)
+    try:
+        await until_signal()
+    finally:
+        watcher.cancel()
+        await router.drain_and_stop(config.drain_grace_s)
+        await asyncio.to_thread(cluster.stop_workers)
+        telemetry.shutdown()

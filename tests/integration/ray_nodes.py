@@ -1,0 +1,136 @@
+"""Ray nodes of our own for multi-node tests: `ray start --block` in a session of its own, every port chosen (so
+no other Ray on this machine is touched), its own temp dir and auth token; stopped by killing that session
+(never `ray stop`, which would stop every Ray on the machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pdserve.cluster.local_process import alive, free_port
+
+RAY = str(Path(sys.executable).with_name("ray"))
+# This machine is slow and shared: a raylet waits this long for its agents before giving up (default 10-30 s).
+SLOW_MACHINE_ENV = {"RAY_agent_register_timeout_ms": "180000"}
+
+
+def ray_env(temp_dir: Path) -> dict[str, str]:
+    """What every process of the test's Ray cluster (nodes, drivers) shares: one auth token of its own, so a token
+    another Ray on this machine left in ~/.ray is never used or needed."""
+    token = temp_dir / "auth_token"
+    if not token.exists():
+        token.write_text(secrets.token_hex(32))
+    return {**SLOW_MACHINE_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token.read_text()}
+
+
+class RayNode:
+    def __init__(
+        self,
+        temp_dir: Path,
+        resources: dict[str, float],
+        head_address: str | None = None,
+        ip: str = "127.0.0.1",
+        netns: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """A head node (no `head_address`) or one joining it; `netns`: run it in that network namespace."""
+        self.ip = ip
+        self.log_path = temp_dir / f"ray-node-{len(list(temp_dir.glob('ray-node-*')))}.log"
+        ports = {
+            name: free_port()
+            for name in ("node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc")
+        } | {name: free_port() for name in ("runtime-env-agent", "metrics-export")}
+        # No CPUs (the worker actors ask for none, and no worker process is started ahead), no GPUs, no log monitor:
+        # as few processes as a node can have, on a machine other tests load too.
+        args = [RAY, "start", "--block", "--disable-usage-stats", "--temp-dir", str(temp_dir), "--num-cpus", "0"]
+        args += ["--num-gpus", "0", "--include-log-monitor", "false"]
+        args += ["--node-ip-address", ip, "--resources", json.dumps(resources), "--object-store-memory", "80000000"]
+        for name, port in ports.items():
+            args += [f"--{name}-port", str(port)]
+        worker_port = free_port()  # a small range of its own for worker processes
+        args += ["--min-worker-port", str(worker_port), "--max-worker-port", str(worker_port + 40)]
+        if head_address is None:
+            self.port = free_port()
+            args += ["--head", "--port", str(self.port), "--ray-client-server-port", str(free_port())]
+            args += ["--include-dashboard", "false"]
+            self.address = f"{ip}:{self.port}"
+        else:
+            args += ["--address", head_address]
+            self.address = head_address
+        if netns:
+            args = ["ip", "netns", "exec", netns, *args]
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+        )
+
+    def wait_started(self, timeout_s: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "block forever" not in self.log_path.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray node did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """SIGTERM to the node's session (raylet, GCS, agents, worker actors), SIGKILL what is left."""
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while _session_pids(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        self.proc.wait()
+        self._log.close()
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Live processes of session `sid`."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = re.sub(r"^.*\) ", "", stat.read_text()).split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and alive(int(stat.parent.name)):
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def remove_temp_dir(temp_dir: Path) -> None:
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+_ACTORS_SCRIPT = """
+import json, sys, ray
+ray.init(address=sys.argv[1], namespace=sys.argv[2], logging_level="ERROR", log_to_driver=False)
+nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if k.startswith("pdserve_")) for n in ray.nodes() if n["Alive"]}
+actors = {}
+for a in ray._private.state.state.actor_table(None).values():
+    if a.get("Name") and a["State"] != "DEAD":  # the table holds no namespace: the test's cluster has one
+        actors[a["Name"]] = {"state": a["State"], "pid": a["Pid"], "restarts": a["NumRestarts"],
+                             "node_resources": nodes.get(a["Address"]["NodeID"], [])}
+print(json.dumps(actors))
+"""
+
+
+def named_actors(address: str, namespace: str, env: dict[str, str], netns: str | None = None) -> dict[str, dict]:
+    """Ray's own record of the live named actors (the cluster's, whose only namespace is `namespace`): state,
+    pid, restarts and the pdserve_* resources of the node each lives on (a driver of its own in a subprocess, so
+    this test process never joins Ray)."""
+    args = [sys.executable, "-c", _ACTORS_SCRIPT, address, namespace]
+    if netns:
+        args = ["ip", "netns", "exec", netns, *args]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=180, env={**os.environ, **env})
+    if out.returncode != 0:
+        raise RuntimeError(f"reading Ray's actor table failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
