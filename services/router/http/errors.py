@@ -5,7 +5,6 @@ its own exception (openai.BadRequestError, RateLimitError, ...)."""
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from starlette.responses import JSONResponse
 
@@ -16,11 +15,9 @@ from pdserve.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from pdserve.rpc.errors import internal_error_message
 from services.router.generation import ModelNotFoundError
 from services.router.http.openai_request import openai_param
-
-log = logging.getLogger(__name__)
-
 
 _STATUS: list[tuple[type[BaseException], int, str]] = [  # the first match wins: a subclass before its base
     (ModelNotFoundError, 404, "not_found_error"),
@@ -37,15 +34,15 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [  # the first match wins:
 def error_body(exc: BaseException, max_tokens_param: str = "max_tokens") -> tuple[int, dict, dict[str, str]]:
     """(status, body, headers) for `exc`; an error not of the shared path's kinds is a 500, logged."""
     status, kind = next(((s, k) for cls, s, k in _STATUS if isinstance(exc, cls)), (500, "internal_error"))
-    if status == 500:
-        log.exception("unhandled error in an HTTP handler", exc_info=exc)
     param, code = None, None
-    message = str(exc) or type(exc).__name__
+    message = internal_error_message(exc) if status == 500 else str(exc) or type(exc).__name__
     headers: dict[str, str] = {}
     if isinstance(exc, InvalidRequestError):
         param = openai_param(exc.field, max_tokens_param)
         message = f"{param}: {message.split(': ', 1)[1]}" if ": " in message else message
         code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None
+    elif isinstance(exc, PermissionDeniedError):
+        param = openai_param(exc.field, max_tokens_param)
     elif isinstance(exc, OverloadedError):
         ms = exc.retry_after_ms
         headers = {"retry-after": str(max(1, -(-ms // 1000))), "retry-after-ms": str(ms)}

@@ -73,12 +73,18 @@ def retry_after_ms(metadata: Any) -> int | None:
     return None
 
 
+def internal_error_message(exc: BaseException) -> str:
+    """A bug's answer to the caller: its text may hold paths, addresses or another request's data, so only the log
+    has it, under an id the message names."""
+    error_id = uuid.uuid4().hex[:16]
+    log.exception("unhandled error in handler (error id %s)", error_id, exc_info=exc, extra={"error_id": error_id})
+    return f"internal error (error id {error_id}, in the server's log)"
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     mapped = _status_for(exc)
-    if mapped is None:  # a bug: its text may hold paths, addresses or another request's data, so only the log has it
-        error_id = uuid.uuid4().hex[:16]
-        log.exception("unhandled error in handler (error id %s)", error_id, exc_info=exc, extra={"error_id": error_id})
-        mapped = (grpc.StatusCode.INTERNAL, f"internal error (error id {error_id}, in the server's log)")
+    if mapped is None:
+        mapped = (grpc.StatusCode.INTERNAL, internal_error_message(exc))
     if isinstance(exc, OverloadedError):
         context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(exc.retry_after_ms)),))
     await context.abort(*mapped)

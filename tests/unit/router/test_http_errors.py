@@ -21,7 +21,7 @@ from services.router.http.errors import error_body
         (InvalidRequestError("sampling.top_p", "must be in (0, 1]"), 400, "invalid_request_error", "top_p", None),
         (ModelNotFoundError("not served"), 404, "not_found_error", "model", "model_not_found"),
         (UnauthenticatedError("no key"), 401, "authentication_error", None, None),
-        (PermissionDeniedError("not yours"), 403, "permission_error", None, None),
+        (PermissionDeniedError("priority", "above the key's cap"), 403, "permission_error", "priority", None),
         (UnavailableError("draining"), 503, "service_unavailable_error", None, None),
         (TimeoutError("deadline"), 504, "timeout_error", None, None),
         (RuntimeError("bug"), 500, "internal_error", None, None),
@@ -31,6 +31,12 @@ def test_each_error_has_its_status_and_shape(exc, status, kind, param, code):
     got, body, headers = error_body(exc)
     assert (got, body["error"]["type"], body["error"]["param"], body["error"]["code"]) == (status, kind, param, code)
     assert headers == {}
+
+
+def test_a_bug_answers_500_without_its_text():
+    status, body, _ = error_body(RuntimeError("/secret/path failed for tenant-b"))
+    assert status == 500 and "secret" not in body["error"]["message"]
+    assert body["error"]["message"].startswith("internal error (error id ")
 
 
 def test_a_bad_field_reads_as_the_openai_parameter_the_body_used():
