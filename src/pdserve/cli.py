@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from pdserve.bench.commands import add_bench_commands
 from pdserve.config import CLUSTER_MODES, ClusterConfig, EngineConfig, RouterConfig
 from pdserve.flags import add_engine_flags, engine_config, flag_values, from_flags
+from pdserve.planner.commands import add_planner_commands
 from pdserve.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     fetch.set_defaults(func=_fetch)
 
     add_bench_commands(sub)
+    add_planner_commands(sub)
     return parser
 
 

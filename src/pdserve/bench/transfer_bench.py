@@ -48,6 +48,7 @@ class TransferCase:
     head_dim: int = 64
     block_size: int = EngineConfig.block_size
     ids: str = "allocator"  # "allocator" (after churn), "run" (a, a+1, ...) or "random"
+    pool_bytes: int = 1 << 30  # each side's cache, as a worker's default pool
 
     @property
     def layout(self) -> KVLayout:
@@ -59,8 +60,8 @@ class TransferCase:
 
     @property
     def cache_blocks(self) -> int:
-        """A worker's default pool: 1 GiB of blocks (SmolLM2 bf16: 2,917), at least 4x the sequence."""
-        return max((1 << 30) // self.layout.bytes_for(1), 4 * self.num_blocks)
+        """`pool_bytes` of blocks (1 GiB of SmolLM2 bf16: 2,917), at least 4x the sequence."""
+        return max(self.pool_bytes // self.layout.bytes_for(1), 4 * self.num_blocks)
 
     def caches(self, device: str, seed: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(seed)

@@ -24,6 +24,7 @@ class HardwareProfile:
     kv_bytes_per_token: int
     kv_capacity_tokens: int  # tokens of KV one worker holds
     transfer_gbps: float  # KV transfer between two workers, GB = 1e9 bytes
+    transfer_latency_s: float = 0.0  # what a transfer costs besides its bytes (the hand-shake, the ack)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512
@@ -32,8 +33,8 @@ class HardwareProfile:
 
     def transfer_s(self, tokens: int) -> float:
         if self.transfer_gbps <= 0:
-            return 0.0
-        return tokens * self.kv_bytes_per_token / (self.transfer_gbps * 1e9)
+            return self.transfer_latency_s
+        return self.transfer_latency_s + tokens * self.kv_bytes_per_token / (self.transfer_gbps * 1e9)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
