@@ -42,13 +42,8 @@ class Shape:
 class _Seq:
     req: SimRequest
     prefilled: int = 0
-    generated: int = 0  # tokens out, the first one included
     first_s: float | None = None
     done_s: float | None = None
-
-    @property
-    def context(self) -> int:
-        return self.req.input_len + self.generated
 
 
 @dataclass
@@ -57,7 +52,9 @@ class _Worker:
     decodes: bool
     queue: deque[_Seq] = field(default_factory=deque)  # waiting for or in prefill
     waiting: deque[_Seq] = field(default_factory=deque)  # KV arrived (or prefilled), waiting for a batch slot
-    running: list[_Seq] = field(default_factory=list)
+    finishing: list[tuple[int, int, _Seq]] = field(default_factory=list)  # heap: (last decode step, order, seq)
+    running: int = 0  # sequences in the decode batch
+    steps: int = 0  # decode steps run so far: a sequence joining at step j with m tokens to go ends at j + m
     queued_tokens: int = 0  # prompt tokens not yet prefilled
     context: int = 0  # tokens of KV the running batch reads per step
     kv_used: int = 0
@@ -68,8 +65,8 @@ class _Worker:
 @dataclass(frozen=True)
 class _Step:
     chunks: list[tuple[_Seq, int]]
-    decoded: list[_Seq]
-    context: int  # the decoded sequences' KV tokens
+    decoded: int  # sequences that each get one token
+    context: int  # their KV tokens
 
 
 @dataclass(frozen=True)
@@ -112,7 +109,7 @@ class Simulator:
         need = s.req.input_len + s.req.output_len
         if need > self.p.kv_capacity_tokens:
             return  # never fits: the request fails, as the worker refuses it
-        w = min(self.prefillers, key=lambda w: (w.queued_tokens, len(w.running)))
+        w = min(self.prefillers, key=lambda w: (w.queued_tokens, w.running))
         w.queue.append(s)
         w.queued_tokens += s.req.input_len
         self._kick(w)
@@ -125,55 +122,57 @@ class Simulator:
             w.queued_tokens -= n
             if s.prefilled == s.req.input_len:
                 self._prefilled(w, s)
-        w.context += len(step.decoded)
-        for s in step.decoded:
-            s.generated += 1
-            if s.generated >= s.req.output_len:
-                self._finish(w, s)
-        self._admit(w)
+        if step.decoded:
+            w.steps += 1
+            w.context += step.decoded
+            while w.finishing and w.finishing[0][0] <= w.steps:
+                self._finish(w, heapq.heappop(w.finishing)[2])
         self._kick(w)
 
     def _prefilled(self, w: _Worker, s: _Seq) -> None:
-        s.first_s, s.generated = self.now, 1
+        s.first_s = self.now
         w.queue.remove(s)
         if s.req.output_len <= 1:
             self._finish(w, s)
         elif w.decodes:  # colocated: the KV is here already
             w.waiting.append(s)
         else:
-            d = min(self.decoders, key=lambda d: len(d.running) + len(d.waiting))
+            d = min(self.decoders, key=lambda d: d.running + len(d.waiting))
             self._at(self.now + self.p.transfer_s(s.req.input_len), "transferred", (w, d, s))
 
     def _finish(self, w: _Worker, s: _Seq) -> None:
         s.done_s = self.now
-        if s in w.running:
-            w.running.remove(s)
-            w.context -= s.context
+        if s.req.output_len > 1:  # it decoded here: it leaves the batch with all its tokens
+            w.running -= 1
+            w.context -= s.req.input_len + s.req.output_len
         w.kv_used -= s.req.input_len + s.req.output_len if w.decodes else s.req.input_len
 
     def _on_transferred(self, item: tuple[_Worker, _Worker, _Seq]) -> None:
         p, d, s = item
         p.kv_used -= s.req.input_len
         d.waiting.append(s)
-        for w in (p, d):
-            self._admit(w)
-            self._kick(w)
+        self._kick(p)
+        self._kick(d)
 
     def _admit(self, w: _Worker) -> None:
-        """Sequences whose KV is here join the batch while there is room; a decode worker reserves it now."""
-        while w.waiting and len(w.running) < self.p.max_num_seqs:
+        """Sequences whose KV is here join the batch while there is room; a decode worker reserves it now.
+        Only between steps: a step in flight runs the batch it started with."""
+        while w.waiting and w.running < self.p.max_num_seqs:
             s = w.waiting[0]
             need = s.req.input_len + s.req.output_len
             if not w.prefills and w.kv_used + need > self.p.kv_capacity_tokens:
                 return
             if not w.prefills:
                 w.kv_used += need
-            w.running.append(w.waiting.popleft())
-            w.context += s.context
+            w.waiting.popleft()
+            w.running += 1
+            w.context += s.req.input_len + 1
+            heapq.heappush(w.finishing, (w.steps + s.req.output_len - 1, next(self._order), s))
 
     def _kick(self, w: _Worker) -> None:
         if w.busy:
             return
+        self._admit(w)
         step = self._plan(w)
         if not step.chunks and not step.decoded:
             return
@@ -183,8 +182,8 @@ class Simulator:
         self._at(self.now + seconds, "step", (w, step))
 
     def _plan(self, w: _Worker) -> _Step:
-        decoded = list(w.running) if w.decodes else []
-        budget = self.p.max_num_batched_tokens - len(decoded)
+        decoded = w.running if w.decodes else 0
+        budget = self.p.max_num_batched_tokens - decoded
         chunks: list[tuple[_Seq, int]] = []
         for s in w.queue if w.prefills else ():
             if budget <= 0:
@@ -209,7 +208,7 @@ class Simulator:
                 seconds += perf.prefill_per_token_s * n + perf.prefill_per_token2_s * n * (s.prefilled + n)
         if step.decoded:
             fixed = max(fixed, perf.decode_fixed_s)
-            seconds += perf.decode_per_seq_s * len(step.decoded)
+            seconds += perf.decode_per_seq_s * step.decoded
             seconds += self.p.decode_per_context_token_s * step.context
         return fixed + seconds
 
