@@ -31,7 +31,7 @@ class Grid:
     repeats: int = 3
     transfer_tokens: int = 2048
     transfer_repeats: int = 5
-    transfer_pool_mib: int = 1024
+    transfer_pool_mib: int = 256  # each side's cache; what the ids scatter over, not what is sent
 
 
 QUICK = Grid((32, 128, 256), (1, 2), (1, 4, 16), (64, 256), 3, 64, 3, 16)
