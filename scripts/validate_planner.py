@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -34,6 +35,8 @@ from pdserve.planner.plan import SLO, simulate
 from pdserve.planner.profiler import Grid, run_profile
 from pdserve.planner.simulator import Shape
 
+CALIBRATION_REQUESTS = 6
+
 
 @dataclass(frozen=True)
 class Row:
@@ -44,6 +47,9 @@ class Row:
     predicted_ttft_p90_ms: float
     measured_ttft_p90_ms: float
     measured_failed: int
+    calibrated_goodput: float | None  # --calibrate: with the per-request overhead measured on this cluster
+    calibrated_ttft_p90_ms: float | None
+    overhead_ms: float | None
 
 
 def shape_of(config: str) -> Shape:
@@ -71,11 +77,24 @@ def write_trace(path: Path, load: workload.Workload, rate: float) -> None:
     path.write_text("\n".join(json.dumps(line) for line in lines))
 
 
-def measure(address: str, trace: Path, args: argparse.Namespace, vocab: int) -> dict:
-    load = WorkloadConfig(dataset_name="trace", trace=trace, num_prompts=args.num_requests, vocab_size=vocab)
+def measure(address: str, load: WorkloadConfig, args: argparse.Namespace, concurrency: int | None = None) -> dict:
     slo = GoodputSLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
-    config = BenchmarkConfig(address=address, workload=load, model=args.model, slo=slo, seed=args.seed)
+    config = BenchmarkConfig(address, load, args.model, slo=slo, seed=args.seed, max_concurrency=concurrency)
     return run_benchmark(config, Console(stderr=True))[0]
+
+
+def overhead_s(address: str, profile: HardwareProfile, args: argparse.Namespace, vocab: int) -> float:
+    """A request's TTFT on the idle cluster (one at a time) less its profiled prefill: the serving cost."""
+    load = WorkloadConfig(
+        num_prompts=CALIBRATION_REQUESTS,
+        vocab_size=vocab,
+        random_input_len=args.input_len,
+        random_output_len=2,
+        random_range_ratio=args.range_ratio,
+    )
+    records = measure(address, load, args, concurrency=1)["requests"]
+    gaps = [r["ttft_ms"] / 1e3 - profile.perf.prefill_s(r["input_len"]) for r in records if r["ttft_ms"]]
+    return max(0.0, statistics.median(gaps))
 
 
 def run_config(config: str, profile: HardwareProfile, args: argparse.Namespace, tmp: Path, vocab: int) -> list[Row]:
@@ -85,13 +104,16 @@ def run_config(config: str, profile: HardwareProfile, args: argparse.Namespace, 
     cluster = ClusterProcess(*cluster_args(shape, args), log_path=tmp / f"cluster-{config.replace(':', '-')}.log")
     rows = []
     try:
+        overhead = overhead_s(cluster.address, profile, args, vocab) if args.calibrate else None
+        calibrated = replace(profile, request_overhead_s=overhead or 0.0)
         for rate in args.rates:
             trace = tmp / f"trace-{config.replace(':', '-')}-{rate:g}.jsonl"
             write_trace(trace, load, rate)
             replayed = workload.from_trace(trace)  # what loadgen replays, timestamps rounded as written
             predicted = simulate(profile, shape, replayed, replayed.rate, slo)
-            measured = measure(cluster.address, trace, args, vocab)
-            failed = sum(r["status"] != OK for r in measured["requests"])
+            cal = simulate(calibrated, shape, replayed, replayed.rate, slo) if args.calibrate else None
+            trace_load = WorkloadConfig("trace", args.num_requests, vocab, trace=trace)
+            measured = measure(cluster.address, trace_load, args)
             rows.append(
                 Row(
                     config,
@@ -100,7 +122,10 @@ def run_config(config: str, profile: HardwareProfile, args: argparse.Namespace, 
                     measured["request_goodput"],
                     predicted.ttft_ms[1],
                     measured["p90_ttft_ms"],
-                    failed,
+                    sum(r["status"] != OK for r in measured["requests"]),
+                    cal.goodput if cal else None,
+                    cal.ttft_ms[1] if cal else None,
+                    overhead * 1e3 if overhead is not None else None,
                 )
             )
     finally:
@@ -119,8 +144,11 @@ def table(rows: list[Row], args: argparse.Namespace) -> Table:
     )
     for col in ("config", "rate", "goodput pred", "goodput meas", "err", "p90 TTFT pred ms", "meas ms", "err"):
         t.add_column(col, justify="right")
+    if args.calibrate:
+        for col in ("overhead ms", "goodput cal", "err", "p90 TTFT cal ms", "err"):
+            t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(
+        cells = [
             r.config,
             f"{r.rate:g}",
             f"{r.predicted_goodput:.2f}",
@@ -129,7 +157,16 @@ def table(rows: list[Row], args: argparse.Namespace) -> Table:
             f"{r.predicted_ttft_p90_ms:.0f}",
             f"{r.measured_ttft_p90_ms:.0f}",
             error(r.predicted_ttft_p90_ms, r.measured_ttft_p90_ms),
-        )
+        ]
+        if r.calibrated_goodput is not None and r.calibrated_ttft_p90_ms is not None:
+            cells += [
+                f"{r.overhead_ms:.0f}",
+                f"{r.calibrated_goodput:.2f}",
+                error(r.calibrated_goodput, r.measured_goodput),
+                f"{r.calibrated_ttft_p90_ms:.0f}",
+                error(r.calibrated_ttft_p90_ms, r.measured_ttft_p90_ms),
+            ]
+        t.add_row(*cells)
     return t
 
 
@@ -150,9 +187,14 @@ def main() -> None:
     p.add_argument("--save-profile", type=Path, help="write the measured profile here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="also predict with a per-request serving overhead measured on each cluster (requests one at a time)",
+    )
     args = p.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
-    console = Console()
+    console = Console(width=200)  # the whole table, also in a pipe
     if args.profile:
         profile = HardwareProfile.load(args.profile)
     else:

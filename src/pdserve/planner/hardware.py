@@ -25,6 +25,9 @@ class HardwareProfile:
     kv_capacity_tokens: int  # tokens of KV one worker holds
     transfer_gbps: float  # KV transfer between two workers, GB = 1e9 bytes
     transfer_latency_s: float = 0.0  # what a transfer costs besides its bytes (the hand-shake, the ack)
+    # A prompt's serving cost beside the model runner (RPCs, hand-off, relay, the engine loop) on its prefill
+    # worker. `pdserve profile` cannot see it (no cluster); scripts/validate_planner.py --calibrate measures it.
+    request_overhead_s: float = 0.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512

@@ -7,7 +7,8 @@ context it reads; a colocated worker's step holds both, so a prompt's prefill sl
 within the step budget of `max_num_batched_tokens`, FIFO. A prefill worker emits the first token when the
 prompt's last chunk finishes, holds the KV until the transfer to the decode worker is done, and the decode
 worker admits a sequence only while its whole KV (prompt + output) fits and its batch is under
-`max_num_seqs`. Routing is least-loaded, as the router's is when no prefix is shared.
+`max_num_seqs`. A prompt's last chunk also costs the profile's per-request serving overhead (zero unless
+calibrated on a running cluster). Routing is least-loaded, as the router's is when no prefix is shared.
 """
 
 from __future__ import annotations
@@ -206,6 +207,7 @@ class Simulator:
             fixed = perf.prefill_fixed_s
             for s, n in step.chunks:
                 seconds += perf.prefill_per_token_s * n + perf.prefill_per_token2_s * n * (s.prefilled + n)
+                seconds += self.p.request_overhead_s if s.prefilled + n == s.req.input_len else 0.0
         if step.decoded:
             fixed = max(fixed, perf.decode_fixed_s)
             seconds += perf.decode_per_seq_s * step.decoded
