@@ -65,5 +65,6 @@ def test_a_calibrated_serving_overhead_delays_the_first_token_and_occupies_the_w
     profile = synthetic_profile(request_overhead_s=0.05)
     requests = [SimRequest(0.0, 256, 2), SimRequest(0.0, 256, 2)]
     result = Simulator(profile, Shape(prefill=1, decode=1)).run(requests)
-    # both prompts share one step (256 + 256 tokens fit its budget), each paying its overhead
-    assert result.ttft_s == [pytest.approx(2 * PERF.prefill_s(256) - PERF.prefill_fixed_s + 0.1)] * 2
+    # the first arrival starts a step alone; the second waits for it, overhead included
+    one = PERF.prefill_s(256) + 0.05
+    assert result.ttft_s == [pytest.approx(one), pytest.approx(2 * one)]
