@@ -285,8 +285,10 @@ def run_transfer_bench(
     repeats: int = 7,
     warmup: int = 2,
     pipeline_mib: int = 32,
+    peer_device: str | None = None,
 ) -> dict[str, Any]:
-    """Measures every case between this process and a spawned one, prints a rich table, returns the figures."""
+    """Measures every case between this process and a spawned one, prints a rich table, returns the figures.
+    `peer_device`: where the receiver's caches live (default `device`; NCCL needs another GPU)."""
     from rich.table import Table
 
     from pdserve.bench.report_console import report_console
@@ -294,7 +296,8 @@ def run_transfer_bench(
     cases = cases if cases is not None else default_cases()
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_receiver_main, args=(child_conn, host, device, backend, pipeline_mib), daemon=True)
+    receiver_args = (child_conn, host, peer_device or device, backend, pipeline_mib)
+    child = ctx.Process(target=_receiver_main, args=receiver_args, daemon=True)
     child.start()
     rows: list[TransferRow] = []
     try:

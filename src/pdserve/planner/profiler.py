@@ -20,6 +20,7 @@ import torch
 from pdserve.config import ClusterConfig, EngineConfig
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.protocol.perf_profile import PerfProfile, nonneg_lstsq
+from pdserve.transfer.torch_dist import Backend
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,15 @@ def fit(points: dict[str, list[list[float]]]) -> tuple[PerfProfile, float]:
     return perf, float(per_context)
 
 
+def transfer_endpoints(device: str) -> tuple[Backend, str]:
+    """NCCL between two GPUs (one rank per GPU), as workers on a GPU node send; gloo otherwise (the CPU, or a
+    single GPU, where NCCL cannot pair a device with itself)."""
+    if device.startswith("cuda") and torch.cuda.device_count() >= 2:
+        first = torch.device(device).index or 0
+        return "nccl", f"cuda:{(first + 1) % torch.cuda.device_count()}"
+    return "gloo", device
+
+
 def measure_transfer(engine: Any, device: str, grid: Grid) -> tuple[float, float, list[list[float]]]:
     """Our KV transfer of a `transfer_tokens` prompt and of one 8x longer between two processes, fitted as a
     fixed latency plus bytes at a bandwidth: (GB/s, latency s, [[bytes, s], ...])."""
@@ -131,7 +141,10 @@ def measure_transfer(engine: Any, device: str, grid: Grid) -> tuple[float, float
         )
         for tokens in (grid.transfer_tokens, 8 * grid.transfer_tokens)
     ]
-    result = run_transfer_bench(cases, host=ClusterConfig.host, device=device, repeats=grid.transfer_repeats)
+    backend, peer = transfer_endpoints(device)
+    result = run_transfer_bench(
+        cases, host=ClusterConfig.host, device=device, backend=backend, repeats=grid.transfer_repeats, peer_device=peer
+    )
     points = [[c.nbytes, c.nbytes / (row["ours_gb_s"] * 1e9)] for c, row in zip(cases, result["rows"], strict=True)]
     x = np.array(points)
     latency, per_byte = nonneg_lstsq(np.stack([np.ones(len(x)), x[:, 0]], axis=1), x[:, 1])
@@ -141,6 +154,7 @@ def measure_transfer(engine: Any, device: str, grid: Grid) -> tuple[float, float
 
 
 def run_profile(config: EngineConfig, grid: Grid, transfer_gbps: float | None = None) -> HardwareProfile:
+    """`transfer_gbps`: use it instead of measuring the transfer."""
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.model_runner import kv_block_bytes
 
@@ -150,8 +164,9 @@ def run_profile(config: EngineConfig, grid: Grid, transfer_gbps: float | None = 
     points = measure_steps(engine, grid)
     perf, per_context = fit(points)
     device = engine.runner.device
-    latency = 0.0
+    latency, backend = 0.0, "given"
     if transfer_gbps is None:
+        backend = transfer_endpoints(str(device))[0]
         transfer_gbps, latency, points["transfer"] = measure_transfer(engine, str(device), grid)
     block_size = config.block_size
     s = config.scheduler
@@ -169,7 +184,7 @@ def run_profile(config: EngineConfig, grid: Grid, transfer_gbps: float | None = 
             "model": config.model,
             "device": str(device),
             "dtype": str(engine.runner.dtype).removeprefix("torch."),
-            "backend": "nccl" if device.type == "cuda" else "gloo",
+            "backend": backend,  # of the transfer measured ("given": --transfer-gbps)
             "threads": torch.get_num_threads(),
         },
         points=points,
