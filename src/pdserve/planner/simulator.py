@@ -55,6 +55,7 @@ class _Worker:
     waiting: deque[_Seq] = field(default_factory=deque)  # KV arrived (or prefilled), waiting for a batch slot
     finishing: list[tuple[int, int, _Seq]] = field(default_factory=list)  # heap: (last decode step, order, seq)
     running: int = 0  # sequences in the decode batch
+    incoming: int = 0  # sequences whose KV is on its way here
     steps: int = 0  # decode steps run so far: a sequence joining at step j with m tokens to go ends at j + m
     queued_tokens: int = 0  # prompt tokens not yet prefilled
     context: int = 0  # tokens of KV the running batch reads per step
@@ -138,7 +139,8 @@ class Simulator:
         elif w.decodes:  # colocated: the KV is here already
             w.waiting.append(s)
         else:
-            d = min(self.decoders, key=lambda d: d.running + len(d.waiting))
+            d = min(self.decoders, key=lambda d: d.running + len(d.waiting) + d.incoming)
+            d.incoming += 1
             self._at(self.now + self.p.transfer_s(s.req.input_len), "transferred", (w, d, s))
 
     def _finish(self, w: _Worker, s: _Seq) -> None:
@@ -151,6 +153,7 @@ class Simulator:
     def _on_transferred(self, item: tuple[_Worker, _Worker, _Seq]) -> None:
         p, d, s = item
         p.kv_used -= s.req.input_len
+        d.incoming -= 1
         d.waiting.append(s)
         self._kick(p)
         self._kick(d)
