@@ -116,6 +116,9 @@ def _scale(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdserve scale: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # the kubernetes client's: no credentials, no such object, refused by the API server
+        print(f"pdserve scale: RayCluster {args.namespace}/{name}: {e}", file=sys.stderr)
+        return 1
     print(f"RayCluster {args.namespace}/{name} (ray.io/v1):", file=sys.stderr)
     print(json.dumps(patch, indent=1))
     return 0
