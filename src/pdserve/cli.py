@@ -22,6 +22,7 @@ from pdserve.cluster.commands import (
 from pdserve.config import ClusterConfig, EngineConfig, RouterConfig
 from pdserve.drain_commands import add_drain_commands
 from pdserve.flags import add_engine_flags, engine_config, flag_values, from_flags
+from pdserve.planner.commands import add_planner_commands
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
@@ -118,6 +119,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     add_bench_commands(sub)
     add_chaos_command(sub)
     add_drain_commands(sub)
+    add_planner_commands(sub)
     return parser
 
 

@@ -48,6 +48,7 @@ class TransferCase:
     head_dim: int = 64
     block_size: int = EngineConfig.block_size
     ids: str = "allocator"  # "allocator" (after churn), "run" (a, a+1, ...) or "random"
+    pool_bytes: int = 1 << 30  # each side's cache, as a worker's default pool
 
     @property
     def layout(self) -> KVLayout:
@@ -59,8 +60,8 @@ class TransferCase:
 
     @property
     def cache_blocks(self) -> int:
-        """A worker's default pool: 1 GiB of blocks (SmolLM2 bf16: 2,917), at least 4x the sequence."""
-        return max((1 << 30) // self.layout.bytes_for(1), 4 * self.num_blocks)
+        """`pool_bytes` of blocks (1 GiB of SmolLM2 bf16: 2,917), at least 4x the sequence."""
+        return max(self.pool_bytes // self.layout.bytes_for(1), 4 * self.num_blocks)
 
     def caches(self, device: str, seed: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
@@ -284,8 +285,10 @@ def run_transfer_bench(
     repeats: int = 7,
     warmup: int = 2,
     pipeline_mib: int = 32,
+    peer_device: str | None = None,
 ) -> dict[str, Any]:
-    """Measures every case between this process and a spawned one, prints a rich table, returns the figures."""
+    """Measures every case between this process and a spawned one, prints a rich table, returns the figures.
+    `peer_device`: where the receiver's caches live (default `device`; NCCL needs another GPU)."""
     from rich.table import Table
 
     from pdserve.bench.report_console import report_console
@@ -293,7 +296,8 @@ def run_transfer_bench(
     cases = cases if cases is not None else default_cases()
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_receiver_main, args=(child_conn, host, device, backend, pipeline_mib), daemon=True)
+    receiver_args = (child_conn, host, peer_device or device, backend, pipeline_mib)
+    child = ctx.Process(target=_receiver_main, args=receiver_args, daemon=True)
     child.start()
     rows: list[TransferRow] = []
     try:

@@ -32,9 +32,9 @@ class PerfProfile:
     @classmethod
     def fit(cls, prefill: list[tuple[int, float]], decode: list[tuple[int, float]]) -> PerfProfile:
         n = np.array([p[0] for p in prefill], dtype=float)
-        a = _nonneg_lstsq(np.stack([np.ones_like(n), n, n**2], axis=1), np.array([p[1] for p in prefill]))
+        a = nonneg_lstsq(np.stack([np.ones_like(n), n, n**2], axis=1), np.array([p[1] for p in prefill]))
         b_ = np.array([d[0] for d in decode], dtype=float)
-        b = _nonneg_lstsq(np.stack([np.ones_like(b_), b_], axis=1), np.array([d[1] for d in decode]))
+        b = nonneg_lstsq(np.stack([np.ones_like(b_), b_], axis=1), np.array([d[1] for d in decode]))
         return cls(float(a[0]), float(a[1]), float(a[2]), float(b[0]), float(b[1]))
 
     def to_dict(self) -> dict[str, float]:
@@ -45,7 +45,7 @@ class PerfProfile:
         return cls(**{k: float(v) for k, v in d.items()})
 
 
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with negative coefficients dropped and the rest refitted: time never shrinks with work."""
     keep = np.ones(x.shape[1], dtype=bool)
     while True:

@@ -1,0 +1,1 @@
+"""Capacity planning: a hardware profile, a simulator of splits, and the recommended prefill:decode ratio."""

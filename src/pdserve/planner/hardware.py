@@ -1,0 +1,62 @@
+"""One worker's measured speed and limits, as `pdserve profile` writes it and the simulator reads it.
+
+The prefill curve and decode step line are the router's own `PerfProfile`; the decode step's growth with
+the context it attends over is one more term beside it (the router predicts from batch size alone, the
+simulator follows contexts as they grow). The raw points stay in the file so a fit can be checked or redone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.protocol.perf_profile import PerfProfile
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    perf: PerfProfile
+    decode_per_context_token_s: float  # per token of KV a decode step attends over, the whole batch summed
+    kv_bytes_per_token: int
+    kv_capacity_tokens: int  # tokens of KV one worker holds
+    transfer_gbps: float  # KV transfer between two workers, GB = 1e9 bytes
+    transfer_latency_s: float = 0.0  # what a transfer costs besides its bytes (the hand-shake, the ack)
+    # A prompt's serving cost beside the model runner (RPCs, hand-off, relay, the engine loop) on its prefill
+    # worker. `pdserve profile` cannot see it (no cluster); scripts/validate_planner.py --calibrate measures it.
+    request_overhead_s: float = 0.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_chunk: int = 512
+    meta: dict[str, Any] = field(default_factory=dict)  # model, device, dtype, backend, threads
+    points: dict[str, list[list[float]]] = field(default_factory=dict)  # the raw measurements
+
+    def transfer_s(self, tokens: int) -> float:
+        if self.transfer_gbps <= 0:
+            return self.transfer_latency_s
+        return self.transfer_latency_s + tokens * self.kv_bytes_per_token / (self.transfer_gbps * 1e9)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["perf"] = self.perf.to_dict()
+        return {"version": FORMAT_VERSION, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
+        d = dict(d)
+        if d.pop("version", FORMAT_VERSION) != FORMAT_VERSION:
+            raise ValueError(f"profile format version must be {FORMAT_VERSION}")
+        return cls(**{**d, "perf": PerfProfile.from_dict(d["perf"])})
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> HardwareProfile:
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path} is not a pdserve profile: {e}") from None

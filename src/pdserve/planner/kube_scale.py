@@ -1,0 +1,63 @@
+"""`pdserve scale --kubernetes`: set the chart's RayCluster worker-group replicas.
+
+The chart (deploy/helm/pdserve) names the RayCluster after the release's full name (`<release>-pdserve`,
+or the release name alone when it already holds "pdserve", cut to 40 characters) and lists two worker
+groups, `prefill` then `decode`. The patch is an RFC 6902 JSON patch: a `test` of each group's name before
+the `replace` of its replicas, so a RayCluster whose groups are not where the chart puts them is refused
+whole instead of scaled wrong. Where the live object's minReplicas/maxReplicas would not admit the new
+count, the patch widens them too (KubeRay rejects replicas outside the range).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CHART_NAME = "pdserve"
+GROUPS = ("prefill", "decode")  # the chart's order of spec.workerGroupSpecs
+GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
+
+
+def raycluster_name(release: str) -> str:
+    """As the chart's `pdserve.fullname` helper (no fullnameOverride)."""
+    name = release if CHART_NAME in release else f"{release}-{CHART_NAME}"
+    return name[:40].rstrip("-")
+
+
+def replicas_patch(counts: dict[str, int], live: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The JSON patch setting each group in `counts` (prefill, decode) to its count; `live`: the current
+    RayCluster, read to widen minReplicas/maxReplicas where needed (None: replicas only)."""
+    ops: list[dict[str, Any]] = []
+    specs = (live or {}).get("spec", {}).get("workerGroupSpecs", [])
+    for index, group in enumerate(GROUPS):
+        if group not in counts:
+            continue
+        n = counts[group]
+        if n < 0:
+            raise ValueError(f"--{group} must be >= 0, got {n}")
+        path = f"/spec/workerGroupSpecs/{index}"
+        ops.append({"op": "test", "path": f"{path}/groupName", "value": group})
+        current = specs[index] if index < len(specs) else {}
+        if "minReplicas" in current and n < current["minReplicas"]:
+            ops.append({"op": "replace", "path": f"{path}/minReplicas", "value": n})
+        if "maxReplicas" in current and n > current["maxReplicas"]:
+            ops.append({"op": "replace", "path": f"{path}/maxReplicas", "value": n})
+        ops.append({"op": "replace", "path": f"{path}/replicas", "value": n})
+    return ops
+
+
+def apply_patch(name: str, namespace: str, counts: dict[str, int]) -> list[dict[str, Any]]:
+    """Reads the live RayCluster (in-cluster credentials, else ~/.kube/config), patches it, returns the patch."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    api = client.CustomObjectsApi()
+    live = api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    patch = replicas_patch(counts, live)
+    # The client's default for a PATCH is a merge patch; ours is a JSON patch (a list of operations).
+    api.patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name, patch, _content_type="application/json-patch+json"
+    )
+    return patch

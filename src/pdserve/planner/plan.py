@@ -1,0 +1,137 @@
+"""Every prefill:decode split of K workers and K colocated ones, simulated at the workload's rate, and the
+highest rate each sustains at the SLO attainment target (found by bisection, as DistServe searches the rate
+per configuration). The recommended split is the one that sustains the highest rate; ties go to the better
+attainment and goodput at the asked rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pdserve.planner.hardware import HardwareProfile
+from pdserve.planner.simulator import Shape, SimResult, Simulator
+from pdserve.planner.workload import Workload
+
+SEARCH_STEPS = 8  # bisection steps: the rate to within 1/256 of its bracket (a doubling)
+MAX_DOUBLINGS = 20
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_ms: float
+    tpot_ms: float
+    attainment: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.ttft_ms <= 0 or self.tpot_ms <= 0:
+            raise ValueError("the TTFT and TPOT SLOs must be > 0 ms")
+        if not 0 < self.attainment <= 1:
+            raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One shape at one rate."""
+
+    attainment: float  # share of all requests (rejected ones too) that met both SLOs
+    goodput: float  # requests/s that met both SLOs, over the span as loadgen measures it
+    ttft_ms: tuple[float, float, float]  # p50, p90, p99
+    tpot_ms: tuple[float, float, float]
+    prefill_busy: float
+    decode_busy: float
+
+
+def outcome(result: SimResult, total: int, slo: SLO) -> Outcome:
+    ttft, tpot = np.array(result.ttft_s) * 1e3, np.array(result.tpot_s) * 1e3
+    good = int(np.sum((ttft <= slo.ttft_ms) & (tpot <= slo.tpot_ms))) if len(ttft) else 0
+
+    def pct(x: np.ndarray) -> tuple[float, float, float]:
+        if not len(x):
+            return (math.inf, math.inf, math.inf)
+        return tuple(float(v) for v in np.percentile(x, [50, 90, 99]))  # type: ignore[return-value]
+
+    return Outcome(
+        attainment=good / total if total else 0.0,
+        goodput=good / result.span_s if result.span_s > 0 else 0.0,
+        ttft_ms=pct(ttft),
+        tpot_ms=pct(tpot),
+        prefill_busy=result.prefill_busy,
+        decode_busy=result.decode_busy,
+    )
+
+
+def simulate(profile: HardwareProfile, shape: Shape, workload: Workload, rate: float, slo: SLO) -> Outcome:
+    requests = workload.at_rate(rate)
+    return outcome(Simulator(profile, shape).run(requests), len(requests), slo)
+
+
+def max_rate(profile: HardwareProfile, shape: Shape, workload: Workload, slo: SLO) -> float:
+    """The highest rate at which `shape` still meets the attainment target; 0 when even an idle one does not."""
+
+    def meets(rate: float) -> bool:
+        return simulate(profile, shape, workload, rate, slo).attainment >= slo.attainment
+
+    lo = workload.rate / 1024
+    if not meets(lo):
+        return 0.0
+    hi = workload.rate
+    for _ in range(MAX_DOUBLINGS):
+        if not meets(hi):
+            break
+        lo, hi = hi, hi * 2
+    else:
+        return hi
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+    return lo
+
+
+@dataclass(frozen=True)
+class Candidate:
+    shape: Shape
+    at_rate: Outcome
+    max_rate: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "prefill": self.shape.prefill,
+            "decode": self.shape.decode,
+            "colocated": self.shape.colocated,
+            "goodput": self.at_rate.goodput,
+            "attainment": self.at_rate.attainment,
+            "ttft_p90_ms": self.at_rate.ttft_ms[1],
+            "tpot_p90_ms": self.at_rate.tpot_ms[1],
+            "max_rate": self.max_rate,
+        }
+
+
+def shapes(workers: int) -> list[Shape]:
+    if workers < 2:
+        raise ValueError(f"--workers must be at least 2 to split, got {workers}")
+    return [Shape(prefill=p, decode=workers - p) for p in range(1, workers)] + [Shape(colocated=workers)]
+
+
+def plan(profile: HardwareProfile, workload: Workload, slo: SLO, workers: int) -> list[Candidate]:
+    return [
+        Candidate(s, simulate(profile, s, workload, workload.rate, slo), max_rate(profile, s, workload, slo))
+        for s in shapes(workers)
+    ]
+
+
+def recommend(candidates: list[Candidate]) -> Candidate:
+    """The best disaggregated split (what `pdserve scale` can apply)."""
+    splits = [c for c in candidates if not c.shape.colocated]
+    return max(splits, key=lambda c: (c.max_rate, c.at_rate.attainment, c.at_rate.goodput))
+
+
+def plan_json(candidates: list[Candidate]) -> dict[str, Any]:
+    best = recommend(candidates)
+    return {
+        "recommended": {"prefill": best.shape.prefill, "decode": best.shape.decode},
+        "candidates": [c.as_json() for c in candidates],
+    }

@@ -1,0 +1,191 @@
+"""`pdserve profile`: one worker's speed and limits on this machine, measured on the engine's model runner.
+
+Prefill is timed against prompt length and the number of prompts in a step, a decode step against batch
+size and the context each sequence reads, the KV transfer between two processes with the transfer bench's
+own code (gloo on CPU, NCCL on CUDA), and the KV capacity is what the engine's cache holds. The device,
+dtype and backend are the engine's run-time choices, as a worker makes them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdserve.config import ClusterConfig, EngineConfig
+from pdserve.planner.hardware import HardwareProfile
+from pdserve.protocol.perf_profile import PerfProfile, nonneg_lstsq
+from pdserve.transfer.torch_dist import Backend
+
+
+@dataclass(frozen=True)
+class Grid:
+    prompt_lens: tuple[int, ...] = (64, 256, 1024, 2048)
+    prefill_batches: tuple[int, ...] = (1, 4)
+    decode_batches: tuple[int, ...] = (1, 8, 32, 64)
+    contexts: tuple[int, ...] = (64, 512, 1024)
+    repeats: int = 3
+    transfer_tokens: int = 2048
+    transfer_repeats: int = 5
+    transfer_pool_mib: int = 256  # each side's cache; what the ids scatter over, not what is sent
+
+
+QUICK = Grid((32, 128, 256), (1, 2), (1, 4, 16), (64, 256), 3, 64, 3, 16)
+
+
+class _Timer:
+    """Times the runner on scratch blocks (nothing is cached, nothing is scheduled), as a worker's start-up
+    profile does; the median of the repeats, so one preemption on a shared machine does not move a point."""
+
+    def __init__(self, engine: Any, repeats: int) -> None:
+        self.runner, self.blocks, self.repeats = engine.runner, engine.blocks, repeats
+        self.vocab = engine.model_config.vocab_size
+        self.max_len = engine.max_model_len
+        self.gen = torch.Generator().manual_seed(0)
+
+    def fits(self, seqs: int, tokens: int) -> bool:
+        return tokens < self.max_len and seqs * self.blocks.blocks_for(tokens) <= self.blocks.num_blocks
+
+    def chunks(self, seqs: int, new: int, context: int) -> list[Any]:
+        from pdserve.engine.scheduler import ScheduledChunk
+
+        per = self.blocks.blocks_for(context + new)
+        return [
+            ScheduledChunk(
+                f"p{i}",
+                torch.randint(0, self.vocab, (new,), generator=self.gen).tolist(),
+                context,
+                list(range(i * per, (i + 1) * per)),
+                True,
+            )
+            for i in range(seqs)
+        ]
+
+    def seconds(self, chunks: list[Any]) -> float:
+        self.runner.execute(chunks)  # warm-up: kernels set up for this shape
+        times = []
+        for _ in range(self.repeats):
+            self._sync()
+            start = time.perf_counter()
+            self.runner.execute(chunks)
+            self._sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def _sync(self) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+
+
+def measure_steps(engine: Any, grid: Grid) -> dict[str, list[list[float]]]:
+    """Raw points: prefill [tokens, prompts, s] and decode [batch, context, s]."""
+    timer = _Timer(engine, grid.repeats)
+    prefill = [
+        [n, b, timer.seconds(timer.chunks(b, n, 0))]
+        for n in grid.prompt_lens
+        for b in grid.prefill_batches
+        if timer.fits(b, n)
+    ]
+    decode = [
+        [b, c, timer.seconds(timer.chunks(b, 1, c))]
+        for b in grid.decode_batches
+        for c in grid.contexts
+        if b <= engine.config.scheduler.max_num_seqs and timer.fits(b, c + 1)
+    ]
+    return {"prefill": prefill, "decode": decode}
+
+
+def fit(points: dict[str, list[list[float]]]) -> tuple[PerfProfile, float]:
+    """The router's form from single prompts; the decode line fitted with its context term beside it."""
+    single = [(int(n), s) for n, b, s in points["prefill"] if b == 1]
+    d = np.array(points["decode"], dtype=float)
+    if not single or not len(d):
+        raise ValueError("the engine's cache holds none of the profile's shapes; raise --kv-cache-gb")
+    x = np.stack([np.ones(len(d)), d[:, 0], d[:, 0] * d[:, 1]], axis=1)
+    fixed, per_seq, per_context = nonneg_lstsq(x, d[:, 2])
+    perf = PerfProfile.fit(single, [(1, 0.0)])  # prefill terms; the decode ones come from the fit above
+    perf = PerfProfile(perf.prefill_fixed_s, perf.prefill_per_token_s, perf.prefill_per_token2_s, fixed, per_seq)
+    return perf, float(per_context)
+
+
+def transfer_endpoints(device: str) -> tuple[Backend, str]:
+    """NCCL between two GPUs (one rank per GPU), as workers on a GPU node send; gloo otherwise (the CPU, or a
+    single GPU, where NCCL cannot pair a device with itself)."""
+    if device.startswith("cuda") and torch.cuda.device_count() >= 2:
+        first = torch.device(device).index or 0
+        return "nccl", f"cuda:{(first + 1) % torch.cuda.device_count()}"
+    return "gloo", device
+
+
+def measure_transfer(engine: Any, device: str, grid: Grid) -> tuple[float, float, list[list[float]]]:
+    """Our KV transfer of a `transfer_tokens` prompt and of one 8x longer between two processes, fitted as a
+    fixed latency plus bytes at a bandwidth: (GB/s, latency s, [[bytes, s], ...])."""
+    from pdserve.bench.transfer_bench import TransferCase, run_transfer_bench
+
+    mc, block_size = engine.model_config, engine.config.block_size
+    cases = [
+        TransferCase(
+            name=f"{tokens} tokens",
+            dtype=str(engine.runner.dtype).removeprefix("torch."),
+            num_blocks=math.ceil(tokens / block_size),
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            block_size=block_size,
+            pool_bytes=grid.transfer_pool_mib << 20,
+        )
+        for tokens in (grid.transfer_tokens, 8 * grid.transfer_tokens)
+    ]
+    backend, peer = transfer_endpoints(device)
+    result = run_transfer_bench(
+        cases, host=ClusterConfig.host, device=device, backend=backend, repeats=grid.transfer_repeats, peer_device=peer
+    )
+    points = [[c.nbytes, c.nbytes / (row["ours_gb_s"] * 1e9)] for c, row in zip(cases, result["rows"], strict=True)]
+    x = np.array(points)
+    latency, per_byte = nonneg_lstsq(np.stack([np.ones(len(x)), x[:, 0]], axis=1), x[:, 1])
+    if per_byte <= 0:  # the bytes cost nothing the noise let us see: bound them by the fastest case
+        per_byte = float(min(x[:, 1] / x[:, 0]))
+    return 1e-9 / per_byte, float(latency), points
+
+
+def run_profile(config: EngineConfig, grid: Grid, transfer_gbps: float | None = None) -> HardwareProfile:
+    """`transfer_gbps`: use it instead of measuring the transfer."""
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.model_runner import kv_block_bytes
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    engine = LLMEngine(config)
+    points = measure_steps(engine, grid)
+    perf, per_context = fit(points)
+    device = engine.runner.device
+    latency, backend = 0.0, "given"
+    if transfer_gbps is None:
+        backend = transfer_endpoints(str(device))[0]
+        transfer_gbps, latency, points["transfer"] = measure_transfer(engine, str(device), grid)
+    block_size = config.block_size
+    s = config.scheduler
+    return HardwareProfile(
+        perf=perf,
+        decode_per_context_token_s=per_context,
+        kv_bytes_per_token=kv_block_bytes(engine.model_config, block_size, engine.runner.dtype) // block_size,
+        kv_capacity_tokens=engine.blocks.num_blocks * block_size,
+        transfer_gbps=transfer_gbps,
+        transfer_latency_s=latency,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        long_prefill_chunk=s.long_prefill_chunk,
+        meta={
+            "model": config.model,
+            "device": str(device),
+            "dtype": str(engine.runner.dtype).removeprefix("torch."),
+            "backend": backend,  # of the transfer measured ("given": --transfer-gbps)
+            "threads": torch.get_num_threads(),
+        },
+        points=points,
+    )

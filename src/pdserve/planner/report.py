@@ -1,0 +1,46 @@
+"""The plan as a rich table, one row per candidate, the recommended split marked."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from pdserve.planner.plan import SLO, Candidate, recommend
+from pdserve.planner.workload import Workload
+
+
+def plan_table(candidates: list[Candidate], workload: Workload, slo: SLO) -> Table:
+    best = recommend(candidates)
+    table = Table(
+        title=f"pdserve plan at {workload.rate:g} req/s (mean {workload.mean_input_len:.0f} in, "
+        f"{workload.mean_output_len:.0f} out; SLO TTFT {slo.ttft_ms:g} ms, TPOT {slo.tpot_ms:g} ms, "
+        f"{slo.attainment:.0%} attainment)"
+    )
+    columns = (
+        "split", "goodput req/s", "attainment", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms",
+        "busy prefill/decode", "max rate req/s",
+    )  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="left" if col == "split" else "right", no_wrap=True)
+    for c in candidates:
+        o = c.at_rate
+        table.add_row(
+            c.shape.label + (" *" if c is best else ""),
+            f"{o.goodput:.2f}",
+            f"{o.attainment:.0%}",
+            "/".join(f"{v:.0f}" for v in o.ttft_ms),
+            "/".join(f"{v:.1f}" for v in o.tpot_ms),
+            f"{o.prefill_busy:.0%}" if c.shape.colocated else f"{o.prefill_busy:.0%}/{o.decode_busy:.0%}",
+            f"{c.max_rate:.2f}",
+        )
+    return table
+
+
+def verdict(candidates: list[Candidate]) -> str:
+    best = recommend(candidates)
+    line = f"recommended: --prefill {best.shape.prefill} --decode {best.shape.decode}"
+    line += f" (sustains {best.max_rate:.2f} req/s)"
+    co = next(c for c in candidates if c.shape.colocated)
+    if co.max_rate > best.max_rate:
+        line += f"; {co.shape.colocated} colocated workers sustain more ({co.max_rate:.2f} req/s)"
+        line += f": consider --mode colocated --workers {co.shape.colocated}"
+    return line

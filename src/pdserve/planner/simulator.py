@@ -1,0 +1,236 @@
+"""A discrete-event simulation of one cluster shape serving a list of requests, step by step.
+
+Each worker runs engine steps back to back while it has work, as the engine does. A step's time comes from
+the profile: a prefill chunk costs its tokens (linear and attention terms), a decode step its batch and the
+context it reads; a colocated worker's step holds both, so a prompt's prefill slows every decode in its step
+(the interference disaggregation removes). Prompts are split into chunks of at most `long_prefill_chunk`
+within the step budget of `max_num_batched_tokens`, FIFO. A prefill worker emits the first token when the
+prompt's last chunk finishes, holds the KV until the transfer to the decode worker is done, and the decode
+worker admits a sequence only while its whole KV (prompt + output) fits and its batch is under
+`max_num_seqs`. A prompt's last chunk also costs the profile's per-request serving overhead (zero unless
+calibrated on a running cluster). Routing is least-loaded, as the router's is when no prefix is shared.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.planner.hardware import HardwareProfile
+from pdserve.planner.workload import SimRequest
+
+
+@dataclass(frozen=True)
+class Shape:
+    prefill: int = 0
+    decode: int = 0
+    colocated: int = 0
+
+    def __post_init__(self) -> None:
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError("a shape is either colocated or disaggregated")
+        if not self.colocated and (self.prefill < 1 or self.decode < 1):
+            raise ValueError(f"a disaggregated shape needs both roles, got {self.prefill}:{self.decode}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.colocated} colocated" if self.colocated else f"{self.prefill}P:{self.decode}D"
+
+
+@dataclass
+class _Seq:
+    req: SimRequest
+    prefilled: int = 0
+    first_s: float | None = None
+    done_s: float | None = None
+
+
+@dataclass
+class _Worker:
+    prefills: bool
+    decodes: bool
+    queue: deque[_Seq] = field(default_factory=deque)  # waiting for or in prefill
+    waiting: deque[_Seq] = field(default_factory=deque)  # KV arrived (or prefilled), waiting for a batch slot
+    finishing: list[tuple[int, int, _Seq]] = field(default_factory=list)  # heap: (last decode step, order, seq)
+    running: int = 0  # sequences in the decode batch
+    incoming: int = 0  # sequences whose KV is on its way here
+    steps: int = 0  # decode steps run so far: a sequence joining at step j with m tokens to go ends at j + m
+    queued_tokens: int = 0  # prompt tokens not yet prefilled
+    context: int = 0  # tokens of KV the running batch reads per step
+    kv_used: int = 0
+    busy: bool = False
+    busy_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Step:
+    chunks: list[tuple[_Seq, int]]
+    decoded: int  # sequences that each get one token
+    context: int  # their KV tokens
+
+
+@dataclass(frozen=True)
+class SimResult:
+    ttft_s: list[float]  # of every request that finished
+    tpot_s: list[float]
+    rejected: int  # could never fit a worker's KV
+    span_s: float  # first arrival to last completion
+    prefill_busy: float  # share of the span the prefill (or colocated) workers spent stepping
+    decode_busy: float
+
+
+class Simulator:
+    def __init__(self, profile: HardwareProfile, shape: Shape) -> None:
+        self.p = profile
+        self.shape = shape
+        if shape.colocated:
+            self.prefillers = [_Worker(True, True) for _ in range(shape.colocated)]
+            self.decoders = self.prefillers
+        else:
+            self.prefillers = [_Worker(True, False) for _ in range(shape.prefill)]
+            self.decoders = [_Worker(False, True) for _ in range(shape.decode)]
+        self._events: list[tuple[float, int, str, object]] = []
+        self._order = itertools.count()
+        self.now = 0.0
+
+    def run(self, requests: list[SimRequest]) -> SimResult:
+        seqs = [_Seq(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
+        for s in seqs:
+            self._at(s.req.arrival_s, "arrive", s)
+        while self._events:
+            self.now, _, kind, what = heapq.heappop(self._events)
+            getattr(self, f"_on_{kind}")(what)
+        return self._result(seqs)
+
+    def _at(self, t: float, kind: str, what: object) -> None:
+        heapq.heappush(self._events, (t, next(self._order), kind, what))
+
+    def _on_arrive(self, s: _Seq) -> None:
+        need = s.req.input_len + s.req.output_len
+        if need > self.p.kv_capacity_tokens:
+            return  # never fits: the request fails, as the worker refuses it
+        w = min(self.prefillers, key=lambda w: (w.queued_tokens, w.running))
+        w.queue.append(s)
+        w.queued_tokens += s.req.input_len
+        self._kick(w)
+
+    def _on_step(self, item: tuple[_Worker, _Step]) -> None:
+        w, step = item
+        w.busy = False
+        for s, n in step.chunks:
+            s.prefilled += n
+            w.queued_tokens -= n
+            if s.prefilled == s.req.input_len:
+                self._prefilled(w, s)
+        if step.decoded:
+            w.steps += 1
+            w.context += step.decoded
+            while w.finishing and w.finishing[0][0] <= w.steps:
+                self._finish(w, heapq.heappop(w.finishing)[2])
+        self._kick(w)
+
+    def _prefilled(self, w: _Worker, s: _Seq) -> None:
+        s.first_s = self.now
+        w.queue.remove(s)
+        if s.req.output_len <= 1:
+            self._finish(w, s)
+        elif w.decodes:  # colocated: the KV is here already
+            w.waiting.append(s)
+        else:
+            d = min(self.decoders, key=lambda d: d.running + len(d.waiting) + d.incoming)
+            d.incoming += 1
+            self._at(self.now + self.p.transfer_s(s.req.input_len), "transferred", (w, d, s))
+
+    def _finish(self, w: _Worker, s: _Seq) -> None:
+        s.done_s = self.now
+        if s.req.output_len > 1:  # it decoded here: it leaves the batch with all its tokens
+            w.running -= 1
+            w.context -= s.req.input_len + s.req.output_len
+        w.kv_used -= s.req.input_len + s.req.output_len if w.decodes else s.req.input_len
+
+    def _on_transferred(self, item: tuple[_Worker, _Worker, _Seq]) -> None:
+        p, d, s = item
+        p.kv_used -= s.req.input_len
+        d.incoming -= 1
+        d.waiting.append(s)
+        self._kick(p)
+        self._kick(d)
+
+    def _admit(self, w: _Worker) -> None:
+        """Sequences whose KV is here join the batch while there is room; a decode worker reserves it now.
+        Only between steps: a step in flight runs the batch it started with."""
+        while w.waiting and w.running < self.p.max_num_seqs:
+            s = w.waiting[0]
+            need = s.req.input_len + s.req.output_len
+            if not w.prefills and w.kv_used + need > self.p.kv_capacity_tokens:
+                return
+            if not w.prefills:
+                w.kv_used += need
+            w.waiting.popleft()
+            w.running += 1
+            w.context += s.req.input_len + 1
+            heapq.heappush(w.finishing, (w.steps + s.req.output_len - 1, next(self._order), s))
+
+    def _kick(self, w: _Worker) -> None:
+        if w.busy:
+            return
+        self._admit(w)
+        step = self._plan(w)
+        if not step.chunks and not step.decoded:
+            return
+        w.busy = True
+        seconds = self._step_s(step)
+        w.busy_s += seconds
+        self._at(self.now + seconds, "step", (w, step))
+
+    def _plan(self, w: _Worker) -> _Step:
+        decoded = w.running if w.decodes else 0
+        budget = self.p.max_num_batched_tokens - decoded
+        chunks: list[tuple[_Seq, int]] = []
+        for s in w.queue if w.prefills else ():
+            if budget <= 0:
+                break
+            if s.prefilled == 0:  # a new prompt reserves its KV before its first chunk
+                need = s.req.input_len + (s.req.output_len if w.decodes else 0)
+                if w.kv_used + need > self.p.kv_capacity_tokens:
+                    break
+                w.kv_used += need
+            n = min(s.req.input_len - s.prefilled, self.p.long_prefill_chunk, budget)
+            chunks.append((s, n))
+            budget -= n
+        return _Step(chunks, decoded, w.context if decoded else 0)
+
+    def _step_s(self, step: _Step) -> float:
+        perf = self.p.perf
+        fixed = 0.0
+        seconds = 0.0
+        if step.chunks:
+            fixed = perf.prefill_fixed_s
+            for s, n in step.chunks:
+                seconds += perf.prefill_per_token_s * n + perf.prefill_per_token2_s * n * (s.prefilled + n)
+                seconds += self.p.request_overhead_s if s.prefilled + n == s.req.input_len else 0.0
+        if step.decoded:
+            fixed = max(fixed, perf.decode_fixed_s)
+            seconds += perf.decode_per_seq_s * step.decoded
+            seconds += self.p.decode_per_context_token_s * step.context
+        return fixed + seconds
+
+    def _result(self, seqs: list[_Seq]) -> SimResult:
+        done = [s for s in seqs if s.done_s is not None and s.first_s is not None]
+        start = seqs[0].req.arrival_s if seqs else 0.0
+        span = max((s.done_s for s in done), default=start) - start  # type: ignore[type-var]
+        tpot = [(s.done_s - s.first_s) / (s.req.output_len - 1) if s.req.output_len > 1 else 0.0 for s in done]
+
+        def busy(workers: list[_Worker]) -> float:
+            return sum(w.busy_s for w in workers) / (len(workers) * span) if span > 0 else 0.0
+
+        return SimResult(
+            ttft_s=[s.first_s - s.req.arrival_s for s in done],  # type: ignore[operator]
+            tpot_s=tpot,  # type: ignore[arg-type]
+            rejected=len(seqs) - len(done),
+            span_s=span,
+            prefill_busy=busy(self.prefillers),
+            decode_busy=busy(self.decoders),
+        )

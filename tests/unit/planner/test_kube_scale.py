@@ -1,0 +1,70 @@
+"""`pdserve scale --kubernetes`: the JSON patch for the chart's RayCluster."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from pdserve import cli
+from pdserve.planner.kube_scale import GROUPS, raycluster_name, replicas_patch
+
+CHART = Path(__file__).resolve().parents[3] / "deploy" / "helm" / "pdserve"
+
+
+def test_the_patch_tests_each_group_name_then_sets_its_replicas() -> None:
+    assert replicas_patch({"prefill": 3, "decode": 2}) == [
+        {"op": "test", "path": "/spec/workerGroupSpecs/0/groupName", "value": "prefill"},
+        {"op": "replace", "path": "/spec/workerGroupSpecs/0/replicas", "value": 3},
+        {"op": "test", "path": "/spec/workerGroupSpecs/1/groupName", "value": "decode"},
+        {"op": "replace", "path": "/spec/workerGroupSpecs/1/replicas", "value": 2},
+    ]
+
+
+def test_the_patch_widens_the_live_range_only_where_needed() -> None:
+    live = {"spec": {"workerGroupSpecs": [{"minReplicas": 1, "maxReplicas": 8}, {"minReplicas": 2, "maxReplicas": 4}]}}
+    patch = replicas_patch({"prefill": 10, "decode": 1}, live)
+    assert {"op": "replace", "path": "/spec/workerGroupSpecs/0/maxReplicas", "value": 10} in patch
+    assert {"op": "replace", "path": "/spec/workerGroupSpecs/1/minReplicas", "value": 1} in patch
+    assert not any(op["path"].endswith(("0/minReplicas", "1/maxReplicas")) for op in patch)
+
+
+def test_one_role_alone_leaves_the_other_group_untouched() -> None:
+    assert [op["path"] for op in replicas_patch({"decode": 4})] == [
+        "/spec/workerGroupSpecs/1/groupName",
+        "/spec/workerGroupSpecs/1/replicas",
+    ]
+    with pytest.raises(ValueError, match="prefill"):
+        replicas_patch({"prefill": -1})
+
+
+def test_the_raycluster_is_named_as_the_chart_names_it() -> None:
+    assert raycluster_name("prod") == "prod-pdserve"
+    assert raycluster_name("pdserve") == "pdserve"
+    assert raycluster_name("my-pdserve-eu") == "my-pdserve-eu"
+    assert raycluster_name("x" * 39 + "-long") == "x" * 39
+
+
+@pytest.mark.skipif(not CHART.is_dir(), reason="the chart lands with the helm slice")
+def test_the_chart_lists_the_groups_in_the_patch_order() -> None:
+    template = (CHART / "templates" / "raycluster.yaml").read_text()
+    assert re.search(r'range \$role := list "prefill" "decode"', template), "the chart's worker group order changed"
+    assert tuple(GROUPS) == ("prefill", "decode")
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    assert 'define "pdserve.rayClusterName" -}}{{ include "pdserve.fullname" . }}' in helpers
+    assert "trunc 40" in helpers
+
+
+def test_scale_dry_run_prints_the_patch(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["scale", "--kubernetes", "--dry-run", "--prefill", "2", "--decode", "5", "--release", "prod"]
+    assert cli.main([*argv, "--namespace", "serving"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == replicas_patch({"prefill": 2, "decode": 5})
+    assert "serving/prod-pdserve" in captured.err
+
+
+def test_scale_without_kubernetes_says_what_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["scale", "--prefill", "2", "--decode", "2"]) == 2
+    assert "--kubernetes" in capsys.readouterr().err

@@ -1,0 +1,64 @@
+"""The recommendation follows the workload's shape, and `pdserve plan --json` keeps its keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve import cli
+from pdserve.planner.plan import SLO, plan, recommend
+from pdserve.planner.workload import synthetic
+from tests.unit.planner.synthetic import synthetic_profile
+
+SLO_ = SLO(ttft_ms=1000, tpot_ms=60, attainment=0.9)
+
+
+def recommended_prefill(input_len: int, output_len: int) -> int:
+    workload = synthetic(1.0, input_len, output_len, 80, range_ratio=0.2, seed=3)
+    return recommend(plan(synthetic_profile(), workload, SLO_, 3)).shape.prefill
+
+
+def test_longer_prompts_move_the_recommendation_toward_prefill() -> None:
+    assert recommended_prefill(128, 64) < recommended_prefill(4096, 64)
+
+
+def test_longer_outputs_move_the_recommendation_toward_decode() -> None:
+    assert recommended_prefill(1024, 16) > recommended_prefill(1024, 512)
+
+
+def test_plan_json_has_the_documented_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "profile.json"
+    synthetic_profile().save(profile)
+    argv = ["plan", "--profile", str(profile), "--rate", "2", "--input-len", "512", "--output-len", "32"]
+    argv += ["--num-requests", "60", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--workers", "3", "--json"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"recommended", "candidates"}
+    assert set(out["recommended"]) == {"prefill", "decode"}
+    assert sum(out["recommended"].values()) == 3
+    keys = {"prefill", "decode", "colocated", "goodput", "attainment", "ttft_p90_ms", "tpot_p90_ms", "max_rate"}
+    assert [set(c) for c in out["candidates"]] == [keys] * 3
+    shapes = [(c["prefill"], c["decode"], c["colocated"]) for c in out["candidates"]]
+    assert shapes == [(1, 2, 0), (2, 1, 0), (0, 0, 3)]
+    assert all(c["max_rate"] > 0 for c in out["candidates"])
+
+
+def test_plan_without_a_workload_names_the_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "profile.json"
+    synthetic_profile().save(profile)
+    argv = ["plan", "--profile", str(profile), "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--workers", "3"]
+    assert cli.main(argv) == 2
+    assert "--rate" in capsys.readouterr().err
+
+
+def test_a_trace_is_planned_at_its_own_rate(tmp_path: Path) -> None:
+    from pdserve.planner.workload import from_trace
+
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"timestamp": 500 * i, "input_length": 300, "output_length": 20} for i in range(11)]
+    trace.write_text("\n".join(json.dumps(line) for line in lines))
+    workload = from_trace(trace)
+    assert workload.rate == pytest.approx(2.0)
+    assert [r.arrival_s for r in workload.at_rate(workload.rate)][:3] == pytest.approx([0.0, 0.5, 1.0])
