@@ -10,14 +10,21 @@ import pytest
 
 from pdserve.engine.model_files import locate_model, read_model_config, tokenizer_folder
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.security.api_keys import OPEN
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from services.router.lifecycle import RequestLifecycle
 from services.router.placement import NoWorkersError
+from services.router.ticket import Ticket
 from tests.unit.router.router_builder import Router, worker
 
 pytestmark = pytest.mark.timeout(60)
 REQUEST = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(max_tokens=4))
+
+
+async def admit(lc: RequestLifecycle, start: float) -> Ticket:
+    with lc.quotas.session(OPEN) as quota:
+        return await lc.admit(REQUEST, start, quota)
 
 
 def lifecycle(router: Router) -> RequestLifecycle:
@@ -31,7 +38,7 @@ async def test_a_request_waits_for_the_first_worker_of_a_role_to_come_back() -> 
     router = Router([worker("p0")], no_workers_wait_s=5.0)
     asyncio.get_running_loop().call_later(0.3, router.registry.publish, worker("d0", "decode"))
     start = time.monotonic()
-    ticket = await lifecycle(router).admit(REQUEST, start)
+    ticket = await admit(lifecycle(router), start)
     assert ticket.placement.decode.worker_id == "d0" and 0.25 < time.monotonic() - start < 4.0
     ticket.release()
 
@@ -40,5 +47,5 @@ async def test_with_none_coming_back_it_is_unavailable_after_the_wait() -> None:
     router = Router([worker("p0"), worker("d0", "decode", draining=True)], no_workers_wait_s=0.4)
     start = time.monotonic()
     with pytest.raises(NoWorkersError, match="0 decode live"):
-        await lifecycle(router).admit(REQUEST, start)
+        await admit(lifecycle(router), start)
     assert time.monotonic() - start >= 0.4
