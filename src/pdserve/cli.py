@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.bench.commands import add_bench_commands
 from pdserve.chaos.command import add_chaos_command
+from pdserve.client_commands import add_client_commands
 from pdserve.cluster.commands import (
     add_address_flags,
     add_controller_command,
@@ -24,7 +25,6 @@ from pdserve.drain_commands import add_drain_commands
 from pdserve.flags import add_engine_flags, engine_config, flag_values, from_flags
 from pdserve.planner.commands import add_planner_commands
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 if TYPE_CHECKING:
     from pdserve.cluster.factories import ClusterServices
@@ -94,23 +94,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     add_controller_command(sub, partial(_serve, services=services), add_engine_flags)
     add_router_command(sub, partial(_serve, services=services), _add_router_flags)
 
-    status = sub.add_parser("status", help="a running cluster's workers, their health and load")
-    status.add_argument("--addr", required=True, help="router HOST:PORT")
-    status.add_argument("--json", action="store_true", help='print {"workers": [...]} as JSON')
-    status.add_argument("--timeout", type=float, default=10.0, help="seconds")
-    add_client_flags(status)
-    status.set_defaults(func=_status)
-
-    client = sub.add_parser("client", help="stream an answer from a running cluster")
-    client.add_argument("--addr", required=True, help="router HOST:PORT")
-    client.add_argument("--prompt", required=True)
-    client.add_argument("--chat", action="store_true", help="send the prompt as a user message")
-    client.add_argument("--max-tokens", type=int, default=0, help="0 = the server's default")
-    client.add_argument("--temperature", type=float, default=SamplingParams.temperature, help="0: greedy")
-    client.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    client.add_argument("--json", action="store_true")
-    add_client_flags(client)
-    client.set_defaults(func=_client)
+    add_client_commands(sub)
 
     fetch = sub.add_parser("fetch", help="fetch and convert a built-in model into the cache, once")
     fetch.add_argument("--model", default=EngineConfig.model, help="a built-in model name")
@@ -260,104 +244,6 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         # `up` stops everything it started; a controller leaves its actors serving unless told otherwise
         stop_workers_on_exit=args.command != "controller" or args.stop_workers_on_exit,
     )
-
-
-def _client(args: argparse.Namespace) -> int:
-    import asyncio
-
-    import grpc
-
-    from pdserve.rpc.client import generate
-    from pdserve.v1 import generate_pb2 as pb
-
-    sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    if args.chat:
-        request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=args.prompt)], sampling=sampling)
-    else:
-        request = pb.GenerateRequest(prompt=args.prompt, sampling=sampling)
-
-    async def run() -> int:
-        result = None
-        async for msg, running in generate(args.addr, request, args.timeout, client_credentials(args)):
-            result = running
-            if not args.json:
-                print(msg.text, end="", flush=True)
-        assert result is not None
-        ttft, tpot = result.ttft_s * 1e3, result.tpot_s * 1e3
-        if args.json:
-            record = {
-                "token_ids": result.token_ids,
-                "text": result.text,
-                "finish_reason": result.finish_reason,
-                "ttft_ms": ttft,
-                "tpot_ms": tpot,
-                "messages": result.messages,
-            }
-            print(json.dumps(record, ensure_ascii=False))
-        else:
-            n = len(result.token_ids)
-            print(f"\n[{n} tokens, {result.finish_reason}; TTFT {ttft:.0f} ms, TPOT {tpot:.1f} ms]")
-        return 0
-
-    try:
-        return asyncio.run(run())
-    except grpc.aio.AioRpcError as e:
-        print(f"pdserve client: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-
-
-STATUS_FIELDS = (
-    "id",
-    "role",
-    "address",
-    "health",
-    "running",
-    "waiting",
-    "queued_prefill_tokens",
-    "kv_blocks_used",
-    "kv_blocks_cached",
-    "kv_blocks_total",
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "tpot_p50_ms",
-    "tpot_p99_ms",
-    "metrics_address",
-    "pid",
-    "draining",
-)
-
-
-def _status(args: argparse.Namespace) -> int:
-    import asyncio
-
-    import grpc
-
-    from pdserve.rpc.server import channel
-    from pdserve.v1 import admin_pb2, admin_pb2_grpc
-
-    credentials = client_credentials(args)
-
-    async def ask() -> admin_pb2.ClusterStatusResponse:
-        async with channel(args.addr, credentials=credentials) as ch:
-            return await admin_pb2_grpc.AdminStub(ch).ClusterStatus(
-                admin_pb2.ClusterStatusRequest(), timeout=args.timeout, metadata=credentials.metadata()
-            )
-
-    try:
-        reply = asyncio.run(ask())
-    except grpc.aio.AioRpcError as e:
-        print(f"pdserve status: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-    if args.json:
-        workers = [{f: getattr(w, f) for f in STATUS_FIELDS} for w in reply.workers]
-        print(json.dumps({"workers": workers, "in_flight": reply.in_flight, "draining": reply.draining}))
-        return 0
-    from rich.console import Console
-
-    from pdserve.status_view import print_status
-
-    print_status(reply, args.addr, Console())
-    return 0
 
 
 def _fetch(args: argparse.Namespace) -> int:
