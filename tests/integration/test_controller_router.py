@@ -14,6 +14,7 @@ nodes share loopback. One set-up for the module (~1-2 min on 2 busy cores).
 from __future__ import annotations
 
 import asyncio
+import secrets
 import signal
 import tempfile
 from collections.abc import Callable, Iterator
@@ -118,7 +119,8 @@ def _started(new_node: Callable[[], RayNode], attempts: int = 4) -> RayNode:
 def rehearsal() -> Iterator[Rehearsal]:
     temp_dir = Path(tempfile.mkdtemp(prefix="pdrh", dir="/tmp"))  # short: Ray's socket paths must stay short
     network = netns.TwoHosts() if netns.unavailable() is None else None
-    env = ray_env(temp_dir)
+    # One cluster secret for every process, as the chart's Secret gives them: workers refuse internal calls without it.
+    env = {**ray_env(temp_dir), "PDSERVE_CLUSTER_SECRET": secrets.token_hex(32)}
     redis_server = RedisServer(host=network.gateway if network else "127.0.0.1")
     nodes: list[RayNode] = []
     r: Rehearsal | None = None
@@ -224,7 +226,15 @@ def test_a_sigkilled_pdserve_up_leaves_its_workers_to_a_router(rehearsal: Rehear
         before = {w: WorkerState.from_json(r.get(worker_key(w))).address for w in WORKERS}
     up.stop(signal.SIGKILL)
     router = PdserveProcess(
-        "router", "--model", "tiny-random", "--redis", url, "--port", str(port), log_path=rehearsal.temp_dir / "r.log"
+        "router",
+        "--model",
+        "tiny-random",
+        "--redis",
+        url,
+        "--port",
+        str(port),
+        log_path=rehearsal.temp_dir / "r.log",
+        env=rehearsal.env,  # the cluster secret `up`'s workers took
     )
     rehearsal.started.append(router)
     router.wait_ready()

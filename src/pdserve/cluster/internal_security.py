@@ -13,9 +13,10 @@ log = logging.getLogger(__name__)
 
 
 def prepare_internal_security(config: ClusterConfig, make_secret: bool) -> None:
-    """`make_secret`: `pdserve up`, which starts every process of its cluster, makes a fresh secret when none is
-    set. A controller or a router apart must share one set by the operator (the chart's Secret): each making its
-    own would refuse the other's calls, so they only warn when it is missing."""
+    """`make_secret`: a local `pdserve up`, which starts every process of its cluster, makes a fresh secret when
+    none is set. A controller, a router apart, or `up` joined to a Ray cluster (whose detached workers outlive it)
+    must share one set by the operator (the chart's Secret): each making its own would refuse the other's calls,
+    so they only warn when it is missing."""
     if make_secret:
         env.ensure_cluster_secret()
     elif not env.cluster_secret():

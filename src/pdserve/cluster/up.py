@@ -19,7 +19,9 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
     from pdserve.metrics import SupervisionMetrics
     from pdserve.telemetry import Telemetry
 
-    prepare_internal_security(config, make_secret=True)  # before Ray starts: the workers inherit it
+    # Before Ray starts: the workers inherit it. Joined to a Ray cluster, its detached workers outlive this process,
+    # so the secret must be the operator's, shared with whichever router takes them over.
+    prepare_internal_security(config, make_secret=config.ray_address is None)
     registry, prefix_index = registry_for(config)
     cluster = Cluster(config, services.workers, registry, publish=not config.redis_url)
     try:
