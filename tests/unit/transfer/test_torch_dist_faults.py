@@ -1,0 +1,186 @@
+"""The torch.distributed KV data plane between real processes (spawned), over gloo on loopback:
+a silent, stalled, cancelled or killed peer fails the transfer in time and leaves the pair usable.
+
+The test process is the decode side (one TorchDistReceiver per module); prefill senders run in spawned processes
+(pair_harness.py). Caches are rebuilt from seeds on both sides, so the expected blocks never travel through the
+harness.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+
+from pdserve.transfer.base import (
+    PeerLostError,
+    TransferCancelledError,
+    TransferError,
+    TransferTimeoutError,
+)
+from pdserve.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from tests.unit.transfer.pair_harness import FINGERPRINT, HOST, NUM_BLOCKS, Peer, Recv, assert_landed, bits, make_caches
+
+pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of the whole run
+
+
+def test_silent_sender_times_out_and_leaves_the_pair_usable(receiver: TorchDistReceiver, peer: Peer) -> None:
+    rendezvous = receiver.rendezvous("prefill-0")
+    peer.call(op="connect", rendezvous=rendezvous)
+    kv = make_caches(4)
+    start = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match="tag 50"):
+        receiver.recv("prefill-0", 50, kv, [0, 1], timeout_s=1.5)
+    assert 1.4 <= time.monotonic() - start < 4
+    # The sender turns up late with the abandoned tag: refused at once, not after its own timeout.
+    start = time.monotonic()
+    reply = peer.call(op="send", rendezvous=rendezvous, tag=50, seed=1, ids=[0, 1], timeout=20)
+    assert reply["error"] == "TransferError" and "no recv is waiting" in reply["message"], reply
+    assert time.monotonic() - start < 5
+    r = Recv(receiver, "prefill-0", 51, kv, [0, 1])
+    assert peer.call(op="send", rendezvous=rendezvous, tag=51, seed=1, ids=[0, 1]) == {"nbytes": r.join()}
+
+
+def test_cancelled_recv_ends_at_once_and_the_pair_stays_usable(receiver: TorchDistReceiver, peer: Peer) -> None:
+    """A request cancelled while its recv waits for a stalled sender frees its blocks now, not at the timeout."""
+    rendezvous = receiver.rendezvous("prefill-0")
+    peer.call(op="connect", rendezvous=rendezvous)
+    kv = make_caches(4)
+    before = [t.clone() for t in kv]
+    r = Recv(receiver, "prefill-0", 52, kv, [0, 1], timeout=20)
+    receiver.cancel("prefill-0", 52)
+    assert isinstance(r.join(timeout=5), TransferCancelledError), r.result
+    assert r.elapsed < 2
+    # Cancelled before it was posted (the caller left first): it never waits.
+    receiver.cancel("prefill-0", 53)
+    with pytest.raises(TransferCancelledError):
+        receiver.recv("prefill-0", 53, kv, [0, 1], timeout_s=20)
+    # The sender turns up late with the cancelled tag: refused, and nothing written.
+    reply = peer.call(op="send", rendezvous=rendezvous, tag=52, seed=1, ids=[0, 1], timeout=20)
+    assert reply["error"] == "TransferError" and "no recv is waiting" in reply["message"], reply
+    for got, old in zip(kv, before, strict=True):
+        assert torch.equal(bits(got), bits(old))
+    r = Recv(receiver, "prefill-0", 54, kv, [0, 1])
+    assert peer.call(op="send", rendezvous=rendezvous, tag=54, seed=1, ids=[0, 1]) == {"nbytes": r.join()}
+
+
+def test_sender_that_never_connects_times_out(receiver: TorchDistReceiver) -> None:
+    receiver.rendezvous("prefill-never")
+    start = time.monotonic()
+    with pytest.raises(TransferTimeoutError):
+        receiver.recv("prefill-never", 1, make_caches(4), [0], timeout_s=1.0)
+    assert 0.9 <= time.monotonic() - start < 3
+
+
+def test_recv_needs_a_rendezvous_and_rejects_bad_ids(receiver: TorchDistReceiver) -> None:
+    kv = make_caches(4)
+    with pytest.raises(TransferError, match="rendezvous"):
+        receiver.recv("prefill-unknown", 1, kv, [0], timeout_s=1)
+    receiver.rendezvous("prefill-ids")
+    with pytest.raises(ValueError, match="distinct"):
+        receiver.recv("prefill-ids", 1, kv, [2, 2], timeout_s=1)
+    with pytest.raises(ValueError, match="lie in"):
+        receiver.recv("prefill-ids", 1, kv, [NUM_BLOCKS], timeout_s=1)
+    assert receiver.recv("prefill-ids", 1, kv, [], timeout_s=1) == 0
+
+
+@pytest.mark.parametrize("when", ["before sending", "mid-transfer"])
+def test_killed_sender_fails_recv_at_once_and_a_new_sender_works(
+    receiver: TorchDistReceiver, peer: Peer, when: str
+) -> None:
+    peer_id = f"prefill-victim-{when.split()[0]}"
+    rendezvous = receiver.rendezvous(peer_id)
+    kv = make_caches(6)
+    before = [t.clone() for t in kv]
+    dst_ids = [5, 9, 2]
+    victim = Peer(slow_at=3 if when == "mid-transfer" else -1)
+    try:
+        if when == "before sending":
+            victim.call(op="connect", rendezvous=rendezvous)
+            r = Recv(receiver, peer_id, 60, kv, dst_ids, timeout=30)
+        else:
+            r = Recv(receiver, peer_id, 60, kv, dst_ids, timeout=30)
+            victim.conn.send_bytes(json.dumps({"op": "send", "rendezvous": rendezvous, "tag": 60, "seed": 2,
+                                               "ids": [1, 8, 3]}).encode())  # fmt: skip
+            assert victim.reply() == {"stalled": True}  # three of its 18 messages are on the wire
+        killed = time.monotonic()
+        victim.kill()
+        err = r.join(timeout=10)
+    finally:
+        victim.close()
+    assert isinstance(err, PeerLostError), err
+    noticed = r.ended - killed
+    assert noticed < 3, f"recv took {noticed:.1f} s to notice the dead sender (timeout 30 s)"
+    others = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
+    for got, old in zip(kv, before, strict=True):
+        assert torch.equal(bits(got[:, others]), bits(old[:, others]))
+    with pytest.raises(PeerLostError):  # until the next rendezvous, the peer stays lost
+        receiver.recv(peer_id, 61, kv, dst_ids, timeout_s=5)
+    new_rendezvous = receiver.rendezvous(peer_id)
+    assert new_rendezvous != rendezvous
+    r = Recv(receiver, peer_id, 62, kv, dst_ids)
+    assert peer.call(op="send", rendezvous=new_rendezvous, tag=62, seed=3, ids=[0, 4, 7]) == {"nbytes": r.join()}
+    assert_landed(kv, before, make_caches(3), [0, 4, 7], dst_ids)
+
+
+def test_sender_stalled_mid_transfer_times_out_and_drops_the_pair(receiver: TorchDistReceiver, peer: Peer) -> None:
+    rendezvous = receiver.rendezvous("prefill-stalled")
+    kv = make_caches(6)
+    victim = Peer(slow_at=2)
+    try:
+        victim.conn.send_bytes(json.dumps({"op": "send", "rendezvous": rendezvous, "tag": 70, "seed": 2,
+                                           "ids": [1, 8, 3]}).encode())  # fmt: skip
+        # Registered only once the sender is up and stalled, so the clock measures the stall alone.
+        assert victim.reply() == {"stalled": True}
+        start = time.monotonic()
+        with pytest.raises(TransferTimeoutError):
+            receiver.recv("prefill-stalled", 70, kv, [5, 9, 2], timeout_s=1.5)
+        assert 1.4 <= time.monotonic() - start < 4
+    finally:
+        victim.kill()  # it sleeps in the stalled send
+    new_rendezvous = receiver.rendezvous("prefill-stalled")
+    assert new_rendezvous != rendezvous  # a wait that timed out closed the gloo pair: a new one is built
+    r = Recv(receiver, "prefill-stalled", 71, kv, [5, 9, 2])
+    assert peer.call(op="send", rendezvous=new_rendezvous, tag=71, seed=3, ids=[0, 4, 7]) == {"nbytes": r.join()}
+
+
+def _receiver_main(conn: Connection) -> None:
+    r = TorchDistReceiver(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+    conn.send_bytes(r.rendezvous("prefill-test").encode())
+    while True:
+        cmd = json.loads(conn.recv_bytes())
+        nbytes = r.recv("prefill-test", cmd["tag"], make_caches(0), cmd["ids"], 20)
+        conn.send_bytes(json.dumps({"nbytes": nbytes}).encode())
+
+
+def test_killed_receiver_fails_send_at_once() -> None:
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(child,), daemon=True)
+    proc.start()
+    s = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+    try:
+        assert conn.poll(30)
+        rendezvous = conn.recv_bytes().decode()
+        kv = make_caches(8)
+        conn.send_bytes(json.dumps({"tag": 1, "ids": [0, 1]}).encode())
+        assert s.send(rendezvous, 1, kv, [2, 3], 10) == json.loads(conn.recv_bytes())["nbytes"]
+        conn.send_bytes(json.dumps({"tag": 2, "ids": [0, 1]}).encode())
+        time.sleep(0.2)
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        start = time.monotonic()
+        with pytest.raises(PeerLostError):
+            s.send(rendezvous, 2, kv, [2, 3], 30)
+        assert time.monotonic() - start < 5
+    finally:
+        s.close()
+        if proc.is_alive():
+            proc.kill()
