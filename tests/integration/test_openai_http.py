@@ -22,7 +22,7 @@ from loadgen.report import load_runs
 from pdserve.cluster.local_process import ClusterProcess, free_port
 from pdserve.rpc.client import generate
 from pdserve.v1 import generate_pb2 as pb
-from tests.integration.cluster_view import scrape, total
+from tests.integration.cluster_view import scrape, status_json, total
 from tests.integration.reference import MAX_TOKENS, PROMPT
 
 pytestmark = pytest.mark.timeout(180)
@@ -58,7 +58,8 @@ def grpc_text(cluster, **fields) -> tuple[str, pb.Usage]:
     return asyncio.run(run())
 
 
-GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
+IGNORE_EOS = {"ignore_eos": True}
+GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "extra_body": IGNORE_EOS}
 GRPC_GREEDY = pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -223,6 +224,29 @@ def test_loadgen_runs_over_http(cluster, tmp_path, backend):
     for r in run["requests"]:
         assert r["output_tokens"] == 6 and r["ttft_ms"] > 0 and r["e2el_ms"] >= r["ttft_ms"]
         assert len(r["message_times_ms"]) >= 2  # streamed: timed per chunk, not once at the end
+
+
+def test_a_non_streamed_request_whose_client_left_is_cancelled(cluster):
+    """The client gives up on a long non-streamed completion: the router cancels it (its KV freed on both
+    workers) instead of generating for nobody until max_tokens."""
+    before = scrape(cluster.metrics_url)
+    impatient = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=MODEL, prompt="x", max_tokens=2000, temperature=0, extra_body=IGNORE_EOS)
+    deadline = time.monotonic() + 30
+    while (after := scrape(cluster.metrics_url)) and cancelled(after) == cancelled(before):
+        assert time.monotonic() < deadline, "the request was not cancelled when its client left"
+        time.sleep(0.2)
+    assert finished(after) == finished(before), "it ran to its end"
+    assert status_json(cluster.address)["in_flight"] == 0
+
+
+def cancelled(samples: dict) -> float:
+    return total(samples, "pdserve_requests_total", outcome="cancelled")
+
+
+def finished(samples: dict) -> float:
+    return total(samples, "pdserve_requests_total", outcome="finished")
 
 
 def health_status(cluster) -> int:

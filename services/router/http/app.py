@@ -3,11 +3,12 @@ Server-Sent Events out. Nothing here decides anything about a request; it conver
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 
 from opentelemetry import propagate, trace
 from starlette.applications import Starlette
@@ -16,7 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Send
 
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import InvalidRequestError, UnauthenticatedError
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, generate
 from services.router.http.errors import error_body, error_response
@@ -68,8 +69,9 @@ class OpenAIAPI:
     async def _complete(self, request: Request, chat: bool) -> Response:
         start = time.perf_counter()
         try:
+            check_caller(self.lifecycle, request.headers)  # a caller without a valid key learns nothing of the body
             req = parse_request(_json(await request.body()), chat, request.headers.get("x-request-id", ""))
-        except InvalidRequestError as e:
+        except (UnauthenticatedError, InvalidRequestError) as e:
             self.lifecycle.refused(e, start)
             return error_response(e)
         answer = Answer(req, f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id or uuid.uuid4().hex}")
@@ -77,14 +79,30 @@ class OpenAIAPI:
             return SSEResponse(self._events(req, answer, request), req.max_tokens_param)
         headers: dict[str, str] = {}
         with self._span(request) as span:
+            whole = asyncio.ensure_future(self._whole(req, answer, request, headers))
+            gone = asyncio.ensure_future(_disconnected(request))
             try:
-                async for msg in self._generate(req, request, headers):
-                    answer.add(msg)
+                await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not whole.done():  # the caller left (or the server stops): stop generating for nobody
+                    whole.cancel()
+                    with suppress(asyncio.CancelledError):
+                        await whole  # its ticket and KV are released before the span ends
+            if whole.cancelled():
+                span.set_status(trace.StatusCode.ERROR, "the client disconnected")
+                return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+            try:
+                whole.result()
             except Exception as e:
                 span.record_exception(e)
                 span.set_status(trace.StatusCode.ERROR, str(e))
                 return error_response(e, req.max_tokens_param)
         return JSONResponse(answer.whole(), headers=headers)
+
+    async def _whole(self, req: OpenAIRequest, answer: Answer, request: Request, headers: dict[str, str]) -> None:
+        async for msg in self._generate(req, request, headers):
+            answer.add(msg)
 
     async def _events(self, req: OpenAIRequest, answer: Answer, request: Request) -> AsyncIterator[bytes]:
         """Within one task (the response's), so the span and the request's context live and end there."""
@@ -104,6 +122,13 @@ class OpenAIAPI:
         """The request's server span, a child of the caller's trace when its `traceparent` header names one."""
         tracer, parent = self.lifecycle.telemetry.tracer, propagate.extract(request.headers)
         return tracer.start_as_current_span(f"POST {request.url.path}", parent, kind=trace.SpanKind.SERVER)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up. The body is read by then, so `http.disconnect` is all that can come;
+    a streamed response listens the same way inside Starlette."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _json(body: bytes) -> object:

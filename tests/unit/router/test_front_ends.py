@@ -68,6 +68,8 @@ async def test_one_caller_check_covers_both_protocols(router, key, priority, sta
             r = await http.post("/v1/completions", json=body | {"stream": stream}, headers=headers)
             assert r.status_code == status, r.text
             assert r.json()["error"]["type"] == TYPES[status]
+        unreadable = await http.post("/v1/completions", content=b"{not json", headers=headers)
+        assert unreadable.status_code == (401 if status == 401 else 400)  # the key is checked before the body
         models = await http.get("/v1/models", headers=headers)
         assert models.status_code == (401 if status == 401 else 200)
     assert await grpc_status(router.address, tuple(headers.items()), priority) == code
