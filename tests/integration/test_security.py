@@ -91,6 +91,12 @@ def test_a_plaintext_client_is_refused_on_the_tls_port(cluster) -> None:
     assert "API keys required: 4 keys" in cluster.log() and "cluster is OPEN" not in cluster.log()
 
 
+def test_the_local_ray_it_started_requires_a_token(cluster) -> None:
+    """The threat model relies on Ray's token authentication (whoever reaches Ray's ports could otherwise run code
+    in the workers): a local `pdserve up` leaves it on, and says so."""
+    assert "Ray token authentication: on" in cluster.log()
+
+
 def test_each_key_gets_the_status_its_caps_say(cluster) -> None:
     hello = pb.GenerateRequest(prompt="hello", sampling=sampling(4))
     for key in (None, "wrong-key"):

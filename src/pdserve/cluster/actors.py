@@ -30,6 +30,20 @@ def role_resource(role: Role) -> str:
     return f"pdserve_{role}"
 
 
+def _log_ray_auth() -> None:
+    """Says whether Ray's token authentication guards this cluster: whoever reaches Ray's ports without the token
+    could otherwise run code in the workers, cluster secret included (the threat model relies on it)."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled  # no public API yet
+    except ImportError:
+        log.warning("Ray token authentication: unknown (this Ray cannot say)")
+        return
+    if is_token_auth_enabled():
+        log.info("Ray token authentication: on")
+    else:
+        log.warning("Ray token authentication: OFF (RAY_AUTH_MODE=%s)", os.environ.get("RAY_AUTH_MODE", "unset"))
+
+
 class WorkerActors:
     """Connects to Ray (starting a local one unless joined) and finds or creates the worker actors."""
 
@@ -56,6 +70,7 @@ class WorkerActors:
                 log_to_driver=True,
             )
             self.started_ray = c.ray_address is None
+            _log_ray_auth()
         self._gpus = 1 if _wants_gpu(c.engine.device) else 0
 
     def get_or_create(self, spec: WorkerSpec) -> tuple[Any, bool]:
