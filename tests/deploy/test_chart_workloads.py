@@ -133,6 +133,8 @@ def test_prestop_drains_within_the_grace_period(timeout: int) -> None:
         assert liveness["failureThreshold"] * liveness["periodSeconds"] > timeout, role
         env = {e["name"] for e in container(group["template"])["env"]}
         assert "POD_IP" in env
+    # A SIGTERM without the preStop (an eviction, a failed hook) drains as long.
+    assert float(flag(args_of(objects, "pd-pdserve-controller"), "--worker-drain-timeout-s")) == timeout
 
 
 def test_router_reads_its_toml_and_the_contract_flags(rendered: dict[str, Objects], tmp_path: Any) -> None:

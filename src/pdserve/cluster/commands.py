@@ -54,6 +54,12 @@ def add_fleet_flags(p: argparse.ArgumentParser) -> None:
         help="seconds a KV transfer may take before it fails",
     )
     p.add_argument(
+        "--worker-drain-timeout-s",
+        type=float,
+        default=c.worker_drain_timeout_s,
+        help="seconds a SIGTERMed worker lets its requests finish before the rest move elsewhere",
+    )
+    p.add_argument(
         "--max-restarts",
         type=int,
         default=c.max_restarts,

@@ -44,6 +44,7 @@ class Cluster:
                 metrics_port=c.worker_metrics_port,
                 log_level=c.log_level,
                 kv_transfer_timeout_s=c.kv_transfer_timeout_s,
+                drain_timeout_s=c.worker_drain_timeout_s,
                 exit_on_fatal=True,
                 advertise_host=c.advertise_host or "",
                 transfer_port=c.transfer_port,
