@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pdserve.chaos.run import ChaosConfig
 from pdserve.config import RouterConfig
+from pdserve.flags import from_flags
 
 # The cluster `pdserve chaos` starts when given no --addr: small, with router bounds a stop outlasts.
 FIRST_TOKEN_TIMEOUT_S = 20.0
@@ -52,17 +53,7 @@ def run_command(args: argparse.Namespace) -> int:
     from pdserve.telemetry import configure_logging
 
     configure_logging("INFO", service="pdserve-chaos")
-    config = ChaosConfig(
-        kills=args.kills,
-        interval_s=args.interval,
-        stops=args.stops,
-        stop_s=args.stop_s,
-        rate=args.rate,
-        prompts=args.prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        seed=args.seed,
-    )
+    config = from_flags(ChaosConfig, args, {"interval_s": "interval"})
     try:
         report = _run(config, args)
     except (RuntimeError, OSError) as e:
