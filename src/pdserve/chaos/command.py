@@ -46,6 +46,10 @@ def add_chaos_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_command)
 
 
+def chaos_config(args: argparse.Namespace) -> ChaosConfig:
+    return from_flags(ChaosConfig, args, {"interval_s": "interval"})
+
+
 def run_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -53,7 +57,7 @@ def run_command(args: argparse.Namespace) -> int:
     from pdserve.telemetry import configure_logging
 
     configure_logging("INFO", service="pdserve-chaos")
-    config = from_flags(ChaosConfig, args, {"interval_s": "interval"})
+    config = chaos_config(args)
     try:
         report = _run(config, args)
     except (RuntimeError, OSError) as e:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pdserve import cli
+from pdserve.chaos.command import chaos_config
 from pdserve.chaos.faults import Fault
 from pdserve.chaos.load import Outcome
 from pdserve.chaos.report import clean, summarize
@@ -35,3 +37,11 @@ def test_each_request_is_completed_failed_or_lost_and_completed_ones_are_checked
     assert not clean(report)
     assert clean(summarize(outcomes[:1], reference, faults[:1], {"decode-2": 0}, in_flight=0))
     assert not clean(summarize(outcomes[:1], reference, faults[:1], {"decode-2": 0}, in_flight=1))
+
+
+def test_the_flags_set_the_run() -> None:
+    argv = ["chaos", "--kills", "5", "--interval", "2", "--stops", "0", "--stop-s", "9", "--rate", "1.5", "--seed", "7"]
+    config = chaos_config(cli._parser().parse_args(argv))
+    got = (config.kills, config.interval_s, config.stops, config.stop_s, config.rate, config.seed)
+    assert got == (5, 2, 0, 9, 1.5, 7)
+    assert (config.input_len, config.output_len) == (ChaosConfig.input_len, ChaosConfig.output_len)
