@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -52,18 +52,27 @@ class Handoff:
     # Frees waiting for a receive to end; a strong reference each until done (the loop keeps only weak ones).
     _freeing: set[asyncio.Future[None]] = field(default_factory=set, init=False)
 
-    async def stream(self, request: HandoffRequest, time_remaining: TimeRemaining) -> AsyncIterator[RequestOutput]:
-        """The request's outputs; the last one counts the prompt tokens the prefill worker's cache served."""
+    async def stream(
+        self, request: HandoffRequest, time_remaining: TimeRemaining, on_dispatched: Callable[[], Awaitable[None]]
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; the last one counts the prompt tokens the prefill worker's cache served.
+        `on_dispatched` runs once the prefill worker has been called (what is slow from then on is its side)."""
         blocks = await self.engine.reserve(request.request_id, request.prompt, request.sampling)
         if blocks is None:
             raise OverloadedError(
                 f"decode worker {self.worker_id} has no free KV blocks for {len(request.prompt)} tokens"
             )
-        first = await self._fill(request, blocks, time_remaining)  # frees `blocks` if it fails
+        first = await self._fill(request, blocks, time_remaining, on_dispatched)  # frees `blocks` if it fails
         async for out in self._decode(request, first):
             yield replace(out, num_cached_tokens=first.cached_prompt_tokens)
 
-    async def _fill(self, request: HandoffRequest, blocks: list[int], time_remaining: TimeRemaining) -> FirstToken:
+    async def _fill(
+        self,
+        request: HandoffRequest,
+        blocks: list[int],
+        time_remaining: TimeRemaining,
+        on_dispatched: Callable[[], Awaitable[None]],
+    ) -> FirstToken:
         """Has the prefill worker fill `blocks`; returns its first token once the KV is in place. Fails as soon
         as the transfer or the prefill worker fails, or the caller leaves, and then frees `blocks`."""
         peer, tag = request.prefill_address, secrets.randbits(63)  # unguessable: names no other request
@@ -74,6 +83,7 @@ class Handoff:
             rendezvous = await asyncio.to_thread(self.receiver.rendezvous, peer)
             target = KVTarget(self.worker_id, rendezvous, blocks, tag, self.engine.fingerprint, self.engine.block_size)
             call = self.prefill.prefill(peer, request, target, timeout_s, time_remaining())
+            await on_dispatched()
             first = await call.first_token()  # bounded by the caller's deadline, or its cancel
             if not first.kv_follows:
                 await call.sent()

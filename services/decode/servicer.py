@@ -14,6 +14,7 @@ from pdserve.errors import PermissionDeniedError, UnavailableError
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.roles import Role
 from pdserve.rpc.convert import output_to_pb, sampling_from_pb
+from pdserve.rpc.metadata import HANDOFF_STARTED_KEY
 from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.telemetry import Telemetry, request_id_var
 from pdserve.v1 import generate_pb2 as pb
@@ -64,7 +65,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 request.client_request_id,
                 request.cache_salt,
             )
-            outputs = self.handoff.stream(handoff, context.time_remaining)
+
+            async def dispatched() -> None:
+                await context.send_initial_metadata(((HANDOFF_STARTED_KEY, "1"),))
+
+            outputs = self.handoff.stream(handoff, context.time_remaining, dispatched)
         async with contextlib.aclosing(outputs) as stream:  # type: ignore[type-var]
             async for out in stream:
                 yield _to_pb(out)

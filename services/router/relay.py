@@ -14,6 +14,7 @@ from pdserve.errors import UnavailableError
 from pdserve.metrics import RecentLatencies, RouterMetrics
 from pdserve.rpc.convert import sampling_to_pb
 from pdserve.rpc.errors import error_from_rpc
+from pdserve.rpc.metadata import HANDOFF_STARTED_KEY
 from pdserve.rpc.server import internal_channel
 from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.telemetry import Telemetry
@@ -21,6 +22,7 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
 from services.router.calibration import TTFTCalibration
+from services.router.placement import Placement
 from services.router.stall import read_within
 from services.router.ticket import Ticket
 
@@ -91,16 +93,28 @@ class Relay:
         bound = self.first_token_s - (time.perf_counter() - ticket.started_at)
         if time_remaining is not None and time_remaining <= bound:
             return await call.read()
+        handed_off = asyncio.ensure_future(_handoff_started(call))
         try:
             return await asyncio.wait_for(call.read(), max(bound, 0.0))
         except TimeoutError:
             call.cancel()
-            p = ticket.placement
-            via = f" via prefill worker {p.prefill.worker_id} at {p.prefill.address}" if p.prefill else ""
-            raise UnavailableError(
-                f"no first token within the router's bound of {self.first_token_s:g} s from decode worker "
-                f"{p.decode.worker_id} at {p.decode.address}{via}; the request was cancelled there"
-            ) from None
+            raise UnavailableError(self._no_first_token(ticket.placement, handed_off)) from None
+        finally:
+            handed_off.cancel()
+
+    def _no_first_token(self, p: Placement, handed_off: asyncio.Future[bool]) -> str:
+        """Names the prefill worker's address (which blames it, services/router/retry.py) only when the decode
+        worker said it had called it: a decode worker silent from the start is the stuck one."""
+        bound = f"no first token within the router's bound of {self.first_token_s:g} s"
+        decode = f"decode worker {p.decode.worker_id} at {p.decode.address}"
+        if p.prefill is None:
+            return f"{bound} from {decode}; the request was cancelled there"
+        if handed_off.done() and not handed_off.cancelled() and handed_off.result():
+            return (
+                f"{bound}: {decode} was waiting on prefill worker {p.prefill.worker_id} at {p.prefill.address}; "
+                "the request was cancelled there"
+            )
+        return f"{bound}: {decode} never handed the prompt to prefill worker {p.prefill.worker_id}; it was cancelled"
 
     def _relayed(self, msg: pb.GenerateResponse, ticket: Ticket, clock: Clock) -> pb.GenerateResponse:
         now = time.perf_counter()
@@ -146,3 +160,11 @@ class Relay:
             ch = internal_channel(address, self.telemetry.client_interceptors())
             self._stubs[address] = worker_pb2_grpc.DecodeWorkerStub(ch)
         return self._stubs[address]
+
+
+async def _handoff_started(call: grpc.aio.UnaryStreamCall) -> bool:
+    """Whether the decode worker's initial metadata says it called its prefill worker."""
+    try:
+        return any(key == HANDOFF_STARTED_KEY for key, _ in (await call.initial_metadata() or ()))
+    except grpc.aio.AioRpcError:
+        return False

@@ -1,5 +1,6 @@
 """A stuck prefill worker and a client with no deadline: the router's first-token bound fails the request
-with UNAVAILABLE, and once the worker runs again every KV block is free on both sides."""
+with UNAVAILABLE, and once the worker runs again every KV block is free on both sides. A stuck decode worker
+is the one the bound blames (the retry ejects it, not the healthy prefill worker)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,22 @@ def test_stuck_prefill_worker_fails_the_request_within_the_bound_and_frees_every
         time.sleep(1.0)
     assert zero_in_a_row == 2, used
     assert len(asyncio.run(first_token(cluster.address, request))) == 8  # and it serves again
+
+
+def test_a_stuck_decode_worker_is_the_one_blamed(cluster):
+    request = pb.GenerateRequest(prompt_token_ids=[5, 6] * 20, sampling=pb.SamplingParams(max_tokens=8))
+    workers = {w["role"]: w for w in status_json(cluster.address)["workers"]}
+    pid = listening_pid(cluster.proc.pid, int(workers["decode"]["address"].rsplit(":", 1)[1]))
+    seen = len(cluster.log())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(first_token(cluster.address, request))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+    log = cluster.log()[seen:]  # the client gets the last attempt's status; the router logs each one's blame
+    assert "never handed the prompt to prefill worker" in log
+    assert f"placed again after worker {workers['decode']['id']} failed it" in log
+    assert f"after worker {workers['prefill']['id']} failed it" not in log
+    assert len(asyncio.run(first_token(cluster.address, request))) == 8
