@@ -111,7 +111,7 @@ class RouterConfig:
         if self.policy not in ("slo", "round-robin"):
             raise ValueError(f"policy must be 'slo' or 'round-robin', got {self.policy!r}")
         for name in ("registry_max_view_age_s", "prefix_match_budget_s", "quota_budget_s"):
-            if not getattr(self, name) > 0:  # zero would route to nobody, or never use the prefix index
+            if not getattr(self, name) > 0:  # zero would route to nobody, or never use the prefix index or quotas
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must not be negative, got {self.migration_limit}")
