@@ -47,7 +47,7 @@ async def generate(
             raise ModelNotFoundError(
                 f"model {model[:128]!r} is not served here; this router serves {lifecycle.served_model!r}"
             )
-        with lifecycle.quotas.session(caller.tenant) as quota:
+        async with lifecycle.quotas.session(caller.tenant) as quota:
             ticket = await lifecycle.admit(request, start, quota)
             with ticket:
                 await on_admitted(ticket)

@@ -28,7 +28,7 @@ from pdserve.metrics import RecentLatencies, RouterMetrics
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.registry.base import PrefixIndex, WorkerState
 from pdserve.security.api_keys import KeyTable, Metadata, Tenant, authenticate
-from pdserve.security.quotas import Quotas, QuotaSession
+from pdserve.security.quotas import LocalQuotas, Quotas, QuotaSession
 from pdserve.telemetry import Telemetry, request_id_var
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import Admission, SLOTarget
@@ -65,11 +65,12 @@ class RequestLifecycle:
         telemetry: Telemetry,
         served_model: str = "",
         keys: KeyTable | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
         self.telemetry = telemetry
         self.served_model = served_model  # the name clients use for the model (the HTTP API's `model`)
         self.keys = keys  # None: an open cluster
-        self.quotas = Quotas()
+        self.quotas = quotas or LocalQuotas()  # shared by the routers of a Redis registry, else this router's
         self.metrics = RouterMetrics(telemetry.meter)
         self.recent = RecentLatencies()
         self.tokenizer = tokenizer
@@ -115,7 +116,7 @@ class RequestLifecycle:
             )
             span.set_attribute("prompt_tokens", len(req.prompt_token_ids))
             try:
-                quota.charge_tokens(len(req.prompt_token_ids) + req.sampling.max_tokens)
+                await quota.charge_tokens(len(req.prompt_token_ids) + req.sampling.max_tokens)
                 placement = await self._place_and_check(req)
             except (OverloadedError, InvalidRequestError) as e:
                 span.set_attribute("rejected", str(e))

@@ -9,9 +9,12 @@ from pdserve.config import RouterConfig
 from pdserve.engine.model_files import locate_model, read_model_config, tokenizer_folder
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.registry.base import PrefixIndex, Registry
+from pdserve.registry.redis import RedisRegistry
 from pdserve.rpc.credentials import server_tls
 from pdserve.rpc.server import Server
 from pdserve.security.api_keys import KeyTable
+from pdserve.security.quotas import LocalQuotas, Quotas
+from pdserve.security.redis_quotas import RedisQuotas
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
 from services.router.admin import AdminServicer
@@ -27,11 +30,13 @@ log = logging.getLogger(__name__)
 
 
 class RouterServer:
-    """The router's listeners, drained and stopped together: the launcher sees one server."""
+    """The router's listeners, drained and stopped together (then its quotas' background work): the launcher
+    sees one server."""
 
-    def __init__(self, grpc_server: Server, http: HttpServer | None) -> None:
+    def __init__(self, grpc_server: Server, http: HttpServer | None, quotas: Quotas) -> None:
         self.grpc = grpc_server
         self.http = http
+        self.quotas = quotas
         self.address = grpc_server.address
         self.port = grpc_server.port
 
@@ -43,6 +48,7 @@ class RouterServer:
         if self.http is not None:
             await self.http.stop()
         await self.grpc.stop(grace_s)
+        await self.quotas.close()
 
     async def wait(self) -> None:
         await self.grpc.wait()
@@ -69,7 +75,10 @@ async def start_router(
     policy_cls = SLOAwarePlacement if config.policy == "slo" else RoundRobinPlacement
     policy = policy_cls(registry, prefix_index, Predictor(config, tracker))
     keys = _key_table(config, host, port)
-    lifecycle = RequestLifecycle(tokenizer, model_config, config, policy, prefix_index, tracker, telemetry, model, keys)
+    quotas = _quotas(registry, config)
+    lifecycle = RequestLifecycle(
+        tokenizer, model_config, config, policy, prefix_index, tracker, telemetry, model, keys, quotas
+    )
     servicer = GenerationServicer(lifecycle)
     tls = server_tls(config.tls_cert, config.tls_key, config.tls_client_ca)
     interceptors = telemetry.server_interceptors()
@@ -88,7 +97,14 @@ async def start_router(
     if http is not None:
         await http.start()
     await server.set_serving(True)
-    return RouterServer(server, http), lifecycle
+    return RouterServer(server, http, quotas), lifecycle
+
+
+def _quotas(registry: Registry, config: RouterConfig) -> Quotas:
+    """The routers that share a Redis registry share their API keys' limits there; a lone router keeps its own."""
+    if isinstance(registry, RedisRegistry):
+        return RedisQuotas(registry.url, budget_s=config.quota_budget_s)
+    return LocalQuotas()
 
 
 def _key_table(config: RouterConfig, host: str, port: int) -> KeyTable | None:

@@ -91,6 +91,7 @@ class RouterConfig:
     heartbeat_s: float = 0.5
     registry_max_view_age_s: float = 15.0  # Redis unreachable this long: drop the workers it cannot confirm
     prefix_match_budget_s: float = 0.03  # a prefix index slower than this: place as if no prefix were cached
+    quota_budget_s: float = 0.05  # shared API-key quotas slower than this: this router's own limits answer
     request_limits: RequestLimits = RequestLimits()  # [router.request_limits] in a TOML file
     first_token_timeout_s: float = 60.0  # no first token by then (and no shorter client deadline): UNAVAILABLE
     stall_timeout_s: float = 5.0  # no message this long after the first: the stream is broken, and migrated
@@ -109,8 +110,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in ("slo", "round-robin"):
             raise ValueError(f"policy must be 'slo' or 'round-robin', got {self.policy!r}")
-        for name in ("registry_max_view_age_s", "prefix_match_budget_s"):
-            if not getattr(self, name) > 0:  # zero would route to nobody, or never use the prefix index
+        for name in ("registry_max_view_age_s", "prefix_match_budget_s", "quota_budget_s"):
+            if not getattr(self, name) > 0:  # zero would route to nobody, or never use the prefix index or quotas
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must not be negative, got {self.migration_limit}")

@@ -54,8 +54,9 @@ def connect_async(url: str, timeout_s: float = TIMEOUT_S) -> aredis.Redis:
 class Throttled:
     """A warning a lasting failure would repeat on every request: logged at most once per interval."""
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, logger: logging.Logger = log) -> None:
         self.interval_s = interval_s
+        self.log = logger
         self._next = 0.0
         self._suppressed = 0
 
@@ -66,7 +67,7 @@ class Throttled:
             return
         if self._suppressed:
             msg, args = msg + " (and %d more since the last report)", (*args, self._suppressed)
-        log.warning(msg, *args)
+        self.log.warning(msg, *args)
         self._next, self._suppressed = now + self.interval_s, 0
 
 

@@ -2,13 +2,16 @@
 concurrent streams. Over a limit is RESOURCE_EXHAUSTED with a retry hint, because waiting fixes it; a request
 larger than its key's whole minute of tokens is INVALID_ARGUMENT, because no wait does.
 
-All in-memory and per router: with several routers each enforces the limits on what it serves.
+One interface, two stores: `LocalQuotas` keeps the limits in this router's memory (the embedded one-router
+cluster, and the fallback of the other), `RedisQuotas` (redis_quotas.py) shares them between every router of a
+cluster. A `QuotaSession` runs the same steps on either, so the errors are the same whichever store answered.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -17,6 +20,96 @@ from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.security.api_keys import Tenant
 
 CONCURRENCY_RETRY_MS = 1000  # when a stream ends is unknown; a second is a short wait for a typical one
+Release = Callable[[], None]  # gives back what a store took; never waits (a shared store's runs in the background)
+
+
+def _nothing() -> None:
+    return None
+
+
+class Quotas(ABC):
+    """Where the limits are counted. Each call takes what the request needs and returns how to give it back, or
+    raises OverloadedError (nothing taken)."""
+
+    def session(self, tenant: Tenant) -> QuotaSession:
+        return QuotaSession(self, tenant)
+
+    @abstractmethod
+    async def open_stream(self, tenant: Tenant) -> Release:
+        """One concurrent stream and one request of `tenant`'s key."""
+
+    @abstractmethod
+    async def take_tokens(self, tenant: Tenant, tokens: int) -> Release:
+        """`tokens` of the key's tokens_per_minute (a size the key's whole minute holds)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stops what the store runs in the background."""
+
+
+class QuotaSession:
+    """One request's hold on its key's limits, from arrival to the end of its stream (an async context manager:
+    entering takes the stream and the request, or raises OverloadedError)."""
+
+    def __init__(self, quotas: Quotas, tenant: Tenant) -> None:
+        self.tenant = tenant
+        self._quotas = quotas
+        self._stream: Release = _nothing
+        self._tokens: Release = _nothing
+        self._admitted = False
+
+    async def __aenter__(self) -> QuotaSession:
+        self._stream = await self._quotas.open_stream(self.tenant)
+        return self
+
+    async def charge_tokens(self, tokens: int) -> None:
+        """Prompt + max_tokens of the request against the key's tokens_per_minute."""
+        tpm = self.tenant.tokens_per_minute
+        if not tpm:
+            return
+        if tokens > tpm:
+            raise InvalidRequestError(
+                "sampling.max_tokens",
+                f"the prompt plus max_tokens is {tokens} tokens, more than this API key's tokens_per_minute "
+                f"({tpm:g}) allows in one request",
+            )
+        self._tokens = await self._quotas.take_tokens(self.tenant, tokens)
+
+    def admitted(self) -> None:
+        """Called once the request is admitted: its tokens stay spent however the stream ends."""
+        self._admitted = True
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """The stream slot goes back; tokens charged to a request that was never admitted go back too."""
+        self._stream()
+        if exc is not None and not self._admitted:
+            self._tokens()
+
+
+def too_many_streams(tenant: Tenant, open_streams: int) -> OverloadedError:
+    return OverloadedError(
+        f"API key {tenant.key_name!r} has {open_streams} streams open (max_concurrent {tenant.max_concurrent})",
+        CONCURRENCY_RETRY_MS,
+    )
+
+
+def over_request_rate(tenant: Tenant, wait_s: float) -> OverloadedError:
+    return OverloadedError(
+        f"API key {tenant.key_name!r} is over its requests_per_second ({tenant.requests_per_second:g})", _ms(wait_s)
+    )
+
+
+def over_token_rate(tenant: Tenant, wait_s: float) -> OverloadedError:
+    return OverloadedError(
+        f"API key {tenant.key_name!r} is over its tokens_per_minute ({tenant.tokens_per_minute:g})", _ms(wait_s)
+    )
+
+
+def request_bucket_size(tenant: Tenant) -> float:
+    """A key may send a burst of one second's requests (at least one) at once."""
+    return max(1.0, tenant.requests_per_second)
 
 
 @dataclass
@@ -49,74 +142,56 @@ class TokenBucket:
 class _KeyState:
     def __init__(self, tenant: Tenant, clock: Callable[[], float]) -> None:
         rps, tpm = tenant.requests_per_second, tenant.tokens_per_minute
-        self.requests = TokenBucket(rps, max(1.0, rps), clock=clock) if rps > 0 else None
+        self.requests = TokenBucket(rps, request_bucket_size(tenant), clock=clock) if rps > 0 else None
         self.tokens = TokenBucket(tpm / 60, tpm, clock=clock) if tpm > 0 else None
         self.streams = 0
 
+    def close_stream(self) -> None:
+        self.streams -= 1
 
-class Quotas:
+
+class LocalQuotas(Quotas):
+    """In this router's memory: with several routers, each enforces the limits on what it serves."""
+
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._states: dict[Tenant, _KeyState] = {}
 
-    def session(self, tenant: Tenant) -> QuotaSession:
-        """Takes one request and one concurrent stream of `tenant`'s key now, or raises OverloadedError."""
+    def _state(self, tenant: Tenant) -> _KeyState:
         state = self._states.get(tenant)
         if state is None:
             state = self._states[tenant] = _KeyState(tenant, self._clock)
-        return QuotaSession(tenant, state)
+        return state
 
+    async def open_stream(self, tenant: Tenant) -> Release:
+        return self.open_stream_now(tenant)
 
-class QuotaSession:
-    """One request's hold on its key's limits, from arrival to the end of its stream (a context manager)."""
+    async def take_tokens(self, tenant: Tenant, tokens: int) -> Release:
+        return self.take_tokens_now(tenant, tokens)
 
-    def __init__(self, tenant: Tenant, state: _KeyState) -> None:
-        self.tenant, self._state, self._tokens, self._admitted = tenant, state, 0, False
+    async def close(self) -> None:
+        """Nothing runs in the background."""
+
+    def open_stream_now(self, tenant: Tenant) -> Release:
+        """As `open_stream`, without a wait: what a shared store falls back on."""
+        state = self._state(tenant)
         if tenant.max_concurrent and state.streams >= tenant.max_concurrent:
-            raise OverloadedError(
-                f"API key {tenant.key_name!r} has {state.streams} streams open (max_concurrent "
-                f"{tenant.max_concurrent})",
-                CONCURRENCY_RETRY_MS,
-            )
+            raise too_many_streams(tenant, state.streams)
         wait_s = state.requests.take(1) if state.requests else 0.0
         if wait_s:
-            raise OverloadedError(
-                f"API key {tenant.key_name!r} is over its requests_per_second ({tenant.requests_per_second:g})",
-                _ms(wait_s),
-            )
+            raise over_request_rate(tenant, wait_s)
         state.streams += 1
+        return state.close_stream
 
-    def charge_tokens(self, tokens: int) -> None:
-        """Prompt + max_tokens of the request against the key's tokens_per_minute."""
-        bucket = self._state.tokens
+    def take_tokens_now(self, tenant: Tenant, tokens: int) -> Release:
+        """As `take_tokens`, without a wait."""
+        bucket = self._state(tenant).tokens
         if bucket is None:
-            return
-        if tokens > bucket.capacity:
-            raise InvalidRequestError(
-                "sampling.max_tokens",
-                f"the prompt plus max_tokens is {tokens} tokens, more than this API key's tokens_per_minute "
-                f"({self.tenant.tokens_per_minute:g}) allows in one request",
-            )
+            return _nothing
         wait_s = bucket.take(tokens)
         if wait_s:
-            raise OverloadedError(
-                f"API key {self.tenant.key_name!r} is over its tokens_per_minute ({self.tenant.tokens_per_minute:g})",
-                _ms(wait_s),
-            )
-        self._tokens = tokens
-
-    def __enter__(self) -> QuotaSession:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        """The stream slot goes back; tokens charged to a request that was never admitted go back too."""
-        self._state.streams -= 1
-        if self._state.tokens and exc is not None and not self._admitted:
-            self._state.tokens.give_back(self._tokens)
-
-    def admitted(self) -> None:
-        """Called once the request is admitted: its tokens stay spent however the stream ends."""
-        self._admitted = True
+            raise over_token_rate(tenant, wait_s)
+        return lambda: bucket.give_back(tokens)
 
 
 def _ms(seconds: float) -> int:

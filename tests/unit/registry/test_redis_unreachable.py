@@ -81,7 +81,7 @@ def test_throttled_warnings_say_how_many_were_held_back(caplog):
     assert [r.getMessage() for r in caplog.records] == ["lost x", "lost y (and 4 more since the last report)"]
 
 
-@pytest.mark.parametrize("name", ["registry_max_view_age_s", "prefix_match_budget_s"])
+@pytest.mark.parametrize("name", ["registry_max_view_age_s", "prefix_match_budget_s", "quota_budget_s"])
 def test_router_config_refuses_a_registry_limit_that_is_not_positive(name):
     for bad in (0.0, -1.0, math.nan):
         with pytest.raises(ValueError, match=name):

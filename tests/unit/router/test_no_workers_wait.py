@@ -23,7 +23,7 @@ REQUEST = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=pb.Sampling
 
 
 async def admit(lc: RequestLifecycle, start: float) -> Ticket:
-    with lc.quotas.session(OPEN) as quota:
+    async with lc.quotas.session(OPEN) as quota:
         return await lc.admit(REQUEST, start, quota)
 
 

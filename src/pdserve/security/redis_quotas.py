@@ -1,0 +1,297 @@
+"""Per-key limits shared by every router of a cluster, in the registry's Redis: a key's limits hold for the
+cluster, not once per router.
+
+Each rate is a token bucket in a hash, `pdserve:quota:<key name>:requests` or `...:tokens`, updated by a Lua
+script that reads Redis's own `TIME`, so the routers' clocks never matter; a bucket's TTL is the time it takes to
+refill, after which a missing key reads as a full bucket, so idle keys vanish. Concurrent streams are leases in
+a sorted set, `pdserve:quota:<key name>:streams` (member: the lease id, score: its expiry in Redis's
+milliseconds): expired leases are dropped before counting, each router renews the leases of its open streams in
+one script call per `lease_s / 3`, and a stream's lease is removed when it ends. A router that dies stops
+renewing, so its leases expire within `lease_s` and free their slots.
+
+No request waits on Redis longer than `budget_s`: a call that fails or takes longer is answered by this
+router's own `LocalQuotas` instead (the per-router limits) until a background ping every `retry_s` has an
+answer; the outage is logged once and its end too. A lease whose release is lost in an outage expires on its
+own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import redis.asyncio as aredis
+
+from pdserve.registry.redis import PREFIX, Throttled, connect_async
+from pdserve.security.api_keys import Tenant
+from pdserve.security.quotas import (
+    LocalQuotas,
+    Quotas,
+    Release,
+    over_request_rate,
+    over_token_rate,
+    request_bucket_size,
+    too_many_streams,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Arg = str | int | float  # a script argument
+
+# Lua: Redis's clock in milliseconds, and a token bucket (rate per ms) that refills before each use. Numbers go
+# back as strings: Redis would truncate a Lua number to an integer.
+_BUCKET = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+end
+local function refilled(key, rate, capacity, now)
+  local state = redis.call('HMGET', key, 'level', 'at')
+  local level, at = tonumber(state[1]), tonumber(state[2])
+  if level == nil or at == nil then return capacity end
+  return math.min(capacity, level + math.max(0, now - at) * rate)
+end
+local function store(key, level, now, ttl_ms)
+  redis.call('HSET', key, 'level', string.format('%.17g', level), 'at', string.format('%.17g', now))
+  redis.call('PEXPIRE', key, ttl_ms)
+end
+-- 0 when `cost` was taken, else the ms until it would be there (nothing taken)
+local function take(key, rate, capacity, cost, ttl_ms, now)
+  local level = refilled(key, rate, capacity, now)
+  if level < cost then return (cost - level) / rate end
+  store(key, level - cost, now, ttl_ms)
+  return 0
+end
+"""
+
+# KEYS: streams, requests. ARGV: max_concurrent, lease_ms, lease, rate, capacity, ttl_ms.
+# {'ok'}, {'streams', open count} or {'requests', wait ms}. The lease is added only when the request is taken.
+_OPEN_STREAM = (
+    _BUCKET
+    + """
+local now = now_ms()
+local max_streams, lease_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
+if max_streams > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+  local open = redis.call('ZCARD', KEYS[1])
+  if open >= max_streams then return {'streams', tostring(open)} end
+end
+local rate = tonumber(ARGV[4])
+if rate > 0 then
+  local wait = take(KEYS[2], rate, tonumber(ARGV[5]), 1, tonumber(ARGV[6]), now)
+  if wait > 0 then return {'requests', string.format('%.17g', wait)} end
+end
+if max_streams > 0 then
+  redis.call('ZADD', KEYS[1], now + lease_ms, ARGV[3])
+  redis.call('PEXPIRE', KEYS[1], lease_ms)
+end
+return {'ok', ''}
+"""
+)
+
+# KEYS: tokens. ARGV: rate, capacity, cost, ttl_ms. The wait in ms, '0' when taken.
+_TAKE_TOKENS = (
+    _BUCKET
+    + """
+local wait = take(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), now_ms())
+return string.format('%.17g', wait)
+"""
+)
+
+# KEYS: tokens. ARGV: rate, capacity, cost, ttl_ms. A missing bucket is full already.
+_GIVE_BACK = (
+    _BUCKET
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local rate, capacity, now = tonumber(ARGV[1]), tonumber(ARGV[2]), now_ms()
+  store(KEYS[1], math.min(capacity, refilled(KEYS[1], rate, capacity, now) + tonumber(ARGV[3])), now, ARGV[4])
+end
+return 0
+"""
+)
+
+# KEYS: streams sets (one per lease). ARGV: lease_ms, then the leases. Only leases still there are renewed
+# (XX): one dropped as expired may have had its slot taken by another stream since.
+_RENEW = (
+    _BUCKET
+    + """
+local lease_ms = tonumber(ARGV[1])
+local expiry = now_ms() + lease_ms
+for i, key in ipairs(KEYS) do
+  redis.call('ZADD', key, 'XX', expiry, ARGV[i + 1])
+  redis.call('PEXPIRE', key, lease_ms)
+end
+return 0
+"""
+)
+
+
+def quota_key(tenant: Tenant, what: str) -> str:
+    return f"{PREFIX}:quota:{tenant.key_name}:{what}"
+
+
+def _per_ms(rate_per_s: float) -> float:
+    return rate_per_s / 1000
+
+
+def _refill_ms(rate_per_s: float, capacity: float) -> int:
+    """A bucket's TTL: once it could have refilled, a missing key means the same."""
+    return math.ceil(1000 * capacity / rate_per_s) + 1000
+
+
+class RedisQuotas(Quotas):
+    """Used on the router's event loop only (its Redis connections belong to the loop that first uses them)."""
+
+    def __init__(
+        self,
+        url: str,
+        budget_s: float = 0.05,
+        lease_s: float = 10.0,
+        retry_s: float = 1.0,
+        write_timeout_s: float = 1.0,
+        log_every_s: float = 30.0,
+    ) -> None:
+        self.url = url
+        self.budget_s = budget_s
+        self.lease_s = lease_s
+        self._lease_ms = math.ceil(lease_s * 1000)
+        self.retry_s = retry_s
+        self.write_timeout_s = write_timeout_s  # releases and renewals, in the background
+        self.local = LocalQuotas()  # what answers while Redis does not
+        self._redis: aredis.Redis = connect_async(url, write_timeout_s)  # connects on first use
+        self._open = self._redis.register_script(_OPEN_STREAM)
+        self._take = self._redis.register_script(_TAKE_TOKENS)
+        self._give_back = self._redis.register_script(_GIVE_BACK)
+        self._renew = self._redis.register_script(_RENEW)
+        self._leases: dict[str, str] = {}  # this router's open streams held in Redis: lease -> its streams key
+        self._renewer: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None  # while Redis is down: waits for it to answer
+        self._writes: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self._down_since: float | None = None
+        self._outage = Throttled(log_every_s, log)
+        self._write_failed = Throttled(log_every_s, log)
+
+    async def open_stream(self, tenant: Tenant) -> Release:
+        rps, max_streams = tenant.requests_per_second, tenant.max_concurrent
+        if not rps and not max_streams:
+            return self.local.open_stream_now(tenant)  # nothing to share: nothing to ask Redis
+        lease, streams = uuid.uuid4().hex, quota_key(tenant, "streams")
+        capacity = request_bucket_size(tenant)
+        keys = [streams, quota_key(tenant, "requests")]
+        args: list[Arg] = [max_streams, self._lease_ms, lease, _per_ms(rps), capacity, _refill_ms(rps or 1, capacity)]
+        answer = await self._ask(lambda: self._open(keys=keys, args=args))
+        if answer is None:
+            return self.local.open_stream_now(tenant)
+        verdict, value = (v.decode() for v in answer)
+        if verdict == "streams":
+            raise too_many_streams(tenant, int(value))
+        if verdict == "requests":
+            raise over_request_rate(tenant, float(value) / 1000)
+        if not max_streams:
+            return lambda: None
+        self._leases[lease] = streams
+        self._keep_renewing()
+        return lambda: self._close_stream(lease)
+
+    async def take_tokens(self, tenant: Tenant, tokens: int) -> Release:
+        tpm = tenant.tokens_per_minute
+        bucket = [quota_key(tenant, "tokens")]
+        args: list[Arg] = [_per_ms(tpm / 60), tpm, tokens, _refill_ms(tpm / 60, tpm)]
+        answer = await self._ask(lambda: self._take(keys=bucket, args=args))
+        if answer is None:
+            return self.local.take_tokens_now(tenant, tokens)
+        wait_ms = float(answer)
+        if wait_ms:
+            raise over_token_rate(tenant, wait_ms / 1000)
+        return lambda: self._in_background(lambda: self._give_back(keys=bucket, args=args), "tokens given back")
+
+    async def _ask(self, call: Callable[[], Awaitable[T]]) -> T | None:
+        """Redis's answer within the budget, or None: the caller falls back to the local limits. After a miss no
+        request asks again until a background ping has had an answer (which also leaves a connection made, so a
+        connection slower to make than the budget, TLS to a far Redis, does not keep failing requests)."""
+        if self._down_since is not None:
+            return None
+        try:
+            return await asyncio.wait_for(call(), self.budget_s)
+        except Exception as e:  # unreachable, slow, or refusing (a wrong-typed key): the same for a request
+            self._down_since = time.monotonic()
+            self._outage.warning(
+                "quota redis gave no answer within %.0f ms (%r): enforcing API-key limits per router until it "
+                "answers again",
+                1e3 * self.budget_s,
+                e,
+            )
+            self._probe = asyncio.get_running_loop().create_task(self._wait_for_redis(), name="quota-redis-probe")
+            return None
+
+    async def _wait_for_redis(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.retry_s)
+            try:
+                await asyncio.wait_for(self._redis.ping(), self.write_timeout_s)
+            except Exception:
+                continue
+            assert self._down_since is not None
+            log.warning(
+                "quota redis answers again after %.1f s: API-key limits are cluster-wide again",
+                time.monotonic() - self._down_since,
+            )
+            self._down_since = None
+            return
+
+    def _close_stream(self, lease: str) -> None:
+        streams = self._leases.pop(lease)
+        self._in_background(lambda: self._redis.zrem(streams, lease), "stream lease not removed")
+
+    def _in_background(self, call: Callable[[], Awaitable[object]], what: str) -> None:
+        """A write no request waits for; lost, it costs a lease's expiry or a refill's wait, never a request."""
+
+        async def write() -> None:
+            try:
+                await asyncio.wait_for(call(), self.write_timeout_s)
+            except Exception as e:
+                self._write_failed.warning("quota redis: %s failed: %r", what, e)
+
+        task = asyncio.get_running_loop().create_task(write())
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    def _keep_renewing(self) -> None:
+        if self._renewer is None and not self._closing:
+            self._renewer = asyncio.get_running_loop().create_task(self._renew_leases(), name="quota-lease-renewal")
+
+    async def _renew_leases(self) -> None:
+        # Not `while True`: on Python 3.11 a wait_for whose read completes as the task is cancelled swallows the
+        # cancel (as the registry's view task).
+        while not self._closing:
+            await asyncio.sleep(self.lease_s / 3)
+            if not self._leases or self._down_since is not None:
+                continue
+            leases = dict(self._leases)
+            args: list[Arg] = [self._lease_ms, *leases]
+            keys = list(leases.values())
+            try:
+                await asyncio.wait_for(self._renew(keys=keys, args=args), self.write_timeout_s)
+            except Exception as e:  # the next interval tries again; until a lease expires nothing is lost
+                self._write_failed.warning("quota redis: %d stream leases not renewed: %r", len(leases), e)
+
+    async def flush(self) -> None:
+        """Waits for the background writes under way (each ends within `write_timeout_s`)."""
+        await asyncio.gather(*self._writes, return_exceptions=True)
+
+    async def close(self) -> None:
+        self._closing = True
+        for task in (self._renewer, self._probe):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self.flush()
+        await self._redis.aclose()

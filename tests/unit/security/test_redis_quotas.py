@@ -1,0 +1,189 @@
+"""API-key limits shared through a real redis-server: two RedisQuotas objects are two routers of one cluster.
+A burst split between them gets no more than the key's rate, tokens and streams are counted once for both, a
+dead router's lease frees its slot while a live one's is renewed, and without Redis each router falls back on
+its own limits within the budget, then returns to the shared ones."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from pdserve.errors import InvalidRequestError, OverloadedError
+from pdserve.security.api_keys import Tenant
+from pdserve.security.quotas import QuotaSession
+from pdserve.security.redis_quotas import RedisQuotas
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.timeout(60)
+BUDGET_S = 2.0  # generous on a loaded machine: these tests are about the shared counts, not the fallback
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    srv = RedisServer()
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+async def routers(server: RedisServer) -> AsyncIterator[tuple[RedisQuotas, RedisQuotas]]:
+    with server.client() as c:
+        c.flushall()
+    a, b = RedisQuotas(server.url, budget_s=BUDGET_S), RedisQuotas(server.url, budget_s=BUDGET_S)
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+async def admitted(quotas: RedisQuotas, tenant: Tenant) -> bool:
+    try:
+        async with quotas.session(tenant):
+            return True
+    except OverloadedError as e:  # over the rate: when the bucket refills; over the streams: a second
+        rps = tenant.requests_per_second
+        assert 0 < e.retry_after_ms <= (1000 / rps + 1 if rps else 1000)
+        return False
+
+
+async def test_a_burst_split_between_two_routers_gets_the_keys_rate_once(routers, server):
+    a, b = routers
+    tenant = Tenant("team-a", "burst", requests_per_second=4)
+    start = time.monotonic()
+    results = [await admitted((a, b)[i % 2], tenant) for i in range(24)]
+    elapsed = time.monotonic() - start
+    # A bucket of one second's requests plus what it refilled meanwhile; per router it would be twice that.
+    assert 4 <= sum(results) <= 4 + math.ceil(4 * elapsed), (results, elapsed)
+    assert any(results[0::2]) and any(results[1::2])  # both routers served from the one bucket
+    with server.client() as c:
+        ttl_ms = c.pttl("pdserve:quota:burst:requests")
+    assert 0 < ttl_ms <= 2000  # an idle key's bucket vanishes once it would be full again
+    assert a._down_since is None and b._down_since is None  # Redis answered every call
+
+
+async def test_tokens_per_minute_is_shared_and_a_refused_requests_tokens_come_back(routers):
+    a, b = routers
+    tenant = Tenant("team-a", "tokens", tokens_per_minute=600)
+    with pytest.raises(InvalidRequestError, match="^sampling.max_tokens"):
+        async with a.session(tenant) as s:
+            await s.charge_tokens(601)
+    async with a.session(tenant) as s:
+        await s.charge_tokens(500)
+        s.admitted()
+    with pytest.raises(OverloadedError, match="tokens_per_minute") as caught:
+        async with b.session(tenant) as s:
+            await s.charge_tokens(200)  # 100 left of 600: the other router spent the rest
+    assert 5_000 < caught.value.retry_after_ms <= 10_000  # ~100 tokens short at 10 a second
+    with pytest.raises(RuntimeError):
+        async with b.session(tenant) as s:
+            await s.charge_tokens(100)
+            raise RuntimeError("shed by admission")  # never admitted: its tokens go back
+    await b.flush()
+    async with a.session(tenant) as s:
+        await s.charge_tokens(100)  # there only because b gave its 100 back
+        s.admitted()
+    with pytest.raises(OverloadedError):
+        async with b.session(tenant) as s:
+            await s.charge_tokens(60)
+
+
+async def test_concurrent_streams_are_counted_across_routers(routers):
+    a, b = routers
+    tenant = Tenant("team-a", "streams", max_concurrent=2)
+    first, second = a.session(tenant), b.session(tenant)
+    await first.__aenter__()
+    await second.__aenter__()
+    with pytest.raises(OverloadedError, match="has 2 streams open") as caught:
+        async with a.session(tenant):
+            pass
+    assert caught.value.retry_after_ms == 1000
+    await first.__aexit__(None, None, None)
+    await a.flush()
+    async with b.session(tenant):  # the slot a's stream held
+        pass
+    await second.__aexit__(None, None, None)
+
+
+async def test_a_dead_routers_lease_expires_while_a_live_ones_is_renewed(server):
+    dead, live, other = (RedisQuotas(server.url, budget_s=BUDGET_S, lease_s=1.5) for _ in range(3))
+    gone, kept = Tenant("t", "dead-lease", max_concurrent=1), Tenant("t", "live-lease", max_concurrent=1)
+    held: list[QuotaSession] = [dead.session(gone), live.session(kept)]
+    try:
+        for s in held:
+            await s.__aenter__()
+        await dead.close()  # it stops without ending its stream: nothing renews or removes the lease
+        assert not await admitted(other, gone)
+        start = time.monotonic()
+        while not await admitted(other, gone):
+            assert time.monotonic() - start < 20, "the dead router's lease never expired"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.5)  # the live router's stream outlives its first lease: renewed, its slot stays taken
+        assert not await admitted(other, kept)
+    finally:
+        await held[1].__aexit__(None, None, None)
+        await live.close()
+        await other.close()
+
+
+@pytest.fixture
+def silent_url() -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)  # the kernel completes handshakes; nobody ever reads or writes
+        yield f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+
+
+async def test_an_unanswering_redis_leaves_each_router_its_own_limits_within_the_budget(silent_url, caplog):
+    quotas = RedisQuotas(silent_url, budget_s=0.05, retry_s=30)
+    tenant = Tenant("t", "k", requests_per_second=2, tokens_per_minute=600, max_concurrent=5)
+    outcomes, slowest = [], 0.0
+    with caplog.at_level(logging.WARNING, logger="pdserve.security.redis_quotas"):
+        for _ in range(4):
+            start = time.monotonic()
+            try:
+                async with quotas.session(tenant) as s:
+                    await s.charge_tokens(100)
+                    s.admitted()
+                outcomes.append("ok")
+            except OverloadedError as e:
+                outcomes.append(e.retry_after_ms)
+            slowest = max(slowest, time.monotonic() - start)
+        await quotas.close()
+    assert outcomes[:2] == ["ok", "ok"] and all(isinstance(o, int) and 0 < o <= 500 for o in outcomes[2:])
+    assert slowest < 1.0, f"a quota call took {slowest:.2f} s against a budget of 0.05 s"
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("enforcing API-key limits per router" in m for m in messages) == 1
+
+
+async def test_a_router_returns_to_the_shared_limits_when_redis_answers_again(caplog):
+    server = RedisServer()
+    server.start()
+    a = b = None
+    try:
+        a, b = (RedisQuotas(server.url, budget_s=BUDGET_S, retry_s=0.2) for _ in range(2))
+        tenant = Tenant("t", "k", max_concurrent=1)
+        server.stop()
+        with caplog.at_level(logging.WARNING, logger="pdserve.security.redis_quotas"):
+            async with a.session(tenant), b.session(tenant):  # each router's own count: one each
+                pass
+            server.start()
+            start = time.monotonic()
+            while a._down_since is not None or b._down_since is not None:  # their pings get an answer
+                assert time.monotonic() - start < 20, "a router never returned to the shared limits"
+                await asyncio.sleep(0.05)
+            async with a.session(tenant):
+                assert not await admitted(b, tenant)  # the one slot is shared again
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("enforcing API-key limits per router" in m for m in messages) == 2  # once per router
+        assert sum("cluster-wide again" in m for m in messages) == 2
+    finally:
+        for q in (a, b):
+            if q is not None:
+                await q.close()
+        server.stop()
