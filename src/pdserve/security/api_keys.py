@@ -73,6 +73,8 @@ class KeyTable:
             if "tenant" not in entry:
                 raise ValueError(f"{path}: keys[{i}] names no tenant")
             name = entry.pop("name", f"keys[{i}]")
+            if any(t.key_name == name for t in tenants.values()):  # quotas are kept by name, in Redis too
+                raise ValueError(f"{path}: keys[{i}] repeats the name {name!r}; each key needs its own")
             try:
                 tenants[digest] = Tenant(name=entry.pop("tenant"), key_name=name, **entry)
             except TypeError as e:

@@ -69,6 +69,11 @@ def test_caps_priority_and_admin(table: KeyTable) -> None:
         ('sha256 = "abc"\ntenant = "t"', "64 hex digits"),
         (f'sha256 = "{digest("k")}"', "names no tenant"),
         (f'sha256 = "{digest("k")}"\ntenant = "t"\nmax_prio = 1', "max_prio"),
+        (
+            f'name = "a"\nsha256 = "{digest("k")}"\ntenant = "t"\n'
+            f'[[keys]]\nname = "a"\nsha256 = "{digest("j")}"\ntenant = "u"',
+            "repeats the name 'a'",
+        ),
     ],
 )
 def test_a_malformed_file_fails_naming_the_entry(tmp_path: Path, entry: str, message: str) -> None:
