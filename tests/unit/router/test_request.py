@@ -238,6 +238,8 @@ def test_tokenizing_a_huge_prompt_leaves_the_loop_free(tiny):
         assert len(build.result().prompt_token_ids) == len(msg.prompt)  # the byte tokenizer: one id per byte
         return max(gaps), len(gaps)
 
-    longest_gap_s, ticks = asyncio.run(race())
+    # The best of three races: a CPU-starved moment can stall one, while inline tokenizing would stall all three.
+    races = [asyncio.run(race()) for _ in range(3)]
+    longest_gap_s, ticks = min(races)
     assert ticks > 10
     assert longest_gap_s < tokenize_s / 4, f"loop stalled {longest_gap_s * 1e3:.1f} ms of {tokenize_s * 1e3:.1f} ms"
