@@ -1,4 +1,4 @@
-"""`pdserve profile`, `pdserve plan` and `pdserve scale`: their flags and how each runs."""
+"""`pdserve profile`, `pdserve plan`, `pdserve scale` and `pdserve autoscale`: their flags and how each runs."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ def add_planner_commands(sub: argparse._SubParsersAction) -> None:
     _add_profile(sub)
     _add_plan(sub)
     _add_scale(sub)
+    _add_autoscale(sub)
 
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:
@@ -181,3 +182,46 @@ def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
     print(f"RayCluster {args.namespace}/{name} (ray.io/v1):", file=sys.stderr)
     print(json.dumps(patch, indent=1))
     return 0
+
+
+def _add_autoscale(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("autoscale", help="re-plan the split from a router's live load and scale it, with hysteresis")
+    p.add_argument("--addr", required=True, help="router HOST:PORT")
+    p.add_argument("--profile", type=Path, required=True, help="from pdserve profile")
+    p.add_argument("--slo-ttft-ms", type=float, required=True)
+    p.add_argument("--slo-tpot-ms", type=float, required=True)
+    p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both SLOs")
+    p.add_argument("--max-workers", type=int, required=True, help="never more workers than this in all")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between decisions")
+    p.add_argument("--window", type=float, default=60.0, help="seconds of admitted load each decision looks at")
+    p.add_argument("--consecutive", type=int, default=3, help="the same recommendation this many times before acting")
+    p.add_argument("--cooldown", type=float, default=120.0, help="seconds after a scale before the next one")
+    p.add_argument("--once", action="store_true", help="one decision once the window is covered, printed; then exit")
+    p.add_argument("--dry-run", action="store_true", help="decide and print, never scale")
+    add_client_flags(p)
+    p.set_defaults(func=_autoscale)
+
+
+def _autoscale(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pdserve.planner.autoscale_loop import AutoscaleConfig, run_autoscale
+    from pdserve.planner.hardware import HardwareProfile
+    from pdserve.planner.plan import SLO
+
+    try:
+        if args.max_workers < 2 or args.consecutive < 1 or args.interval <= 0 or args.window <= 0:
+            raise ValueError("need --max-workers >= 2, --consecutive >= 1, --interval > 0 and --window > 0")
+        config = AutoscaleConfig(
+            HardwareProfile.load(args.profile),
+            SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment),
+            *(args.max_workers, args.interval, args.window, args.consecutive, args.cooldown),
+            once=args.once,
+            dry_run=args.dry_run,
+        )
+        return asyncio.run(run_autoscale(args.addr, client_credentials(args), config))
+    except (ValueError, OSError) as e:
+        print(f"pdserve autoscale: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
