@@ -38,7 +38,7 @@ class Cluster:
         self.scaler = FleetScaler(
             registry,
             self.supervisor,
-            set(config.roles),
+            tuple(dict.fromkeys(config.roles)),
             self.spec,
             lambda spec: self.actors.get_or_create(spec)[0],  # one left serving under this name is adopted
             self._await_start,

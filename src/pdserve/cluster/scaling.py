@@ -64,7 +64,7 @@ class FleetScaler:
         self,
         registry: Registry,
         supervisor: Supervisor,
-        roles: set[Role],
+        roles: tuple[Role, ...],
         new_spec: Callable[[Role, str], WorkerSpec],
         create: Callable[[WorkerSpec], Any],
         await_start: Callable[[Slot], WorkerState],
@@ -98,7 +98,7 @@ class FleetScaler:
         slots = [s for s in self.supervisor.slots.values() if not s.leaving]
         starts: list[Role] = []
         leaving: list[Slot] = []
-        for role in self.roles & set(desired):
+        for role in (r for r in self.roles if r in desired):
             mine = [s for s in slots if s.spec.role == role]
             have = len(mine) + sum(s.spec.role == role for s in self.starting.values())
             want = max(1, desired[role])
