@@ -20,8 +20,8 @@ from pdserve.cluster.worker_runtime import WorkerRuntime
 from pdserve.config import EngineConfig
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.prefix_hash import prefix_hashes
-from pdserve.registry.base import WorkerState
 from pdserve.protocol.roles import Role
+from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import DESIRED_COUNTS_KEY, PREFIX, RedisPrefixIndex, RedisRegistry
 from tests.redis_server import RedisServer
 
