@@ -4,7 +4,7 @@
   the single-process engine's, the status shows the counts, the removed workers drained (not replaced), and at the
   end every KV block is free;
 - `pdserve autoscale` adds a prefill worker while a prefill-heavy load (long prompts, four output tokens) arrives
-  and gives it back once the load is gone.
+  and gives it back once the load is gone; `--once` prints one decision and exits.
 
 The first load's requests hold their prefill worker for a moment before the KV send (PDSERVE_FAULT_KV_SEND_DELAY_S),
 so a prefill worker that drains has hand-offs to finish. The autoscaler plans with a hand-written profile (a slow
@@ -199,3 +199,17 @@ def test_autoscale_adds_a_prefill_worker_under_prefill_heavy_load_and_gives_it_b
     scales = [json.loads(line) for line in out.splitlines() if line.startswith("{") and '"action": "scale"' in line]
     assert [s["recommended"] for s in scales] == [{"prefill": 2, "decode": 1}, {"prefill": 1, "decode": 1}], out
     assert scales[0]["load"]["input_len"] == len(LONG_PROMPT)
+
+
+def test_autoscale_once_prints_one_decision_and_exits(cluster, tmp_path):
+    profile = tmp_path / "profile.json"
+    synthetic_profile().save(profile)
+    flags = ["--slo-ttft-ms", "1000", "--slo-tpot-ms", "100", "--max-workers", "3"]
+    flags += ["--interval", "0.5", "--window", "1"]
+    argv = ["autoscale", "--addr", cluster.address, "--profile", str(profile), *flags, "--once", "--dry-run"]
+    code, out = asyncio.run(cli(*argv))
+    assert code == 0, out
+    decisions = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(decisions) == 1, out
+    assert decisions[0]["action"] == "hold" and decisions[0]["recommended"] == {"prefill": 1, "decode": 1}
+    assert decisions[0]["load"]["rate"] == 0  # idle: no request came in its window

@@ -120,6 +120,9 @@ def _scale(args: argparse.Namespace) -> int:
     if not counts:
         print(f"pdserve scale: give {' and/or '.join('--' + r for r in roles)}", file=sys.stderr)
         return 2
+    if negative := [role for role, n in counts.items() if n < 0]:
+        print(f"pdserve scale: --{negative[0]} must be >= 0", file=sys.stderr)
+        return 2
     return _scale_live(args, counts) if args.addr else _scale_kubernetes(args, counts)
 
 
