@@ -5,7 +5,10 @@ registry so that any router and a separate `pdserve controller` agree) with its 
 `role-i` id and enters placement only once it serves and has warmed up, as at the fleet's start. A worker
 removed is the least loaded of its role: it drains (out of placement at once, its requests finish or move), then
 its actor is killed and its slot dropped. Its slot is marked `leaving` first, so the supervisor neither restarts it
-when its drain ends nor replaces it if it dies meanwhile. No role goes below one worker.
+when its drain ends nor replaces it if it dies meanwhile. No role goes below one worker. Starts and drains run in
+the background, so a long one never holds up the next change: a start still under way when the count drops again
+is called off before any serving worker drains, and one that does not serve within `START_TIMEOUT_S` (no node can
+host it) is killed, for the next pass to try anew.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
 from typing import Any
 
@@ -24,6 +27,7 @@ from pdserve.registry.base import Registry, WorkerState
 
 log = logging.getLogger(__name__)
 SCALE_CHECK_S = 1.0  # how often the desired counts are read: a scale starts within this
+START_TIMEOUT_S = 600.0  # a worker's own wait for its model and warm-up; longer: it cannot start (no node for it)
 DRAIN_ANSWER_SLACK_S = 90.0  # past the drain's own timeout (as the router's `pdserve drain` waits)
 
 
@@ -71,6 +75,7 @@ class FleetScaler:
         drain: Callable[[Slot], Awaitable[None]],
         kill: Callable[[Any], None],
         publish: bool,
+        start_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
         self.registry = registry
         self.supervisor = supervisor
@@ -81,33 +86,51 @@ class FleetScaler:
         self.drain = drain
         self.kill = kill
         self.publish = publish
+        self.start_timeout_s = start_timeout_s
+        self._tasks: set[asyncio.Task[None]] = set()
         self.starting: dict[str, Slot] = {}  # actors made, not yet serving: not the supervisor's until they are
         self._unread = False  # the last read of the desired counts failed (logged once per outage)
 
     async def run(self, interval_s: float = SCALE_CHECK_S) -> None:
-        while True:
-            try:
-                await self.reconcile()
-            except Exception as e:  # a bug in one pass: reported, and the next pass tries again
-                log.error("scaling pass failed: %r", e, exc_info=e)
-            await asyncio.sleep(interval_s)
+        try:
+            while True:
+                try:
+                    await self.reconcile()
+                except Exception as e:  # a bug in one pass: reported, and the next pass tries again
+                    log.error("scaling pass failed: %r", e, exc_info=e)
+                await asyncio.sleep(interval_s)
+        finally:  # the fleet is stopping: it stops or leaves every actor itself
+            for task in self._tasks:
+                task.cancel()
 
     async def reconcile(self) -> None:
-        """One pass: starts and drains workers (all at once) until each role has its desired count."""
+        """One pass: sets off the starts and drains that bring each role to its desired count. They run on in the
+        background (a start takes seconds to minutes, a drain up to its timeout), so a pass never waits on one and
+        the next passes count them: a start no longer wanted is called off before any serving worker drains."""
         desired = await self._desired()
-        slots = [s for s in self.supervisor.slots.values() if not s.leaving]
-        starts: list[Role] = []
-        leaving: list[Slot] = []
         for role in (r for r in self.roles if r in desired):
-            mine = [s for s in slots if s.spec.role == role]
-            have = len(mine) + sum(s.spec.role == role for s in self.starting.values())
-            want = max(1, desired[role])
-            if want > have:
-                starts += [role] * (want - have)
-            elif want < have:
-                leaving += pick_leaving(mine, await self._states(mine), min(have - want, len(mine) - 1))
-        if starts or leaving:
-            await asyncio.gather(*(self._add(role) for role in starts), *(self._remove(s) for s in leaving))
+            serving = [s for s in self.supervisor.slots.values() if s.spec.role == role and not s.leaving]
+            starting = [s for s in self.starting.values() if s.spec.role == role and not s.leaving]
+            extra = len(serving) + len(starting) - max(1, desired[role])
+            for _ in range(-extra):
+                self._spawn(self._start(self._new_slot(role)))
+            for slot in sorted(starting, key=lambda s: -index_of(s.spec.worker_id))[: max(0, extra)]:
+                self._call_off(slot)
+            extra -= len(starting)
+            if extra > 0:
+                for slot in pick_leaving(serving, await self._states(serving), min(extra, len(serving) - 1)):
+                    slot.leaving = True
+                    self._spawn(self._remove(slot))
+
+    async def settle(self) -> None:
+        """Waits for the starts and drains under way (tests)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _desired(self) -> dict[Role, int]:
         try:
@@ -132,20 +155,35 @@ class FleetScaler:
         found = await asyncio.gather(*(state(s) for s in slots))
         return {s.spec.worker_id: st for s, st in zip(slots, found, strict=True)}
 
-    async def _add(self, role: Role) -> None:
-        taken = {*self.supervisor.slots, *self.starting}
-        spec = self.new_spec(role, next_worker_id(role, taken))
-        name = spec.worker_id
-        log.warning("scaling up: starting worker %s", name)
+    def _new_slot(self, role: Role) -> Slot:
+        """A slot with the next id, counted as starting from now on (before its task runs)."""
+        spec = self.new_spec(role, next_worker_id(role, {*self.supervisor.slots, *self.starting}))
         slot = Slot(spec, None)
-        self.starting[name] = slot
+        self.starting[spec.worker_id] = slot
+        log.warning("scaling up: starting worker %s", spec.worker_id)
+        return slot
+
+    def _call_off(self, slot: Slot) -> None:
+        """A start no longer wanted: its actor goes now (a wait for it to serve then fails), or as soon as made."""
+        slot.leaving = True
+        log.warning("scaling down: worker %s is no longer wanted before it serves", slot.spec.worker_id)
+        if slot.actor is not None:
+            self._spawn(asyncio.to_thread(self._kill_quietly, slot.actor))
+
+    async def _start(self, slot: Slot) -> None:
+        """Lists the worker once it serves (warmed up), as at the fleet's start; a worker that cannot start in
+        `start_timeout_s` (no node can host it, say) is killed, and the next pass tries a new one."""
+        name = slot.spec.worker_id
         try:
-            slot.actor = await asyncio.to_thread(self.create, spec)
-            state = await asyncio.to_thread(self.await_start, slot)
-        except Exception as e:  # it could not start: the next pass tries again with a new actor
-            log.error("worker %s could not be started: %r", name, e)
+            slot.actor = await asyncio.to_thread(self.create, slot.spec)
+            if not slot.leaving:
+                state = await asyncio.wait_for(asyncio.to_thread(self.await_start, slot), self.start_timeout_s)
+            if slot.leaving:
+                raise RuntimeError("called off")
+        except Exception as e:
+            log.log(logging.INFO if slot.leaving else logging.ERROR, "worker %s not started: %r", name, e)
             if slot.actor is not None:
-                await asyncio.to_thread(self.kill, slot.actor)
+                await asyncio.to_thread(self._kill_quietly, slot.actor)
             return
         finally:
             self.starting.pop(name, None)
@@ -154,9 +192,14 @@ class FleetScaler:
         self.supervisor.slots[name] = slot
         log.warning("worker %s ready at %s (scaled up)", name, state.address)
 
+    def _kill_quietly(self, actor: Any) -> None:
+        try:
+            self.kill(actor)
+        except Exception as e:  # gone already
+            log.info("kill: %r", e)
+
     async def _remove(self, slot: Slot) -> None:
         name = slot.spec.worker_id
-        slot.leaving = True
         log.warning("scaling down: draining worker %s at %s", name, slot.address)
         if self.publish:  # out of placement now, not at the supervisor's next check
             found = [w for w in self.registry.workers() if w.worker_id == name]
@@ -166,7 +209,7 @@ class FleetScaler:
             await self.drain(slot)
         except Exception as e:  # unreachable or dead: what it held moves as after a crash
             log.error("worker %s did not drain (%r); stopping it anyway", name, e)
-        await asyncio.to_thread(self.kill, slot.actor)
+        await asyncio.to_thread(self._kill_quietly, slot.actor)
         try:
             await asyncio.to_thread(self.registry.remove, name)
         except Exception as e:  # Redis down: its key's TTL removes it

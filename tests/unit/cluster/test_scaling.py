@@ -5,6 +5,7 @@ role goes below one worker."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -115,6 +116,7 @@ async def test_scaling_up_lists_each_new_worker_only_once_it_serves() -> None:
     fleet = Fleet({"prefill-0": 0, "decode-1": 0})
     fleet.registry.set_desired_counts({Role.PREFILL: 2, Role.DECODE: 3})
     await fleet.scaler.reconcile()
+    await fleet.scaler.settle()
     assert sorted(fleet.started) == ["decode-3", "decode-4", "prefill-2"]  # ids given in the fleet's role order
     assert fleet.listed_while_starting == [False, False, False]
     assert len(fleet.ids()) == 5 and fleet.listed() == fleet.ids()
@@ -126,6 +128,7 @@ async def test_scaling_down_drains_the_least_loaded_and_nothing_brings_it_back()
     fleet = Fleet({"prefill-0": 0, "decode-1": 4, "decode-2": 1, "decode-3": 2})
     fleet.registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
     await fleet.scaler.reconcile()
+    await fleet.scaler.settle()
     assert sorted(fleet.drained) == ["decode-2", "decode-3"] and sorted(fleet.killed) == ["decode-2", "decode-3"]
     assert fleet.ids() == ["decode-1", "prefill-0"] and fleet.listed() == ["decode-1", "prefill-0"]
     await fleet.supervisor.check_all()
@@ -136,6 +139,7 @@ async def test_no_role_goes_below_one_worker_and_other_modes_counts_are_ignored(
     fleet = Fleet({"prefill-0": 0, "decode-1": 0})
     fleet.registry.set_desired_counts({Role.PREFILL: 0, Role.DECODE: 1, Role.COLOCATED: 4})
     await fleet.scaler.reconcile()
+    await fleet.scaler.settle()
     assert fleet.ids() == ["decode-1", "prefill-0"] and not fleet.started and not fleet.drained
 
 
@@ -158,6 +162,42 @@ async def test_a_worker_that_cannot_start_is_killed_and_tried_again_next_pass() 
     fleet.scaler.await_start = fails_once
     fleet.registry.set_desired_counts({Role.PREFILL: 2, Role.DECODE: 1})
     await fleet.scaler.reconcile()
+    await fleet.scaler.settle()
     assert fleet.killed == ["prefill-2"] and fleet.ids() == ["decode-1", "prefill-0"]
-    await asyncio.wait_for(fleet.scaler.reconcile(), 5)
+    await fleet.scaler.reconcile()
+    await asyncio.wait_for(fleet.scaler.settle(), 5)
     assert fleet.ids() == ["decode-1", "prefill-0", "prefill-2"] and not fleet.scaler.starting
+
+
+async def test_a_start_no_longer_wanted_is_called_off_before_any_serving_worker_drains() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 0})
+    release = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow_start(slot: Slot) -> WorkerState:
+        asyncio.run_coroutine_threadsafe(release.wait(), loop).result()  # until its actor is killed, say
+        return slot.actor.worker_state()
+
+    fleet.scaler.await_start = slow_start
+    fleet.registry.set_desired_counts({Role.PREFILL: 2, Role.DECODE: 1})
+    await fleet.scaler.reconcile()  # never waits on the start
+    await asyncio.sleep(0.1)
+    assert list(fleet.scaler.starting) == ["prefill-2"]
+    fleet.registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
+    await fleet.scaler.reconcile()
+    await asyncio.sleep(0.1)
+    assert fleet.killed == ["prefill-2"] and not fleet.drained  # the one still starting goes, no drain
+    release.set()
+    await asyncio.wait_for(fleet.scaler.settle(), 5)
+    assert fleet.ids() == ["decode-1", "prefill-0"] and not fleet.scaler.starting
+
+
+async def test_a_start_that_never_serves_is_killed_after_the_start_timeout() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 0})
+    fleet.scaler.start_timeout_s = 0.2
+    never = threading.Event()
+    fleet.scaler.await_start = lambda slot: never.wait(2) and slot.actor.worker_state()  # no node can host it
+    fleet.registry.set_desired_counts({Role.PREFILL: 2, Role.DECODE: 1})
+    await fleet.scaler.reconcile()
+    await asyncio.wait_for(fleet.scaler.settle(), 5)
+    assert fleet.killed == ["prefill-2"] and fleet.ids() == ["decode-1", "prefill-0"]
