@@ -2,7 +2,7 @@
 - ScaleWorkers refuses counts the cluster cannot take, naming the field;
 - `pdserve scale --addr` to 2P:2D and back to 1P:1D while greedy requests keep coming: none fails, every output is
   the single-process engine's, the status shows the counts, the removed workers drained (not replaced), and at the
-  end every KV block is free;
+  end every KV block is free; the same again through a Redis registry (its own cluster);
 - `pdserve autoscale` adds a prefill worker while a prefill-heavy load (long prompts, four output tokens) arrives
   and gives it back once the load is gone; `--once` prints one decision and exits.
 
@@ -28,12 +28,14 @@ import pytest
 
 from pdserve.cluster.local_process import ClusterProcess
 from pdserve.planner.live_scale import serving_counts
+from pdserve.registry.redis import DESIRED_COUNTS_KEY
 from pdserve.rpc.client import generate
 from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generate_pb2 as pb
 from tests.integration.reference import PROMPT, greedy, greedy_request
 from tests.integration.worker_view import idle
+from tests.redis_server import RedisServer
 from tests.unit.planner.synthetic import PERF, synthetic_profile
 
 pytestmark = pytest.mark.timeout(400)
@@ -127,37 +129,61 @@ def test_counts_the_cluster_cannot_take_are_invalid_argument_naming_the_field(cl
     asyncio.run(run())
 
 
+async def scale_up_and_down_under_load(cluster: ClusterProcess, expected: list[int]) -> None:
+    await until(cluster.address, at_counts(1, 1, idle_too=True), 60)
+    stop = asyncio.Event()
+    load = asyncio.create_task(steady_load(cluster.address, stop, 4, LOAD, PROMPT, LOAD_TOKENS))
+    code, out = await cli("scale", "--addr", cluster.address, "--prefill", "2", "--decode", "2", "--wait")
+    assert code == 0, out
+    assert "desired: 1 prefill, 1 decode -> 2 prefill, 2 decode" in out and "serving: 2 prefill, 2 decode (" in out
+    up = await until(cluster.address, at_counts(2, 2), 10)
+    await asyncio.sleep(2)  # the new workers take their share of the load
+    code, out = await cli("scale", "--addr", cluster.address, "--decode", "1", "--prefill", "1", "--wait")
+    assert code == 0, out
+    await asyncio.sleep(1)  # requests placed on the remaining workers only
+    stop.set()
+    outcomes = await load
+    assert_all_served(outcomes, expected)
+    print(f"{len(outcomes)} requests while scaling 1P:1D -> 2P:2D -> 1P:1D, all served")
+    down = await until(cluster.address, at_counts(1, 1, idle_too=True), 60)  # every KV block free
+    gone = {w.id for w in up.workers} - {w.id for w in down.workers}
+    assert len(gone) == 2
+    end = time.monotonic() + 20  # Ray forwards a worker's log lines with a delay
+    while not all(drained_line(cluster.log(), w) for w in gone) and time.monotonic() < end:
+        await asyncio.sleep(0.5)
+    log = cluster.log()
+    for worker_id in gone:
+        assert f"worker {worker_id} removed (scaled down)" in log
+        assert f"worker {worker_id} drained; a new actor takes its place" not in log  # not restarted
+        m = drained_line(log, worker_id)
+        assert m is not None and int(m.group(3)) == 0, log[-3000:]
+        print(f"{worker_id} held {m.group(1)} requests when it drained, moved {m.group(2)}")
+
+
+def drained_line(log: str, worker_id: str) -> re.Match[str] | None:
+    return re.search(rf"worker {worker_id} drained in .*?: held (\d+) requests, (\d+) moved; (\d+) KV", log)
+
+
 def test_scaling_up_and_back_down_under_steady_load_loses_nothing(cluster):
-    expected = greedy(PROMPT, LOAD_TOKENS)
+    asyncio.run(scale_up_and_down_under_load(cluster, greedy(PROMPT, LOAD_TOKENS)))
 
-    async def run() -> None:
-        await until(cluster.address, at_counts(1, 1, idle_too=True), 60)
-        stop = asyncio.Event()
-        load = asyncio.create_task(steady_load(cluster.address, stop, 4, LOAD, PROMPT, LOAD_TOKENS))
-        code, out = await cli("scale", "--addr", cluster.address, "--prefill", "2", "--decode", "2", "--wait")
-        assert code == 0, out
-        assert "desired: 1 prefill, 1 decode -> 2 prefill, 2 decode" in out and "serving: 2 prefill, 2 decode (" in out
-        up = await until(cluster.address, at_counts(2, 2), 10)
-        await asyncio.sleep(2)  # the new workers take their share of the load
-        code, out = await cli("scale", "--addr", cluster.address, "--decode", "1", "--prefill", "1", "--wait")
-        assert code == 0, out
-        await asyncio.sleep(1)  # requests placed on the remaining workers only
-        stop.set()
-        outcomes = await load
-        assert_all_served(outcomes, expected)
-        print(f"{len(outcomes)} requests while scaling 1P:1D -> 2P:2D -> 1P:1D, all served")
-        down = await until(cluster.address, at_counts(1, 1, idle_too=True), 60)  # every KV block free
-        gone = {w.id for w in up.workers} - {w.id for w in down.workers}
-        assert len(gone) == 2
-        log = cluster.log()
-        for worker_id in gone:
-            assert f"worker {worker_id} removed (scaled down)" in log
-            assert f"worker {worker_id} drained; a new actor takes its place" not in log  # not restarted
-            m = re.search(rf"worker {worker_id} drained in .*?: held (\d+) requests, (\d+) moved; (\d+) KV", log)
-            assert m is not None and int(m.group(3)) == 0, log[-3000:]
-            print(f"{worker_id} held {m.group(1)} requests when it drained, moved {m.group(2)}")
 
-    asyncio.run(run())
+def test_the_same_through_the_redis_registry(tmp_path):
+    """The desired counts in Redis, the workers heartbeating there (a leaving one says `draining` itself)."""
+    redis_server = RedisServer()
+    redis_server.start()
+    args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--prefill", "1", "--decode", "1"]
+    faults = {"PDSERVE_FAULT_KV_SEND_DELAY_S": "0.3", "PDSERVE_FAULT_REQUEST_ID_PREFIX": LOAD}
+    try:
+        cluster = ClusterProcess(*args, "--redis", redis_server.url, log_path=tmp_path / "cluster.log", env=faults)
+        try:
+            asyncio.run(scale_up_and_down_under_load(cluster, greedy(PROMPT, LOAD_TOKENS)))
+            with redis_server.client() as r:
+                assert r.hgetall(DESIRED_COUNTS_KEY) == {b"prefill": b"1", b"decode": b"1"}
+        finally:
+            cluster.stop()
+    finally:
+        redis_server.stop()
 
 
 def test_autoscale_adds_a_prefill_worker_under_prefill_heavy_load_and_gives_it_back(cluster, tmp_path):

@@ -100,7 +100,7 @@ class FleetScaler:
                     log.error("scaling pass failed: %r", e, exc_info=e)
                 await asyncio.sleep(interval_s)
         finally:  # the fleet is stopping: it stops or leaves every actor itself
-            for task in self._tasks:
+            for task in list(self._tasks):
                 task.cancel()
 
     async def reconcile(self) -> None:
