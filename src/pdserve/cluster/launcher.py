@@ -69,8 +69,8 @@ class Cluster:
         return [self.spec(role, f"{role}-{i}") for i, role in enumerate(self.config.roles)]
 
     def start_workers(self) -> None:
-        """Creates each worker's actor, or finds it in the Ray namespace (a restarted controller), and waits until
-        every one serves; then records the fleet's desired counts for `pdserve scale` to change."""
+        """Records the fleet's desired counts (what `pdserve scale` changes), creates each worker's actor or finds it
+        in the Ray namespace (a restarted controller), and waits until every one serves."""
         self._init_desired_counts()
         self.actors.connect()
         found: set[str] = set()
