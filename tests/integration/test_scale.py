@@ -1,15 +1,16 @@
 """Live scaling through a real `pdserve up` (tiny-random, 1 prefill + 1 decode), under load:
 - ScaleWorkers refuses counts the cluster cannot take, naming the field;
 - `pdserve scale --addr` to 2P:2D and back to 1P:1D while greedy requests keep coming: none fails, every output is
-  the single-process engine's, the status shows the counts, the removed workers drained (not replaced), and at the
-  end every KV block is free; the same again through a Redis registry (its own cluster);
+  the single-process engine's, the status shows the counts, the new workers take requests, the removed workers
+  drained (not replaced), and at the end every KV block is free; the same again through a Redis registry (a
+  cluster of its own);
 - `pdserve autoscale` adds a prefill worker while a prefill-heavy load (long prompts, four output tokens) arrives
   and gives it back once the load is gone; `--once` prints one decision and exits.
 
 The first load's requests hold their prefill worker for a moment before the KV send (PDSERVE_FAULT_KV_SEND_DELAY_S),
 so a prefill worker that drains has hand-offs to finish. The autoscaler plans with a hand-written profile (a slow
 prefill: one worker sustains ~2.5 of these prompts a second) so its decisions follow the load it sees, not the
-speed of this machine. The tests run in file order on one cluster.
+speed of this machine. The tests but the Redis one run in file order on one cluster.
 """
 
 from __future__ import annotations
@@ -137,7 +138,12 @@ async def scale_up_and_down_under_load(cluster: ClusterProcess, expected: list[i
     assert code == 0, out
     assert "desired: 1 prefill, 1 decode -> 2 prefill, 2 decode" in out and "serving: 2 prefill, 2 decode (" in out
     up = await until(cluster.address, at_counts(2, 2), 10)
-    await asyncio.sleep(2)  # the new workers take their share of the load
+    new = {w.id for w in up.workers} - {"prefill-0", "decode-1"}
+
+    def served_by_every_new_worker(s: admin_pb2.ClusterStatusResponse) -> bool:  # the router's latencies per worker
+        return all(w.ttft_p50_ms > 0 or w.tpot_p50_ms > 0 for w in s.workers if w.id in new)
+
+    await until(cluster.address, served_by_every_new_worker, 30)  # in placement: they take a share of the load
     code, out = await cli("scale", "--addr", cluster.address, "--decode", "1", "--prefill", "1", "--wait")
     assert code == 0, out
     await asyncio.sleep(1)  # requests placed on the remaining workers only
