@@ -2,15 +2,15 @@
 - ScaleWorkers refuses counts the cluster cannot take, naming the field;
 - `pdserve scale --addr` to 2P:2D and back to 1P:1D while greedy requests keep coming: none fails, every output is
   the single-process engine's, the status shows the counts, the new workers take requests, the removed workers
-  drained (not replaced), and at the end every KV block is free; the same again through a Redis registry (a
-  cluster of its own);
+  drained (not replaced), and at the end every KV block is free (through Redis and a separate controller:
+  test_controller_router.py);
 - `pdserve autoscale` adds a prefill worker while a prefill-heavy load (long prompts, four output tokens) arrives
   and gives it back once the load is gone; `--once` prints one decision and exits.
 
 The first load's requests hold their prefill worker for a moment before the KV send (PDSERVE_FAULT_KV_SEND_DELAY_S),
 so a prefill worker that drains has hand-offs to finish. The autoscaler plans with a hand-written profile (a slow
 prefill: one worker sustains ~2.5 of these prompts a second) so its decisions follow the load it sees, not the
-speed of this machine. The tests but the Redis one run in file order on one cluster.
+speed of this machine. The tests run in file order on one cluster.
 """
 
 from __future__ import annotations
@@ -29,14 +29,12 @@ import pytest
 
 from pdserve.cluster.local_process import ClusterProcess
 from pdserve.planner.live_scale import serving_counts
-from pdserve.registry.redis import DESIRED_COUNTS_KEY
 from pdserve.rpc.client import generate
 from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generate_pb2 as pb
 from tests.integration.reference import PROMPT, greedy, greedy_request
 from tests.integration.worker_view import idle
-from tests.redis_server import RedisServer
 from tests.unit.planner.synthetic import PERF, synthetic_profile
 
 pytestmark = pytest.mark.timeout(400)
@@ -172,24 +170,6 @@ def drained_line(log: str, worker_id: str) -> re.Match[str] | None:
 
 def test_scaling_up_and_back_down_under_steady_load_loses_nothing(cluster):
     asyncio.run(scale_up_and_down_under_load(cluster, greedy(PROMPT, LOAD_TOKENS)))
-
-
-def test_the_same_through_the_redis_registry(tmp_path):
-    """The desired counts in Redis, the workers heartbeating there (a leaving one says `draining` itself)."""
-    redis_server = RedisServer()
-    redis_server.start()
-    args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--prefill", "1", "--decode", "1"]
-    faults = {"PDSERVE_FAULT_KV_SEND_DELAY_S": "0.3", "PDSERVE_FAULT_REQUEST_ID_PREFIX": LOAD}
-    try:
-        cluster = ClusterProcess(*args, "--redis", redis_server.url, log_path=tmp_path / "cluster.log", env=faults)
-        try:
-            asyncio.run(scale_up_and_down_under_load(cluster, greedy(PROMPT, LOAD_TOKENS)))
-            with redis_server.client() as r:
-                assert r.hgetall(DESIRED_COUNTS_KEY) == {b"prefill": b"1", b"decode": b"1"}
-        finally:
-            cluster.stop()
-    finally:
-        redis_server.stop()
 
 
 def test_autoscale_adds_a_prefill_worker_under_prefill_heavy_load_and_gives_it_back(cluster, tmp_path):
