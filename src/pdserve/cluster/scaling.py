@@ -176,9 +176,8 @@ class FleetScaler:
         name = slot.spec.worker_id
         try:
             slot.actor = await asyncio.to_thread(self.create, slot.spec)
-            if not slot.leaving:
-                state = await asyncio.wait_for(asyncio.to_thread(self.await_start, slot), self.start_timeout_s)
-            if slot.leaving:
+            state = None if slot.leaving else await self._serving(slot)
+            if state is None or slot.leaving:
                 raise RuntimeError("called off")
         except Exception as e:
             log.log(logging.INFO if slot.leaving else logging.ERROR, "worker %s not started: %r", name, e)
@@ -187,10 +186,16 @@ class FleetScaler:
             return
         finally:
             self.starting.pop(name, None)
-        await asyncio.to_thread(self.registry.publish, state)
+        try:
+            await asyncio.to_thread(self.registry.publish, state)
+        except Exception as e:  # Redis down: the worker's own heartbeat lists it once Redis answers
+            log.warning("could not list worker %s in the registry: %r", name, e)
         slot.listed, slot.address = True, state.address
         self.supervisor.slots[name] = slot
         log.warning("worker %s ready at %s (scaled up)", name, state.address)
+
+    async def _serving(self, slot: Slot) -> WorkerState:
+        return await asyncio.wait_for(asyncio.to_thread(self.await_start, slot), self.start_timeout_s)
 
     def _kill_quietly(self, actor: Any) -> None:
         try:
