@@ -1,21 +1,29 @@
-"""The Admin service: the router's view of the cluster for `pdserve status`, and `pdserve drain`."""
+"""The Admin service: the router's view of the cluster for `pdserve status`, `pdserve drain` and `pdserve scale`."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.errors import UnavailableError
+from pdserve.protocol.roles import Role
 from pdserve.registry.base import Registry, WorkerState
 from pdserve.rpc.server import internal_channel
 from pdserve.v1 import admin_pb2 as apb
 from pdserve.v1 import admin_pb2_grpc
 from services.router.drain import DrainOutcome, drain_targets, drain_workers
 from services.router.lifecycle import RequestLifecycle
+from services.router.scale import scale_target
 
+log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 1.0
+T = TypeVar("T")
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
@@ -30,10 +38,36 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.router.authenticate(context.invocation_metadata()).check_admin()
         workers = sorted(self.registry.workers(), key=lambda w: (w.role, w.worker_id))
         health = await asyncio.gather(*(_health(w.address) for w in workers))
+        desired, admitted = await self._desired(), self.router.admitted
         return apb.ClusterStatusResponse(
             workers=[self._status(w, h) for w, h in zip(workers, health, strict=True)],
             in_flight=self.router.in_flight,
             draining=self.router.draining,
+            desired={str(r): n for r, n in desired.items()},
+            admitted_requests=admitted.requests,
+            admitted_prompt_tokens=admitted.prompt_tokens,
+            admitted_max_tokens=admitted.max_tokens,
+        )
+
+    async def _desired(self) -> dict[Role, int]:
+        """The registry's desired counts; none when it cannot answer now (the status shows the workers anyway)."""
+        try:
+            return await asyncio.to_thread(self.registry.desired_counts)
+        except Exception as e:  # Redis down: the workers' view still comes from the router's last one
+            log.warning("desired worker counts unknown: %r", e)
+            return {}
+
+    async def ScaleWorkers(  # noqa: N802 (gRPC method name)
+        self, request: apb.ScaleWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> apb.ScaleWorkersResponse:
+        self.router.authenticate(context.invocation_metadata()).check_admin()
+        asked = {Role.PREFILL: request.prefill, Role.DECODE: request.decode, Role.COLOCATED: request.colocated}
+        current = await _registry_call(self.registry.desired_counts)
+        target = scale_target(asked, current, {w.role for w in self.registry.workers()})
+        await _registry_call(self.registry.set_desired_counts, target)
+        log.warning("desired worker counts %s -> %s", _counts(current), _counts(target))
+        return apb.ScaleWorkersResponse(
+            previous={str(r): n for r, n in current.items()}, desired={str(r): n for r, n in target.items()}
         )
 
     async def DrainWorkers(  # noqa: N802 (gRPC method name)
@@ -83,6 +117,18 @@ def _drained(o: DrainOutcome) -> apb.WorkerDrain:
             )
         )
     return msg
+
+
+async def _registry_call(fn: Callable[..., T], *args: Any) -> T:
+    """A blocking registry call off the loop; a registry that cannot answer (Redis down) is UNAVAILABLE."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except Exception as e:
+        raise UnavailableError(f"the registry did not answer: {e!r}") from e
+
+
+def _counts(counts: dict[Role, int]) -> str:
+    return ", ".join(f"{n} {r}" for r, n in counts.items()) or "none"
 
 
 async def _health(address: str) -> str:

@@ -32,6 +32,7 @@ from pdserve.security.quotas import LocalQuotas, Quotas, QuotaSession
 from pdserve.telemetry import Telemetry, request_id_var
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import Admission, SLOTarget
+from services.router.admitted import AdmittedTotals
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
@@ -73,6 +74,7 @@ class RequestLifecycle:
         self.quotas = quotas or LocalQuotas()  # shared by the routers of a Redis registry, else this router's
         self.metrics = RouterMetrics(telemetry.meter)
         self.recent = RecentLatencies()
+        self.admitted = AdmittedTotals()
         self.tokenizer = tokenizer
         self.model = model
         self.config = config
@@ -122,6 +124,7 @@ class RequestLifecycle:
                 span.set_attribute("rejected", str(e))
                 raise
             quota.admitted()
+            self.admitted.add(len(req.prompt_token_ids), req.sampling.max_tokens)
         prefill, decode = placement.prefill_worker, placement.decode
         trace.get_current_span().set_attributes(
             {"prefill.worker.id": prefill.worker_id, "decode.worker.id": decode.worker_id}

@@ -120,7 +120,13 @@ def _status(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         workers = [{f: getattr(w, f) for f in STATUS_FIELDS} for w in reply.workers]
-        print(json.dumps({"workers": workers, "in_flight": reply.in_flight, "draining": reply.draining}))
+        admitted = {
+            "requests": reply.admitted_requests,
+            "prompt_tokens": reply.admitted_prompt_tokens,
+            "max_tokens": reply.admitted_max_tokens,
+        }
+        record = {"workers": workers, "in_flight": reply.in_flight, "draining": reply.draining}
+        print(json.dumps({**record, "desired": dict(reply.desired), "admitted": admitted}))
         return 0
     from rich.console import Console
 

@@ -34,7 +34,23 @@ _RIGHT = {"TTFT p50/p99 ms", "TPOT p50/p99 ms"}
 
 
 def title(reply: apb.ClusterStatusResponse, address: str) -> str:
-    return f"pdserve at {address}: {reply.in_flight} in flight{', draining' if reply.draining else ''}"
+    desired = _desired(reply)
+    return f"pdserve at {address}: {reply.in_flight} in flight{', draining' if reply.draining else ''}{desired}"
+
+
+def _desired(reply: apb.ClusterStatusResponse) -> str:
+    """`; desired 2 prefill, 1 decode (serving 1 prefill, 1 decode)` while they differ; the fleet's counts."""
+    if not reply.desired:
+        return ""
+    order = {"prefill": 0, "decode": 1}
+    desired = sorted(reply.desired.items(), key=lambda rn: order.get(rn[0], 2))
+    serving = {
+        r: sum(w.role == r and w.health == "SERVING" and not w.draining for w in reply.workers) for r, _ in desired
+    }
+    text = "; desired " + ", ".join(f"{n} {r}" for r, n in desired)
+    if serving != dict(desired):
+        text += " (serving " + ", ".join(f"{serving[r]} {r}" for r, _ in desired) + ")"
+    return text
 
 
 def rows(reply: apb.ClusterStatusResponse) -> list[list[str]]:

@@ -2,7 +2,9 @@
 `ray start`, each with a custom resource of its own; `pdserve controller --role-resources` puts the prefill worker
 on one and the decode worker on the other; a separate `pdserve router` serves through a real Redis; the router is
 SIGKILLed and a new one serves from the same workers, which were never restarted; a restarted controller finds
-the workers in its Ray namespace instead of starting new ones.
+the workers in its Ray namespace instead of starting new ones; `pdserve scale` through the router reaches the
+controller through Redis (each node has room for a second worker of its role), and a restarted controller keeps
+the scale.
 
 Where this machine allows (root, `ip netns`), each Ray node is a host of its own: a network namespace with its own
 address, the workers binding 0.0.0.0 and advertising their node's POD_IP, the router and Redis on a third address
@@ -14,9 +16,13 @@ nodes share loopback. One set-up for the module (~1-2 min on 2 busy cores).
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import signal
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +32,7 @@ import redis
 
 from pdserve.cluster.local_process import free_port
 from pdserve.registry.base import WorkerState
-from pdserve.registry.redis import worker_key
+from pdserve.registry.redis import DESIRED_COUNTS_KEY, worker_key
 from pdserve.rpc.client import generate
 from tests.integration import netns
 from tests.integration.processes import PdserveProcess
@@ -90,9 +96,9 @@ def _start_nodes(temp_dir: Path, env: dict[str, str], network: netns.TwoHosts | 
 
     nodes: list[RayNode] = []
     try:
-        nodes.append(_started(lambda: RayNode(temp_dir, {"pdserve_prefill": 1}, None, ip0, ns0, {**env, **pod(ip0)})))
+        nodes.append(_started(lambda: RayNode(temp_dir, {"pdserve_prefill": 2}, None, ip0, ns0, {**env, **pod(ip0)})))
         head = nodes[0].address
-        nodes.append(_started(lambda: RayNode(temp_dir, {"pdserve_decode": 1}, head, ip1, ns1, {**env, **pod(ip1)})))
+        nodes.append(_started(lambda: RayNode(temp_dir, {"pdserve_decode": 2}, head, ip1, ns1, {**env, **pod(ip1)})))
     except BaseException:
         for node in nodes:
             node.stop()
@@ -208,6 +214,38 @@ def test_a_restarted_controller_finds_its_workers(rehearsal: Rehearsal, expected
     after = rehearsal.actors()
     assert {w: a["pid"] for w, a in after.items()} == {w: a["pid"] for w, a in before.items()}
     assert serve(rehearsal, "rehearsal-after-controller-restart") == expected
+
+
+def test_a_scale_through_the_router_reaches_the_controller_and_outlives_its_restart(
+    rehearsal: Rehearsal, expected: list[int]
+) -> None:
+    router = f"127.0.0.1:{rehearsal.router_port}"
+    done = scale(rehearsal, router, "--prefill", "2", "--wait", "--timeout", "240")
+    assert done.returncode == 0, done.stdout + done.stderr
+    actors = rehearsal.actors()
+    assert actors["prefill-2"]["node_resources"] == ["pdserve_prefill"] and actors["prefill-2"]["state"] == "ALIVE"
+    with rehearsal.redis.client() as r:
+        assert r.hgetall(DESIRED_COUNTS_KEY) == {b"prefill": b"2", b"decode": b"1"}
+    assert serve(rehearsal, "rehearsal-scaled") == expected
+    assert rehearsal.controller is not None
+    rehearsal.controller.stop(signal.SIGTERM)
+    log = rehearsal.start_controller().log()
+    assert "kept from the registry" in log  # not the flags' 1 prefill worker
+    settled = scale(rehearsal, router, "--prefill", "2", "--wait", "--timeout", "240")  # no change: waits only
+    assert settled.returncode == 0, settled.stdout + settled.stderr
+    assert rehearsal.actors()["prefill-2"]["pid"] == actors["prefill-2"]["pid"]  # adopted, not started again
+    done = scale(rehearsal, router, "--prefill", "1", "--wait", "--timeout", "240")
+    assert done.returncode == 0, done.stdout + done.stderr
+    end = time.monotonic() + 60
+    while sorted(rehearsal.actors()) != sorted(WORKERS):  # the newer of two idle workers left; Ray marks it dead
+        assert time.monotonic() < end, rehearsal.actors()
+        time.sleep(1)
+    assert serve(rehearsal, "rehearsal-scaled-back") == expected
+
+
+def scale(rehearsal: Rehearsal, router: str, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "pdserve.cli", "scale", "--addr", router, *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, **rehearsal.env})
 
 
 def test_a_sigkilled_pdserve_up_leaves_its_workers_to_a_router(rehearsal: Rehearsal, expected: list[int]) -> None:

@@ -20,8 +20,9 @@ from pdserve.cluster.worker_runtime import WorkerRuntime
 from pdserve.config import EngineConfig
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.prefix_hash import prefix_hashes
+from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
-from pdserve.registry.redis import PREFIX, RedisPrefixIndex, RedisRegistry
+from pdserve.registry.redis import DESIRED_COUNTS_KEY, PREFIX, RedisPrefixIndex, RedisRegistry
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -154,6 +155,35 @@ async def test_two_routers_see_the_same_workers_and_share_the_prefix_index(url):
     assert await index_a.match(["p0"], hashes) == {"p0": 10}
     await index_a.close()
     await index_b.close()
+
+
+def test_desired_counts_are_one_hash_shared_by_every_registry_and_replaced_whole(url):
+    fleet, router = RedisRegistry(url), RedisRegistry(url)
+    assert router.desired_counts() == {}
+    fleet.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
+    router.set_desired_counts({Role.PREFILL: 2, Role.DECODE: 3})
+    assert fleet.desired_counts() == {Role.PREFILL: 2, Role.DECODE: 3}
+    with redis.Redis.from_url(url) as c:
+        assert c.hgetall(DESIRED_COUNTS_KEY) == {b"prefill": b"2", b"decode": b"3"}
+        assert c.ttl(DESIRED_COUNTS_KEY) == -1  # the cluster's shape does not expire
+        c.hset(DESIRED_COUNTS_KEY, mapping={"gpu": "1", "decode": "many"})  # anyone with access may write
+    assert fleet.desired_counts() == {Role.PREFILL: 2}  # what does not parse is skipped, not raised
+    fleet.set_desired_counts({Role.COLOCATED: 4})
+    assert router.desired_counts() == {Role.COLOCATED: 4}
+
+
+def test_desired_counts_of_an_unreachable_redis_raise_within_the_timeout(url, server):
+    registry = RedisRegistry(url)
+    server.stop()
+    try:
+        start = time.monotonic()
+        with pytest.raises(redis.RedisError):
+            registry.desired_counts()
+        with pytest.raises(redis.RedisError):
+            registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
+        assert time.monotonic() - start < 30  # bounded by the client's timeouts, not a hang
+    finally:
+        server.start()
 
 
 async def test_prefix_index_is_bounded_per_worker_dropping_the_least_recently_used(url):

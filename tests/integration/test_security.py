@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from pdserve.cluster.local_process import ClusterProcess
 from pdserve.engine.model_files import locate_model, tokenizer_folder
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.planner.live_scale import scale_workers
 from pdserve.rpc.credentials import ClientCredentials
 from pdserve.rpc.server import channel
 from pdserve.security.api_keys import digest
@@ -118,6 +119,15 @@ def test_each_key_gets_the_status_its_caps_say(cluster) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         asyncio.run(cluster_status(cluster.address, creds(cluster, "other-key")))
     assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_scaling_takes_an_admin_key(cluster) -> None:
+    for key, code in ((None, grpc.StatusCode.UNAUTHENTICATED), ("other-key", grpc.StatusCode.PERMISSION_DENIED)):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            asyncio.run(scale_workers(cluster.address, creds(cluster, key), {"prefill": 3, "decode": 3}))
+        assert caught.value.code() == code
+    same = asyncio.run(scale_workers(cluster.address, creds(cluster, "good-key"), {"prefill": 1, "decode": 1}))
+    assert dict(same.previous) == dict(same.desired) == {"prefill": 1, "decode": 1}  # the refused calls set nothing
 
 
 def test_chat_content_with_control_token_text_is_tokenized_as_text(cluster) -> None:

@@ -1,20 +1,26 @@
-"""The worker fleet: the actors a cluster wants, started (or found again), supervised, and stopped or left running.
+"""The worker fleet: the actors a cluster wants, started (or found again), supervised, scaled to the registry's
+desired counts, and stopped or left running.
 
 `pdserve controller` runs this alone, with Redis; `pdserve up` runs it beside a router in the same process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections import Counter
+from functools import partial
 from typing import Any
 
 from pdserve.cluster.actors import WorkerActors
 from pdserve.cluster.factories import WorkerServices
+from pdserve.cluster.scaling import FleetScaler, drain_over_rpc
 from pdserve.cluster.supervisor import Slot, Supervisor
 from pdserve.cluster.worker_runtime import EXIT_GRACE_S
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import ClusterConfig
+from pdserve.protocol.roles import Role
 from pdserve.registry.base import Registry, WorkerState
 
 log = logging.getLogger(__name__)
@@ -29,32 +35,44 @@ class Cluster:
         self.registry = registry
         self.actors = WorkerActors(config, workers)
         self.supervisor = Supervisor(registry, publish=publish, new_actor=self.actors.create)
+        self.scaler = FleetScaler(
+            registry,
+            self.supervisor,
+            tuple(dict.fromkeys(config.roles)),
+            self.spec,
+            lambda spec: self.actors.get_or_create(spec)[0],  # one left serving under this name is adopted
+            self._await_start,
+            partial(drain_over_rpc, timeout_s=config.worker_drain_timeout_s),
+            self.actors.kill,
+            publish,
+        )
+
+    def spec(self, role: Role, worker_id: str) -> WorkerSpec:
+        c = self.config
+        return WorkerSpec(
+            role,
+            c.worker_engine(),
+            c.host,
+            c.worker_port,
+            worker_id,
+            c.redis_url,
+            c.router.heartbeat_s,
+            metrics_port=c.worker_metrics_port,
+            log_level=c.log_level,
+            kv_transfer_timeout_s=c.kv_transfer_timeout_s,
+            drain_timeout_s=c.worker_drain_timeout_s,
+            exit_on_fatal=True,
+            advertise_host=c.advertise_host or "",
+            transfer_port=c.transfer_port,
+        )
 
     def specs(self) -> list[WorkerSpec]:
-        c = self.config
-        return [
-            WorkerSpec(
-                role,
-                c.worker_engine(),
-                c.host,
-                c.worker_port,
-                f"{role}-{i}",
-                c.redis_url,
-                c.router.heartbeat_s,
-                metrics_port=c.worker_metrics_port,
-                log_level=c.log_level,
-                kv_transfer_timeout_s=c.kv_transfer_timeout_s,
-                drain_timeout_s=c.worker_drain_timeout_s,
-                exit_on_fatal=True,
-                advertise_host=c.advertise_host or "",
-                transfer_port=c.transfer_port,
-            )
-            for i, role in enumerate(c.roles)
-        ]
+        return [self.spec(role, f"{role}-{i}") for i, role in enumerate(self.config.roles)]
 
     def start_workers(self) -> None:
-        """Creates each worker's actor, or finds it in the Ray namespace (a restarted controller), and waits until
-        every one serves."""
+        """Records the fleet's desired counts (what `pdserve scale` changes), creates each worker's actor or finds it
+        in the Ray namespace (a restarted controller), and waits until every one serves."""
+        self._init_desired_counts()
         self.actors.connect()
         found: set[str] = set()
         for spec in self.specs():
@@ -69,6 +87,16 @@ class Cluster:
             how = f"found running in Ray namespace {self.config.ray_namespace}" if worker_id in found else "started"
             log.info("worker %s ready at %s (%s)", worker_id, state.address, how)
             log.info("worker %s metrics at %s", worker_id, state.metrics_address)
+
+    def _init_desired_counts(self) -> None:
+        """The flags' counts, unless the fleet joined a Ray cluster whose registry already holds counts for its
+        mode: those outlive the process, as its detached actors do (a restarted controller keeps a live scale)."""
+        own = dict(Counter(self.config.roles))
+        kept = self.registry.desired_counts() if self.actors.detached else {}
+        if kept and set(kept) == set(own):
+            log.info("desired worker counts %s, kept from the registry", kept)
+            return
+        self.registry.set_desired_counts(own)
 
     def _await_start(self, slot: Slot) -> WorkerState:
         """The worker's state once it serves. A failed start is logged with its reason, and Ray restarts the
@@ -96,13 +124,16 @@ class Cluster:
                 time.sleep(2 * EXIT_GRACE_S)  # until the failed process is gone, not to ask it again
 
     async def watch(self) -> None:
-        """Supervises the worker actors until cancelled (see `Supervisor`)."""
-        await self.supervisor.run(self.config.router.heartbeat_s)
+        """Supervises the worker actors and scales them to the desired counts until cancelled (see `Supervisor`,
+        `FleetScaler`)."""
+        await asyncio.gather(self.supervisor.run(self.config.router.heartbeat_s), self.scaler.run())
 
     def stop_workers(self) -> None:
         import ray
 
-        for slot in self.supervisor.slots.values():
+        for slot in [*self.supervisor.slots.values(), *self.scaler.starting.values()]:
+            if slot.actor is None:
+                continue
             try:
                 ray.get(slot.actor.stop.remote(), timeout=30)
             except Exception as e:  # dead already, or stuck: killed below either way

@@ -10,7 +10,8 @@ process, so each check first knocks on the worker's gRPC port: a refused connect
 once. One whose restarts are used up (every call fails at once with ActorDiedError, twice in a row: a call in
 flight when a process dies fails once too) is replaced by a new actor with the same spec, so the cluster keeps its
 shape. So is one that drained (its state raises WorkerDrainedError): a drain means restart, and it costs the slot
-none of Ray's restarts. No error of one actor ends the loop.
+none of Ray's restarts. A slot the fleet scales away (`leaving`) is neither restarted nor replaced: the scaler
+drains it and drops it. No error of one actor ends the loop.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Slot:
     died: int = 0  # ActorDiedErrors in a row
     timeouts: int = 0  # checks in a row that got no answer in time
     replacements: int = 0
+    leaving: bool = False  # scaled down: draining for good, never restarted or replaced
 
 
 class Supervisor:
@@ -95,7 +97,7 @@ class Supervisor:
         except ActorDiedError as e:
             slot.died += 1
             await self._unlist(slot, "its actor died")
-            if slot.died >= DEAD_AFTER:
+            if slot.died >= DEAD_AFTER and not slot.leaving:
                 await self._replace(slot, e)
             return
         except TimeoutError:
@@ -106,7 +108,7 @@ class Supervisor:
         except Exception as e:  # starting, leaving (its engine died, or drained), or an error of its own
             slot.died = 0
             await self._unlist(slot, _first_line(e))
-            if isinstance(getattr(e, "cause", None) or e, WorkerDrainedError):
+            if isinstance(getattr(e, "cause", None) or e, WorkerDrainedError) and not slot.leaving:
                 await self._restart_drained(slot)
             return
         slot.died = slot.timeouts = 0

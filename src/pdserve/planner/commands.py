@@ -1,19 +1,22 @@
-"""`pdserve profile`, `pdserve plan` and `pdserve scale`: their flags and how each runs."""
+"""`pdserve profile`, `pdserve plan`, `pdserve scale` and `pdserve autoscale`: their flags and how each runs."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from pdserve.flags import add_engine_flags, engine_config
+from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 
 def add_planner_commands(sub: argparse._SubParsersAction) -> None:
     _add_profile(sub)
     _add_plan(sub)
     _add_scale(sub)
+    _add_autoscale(sub)
 
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:
@@ -90,26 +93,86 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _add_scale(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("scale", help="set the prefill and decode worker counts (--kubernetes: the chart's RayCluster)")
+    p = sub.add_parser(
+        "scale",
+        help="set the worker counts of a running cluster (--addr ROUTER) or of the chart's RayCluster (--kubernetes)",
+    )
+    p.add_argument("--addr", help="router HOST:PORT: scale the cluster behind it live (pdserve up or controller)")
     p.add_argument("--prefill", type=int, help="prefill workers")
     p.add_argument("--decode", type=int, help="decode workers")
+    p.add_argument("--colocated", type=int, help="workers of a colocated cluster (--addr only)")
+    p.add_argument("--wait", action="store_true", help="--addr: return once the counts serve (new ones warmed up)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits")
     p.add_argument("--kubernetes", action="store_true", help="patch the Helm release's RayCluster worker groups")
     p.add_argument("--release", default="pdserve", help="the Helm release name")
     p.add_argument("--namespace", default="default", help="the release's namespace")
-    p.add_argument("--dry-run", action="store_true", help="print the JSON patch, change nothing")
+    p.add_argument("--dry-run", action="store_true", help="print the change (--kubernetes: the JSON patch), make none")
+    add_client_flags(p)
     p.set_defaults(func=_scale)
 
 
 def _scale(args: argparse.Namespace) -> int:
+    if bool(args.addr) == args.kubernetes:
+        print("pdserve scale: give --addr ROUTER (a running cluster) or --kubernetes, not both", file=sys.stderr)
+        return 2
+    roles = ("prefill", "decode", "colocated") if args.addr else ("prefill", "decode")
+    counts = {role: n for role in roles if (n := getattr(args, role)) is not None}
+    if not counts:
+        print(f"pdserve scale: give {' and/or '.join('--' + r for r in roles)}", file=sys.stderr)
+        return 2
+    if negative := [role for role, n in counts.items() if n < 0]:
+        print(f"pdserve scale: --{negative[0]} must be >= 0", file=sys.stderr)
+        return 2
+    return _scale_live(args, counts) if args.addr else _scale_kubernetes(args, counts)
+
+
+def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
+    import asyncio
+
+    import grpc
+
+    from pdserve.planner.live_scale import (
+        all_counts,
+        cluster_status,
+        format_counts,
+        scale_workers,
+        serving_counts,
+        wait_settled,
+    )
+
+    credentials = client_credentials(args)
+
+    async def run() -> int:
+        status = await cluster_status(args.addr, credentials)
+        before = dict(status.desired) or all_counts(status)
+        target = {**before, **counts}  # a role not named keeps its count
+        print(f"desired: {format_counts(before)} -> {format_counts(target)}")
+        print(f"serving: {format_counts(serving_counts(status))}")
+        if args.dry_run:
+            return 0
+        reply = await scale_workers(args.addr, credentials, target)
+        print(f"set: {format_counts(dict(reply.desired))}")
+        if not args.wait:
+            return 0
+        start = time.monotonic()
+        try:
+            await wait_settled(args.addr, credentials, dict(reply.desired), args.timeout)
+        except TimeoutError as e:
+            print(f"pdserve scale: not settled: {e}", file=sys.stderr)
+            return 1
+        print(f"serving: {format_counts(dict(reply.desired))} ({time.monotonic() - start:.1f} s)")
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except grpc.aio.AioRpcError as e:
+        print(f"pdserve scale: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+
+
+def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
     from pdserve.planner.kube_scale import apply_patch, raycluster_name, replicas_patch
 
-    if not args.kubernetes:
-        print("pdserve scale: only --kubernetes is supported so far (live local scaling is not built)", file=sys.stderr)
-        return 2
-    counts = {role: n for role, n in (("prefill", args.prefill), ("decode", args.decode)) if n is not None}
-    if not counts:
-        print("pdserve scale: give --prefill and/or --decode", file=sys.stderr)
-        return 2
     name = raycluster_name(args.release)
     try:
         patch = replicas_patch(counts) if args.dry_run else apply_patch(name, args.namespace, counts)
@@ -122,3 +185,46 @@ def _scale(args: argparse.Namespace) -> int:
     print(f"RayCluster {args.namespace}/{name} (ray.io/v1):", file=sys.stderr)
     print(json.dumps(patch, indent=1))
     return 0
+
+
+def _add_autoscale(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("autoscale", help="re-plan the split from a router's live load and scale it, with hysteresis")
+    p.add_argument("--addr", required=True, help="router HOST:PORT")
+    p.add_argument("--profile", type=Path, required=True, help="from pdserve profile")
+    p.add_argument("--slo-ttft-ms", type=float, required=True)
+    p.add_argument("--slo-tpot-ms", type=float, required=True)
+    p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both SLOs")
+    p.add_argument("--max-workers", type=int, required=True, help="never more workers than this in all")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between decisions")
+    p.add_argument("--window", type=float, default=60.0, help="seconds of admitted load each decision looks at")
+    p.add_argument("--consecutive", type=int, default=3, help="the same recommendation this many times before acting")
+    p.add_argument("--cooldown", type=float, default=120.0, help="seconds after a scale before the next one")
+    p.add_argument("--once", action="store_true", help="one decision once the window is covered, printed; then exit")
+    p.add_argument("--dry-run", action="store_true", help="decide and print, never scale")
+    add_client_flags(p)
+    p.set_defaults(func=_autoscale)
+
+
+def _autoscale(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pdserve.planner.autoscale_loop import AutoscaleConfig, run_autoscale
+    from pdserve.planner.hardware import HardwareProfile
+    from pdserve.planner.plan import SLO
+
+    try:
+        if args.max_workers < 2 or args.consecutive < 1 or args.interval <= 0 or args.window <= 0:
+            raise ValueError("need --max-workers >= 2, --consecutive >= 1, --interval > 0 and --window > 0")
+        config = AutoscaleConfig(
+            HardwareProfile.load(args.profile),
+            SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment),
+            *(args.max_workers, args.interval, args.window, args.consecutive, args.cooldown),
+            once=args.once,
+            dry_run=args.dry_run,
+        )
+        return asyncio.run(run_autoscale(args.addr, client_credentials(args), config))
+    except (ValueError, OSError) as e:
+        print(f"pdserve autoscale: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0

@@ -69,6 +69,17 @@ class Registry(ABC):
         """Called by routers per request: the live workers, optionally of one role. Never does I/O and never
         raises for a lost backend: it answers from the last view it had, within that view's age limit."""
 
+    @abstractmethod
+    def desired_counts(self) -> dict[Role, int]:
+        """How many workers of each role the cluster should run ({} until the fleet or `pdserve scale` set them):
+        where every router and the fleet agree on the cluster's shape. A remote registry blocks briefly and raises
+        when it cannot answer; call it off the event loop."""
+
+    @abstractmethod
+    def set_desired_counts(self, counts: dict[Role, int]) -> None:
+        """Replaces the desired counts whole (the fleet starts or stops workers to match). Blocks and raises as
+        `desired_counts`."""
+
     async def start(self) -> None:  # noqa: B027 (a no-op unless the registry is remote)
         """Called once on the router's event loop before it serves: a remote registry starts keeping its
         view fresh in the background here, so that `workers` never waits on the network."""

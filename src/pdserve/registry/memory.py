@@ -14,6 +14,7 @@ class InMemoryRegistry(Registry):
     def __init__(self, ttl_s: float = DEFAULT_TTL_S) -> None:
         self.ttl_s = ttl_s
         self._workers: dict[str, WorkerState] = {}
+        self._desired: dict[Role, int] = {}
         self._lock = threading.Lock()
 
     def publish(self, state: WorkerState) -> None:
@@ -28,6 +29,14 @@ class InMemoryRegistry(Registry):
         oldest = time.time() - self.ttl_s
         with self._lock:
             return [w for w in self._workers.values() if w.updated_at >= oldest and (role is None or w.role == role)]
+
+    def desired_counts(self) -> dict[Role, int]:
+        with self._lock:
+            return dict(self._desired)
+
+    def set_desired_counts(self, counts: dict[Role, int]) -> None:
+        with self._lock:
+            self._desired = {Role(r): int(n) for r, n in counts.items()}
 
 
 class InMemoryPrefixIndex(PrefixIndex):

@@ -29,6 +29,7 @@ PREFIX = "pdserve"
 PREFIX_TTL_S = 3600
 TIMEOUT_S = 0.25  # any one Redis call: an unreachable Redis costs this, never a stalled thread or request
 WORKERS_KEY = f"{PREFIX}:workers"
+DESIRED_COUNTS_KEY = f"{PREFIX}:desired_counts"  # a hash role -> workers: the shape the fleet keeps (no TTL)
 
 
 def worker_key(worker_id: str) -> str:
@@ -109,6 +110,22 @@ class RedisRegistry(Registry):
         pipe = self._redis.pipeline()
         pipe.delete(worker_key(worker_id))
         pipe.srem(WORKERS_KEY, worker_id)
+        pipe.execute()
+
+    def desired_counts(self) -> dict[Role, int]:
+        counts: dict[Role, int] = {}
+        for role, n in self._redis.hgetall(DESIRED_COUNTS_KEY).items():
+            try:
+                counts[Role(role.decode())] = int(n)
+            except ValueError:  # written by anyone with access to Redis: a field that is no role, or no count
+                log.error("%s: field %r = %r skipped, not a role and a count", DESIRED_COUNTS_KEY, role, n)
+        return counts
+
+    def set_desired_counts(self, counts: dict[Role, int]) -> None:
+        pipe = self._redis.pipeline()  # one transaction: no reader sees the hash empty or half written
+        pipe.delete(DESIRED_COUNTS_KEY)
+        if counts:
+            pipe.hset(DESIRED_COUNTS_KEY, mapping={str(r): int(n) for r, n in counts.items()})
         pipe.execute()
 
     def workers(self, role: Role | None = None) -> list[WorkerState]:

@@ -24,25 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"J\n\x13\x44rainWorkersRequest\x12\x12\n\nworker_ids\x18\x01 \x03(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\xba\x01\n\x0bWorkerDrain\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07\x64rained\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0c\n\x04held\x18\x05 \x01(\r\x12\x10\n\x08\x66inished\x18\x06 \x01(\r\x12\r\n\x05moved\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_held\x18\x08 \x01(\r\x12\x16\n\x0ekv_blocks_left\x18\t \x01(\r\x12\x0f\n\x07seconds\x18\n \x01(\x01\"@\n\x14\x44rainWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerDrain\"\x16\n\x14\x43lusterStatusRequest\"\xf6\x02\n\x0cWorkerStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06health\x18\x04 \x01(\t\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\t \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\n \x01(\r\x12\x13\n\x0bttft_p50_ms\x18\x0b \x01(\x01\x12\x13\n\x0bttft_p99_ms\x18\x0c \x01(\x01\x12\x13\n\x0btpot_p50_ms\x18\r \x01(\x01\x12\x13\n\x0btpot_p99_ms\x18\x0e \x01(\x01\x12\x17\n\x0fmetrics_address\x18\x0f \x01(\t\x12\x13\n\x0bstate_age_s\x18\x10 \x01(\x01\x12\x0b\n\x03pid\x18\x11 \x01(\r\x12\x10\n\x08\x64raining\x18\x12 \x01(\x08\"g\n\x15\x43lusterStatusResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x32\xb0\x01\n\x05\x41\x64min\x12T\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a!.pdserve.v1.ClusterStatusResponse\x12Q\n\x0c\x44rainWorkers\x12\x1f.pdserve.v1.DrainWorkersRequest\x1a .pdserve.v1.DrainWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"I\n\x13ScaleWorkersRequest\x12\x0f\n\x07prefill\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\r\x12\x11\n\tcolocated\x18\x03 \x01(\r\"\xf9\x01\n\x14ScaleWorkersResponse\x12@\n\x08previous\x18\x01 \x03(\x0b\x32..pdserve.v1.ScaleWorkersResponse.PreviousEntry\x12>\n\x07\x64\x65sired\x18\x02 \x03(\x0b\x32-.pdserve.v1.ScaleWorkersResponse.DesiredEntry\x1a/\n\rPreviousEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a.\n\x0c\x44\x65siredEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"J\n\x13\x44rainWorkersRequest\x12\x12\n\nworker_ids\x18\x01 \x03(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\xba\x01\n\x0bWorkerDrain\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07\x64rained\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0c\n\x04held\x18\x05 \x01(\r\x12\x10\n\x08\x66inished\x18\x06 \x01(\r\x12\r\n\x05moved\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_held\x18\x08 \x01(\r\x12\x16\n\x0ekv_blocks_left\x18\t \x01(\r\x12\x0f\n\x07seconds\x18\n \x01(\x01\"@\n\x14\x44rainWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerDrain\"\x16\n\x14\x43lusterStatusRequest\"\xf6\x02\n\x0cWorkerStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06health\x18\x04 \x01(\t\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\t \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\n \x01(\r\x12\x13\n\x0bttft_p50_ms\x18\x0b \x01(\x01\x12\x13\n\x0bttft_p99_ms\x18\x0c \x01(\x01\x12\x13\n\x0btpot_p50_ms\x18\r \x01(\x01\x12\x13\n\x0btpot_p99_ms\x18\x0e \x01(\x01\x12\x17\n\x0fmetrics_address\x18\x0f \x01(\t\x12\x13\n\x0bstate_age_s\x18\x10 \x01(\x01\x12\x0b\n\x03pid\x18\x11 \x01(\r\x12\x10\n\x08\x64raining\x18\x12 \x01(\x08\"\xb0\x02\n\x15\x43lusterStatusResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12?\n\x07\x64\x65sired\x18\x04 \x03(\x0b\x32..pdserve.v1.ClusterStatusResponse.DesiredEntry\x12\x19\n\x11\x61\x64mitted_requests\x18\x05 \x01(\x04\x12\x1e\n\x16\x61\x64mitted_prompt_tokens\x18\x06 \x01(\x04\x12\x1b\n\x13\x61\x64mitted_max_tokens\x18\x07 \x01(\x04\x1a.\n\x0c\x44\x65siredEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x32\x83\x02\n\x05\x41\x64min\x12T\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a!.pdserve.v1.ClusterStatusResponse\x12Q\n\x0c\x44rainWorkers\x12\x1f.pdserve.v1.DrainWorkersRequest\x1a .pdserve.v1.DrainWorkersResponse\x12Q\n\x0cScaleWorkers\x12\x1f.pdserve.v1.ScaleWorkersRequest\x1a .pdserve.v1.ScaleWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAINWORKERSREQUEST']._serialized_start=38
-  _globals['_DRAINWORKERSREQUEST']._serialized_end=112
-  _globals['_WORKERDRAIN']._serialized_start=115
-  _globals['_WORKERDRAIN']._serialized_end=301
-  _globals['_DRAINWORKERSRESPONSE']._serialized_start=303
-  _globals['_DRAINWORKERSRESPONSE']._serialized_end=367
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=369
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=391
-  _globals['_WORKERSTATUS']._serialized_start=394
-  _globals['_WORKERSTATUS']._serialized_end=768
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=770
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=873
-  _globals['_ADMIN']._serialized_start=876
-  _globals['_ADMIN']._serialized_end=1052
+  _globals['_SCALEWORKERSRESPONSE_PREVIOUSENTRY']._loaded_options = None
+  _globals['_SCALEWORKERSRESPONSE_PREVIOUSENTRY']._serialized_options = b'8\001'
+  _globals['_SCALEWORKERSRESPONSE_DESIREDENTRY']._loaded_options = None
+  _globals['_SCALEWORKERSRESPONSE_DESIREDENTRY']._serialized_options = b'8\001'
+  _globals['_CLUSTERSTATUSRESPONSE_DESIREDENTRY']._loaded_options = None
+  _globals['_CLUSTERSTATUSRESPONSE_DESIREDENTRY']._serialized_options = b'8\001'
+  _globals['_SCALEWORKERSREQUEST']._serialized_start=38
+  _globals['_SCALEWORKERSREQUEST']._serialized_end=111
+  _globals['_SCALEWORKERSRESPONSE']._serialized_start=114
+  _globals['_SCALEWORKERSRESPONSE']._serialized_end=363
+  _globals['_SCALEWORKERSRESPONSE_PREVIOUSENTRY']._serialized_start=268
+  _globals['_SCALEWORKERSRESPONSE_PREVIOUSENTRY']._serialized_end=315
+  _globals['_SCALEWORKERSRESPONSE_DESIREDENTRY']._serialized_start=317
+  _globals['_SCALEWORKERSRESPONSE_DESIREDENTRY']._serialized_end=363
+  _globals['_DRAINWORKERSREQUEST']._serialized_start=365
+  _globals['_DRAINWORKERSREQUEST']._serialized_end=439
+  _globals['_WORKERDRAIN']._serialized_start=442
+  _globals['_WORKERDRAIN']._serialized_end=628
+  _globals['_DRAINWORKERSRESPONSE']._serialized_start=630
+  _globals['_DRAINWORKERSRESPONSE']._serialized_end=694
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=696
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=718
+  _globals['_WORKERSTATUS']._serialized_start=721
+  _globals['_WORKERSTATUS']._serialized_end=1095
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1098
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1402
+  _globals['_CLUSTERSTATUSRESPONSE_DESIREDENTRY']._serialized_start=317
+  _globals['_CLUSTERSTATUSRESPONSE_DESIREDENTRY']._serialized_end=363
+  _globals['_ADMIN']._serialized_start=1405
+  _globals['_ADMIN']._serialized_end=1664
 # @@protoc_insertion_point(module_scope)

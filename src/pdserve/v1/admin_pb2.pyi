@@ -6,6 +6,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ScaleWorkersRequest(_message.Message):
+    __slots__ = ("prefill", "decode", "colocated")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_FIELD_NUMBER: _ClassVar[int]
+    prefill: int
+    decode: int
+    colocated: int
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., colocated: _Optional[int] = ...) -> None: ...
+
+class ScaleWorkersResponse(_message.Message):
+    __slots__ = ("previous", "desired")
+    class PreviousEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class DesiredEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    previous: _containers.ScalarMap[str, int]
+    desired: _containers.ScalarMap[str, int]
+    def __init__(self, previous: _Optional[_Mapping[str, int]] = ..., desired: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
 class DrainWorkersRequest(_message.Message):
     __slots__ = ("worker_ids", "host", "timeout_s")
     WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -91,11 +123,26 @@ class WorkerStatus(_message.Message):
     def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tpot_p50_ms: _Optional[float] = ..., tpot_p99_ms: _Optional[float] = ..., metrics_address: _Optional[str] = ..., state_age_s: _Optional[float] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("workers", "in_flight", "draining")
+    __slots__ = ("workers", "in_flight", "draining", "desired", "admitted_requests", "admitted_prompt_tokens", "admitted_max_tokens")
+    class DesiredEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     in_flight: int
     draining: bool
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    desired: _containers.ScalarMap[str, int]
+    admitted_requests: int
+    admitted_prompt_tokens: int
+    admitted_max_tokens: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., desired: _Optional[_Mapping[str, int]] = ..., admitted_requests: _Optional[int] = ..., admitted_prompt_tokens: _Optional[int] = ..., admitted_max_tokens: _Optional[int] = ...) -> None: ...

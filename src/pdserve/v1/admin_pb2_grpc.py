@@ -44,6 +44,11 @@ class AdminStub:
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkersRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkersResponse.FromString,
                 _registered_method=True)
+        self.ScaleWorkers = channel.unary_unary(
+                '/pdserve.v1.Admin/ScaleWorkers',
+                request_serializer=pdserve_dot_v1_dot_admin__pb2.ScaleWorkersRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_admin__pb2.ScaleWorkersResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -64,6 +69,15 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScaleWorkers(self, request, context):
+        """Sets how many workers of each role the cluster runs (`pdserve scale --addr`); answers at once, before the
+        fleet has started (new ones serve only once warmed up) or drained (removed ones finish or move their requests)
+        any worker. `pdserve status` shows the desired counts beside the workers serving.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +90,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.DrainWorkers,
                     request_deserializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkersRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_admin__pb2.DrainWorkersResponse.SerializeToString,
+            ),
+            'ScaleWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScaleWorkers,
+                    request_deserializer=pdserve_dot_v1_dot_admin__pb2.ScaleWorkersRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_admin__pb2.ScaleWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +151,33 @@ class Admin:
             '/pdserve.v1.Admin/DrainWorkers',
             pdserve_dot_v1_dot_admin__pb2.DrainWorkersRequest.SerializeToString,
             pdserve_dot_v1_dot_admin__pb2.DrainWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScaleWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/ScaleWorkers',
+            pdserve_dot_v1_dot_admin__pb2.ScaleWorkersRequest.SerializeToString,
+            pdserve_dot_v1_dot_admin__pb2.ScaleWorkersResponse.FromString,
             options,
             channel_credentials,
             insecure,

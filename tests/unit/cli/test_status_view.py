@@ -94,3 +94,19 @@ def test_a_wide_terminal_gets_the_table():
     for w in reply().workers:
         row = next(line for line in text.splitlines() if w.id in line)
         assert w.role in row and w.address in row  # one row per worker
+
+
+def test_the_title_shows_the_desired_counts_and_the_serving_ones_while_they_differ():
+    r = apb.ClusterStatusResponse(
+        workers=[
+            apb.WorkerStatus(id="prefill-0", role="prefill", health="SERVING"),
+            apb.WorkerStatus(id="prefill-2", role="prefill", health="NOT_SERVING"),  # still warming up
+            apb.WorkerStatus(id="decode-1", role="decode", health="SERVING"),
+        ],
+        desired={"decode": 1, "prefill": 2},
+    )
+    title = plain_text(r, ADDRESS).splitlines()[0]
+    assert title.endswith("; desired 2 prefill, 1 decode (serving 1 prefill, 1 decode)")
+    r.workers[1].health = "SERVING"
+    assert plain_text(r, ADDRESS).splitlines()[0].endswith("; desired 2 prefill, 1 decode")
+    assert "desired" not in plain_text(reply(), ADDRESS)  # unknown counts: nothing said

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.prefix_hash import prefix_hashes
+from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 
@@ -102,3 +103,12 @@ async def test_prefix_index_is_an_lru_bounded_per_worker():
     assert sum([(await index.match(["w"], [h]))["w"] for h in (a, b, c, d, e)]) == 4
     index.record("other", [a, b, c, d, e])  # bounded per worker, not shared
     assert await index.match(["w"], [a]) == {"w": 1}
+
+
+def test_desired_counts_are_replaced_whole_and_read_back_as_roles():
+    reg = InMemoryRegistry()
+    assert reg.desired_counts() == {}
+    reg.set_desired_counts({"prefill": 2, "decode": 3})  # type: ignore[dict-item] (a role's string is accepted)
+    assert reg.desired_counts() == {Role.PREFILL: 2, Role.DECODE: 3}
+    reg.set_desired_counts({Role.COLOCATED: 4})
+    assert reg.desired_counts() == {Role.COLOCATED: 4}

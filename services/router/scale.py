@@ -1,0 +1,31 @@
+"""`pdserve scale --addr` as the router answers it: the counts asked for, checked against the cluster's shape,
+become the registry's desired counts, which the fleet (in `pdserve up`, or a `pdserve controller` reading Redis)
+starts or drains workers to match. The router only records the wish: starting a worker takes far longer than an
+RPC should, and the fleet may be another process."""
+
+from __future__ import annotations
+
+from pdserve.addresses import PORT_SPAN
+from pdserve.errors import InvalidRequestError
+from pdserve.protocol.roles import Role
+
+# Workers of a role on one host take the fixed ports after the first (PORT_SPAN of them): more cannot all listen.
+MAX_WORKERS_PER_ROLE = PORT_SPAN
+
+
+def scale_target(asked: dict[Role, int], current: dict[Role, int], registered: set[Role]) -> dict[Role, int]:
+    """The desired counts `asked` sets (a count of 0 is one not given), or InvalidRequestError naming the field.
+    The cluster's mode comes from its desired counts, else from the workers registered, else from what is asked:
+    a colocated cluster takes `colocated` alone, a disaggregated one `prefill` and `decode`, each at least 1."""
+    known = set(current) or registered
+    colocated = Role.COLOCATED in known if known else bool(asked.get(Role.COLOCATED))
+    wanted = (Role.COLOCATED,) if colocated else (Role.PREFILL, Role.DECODE)
+    for role, n in asked.items():
+        if n and role not in wanted:
+            shape = "colocated: set colocated only" if colocated else "disaggregated: set prefill and decode"
+            raise InvalidRequestError(str(role), f"this cluster is {shape}")
+    for role in wanted:
+        n = asked.get(role, 0)
+        if not 1 <= n <= MAX_WORKERS_PER_ROLE:
+            raise InvalidRequestError(str(role), f"must be 1 to {MAX_WORKERS_PER_ROLE}, got {n}")
+    return {role: asked[role] for role in wanted}

@@ -1,0 +1,239 @@
+"""The fleet's side of `pdserve scale`: it keeps as many workers of each role as the registry's desired counts say.
+
+Every few seconds it compares the desired counts (set at the fleet's start and by the router's ScaleWorkers, in the
+registry so that any router and a separate `pdserve controller` agree) with its slots. A worker added gets the next
+`role-i` id and enters placement only once it serves and has warmed up, as at the fleet's start. A worker
+removed is the least loaded of its role: it drains (out of placement at once, its requests finish or move), then
+its actor is killed and its slot dropped. Its slot is marked `leaving` first, so the supervisor neither restarts it
+when its drain ends nor replaces it if it dies meanwhile. No role goes below one worker. Starts and drains run in
+the background, so a long one never holds up the next change: a start still under way when the count drops again
+is called off before any serving worker drains, and one that does not serve within `START_TIMEOUT_S` (no node can
+host it) is killed, for the next pass to try anew.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import replace
+from typing import Any
+
+from pdserve.cluster.supervisor import CHECK_TIMEOUT_S, Slot, Supervisor
+from pdserve.cluster.worker_spec import WorkerSpec
+from pdserve.protocol.roles import Role
+from pdserve.registry.base import Registry, WorkerState
+
+log = logging.getLogger(__name__)
+SCALE_CHECK_S = 1.0  # how often the desired counts are read: a scale starts within this
+START_TIMEOUT_S = 600.0  # a worker's own wait for its model and warm-up; longer: it cannot start (no node for it)
+DRAIN_ANSWER_SLACK_S = 90.0  # past the drain's own timeout (as the router's `pdserve drain` waits)
+
+
+def index_of(worker_id: str) -> int:
+    """`prefill-3` -> 3; -1 for an id not made by the fleet."""
+    tail = worker_id.rpartition("-")[2]
+    return int(tail) if tail.isdigit() else -1
+
+
+def next_worker_id(role: Role, taken: set[str]) -> str:
+    """`role-i` with i one past the highest index in use: the fleet numbers its workers across roles from 0 at its
+    start (1P:1D is prefill-0 and decode-1), so an id never names two workers at once."""
+    return f"{role}-{max(map(index_of, taken), default=-1) + 1}"
+
+
+def load_of(state: WorkerState | None) -> tuple[int, int, int]:
+    """What leaving would cost: requests held, prompt tokens queued, KV blocks in use (None: not serving, nothing)."""
+    if state is None:
+        return (0, 0, 0)
+    return (state.running + state.waiting, state.queued_prefill_tokens, state.kv_blocks_total - state.kv_blocks_free)
+
+
+def pick_leaving(slots: list[Slot], states: dict[str, WorkerState | None], n: int) -> list[Slot]:
+    """The `n` least-loaded of `slots` (one role's); on a tie the highest index (the newest) goes first."""
+
+    def key(slot: Slot) -> tuple[tuple[int, int, int], int]:
+        return load_of(states.get(slot.spec.worker_id)), -index_of(slot.spec.worker_id)
+
+    return sorted(slots, key=key)[:n]
+
+
+class FleetScaler:
+    """`create` makes a worker's actor (or finds it by name) and `await_start` waits until it serves (both block);
+    `drain` drains a worker over its WorkerControl service; `publish`: the fleet keeps the (embedded) registry
+    current itself, so a leaving worker is marked draining there at once."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        supervisor: Supervisor,
+        roles: tuple[Role, ...],
+        new_spec: Callable[[Role, str], WorkerSpec],
+        create: Callable[[WorkerSpec], Any],
+        await_start: Callable[[Slot], WorkerState],
+        drain: Callable[[Slot], Awaitable[None]],
+        kill: Callable[[Any], None],
+        publish: bool,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
+        self.registry = registry
+        self.supervisor = supervisor
+        self.roles = roles  # the fleet's mode: desired counts of other roles are not its to act on
+        self.new_spec = new_spec
+        self.create = create
+        self.await_start = await_start
+        self.drain = drain
+        self.kill = kill
+        self.publish = publish
+        self.start_timeout_s = start_timeout_s
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.starting: dict[str, Slot] = {}  # actors made, not yet serving: not the supervisor's until they are
+        self._unread = False  # the last read of the desired counts failed (logged once per outage)
+
+    async def run(self, interval_s: float = SCALE_CHECK_S) -> None:
+        try:
+            while True:
+                try:
+                    await self.reconcile()
+                except Exception as e:  # a bug in one pass: reported, and the next pass tries again
+                    log.error("scaling pass failed: %r", e, exc_info=e)
+                await asyncio.sleep(interval_s)
+        finally:  # the fleet is stopping: it stops or leaves every actor itself
+            for task in list(self._tasks):
+                task.cancel()
+
+    async def reconcile(self) -> None:
+        """One pass: sets off the starts and drains that bring each role to its desired count. They run on in the
+        background (a start takes seconds to minutes, a drain up to its timeout), so a pass never waits on one and
+        the next passes count them: a start no longer wanted is called off before any serving worker drains."""
+        desired = await self._desired()
+        for role in (r for r in self.roles if r in desired):
+            serving = [s for s in self.supervisor.slots.values() if s.spec.role == role and not s.leaving]
+            starting = [s for s in self.starting.values() if s.spec.role == role and not s.leaving]
+            extra = len(serving) + len(starting) - max(1, desired[role])
+            for _ in range(-extra):
+                self._spawn(self._start(self._new_slot(role)))
+            for slot in sorted(starting, key=lambda s: -index_of(s.spec.worker_id))[: max(0, extra)]:
+                self._call_off(slot)
+            extra -= len(starting)
+            if extra > 0:
+                for slot in pick_leaving(serving, await self._states(serving), min(extra, len(serving) - 1)):
+                    slot.leaving = True
+                    self._spawn(self._remove(slot))
+
+    async def settle(self) -> None:
+        """Waits for the starts and drains under way (tests)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _desired(self) -> dict[Role, int]:
+        try:
+            desired = await asyncio.to_thread(self.registry.desired_counts)
+        except Exception as e:  # Redis down: the fleet keeps its shape until it can read the counts again
+            if not self._unread:
+                log.warning("cannot read the desired worker counts (%r); keeping the fleet as it is", e)
+            self._unread = True
+            return {}
+        self._unread = False
+        return desired
+
+    async def _states(self, slots: list[Slot]) -> dict[str, WorkerState | None]:
+        """Each worker's load now, from its actor (a remote registry's view is the routers', not the fleet's)."""
+
+        async def state(slot: Slot) -> WorkerState | None:
+            try:
+                return await asyncio.wait_for(slot.actor.state.remote(), CHECK_TIMEOUT_S)
+            except Exception:  # starting, dead or stuck: it holds nothing a drain could save
+                return None
+
+        found = await asyncio.gather(*(state(s) for s in slots))
+        return {s.spec.worker_id: st for s, st in zip(slots, found, strict=True)}
+
+    def _new_slot(self, role: Role) -> Slot:
+        """A slot with the next id, counted as starting from now on (before its task runs)."""
+        spec = self.new_spec(role, next_worker_id(role, {*self.supervisor.slots, *self.starting}))
+        slot = Slot(spec, None)
+        self.starting[spec.worker_id] = slot
+        log.warning("scaling up: starting worker %s", spec.worker_id)
+        return slot
+
+    def _call_off(self, slot: Slot) -> None:
+        """A start no longer wanted: its actor goes now (a wait for it to serve then fails), or as soon as made."""
+        slot.leaving = True
+        log.warning("scaling down: worker %s is no longer wanted before it serves", slot.spec.worker_id)
+        if slot.actor is not None:
+            self._spawn(asyncio.to_thread(self._kill_quietly, slot.actor))
+
+    async def _start(self, slot: Slot) -> None:
+        """Lists the worker once it serves (warmed up), as at the fleet's start; a worker that cannot start in
+        `start_timeout_s` (no node can host it, say) is killed, and the next pass tries a new one."""
+        name = slot.spec.worker_id
+        try:
+            slot.actor = await asyncio.to_thread(self.create, slot.spec)
+            state = None if slot.leaving else await self._serving(slot)
+            if state is None or slot.leaving:
+                raise RuntimeError("called off")
+        except Exception as e:
+            log.log(logging.INFO if slot.leaving else logging.ERROR, "worker %s not started: %r", name, e)
+            if slot.actor is not None:
+                await asyncio.to_thread(self._kill_quietly, slot.actor)
+            return
+        finally:
+            self.starting.pop(name, None)
+        try:
+            await asyncio.to_thread(self.registry.publish, state)
+        except Exception as e:  # Redis down: the worker's own heartbeat lists it once Redis answers
+            log.warning("could not list worker %s in the registry: %r", name, e)
+        slot.listed, slot.address = True, state.address
+        self.supervisor.slots[name] = slot
+        log.warning("worker %s ready at %s (scaled up)", name, state.address)
+
+    async def _serving(self, slot: Slot) -> WorkerState:
+        return await asyncio.wait_for(asyncio.to_thread(self.await_start, slot), self.start_timeout_s)
+
+    def _kill_quietly(self, actor: Any) -> None:
+        try:
+            self.kill(actor)
+        except Exception as e:  # gone already
+            log.info("kill: %r", e)
+
+    async def _remove(self, slot: Slot) -> None:
+        name = slot.spec.worker_id
+        log.warning("scaling down: draining worker %s at %s", name, slot.address)
+        if self.publish:  # out of placement now, not at the supervisor's next check
+            found = [w for w in self.registry.workers() if w.worker_id == name]
+            if found:
+                self.registry.publish(replace(found[0], draining=True, updated_at=time.time()))
+        try:
+            await self.drain(slot)
+        except Exception as e:  # unreachable or dead: what it held moves as after a crash
+            log.error("worker %s did not drain (%r); stopping it anyway", name, e)
+        await asyncio.to_thread(self._kill_quietly, slot.actor)
+        try:
+            await asyncio.to_thread(self.registry.remove, name)
+        except Exception as e:  # Redis down: its key's TTL removes it
+            log.warning("could not remove worker %s from the registry: %r", name, e)
+        self.supervisor.slots.pop(name, None)
+        log.warning("worker %s removed (scaled down)", name)
+
+
+async def drain_over_rpc(slot: Slot, timeout_s: float) -> None:
+    """The worker's own WorkerControl `Drain`, as `pdserve drain` asks it; returns once it drained."""
+    from pdserve.rpc.server import internal_channel
+    from pdserve.v1 import worker_pb2 as wpb
+    from pdserve.v1 import worker_pb2_grpc
+
+    async with internal_channel(slot.address) as ch:
+        r = await worker_pb2_grpc.WorkerControlStub(ch).Drain(
+            wpb.DrainRequest(timeout_s=timeout_s), timeout=timeout_s + DRAIN_ANSWER_SLACK_S
+        )
+    log.warning(
+        "worker %s drained in %.1f s: held %d requests, %d moved; %d KV blocks left",
+        *(r.worker_id, r.seconds, r.held, r.moved, r.kv_blocks_left),
+    )

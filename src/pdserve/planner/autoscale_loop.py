@@ -1,0 +1,75 @@
+"""`pdserve autoscale`'s loop: every interval, the router's status (its admitted counters and desired counts), one
+decision (`autoscale.py`), and ScaleWorkers when the decision is to scale. Each decision is printed as one JSON
+line: `{"load": {"rate", "input_len", "output_len"}, "current", "recommended", "action": "scale"|"hold", "why"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import asdict, dataclass
+
+import grpc
+
+from pdserve.planner.autoscale import Admitted, Decision, Hysteresis, LoadWindow, bounded, recommend_counts
+from pdserve.planner.hardware import HardwareProfile
+from pdserve.planner.live_scale import all_counts, cluster_status, scale_workers
+from pdserve.planner.plan import SLO
+from pdserve.rpc.credentials import ClientCredentials
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    profile: HardwareProfile
+    slo: SLO
+    max_workers: int
+    interval_s: float
+    window_s: float
+    consecutive: int
+    cooldown_s: float
+    once: bool  # one decision (once the window is covered), printed, then exit
+    dry_run: bool  # decide and print, never scale
+
+
+async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleConfig) -> int:
+    window, hysteresis = LoadWindow(c.window_s), Hysteresis(c.consecutive, c.cooldown_s)
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            status = await cluster_status(addr, credentials)
+        except grpc.aio.AioRpcError as e:  # the router restarting, say: the next interval asks again
+            log.warning("no status from %s: %s: %s", addr, e.code().name, e.details())
+            await asyncio.sleep(c.interval_s)
+            continue
+        now = loop.time()
+        counters = (status.admitted_requests, status.admitted_prompt_tokens, status.admitted_max_tokens)
+        window.observe(Admitted(now, *counters))
+        current = dict(status.desired) or all_counts(status)
+        if "colocated" in current:
+            raise ValueError("autoscale scales a disaggregated cluster's split; this one is colocated")
+        load = window.load()
+        if load is not None:
+            plan = await asyncio.to_thread(recommend_counts, c.profile, load, c.slo, c.max_workers)
+            recommended = bounded(plan, c.max_workers)
+            if c.once:
+                decision = Decision(None if recommended == current else recommended, "one decision (--once)")
+            else:
+                decision = hysteresis.decide(now, current, recommended)
+            action = "scale" if decision.target else "hold"
+            record = {"load": asdict(load), "current": current, "recommended": recommended, "action": action}
+            print(json.dumps({**record, "why": decision.why}), flush=True)
+            if decision.target and not c.dry_run:
+                await _scale(addr, credentials, decision.target)
+            if c.once:
+                return 0
+        await asyncio.sleep(c.interval_s)
+
+
+async def _scale(addr: str, credentials: ClientCredentials, target: dict[str, int]) -> None:
+    try:
+        await scale_workers(addr, credentials, target)
+    except grpc.aio.AioRpcError as e:  # refused or unreachable: the next decision tries again
+        log.error("ScaleWorkers %s refused: %s: %s", target, e.code().name, e.details())

@@ -1,0 +1,227 @@
+"""Live scaling through a real `pdserve up` (tiny-random, 1 prefill + 1 decode), under load:
+- ScaleWorkers refuses counts the cluster cannot take, naming the field;
+- `pdserve scale --addr` to 2P:2D and back to 1P:1D while greedy requests keep coming: none fails, every output is
+  the single-process engine's, the status shows the counts, the new workers take requests, the removed workers
+  drained (not replaced), and at the end every KV block is free (through Redis and a separate controller:
+  test_controller_router.py);
+- `pdserve autoscale` adds a prefill worker while a prefill-heavy load (long prompts, four output tokens) arrives
+  and gives it back once the load is gone; `--once` prints one decision and exits.
+
+The first load's requests hold their prefill worker for a moment before the KV send (PDSERVE_FAULT_KV_SEND_DELAY_S),
+so a prefill worker that drains has hand-offs to finish. The autoscaler plans with a hand-written profile (a slow
+prefill: one worker sustains ~2.5 of these prompts a second) so its decisions follow the load it sees, not the
+speed of this machine. The tests run in file order on one cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from pdserve.cluster.local_process import ClusterProcess
+from pdserve.planner.live_scale import serving_counts
+from pdserve.rpc.client import generate
+from pdserve.rpc.server import channel
+from pdserve.v1 import admin_pb2, admin_pb2_grpc
+from pdserve.v1 import generate_pb2 as pb
+from tests.integration.reference import PROMPT, greedy, greedy_request
+from tests.integration.worker_view import idle
+from tests.unit.planner.synthetic import PERF, synthetic_profile
+
+pytestmark = pytest.mark.timeout(400)
+LOAD_TOKENS = 32
+LOAD = "load-"  # the scale test's requests: a prefill worker holds each 0.3 s between its first token and KV send
+LONG_PROMPT = list(range(3, 253)) + list(range(3, 153))  # 400 tokens
+HEAVY_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    log = tmp_path_factory.mktemp("scale") / "cluster.log"
+    args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--prefill", "1", "--decode", "1"]
+    faults = {"PDSERVE_FAULT_KV_SEND_DELAY_S": "0.3", "PDSERVE_FAULT_REQUEST_ID_PREFIX": LOAD}
+    proc = ClusterProcess(*args, log_path=log, env=faults)
+    yield proc
+    proc.stop()
+
+
+async def status(router: str) -> admin_pb2.ClusterStatusResponse:
+    async with channel(router) as ch:
+        return await admin_pb2_grpc.AdminStub(ch).ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=5)
+
+
+async def tokens(router: str, req: pb.GenerateRequest) -> list[int]:
+    result = None
+    async for _, result in generate(router, req, 120.0):  # noqa: B007 (the last one is the answer)
+        pass
+    assert result is not None and result.finish_reason == "length", result
+    return result.token_ids
+
+
+async def steady_load(
+    router: str, stop: asyncio.Event, rate_per_s: float, prefix: str, prompt: list[int], max_tokens: int
+) -> list[list[int] | BaseException]:
+    """Greedy requests at a steady rate until `stop`; every one's outcome."""
+    calls = []
+    while not stop.is_set():
+        req = greedy_request(f"{prefix}{len(calls)}", prompt, max_tokens)
+        calls.append(asyncio.create_task(tokens(router, req)))
+        await asyncio.sleep(1 / rate_per_s)
+    return await asyncio.gather(*calls, return_exceptions=True)
+
+
+def assert_all_served(outcomes: list, expected: list[int]) -> None:
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    assert not failed, f"{len(failed)} of {len(outcomes)} failed: {failed[:3]}"
+    assert all(o == expected for o in outcomes)
+
+
+async def until(router: str, cond, timeout_s: float) -> admin_pb2.ClusterStatusResponse:
+    end = time.monotonic() + timeout_s
+    while not cond(s := await status(router)):
+        assert time.monotonic() < end, s
+        await asyncio.sleep(0.5)
+    return s
+
+
+def at_counts(prefill: int, decode: int, idle_too: bool = False):
+    """Exactly these workers, all serving (none draining away), and, `idle_too`, holding no KV block."""
+    want = {"prefill": prefill, "decode": decode}
+
+    def check(s: admin_pb2.ClusterStatusResponse) -> bool:
+        all_ready = len(s.workers) == prefill + decode and serving_counts(s) == want
+        return all_ready and dict(s.desired) == want and (not idle_too or all(idle(w) for w in s.workers))
+
+    return check
+
+
+async def cli(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pdserve.cli", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    out, _ = await proc.communicate()
+    return proc.returncode or 0, out.decode()
+
+
+def test_counts_the_cluster_cannot_take_are_invalid_argument_naming_the_field(cluster):
+    async def scale(**counts: int) -> grpc.aio.AioRpcError:
+        async with channel(cluster.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await admin_pb2_grpc.AdminStub(ch).ScaleWorkers(admin_pb2.ScaleWorkersRequest(**counts), timeout=5)
+        return e.value
+
+    async def run() -> None:
+        for counts, field in (({"prefill": 0, "decode": 2}, "prefill"), ({"colocated": 2}, "colocated")):
+            e = await scale(**counts)
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith(field), e.details()
+        assert dict((await status(cluster.address)).desired) == {"prefill": 1, "decode": 1}  # nothing changed
+
+    asyncio.run(run())
+
+
+async def scale_up_and_down_under_load(cluster: ClusterProcess, expected: list[int]) -> None:
+    await until(cluster.address, at_counts(1, 1, idle_too=True), 60)
+    stop = asyncio.Event()
+    load = asyncio.create_task(steady_load(cluster.address, stop, 4, LOAD, PROMPT, LOAD_TOKENS))
+    code, out = await cli("scale", "--addr", cluster.address, "--prefill", "2", "--decode", "2", "--wait")
+    assert code == 0, out
+    assert "desired: 1 prefill, 1 decode -> 2 prefill, 2 decode" in out and "serving: 2 prefill, 2 decode (" in out
+    up = await until(cluster.address, at_counts(2, 2), 10)
+    new = {w.id for w in up.workers} - {"prefill-0", "decode-1"}
+
+    def served_by_every_new_worker(s: admin_pb2.ClusterStatusResponse) -> bool:  # the router's latencies per worker
+        return all(w.ttft_p50_ms > 0 or w.tpot_p50_ms > 0 for w in s.workers if w.id in new)
+
+    await until(cluster.address, served_by_every_new_worker, 30)  # in placement: they take a share of the load
+    code, out = await cli("scale", "--addr", cluster.address, "--decode", "1", "--prefill", "1", "--wait")
+    assert code == 0, out
+    await asyncio.sleep(1)  # requests placed on the remaining workers only
+    stop.set()
+    outcomes = await load
+    assert_all_served(outcomes, expected)
+    print(f"{len(outcomes)} requests while scaling 1P:1D -> 2P:2D -> 1P:1D, all served")
+    down = await until(cluster.address, at_counts(1, 1, idle_too=True), 60)  # every KV block free
+    gone = {w.id for w in up.workers} - {w.id for w in down.workers}
+    assert len(gone) == 2
+    end = time.monotonic() + 20  # Ray forwards a worker's log lines with a delay
+    while not all(drained_line(cluster.log(), w) for w in gone) and time.monotonic() < end:
+        await asyncio.sleep(0.5)
+    log = cluster.log()
+    for worker_id in gone:
+        assert f"worker {worker_id} removed (scaled down)" in log
+        assert f"worker {worker_id} drained; a new actor takes its place" not in log  # not restarted
+        m = drained_line(log, worker_id)
+        assert m is not None and int(m.group(3)) == 0, log[-3000:]
+        print(f"{worker_id} held {m.group(1)} requests when it drained, moved {m.group(2)}")
+
+
+def drained_line(log: str, worker_id: str) -> re.Match[str] | None:
+    return re.search(rf"worker {worker_id} drained in .*?: held (\d+) requests, (\d+) moved; (\d+) KV", log)
+
+
+def test_scaling_up_and_back_down_under_steady_load_loses_nothing(cluster):
+    asyncio.run(scale_up_and_down_under_load(cluster, greedy(PROMPT, LOAD_TOKENS)))
+
+
+def test_autoscale_adds_a_prefill_worker_under_prefill_heavy_load_and_gives_it_back(cluster, tmp_path):
+    profile = tmp_path / "profile.json"
+    synthetic_profile(perf=replace(PERF, prefill_per_token_s=0.0008)).save(profile)
+    expected = greedy(LONG_PROMPT, HEAVY_TOKENS)
+    flags = ["--slo-ttft-ms", "1000", "--slo-tpot-ms", "100", "--max-workers", "3", "--interval", "0.5"]
+    flags += ["--window", "3", "--consecutive", "2", "--cooldown", "3"]
+    autoscale = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "autoscale", "--addr", cluster.address, "--profile", str(profile)]
+        + flags,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    async def run() -> None:
+        await until(cluster.address, at_counts(1, 1, idle_too=True), 60)
+        stop = asyncio.Event()
+        load = asyncio.create_task(steady_load(cluster.address, stop, 4, "heavy-", LONG_PROMPT, HEAVY_TOKENS))
+        start = time.monotonic()
+        try:
+            await until(cluster.address, at_counts(2, 1), 120)
+            print(f"2 prefill workers serving {time.monotonic() - start:.1f} s after the load began")
+        finally:
+            stop.set()
+            outcomes = await load
+        assert_all_served(outcomes, expected)
+        start = time.monotonic()
+        await until(cluster.address, at_counts(1, 1, idle_too=True), 120)
+        print(f"back to 1 prefill worker {time.monotonic() - start:.1f} s after the load ended")
+
+    try:
+        asyncio.run(run())
+    finally:
+        autoscale.send_signal(signal.SIGINT)
+        out, _ = autoscale.communicate(timeout=30)
+        print(out[-3000:])
+    scales = [json.loads(line) for line in out.splitlines() if line.startswith("{") and '"action": "scale"' in line]
+    assert [s["recommended"] for s in scales] == [{"prefill": 2, "decode": 1}, {"prefill": 1, "decode": 1}], out
+    assert scales[0]["load"]["input_len"] == len(LONG_PROMPT)
+
+
+def test_autoscale_once_prints_one_decision_and_exits(cluster, tmp_path):
+    profile = tmp_path / "profile.json"
+    synthetic_profile().save(profile)
+    flags = ["--slo-ttft-ms", "1000", "--slo-tpot-ms", "100", "--max-workers", "3"]
+    flags += ["--interval", "0.5", "--window", "1"]
+    argv = ["autoscale", "--addr", cluster.address, "--profile", str(profile), *flags, "--once", "--dry-run"]
+    code, out = asyncio.run(cli(*argv))
+    assert code == 0, out
+    decisions = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(decisions) == 1, out
+    assert decisions[0]["action"] == "hold" and decisions[0]["recommended"] == {"prefill": 1, "decode": 1}
+    assert decisions[0]["load"]["rate"] == 0  # idle: no request came in its window

@@ -1,0 +1,203 @@
+"""The fleet's scaler against stand-ins for Ray actor handles: which ids new workers get, which worker leaves, that a
+new worker is listed only once it serves, that a leaving one drains, is killed and is not brought back, and that no
+role goes below one worker."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from pdserve.cluster.drain import WorkerDrainedError
+from pdserve.cluster.scaling import FleetScaler, next_worker_id, pick_leaving
+from pdserve.cluster.supervisor import Slot, Supervisor
+from pdserve.cluster.worker_spec import WorkerSpec
+from pdserve.config import EngineConfig
+from pdserve.protocol.roles import Role
+from pdserve.registry.base import WorkerState
+from pdserve.registry.memory import InMemoryRegistry
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Method:
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+
+    def remote(self) -> Any:
+        return self.answer()
+
+
+class StandInActor:
+    """Answers `state` with its load, or WorkerDrainedError once drained."""
+
+    def __init__(self, spec: WorkerSpec, running: int = 0) -> None:
+        self.spec = spec
+        self.running = running
+        self.drained = False
+        self.state = _Method(self._state)
+
+    def worker_state(self) -> WorkerState:
+        return WorkerState(self.spec.worker_id, self.spec.role, f"{self.spec.worker_id}:1", running=self.running)
+
+    async def _state(self) -> WorkerState:
+        if self.drained:
+            raise WorkerDrainedError(f"worker {self.spec.worker_id} drained")
+        return self.worker_state()
+
+
+def spec(role: Role, worker_id: str) -> WorkerSpec:
+    return WorkerSpec(role, EngineConfig(), worker_id=worker_id)
+
+
+class Fleet:
+    """A scaler over stand-ins, recording what it starts, drains and kills."""
+
+    def __init__(self, workers: dict[str, int], roles: tuple[Role, ...] = (Role.PREFILL, Role.DECODE)) -> None:
+        self.registry = InMemoryRegistry()
+        self.supervisor = Supervisor(self.registry, publish=True, new_actor=self.new_actor, kill=self.kill)
+        self.started: list[str] = []
+        self.drained: list[str] = []
+        self.killed: list[str] = []
+        self.replaced: list[str] = []
+        self.listed_while_starting: list[bool] = []
+        for worker_id, running in workers.items():
+            s = spec(Role(worker_id.rpartition("-")[0]), worker_id)
+            actor = StandInActor(s, running)
+            self.supervisor.slots[worker_id] = Slot(s, actor, listed=True, address=f"{worker_id}:1")
+            self.registry.publish(actor.worker_state())
+        self.scaler = FleetScaler(
+            self.registry, self.supervisor, roles, spec, StandInActor, self.await_start, self.drain, self.kill, True
+        )
+
+    def new_actor(self, s: WorkerSpec) -> StandInActor:
+        self.replaced.append(s.worker_id)
+        return StandInActor(s)
+
+    def await_start(self, slot: Slot) -> WorkerState:
+        self.started.append(slot.spec.worker_id)
+        self.listed_while_starting.append(slot.spec.worker_id in {w.worker_id for w in self.registry.workers()})
+        return slot.actor.worker_state()
+
+    async def drain(self, slot: Slot) -> None:
+        self.drained.append(slot.spec.worker_id)
+        assert next(w for w in self.registry.workers() if w.worker_id == slot.spec.worker_id).draining
+        slot.actor.drained = True
+        await self.supervisor.check_all()  # the supervisor sees it drained before the scaler drops it
+
+    def kill(self, actor: StandInActor) -> None:
+        self.killed.append(actor.spec.worker_id)
+
+    def ids(self) -> list[str]:
+        return sorted(self.supervisor.slots)
+
+    def listed(self) -> list[str]:
+        return sorted(w.worker_id for w in self.registry.workers())
+
+
+def test_new_ids_follow_the_highest_index_in_use_across_roles() -> None:
+    assert next_worker_id(Role.PREFILL, {"prefill-0", "decode-1"}) == "prefill-2"
+    assert next_worker_id(Role.DECODE, {"prefill-0", "decode-1", "prefill-2"}) == "decode-3"
+    assert next_worker_id(Role.COLOCATED, set()) == "colocated-0"
+
+
+def test_the_least_loaded_worker_leaves_and_on_a_tie_the_newest() -> None:
+    slots = [Slot(spec(Role.DECODE, i), None) for i in ("decode-1", "decode-2", "decode-3")]
+    states = {i: WorkerState(i, Role.DECODE, "", running=r) for i, r in (("decode-1", 0), ("decode-2", 3))}
+    states["decode-3"] = WorkerState("decode-3", Role.DECODE, "", running=1)
+    assert [s.spec.worker_id for s in pick_leaving(slots, states, 1)] == ["decode-1"]
+    states["decode-3"] = WorkerState("decode-3", Role.DECODE, "", running=0)
+    assert [s.spec.worker_id for s in pick_leaving(slots, states, 2)] == ["decode-3", "decode-1"]
+
+
+async def test_scaling_up_lists_each_new_worker_only_once_it_serves() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 0})
+    fleet.registry.set_desired_counts({Role.PREFILL: 2, Role.DECODE: 3})
+    await fleet.scaler.reconcile()
+    await fleet.scaler.settle()
+    assert sorted(fleet.started) == ["decode-3", "decode-4", "prefill-2"]  # ids given in the fleet's role order
+    assert fleet.listed_while_starting == [False, False, False]
+    assert len(fleet.ids()) == 5 and fleet.listed() == fleet.ids()
+    await fleet.scaler.reconcile()  # at its counts: nothing more
+    assert len(fleet.started) == 3 and not fleet.drained
+
+
+async def test_scaling_down_drains_the_least_loaded_and_nothing_brings_it_back() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 4, "decode-2": 1, "decode-3": 2})
+    fleet.registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
+    await fleet.scaler.reconcile()
+    await fleet.scaler.settle()
+    assert sorted(fleet.drained) == ["decode-2", "decode-3"] and sorted(fleet.killed) == ["decode-2", "decode-3"]
+    assert fleet.ids() == ["decode-1", "prefill-0"] and fleet.listed() == ["decode-1", "prefill-0"]
+    await fleet.supervisor.check_all()
+    assert fleet.replaced == [] and fleet.ids() == ["decode-1", "prefill-0"]  # the supervisor restarted nothing
+
+
+async def test_no_role_goes_below_one_worker_and_other_modes_counts_are_ignored() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 0})
+    fleet.registry.set_desired_counts({Role.PREFILL: 0, Role.DECODE: 1, Role.COLOCATED: 4})
+    await fleet.scaler.reconcile()
+    await fleet.scaler.settle()
+    assert fleet.ids() == ["decode-1", "prefill-0"] and not fleet.started and not fleet.drained
+
+
+async def test_unknown_counts_keep_the_fleet_as_it_is() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 0})
+    await fleet.scaler.reconcile()  # nothing set in the registry yet
+    assert fleet.ids() == ["decode-1", "prefill-0"] and not fleet.started
+
+
+async def test_a_worker_that_cannot_start_is_killed_and_tried_again_next_pass() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 0})
+    attempts: list[str] = []
+
+    def fails_once(slot: Slot) -> WorkerState:
+        attempts.append(slot.spec.worker_id)
+        if len(attempts) == 1:
+            raise RuntimeError("its start failed")
+        return slot.actor.worker_state()
+
+    fleet.scaler.await_start = fails_once
+    fleet.registry.set_desired_counts({Role.PREFILL: 2, Role.DECODE: 1})
+    await fleet.scaler.reconcile()
+    await fleet.scaler.settle()
+    assert fleet.killed == ["prefill-2"] and fleet.ids() == ["decode-1", "prefill-0"]
+    await fleet.scaler.reconcile()
+    await asyncio.wait_for(fleet.scaler.settle(), 5)
+    assert fleet.ids() == ["decode-1", "prefill-0", "prefill-2"] and not fleet.scaler.starting
+
+
+async def test_a_start_no_longer_wanted_is_called_off_before_any_serving_worker_drains() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 0})
+    release = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow_start(slot: Slot) -> WorkerState:
+        asyncio.run_coroutine_threadsafe(release.wait(), loop).result()  # until its actor is killed, say
+        return slot.actor.worker_state()
+
+    fleet.scaler.await_start = slow_start
+    fleet.registry.set_desired_counts({Role.PREFILL: 2, Role.DECODE: 1})
+    await fleet.scaler.reconcile()  # never waits on the start
+    await asyncio.sleep(0.1)
+    assert list(fleet.scaler.starting) == ["prefill-2"]
+    fleet.registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
+    await fleet.scaler.reconcile()
+    await asyncio.sleep(0.1)
+    assert fleet.killed == ["prefill-2"] and not fleet.drained  # the one still starting goes, no drain
+    release.set()
+    await asyncio.wait_for(fleet.scaler.settle(), 5)
+    assert fleet.ids() == ["decode-1", "prefill-0"] and not fleet.scaler.starting
+
+
+async def test_a_start_that_never_serves_is_killed_after_the_start_timeout() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 0})
+    fleet.scaler.start_timeout_s = 0.2
+    never = threading.Event()
+    fleet.scaler.await_start = lambda slot: never.wait(2) and slot.actor.worker_state()  # no node can host it
+    fleet.registry.set_desired_counts({Role.PREFILL: 2, Role.DECODE: 1})
+    await fleet.scaler.reconcile()
+    await asyncio.wait_for(fleet.scaler.settle(), 5)
+    assert fleet.killed == ["prefill-2"] and fleet.ids() == ["decode-1", "prefill-0"]

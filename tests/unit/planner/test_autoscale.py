@@ -1,0 +1,84 @@
+"""`pdserve autoscale`'s decisions: the load over the window from cumulative counters, the re-planned split (toward
+prefill as prompts grow, toward decode as outputs grow, the smallest cluster when idle, never past the cap), and
+the hysteresis: a recommendation acts only after `consecutive` in a row, and never within the cooldown."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pdserve.planner.autoscale import Admitted, Hysteresis, Load, LoadWindow, bounded, recommend_counts
+from pdserve.planner.plan import SLO
+from tests.unit.planner.synthetic import PERF, synthetic_profile
+
+SLO_ = SLO(ttft_ms=1000, tpot_ms=100, attainment=0.9)
+# One prefill worker takes ~0.33 s for a 400-token prompt: it sustains about 2.5 such prompts per second.
+SLOW_PREFILL = synthetic_profile(perf=replace(PERF, prefill_per_token_s=0.0008))
+
+
+def test_the_window_gives_rate_and_mean_lengths_from_differences() -> None:
+    w = LoadWindow(window_s=4)
+    w.observe(Admitted(0, 100, 10_000, 500))
+    assert w.load() is None  # one sample spans nothing
+    w.observe(Admitted(2, 104, 11_600, 520))
+    assert w.load() is None  # not yet the whole window
+    w.observe(Admitted(4, 108, 13_200, 540))
+    assert w.load() == Load(rate=2.0, input_len=400.0, output_len=5.0)
+    w.observe(Admitted(6, 108, 13_200, 540))
+    w.observe(Admitted(8, 108, 13_200, 540))
+    assert w.load() == Load(0.0, 0.0, 0.0) and w.load().idle  # the load went: the window holds none of it
+
+
+def test_a_router_restart_starts_the_window_again() -> None:
+    w = LoadWindow(window_s=1)
+    w.observe(Admitted(0, 500, 0, 0))
+    w.observe(Admitted(1, 3, 30, 3))  # its counters began again at 0
+    assert w.load() is None
+
+
+def test_prefill_heavy_load_gets_a_second_prefill_worker_and_idle_gets_the_smallest_cluster() -> None:
+    assert recommend_counts(SLOW_PREFILL, Load(1.0, 400, 4), SLO_, max_workers=3) == {"prefill": 1, "decode": 1}
+    assert recommend_counts(SLOW_PREFILL, Load(4.0, 400, 4), SLO_, max_workers=3) == {"prefill": 2, "decode": 1}
+    assert recommend_counts(SLOW_PREFILL, Load(0.0, 0, 0), SLO_, max_workers=3) == {"prefill": 1, "decode": 1}
+
+
+def test_longer_outputs_move_the_split_toward_decode() -> None:
+    short = recommend_counts(synthetic_profile(), Load(4.0, 256, 16), SLO(500, 60), max_workers=4)
+    long = recommend_counts(synthetic_profile(), Load(4.0, 256, 200), SLO(500, 60), max_workers=4)
+    assert short == {"prefill": 1, "decode": 1} and long == {"prefill": 1, "decode": 2}
+
+
+def test_a_load_nothing_sustains_gets_the_best_split_of_the_cap() -> None:
+    counts = recommend_counts(SLOW_PREFILL, Load(50.0, 400, 4), SLO_, max_workers=4)
+    assert sum(counts.values()) == 4 and counts["prefill"] >= counts["decode"]
+    with pytest.raises(ValueError, match="max-workers"):
+        recommend_counts(SLOW_PREFILL, Load(1.0, 400, 4), SLO_, max_workers=1)
+
+
+def test_bounds_keep_a_worker_per_role_and_the_cap() -> None:
+    assert bounded({"prefill": 0, "decode": 0}, 4) == {"prefill": 1, "decode": 1}
+    assert bounded({"prefill": 5, "decode": 2}, 4) == {"prefill": 2, "decode": 2}
+    assert bounded({"prefill": 1, "decode": 1}, 1) == {"prefill": 1, "decode": 1}
+
+
+def test_hysteresis_acts_after_consecutive_equal_recommendations_then_cools_down() -> None:
+    small, big = {"prefill": 1, "decode": 1}, {"prefill": 2, "decode": 1}
+    h = Hysteresis(consecutive=2, cooldown_s=10)
+    assert h.decide(0, small, big).target is None
+    assert h.decide(1, small, small).target is None  # back at the current counts: the streak ends
+    assert h.decide(2, small, big).target is None
+    assert h.decide(3, small, big).target == big
+    assert h.decide(4, big, small).target is None
+    decision = h.decide(5, big, small)
+    assert decision.target is None and "cooling down" in decision.why  # two in a row, but 2 s after a change
+    assert h.decide(12, big, small).target is None  # 9 s after the change
+    assert h.decide(13, big, small).target == small  # the cooldown is over and the recommendation held
+
+
+def test_a_different_recommendation_restarts_the_streak() -> None:
+    h = Hysteresis(consecutive=2, cooldown_s=0)
+    current = {"prefill": 1, "decode": 1}
+    assert h.decide(0, current, {"prefill": 2, "decode": 1}).target is None
+    assert h.decide(1, current, {"prefill": 1, "decode": 2}).target is None
+    assert h.decide(2, current, {"prefill": 1, "decode": 2}).target == {"prefill": 1, "decode": 2}

@@ -1,0 +1,53 @@
+"""What `pdserve scale --addr` may ask of a cluster: counts in range for the roles of its mode, else INVALID_ARGUMENT
+naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.errors import InvalidRequestError
+from pdserve.protocol.roles import Role
+from services.router.scale import MAX_WORKERS_PER_ROLE, scale_target
+
+P, D, C = Role.PREFILL, Role.DECODE, Role.COLOCATED
+SPLIT = {P: 1, D: 1}
+
+
+def asked(prefill: int = 0, decode: int = 0, colocated: int = 0) -> dict[Role, int]:
+    return {P: prefill, D: decode, C: colocated}
+
+
+def test_a_disaggregated_cluster_takes_both_counts() -> None:
+    assert scale_target(asked(2, 3), SPLIT, {P, D}) == {P: 2, D: 3}
+    assert scale_target(asked(1, 1), SPLIT, set()) == {P: 1, D: 1}
+
+
+def test_a_colocated_cluster_takes_its_one_count() -> None:
+    assert scale_target(asked(colocated=3), {C: 2}, {C}) == {C: 3}
+
+
+def test_the_mode_comes_from_the_workers_when_no_counts_were_recorded() -> None:
+    assert scale_target(asked(colocated=2), {}, {C}) == {C: 2}
+    assert scale_target(asked(colocated=2), {}, set()) == {C: 2}  # nothing known: what is asked
+    with pytest.raises(InvalidRequestError) as e:
+        scale_target(asked(colocated=2), {}, {P, D})
+    assert e.value.field == "colocated"
+
+
+@pytest.mark.parametrize(
+    ("request_counts", "current", "field"),
+    [
+        (asked(0, 2), SPLIT, "prefill"),  # below one: a role without workers fails every request
+        (asked(2, 0), SPLIT, "decode"),
+        (asked(2, MAX_WORKERS_PER_ROLE + 1), SPLIT, "decode"),
+        (asked(1, 1, 2), SPLIT, "colocated"),  # a role this mode does not run
+        (asked(1, 0, 2), {C: 2}, "prefill"),
+        (asked(), {C: 2}, "colocated"),
+    ],
+)
+def test_bad_counts_are_invalid_argument_naming_the_field(
+    request_counts: dict[Role, int], current: dict[Role, int], field: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        scale_target(request_counts, current, set(current))
+    assert e.value.field == field
