@@ -39,7 +39,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: as many as kv_cache_memory_gb holds
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
-    num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
+    num_threads: int | None = None  # CPU threads for torch; None: torch's default (a worker: the CPUs it may use)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -206,6 +206,9 @@ class ClusterConfig:
     def worker_engine(self) -> EngineConfig:
         return replace(self.engine, num_threads=self.threads_per_worker())
 
-    def threads_per_worker(self) -> int:
-        """A fair share of this machine's cores unless the engine config names a count."""
-        return self.engine.num_threads or max(1, (os.cpu_count() or 1) // len(self.roles))
+    def threads_per_worker(self) -> int | None:
+        """The engine config's count, else a fair share of this machine's cores among the workers it hosts. With
+        role resources each worker has a node (a pod) of its own: None, so it takes the CPUs it may use there."""
+        if self.engine.num_threads or self.role_resources:
+            return self.engine.num_threads
+        return max(1, (os.cpu_count() or 1) // len(self.roles))

@@ -30,6 +30,7 @@ from pdserve.cluster.drain import DrainGate, DrainReport, WorkerDrainedError, ru
 from pdserve.cluster.drain_service import add_control_service
 from pdserve.cluster.factories import WorkerContext, WorkerServices
 from pdserve.cluster.worker_spec import WorkerSpec
+from pdserve.cpus import usable_cpus
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from pdserve.rpc.credentials import internal_server_tls
@@ -311,7 +312,7 @@ def _engine_config(spec: WorkerSpec) -> EngineConfig:
         # One prompt (or one chunk of a long one) per step, first come first served: batching later prompts
         # into an earlier one's step delays its first token past what admission promised it.
         scheduler = replace(scheduler, max_num_batched_tokens=scheduler.long_prefill_chunk, max_prefills_per_step=1)
-    config = replace(spec.engine, scheduler=scheduler)
+    config = replace(spec.engine, scheduler=scheduler, num_threads=spec.engine.num_threads or usable_cpus())
     if spec.role is Role.DECODE:
         # Every prompt block arrives from a prefill worker, so nothing a decode worker caches is ever
         # matched; uncached freed blocks stay free, and reservations stay whole runs (copy-free transfers).
