@@ -4,7 +4,7 @@ on one and the decode worker on the other; a separate `pdserve router` serves th
 SIGKILLed and a new one serves from the same workers, which were never restarted; a restarted controller finds
 the workers in its Ray namespace instead of starting new ones; `pdserve scale` through the router reaches the
 controller through Redis (each node has room for a second worker of its role), and a restarted controller keeps
-the scale.
+the scale; a controller restarted with other flags rolls the workers onto them.
 
 Where this machine allows (root, `ip netns`), each Ray node is a host of its own: a network namespace with its own
 address, the workers binding 0.0.0.0 and advertising their node's POD_IP, the router and Redis on a third address
@@ -246,6 +246,32 @@ def test_a_scale_through_the_router_reaches_the_controller_and_outlives_its_rest
 def scale(rehearsal: Rehearsal, router: str, *args: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "pdserve.cli", "scale", "--addr", router, *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, **rehearsal.env})
+
+
+def test_a_controller_restarted_with_new_flags_rolls_its_workers_onto_them(
+    rehearsal: Rehearsal, expected: list[int]
+) -> None:
+    """A new controller revision (here another SIGTERM drain budget) adopts the running workers, then drains each
+    in turn so it restarts with the new spec, instead of leaving the old configuration serving."""
+    before = rehearsal.actors()
+    assert rehearsal.controller is not None
+    rehearsal.controller.stop(signal.SIGTERM)
+    rehearsal.controller_args += ["--worker-drain-timeout-s", "45"]
+    controller = rehearsal.start_controller()
+    end = time.monotonic() + 180
+    while not all(
+        (a := rehearsal.actors().get(w)) and a["pid"] != before[w]["pid"] and a["state"] == "ALIVE" for w in WORKERS
+    ):
+        assert time.monotonic() < end, controller.log()[-3000:]
+        time.sleep(1)
+    log = controller.log()
+    for worker_id in WORKERS:
+        assert f"worker {worker_id} runs an earlier spec (drain_timeout_s differ)" in log
+    end = time.monotonic() + 60
+    while set(rehearsal.registry()) != set(WORKERS) or any(w.draining for w in rehearsal.registry().values()):
+        assert time.monotonic() < end, rehearsal.registry()
+        time.sleep(0.5)
+    assert serve(rehearsal, "rehearsal-after-rollout") == expected
 
 
 def test_a_sigkilled_pdserve_up_leaves_its_workers_to_a_router(rehearsal: Rehearsal, expected: list[int]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve.cluster.actors import WorkerActors
 from pdserve.cluster.factories import WorkerServices
+from pdserve.cluster.rollout import Rollout
 from pdserve.cluster.scaling import FleetScaler, drain_over_rpc
 from pdserve.cluster.supervisor import Slot, Supervisor
 from pdserve.cluster.worker_runtime import EXIT_GRACE_S
@@ -24,6 +25,7 @@ from pdserve.protocol.roles import Role
 from pdserve.registry.base import Registry, WorkerState
 
 log = logging.getLogger(__name__)
+SPEC_TIMEOUT_S = 5.0  # an actor answers what it was asked to be at once, unless it is restarting
 
 
 class Cluster:
@@ -35,6 +37,7 @@ class Cluster:
         self.registry = registry
         self.actors = WorkerActors(config, workers)
         self.supervisor = Supervisor(registry, publish=publish, new_actor=self.actors.create)
+        drain_s = config.worker_drain_timeout_s
         self.scaler = FleetScaler(
             registry,
             self.supervisor,
@@ -42,10 +45,11 @@ class Cluster:
             self.spec,
             lambda spec: self.actors.get_or_create(spec)[0],  # one left serving under this name is adopted
             self._await_start,
-            partial(drain_over_rpc, timeout_s=config.worker_drain_timeout_s),
+            partial(drain_over_rpc, timeout_s=drain_s),
             self.actors.kill,
             publish,
         )
+        self.rollout = Rollout(self.supervisor, _requested_spec, partial(drain_over_rpc, timeout_s=drain_s))
 
     def spec(self, role: Role, worker_id: str) -> WorkerSpec:
         c = self.config
@@ -124,9 +128,9 @@ class Cluster:
                 time.sleep(2 * EXIT_GRACE_S)  # until the failed process is gone, not to ask it again
 
     async def watch(self) -> None:
-        """Supervises the worker actors and scales them to the desired counts until cancelled (see `Supervisor`,
-        `FleetScaler`)."""
-        await asyncio.gather(self.supervisor.run(self.config.router.heartbeat_s), self.scaler.run())
+        """Supervises the worker actors, scales them to the desired counts and rolls adopted ones onto this fleet's
+        spec until cancelled (see `Supervisor`, `FleetScaler`, `Rollout`)."""
+        await asyncio.gather(self.supervisor.run(self.config.router.heartbeat_s), self.scaler.run(), self.rollout.run())
 
     def stop_workers(self) -> None:
         import ray
@@ -149,6 +153,15 @@ class Cluster:
         log.info("leaving workers %s running in Ray namespace %s", names, self.config.ray_namespace)
         self.supervisor.slots.clear()
         self.actors.disconnect()
+
+
+async def _requested_spec(actor: Any) -> WorkerSpec | None:
+    """None from an actor made by a pdserve that could not tell (it has no `requested_spec`)."""
+    try:
+        method = actor.requested_spec
+    except AttributeError:
+        return None
+    return await asyncio.wait_for(method.remote(), SPEC_TIMEOUT_S)
 
 
 def _reason(e: BaseException) -> str:

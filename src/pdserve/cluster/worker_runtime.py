@@ -54,6 +54,7 @@ class WorkerRuntime:
         """`services` adds the role's gRPC services (built outside this package) once the engine is loaded."""
         from pdserve.addresses import advertised_host
 
+        self.requested = spec  # as the fleet asked for it (a later fleet compares its own: rollout.py)
         self.spec = replace(
             spec,
             worker_id=spec.worker_id or f"{spec.role}-{uuid.uuid4().hex[:8]}",
@@ -89,6 +90,9 @@ class WorkerRuntime:
     @property
     def worker_id(self) -> str:
         return self.spec.worker_id
+
+    def requested_spec(self) -> WorkerSpec:
+        return self.requested
 
     def wait_ready(self, timeout_s: float = 600.0) -> str:
         """The launcher's wait for the start; raises the start's own error if it failed."""

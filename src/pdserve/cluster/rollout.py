@@ -1,0 +1,86 @@
+"""Workers adopted from an earlier fleet run the spec they were made with; this brings them to the fleet's own.
+
+A restarted controller (a new Deployment revision: another model, dtype, KV size, timeout) finds its detached
+actors by name and adopts them. Left alone, they would serve the old configuration until they happened to die.
+Instead each actor's spec is compared with its slot's, once per actor; one that differs is drained. A drain is a
+restart: the supervisor starts the new actor from the slot's spec, the fleet's. One worker of a role at a time,
+and only while every other worker of its role is in placement, so capacity drops by at most one worker and no
+request is lost (a drained worker finishes or moves what it holds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import fields
+from typing import Any
+
+from pdserve.cluster.supervisor import Slot, Supervisor
+from pdserve.cluster.worker_spec import WorkerSpec
+
+log = logging.getLogger(__name__)
+ROLLOUT_CHECK_S = 2.0
+
+
+class Rollout:
+    """`spec_of` asks an actor for the spec it was made with (None: it cannot say, so it is outdated); `drain`
+    drains a slot's worker (it restarts)."""
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        spec_of: Callable[[Any], Awaitable[WorkerSpec | None]],
+        drain: Callable[[Slot], Awaitable[None]],
+    ) -> None:
+        self.supervisor = supervisor
+        self.spec_of = spec_of
+        self.drain = drain
+        self._checked: dict[str, Any] = {}  # worker id -> the actor whose spec matched (or was rolled)
+
+    async def run(self, interval_s: float = ROLLOUT_CHECK_S) -> None:
+        while True:
+            try:
+                await self.step()
+            except Exception as e:  # one failed pass (an actor gone mid-call): the next one tries again
+                log.warning("rollout pass failed: %r", e)
+            await asyncio.sleep(interval_s)
+
+    async def step(self) -> str | None:
+        """Compares the specs of the actors not yet checked and drains the first outdated one whose role can
+        spare it; returns its worker id."""
+        for slot in list(self.supervisor.slots.values()):
+            worker_id = slot.spec.worker_id
+            if slot.leaving or not slot.listed or slot.actor is None or self._checked.get(worker_id) is slot.actor:
+                continue
+            actor = slot.actor
+            running = await self.spec_of(actor)
+            if running == slot.spec:
+                self._checked[worker_id] = actor
+                continue
+            if not self._others_listed(slot):
+                continue  # another worker of its role is restarting: this one waits for a later pass
+            log.warning(
+                "worker %s runs an earlier spec (%s); draining it to restart with this fleet's",
+                worker_id,
+                _differences(running, slot.spec),
+            )
+            self._checked[worker_id] = actor
+            await self.drain(slot)
+            return worker_id
+        return None
+
+    def _others_listed(self, slot: Slot) -> bool:
+        others = [s for s in self.supervisor.slots.values() if s is not slot and s.spec.role == slot.spec.role]
+        return all(s.listed and not s.leaving for s in others)
+
+
+def _differences(a: WorkerSpec | None, b: WorkerSpec) -> str:
+    if a is None:
+        return "made by a pdserve that does not report it"
+    names = [f.name for f in fields(WorkerSpec) if getattr(a, f.name) != getattr(b, f.name)]
+    if "engine" in names:
+        engine = type(a.engine)
+        names.remove("engine")
+        names += [f"engine.{f.name}" for f in fields(engine) if getattr(a.engine, f.name) != getattr(b.engine, f.name)]
+    return f"{', '.join(names)} differ"
