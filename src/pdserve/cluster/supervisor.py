@@ -9,7 +9,9 @@ again rejoins. Ray itself takes over a second to notice a killed
 process, so each check first knocks on the worker's gRPC port: a refused connection is a dead process, out at
 once. One whose restarts are used up (every call fails at once with ActorDiedError, twice in a row: a call in
 flight when a process dies fails once too) is replaced by a new actor with the same spec, so the cluster keeps its
-shape. So is one that drained (its state raises WorkerDrainedError): a drain means restart, and it costs the slot
+shape; when a replacement dies before it ever served (a start that fails every time: a bad model path, no
+memory), the next one waits, 10 s doubling up to 5 minutes, as Kubernetes backs off a crash loop. So is one that
+drained (its state raises WorkerDrainedError): a drain means restart, and it costs the slot
 none of Ray's restarts. A slot the fleet scales away (`leaving`) is neither restarted nor replaced: the scaler
 drains it and drops it. No error of one actor ends the loop.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +34,7 @@ CHECK_TIMEOUT_S = 1.0  # an actor's state() is cheap: one that takes longer is r
 KNOCK_TIMEOUT_S = 0.25  # a port that neither accepts nor refuses by then: the state check decides
 DEAD_AFTER = 2  # ActorDiedErrors in a row that mean the actor is dead for good
 STUCK_AFTER = 2  # checks in a row without an answer that mean stuck (one alone: often a CPU-starved moment)
+REPLACE_BACKOFF_S = (10.0, 300.0)  # first and longest wait before replacing a replacement that never served
 
 
 def _kill(actor: Any) -> None:
@@ -50,6 +54,8 @@ class Slot:
     died: int = 0  # ActorDiedErrors in a row
     timeouts: int = 0  # checks in a row that got no answer in time
     replacements: int = 0
+    backoff_s: float = 0.0  # the wait before replacing a replacement that dies unserved; 0 once its actor served
+    replace_at: float = 0.0  # set while backing off: no replacement before this time (the supervisor's clock)
     leaving: bool = False  # scaled down: draining for good, never restarted or replaced
 
 
@@ -65,6 +71,7 @@ class Supervisor:
         on_replaced: Callable[[WorkerSpec], None] = lambda spec: None,
         check_timeout_s: float = CHECK_TIMEOUT_S,
         kill: Callable[[Any], None] = _kill,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = registry
         self.publish = publish
@@ -72,6 +79,7 @@ class Supervisor:
         self.on_replaced = on_replaced
         self.check_timeout_s = check_timeout_s
         self.kill = kill
+        self.clock = clock
         self.slots: dict[str, Slot] = {}
 
     async def run(self, interval_s: float) -> None:
@@ -112,6 +120,7 @@ class Supervisor:
                 await self._restart_drained(slot)
             return
         slot.died = slot.timeouts = 0
+        slot.backoff_s = slot.replace_at = 0.0  # it serves: a later death is replaced at once
         slot.address = state.address
         if self.publish:
             self.registry.publish(state)
@@ -139,13 +148,22 @@ class Supervisor:
                 log.warning("could not remove worker %s from the registry: %r", slot.spec.worker_id, e)
 
     async def _replace(self, slot: Slot, error: BaseException) -> None:
+        now = self.clock()
+        if slot.backoff_s and not slot.replace_at:  # the last replacement died before it ever served
+            slot.replace_at = now + slot.backoff_s
+            log.error(
+                "worker %s died again before it served (%s); the next replacement in %g s",
+                *(slot.spec.worker_id, _first_line(error), slot.backoff_s),
+            )
+        if now < slot.replace_at:
+            return
         slot.replacements += 1
         log.error(
             "worker %s is dead for good (its restarts are used up: %s); replacing it with a new actor (replacement %d)",
-            slot.spec.worker_id,
-            _first_line(error),
-            slot.replacements,
+            *(slot.spec.worker_id, _first_line(error), slot.replacements),
         )
+        first, longest = REPLACE_BACKOFF_S
+        slot.backoff_s, slot.replace_at = min(longest, max(first, 2 * slot.backoff_s)), 0.0
         slot.actor = None  # the dead actor's handle goes first: Ray frees its name (the worker id) only then
         slot.actor = await asyncio.to_thread(self.new_actor, slot.spec)  # may wait for the name, off the loop
         slot.died = 0

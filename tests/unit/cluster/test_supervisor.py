@@ -110,6 +110,42 @@ async def test_an_actor_dead_for_good_leaves_placement_and_is_replaced() -> None
     assert {w.worker_id for w in registry.workers()} == {"a", "b"}  # the new actor is in placement
 
 
+async def test_replacements_that_never_serve_back_off_and_one_that_serves_resets_it() -> None:
+    now = [0.0]
+    made: list[StandInActor] = []
+
+    def new_actor(spec: WorkerSpec) -> StandInActor:
+        made.append(StandInActor(spec.worker_id, "dead"))  # a start that fails every time
+        return made[-1]
+
+    sup, _ = supervisor({"a": "dead"}, new_actor)
+    sup.clock = lambda: now[0]
+
+    async def checks(n: int) -> None:
+        for _ in range(n):
+            await sup.check_all()
+
+    await checks(2)
+    assert len(made) == 1  # the first replacement at once
+    await checks(5)
+    assert len(made) == 1  # it died unserved: the next waits 10 s
+    now[0] = 10.0
+    await checks(1)
+    assert len(made) == 2
+    await checks(2)
+    now[0] = 29.0
+    await checks(1)
+    assert len(made) == 2  # then 20 s from its death
+    now[0] = 30.0
+    await checks(1)
+    assert len(made) == 3
+    made[-1].behaviour = "ok"  # this one serves
+    await checks(1)
+    made[-1].behaviour = "dead"
+    await checks(2)
+    assert len(made) == 4 and sup.slots["a"].replacements == 4  # replaced at once again
+
+
 async def test_a_silent_actor_leaves_placement_after_two_checks_but_never_the_last_of_its_role() -> None:
     sup, registry = supervisor({"a": "ok", "b": "ok"})
     await sup.check_all()
