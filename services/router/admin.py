@@ -17,6 +17,7 @@ from pdserve.registry.base import Registry, WorkerState
 from pdserve.rpc.server import internal_channel
 from pdserve.v1 import admin_pb2 as apb
 from pdserve.v1 import admin_pb2_grpc
+from services.router.admitted import ClusterAdmitted
 from services.router.drain import DrainOutcome, drain_targets, drain_workers
 from services.router.lifecycle import RequestLifecycle
 from services.router.scale import scale_target
@@ -27,8 +28,9 @@ T = TypeVar("T")
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    def __init__(self, registry: Registry, router: RequestLifecycle) -> None:
+    def __init__(self, registry: Registry, router: RequestLifecycle, admitted: ClusterAdmitted) -> None:
         self.registry = registry
+        self.admitted = admitted  # the cluster's, every router's
         self.recent = router.recent
         self.router = router  # also its in-flight count and draining flag
 
@@ -38,7 +40,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.router.authenticate(context.invocation_metadata()).check_admin()
         workers = sorted(self.registry.workers(), key=lambda w: (w.role, w.worker_id))
         health = await asyncio.gather(*(_health(w.address) for w in workers))
-        desired, admitted = await self._desired(), self.router.admitted
+        desired, admitted = await self._desired(), await self.admitted.totals()
         return apb.ClusterStatusResponse(
             workers=[self._status(w, h) for w, h in zip(workers, health, strict=True)],
             in_flight=self.router.in_flight,

@@ -25,6 +25,7 @@ from pdserve.errors import (
     UnavailableError,
 )
 from pdserve.metrics import RecentLatencies, RouterMetrics
+from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.registry.base import PrefixIndex, WorkerState
 from pdserve.security.api_keys import KeyTable, Metadata, Tenant, authenticate
@@ -32,7 +33,6 @@ from pdserve.security.quotas import LocalQuotas, Quotas, QuotaSession
 from pdserve.telemetry import Telemetry, request_id_var
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import Admission, SLOTarget
-from services.router.admitted import AdmittedTotals
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy

@@ -18,6 +18,7 @@ from pdserve.security.redis_quotas import RedisQuotas
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
 from services.router.admin import AdminServicer
+from services.router.admitted import ClusterAdmitted
 from services.router.http.app import openai_app
 from services.router.http.server import HttpServer
 from services.router.lifecycle import RequestLifecycle
@@ -30,13 +31,14 @@ log = logging.getLogger(__name__)
 
 
 class RouterServer:
-    """The router's listeners, drained and stopped together (then its quotas' background work): the launcher
-    sees one server."""
+    """The router's listeners, drained and stopped together (then the background work of its quotas and admitted
+    totals): the launcher sees one server."""
 
-    def __init__(self, grpc_server: Server, http: HttpServer | None, quotas: Quotas) -> None:
+    def __init__(self, grpc_server: Server, http: HttpServer | None, quotas: Quotas, admitted: ClusterAdmitted) -> None:
         self.grpc = grpc_server
         self.http = http
         self.quotas = quotas
+        self.admitted = admitted
         self.address = grpc_server.address
         self.port = grpc_server.port
 
@@ -49,6 +51,7 @@ class RouterServer:
             await self.http.stop()
         await self.grpc.stop(grace_s)
         await self.quotas.close()
+        await self.admitted.close()
 
     async def wait(self) -> None:
         await self.grpc.wait()
@@ -87,7 +90,8 @@ async def start_router(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
     )
-    admin = AdminServicer(registry, lifecycle)
+    admitted = ClusterAdmitted(registry, lifecycle.admitted)
+    admin = AdminServicer(registry, lifecycle, admitted)
     server.add(
         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s),
         [admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name],
@@ -96,8 +100,9 @@ async def start_router(
     await server.start()
     if http is not None:
         await http.start()
+    admitted.start()
     await server.set_serving(True)
-    return RouterServer(server, http, quotas), lifecycle
+    return RouterServer(server, http, quotas, admitted), lifecycle
 
 
 def _quotas(registry: Registry, config: RouterConfig) -> Quotas:

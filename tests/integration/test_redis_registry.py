@@ -18,11 +18,13 @@ import redis
 
 from pdserve.cluster.worker_runtime import WorkerRuntime
 from pdserve.config import EngineConfig
+from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
-from pdserve.registry.redis import DESIRED_COUNTS_KEY, PREFIX, RedisPrefixIndex, RedisRegistry
+from pdserve.registry.redis import ADMITTED_KEY, DESIRED_COUNTS_KEY, PREFIX, RedisPrefixIndex, RedisRegistry
+from services.router.admitted import ClusterAdmitted
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -170,6 +172,31 @@ def test_desired_counts_are_one_hash_shared_by_every_registry_and_replaced_whole
     assert fleet.desired_counts() == {Role.PREFILL: 2}  # what does not parse is skipped, not raised
     fleet.set_desired_counts({Role.COLOCATED: 4})
     assert router.desired_counts() == {Role.COLOCATED: 4}
+
+
+async def test_every_routers_admitted_requests_add_up_in_one_hash_and_a_failed_flush_is_kept(url, server):
+    """Two routers' counters through one Redis: the status of either shows both; what a flush could not add while
+    Redis was down is added by the next one, once."""
+    with redis.Redis.from_url(url) as c:
+        c.delete(ADMITTED_KEY)
+    local_a, local_b = AdmittedTotals(), AdmittedTotals()
+    a, b = ClusterAdmitted(RedisRegistry(url), local_a), ClusterAdmitted(RedisRegistry(url), local_b)
+    local_a.add(100, 10)
+    local_b.add(50, 5)
+    local_b.add(50, 5)
+    assert await b.totals() == AdmittedTotals(2, 100, 10)  # b's own, flushed before the read
+    assert await a.totals() == AdmittedTotals(3, 200, 20)
+    server.stop()
+    try:
+        local_a.add(7, 1)
+        with pytest.raises(redis.RedisError):
+            await a.flush()
+        assert await a.totals() == AdmittedTotals(2, 107, 11)  # the cluster's unknown: this router's own
+    finally:
+        server.start()  # an empty Redis (these tests' servers keep nothing on disk)
+    assert await b.totals() == AdmittedTotals()  # b had nothing new; a's request is still a's to add
+    assert await a.totals() == AdmittedTotals(1, 7, 1)  # added once, after the outage
+    assert await b.totals() == AdmittedTotals(1, 7, 1)
 
 
 def test_desired_counts_of_an_unreachable_redis_raise_within_the_timeout(url, server):

@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 
 from pdserve.config import EngineConfig
+from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.roles import Role
 
@@ -79,6 +80,15 @@ class Registry(ABC):
     def set_desired_counts(self, counts: dict[Role, int]) -> None:
         """Replaces the desired counts whole (the fleet starts or stops workers to match). Blocks and raises as
         `desired_counts`."""
+
+    @abstractmethod
+    def add_admitted(self, more: AdmittedTotals) -> None:
+        """Adds a router's newly admitted requests to the cluster's totals (every router's). Blocks and raises as
+        `desired_counts`."""
+
+    @abstractmethod
+    def admitted(self) -> AdmittedTotals:
+        """What every router of the cluster admitted, cumulative. Blocks and raises as `desired_counts`."""
 
     async def start(self) -> None:  # noqa: B027 (a no-op unless the registry is remote)
         """Called once on the router's event loop before it serves: a remote registry starts keeping its

@@ -6,6 +6,7 @@ import threading
 import time
 from collections import OrderedDict
 
+from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import DEFAULT_TTL_S, PrefixIndex, Registry, WorkerState
 
@@ -15,6 +16,7 @@ class InMemoryRegistry(Registry):
         self.ttl_s = ttl_s
         self._workers: dict[str, WorkerState] = {}
         self._desired: dict[Role, int] = {}
+        self._admitted = AdmittedTotals()
         self._lock = threading.Lock()
 
     def publish(self, state: WorkerState) -> None:
@@ -37,6 +39,14 @@ class InMemoryRegistry(Registry):
     def set_desired_counts(self, counts: dict[Role, int]) -> None:
         with self._lock:
             self._desired = {Role(r): int(n) for r, n in counts.items()}
+
+    def add_admitted(self, more: AdmittedTotals) -> None:
+        with self._lock:
+            self._admitted.merge(more)
+
+    def admitted(self) -> AdmittedTotals:
+        with self._lock:
+            return self._admitted.copy()
 
 
 class InMemoryPrefixIndex(PrefixIndex):

@@ -15,12 +15,13 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import redis
 import redis.asyncio as aredis
 
 from pdserve import env
+from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import DEFAULT_TTL_S, PrefixIndex, Registry, WorkerState
 
@@ -30,6 +31,7 @@ PREFIX_TTL_S = 3600
 TIMEOUT_S = 0.25  # any one Redis call: an unreachable Redis costs this, never a stalled thread or request
 WORKERS_KEY = f"{PREFIX}:workers"
 DESIRED_COUNTS_KEY = f"{PREFIX}:desired_counts"  # a hash role -> workers: the shape the fleet keeps (no TTL)
+ADMITTED_KEY = f"{PREFIX}:admitted"  # a hash of AdmittedTotals' fields: what every router admitted, cumulative
 
 
 def worker_key(worker_id: str) -> str:
@@ -127,6 +129,20 @@ class RedisRegistry(Registry):
         if counts:
             pipe.hset(DESIRED_COUNTS_KEY, mapping={str(r): int(n) for r, n in counts.items()})
         pipe.execute()
+
+    def add_admitted(self, more: AdmittedTotals) -> None:
+        pipe = self._redis.pipeline()  # one transaction: a reader never sees the requests without their tokens
+        for f in fields(AdmittedTotals):
+            pipe.hincrby(ADMITTED_KEY, f.name, getattr(more, f.name))
+        pipe.execute()
+
+    def admitted(self) -> AdmittedTotals:
+        values = self._redis.hgetall(ADMITTED_KEY)
+        try:
+            return AdmittedTotals(**{f.name: int(values.get(f.name.encode(), 0)) for f in fields(AdmittedTotals)})
+        except ValueError:  # written by anyone with access to Redis
+            log.error("%s holds a field that is not a count: %r", ADMITTED_KEY, values)
+            raise
 
     def workers(self, role: Role | None = None) -> list[WorkerState]:
         if time.monotonic() - self._confirmed_at > self.max_view_age_s:

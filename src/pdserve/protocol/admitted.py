@@ -1,0 +1,28 @@
+"""What routers admitted, for `pdserve autoscale`: cumulative counts, so every reader takes differences over its own
+window (the arrival rate, the mean prompt and output lengths) and no reader resets them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass
+class AdmittedTotals:
+    requests: int = 0
+    prompt_tokens: int = 0
+    max_tokens: int = 0  # what admission charged for output: the output length the load asks for
+
+    def add(self, prompt_tokens: int, max_tokens: int) -> None:
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.max_tokens += max_tokens
+
+    def since(self, earlier: AdmittedTotals) -> AdmittedTotals:
+        return AdmittedTotals(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
+
+    def merge(self, more: AdmittedTotals) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(more, f.name))
+
+    def copy(self) -> AdmittedTotals:
+        return replace(self)
