@@ -172,6 +172,12 @@ def test_desired_counts_are_one_hash_shared_by_every_registry_and_replaced_whole
     assert fleet.desired_counts() == {Role.PREFILL: 2}  # what does not parse is skipped, not raised
     fleet.set_desired_counts({Role.COLOCATED: 4})
     assert router.desired_counts() == {Role.COLOCATED: 4}
+    fleet.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 2}, from_flags=True)  # one transaction, both hashes
+    router.set_desired_counts({Role.PREFILL: 5, Role.DECODE: 2})  # a live scale leaves the flags' counts
+    assert (fleet.desired_counts(), router.flag_counts()) == (
+        {Role.PREFILL: 5, Role.DECODE: 2},
+        {Role.PREFILL: 1, Role.DECODE: 2},
+    )
 
 
 async def test_every_routers_admitted_requests_add_up_in_one_hash_and_a_failed_flush_is_kept(url, server):

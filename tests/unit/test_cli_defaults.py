@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import cli
-from pdserve.cluster.launcher import Cluster
 from pdserve.config import ClusterConfig, EngineConfig, RouterConfig
-from pdserve.registry.memory import InMemoryRegistry
 
 
 def test_up_without_flags_is_the_default_cluster_config() -> None:
@@ -63,10 +61,3 @@ def test_controller_and_router_flags_reach_the_config() -> None:
 def test_a_wildcard_is_never_advertised() -> None:
     with pytest.raises(ValueError, match="advertise_host"):
         cli._cluster_config(cli._parser().parse_args(["up", "--advertise-host", "0.0.0.0"]))
-
-
-def test_the_sigterm_drain_timeout_reaches_every_worker_spec() -> None:
-    argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0", "--worker-drain-timeout-s", "120"]
-    config = cli._cluster_config(cli._parser().parse_args(argv))
-    cluster = Cluster(config, workers=lambda context: None, registry=InMemoryRegistry(), publish=False)
-    assert [s.drain_timeout_s for s in cluster.specs()] == [120.0, 120.0]

@@ -93,14 +93,18 @@ class Cluster:
             log.info("worker %s metrics at %s", worker_id, state.metrics_address)
 
     def _init_desired_counts(self) -> None:
-        """The flags' counts, unless the fleet joined a Ray cluster whose registry already holds counts for its
-        mode: those outlive the process, as its detached actors do (a restarted controller keeps a live scale)."""
+        """The flags' counts, unless the fleet joined a Ray cluster whose registry holds counts that `pdserve scale`
+        set since a fleet with these same flags started: those outlive the process, as its detached actors do (a
+        restarted controller keeps a live scale). Other flags (a new revision's) apply, as a rollout would."""
         own = dict(Counter(self.config.roles))
-        kept = self.registry.desired_counts() if self.actors.detached else {}
-        if kept and set(kept) == set(own):
-            log.info("desired worker counts %s, kept from the registry", kept)
-            return
-        self.registry.set_desired_counts(own)
+        if self.actors.detached:
+            kept, flags = self.registry.desired_counts(), self.registry.flag_counts()
+            if kept and set(kept) == set(own) and flags == own:
+                log.info("desired worker counts %s, kept from the registry (the flags ask for %s)", kept, own)
+                return
+            if kept:
+                log.info("desired worker counts %s from the flags, which changed (the registry held %s)", own, kept)
+        self.registry.set_desired_counts(own, from_flags=True)
 
     def _await_start(self, slot: Slot) -> WorkerState:
         """The worker's state once it serves. A failed start is logged with its reason, and Ray restarts the

@@ -77,8 +77,14 @@ class Registry(ABC):
         when it cannot answer; call it off the event loop."""
 
     @abstractmethod
-    def set_desired_counts(self, counts: dict[Role, int]) -> None:
-        """Replaces the desired counts whole (the fleet starts or stops workers to match). Blocks and raises as
+    def set_desired_counts(self, counts: dict[Role, int], from_flags: bool = False) -> None:
+        """Replaces the desired counts whole (the fleet starts or stops workers to match). `from_flags`: they are
+        the fleet's own flags', also kept as `flag_counts`. Blocks and raises as `desired_counts`."""
+
+    @abstractmethod
+    def flag_counts(self) -> dict[Role, int]:
+        """The counts a fleet's flags last set: a fleet restarted with the same flags keeps what `pdserve scale`
+        set since, one started with other flags (a new revision's) applies its own. Blocks and raises as
         `desired_counts`."""
 
     @abstractmethod

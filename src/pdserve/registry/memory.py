@@ -16,6 +16,7 @@ class InMemoryRegistry(Registry):
         self.ttl_s = ttl_s
         self._workers: dict[str, WorkerState] = {}
         self._desired: dict[Role, int] = {}
+        self._flags: dict[Role, int] = {}
         self._admitted = AdmittedTotals()
         self._lock = threading.Lock()
 
@@ -36,9 +37,15 @@ class InMemoryRegistry(Registry):
         with self._lock:
             return dict(self._desired)
 
-    def set_desired_counts(self, counts: dict[Role, int]) -> None:
+    def set_desired_counts(self, counts: dict[Role, int], from_flags: bool = False) -> None:
         with self._lock:
             self._desired = {Role(r): int(n) for r, n in counts.items()}
+            if from_flags:
+                self._flags = dict(self._desired)
+
+    def flag_counts(self) -> dict[Role, int]:
+        with self._lock:
+            return dict(self._flags)
 
     def add_admitted(self, more: AdmittedTotals) -> None:
         with self._lock:

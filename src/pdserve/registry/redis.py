@@ -31,6 +31,7 @@ PREFIX_TTL_S = 3600
 TIMEOUT_S = 0.25  # any one Redis call: an unreachable Redis costs this, never a stalled thread or request
 WORKERS_KEY = f"{PREFIX}:workers"
 DESIRED_COUNTS_KEY = f"{PREFIX}:desired_counts"  # a hash role -> workers: the shape the fleet keeps (no TTL)
+FLAG_COUNTS_KEY = f"{PREFIX}:flag_counts"  # the same, as a fleet's flags last set them (no TTL)
 ADMITTED_KEY = f"{PREFIX}:admitted"  # a hash of AdmittedTotals' fields: what every router admitted, cumulative
 
 
@@ -115,19 +116,26 @@ class RedisRegistry(Registry):
         pipe.execute()
 
     def desired_counts(self) -> dict[Role, int]:
+        return self._counts(DESIRED_COUNTS_KEY)
+
+    def flag_counts(self) -> dict[Role, int]:
+        return self._counts(FLAG_COUNTS_KEY)
+
+    def _counts(self, key: str) -> dict[Role, int]:
         counts: dict[Role, int] = {}
-        for role, n in self._redis.hgetall(DESIRED_COUNTS_KEY).items():
+        for role, n in self._redis.hgetall(key).items():
             try:
                 counts[Role(role.decode())] = int(n)
             except ValueError:  # written by anyone with access to Redis: a field that is no role, or no count
-                log.error("%s: field %r = %r skipped, not a role and a count", DESIRED_COUNTS_KEY, role, n)
+                log.error("%s: field %r = %r skipped, not a role and a count", key, role, n)
         return counts
 
-    def set_desired_counts(self, counts: dict[Role, int]) -> None:
-        pipe = self._redis.pipeline()  # one transaction: no reader sees the hash empty or half written
-        pipe.delete(DESIRED_COUNTS_KEY)
-        if counts:
-            pipe.hset(DESIRED_COUNTS_KEY, mapping={str(r): int(n) for r, n in counts.items()})
+    def set_desired_counts(self, counts: dict[Role, int], from_flags: bool = False) -> None:
+        pipe = self._redis.pipeline()  # one transaction: no reader sees a hash empty or half written
+        for key in (DESIRED_COUNTS_KEY, FLAG_COUNTS_KEY) if from_flags else (DESIRED_COUNTS_KEY,):
+            pipe.delete(key)
+            if counts:
+                pipe.hset(key, mapping={str(r): int(n) for r, n in counts.items()})
         pipe.execute()
 
     def add_admitted(self, more: AdmittedTotals) -> None:

@@ -1,0 +1,38 @@
+"""The fleet built from a command line: what its worker specs carry, and which desired counts it starts from."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import cli
+from pdserve.cluster.launcher import Cluster
+from pdserve.protocol.roles import Role
+from pdserve.registry.memory import InMemoryRegistry
+
+
+def test_the_sigterm_drain_timeout_reaches_every_worker_spec() -> None:
+    argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0", "--worker-drain-timeout-s", "120"]
+    config = cli._cluster_config(cli._parser().parse_args(argv))
+    cluster = Cluster(config, workers=lambda context: None, registry=InMemoryRegistry(), publish=False)
+    assert [s.drain_timeout_s for s in cluster.specs()] == [120.0, 120.0]
+
+
+@pytest.mark.parametrize(
+    ("flags_before", "live", "flags_now", "desired"),
+    [
+        ((1, 1), (3, 2), (1, 1), (3, 2)),  # restarted with the same flags: the live scale stays
+        ((1, 1), (3, 2), (2, 4), (2, 4)),  # a new revision's flags apply
+        (None, None, (2, 1), (2, 1)),  # a first start
+    ],
+)
+def test_a_joined_fleet_keeps_a_live_scale_unless_its_flags_changed(flags_before, live, flags_now, desired) -> None:
+    registry = InMemoryRegistry()
+    if flags_before:
+        registry.set_desired_counts(dict(zip((Role.PREFILL, Role.DECODE), flags_before, strict=True)), from_flags=True)
+        registry.set_desired_counts(dict(zip((Role.PREFILL, Role.DECODE), live, strict=True)))  # pdserve scale
+    argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0"]
+    argv += ["--prefill", str(flags_now[0]), "--decode", str(flags_now[1])]
+    cluster = Cluster(cli._cluster_config(cli._parser().parse_args(argv)), lambda context: None, registry, False)
+    cluster._init_desired_counts()
+    assert registry.desired_counts() == {Role.PREFILL: desired[0], Role.DECODE: desired[1]}
+    assert registry.flag_counts() == {Role.PREFILL: flags_now[0], Role.DECODE: flags_now[1]}
