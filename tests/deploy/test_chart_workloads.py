@@ -155,3 +155,18 @@ def test_pods_run_as_non_root_and_only_the_controller_holds_an_api_token(rendere
         spec = template["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True, component
         assert spec["automountServiceAccountToken"] is (component == "controller"), component
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_ray_autoscaler_gives_pending_worker_actors_their_pods(enabled: bool) -> None:
+    """On: Ray's autoscaler adds a pod to a group when an actor waits for its role's resource (a live scale), with
+    the Ray token every Ray process carries; off: replicas stay what the chart or `scale --kubernetes` set."""
+    spec = one(render(["gpu.yaml"], {"ray.autoscaler.enabled": str(enabled).lower()}), "RayCluster")["spec"]
+    assert spec["enableInTreeAutoscaling"] is enabled
+    if not enabled:
+        assert "autoscalerOptions" not in spec
+        return
+    options = spec["autoscalerOptions"]
+    assert options["idleTimeoutSeconds"] == 60 and options["upscalingMode"] == "Default"
+    assert {e["name"] for e in options["env"]} == {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}
+    assert options["securityContext"]["allowPrivilegeEscalation"] is False  # the head pod's context: non-root
