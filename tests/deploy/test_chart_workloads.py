@@ -150,11 +150,17 @@ def test_router_reads_its_toml_and_the_contract_flags(rendered: dict[str, Object
     assert (flag(args, "--host"), flag(args, "--port"), flag(args, "--metrics-port")) == ("0.0.0.0", "50051", "9400")
 
 
-def test_pods_run_as_non_root_and_only_the_controller_holds_an_api_token(rendered: dict[str, Objects]) -> None:
+def test_pods_run_as_non_root_and_only_the_controller_and_the_autoscaler_hold_an_api_token(
+    rendered: dict[str, Objects],
+) -> None:
     for component, template in pod_templates(rendered["gpu.yaml"]).items():
         spec = template["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True, component
-        assert spec["automountServiceAccountToken"] is (component == "controller"), component
+        assert spec["automountServiceAccountToken"] is (component in ("controller", "ray-head")), component
+    # The head's token is KubeRay's account for the autoscaler sidecar, not the chart's (the controller's).
+    assert "serviceAccountName" not in pod_templates(rendered["gpu.yaml"])["ray-head"]["spec"]
+    head = pod_templates(render(["gpu.yaml"], {"ray.autoscaler.enabled": "false"}))["ray-head"]["spec"]
+    assert head["automountServiceAccountToken"] is False
 
 
 @pytest.mark.parametrize("enabled", [True, False])
