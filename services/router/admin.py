@@ -49,6 +49,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             admitted_requests=admitted.requests,
             admitted_prompt_tokens=admitted.prompt_tokens,
             admitted_max_tokens=admitted.max_tokens,
+            finished_requests=admitted.finished,
+            completion_tokens=admitted.completion_tokens,
         )
 
     async def _desired(self) -> dict[Role, int]:

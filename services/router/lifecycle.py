@@ -176,6 +176,8 @@ class RequestLifecycle:
                     async for msg in self.relay.stream(ticket, time_remaining(), clock):
                         chunks.append(list(msg.token_ids))
                         done = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                        if done:
+                            self.admitted.finish(sum(map(len, chunks)))
                         yield msg
                     return
                 except UnavailableError as e:

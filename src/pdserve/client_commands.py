@@ -124,6 +124,8 @@ def _status(args: argparse.Namespace) -> int:
             "requests": reply.admitted_requests,
             "prompt_tokens": reply.admitted_prompt_tokens,
             "max_tokens": reply.admitted_max_tokens,
+            "finished": reply.finished_requests,
+            "completion_tokens": reply.completion_tokens,
         }
         record = {"workers": workers, "in_flight": reply.in_flight, "draining": reply.draining}
         print(json.dumps({**record, "desired": dict(reply.desired), "admitted": admitted}))

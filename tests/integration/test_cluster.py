@@ -16,6 +16,7 @@ from pdserve.rpc.client import generate
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
+from tests.integration.cluster_view import status_json
 from tests.integration.worker_view import idle, workers
 
 pytestmark = pytest.mark.timeout(300)
@@ -84,7 +85,12 @@ def test_concurrent_requests_match_single_process_engine(cluster, reference):
 
         return await asyncio.gather(*(one(r) for r, _ in requests))
 
+    before = status_json(cluster.address)["admitted"]
     results = asyncio.run(all_at_once())
+    after = status_json(cluster.address)["admitted"]  # what autoscale reads: admitted, and what finished generated
+    asked = sum(r.sampling.max_tokens for r, _ in requests)
+    gained = {k: after[k] - before[k] for k in after}
+    assert gained == gained | {"requests": 10, "max_tokens": asked, "finished": 10, "completion_tokens": asked}
     for (req, prompt_ids), result in zip(requests, results, strict=True):
         want = run(prompt_ids, req.sampling.max_tokens)
         assert result.token_ids == want

@@ -46,7 +46,7 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
             continue
         now = loop.time()
         counters = (status.admitted_requests, status.admitted_prompt_tokens, status.admitted_max_tokens)
-        window.observe(Admitted(now, *counters))
+        window.observe(Admitted(now, *counters, status.finished_requests, status.completion_tokens))
         current = dict(status.desired) or all_counts(status)
         if "colocated" in current:
             raise ValueError("autoscale scales a disaggregated cluster's split; this one is colocated")

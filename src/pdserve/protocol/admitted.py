@@ -1,5 +1,5 @@
-"""What routers admitted, for `pdserve autoscale`: cumulative counts, so every reader takes differences over its own
-window (the arrival rate, the mean prompt and output lengths) and no reader resets them."""
+"""What routers admitted and finished, for `pdserve autoscale`: cumulative counts, so every reader takes differences
+over its own window (the arrival rate, the mean prompt and output lengths) and no reader resets them."""
 
 from __future__ import annotations
 
@@ -10,12 +10,18 @@ from dataclasses import dataclass, fields, replace
 class AdmittedTotals:
     requests: int = 0
     prompt_tokens: int = 0
-    max_tokens: int = 0  # what admission charged for output: the output length the load asks for
+    max_tokens: int = 0  # what admission charged for output: the most the load may ask for
+    finished: int = 0  # requests that ran to their end (a stop, EOS or max_tokens)
+    completion_tokens: int = 0  # what those generated: the output length the load really asks for
 
     def add(self, prompt_tokens: int, max_tokens: int) -> None:
         self.requests += 1
         self.prompt_tokens += prompt_tokens
         self.max_tokens += max_tokens
+
+    def finish(self, completion_tokens: int) -> None:
+        self.finished += 1
+        self.completion_tokens += completion_tokens
 
     def since(self, earlier: AdmittedTotals) -> AdmittedTotals:
         return AdmittedTotals(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))

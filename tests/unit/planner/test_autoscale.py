@@ -30,6 +30,15 @@ def test_the_window_gives_rate_and_mean_lengths_from_differences() -> None:
     assert w.load() == Load(0.0, 0.0, 0.0) and w.load().idle  # the load went: the window holds none of it
 
 
+def test_the_output_length_is_what_finished_requests_generated_when_some_finished() -> None:
+    w = LoadWindow(window_s=2)
+    w.observe(Admitted(0, 10, 1000, 10 * 4096, finished=8, completion_tokens=8 * 150))
+    w.observe(Admitted(2, 14, 1400, 14 * 4096, finished=11, completion_tokens=8 * 150 + 3 * 90))
+    assert w.load() == Load(rate=2.0, input_len=100.0, output_len=90.0)  # the 3 that finished, not max_tokens
+    w.observe(Admitted(4, 16, 1600, 16 * 4096, finished=11, completion_tokens=8 * 150 + 3 * 90))
+    assert w.load().output_len == 4096  # none finished in the window: what they may ask for
+
+
 def test_a_router_restart_starts_the_window_again() -> None:
     w = LoadWindow(window_s=1)
     w.observe(Admitted(0, 500, 0, 0))
