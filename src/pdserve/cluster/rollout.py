@@ -65,8 +65,8 @@ class Rollout:
                 worker_id,
                 _differences(running, slot.spec),
             )
+            await self.drain(slot)  # raises when it could not: a later pass tries again
             self._checked[worker_id] = actor
-            await self.drain(slot)
             return worker_id
         return None
 

@@ -75,3 +75,26 @@ def test_the_log_names_what_differs() -> None:
         == "drain_timeout_s, engine.kv_cache_memory_gb differ"
     )
     assert _differences(None, spec) == "made by a pdserve that does not report it"
+
+
+async def test_a_drain_that_failed_is_tried_again() -> None:
+    supervisor = Supervisor(InMemoryRegistry(), publish=True, new_actor=lambda spec: None)
+    supervisor.slots["decode-0"] = Slot(
+        WorkerSpec("decode", NEW, worker_id="decode-0"), Actor(WorkerSpec("decode", OLD))
+    )
+    supervisor.slots["decode-0"].listed = True
+    tries: list[int] = []
+
+    async def spec_of(actor: Actor) -> WorkerSpec:
+        return actor.spec
+
+    async def drain(slot: Slot) -> None:
+        tries.append(1)
+        if len(tries) == 1:
+            raise ConnectionError("unreachable")
+
+    rollout = Rollout(supervisor, spec_of, drain)
+    with pytest.raises(ConnectionError):
+        await rollout.step()
+    assert await rollout.step() == "decode-0" and len(tries) == 2
+    assert await rollout.step() is None  # drained once it worked; not again
