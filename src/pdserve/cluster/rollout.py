@@ -36,7 +36,9 @@ class Rollout:
         self.supervisor = supervisor
         self.spec_of = spec_of
         self.drain = drain
-        self._checked: dict[str, Any] = {}  # worker id -> the actor whose spec matched (or was rolled)
+        # Worker id -> id() of the actor whose spec matched (or was rolled): never the handle itself, since Ray frees
+        # a dead actor's name only once every handle to it is gone, and its replacement needs that name.
+        self._checked: dict[str, int] = {}
 
     async def run(self, interval_s: float = ROLLOUT_CHECK_S) -> None:
         while True:
@@ -51,12 +53,12 @@ class Rollout:
         spare it; returns its worker id."""
         for slot in list(self.supervisor.slots.values()):
             worker_id = slot.spec.worker_id
-            if slot.leaving or not slot.listed or slot.actor is None or self._checked.get(worker_id) is slot.actor:
+            if slot.leaving or not slot.listed or slot.actor is None or self._checked.get(worker_id) == id(slot.actor):
                 continue
-            actor = slot.actor
-            running = await self.spec_of(actor)
+            checked = id(slot.actor)
+            running = await self.spec_of(slot.actor)
             if running == slot.spec:
-                self._checked[worker_id] = actor
+                self._checked[worker_id] = checked
                 continue
             if not self._others_listed(slot):
                 continue  # another worker of its role is restarting: this one waits for a later pass
@@ -66,7 +68,7 @@ class Rollout:
                 _differences(running, slot.spec),
             )
             await self.drain(slot)  # raises when it could not: a later pass tries again
-            self._checked[worker_id] = actor
+            self._checked[worker_id] = checked
             return worker_id
         return None
 

@@ -98,6 +98,9 @@ class Supervisor:
     async def _check(self, slot: Slot) -> None:
         from ray.exceptions import ActorDiedError
 
+        if slot.actor is None:  # its replacement could not be made: tried again, backing off
+            await self._replace(slot, RuntimeError("no actor: its replacement could not be created"))
+            return
         if slot.listed and not await _port_open(slot.address):
             await self._unlist(slot, f"its port {slot.address} refuses connections")
         try:
@@ -149,10 +152,10 @@ class Supervisor:
 
     async def _replace(self, slot: Slot, error: BaseException) -> None:
         now = self.clock()
-        if slot.backoff_s and not slot.replace_at:  # the last replacement died before it ever served
+        if slot.backoff_s and not slot.replace_at:  # the last replacement never served
             slot.replace_at = now + slot.backoff_s
             log.error(
-                "worker %s died again before it served (%s); the next replacement in %g s",
+                "worker %s has not served since its last replacement (%s); the next replacement in %g s",
                 *(slot.spec.worker_id, _first_line(error), slot.backoff_s),
             )
         if now < slot.replace_at:
@@ -165,7 +168,11 @@ class Supervisor:
         first, longest = REPLACE_BACKOFF_S
         slot.backoff_s, slot.replace_at = min(longest, max(first, 2 * slot.backoff_s)), 0.0
         slot.actor = None  # the dead actor's handle goes first: Ray frees its name (the worker id) only then
-        slot.actor = await asyncio.to_thread(self.new_actor, slot.spec)  # may wait for the name, off the loop
+        try:
+            slot.actor = await asyncio.to_thread(self.new_actor, slot.spec)  # may wait for the name, off the loop
+        except Exception as e:  # its name still held, Ray unreachable: the next check tries again
+            log.error("worker %s: no new actor (%s); trying again", slot.spec.worker_id, _first_line(e))
+            return
         slot.died = 0
         self.on_replaced(slot.spec)
 
@@ -173,7 +180,10 @@ class Supervisor:
         log.warning("worker %s drained; a new actor takes its place", slot.spec.worker_id)
         self.kill(slot.actor)
         slot.actor = None  # as in _replace: the handle goes first so Ray frees the name for the new actor
-        slot.actor = await asyncio.to_thread(self.new_actor, slot.spec)
+        try:
+            slot.actor = await asyncio.to_thread(self.new_actor, slot.spec)
+        except Exception as e:  # the next check replaces it, as a dead one
+            log.error("worker %s: no new actor (%s); trying again", slot.spec.worker_id, _first_line(e))
 
 
 async def _port_open(address: str) -> bool:

@@ -146,6 +146,26 @@ async def test_replacements_that_never_serve_back_off_and_one_that_serves_resets
     assert len(made) == 4 and sup.slots["a"].replacements == 4  # replaced at once again
 
 
+async def test_a_replacement_that_could_not_be_created_is_tried_again() -> None:
+    now, tries = [0.0], []
+
+    def new_actor(spec: WorkerSpec) -> StandInActor:
+        tries.append(spec.worker_id)
+        if len(tries) == 1:
+            raise ValueError("The name b is already taken")  # Ray has not freed the dead actor's name yet
+        return StandInActor(spec.worker_id, "ok")
+
+    sup, registry = supervisor({"a": "ok", "b": "dead"}, new_actor)
+    sup.clock = lambda: now[0]
+    for _ in range(3):
+        await sup.check_all()  # the loop goes on, no actor in the slot
+    assert tries == ["b"] and sup.slots["b"].actor is None
+    now[0] = 10.0
+    await sup.check_all()
+    await sup.check_all()
+    assert tries == ["b", "b"] and {w.worker_id for w in registry.workers()} == {"a", "b"}
+
+
 async def test_a_silent_actor_leaves_placement_after_two_checks_but_never_the_last_of_its_role() -> None:
     sup, registry = supervisor({"a": "ok", "b": "ok"})
     await sup.check_all()
