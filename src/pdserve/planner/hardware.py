@@ -33,6 +33,14 @@ class HardwareProfile:
     # RPCs, the hand-off's rendezvous, the relay. Pure latency (no worker is held). `pdserve profile` cannot
     # see it (no cluster); scripts/validate_planner.py --calibrate measures it.
     serving_latency_s: float = 0.0
+    # Where the workers share one host's cores with each other and with the serving stack (`pdserve up` on a
+    # CPU): those cores, the CPU seconds a request costs outside every engine thread (router, RPCs, the token
+    # relay, the client), and the cores kept busy regardless of requests (idle processes, other programs).
+    # 0 cores: each worker has its own device and cores, as pods or GPUs do. scripts/validate_planner.py
+    # --calibrate measures them on the local cluster.
+    shared_cores: int = 0
+    serving_cpu_s: float = 0.0
+    background_cores: float = 0.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512

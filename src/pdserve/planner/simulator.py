@@ -17,6 +17,11 @@ releases them; then the decode worker commits the KV and the first token reaches
 worker admits a sequence to its batch only while its whole KV (prompt + output) fits and its batch is under
 `max_num_seqs`. The profile's serving latency (router, RPCs, relay) delays every request without holding
 any worker.
+
+Where the workers share a host's cores (the profile's `shared_cores`), a step is slower when more runs on
+them than there are cores: its time is stretched by the engine threads stepping at its start, the serving
+stack's own demand (`serving_cpu_s` per request at the offered rate) and the host's background demand,
+shared among the cores. A profile timed in one process on an idle machine sees none of that.
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ class SimResult:
     span_s: float  # first arrival to last completion
     prefill_busy: float  # share of the span the prefill (or colocated) workers spent stepping
     decode_busy: float
+    busy_s: float  # engine-thread seconds, every worker summed
 
 
 class Simulator:
@@ -105,12 +111,16 @@ class Simulator:
         else:
             self.prefillers = [_Worker(True, False) for _ in range(shape.prefill)]
             self.decoders = [_Worker(False, True) for _ in range(shape.decode)]
+        self.workers = self.prefillers if shape.colocated else self.prefillers + self.decoders
         self._events: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self.now = 0.0
+        self._background_cores = profile.background_cores  # plus the serving stack's at the offered rate
 
     def run(self, requests: list[SimRequest]) -> SimResult:
         seqs = [_Seq(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
+        if len(seqs) > 1 and (span := seqs[-1].req.arrival_s - seqs[0].req.arrival_s) > 0:
+            self._background_cores += (len(seqs) - 1) / span * self.p.serving_cpu_s
         for s in seqs:
             self._at(s.req.arrival_s + self.p.serving_latency_s, "arrive", s)
         while self._events:
@@ -235,9 +245,18 @@ class Simulator:
         if not step.chunks and not step.decoded:
             return
         w.busy = True
-        seconds = self._step_s(step)
+        seconds = self._step_s(step) * self._stretch()
         w.busy_s += seconds
         self._at(self.now + seconds, "step", (w, step))
+
+    def _stretch(self) -> float:
+        """How much slower a step starting now runs than it did alone: what wants the shared cores (every
+        stepping engine's threads and the serving stack's demand) over the cores there are."""
+        if not self.p.shared_cores:
+            return 1.0
+        threads = int(self.p.meta.get("threads", 1))
+        stepping = sum(w.busy for w in self.workers)
+        return max(1.0, (stepping * threads + self._background_cores) / self.p.shared_cores)
 
     def _plan(self, w: _Worker) -> _Step:
         decoded = w.running if w.decodes else 0
@@ -287,4 +306,5 @@ class Simulator:
             span_s=span,
             prefill_busy=busy(self.prefillers),
             decode_busy=busy(self.decoders),
+            busy_s=sum(w.busy_s for w in self.workers),
         )

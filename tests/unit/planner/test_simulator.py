@@ -104,3 +104,25 @@ def test_a_later_chunk_pays_for_the_context_it_reads_and_every_step_for_the_engi
     result = Simulator(profile, Shape(colocated=1)).run([SimRequest(0.0, 1024, 1)])
     chunks = 2 * PERF.prefill_s(512) + per_context * 512 * 512
     assert result.ttft_s == [pytest.approx(chunks + 2 * overhead)]
+
+
+def test_engines_sharing_too_few_cores_step_slower() -> None:
+    """Three colocated workers with a thread each on two cores: the third to start a step shares them."""
+    profile = synthetic_profile(shared_cores=2, meta={"threads": 1})
+    requests = [SimRequest(0.0, 256, 1) for _ in range(3)]
+    result = Simulator(profile, Shape(colocated=3)).run(requests)
+    assert result.ttft_s == pytest.approx([PERF.prefill_s(256), PERF.prefill_s(256), 1.5 * PERF.prefill_s(256)])
+    own_cores = Simulator(replace(profile, shared_cores=0), Shape(colocated=3)).run(requests)
+    assert own_cores.ttft_s == pytest.approx([PERF.prefill_s(256)] * 3)
+
+
+def test_the_serving_stacks_cpu_and_the_hosts_background_slow_the_steps_as_the_rate_rises() -> None:
+    """On one core, a request's engine step shares it with the router's and client's work at the offered
+    rate and with what else keeps the host busy."""
+    requests = [SimRequest(float(i), 256, 1) for i in range(5)]  # 1 request/s, each alone on its worker
+    step = PERF.prefill_s(256)
+    base = synthetic_profile(shared_cores=1, meta={"threads": 1})
+    serving = Simulator(replace(base, serving_cpu_s=0.5), Shape(colocated=1)).run(requests)
+    assert serving.ttft_s == pytest.approx([1.5 * step] * 5)  # 0.5 cores of serving at 1 request/s
+    busy_host = Simulator(replace(base, serving_cpu_s=0.5, background_cores=1.0), Shape(colocated=1)).run(requests)
+    assert busy_host.ttft_s == pytest.approx([2.5 * step] * 5)
