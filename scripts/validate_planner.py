@@ -17,6 +17,7 @@ models no shedding). Each row carries the machine's 1-minute load average when i
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import os
@@ -42,6 +43,8 @@ from pdserve.planner.plan import SLO, simulate
 from pdserve.planner.profiler import Grid, run_profile
 from pdserve.planner.simulator import Shape, Simulator
 from pdserve.planner.workload import SimRequest
+from pdserve.rpc.server import channel
+from pdserve.v1 import admin_pb2, admin_pb2_grpc
 
 CALIBRATION_REQUESTS = 24  # a few seconds: enough CPU clock ticks to count
 QUIET_S = 3.0  # the idle cluster's own CPU use is measured over this long
@@ -61,6 +64,8 @@ class Row:
     calibrated_goodput: float | None  # --calibrate: with the serving latency measured on this cluster
     calibrated_ttft_p90_ms: float | None
     latency_ms: float | None
+    prefill_loop_ms: float | None
+    decode_loop_ms: float | None  # per token
     serving_cpu_ms: float | None
     idle_cores: float | None  # the idle cluster's own CPU use
 
@@ -141,34 +146,55 @@ def calibrate(
 ) -> HardwareProfile:
     """The profile with what only the running cluster shows. Idle for a few seconds: the CPU our processes
     use without requests (Ray, heartbeats), a background demand on the shared cores (each row adds what the
-    host's other programs used while it ran). Then
-    requests of the workload's size one at a time to the idle cluster. Serving latency: their median TTFT
-    less what the simulator predicts for each alone without one (the time spent outside every engine
-    thread). Serving CPU: the CPU seconds of every process of the cluster and of loadgen (this one) per
-    request, less the idle use and the engine steps the simulator predicts. The cores: this host's, which
-    all of them share."""
+    host's other programs used while it ran). Then requests of the workload's size one at a time to the
+    idle cluster. Serving latency: their median TTFT less what the simulator predicts for each alone without
+    one (the time spent outside every engine thread). Each worker's CPU beyond the engine steps the
+    simulator predicts for it: its RPC loop's, per prompt on a prefill worker, per token streamed on a decode
+    or colocated one. Serving CPU: what every other process (the router, Ray, loadgen: this one) used per
+    request beyond their idle use. The cores: this host's, which all of them share."""
     pids = cluster_pids(cluster)
+    roles = worker_roles(cluster.address)
     before = cpu_clock(pids)
     time.sleep(QUIET_S)
     quiet = cpu_clock(pids) - before
     idle_cores = quiet[0] / quiet[2]
-    before = cpu_clock(pids)
+    before, before_workers = cpu_clock(pids), {pid: cpu_clock({pid})[0] for pid in roles}
     result = measure(cluster.address, random_load(args, vocab, CALIBRATION_REQUESTS, args.output_len), args, seed, 1)
     used, _, wall = cpu_clock(pids) - before
-    alone = {
-        r["request_id"]: Simulator(profile, shape).run([SimRequest(0.0, r["input_len"], r["output_len"])])
-        for r in result["requests"]
-    }
-    gaps = [r["ttft_ms"] / 1e3 - alone[r["request_id"]].ttft_s[0] for r in result["requests"] if r["ttft_ms"]]
+    workers = {role: 0.0 for role in roles.values()}
+    for pid, role in roles.items():
+        workers[role] += cpu_clock({pid})[0] - before_workers[pid]
+    records = [r for r in result["requests"] if r["ttft_ms"]]
+    alone = [Simulator(profile, shape).run([SimRequest(0.0, r["input_len"], r["output_len"])]) for r in records]
     sent = len(result["requests"]) + 1  # loadgen's check request first
-    steps = sum(a.busy_s for a in alone.values()) * sent / len(alone)
+    per_sent = sent / len(records)
+    steps = {  # engine seconds per role, scaled to every request sent
+        "prefill": per_sent * sum(a.prefill_busy * a.span_s for a in alone),
+        "decode": per_sent * sum(a.decode_busy * a.span_s for a in alone),
+    }
+    tokens = per_sent * sum(r["output_len"] for r in records)
+    pairs = zip(records, alone, strict=True)
+    loop = {role: max(0.0, cpu - steps["decode" if role == "colocated" else role]) for role, cpu in workers.items()}
     return replace(
         profile,
-        serving_latency_s=max(0.0, statistics.median(gaps)),
+        serving_latency_s=max(0.0, statistics.median(r["ttft_ms"] / 1e3 - a.ttft_s[0] for r, a in pairs)),
         shared_cores=os.cpu_count() or 1,
-        serving_cpu_s=max(0.0, used - idle_cores * wall - steps) / sent,
+        serving_cpu_s=max(0.0, used - sum(workers.values()) - idle_cores * wall) / sent,
         background_cores=idle_cores,
+        prefill_loop_s=loop.get("prefill", 0.0) / sent,
+        decode_loop_per_token_s=(loop.get("decode", 0.0) + loop.get("colocated", 0.0)) / tokens,
     )
+
+
+def worker_roles(address: str) -> dict[int, str]:
+    """pid -> role of every worker, as the router's Admin view reports them."""
+
+    async def ask() -> list[admin_pb2.WorkerStatus]:
+        async with channel(address) as ch:
+            reply = await admin_pb2_grpc.AdminStub(ch).ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=10)
+        return list(reply.workers)
+
+    return {w.pid: w.role for w in asyncio.run(ask()) if w.pid}
 
 
 def cluster_pids(cluster: ClusterProcess) -> set[int]:
@@ -216,6 +242,8 @@ def run_config(
                     cal.goodput if cal else None,
                     cal.ttft_ms[1] if cal else None,
                     calibrated.serving_latency_s * 1e3 if calibrated else None,
+                    calibrated.prefill_loop_s * 1e3 if calibrated else None,
+                    calibrated.decode_loop_per_token_s * 1e3 if calibrated else None,
                     calibrated.serving_cpu_s * 1e3 if calibrated else None,
                     calibrated.background_cores if calibrated else None,
                 )
@@ -238,7 +266,17 @@ def table(rows: list[Row], args: argparse.Namespace) -> Table:
     for col in (*columns, "meas ms", "err"):
         t.add_column(col, justify="right")
     if args.calibrate:
-        for col in ("latency ms", "CPU ms/req", "idle cores", "goodput cal", "err", "p90 TTFT cal ms", "err"):
+        for col in (
+            "latency ms",
+            "P loop ms",
+            "D loop ms/tok",
+            "CPU ms/req",
+            "idle cores",
+            "goodput cal",
+            "err",
+            "p90 TTFT cal ms",
+            "err",
+        ):
             t.add_column(col, justify="right")
     for r in rows:
         cells = [
@@ -256,6 +294,8 @@ def table(rows: list[Row], args: argparse.Namespace) -> Table:
         if r.calibrated_goodput is not None and r.calibrated_ttft_p90_ms is not None:
             cells += [
                 f"{r.latency_ms:.0f}",
+                f"{r.prefill_loop_ms:.1f}",
+                f"{r.decode_loop_ms:.2f}",
                 f"{r.serving_cpu_ms:.0f}",
                 f"{r.idle_cores:.2f}",
                 f"{r.calibrated_goodput:.2f}",

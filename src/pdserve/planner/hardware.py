@@ -41,6 +41,11 @@ class HardwareProfile:
     shared_cores: int = 0
     serving_cpu_s: float = 0.0
     background_cores: float = 0.0
+    # A worker's RPC loop runs in the engine's process and takes turns with its engine thread for the
+    # interpreter lock, so its work lengthens the engine's steps: per prompt on the prefill worker (the call,
+    # the hand-off), per token streamed on the decode (or colocated) worker. --calibrate measures them too.
+    prefill_loop_s: float = 0.0
+    decode_loop_per_token_s: float = 0.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512

@@ -3,8 +3,9 @@
 Each worker runs engine steps back to back while it has work, as the engine does. A step's time comes from
 the profile: a prefill chunk costs its tokens (linear and attention terms) and its reads of the prompt's
 earlier chunks from the cache, a decode step its batch and the context it reads, and every step the
-engine's own overhead; a colocated worker's step holds both, so a prompt's prefill slows every decode in
-its step (the interference disaggregation removes). Prompts are split into chunks of at most
+engine's own overhead, plus what the worker's RPC loop does meanwhile under the same interpreter lock (per
+prompt handed off, per token streamed); a colocated worker's step holds both, so a prompt's prefill slows
+every decode in its step (the interference disaggregation removes). Prompts are split into chunks of at most
 `long_prefill_chunk` within the step budget of `max_num_batched_tokens`, FIFO. Routing is least-loaded, as
 the router's is when no prefix is shared.
 
@@ -284,9 +285,10 @@ class Simulator:
             for s, n in step.chunks:
                 seconds += perf.prefill_per_token_s * n + perf.prefill_per_token2_s * n * n
                 seconds += self.p.prefill_per_context_token_s * n * s.prefilled
+                seconds += self.p.prefill_loop_s if s.prefilled + n == s.req.input_len else 0.0
         if step.decoded:
             fixed = max(fixed, perf.decode_fixed_s)
-            seconds += perf.decode_per_seq_s * step.decoded
+            seconds += (perf.decode_per_seq_s + self.p.decode_loop_per_token_s) * step.decoded
             seconds += self.p.decode_per_context_token_s * step.context
         return fixed + seconds
 

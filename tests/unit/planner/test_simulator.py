@@ -126,3 +126,13 @@ def test_the_serving_stacks_cpu_and_the_hosts_background_slow_the_steps_as_the_r
     assert serving.ttft_s == pytest.approx([1.5 * step] * 5)  # 0.5 cores of serving at 1 request/s
     busy_host = Simulator(replace(base, serving_cpu_s=0.5, background_cores=1.0), Shape(colocated=1)).run(requests)
     assert busy_host.ttft_s == pytest.approx([2.5 * step] * 5)
+
+
+def test_the_workers_rpc_loops_lengthen_their_engines_steps() -> None:
+    """Per prompt handed off on the prefill worker (once, with its last chunk); per token on the decode one."""
+    per_prompt, per_token = 0.004, 0.001
+    profile = synthetic_profile(prefill_loop_s=per_prompt, decode_loop_per_token_s=per_token)
+    base = Simulator(synthetic_profile(), Shape(prefill=1, decode=1)).run([SimRequest(0.0, 1024, 11)])
+    loops = Simulator(profile, Shape(prefill=1, decode=1)).run([SimRequest(0.0, 1024, 11)])
+    assert loops.ttft_s[0] == pytest.approx(base.ttft_s[0] + per_prompt)
+    assert loops.tpot_s[0] == pytest.approx(base.tpot_s[0] + per_token)
