@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -96,10 +97,17 @@ def write_trace(path: Path, load: workload.Workload, rate: float) -> None:
 
 
 def measure(
-    address: str, load: WorkloadConfig, args: argparse.Namespace, seed: int, concurrency: int | None = None
+    address: str,
+    load: WorkloadConfig,
+    args: argparse.Namespace,
+    seed: int,
+    concurrency: int | None = None,
+    rate: float = math.inf,  # a trace brings its own arrival times
 ) -> dict:
     slo = GoodputSLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
-    config = BenchmarkConfig(address, load, args.model, slo=slo, seed=seed, max_concurrency=concurrency)
+    config = BenchmarkConfig(
+        address, load, args.model, request_rates=(rate,), slo=slo, seed=seed, max_concurrency=concurrency
+    )
     return run_benchmark(config, Console(stderr=True))[0]
 
 
@@ -114,9 +122,10 @@ def random_load(args: argparse.Namespace, vocab: int, num_prompts: int, output_l
 
 
 def warm_up(address: str, args: argparse.Namespace, vocab: int, seed: int) -> None:
-    """Requests of the workload's size, two at a time, discarded: the first requests after a cluster starts
-    pay for its warm-up (allocations, first kernels of each shape, connections), which no later one does."""
-    measure(address, random_load(args, vocab, args.warmup, args.output_len), args, seed, concurrency=2)
+    """Requests of the workload's size at the highest rate (Poisson), discarded: the first requests after a
+    cluster starts pay for its warm-up (allocations, the first run of each batch shape, connections), which
+    no later one does; batches as large as the rows' only come at their rates."""
+    measure(address, random_load(args, vocab, args.warmup, args.output_len), args, seed, rate=max(args.rates))
 
 
 def cpu_clock(pids: set[int]) -> np.ndarray:
@@ -315,7 +324,7 @@ def main() -> None:
     p.add_argument("--rates", default="2,6", help="requests per second, each run on every config")
     p.add_argument("--num-requests", type=int, default=150)
     p.add_argument("--repeat", type=int, default=1, help="runs of each rate on the same cluster (the spread)")
-    p.add_argument("--warmup", type=int, default=16, help="requests sent and discarded before measuring")
+    p.add_argument("--warmup", type=int, default=48, help="requests sent and discarded before measuring")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--range-ratio", type=float, default=0.5)
