@@ -48,6 +48,7 @@ from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 
 CALIBRATION_REQUESTS = 24  # a few seconds: enough CPU clock ticks to count
+CALIBRATION_WINDOWS = 3
 QUIET_S = 3.0  # the idle cluster's own CPU use is measured over this long
 
 
@@ -151,22 +152,51 @@ def other_cores(use: np.ndarray) -> float:
 
 
 def calibrate(
-    cluster: ClusterProcess, profile: HardwareProfile, shape: Shape, args: argparse.Namespace, vocab: int, seed: int
+    cluster: ClusterProcess,
+    profile: HardwareProfile,
+    shape: Shape,
+    args: argparse.Namespace,
+    vocab: int,
+    seeds: itertools.count,
 ) -> HardwareProfile:
     """The profile with what only the running cluster shows. Idle for a few seconds: the CPU our processes
     use without requests (Ray, heartbeats), a background demand on the shared cores (each row adds what the
-    host's other programs used while it ran). Then requests of the workload's size one at a time to the
-    idle cluster. Serving latency: their median TTFT less what the simulator predicts for each alone without
-    one (the time spent outside every engine thread). Each worker's CPU beyond the engine steps the
-    simulator predicts for it: its RPC loop's, per prompt on a prefill worker, per token streamed on a decode
-    or colocated one. Serving CPU: what every other process (the router, Ray, loadgen: this one) used per
-    request beyond their idle use. The cores: this host's, which all of them share."""
+    host's other programs used while it ran). Then `CALIBRATION_WINDOWS` windows of requests of the
+    workload's size one at a time to the idle cluster, each quantity the median of the windows' (a
+    neighbour's burst spoils one window, not the calibration). The cores: this host's, which all share."""
     pids = cluster_pids(cluster)
-    roles = worker_roles(cluster.address)
     before = cpu_clock(pids)
     time.sleep(QUIET_S)
     quiet = cpu_clock(pids) - before
     idle_cores = quiet[0] / quiet[2]
+    windows = [
+        calibration_window(cluster, profile, shape, args, vocab, next(seeds), idle_cores)
+        for _ in range(CALIBRATION_WINDOWS)
+    ]
+    return replace(
+        profile,
+        shared_cores=os.cpu_count() or 1,
+        background_cores=idle_cores,
+        **{name: statistics.median(w[name] for w in windows) for name in windows[0]},
+    )
+
+
+def calibration_window(
+    cluster: ClusterProcess,
+    profile: HardwareProfile,
+    shape: Shape,
+    args: argparse.Namespace,
+    vocab: int,
+    seed: int,
+    idle_cores: float,
+) -> dict[str, float]:
+    """One window of requests sent one at a time. Serving latency: their median TTFT less what the simulator
+    predicts for each alone without one (the time spent outside every engine thread). Each worker's CPU
+    beyond the engine steps the simulator predicts for it: its RPC loop's, per prompt on a prefill worker,
+    per token streamed on a decode or colocated one. Serving CPU: what every other process (the router, Ray,
+    loadgen: this one) used per request beyond their idle use."""
+    pids = cluster_pids(cluster)
+    roles = worker_roles(cluster.address)
     before, before_workers = cpu_clock(pids), {pid: cpu_clock({pid})[0] for pid in roles}
     result = measure(cluster.address, random_load(args, vocab, CALIBRATION_REQUESTS, args.output_len), args, seed, 1)
     used, _, wall = cpu_clock(pids) - before
@@ -184,15 +214,12 @@ def calibrate(
     tokens = per_sent * sum(r["output_len"] for r in records)
     pairs = zip(records, alone, strict=True)
     loop = {role: max(0.0, cpu - steps["decode" if role == "colocated" else role]) for role, cpu in workers.items()}
-    return replace(
-        profile,
-        serving_latency_s=max(0.0, statistics.median(r["ttft_ms"] / 1e3 - a.ttft_s[0] for r, a in pairs)),
-        shared_cores=os.cpu_count() or 1,
-        serving_cpu_s=max(0.0, used - sum(workers.values()) - idle_cores * wall) / sent,
-        background_cores=idle_cores,
-        prefill_loop_s=loop.get("prefill", 0.0) / sent,
-        decode_loop_per_token_s=(loop.get("decode", 0.0) + loop.get("colocated", 0.0)) / tokens,
-    )
+    return {
+        "serving_latency_s": max(0.0, statistics.median(r["ttft_ms"] / 1e3 - a.ttft_s[0] for r, a in pairs)),
+        "serving_cpu_s": max(0.0, used - sum(workers.values()) - idle_cores * wall) / sent,
+        "prefill_loop_s": loop.get("prefill", 0.0) / sent,
+        "decode_loop_per_token_s": (loop.get("decode", 0.0) + loop.get("colocated", 0.0)) / tokens,
+    }
 
 
 def worker_roles(address: str) -> dict[int, str]:
@@ -222,7 +249,7 @@ def run_config(
     try:
         if args.warmup:
             warm_up(cluster.address, args, vocab, next(seeds))
-        calibrated = calibrate(cluster, profile, shape, args, vocab, next(seeds)) if args.calibrate else None
+        calibrated = calibrate(cluster, profile, shape, args, vocab, seeds) if args.calibrate else None
         for rate in [r for r in args.rates for _ in range(args.repeat)]:
             trace = tmp / f"trace-{config.replace(':', '-')}-{rate:g}.jsonl"
             write_trace(trace, load, rate)
