@@ -164,13 +164,14 @@ def calibrate(
     host's other programs used while it ran). Then `CALIBRATION_WINDOWS` windows of requests of the
     workload's size one at a time to the idle cluster, each quantity the median of the windows' (a
     neighbour's burst spoils one window, not the calibration). The cores: this host's, which all share."""
-    pids = cluster_pids(cluster)
-    before = cpu_clock(pids)
+    pids, roles = cluster_pids(cluster), worker_roles(cluster.address)
+    before, before_workers = cpu_clock(pids), {pid: cpu_clock({pid})[0] for pid in roles}
     time.sleep(QUIET_S)
     quiet = cpu_clock(pids) - before
+    idle = {pid: (cpu_clock({pid})[0] - before_workers[pid]) / quiet[2] for pid in roles}  # cores, per worker
     idle_cores = quiet[0] / quiet[2]
     windows = [
-        calibration_window(cluster, profile, shape, args, vocab, next(seeds), idle_cores)
+        calibration_window(cluster, profile, shape, args, vocab, next(seeds), idle_cores, idle)
         for _ in range(CALIBRATION_WINDOWS)
     ]
     return replace(
@@ -189,12 +190,13 @@ def calibration_window(
     vocab: int,
     seed: int,
     idle_cores: float,
+    idle_workers: dict[int, float],
 ) -> dict[str, float]:
     """One window of requests sent one at a time. Serving latency: their median TTFT less what the simulator
     predicts for each alone without one (the time spent outside every engine thread). Each worker's CPU
     beyond the engine steps the simulator predicts for it: its RPC loop's, per prompt on a prefill worker,
     per token streamed on a decode or colocated one. Serving CPU: what every other process (the router, Ray,
-    loadgen: this one) used per request beyond their idle use."""
+    loadgen: this one) used per request. Each beyond its own idle use (`idle_workers`: cores by worker pid)."""
     pids = cluster_pids(cluster)
     roles = worker_roles(cluster.address)
     before, before_workers = cpu_clock(pids), {pid: cpu_clock({pid})[0] for pid in roles}
@@ -202,7 +204,7 @@ def calibration_window(
     used, _, wall = cpu_clock(pids) - before
     workers = {role: 0.0 for role in roles.values()}
     for pid, role in roles.items():
-        workers[role] += cpu_clock({pid})[0] - before_workers[pid]
+        workers[role] += cpu_clock({pid})[0] - before_workers[pid] - idle_workers.get(pid, 0.0) * wall
     records = [r for r in result["requests"] if r["ttft_ms"]]
     alone = [Simulator(profile, shape).run([SimRequest(0.0, r["input_len"], r["output_len"])]) for r in records]
     sent = len(result["requests"]) + 1  # loadgen's check request first
