@@ -38,6 +38,7 @@ def _profile(args: argparse.Namespace) -> int:
     print(
         f"wrote {args.out}: {profile.meta['model']} on {profile.meta['device']} ({profile.meta['dtype']}); "
         f"prefill(512) {perf.prefill_s(512) * 1e3:.1f} ms, decode step(1) {perf.decode_step_s(1) * 1e3:.1f} ms, "
+        f"engine step overhead {profile.step_overhead_s * 1e3:.2f} ms, "
         f"KV {profile.kv_capacity_tokens} tokens, transfer {profile.transfer_gbps:.2f} GB/s"
     )
     return 0

@@ -1,8 +1,10 @@
 """One worker's measured speed and limits, as `pdserve profile` writes it and the simulator reads it.
 
-The prefill curve and decode step line are the router's own `PerfProfile`; the decode step's growth with
-the context it attends over is one more term beside it (the router predicts from batch size alone, the
-simulator follows contexts as they grow). The raw points stay in the file so a fit can be checked or redone.
+The prefill curve and decode step line are the router's own `PerfProfile`; beside it are the terms the
+simulator needs and the router does not: the decode step's growth with the context it attends over (the
+router predicts from batch size alone, the simulator follows contexts as they grow), a later prefill chunk's
+reads of the prompt's earlier chunks from the cache, and what an engine step costs beside the model runner.
+The raw points stay in the file so a fit can be checked or redone.
 """
 
 from __future__ import annotations
@@ -14,20 +16,36 @@ from typing import Any
 
 from pdserve.protocol.perf_profile import PerfProfile
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the chunk context term and the step overhead
 
 
 @dataclass(frozen=True)
 class HardwareProfile:
     perf: PerfProfile
     decode_per_context_token_s: float  # per token of KV a decode step attends over, the whole batch summed
+    prefill_per_context_token_s: float  # per (new token x cached token) a later chunk of a prompt reads back
+    step_overhead_s: float  # an engine step's scheduling, sampling and outputs, beside the runner
     kv_bytes_per_token: int
     kv_capacity_tokens: int  # tokens of KV one worker holds
     transfer_gbps: float  # KV transfer between two workers, GB = 1e9 bytes
     transfer_latency_s: float = 0.0  # what a transfer costs besides its bytes (the hand-shake, the ack)
-    # A prompt's serving cost beside the model runner (RPCs, hand-off, relay, the engine loop) on its prefill
-    # worker. `pdserve profile` cannot see it (no cluster); scripts/validate_planner.py --calibrate measures it.
-    request_overhead_s: float = 0.0
+    # What a request's first token waits for outside any engine thread on an idle cluster: the router, its
+    # RPCs, the hand-off's rendezvous, the relay. Pure latency (no worker is held). `pdserve profile` cannot
+    # see it (no cluster); scripts/validate_planner.py --calibrate measures it.
+    serving_latency_s: float = 0.0
+    # Where the workers share one host's cores with each other and with the serving stack (`pdserve up` on a
+    # CPU): those cores, the CPU seconds a request costs outside every engine thread (router, RPCs, the token
+    # relay, the client), and the cores kept busy regardless of requests (idle processes, other programs).
+    # 0 cores: each worker has its own device and cores, as pods or GPUs do. scripts/validate_planner.py
+    # --calibrate measures them on the local cluster.
+    shared_cores: int = 0
+    serving_cpu_s: float = 0.0
+    background_cores: float = 0.0
+    # A worker's RPC loop runs in the engine's process and takes turns with its engine thread for the
+    # interpreter lock, so its work lengthens the engine's steps: per prompt on the prefill worker (the call,
+    # the hand-off), per token streamed on the decode (or colocated) worker. --calibrate measures them too.
+    prefill_loop_s: float = 0.0
+    decode_loop_per_token_s: float = 0.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512
@@ -48,7 +66,7 @@ class HardwareProfile:
     def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
         d = dict(d)
         if d.pop("version", FORMAT_VERSION) != FORMAT_VERSION:
-            raise ValueError(f"profile format version must be {FORMAT_VERSION}")
+            raise ValueError(f"profile format version must be {FORMAT_VERSION}; profile again with pdserve profile")
         return cls(**{**d, "perf": PerfProfile.from_dict(d["perf"])})
 
     def save(self, path: Path) -> None:

@@ -1,9 +1,11 @@
 """`pdserve profile`: one worker's speed and limits on this machine, measured on the engine's model runner.
 
-Prefill is timed against prompt length and the number of prompts in a step, a decode step against batch
-size and the context each sequence reads, the KV transfer between two processes with the transfer bench's
-own code (gloo on CPU, NCCL on CUDA), and the KV capacity is what the engine's cache holds. The device,
-dtype and backend are the engine's run-time choices, as a worker makes them.
+Prefill is timed against prompt length and the number of prompts in a step, and a later chunk of a long
+prompt against the context it reads back from the cache (chunked prefill's extra cost); a decode step
+against batch size and the context each sequence reads; whole engine steps on real requests for what a step
+costs beside the model runner (scheduling, sampling, outputs); the KV transfer between two processes with
+the transfer bench's own code (gloo on CPU, NCCL on CUDA); and the KV capacity is what the engine's cache
+holds. The device, dtype and backend are the engine's run-time choices, as a worker makes them.
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ class Grid:
     prefill_batches: tuple[int, ...] = (1, 4)
     decode_batches: tuple[int, ...] = (1, 8, 32, 64)
     contexts: tuple[int, ...] = (64, 512, 1024)
+    chunk_contexts: tuple[int, ...] = (0, 512, 1536)  # cached tokens before a chunk of a long prompt
+    engine_steps: int = 16  # real decode steps timed through the engine, per batch size
     repeats: int = 3
     transfer_tokens: int = 2048
     transfer_repeats: int = 5
     transfer_pool_mib: int = 256  # each side's cache; what the ids scatter over, not what is sent
 
 
-QUICK = Grid((32, 128, 256), (1, 2), (1, 4, 16), (64, 256), 3, 64, 3, 16)
+QUICK = Grid((32, 128, 256), (1, 2), (1, 4, 16), (64, 256), (0, 128), 8, 3, 64, 3, 16)
 
 
 class _Timer:
@@ -83,7 +87,8 @@ class _Timer:
 
 
 def measure_steps(engine: Any, grid: Grid) -> dict[str, list[list[float]]]:
-    """Raw points: prefill [tokens, prompts, s] and decode [batch, context, s]."""
+    """Raw points: prefill [tokens, prompts, s], a later chunk [tokens, prompts, context, s] and decode
+    [batch, context, s]."""
     timer = _Timer(engine, grid.repeats)
     prefill = [
         [n, b, timer.seconds(timer.chunks(b, n, 0))]
@@ -91,17 +96,52 @@ def measure_steps(engine: Any, grid: Grid) -> dict[str, list[list[float]]]:
         for b in grid.prefill_batches
         if timer.fits(b, n)
     ]
+    chunk = engine.config.scheduler.long_prefill_chunk
+    chunked = [
+        [chunk, b, c, timer.seconds(timer.chunks(b, chunk, c))]
+        for c in grid.chunk_contexts
+        for b in grid.prefill_batches
+        if timer.fits(b, c + chunk)
+    ]
     decode = [
         [b, c, timer.seconds(timer.chunks(b, 1, c))]
         for b in grid.decode_batches
         for c in grid.contexts
         if b <= engine.config.scheduler.max_num_seqs and timer.fits(b, c + 1)
     ]
-    return {"prefill": prefill, "decode": decode}
+    return {"prefill": prefill, "prefill_chunk": chunked, "decode": decode}
 
 
-def fit(points: dict[str, list[list[float]]]) -> tuple[PerfProfile, float]:
-    """The router's form from single prompts; the decode line fitted with its context term beside it."""
+def measure_engine_steps(engine: Any, grid: Grid) -> list[list[float]]:
+    """Real decode steps through `engine.step()`, as a worker's engine thread runs them: [batch, context, s]
+    per step, the median of `engine_steps` after the batch's prefill (a step's scheduling, sampling and
+    outputs are in it, which the runner's timing leaves out)."""
+    from pdserve.protocol.sampling import SamplingParams
+
+    timer = _Timer(engine, grid.repeats)
+    context = min(grid.contexts)
+    points = []
+    for batch in grid.decode_batches[:2]:
+        if batch > engine.config.scheduler.max_num_seqs or not timer.fits(batch, context + grid.engine_steps + 1):
+            continue
+        sampling = SamplingParams(max_tokens=grid.engine_steps + 1, ignore_eos=True)
+        for i in range(batch):
+            prompt = torch.randint(0, timer.vocab, (context,), generator=timer.gen).tolist()
+            engine.add_request(f"profile-{batch}-{i}", prompt, sampling)
+        times = []
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            engine.step()
+            if engine.last_step_tokens == batch:  # a decode step of the whole batch (not a prefill's)
+                times.append(time.perf_counter() - start)
+        points.append([batch, context + grid.engine_steps / 2, statistics.median(times)])
+    return points
+
+
+def fit(points: dict[str, list[list[float]]]) -> tuple[PerfProfile, float, float, float]:
+    """The router's form from single prompts; beside it the decode line's context term, a later chunk's
+    cost per (new token x cached token) it reads back, and what an engine step costs beside the runner:
+    (perf, decode per context token s, prefill per context token s, step overhead s)."""
     single = [(int(n), s) for n, b, s in points["prefill"] if b == 1]
     d = np.array(points["decode"], dtype=float)
     if not single or not len(d):
@@ -110,7 +150,14 @@ def fit(points: dict[str, list[list[float]]]) -> tuple[PerfProfile, float]:
     fixed, per_seq, per_context = nonneg_lstsq(x, d[:, 2])
     perf = PerfProfile.fit(single, [(1, 0.0)])  # prefill terms; the decode ones come from the fit above
     perf = PerfProfile(perf.prefill_fixed_s, perf.prefill_per_token_s, perf.prefill_per_token2_s, fixed, per_seq)
-    return perf, float(per_context)
+    # A later chunk costs what the same chunks at context 0 cost, plus its reads of the context.
+    first = {(n, b): s for n, b, c, s in points.get("prefill_chunk", []) if c == 0}
+    later = [(b * n * c, s - first[n, b]) for n, b, c, s in points.get("prefill_chunk", []) if c and (n, b) in first]
+    reads, extra = np.array(later, dtype=float).reshape(-1, 2).T
+    per_cached = float(nonneg_lstsq(reads[:, None], extra)[0]) if len(later) else 0.0
+    engine = points.get("engine_decode", [])
+    beside = [s - (fixed + per_seq * b + per_context * b * c) for b, c, s in engine]
+    return perf, float(per_context), per_cached, max(0.0, statistics.median(beside)) if beside else 0.0
 
 
 def transfer_endpoints(device: str) -> tuple[Backend, str]:
@@ -162,7 +209,8 @@ def run_profile(config: EngineConfig, grid: Grid, transfer_gbps: float | None = 
         torch.set_num_threads(config.num_threads)
     engine = LLMEngine(config)
     points = measure_steps(engine, grid)
-    perf, per_context = fit(points)
+    points["engine_decode"] = measure_engine_steps(engine, grid)
+    perf, per_context, prefill_per_context, step_overhead = fit(points)
     device = engine.runner.device
     latency, backend = 0.0, "given"
     if transfer_gbps is None:
@@ -173,6 +221,8 @@ def run_profile(config: EngineConfig, grid: Grid, transfer_gbps: float | None = 
     return HardwareProfile(
         perf=perf,
         decode_per_context_token_s=per_context,
+        prefill_per_context_token_s=prefill_per_context,
+        step_overhead_s=step_overhead,
         kv_bytes_per_token=kv_block_bytes(engine.model_config, block_size, engine.runner.dtype) // block_size,
         kv_capacity_tokens=engine.blocks.num_blocks * block_size,
         transfer_gbps=transfer_gbps,

@@ -1,14 +1,28 @@
 """A discrete-event simulation of one cluster shape serving a list of requests, step by step.
 
 Each worker runs engine steps back to back while it has work, as the engine does. A step's time comes from
-the profile: a prefill chunk costs its tokens (linear and attention terms), a decode step its batch and the
-context it reads; a colocated worker's step holds both, so a prompt's prefill slows every decode in its step
-(the interference disaggregation removes). Prompts are split into chunks of at most `long_prefill_chunk`
-within the step budget of `max_num_batched_tokens`, FIFO. A prefill worker emits the first token when the
-prompt's last chunk finishes, holds the KV until the transfer to the decode worker is done, and the decode
-worker admits a sequence only while its whole KV (prompt + output) fits and its batch is under
-`max_num_seqs`. A prompt's last chunk also costs the profile's per-request serving overhead (zero unless
-calibrated on a running cluster). Routing is least-loaded, as the router's is when no prefix is shared.
+the profile: a prefill chunk costs its tokens (linear and attention terms) and its reads of the prompt's
+earlier chunks from the cache, a decode step its batch and the context it reads, and every step the
+engine's own overhead, plus what the worker's RPC loop does meanwhile under the same interpreter lock (per
+prompt handed off, per token streamed); a colocated worker's step holds both, so a prompt's prefill slows
+every decode in its step (the interference disaggregation removes). Prompts are split into chunks of at most
+`long_prefill_chunk` within the step budget of `max_num_batched_tokens`, FIFO. Routing is least-loaded, as
+the router's is when no prefix is shared.
+
+A disaggregated request follows the hand-off as the workers run it (services/decode/handoff.py,
+services/prefill/run_and_send.py). Everything a worker's engine does besides stepping is a command its
+engine thread applies between steps, so it waits for the step in flight: the decode worker reserves the
+prompt's blocks, then the prefill worker queues the prompt; once the prompt's last chunk ran, the prefill
+worker hands its blocks to the sender (the engine has begun its next step by then), sends the KV, and
+releases them; then the decode worker commits the KV and the first token reaches the caller. The decode
+worker admits a sequence to its batch only while its whole KV (prompt + output) fits and its batch is under
+`max_num_seqs`. The profile's serving latency (router, RPCs, relay) delays every request without holding
+any worker.
+
+Where the workers share a host's cores (the profile's `shared_cores`), a step is slower when more runs on
+them than there are cores: its time is stretched by the engine threads stepping at its start, the serving
+stack's own demand (`serving_cpu_s` per request at the offered rate) and the host's background demand,
+shared among the cores. A profile timed in one process on an idle machine sees none of that.
 """
 
 from __future__ import annotations
@@ -16,6 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.planner.hardware import HardwareProfile
@@ -45,17 +60,22 @@ class _Seq:
     prefilled: int = 0
     first_s: float | None = None
     done_s: float | None = None
+    decoder: _Worker | None = None  # disaggregated: placed with its prefill worker, on arrival
 
 
-@dataclass
+Command = Callable[[], None]
+
+
+@dataclass(eq=False)
 class _Worker:
     prefills: bool
     decodes: bool
     queue: deque[_Seq] = field(default_factory=deque)  # waiting for or in prefill
     waiting: deque[_Seq] = field(default_factory=deque)  # KV arrived (or prefilled), waiting for a batch slot
     finishing: list[tuple[int, int, _Seq]] = field(default_factory=list)  # heap: (last decode step, order, seq)
+    commands: list[Command] = field(default_factory=list)  # for the engine thread, once the step in flight ends
     running: int = 0  # sequences in the decode batch
-    incoming: int = 0  # sequences whose KV is on its way here
+    incoming: int = 0  # sequences placed here whose KV has not been committed yet
     steps: int = 0  # decode steps run so far: a sequence joining at step j with m tokens to go ends at j + m
     queued_tokens: int = 0  # prompt tokens not yet prefilled
     context: int = 0  # tokens of KV the running batch reads per step
@@ -79,6 +99,7 @@ class SimResult:
     span_s: float  # first arrival to last completion
     prefill_busy: float  # share of the span the prefill (or colocated) workers spent stepping
     decode_busy: float
+    busy_s: float  # engine-thread seconds, every worker summed
 
 
 class Simulator:
@@ -91,14 +112,18 @@ class Simulator:
         else:
             self.prefillers = [_Worker(True, False) for _ in range(shape.prefill)]
             self.decoders = [_Worker(False, True) for _ in range(shape.decode)]
+        self.workers = self.prefillers if shape.colocated else self.prefillers + self.decoders
         self._events: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self.now = 0.0
+        self._background_cores = profile.background_cores  # plus the serving stack's at the offered rate
 
     def run(self, requests: list[SimRequest]) -> SimResult:
         seqs = [_Seq(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
+        if len(seqs) > 1 and (span := seqs[-1].req.arrival_s - seqs[0].req.arrival_s) > 0:
+            self._background_cores += (len(seqs) - 1) / span * self.p.serving_cpu_s
         for s in seqs:
-            self._at(s.req.arrival_s, "arrive", s)
+            self._at(s.req.arrival_s + self.p.serving_latency_s, "arrive", s)
         while self._events:
             self.now, _, kind, what = heapq.heappop(self._events)
             getattr(self, f"_on_{kind}")(what)
@@ -107,11 +132,28 @@ class Simulator:
     def _at(self, t: float, kind: str, what: object) -> None:
         heapq.heappush(self._events, (t, next(self._order), kind, what))
 
+    def _command(self, w: _Worker, command: Command) -> None:
+        """As the engine thread applies a command: at once when idle, else when its step in flight ends."""
+        if w.busy:
+            w.commands.append(command)
+        else:
+            command()
+            self._kick(w)
+
     def _on_arrive(self, s: _Seq) -> None:
+        """The request reaches the workers, its serving latency paid (the simulator starts it that late)."""
         need = s.req.input_len + s.req.output_len
         if need > self.p.kv_capacity_tokens:
             return  # never fits: the request fails, as the worker refuses it
-        w = min(self.prefillers, key=lambda w: (w.queued_tokens, w.running))
+        p = min(self.prefillers, key=lambda w: (w.queued_tokens, w.running))
+        if self.shape.colocated:
+            self._enqueue(p, s)
+            return
+        d = s.decoder = min(self.decoders, key=lambda d: d.running + len(d.waiting) + d.incoming)
+        d.incoming += 1
+        self._command(d, lambda: self._enqueue(p, s))  # the decode worker reserves, then calls the prefill one
+
+    def _enqueue(self, w: _Worker, s: _Seq) -> None:
         w.queue.append(s)
         w.queued_tokens += s.req.input_len
         self._kick(w)
@@ -119,44 +161,67 @@ class Simulator:
     def _on_step(self, item: tuple[_Worker, _Step]) -> None:
         w, step = item
         w.busy = False
+        handoffs = []
         for s, n in step.chunks:
             s.prefilled += n
             w.queued_tokens -= n
             if s.prefilled == s.req.input_len:
-                self._prefilled(w, s)
+                handoffs += self._prefilled(w, s)
         if step.decoded:
             w.steps += 1
             w.context += step.decoded
             while w.finishing and w.finishing[0][0] <= w.steps:
                 self._finish(w, heapq.heappop(w.finishing)[2])
+        commands, w.commands = w.commands, []
+        for command in commands:
+            command()
         self._kick(w)
+        for command in handoffs:  # asked for once the first token is out: the next step has begun
+            self._command(w, command)
 
-    def _prefilled(self, w: _Worker, s: _Seq) -> None:
-        s.first_s = self.now
+    def _prefilled(self, w: _Worker, s: _Seq) -> list[Command]:
+        """The prompt's last chunk ran; what its prefill worker's engine is asked next."""
         w.queue.remove(s)
+        if w.decodes:  # colocated: the first token goes out, the KV is here already
+            s.first_s = self.now
+            if s.req.output_len <= 1:
+                s.done_s = self.now
+                w.kv_used -= s.req.input_len + s.req.output_len
+            else:
+                w.waiting.append(s)
+            return []
+        if s.req.output_len <= 1:  # finished here: no KV follows, the decode worker commits the token alone
+            w.kv_used -= s.req.input_len
+            self._command(s.decoder, lambda: self._commit(s))  # type: ignore[arg-type]
+            return []
+        return [lambda: self._at(self.now + self.p.transfer_s(s.req.input_len), "transferred", (w, s))]
+
+    def _on_transferred(self, item: tuple[_Worker, _Seq]) -> None:
+        p, s = item
+        self._command(p, lambda: self._release(p, s))
+
+    def _release(self, p: _Worker, s: _Seq) -> None:
+        """The prefill worker frees the sent blocks; only then does the decode worker hear the KV is there."""
+        p.kv_used -= s.req.input_len
+        self._command(s.decoder, lambda: self._commit(s))  # type: ignore[arg-type]
+
+    def _commit(self, s: _Seq) -> None:
+        """The decode worker takes the KV: the first token goes to the caller, the sequence waits to decode."""
+        d = s.decoder
+        assert d is not None
+        s.first_s = self.now
+        d.incoming -= 1
         if s.req.output_len <= 1:
-            self._finish(w, s)
-        elif w.decodes:  # colocated: the KV is here already
-            w.waiting.append(s)
+            s.done_s = self.now
         else:
-            d = min(self.decoders, key=lambda d: d.running + len(d.waiting) + d.incoming)
-            d.incoming += 1
-            self._at(self.now + self.p.transfer_s(s.req.input_len), "transferred", (w, d, s))
+            d.waiting.append(s)
 
     def _finish(self, w: _Worker, s: _Seq) -> None:
+        """The sequence leaves the batch with all its tokens."""
         s.done_s = self.now
-        if s.req.output_len > 1:  # it decoded here: it leaves the batch with all its tokens
-            w.running -= 1
-            w.context -= s.req.input_len + s.req.output_len
-        w.kv_used -= s.req.input_len + s.req.output_len if w.decodes else s.req.input_len
-
-    def _on_transferred(self, item: tuple[_Worker, _Worker, _Seq]) -> None:
-        p, d, s = item
-        p.kv_used -= s.req.input_len
-        d.incoming -= 1
-        d.waiting.append(s)
-        self._kick(p)
-        self._kick(d)
+        w.running -= 1
+        w.context -= s.req.input_len + s.req.output_len
+        w.kv_used -= s.req.input_len + s.req.output_len
 
     def _admit(self, w: _Worker) -> None:
         """Sequences whose KV is here join the batch while there is room; a decode worker reserves it now.
@@ -181,9 +246,18 @@ class Simulator:
         if not step.chunks and not step.decoded:
             return
         w.busy = True
-        seconds = self._step_s(step)
+        seconds = self._step_s(step) * self._stretch()
         w.busy_s += seconds
         self._at(self.now + seconds, "step", (w, step))
+
+    def _stretch(self) -> float:
+        """How much slower a step starting now runs than it did alone: what wants the shared cores (every
+        stepping engine's threads and the serving stack's demand) over the cores there are."""
+        if not self.p.shared_cores:
+            return 1.0
+        threads = int(self.p.meta.get("threads", 1))
+        stepping = sum(w.busy for w in self.workers)
+        return max(1.0, (stepping * threads + self._background_cores) / self.p.shared_cores)
 
     def _plan(self, w: _Worker) -> _Step:
         decoded = w.running if w.decodes else 0
@@ -205,15 +279,16 @@ class Simulator:
     def _step_s(self, step: _Step) -> float:
         perf = self.p.perf
         fixed = 0.0
-        seconds = 0.0
+        seconds = self.p.step_overhead_s
         if step.chunks:
             fixed = perf.prefill_fixed_s
             for s, n in step.chunks:
-                seconds += perf.prefill_per_token_s * n + perf.prefill_per_token2_s * n * (s.prefilled + n)
-                seconds += self.p.request_overhead_s if s.prefilled + n == s.req.input_len else 0.0
+                seconds += perf.prefill_per_token_s * n + perf.prefill_per_token2_s * n * n
+                seconds += self.p.prefill_per_context_token_s * n * s.prefilled
+                seconds += self.p.prefill_loop_s if s.prefilled + n == s.req.input_len else 0.0
         if step.decoded:
             fixed = max(fixed, perf.decode_fixed_s)
-            seconds += perf.decode_per_seq_s * step.decoded
+            seconds += (perf.decode_per_seq_s + self.p.decode_loop_per_token_s) * step.decoded
             seconds += self.p.decode_per_context_token_s * step.context
         return fixed + seconds
 
@@ -233,4 +308,5 @@ class Simulator:
             span_s=span,
             prefill_busy=busy(self.prefillers),
             decode_busy=busy(self.decoders),
+            busy_s=sum(w.busy_s for w in self.workers),
         )

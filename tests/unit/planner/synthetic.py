@@ -18,6 +18,8 @@ def synthetic_profile(kv_capacity_tokens: int = 200_000, **overrides: object) ->
     fields = {
         "perf": PERF,
         "decode_per_context_token_s": 1e-7,
+        "prefill_per_context_token_s": 0.0,
+        "step_overhead_s": 0.0,
         "kv_bytes_per_token": 1000,
         "kv_capacity_tokens": kv_capacity_tokens,
         "transfer_gbps": 1.0,

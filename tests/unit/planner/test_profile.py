@@ -24,6 +24,10 @@ def test_profile_quick_writes_a_profile_the_planner_reads(tmp_path: Path) -> Non
     assert len(prefill) == len(QUICK.prompt_lens) * len(QUICK.prefill_batches)
     assert len(decode) == len(QUICK.decode_batches) * len(QUICK.contexts)
     assert all(s > 0 for *_, s in prefill + decode)
+    # a 512-token chunk at each of QUICK's contexts; real engine decode steps at its first two batch sizes
+    assert len(profile.points["prefill_chunk"]) == len(QUICK.chunk_contexts) * len(QUICK.prefill_batches)
+    assert [b for b, _, _ in profile.points["engine_decode"]] == list(QUICK.decode_batches[:2])
+    assert profile.prefill_per_context_token_s >= 0 and profile.step_overhead_s >= 0
     assert profile.perf.prefill_s(256) > 0 and profile.perf.decode_step_s(1) > 0
     assert len(profile.points["transfer"]) == 2 and 0 < profile.transfer_gbps < 1e6
     # the cache the engine built for 0.05 GiB (its "GB" are 2**30 bytes), in whole 16-token blocks
@@ -39,3 +43,26 @@ def test_the_transfer_is_measured_over_nccl_only_between_two_gpus(monkeypatch: p
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert transfer_endpoints("cuda") == ("nccl", "cuda:1")
     assert transfer_endpoints("cuda:1") == ("nccl", "cuda:0")
+
+
+def test_the_fit_finds_a_later_chunks_context_cost_and_the_engines_step_overhead() -> None:
+    """Points made from known terms give the terms back."""
+    from pdserve.planner.profiler import fit
+
+    def prefill(n: int, b: int) -> float:
+        return 0.001 + b * 2e-5 * n
+
+    def decode(b: int, c: float) -> float:
+        return 0.002 + 1e-4 * b + 1e-7 * b * c
+
+    per_cached, overhead = 3e-8, 0.0007
+    points = {
+        "prefill": [[n, b, prefill(n, b)] for n in (64, 256, 1024) for b in (1, 4)],
+        "prefill_chunk": [[512, b, c, prefill(512, b) + per_cached * b * 512 * c] for c in (0, 512) for b in (1, 4)],
+        "decode": [[b, c, decode(b, c)] for b in (1, 8) for c in (64, 512)],
+        "engine_decode": [[b, 72, decode(b, 72) + overhead] for b in (1, 8)],
+    }
+    perf, per_context, got_per_cached, got_overhead = fit(points)
+    assert per_context == pytest.approx(1e-7, rel=1e-3)
+    assert got_per_cached == pytest.approx(per_cached, rel=1e-3)
+    assert got_overhead == pytest.approx(overhead, rel=1e-3)

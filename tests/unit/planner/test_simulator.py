@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pdserve.planner.plan import SLO, simulate
@@ -10,14 +12,14 @@ from pdserve.planner.workload import SimRequest, synthetic
 from tests.unit.planner.synthetic import PERF, synthetic_profile
 
 
-def test_a_lone_request_costs_its_prefill_and_its_decode_steps() -> None:
+def test_a_lone_request_costs_its_prefill_its_transfer_and_its_decode_steps() -> None:
+    """The first token reaches the caller once the decode worker has the KV, as the hand-off returns it."""
     profile = synthetic_profile()
     result = Simulator(profile, Shape(prefill=1, decode=1)).run([SimRequest(0.0, 256, 11)])
-    assert result.ttft_s == [pytest.approx(PERF.prefill_s(256))]
+    assert result.ttft_s == [pytest.approx(PERF.prefill_s(256) + profile.transfer_s(256))]
     # each of the 10 decode steps reads the prompt and what it generated so far
     steps = [PERF.decode_step_s(1) + 1e-7 * (256 + k) for k in range(1, 11)]
-    transfer = profile.transfer_s(256)
-    assert result.tpot_s == [pytest.approx((transfer + sum(steps)) / 10)]
+    assert result.tpot_s == [pytest.approx(sum(steps) / 10)]
 
 
 def test_utilisation_is_the_offered_load_below_saturation() -> None:
@@ -36,7 +38,7 @@ def test_attainment_falls_as_rate_rises_and_goodput_saturates() -> None:
     outcomes = [simulate(profile, Shape(prefill=1, decode=1), workload, r, slo) for r in (1, 4, 8, 12, 20)]
     attainment = [o.attainment for o in outcomes]
     assert attainment == sorted(attainment, reverse=True)
-    assert attainment[0] == 1.0 and attainment[-1] < 0.5
+    assert attainment[0] > 0.95 and attainment[-1] < 0.5
     capacity = 1 / PERF.prefill_s(512)  # one prefill worker: ~8.8 prompts/s at most
     assert max(o.goodput for o in outcomes) <= capacity * 1.05
 
@@ -61,10 +63,76 @@ def test_colocated_prefill_slows_the_decodes_in_its_steps() -> None:
     assert colocated.tpot_s[0] > 1.5 * split.tpot_s[0]
 
 
-def test_a_calibrated_serving_overhead_delays_the_first_token_and_occupies_the_worker() -> None:
-    profile = synthetic_profile(request_overhead_s=0.05)
-    requests = [SimRequest(0.0, 256, 2), SimRequest(0.0, 256, 2)]
+def test_the_hand_off_waits_for_the_prefill_steps_in_flight() -> None:
+    """The prefill engine hands its blocks to the sender and releases them between steps: a prompt queued
+    behind the first one starts its chunk before the first is handed off, and its next chunk before the
+    sent blocks are released, so the first token waits for both chunks."""
+    profile = synthetic_profile()
+    requests = [SimRequest(0.0, 256, 2), SimRequest(0.001, 1024, 2)]
     result = Simulator(profile, Shape(prefill=1, decode=1)).run(requests)
-    # the first arrival starts a step alone; the second waits for it, overhead included
-    one = PERF.prefill_s(256) + 0.05
-    assert result.ttft_s == [pytest.approx(one), pytest.approx(2 * one)]
+    assert result.ttft_s[0] == pytest.approx(PERF.prefill_s(256) + 2 * PERF.prefill_s(512))
+    alone = Simulator(profile, Shape(prefill=1, decode=1)).run(requests[:1])
+    assert result.ttft_s[0] > 3 * alone.ttft_s[0]
+
+
+def test_the_reserve_and_the_commit_wait_for_the_decode_steps_in_flight() -> None:
+    """A decode step costs 1 s here. A request arriving during the first one is reserved at its end; its KV
+    lands during the second, and is committed (its first token sent) at that one's end."""
+    slow_decode = replace(PERF, decode_fixed_s=1.0)
+    profile = synthetic_profile(perf=slow_decode)
+    requests = [SimRequest(0.0, 16, 5), SimRequest(0.2, 16, 2)]
+    result = Simulator(profile, Shape(prefill=1, decode=1)).run(requests)
+    decoding_from = slow_decode.prefill_s(16) + profile.transfer_s(16)
+    two_steps = 2 * slow_decode.decode_step_s(1)
+    assert result.ttft_s[1] == pytest.approx(decoding_from + two_steps - 0.2, rel=1e-4)
+
+
+def test_the_serving_latency_delays_every_first_token_but_holds_no_worker() -> None:
+    profile, latency = synthetic_profile(), 0.05
+    requests = synthetic(4.0, 512, 8, 60, seed=3).at_rate(4.0)
+    base = Simulator(profile, Shape(prefill=1, decode=1)).run(requests)
+    late = Simulator(replace(profile, serving_latency_s=latency), Shape(prefill=1, decode=1)).run(requests)
+    assert late.ttft_s == pytest.approx([t + latency for t in base.ttft_s])
+    assert late.tpot_s == pytest.approx(base.tpot_s)
+    assert late.prefill_busy * late.span_s == pytest.approx(base.prefill_busy * base.span_s)
+
+
+def test_a_later_chunk_pays_for_the_context_it_reads_and_every_step_for_the_engine() -> None:
+    """A 1024-token prompt runs as two 512-token chunks; the second reads the first's 512 tokens back."""
+    per_context, overhead = 2e-8, 0.003
+    profile = synthetic_profile(prefill_per_context_token_s=per_context, step_overhead_s=overhead)
+    result = Simulator(profile, Shape(colocated=1)).run([SimRequest(0.0, 1024, 1)])
+    chunks = 2 * PERF.prefill_s(512) + per_context * 512 * 512
+    assert result.ttft_s == [pytest.approx(chunks + 2 * overhead)]
+
+
+def test_engines_sharing_too_few_cores_step_slower() -> None:
+    """Three colocated workers with a thread each on two cores: the third to start a step shares them."""
+    profile = synthetic_profile(shared_cores=2, meta={"threads": 1})
+    requests = [SimRequest(0.0, 256, 1) for _ in range(3)]
+    result = Simulator(profile, Shape(colocated=3)).run(requests)
+    assert result.ttft_s == pytest.approx([PERF.prefill_s(256), PERF.prefill_s(256), 1.5 * PERF.prefill_s(256)])
+    own_cores = Simulator(replace(profile, shared_cores=0), Shape(colocated=3)).run(requests)
+    assert own_cores.ttft_s == pytest.approx([PERF.prefill_s(256)] * 3)
+
+
+def test_the_serving_stacks_cpu_and_the_hosts_background_slow_the_steps_as_the_rate_rises() -> None:
+    """On one core, a request's engine step shares it with the router's and client's work at the offered
+    rate and with what else keeps the host busy."""
+    requests = [SimRequest(float(i), 256, 1) for i in range(5)]  # 1 request/s, each alone on its worker
+    step = PERF.prefill_s(256)
+    base = synthetic_profile(shared_cores=1, meta={"threads": 1})
+    serving = Simulator(replace(base, serving_cpu_s=0.5), Shape(colocated=1)).run(requests)
+    assert serving.ttft_s == pytest.approx([1.5 * step] * 5)  # 0.5 cores of serving at 1 request/s
+    busy_host = Simulator(replace(base, serving_cpu_s=0.5, background_cores=1.0), Shape(colocated=1)).run(requests)
+    assert busy_host.ttft_s == pytest.approx([2.5 * step] * 5)
+
+
+def test_the_workers_rpc_loops_lengthen_their_engines_steps() -> None:
+    """Per prompt handed off on the prefill worker (once, with its last chunk); per token on the decode one."""
+    per_prompt, per_token = 0.004, 0.001
+    profile = synthetic_profile(prefill_loop_s=per_prompt, decode_loop_per_token_s=per_token)
+    base = Simulator(synthetic_profile(), Shape(prefill=1, decode=1)).run([SimRequest(0.0, 1024, 11)])
+    loops = Simulator(profile, Shape(prefill=1, decode=1)).run([SimRequest(0.0, 1024, 11)])
+    assert loops.ttft_s[0] == pytest.approx(base.ttft_s[0] + per_prompt)
+    assert loops.tpot_s[0] == pytest.approx(base.tpot_s[0] + per_token)
