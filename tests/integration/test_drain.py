@@ -22,9 +22,8 @@ import time
 import pytest
 
 from pdserve.cluster.local_process import ClusterProcess
-from pdserve.rpc.client import generate
-from pdserve.v1 import generate_pb2 as pb
 from tests.integration.reference import PROMPT, greedy, greedy_request
+from tests.integration.steady_load import assert_all_served, steady_load, tokens
 from tests.integration.worker_view import idle, pid_serving, workers
 
 pytestmark = pytest.mark.timeout(400)
@@ -46,30 +45,6 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def load_expected() -> list[int]:
     return greedy(PROMPT, LOAD_TOKENS)
-
-
-async def tokens(router: str, req: pb.GenerateRequest) -> list[int]:
-    result = None
-    async for _, result in generate(router, req, 120.0):  # noqa: B007 (the last one is the answer)
-        pass
-    assert result is not None and result.finish_reason == "length", result
-    return result.token_ids
-
-
-async def steady_load(router: str, stop: asyncio.Event, rate_per_s: float) -> list[list[int] | BaseException]:
-    """Greedy requests at a steady rate until `stop`; every one's outcome."""
-    calls = []
-    while not stop.is_set():
-        req = greedy_request(f"{LOAD}{len(calls)}", PROMPT, LOAD_TOKENS)
-        calls.append(asyncio.create_task(tokens(router, req)))
-        await asyncio.sleep(1 / rate_per_s)
-    return await asyncio.gather(*calls, return_exceptions=True)
-
-
-def assert_all_served(outcomes: list, expected: list[int]) -> None:
-    failed = [o for o in outcomes if isinstance(o, BaseException)]
-    assert not failed, f"{len(failed)} of {len(outcomes)} failed: {failed[:3]}"
-    assert all(o == expected for o in outcomes)
 
 
 async def full(router: str, idle_too: bool = False, timeout_s: float = 180.0) -> dict[str, str]:
@@ -108,7 +83,7 @@ def test_sigterm_to_a_decode_worker_under_load_loses_nothing(cluster, load_expec
         before = await full(cluster.address, idle_too=True)
         victim = min(w for w in before if w.startswith("decode"))
         stop = asyncio.Event()
-        load = asyncio.create_task(steady_load(cluster.address, stop, rate_per_s=4))
+        load = asyncio.create_task(steady_load(cluster.address, stop, 4, LOAD, PROMPT, LOAD_TOKENS))
         await until_running(cluster.address, victim)
         await asyncio.sleep(0.5)  # a request mid-stream, and one in its hand-off
         os.kill(pid_serving(before[victim]), signal.SIGTERM)
@@ -157,7 +132,7 @@ def test_a_rolling_restart_of_every_worker_under_steady_load_loses_no_request(cl
     async def run() -> None:
         before = await full(cluster.address, idle_too=True)
         stop = asyncio.Event()
-        load = asyncio.create_task(steady_load(cluster.address, stop, rate_per_s=4))
+        load = asyncio.create_task(steady_load(cluster.address, stop, 4, LOAD, PROMPT, LOAD_TOKENS))
         code, out = await cli("restart", "--addr", cluster.address, "--timeout", "5")
         stop.set()
         outcomes = await load

@@ -29,11 +29,10 @@ import pytest
 
 from pdserve.cluster.local_process import ClusterProcess
 from pdserve.planner.live_scale import serving_counts
-from pdserve.rpc.client import generate
 from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
-from pdserve.v1 import generate_pb2 as pb
-from tests.integration.reference import PROMPT, greedy, greedy_request
+from tests.integration.reference import PROMPT, greedy
+from tests.integration.steady_load import assert_all_served, steady_load
 from tests.integration.worker_view import idle
 from tests.unit.planner.synthetic import PERF, synthetic_profile
 
@@ -57,32 +56,6 @@ def cluster(tmp_path_factory):
 async def status(router: str) -> admin_pb2.ClusterStatusResponse:
     async with channel(router) as ch:
         return await admin_pb2_grpc.AdminStub(ch).ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=5)
-
-
-async def tokens(router: str, req: pb.GenerateRequest) -> list[int]:
-    result = None
-    async for _, result in generate(router, req, 120.0):  # noqa: B007 (the last one is the answer)
-        pass
-    assert result is not None and result.finish_reason == "length", result
-    return result.token_ids
-
-
-async def steady_load(
-    router: str, stop: asyncio.Event, rate_per_s: float, prefix: str, prompt: list[int], max_tokens: int
-) -> list[list[int] | BaseException]:
-    """Greedy requests at a steady rate until `stop`; every one's outcome."""
-    calls = []
-    while not stop.is_set():
-        req = greedy_request(f"{prefix}{len(calls)}", prompt, max_tokens)
-        calls.append(asyncio.create_task(tokens(router, req)))
-        await asyncio.sleep(1 / rate_per_s)
-    return await asyncio.gather(*calls, return_exceptions=True)
-
-
-def assert_all_served(outcomes: list, expected: list[int]) -> None:
-    failed = [o for o in outcomes if isinstance(o, BaseException)]
-    assert not failed, f"{len(failed)} of {len(outcomes)} failed: {failed[:3]}"
-    assert all(o == expected for o in outcomes)
 
 
 async def until(router: str, cond, timeout_s: float) -> admin_pb2.ClusterStatusResponse:

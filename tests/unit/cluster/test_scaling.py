@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
 
 import pytest
 
@@ -18,16 +17,9 @@ from pdserve.config import EngineConfig
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryRegistry
+from tests.unit.cluster.remote_method import RemoteMethod
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class _Method:
-    def __init__(self, answer: Any) -> None:
-        self.answer = answer
-
-    def remote(self) -> Any:
-        return self.answer()
 
 
 class StandInActor:
@@ -37,7 +29,7 @@ class StandInActor:
         self.spec = spec
         self.running = running
         self.drained = False
-        self.state = _Method(self._state)
+        self.state = RemoteMethod(self._state)
 
     def worker_state(self) -> WorkerState:
         return WorkerState(self.spec.worker_id, self.spec.role, f"{self.spec.worker_id}:1", running=self.running)

@@ -17,16 +17,9 @@ from pdserve.config import EngineConfig
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryRegistry
+from tests.unit.cluster.remote_method import RemoteMethod
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class _Method:
-    def __init__(self, answer: Any) -> None:
-        self.answer = answer
-
-    def remote(self) -> Any:
-        return self.answer()
 
 
 class StandInActor:
@@ -37,7 +30,7 @@ class StandInActor:
     def __init__(self, worker_id: str, behaviour: str) -> None:
         self.worker_id = worker_id
         self.behaviour = behaviour
-        self.state = _Method(self._state)
+        self.state = RemoteMethod(self._state)
 
     async def _state(self) -> WorkerState:
         self.asked_at = asyncio.get_running_loop().time()
