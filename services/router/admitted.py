@@ -53,7 +53,7 @@ class ClusterAdmitted:
         async with self._lock:
             now = self.local.copy()
             more = now.since(self._flushed)
-            if more.requests:
+            if more != AdmittedTotals():  # requests may only have finished since: that counts too
                 await asyncio.to_thread(self.registry.add_admitted, more)
             self._flushed = now
 

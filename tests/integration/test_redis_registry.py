@@ -192,12 +192,15 @@ async def test_every_routers_admitted_requests_add_up_in_one_hash_and_a_failed_f
     local_b.add(50, 5)
     assert await b.totals() == AdmittedTotals(2, 100, 10)  # b's own, flushed before the read
     assert await a.totals() == AdmittedTotals(3, 200, 20)
+    local_a.finish(9)  # finished since the last flush, nothing admitted: added all the same
+    await a.flush()
+    assert await b.totals() == AdmittedTotals(3, 200, 20, finished=1, completion_tokens=9)
     server.stop()
     try:
         local_a.add(7, 1)
         with pytest.raises(redis.RedisError):
             await a.flush()
-        assert await a.totals() == AdmittedTotals(2, 107, 11)  # the cluster's unknown: this router's own
+        assert await a.totals() == AdmittedTotals(2, 107, 11, 1, 9)  # the cluster's unknown: this router's own
     finally:
         server.start()  # an empty Redis (these tests' servers keep nothing on disk)
     assert await b.totals() == AdmittedTotals()  # b had nothing new; a's request is still a's to add
