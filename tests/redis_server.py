@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 
 import redis
 
@@ -69,3 +70,20 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url)
+
+
+def started() -> Iterator[RedisServer]:
+    """A module's own redis-server (register with `pytest.fixture(scope="module")`)."""
+    srv = RedisServer()
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def emptied(server: RedisServer) -> str:
+    """The module's server, running and empty, for one test (register with `pytest.fixture`); its URL."""
+    if server.proc is None:  # a test that stopped it failed before restarting it
+        server.start()
+    with server.client() as c:
+        c.flushall()
+    return server.url

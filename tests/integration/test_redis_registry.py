@@ -18,34 +18,18 @@ import redis
 
 from pdserve.cluster.worker_runtime import WorkerRuntime
 from pdserve.config import EngineConfig
-from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.prefix_hash import prefix_hashes
-from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
-from pdserve.registry.redis import ADMITTED_KEY, DESIRED_COUNTS_KEY, PREFIX, RedisPrefixIndex, RedisRegistry
-from services.router.admitted import ClusterAdmitted
-from tests.redis_server import RedisServer
+from pdserve.registry.redis import PREFIX, RedisPrefixIndex, RedisRegistry
+from tests.redis_server import RedisServer, emptied, started
 
 pytestmark = pytest.mark.timeout(120)
 PROFILE = PerfProfile(0.01, 1e-3, 1e-8, 0.02, 0.005)
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    srv = RedisServer()
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def url(server: RedisServer) -> str:
-    if server.proc is None:  # a test that stopped it failed before restarting it
-        server.start()
-    with server.client() as c:
-        c.flushall()
-    return server.url
+server = pytest.fixture(scope="module")(started)
+url = pytest.fixture(emptied)
 
 
 def state(worker_id: str, role: str = "prefill", **fields: object) -> WorkerState:
@@ -157,69 +141,6 @@ async def test_two_routers_see_the_same_workers_and_share_the_prefix_index(url):
     assert await index_a.match(["p0"], hashes) == {"p0": 10}
     await index_a.close()
     await index_b.close()
-
-
-def test_desired_counts_are_one_hash_shared_by_every_registry_and_replaced_whole(url):
-    fleet, router = RedisRegistry(url), RedisRegistry(url)
-    assert router.desired_counts() == {}
-    fleet.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
-    router.set_desired_counts({Role.PREFILL: 2, Role.DECODE: 3})
-    assert fleet.desired_counts() == {Role.PREFILL: 2, Role.DECODE: 3}
-    with redis.Redis.from_url(url) as c:
-        assert c.hgetall(DESIRED_COUNTS_KEY) == {b"prefill": b"2", b"decode": b"3"}
-        assert c.ttl(DESIRED_COUNTS_KEY) == -1  # the cluster's shape does not expire
-        c.hset(DESIRED_COUNTS_KEY, mapping={"gpu": "1", "decode": "many"})  # anyone with access may write
-    assert fleet.desired_counts() == {Role.PREFILL: 2}  # what does not parse is skipped, not raised
-    fleet.set_desired_counts({Role.COLOCATED: 4})
-    assert router.desired_counts() == {Role.COLOCATED: 4}
-    fleet.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 2}, from_flags=True)  # one transaction, both hashes
-    router.set_desired_counts({Role.PREFILL: 5, Role.DECODE: 2})  # a live scale leaves the flags' counts
-    assert (fleet.desired_counts(), router.flag_counts()) == (
-        {Role.PREFILL: 5, Role.DECODE: 2},
-        {Role.PREFILL: 1, Role.DECODE: 2},
-    )
-
-
-async def test_every_routers_admitted_requests_add_up_in_one_hash_and_a_failed_flush_is_kept(url, server):
-    """Two routers' counters through one Redis: the status of either shows both; what a flush could not add while
-    Redis was down is added by the next one, once."""
-    with redis.Redis.from_url(url) as c:
-        c.delete(ADMITTED_KEY)
-    local_a, local_b = AdmittedTotals(), AdmittedTotals()
-    a, b = ClusterAdmitted(RedisRegistry(url), local_a), ClusterAdmitted(RedisRegistry(url), local_b)
-    local_a.add(100, 10)
-    local_b.add(50, 5)
-    local_b.add(50, 5)
-    assert await b.totals() == AdmittedTotals(2, 100, 10)  # b's own, flushed before the read
-    assert await a.totals() == AdmittedTotals(3, 200, 20)
-    local_a.finish(9)  # finished since the last flush, nothing admitted: added all the same
-    await a.flush()
-    assert await b.totals() == AdmittedTotals(3, 200, 20, finished=1, completion_tokens=9)
-    server.stop()
-    try:
-        local_a.add(7, 1)
-        with pytest.raises(redis.RedisError):
-            await a.flush()
-        assert await a.totals() == AdmittedTotals(2, 107, 11, 1, 9)  # the cluster's unknown: this router's own
-    finally:
-        server.start()  # an empty Redis (these tests' servers keep nothing on disk)
-    assert await b.totals() == AdmittedTotals()  # b had nothing new; a's request is still a's to add
-    assert await a.totals() == AdmittedTotals(1, 7, 1)  # added once, after the outage
-    assert await b.totals() == AdmittedTotals(1, 7, 1)
-
-
-def test_desired_counts_of_an_unreachable_redis_raise_within_the_timeout(url, server):
-    registry = RedisRegistry(url)
-    server.stop()
-    try:
-        start = time.monotonic()
-        with pytest.raises(redis.RedisError):
-            registry.desired_counts()
-        with pytest.raises(redis.RedisError):
-            registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
-        assert time.monotonic() - start < 30  # bounded by the client's timeouts, not a hang
-    finally:
-        server.start()
 
 
 async def test_prefix_index_is_bounded_per_worker_dropping_the_least_recently_used(url):

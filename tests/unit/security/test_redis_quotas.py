@@ -18,18 +18,13 @@ from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import QuotaSession
 from pdserve.security.redis_quotas import RedisQuotas
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, started
 
 pytestmark = pytest.mark.timeout(60)
 BUDGET_S = 2.0  # generous on a loaded machine: these tests are about the shared counts, not the fallback
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    srv = RedisServer()
-    srv.start()
-    yield srv
-    srv.stop()
+server = pytest.fixture(scope="module")(started)
 
 
 @pytest.fixture
