@@ -209,9 +209,12 @@ def calibration_window(
     alone = [Simulator(profile, shape).run([SimRequest(0.0, r["input_len"], r["output_len"])]) for r in records]
     sent = len(result["requests"]) + 1  # loadgen's check request first
     per_sent = sent / len(records)
-    steps = {  # engine seconds per role, scaled to every request sent
-        "prefill": per_sent * sum(a.prefill_busy * a.span_s for a in alone),
-        "decode": per_sent * sum(a.decode_busy * a.span_s for a in alone),
+    # Engine seconds per role, every worker of the role summed (a busy share is per worker), scaled to every
+    # request sent.
+    prefillers, decoders = shape.prefill or shape.colocated, shape.decode or shape.colocated
+    steps = {
+        "prefill": per_sent * prefillers * sum(a.prefill_busy * a.span_s for a in alone),
+        "decode": per_sent * decoders * sum(a.decode_busy * a.span_s for a in alone),
     }
     tokens = per_sent * sum(r["output_len"] for r in records)
     pairs = zip(records, alone, strict=True)
