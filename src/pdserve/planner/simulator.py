@@ -19,10 +19,11 @@ worker admits a sequence to its batch only while its whole KV (prompt + output) 
 `max_num_seqs`. The profile's serving latency (router, RPCs, relay) delays every request without holding
 any worker.
 
-Where the workers share a host's cores (the profile's `shared_cores`), a step is slower when more runs on
-them than there are cores: its time is stretched by the engine threads stepping at its start, the serving
-stack's own demand (`serving_cpu_s` per request at the offered rate) and the host's background demand,
-shared among the cores. A profile timed in one process on an idle machine sees none of that.
+Where the workers share a host's cores (the profile's `shared_cores`), the cores are shared as the kernel
+shares them, among everything that wants one at the moment (processor sharing): while more wants them than
+there are cores (the engine threads stepping, the serving stack's own demand at `serving_cpu_s` per request
+at the offered rate, the host's background demand), every step in flight runs that much slower, and speeds up
+again when a step ends. A profile timed in one process on an idle machine sees none of that.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ class _Worker:
     kv_used: int = 0
     busy: bool = False
     busy_s: float = 0.0
+    step: _Step | None = None  # the step in flight
+    started_s: float = 0.0
+    work_s: float = 0.0  # of the step in flight, what it still needs at full speed
+    version: int = 0  # of its end event: a change of speed reschedules it
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,8 @@ class Simulator:
         self._order = itertools.count()
         self.now = 0.0
         self._background_cores = profile.background_cores  # plus the serving stack's at the offered rate
+        self._speed = 1.0  # of every step in flight: full speed over the stretch of the shared cores
+        self._progressed_s = 0.0  # when the steps in flight last had their work brought up to date
 
     def run(self, requests: list[SimRequest]) -> SimResult:
         seqs = [_Seq(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
@@ -158,9 +165,15 @@ class Simulator:
         w.queued_tokens += s.req.input_len
         self._kick(w)
 
-    def _on_step(self, item: tuple[_Worker, _Step]) -> None:
-        w, step = item
-        w.busy = False
+    def _on_step(self, item: tuple[_Worker, int]) -> None:
+        w, version = item
+        if version != w.version:
+            return  # the step's speed changed since this end was scheduled
+        self._progress()
+        step = w.step
+        assert step is not None
+        w.busy, w.step = False, None
+        w.busy_s += self.now - w.started_s
         handoffs = []
         for s, n in step.chunks:
             s.prefilled += n
@@ -178,6 +191,7 @@ class Simulator:
         self._kick(w)
         for command in handoffs:  # asked for once the first token is out: the next step has begun
             self._command(w, command)
+        self._set_speed()
 
     def _prefilled(self, w: _Worker, s: _Seq) -> list[Command]:
         """The prompt's last chunk ran; what its prefill worker's engine is asked next."""
@@ -245,13 +259,29 @@ class Simulator:
         step = self._plan(w)
         if not step.chunks and not step.decoded:
             return
-        w.busy = True
-        seconds = self._step_s(step) * self._stretch()
-        w.busy_s += seconds
-        self._at(self.now + seconds, "step", (w, step))
+        self._progress()
+        w.busy, w.step, w.started_s, w.work_s = True, step, self.now, self._step_s(step)
+        self._set_speed(started=w)
+
+    def _progress(self) -> None:
+        """Bring every step in flight's remaining work up to now, at the speed they have run since."""
+        for w in self.workers:
+            if w.busy:
+                w.work_s -= (self.now - self._progressed_s) * self._speed
+        self._progressed_s = self.now
+
+    def _set_speed(self, started: _Worker | None = None) -> None:
+        """The speed of the steps in flight, for what now wants the shared cores: a step just started gets
+        its end at it, and if the speed changed, so does every other step in flight."""
+        speed = 1.0 / self._stretch()
+        changed, self._speed = speed != self._speed, speed
+        for w in self.workers:
+            if w.busy and (changed or w is started):
+                w.version += 1
+                self._at(self.now + max(0.0, w.work_s) / speed, "step", (w, w.version))
 
     def _stretch(self) -> float:
-        """How much slower a step starting now runs than it did alone: what wants the shared cores (every
+        """How much slower the steps in flight run than each did alone: what wants the shared cores (every
         stepping engine's threads and the serving stack's demand) over the cores there are."""
         if not self.p.shared_cores:
             return 1.0

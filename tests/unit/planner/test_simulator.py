@@ -107,13 +107,23 @@ def test_a_later_chunk_pays_for_the_context_it_reads_and_every_step_for_the_engi
 
 
 def test_engines_sharing_too_few_cores_step_slower() -> None:
-    """Three colocated workers with a thread each on two cores: the third to start a step shares them."""
+    """Three colocated workers with a thread each on two cores: the three steps share them, each at 2/3."""
     profile = synthetic_profile(shared_cores=2, meta={"threads": 1})
     requests = [SimRequest(0.0, 256, 1) for _ in range(3)]
     result = Simulator(profile, Shape(colocated=3)).run(requests)
-    assert result.ttft_s == pytest.approx([PERF.prefill_s(256), PERF.prefill_s(256), 1.5 * PERF.prefill_s(256)])
+    assert result.ttft_s == pytest.approx([1.5 * PERF.prefill_s(256)] * 3)
     own_cores = Simulator(replace(profile, shared_cores=0), Shape(colocated=3)).run(requests)
     assert own_cores.ttft_s == pytest.approx([PERF.prefill_s(256)] * 3)
+
+
+def test_a_step_slows_while_another_shares_its_core_and_speeds_up_when_it_ends() -> None:
+    """One core, two workers: the first step runs alone for half its work, then at half speed beside the
+    second, which finishes its last half alone again (processor sharing, as the kernel shares a core)."""
+    profile = synthetic_profile(shared_cores=1, meta={"threads": 1})
+    step = PERF.prefill_s(256)
+    result = Simulator(profile, Shape(colocated=2)).run([SimRequest(0.0, 256, 1), SimRequest(step / 2, 256, 1)])
+    assert result.ttft_s == pytest.approx([1.5 * step, 1.5 * step])
+    assert result.busy_s == pytest.approx(3 * step)  # each step's wall time, start to end
 
 
 def test_the_serving_stacks_cpu_and_the_hosts_background_slow_the_steps_as_the_rate_rises() -> None:
