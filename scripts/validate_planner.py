@@ -22,39 +22,33 @@ more steadily than each cluster's own would (per cluster they came out 8-33 ms o
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
-import math
 import os
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
+from planner_calibration import (
+    calibrate_host,
+    calibration_table,
+    cluster_pids,
+    cpu_clock,
+    other_cores,
+)
+from planner_load import cluster_args, measure, shape_of, warm_up, write_trace
 from rich.console import Console
 from rich.table import Table
 
-from loadgen.benchmark import BenchmarkConfig, run_benchmark
-from loadgen.metrics import GoodputSLO
 from loadgen.record import OK
 from loadgen.workload import WorkloadConfig
-from pdserve.cluster.local_process import ClusterProcess, descendants
+from pdserve.cluster.local_process import ClusterProcess
 from pdserve.config import EngineConfig
 from pdserve.planner import workload
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.plan import SLO, simulate
 from pdserve.planner.profiler import Grid, run_profile
-from pdserve.planner.simulator import Shape, Simulator
-from pdserve.planner.workload import SimRequest
-from pdserve.rpc.server import channel
-from pdserve.v1 import admin_pb2, admin_pb2_grpc
-
-CALIBRATION_REQUESTS = 24  # a few seconds: enough CPU clock ticks to count
-CALIBRATION_WINDOWS = 5
-QUIET_S = 3.0  # the idle cluster's own CPU use is measured over this long
 
 
 @dataclass(frozen=True)
@@ -70,191 +64,6 @@ class Row:
     measured_failed: int
     calibrated_goodput: float | None  # --calibrate: with what the host's calibration measured
     calibrated_ttft_p90_ms: float | None
-
-
-def shape_of(config: str) -> Shape:
-    if config.startswith("c"):
-        return Shape(colocated=int(config[1:]))
-    p, d = config.split(":")
-    return Shape(prefill=int(p), decode=int(d))
-
-
-def cluster_args(shape: Shape, args: argparse.Namespace) -> list[str]:
-    roles = (
-        ["--mode", "colocated", "--workers", str(shape.colocated)]
-        if shape.colocated
-        else ["--prefill", str(shape.prefill), "--decode", str(shape.decode)]
-    )
-    no_shedding = ["--default-ttft-ms", "1e7", "--default-tpot-ms", "1e7"]
-    return ["--model", args.model, "--kv-cache-gb", str(args.kv_cache_gb), *roles, *no_shedding]
-
-
-def write_trace(path: Path, load: workload.Workload, rate: float) -> None:
-    lines = [
-        {"timestamp": r.arrival_s * 1e3, "input_length": r.input_len, "output_length": r.output_len}
-        for r in load.at_rate(rate)
-    ]
-    path.write_text("\n".join(json.dumps(line) for line in lines))
-
-
-def measure(
-    address: str,
-    load: WorkloadConfig,
-    args: argparse.Namespace,
-    seed: int,
-    concurrency: int | None = None,
-    rate: float = math.inf,  # a trace brings its own arrival times
-) -> dict:
-    slo = GoodputSLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
-    config = BenchmarkConfig(
-        address, load, args.model, request_rates=(rate,), slo=slo, seed=seed, max_concurrency=concurrency
-    )
-    return run_benchmark(config, Console(stderr=True))[0]
-
-
-def random_load(args: argparse.Namespace, vocab: int, num_prompts: int, output_len: int) -> WorkloadConfig:
-    return WorkloadConfig(
-        num_prompts=num_prompts,
-        vocab_size=vocab,
-        random_input_len=args.input_len,
-        random_output_len=output_len,
-        random_range_ratio=args.range_ratio,
-    )
-
-
-def warm_up(address: str, args: argparse.Namespace, vocab: int, seed: int) -> None:
-    """Requests of the workload's size at the highest rate (Poisson), discarded: the first requests after a
-    cluster starts pay for its warm-up (allocations, the first run of each batch shape, connections), which
-    no later one does; batches as large as the rows' only come at their rates."""
-    measure(address, random_load(args, vocab, args.warmup, args.output_len), args, seed, rate=max(args.rates))
-
-
-def cpu_clock(pids: set[int]) -> np.ndarray:
-    """[CPU seconds our processes used, CPU seconds the whole host was busy, wall seconds] so far: the
-    difference of two readings is a window's. Processes that exited meanwhile count nothing."""
-    tick = os.sysconf("SC_CLK_TCK")
-    ours = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ours += int(fields[11]) + int(fields[12])  # utime, stime
-    user, nice, system, idle, iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
-    busy = user + nice + system + irq + softirq + steal
-    return np.array([ours / tick, busy / tick, time.monotonic()])
-
-
-def other_cores(use: np.ndarray) -> float:
-    """The cores the host's other programs kept busy over a window of `cpu_clock`."""
-    ours, host, wall = use
-    return max(0.0, (host - ours) / wall)
-
-
-def calibrate_host(
-    profile: HardwareProfile, args: argparse.Namespace, tmp: Path, vocab: int, seeds: itertools.count
-) -> HardwareProfile:
-    """The profile with what only a running cluster shows, measured on a cluster of `--calibrate-on`."""
-    shape = shape_of(args.calibrate_on)
-    cluster = ClusterProcess(*cluster_args(shape, args), log_path=tmp / "cluster-calibration.log")
-    try:
-        if args.warmup:
-            warm_up(cluster.address, args, vocab, next(seeds))
-        return calibrate(cluster, profile, shape, args, vocab, seeds)
-    finally:
-        cluster.stop()
-
-
-def calibrate(
-    cluster: ClusterProcess,
-    profile: HardwareProfile,
-    shape: Shape,
-    args: argparse.Namespace,
-    vocab: int,
-    seeds: itertools.count,
-) -> HardwareProfile:
-    """The profile with what only the running cluster shows. Idle for a few seconds: the CPU our processes
-    use without requests (Ray, heartbeats), a background demand on the shared cores (each row adds what the
-    host's other programs used while it ran). Then `CALIBRATION_WINDOWS` windows of requests of the
-    workload's size one at a time to the idle cluster, each quantity the median of the windows' (a
-    neighbour's burst spoils one window, not the calibration). The cores: this host's, which all share."""
-    pids, roles = cluster_pids(cluster), worker_roles(cluster.address)
-    before, before_workers = cpu_clock(pids), {pid: cpu_clock({pid})[0] for pid in roles}
-    time.sleep(QUIET_S)
-    quiet = cpu_clock(pids) - before
-    idle = {pid: (cpu_clock({pid})[0] - before_workers[pid]) / quiet[2] for pid in roles}  # cores, per worker
-    idle_cores = quiet[0] / quiet[2]
-    windows = [
-        calibration_window(cluster, profile, shape, args, vocab, next(seeds), idle_cores, idle)
-        for _ in range(CALIBRATION_WINDOWS)
-    ]
-    return replace(
-        profile,
-        shared_cores=os.cpu_count() or 1,
-        background_cores=idle_cores,
-        **{name: statistics.median(w[name] for w in windows) for name in windows[0]},
-    )
-
-
-def calibration_window(
-    cluster: ClusterProcess,
-    profile: HardwareProfile,
-    shape: Shape,
-    args: argparse.Namespace,
-    vocab: int,
-    seed: int,
-    idle_cores: float,
-    idle_workers: dict[int, float],
-) -> dict[str, float]:
-    """One window of requests sent one at a time. Serving latency: their median TTFT less what the simulator
-    predicts for each alone without one (the time spent outside every engine thread). Each worker's CPU
-    beyond the engine steps the simulator predicts for it: its RPC loop's, per prompt on a prefill worker,
-    per token streamed on a decode or colocated one. Serving CPU: what every other process (the router, Ray,
-    loadgen: this one) used per request. Each beyond its own idle use (`idle_workers`: cores by worker pid)."""
-    pids = cluster_pids(cluster)
-    roles = worker_roles(cluster.address)
-    before, before_workers = cpu_clock(pids), {pid: cpu_clock({pid})[0] for pid in roles}
-    result = measure(cluster.address, random_load(args, vocab, CALIBRATION_REQUESTS, args.output_len), args, seed, 1)
-    used, _, wall = cpu_clock(pids) - before
-    workers = {role: 0.0 for role in roles.values()}
-    for pid, role in roles.items():
-        workers[role] += cpu_clock({pid})[0] - before_workers[pid] - idle_workers.get(pid, 0.0) * wall
-    records = [r for r in result["requests"] if r["ttft_ms"]]
-    alone = [Simulator(profile, shape).run([SimRequest(0.0, r["input_len"], r["output_len"])]) for r in records]
-    sent = len(result["requests"]) + 1  # loadgen's check request first
-    per_sent = sent / len(records)
-    # Engine seconds per role, every worker of the role summed (a busy share is per worker), scaled to every
-    # request sent.
-    prefillers, decoders = shape.prefill or shape.colocated, shape.decode or shape.colocated
-    steps = {
-        "prefill": per_sent * prefillers * sum(a.prefill_busy * a.span_s for a in alone),
-        "decode": per_sent * decoders * sum(a.decode_busy * a.span_s for a in alone),
-    }
-    tokens = per_sent * sum(r["output_len"] for r in records)
-    pairs = zip(records, alone, strict=True)
-    loop = {role: max(0.0, cpu - steps["decode" if role == "colocated" else role]) for role, cpu in workers.items()}
-    return {
-        "serving_latency_s": max(0.0, statistics.median(r["ttft_ms"] / 1e3 - a.ttft_s[0] for r, a in pairs)),
-        "serving_cpu_s": max(0.0, used - sum(workers.values()) - idle_cores * wall) / sent,
-        "prefill_loop_s": loop.get("prefill", 0.0) / sent,
-        "decode_loop_per_token_s": (loop.get("decode", 0.0) + loop.get("colocated", 0.0)) / tokens,
-    }
-
-
-def worker_roles(address: str) -> dict[int, str]:
-    """pid -> role of every worker, as the router's Admin view reports them."""
-
-    async def ask() -> list[admin_pb2.WorkerStatus]:
-        async with channel(address) as ch:
-            reply = await admin_pb2_grpc.AdminStub(ch).ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=10)
-        return list(reply.workers)
-
-    return {w.pid: w.role for w in asyncio.run(ask()) if w.pid}
-
-
-def cluster_pids(cluster: ClusterProcess) -> set[int]:
-    """The launcher, Ray and the workers below it, and this process (loadgen): what serves the requests."""
-    return descendants(cluster.proc.pid) | {cluster.proc.pid, os.getpid()}
 
 
 def run_config(
@@ -386,20 +195,6 @@ def summary(rows: list[Row]) -> Table:
             f"{min(measured_ttft):.0f}-{max(measured_ttft):.0f}",
             error(statistics.mean(ttft), statistics.mean(measured_ttft)),
         )
-    return t
-
-
-def calibration_table(p: HardwareProfile, on: str) -> Table:
-    t = Table(title=f"what --calibrate measured on this host ({on} cluster, median of {CALIBRATION_WINDOWS} windows)")
-    for col in ("serving latency", "prefill loop per prompt", "decode loop per token", "CPU per request", "idle"):
-        t.add_column(col, justify="right")
-    t.add_row(
-        f"{p.serving_latency_s * 1e3:.1f} ms",
-        f"{p.prefill_loop_s * 1e3:.1f} ms",
-        f"{p.decode_loop_per_token_s * 1e3:.2f} ms",
-        f"{p.serving_cpu_s * 1e3:.0f} ms",
-        f"{p.background_cores:.2f} cores of {p.shared_cores}",
-    )
     return t
 
 
