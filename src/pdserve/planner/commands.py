@@ -77,7 +77,8 @@ def _plan(args: argparse.Namespace) -> int:
             lengths = (args.rate, args.input_len, args.output_len, args.num_requests, args.range_ratio)
             load = workload.synthetic(*lengths, args.burstiness, args.seed)
         slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment)
-        candidates = plan(HardwareProfile.load(args.profile), load, slo, args.workers)
+        profile = HardwareProfile.load(args.profile)
+        candidates = plan(profile, load, slo, args.workers)
     except (ValueError, OSError) as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 2
@@ -88,7 +89,7 @@ def _plan(args: argparse.Namespace) -> int:
     from pdserve.planner.report import plan_table, verdict
 
     console = report_console()
-    console.print(plan_table(candidates, load, slo))
+    console.print(plan_table(candidates, load, slo, profile))
     console.print(verdict(candidates))
     return 0
 
@@ -227,5 +228,5 @@ def _autoscale(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"pdserve autoscale: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the loop took over the signals
         return 0

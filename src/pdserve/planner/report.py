@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.plan import SLO, Candidate, recommend
 from pdserve.planner.workload import Workload
 
 
-def plan_table(candidates: list[Candidate], workload: Workload, slo: SLO) -> Table:
+def plan_table(candidates: list[Candidate], workload: Workload, slo: SLO, profile: HardwareProfile) -> Table:
     best = recommend(candidates)
     table = Table(
         title=f"pdserve plan at {workload.rate:g} req/s (mean {workload.mean_input_len:.0f} in, "
         f"{workload.mean_output_len:.0f} out; SLO TTFT {slo.ttft_ms:g} ms, TPOT {slo.tpot_ms:g} ms, "
-        f"{slo.attainment:.0%} attainment)"
+        f"{slo.attainment:.0%} attainment)",
+        caption=profile_caption(profile),
     )
     columns = (
         "split", "goodput req/s", "attainment", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms",
@@ -33,6 +35,17 @@ def plan_table(candidates: list[Candidate], workload: Workload, slo: SLO) -> Tab
             f"{c.max_rate:.2f}",
         )
     return table
+
+
+def profile_caption(p: HardwareProfile) -> str:
+    """What the simulation assumed of the hardware: an SRE reads a plan for GPU pods differently from one for
+    workers sharing a host's cores."""
+    meta = p.meta
+    line = f"profile: {meta.get('model', '?')} on {meta.get('device', '?')} ({meta.get('dtype', '?')})"
+    line += f", serving latency {p.serving_latency_s * 1e3:.1f} ms" if p.serving_latency_s else ", no serving latency"
+    if p.shared_cores:
+        return line + f"; every worker shares {p.shared_cores} cores with the serving stack"
+    return line + "; each worker on its own device and cores"
 
 
 def verdict(candidates: list[Candidate]) -> str:

@@ -62,3 +62,20 @@ def test_a_trace_is_planned_at_its_own_rate(tmp_path: Path) -> None:
     workload = from_trace(trace)
     assert workload.rate == pytest.approx(2.0)
     assert [r.arrival_s for r in workload.at_rate(workload.rate)][:3] == pytest.approx([0.0, 0.5, 1.0])
+
+
+def test_the_table_says_whether_the_workers_share_a_hosts_cores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan for GPU pods and one for workers sharing a host's cores read differently: the table says which."""
+    own, shared = tmp_path / "own.json", tmp_path / "shared.json"
+    synthetic_profile().save(own)
+    synthetic_profile(shared_cores=2, serving_latency_s=0.015).save(shared)
+    argv = ["--rate", "2", "--input-len", "512", "--output-len", "32", "--num-requests", "40"]
+    argv += ["--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--workers", "2"]
+    captions = []
+    for profile in (own, shared):
+        assert cli.main(["plan", "--profile", str(profile), *argv]) == 0
+        captions.append(" ".join(capsys.readouterr().out.split()))
+    assert "each worker on its own device and cores" in captions[0] and "no serving latency" in captions[0]
+    assert "shares 2 cores with the serving stack" in captions[1] and "serving latency 15.0 ms" in captions[1]
