@@ -186,6 +186,29 @@ def test_autoscale_adds_a_prefill_worker_under_prefill_heavy_load_and_gives_it_b
     assert scales[0]["load"]["input_len"] == len(LONG_PROMPT)
 
 
+@pytest.mark.timeout(120)
+def test_autoscale_stops_cleanly_on_sigterm(cluster, tmp_path):
+    """A pod's stop: SIGTERM between decisions ends the loop with status 0 (it used to kill it mid-step)."""
+    profile = tmp_path / "profile.json"
+    synthetic_profile().save(profile)
+    flags = ["--slo-ttft-ms", "1000", "--slo-tpot-ms", "100", "--max-workers", "3", "--interval", "0.2"]
+    flags += ["--window", "0.4", "--dry-run"]
+    autoscale = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "autoscale", "--addr", cluster.address, "--profile", str(profile)]
+        + flags,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert autoscale.stdout is not None
+        assert autoscale.stdout.readline().startswith("{")  # a first decision: the loop runs
+        autoscale.send_signal(signal.SIGTERM)
+        assert autoscale.wait(timeout=15) == 0
+    finally:
+        autoscale.kill()
+        autoscale.communicate()
+
+
 def test_autoscale_once_prints_one_decision_and_exits(cluster, tmp_path):
     profile = tmp_path / "profile.json"
     synthetic_profile().save(profile)

@@ -1,13 +1,16 @@
 """`pdserve autoscale`'s loop: every interval, the router's status (its admitted counters and desired counts), one
 decision (`autoscale.py`), and ScaleWorkers when the decision is to scale. Each decision is printed as one JSON
 line: `{"load": {"rate", "input_len", "output_len"}, "current", "recommended", "action": "scale"|"hold", "why"}`.
+SIGINT or SIGTERM (a pod's stop) ends it after the step in progress, never halfway through a scale.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import signal
 from dataclasses import asdict, dataclass
 
 import grpc
@@ -35,14 +38,20 @@ class AutoscaleConfig:
 
 
 async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleConfig) -> int:
+    """Returns 0 once stopped by a signal (or after one decision with `once`). The signals set an event the
+    loop checks rather than cancel its task: grpc.aio can swallow a task's cancellation when it lands as a
+    call completes, and the loop would then run on."""
     window, hysteresis = LoadWindow(c.window_s), Hysteresis(c.consecutive, c.cooldown_s)
     loop = asyncio.get_running_loop()
-    while True:
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set():
         try:
             status = await cluster_status(addr, credentials)
         except grpc.aio.AioRpcError as e:  # the router restarting, say: the next interval asks again
             log.warning("no status from %s: %s: %s", addr, e.code().name, e.details())
-            await asyncio.sleep(c.interval_s)
+            await _pause(stop, c.interval_s)
             continue
         now = loop.time()
         counters = (status.admitted_requests, status.admitted_prompt_tokens, status.admitted_max_tokens)
@@ -61,11 +70,18 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
             action = "scale" if decision.target else "hold"
             record = {"load": asdict(load), "current": current, "recommended": recommended, "action": action}
             print(json.dumps({**record, "why": decision.why}), flush=True)
-            if decision.target and not c.dry_run:
+            if decision.target and not c.dry_run and not stop.is_set():
                 await _scale(addr, credentials, decision.target)
             if c.once:
                 return 0
-        await asyncio.sleep(c.interval_s)
+        await _pause(stop, c.interval_s)
+    return 0
+
+
+async def _pause(stop: asyncio.Event, seconds: float) -> None:
+    """Sleeps `seconds`, or less when `stop` is set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
 
 
 async def _scale(addr: str, credentials: ClientCredentials, target: dict[str, int]) -> None:
