@@ -43,6 +43,7 @@ class Outcome:
     tpot_ms: tuple[float, float, float]
     prefill_busy: float
     decode_busy: float
+    demand_cores: float  # of a host whose cores the workers share (SimResult.demand_cores)
 
 
 def outcome(result: SimResult, total: int, slo: SLO) -> Outcome:
@@ -61,6 +62,7 @@ def outcome(result: SimResult, total: int, slo: SLO) -> Outcome:
         tpot_ms=pct(tpot),
         prefill_busy=result.prefill_busy,
         decode_busy=result.decode_busy,
+        demand_cores=result.demand_cores,
     )
 
 
@@ -70,10 +72,13 @@ def simulate(profile: HardwareProfile, shape: Shape, workload: Workload, rate: f
 
 
 def max_rate(profile: HardwareProfile, shape: Shape, workload: Workload, slo: SLO) -> float:
-    """The highest rate at which `shape` still meets the attainment target; 0 when even an idle one does not."""
+    """The highest rate at which `shape` still meets the attainment target; 0 when even an idle one does not.
+    Where the workers share a host's cores, also no rate that asks more of them than there are: the trace is
+    finite, and a host that falls ever further behind can still meet the target over its few seconds."""
 
     def meets(rate: float) -> bool:
-        return simulate(profile, shape, workload, rate, slo).attainment >= slo.attainment
+        o = simulate(profile, shape, workload, rate, slo)
+        return o.attainment >= slo.attainment and (not profile.shared_cores or o.demand_cores <= profile.shared_cores)
 
     lo = workload.rate / 1024
     if not meets(lo):

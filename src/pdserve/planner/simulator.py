@@ -105,6 +105,10 @@ class SimResult:
     prefill_busy: float  # share of the span the prefill (or colocated) workers spent stepping
     decode_busy: float
     busy_s: float  # engine-thread seconds, every worker summed
+    # The cores the run asked of a host the workers share, on average while requests arrived: every step's work
+    # at full speed (its threads), the serving stack's CPU per request and the background. Over the cores, the
+    # host falls ever further behind, however a finite trace's percentiles look.
+    demand_cores: float
 
 
 class Simulator:
@@ -124,6 +128,7 @@ class Simulator:
         self._background_cores = profile.background_cores  # plus the serving stack's at the offered rate
         self._speed = 1.0  # of every step in flight: full speed over the stretch of the shared cores
         self._progressed_s = 0.0  # when the steps in flight last had their work brought up to date
+        self._work_s = 0.0  # every step's work at full speed, summed
 
     def run(self, requests: list[SimRequest]) -> SimResult:
         seqs = [_Seq(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
@@ -261,6 +266,7 @@ class Simulator:
             return
         self._progress()
         w.busy, w.step, w.started_s, w.work_s = True, step, self.now, self._step_s(step)
+        self._work_s += w.work_s
         self._set_speed(started=w)
 
     def _progress(self) -> None:
@@ -339,4 +345,13 @@ class Simulator:
             prefill_busy=busy(self.prefillers),
             decode_busy=busy(self.decoders),
             busy_s=sum(w.busy_s for w in self.workers),
+            demand_cores=self._demand_cores(seqs),
         )
+
+    def _demand_cores(self, seqs: list[_Seq]) -> float:
+        arrivals_s = seqs[-1].req.arrival_s - seqs[0].req.arrival_s if seqs else 0.0
+        if arrivals_s <= 0:
+            return self.p.background_cores
+        threads = int(self.p.meta.get("threads", 1))
+        cpu_s = self._work_s * threads + len(seqs) * self.p.serving_cpu_s
+        return cpu_s / arrivals_s + self.p.background_cores

@@ -79,3 +79,19 @@ def test_the_table_says_whether_the_workers_share_a_hosts_cores(
         captions.append(" ".join(capsys.readouterr().out.split()))
     assert "each worker on its own device and cores" in captions[0] and "no serving latency" in captions[0]
     assert "shares 2 cores with the serving stack" in captions[1] and "serving latency 15.0 ms" in captions[1]
+
+
+def test_no_rate_asks_more_of_a_shared_host_than_its_cores() -> None:
+    """One core; the serving stack costs 50 ms of CPU per request beside the engines' work. A finite trace
+    still meets lax SLOs well past the rate at which that asks for more than the core (the host falls behind
+    all along); the max rate stops where the demand reaches the core."""
+    from pdserve.planner.plan import max_rate, simulate
+    from pdserve.planner.simulator import Shape
+
+    profile = synthetic_profile(shared_cores=1, serving_cpu_s=0.05, meta={"threads": 1})
+    shape, workload = Shape(prefill=1, decode=1), synthetic(1.0, 256, 4, 200, seed=4)
+    lax = SLO(ttft_ms=5000, tpot_ms=1000, attainment=0.9)
+    found = max_rate(profile, shape, workload, lax)
+    assert found > 0 and simulate(profile, shape, workload, found, lax).demand_cores <= 1
+    beyond = simulate(profile, shape, workload, 1.5 * found, lax)
+    assert beyond.attainment >= lax.attainment and beyond.demand_cores > 1
