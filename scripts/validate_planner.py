@@ -62,8 +62,10 @@ class Row:
     predicted_ttft_p90_ms: float
     measured_ttft_p90_ms: float
     measured_failed: int
+    measured_cores: float  # what our processes (cluster, loadgen) kept busy while the row ran
     calibrated_goodput: float | None  # --calibrate: with what the host's calibration measured
     calibrated_ttft_p90_ms: float | None
+    calibrated_cores: float | None  # the simulated demand on the shared cores, less the other programs'
 
 
 def run_config(
@@ -92,7 +94,8 @@ def run_config(
             pids = cluster_pids(cluster)
             before = cpu_clock(pids)
             measured = measure(cluster.address, trace_load, args, next(seeds))
-            others = other_cores(cpu_clock(pids) - before)
+            used = cpu_clock(pids) - before
+            others = other_cores(used)
             cal = None
             if calibrated:  # with the other programs' demand as it was during this row
                 busy_host = replace(calibrated, background_cores=calibrated.background_cores + others)
@@ -108,8 +111,10 @@ def run_config(
                     predicted.ttft_ms[1],
                     measured["p90_ttft_ms"],
                     sum(r["status"] != OK for r in measured["requests"]),
+                    used[0] / used[2],
                     cal.goodput if cal else None,
                     cal.ttft_ms[1] if cal else None,
+                    cal.demand_cores - others if cal else None,
                 )
             )
     finally:
@@ -131,7 +136,7 @@ def table(rows: list[Row], args: argparse.Namespace) -> Table:
     for col in (*columns, "meas ms", "err"):
         t.add_column(col, justify="right")
     if args.calibrate:
-        for col in ("goodput cal", "err", "p90 TTFT cal ms", "err"):
+        for col in ("goodput cal", "err", "p90 TTFT cal ms", "err", "cores cal/meas"):
             t.add_column(col, justify="right")
     for r in rows:
         cells = [
@@ -152,6 +157,7 @@ def table(rows: list[Row], args: argparse.Namespace) -> Table:
                 error(r.calibrated_goodput, r.measured_goodput),
                 f"{r.calibrated_ttft_p90_ms:.0f}",
                 error(r.calibrated_ttft_p90_ms, r.measured_ttft_p90_ms),
+                f"{r.calibrated_cores:.2f}/{r.measured_cores:.2f}",
             ]
         t.add_row(*cells)
     return t
