@@ -113,8 +113,9 @@ def test_pdserve_drain_cuts_long_streams_at_its_timeout_and_they_migrate(cluster
         holder = None
         while holder is None:
             await asyncio.sleep(0.05)
-            holding = [w for w in await workers(cluster.address) if w.role == "decode" and w.kv_blocks_used]
-            holder = max(holding, key=lambda w: w.kv_blocks_used, default=None)
+            # Decoding, not only holding blocks: CI once drained a worker whose blocks in the view held no stream.
+            holding = [w for w in await workers(cluster.address) if w.role == "decode" and w.running]
+            holder = max(holding, key=lambda w: (w.running, w.kv_blocks_used), default=None)
         code, out = await cli("drain", "--addr", cluster.address, holder.id, "--timeout", "0.5")
         # Only now (it holds the GIL of this process, whose loop must spot the holder in time), while they finish:
         expected = asyncio.create_task(asyncio.to_thread(greedy, PROMPT, LONG_TOKENS))
