@@ -45,6 +45,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         sampling = sampling_from_pb(request.sampling)  # the router filled in every default
         if self.faults.engine_dies_for(request.client_request_id):
             self.engine.fail_when_stepped(request.request_id)
+        if delay_s := self.faults.step_delay_for(request.client_request_id):
+            self.engine.slow_when_stepped(request.request_id, delay_s)
         outputs: AsyncIterator[RequestOutput]
         if not request.prefill_address:
             outputs = generate_here(

@@ -58,6 +58,8 @@ class FaultConfig:
     kv_send_delay_s: float = 0.0  # a prefill worker stalls this long between the first token and the KV send
     request_id_prefix: str = ""  # only requests whose id starts with this are faulted ("": every request)
     engine_die_prefix: str = ""  # a worker's engine thread dies stepping a request whose id starts with this
+    slow_step_prefix: str = ""  # a decode worker's engine step that runs a request whose id starts with this...
+    slow_step_s: float = 0.0  # ...takes this much longer
     first_start_fails_dir: str = ""  # set: a worker's start fails unless this folder holds a file named after it
 
     def kv_send_delay_for(self, request_id: str) -> float:
@@ -65,6 +67,9 @@ class FaultConfig:
 
     def engine_dies_for(self, request_id: str) -> bool:
         return bool(self.engine_die_prefix) and request_id.startswith(self.engine_die_prefix)
+
+    def step_delay_for(self, request_id: str) -> float:
+        return self.slow_step_s if self.slow_step_prefix and request_id.startswith(self.slow_step_prefix) else 0.0
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,9 @@ def fault_config() -> FaultConfig:
       so healthy requests can run beside faulted ones on the same cluster.
     PDSERVE_FAULT_ENGINE_DIE_REQUEST_ID_PREFIX: a worker's engine step raises (its engine thread dies, as on a
       real step failure) when it runs a request whose client request id starts with this; unset: never.
+    PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX, PDSERVE_FAULT_SLOW_STEP_S: a decode worker's engine step that runs a
+      request whose client request id starts with the prefix takes this many seconds longer (a slow device), so a
+      test's streams last long enough for what it does meanwhile; unset: never.
     PDSERVE_FAULT_FIRST_START_FAILS_DIR: each worker's first start fails (after it leaves a file named after it
       in this folder, so its restart by Ray succeeds); unset: never.
     """
@@ -41,6 +44,8 @@ def fault_config() -> FaultConfig:
         kv_send_delay_s=float(os.environ.get("PDSERVE_FAULT_KV_SEND_DELAY_S") or FaultConfig.kv_send_delay_s),
         request_id_prefix=os.environ.get("PDSERVE_FAULT_REQUEST_ID_PREFIX") or FaultConfig.request_id_prefix,
         engine_die_prefix=os.environ.get("PDSERVE_FAULT_ENGINE_DIE_REQUEST_ID_PREFIX") or FaultConfig.engine_die_prefix,
+        slow_step_prefix=os.environ.get("PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX") or "",
+        slow_step_s=float(os.environ.get("PDSERVE_FAULT_SLOW_STEP_S") or FaultConfig.slow_step_s),
         first_start_fails_dir=os.environ.get("PDSERVE_FAULT_FIRST_START_FAILS_DIR") or "",
     )
 

@@ -6,8 +6,9 @@
   reference, and the cluster is back at full counts.
 
 The load's requests hold their prefill worker for half a second before the KV send (PDSERVE_FAULT_KV_SEND_DELAY_S), so
-a prefill worker's drain has hand-offs to finish. Every test ends with every worker's KV blocks free. The tests
-run in file order on one cluster.
+a prefill worker's drain has hand-offs to finish. The long streams' decode steps each take 10 ms longer
+(PDSERVE_FAULT_SLOW_STEP_S), so they outlast `pdserve drain`'s start on a loaded machine. Every test ends with
+every worker's KV blocks free. The tests run in file order on one cluster.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from tests.integration.worker_view import idle, pid_serving, workers
 pytestmark = pytest.mark.timeout(400)
 LOAD_TOKENS = 64
 LOAD = "load-"  # the load's requests: a prefill worker holds each 0.5 s between its first token and KV send
-LONG_TOKENS = 3000  # streams that outlast the start of `pdserve drain` and its timeout of 0.5 s
+LONG = "long-"  # streams that outlast the start of `pdserve drain` and its timeout of 0.5 s: 10 s or more each
+LONG_TOKENS = 1000
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,7 @@ def cluster(tmp_path_factory):
     log = tmp_path_factory.mktemp("drain") / "cluster.log"
     args = ["--model", "tiny-random", "--kv-cache-gb", "0.05", "--prefill", "2", "--decode", "2"]
     faults = {"PDSERVE_FAULT_KV_SEND_DELAY_S": "0.5", "PDSERVE_FAULT_REQUEST_ID_PREFIX": LOAD}
+    faults |= {"PDSERVE_FAULT_SLOW_STEP_S": "0.01", "PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX": LONG}
     proc = ClusterProcess(*args, log_path=log, env=faults)
     yield proc
     proc.stop()
@@ -108,12 +111,13 @@ def test_sigterm_to_a_decode_worker_under_load_loses_nothing(cluster, load_expec
 
 def test_pdserve_drain_cuts_long_streams_at_its_timeout_and_they_migrate(cluster):
     async def run() -> None:
-        reqs = [greedy_request(f"long-{i}", PROMPT, LONG_TOKENS) for i in range(3)]
+        reqs = [greedy_request(f"{LONG}{i}", PROMPT, LONG_TOKENS) for i in range(3)]
         long = [asyncio.create_task(tokens(cluster.address, r)) for r in reqs]
         holder = None
         while holder is None:
             await asyncio.sleep(0.05)
             # Decoding, not only holding blocks: CI once drained a worker whose blocks in the view held no stream.
+            # (Unslowed 3000-token streams once ended before the command reached the worker: CI drained it idle.)
             holding = [w for w in await workers(cluster.address) if w.role == "decode" and w.running]
             holder = max(holding, key=lambda w: (w.running, w.kv_blocks_used), default=None)
         code, out = await cli("drain", "--addr", cluster.address, holder.id, "--timeout", "0.5")

@@ -44,8 +44,11 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    except OSError:  # it exited between the two looks (ProcessLookupError, FileNotFoundError)
+        return False
+    return fields[0] != "Z"
 
 
 class ClusterProcess:

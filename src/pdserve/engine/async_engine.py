@@ -74,6 +74,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._pending: set[Future[object]] = set()  # commands awaited: failed at once if the thread dies
         self._doomed: set[str] = set()  # fault injection: a step that runs one of these request ids raises
+        self._slowed: dict[str, float] = {}  # fault injection: a step that runs one of these sleeps this long
         self.on_death: Callable[[BaseException], None] | None = None  # called on the engine thread as it dies
         self.stats: dict[str, int] = {}
         self.on_step: Callable[[int, int, float], None] | None = None  # (prefill tokens, decode seqs, seconds)
@@ -202,6 +203,11 @@ class AsyncEngine:
         thread as a real step failure would (tests of what a worker does when its engine dies)."""
         self._doomed.add(request_id)
 
+    def slow_when_stepped(self, request_id: str, seconds: float) -> None:
+        """Fault injection: every engine step that runs `request_id` takes `seconds` longer, as on a slow device,
+        so a test's stream outlasts what it does meanwhile (start a CLI process, drain the worker)."""
+        self._slowed[request_id] = seconds
+
     async def _call(self, fn: Callable[[LLMEngine], T], undo: Callable[[LLMEngine, T], None] | None = None) -> T:
         """Run `fn(engine)` on the engine thread between steps and await its result. Cancelling the caller
         does not stop `fn` from running; `undo(engine, result)` then reverts what `fn` did for nobody."""
@@ -267,6 +273,7 @@ class AsyncEngine:
         """Stream over: forget it, and abort this caller's request if it is still live (cancel, error)."""
         if self._streams.get(request_id) is stream:
             del self._streams[request_id]
+        self._slowed.pop(request_id, None)
         if abort and self.alive:
             await self._call(lambda e: e.abort(request_id))
 
@@ -295,6 +302,8 @@ class AsyncEngine:
                     decode_seqs = min(decoding, self._engine.last_step_tokens)
                     self.on_step(self._engine.last_step_tokens - decode_seqs, decode_seqs, time.perf_counter() - start)
                 self._check_doomed(outputs)
+                if self._slowed and (delays := [self._slowed.get(o.request_id, 0.0) for o in outputs]):
+                    time.sleep(max(delays))
                 for out in outputs:
                     self._deliver(out)
                 self._update_stats()

@@ -196,3 +196,15 @@ async def test_a_dead_engine_thread_fails_every_waiting_caller_as_unavailable_an
     assert [type(e) for e in died] == [InjectedEngineFault]
     with pytest.raises(EngineDeadError):
         await engine.abort("later")
+
+
+async def test_a_slowed_request_sleeps_each_step_it_runs_and_is_forgotten_when_done(mixed):
+    """The slow-device fault: the steps that run the request each take the delay longer (a lower bound, so it
+    holds on a loaded machine), its output is unchanged, and the engine forgets it once the stream ends."""
+    plain = await tokens(mixed.generate("plain", PROMPT, GREEDY))
+    mixed.slow_when_stepped("slow", 0.05)
+    start = asyncio.get_running_loop().time()
+    slowed = await tokens(mixed.generate("slow", PROMPT, GREEDY))
+    assert slowed == plain
+    assert asyncio.get_running_loop().time() - start >= 0.05 * GREEDY.max_tokens
+    assert mixed._slowed == {}  # noqa: SLF001 (no public view of the fault's state)
