@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from pdserve.chaos.command import cluster_args
+from pdserve.chaos.load import REQUEST_ID_PREFIX
 from pdserve.chaos.report import clean
 from pdserve.chaos.run import ChaosConfig, run_chaos
 from pdserve.cluster.local_process import ClusterProcess
@@ -18,6 +19,9 @@ from pdserve.engine.models import resolve_model
 
 pytestmark = pytest.mark.timeout(300)
 STALL_S = 3.0  # short, to keep the stop short; a CPU-starved gap past it only migrates a stream
+# Each decode step of the load takes 10 ms more (a slow device): a stream lasts 2 s or more, so the decode worker
+# the run stops holds streams then. Unslowed, 200 tokens took well under a second and CI once stopped an idle one.
+SLOW_DECODE = {"PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX": REQUEST_ID_PREFIX, "PDSERVE_FAULT_SLOW_STEP_S": "0.01"}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,7 @@ def cluster(tmp_path_factory):
     """The cluster `pdserve chaos` starts, with a shorter stall bound so the stop stays short, and a first-token
     bound no CPU-starved prefill on a busy test machine meets (the stop is of a decode worker: the stall bound's)."""
     args = cluster_args(stall_timeout_s=STALL_S, first_token_timeout_s=30.0)
-    proc = ClusterProcess(*args, log_path=tmp_path_factory.mktemp("chaos") / "cluster.log")
+    proc = ClusterProcess(*args, log_path=tmp_path_factory.mktemp("chaos") / "cluster.log", env=SLOW_DECODE)
     yield proc
     proc.stop()
 

@@ -18,6 +18,8 @@ import grpc
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
 
+REQUEST_ID_PREFIX = "chaos-"  # every request the load sends has an id starting with this
+
 
 @dataclass
 class Outcome:
@@ -47,7 +49,7 @@ class Load:
         self._tag = uuid.uuid4().hex[:8]
 
     def send(self, prompt: int) -> Outcome:
-        outcome = Outcome(f"chaos-{self._tag}-{len(self.outcomes)}", prompt)
+        outcome = Outcome(f"{REQUEST_ID_PREFIX}{self._tag}-{len(self.outcomes)}", prompt)
         self.outcomes.append(outcome)
         self.tasks.append(asyncio.create_task(self._stream(outcome)))
         return outcome
