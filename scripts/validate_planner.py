@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -183,10 +184,7 @@ def summary(rows: list[Row]) -> Table:
     for (config, rate), group in itertools.groupby(rows, key=lambda r: (r.config, r.rate)):
         replays = list(group)
         goodput = [r.calibrated_goodput if r.calibrated_goodput is not None else r.predicted_goodput for r in replays]
-        ttft = [
-            r.calibrated_ttft_p90_ms if r.calibrated_ttft_p90_ms is not None else r.predicted_ttft_p90_ms
-            for r in replays
-        ]
+        ttft = [_predicted_ttft(r) for r in replays]
         measured_goodput = statistics.mean(r.measured_goodput for r in replays)
         measured_ttft = [r.measured_ttft_p90_ms for r in replays]
         t.add_row(
@@ -202,6 +200,32 @@ def summary(rows: list[Row]) -> Table:
             error(statistics.mean(ttft), statistics.mean(measured_ttft)),
         )
     return t
+
+
+def ranking(rows: list[Row]) -> Table:
+    """Per rate, the splits ordered by p90 TTFT (the mean of their replays), predicted and measured: what a
+    planner chooses by is the order, which can be right where the level is not."""
+    t = Table(title="per rate: the splits from lowest to highest p90 TTFT")
+    for col in ("rate", "predicted", "measured", "same best", "same order"):
+        t.add_column(col, justify="right")
+    for rate in sorted({r.rate for r in rows}):
+        by_config: dict[str, list[Row]] = {}
+        for r in rows:
+            if r.rate == rate:
+                by_config.setdefault(r.config, []).append(r)
+        predicted = sorted(by_config, key=lambda c: statistics.mean(_predicted_ttft(r) for r in by_config[c]))
+        measured = sorted(by_config, key=lambda c: statistics.mean(r.measured_ttft_p90_ms for r in by_config[c]))
+        same_best, same_order = predicted[0] == measured[0], predicted == measured
+        t.add_row(f"{rate:g}", " < ".join(predicted), " < ".join(measured), _yes(same_best), _yes(same_order))
+    return t
+
+
+def _predicted_ttft(r: Row) -> float:
+    return r.calibrated_ttft_p90_ms if r.calibrated_ttft_p90_ms is not None else r.predicted_ttft_p90_ms
+
+
+def _yes(b: bool) -> str:
+    return "yes" if b else "no"
 
 
 def main() -> None:
@@ -231,9 +255,16 @@ def main() -> None:
         help="also predict with what a running cluster shows: serving latency, RPC loops, the host's cores",
     )
     p.add_argument("--calibrate-on", default="1:1", help="the configuration --calibrate measures on")
+    p.add_argument("--report", type=Path, help="run nothing: the summaries of an earlier run's --json file")
     args = p.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
     console = Console(width=200)  # the whole table, also in a pipe
+    if args.report:
+        no_cores = {"measured_cores": math.nan, "calibrated_cores": None}  # files from before the CPU columns
+        saved = [Row(**(no_cores | r)) for r in json.loads(args.report.read_text())["rows"]]
+        console.print(summary(saved))
+        console.print(ranking(saved))
+        return
     if args.profile:
         profile = HardwareProfile.load(args.profile)
     else:
@@ -255,6 +286,7 @@ def main() -> None:
             rows += run_config(config, profile, calibrated, args, Path(tmp), vocab, seeds)
             console.print(table(rows, args))
     console.print(summary(rows))
+    console.print(ranking(rows))
     if args.json:
         calibration = calibrated.to_dict() if calibrated else None
         args.json.write_text(json.dumps({"calibration": calibration, "rows": [r.__dict__ for r in rows]}, indent=1))
