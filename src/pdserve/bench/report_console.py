@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-LOG_WIDTH = 130
+LOG_WIDTH = 160
 
 
 def report_console() -> Console:

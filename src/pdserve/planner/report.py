@@ -21,11 +21,13 @@ def plan_table(candidates: list[Candidate], workload: Workload, slo: SLO, profil
         "split", "goodput req/s", "attainment", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms",
         "busy prefill/decode", "max rate req/s",
     )  # fmt: skip
+    if profile.shared_cores:
+        columns += ("host cores",)
     for col in columns:
         table.add_column(col, justify="left" if col == "split" else "right", no_wrap=True)
     for c in candidates:
         o = c.at_rate
-        table.add_row(
+        cells = [
             c.shape.label + (" *" if c is best else ""),
             f"{o.goodput:.2f}",
             f"{o.attainment:.0%}",
@@ -33,7 +35,10 @@ def plan_table(candidates: list[Candidate], workload: Workload, slo: SLO, profil
             "/".join(f"{v:.1f}" for v in o.tpot_ms),
             f"{o.prefill_busy:.0%}" if c.shape.colocated else f"{o.prefill_busy:.0%}/{o.decode_busy:.0%}",
             f"{c.max_rate:.2f}",
-        )
+        ]
+        if profile.shared_cores:
+            cells.append(f"{o.demand_cores / profile.shared_cores:.0%}")
+        table.add_row(*cells)
     return table
 
 
@@ -44,7 +49,15 @@ def profile_caption(p: HardwareProfile) -> str:
     line = f"profile: {meta.get('model', '?')} on {meta.get('device', '?')} ({meta.get('dtype', '?')})"
     line += f", serving latency {p.serving_latency_s * 1e3:.1f} ms" if p.serving_latency_s else ", no serving latency"
     if p.shared_cores:
-        return line + f"; every worker shares {p.shared_cores} cores with the serving stack"
+        line += f"; every worker shares {p.shared_cores} cores with the serving stack"
+        return (
+            line
+            + f"\nhost cores: the share of the {p.shared_cores} cores the split asks for at this rate; "
+            + (
+                "toward 100% the measured TTFT tails ran above the prediction (README: the simulator against the "
+                "local cluster)"
+            )
+        )
     return line + "; each worker on its own device and cores"
 
 

@@ -79,6 +79,7 @@ def test_the_table_says_whether_the_workers_share_a_hosts_cores(
         captions.append(" ".join(capsys.readouterr().out.split()))
     assert "each worker on its own device and cores" in captions[0] and "no serving latency" in captions[0]
     assert "shares 2 cores with the serving stack" in captions[1] and "serving latency 15.0 ms" in captions[1]
+    assert "host cores" not in captions[0] and "host cores" in captions[1]  # the demand on them, per split
 
 
 def test_no_rate_asks_more_of_a_shared_host_than_its_cores() -> None:
