@@ -17,3 +17,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 "$PY" -m pdserve.cli bench transfer --device cuda --backend gloo --repeats 5 2>&1 | tee "$LOGS/transfer_bench.log"
 "$PY" -m pdserve.cli bench engine --model "$MODEL" --device cuda --dtype bfloat16 --batch-sizes 1,8,32,128 \
   --compare transformers 2>&1 | tee "$LOGS/engine_bench.log"
+if [ "$MODEL" != tiny-random ]; then  # the 1B-class shape, built on the device machine (seeded, ~5 GB, no download)
+  "$PY" -m pdserve.cli fetch --model llama-1b-random
+  "$PY" -m pdserve.cli bench engine --model llama-1b-random --device cuda --dtype bfloat16 --batch-sizes 1,8,32,128 \
+    --compare transformers 2>&1 | tee "$LOGS/engine_bench_1b.log"
+fi

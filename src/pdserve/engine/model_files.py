@@ -16,7 +16,7 @@ from typing import Any
 from pdserve import env
 from pdserve.protocol.model_config import ModelConfig, UnsupportedModelError
 
-BUILTIN_MODELS = ("smollm2-135m", "tiny-random")
+BUILTIN_MODELS = ("smollm2-135m", "tiny-random", "llama-1b-random")
 
 
 class ModelNotFetchedError(FileNotFoundError):

@@ -114,19 +114,56 @@ TINY_RANDOM_CONFIG = {
 }
 
 
+# Llama 3.2 1B's shape (tied embeddings, llama3 RoPE scaling): a model the size GPU figures mean something for,
+# built without downloading weights. Its byte-level tokenizer names only ids below 259; the others decode to "".
+LLAMA_1B_RANDOM_CONFIG = {
+    **TINY_RANDOM_CONFIG,
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+}
+
+
 def write_tiny_random(folder: Path) -> None:
-    """A 2-layer GQA Llama with weights drawn from a fixed seed and the byte-level tokenizer."""
+    """A 2-layer GQA Llama: weights large enough that greedy picks are never near-ties across implementations."""
+    write_random_llama(folder, TINY_RANDOM_CONFIG, weight_std=0.2, embedding_std=1.0)
+
+
+def write_llama_1b_random(folder: Path) -> None:
+    """Projections at 1/sqrt(fan-in) keep 16 layers' activations in range; embeddings at 0.1 make the tied
+    output's logits spread (std ~4.5) so greedy picks are clear."""
+    write_random_llama(
+        folder, LLAMA_1B_RANDOM_CONFIG, weight_std=LLAMA_1B_RANDOM_CONFIG["hidden_size"] ** -0.5, embedding_std=0.1
+    )
+
+
+def write_random_llama(folder: Path, c: dict, weight_std: float, embedding_std: float) -> None:
+    """A Llama with weights drawn from a fixed seed (in a fixed order: the same config always gives the same
+    model) and the byte-level tokenizer."""
     from transformers import PreTrainedTokenizerFast
 
-    c = TINY_RANDOM_CONFIG
     hidden, inter, head_dim = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q_size, kv_size = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
     gen = torch.Generator().manual_seed(0)
 
-    def rand(*shape: int, std: float = 0.2) -> torch.Tensor:
+    def rand(*shape: int, std: float = weight_std) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
 
-    tensors = {"model.embed_tokens.weight": rand(c["vocab_size"], hidden, std=1.0)}
+    tensors = {"model.embed_tokens.weight": rand(c["vocab_size"], hidden, std=embedding_std)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors[p + "input_layernorm.weight"] = 1.0 + rand(hidden, std=0.1)
@@ -139,7 +176,8 @@ def write_tiny_random(folder: Path) -> None:
         tensors[p + "mlp.up_proj.weight"] = rand(inter, hidden)
         tensors[p + "mlp.down_proj.weight"] = rand(hidden, inter)
     tensors["model.norm.weight"] = torch.ones(hidden)
-    tensors["lm_head.weight"] = rand(c["vocab_size"], hidden, std=1.0)
+    if not c["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = rand(c["vocab_size"], hidden, std=embedding_std)
     save_file(tensors, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(c, indent=2))
     tokenizer = PreTrainedTokenizerFast(
@@ -155,4 +193,5 @@ def write_tiny_random(folder: Path) -> None:
 _BUILDERS: dict[str, Callable[[Path, Callable[[str], None]], None]] = {
     "smollm2-135m": _convert_smollm2,
     "tiny-random": lambda folder, _stage: write_tiny_random(folder),
+    "llama-1b-random": lambda folder, _stage: write_llama_1b_random(folder),
 }

@@ -37,3 +37,24 @@ def test_bfloat16_on_cuda_generates_and_frees_every_block(model: str) -> None:
     assert [len(t) for t in tokens] == [24] * len(PROMPTS)
     assert all(0 <= t < engine.model_config.vocab_size for seq in tokens for t in seq)
     assert engine.blocks.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_llama_1b_random_float32_on_cuda_equals_transformers() -> None:
+    """The 1B-class benchmark model, built from its named shape and read through the same loader, decodes
+    greedily as transformers does on the same folder (float32, no TF32, so both take the same arithmetic)."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.engine.models import resolve_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tokens, engine = _greedy("llama-1b-random", "cuda", "float32")
+    assert engine.blocks.num_used_blocks == 0
+    del engine
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model("llama-1b-random")), dtype=torch.float32).cuda()
+    for prompt, ours in zip(PROMPTS, tokens, strict=True):
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt], device="cuda"), max_new_tokens=24, do_sample=False, eos_token_id=None
+            )
+        assert out[0, len(prompt) :].tolist() == ours
