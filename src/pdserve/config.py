@@ -32,7 +32,7 @@ class SchedulerConfig:
 class EngineConfig:
     """One engine: which model, in which precision on which device, its KV cache and its batching."""
 
-    model: str = "smollm2-135m"  # a built-in name (smollm2-135m, tiny-random), a model folder or a .gguf
+    model: str = "smollm2-135m"  # a built-in name (model_files.BUILTIN_MODELS), a model folder or a .gguf
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available
     block_size: int = 16

@@ -9,6 +9,7 @@ from dataclasses import fields
 from typing import Any, TypeVar
 
 from pdserve.config import DTYPE_NAMES, EngineConfig
+from pdserve.engine.model_files import BUILTIN_MODELS
 
 T = TypeVar("T")
 
@@ -29,7 +30,7 @@ def from_flags(cls: type[T], args: argparse.Namespace, renamed: Mapping[str, str
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """--model, --dtype, --device, --threads: what every command that builds an engine takes."""
     e = EngineConfig
-    p.add_argument("--model", default=e.model, help="smollm2-135m, tiny-random, a model folder or a .gguf")
+    p.add_argument("--model", default=e.model, help=f"{', '.join(BUILTIN_MODELS)}, a model folder or a .gguf")
     p.add_argument(
         "--dtype", default=e.dtype, choices=["auto", *DTYPE_NAMES], help="auto: bfloat16 on CUDA, else float32"
     )

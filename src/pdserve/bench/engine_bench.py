@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from pdserve.bench.bandwidth import copy_bandwidth_gbps, decode_bound_tok_s, weight_bytes_per_step
 from pdserve.config import EngineConfig
 from pdserve.engine.device import resolve_device, resolve_dtype
+from pdserve.engine.model_runner import kv_block_bytes
 
 if TYPE_CHECKING:
     from pdserve.engine.model import LlamaModel
@@ -254,8 +256,14 @@ def run_engine_bench(
     for runner in runners.values():
         for case in cases:
             case.warm_up(runner, prompts)
-    samples = {case.name: {label: [] for label in [*runners, "floor"]} for case in cases}
+    samples = {case.name: {label: [] for label in [*runners, "floor", "bound"]} for case in cases}
+    device = resolve_device(config)
+    e = ours.engine
+    weights = weight_bytes_per_step(e.model)
+    kv_per_token = kv_block_bytes(e.model_config, e.config.block_size, e.runner.dtype) // e.config.block_size
+    copy_gbps: list[float] = []
     for round_index in range(rounds):
+        copy_gbps.append(copy_bandwidth_gbps(device))
         order = list(runners.items())
         if round_index % 2:
             order.reverse()
@@ -263,7 +271,11 @@ def run_engine_bench(
             batch = case.prompts(prompts)  # both engines get the same prompts
             for label, runner in order:
                 samples[case.name][label].append(case.tok_s(runner, batch))
-            samples[case.name]["floor"].append(case.gemm_floor_tok_s(ours.engine.model, resolve_device(config)))
+            samples[case.name]["floor"].append(case.gemm_floor_tok_s(ours.engine.model, device))
+            if not case.is_prefill:  # a prefill is bound by its GEMMs, not by reading the weights
+                context = case.prompt_len + (case.decode_tokens - 1) / 2  # on average over the decode
+                bound = decode_bound_tok_s(weights, kv_per_token, case.batch, context, copy_gbps[-1])
+                samples[case.name]["bound"].append(bound)
 
     result: dict[str, Any] = {
         "model": config.model,
@@ -274,6 +286,8 @@ def run_engine_bench(
         "decode_prompt_len": decode_prompt_len,
         "decode_tokens": decode_tokens,
         "rounds": rounds,
+        "copy_gbps": statistics.median(copy_gbps),
+        "weight_bytes_per_step": weights,
         "rows": [],
     }
     for name, per_round in samples.items():
@@ -285,6 +299,9 @@ def run_engine_bench(
             "pdserve_share_of_floor": _median_ratio(mine, floor),
             "per_round": per_round,
         }
+        if bound := per_round["bound"]:
+            row["bandwidth_bound_tok_s"] = statistics.median(bound)
+            row["pdserve_share_of_bound"] = _median_ratio(mine, bound)
         if compare_transformers:
             theirs = per_round["transformers"]
             row["transformers_tok_s"] = statistics.median(theirs)
@@ -303,6 +320,10 @@ def run_engine_bench(
         f"medians of {rounds} rounds, the engines back to back in each; ratios are medians of per-round ratios"
     )
     console.print("GEMM floor: the step reduced to the model's projections; no engine using these kernels is faster")
+    console.print(
+        f"bandwidth bound: a decode step reading only its {weights / 1e6:.0f} MB of weights and its KV once, at "
+        f"the {result['copy_gbps']:.1f} GB/s a copy measured here"
+    )
     table = Table(title="pdserve engine bench")
     table.add_column("")
     table.add_column("pdserve tok/s", justify="right")
@@ -313,6 +334,8 @@ def run_engine_bench(
     table.add_column("pdserve / floor", justify="right")
     if compare_transformers:
         table.add_column("floor / transformers", justify="right")
+    table.add_column("bandwidth bound tok/s", justify="right")
+    table.add_column("pdserve / bound", justify="right")
     for row in result["rows"]:
         cells = [row["name"], f"{row['pdserve_tok_s']:.1f}"]
         if compare_transformers:
@@ -320,6 +343,10 @@ def run_engine_bench(
         cells += [f"{row['gemm_floor_tok_s']:.1f}", f"{row['pdserve_share_of_floor']:.0%}"]
         if compare_transformers:
             cells.append(f"{row['floor_ratio']:.2f}×")
+        if "bandwidth_bound_tok_s" in row:
+            cells += [f"{row['bandwidth_bound_tok_s']:.1f}", f"{row['pdserve_share_of_bound']:.0%}"]
+        else:
+            cells += ["-", "-"]
         table.add_row(*cells)
     console.print(table)
     return result

@@ -7,6 +7,7 @@ import statistics
 import pytest
 import torch
 
+from pdserve.bench.bandwidth import weight_bytes_per_step
 from pdserve.bench.engine_bench import run_engine_bench
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -45,3 +46,19 @@ def test_bench_reports_each_row_against_transformers_and_the_gemm_floor(dtype: s
         assert row["floor_ratio"] == pytest.approx(statistics.median(f / t for f, t in zip(floor, theirs, strict=True)))
         # A whole step cannot beat its own GEMMs: on tiny-random they are a small part of it.
         assert 0 < row["pdserve_share_of_floor"] < 1
+    assert "bandwidth_bound_tok_s" not in rows["prefill"]  # a prefill is bound by compute
+    for name in ("decode B=1", "decode B=3"):
+        # Nor can a step beat reading its weights and KV once; tiny-random's few KB of them are read in nanoseconds.
+        assert 0 < rows[name]["pdserve_share_of_bound"] < 1
+    assert rows["decode B=3"]["bandwidth_bound_tok_s"] > rows["decode B=1"]["bandwidth_bound_tok_s"]  # one read, 3 rows
+
+
+def test_a_step_reads_every_weight_once_but_the_embedding_table() -> None:
+    """tiny-random's LM head is its own matrix; SmolLM2 ties it to the embedding (on CPU a transposed copy)."""
+    for model in ("tiny-random", "smollm2-135m"):
+        engine = LLMEngine(EngineConfig(model=model))
+        c = engine.model_config
+        per_layer = c.hidden_size * (2 * c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim)
+        per_layer += 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+        params = c.num_layers * per_layer + c.hidden_size + c.vocab_size * c.hidden_size  # + final norm, LM head
+        assert weight_bytes_per_step(engine.model) == 4 * params
