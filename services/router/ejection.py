@@ -1,8 +1,9 @@
 """Workers a failed call took out of placement at once, without waiting for the registry's TTL to drop them.
 
 An ejection holds for `hold_s`, or until the worker's registry entry shows a new address (Ray restarted it:
-the failed process is gone). While every worker of a role is ejected, placement ignores the ejections of that
-role: a worker that may have recovered beats answering UNAVAILABLE with workers alive.
+the failed process is gone). While every worker of a role is ejected, placement takes the one ejected longest
+ago: a worker that may have recovered beats answering UNAVAILABLE with workers alive, and the one that failed
+last is the least likely to have (a worker resumed after a stall, say, against one killed a moment ago).
 """
 
 from __future__ import annotations
@@ -44,5 +45,10 @@ class Ejections:
         return True
 
     def usable(self, workers: list[WorkerState]) -> list[WorkerState]:
-        """The workers not ejected, or all of them when that leaves none."""
-        return [w for w in workers if not self.ejected(w)] or workers
+        """The workers not ejected; when that leaves none, the one(s) ejected longest ago."""
+        free = [w for w in workers if not self.ejected(w)]
+        if free or not workers:
+            return free
+        until = {w.worker_id: self._until[(w.worker_id, w.address)] for w in workers}  # all held: ejected() kept them
+        first = min(until.values())
+        return [w for w in workers if until[w.worker_id] == first]

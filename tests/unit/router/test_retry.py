@@ -65,13 +65,21 @@ def test_an_ejected_worker_leaves_placement_until_its_hold_ends_or_it_restarts(m
     assert {r.place(prompt(40), 8, 1.0).prefill_worker.worker_id for _ in range(4)} == {"p0", "p1"}
 
 
-def test_ejections_never_leave_a_role_empty():
+def test_ejections_never_leave_a_role_empty(monkeypatch):
+    """All out: the one ejected longest ago rather than UNAVAILABLE, and not the one that failed a moment ago (CI's
+    chaos run: a decode worker resumed after a stall, while requests went back to the one just killed)."""
+    clock = [100.0]
+    monkeypatch.setattr("services.router.ejection.time.monotonic", lambda: clock[0])
     ejections = Ejections(hold_s=10.0)
     p0, p1 = worker("p0"), worker("p1")
-    ejections.eject(p0, "x")
+    ejections.eject(p0, "stalled")
     assert ejections.usable([p0, p1]) == [p1]
-    ejections.eject(p1, "y")
-    assert ejections.usable([p0, p1]) == [p0, p1]  # all out: try them rather than answer UNAVAILABLE
+    clock[0] += 4
+    ejections.eject(p1, "killed")
+    assert ejections.usable([p0, p1]) == ejections.usable([p1, p0]) == [p0]
+    clock[0] += 6.5  # p0's hold is over
+    assert ejections.usable([p0, p1]) == [p0]
+    assert ejections.usable([]) == []
 
 
 def test_max_attempts_below_one_and_a_negative_migration_limit_are_refused():
