@@ -179,6 +179,7 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> bool:
         """Drop the request wherever it is and free its blocks; False when it is unknown."""
+        self._slowed.pop(request_id, None)  # a hand-off that failed before its stream opened
         return await self._call(lambda e: e.abort(request_id))
 
     async def measure_profile(self) -> PerfProfile:
