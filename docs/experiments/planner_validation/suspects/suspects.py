@@ -6,29 +6,48 @@ sitecustomize.py beside this file.
     PYTHONPATH=docs/experiments/planner_validation/suspects:src:. python \
         docs/experiments/planner_validation/suspects/suspects.py 2:1 16 default,0.0005,default,0.0005
 """
-import argparse, itertools, json, sys, tempfile, time, os
-from pathlib import Path
-sys.path.insert(0, "scripts")  # from the repository root
-from planner_load import cluster_args, measure, shape_of, warm_up, write_trace
-from loadgen.workload import WorkloadConfig
-from pdserve.cluster.local_process import ClusterProcess
-from pdserve.planner import workload
-from pdserve.planner.hardware import HardwareProfile
-from pdserve.planner.plan import SLO, simulate
 
-args = argparse.Namespace(model="tiny-random", kv_cache_gb=0.25, slo_ttft_ms=500, slo_tpot_ms=50, input_len=1024,
-                          output_len=32, range_ratio=0.5, warmup=48, rates=[float(sys.argv[2])], num_requests=150)
+import argparse
+import itertools
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, "scripts")  # from the repository root
+from planner_load import cluster_args, measure, shape_of, warm_up, write_trace  # noqa: E402
+
+from loadgen.workload import WorkloadConfig  # noqa: E402
+from pdserve.cluster.local_process import ClusterProcess, descendants  # noqa: E402
+from pdserve.engine.model_files import read_model_config  # noqa: E402
+from pdserve.engine.models import resolve_model  # noqa: E402
+from pdserve.planner import workload  # noqa: E402
+from pdserve.planner.hardware import HardwareProfile  # noqa: E402
+from pdserve.planner.plan import SLO, simulate  # noqa: E402
+
+args = argparse.Namespace(
+    model="tiny-random",
+    kv_cache_gb=0.25,
+    slo_ttft_ms=500,
+    slo_tpot_ms=50,
+    input_len=1024,
+    output_len=32,
+    range_ratio=0.5,
+    warmup=48,
+    rates=[float(sys.argv[2])],
+    num_requests=150,
+)
 config = sys.argv[1]
 variants = sys.argv[3].split(",")  # e.g. default,0.0005,default,0.0005
 cal = HardwareProfile.load(Path("docs/experiments/planner_validation/calibrated_profile.json"))
 shape = shape_of(config)
-from pdserve.engine.model_files import read_model_config
-from pdserve.engine.models import resolve_model
 vocab = read_model_config(resolve_model("tiny-random")).vocab_size
 load = workload.synthetic(1.0, 1024, 32, 150, 0.5, 1, 0)
 seeds = itertools.count(100)
 out = []
-from pdserve.cluster.local_process import descendants
+
+
 def sched(pids):
     d = {}
     for pid in pids:
@@ -41,6 +60,8 @@ def sched(pids):
                 continue
             d[(pid, int(t.name))] = (f"{pname}/{name}", run, wait, n)
     return d
+
+
 def diff(a, b):
     rows = []
     for k, (name, run, wait, n) in b.items():
@@ -48,6 +69,8 @@ def diff(a, b):
         if n - n0:
             rows.append((name, (run - r0) / 1e9, (wait - w0) / 1e9, n - n0))
     return rows
+
+
 with tempfile.TemporaryDirectory() as tmp:
     tmp = Path(tmp)
     trace = tmp / "trace.jsonl"
@@ -68,13 +91,19 @@ with tempfile.TemporaryDirectory() as tmp:
                 row = dict(variant=v, rep=rep, p90=m["p90_ttft_ms"], p50=m.get("p50_ttft_ms"), load=os.getloadavg()[0])
                 print(json.dumps(row), flush=True)
                 rows = diff(s0, sched(pids))
-                tot_run = sum(r[1] for r in rows); tot_wait = sum(r[2] for r in rows); tot_n = sum(r[3] for r in rows)
-                print(f"  run {tot_run:.2f}s wait {tot_wait:.2f}s slices {tot_n} -> {1e3*tot_wait/max(tot_n,1):.3f} ms/slice")
+                tot_run = sum(r[1] for r in rows)
+                tot_wait = sum(r[2] for r in rows)
+                tot_n = sum(r[3] for r in rows)
+                per_slice = 1e3 * tot_wait / max(tot_n, 1)
+                print(f"  run {tot_run:.2f}s wait {tot_wait:.2f}s slices {tot_n} -> {per_slice:.3f} ms/slice")
                 agg = {}
                 for name, run, wait, n in rows:
-                    a = agg.setdefault(name, [0, 0, 0]); a[0] += run; a[1] += wait; a[2] += n
+                    a = agg.setdefault(name, [0, 0, 0])
+                    a[0] += run
+                    a[1] += wait
+                    a[2] += n
                 for name, (run, wait, n) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:8]:
-                    print(f"    {name:40s} run {run:6.2f} wait {wait:6.2f} n {n:6d} {1e3*wait/n:6.3f} ms/slice")
+                    print(f"    {name:40s} run {run:6.2f} wait {wait:6.2f} n {n:6d} {1e3 * wait / n:6.3f} ms/slice")
                 out.append(row)
         finally:
             c.stop()
