@@ -12,15 +12,11 @@ import time
 
 import torch
 
+from pdserve.engine.device import synchronize
 from pdserve.engine.model import LlamaModel
 
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 256 << 20}  # large enough to leave every cache behind
 COPY_REPEATS = 5
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def copy_bandwidth_gbps(device: torch.device) -> float:
@@ -30,10 +26,10 @@ def copy_bandwidth_gbps(device: torch.device) -> float:
     dst = torch.empty_like(src)
 
     def once() -> float:
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        synchronize(device)
         return time.perf_counter() - start
 
     once()  # warm-up: first-touch page faults on CPU, lazy allocation on CUDA

@@ -21,7 +21,7 @@ import torch
 
 from pdserve.bench.bandwidth import copy_bandwidth_gbps, decode_bound_tok_s, weight_bytes_per_step
 from pdserve.config import EngineConfig
-from pdserve.engine.device import resolve_device, resolve_dtype
+from pdserve.engine.device import resolve_device, resolve_dtype, synchronize
 from pdserve.engine.model_runner import kv_block_bytes
 
 if TYPE_CHECKING:
@@ -48,11 +48,6 @@ class _Runner(Protocol):
     def decode(self, prompts: list[list[int]], num_tokens: int) -> DecodeTiming: ...
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _EngineRunner:
     def __init__(self, config: EngineConfig) -> None:
         from pdserve.engine.engine import LLMEngine
@@ -63,10 +58,10 @@ class _EngineRunner:
     def prefill_s(self, prompt: list[int]) -> float:
         from pdserve.protocol.sampling import SamplingParams
 
-        _sync(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
         self.engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
-        _sync(self.device)
+        synchronize(self.device)
         return time.perf_counter() - start
 
     def decode(self, prompts: list[list[int]], num_tokens: int) -> DecodeTiming:
@@ -74,7 +69,7 @@ class _EngineRunner:
 
         engine = self.engine
         params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
-        _sync(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
         for prompt in prompts:
             engine.add_request(f"bench-{uuid.uuid4().hex}", prompt, params)
@@ -86,11 +81,11 @@ class _EngineRunner:
             if first is None:
                 started.update(o.request_id for o in outputs)
                 if len(started) == len(prompts):
-                    _sync(self.device)
+                    synchronize(self.device)
                     first = time.perf_counter()
             else:
                 after_first += sum(len(o.new_token_ids) for o in outputs)
-        _sync(self.device)
+        synchronize(self.device)
         end = time.perf_counter()
         assert first is not None
         return DecodeTiming(first - start, end - first, after_first)
@@ -116,22 +111,22 @@ class _TransformersRunner:
     @torch.inference_mode()
     def prefill_s(self, prompt: list[int]) -> float:
         ids = torch.tensor([prompt], device=self.device)
-        _sync(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
         logits = self.model(input_ids=ids, use_cache=True, logits_to_keep=1).logits
         logits[:, -1].argmax(-1).tolist()
-        _sync(self.device)
+        synchronize(self.device)
         return time.perf_counter() - start
 
     @torch.inference_mode()
     def decode(self, prompts: list[list[int]], num_tokens: int) -> DecodeTiming:
         ids = torch.tensor(prompts, device=self.device)  # equal lengths: no padding, no mask
-        _sync(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)  # [batch, 1]
         token.tolist()
-        _sync(self.device)
+        synchronize(self.device)
         first = time.perf_counter()
         cache = getattr(out, self.cache_arg)
         for _ in range(num_tokens - 1):
@@ -139,7 +134,7 @@ class _TransformersRunner:
             cache = getattr(out, self.cache_arg)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             token.tolist()  # a server reads each token as it comes; keeps the comparison honest
-        _sync(self.device)
+        synchronize(self.device)
         end = time.perf_counter()
         return DecodeTiming(first - start, end - first, len(prompts) * (num_tokens - 1))
 
@@ -154,12 +149,12 @@ def _gemm_floor_tok_s(model: LlamaModel, tokens: int, logit_rows: int, device: t
     head_input = inputs[head.in_features][:logit_rows]
 
     def one_pass() -> float:
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         for projection in projections:
             projection(inputs[projection.in_features])
         head(head_input)
-        _sync(device)
+        synchronize(device)
         return time.perf_counter() - start
 
     with torch.inference_mode():

@@ -303,8 +303,8 @@ class AsyncEngine:
                     decode_seqs = min(decoding, self._engine.last_step_tokens)
                     self.on_step(self._engine.last_step_tokens - decode_seqs, decode_seqs, time.perf_counter() - start)
                 self._check_doomed(outputs)
-                if self._slowed and (delays := [self._slowed.get(o.request_id, 0.0) for o in outputs]):
-                    time.sleep(max(delays))
+                if self._slowed and (delay := max((self._slowed.get(o.request_id, 0.0) for o in outputs), default=0.0)):
+                    time.sleep(delay)
                 for out in outputs:
                     self._deliver(out)
                 self._update_stats()

@@ -25,3 +25,9 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if resolve_device(config).type == "cuda" else torch.float32
     return DTYPES[config.dtype]
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the work queued on `device` (CUDA runs asynchronously), so a timer around it times the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

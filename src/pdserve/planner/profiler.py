@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from pdserve.config import ClusterConfig, EngineConfig
+from pdserve.engine.device import synchronize
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.protocol.perf_profile import PerfProfile, nonneg_lstsq
 from pdserve.transfer.torch_dist import Backend
@@ -82,8 +83,7 @@ class _Timer:
         return statistics.median(times)
 
     def _sync(self) -> None:
-        if self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)
+        synchronize(self.runner.device)
 
 
 def measure_steps(engine: Any, grid: Grid) -> dict[str, list[list[float]]]:

@@ -40,14 +40,14 @@ def test_bfloat16_on_cuda_generates_and_frees_every_block(model: str) -> None:
 
 
 @pytest.mark.slow
-def test_llama_1b_random_float32_on_cuda_equals_transformers() -> None:
+def test_llama_1b_random_float32_on_cuda_equals_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The 1B-class benchmark model, built from its named shape and read through the same loader, decodes
     greedily as transformers does on the same folder (float32, no TF32, so both take the same arithmetic)."""
     from transformers import AutoModelForCausalLM
 
     from pdserve.engine.models import resolve_model
 
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # for this test only
     tokens, engine = _greedy("llama-1b-random", "cuda", "float32")
     assert engine.blocks.num_used_blocks == 0
     del engine
