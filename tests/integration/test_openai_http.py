@@ -219,11 +219,14 @@ def test_loadgen_runs_over_http(cluster, tmp_path, backend):
     assert loadgen_main([*flags, "--result-json", str(path)]) == 0
     (run,) = load_runs(path)
     assert run["backend"] == backend
-    assert (run["completed"], run["rejected"], run["failed"]) == (5, 0, 0)
+    errors = [r["error"] for r in run["requests"] if r["status"] != "OK"]
+    assert (run["completed"], run["rejected"], run["failed"]) == (5, 0, 0), errors
     assert run["total_output_tokens"] == 5 * 6  # ignore_eos: exactly what was asked, counted from usage
     for r in run["requests"]:
         assert r["output_tokens"] == 6 and r["ttft_ms"] > 0 and r["e2el_ms"] >= r["ttft_ms"]
-        assert len(r["message_times_ms"]) >= 2  # streamed: timed per chunk, not once at the end
+    # Streamed: timed per chunk, not once at the end. A chat chunk whose tokens detokenize to no text yet is not
+    # counted, so one random stream may show a single timed chunk; five cannot all do.
+    assert max(len(r["message_times_ms"]) for r in run["requests"]) >= 2
 
 
 def test_a_non_streamed_request_whose_client_left_is_cancelled(cluster):
