@@ -37,8 +37,10 @@ class Predictor:
         return max(local, w.profile.prefill_per_token_s * self.reported_tokens(w) * self.speed(w))
 
     def reported_tokens(self, w: WorkerState) -> int:
-        """The worker's last reported queue, less what of ours it has finished since it reported."""
-        return max(0, w.queued_prefill_tokens - self.tracker.prefilled_since(w.worker_id, w.updated_at))
+        """The worker's last reported queue, less what of ours it has finished since it sampled that queue (not
+        since it sent the report: a prefill ending in between would count twice, and shed for a heartbeat)."""
+        sampled_at = w.load_at or w.updated_at
+        return max(0, w.queued_prefill_tokens - self.tracker.prefilled_since(w.worker_id, sampled_at))
 
     def queued_tokens(self, w: WorkerState) -> int:
         return max(self.reported_tokens(w), self.tracker.pending_prefill_tokens[w.worker_id])

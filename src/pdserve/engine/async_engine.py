@@ -366,4 +366,5 @@ class AsyncEngine:
             "waiting": len(e.scheduler.waiting),
             "queued_prefill_tokens": e.scheduler.num_waiting_tokens,
             "prefix_hits": e.blocks.prefix_hits,
+            "sampled_at_ns": time.time_ns(),  # what a router subtracts prefills it saw end after from
         }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from pdserve.config import EngineConfig
 from pdserve.protocol.admitted import AdmittedTotals
@@ -36,6 +36,7 @@ class WorkerState:
     kv_blocks_cached: int = 0  # free blocks that still hold prefix-cached KV (kept until evicted)
     pid: int = 0  # the worker's process id on its host (what an operator or `pdserve chaos` signals); 0: unknown
     draining: bool = False  # leaving: no router places a request on it (its in-flight ones finish or move)
+    load_at: float = 0.0  # wall time the load fields were sampled (before updated_at); 0: unknown, updated_at
     updated_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -50,7 +51,8 @@ class WorkerState:
     def from_json(cls, text: str | bytes) -> WorkerState:
         d = json.loads(text)
         d["profile"] = PerfProfile.from_dict(d["profile"]) if d.get("profile") else None
-        return cls(**d)
+        known = {f.name for f in fields(cls)}  # a newer worker's extra fields: ignored while routers upgrade
+        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 class Registry(ABC):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 
@@ -73,6 +74,11 @@ def test_worker_state_json_round_trip_with_and_without_profile():
     assert WorkerState.from_json(w.to_json().encode()) == w
     bare = state("b")
     assert WorkerState.from_json(bare.to_json()) == bare and bare.profile is None
+
+
+def test_worker_state_json_from_a_newer_worker_ignores_fields_it_does_not_know():
+    w = state("w", load_at=12.5)
+    assert WorkerState.from_json(json.dumps(json.loads(w.to_json()) | {"added_in_a_later_release": 1})) == w
 
 
 async def test_prefix_match_counts_leading_blocks_only():

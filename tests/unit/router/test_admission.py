@@ -197,6 +197,19 @@ def test_a_stale_heartbeat_does_not_count_prompts_this_router_saw_prefilled_sinc
     assert pred.queued_tokens(fresh) == 300
 
 
+def test_a_prefill_that_ends_between_sampling_and_reporting_a_queue_is_not_counted_twice():
+    """The report is sent after its load was sampled: what ended in between is in it, and must come off."""
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    sampled = time.time()
+    tracker.start("p0", "d0", tokens=40, seconds=0.04, blocks=3)
+    tracker.prefilled("p0", "d0", tokens=40, seconds=0.04, blocks=3)
+    late = worker("p0", queued_prefill_tokens=40, load_at=sampled, updated_at=time.time() + 0.01)
+    assert pred.queued_tokens(late) == 0
+    unknown = worker("p0", queued_prefill_tokens=40, updated_at=time.time() + 0.01)  # an older worker's report
+    assert pred.queued_tokens(unknown) == 40
+
+
 def test_calibration_moves_predictions_toward_measured_ttfts_per_worker():
     cal = TTFTCalibration(alpha=0.5)
     pred = Predictor(RouterConfig(), LoadTracker(), cal)
