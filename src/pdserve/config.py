@@ -182,6 +182,9 @@ class ClusterConfig:
     # A worker's drain (SIGTERM to it, or `pdserve drain` without --timeout): how long its in-flight requests may
     # finish before what is left moves to other workers.
     worker_drain_timeout_s: float = 30.0
+    # A rollout surges a role's only worker (its successor serves before it drains) when a Ray node takes the
+    # successor within this; else, or with 0, that worker restarts in place (the role empty while its model loads).
+    rollout_surge_wait_s: float = 60.0
     metrics_port: int | None = None  # the router's Prometheus /metrics; None: not served
     http_port: int | None = None  # the router's OpenAI-compatible HTTP API; None (or --http-port 0): not served
     log_level: str = "INFO"
@@ -201,6 +204,8 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be a TCP port (0: any free one), got {getattr(self, name)}")
         if self.advertise_host in ("0.0.0.0", "::"):
             raise ValueError(f"advertise_host must be an address others can dial, got {self.advertise_host!r}")
+        if self.rollout_surge_wait_s < 0:
+            raise ValueError(f"rollout_surge_wait_s must be >= 0 (0: never surge), got {self.rollout_surge_wait_s}")
 
     @property
     def roles(self) -> list[Role]:

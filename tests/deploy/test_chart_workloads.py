@@ -135,6 +135,8 @@ def test_prestop_drains_within_the_grace_period(timeout: int) -> None:
         assert "POD_IP" in env
     # A SIGTERM without the preStop (an eviction, a failed hook) drains as long.
     assert float(flag(args_of(objects, "pd-pdserve-controller"), "--worker-drain-timeout-s")) == timeout
+    # A rollout's surge waits for a new pod, which takes minutes, not the flag's default minute.
+    assert float(flag(args_of(objects, "pd-pdserve-controller"), "--rollout-surge-wait-s")) == 300
 
 
 def test_router_reads_its_toml_and_the_contract_flags(rendered: dict[str, Objects], tmp_path: Any) -> None:

@@ -32,12 +32,13 @@ import redis
 
 from pdserve.cluster.local_process import free_port
 from pdserve.registry.base import WorkerState
-from pdserve.registry.redis import DESIRED_COUNTS_KEY, worker_key
+from pdserve.registry.redis import DESIRED_COUNTS_KEY, WORKERS_KEY, worker_key
 from pdserve.rpc.client import generate
 from tests.integration import netns
 from tests.integration.processes import PdserveProcess
 from tests.integration.ray_nodes import RayNode, named_actors, ray_env, remove_temp_dir
-from tests.integration.reference import request
+from tests.integration.reference import MAX_TOKENS, PROMPT, request
+from tests.integration.steady_load import assert_all_served, steady_load
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(900)
@@ -84,7 +85,8 @@ class Rehearsal:
 
     def registry(self) -> dict[str, WorkerState]:
         with self.redis.client() as r:
-            return {w: WorkerState.from_json(r.get(worker_key(w))) for w in WORKERS if r.exists(worker_key(w))}
+            listed = sorted(i.decode() for i in r.smembers(WORKERS_KEY))
+            return {w: WorkerState.from_json(r.get(worker_key(w))) for w in listed if r.exists(worker_key(w))}
 
 
 def _start_nodes(temp_dir: Path, env: dict[str, str], network: netns.TwoHosts | None) -> list[RayNode]:
@@ -251,27 +253,52 @@ def scale(rehearsal: Rehearsal, router: str, *args: str) -> subprocess.Completed
 def test_a_controller_restarted_with_new_flags_rolls_its_workers_onto_them(
     rehearsal: Rehearsal, expected: list[int]
 ) -> None:
-    """A new controller revision (here another SIGTERM drain budget) adopts the running workers, then drains each
-    in turn so it restarts with the new spec, instead of leaving the old configuration serving."""
+    """A new controller revision (here another SIGTERM drain budget) adopts the running workers, then rolls each onto
+    the new spec instead of leaving the old configuration serving. Each is its role's only worker, so each is
+    surged (its successor serves before it drains): a steady load through the rollout loses no request. The next
+    controller adopts the successors, whose ids the flags do not name, instead of starting the flags' workers."""
     before = rehearsal.actors()
     assert rehearsal.controller is not None
     rehearsal.controller.stop(signal.SIGTERM)
     rehearsal.controller_args += ["--worker-drain-timeout-s", "45"]
-    controller = rehearsal.start_controller()
-    end = time.monotonic() + 180
-    while not all(
-        (a := rehearsal.actors().get(w)) and a["pid"] != before[w]["pid"] and a["state"] == "ALIVE" for w in WORKERS
-    ):
-        assert time.monotonic() < end, controller.log()[-3000:]
-        time.sleep(1)
+
+    async def roll() -> tuple[PdserveProcess, list]:
+        stop = asyncio.Event()
+        load = asyncio.create_task(
+            steady_load(f"127.0.0.1:{rehearsal.router_port}", stop, 2.0, "rollout-", PROMPT, MAX_TOKENS)
+        )
+        controller = await asyncio.to_thread(rehearsal.start_controller)
+        end = time.monotonic() + 180
+        while set(actors := await asyncio.to_thread(rehearsal.actors)) & set(WORKERS) or len(actors) != len(WORKERS):
+            assert time.monotonic() < end, controller.log()[-3000:]
+            await asyncio.sleep(1)
+        stop.set()
+        return controller, await load
+
+    controller, outcomes = asyncio.run(roll())
     log = controller.log()
     for worker_id in WORKERS:
-        assert f"worker {worker_id} runs an earlier spec (drain_timeout_s differ)" in log
+        assert f"worker {worker_id} runs an earlier spec (drain_timeout_s differ); starting its successor first" in log
+        assert f"worker {worker_id} removed" in log
+    successors = rehearsal.actors()
+    assert all(
+        a["state"] == "ALIVE" and a["pid"] not in {b["pid"] for b in before.values()} for a in successors.values()
+    )
+    assert len(outcomes) >= 10
+    assert_all_served(outcomes, expected)
     end = time.monotonic() + 60
-    while set(rehearsal.registry()) != set(WORKERS) or any(w.draining for w in rehearsal.registry().values()):
+    while set(rehearsal.registry()) != set(successors) or any(w.draining for w in rehearsal.registry().values()):
         assert time.monotonic() < end, rehearsal.registry()
         time.sleep(0.5)
     assert serve(rehearsal, "rehearsal-after-rollout") == expected
+
+    controller.stop(signal.SIGTERM)
+    log = rehearsal.start_controller().log()
+    for worker_id in successors:
+        assert f"worker {worker_id} ready at" in log
+    assert log.count(f"found running in Ray namespace {NAMESPACE}") == len(successors)
+    assert {w: a["pid"] for w, a in rehearsal.actors().items()} == {w: a["pid"] for w, a in successors.items()}
+    assert serve(rehearsal, "rehearsal-after-adoption") == expected
 
 
 def test_a_sigkilled_pdserve_up_leaves_its_workers_to_a_router(rehearsal: Rehearsal, expected: list[int]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from pdserve.protocol.roles import Role
 
 log = logging.getLogger(__name__)
 NAME_RELEASE_TRIES = 20  # a dead actor's name is free once its handles are gone: well within 5 s
+WORKER_ID = re.compile(rf"({'|'.join(r.value for r in Role)})-(\d+)")  # the fleet's ids: `role-i`
 
 
 def role_resource(role: Role) -> str:
@@ -82,6 +84,14 @@ class WorkerActors:
             return ray.get_actor(spec.worker_id, namespace=self.config.ray_namespace), True
         except ValueError:  # no live actor of that name
             return self.create(spec), False
+
+    def found_worker_ids(self, roles: set[Role]) -> list[str]:
+        """The ids of the live worker actors of `roles` in the namespace, whatever their index: a scale or a rollout
+        numbered them past the flags' ids, and a restarted controller must adopt them all, not only those."""
+        import ray
+
+        names = ray.util.list_named_actors()  # the driver's namespace, the fleet's
+        return sorted(n for n in names if (m := WORKER_ID.fullmatch(n)) and Role(m[1]) in roles)
 
     def create(self, spec: WorkerSpec) -> Any:
         import ray

@@ -60,6 +60,13 @@ def add_fleet_flags(p: argparse.ArgumentParser) -> None:
         help="seconds a SIGTERMed worker lets its requests finish before the rest move elsewhere",
     )
     p.add_argument(
+        "--rollout-surge-wait-s",
+        type=float,
+        default=c.rollout_surge_wait_s,
+        help="a rollout starts a role's only worker's successor first if a Ray node takes it within this; "
+        "else (or 0) that worker restarts in place",
+    )
+    p.add_argument(
         "--max-restarts",
         type=int,
         default=c.max_restarts,

@@ -49,7 +49,8 @@ class Cluster:
             self.actors.kill,
             publish,
         )
-        self.rollout = Rollout(self.supervisor, _requested_spec, partial(drain_over_rpc, timeout_s=drain_s))
+        surge = partial(self.scaler.surge, placement_wait_s=config.rollout_surge_wait_s)
+        self.rollout = Rollout(self.supervisor, _requested_spec, partial(drain_over_rpc, timeout_s=drain_s), surge)
 
     def spec(self, role: Role, worker_id: str) -> WorkerSpec:
         c = self.config
@@ -73,13 +74,26 @@ class Cluster:
     def specs(self) -> list[WorkerSpec]:
         return [self.spec(role, f"{role}-{i}") for i, role in enumerate(self.config.roles)]
 
+    def starting_specs(self, found: list[str]) -> list[WorkerSpec]:
+        """Every worker of the fleet's roles `found` in the Ray namespace (a restarted controller adopts them
+        whatever ids a scale or a rollout gave them), then the flags' own for a role with fewer than the flags ask.
+        The scaler then brings each role to its desired count."""
+        specs = [self.spec(Role(worker_id.rpartition("-")[0]), worker_id) for worker_id in found]
+        have = Counter(s.role for s in specs)
+        for spec in self.specs():
+            if spec.worker_id not in found and have[spec.role] < self.config.roles.count(spec.role):
+                specs.append(spec)
+                have[spec.role] += 1
+        return specs
+
     def start_workers(self) -> None:
         """Records the fleet's desired counts (what `pdserve scale` changes), creates each worker's actor or finds it
         in the Ray namespace (a restarted controller), and waits until every one serves."""
         self._init_desired_counts()
         self.actors.connect()
+        in_namespace = self.actors.found_worker_ids(set(self.config.roles)) if self.actors.detached else []
         found: set[str] = set()
-        for spec in self.specs():
+        for spec in self.starting_specs(in_namespace):
             actor, existed = self.actors.get_or_create(spec)
             self.supervisor.slots[spec.worker_id] = Slot(spec, actor)
             if existed:

@@ -5,7 +5,10 @@ actors by name and adopts them. Left alone, they would serve the old configurati
 Instead each actor's spec is compared with its slot's, once per actor; one that differs is drained. A drain is a
 restart: the supervisor starts the new actor from the slot's spec, the fleet's. One worker of a role at a time,
 and only while every other worker of its role is in placement, so capacity drops by at most one worker and no
-request is lost (a drained worker finishes or moves what it holds).
+request is lost (a drained worker finishes or moves what it holds). A role's only worker is surged instead: its
+successor starts under a new id and serves before it drains, since a restart in place would leave the role
+empty for a model load (requests would wait, then fail UNAVAILABLE). Where the successor cannot start (no
+node has room for one more), it restarts in place after all.
 """
 
 from __future__ import annotations
@@ -25,17 +28,20 @@ ROLLOUT_CHECK_S = 2.0
 
 class Rollout:
     """`spec_of` asks an actor for the spec it was made with (None: it cannot say, so it is outdated); `drain`
-    drains a slot's worker (it restarts)."""
+    drains a slot's worker (it restarts); `surge` replaces one by a successor started first, and answers whether
+    it could (`FleetScaler.surge`)."""
 
     def __init__(
         self,
         supervisor: Supervisor,
         spec_of: Callable[[Any], Awaitable[WorkerSpec | None]],
         drain: Callable[[Slot], Awaitable[None]],
+        surge: Callable[[Slot], Awaitable[bool]],
     ) -> None:
         self.supervisor = supervisor
         self.spec_of = spec_of
         self.drain = drain
+        self.surge = surge
         # Worker id -> id() of the actor whose spec matched (or was rolled): never the handle itself, since Ray frees
         # a dead actor's name only once every handle to it is gone, and its replacement needs that name.
         self._checked: dict[str, int] = {}
@@ -60,21 +66,28 @@ class Rollout:
             if running == slot.spec:
                 self._checked[worker_id] = checked
                 continue
-            if not self._others_listed(slot):
-                continue  # another worker of its role is restarting: this one waits for a later pass
-            log.warning(
-                "worker %s runs an earlier spec (%s); draining it to restart with this fleet's",
-                worker_id,
-                _differences(running, slot.spec),
-            )
+            peers = [s for s in self.supervisor.slots.values() if s is not slot and s.spec.role == slot.spec.role]
+            if not all(s.listed and not s.leaving for s in peers):
+                continue  # another worker of its role is restarting or leaving: this one waits for a later pass
+            differences = _differences(running, slot.spec)
+            if not peers:
+                log.warning("worker %s runs an earlier spec (%s); starting its successor first", worker_id, differences)
+                if await self.surge(slot):
+                    return worker_id
+                log.warning(
+                    "worker %s: no successor serves (none could start, or surges are off); restarting it in place",
+                    worker_id,
+                )
+            else:
+                log.warning(
+                    "worker %s runs an earlier spec (%s); draining it to restart with this fleet's",
+                    worker_id,
+                    differences,
+                )
             await self.drain(slot)  # raises when it could not: a later pass tries again
             self._checked[worker_id] = checked
             return worker_id
         return None
-
-    def _others_listed(self, slot: Slot) -> bool:
-        others = [s for s in self.supervisor.slots.values() if s is not slot and s.spec.role == slot.spec.role]
-        return all(s.listed and not s.leaving for s in others)
 
 
 def _differences(a: WorkerSpec | None, b: WorkerSpec) -> str:

@@ -23,12 +23,13 @@ from typing import Any
 from pdserve.cluster.supervisor import CHECK_TIMEOUT_S, Slot, Supervisor
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.protocol.roles import Role
-from pdserve.registry.base import Registry, WorkerState
+from pdserve.registry.base import VIEW_REFRESH_S, Registry, WorkerState
 
 log = logging.getLogger(__name__)
 SCALE_CHECK_S = 1.0  # how often the desired counts are read: a scale starts within this
 START_TIMEOUT_S = 600.0  # a worker's own wait for its model and warm-up; longer: it cannot start (no node for it)
 DRAIN_ANSWER_SLACK_S = 90.0  # past the drain's own timeout (as the router's `pdserve drain` waits)
+ROUTERS_SEE_S = 4 * VIEW_REFRESH_S  # a worker just listed is in every router's view by then, on a loaded host too
 
 
 def index_of(worker_id: str) -> int:
@@ -122,6 +123,25 @@ class FleetScaler:
                     slot.leaving = True
                     self._spawn(self._remove(slot))
 
+    async def surge(self, old: Slot, placement_wait_s: float) -> bool:
+        """Replaces `old` without a moment of less capacity: its successor starts under the next id with the fleet's
+        spec, and only once it serves does `old` drain away. What a rollout does to a role's only worker, whose
+        restart in place would leave the role empty. False when the successor could not start, or no Ray node took
+        it within `placement_wait_s` (none has room for one more; 0: never tried): `old` serves on."""
+        if placement_wait_s <= 0:
+            return False
+        old.leaving = True  # out of its role's count, so no scaling pass calls the successor off or drains another
+        successor = self._new_slot(old.spec.role)
+        await self._start(successor, placement_wait_s)
+        if successor.spec.worker_id not in self.supervisor.slots:
+            old.leaving = False
+            return False
+        # Routers place on the old worker until they see the successor: a request they send to it once it is gone
+        # is retried, but only onto a worker in their view.
+        await asyncio.sleep(ROUTERS_SEE_S)
+        await self._remove(old)
+        return True
+
     async def settle(self) -> None:
         """Waits for the starts and drains under way (tests)."""
         while self._tasks:
@@ -170,12 +190,15 @@ class FleetScaler:
         if slot.actor is not None:
             self._spawn(asyncio.to_thread(self._kill_quietly, slot.actor))
 
-    async def _start(self, slot: Slot) -> None:
+    async def _start(self, slot: Slot, placement_wait_s: float | None = None) -> None:
         """Lists the worker once it serves (warmed up), as at the fleet's start; a worker that cannot start in
-        `start_timeout_s` (no node can host it, say) is killed, and the next pass tries a new one."""
+        `start_timeout_s` (no node can host it, say), or whose actor no node took within `placement_wait_s`, is
+        killed, and the next pass tries a new one."""
         name = slot.spec.worker_id
         try:
             slot.actor = await asyncio.to_thread(self.create, slot.spec)
+            if placement_wait_s is not None:  # its constructor returns at once: an answer means a node took it
+                await asyncio.wait_for(slot.actor.requested_spec.remote(), placement_wait_s)
             state = None if slot.leaving else await self._serving(slot)
             if state is None or slot.leaving:
                 raise RuntimeError("called off")

@@ -23,7 +23,7 @@ import redis.asyncio as aredis
 from pdserve import env
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.roles import Role
-from pdserve.registry.base import DEFAULT_TTL_S, PrefixIndex, Registry, WorkerState
+from pdserve.registry.base import DEFAULT_TTL_S, VIEW_REFRESH_S, PrefixIndex, Registry, WorkerState
 
 log = logging.getLogger(__name__)
 PREFIX = "pdserve"
@@ -83,7 +83,7 @@ class RedisRegistry(Registry):
         self,
         url: str,
         ttl_s: float = DEFAULT_TTL_S,
-        refresh_s: float = 0.25,
+        refresh_s: float = VIEW_REFRESH_S,
         timeout_s: float = TIMEOUT_S,
         max_view_age_s: float | None = None,
     ) -> None:

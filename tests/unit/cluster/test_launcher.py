@@ -36,3 +36,28 @@ def test_a_joined_fleet_keeps_a_live_scale_unless_its_flags_changed(flags_before
     cluster._init_desired_counts()
     assert registry.desired_counts() == {Role.PREFILL: desired[0], Role.DECODE: desired[1]}
     assert registry.flag_counts() == {Role.PREFILL: flags_now[0], Role.DECODE: flags_now[1]}
+
+
+@pytest.mark.parametrize(
+    ("found", "starting"),
+    [
+        ([], ["prefill-0", "decode-1"]),  # a first start: the flags' ids
+        (["decode-1", "prefill-0"], ["decode-1", "prefill-0"]),  # a restarted controller: the same workers
+        (["decode-3", "prefill-2"], ["decode-3", "prefill-2"]),  # after a rollout surged both: not new ones
+        (["decode-4", "decode-5", "prefill-0"], ["decode-4", "decode-5", "prefill-0"]),  # scaled: all adopted
+        (["decode-3"], ["decode-3", "prefill-0"]),  # the prefill worker is gone: the flags' one starts
+    ],
+)
+def test_a_restarted_fleet_adopts_every_worker_of_its_roles_whatever_its_id(found, starting) -> None:
+    argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0"]
+    cluster = Cluster(
+        cli._cluster_config(cli._parser().parse_args(argv)), lambda context: None, InMemoryRegistry(), False
+    )
+    assert [s.worker_id for s in cluster.starting_specs(found)] == starting
+    assert all(s.role == Role(s.worker_id.rpartition("-")[0]) for s in cluster.starting_specs(found))
+
+
+def test_a_negative_surge_wait_is_refused_naming_the_flag() -> None:
+    argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0", "--rollout-surge-wait-s", "-1"]
+    with pytest.raises(ValueError, match="rollout_surge_wait_s must be >= 0"):
+        cli._cluster_config(cli._parser().parse_args(argv))

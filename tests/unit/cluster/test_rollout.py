@@ -1,5 +1,6 @@
 """The rollout's decisions against stand-in actors: which adopted workers it drains (those whose spec differs from
-their slot's), one of a role at a time and only while the rest of the role serves, and each actor checked once."""
+their slot's), one of a role at a time and only while the rest of the role serves, a role's only worker surged
+rather than drained, and each actor checked once."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class Actor:
         self.asked = 0
 
 
-def fleet(*made_with: tuple[str, EngineConfig]) -> tuple[Rollout, Supervisor, list[str]]:
+def fleet(*made_with: tuple[str, EngineConfig], successor_starts: bool = True) -> tuple[Rollout, Supervisor, list[str]]:
+    """`drained` records each in-place restart as the worker id, each surge as `surged:` and the worker id."""
     supervisor = Supervisor(InMemoryRegistry(), publish=True, new_actor=lambda spec: None)
     for worker_id, engine in made_with:
         role = worker_id.split("-")[0]
@@ -39,7 +41,17 @@ def fleet(*made_with: tuple[str, EngineConfig]) -> tuple[Rollout, Supervisor, li
         drained.append(slot.spec.worker_id)
         slot.listed = False  # as the supervisor sees a drained worker until its new actor serves
 
-    return Rollout(supervisor, spec_of, drain), supervisor, drained
+    async def surge(slot: Slot) -> bool:
+        drained.append(f"surged:{slot.spec.worker_id}")
+        if not successor_starts:
+            return False
+        successor = f"{slot.spec.role}-9"
+        del supervisor.slots[slot.spec.worker_id]  # as FleetScaler.surge leaves it: the successor in its place
+        spec = replace(slot.spec, worker_id=successor)
+        supervisor.slots[successor] = Slot(spec, Actor(spec), listed=True)
+        return True
+
+    return Rollout(supervisor, spec_of, drain, surge), supervisor, drained
 
 
 async def test_only_workers_made_with_another_spec_are_drained_one_per_role_at_a_time() -> None:
@@ -51,6 +63,21 @@ async def test_only_workers_made_with_another_spec_are_drained_one_per_role_at_a
     new.actor, new.listed = Actor(new.spec), True  # the supervisor's restart, from the slot's (new) spec
     assert await rollout.step() == "prefill-1"
     assert drained == ["prefill-0", "decode-3", "prefill-1"]
+
+
+async def test_a_roles_only_worker_is_surged_not_restarted_in_place() -> None:
+    rollout, supervisor, drained = fleet(("prefill-0", OLD), ("prefill-1", NEW), ("decode-2", OLD))
+    assert await rollout.step() == "prefill-0"  # a peer serves meanwhile: in place
+    assert await rollout.step() == "decode-2"
+    assert drained == ["prefill-0", "surged:decode-2"]
+    assert sorted(supervisor.slots) == ["decode-9", "prefill-0", "prefill-1"]
+    assert await rollout.step() is None  # the successor runs the fleet's spec
+
+
+async def test_a_surge_whose_successor_cannot_start_restarts_in_place() -> None:
+    rollout, supervisor, drained = fleet(("prefill-0", NEW), ("decode-1", OLD), successor_starts=False)
+    assert await rollout.step() == "decode-1"
+    assert drained == ["surged:decode-1", "decode-1"]
 
 
 async def test_each_actor_is_asked_once() -> None:
@@ -79,10 +106,12 @@ def test_the_log_names_what_differs() -> None:
 
 async def test_a_drain_that_failed_is_tried_again() -> None:
     supervisor = Supervisor(InMemoryRegistry(), publish=True, new_actor=lambda spec: None)
-    supervisor.slots["decode-0"] = Slot(
-        WorkerSpec("decode", NEW, worker_id="decode-0"), Actor(WorkerSpec("decode", OLD))
-    )
-    supervisor.slots["decode-0"].listed = True
+    for worker_id, made_with in (("decode-0", OLD), ("decode-1", NEW)):  # a peer: restarted in place
+        supervisor.slots[worker_id] = Slot(
+            WorkerSpec("decode", NEW, worker_id=worker_id),
+            Actor(WorkerSpec("decode", made_with, worker_id=worker_id)),
+            listed=True,
+        )
     tries: list[int] = []
 
     async def spec_of(actor: Actor) -> WorkerSpec:
@@ -93,7 +122,10 @@ async def test_a_drain_that_failed_is_tried_again() -> None:
         if len(tries) == 1:
             raise ConnectionError("unreachable")
 
-    rollout = Rollout(supervisor, spec_of, drain)
+    async def no_surge(slot: Slot) -> bool:
+        raise AssertionError("a role with a peer restarts in place")
+
+    rollout = Rollout(supervisor, spec_of, drain, no_surge)
     with pytest.raises(ConnectionError):
         await rollout.step()
     assert await rollout.step() == "decode-0" and len(tries) == 2

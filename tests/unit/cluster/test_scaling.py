@@ -29,10 +29,17 @@ class StandInActor:
         self.spec = spec
         self.running = running
         self.drained = False
+        self.placed = asyncio.Event()  # a Ray node took it: its methods answer
+        self.placed.set()
         self.state = RemoteMethod(self._state)
+        self.requested_spec = RemoteMethod(self._requested_spec)
 
     def worker_state(self) -> WorkerState:
         return WorkerState(self.spec.worker_id, self.spec.role, f"{self.spec.worker_id}:1", running=self.running)
+
+    async def _requested_spec(self) -> WorkerSpec:
+        await self.placed.wait()
+        return self.spec
 
     async def _state(self) -> WorkerState:
         if self.drained:
@@ -193,3 +200,53 @@ async def test_a_start_that_never_serves_is_killed_after_the_start_timeout() -> 
     await fleet.scaler.reconcile()
     await asyncio.wait_for(fleet.scaler.settle(), 5)
     assert fleet.killed == ["prefill-2"] and fleet.ids() == ["decode-1", "prefill-0"]
+
+
+async def test_a_surge_lists_the_successor_before_the_worker_it_replaces_drains() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 2})
+    fleet.registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
+    listed_at_drain: list[list[str]] = []
+    drain = fleet.drain
+
+    async def drain_seen(slot: Slot) -> None:
+        listed_at_drain.append(fleet.listed())
+        await drain(slot)
+
+    fleet.drain = fleet.scaler.drain = drain_seen
+    surge = asyncio.create_task(fleet.scaler.surge(fleet.supervisor.slots["decode-1"], placement_wait_s=5))
+    while not surge.done():  # scaling passes meanwhile neither call the successor off nor drain another
+        await fleet.scaler.reconcile()
+        await asyncio.sleep(0.01)
+    assert surge.result() is True
+    assert fleet.started == ["decode-2"] and fleet.drained == ["decode-1"] and fleet.killed == ["decode-1"]
+    assert listed_at_drain == [["decode-1", "decode-2", "prefill-0"]]
+    assert fleet.ids() == ["decode-2", "prefill-0"] and fleet.listed() == ["decode-2", "prefill-0"]
+
+
+async def test_a_surge_whose_successor_cannot_start_leaves_the_worker_serving() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 0})
+
+    def fails(slot: Slot) -> WorkerState:
+        raise RuntimeError("no node has room for it")
+
+    fleet.scaler.await_start = fails
+    old = fleet.supervisor.slots["decode-1"]
+    assert await fleet.scaler.surge(old, placement_wait_s=5) is False
+    assert not old.leaving and fleet.killed == ["decode-2"] and not fleet.drained
+    assert fleet.ids() == ["decode-1", "prefill-0"] and fleet.listed() == ["decode-1", "prefill-0"]
+
+
+async def test_a_surge_no_node_takes_in_time_is_called_off_and_zero_never_surges() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 0})
+
+    def unplaced(spec: WorkerSpec) -> StandInActor:
+        actor = StandInActor(spec)
+        actor.placed.clear()  # pending in Ray: no node has room for one more
+        return actor
+
+    fleet.scaler.create = unplaced
+    old = fleet.supervisor.slots["decode-1"]
+    assert await fleet.scaler.surge(old, placement_wait_s=0.2) is False
+    assert fleet.killed == ["decode-2"] and fleet.started == [] and not old.leaving
+    assert await fleet.scaler.surge(old, placement_wait_s=0) is False
+    assert fleet.killed == ["decode-2"] and not fleet.scaler.starting  # nothing was made
