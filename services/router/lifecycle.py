@@ -207,7 +207,7 @@ class RequestLifecycle:
             raise error
         req = continued_request(original, streamed) if chunks else original
         try:
-            placement = await self._place_again(req, failed)
+            placement = await self._place_again(req, failed, left)
         except UnavailableError:
             raise error from None  # no worker live at all: the failure itself is the answer
         attempt = 1 + moves.retries + moves.migrations
@@ -220,16 +220,24 @@ class RequestLifecycle:
         ticket.release()  # only now: the request stays in flight throughout (a drain waits for it)
         return moved
 
-    async def _place_again(self, req: RoutedRequest, failed: set[str]) -> Placement:
+    async def _place_again(self, req: RoutedRequest, failed: set[str], left: float | None) -> Placement:
         """On workers that did not fail the request; when none is left, on any live one: a worker that failed it
         may have recovered (one starved of CPU past the first-token bound, say), which beats failing the request
-        while attempts and time remain. UnavailableError when no worker is live."""
+        while attempts and time remain. UnavailableError when no worker is live. Before it goes back to a worker
+        that failed, it waits for a remote registry view to refresh twice (within the caller's deadline): a
+        replacement or a rollout's successor may be listed already, and not yet seen here."""
         _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         args = (req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3)
-        try:
-            return await self.placement.place(*args, frozenset(failed), req.cache_salt)
-        except UnavailableError:
-            return await self.placement.place(*args, cache_salt=req.cache_salt)
+        wait_s = 2 * self.placement.registry.refresh_s
+        end = time.monotonic() + (wait_s if left is None else min(wait_s, left))
+        while True:
+            try:
+                return await self.placement.place(*args, frozenset(failed), req.cache_salt)
+            except UnavailableError:
+                if time.monotonic() >= end:
+                    break
+                await asyncio.sleep(NO_WORKERS_POLL_S)
+        return await self.placement.place(*args, cache_salt=req.cache_salt)
 
     def _record_move(
         self,

@@ -58,6 +58,7 @@ class WorkerState:
 
 class Registry(ABC):
     ttl_s: float = DEFAULT_TTL_S
+    refresh_s: float = 0.0  # how often `workers` is re-read from elsewhere: 0 where it is this process's own
 
     @abstractmethod
     def publish(self, state: WorkerState) -> None:

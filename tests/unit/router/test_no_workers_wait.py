@@ -1,5 +1,6 @@
 """A request that finds no live worker of a role waits a moment for one (a drained worker's replacement, a worker
-the supervisor lists again) before UNAVAILABLE, through the lifecycle's own admit()."""
+the supervisor lists again) before UNAVAILABLE, through the lifecycle's own admit(); a retry waits a moment for a
+worker that did not fail it before it goes back to one that did."""
 
 from __future__ import annotations
 
@@ -49,3 +50,25 @@ async def test_with_none_coming_back_it_is_unavailable_after_the_wait() -> None:
     with pytest.raises(NoWorkersError, match="0 decode live"):
         await admit(lifecycle(router), start)
     assert time.monotonic() - start >= 0.4
+
+
+async def test_a_retry_waits_for_a_remote_view_to_show_a_worker_that_did_not_fail_it() -> None:
+    router = Router([worker("p0"), worker("d0", "decode")])
+    lc = lifecycle(router)
+    ticket = await admit(lc, time.monotonic())
+    ticket.release()
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.3, router.registry.publish, worker("d1", "decode"))  # listed, not yet seen here
+    placement = await lc._place_again(ticket.request, {"d0"}, None)
+    assert placement.decode.worker_id == "d0"  # this process's own view is current: no wait
+
+    await asyncio.sleep(0.4)
+    router.registry.remove("d1")
+    router.registry.refresh_s = 0.5  # as a Redis view: the retry waits up to two refreshes for another worker
+    loop.call_later(0.3, router.registry.publish, worker("d1", "decode"))
+    start = time.monotonic()
+    assert (await lc._place_again(ticket.request, {"d0"}, None)).decode.worker_id == "d1"
+    assert time.monotonic() - start > 0.25
+    start = time.monotonic()
+    placement = await lc._place_again(ticket.request, {"d0", "d1"}, 0.2)  # none other comes: within the deadline
+    assert placement.decode.worker_id in ("d0", "d1") and time.monotonic() - start >= 0.2
