@@ -150,12 +150,17 @@ class RequestLifecycle:
         """A role without any live worker is mostly a moment's gap: the last worker of a role draining while its
         replacement starts, or one the supervisor found slow and lists again at its next check. The request waits
         up to `no_workers_wait_s` (within the client's deadline, which cancels it) before UNAVAILABLE."""
-        end = time.monotonic() + self.config.no_workers_wait_s
+        args = (req.prompt_token_ids, req.sampling.max_tokens, tpot_slo_s)
+        return await self._place_within(self.config.no_workers_wait_s, args, frozenset(), req.cache_salt)
+
+    async def _place_within(
+        self, wait_s: float, args: tuple[list[int], int, float], avoid: frozenset[str], cache_salt: bytes
+    ) -> Placement:
+        """A placement, tried again while no worker of a role is live for up to `wait_s`; then NoWorkersError."""
+        end = time.monotonic() + wait_s
         while True:
             try:
-                return await self.placement.place(
-                    req.prompt_token_ids, req.sampling.max_tokens, tpot_slo_s, cache_salt=req.cache_salt
-                )
+                return await self.placement.place(*args, avoid, cache_salt)
             except NoWorkersError:
                 if time.monotonic() >= end:
                     raise
@@ -229,15 +234,12 @@ class RequestLifecycle:
         _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         args = (req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3)
         wait_s = 2 * self.placement.registry.refresh_s
-        end = time.monotonic() + (wait_s if left is None else min(wait_s, left))
-        while True:
-            try:
-                return await self.placement.place(*args, frozenset(failed), req.cache_salt)
-            except UnavailableError:
-                if time.monotonic() >= end:
-                    break
-                await asyncio.sleep(NO_WORKERS_POLL_S)
-        return await self.placement.place(*args, cache_salt=req.cache_salt)
+        if left is not None:
+            wait_s = min(wait_s, left)
+        try:
+            return await self._place_within(wait_s, args, frozenset(failed), req.cache_salt)
+        except NoWorkersError:
+            return await self.placement.place(*args, cache_salt=req.cache_salt)
 
     def _record_move(
         self,
