@@ -104,6 +104,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             state_age_s=max(0.0, time.time() - w.updated_at),
             pid=w.pid,
             draining=w.draining,
+            build=w.build,
         )
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from pdserve.config import FaultConfig
 
+BUILD_VAR = "PDSERVE_BUILD"
+
 
 def cache_dir() -> Path:
     """Where converted models live: $PDSERVE_CACHE_DIR, default ~/.cache/pdserve."""
@@ -19,9 +21,15 @@ def pod_ip() -> str | None:
     return os.environ.get("POD_IP") or None
 
 
+def build() -> str | None:
+    """PDSERVE_BUILD: the deployment's name for this build (the chart: the image reference); None: unnamed."""
+    return os.environ.get(BUILD_VAR) or None
+
+
 def worker_env() -> dict[str, str]:
-    """The variables a launched worker process must see as the launcher does (model cache, telemetry)."""
-    return {k: v for k, v in os.environ.items() if k.startswith(("PDSERVE_", "OTEL_"))}
+    """The variables a launched worker process must see as the launcher does (model cache, telemetry). Not the
+    build: a worker's is its own node's, which an older image's node must not be told it runs."""
+    return {k: v for k, v in os.environ.items() if k.startswith(("PDSERVE_", "OTEL_")) and k != BUILD_VAR}
 
 
 def fault_config() -> FaultConfig:

@@ -7,6 +7,7 @@ worker: a table squeezed into a narrow terminal cuts its cells to "deco…", whi
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 from rich.console import Console
@@ -35,7 +36,17 @@ _RIGHT = {"TTFT p50/p99 ms", "TPOT p50/p99 ms"}
 
 def title(reply: apb.ClusterStatusResponse, address: str) -> str:
     desired = _desired(reply)
-    return f"pdserve at {address}: {reply.in_flight} in flight{', draining' if reply.draining else ''}{desired}"
+    draining = ", draining" if reply.draining else ""
+    return f"pdserve at {address}: {reply.in_flight} in flight{draining}{desired}{_builds(reply)}"
+
+
+def _builds(reply: apb.ClusterStatusResponse) -> str:
+    """`; builds img:v1 (1 worker), img:v2 (2 workers)` while workers run more than one: a rollout under way, or a
+    worker left on an old node. Nothing while they agree."""
+    counts = Counter(w.build or "unnamed" for w in reply.workers)
+    if len(counts) < 2:
+        return ""
+    return "; builds " + ", ".join(f"{b} ({n} worker{'s' if n > 1 else ''})" for b, n in sorted(counts.items()))
 
 
 def _desired(reply: apb.ClusterStatusResponse) -> str:

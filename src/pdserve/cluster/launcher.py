@@ -13,6 +13,7 @@ from collections import Counter
 from functools import partial
 from typing import Any
 
+from pdserve.build import current_build
 from pdserve.cluster.actors import WorkerActors
 from pdserve.cluster.factories import WorkerServices
 from pdserve.cluster.rollout import Rollout
@@ -69,6 +70,7 @@ class Cluster:
             exit_on_fatal=True,
             advertise_host=c.advertise_host or "",
             transfer_port=c.transfer_port,
+            build=current_build(),
         )
 
     def specs(self) -> list[WorkerSpec]:

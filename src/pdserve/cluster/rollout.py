@@ -1,6 +1,6 @@
 """Workers adopted from an earlier fleet run the spec they were made with; this brings them to the fleet's own.
 
-A restarted controller (a new Deployment revision: another model, dtype, KV size, timeout) finds its detached
+A restarted controller (a new Deployment revision: another image, model, dtype, KV size, timeout) finds its detached
 actors by name and adopts them. Left alone, they would serve the old configuration until they happened to die.
 Instead each actor's spec is compared with its slot's, once per actor; one that differs is drained. A drain is a
 restart: the supervisor starts the new actor from the slot's spec, the fleet's. One worker of a role at a time,
@@ -98,4 +98,6 @@ def _differences(a: WorkerSpec | None, b: WorkerSpec) -> str:
         engine = type(a.engine)
         names.remove("engine")
         names += [f"engine.{f.name}" for f in fields(engine) if getattr(a.engine, f.name) != getattr(b.engine, f.name)]
+    if "build" in names:  # which build is leaving, which comes: what an operator watching an upgrade looks for
+        names[names.index("build")] = f"build {a.build or 'unnamed'!r} -> {b.build!r}"
     return f"{', '.join(names)} differ"

@@ -26,6 +26,7 @@ from dataclasses import asdict, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
+from pdserve.build import current_build
 from pdserve.cluster.drain import DrainGate, DrainReport, WorkerDrainedError, run_drain
 from pdserve.cluster.drain_service import add_control_service
 from pdserve.cluster.factories import WorkerContext, WorkerServices
@@ -127,6 +128,7 @@ class WorkerRuntime:
             metrics_address=self._metrics_address,
             pid=os.getpid(),
             draining=self._drain is not None,
+            build=current_build(),
         )
 
     def _heartbeat(self) -> None:

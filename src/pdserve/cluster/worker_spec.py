@@ -29,6 +29,7 @@ class WorkerSpec:
     # process (`pdserve.addresses.advertised_host`: the flag, its node's POD_IP, or the bind host).
     advertise_host: str = ""
     transfer_port: int = 0  # decode side: the first port of its KV rendezvous stores (0: free ones)
+    build: str = ""  # its fleet's build (`pdserve.build`): a controller of a new build rolls the workers it adopts
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # a role's string is accepted, and checked here

@@ -37,6 +37,7 @@ class WorkerState:
     kv_blocks_cached: int = 0  # free blocks that still hold prefix-cached KV (kept until evicted)
     pid: int = 0  # the worker's process id on its host (what an operator or `pdserve chaos` signals); 0: unknown
     draining: bool = False  # leaving: no router places a request on it (its in-flight ones finish or move)
+    build: str = ""  # the build its process runs (`pdserve.build`); "": a worker too old to say
     load_at: float = 0.0  # wall time the load fields were sampled (before updated_at); 0: unknown, updated_at
     updated_at: float = field(default_factory=time.time)
 

@@ -110,3 +110,12 @@ def test_the_title_shows_the_desired_counts_and_the_serving_ones_while_they_diff
     r.workers[1].health = "SERVING"
     assert plain_text(r, ADDRESS).splitlines()[0].endswith("; desired 2 prefill, 1 decode")
     assert "desired" not in plain_text(reply(), ADDRESS)  # unknown counts: nothing said
+
+
+def test_the_title_names_the_builds_while_workers_run_more_than_one():
+    r = reply()
+    for w, b in zip(r.workers, ("img:v2", "img:v1", "img:v2"), strict=True):
+        w.build = b
+    assert plain_text(r, ADDRESS).splitlines()[0].endswith("; builds img:v1 (1 worker), img:v2 (2 workers)")
+    r.workers[1].build = "img:v2"
+    assert "builds" not in plain_text(r, ADDRESS)  # one build: nothing said

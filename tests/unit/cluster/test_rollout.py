@@ -102,6 +102,21 @@ def test_the_log_names_what_differs() -> None:
         == "drain_timeout_s, engine.kv_cache_memory_gb differ"
     )
     assert _differences(None, spec) == "made by a pdserve that does not report it"
+    new_image = replace(spec, build="img:v2")
+    assert _differences(replace(spec, build="img:v1"), new_image) == "build 'img:v1' -> 'img:v2' differ"
+    assert _differences(spec, new_image) == "build 'unnamed' -> 'img:v2' differ"  # a worker older than builds
+
+
+async def test_a_worker_of_another_build_is_rolled_like_one_of_other_flags() -> None:
+    """A new image with the same flags: only the build differs, and the workers still roll."""
+    rollout, supervisor, drained = fleet(("prefill-0", NEW), ("decode-1", NEW))
+    for slot in supervisor.slots.values():
+        slot.spec = replace(slot.spec, build="img:v2")
+        slot.actor.spec = replace(slot.actor.spec, build="img:v1")
+    assert await rollout.step() == "prefill-0"
+    assert await rollout.step() == "decode-1"
+    assert drained == ["surged:prefill-0", "surged:decode-1"]
+    assert await rollout.step() is None  # the successors run the fleet's build
 
 
 async def test_a_drain_that_failed_is_tried_again() -> None:
