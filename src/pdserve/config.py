@@ -174,6 +174,9 @@ class ClusterConfig:
     ray_address: str | None = None  # None: start a local Ray
     ray_namespace: str = "pdserve"  # the Ray namespace the worker actors are named in
     role_resources: bool = False  # each actor asks for Ray resource pdserve_<role>: one worker group per role
+    # Each actor also asks for a sliver of its build's Ray resource (`pdserve.build.build_resource`), which only
+    # nodes of that build advertise: a new image's workers start on new pods, never on an old image's.
+    build_resources: bool = False
     stop_workers_on_exit: bool = True  # on SIGTERM; `pdserve controller` leaves them serving unless told to
     redis_url: str | None = None  # None: the embedded in-process registry
     router: RouterConfig = RouterConfig()

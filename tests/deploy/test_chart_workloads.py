@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.build import build_resource
 from pdserve.config import RouterConfig
 from tests.deploy.chart import one, pod_templates, render
 
@@ -43,15 +44,18 @@ def test_one_gpu_per_worker_pod_on_gpu_and_none_on_cpu(rendered: dict[str, Objec
     assert "nvidia.com/gpu" not in json.dumps(rendered["cpu-small.yaml"])
 
 
-def test_each_worker_group_offers_its_role_resource(rendered: dict[str, Objects]) -> None:
-    """`--role-resources` actors ask for {"pdserve_<role>": 1}: each pod of a group hosts one of its role."""
+def test_each_worker_group_offers_its_role_resource_and_its_images(rendered: dict[str, Objects]) -> None:
+    """`--role-resources` actors ask for {"pdserve_<role>": 1}: each pod of a group hosts one of its role; and
+    `--build-resources` ones for a sliver of their build's, which only pods of that image offer."""
     objects = rendered["gpu.yaml"]
     groups = worker_groups(objects)
     assert set(groups) == {"prefill", "decode"}
     for role, group in groups.items():
         # KubeRay pastes the value into a shell command line: the shell's word is the JSON.
         (word,) = shlex.split(group["rayStartParams"]["resources"])
-        assert json.loads(word) == {f"pdserve_{role}": 1}
+        image = container(group["template"])["image"]
+        assert json.loads(word) == {f"pdserve_{role}": 1, build_resource(image): 1}
+        assert {"name": "PDSERVE_BUILD", "value": image} in container(group["template"])["env"]
         assert group["minReplicas"] <= group["replicas"] == 2 <= group["maxReplicas"]
     args = args_of(objects, "pd-pdserve-controller")
     assert "--role-resources" in args
@@ -169,8 +173,11 @@ def test_pods_run_as_non_root_and_only_the_controller_and_the_autoscaler_hold_an
 def test_ray_autoscaler_gives_pending_worker_actors_their_pods(enabled: bool) -> None:
     """On: Ray's autoscaler adds a pod to a group when an actor waits for its role's resource (a live scale), with
     the Ray token every Ray process carries; off: replicas stay what the chart or `scale --kubernetes` set."""
-    spec = one(render(["gpu.yaml"], {"ray.autoscaler.enabled": str(enabled).lower()}), "RayCluster")["spec"]
+    objects = render(["gpu.yaml"], {"ray.autoscaler.enabled": str(enabled).lower()})
+    spec = one(objects, "RayCluster")["spec"]
     assert spec["enableInTreeAutoscaling"] is enabled
+    # Workers ask for their image's pods only where the autoscaler brings such pods.
+    assert ("--build-resources" in args_of(objects, "pd-pdserve-controller")) is enabled
     if not enabled:
         assert "autoscalerOptions" not in spec
         return
@@ -178,3 +185,26 @@ def test_ray_autoscaler_gives_pending_worker_actors_their_pods(enabled: bool) ->
     assert options["idleTimeoutSeconds"] == 60 and options["upscalingMode"] == "Default"
     assert {e["name"] for e in options["env"]} == {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}
     assert options["securityContext"]["allowPrivilegeEscalation"] is False  # the head pod's context: non-root
+
+
+def test_an_upgrade_to_a_new_image_is_a_new_build_on_every_pod_and_a_new_worker_resource() -> None:
+    """The controller rolls adopted workers whose build is not its own: every pdserve container's PDSERVE_BUILD
+    names its own image, and a new tag moves the worker groups' build resource, so that the new image's workers
+    cannot land on the old image's pods."""
+
+    def builds(tag: str) -> tuple[dict[str, str], set[str]]:
+        objects = render(["gpu.yaml"], {"image.tag": tag})
+        env: dict[str, str] = {}
+        for component, template in pod_templates(objects).items():
+            for c in template["spec"]["containers"]:
+                builds = [e["value"] for e in c.get("env", []) if e["name"] == "PDSERVE_BUILD"]
+                if c["image"].endswith(f"pdserve:{tag}") and builds:  # not the `helm test` client: it serves nothing
+                    env[component] = builds[0]
+        words = [shlex.split(g["rayStartParams"]["resources"])[0] for g in worker_groups(objects).values()]
+        return env, {k for w in words for k in json.loads(w) if k.startswith("pdserve_build_")}
+
+    (old_env, old_resources), (new_env, new_resources) = builds("1.0.0"), builds("1.1.0")
+    assert set(old_env) == {"controller", "router", "prefill", "decode"}, old_env  # the head runs no pdserve
+    (old_image,) = set(old_env.values())
+    assert old_image.endswith("pdserve:1.0.0") and set(new_env.values()) == {old_image.replace("1.0.0", "1.1.0")}
+    assert old_resources == {build_resource(old_image)} and len(new_resources) == 1 and new_resources != old_resources

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from pdserve.build import build_resource
 from pdserve.cluster.local_process import free_port
 from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import DESIRED_COUNTS_KEY, WORKERS_KEY, worker_key
@@ -45,6 +46,8 @@ from tests.redis_server import RedisServer
 pytestmark = pytest.mark.timeout(900)
 NAMESPACE = "pdserve-rehearsal"
 WORKERS = ("prefill-0", "decode-1")  # ids count across roles
+# The image the module's nodes and first controllers run; a later controller comes with the next one.
+BUILD, NEXT_BUILD = "registry.example/pdserve:rehearsal-1", "registry.example/pdserve:rehearsal-2"
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Rehearsal:
     controller_args: list[str]
     env: dict[str, str]
     network: netns.TwoHosts | None
+    build: str = BUILD  # the controller's PDSERVE_BUILD (its image, as the chart sets it)
     router_port: int = field(default_factory=free_port)
     controller: PdserveProcess | None = None
     router: PdserveProcess | None = None
@@ -67,7 +71,10 @@ class Rehearsal:
     def start_controller(self) -> PdserveProcess:
         n = len(self.started)
         self.controller = PdserveProcess(
-            *self.controller_args, log_path=self.temp_dir / f"controller-{n}.log", env=self.env, netns=self.head_netns
+            *self.controller_args,
+            log_path=self.temp_dir / f"controller-{n}.log",
+            env={**self.env, "PDSERVE_BUILD": self.build},
+            netns=self.head_netns,
         )
         self.started.append(self.controller)
         self.controller.wait_ready()
@@ -94,19 +101,34 @@ def _start_nodes(temp_dir: Path, env: dict[str, str], network: netns.TwoHosts | 
     hosts: list[tuple[str | None, str]] = [(None, "127.0.0.1")] * 2 if network is None else [*network.hosts]
     (ns0, ip0), (ns1, ip1) = hosts
 
-    def pod(ip: str) -> dict[str, str]:  # what Kubernetes' downward API gives a pod
-        return {"POD_IP": ip} if network else {}
-
     nodes: list[RayNode] = []
     try:
-        nodes.append(_started(lambda: RayNode(temp_dir, {"pdserve_prefill": 2}, None, ip0, ns0, {**env, **pod(ip0)})))
+        hosts_own = network is not None
+        nodes.append(_started(lambda: _image_node(temp_dir, {"pdserve_prefill": 2}, None, ip0, ns0, env, hosts_own)))
         head = nodes[0].address
-        nodes.append(_started(lambda: RayNode(temp_dir, {"pdserve_decode": 2}, head, ip1, ns1, {**env, **pod(ip1)})))
+        nodes.append(_started(lambda: _image_node(temp_dir, {"pdserve_decode": 2}, head, ip1, ns1, env, hosts_own)))
     except BaseException:
         for node in nodes:
             node.stop()
         raise
     return nodes
+
+
+def _image_node(
+    temp_dir: Path,
+    role_resources: dict[str, float],
+    head: str | None,
+    ip: str,
+    ns: str | None,
+    env: dict[str, str],
+    pod_ip: bool,
+    build: str = BUILD,
+) -> RayNode:
+    """A Ray node as the chart's worker pods start: its role resources, its image's build resource, PDSERVE_BUILD
+    naming the image and (on a host of its own) the POD_IP Kubernetes' downward API gives a pod."""
+    resources = {**role_resources, build_resource(build): 1}
+    node_env = {**env, "PDSERVE_BUILD": build, **({"POD_IP": ip} if pod_ip else {})}
+    return RayNode(temp_dir, resources, head, ip, ns, node_env)
 
 
 def _started(new_node: Callable[[], RayNode], attempts: int = 4) -> RayNode:
@@ -137,7 +159,16 @@ def rehearsal() -> Iterator[Rehearsal]:
         redis_server.start()
         nodes = _start_nodes(temp_dir, env, network)
         args = ["controller", "--model", "tiny-random", "--ray-address", nodes[0].address, "--redis", redis_server.url]
-        args += ["--prefill", "1", "--decode", "1", "--ray-namespace", NAMESPACE, "--role-resources"]
+        args += [
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--ray-namespace",
+            NAMESPACE,
+            "--role-resources",
+            "--build-resources",
+        ]
         args += ["--transfer-port", str(free_port()), "--threads", "1", "--kv-cache-gb", "0.05"]
         if network:
             args += ["--bind-host", "0.0.0.0"]  # each worker advertises its node's POD_IP
@@ -169,13 +200,14 @@ def serve(r: Rehearsal, request_id: str) -> list[int]:
 
 def test_each_role_runs_on_its_own_ray_node(rehearsal: Rehearsal) -> None:
     actors = rehearsal.actors()
-    assert actors["prefill-0"]["node_resources"] == ["pdserve_prefill"], actors
-    assert actors["decode-1"]["node_resources"] == ["pdserve_decode"], actors
+    assert actors["prefill-0"]["node_resources"] == sorted(["pdserve_prefill", build_resource(BUILD)]), actors
+    assert actors["decode-1"]["node_resources"] == sorted(["pdserve_decode", build_resource(BUILD)]), actors
     assert {a["state"] for a in actors.values()} == {"ALIVE"}
     registry = rehearsal.registry()
     assert sorted(registry) == sorted(WORKERS)
     for w in registry.values():  # never a wildcard
         assert not w.address.startswith(("0.0.0.0", "[::]")), w
+        assert w.build == BUILD  # its node's, as its pod's PDSERVE_BUILD names it
 
 
 def test_each_worker_advertises_its_own_hosts_address(rehearsal: Rehearsal, expected: list[int]) -> None:
@@ -226,7 +258,7 @@ def test_a_scale_through_the_router_reaches_the_controller_and_outlives_its_rest
     done = scale(rehearsal, router, "--prefill", "2", "--wait", "--timeout", "240")
     assert done.returncode == 0, done.stdout + done.stderr
     actors = rehearsal.actors()
-    assert actors["prefill-2"]["node_resources"] == ["pdserve_prefill"] and actors["prefill-2"]["state"] == "ALIVE"
+    assert "pdserve_prefill" in actors["prefill-2"]["node_resources"] and actors["prefill-2"]["state"] == "ALIVE"
     with rehearsal.redis.client() as r:
         assert r.hgetall(DESIRED_COUNTS_KEY) == {b"prefill": b"2", b"decode": b"1"}
     assert serve(rehearsal, "rehearsal-scaled") == expected
@@ -262,21 +294,7 @@ def test_a_controller_restarted_with_new_flags_rolls_its_workers_onto_them(
     assert rehearsal.controller is not None
     rehearsal.controller.stop(signal.SIGTERM)
     rehearsal.controller_args += ["--worker-drain-timeout-s", "45"]
-
-    async def roll() -> tuple[PdserveProcess, list]:
-        stop = asyncio.Event()
-        load = asyncio.create_task(
-            steady_load(f"127.0.0.1:{rehearsal.router_port}", stop, 2.0, "rollout-", PROMPT, MAX_TOKENS)
-        )
-        controller = await asyncio.to_thread(rehearsal.start_controller)
-        end = time.monotonic() + 180
-        while set(actors := await asyncio.to_thread(rehearsal.actors)) & set(WORKERS) or len(actors) != len(WORKERS):
-            assert time.monotonic() < end, controller.log()[-3000:]
-            await asyncio.sleep(1)
-        stop.set()
-        return controller, await load
-
-    controller, outcomes = asyncio.run(roll())
+    controller, outcomes = asyncio.run(_roll_under_load(rehearsal, set(WORKERS), "rollout-"))
     log = controller.log()
     for worker_id in WORKERS:
         assert f"worker {worker_id} runs an earlier spec (drain_timeout_s differ); starting its successor first" in log
@@ -300,6 +318,53 @@ def test_a_controller_restarted_with_new_flags_rolls_its_workers_onto_them(
     assert log.count(f"found running in Ray namespace {NAMESPACE}") == len(successors)
     assert {w: a["pid"] for w, a in rehearsal.actors().items()} == {w: a["pid"] for w, a in successors.items()}
     assert serve(rehearsal, "rehearsal-after-adoption") == expected
+
+
+async def _roll_under_load(rehearsal: Rehearsal, old: set[str], prefix: str) -> tuple[PdserveProcess, list]:
+    """Starts the controller under a steady 2 req/s and waits until every worker of `old` has a successor and is
+    gone; the controller and every request's outcome."""
+    stop = asyncio.Event()
+    load = asyncio.create_task(steady_load(f"127.0.0.1:{rehearsal.router_port}", stop, 2.0, prefix, PROMPT, MAX_TOKENS))
+    controller = await asyncio.to_thread(rehearsal.start_controller)
+    end = time.monotonic() + 180
+    while set(actors := await asyncio.to_thread(rehearsal.actors)) & old or len(actors) != len(old):
+        assert time.monotonic() < end, controller.log()[-3000:]
+        await asyncio.sleep(1)
+    stop.set()
+    return controller, await load
+
+
+def test_a_controller_of_a_new_image_rolls_its_workers_onto_that_images_nodes(
+    rehearsal: Rehearsal, expected: list[int]
+) -> None:
+    """A Helm upgrade to a new image with the same flags: the new controller (its PDSERVE_BUILD the new image) rolls
+    the workers it adopts, which still run the old one, as it rolls new flags. With `--build-resources` the
+    successors start only on a node of the new image (a KubeRay pod that Ray's autoscaler adds; here a Ray node
+    started with that image's build resource), never on the old image's nodes beside them, which keep room for
+    more; each worker then reports the new build, and a steady load loses no request."""
+    ns, ip = rehearsal.network.hosts[1] if rehearsal.network else (None, "127.0.0.1")
+    roles = {"pdserve_prefill": 1, "pdserve_decode": 1}
+    head, temp_dir, pod_ip = rehearsal.nodes[0].address, rehearsal.temp_dir, rehearsal.network is not None
+    rehearsal.nodes.append(
+        _started(lambda: _image_node(temp_dir, roles, head, ip, ns, rehearsal.env, pod_ip, NEXT_BUILD))
+    )
+    before = rehearsal.actors()
+    assert rehearsal.controller is not None
+    rehearsal.controller.stop(signal.SIGTERM)
+    rehearsal.build = NEXT_BUILD
+    controller, outcomes = asyncio.run(_roll_under_load(rehearsal, set(before), "new-image-"))
+    log = controller.log()
+    for worker_id in before:
+        assert f"worker {worker_id} runs an earlier spec (build {BUILD!r} -> {NEXT_BUILD!r} differ)" in log, log[-3000:]
+    successors = rehearsal.actors()
+    for worker_id, actor in successors.items():
+        assert build_resource(NEXT_BUILD) in actor["node_resources"], (worker_id, actor)
+    assert_all_served(outcomes, expected)
+    end = time.monotonic() + 60
+    while {w: s.build for w, s in rehearsal.registry().items()} != dict.fromkeys(successors, NEXT_BUILD):
+        assert time.monotonic() < end, rehearsal.registry()
+        time.sleep(0.5)
+    assert serve(rehearsal, "rehearsal-after-new-image") == expected
 
 
 def test_a_sigkilled_pdserve_up_leaves_its_workers_to_a_router(rehearsal: Rehearsal, expected: list[int]) -> None:

@@ -5,6 +5,8 @@ controller or router restart (a Kubernetes Deployment's pod replaced) finds the 
 starting a second fleet. A local Ray started by `pdserve up` ends with it, and its actors are its own.
 With role resources each actor asks for the Ray custom resource of its role (`pdserve_prefill`, `pdserve_decode`,
 `pdserve_colocated`), so a Ray node (a KubeRay worker group) started with that resource hosts that role only.
+With build resources each also asks for its build's resource, so a rollout to a new image starts its workers on
+nodes (pods) of that image, which Ray's autoscaler adds, never on the old image's.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from typing import Any
 
 from pdserve import env
+from pdserve.build import build_resource
 from pdserve.cluster.factories import WorkerServices
 from pdserve.cluster.worker_runtime import WorkerRuntime
 from pdserve.cluster.worker_spec import WorkerSpec
@@ -24,6 +27,8 @@ from pdserve.protocol.roles import Role
 
 log = logging.getLogger(__name__)
 NAME_RELEASE_TRIES = 20  # a dead actor's name is free once its handles are gone: well within 5 s
+# A worker's share of its build's resource: a label, not a limit (role resources limit workers per node).
+BUILD_RESOURCE_SHARE = 0.001
 WORKER_ID = re.compile(rf"({'|'.join(r.value for r in Role)})-(\d+)")  # the fleet's ids: `role-i`
 
 
@@ -96,6 +101,17 @@ class WorkerActors:
     def create(self, spec: WorkerSpec) -> Any:
         import ray
 
+        actor_cls = ray.remote(WorkerRuntime).options(**self.actor_options(spec))
+        for _ in range(NAME_RELEASE_TRIES):
+            try:
+                return actor_cls.remote(spec, self.services)
+            except ValueError as e:  # the name is still held by a dead actor whose handles are being dropped
+                log.info("worker %s: waiting for Ray to release its name: %s", spec.worker_id, e)
+                time.sleep(0.25)
+        return actor_cls.remote(spec, self.services)
+
+    def actor_options(self, spec: WorkerSpec) -> dict[str, Any]:
+        """Ray's options for the actor of `spec`: its name, lifetime, restarts and the resources that place it."""
         options: dict[str, Any] = {
             "name": spec.worker_id,
             "namespace": self.config.ray_namespace,
@@ -106,16 +122,14 @@ class WorkerActors:
         }
         if self.detached:
             options["lifetime"] = "detached"
+        resources: dict[str, float] = {}
         if self.config.role_resources:
-            options["resources"] = {role_resource(spec.role): 1}
-        actor_cls = ray.remote(WorkerRuntime).options(**options)
-        for _ in range(NAME_RELEASE_TRIES):
-            try:
-                return actor_cls.remote(spec, self.services)
-            except ValueError as e:  # the name is still held by a dead actor whose handles are being dropped
-                log.info("worker %s: waiting for Ray to release its name: %s", spec.worker_id, e)
-                time.sleep(0.25)
-        return actor_cls.remote(spec, self.services)
+            resources[role_resource(spec.role)] = 1
+        if self.config.build_resources:
+            resources[build_resource(spec.build)] = BUILD_RESOURCE_SHARE
+        if resources:
+            options["resources"] = resources
+        return options
 
     def kill(self, actor: Any) -> None:
         import ray

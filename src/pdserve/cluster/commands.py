@@ -30,6 +30,12 @@ def add_fleet_flags(p: argparse.ArgumentParser) -> None:
         "(1), so each role runs only on Ray nodes started with it",
     )
     p.add_argument(
+        "--build-resources",
+        action="store_true",
+        help="each actor also asks for Ray custom resource pdserve_build_<first 12 hex of sha256(PDSERVE_BUILD)>, "
+        "so workers start only on Ray nodes of this build (a new image's on new pods)",
+    )
+    p.add_argument(
         "--worker-port",
         type=int,
         default=c.worker_port,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve import cli
+from pdserve.build import build_resource, current_build
+from pdserve.cluster.actors import BUILD_RESOURCE_SHARE
 from pdserve.cluster.launcher import Cluster
 from pdserve.protocol.roles import Role
 from pdserve.registry.memory import InMemoryRegistry
@@ -61,3 +63,16 @@ def test_a_negative_surge_wait_is_refused_naming_the_flag() -> None:
     argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0", "--rollout-surge-wait-s", "-1"]
     with pytest.raises(ValueError, match="rollout_surge_wait_s must be >= 0"):
         cli._cluster_config(cli._parser().parse_args(argv))
+
+
+def test_a_fleets_workers_ask_for_its_build_and_with_build_resources_for_nodes_of_it() -> None:
+    argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0", "--role-resources"]
+    config = cli._cluster_config(cli._parser().parse_args([*argv, "--build-resources"]))
+    cluster = Cluster(config, workers=lambda context: None, registry=InMemoryRegistry(), publish=False)
+    spec = cluster.specs()[0]
+    assert spec.build == current_build()
+    resources = cluster.actors.actor_options(spec)["resources"]
+    assert resources == {"pdserve_prefill": 1, build_resource(current_build()): BUILD_RESOURCE_SHARE}
+    assert 0 < BUILD_RESOURCE_SHARE < 0.01  # a label: many workers of one build fit a node's one unit
+    plain = Cluster(cli._cluster_config(cli._parser().parse_args(argv)), lambda c: None, InMemoryRegistry(), False)
+    assert plain.actors.actor_options(spec)["resources"] == {"pdserve_prefill": 1}

@@ -22,6 +22,12 @@
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The Ray custom resource the worker pods of this image advertise and `--build-resources` actors ask for: a
+new image's workers land on new pods. pdserve.build.build_resource computes the same from PDSERVE_BUILD. */}}
+{{- define "pdserve.buildResource" -}}
+{{- printf "pdserve_build_%s" (include "pdserve.image" . | sha256sum | trunc 12) -}}
+{{- end -}}
+
 {{- define "pdserve.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "pdserve.fullname" .) .Values.serviceAccount.name -}}
@@ -98,6 +104,9 @@ variables to the worker actors it starts (they would report the controller's pod
 {{- $v := .ctx.Values -}}
 - name: PDSERVE_CACHE_DIR
   value: {{ $v.model.cache.mountPath | quote }}
+# The build every pdserve process reports, and a controller compares to roll the workers it adopts.
+- name: PDSERVE_BUILD
+  value: {{ include "pdserve.image" .ctx | quote }}
 - name: POD_IP
   valueFrom: {fieldRef: {fieldPath: status.podIP}}
 - name: POD_NAME
