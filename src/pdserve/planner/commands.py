@@ -7,9 +7,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from pdserve.config import RouterConfig
 from pdserve.flags import add_engine_flags, engine_config
 from pdserve.rpc.credentials import add_client_flags, client_credentials
+
+if TYPE_CHECKING:
+    from pdserve.planner.simulator import Admission
 
 
 def add_planner_commands(sub: argparse._SubParsersAction) -> None:
@@ -59,8 +64,31 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-tpot-ms", type=float, required=True)
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both SLOs")
     p.add_argument("--workers", type=int, required=True, help="K: the workers to split")
+    _add_admission_flags(p)
     p.add_argument("--json", action="store_true", help="print the recommendation and candidates as JSON")
     p.set_defaults(func=_plan)
+
+
+def _add_admission_flags(p: argparse.ArgumentParser) -> None:
+    """The router's admission, which the simulation applies with the TTFT SLO as the router's default."""
+    r = RouterConfig
+    p.add_argument("--slo-headroom", type=float, default=r.slo_headroom, help="the router's slo_headroom (admission)")
+    p.add_argument(
+        "--max-queued-prefill-tokens",
+        type=int,
+        default=r.max_queued_prefill_tokens,
+        help="the router's per-prefill-worker queue bound (admission; priority 0 gets its share)",
+    )
+    p.add_argument("--no-admission", action="store_true", help="simulate a router that sheds nothing")
+
+
+def _admission(args: argparse.Namespace) -> Admission | None:
+    from pdserve.planner.simulator import Admission
+
+    if args.no_admission:
+        return None
+    bound = RouterConfig(max_queued_prefill_tokens=args.max_queued_prefill_tokens).queue_bound(0)
+    return Admission(args.slo_ttft_ms / 1e3, args.slo_headroom, bound)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -78,7 +106,7 @@ def _plan(args: argparse.Namespace) -> int:
             load = workload.synthetic(*lengths, args.burstiness, args.seed)
         slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment)
         profile = HardwareProfile.load(args.profile)
-        candidates = plan(profile, load, slo, args.workers)
+        candidates = plan(profile, load, slo, args.workers, _admission(args))
     except (ValueError, OSError) as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """Every prefill:decode split of K workers and K colocated ones, simulated at the workload's rate, and the
 highest rate each sustains at the SLO attainment target (found by bisection, as DistServe searches the rate
 per configuration). The recommended split is the one that sustains the highest rate; ties go to the better
-attainment and goodput at the asked rate.
+attainment and goodput at the asked rate. With the router's admission (`Admission`) the simulation sheds what
+the router would, so a rate above a split's capacity shows the goodput the cluster keeps, not a collapse.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.planner.hardware import HardwareProfile
-from pdserve.planner.simulator import Shape, SimResult, Simulator
+from pdserve.planner.simulator import Admission, Shape, SimResult, Simulator
 from pdserve.planner.workload import Workload
 
 SEARCH_STEPS = 8  # bisection steps: the rate to within 1/256 of its bracket (a doubling)
@@ -44,6 +45,7 @@ class Outcome:
     prefill_busy: float
     decode_busy: float
     demand_cores: float  # of a host whose cores the workers share (SimResult.demand_cores)
+    shed: float = 0.0  # share of all requests the router's admission shed
 
 
 def outcome(result: SimResult, total: int, slo: SLO) -> Outcome:
@@ -63,21 +65,31 @@ def outcome(result: SimResult, total: int, slo: SLO) -> Outcome:
         prefill_busy=result.prefill_busy,
         decode_busy=result.decode_busy,
         demand_cores=result.demand_cores,
+        shed=result.shed / total if total else 0.0,
     )
 
 
-def simulate(profile: HardwareProfile, shape: Shape, workload: Workload, rate: float, slo: SLO) -> Outcome:
+def simulate(
+    profile: HardwareProfile,
+    shape: Shape,
+    workload: Workload,
+    rate: float,
+    slo: SLO,
+    admission: Admission | None = None,
+) -> Outcome:
     requests = workload.at_rate(rate)
-    return outcome(Simulator(profile, shape).run(requests), len(requests), slo)
+    return outcome(Simulator(profile, shape, admission).run(requests), len(requests), slo)
 
 
-def max_rate(profile: HardwareProfile, shape: Shape, workload: Workload, slo: SLO) -> float:
+def max_rate(
+    profile: HardwareProfile, shape: Shape, workload: Workload, slo: SLO, admission: Admission | None = None
+) -> float:
     """The highest rate at which `shape` still meets the attainment target; 0 when even an idle one does not.
     Where the workers share a host's cores, also no rate that asks more of them than there are: the trace is
     finite, and a host that falls ever further behind can still meet the target over its few seconds."""
 
     def meets(rate: float) -> bool:
-        o = simulate(profile, shape, workload, rate, slo)
+        o = simulate(profile, shape, workload, rate, slo, admission)
         return o.attainment >= slo.attainment and (not profile.shared_cores or o.demand_cores <= profile.shared_cores)
 
     lo = workload.rate / 1024
@@ -112,6 +124,7 @@ class Candidate:
             "ttft_p90_ms": self.at_rate.ttft_ms[1],
             "tpot_p90_ms": self.at_rate.tpot_ms[1],
             "max_rate": self.max_rate,
+            "shed": self.at_rate.shed,
         }
 
 
@@ -121,9 +134,15 @@ def shapes(workers: int) -> list[Shape]:
     return [Shape(prefill=p, decode=workers - p) for p in range(1, workers)] + [Shape(colocated=workers)]
 
 
-def plan(profile: HardwareProfile, workload: Workload, slo: SLO, workers: int) -> list[Candidate]:
+def plan(
+    profile: HardwareProfile, workload: Workload, slo: SLO, workers: int, admission: Admission | None = None
+) -> list[Candidate]:
     return [
-        Candidate(s, simulate(profile, s, workload, workload.rate, slo), max_rate(profile, s, workload, slo))
+        Candidate(
+            s,
+            simulate(profile, s, workload, workload.rate, slo, admission),
+            max_rate(profile, s, workload, slo, admission),
+        )
         for s in shapes(workers)
     ]
 

@@ -19,7 +19,7 @@ def plan_table(candidates: list[Candidate], workload: Workload, slo: SLO, profil
     )
     columns = (
         "split", "goodput req/s", "attainment", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms",
-        "busy prefill/decode", "max rate req/s",
+        "busy prefill/decode", "shed", "max rate req/s",
     )  # fmt: skip
     if profile.shared_cores:
         columns += ("host cores",)
@@ -34,6 +34,7 @@ def plan_table(candidates: list[Candidate], workload: Workload, slo: SLO, profil
             "/".join(f"{v:.0f}" for v in o.ttft_ms),
             "/".join(f"{v:.1f}" for v in o.tpot_ms),
             f"{o.prefill_busy:.0%}" if c.shape.colocated else f"{o.prefill_busy:.0%}/{o.decode_busy:.0%}",
+            f"{o.shed:.0%}",
             f"{c.max_rate:.2f}",
         ]
         if profile.shared_cores:

@@ -24,6 +24,13 @@ shares them, among everything that wants one at the moment (processor sharing): 
 there are cores (the engine threads stepping, the serving stack's own demand at `serving_cpu_s` per request
 at the offered rate, the host's background demand), every step in flight runs that much slower, and speeds up
 again when a step ends. A profile timed in one process on an idle machine sees none of that.
+
+With an `Admission`, each arrival first passes the router's admission as services/router/admission.py applies
+it to a prompt: shed (it never runs, and counts against attainment) when its prefill worker's queue is over the
+token bound, or when the predicted wait there (the profile's prefill time of every prompt placed on it and not
+yet prefilled, at the shared cores' current slowdown) leaves too little of the TTFT SLO beyond the prompt's own
+cost. So above capacity goodput holds near capacity, as on a cluster, instead of collapsing as every queued
+request misses its SLO. The decode side's checks (free KV blocks, predicted TPOT) are not modelled.
 """
 
 from __future__ import annotations
@@ -34,8 +41,19 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve.config import RouterConfig
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.workload import SimRequest
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The router's admission of a request that sets no SLO of its own, with the SLO as its default: the
+    router's `default_ttft_ms`, `slo_headroom` and `max_queued_prefill_tokens` (at priority 0)."""
+
+    ttft_s: float
+    headroom: float = RouterConfig.slo_headroom
+    queue_bound_tokens: float = RouterConfig().queue_bound(0)
 
 
 @dataclass(frozen=True)
@@ -79,6 +97,8 @@ class _Worker:
     incoming: int = 0  # sequences placed here whose KV has not been committed yet
     steps: int = 0  # decode steps run so far: a sequence joining at step j with m tokens to go ends at j + m
     queued_tokens: int = 0  # prompt tokens not yet prefilled
+    placed_tokens: int = 0  # of prompts placed here and not yet prefilled, as the router counts them
+    placed_s: float = 0.0  # their prefill time by the profile: the router's predicted wait
     context: int = 0  # tokens of KV the running batch reads per step
     kv_used: int = 0
     busy: bool = False
@@ -100,7 +120,8 @@ class _Step:
 class SimResult:
     ttft_s: list[float]  # of every request that finished
     tpot_s: list[float]
-    rejected: int  # could never fit a worker's KV
+    rejected: int  # not served: could never fit a worker's KV, or shed
+    shed: int  # of those, shed by admission
     span_s: float  # first arrival to last completion
     prefill_busy: float  # share of the span the prefill (or colocated) workers spent stepping
     decode_busy: float
@@ -112,9 +133,11 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, profile: HardwareProfile, shape: Shape) -> None:
+    def __init__(self, profile: HardwareProfile, shape: Shape, admission: Admission | None = None) -> None:
         self.p = profile
         self.shape = shape
+        self.admission = admission
+        self.shed = 0
         if shape.colocated:
             self.prefillers = [_Worker(True, True) for _ in range(shape.colocated)]
             self.decoders = self.prefillers
@@ -158,12 +181,33 @@ class Simulator:
         if need > self.p.kv_capacity_tokens:
             return  # never fits: the request fails, as the worker refuses it
         p = min(self.prefillers, key=lambda w: (w.queued_tokens, w.running))
+        if self.admission and self._sheds(p, s.req.input_len):
+            self.shed += 1
+            return
+        p.placed_tokens += s.req.input_len
+        p.placed_s += self.p.perf.prefill_s(s.req.input_len)
         if self.shape.colocated:
             self._enqueue(p, s)
             return
         d = s.decoder = min(self.decoders, key=lambda d: d.running + len(d.waiting) + d.incoming)
         d.incoming += 1
         self._command(d, lambda: self._enqueue(p, s))  # the decode worker reserves, then calls the prefill one
+
+    def _sheds(self, p: _Worker, prompt_tokens: int) -> bool:
+        """The router's admission on its predictions (services/router/admission.py): an empty queue takes any
+        prompt; otherwise the queue bound, then the predicted wait against the room the SLO leaves."""
+        a = self.admission
+        assert a is not None
+        if not p.placed_tokens:
+            return False
+        if p.placed_tokens + prompt_tokens > a.queue_bound_tokens:
+            return True
+        slowdown = self._stretch()  # what the router's measured speed factor sees on shared cores
+        own = self.p.perf.prefill_s(prompt_tokens) * slowdown
+        if not self.shape.colocated:
+            own += self.p.transfer_s(prompt_tokens)
+        room = a.headroom * (max(a.ttft_s, own) - own)
+        return p.placed_s * slowdown > room
 
     def _enqueue(self, w: _Worker, s: _Seq) -> None:
         w.queue.append(s)
@@ -184,6 +228,8 @@ class Simulator:
             s.prefilled += n
             w.queued_tokens -= n
             if s.prefilled == s.req.input_len:
+                w.placed_tokens -= s.req.input_len
+                w.placed_s -= self.p.perf.prefill_s(s.req.input_len)
                 handoffs += self._prefilled(w, s)
         if step.decoded:
             w.steps += 1
@@ -341,6 +387,7 @@ class Simulator:
             ttft_s=[s.first_s - s.req.arrival_s for s in done],  # type: ignore[operator]
             tpot_s=tpot,  # type: ignore[arg-type]
             rejected=len(seqs) - len(done),
+            shed=self.shed,
             span_s=span,
             prefill_busy=busy(self.prefillers),
             decode_busy=busy(self.decoders),

@@ -38,7 +38,7 @@ def test_plan_json_has_the_documented_keys(tmp_path: Path, capsys: pytest.Captur
     assert set(out) == {"recommended", "candidates"}
     assert set(out["recommended"]) == {"prefill", "decode"}
     assert sum(out["recommended"].values()) == 3
-    keys = {"prefill", "decode", "colocated", "goodput", "attainment", "ttft_p90_ms", "tpot_p90_ms", "max_rate"}
+    keys = {"prefill", "decode", "colocated", "goodput", "attainment", "ttft_p90_ms", "tpot_p90_ms", "max_rate", "shed"}
     assert [set(c) for c in out["candidates"]] == [keys] * 3
     shapes = [(c["prefill"], c["decode"], c["colocated"]) for c in out["candidates"]]
     assert shapes == [(1, 2, 0), (2, 1, 0), (0, 0, 3)]
@@ -96,3 +96,23 @@ def test_no_rate_asks_more_of_a_shared_host_than_its_cores() -> None:
     assert found > 0 and simulate(profile, shape, workload, found, lax).demand_cores <= 1
     beyond = simulate(profile, shape, workload, 1.5 * found, lax)
     assert beyond.attainment >= lax.attainment and beyond.demand_cores > 1
+
+
+def test_plan_sheds_as_the_router_would_unless_told_it_sheds_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """30 req/s of 512-token prompts: more than either split of three workers can prefill (1 or 2 prefill workers at
+    ~9.3 prompts/s each), about what three colocated ones can."""
+    profile = tmp_path / "profile.json"
+    synthetic_profile().save(profile)
+    argv = ["plan", "--profile", str(profile), "--rate", "30", "--input-len", "512", "--output-len", "8"]
+    argv += ["--num-requests", "120", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--workers", "3", "--json"]
+
+    def shed(*flags: str) -> list[float]:
+        assert cli.main([*argv, *flags]) == 0
+        return [c["shed"] for c in json.loads(capsys.readouterr().out)["candidates"]]
+
+    one_to_two, two_to_one, _ = shed()
+    assert one_to_two > two_to_one > 0.2
+    assert all(s == 0 for s in shed("--no-admission"))
+    assert sum(shed("--max-queued-prefill-tokens", "600")) > sum(shed())  # a second prompt no longer queues

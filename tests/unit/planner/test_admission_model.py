@@ -1,0 +1,59 @@
+"""The router's admission in the simulator: what it sheds, by the same rules and arithmetic as
+services/router/admission.py, and what that does to goodput above a split's capacity."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.planner.plan import SLO, simulate
+from pdserve.planner.simulator import Admission, Shape, Simulator
+from pdserve.planner.workload import SimRequest, synthetic
+from tests.unit.planner.synthetic import PERF, synthetic_profile
+
+ONE_TO_ONE = Shape(prefill=1, decode=1)
+
+
+def burst(n: int, tokens: int = 512) -> list[SimRequest]:
+    return [SimRequest(0.0, tokens, 4) for _ in range(n)]
+
+
+def test_a_queue_whose_predicted_wait_leaves_too_little_of_the_ttft_slo_sheds_the_next_prompt() -> None:
+    """SLO 400 ms, a 512-token prompt's own cost ~108 ms: 0.8 x 292 ms = 233 ms of queue may lie ahead, so a burst
+    of five gets three prompts in (0, 107 and 214 ms ahead) and sheds two (321 ms ahead)."""
+    sim = Simulator(synthetic_profile(), ONE_TO_ONE, Admission(ttft_s=0.4))
+    result = sim.run(burst(5))
+    assert (result.shed, result.rejected, len(result.ttft_s)) == (2, 2, 3)
+    assert max(result.ttft_s) == pytest.approx(3 * PERF.prefill_s(512), rel=0.05)  # the last admitted still fits
+
+
+def test_the_queue_bound_sheds_only_behind_a_non_empty_queue() -> None:
+    """A prompt larger than the bound still runs on an empty worker (an idle cluster serves every valid one)."""
+    sim = Simulator(synthetic_profile(), ONE_TO_ONE, Admission(ttft_s=100.0, queue_bound_tokens=600))
+    result = sim.run(burst(4, tokens=700))
+    assert (result.shed, len(result.ttft_s)) == (3, 1)
+
+
+def test_at_a_light_load_admission_sheds_nothing_and_changes_nothing() -> None:
+    profile, slo = synthetic_profile(), SLO(ttft_ms=400, tpot_ms=40)
+    workload = synthetic(1.0, 512, 32, 150, seed=3)
+    plain = simulate(profile, ONE_TO_ONE, workload, 1.0, slo)
+    admitted = simulate(profile, ONE_TO_ONE, workload, 1.0, slo, Admission(ttft_s=0.4))
+    assert admitted.shed == 0 and admitted == plain
+
+
+def test_above_capacity_admission_bounds_the_admitted_ttft_where_queues_would_grow_without_end() -> None:
+    """At over twice a prefill worker's capacity, without shedding every request queues behind all the earlier
+    ones (TTFT grows to seconds over the trace, goodput collapses); with the router's shedding about the excess is
+    shed and the admitted ones wait at most the SLO's room plus the hand-off's wait for the prefill worker's next
+    step (a batch of up to max_num_batched_tokens), which the router's prediction does not count: some still miss
+    the SLO, so goodput recovers only part of the capacity."""
+    profile, slo = synthetic_profile(), SLO(ttft_ms=400, tpot_ms=40)
+    workload = synthetic(1.0, 512, 8, 400, seed=4)
+    capacity = 1 / PERF.prefill_s(512)  # ~9.3 prompts/s
+    plain = simulate(profile, ONE_TO_ONE, workload, 20.0, slo)
+    shed = simulate(profile, ONE_TO_ONE, workload, 20.0, slo, Admission(ttft_s=0.4))
+    assert plain.shed == 0 and plain.goodput < 0.01 * capacity and plain.ttft_ms[1] > 10 * slo.ttft_ms, plain
+    assert 0.4 < shed.shed < 0.65, shed  # about what the worker cannot take
+    step_s = PERF.prefill_s(profile.max_num_batched_tokens)
+    assert shed.ttft_ms[2] <= slo.ttft_ms + 1e3 * step_s, shed
+    assert shed.goodput > 10 * plain.goodput and shed.attainment > 0.05, shed
