@@ -1,6 +1,10 @@
 """The prefill worker's side of a hand-off: run the prompt, report the first token, send the KV blocks to the
 decode worker's reserved blocks, free its own. The blocks are held from the first token on and freed however
-the hand-off ends: sent, failed, or cancelled by a decode side that gave up."""
+the hand-off ends: sent, failed, or cancelled by a decode side that gave up.
+
+Nothing on the way to the caller's first token waits for this worker's next engine step: the first token's
+output names the blocks to send, and their release is queued for the engine thread, not awaited. (Each would
+otherwise wait for the step in flight, a whole batch of chunks on a busy worker.)"""
 
 from __future__ import annotations
 
@@ -57,10 +61,10 @@ class RunAndSend:
             yield first
             if delay_s := self.faults.kv_send_delay_for(job.client_request_id):
                 await asyncio.sleep(delay_s)
-            await self._send(job)
+            await self._send(job, list(out.handoff_block_ids))
         finally:
-            await self.engine.release(job.request_id)
-        yield KVSent()  # after the release: the decode side may end the call once it has this
+            self.engine.release(job.request_id)  # queued before the decode side may end the call on KVSent
+        yield KVSent()
 
     def _check(self, job: PrefillJob) -> None:
         """What would make the hand-off fail, found before the prompt runs."""
@@ -91,10 +95,9 @@ class RunAndSend:
         log.debug("prefilled", extra={"prompt_tokens": len(job.prompt), "prefill_ms": prefill_ms})
         return out
 
-    async def _send(self, job: PrefillJob) -> None:
+    async def _send(self, job: PrefillJob, blocks: list[int]) -> None:
         """Returns only once the send thread is done with the blocks, even when the caller cancels."""
         target = job.target
-        blocks = await self.engine.handoff_blocks(job.request_id)
         if len(blocks) != len(target.block_ids):
             raise UnavailableError(f"decode side reserved {len(target.block_ids)} blocks, prompt has {len(blocks)}")
         attributes = {

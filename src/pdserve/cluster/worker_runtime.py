@@ -247,7 +247,7 @@ class WorkerRuntime:
         request_id = f"warmup-{self.worker_id}"
         out = await self._engine.prefill(request_id, [0, 1, 2, 3], SamplingParams(max_tokens=1))
         if not out.finished:
-            await self._engine.release(request_id)
+            self._engine.release(request_id)
 
     async def _drain_here(self, timeout_s: float = 0.0) -> DrainReport:
         """On the server's loop: drains (or joins the drain under way) and reports how it ended; then the worker

@@ -98,7 +98,7 @@ class AsyncEngine:
     @property
     def kv_caches(self) -> list[torch.Tensor]:
         """The KV cache tensors the transfer reads from or writes into, one per layer. Only blocks a hand-off
-        holds (`reserve` on the decode side, `handoff_blocks` on the prefill side) may be touched."""
+        holds (`reserve` on the decode side, a prefill's `handoff_block_ids` on the prefill side) may be touched."""
         return self._engine.runner.kv_caches
 
     @property
@@ -169,13 +169,17 @@ class AsyncEngine:
         finally:
             await self._close(request_id, stream, abort=live)
 
-    async def handoff_blocks(self, request_id: str) -> list[int]:
-        """Prefill side: the blocks holding a prefilled request's prompt KV, in block-table order."""
-        return await self._call(lambda e: e.handoff_blocks(request_id))
+    def release(self, request_id: str) -> None:
+        """Prefill side: the hand-off is over (sent, failed or given up); the engine thread frees the request's
+        blocks between steps. Returns at once: nothing downstream (the decode side's commit, the first token)
+        waits for the step in flight, and a caller cancelled meanwhile cannot leave the blocks held."""
+        self._submit(partial(self._release_now, request_id))
 
-    async def release(self, request_id: str) -> None:
-        """Prefill side: the hand-off is over (sent, failed or given up); free the request's blocks."""
-        await self._call(lambda e: e.release(request_id))
+    def _release_now(self, request_id: str) -> None:
+        try:
+            self._engine.release(request_id)
+        except Exception:  # nobody awaits it: logged, and the engine thread goes on
+            log.exception("releasing %s failed", request_id)
 
     async def abort(self, request_id: str) -> bool:
         """Drop the request wherever it is and free its blocks; False when it is unknown."""

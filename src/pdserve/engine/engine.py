@@ -117,13 +117,6 @@ class LLMEngine:
     # Hand-off between a prefill-only and a decode-only engine. The KV bytes move outside the engine
     # (pdserve.transfer); these calls only account for the blocks on each side.
 
-    def handoff_blocks(self, request_id: str) -> list[int]:
-        """Prefill side: the blocks holding a HANDOFF sequence's prompt KV, in block-table order."""
-        seq = self._requests[request_id].seq
-        if seq.status is not SequenceStatus.HANDOFF:
-            raise RuntimeError(f"{request_id} is {seq.status.value}, not waiting for a hand-off")
-        return seq.block_table[: self.blocks.blocks_for(seq.num_prompt_tokens)]
-
     def release(self, request_id: str) -> None:
         """Prefill side: the decode side has the KV (or gave up); free the sequence's blocks."""
         req = self._requests.pop(request_id, None)
@@ -173,9 +166,11 @@ class LLMEngine:
                 text += req.detokenizer.flush()
             self.scheduler.finish(seq, reason)
             del self._requests[seq.seq_id]
-        elif self.config.mode is EngineMode.PREFILL_ONLY:
+        handoff: tuple[int, ...] = ()
+        if reason is None and self.config.mode is EngineMode.PREFILL_ONLY:
             self.scheduler.detach(seq)
             seq.status = SequenceStatus.HANDOFF
+            handoff = tuple(seq.block_table[: self.blocks.blocks_for(seq.num_prompt_tokens)])
         return RequestOutput(
             request_id=seq.seq_id,
             new_token_ids=[token],
@@ -183,6 +178,7 @@ class LLMEngine:
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            handoff_block_ids=handoff,
         )
 
     def _finish_reason(self, req: _Request, token: int) -> FinishReason | None:

@@ -12,9 +12,9 @@ the router's is when no prefix is shared.
 A disaggregated request follows the hand-off as the workers run it (services/decode/handoff.py,
 services/prefill/run_and_send.py). Everything a worker's engine does besides stepping is a command its
 engine thread applies between steps, so it waits for the step in flight: the decode worker reserves the
-prompt's blocks, then the prefill worker queues the prompt; once the prompt's last chunk ran, the prefill
-worker hands its blocks to the sender (the engine has begun its next step by then), sends the KV, and
-releases them; then the decode worker commits the KV and the first token reaches the caller. The decode
+prompt's blocks, then the prefill worker queues the prompt; once the prompt's last chunk ran, its output names
+the blocks and the prefill worker sends the KV at once; then the decode worker commits the KV and the first
+token reaches the caller, while the prefill worker frees the sent blocks between its own steps. The decode
 worker admits a sequence to its batch only while its whole KV (prompt + output) fits and its batch is under
 `max_num_seqs`. The profile's serving latency (router, RPCs, relay) delays every request without holding
 any worker.
@@ -223,14 +223,13 @@ class Simulator:
         assert step is not None
         w.busy, w.step = False, None
         w.busy_s += self.now - w.started_s
-        handoffs = []
         for s, n in step.chunks:
             s.prefilled += n
             w.queued_tokens -= n
             if s.prefilled == s.req.input_len:
                 w.placed_tokens -= s.req.input_len
                 w.placed_s -= self.p.perf.prefill_s(s.req.input_len)
-                handoffs += self._prefilled(w, s)
+                self._prefilled(w, s)
         if step.decoded:
             w.steps += 1
             w.context += step.decoded
@@ -240,12 +239,10 @@ class Simulator:
         for command in commands:
             command()
         self._kick(w)
-        for command in handoffs:  # asked for once the first token is out: the next step has begun
-            self._command(w, command)
         self._set_speed()
 
-    def _prefilled(self, w: _Worker, s: _Seq) -> list[Command]:
-        """The prompt's last chunk ran; what its prefill worker's engine is asked next."""
+    def _prefilled(self, w: _Worker, s: _Seq) -> None:
+        """The prompt's last chunk ran: its first token is out, naming the blocks to send (no engine call)."""
         w.queue.remove(s)
         if w.decodes:  # colocated: the first token goes out, the KV is here already
             s.first_s = self.now
@@ -254,21 +251,22 @@ class Simulator:
                 w.kv_used -= s.req.input_len + s.req.output_len
             else:
                 w.waiting.append(s)
-            return []
+            return
         if s.req.output_len <= 1:  # finished here: no KV follows, the decode worker commits the token alone
             w.kv_used -= s.req.input_len
             self._command(s.decoder, lambda: self._commit(s))  # type: ignore[arg-type]
-            return []
-        return [lambda: self._at(self.now + self.p.transfer_s(s.req.input_len), "transferred", (w, s))]
+            return
+        self._at(self.now + self.p.transfer_s(s.req.input_len), "transferred", (w, s))
 
     def _on_transferred(self, item: tuple[_Worker, _Seq]) -> None:
+        """The KV is on the decode worker: it commits; the prefill worker frees the sent blocks between its steps,
+        a release nobody waits for."""
         p, s = item
         self._command(p, lambda: self._release(p, s))
+        self._command(s.decoder, lambda: self._commit(s))  # type: ignore[arg-type]
 
     def _release(self, p: _Worker, s: _Seq) -> None:
-        """The prefill worker frees the sent blocks; only then does the decode worker hear the KV is there."""
         p.kv_used -= s.req.input_len
-        self._command(s.decoder, lambda: self._commit(s))  # type: ignore[arg-type]
 
     def _commit(self, s: _Seq) -> None:
         """The decode worker takes the KV: the first token goes to the caller, the sequence waits to decode."""

@@ -23,6 +23,9 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    # Prefill-only, when the first token leaves the sequence held for its hand-off: the blocks holding the prompt's
+    # KV, in block-table order (fixed from then on), so the sender needs no further call to the engine thread.
+    handoff_block_ids: tuple[int, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -56,10 +56,12 @@ async def tokens(outputs: AsyncIterator) -> list[int]:
     return [t async for out in outputs for t in out.new_token_ids]
 
 
-async def test_a_release_cancelled_while_queued_still_runs_and_the_engine_keeps_serving(prefill_only):
+async def test_a_release_returns_at_once_and_the_engine_thread_frees_the_blocks_after_its_step(prefill_only):
+    """The hand-off's release never waits for the step in flight (the first token downstream would wait with it);
+    the blocks are free once that step ends."""
     engine = prefill_only
     held = await engine.prefill("held", PROMPT, GREEDY)
-    assert not held.finished
+    assert not held.finished and len(held.handoff_block_ids) == 2
     await until_used(engine, 2)
     gate, stepping = threading.Event(), threading.Event()
 
@@ -69,17 +71,14 @@ async def test_a_release_cancelled_while_queued_still_runs_and_the_engine_keeps_
 
     engine.on_step = hold_the_engine_thread
     other = asyncio.ensure_future(engine.prefill("other", [1, 2, 3], GREEDY))
-    assert await asyncio.to_thread(stepping.wait, 10)  # the engine thread is busy: the next command queues
-    release = asyncio.ensure_future(engine.release("held"))
-    await asyncio.sleep(0)  # submitted
-    release.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await release
+    assert await asyncio.to_thread(stepping.wait, 10)  # the engine thread is mid-step
+    engine.release("held")  # returns while the step runs
+    assert engine.stats["kv_blocks_used"] >= 2  # not freed yet: only the engine thread touches the blocks
     engine.on_step = None
     gate.set()
-    await asyncio.wait_for(other, timeout=10)
-    await engine.release("other")
-    await until_used(engine, 0)  # the cancelled release freed "held" all the same
+    assert (await asyncio.wait_for(other, timeout=10)).handoff_block_ids
+    engine.release("other")
+    await until_used(engine, 0)
     assert engine.alive
 
 
@@ -108,14 +107,13 @@ async def test_duplicate_id_fails_the_second_caller_and_the_first_completes_pref
     gate.set()
     out = await asyncio.wait_for(first, timeout=10)
     assert not out.finished and len(out.new_token_ids) == 1
-    blocks = await engine.handoff_blocks("dup")
+    blocks = out.handoff_block_ids
     # Its blocks are held for the hand-off, stream closed: a second prefill now is refused by the engine itself,
     # and leaves the first's hand-off alone.
     with pytest.raises(InvalidRequestError, match="request_id"):
         await engine.prefill("dup", [1, 2, 3], GREEDY)
-    assert await engine.handoff_blocks("dup") == blocks
     await until_used(engine, len(blocks))
-    await engine.release("dup")
+    engine.release("dup")
     await until_used(engine, 0)
 
 
@@ -208,3 +206,14 @@ async def test_a_slowed_request_sleeps_each_step_it_runs_and_is_forgotten_when_d
     assert slowed == plain
     assert asyncio.get_running_loop().time() - start >= 0.05 * GREEDY.max_tokens
     assert mixed._slowed == {}  # noqa: SLF001 (no public view of the fault's state)
+
+
+async def test_a_prefill_names_exactly_the_blocks_it_holds_for_the_hand_off(prefill_only, mixed):
+    held = await prefill_only.prefill("held", PROMPT * 2, GREEDY)  # 40 tokens: three blocks of 16
+    assert len(set(held.handoff_block_ids)) == len(held.handoff_block_ids) == 3
+    await until_used(prefill_only, 3)
+    done = await prefill_only.prefill("one-token", PROMPT, SamplingParams(max_tokens=1))
+    assert done.finished and done.handoff_block_ids == ()  # nothing follows: its blocks are free already
+    prefill_only.release("held")
+    await until_used(prefill_only, 0)
+    assert [out.handoff_block_ids async for out in mixed.generate("mixed", PROMPT, GREEDY)] == [()] * 12

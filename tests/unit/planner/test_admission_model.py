@@ -41,19 +41,15 @@ def test_at_a_light_load_admission_sheds_nothing_and_changes_nothing() -> None:
     assert admitted.shed == 0 and admitted == plain
 
 
-def test_above_capacity_admission_bounds_the_admitted_ttft_where_queues_would_grow_without_end() -> None:
+def test_above_capacity_admission_keeps_goodput_near_capacity_where_queues_would_collapse_it() -> None:
     """At over twice a prefill worker's capacity, without shedding every request queues behind all the earlier
     ones (TTFT grows to seconds over the trace, goodput collapses); with the router's shedding about the excess is
-    shed and the admitted ones wait at most the SLO's room plus the hand-off's wait for the prefill worker's next
-    step (a batch of up to max_num_batched_tokens), which the router's prediction does not count: some still miss
-    the SLO, so goodput recovers only part of the capacity."""
+    shed, the admitted ones meet the SLO, and goodput stays close to what the worker can prefill."""
     profile, slo = synthetic_profile(), SLO(ttft_ms=400, tpot_ms=40)
     workload = synthetic(1.0, 512, 8, 400, seed=4)
     capacity = 1 / PERF.prefill_s(512)  # ~9.3 prompts/s
     plain = simulate(profile, ONE_TO_ONE, workload, 20.0, slo)
     shed = simulate(profile, ONE_TO_ONE, workload, 20.0, slo, Admission(ttft_s=0.4))
-    assert plain.shed == 0 and plain.goodput < 0.01 * capacity and plain.ttft_ms[1] > 10 * slo.ttft_ms, plain
+    assert plain.shed == 0 and plain.goodput < 0.05 * capacity and plain.ttft_ms[1] > 10 * slo.ttft_ms, plain
     assert 0.4 < shed.shed < 0.65, shed  # about what the worker cannot take
-    step_s = PERF.prefill_s(profile.max_num_batched_tokens)
-    assert shed.ttft_ms[2] <= slo.ttft_ms + 1e3 * step_s, shed
-    assert shed.goodput > 10 * plain.goodput and shed.attainment > 0.05, shed
+    assert shed.ttft_ms[2] <= slo.ttft_ms and shed.goodput > 0.8 * capacity, shed
