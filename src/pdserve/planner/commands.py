@@ -14,7 +14,7 @@ from pdserve.flags import add_engine_flags, engine_config
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 if TYPE_CHECKING:
-    from pdserve.planner.simulator import Admission
+    from pdserve.planner.admission_model import Admission
 
 
 def add_planner_commands(sub: argparse._SubParsersAction) -> None:
@@ -83,7 +83,7 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _admission(args: argparse.Namespace) -> Admission | None:
-    from pdserve.planner.simulator import Admission
+    from pdserve.planner.admission_model import Admission
 
     if args.no_admission:
         return None

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.planner.admission_model import Admission
 from pdserve.planner.hardware import HardwareProfile
-from pdserve.planner.simulator import Admission, Shape, SimResult, Simulator
+from pdserve.planner.simulator import Shape, SimResult, Simulator
 from pdserve.planner.workload import Workload
 
 SEARCH_STEPS = 8  # bisection steps: the rate to within 1/256 of its bracket (a doubling)

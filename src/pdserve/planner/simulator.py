@@ -25,12 +25,9 @@ there are cores (the engine threads stepping, the serving stack's own demand at 
 at the offered rate, the host's background demand), every step in flight runs that much slower, and speeds up
 again when a step ends. A profile timed in one process on an idle machine sees none of that.
 
-With an `Admission`, each arrival first passes the router's admission as services/router/admission.py applies
-it to a prompt: shed (it never runs, and counts against attainment) when its prefill worker's queue is over the
-token bound, or when the predicted wait there (the profile's prefill time of every prompt placed on it and not
-yet prefilled, at the shared cores' current slowdown) leaves too little of the TTFT SLO beyond the prompt's own
-cost. So above capacity goodput holds near capacity, as on a cluster, instead of collapsing as every queued
-request misses its SLO. The decode side's checks (free KV blocks, predicted TPOT) are not modelled.
+With an `Admission` (admission_model.py), each arrival first passes the router's admission: a shed request
+never runs and counts against attainment. Its predicted wait is the profile's prefill time of every prompt
+placed on its prefill worker and not yet prefilled, at the shared cores' current slowdown.
 """
 
 from __future__ import annotations
@@ -41,19 +38,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.config import RouterConfig
+from pdserve.planner.admission_model import Admission
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.workload import SimRequest
-
-
-@dataclass(frozen=True)
-class Admission:
-    """The router's admission of a request that sets no SLO of its own, with the SLO as its default: the
-    router's `default_ttft_ms`, `slo_headroom` and `max_queued_prefill_tokens` (at priority 0)."""
-
-    ttft_s: float
-    headroom: float = RouterConfig.slo_headroom
-    queue_bound_tokens: float = RouterConfig().queue_bound(0)
 
 
 @dataclass(frozen=True)
@@ -194,20 +181,13 @@ class Simulator:
         self._command(d, lambda: self._enqueue(p, s))  # the decode worker reserves, then calls the prefill one
 
     def _sheds(self, p: _Worker, prompt_tokens: int) -> bool:
-        """The router's admission on its predictions (services/router/admission.py): an empty queue takes any
-        prompt; otherwise the queue bound, then the predicted wait against the room the SLO leaves."""
-        a = self.admission
-        assert a is not None
-        if not p.placed_tokens:
-            return False
-        if p.placed_tokens + prompt_tokens > a.queue_bound_tokens:
-            return True
+        """The router's admission on the predictions it would make of `p` now."""
+        assert self.admission is not None
         slowdown = self._stretch()  # what the router's measured speed factor sees on shared cores
         own = self.p.perf.prefill_s(prompt_tokens) * slowdown
         if not self.shape.colocated:
             own += self.p.transfer_s(prompt_tokens)
-        room = a.headroom * (max(a.ttft_s, own) - own)
-        return p.placed_s * slowdown > room
+        return self.admission.sheds(p.placed_tokens, p.placed_s * slowdown, prompt_tokens, own)
 
     def _enqueue(self, w: _Worker, s: _Seq) -> None:
         w.queue.append(s)

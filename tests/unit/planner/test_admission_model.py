@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.planner.admission_model import Admission
 from pdserve.planner.plan import SLO, simulate
-from pdserve.planner.simulator import Admission, Shape, Simulator
+from pdserve.planner.simulator import Shape, Simulator
 from pdserve.planner.workload import SimRequest, synthetic
 from tests.unit.planner.synthetic import PERF, synthetic_profile
 
@@ -53,3 +54,12 @@ def test_above_capacity_admission_keeps_goodput_near_capacity_where_queues_would
     assert plain.shed == 0 and plain.goodput < 0.05 * capacity and plain.ttft_ms[1] > 10 * slo.ttft_ms, plain
     assert 0.4 < shed.shed < 0.65, shed  # about what the worker cannot take
     assert shed.ttft_ms[2] <= slo.ttft_ms and shed.goodput > 0.8 * capacity, shed
+
+
+def test_a_prompt_longer_than_the_default_slo_allows_runs_only_on_an_empty_queue() -> None:
+    """As the router treats a request that set no SLO: never less than its own cost, so an idle worker serves it,
+    but no room is left for any wait."""
+    admission = Admission(ttft_s=0.4)
+    assert not admission.sheds(queued_tokens=0, queued_s=0.0, prompt_tokens=4096, own_s=1.0)
+    assert admission.sheds(queued_tokens=16, queued_s=0.001, prompt_tokens=4096, own_s=1.0)
+    assert not admission.sheds(queued_tokens=16, queued_s=0.001, prompt_tokens=16, own_s=0.01)

@@ -1,0 +1,31 @@
+"""The router's admission of a prompt as the simulator applies it: the rules of services/router/admission.py on
+the simulator's own state, so a plan above a split's capacity sheds what the cluster would, instead of queueing
+every request until all miss their SLO. The decode side's checks (free KV blocks, predicted TPOT) are left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.config import RouterConfig
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A router whose default TTFT SLO is `ttft_s` (what a plan's requests, setting none, are held to), with its
+    `slo_headroom` and its queue bound at priority 0 (`max_queued_prefill_tokens`' share)."""
+
+    ttft_s: float
+    headroom: float = RouterConfig.slo_headroom
+    queue_bound_tokens: float = RouterConfig().queue_bound(0)
+
+    def sheds(self, queued_tokens: int, queued_s: float, prompt_tokens: int, own_s: float) -> bool:
+        """Whether a prompt of `prompt_tokens` whose own TTFT is `own_s` is shed by a prefill worker holding
+        `queued_tokens` placed and not yet prefilled, predicted to take `queued_s`. An empty queue takes any
+        prompt; otherwise the queue bound, then the predicted wait against the headroom's share of what the SLO
+        leaves beyond the prompt's own cost."""
+        if not queued_tokens:
+            return False
+        if queued_tokens + prompt_tokens > self.queue_bound_tokens:
+            return True
+        return queued_s > self.headroom * (max(self.ttft_s, own_s) - own_s)
