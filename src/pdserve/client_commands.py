@@ -94,6 +94,7 @@ STATUS_FIELDS = (
     "metrics_address",
     "pid",
     "draining",
+    "build",
 )
 
 

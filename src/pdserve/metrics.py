@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from pdserve.build import current_build
 from pdserve.telemetry import LATENCY_BUCKETS_S, TOKEN_BUCKETS_S
 
 if TYPE_CHECKING:
@@ -70,6 +71,12 @@ class WorkerMetrics:
             ("pdserve_kv_blocks_total", "kv_blocks_total", "KV blocks in the cache"),
         ):
             meter.create_observable_gauge(name, callbacks=[self._gauge(key)], description=what)
+        built = {**self.labels, "build": current_build()}
+        meter.create_observable_gauge(
+            "pdserve_build_info",
+            callbacks=[lambda options: [Observation(1, built)]],
+            description="1, labelled with the build this worker runs: count by build follows a rollout",
+        )
         meter.create_observable_counter(
             "pdserve_prefix_cache_hits_total",
             callbacks=[lambda options: [Observation(prefix_hits(), self.labels)]],

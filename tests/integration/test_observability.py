@@ -16,6 +16,7 @@ import uuid
 
 import pytest
 
+from pdserve.build import current_build
 from pdserve.cluster.local_process import ClusterProcess, free_port
 from pdserve.rpc.client import generate
 from pdserve.v1 import generate_pb2 as pb
@@ -119,6 +120,9 @@ def test_metrics_count_requests_and_blocks_return_to_zero(cluster):
             break
         time.sleep(0.2)
     assert not any(used.values()), used
+    for w in workers:  # what a dashboard counts by build through a rollout, and the status the same
+        assert w["build"] == current_build()
+        assert total(scrape(urls[w["id"]]), "pdserve_build_info", build=w["build"], worker_id=w["id"]) == 1
     prefill = next(u for w, u in urls.items() if w.startswith("prefill"))
     samples = scrape(prefill)
     assert total(samples, "pdserve_kv_transfer_bytes_total") > 0
