@@ -67,4 +67,7 @@ class Predictor:
         return w.profile.decode_step_s(running + 1) * w.speed_factor if w.profile else 0.0
 
     def free_blocks(self, w: WorkerState) -> int:
-        return w.kv_blocks_free - self.tracker.pending_blocks[w.worker_id]
+        """The report's free blocks, less ours it cannot show: those about to be reserved, and those placed since
+        it sampled them (their first token may be back, and their blocks reserved, before the next report)."""
+        since = self.tracker.placed_since(w.worker_id, w.load_at or w.updated_at)
+        return w.kv_blocks_free - max(self.tracker.pending_blocks[w.worker_id], since)

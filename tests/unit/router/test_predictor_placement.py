@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -195,3 +196,15 @@ def test_round_robin_cycles_each_role_blind_to_load():
 
 
 # --- Admission -----------------------------------------------------------------------------------------------
+
+
+def test_free_blocks_keep_out_what_was_placed_after_the_report_sampled_them_first_token_back_or_not():
+    """Between a request's first token and the decode worker's next report, the report shows its blocks free
+    and nothing is pending any more: counting them free would admit what the decode worker then sheds."""
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    sampled = time.time() - 0.2
+    tracker.start("p0", "d0", tokens=100, seconds=0.1, blocks=90)
+    tracker.prefilled("p0", "d0", tokens=100, seconds=0.1, blocks=90)
+    assert pred.free_blocks(worker("d0", "decode", kv_blocks_free=100, load_at=sampled)) == 10
+    assert pred.free_blocks(worker("d0", "decode", kv_blocks_free=10)) == 10  # a report after it: counted once
