@@ -120,9 +120,9 @@ def started(new_node: Callable[[], RayNode], attempts: int = 4) -> RayNode:
         try:
             node.wait_started()
             return node
-        except RuntimeError:
+        except BaseException as e:  # stopped whatever went wrong: a node left running outlives the test run
             node.stop()
-            if attempt == attempts:
+            if not isinstance(e, RuntimeError) or attempt == attempts:
                 raise
     raise AssertionError("unreachable")
 
