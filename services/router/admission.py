@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from pdserve.config import RouterConfig
 from pdserve.errors import InvalidRequestError, OverloadedError
+from pdserve.protocol.admission_rules import queue_full, queue_room_s, ttft_budget_s
 from services.router.placement import Placement
 from services.router.predictor import Predictor
 
@@ -79,7 +80,7 @@ class Admission:
         prefill = placement.prefill_worker
         queued = self.predictor.queued_tokens(prefill)
         bound = self.config.queue_bound(priority)
-        if queued and queued + prompt_tokens > bound:  # an empty queue takes any prompt: never shed for its size
+        if queue_full(queued, prompt_tokens, bound):
             raise OverloadedError(
                 f"prefill queue full: {queued} + {prompt_tokens} tokens > {bound:.0f} at priority {priority}",
                 _retry_ms(self.predictor.queue_s(prefill)),
@@ -87,8 +88,8 @@ class Admission:
 
     def _check_ttft(self, placement: Placement, slo: SLOTarget) -> None:
         own = placement.own_ttft_s
-        budget = slo.ttft_s if slo.ttft_explicit else max(slo.ttft_s, own)
-        room = self.config.slo_headroom * (budget - own)
+        budget = ttft_budget_s(slo.ttft_s, own, slo.ttft_explicit)
+        room = queue_room_s(budget, own, self.config.slo_headroom)
         if placement.queue_s > room:
             raise OverloadedError(
                 f"predicted TTFT {placement.predicted_ttft_s * 1e3:.0f} ms ({own * 1e3:.0f} ms own, "

@@ -1,6 +1,7 @@
-"""The router's admission of a prompt as the simulator applies it: the rules of services/router/admission.py on
-the simulator's own state, so a plan above a split's capacity sheds what the cluster would, instead of queueing
-every request until all miss their SLO. The decode side's checks (free KV blocks, predicted TPOT) are left out.
+"""The router's admission of a prompt as the simulator applies it: the router's own rules
+(`protocol/admission_rules.py`) on the simulator's state, so a plan above a split's capacity sheds what the
+cluster would, instead of queueing every request until all miss their SLO. The decode side's checks (free KV
+blocks, predicted TPOT) are left out.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config import RouterConfig
+from pdserve.protocol.admission_rules import queue_full, queue_room_s, ttft_budget_s
 
 
 @dataclass(frozen=True)
@@ -21,11 +23,9 @@ class Admission:
 
     def sheds(self, queued_tokens: int, queued_s: float, prompt_tokens: int, own_s: float) -> bool:
         """Whether a prompt of `prompt_tokens` whose own TTFT is `own_s` is shed by a prefill worker holding
-        `queued_tokens` placed and not yet prefilled, predicted to take `queued_s`. An empty queue takes any
-        prompt; otherwise the queue bound, then the predicted wait against the headroom's share of what the SLO
-        leaves beyond the prompt's own cost."""
-        if not queued_tokens:
-            return False
-        if queued_tokens + prompt_tokens > self.queue_bound_tokens:
+        `queued_tokens` placed and not yet prefilled, predicted to take `queued_s`: the queue bound, then the
+        predicted wait against the room the (default, so never below its own cost) SLO leaves."""
+        if queue_full(queued_tokens, prompt_tokens, self.queue_bound_tokens):
             return True
-        return queued_s > self.headroom * (max(self.ttft_s, own_s) - own_s)
+        room = queue_room_s(ttft_budget_s(self.ttft_s, own_s, explicit=False), own_s, self.headroom)
+        return queued_s > room
