@@ -126,8 +126,10 @@ class Relay:
                 self.recent.add(worker, "ttft", clock.ttft_s)
             if ticket.ran_alone():
                 self.calibration.observe(p.prefill_worker.worker_id, p.predicted_ttft_s, clock.ttft_s)
-        elif msg.token_ids:
-            self.metrics.itl.record(now - clock.last_token_at)
+        elif msg.token_ids:  # a message with several tokens (a worker catching up) spreads its gap over them
+            gap = (now - clock.last_token_at) / len(msg.token_ids)
+            for _ in msg.token_ids:
+                self.metrics.itl.record(gap)
         if msg.token_ids:
             ticket.prefilled()  # once per ticket: this attempt's first token
             clock.last_token_at = now

@@ -95,7 +95,7 @@ def test_concurrent_requests_match_single_process_engine(cluster, reference):
         want = run(prompt_ids, req.sampling.max_tokens)
         assert result.token_ids == want
         assert result.finish_reason == "length"
-        assert result.messages == len(want) > 1  # streamed, one message per token
+        assert 1 <= result.messages <= len(want)  # a token per message; a client behind the engine gets several
         assert result.usage.prompt_tokens == len(prompt_ids)
         assert result.usage.completion_tokens == len(want)
         assert result.usage.ttft_ms > 0

@@ -47,6 +47,12 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | Exception]
 
 
+def _put_all(deliveries: list[tuple[_Stream, RequestOutput]]) -> None:
+    """On the streams' loop: one step's outputs, each to its caller."""
+    for stream, out in deliveries:
+        stream.queue.put_nowait(out)
+
+
 class EngineDeadError(UnavailableError):
     """The engine thread stopped on an error; the worker must be restarted (its callers get UNAVAILABLE)."""
 
@@ -266,8 +272,16 @@ class AsyncEngine:
         return stream
 
     async def _drain(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        """The stream's outputs, those already waiting merged into one: a caller that fell behind the engine
+        (a slow client, a busy event loop) catches up with one message, not one per step it missed."""
         while True:
             item = await stream.queue.get()
+            while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
+                later = stream.queue.get_nowait()
+                if isinstance(later, Exception):
+                    yield item
+                    raise later
+                item = item.followed_by(later)
             if isinstance(item, Exception):
                 raise item
             yield item
@@ -309,8 +323,7 @@ class AsyncEngine:
                 self._check_doomed(outputs)
                 if self._slowed and (delay := max((self._slowed.get(o.request_id, 0.0) for o in outputs), default=0.0)):
                     time.sleep(delay)
-                for out in outputs:
-                    self._deliver(out)
+                self._deliver(outputs)
                 self._update_stats()
         except BaseException as e:
             log.exception("engine loop failed")
@@ -343,10 +356,15 @@ class AsyncEngine:
                 return
             command()
 
-    def _deliver(self, out: RequestOutput) -> None:
-        target = self._streams.get(out.request_id)
-        if target is not None:
-            target.loop.call_soon_threadsafe(target.queue.put_nowait, out)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """One wake-up per event loop per step, not one per output: each costs the loop a self-pipe write and
+        read, and a decode step has an output for every sequence in its batch."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        for out in outputs:
+            if (target := self._streams.get(out.request_id)) is not None:
+                by_loop.setdefault(target.loop, []).append((target, out))
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, deliveries)
 
     def _fail_all(self, error: Exception) -> None:
         """Every caller waiting on the dead thread gets `error`: streams, and commands it will never run."""

@@ -30,3 +30,16 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This output and a later one of the same request as one: what a consumer that fell a step behind
+        sends in one message instead of two (the tokens and text in order, the later one's finish)."""
+        return RequestOutput(
+            self.request_id,
+            self.new_token_ids + later.new_token_ids,
+            self.new_text + later.new_text,
+            later.finish_reason,
+            later.num_prompt_tokens,
+            later.num_cached_tokens,
+            self.handoff_block_ids or later.handoff_block_ids,
+        )

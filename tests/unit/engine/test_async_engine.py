@@ -216,4 +216,50 @@ async def test_a_prefill_names_exactly_the_blocks_it_holds_for_the_hand_off(pref
     assert done.finished and done.handoff_block_ids == ()  # nothing follows: its blocks are free already
     prefill_only.release("held")
     await until_used(prefill_only, 0)
-    assert [out.handoff_block_ids async for out in mixed.generate("mixed", PROMPT, GREEDY)] == [()] * 12
+    outputs = [out async for out in mixed.generate("mixed", PROMPT, GREEDY)]
+    assert sum(len(out.new_token_ids) for out in outputs) == 12
+    assert {out.handoff_block_ids for out in outputs} == {()}
+
+
+async def until_idle(engine: AsyncEngine) -> None:
+    """Every request the engine holds has finished its last step."""
+    for _ in range(500):
+        if engine.stats["running"] == engine.stats["waiting"] == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine still busy: {engine.stats}")
+
+
+async def test_a_caller_behind_the_engine_gets_the_steps_it_missed_as_one_output(mixed):
+    """The engine steps on while its caller is busy; the caller's next read merges what queued meanwhile: the
+    same tokens and text in order, the last step's finish, one message downstream instead of eleven."""
+    plain = [out async for out in mixed.generate("plain", PROMPT, GREEDY)]
+    stream = mixed.generate("behind", PROMPT, GREEDY)
+    first = await anext(stream)
+    await until_idle(mixed)
+    rest = [out async for out in stream]
+    assert len(first.new_token_ids) == 1 and len(rest) == 1
+    assert first.new_token_ids + rest[0].new_token_ids == [t for out in plain for t in out.new_token_ids]
+    assert first.new_text + rest[0].new_text == "".join(out.new_text for out in plain)
+    assert rest[0].finish_reason == plain[-1].finish_reason
+    assert rest[0].num_prompt_tokens == len(PROMPT)
+
+
+async def test_a_caller_behind_a_dying_engine_gets_what_was_produced_then_the_failure(mixed):
+    """Outputs queued before the engine thread died reach the caller, merged, before the EngineDeadError."""
+    stream = mixed.generate("behind", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True))
+    await anext(stream)
+    queue = mixed._streams["behind"].queue  # noqa: SLF001 (what the caller has not read yet)
+    for _ in range(500):
+        if queue.qsize() >= 3:
+            break
+        await asyncio.sleep(0.01)
+    mixed.fail_when_stepped("behind")
+    for _ in range(500):
+        if not mixed.alive:
+            break
+        await asyncio.sleep(0.01)
+    caught_up = await anext(stream)
+    assert len(caught_up.new_token_ids) >= 3 and not caught_up.finished
+    with pytest.raises(EngineDeadError):
+        await anext(stream)
