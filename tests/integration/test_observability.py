@@ -109,6 +109,8 @@ def test_metrics_count_requests_and_blocks_return_to_zero(cluster):
     finished = "pdserve_requests_total"
     assert total(after, finished, outcome="finished") - total(before, finished, outcome="finished") == n
     assert total(after, "pdserve_e2e_request_latency_seconds_count") >= n
+    itl = "pdserve_inter_token_latency_seconds_count"  # one gap per token after the first, however they were sent
+    assert total(after, itl) - total(before, itl) == sum(len(r.token_ids) - 1 for r in results)
 
     workers = status_json(cluster.address)["workers"]
     assert {w["role"] for w in workers} == {"prefill", "decode"}
