@@ -64,6 +64,14 @@ def render(values: Iterable[str] = (), sets: Mapping[str, Any] = {}) -> list[dic
     return [d for d in yaml.load_all(out.stdout, Loader=LOADER) if d]
 
 
+def notes(values: Iterable[str] = (), sets: Mapping[str, Any] = {}) -> str:
+    """What `helm install` prints after installing (NOTES.txt), rendered offline by a client-side dry run."""
+    args = template_args(values, sets)
+    out = helm("install", *args[1:], "--dry-run=client")
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split("\nNOTES:\n", 1)[1]
+
+
 def render_error(values: Iterable[str] = (), sets: Mapping[str, Any] = {}) -> str:
     """helm's error for values the chart must refuse (the test fails if it renders)."""
     out = helm(*template_args(values, sets))

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.build import build_resource
 from pdserve.config import RouterConfig
-from tests.deploy.chart import one, pod_templates, render
+from tests.deploy.chart import notes, one, pod_templates, render
 
 Objects = list[dict[str, Any]]
 ROUTER = "pd-pdserve-router"
@@ -208,3 +208,21 @@ def test_an_upgrade_to_a_new_image_is_a_new_build_on_every_pod_and_a_new_worker_
     (old_image,) = set(old_env.values())
     assert old_image.endswith("pdserve:1.0.0") and set(new_env.values()) == {old_image.replace("1.0.0", "1.1.0")}
     assert old_resources == {build_resource(old_image)} and len(new_resources) == 1 and new_resources != old_resources
+
+
+@pytest.mark.parametrize(
+    ("sets", "warned"),
+    [
+        ({}, set()),
+        ({"decode.maxReplicas": "1"}, {"decode"}),
+        ({"prefill.maxReplicas": "1", "decode.maxReplicas": "1"}, {"prefill", "decode"}),
+        # two workers: one drains at a time while the other serves
+        ({"prefill.replicas": "2", "prefill.minReplicas": "2", "prefill.maxReplicas": "2"}, set()),
+        ({"decode.maxReplicas": "1", "ray.autoscaler.enabled": "false"}, set()),  # no new pod would come anyway
+    ],
+)
+def test_install_notes_warn_when_an_upgrade_would_leave_a_role_empty(sets: dict[str, str], warned: set[str]) -> None:
+    """A role's only worker is surged on an upgrade (its successor starts on a new pod first); at maxReplicas 1
+    there is no room, so the install says how to keep serving through upgrades."""
+    text = notes(sets=sets)
+    assert {role for role in ("prefill", "decode") if f"{role}.maxReplicas is 1" in text} == warned
