@@ -34,9 +34,16 @@ class Continuation:
 
     def rewrite(self, msg: pb.GenerateResponse) -> None:
         """The engine's rule: a stop string ends the stream with STOP (even one the new worker could not see,
-        spanning the break); any other finish releases the held-back text."""
-        text = self._detok.step(list(msg.token_ids))
+        spanning the break), and the message keeps only the tokens up to the one that completed it (a message
+        can carry several); any other finish releases the held-back text."""
+        text, kept = "", 0
+        for token in msg.token_ids:
+            text += self._detok.step([token])
+            kept += 1
+            if self._detok.stopped:
+                break
         if self._detok.stopped:
+            del msg.token_ids[kept:]
             msg.finish_reason = pb.FINISH_REASON_STOP
         elif msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             text += self._detok.flush()

@@ -133,9 +133,9 @@ class Relay:
         if msg.token_ids:
             ticket.prefilled()  # once per ticket: this attempt's first token
             clock.last_token_at = now
-        clock.completion_tokens += len(msg.token_ids)
         if ticket.continuation is not None:
-            ticket.continuation.rewrite(msg)
+            ticket.continuation.rewrite(msg)  # may drop tokens past a stop string the new worker did not see
+        clock.completion_tokens += len(msg.token_ids)
         msg.request_id = ticket.client_id
         if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self._finish(msg, ticket, clock, now)

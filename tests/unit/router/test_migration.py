@@ -64,3 +64,18 @@ def test_a_stop_string_spanning_the_break_ends_the_stream_with_stop():
     assert stopped
     text, reason = migrated(req, tokens[:3], tokens[3:])  # the break between "c" and "d"
     assert (text, reason) == (expected_text, pb.FINISH_REASON_STOP)
+
+
+def test_a_message_of_several_tokens_ends_at_the_token_that_completed_a_stop_string():
+    """A worker that fell behind sends several steps in one message: past a stop string spanning the break, the
+    router keeps only the tokens up to the one that completed it, as the engine would have stopped there."""
+    req = request(stop=("cd",))  # "c" is token 5, "d" token 6
+    tokens = [3, 4, 5, 6, 7, 8]
+    expected_text, _ = whole(req, tokens[:4])
+    old = IncrementalDetokenizer(Letters(), req.prompt_token_ids, stop=req.sampling.stop)
+    streamed = "".join(old.step([t]) for t in tokens[:3])
+    continuation = Continuation(Letters(), req, [[t] for t in tokens[:3]])
+    msg = pb.GenerateResponse(token_ids=tokens[3:], text="?")  # "d", "e", "f" in one message
+    continuation.rewrite(msg)
+    assert list(msg.token_ids) == [6] and msg.finish_reason == pb.FINISH_REASON_STOP
+    assert streamed + msg.text == expected_text
