@@ -101,6 +101,8 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"router.config.policy": "random"}, "router/config/policy"),
     ({"router.config.slo_headroom": "0.7"}, "router/config/slo_headroom"),  # --set makes it a string
     ({"engine.device": "tpu"}, "engine/device"),
+    ({"router.autoscaling.targetCPUUtilizationPercentage": "150"}, "router/autoscaling/targetCPUUtilizationPercentage"),
+    ({"router.autoscaling.maxReplicas": "0"}, "router/autoscaling/maxReplicas"),
 ]
 
 
@@ -140,6 +142,14 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
         (
             {"decode.replicas": "9"},
             "decode.replicas (9) must lie between decode.minReplicas (1) and decode.maxReplicas (8)",
+        ),
+        (
+            {"router.autoscaling.enabled": "true", "router.autoscaling.minReplicas": "9"},
+            "router.autoscaling.minReplicas (9) must not exceed router.autoscaling.maxReplicas (8)",
+        ),
+        (
+            {"router.autoscaling.enabled": "true", "router.resources.requests.cpu": "null"},
+            "router.autoscaling needs router.resources.requests.cpu",
         ),
     ],
 )

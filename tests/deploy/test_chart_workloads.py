@@ -226,3 +226,23 @@ def test_install_notes_warn_when_an_upgrade_would_leave_a_role_empty(sets: dict[
     there is no room, so the install says how to keep serving through upgrades."""
     text = notes(sets=sets)
     assert {role for role in ("prefill", "decode") if f"{role}.maxReplicas is 1" in text} == warned
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_routers_scale_on_cpu_when_autoscaling_is_on(enabled: bool) -> None:
+    """With autoscaling on, a HorizontalPodAutoscaler owns the router Deployment's count (the Deployment names
+    none, so a `helm upgrade` does not reset it); off, the Deployment keeps router.replicas."""
+    objects = render(sets={"router.autoscaling.enabled": str(enabled).lower(), "router.replicas": "3"})
+    deployment = one(objects, "Deployment", "pd-pdserve-router")
+    hpas = [o for o in objects if o["kind"] == "HorizontalPodAutoscaler"]
+    if not enabled:
+        assert not hpas and deployment["spec"]["replicas"] == 3
+        return
+    (hpa,) = hpas
+    assert "replicas" not in deployment["spec"]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "pd-pdserve-router"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 8)
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["resource"] == {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["requests"]["cpu"]  # what utilization is measured against
