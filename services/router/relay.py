@@ -23,7 +23,7 @@ from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
 from services.router.calibration import TTFTCalibration
 from services.router.placement import Placement
-from services.router.stream_reader import StreamReader
+from services.router.stall import read_within
 from services.router.ticket import Ticket
 
 
@@ -53,7 +53,7 @@ class Relay:
         self.recent = recent
         self.calibration = calibration  # learns from the TTFTs of requests that ran alone
         self.first_token_s = first_token_s
-        self.stall_s = stall_s  # the longest silence after the first message (services/router/stream_reader.py)
+        self.stall_s = stall_s  # the longest silence after the first message (services/router/stall.py)
         self._stubs: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
         self.cluster = ClusterSecret.from_env()  # grants the decode worker the prefill address placed
 
@@ -74,22 +74,18 @@ class Relay:
             cache_salt=req.cache_salt,
         )
         call = self._stub(p.decode.address).Generate(forward, timeout=time_remaining)
-        rest: StreamReader | None = None
         try:
             msg = await self._first(call, ticket, time_remaining)
-            rest = StreamReader(call, self.stall_s, p.decode)
             while msg is not grpc.aio.EOF:
                 relayed = self._relayed(msg, ticket, clock)
                 yield relayed
                 if ticket.continuation is not None and relayed.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     return  # a migrated stream may end on a stop string its decode worker did not see
-                msg = await rest.read()
+                msg = await read_within(call, self.stall_s, p.decode)
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, f"decode worker {p.decode.worker_id} at {p.decode.address}") from e
         finally:
             call.cancel()  # a no-op once finished
-            if rest is not None:
-                rest.close()
 
     async def _first(self, call: grpc.aio.UnaryStreamCall, ticket: Ticket, time_remaining: float | None) -> object:
         """The first message, within the router's first-token bound unless the caller's deadline is sooner
