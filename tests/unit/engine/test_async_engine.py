@@ -225,6 +225,8 @@ async def until_idle(engine: AsyncEngine) -> None:
     """Every request the engine holds has finished its last step."""
     for _ in range(500):
         if engine.stats["running"] == engine.stats["waiting"] == 0:
+            # The last step's outputs were handed to this loop before the stats said so: let them arrive.
+            await asyncio.sleep(0.01)
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"engine still busy: {engine.stats}")
