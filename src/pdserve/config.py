@@ -15,6 +15,7 @@ from pdserve.protocol.roles import EngineMode, Role
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CLUSTER_MODES = ("disaggregated", "colocated")
+DECODE_GRAPH_MODES = ("auto", "static", "off")
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,16 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # CPU threads for torch; None: torch's default (a worker: the CPUs it may use)
+    # Decode steps of up to max_num_seqs sequences at fixed batch sizes (engine.decode_graphs). auto: captured
+    # in CUDA graphs on CUDA, off elsewhere; static: the same fixed-shape steps, not captured; off: eager.
+    decode_graphs: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in (*DTYPE_NAMES, "auto"):
             raise ValueError(f"dtype must be one of {[*DTYPE_NAMES, 'auto']}, got {self.dtype!r}")
+        if self.decode_graphs not in DECODE_GRAPH_MODES:
+            raise ValueError(f"decode_graphs must be one of {list(DECODE_GRAPH_MODES)}, got {self.decode_graphs!r}")
 
     @property
     def mode(self) -> EngineMode:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any, TypeVar
 
-from pdserve.config import DTYPE_NAMES, EngineConfig
+from pdserve.config import DECODE_GRAPH_MODES, DTYPE_NAMES, EngineConfig
 from pdserve.engine.model_files import BUILTIN_MODELS
 
 T = TypeVar("T")
@@ -28,7 +28,7 @@ def from_flags(cls: type[T], args: argparse.Namespace, renamed: Mapping[str, str
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --device, --threads: what every command that builds an engine takes."""
+    """--model, --dtype, --device, --threads, --decode-graphs: what every command that builds an engine takes."""
     e = EngineConfig
     p.add_argument("--model", default=e.model, help=f"{', '.join(BUILTIN_MODELS)}, a model folder or a .gguf")
     p.add_argument(
@@ -36,6 +36,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=e.device, help="auto (cuda when available), cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=e.num_threads, help="CPU threads for torch (default: torch's own)")
+    p.add_argument(
+        "--decode-graphs",
+        default=e.decode_graphs,
+        choices=DECODE_GRAPH_MODES,
+        help="decode steps at fixed batch sizes: auto (captured in CUDA graphs on CUDA, off elsewhere), static "
+        "(the same steps, not captured), off",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

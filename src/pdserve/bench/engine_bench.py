@@ -277,6 +277,7 @@ def run_engine_bench(
         "dtype": str(resolve_dtype(config)).removeprefix("torch."),
         "device": str(resolve_device(config)),
         "threads": torch.get_num_threads(),
+        "decode_steps": e.runner.decode_graphs.describe() if e.runner.decode_graphs else "eager",
         "prompt_len": prompt_len,
         "decode_prompt_len": decode_prompt_len,
         "decode_tokens": decode_tokens,
@@ -309,7 +310,8 @@ def run_engine_bench(
         f"model {result['model']}, dtype {result['dtype']}, device {result['device']}, {result['threads']} threads"
     )
     console.print(
-        f"prefill: {prompt_len} tokens; decode: {decode_tokens} tokens after {decode_prompt_len}-token prompts"
+        f"prefill: {prompt_len} tokens; decode: {decode_tokens} tokens after {decode_prompt_len}-token prompts; "
+        f"decode steps {result['decode_steps']}"
     )
     console.print(
         f"medians of {rounds} rounds, the engines back to back in each; ratios are medians of per-round ratios"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -9,12 +10,15 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.attention import AttentionMetadata, PrefillSpan
+from pdserve.engine.decode_graphs import DecodeBatch, DecodeGraphs
 from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_files import read_model_config
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.engine.weights import load_folder_weights, read_gguf
 from pdserve.protocol.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaModel:
@@ -36,13 +40,18 @@ class ModelRunner:
         self.dtype = resolve_dtype(engine_config)
         self.block_size = engine_config.block_size
         c = model.config
-        shape = (2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        # One block past the block manager's: the scratch block the decode graphs' padding rows write to.
+        shape = (2, num_blocks + 1, self.block_size, c.num_kv_heads, c.head_dim)
         # Zeroed, not empty: padded gathers read unused blocks, and masked garbage could still be NaN.
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)]
+        self.decode_graphs = _decode_graphs(engine_config, self.device, model, self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Runs every chunk; returns float32 logits [num sampling chunks, vocab], in chunk order."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(len(chunks)) and all(map(_is_decode, chunks)):
+            return graphs.run(self._decode_batch(chunks))
         input_ids, positions, meta, sample_rows = self._prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_rows:
@@ -79,6 +88,18 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         return input_ids, torch.from_numpy(positions).to(dev), meta, sample_rows
 
+    def _decode_batch(self, chunks: list[ScheduledChunk]) -> DecodeBatch:
+        bs = self.block_size
+        positions = np.fromiter((c.start_position for c in chunks), dtype=np.int64, count=len(chunks))
+        tables = [c.block_table for c in chunks]
+        slots = np.fromiter(
+            (table[p // bs] * bs + p % bs for table, p in zip(tables, positions.tolist(), strict=True)),
+            dtype=np.int64,
+            count=len(chunks),
+        )
+        token_ids = np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=len(chunks))
+        return DecodeBatch(token_ids=token_ids, positions=positions, slots=slots, block_tables=tables)
+
     def _decode_inputs(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not chunks:
             return None, None
@@ -110,3 +131,24 @@ class ModelRunner:
                 spans.append(PrefillSpan(start=row, length=n, block_table=table, mask=mask))
             row += n
         return tuple(spans)
+
+
+def _is_decode(chunk: ScheduledChunk) -> bool:
+    """One known token past the prompt whose logits pick the next: what a decode graph runs."""
+    return len(chunk.token_ids) == 1 and chunk.start_position > 0 and chunk.sample
+
+
+def _decode_graphs(
+    config: EngineConfig, device: torch.device, model: LlamaModel, kv_caches: list[torch.Tensor]
+) -> DecodeGraphs | None:
+    mode = config.decode_graphs
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return None
+    max_batch = config.scheduler.max_num_seqs
+    if mode == "static":
+        return DecodeGraphs(model, kv_caches, config.block_size, max_batch, capture=False)
+    try:
+        return DecodeGraphs(model, kv_caches, config.block_size, max_batch, capture=True)
+    except Exception:  # a speed-up, not a requirement: decoding eagerly still serves, at a cost the log names
+        logger.warning("decode steps could not be captured in CUDA graphs; decoding eagerly", exc_info=True)
+        return None

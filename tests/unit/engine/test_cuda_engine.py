@@ -1,5 +1,6 @@
 """The engine on CUDA, skipped without a GPU (`scripts/gpu_check.sh` runs these on a device machine): float32
-greedy output equals the CPU's token for token; bfloat16 runs the real model and returns every block."""
+greedy output equals the CPU's token for token (decode captured in CUDA graphs, the default, and eager);
+bfloat16 runs the real model and returns every block."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ pytestmark = [
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 180)), [7] * 300, list(range(200, 250)) * 3]  # within tiny-random's vocab
 
 
-def _greedy(model: str, device: str, dtype: str) -> tuple[list[list[int]], LLMEngine]:
-    engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype))
+def _greedy(model: str, device: str, dtype: str, decode_graphs: str = "auto") -> tuple[list[list[int]], LLMEngine]:
+    engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, decode_graphs=decode_graphs))
     completions = engine.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
     return [c.token_ids for c in completions], engine
 
@@ -29,6 +30,17 @@ def test_greedy_float32_on_cuda_equals_cpu(model: str) -> None:
     on_cpu, _ = _greedy(model, "cpu", "float32")
     on_cuda, _ = _greedy(model, "cuda", "float32")
     assert on_cuda == on_cpu
+
+
+@pytest.mark.parametrize("model", ["tiny-random", "smollm2-135m"])
+def test_decode_captured_in_cuda_graphs_equals_eager_decode(model: str) -> None:
+    eager, _ = _greedy(model, "cuda", "float32", decode_graphs="off")
+    captured, engine = _greedy(model, "cuda", "float32")
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None, "capture failed: see the warning logged by pdserve.engine.model_runner"
+    assert graphs.steps_run >= 23  # every step after the prompts' decodes through a graph
+    assert captured == eager
+    assert engine.blocks.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("model", ["tiny-random", "smollm2-135m"])
