@@ -219,7 +219,7 @@ class RequestLifecycle:
         key = f"{ticket.key.split('.')[0]}.{attempt}"
         self._record_move(worker, error, placement, attempt, key, len(streamed) if chunks else None)
         self.prefix_index.record(placement.prefill_worker.worker_id, placement.block_hashes)
-        continuation = Continuation(self.tokenizer, original, chunks) if chunks else None
+        continuation = Continuation(self.tokenizer.backend, original, chunks) if chunks else None
         started = time.perf_counter()
         moved = Ticket(key, ticket.client_id, req, placement, started, self.tracker, self.admission, continuation)
         ticket.release()  # only now: the request stays in flight throughout (a drain waits for it)

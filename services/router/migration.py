@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pdserve.engine.detokenizer import Decoder, IncrementalDetokenizer
+from tokenizers import Tokenizer
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.v1 import generate_pb2 as pb
 from services.router.request import RoutedRequest
 
@@ -27,7 +29,7 @@ def continued_request(original: RoutedRequest, streamed: list[int]) -> RoutedReq
 class Continuation:
     """Rewrites the continuation's messages as the original stream's detokenizer would have written them."""
 
-    def __init__(self, decoder: Decoder, original: RoutedRequest, chunks: list[list[int]]) -> None:
+    def __init__(self, decoder: Tokenizer, original: RoutedRequest, chunks: list[list[int]]) -> None:
         self._detok = IncrementalDetokenizer(decoder, original.prompt_token_ids, stop=original.sampling.stop)
         for chunk in chunks:
             self._detok.step(chunk)

@@ -171,12 +171,10 @@ class BlockManager:
             return
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         num_full = seq.num_computed_tokens // self.block_size
-        tokens = seq.token_ids
         while len(hashes) < num_full:
             i = len(hashes)
-            key = hash_block(
-                hashes[-1] if hashes else seq.cache_salt, tokens[i * self.block_size : (i + 1) * self.block_size]
-            )
+            tokens = seq.token_slice(i * self.block_size, (i + 1) * self.block_size)
+            key = hash_block(hashes[-1] if hashes else seq.cache_salt, tokens)
             hashes.append(key)
             block = seq.block_table[i]
             if self._block_hash[block] is None and key not in self._hash_to_block:

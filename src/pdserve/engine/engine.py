@@ -101,7 +101,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         self.validate(prompt_token_ids, sampling)
         seq = Sequence(request_id, list(prompt_token_ids), sampling, arrival=time.monotonic())
-        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, stop=sampling.stop)
+        detok = IncrementalDetokenizer(self.tokenizer.backend, seq.prompt_token_ids, stop=sampling.stop)
         generator = make_generator(sampling.seed, self.runner.device)
         self._requests[request_id] = _Request(seq, detok, generator)
         return seq

@@ -61,10 +61,12 @@ class ModelRunner:
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
-        ids: list[int] = []
-        pos_parts, slot_parts, sample_rows = [], [], []
-        num_decode = 0
-        for chunk in chunks:
+        num_decode = sum(map(_continues_by_one, chunks))  # the scheduler puts them first
+        decode = self._decode_batch(chunks[:num_decode])  # in plain Python: numpy costs more per token
+        ids: list[int] = decode.token_ids.tolist()
+        pos_parts, slot_parts = [decode.positions], [decode.slots]
+        sample_rows = [row for row, chunk in enumerate(chunks[:num_decode]) if chunk.sample]
+        for chunk in chunks[num_decode:]:
             n = len(chunk.token_ids)
             pos = np.arange(chunk.start_position, chunk.start_position + n)
             table = np.asarray(chunk.block_table, dtype=np.int64)
@@ -73,8 +75,6 @@ class ModelRunner:
             slot_parts.append(table[pos // bs] * bs + pos % bs)
             if chunk.sample:
                 sample_rows.append(len(ids) - 1)
-            if n == 1 and chunk.start_position > 0:
-                num_decode += 1
         dev = self.device
         positions = np.concatenate(pos_parts)
         decode_tables, decode_mask = self._decode_inputs(chunks[:num_decode])
@@ -133,9 +133,14 @@ class ModelRunner:
         return tuple(spans)
 
 
+def _continues_by_one(chunk: ScheduledChunk) -> bool:
+    """One token after tokens already in the cache: a decode, or a prompt's last token after a chunk."""
+    return len(chunk.token_ids) == 1 and chunk.start_position > 0
+
+
 def _is_decode(chunk: ScheduledChunk) -> bool:
-    """One known token past the prompt whose logits pick the next: what a decode graph runs."""
-    return len(chunk.token_ids) == 1 and chunk.start_position > 0 and chunk.sample
+    """One token past the cached ones whose logits pick the next: what a decode graph runs."""
+    return _continues_by_one(chunk) and chunk.sample
 
 
 def _decode_graphs(

@@ -116,7 +116,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         return ScheduledChunk(
             seq_id=seq.seq_id,
-            token_ids=seq.token_ids[start : start + n],
+            token_ids=seq.token_slice(start, start + n),
             start_position=start,
             block_table=list(seq.block_table),
             sample=start + n == seq.num_tokens,

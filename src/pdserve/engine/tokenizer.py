@@ -48,6 +48,11 @@ class Tokenizer:
         self._template = _compile(template) if template else None
 
     @property
+    def backend(self) -> _HFTokenizer:
+        """The `tokenizers` object itself, for what streams through it (`IncrementalDetokenizer`)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

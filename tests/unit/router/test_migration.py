@@ -3,6 +3,8 @@ writes, even where the break falls inside a held-back character or a stop string
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer, decoders, models
+
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.v1 import generate_pb2 as pb
@@ -12,11 +14,14 @@ from services.router.request import RoutedRequest
 ALPHABET = "xyzabcdefgh"
 
 
-class Letters:
-    """A decoder with one letter per token id."""
+def letters() -> Tokenizer:
+    """A tokenizer with one letter per token id."""
+    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(ALPHABET)}, unk_token="x"))
+    tokenizer.decoder = decoders.Fuse()
+    return tokenizer
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(ALPHABET[i] for i in ids)
+
+LETTERS = letters()
 
 
 def request(max_tokens: int = 10, stop: tuple[str, ...] = ()) -> RoutedRequest:
@@ -24,16 +29,16 @@ def request(max_tokens: int = 10, stop: tuple[str, ...] = ()) -> RoutedRequest:
 
 
 def whole(req: RoutedRequest, tokens: list[int]) -> tuple[str, bool]:
-    detok = IncrementalDetokenizer(Letters(), req.prompt_token_ids, stop=req.sampling.stop)
+    detok = IncrementalDetokenizer(LETTERS, req.prompt_token_ids, stop=req.sampling.stop)
     text = "".join(detok.step([t]) for t in tokens)
     return (text if detok.stopped else text + detok.flush()), detok.stopped
 
 
 def migrated(req: RoutedRequest, streamed: list[int], rest: list[int]) -> tuple[str, int]:
     """The client's text: the old worker's messages, then the continuation's as the router rewrites them."""
-    old = IncrementalDetokenizer(Letters(), req.prompt_token_ids, stop=req.sampling.stop)
+    old = IncrementalDetokenizer(LETTERS, req.prompt_token_ids, stop=req.sampling.stop)
     text = "".join(old.step([t]) for t in streamed)
-    continuation = Continuation(Letters(), req, [[t] for t in streamed])
+    continuation = Continuation(LETTERS, req, [[t] for t in streamed])
     reason = pb.FINISH_REASON_UNSPECIFIED
     for i, t in enumerate(rest):
         last = i == len(rest) - 1
@@ -72,9 +77,9 @@ def test_a_message_of_several_tokens_ends_at_the_token_that_completed_a_stop_str
     req = request(stop=("cd",))  # "c" is token 5, "d" token 6
     tokens = [3, 4, 5, 6, 7, 8]
     expected_text, _ = whole(req, tokens[:4])
-    old = IncrementalDetokenizer(Letters(), req.prompt_token_ids, stop=req.sampling.stop)
+    old = IncrementalDetokenizer(LETTERS, req.prompt_token_ids, stop=req.sampling.stop)
     streamed = "".join(old.step([t]) for t in tokens[:3])
-    continuation = Continuation(Letters(), req, [[t] for t in tokens[:3]])
+    continuation = Continuation(LETTERS, req, [[t] for t in tokens[:3]])
     msg = pb.GenerateResponse(token_ids=tokens[3:], text="?")  # "d", "e", "f" in one message
     continuation.rewrite(msg)
     assert list(msg.token_ids) == [6] and msg.finish_reason == pb.FINISH_REASON_STOP
