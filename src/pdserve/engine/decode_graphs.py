@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -85,11 +86,13 @@ class DecodeGraphs:
         """float32 logits [n, vocab] for the batch's n sequences; valid until the next call."""
         n = len(batch.token_ids)
         size = next(s for s in self.sizes if s >= n)
-        used = [-(-(int(p) + 1) // self.block_size) for p in batch.positions]
+        used = batch.positions // self.block_size + 1
         # Padding rows: token 0 at position 0, its key written to the scratch block's first slot.
-        tables = np.full((size, max(used)), self.scratch_block, dtype=np.int32)
-        for i, (table, count) in enumerate(zip(batch.block_tables, used, strict=True)):
-            tables[i, :count] = table[:count]
+        tables = np.full((size, used.max()), self.scratch_block, dtype=np.int32)
+        counts = used.tolist()
+        listed = chain.from_iterable(table[:c] for table, c in zip(batch.block_tables, counts, strict=True))
+        # Row by row, so each row's blocks in order: one pass instead of a numpy call per row.
+        tables[:n][np.arange(tables.shape[1]) < used[:, None]] = np.fromiter(listed, np.int32, int(used.sum()))
         ints = np.zeros((3, size), dtype=np.int64)
         ints[:, :n] = (batch.token_ids, batch.positions, batch.slots)
         ints[2, n:] = self.scratch_block * self.block_size
