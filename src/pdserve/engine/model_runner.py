@@ -17,6 +17,7 @@ from pdserve.engine.model_files import read_model_config
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.engine.weights import load_folder_weights, read_gguf
 from pdserve.protocol.model_config import ModelConfig
+from pdserve.protocol.roles import EngineMode
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +148,8 @@ def _decode_graphs(
     config: EngineConfig, device: torch.device, model: LlamaModel, kv_caches: list[torch.Tensor]
 ) -> DecodeGraphs | None:
     mode = config.decode_graphs
-    if mode == "off" or (mode == "auto" and device.type != "cuda"):
-        return None
+    if mode == "off" or (mode == "auto" and device.type != "cuda") or config.mode is EngineMode.PREFILL_ONLY:
+        return None  # a prefill worker's every step runs a prompt
     max_batch = config.scheduler.max_num_seqs
     if mode == "static":
         return DecodeGraphs(model, kv_caches, config.block_size, max_batch, capture=False)

@@ -10,6 +10,7 @@ import pytest
 from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.decode_graphs import batch_sizes
 from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,6 +75,17 @@ def test_the_scratch_block_is_past_the_block_managers() -> None:
 
 def test_auto_runs_eagerly_on_the_cpu() -> None:
     assert _engine("auto").runner.decode_graphs is None
+
+
+def test_a_prefill_only_engine_has_no_decode_steps_to_fix() -> None:
+    config = EngineConfig(
+        model="tiny-random",
+        device="cpu",
+        num_kv_blocks=64,
+        decode_graphs="static",
+        scheduler=SchedulerConfig(mode=EngineMode.PREFILL_ONLY),
+    )
+    assert LLMEngine(config).runner.decode_graphs is None
 
 
 @pytest.mark.parametrize(
