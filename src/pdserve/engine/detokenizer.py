@@ -7,6 +7,11 @@ from tokenizers.decoders import DecodeStream
 
 # Prompt tokens decoded ahead of the first output token so it gets the spacing it has in context.
 _PROMPT_CONTEXT = 5
+# Tokens that may wait for the character they end: a UTF-8 character is at most 4 bytes, a byte token at least
+# one. A longer run that still decodes to an unfinished character is invalid bytes, emitted as U+FFFD each;
+# waiting on would redecode an ever longer window every step (a model looping on one stray byte token).
+_MAX_WAITING_TOKENS = 8
+_INCOMPLETE = "\ufffd"  # what a decode ends with when its last bytes are not a whole character
 
 
 class IncrementalDetokenizer:
@@ -25,11 +30,13 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._stop = stop
         self._max_partial_stop = max((len(s) for s in stop), default=1) - 1
         # Only the prompt's tail is context for the first output tokens; it is never emitted.
-        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._context = list(prompt_token_ids[-_PROMPT_CONTEXT:])  # the last tokens whose text decoded
+        self._waiting: list[int] = []  # tokens fed since then, their text not yet decodable
+        self._stream = self._new_stream()
         self._held = ""
         self._emitted: list[str] = []
         self.stopped = False
@@ -49,8 +56,33 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         for token in new_token_ids:  # one at a time: text before a character still incomplete goes out now
-            self._held += self._stream.step(self._tokenizer, token) or ""
+            text = self._stream.step(self._tokenizer, token)
+            self._waiting.append(token)
+            if text is not None:
+                self._held += text
+                self._context = (self._context + self._waiting)[-_PROMPT_CONTEXT:]
+                self._waiting = []
+            elif len(self._waiting) > _MAX_WAITING_TOKENS:
+                self._held += self._decode_waiting()
         return self._release(final=False)
+
+    def _decode_waiting(self) -> str:
+        """The waiting tokens' text, invalid bytes as U+FFFD. The stream starts again after them from the same
+        context: tokens whose text decoded, which a stream can start from (it could not from invalid bytes)."""
+        decode = self._tokenizer.decode
+        before = decode(self._context, skip_special_tokens=self._skip_special_tokens)
+        text = decode(self._context + self._waiting, skip_special_tokens=self._skip_special_tokens)
+        self._waiting = []
+        self._stream = self._new_stream()
+        return text[len(before) :] if text.startswith(before) else text
+
+    def _new_stream(self) -> DecodeStream:
+        """A stream after `_context`. DecodeStream counts its context's text as emitted only when that text ends
+        in a whole character, so a context ending inside one (a prompt of token ids can) is cut back to where
+        it does; otherwise the first delta would repeat the prompt's tail."""
+        while self._context and self._tokenizer.decode(self._context).endswith(_INCOMPLETE):
+            self._context = self._context[:-1]
+        return DecodeStream(ids=self._context, skip_special_tokens=self._skip_special_tokens)
 
     def flush(self) -> str:
         """At finish (length or EOS): release the held-back text.

@@ -115,14 +115,35 @@ def test_flush_drops_an_incomplete_trailing_character() -> None:
     assert detok.text == "ab"
 
 
+def test_a_prompt_ending_inside_a_character_is_never_repeated_in_the_output() -> None:
+    """A prompt of token ids may stop mid-character; the output is the output's text alone."""
+    prompt = _ids("ab") + _ids("é")[:1]
+    assert TOKENIZER.decode(prompt) == "ab\ufffd"
+    assert "".join(_stream(IncrementalDetokenizer(TOKENIZER, prompt), _ids("ok"))) == "ok"
+
+
+def test_a_run_of_invalid_bytes_goes_out_as_replacement_characters() -> None:
+    """A model looping on a stray continuation byte: its text goes out every few tokens, not held (and redecoded)
+    until the run ends, and the whole is what one decode of every token gives."""
+    stray = 3 + 0x80  # the byte tokenizer's id for the byte 0x80, never the start of a character
+    ids = [stray] * 100 + _ids("ok")
+    detok = IncrementalDetokenizer(TOKENIZER, _ids("prompt"))
+    deltas = [detok.step([t]) for t in ids]
+    assert "".join(deltas[:100]).count("\ufffd") >= 100 - 8
+    assert "".join(deltas) + detok.flush() == TOKENIZER.decode(ids) == "\ufffd" * 100 + "ok"
+
+
 _text = st.text(st.characters(codec="utf-8", exclude_characters="\ufffd"), max_size=40)
 
 
+_byte_ids = st.lists(st.integers(3, 258), max_size=8)  # any bytes: a prompt of token ids need not be text
+
+
 @settings(max_examples=300, deadline=None)
-@given(prompt=_text, text=_text, chunk=st.integers(1, 4))
-def test_byte_by_byte_streaming_reproduces_any_text(prompt: str, text: str, chunk: int) -> None:
+@given(prompt=st.one_of(_text.map(_ids), _byte_ids), text=_text, chunk=st.integers(1, 4))
+def test_byte_by_byte_streaming_reproduces_any_text(prompt: list[int], text: str, chunk: int) -> None:
     output_ids = _ids(text)
-    deltas = _stream(IncrementalDetokenizer(TOKENIZER, _ids(prompt)), output_ids, chunk)
+    deltas = _stream(IncrementalDetokenizer(TOKENIZER, prompt), output_ids, chunk)
     # decode, not `text`: hypothesis finds special-token strings such as "<|im_start|>", which are skipped.
     assert "".join(deltas) == TOKENIZER.decode(output_ids)
     assert not any("\ufffd" in d for d in deltas)
