@@ -1,27 +1,30 @@
 #!/bin/bash
-# The checks to run on a machine with a GPU, as one command: the CUDA
-# tests (engine float32 on CUDA == CPU, decode in CUDA graphs == eager, bfloat16 on CUDA, a transfer of CUDA
-# caches over gloo), then the engine and transfer benches on CUDA, the engine's once more with decode eager
-# (--decode-graphs off) to show what the graphs buy. NCCL needs two GPUs (one rank per GPU), so the transfer bench forces gloo.
-# MODEL=tiny-random limits it to the model that needs no cache (SmolLM2's converted folder is too big to carry);
-# PY picks the interpreter (the device machine brings its own torch). Logs land in $OUT when it is set.
+# The checks to run on a machine with a GPU, as one command: the CUDA tests (engine float32 on CUDA == CPU,
+# decode in CUDA graphs == eager, bfloat16 on CUDA, llama-1b-random == transformers, a transfer of CUDA caches
+# over gloo), then the benches on CUDA: the transfer bench (gloo: NCCL needs two GPUs, one rank each) and, per
+# model, the engine bench against transformers and once more with decode eager (--decode-graphs off) to show
+# what the graphs buy.
+# Models: llama-1b-random (built where it runs: seeded, ~5 GB, no download) gives the GPU figures;
+# smollm2-135m joins where its converted folder is in the cache (it is too big to carry to a device machine,
+# which cannot download it), tiny-random runs in the tests. PY picks the interpreter (a device machine brings
+# its own torch). Logs land in $OUT when it is set.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-MODEL=${MODEL:-smollm2-135m}
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 LOGS=${OUT:-/tmp}
+CACHE=${PDSERVE_CACHE_DIR:-$HOME/.cache/pdserve}/models
 export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-filter=$([ "$MODEL" = tiny-random ] && echo "tiny or device" || echo "")
+models=llama-1b-random
+filter="not smollm2"
+if [ -f "$CACHE/smollm2-135m/model.safetensors" ]; then models="smollm2-135m $models"; filter=""; fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+"$PY" -m pdserve.cli fetch --model llama-1b-random
 "$PY" -m pytest -q -p no:cacheprovider -m cuda -k "$filter" tests/unit/engine/test_cuda_engine.py \
   tests/unit/transfer/test_device_caches.py 2>&1 | tee "$LOGS/cuda_tests.log"
 "$PY" -m pdserve.cli bench transfer --device cuda --backend gloo --repeats 5 2>&1 | tee "$LOGS/transfer_bench.log"
-"$PY" -m pdserve.cli bench engine --model "$MODEL" --device cuda --dtype bfloat16 --batch-sizes 1,8,32,128 \
-  --compare transformers 2>&1 | tee "$LOGS/engine_bench.log"
-"$PY" -m pdserve.cli bench engine --model "$MODEL" --device cuda --dtype bfloat16 --batch-sizes 1,32 \
-  --compare none --rounds 2 --decode-graphs off 2>&1 | tee "$LOGS/engine_bench_eager.log"
-if [ "$MODEL" != tiny-random ]; then  # the 1B-class shape, built on the device machine (seeded, ~5 GB, no download)
-  "$PY" -m pdserve.cli fetch --model llama-1b-random
-  "$PY" -m pdserve.cli bench engine --model llama-1b-random --device cuda --dtype bfloat16 --batch-sizes 1,8,32,128 \
-    --compare transformers 2>&1 | tee "$LOGS/engine_bench_1b.log"
-fi
+for model in $models; do
+  "$PY" -m pdserve.cli bench engine --model "$model" --device cuda --dtype bfloat16 --batch-sizes 1,8,32,128 \
+    --compare transformers 2>&1 | tee "$LOGS/engine_bench_$model.log"
+  "$PY" -m pdserve.cli bench engine --model "$model" --device cuda --dtype bfloat16 --batch-sizes 1,32 \
+    --compare none --rounds 2 --decode-graphs off 2>&1 | tee "$LOGS/engine_bench_eager_$model.log"
+done
