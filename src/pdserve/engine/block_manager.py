@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
-import numpy as np
-
+from pdserve.engine.free_runs import FreeRuns
 from pdserve.engine.sequence import Sequence
 from pdserve.protocol.prefix_hash import hash_block, prefix_hashes
 
@@ -30,8 +29,7 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
-        self._is_free = np.ones(num_blocks, dtype=bool)  # never keyed: taken before any cached block
-        self._num_free = num_blocks
+        self._free = FreeRuns(num_blocks)  # never keyed: taken before any cached block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced; oldest first
         self._seq_hashes: dict[str, list[bytes]] = {}  # keys of each sequence's full blocks so far
         self.prefix_hits = 0  # blocks served from the prefix cache, for metrics
@@ -39,7 +37,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now, cached ones included (they are evicted on demand)."""
-        return self._num_free + len(self._evictable)
+        return self._free.count + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
@@ -101,29 +99,29 @@ class BlockManager:
         want = max(room, count)
         taken: list[int] = []
         block = -1 if after is None else after + 1
-        while 0 <= block < self.num_blocks and len(taken) < count and self._is_free[block]:
+        while 0 <= block < self.num_blocks and len(taken) < count and block in self._free:
             taken.append(block)
             block += 1
-        self._claim(taken)
-        fit = self._free_run(want - len(taken)) if len(taken) < count and self._num_free else None
+        self._free.take(taken)
+        fit = self._free.best_fit(want - len(taken)) if len(taken) < count and self._free.count else None
         if fit is not None and fit[1] >= want - len(taken):
             run = list(range(fit[0], fit[0] + count - len(taken)))
-            self._claim(run)
+            self._free.take(run)
             taken.extend(run)
         run = []
         while len(taken) + len(run) < want and self._evictable:
             oldest = next(iter(self._evictable))
             block = oldest + 1
-            while len(taken) + len(run) < want and block < self.num_blocks and self._is_free[block]:
-                self._claim([block])
+            while len(taken) + len(run) < want and block < self.num_blocks and block in self._free:
+                self._free.take([block])
                 run.append(block)
                 block += 1
             block = oldest
             while len(taken) + len(run) < want and block >= 0:
                 if block in self._evictable:
                     self._evict(block)
-                elif self._is_free[block]:
-                    self._claim([block])
+                elif block in self._free:
+                    self._free.take([block])
                 else:
                     break
                 run.append(block)
@@ -131,20 +129,15 @@ class BlockManager:
         run.sort()
         spare = run[count - len(taken) :]
         taken.extend(run[: count - len(taken)])
-        self._is_free[spare] = True
-        self._num_free += len(spare)
+        self._free.give(spare)
         while len(taken) < count:
-            start, length = self._free_run(count - len(taken))
+            start, length = self._free.best_fit(count - len(taken))
             run = list(range(start, start + min(length, count - len(taken))))
-            self._claim(run)
+            self._free.take(run)
             taken.extend(run)
         for block in taken:
             self._ref_counts[block] = 1
         return taken
-
-    def _claim(self, free_blocks: list[int]) -> None:
-        self._is_free[free_blocks] = False
-        self._num_free -= len(free_blocks)
 
     def _evict(self, block: int) -> None:
         del self._evictable[block]
@@ -152,18 +145,6 @@ class BlockManager:
         self._block_hash[block] = None
         if key is not None and self._hash_to_block.get(key) == block:
             del self._hash_to_block[key]
-
-    def _free_run(self, count: int) -> tuple[int, int]:
-        """(start, length <= count) of free blocks: the shortest free run that holds `count`, else the longest."""
-        edges = np.diff(np.concatenate(([0], self._is_free.view(np.int8), [0])))
-        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-        lengths = ends - starts
-        fits = np.flatnonzero(lengths >= count)
-        if fits.size:
-            best = fits[lengths[fits].argmin()]
-            return int(starts[best]), count
-        longest = int(lengths.argmax())
-        return int(starts[longest]), int(lengths[longest])
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Key the sequence's blocks that became full of computed tokens, so later requests can reuse them."""
@@ -184,14 +165,15 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Return every block the sequence holds. Tail blocks go first, so eviction takes them before
         the shared prefix blocks in front of them."""
+        unkeyed = []
         for block in reversed(seq.block_table):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 if self._block_hash[block] is not None:
                     self._evictable[block] = None
                 else:
-                    self._is_free[block] = True
-                    self._num_free += 1
+                    unkeyed.append(block)
+        self._free.give(unkeyed)
         seq.block_table = []
         self._seq_hashes.pop(seq.seq_id, None)
 
