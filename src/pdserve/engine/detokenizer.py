@@ -80,7 +80,8 @@ class IncrementalDetokenizer:
         """A stream after `_context`. DecodeStream counts its context's text as emitted only when that text ends
         in a whole character, so a context ending inside one (a prompt of token ids can) is cut back to where
         it does; otherwise the first delta would repeat the prompt's tail."""
-        while self._context and self._tokenizer.decode(self._context).endswith(_INCOMPLETE):
+        skip = self._skip_special_tokens
+        while self._context and self._tokenizer.decode(self._context, skip_special_tokens=skip).endswith(_INCOMPLETE):
             self._context = self._context[:-1]
         return DecodeStream(ids=self._context, skip_special_tokens=self._skip_special_tokens)
 
