@@ -3,6 +3,7 @@ seen finish since: a heartbeat taken before a prompt's first token came back sti
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter, defaultdict, deque
 
@@ -16,14 +17,19 @@ class LoadTracker:
         self.pending_blocks: Counter[str] = Counter()  # KV blocks a decode worker is about to reserve
         self.decoding: Counter[str] = Counter()  # streams in flight per decode worker
         self._prefilled: defaultdict[str, deque[tuple[float, int]]] = defaultdict(deque)  # (wall time, tokens)
-        self._placed: defaultdict[str, deque[tuple[float, int]]] = defaultdict(deque)  # (wall time, KV blocks)
+        # Requests not yet finished, per decode worker: placement number -> (wall time placed, KV blocks).
+        self._placed: defaultdict[str, dict[int, tuple[float, int]]] = defaultdict(dict)
+        self._placements = itertools.count()
 
-    def start(self, prefill_id: str, decode_id: str, tokens: int, seconds: float, blocks: int) -> None:
+    def start(self, prefill_id: str, decode_id: str, tokens: int, seconds: float, blocks: int) -> int:
+        """Returns the placement's number, for `finished`."""
         self.pending_prefill_tokens[prefill_id] += tokens
         self.pending_prefill_s[prefill_id] += seconds
         self.pending_blocks[decode_id] += blocks
         self.decoding[decode_id] += 1
-        _log(self._placed[decode_id], blocks)
+        placement = next(self._placements)
+        self._placed[decode_id][placement] = (time.time(), blocks)
+        return placement
 
     def prefilled(self, prefill_id: str, decode_id: str, tokens: int, seconds: float, blocks: int) -> None:
         """The first token is back (or the request ended before it): its prefill no longer queues."""
@@ -37,12 +43,14 @@ class LoadTracker:
         return sum(tokens for at, tokens in self._prefilled[prefill_id] if at > since)
 
     def placed_since(self, decode_id: str, since: float) -> int:
-        """KV blocks of ours placed on the decode worker after wall time `since` (a heartbeat's): reserved there
-        after it sampled its free blocks, first token back or not."""
-        return sum(blocks for at, blocks in self._placed[decode_id] if at > since)
+        """KV blocks of our unfinished requests placed on the decode worker after wall time `since` (a
+        heartbeat's): reserved there after it sampled its free blocks, first token back or not. A finished
+        request holds none, whether it reserved them or ended before (an idle worker samples no more)."""
+        return sum(blocks for at, blocks in self._placed[decode_id].values() if at > since)
 
-    def finished(self, decode_id: str) -> None:
+    def finished(self, decode_id: str, placement: int) -> None:
         self.decoding[decode_id] -= 1
+        self._placed[decode_id].pop(placement, None)
 
 
 def _log(entries: deque[tuple[float, int]], amount: int) -> None:

@@ -28,11 +28,12 @@ class Ticket:
     _prefilled: bool = field(default=False, init=False)
     _released: bool = field(default=False, init=False)
     _found_idle: bool = field(default=False, init=False)
+    _placement_number: int = field(default=-1, init=False)
 
     def __post_init__(self) -> None:
         p = self.placement
         self._found_idle = not self.tracker.pending_prefill_tokens[p.prefill_worker.worker_id]
-        self.tracker.start(
+        self._placement_number = self.tracker.start(
             p.prefill_worker.worker_id, p.decode.worker_id, self.new_tokens, self.holds_s, p.blocks_needed
         )
         self.admission.in_flight += 1
@@ -69,7 +70,7 @@ class Ticket:
             return
         self._released = True
         self.prefilled()
-        self.tracker.finished(self.placement.decode.worker_id)
+        self.tracker.finished(self.placement.decode.worker_id, self._placement_number)
         self.admission.in_flight -= 1
 
     def __enter__(self) -> Ticket:

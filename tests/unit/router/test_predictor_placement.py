@@ -64,10 +64,9 @@ def test_tpot_grows_with_the_running_batch_reported_or_sent():
     pred = Predictor(RouterConfig(), tracker)
     assert pred.tpot_s(worker("d0", "decode")) == pytest.approx(PROFILE.decode_step_s(1))
     assert pred.tpot_s(worker("d0", "decode", running=30)) == pytest.approx(PROFILE.decode_step_s(31))
-    for _ in range(10):
-        tracker.start("p0", "d1", tokens=10, seconds=0.01, blocks=1)
+    placements = [tracker.start("p0", "d1", tokens=10, seconds=0.01, blocks=1) for _ in range(10)]
     assert pred.tpot_s(worker("d1", "decode")) == pytest.approx(PROFILE.decode_step_s(11))
-    tracker.finished("d1")
+    tracker.finished("d1", placements[0])
     assert pred.tpot_s(worker("d1", "decode")) == pytest.approx(PROFILE.decode_step_s(10))
 
 
@@ -208,3 +207,15 @@ def test_free_blocks_keep_out_what_was_placed_after_the_report_sampled_them_firs
     tracker.prefilled("p0", "d0", tokens=100, seconds=0.1, blocks=90)
     assert pred.free_blocks(worker("d0", "decode", kv_blocks_free=100, load_at=sampled)) == 10
     assert pred.free_blocks(worker("d0", "decode", kv_blocks_free=10)) == 10  # a report after it: counted once
+
+
+def test_a_finished_request_holds_no_blocks_even_on_a_worker_that_reported_before_it():
+    """An idle decode worker samples no new load: a request placed after its last sample that has ended since
+    (served, or failed before it reserved anything) must not keep its blocks off the worker's free count."""
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    sampled = time.time() - 0.2
+    placement = tracker.start("p0", "d0", tokens=100, seconds=0.1, blocks=90)
+    tracker.prefilled("p0", "d0", tokens=100, seconds=0.1, blocks=90)
+    tracker.finished("d0", placement)
+    assert pred.free_blocks(worker("d0", "decode", kv_blocks_free=100, load_at=sampled)) == 100
