@@ -18,12 +18,13 @@ async def generate_here(
     prompt: list[int],
     sampling: SamplingParams,
     cache_salt: bytes = b"",
+    resumed_output_tokens: int = 0,
 ) -> AsyncIterator[RequestOutput]:
     # Not made current: a span context entered across `yield`s can be left from another context.
     span = telemetry.tracer.start_span("decode.stream", attributes={"request.id": request_id, "worker.id": worker_id})
     tokens = 0
     try:
-        async for out in engine.generate(request_id, prompt, sampling, cache_salt):
+        async for out in engine.generate(request_id, prompt, sampling, cache_salt, resumed_output_tokens):
             tokens += len(out.new_token_ids)
             yield out
     finally:

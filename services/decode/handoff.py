@@ -36,6 +36,7 @@ class HandoffRequest:
     prefill_address: str  # host:port of the prefill worker the router placed it on
     client_request_id: str = ""  # the caller's own id: echoed in logs and traces, never a key
     cache_salt: bytes = b""  # the router's prefix-cache salt, for the prefill worker's cache
+    resumed_output_tokens: int = 0  # the prompt's last tokens generated before the stream moved here
 
 
 @dataclass
@@ -57,7 +58,9 @@ class Handoff:
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs; the last one counts the prompt tokens the prefill worker's cache served.
         `on_dispatched` runs once the prefill worker has been called (what is slow from then on is its side)."""
-        blocks = await self.engine.reserve(request.request_id, request.prompt, request.sampling)
+        blocks = await self.engine.reserve(
+            request.request_id, request.prompt, request.sampling, request.resumed_output_tokens
+        )
         if blocks is None:
             raise OverloadedError(
                 f"decode worker {self.worker_id} has no free KV blocks for {len(request.prompt)} tokens"

@@ -70,6 +70,7 @@ class PrefillClient:
             cache_salt=handoff.cache_salt,
             prompt_token_ids=handoff.prompt,
             sampling=sampling_to_pb(handoff.sampling),
+            resumed_output_tokens=handoff.resumed_output_tokens,
             target=wpb.KVTarget(
                 decode_worker_id=target.decode_worker_id,
                 rendezvous=target.rendezvous,

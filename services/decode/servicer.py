@@ -50,7 +50,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         outputs: AsyncIterator[RequestOutput]
         if not request.prefill_address:
             outputs = generate_here(
-                self.engine, self.telemetry, self.worker_id, request.request_id, prompt, sampling, request.cache_salt
+                self.engine,
+                self.telemetry,
+                self.worker_id,
+                request.request_id,
+                prompt,
+                sampling,
+                request.cache_salt,
+                request.resumed_output_tokens,
             )
         elif self.handoff is None:
             raise UnavailableError(f"worker {self.worker_id} ({self.role}) takes no KV hand-offs")
@@ -66,6 +73,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 request.prefill_address,
                 request.client_request_id,
                 request.cache_salt,
+                request.resumed_output_tokens,
             )
 
             async def dispatched() -> None:

@@ -36,6 +36,7 @@ class PrefillJob:
     transfer_timeout_s: float  # the decode side's own deadline for the transfer
     client_request_id: str = ""  # the caller's own id: echoed in logs, matched by fault injection, never a key
     cache_salt: bytes = b""  # the router's prefix-cache salt (the tenant's)
+    resumed_output_tokens: int = 0  # the prompt's last tokens generated before the stream moved
 
 
 @dataclass
@@ -78,7 +79,9 @@ class RunAndSend:
     async def _run_prompt(self, job: PrefillJob) -> RequestOutput:
         """Prefills the prompt; its blocks stay held for the hand-off. Traces its queue wait and compute."""
         start_ns = now_ns()
-        out = await self.engine.prefill(job.request_id, job.prompt, job.sampling, job.cache_salt)
+        out = await self.engine.prefill(
+            job.request_id, job.prompt, job.sampling, job.cache_salt, job.resumed_output_tokens
+        )
         end_ns = now_ns()
         ran_ns = self.engine.take_started_ns(job.request_id) or start_ns
         ids = {"request__id": job.request_id, "worker__id": self.worker_id}

@@ -39,6 +39,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             request.transfer_timeout_ms / 1e3,
             request.client_request_id,
             request.cache_salt,
+            request.resumed_output_tokens,
         )
         async with contextlib.aclosing(self.run_and_send.run(job)) as events:  # type: ignore[type-var]
             async for event in events:

@@ -4,7 +4,9 @@ already streamed is prefilled again and decoding goes on from there, max_tokens 
 The new decode worker's detokenizer starts fresh on that longer prompt, so the router re-derives the text of the
 continuation itself: an `IncrementalDetokenizer` over the original prompt, fed the streamed tokens in the chunks
 the client got, then the continuation's. Text the old worker still held back (half a character, the start of a
-possible stop string) and stop strings spanning the break come out exactly as in an unfailed run. Limits: the
+possible stop string) and stop strings spanning the break come out exactly as in an unfailed run. The workers
+are told how many of the prompt's tokens were streamed (`resumed_output_tokens`), so presence and frequency
+penalties count them as output, as the failed worker did. Limits: the
 sampler's random state restarts on the new worker, so a sampled (seeded) request continues validly but not
 bit-identically; greedy output is identical (the prompt's KV is recomputed, not copied, so a near-tie between
 two logits could in principle flip).
@@ -23,7 +25,12 @@ from services.router.request import RoutedRequest
 
 def continued_request(original: RoutedRequest, streamed: list[int]) -> RoutedRequest:
     sampling = replace(original.sampling, max_tokens=original.sampling.max_tokens - len(streamed))
-    return replace(original, prompt_token_ids=original.prompt_token_ids + streamed, sampling=sampling)
+    return replace(
+        original,
+        prompt_token_ids=original.prompt_token_ids + streamed,
+        sampling=sampling,
+        resumed_output_tokens=original.resumed_output_tokens + len(streamed),
+    )
 
 
 class Continuation:

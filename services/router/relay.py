@@ -72,6 +72,7 @@ class Relay:
             prefill_grant=self.cluster.prefill_grant(ticket.key, p.prefill.address) if p.prefill else b"",
             client_request_id=ticket.client_id,
             cache_salt=req.cache_salt,
+            resumed_output_tokens=req.resumed_output_tokens,
         )
         call = self._stub(p.decode.address).Generate(forward, timeout=time_remaining)
         try:

@@ -49,6 +49,7 @@ class RoutedRequest:
     tpot_slo_ms: float
     priority: int
     cache_salt: bytes = b""  # the prefix-cache salt of its tenant (and its own cache_salt)
+    resumed_output_tokens: int = 0  # the prompt's last tokens are its own output: a stream moved after a failure
 
 
 async def build_request(

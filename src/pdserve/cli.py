@@ -68,6 +68,9 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="0: off")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--presence-penalty", type=float, default=SamplingParams.presence_penalty, help="in [-2, 2]")
+    gen.add_argument("--frequency-penalty", type=float, default=SamplingParams.frequency_penalty, help="in [-2, 2]")
+    gen.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty, help="1: off")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     gen.set_defaults(func=_generate)
 

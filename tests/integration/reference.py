@@ -12,11 +12,12 @@ PROMPT = [5, 6, 7, 8, 9] * 7  # three KV blocks
 MAX_TOKENS = 8
 
 
-def greedy(prompt: list[int], max_tokens: int) -> list[int]:
+def greedy(prompt: list[int], max_tokens: int, **penalties: float) -> list[int]:
     """tiny-random's greedy tokens for `prompt`, in float32 on one thread, as the cluster's workers compute."""
     blocks = max(16, -(-(len(prompt) + max_tokens) // EngineConfig.block_size))
     engine = LLMEngine(EngineConfig(model="tiny-random", dtype="float32", num_threads=1, num_kv_blocks=blocks))
-    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **penalties)
+    return engine.generate([prompt], sampling)[0].token_ids
 
 
 def greedy_request(request_id: str, prompt: list[int], max_tokens: int) -> pb.GenerateRequest:

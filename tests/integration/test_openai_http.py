@@ -23,7 +23,7 @@ from pdserve.cluster.local_process import ClusterProcess, free_port
 from pdserve.rpc.client import generate
 from pdserve.v1 import generate_pb2 as pb
 from tests.integration.cluster_view import scrape, status_json, total
-from tests.integration.reference import MAX_TOKENS, PROMPT
+from tests.integration.reference import MAX_TOKENS, PROMPT, greedy
 
 pytestmark = pytest.mark.timeout(180)
 MODEL = "tiny-random"
@@ -101,6 +101,37 @@ def test_chat_is_the_grpc_paths_greedy_answer_and_streams_usage_last(cluster, cl
     assert last.usage.prompt_tokens == usage.prompt_tokens
 
 
+def test_penalties_reach_the_engine_as_the_single_process_engine_applies_them(cluster, client):
+    """OpenAI's presence and frequency penalties and vLLM's repetition_penalty, through prefill (first token)
+    and decode (the rest): the gRPC path's tokens are the single-process engine's, the HTTP path's text theirs."""
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 1.0, "repetition_penalty": 1.25}
+    expected = greedy(PROMPT, MAX_TOKENS, **penalties)
+    assert expected != greedy(PROMPT, MAX_TOKENS)  # they matter for this prompt
+
+    async def grpc_tokens() -> tuple[list[int], str]:
+        sampling = pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **penalties)
+        request = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=sampling)
+        result = None
+        async for _msg, result in generate(cluster.address, request, 60):  # noqa: B007 (the last one is the answer)
+            pass
+        assert result is not None
+        return result.token_ids, result.text
+
+    tokens, text = asyncio.run(grpc_tokens())
+    assert tokens == expected
+    extra = {"ignore_eos": True, "repetition_penalty": 1.25}
+    answer = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        presence_penalty=0.5,
+        frequency_penalty=1.0,
+        extra_body=extra,
+    )
+    assert answer.choices[0].text == text
+
+
 def test_models_lists_the_served_model_and_health_answers(cluster, client):
     assert [m.id for m in client.models.list()] == [MODEL]
     with pytest.raises(openai.NotFoundError) as e:
@@ -143,7 +174,8 @@ def test_http_requests_are_traced_and_counted_as_grpc_ones(cluster, client, coll
 BAD_COMPLETIONS = [
     ({"n": 2}, "n"),
     ({"logprobs": 1}, "logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),

@@ -22,7 +22,7 @@ from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generate_pb2 as pb
 from tests.integration.cluster_view import Collector, scrape, total
-from tests.integration.reference import PROMPT, request
+from tests.integration.reference import PROMPT, greedy, request
 from tests.integration.worker_view import pid_serving, workers
 
 pytestmark = pytest.mark.timeout(300)
@@ -160,10 +160,12 @@ def test_a_stuck_prefill_worker_costs_the_first_token_bound_then_the_request_run
 
 
 LONG = 1500  # output tokens: seconds of decoding on tiny-random, time to find the decode worker and kill it
+# Penalties that count output tokens: the moved stream's new workers must count the streamed ones as output.
+PENALTIES = {"presence_penalty": 0.25, "frequency_penalty": 0.125}
 
 
 def long_request(request_id: str) -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(max_tokens=LONG, ignore_eos=True)
+    sampling = pb.SamplingParams(max_tokens=LONG, ignore_eos=True, **PENALTIES)
     return pb.GenerateRequest(request_id=request_id, prompt_token_ids=PROMPT, sampling=sampling)
 
 
@@ -205,7 +207,7 @@ def test_decode_worker_killed_mid_stream_the_client_gets_the_unfailed_output(clu
         unfailed = None
         async for _, unfailed in generate(cluster.address, long_request("unfailed"), 120.0):  # noqa: B007
             pass
-        assert unfailed is not None and len(unfailed.token_ids) == LONG
+        assert unfailed is not None and unfailed.token_ids == greedy(PROMPT, LONG, **PENALTIES)
         await no_decode_running(cluster.address)  # so `decoding` cannot find the unfailed run's worker
 
         got, killed_at, victim = None, 0, None
@@ -218,7 +220,7 @@ def test_decode_worker_killed_mid_stream_the_client_gets_the_unfailed_output(clu
         assert 0 < killed_at < LONG
         log = cluster.log()
         assert "migrated after" in log and f"worker {victim.id} failed it" in log, log[-3000:]
-        assert got.token_ids == unfailed.token_ids  # no gap, no repeat, the same greedy tokens
+        assert got.token_ids == unfailed.token_ids  # no gap, no repeat, the same greedy tokens and penalties
         assert got.text == unfailed.text
         assert got.finish_reason == "length"
         assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(PROMPT), LONG)

@@ -12,7 +12,8 @@ from typing import Any
 from pdserve.errors import InvalidRequestError
 from pdserve.v1 import generate_pb2 as pb
 
-SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the last is vLLM's
+SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", *PENALTIES)
 COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "slo", *SAMPLING}
 COMPLETION_PARAMS = frozenset({*COMMON, "prompt"})
 CHAT_PARAMS = frozenset({*COMMON, "messages", "max_completion_tokens"})
@@ -75,6 +76,9 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
     if top_p is not None and not 0 < top_p <= 1:  # checked here: the gRPC API reads 0 as "off"
         raise InvalidRequestError("top_p", f"must be in (0, 1], got {top_p}")
     top_k = _int(body, "top_k", -1, INT32)
+    repetition_penalty = _number(body, "repetition_penalty")
+    if repetition_penalty is not None and not repetition_penalty > 0:  # here: the gRPC API reads 0 as "off"
+        raise InvalidRequestError("repetition_penalty", f"must be > 0 (1 = off), got {repetition_penalty}")
     msg = pb.SamplingParams(
         max_tokens=max_tokens or 0,
         temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
@@ -82,6 +86,9 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
         top_k=max(top_k or 0, 0),  # -1 is vLLM's "off", as 0 is ours
         stop=_stops(body),
         ignore_eos=bool(_typed(body, "ignore_eos", bool)),
+        presence_penalty=_number(body, "presence_penalty") or 0.0,
+        frequency_penalty=_number(body, "frequency_penalty") or 0.0,
+        repetition_penalty=repetition_penalty or 0.0,
     )
     seed = _int(body, "seed", 0, UINT64)
     if seed is not None:

@@ -120,14 +120,19 @@ class AsyncEngine:
     # -- called from asyncio -------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: bytes = b""
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        cache_salt: bytes = b"",
+        resumed_output_tokens: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request (mixed or prefill-only engine) and yield its outputs; abort it if the caller leaves.
         Raises DuplicateRequestError while another request with this id is in flight here."""
         stream = self._open(request_id)
         live = False  # the engine holds this caller's request: abort it if the caller leaves early
         try:
-            await self._add(request_id, prompt_token_ids, sampling, cache_salt)
+            await self._add(request_id, prompt_token_ids, sampling, cache_salt, resumed_output_tokens)
             live = True
             async for out in self._drain(stream):
                 live = not out.finished
@@ -136,14 +141,19 @@ class AsyncEngine:
             await self._close(request_id, stream, abort=live)
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: bytes = b""
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        cache_salt: bytes = b"",
+        resumed_output_tokens: int = 0,
     ) -> RequestOutput:
         """Prefill-only engine: run the prompt and return the first token. Unless that finished the
         request, its blocks stay held for the hand-off until `release` (or `abort`)."""
         stream = self._open(request_id)
         live = False
         try:
-            await self._add(request_id, prompt_token_ids, sampling, cache_salt)
+            await self._add(request_id, prompt_token_ids, sampling, cache_salt, resumed_output_tokens)
             live = True
             async for out in self._drain(stream):
                 live = False  # finished, or held for the hand-off: the caller releases it
@@ -152,11 +162,13 @@ class AsyncEngine:
         finally:
             await self._close(request_id, stream, abort=live)
 
-    async def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> list[int] | None:
+    async def reserve(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, resumed_output_tokens: int = 0
+    ) -> list[int] | None:
         """Decode-only engine: the blocks the prompt's KV will arrive in, held until `commit_and_stream` or
         `abort`; None when the pool cannot hold them now. A caller cancelled meanwhile holds nothing."""
         return await self._call(
-            lambda e: e.reserve(request_id, prompt_token_ids, sampling),
+            lambda e: e.reserve(request_id, prompt_token_ids, sampling, resumed_output_tokens),
             undo=lambda e, blocks: None if blocks is None else _drop(e, request_id),
         )
 
@@ -256,10 +268,15 @@ class AsyncEngine:
             raise
 
     async def _add(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: bytes
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        cache_salt: bytes,
+        resumed_output_tokens: int,
     ) -> None:
         await self._call(
-            lambda e: e.add_request(request_id, prompt_token_ids, sampling, cache_salt),
+            lambda e: e.add_request(request_id, prompt_token_ids, sampling, cache_salt, resumed_output_tokens),
             undo=lambda e, _: _drop(e, request_id),
         )
 

@@ -7,6 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.config import EngineConfig
@@ -16,7 +17,7 @@ from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.model_files import tokenizer_folder
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes, load_model
 from pdserve.engine.models import resolve_model
-from pdserve.engine.sampler import Sampler, make_generator
+from pdserve.engine.sampler import Sampler, TokenHistory, make_generator
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.tokenizer import Tokenizer
@@ -40,6 +41,10 @@ class _Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
+    prompt_seen: np.ndarray | None  # with penalties: the prompt's distinct tokens, found once
+
+    def token_history(self) -> TokenHistory:
+        return None if self.prompt_seen is None else (self.prompt_seen, self.seq.penalized_output_token_ids())
 
 
 class LLMEngine:
@@ -87,23 +92,43 @@ class LLMEngine:
             )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: bytes = b""
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        cache_salt: bytes = b"",
+        resumed_output_tokens: int = 0,
     ) -> None:
-        """`cache_salt`: the prefix cache shares blocks only between requests with the same salt (a tenant's)."""
+        """`cache_salt`: the prefix cache shares blocks only between requests with the same salt (a tenant's).
+        `resumed_output_tokens`: the prompt's last tokens are this request's own output from before its stream
+        moved (penalties count them as output)."""
         if self.config.mode is EngineMode.DECODE_ONLY:
             raise RuntimeError("a decode-only engine takes sequences with their KV, through receive()")
-        seq = self._new_request(request_id, prompt_token_ids, sampling)
+        seq = self._new_request(request_id, prompt_token_ids, sampling, resumed_output_tokens)
         seq.cache_salt = cache_salt
         self.scheduler.add(seq)
 
-    def _new_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, resumed_output_tokens: int
+    ) -> Sequence:
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         self.validate(prompt_token_ids, sampling)
-        seq = Sequence(request_id, list(prompt_token_ids), sampling, arrival=time.monotonic())
+        if not 0 <= resumed_output_tokens <= len(prompt_token_ids):
+            raise InvalidRequestError(
+                "resumed_output_tokens", f"must be in [0, {len(prompt_token_ids)}], got {resumed_output_tokens}"
+            )
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            sampling,
+            arrival=time.monotonic(),
+            resumed_output_tokens=resumed_output_tokens,
+        )
         detok = IncrementalDetokenizer(self.tokenizer.backend, seq.prompt_token_ids, stop=sampling.stop)
         generator = make_generator(sampling.seed, self.runner.device)
-        self._requests[request_id] = _Request(seq, detok, generator)
+        seen = np.unique(np.asarray(seq.original_prompt_token_ids, dtype=np.int64)) if sampling.penalized else None
+        self._requests[request_id] = _Request(seq, detok, generator, seen)
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -123,10 +148,12 @@ class LLMEngine:
         if req is not None:
             self.scheduler.finish(req.seq, FinishReason.LENGTH)
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> list[int] | None:
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, resumed_output_tokens: int = 0
+    ) -> list[int] | None:
         """Decode side: allocate the blocks a prompt's KV will arrive in, before any byte moves.
         None when the pool cannot hold it now (the caller retries or sheds)."""
-        seq = self._new_request(request_id, prompt_token_ids, sampling)
+        seq = self._new_request(request_id, prompt_token_ids, sampling, resumed_output_tokens)
         if not self.blocks.allocate_slots(seq, seq.num_prompt_tokens):
             del self._requests[request_id]
             return None
@@ -153,7 +180,9 @@ class LLMEngine:
         logits = self.runner.execute(plan.chunks)
         self.scheduler.complete_step()
         sampled = [self._requests[c.seq_id] for c in plan.chunks if c.sample]
-        token_ids = self.sampler(logits, [r.seq.sampling for r in sampled], [r.generator for r in sampled]).tolist()
+        params = [r.seq.sampling for r in sampled]
+        histories = [r.token_history() for r in sampled]
+        token_ids = self.sampler(logits, params, [r.generator for r in sampled], histories).tolist()
         return [self._append_token(req, tok) for req, tok in zip(sampled, token_ids, strict=True)]
 
     def _append_token(self, req: _Request, token: int) -> RequestOutput:

@@ -5,12 +5,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from pdserve.protocol.sampling import SamplingParams
 
 # Dividing by a near-zero temperature would overflow logits to inf and softmax to nan.
 _MIN_TEMPERATURE = 1e-5
+
+# What a row's penalties look at: its prompt's distinct tokens (int64) and its output tokens in order (None for a
+# row without penalties). The prompt's part is computed once per request, the output's grows by a token a step.
+TokenHistory = tuple[np.ndarray, list[int]] | None
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
@@ -27,6 +32,7 @@ class Sampler:
 
     A row with a generator draws its randomness only from it, so a seeded request gives the same tokens
     whatever else shares its batch. Rows without one use the global RNG. Greedy rows draw nothing.
+    Penalties apply first (as in vLLM), then temperature, top-k and top-p.
     """
 
     def __call__(
@@ -34,9 +40,16 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        histories: Sequence[TokenHistory] | None = None,
     ) -> torch.Tensor:
-        """logits [N, V] in any float dtype; returns [N] int64 token ids on logits.device."""
+        """logits [N, V] in any float dtype, read only; returns [N] int64 token ids on logits.device.
+        `histories` is required when a row has penalties."""
         logits = logits.float()
+        penalized_rows = [i for i, p in enumerate(params) if p.penalized]
+        if penalized_rows:
+            if histories is None:
+                raise ValueError("rows with penalties need their token histories")
+            logits = self._penalized(logits, penalized_rows, params, histories)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
             return logits.argmax(dim=-1)
@@ -62,6 +75,40 @@ class Sampler:
             logits.masked_fill_(self._outside_top_k_top_p(logits, params), float("-inf"))
         probs = logits.softmax(dim=-1)
         return (probs / self._exponential_noise(probs, generators)).argmax(dim=-1)
+
+    @staticmethod
+    def _penalized(
+        logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams], histories: Sequence[TokenHistory]
+    ) -> torch.Tensor:
+        """A copy of logits with the penalties of `rows` applied. Only the logits of tokens in a history are
+        read and written (two scatters for all rows), so the cost follows the histories, not rows x vocabulary,
+        and the sampler keeps no state between steps."""
+        seen: list[tuple[int, np.ndarray, float]] = []  # (row, tokens, repetition penalty)
+        subtract: list[tuple[int, np.ndarray, float]] = []  # (row, tokens, amount), a token once per occurrence
+        for i in rows:
+            history, p = histories[i], params[i]
+            if history is None:
+                raise ValueError(f"row {i} has penalties but no token history")
+            prompt_tokens, output_list = history
+            output = np.asarray(output_list, dtype=np.int64)
+            if p.repetition_penalty != 1.0:
+                seen.append((i, np.concatenate([prompt_tokens, output]), p.repetition_penalty))
+            if p.frequency_penalty != 0.0:
+                subtract.append((i, output, p.frequency_penalty))
+            if p.presence_penalty != 0.0:
+                subtract.append((i, np.unique(output), p.presence_penalty))
+        out = logits.clone()
+        flat = out.view(-1)  # indexed by row * vocabulary + token: one-dimensional gathers are the cheap ones
+        vocab = out.shape[1]
+        if seen:
+            index, factor = _scatter_args(seen, vocab, out.device)
+            # A token seen twice is written twice with the same value, computed from the logit before either.
+            values = flat[index]
+            flat[index] = torch.where(values > 0, values / factor, values * factor)
+        if subtract:
+            index, amount = _scatter_args(subtract, vocab, out.device)
+            flat.index_add_(0, index, -amount)
+        return out
 
     @staticmethod
     def _outside_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -101,3 +148,12 @@ class Sampler:
                 noise[rows] = noise.new_empty((len(unseeded), noise.shape[1])).exponential_()
         # A zero draw would make a zero-probability token 0/0 = nan, which argmax picks.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _scatter_args(
+    parts: list[tuple[int, np.ndarray, float]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, tokens, value) parts -> flat indices into [rows, vocab] and the value per index, one copy each."""
+    index = np.concatenate([row * vocab + tokens for row, tokens, _ in parts])
+    values = np.concatenate([np.full(len(tokens), value, dtype=np.float32) for _, tokens, value in parts])
+    return torch.from_numpy(index).to(device), torch.from_numpy(values).to(device)

@@ -37,6 +37,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     cache_salt: bytes = b""  # prefix-cache keys start from it: blocks are shared only under the same salt
+    # The prompt's last tokens that this request generated itself before its stream moved here.
+    resumed_output_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -50,6 +52,17 @@ class Sequence:
         if stop <= num_prompt:
             return self.prompt_token_ids[start:stop]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
+    @property
+    def original_prompt_token_ids(self) -> list[int]:
+        """The prompt as sampling penalties count it: without a moved stream's resumed output."""
+        return self.prompt_token_ids[: len(self.prompt_token_ids) - self.resumed_output_tokens]
+
+    def penalized_output_token_ids(self) -> list[int]:
+        """The output as sampling penalties count it: a moved stream's resumed tokens, then this worker's."""
+        if not self.resumed_output_tokens:
+            return self.output_token_ids
+        return self.prompt_token_ids[-self.resumed_output_tokens :] + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

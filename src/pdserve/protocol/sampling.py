@@ -8,10 +8,17 @@ from dataclasses import dataclass
 
 from pdserve.errors import InvalidRequestError
 
+# OpenAI's bound on presence_penalty and frequency_penalty.
+MAX_PENALTY = 2.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 means greedy; top_k 0 means off.
+
+    Penalties as OpenAI and vLLM define them: presence and frequency subtract from the logit of each token
+    already generated (once, and once per occurrence); repetition (1 = off) divides a positive logit and
+    multiplies a negative one of every token in the prompt or the output. They apply to greedy rows too.
 
     Errors name the public API's field (`sampling.top_p`), so a client reads the same message from any entry.
     """
@@ -24,6 +31,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -34,9 +44,22 @@ class SamplingParams:
             raise InvalidRequestError("sampling.top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequestError("sampling.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:  # also refuses nan
+                bounds = f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+                raise InvalidRequestError(f"sampling.{name}", f"must be in {bounds}, got {value}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequestError(
+                "sampling.repetition_penalty", f"must be a finite number > 0 (1 = off), got {self.repetition_penalty}"
+            )
         if any(s == "" for s in self.stop):
             raise InvalidRequestError("sampling.stop", "stop strings must not be empty")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -17,7 +17,8 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int = 0) -> Sam
     """The one conversion in; SamplingParams itself checks every rule, naming `sampling.<field>`.
 
     Unset max_tokens takes `default_max_tokens`; the router sets it on everything it forwards, so a worker
-    needs no default of its own (0: a missing value is an error, not a guess). top_p 0 means 1 (off)."""
+    needs no default of its own (0: a missing value is an error, not a guess). top_p and repetition_penalty
+    0 mean 1 (off)."""
     return SamplingParams(
         max_tokens=msg.max_tokens or default_max_tokens,
         temperature=msg.temperature,
@@ -27,6 +28,9 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int = 0) -> Sam
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
     )
 
 
@@ -40,6 +44,9 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
     )
     if params.seed is not None:
         msg.seed = params.seed

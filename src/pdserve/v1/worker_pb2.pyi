@@ -32,7 +32,7 @@ class DrainReport(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., held: _Optional[int] = ..., finished: _Optional[int] = ..., moved: _Optional[int] = ..., kv_blocks_held: _Optional[int] = ..., kv_blocks_left: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "client_request_id", "cache_salt", "prefill_grant")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "client_request_id", "cache_salt", "prefill_grant", "resumed_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class WorkerGenerateRequest(_message.Message):
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_GRANT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
@@ -47,7 +48,8 @@ class WorkerGenerateRequest(_message.Message):
     client_request_id: str
     cache_salt: bytes
     prefill_grant: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., client_request_id: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., prefill_grant: _Optional[bytes] = ...) -> None: ...
+    resumed_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., client_request_id: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., prefill_grant: _Optional[bytes] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("decode_worker_id", "rendezvous", "block_ids", "tag")
@@ -70,7 +72,7 @@ class KVLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "layout", "transfer_timeout_ms", "client_request_id", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "layout", "transfer_timeout_ms", "client_request_id", "cache_salt", "resumed_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +81,7 @@ class PrefillRequest(_message.Message):
     TRANSFER_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
@@ -87,7 +90,8 @@ class PrefillRequest(_message.Message):
     transfer_timeout_ms: int
     client_request_id: str
     cache_salt: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transfer_timeout_ms: _Optional[int] = ..., client_request_id: _Optional[str] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    resumed_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transfer_timeout_ms: _Optional[int] = ..., client_request_id: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
     __slots__ = ("first_token", "transfer_done")

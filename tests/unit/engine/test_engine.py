@@ -299,3 +299,25 @@ def test_prefix_cache_is_shared_only_under_the_same_salt() -> None:
     assert again[0].num_cached_tokens == 48
     assert [t for o in again for t in o.new_token_ids] == [t for o in first for t in o.new_token_ids]
     assert_idle(engine)
+
+
+def test_a_resumed_stream_keeps_its_penalties_history(engine: LLMEngine) -> None:
+    """A stream moved after k tokens is prefilled again with those k tokens appended to its prompt; told they
+    are its own output, the engine penalizes them as output and continues exactly as the unmoved stream."""
+    penalized = SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=1.5, frequency_penalty=1.0)
+    prompt = prompts(1, lo=30, hi=30, seed=4)[0]
+    unmoved = complete(engine, [prompt], penalized)[0][0]
+    assert unmoved != complete(engine, [prompt], GREEDY)[0][0]  # the penalties matter here
+    k = 10
+    rest = SamplingParams(max_tokens=24 - k, ignore_eos=True, presence_penalty=1.5, frequency_penalty=1.0)
+    engine.add_request("resumed", prompt + unmoved[:k], rest, resumed_output_tokens=k)
+    outs = run_to_end(engine)["resumed"]
+    assert [t for o in outs for t in o.new_token_ids] == unmoved[k:]
+    assert complete(engine, [prompt + unmoved[:k]], rest)[0][0] != unmoved[k:]  # without the history it differs
+
+
+def test_resumed_output_tokens_past_the_prompt_are_invalid(engine: LLMEngine) -> None:
+    with pytest.raises(InvalidRequestError, match=r"must be in \[0, 3\], got 4") as err:
+        engine.add_request("bad", [5, 6, 7], SamplingParams(), resumed_output_tokens=4)
+    assert err.value.field == "resumed_output_tokens"
+    assert_idle(engine)

@@ -29,19 +29,43 @@ RAW = [
 ]
 
 
+class OpenAIPenalties:
+    """transformers has no presence or frequency penalty: this logits processor is OpenAI's definition, applied
+    after transformers' repetition penalty (vLLM's order)."""
+
+    def __init__(self, prompt_len: int, penalties: SamplingParams) -> None:
+        self.prompt_len, self.penalties = prompt_len, penalties
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        output = input_ids[:, self.prompt_len :]
+        counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
+        p = self.penalties
+        return scores - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+
+
 @pytest.fixture(scope="module")
 def reference():
     """transformers reading the original GGUF itself (not our conversion), and its greedy outputs."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
 
     folder = resolve_model("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=Path(SMOLLM2_GGUF).name, dtype=torch.float32)
     model.eval()
 
-    def generate(prompt: list[int]) -> list[int]:
+    def generate(prompt: list[int], penalties: SamplingParams | None = None) -> list[int]:
+        """Greedy; `penalties`: repetition as transformers' own, presence and frequency through OpenAIPenalties."""
+        extra = {}
+        if penalties is not None:
+            extra["repetition_penalty"] = penalties.repetition_penalty
+            extra["logits_processor"] = LogitsProcessorList([OpenAIPenalties(len(prompt), penalties)])
         with torch.inference_mode():
             out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+                torch.tensor([prompt]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                **extra,
             )
         return out[0, len(prompt) :].tolist()
 
@@ -105,3 +129,25 @@ def test_the_gguf_file_itself_loads_the_same_model(engine_factory, prompts):
     sampling = SamplingParams(max_tokens=8, ignore_eos=True)
     ours = [c.token_ids for c in from_gguf.generate(prompts[:2], sampling)]
     assert ours == [c.token_ids for c in from_folder.generate(prompts[:2], sampling)]
+
+
+PENALTIES = [
+    SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3),
+    SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=0.6, frequency_penalty=0.9),
+    SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, frequency_penalty=-0.5, repetition_penalty=0.9),
+]
+
+
+def test_penalties_match_transformers_in_a_batch_with_unpenalized_rows(engine_factory, prompts, expected, reference):
+    """Each raw prompt once per penalty setting, batched with the plain chats; the penalized rows must change."""
+    chosen = prompts[len(CHATS) : len(CHATS) + len(RAW)]
+    penalized = [(p, s) for p in chosen for s in PENALTIES]
+    plain = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    batch = [p for p, _ in penalized] + prompts[: len(CHATS)]
+    got = engine_factory().generate(batch, [s for _, s in penalized] + [plain] * len(CHATS))
+    for i, ((prompt, sampling), c) in enumerate(zip(penalized, got, strict=False)):
+        assert c.token_ids == reference(prompt, sampling), f"penalized row {i} diverges"
+    assert [c.token_ids for c in got[len(penalized) :]] == expected[: len(CHATS)]
+    unpenalized = expected[len(CHATS) : len(CHATS) + len(RAW)]
+    changed = sum(c.token_ids != unpenalized[i // len(PENALTIES)] for i, c in enumerate(got[: len(penalized)]))
+    assert changed >= len(penalized) - 2, f"penalties changed only {changed} of {len(penalized)} outputs"

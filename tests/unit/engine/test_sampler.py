@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -156,3 +157,55 @@ def test_never_samples_a_masked_token() -> None:
     torch.manual_seed(11)
     out = Sampler()(logits, [SamplingParams(temperature=1.0)] * 1000, [None] * 1000)
     assert set(out.tolist()) == {3, 7}
+
+
+def _openai_penalized(
+    logits: torch.Tensor, prompt: list[int], output: list[int], presence: float, frequency: float, repetition: float
+) -> torch.Tensor:
+    """One row's penalties written out token by token, as vLLM documents them: repetition on every token
+    seen (prompt or output), then frequency per occurrence and presence once, on output tokens."""
+    row = logits.clone()
+    for token in set(prompt) | set(output):
+        row[token] = row[token] / repetition if row[token] > 0 else row[token] * repetition
+    for token in set(output):
+        row[token] -= frequency * output.count(token) + presence
+    return row
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_penalties_equal_their_definition_and_leave_other_rows_alone(device: torch.device) -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(3, 12, device=device)
+    logits[0, 4] = 0.0  # repetition leaves a zero logit at zero either way
+    penalized = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5)
+    repetition_only = SamplingParams(repetition_penalty=0.8)  # < 1 favours repeats
+    histories = [(np.array([1, 4, 4, 7]), [7, 2, 2, 2]), None, (np.array([3]), [3, 9])]
+    params = [penalized, SamplingParams(), repetition_only]
+    want = torch.stack(
+        [
+            _openai_penalized(logits[0], [1, 4, 4, 7], [7, 2, 2, 2], 0.5, 0.25, 1.5),
+            logits[1],
+            _openai_penalized(logits[2], [3], [3, 9], 0.0, 0.0, 0.8),
+        ]
+    )
+    before = logits.clone()
+    got = Sampler()._penalized(logits, [0, 2], params, histories)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(logits, before)  # the runner's logits are read, never written
+    assert Sampler()(logits, params, [None] * 3, histories).tolist() == want.argmax(dim=-1).tolist()
+
+
+def test_a_greedy_row_with_penalties_moves_off_its_repeated_token() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0]])
+    params = [SamplingParams(frequency_penalty=0.2)]
+    assert Sampler()(logits, params, [None], [(np.array([0]), [])]).item() == 1
+    assert Sampler()(logits, params, [None], [(np.array([0]), [1])]).item() == 2  # 3.0 - 0.2 < 2.9
+
+
+def test_rows_with_penalties_need_their_history() -> None:
+    with pytest.raises(ValueError, match="token histor"):
+        Sampler()(torch.zeros(1, 4), [SamplingParams(presence_penalty=1.0)], [None])
+    with pytest.raises(ValueError, match="row 1"):
+        Sampler()(
+            torch.zeros(2, 4), [SamplingParams(), SamplingParams(presence_penalty=1.0)], [None, None], [None, None]
+        )

@@ -62,12 +62,23 @@ def test_a_chat_takes_text_parts_and_openais_defaults():
         ({"model": "m", "prompt": "x", "slo": {"ttft_ms": "fast"}}, "slo.ttft_ms"),
         ({"model": "m", "prompt": "x", "messages": []}, "messages"),
         ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
+        ({"model": "m", "prompt": "x", "presence_penalty": "high"}, "presence_penalty"),
+        ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),  # the gRPC API's "unset"
     ],
 )
 def test_a_refused_shape_names_its_parameter(body, param):
     with pytest.raises(InvalidRequestError) as e:
         parse_request(body, chat=False)
     assert e.value.field == param
+
+
+def test_penalties_pass_through_and_unset_ones_stay_off():
+    body = {"model": "m", "prompt": "x", "presence_penalty": -0.5, "frequency_penalty": 1.5, "repetition_penalty": 1.2}
+    s = parse_request(body, chat=False).message.sampling
+    assert (s.presence_penalty, s.frequency_penalty) == (-0.5, 1.5)
+    assert s.repetition_penalty == pytest.approx(1.2)  # a float on the wire
+    s = parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}, chat=True).message.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.0, 0.0, 0.0)  # 0: off
 
 
 def test_a_chat_message_with_other_fields_is_refused_by_name():
