@@ -137,7 +137,7 @@ class Handoff:
         tokens = 0
         stream = None
         try:
-            async for out in self.engine.commit_and_stream(request.request_id, first.token_id):
+            async for out in self.engine.commit_and_stream(request.request_id, first.token_id, first.logprobs):
                 tokens += len(out.new_token_ids)
                 if stream is None and tokens > 1:
                     ran_ns = self.engine.take_started_ns(request.request_id) or committed_ns

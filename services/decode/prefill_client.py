@@ -8,7 +8,7 @@ import grpc
 
 from pdserve.errors import UnavailableError
 from pdserve.protocol.handoff import FirstToken, KVTarget
-from pdserve.rpc.convert import sampling_to_pb
+from pdserve.rpc.convert import logprobs_from_pb, sampling_to_pb
 from pdserve.rpc.errors import error_from_rpc
 from pdserve.rpc.server import internal_channel
 from pdserve.telemetry import Telemetry
@@ -31,7 +31,8 @@ class PrefillCall:
         if event is grpc.aio.EOF or not event.HasField("first_token"):
             raise UnavailableError(f"{self._peer} ended without a first token")
         first = event.first_token
-        return FirstToken(first.token_id, first.kv_follows, first.cached_prompt_tokens)
+        logprobs = logprobs_from_pb(first.logprobs) if first.HasField("logprobs") else None
+        return FirstToken(first.token_id, first.kv_follows, first.cached_prompt_tokens, logprobs)
 
     async def sent(self) -> None:
         """Returns once the prefill worker confirmed the KV sent and ended the call with OK."""

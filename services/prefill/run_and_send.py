@@ -54,7 +54,9 @@ class RunAndSend:
         if self.faults.engine_dies_for(job.client_request_id):
             self.engine.fail_when_stepped(job.request_id)
         out = await self._run_prompt(job)
-        first = FirstToken(out.new_token_ids[0], not out.finished, out.num_cached_tokens)
+        first = FirstToken(
+            out.new_token_ids[0], not out.finished, out.num_cached_tokens, next(iter(out.logprobs), None)
+        )
         if out.finished:
             yield first
             return

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.protocol.handoff import FirstToken, KVSent, KVTarget
-from pdserve.rpc.convert import sampling_from_pb
+from pdserve.rpc.convert import logprobs_to_pb, sampling_from_pb
 from pdserve.telemetry import request_id_var
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
@@ -52,4 +52,6 @@ def _to_pb(event: FirstToken | KVSent) -> wpb.PrefillEvent:
     first = wpb.FirstToken(
         token_id=event.token_id, kv_follows=event.kv_follows, cached_prompt_tokens=event.cached_prompt_tokens
     )
+    if event.logprobs is not None:
+        first.logprobs.CopyFrom(logprobs_to_pb(event.logprobs))
     return wpb.PrefillEvent(first_token=first)

@@ -53,6 +53,7 @@ class Continuation:
                 break
         if self._detok.stopped:
             del msg.token_ids[kept:]
+            del msg.logprobs[kept:]
             msg.finish_reason = pb.FINISH_REASON_STOP
         elif msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             text += self._detok.flush()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -71,6 +72,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     gen.add_argument("--presence-penalty", type=float, default=SamplingParams.presence_penalty, help="in [-2, 2]")
     gen.add_argument("--frequency-penalty", type=float, default=SamplingParams.frequency_penalty, help="in [-2, 2]")
     gen.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty, help="1: off")
+    gen.add_argument("--logprobs", type=int, default=None, help="with --json: each token's and N alternatives'")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     gen.set_defaults(func=_generate)
 
@@ -303,6 +305,8 @@ def _generate(args: argparse.Namespace) -> int:
         if args.json:
             reason = c.finish_reason.value
             record = {"prompt": prompt, "token_ids": c.token_ids, "text": c.text, "finish_reason": reason}
+            if args.logprobs is not None:
+                record["logprobs"] = [dataclasses.asdict(lp) for lp in c.logprobs]
             print(json.dumps(record, ensure_ascii=False))
         else:
             print(f"### {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason.value}]\n")

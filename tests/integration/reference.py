@@ -4,7 +4,7 @@ through a cluster (retried, migrated or not) must equal token for token."""
 from __future__ import annotations
 
 from pdserve.config import EngineConfig
-from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine import Completion, LLMEngine
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.v1 import generate_pb2 as pb
 
@@ -12,12 +12,16 @@ PROMPT = [5, 6, 7, 8, 9] * 7  # three KV blocks
 MAX_TOKENS = 8
 
 
-def greedy(prompt: list[int], max_tokens: int, **penalties: float) -> list[int]:
+def greedy(prompt: list[int], max_tokens: int, **sampling: float) -> list[int]:
     """tiny-random's greedy tokens for `prompt`, in float32 on one thread, as the cluster's workers compute."""
+    return greedy_completion(prompt, max_tokens, **sampling).token_ids
+
+
+def greedy_completion(prompt: list[int], max_tokens: int, **sampling: float) -> Completion:
+    """`greedy`'s whole completion: its text and, when `sampling` asks, its log probabilities too."""
     blocks = max(16, -(-(len(prompt) + max_tokens) // EngineConfig.block_size))
     engine = LLMEngine(EngineConfig(model="tiny-random", dtype="float32", num_threads=1, num_kv_blocks=blocks))
-    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **penalties)
-    return engine.generate([prompt], sampling)[0].token_ids
+    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))[0]
 
 
 def greedy_request(request_id: str, prompt: list[int], max_tokens: int) -> pb.GenerateRequest:

@@ -20,13 +20,16 @@ import pytest
 from loadgen.__main__ import main as loadgen_main
 from loadgen.report import load_runs
 from pdserve.cluster.local_process import ClusterProcess, free_port
-from pdserve.rpc.client import generate
+from pdserve.engine.models import resolve_model
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.rpc.client import StreamResult, generate
 from pdserve.v1 import generate_pb2 as pb
 from tests.integration.cluster_view import scrape, status_json, total
-from tests.integration.reference import MAX_TOKENS, PROMPT, greedy
+from tests.integration.reference import MAX_TOKENS, PROMPT, greedy, greedy_completion
 
 pytestmark = pytest.mark.timeout(180)
 MODEL = "tiny-random"
+TOKENIZER = Tokenizer(resolve_model(MODEL))
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +135,52 @@ def test_penalties_reach_the_engine_as_the_single_process_engine_applies_them(cl
     assert answer.choices[0].text == text
 
 
+def test_logprobs_are_the_single_process_engines_over_grpc_and_in_openais_shapes(cluster, client):
+    """The first token's come from the prefill worker, the rest from the decode worker."""
+    expected = greedy_completion(PROMPT, MAX_TOKENS, logprobs=2)
+
+    async def grpc_result() -> StreamResult:
+        sampling = pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+        request = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=sampling)
+        result = None
+        async for _msg, result in generate(cluster.address, request, 60):  # noqa: B007 (the last one is the answer)
+            pass
+        assert result is not None
+        return result
+
+    result = asyncio.run(grpc_result())
+    assert result.token_ids == expected.token_ids and len(result.logprobs) == MAX_TOKENS
+    for got, want in zip(result.logprobs, expected.logprobs, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert list(got.top_token_ids) == list(want.top_token_ids)
+        assert list(got.top_logprobs) == pytest.approx(want.top_logprobs, abs=1e-4)
+    grpc_logprobs = [lp.logprob for lp in result.logprobs]
+
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=2, extra_body=IGNORE_EOS
+    ).choices[0]
+    lp = completion.logprobs
+    assert lp.token_logprobs == pytest.approx(grpc_logprobs, abs=1e-6)
+    # Each token decoded alone (so a piece of a UTF-8 character reads as U+FFFD, as vLLM's do).
+    tokens = [TOKENIZER.decode([t], skip_special_tokens=False) for t in result.token_ids]
+    assert lp.tokens == tokens and lp.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    for token, top, logprob in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs, strict=True):
+        assert len(top) <= 3 and top[token] == logprob  # the two most likely and the sampled one
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = {"model": MODEL, "messages": messages, "max_completion_tokens": MAX_TOKENS, "temperature": 0}
+    chat |= {"logprobs": True, "top_logprobs": 2, "extra_body": IGNORE_EOS}
+    whole = client.chat.completions.create(**chat).choices[0]
+    content = whole.logprobs.content
+    assert len(content) == MAX_TOKENS
+    assert all(c.bytes == list(c.token.encode()) and len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)  # greedy: the top token
+    streamed = [
+        e for chunk in client.chat.completions.create(**chat, stream=True) for e in chunk.choices[0].logprobs.content
+    ]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+
 def test_models_lists_the_served_model_and_health_answers(cluster, client):
     assert [m.id for m in client.models.list()] == [MODEL]
     with pytest.raises(openai.NotFoundError) as e:
@@ -173,7 +222,7 @@ def test_http_requests_are_traced_and_counted_as_grpc_ones(cluster, client, coll
 
 BAD_COMPLETIONS = [
     ({"n": 2}, "n"),
-    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"temperature": -1}, "temperature"),

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.sampling import MAX_LOGPROBS
 from pdserve.v1 import generate_pb2 as pb
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the last is vLLM's
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", *PENALTIES)
 COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "slo", *SAMPLING}
-COMPLETION_PARAMS = frozenset({*COMMON, "prompt"})
-CHAT_PARAMS = frozenset({*COMMON, "messages", "max_completion_tokens"})
+COMPLETION_PARAMS = frozenset({*COMMON, "prompt", "logprobs"})
+CHAT_PARAMS = frozenset({*COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
 SLO_FIELDS = ("ttft_ms", "tpot_ms")
 UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
 # OpenAI's own default; the gRPC API's is 0 (greedy), which a client asks for with temperature=0.
@@ -93,7 +94,23 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
     seed = _int(body, "seed", 0, UINT64)
     if seed is not None:
         msg.seed = seed
+    logprobs = _logprobs(body, chat)
+    if logprobs is not None:
+        msg.logprobs = logprobs
     return msg
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives per token: completions' `logprobs` is the count, chat's a flag with the count in
+    `top_logprobs` (which OpenAI refuses without it)."""
+    if not chat:
+        return _int(body, "logprobs", 0, MAX_LOGPROBS)
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if not _typed(body, "logprobs", bool):
+        if top is not None:
+            raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
+        return None
+    return top or 0
 
 
 def _set_prompt(msg: pb.GenerateRequest, body: dict[str, Any]) -> None:

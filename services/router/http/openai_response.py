@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,17 +18,23 @@ FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "sto
 
 @dataclass
 class Answer:
-    """What the OpenAI objects of one request share, and the text and usage gathered so far."""
+    """What the OpenAI objects of one request share, and the text, usage and log probabilities gathered so far.
+    `token_text` decodes one token id (special tokens too) for the log probabilities' `token` fields."""
 
     request: OpenAIRequest
     id: str
+    token_text: Callable[[int], str]
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    logprobs: list[dict[str, list[Any]]] = field(default_factory=list)  # one per message, when asked for
+    _text_offset: int = 0  # the tokens' text before the message being added (each token decoded alone)
 
     def add(self, msg: pb.GenerateResponse) -> None:
         self.text.append(msg.text)
+        if self.request.message.sampling.HasField("logprobs"):
+            self.logprobs.append(self._logprobs(msg))
         if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self.finish_reason = FINISH_REASONS.get(msg.finish_reason, "stop")
             self.usage = usage(msg.usage)
@@ -39,28 +45,65 @@ class Answer:
     def whole(self) -> dict[str, Any]:
         """The non-streaming response."""
         text = "".join(self.text)
+        logprobs = _joined(self.logprobs) if self.logprobs else None
         if self.request.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
             kind = "chat.completion"
         else:
-            choice, kind = {"index": 0, "text": text, "logprobs": None}, "text_completion"
+            choice, kind = {"index": 0, "text": text, "logprobs": logprobs}, "text_completion"
         return self._object(kind, [choice | {"finish_reason": self.finish_reason}]) | {"usage": self.usage}
 
     def chunk(self, msg: pb.GenerateResponse, first: bool) -> dict[str, Any]:
         """One streamed message as a chunk; the first chat chunk names the assistant's role."""
         self.add(msg)
+        logprobs = self.logprobs[-1] if self.request.message.sampling.HasField("logprobs") else None
         if self.request.chat:
             delta = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
-            choice, kind = {"index": 0, "delta": delta}, "chat.completion.chunk"
+            choice, kind = {"index": 0, "delta": delta, "logprobs": logprobs}, "chat.completion.chunk"
         else:
-            choice, kind = {"index": 0, "text": msg.text, "logprobs": None}, "text_completion"
+            choice, kind = {"index": 0, "text": msg.text, "logprobs": logprobs}, "text_completion"
         chunk = self._object(kind, [choice | {"finish_reason": self.finish_reason}])
         return chunk | {"usage": None} if self.request.include_usage else chunk
+
+    def _logprobs(self, msg: pb.GenerateResponse) -> dict[str, list[Any]]:
+        """One message's tokens in OpenAI's shape: chat's `content` entries, or the completions API's parallel
+        lists (as vLLM's: `top_logprobs` also holds the sampled token, `text_offset` counts the tokens' text)."""
+        text = self.token_text
+        if self.request.chat:
+            content = []
+            for token, lp in zip(msg.token_ids, msg.logprobs, strict=True):
+                top = [_chat_entry(text(t), v) for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
+                content.append(_chat_entry(text(token), lp.logprob) | {"top_logprobs": top})
+            return {"content": content}
+        tokens = [text(t) for t in msg.token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        top_logprobs = [
+            {text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)} | {token: lp.logprob}
+            for token, lp in zip(tokens, msg.logprobs, strict=True)
+        ]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in msg.logprobs],
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
 
     def usage_chunk(self) -> dict[str, Any]:
         """`stream_options.include_usage`: the last chunk, no choices, the whole request's usage."""
         kind = "chat.completion.chunk" if self.request.chat else "text_completion"
         return self._object(kind, []) | {"usage": self.usage}
+
+
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def _joined(parts: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
+    """Each message's log probabilities as one, for the whole (non-streaming) response."""
+    return {key: [v for part in parts for v in part[key]] for key in parts[0]}
 
 
 def usage(u: pb.Usage) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import kv_block_bytes
 from pdserve.engine.profiling import measure_profile
 from pdserve.errors import InvalidRequestError, UnavailableError
-from pdserve.protocol.outputs import RequestOutput
+from pdserve.protocol.outputs import RequestOutput, TokenLogprobs
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.sampling import SamplingParams
 
@@ -172,12 +172,14 @@ class AsyncEngine:
             undo=lambda e, blocks: None if blocks is None else _drop(e, request_id),
         )
 
-    async def commit_and_stream(self, request_id: str, first_token: int) -> AsyncIterator[RequestOutput]:
+    async def commit_and_stream(
+        self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Decode side: the reserved blocks hold the KV; yield the first token's output, then the decode's."""
         stream = self._open(request_id)
         live = True  # reserved by this caller
         try:
-            first = await self._call(lambda e: e.commit(request_id, first_token))
+            first = await self._call(lambda e: e.commit(request_id, first_token, first_logprobs))
             live = not first.finished
             yield first
             if live:

@@ -23,7 +23,7 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.model_config import ModelConfig
-from pdserve.protocol.outputs import FinishReason, RequestOutput
+from pdserve.protocol.outputs import FinishReason, RequestOutput, TokenLogprobs
 from pdserve.protocol.request_checks import check_request
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
@@ -34,6 +34,7 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
+    logprobs: list[TokenLogprobs]  # one per token when the request asked for them
 
 
 @dataclass
@@ -160,14 +161,15 @@ class LLMEngine:
         seq.status = SequenceStatus.RECEIVING
         return list(seq.block_table)
 
-    def commit(self, request_id: str, first_token: int) -> RequestOutput:
-        """Decode side: the KV arrived and the prefill side sampled `first_token`; start decoding."""
+    def commit(self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None) -> RequestOutput:
+        """Decode side: the KV arrived and the prefill side sampled `first_token` (and computed its
+        `first_logprobs`, when the request asked); start decoding."""
         req = self._requests[request_id]
         if req.seq.status is not SequenceStatus.RECEIVING:
             raise RuntimeError(f"{request_id} is {req.seq.status.value}, not receiving")
         req.seq.num_computed_tokens = req.seq.num_prompt_tokens
         self.blocks.cache_full_blocks(req.seq)
-        out = self._append_token(req, first_token)
+        out = self._append_token(req, first_token, first_logprobs)
         if not out.finished:
             self.scheduler.add_running(req.seq)
         return out
@@ -182,10 +184,18 @@ class LLMEngine:
         sampled = [self._requests[c.seq_id] for c in plan.chunks if c.sample]
         params = [r.seq.sampling for r in sampled]
         histories = [r.token_history() for r in sampled]
-        token_ids = self.sampler(logits, params, [r.generator for r in sampled], histories).tolist()
-        return [self._append_token(req, tok) for req, tok in zip(sampled, token_ids, strict=True)]
+        tokens = self.sampler(logits, params, [r.generator for r in sampled], histories)
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs: dict[int, TokenLogprobs] = {}
+        if asked:
+            found = self.sampler.logprobs(logits, tokens, asked, [params[i].logprobs or 0 for i in asked])
+            logprobs = dict(zip(asked, found, strict=True))
+        return [
+            self._append_token(req, tok, logprobs.get(i))
+            for i, (req, tok) in enumerate(zip(sampled, tokens.tolist(), strict=True))
+        ]
 
-    def _append_token(self, req: _Request, token: int) -> RequestOutput:
+    def _append_token(self, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         seq = req.seq
         seq.output_token_ids.append(token)
         text = req.detokenizer.step([token])
@@ -208,6 +218,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             handoff_block_ids=handoff,
+            logprobs=() if logprobs is None else (logprobs,),
         )
 
     def _finish_reason(self, req: _Request, token: int) -> FinishReason | None:
@@ -228,14 +239,16 @@ class LLMEngine:
             self.add_request(request_id, prompt, p)
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         texts: dict[str, list[str]] = {i: [] for i in ids}
+        logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
         reasons: dict[str, FinishReason] = {}
         while self.has_unfinished():
             for out in self.step():
                 tokens[out.request_id] += out.new_token_ids
                 texts[out.request_id].append(out.new_text)
+                logprobs[out.request_id] += out.logprobs
                 if out.finish_reason is not None:
                     reasons[out.request_id] = out.finish_reason
-        return [Completion(tokens[i], "".join(texts[i]), reasons[i]) for i in ids]
+        return [Completion(tokens[i], "".join(texts[i]), reasons[i], logprobs[i]) for i in ids]
 
 
 def _fingerprint(config: ModelConfig, model: torch.nn.Module) -> str:

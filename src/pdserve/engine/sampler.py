@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pdserve.protocol.outputs import TokenLogprobs
 from pdserve.protocol.sampling import SamplingParams
 
 # Dividing by a near-zero temperature would overflow logits to inf and softmax to nan.
@@ -75,6 +76,22 @@ class Sampler:
             logits.masked_fill_(self._outside_top_k_top_p(logits, params), float("-inf"))
         probs = logits.softmax(dim=-1)
         return (probs / self._exponential_noise(probs, generators)).argmax(dim=-1)
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], counts: list[int]) -> list[TokenLogprobs]:
+        """The model's log probabilities (log-softmax of the logits as the model gave them: before penalties
+        and temperature, as vLLM returns them by default) of each row's sampled token and of its `count` most
+        likely tokens; one top-k for all rows and one copy to the host."""
+        index = torch.tensor(rows, device=logits.device)
+        logprobs = torch.log_softmax(logits[index].float(), dim=-1)
+        chosen = logprobs.gather(1, tokens[index].unsqueeze(1)).squeeze(1).tolist()
+        k = max(counts)
+        top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        top_logprobs_rows, top_ids_rows = top_logprobs.tolist(), top_ids.tolist()
+        return [
+            TokenLogprobs(chosen[j], tuple(top_ids_rows[j][:n]), tuple(top_logprobs_rows[j][:n]))
+            for j, n in enumerate(counts)
+        ]
 
     @staticmethod
     def _penalized(

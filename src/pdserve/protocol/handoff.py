@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.protocol.outputs import TokenLogprobs
+
 
 @dataclass(frozen=True)
 class KVTarget:
@@ -24,6 +26,7 @@ class FirstToken:
     token_id: int
     kv_follows: bool  # False when the first token already ended the request: no KV follows
     cached_prompt_tokens: int  # served by the prefill worker's prefix cache
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,15 @@ class FinishReason(enum.Enum):
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log probability and the most likely tokens at its position, most likely first."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request."""
 
@@ -26,6 +35,7 @@ class RequestOutput:
     # Prefill-only, when the first token leaves the sequence held for its hand-off: the blocks holding the prompt's
     # KV, in block-table order (fixed from then on), so the sender needs no further call to the engine thread.
     handoff_block_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -42,4 +52,5 @@ class RequestOutput:
             later.num_prompt_tokens,
             later.num_cached_tokens,
             self.handoff_block_ids or later.handoff_block_ids,
+            self.logprobs + later.logprobs,
         )

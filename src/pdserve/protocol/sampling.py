@@ -10,6 +10,8 @@ from pdserve.errors import InvalidRequestError
 
 # OpenAI's bound on presence_penalty and frequency_penalty.
 MAX_PENALTY = 2.0
+# OpenAI's bound on top_logprobs: the alternatives returned per token.
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; n: the sampled token's and the n most likely alternatives
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -53,6 +56,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 "sampling.repetition_penalty", f"must be a finite number > 0 (1 = off), got {self.repetition_penalty}"
             )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(s == "" for s in self.stop):
             raise InvalidRequestError("sampling.stop", "stop strings must not be empty")
 

@@ -21,6 +21,7 @@ class StreamResult:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     usage: pb.Usage | None = None
+    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # when the request asked for them
 
     @property
     def tpot_s(self) -> float:
@@ -46,6 +47,7 @@ async def generate(
             if msg.token_ids and not result.token_ids:
                 result.ttft_s = now
             result.token_ids += msg.token_ids
+            result.logprobs += msg.logprobs
             result.text += msg.text
             result.messages += 1
             result.e2e_s = now

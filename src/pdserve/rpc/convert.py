@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.protocol.outputs import FinishReason, RequestOutput
+from pdserve.protocol.outputs import FinishReason, RequestOutput, TokenLogprobs
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.v1 import generate_pb2 as pb
 
@@ -31,6 +31,7 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int = 0) -> Sam
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -50,6 +51,8 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
 
 
@@ -66,4 +69,13 @@ def output_to_pb(out: RequestOutput) -> pb.GenerateResponse:
         token_ids=out.new_token_ids,
         text=out.new_text,
         finish_reason=finish_reason_to_pb(out.finish_reason),
+        logprobs=[logprobs_to_pb(lp) for lp in out.logprobs],
     )
+
+
+def logprobs_to_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(logprob=lp.logprob, top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+
+
+def logprobs_from_pb(msg: pb.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(msg.logprob, tuple(msg.top_token_ids), tuple(msg.top_logprobs))

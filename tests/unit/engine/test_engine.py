@@ -9,6 +9,7 @@ import torch
 
 from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.models import resolve_model
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.outputs import FinishReason, RequestOutput
@@ -321,3 +322,29 @@ def test_resumed_output_tokens_past_the_prompt_are_invalid(engine: LLMEngine) ->
         engine.add_request("bad", [5, 6, 7], SamplingParams(), resumed_output_tokens=4)
     assert err.value.field == "resumed_output_tokens"
     assert_idle(engine)
+
+
+def test_logprobs_are_the_models_log_softmax_for_the_rows_that_ask(engine: LLMEngine) -> None:
+    """Checked against transformers' forward pass over each prompt + output: the sampled token's log
+    probability and the k most likely, before temperature or penalties."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(resolve_model("tiny-random")), dtype=torch.float32)
+    batch = prompts(3, seed=7)
+    params = [
+        SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=6, ignore_eos=True),
+        SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0, temperature=1.5, seed=1, frequency_penalty=1.0),
+    ]
+    got = engine.generate(batch, params)
+    assert got[1].logprobs == []
+    for prompt, p, c in ((batch[0], params[0], got[0]), (batch[2], params[2], got[2])):
+        assert len(c.logprobs) == len(c.token_ids) == 6
+        with torch.inference_mode():
+            logits = reference(torch.tensor([prompt + c.token_ids])).logits[0]  # [tokens, vocab]
+        want = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        for position, (token, lp) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+            assert lp.logprob == pytest.approx(want[position, token].item(), abs=1e-4)
+            top = want[position].topk(p.logprobs or 1)
+            assert list(lp.top_token_ids) == top.indices.tolist()[: p.logprobs]
+            assert list(lp.top_logprobs) == pytest.approx(top.values.tolist()[: p.logprobs], abs=1e-4)

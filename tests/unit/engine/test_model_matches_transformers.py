@@ -44,13 +44,19 @@ class OpenAIPenalties:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """transformers reading the original GGUF itself (not our conversion), and its greedy outputs."""
-    from transformers import AutoModelForCausalLM, LogitsProcessorList
+def hf_model():
+    """transformers reading the original GGUF itself (not our conversion)."""
+    from transformers import AutoModelForCausalLM
 
     folder = resolve_model("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=Path(SMOLLM2_GGUF).name, dtype=torch.float32)
-    model.eval()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
+    """transformers' greedy outputs."""
+    from transformers import LogitsProcessorList
 
     def generate(prompt: list[int], penalties: SamplingParams | None = None) -> list[int]:
         """Greedy; `penalties`: repetition as transformers' own, presence and frequency through OpenAIPenalties."""
@@ -59,7 +65,7 @@ def reference():
             extra["repetition_penalty"] = penalties.repetition_penalty
             extra["logits_processor"] = LogitsProcessorList([OpenAIPenalties(len(prompt), penalties)])
         with torch.inference_mode():
-            out = model.generate(
+            out = hf_model.generate(
                 torch.tensor([prompt]),
                 max_new_tokens=MAX_TOKENS,
                 do_sample=False,
@@ -151,3 +157,22 @@ def test_penalties_match_transformers_in_a_batch_with_unpenalized_rows(engine_fa
     unpenalized = expected[len(CHATS) : len(CHATS) + len(RAW)]
     changed = sum(c.token_ids != unpenalized[i // len(PENALTIES)] for i, c in enumerate(got[: len(penalized)]))
     assert changed >= len(penalized) - 2, f"penalties changed only {changed} of {len(penalized)} outputs"
+
+
+def test_logprobs_are_transformers_log_softmax(engine_factory, prompts, expected, hf_model):
+    """The greedy tokens' log probabilities and the five most likely at each position, batched with rows that
+    ask for none, against transformers' logits over prompt + output in one forward pass."""
+    asking = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    plain = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = engine_factory().generate(prompts[:4], [asking, plain, asking, plain])
+    for i in (0, 2):
+        assert got[i].token_ids == expected[i]
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([prompts[i] + expected[i]])).logits[0, len(prompts[i]) - 1 : -1]
+        want = torch.log_softmax(logits.float(), dim=-1)
+        top = want.topk(5)
+        for position, lp in enumerate(got[i].logprobs):
+            assert lp.logprob == pytest.approx(want[position, expected[i][position]].item(), abs=1e-3)
+            assert list(lp.top_token_ids) == top.indices[position].tolist(), f"prompt {i} position {position}"
+            assert list(lp.top_logprobs) == pytest.approx(top.values[position].tolist(), abs=1e-3)
+    assert got[1].logprobs == got[3].logprobs == []

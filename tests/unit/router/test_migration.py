@@ -53,6 +53,9 @@ def migrated(req: RoutedRequest, streamed: list[int], rest: list[int]) -> tuple[
 def test_a_continued_request_prefills_what_was_streamed_and_asks_for_the_rest():
     req = continued_request(request(max_tokens=10), [5, 6, 7])
     assert req.prompt_token_ids == [0, 1, 2, 5, 6, 7] and req.sampling.max_tokens == 7
+    assert req.resumed_output_tokens == 3  # penalties count them as output
+    again = continued_request(req, [8])  # moved a second time
+    assert again.prompt_token_ids == [0, 1, 2, 5, 6, 7, 8] and again.resumed_output_tokens == 4
 
 
 def test_the_text_after_a_break_is_the_unbroken_stream_s_text():
@@ -80,7 +83,9 @@ def test_a_message_of_several_tokens_ends_at_the_token_that_completed_a_stop_str
     old = IncrementalDetokenizer(LETTERS, req.prompt_token_ids, stop=req.sampling.stop)
     streamed = "".join(old.step([t]) for t in tokens[:3])
     continuation = Continuation(LETTERS, req, [[t] for t in tokens[:3]])
-    msg = pb.GenerateResponse(token_ids=tokens[3:], text="?")  # "d", "e", "f" in one message
+    logprobs = [pb.TokenLogprobs(logprob=-i) for i in range(1, 4)]
+    msg = pb.GenerateResponse(token_ids=tokens[3:], text="?", logprobs=logprobs)  # "d", "e", "f" in one message
     continuation.rewrite(msg)
     assert list(msg.token_ids) == [6] and msg.finish_reason == pb.FINISH_REASON_STOP
+    assert list(msg.logprobs) == logprobs[:1]  # one per token kept
     assert streamed + msg.text == expected_text

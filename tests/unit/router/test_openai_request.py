@@ -81,6 +81,27 @@ def test_penalties_pass_through_and_unset_ones_stay_off():
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.0, 0.0, 0.0)  # 0: off
 
 
+def test_logprobs_are_a_count_for_completions_and_a_flag_with_a_count_for_chat():
+    def logprobs(body: dict, chat: bool) -> int | None:
+        base = {"model": "m", "messages": [{"role": "user", "content": "x"}]} if chat else {"model": "m", "prompt": "x"}
+        sampling = parse_request(base | body, chat=chat).message.sampling
+        return sampling.logprobs if sampling.HasField("logprobs") else None
+
+    assert (logprobs({}, False), logprobs({"logprobs": 0}, False), logprobs({"logprobs": 5}, False)) == (None, 0, 5)
+    assert (logprobs({}, True), logprobs({"logprobs": False}, True)) == (None, None)
+    assert (logprobs({"logprobs": True}, True), logprobs({"logprobs": True, "top_logprobs": 3}, True)) == (0, 3)
+    for body, chat, param in [
+        ({"logprobs": 21}, False, "logprobs"),
+        ({"logprobs": True}, False, "logprobs"),  # a count here
+        ({"logprobs": 2}, True, "logprobs"),  # a flag here
+        ({"top_logprobs": 2}, True, "top_logprobs"),  # OpenAI refuses it without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
+    ]:
+        with pytest.raises(InvalidRequestError) as e:
+            logprobs(body, chat)
+        assert e.value.field == param, body
+
+
 def test_a_chat_message_with_other_fields_is_refused_by_name():
     with pytest.raises(InvalidRequestError) as e:
         parse_request({"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}, chat=True)
