@@ -138,6 +138,8 @@ class Handoff:
         stream = None
         try:
             async for out in self.engine.commit_and_stream(request.request_id, first.token_id, first.logprobs):
+                if not tokens:  # the first token's output: the prefill worker's prompt logprobs go with it
+                    out = replace(out, prompt_logprobs=first.prompt_logprobs)
                 tokens += len(out.new_token_ids)
                 if stream is None and tokens > 1:
                     ran_ns = self.engine.take_started_ns(request.request_id) or committed_ns

@@ -32,7 +32,8 @@ class PrefillCall:
             raise UnavailableError(f"{self._peer} ended without a first token")
         first = event.first_token
         logprobs = logprobs_from_pb(first.logprobs) if first.HasField("logprobs") else None
-        return FirstToken(first.token_id, first.kv_follows, first.cached_prompt_tokens, logprobs)
+        prompt_logprobs = tuple(logprobs_from_pb(lp) for lp in first.prompt_logprobs)
+        return FirstToken(first.token_id, first.kv_follows, first.cached_prompt_tokens, logprobs, prompt_logprobs)
 
     async def sent(self) -> None:
         """Returns once the prefill worker confirmed the KV sent and ended the call with OK."""

@@ -55,7 +55,11 @@ class RunAndSend:
             self.engine.fail_when_stepped(job.request_id)
         out = await self._run_prompt(job)
         first = FirstToken(
-            out.new_token_ids[0], not out.finished, out.num_cached_tokens, next(iter(out.logprobs), None)
+            out.new_token_ids[0],
+            not out.finished,
+            out.num_cached_tokens,
+            next(iter(out.logprobs), None),
+            out.prompt_logprobs,
         )
         if out.finished:
             yield first

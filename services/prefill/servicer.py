@@ -54,4 +54,5 @@ def _to_pb(event: FirstToken | KVSent) -> wpb.PrefillEvent:
     )
     if event.logprobs is not None:
         first.logprobs.CopyFrom(logprobs_to_pb(event.logprobs))
+    first.prompt_logprobs.extend(logprobs_to_pb(lp) for lp in event.prompt_logprobs)
     return wpb.PrefillEvent(first_token=first)

@@ -28,7 +28,7 @@ def continued_request(original: RoutedRequest, streamed: list[int]) -> RoutedReq
     return replace(
         original,
         prompt_token_ids=original.prompt_token_ids + streamed,
-        sampling=sampling,
+        sampling=replace(sampling, prompt_logprobs=None),  # the client has them from the first message
         resumed_output_tokens=original.resumed_output_tokens + len(streamed),
     )
 

@@ -181,6 +181,29 @@ def test_logprobs_are_the_single_process_engines_over_grpc_and_in_openais_shapes
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
 
 
+def test_echo_returns_the_prompt_and_its_logprobs_computed_on_the_prefill_worker(cluster, client):
+    expected = greedy_completion(PROMPT, MAX_TOKENS, logprobs=1, prompt_logprobs=1)
+    assert len(expected.prompt_logprobs) == len(PROMPT) - 1
+    request = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": IGNORE_EOS}
+    answer = client.completions.create(**request, echo=True, logprobs=1).choices[0]
+    prompt_text = TOKENIZER.decode(PROMPT, skip_special_tokens=False)
+    assert answer.text.startswith(prompt_text) and len(answer.text) > len(prompt_text)
+    lp = answer.logprobs
+    assert len(lp.tokens) == len(PROMPT) + MAX_TOKENS
+    assert lp.tokens[: len(PROMPT)] == [TOKENIZER.decode([t], skip_special_tokens=False) for t in PROMPT]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first prompt token has no context
+    want = [x.logprob for x in expected.prompt_logprobs] + [x.logprob for x in expected.logprobs]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    chunks = list(client.completions.create(**request, echo=True, stream=True))
+    assert chunks[0].choices[0].text.startswith(prompt_text)
+    assert "".join(c.choices[0].text for c in chunks) == answer.text
+
+    text = client.completions.create(**(request | {"prompt": "Once upon"}), echo=True).choices[0].text
+    assert text.startswith("Once upon") and len(text) > len("Once upon")
+
+
 def test_models_lists_the_served_model_and_health_answers(cluster, client):
     assert [m.id for m in client.models.list()] == [MODEL]
     with pytest.raises(openai.NotFoundError) as e:

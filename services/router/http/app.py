@@ -46,9 +46,6 @@ class OpenAIAPI:
         self.lifecycle = lifecycle
         self.created = int(time.time())
 
-    def _token_text(self, token_id: int) -> str:
-        return self.lifecycle.tokenizer.decode([token_id], skip_special_tokens=False)
-
     async def health(self, request: Request) -> Response:
         """200 while the router takes requests, 503 once it drains (a load balancer's readiness probe)."""
         if self.lifecycle.draining:
@@ -78,7 +75,7 @@ class OpenAIAPI:
             self.lifecycle.refused(e, start)
             return error_response(e)
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id or uuid.uuid4().hex}"
-        answer = Answer(req, answer_id, self._token_text)
+        answer = Answer(req, answer_id, self.lifecycle.tokenizer)
         if req.stream:
             return SSEResponse(self._events(req, answer, request), req.max_tokens_param)
         headers: dict[str, str] = {}

@@ -16,7 +16,7 @@ from pdserve.v1 import generate_pb2 as pb
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the last is vLLM's
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", *PENALTIES)
 COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "slo", *SAMPLING}
-COMPLETION_PARAMS = frozenset({*COMMON, "prompt", "logprobs"})
+COMPLETION_PARAMS = frozenset({*COMMON, "prompt", "logprobs", "echo"})
 CHAT_PARAMS = frozenset({*COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
 SLO_FIELDS = ("ttft_ms", "tpot_ms")
 UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
@@ -32,6 +32,7 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     max_tokens_param: str  # which name the body used, for errors about it
+    echo: bool = False  # completions: the prompt comes back before the completion (with its logprobs, if asked)
 
 
 def parse_request(body: object, chat: bool, request_id: str = "") -> OpenAIRequest:
@@ -56,7 +57,10 @@ def parse_request(body: object, chat: bool, request_id: str = "") -> OpenAIReque
     _set_slo(msg, body)
     stream = bool(_typed(body, "stream", bool))
     max_tokens_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    return OpenAIRequest(chat, model, msg, stream, _include_usage(body, stream), max_tokens_param)
+    echo = bool(_typed(body, "echo", bool))
+    if echo and msg.sampling.HasField("logprobs"):
+        msg.sampling.prompt_logprobs = msg.sampling.logprobs
+    return OpenAIRequest(chat, model, msg, stream, _include_usage(body, stream), max_tokens_param, echo)
 
 
 def openai_param(field: str, max_tokens_param: str = "max_tokens") -> str:

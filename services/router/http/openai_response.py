@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.v1 import generate_pb2 as pb
 from services.router.http.openai_request import OpenAIRequest
 
@@ -19,11 +20,11 @@ FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "sto
 @dataclass
 class Answer:
     """What the OpenAI objects of one request share, and the text, usage and log probabilities gathered so far.
-    `token_text` decodes one token id (special tokens too) for the log probabilities' `token` fields."""
+    The tokenizer decodes the log probabilities' tokens one at a time, and an echoed prompt."""
 
     request: OpenAIRequest
     id: str
-    token_text: Callable[[int], str]
+    tokenizer: Tokenizer
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
@@ -31,13 +32,18 @@ class Answer:
     logprobs: list[dict[str, list[Any]]] = field(default_factory=list)  # one per message, when asked for
     _text_offset: int = 0  # the tokens' text before the message being added (each token decoded alone)
 
-    def add(self, msg: pb.GenerateResponse) -> None:
-        self.text.append(msg.text)
+    def add(self, msg: pb.GenerateResponse) -> str:
+        """Gathers one message; returns the text it adds (after the echoed prompt, on the first)."""
+        echo = self.request.echo and not self.text
+        text = self._prompt_text() + msg.text if echo else msg.text
+        self.text.append(text)
         if self.request.message.sampling.HasField("logprobs"):
-            self.logprobs.append(self._logprobs(msg))
+            parts = [self._prompt_logprobs(msg)] if echo else []
+            self.logprobs.append(_joined([*parts, self._logprobs(msg)]))
         if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self.finish_reason = FINISH_REASONS.get(msg.finish_reason, "stop")
             self.usage = usage(msg.usage)
+        return text
 
     def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.request.model, "choices": choices}
@@ -55,41 +61,62 @@ class Answer:
 
     def chunk(self, msg: pb.GenerateResponse, first: bool) -> dict[str, Any]:
         """One streamed message as a chunk; the first chat chunk names the assistant's role."""
-        self.add(msg)
+        text = self.add(msg)
         logprobs = self.logprobs[-1] if self.request.message.sampling.HasField("logprobs") else None
         if self.request.chat:
-            delta = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
             choice, kind = {"index": 0, "delta": delta, "logprobs": logprobs}, "chat.completion.chunk"
         else:
-            choice, kind = {"index": 0, "text": msg.text, "logprobs": logprobs}, "text_completion"
+            choice, kind = {"index": 0, "text": text, "logprobs": logprobs}, "text_completion"
         chunk = self._object(kind, [choice | {"finish_reason": self.finish_reason}])
         return chunk | {"usage": None} if self.request.include_usage else chunk
+
+    def _prompt_text(self) -> str:
+        message = self.request.message
+        return message.prompt or self.tokenizer.decode(list(message.prompt_token_ids), skip_special_tokens=False)
+
+    def _prompt_logprobs(self, msg: pb.GenerateResponse) -> dict[str, list[Any]]:
+        """The echoed prompt's tokens in the completions API's lists; the first has no log probability (null).
+        A text prompt is tokenized again, as the router tokenized it."""
+        message = self.request.message
+        ids = list(message.prompt_token_ids) or self.tokenizer.encode(message.prompt)
+        return self._legacy(ids, [None, *msg.prompt_logprobs])
 
     def _logprobs(self, msg: pb.GenerateResponse) -> dict[str, list[Any]]:
         """One message's tokens in OpenAI's shape: chat's `content` entries, or the completions API's parallel
         lists (as vLLM's: `top_logprobs` also holds the sampled token, `text_offset` counts the tokens' text)."""
-        text = self.token_text
+        text = self._token_text
         if self.request.chat:
             content = []
             for token, lp in zip(msg.token_ids, msg.logprobs, strict=True):
                 top = [_chat_entry(text(t), v) for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
                 content.append(_chat_entry(text(token), lp.logprob) | {"top_logprobs": top})
             return {"content": content}
-        tokens = [text(t) for t in msg.token_ids]
+        return self._legacy(list(msg.token_ids), list(msg.logprobs))
+
+    def _legacy(self, token_ids: list[int], logprobs: list[pb.TokenLogprobs | None]) -> dict[str, list[Any]]:
+        """The completions API's parallel lists; `None` (an echoed prompt's first token) is null."""
+        tokens = [self._token_text(t) for t in token_ids]
         offsets = []
         for token in tokens:
             offsets.append(self._text_offset)
             self._text_offset += len(token)
         top_logprobs = [
-            {text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)} | {token: lp.logprob}
-            for token, lp in zip(tokens, msg.logprobs, strict=True)
+            None
+            if lp is None
+            else {self._token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+            | {token: lp.logprob}
+            for token, lp in zip(tokens, logprobs, strict=True)
         ]
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in msg.logprobs],
+            "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
             "top_logprobs": top_logprobs,
             "text_offset": offsets,
         }
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def usage_chunk(self) -> dict[str, Any]:
         """`stream_options.include_usage`: the last chunk, no choices, the whole request's usage."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ from pdserve.engine.model_files import tokenizer_folder
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes, load_model
 from pdserve.engine.models import resolve_model
 from pdserve.engine.sampler import Sampler, TokenHistory, make_generator
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError
@@ -35,6 +35,7 @@ class Completion:
     text: str
     finish_reason: FinishReason
     logprobs: list[TokenLogprobs]  # one per token when the request asked for them
+    prompt_logprobs: list[TokenLogprobs]  # one per prompt token after the first when the request asked
 
 
 @dataclass
@@ -43,6 +44,8 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     prompt_seen: np.ndarray | None  # with penalties: the prompt's distinct tokens, found once
+    # With prompt logprobs: those of prompt positions 1, 2, ... found so far (position 0 has no context).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def token_history(self) -> TokenHistory:
         return None if self.prompt_seen is None else (self.prompt_seen, self.seq.penalized_output_token_ids())
@@ -179,8 +182,12 @@ class LLMEngine:
         if not plan.chunks:
             return []
         self.last_step_tokens = plan.num_tokens
-        logits = self.runner.execute(plan.chunks)
+        step = self.runner.execute(plan.chunks)
+        logits = step.sampled
         self.scheduler.complete_step()
+        for chunk in plan.chunks:
+            if chunk.seq_id in step.prompt:
+                self._record_prompt_logprobs(self._requests[chunk.seq_id], chunk, step.prompt[chunk.seq_id])
         sampled = [self._requests[c.seq_id] for c in plan.chunks if c.sample]
         params = [r.seq.sampling for r in sampled]
         histories = [r.token_history() for r in sampled]
@@ -194,6 +201,20 @@ class LLMEngine:
             self._append_token(req, tok, logprobs.get(i))
             for i, (req, tok) in enumerate(zip(sampled, tokens.tolist(), strict=True))
         ]
+
+    def _record_prompt_logprobs(self, req: _Request, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+        """Row j of the chunk predicts the token at position start + j + 1: keep those that are prompt tokens
+        not yet recorded (a sequence preempted and recomputed runs its prompt again)."""
+        seq, start = req.seq, chunk.start_position
+        first = len(req.prompt_logprobs) + 1
+        rows = [j for j in range(len(chunk.token_ids)) if first <= start + j + 1 < seq.num_prompt_tokens]
+        if not rows:
+            return
+        last = seq.num_prompt_tokens - 1
+        targets = [seq.prompt_token_ids[min(start + j + 1, last)] for j in range(len(chunk.token_ids))]
+        count = seq.sampling.prompt_logprobs or 0
+        targets_tensor = torch.tensor(targets, device=logits.device)
+        req.prompt_logprobs += self.sampler.logprobs(logits, targets_tensor, rows, [count] * len(rows))
 
     def _append_token(self, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         seq = req.seq
@@ -219,6 +240,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             handoff_block_ids=handoff,
             logprobs=() if logprobs is None else (logprobs,),
+            prompt_logprobs=tuple(req.prompt_logprobs) if seq.num_output_tokens == 1 else (),
         )
 
     def _finish_reason(self, req: _Request, token: int) -> FinishReason | None:
@@ -240,15 +262,17 @@ class LLMEngine:
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         texts: dict[str, list[str]] = {i: [] for i in ids}
         logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
         reasons: dict[str, FinishReason] = {}
         while self.has_unfinished():
             for out in self.step():
                 tokens[out.request_id] += out.new_token_ids
                 texts[out.request_id].append(out.new_text)
                 logprobs[out.request_id] += out.logprobs
+                prompt_logprobs[out.request_id] += out.prompt_logprobs
                 if out.finish_reason is not None:
                     reasons[out.request_id] = out.finish_reason
-        return [Completion(tokens[i], "".join(texts[i]), reasons[i], logprobs[i]) for i in ids]
+        return [Completion(tokens[i], "".join(texts[i]), reasons[i], logprobs[i], prompt_logprobs[i]) for i in ids]
 
 
 def _fingerprint(config: ModelConfig, model: torch.nn.Module) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,14 @@ from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.roles import EngineMode
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """A step's float32 logits: the sampling chunks' last rows, and every row of the chunks that asked."""
+
+    sampled: torch.Tensor  # [sampling chunks, vocab], in chunk order
+    prompt: dict[str, torch.Tensor] = field(default_factory=dict)  # seq_id -> [chunk tokens, vocab]
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaModel:
@@ -48,17 +57,19 @@ class ModelRunner:
         self.decode_graphs = _decode_graphs(engine_config, self.device, model, self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Runs every chunk; returns float32 logits [num sampling chunks, vocab], in chunk order."""
+    def execute(self, chunks: list[ScheduledChunk]) -> StepLogits:
+        """Runs every chunk; the logits of each sampling chunk's last token and of every token of a chunk
+        marked `prompt_logits`."""
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(len(chunks)) and all(map(_is_decode, chunks)):
-            return graphs.run(self._decode_batch(chunks))
+            return StepLogits(graphs.run(self._decode_batch(chunks)))
         input_ids, positions, meta, sample_rows = self._prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        prompt = {c.seq_id: self.model.compute_logits(hidden[rows]) for c, rows in _marked_rows(chunks)}
         if not sample_rows:
-            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+            return StepLogits(torch.empty(0, self.model.config.vocab_size, device=self.device), prompt)
         rows = torch.tensor(sample_rows, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        return StepLogits(self.model.compute_logits(hidden.index_select(0, rows)), prompt)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
@@ -132,6 +143,24 @@ class ModelRunner:
                 spans.append(PrefillSpan(start=row, length=n, block_table=table, mask=mask))
             row += n
         return tuple(spans)
+
+
+def _marked_rows(chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, slice]]:
+    """The rows of the chunks marked `prompt_logits`, laid out as `_prepare` lays them: the one-token
+    continuations first, one row each, then the other chunks' tokens in order."""
+    if not any(c.prompt_logits for c in chunks):
+        return []
+    num_decode = sum(map(_continues_by_one, chunks))
+    marked, row = [], num_decode
+    for i, c in enumerate(chunks):
+        if i < num_decode:
+            rows = slice(i, i + 1)
+        else:
+            rows = slice(row, row + len(c.token_ids))
+            row += len(c.token_ids)
+        if c.prompt_logits:
+            marked.append((c, rows))
+    return marked
 
 
 def _continues_by_one(chunk: ScheduledChunk) -> bool:

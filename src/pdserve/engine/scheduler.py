@@ -27,6 +27,8 @@ class ScheduledChunk:
     start_position: int
     block_table: list[int]
     sample: bool  # the chunk ends the sequence's known tokens, so its last logits pick the next token
+    # Every row's logits are wanted: its sequence asked for prompt logprobs and some row predicts a prompt token.
+    prompt_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,8 @@ class Scheduler:
                 break
             prefills += 1
             seq = self.waiting[0]
-            prefix = self.blocks.match_prefix(seq)
+            # Prompt logprobs need every prompt position computed: no cached prefix stands in for one.
+            prefix = self.blocks.match_prefix(seq) if seq.sampling.prompt_logprobs is None else []
             cached = len(prefix) * self.blocks.block_size
             n = min(seq.num_tokens - cached, budget, self.config.long_prefill_chunk)
             if not self.blocks.allocate_slots(seq, n, prefix):
@@ -120,6 +123,7 @@ class Scheduler:
             start_position=start,
             block_table=list(seq.block_table),
             sample=start + n == seq.num_tokens,
+            prompt_logits=seq.sampling.prompt_logprobs is not None and start + 1 < seq.num_prompt_tokens,
         )
 
     def _preempt(self, seq: Sequence) -> None:

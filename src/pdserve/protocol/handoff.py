@@ -27,6 +27,7 @@ class FirstToken:
     kv_follows: bool  # False when the first token already ended the request: no KV follows
     cached_prompt_tokens: int  # served by the prefill worker's prefix cache
     logprobs: TokenLogprobs | None = None  # when the request asked for them
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # when the request asked for them
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ class RequestOutput:
     # KV, in block-table order (fixed from then on), so the sender needs no further call to the engine thread.
     handoff_block_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for them
+    # On the first output, when the request asked: one per prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -53,4 +55,5 @@ class RequestOutput:
             later.num_cached_tokens,
             self.handoff_block_ids or later.handoff_block_ids,
             self.logprobs + later.logprobs,
+            self.prompt_logprobs or later.prompt_logprobs,
         )

@@ -37,6 +37,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; n: the sampled token's and the n most likely alternatives
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -56,8 +57,10 @@ class SamplingParams:
             raise InvalidRequestError(
                 "sampling.repetition_penalty", f"must be a finite number > 0 (1 = off), got {self.repetition_penalty}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"sampling.{name}", f"must be in [0, {MAX_LOGPROBS}], got {value}")
         if any(s == "" for s in self.stop):
             raise InvalidRequestError("sampling.stop", "stop strings must not be empty")
 

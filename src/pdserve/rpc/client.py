@@ -22,6 +22,7 @@ class StreamResult:
     e2e_s: float = 0.0
     usage: pb.Usage | None = None
     logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # when the request asked for them
+    prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # when the request asked for them
 
     @property
     def tpot_s(self) -> float:
@@ -48,6 +49,7 @@ async def generate(
                 result.ttft_s = now
             result.token_ids += msg.token_ids
             result.logprobs += msg.logprobs
+            result.prompt_logprobs += msg.prompt_logprobs
             result.text += msg.text
             result.messages += 1
             result.e2e_s = now

@@ -32,6 +32,7 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int = 0) -> Sam
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -53,6 +54,8 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
 
 
@@ -70,6 +73,7 @@ def output_to_pb(out: RequestOutput) -> pb.GenerateResponse:
         text=out.new_text,
         finish_reason=finish_reason_to_pb(out.finish_reason),
         logprobs=[logprobs_to_pb(lp) for lp in out.logprobs],
+        prompt_logprobs=[logprobs_to_pb(lp) for lp in out.prompt_logprobs],
     )
 
 

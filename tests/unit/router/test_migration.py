@@ -3,6 +3,8 @@ writes, even where the break falls inside a held-back character or a stop string
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tokenizers import Tokenizer, decoders, models
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -54,6 +56,8 @@ def test_a_continued_request_prefills_what_was_streamed_and_asks_for_the_rest():
     req = continued_request(request(max_tokens=10), [5, 6, 7])
     assert req.prompt_token_ids == [0, 1, 2, 5, 6, 7] and req.sampling.max_tokens == 7
     assert req.resumed_output_tokens == 3  # penalties count them as output
+    asked = replace(request(max_tokens=10), sampling=SamplingParams(max_tokens=10, prompt_logprobs=1))
+    assert continued_request(asked, [5]).sampling.prompt_logprobs is None  # the client has them already
     again = continued_request(req, [8])  # moved a second time
     assert again.prompt_token_ids == [0, 1, 2, 5, 6, 7, 8] and again.resumed_output_tokens == 4
 

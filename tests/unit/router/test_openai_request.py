@@ -102,6 +102,16 @@ def test_logprobs_are_a_count_for_completions_and_a_flag_with_a_count_for_chat()
         assert e.value.field == param, body
 
 
+def test_echo_with_logprobs_asks_for_the_prompts_too():
+    req = parse_request({"model": "m", "prompt": "x", "echo": True, "logprobs": 2}, chat=False)
+    assert req.echo and (req.message.sampling.logprobs, req.message.sampling.prompt_logprobs) == (2, 2)
+    req = parse_request({"model": "m", "prompt": "x", "echo": True}, chat=False)
+    assert req.echo and not req.message.sampling.HasField("prompt_logprobs")
+    with pytest.raises(InvalidRequestError) as e:  # chat has no echo
+        parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, chat=True)
+    assert e.value.field == "echo"
+
+
 def test_a_chat_message_with_other_fields_is_refused_by_name():
     with pytest.raises(InvalidRequestError) as e:
         parse_request({"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}, chat=True)

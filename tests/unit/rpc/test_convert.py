@@ -20,7 +20,7 @@ from pdserve.v1 import generate_pb2 as pb
         SamplingParams(max_tokens=1, seed=2**64 - 1, stop=("\n\n", "€nd"), stop_token_ids=(0, 5, 258)),
         SamplingParams(presence_penalty=0.5, frequency_penalty=-1.25, repetition_penalty=1.5),
         SamplingParams(logprobs=0),
-        SamplingParams(logprobs=20),
+        SamplingParams(logprobs=20, prompt_logprobs=0),
     ],
 )
 def test_round_trip_is_exact(params):
@@ -33,7 +33,7 @@ def test_proto_zero_values_take_the_defaults():
     got = sampling_from_pb(pb.SamplingParams(), default_max_tokens=9)
     assert (got.max_tokens, got.top_p, got.seed, got.temperature) == (9, 1.0, None, 0.0)
     assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty) == (0.0, 0.0, 1.0)
-    assert not got.penalized and got.logprobs is None
+    assert not got.penalized and got.logprobs is None and got.prompt_logprobs is None
 
 
 def test_an_unset_max_tokens_without_a_default_is_an_error():
@@ -57,6 +57,7 @@ def test_an_unset_max_tokens_without_a_default_is_an_error():
         (pb.SamplingParams(max_tokens=1, repetition_penalty=-1), "sampling.repetition_penalty"),
         (pb.SamplingParams(max_tokens=1, repetition_penalty=math.inf), "sampling.repetition_penalty"),
         (pb.SamplingParams(max_tokens=1, logprobs=21), "sampling.logprobs"),
+        (pb.SamplingParams(max_tokens=1, prompt_logprobs=21), "sampling.prompt_logprobs"),
         (pb.SamplingParams(max_tokens=1, top_k=-1), "sampling.top_k"),
         (pb.SamplingParams(max_tokens=1, stop=["a", ""]), "sampling.stop"),
     ],
