@@ -204,6 +204,31 @@ def test_echo_returns_the_prompt_and_its_logprobs_computed_on_the_prefill_worker
     assert text.startswith("Once upon") and len(text) > len("Once upon")
 
 
+def test_n_choices_are_n_seeded_requests_streamed_side_by_side(cluster, client):
+    """Choice i is the gRPC path's answer with seed + i; usage counts the prompt once and every choice's
+    tokens; a stream interleaves the choices, each chunk naming its index."""
+    request = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 11}
+    answer = client.completions.create(**request, n=3, extra_body=IGNORE_EOS)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    for choice in answer.choices:
+        sampling = pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=11 + choice.index, ignore_eos=True)
+        assert choice.text == grpc_text(cluster, prompt_token_ids=PROMPT, sampling=sampling)[0]
+    assert len({c.text for c in answer.choices}) > 1
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(PROMPT), 3 * MAX_TOKENS)
+
+    chunks = list(client.completions.create(**request, n=3, stream=True, extra_body=IGNORE_EOS))
+    for choice in answer.choices:
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text and mine[-1].finish_reason == "length"
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=MAX_TOKENS, temperature=0, n=2, extra_body=IGNORE_EOS
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same answer twice
+
+
 def test_models_lists_the_served_model_and_health_answers(cluster, client):
     assert [m.id for m in client.models.list()] == [MODEL]
     with pytest.raises(openai.NotFoundError) as e:
@@ -244,7 +269,7 @@ def test_http_requests_are_traced_and_counted_as_grpc_ones(cluster, client, coll
 
 
 BAD_COMPLETIONS = [
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"logprobs": 21}, "logprobs"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
@@ -333,15 +358,18 @@ def test_loadgen_runs_over_http(cluster, tmp_path, backend):
     assert max(len(r["message_times_ms"]) for r in run["requests"]) >= 2
 
 
-def test_a_non_streamed_request_whose_client_left_is_cancelled(cluster):
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_non_streamed_request_whose_client_left_is_cancelled(cluster, n):
     """The client gives up on a long non-streamed completion: the router cancels it (its KV freed on both
-    workers) instead of generating for nobody until max_tokens."""
+    workers) instead of generating for nobody until max_tokens; with n choices, every one of them."""
     before = scrape(cluster.metrics_url)
-    impatient = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=1.0)
+    impatient = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=1.5)
     with pytest.raises(openai.APITimeoutError):
-        impatient.completions.create(model=MODEL, prompt="x", max_tokens=2000, temperature=0, extra_body=IGNORE_EOS)
+        impatient.completions.create(
+            model=MODEL, prompt="x", max_tokens=2000, temperature=0, n=n, extra_body=IGNORE_EOS
+        )
     deadline = time.monotonic() + 30
-    while (after := scrape(cluster.metrics_url)) and cancelled(after) == cancelled(before):
+    while (after := scrape(cluster.metrics_url)) and cancelled(after) < cancelled(before) + n:
         assert time.monotonic() < deadline, "the request was not cancelled when its client left"
         time.sleep(0.2)
     assert finished(after) == finished(before), "it ran to its end"

@@ -102,22 +102,64 @@ class OpenAIAPI:
         return JSONResponse(answer.whole(), headers=headers)
 
     async def _whole(self, req: OpenAIRequest, answer: Answer, request: Request, headers: dict[str, str]) -> None:
-        async for msg in self._generate(req, request, headers):
-            answer.add(msg)
+        async for index, msg in self._choices(req, request, headers):
+            answer.add(index, msg)
 
     async def _events(self, req: OpenAIRequest, answer: Answer, request: Request) -> AsyncIterator[bytes]:
         """Within one task (the response's), so the span and the request's context live and end there."""
         with self._span(request):
-            async for event in sse_events(answer, self._generate(req, request, {})):
+            async for event in sse_events(answer, self._choices(req, request, {})):
                 yield event
 
-    def _generate(
+    async def _choices(
         self, req: OpenAIRequest, request: Request, headers: dict[str, str]
+    ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+        """Each choice's messages tagged with its index, as they come. With n > 1 every choice is a request
+        of its own, and each starts once the one before it got its first token: it then meets the prompt in
+        that prefill worker's prefix cache (placement prefers the worker holding it, so the prompt is computed
+        once), and a prefill queue that admits one such prompt at a time admits every choice in turn. The
+        first choice to fail cancels the others (their KV freed) and raises."""
+        if req.n == 1:
+            async for msg in self._generate(req.message, req, request, headers):
+                yield 0, msg
+            return
+        queue: asyncio.Queue[tuple[int, pb.GenerateResponse | BaseException | None]] = asyncio.Queue()
+        first_token = [asyncio.Event() for _ in range(req.n)]
+
+        async def run(index: int) -> None:
+            try:
+                if index:
+                    await first_token[index - 1].wait()
+                async for msg in self._generate(req.choice_message(index), req, request, headers):
+                    first_token[index].set()
+                    queue.put_nowait((index, msg))
+                queue.put_nowait((index, None))
+            except Exception as e:
+                queue.put_nowait((index, e))
+
+        tasks = [asyncio.ensure_future(run(i)) for i in range(req.n)]
+        try:
+            running = req.n
+            while running:
+                index, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    running -= 1
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _generate(
+        self, message: pb.GenerateRequest, req: OpenAIRequest, request: Request, headers: dict[str, str]
     ) -> AsyncIterator[pb.GenerateResponse]:
         async def on_admitted(ticket: Ticket) -> None:
             headers[PREDICTED_TTFT_HEADER] = str(round(ticket.placement.predicted_ttft_s * 1e3))
 
-        return generate(self.lifecycle, req.message, request.headers, lambda: None, on_admitted, req.model)
+        return generate(self.lifecycle, message, request.headers, lambda: None, on_admitted, req.model)
 
     def _span(self, request: Request) -> AbstractContextManager[trace.Span]:
         """The request's server span, a child of the caller's trace when its `traceparent` header names one."""

@@ -20,6 +20,7 @@ COMPLETION_PARAMS = frozenset({*COMMON, "prompt", "logprobs", "echo"})
 CHAT_PARAMS = frozenset({*COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
 SLO_FIELDS = ("ttft_ms", "tpot_ms")
 UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
+MAX_CHOICES = 16  # `n`: each choice is a request of its own through admission, so the fan-out is bounded
 # OpenAI's own default; the gRPC API's is 0 (greedy), which a client asks for with temperature=0.
 DEFAULT_TEMPERATURE = 1.0
 
@@ -33,6 +34,20 @@ class OpenAIRequest:
     include_usage: bool
     max_tokens_param: str  # which name the body used, for errors about it
     echo: bool = False  # completions: the prompt comes back before the completion (with its logprobs, if asked)
+    n: int = 1  # choices: each a request of its own (`choice_message`)
+
+    def choice_message(self, index: int) -> pb.GenerateRequest:
+        """Choice `index`'s request: with n > 1 its own request id and, for a seeded request, seed + index
+        (distinct choices, each reproducible)."""
+        if self.n == 1:
+            return self.message
+        msg = pb.GenerateRequest()
+        msg.CopyFrom(self.message)
+        if msg.request_id:
+            msg.request_id = f"{msg.request_id}-{index}"
+        if msg.sampling.HasField("seed"):
+            msg.sampling.seed = (msg.sampling.seed + index) % (UINT64 + 1)
+        return msg
 
 
 def parse_request(body: object, chat: bool, request_id: str = "") -> OpenAIRequest:
@@ -47,8 +62,6 @@ def parse_request(body: object, chat: bool, request_id: str = "") -> OpenAIReque
     model = _typed(body, "model", str)
     if model is None:
         raise InvalidRequestError("model", "is required")
-    if _int(body, "n") not in (None, 1):
-        raise InvalidRequestError("n", "only n=1 (one choice per request) is supported")
     msg = pb.GenerateRequest(request_id=request_id, sampling=_sampling(body, chat), priority=_int(body, "priority"))
     if chat:
         msg.messages.extend(_messages(body))
@@ -60,7 +73,8 @@ def parse_request(body: object, chat: bool, request_id: str = "") -> OpenAIReque
     echo = bool(_typed(body, "echo", bool))
     if echo and msg.sampling.HasField("logprobs"):
         msg.sampling.prompt_logprobs = msg.sampling.logprobs
-    return OpenAIRequest(chat, model, msg, stream, _include_usage(body, stream), max_tokens_param, echo)
+    n = _int(body, "n", 1, MAX_CHOICES) or 1
+    return OpenAIRequest(chat, model, msg, stream, _include_usage(body, stream), max_tokens_param, echo, n)
 
 
 def openai_param(field: str, max_tokens_param: str = "max_tokens") -> str:

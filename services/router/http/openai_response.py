@@ -18,71 +18,98 @@ FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "sto
 
 
 @dataclass
+class Choice:
+    """One choice's text, finish and log probabilities gathered so far, and the usage its last message carried."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: pb.Usage | None = None
+    logprobs: list[dict[str, list[Any]]] = field(default_factory=list)  # one per message, when asked for
+    text_offset: int = 0  # the tokens' text before the message being added (each token decoded alone)
+
+
+@dataclass
 class Answer:
-    """What the OpenAI objects of one request share, and the text, usage and log probabilities gathered so far.
-    The tokenizer decodes the log probabilities' tokens one at a time, and an echoed prompt."""
+    """What the OpenAI objects of one request share and each of its `n` choices. The tokenizer decodes the log
+    probabilities' tokens one at a time, and an echoed prompt."""
 
     request: OpenAIRequest
     id: str
     tokenizer: Tokenizer
     created: int = field(default_factory=lambda: int(time.time()))
-    text: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    logprobs: list[dict[str, list[Any]]] = field(default_factory=list)  # one per message, when asked for
-    _text_offset: int = 0  # the tokens' text before the message being added (each token decoded alone)
+    choices: list[Choice] = field(default_factory=list)
 
-    def add(self, msg: pb.GenerateResponse) -> str:
-        """Gathers one message; returns the text it adds (after the echoed prompt, on the first)."""
-        echo = self.request.echo and not self.text
+    def __post_init__(self) -> None:
+        self.choices = [Choice(i) for i in range(self.request.n)]
+
+    def add(self, index: int, msg: pb.GenerateResponse) -> str:
+        """Gathers one message of choice `index`; returns the text it adds (after the echoed prompt, on the
+        first)."""
+        choice = self.choices[index]
+        echo = self.request.echo and not choice.text
         text = self._prompt_text() + msg.text if echo else msg.text
-        self.text.append(text)
+        choice.text.append(text)
         if self.request.message.sampling.HasField("logprobs"):
-            parts = [self._prompt_logprobs(msg)] if echo else []
-            self.logprobs.append(_joined([*parts, self._logprobs(msg)]))
+            parts = [self._prompt_logprobs(choice, msg)] if echo else []
+            choice.logprobs.append(_joined([*parts, self._logprobs(choice, msg)]))
         if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            self.finish_reason = FINISH_REASONS.get(msg.finish_reason, "stop")
-            self.usage = usage(msg.usage)
+            choice.finish_reason = FINISH_REASONS.get(msg.finish_reason, "stop")
+            choice.usage = msg.usage
         return text
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """The request's usage once every choice finished: the prompt counted once, as OpenAI counts it."""
+        if any(c.usage is None for c in self.choices):
+            return None
+        first = self.choices[0].usage
+        assert first is not None
+        return usage(first, sum(c.usage.completion_tokens for c in self.choices if c.usage))
 
     def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.request.model, "choices": choices}
 
     def whole(self) -> dict[str, Any]:
         """The non-streaming response."""
-        text = "".join(self.text)
-        logprobs = _joined(self.logprobs) if self.logprobs else None
-        if self.request.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
-            kind = "chat.completion"
-        else:
-            choice, kind = {"index": 0, "text": text, "logprobs": logprobs}, "text_completion"
-        return self._object(kind, [choice | {"finish_reason": self.finish_reason}]) | {"usage": self.usage}
+        choices = []
+        for c in self.choices:
+            text = "".join(c.text)
+            logprobs = _joined(c.logprobs) if c.logprobs else None
+            if self.request.chat:
+                choice = {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+            else:
+                choice = {"index": c.index, "text": text, "logprobs": logprobs}
+            choices.append(choice | {"finish_reason": c.finish_reason})
+        kind = "chat.completion" if self.request.chat else "text_completion"
+        return self._object(kind, choices) | {"usage": self.usage}
 
-    def chunk(self, msg: pb.GenerateResponse, first: bool) -> dict[str, Any]:
-        """One streamed message as a chunk; the first chat chunk names the assistant's role."""
-        text = self.add(msg)
-        logprobs = self.logprobs[-1] if self.request.message.sampling.HasField("logprobs") else None
+    def chunk(self, index: int, msg: pb.GenerateResponse) -> dict[str, Any]:
+        """One streamed message of choice `index` as a chunk; a choice's first chat chunk names the role."""
+        first = not self.choices[index].text
+        text = self.add(index, msg)
+        c = self.choices[index]
+        logprobs = c.logprobs[-1] if self.request.message.sampling.HasField("logprobs") else None
         if self.request.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice, kind = {"index": 0, "delta": delta, "logprobs": logprobs}, "chat.completion.chunk"
+            choice, kind = {"index": index, "delta": delta, "logprobs": logprobs}, "chat.completion.chunk"
         else:
-            choice, kind = {"index": 0, "text": text, "logprobs": logprobs}, "text_completion"
-        chunk = self._object(kind, [choice | {"finish_reason": self.finish_reason}])
+            choice, kind = {"index": index, "text": text, "logprobs": logprobs}, "text_completion"
+        chunk = self._object(kind, [choice | {"finish_reason": c.finish_reason}])
         return chunk | {"usage": None} if self.request.include_usage else chunk
 
     def _prompt_text(self) -> str:
         message = self.request.message
         return message.prompt or self.tokenizer.decode(list(message.prompt_token_ids), skip_special_tokens=False)
 
-    def _prompt_logprobs(self, msg: pb.GenerateResponse) -> dict[str, list[Any]]:
+    def _prompt_logprobs(self, choice: Choice, msg: pb.GenerateResponse) -> dict[str, list[Any]]:
         """The echoed prompt's tokens in the completions API's lists; the first has no log probability (null).
         A text prompt is tokenized again, as the router tokenized it."""
         message = self.request.message
         ids = list(message.prompt_token_ids) or self.tokenizer.encode(message.prompt)
-        return self._legacy(ids, [None, *msg.prompt_logprobs])
+        return self._legacy(choice, ids, [None, *msg.prompt_logprobs])
 
-    def _logprobs(self, msg: pb.GenerateResponse) -> dict[str, list[Any]]:
+    def _logprobs(self, choice: Choice, msg: pb.GenerateResponse) -> dict[str, list[Any]]:
         """One message's tokens in OpenAI's shape: chat's `content` entries, or the completions API's parallel
         lists (as vLLM's: `top_logprobs` also holds the sampled token, `text_offset` counts the tokens' text)."""
         text = self._token_text
@@ -92,15 +119,17 @@ class Answer:
                 top = [_chat_entry(text(t), v) for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
                 content.append(_chat_entry(text(token), lp.logprob) | {"top_logprobs": top})
             return {"content": content}
-        return self._legacy(list(msg.token_ids), list(msg.logprobs))
+        return self._legacy(choice, list(msg.token_ids), list(msg.logprobs))
 
-    def _legacy(self, token_ids: list[int], logprobs: list[pb.TokenLogprobs | None]) -> dict[str, list[Any]]:
+    def _legacy(
+        self, choice: Choice, token_ids: list[int], logprobs: list[pb.TokenLogprobs | None]
+    ) -> dict[str, list[Any]]:
         """The completions API's parallel lists; `None` (an echoed prompt's first token) is null."""
         tokens = [self._token_text(t) for t in token_ids]
         offsets = []
         for token in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(token)
         top_logprobs = [
             None
             if lp is None
@@ -133,22 +162,22 @@ def _joined(parts: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
     return {key: [v for part in parts for v in part[key]] for key in parts[0]}
 
 
-def usage(u: pb.Usage) -> dict[str, Any]:
-    """OpenAI's usage, with the prompt tokens the prefix cache served and pdserve's server-side TTFT."""
+def usage(u: pb.Usage, completion_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens the prefix cache served and pdserve's server-side TTFT (the first
+    choice's, as its prompt)."""
     return {
         "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": u.prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
         "ttft_ms": round(u.ttft_ms, 3),
     }
 
 
-async def sse_events(answer: Answer, stream: AsyncIterator[pb.GenerateResponse]) -> AsyncIterator[bytes]:
-    first = True
-    async for msg in stream:
-        yield event(answer.chunk(msg, first))
-        first = False
+async def sse_events(answer: Answer, stream: AsyncIterator[tuple[int, pb.GenerateResponse]]) -> AsyncIterator[bytes]:
+    """Each choice's messages as they come, tagged with its index."""
+    async for index, msg in stream:
+        yield event(answer.chunk(index, msg))
     if answer.request.include_usage:
         yield event(answer.usage_chunk())
     yield b"data: [DONE]\n\n"

@@ -112,6 +112,20 @@ def test_echo_with_logprobs_asks_for_the_prompts_too():
     assert e.value.field == "echo"
 
 
+def test_each_of_n_choices_is_a_request_of_its_own():
+    req = parse_request({"model": "m", "prompt": "x", "n": 3, "seed": 2**64 - 2}, chat=False, request_id="r")
+    choices = [req.choice_message(i) for i in range(req.n)]
+    assert [c.request_id for c in choices] == ["r-0", "r-1", "r-2"]
+    assert [c.sampling.seed for c in choices] == [2**64 - 2, 2**64 - 1, 0]  # distinct, each reproducible
+    assert req.message.request_id == "r" and req.message.sampling.seed == 2**64 - 2  # the body's, untouched
+    one = parse_request({"model": "m", "prompt": "x"}, chat=False, request_id="r")
+    assert one.n == 1 and one.choice_message(0) is one.message
+    for n in (0, 17):
+        with pytest.raises(InvalidRequestError) as e:
+            parse_request({"model": "m", "prompt": "x", "n": n}, chat=False)
+        assert e.value.field == "n"
+
+
 def test_a_chat_message_with_other_fields_is_refused_by_name():
     with pytest.raises(InvalidRequestError) as e:
         parse_request({"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}, chat=True)
