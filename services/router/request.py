@@ -18,6 +18,7 @@ from pdserve.errors import InvalidRequestError
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.request_checks import (
     RequestLimits,
+    check_logit_bias,
     check_messages,
     check_prompt_length,
     check_prompt_text,
@@ -95,6 +96,7 @@ def _check_caps(msg: pb.GenerateRequest, field: str, model: ModelConfig, limits:
     """Counts and sizes only: nothing here costs more than reading the message once."""
     check_request_id(msg.request_id, limits)
     check_stops(msg.sampling.stop, msg.sampling.stop_token_ids, limits)
+    check_logit_bias(len(msg.sampling.logit_bias), limits)
     if field == "prompt":
         check_prompt_text(msg.prompt, limits, model)
     elif field == "messages":

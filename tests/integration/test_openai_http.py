@@ -229,6 +229,23 @@ def test_n_choices_are_n_seeded_requests_streamed_side_by_side(cluster, client):
     assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same answer twice
 
 
+def test_logit_bias_and_stop_token_ids_reach_both_workers(cluster, client):
+    """A bias of 100 forces its token on the first token (the prefill worker's) and the rest (the decode
+    worker's); a bias of -100 bans the greedy answer's first token; a stop token id ends the stream on it."""
+    request = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    expected = greedy(PROMPT, MAX_TOKENS)
+    forced = client.completions.create(**request, logit_bias={"42": 100}, extra_body=IGNORE_EOS).choices[0]
+    assert forced.text == TOKENIZER.decode([42] * MAX_TOKENS)
+    banned = greedy(PROMPT, MAX_TOKENS, logit_bias=((expected[0], -100.0),))
+    assert banned[0] != expected[0]
+    text = client.completions.create(**request, logit_bias={str(expected[0]): -100}, extra_body=IGNORE_EOS)
+    assert text.choices[0].text == TOKENIZER.decode(banned)
+    stop = expected[3]
+    stopped = client.completions.create(**request, extra_body=IGNORE_EOS | {"stop_token_ids": [stop]})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == expected.index(stop) + 1  # the stop token is the last one
+
+
 def test_models_lists_the_served_model_and_health_answers(cluster, client):
     assert [m.id for m in client.models.list()] == [MODEL]
     with pytest.raises(openai.NotFoundError) as e:
@@ -245,7 +262,9 @@ def test_http_requests_are_traced_and_counted_as_grpc_ones(cluster, client, coll
     before = scrape(cluster.metrics_url)
     trace_id, request_id = uuid.uuid4().hex, uuid.uuid4().hex
     headers = {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01", "x-request-id": request_id}
-    answer = client.completions.create(model=MODEL, prompt="trace me", max_tokens=3, extra_headers=headers)
+    answer = client.completions.create(
+        model=MODEL, prompt="trace me", max_tokens=3, user="user-7", extra_headers=headers
+    )
     assert answer.id == f"cmpl-{request_id}"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"beam_width": 2})
@@ -266,10 +285,15 @@ def test_http_requests_are_traced_and_counted_as_grpc_ones(cluster, client, coll
     (http_span,) = [s for _, s in spans if s.name == "POST /v1/completions"]
     attrs = {a.key: a.value.string_value for a in http_span.attributes}
     assert attrs["request.client_id"] == request_id and attrs["decode.worker.id"] == "decode-1"
+    assert attrs["enduser.id"] == "user-7"
 
 
 BAD_COMPLETIONS = [
     ({"n": 17}, "n"),
+    ({"logit_bias": {"5": 101}}, "logit_bias[5]"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),  # past the vocabulary
+    ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"),
     ({"logprobs": 21}, "logprobs"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),

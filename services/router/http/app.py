@@ -79,7 +79,7 @@ class OpenAIAPI:
         if req.stream:
             return SSEResponse(self._events(req, answer, request), req.max_tokens_param)
         headers: dict[str, str] = {}
-        with self._span(request) as span:
+        with self._span(request, req) as span:
             whole = asyncio.ensure_future(self._whole(req, answer, request, headers))
             gone = asyncio.ensure_future(_disconnected(request))
             try:
@@ -107,7 +107,7 @@ class OpenAIAPI:
 
     async def _events(self, req: OpenAIRequest, answer: Answer, request: Request) -> AsyncIterator[bytes]:
         """Within one task (the response's), so the span and the request's context live and end there."""
-        with self._span(request):
+        with self._span(request, req):
             async for event in sse_events(answer, self._choices(req, request, {})):
                 yield event
 
@@ -161,10 +161,13 @@ class OpenAIAPI:
 
         return generate(self.lifecycle, message, request.headers, lambda: None, on_admitted, req.model)
 
-    def _span(self, request: Request) -> AbstractContextManager[trace.Span]:
-        """The request's server span, a child of the caller's trace when its `traceparent` header names one."""
+    def _span(self, request: Request, req: OpenAIRequest) -> AbstractContextManager[trace.Span]:
+        """The request's server span, a child of the caller's trace when its `traceparent` header names one;
+        it carries the body's `user` as OpenTelemetry's `enduser.id`."""
         tracer, parent = self.lifecycle.telemetry.tracer, propagate.extract(request.headers)
-        return tracer.start_as_current_span(f"POST {request.url.path}", parent, kind=trace.SpanKind.SERVER)
+        attributes = {"enduser.id": req.user} if req.user else None
+        name = f"POST {request.url.path}"
+        return tracer.start_as_current_span(name, parent, kind=trace.SpanKind.SERVER, attributes=attributes)
 
 
 async def _disconnected(request: Request) -> None:

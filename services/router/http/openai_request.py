@@ -14,8 +14,8 @@ from pdserve.protocol.sampling import MAX_LOGPROBS
 from pdserve.v1 import generate_pb2 as pb
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the last is vLLM's
-SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", *PENALTIES)
-COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "slo", *SAMPLING}
+SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logit_bias", *PENALTIES)
+COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "slo", "user", *SAMPLING}
 COMPLETION_PARAMS = frozenset({*COMMON, "prompt", "logprobs", "echo"})
 CHAT_PARAMS = frozenset({*COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
 SLO_FIELDS = ("ttft_ms", "tpot_ms")
@@ -35,6 +35,7 @@ class OpenAIRequest:
     max_tokens_param: str  # which name the body used, for errors about it
     echo: bool = False  # completions: the prompt comes back before the completion (with its logprobs, if asked)
     n: int = 1  # choices: each a request of its own (`choice_message`)
+    user: str = ""  # OpenAI's end-user id: recorded on the request's trace, nothing else
 
     def choice_message(self, index: int) -> pb.GenerateRequest:
         """Choice `index`'s request: with n > 1 its own request id and, for a seeded request, seed + index
@@ -74,7 +75,8 @@ def parse_request(body: object, chat: bool, request_id: str = "") -> OpenAIReque
     if echo and msg.sampling.HasField("logprobs"):
         msg.sampling.prompt_logprobs = msg.sampling.logprobs
     n = _int(body, "n", 1, MAX_CHOICES) or 1
-    return OpenAIRequest(chat, model, msg, stream, _include_usage(body, stream), max_tokens_param, echo, n)
+    user = _typed(body, "user", str) or ""
+    return OpenAIRequest(chat, model, msg, stream, _include_usage(body, stream), max_tokens_param, echo, n, user)
 
 
 def openai_param(field: str, max_tokens_param: str = "max_tokens") -> str:
@@ -112,10 +114,32 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
     seed = _int(body, "seed", 0, UINT64)
     if seed is not None:
         msg.seed = seed
+    msg.stop_token_ids.extend(_token_ids(body, "stop_token_ids"))
+    for token, bias in _logit_bias(body).items():
+        msg.logit_bias[token] = bias
     logprobs = _logprobs(body, chat)
     if logprobs is not None:
         msg.logprobs = logprobs
     return msg
+
+
+def _token_ids(body: dict[str, Any], name: str) -> list[int]:
+    ids = _typed(body, name, list) or []
+    if not all(_is_int(t) and 0 <= t <= UINT32 for t in ids):
+        raise InvalidRequestError(name, "must be a list of token ids (integers >= 0)")
+    return ids
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's JSON object from token ids (as strings: JSON keys are) to biases; the values' range is the
+    shared path's to check."""
+    bias = _typed(body, "logit_bias", dict) or {}
+    out = {}
+    for key in bias:
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) <= UINT32):
+            raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key[:32]!r}")
+        out[int(key)] = _number(bias, key, prefix="logit_bias.")
+    return out
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:

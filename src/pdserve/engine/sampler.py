@@ -33,7 +33,7 @@ class Sampler:
 
     A row with a generator draws its randomness only from it, so a seeded request gives the same tokens
     whatever else shares its batch. Rows without one use the global RNG. Greedy rows draw nothing.
-    Penalties apply first (as in vLLM), then temperature, top-k and top-p.
+    Logit biases apply first, then penalties (as in vLLM), then temperature, top-k and top-p.
     """
 
     def __call__(
@@ -97,15 +97,19 @@ class Sampler:
     def _penalized(
         logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams], histories: Sequence[TokenHistory]
     ) -> torch.Tensor:
-        """A copy of logits with the penalties of `rows` applied. Only the logits of tokens in a history are
-        read and written (two scatters for all rows), so the cost follows the histories, not rows x vocabulary,
-        and the sampler keeps no state between steps."""
+        """A copy of logits with the logit biases, then the penalties of `rows` applied. Only the logits of
+        tokens biased or in a history are read and written (three scatters for all rows), so the cost follows
+        the histories, not rows x vocabulary, and the sampler keeps no state between steps."""
+        bias: list[tuple[int, np.ndarray, np.ndarray]] = []  # (row, tokens, their biases)
         seen: list[tuple[int, np.ndarray, float]] = []  # (row, tokens, repetition penalty)
         subtract: list[tuple[int, np.ndarray, float]] = []  # (row, tokens, amount), a token once per occurrence
         for i in rows:
             history, p = histories[i], params[i]
             if history is None:
                 raise ValueError(f"row {i} has penalties but no token history")
+            if p.logit_bias:
+                tokens, values = zip(*p.logit_bias, strict=True)
+                bias.append((i, np.asarray(tokens, dtype=np.int64), np.asarray(values, dtype=np.float32)))
             prompt_tokens, output_list = history
             output = np.asarray(output_list, dtype=np.int64)
             if p.repetition_penalty != 1.0:
@@ -117,6 +121,9 @@ class Sampler:
         out = logits.clone()
         flat = out.view(-1)  # indexed by row * vocabulary + token: one-dimensional gathers are the cheap ones
         vocab = out.shape[1]
+        if bias:
+            index, values = _scatter_args(bias, vocab, out.device)
+            flat.index_add_(0, index, values)
         if seen:
             index, factor = _scatter_args(seen, vocab, out.device)
             # A token seen twice is written twice with the same value, computed from the logit before either.
@@ -168,9 +175,10 @@ class Sampler:
 
 
 def _scatter_args(
-    parts: list[tuple[int, np.ndarray, float]], vocab: int, device: torch.device
+    parts: Sequence[tuple[int, np.ndarray, float | np.ndarray]], vocab: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, tokens, value) parts -> flat indices into [rows, vocab] and the value per index, one copy each."""
+    """(row, tokens, value or a value per token) parts -> flat indices into [rows, vocab] and the value per
+    index, one copy each."""
     index = np.concatenate([row * vocab + tokens for row, tokens, _ in parts])
-    values = np.concatenate([np.full(len(tokens), value, dtype=np.float32) for _, tokens, value in parts])
+    values = np.concatenate([np.broadcast_to(np.float32(v) if np.isscalar(v) else v, len(t)) for _, t, v in parts])
     return torch.from_numpy(index).to(device), torch.from_numpy(values).to(device)

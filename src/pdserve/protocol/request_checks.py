@@ -33,6 +33,7 @@ class RequestLimits:
     max_stop: int = 16  # stop strings
     max_stop_bytes: int = 256  # each stop string, UTF-8
     max_stop_token_ids: int = 64
+    max_logit_bias: int = 1024  # token ids in logit_bias
     max_messages: int = 1024
     prompt_bytes_per_token: int = 16  # prompt text, or all messages' contents together, per context token
 
@@ -64,6 +65,11 @@ def check_stops(stop: Sequence[str], stop_token_ids: Sequence[int], limits: Requ
         raise InvalidRequestError(
             "sampling.stop_token_ids", f"{len(stop_token_ids)} ids; at most {limits.max_stop_token_ids}"
         )
+
+
+def check_logit_bias(count: int, limits: RequestLimits) -> None:
+    if count > limits.max_logit_bias:
+        raise InvalidRequestError("sampling.logit_bias", f"{count} token ids; at most {limits.max_logit_bias}")
 
 
 def check_prompt_text(text: str, limits: RequestLimits, model: ModelConfig) -> None:
@@ -120,6 +126,9 @@ def check_request(
     bad = [t for t in sampling.stop_token_ids if not 0 <= t < vocab]
     if bad:
         raise InvalidRequestError("sampling.stop_token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    bad = [t for t, _ in sampling.logit_bias if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError("sampling.logit_bias", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     total = len(prompt_token_ids) + sampling.max_tokens
     if total > model.max_position_embeddings:
         raise InvalidRequestError(

@@ -12,6 +12,8 @@ from pdserve.errors import InvalidRequestError
 MAX_PENALTY = 2.0
 # OpenAI's bound on top_logprobs: the alternatives returned per token.
 MAX_LOGPROBS = 20
+# OpenAI's bound on each logit_bias value.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; n: the sampled token's and the n most likely alternatives
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids distinct
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -61,6 +64,13 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"sampling.{name}", f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        for token, bias in self.logit_bias:
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # also refuses nan
+                raise InvalidRequestError(
+                    f"sampling.logit_bias[{token}]", f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}"
+                )
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidRequestError("sampling.logit_bias", "names a token id more than once")
         if any(s == "" for s in self.stop):
             raise InvalidRequestError("sampling.stop", "stop strings must not be empty")
 
@@ -70,4 +80,10 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        """Whether the logits change before sampling: a bias or a penalty."""
+        return (
+            bool(self.logit_bias)
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

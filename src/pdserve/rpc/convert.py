@@ -33,6 +33,7 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int = 0) -> Sam
         repetition_penalty=msg.repetition_penalty or 1.0,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 
@@ -49,6 +50,7 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias),
     )
     if params.seed is not None:
         msg.seed = params.seed

@@ -177,13 +177,18 @@ def test_penalties_equal_their_definition_and_leave_other_rows_alone(device: tor
     torch.manual_seed(3)
     logits = torch.randn(3, 12, device=device)
     logits[0, 4] = 0.0  # repetition leaves a zero logit at zero either way
-    penalized = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5)
+    penalized = SamplingParams(
+        presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5, logit_bias=((2, 0.75), (11, -3.0))
+    )
     repetition_only = SamplingParams(repetition_penalty=0.8)  # < 1 favours repeats
     histories = [(np.array([1, 4, 4, 7]), [7, 2, 2, 2]), None, (np.array([3]), [3, 9])]
     params = [penalized, SamplingParams(), repetition_only]
+    biased = logits[0].clone()  # biases first, then penalties
+    biased[2] += 0.75
+    biased[11] -= 3.0
     want = torch.stack(
         [
-            _openai_penalized(logits[0], [1, 4, 4, 7], [7, 2, 2, 2], 0.5, 0.25, 1.5),
+            _openai_penalized(biased, [1, 4, 4, 7], [7, 2, 2, 2], 0.5, 0.25, 1.5),
             logits[1],
             _openai_penalized(logits[2], [3], [3, 9], 0.0, 0.0, 0.8),
         ]

@@ -58,6 +58,11 @@ REJECTED_BEFORE_TOKENIZING = {
     "stop string too long": (hi(stop=["ok", "x" * (LIMITS.max_stop_bytes + 1)]), "sampling.stop[1]"),
     "stop string too long in UTF-8 bytes": (hi(stop=["€" * (LIMITS.max_stop_bytes // 3 + 1)]), "sampling.stop[0]"),
     "too many stop token ids": (hi(stop_token_ids=[5] * (LIMITS.max_stop_token_ids + 1)), "sampling.stop_token_ids"),
+    "too many logit biases": (
+        hi(logit_bias=dict.fromkeys(range(LIMITS.max_logit_bias + 1), 1.0)),
+        "sampling.logit_bias",
+    ),
+    "logit bias out of range": (hi(logit_bias={5: -101.0}), "sampling.logit_bias[5]"),
     "too many messages": (chat(*["hi"] * (LIMITS.max_messages + 1)), "messages"),
     "one message too large": (chat("hi", "x" * (TEXT_CAP + 1)), "messages[1].content"),
     "messages together too large": (chat("x" * (TEXT_CAP // 2 + 1), "y" * (TEXT_CAP // 2)), "messages"),

@@ -21,6 +21,7 @@ from pdserve.v1 import generate_pb2 as pb
         SamplingParams(presence_penalty=0.5, frequency_penalty=-1.25, repetition_penalty=1.5),
         SamplingParams(logprobs=0),
         SamplingParams(logprobs=20, prompt_logprobs=0),
+        SamplingParams(logit_bias=((3, -100.0), (7, 0.5))),
     ],
 )
 def test_round_trip_is_exact(params):
@@ -58,6 +59,7 @@ def test_an_unset_max_tokens_without_a_default_is_an_error():
         (pb.SamplingParams(max_tokens=1, repetition_penalty=math.inf), "sampling.repetition_penalty"),
         (pb.SamplingParams(max_tokens=1, logprobs=21), "sampling.logprobs"),
         (pb.SamplingParams(max_tokens=1, prompt_logprobs=21), "sampling.prompt_logprobs"),
+        (pb.SamplingParams(max_tokens=1, logit_bias={3: 100.5}), "sampling.logit_bias[3]"),
         (pb.SamplingParams(max_tokens=1, top_k=-1), "sampling.top_k"),
         (pb.SamplingParams(max_tokens=1, stop=["a", ""]), "sampling.stop"),
     ],
