@@ -23,9 +23,15 @@ from pdserve.cluster.commands import (
 )
 from pdserve.config import ClusterConfig, EngineConfig, RouterConfig
 from pdserve.drain_commands import add_drain_commands
-from pdserve.flags import add_engine_flags, engine_config, flag_values, from_flags
+from pdserve.flags import (
+    add_engine_flags,
+    add_sampling_flags,
+    engine_config,
+    flag_values,
+    from_flags,
+    sampling_from_flags,
+)
 from pdserve.planner.commands import add_planner_commands
-from pdserve.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.cluster.factories import ClusterServices
@@ -64,15 +70,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt, at most")
-    gen.add_argument("--temperature", type=float, default=SamplingParams.temperature, help="0: greedy")
-    gen.add_argument("--top-p", type=float, default=SamplingParams.top_p, help="nucleus sampling mass")
-    gen.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="0: off")
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--presence-penalty", type=float, default=SamplingParams.presence_penalty, help="in [-2, 2]")
-    gen.add_argument("--frequency-penalty", type=float, default=SamplingParams.frequency_penalty, help="in [-2, 2]")
-    gen.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty, help="1: off")
-    gen.add_argument("--logprobs", type=int, default=None, help="with --json: each token's and N alternatives'")
+    add_sampling_flags(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     gen.set_defaults(func=_generate)
 
@@ -293,7 +291,7 @@ def _generate(args: argparse.Namespace) -> int:
     from pdserve.errors import InvalidRequestError
 
     try:
-        sampling = from_flags(SamplingParams, args)
+        sampling = sampling_from_flags(args, args.max_tokens)
         engine = LLMEngine(engine_config(args))
         tok = engine.tokenizer
         prompts = [tok.apply_chat_template([("user", p)]) if args.chat else tok.encode(p) for p in args.prompt]

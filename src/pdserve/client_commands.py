@@ -8,7 +8,8 @@ import json
 import sys
 from typing import Any
 
-from pdserve.protocol.sampling import SamplingParams
+from pdserve.errors import InvalidRequestError
+from pdserve.flags import add_sampling_flags, sampling_from_flags
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 
@@ -25,7 +26,7 @@ def add_client_commands(sub: Any) -> None:
     client.add_argument("--prompt", required=True)
     client.add_argument("--chat", action="store_true", help="send the prompt as a user message")
     client.add_argument("--max-tokens", type=int, default=0, help="0 = the server's default")
-    client.add_argument("--temperature", type=float, default=SamplingParams.temperature, help="0: greedy")
+    add_sampling_flags(client)
     client.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     client.add_argument("--json", action="store_true")
     add_client_flags(client)
@@ -36,11 +37,18 @@ def _client(args: argparse.Namespace) -> int:
     import asyncio
 
     import grpc
+    from google.protobuf.json_format import MessageToDict
 
     from pdserve.rpc.client import generate
+    from pdserve.rpc.convert import sampling_to_pb
     from pdserve.v1 import generate_pb2 as pb
 
-    sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    try:  # checked here first, so a bad flag never leaves the machine
+        sampling = sampling_to_pb(sampling_from_flags(args, max_tokens=max(args.max_tokens, 1)))
+    except InvalidRequestError as e:
+        print(f"pdserve client: invalid {e}", file=sys.stderr)
+        return 2
+    sampling.max_tokens = args.max_tokens  # 0: the server's default
     if args.chat:
         request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=args.prompt)], sampling=sampling)
     else:
@@ -63,6 +71,8 @@ def _client(args: argparse.Namespace) -> int:
                 "tpot_ms": tpot,
                 "messages": result.messages,
             }
+            if args.logprobs is not None:
+                record["logprobs"] = [MessageToDict(lp, preserving_proto_field_name=True) for lp in result.logprobs]
             print(json.dumps(record, ensure_ascii=False))
         else:
             n = len(result.token_ids)

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from pdserve.config import DECODE_GRAPH_MODES, DTYPE_NAMES, EngineConfig
 from pdserve.engine.model_files import BUILTIN_MODELS
+from pdserve.protocol.sampling import MAX_LOGPROBS, SamplingParams
 
 T = TypeVar("T")
 
@@ -25,6 +26,31 @@ def flag_values(cls: type, args: argparse.Namespace, renamed: Mapping[str, str] 
 def from_flags(cls: type[T], args: argparse.Namespace, renamed: Mapping[str, str] | None = None, **given: Any) -> T:
     """`cls` built from the flags named after its fields; `given` values win."""
     return cls(**{**flag_values(cls, args, renamed), **given})
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """How to pick tokens (all but --max-tokens, whose default differs): `pdserve generate` and `pdserve client`."""
+    s = SamplingParams
+    p.add_argument("--temperature", type=float, default=s.temperature, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=s.top_p, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=s.top_k, help="0: off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="a stop string; repeat for several")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--presence-penalty", type=float, default=s.presence_penalty, help="in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=s.frequency_penalty, help="in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=s.repetition_penalty, help="1: off")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help=f"with --json: each token's and its N (0-{MAX_LOGPROBS}) alternatives'",
+    )
+
+
+def sampling_from_flags(args: argparse.Namespace, max_tokens: int) -> SamplingParams:
+    """The flags of `add_sampling_flags` as SamplingParams, checked (InvalidRequestError names the field)."""
+    return from_flags(SamplingParams, args, max_tokens=max_tokens, stop=tuple(args.stop or ()))
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from loadgen.__main__ import main as loadgen_main
 from loadgen.report import load_runs
+from pdserve import cli
 from pdserve.cluster.local_process import ClusterProcess, free_port
 from pdserve.engine.models import resolve_model
 from pdserve.engine.tokenizer import Tokenizer
@@ -244,6 +245,18 @@ def test_logit_bias_and_stop_token_ids_reach_both_workers(cluster, client):
     stopped = client.completions.create(**request, extra_body=IGNORE_EOS | {"stop_token_ids": [stop]})
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens == expected.index(stop) + 1  # the stop token is the last one
+
+
+def test_pdserve_client_takes_the_sampling_flags_of_pdserve_generate(cluster, capsys):
+    flags = ["client", "--addr", cluster.address, "--prompt", "Once upon a time", "--max-tokens", str(MAX_TOKENS)]
+    flags += ["--ignore-eos", "--frequency-penalty", "1.0", "--logprobs", "1", "--json"]
+    assert cli.main(flags) == 0
+    record = json.loads(capsys.readouterr().out)
+    expected = greedy_completion(TOKENIZER.encode("Once upon a time"), MAX_TOKENS, frequency_penalty=1.0, logprobs=1)
+    assert record["token_ids"] == expected.token_ids
+    assert [lp["logprob"] for lp in record["logprobs"]] == pytest.approx([lp.logprob for lp in expected.logprobs])
+    assert cli.main([*flags, "--top-p", "0"]) == 2  # checked before anything is sent
+    assert "invalid sampling.top_p" in capsys.readouterr().err
 
 
 def test_models_lists_the_served_model_and_health_answers(cluster, client):
