@@ -43,6 +43,14 @@ def _messages(*pairs: tuple[str, str]) -> Mutation:
     return mutate
 
 
+def _logit_bias(bias: dict[int, float]) -> Mutation:
+    def mutate(m: pb.GenerateRequest) -> None:
+        for token, value in bias.items():
+            m.sampling.logit_bias[token] = value
+
+    return mutate
+
+
 def _clear_input(m: pb.GenerateRequest) -> None:
     m.ClearField("prompt_token_ids")
 
@@ -86,6 +94,22 @@ KINDS: dict[str, Mutation] = {
     "65 stop token ids": _set(sampling__stop_token_ids=[3] * 65),
     "stop token id out of vocab": _set(sampling__stop_token_ids=[2**32 - 1]),
     "seed extreme": _set(sampling__seed=2**64 - 1),
+    "presence_penalty above 2": _set(sampling__presence_penalty=3.0),
+    "presence_penalty NaN": _set(sampling__presence_penalty=math.nan),
+    "frequency_penalty -inf": _set(sampling__frequency_penalty=-math.inf),
+    "repetition_penalty negative": _set(sampling__repetition_penalty=-1.0),
+    "repetition_penalty inf": _set(sampling__repetition_penalty=math.inf),
+    "penalties at their bounds": _set(
+        sampling__presence_penalty=-2.0, sampling__frequency_penalty=2.0, sampling__repetition_penalty=1e-30
+    ),
+    "logprobs 21": _set(sampling__logprobs=21),
+    "prompt_logprobs 2**32-1": _set(sampling__prompt_logprobs=2**32 - 1),
+    "every logprob at its bound": _set(sampling__logprobs=20, sampling__prompt_logprobs=20),
+    "logit_bias id out of vocab": _logit_bias({2**32 - 1: 1.0}),
+    "logit_bias NaN": _logit_bias({5: math.nan}),
+    "logit_bias above 100": _logit_bias({5: 100.5}),
+    "1025 logit biases": _logit_bias(dict.fromkeys(range(1025), 1.0)),
+    "logit_bias banning every token": _logit_bias(dict.fromkeys(range(VOCAB), -100.0)),
     "slo ttft negative": _set(slo__ttft_ms=-1.0),
     "slo ttft NaN": _set(slo__ttft_ms=math.nan),
     "slo tpot inf": _set(slo__tpot_ms=math.inf),
