@@ -1,7 +1,8 @@
 """What a decode step's sampler costs with each per-request feature, against plain greedy in the same run.
 
-One step's logits for B rows of SmolLM2's vocabulary (49,152); every row has a prompt of P tokens and an
-output of O tokens so far (the histories penalties read). Each setting is timed over many calls, the settings
+One step's logits for B rows of SmolLM2's vocabulary (49,152): standard normal (flat: a top-p nucleus of most
+of the vocabulary) and, for the "peaked" setting, the same times 8 (a nucleus of a few tokens, as a model's
+mostly are); every row has a prompt of P tokens and an output of O tokens so far (the histories penalties read). Each setting is timed over many calls, the settings
 interleaved round by round so a noisy host slows them alike; the median round is printed, and its ratio to
 plain greedy.
 
@@ -25,6 +26,7 @@ VOCAB = 49_152
 SETTINGS = {
     "greedy": SamplingParams(),
     "temperature 0.8, top-p 0.9": SamplingParams(temperature=0.8, top_p=0.9),
+    "the same, peaked logits": SamplingParams(temperature=0.8, top_p=0.9),
     "repetition 1.1": SamplingParams(repetition_penalty=1.1),
     "presence 0.5 + frequency 0.5": SamplingParams(presence_penalty=0.5, frequency_penalty=0.5),
     "logit_bias, 16 tokens": SamplingParams(logit_bias=tuple((t, -5.0) for t in range(16))),
@@ -64,8 +66,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, params in SETTINGS.items():
                 start = time.perf_counter()
+                given = logits * 8 if "peaked" in name else logits
                 for _ in range(args.calls):
-                    step(sampler, logits, params, histories)
+                    step(sampler, given, params, histories)
                 times[name].append((time.perf_counter() - start) / args.calls)
         base = statistics.median(times["greedy"])
         print(f"B={rows}, prompt {prompt_len}, output {output_len}, {device}:")

@@ -14,6 +14,11 @@ from pdserve.protocol.sampling import SamplingParams
 # Dividing by a near-zero temperature would overflow logits to inf and softmax to nan.
 _MIN_TEMPERATURE = 1e-5
 
+# A top-p row (without top-k) first looks for its nucleus among this many likeliest tokens: a model's
+# distribution is peaked, so it is nearly always there, and a top-k of them costs a tenth of sorting the
+# vocabulary (docs/experiments/sampling_costs/).
+NUCLEUS_CANDIDATES = 1024
+
 # What a row's penalties look at: its prompt's distinct tokens (int64) and its output tokens in order (None for a
 # row without penalties). The prompt's part is computed once per request, the output's grows by a token a step.
 TokenHistory = tuple[np.ndarray, list[int]] | None
@@ -134,9 +139,28 @@ class Sampler:
             flat.index_add_(0, index, -amount)
         return out
 
+    @classmethod
+    def _outside_top_k_top_p(cls, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """[n, V] mask of tokens to drop: top-k, then top-p over what top-k kept. Top-p rows look among their
+        likeliest tokens first; the others, and those whose nucleus reaches past them, sort the vocabulary."""
+        nucleus_rows = [i for i, p in enumerate(params) if p.top_k == 0 and p.top_p < 1.0]
+        if logits.shape[-1] <= NUCLEUS_CANDIDATES or not nucleus_rows:
+            return cls._outside_sorted(logits, params)
+        index = torch.tensor(nucleus_rows, device=logits.device)
+        top_p = torch.tensor([params[i].top_p for i in nucleus_rows], device=logits.device)
+        drop, found = _outside_nucleus_of_candidates(logits[index], top_p)
+        out = torch.empty_like(logits, dtype=torch.bool)
+        out[index] = drop
+        found_rows = {row for row, ok in zip(nucleus_rows, found.tolist(), strict=True) if ok}
+        rest = [i for i in range(len(params)) if i not in found_rows]
+        if rest:
+            rest_index = torch.tensor(rest, device=logits.device)
+            out[rest_index] = cls._outside_sorted(logits[rest_index], [params[i] for i in rest])
+        return out
+
     @staticmethod
-    def _outside_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """[n, V] mask of tokens to drop: top-k, then top-p over what top-k kept; one sort for all rows."""
+    def _outside_sorted(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """`_outside_top_k_top_p` by one stable sort of every row's vocabulary."""
         device = logits.device
         vocab = logits.shape[-1]
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
@@ -172,6 +196,23 @@ class Sampler:
                 noise[rows] = noise.new_empty((len(unseeded), noise.shape[1])).exponential_()
         # A zero draw would make a zero-probability token 0/0 = nan, which argmax picks.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _outside_nucleus_of_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p (no top-k) among each row's NUCLEUS_CANDIDATES likeliest tokens: the drop mask, and per row whether
+    it is the full sort's. It is when the least likely kept token is strictly likelier than the least likely
+    candidate: every token ranked above a kept one is then a candidate, ties among them are put in id order as
+    the stable sort puts them, so the masses above each are the same sums."""
+    values, ids = logits.topk(NUCLEUS_CANDIDATES, dim=-1)  # its order among ties is unspecified
+    ids, by_id = ids.sort(dim=-1)
+    values, order = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, order)
+    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    keep = probs.cumsum(dim=-1) - probs < top_p.unsqueeze(1)
+    least_kept = values.masked_fill(~keep, math.inf).amin(dim=-1)
+    found = least_kept > values[:, -1]
+    drop = torch.ones_like(logits, dtype=torch.bool).scatter_(-1, ids, ~keep)
+    return drop, found
 
 
 def _scatter_args(

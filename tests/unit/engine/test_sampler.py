@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.engine.sampler import Sampler, make_generator
+from pdserve.engine.sampler import Sampler, _outside_nucleus_of_candidates, make_generator
 from pdserve.protocol.sampling import SamplingParams
 
 CPU = torch.device("cpu")
@@ -214,3 +214,25 @@ def test_rows_with_penalties_need_their_history() -> None:
         Sampler()(
             torch.zeros(2, 4), [SamplingParams(), SamplingParams(presence_penalty=1.0)], [None, None], [None, None]
         )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_nucleus_found_among_the_likeliest_tokens_is_the_full_sorts(
+    device: torch.device, dtype: torch.dtype
+) -> None:
+    """Over a real-sized vocabulary: peaked rows (a model's) find their nucleus among the candidates, flat rows
+    fall back to the sort, bfloat16 rows are full of ties; every row's mask equals the full sort's."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, rows = 49_152, 48
+    scale = torch.tensor([8.0] * 32 + [0.1] * 16).unsqueeze(1)  # peaked, then nearly flat
+    logits = (torch.randn(rows, vocab, generator=gen) * scale).to(dtype).float().to(device)
+    top_ps = [0.5, 0.9, 0.95, 0.99]
+    params = [SamplingParams(temperature=1.0, top_p=top_ps[i % 4], top_k=50 if i % 7 == 6 else 0) for i in range(rows)]
+    params[5] = SamplingParams(temperature=1.0)  # neither: nothing dropped
+    want = Sampler._outside_sorted(logits, params)
+    assert torch.equal(Sampler._outside_top_k_top_p(logits, params), want)
+    top_p = torch.tensor(top_ps * (rows // 4), device=device)
+    _, found = _outside_nucleus_of_candidates(logits, top_p)
+    assert found[:32].sum() >= 30 and not found[32:].any()  # the fast path ran where it should
+    assert not want[5].any()
