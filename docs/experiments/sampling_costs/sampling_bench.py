@@ -2,9 +2,9 @@
 
 One step's logits for B rows of SmolLM2's vocabulary (49,152): standard normal (flat: a top-p nucleus of most
 of the vocabulary) and, for the "peaked" setting, the same times 8 (a nucleus of a few tokens, as a model's
-mostly are); every row has a prompt of P tokens and an output of O tokens so far (the histories penalties read). Each setting is timed over many calls, the settings
-interleaved round by round so a noisy host slows them alike; the median round is printed, and its ratio to
-plain greedy.
+mostly are); every row has a prompt of P tokens and an output of O tokens so far (the histories penalties
+read). Each setting is timed over many calls, the settings interleaved round by round so a noisy host slows
+them alike; the median round is printed, and its ratio to plain greedy.
 
     PYTHONPATH=src python docs/experiments/sampling_costs/sampling_bench.py [--device cuda]
 """
