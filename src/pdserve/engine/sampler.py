@@ -13,6 +13,8 @@ from pdserve.protocol.sampling import SamplingParams
 
 # Dividing by a near-zero temperature would overflow logits to inf and softmax to nan.
 _MIN_TEMPERATURE = 1e-5
+# Penalized logits stay within this, so that temperature and softmax still see finite numbers.
+_LARGEST_LOGIT = 1e30
 
 # A top-p row (without top-k) first looks for its nucleus among this many likeliest tokens: a model's
 # distribution is peaked, so it is nearly always there, and a top-k of them costs a tenth of sorting the
@@ -133,7 +135,9 @@ class Sampler:
             index, factor = _scatter_args(seen, vocab, out.device)
             # A token seen twice is written twice with the same value, computed from the logit before either.
             values = flat[index]
-            flat[index] = torch.where(values > 0, values / factor, values * factor)
+            penalized = torch.where(values > 0, values / factor, values * factor)
+            # A penalty near 0 divides a logit past float range: an infinite logit would make the softmax NaN.
+            flat[index] = penalized.clamp(-_LARGEST_LOGIT, _LARGEST_LOGIT)
         if subtract:
             index, amount = _scatter_args(subtract, vocab, out.device)
             flat.index_add_(0, index, -amount)

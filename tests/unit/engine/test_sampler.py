@@ -236,3 +236,13 @@ def test_the_nucleus_found_among_the_likeliest_tokens_is_the_full_sorts(
     _, found = _outside_nucleus_of_candidates(logits, top_p)
     assert found[:32].sum() >= 30 and not found[32:].any()  # the fast path ran where it should
     assert not want[5].any()
+
+
+def test_a_repetition_penalty_near_zero_still_samples_among_the_tokens_it_favours() -> None:
+    """Dividing positive logits by 1e-40 overflows float32; clamped, they tie, and sampling splits between them
+    (infinite logits would make every probability NaN and the draw always the first token)."""
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5]]).expand(2000, -1)
+    params = [SamplingParams(temperature=1.0, repetition_penalty=1e-40)] * 2000
+    torch.manual_seed(0)
+    drawn = Sampler()(logits, params, [None] * 2000, [(np.array([0, 3]), [])] * 2000)
+    assert set(drawn.tolist()) == {0, 3}
