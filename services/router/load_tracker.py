@@ -6,8 +6,22 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
 
 FORGET_AFTER_S = 60.0  # far older than any heartbeat a router still places by
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One placed request, as the tracker counts it until its first token and until it ends."""
+
+    prefill_id: str
+    decode_id: str
+    new_tokens: int  # what the prefill worker computes: the prompt less the prefix hit predicted
+    prompt_tokens: int  # what a waiting prefill worker's queue shows of it: its prefix cache is looked up later
+    seconds: float  # predicted time it holds the prefill worker
+    blocks: int  # KV blocks the decode worker reserves for it
+    at: float  # wall time placed
 
 
 class LoadTracker:
@@ -17,40 +31,51 @@ class LoadTracker:
         self.pending_blocks: Counter[str] = Counter()  # KV blocks a decode worker is about to reserve
         self.decoding: Counter[str] = Counter()  # streams in flight per decode worker
         self._prefilled: defaultdict[str, deque[tuple[float, int]]] = defaultdict(deque)  # (wall time, tokens)
-        # Requests not yet finished, per decode worker: placement number -> (wall time placed, KV blocks).
-        self._placed: defaultdict[str, dict[int, tuple[float, int]]] = defaultdict(dict)
+        self._sent: dict[int, Sent] = {}  # placement number -> request, until it ends
+        self._prefilling: set[int] = set()  # placement numbers whose first token is not back
+        self._placed: defaultdict[str, dict[int, Sent]] = defaultdict(dict)  # `_sent`, per decode worker
         self._placements = itertools.count()
 
-    def start(self, prefill_id: str, decode_id: str, tokens: int, seconds: float, blocks: int) -> int:
-        """Returns the placement's number, for `finished`."""
-        self.pending_prefill_tokens[prefill_id] += tokens
+    def start(
+        self, prefill_id: str, decode_id: str, new_tokens: int, seconds: float, blocks: int, prompt_tokens: int
+    ) -> int:
+        """Returns the placement's number, for `prefilled` and `finished`."""
+        sent = Sent(prefill_id, decode_id, new_tokens, prompt_tokens, seconds, blocks, time.time())
+        self.pending_prefill_tokens[prefill_id] += new_tokens
         self.pending_prefill_s[prefill_id] += seconds
         self.pending_blocks[decode_id] += blocks
         self.decoding[decode_id] += 1
         placement = next(self._placements)
-        self._placed[decode_id][placement] = (time.time(), blocks)
+        self._sent[placement] = sent
+        self._prefilling.add(placement)
+        self._placed[decode_id][placement] = sent
         return placement
 
-    def prefilled(self, prefill_id: str, decode_id: str, tokens: int, seconds: float, blocks: int) -> None:
-        """The first token is back (or the request ended before it): its prefill no longer queues."""
-        self.pending_prefill_tokens[prefill_id] -= tokens
-        self.pending_prefill_s[prefill_id] = max(0.0, self.pending_prefill_s[prefill_id] - seconds)
-        self.pending_blocks[decode_id] -= blocks
-        _log(self._prefilled[prefill_id], tokens)
+    def prefilled(self, placement: int) -> None:
+        """The first token is back (or the request ended before it): its prefill no longer queues. Once only."""
+        self._prefilling.remove(placement)
+        sent = self._sent[placement]
+        self.pending_prefill_tokens[sent.prefill_id] -= sent.new_tokens
+        self.pending_prefill_s[sent.prefill_id] = max(0.0, self.pending_prefill_s[sent.prefill_id] - sent.seconds)
+        self.pending_blocks[sent.decode_id] -= sent.blocks
+        _log(self._prefilled[sent.prefill_id], sent.prompt_tokens)
 
     def prefilled_since(self, prefill_id: str, since: float) -> int:
-        """Prompt tokens of ours whose prefill ended after wall time `since` (a heartbeat's)."""
+        """The most a queue sampled at wall time `since` (a heartbeat's) can show of our prompts whose prefill
+        has ended since: each whole prompt, as the worker counts one waiting whatever its prefix cache holds."""
         return sum(tokens for at, tokens in self._prefilled[prefill_id] if at > since)
 
     def placed_since(self, decode_id: str, since: float) -> int:
         """KV blocks of our unfinished requests placed on the decode worker after wall time `since` (a
         heartbeat's): reserved there after it sampled its free blocks, first token back or not. A finished
         request holds none, whether it reserved them or ended before (an idle worker samples no more)."""
-        return sum(blocks for at, blocks in self._placed[decode_id].values() if at > since)
+        return sum(sent.blocks for sent in self._placed[decode_id].values() if sent.at > since)
 
-    def finished(self, decode_id: str, placement: int) -> None:
-        self.decoding[decode_id] -= 1
-        self._placed[decode_id].pop(placement, None)
+    def finished(self, placement: int) -> None:
+        """The request ended, its prefill too (`prefilled` first)."""
+        sent = self._sent.pop(placement)
+        self.decoding[sent.decode_id] -= 1
+        del self._placed[sent.decode_id][placement]
 
 
 def _log(entries: deque[tuple[float, int]], amount: int) -> None:

@@ -34,7 +34,12 @@ class Ticket:
         p = self.placement
         self._found_idle = not self.tracker.pending_prefill_tokens[p.prefill_worker.worker_id]
         self._placement_number = self.tracker.start(
-            p.prefill_worker.worker_id, p.decode.worker_id, self.new_tokens, self.holds_s, p.blocks_needed
+            p.prefill_worker.worker_id,
+            p.decode.worker_id,
+            self.new_tokens,
+            self.holds_s,
+            p.blocks_needed,
+            prompt_tokens=len(self.request.prompt_token_ids),
         )
         self.admission.in_flight += 1
 
@@ -60,17 +65,14 @@ class Ticket:
         if self._prefilled:
             return
         self._prefilled = True
-        p = self.placement
-        self.tracker.prefilled(
-            p.prefill_worker.worker_id, p.decode.worker_id, self.new_tokens, self.holds_s, p.blocks_needed
-        )
+        self.tracker.prefilled(self._placement_number)
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
         self.prefilled()
-        self.tracker.finished(self.placement.decode.worker_id, self._placement_number)
+        self.tracker.finished(self._placement_number)
         self.admission.in_flight -= 1
 
     def __enter__(self) -> Ticket:

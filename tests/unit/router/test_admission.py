@@ -56,7 +56,7 @@ def test_admission_queue_bound_counts_router_local_pending_tokens():
     r = Router([worker("p0"), worker("d0", "decode")], max_queued_prefill_tokens=1000)
     loose = (1000.0, 1.0)
     r.admit(prompt(100), slo_s=loose)
-    r.tracker.start("p0", "d0", tokens=750, seconds=0.75, blocks=50)
+    r.tracker.start("p0", "d0", new_tokens=750, seconds=0.75, blocks=50, prompt_tokens=750)
     shed(r, prompt(100), "queue full", slo_s=loose)
     r.admit(prompt(100), priority=1, slo_s=loose)
 
@@ -190,8 +190,8 @@ def test_a_stale_heartbeat_does_not_count_prompts_this_router_saw_prefilled_sinc
     pred = Predictor(RouterConfig(), tracker)
     stale = worker("p0", queued_prefill_tokens=512, updated_at=time.time() - 1.0)  # taken mid-prefill
     assert pred.queued_tokens(stale) == 512 and pred.queue_s(stale) == pytest.approx(0.512)
-    tracker.start("p0", "d0", tokens=512, seconds=0.52, blocks=33)
-    tracker.prefilled("p0", "d0", tokens=512, seconds=0.52, blocks=33)  # its first token came back since
+    placement = tracker.start("p0", "d0", new_tokens=512, seconds=0.52, blocks=33, prompt_tokens=512)
+    tracker.prefilled(placement)  # its first token came back since
     assert pred.queued_tokens(stale) == 0 and pred.queue_s(stale) == 0.0
     fresh = worker("p0", queued_prefill_tokens=300)  # reported after: all of it still queues
     assert pred.queued_tokens(fresh) == 300
@@ -202,8 +202,8 @@ def test_a_prefill_that_ends_between_sampling_and_reporting_a_queue_is_not_count
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
     sampled = time.time()
-    tracker.start("p0", "d0", tokens=40, seconds=0.04, blocks=3)
-    tracker.prefilled("p0", "d0", tokens=40, seconds=0.04, blocks=3)
+    placement = tracker.start("p0", "d0", new_tokens=40, seconds=0.04, blocks=3, prompt_tokens=40)
+    tracker.prefilled(placement)
     late = worker("p0", queued_prefill_tokens=40, load_at=sampled, updated_at=time.time() + 0.01)
     assert pred.queued_tokens(late) == 0
     unknown = worker("p0", queued_prefill_tokens=40, updated_at=time.time() + 0.01)  # an older worker's report
@@ -229,5 +229,21 @@ def test_calibration_moves_predictions_toward_measured_ttfts_per_worker():
 def test_the_queue_bound_never_sheds_a_prompt_for_its_own_size():
     r = Router([worker("p0"), worker("d0", "decode")], max_queued_prefill_tokens=1000)
     r.admit(prompt(1500), slo_s=(1000.0, 1.0))  # alone in an empty queue
-    r.tracker.start("p0", "d0", tokens=10, seconds=0.01, blocks=1)
+    r.tracker.start("p0", "d0", new_tokens=10, seconds=0.01, blocks=1, prompt_tokens=10)
     shed(r, prompt(1500), "queue full", slo_s=(1000.0, 1.0))  # behind anything: a retry can succeed
+
+
+def test_a_prompt_the_prefix_cache_held_leaves_no_phantom_queue_in_a_stale_report():
+    """A waiting prompt shows whole in its worker's queue (the worker looks its prefix cache up once it schedules
+    it), though the router counted only its uncached tail: once its first token is back, a report sampled while it
+    waited must count none of it, or an idle worker sheds the next prompt for a queue it does not have."""
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    sampled = time.time()
+    placement = tracker.start("p0", "d0", new_tokens=1, seconds=0.001, blocks=4, prompt_tokens=49)
+    while_waiting = worker("p0", queued_prefill_tokens=49, load_at=sampled)
+    assert pred.queued_tokens(while_waiting) == 49
+    tracker.prefilled(placement)
+    assert pred.queued_tokens(while_waiting) == 0
+    tracker.finished(placement)
+    assert tracker.decoding["d0"] == 0 and tracker.pending_blocks["d0"] == 0

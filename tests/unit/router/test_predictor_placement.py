@@ -29,11 +29,11 @@ def test_ttft_grows_with_work_this_router_sent_but_the_heartbeat_does_not_show_y
     pred = Predictor(RouterConfig(), tracker)
     w = worker("p0")
     before = pred.ttft_s(w, 100, 0)
-    tracker.start("p0", "d0", tokens=3000, seconds=3.0, blocks=200)
+    placement = tracker.start("p0", "d0", new_tokens=3000, seconds=3.0, blocks=200, prompt_tokens=3000)
     assert pred.ttft_s(w, 100, 0) == pytest.approx(before + 3.0)
     assert pred.queued_tokens(w) == 3000
     assert pred.ttft_s(worker("p1"), 100, 0) == pytest.approx(before)  # only the worker it went to
-    tracker.prefilled("p0", "d0", tokens=3000, seconds=3.0, blocks=200)
+    tracker.prefilled(placement)
     assert pred.ttft_s(w, 100, 0) == pytest.approx(before)
     assert pred.queued_tokens(w) == 0
 
@@ -64,18 +64,19 @@ def test_tpot_grows_with_the_running_batch_reported_or_sent():
     pred = Predictor(RouterConfig(), tracker)
     assert pred.tpot_s(worker("d0", "decode")) == pytest.approx(PROFILE.decode_step_s(1))
     assert pred.tpot_s(worker("d0", "decode", running=30)) == pytest.approx(PROFILE.decode_step_s(31))
-    placements = [tracker.start("p0", "d1", tokens=10, seconds=0.01, blocks=1) for _ in range(10)]
+    placements = [tracker.start("p0", "d1", new_tokens=10, seconds=0.01, blocks=1, prompt_tokens=10) for _ in range(10)]
     assert pred.tpot_s(worker("d1", "decode")) == pytest.approx(PROFILE.decode_step_s(11))
-    tracker.finished("d1", placements[0])
+    tracker.prefilled(placements[0])
+    tracker.finished(placements[0])
     assert pred.tpot_s(worker("d1", "decode")) == pytest.approx(PROFILE.decode_step_s(10))
 
 
 def test_free_blocks_subtract_blocks_about_to_be_reserved():
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
-    tracker.start("p0", "d0", tokens=100, seconds=0.1, blocks=90)
+    placement = tracker.start("p0", "d0", new_tokens=100, seconds=0.1, blocks=90, prompt_tokens=100)
     assert pred.free_blocks(worker("d0", "decode", kv_blocks_free=100)) == 10
-    tracker.prefilled("p0", "d0", tokens=100, seconds=0.1, blocks=90)
+    tracker.prefilled(placement)
     assert pred.free_blocks(worker("d0", "decode", kv_blocks_free=100)) == 100
 
 
@@ -96,7 +97,7 @@ def test_slo_placement_picks_the_prefill_worker_with_the_lowest_predicted_ttft()
     assert placed.prefill is not None and placed.prefill.worker_id == "p2"
     assert placed.predicted_ttft_s == pytest.approx(r.predictor.ttft_s(placed.prefill, 100, 0))
     assert placed.cached_tokens == 0
-    r.tracker.start("p2", "d0", tokens=2000, seconds=2.0, blocks=10)  # our own sends count too
+    r.tracker.start("p2", "d0", new_tokens=2000, seconds=2.0, blocks=10, prompt_tokens=2000)  # our own sends count too
     assert r.place(prompt(100), 16, 1.0).prefill.worker_id == "p3"
 
 
@@ -138,7 +139,9 @@ def test_slo_placement_picks_a_decode_worker_with_room_within_tpot_preferring_th
     assert placed.blocks_needed == math.ceil((100 + 16) / BS)
     assert placed.decode.worker_id == "d2"
     assert placed.predicted_tpot_s == pytest.approx(PROFILE.decode_step_s(5))
-    r.tracker.start("p0", "d2", tokens=100, seconds=0.1, blocks=750)  # d2's room is promised away
+    r.tracker.start(
+        "p0", "d2", new_tokens=100, seconds=0.1, blocks=750, prompt_tokens=100
+    )  # d2's room is promised away
     assert r.place(prompt(100), 16, tpot_slo_s=0.1).decode.worker_id == "d1"
 
 
@@ -203,8 +206,8 @@ def test_free_blocks_keep_out_what_was_placed_after_the_report_sampled_them_firs
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
     sampled = time.time() - 0.2
-    tracker.start("p0", "d0", tokens=100, seconds=0.1, blocks=90)
-    tracker.prefilled("p0", "d0", tokens=100, seconds=0.1, blocks=90)
+    placement = tracker.start("p0", "d0", new_tokens=100, seconds=0.1, blocks=90, prompt_tokens=100)
+    tracker.prefilled(placement)
     assert pred.free_blocks(worker("d0", "decode", kv_blocks_free=100, load_at=sampled)) == 10
     assert pred.free_blocks(worker("d0", "decode", kv_blocks_free=10)) == 10  # a report after it: counted once
 
@@ -215,7 +218,7 @@ def test_a_finished_request_holds_no_blocks_even_on_a_worker_that_reported_befor
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
     sampled = time.time() - 0.2
-    placement = tracker.start("p0", "d0", tokens=100, seconds=0.1, blocks=90)
-    tracker.prefilled("p0", "d0", tokens=100, seconds=0.1, blocks=90)
-    tracker.finished("d0", placement)
+    placement = tracker.start("p0", "d0", new_tokens=100, seconds=0.1, blocks=90, prompt_tokens=100)
+    tracker.prefilled(placement)
+    tracker.finished(placement)
     assert pred.free_blocks(worker("d0", "decode", kv_blocks_free=100, load_at=sampled)) == 100
