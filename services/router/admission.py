@@ -46,7 +46,7 @@ class Admission:
         self._check_feasible(placement, prompt_tokens, slo)
         if self.in_flight >= self.config.max_in_flight:
             raise OverloadedError(f"router has {self.in_flight} requests in flight (limit {self.config.max_in_flight})")
-        self._check_queue_bound(placement, prompt_tokens, priority)
+        self._check_queue_bound(placement, prompt_tokens - placement.cached_tokens, priority)
         self._check_ttft(placement, slo)
         if self.predictor.free_blocks(placement.decode) < placement.blocks_needed:
             raise OverloadedError(
@@ -76,13 +76,14 @@ class Admission:
                 f"the smallest this cluster can offer is {math.ceil(offer.tpot_s * 1e3)} ms",
             )
 
-    def _check_queue_bound(self, placement: Placement, prompt_tokens: int, priority: int) -> None:
+    def _check_queue_bound(self, placement: Placement, new_tokens: int, priority: int) -> None:
+        """`new_tokens`: what the prompt adds to the queue, the part its prefill worker's cache does not hold."""
         prefill = placement.prefill_worker
         queued = self.predictor.queued_tokens(prefill)
         bound = self.config.queue_bound(priority)
-        if queue_full(queued, prompt_tokens, bound):
+        if queue_full(queued, new_tokens, bound):
             raise OverloadedError(
-                f"prefill queue full: {queued} + {prompt_tokens} tokens > {bound:.0f} at priority {priority}",
+                f"prefill queue full: {queued} + {new_tokens} tokens > {bound:.0f} at priority {priority}",
                 _retry_ms(self.predictor.queue_s(prefill)),
             )
 

@@ -61,6 +61,17 @@ def test_admission_queue_bound_counts_router_local_pending_tokens():
     r.admit(prompt(100), priority=1, slo_s=loose)
 
 
+def test_the_queue_bound_counts_only_the_tokens_a_prompt_adds_past_its_cached_prefix():
+    """A long shared prefix (a system prompt) the prefill worker holds costs its queue nothing."""
+    r = Router([worker("p0", queued_prefill_tokens=600), worker("d0", "decode")], max_queued_prefill_tokens=1000)
+    loose = (1000.0, 1.0)
+    tokens = prompt(1024)
+    shed(r, tokens, "queue full: 600 \\+ 1024 tokens", slo_s=loose)
+    r.index.record("p0", r.place(tokens, 16, 1.0).block_hashes)
+    placed = r.admit(tokens, slo_s=loose)
+    assert placed.cached_tokens == 1008  # all but the last token's block: 16 new tokens
+
+
 def test_admission_sheds_when_no_decode_worker_has_the_blocks():
     r = Router([worker("p0"), worker("d0", "decode", kv_blocks_free=7), worker("d1", "decode", kv_blocks_free=3)])
     shed(r, prompt(100), "free KV blocks", slo_s=(5.0, 1.0))  # 8 blocks needed, 4096 in total
