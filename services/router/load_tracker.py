@@ -18,7 +18,7 @@ class Sent:
     prefill_id: str
     decode_id: str
     new_tokens: int  # what the prefill worker computes: the prompt less the prefix hit predicted
-    prompt_tokens: int  # what a waiting prefill worker's queue shows of it: its prefix cache is looked up later
+    prompt_tokens: int  # the most a prefill worker's queue can show of it: its cache may hold less than we predict
     seconds: float  # predicted time it holds the prefill worker
     blocks: int  # KV blocks the decode worker reserves for it
     at: float  # wall time placed
@@ -62,7 +62,8 @@ class LoadTracker:
 
     def prefilled_since(self, prefill_id: str, since: float) -> int:
         """The most a queue sampled at wall time `since` (a heartbeat's) can show of our prompts whose prefill
-        has ended since: each whole prompt, as the worker counts one waiting whatever its prefix cache holds."""
+        has ended since: each whole prompt, since the worker's prefix cache may hold less of it than we predicted
+        (our prefix index learns of its evictions late)."""
         return sum(tokens for at, tokens in self._prefilled[prefill_id] if at > since)
 
     def placed_since(self, decode_id: str, since: float) -> int:

@@ -64,7 +64,7 @@ class WorkerMetrics:
         self.labels = {"worker_id": worker_id, "role": role}
         self._stats = stats
         for name, key, what in (
-            ("pdserve_queue_tokens", "queued_prefill_tokens", "prompt tokens waiting for prefill"),
+            ("pdserve_queue_tokens", "queued_prefill_tokens", "prompt tokens still to prefill, past cached prefixes"),
             ("pdserve_running_sequences", "running", "sequences in the running batch"),
             ("pdserve_kv_blocks_used", "kv_blocks_used", "KV blocks held by live sequences or transfers"),
             ("pdserve_kv_blocks_cached", "kv_blocks_cached", "KV blocks kept only by the prefix cache"),

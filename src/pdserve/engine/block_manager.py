@@ -58,7 +58,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         matched: list[int] = []
-        for key in prefix_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size, seq.cache_salt):
+        n = seq.num_tokens - 1
+        if seq.prefix_keys is None or seq.prefix_keys[0] != n:
+            seq.prefix_keys = (n, prefix_hashes(seq.token_slice(0, n), self.block_size, seq.cache_salt))
+        for key in seq.prefix_keys[1]:
             block = self._hash_to_block.get(key)
             if block is None:
                 break

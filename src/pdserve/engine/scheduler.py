@@ -56,11 +56,23 @@ class Scheduler:
 
     @property
     def num_waiting_tokens(self) -> int:
-        return sum(s.num_uncomputed_tokens for s in self.waiting)
+        """Prompt tokens still to compute: the waiting prompts past what the prefix cache held when they began to
+        wait, and the rest of the prompts part-way through a chunked prefill."""
+        waiting = sum(s.num_uncomputed_tokens - s.expected_cached_tokens for s in self.waiting)
+        return waiting + sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in self.running)
 
     def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
+        self._wait(seq)
         self.waiting.append(seq)
+
+    def _wait(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        seq.expected_cached_tokens = len(self._cached_prefix(seq)) * self.blocks.block_size
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks a prefill of `seq` would start from. Prompt logprobs need every prompt position
+        computed: no cached prefix stands in for one."""
+        return self.blocks.match_prefix(seq) if seq.sampling.prompt_logprobs is None else []
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose KV is already in its blocks (received from a prefill worker)."""
@@ -100,8 +112,7 @@ class Scheduler:
                 break
             prefills += 1
             seq = self.waiting[0]
-            # Prompt logprobs need every prompt position computed: no cached prefix stands in for one.
-            prefix = self.blocks.match_prefix(seq) if seq.sampling.prompt_logprobs is None else []
+            prefix = self._cached_prefix(seq)
             cached = len(prefix) * self.blocks.block_size
             n = min(seq.num_tokens - cached, budget, self.config.long_prefill_chunk)
             if not self.blocks.allocate_slots(seq, n, prefix):
@@ -132,7 +143,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
+        self._wait(seq)
         self.waiting.appendleft(seq)
 
     def complete_step(self) -> list[Sequence]:

@@ -39,6 +39,10 @@ class Sequence:
     cache_salt: bytes = b""  # prefix-cache keys start from it: blocks are shared only under the same salt
     # The prompt's last tokens that this request generated itself before its stream moved here.
     resumed_output_tokens: int = 0
+    # While it waits: the leading tokens the prefix cache held when it began to (what its queue does not cost).
+    expected_cached_tokens: int = 0
+    # The prefix-cache keys of its first `n` tokens, as (n, keys): a waiting sequence is looked up more than once.
+    prefix_keys: tuple[int, list[bytes]] | None = field(default=None, repr=False)
 
     @property
     def token_ids(self) -> list[int]:

@@ -351,3 +351,18 @@ def test_detached_blocks_are_not_handed_out_under_pressure() -> None:
     sim.run()
     assert big.status is SequenceStatus.FINISHED
     assert sim.bm.num_used_blocks == 0
+
+
+def test_the_queue_counts_the_prompt_tokens_left_to_compute_past_a_cached_prefix_and_mid_chunk() -> None:
+    """What a prefill worker reports as queued: a router predicts the wait behind it from this."""
+    sim = Sim(SchedulerConfig(max_num_batched_tokens=10, long_prefill_chunk=10, max_prefills_per_step=1), 64, 4)
+    a = sim.add("a", list(range(30)), max_tokens=1)
+    assert sim.sched.num_waiting_tokens == 30
+    sim.step()  # its first chunk
+    assert sim.sched.num_waiting_tokens == 20  # the rest of a prompt part-way through its prefill
+    sim.run()
+    sim.add("b", a.prompt_token_ids[:20] + list(range(60, 65)), max_tokens=1)  # 20 cached
+    sim.add("c", list(range(70, 82)), max_tokens=1)
+    assert sim.sched.num_waiting_tokens == 5 + 12
+    sim.run()
+    assert sim.sched.num_waiting_tokens == 0

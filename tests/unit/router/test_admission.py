@@ -245,9 +245,9 @@ def test_the_queue_bound_never_sheds_a_prompt_for_its_own_size():
 
 
 def test_a_prompt_the_prefix_cache_held_leaves_no_phantom_queue_in_a_stale_report():
-    """A waiting prompt shows whole in its worker's queue (the worker looks its prefix cache up once it schedules
-    it), though the router counted only its uncached tail: once its first token is back, a report sampled while it
-    waited must count none of it, or an idle worker sheds the next prompt for a queue it does not have."""
+    """The router counted only the uncached tail of a prompt it predicted the prefix cache held, but the worker's
+    queue shows what its cache really held (here nothing: evicted since): once the first token is back, a report
+    sampled while it waited must count none of it, or an idle worker sheds the next prompt for a queue it lacks."""
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
     sampled = time.time()
