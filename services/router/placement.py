@@ -20,7 +20,7 @@ class Placement:
     prefill: WorkerState | None  # None: the decode worker prefills itself (colocated)
     cached_tokens: int  # prompt tokens the prefill worker is expected to hold already
     own_ttft_s: float  # this request's TTFT on the chosen prefill worker were it idle
-    queue_s: float  # what the queue ahead of it adds there
+    queue_s: float  # what the load adds: the queue ahead of it there, the decode worker's steps
     predicted_tpot_s: float
     blocks_needed: int
     block_hashes: list[bytes]
@@ -87,7 +87,7 @@ class PlacementPolicy(ABC):
             prefill=None if colocated else prefill,
             cached_tokens=cached,
             own_ttft_s=self.predictor.own_ttft_s(prefill, len(prompt), cached),
-            queue_s=self.predictor.queue_s(prefill),
+            queue_s=self.predictor.queue_s(prefill) + self.predictor.decode_wait_s(decode),
             predicted_tpot_s=self.predictor.tpot_s(decode),
             blocks_needed=blocks,
             block_hashes=hashes,

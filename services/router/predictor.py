@@ -63,8 +63,18 @@ class Predictor:
 
     def tpot_s(self, w: WorkerState) -> float:
         """The step time once this request joins the batch."""
-        running = max(w.running, self.tracker.decoding[w.worker_id])
-        return w.profile.decode_step_s(running + 1) * w.speed_factor if w.profile else 0.0
+        return w.profile.decode_step_s(self._running(w) + 1) * w.speed_factor if w.profile else 0.0
+
+    def decode_wait_s(self, w: WorkerState) -> float:
+        """What a busy decode worker adds to a first token: its engine takes the hand-off's two commands (reserve
+        the blocks, commit the first token) only between steps, each waiting half a step on average. None on an
+        idle worker. (A colocated worker's prefill waits half a step, then shares its step with the batch: at
+        least as much.)"""
+        running = self._running(w)
+        return w.profile.decode_step_s(running) * w.speed_factor if w.profile and running else 0.0
+
+    def _running(self, w: WorkerState) -> int:
+        return max(w.running, self.tracker.decoding[w.worker_id])
 
     def free_blocks(self, w: WorkerState) -> int:
         """The report's free blocks, less ours it cannot show: those about to be reserved, and those placed since

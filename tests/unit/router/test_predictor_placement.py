@@ -71,6 +71,17 @@ def test_tpot_grows_with_the_running_batch_reported_or_sent():
     assert pred.tpot_s(worker("d1", "decode")) == pytest.approx(PROFILE.decode_step_s(10))
 
 
+def test_a_busy_decode_worker_adds_a_step_to_the_predicted_first_token_and_an_idle_one_nothing():
+    """Its engine takes the hand-off's commands only between steps: the wait is load, so it is queueing."""
+    idle = Router([worker("p0"), worker("d0", "decode")]).place(prompt(100), 16, 1.0)
+    busy = Router([worker("p0"), worker("d0", "decode", running=30)]).place(prompt(100), 16, 1.0)
+    assert busy.own_ttft_s == idle.own_ttft_s
+    assert busy.queue_s - idle.queue_s == pytest.approx(PROFILE.decode_step_s(30))
+    r = Router([worker("p0"), worker("d0", "decode")])
+    r.tracker.start("p0", "d0", new_tokens=10, seconds=0.01, blocks=1, prompt_tokens=10)  # ours, not reported yet
+    assert r.predictor.decode_wait_s(worker("d0", "decode")) == pytest.approx(PROFILE.decode_step_s(1))
+
+
 def test_free_blocks_subtract_blocks_about_to_be_reserved():
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
