@@ -5,26 +5,20 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.outputs import RequestOutput
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.telemetry import Telemetry
 
 
 async def generate_here(
-    engine: AsyncEngine,
-    telemetry: Telemetry,
-    worker_id: str,
-    request_id: str,
-    prompt: list[int],
-    sampling: SamplingParams,
-    cache_salt: bytes = b"",
-    resumed_output_tokens: int = 0,
+    engine: AsyncEngine, telemetry: Telemetry, worker_id: str, request: EngineRequest
 ) -> AsyncIterator[RequestOutput]:
     # Not made current: a span context entered across `yield`s can be left from another context.
-    span = telemetry.tracer.start_span("decode.stream", attributes={"request.id": request_id, "worker.id": worker_id})
+    attributes = {"request.id": request.request_id, "worker.id": worker_id}
+    span = telemetry.tracer.start_span("decode.stream", attributes=attributes)
     tokens = 0
     try:
-        async for out in engine.generate(request_id, prompt, sampling, cache_salt, resumed_output_tokens):
+        async for out in engine.generate(request):
             tokens += len(out.new_token_ids)
             yield out
     finally:

@@ -17,9 +17,9 @@ from typing import Any
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.errors import OverloadedError, UnavailableError
+from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.handoff import FirstToken, KVTarget
 from pdserve.protocol.outputs import RequestOutput
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.telemetry import Telemetry, now_ns
 from pdserve.transfer.base import KVReceiver, TransferError, TransferTimeoutError
 from services.decode.prefill_client import PrefillCall, PrefillClient
@@ -30,13 +30,9 @@ TimeRemaining = Callable[[], float | None]  # seconds left of the caller's deadl
 
 @dataclass(frozen=True)
 class HandoffRequest:
-    request_id: str
-    prompt: list[int]
-    sampling: SamplingParams
+    request: EngineRequest  # what both engines run: the decode worker's reserves, the prefill worker's prefills
     prefill_address: str  # host:port of the prefill worker the router placed it on
     client_request_id: str = ""  # the caller's own id: echoed in logs and traces, never a key
-    cache_salt: bytes = b""  # the router's prefix-cache salt, for the prefill worker's cache
-    resumed_output_tokens: int = 0  # the prompt's last tokens generated before the stream moved here
 
 
 @dataclass
@@ -54,38 +50,36 @@ class Handoff:
     _freeing: set[asyncio.Future[None]] = field(default_factory=set, init=False)
 
     async def stream(
-        self, request: HandoffRequest, time_remaining: TimeRemaining, on_dispatched: Callable[[], Awaitable[None]]
+        self, handoff: HandoffRequest, time_remaining: TimeRemaining, on_dispatched: Callable[[], Awaitable[None]]
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs; the last one counts the prompt tokens the prefill worker's cache served.
         `on_dispatched` runs once the prefill worker has been called (what is slow from then on is its side)."""
-        blocks = await self.engine.reserve(
-            request.request_id, request.prompt, request.sampling, request.resumed_output_tokens
-        )
+        blocks = await self.engine.reserve(handoff.request)
         if blocks is None:
             raise OverloadedError(
-                f"decode worker {self.worker_id} has no free KV blocks for {len(request.prompt)} tokens"
+                f"decode worker {self.worker_id} has no free KV blocks for {len(handoff.request.prompt)} tokens"
             )
-        first = await self._fill(request, blocks, time_remaining, on_dispatched)  # frees `blocks` if it fails
-        async for out in self._decode(request, first):
+        first = await self._fill(handoff, blocks, time_remaining, on_dispatched)  # frees `blocks` if it fails
+        async for out in self._decode(handoff, first):
             yield replace(out, num_cached_tokens=first.cached_prompt_tokens)
 
     async def _fill(
         self,
-        request: HandoffRequest,
+        handoff: HandoffRequest,
         blocks: list[int],
         time_remaining: TimeRemaining,
         on_dispatched: Callable[[], Awaitable[None]],
     ) -> FirstToken:
         """Has the prefill worker fill `blocks`; returns its first token once the KV is in place. Fails as soon
         as the transfer or the prefill worker fails, or the caller leaves, and then frees `blocks`."""
-        peer, tag = request.prefill_address, secrets.randbits(63)  # unguessable: names no other request
+        peer, tag = handoff.prefill_address, secrets.randbits(63)  # unguessable: names no other request
         receive: asyncio.Future[int] | None = None
         call: PrefillCall | None = None
         timeout_s = self._transfer_timeout(time_remaining)
         try:
             rendezvous = await asyncio.to_thread(self.receiver.rendezvous, peer)
             target = KVTarget(self.worker_id, rendezvous, blocks, tag, self.engine.fingerprint, self.engine.block_size)
-            call = self.prefill.prefill(peer, request, target, timeout_s, time_remaining())
+            call = self.prefill.prefill(peer, handoff, target, timeout_s, time_remaining())
             await on_dispatched()
             first = await call.first_token()  # bounded by the caller's deadline, or its cancel
             if not first.kv_follows:
@@ -96,10 +90,10 @@ class Handoff:
                 asyncio.to_thread(self.receiver.recv, peer, tag, self.engine.kv_caches, blocks, timeout_s)
             )
             receive.add_done_callback(_read_outcome)
-            await self._until_received(request, call, receive, len(blocks))
+            await self._until_received(handoff, call, receive, len(blocks))
             return first
         except BaseException as e:
-            self._free(request.request_id, peer, tag, receive)
+            self._free(handoff.request.request_id, peer, tag, receive)
             if isinstance(e, TransferTimeoutError):
                 raise UnavailableError(f"KV transfer from {peer} timed out after {timeout_s:g}s: {e}") from e
             if isinstance(e, TransferError):
@@ -114,7 +108,7 @@ class Handoff:
         return min(time_remaining() or self.transfer_timeout_s, self.transfer_timeout_s)
 
     async def _until_received(
-        self, request: HandoffRequest, call: PrefillCall, receive: asyncio.Future[int], num_blocks: int
+        self, handoff: HandoffRequest, call: PrefillCall, receive: asyncio.Future[int], num_blocks: int
     ) -> None:
         """Waits for the KV to land and the prefill worker to confirm it; traces the receive."""
         start_ns = now_ns()
@@ -123,26 +117,26 @@ class Handoff:
             "kv_transfer.recv",
             start_ns,
             now_ns(),
-            request__id=request.request_id,
+            request__id=handoff.request.request_id,
             worker__id=self.worker_id,
             kv__blocks=num_blocks,
             kv__bytes=nbytes,
         )
 
-    async def _decode(self, request: HandoffRequest, first: FirstToken) -> AsyncIterator[RequestOutput]:
+    async def _decode(self, handoff: HandoffRequest, first: FirstToken) -> AsyncIterator[RequestOutput]:
         """Commits the received KV and streams the decode. The stream span starts when the sequence joins the
         batch: that moment (the first step that runs it) is known only once its first decoded token arrives."""
-        ids = {"request.id": request.request_id, "worker.id": self.worker_id}
+        ids = {"request.id": handoff.request.request_id, "worker.id": self.worker_id}
         committed_ns = now_ns()
         tokens = 0
         stream = None
         try:
-            async for out in self.engine.commit_and_stream(request.request_id, first.token_id, first.logprobs):
+            async for out in self.engine.commit_and_stream(handoff.request.request_id, first.token_id, first.logprobs):
                 if not tokens:  # the first token's output: the prefill worker's prompt logprobs go with it
                     out = replace(out, prompt_logprobs=first.prompt_logprobs)
                 tokens += len(out.new_token_ids)
                 if stream is None and tokens > 1:
-                    ran_ns = self.engine.take_started_ns(request.request_id) or committed_ns
+                    ran_ns = self.engine.take_started_ns(handoff.request.request_id) or committed_ns
                     self.telemetry.span("decode.queue_wait", committed_ns, ran_ns, **ids)
                     stream = self.telemetry.tracer.start_span("decode.stream", start_time=ran_ns, attributes=ids)
                 yield out
@@ -150,7 +144,7 @@ class Handoff:
             if stream is None:
                 stream = self.telemetry.tracer.start_span("decode.stream", start_time=committed_ns, attributes=ids)
             stream.set_attribute("completion_tokens", tokens)
-            stream.set_attribute("prompt_tokens", len(request.prompt))
+            stream.set_attribute("prompt_tokens", len(handoff.request.prompt))
             stream.end()
             log.debug("decode finished", extra={"completion_tokens": tokens})
 

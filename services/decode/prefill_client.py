@@ -67,12 +67,12 @@ class PrefillClient:
         timeout_s: float | None,
     ) -> PrefillCall:
         request = wpb.PrefillRequest(
-            request_id=handoff.request_id,
+            request_id=handoff.request.request_id,
             client_request_id=handoff.client_request_id,
-            cache_salt=handoff.cache_salt,
-            prompt_token_ids=handoff.prompt,
-            sampling=sampling_to_pb(handoff.sampling),
-            resumed_output_tokens=handoff.resumed_output_tokens,
+            cache_salt=handoff.request.cache_salt,
+            prompt_token_ids=handoff.request.prompt,
+            sampling=sampling_to_pb(handoff.request.sampling),
+            resumed_output_tokens=handoff.request.resumed_output_tokens,
             target=wpb.KVTarget(
                 decode_worker_id=target.decode_worker_id,
                 rendezvous=target.rendezvous,

@@ -13,7 +13,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.errors import PermissionDeniedError, UnavailableError
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.roles import Role
-from pdserve.rpc.convert import output_to_pb, sampling_from_pb
+from pdserve.rpc.convert import engine_request_from_pb, output_to_pb
 from pdserve.rpc.metadata import HANDOFF_STARTED_KEY
 from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.telemetry import Telemetry, request_id_var
@@ -41,24 +41,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id_var.set(request.client_request_id or request.request_id)
-        prompt = list(request.prompt_token_ids)
-        sampling = sampling_from_pb(request.sampling)  # the router filled in every default
+        work = engine_request_from_pb(request)
         if self.faults.engine_dies_for(request.client_request_id):
             self.engine.fail_when_stepped(request.request_id)
         if delay_s := self.faults.step_delay_for(request.client_request_id):
             self.engine.slow_when_stepped(request.request_id, delay_s)
         outputs: AsyncIterator[RequestOutput]
         if not request.prefill_address:
-            outputs = generate_here(
-                self.engine,
-                self.telemetry,
-                self.worker_id,
-                request.request_id,
-                prompt,
-                sampling,
-                request.cache_salt,
-                request.resumed_output_tokens,
-            )
+            outputs = generate_here(self.engine, self.telemetry, self.worker_id, work)
         elif self.handoff is None:
             raise UnavailableError(f"worker {self.worker_id} ({self.role}) takes no KV hand-offs")
         elif not self.cluster.check_prefill_grant(request.request_id, request.prefill_address, request.prefill_grant):
@@ -66,15 +56,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 "prefill_address", "not granted by the router: this worker dials only registered prefill workers"
             )
         else:
-            handoff = HandoffRequest(
-                request.request_id,
-                prompt,
-                sampling,
-                request.prefill_address,
-                request.client_request_id,
-                request.cache_salt,
-                request.resumed_output_tokens,
-            )
+            handoff = HandoffRequest(work, request.prefill_address, request.client_request_id)
 
             async def dispatched() -> None:
                 await context.send_initial_metadata(((HANDOFF_STARTED_KEY, "1"),))

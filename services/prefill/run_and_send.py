@@ -18,9 +18,9 @@ from pdserve.config import FaultConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.errors import InvalidRequestError, UnavailableError
 from pdserve.metrics import WorkerMetrics
+from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.handoff import FirstToken, KVSent, KVTarget
 from pdserve.protocol.outputs import RequestOutput
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.telemetry import Telemetry, now_ns
 from pdserve.transfer.base import KVSender, TransferError
 
@@ -29,14 +29,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PrefillJob:
-    request_id: str
-    prompt: list[int]
-    sampling: SamplingParams
+    request: EngineRequest
     target: KVTarget
     transfer_timeout_s: float  # the decode side's own deadline for the transfer
     client_request_id: str = ""  # the caller's own id: echoed in logs, matched by fault injection, never a key
-    cache_salt: bytes = b""  # the router's prefix-cache salt (the tenant's)
-    resumed_output_tokens: int = 0  # the prompt's last tokens generated before the stream moved
 
 
 @dataclass
@@ -52,7 +48,7 @@ class RunAndSend:
         """The first token, then (unless it ended the request) the confirmation that the KV was sent."""
         self._check(job)
         if self.faults.engine_dies_for(job.client_request_id):
-            self.engine.fail_when_stepped(job.request_id)
+            self.engine.fail_when_stepped(job.request.request_id)
         out = await self._run_prompt(job)
         first = FirstToken(
             out.new_token_ids[0],
@@ -70,7 +66,7 @@ class RunAndSend:
                 await asyncio.sleep(delay_s)
             await self._send(job, list(out.handoff_block_ids))
         finally:
-            self.engine.release(job.request_id)  # queued before the decode side may end the call on KVSent
+            self.engine.release(job.request.request_id)  # queued before the decode side may end the call on KVSent
         yield KVSent()
 
     def _check(self, job: PrefillJob) -> None:
@@ -85,23 +81,21 @@ class RunAndSend:
     async def _run_prompt(self, job: PrefillJob) -> RequestOutput:
         """Prefills the prompt; its blocks stay held for the hand-off. Traces its queue wait and compute."""
         start_ns = now_ns()
-        out = await self.engine.prefill(
-            job.request_id, job.prompt, job.sampling, job.cache_salt, job.resumed_output_tokens
-        )
+        out = await self.engine.prefill(job.request)
         end_ns = now_ns()
-        ran_ns = self.engine.take_started_ns(job.request_id) or start_ns
-        ids = {"request__id": job.request_id, "worker__id": self.worker_id}
+        ran_ns = self.engine.take_started_ns(job.request.request_id) or start_ns
+        ids = {"request__id": job.request.request_id, "worker__id": self.worker_id}
         self.telemetry.span("prefill.queue_wait", start_ns, ran_ns, **ids)
         self.telemetry.span(
             "prefill.compute",
             ran_ns,
             end_ns,
             **ids,
-            prompt_tokens=len(job.prompt),
+            prompt_tokens=len(job.request.prompt),
             cached_prompt_tokens=out.num_cached_tokens,
         )
         prefill_ms = round((end_ns - start_ns) / 1e6, 2)
-        log.debug("prefilled", extra={"prompt_tokens": len(job.prompt), "prefill_ms": prefill_ms})
+        log.debug("prefilled", extra={"prompt_tokens": len(job.request.prompt), "prefill_ms": prefill_ms})
         return out
 
     async def _send(self, job: PrefillJob, blocks: list[int]) -> None:
@@ -110,7 +104,7 @@ class RunAndSend:
         if len(blocks) != len(target.block_ids):
             raise UnavailableError(f"decode side reserved {len(target.block_ids)} blocks, prompt has {len(blocks)}")
         attributes = {
-            "request.id": job.request_id,
+            "request.id": job.request.request_id,
             "worker.id": self.worker_id,
             "decode.worker.id": target.decode_worker_id,
             "kv.blocks": len(blocks),

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.protocol.handoff import FirstToken, KVSent, KVTarget
-from pdserve.rpc.convert import logprobs_to_pb, sampling_from_pb
+from pdserve.rpc.convert import engine_request_from_pb, logprobs_to_pb
 from pdserve.telemetry import request_id_var
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
@@ -25,9 +25,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         request_id_var.set(request.client_request_id or request.request_id)
         target = request.target
         job = PrefillJob(
-            request.request_id,
-            list(request.prompt_token_ids),
-            sampling_from_pb(request.sampling),  # as the router filled it in
+            engine_request_from_pb(request),
             KVTarget(
                 target.decode_worker_id,
                 target.rendezvous,
@@ -38,8 +36,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             ),
             request.transfer_timeout_ms / 1e3,
             request.client_request_id,
-            request.cache_salt,
-            request.resumed_output_tokens,
         )
         async with contextlib.aclosing(self.run_and_send.run(job)) as events:  # type: ignore[type-var]
             async for event in events:

@@ -17,6 +17,7 @@ import time
 from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
 
@@ -26,7 +27,7 @@ PROMPT = list(range(100, 164))
 async def _handoff(engine: AsyncEngine, request_id: str) -> tuple[float, float]:
     """(reserve, commit to first token) in ms."""
     start = time.perf_counter()
-    await engine.reserve(request_id, PROMPT, SamplingParams(max_tokens=2, ignore_eos=True))
+    await engine.reserve(EngineRequest(request_id, PROMPT, SamplingParams(max_tokens=2, ignore_eos=True)))
     reserved = time.perf_counter()
     first = None
     async for _ in engine.commit_and_stream(request_id, 5):
@@ -36,7 +37,7 @@ async def _handoff(engine: AsyncEngine, request_id: str) -> tuple[float, float]:
 
 
 async def _decode(engine: AsyncEngine, request_id: str) -> None:
-    await engine.reserve(request_id, PROMPT[:16], SamplingParams(max_tokens=1500, ignore_eos=True))
+    await engine.reserve(EngineRequest(request_id, PROMPT[:16], SamplingParams(max_tokens=1500, ignore_eos=True)))
     async for _ in engine.commit_and_stream(request_id, 5):
         pass
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.sampling import SamplingParams
 
 
@@ -31,7 +32,7 @@ def measure(batch: int, context: int, steps: int) -> dict[str, Any]:
     engine = LLMEngine(config)
     for i in range(batch):
         prompt = [3 + (i + j) % 250 for j in range(context)]
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=steps + 50, ignore_eos=True))
+        engine.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=steps + 50, ignore_eos=True)))
     for _ in range(10):  # the prompts, then a few decode steps
         engine.step()
     model = engine.runner.model

@@ -23,6 +23,7 @@ from pdserve.bench.bandwidth import copy_bandwidth_gbps, decode_bound_tok_s, wei
 from pdserve.config import EngineConfig
 from pdserve.engine.device import resolve_device, resolve_dtype, synchronize
 from pdserve.engine.model_runner import kv_block_bytes
+from pdserve.protocol.engine_request import EngineRequest
 
 if TYPE_CHECKING:
     from pdserve.engine.model import LlamaModel
@@ -72,7 +73,7 @@ class _EngineRunner:
         synchronize(self.device)
         start = time.perf_counter()
         for prompt in prompts:
-            engine.add_request(f"bench-{uuid.uuid4().hex}", prompt, params)
+            engine.add_request(EngineRequest(f"bench-{uuid.uuid4().hex}", prompt, params))
         started: set[str] = set()
         first = None
         after_first = 0

@@ -240,12 +240,13 @@ class WorkerRuntime:
 
     async def _warm_up(self) -> None:
         """One tiny step through the model, so the first real request does not pay for lazy kernel set-up."""
+        from pdserve.protocol.engine_request import EngineRequest
         from pdserve.protocol.sampling import SamplingParams
 
         if self.spec.role is Role.DECODE:
             return  # a decode-only engine takes no prompts; its first step is a decode
         request_id = f"warmup-{self.worker_id}"
-        out = await self._engine.prefill(request_id, [0, 1, 2, 3], SamplingParams(max_tokens=1))
+        out = await self._engine.prefill(EngineRequest(request_id, [0, 1, 2, 3], SamplingParams(max_tokens=1)))
         if not out.finished:
             self._engine.release(request_id)
 

@@ -26,9 +26,9 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import kv_block_bytes
 from pdserve.engine.profiling import measure_profile
 from pdserve.errors import InvalidRequestError, UnavailableError
+from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.outputs import RequestOutput, TokenLogprobs
 from pdserve.protocol.perf_profile import PerfProfile
-from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,57 +119,41 @@ class AsyncEngine:
 
     # -- called from asyncio -------------------------------------------------------------------------
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        cache_salt: bytes = b"",
-        resumed_output_tokens: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Add a request (mixed or prefill-only engine) and yield its outputs; abort it if the caller leaves.
         Raises DuplicateRequestError while another request with this id is in flight here."""
-        stream = self._open(request_id)
+        stream = self._open(request.request_id)
         live = False  # the engine holds this caller's request: abort it if the caller leaves early
         try:
-            await self._add(request_id, prompt_token_ids, sampling, cache_salt, resumed_output_tokens)
+            await self._add(request)
             live = True
             async for out in self._drain(stream):
                 live = not out.finished
                 yield out
         finally:
-            await self._close(request_id, stream, abort=live)
+            await self._close(request.request_id, stream, abort=live)
 
-    async def prefill(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        cache_salt: bytes = b"",
-        resumed_output_tokens: int = 0,
-    ) -> RequestOutput:
+    async def prefill(self, request: EngineRequest) -> RequestOutput:
         """Prefill-only engine: run the prompt and return the first token. Unless that finished the
         request, its blocks stay held for the hand-off until `release` (or `abort`)."""
-        stream = self._open(request_id)
+        stream = self._open(request.request_id)
         live = False
         try:
-            await self._add(request_id, prompt_token_ids, sampling, cache_salt, resumed_output_tokens)
+            await self._add(request)
             live = True
             async for out in self._drain(stream):
                 live = False  # finished, or held for the hand-off: the caller releases it
                 return out
             raise AssertionError("unreachable: a prefill always yields its first token")
         finally:
-            await self._close(request_id, stream, abort=live)
+            await self._close(request.request_id, stream, abort=live)
 
-    async def reserve(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, resumed_output_tokens: int = 0
-    ) -> list[int] | None:
+    async def reserve(self, request: EngineRequest) -> list[int] | None:
         """Decode-only engine: the blocks the prompt's KV will arrive in, held until `commit_and_stream` or
         `abort`; None when the pool cannot hold them now. A caller cancelled meanwhile holds nothing."""
         return await self._call(
-            lambda e: e.reserve(request_id, prompt_token_ids, sampling, resumed_output_tokens),
-            undo=lambda e, blocks: None if blocks is None else _drop(e, request_id),
+            lambda e: e.reserve(request),
+            undo=lambda e, blocks: None if blocks is None else _drop(e, request.request_id),
         )
 
     async def commit_and_stream(
@@ -269,18 +253,8 @@ class AsyncEngine:
                 self._submit(partial(undo, self._engine, future.result()))
             raise
 
-    async def _add(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        cache_salt: bytes,
-        resumed_output_tokens: int,
-    ) -> None:
-        await self._call(
-            lambda e: e.add_request(request_id, prompt_token_ids, sampling, cache_salt, resumed_output_tokens),
-            undo=lambda e, _: _drop(e, request_id),
-        )
+    async def _add(self, request: EngineRequest) -> None:
+        await self._call(lambda e: e.add_request(request), undo=lambda e, _: _drop(e, request.request_id))
 
     def _open(self, request_id: str) -> _Stream:
         """The request's output queue. An id already streaming belongs to another caller: never replaced."""

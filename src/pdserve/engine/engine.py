@@ -22,6 +22,7 @@ from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.outputs import FinishReason, RequestOutput, TokenLogprobs
 from pdserve.protocol.request_checks import check_request
@@ -95,44 +96,30 @@ class LLMEngine:
                 f"this worker has {self.blocks.num_blocks}",
             )
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        cache_salt: bytes = b"",
-        resumed_output_tokens: int = 0,
-    ) -> None:
-        """`cache_salt`: the prefix cache shares blocks only between requests with the same salt (a tenant's).
-        `resumed_output_tokens`: the prompt's last tokens are this request's own output from before its stream
-        moved (penalties count them as output)."""
+    def add_request(self, request: EngineRequest) -> None:
         if self.config.mode is EngineMode.DECODE_ONLY:
             raise RuntimeError("a decode-only engine takes sequences with their KV, through receive()")
-        seq = self._new_request(request_id, prompt_token_ids, sampling, resumed_output_tokens)
-        seq.cache_salt = cache_salt
-        self.scheduler.add(seq)
+        self.scheduler.add(self._new_request(request))
 
-    def _new_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, resumed_output_tokens: int
-    ) -> Sequence:
-        if request_id in self._requests:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        self.validate(prompt_token_ids, sampling)
-        if not 0 <= resumed_output_tokens <= len(prompt_token_ids):
-            raise InvalidRequestError(
-                "resumed_output_tokens", f"must be in [0, {len(prompt_token_ids)}], got {resumed_output_tokens}"
-            )
+    def _new_request(self, request: EngineRequest) -> Sequence:
+        if request.request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
+        prompt, sampling, resumed = request.prompt, request.sampling, request.resumed_output_tokens
+        self.validate(prompt, sampling)
+        if not 0 <= resumed <= len(prompt):
+            raise InvalidRequestError("resumed_output_tokens", f"must be in [0, {len(prompt)}], got {resumed}")
         seq = Sequence(
-            request_id,
-            list(prompt_token_ids),
+            request.request_id,
+            list(prompt),
             sampling,
             arrival=time.monotonic(),
-            resumed_output_tokens=resumed_output_tokens,
+            cache_salt=request.cache_salt,
+            resumed_output_tokens=resumed,
         )
         detok = IncrementalDetokenizer(self.tokenizer.backend, seq.prompt_token_ids, stop=sampling.stop)
         generator = make_generator(sampling.seed, self.runner.device)
         seen = np.unique(np.asarray(seq.original_prompt_token_ids, dtype=np.int64)) if sampling.penalized else None
-        self._requests[request_id] = _Request(seq, detok, generator, seen)
+        self._requests[request.request_id] = _Request(seq, detok, generator, seen)
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -152,14 +139,12 @@ class LLMEngine:
         if req is not None:
             self.scheduler.finish(req.seq, FinishReason.LENGTH)
 
-    def reserve(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, resumed_output_tokens: int = 0
-    ) -> list[int] | None:
+    def reserve(self, request: EngineRequest) -> list[int] | None:
         """Decode side: allocate the blocks a prompt's KV will arrive in, before any byte moves.
         None when the pool cannot hold it now (the caller retries or sheds)."""
-        seq = self._new_request(request_id, prompt_token_ids, sampling, resumed_output_tokens)
+        seq = self._new_request(request)
         if not self.blocks.allocate_slots(seq, seq.num_prompt_tokens):
-            del self._requests[request_id]
+            del self._requests[request.request_id]
             return None
         seq.status = SequenceStatus.RECEIVING
         return list(seq.block_table)
@@ -258,7 +243,7 @@ class LLMEngine:
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = [f"generate-{uuid.uuid4().hex}" for _ in prompts]
         for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-            self.add_request(request_id, prompt, p)
+            self.add_request(EngineRequest(request_id, prompt, p))
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         texts: dict[str, list[str]] = {i: [] for i in ids}
         logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}

@@ -22,6 +22,7 @@ import torch
 from pdserve.config import ClusterConfig, EngineConfig
 from pdserve.engine.device import synchronize
 from pdserve.planner.hardware import HardwareProfile
+from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.perf_profile import PerfProfile, nonneg_lstsq
 from pdserve.transfer.torch_dist import Backend
 
@@ -127,7 +128,7 @@ def measure_engine_steps(engine: Any, grid: Grid) -> list[list[float]]:
         sampling = SamplingParams(max_tokens=grid.engine_steps + 1, ignore_eos=True)
         for i in range(batch):
             prompt = torch.randint(0, timer.vocab, (context,), generator=timer.gen).tolist()
-            engine.add_request(f"profile-{batch}-{i}", prompt, sampling)
+            engine.add_request(EngineRequest(f"profile-{batch}-{i}", prompt, sampling))
         times = []
         while engine.has_unfinished():
             start = time.perf_counter()

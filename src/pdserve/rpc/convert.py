@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.outputs import FinishReason, RequestOutput, TokenLogprobs
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import worker_pb2 as wpb
 
 _FINISH_TO_PB = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -85,3 +87,14 @@ def logprobs_to_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:
 
 def logprobs_from_pb(msg: pb.TokenLogprobs) -> TokenLogprobs:
     return TokenLogprobs(msg.logprob, tuple(msg.top_token_ids), tuple(msg.top_logprobs))
+
+
+def engine_request_from_pb(msg: wpb.WorkerGenerateRequest | wpb.PrefillRequest) -> EngineRequest:
+    """A worker's request as its engine runs it; its sampling as the router filled it in."""
+    return EngineRequest(
+        msg.request_id,
+        list(msg.prompt_token_ids),
+        sampling_from_pb(msg.sampling),
+        msg.cache_salt,
+        msg.resumed_output_tokens,
+    )

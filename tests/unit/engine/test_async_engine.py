@@ -14,6 +14,7 @@ from pdserve.engine.async_engine import AsyncEngine, DuplicateRequestError, Engi
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.errors import InvalidRequestError, UnavailableError
+from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
 
@@ -60,7 +61,7 @@ async def test_a_release_returns_at_once_and_the_engine_thread_frees_the_blocks_
     """The hand-off's release never waits for the step in flight (the first token downstream would wait with it);
     the blocks are free once that step ends."""
     engine = prefill_only
-    held = await engine.prefill("held", PROMPT, GREEDY)
+    held = await engine.prefill(EngineRequest("held", PROMPT, GREEDY))
     assert not held.finished and len(held.handoff_block_ids) == 2
     await until_used(engine, 2)
     gate, stepping = threading.Event(), threading.Event()
@@ -70,7 +71,7 @@ async def test_a_release_returns_at_once_and_the_engine_thread_frees_the_blocks_
         gate.wait(10)
 
     engine.on_step = hold_the_engine_thread
-    other = asyncio.ensure_future(engine.prefill("other", [1, 2, 3], GREEDY))
+    other = asyncio.ensure_future(engine.prefill(EngineRequest("other", [1, 2, 3], GREEDY)))
     assert await asyncio.to_thread(stepping.wait, 10)  # the engine thread is mid-step
     engine.release("held")  # returns while the step runs
     assert engine.stats["kv_blocks_used"] >= 2  # not freed yet: only the engine thread touches the blocks
@@ -83,12 +84,12 @@ async def test_a_release_returns_at_once_and_the_engine_thread_frees_the_blocks_
 
 
 async def test_duplicate_id_fails_the_second_caller_and_the_first_completes_mixed(mixed):
-    expected = await tokens(mixed.generate("alone", PROMPT, GREEDY))
+    expected = await tokens(mixed.generate(EngineRequest("alone", PROMPT, GREEDY)))
     assert len(expected) == GREEDY.max_tokens
-    first = mixed.generate("dup", PROMPT, GREEDY)
+    first = mixed.generate(EngineRequest("dup", PROMPT, GREEDY))
     got = (await anext(first)).new_token_ids
     with pytest.raises(DuplicateRequestError) as err:
-        await anext(mixed.generate("dup", [1, 2, 3], GREEDY))
+        await anext(mixed.generate(EngineRequest("dup", [1, 2, 3], GREEDY)))
     assert err.value.field == "request_id"
     got += await asyncio.wait_for(tokens(first), timeout=20)
     assert got == expected
@@ -99,10 +100,10 @@ async def test_duplicate_id_fails_the_second_caller_and_the_first_completes_pref
     engine = prefill_only
     gate = threading.Event()
     engine.on_step = lambda *_: gate.wait(10)  # the first prefill is mid-step when the second arrives
-    first = asyncio.ensure_future(engine.prefill("dup", PROMPT, GREEDY))
+    first = asyncio.ensure_future(engine.prefill(EngineRequest("dup", PROMPT, GREEDY)))
     await asyncio.sleep(0.2)
     with pytest.raises(DuplicateRequestError):
-        await engine.prefill("dup", [1, 2, 3], GREEDY)
+        await engine.prefill(EngineRequest("dup", [1, 2, 3], GREEDY))
     engine.on_step = None
     gate.set()
     out = await asyncio.wait_for(first, timeout=10)
@@ -111,7 +112,7 @@ async def test_duplicate_id_fails_the_second_caller_and_the_first_completes_pref
     # Its blocks are held for the hand-off, stream closed: a second prefill now is refused by the engine itself,
     # and leaves the first's hand-off alone.
     with pytest.raises(InvalidRequestError, match="request_id"):
-        await engine.prefill("dup", [1, 2, 3], GREEDY)
+        await engine.prefill(EngineRequest("dup", [1, 2, 3], GREEDY))
     await until_used(engine, len(blocks))
     engine.release("dup")
     await until_used(engine, 0)
@@ -120,10 +121,10 @@ async def test_duplicate_id_fails_the_second_caller_and_the_first_completes_pref
 async def test_duplicate_reservation_leaves_the_first_alone():
     engine = make_engine(EngineMode.DECODE_ONLY)
     try:
-        blocks = await engine.reserve("dup", PROMPT, GREEDY)
+        blocks = await engine.reserve(EngineRequest("dup", PROMPT, GREEDY))
         assert blocks is not None and len(blocks) == 2
         with pytest.raises(InvalidRequestError, match="request_id"):
-            await engine.reserve("dup", PROMPT, GREEDY)
+            await engine.reserve(EngineRequest("dup", PROMPT, GREEDY))
         await until_used(engine, 2)
         outputs = await tokens(engine.commit_and_stream("dup", 7))
         assert outputs[0] == 7 and len(outputs) == GREEDY.max_tokens
@@ -136,7 +137,8 @@ async def test_a_reservation_whose_caller_left_holds_no_blocks():
     """The reserve runs on the engine thread after its caller was cancelled: it is undone, not leaked."""
     engine = make_engine(EngineMode.DECODE_ONLY)
     try:
-        assert await engine.reserve("busy", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True)) is not None
+        busy = EngineRequest("busy", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True))
+        assert await engine.reserve(busy) is not None
         gate, stepping = threading.Event(), threading.Event()
 
         def hold_the_engine_thread(*_: object) -> None:
@@ -147,7 +149,7 @@ async def test_a_reservation_whose_caller_left_holds_no_blocks():
         busy = engine.commit_and_stream("busy", 7)
         await anext(busy)  # committed: the engine thread now steps it
         assert await asyncio.to_thread(stepping.wait, 10)
-        reserve = asyncio.ensure_future(engine.reserve("left", PROMPT, GREEDY))
+        reserve = asyncio.ensure_future(engine.reserve(EngineRequest("left", PROMPT, GREEDY)))
         await asyncio.sleep(0)  # submitted, queued behind the held step
         reserve.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -176,10 +178,10 @@ async def test_a_dead_engine_thread_fails_every_waiting_caller_as_unavailable_an
         gate.wait(10)
 
     engine.on_step = hold_the_engine_thread
-    other = asyncio.ensure_future(tokens(engine.generate("other", PROMPT, long)))
+    other = asyncio.ensure_future(tokens(engine.generate(EngineRequest("other", PROMPT, long))))
     assert await asyncio.to_thread(holds[0][0].wait, 10)  # held after other's first step: the add below runs next
     engine.fail_when_stepped("doomed")
-    doomed = asyncio.ensure_future(tokens(engine.generate("doomed", PROMPT, long)))
+    doomed = asyncio.ensure_future(tokens(engine.generate(EngineRequest("doomed", PROMPT, long))))
     await asyncio.sleep(0.05)
     holds[0][1].set()
     assert await asyncio.to_thread(holds[1][0].wait, 10)  # held in the step that ran "doomed"
@@ -199,24 +201,24 @@ async def test_a_dead_engine_thread_fails_every_waiting_caller_as_unavailable_an
 async def test_a_slowed_request_sleeps_each_step_it_runs_and_is_forgotten_when_done(mixed):
     """The slow-device fault: the steps that run the request each take the delay longer (a lower bound, so it
     holds on a loaded machine), its output is unchanged, and the engine forgets it once the stream ends."""
-    plain = await tokens(mixed.generate("plain", PROMPT, GREEDY))
+    plain = await tokens(mixed.generate(EngineRequest("plain", PROMPT, GREEDY)))
     mixed.slow_when_stepped("slow", 0.05)
     start = asyncio.get_running_loop().time()
-    slowed = await tokens(mixed.generate("slow", PROMPT, GREEDY))
+    slowed = await tokens(mixed.generate(EngineRequest("slow", PROMPT, GREEDY)))
     assert slowed == plain
     assert asyncio.get_running_loop().time() - start >= 0.05 * GREEDY.max_tokens
     assert mixed._slowed == {}  # noqa: SLF001 (no public view of the fault's state)
 
 
 async def test_a_prefill_names_exactly_the_blocks_it_holds_for_the_hand_off(prefill_only, mixed):
-    held = await prefill_only.prefill("held", PROMPT * 2, GREEDY)  # 40 tokens: three blocks of 16
+    held = await prefill_only.prefill(EngineRequest("held", PROMPT * 2, GREEDY))  # 40 tokens: three blocks of 16
     assert len(set(held.handoff_block_ids)) == len(held.handoff_block_ids) == 3
     await until_used(prefill_only, 3)
-    done = await prefill_only.prefill("one-token", PROMPT, SamplingParams(max_tokens=1))
+    done = await prefill_only.prefill(EngineRequest("one-token", PROMPT, SamplingParams(max_tokens=1)))
     assert done.finished and done.handoff_block_ids == ()  # nothing follows: its blocks are free already
     prefill_only.release("held")
     await until_used(prefill_only, 0)
-    outputs = [out async for out in mixed.generate("mixed", PROMPT, GREEDY)]
+    outputs = [out async for out in mixed.generate(EngineRequest("mixed", PROMPT, GREEDY))]
     assert sum(len(out.new_token_ids) for out in outputs) == 12
     assert {out.handoff_block_ids for out in outputs} == {()}
 
@@ -235,8 +237,8 @@ async def until_idle(engine: AsyncEngine) -> None:
 async def test_a_caller_behind_the_engine_gets_the_steps_it_missed_as_one_output(mixed):
     """The engine steps on while its caller is busy; the caller's next read merges what queued meanwhile: the
     same tokens and text in order, the last step's finish, one message downstream instead of eleven."""
-    plain = [out async for out in mixed.generate("plain", PROMPT, GREEDY)]
-    stream = mixed.generate("behind", PROMPT, GREEDY)
+    plain = [out async for out in mixed.generate(EngineRequest("plain", PROMPT, GREEDY))]
+    stream = mixed.generate(EngineRequest("behind", PROMPT, GREEDY))
     first = await anext(stream)
     await until_idle(mixed)
     rest = [out async for out in stream]
@@ -249,7 +251,7 @@ async def test_a_caller_behind_the_engine_gets_the_steps_it_missed_as_one_output
 
 async def test_a_caller_behind_a_dying_engine_gets_what_was_produced_then_the_failure(mixed):
     """Outputs queued before the engine thread died reach the caller, merged, before the EngineDeadError."""
-    stream = mixed.generate("behind", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True))
+    stream = mixed.generate(EngineRequest("behind", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True)))
     await anext(stream)
     queue = mixed._streams["behind"].queue  # noqa: SLF001 (what the caller has not read yet)
     for _ in range(500):

@@ -10,6 +10,7 @@ import pytest
 from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.decode_graphs import batch_sizes
 from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
 
@@ -40,13 +41,13 @@ def _run(engine: LLMEngine) -> dict[str, list[int]]:
     ]
     tokens: dict[str, list[int]] = {}
     for i, prompt in enumerate(PROMPTS[:2]):
-        engine.add_request(f"r{i}", prompt, params[i % 2])
+        engine.add_request(EngineRequest(f"r{i}", prompt, params[i % 2]))
     step = 0
     while engine.has_unfinished():
         step += 1
         if step in (4, 9, 10):
             i = {4: 2, 9: 3, 10: 4}[step]
-            engine.add_request(f"r{i}", PROMPTS[i], params[i % 2])
+            engine.add_request(EngineRequest(f"r{i}", PROMPTS[i], params[i % 2]))
         for output in engine.step():
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
     return tokens

@@ -12,6 +12,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.models import resolve_model
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.outputs import FinishReason, RequestOutput
 from pdserve.protocol.sampling import SamplingParams
 
@@ -75,7 +76,7 @@ def complete(
     params = params if isinstance(params, list) else [params] * len(batch)
     ids = [f"req-{next(_request_ids)}" for _ in batch]
     for request_id, prompt, p in zip(ids, batch, params, strict=True):
-        engine.add_request(request_id, prompt, p)
+        engine.add_request(EngineRequest(request_id, prompt, p))
     outs = run_to_end(engine)
     for request_id in ids:
         assert [o.finished for o in outs[request_id]] == [False] * (len(outs[request_id]) - 1) + [True]
@@ -123,7 +124,7 @@ def test_no_blocks_leak_after_finish(engine: LLMEngine) -> None:
 def test_abort_mid_generation_frees_blocks(engine: LLMEngine) -> None:
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     for i, p in enumerate(prompts(3, seed=2)):
-        engine.add_request(f"abort-{i}", p, params)
+        engine.add_request(EngineRequest(f"abort-{i}", p, params))
     for _ in range(3):
         engine.step()
     assert engine.blocks.num_used_blocks > 0
@@ -142,8 +143,8 @@ def test_abort_mid_generation_frees_blocks(engine: LLMEngine) -> None:
 def test_abort_of_a_waiting_request() -> None:
     engine = make_engine(max_num_seqs=1)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    engine.add_request("running", prompts(1, seed=3)[0], params)
-    engine.add_request("waiting", prompts(1, seed=4)[0], params)
+    engine.add_request(EngineRequest("running", prompts(1, seed=3)[0], params))
+    engine.add_request(EngineRequest("waiting", prompts(1, seed=4)[0], params))
     engine.step()
     assert engine.abort("waiting")
     outs = run_to_end(engine)
@@ -191,7 +192,7 @@ def test_prefix_cache_hit_gives_the_same_output() -> None:
     engine = make_engine(64)
     prompt = prompts(1, lo=50, hi=50, seed=5)[0]
     ((first, _),) = complete(engine, [prompt], GREEDY)
-    engine.add_request("again", prompt, GREEDY)
+    engine.add_request(EngineRequest("again", prompt, GREEDY))
     outs = run_to_end(engine)["again"]
     assert outs[0].num_cached_tokens == 48  # 3 full blocks of 16; the rest is recomputed
     assert engine.blocks.prefix_hits >= 3
@@ -249,7 +250,7 @@ def test_invalid_requests_are_rejected(
     engine: LLMEngine, prompt: list[int], params: SamplingParams, field: str
 ) -> None:
     with pytest.raises(InvalidRequestError) as err:
-        engine.add_request("bad", prompt, params)
+        engine.add_request(EngineRequest("bad", prompt, params))
     assert err.value.field == field
     assert_idle(engine)
     assert engine.abort("bad") is False  # nothing half-registered
@@ -260,9 +261,9 @@ def test_context_limit_is_inclusive(engine: LLMEngine) -> None:
 
 
 def test_duplicate_request_id_is_rejected(engine: LLMEngine) -> None:
-    engine.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=3))
+    engine.add_request(EngineRequest("dup", [5, 6, 7], SamplingParams(max_tokens=3)))
     with pytest.raises(InvalidRequestError):
-        engine.add_request("dup", [8, 9], SamplingParams(max_tokens=3))
+        engine.add_request(EngineRequest("dup", [8, 9], SamplingParams(max_tokens=3)))
     outs = run_to_end(engine)
     assert len(outs["dup"]) == 3  # the first one is unharmed
     assert_idle(engine)
@@ -271,13 +272,13 @@ def test_duplicate_request_id_is_rejected(engine: LLMEngine) -> None:
 def test_request_larger_than_the_pool_is_rejected_up_front() -> None:
     engine = make_engine(num_kv_blocks=4)  # 64 tokens of KV
     with pytest.raises(InvalidRequestError):
-        engine.add_request("huge", [5] * 60, SamplingParams(max_tokens=10))
+        engine.add_request(EngineRequest("huge", [5] * 60, SamplingParams(max_tokens=10)))
     with pytest.raises(InvalidRequestError):
-        engine.add_request("huge-prompt", [5] * 65, SamplingParams(max_tokens=1))
+        engine.add_request(EngineRequest("huge-prompt", [5] * 65, SamplingParams(max_tokens=1)))
     assert_idle(engine)
     # One that fits exactly runs to completion instead of waiting forever, even alongside others.
-    engine.add_request("fits", [5] * 50, SamplingParams(max_tokens=14, ignore_eos=True))
-    engine.add_request("other", [6] * 30, SamplingParams(max_tokens=10, ignore_eos=True))
+    engine.add_request(EngineRequest("fits", [5] * 50, SamplingParams(max_tokens=14, ignore_eos=True)))
+    engine.add_request(EngineRequest("other", [6] * 30, SamplingParams(max_tokens=10, ignore_eos=True)))
     outs = run_to_end(engine, max_steps=500)
     assert outs["fits"][-1].finish_reason is FinishReason.LENGTH
     assert sum(len(o.new_token_ids) for o in outs["fits"]) == 14
@@ -289,13 +290,13 @@ def test_prefix_cache_is_shared_only_under_the_same_salt() -> None:
     so no timing difference to observe), and under its own salt hits as before."""
     engine = make_engine(64)
     prompt = prompts(1, lo=50, hi=50, seed=6)[0]
-    engine.add_request("a", prompt, GREEDY, cache_salt=b"tenant-a")
+    engine.add_request(EngineRequest("a", prompt, GREEDY, cache_salt=b"tenant-a"))
     first = run_to_end(engine)["a"]
-    engine.add_request("b", prompt, GREEDY, cache_salt=b"tenant-b")
-    engine.add_request("plain", prompt, GREEDY)
+    engine.add_request(EngineRequest("b", prompt, GREEDY, cache_salt=b"tenant-b"))
+    engine.add_request(EngineRequest("plain", prompt, GREEDY))
     outs = run_to_end(engine)
     assert outs["b"][0].num_cached_tokens == 0 == outs["plain"][0].num_cached_tokens
-    engine.add_request("a-again", prompt, GREEDY, cache_salt=b"tenant-a")
+    engine.add_request(EngineRequest("a-again", prompt, GREEDY, cache_salt=b"tenant-a"))
     again = run_to_end(engine)["a-again"]
     assert again[0].num_cached_tokens == 48
     assert [t for o in again for t in o.new_token_ids] == [t for o in first for t in o.new_token_ids]
@@ -311,7 +312,7 @@ def test_a_resumed_stream_keeps_its_penalties_history(engine: LLMEngine) -> None
     assert unmoved != complete(engine, [prompt], GREEDY)[0][0]  # the penalties matter here
     k = 10
     rest = SamplingParams(max_tokens=24 - k, ignore_eos=True, presence_penalty=1.5, frequency_penalty=1.0)
-    engine.add_request("resumed", prompt + unmoved[:k], rest, resumed_output_tokens=k)
+    engine.add_request(EngineRequest("resumed", prompt + unmoved[:k], rest, resumed_output_tokens=k))
     outs = run_to_end(engine)["resumed"]
     assert [t for o in outs for t in o.new_token_ids] == unmoved[k:]
     assert complete(engine, [prompt + unmoved[:k]], rest)[0][0] != unmoved[k:]  # without the history it differs
@@ -319,7 +320,7 @@ def test_a_resumed_stream_keeps_its_penalties_history(engine: LLMEngine) -> None
 
 def test_resumed_output_tokens_past_the_prompt_are_invalid(engine: LLMEngine) -> None:
     with pytest.raises(InvalidRequestError, match=r"must be in \[0, 3\], got 4") as err:
-        engine.add_request("bad", [5, 6, 7], SamplingParams(), resumed_output_tokens=4)
+        engine.add_request(EngineRequest("bad", [5, 6, 7], SamplingParams(), resumed_output_tokens=4))
     assert err.value.field == "resumed_output_tokens"
     assert_idle(engine)
 
@@ -389,7 +390,7 @@ def test_a_prompt_preempted_halfway_through_its_prefill_records_each_position_on
     prompt = prompts(1, lo=45, hi=45, seed=12)[0]
     unbroken = make_engine(long_prefill_chunk=7).generate([prompt], sampling)[0]
     engine = make_engine(long_prefill_chunk=7)
-    engine.add_request("halfway", prompt, sampling)
+    engine.add_request(EngineRequest("halfway", prompt, sampling))
     assert engine.step() == [] and engine.step() == []  # two chunks of seven, no token yet
     (seq,) = engine.scheduler.running
     engine.scheduler._preempt(seq)

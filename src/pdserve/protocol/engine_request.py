@@ -1,0 +1,18 @@
+"""What an engine is asked to run: one request's identity, prompt and sampling, whichever worker role runs it
+(the worker's gRPC request, converted once)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.protocol.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str  # the router's key for the request: unique while it runs here
+    prompt: list[int]
+    sampling: SamplingParams
+    cache_salt: bytes = b""  # the prefix cache shares blocks only between requests with the same salt (a tenant's)
+    # The prompt's last tokens are this request's own output from before its stream moved (penalties count them).
+    resumed_output_tokens: int = 0
