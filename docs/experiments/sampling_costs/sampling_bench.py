@@ -19,12 +19,14 @@ import time
 import numpy as np
 import torch
 
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, make_generator
 from pdserve.protocol.sampling import SamplingParams
 
 VOCAB = 49_152
 SETTINGS = {
     "greedy": SamplingParams(),
+    "temperature 1.0": SamplingParams(temperature=1.0),
+    "temperature 1.0, seeded": SamplingParams(temperature=1.0, seed=1),
     "temperature 0.8, top-p 0.9": SamplingParams(temperature=0.8, top_p=0.9),
     "the same, peaked logits": SamplingParams(temperature=0.8, top_p=0.9),
     "repetition 1.1": SamplingParams(repetition_penalty=1.1),
@@ -36,7 +38,8 @@ SETTINGS = {
 
 def step(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, histories: list) -> None:
     rows = len(histories)
-    tokens = sampler(logits, [params] * rows, [None] * rows, histories if params.penalized else None)
+    generators = [make_generator(params.seed, logits.device) for _ in range(rows)]  # none unless seeded
+    tokens = sampler(logits, [params] * rows, generators, histories if params.penalized else None)
     if params.logprobs is not None:
         sampler.logprobs(logits, tokens, list(range(rows)), [params.logprobs] * rows)
     if logits.is_cuda:

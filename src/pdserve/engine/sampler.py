@@ -81,8 +81,7 @@ class Sampler:
         logits = logits / temperature.unsqueeze(1)  # [n, V], a copy the masking below may write into
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             logits.masked_fill_(self._outside_top_k_top_p(logits, params), float("-inf"))
-        probs = logits.softmax(dim=-1)
-        return (probs / self._exponential_noise(probs, generators)).argmax(dim=-1)
+        return _inverse_cdf_draw(logits.softmax(dim=-1), _uniforms(logits.shape[0], generators, device))
 
     @staticmethod
     def logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], counts: list[int]) -> list[TokenLogprobs]:
@@ -181,25 +180,30 @@ class Sampler:
         # Sampling must happen in vocabulary order: a row's draws may not depend on whether its batch sorted.
         return torch.empty_like(drop).scatter_(-1, order, drop)
 
-    @staticmethod
-    def _exponential_noise(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        """Exp(1) noise q so that argmax(probs / q) is a draw from probs (the exponential race).
 
-        Unlike torch.multinomial this lets each row take its noise from its own generator.
-        """
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if len(unseeded) == len(generators):
-            noise.exponential_()
-        else:
-            for i, generator in enumerate(generators):
-                if generator is not None:
-                    noise[i].exponential_(generator=generator)
-            if unseeded:
-                rows = torch.tensor(unseeded, device=probs.device)
-                noise[rows] = noise.new_empty((len(unseeded), noise.shape[1])).exponential_()
-        # A zero draw would make a zero-probability token 0/0 = nan, which argmax picks.
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+def _uniforms(rows: int, generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) draw per row (float64), a seeded row's from its own generator: unlike torch.multinomial, a
+    seeded request's tokens then do not depend on what shares its batch."""
+    u = torch.empty(rows, dtype=torch.float64, device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == rows:
+        return u.uniform_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            u[i : i + 1].uniform_(generator=generator)
+    if unseeded:
+        u[torch.tensor(unseeded, device=device)] = u.new_empty(len(unseeded)).uniform_()
+    return u
+
+
+def _inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability exceeds u[i] of the row's total. One uniform draw
+    per row, where the exponential race drew one per token of the vocabulary (most of a sampled step's cost
+    on a CPU: docs/experiments/sampling_costs/). Summed in float64, so that a token's share of [0, total) is
+    its probability to well below float32's resolution; a masked token (probability 0) covers none of it."""
+    cdf = probs.double().cumsum_(dim=-1)
+    target = u * cdf[:, -1]  # below the total, which the last token with any probability reaches: u < 1
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 
 
 def _outside_nucleus_of_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

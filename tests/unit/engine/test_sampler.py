@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.engine.sampler import Sampler, _outside_nucleus_of_candidates, make_generator
+from pdserve.engine.sampler import Sampler, _inverse_cdf_draw, _outside_nucleus_of_candidates, make_generator
 from pdserve.protocol.sampling import SamplingParams
 
 CPU = torch.device("cpu")
@@ -157,6 +157,14 @@ def test_never_samples_a_masked_token() -> None:
     torch.manual_seed(11)
     out = Sampler()(logits, [SamplingParams(temperature=1.0)] * 1000, [None] * 1000)
     assert set(out.tolist()) == {3, 7}
+
+
+def test_the_extreme_draws_land_on_the_first_and_last_tokens_with_probability() -> None:
+    """u = 0 and u just below 1 pick the outermost unmasked tokens, never a masked one beside them."""
+    probs = torch.tensor([[0.0, 0.0, 0.25, 0.5, 0.25, 0.0, 0.0]] * 2)
+    u = torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64)
+    assert _inverse_cdf_draw(probs, u).tolist() == [2, 4]
+    assert _inverse_cdf_draw(probs, torch.tensor([0.25, 0.75], dtype=torch.float64)).tolist() == [3, 4]
 
 
 def _openai_penalized(
