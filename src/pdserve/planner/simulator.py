@@ -27,7 +27,8 @@ again when a step ends. A profile timed in one process on an idle machine sees n
 
 With an `Admission` (admission_model.py), each arrival first passes the router's admission: a shed request
 never runs and counts against attainment. Its predicted wait is the profile's prefill time of every prompt
-placed on its prefill worker and not yet prefilled, at the shared cores' current slowdown.
+placed on its prefill worker and not yet prefilled, plus one decode step of the streams placed on its decode
+worker (which its hand-off waits for), at the shared cores' current slowdown.
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ class Simulator:
         if need > self.p.kv_capacity_tokens:
             return  # never fits: the request fails, as the worker refuses it
         p = min(self.prefillers, key=lambda w: (w.queued_tokens, w.running))
-        if self.admission and self._sheds(p, s.req.input_len):
+        d = p if self.shape.colocated else min(self.decoders, key=_streams)
+        if self.admission and self._sheds(p, d, s.req.input_len):
             self.shed += 1
             return
         p.placed_tokens += s.req.input_len
@@ -176,18 +178,21 @@ class Simulator:
         if self.shape.colocated:
             self._enqueue(p, s)
             return
-        d = s.decoder = min(self.decoders, key=lambda d: d.running + len(d.waiting) + d.incoming)
+        s.decoder = d
         d.incoming += 1
         self._command(d, lambda: self._enqueue(p, s))  # the decode worker reserves, then calls the prefill one
 
-    def _sheds(self, p: _Worker, prompt_tokens: int) -> bool:
-        """The router's admission on the predictions it would make of `p` now."""
+    def _sheds(self, p: _Worker, d: _Worker, prompt_tokens: int) -> bool:
+        """The router's admission on the predictions it would make of `p` and `d` now: the wait holds the
+        prefill queue and one step of the decode worker's streams (services/router/predictor.py)."""
         assert self.admission is not None
         slowdown = self._stretch()  # what the router's measured speed factor sees on shared cores
         own = self.p.perf.prefill_s(prompt_tokens) * slowdown
         if not self.shape.colocated:
             own += self.p.transfer_s(prompt_tokens)
-        return self.admission.sheds(p.placed_tokens, p.placed_s * slowdown, prompt_tokens, own)
+        streams = _streams(d)
+        wait = p.placed_s + (self.p.perf.decode_step_s(streams) if streams else 0.0)
+        return self.admission.sheds(p.placed_tokens, wait * slowdown, prompt_tokens, own)
 
     def _enqueue(self, w: _Worker, s: _Seq) -> None:
         w.queue.append(s)
@@ -380,3 +385,9 @@ class Simulator:
         threads = int(self.p.meta.get("threads", 1))
         cpu_s = self._work_s * threads + len(seqs) * self.p.serving_cpu_s
         return cpu_s / arrivals_s + self.p.background_cores
+
+
+def _streams(d: _Worker) -> int:
+    """The requests a router has placed on `d` and not seen finish: its batch, those waiting for a slot, and those
+    whose KV is on its way."""
+    return d.running + len(d.waiting) + d.incoming

@@ -3,6 +3,8 @@ services/router/admission.py, and what that does to goodput above a split's capa
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pdserve.planner.admission_model import Admission
@@ -63,3 +65,13 @@ def test_a_prompt_longer_than_the_default_slo_allows_runs_only_on_an_empty_queue
     assert not admission.sheds(queued_tokens=0, queued_s=0.0, prompt_tokens=4096, own_s=1.0)
     assert admission.sheds(queued_tokens=16, queued_s=0.001, prompt_tokens=4096, own_s=1.0)
     assert not admission.sheds(queued_tokens=16, queued_s=0.001, prompt_tokens=16, own_s=0.01)
+
+
+def test_a_decode_worker_busy_with_streams_adds_its_step_to_the_predicted_wait() -> None:
+    """As the router predicts it: the hand-off waits for the decode step in flight. Behind 1-second decode steps
+    a second prompt cannot meet a 400 ms SLO even on an idle prefill worker, and is shed; behind the usual steps
+    of a few milliseconds it is admitted."""
+    requests = [SimRequest(0.0, 16, 20), SimRequest(0.5, 16, 2)]
+    slow = synthetic_profile(perf=replace(PERF, decode_fixed_s=1.0))
+    assert Simulator(slow, ONE_TO_ONE, Admission(ttft_s=0.4)).run(requests).shed == 1
+    assert Simulator(synthetic_profile(), ONE_TO_ONE, Admission(ttft_s=0.4)).run(requests).shed == 0
