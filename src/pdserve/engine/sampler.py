@@ -16,10 +16,10 @@ _MIN_TEMPERATURE = 1e-5
 # Penalized logits stay within this, so that temperature and softmax still see finite numbers.
 _LARGEST_LOGIT = 1e30
 
-# A top-p row (without top-k) first looks for its nucleus among this many likeliest tokens: a model's
-# distribution is peaked, so it is nearly always there, and a top-k of them costs a tenth of sorting the
-# vocabulary (docs/experiments/sampling_costs/).
-NUCLEUS_CANDIDATES = 1024
+# A top-p row (without top-k) looks for its nucleus among its likeliest tokens, so many at a time: a model's
+# distribution is peaked, so it is nearly always among the first 64 (a top-k of them costs a quarter of a top-k
+# of 1,024, which costs a tenth of sorting the vocabulary; docs/experiments/sampling_costs/).
+NUCLEUS_CANDIDATES = (64, 1024)
 
 # What a row's penalties look at: its prompt's distinct tokens (int64) and its output tokens in order (None for a
 # row without penalties). The prompt's part is computed once per request, the output's grows by a token a step.
@@ -146,16 +146,22 @@ class Sampler:
     def _outside_top_k_top_p(cls, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """[n, V] mask of tokens to drop: top-k, then top-p over what top-k kept. Top-p rows look among their
         likeliest tokens first; the others, and those whose nucleus reaches past them, sort the vocabulary."""
-        nucleus_rows = [i for i, p in enumerate(params) if p.top_k == 0 and p.top_p < 1.0]
-        if logits.shape[-1] <= NUCLEUS_CANDIDATES or not nucleus_rows:
-            return cls._outside_sorted(logits, params)
-        index = torch.tensor(nucleus_rows, device=logits.device)
-        top_p = torch.tensor([params[i].top_p for i in nucleus_rows], device=logits.device)
-        drop, found = _outside_nucleus_of_candidates(logits[index], top_p)
+        pending = [i for i, p in enumerate(params) if p.top_k == 0 and p.top_p < 1.0]
         out = torch.empty_like(logits, dtype=torch.bool)
-        out[index] = drop
-        found_rows = {row for row, ok in zip(nucleus_rows, found.tolist(), strict=True) if ok}
+        found_rows: set[int] = set()
+        for candidates in NUCLEUS_CANDIDATES:
+            if not pending or logits.shape[-1] <= candidates:
+                break
+            index = torch.tensor(pending, device=logits.device)
+            top_p = torch.tensor([params[i].top_p for i in pending], device=logits.device)
+            drop, found = _outside_nucleus_of_candidates(logits[index], top_p, candidates)
+            out[index] = drop  # the rows not found are overwritten below
+            found_now = found.tolist()
+            found_rows.update(row for row, ok in zip(pending, found_now, strict=True) if ok)
+            pending = [row for row, ok in zip(pending, found_now, strict=True) if not ok]
         rest = [i for i in range(len(params)) if i not in found_rows]
+        if len(rest) == len(params):
+            return cls._outside_sorted(logits, params)
         if rest:
             rest_index = torch.tensor(rest, device=logits.device)
             out[rest_index] = cls._outside_sorted(logits[rest_index], [params[i] for i in rest])
@@ -206,12 +212,14 @@ def _inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 
 
-def _outside_nucleus_of_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-p (no top-k) among each row's NUCLEUS_CANDIDATES likeliest tokens: the drop mask, and per row whether
-    it is the full sort's. It is when the least likely kept token is strictly likelier than the least likely
+def _outside_nucleus_of_candidates(
+    logits: torch.Tensor, top_p: torch.Tensor, candidates: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p (no top-k) among each row's `candidates` likeliest tokens: the drop mask, and per row whether it is
+    the full sort's. It is when the least likely kept token is strictly likelier than the least likely
     candidate: every token ranked above a kept one is then a candidate, ties among them are put in id order as
     the stable sort puts them, so the masses above each are the same sums."""
-    values, ids = logits.topk(NUCLEUS_CANDIDATES, dim=-1)  # its order among ties is unspecified
+    values, ids = logits.topk(candidates, dim=-1)  # its order among ties is unspecified
     ids, by_id = ids.sort(dim=-1)
     values, order = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
     ids = ids.gather(-1, order)
