@@ -216,9 +216,10 @@ def _outside_nucleus_of_candidates(
     logits: torch.Tensor, top_p: torch.Tensor, candidates: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-p (no top-k) among each row's `candidates` likeliest tokens: the drop mask, and per row whether it is
-    the full sort's. It is when the least likely kept token is strictly likelier than the least likely
-    candidate: every token ranked above a kept one is then a candidate, ties among them are put in id order as
-    the stable sort puts them, so the masses above each are the same sums."""
+    the full sort's (up to rounding at the cut-off: the probabilities are summed differently). It is when the
+    least likely kept token is strictly likelier than the least likely candidate: every token ranked above a
+    kept one is then a candidate, ties among them are put in id order as the stable sort puts them, so the
+    masses above each are sums of the same probabilities."""
     values, ids = logits.topk(candidates, dim=-1)  # its order among ties is unspecified
     ids, by_id = ids.sort(dim=-1)
     values, order = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
