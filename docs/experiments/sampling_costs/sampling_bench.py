@@ -29,6 +29,8 @@ SETTINGS = {
     "temperature 1.0, seeded": SamplingParams(temperature=1.0, seed=1),
     "temperature 0.8, top-p 0.9": SamplingParams(temperature=0.8, top_p=0.9),
     "the same, peaked logits": SamplingParams(temperature=0.8, top_p=0.9),
+    "top-k 50": SamplingParams(temperature=1.0, top_k=50),
+    "top-k 50, top-p 0.9": SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
     "repetition 1.1": SamplingParams(repetition_penalty=1.1),
     "presence 0.5 + frequency 0.5": SamplingParams(presence_penalty=0.5, frequency_penalty=0.5),
     "logit_bias, 16 tokens": SamplingParams(logit_bias=tuple((t, -5.0) for t in range(16))),

@@ -16,10 +16,10 @@ _MIN_TEMPERATURE = 1e-5
 # Penalized logits stay within this, so that temperature and softmax still see finite numbers.
 _LARGEST_LOGIT = 1e30
 
-# A top-p row (without top-k) looks for its nucleus among its likeliest tokens, so many at a time: a model's
-# distribution is peaked, so it is nearly always among the first 64 (a top-k of them costs a quarter of a top-k
-# of 1,024, which costs a tenth of sorting the vocabulary; docs/experiments/sampling_costs/).
-NUCLEUS_CANDIDATES = (64, 1024)
+# A top-k or top-p row looks for the tokens it keeps among its likeliest ones, so many at a time: a model's
+# distribution is peaked, so a nucleus is nearly always among the first 64 (a top-k of them costs a quarter of a
+# top-k of 1,024, which costs a tenth of sorting the vocabulary; docs/experiments/sampling_costs/).
+CANDIDATES = (64, 1024)
 
 # What a row's penalties look at: its prompt's distinct tokens (int64) and its output tokens in order (None for a
 # row without penalties). The prompt's part is computed once per request, the output's grows by a token a step.
@@ -144,21 +144,24 @@ class Sampler:
 
     @classmethod
     def _outside_top_k_top_p(cls, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """[n, V] mask of tokens to drop: top-k, then top-p over what top-k kept. Top-p rows look among their
-        likeliest tokens first; the others, and those whose nucleus reaches past them, sort the vocabulary."""
-        pending = [i for i, p in enumerate(params) if p.top_k == 0 and p.top_p < 1.0]
+        """[n, V] mask of tokens to drop: top-k, then top-p over what top-k kept. Rows look among their likeliest
+        tokens first (a top-k row among more than k of them); those whose kept tokens reach past them sort the
+        vocabulary."""
+        vocab = logits.shape[-1]
+        pending = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
         out = torch.empty_like(logits, dtype=torch.bool)
         found_rows: set[int] = set()
-        for candidates in NUCLEUS_CANDIDATES:
-            if not pending or logits.shape[-1] <= candidates:
+        for candidates in CANDIDATES:
+            rows = [i for i in pending if params[i].top_k < candidates]
+            if not rows or vocab <= candidates:
                 break
-            index = torch.tensor(pending, device=logits.device)
-            top_p = torch.tensor([params[i].top_p for i in pending], device=logits.device)
-            drop, found = _outside_nucleus_of_candidates(logits[index], top_p, candidates)
+            index = torch.tensor(rows, device=logits.device)
+            top_k, top_p = _cut_offs([params[i] for i in rows], vocab, logits.device)
+            drop, found = _outside_among_candidates(logits[index], top_k, top_p, candidates)
             out[index] = drop  # the rows not found are overwritten below
-            found_now = found.tolist()
-            found_rows.update(row for row, ok in zip(pending, found_now, strict=True) if ok)
-            pending = [row for row, ok in zip(pending, found_now, strict=True) if not ok]
+            found_now = {row for row, ok in zip(rows, found.tolist(), strict=True) if ok}
+            found_rows |= found_now
+            pending = [row for row in pending if row not in found_now]
         rest = [i for i in range(len(params)) if i not in found_rows]
         if len(rest) == len(params):
             return cls._outside_sorted(logits, params)
@@ -172,9 +175,7 @@ class Sampler:
         """`_outside_top_k_top_p` by one stable sort of every row's vocabulary."""
         device = logits.device
         vocab = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-        # top_p 1 must drop nothing, even where rounding lets the cumulative sum reach 1 before the tail.
-        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params], device=device)
+        top_k, top_p = _cut_offs(params, vocab, device)
         # Stable so tokens tied at the cut-off are chosen the same way in every batch.
         sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
         drop = torch.arange(vocab, device=device).unsqueeze(0) >= top_k.unsqueeze(1)
@@ -212,20 +213,35 @@ def _inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 
 
-def _outside_nucleus_of_candidates(
-    logits: torch.Tensor, top_p: torch.Tensor, candidates: int
+def _cut_offs(params: Sequence[SamplingParams], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the top-k (the vocabulary when none) and the top-p (inf when none: top-p 1 must drop nothing,
+    even where rounding lets the cumulative sum reach 1 before the tail)."""
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params], device=device)
+    return top_k, top_p
+
+
+def _outside_among_candidates(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-p (no top-k) among each row's `candidates` likeliest tokens: the drop mask, and per row whether it is
-    the full sort's (up to rounding at the cut-off: the probabilities are summed differently). It is when the
-    least likely kept token is strictly likelier than the least likely candidate: every token ranked above a
-    kept one is then a candidate, ties among them are put in id order as the stable sort puts them, so the
-    masses above each are sums of the same probabilities."""
+    """Top-k (below `candidates`), then top-p, among each row's `candidates` likeliest tokens: the drop mask,
+    and per row whether it is the full sort's (up to rounding at the top-p cut-off: the probabilities are summed
+    differently). It is when the least likely kept token is strictly likelier than the least likely candidate:
+    every token ranked above a kept one is then a candidate, ties among them are put in id order as the stable
+    sort puts them, so the ranks are the sort's and the masses above each are sums of the same probabilities."""
     values, ids = logits.topk(candidates, dim=-1)  # its order among ties is unspecified
     ids, by_id = ids.sort(dim=-1)
     values, order = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
     ids = ids.gather(-1, order)
-    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
-    keep = probs.cumsum(dim=-1) - probs < top_p.unsqueeze(1)
+    in_top_k = torch.arange(candidates, device=logits.device).unsqueeze(0) < top_k.unsqueeze(1)
+    # A top-k row's probabilities are over the tokens it keeps; the others' over the whole vocabulary.
+    normalizer = torch.where(
+        top_k < logits.shape[-1],
+        values.masked_fill(~in_top_k, -math.inf).logsumexp(dim=-1),
+        logits.logsumexp(dim=-1),
+    )
+    probs = (values - normalizer.unsqueeze(1)).exp()
+    keep = in_top_k & (probs.cumsum(dim=-1) - probs < top_p.unsqueeze(1))
     least_kept = values.masked_fill(~keep, math.inf).amin(dim=-1)
     found = least_kept > values[:, -1]
     drop = torch.ones_like(logits, dtype=torch.bool).scatter_(-1, ids, ~keep)

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
-from pdserve.engine.sampler import Sampler, _inverse_cdf_draw, _outside_nucleus_of_candidates, make_generator
+from pdserve.engine.sampler import Sampler, _inverse_cdf_draw, _outside_among_candidates, make_generator
 from pdserve.protocol.sampling import SamplingParams
 
 CPU = torch.device("cpu")
@@ -224,10 +226,14 @@ def test_rows_with_penalties_need_their_history() -> None:
         )
 
 
-def _mass_ranked_above(logits: torch.Tensor, token: int) -> float:
+def _mass_ranked_above(logits: torch.Tensor, token: int, top_k: int = 0) -> float:
     """In float64: the probability of the tokens a stable sort ranks above `token` (likelier, or tied and before
-    it in id order)."""
+    it in id order), over the `top_k` likeliest tokens when there is a top-k."""
     probs = logits.double().softmax(dim=-1)
+    if top_k:
+        kept = probs.sort(descending=True, stable=True).indices[:top_k]
+        probs = torch.zeros_like(probs).index_copy_(0, kept, probs[kept])
+        probs /= probs.sum()
     ids = torch.arange(len(probs), device=probs.device)
     above = (probs > probs[token]) | ((probs == probs[token]) & (ids < token))
     return float(probs[above].sum())
@@ -240,9 +246,9 @@ def test_the_nucleus_found_among_the_likeliest_tokens_is_the_full_sorts(
 ) -> None:
     """Over a real-sized vocabulary: peaked rows (a model's) find their nucleus among the first 64 candidates,
     less peaked ones (nuclei of ~1 to ~350 tokens) some among 64 and the rest among 1,024, flat rows fall back to
-    the sort, bfloat16 rows are full of ties; every row's mask is the full sort's, but for the token at the cut-off
-    when the mass ranked above it is top_p to within rounding (the two paths sum the same probabilities
-    differently)."""
+    the sort unless they have a top-k, bfloat16 rows are full of ties; every row's mask is the full sort's, but
+    for the token at the cut-off when the mass ranked above it is top_p to within rounding (the two paths sum the
+    same probabilities differently)."""
     gen = torch.Generator().manual_seed(5)
     vocab, rows = 49_152, 48
     scale = torch.tensor([8.0] * 16 + [5.0] * 16 + [0.1] * 16).unsqueeze(1)  # peaked, less so, nearly flat
@@ -250,18 +256,25 @@ def test_the_nucleus_found_among_the_likeliest_tokens_is_the_full_sorts(
     top_ps = [0.5, 0.9, 0.95, 0.99]
     params = [SamplingParams(temperature=1.0, top_p=top_ps[i % 4], top_k=50 if i % 7 == 6 else 0) for i in range(rows)]
     params[5] = SamplingParams(temperature=1.0)  # neither: nothing dropped
+    for row in (7, 23, 40):  # top-k alone: peaked, less so, flat
+        params[row] = SamplingParams(temperature=1.0, top_k=40)
     want = Sampler._outside_sorted(logits, params)
     got = Sampler._outside_top_k_top_p(logits, params)
-    for row in range(rows):
+    for row, p in enumerate(params):
         differ = (got[row] != want[row]).nonzero().flatten().tolist()
         assert len(differ) <= 1, (row, differ)
         if differ:
-            assert abs(_mass_ranked_above(logits[row], differ[0]) - params[row].top_p) < 1e-5, row
+            assert abs(_mass_ranked_above(logits[row], differ[0], p.top_k) - p.top_p) < 1e-5, row
+    no_top_k = torch.full((rows,), vocab, device=device)
     top_p = torch.tensor(top_ps * (rows // 4), device=device)
-    _, found_among_64 = _outside_nucleus_of_candidates(logits, top_p, 64)
-    _, found_among_1024 = _outside_nucleus_of_candidates(logits, top_p, 1024)
+    _, found_among_64 = _outside_among_candidates(logits, no_top_k, top_p, 64)
+    _, found_among_1024 = _outside_among_candidates(logits, no_top_k, top_p, 1024)
     assert found_among_1024[:32].sum() >= 30 and not found_among_1024[32:].any()  # the fast paths ran where they should
     assert 0 < found_among_64[:32].sum() < found_among_1024[:32].sum()  # some rows needed the second tier
+    # A top-k of 40 is found among 64 candidates however flat the row, unless ties straddle the 64th.
+    top_k_only = torch.full((rows,), 40, device=device), torch.full((rows,), math.inf, device=device)
+    _, found_top_k = _outside_among_candidates(logits, *top_k_only, 64)
+    assert found_top_k.all() if dtype == torch.float32 else found_top_k[:32].all()
     assert not want[5].any()
 
 
