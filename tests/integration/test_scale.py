@@ -31,8 +31,8 @@ from pdserve.cluster.local_process import ClusterProcess
 from pdserve.planner.live_scale import serving_counts
 from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
-from tests.integration.reference import PROMPT, greedy
-from tests.integration.steady_load import assert_all_served, steady_load
+from tests.integration.reference import PROMPT, greedy, greedy_request
+from tests.integration.steady_load import assert_all_served, steady_load, tokens
 from tests.integration.worker_view import idle
 from tests.unit.planner.synthetic import PERF, synthetic_profile
 
@@ -114,7 +114,15 @@ async def scale_up_and_down_under_load(cluster: ClusterProcess, expected: list[i
     def served_by_every_new_worker(s: admin_pb2.ClusterStatusResponse) -> bool:  # the router's latencies per worker
         return all(w.ttft_p50_ms > 0 or w.tpot_p50_ms > 0 for w in s.workers if w.id in new)
 
-    await until(cluster.address, served_by_every_new_worker, 30)  # in placement: they take a share of the load
+    # In placement: they take what the old ones cannot. The steady load's one prompt is cached on the old prefill
+    # worker, which the router rightly keeps it on while that worker keeps up; prompts arriving together, none of
+    # them cached, queue there and spill onto the new one.
+    burst = [[3 + i, *PROMPT[1:]] for i in range(8)]
+    answers = await asyncio.gather(
+        *(tokens(cluster.address, greedy_request(f"burst-{i}", p, 4)) for i, p in enumerate(burst))
+    )
+    assert answers == [greedy(p, 4) for p in burst]
+    await until(cluster.address, served_by_every_new_worker, 30)
     code, out = await cli("scale", "--addr", cluster.address, "--decode", "1", "--prefill", "1", "--wait")
     assert code == 0, out
     await asyncio.sleep(1)  # requests placed on the remaining workers only
