@@ -1,11 +1,14 @@
 """Throwaway test certificates, made with the `openssl` command in a test's temporary folder (never committed):
-a CA, a server certificate for 127.0.0.1 and a client certificate, all signed by that CA."""
+a CA, a server certificate for 127.0.0.1, a client certificate, and an internal one as the Helm chart's (it names
+only INTERNAL_NAME, never an address, and serves as both server and client certificate), all signed by that CA."""
 
 from __future__ import annotations
 
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+INTERNAL_NAME = "pdserve-internal"  # the chart's default tls.internalServerName
 
 
 @dataclass(frozen=True)
@@ -15,6 +18,8 @@ class Certs:
     server_key: Path
     client_cert: Path
     client_key: Path
+    internal_cert: Path
+    internal_key: Path
 
 
 def _openssl(*args: str) -> None:
@@ -42,4 +47,10 @@ def make_certs(folder: Path) -> Certs:
     )  # fmt: skip
     server = _issue(folder, "server", "/CN=127.0.0.1", "subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     client = _issue(folder, "client", "/CN=pdserve-test-client", "extendedKeyUsage=clientAuth\n")
-    return Certs(ca, server[0], server[1], client[0], client[1])
+    internal = _issue(
+        folder,
+        "internal",
+        f"/CN={INTERNAL_NAME}",
+        f"subjectAltName=DNS:{INTERNAL_NAME}\nextendedKeyUsage=serverAuth,clientAuth\n",
+    )
+    return Certs(ca, *server, *client, *internal)

@@ -201,6 +201,8 @@ class ClusterConfig:
     internal_tls_cert: str | None = None  # PEM files: mTLS on every internal hop (all three, or none)
     internal_tls_key: str | None = None
     internal_tls_ca: str | None = None  # the cluster CA: internal peers must present a certificate it signed
+    # The name every internal certificate carries, checked instead of the address dialled (a pod IP on Kubernetes).
+    internal_tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in CLUSTER_MODES:
@@ -208,6 +210,10 @@ class ClusterConfig:
         given = [self.internal_tls_cert, self.internal_tls_key, self.internal_tls_ca]
         if any(given) and not all(given):
             raise ValueError("give all of --internal-tls-cert, --internal-tls-key and --internal-tls-ca, or none")
+        if self.internal_tls_server_name and not any(given):
+            raise ValueError(
+                "--internal-tls-server-name needs --internal-tls-cert, --internal-tls-key, --internal-tls-ca"
+            )
         for name in ("port", "worker_port", "transfer_port", "worker_metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be a TCP port (0: any free one), got {getattr(self, name)}")

@@ -101,6 +101,7 @@ def ensure_cluster_secret() -> None:
 
 
 _INTERNAL_TLS_VARS = ("PDSERVE_INTERNAL_TLS_CERT", "PDSERVE_INTERNAL_TLS_KEY", "PDSERVE_INTERNAL_TLS_CA")
+_INTERNAL_TLS_SERVER_NAME_VAR = "PDSERVE_INTERNAL_TLS_SERVER_NAME"
 
 
 def internal_tls() -> tuple[str, str, str] | None:
@@ -109,10 +110,18 @@ def internal_tls() -> tuple[str, str, str] | None:
     return (cert, key, ca) if cert and key and ca else None
 
 
-def export_internal_tls(cert: str, key: str, ca: str) -> None:
+def internal_tls_server_name() -> str | None:
+    """PDSERVE_INTERNAL_TLS_SERVER_NAME: the name every internal peer's certificate carries, checked instead of
+    the address dialled; None: the certificate must name that address."""
+    return os.environ.get(_INTERNAL_TLS_SERVER_NAME_VAR) or None
+
+
+def export_internal_tls(cert: str, key: str, ca: str, server_name: str | None) -> None:
     """`pdserve up --internal-tls-*`: before Ray starts, so the workers (and this process's channels) read them."""
     for name, value in zip(_INTERNAL_TLS_VARS, (cert, key, ca), strict=True):
         os.environ[name] = value
+    if server_name:
+        os.environ[_INTERNAL_TLS_SERVER_NAME_VAR] = server_name
 
 
 def redis_password() -> str | None:

@@ -95,3 +95,14 @@ def test_tls_health_probe_parses(rendered: dict[str, Objects], component: str) -
         command = container[probe]["exec"]["command"]
         args = health_probe.parser().parse_args(command[3:])
         assert args.tls_ca and args.server_name
+
+
+def test_every_process_given_internal_tls_is_given_the_internal_server_name() -> None:
+    """Peers dial pod IPs, which the internal certificate cannot name: each pdserve process the chart starts with
+    internal TLS (its workers inherit it) checks peers for tls.internalServerName instead."""
+    objects = render(["external-redis-tls-monitoring.yaml"], {"tls.internalServerName": "mesh.pdserve"})
+    given = {name: argv for name, argv in command_lines(objects).items() if "--internal-tls-cert" in argv}
+    assert set(given) == {"router", "controller"}
+    for name, argv in given.items():
+        assert argv[argv.index("--internal-tls-server-name") + 1] == "mesh.pdserve", name
+        assert parse(argv).internal_tls_server_name == "mesh.pdserve", name

@@ -25,7 +25,7 @@ from pdserve.security.cluster_secret import CLUSTER_AUTH_KEY, ClusterSecret
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from pdserve.v1 import worker_pb2 as wpb
-from tests.certs import make_certs
+from tests.certs import INTERNAL_NAME, make_certs
 from tests.integration.fuzz_cases import CASES, KINDS, base
 from tests.integration.secure_client import ask_sync, cluster_status
 from tests.integration.worker_view import idle
@@ -58,12 +58,15 @@ def cluster(tmp_path_factory):
         "--model", "tiny-random", "--kv-cache-gb", "0.05", "--prefill", "1", "--decode", "1",
         "--api-keys", str(_key_file(folder / "keys.toml")),
         "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-        "--internal-tls-cert", str(certs.server_cert), "--internal-tls-key", str(certs.server_key),
-        "--internal-tls-ca", str(certs.ca),
+        # As the chart's: the internal certificate names no address, only the cluster's internal server name.
+        "--internal-tls-cert", str(certs.internal_cert), "--internal-tls-key", str(certs.internal_key),
+        "--internal-tls-ca", str(certs.ca), "--internal-tls-server-name", INTERNAL_NAME,
         log_path=folder / "cluster.log",
     )  # fmt: skip
     proc.ca = str(certs.ca)
-    proc.peer_tls = ClientCredentials(str(certs.ca), str(certs.client_cert), str(certs.client_key))
+    proc.peer_tls = ClientCredentials(
+        str(certs.ca), str(certs.client_cert), str(certs.client_key), server_name=INTERNAL_NAME
+    )
     yield proc
     proc.stop()
 
@@ -196,7 +199,8 @@ def test_internal_rpcs_take_only_cluster_peers_and_decode_dials_only_granted_pre
             return caught.value
 
         assert asyncio.run(call(peer, tls=None)).code() == grpc.StatusCode.UNAVAILABLE  # plaintext
-        assert asyncio.run(call(peer, tls=creds(cluster, None))).code() == grpc.StatusCode.UNAVAILABLE  # no cert
+        no_cert = ClientCredentials(tls_ca=cluster.ca, server_name=INTERNAL_NAME)
+        assert asyncio.run(call(peer, tls=no_cert)).code() == grpc.StatusCode.UNAVAILABLE  # no client certificate
         assert asyncio.run(call(())).code() == grpc.StatusCode.UNAUTHENTICATED
         denied = asyncio.run(call(peer))
         assert denied.code() == grpc.StatusCode.PERMISSION_DENIED and denied.details().startswith("prefill_address")

@@ -93,10 +93,16 @@ def add_address_flags(p: argparse.ArgumentParser, host_alias: bool = False) -> N
 
 
 def add_internal_tls_flags(p: argparse.ArgumentParser) -> None:
-    """mTLS with the cluster CA on every internal hop; every process of a cluster takes the same three files."""
+    """mTLS with the cluster CA on every internal hop; every process of a cluster takes the same three files (and
+    the same server name)."""
     p.add_argument("--internal-tls-cert", help="PEM certificate every worker and the router present internally")
     p.add_argument("--internal-tls-key", help="PEM key of --internal-tls-cert")
     p.add_argument("--internal-tls-ca", help="PEM cluster CA: internal peers must hold a certificate it signed (mTLS)")
+    p.add_argument(
+        "--internal-tls-server-name",
+        help="the name --internal-tls-cert carries: internal channels check peers' certificates for it instead of "
+        "the address they dial (default: that address)",
+    )
 
 
 def add_controller_command(sub: Any, run: Run, add_engine_flags: Callable[[argparse.ArgumentParser], None]) -> None:

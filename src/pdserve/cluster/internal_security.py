@@ -26,4 +26,4 @@ def prepare_internal_security(config: ClusterConfig, make_secret: bool) -> None:
         )
     c = config
     if c.internal_tls_cert and c.internal_tls_key and c.internal_tls_ca:
-        env.export_internal_tls(c.internal_tls_cert, c.internal_tls_key, c.internal_tls_ca)
+        env.export_internal_tls(c.internal_tls_cert, c.internal_tls_key, c.internal_tls_ca, c.internal_tls_server_name)

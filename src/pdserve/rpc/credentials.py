@@ -7,7 +7,9 @@ through here, so TLS (and who holds which certificate) is decided once.
   environment's PDSERVE_API_KEY), sent as `authorization: Bearer KEY`.
 - Internal hops (router -> workers, decode -> prefill): mTLS with the cluster CA when `pdserve up
   --internal-tls-cert/--internal-tls-key/--internal-tls-ca` is given (the environment carries the paths to the
-  workers): each side presents that certificate and accepts only peers whose certificate the CA signed.
+  workers): each side presents that certificate and accepts only peers whose certificate the CA signed. With
+  `--internal-tls-server-name NAME` every internal channel checks the peer's certificate for NAME instead of the
+  address it dials: on Kubernetes that address is a pod IP, which no certificate issued ahead of time can name.
 """
 
 from __future__ import annotations
@@ -63,17 +65,23 @@ def add_port(server: grpc.aio.Server, address: str, tls: ServerTLS | None) -> in
 @dataclass(frozen=True)
 class ClientCredentials:
     """What a client presents: the CA that signed the server's certificate (TLS on when set), its own
-    certificate and key for mTLS, and an API key."""
+    certificate and key for mTLS, and an API key; `server_name`: the name the server's certificate must carry
+    when it is not the host dialled (None: the host)."""
 
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     api_key: str | None = None
+    server_name: str | None = None
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         if not self.tls_ca:
             return None
         return grpc.ssl_channel_credentials(_read(self.tls_ca), _read(self.tls_key), _read(self.tls_cert))
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        """gRPC checks the server's certificate for the dialled host unless told another name."""
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.tls_ca and self.server_name else []
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return bearer_metadata(self.api_key)
@@ -88,9 +96,11 @@ def make_channel(
     interceptors: Sequence[Any] | None,
     credentials: ClientCredentials | None,
 ) -> grpc.aio.Channel:
-    creds = (credentials or PLAINTEXT).channel_credentials()
+    credentials = credentials or PLAINTEXT
+    creds = credentials.channel_credentials()
     if creds is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    options = [*options, *credentials.channel_options()]
     return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
 
 
@@ -117,6 +127,10 @@ def internal_server_tls() -> ServerTLS | None:
 
 
 def internal_client_credentials() -> ClientCredentials | None:
-    """What a cluster member presents when it calls another: its certificate, trusting only the cluster CA."""
+    """What a cluster member presents when it calls another: its certificate, trusting only the cluster CA, and
+    expecting the cluster's internal server name when one is configured."""
     paths = env.internal_tls()
-    return ClientCredentials(tls_ca=paths[2], tls_cert=paths[0], tls_key=paths[1]) if paths else None
+    if not paths:
+        return None
+    cert, key, ca = paths
+    return ClientCredentials(tls_ca=ca, tls_cert=cert, tls_key=key, server_name=env.internal_tls_server_name())

@@ -199,6 +199,8 @@ variables to the worker actors it starts (they would report the controller's pod
 {{- end }}
 {{- end -}}
 
+{{/* Internal mTLS for a pdserve process (router, controller; the workers inherit it). Peers dial pod IPs, which
+the internal certificate cannot name: every internal channel checks for tls.internalServerName instead. */}}
 {{- define "pdserve.internalTlsArgs" -}}
 {{- if .Values.tls.enabled }}
 - --internal-tls-cert
@@ -207,6 +209,8 @@ variables to the worker actors it starts (they would report the controller's pod
 - /etc/pdserve/tls/internal/tls.key
 - --internal-tls-ca
 - /etc/pdserve/tls/internal/ca.crt
+- --internal-tls-server-name
+- {{ .Values.tls.internalServerName | quote }}
 {{- end }}
 {{- end -}}
 
