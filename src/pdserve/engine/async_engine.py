@@ -301,23 +301,11 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._apply_commands()
-                if not self._engine.has_unfinished():
+                if not (self._engine.has_unfinished() and self._step()):
+                    # Idle, or the work waits for blocks that only a command frees (a release, an abort):
+                    # spinning would starve the threads that send them of the GIL, and time steps that ran nothing.
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
-                    continue
-                decoding = len(self._engine.scheduler.running)
-                start = time.perf_counter()
-                start_ns = time.time_ns()
-                outputs = self._engine.step()
-                self._mark_started(outputs, start_ns)
-                if self.on_step is not None:
-                    decode_seqs = min(decoding, self._engine.last_step_tokens)
-                    self.on_step(self._engine.last_step_tokens - decode_seqs, decode_seqs, time.perf_counter() - start)
-                self._check_doomed(outputs)
-                if self._slowed and (delay := max((self._slowed.get(o.request_id, 0.0) for o in outputs), default=0.0)):
-                    time.sleep(delay)
-                self._deliver(outputs)
-                self._update_stats()
         except BaseException as e:
             log.exception("engine loop failed")
             self._error = e
@@ -327,6 +315,25 @@ class AsyncEngine:
                 except Exception:
                     log.exception("on_death failed")
             self._fail_all(EngineDeadError(f"engine failed: {e!r}"))
+
+    def _step(self) -> bool:
+        """One engine step and its deliveries; False when the scheduler could run nothing."""
+        decoding = len(self._engine.scheduler.running)
+        start = time.perf_counter()
+        start_ns = time.time_ns()
+        outputs = self._engine.step()
+        if not self._engine.last_step_tokens:
+            return False
+        self._mark_started(outputs, start_ns)
+        if self.on_step is not None:
+            decode_seqs = min(decoding, self._engine.last_step_tokens)
+            self.on_step(self._engine.last_step_tokens - decode_seqs, decode_seqs, time.perf_counter() - start)
+        self._check_doomed(outputs)
+        if self._slowed and (delay := max((self._slowed.get(o.request_id, 0.0) for o in outputs), default=0.0)):
+            time.sleep(delay)
+        self._deliver(outputs)
+        self._update_stats()
+        return True
 
     def _check_doomed(self, outputs: list[RequestOutput]) -> None:
         if self._doomed and (hit := self._doomed & {o.request_id for o in outputs}):

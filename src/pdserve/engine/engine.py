@@ -72,7 +72,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
         self.fingerprint = _fingerprint(self.model_config, self.model)
-        self.last_step_tokens = 0  # tokens the last step ran, for live speed tracking
+        self.last_step_tokens = 0  # tokens the last step ran (0: it could run nothing), for live speed tracking
 
     def _blocks_for_memory(self) -> int:
         per_block = kv_block_bytes(self.model_config, self.config.block_size, resolve_dtype(self.config))
@@ -164,9 +164,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.last_step_tokens = plan.num_tokens
         if not plan.chunks:
             return []
-        self.last_step_tokens = plan.num_tokens
         step = self.runner.execute(plan.chunks)
         logits = step.sampled
         self.scheduler.complete_step()

@@ -267,3 +267,20 @@ async def test_a_caller_behind_a_dying_engine_gets_what_was_produced_then_the_fa
     assert len(caught_up.new_token_ids) >= 3 and not caught_up.finished
     with pytest.raises(EngineDeadError):
         await anext(stream)
+
+
+async def test_work_waiting_for_held_blocks_sleeps_until_a_release_and_times_no_empty_steps(prefill_only):
+    """A prompt that cannot get blocks while hand-offs hold them waits for the release: the engine thread
+    neither spins (it would take the GIL from the threads sending those hand-offs) nor reports steps that ran
+    nothing (they read as a worker four times faster than it is)."""
+    engine = prefill_only
+    held = await engine.prefill(EngineRequest("held", [3] * (12 * 16), GREEDY))  # 13 of the 16 blocks
+    await until_used(engine, len(held.handoff_block_ids))
+    steps: list[tuple[int, int, float]] = []
+    engine.on_step = lambda *step: steps.append(step)
+    waiting = asyncio.ensure_future(engine.prefill(EngineRequest("waiting", [4] * (5 * 16), GREEDY)))
+    await asyncio.sleep(0.5)
+    assert not waiting.done() and steps == []
+    engine.release("held")
+    assert (await asyncio.wait_for(waiting, timeout=10)).handoff_block_ids
+    assert len(steps) == 1 and steps[0][0] == 5 * 16
