@@ -264,7 +264,9 @@ def test_the_nucleus_found_among_the_likeliest_tokens_is_the_full_sorts(
         differ = (got[row] != want[row]).nonzero().flatten().tolist()
         assert len(differ) <= 1, (row, differ)
         if differ:
-            assert abs(_mass_ranked_above(logits[row], differ[0], p.top_k) - p.top_p) < 1e-5, row
+            # Each path sums the ranked probabilities in float32 in its own order: each term may round.
+            rounding = int(want[row].logical_not().sum()) * torch.finfo(torch.float32).eps
+            assert abs(_mass_ranked_above(logits[row], differ[0], p.top_k) - p.top_p) < rounding, row
     no_top_k = torch.full((rows,), vocab, device=device)
     top_p = torch.tensor(top_ps * (rows // 4), device=device)
     _, found_among_64 = _outside_among_candidates(logits, no_top_k, top_p, 64)
