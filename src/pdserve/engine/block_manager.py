@@ -94,11 +94,11 @@ class BlockManager:
     def _take_blocks(self, count: int, after: int | None, room: int) -> list[int]:
         """`count` blocks, in runs where the pool allows; `room` >= count is what the table will grow to.
 
-        In order: the free blocks right after `after`; a free run that holds `room` (best fit); then cached
-        blocks, oldest first, with the free blocks around them: a run from the free blocks just above the oldest
-        cached block down through it and the blocks below (after a table was freed tail first, the next oldest),
-        taken sorted. Evicting `room` blocks, not just `count`, leaves the rest of that run free for this table's
-        next chunk. Last, free runs, longest first."""
+        In order: the free blocks right after `after`; a free run that holds `room` (best fit); then, only if
+        those did not give `count`, cached blocks, oldest first, with the free blocks around them: a run from the
+        free blocks just above the oldest cached block down through it and the blocks below (after a table was
+        freed tail first, the next oldest), taken sorted. Evicting `room` blocks, not just `count`, leaves the rest
+        of that run free for this table's next chunk. Last, free runs, longest first."""
         want = max(room, count)
         taken: list[int] = []
         block = -1 if after is None else after + 1
@@ -111,8 +111,8 @@ class BlockManager:
             run = list(range(fit[0], fit[0] + count - len(taken)))
             self._free.take(run)
             taken.extend(run)
-        run = []
-        while len(taken) + len(run) < want and self._evictable:
+        run: list[int] = []
+        while len(taken) < count and len(taken) + len(run) < want and self._evictable:
             oldest = next(iter(self._evictable))
             block = oldest + 1
             while len(taken) + len(run) < want and block < self.num_blocks and block in self._free:

@@ -199,6 +199,24 @@ def test_free_blocks_are_used_before_cached_ones() -> None:
     assert len(bm.match_prefix(make_seq("a2", [1, 2, 3, 4, 5]))) == 2
 
 
+def test_a_chunk_of_a_long_prompt_leaves_the_cache_alone_while_free_blocks_hold_the_prompt() -> None:
+    """A first chunk takes its blocks where the whole prompt will fit; it evicts nothing when free blocks hold
+    all of it (it evicted cached prefixes up to the rest of the prompt, every chunk of every long prompt)."""
+    bm = BlockManager(200, BS)
+    cached = make_seq("cached", list(range(40)))
+    admit(bm, cached)
+    bm.free(cached)
+    assert bm.num_cached_blocks == 10
+    long_prompt = make_seq("long", list(range(1000, 1400)))  # 100 blocks, computed 8 at a time
+    assert bm.allocate_slots(long_prompt, 32)
+    assert bm.num_cached_blocks == 10
+    assert len(bm.match_prefix(make_seq("again", list(range(41))))) == 10
+    long_prompt.num_computed_tokens = 32
+    assert bm.allocate_slots(long_prompt, 32)
+    assert long_prompt.block_table == list(range(long_prompt.block_table[0], long_prompt.block_table[0] + 16))
+    check_counts(bm)
+
+
 def test_allocate_slots_is_all_or_nothing() -> None:
     bm = BlockManager(4, BS)
     a = make_seq("a", list(range(12)))
