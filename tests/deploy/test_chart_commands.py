@@ -106,3 +106,22 @@ def test_every_process_given_internal_tls_is_given_the_internal_server_name() ->
     for name, argv in given.items():
         assert argv[argv.index("--internal-tls-server-name") + 1] == "mesh.pdserve", name
         assert parse(argv).internal_tls_server_name == "mesh.pdserve", name
+
+
+def test_clients_of_the_public_port_check_its_name_and_present_the_internal_certificate() -> None:
+    """The preStop drain and `helm test` dial the router Service, whose name need not be the one the router's
+    certificate carries (tls.serverName), and, where tls.clientCASecret makes the router ask for a client
+    certificate, present the pod's internal one, as the router's own probes do: the router takes it because it
+    is given the cluster CA (--internal-tls-ca) beside the client CA."""
+    objects = render(["external-redis-tls-monitoring.yaml"], {"tls.serverName": "api.example.com"})
+    lines = command_lines(objects)
+    router = parse(lines["router"])
+    assert router.tls_client_ca and router.internal_tls_ca
+    for name in ("drain", "client"):
+        args = parse(lines[name])
+        assert args.tls_server_name == "api.example.com", name
+        assert (args.tls_cert, args.tls_key) == (router.internal_tls_cert, router.internal_tls_key), name
+    probe = pod_templates(objects)["router"]["spec"]["containers"][0]["readinessProbe"]["exec"]["command"]
+    probe_args = health_probe.parser().parse_args(probe[3:])
+    assert probe_args.server_name == "api.example.com"
+    assert (probe_args.tls_cert, probe_args.tls_key) == (router.internal_tls_cert, router.internal_tls_key)

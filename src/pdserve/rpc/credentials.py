@@ -2,9 +2,11 @@
 through here, so TLS (and who holds which certificate) is decided once.
 
 - Public side (the router's port): server TLS from `--tls-cert/--tls-key`, client certificates required when
-  `--tls-client-ca` is given (mTLS). Without a certificate the port is plaintext, as before.
-- Clients (`pdserve client/status`, loadgen): `--tls-ca [--tls-cert --tls-key]` and `--api-key` (or the
-  environment's PDSERVE_API_KEY), sent as `authorization: Bearer KEY`.
+  `--tls-client-ca` is given (mTLS); then a certificate of the cluster CA is accepted too when internal TLS is
+  configured, so the cluster's own members (probes, a worker's drain) reach it with their internal certificate.
+  Without a certificate the port is plaintext, as before.
+- Clients (`pdserve client/status`, loadgen): `--tls-ca [--tls-cert --tls-key] [--tls-server-name]` and
+  `--api-key` (or the environment's PDSERVE_API_KEY), sent as `authorization: Bearer KEY`.
 - Internal hops (router -> workers, decode -> prefill): mTLS with the cluster CA when `pdserve up
   --internal-tls-cert/--internal-tls-key/--internal-tls-ca` is given (the environment carries the paths to the
   workers): each side presents that certificate and accepts only peers whose certificate the CA signed. With
@@ -32,27 +34,34 @@ def _read(path: str | None) -> bytes | None:
 
 @dataclass(frozen=True)
 class ServerTLS:
-    """A listener's certificate and key (PEM files), and the CA its clients' certificates must chain to (mTLS)."""
+    """A listener's certificate and key (PEM files), and the CA its clients' certificates must chain to (mTLS);
+    `cluster_ca`: a CA whose certificates it accepts besides the client CA's (the cluster's internal one)."""
 
     cert: str
     key: str
     client_ca: str | None = None
+    cluster_ca: str | None = None
 
     def credentials(self) -> grpc.ServerCredentials:
         pair = [(_read(self.key), _read(self.cert))]
-        ca = _read(self.client_ca)
-        return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=ca is not None)
+        roots = b"\n".join(Path(ca).read_bytes() for ca in (self.client_ca, self.cluster_ca) if ca) or None
+        return grpc.ssl_server_credentials(pair, root_certificates=roots, require_client_auth=roots is not None)
 
 
 def server_tls(cert: str | None, key: str | None, client_ca: str | None = None) -> ServerTLS | None:
-    """None (plaintext) when no certificate is given; a half-given pair is an error, not a silent plaintext."""
+    """The public listener's TLS: None (plaintext) when no certificate is given; a half-given pair is an error,
+    not a silent plaintext. When it requires client certificates and internal TLS is configured, it accepts the
+    cluster CA's too: the cluster's own members (the router's probes, a worker's preStop drain, `helm test`) hold
+    the internal certificate, not a client one, and whoever holds the internal key is already trusted with every
+    worker. API keys apply to them as to any client."""
     if not cert and not key:
         if client_ca:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         return None
     if not (cert and key):
         raise ValueError("give both --tls-cert and --tls-key")
-    return ServerTLS(cert, key, client_ca)
+    internal = env.internal_tls()
+    return ServerTLS(cert, key, client_ca, cluster_ca=internal[2] if client_ca and internal else None)
 
 
 def add_port(server: grpc.aio.Server, address: str, tls: ServerTLS | None) -> int:
@@ -105,10 +114,15 @@ def make_channel(
 
 
 def add_client_flags(p: argparse.ArgumentParser) -> None:
-    """--tls-ca, --tls-cert, --tls-key, --api-key: what every command that calls the router takes."""
+    """--tls-ca, --tls-cert, --tls-key, --tls-server-name, --api-key: what every command that calls the router
+    takes."""
     p.add_argument("--tls-ca", help="PEM CA of the router's certificate: connect with TLS")
     p.add_argument("--tls-cert", help="PEM client certificate, for a router that requires one (mTLS)")
     p.add_argument("--tls-key", help="PEM key of --tls-cert")
+    p.add_argument(
+        "--tls-server-name",
+        help="the name the router's certificate carries, when it is not the host of --addr (default: that host)",
+    )
     p.add_argument("--api-key", help="sent as `authorization: Bearer KEY` (default: $PDSERVE_API_KEY)")
 
 
@@ -117,7 +131,10 @@ def client_credentials(args: argparse.Namespace) -> ClientCredentials:
         raise SystemExit("give both --tls-cert and --tls-key, or neither")
     if args.tls_cert and not args.tls_ca:
         raise SystemExit("--tls-cert needs --tls-ca (the client certificate is only sent over TLS)")
-    return ClientCredentials(args.tls_ca, args.tls_cert, args.tls_key, args.api_key or env.api_key())
+    if args.tls_server_name and not args.tls_ca:
+        raise SystemExit("--tls-server-name needs --tls-ca (the name is checked only over TLS)")
+    api_key = args.api_key or env.api_key()
+    return ClientCredentials(args.tls_ca, args.tls_cert, args.tls_key, api_key, args.tls_server_name)
 
 
 def internal_server_tls() -> ServerTLS | None:

@@ -214,12 +214,20 @@ the internal certificate cannot name: every internal channel checks for tls.inte
 {{- end }}
 {{- end -}}
 
-{{/* A client of the router's public port (a worker's preStop drain): its CA, and a client certificate when
-the router asks for one. */}}
+{{/* The name the router's public certificate carries: what its clients check, whatever address they dial. */}}
+{{- define "pdserve.publicServerName" -}}
+{{- default (include "pdserve.routerName" .) .Values.tls.serverName -}}
+{{- end -}}
+
+{{/* A client of the router's public port (a worker's preStop drain, `helm test`): its CA and the certificate's
+name, and, when the router asks for a client certificate, the pod's internal one, which the router also accepts
+(it trusts the cluster CA beside tls.clientCASecret's). */}}
 {{- define "pdserve.publicClientTlsArgs" -}}
 {{- if .Values.tls.enabled }}
 - --tls-ca
 - /etc/pdserve/tls/public/ca.crt
+- --tls-server-name
+- {{ include "pdserve.publicServerName" . }}
 {{- if .Values.tls.clientCASecret }}
 - --tls-cert
 - /etc/pdserve/tls/internal/tls.crt
@@ -245,7 +253,7 @@ exec:
     - --tls-ca
     - /etc/pdserve/tls/public/ca.crt
     - --server-name
-    - {{ default (include "pdserve.routerName" .ctx) .ctx.Values.tls.serverName }}
+    - {{ include "pdserve.publicServerName" .ctx }}
 {{- if .ctx.Values.tls.clientCASecret }}
     - --tls-cert
     - /etc/pdserve/tls/internal/tls.crt
