@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.deploy.chart import one, pod_templates, render, selects
+import pytest
+
+from tests.deploy.chart import one, pod_templates, render, render_error, selects
 
 Objects = list[dict[str, Any]]
 
@@ -138,6 +140,30 @@ def test_controller_may_patch_only_its_raycluster(rendered: dict[str, Objects]) 
     account = pod_templates(objects)["controller"]["spec"]["serviceAccountName"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "serving"}]
     one(objects, "ServiceAccount", account)
+
+
+@pytest.mark.parametrize(
+    ("sets", "account"),
+    [
+        ({}, "pd-pdserve-controller"),
+        ({"nameOverride": "llm"}, "pd-llm-controller"),
+        ({"fullnameOverride": "serving"}, "serving-controller"),
+        ({"serviceAccount.name": "platform-pdserve"}, "platform-pdserve"),
+    ],
+)
+def test_the_controllers_account_is_never_the_rayclusters(sets: dict[str, str], account: str) -> None:
+    """With the autoscaler on, KubeRay gives the head pod an account named after the RayCluster and binds the
+    autoscaler's Role to it: an account of the same name would give the controller's token the autoscaler's
+    rights and the head the controller's."""
+    objects = render(["gpu.yaml"], sets)
+    assert one(objects, "RayCluster")["spec"]["enableInTreeAutoscaling"] is True
+    one(objects, "ServiceAccount", account)
+    assert pod_templates(objects)["controller"]["spec"]["serviceAccountName"] == account
+    assert account != one(objects, "RayCluster")["metadata"]["name"]
+
+
+def test_an_account_named_as_the_raycluster_is_refused() -> None:
+    assert "serviceAccount.name must not be" in render_error(sets={"serviceAccount.name": "pd-pdserve"})
 
 
 def test_monitors_select_the_metrics_ports(rendered: dict[str, Objects]) -> None:

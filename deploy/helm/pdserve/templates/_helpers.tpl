@@ -28,12 +28,20 @@ new image's workers land on new pods. pdserve.build.build_resource computes the 
 {{- printf "pdserve_build_%s" (include "pdserve.image" . | sha256sum | trunc 12) -}}
 {{- end -}}
 
+{{/* The controller's account (the one with API rights), never the RayCluster's name: with the autoscaler on,
+KubeRay gives the head pod an account of that name and binds its autoscaler Role to it, so sharing the name would
+hand each pod the other's rights. */}}
 {{- define "pdserve.serviceAccountName" -}}
+{{- $name := "" -}}
 {{- if .Values.serviceAccount.create -}}
-{{- default (include "pdserve.fullname" .) .Values.serviceAccount.name -}}
+{{- $name = default (printf "%s-controller" (include "pdserve.fullname" .)) .Values.serviceAccount.name -}}
 {{- else -}}
-{{- default "default" .Values.serviceAccount.name -}}
+{{- $name = default "default" .Values.serviceAccount.name -}}
 {{- end -}}
+{{- if eq $name (include "pdserve.rayClusterName" .) -}}
+{{- fail (printf "serviceAccount.name must not be %q, the RayCluster's name: KubeRay binds the Ray autoscaler's Role to an account of that name" $name) -}}
+{{- end -}}
+{{- $name -}}
 {{- end -}}
 
 {{/* Labels. Call with (dict "ctx" $ "component" "router"). */}}
