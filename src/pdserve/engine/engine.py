@@ -141,9 +141,13 @@ class LLMEngine:
 
     def reserve(self, request: EngineRequest) -> list[int] | None:
         """Decode side: allocate the blocks a prompt's KV will arrive in, before any byte moves.
-        None when the pool cannot hold it now (the caller retries or sheds)."""
+        None when the pool cannot hold it now, beside what preempted sequences wait for (the caller sheds it)."""
         seq = self._new_request(request)
-        if not self.blocks.allocate_slots(seq, seq.num_prompt_tokens):
+        # Sequences preempted here resume first: a reservation takes only what their recompute leaves, or each
+        # block they free goes to the next hand-off and they wait until the router's stall bound moves them.
+        owed = sum(self.blocks.blocks_for(s.num_tokens) for s in self.scheduler.waiting)
+        leaves_owed = self.blocks.blocks_for(seq.num_prompt_tokens) + owed <= self.blocks.num_free_blocks
+        if not (leaves_owed and self.blocks.allocate_slots(seq, seq.num_prompt_tokens)):
             del self._requests[request.request_id]
             return None
         seq.status = SequenceStatus.RECEIVING
