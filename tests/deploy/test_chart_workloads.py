@@ -143,6 +143,21 @@ def test_prestop_drains_within_the_grace_period(timeout: int) -> None:
     assert float(flag(args_of(objects, "pd-pdserve-controller"), "--rollout-surge-wait-s")) == 300
 
 
+@pytest.mark.parametrize(("floor", "budget"), [(1, None), (2, 1), (3, 2)])
+def test_a_worker_groups_budget_keeps_its_scaling_floor_not_its_install_count(floor: int, budget: int | None) -> None:
+    """The autoscaler or the planner may take a group down to minReplicas whatever replicas the install set: at
+    that floor the budget must still let one pod go (a node drain), and a floor of one pod gets no budget."""
+    sets = {"decode.minReplicas": str(floor), "decode.replicas": "4", "decode.maxReplicas": "8"}
+    budgets = {o["metadata"]["name"]: o for o in render(["gpu.yaml"], sets) if o["kind"] == "PodDisruptionBudget"}
+    assert "pd-pdserve-prefill" not in budgets  # 2 pods at install, but a floor of 1
+    if budget is None:
+        assert "pd-pdserve-decode" not in budgets
+        return
+    min_available = budgets["pd-pdserve-decode"]["spec"]["minAvailable"]
+    assert min_available == budget
+    assert floor - min_available == 1  # disruptions allowed with the group at its floor
+
+
 def test_router_reads_its_toml_and_the_contract_flags(rendered: dict[str, Objects], tmp_path: Any) -> None:
     objects = render(["gpu.yaml"], {"router.config.slo_headroom": 0.7, "router.config.max_attempts": "2"})
     toml = one(objects, "ConfigMap", ROUTER)["data"]["router.toml"]
