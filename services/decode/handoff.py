@@ -150,9 +150,10 @@ class Handoff:
 
     def _free(self, request_id: str, peer: str, tag: int, receive: asyncio.Future[int] | None) -> None:
         """Frees a failed hand-off's blocks once nothing writes into them any more. A receive still waiting for
-        its transfer is cancelled (it ends at once); one whose bytes already flow ends by its own deadline. The
+        its transfer is cancelled (it ends at once); one whose bytes already flow ends by its own deadline; one
+        not posted yet is cancelled too, so the prefill worker's transfer for it is refused, not waited on. The
         caller hears of the failure now, and the blocks go when the receive ends."""
-        if receive is not None and not receive.done():
+        if receive is None or not receive.done():
             self.receiver.cancel(peer, tag)
 
         async def when_received() -> None:

@@ -87,4 +87,5 @@ class KVReceiver(_Closeable):
     def cancel(self, peer_id: str, tag: int) -> None:
         """Called from any thread when the caller of `recv(peer_id, tag, ...)` gives up (its request was
         cancelled): a recv whose transfer has not started raises TransferCancelledError at once, even one not yet
-        posted; one already receiving ends as it would have (its blocks may be in use until it returns)."""
+        posted (the sender's transfer for it is then refused); one already receiving ends as it would have (its
+        blocks may be in use until it returns)."""

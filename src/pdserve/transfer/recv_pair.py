@@ -92,18 +92,28 @@ class RecvPair:
             if p.state != _WAITING:
                 return False
             self._remove(p)
-            self.abandoned[p.tag] = None
-            while len(self.abandoned) > _MAX_ABANDONED:
-                self.abandoned.popitem(last=False)
+            self._refuse(p.tag)
             return True
 
     def cancel(self, tag: int, error: TransferError) -> None:
-        """The recv waiting for `tag` fails with `error` now, unless the serving thread already receives it."""
+        """The recv waiting for `tag` fails with `error` now, unless the serving thread already receives it. With
+        no recv posted yet (its caller left before it), a transfer for `tag` is refused at once: the serving
+        thread would wait half its timeout for the recv, and every transfer of the pair behind it."""
         with self.cond:
             p = self.pending.get(tag)
-            if p is None or not self.abandon(p):
+            if p is None:
+                self._refuse(tag)
+                return
+            if not self.abandon(p):
                 return
         self.finish(p, error=error)
+
+    def _refuse(self, tag: int) -> None:
+        """Under `cond`: a sender's transfer for `tag` finds no recv, now or later (a claim waiting on it wakes)."""
+        self.abandoned[tag] = None
+        while len(self.abandoned) > _MAX_ABANDONED:
+            self.abandoned.popitem(last=False)
+        self.cond.notify_all()
 
     def finish(self, p: Pending, nbytes: int = 0, error: TransferError | None = None) -> None:
         with self.cond:

@@ -70,6 +70,32 @@ def test_cancelled_recv_ends_at_once_and_the_pair_stays_usable(receiver: TorchDi
     assert peer.call(op="send", rendezvous=rendezvous, tag=54, seed=1, ids=[0, 1]) == {"nbytes": r.join()}
 
 
+def test_a_transfer_whose_recv_was_cancelled_before_it_was_posted_is_refused_at_once(
+    receiver: TorchDistReceiver, peer: Peer
+) -> None:
+    """The decode request was cancelled between calling the prefill worker and posting its recv: the sender's
+    transfer for that tag is refused at once, whether its header comes after the cancel or is already waiting
+    for the recv (waiting half its timeout would hold every transfer of the pair behind it)."""
+    rendezvous = receiver.rendezvous("prefill-0")
+    peer.call(op="connect", rendezvous=rendezvous)
+    receiver.cancel("prefill-0", 55)
+    start = time.monotonic()
+    reply = peer.call(op="send", rendezvous=rendezvous, tag=55, seed=1, ids=[0, 1], timeout=20)
+    assert reply["error"] == "TransferError" and "no recv is waiting" in reply["message"], reply
+    assert time.monotonic() - start < 3
+    send_56 = {"op": "send", "rendezvous": rendezvous, "tag": 56, "seed": 1, "ids": [0, 1], "timeout": 20}
+    peer.conn.send_bytes(json.dumps(send_56).encode())  # answered below
+    time.sleep(1)  # its header is in: the serving thread waits for tag 56's recv
+    start = time.monotonic()
+    receiver.cancel("prefill-0", 56)
+    reply = peer.reply()
+    assert reply["error"] == "TransferError" and "no recv is waiting" in reply["message"], reply
+    assert time.monotonic() - start < 3
+    kv = make_caches(4)
+    r = Recv(receiver, "prefill-0", 57, kv, [0, 1])
+    assert peer.call(op="send", rendezvous=rendezvous, tag=57, seed=1, ids=[0, 1]) == {"nbytes": r.join()}
+
+
 def test_sender_that_never_connects_times_out(receiver: TorchDistReceiver) -> None:
     receiver.rendezvous("prefill-never")
     start = time.monotonic()
