@@ -143,6 +143,24 @@ def test_prestop_drains_within_the_grace_period(timeout: int) -> None:
     assert float(flag(args_of(objects, "pd-pdserve-controller"), "--rollout-surge-wait-s")) == 300
 
 
+def _window(probe: dict[str, Any]) -> int:
+    return probe["failureThreshold"] * probe["periodSeconds"]
+
+
+@pytest.mark.parametrize("startup", [30, 90, 180])
+def test_liveness_outlasts_a_model_reload_as_long_as_the_first_load(startup: int) -> None:
+    """Ray restarts a dead worker actor inside its running pod (max_restarts): the new process reloads the model
+    (its port closed, then NOT_SERVING) under the liveness probe alone. Liveness must give that at least the
+    startup probe's window, or the kubelet restarts the whole Ray node mid-reload; a longer one set stays."""
+    sets = {"workers.probes.startupFailureThreshold": str(startup), "workers.probes.livenessFailureThreshold": "3"}
+    for role, group in worker_groups(render(["gpu.yaml"], sets)).items():
+        probes = container(group["template"])
+        assert probes["startupProbe"]["failureThreshold"] == startup, role
+        assert _window(probes["livenessProbe"]) > _window(probes["startupProbe"]), role
+    longer = render(["gpu.yaml"], {"workers.probes.livenessFailureThreshold": "100"})
+    assert container(worker_groups(longer)["decode"]["template"])["livenessProbe"]["failureThreshold"] == 100
+
+
 @pytest.mark.parametrize(("floor", "budget"), [(1, None), (2, 1), (3, 2)])
 def test_a_worker_groups_budget_keeps_its_scaling_floor_not_its_install_count(floor: int, budget: int | None) -> None:
     """The autoscaler or the planner may take a group down to minReplicas whatever replicas the install set: at
