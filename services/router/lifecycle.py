@@ -264,7 +264,7 @@ class RequestLifecycle:
         verb = "placed again" if sent is None else f"migrated after {sent} streamed tokens"
         log.warning("request %s after worker %s failed it", verb, worker.worker_id, extra=attrs | {"key": key})
 
-    def refused(self, error: UnauthenticatedError | InvalidRequestError, started_at: float) -> None:
+    def refused(self, error: Exception, started_at: float) -> None:
         """A request its front end refused before it had a GenerateRequest (an HTTP caller without a valid key,
         a body of the wrong shape): counted and logged as `accounting` counts any such refusal."""
         with suppress(type(error)), self.accounting(started_at):

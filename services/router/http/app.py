@@ -17,11 +17,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Send
 
-from pdserve.errors import InvalidRequestError, UnauthenticatedError
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, generate
 from services.router.http.errors import error_body, error_response
-from services.router.http.openai_request import OpenAIRequest, parse_request
+from services.router.http.openai_request import OpenAIRequest, parse_json, parse_request
 from services.router.http.openai_response import Answer, sse_events
 from services.router.lifecycle import RequestLifecycle
 from services.router.ticket import Ticket
@@ -70,8 +69,8 @@ class OpenAIAPI:
         start = time.perf_counter()
         try:
             check_caller(self.lifecycle, request.headers)  # a caller without a valid key learns nothing of the body
-            req = parse_request(_json(await request.body()), chat, request.headers.get("x-request-id", ""))
-        except (UnauthenticatedError, InvalidRequestError) as e:
+            req = parse_request(parse_json(await request.body()), chat, request.headers.get("x-request-id", ""))
+        except Exception as e:  # a bug converting a body is a 500 in OpenAI's shape too, its text only in the log
             self.lifecycle.refused(e, start)
             return error_response(e)
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id or uuid.uuid4().hex}"
@@ -175,13 +174,6 @@ async def _disconnected(request: Request) -> None:
     a streamed response listens the same way inside Starlette."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _json(body: bytes) -> object:
-    try:
-        return json.loads(body)
-    except ValueError as e:
-        raise InvalidRequestError("body", f"not valid JSON: {e}") from None
 
 
 class SSEResponse(StreamingResponse):

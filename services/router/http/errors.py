@@ -47,8 +47,13 @@ def error_body(exc: BaseException, max_tokens_param: str = "max_tokens") -> tupl
         ms = exc.retry_after_ms
         headers = {"retry-after": str(max(1, -(-ms // 1000))), "retry-after-ms": str(ms)}
         code = "rate_limit_exceeded"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    body = {"error": {"message": _encodable(message), "type": kind, "param": param and _encodable(param), "code": code}}
     return status, body, headers
+
+
+def _encodable(text: str) -> str:
+    """Client text an error echoes (a parameter's name) may hold a lone surrogate, which UTF-8 cannot carry."""
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 def error_response(exc: BaseException, max_tokens_param: str = "max_tokens") -> JSONResponse:

@@ -5,7 +5,9 @@ implement is refused by name, never ignored: a client must not believe it got wh
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,8 @@ UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
 MAX_CHOICES = 16  # `n`: each choice is a request of its own through admission, so the fan-out is bounded
 # OpenAI's own default; the gRPC API's is 0 (greedy), which a client asks for with temperature=0.
 DEFAULT_TEMPERATURE = 1.0
+# JSON's \u escapes can spell half of a UTF-16 pair alone: no Unicode text, and UTF-8 (protobuf, JSON out) has none.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,16 @@ class OpenAIRequest:
         if msg.sampling.HasField("seed"):
             msg.sampling.seed = (msg.sampling.seed + index) % (UINT64 + 1)
         return msg
+
+
+def parse_json(body: bytes) -> object:
+    """The body's JSON value; InvalidRequestError when it is none, or nests deeper than the parser recurses."""
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise InvalidRequestError("body", f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequestError("body", "nests arrays or objects too deeply") from None
 
 
 def parse_request(body: object, chat: bool, request_id: str = "") -> OpenAIRequest:
@@ -135,8 +149,8 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     shared path's to check."""
     bias = _typed(body, "logit_bias", dict) or {}
     out = {}
-    for key in bias:
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) <= UINT32):
+    for key in bias:  # 10 digits hold any uint32; int() refuses thousands (ValueError)
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= UINT32):
             raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key[:32]!r}")
         out[int(key)] = _number(bias, key, prefix="logit_bias.")
     return out
@@ -161,7 +175,7 @@ def _set_prompt(msg: pb.GenerateRequest, body: dict[str, Any]) -> None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        msg.prompt = prompt
+        msg.prompt = _text(prompt, "prompt")
     elif isinstance(prompt, list) and prompt and all(_is_int(t) and 0 <= t <= UINT32 for t in prompt):
         msg.prompt_token_ids.extend(prompt)
     elif prompt is None:
@@ -184,20 +198,20 @@ def _messages(body: dict[str, Any]) -> list[pb.ChatMessage]:
         role = m.get("role")
         if not isinstance(role, str):
             raise InvalidRequestError(f"messages[{i}].role", "must be a string")
-        out.append(pb.ChatMessage(role=role, content=_content(m.get("content"), i)))
+        out.append(pb.ChatMessage(role=_text(role, f"messages[{i}].role"), content=_content(m.get("content"), i)))
     return out
 
 
 def _content(content: object, i: int) -> str:
     """A string, or a list of text parts (what OpenAI's clients send for multi-part text)."""
     if isinstance(content, str):
-        return content
+        return _text(content, f"messages[{i}].content")
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise InvalidRequestError(f"messages[{i}].content[{j}]", "only text parts are supported")
-            parts.append(part["text"])
+            parts.append(_text(part["text"], f"messages[{i}].content[{j}].text"))
         return "".join(parts)
     raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
 
@@ -207,9 +221,9 @@ def _stops(body: dict[str, Any]) -> list[str]:
     if stop is None:
         return []
     if isinstance(stop, str):
-        return [stop]
+        return [_text(stop, "stop")]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
+        return [_text(s, f"stop[{k}]") for k, s in enumerate(stop)]
     raise InvalidRequestError("stop", "must be a string or a list of strings")
 
 
@@ -239,16 +253,30 @@ def _typed(body: dict[str, Any], name: str, kind: type, prefix: str = "") -> Any
     value = body.get(name)
     if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
         raise InvalidRequestError(prefix + name, f"must be a {_JSON_TYPE[kind]}, got {_json_type(value)}")
+    return _text(value, prefix + name) if isinstance(value, str) else value
+
+
+def _text(value: str, name: str) -> str:
+    if _LONE_SURROGATE.search(value):
+        raise InvalidRequestError(name, "holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not Unicode text")
     return value
 
 
 def _number(body: dict[str, Any], name: str, prefix: str = "") -> float | None:
+    """A finite float: NaN and Infinity (Python's JSON reads them) are refused, and so is an integer past a float's
+    range (JSON's integers have no bound)."""
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequestError(prefix + name, f"must be a finite number, got {_json_type(value)}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        raise InvalidRequestError(prefix + name, "must be a finite number, got an integer too large for one") from None
+    if not math.isfinite(number):
+        raise InvalidRequestError(prefix + name, f"must be a finite number, got {number}")
+    return number
 
 
 def _int(body: dict[str, Any], name: str, low: int = -INT32 - 1, high: int = INT32) -> int | None:

@@ -1,4 +1,5 @@
-"""A router's predictor, placement and admission over an in-process registry, built for unit tests."""
+"""A router's predictor, placement and admission over an in-process registry, and its request lifecycle (tiny-random's
+tokenizer), built for unit tests."""
 
 from __future__ import annotations
 
@@ -9,16 +10,23 @@ from dataclasses import replace
 import pytest
 
 from pdserve.config import RouterConfig
+from pdserve.engine.model_files import locate_model, read_model_config, tokenizer_folder
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import OverloadedError
 from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
+from pdserve.security.api_keys import KeyTable
+from pdserve.security.quotas import Quotas
+from pdserve.telemetry import Telemetry
 from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS, Admission, SLOTarget
+from services.router.lifecycle import RequestLifecycle
 from services.router.load_tracker import LoadTracker
 from services.router.placement import Placement, RoundRobinPlacement, SLOAwarePlacement
 from services.router.predictor import Predictor
 from tests.unit.round_profile import PROFILE
 
 BS = 16
+MODEL = "tiny-random"
 
 
 def worker(worker_id: str, role: str = "prefill", **fields: object) -> WorkerState:
@@ -66,6 +74,15 @@ class Router:
         placed = self.place(tokens, max_tokens, slo_s[1])
         self.admission.check(placed, len(tokens), priority, SLOTarget(*slo_s, explicit, explicit))
         return placed
+
+    def lifecycle(self, keys: KeyTable | None = None, quotas: Quotas | None = None) -> RequestLifecycle:
+        """The request lifecycle on this placement, serving tiny-random (its tokenizer; the model's name)."""
+        path = locate_model(MODEL)
+        tokenizer, model = Tokenizer(tokenizer_folder(path)), read_model_config(path)
+        telemetry = Telemetry("test-router", enabled=False)
+        return RequestLifecycle(
+            tokenizer, model, self.config, self.placement, self.index, self.tracker, telemetry, MODEL, keys, quotas
+        )
 
 
 # --- Predictor -----------------------------------------------------------------------------------------------

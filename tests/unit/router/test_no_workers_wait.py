@@ -9,10 +9,7 @@ import time
 
 import pytest
 
-from pdserve.engine.model_files import locate_model, read_model_config, tokenizer_folder
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.security.api_keys import OPEN
-from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from services.router.lifecycle import RequestLifecycle
 from services.router.placement import NoWorkersError
@@ -28,18 +25,11 @@ async def admit(lc: RequestLifecycle, start: float) -> Ticket:
         return await lc.admit(REQUEST, start, quota)
 
 
-def lifecycle(router: Router) -> RequestLifecycle:
-    path = locate_model("tiny-random")
-    tokenizer, model = Tokenizer(tokenizer_folder(path)), read_model_config(path)
-    telemetry = Telemetry("test-router", enabled=False)
-    return RequestLifecycle(tokenizer, model, router.config, router.placement, router.index, router.tracker, telemetry)
-
-
 async def test_a_request_waits_for_the_first_worker_of_a_role_to_come_back() -> None:
     router = Router([worker("p0")], no_workers_wait_s=5.0)
     asyncio.get_running_loop().call_later(0.3, router.registry.publish, worker("d0", "decode"))
     start = time.monotonic()
-    ticket = await admit(lifecycle(router), start)
+    ticket = await admit(router.lifecycle(), start)
     assert ticket.placement.decode.worker_id == "d0" and 0.25 < time.monotonic() - start < 4.0
     ticket.release()
 
@@ -48,13 +38,13 @@ async def test_with_none_coming_back_it_is_unavailable_after_the_wait() -> None:
     router = Router([worker("p0"), worker("d0", "decode", draining=True)], no_workers_wait_s=0.4)
     start = time.monotonic()
     with pytest.raises(NoWorkersError, match="0 decode live"):
-        await admit(lifecycle(router), start)
+        await admit(router.lifecycle(), start)
     assert time.monotonic() - start >= 0.4
 
 
 async def test_a_retry_waits_for_a_remote_view_to_show_a_worker_that_did_not_fail_it() -> None:
     router = Router([worker("p0"), worker("d0", "decode")])
-    lc = lifecycle(router)
+    lc = router.lifecycle()
     ticket = await admit(lc, time.monotonic())
     ticket.release()
     loop = asyncio.get_running_loop()

@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.errors import InvalidRequestError
 from pdserve.v1 import generate_pb2 as pb
-from services.router.http.openai_request import openai_param, parse_request
+from services.router.http.openai_request import openai_param, parse_json, parse_request
 
 
 def test_a_completion_becomes_the_grpc_request():
@@ -69,6 +69,83 @@ def test_a_chat_takes_text_parts_and_openais_defaults():
 def test_a_refused_shape_names_its_parameter(body, param):
     with pytest.raises(InvalidRequestError) as e:
         parse_request(body, chat=False)
+    assert e.value.field == param
+
+
+HUGE = "1" + "0" * 400  # an integer JSON allows and no float holds
+COMPLETION = '"model": "m", "prompt": "x"'
+CHAT = '"model": "m", "messages": [{"role": "user", "content": "x"}]'
+# Raw bodies as they come over the wire (JSON's escapes, Python's NaN and Infinity), each refused naming the
+# parameter: none may raise anything but InvalidRequestError.
+BAD_VALUES = [
+    # numbers past a float's range, or not finite
+    (f'{{{COMPLETION}, "temperature": {HUGE}}}', "temperature"),
+    (f'{{{COMPLETION}, "top_p": -{HUGE}}}', "top_p"),
+    (f'{{{COMPLETION}, "presence_penalty": {HUGE}}}', "presence_penalty"),
+    (f'{{{COMPLETION}, "repetition_penalty": {HUGE}}}', "repetition_penalty"),
+    (f'{{{COMPLETION}, "logit_bias": {{"5": {HUGE}}}}}', "logit_bias.5"),
+    (f'{{{COMPLETION}, "slo": {{"ttft_ms": {HUGE}}}}}', "slo.ttft_ms"),
+    (f'{{{COMPLETION}, "max_tokens": {HUGE}}}', "max_tokens"),
+    (f'{{{COMPLETION}, "seed": {HUGE}}}', "seed"),
+    (f'{{{COMPLETION}, "prompt": [{HUGE}]}}', "prompt"),
+    (f'{{{COMPLETION}, "logit_bias": {{"{"1" * 5000}": 1}}}}', "logit_bias"),  # past int()'s digit limit
+    (f'{{{COMPLETION}, "temperature": NaN}}', "temperature"),
+    (f'{{{COMPLETION}, "top_p": Infinity}}', "top_p"),
+    (f'{{{COMPLETION}, "logit_bias": {{"5": -Infinity}}}}', "logit_bias.5"),
+    (f'{{{COMPLETION}, "slo": {{"tpot_ms": NaN}}}}', "slo.tpot_ms"),
+    (f'{{{COMPLETION}, "n": NaN}}', "n"),
+    (f'{{{COMPLETION}, "stop_token_ids": [Infinity]}}', "stop_token_ids"),
+    # lone UTF-16 surrogates, which JSON's \u escapes can spell and UTF-8 cannot carry
+    (r'{"model": "m", "prompt": "a\ud800b"}', "prompt"),
+    (r'{"model": "m", "prompt": ["\udfff"]}', "prompt"),
+    (r'{"model": "m\udc00", "prompt": "x"}', "model"),
+    (rf'{{{COMPLETION}, "stop": "\ud800"}}', "stop"),
+    (rf'{{{COMPLETION}, "stop": ["ok", "\ud800"]}}', "stop[1]"),
+    (rf'{{{COMPLETION}, "user": "\ud800"}}', "user"),
+    (r'{"model": "m", "messages": [{"role": "user", "content": "\ud800"}]}', "messages[0].content"),
+    (r'{"model": "m", "messages": [{"role": "us\ud800", "content": "x"}]}', "messages[0].role"),
+    (
+        r'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}',
+        "messages[0].content[0].text",
+    ),
+    # other JSON types where strings, integers or objects are expected
+    (f'{{{COMPLETION}, "stop": [["a"]]}}', "stop"),
+    (f'{{{COMPLETION}, "prompt": [["a"]]}}', "prompt"),
+    (f'{{{COMPLETION}, "prompt": [[[1]]]}}', "prompt"),
+    (f'{{{COMPLETION}, "prompt": [1, "a"]}}', "prompt"),
+    (f'{{{COMPLETION}, "prompt": [true]}}', "prompt"),
+    (f'{{{COMPLETION}, "prompt": {{"text": "x"}}}}', "prompt"),
+    (f'{{{COMPLETION}, "model": ["m"]}}', "model"),
+    (f'{{{COMPLETION}, "n": true}}', "n"),
+    (f'{{{COMPLETION}, "max_tokens": 4.0}}', "max_tokens"),
+    (f'{{{COMPLETION}, "seed": false}}', "seed"),
+    (f'{{{COMPLETION}, "stop_token_ids": [true]}}', "stop_token_ids"),
+    (f'{{{COMPLETION}, "stop_token_ids": 5}}', "stop_token_ids"),
+    (f'{{{COMPLETION}, "logprobs": true}}', "logprobs"),
+    (f'{{{COMPLETION}, "logit_bias": {{"5": true}}}}', "logit_bias.5"),
+    (f'{{{COMPLETION}, "logit_bias": [1]}}', "logit_bias"),
+    (f'{{{COMPLETION}, "slo": [500]}}', "slo"),
+    (f'{{{COMPLETION}, "stream": 1}}', "stream"),
+    (f'{{{COMPLETION}, "user": 7}}', "user"),
+    (f'{{{CHAT}, "logprobs": 1}}', "logprobs"),
+    ('{"model": "m", "messages": [{"role": ["user"], "content": "x"}]}', "messages[0].role"),
+    ('{"model": "m", "messages": [{"role": "user", "content": [["x"]]}]}', "messages[0].content[0]"),
+    ('{"model": "m", "messages": [{"role": "user", "content": {"text": "x"}}]}', "messages[0].content"),
+    ('{"model": "m", "messages": ["hi"]}', "messages[0]"),
+    # not a body at all
+    ("[]", "body"),
+    ("NaN", "body"),
+    ("[" * 100_000 + "]" * 100_000, "body"),  # past the parser's recursion
+    ('{"model": "m", "prompt": "x"', "body"),
+    ("1" * 5000, "body"),  # past int()'s digit limit
+]
+
+
+@pytest.mark.parametrize(("raw", "param"), BAD_VALUES, ids=[f"{i}-{p}" for i, (_, p) in enumerate(BAD_VALUES)])
+def test_a_bad_json_value_is_refused_naming_its_parameter(raw, param):
+    chat = '"messages"' in raw
+    with pytest.raises(InvalidRequestError) as e:
+        parse_request(parse_json(raw.encode()), chat=chat)
     assert e.value.field == param
 
 

@@ -1,0 +1,76 @@
+"""Bodies the OpenAI HTTP API cannot take, through its real ASGI app on a real request lifecycle (tiny-random's
+tokenizer, no workers): each is refused in OpenAI's error shape naming what is wrong and counted as an invalid
+request, never a plain-text 500."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx2
+import pytest
+
+from services.router.http import app as http_app
+from services.router.http.app import openai_app
+from services.router.lifecycle import RequestLifecycle
+from tests.unit.router.router_builder import MODEL, Router
+
+pytestmark = pytest.mark.timeout(60)
+PROMPT = f'"model": "{MODEL}", "prompt": "x", "max_tokens": 2'
+CHAT = f'"model": "{MODEL}", "messages": [{{"role": "user", "content": "x"}}], "max_tokens": 2'
+
+
+@pytest.fixture
+def lifecycle() -> RequestLifecycle:
+    return Router([], no_workers_wait_s=0.1).lifecycle()
+
+
+async def post(lifecycle: RequestLifecycle, path: str, body: bytes) -> httpx2.Response:
+    transport = httpx2.ASGITransport(app=openai_app(lifecycle), raise_app_exceptions=False)
+    async with httpx2.AsyncClient(transport=transport, base_url="http://router") as http:
+        return await http.post(path, content=body, headers={"content-type": "application/json"})
+
+
+def outcomes(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.outcome for r in caplog.records if hasattr(r, "outcome")]
+
+
+BAD_BODIES = [  # raw, as sent: JSON's \u escapes, Python's NaN, integers no float holds
+    ("completions", f'{{{PROMPT}, "temperature": 1{"0" * 400}}}', "temperature"),
+    ("completions", f'{{{PROMPT}, "logit_bias": {{"5": -1{"0" * 400}}}}}', "logit_bias.5"),
+    ("completions", f'{{{PROMPT}, "logit_bias": {{"{"7" * 5000}": 1}}}}', "logit_bias"),
+    ("completions", f'{{{PROMPT}, "temperature": 1e300}}', "temperature"),  # a float, past a float32: the shared path
+    ("completions", f'{{{PROMPT}, "top_p": NaN}}', "top_p"),
+    ("completions", f'{{"model": "{MODEL}", "prompt": "hi \\ud800"}}', "prompt"),
+    ("completions", f'{{{PROMPT}, "stop": ["a", "\\udfff"]}}', "stop[1]"),
+    ("completions", f'{{{PROMPT}, "user": "\\ud800"}}', "user"),
+    ("completions", f'{{{PROMPT}, "\\ud800": 1}}', "\\ud800"),  # an unknown parameter, named as it was escaped
+    ("completions", "[" * 100_000 + "]" * 100_000, "body"),
+    (
+        "chat/completions",
+        f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "\\ud83d"}}]}}',
+        "messages[0].content",
+    ),
+    ("chat/completions", f'{{{CHAT}, "stop": [["a"]]}}', "stop"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), BAD_BODIES, ids=[f"{i}-{p}" for i, (*_, p) in enumerate(BAD_BODIES)])
+async def test_a_bad_value_is_a_400_naming_it_and_counted_invalid(lifecycle, caplog, path, raw, param):
+    with caplog.at_level(logging.INFO, logger="services.router.lifecycle"):
+        r = await post(lifecycle, f"/v1/{path}", raw.encode())
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+    assert outcomes(caplog) == ["invalid"]
+
+
+async def test_a_bug_converting_a_body_is_a_json_500_without_its_text(lifecycle, caplog, monkeypatch):
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("/secret/path of another tenant")
+
+    monkeypatch.setattr(http_app, "parse_request", broken)
+    with caplog.at_level(logging.INFO):
+        r = await post(lifecycle, "/v1/completions", f"{{{PROMPT}}}".encode())
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+    assert "secret" not in r.text and r.json()["error"]["message"].startswith("internal error (error id ")
+    assert outcomes(caplog) == ["failed"]
