@@ -42,7 +42,8 @@ class NoWorkersError(UnavailableError):
 @dataclass(frozen=True)
 class Offer:
     """The best the cluster could do for this request were it idle: what admission tells a request whose
-    SLO asks for less, since no retry can get under it."""
+    SLO asks for less, since no retry can get under it. Over every registered worker (ejected and draining ones
+    too: their absence passes), each at its best speed (Predictor.offer_ttft_s)."""
 
     ttft_s: float  # the smallest own TTFT over the prefill workers
     tpot_s: float  # the smallest one-sequence decode step over the decode workers
@@ -74,9 +75,10 @@ class PlacementPolicy(ABC):
         decodes = colocated or self._workers(Role.DECODE, avoid)
         if not prefills or not decodes:
             raise NoWorkersError(f"no workers to serve: {len(prefills)} prefill, {len(decodes)} decode live")
+        offered = self._registered(colocated=bool(colocated))
         block_size = prefills[0].block_size
         hashes = prefix_hashes(prompt[: len(prompt) - 1], block_size, cache_salt)
-        hits = await self.prefix_index.match([w.worker_id for w in prefills], hashes)
+        hits = await self.prefix_index.match([w.worker_id for w in offered[0]], hashes)
         blocks = -(-(len(prompt) + max_tokens) // block_size)
         prefill, decode = self.choose(prefills, decodes, hits, len(prompt), blocks, tpot_slo_s)
         if colocated:
@@ -91,12 +93,19 @@ class PlacementPolicy(ABC):
             predicted_tpot_s=self.predictor.tpot_s(decode),
             blocks_needed=blocks,
             block_hashes=hashes,
-            offer=self._offer(prefills, decodes, hits, len(prompt)),
+            offer=self._offer(*offered, hits, len(prompt)),
         )
 
     def _workers(self, role: Role, avoid: frozenset[str]) -> list[WorkerState]:
         live = [w for w in self.registry.workers(role) if w.worker_id not in avoid and not w.draining]
         return self.ejections.usable(live)
+
+    def _registered(self, colocated: bool) -> tuple[list[WorkerState], list[WorkerState]]:
+        """Every registered prefill and decode worker, ejected and draining ones too: what the offer is over."""
+        if colocated:
+            every = self.registry.workers(Role.COLOCATED)
+            return every, every
+        return self.registry.workers(Role.PREFILL), self.registry.workers(Role.DECODE)
 
     def _offer(
         self, prefills: list[WorkerState], decodes: list[WorkerState], hits: dict[str, int], prompt_tokens: int
@@ -104,8 +113,8 @@ class PlacementPolicy(ABC):
         p = self.predictor
         bs = prefills[0].block_size
         return Offer(
-            ttft_s=min(p.own_ttft_s(w, prompt_tokens, hits.get(w.worker_id, 0) * bs) for w in prefills),
-            tpot_s=min(p.idle_tpot_s(w) for w in decodes),
+            ttft_s=min(p.offer_ttft_s(w, prompt_tokens, hits.get(w.worker_id, 0) * bs) for w in prefills),
+            tpot_s=min(p.offer_tpot_s(w) for w in decodes),
             kv_blocks=max(w.kv_blocks_total for w in decodes),
         )
 

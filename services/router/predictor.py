@@ -61,6 +61,18 @@ class Predictor:
         """One decode step of this request alone on `w`."""
         return w.profile.decode_step_s(1) * w.speed_factor if w.profile else 0.0
 
+    # What `w` offers at best: its profile as measured idle, or faster where the live corrections say so. They
+    # also rise with contention, which passes; what admission calls impossible must be so at this speed.
+
+    def offer_ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
+        """`own_ttft_s` at `w`'s best speed."""
+        own = w.profile.prefill_s(max(prompt_tokens - cached_tokens, 1)) * min(self.speed(w), 1.0) if w.profile else 0.0
+        return own + self.transfer_s(w, prompt_tokens)
+
+    def offer_tpot_s(self, w: WorkerState) -> float:
+        """`idle_tpot_s` at `w`'s best speed."""
+        return w.profile.decode_step_s(1) * min(w.speed_factor, 1.0) if w.profile else 0.0
+
     def tpot_s(self, w: WorkerState) -> float:
         """The step time once this request joins the batch."""
         return w.profile.decode_step_s(self._running(w) + 1) * w.speed_factor if w.profile else 0.0

@@ -9,6 +9,7 @@ import pytest
 from pdserve.config import RouterConfig
 from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.prefix_hash import prefix_hashes
+from pdserve.protocol.roles import Role
 from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS
 from services.router.calibration import TTFTCalibration
 from services.router.load_tracker import LoadTracker
@@ -153,6 +154,29 @@ def test_explicit_ttft_slo_below_the_idle_cost_is_invalid_naming_the_offer():
     assert "300 ms" in str(info.value)
     with pytest.raises(OverloadedError):  # meets it idle, not behind p0's queue
         r.admit(prompt(500), slo_s=(0.6, 1.0))
+
+
+def test_an_slo_the_idle_profile_meets_is_never_invalid_while_workers_are_slowed_ejected_or_draining():
+    """INVALID_ARGUMENT promises no retry succeeds: it is judged on every registered worker at its profiled speed.
+    A worker slowed by contention (its speed factor, the router's calibration), ejected for a while or draining
+    leaves a request its idle profile meets RESOURCE_EXHAUSTED, with a retry hint."""
+    slo = (0.6, 1.0)  # 510 ms idle for 500 tokens
+    slowed = Router([worker("p0", speed_factor=2.0), worker("d0", "decode", speed_factor=2.0)])
+    assert shed(slowed, prompt(500), "TTFT", slo_s=slo).retry_after_ms >= MIN_RETRY_MS
+    shed(slowed, prompt(100), "TPOT", slo_s=(5.0, 0.03))  # 25 ms idle, 50 ms now
+    calibrated = Router([worker("p0"), worker("d0", "decode")])
+    for _ in range(10):
+        calibrated.predictor.calibration.observe("p0", 0.5, 2.0)
+    shed(calibrated, prompt(500), "TTFT", slo_s=slo)
+    ejected = Router([worker("fast"), worker("slow", speed_factor=3.0), worker("d0", "decode")])
+    ejected.placement.ejections.eject(
+        next(w for w in ejected.registry.workers(Role.PREFILL) if w.worker_id == "fast"), "its call failed"
+    )
+    shed(ejected, prompt(500), "TTFT", slo_s=slo)
+    draining = Router([worker("fast", draining=True), worker("slow", speed_factor=3.0), worker("d0", "decode")])
+    shed(draining, prompt(500), "TTFT", slo_s=slo)
+    with pytest.raises(InvalidRequestError, match="slo.ttft_ms"):  # below the profile: no retry can help
+        draining.admit(prompt(500), slo_s=(0.3, 1.0))
 
 
 def test_explicit_ttft_slo_uses_the_prefix_cache_in_the_offer():
