@@ -17,6 +17,7 @@ from pdserve.client_commands import add_client_commands
 from pdserve.cluster.commands import (
     add_address_flags,
     add_controller_command,
+    add_drain_grace_flag,
     add_fleet_flags,
     add_internal_tls_flags,
     add_router_command,
@@ -91,6 +92,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
         help="join this Ray cluster instead of starting one (the worker actors are then detached)",
     )
     add_internal_tls_flags(up)
+    add_drain_grace_flag(up)
     _add_router_flags(up)
     up.add_argument("--log-level", default=c.log_level, help="DEBUG, INFO, WARNING, ERROR (JSON lines on stderr)")
     up.set_defaults(func=partial(_serve, services=services), command="up")

@@ -187,7 +187,7 @@ class ClusterConfig:
     redis_url: str | None = None  # None: the embedded in-process registry
     router: RouterConfig = RouterConfig()
     max_restarts: int = 3  # per worker actor
-    drain_grace_s: float = 20.0  # on SIGTERM, how long in-flight requests may finish
+    drain_grace_s: float = 20.0  # the router's drain on SIGTERM: how long in-flight requests may finish
     # A worker's drain (SIGTERM to it, or `pdserve drain` without --timeout): how long its in-flight requests may
     # finish before what is left moves to other workers.
     worker_drain_timeout_s: float = 30.0
@@ -219,6 +219,8 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be a TCP port (0: any free one), got {getattr(self, name)}")
         if self.advertise_host in ("0.0.0.0", "::"):
             raise ValueError(f"advertise_host must be an address others can dial, got {self.advertise_host!r}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s must be >= 0 (0: stop at once), got {self.drain_grace_s}")
         if self.rollout_surge_wait_s < 0:
             raise ValueError(f"rollout_surge_wait_s must be >= 0 (0: never surge), got {self.rollout_surge_wait_s}")
 

@@ -103,6 +103,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"engine.device": "tpu"}, "engine/device"),
     ({"router.autoscaling.targetCPUUtilizationPercentage": "150"}, "router/autoscaling/targetCPUUtilizationPercentage"),
     ({"router.autoscaling.maxReplicas": "0"}, "router/autoscaling/maxReplicas"),
+    ({"router.terminationGracePeriodSeconds": "10"}, "router/terminationGracePeriodSeconds"),  # no time to drain
 ]
 
 

@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 
+from pdserve import cli
 from pdserve.build import build_resource
-from pdserve.config import RouterConfig
+from pdserve.config import ClusterConfig, RouterConfig
+from pdserve.flags import flag_values
 from tests.deploy.chart import notes, one, pod_templates, render
 
 Objects = list[dict[str, Any]]
@@ -174,6 +176,20 @@ def test_a_worker_groups_budget_keeps_its_scaling_floor_not_its_install_count(fl
     min_available = budgets["pd-pdserve-decode"]["spec"]["minAvailable"]
     assert min_available == budget
     assert floor - min_available == 1  # disruptions allowed with the group at its floor
+
+
+@pytest.mark.parametrize("grace", [15, 40, 300])
+def test_the_routers_drain_is_what_its_grace_period_leaves(grace: int) -> None:
+    """router.terminationGracePeriodSeconds bounds the preStop sleep, the drain and the stop after it: the router's
+    --drain-grace-s is what the grace period leaves, and liveness (NOT_SERVING while draining) outlasts it."""
+    template = one(render(sets={"router.terminationGracePeriodSeconds": str(grace)}), "Deployment", ROUTER)["spec"]
+    router = container(template["template"])
+    sleep = int(router["lifecycle"]["preStop"]["exec"]["command"][-1])
+    args = cli._parser().parse_args(router["args"])
+    drain = flag_values(ClusterConfig, args)["drain_grace_s"]  # what `pdserve router` drains for
+    assert template["template"]["spec"]["terminationGracePeriodSeconds"] == grace
+    assert drain == grace - sleep - 5 > 0  # 5 s left to stop the server and close the registry
+    assert _window(router["livenessProbe"]) > drain
 
 
 def test_router_reads_its_toml_and_the_contract_flags(rendered: dict[str, Objects], tmp_path: Any) -> None:

@@ -105,6 +105,16 @@ def add_internal_tls_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_drain_grace_flag(p: argparse.ArgumentParser) -> None:
+    """How long a SIGTERMed router lets its streams finish: what a pod's termination grace period leaves it."""
+    p.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=ClusterConfig.drain_grace_s,
+        help="seconds a SIGTERMed router stays NOT_SERVING while its in-flight streams finish, before it stops",
+    )
+
+
 def add_controller_command(sub: Any, run: Run, add_engine_flags: Callable[[argparse.ArgumentParser], None]) -> None:
     c = ClusterConfig
     p = sub.add_parser("controller", help="create and supervise the worker actors in a Ray cluster (no router)")
@@ -137,5 +147,6 @@ def add_router_command(sub: Any, run: Run, add_router_flags: Callable[[argparse.
     )
     add_router_flags(p)
     add_internal_tls_flags(p)
+    add_drain_grace_flag(p)
     p.add_argument("--log-level", default=c.log_level, help="DEBUG, INFO, WARNING, ERROR (JSON lines on stderr)")
     p.set_defaults(func=run, command="router")
