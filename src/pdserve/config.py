@@ -13,6 +13,9 @@ from dataclasses import dataclass, field, replace
 from pdserve.protocol.request_checks import RequestLimits
 from pdserve.protocol.roles import EngineMode, Role
 
+# The largest gRPC message any pdserve server takes or sends, and the router's default for an HTTP body: a 16k-token
+# prompt of ids is ~80 KB, so nothing legitimate nears it.
+MAX_MESSAGE_BYTES = 16 * 2**20
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CLUSTER_MODES = ("disaggregated", "colocated")
 DECODE_GRAPH_MODES = ("auto", "static", "off")
@@ -104,6 +107,9 @@ class RouterConfig:
     prefix_match_budget_s: float = 0.03  # a prefix index slower than this: place as if no prefix were cached
     quota_budget_s: float = 0.05  # shared API-key quotas slower than this: this router's own limits answer
     request_limits: RequestLimits = RequestLimits()  # [router.request_limits] in a TOML file
+    # The OpenAI HTTP API's largest request body (413 past it): it is read and parsed on the loop that relays
+    # every stream, so it is bounded as a gRPC message is.
+    max_http_body_bytes: int = MAX_MESSAGE_BYTES
     first_token_timeout_s: float = 60.0  # no first token by then (and no shorter client deadline): UNAVAILABLE
     stall_timeout_s: float = 5.0  # no message this long after the first: the stream is broken, and migrated
     max_attempts: int = 3  # placements a request may get before its first token (1: never retried)
@@ -128,6 +134,8 @@ class RouterConfig:
             raise ValueError(f"migration_limit must not be negative, got {self.migration_limit}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if self.max_http_body_bytes < 1:
+            raise ValueError(f"max_http_body_bytes must be at least 1, got {self.max_http_body_bytes}")
         for name in ("first_token_timeout_s", "stall_timeout_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")

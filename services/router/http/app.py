@@ -19,7 +19,7 @@ from starlette.types import Send
 
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, generate
-from services.router.http.errors import error_body, error_response
+from services.router.http.errors import BodyTooLargeError, error_body, error_response
 from services.router.http.openai_request import OpenAIRequest, parse_json, parse_request
 from services.router.http.openai_response import Answer, sse_events
 from services.router.lifecycle import RequestLifecycle
@@ -69,7 +69,8 @@ class OpenAIAPI:
         start = time.perf_counter()
         try:
             check_caller(self.lifecycle, request.headers)  # a caller without a valid key learns nothing of the body
-            req = parse_request(parse_json(await request.body()), chat, request.headers.get("x-request-id", ""))
+            body = await _read_body(request, self.lifecycle.config.max_http_body_bytes)
+            req = parse_request(parse_json(body), chat, request.headers.get("x-request-id", ""))
         except Exception as e:  # a bug converting a body is a 500 in OpenAI's shape too, its text only in the log
             self.lifecycle.refused(e, start)
             return error_response(e)
@@ -167,6 +168,20 @@ class OpenAIAPI:
         attributes = {"enduser.id": req.user} if req.user else None
         name = f"POST {request.url.path}"
         return tracer.start_as_current_span(name, parent, kind=trace.SpanKind.SERVER, attributes=attributes)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or BodyTooLargeError as soon as it is known to be past `limit`: from its Content-Length before any
+    of it is read, else once what came would pass it. No more than `limit` bytes are ever held."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise BodyTooLargeError(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        if len(body) + len(chunk) > limit:
+            raise BodyTooLargeError(limit)
+        body += chunk
+    return bytes(body)
 
 
 async def _disconnected(request: Request) -> None:

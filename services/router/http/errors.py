@@ -19,8 +19,18 @@ from pdserve.rpc.errors import internal_error_message
 from services.router.generation import ModelNotFoundError
 from services.router.http.openai_request import openai_param
 
+
+class BodyTooLargeError(InvalidRequestError):
+    """A body past the router's `max_http_body_bytes`: a 413, and the connection closes, since the rest of the body
+    is never read."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__("body", f"is larger than this router's limit of {limit} bytes")
+
+
 _STATUS: list[tuple[type[BaseException], int, str]] = [  # the first match wins: a subclass before its base
     (ModelNotFoundError, 404, "not_found_error"),
+    (BodyTooLargeError, 413, "invalid_request_error"),
     (InvalidRequestError, 400, "invalid_request_error"),
     (UnauthenticatedError, 401, "authentication_error"),
     (PermissionDeniedError, 403, "permission_error"),
@@ -41,6 +51,8 @@ def error_body(exc: BaseException, max_tokens_param: str = "max_tokens") -> tupl
         param = openai_param(exc.field, max_tokens_param)
         message = f"{param}: {message.split(': ', 1)[1]}" if ": " in message else message
         code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None
+        if isinstance(exc, BodyTooLargeError):
+            headers = {"connection": "close"}
     elif isinstance(exc, PermissionDeniedError):
         param = openai_param(exc.field, max_tokens_param)
     elif isinstance(exc, OverloadedError):

@@ -11,6 +11,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.addresses import candidate_ports, join
+from pdserve.config import MAX_MESSAGE_BYTES
 from pdserve.rpc.cluster_auth import ClusterAuthServerInterceptor, cluster_client_interceptors
 from pdserve.rpc.credentials import (
     ClientCredentials,
@@ -22,7 +23,6 @@ from pdserve.rpc.credentials import (
 from pdserve.rpc.errors import ErrorMappingInterceptor
 from pdserve.security.cluster_secret import ClusterSecret
 
-MAX_MESSAGE_BYTES = 16 * 2**20  # explicit: a 16k-token prompt of ids is ~80 KB; nothing legitimate nears this
 _MESSAGE_SIZES = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -5,6 +5,7 @@ request, never a plain-text 500."""
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 
 import httpx2
 import pytest
@@ -74,3 +75,56 @@ async def test_a_bug_converting_a_body_is_a_json_500_without_its_text(lifecycle,
     assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
     assert "secret" not in r.text and r.json()["error"]["message"].startswith("internal error (error id ")
     assert outcomes(caplog) == ["failed"]
+
+
+class Upload:
+    """A request body sent in chunks, counting how many the server took."""
+
+    def __init__(self, chunk: bytes, chunks: int) -> None:
+        self.chunk, self.chunks, self.taken = chunk, chunks, 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for _ in range(self.chunks):
+            self.taken += 1
+            yield self.chunk
+
+
+async def upload(lifecycle: RequestLifecycle, body: Upload, headers: dict[str, str]) -> httpx2.Response:
+    transport = httpx2.ASGITransport(app=openai_app(lifecycle), raise_app_exceptions=False)
+    async with httpx2.AsyncClient(transport=transport, base_url="http://router") as http:
+        return await http.post("/v1/completions", content=body, headers=headers)
+
+
+LIMIT = 1000
+
+
+@pytest.fixture
+def limited() -> RequestLifecycle:
+    return Router([], no_workers_wait_s=0.1, max_http_body_bytes=LIMIT).lifecycle()
+
+
+def too_large(r: httpx2.Response) -> None:
+    assert r.status_code == 413, r.text
+    assert r.json()["error"] == {
+        "message": f"body: is larger than this router's limit of {LIMIT} bytes",
+        "type": "invalid_request_error",
+        "param": "body",
+        "code": None,
+    }
+    assert r.headers["connection"] == "close"  # the rest of the body is never read
+
+
+async def test_a_content_length_past_the_limit_is_a_413_before_any_of_the_body_is_read(limited, caplog):
+    body = Upload(b" " * 100, 1000)
+    with caplog.at_level(logging.INFO, logger="services.router.lifecycle"):
+        too_large(await upload(limited, body, {"content-length": str(LIMIT + 1)}))
+    assert body.taken == 0 and outcomes(caplog) == ["invalid"]
+
+
+async def test_a_body_without_a_length_is_refused_once_what_came_would_pass_the_limit(limited, caplog):
+    body = Upload(b" " * 100, 10**6)  # 100 MB, chunked
+    with caplog.at_level(logging.INFO, logger="services.router.lifecycle"):
+        too_large(await upload(limited, body, {}))
+    assert body.taken == LIMIT // 100 + 1 and outcomes(caplog) == ["invalid"]  # what came to the limit, and one more
+    at_limit = await upload(limited, Upload(b" " * 100, LIMIT // 100), {})
+    assert at_limit.status_code == 400 and at_limit.json()["error"]["param"] == "body"  # read, then not JSON
