@@ -21,6 +21,16 @@ def pod_ip() -> str | None:
     return os.environ.get("POD_IP") or None
 
 
+def pod_namespace() -> str | None:
+    """POD_NAMESPACE (Kubernetes' downward API): the namespace a process in a pod runs in."""
+    return os.environ.get("POD_NAMESPACE") or None
+
+
+def raycluster() -> str | None:
+    """PDSERVE_RAYCLUSTER: the RayCluster a chart's pod belongs to, as the chart rendered its name; None: unknown."""
+    return os.environ.get("PDSERVE_RAYCLUSTER") or None
+
+
 def build() -> str | None:
     """PDSERVE_BUILD: the deployment's name for this build (the chart: the image reference); None: unnamed."""
     return os.environ.get(BUILD_VAR) or None

@@ -134,8 +134,20 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wait", action="store_true", help="--addr: return once the counts serve (new ones warmed up)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits")
     p.add_argument("--kubernetes", action="store_true", help="patch the Helm release's RayCluster worker groups")
-    p.add_argument("--release", default="pdserve", help="the Helm release name")
-    p.add_argument("--namespace", default="default", help="the release's namespace")
+    named = p.add_mutually_exclusive_group()
+    named.add_argument(
+        "--raycluster",
+        help="the RayCluster's name (default: $PDSERVE_RAYCLUSTER, set in the chart's controller pod, else the "
+        "chart's name for --release)",
+    )
+    named.add_argument(
+        "--release", help="the Helm release name, without nameOverride/fullnameOverride (default: pdserve)"
+    )
+    p.add_argument(
+        "--namespace",
+        help="the release's namespace (default: in a pod, its own: $POD_NAMESPACE or the service account's; "
+        "else default)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the change (--kubernetes: the JSON patch), make none")
     add_client_flags(p)
     p.set_defaults(func=_scale)
@@ -201,18 +213,18 @@ def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
 
 
 def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
-    from pdserve.planner.kube_scale import apply_patch, raycluster_name, replicas_patch
+    from pdserve.planner.kube_scale import apply_patch, replicas_patch, target_namespace, target_raycluster
 
-    name = raycluster_name(args.release)
+    name, namespace = target_raycluster(args.raycluster, args.release), target_namespace(args.namespace)
     try:
-        patch = replicas_patch(counts) if args.dry_run else apply_patch(name, args.namespace, counts)
+        patch = replicas_patch(counts) if args.dry_run else apply_patch(name, namespace, counts)
     except ValueError as e:
         print(f"pdserve scale: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # the kubernetes client's: no credentials, no such object, refused by the API server
-        print(f"pdserve scale: RayCluster {args.namespace}/{name}: {e}", file=sys.stderr)
+        print(f"pdserve scale: RayCluster {namespace}/{name}: {e}", file=sys.stderr)
         return 1
-    print(f"RayCluster {args.namespace}/{name} (ray.io/v1):", file=sys.stderr)
+    print(f"RayCluster {namespace}/{name} (ray.io/v1):", file=sys.stderr)
     print(json.dumps(patch, indent=1))
     return 0
 

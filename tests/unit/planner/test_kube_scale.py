@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdserve import cli
-from pdserve.planner.kube_scale import GROUPS, raycluster_name, replicas_patch
+from pdserve.planner import kube_scale
+from pdserve.planner.kube_scale import GROUPS, raycluster_name, replicas_patch, target_namespace, target_raycluster
 
 CHART = Path(__file__).resolve().parents[3] / "deploy" / "helm" / "pdserve"
 
@@ -68,3 +69,43 @@ def test_scale_dry_run_prints_the_patch(capsys: pytest.CaptureFixture[str]) -> N
 def test_scale_without_kubernetes_says_what_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["scale", "--prefill", "2", "--decode", "2"]) == 2
     assert "--kubernetes" in capsys.readouterr().err
+
+
+@pytest.fixture
+def outside_a_pod(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No pod environment; the service account's namespace file, absent until a test writes it."""
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    monkeypatch.delenv("PDSERVE_RAYCLUSTER", raising=False)
+    namespace_file = tmp_path / "namespace"
+    monkeypatch.setattr(kube_scale, "SERVICE_ACCOUNT_NAMESPACE", namespace_file)
+    return namespace_file
+
+
+def test_the_namespace_defaults_to_the_pods_own(outside_a_pod: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert target_namespace(None) == "default"
+    outside_a_pod.write_text("serving\n")  # in a pod: beside the service account token
+    assert target_namespace(None) == "serving"
+    monkeypatch.setenv("POD_NAMESPACE", "llm")  # the chart's downward API
+    assert target_namespace(None) == "llm"
+    assert target_namespace("other") == "other"
+
+
+def test_the_raycluster_named_wins_then_the_release_then_the_pods_own(
+    outside_a_pod: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert target_raycluster(None, None) == "pdserve"
+    monkeypatch.setenv("PDSERVE_RAYCLUSTER", "llm")  # the chart's controller pod, fullnameOverride=llm
+    assert target_raycluster(None, None) == "llm"
+    assert target_raycluster(None, "prod") == "prod-pdserve"
+    assert target_raycluster("serving-ray", "prod") == "serving-ray"
+
+
+def test_scale_in_the_controllers_pod_patches_its_own_raycluster(
+    outside_a_pod: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PDSERVE_RAYCLUSTER", "llm")
+    monkeypatch.setenv("POD_NAMESPACE", "serving")
+    assert cli.main(["scale", "--kubernetes", "--dry-run", "--decode", "3"]) == 0
+    assert "serving/llm" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one name or the other
+        cli.main(["scale", "--kubernetes", "--dry-run", "--decode", "3", "--raycluster", "a", "--release", "b"])
