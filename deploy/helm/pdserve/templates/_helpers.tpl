@@ -80,7 +80,8 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{- default (printf "%s-ray-token" (include "pdserve.fullname" .)) .Values.ray.authToken.existingSecret -}}
 {{- end -}}
 
-{{/* A generated secret keeps its value across upgrades (lookup; empty under `helm template`). */}}
+{{/* A generated secret keeps its value across upgrades (lookup). `helm template`, and GitOps tools that render
+with it, cannot look up: each render makes a new value, so there the existing-secret values must be set. */}}
 {{- define "pdserve.keptSecret" -}}
 {{- $old := lookup "v1" "Secret" .ctx.Release.Namespace .name -}}
 {{- if and $old $old.data (hasKey $old.data .key) -}}
