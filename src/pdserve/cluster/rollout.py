@@ -84,7 +84,11 @@ class Rollout:
                     worker_id,
                     differences,
                 )
-            await self.drain(slot)  # raises when it could not: a later pass tries again
+            slot.draining = True  # out of its role's service from now on: no scale-down drains its last peer
+            try:
+                await self.drain(slot)  # raises when it could not: a later pass tries again
+            finally:
+                slot.draining = False  # its state says draining until it leaves, and then it is unlisted
             self._checked[worker_id] = checked
             return worker_id
         return None

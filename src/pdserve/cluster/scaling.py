@@ -3,9 +3,10 @@
 Every few seconds it compares the desired counts (set at the fleet's start and by the router's ScaleWorkers, in the
 registry so that any router and a separate `pdserve controller` agree) with its slots. A worker added gets the next
 `role-i` id and enters placement only once it serves and has warmed up, as at the fleet's start. A worker
-removed is the least loaded of its role: it drains (out of placement at once, its requests finish or move), then
-its actor is killed and its slot dropped. Its slot is marked `leaving` first, so the supervisor neither restarts it
-when its drain ends nor replaces it if it dies meanwhile. No role goes below one worker. Starts and drains run in
+removed is one out of service first (restarting, crash-looping, draining already), else the least loaded of its
+role: it drains (out of placement at once, its requests finish or move), then its actor is killed and its slot
+dropped. Its slot is marked `leaving` first, so the supervisor neither restarts it when its drain ends nor replaces
+it if it dies meanwhile. No role goes below one worker, nor loses its last worker in service. Starts and drains run in
 the background, so a long one never holds up the next change: a start still under way when the count drops again
 is called off before any serving worker drains, and one that does not serve within `START_TIMEOUT_S` (no node can
 host it) is killed, for the next pass to try anew.
@@ -51,13 +52,23 @@ def load_of(state: WorkerState | None) -> tuple[int, int, int]:
     return (state.running + state.waiting, state.queued_prefill_tokens, state.kv_blocks_total - state.kv_blocks_free)
 
 
+def in_service(slot: Slot, state: WorkerState | None) -> bool:
+    """In placement and not draining (a rollout's restart, `pdserve drain`). A listed worker whose state did not
+    answer in time still counts: its routers place on it, and a starved check is no proof it stopped."""
+    return slot.listed and not slot.draining and not (state is not None and state.draining)
+
+
 def pick_leaving(slots: list[Slot], states: dict[str, WorkerState | None], n: int) -> list[Slot]:
-    """The `n` least-loaded of `slots` (one role's); on a tie the highest index (the newest) goes first."""
+    """Up to `n` of one role's `slots` to scale away. First those out of service (restarting, crash-looping, a new
+    actor under way, draining already): an unreachable worker reads as idle, so load alone would keep it and drain
+    a working one. Then the least loaded, on a tie the highest index (the newest); never the last in service."""
 
-    def key(slot: Slot) -> tuple[tuple[int, int, int], int]:
-        return load_of(states.get(slot.spec.worker_id)), -index_of(slot.spec.worker_id)
+    def key(slot: Slot) -> tuple[bool, tuple[int, int, int], int]:
+        state = states.get(slot.spec.worker_id)
+        return in_service(slot, state), load_of(state), -index_of(slot.spec.worker_id)
 
-    return sorted(slots, key=key)[:n]
+    serving = sum(in_service(s, states.get(s.spec.worker_id)) for s in slots)
+    return sorted(slots, key=key)[: min(n, len(slots) - min(1, serving))]
 
 
 class FleetScaler:
@@ -110,16 +121,16 @@ class FleetScaler:
         the next passes count them: a start no longer wanted is called off before any serving worker drains."""
         desired = await self._desired()
         for role in (r for r in self.roles if r in desired):
-            serving = [s for s in self.supervisor.slots.values() if s.spec.role == role and not s.leaving]
+            staying = [s for s in self.supervisor.slots.values() if s.spec.role == role and not s.leaving]
             starting = [s for s in self.starting.values() if s.spec.role == role and not s.leaving]
-            extra = len(serving) + len(starting) - max(1, desired[role])
+            extra = len(staying) + len(starting) - max(1, desired[role])
             for _ in range(-extra):
                 self._spawn(self._start(self._new_slot(role)))
             for slot in sorted(starting, key=lambda s: -index_of(s.spec.worker_id))[: max(0, extra)]:
                 self._call_off(slot)
             extra -= len(starting)
             if extra > 0:
-                for slot in pick_leaving(serving, await self._states(serving), min(extra, len(serving) - 1)):
+                for slot in pick_leaving(staying, await self._states(staying), extra):
                     slot.leaving = True
                     self._spawn(self._remove(slot))
 

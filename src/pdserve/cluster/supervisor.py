@@ -57,6 +57,7 @@ class Slot:
     backoff_s: float = 0.0  # the wait before replacing a replacement that dies unserved; 0 once its actor served
     replace_at: float = 0.0  # set while backing off: no replacement before this time (the supervisor's clock)
     leaving: bool = False  # scaled down: draining for good, never restarted or replaced
+    draining: bool = False  # a rollout's drain (a restart) under way: out of service, though its check may pass
 
 
 class Supervisor:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 
 import pytest
 
 from pdserve.cluster.drain import WorkerDrainedError
+from pdserve.cluster.rollout import Rollout
 from pdserve.cluster.scaling import FleetScaler, next_worker_id, pick_leaving
 from pdserve.cluster.supervisor import Slot, Supervisor
 from pdserve.cluster.worker_spec import WorkerSpec
@@ -82,7 +84,7 @@ class Fleet:
 
     async def drain(self, slot: Slot) -> None:
         self.drained.append(slot.spec.worker_id)
-        assert next(w for w in self.registry.workers() if w.worker_id == slot.spec.worker_id).draining
+        assert all(w.draining for w in self.registry.workers() if w.worker_id == slot.spec.worker_id)
         slot.actor.drained = True
         await self.supervisor.check_all()  # the supervisor sees it drained before the scaler drops it
 
@@ -103,12 +105,67 @@ def test_new_ids_follow_the_highest_index_in_use_across_roles() -> None:
 
 
 def test_the_least_loaded_worker_leaves_and_on_a_tie_the_newest() -> None:
-    slots = [Slot(spec(Role.DECODE, i), None) for i in ("decode-1", "decode-2", "decode-3")]
+    slots = [Slot(spec(Role.DECODE, i), None, listed=True) for i in ("decode-1", "decode-2", "decode-3")]
     states = {i: WorkerState(i, Role.DECODE, "", running=r) for i, r in (("decode-1", 0), ("decode-2", 3))}
     states["decode-3"] = WorkerState("decode-3", Role.DECODE, "", running=1)
     assert [s.spec.worker_id for s in pick_leaving(slots, states, 1)] == ["decode-1"]
     states["decode-3"] = WorkerState("decode-3", Role.DECODE, "", running=0)
     assert [s.spec.worker_id for s in pick_leaving(slots, states, 2)] == ["decode-3", "decode-1"]
+
+
+def test_workers_out_of_service_leave_first_and_the_last_one_in_service_never() -> None:
+    slots = [Slot(spec(Role.DECODE, i), None, listed=True) for i in ("decode-1", "decode-2", "decode-3")]
+    states = {s.spec.worker_id: WorkerState(s.spec.worker_id, Role.DECODE, "", running=3) for s in slots}
+    slots[0].listed = False  # restarting: no state, so it reads as idle
+    states["decode-1"] = None
+    states["decode-2"] = WorkerState("decode-2", Role.DECODE, "", running=5, draining=True)  # `pdserve drain`
+    assert [s.spec.worker_id for s in pick_leaving(slots, states, 3)] == ["decode-1", "decode-2"]
+    states["decode-2"] = WorkerState("decode-2", Role.DECODE, "", running=5)
+    slots[1].draining = True  # a rollout's drain, not yet in its state
+    assert [s.spec.worker_id for s in pick_leaving(slots, states, 3)] == ["decode-1", "decode-2"]
+    slots[1].draining = False
+    assert [s.spec.worker_id for s in pick_leaving(slots, states, 1)] == ["decode-1"]
+    assert [s.spec.worker_id for s in pick_leaving(slots, states, 3)] == ["decode-1", "decode-3"]
+
+
+async def test_a_scale_down_removes_a_restarting_worker_rather_than_the_only_working_one() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 0, "decode-2": 0})
+
+    async def not_started() -> WorkerState:  # Ray restarting it, or its replacement crash-looping
+        raise RuntimeError("worker decode-1 is not started")
+
+    fleet.supervisor.slots["decode-1"].actor.state.answer = not_started
+    await fleet.supervisor.check_all()
+    fleet.registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
+    await fleet.scaler.reconcile()
+    await fleet.scaler.settle()
+    assert fleet.drained == ["decode-1"] and fleet.killed == ["decode-1"]
+    assert fleet.ids() == ["decode-2", "prefill-0"] and fleet.listed() == ["decode-2", "prefill-0"]
+
+
+async def test_a_scale_down_during_a_rollouts_drain_never_drains_the_roles_other_worker() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 4, "decode-2": 0})
+    release = asyncio.Event()
+
+    async def rollout_drain(slot: Slot) -> None:  # its long streams finish meanwhile
+        await release.wait()
+
+    async def spec_of(actor: StandInActor) -> WorkerSpec:  # decode-1 runs an earlier spec
+        return replace(actor.spec, log_level="DEBUG") if actor.spec.worker_id == "decode-1" else actor.spec
+
+    async def no_surge(slot: Slot) -> bool:
+        return False
+
+    rollout = Rollout(fleet.supervisor, spec_of, rollout_drain, no_surge)
+    step = asyncio.create_task(rollout.step())
+    await asyncio.sleep(0.05)
+    fleet.registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
+    await fleet.scaler.reconcile()
+    await fleet.scaler.settle()
+    assert fleet.drained == ["decode-1"] and fleet.killed == ["decode-1"]  # the one already leaving service goes
+    assert fleet.ids() == ["decode-2", "prefill-0"] and fleet.listed() == ["decode-2", "prefill-0"]
+    release.set()
+    assert await step == "decode-1"
 
 
 async def test_scaling_up_lists_each_new_worker_only_once_it_serves() -> None:
