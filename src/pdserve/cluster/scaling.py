@@ -248,7 +248,8 @@ class FleetScaler:
             await self.drain(slot)
         except Exception as e:  # unreachable or dead: what it held moves as after a crash
             log.error("worker %s did not drain (%r); stopping it anyway", name, e)
-        await asyncio.to_thread(self._kill_quietly, slot.actor)
+        if slot.actor is not None:  # none: its new actor was under way, and the supervisor stops that one
+            await asyncio.to_thread(self._kill_quietly, slot.actor)
         try:
             await asyncio.to_thread(self.registry.remove, name)
         except Exception as e:  # Redis down: its key's TTL removes it

@@ -13,7 +13,8 @@ shape; when a replacement dies before it ever served (a start that fails every t
 memory), the next one waits, 10 s doubling up to 5 minutes, as Kubernetes backs off a crash loop. So is one that
 drained (its state raises WorkerDrainedError): a drain means restart, and it costs the slot
 none of Ray's restarts. A slot the fleet scales away (`leaving`) is neither restarted nor replaced: the scaler
-drains it and drops it. No error of one actor ends the loop.
+drains it and drops it, and a new actor that was under way for it meanwhile is killed as it comes. No error of one
+actor ends the loop.
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ class Supervisor:
     async def _check(self, slot: Slot) -> None:
         from ray.exceptions import ActorDiedError
 
-        if slot.actor is None:  # its replacement could not be made: tried again, backing off
-            await self._replace(slot, RuntimeError("no actor: its replacement could not be created"))
+        if slot.actor is None:  # its replacement could not be made: tried again, backing off (unless scaled away)
+            if not slot.leaving:
+                await self._replace(slot, RuntimeError("no actor: its replacement could not be created"))
             return
         if slot.listed and not await _port_open(slot.address):
             await self._unlist(slot, f"its port {slot.address} refuses connections")
@@ -168,23 +170,36 @@ class Supervisor:
         )
         first, longest = REPLACE_BACKOFF_S
         slot.backoff_s, slot.replace_at = min(longest, max(first, 2 * slot.backoff_s)), 0.0
-        slot.actor = None  # the dead actor's handle goes first: Ray frees its name (the worker id) only then
-        try:
-            slot.actor = await asyncio.to_thread(self.new_actor, slot.spec)  # may wait for the name, off the loop
-        except Exception as e:  # its name still held, Ray unreachable: the next check tries again
-            log.error("worker %s: no new actor (%s); trying again", slot.spec.worker_id, _first_line(e))
-            return
-        slot.died = 0
-        self.on_replaced(slot.spec)
+        if await self._new_actor(slot):  # its name still held, Ray unreachable: the next check tries again
+            slot.died = 0
+            self.on_replaced(slot.spec)
 
     async def _restart_drained(self, slot: Slot) -> None:
         log.warning("worker %s drained; a new actor takes its place", slot.spec.worker_id)
         self.kill(slot.actor)
-        slot.actor = None  # as in _replace: the handle goes first so Ray frees the name for the new actor
+        await self._new_actor(slot)  # none made: the next check replaces it, as a dead one
+
+    async def _new_actor(self, slot: Slot) -> bool:
+        """Puts a new actor in `slot`; False when none came. The wait (up to seconds, for the old name) leaves the
+        slot without an actor, unlisted: a scale-down may take it away meanwhile, and then the new actor is killed
+        here, since no one else would ever see it (a detached one would serve on, unsupervised)."""
+        slot.actor = None  # the old actor's handle goes first: Ray frees its name (the worker id) only then
         try:
-            slot.actor = await asyncio.to_thread(self.new_actor, slot.spec)
-        except Exception as e:  # the next check replaces it, as a dead one
+            actor = await asyncio.to_thread(self.new_actor, slot.spec)  # may wait for the name, off the loop
+        except Exception as e:
             log.error("worker %s: no new actor (%s); trying again", slot.spec.worker_id, _first_line(e))
+            return False
+        if slot.leaving:
+            log.warning(
+                "worker %s was scaled away while its new actor was made; stopping that actor", slot.spec.worker_id
+            )
+            try:
+                self.kill(actor)
+            except Exception as e:  # gone already
+                log.info("kill: %r", e)
+            return False
+        slot.actor = actor
+        return True
 
 
 async def _port_open(address: str) -> bool:

@@ -168,6 +168,36 @@ async def test_a_scale_down_during_a_rollouts_drain_never_drains_the_roles_other
     assert await step == "decode-1"
 
 
+async def test_a_new_actor_made_while_a_scale_down_drops_its_slot_is_killed_not_left_serving() -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 0, "decode-2": 5})
+    asked, made_free = threading.Event(), threading.Event()
+    made: list[StandInActor] = []
+    killed: list[StandInActor | None] = []
+
+    def slow_new_actor(s: WorkerSpec) -> StandInActor:  # Ray still freeing the drained actor's name
+        asked.set()
+        made_free.wait(5)
+        made.append(StandInActor(s))
+        return made[-1]
+
+    async def port_closed(slot: Slot) -> None:
+        raise ConnectionError("the drained worker's port refuses connections")
+
+    fleet.supervisor.new_actor, fleet.scaler.drain = slow_new_actor, port_closed
+    fleet.supervisor.kill = fleet.scaler.kill = killed.append
+    drained = fleet.supervisor.slots["decode-1"].actor
+    drained.drained = True  # a rollout drained it: the supervisor restarts it with a new actor
+    check = asyncio.create_task(fleet.supervisor.check_all())
+    await asyncio.to_thread(asked.wait, 5)
+    fleet.registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
+    await fleet.scaler.reconcile()  # decode-1, with no actor meanwhile, is out of service: it goes
+    await fleet.scaler.settle()
+    made_free.set()
+    await check
+    assert fleet.ids() == ["decode-2", "prefill-0"] and len(made) == 1
+    assert killed == [drained, made[0]]  # the new actor too: no slot holds it
+
+
 async def test_scaling_up_lists_each_new_worker_only_once_it_serves() -> None:
     fleet = Fleet({"prefill-0": 0, "decode-1": 0})
     fleet.registry.set_desired_counts({Role.PREFILL: 2, Role.DECODE: 3})

@@ -187,3 +187,17 @@ async def test_a_drained_actor_is_killed_and_a_new_one_takes_its_slot_at_once() 
     assert {w.worker_id for w in registry.workers()} == {"a"}  # out of placement until the new one answers
     await sup.check_all()
     assert {w.worker_id for w in registry.workers()} == {"a", "b"}
+
+
+async def test_a_slot_scaled_away_while_it_had_no_actor_is_never_replaced() -> None:
+    tries: list[str] = []
+
+    def new_actor(spec: WorkerSpec) -> StandInActor:
+        tries.append(spec.worker_id)
+        return StandInActor(spec.worker_id, "ok")
+
+    sup, _ = supervisor({"a": "ok", "b": "ok"}, new_actor)
+    sup.slots["b"].actor, sup.slots["b"].leaving = None, True  # its new actor failed; the scaler took the slot
+    await sup.check_all()
+    await sup.check_all()
+    assert tries == [] and sup.slots["b"].actor is None
