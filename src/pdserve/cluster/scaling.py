@@ -9,7 +9,8 @@ dropped. Its slot is marked `leaving` first, so the supervisor neither restarts 
 it if it dies meanwhile. No role goes below one worker, nor loses its last worker in service. Starts and drains run in
 the background, so a long one never holds up the next change: a start still under way when the count drops again
 is called off before any serving worker drains, and one that does not serve within `START_TIMEOUT_S` (no node can
-host it) is killed, for the next pass to try anew.
+host it) is killed, for the next pass to try anew. So is one still starting when the fleet stops: no one else
+knows its actor, which (detached) would serve on.
 """
 
 from __future__ import annotations
@@ -207,12 +208,17 @@ class FleetScaler:
         killed, and the next pass tries a new one."""
         name = slot.spec.worker_id
         try:
-            slot.actor = await asyncio.to_thread(self.create, slot.spec)
+            await asyncio.to_thread(self._create, slot)
             if placement_wait_s is not None:  # its constructor returns at once: an answer means a node took it
                 await asyncio.wait_for(slot.actor.requested_spec.remote(), placement_wait_s)
             state = None if slot.leaving else await self._serving(slot)
             if state is None or slot.leaving:
                 raise RuntimeError("called off")
+        except asyncio.CancelledError:  # the fleet stops: no one else knows this actor, and a detached one serves on
+            slot.leaving = True  # one still being made is killed as it comes (`_create`)
+            if slot.actor is not None:
+                self._kill_quietly(slot.actor)  # now: an await here could be cancelled in turn
+            raise
         except Exception as e:
             log.log(logging.INFO if slot.leaving else logging.ERROR, "worker %s not started: %r", name, e)
             if slot.actor is not None:
@@ -220,13 +226,20 @@ class FleetScaler:
             return
         finally:
             self.starting.pop(name, None)
+        self.supervisor.slots[name] = slot  # the fleet's from here on, before any await: its stop finds it
+        slot.listed, slot.address = True, state.address
         try:
             await asyncio.to_thread(self.registry.publish, state)
         except Exception as e:  # Redis down: the worker's own heartbeat lists it once Redis answers
             log.warning("could not list worker %s in the registry: %r", name, e)
-        slot.listed, slot.address = True, state.address
-        self.supervisor.slots[name] = slot
         log.warning("worker %s ready at %s (scaled up)", name, state.address)
+
+    def _create(self, slot: Slot) -> None:
+        """In a thread: the actor goes into its slot as soon as made, and is killed here if its start was called off
+        or cancelled meanwhile, since a cancelled start no longer waits for it."""
+        slot.actor = self.create(slot.spec)
+        if slot.leaving:
+            self._kill_quietly(slot.actor)
 
     async def _serving(self, slot: Slot) -> WorkerState:
         return await asyncio.wait_for(asyncio.to_thread(self.await_start, slot), self.start_timeout_s)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -287,6 +289,37 @@ async def test_a_start_that_never_serves_is_killed_after_the_start_timeout() -> 
     await fleet.scaler.reconcile()
     await asyncio.wait_for(fleet.scaler.settle(), 5)
     assert fleet.killed == ["prefill-2"] and fleet.ids() == ["decode-1", "prefill-0"]
+
+
+@pytest.mark.parametrize("phase", ["made", "loading"])
+async def test_a_start_cancelled_as_the_fleet_stops_kills_its_actor(phase: str) -> None:
+    fleet = Fleet({"prefill-0": 0, "decode-1": 0})
+    reached, release = threading.Event(), threading.Event()
+
+    def blocks(then: Callable[[], Any]) -> Callable[..., Any]:
+        def wait(arg: Any) -> Any:
+            reached.set()
+            release.wait(5)
+            return then(arg)
+
+        return wait
+
+    if phase == "made":  # Ray still freeing the name it wants
+        fleet.scaler.create = blocks(StandInActor)
+    else:  # its model loading
+        fleet.scaler.await_start = blocks(lambda slot: slot.actor.worker_state())
+    fleet.registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 2})
+    watcher = asyncio.create_task(fleet.scaler.run(0.05))
+    await asyncio.to_thread(reached.wait, 5)
+    watcher.cancel()  # `pdserve up` / `controller` stopping
+    with pytest.raises(asyncio.CancelledError):
+        await watcher
+    release.set()
+    for _ in range(100):
+        if fleet.killed:
+            break
+        await asyncio.sleep(0.05)
+    assert fleet.killed == ["decode-2"] and not fleet.scaler.starting and fleet.ids() == ["decode-1", "prefill-0"]
 
 
 async def test_a_surge_lists_the_successor_before_the_worker_it_replaces_drains() -> None:
