@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 from pdserve.errors import InvalidRequestError
 from pdserve.security.api_keys import Tenant
+from pdserve.security.quotas import Choices
 from pdserve.v1 import generate_pb2 as pb
 from services.router.lifecycle import RequestLifecycle
 from services.router.ticket import Ticket
@@ -35,11 +36,12 @@ async def generate(
     time_remaining: Callable[[], float | None],
     on_admitted: Callable[[Ticket], Awaitable[None]],
     model: str | None = None,
+    choices: Choices | None = None,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """The request's stream. Everything refused before the first message raises here (InvalidRequestError,
     OverloadedError, UnavailableError, ModelNotFoundError for a `model` not served, and the caller's check
     first of all: UnauthenticatedError, PermissionDeniedError); `on_admitted` runs once it is placed, before
-    anything is relayed."""
+    anything is relayed. `choices`: the request is one of these (the HTTP API's `n`), for its key's quotas."""
     start = time.perf_counter()
     with lifecycle.accounting(start) as caller:
         caller.tenant = check_caller(lifecycle, headers)
@@ -47,7 +49,7 @@ async def generate(
             raise ModelNotFoundError(
                 f"model {model[:128]!r} is not served here; this router serves {lifecycle.served_model!r}"
             )
-        async with lifecycle.quotas.session(caller.tenant) as quota:
+        async with lifecycle.quotas.session(caller.tenant, choices) as quota:
             ticket = await lifecycle.admit(request, start, quota)
             with ticket:
                 await on_admitted(ticket)

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Send
 
+from pdserve.security.quotas import Choices
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, generate
 from services.router.http.errors import BodyTooLargeError, error_body, error_response
@@ -118,23 +119,25 @@ class OpenAIAPI:
         of its own, and each starts once the one before it got its first token: it then meets the prompt in
         that prefill worker's prefix cache (placement prefers the worker holding it, so the prompt is computed
         once), and a prefill queue that admits one such prompt at a time admits every choice in turn. The
-        first choice to fail cancels the others (their KV freed) and raises."""
+        first choice to fail cancels the others (their KV freed, their quota tokens given back) and raises."""
         if req.n == 1:
             async for msg in self._generate(req.message, req, request, headers):
                 yield 0, msg
             return
         queue: asyncio.Queue[tuple[int, pb.GenerateResponse | BaseException | None]] = asyncio.Queue()
         first_token = [asyncio.Event() for _ in range(req.n)]
+        choices = Choices(req.n)
 
         async def run(index: int) -> None:
             try:
                 if index:
                     await first_token[index - 1].wait()
-                async for msg in self._generate(req.choice_message(index), req, request, headers):
+                async for msg in self._generate(req.choice_message(index), req, request, headers, choices):
                     first_token[index].set()
                     queue.put_nowait((index, msg))
                 queue.put_nowait((index, None))
             except Exception as e:
+                choices.failed = True
                 queue.put_nowait((index, e))
 
         tasks = [asyncio.ensure_future(run(i)) for i in range(req.n)]
@@ -154,12 +157,17 @@ class OpenAIAPI:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _generate(
-        self, message: pb.GenerateRequest, req: OpenAIRequest, request: Request, headers: dict[str, str]
+        self,
+        message: pb.GenerateRequest,
+        req: OpenAIRequest,
+        request: Request,
+        headers: dict[str, str],
+        choices: Choices | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         async def on_admitted(ticket: Ticket) -> None:
             headers[PREDICTED_TTFT_HEADER] = str(round(ticket.placement.predicted_ttft_s * 1e3))
 
-        return generate(self.lifecycle, message, request.headers, lambda: None, on_admitted, req.model)
+        return generate(self.lifecycle, message, request.headers, lambda: None, on_admitted, req.model, choices)
 
     def _span(self, request: Request, req: OpenAIRequest) -> AbstractContextManager[trace.Span]:
         """The request's server span, a child of the caller's trace when its `traceparent` header names one;

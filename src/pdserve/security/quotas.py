@@ -1,6 +1,7 @@
 """Per-key limits: requests per second, tokens per minute (prompt + max_tokens, charged at admission) and
 concurrent streams. Over a limit is RESOURCE_EXHAUSTED with a retry hint, because waiting fixes it; a request
-larger than its key's whole minute of tokens is INVALID_ARGUMENT, because no wait does.
+larger than its key's whole minute of tokens is INVALID_ARGUMENT, because no wait does, and so is one asking for
+more choices (the HTTP API's `n`, each a request of its own) than the key lets in at once.
 
 One interface, two stores: `LocalQuotas` keeps the limits in this router's memory (the embedded one-router
 cluster, and the fallback of the other), `RedisQuotas` (redis_quotas.py) shares them between every router of a
@@ -9,6 +10,7 @@ cluster. A `QuotaSession` runs the same steps on either, so the errors are the s
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from abc import ABC, abstractmethod
@@ -27,12 +29,23 @@ def _nothing() -> None:
     return None
 
 
+@dataclass
+class Choices:
+    """The `n` choices of one request, each a request with a session of its own, started one after another (the
+    HTTP API's `n`). They are n streams, n requests and n times the tokens at once, which the key's limits must all
+    let in; when one fails, the others are cancelled, and give back the tokens charged to them: the caller gets the
+    error, not them, and a retry must not find its key's minute spent on what it never got."""
+
+    n: int = 1
+    failed: bool = False  # set by whoever runs them, before it cancels the others
+
+
 class Quotas(ABC):
     """Where the limits are counted. Each call takes what the request needs and returns how to give it back, or
     raises OverloadedError (nothing taken)."""
 
-    def session(self, tenant: Tenant) -> QuotaSession:
-        return QuotaSession(self, tenant)
+    def session(self, tenant: Tenant, choices: Choices | None = None) -> QuotaSession:
+        return QuotaSession(self, tenant, choices or Choices())
 
     @abstractmethod
     async def open_stream(self, tenant: Tenant) -> Release:
@@ -51,16 +64,32 @@ class QuotaSession:
     """One request's hold on its key's limits, from arrival to the end of its stream (an async context manager:
     entering takes the stream and the request, or raises OverloadedError)."""
 
-    def __init__(self, quotas: Quotas, tenant: Tenant) -> None:
+    def __init__(self, quotas: Quotas, tenant: Tenant, choices: Choices) -> None:
         self.tenant = tenant
         self._quotas = quotas
+        self._choices = choices
         self._stream: Release = _nothing
         self._tokens: Release = _nothing
         self._admitted = False
 
     async def __aenter__(self) -> QuotaSession:
+        self._check_choices()
         self._stream = await self._quotas.open_stream(self.tenant)
         return self
+
+    def _check_choices(self) -> None:
+        """More choices than the key's concurrent streams, or than its burst of requests, never all get in."""
+        n, tenant = self._choices.n, self.tenant
+        if tenant.max_concurrent and n > tenant.max_concurrent:
+            raise InvalidRequestError(
+                "n", f"{n} choices are {n} streams at once; API key {tenant.key_name!r} allows {tenant.max_concurrent}"
+            )
+        if tenant.requests_per_second and n > request_bucket_size(tenant):
+            raise InvalidRequestError(
+                "n",
+                f"{n} choices are {n} requests at once; API key {tenant.key_name!r} allows a burst of "
+                f"{request_bucket_size(tenant):g} (requests_per_second {tenant.requests_per_second:g})",
+            )
 
     async def charge_tokens(self, tokens: int) -> None:
         """Prompt + max_tokens of the request against the key's tokens_per_minute."""
@@ -73,6 +102,13 @@ class QuotaSession:
                 f"the prompt plus max_tokens is {tokens} tokens, more than this API key's tokens_per_minute "
                 f"({tpm:g}) allows in one request",
             )
+        n = self._choices.n
+        if tokens * n > tpm:
+            raise InvalidRequestError(
+                "n",
+                f"{n} choices of {tokens} tokens (prompt plus max_tokens) are {tokens * n}, more than this API key's "
+                f"tokens_per_minute ({tpm:g})",
+            )
         self._tokens = await self._quotas.take_tokens(self.tenant, tokens)
 
     def admitted(self) -> None:
@@ -82,9 +118,11 @@ class QuotaSession:
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """The stream slot goes back; tokens charged to a request that was never admitted go back too."""
+        """The stream slot goes back; tokens charged to a request that was never admitted go back too, and so do those
+        of a choice cancelled because another failed."""
         self._stream()
-        if exc is not None and not self._admitted:
+        cancelled_for_another = isinstance(exc, asyncio.CancelledError) and self._choices.failed
+        if exc is not None and (not self._admitted or cancelled_for_another):
             self._tokens()
 
 

@@ -3,11 +3,13 @@ then passes."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.security.api_keys import Tenant
-from pdserve.security.quotas import LocalQuotas
+from pdserve.security.quotas import Choices, LocalQuotas
 
 
 class Clock:
@@ -71,3 +73,76 @@ async def test_an_open_tenant_is_never_limited() -> None:
     for _ in range(1000):
         async with quotas.session(t) as s:
             await s.charge_tokens(10**9)
+
+
+async def test_more_choices_than_a_key_lets_in_at_once_are_invalid_naming_n() -> None:
+    """n choices are n streams, n requests and n times the tokens at once: past a limit no wait lifts, INVALID_ARGUMENT
+    before anything is taken; at the limit, let in."""
+    quotas = LocalQuotas(Clock())
+    for tenant, n in [
+        (Tenant("a", "streams", max_concurrent=2), 3),
+        (Tenant("a", "burst", requests_per_second=2), 3),  # a burst of one second's requests
+        (Tenant("a", "slow", requests_per_second=0.5), 2),  # a burst of one
+    ]:
+        with pytest.raises(InvalidRequestError, match=f"^n: {n} choices") as caught:
+            async with quotas.session(tenant, Choices(n)):
+                pass
+        assert caught.value.field == "n"
+        async with quotas.session(tenant, Choices(n - 1)):  # nothing was taken by the refusal
+            pass
+    tokens = Tenant("a", "tokens", tokens_per_minute=600)
+    with pytest.raises(InvalidRequestError, match="^n: 3 choices of 250 tokens") as caught:
+        async with quotas.session(tokens, Choices(3)) as s:
+            await s.charge_tokens(250)
+    async with quotas.session(tokens, Choices(2)) as s:
+        await s.charge_tokens(250)
+        await s.charge_tokens(250)  # the other choice's
+        s.admitted()
+
+
+async def test_choices_cancelled_because_another_failed_give_their_tokens_back() -> None:
+    """Two choices admitted, the third refused: the caller gets the refusal, so the two cancelled for it are not
+    charged and a retry finds the key's minute as it was. A choice its caller cancelled keeps its charge, as any
+    request does."""
+    clock = Clock()
+    quotas, t = LocalQuotas(clock), Tenant("a", "k", tokens_per_minute=900)
+
+    async def streaming(choices: Choices) -> asyncio.Task[None]:
+        """A choice admitted with 300 tokens, streaming until cancelled."""
+        admitted = asyncio.Event()
+
+        async def run() -> None:
+            async with quotas.session(t, choices) as s:
+                await s.charge_tokens(300)
+                s.admitted()
+                admitted.set()
+                await asyncio.Event().wait()
+
+        task = asyncio.create_task(run())
+        await admitted.wait()
+        return task
+
+    async with quotas.session(t) as other:  # another request of the key: 800 left
+        await other.charge_tokens(100)
+        other.admitted()
+    choices = Choices(3)
+    running = [await streaming(choices), await streaming(choices)]  # 200 left
+    with pytest.raises(OverloadedError):
+        async with quotas.session(t, choices) as s:
+            await s.charge_tokens(300)
+    choices.failed = True
+    for task in running:
+        task.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
+    async with quotas.session(t, Choices(2)) as s:  # the retry: 800 left again, not 200
+        await s.charge_tokens(400)
+        await s.charge_tokens(400)
+        s.admitted()
+
+    clock.now += 60  # a whole minute refilled
+    by_caller = await streaming(Choices(2))
+    by_caller.cancel()  # no choice failed: the caller left
+    await asyncio.gather(by_caller, return_exceptions=True)
+    with pytest.raises(OverloadedError):
+        async with quotas.session(t) as s:
+            await s.charge_tokens(601)

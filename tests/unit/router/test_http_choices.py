@@ -1,0 +1,64 @@
+"""The HTTP API's `n` choices against an API key's quotas, through the real ASGI app, lifecycle and LocalQuotas, and
+a stand-in decode worker: n that the key's limits can never let in at once is a 400 naming `n`, not a 429 no retry
+fixes; a request refused part-way does not keep its cancelled choices' tokens charged to the key."""
+
+from __future__ import annotations
+
+import httpx2
+import pytest
+
+from pdserve.env import CLUSTER_SECRET_VAR
+from pdserve.security.api_keys import KeyTable, Tenant, digest
+from services.router.http.app import openai_app
+from services.router.lifecycle import RequestLifecycle
+from tests.unit.router.router_builder import MODEL, Router, worker
+from tests.unit.router.stand_in_decode import StandInDecode, serving
+
+pytestmark = pytest.mark.timeout(60)
+KEY = "choices-key"
+PROMPT = [5, 6, 7, 8]  # 4 tokens: with max_tokens 196, 200 charged per choice
+
+
+async def complete(lifecycle: RequestLifecycle, n: int, max_tokens: int = 196) -> httpx2.Response:
+    transport = httpx2.ASGITransport(app=openai_app(lifecycle))
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "n": n, "ignore_eos": True}
+    async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+        return await http.post("/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
+
+
+@pytest.fixture
+async def decode(monkeypatch) -> tuple[StandInDecode, str]:
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    stand_in = StandInDecode(gap_s=0.005)
+    async with serving(stand_in) as address:
+        yield stand_in, address
+
+
+def lifecycle(address: str, tenant: Tenant) -> RequestLifecycle:
+    router = Router([worker("p0"), worker("d0", "decode", address=address)])
+    return router.lifecycle(KeyTable({digest(KEY): tenant}))
+
+
+async def test_more_choices_than_the_keys_streams_are_a_400_naming_n(decode):
+    stand_in, address = decode
+    lc = lifecycle(address, Tenant("team", "k", max_concurrent=2))
+    r = await complete(lc, n=3)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "n" and "retry-after" not in r.headers
+    assert stand_in.calls == 0  # refused before any choice ran
+    assert (await complete(lc, n=2, max_tokens=4)).status_code == 200
+
+
+async def test_choices_cancelled_by_a_refused_one_give_their_tokens_back(decode):
+    """600 tokens a minute: n=3 of 200 fits the key, but with 200 spent just before, the third choice is refused
+    (429). The two admitted before it are cancelled and their 400 tokens given back, so a retry with n=2 is let in
+    at once instead of being refused for a minute spent on choices the caller never got."""
+    stand_in, address = decode
+    lc = lifecycle(address, Tenant("team", "k", tokens_per_minute=600))
+    assert (await complete(lc, n=1)).status_code == 200  # 400 left
+    refused = await complete(lc, n=3)
+    assert refused.status_code == 429 and "tokens_per_minute" in refused.json()["error"]["message"], refused.text
+    assert lc.in_flight == 0 and stand_in.calls == 1 + 2
+    retried = await complete(lc, n=2)
+    assert retried.status_code == 200, retried.text
+    assert [c["finish_reason"] for c in retried.json()["choices"]] == ["length", "length"]
