@@ -19,8 +19,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from pdserve.cluster.supervisor import CHECK_TIMEOUT_S, Slot, Supervisor
 from pdserve.cluster.worker_spec import WorkerSpec
@@ -32,6 +33,7 @@ SCALE_CHECK_S = 1.0  # how often the desired counts are read: a scale starts wit
 START_TIMEOUT_S = 600.0  # a worker's own wait for its model and warm-up; longer: it cannot start (no node for it)
 DRAIN_ANSWER_SLACK_S = 90.0  # past the drain's own timeout (as the router's `pdserve drain` waits)
 ROUTERS_SEE_S = 4 * VIEW_REFRESH_S  # a worker just listed is in every router's view by then, on a loaded host too
+T = TypeVar("T")
 
 
 def index_of(worker_id: str) -> int:
@@ -70,6 +72,18 @@ def pick_leaving(slots: list[Slot], states: dict[str, WorkerState | None], n: in
 
     serving = sum(in_service(s, states.get(s.spec.worker_id)) for s in slots)
     return sorted(slots, key=key)[: min(n, len(slots) - min(1, serving))]
+
+
+async def _on_own_thread(fn: Callable[[Slot], T], slot: Slot) -> T:
+    """`fn(slot)` on a thread of its own. A start's waits last a model load: on asyncio's shared default pool
+    (min(32, cores + 4) threads) a few starts at once would hold every thread, stalling each `to_thread` of the
+    process (the scaler's reads, the supervisor's registry calls, the router's work in `pdserve up`), and a start
+    queued behind them would spend its timeout waiting for a thread."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=f"start-{slot.spec.worker_id}")
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, slot)
+    finally:
+        pool.shutdown(wait=False)  # its thread ends with `fn`
 
 
 class FleetScaler:
@@ -208,7 +222,7 @@ class FleetScaler:
         killed, and the next pass tries a new one."""
         name = slot.spec.worker_id
         try:
-            await asyncio.to_thread(self._create, slot)
+            await _on_own_thread(self._create, slot)  # may wait seconds for Ray to free the name
             if placement_wait_s is not None:  # its constructor returns at once: an answer means a node took it
                 await asyncio.wait_for(slot.actor.requested_spec.remote(), placement_wait_s)
             state = None if slot.leaving else await self._serving(slot)
@@ -242,7 +256,7 @@ class FleetScaler:
             self._kill_quietly(slot.actor)
 
     async def _serving(self, slot: Slot) -> WorkerState:
-        return await asyncio.wait_for(asyncio.to_thread(self.await_start, slot), self.start_timeout_s)
+        return await asyncio.wait_for(_on_own_thread(self.await_start, slot), self.start_timeout_s)
 
     def _kill_quietly(self, actor: Any) -> None:
         try:

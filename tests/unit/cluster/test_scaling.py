@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -289,6 +290,21 @@ async def test_a_start_that_never_serves_is_killed_after_the_start_timeout() -> 
     await fleet.scaler.reconcile()
     await asyncio.wait_for(fleet.scaler.settle(), 5)
     assert fleet.killed == ["prefill-2"] and fleet.ids() == ["decode-1", "prefill-0"]
+
+
+async def test_workers_loading_their_models_hold_none_of_asyncios_default_threads() -> None:
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(2))  # min(32, cores + 4) on a small host
+    fleet = Fleet({"prefill-0": 0, "decode-1": 0})
+    release = threading.Event()
+    fleet.scaler.await_start = lambda slot: release.wait(10) and slot.actor.worker_state()
+    fleet.registry.set_desired_counts({Role.PREFILL: 3, Role.DECODE: 3})
+    await fleet.scaler.reconcile()
+    await asyncio.sleep(0.2)
+    assert len(fleet.scaler.starting) == 4
+    await asyncio.wait_for(fleet.scaler.reconcile(), 2)  # its read of the counts, on the default pool, answers
+    release.set()
+    await asyncio.wait_for(fleet.scaler.settle(), 5)
+    assert len(fleet.listed()) == 6
 
 
 @pytest.mark.parametrize("phase", ["made", "loading"])
