@@ -18,6 +18,7 @@ from opentelemetry import trace
 from pdserve.config import RouterConfig
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import (
+    ClusterAuthError,
     InvalidRequestError,
     OverloadedError,
     PermissionDeniedError,
@@ -44,6 +45,9 @@ from services.router.ticket import Ticket
 log = logging.getLogger(__name__)
 # The router's own key of the request being served in this context, for its log lines beside the client's id.
 NO_WORKERS_POLL_S = 0.1
+# What a client hears of a worker that refused the router's cluster credentials: which one, where, and why are the
+# operator's (the ejection's log line), not the client's.
+CLUSTER_AUTH_FAILED = "a worker refused this router's cluster credentials; the router's log has the details"
 request_key_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_key", default=None)
 
 
@@ -171,7 +175,9 @@ class RequestLifecycle:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The decode worker's stream. When an attempt fails with UNAVAILABLE the request moves to other workers,
         each attempt with its own ticket: retried as it came before any message reached the caller (up to
-        `max_attempts` placements), migrated with the tokens already streamed after (up to `migration_limit`)."""
+        `max_attempts` placements), migrated with the tokens already streamed after (up to `migration_limit`).
+        A worker that refused the router's cluster credentials is such a failure; when it is the last, the caller
+        gets UNAVAILABLE without its detail."""
         clock = Clock(ticket.started_at, len(ticket.request.prompt_token_ids))
         original, chunks, moves, failed = ticket.request, [], Moves(), set()
         done = False
@@ -189,6 +195,8 @@ class RequestLifecycle:
                     if done:  # the last message is out: a worker lost after it leaves nothing to redo
                         return
                     ticket = await self._move(ticket, e, original, chunks, moves, failed, time_remaining())
+        except ClusterAuthError:
+            raise UnavailableError(CLUSTER_AUTH_FAILED) from None
         finally:
             ticket.release()
 

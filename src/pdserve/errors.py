@@ -23,6 +23,13 @@ class UnavailableError(RuntimeError):
     """No worker can take the request (draining, none registered, a peer lost). -> UNAVAILABLE."""
 
 
+class ClusterAuthError(UnavailableError):
+    """A cluster peer refused this process's cluster credentials on an internal hop (its PDSERVE_CLUSTER_SECRET is
+    another, as mid-rotation). The cluster's fault, never the caller's: the peer is unusable, as a lost one is
+    (UNAVAILABLE: the request moves, the peer is ejected). Its text, which names the peer, is for the log; the
+    router's client is told less."""
+
+
 class UnauthenticatedError(RuntimeError):
     """No credential, or one the server does not know. -> UNAUTHENTICATED."""
 

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from pdserve.errors import (
+    ClusterAuthError,
     InvalidRequestError,
     OverloadedError,
     PermissionDeniedError,
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 StreamHandler = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+# Trailer of an UNAVAILABLE that is a ClusterAuthError further in (a decode worker's prefill call refused), so the
+# router handles it as the one it got itself.
+CLUSTER_AUTH_REFUSED_KEY = "x-pdserve-cluster-auth-refused"
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
@@ -51,7 +55,8 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
 
 
 def error_from_rpc(e: grpc.aio.AioRpcError, peer: str) -> Exception:
-    """A peer's status as the typed error that maps back to the same code; its retry hint is kept."""
+    """A peer's status as the typed error that maps back to the same code; its retry hint is kept. Every peer is
+    a cluster peer, so its UNAUTHENTICATED refused this process, not the caller: a ClusterAuthError."""
     detail = f"{peer}: {e.details()}"
     code = e.code()
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -61,8 +66,14 @@ def error_from_rpc(e: grpc.aio.AioRpcError, peer: str) -> Exception:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError(detail)
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        return UnauthenticatedError(detail)
+        return ClusterAuthError(f"{detail} (UNAUTHENTICATED: it refused this process's cluster credentials)")
+    if code == grpc.StatusCode.UNAVAILABLE and _has(e.trailing_metadata(), CLUSTER_AUTH_REFUSED_KEY):
+        return ClusterAuthError(f"{detail} (UNAVAILABLE)")
     return UnavailableError(f"{detail} ({code.name})")
+
+
+def _has(metadata: Any, key: str) -> bool:
+    return any(k == key for k, _ in metadata or ())
 
 
 def retry_after_ms(metadata: Any) -> int | None:
@@ -87,6 +98,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
         mapped = (grpc.StatusCode.INTERNAL, internal_error_message(exc))
     if isinstance(exc, OverloadedError):
         context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(exc.retry_after_ms)),))
+    if isinstance(exc, ClusterAuthError):
+        context.set_trailing_metadata(((CLUSTER_AUTH_REFUSED_KEY, "1"),))
     await context.abort(*mapped)
 
 

@@ -1,5 +1,6 @@
 """The error interceptor on a real grpc.aio server: a bug's text never reaches the caller, only an id that the
-server's log holds beside it; the auth errors get their own codes; reflection is a switch."""
+server's log holds beside it; the auth errors get their own codes, and a cluster peer's refusal of this process is a
+peer it cannot use on every hop; reflection is a switch."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from pdserve.errors import PermissionDeniedError, UnauthenticatedError
+from pdserve.errors import ClusterAuthError, PermissionDeniedError, UnauthenticatedError, UnavailableError
+from pdserve.rpc.cluster_auth import cluster_client_interceptors
+from pdserve.rpc.errors import error_from_rpc
 from pdserve.rpc.server import Server, channel
+from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
 
 SECRET = "/home/alice/.ssh/id_rsa other-tenant-prompt"
+PREFILL = "prefill worker 10.1.2.3:50062"
 
 
 class Raising(generate_pb2_grpc.GenerationServicer):
@@ -25,19 +30,23 @@ class Raising(generate_pb2_grpc.GenerationServicer):
             raise UnauthenticatedError("no API key")
         if request.prompt == "priority":
             raise PermissionDeniedError("priority", "above this key's cap")
+        if request.prompt == "prefill refused":  # a decode worker whose prefill call was refused
+            raise ClusterAuthError(f"{PREFILL}: internal RPC: not a cluster peer (UNAUTHENTICATED)")
+        if request.prompt == "prefill gone":
+            raise UnavailableError(f"{PREFILL}: connection refused (UNAVAILABLE)")
         raise RuntimeError(SECRET)
         yield pb.GenerateResponse()
 
 
-async def _serve(reflection: bool) -> Server:
-    server = Server("127.0.0.1", 0, reflection=reflection)
+async def _serve(reflection: bool, cluster: ClusterSecret | None = None) -> Server:
+    server = Server("127.0.0.1", 0, reflection=reflection, cluster=cluster)
     server.add(lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(Raising(), s), ["pdserve.v1.Generation"])
     await server.start()
     return server
 
 
-async def _call(address: str, prompt: str) -> grpc.aio.AioRpcError:
-    async with channel(address) as ch:
+async def _call(address: str, prompt: str, cluster: ClusterSecret | None = None) -> grpc.aio.AioRpcError:
+    async with channel(address, cluster_client_interceptors(cluster) if cluster else None) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             async for _ in generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(prompt=prompt)):
                 pass
@@ -93,3 +102,29 @@ async def test_a_message_that_does_not_parse_is_invalid_argument_without_parser_
                 assert caught.value.details().startswith("request:") and "DecodeError" not in caught.value.details()
     finally:
         await server.stop(None)
+
+
+async def test_a_peer_refusing_this_processs_cluster_credentials_is_a_peer_it_cannot_use_on_every_hop() -> None:
+    """A worker on another cluster secret (mid-rotation) answers UNAUTHENTICATED: to its caller, a peer that is
+    unusable (ClusterAuthError, an UnavailableError: moved from, ejected), never the caller's client's credentials.
+    A server that met one passes it on as UNAVAILABLE marked so, naming the peer that refused, so the next hop
+    (the router, from a decode worker's refused prefill call) reads the same error and can blame that peer."""
+    rotated = await _serve(reflection=False, cluster=ClusterSecret(b"rotated"))
+    try:
+        e = await _call(rotated.address, "boom", cluster=ClusterSecret(b"current"))
+        assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+        error = error_from_rpc(e, f"decode worker d0 at {rotated.address}")
+        assert isinstance(error, ClusterAuthError) and not isinstance(error, UnauthenticatedError)
+        assert rotated.address in str(error) and "UNAUTHENTICATED" in str(error)
+    finally:
+        await rotated.stop(None)
+    decode = await _serve(reflection=False)
+    try:
+        e = await _call(decode.address, "prefill refused")
+        assert e.code() == grpc.StatusCode.UNAVAILABLE
+        error = error_from_rpc(e, "decode worker d0")
+        assert isinstance(error, ClusterAuthError) and PREFILL in str(error)
+        gone = error_from_rpc(await _call(decode.address, "prefill gone"), "decode worker d0")
+        assert isinstance(gone, UnavailableError) and not isinstance(gone, ClusterAuthError)
+    finally:
+        await decode.stop(None)
