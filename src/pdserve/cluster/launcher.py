@@ -18,7 +18,7 @@ from pdserve.cluster.actors import WorkerActors
 from pdserve.cluster.factories import WorkerServices
 from pdserve.cluster.rollout import Rollout
 from pdserve.cluster.scaling import FleetScaler, drain_over_rpc
-from pdserve.cluster.supervisor import Slot, Supervisor
+from pdserve.cluster.supervisor import REPLACE_BACKOFF_S, Slot, Supervisor
 from pdserve.cluster.worker_runtime import EXIT_GRACE_S
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import ClusterConfig
@@ -88,9 +88,12 @@ class Cluster:
                 have[spec.role] += 1
         return specs
 
-    def start_workers(self) -> None:
+    def start_workers(self, fail_fast: bool = False) -> None:
         """Records the fleet's desired counts (what `pdserve scale` changes), creates each worker's actor or finds it
-        in the Ray namespace (a restarted controller), and waits until every one serves."""
+        in the Ray namespace (a restarted controller), and waits until every one serves or fails to. One that fails
+        stays out of placement for the supervisor to replace, backing off: a controller that exited instead would
+        be restarted, fail on the same worker again, and leave the healthy ones unsupervised meanwhile. With
+        `fail_fast` (`pdserve up`, whose user waits on the start) it raises instead."""
         self._init_desired_counts()
         self.actors.connect()
         in_namespace = self.actors.found_worker_ids(set(self.config.roles)) if self.actors.detached else []
@@ -101,7 +104,14 @@ class Cluster:
             if existed:
                 found.add(spec.worker_id)
         for worker_id, slot in self.supervisor.slots.items():
-            state = self._await_start(slot)
+            try:
+                state = self._await_start(slot)
+            except Exception as e:
+                if fail_fast:
+                    raise
+                log.error("%s; the supervisor replaces it, backing off", e)
+                slot.backoff_s = REPLACE_BACKOFF_S[0]  # as a replacement that never served
+                continue
             self.registry.publish(state)
             slot.listed, slot.address = True, state.address
             how = f"found running in Ray namespace {self.config.ray_namespace}" if worker_id in found else "started"

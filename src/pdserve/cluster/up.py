@@ -25,7 +25,7 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
     registry, prefix_index = registry_for(config)
     cluster = Cluster(config, services.workers, registry, publish=not config.redis_url)
     try:
-        await asyncio.to_thread(cluster.start_workers)
+        await asyncio.to_thread(cluster.start_workers, fail_fast=True)
     except BaseException:  # a worker that cannot start: stop the others rather than leave them running
         await asyncio.to_thread(cluster.stop_workers)
         raise

@@ -1,4 +1,5 @@
-"""The fleet built from a command line: what its worker specs carry, and which desired counts it starts from."""
+"""The fleet built from a command line: what its worker specs carry, which desired counts it starts from, and that a
+worker that cannot start is left to the supervisor rather than ending a controller."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pdserve import cli
 from pdserve.build import build_resource, current_build
 from pdserve.cluster.actors import BUILD_RESOURCE_SHARE
 from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.supervisor import REPLACE_BACKOFF_S, Slot
 from pdserve.protocol.roles import Role
+from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryRegistry
 
 
@@ -76,3 +79,26 @@ def test_a_fleets_workers_ask_for_its_build_and_with_build_resources_for_nodes_o
     assert 0 < BUILD_RESOURCE_SHARE < 0.01  # a label: many workers of one build fit a node's one unit
     plain = Cluster(cli._cluster_config(cli._parser().parse_args(argv)), lambda c: None, InMemoryRegistry(), False)
     assert plain.actors.actor_options(spec)["resources"] == {"pdserve_prefill": 1}
+
+
+def test_a_controller_whose_worker_cannot_start_goes_on_and_leaves_it_to_the_supervisor() -> None:
+    argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0", "--decode", "2"]
+    registry = InMemoryRegistry()
+    cluster = Cluster(cli._cluster_config(cli._parser().parse_args(argv)), lambda context: None, registry, False)
+    cluster.actors.connect = lambda: None
+    cluster.actors.found_worker_ids = lambda roles: ["decode-1", "decode-2", "prefill-0"]  # a restarted controller
+    cluster.actors.get_or_create = lambda spec: (object(), True)
+
+    def await_start(slot: Slot) -> WorkerState:
+        if slot.spec.worker_id == "decode-2":
+            raise RuntimeError("worker decode-2 failed to start 4 times: no such model")
+        return WorkerState(slot.spec.worker_id, slot.spec.role, f"{slot.spec.worker_id}:1")
+
+    cluster._await_start = await_start
+    cluster.start_workers()
+    assert sorted(w.worker_id for w in registry.workers()) == ["decode-1", "prefill-0"]
+    failed = cluster.supervisor.slots["decode-2"]
+    assert not failed.listed and failed.backoff_s == REPLACE_BACKOFF_S[0]  # replaced as one that never served
+    cluster.supervisor.slots.clear()
+    with pytest.raises(RuntimeError, match="decode-2 failed to start"):
+        cluster.start_workers(fail_fast=True)  # `pdserve up`: its user waits on the start
