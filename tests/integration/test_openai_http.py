@@ -9,6 +9,7 @@ arrives alone and sheds the ones queued behind another: requests here go one at 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import signal
 import time
@@ -183,6 +184,44 @@ def test_a_bad_chat_parameter_is_a_400_naming_it(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**request)
     assert e.value.param == param, e.value.message
+
+
+RAW_BODIES = [  # as sent on the wire: no SDK would serialize these
+    (f'{{"model": "{MODEL}", "prompt": "x", "temperature": 1{"0" * 400}}}', "temperature"),
+    (f'{{"model": "{MODEL}", "prompt": "\\ud800"}}', "prompt"),
+    ("[" * 100_000 + "]" * 100_000, "body"),
+]
+
+
+def test_a_raw_body_no_parameter_takes_is_a_400_and_one_past_the_size_limit_a_413(cluster, client):
+    """Through the real HTTP server: values JSON allows and no parameter takes are OpenAI-shaped 400s naming the
+    parameter, counted invalid; a Content-Length past the 16 MiB limit is a 413 before any of it is sent; the
+    router serves on."""
+    before = scrape(cluster.metrics_url)
+    host = cluster.base_url.removeprefix("http://").removesuffix("/v1")
+    for raw, param in RAW_BODIES:
+        status, body, _ = post_raw(host, raw.encode())
+        assert (status, body["error"]["param"], body["error"]["type"]) == (400, param, "invalid_request_error"), body
+    status, body, headers = post_raw(host, b"", content_length=16 * 2**20 + 1)
+    assert (status, body["error"]["param"], headers["connection"]) == (413, "body", "close"), body
+    after = scrape(cluster.metrics_url)
+    invalid = total(after, "pdserve_requests_total", outcome="invalid")
+    assert invalid - total(before, "pdserve_requests_total", outcome="invalid") == len(RAW_BODIES) + 1
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].finish_reason
+
+
+def post_raw(host: str, body: bytes, content_length: int | None = None) -> tuple[int, dict, dict[str, str]]:
+    """(status, JSON body, headers) of a POST /v1/completions of these bytes under this Content-Length."""
+    conn = http.client.HTTPConnection(host, timeout=30)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("content-type", "application/json")
+        conn.putheader("content-length", str(len(body) if content_length is None else content_length))
+        conn.endheaders(body)
+        r = conn.getresponse()
+        return r.status, json.loads(r.read()), {k.lower(): v for k, v in r.getheaders()}
+    finally:
+        conn.close()
 
 
 def test_a_burst_is_shed_with_retry_after(cluster):
