@@ -8,8 +8,9 @@ more `max_tokens` than they get) or, in a window where none finished, from `max_
 re-plans that load with the planner's simulator: the fewest workers (2 up to the cap) whose best split sustains
 the observed rate at the SLO attainment target, and that split; an idle window recommends the smallest cluster,
 one worker per role. A recommendation becomes a scale only after it came `consecutive` times in a row (one busy
-window is not a trend) and the last scale is `cooldown_s` old (a scale changes the load each worker sees, and new
-workers need time to warm up before their effect shows).
+window is not a trend) and the last scale applied is `cooldown_s` old (a scale changes the load each worker sees,
+and new workers need time to warm up before their effect shows). A scale that failed changed nothing: no cooldown,
+and the next decision may try it again.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ class Decision:
 @dataclass
 class Hysteresis:
     """Acts on a recommendation that differs from the current counts only after `consecutive` in a row, and only
-    once `cooldown_s` passed since the last change it made."""
+    once `cooldown_s` passed since the last change `applied` recorded."""
 
     consecutive: int
     cooldown_s: float
@@ -145,5 +146,9 @@ class Hysteresis:
         left = self.cooldown_s - (now_s - self._changed_at_s)
         if left > 0:
             return Decision(None, f"cooling down for {left:.1f} s more")
-        self._pending, self._streak, self._changed_at_s = None, 0, now_s
         return Decision(dict(recommended), "recommended consistently")
+
+    def applied(self, now_s: float) -> None:
+        """The scale a decision asked for was made: the cooldown runs from now, and the next change needs a new
+        streak. Not called for one that failed, so the next decision asks for it again."""
+        self._pending, self._streak, self._changed_at_s = None, 0, now_s

@@ -17,7 +17,7 @@ import grpc
 
 from pdserve.planner.autoscale import Admitted, Decision, Hysteresis, LoadWindow, bounded, recommend_counts
 from pdserve.planner.hardware import HardwareProfile
-from pdserve.planner.live_scale import all_counts, cluster_status, scale_workers
+from pdserve.planner.live_scale import cluster_status, scale_workers
 from pdserve.planner.plan import SLO
 from pdserve.rpc.credentials import ClientCredentials
 
@@ -56,7 +56,11 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
         now = loop.time()
         counters = (status.admitted_requests, status.admitted_prompt_tokens, status.admitted_max_tokens)
         window.observe(Admitted(now, *counters, status.finished_requests, status.completion_tokens))
-        current = dict(status.desired) or all_counts(status)
+        current = dict(status.desired)
+        if not current:  # its registry did not answer (Redis down); its view of the workers counts draining ones
+            log.warning("no desired worker counts from %s (its registry did not answer): no decision", addr)
+            await _pause(stop, c.interval_s)
+            continue
         if "colocated" in current:
             raise ValueError("autoscale scales a disaggregated cluster's split; this one is colocated")
         load = window.load()
@@ -70,8 +74,9 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
             action = "scale" if decision.target else "hold"
             record = {"load": asdict(load), "current": current, "recommended": recommended, "action": action}
             print(json.dumps({**record, "why": decision.why}), flush=True)
-            if decision.target and not c.dry_run and not stop.is_set():
-                await _scale(addr, credentials, decision.target)
+            target = None if stop.is_set() else decision.target  # stopping: no new scale
+            if target and (c.dry_run or await _scale(addr, credentials, target)):
+                hysteresis.applied(loop.time())  # only a scale made starts the cooldown (a dry run: as if made)
             if c.once:
                 return 0
         await _pause(stop, c.interval_s)
@@ -84,8 +89,11 @@ async def _pause(stop: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(stop.wait(), seconds)
 
 
-async def _scale(addr: str, credentials: ClientCredentials, target: dict[str, int]) -> None:
+async def _scale(addr: str, credentials: ClientCredentials, target: dict[str, int]) -> bool:
+    """Whether the router took the counts; refused or unreachable: the next decision tries again."""
     try:
         await scale_workers(addr, credentials, target)
-    except grpc.aio.AioRpcError as e:  # refused or unreachable: the next decision tries again
+    except grpc.aio.AioRpcError as e:
         log.error("ScaleWorkers %s refused: %s: %s", target, e.code().name, e.details())
+        return False
+    return True

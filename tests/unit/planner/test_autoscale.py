@@ -1,6 +1,7 @@
 """`pdserve autoscale`'s decisions: the load over the window from cumulative counters, the re-planned split (toward
 prefill as prompts grow, toward decode as outputs grow, the smallest cluster when idle, never past the cap), and
-the hysteresis: a recommendation acts only after `consecutive` in a row, and never within the cooldown."""
+the hysteresis: a recommendation acts only after `consecutive` in a row, and never within the cooldown of a scale
+that was made."""
 
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ def test_hysteresis_acts_after_consecutive_equal_recommendations_then_cools_down
     assert h.decide(1, small, small).target is None  # back at the current counts: the streak ends
     assert h.decide(2, small, big).target is None
     assert h.decide(3, small, big).target == big
+    h.applied(3)  # ScaleWorkers took it
     assert h.decide(4, big, small).target is None
     decision = h.decide(5, big, small)
     assert decision.target is None and "cooling down" in decision.why  # two in a row, but 2 s after a change
@@ -91,3 +93,15 @@ def test_a_different_recommendation_restarts_the_streak() -> None:
     assert h.decide(0, current, {"prefill": 2, "decode": 1}).target is None
     assert h.decide(1, current, {"prefill": 1, "decode": 2}).target is None
     assert h.decide(2, current, {"prefill": 1, "decode": 2}).target == {"prefill": 1, "decode": 2}
+
+
+def test_only_a_scale_that_was_made_starts_the_cooldown() -> None:
+    small, big = {"prefill": 1, "decode": 1}, {"prefill": 2, "decode": 2}
+    h = Hysteresis(consecutive=2, cooldown_s=120)
+    assert h.decide(0, small, big).target is None
+    assert h.decide(10, small, big).target == big  # ScaleWorkers UNAVAILABLE: nothing changed
+    assert h.decide(20, small, big).target == big  # asked again at once, not after the cooldown
+    h.applied(20)
+    assert h.decide(30, big, small).target is None
+    assert "cooling down" in h.decide(40, big, small).why
+    assert h.decide(140, big, small).target == small

@@ -1,0 +1,76 @@
+"""`pdserve autoscale`'s loop against a stand-in router: a ScaleWorkers that failed is asked again at the next
+decision, with no cooldown, and no decision is made while the router cannot read the desired counts."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+import pytest
+
+from pdserve.planner import autoscale_loop
+from pdserve.planner.autoscale_loop import AutoscaleConfig, run_autoscale
+from pdserve.planner.plan import SLO
+from pdserve.rpc.credentials import ClientCredentials
+from pdserve.v1 import admin_pb2 as apb
+from tests.unit.planner.synthetic import synthetic_profile
+
+pytestmark = pytest.mark.timeout(30)
+IDLE = dict(admitted_requests=10, admitted_prompt_tokens=1000, admitted_max_tokens=100)  # no new requests: idle
+
+
+class Router:
+    """Answers `statuses` in turn (the last one from then on); records each ScaleWorkers, failing the first
+    `failing` with UNAVAILABLE; ends the loop at its `calls`th status."""
+
+    def __init__(self, statuses: list[apb.ClusterStatusResponse], failing: int = 0, calls: int = 30) -> None:
+        self.statuses, self.failing, self.calls = statuses, failing, calls
+        self.asked = 0
+        self.scaled: list[dict[str, int]] = []
+
+    async def status(self, addr: str, credentials: ClientCredentials) -> apb.ClusterStatusResponse:
+        self.asked += 1
+        if self.asked > self.calls:
+            raise EOFError("enough")
+        return self.statuses[min(self.asked, len(self.statuses)) - 1]
+
+    async def scale(self, addr: str, credentials: ClientCredentials, counts: dict[str, int]) -> Any:
+        self.scaled.append(counts)
+        if len(self.scaled) <= self.failing:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the router is restarting")
+
+
+def config(once: bool = False) -> AutoscaleConfig:
+    return AutoscaleConfig(synthetic_profile(), SLO(1000, 100), 3, 0.01, 0.001, 1, 1000.0, once, dry_run=False)
+
+
+async def run(router: Router, monkeypatch: pytest.MonkeyPatch, once: bool = False) -> None:
+    monkeypatch.setattr(autoscale_loop, "cluster_status", router.status)
+    monkeypatch.setattr(autoscale_loop, "scale_workers", router.scale)
+    if once:
+        assert await run_autoscale("router:50051", ClientCredentials(), config(once=True)) == 0
+    else:
+        with pytest.raises(EOFError):
+            await run_autoscale("router:50051", ClientCredentials(), config())
+
+
+async def test_a_scale_that_failed_is_asked_again_at_the_next_decision_then_cools_down(monkeypatch) -> None:
+    router = Router([apb.ClusterStatusResponse(desired={"prefill": 2, "decode": 2}, **IDLE)], failing=1)
+    await run(router, monkeypatch)
+    assert router.scaled == [{"prefill": 1, "decode": 1}] * 2  # the second made it: no more within the cooldown
+
+
+async def test_no_decision_is_made_while_the_desired_counts_are_unknown(monkeypatch, capsys) -> None:
+    workers = [
+        apb.WorkerStatus(id="prefill-0", role="prefill", health="SERVING"),
+        apb.WorkerStatus(id="decode-1", role="decode", health="SERVING"),
+        apb.WorkerStatus(id="decode-2", role="decode", health="SERVING", draining=True),  # scaled away
+    ]
+    redis_down = apb.ClusterStatusResponse(workers=workers, **IDLE)
+    read = apb.ClusterStatusResponse(workers=workers, desired={"prefill": 1, "decode": 1}, **IDLE)
+    router = Router([redis_down] * 5 + [read])
+    await run(router, monkeypatch, once=True)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["current"] == {"prefill": 1, "decode": 1} and router.asked == 6
+    assert router.scaled == []  # at the recommendation: the draining worker is not one to scale away again
