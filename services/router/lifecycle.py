@@ -175,9 +175,10 @@ class RequestLifecycle:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The decode worker's stream. When an attempt fails with UNAVAILABLE the request moves to other workers,
         each attempt with its own ticket: retried as it came before any message reached the caller (up to
-        `max_attempts` placements), migrated with the tokens already streamed after (up to `migration_limit`).
-        A worker that refused the router's cluster credentials is such a failure; when it is the last, the caller
-        gets UNAVAILABLE without its detail."""
+        `max_attempts` placements), migrated with the tokens already streamed after (up to `migration_limit`),
+        also past a worker that has no room for the stream it was moved to. A worker that refused the router's
+        cluster credentials is such a failure; when it is the last, the caller gets UNAVAILABLE without its
+        detail."""
         clock = Clock(ticket.started_at, len(ticket.request.prompt_token_ids))
         original, chunks, moves, failed = ticket.request, [], Moves(), set()
         done = False
@@ -195,6 +196,14 @@ class RequestLifecycle:
                     if done:  # the last message is out: a worker lost after it leaves nothing to redo
                         return
                     ticket = await self._move(ticket, e, original, chunks, moves, failed, time_remaining())
+                except OverloadedError as e:
+                    if not chunks:  # nothing reached the caller: shed as admission sheds, and a retry may fit
+                        raise
+                    # The worker a stream moved to had no room for it: another may. Else the cluster could not
+                    # recover the stream, which the caller's retry would start over, not continue.
+                    full = UnavailableError(f"{e} (to continue a stream of {sum(map(len, chunks))} tokens)")
+                    args = (original, chunks, moves, failed, time_remaining())
+                    ticket = await self._move(ticket, full, *args, eject=False)
         except ClusterAuthError:
             raise UnavailableError(CLUSTER_AUTH_FAILED) from None
         finally:
@@ -209,11 +218,14 @@ class RequestLifecycle:
         moves: Moves,
         failed: set[str],
         left: float | None,
+        eject: bool = True,
     ) -> Ticket:
         """A new ticket on workers that did not fail the request (the old one released), or `error` raised again
-        when it may not or cannot move (the caller's `finally` releases the old one)."""
+        when it may not or cannot move (the caller's `finally` releases the old one). `eject`: the worker failed,
+        rather than being full, so it leaves placement for a while."""
         worker = blamed_worker(error, ticket.placement)
-        self.placement.ejections.eject(worker, str(error))
+        if eject:
+            self.placement.ejections.eject(worker, str(error))
         failed.add(worker.worker_id)
         streamed = [t for chunk in chunks for t in chunk]
         if not moves.allow(self.config, len(streamed) if chunks else -1, original.sampling.max_tokens, left):

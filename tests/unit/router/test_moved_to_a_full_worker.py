@@ -1,0 +1,83 @@
+"""A stream whose decode worker dies is moved with the tokens already sent; when the worker it moves to has no
+room for it (its reservation refused: RESOURCE_EXHAUSTED), that is not the caller's overload to retry, since a
+retry would start over. Through a real lifecycle against stand-in decode workers on real gRPC servers: the stream
+moves on to a worker with room, without ejecting the full one, or ends UNAVAILABLE."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from pdserve.errors import UnavailableError
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import worker_pb2 as wpb
+from services.router.generation import generate
+from services.router.lifecycle import RequestLifecycle
+from services.router.ticket import Ticket
+from tests.unit.router.router_builder import Router, worker
+from tests.unit.router.stand_in_decode import StandInDecode, serving
+
+pytestmark = pytest.mark.timeout(60)
+MAX_TOKENS = 6
+REQUEST = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(max_tokens=MAX_TOKENS))
+
+
+class DiesAfter(StandInDecode):
+    """Streams `sent` tokens, then fails as a lost worker does."""
+
+    def __init__(self, sent: int) -> None:
+        super().__init__()
+        self.sent = sent
+
+    async def Generate(  # noqa: N802
+        self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self.calls += 1
+        for i in range(self.sent):
+            yield pb.GenerateResponse(token_ids=[3 + i])
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "engine thread is down")
+
+
+class Full(StandInDecode):
+    """Refuses every request as a decode worker whose KV pool cannot reserve the prompt does."""
+
+    async def Generate(  # noqa: N802
+        self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self.calls += 1
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks")
+        yield pb.GenerateResponse()  # unreachable: makes this a stream handler
+
+
+async def stream(lc: RequestLifecycle, out: list[int]) -> None:
+    async def admitted(ticket: Ticket) -> None:
+        pass
+
+    async for msg in generate(lc, REQUEST, {}, lambda: 10.0, admitted):
+        out.extend(msg.token_ids)
+
+
+async def test_a_stream_moved_to_a_full_worker_moves_on_to_one_with_room():
+    dying, full, roomy = DiesAfter(sent=2), Full(), StandInDecode()
+    async with serving(dying) as d0, serving(full) as d1, serving(roomy) as d2:
+        # Placement prefers the most free blocks: the dying worker, then the full one, then the last.
+        workers = [worker("d0", "decode", address=d0), worker("d1", "decode", address=d1, kv_blocks_free=2048)]
+        router = Router([worker("p0"), *workers, worker("d2", "decode", address=d2, kv_blocks_free=1024)])
+        out: list[int] = []
+        await stream(router.lifecycle(), out)
+    assert len(out) == MAX_TOKENS and (dying.calls, full.calls, roomy.calls) == (1, 1, 1)
+    ejected = router.placement.ejections.ejected
+    assert ejected(workers[0]) and not ejected(workers[1])  # full is not failed: it takes other requests
+
+
+async def test_a_stream_with_only_a_full_worker_left_ends_unavailable_not_resource_exhausted():
+    async with serving(DiesAfter(sent=2)) as d0, serving(Full()) as d1:
+        router = Router(
+            [worker("p0"), worker("d0", "decode", address=d0), worker("d1", "decode", address=d1, kv_blocks_free=2048)]
+        )
+        out: list[int] = []
+        with pytest.raises(UnavailableError, match="no free KV blocks"):
+            await stream(router.lifecycle(), out)
+    assert len(out) == 2
