@@ -95,10 +95,13 @@ class RequestLifecycle:
             config.stall_timeout_s,
         )
         self.draining = False
+        self._placing = 0  # requests waiting for their placement (up to no_workers_wait_s), not yet admitted
 
     @property
     def in_flight(self) -> int:
-        return self.admission.in_flight
+        """What a drain waits for: admitted requests, and those still being placed, which get their answer (the
+        drain's UNAVAILABLE, once placed) before the server stops."""
+        return self.admission.in_flight + self._placing
 
     def authenticate(self, metadata: Metadata) -> Tenant:
         """The caller's tenant from its `authorization` metadata (UnauthenticatedError without a known key)."""
@@ -137,11 +140,15 @@ class RequestLifecycle:
         return Ticket(key, client_id, req, placement, started_at, self.tracker, self.admission)
 
     async def _place_and_check(self, req: RoutedRequest) -> Placement:
-        if self.draining:
-            raise UnavailableError("the router is draining; retry on another replica")
+        self._refuse_when_draining()
         ttft_ms, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         with self.telemetry.tracer.start_as_current_span("placement") as span:
-            placement = await self._place_when_served(req, tpot_ms / 1e3)
+            self._placing += 1
+            try:
+                placement = await self._place_when_served(req, tpot_ms / 1e3)
+            finally:
+                self._placing -= 1
+            self._refuse_when_draining()  # it began while the request waited for a worker
             span.set_attribute("prefill.worker.id", placement.prefill_worker.worker_id)
             span.set_attribute("decode.worker.id", placement.decode.worker_id)
             span.set_attribute("cached_tokens", placement.cached_tokens)
@@ -149,6 +156,10 @@ class RequestLifecycle:
         slo = SLOTarget(ttft_ms / 1e3, tpot_ms / 1e3, req.ttft_slo_ms > 0, req.tpot_slo_ms > 0)
         self.admission.check(placement, len(req.prompt_token_ids), req.priority, slo)
         return placement
+
+    def _refuse_when_draining(self) -> None:
+        if self.draining:
+            raise UnavailableError("the router is draining; retry on another replica")
 
     async def _place_when_served(self, req: RoutedRequest, tpot_slo_s: float) -> Placement:
         """A role without any live worker is mostly a moment's gap: the last worker of a role draining while its

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from pdserve.errors import UnavailableError
 from pdserve.security.api_keys import OPEN
 from pdserve.v1 import generate_pb2 as pb
 from services.router.lifecycle import RequestLifecycle
@@ -62,3 +63,18 @@ async def test_a_retry_waits_for_a_remote_view_to_show_a_worker_that_did_not_fai
     start = time.monotonic()
     placement = await lc._place_again(ticket.request, {"d0", "d1"}, 0.2)  # none other comes: within the deadline
     assert placement.decode.worker_id in ("d0", "d1") and time.monotonic() - start >= 0.2
+
+
+async def test_a_drain_counts_a_request_waiting_for_a_worker_and_refuses_it_once_placed() -> None:
+    """A drain that starts while a request waits for its placement waits for it too (the server stops only after
+    its answer), and the request, once a worker is back, is told the router drains instead of being admitted."""
+    router = Router([worker("p0")], no_workers_wait_s=5.0)
+    lc = router.lifecycle()
+    waiting = asyncio.ensure_future(admit(lc, time.monotonic()))
+    await asyncio.sleep(0.2)
+    assert lc.in_flight == 1
+    lc.draining = True
+    router.registry.publish(worker("d0", "decode"))
+    with pytest.raises(UnavailableError, match="draining"):
+        await waiting
+    assert lc.in_flight == 0
