@@ -1,6 +1,7 @@
 """Sending a workload through one backend's session, each request at its arrival offset, in flight at most
-`max_in_flight` at a time. What a request looks like on the wire is the backend's (grpc_backend.py,
-openai_backend.py); the timing of every streamed message goes into the same RequestRecord either way."""
+`max_in_flight` at a time (a request held back by loadgen's own bound, not the user's, is timed from its
+arrival). What a request looks like on the wire is the backend's (grpc_backend.py, openai_backend.py); the
+timing of every streamed message goes into the same RequestRecord either way."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
-from loadgen.record import RequestRecord
+from loadgen.record import EMPTY_STREAM, OK, RequestRecord
 from loadgen.workload import Request
 
 # grpc.aio starts cancelling calls when too many are in flight on one channel (measured: 2,000 unbounded
 # calls gave 140 CANCELLED), so in-flight calls are always bounded: by this when --max-concurrency is not given.
+# Then the bound is ours, not the experiment's: the time a request waits for it counts in its latency.
 DEFAULT_MAX_IN_FLIGHT = 256
 BACKENDS = ("grpc", "openai", "openai-chat")  # as `vllm bench serve --backend` names the OpenAI ones
 
@@ -33,6 +35,7 @@ class Client:
     def __init__(self, backend: Backend, max_concurrency: int | None = None) -> None:
         self.backend = backend
         self.max_in_flight = max_concurrency or DEFAULT_MAX_IN_FLIGHT
+        self.bound_is_ours = max_concurrency is None
 
     async def run(
         self, requests: list[Request], on_done: Callable[[RequestRecord], None] = lambda r: None
@@ -48,7 +51,11 @@ class Client:
                 record = RequestRecord(f"loadgen-{tag}-{i}", req.input_len, req.output_len, req.arrival_s)
                 async with slots:
                     record.start_s = time.perf_counter() - start
+                    if self.bound_is_ours:
+                        record.wait_s = max(0.0, record.start_s - record.scheduled_s)
                     await send(req, record)
+                if record.status == OK and not record.output_tokens:
+                    record.status, record.error = EMPTY_STREAM, "the stream ended without a token"
                 on_done(record)
                 return record
 

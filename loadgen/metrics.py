@@ -1,9 +1,10 @@
 """The metric definitions, as `vllm bench serve` has them, as pure functions of the client's records.
 
-Per request: TTFT is send -> first message carrying tokens; E2EL is send -> last message; TPOT is
+Per request: TTFT is send -> first message carrying tokens; E2EL is send -> last message ("send" is the
+request's arrival when only loadgen's own in-flight bound held it back: RequestRecord.wait_s); TPOT is
 (E2EL - TTFT) / (output tokens - 1), defined for two or more tokens; ITL is each gap between consecutive
-token-carrying messages, spread evenly over the tokens of the later one (a message of k tokens after a
-gap g counts k gaps of g / k), so every token after the first has one ITL whatever the stream's chunking.
+token-carrying messages, one per message however many tokens it carries (vLLM's: what a reader of the stream
+waits between updates; TPOT is the per-token figure).
 A request is good when it completed and meets every goodput bound; goodput is good requests per second
 of the run, SLO attainment the share of all sent requests that were good.
 """
@@ -53,11 +54,12 @@ class GoodputSLO:
 
 
 def ttft_s(record: RequestRecord) -> float | None:
-    return next((t for t, n in zip(record.message_times_s, record.message_tokens, strict=True) if n), None)
+    first = next((t for t, n in zip(record.message_times_s, record.message_tokens, strict=True) if n), None)
+    return None if first is None else record.wait_s + first
 
 
 def e2el_s(record: RequestRecord) -> float | None:
-    return record.message_times_s[-1] if record.message_times_s else None
+    return record.wait_s + record.message_times_s[-1] if record.message_times_s else None
 
 
 def tpot_s(record: RequestRecord) -> float | None:
@@ -68,15 +70,8 @@ def tpot_s(record: RequestRecord) -> float | None:
 
 
 def itls_s(record: RequestRecord) -> list[float]:
-    gaps: list[float] = []
-    previous: float | None = None
-    for t, n in zip(record.message_times_s, record.message_tokens, strict=True):
-        if not n:
-            continue
-        if previous is not None:
-            gaps += [(t - previous) / n] * n
-        previous = t
-    return gaps
+    times = [t for t, n in zip(record.message_times_s, record.message_tokens, strict=True) if n]
+    return [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
 
 
 def is_good(record: RequestRecord, slo: GoodputSLO) -> bool:

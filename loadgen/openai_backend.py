@@ -36,6 +36,16 @@ STATUS_NAMES = {
     503: "UNAVAILABLE",
     504: "DEADLINE_EXCEEDED",
 }
+# The `type` of an error event sent after a stream began (pdserve's, OpenAI's names) -> the status it stands for.
+ERROR_TYPE_STATUS = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "rate_limit_error": 429,
+    "service_unavailable_error": 503,
+    "timeout_error": 504,
+}
 
 
 @dataclass(frozen=True)
@@ -79,8 +89,10 @@ class OpenAIBackend:
                     _failed(record, response.status_code, (await response.aread()).decode(errors="replace"))
                     return
                 async for chunk in _events(response):
-                    if "error" in chunk:  # failed after the stream began
-                        _failed(record, 500, json.dumps(chunk["error"]))
+                    if "error" in chunk:  # failed after the stream began: its type says how, as a status would
+                        error = chunk["error"]
+                        status = ERROR_TYPE_STATUS.get(error.get("type"), 500) if isinstance(error, dict) else 500
+                        _failed(record, status, json.dumps(chunk))
                         return
                     if self._carries_output(chunk):
                         record.message_times_s.append(time.perf_counter() - sent)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 OK = "OK"
 REJECTED = "RESOURCE_EXHAUSTED"  # shed by the router's admission
+EMPTY_STREAM = "EMPTY_STREAM"  # ended OK without a token: failed, as vLLM counts a stream with no valid chunk
 
 
 @dataclass
@@ -15,6 +16,9 @@ class RequestRecord:
     output_len: int  # asked for (max_tokens with ignore_eos)
     scheduled_s: float  # planned send time, from the run's start
     start_s: float = 0.0  # actual send time, from the run's start (later than planned when concurrency is full)
+    # How long it waited to be sent when only loadgen's own in-flight bound held it (no --max-concurrency): part
+    # of its latency, as a client without that bound would have seen it queued at the server instead.
+    wait_s: float = 0.0
     status: str = OK  # a gRPC status code name
     error: str = ""
     message_times_s: list[float] = field(default_factory=list)  # from start_s to each streamed message

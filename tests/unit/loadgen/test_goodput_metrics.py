@@ -24,16 +24,24 @@ def test_one_token_per_message():
     assert metrics.itls_s(r) == pytest.approx([0.1, 0.1, 0.2])
 
 
-def test_chunked_messages_spread_their_gap_over_their_tokens():
+def test_a_message_of_several_tokens_is_one_itl_as_vllm_counts_it():
     # A first message with no tokens (headers only) does not count as the first token; a closing message
-    # without tokens ends E2EL but adds no ITL.
+    # without tokens ends E2EL but adds no ITL. A message of three tokens after 0.3 s is one wait of 0.3 s for
+    # its reader (TPOT is the per-token figure).
     r = stream([0.1, 0.5, 0.6, 0.9, 1.0], [0, 2, 1, 3, 0])
     assert metrics.ttft_s(r) == 0.5
     assert metrics.e2el_s(r) == 1.0
     assert r.output_tokens == 6
     assert metrics.tpot_s(r) == pytest.approx(0.5 / 5)
-    assert metrics.itls_s(r) == pytest.approx([0.1, 0.1, 0.1, 0.1])
-    assert sum(metrics.itls_s(r)) == pytest.approx(0.9 - 0.5)
+    assert metrics.itls_s(r) == pytest.approx([0.1, 0.3])
+
+
+def test_time_held_back_by_loadgens_own_bound_counts_in_ttft_and_e2el_not_in_tpot():
+    r = stream([0.5, 0.6, 0.9], [1, 1, 1])
+    r.wait_s = 0.25
+    assert (metrics.ttft_s(r), metrics.e2el_s(r)) == pytest.approx((0.75, 1.15))
+    assert metrics.tpot_s(r) == pytest.approx(0.2)
+    assert not metrics.is_good(r, GoodputSLO(ttft_ms=600))
 
 
 def test_single_token_has_no_tpot_and_meets_any_tpot_bound():

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
+import httpx2
+import pytest
+
 from loadgen.openai_backend import OpenAIBackend, _fit_tokens
 from loadgen.record import RequestRecord
 from loadgen.workload import Request
@@ -41,3 +46,23 @@ def test_the_usage_count_corrects_one_token_per_chunk():
     unknown = record([1, 1])
     _fit_tokens(unknown, None)  # no usage chunk: one token per chunk stands
     assert unknown.message_tokens == [1, 1]
+
+
+async def stream_of(events: list[dict]) -> RequestRecord:
+    """One request through the backend against a server that sends these SSE events, then [DONE]."""
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    transport = httpx2.MockTransport(lambda request: httpx2.Response(200, text=body))
+    async with httpx2.AsyncClient(base_url="http://h", transport=transport) as http:
+        r = RequestRecord("r", 3, 8, 0.0)
+        await OpenAIBackend("http://h", "m")._stream(http, Request([5, 6, 7], 8), r)
+        return r
+
+
+@pytest.mark.parametrize(
+    ("kind", "status"),
+    [("service_unavailable_error", "UNAVAILABLE"), ("rate_limit_error", "RESOURCE_EXHAUSTED"), ("other", "INTERNAL")],
+)
+async def test_an_error_event_mid_stream_is_counted_under_the_status_its_type_stands_for(kind, status):
+    token = {"choices": [{"index": 0, "text": "a"}]}
+    r = await stream_of([token, {"error": {"message": "worker lost", "type": kind, "param": None, "code": None}}])
+    assert (r.status, r.error, r.message_tokens) == (status, "worker lost", [1])
