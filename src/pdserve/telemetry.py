@@ -27,7 +27,7 @@ from pdserve import env
 
 # Seconds: first tokens and whole requests (TTFT, e2e) span ms to minutes; per-token gaps ms to seconds.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
-TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_id", default=None)
 

@@ -9,8 +9,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from pdserve.config import RouterConfig
 from pdserve.rpc.server import Server, channel
-from pdserve.telemetry import JsonFormatter, Telemetry, default_span_processor, request_id_var
+from pdserve.telemetry import (
+    LATENCY_BUCKETS_S,
+    TOKEN_BUCKETS_S,
+    JsonFormatter,
+    Telemetry,
+    default_span_processor,
+    request_id_var,
+)
 
 
 def test_nothing_exported_without_otel_settings(monkeypatch):
@@ -52,3 +60,13 @@ def test_json_log_lines_carry_the_request_id():
     finally:
         request_id_var.reset(token)
     assert line["msg"] == "done ok" and line["request_id"] == "req-1" and line["outcome"] == "finished"
+
+
+def test_the_slos_the_docs_use_are_histogram_bucket_edges():
+    """SLO attainment is read from the histograms only at a bucket edge: the router's defaults and the SLOs the
+    README's planner and loadgen examples use (TTFT 0.5, 1, 10 s; TPOT 50, 60, 100 ms) must be edges."""
+    config = RouterConfig()
+    for ttft_s in (config.default_ttft_ms / 1e3, 0.5, 1.0, 10.0):
+        assert ttft_s in LATENCY_BUCKETS_S
+    for tpot_s in (config.default_tpot_ms / 1e3, 0.05, 0.06, 0.1):
+        assert tpot_s in TOKEN_BUCKETS_S
