@@ -17,7 +17,7 @@ from pdserve.build import current_build
 from pdserve.cluster.actors import WorkerActors
 from pdserve.cluster.factories import WorkerServices
 from pdserve.cluster.rollout import Rollout
-from pdserve.cluster.scaling import FleetScaler, drain_over_rpc
+from pdserve.cluster.scaling import START_TIMEOUT_S, FleetScaler, drain_over_rpc
 from pdserve.cluster.supervisor import REPLACE_BACKOFF_S, Slot, Supervisor
 from pdserve.cluster.worker_runtime import EXIT_GRACE_S
 from pdserve.cluster.worker_spec import WorkerSpec
@@ -132,17 +132,23 @@ class Cluster:
                 log.info("desired worker counts %s from the flags, which changed (the registry held %s)", own, kept)
         self.registry.set_desired_counts(own, from_flags=True)
 
-    def _await_start(self, slot: Slot) -> WorkerState:
+    def _await_start(self, slot: Slot, timeout_s: float = START_TIMEOUT_S) -> WorkerState:
         """The worker's state once it serves. A failed start is logged with its reason, and Ray restarts the
-        worker (it exits); when its restarts are used up, starting fails instead of waiting forever."""
+        worker (it exits); when its restarts are used up, or it does not serve within `timeout_s` (an actor no node
+        can host waits for one forever), starting fails instead of waiting forever."""
         import ray
-        from ray.exceptions import ActorUnavailableError, RayActorError
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
         worker_id, failures, died = slot.spec.worker_id, 0, 0
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
-                ray.get(slot.actor.wait_ready.remote())
-                return ray.get(slot.actor.state.remote())
+                ray.get(slot.actor.wait_ready.remote(), timeout=max(deadline - time.monotonic(), 0.0))
+                return ray.get(slot.actor.state.remote(), timeout=max(deadline - time.monotonic(), 0.0))
+            except GetTimeoutError:
+                raise RuntimeError(
+                    f"worker {worker_id} did not serve within {timeout_s:g} s (no node for it?)"
+                ) from None
             except ActorUnavailableError:  # Ray is restarting it
                 time.sleep(0.5)
             except RayActorError as e:  # its process died; twice in a row at once: dead for good

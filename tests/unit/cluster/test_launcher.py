@@ -3,6 +3,8 @@ worker that cannot start is left to the supervisor rather than ending a controll
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from pdserve import cli
@@ -102,3 +104,24 @@ def test_a_controller_whose_worker_cannot_start_goes_on_and_leaves_it_to_the_sup
     cluster.supervisor.slots.clear()
     with pytest.raises(RuntimeError, match="decode-2 failed to start"):
         cluster.start_workers(fail_fast=True)  # `pdserve up`: its user waits on the start
+
+
+def test_a_worker_no_node_can_host_fails_its_start_at_the_timeout_instead_of_waiting_forever(monkeypatch) -> None:
+    """Ray leaves an actor no node can host pending for good; the wait for it is bounded, so a controller goes on
+    (the supervisor retries it) and a scaler's start thread ends."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    timeouts: list[float | None] = []
+
+    def pending_forever(ref: object, timeout: float | None = None) -> object:
+        timeouts.append(timeout)
+        raise GetTimeoutError("the actor is pending placement")
+
+    monkeypatch.setattr(ray, "get", pending_forever)
+    argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0"]
+    cluster = Cluster(cli._cluster_config(cli._parser().parse_args(argv)), lambda c: None, InMemoryRegistry(), False)
+    actor = SimpleNamespace(wait_ready=SimpleNamespace(remote=lambda: "ref"))
+    with pytest.raises(RuntimeError, match="prefill-0 did not serve within 0.5 s"):
+        cluster._await_start(Slot(cluster.specs()[0], actor), timeout_s=0.5)
+    assert timeouts and all(t is not None and t <= 0.5 for t in timeouts)
