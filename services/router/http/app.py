@@ -119,7 +119,8 @@ class OpenAIAPI:
         of its own, and each starts once the one before it got its first token: it then meets the prompt in
         that prefill worker's prefix cache (placement prefers the worker holding it, so the prompt is computed
         once), and a prefill queue that admits one such prompt at a time admits every choice in turn. The
-        first choice to fail cancels the others (their KV freed, their quota tokens given back) and raises."""
+        first choice to fail cancels the others (their KV freed) and raises. The first choice charges the key's
+        tokens for all n (`Choices`)."""
         if req.n == 1:
             async for msg in self._generate(req.message, req, request, headers):
                 yield 0, msg
@@ -137,7 +138,6 @@ class OpenAIAPI:
                     queue.put_nowait((index, msg))
                 queue.put_nowait((index, None))
             except Exception as e:
-                choices.failed = True
                 queue.put_nowait((index, e))
 
         tasks = [asyncio.ensure_future(run(i)) for i in range(req.n)]

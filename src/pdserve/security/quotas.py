@@ -10,7 +10,6 @@ cluster. A `QuotaSession` runs the same steps on either, so the errors are the s
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from abc import ABC, abstractmethod
@@ -33,11 +32,12 @@ def _nothing() -> None:
 class Choices:
     """The `n` choices of one request, each a request with a session of its own, started one after another (the
     HTTP API's `n`). They are n streams, n requests and n times the tokens at once, which the key's limits must all
-    let in; when one fails, the others are cancelled, and give back the tokens charged to them: the caller gets the
-    error, not them, and a retry must not find its key's minute spent on what it never got."""
+    let in. The first choice charges the tokens of all n, so they get in together or not at all (a bucket that let
+    in some and refused the next would leave the caller an error for tokens spent); a later one charges nothing.
+    What an admitted choice was charged stays spent however the request ends, as any admitted request's does."""
 
     n: int = 1
-    failed: bool = False  # set by whoever runs them, before it cancels the others
+    charged: bool = False  # the first choice has charged for all n
 
 
 class Quotas(ABC):
@@ -92,9 +92,10 @@ class QuotaSession:
             )
 
     async def charge_tokens(self, tokens: int) -> None:
-        """Prompt + max_tokens of the request against the key's tokens_per_minute."""
+        """Prompt + max_tokens of the request against the key's tokens_per_minute (for all its choices, by the
+        first)."""
         tpm = self.tenant.tokens_per_minute
-        if not tpm:
+        if not tpm or self._choices.charged:
             return
         if tokens > tpm:
             raise InvalidRequestError(
@@ -109,7 +110,8 @@ class QuotaSession:
                 f"{n} choices of {tokens} tokens (prompt plus max_tokens) are {tokens * n}, more than this API key's "
                 f"tokens_per_minute ({tpm:g})",
             )
-        self._tokens = await self._quotas.take_tokens(self.tenant, tokens)
+        self._tokens = await self._quotas.take_tokens(self.tenant, tokens * n)
+        self._choices.charged = True
 
     def admitted(self) -> None:
         """Called once the request is admitted: its tokens stay spent however the stream ends."""
@@ -118,11 +120,9 @@ class QuotaSession:
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """The stream slot goes back; tokens charged to a request that was never admitted go back too, and so do those
-        of a choice cancelled because another failed."""
+        """The stream slot goes back; tokens charged to a request that was never admitted go back too."""
         self._stream()
-        cancelled_for_another = isinstance(exc, asyncio.CancelledError) and self._choices.failed
-        if exc is not None and (not self._admitted or cancelled_for_another):
+        if exc is not None and not self._admitted:
             self._tokens()
 
 

@@ -1,6 +1,6 @@
 """The HTTP API's `n` choices against an API key's quotas, through the real ASGI app, lifecycle and LocalQuotas, and
 a stand-in decode worker: n that the key's limits can never let in at once is a 400 naming `n`, not a 429 no retry
-fixes; a request refused part-way does not keep its cancelled choices' tokens charged to the key."""
+fixes; the key's tokens let all n choices in together or none."""
 
 from __future__ import annotations
 
@@ -49,16 +49,17 @@ async def test_more_choices_than_the_keys_streams_are_a_400_naming_n(decode):
     assert (await complete(lc, n=2, max_tokens=4)).status_code == 200
 
 
-async def test_choices_cancelled_by_a_refused_one_give_their_tokens_back(decode):
-    """600 tokens a minute: n=3 of 200 fits the key, but with 200 spent just before, the third choice is refused
-    (429). The two admitted before it are cancelled and their 400 tokens given back, so a retry with n=2 is let in
-    at once instead of being refused for a minute spent on choices the caller never got."""
+async def test_choices_the_keys_bucket_cannot_hold_together_are_refused_before_any_runs(decode):
+    """600 tokens a minute: n=3 of 200 fits the key, but with 200 spent just before, the bucket cannot hold all
+    three: the request is a 429 before any choice runs (the first charges for all), not two choices run and then
+    cancelled by the refused third; n=2 fits what is left."""
     stand_in, address = decode
     lc = lifecycle(address, Tenant("team", "k", tokens_per_minute=600))
     assert (await complete(lc, n=1)).status_code == 200  # 400 left
     refused = await complete(lc, n=3)
     assert refused.status_code == 429 and "tokens_per_minute" in refused.json()["error"]["message"], refused.text
-    assert lc.in_flight == 0 and stand_in.calls == 1 + 2
-    retried = await complete(lc, n=2)
-    assert retried.status_code == 200, retried.text
-    assert [c["finish_reason"] for c in retried.json()["choices"]] == ["length", "length"]
+    assert lc.in_flight == 0 and stand_in.calls == 1
+    fits = await complete(lc, n=2)
+    assert fits.status_code == 200, fits.text
+    assert [c["finish_reason"] for c in fits.json()["choices"]] == ["length", "length"]
+    assert (await complete(lc, n=1)).status_code == 429  # the minute is spent
