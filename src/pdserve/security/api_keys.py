@@ -21,6 +21,11 @@ OPEN_TENANT = "anonymous"  # the tenant of every request on a cluster started wi
 Metadata = Mapping[str, str] | Iterable[tuple[str, str | bytes]]
 
 
+def _check_number(name: str, value: object, kinds: type | tuple[type, ...]) -> None:
+    if isinstance(value, bool) or not isinstance(value, kinds) or value != value:  # a bool is an int; NaN
+        raise ValueError(f"{name} must be a number, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Tenant:
     """The caller a request was authenticated as: its tenant, the key it used, and that key's caps.
@@ -33,6 +38,18 @@ class Tenant:
     tokens_per_minute: float = 0.0
     max_concurrent: int = 0
     admin: bool = False  # may call the Admin service (pdserve status); an open cluster lets everyone
+
+    def __post_init__(self) -> None:
+        """Each field of its type, each limit >= 0: from a key file, `admin = "false"` would be a true flag,
+        `max_priority = "5"` fail every request, and a negative limit silently mean none."""
+        for name, kind in (("name", str), ("key_name", str), ("admin", bool)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        _check_number("max_priority", self.max_priority, int)
+        for name in ("max_concurrent", "requests_per_second", "tokens_per_minute"):
+            _check_number(name, getattr(self, name), int if name == "max_concurrent" else (int, float))
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: unlimited), got {getattr(self, name)!r}")
 
     def check_admin(self) -> None:
         if not self.admin:
@@ -77,7 +94,7 @@ class KeyTable:
                 raise ValueError(f"{path}: keys[{i}] repeats the name {name!r}; each key needs its own")
             try:
                 tenants[digest] = Tenant(name=entry.pop("tenant"), key_name=name, **entry)
-            except TypeError as e:
+            except (TypeError, ValueError) as e:
                 raise ValueError(f"{path}: keys[{i}]: {e}") from None
         if not tenants:
             raise ValueError(f"{path}: holds no [[keys]]; omit --api-keys to run an open cluster")
