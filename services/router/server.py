@@ -113,12 +113,16 @@ def _quotas(registry: Registry, config: RouterConfig) -> Quotas:
 
 
 def _key_table(config: RouterConfig, host: str, port: int) -> KeyTable | None:
-    """The API keys, or None and a warning: without keys anyone who reaches the port is served, at any priority."""
+    """The API keys, or None and a warning: without keys anyone who reaches the port is served, at any priority,
+    and may call the Admin service (drain, scale)."""
     if config.api_keys_file:
         keys = KeyTable.from_file(config.api_keys_file)
         log.info("API keys required: %d keys from %s", len(keys), config.api_keys_file)
         return keys
     log.warning(
-        "no --api-keys: this cluster is OPEN; anyone who can reach %s:%d may send requests at any priority", host, port
+        "no --api-keys: this cluster is OPEN; anyone who can reach %s:%d may send requests at any priority, and "
+        "drain or scale its workers (the Admin service)",
+        host,
+        port,
     )
     return None

@@ -21,6 +21,7 @@ def test_an_open_cluster_says_so_and_a_keyed_one_counts_its_keys(tmp_path: Path,
     warning, info = caplog.records
     assert warning.levelname == "WARNING" and "cluster is OPEN" in warning.getMessage()
     assert "0.0.0.0:50051" in warning.getMessage() and "1 keys" in info.getMessage()
+    assert "drain or scale" in warning.getMessage()  # the Admin service is open too
     with pytest.raises(ValueError, match="no \\[\\[keys\\]\\]"):
         path.write_text("")
         _key_table(RouterConfig(api_keys_file=str(path)), "h", 1)
