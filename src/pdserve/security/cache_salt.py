@@ -2,6 +2,8 @@
 request's own `cache_salt`, when it sends one), so a tenant never hits, nor times, another tenant's blocks.
 
 The open cluster's anonymous tenant without a request salt keeps the unsalted chain, as before keys existed.
+Salts are keyed with the cluster secret (a key derived from it): a caller of the internal RPCs, who chooses a
+request's salt bytes, cannot compute another tenant's from its name.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ import hashlib
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.request_checks import utf8_len
 from pdserve.security.api_keys import OPEN_TENANT
+from pdserve.security.cluster_secret import ClusterSecret
 
 MAX_CACHE_SALT_BYTES = 256
 
 
-def cache_salt(tenant: str, request_salt: str = "") -> bytes:
-    """16 bytes that differ for every (tenant, request salt) pair; b"" for the anonymous tenant unsalted."""
+def cache_salt(tenant: str, request_salt: str = "", cluster: ClusterSecret | None = None) -> bytes:
+    """16 bytes that differ for every (tenant, request salt) pair, under `cluster`'s secret (default: this
+    process's); b"" for the anonymous tenant unsalted."""
     if utf8_len(request_salt) > MAX_CACHE_SALT_BYTES:
         raise InvalidRequestError(
             "cache_salt", f"{utf8_len(request_salt)} bytes; at most {MAX_CACHE_SALT_BYTES} are accepted"
@@ -25,4 +29,5 @@ def cache_salt(tenant: str, request_salt: str = "") -> bytes:
         return b""
     name = tenant.encode()
     material = len(name).to_bytes(4, "big") + name + request_salt.encode()  # length first: no ambiguous joins
-    return hashlib.blake2b(material, digest_size=16, person=b"pdserve-salt").digest()
+    key = (cluster or ClusterSecret.from_env()).cache_salt_key
+    return hashlib.blake2b(material, digest_size=16, key=key, person=b"pdserve-salt").digest()

@@ -10,6 +10,7 @@ the prefill grants).
   registry; a decode worker dials a prefill address only with a valid grant, so it never dials an address a
   caller made up (server-side request forgery) nor keeps a connection per made-up address.
 - Transfer key: keys the MAC of each KV transfer's control header (transfer/wire.py).
+- Cache-salt key: keys the tenants' prefix-cache salts (security/cache_salt.py).
 Without a secret (in-process tests and benches) every check passes: the same code, an open cluster.
 """
 
@@ -47,6 +48,11 @@ class ClusterSecret:
     @property
     def transfer_key(self) -> bytes:
         return self._derive("kv-transfer-mac")
+
+    @property
+    def cache_salt_key(self) -> bytes:
+        """b"" without a secret: blake2b unkeyed."""
+        return self._derive("cache-salt") if self.enabled else b""
 
     def check_rpc_token(self, presented: str | None) -> bool:
         return not self.enabled or (presented is not None and hmac.compare_digest(presented, self.rpc_token))

@@ -7,6 +7,7 @@ import pytest
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.security.cache_salt import MAX_CACHE_SALT_BYTES, cache_salt
+from pdserve.security.cluster_secret import ClusterSecret
 
 
 def test_salts_separate_tenants_and_request_salts() -> None:
@@ -22,3 +23,13 @@ def test_an_oversized_salt_names_the_field() -> None:
     cache_salt("a", "x" * MAX_CACHE_SALT_BYTES)
     with pytest.raises(InvalidRequestError, match="^cache_salt"):
         cache_salt("a", "x" * (MAX_CACHE_SALT_BYTES + 1))
+
+
+def test_a_salt_is_keyed_with_the_cluster_secret() -> None:
+    """Whoever holds the internal RPC token chooses a request's salt bytes; without the cluster secret it cannot
+    compute another tenant's, so it cannot probe that tenant's cached prefixes."""
+    one, other = ClusterSecret(b"one"), ClusterSecret(b"other")
+    assert cache_salt("acme", cluster=one) != cache_salt("acme", cluster=other)
+    assert cache_salt("acme", cluster=one) != cache_salt("acme", cluster=ClusterSecret())
+    assert cache_salt("acme", cluster=one) == cache_salt("acme", cluster=ClusterSecret(b"one"))
+    assert cache_salt("anonymous", cluster=one) == b""  # the open cluster's unsalted chain is unchanged
