@@ -7,7 +7,8 @@ engine's own overhead, plus what the worker's RPC loop does meanwhile under the 
 prompt handed off, per token streamed); a colocated worker's step holds both, so a prompt's prefill slows
 every decode in its step (the interference disaggregation removes). Prompts are split into chunks of at most
 `long_prefill_chunk` within the step budget of `max_num_batched_tokens`, FIFO. Routing is least-loaded, as
-the router's is when no prefix is shared.
+the router's is when no prefix is shared: the prefill worker with the least predicted wait of the prompts the
+router placed there, counted from their placement, not from when they reach the worker.
 
 A disaggregated request follows the hand-off as the workers run it (services/decode/handoff.py,
 services/prefill/run_and_send.py). Everything a worker's engine does besides stepping is a command its
@@ -84,7 +85,6 @@ class _Worker:
     running: int = 0  # sequences in the decode batch
     incoming: int = 0  # sequences placed here whose KV has not been committed yet
     steps: int = 0  # decode steps run so far: a sequence joining at step j with m tokens to go ends at j + m
-    queued_tokens: int = 0  # prompt tokens not yet prefilled
     placed_tokens: int = 0  # of prompts placed here and not yet prefilled, as the router counts them
     placed_s: float = 0.0  # their prefill time by the profile: the router's predicted wait
     context: int = 0  # tokens of KV the running batch reads per step
@@ -168,7 +168,9 @@ class Simulator:
         need = s.req.input_len + s.req.output_len
         if need > self.p.kv_capacity_tokens:
             return  # never fits: the request fails, as the worker refuses it
-        p = min(self.prefillers, key=lambda w: (w.queued_tokens, w.running))
+        # As the router: a prompt counts from its placement, though in a split it reaches the worker only after the
+        # decode worker's step in flight. Ties go to the first worker, as the router's go by worker id.
+        p = min(self.prefillers, key=lambda w: w.placed_s)
         d = p if self.shape.colocated else min(self.decoders, key=_streams)
         if self.admission and self._sheds(p, d, s.req.input_len):
             self.shed += 1
@@ -196,7 +198,6 @@ class Simulator:
 
     def _enqueue(self, w: _Worker, s: _Seq) -> None:
         w.queue.append(s)
-        w.queued_tokens += s.req.input_len
         self._kick(w)
 
     def _on_step(self, item: tuple[_Worker, int]) -> None:
@@ -210,10 +211,10 @@ class Simulator:
         w.busy_s += self.now - w.started_s
         for s, n in step.chunks:
             s.prefilled += n
-            w.queued_tokens -= n
             if s.prefilled == s.req.input_len:
                 w.placed_tokens -= s.req.input_len
-                w.placed_s -= self.p.perf.prefill_s(s.req.input_len)
+                # none left: exactly idle, so rounding leaves no idle worker looking busier than another
+                w.placed_s = w.placed_s - self.p.perf.prefill_s(s.req.input_len) if w.placed_tokens else 0.0
                 self._prefilled(w, s)
         if step.decoded:
             w.steps += 1

@@ -145,3 +145,13 @@ def test_the_workers_rpc_loops_lengthen_their_engines_steps() -> None:
     loops = Simulator(profile, Shape(prefill=1, decode=1)).run([SimRequest(0.0, 1024, 11)])
     assert loops.ttft_s[0] == pytest.approx(base.ttft_s[0] + per_prompt)
     assert loops.tpot_s[0] == pytest.approx(base.tpot_s[0] + per_token)
+
+
+def test_prompts_arriving_during_a_decode_step_spread_over_the_prefill_workers() -> None:
+    """In a split a prompt reaches its prefill worker only once the decode worker's step in flight ends, but the
+    router counts it from its placement: two prompts arriving during that step go to the two prefill workers."""
+    slow_decode = replace(PERF, decode_fixed_s=1.0)
+    sim = Simulator(synthetic_profile(perf=slow_decode), Shape(prefill=2, decode=1))
+    sim.run([SimRequest(0.0, 16, 5), SimRequest(0.2, 512, 2), SimRequest(0.201, 512, 2)])
+    busy = [w.busy_s for w in sim.prefillers]
+    assert busy == pytest.approx([slow_decode.prefill_s(16) + slow_decode.prefill_s(512), slow_decode.prefill_s(512)])
