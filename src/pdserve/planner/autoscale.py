@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from pdserve.planner import workload
 from pdserve.planner.hardware import HardwareProfile
-from pdserve.planner.plan import SLO, max_rate
+from pdserve.planner.plan import SLO, candidate, recommend
 from pdserve.planner.simulator import Shape
 
 SMALLEST = {"prefill": 1, "decode": 1}
@@ -85,20 +85,21 @@ class LoadWindow:
 def recommend_counts(
     profile: HardwareProfile, load: Load, slo: SLO, max_workers: int, num_requests: int = PLAN_REQUESTS
 ) -> dict[str, int]:
-    """The split of the fewest workers (2..max_workers) that sustains `load` at the SLO: the split with the highest
-    sustainable rate at that size. None sustains it: the best split of `max_workers`."""
+    """The split of the fewest workers (2..max_workers) that sustains `load` at the SLO: the split `pdserve plan`
+    recommends at that size (the highest sustainable rate; on a tie, the better attainment and goodput at the
+    load's rate, then the fewest prefill workers), so the two never disagree. None sustains it: the best split of
+    `max_workers`."""
     if max_workers < 2:
         raise ValueError(f"--max-workers must be at least 2 (a prefill and a decode worker), got {max_workers}")
     if load.idle:
         return dict(SMALLEST)
     lengths = max(1, round(load.input_len)), max(1, round(load.output_len))
     work = workload.synthetic(load.rate, *lengths, num_requests=num_requests)
-    best: tuple[float, Shape] = (-math.inf, Shape(1, 1))
     for k in range(2, max_workers + 1):
-        best = max((max_rate(profile, s, work, slo), s) for s in _splits(k))
-        if best[0] >= load.rate:
+        best = recommend([candidate(profile, s, work, slo) for s in _splits(k)])
+        if best.max_rate >= load.rate:
             break
-    return {"prefill": best[1].prefill, "decode": best[1].decode}
+    return {"prefill": best.shape.prefill, "decode": best.shape.decode}
 
 
 def _splits(workers: int) -> list[Shape]:

@@ -135,21 +135,25 @@ def shapes(workers: int) -> list[Shape]:
     return [Shape(prefill=p, decode=workers - p) for p in range(1, workers)] + [Shape(colocated=workers)]
 
 
+def candidate(
+    profile: HardwareProfile, shape: Shape, workload: Workload, slo: SLO, admission: Admission | None = None
+) -> Candidate:
+    return Candidate(
+        shape,
+        simulate(profile, shape, workload, workload.rate, slo, admission),
+        max_rate(profile, shape, workload, slo, admission),
+    )
+
+
 def plan(
     profile: HardwareProfile, workload: Workload, slo: SLO, workers: int, admission: Admission | None = None
 ) -> list[Candidate]:
-    return [
-        Candidate(
-            s,
-            simulate(profile, s, workload, workload.rate, slo, admission),
-            max_rate(profile, s, workload, slo, admission),
-        )
-        for s in shapes(workers)
-    ]
+    return [candidate(profile, s, workload, slo, admission) for s in shapes(workers)]
 
 
 def recommend(candidates: list[Candidate]) -> Candidate:
-    """The best disaggregated split (what `pdserve scale` can apply)."""
+    """The best disaggregated split (what `pdserve scale` can apply). Where every measure ties (as when no split
+    meets the SLO at any rate), the first in `shapes`' order: the fewest prefill workers."""
     splits = [c for c in candidates if not c.shape.colocated]
     return max(splits, key=lambda c: (c.max_rate, c.at_rate.attainment, c.at_rate.goodput))
 

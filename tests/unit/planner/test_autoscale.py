@@ -66,6 +66,14 @@ def test_a_load_nothing_sustains_gets_the_best_split_of_the_cap() -> None:
         recommend_counts(SLOW_PREFILL, Load(1.0, 400, 4), SLO_, max_workers=1)
 
 
+def test_splits_that_tie_get_the_split_plan_recommends() -> None:
+    """A TPOT SLO under one idle decode step (10 ms): no split meets it at any rate, so all tie at 0 req/s, and at
+    0 attainment and goodput; the cap's first split in plan's order, as `pdserve plan` recommends."""
+    impossible = SLO(ttft_ms=500, tpot_ms=5, attainment=0.9)
+    counts = recommend_counts(synthetic_profile(), Load(2.0, 512, 16), impossible, max_workers=3, num_requests=50)
+    assert counts == {"prefill": 1, "decode": 2}
+
+
 def test_bounds_keep_a_worker_per_role_and_the_cap() -> None:
     assert bounded({"prefill": 0, "decode": 0}, 4) == {"prefill": 1, "decode": 1}
     assert bounded({"prefill": 5, "decode": 2}, 4) == {"prefill": 2, "decode": 2}
