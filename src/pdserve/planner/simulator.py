@@ -16,9 +16,10 @@ engine thread applies between steps, so it waits for the step in flight: the dec
 prompt's blocks, then the prefill worker queues the prompt; once the prompt's last chunk ran, its output names
 the blocks and the prefill worker sends the KV at once; then the decode worker commits the KV and the first
 token reaches the caller, while the prefill worker frees the sent blocks between its own steps. The decode
-worker admits a sequence to its batch only while its whole KV (prompt + output) fits and its batch is under
-`max_num_seqs`. The profile's serving latency (router, RPCs, relay) delays every request without holding
-any worker.
+worker admits a sequence to its batch only while its whole KV (prompt + output) fits; `max_num_seqs` caps, as
+the engine's scheduler does, only a worker that prefills: a new prompt starts while the sequences in its engine
+(in prefill or decoding) are fewer. The profile's serving latency (router, RPCs, relay) delays every request
+without holding any worker.
 
 Where the workers share a host's cores (the profile's `shared_cores`), the cores are shared as the kernel
 shares them, among everything that wants one at the moment (processor sharing): while more wants them than
@@ -274,8 +275,10 @@ class Simulator:
 
     def _admit(self, w: _Worker) -> None:
         """Sequences whose KV is here join the batch while there is room; a decode worker reserves it now.
-        Only between steps: a step in flight runs the batch it started with."""
-        while w.waiting and w.running < self.p.max_num_seqs:
+        Only between steps: a step in flight runs the batch it started with. No `max_num_seqs` here: a decode-only
+        engine adds every committed hand-off to its batch (Engine.commit), and a prompt prefilled here was counted
+        against the cap when it began (`_plan`)."""
+        while w.waiting:
             s = w.waiting[0]
             need = s.req.input_len + s.req.output_len
             if not w.prefills and w.kv_used + need > self.p.kv_capacity_tokens:
@@ -326,17 +329,21 @@ class Simulator:
         return max(1.0, (stepping * threads + self._background_cores) / self.p.shared_cores)
 
     def _plan(self, w: _Worker) -> _Step:
+        """As the engine's scheduler: a new prompt starts only while the sequences in the engine, those part-way
+        through their prefill and those decoding, are under `max_num_seqs`."""
         decoded = w.running if w.decodes else 0
         budget = self.p.max_num_batched_tokens - decoded
         chunks: list[tuple[_Seq, int]] = []
+        in_engine = w.running + len(w.waiting) + sum(s.prefilled > 0 for s in w.queue)
         for s in w.queue if w.prefills else ():
             if budget <= 0:
                 break
             if s.prefilled == 0:  # a new prompt reserves its KV before its first chunk
                 need = s.req.input_len + (s.req.output_len if w.decodes else 0)
-                if w.kv_used + need > self.p.kv_capacity_tokens:
+                if in_engine >= self.p.max_num_seqs or w.kv_used + need > self.p.kv_capacity_tokens:
                     break
                 w.kv_used += need
+                in_engine += 1
             n = min(s.req.input_len - s.prefilled, self.p.long_prefill_chunk, budget)
             chunks.append((s, n))
             budget -= n

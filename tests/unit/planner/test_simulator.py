@@ -155,3 +155,20 @@ def test_prompts_arriving_during_a_decode_step_spread_over_the_prefill_workers()
     sim.run([SimRequest(0.0, 16, 5), SimRequest(0.2, 512, 2), SimRequest(0.201, 512, 2)])
     busy = [w.busy_s for w in sim.prefillers]
     assert busy == pytest.approx([slow_decode.prefill_s(16) + slow_decode.prefill_s(512), slow_decode.prefill_s(512)])
+
+
+def test_max_num_seqs_caps_what_a_colocated_engine_admits_counting_prompts_in_prefill() -> None:
+    """The engine's scheduler admits a new prompt only while its sequences, those part-way through a chunked
+    prefill too, are under `max_num_seqs`: with a cap of 2 the third prompt starts once the first finishes."""
+    profile = synthetic_profile(max_num_seqs=2)
+    result = Simulator(profile, Shape(colocated=1)).run([SimRequest(0.0, 1024, 50) for _ in range(3)])
+    first_done = result.ttft_s[0] + 49 * result.tpot_s[0]
+    assert result.ttft_s[1] < first_done < result.ttft_s[2]
+
+
+def test_a_decode_only_worker_takes_every_committed_hand_off_into_its_batch() -> None:
+    """A decode-only engine adds each committed sequence to its batch with no `max_num_seqs` check: none of five
+    waits for a slot after its first token, so their TPOTs are alike."""
+    profile = synthetic_profile(max_num_seqs=2)
+    result = Simulator(profile, Shape(prefill=1, decode=1)).run([SimRequest(0.0, 128, 50) for _ in range(5)])
+    assert max(result.tpot_s) < 1.1 * min(result.tpot_s)
