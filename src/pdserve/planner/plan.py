@@ -102,7 +102,7 @@ def max_rate(
             break
         lo, hi = hi, hi * 2
     else:
-        return hi
+        return lo  # every doubling met: the last one tried, not the next, which never ran
     for _ in range(SEARCH_STEPS):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if meets(mid) else (lo, mid)

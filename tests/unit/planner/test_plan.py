@@ -98,6 +98,19 @@ def test_no_rate_asks_more_of_a_shared_host_than_its_cores() -> None:
     assert beyond.attainment >= lax.attainment and beyond.demand_cores > 1
 
 
+def test_a_rate_every_doubling_meets_is_the_last_one_simulated() -> None:
+    """Three short requests meet a lax SLO at any rate: the search stops after its doublings and returns the
+    highest rate it simulated, not the doubling beyond it."""
+    from pdserve.planner.plan import MAX_DOUBLINGS, max_rate, simulate
+    from pdserve.planner.simulator import Shape
+
+    profile, shape, workload = synthetic_profile(), Shape(prefill=1, decode=1), synthetic(1.0, 64, 4, 3)
+    lax = SLO(ttft_ms=5000, tpot_ms=100, attainment=0.6)
+    found = max_rate(profile, shape, workload, lax)
+    assert found == workload.rate * 2 ** (MAX_DOUBLINGS - 1)
+    assert simulate(profile, shape, workload, found, lax).attainment >= lax.attainment
+
+
 def test_plan_sheds_as_the_router_would_unless_told_it_sheds_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
