@@ -40,11 +40,13 @@ def _profile(args: argparse.Namespace) -> int:
     profile = run_profile(engine_config(args), QUICK if args.quick else Grid(), args.transfer_gbps)
     profile.save(args.out)
     perf = profile.perf
+    gbps = profile.transfer_gbps
+    bytes_at = f"{gbps:.2f} GB/s" if gbps else "bytes too cheap to measure"
     print(
         f"wrote {args.out}: {profile.meta['model']} on {profile.meta['device']} ({profile.meta['dtype']}); "
         f"prefill(512) {perf.prefill_s(512) * 1e3:.1f} ms, decode step(1) {perf.decode_step_s(1) * 1e3:.1f} ms, "
-        f"engine step overhead {profile.step_overhead_s * 1e3:.2f} ms, "
-        f"KV {profile.kv_capacity_tokens} tokens, transfer {profile.transfer_gbps:.2f} GB/s"
+        f"engine step overhead {profile.step_overhead_s * 1e3:.2f} ms, KV {profile.kv_capacity_tokens} tokens, "
+        f"transfer {profile.transfer_latency_s * 1e3:.1f} ms + {bytes_at}"
     )
     return 0
 

@@ -27,7 +27,7 @@ class HardwareProfile:
     step_overhead_s: float  # an engine step's scheduling, sampling and outputs, beside the runner
     kv_bytes_per_token: int
     kv_capacity_tokens: int  # tokens of KV one worker holds
-    transfer_gbps: float  # KV transfer between two workers, GB = 1e9 bytes
+    transfer_gbps: float  # KV transfer between two workers, GB = 1e9 bytes; 0: its bytes cost nothing measurable
     transfer_latency_s: float = 0.0  # what a transfer costs besides its bytes (the hand-shake, the ack)
     # What a request's first token waits for outside any engine thread on an idle cluster: the router, its
     # RPCs, the hand-off's rendezvous, the relay. Pure latency (no worker is held). `pdserve profile` cannot

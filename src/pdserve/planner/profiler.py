@@ -194,11 +194,17 @@ def measure_transfer(engine: Any, device: str, grid: Grid) -> tuple[float, float
         cases, host=ClusterConfig.host, device=device, backend=backend, repeats=grid.transfer_repeats, peer_device=peer
     )
     points = [[c.nbytes, c.nbytes / (row["ours_gb_s"] * 1e9)] for c, row in zip(cases, result["rows"], strict=True)]
-    x = np.array(points)
+    return *fit_transfer(points), points
+
+
+def fit_transfer(points: list[list[float]]) -> tuple[float, float]:
+    """[[bytes, s], ...] as a latency plus bytes at a bandwidth: (GB/s, latency s). Where the larger transfers were
+    no slower, the bytes cost less than the noise shows: 0 GB/s, which the profile reads as no cost per byte
+    (HardwareProfile.transfer_s), and the latency is every transfer's mean. Any bandwidth there would add its bytes'
+    time on top of a latency fitted without them."""
+    x = np.array(points, dtype=float)
     latency, per_byte = nonneg_lstsq(np.stack([np.ones(len(x)), x[:, 0]], axis=1), x[:, 1])
-    if per_byte <= 0:  # the bytes cost nothing the noise let us see: bound them by the fastest case
-        per_byte = float(min(x[:, 1] / x[:, 0]))
-    return 1e-9 / per_byte, float(latency), points
+    return (1e-9 / per_byte if per_byte > 0 else 0.0), float(latency)
 
 
 def run_profile(config: EngineConfig, grid: Grid, transfer_gbps: float | None = None) -> HardwareProfile:

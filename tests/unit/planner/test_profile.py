@@ -29,7 +29,7 @@ def test_profile_quick_writes_a_profile_the_planner_reads(tmp_path: Path) -> Non
     assert [b for b, _, _ in profile.points["engine_decode"]] == list(QUICK.decode_batches[:2])
     assert profile.prefill_per_context_token_s >= 0 and profile.step_overhead_s >= 0
     assert profile.perf.prefill_s(256) > 0 and profile.perf.decode_step_s(1) > 0
-    assert len(profile.points["transfer"]) == 2 and 0 < profile.transfer_gbps < 1e6
+    assert len(profile.points["transfer"]) == 2 and 0 <= profile.transfer_gbps < 1e6
     # the cache the engine built for 0.05 GiB (its "GB" are 2**30 bytes), in whole 16-token blocks
     assert profile.kv_capacity_tokens == int(0.05 * 2**30) // (16 * profile.kv_bytes_per_token) * 16
 
@@ -66,3 +66,19 @@ def test_the_fit_finds_a_later_chunks_context_cost_and_the_engines_step_overhead
     assert per_context == pytest.approx(1e-7, rel=1e-3)
     assert got_per_cached == pytest.approx(per_cached, rel=1e-3)
     assert got_overhead == pytest.approx(overhead, rel=1e-3)
+
+
+def test_the_transfer_fit_is_a_latency_plus_bytes_and_never_counts_the_latency_twice() -> None:
+    """Transfers that grow with their bytes give the bandwidth and latency back; where the 8x larger one was no
+    slower, the bytes cost nothing the profile can see: the latency alone predicts both, as measured."""
+    from dataclasses import replace
+
+    from pdserve.planner.profiler import fit_transfer
+    from tests.unit.planner.synthetic import synthetic_profile
+
+    mib = 1 << 20
+    gbps, latency = fit_transfer([[mib, 0.002 + mib / 2e9], [8 * mib, 0.002 + 8 * mib / 2e9]])
+    assert gbps == pytest.approx(2.0) and latency == pytest.approx(0.002)
+    gbps, latency = fit_transfer([[mib, 0.0040], [8 * mib, 0.0038]])
+    profile = replace(synthetic_profile(kv_bytes_per_token=512), transfer_gbps=gbps, transfer_latency_s=latency)
+    assert [profile.transfer_s(2048), profile.transfer_s(16384)] == pytest.approx([0.0039, 0.0039])
