@@ -108,7 +108,7 @@ class _Step:
 @dataclass(frozen=True)
 class SimResult:
     ttft_s: list[float]  # of every request that finished
-    tpot_s: list[float]
+    tpot_s: list[float | None]  # of the same; None for fewer than 2 tokens, which have none (as loadgen)
     rejected: int  # not served: could never fit a worker's KV, or shed
     shed: int  # of those, shed by admission
     span_s: float  # first arrival to last completion
@@ -369,14 +369,17 @@ class Simulator:
         done = [s for s in seqs if s.done_s is not None and s.first_s is not None]
         start = seqs[0].req.arrival_s if seqs else 0.0
         span = max((s.done_s for s in done), default=start) - start  # type: ignore[type-var]
-        tpot = [(s.done_s - s.first_s) / (s.req.output_len - 1) if s.req.output_len > 1 else 0.0 for s in done]
+        tpot = [
+            (s.done_s - s.first_s) / (s.req.output_len - 1) if s.req.output_len > 1 else None  # type: ignore[operator]
+            for s in done
+        ]
 
         def busy(workers: list[_Worker]) -> float:
             return sum(w.busy_s for w in workers) / (len(workers) * span) if span > 0 else 0.0
 
         return SimResult(
             ttft_s=[s.first_s - s.req.arrival_s for s in done],  # type: ignore[operator]
-            tpot_s=tpot,  # type: ignore[arg-type]
+            tpot_s=tpot,
             rejected=len(seqs) - len(done),
             shed=self.shed,
             span_s=span,

@@ -111,6 +111,21 @@ def test_a_rate_every_doubling_meets_is_the_last_one_simulated() -> None:
     assert simulate(profile, shape, workload, found, lax).attainment >= lax.attainment
 
 
+def test_one_token_outputs_have_no_tpot_as_loadgen_counts_them() -> None:
+    """loadgen leaves TPOT undefined below 2 tokens: out of the percentiles, and no bar to the TPOT SLO. Here every
+    other request has one output token and the rest, each alone on the cluster, all the same TPOT."""
+    from pdserve.planner.plan import simulate
+    from pdserve.planner.simulator import Shape, Simulator
+    from pdserve.planner.workload import Workload
+
+    profile, shape = synthetic_profile(), Shape(prefill=1, decode=1)
+    workload = Workload((256,) * 20, (1, 20) * 10, tuple(float(i) for i in range(20)), 1.0)
+    tpot_s = Simulator(profile, shape).run(workload.at_rate(1.0)).tpot_s
+    assert tpot_s[::2] == [None] * 10
+    got = simulate(profile, shape, workload, 1.0, SLO(ttft_ms=1000, tpot_ms=100))
+    assert got.tpot_ms == pytest.approx((tpot_s[1] * 1e3,) * 3) and got.attainment == 1.0
+
+
 def test_plan_sheds_as_the_router_would_unless_told_it_sheds_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
