@@ -113,7 +113,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan_json(candidates)))
+        print(json.dumps(plan_json(candidates), allow_nan=False))
         return 0
     from pdserve.bench.report_console import report_console
     from pdserve.planner.report import plan_table, verdict

@@ -41,7 +41,7 @@ class Outcome:
 
     attainment: float  # share of all requests (rejected ones too) that met both SLOs
     goodput: float  # requests/s that met both SLOs, over the span as loadgen measures it
-    ttft_ms: tuple[float, float, float]  # p50, p90, p99
+    ttft_ms: tuple[float, float, float]  # p50, p90, p99; inf where no request gave one
     tpot_ms: tuple[float, float, float]
     prefill_busy: float
     decode_busy: float
@@ -126,11 +126,17 @@ class Candidate:
             "colocated": self.shape.colocated,
             "goodput": self.at_rate.goodput,
             "attainment": self.at_rate.attainment,
-            "ttft_p90_ms": self.at_rate.ttft_ms[1],
-            "tpot_p90_ms": self.at_rate.tpot_ms[1],
+            "ttft_p90_ms": _sampled(self.at_rate.ttft_ms[1]),
+            "tpot_p90_ms": _sampled(self.at_rate.tpot_ms[1]),
             "max_rate": self.max_rate,
             "shed": self.at_rate.shed,
         }
+
+
+def _sampled(ms: float) -> float | None:
+    """None (JSON null) where no request gave a value: JSON has no Infinity, and loadgen's 0 would read as the
+    best latency of all for a split that served nothing."""
+    return ms if math.isfinite(ms) else None
 
 
 def shapes(workers: int) -> list[Shape]:

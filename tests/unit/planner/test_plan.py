@@ -45,6 +45,22 @@ def test_plan_json_has_the_documented_keys(tmp_path: Path, capsys: pytest.Captur
     assert all(c["max_rate"] > 0 for c in out["candidates"])
 
 
+def test_plan_json_is_valid_json_when_no_request_finishes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No 256-token prompt fits a 200-token cache: every request fails, there are no latencies, and the p90 fields
+    are null (not Infinity, which JSON does not have)."""
+    profile = tmp_path / "profile.json"
+    synthetic_profile(kv_capacity_tokens=200).save(profile)
+    argv = ["plan", "--profile", str(profile), "--rate", "2", "--input-len", "256", "--output-len", "8"]
+    argv += ["--num-requests", "20", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100", "--workers", "2", "--json"]
+    assert cli.main(argv) == 0
+
+    def no_constants(name: str) -> None:
+        raise ValueError(f"not JSON: {name}")
+
+    out = json.loads(capsys.readouterr().out, parse_constant=no_constants)
+    assert [(c["ttft_p90_ms"], c["tpot_p90_ms"], c["attainment"]) for c in out["candidates"]] == [(None, None, 0)] * 2
+
+
 def test_plan_without_a_workload_names_the_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     profile = tmp_path / "profile.json"
     synthetic_profile().save(profile)
