@@ -75,17 +75,29 @@ def synthetic(
 
 def from_trace(path: Path) -> Workload:
     """Mooncake-format JSONL (timestamp in ms, input_length, output_length), as loadgen replays it."""
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not lines:
+    rows = [_trace_row(path, n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    if not rows:
         raise ValueError(f"trace {path} holds no requests")
-    lines.sort(key=lambda line: line["timestamp"])
-    times = np.array([line["timestamp"] for line in lines], dtype=float) / 1e3
+    rows.sort(key=lambda row: row[0])
+    times = np.array([t for t, _, _ in rows]) / 1e3
     times -= times[0]
     span = float(times[-1])
-    rate = (len(lines) - 1) / span if span > 0 else 1.0
+    rate = (len(rows) - 1) / span if span > 0 else 1.0
     return Workload(
-        tuple(int(line["input_length"]) for line in lines),
-        tuple(max(1, int(line["output_length"])) for line in lines),
+        tuple(i for _, i, _ in rows),
+        tuple(max(1, o) for _, _, o in rows),
         tuple(float(t) * rate for t in times),
         rate,
     )
+
+
+def _trace_row(path: Path, n: int, line: str) -> tuple[float, int, int]:
+    """Line `n`'s (timestamp ms, input_length, output_length); a ValueError that names the line and what it lacks,
+    which `pdserve plan` reports as a usage error."""
+    try:
+        row = json.loads(line)
+        return float(row["timestamp"]), int(row["input_length"]), int(row["output_length"])
+    except KeyError as e:
+        raise ValueError(f"trace {path} line {n}: no {e.args[0]!r}") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"trace {path} line {n}: {e}") from None

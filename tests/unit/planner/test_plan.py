@@ -80,6 +80,18 @@ def test_a_trace_is_planned_at_its_own_rate(tmp_path: Path) -> None:
     assert [r.arrival_s for r in workload.at_rate(workload.rate)][:3] == pytest.approx([0.0, 0.5, 1.0])
 
 
+def test_a_trace_line_without_a_key_is_a_usage_error_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile, trace = tmp_path / "profile.json", tmp_path / "trace.jsonl"
+    synthetic_profile().save(profile)
+    lines = [{"timestamp": 0, "input_length": 300, "output_length": 20}, {"timestamp": 500, "input_length": 300}]
+    trace.write_text("\n".join(json.dumps(line) for line in lines))
+    argv = ["plan", "--profile", str(profile), "--trace", str(trace)]
+    assert cli.main([*argv, "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--workers", "2"]) == 2
+    assert "line 2: no 'output_length'" in capsys.readouterr().err
+
+
 def test_the_table_says_whether_the_workers_share_a_hosts_cores(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
