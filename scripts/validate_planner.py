@@ -123,6 +123,29 @@ def run_config(
     return rows
 
 
+def resimulated(rows: list[Row], calibration: HardwareProfile, args: argparse.Namespace) -> list[Row]:
+    """`rows` with their calibrated predictions made again by this checkout's simulator, on the same traces (the
+    workload flags and seed must be the run's) and the same host load per row: what a simulator change does to
+    the agreement with what was measured, without measuring again."""
+    load = workload.synthetic(1.0, args.input_len, args.output_len, args.num_requests, args.range_ratio, 1, args.seed)
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    again = []
+    with tempfile.TemporaryDirectory(prefix="validate-planner-") as tmp:
+        trace = Path(tmp) / "trace.jsonl"
+        for row in rows:
+            write_trace(trace, load, row.rate)
+            replayed = workload.from_trace(trace)
+            busy = replace(calibration, background_cores=calibration.background_cores + row.other_cores)
+            cal = simulate(busy, shape_of(row.config), replayed, replayed.rate, slo)
+            cores = cal.demand_cores - row.other_cores
+            again.append(
+                replace(
+                    row, calibrated_goodput=cal.goodput, calibrated_ttft_p90_ms=cal.ttft_ms[1], calibrated_cores=cores
+                )
+            )
+    return again
+
+
 def error(predicted: float, measured: float) -> str:
     return f"{(predicted - measured) / measured:+.0%}" if measured else "n/a"
 
@@ -256,12 +279,20 @@ def main() -> None:
     )
     p.add_argument("--calibrate-on", default="1:1", help="the configuration --calibrate measures on")
     p.add_argument("--report", type=Path, help="run nothing: the summaries of an earlier run's --json file")
+    p.add_argument(
+        "--resimulate",
+        action="store_true",
+        help="with --report: predict its rows again with this checkout's simulator (give the run's workload flags)",
+    )
     args = p.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
     console = Console(width=200)  # the whole table, also in a pipe
     if args.report:
         no_cores = {"measured_cores": math.nan, "calibrated_cores": None}  # files from before the CPU columns
-        saved = [Row(**(no_cores | r)) for r in json.loads(args.report.read_text())["rows"]]
+        saved_run = json.loads(args.report.read_text())
+        saved = [Row(**(no_cores | r)) for r in saved_run["rows"]]
+        if args.resimulate:
+            saved = resimulated(saved, HardwareProfile.from_dict(saved_run["calibration"]), args)
         console.print(summary(saved))
         console.print(ranking(saved))
         return
