@@ -21,6 +21,15 @@ COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "s
 COMPLETION_PARAMS = frozenset({*COMMON, "prompt", "logprobs", "echo"})
 CHAT_PARAMS = frozenset({*COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
 SLO_FIELDS = ("ttft_ms", "tpot_ms")
+# Parameters pdserve does not implement, at the value that asks for nothing (OpenAI's default): clients send them
+# anyway (older vLLM benchmarks send best_of 1, SDK wrappers store false); any other value is refused by name.
+NO_OP_VALUES: dict[str, object] = {"best_of": 1, "response_format": {"type": "text"}, "store": False}
+# A chat message's fields pdserve takes. `name` (LangChain sends it) is checked and not shown to the model: the
+# chat message the engine renders has none, as most chat templates (SmolLM2's among them) show none. Null-valued
+# fields are not given.
+MESSAGE_FIELDS = ("role", "content", "name")
+# OpenAI's `developer` messages are what `system` messages were before its o-series; chat templates know `system`.
+ROLE_ALIASES = {"developer": "system"}
 UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
 MAX_CHOICES = 16  # `n`: each choice is a request of its own through admission, so the fan-out is bounded
 # OpenAI's own default; the gRPC API's is 0 (greedy), which a client asks for with temperature=0.
@@ -69,7 +78,7 @@ def parse_request(body: object, chat: bool, request_id: str = "") -> OpenAIReque
     """Raises InvalidRequestError naming the OpenAI parameter at fault."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body", "must be a JSON object")
-    body = {k: v for k, v in body.items() if v is not None}  # null is "not given", as OpenAI's clients send it
+    body = {k: v for k, v in body.items() if v is not None and not _asks_nothing(k, v)}  # null is "not given"
     allowed = CHAT_PARAMS if chat else COMPLETION_PARAMS
     for name in body:
         if name not in allowed:
@@ -91,6 +100,15 @@ def parse_request(body: object, chat: bool, request_id: str = "") -> OpenAIReque
     n = _int(body, "n", 1, MAX_CHOICES) or 1
     user = _typed(body, "user", str) or ""
     return OpenAIRequest(chat, model, msg, stream, _include_usage(body, stream), max_tokens_param, echo, n, user)
+
+
+def _asks_nothing(name: str, value: object) -> bool:
+    """An unimplemented parameter at its no-op value (NO_OP_VALUES); `true` is not the 1 of best_of."""
+    default = NO_OP_VALUES.get(name, _MISSING)
+    return type(value) is type(default) and value == default
+
+
+_MISSING = object()
 
 
 def openai_param(field: str, max_tokens_param: str = "max_tokens") -> str:
@@ -152,7 +170,10 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     for key in bias:  # 10 digits hold any uint32; int() refuses thousands (ValueError)
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= UINT32):
             raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key[:32]!r}")
-        out[int(key)] = _number(bias, key, prefix="logit_bias.")
+        value = _number(bias, key, prefix="logit_bias.")
+        if value is None:
+            raise InvalidRequestError(f"logit_bias.{key}", "must be a finite number, got null")
+        out[int(key)] = value
     return out
 
 
@@ -192,12 +213,15 @@ def _messages(body: dict[str, Any]) -> list[pb.ChatMessage]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise InvalidRequestError(f"messages[{i}]", "must be an object with role and content")
+        m = {k: v for k, v in m.items() if v is not None}  # a client echoing a response's message sends refusal: null
         for key in m:
-            if key not in ("role", "content"):
+            if key not in MESSAGE_FIELDS:
                 raise InvalidRequestError(f"messages[{i}].{key}", "is not supported by pdserve")
         role = m.get("role")
         if not isinstance(role, str):
             raise InvalidRequestError(f"messages[{i}].role", "must be a string")
+        _typed(m, "name", str, prefix=f"messages[{i}].")
+        role = ROLE_ALIASES.get(role, role)
         out.append(pb.ChatMessage(role=_text(role, f"messages[{i}].role"), content=_content(m.get("content"), i)))
     return out
 
@@ -234,7 +258,8 @@ def _set_slo(msg: pb.GenerateRequest, body: dict[str, Any]) -> None:
         if key not in SLO_FIELDS:
             raise InvalidRequestError(f"slo.{key}", f"is not supported; use {SLO_FIELDS}")
         value = _number(slo, key, prefix="slo.")
-        setattr(msg.slo, key, value)
+        if value is not None:  # null: not given, as at the top level
+            setattr(msg.slo, key, value)
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:

@@ -205,8 +205,35 @@ def test_each_of_n_choices_is_a_request_of_its_own():
 
 def test_a_chat_message_with_other_fields_is_refused_by_name():
     with pytest.raises(InvalidRequestError) as e:
-        parse_request({"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}, chat=True)
+        parse_request({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, chat=True)
+    assert e.value.field == "messages[0].tool_calls"
+    with pytest.raises(InvalidRequestError) as e:
+        parse_request({"model": "m", "messages": [{"role": "user", "content": "x", "name": 3}]}, chat=True)
     assert e.value.field == "messages[0].name"
+
+
+def test_what_openais_clients_send_by_default_is_taken():
+    """Clients echo a response's message back (refusal and tool_calls null), LangChain names messages and sends
+    `developer` ones, SDK wrappers and older vLLM benchmarks send unimplemented parameters at their no-op value,
+    and explicit nulls mean "not given" inside objects too."""
+    echoed = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": None, "function_call": None}
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "x", "name": "bob"}, echoed]
+    body = {"model": "m", "messages": messages, "response_format": {"type": "text"}, "store": False}
+    req = parse_request(body | {"slo": {"ttft_ms": None, "tpot_ms": 40}}, chat=True)
+    assert [(m.role, m.content) for m in req.message.messages] == [
+        ("system", "be brief"),
+        ("user", "x"),
+        ("assistant", "hi"),
+    ]
+    assert (req.message.slo.ttft_ms, req.message.slo.tpot_ms) == (0, 40)
+    assert parse_request({"model": "m", "prompt": "x", "best_of": 1}, chat=False).message.prompt == "x"
+    for param, value in (("best_of", 2), ("best_of", True), ("response_format", {"type": "json_object"})):
+        with pytest.raises(InvalidRequestError) as e:
+            parse_request({"model": "m", "prompt": "x", param: value}, chat=False)
+        assert e.value.field == param
+    with pytest.raises(InvalidRequestError) as e:  # a bias must be a number: no default stands in for it
+        parse_request({"model": "m", "prompt": "x", "logit_bias": {"5": None}}, chat=False)
+    assert e.value.field == "logit_bias.5"
 
 
 def test_the_shared_paths_field_names_read_as_openai_parameters():
