@@ -22,7 +22,7 @@ from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, generate
 from services.router.http.errors import BodyTooLargeError, error_body, error_response
 from services.router.http.openai_request import OpenAIRequest, parse_json, parse_request
-from services.router.http.openai_response import Answer, sse_events
+from services.router.http.openai_response import DONE_EVENT, Answer, sse_events
 from services.router.lifecycle import RequestLifecycle
 from services.router.ticket import Ticket
 
@@ -202,7 +202,8 @@ async def _disconnected(request: Request) -> None:
 class SSEResponse(StreamingResponse):
     """A stream whose status waits for its first event: a request refused before its first token (invalid,
     shed, nowhere to place it) gets the same JSON error and status as a non-streaming one. An error after the
-    first event can only end the stream, with an `error` event."""
+    first event can only end the stream: an `error` event, then `[DONE]` as every stream ends (vLLM's too), so
+    a reader waiting for it does not take the stream for cut."""
 
     def __init__(self, events: AsyncIterator[bytes], max_tokens_param: str) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
@@ -227,6 +228,7 @@ class SSEResponse(StreamingResponse):
                 await send({"type": "http.response.body", "body": event, "more_body": True})
         except Exception as e:
             _, body, _ = error_body(e, self.max_tokens_param)
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(body).encode() + b"\n\n"})
+            event = b"data: " + json.dumps(body).encode() + b"\n\n" + DONE_EVENT
+            await send({"type": "http.response.body", "body": event})
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -15,6 +15,7 @@ from services.router.http.openai_request import OpenAIRequest
 
 # OpenAI has "stop" and "length"; the end-of-sequence token is a stop too.
 FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop"}
+DONE_EVENT = b"data: [DONE]\n\n"  # the last event of every stream
 
 
 @dataclass
@@ -180,7 +181,7 @@ async def sse_events(answer: Answer, stream: AsyncIterator[tuple[int, pb.Generat
         yield event(answer.chunk(index, msg))
     if answer.request.include_usage:
         yield event(answer.usage_chunk())
-    yield b"data: [DONE]\n\n"
+    yield DONE_EVENT
 
 
 def event(obj: dict[str, Any]) -> bytes:
