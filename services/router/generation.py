@@ -23,6 +23,14 @@ class ModelNotFoundError(InvalidRequestError):
         super().__init__("model", message)
 
 
+def check_model(lifecycle: RequestLifecycle, model: str) -> None:
+    """ModelNotFoundError unless `model` is the one this router serves."""
+    if model != lifecycle.served_model:
+        raise ModelNotFoundError(
+            f"model {model[:128]!r} is not served here; this router serves {lifecycle.served_model!r}"
+        )
+
+
 def check_caller(lifecycle: RequestLifecycle, headers: Mapping[str, str]) -> Tenant:
     """The one place a caller's headers (gRPC metadata, HTTP headers: `authorization`) are checked: the
     caller's tenant, or UnauthenticatedError (an open cluster serves everyone as one tenant)."""
@@ -45,10 +53,8 @@ async def generate(
     start = time.perf_counter()
     with lifecycle.accounting(start) as caller:
         caller.tenant = check_caller(lifecycle, headers)
-        if model is not None and model != lifecycle.served_model:
-            raise ModelNotFoundError(
-                f"model {model[:128]!r} is not served here; this router serves {lifecycle.served_model!r}"
-            )
+        if model is not None:
+            check_model(lifecycle, model)
         async with lifecycle.quotas.session(caller.tenant, choices) as quota:
             ticket = await lifecycle.admit(request, start, quota)
             with ticket:

@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager, suppress
 
 from opentelemetry import propagate, trace
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -19,7 +20,7 @@ from starlette.types import Send
 
 from pdserve.security.quotas import Choices
 from pdserve.v1 import generate_pb2 as pb
-from services.router.generation import check_caller, generate
+from services.router.generation import check_caller, check_model, generate
 from services.router.http.errors import BodyTooLargeError, error_body, error_response
 from services.router.http.openai_request import OpenAIRequest, parse_json, parse_request
 from services.router.http.openai_response import DONE_EVENT, Answer, sse_events
@@ -36,8 +37,10 @@ def openai_app(lifecycle: RequestLifecycle) -> Starlette:
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", api.model, methods=["GET"]),
             Route("/health", api.health, methods=["GET"]),
-        ]
+        ],
+        exception_handlers={HTTPException: _http_error},
     )
 
 
@@ -57,8 +60,19 @@ class OpenAIAPI:
             check_caller(self.lifecycle, request.headers)
         except Exception as e:
             return error_response(e)
-        model = {"id": self.lifecycle.served_model, "object": "model", "created": self.created, "owned_by": "pdserve"}
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": [self._served()]})
+
+    async def model(self, request: Request) -> Response:
+        """`GET /v1/models/{id}` (the SDK's models.retrieve): the served model, else 404 model_not_found."""
+        try:
+            check_caller(self.lifecycle, request.headers)
+            check_model(self.lifecycle, request.path_params["model"])
+        except Exception as e:
+            return error_response(e)
+        return JSONResponse(self._served())
+
+    def _served(self) -> dict[str, object]:
+        return {"id": self.lifecycle.served_model, "object": "model", "created": self.created, "owned_by": "pdserve"}
 
     async def completions(self, request: Request) -> Response:
         return await self._complete(request, chat=False)
@@ -190,6 +204,15 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise BodyTooLargeError(limit)
         body += chunk
     return bytes(body)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """A path or method the API does not have, in OpenAI's error shape (the SDK reads its message from it)."""
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, exc.status_code, exc.headers)
 
 
 async def _disconnected(request: Request) -> None:

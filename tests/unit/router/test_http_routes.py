@@ -1,0 +1,30 @@
+"""The HTTP API's routes besides generation, as the `openai` SDK reads them: a model by id, and paths or methods
+the API does not have answered in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import httpx2
+
+from services.router.http.app import openai_app
+from tests.unit.router.router_builder import MODEL, Router, worker
+
+
+async def get(path: str) -> httpx2.Response:
+    app = openai_app(Router([worker("p0"), worker("d0", "decode")]).lifecycle())
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://router") as http:
+        return await http.get(path)
+
+
+async def test_the_served_model_is_retrieved_by_id_and_another_is_model_not_found():
+    served = await get(f"/v1/models/{MODEL}")
+    assert served.status_code == 200 and served.json()["id"] == MODEL and served.json()["object"] == "model"
+    other = await get("/v1/models/gpt-4o")
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+
+
+async def test_a_path_or_method_the_api_lacks_is_an_openai_error_body():
+    for path, status in (("/v1/embeddings", 404), ("/v1/chat/completions", 405)):
+        response = await get(path)
+        error = response.json()["error"]
+        assert response.status_code == status and path in error["message"]
+        assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
