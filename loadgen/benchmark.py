@@ -140,6 +140,7 @@ def _record_json(record: RequestRecord, slo: GoodputSLO) -> dict[str, Any]:
         "output_tokens": record.output_tokens,
         "scheduled_ms": record.scheduled_s * 1e3,
         "start_ms": record.start_s * 1e3,
+        "wait_ms": record.wait_s * 1e3,  # held back by loadgen's own in-flight bound: counted in TTFT and E2EL
         "ttft_ms": _ms(metrics.ttft_s(record)),
         "tpot_ms": _ms(metrics.tpot_s(record)),
         "e2el_ms": _ms(metrics.e2el_s(record)),
