@@ -19,7 +19,8 @@ from rich.table import Table
 
 from pdserve.cluster.local_process import ClusterProcess, descendants
 from pdserve.planner.hardware import HardwareProfile
-from pdserve.planner.simulator import Shape, Simulator
+from pdserve.planner.shape import Shape
+from pdserve.planner.simulator import Simulator
 from pdserve.planner.workload import SimRequest
 from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2, admin_pb2_grpc

@@ -14,7 +14,7 @@ from loadgen.benchmark import BenchmarkConfig, run_benchmark
 from loadgen.metrics import GoodputSLO
 from loadgen.workload import WorkloadConfig
 from pdserve.planner import workload
-from pdserve.planner.simulator import Shape
+from pdserve.planner.shape import Shape
 
 
 def shape_of(config: str) -> Shape:

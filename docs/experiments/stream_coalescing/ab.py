@@ -23,7 +23,7 @@ from pdserve.cluster.local_process import ClusterProcess
 from pdserve.engine.model_files import read_model_config
 from pdserve.engine.models import resolve_model
 from pdserve.planner import workload
-from pdserve.planner.simulator import Shape
+from pdserve.planner.shape import Shape
 
 
 def report(rows: list[dict]) -> None:

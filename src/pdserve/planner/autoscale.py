@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pdserve.planner import workload
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.plan import SLO, candidate, recommend
-from pdserve.planner.simulator import Shape
+from pdserve.planner.shape import Shape
 
 SMALLEST = {"prefill": 1, "decode": 1}
 PLAN_REQUESTS = 200  # requests per simulated run: enough for a p90, few enough to re-plan every interval

@@ -43,24 +43,8 @@ from dataclasses import dataclass, field
 
 from pdserve.planner.admission_model import Admission
 from pdserve.planner.hardware import HardwareProfile
+from pdserve.planner.shape import Shape
 from pdserve.planner.workload import SimRequest
-
-
-@dataclass(frozen=True)
-class Shape:
-    prefill: int = 0
-    decode: int = 0
-    colocated: int = 0
-
-    def __post_init__(self) -> None:
-        if self.colocated and (self.prefill or self.decode):
-            raise ValueError("a shape is either colocated or disaggregated")
-        if not self.colocated and (self.prefill < 1 or self.decode < 1):
-            raise ValueError(f"a disaggregated shape needs both roles, got {self.prefill}:{self.decode}")
-
-    @property
-    def label(self) -> str:
-        return f"{self.colocated} colocated" if self.colocated else f"{self.prefill}P:{self.decode}D"
 
 
 @dataclass

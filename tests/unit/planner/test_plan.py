@@ -115,7 +115,7 @@ def test_no_rate_asks_more_of_a_shared_host_than_its_cores() -> None:
     still meets lax SLOs well past the rate at which that asks for more than the core (the host falls behind
     all along); the max rate stops where the demand reaches the core."""
     from pdserve.planner.plan import max_rate, simulate
-    from pdserve.planner.simulator import Shape
+    from pdserve.planner.shape import Shape
 
     profile = synthetic_profile(shared_cores=1, serving_cpu_s=0.05, meta={"threads": 1})
     shape, workload = Shape(prefill=1, decode=1), synthetic(1.0, 256, 4, 200, seed=4)
@@ -130,7 +130,7 @@ def test_a_rate_every_doubling_meets_is_the_last_one_simulated() -> None:
     """Three short requests meet a lax SLO at any rate: the search stops after its doublings and returns the
     highest rate it simulated, not the doubling beyond it."""
     from pdserve.planner.plan import MAX_DOUBLINGS, max_rate, simulate
-    from pdserve.planner.simulator import Shape
+    from pdserve.planner.shape import Shape
 
     profile, shape, workload = synthetic_profile(), Shape(prefill=1, decode=1), synthetic(1.0, 64, 4, 3)
     lax = SLO(ttft_ms=5000, tpot_ms=100, attainment=0.6)
@@ -143,7 +143,8 @@ def test_one_token_outputs_have_no_tpot_as_loadgen_counts_them() -> None:
     """loadgen leaves TPOT undefined below 2 tokens: out of the percentiles, and no bar to the TPOT SLO. Here every
     other request has one output token and the rest, each alone on the cluster, all the same TPOT."""
     from pdserve.planner.plan import simulate
-    from pdserve.planner.simulator import Shape, Simulator
+    from pdserve.planner.shape import Shape
+    from pdserve.planner.simulator import Simulator
     from pdserve.planner.workload import Workload
 
     profile, shape = synthetic_profile(), Shape(prefill=1, decode=1)

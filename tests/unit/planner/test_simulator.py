@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from pdserve.planner.plan import SLO, simulate
-from pdserve.planner.simulator import Shape, Simulator
+from pdserve.planner.shape import Shape
+from pdserve.planner.simulator import Simulator
 from pdserve.planner.workload import SimRequest, synthetic
 from tests.unit.planner.synthetic import PERF, synthetic_profile
 
