@@ -114,7 +114,7 @@ async def _tokenize(msg: pb.GenerateRequest, field: str, tokenizer: Tokenizer) -
         messages = [(m.role, m.content) for m in msg.messages]
         size = sum(utf8_len(content) for _, content in messages)
         return await _off_loop_if_large(size, tokenizer.apply_chat_template, messages)
-    return await _off_loop_if_large(utf8_len(msg.prompt), tokenizer.encode, msg.prompt)
+    return await _off_loop_if_large(utf8_len(msg.prompt), tokenizer.encode_prompt, msg.prompt)
 
 
 async def _off_loop_if_large(size: int, fn: Callable[[_T], list[int]], arg: _T) -> list[int]:

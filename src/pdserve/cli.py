@@ -296,7 +296,7 @@ def _generate(args: argparse.Namespace) -> int:
         sampling = sampling_from_flags(args, args.max_tokens)
         engine = LLMEngine(engine_config(args))
         tok = engine.tokenizer
-        prompts = [tok.apply_chat_template([("user", p)]) if args.chat else tok.encode(p) for p in args.prompt]
+        prompts = [tok.apply_chat_template([("user", p)]) if args.chat else tok.encode_prompt(p) for p in args.prompt]
         completions = engine.generate(prompts, sampling)
     except InvalidRequestError as e:
         print(f"pdserve generate: invalid {e}", file=sys.stderr)

@@ -107,7 +107,7 @@ class Answer:
         """The echoed prompt's tokens in the completions API's lists; the first has no log probability (null).
         A text prompt is tokenized again, as the router tokenized it."""
         message = self.request.message
-        ids = list(message.prompt_token_ids) or self.tokenizer.encode(message.prompt)
+        ids = list(message.prompt_token_ids) or self.tokenizer.encode_prompt(message.prompt)
         return self._legacy(choice, ids, [None, *msg.prompt_logprobs])
 
     def _logprobs(self, choice: Choice, msg: pb.GenerateResponse) -> dict[str, list[Any]]:

@@ -62,6 +62,11 @@ class Tokenizer:
         a thread keeps serving its other streams meanwhile."""
         return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw text prompt, with the special tokens the tokenizer's post-processor adds (a BOS, for models that
+        have one), as transformers' `tokenizer(text)` and vLLM's completions API tokenize it."""
+        return self._tok.encode_batch([text], add_special_tokens=True)[0].ids
+
     def encode_text(self, text: str) -> list[int]:
         """Like `encode`, but special-token text (`<|im_start|>`) is split like any other text, never a control
         token: how untrusted content is tokenized."""

@@ -98,3 +98,23 @@ def test_older_folders_template_and_raise_exception(tmp_path: Path) -> None:
     assert tok.apply_chat_template([("user", "x")]) == [2]
     with pytest.raises(InvalidRequestError, match="user first"):
         tok.apply_chat_template([("assistant", "x")])
+
+
+def test_text_prompt_gets_the_bos_transformers_adds(tmp_path: Path) -> None:
+    """A raw prompt is tokenized as `tokenizer(text)` does: with the post-processor's tokens (a Llama-style BOS
+    here), where the chat template path adds none of its own."""
+    settings = json.loads((resolve_model("tiny-random") / "tokenizer.json").read_text())
+    bos = "<|im_start|>"
+    settings["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [1], "tokens": [bos]}},
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(settings))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": "<|im_end|>"}))
+    ours, theirs = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in TEXTS:
+        assert ours.encode_prompt(text) == theirs(text)["input_ids"], text
+        assert ours.encode_prompt(text)[0] == 1
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
