@@ -47,10 +47,6 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.PERMISSION_DENIED, str(exc)
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
-    if isinstance(exc, UnauthenticatedError):
-        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
-    if isinstance(exc, PermissionDeniedError):
-        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
     return None
 
 
