@@ -34,6 +34,7 @@ from pdserve.security.quotas import LocalQuotas, Quotas, QuotaSession
 from pdserve.telemetry import Telemetry, request_id_var
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import Admission, SLOTarget
+from services.router.caller_errors import for_the_caller
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
@@ -189,7 +190,7 @@ class RequestLifecycle:
         `max_attempts` placements), migrated with the tokens already streamed after (up to `migration_limit`),
         also past a worker that has no room for the stream it was moved to. A worker that refused the router's
         cluster credentials is such a failure; when it is the last, the caller gets UNAVAILABLE without its
-        detail."""
+        detail. Any other failure reaches the caller with the workers named by id, not address (caller_errors)."""
         clock = Clock(ticket.started_at, len(ticket.request.prompt_token_ids))
         original, chunks, moves, failed = ticket.request, [], Moves(), set()
         done = False
@@ -217,6 +218,11 @@ class RequestLifecycle:
                     ticket = await self._move(ticket, full, *args, eject=False)
         except ClusterAuthError:
             raise UnavailableError(CLUSTER_AUTH_FAILED) from None
+        except (UnavailableError, OverloadedError, TimeoutError, InvalidRequestError) as e:
+            told = for_the_caller(e, ticket.placement)
+            if told is not e:
+                log.warning("request failed: %s", e, extra={"key": ticket.key})
+            raise told from None
         finally:
             ticket.release()
 

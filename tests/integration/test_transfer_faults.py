@@ -85,7 +85,8 @@ def test_killed_prefill_worker_fails_the_request_at_once_and_ray_restarts_it(clu
     waits on a pair that will never connect, and only the lost Prefill stream can end the request early."""
 
     async def run() -> None:
-        prefill_address = (await by_role(cluster.address))["prefill"].address
+        prefill = (await by_role(cluster.address))["prefill"]
+        prefill_address = prefill.address
         pid = pid_serving(prefill_address)
         start = time.monotonic()
         call = asyncio.create_task(tokens(cluster.address, request(f"{FAULTED}kill")))
@@ -98,7 +99,8 @@ def test_killed_prefill_worker_fails_the_request_at_once_and_ray_restarts_it(clu
             await call
         failed_after = time.monotonic() - start
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
-        assert prefill_address in err.value.details()
+        assert f"prefill worker {prefill.id}" in err.value.details()  # named, by id: no address reaches callers
+        assert prefill_address not in err.value.details()
         # The lost peer ends the request, not the transfer timeout (which counts from the first token).
         assert failed_after < TRANSFER_TIMEOUT_S, failed_after
         await blocks_freed(cluster.address, ("decode",))

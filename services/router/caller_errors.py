@@ -1,0 +1,30 @@
+"""What the router's caller is told of a worker's failure: the workers by id, never by address.
+
+A worker's status reaches the router with the workers' host:port in its text (`rpc/errors.error_from_rpc`),
+which the router needs: an address is how it tells which of the two workers failed (`retry.blamed_worker`).
+The caller, often another team's service or a tenant on the public HTTP API, gets the same message with each
+address of the request's workers replaced by the worker's id; the router's log keeps the original.
+"""
+
+from __future__ import annotations
+
+from pdserve.errors import InvalidRequestError, OverloadedError
+from services.router.placement import Placement
+
+
+def for_the_caller(error: Exception, placement: Placement) -> Exception:
+    """`error` with `placement`'s addresses replaced by worker ids, of the same type (an OverloadedError keeps its
+    retry hint, an InvalidRequestError its field); `error` itself when its text names no address."""
+    text = str(error)
+    for worker in (placement.decode, placement.prefill):
+        if worker is not None:
+            # "decode worker d-1 at host:port" -> "decode worker d-1"; a bare address (as a decode worker names
+            # the prefill worker it called) -> its id.
+            text = text.replace(f" at {worker.address}", "").replace(worker.address, worker.worker_id)
+    if text == str(error):
+        return error
+    if isinstance(error, InvalidRequestError):
+        return InvalidRequestError(error.field, text.removeprefix(f"{error.field}: "))
+    if isinstance(error, OverloadedError):
+        return OverloadedError(text, error.retry_after_ms)
+    return type(error)(text)
