@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from pdserve.cluster.local_process import alive, free_port
 
@@ -127,10 +128,28 @@ def named_actors(address: str, namespace: str, env: dict[str, str], netns: str |
     """Ray's own record of the live named actors (the cluster's, whose only namespace is `namespace`): state,
     pid, restarts and the pdserve_* resources of the node each lives on (a driver of its own in a subprocess, so
     this test process never joins Ray)."""
-    args = [sys.executable, "-c", _ACTORS_SCRIPT, address, namespace]
+    return _driver_output(_ACTORS_SCRIPT, address, namespace, env, netns)
+
+
+def actor_names(address: str, namespace: str, env: dict[str, str], netns: str | None = None) -> list[str]:
+    """The names of the actors in `namespace` that are not dead (starting ones too), from Ray's list."""
+    return _driver_output(_NAMES_SCRIPT, address, namespace, env, netns)
+
+
+def _driver_output(script: str, address: str, namespace: str, env: dict[str, str], netns: str | None) -> Any:
+    """The JSON a driver `script` prints last, run in a subprocess (this test process never joins Ray)."""
+    args = [sys.executable, "-c", script, address, namespace]
     if netns:
         args = ["ip", "netns", "exec", netns, *args]
     out = subprocess.run(args, capture_output=True, text=True, timeout=180, env={**os.environ, **env})
     if out.returncode != 0:
-        raise RuntimeError(f"reading Ray's actor table failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"reading Ray's actors failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+_NAMES_SCRIPT = """
+import json, sys, ray
+ray.init(address=sys.argv[1], namespace=sys.argv[2], logging_level="ERROR", log_to_driver=False)
+named = ray.util.list_named_actors(all_namespaces=True)
+print(json.dumps(sorted(a["name"] for a in named if a["namespace"] == sys.argv[2])))
+"""

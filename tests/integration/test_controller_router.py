@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import DESIRED_COUNTS_KEY, worker_key
 from tests.integration import netns
 from tests.integration.processes import PdserveProcess
+from tests.integration.ray_nodes import actor_names
 from tests.integration.reference import MAX_TOKENS, PROMPT
 from tests.integration.rehearsal import (
     BUILD,
@@ -259,3 +261,26 @@ def test_a_sigkilled_pdserve_up_leaves_its_workers_to_a_router(rehearsal: Rehear
     assert tokens == expected
     with redis.Redis.from_url(url) as r:  # a restarted worker would have bound a new free port
         assert {w: WorkerState.from_json(r.get(worker_key(w))).address for w in WORKERS} == before
+
+
+def test_a_sigtermed_pdserve_up_stops_the_workers_it_was_starting(rehearsal: Rehearsal) -> None:
+    """SIGTERM while `pdserve up --ray-address` starts its workers: it exits cleanly and removes its detached actors,
+    which would otherwise wait in Ray for good. Its build's resource is on no node, so they never start."""
+    namespace = "pdserve-up-stopped"
+    args = ["up", "--model", "tiny-random", "--ray-address", rehearsal.nodes[0].address, "--build-resources"]
+    args += ["--ray-namespace", namespace, "--port", str(free_port()), "--kv-cache-gb", "0.05"]
+    env = {**rehearsal.env, "PDSERVE_BUILD": "registry.example/pdserve:on-no-node"}
+    up = PdserveProcess(*args, log_path=rehearsal.temp_dir / "up-stopped.log", env=env, netns=rehearsal.head_netns)
+    rehearsal.started.append(up)
+
+    def names() -> list[str]:
+        return actor_names(rehearsal.nodes[0].address, namespace, rehearsal.env, netns=rehearsal.head_netns)
+
+    end = time.monotonic() + 120
+    while names() != sorted(WORKERS):
+        assert up.proc.poll() is None and time.monotonic() < end, up.log()[-3000:]
+        time.sleep(1.0)
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(timeout=60) == 0, up.log()[-3000:]
+    assert not re.search(r"^ready ", up.log(), re.MULTILINE)
+    assert names() == []

@@ -13,7 +13,7 @@ import logging
 from pdserve.cluster.factories import ClusterServices
 from pdserve.cluster.internal_security import prepare_internal_security
 from pdserve.cluster.launcher import Cluster
-from pdserve.cluster.router_process import until_signal
+from pdserve.cluster.router_process import stop_signal
 from pdserve.config import ClusterConfig
 
 log = logging.getLogger(__name__)
@@ -26,9 +26,12 @@ async def run_controller(config: ClusterConfig, services: ClusterServices) -> No
 
     if not config.redis_url or not config.ray_address:
         raise ValueError("pdserve controller needs --redis and --ray-address")
+    stop = stop_signal()
     prepare_internal_security(config, make_secret=False)  # before Ray connects: the workers inherit it
     cluster = Cluster(config, services.workers, RedisRegistry(config.redis_url), publish=False)
-    await asyncio.to_thread(cluster.start_workers)
+    end = cluster.stop_workers if config.stop_workers_on_exit else cluster.leave_workers
+    if not await cluster.start_until(stop, end):
+        return
     telemetry = Telemetry("pdserve-controller")
     cluster.supervisor.on_replaced = SupervisionMetrics(telemetry.meter).replaced
     if config.metrics_port is not None:
@@ -38,11 +41,8 @@ async def run_controller(config: ClusterConfig, services: ClusterServices) -> No
     roles = ", ".join(config.roles)
     print(f"ready controller ({config.mode}: {roles}) in Ray namespace {config.ray_namespace}", flush=True)
     try:
-        await until_signal()
+        await stop.wait()
     finally:
         watcher.cancel()
-        if config.stop_workers_on_exit:
-            await asyncio.to_thread(cluster.stop_workers)
-        else:
-            await asyncio.to_thread(cluster.leave_workers)
+        await asyncio.to_thread(end)
         telemetry.shutdown()

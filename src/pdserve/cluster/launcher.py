@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -27,6 +29,11 @@ from pdserve.registry.base import Registry, WorkerState
 
 log = logging.getLogger(__name__)
 SPEC_TIMEOUT_S = 5.0  # an actor answers what it was asked to be at once, unless it is restarting
+STOP_CHECK_S = 1.0  # how long a start waits on Ray between looks at whether the process is stopping
+
+
+class StartStopped(Exception):
+    """The process was told to stop while its workers started."""
 
 
 class Cluster:
@@ -37,6 +44,7 @@ class Cluster:
         self.config = config
         self.registry = registry
         self.actors = WorkerActors(config, workers)
+        self.stopping = threading.Event()  # set once: every start in progress gives up
         self.supervisor = Supervisor(registry, publish=publish, new_actor=self.actors.create)
         drain_s = config.worker_drain_timeout_s
         self.scaler = FleetScaler(
@@ -99,6 +107,7 @@ class Cluster:
         in_namespace = self.actors.found_worker_ids(set(self.config.roles)) if self.actors.detached else []
         found: set[str] = set()
         for spec in self.starting_specs(in_namespace):
+            self._raise_if_stopping()
             actor, existed = self.actors.get_or_create(spec)
             self.supervisor.slots[spec.worker_id] = Slot(spec, actor)
             if existed:
@@ -136,15 +145,16 @@ class Cluster:
         """The worker's state once it serves. A failed start is logged with its reason, and Ray restarts the
         worker (it exits); when its restarts are used up, or it does not serve within `timeout_s` (an actor no node
         can host waits for one forever), starting fails instead of waiting forever."""
-        import ray
         from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
         worker_id, failures, died = slot.spec.worker_id, 0, 0
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                ray.get(slot.actor.wait_ready.remote(), timeout=max(deadline - time.monotonic(), 0.0))
-                return ray.get(slot.actor.state.remote(), timeout=max(deadline - time.monotonic(), 0.0))
+                self._get(slot.actor.wait_ready.remote(), deadline)
+                return self._get(slot.actor.state.remote(), deadline)
+            except StartStopped:
+                raise
             except GetTimeoutError:
                 raise RuntimeError(
                     f"worker {worker_id} did not serve within {timeout_s:g} s (no node for it?)"
@@ -163,6 +173,48 @@ class Cluster:
                     raise RuntimeError(f"worker {worker_id} failed to start {failures} times: {_reason(e)}") from e
                 time.sleep(2 * EXIT_GRACE_S)  # until the failed process is gone, not to ask it again
 
+    def _get(self, ref: Any, deadline: float) -> Any:
+        """`ray.get(ref)` by `deadline` (else GetTimeoutError), in slices so that a stop ends the wait."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        while True:
+            self._raise_if_stopping()
+            left = deadline - time.monotonic()
+            try:
+                return ray.get(ref, timeout=min(max(left, 0.0), STOP_CHECK_S))
+            except GetTimeoutError:
+                if left <= STOP_CHECK_S:
+                    raise
+
+    def _raise_if_stopping(self) -> None:
+        if self.stopping.is_set():
+            raise StartStopped("the process is stopping")
+
+    async def start_until(self, stop: asyncio.Event, end: Callable[[], None], fail_fast: bool = False) -> bool:
+        """`start_workers` on a thread, unless `stop` is set first (SIGTERM while the workers start): then the start
+        gives up within STOP_CHECK_S (or once Ray is connected) and `end` (`stop_workers`, `leave_workers`) runs
+        on what it started. False when stopped; a failed start runs `end` too, then raises."""
+        starting = asyncio.ensure_future(asyncio.to_thread(self.start_workers, fail_fast))
+        signalled = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait((starting, signalled), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            signalled.cancel()
+        if stop.is_set():
+            self.stopping.set()
+        try:
+            await starting
+        except BaseException:
+            await asyncio.to_thread(end)
+            if stop.is_set():
+                return False
+            raise
+        if stop.is_set():
+            await asyncio.to_thread(end)
+            return False
+        return True
+
     async def watch(self) -> None:
         """Supervises the worker actors, scales them to the desired counts and rolls adopted ones onto this fleet's
         spec until cancelled (see `Supervisor`, `FleetScaler`, `Rollout`)."""
@@ -171,13 +223,15 @@ class Cluster:
     def stop_workers(self) -> None:
         import ray
 
+        self.stopping.set()
         for slot in [*self.supervisor.slots.values(), *self.scaler.starting.values()]:
             if slot.actor is None:
                 continue
-            try:
-                ray.get(slot.actor.stop.remote(), timeout=30)
-            except Exception as e:  # dead already, or stuck: killed below either way
-                log.warning("worker did not stop cleanly: %r", e)
+            if slot.address:  # it served: its server stops cleanly (one still starting would hold this up)
+                try:
+                    ray.get(slot.actor.stop.remote(), timeout=30)
+                except Exception as e:  # dead already, or stuck: killed below either way
+                    log.warning("worker did not stop cleanly: %r", e)
             self.actors.kill(slot.actor)
         self.supervisor.slots.clear()
         if self.actors.started_ray:

@@ -77,17 +77,19 @@ async def start_router_process(
     return RunningRouter(server, handle, registry, prefix_index)
 
 
-async def until_signal() -> None:
-    """Returns on SIGINT or SIGTERM."""
+def stop_signal() -> asyncio.Event:
+    """Set on SIGINT or SIGTERM from now on, which no longer end the process at once: taken first thing, so a signal
+    during a start stops what was started rather than leave it running."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
 
 
 async def run_router(config: ClusterConfig, start_router: StartRouter) -> None:
     """`pdserve router`: serves from the Redis registry until SIGTERM, then drains."""
+    stop = stop_signal()
     prepare_internal_security(config, make_secret=False)
     telemetry = Telemetry("pdserve-router")
     registry, prefix_index = registry_for(config)
@@ -95,7 +97,7 @@ async def run_router(config: ClusterConfig, start_router: StartRouter) -> None:
     workers = len(registry.workers())
     print(f"ready {router.server.address} (router; {workers} workers in the registry)", flush=True)
     try:
-        await until_signal()
+        await stop.wait()
     finally:
         await router.drain_and_stop(config.drain_grace_s)
         telemetry.shutdown()

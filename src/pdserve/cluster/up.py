@@ -11,7 +11,7 @@ import asyncio
 from pdserve.cluster.factories import ClusterServices
 from pdserve.cluster.internal_security import prepare_internal_security
 from pdserve.cluster.launcher import Cluster
-from pdserve.cluster.router_process import registry_for, start_router_process, until_signal
+from pdserve.cluster.router_process import registry_for, start_router_process, stop_signal
 from pdserve.config import ClusterConfig
 
 
@@ -19,16 +19,15 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
     from pdserve.metrics import SupervisionMetrics
     from pdserve.telemetry import Telemetry
 
+    stop = stop_signal()
     # Before Ray starts: the workers inherit it. Joined to a Ray cluster, its detached workers outlive this process,
     # so the secret must be the operator's, shared with whichever router takes them over.
     prepare_internal_security(config, make_secret=config.ray_address is None)
     registry, prefix_index = registry_for(config)
     cluster = Cluster(config, services.workers, registry, publish=not config.redis_url)
-    try:
-        await asyncio.to_thread(cluster.start_workers, fail_fast=True)
-    except BaseException:  # a worker that cannot start: stop the others rather than leave them running
-        await asyncio.to_thread(cluster.stop_workers)
-        raise
+    # A worker that cannot start, or a signal while they start: the others are stopped, not left running.
+    if not await cluster.start_until(stop, cluster.stop_workers, fail_fast=True):
+        return
     telemetry = Telemetry("pdserve-router")
     cluster.supervisor.on_replaced = SupervisionMetrics(telemetry.meter).replaced
     router = await start_router_process(config, services.router, registry, prefix_index, telemetry)
@@ -36,7 +35,7 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
     if ready_line:
         print(f"ready {router.server.address} ({config.mode}: {', '.join(config.roles)})", flush=True)
     try:
-        await until_signal()
+        await stop.wait()
     finally:
         watcher.cancel()
         await router.drain_and_stop(config.drain_grace_s)
