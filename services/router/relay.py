@@ -122,11 +122,12 @@ class Relay:
         if msg.token_ids and not clock.ttft_s:
             clock.ttft_s = now - clock.start
             self.metrics.ttft.record(clock.ttft_s)
-            p = ticket.placement
+            # The workers are judged by this attempt's TTFT: a retry's request TTFT holds the failed attempt's.
+            attempt_s, p = now - ticket.started_at, ticket.placement
             for worker in {p.prefill_worker.worker_id, p.decode.worker_id}:
-                self.recent.add(worker, "ttft", clock.ttft_s)
+                self.recent.add(worker, "ttft", attempt_s)
             if ticket.ran_alone():
-                self.calibration.observe(p.prefill_worker.worker_id, p.predicted_ttft_s, clock.ttft_s)
+                self.calibration.observe(p.prefill_worker.worker_id, p.predicted_ttft_s, attempt_s)
         elif msg.token_ids:  # a message with several tokens (a worker catching up) spreads its gap over them
             gap = (now - clock.last_token_at) / len(msg.token_ids)
             for _ in msg.token_ids:
