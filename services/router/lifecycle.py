@@ -28,6 +28,7 @@ from pdserve.errors import (
 from pdserve.metrics import RecentLatencies, RouterMetrics
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.model_config import ModelConfig
+from pdserve.protocol.request_checks import check_request_id
 from pdserve.registry.base import PrefixIndex, WorkerState
 from pdserve.security.api_keys import KeyTable, Metadata, Tenant, authenticate
 from pdserve.security.quotas import LocalQuotas, Quotas, QuotaSession
@@ -112,6 +113,7 @@ class RequestLifecycle:
         """Build, place and admit, or raise (InvalidRequestError, OverloadedError, UnavailableError,
         PermissionDeniedError) before anything is sent. The request gets its own unique key here; the caller's
         request_id is only echoed. Its prompt and max_tokens are charged to its key's token rate."""
+        check_request_id(msg.request_id, self.config.request_limits)  # before it tags spans and log lines
         key = uuid.uuid4().hex
         client_id = msg.request_id or key
         request_id_var.set(client_id)

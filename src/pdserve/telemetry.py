@@ -19,7 +19,7 @@ from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -28,6 +28,9 @@ from pdserve import env
 # Seconds: first tokens and whole requests (TTFT, e2e) span ms to minutes; per-token gaps ms to seconds.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+# A span attribute's longest value: callers' text (an HTTP `user`, an error naming a request) stays far under an
+# OTLP collector's 4 MiB message limit, which one oversized span would break for every span batched with it.
+MAX_ATTRIBUTE_CHARS = 4096
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_id", default=None)
 
@@ -65,7 +68,8 @@ class Telemetry:
         resource = Resource.create({SERVICE_NAME: service})
         self.tracer_provider: Any = trace.NoOpTracerProvider()
         if processor is not None:
-            self.tracer_provider = TracerProvider(resource=resource)
+            limits = SpanLimits(max_attribute_length=MAX_ATTRIBUTE_CHARS)
+            self.tracer_provider = TracerProvider(resource=resource, span_limits=limits)
             self.tracer_provider.add_span_processor(processor)
         self.meter_provider: Any = metrics.NoOpMeterProvider()
         if enabled:  # disabled: the baseline the overhead is measured against

@@ -13,6 +13,7 @@ from pdserve.config import RouterConfig
 from pdserve.rpc.server import Server, channel
 from pdserve.telemetry import (
     LATENCY_BUCKETS_S,
+    MAX_ATTRIBUTE_CHARS,
     TOKEN_BUCKETS_S,
     JsonFormatter,
     Telemetry,
@@ -70,3 +71,12 @@ def test_the_slos_the_docs_use_are_histogram_bucket_edges():
         assert ttft_s in LATENCY_BUCKETS_S
     for tpot_s in (config.default_tpot_ms / 1e3, 0.05, 0.06, 0.1):
         assert tpot_s in TOKEN_BUCKETS_S
+
+
+def test_a_callers_long_text_is_cut_in_spans():
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("pdserve-router", span_processor=SimpleSpanProcessor(exporter))
+    with telemetry.tracer.start_as_current_span("http", attributes={"enduser.id": "u" * 8_000_000}):
+        pass
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["enduser.id"] == "u" * MAX_ATTRIBUTE_CHARS

@@ -16,8 +16,11 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.request_checks import RequestLimits
+from pdserve.telemetry import request_id_var
 from pdserve.v1 import generate_pb2 as pb
+from services.router.generation import generate
 from services.router.request import INLINE_TOKENIZE_BYTES, build_request
+from tests.unit.router.router_builder import Router, worker
 
 LIMITS = RequestLimits()
 DEFAULT_MAX_TOKENS = 256
@@ -248,3 +251,15 @@ def test_tokenizing_a_huge_prompt_leaves_the_loop_free(tiny):
     longest_gap_s, ticks = min(races)
     assert ticks > 10
     assert longest_gap_s < tokenize_s / 4, f"loop stalled {longest_gap_s * 1e3:.1f} ms of {tokenize_s * 1e3:.1f} ms"
+
+
+def test_an_oversized_request_id_is_refused_before_it_tags_the_log_lines():
+    async def run() -> str | None:
+        lc = Router([worker("p0"), worker("d0", "decode")]).lifecycle()
+        msg = pb.GenerateRequest(request_id="r" * 1_000_000, prompt="hi")
+        with pytest.raises(InvalidRequestError, match="request_id"):
+            async for _ in generate(lc, msg, {}, lambda: 10.0, lambda ticket: asyncio.sleep(0)):
+                pass
+        return request_id_var.get()
+
+    assert asyncio.run(run()) is None
