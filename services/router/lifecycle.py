@@ -303,10 +303,12 @@ class RequestLifecycle:
         verb = "placed again" if sent is None else f"migrated after {sent} streamed tokens"
         log.warning("request %s after worker %s failed it", verb, worker.worker_id, extra=attrs | {"key": key})
 
-    def refused(self, error: Exception, started_at: float) -> None:
+    def refused(self, error: Exception, started_at: float, tenant: Tenant | None = None) -> None:
         """A request its front end refused before it had a GenerateRequest (an HTTP caller without a valid key,
-        a body of the wrong shape): counted and logged as `accounting` counts any such refusal."""
-        with suppress(type(error)), self.accounting(started_at):
+        a body of the wrong shape): counted and logged as `accounting` counts any such refusal, under the
+        caller's tenant once its key was checked."""
+        with suppress(type(error)), self.accounting(started_at) as caller:
+            caller.tenant = tenant
             raise error
 
     @contextmanager

@@ -81,13 +81,13 @@ class OpenAIAPI:
         return await self._complete(request, chat=True)
 
     async def _complete(self, request: Request, chat: bool) -> Response:
-        start = time.perf_counter()
+        start, tenant = time.perf_counter(), None
         try:
-            check_caller(self.lifecycle, request.headers)  # a caller without a valid key learns nothing of the body
+            tenant = check_caller(self.lifecycle, request.headers)  # a caller without a valid key learns nothing more
             body = await _read_body(request, self.lifecycle.config.max_http_body_bytes)
             req = parse_request(parse_json(body), chat, request.headers.get("x-request-id", ""))
         except Exception as e:  # a bug converting a body is a 500 in OpenAI's shape too, its text only in the log
-            self.lifecycle.refused(e, start)
+            self.lifecycle.refused(e, start, tenant)
             return error_response(e)
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id or uuid.uuid4().hex}"
         answer = Answer(req, answer_id, self.lifecycle.tokenizer)

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import httpx2
 import pytest
 
+from pdserve.security.api_keys import KeyTable, Tenant, digest
 from services.router.http import app as http_app
 from services.router.http.app import openai_app
 from services.router.lifecycle import RequestLifecycle
@@ -128,3 +129,15 @@ async def test_a_body_without_a_length_is_refused_once_what_came_would_pass_the_
     assert body.taken == LIMIT // 100 + 1 and outcomes(caplog) == ["invalid"]  # what came to the limit, and one more
     at_limit = await upload(limited, Upload(b" " * 100, LIMIT // 100), {})
     assert at_limit.status_code == 400 and at_limit.json()["error"]["param"] == "body"  # read, then not JSON
+
+
+async def test_a_known_callers_bad_body_is_counted_under_its_tenant(caplog):
+    lc = Router([], no_workers_wait_s=0.1).lifecycle(KeyTable({digest("k-1"): Tenant("team-a", "k-1")}))
+    transport = httpx2.ASGITransport(app=openai_app(lc), raise_app_exceptions=False)
+    with caplog.at_level(logging.INFO, logger="services.router.lifecycle"):
+        async with httpx2.AsyncClient(transport=transport, base_url="http://router") as http:
+            r = await http.post("/v1/completions", content=b"{", headers={"authorization": "Bearer k-1"})
+            anonymous = await http.post("/v1/completions", content=b"{")
+    assert (r.status_code, anonymous.status_code) == (400, 401)
+    counted = [(rec.outcome, rec.tenant) for rec in caplog.records if hasattr(rec, "outcome")]
+    assert counted == [("invalid", "team-a"), ("unauthenticated", "")]
