@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import aclosing
 
 from pdserve.errors import InvalidRequestError
 from pdserve.security.api_keys import Tenant
@@ -59,5 +60,8 @@ async def generate(
             ticket = await lifecycle.admit(request, start, quota)
             with ticket:
                 await on_admitted(ticket)
-                async for msg in lifecycle.stream(ticket, time_remaining):
-                    yield msg
+                # Closed here when the caller stops reading, not later by the garbage collector in another task:
+                # the decode call is cancelled and the spans end in this request's context.
+                async with aclosing(lifecycle.stream(ticket, time_remaining)) as stream:
+                    async for msg in stream:
+                        yield msg

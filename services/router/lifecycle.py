@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import aclosing, contextmanager, suppress
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -199,12 +199,13 @@ class RequestLifecycle:
         try:
             while True:
                 try:
-                    async for msg in self.relay.stream(ticket, time_remaining(), clock):
-                        chunks.append(list(msg.token_ids))
-                        done = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-                        if done:
-                            self.admitted.finish(sum(map(len, chunks)))
-                        yield msg
+                    async with aclosing(self.relay.stream(ticket, time_remaining(), clock)) as relayed:
+                        async for msg in relayed:
+                            chunks.append(list(msg.token_ids))
+                            done = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                            if done:
+                                self.admitted.finish(sum(map(len, chunks)))
+                            yield msg
                     return
                 except UnavailableError as e:
                     if done:  # the last message is out: a worker lost after it leaves nothing to redo

@@ -81,3 +81,29 @@ async def test_a_stream_with_only_a_full_worker_left_ends_unavailable_not_resour
         with pytest.raises(UnavailableError, match="no free KV blocks"):
             await stream(router.lifecycle(), out)
     assert len(out) == 2
+
+
+async def test_a_moved_stream_the_caller_stops_reading_is_released_at_once():
+    """The caller closes the stream after the move: the moved attempt's ticket is released before the close
+    returns, not later by the garbage collector's hook in another task."""
+
+    async def admitted(ticket: Ticket) -> None:
+        pass
+
+    async with serving(DiesAfter(sent=2)) as d0, serving(StandInDecode(gap_s=0.2)) as d1:
+        router = Router(
+            [worker("p0"), worker("d0", "decode", address=d0), worker("d1", "decode", address=d1, kv_blocks_free=2048)]
+        )
+        lc = router.lifecycle()
+        stream = generate(
+            lc,
+            pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(max_tokens=40)),
+            {},
+            lambda: 10.0,
+            admitted,
+        )
+        got = [await anext(stream) for _ in range(3)]  # two from d0, the third from d1 after the move
+        assert lc.in_flight == 1
+        await stream.aclose()
+        assert lc.in_flight == 0
+    assert len(got) == 3
