@@ -78,8 +78,9 @@ async def start_router_process(
 
 
 def stop_signal() -> asyncio.Event:
-    """Set on SIGINT or SIGTERM from now on, which no longer end the process at once: taken first thing, so a signal
-    during a start stops what was started rather than leave it running."""
+    """Set on SIGINT or SIGTERM from now on, which no longer end the process at once. Taken before a process starts
+    anything a signal must stop, and after `ray.init`: Ray's driver installs a SIGTERM handler of its own over what
+    was there (it prints a stack trace; a `pdserve up` whose handler came first ended by SIGABRT after its drain)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

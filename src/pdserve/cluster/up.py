@@ -19,12 +19,13 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
     from pdserve.metrics import SupervisionMetrics
     from pdserve.telemetry import Telemetry
 
-    stop = stop_signal()
     # Before Ray starts: the workers inherit it. Joined to a Ray cluster, its detached workers outlive this process,
     # so the secret must be the operator's, shared with whichever router takes them over.
     prepare_internal_security(config, make_secret=config.ray_address is None)
     registry, prefix_index = registry_for(config)
     cluster = Cluster(config, services.workers, registry, publish=not config.redis_url)
+    await asyncio.to_thread(cluster.actors.connect)
+    stop = stop_signal()  # after Ray's connect, whose handler for SIGTERM it replaces
     # A worker that cannot start, or a signal while they start: the others are stopped, not left running.
     if not await cluster.start_until(stop, cluster.stop_workers, fail_fast=True):
         return
