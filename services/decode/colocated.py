@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.outputs import RequestOutput
-from pdserve.telemetry import Telemetry
+from pdserve.telemetry import Telemetry, mark_ended_by
 
 
 async def generate_here(
@@ -21,6 +21,9 @@ async def generate_here(
         async for out in engine.generate(request):
             tokens += len(out.new_token_ids)
             yield out
+    except BaseException as e:
+        mark_ended_by(span, e)
+        raise
     finally:
         span.set_attribute("completion_tokens", tokens)
         span.end()

@@ -20,7 +20,7 @@ from pdserve.errors import OverloadedError, UnavailableError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.handoff import FirstToken, KVTarget
 from pdserve.protocol.outputs import RequestOutput
-from pdserve.telemetry import Telemetry, now_ns
+from pdserve.telemetry import Telemetry, mark_ended_by, now_ns
 from pdserve.transfer.base import KVReceiver, TransferError, TransferTimeoutError
 from services.decode.prefill_client import PrefillCall, PrefillClient
 
@@ -110,18 +110,15 @@ class Handoff:
     async def _until_received(
         self, handoff: HandoffRequest, call: PrefillCall, receive: asyncio.Future[int], num_blocks: int
     ) -> None:
-        """Waits for the KV to land and the prefill worker to confirm it; traces the receive."""
+        """Waits for the KV to land and the prefill worker to confirm it; traces the receive, however it ends."""
+        ids = {"request__id": handoff.request.request_id, "worker__id": self.worker_id, "kv__blocks": num_blocks}
         start_ns = now_ns()
-        nbytes = await _until_transferred(call, receive)
-        self.telemetry.span(
-            "kv_transfer.recv",
-            start_ns,
-            now_ns(),
-            request__id=handoff.request.request_id,
-            worker__id=self.worker_id,
-            kv__blocks=num_blocks,
-            kv__bytes=nbytes,
-        )
+        try:
+            nbytes = await _until_transferred(call, receive)
+        except BaseException as e:
+            self.telemetry.span("kv_transfer.recv", start_ns, now_ns(), e, **ids)
+            raise
+        self.telemetry.span("kv_transfer.recv", start_ns, now_ns(), **ids, kv__bytes=nbytes)
 
     async def _decode(self, handoff: HandoffRequest, first: FirstToken) -> AsyncIterator[RequestOutput]:
         """Commits the received KV and streams the decode. The stream span starts when the sequence joins the
@@ -129,7 +126,7 @@ class Handoff:
         ids = {"request.id": handoff.request.request_id, "worker.id": self.worker_id}
         committed_ns = now_ns()
         tokens = 0
-        stream = None
+        stream, ended_by = None, None
         try:
             async for out in self.engine.commit_and_stream(handoff.request.request_id, first.token_id, first.logprobs):
                 if not tokens:  # the first token's output: the prefill worker's prompt logprobs go with it
@@ -140,9 +137,13 @@ class Handoff:
                     self.telemetry.span("decode.queue_wait", committed_ns, ran_ns, **ids)
                     stream = self.telemetry.tracer.start_span("decode.stream", start_time=ran_ns, attributes=ids)
                 yield out
+        except BaseException as e:
+            ended_by = e
+            raise
         finally:
             if stream is None:
                 stream = self.telemetry.tracer.start_span("decode.stream", start_time=committed_ns, attributes=ids)
+            mark_ended_by(stream, ended_by)
             stream.set_attribute("completion_tokens", tokens)
             stream.set_attribute("prompt_tokens", len(handoff.request.prompt))
             stream.end()

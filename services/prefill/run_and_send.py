@@ -79,12 +79,22 @@ class RunAndSend:
             raise InvalidRequestError("transfer_timeout_ms", f"must be positive, got {job.transfer_timeout_s * 1e3:g}")
 
     async def _run_prompt(self, job: PrefillJob) -> RequestOutput:
-        """Prefills the prompt; its blocks stay held for the hand-off. Traces its queue wait and compute."""
+        """Prefills the prompt; its blocks stay held for the hand-off. Traces its queue wait and compute, also when
+        they end otherwise: the wait alone when the prompt never ran."""
         start_ns = now_ns()
-        out = await self.engine.prefill(job.request)
+        ids = {"request__id": job.request.request_id, "worker__id": self.worker_id}
+        try:
+            out = await self.engine.prefill(job.request)
+        except BaseException as e:
+            ran_ns = self.engine.take_started_ns(job.request.request_id)
+            if ran_ns is None:
+                self.telemetry.span("prefill.queue_wait", start_ns, now_ns(), e, **ids)
+            else:
+                self.telemetry.span("prefill.queue_wait", start_ns, ran_ns, **ids)
+                self.telemetry.span("prefill.compute", ran_ns, now_ns(), e, **ids)
+            raise
         end_ns = now_ns()
         ran_ns = self.engine.take_started_ns(job.request.request_id) or start_ns
-        ids = {"request__id": job.request.request_id, "worker__id": self.worker_id}
         self.telemetry.span("prefill.queue_wait", start_ns, ran_ns, **ids)
         self.telemetry.span(
             "prefill.compute",

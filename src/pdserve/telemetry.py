@@ -8,6 +8,7 @@ SDK's own OTEL_* handling. Trace context rides gRPC metadata through the instrum
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
@@ -89,9 +90,13 @@ class Telemetry:
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)
         return int(self._http.server_port)
 
-    def span(self, name: str, start_ns: int, end_ns: int, **attributes: Any) -> None:
-        """A span measured after the fact (queue waits: their start is known only once they end)."""
+    def span(
+        self, name: str, start_ns: int, end_ns: int, failed: BaseException | None = None, **attributes: Any
+    ) -> None:
+        """A span measured after the fact (queue waits: their start is known only once they end); `failed`: what
+        ended the operation instead of its result (`mark_ended_by`)."""
         span = self.tracer.start_span(name, start_time=start_ns, attributes=_attrs(attributes))
+        mark_ended_by(span, failed)
         span.end(end_time=max(end_ns, start_ns))
 
     def shutdown(self) -> None:
@@ -103,6 +108,18 @@ class Telemetry:
             self.tracer_provider.shutdown()
         if self.enabled:
             self.meter_provider.shutdown()
+
+
+def mark_ended_by(span: trace.Span, error: BaseException | None) -> None:
+    """What ended a span's operation early, on the span: a failure as ERROR with its exception; the caller's cancel
+    (a cancelled task, a stream closed under it) as `cancelled`, which is no error of this service's."""
+    if error is None:
+        return
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        span.set_attribute("cancelled", True)
+        return
+    span.record_exception(error)
+    span.set_status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}")
 
 
 def _attrs(attributes: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,9 @@ import pytest
 from pdserve.build import current_build
 from pdserve.cluster.local_process import ClusterProcess, free_port
 from pdserve.rpc.client import generate
+from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc
 from tests.integration.cluster_view import scrape, status_json, total
 
 pytestmark = pytest.mark.timeout(180)
@@ -96,6 +98,31 @@ def test_one_request_is_one_trace_across_all_three_services(cluster, collector):
     # Every hop is keyed by the router's own id, which the router's spans carry beside the client's.
     keys = {a.value.string_value for svc, s in spans for a in s.attributes if a.key == "request.id"}
     assert len(keys) == 1 and request_id not in keys, keys
+
+
+def test_a_stream_the_caller_cancels_is_marked_cancelled_not_failed(cluster, collector):
+    request_id = uuid.uuid4().hex
+    sampling = pb.SamplingParams(max_tokens=400, ignore_eos=True)
+    request = pb.GenerateRequest(request_id=request_id, prompt="cancel me", sampling=sampling)
+
+    async def cancel_after_three() -> None:
+        async with channel(cluster.address) as ch:
+            call = generate_pb2_grpc.GenerationStub(ch).Generate(request, timeout=60)
+            for _ in range(3):
+                await call.read()
+            call.cancel()
+
+    asyncio.run(cancel_after_three())
+    deadline = time.monotonic() + 20
+    stream = None
+    while stream is None and time.monotonic() < deadline:
+        spans = collector.trace(trace_id) if (trace_id := collector.trace_of(request_id)) else []
+        stream = next((s for _, s in spans if s.name == "decode.stream"), None)
+        time.sleep(0.2)
+    assert stream is not None, "no decode.stream span for the cancelled request"
+    attrs = {a.key: a.value for a in stream.attributes}
+    assert attrs["cancelled"].bool_value and 3 <= attrs["completion_tokens"].int_value < 400, attrs
+    assert stream.status.code != stream.status.STATUS_CODE_ERROR
 
 
 def test_metrics_count_requests_and_blocks_return_to_zero(cluster):

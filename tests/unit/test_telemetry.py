@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from pdserve.config import RouterConfig
 from pdserve.rpc.server import Server, channel
@@ -80,3 +82,17 @@ def test_a_callers_long_text_is_cut_in_spans():
         pass
     (span,) = exporter.get_finished_spans()
     assert span.attributes["enduser.id"] == "u" * MAX_ATTRIBUTE_CHARS
+
+
+def test_a_span_says_what_ended_its_operation():
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("pdserve-prefill", span_processor=SimpleSpanProcessor(exporter))
+    telemetry.span("prefill.compute", 1, 2, RuntimeError("engine thread is down"), request__id="r")
+    telemetry.span("prefill.queue_wait", 1, 2, asyncio.CancelledError(), request__id="r")
+    telemetry.span("kv_transfer.recv", 1, 2, request__id="r")
+    failed, cancelled, done = exporter.get_finished_spans()
+    assert failed.status.status_code == StatusCode.ERROR and "engine thread is down" in failed.status.description
+    assert [e.name for e in failed.events] == ["exception"]
+    assert cancelled.status.status_code == StatusCode.UNSET and cancelled.attributes["cancelled"] is True
+    assert done.status.status_code == StatusCode.UNSET and "cancelled" not in done.attributes
+    assert done.attributes["request.id"] == "r"
