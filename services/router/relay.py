@@ -128,6 +128,8 @@ class Relay:
                 self.recent.add(worker, "ttft", attempt_s)
             if ticket.ran_alone():
                 self.calibration.observe(p.prefill_worker.worker_id, p.predicted_ttft_s, attempt_s)
+            for _ in msg.token_ids[1:]:  # tokens that came with the first: no gap after it
+                self.metrics.itl.record(0.0)
         elif msg.token_ids:  # a message with several tokens (a worker catching up) spreads its gap over them
             gap = (now - clock.last_token_at) / len(msg.token_ids)
             for _ in msg.token_ids:

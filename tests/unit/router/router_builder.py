@@ -75,11 +75,14 @@ class Router:
         self.admission.check(placed, len(tokens), priority, SLOTarget(*slo_s, explicit, explicit))
         return placed
 
-    def lifecycle(self, keys: KeyTable | None = None, quotas: Quotas | None = None) -> RequestLifecycle:
-        """The request lifecycle on this placement, serving tiny-random (its tokenizer; the model's name)."""
+    def lifecycle(
+        self, keys: KeyTable | None = None, quotas: Quotas | None = None, telemetry: Telemetry | None = None
+    ) -> RequestLifecycle:
+        """The request lifecycle on this placement, serving tiny-random (its tokenizer; the model's name); without
+        `telemetry`, its metrics and spans go nowhere."""
         path = locate_model(MODEL)
         tokenizer, model = Tokenizer(tokenizer_folder(path)), read_model_config(path)
-        telemetry = Telemetry("test-router", enabled=False)
+        telemetry = telemetry or Telemetry("test-router", enabled=False)
         return RequestLifecycle(
             tokenizer, model, self.config, self.placement, self.index, self.tracker, telemetry, MODEL, keys, quotas
         )

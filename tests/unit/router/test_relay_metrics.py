@@ -1,0 +1,51 @@
+"""The router's token latency metrics through a real lifecycle against a stand-in decode worker that sends
+several tokens in one message (as a worker catching up does): one inter-token gap per token after the first."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from pdserve.telemetry import Telemetry
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import worker_pb2 as wpb
+from services.router.generation import generate
+from services.router.ticket import Ticket
+from tests.unit.router.router_builder import Router, worker
+from tests.unit.router.stand_in_decode import StandInDecode, serving
+
+pytestmark = pytest.mark.timeout(60)
+MESSAGES = [[3, 4, 5], [6], [7, 8]]  # the first message carries three tokens
+
+
+class Batched(StandInDecode):
+    async def Generate(  # noqa: N802
+        self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        for i, tokens in enumerate(MESSAGES):
+            await asyncio.sleep(0.05)
+            last = i == len(MESSAGES) - 1
+            yield pb.GenerateResponse(token_ids=tokens, finish_reason=pb.FINISH_REASON_LENGTH if last else 0)
+
+
+async def test_every_token_after_the_first_is_one_inter_token_sample():
+    async def admitted(ticket: Ticket) -> None:
+        pass
+
+    telemetry = Telemetry("test-router")
+    request = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(max_tokens=6))
+    async with serving(Batched()) as address:
+        lc = Router([worker("p0"), worker("d0", "decode", address=address)]).lifecycle(telemetry=telemetry)
+        got = [t async for msg in generate(lc, request, {}, lambda: 10.0, admitted) for t in msg.token_ids]
+    assert got == [t for m in MESSAGES for t in m]
+    assert count(telemetry, "pdserve_inter_token_latency_seconds") == len(got) - 1
+    assert count(telemetry, "pdserve_time_to_first_token_seconds") == 1
+    assert count(telemetry, "pdserve_time_per_output_token_seconds") == 1
+    telemetry.shutdown()
+
+
+def count(telemetry: Telemetry, histogram: str) -> float:
+    return sum(s.value for f in telemetry.registry.collect() for s in f.samples if s.name == f"{histogram}_count")
