@@ -111,9 +111,13 @@ class OpenAIAPI:
             try:
                 whole.result()
             except Exception as e:
-                span.record_exception(e)
-                span.set_status(trace.StatusCode.ERROR, str(e))
-                return error_response(e, req.max_tokens_param)
+                response = error_response(e, req.max_tokens_param)
+                span.set_attribute("http.response.status_code", response.status_code)
+                if response.status_code >= 500:  # OpenTelemetry's convention: a 4xx is the client's, not a failure
+                    span.record_exception(e)
+                    span.set_status(trace.StatusCode.ERROR, str(e))
+                return response
+            span.set_attribute("http.response.status_code", 200)
         return JSONResponse(answer.whole(), headers=headers)
 
     async def _whole(self, req: OpenAIRequest, answer: Answer, request: Request, headers: dict[str, str]) -> None:

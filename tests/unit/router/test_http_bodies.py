@@ -9,8 +9,12 @@ from collections.abc import AsyncIterator
 
 import httpx2
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from pdserve.security.api_keys import KeyTable, Tenant, digest
+from pdserve.telemetry import Telemetry
 from services.router.http import app as http_app
 from services.router.http.app import openai_app
 from services.router.lifecycle import RequestLifecycle
@@ -141,3 +145,17 @@ async def test_a_known_callers_bad_body_is_counted_under_its_tenant(caplog):
     assert (r.status_code, anonymous.status_code) == (400, 401)
     counted = [(rec.outcome, rec.tenant) for rec in caplog.records if hasattr(rec, "outcome")]
     assert counted == [("invalid", "team-a"), ("unauthenticated", "")]
+
+
+async def test_the_http_span_is_an_error_only_for_the_servers_own_failures():
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("test-router", span_processor=SimpleSpanProcessor(exporter))
+    lc = Router([], no_workers_wait_s=0.1).lifecycle(telemetry=telemetry)
+    too_long = f'{{"model": "{MODEL}", "prompt": "x", "max_tokens": 1000000}}'  # past the model's context: a 400
+    no_workers = f"{{{PROMPT}}}"  # a valid request no worker can take: a 503
+    statuses = [(await post(lc, "/v1/completions", body.encode())).status_code for body in (too_long, no_workers)]
+    assert statuses == [400, 503]
+    spans = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/completions"]
+    assert [s.attributes["http.response.status_code"] for s in spans] == [400, 503]
+    assert [s.status.status_code for s in spans] == [StatusCode.UNSET, StatusCode.ERROR]
+    telemetry.shutdown()
