@@ -5,12 +5,9 @@ RPC should, and the fleet may be another process."""
 
 from __future__ import annotations
 
-from pdserve.addresses import PORT_SPAN
+from pdserve.config import MAX_WORKERS_PER_ROLE
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.roles import Role
-
-# Workers of a role on one host take the fixed ports after the first (PORT_SPAN of them): more cannot all listen.
-MAX_WORKERS_PER_ROLE = PORT_SPAN
 
 
 def scale_target(asked: dict[Role, int], current: dict[Role, int], registered: set[Role]) -> dict[Role, int]:

@@ -9,12 +9,13 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from pdserve import env
+from pdserve.config import MAX_WORKERS_PER_ROLE
 
 T = TypeVar("T")
 WILDCARDS = ("0.0.0.0", "::", "")
 # A fixed port is the first of this many: several workers on one host (or a decode worker's rendezvous store per
 # prefill peer) take the next free ones, so a NetworkPolicy names the range P..P+PORT_SPAN-1.
-PORT_SPAN = 64
+PORT_SPAN = MAX_WORKERS_PER_ROLE
 
 
 def is_wildcard(host: str) -> bool:

@@ -18,6 +18,9 @@ from pdserve.protocol.roles import EngineMode, Role
 MAX_MESSAGE_BYTES = 16 * 2**20
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CLUSTER_MODES = ("disaggregated", "colocated")
+# Workers of one role, also what `pdserve scale` allows: those on one host take consecutive fixed ports, this many
+# (`addresses.PORT_SPAN`).
+MAX_WORKERS_PER_ROLE = 64
 DECODE_GRAPH_MODES = ("auto", "static", "off")
 
 
@@ -215,6 +218,13 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.mode not in CLUSTER_MODES:
             raise ValueError(f"mode must be one of {CLUSTER_MODES}, got {self.mode!r}")
+        colocated = self.mode == "colocated"
+        counts = {"workers": self.workers} if colocated else {"prefill": self.prefill, "decode": self.decode}
+        for name, n in counts.items():
+            if not 1 <= n <= MAX_WORKERS_PER_ROLE:
+                raise ValueError(f"{name} must be 1 to {MAX_WORKERS_PER_ROLE} workers in {self.mode} mode, got {n}")
+        if self.engine.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {self.engine.kv_cache_memory_gb}")
         given = [self.internal_tls_cert, self.internal_tls_key, self.internal_tls_ca]
         if any(given) and not all(given):
             raise ValueError("give all of --internal-tls-cert, --internal-tls-key and --internal-tls-ca, or none")

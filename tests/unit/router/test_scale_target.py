@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.config import MAX_WORKERS_PER_ROLE
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.roles import Role
-from services.router.scale import MAX_WORKERS_PER_ROLE, scale_target
+from services.router.scale import scale_target
 
 P, D, C = Role.PREFILL, Role.DECODE, Role.COLOCATED
 SPLIT = {P: 1, D: 1}

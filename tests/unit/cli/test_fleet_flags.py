@@ -1,0 +1,33 @@
+"""`pdserve up` and `controller` refuse a fleet that could not serve before anything starts: one line, exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import MAX_WORKERS_PER_ROLE, ClusterConfig, EngineConfig
+from services.main import main
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"prefill": 0}, "prefill"),
+        ({"decode": -1}, "decode"),
+        ({"decode": MAX_WORKERS_PER_ROLE + 1}, "decode"),
+        ({"mode": "colocated", "workers": 0}, "workers"),
+        ({"engine": EngineConfig(kv_cache_memory_gb=0)}, "kv_cache_gb"),
+    ],
+)
+def test_a_fleet_that_cannot_serve_is_refused_naming_the_count(fields, named):
+    with pytest.raises(ValueError, match=f"^{named} must be"):
+        ClusterConfig(**fields)
+
+
+def test_the_other_modes_counts_do_not_matter():
+    assert ClusterConfig(mode="colocated", prefill=0, decode=0, workers=2).roles == ["colocated"] * 2
+
+
+def test_up_exits_2_with_one_line_before_ray_starts(capsys):
+    assert main(["up", "--model", "tiny-random", "--prefill", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pdserve up: prefill must be 1 to 64 workers in disaggregated mode, got -1"]
