@@ -48,6 +48,20 @@ def primary_address() -> str:
         return "127.0.0.1"
 
 
+def check_free(host: str, port: int, flag: str) -> None:
+    """OSError naming `flag` when `host:port` cannot be bound now (0: any free port, never taken), so a command
+    fails before it starts anything rather than when its listener binds, after its workers loaded."""
+    if not port:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listener: TIME_WAIT is no conflict
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as e:
+            raise OSError(f"{join(host, port)} cannot be bound ({e.strerror}); pass another {flag}") from None
+
+
 def join(host: str, port: int) -> str:
     """host:port, an IPv6 literal in brackets."""
     try:

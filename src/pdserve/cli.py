@@ -188,6 +188,7 @@ def _serve(args: argparse.Namespace, services: ClusterServices | None) -> int:
     try:
         config = _cluster_config(args)
         _check_security_files(config)
+        _check_ports_free(args.command, config)
     except (ValueError, OSError) as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 2
@@ -196,7 +197,11 @@ def _serve(args: argparse.Namespace, services: ClusterServices | None) -> int:
     # their own nodes.
     if args.command != "controller" and not _model_in_cache(args.model):
         return 1
-    asyncio.run(_runner(args.command)(config, services))
+    try:
+        asyncio.run(_runner(args.command)(config, services))
+    except OSError as e:  # a listener that could not bind after all (taken since the check): one line, not a trace
+        print(f"{name}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -229,6 +234,17 @@ def _check_security_files(config: ClusterConfig) -> None:
     for path in filter(None, paths):
         if not Path(path).is_file():
             raise FileNotFoundError(f"no such file: {path}")
+
+
+def _check_ports_free(command: str, config: ClusterConfig) -> None:
+    """The command's own listeners (a controller serves only metrics), checked before Ray or a worker starts."""
+    from pdserve.addresses import check_free
+
+    ports = {"--metrics-port": config.metrics_port}
+    if command != "controller":
+        ports |= {"--port": config.port, "--http-port": config.http_port}
+    for flag, port in ports.items():
+        check_free(config.host, port or 0, flag)
 
 
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:

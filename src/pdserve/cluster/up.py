@@ -31,7 +31,11 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
         return
     telemetry = Telemetry("pdserve-router")
     cluster.supervisor.on_replaced = SupervisionMetrics(telemetry.meter).replaced
-    router = await start_router_process(config, services.router, registry, prefix_index, telemetry)
+    try:
+        router = await start_router_process(config, services.router, registry, prefix_index, telemetry)
+    except BaseException:  # its port taken since the check, say: the workers are not left running
+        await asyncio.to_thread(cluster.stop_workers)
+        raise
     watcher = asyncio.create_task(cluster.watch())
     if ready_line:
         print(f"ready {router.server.address} ({config.mode}: {', '.join(config.roles)})", flush=True)

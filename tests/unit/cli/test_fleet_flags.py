@@ -1,6 +1,9 @@
-"""`pdserve up` and `controller` refuse a fleet that could not serve before anything starts: one line, exit 2."""
+"""`pdserve up` and `controller` refuse a fleet that could not serve, or a port they could not listen on, before
+anything starts: one line, exit 2."""
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 
@@ -31,3 +34,14 @@ def test_up_exits_2_with_one_line_before_ray_starts(capsys):
     assert main(["up", "--model", "tiny-random", "--prefill", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["pdserve up: prefill must be 1 to 64 workers in disaggregated mode, got -1"]
+
+
+def test_a_taken_port_is_named_before_anything_starts(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["up", "--model", "tiny-random", "--http-port", str(port)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"pdserve up: 127.0.0.1:{port} cannot be bound")
+    assert line.endswith("pass another --http-port")
