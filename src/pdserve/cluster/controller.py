@@ -28,8 +28,10 @@ async def run_controller(config: ClusterConfig, services: ClusterServices) -> No
         raise ValueError("pdserve controller needs --redis and --ray-address")
     prepare_internal_security(config, make_secret=False)  # before Ray connects: the workers inherit it
     cluster = Cluster(config, services.workers, RedisRegistry(config.redis_url), publish=False)
-    await asyncio.to_thread(cluster.actors.connect)
-    stop = stop_signal()  # after Ray's connect, whose handler for SIGTERM it replaces
+    stop = stop_signal()  # from here on, a signal ends the start cleanly
+    if not await cluster.connect_until(stop):
+        return
+    stop_signal(stop)  # back from Ray, whose SIGTERM handler replaced it
     end = cluster.stop_workers if config.stop_workers_on_exit else cluster.leave_workers
     if not await cluster.start_until(stop, end):
         return

@@ -191,6 +191,15 @@ class Cluster:
         if self.stopping.is_set():
             raise StartStopped("the process is stopping")
 
+    async def connect_until(self, stop: asyncio.Event) -> bool:
+        """Connects to Ray (starting a local one), which cannot be interrupted; False, disconnected again, when
+        `stop` was set meanwhile. The caller takes its signals back after (`router_process.stop_signal`)."""
+        await asyncio.to_thread(self.actors.connect)
+        if stop.is_set():
+            await asyncio.to_thread(self.actors.disconnect)
+            return False
+        return True
+
     async def start_until(self, stop: asyncio.Event, end: Callable[[], None], fail_fast: bool = False) -> bool:
         """`start_workers` on a thread, unless `stop` is set first (SIGTERM while the workers start): then the start
         gives up within STOP_CHECK_S (or once Ray is connected) and `end` (`stop_workers`, `leave_workers`) runs

@@ -77,11 +77,12 @@ async def start_router_process(
     return RunningRouter(server, handle, registry, prefix_index)
 
 
-def stop_signal() -> asyncio.Event:
-    """Set on SIGINT or SIGTERM from now on, which no longer end the process at once. Taken before a process starts
-    anything a signal must stop, and after `ray.init`: Ray's driver installs a SIGTERM handler of its own over what
-    was there (it prints a stack trace; a `pdserve up` whose handler came first ended by SIGABRT after its drain)."""
-    stop = asyncio.Event()
+def stop_signal(stop: asyncio.Event | None = None) -> asyncio.Event:
+    """`stop` (a new event if None), set on SIGINT or SIGTERM from now on, which no longer end the process at once.
+    Taken before a process starts anything a signal must stop, and again after `ray.init`: Ray's driver installs a
+    SIGTERM handler of its own over what was there (it prints a stack trace; a `pdserve up` whose handler came
+    before it ended by SIGABRT after its drain)."""
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

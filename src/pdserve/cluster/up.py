@@ -24,8 +24,10 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
     prepare_internal_security(config, make_secret=config.ray_address is None)
     registry, prefix_index = registry_for(config)
     cluster = Cluster(config, services.workers, registry, publish=not config.redis_url)
-    await asyncio.to_thread(cluster.actors.connect)
-    stop = stop_signal()  # after Ray's connect, whose handler for SIGTERM it replaces
+    stop = stop_signal()  # from here on, a signal ends the start cleanly
+    if not await cluster.connect_until(stop):
+        return
+    stop_signal(stop)  # back from Ray, whose SIGTERM handler replaced it
     # A worker that cannot start, or a signal while they start: the others are stopped, not left running.
     if not await cluster.start_until(stop, cluster.stop_workers, fail_fast=True):
         return
