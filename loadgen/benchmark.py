@@ -86,7 +86,10 @@ def run_benchmark(config: BenchmarkConfig, console: Console) -> list[dict[str, A
     check = build_workload(replace(config.workload, num_prompts=1), check_rng)[0]
     record = asyncio.run(client.check(replace(check, arrival_s=0.0)))
     if record.status not in (OK, REJECTED):  # shed by admission is an answer: the cluster serves
-        raise ClusterCheckFailed(f"the check request failed: {record.status}: {record.error}")
+        hint = ""
+        if record.status == "INVALID_ARGUMENT":  # most often prompt ids drawn for another model's vocabulary
+            hint = f" (the prompts were drawn for --model {config.model}: pass the model the server serves)"
+        raise ClusterCheckFailed(f"the check request failed: {record.status}: {record.error}{hint}")
     results = []
     for i, rate in enumerate(config.request_rates):
         rng = np.random.default_rng([config.seed, i])

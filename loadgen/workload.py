@@ -36,6 +36,15 @@ class Request:
         return len(self.prompt_token_ids)
 
 
+AT_LEAST_ONE = {  # field -> its flag
+    "num_prompts": "--num-prompts",
+    "random_input_len": "--random-input-len",
+    "random_output_len": "--random-output-len",
+    "num_prefixes": "--prefix-repetition-num-prefixes",
+    "prefix_output_len": "--prefix-repetition-output-len",
+}
+
+
 @dataclass(frozen=True)
 class WorkloadConfig:
     """What to send; loadgen's flags take their defaults from here (`--random-input-len` -> random_input_len)."""
@@ -59,6 +68,9 @@ class WorkloadConfig:
             raise ValueError(f"--random-range-ratio must be in [0, 1), got {self.random_range_ratio}")
         if self.dataset_name == "trace" and self.trace is None:
             raise ValueError("--dataset-name trace needs --trace PATH")
+        for name, flag in AT_LEAST_ONE.items():
+            if getattr(self, name) < 1:
+                raise ValueError(f"{flag} must be at least 1, got {getattr(self, name)}")
         if self.vocab_size <= FIRST_TOKEN_ID:
             raise ValueError(f"vocab size {self.vocab_size} leaves no ordinary token ids")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -42,7 +43,13 @@ def main(argv: Sequence[str] | None = None, services: ClusterServices | None = N
     """`services`: what `pdserve up` runs, composed outside this package (services/main.py, the `pdserve`
     command); without them every command but `up` works."""
     args = _parser(services).parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe can be answered, not at exit
+        return status
+    except BrokenPipeError:  # `pdserve status --json | head`: the reader left, which is no error to trace
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit fails quietly
+        return 1
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -61,7 +61,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--dtype", default=e.dtype, choices=["auto", *DTYPE_NAMES], help="auto: bfloat16 on CUDA, else float32"
     )
     p.add_argument("--device", default=e.device, help="auto (cuda when available), cpu, cuda, cuda:N")
-    p.add_argument("--threads", type=int, default=e.num_threads, help="CPU threads for torch (default: torch's own)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=e.num_threads,
+        help="CPU threads for torch (default: torch's own; `up`'s workers: a fair share of the cores each)",
+    )
     p.add_argument(
         "--decode-graphs",
         default=e.decode_graphs,

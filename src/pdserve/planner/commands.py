@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.config import RouterConfig
+from pdserve.config import MAX_WORKERS_PER_ROLE, RouterConfig
 from pdserve.flags import add_engine_flags, engine_config
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
@@ -167,6 +167,10 @@ def _scale(args: argparse.Namespace) -> int:
     if negative := [role for role, n in counts.items() if n < 0]:
         print(f"pdserve scale: --{negative[0]} must be >= 0", file=sys.stderr)
         return 2
+    if args.addr and (outside := [r for r, n in counts.items() if not 1 <= n <= MAX_WORKERS_PER_ROLE]):
+        bound = f"1 to {MAX_WORKERS_PER_ROLE}"
+        print(f"pdserve scale: --{outside[0]} must be {bound} on a running cluster", file=sys.stderr)
+        return 2
     return _scale_live(args, counts) if args.addr else _scale_kubernetes(args, counts)
 
 
@@ -190,11 +194,12 @@ def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
         status = await cluster_status(args.addr, credentials)
         before = dict(status.desired) or all_counts(status)
         target = {**before, **counts}  # a role not named keeps its count
+        if not args.dry_run:  # printed once the router took it: a refused count changes nothing
+            reply = await scale_workers(args.addr, credentials, target)
         print(f"desired: {format_counts(before)} -> {format_counts(target)}")
         print(f"serving: {format_counts(serving_counts(status))}")
         if args.dry_run:
             return 0
-        reply = await scale_workers(args.addr, credentials, target)
         print(f"set: {format_counts(dict(reply.desired))}")
         if not args.wait:
             return 0

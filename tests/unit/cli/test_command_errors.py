@@ -1,0 +1,56 @@
+"""Commands answer a bad flag or a reader that left with one line and a status, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from loadgen.workload import WorkloadConfig
+from pdserve.cli import main
+
+NOISY_STATUS = """
+import sys
+from pdserve import cli, client_commands
+
+def noisy(args):
+    for _ in range(20000):
+        print("x" * 100)
+    return 0
+
+client_commands._status = noisy
+sys.exit(cli.main(["status", "--addr", "127.0.0.1:1"]))
+"""
+
+
+def test_a_reader_that_leaves_is_status_1_without_a_traceback():
+    run = subprocess.run(
+        f"{sys.executable} -c '{NOISY_STATUS}' | head -c 10 >/dev/null; exit ${{PIPESTATUS[0]}}",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (run.returncode, run.stderr) == (1, "")
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["client", "--addr", "127.0.0.1:1", "--prompt", "hi", "--max-tokens", "-5"], "--max-tokens: must be >= 0"),
+        (["scale", "--addr", "127.0.0.1:1", "--prefill", "0"], "--prefill must be 1 to 64 on a running cluster"),
+    ],
+)
+def test_a_bad_count_is_refused_before_any_call(capsys, argv, says):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert says in captured.err and captured.out == ""
+
+
+def test_loadgen_counts_must_be_positive():
+    with pytest.raises(ValueError, match="--num-prompts must be at least 1, got -1"):
+        WorkloadConfig(num_prompts=-1)
+    with pytest.raises(ValueError, match="--prefix-repetition-num-prefixes must be at least 1"):
+        WorkloadConfig(num_prefixes=0)
