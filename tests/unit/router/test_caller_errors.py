@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from pdserve.errors import InvalidRequestError, OverloadedError, UnavailableError
+from pdserve.registry.base import WorkerState
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from services.router.caller_errors import for_the_caller
@@ -19,7 +20,12 @@ from tests.unit.router.stand_in_decode import StandInDecode, serving
 
 pytestmark = pytest.mark.timeout(60)
 REQUEST = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(max_tokens=4))
-PREFILL = worker("p0", address="10.1.2.3:50051")
+PREFILL_ADDRESS = "10.1.2.3:50051"
+
+
+def prefill() -> WorkerState:
+    """Made per test: a worker's state is live only for a while after it is made (its heartbeat)."""
+    return worker("p0", address=PREFILL_ADDRESS)
 
 
 class Fails(StandInDecode):
@@ -32,7 +38,7 @@ class Fails(StandInDecode):
     async def Generate(  # noqa: N802
         self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        await context.abort(self.code, f"prefill worker {PREFILL.address}: connection reset")
+        await context.abort(self.code, f"prefill worker {PREFILL_ADDRESS}: connection reset")
         yield pb.GenerateResponse()  # unreachable: makes this a stream handler
 
 
@@ -43,7 +49,7 @@ async def failure(code: grpc.StatusCode) -> tuple[Exception, str]:
         pass
 
     async with serving(Fails(code)) as address:
-        router = Router([PREFILL, worker("d0", "decode", address=address)], max_attempts=1)
+        router = Router([prefill(), worker("d0", "decode", address=address)], max_attempts=1)
         with pytest.raises(Exception) as err:
             async for _ in generate(router.lifecycle(), REQUEST, {}, lambda: 10.0, admitted):
                 pass
@@ -59,18 +65,18 @@ async def test_a_workers_failure_names_the_workers_by_id_only(code: grpc.StatusC
     assert type(error) is kind, error
     text = str(error)
     assert "decode worker d0:" in text and "prefill worker p0: connection reset" in text, text
-    assert address not in text and PREFILL.address not in text, text
+    assert address not in text and PREFILL_ADDRESS not in text, text
     if kind is OverloadedError:
         assert error.retry_after_ms > 0  # still a shed a retry can pass
 
 
 def test_each_type_keeps_what_its_status_carries() -> None:
-    placed = Router([PREFILL, worker("d0", "decode")]).place(prompt(40), 8, 1.0)
+    placed = Router([prefill(), worker("d0", "decode")]).place(prompt(40), 8, 1.0)
     d = placed.decode
     invalid = for_the_caller(InvalidRequestError("request", f"decode worker d0 at {d.address}: bad"), placed)
     assert isinstance(invalid, InvalidRequestError) and invalid.field == "request"
     assert str(invalid) == "request: decode worker d0: bad"
-    shed = for_the_caller(OverloadedError(f"{PREFILL.address} is full", 750), placed)
+    shed = for_the_caller(OverloadedError(f"{PREFILL_ADDRESS} is full", 750), placed)
     assert isinstance(shed, OverloadedError) and (str(shed), shed.retry_after_ms) == ("p0 is full", 750)
     late = for_the_caller(TimeoutError(f"decode worker d0 at {d.address}: Deadline Exceeded"), placed)
     assert type(late) is TimeoutError and str(late) == "decode worker d0: Deadline Exceeded"
