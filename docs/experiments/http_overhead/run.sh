@@ -8,16 +8,19 @@ cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-/tmp/http-overhead}
 MODEL=${MODEL:-tiny-random}
+# Each run its own seed: prompts another run sent would be served from the prefix cache.
 WORKLOAD="--model $MODEL --dataset-name random --random-input-len 128 --random-output-len 32
-  --num-prompts 60 --max-concurrency 1 --seed 0"
+  --num-prompts 60 --max-concurrency 1"
 mkdir -p $OUT
 $PY -m services.main up --model $MODEL --prefill 1 --decode 1 --port 50410 --http-port 50411 > $OUT/cluster.log 2>&1 &
 pid=$!
 until grep -q "^ready" $OUT/cluster.log; do sleep 1; kill -0 $pid || exit 1; done
 echo "$(date +%T) ready; load: $(cat /proc/loadavg)"
 for round in 1 2; do
-  $PY -m loadgen --backend grpc --addr 127.0.0.1:50410 $WORKLOAD --result-json $OUT/grpc-$round.json > $OUT/grpc-$round.txt 2>&1
-  $PY -m loadgen --backend openai --base-url http://127.0.0.1:50411 $WORKLOAD --result-json $OUT/openai-$round.json > $OUT/openai-$round.txt 2>&1
+  $PY -m loadgen --backend grpc --addr 127.0.0.1:50410 $WORKLOAD --seed $((2 * round)) \
+    --result-json $OUT/grpc-$round.json > $OUT/grpc-$round.txt 2>&1
+  $PY -m loadgen --backend openai --base-url http://127.0.0.1:50411 $WORKLOAD --seed $((2 * round + 1)) \
+    --result-json $OUT/openai-$round.json > $OUT/openai-$round.txt 2>&1
   echo "$(date +%T) round $round done; load: $(cat /proc/loadavg)"
 done
 kill -TERM $pid; wait $pid
