@@ -148,15 +148,18 @@ class OpenAIAPI:
         choices = Choices(req.n)
 
         async def run(index: int) -> None:
-            try:
-                if index:
-                    await first_token[index - 1].wait()
-                async for msg in self._generate(req.choice_message(index), req, request, headers, choices):
-                    first_token[index].set()
-                    queue.put_nowait((index, msg))
-                queue.put_nowait((index, None))
-            except Exception as e:
-                queue.put_nowait((index, e))
+            # A span of its own under the request's: each choice is placed and streamed apart, and its ids and
+            # counts would overwrite the others' on one span.
+            with self.lifecycle.telemetry.tracer.start_as_current_span("choice", attributes={"choice.index": index}):
+                try:
+                    if index:
+                        await first_token[index - 1].wait()
+                    async for msg in self._generate(req.choice_message(index), req, request, headers, choices):
+                        first_token[index].set()
+                        queue.put_nowait((index, msg))
+                    queue.put_nowait((index, None))
+                except Exception as e:
+                    queue.put_nowait((index, e))
 
         tasks = [asyncio.ensure_future(run(i)) for i in range(req.n)]
         try:

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import httpx2
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pdserve.env import CLUSTER_SECRET_VAR
 from pdserve.security.api_keys import KeyTable, Tenant, digest
+from pdserve.telemetry import Telemetry
 from services.router.http.app import openai_app
 from services.router.lifecycle import RequestLifecycle
 from tests.unit.router.router_builder import MODEL, Router, worker
@@ -63,3 +66,20 @@ async def test_choices_the_keys_bucket_cannot_hold_together_are_refused_before_a
     assert fits.status_code == 200, fits.text
     assert [c["finish_reason"] for c in fits.json()["choices"]] == ["length", "length"]
     assert (await complete(lc, n=1)).status_code == 429  # the minute is spent
+
+
+async def test_each_choice_has_its_own_span_under_the_requests(decode):
+    _, address = decode
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("test-router", span_processor=SimpleSpanProcessor(exporter))
+    router = Router([worker("p0"), worker("d0", "decode", address=address)])
+    lc = router.lifecycle(KeyTable({digest(KEY): Tenant("team", "k")}), telemetry=telemetry)
+    assert (await complete(lc, n=2, max_tokens=4)).status_code == 200
+    spans = exporter.get_finished_spans()
+    (http,) = [s for s in spans if s.name == "POST /v1/completions"]
+    choices = sorted((s for s in spans if s.name == "choice"), key=lambda s: s.attributes["choice.index"])
+    assert [c.attributes["choice.index"] for c in choices] == [0, 1]
+    assert all(c.parent.span_id == http.context.span_id for c in choices)
+    assert len({c.attributes["request.id"] for c in choices}) == 2  # each its own request, its own id
+    assert "request.id" not in http.attributes
+    telemetry.shutdown()
