@@ -15,6 +15,7 @@ from rich.console import Console
 from loadgen.client import BACKENDS
 from loadgen.metrics import GoodputSLO
 from loadgen.workload import DATASETS, WorkloadConfig
+from pdserve.addresses import host_port
 from pdserve.config import EngineConfig
 from pdserve.flags import from_flags
 from pdserve.rpc.credentials import add_client_flags, client_credentials
@@ -40,7 +41,7 @@ def _rates(text: str) -> tuple[float, ...]:
 def _bench_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loadgen", description=__doc__)
     p.add_argument("--backend", choices=BACKENDS, default="grpc", help="grpc: pdserve's Generate; openai*: HTTP")
-    p.add_argument("--addr", help="router HOST:PORT (--backend grpc)")
+    p.add_argument("--addr", type=host_port, help="router HOST:PORT (--backend grpc)")
     p.add_argument("--base-url", help="server root, e.g. http://127.0.0.1:8000 (--backend openai, openai-chat)")
     p.add_argument("--endpoint", help="openai backends: default /v1/completions or /v1/chat/completions")
     p.add_argument("--model", default=EngineConfig.model, help="the served model; its vocabulary bounds the prompt ids")

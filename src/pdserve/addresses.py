@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import socket
 from collections.abc import Callable
@@ -60,6 +61,14 @@ def check_free(host: str, port: int, flag: str) -> None:
             probe.bind((host.strip("[]"), port))
         except OSError as e:
             raise OSError(f"{join(host, port)} cannot be bound ({e.strerror}); pass another {flag}") from None
+
+
+def host_port(value: str) -> str:
+    """An --addr flag's value, checked: gRPC would dial a bare host on port 443."""
+    host, colon, port = value.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (gRPC would dial port 443)")
+    return value
 
 
 def join(host: str, port: int) -> str:

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from pdserve.addresses import host_port
 from pdserve.config import ClusterConfig
 from pdserve.rpc.credentials import ClientCredentials, add_client_flags, client_credentials
 
@@ -24,7 +25,7 @@ READY_POLL_S = 0.5
 def add_drain_commands(sub: Any) -> None:
     timeout_help = "seconds in-flight requests may take to finish on a draining worker before they move elsewhere"
     drain = sub.add_parser("drain", help="drain workers: out of placement, requests finish or move, then replaced")
-    drain.add_argument("--addr", required=True, help="router HOST:PORT")
+    drain.add_argument("--addr", type=host_port, required=True, help="router HOST:PORT")
     drain.add_argument("worker_ids", nargs="*", metavar="WORKER_ID", help="workers to drain (see pdserve status)")
     drain.add_argument("--host", default=None, help="drain every worker advertised on this host instead")
     drain.add_argument("--timeout", type=float, default=ClusterConfig.worker_drain_timeout_s, help=timeout_help)
@@ -33,7 +34,7 @@ def add_drain_commands(sub: Any) -> None:
     drain.set_defaults(func=_drain)
 
     restart = sub.add_parser("restart", help="rolling restart: drain each worker in turn, wait until it is back")
-    restart.add_argument("--addr", required=True, help="router HOST:PORT")
+    restart.add_argument("--addr", type=host_port, required=True, help="router HOST:PORT")
     restart.add_argument("worker_ids", nargs="*", metavar="WORKER_ID", help="workers to restart (default: all)")
     restart.add_argument("--timeout", type=float, default=ClusterConfig.worker_drain_timeout_s, help=timeout_help)
     restart.add_argument(

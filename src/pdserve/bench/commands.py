@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from pdserve.addresses import host_port
 from pdserve.config import ClusterConfig, EngineConfig
 from pdserve.flags import add_engine_flags, engine_config, from_flags
 
@@ -53,7 +54,9 @@ def _add_admission_bench(bench_sub: argparse._SubParsersAction) -> None:
         "admission",
         help="predicted vs measured TTFT, and a burst far above capacity",
     )
-    admission.add_argument("--addr", default=None, help="a running router HOST:PORT (default: start a cluster)")
+    admission.add_argument(
+        "--addr", type=host_port, default=None, help="a running router HOST:PORT (default: start a cluster)"
+    )
     admission.add_argument("--model", default=EngineConfig.model, help="for the cluster it starts")
     admission.add_argument("--prefill", type=int, default=1, help="for the cluster it starts")
     admission.add_argument("--decode", type=int, default=1, help="for the cluster it starts")

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pdserve.addresses import host_port
 from pdserve.chaos.run import ChaosConfig
 from pdserve.config import RouterConfig
 from pdserve.flags import from_flags
@@ -21,7 +22,12 @@ FIRST_TOKEN_TIMEOUT_S = 20.0
 def add_chaos_command(sub: argparse._SubParsersAction) -> None:
     c = ChaosConfig
     p = sub.add_parser("chaos", help="steady load while workers are killed and stopped; what the clients got")
-    p.add_argument("--addr", default=None, help="a running router HOST:PORT on this host (default: start a cluster)")
+    p.add_argument(
+        "--addr",
+        type=host_port,
+        default=None,
+        help="a running router HOST:PORT on this host (default: start a cluster)",
+    )
     p.add_argument("--model", default="tiny-random", help="the served model (for the cluster it starts, and vocab)")
     p.add_argument("--prefill", type=int, default=2, help="prefill workers of the cluster it starts")
     p.add_argument("--decode", type=int, default=2, help="decode workers of the cluster it starts")

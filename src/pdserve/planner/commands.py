@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.addresses import host_port
 from pdserve.config import MAX_WORKERS_PER_ROLE, RouterConfig
 from pdserve.flags import add_engine_flags, engine_config
 from pdserve.rpc.credentials import add_client_flags, client_credentials
@@ -129,7 +130,9 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
         "scale",
         help="set the worker counts of a running cluster (--addr ROUTER) or of the chart's RayCluster (--kubernetes)",
     )
-    p.add_argument("--addr", help="router HOST:PORT: scale the cluster behind it live (pdserve up or controller)")
+    p.add_argument(
+        "--addr", type=host_port, help="router HOST:PORT: scale the cluster behind it live (pdserve up or controller)"
+    )
     p.add_argument("--prefill", type=int, help="prefill workers")
     p.add_argument("--decode", type=int, help="decode workers")
     p.add_argument("--colocated", type=int, help="workers of a colocated cluster (--addr only)")
@@ -238,7 +241,7 @@ def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
 
 def _add_autoscale(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("autoscale", help="re-plan the split from a router's live load and scale it, with hysteresis")
-    p.add_argument("--addr", required=True, help="router HOST:PORT")
+    p.add_argument("--addr", type=host_port, required=True, help="router HOST:PORT")
     p.add_argument("--profile", type=Path, required=True, help="from pdserve profile")
     p.add_argument("--slo-ttft-ms", type=float, required=True)
     p.add_argument("--slo-tpot-ms", type=float, required=True)

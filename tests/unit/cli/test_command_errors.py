@@ -54,3 +54,11 @@ def test_loadgen_counts_must_be_positive():
         WorkloadConfig(num_prompts=-1)
     with pytest.raises(ValueError, match="--prefix-repetition-num-prefixes must be at least 1"):
         WorkloadConfig(num_prefixes=0)
+
+
+@pytest.mark.parametrize("command", [["client", "--prompt", "hi"], ["status"], ["drain", "w-1"]])
+def test_an_addr_without_a_port_is_refused(capsys, command):
+    with pytest.raises(SystemExit) as exit_:
+        main([command[0], "--addr", "localhost", *command[1:]])
+    assert exit_.value.code == 2
+    assert "'localhost' is not HOST:PORT" in capsys.readouterr().err
