@@ -40,7 +40,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.router.authenticate(context.invocation_metadata()).check_admin()
         workers = sorted(self.registry.workers(), key=lambda w: (w.role, w.worker_id))
         health = await asyncio.gather(*(_health(w.address) for w in workers))
-        desired, admitted = await self._desired(), await self.admitted.totals()
+        desired, (admitted, cluster_wide) = await self._desired(), await self.admitted.totals()
         return apb.ClusterStatusResponse(
             workers=[self._status(w, h) for w, h in zip(workers, health, strict=True)],
             in_flight=self.router.in_flight,
@@ -51,6 +51,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             admitted_max_tokens=admitted.max_tokens,
             finished_requests=admitted.finished,
             completion_tokens=admitted.completion_tokens,
+            admitted_local_only=not cluster_wide,
         )
 
     async def _desired(self) -> dict[Role, int]:

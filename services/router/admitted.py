@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.registry.base import Registry
@@ -17,12 +18,16 @@ FLUSH_S = 1.0
 
 class ClusterAdmitted:
     """`local` is what the lifecycle counts; every `FLUSH_S`, and before every read, what it gained since the last
-    flush is added to the registry's totals. A flush that fails is retried with the next one (nothing counted
-    twice, nothing lost), and a read that fails answers this router's own totals."""
+    flush is added to the registry's totals. An add that fails is sent again, the same and under the same number,
+    until it succeeds: Redis may have applied it and lost only the reply, and then skips the retry (nothing counted
+    twice, nothing lost). A read that fails answers this router's own totals."""
 
     def __init__(self, registry: Registry, local: AdmittedTotals) -> None:
         self.registry = registry
         self.local = local
+        self._writer = uuid.uuid4().hex  # this router process, as the registry tells its adds apart
+        self._seq = 0  # the number of the last add taken
+        self._pending: AdmittedTotals | None = None  # taken, not yet known to be added
         self._flushed = AdmittedTotals()
         self._lock = asyncio.Lock()  # one flush at a time: two would add the same delta twice
         self._warn = Throttled(30.0, log)
@@ -41,21 +46,27 @@ class ClusterAdmitted:
         except Exception as e:  # this router's last second is not counted
             log.warning("admitted totals not added to the registry at stop: %r", e)
 
-    async def totals(self) -> AdmittedTotals:
+    async def totals(self) -> tuple[AdmittedTotals, bool]:
+        """The cluster's totals and True, or this router's own and False when the registry cannot answer."""
         try:
             await self.flush()
-            return await asyncio.to_thread(self.registry.admitted)
+            return await asyncio.to_thread(self.registry.admitted), True
         except Exception as e:  # Redis down: this router's share is all it can say
             self._warn.warning("cluster's admitted totals unknown, answering this router's: %r", e)
-            return self.local.copy()
+            return self.local.copy(), False
 
     async def flush(self) -> None:
+        """The add that failed before, if any, then what is new."""
         async with self._lock:
-            now = self.local.copy()
-            more = now.since(self._flushed)
-            if more != AdmittedTotals():  # requests may only have finished since: that counts too
-                await asyncio.to_thread(self.registry.add_admitted, more)
-            self._flushed = now
+            for _ in range(2):
+                if self._pending is None:
+                    now = self.local.copy()
+                    more = now.since(self._flushed)
+                    if more == AdmittedTotals():  # requests may only have finished since: that counts too
+                        return
+                    self._seq, self._pending, self._flushed = self._seq + 1, more, now
+                await asyncio.to_thread(self.registry.add_admitted, self._pending, self._writer, self._seq)
+                self._pending = None
 
     async def _run(self) -> None:
         while True:

@@ -7,10 +7,11 @@ import time
 
 import pytest
 import redis
+import redis.asyncio as aredis
 
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.roles import Role
-from pdserve.registry.redis import ADMITTED_KEY, DESIRED_COUNTS_KEY, RedisRegistry
+from pdserve.registry.redis import ADMITTED_KEY, DESIRED_COUNTS_KEY, WORKERS_KEY, RedisRegistry, worker_key
 from services.router.admitted import ClusterAdmitted
 from tests.redis_server import emptied, started
 
@@ -50,22 +51,51 @@ async def test_every_routers_admitted_requests_add_up_in_one_hash_and_a_failed_f
     local_a.add(100, 10)
     local_b.add(50, 5)
     local_b.add(50, 5)
-    assert await b.totals() == AdmittedTotals(2, 100, 10)  # b's own, flushed before the read
-    assert await a.totals() == AdmittedTotals(3, 200, 20)
+    assert await b.totals() == (AdmittedTotals(2, 100, 10), True)  # b's own, flushed before the read
+    assert await a.totals() == (AdmittedTotals(3, 200, 20), True)
     local_a.finish(9)  # finished since the last flush, nothing admitted: added all the same
     await a.flush()
-    assert await b.totals() == AdmittedTotals(3, 200, 20, finished=1, completion_tokens=9)
+    assert await b.totals() == (AdmittedTotals(3, 200, 20, finished=1, completion_tokens=9), True)
     server.stop()
     try:
         local_a.add(7, 1)
         with pytest.raises(redis.RedisError):
             await a.flush()
-        assert await a.totals() == AdmittedTotals(2, 107, 11, 1, 9)  # the cluster's unknown: this router's own
+        own = await a.totals()
+        assert own == (AdmittedTotals(2, 107, 11, 1, 9), False)  # the cluster's unknown: this router's own, said so
     finally:
         server.start()  # an empty Redis (these tests' servers keep nothing on disk)
-    assert await b.totals() == AdmittedTotals()  # b had nothing new; a's request is still a's to add
-    assert await a.totals() == AdmittedTotals(1, 7, 1)  # added once, after the outage
-    assert await b.totals() == AdmittedTotals(1, 7, 1)
+    assert await b.totals() == (AdmittedTotals(), True)  # b had nothing new; a's request is still a's to add
+    assert await a.totals() == (AdmittedTotals(1, 7, 1), True)  # added once, after the outage
+    assert await b.totals() == (AdmittedTotals(1, 7, 1), True)
+
+
+def test_an_add_whose_reply_was_lost_counts_once_when_it_is_sent_again(url, server):
+    """What a router sends again after a timeout may have been applied already (Redis answered too late): the
+    registry skips an add numbered no higher than the writer's last."""
+    with redis.Redis.from_url(url) as c:
+        c.delete(ADMITTED_KEY)
+    registry = RedisRegistry(url)
+    registry.add_admitted(AdmittedTotals(2, 100, 10), "router-a", 1)
+    registry.add_admitted(AdmittedTotals(2, 100, 10), "router-a", 1)  # the retry
+    registry.add_admitted(AdmittedTotals(1, 50, 5), "router-b", 1)  # another router's first add
+    registry.add_admitted(AdmittedTotals(1, 7, 1), "router-a", 2)
+    assert registry.admitted() == AdmittedTotals(4, 157, 16)
+
+
+async def test_a_worker_that_heartbeats_while_expired_ones_are_dropped_stays_listed(url, server):
+    """The view read a worker's key as gone, then the worker published: dropping the expired ids keeps it."""
+    registry = RedisRegistry(url)
+    with redis.Redis.from_url(url) as c:
+        c.sadd(WORKERS_KEY, "gone-0", "back-0")
+        c.delete(worker_key("gone-0"))
+        c.set(worker_key("back-0"), b"{}")  # its heartbeat landed after the read
+        client = aredis.Redis.from_url(url)
+        try:
+            await registry._forget_expired(client, ["gone-0", "back-0"])
+        finally:
+            await client.aclose()
+        assert c.smembers(WORKERS_KEY) == {b"back-0"}
 
 
 def test_desired_counts_of_an_unreachable_redis_raise_within_the_timeout(url, server):

@@ -54,13 +54,16 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
             await _pause(stop, c.interval_s)
             continue
         now = loop.time()
-        counters = (status.admitted_requests, status.admitted_prompt_tokens, status.admitted_max_tokens)
-        window.observe(Admitted(now, *counters, status.finished_requests, status.completion_tokens))
         current = dict(status.desired)
-        if not current:  # its registry did not answer (Redis down); its view of the workers counts draining ones
-            log.warning("no desired worker counts from %s (its registry did not answer): no decision", addr)
+        if not current or status.admitted_local_only:  # its registry did not answer (Redis down)
+            # Its totals are then its own: beside the cluster's before and after, they would read as a burst of
+            # the cluster's whole history. The window starts over once the registry answers.
+            log.warning("no cluster state from %s (its registry did not answer): no decision", addr)
+            window.samples.clear()
             await _pause(stop, c.interval_s)
             continue
+        counters = (status.admitted_requests, status.admitted_prompt_tokens, status.admitted_max_tokens)
+        window.observe(Admitted(now, *counters, status.finished_requests, status.completion_tokens))
         if "colocated" in current:
             raise ValueError("autoscale scales a disaggregated cluster's split; this one is colocated")
         load = window.load()

@@ -93,9 +93,10 @@ class Registry(ABC):
         `desired_counts`."""
 
     @abstractmethod
-    def add_admitted(self, more: AdmittedTotals) -> None:
-        """Adds a router's newly admitted requests to the cluster's totals (every router's). Blocks and raises as
-        `desired_counts`."""
+    def add_admitted(self, more: AdmittedTotals, writer: str, seq: int) -> None:
+        """Adds a router's newly admitted requests to the cluster's totals (every router's), once: `writer` (the
+        router's own id) numbers its adds, and an add numbered no higher than its last applied one is a retry,
+        skipped. Blocks and raises as `desired_counts`."""
 
     @abstractmethod
     def admitted(self) -> AdmittedTotals:

@@ -18,6 +18,7 @@ class InMemoryRegistry(Registry):
         self._desired: dict[Role, int] = {}
         self._flags: dict[Role, int] = {}
         self._admitted = AdmittedTotals()
+        self._added_seq: dict[str, int] = {}  # each writer's last applied add
         self._lock = threading.Lock()
 
     def publish(self, state: WorkerState) -> None:
@@ -47,9 +48,11 @@ class InMemoryRegistry(Registry):
         with self._lock:
             return dict(self._flags)
 
-    def add_admitted(self, more: AdmittedTotals) -> None:
+    def add_admitted(self, more: AdmittedTotals, writer: str, seq: int) -> None:
         with self._lock:
-            self._admitted.merge(more)
+            if seq > self._added_seq.get(writer, 0):
+                self._admitted.merge(more)
+                self._added_seq[writer] = seq
 
     def admitted(self) -> AdmittedTotals:
         with self._lock:

@@ -33,6 +33,23 @@ WORKERS_KEY = f"{PREFIX}:workers"
 DESIRED_COUNTS_KEY = f"{PREFIX}:desired_counts"  # a hash role -> workers: the shape the fleet keeps (no TTL)
 FLAG_COUNTS_KEY = f"{PREFIX}:flag_counts"  # the same, as a fleet's flags last set them (no TTL)
 ADMITTED_KEY = f"{PREFIX}:admitted"  # a hash of AdmittedTotals' fields: what every router admitted, cumulative
+ADMITTED_SEQ_TTL_S = 3600  # a writer's last applied add: long past any retry of it
+# Adds one writer's numbered delta once: a retry of an add Redis applied but whose reply was lost is skipped.
+_ADD_ADMITTED = """
+local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+if tonumber(ARGV[1]) <= last then return 0 end
+for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+return 1
+"""
+# Drops listed workers whose key is gone, each only if still gone: a heartbeat between the read and this keeps it.
+_FORGET_EXPIRED = """
+local dropped = 0
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then dropped = dropped + redis.call('SREM', KEYS[1], ARGV[i - 1]) end
+end
+return dropped
+"""
 
 
 def worker_key(worker_id: str) -> str:
@@ -138,11 +155,11 @@ class RedisRegistry(Registry):
                 pipe.hset(key, mapping={str(r): int(n) for r, n in counts.items()})
         pipe.execute()
 
-    def add_admitted(self, more: AdmittedTotals) -> None:
-        pipe = self._redis.pipeline()  # one transaction: a reader never sees the requests without their tokens
-        for f in fields(AdmittedTotals):
-            pipe.hincrby(ADMITTED_KEY, f.name, getattr(more, f.name))
-        pipe.execute()
+    def add_admitted(self, more: AdmittedTotals, writer: str, seq: int) -> None:
+        # One script: a reader never sees the requests without their tokens, and a retried add counts once.
+        counts = [x for f in fields(AdmittedTotals) for x in (f.name, getattr(more, f.name))]
+        keys = [ADMITTED_KEY, f"{PREFIX}:admitted_seq:{writer}"]
+        self._redis.eval(_ADD_ADMITTED, len(keys), *keys, seq, ADMITTED_SEQ_TTL_S, *counts)
 
     def admitted(self) -> AdmittedTotals:
         values = self._redis.hgetall(ADMITTED_KEY)
@@ -204,8 +221,9 @@ class RedisRegistry(Registry):
     async def _forget_expired(self, client: aredis.Redis, expired: list[str]) -> None:
         if not expired:
             return
+        keys = [WORKERS_KEY, *(worker_key(i) for i in expired)]
         try:  # tidying only: their keys are gone either way, and the view must not fail over it
-            await asyncio.wait_for(client.srem(WORKERS_KEY, *expired), self.timeout_s)
+            await asyncio.wait_for(client.eval(_FORGET_EXPIRED, len(keys), *keys, *expired), self.timeout_s)
         except Exception as e:
             log.info("could not drop expired workers %s: %r", expired, e)
 

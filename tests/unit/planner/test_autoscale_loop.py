@@ -69,8 +69,23 @@ async def test_no_decision_is_made_while_the_desired_counts_are_unknown(monkeypa
     ]
     redis_down = apb.ClusterStatusResponse(workers=workers, **IDLE)
     read = apb.ClusterStatusResponse(workers=workers, desired={"prefill": 1, "decode": 1}, **IDLE)
-    router = Router([redis_down] * 5 + [read])
+    router = Router([redis_down] * 5 + [read] * 2)
     await run(router, monkeypatch, once=True)
     (line,) = capsys.readouterr().out.splitlines()
-    assert json.loads(line)["current"] == {"prefill": 1, "decode": 1} and router.asked == 6
+    # The window starts over once the registry answers: the second answer after is the first decision.
+    assert json.loads(line)["current"] == {"prefill": 1, "decode": 1} and router.asked == 7
     assert router.scaled == []  # at the recommendation: the draining worker is not one to scale away again
+
+
+async def test_a_routers_own_totals_while_redis_is_down_are_no_load(monkeypatch, capsys) -> None:
+    """While its registry is down a router answers its own admitted totals, a fraction of the cluster's: beside the
+    cluster's before and after they would read as a burst of the whole history, and scale to the maximum."""
+    desired = {"prefill": 1, "decode": 1}
+    cluster = apb.ClusterStatusResponse(desired=desired, **IDLE)
+    local = dict(admitted_requests=2, admitted_prompt_tokens=200, admitted_max_tokens=20)
+    own = apb.ClusterStatusResponse(desired=desired, admitted_local_only=True, **local)
+    router = Router([cluster] * 3 + [own] * 2 + [cluster] * 10, calls=15)
+    await run(router, monkeypatch)
+    assert router.scaled == []
+    decisions = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert decisions and all(d["load"]["rate"] == 0 for d in decisions), decisions
