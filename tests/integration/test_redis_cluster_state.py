@@ -110,3 +110,13 @@ def test_desired_counts_of_an_unreachable_redis_raise_within_the_timeout(url, se
         assert time.monotonic() - start < 30  # bounded by the client's timeouts, not a hang
     finally:
         server.start()
+
+
+def test_desired_counts_are_restored_only_where_redis_has_none(url, server):
+    registry = RedisRegistry(url)
+    with redis.Redis.from_url(url) as c:
+        c.delete(DESIRED_COUNTS_KEY)
+    registry.restore_desired_counts({Role.PREFILL: 2, Role.DECODE: 3})  # a Redis restarted empty
+    assert registry.desired_counts() == {Role.PREFILL: 2, Role.DECODE: 3}
+    registry.restore_desired_counts({Role.PREFILL: 9, Role.DECODE: 9})  # set meanwhile: kept
+    assert registry.desired_counts() == {Role.PREFILL: 2, Role.DECODE: 3}

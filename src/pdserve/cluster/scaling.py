@@ -117,6 +117,7 @@ class FleetScaler:
         self._tasks: set[asyncio.Task[None]] = set()
         self.starting: dict[str, Slot] = {}  # actors made, not yet serving: not the supervisor's until they are
         self._unread = False  # the last read of the desired counts failed (logged once per outage)
+        self._last_desired: dict[Role, int] = {}  # the last counts read
 
     async def run(self, interval_s: float = SCALE_CHECK_S) -> None:
         try:
@@ -187,6 +188,11 @@ class FleetScaler:
             self._unread = True
             return {}
         self._unread = False
+        if not desired and self._last_desired:  # the registry lost them (a Redis restarted empty): write them back
+            await asyncio.to_thread(self.registry.restore_desired_counts, self._last_desired)
+            log.warning("the registry had no desired worker counts; restored the fleet's %s", self._last_desired)
+            desired = await asyncio.to_thread(self.registry.desired_counts)  # a scale just made wins
+        self._last_desired = desired or self._last_desired
         return desired
 
     async def _states(self, slots: list[Slot]) -> dict[str, WorkerState | None]:

@@ -87,6 +87,11 @@ class Registry(ABC):
         the fleet's own flags', also kept as `flag_counts`. Blocks and raises as `desired_counts`."""
 
     @abstractmethod
+    def restore_desired_counts(self, counts: dict[Role, int]) -> None:
+        """Sets the desired counts only where the registry has none (it restarted empty): counts set meanwhile
+        stay. Blocks and raises as `desired_counts`."""
+
+    @abstractmethod
     def flag_counts(self) -> dict[Role, int]:
         """The counts a fleet's flags last set: a fleet restarted with the same flags keeps what `pdserve scale`
         set since, one started with other flags (a new revision's) applies its own. Blocks and raises as

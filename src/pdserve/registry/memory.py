@@ -44,6 +44,10 @@ class InMemoryRegistry(Registry):
             if from_flags:
                 self._flags = dict(self._desired)
 
+    def restore_desired_counts(self, counts: dict[Role, int]) -> None:
+        with self._lock:
+            self._desired = self._desired or dict(counts)
+
     def flag_counts(self) -> dict[Role, int]:
         with self._lock:
             return dict(self._flags)

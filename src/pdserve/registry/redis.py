@@ -42,6 +42,12 @@ for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
 return 1
 """
+# Sets a hash only when it does not exist: what the fleet writes back is no newer than a live `pdserve scale`.
+_SET_IF_ABSENT = """
+if redis.call('EXISTS', KEYS[1]) == 1 or #ARGV == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
 # Drops listed workers whose key is gone, each only if still gone: a heartbeat between the read and this keeps it.
 _FORGET_EXPIRED = """
 local dropped = 0
@@ -154,6 +160,10 @@ class RedisRegistry(Registry):
             if counts:
                 pipe.hset(key, mapping={str(r): int(n) for r, n in counts.items()})
         pipe.execute()
+
+    def restore_desired_counts(self, counts: dict[Role, int]) -> None:
+        pairs = [x for r, n in counts.items() for x in (str(r), int(n))]
+        self._redis.eval(_SET_IF_ABSENT, 1, DESIRED_COUNTS_KEY, *pairs)
 
     def add_admitted(self, more: AdmittedTotals, writer: str, seq: int) -> None:
         # One script: a reader never sees the requests without their tokens, and a retried add counts once.
