@@ -221,6 +221,8 @@ class RedisQuotas(Quotas):
         try:
             return await asyncio.wait_for(call(), self.budget_s)
         except Exception as e:  # unreachable, slow, or refusing (a wrong-typed key): the same for a request
+            if self._down_since is not None:  # another request's miss, at the same time, began this outage
+                return None
             self._down_since = time.monotonic()
             self._outage.warning(
                 "quota redis gave no answer within %.0f ms (%r): enforcing API-key limits per router until it "

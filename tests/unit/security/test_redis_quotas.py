@@ -182,3 +182,15 @@ async def test_a_router_returns_to_the_shared_limits_when_redis_answers_again(ca
             if q is not None:
                 await q.close()
         server.stop()
+
+
+async def test_requests_that_miss_the_budget_together_start_one_probe(silent_url, caplog):
+    quotas = RedisQuotas(silent_url, budget_s=0.05, retry_s=30)
+    tenant = Tenant("t", "k", tokens_per_minute=600)
+    with caplog.at_level(logging.WARNING, logger="pdserve.security.redis_quotas"):
+        await asyncio.gather(*(quotas.take_tokens(tenant, 1) for _ in range(3)))  # all in flight as Redis goes
+        probes = [t for t in asyncio.all_tasks() if t.get_name() == "quota-redis-probe"]
+        await quotas.close()
+    assert len(probes) == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("enforcing API-key limits per router" in m for m in messages) == 1
