@@ -223,8 +223,9 @@ class RequestLifecycle:
             raise UnavailableError(CLUSTER_AUTH_FAILED) from None
         except (UnavailableError, OverloadedError, TimeoutError, InvalidRequestError) as e:
             told = for_the_caller(e, ticket.placement)
-            if told is not e:
-                log.warning("request failed: %s", e, extra={"key": ticket.key})
+            if told is e:
+                raise
+            log.warning("request failed: %s", e, extra={"key": ticket.key})
             raise told from None
         finally:
             ticket.release()

@@ -142,6 +142,7 @@ def _status(args: argparse.Namespace) -> int:
             "completion_tokens": reply.completion_tokens,
         }
         record = {"workers": workers, "in_flight": reply.in_flight, "draining": reply.draining}
+        admitted["local_only"] = reply.admitted_local_only  # the registry did not answer: this router's alone
         print(json.dumps({**record, "desired": dict(reply.desired), "admitted": admitted}))
         return 0
     from rich.console import Console

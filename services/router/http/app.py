@@ -19,6 +19,7 @@ from starlette.routing import Route
 from starlette.types import Send
 
 from pdserve.security.quotas import Choices
+from pdserve.telemetry import mark_ended_by
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, check_model, generate
 from services.router.http.errors import BodyTooLargeError, error_body, error_response
@@ -125,10 +126,23 @@ class OpenAIAPI:
             answer.add(index, msg)
 
     async def _events(self, req: OpenAIRequest, answer: Answer, request: Request) -> AsyncIterator[bytes]:
-        """Within one task (the response's), so the span and the request's context live and end there."""
-        with self._span(request, req):
-            async for event in sse_events(answer, self._choices(req, request, {})):
-                yield event
+        """Within one task (the response's), so the span and the request's context live and end there. An error
+        before the first event is the response's status (SSEResponse): an error on the span only when a 5xx."""
+        with self._span(request, req, record_exception=False, set_status_on_exception=False) as span:
+            started = False
+            try:
+                async for event in sse_events(answer, self._choices(req, request, {})):
+                    if not started:
+                        span.set_attribute("http.response.status_code", 200)
+                        started = True
+                    yield event
+            except Exception as e:
+                status = 200 if started else error_body(e, req.max_tokens_param)[0]
+                if not started:
+                    span.set_attribute("http.response.status_code", status)
+                if status >= 500 or started:  # one that broke an open stream is the server's
+                    mark_ended_by(span, e)
+                raise
 
     async def _choices(
         self, req: OpenAIRequest, request: Request, headers: dict[str, str]
@@ -190,13 +204,14 @@ class OpenAIAPI:
 
         return generate(self.lifecycle, message, request.headers, lambda: None, on_admitted, req.model, choices)
 
-    def _span(self, request: Request, req: OpenAIRequest) -> AbstractContextManager[trace.Span]:
+    def _span(self, request: Request, req: OpenAIRequest, **options: bool) -> AbstractContextManager[trace.Span]:
         """The request's server span, a child of the caller's trace when its `traceparent` header names one;
         it carries the body's `user` as OpenTelemetry's `enduser.id`."""
         tracer, parent = self.lifecycle.telemetry.tracer, propagate.extract(request.headers)
         attributes = {"enduser.id": req.user} if req.user else None
         name = f"POST {request.url.path}"
-        return tracer.start_as_current_span(name, parent, kind=trace.SpanKind.SERVER, attributes=attributes)
+        kind = trace.SpanKind.SERVER
+        return tracer.start_as_current_span(name, parent, kind=kind, attributes=attributes, **options)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

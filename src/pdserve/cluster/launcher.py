@@ -115,6 +115,8 @@ class Cluster:
         for worker_id, slot in self.supervisor.slots.items():
             try:
                 state = self._await_start(slot)
+            except StartStopped:
+                raise
             except Exception as e:
                 if fail_fast:
                     raise

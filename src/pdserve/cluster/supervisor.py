@@ -184,6 +184,7 @@ class Supervisor:
         slot without an actor, unlisted: a scale-down may take it away meanwhile, and then the new actor is killed
         here, since no one else would ever see it (a detached one would serve on, unsupervised)."""
         slot.actor = None  # the old actor's handle goes first: Ray frees its name (the worker id) only then
+        slot.address = ""  # the new one has served nowhere yet
         try:
             actor = await asyncio.to_thread(self.new_actor, slot.spec)  # may wait for the name, off the loop
         except Exception as e:

@@ -41,7 +41,7 @@ def test_a_taken_port_is_named_before_anything_starts(capsys):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert main(["up", "--model", "tiny-random", "--http-port", str(port)]) == 2
+        assert main(["up", "--model", "tiny-random", "--port", "0", "--http-port", str(port)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"pdserve up: 127.0.0.1:{port} cannot be bound")
     assert line.endswith("pass another --http-port")

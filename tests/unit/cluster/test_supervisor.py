@@ -99,6 +99,7 @@ async def test_an_actor_dead_for_good_leaves_placement_and_is_replaced() -> None
     assert replaced == []  # a call in flight at a process's death fails once even when Ray restarts it
     await sup.check_all()
     assert replaced == ["b"]
+    assert sup.slots["b"].address == ""  # served nowhere yet: a stop at this point kills it without asking it
     await sup.check_all()
     assert {w.worker_id for w in registry.workers()} == {"a", "b"}  # the new actor is in placement
 

@@ -151,11 +151,13 @@ async def test_the_http_span_is_an_error_only_for_the_servers_own_failures():
     exporter = InMemorySpanExporter()
     telemetry = Telemetry("test-router", span_processor=SimpleSpanProcessor(exporter))
     lc = Router([], no_workers_wait_s=0.1).lifecycle(telemetry=telemetry)
-    too_long = f'{{"model": "{MODEL}", "prompt": "x", "max_tokens": 1000000}}'  # past the model's context: a 400
-    no_workers = f"{{{PROMPT}}}"  # a valid request no worker can take: a 503
-    statuses = [(await post(lc, "/v1/completions", body.encode())).status_code for body in (too_long, no_workers)]
-    assert statuses == [400, 503]
+    too_long = f'"model": "{MODEL}", "prompt": "x", "max_tokens": 1000000'  # past the model's context: a 400
+    no_workers = PROMPT  # a valid request no worker can take: a 503
+    bodies = [f"{{{b}}}" for b in (too_long, no_workers)]
+    bodies += [f'{{{b}, "stream": true}}' for b in (too_long, no_workers)]  # refused before the first event
+    statuses = [(await post(lc, "/v1/completions", body.encode())).status_code for body in bodies]
+    assert statuses == [400, 503] * 2
     spans = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/completions"]
-    assert [s.attributes["http.response.status_code"] for s in spans] == [400, 503]
-    assert [s.status.status_code for s in spans] == [StatusCode.UNSET, StatusCode.ERROR]
+    assert [s.attributes["http.response.status_code"] for s in spans] == [400, 503] * 2
+    assert [s.status.status_code for s in spans] == [StatusCode.UNSET, StatusCode.ERROR] * 2
     telemetry.shutdown()

@@ -48,4 +48,4 @@ async def test_the_worker_serving_a_retry_is_judged_by_the_retrys_own_ttft():
     assert 0 < served_p50 < LOST_S / 2, served_p50
     prefill_p50, _ = lc.recent.quantiles("p0", "ttft")
     assert prefill_p50 < LOST_S / 2, prefill_p50
-    assert lc.relay.calibration.factor("p0") < 4.0  # not driven to the cap by the lost attempt
+    assert lc.relay.calibration.factor("p0") < 2.5  # the lost attempt would have made it 3.4 or more
