@@ -36,6 +36,7 @@ class RedisServer:
         assert self.proc is None, "already running"
         self.proc = subprocess.Popen(
             [REDIS_SERVER, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no"]
+            + ["--enable-debug-command", "local"]  # DEBUG SLEEP: a test stalls Redis as a slow one would
             + (["--requirepass", self.password] if self.password else [])
             + ([] if self.host == "127.0.0.1" else ["--protected-mode", "no"]),  # a test's own address
             stdout=subprocess.DEVNULL,

@@ -70,12 +70,14 @@ local function take(key, rate, capacity, cost, ttl_ms, now)
 end
 """
 
-# KEYS: streams, requests. ARGV: max_concurrent, lease_ms, lease, rate, capacity, ttl_ms.
-# {'ok'}, {'streams', open count} or {'requests', wait ms}. The lease is added only when the request is taken.
+# KEYS: streams, requests, the lease's abandoned mark. ARGV: max_concurrent, lease_ms, lease, rate, capacity, ttl_ms.
+# {'ok'}, {'streams', open count} or {'requests', wait ms}. The lease is added only when the request is taken, and
+# never once its router gave up waiting for this answer (`_ABANDON` ran first).
 _OPEN_STREAM = (
     _BUCKET
     + """
 local now = now_ms()
+if redis.call('EXISTS', KEYS[3]) == 1 then return {'abandoned', ''} end
 local max_streams, lease_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
 if max_streams > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -94,6 +96,14 @@ end
 return {'ok', ''}
 """
 )
+
+# KEYS: streams, the lease's abandoned mark. ARGV: lease, lease_ms. An open its router stopped waiting for has no
+# effect whichever of the two Redis runs first: after the open, its lease goes; before it, the mark stops it.
+_ABANDON = """
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+redis.call('ZREM', KEYS[1], ARGV[1])
+return 0
+"""
 
 # KEYS: tokens. ARGV: rate, capacity, cost, ttl_ms. The wait in ms, '0' when taken.
 _TAKE_TOKENS = (
@@ -169,6 +179,7 @@ class RedisQuotas(Quotas):
         self._take = self._redis.register_script(_TAKE_TOKENS)
         self._give_back = self._redis.register_script(_GIVE_BACK)
         self._renew = self._redis.register_script(_RENEW)
+        self._abandon = self._redis.register_script(_ABANDON)
         self._leases: dict[str, str] = {}  # this router's open streams held in Redis: lease -> its streams key
         self._renewer: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None  # while Redis is down: waits for it to answer
@@ -184,9 +195,14 @@ class RedisQuotas(Quotas):
             return self.local.open_stream_now(tenant)  # nothing to share: nothing to ask Redis
         lease, streams = uuid.uuid4().hex, quota_key(tenant, "streams")
         capacity = request_bucket_size(tenant)
-        keys = [streams, quota_key(tenant, "requests")]
+        mark = quota_key(tenant, f"abandoned:{lease}")
+        keys = [streams, quota_key(tenant, "requests"), mark]
         args: list[Arg] = [max_streams, self._lease_ms, lease, _per_ms(rps), capacity, _refill_ms(rps or 1, capacity)]
-        answer = await self._ask(lambda: self._open(keys=keys, args=args))
+
+        def abandon() -> None:  # Redis may still run the open it did not answer in time
+            self._in_background(lambda: self._abandon(keys=[streams, mark], args=[lease, self._lease_ms]), "abandon")
+
+        answer = await self._ask(lambda: self._open(keys=keys, args=args), on_miss=abandon)
         if answer is None:
             return self.local.open_stream_now(tenant)
         verdict, value = (v.decode() for v in answer)
@@ -212,15 +228,18 @@ class RedisQuotas(Quotas):
             raise over_token_rate(tenant, wait_ms / 1000)
         return lambda: self._in_background(lambda: self._give_back(keys=bucket, args=args), "tokens given back")
 
-    async def _ask(self, call: Callable[[], Awaitable[T]]) -> T | None:
+    async def _ask(self, call: Callable[[], Awaitable[T]], on_miss: Callable[[], None] | None = None) -> T | None:
         """Redis's answer within the budget, or None: the caller falls back to the local limits. After a miss no
         request asks again until a background ping has had an answer (which also leaves a connection made, so a
-        connection slower to make than the budget, TLS to a far Redis, does not keep failing requests)."""
+        connection slower to make than the budget, TLS to a far Redis, does not keep failing requests).
+        `on_miss` runs when the call was made and got no answer in time: Redis may still run it."""
         if self._down_since is not None:
             return None
         try:
             return await asyncio.wait_for(call(), self.budget_s)
         except Exception as e:  # unreachable, slow, or refusing (a wrong-typed key): the same for a request
+            if on_miss is not None:
+                on_miss()
             if self._down_since is not None:  # another request's miss, at the same time, began this outage
                 return None
             self._down_since = time.monotonic()

@@ -194,3 +194,33 @@ async def test_requests_that_miss_the_budget_together_start_one_probe(silent_url
     assert len(probes) == 1
     messages = [r.getMessage() for r in caplog.records]
     assert sum("enforcing API-key limits per router" in m for m in messages) == 1
+
+
+async def test_a_stream_opened_past_the_budget_leaves_no_slot_behind(server):
+    """Redis stalls while a stream opens: the router falls back on its own limits, and Redis runs the open when it
+    answers. The lease it adds then is removed, so the key's one slot is free again, not held for a lease."""
+    with server.client() as c:
+        c.flushall()
+    quotas = RedisQuotas(server.url, budget_s=0.05, retry_s=0.1)
+    tenant = Tenant("t", "k", max_concurrent=1)
+    try:
+        assert await admitted(quotas, tenant)  # as in a running router: its connection made, its scripts loaded
+
+        def stall() -> None:
+            with server.client() as c:
+                c.execute_command("DEBUG", "SLEEP", "0.4")
+
+        stalled = asyncio.ensure_future(asyncio.to_thread(stall))
+        await asyncio.sleep(0.05)
+        async with quotas.session(tenant):  # past the budget: this router's own count
+            pass
+        await stalled
+        end = time.monotonic() + 5
+        while quotas._down_since is not None or quotas._writes:  # back to the shared count, its writes done
+            assert time.monotonic() < end
+            await asyncio.sleep(0.05)
+        with server.client() as c:
+            assert c.zcard(f"pdserve:quota:{tenant.key_name}:streams") == 0
+        assert await admitted(quotas, tenant)
+    finally:
+        await quotas.close()
