@@ -113,12 +113,9 @@ class OpenAIAPI:
                 whole.result()
             except Exception as e:
                 response = error_response(e, req.max_tokens_param)
-                span.set_attribute("http.response.status_code", response.status_code)
-                if response.status_code >= 500:  # OpenTelemetry's convention: a 4xx is the client's, not a failure
-                    span.record_exception(e)
-                    span.set_status(trace.StatusCode.ERROR, str(e))
+                _span_status(span, response.status_code, e)
                 return response
-            span.set_attribute("http.response.status_code", 200)
+            _span_status(span, 200)
         return JSONResponse(answer.whole(), headers=headers)
 
     async def _whole(self, req: OpenAIRequest, answer: Answer, request: Request, headers: dict[str, str]) -> None:
@@ -133,15 +130,14 @@ class OpenAIAPI:
             try:
                 async for event in sse_events(answer, self._choices(req, request, {})):
                     if not started:
-                        span.set_attribute("http.response.status_code", 200)
+                        _span_status(span, 200)
                         started = True
                     yield event
             except Exception as e:
-                status = 200 if started else error_body(e, req.max_tokens_param)[0]
-                if not started:
-                    span.set_attribute("http.response.status_code", status)
-                if status >= 500 or started:  # one that broke an open stream is the server's
+                if started:  # it broke an open stream: the server's failure
                     mark_ended_by(span, e)
+                else:
+                    _span_status(span, error_body(e, req.max_tokens_param)[0], e)
                 raise
 
     async def _choices(
@@ -212,6 +208,14 @@ class OpenAIAPI:
         name = f"POST {request.url.path}"
         kind = trace.SpanKind.SERVER
         return tracer.start_as_current_span(name, parent, kind=kind, attributes=attributes, **options)
+
+
+def _span_status(span: trace.Span, status: int, error: BaseException | None = None) -> None:
+    """The response's status on the request's span; an error there only for a 5xx (OpenTelemetry's convention for
+    server spans: a 4xx is the client's)."""
+    span.set_attribute("http.response.status_code", status)
+    if status >= 500:
+        mark_ended_by(span, error)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
