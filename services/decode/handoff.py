@@ -54,11 +54,10 @@ class Handoff:
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs; the last one counts the prompt tokens the prefill worker's cache served.
         `on_dispatched` runs once the prefill worker has been called (what is slow from then on is its side)."""
-        blocks = await self.engine.reserve(handoff.request)
-        if blocks is None:
-            raise OverloadedError(
-                f"decode worker {self.worker_id} has no free KV blocks for {len(handoff.request.prompt)} tokens"
-            )
+        try:
+            blocks = await self.engine.reserve(handoff.request)
+        except OverloadedError as e:
+            raise OverloadedError(f"decode worker {self.worker_id} cannot take it: {e}", e.retry_after_ms) from e
         first = await self._fill(handoff, blocks, time_remaining, on_dispatched)  # frees `blocks` if it fails
         async for out in self._decode(handoff, first):
             yield replace(out, num_cached_tokens=first.cached_prompt_tokens)

@@ -53,6 +53,11 @@ class Admission:
                 f"no decode worker has {placement.blocks_needed} free KV blocks now",
                 _retry_ms(placement.predicted_tpot_s * 32),
             )
+        if not self.predictor.has_batch_room(placement.decode):
+            raise OverloadedError(
+                f"no decode worker has room in its batch now (max_num_seqs {placement.decode.max_num_seqs})",
+                _retry_ms(placement.predicted_tpot_s * 32),
+            )
         self._check_tpot(placement, slo)
 
     def _check_feasible(self, placement: Placement, prompt_tokens: int, slo: SLOTarget) -> None:

@@ -133,13 +133,14 @@ class PlacementPolicy(ABC):
 
 class SLOAwarePlacement(PlacementPolicy):
     """Prefill: the lowest predicted TTFT, a cached prefix counting as work already done. Decode: among
-    workers with room for prompt + max_tokens whose predicted TPOT meets the SLO, the most free blocks."""
+    workers with room in their batch and for prompt + max_tokens whose predicted TPOT meets the SLO, the most
+    free blocks."""
 
     def choose(self, prefills, decodes, hits, prompt_tokens, blocks, tpot_slo_s):  # type: ignore[no-untyped-def]
         p = self.predictor
         bs = prefills[0].block_size
         prefill = min(prefills, key=lambda w: (p.ttft_s(w, prompt_tokens, hits.get(w.worker_id, 0) * bs), w.worker_id))
-        roomy = [w for w in decodes if p.free_blocks(w) >= blocks]
+        roomy = [w for w in decodes if p.free_blocks(w) >= blocks and p.has_batch_room(w)]
         within = [w for w in roomy if p.tpot_s(w) <= tpot_slo_s]
         if within:
             decode = max(within, key=lambda w: (p.free_blocks(w), -p.tpot_s(w)))

@@ -88,6 +88,14 @@ class Predictor:
     def _running(self, w: WorkerState) -> int:
         return max(w.running, self.tracker.decoding[w.worker_id])
 
+    def has_batch_room(self, w: WorkerState) -> bool:
+        """A decode worker refuses a hand-off once its batch holds `max_num_seqs` sequences (decoding, preempted,
+        or with KV arriving): those it reported, or those we placed there and have not seen end, the more. A
+        colocated worker queues prompts past its cap instead; a worker that does not say has none."""
+        if w.role != Role.DECODE or not w.max_num_seqs:
+            return True
+        return max(w.running + w.waiting, self.tracker.decoding[w.worker_id]) < w.max_num_seqs
+
     def free_blocks(self, w: WorkerState) -> int:
         """The report's free blocks, less ours it cannot show: those about to be reserved, and those placed since
         it sampled them (their first token may be back, and their blocks reserved, before the next report)."""

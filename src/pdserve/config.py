@@ -34,6 +34,10 @@ class SchedulerConfig:
     max_prefills_per_step: int | None = None  # prompts a step may run; None: as many as the budget holds
     mode: EngineMode = EngineMode.MIXED
 
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+
 
 @dataclass(frozen=True)
 class EngineConfig:

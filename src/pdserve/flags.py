@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any, TypeVar
 
-from pdserve.config import DECODE_GRAPH_MODES, DTYPE_NAMES, EngineConfig
+from pdserve.config import DECODE_GRAPH_MODES, DTYPE_NAMES, EngineConfig, SchedulerConfig
 from pdserve.engine.model_files import BUILTIN_MODELS
 from pdserve.protocol.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -54,7 +54,8 @@ def sampling_from_flags(args: argparse.Namespace, max_tokens: int) -> SamplingPa
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --device, --threads, --decode-graphs: what every command that builds an engine takes."""
+    """--model, --dtype, --device, --threads, --decode-graphs, --max-num-seqs: what every command that builds an
+    engine takes."""
     e = EngineConfig
     p.add_argument("--model", default=e.model, help=f"{', '.join(BUILTIN_MODELS)}, a model folder or a .gguf")
     p.add_argument(
@@ -74,7 +75,16 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="decode steps at fixed batch sizes: auto (captured in CUDA graphs on CUDA, off elsewhere), static "
         "(the same steps, not captured), off",
     )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=SchedulerConfig.max_num_seqs,
+        help="the most sequences one engine step decodes; a decode worker refuses hand-offs past it",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return from_flags(EngineConfig, args, {"num_threads": "threads", "kv_cache_memory_gb": "kv_cache_gb"})
+    given = getattr(args, "max_num_seqs", None)  # None: a command without engine flags (`router`)
+    scheduler = SchedulerConfig() if given is None else SchedulerConfig(max_num_seqs=given)
+    renamed = {"num_threads": "threads", "kv_cache_memory_gb": "kv_cache_gb"}
+    return from_flags(EngineConfig, args, renamed, scheduler=scheduler)

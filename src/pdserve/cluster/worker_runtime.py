@@ -122,6 +122,7 @@ class WorkerRuntime:
             queued_prefill_tokens=stats["queued_prefill_tokens"],
             running=stats["running"],
             waiting=stats["waiting"],
+            max_num_seqs=self._engine.max_num_seqs,
             load_at=stats["sampled_at_ns"] / 1e9,
             profile=self._speed.profile,
             speed_factor=self._speed.factor,

@@ -102,6 +102,10 @@ class AsyncEngine:
         return self._engine.config.block_size
 
     @property
+    def max_num_seqs(self) -> int:
+        return self._engine.config.scheduler.max_num_seqs
+
+    @property
     def kv_caches(self) -> list[torch.Tensor]:
         """The KV cache tensors the transfer reads from or writes into, one per layer. Only blocks a hand-off
         holds (`reserve` on the decode side, a prefill's `handoff_block_ids` on the prefill side) may be touched."""
@@ -148,13 +152,11 @@ class AsyncEngine:
         finally:
             await self._close(request.request_id, stream, abort=live)
 
-    async def reserve(self, request: EngineRequest) -> list[int] | None:
+    async def reserve(self, request: EngineRequest) -> list[int]:
         """Decode-only engine: the blocks the prompt's KV will arrive in, held until `commit_and_stream` or
-        `abort`; None when the pool cannot hold them now. A caller cancelled meanwhile holds nothing."""
-        return await self._call(
-            lambda e: e.reserve(request),
-            undo=lambda e, blocks: None if blocks is None else _drop(e, request.request_id),
-        )
+        `abort`; OverloadedError when this worker cannot take it now (LLMEngine.reserve). A caller cancelled
+        meanwhile holds nothing."""
+        return await self._call(lambda e: e.reserve(request), undo=lambda e, _: _drop(e, request.request_id))
 
     async def commit_and_stream(
         self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None

@@ -21,7 +21,7 @@ from pdserve.engine.sampler import Sampler, TokenHistory, make_generator
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.outputs import FinishReason, RequestOutput, TokenLogprobs
@@ -139,9 +139,13 @@ class LLMEngine:
         if req is not None:
             self.scheduler.finish(req.seq, FinishReason.LENGTH)
 
-    def reserve(self, request: EngineRequest) -> list[int] | None:
-        """Decode side: allocate the blocks a prompt's KV will arrive in, before any byte moves.
-        None when the pool cannot hold it now, beside what preempted sequences wait for (the caller sheds it)."""
+    def reserve(self, request: EngineRequest) -> list[int]:
+        """Decode side: allocate the blocks a prompt's KV will arrive in, before any byte moves. Raises
+        OverloadedError (the caller sheds it) when the batch is full, or the pool cannot hold it now beside what
+        preempted sequences wait for."""
+        held, cap = len(self._requests), self.config.scheduler.max_num_seqs
+        if held >= cap:  # decoding, preempted or with KV arriving: each would take a place in the batch
+            raise OverloadedError(f"its batch is full ({held} sequences, max_num_seqs {cap})")
         seq = self._new_request(request)
         # Sequences preempted here resume first: a reservation takes only what their recompute leaves, or each
         # block they free goes to the next hand-off and they wait until the router's stall bound moves them.
@@ -149,7 +153,7 @@ class LLMEngine:
         leaves_owed = self.blocks.blocks_for(seq.num_prompt_tokens) + owed <= self.blocks.num_free_blocks
         if not (leaves_owed and self.blocks.allocate_slots(seq, seq.num_prompt_tokens)):
             del self._requests[request.request_id]
-            return None
+            raise OverloadedError(f"no free KV blocks for {seq.num_prompt_tokens} tokens")
         seq.status = SequenceStatus.RECEIVING
         return list(seq.block_table)
 

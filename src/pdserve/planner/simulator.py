@@ -16,9 +16,10 @@ engine thread applies between steps, so it waits for the step in flight: the dec
 prompt's blocks, then the prefill worker queues the prompt; once the prompt's last chunk ran, its output names
 the blocks and the prefill worker sends the KV at once; then the decode worker commits the KV and the first
 token reaches the caller, while the prefill worker frees the sent blocks between its own steps. The decode
-worker admits a sequence to its batch only while its whole KV (prompt + output) fits; `max_num_seqs` caps, as
-the engine's scheduler does, only a worker that prefills: a new prompt starts while the sequences in its engine
-(in prefill or decoding) are fewer. The profile's serving latency (router, RPCs, relay) delays every request
+worker admits a sequence to its batch only while its whole KV (prompt + output) fits, and takes no hand-off
+while `max_num_seqs` sequences are placed on it (the request fails, or admission sheds it); a worker that
+prefills starts a new prompt only while the sequences in its engine (in prefill or decoding) are fewer, as the
+engine's scheduler does. The profile's serving latency (router, RPCs, relay) delays every request
 without holding any worker.
 
 Where the workers share a host's cores (the profile's `shared_cores`), the cores are shared as the kernel
@@ -157,6 +158,9 @@ class Simulator:
         # decode worker's step in flight. Ties go to the first worker, as the router's go by worker id.
         p = min(self.prefillers, key=lambda w: w.placed_s)
         d = p if self.shape.colocated else min(self.decoders, key=_streams)
+        if not self.shape.colocated and _streams(d) >= self.p.max_num_seqs:
+            self.shed += bool(self.admission)  # every batch is full: the router sheds it, or the worker refuses it
+            return
         if self.admission and self._sheds(p, d, s.req.input_len):
             self.shed += 1
             return
@@ -260,8 +264,8 @@ class Simulator:
     def _admit(self, w: _Worker) -> None:
         """Sequences whose KV is here join the batch while there is room; a decode worker reserves it now.
         Only between steps: a step in flight runs the batch it started with. No `max_num_seqs` here: a decode-only
-        engine adds every committed hand-off to its batch (Engine.commit), and a prompt prefilled here was counted
-        against the cap when it began (`_plan`)."""
+        engine took no hand-off past it (`_on_arrive`), and a prompt prefilled here was counted against the cap
+        when it began (`_plan`)."""
         while w.waiting:
             s = w.waiting[0]
             need = s.req.input_len + s.req.output_len

@@ -38,6 +38,7 @@ class WorkerState:
     pid: int = 0  # the worker's process id on its host (what an operator or `pdserve chaos` signals); 0: unknown
     draining: bool = False  # leaving: no router places a request on it (its in-flight ones finish or move)
     build: str = ""  # the build its process runs (`pdserve.build`); "": a worker too old to say
+    max_num_seqs: int = 0  # the most sequences its batch decodes (a decode worker refuses more); 0: unknown
     load_at: float = 0.0  # wall time the load fields were sampled (before updated_at); 0: unknown, updated_at
     updated_at: float = field(default_factory=time.time)
 

@@ -1,5 +1,5 @@
 """`pdserve up` and `controller` refuse a fleet that could not serve, or a port they could not listen on, before
-anything starts: one line, exit 2."""
+anything starts: one line, exit 2. Every command that builds an engine refuses an engine it could not run so."""
 
 from __future__ import annotations
 
@@ -34,6 +34,18 @@ def test_up_exits_2_with_one_line_before_ray_starts(capsys):
     assert main(["up", "--model", "tiny-random", "--prefill", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["pdserve up: prefill must be 1 to 64 workers in disaggregated mode, got -1"]
+
+
+@pytest.mark.parametrize("command", ["up", "controller", "generate", "profile"])
+def test_a_batch_of_no_sequences_is_refused_by_every_command_that_builds_an_engine(command, capsys, tmp_path):
+    required = {
+        "controller": ["--ray-address", "auto", "--redis", "redis://127.0.0.1:1"],
+        "generate": ["--prompt", "x"],
+        "profile": ["--out", str(tmp_path / "p.json")],
+    }
+    assert main([command, "--model", "tiny-random", "--max-num-seqs", "0", *required.get(command, [])]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == f"pdserve {command}: max_num_seqs must be at least 1, got 0"
 
 
 def test_a_taken_port_is_named_before_anything_starts(capsys):

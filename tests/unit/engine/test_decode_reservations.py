@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.errors import OverloadedError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
@@ -20,13 +23,32 @@ def test_a_reservation_leaves_preempted_sequences_the_blocks_they_wait_for() -> 
     engine = LLMEngine(config)
     for name, prompt_tokens, max_tokens in (("short", 12, 4), ("preempted", 16, 6)):
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        assert engine.reserve(EngineRequest(name, list(range(1, prompt_tokens + 1)), sampling)) is not None
+        engine.reserve(EngineRequest(name, list(range(1, prompt_tokens + 1)), sampling))
         engine.commit(name, 1)
     engine.step()  # each needs one more block, one is free: the last admitted is preempted
     assert [s.seq_id for s in engine.scheduler.waiting] == ["preempted"] and engine.blocks.num_free_blocks == 4
     new = EngineRequest("new", list(range(1, 17)), SamplingParams(max_tokens=2, ignore_eos=True))
-    assert engine.reserve(new) is None
+    with pytest.raises(OverloadedError, match="no free KV blocks for 16 tokens"):
+        engine.reserve(new)
     finished = run_to_end(engine)
     resumed = finished["preempted"]
     assert resumed[-1].finished and sum(len(o.new_token_ids) for o in resumed) == 5  # the first came with commit
-    assert engine.reserve(new) is not None
+    assert len(engine.reserve(new)) == 4
+
+
+def test_a_full_batch_refuses_a_reservation_until_a_sequence_ends() -> None:
+    """max_num_seqs holds on a decode worker too: a sequence whose KV is still arriving has its place in the
+    batch, and a hand-off past the cap is refused before any byte moves, not run in an oversized step."""
+    scheduler = SchedulerConfig(max_num_seqs=2, mode=EngineMode.DECODE_ONLY)
+    config = EngineConfig(model="tiny-random", dtype="float32", device="cpu", num_kv_blocks=64, scheduler=scheduler)
+    engine = LLMEngine(config)
+    prompt = list(range(1, 9))
+    engine.reserve(EngineRequest("decoding", prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    engine.commit("decoding", 1)
+    engine.reserve(EngineRequest("arriving", prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    third = EngineRequest("third", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    with pytest.raises(OverloadedError, match=r"batch is full \(2 sequences, max_num_seqs 2\)"):
+        engine.reserve(third)
+    assert engine.blocks.num_free_blocks == 62  # the refused one took nothing
+    run_to_end(engine)  # "decoding" ends; "arriving" has not committed, so it holds its place
+    assert len(engine.reserve(third)) == 1

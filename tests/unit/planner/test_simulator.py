@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from pdserve.planner.admission_model import Admission
 from pdserve.planner.plan import SLO, simulate
 from pdserve.planner.shape import Shape
 from pdserve.planner.simulator import Simulator
@@ -167,9 +168,14 @@ def test_max_num_seqs_caps_what_a_colocated_engine_admits_counting_prompts_in_pr
     assert result.ttft_s[1] < first_done < result.ttft_s[2]
 
 
-def test_a_decode_only_worker_takes_every_committed_hand_off_into_its_batch() -> None:
-    """A decode-only engine adds each committed sequence to its batch with no `max_num_seqs` check: none of five
-    waits for a slot after its first token, so their TPOTs are alike."""
+def test_a_decode_worker_takes_no_hand_off_past_max_num_seqs_placed_on_it() -> None:
+    """As the worker refuses a reservation past its cap (and the router sheds first): of five simultaneous
+    requests, a cap of 2 serves two per decode worker and fails the rest; those served decode alike."""
     profile = synthetic_profile(max_num_seqs=2)
-    result = Simulator(profile, Shape(prefill=1, decode=1)).run([SimRequest(0.0, 128, 50) for _ in range(5)])
-    assert max(result.tpot_s) < 1.1 * min(result.tpot_s)
+    requests = [SimRequest(0.0, 128, 50) for _ in range(5)]
+    one = Simulator(profile, Shape(prefill=1, decode=1)).run(requests)
+    assert (len(one.ttft_s), one.rejected, one.shed) == (2, 3, 0)
+    assert max(one.tpot_s) < 1.1 * min(one.tpot_s)
+    assert Simulator(profile, Shape(prefill=1, decode=2)).run(requests).rejected == 1
+    routed = Simulator(profile, Shape(prefill=1, decode=1), Admission(ttft_s=100.0)).run(requests)
+    assert (routed.rejected, routed.shed) == (3, 3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -154,6 +155,21 @@ def test_slo_placement_picks_a_decode_worker_with_room_within_tpot_preferring_th
         "p0", "d2", new_tokens=100, seconds=0.1, blocks=750, prompt_tokens=100
     )  # d2's room is promised away
     assert r.place(prompt(100), 16, tpot_slo_s=0.1).decode.worker_id == "d1"
+
+
+def test_slo_placement_skips_a_decode_worker_whose_batch_is_full_reported_or_by_our_own_sends():
+    """A decode worker holds at most max_num_seqs sequences (it refuses the hand-off past it): its preempted ones
+    count, and so do those this router placed there that its heartbeat does not show yet."""
+    full = worker("d0", "decode", kv_blocks_free=4000, running=3, waiting=1, max_num_seqs=4)
+    r = Router([worker("p0"), full, worker("d1", "decode", kv_blocks_free=500, max_num_seqs=4)])
+    assert r.place(prompt(100), 16, tpot_slo_s=1.0).decode.worker_id == "d1"
+    r = Router([worker("p0"), replace(full, running=2, waiting=0), worker("d1", "decode", kv_blocks_free=500)])
+    assert r.place(prompt(100), 16, tpot_slo_s=1.0).decode.worker_id == "d0"  # the most free blocks
+    for _ in range(4):
+        r.tracker.start("p0", "d0", new_tokens=100, seconds=0.1, blocks=8, prompt_tokens=100)
+    assert r.place(prompt(100), 16, tpot_slo_s=1.0).decode.worker_id == "d1"
+    colocated = worker("c0", "colocated", running=4, max_num_seqs=4)  # queues its prompts past the cap instead
+    assert r.predictor.has_batch_room(colocated)
 
 
 def test_slo_placement_falls_back_to_the_fastest_roomy_decode_worker_when_none_meets_tpot():
