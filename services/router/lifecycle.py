@@ -253,7 +253,9 @@ class RequestLifecycle:
             raise error
         req = continued_request(original, streamed) if chunks else original
         try:
-            placement = await self._place_again(req, failed, left)
+            placement = await (
+                self._place_with_room(req, failed, left) if chunks else self._place_again(req, failed, left)
+            )
         except UnavailableError:
             raise error from None  # no worker live at all: the failure itself is the answer
         attempt = 1 + moves.retries + moves.migrations
@@ -281,6 +283,20 @@ class RequestLifecycle:
             return await self._place_within(wait_s, args, frozenset(failed), req.cache_salt)
         except NoWorkersError:
             return await self.placement.place(*args, cache_salt=req.cache_salt)
+
+    async def _place_with_room(self, req: RoutedRequest, failed: set[str], left: float | None) -> Placement:
+        """A migration's placement, on a decode worker with room for the stream (a place in its batch, the KV
+        blocks) when one has it within `no_workers_wait_s` (and the caller's deadline): a sequence ending frees a
+        place soon, while a stream sent to a full worker is refused and spends one of its moves. After that, the
+        best placement there is, which the worker may refuse."""
+        end = time.monotonic() + min(self.config.no_workers_wait_s, left if left is not None else float("inf"))
+        while True:
+            placement = await self._place_again(req, failed, left)
+            decode, predictor = placement.decode, self.admission.predictor
+            roomy = predictor.has_batch_room(decode) and predictor.free_blocks(decode) >= placement.blocks_needed
+            if roomy or time.monotonic() >= end:
+                return placement
+            await asyncio.sleep(NO_WORKERS_POLL_S)
 
     def _record_move(
         self,

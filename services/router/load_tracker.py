@@ -72,6 +72,11 @@ class LoadTracker:
         request holds none, whether it reserved them or ended before (an idle worker samples no more)."""
         return sum(sent.blocks for sent in self._placed[decode_id].values() if sent.at > since)
 
+    def streams_placed_since(self, decode_id: str, since: float) -> int:
+        """Our unfinished requests placed on the decode worker after wall time `since`: each holds a place in its
+        batch that a report sampled then cannot show."""
+        return sum(1 for sent in self._placed[decode_id].values() if sent.at > since)
+
     def finished(self, placement: int) -> None:
         """The request ended, its prefill too (`prefilled` first)."""
         sent = self._sent.pop(placement)

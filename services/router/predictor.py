@@ -90,11 +90,13 @@ class Predictor:
 
     def has_batch_room(self, w: WorkerState) -> bool:
         """A decode worker refuses a hand-off once its batch holds `max_num_seqs` sequences (decoding, preempted,
-        or with KV arriving): those it reported, or those we placed there and have not seen end, the more. A
-        colocated worker queues prompts past its cap instead; a worker that does not say has none."""
+        or with KV arriving): those it reported plus ours placed since it sampled them, or all of ours not seen
+        to end, the more. A colocated worker queues prompts past its cap instead; a worker that does not say has
+        none."""
         if w.role != Role.DECODE or not w.max_num_seqs:
             return True
-        return max(w.running + w.waiting, self.tracker.decoding[w.worker_id]) < w.max_num_seqs
+        reported = w.sequences + self.tracker.streams_placed_since(w.worker_id, w.load_at or w.updated_at)
+        return max(reported, self.tracker.decoding[w.worker_id]) < w.max_num_seqs
 
     def free_blocks(self, w: WorkerState) -> int:
         """The report's free blocks, less ours it cannot show: those about to be reserved, and those placed since

@@ -316,13 +316,8 @@ def _generate(args: argparse.Namespace) -> int:
     from pdserve.errors import InvalidRequestError
 
     try:
-        config = engine_config(args)
-    except ValueError as e:
-        print(f"pdserve generate: {e}", file=sys.stderr)
-        return 2
-    try:
         sampling = sampling_from_flags(args, args.max_tokens)
-        engine = LLMEngine(config)
+        engine = LLMEngine(engine_config(args))
         tok = engine.tokenizer
         prompts = [tok.apply_chat_template([("user", p)]) if args.chat else tok.encode_prompt(p) for p in args.prompt]
         completions = engine.generate(prompts, sampling)

@@ -53,6 +53,14 @@ def sampling_from_flags(args: argparse.Namespace, max_tokens: int) -> SamplingPa
     return from_flags(SamplingParams, args, max_tokens=max_tokens, stop=tuple(args.stop or ()))
 
 
+def at_least_one(value: str) -> int:
+    """An argparse type: a count that must be positive (exit 2 with the flag named, before anything runs)."""
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """--model, --dtype, --device, --threads, --decode-graphs, --max-num-seqs: what every command that builds an
     engine takes."""
@@ -77,7 +85,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-num-seqs",
-        type=int,
+        type=at_least_one,
         default=SchedulerConfig.max_num_seqs,
         help="the most sequences one engine step decodes; a decode worker refuses hand-offs past it",
     )

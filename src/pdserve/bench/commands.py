@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from pdserve.addresses import host_port
 from pdserve.config import ClusterConfig, EngineConfig
@@ -100,9 +101,14 @@ def _bench_placement(args: argparse.Namespace) -> int:
 def _bench_engine(args: argparse.Namespace) -> int:
     from pdserve.bench.engine_bench import run_engine_bench
 
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if max(batch_sizes) > args.max_num_seqs:  # its steps would run fewer sequences than its row names
+        message = f"--batch-sizes {max(batch_sizes)} is past --max-num-seqs {args.max_num_seqs}"
+        print(f"pdserve bench engine: {message}", file=sys.stderr)
+        return 2
     run_engine_bench(
         engine_config(args),
-        batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+        batch_sizes=batch_sizes,
         prompt_len=args.prompt_len,
         decode_prompt_len=args.decode_prompt_len,
         decode_tokens=args.decode_tokens,

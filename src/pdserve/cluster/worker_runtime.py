@@ -123,6 +123,7 @@ class WorkerRuntime:
             running=stats["running"],
             waiting=stats["waiting"],
             max_num_seqs=self._engine.max_num_seqs,
+            sequences=stats["sequences"],
             load_at=stats["sampled_at_ns"] / 1e9,
             profile=self._speed.profile,
             speed_factor=self._speed.factor,

@@ -388,6 +388,7 @@ class AsyncEngine:
             "kv_blocks_cached": e.blocks.num_cached_blocks,
             "running": len(e.scheduler.running),
             "waiting": len(e.scheduler.waiting),
+            "sequences": e.num_sequences,
             "queued_prefill_tokens": e.scheduler.num_waiting_tokens,
             "prefix_hits": e.blocks.prefix_hits,
             "sampled_at_ns": time.time_ns(),  # what a router subtracts prefills it saw end after from

@@ -122,6 +122,12 @@ class LLMEngine:
         self._requests[request.request_id] = _Request(seq, detok, generator, seen)
         return seq
 
+    @property
+    def num_sequences(self) -> int:
+        """The requests this engine holds: waiting, running, and on a decode worker those whose KV is arriving
+        (each takes a place in its batch, which `max_num_seqs` bounds there)."""
+        return len(self._requests)
+
     def abort(self, request_id: str) -> bool:
         """Drop the request wherever it is and free its blocks; False when it is unknown."""
         req = self._requests.pop(request_id, None)
@@ -143,10 +149,10 @@ class LLMEngine:
         """Decode side: allocate the blocks a prompt's KV will arrive in, before any byte moves. Raises
         OverloadedError (the caller sheds it) when the batch is full, or the pool cannot hold it now beside what
         preempted sequences wait for."""
-        held, cap = len(self._requests), self.config.scheduler.max_num_seqs
-        if held >= cap:  # decoding, preempted or with KV arriving: each would take a place in the batch
+        seq = self._new_request(request)  # checked first: what is never valid says so, full batch or not
+        if (held := self.num_sequences - 1) >= (cap := self.config.scheduler.max_num_seqs):
+            del self._requests[request.request_id]
             raise OverloadedError(f"its batch is full ({held} sequences, max_num_seqs {cap})")
-        seq = self._new_request(request)
         # Sequences preempted here resume first: a reservation takes only what their recompute leaves, or each
         # block they free goes to the next hand-off and they wait until the router's stall bound moves them.
         owed = sum(self.blocks.blocks_for(s.num_tokens) for s in self.scheduler.waiting)

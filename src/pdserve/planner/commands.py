@@ -38,12 +38,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 def _profile(args: argparse.Namespace) -> int:
     from pdserve.planner.profiler import QUICK, Grid, run_profile
 
-    try:
-        config = engine_config(args)
-    except ValueError as e:
-        print(f"pdserve profile: {e}", file=sys.stderr)
-        return 2
-    profile = run_profile(config, QUICK if args.quick else Grid(), args.transfer_gbps)
+    profile = run_profile(engine_config(args), QUICK if args.quick else Grid(), args.transfer_gbps)
     profile.save(args.out)
     perf = profile.perf
     gbps = profile.transfer_gbps

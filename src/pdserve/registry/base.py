@@ -39,6 +39,7 @@ class WorkerState:
     draining: bool = False  # leaving: no router places a request on it (its in-flight ones finish or move)
     build: str = ""  # the build its process runs (`pdserve.build`); "": a worker too old to say
     max_num_seqs: int = 0  # the most sequences its batch decodes (a decode worker refuses more); 0: unknown
+    sequences: int = 0  # running, waiting, and (decode) those whose KV is arriving: what max_num_seqs bounds
     load_at: float = 0.0  # wall time the load fields were sampled (before updated_at); 0: unknown, updated_at
     updated_at: float = field(default_factory=time.time)
 

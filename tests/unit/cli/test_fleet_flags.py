@@ -36,16 +36,18 @@ def test_up_exits_2_with_one_line_before_ray_starts(capsys):
     assert err == ["pdserve up: prefill must be 1 to 64 workers in disaggregated mode, got -1"]
 
 
-@pytest.mark.parametrize("command", ["up", "controller", "generate", "profile"])
-def test_a_batch_of_no_sequences_is_refused_by_every_command_that_builds_an_engine(command, capsys, tmp_path):
-    required = {
-        "controller": ["--ray-address", "auto", "--redis", "redis://127.0.0.1:1"],
-        "generate": ["--prompt", "x"],
-        "profile": ["--out", str(tmp_path / "p.json")],
-    }
-    assert main([command, "--model", "tiny-random", "--max-num-seqs", "0", *required.get(command, [])]) == 2
+@pytest.mark.parametrize("command", ["up", "controller", "generate", "profile", "bench engine"])
+def test_a_batch_of_no_sequences_is_refused_by_every_command_that_builds_an_engine(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*command.split(), "--max-num-seqs", "0"])
+    assert exit_.value.code == 2
+    assert "argument --max-num-seqs: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_bench_engine_refuses_rows_larger_than_a_step_runs(capsys):
+    assert main(["bench", "engine", "--batch-sizes", "1,8", "--max-num-seqs", "4"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line == f"pdserve {command}: max_num_seqs must be at least 1, got 0"
+    assert line == "pdserve bench engine: --batch-sizes 8 is past --max-num-seqs 4"
 
 
 def test_a_taken_port_is_named_before_anything_starts(capsys):

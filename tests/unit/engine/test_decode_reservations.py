@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.errors import OverloadedError
+from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
@@ -49,6 +49,8 @@ def test_a_full_batch_refuses_a_reservation_until_a_sequence_ends() -> None:
     third = EngineRequest("third", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
     with pytest.raises(OverloadedError, match=r"batch is full \(2 sequences, max_num_seqs 2\)"):
         engine.reserve(third)
-    assert engine.blocks.num_free_blocks == 62  # the refused one took nothing
+    assert engine.blocks.num_free_blocks == 62 and engine.num_sequences == 2  # the refused one took nothing
+    with pytest.raises(InvalidRequestError, match="request_id"):  # what is never valid says so, full or not
+        engine.reserve(EngineRequest("arriving", prompt, SamplingParams(max_tokens=3)))
     run_to_end(engine)  # "decoding" ends; "arriving" has not committed, so it holds its place
     assert len(engine.reserve(third)) == 1

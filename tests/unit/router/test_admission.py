@@ -81,9 +81,9 @@ def test_admission_sheds_when_no_decode_worker_has_the_blocks():
 
 def test_admission_sheds_when_every_decode_worker_has_a_full_batch():
     """RESOURCE_EXHAUSTED with a retry hint: a sequence ending frees a place, so a later retry can pass."""
-    r = Router([worker("p0"), worker("d0", "decode", running=2, max_num_seqs=2)])
+    r = Router([worker("p0"), worker("d0", "decode", sequences=2, max_num_seqs=2)])
     shed(r, prompt(100), r"room in its batch now \(max_num_seqs 2\)", slo_s=(5.0, 1.0))
-    Router([worker("p0"), worker("d0", "decode", running=1, max_num_seqs=2)]).admit(prompt(100), slo_s=(5.0, 1.0))
+    Router([worker("p0"), worker("d0", "decode", sequences=1, max_num_seqs=2)]).admit(prompt(100), slo_s=(5.0, 1.0))
 
 
 def test_admission_sheds_when_predicted_tpot_exceeds_the_slo():

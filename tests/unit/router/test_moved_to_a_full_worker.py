@@ -5,7 +5,10 @@ moves on to a worker with room, without ejecting the full one, or ends UNAVAILAB
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -51,6 +54,23 @@ class Full(StandInDecode):
         yield pb.GenerateResponse()  # unreachable: makes this a stream handler
 
 
+class FullUntilFreed(StandInDecode):
+    """Refuses as a decode worker whose batch is full does, until `full` is cleared: then streams."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full, self.refused = True, 0
+
+    async def Generate(  # noqa: N802
+        self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if self.full:
+            self.refused += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "its batch is full (4 sequences, max_num_seqs 4)")
+        async for msg in super().Generate(request, context):
+            yield msg
+
+
 async def stream(lc: RequestLifecycle, out: list[int]) -> None:
     async def admitted(ticket: Ticket) -> None:
         pass
@@ -81,6 +101,24 @@ async def test_a_stream_with_only_a_full_worker_left_ends_unavailable_not_resour
         with pytest.raises(UnavailableError, match="no free KV blocks"):
             await stream(router.lifecycle(), out)
     assert len(out) == 2
+
+
+async def test_a_moved_stream_waits_for_a_place_in_a_full_batch_instead_of_spending_its_moves_on_refusals():
+    """The only other decode worker reports a full batch; a sequence there ends 0.3 s later (within the router's
+    no-workers wait): the stream moves there once, when it has room, and completes."""
+    dying, packed = DiesAfter(sent=2), FullUntilFreed()
+    async with serving(dying) as d0, serving(packed) as d1:
+        full = worker("d1", "decode", address=d1, kv_blocks_free=2048, sequences=4, max_num_seqs=4)
+        router = Router([worker("p0"), worker("d0", "decode", address=d0), full])
+
+        async def a_sequence_ends() -> None:
+            await asyncio.sleep(0.3)
+            packed.full = False
+            router.registry.publish(replace(full, sequences=3, updated_at=time.time()))
+
+        out: list[int] = []
+        await asyncio.gather(stream(router.lifecycle(), out), a_sequence_ends())
+    assert len(out) == MAX_TOKENS and (packed.refused, packed.calls) == (0, 1)
 
 
 async def test_a_moved_stream_the_caller_stops_reading_is_released_at_once():

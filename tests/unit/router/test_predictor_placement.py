@@ -158,17 +158,21 @@ def test_slo_placement_picks_a_decode_worker_with_room_within_tpot_preferring_th
 
 
 def test_slo_placement_skips_a_decode_worker_whose_batch_is_full_reported_or_by_our_own_sends():
-    """A decode worker holds at most max_num_seqs sequences (it refuses the hand-off past it): its preempted ones
-    count, and so do those this router placed there that its heartbeat does not show yet."""
-    full = worker("d0", "decode", kv_blocks_free=4000, running=3, waiting=1, max_num_seqs=4)
+    """A decode worker holds at most max_num_seqs sequences (it refuses the hand-off past it): those it reported
+    (decoding, preempted, KV arriving), plus ours placed after it sampled them, or all of ours, the more."""
+    full = worker("d0", "decode", kv_blocks_free=4000, sequences=4, max_num_seqs=4, load_at=time.time() - 1)
     r = Router([worker("p0"), full, worker("d1", "decode", kv_blocks_free=500, max_num_seqs=4)])
     assert r.place(prompt(100), 16, tpot_slo_s=1.0).decode.worker_id == "d1"
-    r = Router([worker("p0"), replace(full, running=2, waiting=0), worker("d1", "decode", kv_blocks_free=500)])
+    r = Router([worker("p0"), replace(full, sequences=2), worker("d1", "decode", kv_blocks_free=500)])
     assert r.place(prompt(100), 16, tpot_slo_s=1.0).decode.worker_id == "d0"  # the most free blocks
-    for _ in range(4):
+    for _ in range(2):  # placed after the report: it cannot show them
         r.tracker.start("p0", "d0", new_tokens=100, seconds=0.1, blocks=8, prompt_tokens=100)
     assert r.place(prompt(100), 16, tpot_slo_s=1.0).decode.worker_id == "d1"
-    colocated = worker("c0", "colocated", running=4, max_num_seqs=4)  # queues its prompts past the cap instead
+    r = Router([worker("p0"), replace(full, sequences=0, load_at=time.time() + 1), worker("d1", "decode")])
+    for _ in range(4):  # all ours, before a report that shows none of them yet (it sampled before they arrived)
+        r.tracker.start("p0", "d0", new_tokens=100, seconds=0.1, blocks=8, prompt_tokens=100)
+    assert r.place(prompt(100), 16, tpot_slo_s=1.0).decode.worker_id == "d1"
+    colocated = worker("c0", "colocated", sequences=4, max_num_seqs=4)  # queues its prompts past the cap instead
     assert r.predictor.has_batch_room(colocated)
 
 
