@@ -11,7 +11,8 @@ renewing, so its leases expire within `lease_s` and free their slots.
 
 No request waits on Redis longer than `budget_s`: a call that fails or takes longer is answered by this
 router's own `LocalQuotas` instead (the per-router limits) until a background ping every `retry_s` has an
-answer; the outage is logged once and its end too. A lease whose release is lost in an outage expires on its
+answer; the outage is logged once and its end too. What Redis runs of such a call later has no effect there (a
+stream's lease is removed, a take's tokens come back), so nothing is counted twice. A lease whose release is lost in an outage expires on its
 own.
 """
 
@@ -105,23 +106,53 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 return 0
 """
 
-# KEYS: tokens. ARGV: rate, capacity, cost, ttl_ms. The wait in ms, '0' when taken.
+# Lua: `cost` back into a bucket. A missing bucket is full already.
+_REFUND = """
+local function refund(key, rate, capacity, cost, ttl_ms)
+  if redis.call('EXISTS', key) == 1 then
+    local now = now_ms()
+    store(key, math.min(capacity, refilled(key, rate, capacity, now) + cost), now, ttl_ms)
+  end
+end
+"""
+
+# KEYS: tokens, the take's mark. ARGV: rate, capacity, cost, ttl_ms, mark_ms. The wait in ms, '0' when taken. A
+# take marks itself taken, so that a router that stopped waiting for it can give its tokens back (_ABANDON_TAKE).
 _TAKE_TOKENS = (
     _BUCKET
     + """
+if redis.call('GET', KEYS[2]) == 'abandoned' then
+  return '0'
+end
 local wait = take(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), now_ms())
+if wait == 0 then
+  redis.call('SET', KEYS[2], 'taken', 'PX', ARGV[5])
+end
 return string.format('%.17g', wait)
 """
 )
 
-# KEYS: tokens. ARGV: rate, capacity, cost, ttl_ms. A missing bucket is full already.
+# KEYS: tokens, the take's mark. ARGV: rate, capacity, cost, ttl_ms, mark_ms. A take its router stopped waiting
+# for (and charged locally instead) costs nothing in Redis whichever of the two Redis runs first: after the take,
+# its tokens come back; before it, the mark stops it.
+_ABANDON_TAKE = (
+    _BUCKET
+    + _REFUND
+    + """
+if redis.call('GET', KEYS[2]) == 'taken' then
+  refund(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4])
+end
+redis.call('SET', KEYS[2], 'abandoned', 'PX', ARGV[5])
+return 0
+"""
+)
+
+# KEYS: tokens. ARGV: rate, capacity, cost, ttl_ms.
 _GIVE_BACK = (
     _BUCKET
+    + _REFUND
     + """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  local rate, capacity, now = tonumber(ARGV[1]), tonumber(ARGV[2]), now_ms()
-  store(KEYS[1], math.min(capacity, refilled(KEYS[1], rate, capacity, now) + tonumber(ARGV[3])), now, ARGV[4])
-end
+refund(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4])
 return 0
 """
 )
@@ -180,6 +211,7 @@ class RedisQuotas(Quotas):
         self._give_back = self._redis.register_script(_GIVE_BACK)
         self._renew = self._redis.register_script(_RENEW)
         self._abandon = self._redis.register_script(_ABANDON)
+        self._abandon_take = self._redis.register_script(_ABANDON_TAKE)
         self._leases: dict[str, str] = {}  # this router's open streams held in Redis: lease -> its streams key
         self._renewer: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None  # while Redis is down: waits for it to answer
@@ -220,7 +252,13 @@ class RedisQuotas(Quotas):
         tpm = tenant.tokens_per_minute
         bucket = [quota_key(tenant, "tokens")]
         args: list[Arg] = [_per_ms(tpm / 60), tpm, tokens, _refill_ms(tpm / 60, tpm)]
-        answer = await self._ask(lambda: self._take(keys=bucket, args=args))
+        marked = [*bucket, quota_key(tenant, f"take:{uuid.uuid4().hex}")]
+
+        def abandon() -> None:  # Redis may still run (or have run) the take it did not answer in time
+            call = lambda: self._abandon_take(keys=marked, args=[*args, self._lease_ms])  # noqa: E731
+            self._in_background(call, "abandon")
+
+        answer = await self._ask(lambda: self._take(keys=marked, args=[*args, self._lease_ms]), on_miss=abandon)
         if answer is None:
             return self.local.take_tokens_now(tenant, tokens)
         wait_ms = float(answer)

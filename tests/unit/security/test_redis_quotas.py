@@ -224,3 +224,52 @@ async def test_a_stream_opened_past_the_budget_leaves_no_slot_behind(server):
         assert await admitted(quotas, tenant)
     finally:
         await quotas.close()
+
+
+async def test_tokens_taken_past_the_budget_are_charged_once_by_this_routers_own_count(server):
+    """Redis stalls while a request's tokens are charged: the router charges them against its own limits, and
+    Redis runs the take when it answers. Those tokens come back there, so the key is not charged twice."""
+    with server.client() as c:
+        c.flushall()
+    quotas = RedisQuotas(server.url, budget_s=0.05, retry_s=0.1)
+    tenant = Tenant("t", "k", tokens_per_minute=600)
+    try:
+        async with quotas.session(tenant) as s:  # as in a running router: its connection made, its scripts loaded
+            await s.charge_tokens(1)
+            s.admitted()
+
+        def stall() -> None:
+            with server.client() as c:
+                c.execute_command("DEBUG", "SLEEP", "0.4")
+
+        stalled = asyncio.ensure_future(asyncio.to_thread(stall))
+        await asyncio.sleep(0.05)
+        async with quotas.session(tenant) as s:  # past the budget: this router's own count
+            await s.charge_tokens(500)
+            s.admitted()
+        await stalled
+        end = time.monotonic() + 5
+        while quotas._down_since is not None or quotas._writes:  # back to the shared count, its writes done
+            assert time.monotonic() < end
+            await asyncio.sleep(0.05)
+        with server.client() as c:
+            level = float(c.hget(f"pdserve:quota:{tenant.key_name}:tokens", "level"))
+        assert level > 590  # 599 when the 1 was taken, refilling at 10 a second; 99 if the 500 stayed charged
+    finally:
+        await quotas.close()
+
+
+async def test_a_take_that_reaches_redis_after_its_abandon_charges_nothing(server):
+    """The other order of the two scripts: the abandon marks the take, which then takes nothing."""
+    with server.client() as c:
+        c.flushall()
+    quotas = RedisQuotas(server.url)
+    try:
+        keys, args = ["pdserve:quota:k:tokens", "pdserve:quota:k:take:1"], [10.0 / 1000, 600, 500, 61_000, 10_000]
+        await quotas._abandon_take(keys=keys, args=args)
+        assert await quotas._take(keys=keys, args=args) == b"0"
+        with server.client() as c:
+            assert c.exists(keys[0]) == 0  # never written: a full bucket
+            assert c.get(keys[1]) == b"abandoned"
+    finally:
+        await quotas.close()
