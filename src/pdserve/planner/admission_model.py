@@ -23,7 +23,7 @@ class Admission:
 
     def sheds(self, queued_tokens: int, queued_s: float, prompt_tokens: int, own_s: float) -> bool:
         """Whether a prompt of `prompt_tokens` whose own TTFT is `own_s` is shed by a prefill worker holding
-        `queued_tokens` placed and not yet prefilled, predicted to take `queued_s`: the queue bound, then the
+        `queued_tokens` placed and without a first token yet, predicted to take `queued_s`: the queue bound, then the
         predicted wait against the room the (default, so never below its own cost) SLO leaves."""
         if queue_full(queued_tokens, prompt_tokens, self.queue_bound_tokens):
             return True

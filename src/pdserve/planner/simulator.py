@@ -8,7 +8,8 @@ prompt handed off, per token streamed); a colocated worker's step holds both, so
 every decode in its step (the interference disaggregation removes). Prompts are split into chunks of at most
 `long_prefill_chunk` within the step budget of `max_num_batched_tokens`, FIFO. Routing is least-loaded, as
 the router's is when no prefix is shared: the prefill worker with the least predicted wait of the prompts the
-router placed there, counted from their placement, not from when they reach the worker.
+router placed there, counted from their placement, not from when they reach the worker, until their first token
+is out.
 
 A disaggregated request follows the hand-off as the workers run it (services/decode/handoff.py,
 services/prefill/run_and_send.py). Everything a worker's engine does besides stepping is a command its
@@ -30,7 +31,7 @@ again when a step ends. A profile timed in one process on an idle machine sees n
 
 With an `Admission` (admission_model.py), each arrival first passes the router's admission: a shed request
 never runs and counts against attainment. Its predicted wait is the profile's prefill time of every prompt
-placed on its prefill worker and not yet prefilled, plus one decode step of the streams placed on its decode
+placed on its prefill worker whose first token is not out, plus one decode step of the streams placed on its decode
 worker (which its hand-off waits for), at the shared cores' current slowdown.
 """
 
@@ -55,6 +56,7 @@ class _Seq:
     first_s: float | None = None
     done_s: float | None = None
     decoder: _Worker | None = None  # disaggregated: placed with its prefill worker, on arrival
+    prefiller: _Worker | None = None  # placed on arrival
 
 
 Command = Callable[[], None]
@@ -71,7 +73,7 @@ class _Worker:
     running: int = 0  # sequences in the decode batch
     incoming: int = 0  # sequences placed here whose KV has not been committed yet
     steps: int = 0  # decode steps run so far: a sequence joining at step j with m tokens to go ends at j + m
-    placed_tokens: int = 0  # of prompts placed here and not yet prefilled, as the router counts them
+    placed_tokens: int = 0  # of prompts placed here whose first token is not out, as the router counts them
     placed_s: float = 0.0  # their prefill time by the profile: the router's predicted wait
     context: int = 0  # tokens of KV the running batch reads per step
     kv_used: int = 0
@@ -164,6 +166,7 @@ class Simulator:
         if self.admission and self._sheds(p, d, s.req.input_len):
             self.shed += 1
             return
+        s.prefiller = p
         p.placed_tokens += s.req.input_len
         p.placed_s += self.p.perf.prefill_s(s.req.input_len)
         if self.shape.colocated:
@@ -201,9 +204,6 @@ class Simulator:
         for s, n in step.chunks:
             s.prefilled += n
             if s.prefilled == s.req.input_len:
-                w.placed_tokens -= s.req.input_len
-                # none left: exactly idle, so rounding leaves no idle worker looking busier than another
-                w.placed_s = w.placed_s - self.p.perf.prefill_s(s.req.input_len) if w.placed_tokens else 0.0
                 self._prefilled(w, s)
         if step.decoded:
             w.steps += 1
@@ -220,7 +220,7 @@ class Simulator:
         """The prompt's last chunk ran: its first token is out, naming the blocks to send (no engine call)."""
         w.queue.remove(s)
         if w.decodes:  # colocated: the first token goes out, the KV is here already
-            s.first_s = self.now
+            self._first_token(s)
             if s.req.output_len <= 1:
                 s.done_s = self.now
                 w.kv_used -= s.req.input_len + s.req.output_len
@@ -247,12 +247,22 @@ class Simulator:
         """The decode worker takes the KV: the first token goes to the caller, the sequence waits to decode."""
         d = s.decoder
         assert d is not None
-        s.first_s = self.now
+        self._first_token(s)
         d.incoming -= 1
         if s.req.output_len <= 1:
             s.done_s = self.now
         else:
             d.waiting.append(s)
+
+    def _first_token(self, s: _Seq) -> None:
+        """The first token reaches the caller: only now does the router stop counting the prompt on its prefill
+        worker (LoadTracker.prefilled), though a split's prefill ended a transfer and a commit before."""
+        s.first_s = self.now
+        p = s.prefiller
+        assert p is not None
+        p.placed_tokens -= s.req.input_len
+        # none left: exactly idle, so rounding leaves no idle worker looking busier than another
+        p.placed_s = p.placed_s - self.p.perf.prefill_s(s.req.input_len) if p.placed_tokens else 0.0
 
     def _finish(self, w: _Worker, s: _Seq) -> None:
         """The sequence leaves the batch with all its tokens."""

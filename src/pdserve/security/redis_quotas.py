@@ -12,8 +12,8 @@ renewing, so its leases expire within `lease_s` and free their slots.
 No request waits on Redis longer than `budget_s`: a call that fails or takes longer is answered by this
 router's own `LocalQuotas` instead (the per-router limits) until a background ping every `retry_s` has an
 answer; the outage is logged once and its end too. What Redis runs of such a call later has no effect there (a
-stream's lease is removed, a take's tokens come back), so nothing is counted twice. A lease whose release is lost in an outage expires on its
-own.
+stream's lease is removed, a take's tokens come back), so nothing is counted twice. A lease whose release is lost
+in an outage expires on its own.
 """
 
 from __future__ import annotations

@@ -159,6 +159,14 @@ def test_prompts_arriving_during_a_decode_step_spread_over_the_prefill_workers()
     assert busy == pytest.approx([slow_decode.prefill_s(16) + slow_decode.prefill_s(512), slow_decode.prefill_s(512)])
 
 
+def test_a_prompt_counts_on_its_prefill_worker_until_its_first_token_is_out() -> None:
+    """As the router's tracker counts it: a split's prefill ends a KV transfer (slow here) before its first
+    token, so a prompt arriving meanwhile goes to the other prefill worker."""
+    sim = Simulator(synthetic_profile(transfer_latency_s=0.5), Shape(prefill=2, decode=1))
+    sim.run([SimRequest(0.0, 512, 2), SimRequest(0.2, 512, 2)])  # the first prefill ends at ~0.11 s
+    assert [w.busy_s for w in sim.prefillers] == pytest.approx([PERF.prefill_s(512)] * 2)
+
+
 def test_max_num_seqs_caps_what_a_colocated_engine_admits_counting_prompts_in_prefill() -> None:
     """The engine's scheduler admits a new prompt only while its sequences, those part-way through a chunked
     prefill too, are under `max_num_seqs`: with a cap of 2 the third prompt starts once the first finishes."""
