@@ -6,7 +6,12 @@ import pytest
 
 from pdserve.errors import InvalidRequestError
 from pdserve.v1 import generate_pb2 as pb
-from services.router.http.openai_request import openai_param, parse_json, parse_request
+from services.router.http.openai_request import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    openai_param,
+    parse_json,
+    parse_request,
+)
 
 
 def test_a_completion_becomes_the_grpc_request():
@@ -32,6 +37,13 @@ def test_a_completion_becomes_the_grpc_request():
         ["x"],
         True,
     )
+
+
+def test_max_tokens_left_out_is_openais_16_for_a_completion_and_the_routers_default_for_a_chat():
+    completion = parse_request({"model": "m", "prompt": "x"}, chat=False)
+    assert completion.message.sampling.max_tokens == COMPLETION_DEFAULT_MAX_TOKENS == 16
+    chat = parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}, chat=True)
+    assert chat.message.sampling.max_tokens == 0  # unset: the router fills in default_max_tokens
 
 
 def test_a_chat_takes_text_parts_and_openais_defaults():
