@@ -51,6 +51,11 @@ def _log_ray_auth() -> None:
         log.warning("Ray token authentication: OFF (RAY_AUTH_MODE=%s)", os.environ.get("RAY_AUTH_MODE", "unset"))
 
 
+class _NotMainThreadWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("SIGTERM handler is not set")
+
+
 class WorkerActors:
     """Connects to Ray (starting a local one unless joined) and finds or creates the worker actors."""
 
@@ -66,6 +71,8 @@ class WorkerActors:
 
         c = self.config
         if not ray.is_initialized():
+            # Off the main thread Ray sets no SIGTERM handler and warns so; pdserve's own handler is the one wanted.
+            logging.getLogger("ray._private.worker").addFilter(_NotMainThreadWarning())
             ray.init(
                 address=c.ray_address,
                 namespace=c.ray_namespace,
