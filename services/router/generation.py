@@ -46,18 +46,20 @@ async def generate(
     on_admitted: Callable[[Ticket], Awaitable[None]],
     model: str | None = None,
     choices: Choices | None = None,
+    default_max_tokens: int | None = None,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """The request's stream. Everything refused before the first message raises here (InvalidRequestError,
     OverloadedError, UnavailableError, ModelNotFoundError for a `model` not served, and the caller's check
     first of all: UnauthenticatedError, PermissionDeniedError); `on_admitted` runs once it is placed, before
-    anything is relayed. `choices`: the request is one of these (the HTTP API's `n`), for its key's quotas."""
+    anything is relayed. `choices`: the request is one of these (the HTTP API's `n`), for its key's quotas.
+    `default_max_tokens`: the front end's default for a request without max_tokens (None: the router's)."""
     start = time.perf_counter()
     with lifecycle.accounting(start) as caller:
         caller.tenant = check_caller(lifecycle, headers)
         if model is not None:
             check_model(lifecycle, model)
         async with lifecycle.quotas.session(caller.tenant, choices) as quota:
-            ticket = await lifecycle.admit(request, start, quota)
+            ticket = await lifecycle.admit(request, start, quota, default_max_tokens)
             with ticket:
                 await on_admitted(ticket)
                 # Closed here when the caller stops reading, not later by the garbage collector in another task:

@@ -109,10 +109,13 @@ class RequestLifecycle:
         """The caller's tenant from its `authorization` metadata (UnauthenticatedError without a known key)."""
         return authenticate(self.keys, metadata)
 
-    async def admit(self, msg: pb.GenerateRequest, started_at: float, quota: QuotaSession) -> Ticket:
+    async def admit(
+        self, msg: pb.GenerateRequest, started_at: float, quota: QuotaSession, default_max_tokens: int | None = None
+    ) -> Ticket:
         """Build, place and admit, or raise (InvalidRequestError, OverloadedError, UnavailableError,
         PermissionDeniedError) before anything is sent. The request gets its own unique key here; the caller's
-        request_id is only echoed. Its prompt and max_tokens are charged to its key's token rate."""
+        request_id is only echoed. Its prompt and max_tokens are charged to its key's token rate. Without
+        max_tokens it gets `default_max_tokens` (never more than the router's default, nor the context's room)."""
         check_request_id(msg.request_id, self.config.request_limits)  # before it tags spans and log lines
         key = uuid.uuid4().hex
         client_id = msg.request_id or key
@@ -123,8 +126,9 @@ class RequestLifecycle:
         with self.telemetry.tracer.start_as_current_span("admission", attributes=ids) as span:
             quota.tenant.check_priority(msg.priority)
             config = self.config
+            default = min(default_max_tokens or config.default_max_tokens, config.default_max_tokens)
             req = await build_request(
-                msg, self.tokenizer, self.model, config.default_max_tokens, config.request_limits, quota.tenant.name
+                msg, self.tokenizer, self.model, default, config.request_limits, quota.tenant.name
             )
             span.set_attribute("prompt_tokens", len(req.prompt_token_ids))
             try:

@@ -198,7 +198,16 @@ class OpenAIAPI:
         async def on_admitted(ticket: Ticket) -> None:
             headers[PREDICTED_TTFT_HEADER] = str(round(ticket.placement.predicted_ttft_s * 1e3))
 
-        return generate(self.lifecycle, message, request.headers, lambda: None, on_admitted, req.model, choices)
+        return generate(
+            self.lifecycle,
+            message,
+            request.headers,
+            lambda: None,
+            on_admitted,
+            req.model,
+            choices,
+            req.default_max_tokens,
+        )
 
     def _span(self, request: Request, req: OpenAIRequest, **options: bool) -> AbstractContextManager[trace.Span]:
         """The request's server span, a child of the caller's trace when its `traceparent` header names one;

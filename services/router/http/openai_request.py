@@ -34,8 +34,8 @@ UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
 MAX_CHOICES = 16  # `n`: each choice is a request of its own through admission, so the fan-out is bounded
 # OpenAI's own default; the gRPC API's is 0 (greedy), which a client asks for with temperature=0.
 DEFAULT_TEMPERATURE = 1.0
-# OpenAI's (and vLLM's) default for a completion; a chat's is the router's `default_max_tokens` (OpenAI's: the
-# context's room, which the router caps at it too).
+# OpenAI's (and vLLM's) default for a completion, capped by the router's `default_max_tokens` and the context's
+# room; a chat's is the router's (OpenAI's: the context's room).
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # JSON's \u escapes can spell half of a UTF-16 pair alone: no Unicode text, and UTF-8 (protobuf, JSON out) has none.
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -52,6 +52,11 @@ class OpenAIRequest:
     echo: bool = False  # completions: the prompt comes back before the completion (with its logprobs, if asked)
     n: int = 1  # choices: each a request of its own (`choice_message`)
     user: str = ""  # OpenAI's end-user id: recorded on the request's trace, nothing else
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        """What a request without max_tokens gets, before the router's caps; None: the router's default."""
+        return None if self.chat else COMPLETION_DEFAULT_MAX_TOKENS
 
     def choice_message(self, index: int) -> pb.GenerateRequest:
         """Choice `index`'s request: with n > 1 its own request id and, for a seeded request, seed + index
@@ -127,8 +132,6 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
     max_tokens = _int(body, "max_completion_tokens", 1, UINT32) if chat else None
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, UINT32)
-    if max_tokens is None and not chat:
-        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
     temperature = _number(body, "temperature")
     top_p = _number(body, "top_p")
     if top_p is not None and not 0 < top_p <= 1:  # checked here: the gRPC API reads 0 as "off"

@@ -39,11 +39,13 @@ def test_a_completion_becomes_the_grpc_request():
     )
 
 
-def test_max_tokens_left_out_is_openais_16_for_a_completion_and_the_routers_default_for_a_chat():
+def test_max_tokens_left_out_is_left_to_the_router_with_openais_16_as_a_completions_default():
+    """Unset on the gRPC request, so the router caps the default at the context's room (test_http_defaults)."""
     completion = parse_request({"model": "m", "prompt": "x"}, chat=False)
-    assert completion.message.sampling.max_tokens == COMPLETION_DEFAULT_MAX_TOKENS == 16
+    assert completion.message.sampling.max_tokens == 0
+    assert completion.default_max_tokens == COMPLETION_DEFAULT_MAX_TOKENS == 16
     chat = parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}, chat=True)
-    assert chat.message.sampling.max_tokens == 0  # unset: the router fills in default_max_tokens
+    assert chat.message.sampling.max_tokens == 0 and chat.default_max_tokens is None  # the router's default
 
 
 def test_a_chat_takes_text_parts_and_openais_defaults():
