@@ -29,6 +29,7 @@ from pdserve.metrics import RecentLatencies, RouterMetrics
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.request_checks import check_request_id
+from pdserve.protocol.roles import Role
 from pdserve.registry.base import PrefixIndex, WorkerState
 from pdserve.security.api_keys import KeyTable, Metadata, Tenant, authenticate
 from pdserve.security.quotas import LocalQuotas, Quotas, QuotaSession
@@ -258,7 +259,7 @@ class RequestLifecycle:
         req = continued_request(original, streamed) if chunks else original
         try:
             placement = await (
-                self._place_with_room(req, failed, left) if chunks else self._place_again(req, failed, left)
+                self._place_with_room(req, failed, left, moves) if chunks else self._place_again(req, failed, left)
             )
         except UnavailableError:
             raise error from None  # no worker live at all: the failure itself is the answer
@@ -288,19 +289,30 @@ class RequestLifecycle:
         except NoWorkersError:
             return await self.placement.place(*args, cache_salt=req.cache_salt)
 
-    async def _place_with_room(self, req: RoutedRequest, failed: set[str], left: float | None) -> Placement:
-        """A migration's placement, on a decode worker with room for the stream (a place in its batch, the KV
-        blocks) when one has it within `no_workers_wait_s` (and the caller's deadline): a sequence ending frees a
-        place soon, while a stream sent to a full worker is refused and spends one of its moves. After that, the
-        best placement there is, which the worker may refuse."""
-        end = time.monotonic() + min(self.config.no_workers_wait_s, left if left is not None else float("inf"))
+    async def _place_with_room(
+        self, req: RoutedRequest, failed: set[str], left: float | None, moves: Moves
+    ) -> Placement:
+        """A migration's placement, on a decode worker that would take the stream (a place in its batch, free
+        blocks for the prompt so far) when one does within `no_workers_wait_s` (and the caller's deadline): a
+        sequence ending frees a place soon, while a stream sent to a full worker is refused and spends one of its
+        moves. Once per stream: a later move takes the best placement there is, which the worker may refuse."""
+        wait_s = 0.0 if moves.waited_for_room else self.config.no_workers_wait_s
+        end = time.monotonic() + min(wait_s, left if left is not None else wait_s)
         while True:
             placement = await self._place_again(req, failed, left)
-            decode, predictor = placement.decode, self.admission.predictor
-            roomy = predictor.has_batch_room(decode) and predictor.free_blocks(decode) >= placement.blocks_needed
-            if roomy or time.monotonic() >= end:
+            if self._takes(placement, len(req.prompt_token_ids)) or time.monotonic() >= end:
                 return placement
+            moves.waited_for_room = True
             await asyncio.sleep(NO_WORKERS_POLL_S)
+
+    def _takes(self, placement: Placement, prompt_tokens: int) -> bool:
+        """Whether its decode worker would reserve the prompt now, as far as this router can tell (a colocated
+        worker queues what it cannot run yet)."""
+        decode, predictor = placement.decode, self.admission.predictor
+        if decode.role != Role.DECODE:
+            return True
+        blocks = -(-prompt_tokens // decode.block_size)
+        return predictor.has_batch_room(decode) and predictor.free_blocks(decode) >= blocks
 
     def _record_move(
         self,

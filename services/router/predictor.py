@@ -95,7 +95,8 @@ class Predictor:
         none."""
         if w.role != Role.DECODE or not w.max_num_seqs:
             return True
-        reported = w.sequences + self.tracker.streams_placed_since(w.worker_id, w.load_at or w.updated_at)
+        held = max(w.sequences, w.running + w.waiting)  # a worker of the build before `sequences` reports 0
+        reported = held + self.tracker.streams_placed_since(w.worker_id, w.load_at or w.updated_at)
         return max(reported, self.tracker.decoding[w.worker_id]) < w.max_num_seqs
 
     def free_blocks(self, w: WorkerState) -> int:

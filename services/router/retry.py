@@ -30,6 +30,7 @@ class Moves:
 
     retries: int = 0
     migrations: int = 0
+    waited_for_room: bool = False  # a migration waited for a decode worker with room once (lifecycle.py)
 
     def allow(self, config: RouterConfig, sent: int, max_tokens: int, time_remaining: float | None) -> bool:
         """Counts the move when it is allowed. `sent`: tokens already streamed to the client (-1: none, not

@@ -123,7 +123,8 @@ class RouterConfig:
     migration_limit: int = 3  # moves of a stream to another decode worker after tokens were sent (0: none)
     ejection_s: float = 10.0  # a worker whose call failed stays out of placement this long (or until restarted)
     # A role with no live worker at all: wait this long for one (a drained worker's replacement, a slow worker
-    # re-listed) before answering UNAVAILABLE.
+    # re-listed) before answering UNAVAILABLE. Also how long a stream moving after tokens were sent waits, once,
+    # for a decode worker with room for it.
     no_workers_wait_s: float = 3.0
     reflection: bool = True  # gRPC server reflection on the public port (--no-reflection: off)
     api_keys_file: str | None = None  # TOML of API keys (--api-keys); None: an open cluster, said at start

@@ -24,7 +24,6 @@ from tests.unit.router.stand_in_decode import StandInDecode, serving
 
 pytestmark = pytest.mark.timeout(60)
 MAX_TOKENS = 6
-REQUEST = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(max_tokens=MAX_TOKENS))
 
 
 class DiesAfter(StandInDecode):
@@ -71,11 +70,12 @@ class FullUntilFreed(StandInDecode):
             yield msg
 
 
-async def stream(lc: RequestLifecycle, out: list[int]) -> None:
+async def stream(lc: RequestLifecycle, out: list[int], max_tokens: int = MAX_TOKENS) -> None:
     async def admitted(ticket: Ticket) -> None:
         pass
 
-    async for msg in generate(lc, REQUEST, {}, lambda: 10.0, admitted):
+    request = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(max_tokens=max_tokens))
+    async for msg in generate(lc, request, {}, lambda: 10.0, admitted):
         out.extend(msg.token_ids)
 
 
@@ -119,6 +119,30 @@ async def test_a_moved_stream_waits_for_a_place_in_a_full_batch_instead_of_spend
         out: list[int] = []
         await asyncio.gather(stream(router.lifecycle(), out), a_sequence_ends())
     assert len(out) == MAX_TOKENS and (packed.refused, packed.calls) == (0, 1)
+
+
+async def test_a_moved_stream_goes_at_once_to_a_worker_with_blocks_for_its_prompt_though_not_for_all_it_may_add():
+    """A decode worker reserves the prompt's blocks (the stream's tokens so far), not max_tokens' too: one with
+    that much free takes the stream now, with no wait for room (a long one here, were it taken)."""
+    async with serving(DiesAfter(sent=2)) as d0, serving(roomy := StandInDecode()) as d1:
+        tight = worker("d1", "decode", address=d1, kv_blocks_free=1, max_num_seqs=4)  # 1 block: the 6 tokens
+        router = Router([worker("p0"), worker("d0", "decode", address=d0), tight], no_workers_wait_s=30.0)
+        out: list[int] = []
+        started = time.monotonic()
+        await stream(router.lifecycle(), out, max_tokens=40)
+    assert len(out) == 40 and roomy.calls == 1 and time.monotonic() - started < 10
+
+
+async def test_a_stream_waits_for_room_once_not_at_each_move():
+    """Every move after the first wait goes to the best placement there is: with two moves refused by a full
+    worker the stream fails after about one wait (2 s), not one per move."""
+    async with serving(DiesAfter(sent=2)) as d0, serving(packed := FullUntilFreed()) as d1:
+        full = worker("d1", "decode", address=d1, kv_blocks_free=2048, sequences=4, max_num_seqs=4)
+        router = Router([worker("p0"), worker("d0", "decode", address=d0), full], no_workers_wait_s=2.0)
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match="batch is full"):
+            await stream(router.lifecycle(), [])
+    assert packed.refused >= 2 and time.monotonic() - started < 5
 
 
 async def test_a_moved_stream_the_caller_stops_reading_is_released_at_once():

@@ -172,6 +172,8 @@ def test_slo_placement_skips_a_decode_worker_whose_batch_is_full_reported_or_by_
     for _ in range(4):  # all ours, before a report that shows none of them yet (it sampled before they arrived)
         r.tracker.start("p0", "d0", new_tokens=100, seconds=0.1, blocks=8, prompt_tokens=100)
     assert r.place(prompt(100), 16, tpot_slo_s=1.0).decode.worker_id == "d1"
+    older = worker("d2", "decode", running=3, waiting=1, max_num_seqs=4)  # a build that does not report `sequences`
+    assert not r.predictor.has_batch_room(older)
     colocated = worker("c0", "colocated", sequences=4, max_num_seqs=4)  # queues its prompts past the cap instead
     assert r.predictor.has_batch_room(colocated)
 
