@@ -34,6 +34,7 @@ class LoadTracker:
         self._sent: dict[int, Sent] = {}  # placement number -> request, until it ends
         self._prefilling: set[int] = set()  # placement numbers whose first token is not back
         self._placed: defaultdict[str, dict[int, Sent]] = defaultdict(dict)  # `_sent`, per decode worker
+        self._ended: defaultdict[str, deque[tuple[float, float]]] = defaultdict(deque)  # (wall time ended, placed)
         self._placements = itertools.count()
 
     def start(
@@ -77,11 +78,20 @@ class LoadTracker:
         batch that a report sampled then cannot show."""
         return sum(1 for sent in self._placed[decode_id].values() if sent.at > since)
 
+    def streams_ended_since(self, decode_id: str, since: float) -> int:
+        """Our requests placed on the decode worker by wall time `since` that have ended after it: a report
+        sampled then may still count their places in its batch."""
+        return sum(1 for ended, placed in self._ended[decode_id] if placed <= since < ended)
+
     def finished(self, placement: int) -> None:
         """The request ended, its prefill too (`prefilled` first)."""
         sent = self._sent.pop(placement)
         self.decoding[sent.decode_id] -= 1
         del self._placed[sent.decode_id][placement]
+        ended = self._ended[sent.decode_id]
+        ended.append((time.time(), sent.at))
+        while ended and ended[0][0] < ended[-1][0] - FORGET_AFTER_S:
+            ended.popleft()
 
 
 def _log(entries: deque[tuple[float, int]], amount: int) -> None:

@@ -90,14 +90,16 @@ class Predictor:
 
     def has_batch_room(self, w: WorkerState) -> bool:
         """A decode worker refuses a hand-off once its batch holds `max_num_seqs` sequences (decoding, preempted,
-        or with KV arriving): those it reported plus ours placed since it sampled them, or all of ours not seen
-        to end, the more. A colocated worker queues prompts past its cap instead; a worker that does not say has
-        none."""
+        or with KV arriving): those it reported, less ours it may have counted that ended since it sampled them,
+        plus ours placed since; or all of ours not seen to end, the more. A colocated worker queues prompts past
+        its cap instead; a worker that does not say has none."""
         if w.role != Role.DECODE or not w.max_num_seqs:
             return True
         held = max(w.sequences, w.running + w.waiting)  # a worker of the build before `sequences` reports 0
-        reported = held + self.tracker.streams_placed_since(w.worker_id, w.load_at or w.updated_at)
-        return max(reported, self.tracker.decoding[w.worker_id]) < w.max_num_seqs
+        sampled_at, t = w.load_at or w.updated_at, self.tracker
+        reported = max(0, held - t.streams_ended_since(w.worker_id, sampled_at))
+        reported += t.streams_placed_since(w.worker_id, sampled_at)
+        return max(reported, t.decoding[w.worker_id]) < w.max_num_seqs
 
     def free_blocks(self, w: WorkerState) -> int:
         """The report's free blocks, less ours it cannot show: those about to be reserved, and those placed since

@@ -178,6 +178,22 @@ def test_slo_placement_skips_a_decode_worker_whose_batch_is_full_reported_or_by_
     assert r.predictor.has_batch_room(colocated)
 
 
+def test_a_report_sampled_before_our_streams_ended_does_not_hold_their_places_against_new_ones():
+    """The report counted two of ours (placed before it sampled) that have ended since: with a cap of 2 the
+    batch has room for two more, placed after it, though that report is still the latest."""
+    r = Router([worker("p0")])
+    ended = [r.tracker.start("p0", "d0", new_tokens=4, seconds=0.01, blocks=1, prompt_tokens=4) for _ in range(2)]
+    report = worker("d0", "decode", sequences=2, max_num_seqs=2, load_at=time.time())
+    for placement in ended:
+        r.tracker.prefilled(placement)
+        r.tracker.finished(placement)
+    assert r.predictor.has_batch_room(report)
+    r.tracker.start("p0", "d0", new_tokens=4, seconds=0.01, blocks=1, prompt_tokens=4)
+    assert r.predictor.has_batch_room(report)
+    r.tracker.start("p0", "d0", new_tokens=4, seconds=0.01, blocks=1, prompt_tokens=4)
+    assert not r.predictor.has_batch_room(report)
+
+
 def test_slo_placement_falls_back_to_the_fastest_roomy_decode_worker_when_none_meets_tpot():
     decodes = [
         worker("d0", "decode", kv_blocks_free=900, running=50),

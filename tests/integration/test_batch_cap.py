@@ -1,0 +1,64 @@
+"""A decode worker's batch cap (`--max-num-seqs`) end to end, through `pdserve up`: with every place in the only
+decode worker's batch held by a stream, the router sheds a new request with RESOURCE_EXHAUSTED and a retry hint
+before anything reaches a worker, and serves it once a stream ends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from pdserve.cluster.local_process import ClusterProcess
+from pdserve.rpc.server import channel
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc
+from tests.integration.cluster_view import status_json
+
+pytestmark = pytest.mark.timeout(300)
+CAP = 2
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    log = tmp_path_factory.mktemp("batch_cap") / "cluster.log"
+    args = ["--model", "tiny-random", "--prefill", "1", "--decode", "1", "--kv-cache-gb", "0.05"]
+    proc = ClusterProcess(*args, "--max-num-seqs", str(CAP), log_path=log)
+    yield proc
+    proc.stop()
+
+
+def request(max_tokens: int) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=sampling)
+
+
+async def tokens(stub: generate_pb2_grpc.GenerationStub, max_tokens: int) -> int:
+    return sum([len(msg.token_ids) async for msg in stub.Generate(request(max_tokens), timeout=30)])
+
+
+async def test_a_request_no_batch_has_a_place_for_is_shed_with_a_hint_and_served_once_one_frees(cluster):
+    async with channel(cluster.address) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        assert await tokens(stub, 4) == 4  # warm: channels and the KV rendezvous made
+        held = [stub.Generate(request(4000)) for _ in range(CAP)]
+        for call in held:
+            assert (await call.read()).token_ids  # streaming: each holds a place in the batch
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await tokens(stub, 4)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+        assert f"no decode worker has room in its batch now (max_num_seqs {CAP})" in (err.value.details() or "")
+        trailers = dict(err.value.trailing_metadata() or ())
+        assert int(trailers["grpc-retry-pushback-ms"]) > 0
+        held[0].cancel()
+        end = time.monotonic() + 10
+        while True:  # the router counts the place free once the cancelled stream's call has ended
+            try:
+                assert await tokens(stub, 4) == 4
+                break
+            except grpc.aio.AioRpcError as e:
+                shown = (e, status_json(cluster.address)["workers"])
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < end, shown
+                await asyncio.sleep(0.1)
+        held[1].cancel()
