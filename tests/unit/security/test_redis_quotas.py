@@ -6,6 +6,7 @@ its own limits within the budget, then returns to the shared ones."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import socket
@@ -196,6 +197,25 @@ async def test_requests_that_miss_the_budget_together_start_one_probe(silent_url
     assert sum("enforcing API-key limits per router" in m for m in messages) == 1
 
 
+@contextlib.asynccontextmanager
+async def stalled_redis(server: RedisServer, quotas: RedisQuotas) -> AsyncIterator[None]:
+    """Redis sleeps 0.4 s (DEBUG SLEEP) while the body runs, so its calls miss the budget; then waits until the
+    router is back on the shared count, its background writes done."""
+
+    def stall() -> None:
+        with server.client() as c:
+            c.execute_command("DEBUG", "SLEEP", "0.4")
+
+    stalled = asyncio.ensure_future(asyncio.to_thread(stall))
+    await asyncio.sleep(0.05)
+    yield
+    await stalled
+    end = time.monotonic() + 5
+    while quotas._down_since is not None or quotas._writes:
+        assert time.monotonic() < end
+        await asyncio.sleep(0.05)
+
+
 async def test_a_stream_opened_past_the_budget_leaves_no_slot_behind(server):
     """Redis stalls while a stream opens: the router falls back on its own limits, and Redis runs the open when it
     answers. The lease it adds then is removed, so the key's one slot is free again, not held for a lease."""
@@ -205,20 +225,8 @@ async def test_a_stream_opened_past_the_budget_leaves_no_slot_behind(server):
     tenant = Tenant("t", "k", max_concurrent=1)
     try:
         assert await admitted(quotas, tenant)  # as in a running router: its connection made, its scripts loaded
-
-        def stall() -> None:
-            with server.client() as c:
-                c.execute_command("DEBUG", "SLEEP", "0.4")
-
-        stalled = asyncio.ensure_future(asyncio.to_thread(stall))
-        await asyncio.sleep(0.05)
-        async with quotas.session(tenant):  # past the budget: this router's own count
+        async with stalled_redis(server, quotas), quotas.session(tenant):  # past the budget: counted here
             pass
-        await stalled
-        end = time.monotonic() + 5
-        while quotas._down_since is not None or quotas._writes:  # back to the shared count, its writes done
-            assert time.monotonic() < end
-            await asyncio.sleep(0.05)
         with server.client() as c:
             assert c.zcard(f"pdserve:quota:{tenant.key_name}:streams") == 0
         assert await admitted(quotas, tenant)
@@ -237,21 +245,9 @@ async def test_tokens_taken_past_the_budget_are_charged_once_by_this_routers_own
         async with quotas.session(tenant) as s:  # as in a running router: its connection made, its scripts loaded
             await s.charge_tokens(1)
             s.admitted()
-
-        def stall() -> None:
-            with server.client() as c:
-                c.execute_command("DEBUG", "SLEEP", "0.4")
-
-        stalled = asyncio.ensure_future(asyncio.to_thread(stall))
-        await asyncio.sleep(0.05)
-        async with quotas.session(tenant) as s:  # past the budget: this router's own count
+        async with stalled_redis(server, quotas), quotas.session(tenant) as s:  # past the budget: charged here
             await s.charge_tokens(500)
             s.admitted()
-        await stalled
-        end = time.monotonic() + 5
-        while quotas._down_since is not None or quotas._writes:  # back to the shared count, its writes done
-            assert time.monotonic() < end
-            await asyncio.sleep(0.05)
         with server.client() as c:
             level = float(c.hget(f"pdserve:quota:{tenant.key_name}:tokens", "level"))
         assert level > 590  # 599 when the 1 was taken, refilling at 10 a second; 99 if the 500 stayed charged
