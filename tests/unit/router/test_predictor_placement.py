@@ -184,6 +184,7 @@ def test_a_report_sampled_before_our_streams_ended_does_not_hold_their_places_ag
     r = Router([worker("p0")])
     ended = [r.tracker.start("p0", "d0", new_tokens=4, seconds=0.01, blocks=1, prompt_tokens=4) for _ in range(2)]
     report = worker("d0", "decode", sequences=2, max_num_seqs=2, load_at=time.time())
+    time.sleep(0.001)  # they end after it sampled them
     for placement in ended:
         r.tracker.prefilled(placement)
         r.tracker.finished(placement)
