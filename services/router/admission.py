@@ -53,7 +53,8 @@ class Admission:
                 f"no decode worker has {placement.blocks_needed} free KV blocks now",
                 _retry_ms(placement.predicted_tpot_s * 32),
             )
-        if not self.predictor.has_batch_room(placement.decode):
+        # A stream waiting to move (its decode worker lost) has the next free place (lifecycle.py).
+        if not self.predictor.has_batch_room(placement.decode, spare=self.predictor.tracker.moving):
             raise OverloadedError(
                 f"no decode worker has room in its batch now (max_num_seqs {placement.decode.max_num_seqs})",
                 _retry_ms(placement.predicted_tpot_s * 32),

@@ -295,15 +295,23 @@ class RequestLifecycle:
         """A migration's placement, on a decode worker that would take the stream (a place in its batch, free
         blocks for the prompt so far) when one does within `no_workers_wait_s` (and the caller's deadline): a
         sequence ending frees a place soon, while a stream sent to a full worker is refused and spends one of its
-        moves. Once per stream: a later move takes the best placement there is, which the worker may refuse."""
+        moves. Meanwhile admission leaves it the next free place: its caller is mid-answer, a new request's can
+        retry. Once per stream: a later move takes the best placement there is, which the worker may refuse."""
         wait_s = 0.0 if moves.waited_for_room else self.config.no_workers_wait_s
         end = time.monotonic() + min(wait_s, left if left is not None else wait_s)
-        while True:
-            placement = await self._place_again(req, failed, left)
-            if self._takes(placement, len(req.prompt_token_ids)) or time.monotonic() >= end:
-                return placement
-            moves.waited_for_room = True
-            await asyncio.sleep(NO_WORKERS_POLL_S)
+        waiting = False
+        try:
+            while True:
+                placement = await self._place_again(req, failed, left)
+                if self._takes(placement, len(req.prompt_token_ids)) or time.monotonic() >= end:
+                    return placement
+                if not waiting:
+                    moves.waited_for_room = waiting = True
+                    self.tracker.moving += 1
+                await asyncio.sleep(NO_WORKERS_POLL_S)
+        finally:
+            if waiting:
+                self.tracker.moving -= 1
 
     def _takes(self, placement: Placement, prompt_tokens: int) -> bool:
         """Whether its decode worker would reserve the prompt now, as far as this router can tell (a colocated

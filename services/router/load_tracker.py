@@ -30,6 +30,7 @@ class LoadTracker:
         self.pending_prefill_s: defaultdict[str, float] = defaultdict(float)  # the same, in predicted seconds
         self.pending_blocks: Counter[str] = Counter()  # KV blocks a decode worker is about to reserve
         self.decoding: Counter[str] = Counter()  # streams in flight per decode worker
+        self.moving = 0  # streams waiting for a decode worker with room to move to: new requests leave them a place
         self._prefilled: defaultdict[str, deque[tuple[float, int]]] = defaultdict(deque)  # (wall time, tokens)
         self._sent: dict[int, Sent] = {}  # placement number -> request, until it ends
         self._prefilling: set[int] = set()  # placement numbers whose first token is not back

@@ -88,18 +88,18 @@ class Predictor:
     def _running(self, w: WorkerState) -> int:
         return max(w.running, self.tracker.decoding[w.worker_id])
 
-    def has_batch_room(self, w: WorkerState) -> bool:
+    def has_batch_room(self, w: WorkerState, spare: int = 0) -> bool:
         """A decode worker refuses a hand-off once its batch holds `max_num_seqs` sequences (decoding, preempted,
         or with KV arriving): those it reported, less ours it may have counted that ended since it sampled them,
         plus ours placed since; or all of ours not seen to end, the more. A colocated worker queues prompts past
-        its cap instead; a worker that does not say has none."""
+        its cap instead; a worker that does not say has none. `spare`: places to leave free besides."""
         if w.role != Role.DECODE or not w.max_num_seqs:
             return True
         held = max(w.sequences, w.running + w.waiting)  # a worker of the build before `sequences` reports 0
         sampled_at, t = w.load_at or w.updated_at, self.tracker
         reported = max(0, held - t.streams_ended_since(w.worker_id, sampled_at))
         reported += t.streams_placed_since(w.worker_id, sampled_at)
-        return max(reported, t.decoding[w.worker_id]) < w.max_num_seqs
+        return max(reported, t.decoding[w.worker_id]) + spare < w.max_num_seqs
 
     def free_blocks(self, w: WorkerState) -> int:
         """The report's free blocks, less ours it cannot show: those about to be reserved, and those placed since

@@ -86,6 +86,14 @@ def test_admission_sheds_when_every_decode_worker_has_a_full_batch():
     Router([worker("p0"), worker("d0", "decode", sequences=1, max_num_seqs=2)]).admit(prompt(100), slo_s=(5.0, 1.0))
 
 
+def test_a_stream_waiting_to_move_has_the_next_free_place_before_a_new_request():
+    r = Router([worker("p0"), worker("d0", "decode", sequences=1, max_num_seqs=2)])
+    r.tracker.moving = 1
+    shed(r, prompt(100), "room in its batch", slo_s=(5.0, 1.0))
+    r.tracker.moving = 0
+    r.admit(prompt(100), slo_s=(5.0, 1.0))
+
+
 def test_admission_sheds_when_predicted_tpot_exceeds_the_slo():
     r = Router([worker("p0"), worker("d0", "decode", running=100), worker("d1", "decode", running=60)])
     shed(r, prompt(100), "TPOT", slo_s=(5.0, 0.1))

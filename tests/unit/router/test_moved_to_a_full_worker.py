@@ -105,20 +105,24 @@ async def test_a_stream_with_only_a_full_worker_left_ends_unavailable_not_resour
 
 async def test_a_moved_stream_waits_for_a_place_in_a_full_batch_instead_of_spending_its_moves_on_refusals():
     """The only other decode worker reports a full batch; a sequence there ends 0.3 s later (within the router's
-    no-workers wait): the stream moves there once, when it has room, and completes."""
+    no-workers wait): the stream moves there once, when it has room, and completes. Admission meanwhile counts it
+    waiting, so no new request takes that place."""
     dying, packed = DiesAfter(sent=2), FullUntilFreed()
     async with serving(dying) as d0, serving(packed) as d1:
         full = worker("d1", "decode", address=d1, kv_blocks_free=2048, sequences=4, max_num_seqs=4)
         router = Router([worker("p0"), worker("d0", "decode", address=d0), full])
 
-        async def a_sequence_ends() -> None:
+        async def a_sequence_ends() -> int:
             await asyncio.sleep(0.3)
             packed.full = False
+            waiting = router.tracker.moving  # new requests leave the stream the place that frees
             router.registry.publish(replace(full, sequences=3, updated_at=time.time()))
+            return waiting
 
         out: list[int] = []
-        await asyncio.gather(stream(router.lifecycle(), out), a_sequence_ends())
+        _, waiting = await asyncio.gather(stream(router.lifecycle(), out), a_sequence_ends())
     assert len(out) == MAX_TOKENS and (packed.refused, packed.calls) == (0, 1)
+    assert (waiting, router.tracker.moving) == (1, 0)
 
 
 async def test_a_moved_stream_goes_at_once_to_a_worker_with_blocks_for_its_prompt_though_not_for_all_it_may_add():
@@ -143,6 +147,7 @@ async def test_a_stream_waits_for_room_once_not_at_each_move():
         with pytest.raises(UnavailableError, match="batch is full"):
             await stream(router.lifecycle(), [])
     assert packed.refused >= 2 and time.monotonic() - started < 5
+    assert router.tracker.moving == 0  # no longer waiting: new requests take every place again
 
 
 async def test_a_moved_stream_the_caller_stops_reading_is_released_at_once():
