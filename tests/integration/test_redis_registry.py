@@ -291,7 +291,6 @@ async def test_redis_restart_serves_the_last_view_then_picks_up_again(url, serve
 
 
 async def test_real_workers_heartbeat_into_redis_and_deregister_on_stop(url):
-    """Also what a decode worker whose batch is full (max_num_seqs 1 here) answers a hand-off."""
     from pdserve.cluster.worker_runtime import WorkerRuntime
     from pdserve.cluster.worker_spec import WorkerSpec
     from services.workers import add_worker_services
@@ -338,7 +337,6 @@ async def see_them_register_and_deregister(
         assert all(v >= 0 for v in w.profile.to_dict().values())
         assert w.profile.prefill_s(128) > 0 and w.profile.decode_step_s(8) > 0
         assert w.max_num_seqs == 1
-    await see_a_full_batch_refuse_a_hand_off(d.address, p.address)
 
     # Stop the decode worker on another thread and time its disappearance from the first call: a heartbeat
     # TTL (at least 2 s here) would only drop it later, deregistration drops it at once.
@@ -352,41 +350,6 @@ async def see_them_register_and_deregister(
     assert gone_after < 1.5, f"took {gone_after:.1f} s: expired by TTL instead of deregistering?"
     await asyncio.sleep(0.5)  # several heartbeats later: still gone, and the other still there
     assert ids(router.workers()) == [prefill.worker_id]
-
-
-async def see_a_full_batch_refuse_a_hand_off(decode_address: str, prefill_address: str) -> None:
-    """RESOURCE_EXHAUSTED before any prefill runs, saying why; once the sequence in the batch ends, a hand-off
-    is taken again."""
-    import grpc
-
-    from pdserve.rpc.server import channel
-    from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
-
-    def request(request_id: str, max_tokens: int) -> worker_pb2.WorkerGenerateRequest:
-        sampling = generate_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        return worker_pb2.WorkerGenerateRequest(
-            request_id=request_id, prompt_token_ids=[5, 6, 7, 8], sampling=sampling, prefill_address=prefill_address
-        )
-
-    async with channel(decode_address) as ch:
-        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
-        long = stub.Generate(request("long", 4000), timeout=60)
-        await anext(aiter(long))  # its first token is out: it holds the batch's only place
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in stub.Generate(request("refused", 4), timeout=30):
-                pass
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
-        assert "batch is full (1 sequences, max_num_seqs 1)" in (err.value.details() or "")
-        long.cancel()
-        deadline = time.monotonic() + 10
-        while True:  # the cancelled stream's abort reaches the engine between its steps
-            try:
-                tokens = [t async for r in stub.Generate(request("after", 4), timeout=30) for t in r.token_ids]
-                break
-            except grpc.aio.AioRpcError as e:
-                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, e
-                await asyncio.sleep(0.1)
-        assert len(tokens) == 4
 
 
 async def test_a_worker_whose_engine_thread_dies_fails_its_request_unavailable_and_deregisters(url, monkeypatch):

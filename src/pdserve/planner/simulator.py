@@ -7,9 +7,8 @@ engine's own overhead, plus what the worker's RPC loop does meanwhile under the 
 prompt handed off, per token streamed); a colocated worker's step holds both, so a prompt's prefill slows
 every decode in its step (the interference disaggregation removes). Prompts are split into chunks of at most
 `long_prefill_chunk` within the step budget of `max_num_batched_tokens`, FIFO. Routing is least-loaded, as
-the router's is when no prefix is shared: the prefill worker with the least predicted wait of the prompts the
-router placed there, counted from their placement, not from when they reach the worker, until their first token
-is out.
+the router's is when no prefix is shared: the least predicted wait of the prompts the router placed there,
+counted from their placement (not when they reach the worker) until their first token is out.
 
 A disaggregated request follows the hand-off as the workers run it (services/decode/handoff.py,
 services/prefill/run_and_send.py). Everything a worker's engine does besides stepping is a command its
@@ -20,8 +19,8 @@ token reaches the caller, while the prefill worker frees the sent blocks between
 worker admits a sequence to its batch only while its whole KV (prompt + output) fits, and takes no hand-off
 while `max_num_seqs` sequences are placed on it (the request fails, or admission sheds it); a worker that
 prefills starts a new prompt only while the sequences in its engine (in prefill or decoding) are fewer, as the
-engine's scheduler does. The profile's serving latency (router, RPCs, relay) delays every request
-without holding any worker.
+engine's scheduler does. The profile's serving latency (router, RPCs, relay) delays every request, holding no
+worker.
 
 Where the workers share a host's cores (the profile's `shared_cores`), the cores are shared as the kernel
 shares them, among everything that wants one at the moment (processor sharing): while more wants them than
@@ -31,8 +30,8 @@ again when a step ends. A profile timed in one process on an idle machine sees n
 
 With an `Admission` (admission_model.py), each arrival first passes the router's admission: a shed request
 never runs and counts against attainment. Its predicted wait is the profile's prefill time of every prompt
-placed on its prefill worker whose first token is not out, plus one decode step of the streams placed on its decode
-worker (which its hand-off waits for), at the shared cores' current slowdown.
+placed on its prefill worker whose first token is not out, plus one decode step of the streams placed on its
+decode worker (which its hand-off waits for), at the shared cores' current slowdown.
 """
 
 from __future__ import annotations
@@ -257,8 +256,7 @@ class Simulator:
     def _first_token(self, s: _Seq) -> None:
         """The first token reaches the caller: only now does the router stop counting the prompt on its prefill
         worker (LoadTracker.prefilled), though a split's prefill ended a transfer and a commit before."""
-        s.first_s = self.now
-        p = s.prefiller
+        s.first_s, p = self.now, s.prefiller
         assert p is not None
         p.placed_tokens -= s.req.input_len
         # none left: exactly idle, so rounding leaves no idle worker looking busier than another
