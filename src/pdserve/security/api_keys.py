@@ -8,6 +8,7 @@ the digest of a guess reveals nothing about a real key's bytes.
 from __future__ import annotations
 
 import hashlib
+import math
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -22,8 +23,8 @@ Metadata = Mapping[str, str] | Iterable[tuple[str, str | bytes]]
 
 
 def _check_number(name: str, value: object, kinds: type | tuple[type, ...]) -> None:
-    if isinstance(value, bool) or not isinstance(value, kinds) or value != value:  # a bool is an int; NaN
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):  # bool is an int
+        raise ValueError(f"{name} must be a finite number (0: unlimited), got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -270,11 +270,16 @@ class RedisQuotas(Quotas):
         """Redis's answer within the budget, or None: the caller falls back to the local limits. After a miss no
         request asks again until a background ping has had an answer (which also leaves a connection made, so a
         connection slower to make than the budget, TLS to a far Redis, does not keep failing requests).
-        `on_miss` runs when the call was made and got no answer in time: Redis may still run it."""
+        `on_miss` runs when the call was made and got no answer in time, or its caller was cancelled waiting for
+        one: Redis may still run it."""
         if self._down_since is not None:
             return None
         try:
             return await asyncio.wait_for(call(), self.budget_s)
+        except asyncio.CancelledError:  # the caller hung up mid-call: Redis may still run it
+            if on_miss is not None:
+                on_miss()
+            raise
         except Exception as e:  # unreachable, slow, or refusing (a wrong-typed key): the same for a request
             if on_miss is not None:
                 on_miss()

@@ -77,10 +77,12 @@ def test_caps_priority_and_admin(table: KeyTable) -> None:
         # A value of the wrong type or sign is no silent default: "false" would be a true admin flag, "5" fail
         # every request's priority check, -1 mean no limit at all.
         (f'sha256 = "{digest("k")}"\ntenant = "t"\nadmin = "false"', r"keys\[0\]: admin must be a bool"),
-        (f'sha256 = "{digest("k")}"\ntenant = "t"\nmax_priority = "5"', "max_priority must be a number"),
-        (f'sha256 = "{digest("k")}"\ntenant = "t"\nmax_concurrent = 1.5', "max_concurrent must be a number"),
+        (f'sha256 = "{digest("k")}"\ntenant = "t"\nmax_priority = "5"', "max_priority must be a finite number"),
+        (f'sha256 = "{digest("k")}"\ntenant = "t"\nmax_concurrent = 1.5', "max_concurrent must be a finite number"),
         (f'sha256 = "{digest("k")}"\ntenant = "t"\nrequests_per_second = -1', "requests_per_second must be >= 0"),
-        (f'sha256 = "{digest("k")}"\ntenant = "t"\ntokens_per_minute = nan', "tokens_per_minute must be a number"),
+        (f'sha256 = "{digest("k")}"\ntenant = "t"\ntokens_per_minute = nan', "tokens_per_minute must be a finite"),
+        # inf is no "unlimited" (that is 0): Redis's refill time of an infinite bucket is NaN, a 500 per request.
+        (f'sha256 = "{digest("k")}"\ntenant = "t"\nrequests_per_second = inf', "requests_per_second must be a finite"),
         (f'sha256 = "{digest("k")}"\ntenant = 7', "name must be a str"),
     ],
 )

@@ -11,7 +11,7 @@ import logging
 import math
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 
 import pytest
 
@@ -267,5 +267,48 @@ async def test_a_take_that_reaches_redis_after_its_abandon_charges_nothing(serve
         with server.client() as c:
             assert c.exists(keys[0]) == 0  # never written: a full bucket
             assert c.get(keys[1]) == b"abandoned"
+    finally:
+        await quotas.close()
+
+
+async def _cancelled_while_redis_stalls(server: RedisServer, quotas: RedisQuotas, call: Awaitable[object]) -> None:
+    """`call` starts while Redis sleeps, within the budget, and its caller hangs up before the answer: the call
+    reaches Redis, which runs it when it wakes."""
+    async with stalled_redis(server, quotas):
+        task = asyncio.ensure_future(call)
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_a_stream_cancelled_while_redis_answers_leaves_no_slot_behind(server):
+    with server.client() as c:
+        c.flushall()
+    quotas = RedisQuotas(server.url, budget_s=2.0)  # the caller, not the budget, gives up
+    tenant = Tenant("t", "k", max_concurrent=1)
+    try:
+        assert await admitted(quotas, tenant)
+        await _cancelled_while_redis_stalls(server, quotas, quotas.open_stream(tenant))
+        with server.client() as c:
+            assert c.zcard(f"pdserve:quota:{tenant.key_name}:streams") == 0
+        assert await admitted(quotas, tenant)
+    finally:
+        await quotas.close()
+
+
+async def test_tokens_cancelled_while_redis_answers_come_back(server):
+    with server.client() as c:
+        c.flushall()
+    quotas = RedisQuotas(server.url, budget_s=2.0)
+    tenant = Tenant("t", "k", tokens_per_minute=600)
+    try:
+        async with quotas.session(tenant) as s:
+            await s.charge_tokens(1)
+            s.admitted()
+        await _cancelled_while_redis_stalls(server, quotas, quotas.take_tokens(tenant, 500))
+        with server.client() as c:
+            level = float(c.hget(f"pdserve:quota:{tenant.key_name}:tokens", "level"))
+        assert level > 590  # 99 if the 500 stayed charged
     finally:
         await quotas.close()
