@@ -19,6 +19,7 @@ from pdserve.config import RouterConfig
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import (
     ClusterAuthError,
+    InternalError,
     InvalidRequestError,
     OverloadedError,
     PermissionDeniedError,
@@ -226,7 +227,7 @@ class RequestLifecycle:
                     ticket = await self._move(ticket, full, *args, eject=False)
         except ClusterAuthError:
             raise UnavailableError(CLUSTER_AUTH_FAILED) from None
-        except (UnavailableError, OverloadedError, TimeoutError, InvalidRequestError) as e:
+        except (UnavailableError, OverloadedError, TimeoutError, InvalidRequestError, InternalError) as e:
             told = for_the_caller(e, ticket.placement)
             if told is e:
                 raise

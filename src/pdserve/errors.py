@@ -30,6 +30,12 @@ class ClusterAuthError(UnavailableError):
     router's client is told less."""
 
 
+class InternalError(RuntimeError):
+    """A cluster peer's own bug (an exception its handler did not expect, logged there under the error id its
+    text names). Not a lost worker: the request would meet the same bug on the next one, so it neither moves nor
+    ejects the peer. -> INTERNAL."""
+
+
 class UnauthenticatedError(RuntimeError):
     """No credential, or one the server does not know. -> UNAUTHENTICATED."""
 

@@ -9,6 +9,7 @@ import asyncio
 from starlette.responses import JSONResponse
 
 from pdserve.errors import (
+    InternalError,
     InvalidRequestError,
     OverloadedError,
     PermissionDeniedError,
@@ -38,6 +39,7 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [  # the first match wins:
     (UnavailableError, 503, "service_unavailable_error"),
     (TimeoutError, 504, "timeout_error"),
     (asyncio.TimeoutError, 504, "timeout_error"),
+    (InternalError, 500, "internal_error"),  # a worker's bug: its text names the error id in that worker's log
 ]
 
 
@@ -45,7 +47,8 @@ def error_body(exc: BaseException, max_tokens_param: str = "max_tokens") -> tupl
     """(status, body, headers) for `exc`; an error not of the shared path's kinds is a 500, logged."""
     status, kind = next(((s, k) for cls, s, k in _STATUS if isinstance(exc, cls)), (500, "internal_error"))
     param, code = None, None
-    message = internal_error_message(exc) if status == 500 else str(exc) or type(exc).__name__
+    unexpected = status == 500 and not isinstance(exc, InternalError)
+    message = internal_error_message(exc) if unexpected else str(exc) or type(exc).__name__
     headers: dict[str, str] = {}
     if isinstance(exc, InvalidRequestError):
         param = openai_param(exc.field, max_tokens_param)

@@ -18,6 +18,7 @@ import grpc
 
 from pdserve.errors import (
     ClusterAuthError,
+    InternalError,
     InvalidRequestError,
     OverloadedError,
     PermissionDeniedError,
@@ -32,6 +33,9 @@ RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 # Trailer of an UNAVAILABLE that is a ClusterAuthError further in (a decode worker's prefill call refused), so the
 # router handles it as the one it got itself.
 CLUSTER_AUTH_REFUSED_KEY = "x-pdserve-cluster-auth-refused"
+# Trailer of an INTERNAL that a pdserve handler's bug answered, rather than gRPC's own (a broken connection's
+# RST_STREAM is INTERNAL too, and is a lost peer).
+HANDLER_BUG_KEY = "x-pdserve-handler-bug"
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
@@ -45,6 +49,8 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, PermissionDeniedError):
         return grpc.StatusCode.PERMISSION_DENIED, str(exc)
+    if isinstance(exc, InternalError):
+        return grpc.StatusCode.INTERNAL, str(exc)
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
     return None
@@ -52,7 +58,8 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
 
 def error_from_rpc(e: grpc.aio.AioRpcError, peer: str) -> Exception:
     """A peer's status as the typed error that maps back to the same code; its retry hint is kept. Every peer is
-    a cluster peer, so its UNAUTHENTICATED refused this process, not the caller: a ClusterAuthError."""
+    a cluster peer, so its UNAUTHENTICATED refused this process, not the caller: a ClusterAuthError. Any code not
+    named here (gRPC's own INTERNAL of a broken connection, UNKNOWN) is a lost peer: UNAVAILABLE."""
     detail = f"{peer}: {e.details()}"
     code = e.code()
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -65,6 +72,8 @@ def error_from_rpc(e: grpc.aio.AioRpcError, peer: str) -> Exception:
         return ClusterAuthError(f"{detail} (UNAUTHENTICATED: it refused this process's cluster credentials)")
     if code == grpc.StatusCode.UNAVAILABLE and _has(e.trailing_metadata(), CLUSTER_AUTH_REFUSED_KEY):
         return ClusterAuthError(f"{detail} (UNAVAILABLE)")
+    if code == grpc.StatusCode.INTERNAL and _has(e.trailing_metadata(), HANDLER_BUG_KEY):
+        return InternalError(detail)
     return UnavailableError(f"{detail} ({code.name})")
 
 
@@ -92,6 +101,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     mapped = _status_for(exc)
     if mapped is None:
         mapped = (grpc.StatusCode.INTERNAL, internal_error_message(exc))
+    if mapped[0] == grpc.StatusCode.INTERNAL:
+        context.set_trailing_metadata(((HANDLER_BUG_KEY, "1"),))
     if isinstance(exc, OverloadedError):
         context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(exc.retry_after_ms)),))
     if isinstance(exc, ClusterAuthError):
