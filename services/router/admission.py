@@ -75,6 +75,12 @@ class Admission:
                 f"{slo.ttft_s * 1e3:g} ms is below this {prompt_tokens}-token prompt's TTFT on an idle worker; "
                 f"the smallest this cluster can offer is {math.ceil(offer.ttft_s * 1e3)} ms",
             )
+        if offer.ttft_s > self.config.first_token_timeout_s:
+            raise InvalidRequestError(
+                "prompt",
+                f"this {prompt_tokens}-token prompt's TTFT on an idle worker, {math.ceil(offer.ttft_s * 1e3)} ms, is "
+                f"past the router's first-token bound of {self.config.first_token_timeout_s * 1e3:g} ms",
+            )
         if slo.tpot_explicit and offer.tpot_s > slo.tpot_s:
             raise InvalidRequestError(
                 "slo.tpot_ms",
@@ -94,13 +100,17 @@ class Admission:
             )
 
     def _check_ttft(self, placement: Placement, slo: SLOTarget) -> None:
+        """Also within the first-token bound, whatever the SLO: the router would cancel a request still waiting
+        there, and blame (eject) its busy but healthy prefill worker."""
         own = placement.own_ttft_s
-        budget = ttft_budget_s(slo.ttft_s, own, slo.ttft_explicit)
+        slo_s = ttft_budget_s(slo.ttft_s, own, slo.ttft_explicit)
+        budget = min(slo_s, self.config.first_token_timeout_s)
         room = queue_room_s(budget, own, self.config.slo_headroom)
         if placement.queue_s > room:
+            bound = "SLO" if budget == slo_s else "router's first-token bound"
             raise OverloadedError(
                 f"predicted TTFT {placement.predicted_ttft_s * 1e3:.0f} ms ({own * 1e3:.0f} ms own, "
-                f"{placement.queue_s * 1e3:.0f} ms queued) exceeds the SLO of {budget * 1e3:.0f} ms "
+                f"{placement.queue_s * 1e3:.0f} ms queued) exceeds the {bound} of {budget * 1e3:.0f} ms "
                 f"on the best prefill worker",
                 _retry_ms(placement.queue_s - room),
             )

@@ -31,6 +31,23 @@ def test_admission_sheds_when_predicted_ttft_exceeds_the_slo():
     r.admit(prompt(100), slo_s=(12.0, 1.0))  # the same load meets a looser SLO (8 s queue <= 0.8 * 11.89 s)
 
 
+def test_a_loose_slo_is_still_held_to_the_first_token_bound_and_an_idle_cost_past_it_is_invalid():
+    """The router cancels a request with no first token past its bound (and blames the prefill worker): one
+    predicted to wait longer is shed instead, whatever the SLO it asked for."""
+    r = Router([worker("p0", queued_prefill_tokens=8000), worker("d0", "decode")], max_queued_prefill_tokens=10**6)
+    r.admit(prompt(100), slo_s=(120.0, 1.0))  # 8.1 s predicted, within the default 60 s bound
+    bounded = Router(
+        [worker("p0", queued_prefill_tokens=8000), worker("d0", "decode")],
+        max_queued_prefill_tokens=10**6,
+        first_token_timeout_s=5.0,
+    )
+    err = shed(bounded, prompt(100), "first-token bound of 5000 ms", slo_s=(120.0, 1.0))
+    assert err.retry_after_ms >= 3000  # about 8.1 s predicted against 0.8 * 4.9 s of room
+    with pytest.raises(InvalidRequestError, match="past the router's first-token bound of 5000 ms") as info:
+        bounded.admit(prompt(6000), slo_s=(120.0, 1.0))  # ~6 s on an idle worker: no retry helps
+    assert info.value.field == "prompt"
+
+
 def test_admission_retry_hint_is_clamped():
     r = Router([worker("p0", queued_prefill_tokens=10**8), worker("d0", "decode")], max_queued_prefill_tokens=10**9)
     assert shed(r, prompt(100), "TTFT", slo_s=(1.0, 1.0)).retry_after_ms == MAX_RETRY_MS
