@@ -140,7 +140,13 @@ class SLOAwarePlacement(PlacementPolicy):
         p = self.predictor
         bs = prefills[0].block_size
         prefill = min(prefills, key=lambda w: (p.ttft_s(w, prompt_tokens, hits.get(w.worker_id, 0) * bs), w.worker_id))
-        roomy = [w for w in decodes if p.free_blocks(w) >= blocks and p.has_batch_room(w)]
+
+        # Room past the places streams waiting to move will take (admission holds a new request to that) where
+        # there is; else any room, which a moving stream's own placement looks for.
+        def roomy_past(spare: int) -> list[WorkerState]:
+            return [w for w in decodes if p.free_blocks(w) >= blocks and p.has_batch_room(w, spare)]
+
+        roomy = roomy_past(p.tracker.moving) or roomy_past(0)
         within = [w for w in roomy if p.tpot_s(w) <= tpot_slo_s]
         if within:
             decode = max(within, key=lambda w: (p.free_blocks(w), -p.tpot_s(w)))

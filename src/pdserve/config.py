@@ -138,6 +138,8 @@ class RouterConfig:
         for name in ("registry_max_view_age_s", "prefix_match_budget_s", "quota_budget_s"):
             if not getattr(self, name) > 0:  # zero would route to nobody, or never use the prefix index or quotas
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 < self.transfer_gbps < float("inf"):  # a KV transfer's predicted time divides by it
+            raise ValueError(f"transfer_gbps must be a positive number, got {self.transfer_gbps!r}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must not be negative, got {self.migration_limit}")
         if self.max_attempts < 1:

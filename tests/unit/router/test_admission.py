@@ -111,6 +111,24 @@ def test_a_stream_waiting_to_move_has_the_next_free_place_before_a_new_request()
     r.admit(prompt(100), slo_s=(5.0, 1.0))
 
 
+def test_placement_leaves_a_moving_stream_its_place_where_another_worker_has_room_and_takes_it_for_the_stream():
+    def cluster(d1_sequences: int) -> Router:
+        return Router(
+            [
+                worker("p0"),
+                worker("d0", "decode", sequences=3, max_num_seqs=4, kv_blocks_free=4000),  # one place, more blocks
+                worker("d1", "decode", sequences=d1_sequences, max_num_seqs=4, kv_blocks_free=3000),
+            ]
+        )
+
+    r = cluster(d1_sequences=0)
+    r.tracker.moving = 1
+    assert r.admit(prompt(100), slo_s=(5.0, 1.0)).decode.worker_id == "d1"  # not d0, where admission would shed
+    full = cluster(d1_sequences=4)
+    full.tracker.moving = 1  # the moving stream's own placement: d0's one place is the one it waits for
+    assert full.place(prompt(100), 16, 5.0).decode.worker_id == "d0"
+
+
 def test_admission_sheds_when_predicted_tpot_exceeds_the_slo():
     r = Router([worker("p0"), worker("d0", "decode", running=100), worker("d1", "decode", running=60)])
     shed(r, prompt(100), "TPOT", slo_s=(5.0, 0.1))

@@ -87,6 +87,13 @@ def test_first_token_timeout_must_be_positive_and_finite():
             RouterConfig(first_token_timeout_s=bad)
 
 
+def test_the_assumed_transfer_speed_must_be_positive_and_finite():
+    """Zero would divide every placement's KV transfer time by zero: refused at start, not INTERNAL per request."""
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="transfer_gbps"):
+            RouterConfig(transfer_gbps=bad)
+
+
 def test_the_http_body_limit_defaults_to_the_grpc_message_limit_and_is_a_router_setting(tmp_path):
     assert RouterConfig().max_http_body_bytes == 16 * 2**20 == dict(CHANNEL_OPTIONS)["grpc.max_receive_message_length"]
     path = tmp_path / "router.toml"
