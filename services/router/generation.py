@@ -66,4 +66,5 @@ async def generate(
                 # the decode call is cancelled and the spans end in this request's context.
                 async with aclosing(lifecycle.stream(ticket, time_remaining)) as stream:
                     async for msg in stream:
+                        quota.delivered()
                         yield msg

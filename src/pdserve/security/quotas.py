@@ -1,7 +1,7 @@
-"""Per-key limits: requests per second, tokens per minute (prompt + max_tokens, charged at admission) and
-concurrent streams. Over a limit is RESOURCE_EXHAUSTED with a retry hint, because waiting fixes it; a request
-larger than its key's whole minute of tokens is INVALID_ARGUMENT, because no wait does, and so is one asking for
-more choices (the HTTP API's `n`, each a request of its own) than the key lets in at once.
+"""Per-key limits: requests per second, tokens per minute (prompt + max_tokens, charged at admission, kept once the
+first message is out) and concurrent streams. Over a limit is RESOURCE_EXHAUSTED with a retry hint, because waiting
+fixes it; a request larger than its key's whole minute of tokens is INVALID_ARGUMENT, because no wait does, and so
+is one asking for more choices (the HTTP API's `n`, each a request of its own) than the key lets in at once.
 
 One interface, two stores: `LocalQuotas` keeps the limits in this router's memory (the embedded one-router
 cluster, and the fallback of the other), `RedisQuotas` (redis_quotas.py) shares them between every router of a
@@ -10,6 +10,7 @@ cluster. A `QuotaSession` runs the same steps on either, so the errors are the s
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from abc import ABC, abstractmethod
@@ -71,6 +72,7 @@ class QuotaSession:
         self._stream: Release = _nothing
         self._tokens: Release = _nothing
         self._admitted = False
+        self._delivered = False
 
     async def __aenter__(self) -> QuotaSession:
         self._check_choices()
@@ -114,15 +116,23 @@ class QuotaSession:
         self._choices.charged = True
 
     def admitted(self) -> None:
-        """Called once the request is admitted: its tokens stay spent however the stream ends."""
+        """Called once the request is admitted: from then only the cluster's failure gives its tokens back."""
         self._admitted = True
+
+    def delivered(self) -> None:
+        """Called with the request's first message: its tokens stay spent however the stream ends."""
+        self._delivered = True
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """The stream slot goes back; tokens charged to a request that was never admitted go back too."""
+        """The stream slot goes back. The tokens go back when the request was refused, or failed before its
+        first message (every worker it was placed on refused or lost it: a retry the caller was told could
+        succeed must not find them spent), unless its caller ended it (cancelled, or its deadline passed)."""
         self._stream()
-        if exc is not None and not self._admitted:
+        if exc is None or self._delivered:
+            return
+        if not self._admitted or not isinstance(exc, asyncio.CancelledError | GeneratorExit | TimeoutError):
             self._tokens()
 
 

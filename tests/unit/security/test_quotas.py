@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pdserve.errors import InvalidRequestError, OverloadedError
+from pdserve.errors import InvalidRequestError, OverloadedError, UnavailableError
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import Choices, LocalQuotas
 
@@ -126,3 +126,34 @@ async def test_the_first_choice_charges_for_all_and_nothing_charged_comes_back_o
     with pytest.raises(OverloadedError, match="tokens"):  # nothing left: the cancelled pair kept its charge
         async with quotas.session(t) as s:
             await s.charge_tokens(1)
+
+
+async def test_tokens_come_back_when_the_cluster_fails_a_request_before_its_first_message() -> None:
+    """Every worker refused or lost it: the caller was told a retry may succeed (RESOURCE_EXHAUSTED, UNAVAILABLE),
+    which its spent tokens would refuse. Once a message went out, or when the caller itself gave up, they stay."""
+    quotas, t = LocalQuotas(Clock()), Tenant("a", "k", tokens_per_minute=600)
+    for failure in (OverloadedError("decode worker d0: its batch is full"), UnavailableError("lost")):
+        with pytest.raises(type(failure)):
+            async with quotas.session(t) as s:
+                await s.charge_tokens(500)
+                s.admitted()
+                raise failure
+    for caller_ended in (asyncio.CancelledError(), TimeoutError("deadline")):
+        with pytest.raises(type(caller_ended)):
+            async with quotas.session(t) as s:
+                await s.charge_tokens(300)
+                s.admitted()
+                raise caller_ended
+        with pytest.raises(OverloadedError, match="tokens"):  # its 300 stayed spent
+            async with quotas.session(t) as s:
+                await s.charge_tokens(400)
+        quotas, t = LocalQuotas(Clock()), Tenant("a", "k", tokens_per_minute=600)
+    with pytest.raises(UnavailableError):
+        async with quotas.session(t) as s:
+            await s.charge_tokens(300)
+            s.admitted()
+            s.delivered()
+            raise UnavailableError("lost after its first message")
+    with pytest.raises(OverloadedError, match="tokens"):
+        async with quotas.session(t) as s:
+            await s.charge_tokens(400)

@@ -1,0 +1,74 @@
+"""A key's tokens_per_minute through a real lifecycle against stand-in decode workers on real gRPC servers: a request
+every worker refused before its first message (a full batch: RESOURCE_EXHAUSTED, a retry may succeed) leaves the
+key's tokens as they were, so retrying as told is not refused for them; a request served, or lost after its first
+message, spends them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from pdserve.errors import OverloadedError, UnavailableError
+from pdserve.security.api_keys import KeyTable, Tenant, digest
+from pdserve.security.quotas import LocalQuotas
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import worker_pb2 as wpb
+from services.router.generation import generate
+from services.router.ticket import Ticket
+from tests.unit.router.router_builder import Router, worker
+from tests.unit.router.stand_in_decode import StandInDecode, serving
+
+pytestmark = pytest.mark.timeout(60)
+KEY = {"authorization": "Bearer k1"}
+REQUEST = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(max_tokens=297))  # 300 tokens
+
+
+class Decode(StandInDecode):
+    """Refuses every hand-off as a decode worker whose batch is full does (`mode` "full"), serves it ("serves"), or
+    sends one token and is lost ("breaks")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mode = "full"
+
+    async def Generate(  # noqa: N802
+        self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if self.mode == "serves":
+            async for msg in super().Generate(request, context):
+                yield msg
+            return
+        self.calls += 1
+        if self.mode == "breaks":
+            yield pb.GenerateResponse(token_ids=[3])
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "lost")
+        context.set_trailing_metadata((("grpc-retry-pushback-ms", "200"),))
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "its batch is full (4 sequences, max_num_seqs 4)")
+
+
+async def test_a_request_refused_by_every_worker_spends_none_of_its_keys_tokens() -> None:
+    async def admitted(ticket: Ticket) -> None:
+        pass
+
+    decode = Decode()
+    async with serving(decode) as address:
+        router = Router([worker("p0"), worker("d0", "decode", address=address)], migration_limit=0)
+        tenant = Tenant("team", "k", tokens_per_minute=1000)
+        lifecycle = router.lifecycle(KeyTable({digest("k1"): tenant}), quotas=LocalQuotas())
+        for _ in range(4):  # 1200 tokens asked in all: the fourth is refused for the key's tokens unless refunded
+            with pytest.raises(OverloadedError, match="batch is full"):
+                async for _ in generate(lifecycle, REQUEST, KEY, lambda: 10.0, admitted):
+                    pass
+        assert decode.calls == 4
+        decode.mode = "serves"
+        assert len([m async for m in generate(lifecycle, REQUEST, KEY, lambda: 10.0, admitted)]) == 297
+        decode.mode = "breaks"
+        for _ in range(2):  # a message reached the caller: lost after it, the request spent its tokens too
+            with pytest.raises(UnavailableError, match="lost"):
+                async for _ in generate(lifecycle, REQUEST, KEY, lambda: 10.0, admitted):
+                    pass
+        with pytest.raises(OverloadedError, match="tokens_per_minute"):
+            async for _ in generate(lifecycle, REQUEST, KEY, lambda: 10.0, admitted):
+                pass
