@@ -37,8 +37,8 @@ class HandoffRequest:
 
 @dataclass
 class Handoff:
-    """One decode worker's hand-offs; `transfer_timeout_s` bounds each KV transfer (and the request's own
-    deadline, when shorter)."""
+    """One decode worker's hand-offs; `transfer_timeout_s` bounds each KV transfer (the request's own deadline
+    cancels the hand-off, not the transfer on the wire)."""
 
     engine: AsyncEngine
     receiver: KVReceiver
@@ -74,7 +74,10 @@ class Handoff:
         peer, tag = handoff.prefill_address, secrets.randbits(63)  # unguessable: names no other request
         receive: asyncio.Future[int] | None = None
         call: PrefillCall | None = None
-        timeout_s = self._transfer_timeout(time_remaining)
+        # The wire's deadline on both sides, never the caller's: a deadline passing while bytes flow would break
+        # the (prefill, decode) pair and every other request's transfer on it. A caller that leaves is handled
+        # here (`_free`: a receive not started is cancelled, a flowing one ends before its blocks are freed).
+        timeout_s = self.transfer_timeout_s
         try:
             rendezvous = await asyncio.to_thread(self.receiver.rendezvous, peer)
             target = KVTarget(self.worker_id, rendezvous, blocks, tag, self.engine.fingerprint, self.engine.block_size)
@@ -84,7 +87,6 @@ class Handoff:
             if not first.kv_follows:
                 await call.sent()
                 return first
-            timeout_s = self._transfer_timeout(time_remaining)  # counted from the first token
             receive = asyncio.ensure_future(
                 asyncio.to_thread(self.receiver.recv, peer, tag, self.engine.kv_caches, blocks, timeout_s)
             )
@@ -101,10 +103,6 @@ class Handoff:
         finally:
             if call is not None:
                 call.cancel()  # no-op once finished; on our caller's cancel it stops the prefill too
-
-    def _transfer_timeout(self, time_remaining: TimeRemaining) -> float:
-        """The configured bound, or the caller's remaining time when that is shorter."""
-        return min(time_remaining() or self.transfer_timeout_s, self.transfer_timeout_s)
 
     async def _until_received(
         self, handoff: HandoffRequest, call: PrefillCall, receive: asyncio.Future[int], num_blocks: int
