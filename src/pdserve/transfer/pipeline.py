@@ -142,4 +142,6 @@ def receive_messages(
         if i + depth < len(messages):
             posted.append(post(i + depth))
     if target is not None and staging.device.type == "cuda":
-        torch.cuda.synchronize(staging.device)
+        # This thread's stream only (the waits above ordered it after the wire's work): a device-wide synchronize
+        # would also wait for every other pair's NCCL receive, a dead peer's until its deadline.
+        torch.cuda.current_stream(staging.device).synchronize()
