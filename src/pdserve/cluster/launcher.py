@@ -86,12 +86,13 @@ class Cluster:
 
     def starting_specs(self, found: list[str]) -> list[WorkerSpec]:
         """Every worker of the fleet's roles `found` in the Ray namespace (a restarted controller adopts them
-        whatever ids a scale or a rollout gave them), then the flags' own for a role with fewer than the flags ask.
-        The scaler then brings each role to its desired count."""
+        whatever ids a scale or a rollout gave them), then the flags' own for a role with fewer than its desired
+        count (a live scale's, kept across the restart, else the flags'): a role scaled down is not started back
+        up only for the scaler to drain it. The scaler then brings each role to its desired count."""
         specs = [self.spec(Role(worker_id.rpartition("-")[0]), worker_id) for worker_id in found]
-        have = Counter(s.role for s in specs)
+        have, desired = Counter(s.role for s in specs), self.registry.desired_counts() or Counter(self.config.roles)
         for spec in self.specs():
-            if spec.worker_id not in found and have[spec.role] < self.config.roles.count(spec.role):
+            if spec.worker_id not in found and have[spec.role] < desired.get(spec.role, 0):
                 specs.append(spec)
                 have[spec.role] += 1
         return specs

@@ -64,6 +64,25 @@ def test_a_restarted_fleet_adopts_every_worker_of_its_roles_whatever_its_id(foun
     assert all(s.role == Role(s.worker_id.rpartition("-")[0]) for s in cluster.starting_specs(found))
 
 
+@pytest.mark.parametrize(
+    ("found", "starting"),
+    [
+        (["decode-2", "prefill-0"], ["decode-2", "prefill-0"]),  # the scale's workers: none of the flags' added
+        (["decode-2"], ["decode-2", "prefill-0"]),  # its prefill worker is gone: one starts, not the flags' two
+        ([], ["prefill-0", "decode-2"]),
+    ],
+)
+def test_a_fleet_restarted_after_a_scale_down_starts_no_more_than_the_kept_counts(found, starting) -> None:
+    """`--prefill 2 --decode 2`, then `pdserve scale --prefill 1 --decode 1`, then the controller restarts."""
+    registry = InMemoryRegistry()
+    registry.set_desired_counts({Role.PREFILL: 2, Role.DECODE: 2}, from_flags=True)
+    registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
+    argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0", "--prefill", "2", "--decode", "2"]
+    cluster = Cluster(cli._cluster_config(cli._parser().parse_args(argv)), lambda context: None, registry, False)
+    cluster._init_desired_counts()
+    assert [s.worker_id for s in cluster.starting_specs(found)] == starting
+
+
 def test_a_negative_surge_wait_is_refused_naming_the_flag() -> None:
     argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0", "--rollout-surge-wait-s", "-1"]
     with pytest.raises(ValueError, match="rollout_surge_wait_s must be >= 0"):
