@@ -52,6 +52,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             finished_requests=admitted.finished,
             completion_tokens=admitted.completion_tokens,
             admitted_local_only=not cluster_wide,
+            shed_requests=admitted.shed,
+            shed_prompt_tokens=admitted.shed_prompt_tokens,
         )
 
     async def _desired(self) -> dict[Role, int]:

@@ -135,7 +135,11 @@ class RequestLifecycle:
             span.set_attribute("prompt_tokens", len(req.prompt_token_ids))
             try:
                 await quota.charge_tokens(len(req.prompt_token_ids) + req.sampling.max_tokens)
-                placement = await self._place_and_check(req)
+                try:
+                    placement = await self._place_and_check(req)
+                except OverloadedError:
+                    self.admitted.turned_away(len(req.prompt_token_ids))  # demand the cluster could not take
+                    raise
             except (OverloadedError, InvalidRequestError) as e:
                 span.set_attribute("rejected", str(e))
                 raise

@@ -140,6 +140,8 @@ def _status(args: argparse.Namespace) -> int:
             "max_tokens": reply.admitted_max_tokens,
             "finished": reply.finished_requests,
             "completion_tokens": reply.completion_tokens,
+            "shed": reply.shed_requests,
+            "shed_prompt_tokens": reply.shed_prompt_tokens,
         }
         record = {"workers": workers, "in_flight": reply.in_flight, "draining": reply.draining}
         admitted["local_only"] = reply.admitted_local_only  # the registry did not answer: this router's alone

@@ -63,7 +63,8 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
             await _pause(stop, c.interval_s)
             continue
         counters = (status.admitted_requests, status.admitted_prompt_tokens, status.admitted_max_tokens)
-        window.observe(Admitted(now, *counters, status.finished_requests, status.completion_tokens))
+        finished = (status.finished_requests, status.completion_tokens)
+        window.observe(Admitted(now, *counters, *finished, status.shed_requests, status.shed_prompt_tokens))
         if "colocated" in current:
             raise ValueError("autoscale scales a disaggregated cluster's split; this one is colocated")
         load = window.load()

@@ -1,5 +1,5 @@
-"""What routers admitted and finished, for `pdserve autoscale`: cumulative counts, so every reader takes differences
-over its own window (the arrival rate, the mean prompt and output lengths) and no reader resets them."""
+"""What routers admitted, shed and finished, for `pdserve autoscale`: cumulative counts, so every reader takes
+differences over its own window (the arrival rate, the mean prompt and output lengths) and no reader resets them."""
 
 from __future__ import annotations
 
@@ -13,11 +13,19 @@ class AdmittedTotals:
     max_tokens: int = 0  # what admission charged for output: the most the load may ask for
     finished: int = 0  # requests that ran to their end (a stop, EOS or max_tokens)
     completion_tokens: int = 0  # what those generated: the output length the load really asks for
+    # Requests admission turned away for the cluster's load (not a key's quota), and their prompts: with the
+    # admitted ones, the load the clients offered, which an overloaded cluster's admitted rate alone never shows.
+    shed: int = 0
+    shed_prompt_tokens: int = 0
 
     def add(self, prompt_tokens: int, max_tokens: int) -> None:
         self.requests += 1
         self.prompt_tokens += prompt_tokens
         self.max_tokens += max_tokens
+
+    def turned_away(self, prompt_tokens: int) -> None:
+        self.shed += 1
+        self.shed_prompt_tokens += prompt_tokens
 
     def finish(self, completion_tokens: int) -> None:
         self.finished += 1

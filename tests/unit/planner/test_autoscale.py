@@ -9,8 +9,21 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.planner.autoscale import Admitted, Hysteresis, Load, LoadWindow, bounded, recommend_counts
-from pdserve.planner.plan import SLO
+from pdserve.planner import workload
+from pdserve.planner.admission_model import Admission
+from pdserve.planner.autoscale import (
+    PLAN_REQUESTS,
+    SMALLEST,
+    Admitted,
+    Hysteresis,
+    Load,
+    LoadWindow,
+    bounded,
+    recommend_counts,
+)
+from pdserve.planner.plan import SLO, candidate, recommend
+from pdserve.planner.shape import Shape
+from pdserve.planner.simulator import Simulator
 from tests.unit.planner.synthetic import PERF, synthetic_profile
 
 SLO_ = SLO(ttft_ms=1000, tpot_ms=100, attainment=0.9)
@@ -38,6 +51,41 @@ def test_the_output_length_is_what_finished_requests_generated_when_some_finishe
     assert w.load() == Load(rate=2.0, input_len=100.0, output_len=90.0)  # the 3 that finished, not max_tokens
     w.observe(Admitted(4, 16, 1600, 16 * 4096, finished=11, completion_tokens=8 * 150 + 3 * 90))
     assert w.load().output_len == 4096  # none finished in the window: what they may ask for
+
+
+def test_the_rate_counts_the_requests_admission_shed_and_the_prompt_length_theirs_too() -> None:
+    w = LoadWindow(window_s=2)
+    w.observe(Admitted(0, 100, 10_000, 500))
+    w.observe(Admitted(2, 106, 12_400, 560, shed=4, shed_prompt_tokens=4 * 400))
+    assert w.load() == Load(rate=5.0, input_len=400.0, output_len=10.0)  # 6 admitted of 400 and 4 shed of 400
+    w.observe(Admitted(4, 106, 12_400, 560, finished=6, completion_tokens=60, shed=10, shed_prompt_tokens=10 * 400))
+    assert w.load() == Load(rate=3.0, input_len=400.0, output_len=10.0)  # all shed: the output seen last
+
+
+def test_an_overloaded_cluster_is_scaled_for_the_load_offered_not_the_load_it_admitted() -> None:
+    """1P:1D offered 14 req/s, more than it serves: the simulated router sheds about a third. Planned for what it
+    admitted, the cluster would hold its size for ever (it admits about what it serves)."""
+    profile, slo = synthetic_profile(), SLO(500, 60)
+    arrivals = workload.synthetic(14, 512, 32, num_requests=400).at_rate(14)
+    shed = Simulator(profile, Shape(1, 1), Admission(slo.ttft_ms / 1e3)).run(arrivals).rejected
+    span, admitted = arrivals[-1].arrival_s - arrivals[0].arrival_s, len(arrivals) - shed
+    assert shed > len(arrivals) / 5
+    w = LoadWindow(window_s=span)
+    w.observe(Admitted(0, 0, 0, 0))
+    w.observe(Admitted(span, admitted, admitted * 512, admitted * 32, 0, 0, shed, shed * 512))
+    assert w.load().rate == pytest.approx(len(arrivals) / span)
+    assert recommend_counts(profile, Load(admitted / span, 512, 32), slo, max_workers=8) == SMALLEST
+    assert sum(recommend_counts(profile, w.load(), slo, max_workers=8).values()) > 2
+
+
+def test_autoscale_recommends_what_plan_recommends_with_the_routers_admission() -> None:
+    """At a size where the router's admission matters (queues shed rather than grow), the two agree."""
+    profile, slo = synthetic_profile(), SLO(500, 60)
+    work = workload.synthetic(6, 1024, 64, num_requests=PLAN_REQUESTS)
+    admission = Admission(slo.ttft_ms / 1e3)
+    planned = recommend([candidate(profile, s, work, slo, admission) for s in (Shape(p, 4 - p) for p in (1, 2, 3))])
+    counts = recommend_counts(profile, Load(6, 1024, 64), slo, max_workers=4)
+    assert counts == {"prefill": planned.shape.prefill, "decode": planned.shape.decode} == {"prefill": 2, "decode": 2}
 
 
 def test_a_router_restart_starts_the_window_again() -> None:
