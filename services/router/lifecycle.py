@@ -31,7 +31,7 @@ from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.request_checks import check_request_id
 from pdserve.protocol.roles import Role
-from pdserve.registry.base import PrefixIndex, WorkerState
+from pdserve.registry.base import PrefixIndex
 from pdserve.security.api_keys import KeyTable, Metadata, Tenant, authenticate
 from pdserve.security.quotas import LocalQuotas, Quotas, QuotaSession
 from pdserve.telemetry import Telemetry, request_id_var
@@ -43,7 +43,7 @@ from services.router.migration import Continuation, continued_request
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request
-from services.router.retry import Moves, blamed_worker
+from services.router.retry import Moves, blamed_worker, record_move
 from services.router.ticket import Ticket
 
 log = logging.getLogger(__name__)
@@ -100,12 +100,13 @@ class RequestLifecycle:
         )
         self.draining = False
         self._placing = 0  # requests waiting for their placement (up to no_workers_wait_s), not yet admitted
+        self._held = 0  # requests of several choices (`holding`)
 
     @property
     def in_flight(self) -> int:
-        """What a drain waits for: admitted requests, and those still being placed, which get their answer (the
-        drain's UNAVAILABLE, once placed) before the server stops."""
-        return self.admission.in_flight + self._placing
+        """What a drain waits for: admitted requests, those still being placed, which get their answer (the
+        drain's UNAVAILABLE, once placed) before the server stops, and requests of several choices to their end."""
+        return self.admission.in_flight + self._placing + self._held
 
     def authenticate(self, metadata: Metadata) -> Tenant:
         """The caller's tenant from its `authorization` metadata (UnauthenticatedError without a known key)."""
@@ -136,7 +137,7 @@ class RequestLifecycle:
             try:
                 await quota.charge_tokens(len(req.prompt_token_ids) + req.sampling.max_tokens)
                 try:
-                    placement = await self._place_and_check(req)
+                    placement = await self._place_and_check(req, admitted_before=quota.later_choice)
                 except OverloadedError:
                     self.admitted.turned_away(len(req.prompt_token_ids))  # demand the cluster could not take
                     raise
@@ -152,8 +153,9 @@ class RequestLifecycle:
         self.prefix_index.record(prefill.worker_id, placement.block_hashes)
         return Ticket(key, client_id, req, placement, started_at, self.tracker, self.admission)
 
-    async def _place_and_check(self, req: RoutedRequest) -> Placement:
-        self._refuse_when_draining()
+    async def _place_and_check(self, req: RoutedRequest, admitted_before: bool = False) -> Placement:
+        """`admitted_before`: a later choice of an admitted request, which a drain waits for (`holding`)."""
+        self._refuse_when_draining(admitted_before)
         ttft_ms, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         with self.telemetry.tracer.start_as_current_span("placement") as span:
             self._placing += 1
@@ -161,7 +163,7 @@ class RequestLifecycle:
                 placement = await self._place_when_served(req, tpot_ms / 1e3)
             finally:
                 self._placing -= 1
-            self._refuse_when_draining()  # it began while the request waited for a worker
+            self._refuse_when_draining(admitted_before)  # it began while the request waited for a worker
             span.set_attribute("prefill.worker.id", placement.prefill_worker.worker_id)
             span.set_attribute("decode.worker.id", placement.decode.worker_id)
             span.set_attribute("cached_tokens", placement.cached_tokens)
@@ -170,8 +172,18 @@ class RequestLifecycle:
         self.admission.check(placement, len(req.prompt_token_ids), req.priority, slo)
         return placement
 
-    def _refuse_when_draining(self) -> None:
-        if self.draining:
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """A request of several choices stays in flight from its first to its last choice's end, so a drain waits
+        for the choices not yet admitted (each starts once the one before it has its first token)."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+
+    def _refuse_when_draining(self, admitted_before: bool) -> None:
+        if self.draining and not admitted_before:
             raise UnavailableError("the router is draining; retry on another replica")
 
     async def _place_when_served(self, req: RoutedRequest, tpot_slo_s: float) -> Placement:
@@ -270,7 +282,7 @@ class RequestLifecycle:
             raise error from None  # no worker live at all: the failure itself is the answer
         attempt = 1 + moves.retries + moves.migrations
         key = f"{ticket.key.split('.')[0]}.{attempt}"
-        self._record_move(worker, error, placement, attempt, key, len(streamed) if chunks else None)
+        record_move(self.metrics, worker, error, placement, attempt, key, len(streamed) if chunks else None)
         self.prefix_index.record(placement.prefill_worker.worker_id, placement.block_hashes)
         continuation = Continuation(self.tokenizer.backend, original, chunks) if chunks else None
         started = time.perf_counter()
@@ -326,29 +338,6 @@ class RequestLifecycle:
             return True
         blocks = -(-prompt_tokens // decode.block_size)
         return predictor.has_batch_room(decode) and predictor.free_blocks(decode) >= blocks
-
-    def _record_move(
-        self,
-        worker: WorkerState,
-        error: UnavailableError,
-        placement: Placement,
-        attempt: int,
-        key: str,
-        sent: int | None,
-    ) -> None:
-        """A `retry` or `migration` event on the request's span, its `attempts`, and one log line."""
-        kind = "retry" if sent is None else "migration"
-        attrs: dict[str, str | int] = {"attempt": attempt, "failed.worker.id": worker.worker_id, "error": str(error)}
-        attrs["prefill.worker.id"] = placement.prefill_worker.worker_id
-        attrs["decode.worker.id"] = placement.decode.worker_id
-        if sent is not None:
-            attrs["streamed_tokens"] = sent
-        self.metrics.moves.add(1, {"kind": kind})
-        span = trace.get_current_span()
-        span.add_event(kind, attrs)
-        span.set_attribute("attempts", attempt)
-        verb = "placed again" if sent is None else f"migrated after {sent} streamed tokens"
-        log.warning("request %s after worker %s failed it", verb, worker.worker_id, extra=attrs | {"key": key})
 
     def refused(self, error: Exception, started_at: float, tenant: Tenant | None = None) -> None:
         """A request its front end refused before it had a GenerateRequest (an HTTP caller without a valid key,

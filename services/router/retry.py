@@ -1,4 +1,4 @@
-"""Which worker a failed attempt blames, and whether the request may be placed again.
+"""Which worker a failed attempt blames, whether the request may be placed again, and the record of a move.
 
 Only UNAVAILABLE moves a request (a worker gone, a prefill or KV transfer that failed, the first-token bound):
 INVALID_ARGUMENT, RESOURCE_EXHAUSTED and the client's own deadline are answers, not faults of one worker. Before
@@ -7,12 +7,18 @@ any message reached the client the request is retried as it came; after, it migr
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+from opentelemetry import trace
 
 from pdserve.config import RouterConfig
 from pdserve.errors import UnavailableError
+from pdserve.metrics import RouterMetrics
 from pdserve.registry.base import WorkerState
 from services.router.placement import Placement
+
+log = logging.getLogger(__name__)
 
 
 def blamed_worker(error: UnavailableError, placement: Placement) -> WorkerState:
@@ -42,3 +48,27 @@ class Moves:
             return self.retries < config.max_attempts
         self.migrations += 1
         return self.migrations <= config.migration_limit and sent < max_tokens
+
+
+def record_move(
+    metrics: RouterMetrics,
+    worker: WorkerState,
+    error: UnavailableError,
+    placement: Placement,
+    attempt: int,
+    key: str,
+    sent: int | None,
+) -> None:
+    """A `retry` or `migration` event on the request's span, its `attempts`, and one log line."""
+    kind = "retry" if sent is None else "migration"
+    attrs: dict[str, str | int] = {"attempt": attempt, "failed.worker.id": worker.worker_id, "error": str(error)}
+    attrs["prefill.worker.id"] = placement.prefill_worker.worker_id
+    attrs["decode.worker.id"] = placement.decode.worker_id
+    if sent is not None:
+        attrs["streamed_tokens"] = sent
+    metrics.moves.add(1, {"kind": kind})
+    span = trace.get_current_span()
+    span.add_event(kind, attrs)
+    span.set_attribute("attempts", attempt)
+    verb = "placed again" if sent is None else f"migrated after {sent} streamed tokens"
+    log.warning("request %s after worker %s failed it", verb, worker.worker_id, extra=attrs | {"key": key})

@@ -148,7 +148,8 @@ class OpenAIAPI:
         that prefill worker's prefix cache (placement prefers the worker holding it, so the prompt is computed
         once), and a prefill queue that admits one such prompt at a time admits every choice in turn. The
         first choice to fail cancels the others (their KV freed) and raises. The first choice charges the key's
-        tokens for all n (`Choices`)."""
+        tokens for all n (`Choices`); once it is admitted, a drain of the router waits for the rest and lets them
+        in."""
         if req.n == 1:
             async for msg in self._generate(req.message, req, request, headers):
                 yield 0, msg
@@ -171,21 +172,22 @@ class OpenAIAPI:
                 except Exception as e:
                     queue.put_nowait((index, e))
 
-        tasks = [asyncio.ensure_future(run(i)) for i in range(req.n)]
-        try:
-            running = req.n
-            while running:
-                index, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item is None:
-                    running -= 1
-                else:
-                    yield index, item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        with self.lifecycle.holding():
+            tasks = [asyncio.ensure_future(run(i)) for i in range(req.n)]
+            try:
+                running = req.n
+                while running:
+                    index, item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item is None:
+                        running -= 1
+                    else:
+                        yield index, item
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
     def _generate(
         self,

@@ -39,6 +39,7 @@ class Choices:
 
     n: int = 1
     charged: bool = False  # the first choice has charged for all n
+    admitted: bool = False  # the first choice was admitted: the request is in, and a drain since lets the rest in
 
 
 class Quotas(ABC):
@@ -117,7 +118,12 @@ class QuotaSession:
 
     def admitted(self) -> None:
         """Called once the request is admitted: from then only the cluster's failure gives its tokens back."""
-        self._admitted = True
+        self._admitted = self._choices.admitted = True
+
+    @property
+    def later_choice(self) -> bool:
+        """A later choice of a request whose first choice was admitted."""
+        return self._choices.admitted
 
     def delivered(self) -> None:
         """Called with the request's first message: its tokens stay spent however the stream ends."""

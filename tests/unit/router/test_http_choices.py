@@ -4,6 +4,9 @@ fixes; the key's tokens let all n choices in together or none."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import httpx2
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -83,3 +86,34 @@ async def test_each_choice_has_its_own_span_under_the_requests(decode):
     assert len({c.attributes["request.id"] for c in choices}) == 2  # each its own request, its own id
     assert "request.id" not in http.attributes
     telemetry.shutdown()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_drain_begun_after_the_first_choice_was_admitted_waits_for_every_choice(decode, stream: bool):
+    """The router starts draining (what `drain_and_stop` does: refuse new requests, wait for `in_flight`) while
+    choice 0 streams: the later choices are part of a request already in, so they run, and the drain waits for them;
+    a new request is refused."""
+    _, address = decode
+    lc = lifecycle(address, Tenant("team", "k"))
+    transport = httpx2.ASGITransport(app=openai_app(lc))
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "n": 3, "ignore_eos": True, "stream": stream}
+    async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+        headers = {"authorization": f"Bearer {KEY}"}
+        task = asyncio.ensure_future(http.post("/v1/completions", json=body, headers=headers))
+        while not lc.admission.in_flight:
+            await asyncio.sleep(0.001)
+        lc.draining = True
+        held = []
+        while not task.done():
+            held.append(lc.in_flight)
+            await asyncio.sleep(0.002)
+        r = task.result()
+        assert r.status_code == 200 and "error" not in r.text, r.text
+        assert min(held) > 0 and lc.in_flight == 0  # a drain would have waited to the end
+        assert (await http.post("/v1/completions", json=body, headers=headers)).status_code == 503
+    if stream:
+        events = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines() if line.startswith("data: {")]
+        indices = {c["index"] for e in events for c in e["choices"]}
+    else:
+        indices = {c["index"] for c in r.json()["choices"]}
+    assert indices == {0, 1, 2}
