@@ -101,7 +101,7 @@ class LLMEngine:
             raise RuntimeError("a decode-only engine takes sequences with their KV, through receive()")
         self.scheduler.add(self._new_request(request))
 
-    def _new_request(self, request: EngineRequest) -> Sequence:
+    def _new_request(self, request: EngineRequest, first_token_elsewhere: bool = False) -> Sequence:
         if request.request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         prompt, sampling, resumed = request.prompt, request.sampling, request.resumed_output_tokens
@@ -117,7 +117,7 @@ class LLMEngine:
             resumed_output_tokens=resumed,
         )
         detok = IncrementalDetokenizer(self.tokenizer.backend, seq.prompt_token_ids, stop=sampling.stop)
-        generator = make_generator(sampling.seed, self.runner.device)
+        generator = make_generator(sampling.seed, self.runner.device, resumed + first_token_elsewhere)
         seen = np.unique(np.asarray(seq.original_prompt_token_ids, dtype=np.int64)) if sampling.penalized else None
         self._requests[request.request_id] = _Request(seq, detok, generator, seen)
         return seq
@@ -149,7 +149,8 @@ class LLMEngine:
         """Decode side: allocate the blocks a prompt's KV will arrive in, before any byte moves. Raises
         OverloadedError (the caller sheds it) when the batch is full, or the pool cannot hold it now beside what
         preempted sequences wait for."""
-        seq = self._new_request(request)  # checked first: what is never valid says so, full batch or not
+        # Checked first: what is never valid says so, full batch or not. Its first token is the prefill worker's.
+        seq = self._new_request(request, first_token_elsewhere=True)
         if (held := self.num_sequences - 1) >= (cap := self.config.scheduler.max_num_seqs):
             del self._requests[request.request_id]
             raise OverloadedError(f"its batch is full ({held} sequences, max_num_seqs {cap})")

@@ -26,12 +26,19 @@ CANDIDATES = (64, 1024)
 TokenHistory = tuple[np.ndarray, list[int]] | None
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    """The per-request RNG: created once when a seeded request enters and kept across its steps."""
+def make_generator(seed: int | None, device: torch.device, drawn: int = 0) -> torch.Generator | None:
+    """The per-request RNG: created once when a seeded request enters and kept across its steps. `drawn`: the
+    tokens of this request sampled elsewhere (a prefill worker's first token, a migrated stream's tokens), whose
+    draws it skips, so a seeded request's tokens are the same however its engines split it. Each sampled token
+    takes one draw of its own (`_uniforms`), so skipping draws one at a time too (a CUDA generator's offsets
+    advance per call)."""
     if seed is None:
         return None
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
+    skipped = torch.empty(1, dtype=torch.float64, device=device)
+    for _ in range(drawn):
+        skipped.uniform_(generator=generator)
     return generator
 
 
