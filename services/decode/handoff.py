@@ -79,7 +79,7 @@ class Handoff:
         # here (`_free`: a receive not started is cancelled, a flowing one ends before its blocks are freed).
         timeout_s = self.transfer_timeout_s
         try:
-            rendezvous = await asyncio.to_thread(self.receiver.rendezvous, peer)
+            rendezvous = await self._rendezvous(peer)
             target = KVTarget(self.worker_id, rendezvous, blocks, tag, self.engine.fingerprint, self.engine.block_size)
             call = self.prefill.prefill(peer, handoff, target, timeout_s, time_remaining())
             await on_dispatched()
@@ -103,6 +103,14 @@ class Handoff:
         finally:
             if call is not None:
                 call.cancel()  # no-op once finished; on our caller's cancel it stops the prefill too
+
+    async def _rendezvous(self, peer: str) -> str:
+        """The store address the prefill worker sends to. A store this worker cannot open (its ports' span taken)
+        is this worker's failure, not the prefill worker's (whose address the message must not name) nor a bug."""
+        try:
+            return await asyncio.to_thread(self.receiver.rendezvous, peer)
+        except (OSError, RuntimeError) as e:
+            raise UnavailableError(f"decode worker {self.worker_id} cannot open a KV rendezvous: {e}") from e
 
     async def _until_received(
         self, handoff: HandoffRequest, call: PrefillCall, receive: asyncio.Future[int], num_blocks: int

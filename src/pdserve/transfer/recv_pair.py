@@ -51,17 +51,30 @@ class RecvPair:
         self.abandoned: OrderedDict[int, None] = OrderedDict()
         self.error: TransferError | None = None
         self.closed = False
+        self.last_rendezvous = time.monotonic()  # a hand-off handed out its address: a sender may come
 
-    def accept(self, gloo_device: object, device: torch.device, timeout_s: float, name: str) -> PairGroup:
-        """Serving thread: waits as long as it takes for the sender to claim the store, then builds the group."""
+    def accept(
+        self, gloo_device: object, device: torch.device, timeout_s: float, name: str, unclaimed_s: float
+    ) -> PairGroup:
+        """Serving thread: waits for the sender to claim the store, then builds the group. A pair no sender
+        claimed within `unclaimed_s` of its last rendezvous, with no recv waiting, is given up (its port and
+        thread with it): its prefill worker is gone, or every hand-off to it ended before a transfer."""
         while (theirs := sender_info(self.store)) is None:
             if self.closed:
                 raise TransferError(f"{name}: receiver closed")
+            with self.cond:
+                if not self.pending and time.monotonic() - self.last_rendezvous > unclaimed_s:
+                    raise TransferError(f"{name}: no sender claimed the pair within {unclaimed_s:g} s; dropped")
             time.sleep(0.02)
         backend = choose_backend(self.info, theirs)
         group = PairGroup.build(self.store, 1, gloo_device, backend, device, timeout_s, name)
         log.debug("kv receiver: pair with %s over %s", self.peer_id, backend)
         return group
+
+    def close_store(self) -> None:
+        """A pair that never paired: its store (and listening port) goes now, not whenever the garbage collector
+        reaches a traceback that still holds the pair."""
+        self.store = None  # type: ignore[assignment]
 
     def register(self, p: Pending) -> None:
         with self.cond:

@@ -44,6 +44,9 @@ from pdserve.transfer.wire import HEADER_LEN, OK, Header, check_tag
 
 Backend = Literal["auto", "gloo", "nccl"]
 _MAX_CANCELLED = 4096  # (peer, tag) of recvs cancelled before they were posted; only the latest are kept
+# A receive pair no sender claimed this long after its last rendezvous is dropped: far past the router's
+# first-token bound (60 s by default), within which a live prefill worker connects to send a hand-off's KV.
+UNCLAIMED_PAIR_S = 300.0
 PairT = TypeVar("PairT", SendPair, RecvPair)
 
 
@@ -177,6 +180,7 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
     def _init_side(self) -> None:
         self._identity = uuid.uuid4().hex
         self._lost: dict[str, str] = {}  # peer -> why its last pair died, until the next rendezvous
+        self.unclaimed_pair_s = UNCLAIMED_PAIR_S
         self._cancelled: OrderedDict[tuple[str, int], None] = OrderedDict()
 
     def rendezvous(self, peer_id: str) -> str:
@@ -192,6 +196,7 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
                 self._pairs[peer_id] = pair
                 self._lost.pop(peer_id, None)
                 threading.Thread(target=self._serve, args=(pair,), name=f"kv-recv-{peer_id}", daemon=True).start()
+            pair.last_rendezvous = time.monotonic()
             return pair.address
 
     def recv(self, peer_id: str, tag: int, kv_caches: KVCaches, block_ids: Sequence[int], timeout_s: float) -> int:
@@ -235,9 +240,10 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
         """The pair's serving thread: builds the group, then runs transfers one by one until the pair dies."""
         name = f"prefill peer {pair.peer_id!r}"
         try:
-            group = pair.accept(self._gloo_device, self.device, self.connect_timeout_s, name)
+            group = pair.accept(self._gloo_device, self.device, self.connect_timeout_s, name, self.unclaimed_pair_s)
         except Exception as e:
             self._drop(pair, as_transfer_error(e, name))
+            pair.close_store()
             return
         staging = Staging(self.device, wire_on_host=group.backend == "gloo")
         while not pair.closed:

@@ -12,6 +12,8 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import socket
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -28,6 +30,12 @@ from pdserve.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from tests.unit.transfer.pair_harness import FINGERPRINT, HOST, NUM_BLOCKS, Peer, Recv, assert_landed, bits, make_caches
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of the whole run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
 
 
 def test_silent_sender_times_out_and_leaves_the_pair_usable(receiver: TorchDistReceiver, peer: Peer) -> None:
@@ -102,6 +110,39 @@ def test_sender_that_never_connects_times_out(receiver: TorchDistReceiver) -> No
     with pytest.raises(TransferTimeoutError):
         receiver.recv("prefill-never", 1, make_caches(4), [0], timeout_s=1.0)
     assert 0.9 <= time.monotonic() - start < 3
+
+
+def test_a_pair_no_sender_claims_is_dropped_with_its_port_and_thread_and_comes_back_on_rendezvous() -> None:
+    """Each hand-off to a prefill worker that died before sending opened a pair on the decode side: kept for ever,
+    each held a port of the worker's fixed span and a thread. Unclaimed past the bound (and no recv waiting), it
+    goes; a later rendezvous opens a fresh one on the freed port."""
+    r = TorchDistReceiver(HOST, "cpu", FINGERPRINT, connect_timeout_s=10, store_port=free_port())
+    r.unclaimed_pair_s = 0.5
+    try:
+        gone = r.rendezvous("prefill-gone")
+
+        def serving() -> bool:
+            return any(t.name == "kv-recv-prefill-gone" for t in threading.enumerate())
+
+        waiting = threading.Thread(
+            target=lambda: pytest.raises(
+                TransferTimeoutError, r.recv, "prefill-gone", 1, make_caches(4), [0], timeout_s=2.0
+            )
+        )
+        waiting.start()
+        time.sleep(1.0)
+        assert serving()  # past the bound, but a recv waits on it
+        waiting.join()
+        end = time.monotonic() + 10
+        while serving():
+            assert time.monotonic() < end, "the unclaimed pair's thread still runs"
+            time.sleep(0.05)
+        with pytest.raises(PeerLostError, match="no sender claimed the pair"):
+            r.recv("prefill-gone", 2, make_caches(4), [0], timeout_s=1.0)
+        assert r.rendezvous("prefill-other") == gone  # the port is free again
+        assert r.rendezvous("prefill-gone") != gone  # a fresh pair, on the next port
+    finally:
+        r.close()
 
 
 def test_recv_needs_a_rendezvous_and_rejects_bad_ids(receiver: TorchDistReceiver) -> None:
