@@ -2,7 +2,8 @@
 
 A full block is keyed by a hash of its tokens chained to the hash of the block before it, so equal keys
 mean equal prefixes. When its last holder frees it, a keyed block stays cached (reusable by the next
-request with the same prefix) until the pool runs dry; then cached blocks are evicted oldest first.
+request with the same prefix) until a new table needs it: cached blocks are evicted oldest first, with the free
+blocks around them when no free run holds the table, never passing a block that served a prefix hit.
 
 Free blocks are handed out in runs of consecutive ids where the pool allows: a sequence's table grows from the
 block after its last one, and a new run is cut best-fit from the free runs. A KV transfer moves a run of blocks
@@ -28,6 +29,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._reused = [False] * num_blocks  # keyed and served a prefix hit since
         self._hash_to_block: dict[bytes, int] = {}
         self._free = FreeRuns(num_blocks)  # never keyed: taken before any cached block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced; oldest first
@@ -81,6 +83,7 @@ class BlockManager:
             if self._ref_counts[block] == 0:
                 del self._evictable[block]
             self._ref_counts[block] += 1
+            self._reused[block] = True
         self.prefix_hits += len(prefix_blocks)
         seq.block_table.extend(prefix_blocks)
         if needed:
@@ -97,8 +100,10 @@ class BlockManager:
         In order: the free blocks right after `after`; a free run that holds `room` (best fit); then, only if
         those did not give `count`, cached blocks, oldest first, with the free blocks around them: a run from the
         free blocks just above the oldest cached block down through it and the blocks below (after a table was
-        freed tail first, the next oldest), taken sorted. Evicting `room` blocks, not just `count`, leaves the rest
-        of that run free for this table's next chunk. Last, free runs, longest first."""
+        freed tail first, the next oldest), taken sorted. A cached block that served a prefix hit stops that run
+        unless it is the oldest: contiguity (a KV transfer moves a run without a copy) may cost the cache blocks
+        no request reused, never a hot prefix. Evicting `room` blocks, not just `count`, leaves the rest of that
+        run free for this table's next chunk. Last, free runs, longest first."""
         want = max(room, count)
         taken: list[int] = []
         block = -1 if after is None else after + 1
@@ -121,7 +126,7 @@ class BlockManager:
                 block += 1
             block = oldest
             while len(taken) + len(run) < want and block >= 0:
-                if block in self._evictable:
+                if block in self._evictable and (block == oldest or not self._reused[block]):
                     self._evict(block)
                 elif block in self._free:
                     self._free.take([block])
@@ -146,6 +151,7 @@ class BlockManager:
         del self._evictable[block]
         key = self._block_hash[block]
         self._block_hash[block] = None
+        self._reused[block] = False
         if key is not None and self._hash_to_block.get(key) == block:
             del self._hash_to_block[key]
 

@@ -60,6 +60,26 @@ def test_evicted_cached_blocks_come_back_as_a_run_oldest_first() -> None:
     assert bm.match_prefix(make_seq("a2", list(range(6 * BS)))) == [0, 1]  # a's prefix blocks stay cached
 
 
+def test_a_run_cut_from_cached_blocks_stops_at_a_prefix_that_served_a_hit() -> None:
+    """The oldest cached blocks sit just above a hot prefix (cached, reused since, freed again last): a new table
+    evicts the cold ones and free blocks for its run, not the hot prefix below them, although it is adjacent."""
+    bm = BlockManager(16, BS)
+    hot, cold = list(range(100, 100 + 4 * BS)) + [1], list(range(200, 200 + 4 * BS)) + [1]
+    h, c, filler = make_seq("hot", hot), make_seq("cold", cold), make_seq("filler", list(range(300, 300 + 5 * BS)))
+    for seq in (h, c, filler):
+        admit(bm, seq)
+    assert (h.block_table, c.block_table) == ([0, 1, 2, 3, 4], [5, 6, 7, 8, 9])
+    for seq in (c, filler, h):  # cold is the least recently used
+        bm.free(seq)
+    again = make_seq("hot-again", hot)
+    assert admit(bm, again) == [0, 1, 2, 3]  # a hit: these blocks are hot now
+    bm.free(again)
+    new = make_seq("new", list(range(400, 400 + 9 * BS)))
+    assert bm.allocate_slots(new, new.num_tokens)
+    assert bm.match_prefix(make_seq("hot-3", hot)) == [0, 1, 2, 3]
+    assert bm.match_prefix(make_seq("cold-2", cold)) == []
+
+
 def test_a_worker_that_has_served_a_while_still_hands_out_runs() -> None:
     """Fragmentation guard, on the transfer bench's model of a worker's pool (1 GiB of SmolLM2 bf16 blocks):
     a 1,000-token prompt gets at most two runs on a prefill worker and one on a decode worker."""
