@@ -119,7 +119,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = cached
-            seq.num_cached_tokens = max(seq.num_cached_tokens, cached)
+            if not seq.num_preemptions:  # a recompute's hits are its own blocks, not a cached prompt
+                seq.num_cached_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append((seq, n))
@@ -134,7 +135,10 @@ class Scheduler:
             start_position=start,
             block_table=list(seq.block_table),
             sample=start + n == seq.num_tokens,
-            prompt_logits=seq.sampling.prompt_logprobs is not None and start + 1 < seq.num_prompt_tokens,
+            # Until its first token: a recompute after it (a preempted sequence) has its prompt logprobs already.
+            prompt_logits=seq.sampling.prompt_logprobs is not None
+            and start + 1 < seq.num_prompt_tokens
+            and not seq.num_output_tokens,
         )
 
     def _preempt(self, seq: Sequence) -> None:
