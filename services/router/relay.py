@@ -74,6 +74,7 @@ class Relay:
             cache_salt=req.cache_salt,
             resumed_output_tokens=req.resumed_output_tokens,
         )
+        ticket.dispatched_at = time.perf_counter()
         call = self._stub(p.decode.address).Generate(forward, timeout=time_remaining)
         try:
             msg = await self._first(call, ticket, time_remaining)
@@ -122,8 +123,9 @@ class Relay:
         if msg.token_ids and not clock.ttft_s:
             clock.ttft_s = now - clock.start
             self.metrics.ttft.record(clock.ttft_s)
-            # The workers are judged by this attempt's TTFT: a retry's request TTFT holds the failed attempt's.
-            attempt_s, p = now - ticket.started_at, ticket.placement
+            # The workers are judged by this attempt's TTFT from its dispatch: a retry's request TTFT holds the
+            # failed attempt's, and any request's the router's own work before the call.
+            attempt_s, p = now - ticket.dispatched_at, ticket.placement
             for worker in {p.prefill_worker.worker_id, p.decode.worker_id}:
                 self.recent.add(worker, "ttft", attempt_s)
             if ticket.ran_alone():

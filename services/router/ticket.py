@@ -25,6 +25,9 @@ class Ticket:
     tracker: LoadTracker
     admission: Admission
     continuation: Continuation | None = None  # set when the stream migrated here after tokens were sent
+    # When the relay called its decode worker: its workers' TTFT counts from here, not from the router's own
+    # tokenizing, quota check and wait for a placement, which the prediction it is compared with leaves out.
+    dispatched_at: float = field(default=0.0, init=False)
     _prefilled: bool = field(default=False, init=False)
     _released: bool = field(default=False, init=False)
     _found_idle: bool = field(default=False, init=False)
