@@ -150,7 +150,7 @@ class RequestLifecycle:
         trace.get_current_span().set_attributes(
             {"prefill.worker.id": prefill.worker_id, "decode.worker.id": decode.worker_id}
         )
-        self.prefix_index.record(prefill.worker_id, placement.block_hashes)
+        self.prefix_index.record(prefill.cache_key, placement.block_hashes)
         return Ticket(key, client_id, req, placement, started_at, self.tracker, self.admission)
 
     async def _place_and_check(self, req: RoutedRequest, admitted_before: bool = False) -> Placement:
@@ -283,7 +283,7 @@ class RequestLifecycle:
         attempt = 1 + moves.retries + moves.migrations
         key = f"{ticket.key.split('.')[0]}.{attempt}"
         record_move(self.metrics, worker, error, placement, attempt, key, len(streamed) if chunks else None)
-        self.prefix_index.record(placement.prefill_worker.worker_id, placement.block_hashes)
+        self.prefix_index.record(placement.prefill_worker.cache_key, placement.block_hashes)
         continuation = Continuation(self.tokenizer.backend, original, chunks) if chunks else None
         started = time.perf_counter()
         moved = Ticket(key, ticket.client_id, req, placement, started, self.tracker, self.admission, continuation)

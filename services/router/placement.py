@@ -78,12 +78,12 @@ class PlacementPolicy(ABC):
         offered = self._registered(colocated=bool(colocated))
         block_size = prefills[0].block_size
         hashes = prefix_hashes(prompt[: len(prompt) - 1], block_size, cache_salt)
-        hits = await self.prefix_index.match([w.worker_id for w in offered[0]], hashes)
+        hits = await self.prefix_index.match([w.cache_key for w in offered[0]], hashes)
         blocks = -(-(len(prompt) + max_tokens) // block_size)
         prefill, decode = self.choose(prefills, decodes, hits, len(prompt), blocks, tpot_slo_s)
         if colocated:
             decode = prefill
-        cached = hits.get(prefill.worker_id, 0) * block_size
+        cached = hits.get(prefill.cache_key, 0) * block_size
         return Placement(
             decode=decode,
             prefill=None if colocated else prefill,
@@ -113,7 +113,7 @@ class PlacementPolicy(ABC):
         p = self.predictor
         bs = prefills[0].block_size
         return Offer(
-            ttft_s=min(p.offer_ttft_s(w, prompt_tokens, hits.get(w.worker_id, 0) * bs) for w in prefills),
+            ttft_s=min(p.offer_ttft_s(w, prompt_tokens, hits.get(w.cache_key, 0) * bs) for w in prefills),
             tpot_s=min(p.offer_tpot_s(w) for w in decodes),
             kv_blocks=max(w.kv_blocks_total for w in decodes),
         )
@@ -139,7 +139,7 @@ class SLOAwarePlacement(PlacementPolicy):
     def choose(self, prefills, decodes, hits, prompt_tokens, blocks, tpot_slo_s):  # type: ignore[no-untyped-def]
         p = self.predictor
         bs = prefills[0].block_size
-        prefill = min(prefills, key=lambda w: (p.ttft_s(w, prompt_tokens, hits.get(w.worker_id, 0) * bs), w.worker_id))
+        prefill = min(prefills, key=lambda w: (p.ttft_s(w, prompt_tokens, hits.get(w.cache_key, 0) * bs), w.worker_id))
 
         # Room past the places streams waiting to move will take (admission holds a new request to that) where
         # there is; else any room, which a moving stream's own placement looks for.

@@ -46,6 +46,13 @@ class WorkerState:
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # from JSON or a caller's string: one type, checked
 
+    @property
+    def cache_key(self) -> str:
+        """Its process's prefix cache in a prefix index: a worker restarted under the same id (a drain's restart,
+        a crash's replacement, a removed id handed out again) starts with an empty cache, which the index must
+        not claim holds its predecessor's blocks."""
+        return f"{self.worker_id}/{self.address}/{self.pid}"
+
     def to_json(self) -> str:
         d = asdict(self)
         d["profile"] = self.profile.to_dict() if self.profile else None
@@ -118,16 +125,17 @@ class Registry(ABC):
 
 
 class PrefixIndex(ABC):
-    """Which prompt-prefix blocks (by the engine's chained block hash) each prefill worker likely caches."""
+    """Which prompt-prefix blocks (by the engine's chained block hash) each prefill worker likely caches, by its
+    process (`WorkerState.cache_key`)."""
 
     @abstractmethod
-    def record(self, worker_id: str, block_hashes: list[bytes]) -> None:
+    def record(self, cache_key: str, block_hashes: list[bytes]) -> None:
         """Called by a router on its event loop after placing a prompt on a worker: that worker will cache
         these blocks. Never blocks the request: a remote index writes in the background, and a lost write
         costs a cache hit, never a request."""
 
     @abstractmethod
-    async def match(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
+    async def match(self, cache_keys: list[str], block_hashes: list[bytes]) -> dict[str, int]:
         """For each worker, how many of the leading `block_hashes` it holds (a hit must start at block 0).
         A remote index answers within a short budget, or all zeros: placement without a prefix hit beats a
         request waiting on a slow index."""

@@ -71,18 +71,22 @@ class InMemoryPrefixIndex(PrefixIndex):
         self._blocks: dict[str, OrderedDict[bytes, None]] = {}
         self._lock = threading.Lock()
 
-    def record(self, worker_id: str, block_hashes: list[bytes]) -> None:
+    def record(self, cache_key: str, block_hashes: list[bytes]) -> None:
         with self._lock:
-            held = self._blocks.setdefault(worker_id, OrderedDict())
+            if cache_key not in self._blocks:  # a worker's new process: its predecessor's entry goes
+                same_worker = cache_key.split("/", 1)[0] + "/"
+                for old in [k for k in self._blocks if k.startswith(same_worker)]:
+                    del self._blocks[old]
+            held = self._blocks.setdefault(cache_key, OrderedDict())
             for h in reversed(block_hashes):  # leading blocks end most recent: evicted last
                 held[h] = None
                 held.move_to_end(h)
             while len(held) > self.max_blocks:
                 held.popitem(last=False)
 
-    async def match(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
+    async def match(self, cache_keys: list[str], block_hashes: list[bytes]) -> dict[str, int]:
         with self._lock:
-            return {w: _leading(self._blocks.get(w, {}), block_hashes) for w in worker_ids}
+            return {w: _leading(self._blocks.get(w, {}), block_hashes) for w in cache_keys}
 
 
 def _leading(held: object, block_hashes: list[bytes]) -> int:

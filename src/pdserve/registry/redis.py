@@ -317,20 +317,20 @@ class RedisPrefixIndex(PrefixIndex):
             self._redis = connect_async(self.url, self.record_timeout_s)
         return self._redis
 
-    def record(self, worker_id: str, block_hashes: list[bytes]) -> None:
+    def record(self, cache_key: str, block_hashes: list[bytes]) -> None:
         if not block_hashes:
             return
         if len(self._writes) >= self.max_pending_writes:  # Redis is slow: a lost hint beats a pile of tasks
             self._record_failed.warning(
-                "prefix index not updated for %s: %d writes pending", worker_id, len(self._writes)
+                "prefix index not updated for %s: %d writes pending", cache_key, len(self._writes)
             )
             return
-        task = asyncio.get_running_loop().create_task(self._record(worker_id, list(block_hashes)))
+        task = asyncio.get_running_loop().create_task(self._record(cache_key, list(block_hashes)))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def _record(self, worker_id: str, block_hashes: list[bytes]) -> None:
-        key = f"{PREFIX}:prefix:{worker_id}"
+    async def _record(self, cache_key: str, block_hashes: list[bytes]) -> None:
+        key = f"{PREFIX}:prefix:{cache_key}"
         now = time.time()
         pipe = self._client().pipeline()
         # Leading blocks score highest, so trimming drops a prompt's tail before its shared head.
@@ -340,13 +340,13 @@ class RedisPrefixIndex(PrefixIndex):
         try:
             await asyncio.wait_for(pipe.execute(), self.record_timeout_s)
         except Exception as e:  # a lost hint costs a cache hit, never a request
-            self._record_failed.warning("prefix index not updated for %s: %r", worker_id, e)
+            self._record_failed.warning("prefix index not updated for %s: %r", cache_key, e)
 
-    async def match(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
-        if not block_hashes or not worker_ids or time.monotonic() < self._skip_until:
-            return dict.fromkeys(worker_ids, 0)
+    async def match(self, cache_keys: list[str], block_hashes: list[bytes]) -> dict[str, int]:
+        if not block_hashes or not cache_keys or time.monotonic() < self._skip_until:
+            return dict.fromkeys(cache_keys, 0)
         pipe = self._client().pipeline(transaction=False)
-        for w in worker_ids:
+        for w in cache_keys:
             pipe.zmscore(f"{PREFIX}:prefix:{w}", block_hashes)
         try:
             scores = await asyncio.wait_for(pipe.execute(), self.match_budget_s)
@@ -357,8 +357,8 @@ class RedisPrefixIndex(PrefixIndex):
                 1e3 * self.match_budget_s,
                 e,
             )
-            return dict.fromkeys(worker_ids, 0)
-        return {w: _leading(s) for w, s in zip(worker_ids, scores, strict=True)}
+            return dict.fromkeys(cache_keys, 0)
+        return {w: _leading(s) for w, s in zip(cache_keys, scores, strict=True)}
 
     async def flush(self) -> None:
         """Waits for the writes under way (each ends within `record_timeout_s`)."""

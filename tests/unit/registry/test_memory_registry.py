@@ -111,6 +111,16 @@ async def test_prefix_index_is_an_lru_bounded_per_worker():
     assert await index.match(["w"], [a]) == {"w": 1}
 
 
+async def test_a_workers_new_process_replaces_its_predecessors_entry():
+    index = InMemoryPrefixIndex()
+    old, new, other = (WorkerState("p0", "prefill", "h:1", pid=pid).cache_key for pid in (10, 11, 12))
+    index.record(old, [b"a" * 16])
+    index.record(WorkerState("p01", "prefill", "h:2", pid=12).cache_key, [b"a" * 16])  # an id that starts alike
+    index.record(new, [b"b" * 16])
+    assert len(index._blocks) == 2 and old not in index._blocks  # nothing kept for a process that is gone
+    assert await index.match([old, new, other], [b"a" * 16]) == {old: 0, new: 0, other: 0}
+
+
 def test_desired_counts_are_replaced_whole_and_read_back_as_roles():
     reg = InMemoryRegistry()
     assert reg.desired_counts() == {}

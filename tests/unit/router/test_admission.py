@@ -85,7 +85,7 @@ def test_the_queue_bound_counts_only_the_tokens_a_prompt_adds_past_its_cached_pr
     loose = (1000.0, 1.0)
     tokens = prompt(1024)
     shed(r, tokens, "queue full: 600 \\+ 1024 tokens", slo_s=loose)
-    r.index.record("p0", r.place(tokens, 16, 1.0).block_hashes)
+    r.index.record(worker("p0").cache_key, r.place(tokens, 16, 1.0).block_hashes)
     placed = r.admit(tokens, slo_s=loose)
     assert placed.cached_tokens == 1008  # all but the last token's block: 16 new tokens
 
@@ -234,7 +234,7 @@ def test_explicit_ttft_slo_uses_the_prefix_cache_in_the_offer():
     tokens = prompt(1024)
     with pytest.raises(InvalidRequestError, match="slo.ttft_ms"):
         r.admit(tokens, slo_s=(0.5, 1.0))
-    r.index.record("p0", prefix_hashes(tokens[:-1], BS))
+    r.index.record(worker("p0").cache_key, prefix_hashes(tokens[:-1], BS))
     assert r.admit(tokens, slo_s=(0.5, 1.0)).own_ttft_s < 0.05
 
 

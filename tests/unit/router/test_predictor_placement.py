@@ -119,7 +119,7 @@ def test_slo_placement_prefers_the_prefill_worker_holding_the_prompts_prefix():
     first = r.place(tokens, 16, 1.0)
     assert first.prefill.worker_id == "p0"  # less loaded, nobody has the prefix
     assert len(first.block_hashes) == (1024 - 1) // BS
-    r.index.record("p1", first.block_hashes)  # what the router does after placing on p1
+    r.index.record(worker("p1").cache_key, first.block_hashes)  # what the router does after placing on p1
     second = r.place(tokens, 16, 1.0)
     assert second.prefill.worker_id == "p1"
     assert second.cached_tokens == len(first.block_hashes) * BS
@@ -128,11 +128,22 @@ def test_slo_placement_prefers_the_prefill_worker_holding_the_prompts_prefix():
     assert r.place(prompt(1024, seed=1), 16, 1.0).prefill.worker_id == "p0"
 
 
+def test_a_worker_restarted_under_its_id_holds_none_of_its_predecessors_prefixes():
+    """A drain's restart (or a crash's replacement) keeps the worker's id; its new process has an empty cache."""
+    r = Router([worker("p0", pid=100), worker("p1", queued_prefill_tokens=200, pid=200), worker("d0", "decode")])
+    tokens = prompt(1024)
+    r.index.record(worker("p1", pid=200).cache_key, prefix_hashes(tokens[:-1], BS))
+    assert r.place(tokens, 16, 1.0).prefill.worker_id == "p1"
+    r.registry.publish(worker("p1", queued_prefill_tokens=200, pid=201))  # the same address, a new process
+    placed = r.place(tokens, 16, 1.0)
+    assert placed.prefill.worker_id == "p0" and placed.cached_tokens == 0
+
+
 def test_slo_placement_ignores_a_prefix_hit_that_does_not_start_at_block_0():
     r = Router([worker("p0"), worker("p1", queued_prefill_tokens=200), worker("d0", "decode")])
     tokens = prompt(1024)
     hashes = prefix_hashes(tokens[:-1], BS)
-    r.index.record("p1", hashes[1:])
+    r.index.record(worker("p1").cache_key, hashes[1:])
     placed = r.place(tokens, 16, 1.0)
     assert placed.prefill.worker_id == "p0" and placed.cached_tokens == 0
 
