@@ -22,6 +22,7 @@ from pdserve.protocol.handoff import FirstToken, KVTarget
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.telemetry import Telemetry, mark_ended_by, now_ns
 from pdserve.transfer.base import KVReceiver, TransferError, TransferTimeoutError
+from pdserve.transfer.threads import in_transfer_thread
 from services.decode.prefill_client import PrefillCall, PrefillClient
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class Handoff:
                 await call.sent()
                 return first
             receive = asyncio.ensure_future(
-                asyncio.to_thread(self.receiver.recv, peer, tag, self.engine.kv_caches, blocks, timeout_s)
+                in_transfer_thread(self.receiver.recv, peer, tag, self.engine.kv_caches, blocks, timeout_s)
             )
             receive.add_done_callback(_read_outcome)
             await self._until_received(handoff, call, receive, len(blocks))
@@ -108,7 +109,7 @@ class Handoff:
         """The store address the prefill worker sends to. A store this worker cannot open (its ports' span taken)
         is this worker's failure, not the prefill worker's (whose address the message must not name) nor a bug."""
         try:
-            return await asyncio.to_thread(self.receiver.rendezvous, peer)
+            return await in_transfer_thread(self.receiver.rendezvous, peer)
         except (OSError, RuntimeError) as e:
             raise UnavailableError(f"decode worker {self.worker_id} cannot open a KV rendezvous: {e}") from e
 

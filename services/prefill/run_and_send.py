@@ -23,6 +23,7 @@ from pdserve.protocol.handoff import FirstToken, KVSent, KVTarget
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.telemetry import Telemetry, now_ns
 from pdserve.transfer.base import KVSender, TransferError
+from pdserve.transfer.threads import in_transfer_thread
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class RunAndSend:
         with self.telemetry.tracer.start_as_current_span("kv_transfer.send", attributes=attributes) as span:
             caches, timeout_s = self.engine.kv_caches, job.transfer_timeout_s
             send = asyncio.ensure_future(
-                asyncio.to_thread(self.sender.send, target.rendezvous, target.tag, caches, blocks, timeout_s)
+                in_transfer_thread(self.sender.send, target.rendezvous, target.tag, caches, blocks, timeout_s)
             )
             try:
                 nbytes = await asyncio.shield(send)
