@@ -3,13 +3,21 @@
 A worker's status reaches the router with the workers' host:port in its text (`rpc/errors.error_from_rpc`),
 which the router needs: an address is how it tells which of the two workers failed (`retry.blamed_worker`).
 The caller, often another team's service or a tenant on the public HTTP API, gets the same message with each
-address of the request's workers replaced by the worker's id; the router's log keeps the original.
+address of the request's workers replaced by the worker's id, and any other host:port (a KV rendezvous store's,
+which a transfer's failure names) by `<address>`; the router's log keeps the original.
 """
 
 from __future__ import annotations
 
+import re
+
 from pdserve.errors import InvalidRequestError, OverloadedError
 from services.router.placement import Placement
+
+# host:port with an IPv4, a bracketed IPv6 or a dotted host name: what a message may name besides the workers.
+_ADDRESS = re.compile(
+    r"(?<![\w.])(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:.]+\]|localhost|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+):\d{1,5}\b"
+)
 
 
 def for_the_caller(error: Exception, placement: Placement) -> Exception:
@@ -21,6 +29,7 @@ def for_the_caller(error: Exception, placement: Placement) -> Exception:
             # "decode worker d-1 at host:port" -> "decode worker d-1"; a bare address (as a decode worker names
             # the prefill worker it called) -> its id.
             text = text.replace(f" at {worker.address}", "").replace(worker.address, worker.worker_id)
+    text = _ADDRESS.sub("<address>", text)
     if text == str(error):
         return error
     if isinstance(error, InvalidRequestError):

@@ -82,3 +82,13 @@ def test_each_type_keeps_what_its_status_carries() -> None:
     assert type(late) is TimeoutError and str(late) == "decode worker d0: Deadline Exceeded"
     own = UnavailableError("the router is draining; retry on another replica")
     assert for_the_caller(own, placed) is own  # nothing to hide: the same error
+
+
+def test_any_other_address_a_message_names_is_hidden_too() -> None:
+    """A transfer's failure names the decode worker's KV rendezvous store, a port of its own."""
+    placed = Router([prefill(), worker("d0", "decode")]).place(prompt(40), 8, 1.0)
+    for store in ("10.0.0.7:41234", "[fd00::7]:41234", "decode-0.pdserve.svc:50062", "localhost:50062"):
+        told = for_the_caller(UnavailableError(f"prefill worker {PREFILL_ADDRESS}: decode side {store}: lost"), placed)
+        assert str(told) == "prefill worker p0: decode side <address>: lost", told
+    field = InvalidRequestError("slo.ttft_ms", "300 ms is below 510 ms; sampling.max_tokens: 4")
+    assert for_the_caller(field, placed) is field  # no address in it: nothing changes
