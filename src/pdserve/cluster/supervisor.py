@@ -85,17 +85,32 @@ class Supervisor:
         self.slots: dict[str, Slot] = {}
 
     async def run(self, interval_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            start = loop.time()
-            await self.check_all()
-            await asyncio.sleep(max(0.0, interval_s - (loop.time() - start)))
+        """Checks every slot each `interval_s`, each on its own: a slot busy making a new actor (seconds, while Ray
+        frees its name) holds up neither the other workers' checks nor, with the embedded registry, their
+        republishing, without which they would drop out of placement after its TTL."""
+        checking: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                for worker_id, slot in list(self.slots.items()):
+                    task = checking.get(worker_id)
+                    if task is None or task.done():
+                        checking[worker_id] = asyncio.ensure_future(self._reported(slot))
+                for worker_id in [w for w, t in checking.items() if t.done() and w not in self.slots]:
+                    del checking[worker_id]
+                await asyncio.sleep(interval_s)
+        finally:
+            for task in checking.values():
+                task.cancel()
 
     async def check_all(self) -> None:
-        results = await asyncio.gather(*(self._check(s) for s in list(self.slots.values())), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):  # a bug in the check itself: reported, and the loop goes on
-                log.error("worker check failed: %r", r, exc_info=r)
+        """One check of every slot, together (what `run` does each interval, waiting for the slowest)."""
+        await asyncio.gather(*(self._reported(s) for s in list(self.slots.values())))
+
+    async def _reported(self, slot: Slot) -> None:
+        try:
+            await self._check(slot)
+        except Exception as e:  # a bug in the check itself: reported, and the loop goes on
+            log.error("worker check failed: %r", e, exc_info=e)
 
     async def _check(self, slot: Slot) -> None:
         from ray.exceptions import ActorDiedError

@@ -5,6 +5,8 @@ dead for good is replaced."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from typing import Any
 
 import pytest
@@ -81,6 +83,30 @@ async def test_slow_and_failing_actors_neither_stop_nor_delay_the_healthy_ones()
     await asyncio.sleep(1.0)
     assert not task.done()  # the loop goes on through every round of errors
     task.cancel()
+
+
+async def test_a_slot_making_its_new_actor_holds_up_no_other_workers_checks() -> None:
+    """A drained worker's new actor waits seconds for Ray to free its name: meanwhile the loop keeps checking (and,
+    with the embedded registry, republishing) the others, which would otherwise drop out of placement."""
+    making = threading.Event()
+
+    def slow_new_actor(spec: WorkerSpec) -> StandInActor:
+        making.wait(10)
+        return StandInActor(spec.worker_id, "ok")
+
+    sup, registry = supervisor({"drained": "drained", "ok": "ok"}, slow_new_actor)
+    task = asyncio.create_task(sup.run(0.05))
+    try:
+        await asyncio.sleep(0.3)
+        first = sup.slots["ok"].actor.asked_at
+        await asyncio.sleep(0.5)
+        assert sup.slots["drained"].actor is None  # its new actor is still being made
+        assert sup.slots["ok"].actor.asked_at > first  # the other worker was checked again meanwhile
+    finally:
+        making.set()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def test_an_actor_dead_for_good_leaves_placement_and_is_replaced() -> None:
