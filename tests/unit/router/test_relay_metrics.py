@@ -52,8 +52,10 @@ def count(telemetry: Telemetry, histogram: str) -> float:
 
 
 async def test_calibration_learns_the_workers_ttft_from_the_dispatch_not_the_routers_wait_for_a_worker():
-    """The request waits 0.5 s for a prefill worker to be listed, then its first token comes at once: the worker
-    was fast, and its calibration factor must not grow for the router's wait (it would shed for it after)."""
+    """The request waits 1.5 s for a prefill worker to be listed, then its first token comes at once: the worker
+    was fast, and its calibration factor must not grow for the router's wait (it would shed for it after). Its
+    prediction is ~70 ms: counted from the router's receipt the factor would reach ~2.5; from the call, a loopback
+    call slowed by a busy host moves it a little either way."""
 
     async def admitted(ticket: Ticket) -> None:
         pass
@@ -61,7 +63,8 @@ async def test_calibration_learns_the_workers_ttft_from_the_dispatch_not_the_rou
     request = pb.GenerateRequest(prompt_token_ids=list(range(1, 60)), sampling=pb.SamplingParams(max_tokens=2))
     async with serving(StandInDecode()) as address:
         router = Router([worker("d0", "decode", address=address)], no_workers_wait_s=3.0)
-        asyncio.get_running_loop().call_later(0.5, router.registry.publish, worker("p0"))
-        out = [msg async for msg in generate(router.lifecycle(), request, {}, lambda: None, admitted)]
-    assert out[-1].usage.ttft_ms >= 500  # the caller's TTFT holds the wait
-    assert router.predictor.calibration.factor("p0") <= 1.0
+        lifecycle = router.lifecycle()
+        asyncio.get_running_loop().call_later(1.5, router.registry.publish, worker("p0"))
+        out = [msg async for msg in generate(lifecycle, request, {}, lambda: None, admitted)]
+    assert out[-1].usage.ttft_ms >= 1400  # the caller's TTFT holds the wait
+    assert router.predictor.calibration.factor("p0") < 1.5
