@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Send
 
+from pdserve.errors import InternalError, OverloadedError, UnavailableError
 from pdserve.security.quotas import Choices
 from pdserve.telemetry import mark_ended_by
 from pdserve.v1 import generate_pb2 as pb
@@ -29,6 +30,9 @@ from services.router.lifecycle import RequestLifecycle
 from services.router.ticket import Ticket
 
 PREDICTED_TTFT_HEADER = "x-pdserve-predicted-ttft-ms"
+# A choice failing so is the cluster's doing, not the caller's (a choice made to fail on purpose, an id too long
+# for it, keeps the others' tokens spent: its caller would stream them for free).
+CLUSTER_FAILURES = (OverloadedError, UnavailableError, InternalError)
 
 
 def openai_app(lifecycle: RequestLifecycle) -> Starlette:
@@ -175,14 +179,17 @@ class OpenAIAPI:
         with self.lifecycle.holding():
             tasks = [asyncio.ensure_future(run(i)) for i in range(req.n)]
             try:
-                running = req.n
+                running, sent = req.n, False
                 while running:
                     index, item = await queue.get()
                     if isinstance(item, BaseException):
+                        if isinstance(item, CLUSTER_FAILURES) and not (req.stream and sent):
+                            choices.refund()  # the caller got nothing but this error: a retry finds its tokens
                         raise item
                     if item is None:
                         running -= 1
                     else:
+                        sent = True
                         yield index, item
             finally:
                 for task in tasks:

@@ -29,16 +29,29 @@ def _nothing() -> None:
     return None
 
 
+def _once(release: Release) -> Release:
+    """`release`, doing its work the first time only: a charge two parties may give back."""
+    pending = [release]
+
+    def give_back() -> None:
+        if pending:
+            pending.pop()()
+
+    return give_back
+
+
 @dataclass
 class Choices:
     """The `n` choices of one request, each a request with a session of its own, started one after another (the
     HTTP API's `n`). They are n streams, n requests and n times the tokens at once, which the key's limits must all
     let in. The first choice charges the tokens of all n, so they get in together or not at all (a bucket that let
     in some and refused the next would leave the caller an error for tokens spent); a later one charges nothing.
-    What an admitted choice was charged stays spent however the request ends, as any admitted request's does."""
+    What an admitted choice was charged stays spent however the request ends, as any admitted request's does, but
+    for the cluster failing the request before the caller got anything (`refund`, which its front end calls)."""
 
     n: int = 1
     charged: bool = False  # the first choice has charged for all n
+    refund: Release = _nothing  # gives the first choice's charge back (once, whoever calls it first)
     admitted: bool = False  # the first choice was admitted: the request is in, and a drain since lets the rest in
 
 
@@ -113,7 +126,7 @@ class QuotaSession:
                 f"{n} choices of {tokens} tokens (prompt plus max_tokens) are {tokens * n}, more than this API key's "
                 f"tokens_per_minute ({tpm:g})",
             )
-        self._tokens = await self._quotas.take_tokens(self.tenant, tokens * n)
+        self._tokens = self._choices.refund = _once(await self._quotas.take_tokens(self.tenant, tokens * n))
         self._choices.charged = True
 
     def admitted(self) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import json
 
+import grpc
 import httpx2
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -121,3 +122,46 @@ async def test_a_drain_begun_after_the_first_choice_was_admitted_waits_for_every
     else:
         indices = {c["index"] for c in r.json()["choices"]}
     assert indices == {0, 1, 2}
+
+
+class RefusesTheSecond(StandInDecode):
+    """Serves one hand-off, then refuses the next as a full batch does (`refusing` turned off after)."""
+
+    refusing = True
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        if self.calls == 1 and self.refusing:
+            self.calls += 1
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", "100"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "its batch is full (1 sequences, max_num_seqs 1)")
+        async for msg in super().Generate(request, context):
+            yield msg
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_whose_later_choice_the_cluster_sheds_gives_back_its_tokens_unless_a_choice_was_sent(
+    monkeypatch, stream: bool
+):
+    """n=2 of 500 tokens on a key of 1000 a minute: choice 1 is refused by its decode worker (a full batch), so the
+    request is a 429 whose hint says a retry may succeed. Non-streamed, the caller got nothing: its 1000 tokens
+    come back and the retry runs. Streamed, choice 0's tokens went out: they stay spent."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    stand_in = RefusesTheSecond(gap_s=0.005)
+    async with serving(stand_in) as address:
+        lc = lifecycle(address, Tenant("team", "k", tokens_per_minute=1000))
+        transport = httpx2.ASGITransport(app=openai_app(lc))
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 496, "n": 2, "ignore_eos": True, "stream": stream}
+        headers = {"authorization": f"Bearer {KEY}"}
+        async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+            refused = await http.post("/v1/completions", json=body, headers=headers)
+            if stream:
+                assert refused.status_code == 200 and "batch is full" in refused.text, refused.text
+            else:
+                assert refused.status_code == 429 and "batch is full" in refused.text, refused.text
+            stand_in.refusing = False
+            retried = await http.post("/v1/completions", json=body, headers=headers)
+    assert stand_in.calls >= 2 and lc.in_flight == 0
+    if stream:
+        assert retried.status_code == 429 and "tokens_per_minute" in retried.text, retried.text
+    else:
+        assert retried.status_code == 200 and len(retried.json()["choices"]) == 2, retried.text
