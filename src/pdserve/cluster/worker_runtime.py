@@ -62,6 +62,7 @@ class WorkerRuntime:
             advertise_host=advertised_host(spec.host, spec.advertise_host),  # here: on the worker's own node
         )
         self._services = services
+        self._instance = uuid.uuid4().hex  # this runtime's own: a restart under the same id and address differs
         from pdserve.telemetry import Telemetry, configure_logging
 
         if spec.log_level:
@@ -129,6 +130,7 @@ class WorkerRuntime:
             speed_factor=self._speed.factor,
             metrics_address=self._metrics_address,
             pid=os.getpid(),
+            instance=self._instance,
             draining=self._drain is not None,
             build=current_build(),
         )

@@ -41,6 +41,7 @@ class WorkerState:
     max_num_seqs: int = 0  # the most sequences its batch decodes (a decode worker refuses more); 0: unknown
     sequences: int = 0  # running, waiting, and (decode) those whose KV is arriving: what max_num_seqs bounds
     load_at: float = 0.0  # wall time the load fields were sampled (before updated_at); 0: unknown, updated_at
+    instance: str = ""  # a random id of its process, new on every start; "": a worker too old to say
     updated_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -50,8 +51,9 @@ class WorkerState:
     def cache_key(self) -> str:
         """Its process's prefix cache in a prefix index: a worker restarted under the same id (a drain's restart,
         a crash's replacement, a removed id handed out again) starts with an empty cache, which the index must
-        not claim holds its predecessor's blocks."""
-        return f"{self.worker_id}/{self.address}/{self.pid}"
+        not claim holds its predecessor's blocks (a container restarted in place may have the same address and
+        pid: its instance differs)."""
+        return f"{self.worker_id}/{self.instance or f'{self.address}/{self.pid}'}"
 
     def to_json(self) -> str:
         d = asdict(self)

@@ -137,6 +137,12 @@ def test_a_worker_restarted_under_its_id_holds_none_of_its_predecessors_prefixes
     r.registry.publish(worker("p1", queued_prefill_tokens=200, pid=201))  # the same address, a new process
     placed = r.place(tokens, 16, 1.0)
     assert placed.prefill.worker_id == "p0" and placed.cached_tokens == 0
+    # A container restarted in place: the same address and pid, a new instance id.
+    r.index.record(worker("p1", pid=201, instance="a").cache_key, prefix_hashes(tokens[:-1], BS))
+    r.registry.publish(worker("p1", queued_prefill_tokens=200, pid=201, instance="a"))
+    assert r.place(tokens, 16, 1.0).prefill.worker_id == "p1"
+    r.registry.publish(worker("p1", queued_prefill_tokens=200, pid=201, instance="b"))
+    assert r.place(tokens, 16, 1.0).prefill.worker_id == "p0"
 
 
 def test_slo_placement_ignores_a_prefix_hit_that_does_not_start_at_block_0():
