@@ -102,12 +102,11 @@ class Admission:
     def _check_ttft(self, placement: Placement, slo: SLOTarget) -> None:
         """Also within the first-token bound, whatever the SLO: the router would cancel a request still waiting
         there, and blame (eject) its busy but healthy prefill worker."""
-        own = placement.own_ttft_s
-        slo_s = ttft_budget_s(slo.ttft_s, own, slo.ttft_explicit)
-        budget = min(slo_s, self.config.first_token_timeout_s)
+        own, first_token_s = placement.own_ttft_s, self.config.first_token_timeout_s
+        budget = ttft_budget_s(slo.ttft_s, own, slo.ttft_explicit, first_token_s)
         room = queue_room_s(budget, own, self.config.slo_headroom)
         if placement.queue_s > room:
-            bound = "SLO" if budget == slo_s else "router's first-token bound"
+            bound = "router's first-token bound" if budget == first_token_s else "SLO"
             raise OverloadedError(
                 f"predicted TTFT {placement.predicted_ttft_s * 1e3:.0f} ms ({own * 1e3:.0f} ms own, "
                 f"{placement.queue_s * 1e3:.0f} ms queued) exceeds the {bound} of {budget * 1e3:.0f} ms "

@@ -15,11 +15,12 @@ from pdserve.protocol.admission_rules import queue_full, queue_room_s, ttft_budg
 @dataclass(frozen=True)
 class Admission:
     """A router whose default TTFT SLO is `ttft_s` (what a plan's requests, setting none, are held to), with its
-    `slo_headroom` and its queue bound at priority 0 (`max_queued_prefill_tokens`' share)."""
+    `slo_headroom`, its queue bound at priority 0 (`max_queued_prefill_tokens`' share) and its first-token bound."""
 
     ttft_s: float
     headroom: float = RouterConfig.slo_headroom
     queue_bound_tokens: float = RouterConfig().queue_bound(0)
+    first_token_s: float = RouterConfig.first_token_timeout_s
 
     def sheds(self, queued_tokens: int, queued_s: float, prompt_tokens: int, own_s: float) -> bool:
         """Whether a prompt of `prompt_tokens` whose own TTFT is `own_s` is shed by a prefill worker holding
@@ -27,5 +28,6 @@ class Admission:
         predicted wait against the room the (default, so never below its own cost) SLO leaves."""
         if queue_full(queued_tokens, prompt_tokens, self.queue_bound_tokens):
             return True
-        room = queue_room_s(ttft_budget_s(self.ttft_s, own_s, explicit=False), own_s, self.headroom)
+        budget = ttft_budget_s(self.ttft_s, own_s, explicit=False, first_token_s=self.first_token_s)
+        room = queue_room_s(budget, own_s, self.headroom)
         return queued_s > room

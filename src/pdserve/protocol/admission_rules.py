@@ -11,9 +11,10 @@ def queue_full(queued_tokens: int, prompt_tokens: int, bound: float) -> bool:
     return bool(queued_tokens) and queued_tokens + prompt_tokens > bound
 
 
-def ttft_budget_s(slo_s: float, own_s: float, explicit: bool) -> float:
-    """The TTFT a request is held to: its own SLO, or the server's default but never less than its own cost."""
-    return slo_s if explicit else max(slo_s, own_s)
+def ttft_budget_s(slo_s: float, own_s: float, explicit: bool, first_token_s: float) -> float:
+    """The TTFT a request is held to: its own SLO, or the server's default but never less than its own cost; and
+    never past the router's first-token bound, where it would be cancelled (and its prefill worker blamed)."""
+    return min(slo_s if explicit else max(slo_s, own_s), first_token_s)
 
 
 def queue_room_s(budget_s: float, own_s: float, headroom: float) -> float:

@@ -76,3 +76,9 @@ def test_a_decode_worker_busy_with_streams_adds_its_step_to_the_predicted_wait()
     slow = synthetic_profile(perf=replace(PERF, decode_fixed_s=1.0))
     assert Simulator(slow, ONE_TO_ONE, Admission(ttft_s=0.4)).run(requests).shed == 1
     assert Simulator(synthetic_profile(), ONE_TO_ONE, Admission(ttft_s=0.4)).run(requests).shed == 0
+
+
+def test_the_simulated_router_holds_a_loose_slo_to_its_first_token_bound_as_the_router_does() -> None:
+    """SLO 120 s: a prompt behind 10 s of queue is admitted under the default 60 s bound, shed under a 5 s one."""
+    assert not Admission(ttft_s=120.0).sheds(queued_tokens=1000, queued_s=10.0, prompt_tokens=100, own_s=0.1)
+    assert Admission(ttft_s=120.0, first_token_s=5.0).sheds(1000, 10.0, 100, 0.1)

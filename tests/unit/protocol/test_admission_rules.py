@@ -14,9 +14,14 @@ def test_an_empty_queue_takes_any_prompt_and_a_busy_one_only_within_its_bound() 
 
 
 def test_a_default_slo_is_never_below_the_requests_own_cost_an_explicit_one_is_kept() -> None:
-    assert ttft_budget_s(0.5, own_s=2.0, explicit=False) == 2.0
-    assert ttft_budget_s(0.5, own_s=2.0, explicit=True) == 0.5
-    assert ttft_budget_s(3.0, own_s=2.0, explicit=False) == 3.0
+    assert ttft_budget_s(0.5, own_s=2.0, explicit=False, first_token_s=60.0) == 2.0
+    assert ttft_budget_s(0.5, own_s=2.0, explicit=True, first_token_s=60.0) == 0.5
+    assert ttft_budget_s(3.0, own_s=2.0, explicit=False, first_token_s=60.0) == 3.0
+
+
+def test_no_slo_holds_a_request_past_the_first_token_bound() -> None:
+    assert ttft_budget_s(120.0, own_s=2.0, explicit=True, first_token_s=60.0) == 60.0
+    assert ttft_budget_s(0.5, own_s=90.0, explicit=False, first_token_s=60.0) == 60.0
 
 
 def test_the_headroom_applies_to_the_queueing_part_only() -> None:
