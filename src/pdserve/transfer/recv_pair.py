@@ -55,21 +55,24 @@ class RecvPair:
 
     def accept(
         self, gloo_device: object, device: torch.device, timeout_s: float, name: str, unclaimed_s: float
-    ) -> PairGroup:
-        """Serving thread: waits for the sender to claim the store, then builds the group. A pair no sender
-        claimed within `unclaimed_s` of its last rendezvous, with no recv waiting, is given up (its port and
-        thread with it): its prefill worker is gone, or every hand-off to it ended before a transfer."""
+    ) -> PairGroup | None:
+        """Serving thread: waits for the sender to claim the store, then builds the group; None once no sender
+        claimed it within `unclaimed_s` of its last rendezvous and no recv waits (its prefill worker is gone, or
+        every hand-off to it ended before a transfer): the caller decides, against a rendezvous just then."""
         while (theirs := sender_info(self.store)) is None:
             if self.closed:
                 raise TransferError(f"{name}: receiver closed")
-            with self.cond:
-                if not self.pending and time.monotonic() - self.last_rendezvous > unclaimed_s:
-                    raise TransferError(f"{name}: no sender claimed the pair within {unclaimed_s:g} s; dropped")
+            if self.unclaimed(unclaimed_s):
+                return None
             time.sleep(0.02)
         backend = choose_backend(self.info, theirs)
         group = PairGroup.build(self.store, 1, gloo_device, backend, device, timeout_s, name)
         log.debug("kv receiver: pair with %s over %s", self.peer_id, backend)
         return group
+
+    def unclaimed(self, unclaimed_s: float) -> bool:
+        with self.cond:
+            return not self.pending and time.monotonic() - self.last_rendezvous > unclaimed_s
 
     def close_store(self) -> None:
         """A pair that never paired: its store (and listening port) goes now, not whenever the garbage collector

@@ -35,7 +35,7 @@ from pdserve.transfer.base import (
 )
 from pdserve.transfer.blocks import Blocks
 from pdserve.transfer.layout import KVLayout
-from pdserve.transfer.pair_group import as_transfer_error, error_summary, gloo_device, time_left
+from pdserve.transfer.pair_group import PairGroup, as_transfer_error, error_summary, gloo_device, time_left
 from pdserve.transfer.pipeline import Staging, receive_messages
 from pdserve.transfer.recv_pair import Pending, RecvPair, check_header
 from pdserve.transfer.rendezvous import device_info
@@ -240,10 +240,12 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
         """The pair's serving thread: builds the group, then runs transfers one by one until the pair dies."""
         name = f"prefill peer {pair.peer_id!r}"
         try:
-            group = pair.accept(self._gloo_device, self.device, self.connect_timeout_s, name, self.unclaimed_pair_s)
+            group = self._accepted(pair, name)
         except Exception as e:
             self._drop(pair, as_transfer_error(e, name))
             pair.close_store()
+            return
+        if group is None:
             return
         staging = Staging(self.device, wire_on_host=group.backend == "gloo")
         while not pair.closed:
@@ -274,6 +276,24 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
                 self._drop(pair, err)
                 group.close()
                 return
+
+    def _accepted(self, pair: RecvPair, name: str) -> PairGroup | None:
+        """The pair's group once a sender claims it; None when it was given up unclaimed. It leaves `_pairs` under
+        the lock a rendezvous and a recv take: a hand-off either refreshed it first, or opens a fresh pair."""
+        while True:
+            group = pair.accept(self._gloo_device, self.device, self.connect_timeout_s, name, self.unclaimed_pair_s)
+            if group is not None:
+                return group
+            error = TransferError(f"{name}: no sender claimed the pair within {self.unclaimed_pair_s:g} s")
+            with self._lock:
+                if not pair.unclaimed(self.unclaimed_pair_s):
+                    continue
+                if self._pairs.get(pair.peer_id) is pair:
+                    del self._pairs[pair.peer_id]
+                    self._lost[pair.peer_id] = str(error)
+            pair.fail(error)
+            pair.close_store()
+            return None
 
     def _drop(self, pair: RecvPair, error: TransferError) -> None:
         with self._lock:
