@@ -79,12 +79,13 @@ class BlockManager:
         revived = sum(1 for b in prefix_blocks if self._ref_counts[b] == 0)
         if needed + revived > self.num_free_blocks:
             return False
+        hits = not seq.num_preemptions  # a recompute finding its own freed blocks is no prefix-cache hit
         for block in prefix_blocks:
             if self._ref_counts[block] == 0:
                 del self._evictable[block]
             self._ref_counts[block] += 1
-            self._reused[block] = True
-        self.prefix_hits += len(prefix_blocks)
+            self._reused[block] |= hits
+        self.prefix_hits += len(prefix_blocks) * hits
         seq.block_table.extend(prefix_blocks)
         if needed:
             # A prompt computed in chunks takes its first blocks where the whole prompt fits, so later chunks

@@ -33,6 +33,7 @@ def test_a_recompute_reports_no_cached_prompt_tokens_of_its_own_blocks() -> None
     last = last_outputs(engine)
     assert engine.scheduler.num_preemptions >= 1
     assert {name: out.num_cached_tokens for name, out in last.items()} == {"a": 0, "b": 0}  # nothing was cached
+    assert engine.blocks.prefix_hits == 0  # nor is the recompute's reuse of its own blocks a hit (metric, eviction)
 
 
 def test_a_recompute_after_the_first_token_computes_no_prompt_logits() -> None:
