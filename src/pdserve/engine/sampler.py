@@ -30,15 +30,18 @@ def make_generator(seed: int | None, device: torch.device, drawn: int = 0) -> to
     """The per-request RNG: created once when a seeded request enters and kept across its steps. `drawn`: the
     tokens of this request sampled elsewhere (a prefill worker's first token, a migrated stream's tokens), whose
     draws it skips, so a seeded request's tokens are the same however its engines split it. Each sampled token
-    takes one draw of its own (`_uniforms`), so skipping draws one at a time too (a CUDA generator's offsets
-    advance per call)."""
+    takes one draw of its own (`_uniforms`): a CPU generator draws in sequence, so `drawn` at once are the same;
+    a CUDA generator's offset advances per call, so there it skips them one call each."""
     if seed is None:
         return None
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
-    skipped = torch.empty(1, dtype=torch.float64, device=device)
-    for _ in range(drawn):
-        skipped.uniform_(generator=generator)
+    if device.type == "cpu":
+        torch.empty(drawn, dtype=torch.float64).uniform_(generator=generator)
+    else:
+        skipped = torch.empty(1, dtype=torch.float64, device=device)
+        for _ in range(drawn):
+            skipped.uniform_(generator=generator)
     return generator
 
 
