@@ -223,7 +223,13 @@ def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
 
 
 def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
-    from pdserve.planner.kube_scale import apply_patch, replicas_patch, target_namespace, target_raycluster
+    from pdserve.planner.kube_scale import (
+        apply_patch,
+        lowered_floors,
+        replicas_patch,
+        target_namespace,
+        target_raycluster,
+    )
 
     name, namespace = target_raycluster(args.raycluster, args.release), target_namespace(args.namespace)
     try:
@@ -236,6 +242,12 @@ def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
         return 1
     print(f"RayCluster {namespace}/{name} (ray.io/v1):", file=sys.stderr)
     print(json.dumps(patch, indent=1))
+    for group in lowered_floors(patch):
+        print(
+            f"pdserve scale: {group} is now below the chart's minReplicas: its PodDisruptionBudget lets none of its "
+            f"pods be evicted (node drains wait) until `helm upgrade --set {group}.minReplicas=N` lowers it too",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -77,6 +77,13 @@ def replicas_patch(counts: dict[str, int], live: dict[str, Any] | None = None) -
     return ops
 
 
+def lowered_floors(patch: list[dict[str, Any]]) -> list[str]:
+    """The groups whose minReplicas the patch lowers: below the chart's floor its PodDisruptionBudget for the group
+    (minAvailable: that floor less one, as rendered) lets no pod be evicted, so node drains wait until a
+    `helm upgrade` lowers `<group>.minReplicas` (which re-renders the budget)."""
+    return [GROUPS[int(op["path"].split("/")[3])] for op in patch if op["path"].endswith("/minReplicas")]
+
+
 def apply_patch(name: str, namespace: str, counts: dict[str, int]) -> list[dict[str, Any]]:
     """Reads the live RayCluster (in-cluster credentials, else ~/.kube/config), patches it, returns the patch."""
     from kubernetes import client, config

@@ -10,7 +10,14 @@ import pytest
 
 from pdserve import cli
 from pdserve.planner import kube_scale
-from pdserve.planner.kube_scale import GROUPS, raycluster_name, replicas_patch, target_namespace, target_raycluster
+from pdserve.planner.kube_scale import (
+    GROUPS,
+    lowered_floors,
+    raycluster_name,
+    replicas_patch,
+    target_namespace,
+    target_raycluster,
+)
 
 CHART = Path(__file__).resolve().parents[3] / "deploy" / "helm" / "pdserve"
 
@@ -30,6 +37,7 @@ def test_the_patch_widens_the_live_range_only_where_needed() -> None:
     assert {"op": "replace", "path": "/spec/workerGroupSpecs/0/maxReplicas", "value": 10} in patch
     assert {"op": "replace", "path": "/spec/workerGroupSpecs/1/minReplicas", "value": 1} in patch
     assert not any(op["path"].endswith(("0/minReplicas", "1/maxReplicas")) for op in patch)
+    assert lowered_floors(patch) == ["decode"]  # its disruption budget now blocks node drains: said, not hidden
 
 
 def test_one_role_alone_leaves_the_other_group_untouched() -> None:
