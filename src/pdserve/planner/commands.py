@@ -225,7 +225,6 @@ def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
 def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
     from pdserve.planner.kube_scale import (
         apply_patch,
-        lowered_floors,
         replicas_patch,
         target_namespace,
         target_raycluster,
@@ -233,7 +232,7 @@ def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
 
     name, namespace = target_raycluster(args.raycluster, args.release), target_namespace(args.namespace)
     try:
-        patch = replicas_patch(counts) if args.dry_run else apply_patch(name, namespace, counts)
+        patch, floors = (replicas_patch(counts), []) if args.dry_run else apply_patch(name, namespace, counts)
     except ValueError as e:
         print(f"pdserve scale: {e}", file=sys.stderr)
         return 2
@@ -242,7 +241,7 @@ def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
         return 1
     print(f"RayCluster {namespace}/{name} (ray.io/v1):", file=sys.stderr)
     print(json.dumps(patch, indent=1))
-    for group in lowered_floors(patch):
+    for group in floors:
         print(
             f"pdserve scale: {group} is now below the chart's minReplicas: its PodDisruptionBudget lets none of its "
             f"pods be evicted (node drains wait) until `helm upgrade --set {group}.minReplicas=N` lowers it too",

@@ -77,15 +77,24 @@ def replicas_patch(counts: dict[str, int], live: dict[str, Any] | None = None) -
     return ops
 
 
-def lowered_floors(patch: list[dict[str, Any]]) -> list[str]:
-    """The groups whose minReplicas the patch lowers: below the chart's floor its PodDisruptionBudget for the group
-    (minAvailable: that floor less one, as rendered) lets no pod be evicted, so node drains wait until a
-    `helm upgrade` lowers `<group>.minReplicas` (which re-renders the budget)."""
-    return [GROUPS[int(op["path"].split("/")[3])] for op in patch if op["path"].endswith("/minReplicas")]
+def lowered_floors(counts: dict[str, int], live: dict[str, Any]) -> list[str]:
+    """The groups whose pods the patch takes below a live minReplicas of 2 or more, to 1 or more: the chart renders
+    a PodDisruptionBudget for such a floor (minAvailable: the floor less one), which then lets none of the group's
+    pods be evicted, so node drains wait until a `helm upgrade` lowers `<group>.minReplicas` (and the budget)."""
+    specs = live.get("spec", {}).get("workerGroupSpecs", [])
+    return [
+        group
+        for index, group in enumerate(GROUPS)
+        if group in counts
+        and index < len(specs)
+        and 1 <= counts[group] < specs[index].get("minReplicas", 0)
+        and specs[index]["minReplicas"] >= 2
+    ]
 
 
-def apply_patch(name: str, namespace: str, counts: dict[str, int]) -> list[dict[str, Any]]:
-    """Reads the live RayCluster (in-cluster credentials, else ~/.kube/config), patches it, returns the patch."""
+def apply_patch(name: str, namespace: str, counts: dict[str, int]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Reads the live RayCluster (in-cluster credentials, else ~/.kube/config), patches it, returns the patch and
+    the groups it took below their disruption budget's floor (`lowered_floors`)."""
     from kubernetes import client, config
 
     try:
@@ -99,4 +108,4 @@ def apply_patch(name: str, namespace: str, counts: dict[str, int]) -> list[dict[
     api.patch_namespaced_custom_object(
         GROUP, VERSION, namespace, PLURAL, name, patch, _content_type="application/json-patch+json"
     )
-    return patch
+    return patch, lowered_floors(counts, live)

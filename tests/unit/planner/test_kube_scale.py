@@ -37,7 +37,9 @@ def test_the_patch_widens_the_live_range_only_where_needed() -> None:
     assert {"op": "replace", "path": "/spec/workerGroupSpecs/0/maxReplicas", "value": 10} in patch
     assert {"op": "replace", "path": "/spec/workerGroupSpecs/1/minReplicas", "value": 1} in patch
     assert not any(op["path"].endswith(("0/minReplicas", "1/maxReplicas")) for op in patch)
-    assert lowered_floors(patch) == ["decode"]  # its disruption budget now blocks node drains: said, not hidden
+    assert lowered_floors({"prefill": 10, "decode": 1}, live) == ["decode"]  # its budget now blocks drains: said
+    assert lowered_floors({"decode": 0}, live) == []  # no pod left: nothing waits
+    assert lowered_floors({"prefill": 0, "decode": 3}, live) == []  # a floor of 1 has no budget; 3 is above 2
 
 
 def test_one_role_alone_leaves_the_other_group_untouched() -> None:
