@@ -61,6 +61,14 @@ def at_least_one(value: str) -> int:
     return n
 
 
+def positive_float(value: str) -> float:
+    """An argparse type: a finite number that must be positive (exit 2 with the flag named)."""
+    x = float(value)
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    return x
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """--model, --dtype, --device, --threads, --decode-graphs, --max-num-seqs: what every command that builds an
     engine takes."""

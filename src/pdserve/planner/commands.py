@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.addresses import host_port
 from pdserve.config import MAX_WORKERS_PER_ROLE, RouterConfig
-from pdserve.flags import add_engine_flags, engine_config
+from pdserve.flags import add_engine_flags, engine_config, positive_float
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 if TYPE_CHECKING:
@@ -82,6 +82,12 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
         default=r.max_queued_prefill_tokens,
         help="the router's per-prefill-worker queue bound (admission; priority 0 gets its share)",
     )
+    p.add_argument(
+        "--first-token-timeout-s",
+        type=positive_float,
+        default=r.first_token_timeout_s,
+        help="the router's first-token bound (admission holds every TTFT SLO to it)",
+    )
     p.add_argument("--no-admission", action="store_true", help="simulate a router that sheds nothing")
 
 
@@ -91,7 +97,7 @@ def _admission(args: argparse.Namespace) -> Admission | None:
     if args.no_admission:
         return None
     bound = RouterConfig(max_queued_prefill_tokens=args.max_queued_prefill_tokens).queue_bound(0)
-    return Admission(args.slo_ttft_ms / 1e3, args.slo_headroom, bound)
+    return Admission(args.slo_ttft_ms / 1e3, args.slo_headroom, bound, args.first_token_timeout_s)
 
 
 def _plan(args: argparse.Namespace) -> int:
