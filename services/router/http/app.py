@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Send
 
-from pdserve.errors import InternalError, OverloadedError, UnavailableError
+from pdserve.errors import OverloadedError
 from pdserve.security.quotas import Choices
 from pdserve.telemetry import mark_ended_by
 from pdserve.v1 import generate_pb2 as pb
@@ -30,9 +30,6 @@ from services.router.lifecycle import RequestLifecycle
 from services.router.ticket import Ticket
 
 PREDICTED_TTFT_HEADER = "x-pdserve-predicted-ttft-ms"
-# A choice failing so is the cluster's doing, not the caller's (a choice made to fail on purpose, an id too long
-# for it, keeps the others' tokens spent: its caller would stream them for free).
-CLUSTER_FAILURES = (OverloadedError, UnavailableError, InternalError)
 
 
 def openai_app(lifecycle: RequestLifecycle) -> Starlette:
@@ -183,8 +180,11 @@ class OpenAIAPI:
                 while running:
                     index, item = await queue.get()
                     if isinstance(item, BaseException):
-                        if isinstance(item, CLUSTER_FAILURES) and not (req.stream and sent):
-                            choices.refund()  # the caller got nothing but this error: a retry finds its tokens
+                        # A 429 promises a retry may succeed: with nothing delivered it must find the tokens. (A
+                        # choice failed otherwise, say an id too long for it, keeps them: its caller would stream
+                        # the others for free; lost mid-answer, it keeps them as a request of one choice does.)
+                        if isinstance(item, OverloadedError) and not (req.stream and sent):
+                            choices.refund()
                         raise item
                     if item is None:
                         running -= 1

@@ -47,7 +47,7 @@ class Choices:
     let in. The first choice charges the tokens of all n, so they get in together or not at all (a bucket that let
     in some and refused the next would leave the caller an error for tokens spent); a later one charges nothing.
     What an admitted choice was charged stays spent however the request ends, as any admitted request's does, but
-    for the cluster failing the request before the caller got anything (`refund`, which its front end calls)."""
+    for a later choice shed before the caller got anything (`refund`, which its front end calls)."""
 
     n: int = 1
     charged: bool = False  # the first choice has charged for all n
