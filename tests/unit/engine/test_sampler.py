@@ -288,3 +288,19 @@ def test_a_repetition_penalty_near_zero_still_samples_among_the_tokens_it_favour
     torch.manual_seed(0)
     drawn = Sampler()(logits, params, [None] * 2000, [(np.array([0, 3]), [])] * 2000)
     assert set(drawn.tolist()) == {0, 3}
+
+
+@pytest.mark.parametrize("drawn", [1, 16, 1000])
+def test_a_generator_that_skips_draws_continues_where_one_draw_per_token_would(drawn: int) -> None:
+    """Skipping `drawn` tokens' draws at once (CPU) must leave the generator where `drawn` single draws do, the
+    way the sampler takes them (`_uniforms`): else a migrated seeded stream would sample other tokens."""
+    cpu = torch.device("cpu")
+    one_at_a_time = make_generator(7, cpu)
+    assert one_at_a_time is not None
+    single = torch.empty(1, dtype=torch.float64)
+    for _ in range(drawn):
+        single.uniform_(generator=one_at_a_time)
+    skipped = make_generator(7, cpu, drawn)
+    assert skipped is not None
+    expected = torch.empty(4, dtype=torch.float64).uniform_(generator=one_at_a_time)
+    assert torch.equal(torch.empty(4, dtype=torch.float64).uniform_(generator=skipped), expected)

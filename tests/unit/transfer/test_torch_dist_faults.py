@@ -145,6 +145,27 @@ def test_a_pair_no_sender_claims_is_dropped_with_its_port_and_thread_and_comes_b
         r.close()
 
 
+def test_a_rendezvous_at_the_moment_an_unclaimed_pair_is_given_up_keeps_it() -> None:
+    """The serving thread gives a pair up only under the lock a rendezvous takes: one that refreshed the pair while
+    the thread waited for that lock keeps it (its hand-off's sender will come), and it goes once unclaimed again."""
+    r = TorchDistReceiver(HOST, "cpu", FINGERPRINT, connect_timeout_s=10, store_port=free_port())
+    r.unclaimed_pair_s = 1.0
+    try:
+        r.rendezvous("prefill-racing")
+        pair = r._pairs["prefill-racing"]
+        with r._lock:  # as a rendezvous holds it
+            time.sleep(2.0)  # the serving thread found the pair unclaimed and waits for the lock
+            pair.last_rendezvous = time.monotonic()  # what that rendezvous does before it lets go
+        time.sleep(0.3)  # the serving thread has the lock now, and must not drop a pair refreshed under it
+        assert r._pairs.get("prefill-racing") is pair and pair.error is None
+        end = time.monotonic() + 10
+        while "prefill-racing" in r._pairs:  # a second past the refresh, unclaimed: dropped
+            assert time.monotonic() < end
+            time.sleep(0.05)
+    finally:
+        r.close()
+
+
 def test_recv_needs_a_rendezvous_and_rejects_bad_ids(receiver: TorchDistReceiver) -> None:
     kv = make_caches(4)
     with pytest.raises(TransferError, match="rendezvous"):
