@@ -216,17 +216,39 @@ async def stalled_redis(server: RedisServer, quotas: RedisQuotas) -> AsyncIterat
         await asyncio.sleep(0.05)
 
 
-async def test_a_stream_opened_past_the_budget_leaves_no_slot_behind(server):
-    """Redis stalls while a stream opens: the router falls back on its own limits, and Redis runs the open when it
-    answers. The lease it adds then is removed, so the key's one slot is free again, not held for a lease."""
+async def missing_its_answer(how: str, server: RedisServer, quotas: RedisQuotas, call: Awaitable[object]) -> None:
+    """Redis stalls while `call` runs: the call misses the router's budget ("budget": the router falls back on its
+    own limits) or its caller hangs up first ("cancelled"); either way it reached Redis, which runs it on waking."""
+    async with stalled_redis(server, quotas):
+        task = asyncio.ensure_future(call)
+        if how == "cancelled":
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            await task
+
+
+def quotas_for(how: str, server: RedisServer) -> RedisQuotas:
     with server.client() as c:
         c.flushall()
-    quotas = RedisQuotas(server.url, budget_s=0.05, retry_s=0.1)
-    tenant = Tenant("t", "k", max_concurrent=1)
+    # "cancelled": the caller, not the budget, gives up.
+    return RedisQuotas(server.url, budget_s=2.0) if how == "cancelled" else RedisQuotas(server.url, 0.05, retry_s=0.1)
+
+
+@pytest.mark.parametrize("how", ["budget", "cancelled"])
+async def test_a_stream_open_that_missed_its_answer_leaves_no_slot_behind(server, how: str):
+    """The lease Redis adds when it runs the open is removed, so the key's one slot is free again, not held for a
+    lease no router renews."""
+    quotas, tenant = quotas_for(how, server), Tenant("t", "k", max_concurrent=1)
+
+    async def open_and_close() -> None:
+        (await quotas.open_stream(tenant))()
+
     try:
         assert await admitted(quotas, tenant)  # as in a running router: its connection made, its scripts loaded
-        async with stalled_redis(server, quotas), quotas.session(tenant):  # past the budget: counted here
-            pass
+        await missing_its_answer(how, server, quotas, open_and_close())
         with server.client() as c:
             assert c.zcard(f"pdserve:quota:{tenant.key_name}:streams") == 0
         assert await admitted(quotas, tenant)
@@ -234,20 +256,16 @@ async def test_a_stream_opened_past_the_budget_leaves_no_slot_behind(server):
         await quotas.close()
 
 
-async def test_tokens_taken_past_the_budget_are_charged_once_by_this_routers_own_count(server):
-    """Redis stalls while a request's tokens are charged: the router charges them against its own limits, and
-    Redis runs the take when it answers. Those tokens come back there, so the key is not charged twice."""
-    with server.client() as c:
-        c.flushall()
-    quotas = RedisQuotas(server.url, budget_s=0.05, retry_s=0.1)
-    tenant = Tenant("t", "k", tokens_per_minute=600)
+@pytest.mark.parametrize("how", ["budget", "cancelled"])
+async def test_a_token_take_that_missed_its_answer_is_given_back_in_redis(server, how: str):
+    """Past the budget the router charged the tokens against its own limits; cancelled, the request was never
+    admitted: either way the take Redis runs on waking is given back, so the key is not charged for them there."""
+    quotas, tenant = quotas_for(how, server), Tenant("t", "k", tokens_per_minute=600)
     try:
         async with quotas.session(tenant) as s:  # as in a running router: its connection made, its scripts loaded
             await s.charge_tokens(1)
             s.admitted()
-        async with stalled_redis(server, quotas), quotas.session(tenant) as s:  # past the budget: charged here
-            await s.charge_tokens(500)
-            s.admitted()
+        await missing_its_answer(how, server, quotas, quotas.take_tokens(tenant, 500))
         with server.client() as c:
             level = float(c.hget(f"pdserve:quota:{tenant.key_name}:tokens", "level"))
         assert level > 590  # 599 when the 1 was taken, refilling at 10 a second; 99 if the 500 stayed charged
@@ -267,48 +285,5 @@ async def test_a_take_that_reaches_redis_after_its_abandon_charges_nothing(serve
         with server.client() as c:
             assert c.exists(keys[0]) == 0  # never written: a full bucket
             assert c.get(keys[1]) == b"abandoned"
-    finally:
-        await quotas.close()
-
-
-async def _cancelled_while_redis_stalls(server: RedisServer, quotas: RedisQuotas, call: Awaitable[object]) -> None:
-    """`call` starts while Redis sleeps, within the budget, and its caller hangs up before the answer: the call
-    reaches Redis, which runs it when it wakes."""
-    async with stalled_redis(server, quotas):
-        task = asyncio.ensure_future(call)
-        await asyncio.sleep(0.1)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-
-async def test_a_stream_cancelled_while_redis_answers_leaves_no_slot_behind(server):
-    with server.client() as c:
-        c.flushall()
-    quotas = RedisQuotas(server.url, budget_s=2.0)  # the caller, not the budget, gives up
-    tenant = Tenant("t", "k", max_concurrent=1)
-    try:
-        assert await admitted(quotas, tenant)
-        await _cancelled_while_redis_stalls(server, quotas, quotas.open_stream(tenant))
-        with server.client() as c:
-            assert c.zcard(f"pdserve:quota:{tenant.key_name}:streams") == 0
-        assert await admitted(quotas, tenant)
-    finally:
-        await quotas.close()
-
-
-async def test_tokens_cancelled_while_redis_answers_come_back(server):
-    with server.client() as c:
-        c.flushall()
-    quotas = RedisQuotas(server.url, budget_s=2.0)
-    tenant = Tenant("t", "k", tokens_per_minute=600)
-    try:
-        async with quotas.session(tenant) as s:
-            await s.charge_tokens(1)
-            s.admitted()
-        await _cancelled_while_redis_stalls(server, quotas, quotas.take_tokens(tenant, 500))
-        with server.client() as c:
-            level = float(c.hget(f"pdserve:quota:{tenant.key_name}:tokens", "level"))
-        assert level > 590  # 99 if the 500 stayed charged
     finally:
         await quotas.close()
