@@ -8,9 +8,9 @@ import grpc
 
 from pdserve.errors import UnavailableError
 from pdserve.protocol.handoff import FirstToken, KVTarget
+from pdserve.rpc.channel_pool import ChannelPool
 from pdserve.rpc.convert import logprobs_from_pb, sampling_to_pb
 from pdserve.rpc.errors import error_from_rpc
-from pdserve.rpc.server import internal_channel
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
@@ -52,11 +52,10 @@ class PrefillCall:
 
 
 class PrefillClient:
-    """One channel per prefill worker, kept for the worker's life."""
+    """Calls prefill workers over one channel each, closed once idle (`ChannelPool`)."""
 
     def __init__(self, telemetry: Telemetry) -> None:
-        self._telemetry = telemetry
-        self._stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
+        self._channels = ChannelPool(worker_pb2_grpc.PrefillWorkerStub, telemetry.client_interceptors())
 
     def prefill(
         self,
@@ -82,10 +81,4 @@ class PrefillClient:
             layout=wpb.KVLayout(model_fingerprint=target.model_fingerprint, block_size=target.block_size),
             transfer_timeout_ms=max(1, int(transfer_timeout_s * 1e3)),
         )
-        return PrefillCall(self._stub(address).Prefill(request, timeout=timeout_s), address)
-
-    def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
-        if address not in self._stubs:
-            ch = internal_channel(address, self._telemetry.client_interceptors())
-            self._stubs[address] = worker_pb2_grpc.PrefillWorkerStub(ch)
-        return self._stubs[address]
+        return PrefillCall(self._channels.call(address, lambda stub: stub.Prefill(request, timeout=timeout_s)), address)

@@ -12,10 +12,10 @@ from opentelemetry import trace
 
 from pdserve.errors import UnavailableError
 from pdserve.metrics import RecentLatencies, RouterMetrics
+from pdserve.rpc.channel_pool import ChannelPool
 from pdserve.rpc.convert import sampling_to_pb
 from pdserve.rpc.errors import error_from_rpc
 from pdserve.rpc.metadata import HANDOFF_STARTED_KEY
-from pdserve.rpc.server import internal_channel
 from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
@@ -54,7 +54,7 @@ class Relay:
         self.calibration = calibration  # learns from the TTFTs of requests that ran alone
         self.first_token_s = first_token_s
         self.stall_s = stall_s  # the longest silence after the first message (services/router/stall.py)
-        self._stubs: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
+        self.channels = ChannelPool(worker_pb2_grpc.DecodeWorkerStub, telemetry.client_interceptors())
         self.cluster = ClusterSecret.from_env()  # grants the decode worker the prefill address placed
 
     async def stream(
@@ -75,7 +75,7 @@ class Relay:
             resumed_output_tokens=req.resumed_output_tokens,
         )
         ticket.dispatched_at = time.perf_counter()
-        call = self._stub(p.decode.address).Generate(forward, timeout=time_remaining)
+        call = self.channels.call(p.decode.address, lambda stub: stub.Generate(forward, timeout=time_remaining))
         try:
             msg = await self._first(call, ticket, time_remaining)
             while msg is not grpc.aio.EOF:
@@ -162,12 +162,6 @@ class Relay:
             self.metrics.tpot.record(tpot_s)
             self.recent.add(ticket.placement.decode.worker_id, "tpot", tpot_s)
         trace.get_current_span().set_attribute("completion_tokens", clock.completion_tokens)
-
-    def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
-        if address not in self._stubs:
-            ch = internal_channel(address, self.telemetry.client_interceptors())
-            self._stubs[address] = worker_pb2_grpc.DecodeWorkerStub(ch)
-        return self._stubs[address]
 
 
 async def _handoff_started(call: grpc.aio.UnaryStreamCall) -> bool:

@@ -4,12 +4,14 @@ and its listeners: gRPC always, the OpenAI-compatible HTTP API when asked, both 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from pdserve.config import RouterConfig
 from pdserve.engine.model_files import locate_model, read_model_config, tokenizer_folder
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.registry.base import PrefixIndex, Registry
 from pdserve.registry.redis import RedisRegistry
+from pdserve.rpc.channel_pool import ChannelPool
 from pdserve.rpc.credentials import server_tls
 from pdserve.rpc.server import Server
 from pdserve.security.api_keys import KeyTable
@@ -32,13 +34,21 @@ log = logging.getLogger(__name__)
 
 class RouterServer:
     """The router's listeners, drained and stopped together (then the background work of its quotas and admitted
-    totals): the launcher sees one server."""
+    totals, and its channels to decode workers): the launcher sees one server."""
 
-    def __init__(self, grpc_server: Server, http: HttpServer | None, quotas: Quotas, admitted: ClusterAdmitted) -> None:
+    def __init__(
+        self,
+        grpc_server: Server,
+        http: HttpServer | None,
+        quotas: Quotas,
+        admitted: ClusterAdmitted,
+        decode_channels: ChannelPool[Any],
+    ) -> None:
         self.grpc = grpc_server
         self.http = http
         self.quotas = quotas
         self.admitted = admitted
+        self.decode_channels = decode_channels
         self.address = grpc_server.address
         self.port = grpc_server.port
 
@@ -52,6 +62,7 @@ class RouterServer:
         await self.grpc.stop(grace_s)
         await self.quotas.close()
         await self.admitted.close()
+        await self.decode_channels.close()
 
     async def wait(self) -> None:
         await self.grpc.wait()
@@ -102,7 +113,7 @@ async def start_router(
         await http.start()
     admitted.start()
     await server.set_serving(True)
-    return RouterServer(server, http, quotas, admitted), lifecycle
+    return RouterServer(server, http, quotas, admitted, lifecycle.relay.channels), lifecycle
 
 
 def _quotas(registry: Registry, config: RouterConfig) -> Quotas:

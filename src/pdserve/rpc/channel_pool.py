@@ -1,0 +1,88 @@
+"""One channel per worker address, closed once it has carried no call for a while.
+
+Workers come and go at new addresses (Ray restarts a worker on a new port, scaling adds and removes them), so a
+router or decode worker that kept every channel it ever opened would hold one per address it ever called, for
+its whole life. A channel with a call in flight is never closed (closing it would cancel the call); the next
+call to a closed channel's address opens a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+from pdserve.rpc.server import internal_channel
+
+IDLE_CLOSE_S = 300.0  # far above a worker's gaps between calls under load, far below a cluster's lifetime
+
+StubT = TypeVar("StubT")
+CallT = TypeVar("CallT", bound=grpc.aio.Call)
+
+
+@dataclass
+class _Channel(Generic[StubT]):
+    channel: grpc.aio.Channel
+    stub: StubT
+    calls: int
+    idle_since: float
+
+
+class ChannelPool(Generic[StubT]):
+    """Stubs of one service by worker address, for the calls `call` starts."""
+
+    def __init__(
+        self,
+        make_stub: Callable[[grpc.aio.Channel], StubT],
+        interceptors: Sequence[Any] = (),
+        idle_close_s: float = IDLE_CLOSE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._make_stub = make_stub
+        self._interceptors = interceptors
+        self._idle_close_s = idle_close_s
+        self._clock = clock
+        self._channels: dict[str, _Channel[StubT]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def call(self, address: str, start: Callable[[StubT], CallT]) -> CallT:
+        """The call `start` makes on the address's stub; the channel counts it until it ends."""
+        self._close_idle(keep=address)
+        entry = self._channels.get(address)
+        if entry is None:
+            channel = internal_channel(address, self._interceptors)
+            entry = self._channels[address] = _Channel(channel, self._make_stub(channel), 0, self._clock())
+        call = start(entry.stub)
+        entry.calls += 1
+        try:
+            call.add_done_callback(lambda _: self._ended(entry))
+        except NotImplementedError:  # an interceptor answered without a call: nothing is in flight
+            self._ended(entry)
+        return call
+
+    @property
+    def addresses(self) -> list[str]:
+        """The addresses with an open channel."""
+        return list(self._channels)
+
+    async def close(self) -> None:
+        """Closes every channel (cancelling calls still in flight) and waits for those closing."""
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(entry.channel.close() for entry in channels), *self._closing)
+
+    def _ended(self, entry: _Channel[StubT]) -> None:
+        entry.calls -= 1
+        entry.idle_since = self._clock()
+
+    def _close_idle(self, keep: str) -> None:
+        now = self._clock()
+        for address, entry in list(self._channels.items()):
+            if address != keep and entry.calls == 0 and now - entry.idle_since >= self._idle_close_s:
+                del self._channels[address]
+                task = asyncio.get_running_loop().create_task(entry.channel.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
