@@ -83,6 +83,9 @@ def _listen(host: str, first_port: int) -> socket.socket:
 
     def listen(port: int) -> socket.socket:
         sock = socket.socket(family, socket.SOCK_STREAM)
+        # A restarted decode worker takes its fixed port back at once, past its predecessor's closed connections
+        # (TIME_WAIT); a port another process listens on stays refused.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
             sock.listen(16)
@@ -106,6 +109,16 @@ def _split_address(address: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"rendezvous must be host:port, got {address!r}")
     return host.strip("[]"), int(port)
+
+
+def listening(address: str, timeout_s: float) -> bool:
+    """Whether anything accepts a connection at `address` now: tells a decode worker that restarted at the address
+    of its predecessor (its store listens there again) from one that is gone (refused at once)."""
+    try:
+        with socket.create_connection(_split_address(address), timeout=max(timeout_s, 0.001)):
+            return True
+    except OSError:
+        return False
 
 
 def claim_store(address: str, mine: str, deadline: float, name: str) -> tuple[dist.TCPStore, str, str]:

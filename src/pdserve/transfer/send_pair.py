@@ -58,7 +58,6 @@ class SendPair:
         """Header, data, then the receiver's status (code, detail). There is no "go" round trip before the data:
         on a busy host each extra wake-up costs up to a scheduler tick."""
         g = self.group
-        self._check_peer()
         header = Header.for_transfer(tag, blocks.n, layout, timeout_s, blocks.runs(MAX_SEGMENTS))
         header_work = g.ctrl_op(True, header.encode(secret))
         in_flight = send_messages(
@@ -69,7 +68,7 @@ class SendPair:
             g.wait_data(in_flight[-1], deadline)
         return g.recv_status(deadline)
 
-    def _check_peer(self) -> None:
+    def check_peer(self) -> None:
         """One store round trip (~0.2 ms). gloo does not always notice a decode worker that died while the pair
         sat idle: the header's send then waits out the whole transfer timeout (seen under load). The store the
         decode worker serves fails at once instead."""

@@ -38,7 +38,7 @@ from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.pair_group import PairGroup, as_transfer_error, error_summary, gloo_device, time_left
 from pdserve.transfer.pipeline import Staging, receive_messages
 from pdserve.transfer.recv_pair import Pending, RecvPair, check_header
-from pdserve.transfer.rendezvous import device_info
+from pdserve.transfer.rendezvous import device_info, listening
 from pdserve.transfer.send_pair import SendPair, rejection
 from pdserve.transfer.wire import HEADER_LEN, OK, Header, check_tag
 
@@ -110,12 +110,8 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
         if blocks.n == 0:
             return 0  # the receiver short-circuits an empty transfer the same way
         deadline = time.monotonic() + timeout_s
-        pair = self._pair(rendezvous, deadline)
-        if not pair.lock.acquire(timeout=max(time_left(deadline), 0)):
-            raise TransferTimeoutError(f"tag {tag}: timed out waiting for earlier transfers to {rendezvous}")
+        pair = self._answering_pair(rendezvous, tag, deadline)
         try:
-            if pair.broken:
-                raise PeerLostError(f"decode side {rendezvous}: pair dropped by a concurrent failure")
             code, detail = pair.transfer(
                 tag, kv_caches, blocks, layout, deadline, timeout_s, self.pipeline_bytes, self.secret
             )
@@ -129,6 +125,31 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
         if code == OK:
             return layout.bytes_for(blocks.n)
         raise rejection(code, detail, f"decode side {rendezvous} rejected tag {tag}", layout, blocks.n)
+
+    def _answering_pair(self, rendezvous: str, tag: int, deadline: float) -> SendPair:
+        """The pair for `rendezvous`, locked for one transfer, its decode side checked alive (one store round trip:
+        gloo does not always notice a decode worker that died while the pair sat idle). A pair whose decode process
+        is gone is dropped; when a new process listens at its address (a decode worker restarted on a fixed
+        transfer port) the pair connects to it, else the send fails at once."""
+        pair = self._locked_pair(rendezvous, tag, deadline)
+        try:
+            pair.check_peer()
+            return pair
+        except PeerLostError:
+            self._drop(pair)
+            pair.lock.release()
+            if not listening(rendezvous, min(time_left(deadline), self.connect_timeout_s)):
+                raise
+        return self._locked_pair(rendezvous, tag, deadline)
+
+    def _locked_pair(self, rendezvous: str, tag: int, deadline: float) -> SendPair:
+        pair = self._pair(rendezvous, deadline)
+        if not pair.lock.acquire(timeout=max(time_left(deadline), 0)):
+            raise TransferTimeoutError(f"tag {tag}: timed out waiting for earlier transfers to {rendezvous}")
+        if pair.broken:
+            pair.lock.release()
+            raise PeerLostError(f"decode side {rendezvous}: pair dropped by a concurrent failure")
+        return pair
 
     def _pair(self, rendezvous: str, deadline: float) -> SendPair:
         """The live pair for `rendezvous`, connecting it first; one thread connects, the others wait for it."""
@@ -154,9 +175,26 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
                     p.close()
                 self._pairs[rendezvous] = pair
                 self._connecting.pop(rendezvous, None)  # waiters find the pair; on failure they retry
+            threading.Thread(target=self._drop_dead_pairs, args=(pair,), name="kv-send-prune", daemon=True).start()
             return pair
         finally:
             connecting.release()
+
+    def _drop_dead_pairs(self, new: SendPair) -> None:
+        """Drops the pairs of decode processes that are gone. A new pair means a decode worker joined or restarted,
+        at a new address: nothing sends to its predecessor's again, whose pair (a process group, its sockets and
+        thread) would otherwise stay for this worker's life. A pair busy with a transfer is alive or finds out."""
+        with self._lock:
+            pairs = [p for p in self._pairs.values() if p is not new]
+        for pair in pairs:
+            if not pair.lock.acquire(blocking=False):
+                continue
+            try:
+                pair.check_peer()
+            except PeerLostError:
+                self._drop(pair)
+            finally:
+                pair.lock.release()
 
     def _drop(self, pair: SendPair) -> None:
         with self._lock:

@@ -238,8 +238,8 @@ def test_sender_stalled_mid_transfer_times_out_and_drops_the_pair(receiver: Torc
     assert peer.call(op="send", rendezvous=new_rendezvous, tag=71, seed=3, ids=[0, 4, 7]) == {"nbytes": r.join()}
 
 
-def _receiver_main(conn: Connection) -> None:
-    r = TorchDistReceiver(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+def _receiver_main(conn: Connection, store_port: int = 0) -> None:
+    r = TorchDistReceiver(HOST, "cpu", FINGERPRINT, connect_timeout_s=10, store_port=store_port)
     conn.send_bytes(r.rendezvous("prefill-test").encode())
     while True:
         cmd = json.loads(conn.recv_bytes())
@@ -272,3 +272,64 @@ def test_killed_receiver_fails_send_at_once() -> None:
         s.close()
         if proc.is_alive():
             proc.kill()
+
+
+class _ReceiverProcess:
+    """A decode side in its own process, receiving what the test asks for; `kill` is a crash."""
+
+    def __init__(self, store_port: int = 0) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_receiver_main, args=(child, store_port), daemon=True)
+        self.proc.start()
+        assert self.conn.poll(30)
+        self.rendezvous = self.conn.recv_bytes().decode()
+
+    def expect(self, tag: int) -> None:
+        self.conn.send_bytes(json.dumps({"tag": tag, "ids": [0, 1]}).encode())
+        time.sleep(0.2)  # the recv is posted before the send starts
+
+    def received(self) -> int:
+        assert self.conn.poll(30)
+        return json.loads(self.conn.recv_bytes())["nbytes"]
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            assert self.proc.pid is not None
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.join(10)
+
+
+def test_a_receiver_restarted_at_its_address_takes_the_next_send_and_dead_receivers_pairs_go() -> None:
+    """A decode worker restarted on its fixed transfer port: the prefill side's pair with the dead process fails
+    its liveness check, and the send connects to the new one instead of failing. A decode worker restarted at
+    another address: the dead one's pair is dropped once the new pair connects."""
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        port = probe.getsockname()[1]
+    s = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+    kv = make_caches(8)
+    receivers = [_ReceiverProcess(port)]
+    try:
+        receivers[0].expect(1)
+        assert s.send(receivers[0].rendezvous, 1, kv, [2, 3], 10) == receivers[0].received()
+        receivers[0].kill()
+
+        receivers.append(_ReceiverProcess(port))
+        assert receivers[1].rendezvous == receivers[0].rendezvous  # its port back at once
+        receivers[1].expect(2)
+        assert s.send(receivers[1].rendezvous, 2, kv, [2, 3], 10) == receivers[1].received()
+        receivers[1].kill()
+
+        receivers.append(_ReceiverProcess())
+        assert receivers[2].rendezvous != receivers[1].rendezvous
+        receivers[2].expect(3)
+        assert s.send(receivers[2].rendezvous, 3, kv, [2, 3], 10) == receivers[2].received()
+        deadline = time.monotonic() + 10
+        while list(s._pairs) != [receivers[2].rendezvous] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(s._pairs) == [receivers[2].rendezvous]
+    finally:
+        s.close()
+        for receiver in receivers:
+            receiver.kill()
