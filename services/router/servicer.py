@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+from grpc._cython import cygrpc
 
 from pdserve.rpc.metadata import PREDICTED_TTFT_KEY
 from pdserve.v1 import generate_pb2 as pb
@@ -23,8 +25,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         async def send_prediction(ticket: Ticket) -> None:
             predicted_ms = round(ticket.placement.predicted_ttft_s * 1e3)
-            await context.send_initial_metadata(((PREDICTED_TTFT_KEY, str(predicted_ms)),))
+            await send_initial_metadata(context, ((PREDICTED_TTFT_KEY, str(predicted_ms)),))
 
         headers = {m.key: m.value for m in context.invocation_metadata() or () if isinstance(m.value, str)}
         async for msg in generate(self.lifecycle, request, headers, context.time_remaining, send_prediction):
             yield msg
+
+
+async def send_initial_metadata(context: grpc.aio.ServicerContext, metadata: tuple[tuple[str, str], ...]) -> None:
+    """Sends it, or, when the caller already left (cancelled, or its deadline passed, while it was being admitted),
+    ends the request as cancelled: gRPC's own error there would read as a bug of ours and count as failed. The
+    context's done() and cancelled() still say False then; the failed send is what tells."""
+    try:
+        await context.send_initial_metadata(metadata)
+    except cygrpc.ExecuteBatchError:  # the call's transport is gone: grpc.aio has no public type for it
+        raise asyncio.CancelledError("the caller left before its admission was answered") from None
