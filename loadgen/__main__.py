@@ -9,15 +9,16 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
 from loadgen.client import BACKENDS
 from loadgen.metrics import GoodputSLO
-from loadgen.workload import DATASETS, WorkloadConfig
+from loadgen.workload import DATASETS, WorkloadConfig, read_trace
 from pdserve.addresses import host_port
 from pdserve.config import EngineConfig
-from pdserve.flags import from_flags
+from pdserve.flags import at_least_one, from_flags, positive_float
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 
@@ -68,8 +69,8 @@ def _bench_parser() -> argparse.ArgumentParser:
         default=None,
         help="requests per second, inf = all at once (default); a comma list (0.5,1,2,4) runs each in turn",
     )
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
-    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=at_least_one, default=None, help="requests in flight at most")
     p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLO bounds: ttft:MS tpot:MS e2el:MS")
     p.add_argument(
         "--send-slo", action="store_true", help="send the ttft/tpot bounds with each request (router admission)"
@@ -114,16 +115,21 @@ def _bench(args: argparse.Namespace) -> int:
             slo=GoodputSLO.parse(args.goodput),
             credentials=client_credentials(args),
         )
+        if workload.trace is not None:
+            read_trace(workload.trace)  # a bad trace is a usage error now, not a traceback once the cluster answered
     except (ValueError, OSError, RuntimeError) as e:  # bad flags, or a model whose vocabulary cannot be read
         errors.print(f"loadgen: {e}", style="red")
         return 2
+
+    def save(results: list[dict[str, Any]]) -> None:
+        if args.result_json:
+            write_results(args.result_json, results)
+
     try:
-        results = run_benchmark(config, console)
+        results = run_benchmark(config, console, save)
     except (ClusterCheckFailed, TimeoutError) as e:
         errors.print(f"loadgen: {str(e) or 'no answer from ' + address}", style="red")
         return 1
-    if args.result_json:
-        write_results(args.result_json, results)
     if args.plot_dir:
         _plot(console, args.plot_dir, {args.result_json.stem if args.result_json else "run": results})
     return 0

@@ -67,7 +67,7 @@ def make_backend(config: BenchmarkConfig) -> Backend:
         config.endpoint,
         {k: v for k, v in bounds.items() if v} if config.send_slo else None,
         _detokenizer(config.model) if chat else None,
-        config.credentials.api_key if config.credentials else None,
+        config.credentials,
     )
 
 
@@ -79,8 +79,11 @@ def _detokenizer(model: str) -> Callable[[list[int]], str]:
     return Tokenizer(tokenizer_folder(resolve_model(model))).decode
 
 
-def run_benchmark(config: BenchmarkConfig, console: Console) -> list[dict[str, Any]]:
-    """One result per rate. Each run draws fresh prompts from (seed, run index): same seed, same benchmark."""
+def run_benchmark(
+    config: BenchmarkConfig, console: Console, on_result: Callable[[list[dict[str, Any]]], None] = lambda _: None
+) -> list[dict[str, Any]]:
+    """One result per rate. Each run draws fresh prompts from (seed, run index): same seed, same benchmark.
+    `on_result` gets the results so far after each rate (a sweep stopped midway keeps the rates it ran)."""
     client = Client(make_backend(config), config.max_concurrency)
     check_rng = np.random.default_rng([config.seed, len(config.request_rates)])
     check = build_workload(replace(config.workload, num_prompts=1), check_rng)[0]
@@ -102,6 +105,7 @@ def run_benchmark(config: BenchmarkConfig, console: Console) -> list[dict[str, A
         result = build_result(config, rate, records, duration_s)
         console.print(summary_table(result))
         results.append(result)
+        on_result(results)
     return results
 
 

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
-from loadgen.record import EMPTY_STREAM, OK, RequestRecord
+from loadgen.record import CLIENT_ERROR, EMPTY_STREAM, OK, RequestRecord
 from loadgen.workload import Request
 
 # grpc.aio starts cancelling calls when too many are in flight on one channel (measured: 2,000 unbounded
@@ -53,7 +53,10 @@ class Client:
                     record.start_s = time.perf_counter() - start
                     if self.bound_is_ours:
                         record.wait_s = max(0.0, record.start_s - record.scheduled_s)
-                    await send(req, record)
+                    try:
+                        await send(req, record)
+                    except Exception as e:  # the client's own (a malformed event, a transport error): this one fails
+                        record.status, record.error = CLIENT_ERROR, f"{type(e).__name__}: {e}"
                 if record.status == OK and not record.output_tokens:
                     record.status, record.error = EMPTY_STREAM, "the stream ended without a token"
                 on_done(record)

@@ -2,15 +2,19 @@
 over HTTP, streamed as Server-Sent Events, sent as `vllm bench serve` sends them: temperature 0, ignore_eos,
 stream_options.include_usage.
 
-Timing follows vLLM's: each SSE chunk that carries output (completions: any chunk with a choice; chat: a
-non-empty content delta, so a role-only opener is not a first token) is one streamed message of one token.
-The final usage chunk's completion_tokens then corrects the count, on the last message, wherever a server
-packs several tokens into one chunk. Chat prompts are the workload's token ids decoded to text, so the
-server's chat template and tokenizer make the prompt's exact length."""
+Timing follows vLLM's: each SSE chunk with a choice is one streamed message of one token, whatever its text
+(a chat delta's content is empty while a multi-byte character is incomplete, and on the chunk with the
+finish_reason), except a chat opener that names the role and carries no content field at all. The final usage
+chunk's completion_tokens then corrects the count, on the last message, wherever a server packs several tokens
+into one chunk. Chat prompts are the workload's token ids decoded to text, so the server's chat template and
+tokenizer make the prompt's exact length. Each stream is read to its end, past `[DONE]`, so its connection goes
+back to the pool: a connection closed instead would put the next request's connect (and TLS handshake) into its
+TTFT."""
 
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,6 +27,7 @@ import httpx2
 from loadgen.client import Send
 from loadgen.record import RequestRecord
 from loadgen.workload import Request
+from pdserve.rpc.credentials import ClientCredentials
 
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 # HTTP statuses as the gRPC code names the records and summaries count (429: shed, as RESOURCE_EXHAUSTED).
@@ -56,13 +61,21 @@ class OpenAIBackend:
     endpoint: str | None = None  # default: ENDPOINTS for the backend
     slo: dict[str, float] | None = None  # pdserve's `slo` extension, sent when set
     detokenize: Callable[[list[int]], str] | None = None  # chat: the prompt ids as text
-    api_key: str | None = None  # sent as `Authorization: Bearer KEY` when set
+    credentials: ClientCredentials | None = None  # the API key (`Authorization: Bearer KEY`), TLS CA, client cert
 
     @asynccontextmanager
     async def session(self, max_in_flight: int) -> AsyncIterator[Send]:
         limits = httpx2.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
-        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else None
-        async with httpx2.AsyncClient(base_url=self.base_url, timeout=None, limits=limits, headers=headers) as http:
+        creds = self.credentials or ClientCredentials()
+        headers = {"authorization": f"Bearer {creds.api_key}"} if creds.api_key else None
+        verify: ssl.SSLContext | bool = True
+        if creds.tls_ca:
+            verify = ssl.create_default_context(cafile=creds.tls_ca)
+            if creds.tls_cert:
+                verify.load_cert_chain(creds.tls_cert, creds.tls_key)
+        async with httpx2.AsyncClient(
+            base_url=self.base_url, timeout=None, limits=limits, headers=headers, verify=verify
+        ) as http:
             yield partial(self._stream, http)
 
     def payload(self, req: Request) -> dict[str, Any]:
@@ -84,7 +97,8 @@ class OpenAIBackend:
         sent = time.perf_counter()
         usage_tokens = None
         try:
-            async with http.stream("POST", url, json=self.payload(req)) as response:
+            extensions = {"sni_hostname": server_name} if (server_name := self._server_name()) else None
+            async with http.stream("POST", url, json=self.payload(req), extensions=extensions) as response:
                 if response.status_code != 200:
                     _failed(record, response.status_code, (await response.aread()).decode(errors="replace"))
                     return
@@ -103,20 +117,27 @@ class OpenAIBackend:
             return
         _fit_tokens(record, usage_tokens)
 
+    def _server_name(self) -> str | None:
+        """The name the server's certificate must carry when it is not the host dialled."""
+        return self.credentials.server_name if self.credentials and self.credentials.tls_ca else None
+
     def _carries_output(self, chunk: dict[str, Any]) -> bool:
         choices = chunk.get("choices")
         if not choices:
             return False
-        return bool(choices[0].get("delta", {}).get("content")) if self.chat else True
+        delta = choices[0].get("delta", {}) if self.chat else {}
+        return not ("role" in delta and "content" not in delta and not choices[0].get("finish_reason"))
 
 
 async def _events(response: httpx2.Response) -> AsyncIterator[dict[str, Any]]:
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
+    done = False
+    async for line in response.aiter_lines():  # to the end of the body: the connection then goes back to the pool
+        if done or not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
-            return
+            done = True
+            continue
         yield json.loads(data)
 
 

@@ -12,6 +12,7 @@ matplotlib.use("Agg")  # files only: no display here, and none wanted
 import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
 import numpy as np  # noqa: E402
 
+from loadgen.record import OK  # noqa: E402
 from loadgen.report import rate_label  # noqa: E402
 
 Series = dict[str, list[dict[str, Any]]]  # label -> runs (one per request rate)
@@ -28,11 +29,18 @@ def write_plots(plot_dir: Path, series: Series) -> list[Path]:
     return written
 
 
+def completed_values(run: dict[str, Any], metric: str) -> np.ndarray:
+    """The metric's values (ms) of the run's completed requests, sorted: what the summary's percentiles count (a
+    request that failed after its first token has a TTFT, but is no completed request)."""
+    completed = [r[f"{metric}_ms"] for r in run["requests"] if r["status"] == OK]
+    return np.sort([v for v in completed if v is not None])
+
+
 def _cdf(path: Path, series: Series, metric: str) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, runs in series.items():
         for run in runs:
-            values = np.sort([r[f"{metric}_ms"] for r in run["requests"] if r[f"{metric}_ms"] is not None])
+            values = completed_values(run, metric)
             if len(values):
                 fraction = np.arange(1, len(values) + 1) / len(values)
                 ax.step(values, fraction, where="post", label=f"{label} @ {rate_label(run)}")

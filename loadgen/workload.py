@@ -8,8 +8,10 @@ turn a later rate's prefills into cache hits.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -121,9 +123,7 @@ def _prefix_repetition(c: WorkloadConfig, rng: np.random.Generator) -> list[Requ
 def _trace(c: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
     """Mooncake-format JSONL replayed from its first timestamp; equal hash ids give equal prompt blocks."""
     assert c.trace is not None
-    lines = [json.loads(line) for line in c.trace.read_text().splitlines() if line.strip()][: c.num_prompts]
-    if not lines:
-        raise ValueError(f"trace {c.trace} holds no requests")
+    lines = read_trace(c.trace)[: c.num_prompts]
     start_ms = min(line["timestamp"] for line in lines)
     seed = int(rng.integers(2**63))  # one seed for the whole trace, so a hash id means one block everywhere
     requests = []
@@ -134,4 +134,33 @@ def _trace(c: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
         n = line["input_length"]
         prompt = prompt[:n] + _tokens(rng, max(0, n - len(prompt)), c.vocab_size)
         requests.append(Request(prompt, line["output_length"], (line["timestamp"] - start_ms) / 1e3))
+    return requests
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """The trace's requests, each checked (ValueError naming the line): a timestamp, an input_length and an
+    output_length of at least one token (a server would read max_tokens 0 as its own default), hash ids."""
+    requests = []
+    for number, text in enumerate(path.read_text().splitlines(), 1):
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+            ok = (
+                isinstance(line, dict)
+                and isinstance(line.get("timestamp"), int | float)
+                and math.isfinite(line["timestamp"])
+                and all(isinstance(line.get(k), int) and line[k] >= 1 for k in ("input_length", "output_length"))
+                and all(isinstance(h, int) for h in line.get("hash_ids", []))
+            )
+        except (ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"trace {path}, line {number}: expected a JSON object with a timestamp (ms), input_length and "
+                f"output_length of at least 1, and optional integer hash_ids, got {text[:200]!r}"
+            )
+        requests.append(line)
+    if not requests:
+        raise ValueError(f"trace {path} holds no requests")
     return requests

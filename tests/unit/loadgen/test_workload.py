@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from loadgen.workload import FIRST_TOKEN_ID, TRACE_BLOCK_TOKENS, WorkloadConfig, build_workload
+from loadgen.workload import FIRST_TOKEN_ID, TRACE_BLOCK_TOKENS, WorkloadConfig, build_workload, read_trace
 
 
 def build(**kw):
@@ -79,3 +79,21 @@ def test_trace_replays_timestamps_lengths_and_shared_blocks(tmp_path):
 def test_bad_configs_are_refused(kw):
     with pytest.raises(ValueError):
         WorkloadConfig(**kw)
+
+
+@pytest.mark.parametrize(
+    ("line", "what"),
+    [
+        ({"timestamp": 0, "input_length": 5}, "no output_length"),
+        ({"timestamp": 0, "input_length": 5, "output_length": 0}, "max_tokens 0 reads as the server's default"),
+        ({"timestamp": "soon", "input_length": 5, "output_length": 2}, "a timestamp that is no number"),
+        ({"timestamp": 0, "input_length": 5, "output_length": 2, "hash_ids": ["a"]}, "a hash id that is no int"),
+        ("{not json", "not JSON"),
+    ],
+)
+def test_a_bad_trace_line_is_refused_naming_the_line(tmp_path, line, what):
+    good = {"timestamp": 0, "input_length": 5, "output_length": 2}
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps(good) + "\n" + (line if isinstance(line, str) else json.dumps(line)) + "\n")
+    with pytest.raises(ValueError, match="line 2"):
+        read_trace(trace)

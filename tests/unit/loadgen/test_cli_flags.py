@@ -1,0 +1,40 @@
+"""loadgen's bad flags and traces are usage errors (exit 2, the flag or line named) before anything is sent;
+its CDF plots count the requests its percentiles count."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadgen.__main__ import main
+from loadgen.benchmark import BenchmarkConfig, build_result
+from loadgen.plots import completed_values
+from loadgen.record import RequestRecord
+from loadgen.workload import WorkloadConfig
+
+UNREACHABLE = ["--addr", "127.0.0.1:1", "--model", "tiny-random"]  # nothing listens: a run would fail with 1
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--burstiness", "nan"], ["--burstiness", "0"], ["--max-concurrency", "0"], ["--max-concurrency", "-1"]],
+)
+def test_bad_arrival_flags_exit_2_naming_the_flag(flags, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([*UNREACHABLE, *flags])
+    assert exited.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
+def test_a_missing_or_bad_trace_exits_2_before_anything_is_sent(tmp_path, capsys):
+    assert main([*UNREACHABLE, "--dataset-name", "trace", "--trace", str(tmp_path / "none.jsonl")]) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 4}\n')
+    assert main([*UNREACHABLE, "--dataset-name", "trace", "--trace", str(bad)]) == 2
+    assert "line 1" in capsys.readouterr().err
+
+
+def test_the_cdf_plots_only_completed_requests():
+    ok, failed = RequestRecord("a", 4, 3, 0.0), RequestRecord("b", 4, 3, 0.0, status="UNAVAILABLE")
+    for r, ttft in ((ok, 0.1), (failed, 0.05)):  # the failed one had its first token, then lost its worker
+        r.message_times_s, r.message_tokens = [ttft, ttft + 0.1], [1, 1]
+    run = build_result(BenchmarkConfig(address="x:1", workload=WorkloadConfig()), 1.0, [ok, failed], 1.0)
+    assert list(completed_values(run, "ttft")) == [100.0]
