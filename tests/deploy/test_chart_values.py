@@ -152,6 +152,7 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
             {"router.autoscaling.enabled": "true", "router.resources.requests.cpu": "null"},
             "router.autoscaling needs router.resources.requests.cpu",
         ),
+        ({"apiKeys.existingSecret": "keys"}, "set apiKeys.drainKey.existingSecret too"),  # or every drain is refused
     ],
 )
 def test_helm_refuses_bad_values(sets: dict[str, Any], named: str) -> None:
