@@ -125,3 +125,17 @@ def test_clients_of_the_public_port_check_its_name_and_present_the_internal_cert
     probe_args = health_probe.parser().parse_args(probe[3:])
     assert probe_args.server_name == "api.example.com"
     assert (probe_args.tls_cert, probe_args.tls_key) == (router.internal_tls_cert, router.internal_tls_key)
+
+
+@pytest.mark.parametrize("http_port", ["8000", "0"])
+def test_the_http_api_is_served_and_exposed_on_its_port_unless_off(http_port: str) -> None:
+    objects = render(sets={"router.httpPort": http_port})
+    args = parse(command_lines(objects)["router"])
+    router = pod_templates(objects)["router"]["spec"]["containers"][0]
+    service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "pd-pdserve-router")
+    served = {p["containerPort"] for p in router["ports"] if p["name"] == "http"}
+    exposed = {(p["port"], p["targetPort"]) for p in service["spec"]["ports"] if p["name"] == "http"}
+    if http_port == "0":
+        assert not args.http_port and not served and not exposed
+    else:
+        assert args.http_port == 8000 and served == {8000} and exposed == {(8000, "http")}

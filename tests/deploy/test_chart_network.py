@@ -67,7 +67,9 @@ def test_router_clients_from_values(rendered: dict[str, Objects]) -> None:
     objects = rendered["external-redis-tls-monitoring.yaml"]
     assert allowed(objects, "decode", "router", 50051) and allowed(objects, "prefill", "router", 50051)  # drain
     assert allowed(objects, "smoke-test", "router", 50051)  # helm test
-    assert not allowed(objects, "controller", "router", 50051)
+    assert allowed(objects, "controller", "router", 50051)  # pdserve status / scale --addr / autoscale
+    assert allowed(objects, "decode", "router", 8000) and not allowed(objects, "ray-head", "router", 8000)
+    assert not allowed(objects, "ray-head", "router", 50051)
     assert not [o for o in render(sets={"networkPolicy.enabled": "false"}) if o["kind"] == "NetworkPolicy"]
 
 
