@@ -7,6 +7,7 @@ dtype object) are resolved in the engine (`pdserve.engine.device`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field, replace
 
@@ -146,9 +147,19 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.max_http_body_bytes < 1:
             raise ValueError(f"max_http_body_bytes must be at least 1, got {self.max_http_body_bytes}")
-        for name in ("first_token_timeout_s", "stall_timeout_s"):
+        for name in ("first_token_timeout_s", "stall_timeout_s", "default_ttft_ms", "default_tpot_ms", "heartbeat_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
+        for name in ("max_in_flight", "max_queued_prefill_tokens"):
+            if getattr(self, name) < 1:  # a bound of none would shed every request
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("default_max_tokens", "ejection_s", "no_workers_wait_s"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if not 0 <= self.low_priority_reserve <= 1:
+            raise ValueError(f"low_priority_reserve must lie in [0, 1], got {self.low_priority_reserve}")
+        if not 0 < self.slo_headroom <= 1:
+            raise ValueError(f"slo_headroom must lie in (0, 1], got {self.slo_headroom}")
 
     def slo_for(self, priority: int, ttft_ms: float, tpot_ms: float) -> tuple[float, float]:
         """The request's own SLO where it set one (non-zero), else its priority class's, else the default."""
@@ -173,10 +184,22 @@ class RouterConfig:
 
         with open(path, "rb") as f:
             table = dict(tomllib.load(f).get("router", {}))
+        _known(path, "[router]", table, cls)
+        for c in table.get("slo_classes", ()):
+            _known(path, "[[router.slo_classes]]", c, SLOClass)
+        _known(path, "[router.request_limits]", table.get("request_limits", {}), RequestLimits)
         table["slo_classes"] = tuple(SLOClass(**c) for c in table.get("slo_classes", ()))
         table["request_limits"] = RequestLimits(**table.get("request_limits", {}))
         table.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**table)
+
+
+def _known(path: str, table_name: str, table: dict[str, object], cls: type) -> None:
+    """A key no field of `cls` takes (a typo) is an error naming it, not a keyword error from deep inside."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    if unknown := sorted(set(table) - fields):
+        known = ", ".join(sorted(fields))
+        raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)} in {table_name}; known: {known}")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ checks) refuse bad values with a message naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import cache
 from typing import Any
@@ -11,6 +12,8 @@ import jsonschema
 import pytest
 import yaml
 
+from pdserve.config import RouterConfig
+from pdserve.protocol.request_checks import RequestLimits
 from tests.deploy.chart import CHART, one, pod_templates, render, render_error
 
 Objects = list[dict[str, Any]]
@@ -90,6 +93,7 @@ def test_every_required_value_is_in_the_schema() -> None:
 BAD: list[tuple[dict[str, Any], str]] = [
     ({"prefill.replicas": "-1"}, "prefill/replicas"),
     ({"router.replicas": "0"}, "router/replicas"),
+    ({"router.config.max_inflight": "10"}, "max_inflight"),  # a typo: the router would not start
     ({"model.name": ""}, "model/name"),
     ({"redis.enabled": "false"}, "redis/url"),
     ({"redis.url": "http://redis:6379"}, "redis/url"),
@@ -158,3 +162,14 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
 def test_helm_refuses_bad_values(sets: dict[str, Any], named: str) -> None:
     """helm itself enforces the schema and the templates' range check."""
     assert named in render_error(sets=sets)
+
+
+def test_router_config_takes_every_setting_the_router_reads_and_no_other() -> None:
+    """A key the router does not know would stop it at start (pdserve.config), so the schema refuses it first; the
+    chart sets TLS, API keys and reflection by flags, and heartbeat_s is the controller's."""
+    config = SCHEMA["properties"]["router"]["properties"]["config"]
+    by_chart = {"api_keys_file", "tls_cert", "tls_key", "tls_client_ca", "reflection", "heartbeat_s"}
+    assert set(config["properties"]) == {f.name for f in dataclasses.fields(RouterConfig)} - by_chart
+    assert config["additionalProperties"] is False
+    limits = config["properties"]["request_limits"]
+    assert set(limits["properties"]) == {f.name for f in dataclasses.fields(RequestLimits)}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pdserve.config import RouterConfig, SLOClass
@@ -101,3 +103,38 @@ def test_the_http_body_limit_defaults_to_the_grpc_message_limit_and_is_a_router_
     assert RouterConfig.from_file(str(path)).max_http_body_bytes == 65536
     with pytest.raises(ValueError, match="max_http_body_bytes"):
         RouterConfig(max_http_body_bytes=0)
+
+
+@pytest.mark.parametrize(
+    ("toml", "named"),
+    [
+        ("[router]\nmax_inflight = 10\n", "max_inflight in [router]"),
+        ("[[router.slo_classes]]\npriority = 1\nttft_ms = 100\ntpot_ms = 50\ntbt_ms = 3\n", "tbt_ms"),
+        ("[router.request_limits]\nmax_prompt = 5\n", "max_prompt in [router.request_limits]"),
+    ],
+)
+def test_an_unknown_key_in_the_file_is_an_error_naming_it(tmp_path, toml, named):
+    path = tmp_path / "router.toml"
+    path.write_text(toml)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        RouterConfig.from_file(str(path))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_in_flight": 0},
+        {"max_queued_prefill_tokens": -1},
+        {"default_ttft_ms": 0.0},
+        {"default_tpot_ms": float("nan")},
+        {"heartbeat_s": 0.0},
+        {"default_max_tokens": -1},
+        {"ejection_s": -1.0},
+        {"no_workers_wait_s": float("inf")},
+        {"low_priority_reserve": 1.5},
+        {"slo_headroom": 0.0},
+    ],
+)
+def test_settings_out_of_range_are_refused_naming_them(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        RouterConfig(**bad)
