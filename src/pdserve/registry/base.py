@@ -13,6 +13,7 @@ from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.roles import Role
 
 DEFAULT_TTL_S = 5.0  # a worker silent this long is gone; heartbeats come every fraction of a second
+PREFIX_TTL_S = 3600  # a worker's prefix-index entry nobody refreshed this long is dropped (a worker gone)
 VIEW_REFRESH_S = 0.25  # how often a router re-reads a remote registry: a worker listed reaches it within this
 
 

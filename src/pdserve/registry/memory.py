@@ -5,10 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.roles import Role
-from pdserve.registry.base import DEFAULT_TTL_S, PrefixIndex, Registry, WorkerState
+from pdserve.registry.base import DEFAULT_TTL_S, PREFIX_TTL_S, PrefixIndex, Registry, WorkerState
 
 
 class InMemoryRegistry(Registry):
@@ -22,8 +23,11 @@ class InMemoryRegistry(Registry):
         self._lock = threading.Lock()
 
     def publish(self, state: WorkerState) -> None:
+        oldest = time.time() - self.ttl_s
         with self._lock:
             self._workers[state.worker_id] = state
+            for gone in [w.worker_id for w in self._workers.values() if w.updated_at < oldest]:
+                del self._workers[gone]  # past its TTL no view shows it; scaled-away ids never come back
 
     def remove(self, worker_id: str) -> None:
         with self._lock:
@@ -64,19 +68,33 @@ class InMemoryRegistry(Registry):
 
 
 class InMemoryPrefixIndex(PrefixIndex):
-    """Per worker, an LRU set of block hashes bounded like the worker's own cache."""
+    """Per worker, an LRU set of at most `max_blocks_per_worker` block hashes. An entry nobody recorded into for
+    `ttl_s` goes, as a Redis index's key expires: a worker scaled away or replaced under another id (ids are
+    not reused) would otherwise keep its entry, up to ~9 MB, for the router's life."""
 
-    def __init__(self, max_blocks_per_worker: int = 65536) -> None:
+    def __init__(
+        self,
+        max_blocks_per_worker: int = 65536,
+        ttl_s: float = PREFIX_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_blocks = max_blocks_per_worker
+        self.ttl_s = ttl_s
+        self._clock = clock
         self._blocks: dict[str, OrderedDict[bytes, None]] = {}
+        self._recorded: dict[str, float] = {}  # cache key -> when it was last recorded into
         self._lock = threading.Lock()
 
     def record(self, cache_key: str, block_hashes: list[bytes]) -> None:
+        now = self._clock()
         with self._lock:
+            for stale in [k for k, at in self._recorded.items() if now - at > self.ttl_s]:
+                del self._blocks[stale], self._recorded[stale]
+            self._recorded[cache_key] = now
             if cache_key not in self._blocks:  # a worker's new process: its predecessor's entry goes
                 same_worker = cache_key.split("/", 1)[0] + "/"
                 for old in [k for k in self._blocks if k.startswith(same_worker)]:
-                    del self._blocks[old]
+                    del self._blocks[old], self._recorded[old]
             held = self._blocks.setdefault(cache_key, OrderedDict())
             for h in reversed(block_hashes):  # leading blocks end most recent: evicted last
                 held[h] = None

@@ -23,11 +23,10 @@ import redis.asyncio as aredis
 from pdserve import env
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.roles import Role
-from pdserve.registry.base import DEFAULT_TTL_S, VIEW_REFRESH_S, PrefixIndex, Registry, WorkerState
+from pdserve.registry.base import DEFAULT_TTL_S, PREFIX_TTL_S, VIEW_REFRESH_S, PrefixIndex, Registry, WorkerState
 
 log = logging.getLogger(__name__)
 PREFIX = "pdserve"
-PREFIX_TTL_S = 3600
 TIMEOUT_S = 0.25  # any one Redis call: an unreachable Redis costs this, never a stalled thread or request
 WORKERS_KEY = f"{PREFIX}:workers"
 DESIRED_COUNTS_KEY = f"{PREFIX}:desired_counts"  # a hash role -> workers: the shape the fleet keeps (no TTL)

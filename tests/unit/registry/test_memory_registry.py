@@ -121,6 +121,26 @@ async def test_a_workers_new_process_replaces_its_predecessors_entry():
     assert await index.match([old, new, other], [b"a" * 16]) == {old: 0, new: 0, other: 0}
 
 
+async def test_an_entry_nobody_recorded_into_for_its_ttl_goes():
+    """A worker scaled away never records again under its id (ids are not reused): its entry goes after the TTL."""
+    now = [0.0]
+    index = InMemoryPrefixIndex(ttl_s=3600.0, clock=lambda: now[0])
+    index.record("gone/1", [b"a" * 16])
+    now[0] = 3000.0
+    index.record("live/1", [b"a" * 16])
+    now[0] = 3601.0
+    index.record("live/1", [b"b" * 16])
+    assert list(index._blocks) == ["live/1"]
+    assert await index.match(["gone/1", "live/1"], [b"a" * 16]) == {"gone/1": 0, "live/1": 1}
+
+
+def test_a_worker_past_its_ttl_is_dropped_when_another_publishes():
+    reg = InMemoryRegistry(ttl_s=60)
+    reg.publish(replace(state("scaled-away"), updated_at=time.time() - 61))
+    reg.publish(state("live"))
+    assert list(reg._workers) == ["live"]  # not only hidden from views: gone
+
+
 def test_desired_counts_are_replaced_whole_and_read_back_as_roles():
     reg = InMemoryRegistry()
     assert reg.desired_counts() == {}
