@@ -66,7 +66,12 @@ class LoadTracker:
         """The most a queue sampled at wall time `since` (a heartbeat's) can show of our prompts whose prefill
         has ended since: each whole prompt, since the worker's prefix cache may hold less of it than we predicted
         (our prefix index learns of its evictions late)."""
-        return sum(tokens for at, tokens in self._prefilled[prefill_id] if at > since)
+        total = 0
+        for at, tokens in reversed(self._prefilled[prefill_id]):  # oldest first: read back only past `since`
+            if at <= since:
+                break
+            total += tokens
+        return total
 
     def placed_since(self, decode_id: str, since: float) -> int:
         """KV blocks of our unfinished requests placed on the decode worker after wall time `since` (a
@@ -82,7 +87,12 @@ class LoadTracker:
     def streams_ended_since(self, decode_id: str, since: float) -> int:
         """Our requests placed on the decode worker by wall time `since` that have ended after it: a report
         sampled then may still count their places in its batch."""
-        return sum(1 for ended, placed in self._ended[decode_id] if placed <= since < ended)
+        count = 0
+        for ended, placed in reversed(self._ended[decode_id]):  # in the order they ended: read back only past `since`
+            if ended <= since:
+                break
+            count += placed <= since
+        return count
 
     def finished(self, placement: int) -> None:
         """The request ended, its prefill too (`prefilled` first)."""

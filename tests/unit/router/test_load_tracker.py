@@ -1,0 +1,31 @@
+"""What the tracker counts since a heartbeat is the same whether read back from the newest entry or summed whole."""
+
+from __future__ import annotations
+
+import random
+from unittest import mock
+
+from services.router.load_tracker import LoadTracker
+
+
+def test_counts_since_a_time_match_the_whole_history() -> None:
+    rng = random.Random(7)
+    now = [1000.0]
+    with mock.patch("services.router.load_tracker.time.time", lambda: now[0]):
+        tracker = LoadTracker()
+        prefilled: list[tuple[float, int]] = []  # (when its prefill ended, prompt tokens)
+        ended: list[tuple[float, float]] = []  # (when it ended, when it was placed)
+        live: list[tuple[int, float]] = []
+        for _ in range(400):
+            now[0] += rng.random() * 0.01
+            tokens = rng.randint(1, 900)
+            live.append((tracker.start("p0", "d0", tokens, 0.01, 2, tokens), now[0]))
+            if live and rng.random() < 0.9:  # requests end out of order
+                placement, placed = live.pop(rng.randrange(len(live)))
+                tracker.prefilled(placement)
+                prefilled.append((now[0], tracker._sent[placement].prompt_tokens))
+                tracker.finished(placement)
+                ended.append((now[0], placed))
+        for since in [now[0] - x for x in (0.0, 0.01, 0.1, 0.5, 1.0, 3.0, 100.0)]:
+            assert tracker.prefilled_since("p0", since) == sum(t for at, t in prefilled if at > since)
+            assert tracker.streams_ended_since("d0", since) == sum(1 for e, p in ended if p <= since < e)
