@@ -295,3 +295,13 @@ def test_routers_scale_on_cpu_when_autoscaling_is_on(enabled: bool) -> None:
     assert metric["resource"] == {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["requests"]["cpu"]  # what utilization is measured against
+
+
+def test_every_pod_runs_under_the_runtimes_default_seccomp_profile(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """What Pod Security "restricted" asks besides non-root and no capabilities: a namespace enforcing it admits
+    every pod of the chart."""
+    for values, objects in rendered.items():
+        for component, template in pod_templates(objects).items():
+            pod = template["spec"].get("securityContext", {})
+            assert pod.get("seccompProfile") == {"type": "RuntimeDefault"}, (values, component)
+            assert pod.get("runAsNonRoot") is True, (values, component)
