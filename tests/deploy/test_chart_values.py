@@ -94,6 +94,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"prefill.replicas": "-1"}, "prefill/replicas"),
     ({"router.replicas": "0"}, "router/replicas"),
     ({"router.config.max_inflight": "10"}, "max_inflight"),  # a typo: the router would not start
+    ({"prefill.gpus": "2"}, "prefill/gpus"),  # one worker per pod: the second GPU would idle
     ({"model.name": ""}, "model/name"),
     ({"redis.enabled": "false"}, "redis/url"),
     ({"redis.url": "http://redis:6379"}, "redis/url"),
@@ -157,6 +158,7 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
             "router.autoscaling needs router.resources.requests.cpu",
         ),
         ({"apiKeys.existingSecret": "keys"}, "set apiKeys.drainKey.existingSecret too"),  # or every drain is refused
+        ({"decode.gpus": "0"}, "prefill.gpus (1) and decode.gpus (0) must be equal"),  # decode actors never placed
     ],
 )
 def test_helm_refuses_bad_values(sets: dict[str, Any], named: str) -> None:
