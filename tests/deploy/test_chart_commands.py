@@ -139,3 +139,8 @@ def test_the_http_api_is_served_and_exposed_on_its_port_unless_off(http_port: st
         assert not args.http_port and not served and not exposed
     else:
         assert args.http_port == 8000 and served == {8000} and exposed == {(8000, "http")}
+
+
+def test_the_kv_cache_size_reaches_the_workers_command_line() -> None:
+    assert parse(command_lines(render(sets={"engine.kvCacheGb": "40"}))["controller"]).kv_cache_gb == 40.0
+    assert "--kv-cache-gb" not in command_lines(render())["controller"]  # pdserve's own default
