@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -11,6 +12,21 @@ import pytest
 from services.router.servicer import send_initial_metadata
 
 METHOD = "/test.Slow/Admit"
+
+
+@contextlib.asynccontextmanager
+async def calling(admit: Callable[..., AsyncIterator[bytes]]) -> AsyncIterator[grpc.aio.UnaryStreamMultiCallable]:
+    """A real server running `admit` as its one method over loopback, and the method to call it."""
+    server = grpc.aio.server()
+    handler = grpc.unary_stream_rpc_method_handler(admit)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Slow", {"Admit": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel.unary_stream(METHOD)
+    finally:
+        await server.stop(None)
 
 
 async def test_initial_metadata_for_a_caller_that_left_is_a_cancellation() -> None:
@@ -33,19 +49,11 @@ async def test_initial_metadata_for_a_caller_that_left_is_a_cancellation() -> No
             raise
         yield b""
 
-    server = grpc.aio.server()
-    handler = grpc.unary_stream_rpc_method_handler(admit)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Slow", {"Admit": handler}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.unary_stream(METHOD)(b"")
-            await asyncio.sleep(0.2)
-            call.cancel()
-            raised = await asyncio.wait_for(outcome, 10)
-    finally:
-        await server.stop(None)
+    async with calling(admit) as method:
+        call = method(b"")
+        await asyncio.sleep(0.2)
+        call.cancel()
+        raised = await asyncio.wait_for(outcome, 10)
     assert isinstance(raised, asyncio.CancelledError)
 
 
@@ -54,18 +62,10 @@ async def test_initial_metadata_for_a_caller_still_there_is_sent() -> None:
         await send_initial_metadata(context, (("x-test", "1"),))
         yield b"ok"
 
-    server = grpc.aio.server()
-    handler = grpc.unary_stream_rpc_method_handler(admit)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Slow", {"Admit": handler}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.unary_stream(METHOD)(b"")
-            assert ("x-test", "1") in tuple(await call.initial_metadata())
-            assert [m async for m in call] == [b"ok"]
-    finally:
-        await server.stop(None)
+    async with calling(admit) as method:
+        call = method(b"")
+        assert ("x-test", "1") in tuple(await call.initial_metadata())
+        assert [m async for m in call] == [b"ok"]
 
 
 pytestmark = pytest.mark.timeout(30)
