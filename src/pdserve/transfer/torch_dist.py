@@ -129,27 +129,27 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
     def _answering_pair(self, rendezvous: str, tag: int, deadline: float) -> SendPair:
         """The pair for `rendezvous`, locked for one transfer, its decode side checked alive (one store round trip:
         gloo does not always notice a decode worker that died while the pair sat idle). A pair whose decode process
-        is gone is dropped; when a new process listens at its address (a decode worker restarted on a fixed
-        transfer port) the pair connects to it, else the send fails at once."""
-        pair = self._locked_pair(rendezvous, tag, deadline)
-        try:
-            pair.check_peer()
-            return pair
-        except PeerLostError:
-            self._drop(pair)
-            pair.lock.release()
+        is gone is dropped (here, or by a concurrent send or the prune); while a process listens at its address (a
+        decode worker restarted on a fixed transfer port) the send takes or connects the pair with it, else it
+        fails at once."""
+        while True:
+            pair = self._pair(rendezvous, deadline)
+            if not pair.lock.acquire(timeout=max(time_left(deadline), 0)):
+                raise TransferTimeoutError(f"tag {tag}: timed out waiting for earlier transfers to {rendezvous}")
+            lost, handed = PeerLostError(f"decode side {rendezvous}: pair dropped by a concurrent failure"), False
+            try:
+                if not pair.broken:
+                    pair.check_peer()
+                    handed = True
+                    return pair  # locked: the caller releases it
+            except PeerLostError as e:
+                lost = e
+                self._drop(pair)
+            finally:
+                if not handed:
+                    pair.lock.release()
             if not listening(rendezvous, min(time_left(deadline), self.connect_timeout_s)):
-                raise
-        return self._locked_pair(rendezvous, tag, deadline)
-
-    def _locked_pair(self, rendezvous: str, tag: int, deadline: float) -> SendPair:
-        pair = self._pair(rendezvous, deadline)
-        if not pair.lock.acquire(timeout=max(time_left(deadline), 0)):
-            raise TransferTimeoutError(f"tag {tag}: timed out waiting for earlier transfers to {rendezvous}")
-        if pair.broken:
-            pair.lock.release()
-            raise PeerLostError(f"decode side {rendezvous}: pair dropped by a concurrent failure")
-        return pair
+                raise lost
 
     def _pair(self, rendezvous: str, deadline: float) -> SendPair:
         """The live pair for `rendezvous`, connecting it first; one thread connects, the others wait for it."""

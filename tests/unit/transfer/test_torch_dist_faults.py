@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 import pytest
 import torch
@@ -239,12 +240,18 @@ def test_sender_stalled_mid_transfer_times_out_and_drops_the_pair(receiver: Torc
 
 
 def _receiver_main(conn: Connection, store_port: int = 0) -> None:
+    """Posts a recv per command, each in its own thread (several may wait at once), and answers its byte count."""
     r = TorchDistReceiver(HOST, "cpu", FINGERPRINT, connect_timeout_s=10, store_port=store_port)
     conn.send_bytes(r.rendezvous("prefill-test").encode())
+    caches, answering = make_caches(0), threading.Lock()
+
+    def receive(cmd: dict[str, Any]) -> None:
+        nbytes = r.recv("prefill-test", cmd["tag"], caches, cmd["ids"], 20)
+        with answering:
+            conn.send_bytes(json.dumps({"nbytes": nbytes}).encode())
+
     while True:
-        cmd = json.loads(conn.recv_bytes())
-        nbytes = r.recv("prefill-test", cmd["tag"], make_caches(0), cmd["ids"], 20)
-        conn.send_bytes(json.dumps({"nbytes": nbytes}).encode())
+        threading.Thread(target=receive, args=(json.loads(conn.recv_bytes()),), daemon=True).start()
 
 
 def test_killed_receiver_fails_send_at_once() -> None:
@@ -285,8 +292,8 @@ class _ReceiverProcess:
         assert self.conn.poll(30)
         self.rendezvous = self.conn.recv_bytes().decode()
 
-    def expect(self, tag: int) -> None:
-        self.conn.send_bytes(json.dumps({"tag": tag, "ids": [0, 1]}).encode())
+    def expect(self, tag: int, ids: tuple[int, ...] = (0, 1)) -> None:
+        self.conn.send_bytes(json.dumps({"tag": tag, "ids": ids}).encode())
         time.sleep(0.2)  # the recv is posted before the send starts
 
     def received(self) -> int:
@@ -317,8 +324,26 @@ def test_a_receiver_restarted_at_its_address_takes_the_next_send_and_dead_receiv
 
         receivers.append(_ReceiverProcess(port))
         assert receivers[1].rendezvous == receivers[0].rendezvous  # its port back at once
-        receivers[1].expect(2)
-        assert s.send(receivers[1].rendezvous, 2, kv, [2, 3], 10) == receivers[1].received()
+        receivers[1].expect(2, (0, 1))
+        receivers[1].expect(4, (2, 3))
+        sent: list[int | BaseException] = []
+
+        def send(tag: int) -> None:
+            try:
+                sent.append(s.send(receivers[1].rendezvous, tag, kv, [2, 3], 10))
+            except BaseException as e:
+                sent.append(e)
+
+        dead = s._pairs[receivers[1].rendezvous]
+        with dead.lock:  # both sends take the dead pair and wait for it: one drops it while the other waits
+            threads = [threading.Thread(target=send, args=(tag,)) for tag in (2, 4)]
+            for t in threads:
+                t.start()
+            time.sleep(0.2)
+        for t in threads:
+            t.join(30)
+        assert len(sent) == 2 and all(isinstance(n, int) for n in sent), sent
+        assert sorted(sent) == sorted(receivers[1].received() for _ in range(2))  # type: ignore[type-var]
         receivers[1].kill()
 
         receivers.append(_ReceiverProcess())
