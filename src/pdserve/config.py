@@ -150,16 +150,19 @@ class RouterConfig:
         for name in ("first_token_timeout_s", "stall_timeout_s", "default_ttft_ms", "default_tpot_ms", "heartbeat_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
-        for name in ("max_in_flight", "max_queued_prefill_tokens"):
-            if getattr(self, name) < 1:  # a bound of none would shed every request
+        for name in ("max_in_flight", "max_queued_prefill_tokens", "default_max_tokens"):
+            if getattr(self, name) < 1:  # a bound of none would shed (or refuse) every request
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("default_max_tokens", "ejection_s", "no_workers_wait_s"):
+        for name in ("ejection_s", "no_workers_wait_s"):
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0 <= self.low_priority_reserve <= 1:
             raise ValueError(f"low_priority_reserve must lie in [0, 1], got {self.low_priority_reserve}")
         if not 0 < self.slo_headroom <= 1:
             raise ValueError(f"slo_headroom must lie in (0, 1], got {self.slo_headroom}")
+        for c in self.slo_classes:
+            if not (0 < c.ttft_ms < float("inf") and 0 < c.tpot_ms < float("inf")):
+                raise ValueError(f"slo_classes: priority {c.priority}'s ttft_ms and tpot_ms must be positive, got {c}")
 
     def slo_for(self, priority: int, ttft_ms: float, tpot_ms: float) -> tuple[float, float]:
         """The request's own SLO where it set one (non-zero), else its priority class's, else the default."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.addresses import host_port
 from pdserve.config import MAX_WORKERS_PER_ROLE, RouterConfig
-from pdserve.flags import add_engine_flags, engine_config, positive_float
+from pdserve.flags import add_engine_flags, at_least_one, engine_config, positive_float
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 if TYPE_CHECKING:
@@ -75,10 +75,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _add_admission_flags(p: argparse.ArgumentParser) -> None:
     """The router's admission, which the simulation applies with the TTFT SLO as the router's default."""
     r = RouterConfig
-    p.add_argument("--slo-headroom", type=float, default=r.slo_headroom, help="the router's slo_headroom (admission)")
+    p.add_argument("--slo-headroom", type=_share, default=r.slo_headroom, help="the router's slo_headroom (admission)")
     p.add_argument(
         "--max-queued-prefill-tokens",
-        type=int,
+        type=at_least_one,
         default=r.max_queued_prefill_tokens,
         help="the router's per-prefill-worker queue bound (admission; priority 0 gets its share)",
     )
@@ -89,6 +89,14 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
         help="the router's first-token bound (admission holds every TTFT SLO to it)",
     )
     p.add_argument("--no-admission", action="store_true", help="simulate a router that sheds nothing")
+
+
+def _share(value: str) -> float:
+    """An argparse type: a share in (0, 1], as the router takes slo_headroom."""
+    x = float(value)
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {value}")
+    return x
 
 
 def _admission(args: argparse.Namespace) -> Admission | None:

@@ -175,5 +175,6 @@ def test_plan_sheds_as_the_router_would_unless_told_it_sheds_nothing(
     assert sum(shed("--max-queued-prefill-tokens", "600")) > sum(shed())  # a second prompt no longer queues
     loose = ["--slo-ttft-ms", "60000"]  # 60 s: within the router's default bound, the queues sit far below it
     assert sum(shed(*loose, "--first-token-timeout-s", "0.2")) > sum(shed(*loose))  # held to 0.2 s instead
-    with pytest.raises(SystemExit):
-        cli.main([*argv, "--first-token-timeout-s", "0"])
+    for bad in (["--first-token-timeout-s", "0"], ["--max-queued-prefill-tokens", "0"], ["--slo-headroom", "1.5"]):
+        with pytest.raises(SystemExit):  # argparse's usage error, exit 2, not a traceback from the router's config
+            cli.main([*argv, *bad])

@@ -128,7 +128,8 @@ def test_an_unknown_key_in_the_file_is_an_error_naming_it(tmp_path, toml, named)
         {"default_ttft_ms": 0.0},
         {"default_tpot_ms": float("nan")},
         {"heartbeat_s": 0.0},
-        {"default_max_tokens": -1},
+        {"default_max_tokens": 0},  # every request without max_tokens would be refused as the caller's error
+        {"slo_classes": (SLOClass(priority=1, ttft_ms=0.0, tpot_ms=50.0),)},
         {"ejection_s": -1.0},
         {"no_workers_wait_s": float("inf")},
         {"low_priority_reserve": 1.5},
