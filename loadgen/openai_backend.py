@@ -13,6 +13,8 @@ TTFT."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import ssl
 import time
@@ -29,6 +31,7 @@ from loadgen.record import RequestRecord
 from loadgen.workload import Request
 from pdserve.rpc.credentials import ClientCredentials
 
+AFTER_DONE_S = 1.0  # the longest a stream's body is read past `[DONE]` (its end is due at once)
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 # HTTP statuses as the gRPC code names the records and summaries count (429: shed, as RESOURCE_EXHAUSTED).
 STATUS_NAMES = {
@@ -130,14 +133,17 @@ class OpenAIBackend:
 
 
 async def _events(response: httpx2.Response) -> AsyncIterator[dict[str, Any]]:
-    done = False
-    async for line in response.aiter_lines():  # to the end of the body: the connection then goes back to the pool
-        if done or not line.startswith("data:"):
+    lines = response.aiter_lines()
+    async for line in lines:
+        if not line.startswith("data:"):
             continue
         data = line[5:].strip()
-        if data == "[DONE]":
-            done = True
-            continue
+        if data == "[DONE]":  # read on to the body's end, so the connection goes back to the pool; a server
+            with contextlib.suppress(TimeoutError):  # that keeps it open past that loses it instead
+                async with asyncio.timeout(AFTER_DONE_S):
+                    async for _ in lines:
+                        pass
+            return
         yield json.loads(data)
 
 

@@ -151,14 +151,14 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
                 and isinstance(line.get("timestamp"), int | float)
                 and math.isfinite(line["timestamp"])
                 and all(isinstance(line.get(k), int) and line[k] >= 1 for k in ("input_length", "output_length"))
-                and all(isinstance(h, int) for h in line.get("hash_ids", []))
+                and all(isinstance(h, int) and h >= 0 for h in line.get("hash_ids", []))
             )
         except (ValueError, TypeError):
             ok = False
         if not ok:
             raise ValueError(
                 f"trace {path}, line {number}: expected a JSON object with a timestamp (ms), input_length and "
-                f"output_length of at least 1, and optional integer hash_ids, got {text[:200]!r}"
+                f"output_length of at least 1, and optional hash_ids (integers >= 0), got {text[:200]!r}"
             )
         requests.append(line)
     if not requests:

@@ -36,8 +36,9 @@ class FakeServer:
     """Streams `chunks(body)` for each request, GAP_S apart, then the usage and [DONE]; records each request's
     client port (one per connection)."""
 
-    def __init__(self, chunks: Callable[[dict[str, Any]], list[dict[str, Any] | str]]) -> None:
+    def __init__(self, chunks: Callable[[dict[str, Any]], list[dict[str, Any] | str]], linger_s: float = 0.0) -> None:
         self.chunks = chunks
+        self.linger_s = linger_s  # keeps the body open this long after [DONE], sending keep-alive comments
         self.ports: list[int] = []
 
     async def completions(self, request: HttpRequest) -> StreamingResponse:
@@ -53,6 +54,9 @@ class FakeServer:
             tokens = body.get("max_tokens") or body["max_completion_tokens"]
             yield sse({"choices": [], "usage": {"completion_tokens": tokens}})
             yield sse("[DONE]")
+            for _ in range(int(self.linger_s / 0.1)):
+                await asyncio.sleep(0.1)
+                yield b": keep-alive\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -133,3 +137,10 @@ async def test_tls_with_a_client_certificate_uses_the_credentials_given(tmp_path
         no_cert = ClientCredentials(str(certs.ca))  # the server requires a client certificate
         records, _ = await Client(OpenAIBackend(url, "m", credentials=no_cert)).run([Request([5], 4, 0.0)])
         assert records[0].status != OK
+
+
+async def test_a_body_left_open_after_done_ends_the_request_anyway() -> None:
+    async with serving(FakeServer(text_chunks, linger_s=30.0)) as port:
+        client = Client(OpenAIBackend(f"http://127.0.0.1:{port}", "m"))
+        records, _ = await asyncio.wait_for(client.run([Request([5, 6, 7], 4, 0.0)]), 10)
+    assert records[0].status == OK and records[0].output_tokens == 4

@@ -88,6 +88,7 @@ def test_bad_configs_are_refused(kw):
         ({"timestamp": 0, "input_length": 5, "output_length": 0}, "max_tokens 0 reads as the server's default"),
         ({"timestamp": "soon", "input_length": 5, "output_length": 2}, "a timestamp that is no number"),
         ({"timestamp": 0, "input_length": 5, "output_length": 2, "hash_ids": ["a"]}, "a hash id that is no int"),
+        ({"timestamp": 0, "input_length": 5, "output_length": 2, "hash_ids": [-1]}, "a hash id below 0"),
         ("{not json", "not JSON"),
     ],
 )
