@@ -7,6 +7,7 @@ import itertools
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
+from typing import Any
 
 FORGET_AFTER_S = 60.0  # far older than any heartbeat a router still places by
 
@@ -100,14 +101,20 @@ class LoadTracker:
         self.decoding[sent.decode_id] -= 1
         del self._placed[sent.decode_id][placement]
         ended = self._ended[sent.decode_id]
-        ended.append((time.time(), sent.at))
+        ended.append((_later(ended), sent.at))
         while ended and ended[0][0] < ended[-1][0] - FORGET_AFTER_S:
             ended.popleft()
 
 
 def _log(entries: deque[tuple[float, int]], amount: int) -> None:
     """Appends (now, amount), forgetting what no heartbeat a router still places by can predate."""
-    now = time.time()
+    now = _later(entries)
     entries.append((now, amount))
     while entries and entries[0][0] < now - FORGET_AFTER_S:
         entries.popleft()
+
+
+def _later(entries: deque[tuple[float, Any]]) -> float:
+    """Now, or the newest entry's time if the wall clock stepped back since: the entries stay in time order, which
+    the reads since a time rely on."""
+    return max(time.time(), entries[-1][0]) if entries else time.time()
