@@ -161,6 +161,7 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
         ),
         ({"apiKeys.existingSecret": "keys"}, "set apiKeys.drainKey.existingSecret too"),  # or every drain is refused
         ({"decode.gpus": "0"}, "prefill.gpus (1) and decode.gpus (0) must be equal"),  # decode actors never placed
+        ({"router.httpPort": "50051"}, "router.port (50051), router.httpPort (50051) and router.metricsPort (9400)"),
     ],
 )
 def test_helm_refuses_bad_values(sets: dict[str, Any], named: str) -> None:
