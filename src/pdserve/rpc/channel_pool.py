@@ -58,10 +58,7 @@ class ChannelPool(Generic[StubT]):
             entry = self._channels[address] = _Channel(channel, self._make_stub(channel), 0, self._clock())
         call = start(entry.stub)
         entry.calls += 1
-        try:
-            call.add_done_callback(lambda _: self._ended(entry))
-        except NotImplementedError:  # an interceptor answered without a call: nothing is in flight
-            self._ended(entry)
+        call.add_done_callback(lambda _: self._ended(entry))  # at once for a call already over
         return call
 
     @property
