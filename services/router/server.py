@@ -96,7 +96,15 @@ async def start_router(
     servicer = GenerationServicer(lifecycle)
     tls = server_tls(config.tls_cert, config.tls_key, config.tls_client_ca)
     interceptors = telemetry.server_interceptors()
-    server = Server(host, port, interceptors, reflection=config.reflection, tls=tls, advertise_host=advertise_host)
+    server = Server(
+        host,
+        port,
+        interceptors,
+        reflection=config.reflection,
+        tls=tls,
+        advertise_host=advertise_host,
+        max_connection_age_s=config.max_connection_age_s or None,
+    )
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
         [generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],

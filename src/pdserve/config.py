@@ -127,6 +127,9 @@ class RouterConfig:
     # re-listed) before answering UNAVAILABLE. Also how long a stream moving after tokens were sent waits, once,
     # for a decode worker with room for it.
     no_workers_wait_s: float = 3.0
+    # A client's connection to this router gets a GOAWAY after this long (0: never), so clients behind one
+    # Service spread over the router replicas added since they connected; streams open then run to their end.
+    max_connection_age_s: float = 300.0
     reflection: bool = True  # gRPC server reflection on the public port (--no-reflection: off)
     api_keys_file: str | None = None  # TOML of API keys (--api-keys); None: an open cluster, said at start
     tls_cert: str | None = None  # PEM files: TLS on the public port (--tls-cert/--tls-key); None: plaintext
@@ -153,7 +156,7 @@ class RouterConfig:
         for name in ("max_in_flight", "max_queued_prefill_tokens", "default_max_tokens"):
             if getattr(self, name) < 1:  # a bound of none would shed (or refuse) every request
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("ejection_s", "no_workers_wait_s"):
+        for name in ("ejection_s", "no_workers_wait_s", "max_connection_age_s"):
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0 <= self.low_priority_reserve <= 1:

@@ -60,7 +60,9 @@ class Server:
     port); port 0 is any free port.
     `reflection=False` leaves server reflection off: a public port need not list its services to a stranger.
     `tls`: serve TLS (and require client certificates when it names a client CA); None: plaintext.
-    `cluster`: an internal server's cluster secret; calls without its token are refused (health stays open)."""
+    `cluster`: an internal server's cluster secret; calls without its token are refused (health stays open).
+    `max_connection_age_s`: send each connection a GOAWAY after this long (None: never); its open calls run on
+    to their end (no grace bound), new ones open a new connection, which a load balancer may place elsewhere."""
 
     def __init__(
         self,
@@ -73,12 +75,15 @@ class Server:
         inner: Sequence[Any] = (),
         advertise_host: str | None = None,
         port_span: int = 1,
+        max_connection_age_s: float | None = None,
     ) -> None:
         # Tracing interceptors first (outermost), so their spans see the status the error mapping chose; `inner`
         # ones (a worker's drain gate) inside the mapping, so the typed errors they raise get their status.
         auth = [ClusterAuthServerInterceptor(cluster)] if cluster is not None and cluster.enabled else []
         chain = [*interceptors, *auth, ErrorMappingInterceptor(), *inner]
-        self._server = grpc.aio.server(interceptors=chain, options=SERVER_OPTIONS)
+        age_ms = None if max_connection_age_s is None else round(max_connection_age_s * 1000)
+        age = [] if age_ms is None else [("grpc.max_connection_age_ms", age_ms)]
+        self._server = grpc.aio.server(interceptors=chain, options=[*SERVER_OPTIONS, *age])
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port = _bind(self._server, host, port, port_span, tls)
