@@ -177,7 +177,8 @@ def test_monitors_select_the_metrics_ports(rendered: dict[str, Objects]) -> None
     assert service_monitor["metadata"]["labels"]["release"] == "prometheus"
     assert service_monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
     pods = labels(objects)
-    monitors = {"pd-pdserve-workers": {"prefill", "decode"}}  # Ray's own metrics need ray[default]: not shipped
+    # Ray's own metrics need ray[default]: not shipped
+    monitors = {"pd-pdserve-workers": {"prefill", "decode"}, "pd-pdserve-controller": {"controller"}}
     for name, components in monitors.items():
         pod_monitor = one(objects, "PodMonitor", name)
         assert {c for c, pod in pods.items() if selects(pod_monitor["spec"]["selector"], pod)} == components
@@ -185,4 +186,6 @@ def test_monitors_select_the_metrics_ports(rendered: dict[str, Objects]) -> None
         for component in components:
             ports = pod_templates(objects)[component]["spec"]["containers"][0]["ports"]
             assert port in {p["name"] for p in ports}, (name, component)
-    assert not allowed(objects, "router", "decode", 9401)  # metricsFrom names the monitoring namespace only
+    # metricsFrom names the monitoring namespace only
+    assert not allowed(objects, "router", "decode", 9401) and not allowed(objects, "router", "controller", 9402)
+    assert allowed(rendered["gpu.yaml"], "router", "controller", 9402)  # no metricsFrom: any scraper

@@ -66,6 +66,10 @@ def test_each_worker_group_offers_its_role_resource_and_its_images(rendered: dic
     head = container(one(objects, "RayCluster")["spec"]["headGroupSpec"]["template"])
     assert {"name": "client", "containerPort": 10001, "protocol": "TCP"} in head["ports"]
     assert (flag(args, "--worker-port"), flag(args, "--transfer-port")) == ("50061", "50062")
+    controller = pod_templates(objects)["controller"]["spec"]["containers"][0]
+    assert {"name": "metrics", "containerPort": int(flag(args, "--metrics-port")), "protocol": "TCP"} in controller[
+        "ports"
+    ]
 
 
 def test_shm_and_model_cache_on_worker_pods(rendered: dict[str, Objects]) -> None:
