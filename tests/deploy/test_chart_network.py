@@ -129,14 +129,16 @@ def test_cluster_secret_and_tls_mounts(rendered: dict[str, Objects]) -> None:
     assert modes == dict.fromkeys(ray_token, "disabled")  # said, not left to Ray's default
 
 
-def test_controller_may_patch_only_its_raycluster(rendered: dict[str, Objects]) -> None:
+def test_controller_may_patch_only_its_raycluster_and_list_pods(rendered: dict[str, Objects]) -> None:
     objects = rendered["gpu.yaml"]
     role = one(objects, "Role", "pd-pdserve-controller")
     patch = [r for r in role["rules"] if "patch" in r["verbs"]]
-    assert role["rules"] == patch == [
+    assert patch == [
         {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "resourceNames": ["pd-pdserve"],
          "verbs": ["get", "patch"]}
     ]  # fmt: skip
+    pods = {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}
+    assert [r for r in role["rules"] if r not in patch] == [pods]
     assert one(objects, "RayCluster")["metadata"]["name"] == "pd-pdserve"
     binding = one(objects, "RoleBinding", "pd-pdserve-controller")
     account = pod_templates(objects)["controller"]["spec"]["serviceAccountName"]

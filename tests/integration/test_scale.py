@@ -4,6 +4,8 @@
   the single-process engine's, the status shows the counts, the new workers take requests, the removed workers
   drained (not replaced), and at the end every KV block is free (through Redis and a separate controller:
   test_controller_router.py);
+- `scale --kubernetes --addr` (against a stand-in for the Kubernetes API and KubeRay) adds a pod before its worker
+  and deletes only the pods the drained workers left empty;
 - `pdserve autoscale` adds a prefill worker while a prefill-heavy load (long prompts, four output tokens) arrives
   and gives it back once the load is gone; `--once` prints one decision and exits.
 
@@ -28,12 +30,16 @@ import grpc
 import pytest
 
 from pdserve.cluster.local_process import ClusterProcess
+from pdserve.planner.kube_fleet import ScaleRefused, scale_pods_and_workers
+from pdserve.planner.kube_scale import GROUPS, WorkerPod
 from pdserve.planner.live_scale import serving_counts
+from pdserve.rpc.credentials import ClientCredentials
 from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from tests.integration.reference import PROMPT, greedy, greedy_request
 from tests.integration.steady_load import assert_all_served, steady_load, tokens
 from tests.integration.worker_view import idle
+from tests.unit.planner.json_patch import apply_json_patch
 from tests.unit.planner.synthetic import PERF, synthetic_profile
 
 pytestmark = pytest.mark.timeout(400)
@@ -229,3 +235,76 @@ def test_autoscale_once_prints_one_decision_and_exits(cluster, tmp_path):
     assert len(decisions) == 1, out
     assert decisions[0]["action"] == "hold" and decisions[0]["recommended"] == {"prefill": 1, "decode": 1}
     assert decisions[0]["load"]["rate"] == 0  # idle: no request came in its window
+
+
+class KubeRayStandIn:
+    """The Kubernetes API and KubeRay as `scale --kubernetes --addr` sees them (the one external system here): a
+    RayCluster of this cluster's groups, which JSON patches change, and its worker pods, which follow its replicas
+    as KubeRay's controller makes them follow (the pods named in workersToDelete go, then the first listed; a new
+    pod gets a fresh IP). The pods hosting this cluster's workers have their host's IP, 127.0.0.1. Each patch
+    records the router's desired counts at that moment."""
+
+    def __init__(self, router: str, replicas: dict[str, int], autoscaling: bool = False) -> None:
+        self.router = router
+        groups = [{"groupName": g, "replicas": replicas[g], "minReplicas": 1, "maxReplicas": 8} for g in GROUPS]
+        self.live = {"spec": {"enableInTreeAutoscaling": autoscaling, "workerGroupSpecs": groups}}
+        self.pods = [WorkerPod(f"{g}-{i}", g, "127.0.0.1", True) for g in GROUPS for i in range(replicas[g])]
+        self.patches: list[tuple[list[dict], dict[str, int]]] = []
+        self._ips = (f"10.0.0.{i}" for i in range(1, 255))
+
+    def get(self) -> dict:
+        return self.live
+
+    def patch(self, ops: list[dict]) -> None:
+        with grpc.insecure_channel(self.router) as ch:
+            desired = admin_pb2_grpc.AdminStub(ch).ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=5).desired
+        self.patches.append((ops, dict(desired)))
+        self.live = apply_json_patch(self.live, ops)
+        for spec in self.live["spec"]["workerGroupSpecs"]:
+            group = spec["groupName"]
+            named = set(spec.get("scaleStrategy", {}).get("workersToDelete", []))
+            self.pods = [p for p in self.pods if p.name not in named]
+            pods = [p for p in self.pods if p.group == group]
+            for _ in range(spec["replicas"] - len(pods)):
+                self.pods.append(WorkerPod(f"{group}-{len(self.pods)}", group, next(self._ips), True))
+            for extra in pods[spec["replicas"] :]:
+                self.pods.remove(extra)
+
+    def worker_pods(self) -> list[WorkerPod]:
+        return list(self.pods)
+
+
+def test_scale_with_pods_adds_pods_before_workers_and_deletes_only_pods_left_empty(cluster):
+    async def scale(kuberay: KubeRayStandIn, **counts: int) -> list[str]:
+        steps: list[str] = []
+        credentials = ClientCredentials()
+        await scale_pods_and_workers(kuberay, cluster.address, credentials, counts, 120, lambda s, _: steps.append(s))
+        return steps
+
+    async def run() -> None:
+        await until(cluster.address, at_counts(1, 1, idle_too=True), 60)
+        kuberay = KubeRayStandIn(cluster.address, {"prefill": 1, "decode": 1})
+        assert await scale(kuberay, decode=2) == ["pods added", "workers serving"]
+        ((grown, desired_then),) = kuberay.patches
+        assert desired_then == {"prefill": 1, "decode": 1}  # the pod came before its worker
+        assert {"op": "replace", "path": "/spec/workerGroupSpecs/1/replicas", "value": 2} in grown
+        await until(cluster.address, at_counts(1, 2), 10)
+        added = [p.name for p in kuberay.pods if p.ip != "127.0.0.1"]
+        assert await scale(kuberay, decode=1) == ["workers serving", "empty pods deleted"]
+        shrunk, desired_then = kuberay.patches[-1]
+        assert desired_then == {"prefill": 1, "decode": 1}  # the worker drained away before its pod was named
+        strategy = {"op": "add", "path": "/spec/workerGroupSpecs/1/scaleStrategy", "value": {"workersToDelete": added}}
+        assert strategy in shrunk
+        assert [p.name for p in kuberay.pods] == ["prefill-0", "decode-0"]  # the workers' own pods stayed
+        await until(cluster.address, at_counts(1, 1, idle_too=True), 60)
+
+        every_pod_busy = KubeRayStandIn(cluster.address, {"prefill": 1, "decode": 2})
+        with pytest.raises(ScaleRefused, match="decode: 1 pods must go, but only 0 host no worker"):
+            await scale(every_pod_busy, decode=1)
+        assert not every_pod_busy.patches
+        autoscaled = KubeRayStandIn(cluster.address, {"prefill": 1, "decode": 1}, autoscaling=True)
+        with pytest.raises(ScaleRefused, match="autoscaler"):
+            await scale(autoscaled, decode=2)
+        assert not autoscaled.patches and dict((await status(cluster.address)).desired) == {"prefill": 1, "decode": 1}
+
+    asyncio.run(run())

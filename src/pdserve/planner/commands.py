@@ -7,7 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.addresses import host_port
 from pdserve.config import MAX_WORKERS_PER_ROLE, RouterConfig
@@ -152,7 +152,12 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--colocated", type=int, help="workers of a colocated cluster (--addr only)")
     p.add_argument("--wait", action="store_true", help="--addr: return once the counts serve (new ones warmed up)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits")
-    p.add_argument("--kubernetes", action="store_true", help="patch the Helm release's RayCluster worker groups")
+    p.add_argument(
+        "--kubernetes",
+        action="store_true",
+        help="patch the Helm release's RayCluster worker groups; with --addr, where the Ray autoscaler is off: "
+        "the pods and their workers together (pods added first; removed ones only once their workers drained)",
+    )
     named = p.add_mutually_exclusive_group()
     named.add_argument(
         "--raycluster",
@@ -173,10 +178,14 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    if bool(args.addr) == args.kubernetes:
-        print("pdserve scale: give --addr ROUTER (a running cluster) or --kubernetes, not both", file=sys.stderr)
+    if not args.addr and not args.kubernetes:
+        print(
+            "pdserve scale: give --addr ROUTER (a running cluster's workers), --kubernetes (the chart's worker pods), "
+            "or both (the pods and their workers, where the Ray autoscaler is off)",
+            file=sys.stderr,
+        )
         return 2
-    roles = ("prefill", "decode", "colocated") if args.addr else ("prefill", "decode")
+    roles = ("prefill", "decode") if args.kubernetes else ("prefill", "decode", "colocated")
     counts = {role: n for role in roles if (n := getattr(args, role)) is not None}
     if not counts:
         print(f"pdserve scale: give {' and/or '.join('--' + r for r in roles)}", file=sys.stderr)
@@ -188,6 +197,8 @@ def _scale(args: argparse.Namespace) -> int:
         bound = f"1 to {MAX_WORKERS_PER_ROLE}"
         print(f"pdserve scale: --{outside[0]} must be {bound} on a running cluster", file=sys.stderr)
         return 2
+    if args.addr and args.kubernetes:
+        return _scale_pods_and_workers(args, counts)
     return _scale_live(args, counts) if args.addr else _scale_kubernetes(args, counts)
 
 
@@ -237,16 +248,14 @@ def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
 
 
 def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
-    from pdserve.planner.kube_scale import (
-        apply_patch,
-        replicas_patch,
-        target_namespace,
-        target_raycluster,
-    )
+    from pdserve.planner.kube_scale import RayClusterApi, apply_patch, replicas_patch
 
-    name, namespace = target_raycluster(args.raycluster, args.release), target_namespace(args.namespace)
+    name, namespace = _raycluster(args)
     try:
-        patch, floors = (replicas_patch(counts), []) if args.dry_run else apply_patch(name, namespace, counts)
+        if args.dry_run:
+            patch, floors = replicas_patch(counts), []
+        else:
+            patch, floors = apply_patch(RayClusterApi(name, namespace), counts)
     except ValueError as e:
         print(f"pdserve scale: {e}", file=sys.stderr)
         return 2
@@ -262,6 +271,48 @@ def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _scale_pods_and_workers(args: argparse.Namespace, counts: dict[str, int]) -> int:
+    import asyncio
+
+    import grpc
+
+    from pdserve.planner.kube_fleet import ScaleRefused, scale_pods_and_workers
+    from pdserve.planner.kube_scale import RayClusterApi
+
+    if args.dry_run:  # each half's preview; the pods that go are known only once their workers drained
+        print("pdserve scale: then the pods the removed workers leave empty are deleted", file=sys.stderr)
+        return _scale_kubernetes(args, counts) or _scale_live(args, counts)
+    name, namespace = _raycluster(args)
+
+    def report(step: str, patch: list[dict[str, Any]]) -> None:
+        print(f"{step}" + (f": RayCluster {namespace}/{name} (ray.io/v1)" if patch else ""), file=sys.stderr)
+        if patch:
+            print(json.dumps(patch, indent=1), flush=True)
+
+    try:
+        api = RayClusterApi(name, namespace)
+        asyncio.run(scale_pods_and_workers(api, args.addr, client_credentials(args), counts, args.timeout, report))
+    except ScaleRefused as e:
+        print(f"pdserve scale: {e}", file=sys.stderr)
+        return 2
+    except TimeoutError as e:
+        print(f"pdserve scale: workers not settled: {e}", file=sys.stderr)
+        return 1
+    except grpc.aio.AioRpcError as e:
+        print(f"pdserve scale: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    except Exception as e:  # the kubernetes client's: no credentials, no such object, refused by the API server
+        print(f"pdserve scale: RayCluster {namespace}/{name}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _raycluster(args: argparse.Namespace) -> tuple[str, str]:
+    from pdserve.planner.kube_scale import target_namespace, target_raycluster
+
+    return target_raycluster(args.raycluster, args.release), target_namespace(args.namespace)
 
 
 def _add_autoscale(sub: argparse._SubParsersAction) -> None:

@@ -7,14 +7,17 @@ controller pod PDSERVE_RAYCLUSTER holds the rendered name and POD_NAMESPACE the 
 there needs neither. The patch is an RFC 6902 JSON patch: a `test` of each group's name before the `replace`
 of its replicas, so a RayCluster whose groups are not where the chart puts them is refused whole instead of
 scaled wrong. Where the live object's minReplicas/maxReplicas would not admit the new count, the patch widens
-them too (KubeRay rejects replicas outside the range). The API calls are a get and a patch of that one
-RayCluster, all the chart's Role allows.
+them too (KubeRay rejects replicas outside the range). A group losing pods may name the ones to go
+(`scaleStrategy.workersToDelete`, which KubeRay deletes whatever else it does and never clears: every patch that
+names pods sets the whole list). The API calls are a get and a patch of that one RayCluster and a list of its
+worker pods, all the chart's Role allows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdserve import env
 
@@ -55,9 +58,12 @@ def target_namespace(namespace: str | None) -> str:
     return "default"
 
 
-def replicas_patch(counts: dict[str, int], live: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def replicas_patch(
+    counts: dict[str, int], live: dict[str, Any] | None = None, remove: Mapping[str, Sequence[str]] | None = None
+) -> list[dict[str, Any]]:
     """The JSON patch setting each group in `counts` (prefill, decode) to its count; `live`: the current
-    RayCluster, read to widen minReplicas/maxReplicas where needed (None: replicas only)."""
+    RayCluster, read to widen minReplicas/maxReplicas where needed (None: replicas only); `remove`: per group, the
+    pods KubeRay is to delete (their names), before it deletes any other it lists first."""
     ops: list[dict[str, Any]] = []
     specs = (live or {}).get("spec", {}).get("workerGroupSpecs", [])
     for index, group in enumerate(GROUPS):
@@ -73,6 +79,9 @@ def replicas_patch(counts: dict[str, int], live: dict[str, Any] | None = None) -
             ops.append({"op": "replace", "path": f"{path}/minReplicas", "value": n})
         if "maxReplicas" in current and n > current["maxReplicas"]:
             ops.append({"op": "replace", "path": f"{path}/maxReplicas", "value": n})
+        if remove and group in remove:  # `add` sets the member whether or not it exists (RFC 6902)
+            strategy = {"workersToDelete": list(remove[group])}
+            ops.append({"op": "add", "path": f"{path}/scaleStrategy", "value": strategy})
         ops.append({"op": "replace", "path": f"{path}/replicas", "value": n})
     return ops
 
@@ -92,20 +101,66 @@ def lowered_floors(counts: dict[str, int], live: dict[str, Any]) -> list[str]:
     ]
 
 
-def apply_patch(name: str, namespace: str, counts: dict[str, int]) -> tuple[list[dict[str, Any]], list[str]]:
-    """Reads the live RayCluster (in-cluster credentials, else ~/.kube/config), patches it, returns the patch and
-    the groups it took below their disruption budget's floor (`lowered_floors`)."""
-    from kubernetes import client, config
+def group_replicas(live: dict[str, Any]) -> dict[str, int]:
+    """Each group's replicas in the live RayCluster, by the chart's group order."""
+    specs = live.get("spec", {}).get("workerGroupSpecs", [])
+    return {group: specs[i].get("replicas", 0) for i, group in enumerate(GROUPS) if i < len(specs)}
 
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    api = client.CustomObjectsApi()
-    live = api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+
+class WorkerPod(NamedTuple):
+    name: str
+    group: str  # KubeRay's ray.io/group label
+    ip: str  # "" before the pod has one
+    serving_node: bool  # Running and not being deleted
+
+
+def empty_pods(pods: Iterable[WorkerPod], group: str, worker_hosts: set[str]) -> list[str]:
+    """The names of `group`'s pods that run and host none of the workers (the pod IPs their addresses name),
+    in name order."""
+    return sorted(p.name for p in pods if p.group == group and p.serving_node and p.ip and p.ip not in worker_hosts)
+
+
+class RayClusterApi:
+    """The calls `pdserve scale --kubernetes` makes on one RayCluster (in-cluster credentials, else
+    ~/.kube/config): get it, JSON-patch it, list its worker pods."""
+
+    def __init__(self, name: str, namespace: str) -> None:
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        self.name, self.namespace = name, namespace
+        self._objects, self._core = client.CustomObjectsApi(), client.CoreV1Api()
+
+    def get(self) -> dict[str, Any]:
+        return self._objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+
+    def patch(self, ops: list[dict[str, Any]]) -> None:
+        # The client's default for a PATCH is a merge patch; ours is a JSON patch (a list of operations).
+        self._objects.patch_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, self.name, ops, _content_type="application/json-patch+json"
+        )
+
+    def worker_pods(self) -> list[WorkerPod]:
+        selector = f"ray.io/cluster={self.name},ray.io/node-type=worker"  # labels KubeRay sets on its pods
+        pods = self._core.list_namespaced_pod(self.namespace, label_selector=selector).items
+        return [
+            WorkerPod(
+                p.metadata.name,
+                (p.metadata.labels or {}).get("ray.io/group", ""),
+                p.status.pod_ip or "",
+                p.status.phase == "Running" and p.metadata.deletion_timestamp is None,
+            )
+            for p in pods
+        ]
+
+
+def apply_patch(api: RayClusterApi, counts: dict[str, int]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Reads the live RayCluster, patches its replicas, returns the patch and the groups it took below their
+    disruption budget's floor (`lowered_floors`)."""
+    live = api.get()
     patch = replicas_patch(counts, live)
-    # The client's default for a PATCH is a merge patch; ours is a JSON patch (a list of operations).
-    api.patch_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, name, patch, _content_type="application/json-patch+json"
-    )
+    api.patch(patch)
     return patch, lowered_floors(counts, live)

@@ -10,8 +10,11 @@ import pytest
 
 from pdserve import cli
 from pdserve.planner import kube_scale
+from pdserve.planner.kube_fleet import worker_host
 from pdserve.planner.kube_scale import (
     GROUPS,
+    WorkerPod,
+    empty_pods,
     lowered_floors,
     raycluster_name,
     replicas_patch,
@@ -49,6 +52,29 @@ def test_one_role_alone_leaves_the_other_group_untouched() -> None:
     ]
     with pytest.raises(ValueError, match="prefill"):
         replicas_patch({"prefill": -1})
+
+
+def test_pods_to_delete_are_named_in_their_groups_scale_strategy_before_its_replicas() -> None:
+    patch = replicas_patch({"prefill": 2, "decode": 1}, None, {"decode": ["pd-decode-b"]})
+    assert patch[-2:] == [
+        {"op": "add", "path": "/spec/workerGroupSpecs/1/scaleStrategy", "value": {"workersToDelete": ["pd-decode-b"]}},
+        {"op": "replace", "path": "/spec/workerGroupSpecs/1/replicas", "value": 1},
+    ]
+    assert not any(op["path"].startswith("/spec/workerGroupSpecs/0/scaleStrategy") for op in patch)
+
+
+def test_the_empty_pods_are_the_running_ones_whose_ip_no_worker_names() -> None:
+    pods = [
+        WorkerPod("d-b", "decode", "10.0.0.2", True),
+        WorkerPod("d-a", "decode", "10.0.0.1", True),  # a worker's
+        WorkerPod("d-c", "decode", "10.0.0.3", False),  # being deleted already
+        WorkerPod("d-d", "decode", "", False),  # pending
+        WorkerPod("d-0", "decode", "fd00::5", True),
+        WorkerPod("p-a", "prefill", "10.0.0.4", True),  # another group's
+    ]
+    hosts = {worker_host("10.0.0.1:50061"), worker_host("[fd00::9]:50061")}
+    assert empty_pods(pods, "decode", hosts) == ["d-0", "d-b"]
+    assert empty_pods(pods, "decode", {*hosts, worker_host("[fd00::5]:50061")}) == ["d-b"]
 
 
 def test_the_raycluster_is_named_as_the_chart_names_it() -> None:

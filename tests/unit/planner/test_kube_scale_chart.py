@@ -4,29 +4,16 @@ Runs where the chart and its renderer are present and helm can be fetched."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from pdserve import cli
-from pdserve.planner.kube_scale import apply_patch, raycluster_name, replicas_patch
+from pdserve.planner.kube_scale import RayClusterApi, apply_patch, raycluster_name, replicas_patch
+from tests.unit.planner.json_patch import apply_json_patch
 
 chart = pytest.importorskip("tests.deploy.chart", reason="the chart's renderer (tests/deploy) is not in this tree")
-
-
-def apply_json_patch(obj: dict[str, Any], patch: list[dict[str, Any]]) -> dict[str, Any]:
-    """RFC 6902 `test` and `replace`, all or nothing, as the API server applies them."""
-    out = copy.deepcopy(obj)
-    for op in patch:
-        *parents, leaf = op["path"].strip("/").split("/")
-        node: Any = out
-        for key in parents:
-            node = node[int(key)] if isinstance(node, list) else node[key]
-        if op["op"] == "test" and node[leaf] != op["value"]:
-            raise ValueError(f"test failed at {op['path']}: {node[leaf]!r} != {op['value']!r}")
-        if op["op"] == "replace":
-            node[leaf] = op["value"]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +32,16 @@ def test_the_patch_names_and_scales_the_rendered_raycluster(raycluster: dict[str
     assert groups["decode"]["replicas"] == groups["decode"]["minReplicas"] == 0
 
 
+def test_the_pods_to_delete_are_named_in_the_rendered_groups_scale_strategy(raycluster: dict[str, Any]) -> None:
+    """KubeRay never clears the list: each patch that names pods sets it whole, whatever an earlier one left."""
+    stale = replicas_patch({"decode": 2}, raycluster, {"decode": ["pd-pdserve-decode-worker-old"]})
+    later = replicas_patch({"decode": 1}, raycluster, {"decode": ["b"]})
+    patched = apply_json_patch(apply_json_patch(raycluster, stale), later)
+    prefill, decode = patched["spec"]["workerGroupSpecs"]
+    assert decode["scaleStrategy"] == {"workersToDelete": ["b"]} and decode["replicas"] == 1
+    assert prefill == raycluster["spec"]["workerGroupSpecs"][0]
+
+
 def test_a_raycluster_with_its_groups_swapped_is_refused(raycluster: dict[str, Any]) -> None:
     swapped = copy.deepcopy(raycluster)
     swapped["spec"]["workerGroupSpecs"].reverse()
@@ -53,30 +50,34 @@ def test_a_raycluster_with_its_groups_swapped_is_refused(raycluster: dict[str, A
 
 
 class RecordingApi:
-    """kubernetes.client.CustomObjectsApi, answering with the rendered RayCluster and recording the verb of each
-    call (the method's first word; `replace` is the API's update)."""
+    """kubernetes.client.CustomObjectsApi or CoreV1Api, answering with the rendered RayCluster (no pods) and
+    recording each call as (resource, verb): the method's first word, `replace` being the API's update."""
 
-    def __init__(self, live: dict[str, Any]) -> None:
-        self.live = live
-        self.verbs: set[str] = set()
+    def __init__(self, live: dict[str, Any], calls: set[tuple[str, str]], resource: str) -> None:
+        self.live, self.calls, self.resource = live, calls, resource
 
     def __getattr__(self, method: str) -> Any:
         verb = method.split("_")[0]
-        self.verbs.add({"replace": "update"}.get(verb, verb))
-        return lambda *args, **kwargs: self.live
+        self.calls.add((self.resource, {"replace": "update"}.get(verb, verb)))
+        return lambda *args, **kwargs: SimpleNamespace(items=[]) if self.resource == "pods" else self.live
 
 
 def test_the_role_grants_exactly_the_verbs_the_scale_uses(
     raycluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kubernetes = pytest.importorskip("kubernetes")
-    api = RecordingApi(raycluster)
+    calls: set[tuple[str, str]] = set()
     monkeypatch.setattr(kubernetes.config, "load_incluster_config", lambda: None)
-    monkeypatch.setattr(kubernetes.client, "CustomObjectsApi", lambda: api)
-    apply_patch(raycluster["metadata"]["name"], "serving", {"prefill": 2, "decode": 2})
-    (rule,) = chart.one(chart.render(), "Role")["rules"]
-    assert (rule["resources"], rule["resourceNames"]) == (["rayclusters"], [raycluster["metadata"]["name"]])
-    assert set(rule["verbs"]) == api.verbs == {"get", "patch"}
+    monkeypatch.setattr(kubernetes.client, "CustomObjectsApi", lambda: RecordingApi(raycluster, calls, "rayclusters"))
+    monkeypatch.setattr(kubernetes.client, "CoreV1Api", lambda: RecordingApi(raycluster, calls, "pods"))
+    api = RayClusterApi(raycluster["metadata"]["name"], "serving")
+    apply_patch(api, {"prefill": 2, "decode": 2})
+    api.worker_pods()
+    rules = chart.one(chart.render(), "Role")["rules"]
+    granted = {(resource, verb) for rule in rules for resource in rule["resources"] for verb in rule["verbs"]}
+    assert granted == calls == {("rayclusters", "get"), ("rayclusters", "patch"), ("pods", "list")}
+    (objects,) = [rule for rule in rules if rule["resources"] == ["rayclusters"]]
+    assert objects["resourceNames"] == [raycluster["metadata"]["name"]]
 
 
 def test_the_controllers_pod_names_the_raycluster_as_rendered(
