@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.addresses import host_of
 from pdserve.cluster.drain import DrainReport
 from pdserve.errors import InvalidRequestError
 from pdserve.registry.base import Registry, WorkerState
@@ -37,7 +38,7 @@ def drain_targets(registry: Registry, worker_ids: list[str], host: str) -> list[
         raise InvalidRequestError("worker_ids", "name the workers to drain, or a host, not both or neither")
     workers = {w.worker_id: w for w in registry.workers()}
     if host:
-        return [w for w in workers.values() if w.address.rpartition(":")[0] == host]
+        return [w for w in workers.values() if host_of(w.address) == host.strip("[]")]
     unknown = sorted(set(worker_ids) - set(workers))
     if unknown:
         raise InvalidRequestError("worker_ids", f"not registered: {', '.join(unknown)} (see `pdserve status`)")

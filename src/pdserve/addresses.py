@@ -71,6 +71,12 @@ def host_port(value: str) -> str:
     return value
 
 
+def host_of(address: str) -> str:
+    """The host of a host:port, an IPv6 literal without its brackets, as a pod IP reads ("[fd00::1]:50061" ->
+    "fd00::1")."""
+    return address.rpartition(":")[0].strip("[]")
+
+
 def join(host: str, port: int) -> str:
     """host:port, an IPv6 literal in brackets."""
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from pdserve.addresses import host_of
 from pdserve.planner.kube_scale import WorkerPod, empty_pods, group_replicas, replicas_patch
 from pdserve.planner.live_scale import all_counts, cluster_status, scale_workers, wait_settled
 from pdserve.rpc.credentials import ClientCredentials
@@ -32,11 +33,6 @@ class RayClusterCalls(Protocol):
 
 class ScaleRefused(Exception):
     """The change would take a serving worker's pod, or fight the Ray autoscaler: nothing more is changed."""
-
-
-def worker_host(address: str) -> str:
-    """A worker address's host as the pod IP reads ("[fd00::1]:50061" -> "fd00::1")."""
-    return address.rpartition(":")[0].strip("[]")
 
 
 async def scale_pods_and_workers(
@@ -69,7 +65,7 @@ async def scale_pods_and_workers(
     report("workers serving", [])
     if not shrink:
         return
-    hosts = {worker_host(w.address) for w in status.workers}
+    hosts = {host_of(w.address) for w in status.workers}
     pods = api.worker_pods()
     remove = {}
     for group, n in shrink.items():

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdserve import cli
+from pdserve.addresses import host_of
 from pdserve.planner import kube_scale
-from pdserve.planner.kube_fleet import worker_host
 from pdserve.planner.kube_scale import (
     GROUPS,
     WorkerPod,
@@ -72,9 +72,9 @@ def test_the_empty_pods_are_the_running_ones_whose_ip_no_worker_names() -> None:
         WorkerPod("d-0", "decode", "fd00::5", True),
         WorkerPod("p-a", "prefill", "10.0.0.4", True),  # another group's
     ]
-    hosts = {worker_host("10.0.0.1:50061"), worker_host("[fd00::9]:50061")}
+    hosts = {host_of("10.0.0.1:50061"), host_of("[fd00::9]:50061")}
     assert empty_pods(pods, "decode", hosts) == ["d-0", "d-b"]
-    assert empty_pods(pods, "decode", {*hosts, worker_host("[fd00::5]:50061")}) == ["d-b"]
+    assert empty_pods(pods, "decode", {*hosts, host_of("[fd00::5]:50061")}) == ["d-b"]
 
 
 def test_the_raycluster_is_named_as_the_chart_names_it() -> None:

@@ -15,6 +15,7 @@ def registry() -> InMemoryRegistry:
     r.publish(worker("prefill-0", address="10.0.0.1:50061"))
     r.publish(worker("decode-0", "decode", address="10.0.0.1:50071"))
     r.publish(worker("decode-1", "decode", address="10.0.0.2:50061"))
+    r.publish(worker("decode-2", "decode", address="[fd00::7]:50061"))  # an IPv6 pod's, as addresses join it
     return r
 
 
@@ -22,6 +23,8 @@ def test_by_id_or_by_host() -> None:
     assert [w.worker_id for w in drain_targets(registry(), ["decode-1", "decode-1"], "")] == ["decode-1"]
     assert sorted(w.worker_id for w in drain_targets(registry(), [], "10.0.0.1")) == ["decode-0", "prefill-0"]
     assert drain_targets(registry(), [], "10.0.0.9") == []  # nothing on that host: nothing to drain
+    for host in ("fd00::7", "[fd00::7]"):  # a pod's $POD_IP, or the literal as an address writes it
+        assert [w.worker_id for w in drain_targets(registry(), [], host)] == ["decode-2"]
 
 
 @pytest.mark.parametrize(("ids", "host"), [(["decode-7"], ""), ([], ""), (["decode-0"], "10.0.0.1")])
