@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.addresses import host_of
 from pdserve.cluster.drain import WorkerDrainedError
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.registry.base import Registry
@@ -220,9 +221,9 @@ class Supervisor:
 
 async def _port_open(address: str) -> bool:
     """False only when the port refuses connections (nothing listens: the process is gone)."""
-    host, _, port = address.rpartition(":")
+    port = address.rpartition(":")[2]
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), KNOCK_TIMEOUT_S)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host_of(address), int(port)), KNOCK_TIMEOUT_S)
     except (ConnectionRefusedError, ValueError):
         return False
     except (TimeoutError, OSError):  # slow or unreachable, not refused: not proof of death

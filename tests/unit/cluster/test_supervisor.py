@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError
 
+from pdserve.addresses import join
 from pdserve.cluster.drain import WorkerDrainedError
-from pdserve.cluster.supervisor import Slot, Supervisor
+from pdserve.cluster.supervisor import Slot, Supervisor, _port_open
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import EngineConfig
 from pdserve.protocol.roles import Role
@@ -228,3 +229,18 @@ async def test_a_slot_scaled_away_while_it_had_no_actor_is_never_replaced() -> N
     await sup.check_all()
     await sup.check_all()
     assert tries == [] and sup.slots["b"].actor is None
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+async def test_the_port_knock_tells_a_listening_worker_from_a_gone_one(host: str) -> None:
+    """On an IPv6 pod too, whose address brackets the literal (the knock once dialled "[::1]", failed to resolve,
+    and took every worker for alive)."""
+    try:
+        server = await asyncio.start_server(lambda r, w: w.close(), host, 0)
+    except OSError:
+        pytest.skip(f"no {host} here")
+    address = join(host, server.sockets[0].getsockname()[1])
+    assert await _port_open(address)
+    server.close()
+    await server.wait_closed()
+    assert not await _port_open(address)
