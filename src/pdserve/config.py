@@ -98,6 +98,9 @@ class SLOClass:
     tpot_ms: float
 
 
+MAX_CONNECTION_AGE_S = 2_147_483  # gRPC's max_connection_age_ms is a C int: about 24.8 days
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     default_ttft_ms: float = 5000.0
@@ -156,7 +159,12 @@ class RouterConfig:
         for name in ("max_in_flight", "max_queued_prefill_tokens", "default_max_tokens"):
             if getattr(self, name) < 1:  # a bound of none would shed (or refuse) every request
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("ejection_s", "no_workers_wait_s", "max_connection_age_s"):
+        if not (self.max_connection_age_s == 0 or 0.001 <= self.max_connection_age_s <= MAX_CONNECTION_AGE_S):
+            raise ValueError(  # gRPC takes whole milliseconds in a C int
+                f"max_connection_age_s must be 0 (never) or lie in [0.001, {MAX_CONNECTION_AGE_S}], "
+                f"got {self.max_connection_age_s!r}"
+            )
+        for name in ("ejection_s", "no_workers_wait_s"):
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0 <= self.low_priority_reserve <= 1:

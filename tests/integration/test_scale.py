@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 
 import grpc
@@ -242,13 +243,13 @@ class KubeRayStandIn:
     RayCluster of this cluster's groups, which JSON patches change, and its worker pods, which follow its replicas
     as KubeRay's controller makes them follow (the pods named in workersToDelete go, then the first listed; a new
     pod gets a fresh IP). The pods hosting this cluster's workers have their host's IP, 127.0.0.1. Each patch
-    records the router's desired counts at that moment."""
+    records the workers the router lists at that moment, per role (draining ones too)."""
 
     def __init__(self, router: str, replicas: dict[str, int], autoscaling: bool = False) -> None:
         self.router = router
         groups = [{"groupName": g, "replicas": replicas[g], "minReplicas": 1, "maxReplicas": 8} for g in GROUPS]
         self.live = {"spec": {"enableInTreeAutoscaling": autoscaling, "workerGroupSpecs": groups}}
-        self.pods = [WorkerPod(f"{g}-{i}", g, "127.0.0.1", True) for g in GROUPS for i in range(replicas[g])]
+        self.pods = [WorkerPod(f"{g}-{i}", g, "127.0.0.1", True, False) for g in GROUPS for i in range(replicas[g])]
         self.patches: list[tuple[list[dict], dict[str, int]]] = []
         self._ips = (f"10.0.0.{i}" for i in range(1, 255))
 
@@ -257,8 +258,8 @@ class KubeRayStandIn:
 
     def patch(self, ops: list[dict]) -> None:
         with grpc.insecure_channel(self.router) as ch:
-            desired = admin_pb2_grpc.AdminStub(ch).ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=5).desired
-        self.patches.append((ops, dict(desired)))
+            listed = admin_pb2_grpc.AdminStub(ch).ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=5).workers
+        self.patches.append((ops, dict(Counter(w.role for w in listed))))
         self.live = apply_json_patch(self.live, ops)
         for spec in self.live["spec"]["workerGroupSpecs"]:
             group = spec["groupName"]
@@ -266,8 +267,8 @@ class KubeRayStandIn:
             self.pods = [p for p in self.pods if p.name not in named]
             pods = [p for p in self.pods if p.group == group]
             for _ in range(spec["replicas"] - len(pods)):
-                self.pods.append(WorkerPod(f"{group}-{len(self.pods)}", group, next(self._ips), True))
-            for extra in pods[spec["replicas"] :]:
+                self.pods.append(WorkerPod(f"{group}-{len(self.pods)}", group, next(self._ips), True, False))
+            for extra in pods[: max(0, len(pods) - spec["replicas"])]:
                 self.pods.remove(extra)
 
     def worker_pods(self) -> list[WorkerPod]:
@@ -285,14 +286,14 @@ def test_scale_with_pods_adds_pods_before_workers_and_deletes_only_pods_left_emp
         await until(cluster.address, at_counts(1, 1, idle_too=True), 60)
         kuberay = KubeRayStandIn(cluster.address, {"prefill": 1, "decode": 1})
         assert await scale(kuberay, decode=2) == ["pods added", "workers serving"]
-        ((grown, desired_then),) = kuberay.patches
-        assert desired_then == {"prefill": 1, "decode": 1}  # the pod came before its worker
+        ((grown, workers_then),) = kuberay.patches
+        assert workers_then == {"prefill": 1, "decode": 1}  # the pod came before its worker
         assert {"op": "replace", "path": "/spec/workerGroupSpecs/1/replicas", "value": 2} in grown
         await until(cluster.address, at_counts(1, 2), 10)
         added = [p.name for p in kuberay.pods if p.ip != "127.0.0.1"]
         assert await scale(kuberay, decode=1) == ["workers serving", "empty pods deleted"]
-        shrunk, desired_then = kuberay.patches[-1]
-        assert desired_then == {"prefill": 1, "decode": 1}  # the worker drained away before its pod was named
+        shrunk, workers_then = kuberay.patches[-1]
+        assert workers_then == {"prefill": 1, "decode": 1}  # the worker drained away before any pod was named
         strategy = {"op": "add", "path": "/spec/workerGroupSpecs/1/scaleStrategy", "value": {"workersToDelete": added}}
         assert strategy in shrunk
         assert [p.name for p in kuberay.pods] == ["prefill-0", "decode-0"]  # the workers' own pods stayed

@@ -248,7 +248,7 @@ def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
 
 
 def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
-    from pdserve.planner.kube_scale import RayClusterApi, apply_patch, replicas_patch
+    from pdserve.planner.kube_scale import FLOOR_ADVICE, RayClusterApi, apply_patch, replicas_patch
 
     name, namespace = _raycluster(args)
     try:
@@ -265,11 +265,8 @@ def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
     print(f"RayCluster {namespace}/{name} (ray.io/v1):", file=sys.stderr)
     print(json.dumps(patch, indent=1))
     for group in floors:
-        print(
-            f"pdserve scale: {group} is now below the chart's minReplicas: its PodDisruptionBudget lets none of its "
-            f"pods be evicted (node drains wait) until `helm upgrade --set {group}.minReplicas=N` lowers it too",
-            file=sys.stderr,
-        )
+        advice = FLOOR_ADVICE.format(group=group)
+        print(f"pdserve scale: {group} is now below the chart's minReplicas: {advice}", file=sys.stderr)
     return 0
 
 
@@ -281,10 +278,9 @@ def _scale_pods_and_workers(args: argparse.Namespace, counts: dict[str, int]) ->
     from pdserve.planner.kube_fleet import ScaleRefused, scale_pods_and_workers
     from pdserve.planner.kube_scale import RayClusterApi
 
-    if args.dry_run:  # each half's preview; the pods that go are known only once their workers drained
-        print("pdserve scale: then the pods the removed workers leave empty are deleted", file=sys.stderr)
-        return _scale_kubernetes(args, counts) or _scale_live(args, counts)
     name, namespace = _raycluster(args)
+    if args.dry_run:
+        return _preview_pods_and_workers(args, counts, name, namespace)
 
     def report(step: str, patch: list[dict[str, Any]]) -> None:
         print(f"{step}" + (f": RayCluster {namespace}/{name} (ray.io/v1)" if patch else ""), file=sys.stderr)
@@ -307,6 +303,28 @@ def _scale_pods_and_workers(args: argparse.Namespace, counts: dict[str, int]) ->
         print(f"pdserve scale: RayCluster {namespace}/{name}: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _preview_pods_and_workers(args: argparse.Namespace, counts: dict[str, int], name: str, namespace: str) -> int:
+    """The pods' patch as the live RayCluster takes it (the pods that go are known only once their workers
+    drained), then the workers' counts."""
+    from pdserve.planner.kube_fleet import ScaleRefused, pod_changes
+    from pdserve.planner.kube_scale import RayClusterApi, replicas_patch
+
+    try:
+        live = RayClusterApi(name, namespace).get()
+        _, grow, shrink = pod_changes(live, counts)
+    except ScaleRefused as e:
+        print(f"pdserve scale: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the kubernetes client's: no credentials, no such object, refused by the API server
+        print(f"pdserve scale: RayCluster {namespace}/{name}: {e}", file=sys.stderr)
+        return 1
+    print(f"RayCluster {namespace}/{name} (ray.io/v1), pods added before the workers:", file=sys.stderr)
+    print(json.dumps(replicas_patch(grow, live), indent=1))
+    print("after the workers drained, with the pods they left empty in workersToDelete:", file=sys.stderr)
+    print(json.dumps(replicas_patch(shrink, live), indent=1))
+    return _scale_live(args, counts)
 
 
 def _raycluster(args: argparse.Namespace) -> tuple[str, str]:

@@ -14,7 +14,14 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from pdserve.addresses import host_of
-from pdserve.planner.kube_scale import WorkerPod, empty_pods, group_replicas, replicas_patch
+from pdserve.planner.kube_scale import (
+    FLOOR_ADVICE,
+    WorkerPod,
+    empty_pods,
+    group_replicas,
+    lowered_floors,
+    replicas_patch,
+)
 from pdserve.planner.live_scale import all_counts, cluster_status, scale_workers, wait_settled
 from pdserve.rpc.credentials import ClientCredentials
 
@@ -32,7 +39,24 @@ class RayClusterCalls(Protocol):
 
 
 class ScaleRefused(Exception):
-    """The change would take a serving worker's pod, or fight the Ray autoscaler: nothing more is changed."""
+    """The change would take a serving worker's pod, fight the Ray autoscaler, or misread the RayCluster."""
+
+
+def pod_changes(live: dict[str, Any], counts: dict[str, int]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """The groups' replicas now, and of `counts` the groups to grow and to shrink; ScaleRefused where the Ray
+    autoscaler owns the replicas or the groups are not the chart's."""
+    if live.get("spec", {}).get("enableInTreeAutoscaling"):
+        raise ScaleRefused(
+            "the Ray autoscaler owns this RayCluster's pods (the chart's ray.autoscaler.enabled); "
+            "scale the workers with --addr alone and it follows them"
+        )
+    try:
+        replicas = group_replicas(live)
+    except ValueError as e:
+        raise ScaleRefused(str(e)) from None
+    grow = {g: n for g, n in counts.items() if n > replicas[g]}
+    shrink = {g: n for g, n in counts.items() if n < replicas[g]}
+    return replicas, grow, shrink
 
 
 async def scale_pods_and_workers(
@@ -44,29 +68,26 @@ async def scale_pods_and_workers(
     report: Report,
 ) -> None:
     """Sets each group in `counts` to that many pods and workers: the pods added first, then the workers (waited
-    for until they serve, at most `timeout_s`), then the pods their removed workers left empty deleted."""
+    for until they serve, at most `timeout_s`), then the pods their removed workers left empty deleted. The
+    router is asked first, so one that cannot be reached changes nothing."""
     live = api.get()
-    if live.get("spec", {}).get("enableInTreeAutoscaling"):
-        raise ScaleRefused(
-            "the Ray autoscaler owns this RayCluster's pods (the chart's ray.autoscaler.enabled); "
-            "scale the workers with --addr alone and it follows them"
-        )
-    replicas = group_replicas(live)
-    grow = {g: n for g, n in counts.items() if n > replicas[g]}
-    shrink = {g: n for g, n in counts.items() if n < replicas[g]}
+    replicas, grow, shrink = pod_changes(live, counts)
+    status = await cluster_status(addr, credentials)
+    target = {**(dict(status.desired) or all_counts(status)), **counts}
     if grow:
         patch = replicas_patch(grow, live)
         api.patch(patch)
         report("pods added", patch)
-    status = await cluster_status(addr, credentials)
-    target = {**(dict(status.desired) or all_counts(status)), **counts}
     desired = dict((await scale_workers(addr, credentials, target)).desired)
     status = await wait_settled(addr, credentials, desired, timeout_s)
     report("workers serving", [])
     if not shrink:
         return
-    hosts = {host_of(w.address) for w in status.workers}
     pods = api.worker_pods()
+    # Read again after the pod list: a worker restarting meanwhile (its new actor not listed yet when the first
+    # status was read) has its pod's IP listed by now, or is seen missing and the scale waits for it.
+    again = await wait_settled(addr, credentials, desired, timeout_s)
+    hosts = {host_of(w.address) for w in (*status.workers, *again.workers)}
     remove = {}
     for group, n in shrink.items():
         empty = empty_pods(pods, group, hosts)
@@ -76,6 +97,9 @@ async def scale_pods_and_workers(
                 f"({', '.join(empty) or 'none'}); its pods left as they were"
             )
         remove[group] = empty[: replicas[group] - n]
-    patch = replicas_patch(shrink, api.get(), remove)
+    live = api.get()
+    patch = replicas_patch(shrink, live, remove)
     api.patch(patch)
     report("empty pods deleted", patch)
+    for group in lowered_floors(shrink, live):
+        report(f"{group} is now below the chart's minReplicas: {FLOOR_ADVICE.format(group=group)}", [])

@@ -86,6 +86,12 @@ def replicas_patch(
     return ops
 
 
+FLOOR_ADVICE = (
+    "its PodDisruptionBudget lets none of its pods be evicted (node drains wait) until "
+    "`helm upgrade --set {group}.minReplicas=N` lowers it too"
+)
+
+
 def lowered_floors(counts: dict[str, int], live: dict[str, Any]) -> list[str]:
     """The groups whose pods the patch takes below a live minReplicas of 2 or more, to 1 or more: the chart renders
     a PodDisruptionBudget for such a floor (minAvailable: the floor less one), which then lets none of the group's
@@ -102,22 +108,27 @@ def lowered_floors(counts: dict[str, int], live: dict[str, Any]) -> list[str]:
 
 
 def group_replicas(live: dict[str, Any]) -> dict[str, int]:
-    """Each group's replicas in the live RayCluster, by the chart's group order."""
+    """Each group's replicas in the live RayCluster; ValueError when its groups are not the chart's, in its order."""
     specs = live.get("spec", {}).get("workerGroupSpecs", [])
-    return {group: specs[i].get("replicas", 0) for i, group in enumerate(GROUPS) if i < len(specs)}
+    names = [spec.get("groupName") for spec in specs]
+    if names[: len(GROUPS)] != list(GROUPS):
+        raise ValueError(f"its worker groups are {names}, not the chart's {list(GROUPS)}")
+    return {group: specs[i].get("replicas", 0) for i, group in enumerate(GROUPS)}
 
 
 class WorkerPod(NamedTuple):
     name: str
     group: str  # KubeRay's ray.io/group label
     ip: str  # "" before the pod has one
-    serving_node: bool  # Running and not being deleted
+    running: bool  # its phase is Running (before that no Ray node, so no worker, runs in it)
+    deleting: bool  # a deletion is under way already
 
 
 def empty_pods(pods: Iterable[WorkerPod], group: str, worker_hosts: set[str]) -> list[str]:
-    """The names of `group`'s pods that run and host none of the workers (the pod IPs their addresses name),
-    in name order."""
-    return sorted(p.name for p in pods if p.group == group and p.serving_node and p.ip and p.ip not in worker_hosts)
+    """The names of `group`'s pods that host none of the workers (the pod IPs their addresses name) and are not
+    being deleted already: those not running yet first, then in name order."""
+    empty = [p for p in pods if p.group == group and not p.deleting and not (p.running and p.ip in worker_hosts)]
+    return [p.name for p in sorted(empty, key=lambda p: (p.running, p.name))]
 
 
 class RayClusterApi:
@@ -151,7 +162,8 @@ class RayClusterApi:
                 p.metadata.name,
                 (p.metadata.labels or {}).get("ray.io/group", ""),
                 p.status.pod_ip or "",
-                p.status.phase == "Running" and p.metadata.deletion_timestamp is None,
+                p.status.phase == "Running",
+                p.metadata.deletion_timestamp is not None,
             )
             for p in pods
         ]

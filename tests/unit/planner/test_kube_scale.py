@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import socket
 from pathlib import Path
 
+import grpc
 import pytest
 
 from pdserve import cli
 from pdserve.addresses import host_of
 from pdserve.planner import kube_scale
+from pdserve.planner.kube_fleet import ScaleRefused, pod_changes, scale_pods_and_workers
 from pdserve.planner.kube_scale import (
     GROUPS,
     WorkerPod,
@@ -21,6 +25,7 @@ from pdserve.planner.kube_scale import (
     target_namespace,
     target_raycluster,
 )
+from pdserve.rpc.credentials import ClientCredentials
 
 CHART = Path(__file__).resolve().parents[3] / "deploy" / "helm" / "pdserve"
 
@@ -63,18 +68,27 @@ def test_pods_to_delete_are_named_in_their_groups_scale_strategy_before_its_repl
     assert not any(op["path"].startswith("/spec/workerGroupSpecs/0/scaleStrategy") for op in patch)
 
 
-def test_the_empty_pods_are_the_running_ones_whose_ip_no_worker_names() -> None:
+def test_the_empty_pods_are_those_no_worker_runs_in_not_running_ones_first() -> None:
     pods = [
-        WorkerPod("d-b", "decode", "10.0.0.2", True),
-        WorkerPod("d-a", "decode", "10.0.0.1", True),  # a worker's
-        WorkerPod("d-c", "decode", "10.0.0.3", False),  # being deleted already
-        WorkerPod("d-d", "decode", "", False),  # pending
-        WorkerPod("d-0", "decode", "fd00::5", True),
-        WorkerPod("p-a", "prefill", "10.0.0.4", True),  # another group's
+        WorkerPod("d-b", "decode", "10.0.0.2", True, False),
+        WorkerPod("d-a", "decode", "10.0.0.1", True, False),  # a worker's
+        WorkerPod("d-c", "decode", "10.0.0.3", True, True),  # being deleted already
+        WorkerPod("d-d", "decode", "", False, False),  # pending: no Ray node, no worker
+        WorkerPod("d-0", "decode", "fd00::5", True, False),
+        WorkerPod("p-a", "prefill", "10.0.0.4", True, False),  # another group's
     ]
     hosts = {host_of("10.0.0.1:50061"), host_of("[fd00::9]:50061")}
-    assert empty_pods(pods, "decode", hosts) == ["d-0", "d-b"]
-    assert empty_pods(pods, "decode", {*hosts, host_of("[fd00::5]:50061")}) == ["d-b"]
+    assert empty_pods(pods, "decode", hosts) == ["d-d", "d-0", "d-b"]
+    assert empty_pods(pods, "decode", {*hosts, host_of("[fd00::5]:50061")}) == ["d-d", "d-b"]
+
+
+def test_a_raycluster_whose_groups_are_not_the_charts_is_refused_before_anything_changes() -> None:
+    live = {"spec": {"workerGroupSpecs": [{"groupName": "decode", "replicas": 1}, {"groupName": "prefill"}]}}
+    with pytest.raises(ScaleRefused, match="not the chart's"):
+        pod_changes(live, {"prefill": 2})
+    live["spec"]["workerGroupSpecs"].reverse()
+    replicas, grow, shrink = pod_changes(live, {"prefill": 2, "decode": 0})
+    assert (replicas, grow, shrink) == ({"prefill": 0, "decode": 1}, {"prefill": 2}, {"decode": 0})
 
 
 def test_the_raycluster_is_named_as_the_chart_names_it() -> None:
@@ -145,3 +159,31 @@ def test_scale_in_the_controllers_pod_patches_its_own_raycluster(
     assert "serving/llm" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one name or the other
         cli.main(["scale", "--kubernetes", "--dry-run", "--decode", "3", "--raycluster", "a", "--release", "b"])
+
+
+class RecordingRayCluster:
+    """A RayCluster of one pod per group, its autoscaler off, recording the patches sent."""
+
+    def __init__(self) -> None:
+        groups = [{"groupName": g, "replicas": 1} for g in GROUPS]
+        self.live = {"spec": {"enableInTreeAutoscaling": False, "workerGroupSpecs": groups}}
+        self.patches: list[list[dict]] = []
+
+    def get(self) -> dict:
+        return self.live
+
+    def patch(self, ops: list[dict]) -> None:
+        self.patches.append(ops)
+
+    def worker_pods(self) -> list[WorkerPod]:
+        return []
+
+
+def test_a_router_that_cannot_be_reached_leaves_the_pods_as_they_were() -> None:
+    api = RecordingRayCluster()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(grpc.aio.AioRpcError):
+        asyncio.run(scale_pods_and_workers(api, addr, ClientCredentials(), {"decode": 4}, 5, lambda *_: None))
+    assert api.patches == []

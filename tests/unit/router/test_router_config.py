@@ -135,6 +135,8 @@ def test_an_unknown_key_in_the_file_is_an_error_naming_it(tmp_path, toml, named)
         {"low_priority_reserve": 1.5},
         {"slo_headroom": 0.0},
         {"max_connection_age_s": -1.0},
+        {"max_connection_age_s": 1e-4},  # 0 ms to gRPC
+        {"max_connection_age_s": 3e6},  # past gRPC's C int of milliseconds
     ],
 )
 def test_settings_out_of_range_are_refused_naming_them(bad):
