@@ -59,8 +59,8 @@ class RayNode:
         worker_port = free_port()  # a small range of its own for worker processes
         args += ["--min-worker-port", str(worker_port), "--max-worker-port", str(worker_port + 40)]
         if head_address is None:
-            self.port = free_port()
-            args += ["--head", "--port", str(self.port), "--ray-client-server-port", str(free_port())]
+            self.port, self.client_port = free_port(), free_port()
+            args += ["--head", "--port", str(self.port), "--ray-client-server-port", str(self.client_port)]
             args += ["--include-dashboard", "false"]
             self.address = f"{ip}:{self.port}"
         else:
@@ -68,10 +68,29 @@ class RayNode:
             self.address = head_address
         if netns:
             args = ["ip", "netns", "exec", netns, *args]
+        self._args, self._env = args, {**os.environ, **(env or {})}
+        self._launch()
+
+    def _launch(self) -> None:
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+            self._args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=self._env
         )
+
+    def kill(self) -> None:
+        """SIGKILL to the node's session, as a lost pod: nothing of it says goodbye."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
+
+    def restart(self, temp_dir: Path) -> None:
+        """Starts the killed node again as it was (ports, resources, env): a head whose GCS keeps its tables in
+        Redis comes back as the same cluster. In a fresh `temp_dir`: `ray start --head` refuses a temp dir whose
+        cluster's address a live raylet still names."""
+        self._args[self._args.index("--temp-dir") + 1] = str(temp_dir)
+        self.log_path = temp_dir / self.log_path.name
+        self._launch()
+        self.wait_started()
 
     def wait_started(self, timeout_s: float = 240.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -11,6 +11,7 @@ nodes (pods) of that image, which Ray's autoscaler adds, never on the old image'
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -148,6 +149,18 @@ class WorkerActors:
 
         if ray.is_initialized():
             ray.shutdown()
+
+    @staticmethod
+    def connected() -> bool:
+        """False once this process's connection to Ray is gone: a Ray Client (`ray://`) whose head went away gives
+        up after its reconnect grace (RAY_CLIENT_RECONNECT_GRACE_PERIOD, 30 s by default) and never comes back."""
+        import ray
+
+        return ray.is_initialized()
+
+    async def until_disconnected(self, poll_s: float = 1.0) -> None:
+        while self.connected():
+            await asyncio.sleep(poll_s)
 
 
 def _wants_gpu(device: str) -> bool:

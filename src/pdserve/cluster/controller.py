@@ -2,7 +2,9 @@
 
 It joins Ray, creates the worker actors (or finds them again in its Ray namespace after its own restart),
 supervises them, and has them publish to Redis, where routers find them. On SIGTERM it leaves the actors serving
-(they are detached) unless told to stop them: a controller's restart is not a fleet's.
+(they are detached) unless told to stop them: a controller's restart is not a fleet's. A Ray Client connection
+lost for good (the Ray head restarted) ends it with an error, so that its Deployment starts a new one, which
+connects once the head is back and finds the actors (those that outlived the head, with GCS fault tolerance).
 """
 
 from __future__ import annotations
@@ -43,9 +45,18 @@ async def run_controller(config: ClusterConfig, services: ClusterServices) -> No
     watcher = asyncio.create_task(cluster.watch())
     roles = ", ".join(config.roles)
     print(f"ready controller ({config.mode}: {roles}) in Ray namespace {config.ray_namespace}", flush=True)
+    stopped, lost = asyncio.create_task(stop.wait()), asyncio.create_task(cluster.actors.until_disconnected())
     try:
-        await stop.wait()
+        await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        await asyncio.to_thread(end)
+        stopped.cancel()
+        if not lost.done():
+            lost.cancel()
+            await asyncio.to_thread(end)
         telemetry.shutdown()
+    if lost.done():
+        raise ConnectionError(
+            f"lost its connection to the Ray cluster at {config.ray_address} (its head restarted or is gone); "
+            "exiting so that it is restarted: the worker actors keep serving, and the next controller finds them"
+        )

@@ -30,6 +30,10 @@ from pdserve.registry.base import Registry, WorkerState
 log = logging.getLogger(__name__)
 SPEC_TIMEOUT_S = 5.0  # an actor answers what it was asked to be at once, unless it is restarting
 STOP_CHECK_S = 1.0  # how long a start waits on Ray between looks at whether the process is stopping
+# A Ray cluster joined that does not answer (its head restarting: a pod rescheduled, the GCS reloading its tables) is
+# tried again this long, every JOIN_RETRY_S, before the process gives up (and its Deployment restarts it, backing off).
+JOIN_WINDOW_S = 300.0
+JOIN_RETRY_S = 5.0
 
 
 class StartStopped(Exception):
@@ -45,7 +49,9 @@ class Cluster:
         self.registry = registry
         self.actors = WorkerActors(config, workers)
         self.stopping = threading.Event()  # set once: every start in progress gives up
-        self.supervisor = Supervisor(registry, publish=publish, new_actor=self.actors.create)
+        self.supervisor = Supervisor(
+            registry, publish=publish, new_actor=self.actors.create, connected=self.actors.connected
+        )
         drain_s = config.worker_drain_timeout_s
         self.scaler = FleetScaler(
             registry,
@@ -195,9 +201,23 @@ class Cluster:
             raise StartStopped("the process is stopping")
 
     async def connect_until(self, stop: asyncio.Event) -> bool:
-        """Connects to Ray (starting a local one), which cannot be interrupted; False, disconnected again, when
-        `stop` was set meanwhile. The caller takes its signals back after (`router_process.stop_signal`)."""
-        await asyncio.to_thread(self.actors.connect)
+        """Connects to Ray (starting a local one), which cannot be interrupted, and tries a joined one again while
+        it does not answer (JOIN_WINDOW_S); False, disconnected again, when `stop` was set meanwhile. The caller
+        takes its signals back after (`router_process.stop_signal`)."""
+        deadline = time.monotonic() + JOIN_WINDOW_S
+        while True:
+            try:
+                await asyncio.to_thread(self.actors.connect)
+                break
+            except ConnectionError as e:  # Ray Client's errors, and a GCS that does not answer
+                if not self.config.ray_address or time.monotonic() > deadline:
+                    raise
+                log.warning("Ray at %s: %s; trying again in %g s", self.config.ray_address, _reason(e), JOIN_RETRY_S)
+                try:
+                    await asyncio.wait_for(stop.wait(), JOIN_RETRY_S)
+                except TimeoutError:
+                    continue
+                return False
         if stop.is_set():
             await asyncio.to_thread(self.actors.disconnect)
             return False

@@ -39,6 +39,10 @@ STUCK_AFTER = 2  # checks in a row without an answer that mean stuck (one alone:
 REPLACE_BACKOFF_S = (10.0, 300.0)  # first and longest wait before replacing a replacement that never served
 
 
+class _LinkLost(Exception):
+    """A check failed because this process lost its connection to Ray, not because of the actor."""
+
+
 def _kill(actor: Any) -> None:
     import ray
 
@@ -75,6 +79,7 @@ class Supervisor:
         check_timeout_s: float = CHECK_TIMEOUT_S,
         kill: Callable[[Any], None] = _kill,
         clock: Callable[[], float] = time.monotonic,
+        connected: Callable[[], bool] = lambda: True,
     ) -> None:
         self.registry = registry
         self.publish = publish
@@ -83,6 +88,7 @@ class Supervisor:
         self.check_timeout_s = check_timeout_s
         self.kill = kill
         self.clock = clock
+        self.connected = connected  # this process's own link to Ray: its loss is no worker's failure
         self.slots: dict[str, Slot] = {}
 
     async def run(self, interval_s: float) -> None:
@@ -123,7 +129,9 @@ class Supervisor:
         if slot.listed and not await _port_open(slot.address):
             await self._unlist(slot, f"its port {slot.address} refuses connections")
         try:
-            state = await asyncio.wait_for(slot.actor.state.remote(), timeout=self.check_timeout_s)
+            state = await self._state(slot)
+        except _LinkLost:  # every call fails now: the process ends (controller.py), the workers serve on
+            return
         except ActorDiedError as e:
             slot.died += 1
             await self._unlist(slot, "its actor died")
@@ -155,6 +163,15 @@ class Supervisor:
         stuck: the last worker of a role in placement stays there on that alone (the router's first-token and stall
         bounds cover one truly stuck), since taking it out fails every request at once."""
         return any(s is not slot and s.listed and s.spec.role == slot.spec.role for s in self.slots.values())
+
+    async def _state(self, slot: Slot) -> Any:
+        """The actor's state, within the check's timeout."""
+        try:
+            return await asyncio.wait_for(slot.actor.state.remote(), timeout=self.check_timeout_s)
+        except Exception as e:
+            if not isinstance(e, TimeoutError) and not self.connected():
+                raise _LinkLost from e
+            raise
 
     async def _unlist(self, slot: Slot, why: str) -> None:
         if not slot.listed:

@@ -1,0 +1,137 @@
+"""The Ray head restarts under a serving cluster, as a head pod does when its node goes (the chart's
+`ray.gcsFaultTolerance`): a head without workers and a node with both role resources, the GCS keeping its tables
+in a real Redis (`RAY_REDIS_ADDRESS`, as KubeRay's gcsFaultToleranceOptions sets it; the node's raylet waits 600 s
+for its GCS, as KubeRay sets it), `pdserve controller` joined as a Ray Client (`ray://`, as in the chart) and a
+`pdserve router` on the same Redis.
+
+The head is SIGKILLed: requests keep being served (neither the router nor the workers need Ray to serve); the
+controller, whose Ray Client connection is gone for good, exits with an error instead of supervising nothing from
+then on, and takes no worker out of placement for it. A new controller (the Deployment's restart) started while the
+head is still away tries Ray again until it is back on its ports, then finds the very worker processes serving,
+and they serve on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pdserve.cluster.local_process import free_port
+from pdserve.registry.base import WorkerState
+from pdserve.registry.redis import WORKERS_KEY, worker_key
+from tests.integration.processes import PdserveProcess
+from tests.integration.ray_nodes import RayNode, ray_env, remove_temp_dir
+from tests.integration.rehearsal import serve_at
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.timeout(600)
+NAMESPACE = "pdserve-head-restart"
+CLIENT_GRACE_S = 5  # RAY_CLIENT_RECONNECT_GRACE_PERIOD: how long a Ray Client tries to reconnect (Ray's default: 30)
+
+
+@dataclass
+class HeadRestart:
+    temp_dir: Path
+    redis: RedisServer
+    head: RayNode
+    node: RayNode
+    env: dict[str, str]
+    controller: PdserveProcess
+    router: PdserveProcess
+    router_port: int
+
+    def start_controller(self, n: int) -> PdserveProcess:
+        """Started, not waited for."""
+        args = ["controller", "--model", "tiny-random", "--ray-address", f"ray://127.0.0.1:{self.head.client_port}"]
+        args += ["--redis", self.redis.url, "--prefill", "1", "--decode", "1", "--ray-namespace", NAMESPACE]
+        args += ["--role-resources", "--threads", "1", "--kv-cache-gb", "0.05", "--transfer-port", str(free_port())]
+        self.controller = PdserveProcess(*args, log_path=self.temp_dir / f"controller-{n}.log", env=self.env)
+        return self.controller
+
+    def workers(self) -> dict[str, WorkerState]:
+        with self.redis.client() as r:
+            listed = sorted(i.decode() for i in r.smembers(WORKERS_KEY))
+            return {w: WorkerState.from_json(r.get(worker_key(w))) for w in listed if r.exists(worker_key(w))}
+
+    def serve(self, request_id: str) -> list[int]:
+        return asyncio.run(asyncio.wait_for(serve_at(f"127.0.0.1:{self.router_port}", request_id), 60))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[HeadRestart]:
+    temp_dir = Path(tempfile.mkdtemp(prefix="pdhr", dir="/tmp"))  # short: Ray's socket paths must stay short
+    redis = RedisServer()
+    redis.start()
+    gcs = {"RAY_REDIS_ADDRESS": f"127.0.0.1:{redis.port}", "RAY_external_storage_namespace": NAMESPACE}
+    env = {**ray_env(temp_dir), "PDSERVE_CLUSTER_SECRET": secrets.token_hex(32)}
+    env["RAY_CLIENT_RECONNECT_GRACE_PERIOD"] = str(CLIENT_GRACE_S)
+    nodes: list[RayNode] = []
+    started: list[PdserveProcess] = []
+    try:
+        nodes.append(RayNode(temp_dir, {}, env={**env, **gcs}))
+        nodes[0].wait_started()
+        node_env = {**env, "RAY_gcs_rpc_server_reconnect_timeout_s": "600"}
+        nodes.append(RayNode(temp_dir, {"pdserve_prefill": 1, "pdserve_decode": 1}, nodes[0].address, env=node_env))
+        nodes[1].wait_started()
+        router_port = free_port()
+        c = HeadRestart(temp_dir, redis, *nodes, env, None, None, router_port)  # type: ignore[arg-type]
+        started.append(c.start_controller(0))
+        c.controller.wait_ready()
+        args = ["router", "--model", "tiny-random", "--redis", redis.url, "--port", str(router_port)]
+        c.router = PdserveProcess(*args, log_path=temp_dir / "router.log", env=env)
+        started.append(c.router)
+        c.router.wait_ready()
+        yield c
+    finally:
+        for p in started:
+            p.stop(signal.SIGKILL)
+        for node in reversed(nodes):
+            node.stop()
+        redis.stop()
+        remove_temp_dir(temp_dir)
+
+
+def test_the_workers_serve_through_a_head_restart_and_a_new_controller_finds_them(
+    cluster: HeadRestart, expected: list[int]
+) -> None:
+    assert cluster.serve("before") == expected
+    before = {w: s.pid for w, s in cluster.workers().items()}
+    assert sorted(before) == ["decode-1", "prefill-0"], before
+
+    cluster.head.kill()
+    killed = time.monotonic()
+    outage = 0
+    while cluster.controller.proc.poll() is None:  # served all along, until the controller has given up
+        assert cluster.serve(f"outage-{outage}") == expected
+        outage += 1
+        assert time.monotonic() - killed < CLIENT_GRACE_S + 60, "the controller never noticed Ray was gone"
+        time.sleep(0.5)
+    assert cluster.controller.proc.returncode == 1
+    log = cluster.controller.log()
+    assert "lost its connection to the Ray cluster" in log, log[-3000:]
+    assert "left placement" not in log, log[-3000:]  # its own lost link is no worker's failure
+    assert {w: s.pid for w, s in cluster.workers().items()} == before
+    gone_s = time.monotonic() - killed
+    print(f"{outage} requests served while the head was gone; the controller exited after {gone_s:.1f} s")
+
+    # The Deployment starts a new controller at once, while the head is still away: it tries Ray again until then.
+    controller = cluster.start_controller(1)
+    while "trying again" not in controller.log():
+        assert controller.proc.poll() is None, controller.log()[-3000:]
+        time.sleep(0.5)
+    (again := cluster.temp_dir / "r2").mkdir()
+    cluster.head.restart(again)
+    controller.wait_ready()
+    log = controller.log()
+    for worker_id in before:
+        assert f"worker {worker_id} ready at" in log and f"found running in Ray namespace {NAMESPACE}" in log, log
+    assert cluster.serve("after") == expected
+    assert {w: s.pid for w, s in cluster.workers().items()} == before  # the very processes: no model reloaded
