@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from tests.deploy.chart import one, pod_templates, render, render_error, selects
+from tests.deploy.test_chart_validates import check_raycluster
 
 Objects = list[dict[str, Any]]
 
@@ -97,6 +98,32 @@ def test_redis_password_from_one_secret(rendered: dict[str, Objects]) -> None:
         "rediss://redis.data.svc.cluster.local:6380/0"
         in pod_templates(external)["router"]["spec"]["containers"][0]["args"]
     )
+
+
+def test_gcs_fault_tolerance_keeps_the_gcs_tables_in_the_redis_pdserve_uses() -> None:
+    """Off by default; on, the RayCluster names the bundled Redis Service and the password Secret the Redis itself
+    requires, the Ray head may reach it, and KubeRay's CRD takes the object. An external Redis must be named."""
+    assert "gcsFaultToleranceOptions" not in one(render(["gpu.yaml"]), "RayCluster")["spec"]
+    on = {"ray.gcsFaultTolerance.enabled": "true"}
+    objects = render(["gpu.yaml"], on)
+    raycluster = one(objects, "RayCluster")
+    check_raycluster(raycluster)
+    options = raycluster["spec"]["gcsFaultToleranceOptions"]
+    service = one(objects, "Service", "pd-pdserve-redis")
+    assert options["redisAddress"] == f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    password = options["redisPassword"]["valueFrom"]["secretKeyRef"]
+    assert password == _env(pod_templates(objects)["redis"])["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert allowed(objects, "ray-head", "redis", 6379)
+
+    external = ["external-redis-tls-monitoring.yaml"]
+    assert "ray.gcsFaultTolerance.redisAddress is required" in render_error(external, on)
+    address = "rediss://redis.data.svc.cluster.local:6380"
+    options = one(render(external, {**on, "ray.gcsFaultTolerance.redisAddress": address}), "RayCluster")["spec"][
+        "gcsFaultToleranceOptions"
+    ]
+    assert options["redisAddress"] == address
+    assert options["redisPassword"]["valueFrom"]["secretKeyRef"] == {"name": "pdserve-redis-auth", "key": "password"}
+    assert "redisAddress" in render_error(sets={**on, "ray.gcsFaultTolerance.redisAddress": f"{address}/0"})
 
 
 def test_cluster_secret_and_tls_mounts(rendered: dict[str, Objects]) -> None:

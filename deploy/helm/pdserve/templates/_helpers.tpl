@@ -68,6 +68,17 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{- end -}}
 {{- end -}}
 
+{{/* Where the GCS keeps its tables (ray.gcsFaultTolerance): the address given, else the bundled Redis. */}}
+{{- define "pdserve.gcsRedisAddress" -}}
+{{- if .Values.ray.gcsFaultTolerance.redisAddress -}}
+{{- .Values.ray.gcsFaultTolerance.redisAddress -}}
+{{- else if .Values.redis.enabled -}}
+{{- printf "%s:6379" (include "pdserve.redisName" .) -}}
+{{- else -}}
+{{- fail "ray.gcsFaultTolerance.redisAddress is required with an external Redis (redis.enabled=false): host:port, or rediss://host:port" -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "pdserve.redisSecretName" -}}
 {{- if .Values.redis.existingSecret -}}{{ .Values.redis.existingSecret }}{{- else if .Values.redis.enabled -}}{{ include "pdserve.redisName" . }}{{- end -}}
 {{- end -}}
