@@ -14,7 +14,7 @@ from pdserve import cli
 from pdserve.build import build_resource
 from pdserve.config import ClusterConfig, RouterConfig
 from pdserve.flags import flag_values
-from tests.deploy.chart import notes, one, pod_templates, render
+from tests.deploy.chart import notes, one, pod_templates, render, render_error
 
 Objects = list[dict[str, Any]]
 ROUTER = "pd-pdserve-router"
@@ -207,6 +207,15 @@ def test_router_reads_its_toml_and_the_contract_flags(rendered: dict[str, Object
     assert args[0] == "router" and flag(args, "--router-config") == "/etc/pdserve/router/router.toml"
     assert "--no-reflection" in args
     assert (flag(args, "--host"), flag(args, "--port"), flag(args, "--metrics-port")) == ("0.0.0.0", "50051", "9400")
+
+
+def test_every_listener_binds_the_address_family_the_cluster_has() -> None:
+    """IPv4 by default; "::" (dual-stack) for an IPv6 cluster, whose POD_IP the workers then advertise and a
+    listener on 0.0.0.0 could not be reached at. Anything else is refused at install."""
+    objects = render(["gpu.yaml"], {"bindAddress": "::"})
+    assert flag(args_of(objects, ROUTER), "--host") == "::"
+    assert flag(args_of(objects, "pd-pdserve-controller"), "--bind-host") == "::"
+    assert "bindAddress" in render_error(sets={"bindAddress": "127.0.0.1"})
 
 
 def test_pods_run_as_non_root_and_only_the_controller_and_the_autoscaler_hold_an_api_token(
