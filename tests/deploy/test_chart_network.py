@@ -100,29 +100,27 @@ def test_redis_password_from_one_secret(rendered: dict[str, Objects]) -> None:
     )
 
 
-def test_gcs_fault_tolerance_keeps_the_gcs_tables_in_the_redis_pdserve_uses() -> None:
-    """Off by default; on, the RayCluster names the bundled Redis Service and the password Secret the Redis itself
-    requires, the Ray head may reach it, and KubeRay's CRD takes the object. An external Redis must be named."""
+def test_gcs_fault_tolerance_keeps_the_gcs_tables_in_a_redis_named_for_it() -> None:
+    """Off by default. On, it needs a Redis address (never the bundled Redis, which keeps nothing: the GCS stops
+    when its Redis comes back empty); the password comes from its own Secret, else the external registry Redis's;
+    KubeRay's CRD takes the object; an address with a database is refused (Ray takes host:port only)."""
     assert "gcsFaultToleranceOptions" not in one(render(["gpu.yaml"]), "RayCluster")["spec"]
     on = {"ray.gcsFaultTolerance.enabled": "true"}
-    objects = render(["gpu.yaml"], on)
-    raycluster = one(objects, "RayCluster")
-    check_raycluster(raycluster)
-    options = raycluster["spec"]["gcsFaultToleranceOptions"]
-    service = one(objects, "Service", "pd-pdserve-redis")
-    assert options["redisAddress"] == f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
-    password = options["redisPassword"]["valueFrom"]["secretKeyRef"]
-    assert password == _env(pod_templates(objects)["redis"])["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
-    assert allowed(objects, "ray-head", "redis", 6379)
-
-    external = ["external-redis-tls-monitoring.yaml"]
-    assert "ray.gcsFaultTolerance.redisAddress is required" in render_error(external, on)
+    assert "ray.gcsFaultTolerance.redisAddress is required" in render_error(["gpu.yaml"], on)
     address = "rediss://redis.data.svc.cluster.local:6380"
-    options = one(render(external, {**on, "ray.gcsFaultTolerance.redisAddress": address}), "RayCluster")["spec"][
-        "gcsFaultToleranceOptions"
-    ]
-    assert options["redisAddress"] == address
-    assert options["redisPassword"]["valueFrom"]["secretKeyRef"] == {"name": "pdserve-redis-auth", "key": "password"}
+    on["ray.gcsFaultTolerance.redisAddress"] = address
+
+    def options(values: list[str], sets: dict[str, str]) -> dict[str, Any]:
+        raycluster = one(render(values, sets), "RayCluster")
+        check_raycluster(raycluster)
+        return raycluster["spec"]["gcsFaultToleranceOptions"]
+
+    assert options(["gpu.yaml"], on) == {"redisAddress": address}  # not the bundled registry Redis's password
+    own = {**on, "ray.gcsFaultTolerance.existingSecret": "gcs-redis", "ray.gcsFaultTolerance.passwordKey": "pw"}
+    secret = options(["gpu.yaml"], own)["redisPassword"]["valueFrom"]["secretKeyRef"]
+    assert secret == {"name": "gcs-redis", "key": "pw"}
+    shared = options(["external-redis-tls-monitoring.yaml"], on)["redisPassword"]["valueFrom"]["secretKeyRef"]
+    assert shared == {"name": "pdserve-redis-auth", "key": "password"}
     assert "redisAddress" in render_error(sets={**on, "ray.gcsFaultTolerance.redisAddress": f"{address}/0"})
 
 

@@ -103,6 +103,7 @@ def test_a_restarted_controller_finds_its_workers(rehearsal: Rehearsal, expected
     before = rehearsal.actors()
     assert rehearsal.controller is not None
     rehearsal.controller.stop(signal.SIGTERM)  # leaves the detached actors serving
+    assert rehearsal.controller.proc.returncode == 0, rehearsal.controller.log()[-3000:]
     assert "leaving workers prefill-0, decode-1 running" in rehearsal.controller.log()
     assert serve(rehearsal, "rehearsal-without-controller") == expected
     log = rehearsal.start_controller().log()

@@ -19,7 +19,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -47,12 +47,14 @@ class HeadRestart:
     controller: PdserveProcess
     router: PdserveProcess
     router_port: int
+    transfer_port: int = field(default_factory=free_port)  # one for every controller: a Deployment's flags stay
 
     def start_controller(self, n: int) -> PdserveProcess:
         """Started, not waited for."""
         args = ["controller", "--model", "tiny-random", "--ray-address", f"ray://127.0.0.1:{self.head.client_port}"]
         args += ["--redis", self.redis.url, "--prefill", "1", "--decode", "1", "--ray-namespace", NAMESPACE]
-        args += ["--role-resources", "--threads", "1", "--kv-cache-gb", "0.05", "--transfer-port", str(free_port())]
+        args += ["--role-resources", "--threads", "1", "--kv-cache-gb", "0.05"]
+        args += ["--transfer-port", str(self.transfer_port)]
         self.controller = PdserveProcess(*args, log_path=self.temp_dir / f"controller-{n}.log", env=self.env)
         return self.controller
 
@@ -124,8 +126,10 @@ def test_the_workers_serve_through_a_head_restart_and_a_new_controller_finds_the
 
     # The Deployment starts a new controller at once, while the head is still away: it tries Ray again until then.
     controller = cluster.start_controller(1)
-    while "trying again" not in controller.log():
+    waiting = time.monotonic()
+    while "trying again" not in controller.log():  # one Ray Client attempt: its 30 s connection timeout
         assert controller.proc.poll() is None, controller.log()[-3000:]
+        assert time.monotonic() - waiting < 120, controller.log()[-3000:]
         time.sleep(0.5)
     (again := cluster.temp_dir / "r2").mkdir()
     cluster.head.restart(again)
@@ -133,5 +137,10 @@ def test_the_workers_serve_through_a_head_restart_and_a_new_controller_finds_the
     log = controller.log()
     for worker_id in before:
         assert f"worker {worker_id} ready at" in log and f"found running in Ray namespace {NAMESPACE}" in log, log
+    assert "runs an earlier spec" not in log and "scaling up" not in log, log  # adopted as they are
     assert cluster.serve("after") == expected
     assert {w: s.pid for w, s in cluster.workers().items()} == before  # the very processes: no model reloaded
+    controller.stop(signal.SIGTERM)  # a rollout's stop, Ray answering: a clean exit, the workers left serving
+    assert controller.proc.returncode == 0, controller.log()[-3000:]
+    assert "lost its connection" not in controller.log()
+    assert cluster.serve("after-controller") == expected

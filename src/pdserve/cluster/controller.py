@@ -31,7 +31,7 @@ async def run_controller(config: ClusterConfig, services: ClusterServices) -> No
     prepare_internal_security(config, make_secret=False)  # before Ray connects: the workers inherit it
     cluster = Cluster(config, services.workers, RedisRegistry(config.redis_url), publish=False)
     stop = stop_signal()  # from here on, a signal ends the start cleanly
-    if not await cluster.connect_until(stop):
+    if not await cluster.connect_until(stop, retry_join=True):
         return
     stop_signal(stop)  # back from Ray, whose SIGTERM handler replaced it
     end = cluster.stop_workers if config.stop_workers_on_exit else cluster.leave_workers
@@ -46,16 +46,18 @@ async def run_controller(config: ClusterConfig, services: ClusterServices) -> No
     roles = ", ".join(config.roles)
     print(f"ready controller ({config.mode}: {roles}) in Ray namespace {config.ray_namespace}", flush=True)
     stopped, lost = asyncio.create_task(stop.wait()), asyncio.create_task(cluster.actors.until_disconnected())
+    link_lost = False
     try:
-        await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
+        link_lost = lost in done
     finally:
         watcher.cancel()
         stopped.cancel()
-        if not lost.done():
-            lost.cancel()
+        lost.cancel()
+        if not link_lost:  # a stop (or an error here): leave or stop the workers through Ray, which still answers
             await asyncio.to_thread(end)
         telemetry.shutdown()
-    if lost.done():
+    if link_lost:
         raise ConnectionError(
             f"lost its connection to the Ray cluster at {config.ray_address} (its head restarted or is gone); "
             "exiting so that it is restarted: the worker actors keep serving, and the next controller finds them"

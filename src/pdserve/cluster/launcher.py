@@ -30,8 +30,9 @@ from pdserve.registry.base import Registry, WorkerState
 log = logging.getLogger(__name__)
 SPEC_TIMEOUT_S = 5.0  # an actor answers what it was asked to be at once, unless it is restarting
 STOP_CHECK_S = 1.0  # how long a start waits on Ray between looks at whether the process is stopping
-# A Ray cluster joined that does not answer (its head restarting: a pod rescheduled, the GCS reloading its tables) is
-# tried again this long, every JOIN_RETRY_S, before the process gives up (and its Deployment restarts it, backing off).
+# A Ray cluster a controller joins that does not answer (its head restarting: a pod rescheduled, the GCS reloading
+# its tables) is tried again for this long, JOIN_RETRY_S after each failed try (a Ray Client's try takes its 30 s
+# connection timeout), before the process gives up (and its Deployment restarts it, backing off).
 JOIN_WINDOW_S = 300.0
 JOIN_RETRY_S = 5.0
 
@@ -200,17 +201,18 @@ class Cluster:
         if self.stopping.is_set():
             raise StartStopped("the process is stopping")
 
-    async def connect_until(self, stop: asyncio.Event) -> bool:
-        """Connects to Ray (starting a local one), which cannot be interrupted, and tries a joined one again while
-        it does not answer (JOIN_WINDOW_S); False, disconnected again, when `stop` was set meanwhile. The caller
-        takes its signals back after (`router_process.stop_signal`)."""
+    async def connect_until(self, stop: asyncio.Event, retry_join: bool = False) -> bool:
+        """Connects to Ray (starting a local one), which cannot be interrupted; `retry_join`: tries a joined one
+        again while it does not answer (JOIN_WINDOW_S; each try takes Ray's own connection timeout, 30 s for a
+        Ray Client). False, disconnected again, when `stop` was set meanwhile. The caller takes its signals back
+        after (`router_process.stop_signal`)."""
         deadline = time.monotonic() + JOIN_WINDOW_S
         while True:
             try:
                 await asyncio.to_thread(self.actors.connect)
                 break
             except ConnectionError as e:  # Ray Client's errors, and a GCS that does not answer
-                if not self.config.ray_address or time.monotonic() > deadline:
+                if not retry_join or time.monotonic() > deadline:
                     raise
                 log.warning("Ray at %s: %s; trying again in %g s", self.config.ray_address, _reason(e), JOIN_RETRY_S)
                 try:

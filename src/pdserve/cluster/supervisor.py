@@ -4,7 +4,8 @@ Ray restarts a worker actor whose process died while it has restarts left; calls
 checks every actor at once (one slow actor never delays the others' checks), each within a timeout, and takes
 any actor that does not answer with its state out of placement: dead, restarting, starting, or leaving because
 its engine died, at once; silent (the check timed out) only after two checks in a row, and never the last worker of
-its role in placement (on a loaded machine a healthy actor misses a check now and then). An actor that answers
+its role in placement (on a loaded machine a healthy actor misses a check now and then), and only while another
+actor answers (none answering is this process's own trouble: Ray out of reach, or no CPU). An actor that answers
 again rejoins. Ray itself takes over a second to notice a killed
 process, so each check first knocks on the worker's gRPC port: a refused connection is a dead process, out at
 once. One whose restarts are used up (every call fails at once with ActorDiedError, twice in a row: a call in
@@ -59,6 +60,7 @@ class Slot:
     address: str = ""  # host:port of its gRPC server, as its last state said
     died: int = 0  # ActorDiedErrors in a row
     timeouts: int = 0  # checks in a row that got no answer in time
+    silent_since: float = 0.0  # when the first of those checks asked (the supervisor's clock)
     replacements: int = 0
     backoff_s: float = 0.0  # the wait before replacing a replacement that dies unserved; 0 once its actor served
     replace_at: float = 0.0  # set while backing off: no replacement before this time (the supervisor's clock)
@@ -90,6 +92,7 @@ class Supervisor:
         self.clock = clock
         self.connected = connected  # this process's own link to Ray: its loss is no worker's failure
         self.slots: dict[str, Slot] = {}
+        self._answered_at = float("-inf")  # when an actor last answered its check: the link to Ray then worked
 
     async def run(self, interval_s: float) -> None:
         """Checks every slot each `interval_s`, each on its own: a slot busy making a new actor (seconds, while Ray
@@ -128,6 +131,7 @@ class Supervisor:
             return
         if slot.listed and not await _port_open(slot.address):
             await self._unlist(slot, f"its port {slot.address} refuses connections")
+        asked = self.clock()
         try:
             state = await self._state(slot)
         except _LinkLost:  # every call fails now: the process ends (controller.py), the workers serve on
@@ -139,8 +143,13 @@ class Supervisor:
                 await self._replace(slot, e)
             return
         except TimeoutError:
+            if not slot.timeouts:
+                slot.silent_since = asked
             slot.died, slot.timeouts = 0, slot.timeouts + 1
-            if slot.timeouts >= STUCK_AFTER and self._another_listed(slot):
+            # Stuck, when another actor answered meanwhile; when none did, this process lost Ray or the CPU
+            # (a Ray Client's head gone hangs every call for its reconnect grace): nobody leaves for that.
+            stuck = slot.timeouts >= STUCK_AFTER and self._answered_at > slot.silent_since
+            if stuck and self._another_listed(slot):
                 await self._unlist(slot, f"no answer within {self.check_timeout_s:g}s (restarting, or stuck)")
             return
         except Exception as e:  # starting, leaving (its engine died, or drained), or an error of its own
@@ -150,6 +159,7 @@ class Supervisor:
                 await self._restart_drained(slot)
             return
         slot.died = slot.timeouts = 0
+        self._answered_at = max(self._answered_at, self.clock())
         slot.backoff_s = slot.replace_at = 0.0  # it serves: a later death is replaced at once
         slot.address = state.address
         if self.publish:

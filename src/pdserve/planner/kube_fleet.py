@@ -10,6 +10,7 @@ whose drain then restarts the worker (and reloads its model) on an empty pod.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -79,6 +80,7 @@ async def scale_pods_and_workers(
         api.patch(patch)
         report("pods added", patch)
     desired = dict((await scale_workers(addr, credentials, target)).desired)
+    deadline = time.monotonic() + timeout_s  # one bound for both waits
     status = await wait_settled(addr, credentials, desired, timeout_s)
     report("workers serving", [])
     if not shrink:
@@ -86,7 +88,7 @@ async def scale_pods_and_workers(
     pods = api.worker_pods()
     # Read again after the pod list: a worker restarting meanwhile (its new actor not listed yet when the first
     # status was read) has its pod's IP listed by now, or is seen missing and the scale waits for it.
-    again = await wait_settled(addr, credentials, desired, timeout_s)
+    again = await wait_settled(addr, credentials, desired, max(0.0, deadline - time.monotonic()))
     hosts = {host_of(w.address) for w in (*status.workers, *again.workers)}
     remove = {}
     for group, n in shrink.items():

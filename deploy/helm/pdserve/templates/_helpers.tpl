@@ -68,15 +68,22 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{- end -}}
 {{- end -}}
 
-{{/* Where the GCS keeps its tables (ray.gcsFaultTolerance): the address given, else the bundled Redis. */}}
+{{/* Where the GCS keeps its tables (ray.gcsFaultTolerance): a Redis that outlives its pod, never the bundled one. */}}
 {{- define "pdserve.gcsRedisAddress" -}}
-{{- if .Values.ray.gcsFaultTolerance.redisAddress -}}
-{{- .Values.ray.gcsFaultTolerance.redisAddress -}}
-{{- else if .Values.redis.enabled -}}
-{{- printf "%s:6379" (include "pdserve.redisName" .) -}}
-{{- else -}}
-{{- fail "ray.gcsFaultTolerance.redisAddress is required with an external Redis (redis.enabled=false): host:port, or rediss://host:port" -}}
+{{- required "ray.gcsFaultTolerance.redisAddress is required: a Redis that keeps its data across its restarts (host:port or rediss://host:port). The GCS stops when its Redis comes back empty, so the bundled Redis, which keeps nothing, would turn each of its restarts into a head restart that replaces every worker" .Values.ray.gcsFaultTolerance.redisAddress -}}
 {{- end -}}
+
+{{/* The Secret with the GCS's Redis password: its own, else the external registry Redis's (often the same Redis). */}}
+{{- define "pdserve.gcsRedisSecret" -}}
+{{- if .Values.ray.gcsFaultTolerance.existingSecret -}}
+{{- .Values.ray.gcsFaultTolerance.existingSecret -}}
+{{- else if not .Values.redis.enabled -}}
+{{- .Values.redis.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.gcsRedisPasswordKey" -}}
+{{- if .Values.ray.gcsFaultTolerance.existingSecret -}}{{ .Values.ray.gcsFaultTolerance.passwordKey }}{{- else -}}{{ .Values.redis.passwordKey }}{{- end -}}
 {{- end -}}
 
 {{- define "pdserve.redisSecretName" -}}
