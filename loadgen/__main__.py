@@ -94,7 +94,7 @@ def _bench(args: argparse.Namespace) -> int:
     from loadgen.benchmark import BenchmarkConfig, ClusterCheckFailed, run_benchmark
     from loadgen.report import write_results
 
-    console, errors = Console(), Console(stderr=True)
+    console, errors = Console(), Console(stderr=True, soft_wrap=True)  # an error stays one line, whole for grep
     if args.dataset_name == "trace" and args.request_rate is not None:
         errors.print("loadgen: a trace replays its own timestamps; drop --request-rate", style="red")
         return 2
