@@ -48,6 +48,7 @@ class HeadRestart:
     router: PdserveProcess
     router_port: int
     transfer_port: int = field(default_factory=free_port)  # one for every controller: a Deployment's flags stay
+    started: list[PdserveProcess] = field(default_factory=list)  # every process, killed after the module
 
     def start_controller(self, n: int) -> PdserveProcess:
         """Started, not waited for."""
@@ -56,6 +57,7 @@ class HeadRestart:
         args += ["--role-resources", "--threads", "1", "--kv-cache-gb", "0.05"]
         args += ["--transfer-port", str(self.transfer_port)]
         self.controller = PdserveProcess(*args, log_path=self.temp_dir / f"controller-{n}.log", env=self.env)
+        self.started.append(self.controller)
         return self.controller
 
     def workers(self) -> dict[str, WorkerState]:
@@ -76,7 +78,7 @@ def cluster() -> Iterator[HeadRestart]:
     env = {**ray_env(temp_dir), "PDSERVE_CLUSTER_SECRET": secrets.token_hex(32)}
     env["RAY_CLIENT_RECONNECT_GRACE_PERIOD"] = str(CLIENT_GRACE_S)
     nodes: list[RayNode] = []
-    started: list[PdserveProcess] = []
+    c: HeadRestart | None = None
     try:
         nodes.append(RayNode(temp_dir, {}, env={**env, **gcs}))
         nodes[0].wait_started()
@@ -85,15 +87,14 @@ def cluster() -> Iterator[HeadRestart]:
         nodes[1].wait_started()
         router_port = free_port()
         c = HeadRestart(temp_dir, redis, *nodes, env, None, None, router_port)  # type: ignore[arg-type]
-        started.append(c.start_controller(0))
-        c.controller.wait_ready()
+        c.start_controller(0).wait_ready()
         args = ["router", "--model", "tiny-random", "--redis", redis.url, "--port", str(router_port)]
         c.router = PdserveProcess(*args, log_path=temp_dir / "router.log", env=env)
-        started.append(c.router)
+        c.started.append(c.router)
         c.router.wait_ready()
         yield c
     finally:
-        for p in started:
+        for p in c.started if c else []:
             p.stop(signal.SIGKILL)
         for node in reversed(nodes):
             node.stop()
