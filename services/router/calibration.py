@@ -30,3 +30,10 @@ class TTFTCalibration:
         step = self.alpha * math.log(measured_s / predicted_s)
         bounds = math.log(MIN_FACTOR), math.log(MAX_FACTOR)
         self._log_factor[worker_id] = min(max(self._log_factor[worker_id] + step, bounds[0]), bounds[1])
+
+    def worker_ids(self) -> set[str]:
+        return set(self._log_factor)
+
+    def forget(self, worker_id: str) -> bool:
+        self._log_factor.pop(worker_id, None)
+        return True

@@ -21,6 +21,7 @@ from pdserve.telemetry import Telemetry
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
 from services.router.admin import AdminServicer
 from services.router.admitted import ClusterAdmitted
+from services.router.gone_workers import GoneWorkers
 from services.router.http.app import openai_app
 from services.router.http.server import HttpServer
 from services.router.lifecycle import RequestLifecycle
@@ -33,8 +34,8 @@ log = logging.getLogger(__name__)
 
 
 class RouterServer:
-    """The router's listeners, drained and stopped together (then the background work of its quotas and admitted
-    totals, and its channels to decode workers): the launcher sees one server."""
+    """The router's listeners, drained and stopped together (then the background work of its quotas, admitted
+    totals and gone workers' state, and its channels to decode workers): the launcher sees one server."""
 
     def __init__(
         self,
@@ -42,12 +43,14 @@ class RouterServer:
         http: HttpServer | None,
         quotas: Quotas,
         admitted: ClusterAdmitted,
+        gone_workers: GoneWorkers,
         decode_channels: ChannelPool[Any],
     ) -> None:
         self.grpc = grpc_server
         self.http = http
         self.quotas = quotas
         self.admitted = admitted
+        self.gone_workers = gone_workers
         self.decode_channels = decode_channels
         self.address = grpc_server.address
         self.port = grpc_server.port
@@ -62,6 +65,7 @@ class RouterServer:
         await self.grpc.stop(grace_s)
         await self.quotas.close()
         await self.admitted.close()
+        await self.gone_workers.close()
         await self.decode_channels.close()
 
     async def wait(self) -> None:
@@ -120,8 +124,10 @@ async def start_router(
     if http is not None:
         await http.start()
     admitted.start()
+    gone_workers = GoneWorkers(registry, [tracker, policy.predictor.calibration, lifecycle.recent])
+    gone_workers.start()
     await server.set_serving(True)
-    return RouterServer(server, http, quotas, admitted, lifecycle.relay.channels), lifecycle
+    return RouterServer(server, http, quotas, admitted, gone_workers, lifecycle.relay.channels), lifecycle
 
 
 def _quotas(registry: Registry, config: RouterConfig) -> Quotas:

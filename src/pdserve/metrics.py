@@ -116,6 +116,16 @@ class RecentLatencies:
             return 0.0, 0.0
         return _pick(values, 0.5), _pick(values, 0.99)
 
+    def worker_ids(self) -> set[str]:
+        with self._lock:
+            return {worker_id for worker_id, _ in self._samples}
+
+    def forget(self, worker_id: str) -> bool:
+        with self._lock:
+            for key in [key for key in self._samples if key[0] == worker_id]:
+                del self._samples[key]
+        return True
+
 
 def _pick(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]

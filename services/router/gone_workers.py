@@ -1,0 +1,83 @@
+"""Forgets what the router keeps per worker id once that worker has been out of the registry for a while.
+
+Worker ids are never reused (replacements, scale-ups, autoscaling and rollouts get new ones), and the router
+keeps some state per id it has placed on: load bookkeeping, its TTFT correction, recent latencies for
+`pdserve status` (up to ~40 KB an id). Over a long uptime of churn the gone ids would pile up without bound. A
+worker missing from the registry for `gone_after_s` is forgotten, unless a request placed on it is still in
+flight (its end still has to be counted); a worker back within that time (a Redis outage dropped it from the
+view) keeps everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Protocol
+
+from pdserve.registry.base import Registry
+
+log = logging.getLogger(__name__)
+
+GONE_AFTER_S = 300.0  # longer than a registry outage the router rides out, or a worker's restart
+SWEEP_S = 60.0
+
+
+class PerWorkerState(Protocol):
+    def worker_ids(self) -> set[str]:
+        """The ids it holds anything for."""
+
+    def forget(self, worker_id: str) -> bool:
+        """Drops everything held for `worker_id`; False (and keeps it) while something of it is in use."""
+
+
+class GoneWorkers:
+    def __init__(
+        self,
+        registry: Registry,
+        parts: list[PerWorkerState],
+        gone_after_s: float = GONE_AFTER_S,
+        sweep_s: float = SWEEP_S,
+    ) -> None:
+        self.registry = registry
+        self.parts = parts
+        self.gone_after_s = gone_after_s
+        self.sweep_s = sweep_s
+        self._missing_since: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def sweep(self, now: float | None = None) -> set[str]:
+        """One pass: the ids forgotten by every part."""
+        now = time.monotonic() if now is None else now
+        registered = {w.worker_id for w in self.registry.workers()}
+        held = set().union(*(part.worker_ids() for part in self.parts))
+        self._missing_since = {i: t for i, t in self._missing_since.items() if i in held and i not in registered}
+        forgotten = set()
+        for worker_id in held - registered:
+            since = self._missing_since.setdefault(worker_id, now)
+            if now - since < self.gone_after_s:
+                continue
+            if all([part.forget(worker_id) for part in self.parts]):  # every part: each drops what it can
+                forgotten.add(worker_id)
+                del self._missing_since[worker_id]
+        if forgotten:
+            log.info("forgot %d workers gone from the registry for %g s", len(forgotten), self.gone_after_s)
+        return forgotten
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_s)
+            try:
+                self.sweep()
+            except Exception:  # a bug here must not stop serving; the next sweep tries again
+                log.exception("sweep of gone workers' state failed")
