@@ -44,6 +44,7 @@ from pdserve.transfer.wire import HEADER_LEN, OK, Header, check_tag
 
 Backend = Literal["auto", "gloo", "nccl"]
 _MAX_CANCELLED = 4096  # (peer, tag) of recvs cancelled before they were posted; only the latest are kept
+_MAX_LOST = 1024  # peers whose pair died, with why: only the latest are kept (prefill workers come and go for good)
 # A receive pair no sender claimed this long after its last rendezvous is dropped: far past the router's
 # first-token bound (60 s by default), within which a live prefill worker connects to send a hand-off's KV.
 UNCLAIMED_PAIR_S = 300.0
@@ -217,7 +218,7 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
 
     def _init_side(self) -> None:
         self._identity = uuid.uuid4().hex
-        self._lost: dict[str, str] = {}  # peer -> why its last pair died, until the next rendezvous
+        self._lost: OrderedDict[str, str] = OrderedDict()  # peer -> why its last pair died, until the next rendezvous
         self.unclaimed_pair_s = UNCLAIMED_PAIR_S
         self._cancelled: OrderedDict[tuple[str, int], None] = OrderedDict()
 
@@ -328,7 +329,7 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
                     continue
                 if self._pairs.get(pair.peer_id) is pair:
                     del self._pairs[pair.peer_id]
-                    self._lost[pair.peer_id] = str(error)
+                    self._note_lost(pair.peer_id, error)
             pair.fail(error)
             pair.close_store()
             return None
@@ -337,8 +338,15 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
         with self._lock:
             if self._pairs.get(pair.peer_id) is pair:
                 del self._pairs[pair.peer_id]
-                self._lost[pair.peer_id] = str(error)
+                self._note_lost(pair.peer_id, error)
         pair.fail(error)
+
+    def _note_lost(self, peer_id: str, error: TransferError) -> None:
+        """Under the lock: why `peer_id`'s pair died, for a recv that comes too late to see it fail."""
+        self._lost[peer_id] = str(error)
+        self._lost.move_to_end(peer_id)
+        while len(self._lost) > _MAX_LOST:
+            self._lost.popitem(last=False)
 
     def close(self) -> None:
         """Fails waiting recvs and forgets every pair. A serving thread blocked on an idle pair ends when its peer

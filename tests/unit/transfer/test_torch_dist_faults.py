@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.transfer import torch_dist
 from pdserve.transfer.base import (
     PeerLostError,
     TransferCancelledError,
@@ -142,6 +143,30 @@ def test_a_pair_no_sender_claims_is_dropped_with_its_port_and_thread_and_comes_b
             r.recv("prefill-gone", 2, make_caches(4), [0], timeout_s=1.0)
         assert r.rendezvous("prefill-other") == gone  # the port is free again
         assert r.rendezvous("prefill-gone") != gone  # a fresh pair, on the next port
+    finally:
+        r.close()
+
+
+def test_the_receiver_remembers_only_the_latest_lost_peers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill workers leave for good (ids are never reused): why each one's pair died is kept for a late recv, but
+    only for the latest `_MAX_LOST` peers, not one entry per peer ever lost."""
+    monkeypatch.setattr(torch_dist, "_MAX_LOST", 2)
+    r = TorchDistReceiver(HOST, "cpu", FINGERPRINT, connect_timeout_s=10, store_port=free_port())
+    r.unclaimed_pair_s = 0.3
+    try:
+        peers = [f"prefill-gone-{i}" for i in range(3)]
+        for peer_id in peers:
+            r.rendezvous(peer_id)
+        end = time.monotonic() + 10
+        while any(t.name.startswith("kv-recv-prefill-gone") for t in threading.enumerate()):
+            assert time.monotonic() < end, "the unclaimed pairs' threads still run"
+            time.sleep(0.05)
+        lost = {}
+        for peer_id in peers:
+            with pytest.raises(TransferError) as e:
+                r.recv(peer_id, 1, make_caches(4), [0], timeout_s=1.0)
+            lost[peer_id] = isinstance(e.value, PeerLostError)
+        assert sum(lost.values()) == 2, lost  # two remembered as lost; the oldest forgotten ("call rendezvous()")
     finally:
         r.close()
 
