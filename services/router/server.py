@@ -119,7 +119,10 @@ async def start_router(
         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s),
         [admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name],
     )
-    http = HttpServer(openai_app(lifecycle), host, http_port, tls) if http_port is not None else None
+    http = None
+    if http_port is not None:
+        age = config.max_connection_age_s or None
+        http = HttpServer(openai_app(lifecycle), host, http_port, tls, max_connection_age_s=age)
     await server.start()
     if http is not None:
         await http.start()

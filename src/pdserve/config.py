@@ -132,6 +132,7 @@ class RouterConfig:
     no_workers_wait_s: float = 3.0
     # A client's connection to this router gets a GOAWAY after this long (0: never), so clients behind one
     # Service spread over the router replicas added since they connected; streams open then run to their end.
+    # An HTTP API connection is closed after its first response past it (`Connection: close`).
     max_connection_age_s: float = 300.0
     reflection: bool = True  # gRPC server reflection on the public port (--no-reflection: off)
     api_keys_file: str | None = None  # TOML of API keys (--api-keys); None: an open cluster, said at start

@@ -16,6 +16,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from pdserve.rpc.credentials import ServerTLS
+from services.router.http.connection_age import ConnectionAge
 
 STARTUP_TIMEOUT_S = 10.0
 
@@ -27,13 +28,25 @@ class _Embedded(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: ASGIApp, host: str, port: int, tls: ServerTLS | None = None, grace_s: int = 1) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        host: str,
+        port: int,
+        tls: ServerTLS | None = None,
+        grace_s: int = 1,
+        max_connection_age_s: float | None = None,
+    ) -> None:
+        """`max_connection_age_s`: a keep-alive connection is closed after its first response past this age (None:
+        never), as the gRPC listener's GOAWAY does."""
         # The same certificate as the gRPC port: TLS on one public port and plaintext on the other would be a hole.
         ssl: dict[str, Any] = {}
         if tls is not None:
             ssl = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
             if tls.client_ca:
                 ssl |= {"ssl_ca_certs": tls.client_ca, "ssl_cert_reqs": CERT_REQUIRED}
+        if max_connection_age_s is not None:
+            app = ConnectionAge(app, max_connection_age_s)
         config = uvicorn.Config(
             app,
             host=host,

@@ -1,0 +1,55 @@
+"""The HTTP listener's counterpart of gRPC's max connection age: HTTP/1.1 has no GOAWAY, so the first response on
+a keep-alive connection older than the age says `Connection: close`, and the server closes it once that response
+(a whole stream) has gone out. The client's pool opens a new connection, which a Service may send to a router
+replica added since; no request is cut.
+
+The age counts from the connection's first request, known by its client address (host and port), which stays
+the same for the connection's life. A connection whose address is reused later, within twice the age, is told to
+close after its first response: one reconnection more, never a lost request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+CLOSE = (b"connection", b"close")
+
+
+class ConnectionAge:
+    def __init__(self, app: ASGIApp, max_age_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.app = app
+        self.max_age_s = max_age_s
+        self.clock = clock
+        self._first_seen: dict[tuple[object, ...], float] = {}  # (client, server) -> its first request's time
+        self._pruned_at = clock()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope.get("client"):
+            await self.app(scope, receive, send)
+            return
+        now = self.clock()
+        self._prune(now)
+        key = (*scope["client"], *(scope.get("server") or ()))
+        if now - self._first_seen.setdefault(key, now) < self.max_age_s:
+            await self.app(scope, receive, send)
+            return
+        del self._first_seen[key]  # closed after this response: its next request comes on a new connection
+
+        async def closing(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", ()) if h[0].lower() != b"connection"]
+                message = {**message, "headers": [*headers, CLOSE]}
+            await send(message)
+
+        await self.app(scope, receive, closing)
+
+    def _prune(self, now: float) -> None:
+        """Forgets connections closed without a request past their age: a live one would have been told to close
+        at its first request after it, and uvicorn closes one idle for seconds."""
+        if now - self._pruned_at < self.max_age_s:
+            return
+        self._pruned_at = now
+        self._first_seen = {k: t for k, t in self._first_seen.items() if now - t < 2 * self.max_age_s}

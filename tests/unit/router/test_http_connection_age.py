@@ -1,0 +1,78 @@
+"""The HTTP listener closes a keep-alive connection after its first response past the max connection age, as the
+gRPC listener's GOAWAY does, so a client's pool reconnects (and a Service may spread it to a newer router); no
+request fails, a streamed response goes out whole first. Real uvicorn on loopback, a real HTTP client's pool."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx2
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from services.router.http.server import HttpServer
+
+AGE_S = 0.5
+
+
+def app(clients: list[tuple[str, int]]) -> Starlette:
+    """Records the client address (one per connection) of every request."""
+
+    async def plain(request: Request) -> Response:
+        assert request.client is not None
+        clients.append((request.client.host, request.client.port))
+        return PlainTextResponse("ok")
+
+    async def stream(request: Request) -> Response:
+        assert request.client is not None
+        clients.append((request.client.host, request.client.port))
+
+        async def chunks():  # type: ignore[no-untyped-def]
+            for i in range(5):
+                await asyncio.sleep(0.1)
+                yield f"{i}\n"
+
+        return StreamingResponse(chunks(), media_type="text/plain")
+
+    return Starlette(routes=[Route("/plain", plain), Route("/stream", stream)])
+
+
+async def requests_over(age_s: float | None, seconds: float, path: str) -> tuple[list[tuple[str, int]], list[str]]:
+    """Back-to-back requests on one client's keep-alive pool for `seconds`: each request's client address, and the
+    bodies."""
+    clients: list[tuple[str, int]] = []
+    server = HttpServer(app(clients), "127.0.0.1", 0, max_connection_age_s=age_s)
+    await server.start()
+    bodies = []
+    try:
+        async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=10) as http:
+            end = asyncio.get_running_loop().time() + seconds
+            while asyncio.get_running_loop().time() < end:
+                response = await http.get(path)
+                assert response.status_code == 200
+                bodies.append(response.text)
+                await asyncio.sleep(0.05)
+    finally:
+        await server.stop()
+    return clients, bodies
+
+
+async def test_a_connection_past_its_age_is_closed_after_a_response_and_the_client_reconnects() -> None:
+    clients, bodies = await requests_over(AGE_S, 4 * AGE_S, "/plain")
+    assert set(bodies) == {"ok"}
+    connections = len(set(clients))
+    assert 3 <= connections <= 6, clients  # a new one about every AGE_S (the first request of each starts its age)
+    assert len(clients) > 2 * connections  # each served several requests before it aged
+
+
+async def test_without_an_age_one_connection_serves_them_all() -> None:
+    clients, _ = await requests_over(None, 4 * AGE_S, "/plain")
+    assert len(set(clients)) == 1 and len(clients) > 10, clients
+
+
+async def test_a_stream_past_the_age_goes_out_whole_before_the_close() -> None:
+    clients, bodies = await requests_over(AGE_S, 4 * AGE_S, "/stream")
+    assert set(bodies) == {"0\n1\n2\n3\n4\n"}
+    assert len(set(clients)) >= 2, clients  # streams of 0.5 s each: every other one or so on a new connection
