@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import redis
 
+from tests.certs import Certs
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
@@ -22,15 +24,18 @@ def free_port() -> int:
 class RedisServer:
     """One server process; `stop()` kills it (its data goes with it), `start()` brings it back on the same port."""
 
-    def __init__(self, port: int | None = None, password: str | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, port: int | None = None, password: str | None = None, host: str = "127.0.0.1", tls: Certs | None = None
+    ) -> None:
         self.host = host
         self.port = port or free_port()
         self.password = password  # set: clients must AUTH (--requirepass)
+        self.tls = tls  # set: TLS only, with its server certificate for 127.0.0.1 (clients need no certificate)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> None:
         assert self.proc is None, "already running"
@@ -38,12 +43,18 @@ class RedisServer:
             [REDIS_SERVER, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no"]
             + ["--enable-debug-command", "local"]  # DEBUG SLEEP: a test stalls Redis as a slow one would
             + (["--requirepass", self.password] if self.password else [])
-            + ([] if self.host == "127.0.0.1" else ["--protected-mode", "no"]),  # a test's own address
+            + ([] if self.host == "127.0.0.1" else ["--protected-mode", "no"])  # a test's own address
+            + self._tls_args(),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(
-            host=self.host, port=self.port, password=self.password, socket_connect_timeout=0.2, socket_timeout=0.5
+            host=self.host,
+            port=self.port,
+            password=self.password,
+            socket_connect_timeout=0.2,
+            socket_timeout=0.5,
+            **({"ssl": True, "ssl_ca_certs": str(self.tls.ca)} if self.tls else {}),
         )
         deadline = time.monotonic() + timeout_s
         try:
@@ -62,6 +73,13 @@ class RedisServer:
         finally:
             client.close()
 
+    def _tls_args(self) -> list[str]:
+        if self.tls is None:
+            return []
+        files = ["--tls-cert-file", str(self.tls.server_cert), "--tls-key-file", str(self.tls.server_key)]
+        files += ["--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "no"]
+        return ["--port", "0", "--tls-port", str(self.port), *files]
+
     def stop(self) -> None:
         if self.proc is None:
             return
@@ -70,7 +88,7 @@ class RedisServer:
         self.proc = None
 
     def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url)
+        return redis.Redis.from_url(self.url, **({"ssl_ca_certs": str(self.tls.ca)} if self.tls else {}))
 
 
 def started() -> Iterator[RedisServer]:

@@ -137,3 +137,9 @@ def export_internal_tls(cert: str, key: str, ca: str, server_name: str | None) -
 def redis_password() -> str | None:
     """PDSERVE_REDIS_PASSWORD: the registry's Redis password when its URL carries none (a URL's own wins)."""
     return os.environ.get("PDSERVE_REDIS_PASSWORD") or None
+
+
+def redis_ca_cert() -> str | None:
+    """PDSERVE_REDIS_CA_CERT: a PEM file of the CA(s) a `rediss://` Redis's certificate is checked against, for
+    one no public CA signed; None: the system's CAs. An `ssl_ca_certs` in the URL's query wins."""
+    return os.environ.get("PDSERVE_REDIS_CA_CERT") or None

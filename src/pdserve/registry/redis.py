@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import redis
 import redis.asyncio as aredis
@@ -63,18 +64,25 @@ def worker_key(worker_id: str) -> str:
 
 def connect(url: str, timeout_s: float = TIMEOUT_S) -> redis.Redis:
     """For threads that may block (a worker's heartbeat, the launcher starting workers), briefly. `rediss://`
-    URLs connect over TLS; the password is the URL's or, without one there, PDSERVE_REDIS_PASSWORD (so it stays
-    out of command lines and the registry's logs)."""
-    return redis.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, password=env.redis_password()
-    )
+    URLs connect over TLS, checking the server's certificate against PDSERVE_REDIS_CA_CERT or else the system's
+    CAs; the password is the URL's or, without one there, PDSERVE_REDIS_PASSWORD (so it stays out of command
+    lines and the registry's logs)."""
+    return redis.Redis.from_url(url, **_options(url, timeout_s))
 
 
 def connect_async(url: str, timeout_s: float = TIMEOUT_S) -> aredis.Redis:
     """For the router's event loop; its connections belong to the loop that first uses it. As `connect`."""
-    return aredis.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, password=env.redis_password()
+    return aredis.Redis.from_url(url, **_options(url, timeout_s))
+
+
+def _options(url: str, timeout_s: float) -> dict[str, Any]:
+    """What `from_url` takes beside the URL; the URL's own query options win."""
+    options: dict[str, Any] = dict(
+        socket_timeout=timeout_s, socket_connect_timeout=timeout_s, password=env.redis_password()
     )
+    if url.startswith("rediss://") and (ca := env.redis_ca_cert()):
+        options["ssl_ca_certs"] = ca
+    return options
 
 
 class Throttled:
