@@ -124,6 +124,37 @@ def test_gcs_fault_tolerance_keeps_the_gcs_tables_in_a_redis_named_for_it() -> N
     assert "redisAddress" in render_error(sets={**on, "ray.gcsFaultTolerance.redisAddress": f"{address}/0"})
 
 
+def test_a_redis_ca_is_mounted_wherever_a_rediss_redis_is_reached() -> None:
+    """`redis.caSecret`: every pod that talks to the registry's Redis (router, controller, workers) mounts it and
+    names it in PDSERVE_REDIS_CA_CERT; the Ray head too, with RAY_REDIS_CA_CERT, when its GCS keeps its tables in
+    Redis; never the smoke test (a client of the router) nor the bundled Redis. Set while no Redis is reached
+    over TLS, it is refused."""
+    ca = {"redis.caSecret": "redis-ca", "redis.caKey": "bundle.pem"}
+    path = "/etc/pdserve/redis-ca/bundle.pem"
+
+    def mounted(templates: dict[str, dict[str, Any]]) -> dict[str, str]:
+        """Component -> the variable naming the mounted CA file, of each pod that mounts it."""
+        found = {}
+        for component, t in templates.items():
+            volumes = {v["name"]: v for v in t["spec"].get("volumes", [])}
+            mounts = {m["name"]: m for c in t["spec"]["containers"] for m in c.get("volumeMounts", [])}
+            if "redis-ca" in volumes:
+                assert volumes["redis-ca"]["secret"]["secretName"] == "redis-ca", component
+                assert mounts["redis-ca"]["mountPath"] == "/etc/pdserve/redis-ca", component
+                (found[component],) = [e for e, v in _env(t).items() if v.get("value") == path]
+        return found
+
+    pdserve = dict.fromkeys(["router", "controller", "prefill", "decode"], "PDSERVE_REDIS_CA_CERT")
+    assert mounted(pod_templates(render(["external-redis-tls-monitoring.yaml"], ca))) == pdserve
+    gcs = {"ray.gcsFaultTolerance.enabled": "true", "ray.gcsFaultTolerance.redisAddress": "rediss://gcs.data:6380"}
+    both = render(["external-redis-tls-monitoring.yaml"], {**ca, **gcs})
+    check_raycluster(one(both, "RayCluster"))
+    assert mounted(pod_templates(both)) == {**pdserve, "ray-head": "RAY_REDIS_CA_CERT"}
+    # The bundled registry Redis (plaintext) and a rediss:// GCS Redis: one CA option for both, as the values say.
+    assert mounted(pod_templates(render(["gpu.yaml"], {**ca, **gcs}))) == {**pdserve, "ray-head": "RAY_REDIS_CA_CERT"}
+    assert "no Redis is reached over TLS" in render_error(["gpu.yaml"], ca)
+
+
 def test_cluster_secret_and_tls_mounts(rendered: dict[str, Objects]) -> None:
     objects = rendered["external-redis-tls-monitoring.yaml"]
     templates = pod_templates(objects)

@@ -146,6 +146,10 @@ variables to the worker actors it starts (they would report the controller's pod
 - name: PDSERVE_REDIS_PASSWORD
   valueFrom: {secretKeyRef: {name: {{ . }}, key: {{ $v.redis.passwordKey }}}}
 {{- end }}
+{{- if $v.redis.caSecret }}
+- name: PDSERVE_REDIS_CA_CERT
+  value: {{ include "pdserve.redisCAFile" .ctx | quote }}
+{{- end }}
 {{- if .ray }}
 {{- include "pdserve.rayAuthEnv" .ctx }}
 {{- end }}
@@ -192,15 +196,43 @@ variables to the worker actors it starts (they would report the controller's pod
 {{- end }}
 {{- end -}}
 
-{{/* TLS: which Secrets a pod mounts, and where. role: router, controller or worker. */}}
+{{/* The CA a rediss:// Redis's certificate is checked against (redis.caSecret), where every pod mounts it. */}}
+{{- define "pdserve.redisCAFile" -}}
+/etc/pdserve/redis-ca/{{ .Values.redis.caKey }}
+{{- end -}}
+
+{{- define "pdserve.redisCAVolume" -}}
+{{- $v := .Values -}}
+{{- $registryTls := and (not $v.redis.enabled) (hasPrefix "rediss://" $v.redis.url) -}}
+{{- $gcsTls := and $v.ray.gcsFaultTolerance.enabled (hasPrefix "rediss://" $v.ray.gcsFaultTolerance.redisAddress) -}}
+{{- if $v.redis.caSecret }}
+{{- if not (or $registryTls $gcsTls) }}
+{{- fail "redis.caSecret is set, but no Redis is reached over TLS: the external redis.url (redis.enabled=false) or ray.gcsFaultTolerance.redisAddress must be rediss://" }}
+{{- end }}
+- name: redis-ca
+  secret: {secretName: {{ $v.redis.caSecret }}}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.redisCAMount" -}}
+{{- if .Values.redis.caSecret }}
+- {name: redis-ca, mountPath: /etc/pdserve/redis-ca, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{/* TLS: which Secrets a pod mounts, and where (the Redis CA too, but for a client of the router). role: router,
+controller, worker or client (the chart's smoke test: a worker's TLS files). */}}
 {{- define "pdserve.tlsVolumes" -}}
+{{- if ne .role "client" }}
+{{- include "pdserve.redisCAVolume" .ctx }}
+{{- end }}
 {{- if .ctx.Values.tls.enabled }}
 - name: tls-internal
   secret: {secretName: {{ required "tls.internalSecret is required when tls.enabled" .ctx.Values.tls.internalSecret }}}
 {{- if eq .role "router" }}
 - name: tls-public
   secret: {secretName: {{ required "tls.publicSecret is required when tls.enabled" .ctx.Values.tls.publicSecret }}}
-{{- else if eq .role "worker" }}
+{{- else if or (eq .role "worker") (eq .role "client") }}
 # A worker's preStop drain is a client of the router: it needs the CA, never the router's key.
 - name: tls-public
   secret:
@@ -215,6 +247,9 @@ variables to the worker actors it starts (they would report the controller's pod
 {{- end -}}
 
 {{- define "pdserve.tlsMounts" -}}
+{{- if ne .role "client" }}
+{{- include "pdserve.redisCAMount" .ctx }}
+{{- end }}
 {{- if .ctx.Values.tls.enabled }}
 - {name: tls-internal, mountPath: /etc/pdserve/tls/internal, readOnly: true}
 {{- if ne .role "controller" }}
