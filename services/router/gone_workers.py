@@ -1,11 +1,11 @@
 """Forgets what the router keeps per worker id once that worker has been out of the registry for a while.
 
-Worker ids are never reused (replacements, scale-ups, autoscaling and rollouts get new ones), and the router
-keeps some state per id it has placed on: load bookkeeping, its TTFT correction, recent latencies for
-`pdserve status` (up to ~40 KB an id). Over a long uptime of churn the gone ids would pile up without bound. A
+The router keeps some state per worker id it has placed on: load bookkeeping, its TTFT correction, recent
+latencies for `pdserve status` (~32 KB an id). Scaling numbers a new worker one past the highest index in use, so
+with autoscaling churn the ids keep growing, and over a long uptime the gone ones would pile up without bound. A
 worker missing from the registry for `gone_after_s` is forgotten, unless a request placed on it is still in
-flight (its end still has to be counted); a worker back within that time (a Redis outage dropped it from the
-view) keeps everything.
+flight (its end still has to be counted); one back within that time (a Redis outage dropped it from the view)
+keeps everything, and an id handed out again later starts afresh, as its new process does.
 """
 
 from __future__ import annotations
