@@ -9,6 +9,8 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.protocol.perf_profile import QueuedPrefill
+
 FORGET_AFTER_S = 60.0  # far older than any heartbeat a router still places by
 
 
@@ -63,15 +65,15 @@ class LoadTracker:
         self.pending_blocks[sent.decode_id] -= sent.blocks
         _log(self._prefilled[sent.prefill_id], sent.prompt_tokens)
 
-    def prefilled_since(self, prefill_id: str, since: float) -> int:
+    def prefilled_since(self, prefill_id: str, since: float) -> QueuedPrefill:
         """The most a queue sampled at wall time `since` (a heartbeat's) can show of our prompts whose prefill
         has ended since: each whole prompt, since the worker's prefix cache may hold less of it than we predicted
         (our prefix index learns of its evictions late)."""
-        total = 0
-        for at, tokens in reversed(self._prefilled[prefill_id]):  # oldest first: read back only past `since`
+        total = QueuedPrefill()
+        for at, tokens in reversed(self._prefilled.get(prefill_id, ())):  # newest first: read back only past `since`
             if at <= since:
                 break
-            total += tokens
+            total = total.add(tokens)
         return total
 
     def placed_since(self, decode_id: str, since: float) -> int:

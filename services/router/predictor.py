@@ -9,6 +9,7 @@ changes with load, so only it can make a retry succeed.
 from __future__ import annotations
 
 from pdserve.config import RouterConfig
+from pdserve.protocol.perf_profile import QueuedPrefill
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from services.router.calibration import TTFTCalibration
@@ -30,17 +31,27 @@ class Predictor:
         return w.profile.prefill_s(new_tokens) * self.speed(w) if w.profile else 0.0
 
     def queue_s(self, w: WorkerState) -> float:
-        """Work ahead of a new prompt: what we sent and is not done, or what the worker last reported."""
+        """Work ahead of a new prompt: what we sent and is not done, or what the worker last reported (other
+        routers' prompts too), each prompt priced as we price our own; a worker too old to count its prompts
+        has its tokens priced linearly."""
         local = self.tracker.pending_prefill_s[w.worker_id]
         if not w.profile:
             return local
-        return max(local, w.profile.prefill_per_token_s * self.reported_tokens(w) * self.speed(w))
+        queue = self.reported_queue(w)
+        if w.queued_prefill_prompts:
+            reported = w.profile.queued_prefill_s(queue)
+        else:
+            reported = w.profile.prefill_per_token_s * queue.tokens
+        return max(local, reported * self.speed(w))
 
-    def reported_tokens(self, w: WorkerState) -> int:
+    def reported_queue(self, w: WorkerState) -> QueuedPrefill:
         """The worker's last reported queue, less what of ours it has finished since it sampled that queue (not
         since it sent the report: a prefill ending in between would count twice, and shed for a heartbeat)."""
         sampled_at = w.load_at or w.updated_at
-        return max(0, w.queued_prefill_tokens - self.tracker.prefilled_since(w.worker_id, sampled_at))
+        return w.queued_prefill.minus(self.tracker.prefilled_since(w.worker_id, sampled_at))
+
+    def reported_tokens(self, w: WorkerState) -> int:
+        return self.reported_queue(w).tokens
 
     def queued_tokens(self, w: WorkerState) -> int:
         return max(self.reported_tokens(w), self.tracker.pending_prefill_tokens[w.worker_id])

@@ -121,6 +121,8 @@ class WorkerRuntime:
             kv_blocks_free=stats["kv_blocks_total"] - stats["kv_blocks_used"],
             kv_blocks_cached=stats["kv_blocks_cached"],
             queued_prefill_tokens=stats["queued_prefill_tokens"],
+            queued_prefill_prompts=stats["queued_prefill_prompts"],
+            queued_prefill_token_squares=stats["queued_prefill_token_squares"],
             running=stats["running"],
             waiting=stats["waiting"],
             max_num_seqs=self._engine.max_num_seqs,

@@ -382,6 +382,7 @@ class AsyncEngine:
     def _update_stats(self) -> None:
         """Published as one dict swap, so readers on other threads never see the queues mid-change."""
         e = self._engine
+        queued = e.scheduler.queued_prefill()
         self.stats = {
             "kv_blocks_total": e.blocks.num_blocks,
             "kv_blocks_used": e.blocks.num_used_blocks,
@@ -389,7 +390,9 @@ class AsyncEngine:
             "running": len(e.scheduler.running),
             "waiting": len(e.scheduler.waiting),
             "sequences": e.num_sequences,
-            "queued_prefill_tokens": e.scheduler.num_waiting_tokens,
+            "queued_prefill_tokens": queued.tokens,
+            "queued_prefill_prompts": queued.prompts,
+            "queued_prefill_token_squares": queued.token_squares,
             "prefix_hits": e.blocks.prefix_hits,
             "sampled_at_ns": time.time_ns(),  # what a router subtracts prefills it saw end after from
         }

@@ -16,6 +16,7 @@ from pdserve.config import SchedulerConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.protocol.outputs import FinishReason
+from pdserve.protocol.perf_profile import QueuedPrefill
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_waiting_tokens(self) -> int:
-        """Prompt tokens still to compute: the waiting prompts past what the prefix cache held when they began to
-        wait, and the rest of the prompts part-way through a chunked prefill."""
-        waiting = sum(s.num_uncomputed_tokens - s.expected_cached_tokens for s in self.waiting)
-        return waiting + sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in self.running)
+    def queued_prefill(self) -> QueuedPrefill:
+        """Prompt work still to compute, per prompt: the waiting prompts past what the prefix cache held when they
+        began to wait, and the rest of the prompts part-way through a chunked prefill."""
+        lefts = [s.num_uncomputed_tokens - s.expected_cached_tokens for s in self.waiting]
+        lefts += [s.num_prompt_tokens - s.num_computed_tokens for s in self.running]
+        queue = QueuedPrefill()
+        for left in lefts:
+            if left > 0:
+                queue = queue.add(left)
+        return queue
 
     def add(self, seq: Sequence) -> None:
         self._wait(seq)

@@ -14,6 +14,27 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class QueuedPrefill:
+    """The prompt work a prefill worker has queued, as it reports it: enough for a router to price it (a prompt's
+    prefill grows faster than its length, so the same tokens in fewer, longer prompts take longer)."""
+
+    prompts: int = 0
+    tokens: int = 0
+    token_squares: int = 0  # each prompt's tokens, squared, summed
+
+    def add(self, tokens: int) -> QueuedPrefill:
+        return QueuedPrefill(self.prompts + 1, self.tokens + tokens, self.token_squares + tokens * tokens)
+
+    def minus(self, other: QueuedPrefill) -> QueuedPrefill:
+        """What is left of this queue once `other`'s prompts are out of it (never below nothing)."""
+        return QueuedPrefill(
+            max(0, self.prompts - other.prompts),
+            max(0, self.tokens - other.tokens),
+            max(0, self.token_squares - other.token_squares),
+        )
+
+
+@dataclass(frozen=True)
 class PerfProfile:
     prefill_fixed_s: float
     prefill_per_token_s: float
@@ -25,6 +46,15 @@ class PerfProfile:
         if tokens <= 0:
             return 0.0
         return self.prefill_fixed_s + self.prefill_per_token_s * tokens + self.prefill_per_token2_s * tokens**2
+
+    def queued_prefill_s(self, queue: QueuedPrefill) -> float:
+        """A queue of prompts priced as each prompt alone, as `prefill_s` prices one: `token_squares` carries the
+        quadratic term, which a count of tokens alone would leave out."""
+        return (
+            self.prefill_fixed_s * queue.prompts
+            + self.prefill_per_token_s * queue.tokens
+            + self.prefill_per_token2_s * queue.token_squares
+        )
 
     def decode_step_s(self, batch: int) -> float:
         return self.decode_fixed_s + self.decode_per_seq_s * max(batch, 1)

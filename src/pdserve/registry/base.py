@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from pdserve.config import EngineConfig
 from pdserve.protocol.admitted import AdmittedTotals
-from pdserve.protocol.perf_profile import PerfProfile
+from pdserve.protocol.perf_profile import PerfProfile, QueuedPrefill
 from pdserve.protocol.roles import Role
 
 DEFAULT_TTL_S = 5.0  # a worker silent this long is gone; heartbeats come every fraction of a second
@@ -43,10 +43,18 @@ class WorkerState:
     sequences: int = 0  # running, waiting, and (decode) those whose KV is arriving: what max_num_seqs bounds
     load_at: float = 0.0  # wall time the load fields were sampled (before updated_at); 0: unknown, updated_at
     instance: str = ""  # a random id of its process, new on every start; "": a worker too old to say
+    # The prompts of queued_prefill_tokens and their tokens squared, summed: a router prices the queue as each
+    # prompt alone (QueuedPrefill). 0 prompts with tokens queued: a worker too old to say.
+    queued_prefill_prompts: int = 0
+    queued_prefill_token_squares: int = 0
     updated_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # from JSON or a caller's string: one type, checked
+
+    @property
+    def queued_prefill(self) -> QueuedPrefill:
+        return QueuedPrefill(self.queued_prefill_prompts, self.queued_prefill_tokens, self.queued_prefill_token_squares)
 
     @property
     def cache_key(self) -> str:

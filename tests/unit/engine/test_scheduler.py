@@ -9,6 +9,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.protocol.outputs import FinishReason
+from pdserve.protocol.perf_profile import QueuedPrefill
 from pdserve.protocol.sampling import SamplingParams
 
 
@@ -354,15 +355,15 @@ def test_detached_blocks_are_not_handed_out_under_pressure() -> None:
 
 
 def test_the_queue_counts_the_prompt_tokens_left_to_compute_past_a_cached_prefix_and_mid_chunk() -> None:
-    """What a prefill worker reports as queued: a router predicts the wait behind it from this."""
+    """What a prefill worker reports as queued, per prompt: a router predicts the wait behind it from this."""
     sim = Sim(SchedulerConfig(max_num_batched_tokens=10, long_prefill_chunk=10, max_prefills_per_step=1), 64, 4)
     a = sim.add("a", list(range(30)), max_tokens=1)
-    assert sim.sched.num_waiting_tokens == 30
+    assert sim.sched.queued_prefill() == QueuedPrefill(1, 30, 30 * 30)
     sim.step()  # its first chunk
-    assert sim.sched.num_waiting_tokens == 20  # the rest of a prompt part-way through its prefill
+    assert sim.sched.queued_prefill() == QueuedPrefill(1, 20, 20 * 20)  # the rest of a prompt part-way through
     sim.run()
     sim.add("b", a.prompt_token_ids[:20] + list(range(60, 65)), max_tokens=1)  # 20 cached
     sim.add("c", list(range(70, 82)), max_tokens=1)
-    assert sim.sched.num_waiting_tokens == 5 + 12
+    assert sim.sched.queued_prefill() == QueuedPrefill(2, 5 + 12, 5 * 5 + 12 * 12)
     sim.run()
-    assert sim.sched.num_waiting_tokens == 0
+    assert sim.sched.queued_prefill() == QueuedPrefill()

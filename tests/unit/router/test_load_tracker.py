@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from unittest import mock
 
+from pdserve.protocol.perf_profile import QueuedPrefill
 from services.router.load_tracker import LoadTracker
 
 
@@ -27,7 +28,8 @@ def test_counts_since_a_time_match_the_whole_history() -> None:
                 tracker.finished(placement)
                 ended.append((now[0], placed))
         for since in [now[0] - x for x in (0.0, 0.01, 0.1, 0.5, 1.0, 3.0, 100.0)]:
-            assert tracker.prefilled_since("p0", since) == sum(t for at, t in prefilled if at > since)
+            ours = [t for at, t in prefilled if at > since]
+            assert tracker.prefilled_since("p0", since) == QueuedPrefill(len(ours), sum(ours), sum(t * t for t in ours))
             assert tracker.streams_ended_since("d0", since) == sum(1 for e, p in ended if p <= since < e)
 
 
@@ -40,4 +42,4 @@ def test_a_wall_clock_stepped_back_does_not_hide_what_came_after() -> None:
         now[0] -= 0.5  # an NTP step back
         second = tracker.start("p0", "d0", 200, 0.01, 2, 200)
         tracker.prefilled(second)
-        assert tracker.prefilled_since("p0", 999.8) == 300  # both ended after it, by the router's account
+        assert tracker.prefilled_since("p0", 999.8).tokens == 300  # both ended after it, by the router's account

@@ -25,6 +25,43 @@ def test_ttft_grows_with_the_reported_queue():
     assert pred.ttft_s(slow, 100, 0) > pred.ttft_s(busy, 100, 0)
 
 
+def test_another_routers_queued_prompts_are_priced_as_this_router_prices_its_own():
+    """Two routers place on one prefill worker; each sees the other's prompts only in the worker's report. With a
+    convex profile (attention's quadratic term) the report is priced per prompt, as each router prices its own
+    placements, not per token: four 1024-token prompts wait as long whichever router placed them."""
+    convex = replace(PROFILE, prefill_per_token2_s=5e-6)
+    mine, theirs = LoadTracker(), LoadTracker()
+    own, other = Predictor(RouterConfig(), mine), Predictor(RouterConfig(), theirs)
+    sampled = time.time() - 1.0
+    for _ in range(4):
+        mine.start("p0", "d0", new_tokens=1024, seconds=convex.prefill_s(1024), blocks=64, prompt_tokens=1024)
+    # The worker's heartbeat shows the four prompts queued; what it reports of them is what the other router sees.
+    report = dict(queued_prefill_tokens=4 * 1024, queued_prefill_prompts=4, queued_prefill_token_squares=4 * 1024**2)
+    w = worker("p0", profile=convex, load_at=sampled, **report)
+    assert own.queue_s(w) == pytest.approx(4 * convex.prefill_s(1024))  # its own placements
+    assert other.queue_s(w) == pytest.approx(own.queue_s(w))  # the report alone, priced the same
+    linear = 4 * 1024 * convex.prefill_per_token_s
+    assert other.queue_s(w) > 2 * linear  # per token, the quadratic term would be lost (here 25.1 s against 4.1 s)
+    # A worker too old to count its prompts: its tokens priced per token, as before.
+    old = worker("p0", profile=convex, load_at=sampled, queued_prefill_tokens=4 * 1024)
+    assert other.queue_s(old) == pytest.approx(linear)
+
+
+def test_a_reported_queue_loses_the_prompts_this_router_saw_prefilled_since_it_was_sampled():
+    convex = replace(PROFILE, prefill_per_token2_s=5e-6)
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    sampled = time.time() - 1.0
+    report = dict(
+        queued_prefill_tokens=1024 + 256, queued_prefill_prompts=2, queued_prefill_token_squares=1024**2 + 256**2
+    )
+    placed = tracker.start("p0", "d0", new_tokens=1024, seconds=convex.prefill_s(1024), blocks=64, prompt_tokens=1024)
+    tracker.prefilled(placed)  # ours, the 1024-token one, prefilled after the report was sampled
+    w = worker("p0", profile=convex, load_at=sampled, **report)
+    assert pred.queue_s(w) == pytest.approx(convex.prefill_s(256))  # the other router's 256-token prompt is left
+    assert pred.queued_tokens(w) == 256
+
+
 def test_ttft_grows_with_work_this_router_sent_but_the_heartbeat_does_not_show_yet():
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
