@@ -139,7 +139,8 @@ def test_a_redis_ca_is_mounted_wherever_a_rediss_redis_is_reached() -> None:
             volumes = {v["name"]: v for v in t["spec"].get("volumes", [])}
             mounts = {m["name"]: m for c in t["spec"]["containers"] for m in c.get("volumeMounts", [])}
             if "redis-ca" in volumes:
-                assert volumes["redis-ca"]["secret"]["secretName"] == "redis-ca", component
+                secret = volumes["redis-ca"]["secret"]
+                assert secret == {"secretName": "redis-ca", "items": [{"key": "bundle.pem", "path": "bundle.pem"}]}
                 assert mounts["redis-ca"]["mountPath"] == "/etc/pdserve/redis-ca", component
                 (found[component],) = [e for e, v in _env(t).items() if v.get("value") == path]
         return found

@@ -11,6 +11,7 @@ close after its first response: one reconnection more, never a lost request.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -23,11 +24,11 @@ class ConnectionAge:
         self.app = app
         self.max_age_s = max_age_s
         self.clock = clock
-        self._first_seen: dict[tuple[object, ...], float] = {}  # (client, server) -> its first request's time
-        self._pruned_at = clock()
+        # (client, server) -> its first request's time, oldest first: the clock only moves on
+        self._first_seen: OrderedDict[tuple[object, ...], float] = OrderedDict()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope.get("client"):
+        if scope["type"] != "http" or not scope.get("client") or _closes_anyway(scope):
             await self.app(scope, receive, send)
             return
         now = self.clock()
@@ -47,9 +48,17 @@ class ConnectionAge:
         await self.app(scope, receive, closing)
 
     def _prune(self, now: float) -> None:
-        """Forgets connections closed without a request past their age: a live one would have been told to close
-        at its first request after it, and uvicorn closes one idle for seconds."""
-        if now - self._pruned_at < self.max_age_s:
-            return
-        self._pruned_at = now
-        self._first_seen = {k: t for k, t in self._first_seen.items() if now - t < 2 * self.max_age_s}
+        """Forgets connections closed without a request past their age, oldest first: a live one would have been
+        told to close at its first request after it, and uvicorn closes one idle for seconds."""
+        while self._first_seen:
+            key, first = next(iter(self._first_seen.items()))
+            if now - first < 2 * self.max_age_s:
+                return
+            del self._first_seen[key]
+
+
+def _closes_anyway(scope: Scope) -> bool:
+    """An HTTP/1.0 request, or one that asked for `Connection: close`: its connection ends with this response."""
+    if scope.get("http_version") == "1.0":
+        return True
+    return any(name == b"connection" and b"close" in value.lower() for name, value in scope.get("headers", ()))

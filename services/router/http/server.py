@@ -55,6 +55,9 @@ class HttpServer:
             log_config=None,  # the process's JSON logging stands
             log_level="warning",  # its start-up lines advise CTRL+C; the launcher logs the address itself
             access_log=False,
+            # The client address is the connection's (connection_age.py keys by it); nothing here reads the
+            # X-Forwarded-For of a proxy in front.
+            proxy_headers=False,
             timeout_graceful_shutdown=grace_s,
             **ssl,
         )

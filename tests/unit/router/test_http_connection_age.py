@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services.router.http.connection_age import ConnectionAge
 from services.router.http.server import HttpServer
 
 AGE_S = 0.5
@@ -76,3 +77,57 @@ async def test_a_stream_past_the_age_goes_out_whole_before_the_close() -> None:
     clients, bodies = await requests_over(AGE_S, 4 * AGE_S, "/stream")
     assert set(bodies) == {"0\n1\n2\n3\n4\n"}
     assert len(set(clients)) >= 2, clients  # streams of 0.5 s each: every other one or so on a new connection
+
+
+async def test_a_proxys_forwarded_address_is_not_taken_for_the_connection() -> None:
+    """Behind a proxy (X-Forwarded-For from 127.0.0.1, which uvicorn would trust by default) every connection still
+    ages on its own: a new one from the same forwarded client is not told to close on its first response."""
+    clients: list[tuple[str, int]] = []
+    server = HttpServer(app(clients), "127.0.0.1", 0, max_connection_age_s=AGE_S)
+    await server.start()
+    forwarded = {"X-Forwarded-For": "203.0.113.7"}
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        async with httpx2.AsyncClient(base_url=base, timeout=10, headers=forwarded) as old:
+            await old.get("/plain")
+            await asyncio.sleep(AGE_S * 1.5)
+            async with httpx2.AsyncClient(base_url=base, timeout=10, headers=forwarded) as new:
+                first = await new.get("/plain")
+            aged = await old.get("/plain")
+    finally:
+        await server.stop()
+    assert first.headers.get("connection") != "close"
+    assert aged.headers.get("connection") == "close"
+    assert {host for host, _ in clients} == {"127.0.0.1"}  # the connection's own address, not the forwarded one
+
+
+async def test_the_ages_kept_stay_bounded() -> None:
+    """Requests that close their connection anyway (HTTP/1.0, `Connection: close`) are not kept; connections that
+    left without a request past their age are forgotten, oldest first."""
+    now = [0.0]
+
+    async def ok(scope, receive, send):  # type: ignore[no-untyped-def]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def request(port: int, version: str = "1.1", headers: tuple = ()) -> None:
+        scope = {"type": "http", "client": ("10.0.0.1", port), "server": ("10.0.0.2", 8000)}
+        scope |= {"http_version": version, "headers": list(headers)}
+
+        async def send(message):  # type: ignore[no-untyped-def]
+            pass
+
+        await age(scope, None, send)  # type: ignore[arg-type]
+
+    age = ConnectionAge(ok, AGE_S, clock=lambda: now[0])
+    for port in range(1000):
+        await request(port, "1.0")
+        await request(port + 1000, headers=((b"connection", b"close"),))
+    assert len(age._first_seen) == 0
+    for port in range(1000):
+        now[0] += AGE_S / 1000
+        await request(port)
+    assert len(age._first_seen) == 1000
+    now[0] += AGE_S * 1.5  # the first half of them are now past twice the age
+    await request(5000)
+    assert 400 <= len(age._first_seen) <= 601

@@ -209,8 +209,9 @@ variables to the worker actors it starts (they would report the controller's pod
 {{- if not (or $registryTls $gcsTls) }}
 {{- fail "redis.caSecret is set, but no Redis is reached over TLS: the external redis.url (redis.enabled=false) or ray.gcsFaultTolerance.redisAddress must be rediss://" }}
 {{- end }}
+# Only the key named: a Secret without it fails the mount, visibly, rather than every Redis connection.
 - name: redis-ca
-  secret: {secretName: {{ $v.redis.caSecret }}}
+  secret: {secretName: {{ $v.redis.caSecret }}, items: [{key: {{ $v.redis.caKey }}, path: {{ $v.redis.caKey }}}]}
 {{- end }}
 {{- end -}}
 
