@@ -4,8 +4,8 @@ The router keeps some state per worker id it has placed on: load bookkeeping, it
 latencies for `pdserve status` (~32 KB an id). Scaling numbers a new worker one past the highest index in use, so
 with autoscaling churn the ids keep growing, and over a long uptime the gone ones would pile up without bound. A
 worker missing from the registry for `gone_after_s` is forgotten, unless a request placed on it is still in
-flight (its end still has to be counted); one back within that time (a Redis outage dropped it from the view)
-keeps everything, and an id handed out again later starts afresh, as its new process does.
+flight (its end still has to be counted); one back within that time keeps everything, and an id handed out again
+later starts afresh, as its new process does. While Redis does not answer, nothing is counted as gone.
 """
 
 from __future__ import annotations
@@ -48,8 +48,11 @@ class GoneWorkers:
         self._task: asyncio.Task[None] | None = None
 
     def sweep(self, now: float | None = None) -> set[str]:
-        """One pass: the ids forgotten by every part."""
+        """One pass: the ids forgotten by every part. None while the registry's view is not current (Redis does
+        not answer): a view kept or dropped through an outage says nothing of who is gone."""
         now = time.monotonic() if now is None else now
+        if not self.registry.view_current():
+            return set()
         registered = {w.worker_id for w in self.registry.workers()}
         held = set().union(*(part.worker_ids() for part in self.parts))
         self._missing_since = {i: t for i, t in self._missing_since.items() if i in held and i not in registered}

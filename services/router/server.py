@@ -60,13 +60,17 @@ class RouterServer:
         await self.grpc.set_serving(serving)
 
     async def stop(self, grace_s: float | None) -> None:
-        if self.http is not None:
-            await self.http.stop()
-        await self.grpc.stop(grace_s)
-        await self.quotas.close()
-        await self.admitted.close()
-        await self.gone_workers.close()
-        await self.decode_channels.close()
+        try:
+            if self.http is not None:
+                await self.http.stop()
+            await self.grpc.stop(grace_s)
+        finally:  # the background work stops however the listeners did
+            await self.gone_workers.close()
+            try:
+                await self.quotas.close()
+                await self.admitted.close()
+            finally:
+                await self.decode_channels.close()
 
     async def wait(self) -> None:
         await self.grpc.wait()

@@ -95,6 +95,11 @@ class Registry(ABC):
         """Called by routers per request: the live workers, optionally of one role. Never does I/O and never
         raises for a lost backend: it answers from the last view it had, within that view's age limit."""
 
+    def view_current(self) -> bool:
+        """Whether `workers` reflects the backend now, not a last view kept (or dropped) through an outage: a
+        worker missing from it is then really gone."""
+        return True
+
     @abstractmethod
     def desired_counts(self) -> dict[Role, int]:
         """How many workers of each role the cluster should run ({} until the fleet or `pdserve scale` set them):

@@ -191,6 +191,9 @@ class RedisRegistry(Registry):
             return []  # too old to trust, whatever the background task is doing
         return [w for w in self._view.values() if role is None or w.role == role]
 
+    def view_current(self) -> bool:
+        return self._down_since is None
+
     async def start(self) -> None:
         if self._task is not None:
             return

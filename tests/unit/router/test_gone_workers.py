@@ -3,7 +3,11 @@ never a worker a request in flight was placed on, nor one back within that time.
 
 from __future__ import annotations
 
+import asyncio
+
+from pdserve.cluster.local_process import free_port
 from pdserve.metrics import RecentLatencies
+from pdserve.registry.redis import RedisRegistry
 from services.router.gone_workers import GoneWorkers
 from tests.unit.router.router_builder import Router, prompt, worker
 
@@ -93,3 +97,23 @@ def test_a_worker_back_within_the_grace_keeps_its_correction() -> None:
     assert c.router.predictor.calibration.factor("p0") == factor
     assert c.gone.sweep(now=2 * GONE_AFTER_S + 1) == {"p0"}
     assert c.router.predictor.calibration.factor("p0") == 1.0
+
+
+def test_nothing_is_gone_while_the_registry_redis_does_not_answer() -> None:
+    """A Redis outage empties the router's view after its age limit: the workers in it are not gone, and keep
+    their corrections however long the outage lasts."""
+    c = Cluster(workers=1)
+    c.serve(seed=1)
+
+    async def outage() -> set[str]:
+        registry = RedisRegistry(f"redis://127.0.0.1:{free_port()}/0", max_view_age_s=0.0)  # nothing listens there
+        await registry.start()  # its first refresh fails: an outage from the start
+        try:
+            assert not registry.view_current() and registry.workers() == []
+            gone = GoneWorkers(registry, c.parts, gone_after_s=GONE_AFTER_S)
+            return set().union(*(gone.sweep(now=minutes * 60.0) for minutes in range(0, 60, 5)))
+        finally:
+            await registry.close()
+
+    assert asyncio.run(outage()) == set()
+    assert c.router.predictor.calibration.factor("p0") != 1.0
