@@ -8,7 +8,7 @@ The head is SIGKILLed: requests keep being served (neither the router nor the wo
 controller, whose Ray Client connection is gone for good, exits with an error instead of supervising nothing from
 then on, and takes no worker out of placement for it. A new controller (the Deployment's restart) started while the
 head is still away tries Ray again until it is back on its ports, then finds the very worker processes serving,
-and they serve on.
+and they serve on. A `pdserve up` joined to the head exits with an error too when the head goes.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ def cluster() -> Iterator[HeadRestart]:
     gcs = {"RAY_REDIS_ADDRESS": f"127.0.0.1:{redis.port}", "RAY_external_storage_namespace": NAMESPACE}
     env = {**ray_env(temp_dir), "PDSERVE_CLUSTER_SECRET": secrets.token_hex(32)}
     env["RAY_CLIENT_RECONNECT_GRACE_PERIOD"] = str(CLIENT_GRACE_S)
+    # A Ray Client's connection attempt to an absent head: 3 tries of 2 s, not Ray's 5, 10 and 15 s.
+    env |= {"RAY_CLIENT_INITIAL_CONNECTION_TIMEOUT_S": "2", "RAY_CLIENT_MAX_CONNECTION_TIMEOUT_S": "2"}
     nodes: list[RayNode] = []
     c: HeadRestart | None = None
     try:
@@ -128,7 +130,7 @@ def test_the_workers_serve_through_a_head_restart_and_a_new_controller_finds_the
     # The Deployment starts a new controller at once, while the head is still away: it tries Ray again until then.
     controller = cluster.start_controller(1)
     waiting = time.monotonic()
-    while "trying again" not in controller.log():  # one Ray Client attempt: its 30 s connection timeout
+    while "trying again" not in controller.log():  # one Ray Client attempt: its connection timeout (6 s here)
         assert controller.proc.poll() is None, controller.log()[-3000:]
         assert time.monotonic() - waiting < 120, controller.log()[-3000:]
         time.sleep(0.5)
@@ -145,3 +147,26 @@ def test_the_workers_serve_through_a_head_restart_and_a_new_controller_finds_the
     assert controller.proc.returncode == 0, controller.log()[-3000:]
     assert "lost its connection" not in controller.log()
     assert cluster.serve("after-controller") == expected
+
+
+def test_a_joined_pdserve_up_exits_when_its_ray_link_is_lost(cluster: HeadRestart, expected: list[int]) -> None:
+    """`pdserve up --ray-address` (its router in the same process) ends with an error too, its router drained,
+    rather than serving on with nobody supervising its workers; with the embedded registry they would leave
+    placement at their TTL."""
+    port = free_port()
+    args = ["up", "--model", "tiny-random", "--ray-address", f"ray://127.0.0.1:{cluster.head.client_port}"]
+    args += ["--prefill", "1", "--decode", "1", "--ray-namespace", f"{NAMESPACE}-up", "--port", str(port)]
+    args += ["--threads", "1", "--kv-cache-gb", "0.05", "--drain-grace-s", "5"]
+    up = PdserveProcess(*args, log_path=cluster.temp_dir / "up.log", env=cluster.env)
+    cluster.started.append(up)
+    up.wait_ready()
+    assert asyncio.run(asyncio.wait_for(serve_at(f"127.0.0.1:{port}", "up"), 60)) == expected
+
+    cluster.head.kill()
+    killed = time.monotonic()
+    while up.proc.poll() is None:
+        assert time.monotonic() - killed < CLIENT_GRACE_S + 60, "pdserve up never noticed Ray was gone"
+        time.sleep(0.5)
+    assert up.proc.returncode == 1, up.log()[-3000:]
+    assert "lost its connection to the Ray cluster" in up.log(), up.log()[-3000:]
+    print(f"pdserve up exited {time.monotonic() - killed:.1f} s after the head was killed")

@@ -42,18 +42,12 @@ async def run_controller(config: ClusterConfig, services: ClusterServices) -> No
     if config.metrics_port is not None:
         port = telemetry.serve_metrics(config.host, config.metrics_port)
         log.info("controller metrics at http://%s:%d/metrics", config.host, port)
-    watcher = asyncio.create_task(cluster.watch())
     roles = ", ".join(config.roles)
     print(f"ready controller ({config.mode}: {roles}) in Ray namespace {config.ray_namespace}", flush=True)
-    stopped, lost = asyncio.create_task(stop.wait()), asyncio.create_task(cluster.actors.until_disconnected())
     link_lost = False
     try:
-        done, _ = await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
-        link_lost = lost in done
+        link_lost = not await cluster.supervise_until(stop)
     finally:
-        watcher.cancel()
-        stopped.cancel()
-        lost.cancel()
         if not link_lost:  # a stop (or an error here): leave or stop the workers through Ray, which still answers
             await asyncio.to_thread(end)
         telemetry.shutdown()

@@ -254,6 +254,18 @@ class Cluster:
         spec until cancelled (see `Supervisor`, `FleetScaler`, `Rollout`)."""
         await asyncio.gather(self.supervisor.run(self.config.router.heartbeat_s), self.scaler.run(), self.rollout.run())
 
+    async def supervise_until(self, stop: asyncio.Event) -> bool:
+        """`watch` until `stop` is set (True), or until this process's connection to Ray is gone for good (False:
+        every Ray call fails from then on, so nothing is supervised; the detached actors serve on)."""
+        watcher = asyncio.create_task(self.watch())
+        stopped, lost = asyncio.create_task(stop.wait()), asyncio.create_task(self.actors.until_disconnected())
+        try:
+            done, _ = await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
+            return lost not in done
+        finally:
+            for task in (watcher, stopped, lost):
+                task.cancel()
+
     def stop_workers(self) -> None:
         import ray
 

@@ -1,7 +1,9 @@
 """`pdserve up`: the one-command local cluster, the worker fleet and a router in one process around the embedded
 registry (or Redis). It stops everything it started on SIGINT/SIGTERM. Joined to a Ray cluster (`--ray-address`),
 its actors are detached in the Ray namespace, so a SIGKILLed `pdserve up` leaves them serving for a
-`pdserve router` (with Redis) or a `pdserve controller` to find.
+`pdserve router` (with Redis) or a `pdserve controller` to find. There, a Ray connection lost for good (the Ray
+head restarted) drains the router and ends the process with an error, so that whatever runs it starts a new one,
+which finds the actors again: a process left up would supervise nothing.
 """
 
 from __future__ import annotations
@@ -38,13 +40,18 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
     except BaseException:  # its port taken since the check, say: the workers are not left running
         await asyncio.to_thread(cluster.stop_workers)
         raise
-    watcher = asyncio.create_task(cluster.watch())
     if ready_line:
         print(f"ready {router.server.address} ({config.mode}: {', '.join(config.roles)})", flush=True)
+    link_lost = False
     try:
-        await stop.wait()
+        link_lost = not await cluster.supervise_until(stop)
     finally:
-        watcher.cancel()
         await router.drain_and_stop(config.drain_grace_s)
-        await asyncio.to_thread(cluster.stop_workers)
+        if not link_lost:  # through Ray, which still answers
+            await asyncio.to_thread(cluster.stop_workers)
         telemetry.shutdown()
+    if link_lost:
+        raise ConnectionError(
+            f"lost its connection to the Ray cluster at {config.ray_address} (its head restarted or is gone); "
+            "exiting so that it is restarted: the worker actors keep serving, and the next pdserve up finds them"
+        )
