@@ -34,7 +34,8 @@ class LoadTracker:
         self.pending_blocks: Counter[str] = Counter()  # KV blocks a decode worker is about to reserve
         self.decoding: Counter[str] = Counter()  # streams in flight per decode worker
         self.moving = 0  # streams waiting for a decode worker with room to move to: new requests leave them a place
-        self._prefilled: defaultdict[str, deque[tuple[float, int]]] = defaultdict(deque)  # (wall time, tokens)
+        # (wall time, (prompt tokens, new tokens: what the worker was to compute))
+        self._prefilled: defaultdict[str, deque[tuple[float, tuple[int, int]]]] = defaultdict(deque)
         self._sent: dict[int, Sent] = {}  # placement number -> request, until it ends
         self._prefilling: set[int] = set()  # placement numbers whose first token is not back
         self._placed: defaultdict[str, dict[int, Sent]] = defaultdict(dict)  # `_sent`, per decode worker
@@ -63,18 +64,20 @@ class LoadTracker:
         self.pending_prefill_tokens[sent.prefill_id] -= sent.new_tokens
         self.pending_prefill_s[sent.prefill_id] = max(0.0, self.pending_prefill_s[sent.prefill_id] - sent.seconds)
         self.pending_blocks[sent.decode_id] -= sent.blocks
-        _log(self._prefilled[sent.prefill_id], sent.prompt_tokens)
+        _log(self._prefilled[sent.prefill_id], (sent.prompt_tokens, sent.new_tokens))
 
     def prefilled_since(self, prefill_id: str, since: float) -> QueuedPrefill:
         """The most a queue sampled at wall time `since` (a heartbeat's) can show of our prompts whose prefill
-        has ended since: each whole prompt, since the worker's prefix cache may hold less of it than we predicted
-        (our prefix index learns of its evictions late)."""
-        total = QueuedPrefill()
-        for at, tokens in reversed(self._prefilled.get(prefill_id, ())):  # newest first: read back only past `since`
+        has ended since: each whole prompt's tokens, since the worker's prefix cache may hold less of it than we
+        predicted (our prefix index learns of its evictions late); the squares of what we predicted it would
+        compute, as a worker counts a prompt's squares past its cached prefix (`QueuedPrefill.minus` keeps the rest
+        a queue that can be)."""
+        prompts = tokens = squares = 0
+        for at, (prompt, new) in reversed(self._prefilled.get(prefill_id, ())):  # newest first: only past `since`
             if at <= since:
                 break
-            total = total.add(tokens)
-        return total
+            prompts, tokens, squares = prompts + 1, tokens + prompt, squares + new * new
+        return QueuedPrefill(prompts, tokens, squares)
 
     def placed_since(self, decode_id: str, since: float) -> int:
         """KV blocks of our unfinished requests placed on the decode worker after wall time `since` (a
@@ -135,7 +138,7 @@ class LoadTracker:
             ended.popleft()
 
 
-def _log(entries: deque[tuple[float, int]], amount: int) -> None:
+def _log(entries: deque[tuple[float, Any]], amount: Any) -> None:
     """Appends (now, amount), forgetting what no heartbeat a router still places by can predate."""
     now = _later(entries)
     entries.append((now, amount))

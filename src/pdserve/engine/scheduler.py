@@ -57,14 +57,17 @@ class Scheduler:
 
     def queued_prefill(self) -> QueuedPrefill:
         """Prompt work still to compute, per prompt: the waiting prompts past what the prefix cache held when they
-        began to wait, and the rest of the prompts part-way through a chunked prefill."""
-        lefts = [s.num_uncomputed_tokens - s.expected_cached_tokens for s in self.waiting]
-        lefts += [s.num_prompt_tokens - s.num_computed_tokens for s in self.running]
-        queue = QueuedPrefill()
-        for left in lefts:
-            if left > 0:
-                queue = queue.add(left)
-        return queue
+        began to wait, and the rest of the prompts part-way through a chunked prefill. A prompt of n new tokens
+        with r left counts n² - (n - r)² squared tokens: what is left of the n² a router priced it at."""
+        prompts = tokens = squares = 0
+        for s in self.waiting:
+            if (n := s.num_uncomputed_tokens - s.expected_cached_tokens) > 0:
+                prompts, tokens, squares = prompts + 1, tokens + n, squares + n * n
+        for s in self.running:
+            if (left := s.num_prompt_tokens - s.num_computed_tokens) > 0:
+                n = max(s.num_prompt_tokens - s.expected_cached_tokens, left)
+                prompts, tokens, squares = prompts + 1, tokens + left, squares + n * n - (n - left) ** 2
+        return QueuedPrefill(prompts, tokens, squares)
 
     def add(self, seq: Sequence) -> None:
         self._wait(seq)

@@ -22,16 +22,16 @@ class QueuedPrefill:
     tokens: int = 0
     token_squares: int = 0  # each prompt's tokens, squared, summed
 
-    def add(self, tokens: int) -> QueuedPrefill:
-        return QueuedPrefill(self.prompts + 1, self.tokens + tokens, self.token_squares + tokens * tokens)
-
     def minus(self, other: QueuedPrefill) -> QueuedPrefill:
-        """What is left of this queue once `other`'s prompts are out of it (never below nothing)."""
-        return QueuedPrefill(
-            max(0, self.prompts - other.prompts),
-            max(0, self.tokens - other.tokens),
-            max(0, self.token_squares - other.token_squares),
-        )
+        """What is left of this queue once `other`'s prompts are out of it, as a queue could be: no tokens without
+        a prompt, and squares between what those tokens in that many equal prompts and in one prompt would have
+        (`other` is an estimate, which may take more of one part than it took of another)."""
+        tokens = self.tokens - other.tokens
+        if tokens <= 0:
+            return QueuedPrefill()
+        prompts = max(1, self.prompts - other.prompts)
+        squares = min(max(self.token_squares - other.token_squares, -(-(tokens * tokens) // prompts)), tokens * tokens)
+        return QueuedPrefill(prompts, tokens, squares)
 
 
 @dataclass(frozen=True)

@@ -360,7 +360,8 @@ def test_the_queue_counts_the_prompt_tokens_left_to_compute_past_a_cached_prefix
     a = sim.add("a", list(range(30)), max_tokens=1)
     assert sim.sched.queued_prefill() == QueuedPrefill(1, 30, 30 * 30)
     sim.step()  # its first chunk
-    assert sim.sched.queued_prefill() == QueuedPrefill(1, 20, 20 * 20)  # the rest of a prompt part-way through
+    # the rest of a prompt part-way through: what is left of its 30² once 10 tokens are done
+    assert sim.sched.queued_prefill() == QueuedPrefill(1, 20, 30 * 30 - 10 * 10)
     sim.run()
     sim.add("b", a.prompt_token_ids[:20] + list(range(60, 65)), max_tokens=1)  # 20 cached
     sim.add("c", list(range(70, 82)), max_tokens=1)

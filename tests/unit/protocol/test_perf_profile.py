@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.profiling import SpeedTracker
-from pdserve.protocol.perf_profile import PerfProfile
+from pdserve.protocol.perf_profile import PerfProfile, QueuedPrefill
 from tests.unit.round_profile import PROFILE
 
 
@@ -81,3 +81,38 @@ def test_speed_tracker_counts_both_phases_of_a_mixed_step_and_ignores_empty_ones
     assert t.factor == pytest.approx(1.0)
     t.observe(10, 0, 1e6)  # one pathological step moves it by a bounded amount
     assert t.factor == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize(
+    ("queue", "out", "left"),
+    [
+        (QueuedPrefill(3, 300, 30_000), QueuedPrefill(1, 100, 10_000), QueuedPrefill(2, 200, 20_000)),  # exact
+        (
+            QueuedPrefill(2, 300, 50_000),
+            QueuedPrefill(3, 200, 0),
+            QueuedPrefill(1, 100, 10_000),
+        ),  # no tokens without a prompt
+        # another router's 4 x 1024 tokens, and ours: 2048 of which 1984 were cached (the estimate takes all 2048)
+        (
+            QueuedPrefill(5, 4160, 4 * 1024**2 + 64**2),
+            QueuedPrefill(1, 2048, 64**2),
+            QueuedPrefill(4, 2112, 4 * 1024**2),
+        ),
+        (
+            QueuedPrefill(4, 1000, 250_000),
+            QueuedPrefill(1, 100, 240_000),
+            QueuedPrefill(3, 900, 270_000),
+        ),  # equal thirds at least
+        (
+            QueuedPrefill(2, 500, 130_000),
+            QueuedPrefill(1, 450, 0),
+            QueuedPrefill(1, 50, 2_500),
+        ),  # one prompt of 50 at most
+        (QueuedPrefill(1, 100, 10_000), QueuedPrefill(1, 200, 40_000), QueuedPrefill()),
+    ],
+)
+def test_a_queue_less_an_estimate_of_its_part_is_a_queue_that_can_be(
+    queue: QueuedPrefill, out: QueuedPrefill, left: QueuedPrefill
+) -> None:
+    """Tokens need a prompt, and n tokens in p prompts square to between n²/p (equal prompts) and n² (one prompt)."""
+    assert queue.minus(out) == left
