@@ -8,7 +8,8 @@ The head is SIGKILLed: requests keep being served (neither the router nor the wo
 controller, whose Ray Client connection is gone for good, exits with an error instead of supervising nothing from
 then on, and takes no worker out of placement for it. A new controller (the Deployment's restart) started while the
 head is still away tries Ray again until it is back on its ports, then finds the very worker processes serving,
-and they serve on. A `pdserve up` joined to the head exits with an error too when the head goes.
+and they serve on. A `pdserve up` joined to the head loses supervision too: with its own registry it exits with an
+error; with Redis its router serves on.
 """
 
 from __future__ import annotations
@@ -149,24 +150,44 @@ def test_the_workers_serve_through_a_head_restart_and_a_new_controller_finds_the
     assert cluster.serve("after-controller") == expected
 
 
-def test_a_joined_pdserve_up_exits_when_its_ray_link_is_lost(cluster: HeadRestart, expected: list[int]) -> None:
-    """`pdserve up --ray-address` (its router in the same process) ends with an error too, its router drained,
-    rather than serving on with nobody supervising its workers; with the embedded registry they would leave
-    placement at their TTL."""
+def start_up(cluster: HeadRestart, name: str, *extra: str) -> tuple[PdserveProcess, int]:
+    """A `pdserve up` joined to the head (ready), in a Ray namespace of its own; its router's port."""
     port = free_port()
     args = ["up", "--model", "tiny-random", "--ray-address", f"ray://127.0.0.1:{cluster.head.client_port}"]
-    args += ["--prefill", "1", "--decode", "1", "--ray-namespace", f"{NAMESPACE}-up", "--port", str(port)]
-    args += ["--threads", "1", "--kv-cache-gb", "0.05", "--drain-grace-s", "5"]
-    up = PdserveProcess(*args, log_path=cluster.temp_dir / "up.log", env=cluster.env)
+    args += ["--prefill", "1", "--decode", "1", "--ray-namespace", f"{NAMESPACE}-{name}", "--port", str(port)]
+    args += ["--threads", "1", "--kv-cache-gb", "0.05", "--drain-grace-s", "5", *extra]
+    up = PdserveProcess(*args, log_path=cluster.temp_dir / f"{name}.log", env=cluster.env)
     cluster.started.append(up)
     up.wait_ready()
-    assert asyncio.run(asyncio.wait_for(serve_at(f"127.0.0.1:{port}", "up"), 60)) == expected
+    return up, port
 
+
+def test_a_joined_pdserve_up_without_redis_exits_and_one_with_redis_serves_on(
+    cluster: HeadRestart, expected: list[int]
+) -> None:
+    """`pdserve up --ray-address` (its router in the same process) loses supervision with its Ray link. With its
+    own registry, which no worker stays listed in without Ray, it drains its router and exits with an error; with
+    Redis, where its workers publish themselves, its router serves on and an error says what is lost."""
+    alone, _ = start_up(cluster, "up-alone")
+    shared, port = start_up(cluster, "up-redis", "--redis", cluster.redis.url)
+
+    def serve(request_id: str) -> list[int]:
+        return asyncio.run(asyncio.wait_for(serve_at(f"127.0.0.1:{port}", request_id), 60))
+
+    assert serve("before") == expected
     cluster.head.kill()
     killed = time.monotonic()
-    while up.proc.poll() is None:
+    while alone.proc.poll() is None:
         assert time.monotonic() - killed < CLIENT_GRACE_S + 60, "pdserve up never noticed Ray was gone"
         time.sleep(0.5)
-    assert up.proc.returncode == 1, up.log()[-3000:]
-    assert "lost its connection to the Ray cluster" in up.log(), up.log()[-3000:]
-    print(f"pdserve up exited {time.monotonic() - killed:.1f} s after the head was killed")
+    assert alone.proc.returncode == 1, alone.log()[-3000:]
+    assert "lost its connection to the Ray cluster" in alone.log() and "draining" in alone.log(), alone.log()[-3000:]
+    print(f"pdserve up (own registry) exited {time.monotonic() - killed:.1f} s after the head was killed")
+    while "serves on from Redis" not in shared.log():
+        assert shared.proc.poll() is None, shared.log()[-3000:]
+        assert time.monotonic() - killed < CLIENT_GRACE_S + 60, "pdserve up never noticed Ray was gone"
+        time.sleep(0.5)
+    for i in range(3):
+        assert serve(f"after-{i}") == expected
+    shared.stop(signal.SIGTERM)  # Ray gone: nothing to stop through it, a clean exit all the same
+    assert shared.proc.returncode == 0, shared.log()[-3000:]

@@ -256,11 +256,15 @@ class Cluster:
 
     async def supervise_until(self, stop: asyncio.Event) -> bool:
         """`watch` until `stop` is set (True), or until this process's connection to Ray is gone for good (False:
-        every Ray call fails from then on, so nothing is supervised; the detached actors serve on)."""
+        every Ray call fails from then on, so nothing is supervised; the detached actors serve on). Supervision
+        that fails raises here: a process serving on unsupervised would look healthy and heal nothing."""
         watcher = asyncio.create_task(self.watch())
         stopped, lost = asyncio.create_task(stop.wait()), asyncio.create_task(self.actors.until_disconnected())
         try:
-            done, _ = await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([stopped, lost, watcher], return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                watcher.result()  # its error
+                raise RuntimeError("worker supervision ended on its own")
             return lost not in done
         finally:
             for task in (watcher, stopped, lost):

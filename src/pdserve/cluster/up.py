@@ -2,19 +2,23 @@
 registry (or Redis). It stops everything it started on SIGINT/SIGTERM. Joined to a Ray cluster (`--ray-address`),
 its actors are detached in the Ray namespace, so a SIGKILLed `pdserve up` leaves them serving for a
 `pdserve router` (with Redis) or a `pdserve controller` to find. There, a Ray connection lost for good (the Ray
-head restarted) drains the router and ends the process with an error, so that whatever runs it starts a new one,
-which finds the actors again: a process left up would supervise nothing.
+head restarted) ends supervision. With Redis the router serves on (the workers publish there themselves) and an
+error says so; with its own registry, which cannot keep a worker listed without Ray, it drains the router and
+exits with an error, so that whatever runs it starts a new one, which finds the actors again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from pdserve.cluster.factories import ClusterServices
 from pdserve.cluster.internal_security import prepare_internal_security
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.router_process import registry_for, start_router_process, stop_signal
 from pdserve.config import ClusterConfig
+
+log = logging.getLogger(__name__)
 
 
 async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_line: bool = True) -> None:
@@ -44,14 +48,24 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
         print(f"ready {router.server.address} ({config.mode}: {', '.join(config.roles)})", flush=True)
     link_lost = False
     try:
-        link_lost = not await cluster.supervise_until(stop)
+        supervised = await cluster.supervise_until(stop)
+        link_lost = not supervised and not config.redis_url
+        if not supervised and config.redis_url:
+            # The workers publish to Redis themselves, so the router serves on; only supervision is gone.
+            log.error(
+                "lost the connection to the Ray cluster at %s (its head restarted or is gone): the router serves on "
+                "from Redis, but nothing supervises or scales the workers until pdserve up is restarted",
+                config.ray_address,
+            )
+            await stop.wait()
     finally:
         await router.drain_and_stop(config.drain_grace_s)
-        if not link_lost:  # through Ray, which still answers
+        if not link_lost and cluster.actors.connected():  # through Ray, which still answers
             await asyncio.to_thread(cluster.stop_workers)
         telemetry.shutdown()
     if link_lost:
         raise ConnectionError(
             f"lost its connection to the Ray cluster at {config.ray_address} (its head restarted or is gone); "
-            "exiting so that it is restarted: the worker actors keep serving, and the next pdserve up finds them"
+            "exiting so that it is restarted: no worker can stay listed in its own registry without Ray; the "
+            "worker actors keep serving, and the next pdserve up finds them"
         )

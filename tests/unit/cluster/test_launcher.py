@@ -3,6 +3,7 @@ worker that cannot start is left to the supervisor rather than ending a controll
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -144,3 +145,23 @@ def test_a_worker_no_node_can_host_fails_its_start_at_the_timeout_instead_of_wai
     with pytest.raises(RuntimeError, match="prefill-0 did not serve within 0.5 s"):
         cluster._await_start(Slot(cluster.specs()[0], actor), timeout_s=0.5)
     assert timeouts and all(t is not None and t <= 0.5 for t in timeouts)
+
+
+def test_supervision_that_fails_ends_the_wait_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the supervisor must not leave the process serving on unsupervised, looking healthy."""
+    argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0"]
+    cluster = Cluster(
+        cli._cluster_config(cli._parser().parse_args(argv)), lambda context: None, InMemoryRegistry(), False
+    )
+
+    async def broken() -> None:
+        raise KeyError("a bug in supervision")
+
+    monkeypatch.setattr(cluster, "watch", broken)
+    monkeypatch.setattr(cluster.actors, "connected", lambda: True)  # its link to Ray holds
+
+    async def supervise() -> bool:
+        return await asyncio.wait_for(cluster.supervise_until(asyncio.Event()), 10)
+
+    with pytest.raises(KeyError, match="a bug in supervision"):
+        asyncio.run(supervise())
