@@ -9,7 +9,7 @@ controller, whose Ray Client connection is gone for good, exits with an error in
 then on, and takes no worker out of placement for it. A new controller (the Deployment's restart) started while the
 head is still away tries Ray again until it is back on its ports, then finds the very worker processes serving,
 and they serve on. A `pdserve up` joined to the head loses supervision too: with its own registry it exits with an
-error; with Redis its router serves on.
+error; with Redis its router serves on and it joins the head again once it is back.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import redis
 
 from pdserve.cluster.local_process import free_port
 from pdserve.registry.base import WorkerState
@@ -78,16 +79,18 @@ def cluster() -> Iterator[HeadRestart]:
     gcs = {"RAY_REDIS_ADDRESS": f"127.0.0.1:{redis.port}", "RAY_external_storage_namespace": NAMESPACE}
     env = {**ray_env(temp_dir), "PDSERVE_CLUSTER_SECRET": secrets.token_hex(32)}
     env["RAY_CLIENT_RECONNECT_GRACE_PERIOD"] = str(CLIENT_GRACE_S)
-    # A Ray Client's connection attempt to an absent head: 3 tries of 2 s, not Ray's 5, 10 and 15 s.
-    env |= {"RAY_CLIENT_INITIAL_CONNECTION_TIMEOUT_S": "2", "RAY_CLIENT_MAX_CONNECTION_TIMEOUT_S": "2"}
     nodes: list[RayNode] = []
     c: HeadRestart | None = None
     try:
         nodes.append(RayNode(temp_dir, {}, env={**env, **gcs}))
         nodes[0].wait_started()
         node_env = {**env, "RAY_gcs_rpc_server_reconnect_timeout_s": "600"}
-        nodes.append(RayNode(temp_dir, {"pdserve_prefill": 1, "pdserve_decode": 1}, nodes[0].address, env=node_env))
+        roles = {"pdserve_prefill": 2, "pdserve_decode": 2}  # the controller's workers and a joined pdserve up's
+        nodes.append(RayNode(temp_dir, roles, nodes[0].address, env=node_env))
         nodes[1].wait_started()
+        # The clients' (controller, pdserve up) connection attempt to an absent head: 3 tries of 2 s, not Ray's 5,
+        # 10 and 15 s; the nodes keep Ray's own timeouts.
+        env = {**env, "RAY_CLIENT_INITIAL_CONNECTION_TIMEOUT_S": "2", "RAY_CLIENT_MAX_CONNECTION_TIMEOUT_S": "2"}
         router_port = free_port()
         c = HeadRestart(temp_dir, redis, *nodes, env, None, None, router_port)  # type: ignore[arg-type]
         c.start_controller(0).wait_ready()
@@ -162,19 +165,31 @@ def start_up(cluster: HeadRestart, name: str, *extra: str) -> tuple[PdserveProce
     return up, port
 
 
-def test_a_joined_pdserve_up_without_redis_exits_and_one_with_redis_serves_on(
+def test_a_joined_pdserve_up_without_redis_exits_and_one_with_redis_serves_on_and_joins_again(
     cluster: HeadRestart, expected: list[int]
 ) -> None:
     """`pdserve up --ray-address` (its router in the same process) loses supervision with its Ray link. With its
-    own registry, which no worker stays listed in without Ray, it drains its router and exits with an error; with
-    Redis, where its workers publish themselves, its router serves on and an error says what is lost."""
+    own registry, which no worker stays listed in without Ray, it drains its router and exits with an error. With
+    Redis, where its workers publish themselves, its router serves on while it joins Ray again, and once the head
+    is back it supervises the very worker processes again."""
     alone, _ = start_up(cluster, "up-alone")
-    shared, port = start_up(cluster, "up-redis", "--redis", cluster.redis.url)
+    redis_url = cluster.redis.url.removesuffix("/0") + "/1"  # its own database: worker ids of its own
+    shared, port = start_up(cluster, "up-redis", "--redis", redis_url, "--role-resources")  # not on the head
 
     def serve(request_id: str) -> list[int]:
-        return asyncio.run(asyncio.wait_for(serve_at(f"127.0.0.1:{port}", request_id), 60))
+        try:
+            return asyncio.run(asyncio.wait_for(serve_at(f"127.0.0.1:{port}", request_id), 60))
+        except Exception as e:
+            raise AssertionError(f"{request_id}: {e!r}\n{shared.log()[-4000:]}") from e
+
+    def pids() -> dict[str, int]:
+        with redis.Redis.from_url(redis_url) as r:
+            listed = sorted(i.decode() for i in r.smembers(WORKERS_KEY))
+            return {w: WorkerState.from_json(r.get(worker_key(w))).pid for w in listed if r.exists(worker_key(w))}
 
     assert serve("before") == expected
+    before = pids()
+    assert len(before) == 2, before
     cluster.head.kill()
     killed = time.monotonic()
     while alone.proc.poll() is None:
@@ -188,6 +203,18 @@ def test_a_joined_pdserve_up_without_redis_exits_and_one_with_redis_serves_on(
         assert time.monotonic() - killed < CLIENT_GRACE_S + 60, "pdserve up never noticed Ray was gone"
         time.sleep(0.5)
     for i in range(3):
-        assert serve(f"after-{i}") == expected
-    shared.stop(signal.SIGTERM)  # Ray gone: nothing to stop through it, a clean exit all the same
+        assert serve(f"outage-{i}") == expected
+
+    (again := cluster.temp_dir / "r3").mkdir()
+    cluster.head.restart(again)
+    back = time.monotonic()
+    while "joined the Ray cluster" not in shared.log():
+        assert shared.proc.poll() is None, shared.log()[-3000:]
+        assert time.monotonic() - back < 180, shared.log()[-3000:]
+        time.sleep(0.5)
+    assert shared.log().count("found running in Ray namespace") == 2, shared.log()[-3000:]
+    assert pids() == before  # the very processes, adopted again: no model reloaded
+    assert serve("after") == expected
+    print(f"pdserve up (Redis) supervising again {time.monotonic() - back:.1f} s after the head was back")
+    shared.stop(signal.SIGTERM)
     assert shared.proc.returncode == 0, shared.log()[-3000:]

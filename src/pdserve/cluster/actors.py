@@ -146,9 +146,12 @@ class WorkerActors:
 
     def disconnect(self) -> None:
         import ray
+        import ray.util.client
 
         if ray.is_initialized():
             ray.shutdown()
+        elif ray.util.client.num_connected_contexts():  # a Ray Client that lost its connection: it stays registered
+            ray.util.client.ray.disconnect()  # and would refuse the next connect
 
     @staticmethod
     def connected() -> bool:

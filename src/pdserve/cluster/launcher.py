@@ -270,6 +270,22 @@ class Cluster:
             for task in (watcher, stopped, lost):
                 task.cancel()
 
+    async def rejoin(self, stop: asyncio.Event) -> bool:
+        """After this process's link to a joined Ray was lost: joins again, trying while the head is away, and takes
+        up the workers as a start does (those that outlived the head found by name, any missing started). False
+        when `stop` was set meanwhile."""
+        self.supervisor.slots.clear()  # handles of the lost connection
+        self.scaler.starting.clear()
+        await asyncio.to_thread(self.actors.disconnect)
+        while True:
+            try:
+                if not await self.connect_until(stop, retry_join=True):
+                    return False
+                break
+            except ConnectionError as e:
+                log.warning("Ray at %s: %s; still trying", self.config.ray_address, _reason(e))
+        return await self.start_until(stop, self.stop_workers)
+
     def stop_workers(self) -> None:
         import ray
 

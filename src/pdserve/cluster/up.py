@@ -2,9 +2,10 @@
 registry (or Redis). It stops everything it started on SIGINT/SIGTERM. Joined to a Ray cluster (`--ray-address`),
 its actors are detached in the Ray namespace, so a SIGKILLed `pdserve up` leaves them serving for a
 `pdserve router` (with Redis) or a `pdserve controller` to find. There, a Ray connection lost for good (the Ray
-head restarted) ends supervision. With Redis the router serves on (the workers publish there themselves) and an
-error says so; with its own registry, which cannot keep a worker listed without Ray, it drains the router and
-exits with an error, so that whatever runs it starts a new one, which finds the actors again.
+head restarted) ends supervision. With Redis the router serves on (the workers publish there themselves) while
+it joins Ray again and takes up the workers, as a start does; with its own registry, which cannot keep a worker
+listed without Ray, it drains the router and exits with an error, so that whatever runs it starts a new one,
+which finds the actors again.
 """
 
 from __future__ import annotations
@@ -48,16 +49,19 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
         print(f"ready {router.server.address} ({config.mode}: {', '.join(config.roles)})", flush=True)
     link_lost = False
     try:
-        supervised = await cluster.supervise_until(stop)
-        link_lost = not supervised and not config.redis_url
-        if not supervised and config.redis_url:
+        while not await cluster.supervise_until(stop):
+            if not config.redis_url:
+                link_lost = True
+                break
             # The workers publish to Redis themselves, so the router serves on; only supervision is gone.
             log.error(
                 "lost the connection to the Ray cluster at %s (its head restarted or is gone): the router serves on "
-                "from Redis, but nothing supervises or scales the workers until pdserve up is restarted",
+                "from Redis, unsupervised until Ray answers again",
                 config.ray_address,
             )
-            await stop.wait()
+            if not await cluster.rejoin(stop):
+                break
+            log.info("joined the Ray cluster at %s again: supervising its workers", config.ray_address)
     finally:
         await router.drain_and_stop(config.drain_grace_s)
         if not link_lost and cluster.actors.connected():  # through Ray, which still answers
