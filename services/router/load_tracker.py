@@ -100,8 +100,8 @@ class LoadTracker:
             count += placed <= since
         return count
 
-    def worker_ids(self) -> set[str]:
-        return set().union(
+    def _per_worker(self) -> tuple[dict[str, Any], ...]:
+        return (
             self.pending_prefill_tokens,
             self.pending_prefill_s,
             self.pending_blocks,
@@ -111,19 +111,14 @@ class LoadTracker:
             self._ended,
         )
 
+    def worker_ids(self) -> set[str]:
+        return set().union(*self._per_worker())
+
     def forget(self, worker_id: str) -> bool:
         """Drops a gone worker's counts; False while a request placed on it has not ended (`finished` counts it)."""
         if any(worker_id in (sent.prefill_id, sent.decode_id) for sent in self._sent.values()):
             return False
-        for per_worker in (
-            self.pending_prefill_tokens,
-            self.pending_prefill_s,
-            self.pending_blocks,
-            self.decoding,
-            self._prefilled,
-            self._placed,
-            self._ended,
-        ):
+        for per_worker in self._per_worker():
             per_worker.pop(worker_id, None)
         return True
 
