@@ -4,10 +4,10 @@ so `pdserve autoscale` sees the whole cluster's load through any one router."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 
+from pdserve.background import cancel_and_wait
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.registry.base import Registry
 from pdserve.registry.redis import Throttled
@@ -37,10 +37,7 @@ class ClusterAdmitted:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         try:
             await self.flush()
         except Exception as e:  # this router's last second is not counted

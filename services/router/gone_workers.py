@@ -11,11 +11,11 @@ later starts afresh, as its new process does. While Redis does not answer, nothi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Protocol
 
+from pdserve.background import cancel_and_wait
 from pdserve.registry.base import Registry
 
 log = logging.getLogger(__name__)
@@ -72,10 +72,7 @@ class GoneWorkers:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         while True:

@@ -11,7 +11,6 @@ budget or not at all, and its writes happen in the background.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -22,6 +21,7 @@ import redis
 import redis.asyncio as aredis
 
 from pdserve import env
+from pdserve.background import cancel_and_wait
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import DEFAULT_TTL_S, PREFIX_TTL_S, VIEW_REFRESH_S, PrefixIndex, Registry, WorkerState
@@ -203,11 +203,8 @@ class RedisRegistry(Registry):
 
     async def close(self) -> None:
         self._closing = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._async is not None:
             await self._async.aclose()
             self._async = None

@@ -19,7 +19,6 @@ in an outage expires on its own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -29,6 +28,7 @@ from typing import TypeVar
 
 import redis.asyncio as aredis
 
+from pdserve.background import cancel_and_wait
 from pdserve.registry.redis import PREFIX, Throttled, connect_async
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import (
@@ -353,9 +353,6 @@ class RedisQuotas(Quotas):
     async def close(self) -> None:
         self._closing = True
         for task in (self._renewer, self._probe):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_and_wait(task)
         await self.flush()
         await self._redis.aclose()
