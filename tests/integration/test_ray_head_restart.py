@@ -159,10 +159,19 @@ def start_up(cluster: HeadRestart, name: str, *extra: str) -> tuple[PdserveProce
     args = ["up", "--model", "tiny-random", "--ray-address", f"ray://127.0.0.1:{cluster.head.client_port}"]
     args += ["--prefill", "1", "--decode", "1", "--ray-namespace", f"{NAMESPACE}-{name}", "--port", str(port)]
     args += ["--threads", "1", "--kv-cache-gb", "0.05", "--drain-grace-s", "5", *extra]
-    up = PdserveProcess(*args, log_path=cluster.temp_dir / f"{name}.log", env=cluster.env)
-    cluster.started.append(up)
-    up.wait_ready()
-    return up, port
+    for attempt in range(3):
+        up = PdserveProcess(*args, log_path=cluster.temp_dir / f"{name}-{attempt}.log", env=cluster.env)
+        cluster.started.append(up)
+        try:
+            up.wait_ready()
+            return up, port
+        except RuntimeError:
+            # On this loaded 2-core machine the head's Ray Client proxy now and then fails to start the server
+            # process of a new client (1 in 6 runs): a start that failed there is tried again, nothing else is.
+            if "Starting Ray client server failed" not in up.log() or attempt == 2:
+                raise
+            up.stop(signal.SIGKILL)
+    raise AssertionError("unreachable")
 
 
 def test_a_joined_pdserve_up_without_redis_exits_and_one_with_redis_serves_on_and_joins_again(
