@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import subprocess
+from collections.abc import Iterator
 
 
 def _ip(*args: str, netns: str | None = None) -> None:
@@ -69,3 +70,16 @@ class TwoHosts:
             with contextlib.suppress(subprocess.CalledProcessError):
                 _ip(*args)
         self._made.clear()
+
+
+@contextlib.contextmanager
+def slow_link(netns: str, rate: str) -> Iterator[None]:
+    """Everything `netns` sends leaves at `rate` (tc's token bucket, e.g. "2mbit"): a slow link between hosts,
+    so that a transfer's bytes are still on the wire seconds after it started."""
+    tc = ["ip", "netns", "exec", netns, "tc", "qdisc"]
+    bucket = ["tbf", "rate", rate, "burst", "16kb", "latency", "5s"]
+    subprocess.run([*tc, "add", "dev", "eth0", "root", *bucket], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run([*tc, "del", "dev", "eth0", "root"], check=True)

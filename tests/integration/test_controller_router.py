@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import redis
 
@@ -33,10 +34,12 @@ from pdserve.build import build_resource
 from pdserve.cluster.local_process import free_port
 from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import DESIRED_COUNTS_KEY, worker_key
+from pdserve.rpc.client import generate
+from pdserve.v1 import generate_pb2 as pb
 from tests.integration import netns
 from tests.integration.processes import PdserveProcess
 from tests.integration.ray_nodes import actor_names
-from tests.integration.reference import MAX_TOKENS, PROMPT
+from tests.integration.reference import MAX_TOKENS, PROMPT, greedy_request
 from tests.integration.rehearsal import (
     BUILD,
     NAMESPACE,
@@ -50,6 +53,7 @@ from tests.integration.rehearsal import (
     started,
 )
 from tests.integration.steady_load import assert_all_served, steady_load
+from tests.integration.worker_view import idle, workers
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -86,6 +90,47 @@ def test_each_worker_advertises_its_own_hosts_address(rehearsal: Rehearsal, expe
 
 def test_the_router_serves_through_redis(rehearsal: Rehearsal, expected: list[int]) -> None:
     assert serve(rehearsal, "rehearsal-first") == expected
+
+
+def test_a_deadline_passing_while_kv_bytes_flow_fails_no_other_request(
+    rehearsal: Rehearsal, expected: list[int]
+) -> None:
+    """A caller's deadline that passes while its KV is on the wire ends that request, not the transfer: the wire's
+    deadline is the configured transfer timeout, never the caller's time left, so the (prefill, decode) pair is
+    not broken under the next request's transfer queued behind it (which is served without being placed again),
+    and both workers free the blocks once the bytes have landed. The prefill host's link is slowed to 2 Mbit/s:
+    a 2000-token tiny-random KV (~1 MB) then takes ~4 s."""
+    if rehearsal.network is None:
+        pytest.skip(f"no network namespaces here ({netns.unavailable()}): no link to slow")
+    assert rehearsal.router is not None and rehearsal.head_netns is not None  # the prefill worker's host
+    router = f"127.0.0.1:{rehearsal.router_port}"
+    slow = greedy_request("rehearsal-deadline-on-the-wire", [5, 6, 7, 8, 9] * 400, MAX_TOKENS)
+
+    async def deadline_then_next() -> tuple[grpc.StatusCode | None, list[int]]:
+        first = asyncio.ensure_future(status_of(router, slow, timeout_s=1.5))
+        await asyncio.sleep(0.5)  # its transfer is on the wire
+        return await first, await serve_at(router, "rehearsal-behind-the-slow-transfer")
+
+    placed_again = rehearsal.router.log().count("placed again")
+    with netns.slow_link(rehearsal.head_netns, "2mbit"):
+        code, tokens = asyncio.run(deadline_then_next())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert tokens == expected
+    assert rehearsal.router.log().count("placed again") == placed_again, rehearsal.router.log()[-3000:]
+    end = time.monotonic() + 30
+    while not all(idle(w) for w in asyncio.run(workers(router))):
+        assert time.monotonic() < end, asyncio.run(workers(router))
+        time.sleep(0.2)
+
+
+async def status_of(router: str, req: pb.GenerateRequest, timeout_s: float) -> grpc.StatusCode | None:
+    """The call's status code; None when it completed."""
+    try:
+        async for _ in generate(router, req, timeout_s):
+            pass
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    return None
 
 
 def test_a_killed_router_is_replaced_and_the_workers_keep_serving(rehearsal: Rehearsal, expected: list[int]) -> None:
