@@ -298,7 +298,8 @@ def health_status(cluster) -> int:
 
 def test_sigterm_drains_http_too_an_open_stream_finishes(cluster, client):
     """Last in the module: it stops the cluster. An HTTP stream open when SIGTERM arrives runs to its end;
-    meanwhile /health says 503 and a new request is refused with 503, as gRPC is while draining."""
+    meanwhile /health says 503 and a new request is refused with 503, as gRPC is while draining, on a connection
+    the router then closes (a keep-alive connection would bring the retry back to it)."""
     stream = client.completions.create(
         model=MODEL,
         prompt="x",
@@ -317,6 +318,7 @@ def test_sigterm_drains_http_too_an_open_stream_finishes(cluster, client):
     with pytest.raises(openai.InternalServerError) as e:
         client.completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert e.value.status_code == 503 and "draining" in e.value.message
+    assert e.value.response.headers.get("connection") == "close"  # the client's pool reconnects, elsewhere
     *rest, last = list(stream)
     assert [first, *rest][-1].choices[0].finish_reason == "length"
     assert last.usage.completion_tokens == 400

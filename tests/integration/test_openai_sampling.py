@@ -68,7 +68,7 @@ def test_logprobs_are_the_single_process_engines_over_grpc_and_in_openais_shapes
         model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=2, extra_body=IGNORE_EOS
     ).choices[0]
     lp = completion.logprobs
-    assert lp.token_logprobs == pytest.approx(grpc_logprobs, abs=1e-6)
+    assert lp.token_logprobs == pytest.approx(grpc_logprobs, abs=1e-4)  # another batch: float32 sums differ
     # Each token decoded alone (so a piece of a UTF-8 character reads as U+FFFD, as vLLM's do).
     tokens = [TOKENIZER.decode([t], skip_special_tokens=False) for t in result.token_ids]
     assert lp.tokens == tokens and lp.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
@@ -81,7 +81,11 @@ def test_logprobs_are_the_single_process_engines_over_grpc_and_in_openais_shapes
     whole = client.chat.completions.create(**chat).choices[0]
     content = whole.logprobs.content
     assert len(content) == MAX_TOKENS
-    assert all(c.bytes == list(c.token.encode()) and len(c.top_logprobs) == 2 for c in content)
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    # Each token's own bytes: a character split across tokens is whole again once they are joined (the content
+    # leaves out a character the last tokens began but never finished).
+    assert b"".join(bytes(c.bytes) for c in content).decode(errors="replace").startswith(whole.message.content)
+    assert all(c.token != "\ufffd" or c.bytes != list("\ufffd".encode()) for c in content)
     assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)  # greedy: the top token
     streamed = [
         e for chunk in client.chat.completions.create(**chat, stream=True) for e in chunk.choices[0].logprobs.content

@@ -13,7 +13,8 @@ from contextlib import AbstractContextManager, suppress
 from opentelemetry import propagate, trace
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Send
@@ -23,6 +24,7 @@ from pdserve.security.quotas import Choices
 from pdserve.telemetry import mark_ended_by
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, check_model, generate
+from services.router.http.connection_close import CloseWhileDraining
 from services.router.http.errors import BodyTooLargeError, error_body, error_response
 from services.router.http.openai_request import OpenAIRequest, parse_json, parse_request
 from services.router.http.openai_response import DONE_EVENT, Answer, sse_events
@@ -39,10 +41,12 @@ def openai_app(lifecycle: RequestLifecycle) -> Starlette:
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
+            Route("/v1/models/", api.models, methods=["GET"]),
             Route("/v1/models/{model:path}", api.model, methods=["GET"]),
             Route("/health", api.health, methods=["GET"]),
         ],
         exception_handlers={HTTPException: _http_error},
+        middleware=[Middleware(CloseWhileDraining, draining=lambda: lifecycle.draining)],
     )
 
 
@@ -88,6 +92,10 @@ class OpenAIAPI:
             tenant = check_caller(self.lifecycle, request.headers)  # a caller without a valid key learns nothing more
             body = await _read_body(request, self.lifecycle.config.max_http_body_bytes)
             req = parse_request(parse_json(body), chat, request.headers.get("x-request-id", ""))
+            req.check_request_id(self.lifecycle.config.request_limits.max_request_id_chars)
+        except ClientDisconnect:  # the caller left while it sent the body: nobody to answer
+            self.lifecycle.refused(asyncio.CancelledError("the client disconnected during its body"), start, tenant)
+            return Response(status_code=499)
         except Exception as e:  # a bug converting a body is a 500 in OpenAI's shape too, its text only in the log
             self.lifecycle.refused(e, start, tenant)
             return error_response(e)

@@ -58,6 +58,15 @@ class OpenAIRequest:
         """What a request without max_tokens gets, before the router's caps; None: the router's default."""
         return None if self.chat else COMPLETION_DEFAULT_MAX_TOKENS
 
+    def check_request_id(self, limit: int) -> None:
+        """The caller's X-Request-Id, with the `-{index}` each choice's id gets, within `limit`: checked before
+        any choice runs, not when the first too long one would be refused after the others had run."""
+        given = len(self.message.request_id)
+        allowed = limit - (len(self.choice_message(self.n - 1).request_id) - given)
+        if given > allowed:
+            with_n = f" with n={self.n} (each choice's id ends with -<index>)" if self.n > 1 else ""
+            raise InvalidRequestError("x-request-id", f"{given} characters; at most {allowed} are accepted{with_n}")
+
     def choice_message(self, index: int) -> pb.GenerateRequest:
         """Choice `index`'s request: with n > 1 its own request id and, for a seeded request, seed + index
         (distinct choices, each reproducible)."""
@@ -203,6 +212,8 @@ def _set_prompt(msg: pb.GenerateRequest, body: dict[str, Any]) -> None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
+    if prompt == "":
+        raise InvalidRequestError("prompt", "must not be empty")
     if isinstance(prompt, str):
         msg.prompt = _text(prompt, "prompt")
     elif isinstance(prompt, list) and prompt and all(_is_int(t) and 0 <= t <= UINT32 for t in prompt):

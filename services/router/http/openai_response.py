@@ -113,12 +113,11 @@ class Answer:
     def _logprobs(self, choice: Choice, msg: pb.GenerateResponse) -> dict[str, list[Any]]:
         """One message's tokens in OpenAI's shape: chat's `content` entries, or the completions API's parallel
         lists (as vLLM's: `top_logprobs` also holds the sampled token, `text_offset` counts the tokens' text)."""
-        text = self._token_text
         if self.request.chat:
             content = []
             for token, lp in zip(msg.token_ids, msg.logprobs, strict=True):
-                top = [_chat_entry(text(t), v) for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
-                content.append(_chat_entry(text(token), lp.logprob) | {"top_logprobs": top})
+                top = [self._chat_entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
+                content.append(self._chat_entry(token, lp.logprob) | {"top_logprobs": top})
             return {"content": content}
         return self._legacy(choice, list(msg.token_ids), list(msg.logprobs))
 
@@ -148,14 +147,15 @@ class Answer:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        """`bytes` are the token's own, which join with its neighbours' into a character split across them."""
+        raw = self.tokenizer.token_bytes(token_id)
+        return {"token": self._token_text(token_id), "logprob": logprob, "bytes": None if raw is None else list(raw)}
+
     def usage_chunk(self) -> dict[str, Any]:
         """`stream_options.include_usage`: the last chunk, no choices, the whole request's usage."""
         kind = "chat.completion.chunk" if self.request.chat else "text_completion"
         return self._object(kind, []) | {"usage": self.usage}
-
-
-def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 
 def _joined(parts: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:

@@ -16,7 +16,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from pdserve.rpc.credentials import ServerTLS
-from services.router.http.connection_age import ConnectionAge
+from services.router.http.connection_close import ConnectionAge
 
 STARTUP_TIMEOUT_S = 10.0
 
@@ -55,7 +55,7 @@ class HttpServer:
             log_config=None,  # the process's JSON logging stands
             log_level="warning",  # its start-up lines advise CTRL+C; the launcher logs the address itself
             access_log=False,
-            # The client address is the connection's (connection_age.py keys by it); nothing here reads the
+            # The client address is the connection's (connection_close.py keys by it); nothing here reads the
             # X-Forwarded-For of a proxy in front.
             proxy_headers=False,
             timeout_graceful_shutdown=grace_s,

@@ -49,3 +49,12 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _SYMBOL_TO_BYTE = {sym: b for b, sym in _bytes_to_unicode().items()}
+
+
+def byte_level_bytes(token: str) -> bytes | None:
+    """The bytes a byte-level BPE token (its symbols, as the vocabulary spells it) stands for; None when a
+    symbol is outside ByteLevel's alphabet."""
+    try:
+        return bytes(_SYMBOL_TO_BYTE[symbol] for symbol in token)
+    except KeyError:
+        return None

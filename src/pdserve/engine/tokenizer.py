@@ -24,11 +24,14 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders
 
+from pdserve.engine.byte_tokenizer import byte_level_bytes
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.request_checks import CHAT_ROLES
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+_BYTE_FALLBACK = re.compile("<0x([0-9A-Fa-f]{2})>")
 
 
 class Tokenizer:
@@ -39,7 +42,8 @@ class Tokenizer:
         self._tok = _HFTokenizer.from_file(str(path))
         self._text_tok = _HFTokenizer.from_file(str(path))  # a second instance: the flag is per object
         self._text_tok.encode_special_tokens = True  # special-token text in content stays text
-        self._specials = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+        self._added = self._tok.get_added_tokens_decoder()
+        self._specials = [t.content for t in self._added.values() if t.special]
         settings = _tokenizer_settings(folder)
         self.special_tokens = {n: t for n in SPECIAL_TOKEN_NAMES if (t := _token_text(settings.get(n))) is not None}
         eos = self.special_tokens.get("eos_token")
@@ -104,6 +108,21 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes one token stands for (OpenAI's logprobs `bytes`): a byte-level token may hold part of a
+        character, which its decoded text ("\ufffd") loses. None when the tokenizer cannot say."""
+        if (added := self._added.get(token_id)) is not None:
+            return added.content.encode()
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            return None
+        if isinstance(self._tok.decoder, decoders.ByteLevel):
+            return byte_level_bytes(token)
+        if fallback := _BYTE_FALLBACK.fullmatch(token):  # sentencepiece's byte tokens
+            return bytes([int(fallback[1], 16)])
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        return None if "\ufffd" in text else text.encode()
 
 
 def _tokenizer_settings(folder: Path) -> dict[str, Any]:

@@ -77,6 +77,18 @@ def test_decode_and_specials_match_transformers(pair: tuple[Tokenizer, object]) 
             assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
 
 
+def test_each_tokens_bytes_join_into_the_text_where_a_character_spans_tokens(pair: tuple[Tokenizer, object]) -> None:
+    """OpenAI's logprobs `bytes`: a token holding part of a character decodes alone to U+FFFD, its bytes do not."""
+    ours, theirs = pair
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert b"".join(ours.token_bytes(i) or b"?" for i in ids) == text.encode(), text
+    split = [i for i in ours.encode("東京 🙂") if ours.decode([i]) == "\ufffd"]
+    assert split and all(ours.token_bytes(i) != "\ufffd".encode() for i in split)
+    eos = theirs.convert_tokens_to_ids("<|im_end|>")
+    assert ours.token_bytes(eos) == b"<|im_end|>" and ours.token_bytes(ours.vocab_size + 1) is None
+
+
 def test_unknown_role_and_template_refusal_name_the_field(pair: tuple[Tokenizer, object]) -> None:
     ours, _ = pair
     with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.role"):

@@ -161,3 +161,45 @@ async def test_the_http_span_is_an_error_only_for_the_servers_own_failures():
     assert [s.attributes["http.response.status_code"] for s in spans] == [400, 503] * 2
     assert [s.status.status_code for s in spans] == [StatusCode.UNSET, StatusCode.ERROR] * 2
     telemetry.shutdown()
+
+
+async def test_an_empty_prompt_is_a_400_saying_so(lifecycle):
+    for prompt in ('""', '[""]'):
+        r = await post(lifecycle, "/v1/completions", f'{{"model": "{MODEL}", "prompt": {prompt}}}'.encode())
+        assert r.status_code == 400 and r.json()["error"]["message"] == "prompt: must not be empty", r.text
+
+
+async def test_an_x_request_id_too_long_for_its_choices_is_a_400_before_any_choice_runs(lifecycle, caplog):
+    """With n choices each runs as `{id}-{index}`: an id that fits alone but not with its suffix is refused at
+    once, naming the header, instead of after the choices before the first too long one ran."""
+    limit = lifecycle.config.request_limits.max_request_id_chars
+    body = f'{{{PROMPT}, "n": 11}}'.encode()
+    transport = httpx2.ASGITransport(app=openai_app(lifecycle), raise_app_exceptions=False)
+    async with httpx2.AsyncClient(transport=transport, base_url="http://router") as http:
+        with caplog.at_level(logging.INFO, logger="services.router.lifecycle"):
+            refused = await http.post("/v1/completions", content=body, headers={"x-request-id": "r" * (limit - 2)})
+        fits = await http.post("/v1/completions", content=body, headers={"x-request-id": "r" * (limit - 3)})
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "x-request-id", error
+    suffix = "with n=11 (each choice's id ends with -<index>)"
+    assert error["message"] == f"x-request-id: {limit - 2} characters; at most {limit - 3} are accepted {suffix}"
+    assert outcomes(caplog) == ["invalid"]  # no choice was tried
+    assert fits.status_code == 503  # the id passed; no worker serves here
+
+
+async def test_a_caller_gone_while_it_sent_its_body_is_counted_cancelled_not_a_server_error(lifecycle, caplog):
+    messages = [{"type": "http.request", "body": b'{"model": ', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+    with caplog.at_level(logging.INFO):
+        await openai_app(lifecycle)(scope | {"http_version": "1.1", "scheme": "http"}, receive, send)
+    assert outcomes(caplog) == ["cancelled"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert sent[0]["status"] == 499

@@ -22,6 +22,12 @@ async def test_the_served_model_is_retrieved_by_id_and_another_is_model_not_foun
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
 
 
+async def test_the_model_list_is_served_with_a_trailing_slash_too():
+    for path in ("/v1/models", "/v1/models/"):
+        listed = await get(path)
+        assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == [MODEL], path
+
+
 async def test_a_path_or_method_the_api_lacks_is_an_openai_error_body():
     for path, status in (("/v1/embeddings", 404), ("/v1/chat/completions", 405)):
         response = await get(path)

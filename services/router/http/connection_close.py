@@ -1,4 +1,7 @@
-"""The HTTP listener's counterpart of gRPC's max connection age: HTTP/1.1 has no GOAWAY, so the first response on
+"""When the router tells an HTTP/1.1 client to leave its keep-alive connection: past the connection's age, and while
+the router drains.
+
+The counterpart of gRPC's max connection age: HTTP/1.1 has no GOAWAY, so the first response on
 a keep-alive connection older than the age says `Connection: close`, and the server closes it once that response
 (a whole stream) has gone out. The client's pool opens a new connection, which a Service may send to a router
 replica added since; no request is cut.
@@ -38,14 +41,7 @@ class ConnectionAge:
             await self.app(scope, receive, send)
             return
         del self._first_seen[key]  # closed after this response: its next request comes on a new connection
-
-        async def closing(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [h for h in message.get("headers", ()) if h[0].lower() != b"connection"]
-                message = {**message, "headers": [*headers, CLOSE]}
-            await send(message)
-
-        await self.app(scope, receive, closing)
+        await self.app(scope, receive, closing(send))
 
     def _prune(self, now: float) -> None:
         """Forgets connections closed without a request past their age, oldest first: a live one would have been
@@ -55,6 +51,41 @@ class ConnectionAge:
             if now - first < 2 * self.max_age_s:
                 return
             del self._first_seen[key]
+
+
+def closing(send: Send) -> Send:
+    """`send`, with the response saying `Connection: close`: the server closes the connection once it went out."""
+
+    async def send_closing(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [h for h in message.get("headers", ()) if h[0].lower() != b"connection"]
+            message = {**message, "headers": [*headers, CLOSE]}
+        await send(message)
+
+    return send_closing
+
+
+class CloseWhileDraining:
+    """Every response that starts while the router drains says `Connection: close`: its 503 tells the caller to
+    retry on another replica, which a keep-alive connection (a client's pool, behind a Service) would never
+    reach, and a stream that finishes during the drain leaves no connection to the stopping router behind."""
+
+    def __init__(self, app: ASGIApp, draining: Callable[[], bool]) -> None:
+        self.app = app
+        self.draining = draining
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_while_draining(message: Message) -> None:
+            if message["type"] == "http.response.start" and self.draining():
+                await closing(send)(message)
+            else:
+                await send(message)
+
+        await self.app(scope, receive, send_while_draining)
 
 
 def _closes_anyway(scope: Scope) -> bool:

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.router.http.connection_age import ConnectionAge
+from services.router.http.connection_close import ConnectionAge
 from services.router.http.server import HttpServer
 
 AGE_S = 0.5
