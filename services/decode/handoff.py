@@ -134,7 +134,10 @@ class Handoff:
         tokens = 0
         stream, ended_by = None, None
         try:
-            async for out in self.engine.commit_and_stream(handoff.request.request_id, first.token_id, first.logprobs):
+            committed = self.engine.commit_and_stream(
+                handoff.request.request_id, first.token_id, first.logprobs, kv_received=first.kv_follows
+            )
+            async for out in committed:
                 if not tokens:  # the first token's output: the prefill worker's prompt logprobs go with it
                     out = replace(out, prompt_logprobs=first.prompt_logprobs)
                 tokens += len(out.new_token_ids)

@@ -164,16 +164,27 @@ class LLMEngine:
         seq.status = SequenceStatus.RECEIVING
         return list(seq.block_table)
 
-    def commit(self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None) -> RequestOutput:
+    def commit(
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprobs: TokenLogprobs | None = None,
+        kv_received: bool = True,
+    ) -> RequestOutput:
         """Decode side: the KV arrived and the prefill side sampled `first_token` (and computed its
-        `first_logprobs`, when the request asked); start decoding."""
+        `first_logprobs`, when the request asked); start decoding. `kv_received` False: the first token ended
+        the request, so no KV came; its blocks, never written, must not enter the prefix cache (a later prompt
+        with that prefix would attend to whatever they held)."""
         req = self._requests[request_id]
         if req.seq.status is not SequenceStatus.RECEIVING:
             raise RuntimeError(f"{request_id} is {req.seq.status.value}, not receiving")
         req.seq.num_computed_tokens = req.seq.num_prompt_tokens
-        self.blocks.cache_full_blocks(req.seq)
+        if kv_received:
+            self.blocks.cache_full_blocks(req.seq)
         out = self._append_token(req, first_token, first_logprobs)
         if not out.finished:
+            if not kv_received:
+                raise RuntimeError(f"{request_id}: no KV came, yet its first token did not end it")
             self.scheduler.add_running(req.seq)
         return out
 

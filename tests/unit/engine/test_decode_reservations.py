@@ -54,3 +54,27 @@ def test_a_full_batch_refuses_a_reservation_until_a_sequence_ends() -> None:
         engine.reserve(EngineRequest("arriving", prompt, SamplingParams(max_tokens=3)))
     run_to_end(engine)  # "decoding" ends; "arriving" has not committed, so it holds its place
     assert len(engine.reserve(third)) == 1
+
+
+def test_a_commit_without_kv_keys_none_of_its_blocks_into_the_prefix_cache() -> None:
+    """A request its first token ended (the prefill worker sent no KV) leaves its never-written blocks out of
+    the prefix cache; one whose KV came keys its full blocks there. A first token that does not end the request
+    cannot come without KV."""
+    scheduler = SchedulerConfig(mode=EngineMode.DECODE_ONLY)
+    config = EngineConfig(
+        model="tiny-random", dtype="float32", device="cpu", block_size=4, num_kv_blocks=16, scheduler=scheduler
+    )
+    engine = LLMEngine(config)
+    prompt = list(range(1, 13))  # three full blocks
+    engine.reserve(EngineRequest("ended", prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
+    assert engine.commit("ended", 1, kv_received=False).finished
+    assert engine.blocks.num_cached_blocks == 0 and engine.blocks.num_free_blocks == 16
+    engine.reserve(EngineRequest("goes-on", prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    with pytest.raises(RuntimeError, match="no KV came"):
+        engine.commit("goes-on", 1, kv_received=False)
+    engine.abort("goes-on")
+    assert engine.blocks.num_cached_blocks == 0 and engine.blocks.num_free_blocks == 16
+    engine.reserve(EngineRequest("kv-came", prompt, SamplingParams(max_tokens=2, ignore_eos=True)))
+    engine.commit("kv-came", 1)
+    run_to_end(engine)
+    assert engine.blocks.num_cached_blocks == 3
