@@ -160,6 +160,9 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
         frequency_penalty=_number(body, "frequency_penalty") or 0.0,
         repetition_penalty=repetition_penalty or 0.0,
     )
+    for name, given in (("top_p", top_p), ("repetition_penalty", repetition_penalty)):
+        if given and not getattr(msg, name):  # under float32's smallest: it would read as "off", not as tiny
+            raise InvalidRequestError(name, f"{given} is 0 in the float32 the API carries; use 1e-45 or more")
     seed = _int(body, "seed", 0, UINT64)
     if seed is not None:
         msg.seed = seed

@@ -46,6 +46,8 @@ BAD_BODIES = [  # raw, as sent: JSON's \u escapes, Python's NaN, integers no flo
     ("completions", f'{{{PROMPT}, "logit_bias": {{"{"7" * 5000}": 1}}}}', "logit_bias"),
     ("completions", f'{{{PROMPT}, "temperature": 1e300}}', "temperature"),  # a float, past a float32: the shared path
     ("completions", f'{{{PROMPT}, "top_p": NaN}}', "top_p"),
+    ("completions", f'{{{PROMPT}, "top_p": 1e-300}}', "top_p"),  # 0 ("off") in a float32
+    ("completions", f'{{{PROMPT}, "repetition_penalty": 1e-300}}', "repetition_penalty"),
     ("completions", f'{{"model": "{MODEL}", "prompt": "hi \\ud800"}}', "prompt"),
     ("completions", f'{{{PROMPT}, "stop": ["a", "\\udfff"]}}', "stop[1]"),
     ("completions", f'{{{PROMPT}, "user": "\\ud800"}}', "user"),
