@@ -121,9 +121,11 @@ def _prefix_repetition(c: WorkloadConfig, rng: np.random.Generator) -> list[Requ
 
 
 def _trace(c: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
-    """Mooncake-format JSONL replayed from its first timestamp; equal hash ids give equal prompt blocks."""
+    """Mooncake-format JSONL replayed from its first timestamp, in timestamp order (requests are sent in list
+    order: a line stamped earlier than the one before it would otherwise go late, its wait counted as TTFT);
+    equal hash ids give equal prompt blocks."""
     assert c.trace is not None
-    lines = read_trace(c.trace)[: c.num_prompts]
+    lines = sorted(read_trace(c.trace), key=lambda line: line["timestamp"])[: c.num_prompts]
     start_ms = min(line["timestamp"] for line in lines)
     seed = int(rng.integers(2**63))  # one seed for the whole trace, so a hash id means one block everywhere
     requests = []

@@ -72,6 +72,17 @@ def test_trace_replays_timestamps_lengths_and_shared_blocks(tmp_path):
     assert len(build(dataset_name="trace", trace=trace, num_prompts=2)) == 2
 
 
+def test_a_trace_out_of_timestamp_order_is_replayed_in_order(tmp_path):
+    """As `pdserve plan --trace` simulates it: the earliest stamped lines first, and the first N of those."""
+    stamps = [0, 1000, 200, 600]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        "".join(json.dumps({"timestamp": t, "input_length": 5, "output_length": t // 100 + 1}) + "\n" for t in stamps)
+    )
+    reqs = build(dataset_name="trace", trace=trace, num_prompts=3)
+    assert [(r.arrival_s, r.output_len) for r in reqs] == [(0.0, 1), (0.2, 3), (0.6, 7)]
+
+
 @pytest.mark.parametrize(
     "kw",
     [{"dataset_name": "nope"}, {"random_range_ratio": 1.0}, {"dataset_name": "trace"}, {"vocab_size": 3}],
