@@ -96,6 +96,9 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: GoodputSLO) 
         "rejected": sum(r.status == REJECTED for r in records),
         "failed": sum(failures.values()),
         "failed_by_code": dict(failures),
+        # Completed with fewer tokens than asked (a server that ignored ignore_eos, or stopped early): still
+        # completed, as vLLM counts them, but a run where this is not 0 measured a shorter workload.
+        "short_outputs": sum(r.output_tokens < r.output_len for r in done),
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
         "request_throughput": len(done) / duration_s,

@@ -55,6 +55,8 @@ def summary_table(result: dict[str, Any]) -> Table:
         table.add_row(name, _fmt(result.get(key)))
     if result["failed_by_code"]:
         table.add_row("Failed by code", ", ".join(f"{k}: {v}" for k, v in result["failed_by_code"].items()))
+    if result.get("short_outputs"):
+        table.add_row("Completed short of max_tokens", str(result["short_outputs"]))
     return table
 
 

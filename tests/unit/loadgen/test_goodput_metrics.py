@@ -77,6 +77,7 @@ def test_summary_counts_goodput_and_attainment():
     assert s["rejected"] == 1
     assert s["failed"] == 3
     assert s["failed_by_code"] == {"UNAVAILABLE": 2, "DEADLINE_EXCEEDED": 1}
+    assert s["short_outputs"] == 0
     assert s["total_input_tokens"] == 40
     assert s["total_output_tokens"] == 3 + 2 + 2 + 4
     assert s["request_throughput"] == 2.0
@@ -114,3 +115,9 @@ def test_goodput_flag_parsing():
     for bad in (["ttft=500"], ["itl:5"], ["tpot:0"], ["tpot:x"]):
         with pytest.raises(ValueError):
             GoodputSLO.parse(bad)
+
+
+def test_a_request_completed_with_fewer_tokens_than_asked_is_counted_short():
+    records = [stream([0.1, 0.2], [1, 1], output_len=64), stream([0.1, 0.2], [1, 1], output_len=2)]
+    s = metrics.summarize(records, duration_s=1.0, slo=GoodputSLO(tpot_ms=10))
+    assert (s["completed"], s["short_outputs"]) == (2, 1)
