@@ -94,9 +94,11 @@ class Admission:
         queued = self.predictor.queued_tokens(prefill)
         bound = self.config.queue_bound(priority)
         if queue_full(queued, new_tokens, bound):
+            # It fits once the overflow has drained (all of the queue, for a prompt past the bound on its own).
+            overflow = min(queued + new_tokens - bound, queued) / queued
             raise OverloadedError(
                 f"prefill queue full: {queued} + {new_tokens} tokens > {bound:.0f} at priority {priority}",
-                _retry_ms(self.predictor.queue_s(prefill)),
+                _retry_ms(self.predictor.queue_s(prefill) * overflow),
             )
 
     def _check_ttft(self, placement: Placement, slo: SLOTarget) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import UnavailableError
@@ -80,9 +81,10 @@ class PlacementPolicy(ABC):
         hashes = prefix_hashes(prompt[: len(prompt) - 1], block_size, cache_salt)
         hits = await self.prefix_index.match([w.cache_key for w in offered[0]], hashes)
         blocks = -(-(len(prompt) + max_tokens) // block_size)
-        prefill, decode = self.choose(prefills, decodes, hits, len(prompt), blocks, tpot_slo_s)
-        if colocated:
-            decode = prefill
+        if colocated:  # one worker does both: it must be able to decode the request too
+            prefill = decode = self.choose_colocated(colocated, hits, len(prompt), blocks, tpot_slo_s)
+        else:
+            prefill, decode = self.choose(prefills, decodes, hits, len(prompt), blocks, tpot_slo_s)
         cached = hits.get(prefill.cache_key, 0) * block_size
         return Placement(
             decode=decode,
@@ -93,7 +95,7 @@ class PlacementPolicy(ABC):
             predicted_tpot_s=self.predictor.tpot_s(decode),
             blocks_needed=blocks,
             block_hashes=hashes,
-            offer=self._offer(*offered, hits, len(prompt)),
+            offer=self._offer(*offered, hits, len(prompt), blocks, colocated=bool(colocated)),
         )
 
     def _workers(self, role: Role, avoid: frozenset[str]) -> list[WorkerState]:
@@ -108,15 +110,33 @@ class PlacementPolicy(ABC):
         return self.registry.workers(Role.PREFILL), self.registry.workers(Role.DECODE)
 
     def _offer(
-        self, prefills: list[WorkerState], decodes: list[WorkerState], hits: dict[str, int], prompt_tokens: int
+        self,
+        prefills: list[WorkerState],
+        decodes: list[WorkerState],
+        hits: dict[str, int],
+        prompt_tokens: int,
+        blocks: int,
+        colocated: bool,
     ) -> Offer:
+        """The best an idle cluster does for this request: TPOT only on a decode worker whose KV holds it (a fast
+        one too small for it offers nothing), and with colocated workers TTFT on such a worker too."""
         p = self.predictor
         bs = prefills[0].block_size
+        holding = [w for w in decodes if w.kv_blocks_total >= blocks] or decodes
         return Offer(
-            ttft_s=min(p.offer_ttft_s(w, prompt_tokens, hits.get(w.cache_key, 0) * bs) for w in prefills),
-            tpot_s=min(p.offer_tpot_s(w) for w in decodes),
+            ttft_s=min(
+                p.offer_ttft_s(w, prompt_tokens, hits.get(w.cache_key, 0) * bs)
+                for w in (holding if colocated else prefills)
+            ),
+            tpot_s=min(p.offer_tpot_s(w) for w in holding),
             kv_blocks=max(w.kv_blocks_total for w in decodes),
         )
+
+    def choose_colocated(
+        self, workers: list[WorkerState], hits: dict[str, int], prompt_tokens: int, blocks: int, tpot_slo_s: float
+    ) -> WorkerState:
+        """The colocated worker for a request; by default the prefill choice among them."""
+        return self.choose(workers, workers, hits, prompt_tokens, blocks, tpot_slo_s)[0]
 
     @abstractmethod
     def choose(
@@ -138,21 +158,42 @@ class SLOAwarePlacement(PlacementPolicy):
 
     def choose(self, prefills, decodes, hits, prompt_tokens, blocks, tpot_slo_s):  # type: ignore[no-untyped-def]
         p = self.predictor
-        bs = prefills[0].block_size
-        prefill = min(prefills, key=lambda w: (p.ttft_s(w, prompt_tokens, hits.get(w.cache_key, 0) * bs), w.worker_id))
-
-        # Room past the places streams waiting to move will take (admission holds a new request to that) where
-        # there is; else any room, which a moving stream's own placement looks for.
-        def roomy_past(spare: int) -> list[WorkerState]:
-            return [w for w in decodes if p.free_blocks(w) >= blocks and p.has_batch_room(w, spare)]
-
-        roomy = roomy_past(p.tracker.moving) or roomy_past(0)
-        within = [w for w in roomy if p.tpot_s(w) <= tpot_slo_s]
+        prefill = min(prefills, key=self._by_ttft(hits, prompt_tokens))
+        roomy, within = self._decodable(decodes, blocks, tpot_slo_s)
         if within:
             decode = max(within, key=lambda w: (p.free_blocks(w), -p.tpot_s(w)))
         else:  # nothing meets both: the best effort, which admission then judges
             decode = min(roomy or decodes, key=lambda w: (p.tpot_s(w), -p.free_blocks(w)))
         return prefill, decode
+
+    def choose_colocated(self, workers, hits, prompt_tokens, blocks, tpot_slo_s):  # type: ignore[no-untyped-def]
+        """The lowest TTFT among the workers that can also decode the request (room, TPOT within the SLO), else
+        among those with room, else any: the fastest prefill alone may lack the blocks another worker has free."""
+        roomy, within = self._decodable(workers, blocks, tpot_slo_s)
+        return min(within or roomy or workers, key=self._by_ttft(hits, prompt_tokens))
+
+    def _by_ttft(self, hits: dict[str, int], prompt_tokens: int) -> Callable[[WorkerState], tuple[float, str]]:
+        """Predicted TTFT, a cached prefix counting as work already done; ties by id."""
+        p = self.predictor
+
+        def key(w: WorkerState) -> tuple[float, str]:
+            return p.ttft_s(w, prompt_tokens, hits.get(w.cache_key, 0) * w.block_size), w.worker_id
+
+        return key
+
+    def _decodable(
+        self, workers: list[WorkerState], blocks: int, tpot_slo_s: float
+    ) -> tuple[list[WorkerState], list[WorkerState]]:
+        """Workers with room for `blocks` and in their batch, and those of them whose TPOT meets the SLO. Room
+        past the places streams waiting to move will take (admission holds a new request to that) where there
+        is; else any room, which a moving stream's own placement looks for."""
+        p = self.predictor
+
+        def roomy_past(spare: int) -> list[WorkerState]:
+            return [w for w in workers if p.free_blocks(w) >= blocks and p.has_batch_room(w, spare)]
+
+        roomy = roomy_past(p.tracker.moving) or roomy_past(0)
+        return roomy, [w for w in roomy if p.tpot_s(w) <= tpot_slo_s]
 
 
 class RoundRobinPlacement(PlacementPolicy):

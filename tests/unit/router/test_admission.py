@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -54,6 +55,18 @@ def test_admission_retry_hint_is_clamped():
     # Own cost 110 ms, SLO 250 ms: the queue may fill 0.8 * 140 = 112 ms of it; 117 queued is 5 ms too many.
     r2 = Router([worker("p0", queued_prefill_tokens=117), worker("d0", "decode")])
     assert shed(r2, prompt(100), "TTFT", slo_s=(0.25, 1.0)).retry_after_ms == MIN_RETRY_MS
+
+
+def test_a_full_queues_retry_hint_is_when_the_overflow_has_drained():
+    """32000 tokens queued, bound 32768 (priority 1): a 1000-token prompt fits once 232 of them are done, not
+    the whole queue; a prompt past the bound on its own waits for all of it."""
+    r = Router([worker("p0", queued_prefill_tokens=32000), worker("d0", "decode")])
+    whole_queue_ms = r.predictor.queue_s(r.registry.workers(Role.PREFILL)[0]) * 1e3
+    hint = shed(r, prompt(1000), "queue full", priority=1, slo_s=(120.0, 1.0)).retry_after_ms
+    assert hint == pytest.approx(whole_queue_ms * 232 / 32000, abs=1)
+    past = Router([worker("p0", queued_prefill_tokens=1000), worker("d0", "decode")], max_queued_prefill_tokens=2000)
+    queue_ms = past.predictor.queue_s(past.registry.workers(Role.PREFILL)[0]) * 1e3
+    assert shed(past, prompt(3000), "queue full", priority=1, slo_s=(120.0, 1.0)).retry_after_ms == int(queue_ms)
 
 
 def test_admission_queue_bound_sheds_low_priority_first():
@@ -258,6 +271,23 @@ def test_more_kv_blocks_than_any_worker_holds_is_invalid_fewer_is_retryable():
     assert info.value.field == "sampling.max_tokens"
     busy = Router([worker("p0"), worker("d0", "decode", kv_blocks_total=10, kv_blocks_free=4)])
     shed(busy, prompt(100), "free KV blocks", max_tokens=40, slo_s=(5.0, 1.0))  # 9 blocks: later, maybe
+
+
+def test_a_tpot_slo_only_a_decode_worker_too_small_for_the_request_meets_is_invalid():
+    """The offer's TPOT counts only decode workers whose KV holds the request: a fast one too small for it and a
+    big one too slow for its SLO make a request no retry can serve, not a RESOURCE_EXHAUSTED."""
+    fast = replace(PROFILE, decode_fixed_s=PROFILE.decode_fixed_s / 3)
+    r = Router(
+        [
+            worker("p0"),
+            worker("d-fast", "decode", profile=fast, kv_blocks_total=100, kv_blocks_free=100),
+            worker("d-big", "decode"),
+        ]
+    )
+    slo = (30.0, fast.decode_step_s(1) * 1.05)  # 126 blocks, more than d-fast holds
+    with pytest.raises(InvalidRequestError, match="slo.tpot_ms"):
+        r.admit(prompt(2000), slo_s=slo)
+    assert r.admit(prompt(1000), slo_s=slo).decode.worker_id == "d-fast"  # 64 blocks: d-fast holds it
 
 
 def test_invalid_wins_over_overloaded():

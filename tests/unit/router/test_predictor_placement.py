@@ -294,6 +294,20 @@ def test_colocated_placement_uses_one_worker_for_both_phases_without_transfer():
     assert placed.predicted_ttft_s == pytest.approx(PROFILE.prefill_s(500))
 
 
+def test_colocated_placement_takes_the_fastest_worker_that_can_also_decode_the_request():
+    """A colocated worker runs the decode too: the one with the lowest TTFT but too few free blocks, or a TPOT
+    past the SLO, is passed over for one that can (an idle cluster then serves the request instead of shedding
+    it for good, the same worker winning every retry)."""
+    small = Router([worker("c-0", "colocated", kv_blocks_free=50), worker("c-1", "colocated")])  # equal TTFTs
+    assert small.admit(prompt(2000), slo_s=(5.0, 0.5), explicit=False).decode.worker_id == "c-1"
+    fast_prefill = replace(PROFILE, prefill_per_token_s=PROFILE.prefill_per_token_s / 2)
+    fast_decode = replace(PROFILE, decode_fixed_s=PROFILE.decode_fixed_s / 3)
+    r = Router([worker("a", "colocated", profile=fast_prefill), worker("b", "colocated", profile=fast_decode)])
+    assert r.place(prompt(500), 16, 1.0).decode.worker_id == "a"  # both decode within a loose TPOT: TTFT decides
+    tight = r.admit(prompt(500), slo_s=(5.0, fast_decode.decode_step_s(1) * 1.05))
+    assert tight.decode.worker_id == "b" and tight.prefill is None
+
+
 def test_placement_without_workers_of_both_roles_is_unavailable():
     with pytest.raises(UnavailableError):
         Router([worker("p0")]).place(prompt(10), 4, 1.0)
