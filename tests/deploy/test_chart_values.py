@@ -162,6 +162,10 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
         ({"apiKeys.existingSecret": "keys"}, "set apiKeys.drainKey.existingSecret too"),  # or every drain is refused
         ({"decode.gpus": "0"}, "prefill.gpus (1) and decode.gpus (0) must be equal"),  # decode actors never placed
         ({"router.httpPort": "50051"}, "router.port (50051), router.httpPort (50051) and router.metricsPort (9400)"),
+        # Keys the chart sets itself: rendered twice, the last would win (the role resource lost: no worker actor
+        # placed; or actors on the head).
+        ({"prefill.rayStartParams.resources": "x"}, "prefill.rayStartParams.resources is set by the chart"),
+        ({"ray.head.rayStartParams.num-cpus": "0.5"}, "ray.head.rayStartParams.num-cpus is set by the chart"),
     ],
 )
 def test_helm_refuses_bad_values(sets: dict[str, Any], named: str) -> None:

@@ -172,6 +172,7 @@ def test_a_worker_groups_budget_keeps_its_scaling_floor_not_its_install_count(fl
     """The autoscaler or the planner may take a group down to minReplicas whatever replicas the install set: at
     that floor the budget must still let one pod go (a node drain), and a floor of one pod gets no budget."""
     sets = {"decode.minReplicas": str(floor), "decode.replicas": "4", "decode.maxReplicas": "8"}
+    sets["prefill.minReplicas"] = "1"
     budgets = {o["metadata"]["name"]: o for o in render(["gpu.yaml"], sets) if o["kind"] == "PodDisruptionBudget"}
     assert "pd-pdserve-prefill" not in budgets  # 2 pods at install, but a floor of 1
     if budget is None:
@@ -180,6 +181,31 @@ def test_a_worker_groups_budget_keeps_its_scaling_floor_not_its_install_count(fl
     min_available = budgets["pd-pdserve-decode"]["spec"]["minAvailable"]
     assert min_available == budget
     assert floor - min_available == 1  # disruptions allowed with the group at its floor
+
+
+def test_the_gpu_example_keeps_two_pods_per_role_through_node_drains() -> None:
+    """Its floor of two per role (the autoscaler and the planner never go below it) leaves each a budget: a node
+    drain, or a surge upgrade of the node pool, takes at most one pod of a role at a time."""
+    budgets = {o["metadata"]["name"]: o["spec"] for o in render(["gpu.yaml"]) if o["kind"] == "PodDisruptionBudget"}
+    assert budgets["pd-pdserve-prefill"]["minAvailable"] == budgets["pd-pdserve-decode"]["minAvailable"] == 1
+
+
+def test_the_ray_head_is_never_evicted_while_its_loss_would_replace_every_worker() -> None:
+    """Without GCS fault tolerance a lost head makes KubeRay replace every worker pod: a budget of no voluntary
+    eviction, and the cluster autoscaler told not to evict it. With fault tolerance (or turned off): neither."""
+
+    def head(sets: dict[str, str]) -> tuple[dict[str, Any] | None, dict[str, str]]:
+        objects = render(["gpu.yaml"], sets)
+        budget = next((o for o in objects if o["metadata"]["name"] == "pd-pdserve-ray-head"), None)
+        template = one(objects, "RayCluster")["spec"]["headGroupSpec"]["template"]
+        return budget, template["metadata"].get("annotations", {})
+
+    budget, annotations = head({})
+    assert budget is not None and budget["kind"] == "PodDisruptionBudget" and budget["spec"]["maxUnavailable"] == 0
+    assert annotations == {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+    tolerant = {"ray.gcsFaultTolerance.enabled": "true", "ray.gcsFaultTolerance.redisAddress": "redis.data:6379"}
+    assert head(tolerant) == (None, {})
+    assert head({"ray.head.pdb.enabled": "false"}) == (None, {})
 
 
 @pytest.mark.parametrize("grace", [15, 40, 300])
