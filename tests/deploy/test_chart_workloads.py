@@ -6,15 +6,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import shlex
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from pdserve import cli
 from pdserve.build import build_resource
 from pdserve.config import ClusterConfig, RouterConfig
 from pdserve.flags import flag_values
-from tests.deploy.chart import notes, one, pod_templates, render, render_error
+from tests.deploy.chart import CHART, helm, notes, one, pod_templates, render, render_error
 
 Objects = list[dict[str, Any]]
 ROUTER = "pd-pdserve-router"
@@ -188,6 +191,36 @@ def test_the_gpu_example_keeps_two_pods_per_role_through_node_drains() -> None:
     drain, or a surge upgrade of the node pool, takes at most one pod of a role at a time."""
     budgets = {o["metadata"]["name"]: o["spec"] for o in render(["gpu.yaml"]) if o["kind"] == "PodDisruptionBudget"}
     assert budgets["pd-pdserve-prefill"]["minAvailable"] == budgets["pd-pdserve-decode"]["minAvailable"] == 1
+
+
+PROBE = """{{- $v := dict "replicas" 2 "minReplicas" 1 "maxReplicas" 8 }}
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: replicas-probe}
+data:
+  install: {{ include "pdserve.workerReplicas" (dict "live" "" "values" $v) | quote }}
+  scaled: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 5) "values" $v) | quote }}
+  past-max: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 12) "values" $v) | quote }}
+  below-min: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 0) "values" $v) | quote }}
+"""
+
+
+def test_an_upgrade_renders_each_groups_live_replicas_within_the_releases_bounds(tmp_path: Path) -> None:
+    """The Ray autoscaler and `pdserve scale --kubernetes` move a group's replicas after install; an upgrade
+    rendering the install-time count would put it back (KubeRay's workerGroupSpecs is one atomic field). The
+    chart looks the live RayCluster up; `helm template` has no cluster, so a probe chart (this one as its
+    subchart) hands the helper the live group an upgrade would find."""
+    probe = tmp_path / "probe"
+    shutil.copytree(CHART, probe / "charts" / "pdserve")
+    (probe / "Chart.yaml").write_text("apiVersion: v2\nname: probe\nversion: 0.0.1\n")
+    (probe / "templates").mkdir()
+    (probe / "templates" / "probe.yaml").write_text(PROBE)
+    out = helm("template", "pd", str(probe))
+    assert out.returncode == 0, out.stderr
+    objects = [d for d in yaml.safe_load_all(out.stdout) if d]
+    probed = next(o for o in objects if o["metadata"]["name"] == "replicas-probe")["data"]
+    assert probed == {"install": "2", "scaled": "5", "past-max": "8", "below-min": "1"}
+    assert [g["replicas"] for g in worker_groups(objects).values()] == [1, 1]  # no live object: the values'
 
 
 def test_the_ray_head_is_never_evicted_while_its_loss_would_replace_every_worker() -> None:

@@ -28,6 +28,19 @@ new image's workers land on new pods. pdserve.build.build_resource computes the 
 {{- printf "pdserve_build_%s" (include "pdserve.image" . | sha256sum | trunc 12) -}}
 {{- end -}}
 
+{{/* A worker group's replicas: on an upgrade the live RayCluster's (the Ray autoscaler and `pdserve scale --kubernetes`
+move them after install, and KubeRay's CRD makes workerGroupSpecs one atomic field, so rendering the install-time
+count would put it back: with the autoscaler off KubeRay then deletes pods at random), kept within this release's
+minReplicas..maxReplicas; on install, the values'. `live`: the group's entry in the live object, or nothing. */}}
+{{- define "pdserve.workerReplicas" -}}
+{{- $w := .values -}}
+{{- $n := int $w.replicas -}}
+{{- if and .live (hasKey .live "replicas") -}}
+{{- $n = int .live.replicas -}}
+{{- end -}}
+{{- max (int $w.minReplicas) (min $n (int $w.maxReplicas)) -}}
+{{- end -}}
+
 {{/* The controller's account (the one with API rights), never the RayCluster's name: with the autoscaler on,
 KubeRay gives the head pod an account of that name and binds its autoscaler Role to it, so sharing the name would
 hand each pod the other's rights. */}}
