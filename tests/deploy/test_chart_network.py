@@ -176,6 +176,9 @@ def test_cluster_secret_and_tls_mounts(rendered: dict[str, Objects]) -> None:
         == "http://otel-collector.observability.svc:4317"
     )
     assert _env(templates["prefill"])["OTEL_TRACES_SAMPLER"]["value"] == "parentbased_traceidratio"
+    for component in ("router", "controller", "prefill", "decode"):  # a secret never in a pod spec in plain text
+        headers = _env(templates[component])["OTEL_EXPORTER_OTLP_HEADERS"]
+        assert headers == {"name": "OTEL_EXPORTER_OTLP_HEADERS", "valueFrom": {"secretKeyRef": AUTH_HEADERS}}
     assert "k8s.pod.name=$(POD_NAME)" in _env(templates["prefill"])["OTEL_RESOURCE_ATTRIBUTES"]["value"]
     # The controller may hand its OTEL_* to the actors it starts: no pod name of its own to hand over.
     assert "OTEL_RESOURCE_ATTRIBUTES" not in _env(templates["controller"])
@@ -184,6 +187,9 @@ def test_cluster_secret_and_tls_mounts(rendered: dict[str, Objects]) -> None:
     off = pod_templates(render(sets={"ray.authToken.enabled": "false"}))
     modes = {c: _env(t)["RAY_AUTH_MODE"]["value"] for c, t in off.items() if "RAY_AUTH_MODE" in _env(t)}
     assert modes == dict.fromkeys(ray_token, "disabled")  # said, not left to Ray's default
+
+
+AUTH_HEADERS = {"name": "otel-collector-auth", "key": "headers"}
 
 
 def test_controller_may_patch_only_its_raycluster_and_list_pods(rendered: dict[str, Objects]) -> None:

@@ -180,6 +180,10 @@ variables to the worker actors it starts (they would report the controller's pod
 - name: {{ $name }}
   value: {{ $value | quote }}
 {{- end }}
+{{- range $name, $ref := $v.otel.secretEnv }}
+- name: {{ $name }}
+  valueFrom: {secretKeyRef: {name: {{ $ref.name | quote }}, key: {{ $ref.key | quote }}}}
+{{- end }}
 {{- end -}}
 
 {{/* The model cache volume and the init container that fills it. */}}
