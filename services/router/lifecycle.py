@@ -34,7 +34,7 @@ from pdserve.protocol.roles import Role
 from pdserve.registry.base import PrefixIndex
 from pdserve.security.api_keys import KeyTable, Metadata, Tenant, authenticate
 from pdserve.security.quotas import LocalQuotas, Quotas, QuotaSession
-from pdserve.telemetry import Telemetry, request_id_var
+from pdserve.telemetry import Telemetry, request_id_var, step_span
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import Admission, SLOTarget
 from services.router.caller_errors import for_the_caller
@@ -126,7 +126,7 @@ class RequestLifecycle:
         request_key_var.set(key)
         ids = {"request.id": key, "request.client_id": client_id}
         trace.get_current_span().set_attributes(ids)
-        with self.telemetry.tracer.start_as_current_span("admission", attributes=ids) as span:
+        with step_span(self.telemetry.tracer, "admission", request__id=key, request__client_id=client_id) as span:
             quota.tenant.check_priority(msg.priority)
             config = self.config
             default = min(default_max_tokens or config.default_max_tokens, config.default_max_tokens)
@@ -157,7 +157,7 @@ class RequestLifecycle:
         """`admitted_before`: a later choice of an admitted request, which a drain waits for (`holding`)."""
         self._refuse_when_draining(admitted_before)
         ttft_ms, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
-        with self.telemetry.tracer.start_as_current_span("placement") as span:
+        with step_span(self.telemetry.tracer, "placement") as span:
             self._placing += 1
             try:
                 placement = await self._place_when_served(req, tpot_ms / 1e3)
@@ -368,6 +368,7 @@ class RequestLifecycle:
             raise
         except (asyncio.CancelledError, GeneratorExit, TimeoutError):
             outcome = "cancelled"  # by the caller, or its deadline passed
+            trace.get_current_span().set_attribute("cancelled", True)  # its status alone may read OK
             raise
         finally:
             tenant = caller.tenant.name if caller.tenant else ""  # "": not authenticated

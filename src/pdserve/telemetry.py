@@ -13,6 +13,8 @@ import contextvars
 import json
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry import metrics, trace
@@ -25,6 +27,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from prometheus_client import CollectorRegistry, start_http_server
 
 from pdserve import env
+from pdserve.errors import InvalidRequestError, OverloadedError, PermissionDeniedError, UnauthenticatedError
 
 # Seconds: first tokens and whole requests (TTFT, e2e) span ms to minutes; per-token gaps ms to seconds.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -108,6 +111,26 @@ class Telemetry:
             self.tracer_provider.shutdown()
         if self.enabled:
             self.meter_provider.shutdown()
+
+
+# What a request is answered for what it asked or may ask (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAUTHENTICATED,
+# PERMISSION_DENIED; HTTP 4xx): no failure of this service, so no ERROR on its spans (OpenTelemetry's convention
+# for server spans); the step says why in its own attributes.
+CALLER_ANSWERS = (InvalidRequestError, OverloadedError, UnauthenticatedError, PermissionDeniedError)
+
+
+@contextmanager
+def step_span(tracer: trace.Tracer, name: str, **attributes: Any) -> Iterator[trace.Span]:
+    """A span for one step of a request, ERROR only when the service failed there (`mark_ended_by`), not when it
+    answered the caller: error rates read from span status then do not rise with load shedding or client bugs."""
+    options = {"record_exception": False, "set_status_on_exception": False}
+    with tracer.start_as_current_span(name, attributes=_attrs(attributes), **options) as span:
+        try:
+            yield span
+        except BaseException as e:
+            if not isinstance(e, CALLER_ANSWERS):
+                mark_ended_by(span, e)
+            raise
 
 
 def mark_ended_by(span: trace.Span, error: BaseException | None) -> None:

@@ -115,8 +115,9 @@ class OpenAIAPI:
                     whole.cancel()
                     with suppress(asyncio.CancelledError):
                         await whole  # its ticket and KV are released before the span ends
-            if whole.cancelled():
-                span.set_status(trace.StatusCode.ERROR, "the client disconnected")
+            if whole.cancelled():  # the caller's leaving, no failure of the router's (as a stream's is)
+                span.set_attribute("cancelled", True)
+                _span_status(span, 499)
                 return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
             try:
                 whole.result()

@@ -18,7 +18,7 @@ from pdserve.telemetry import Telemetry
 from services.router.http import app as http_app
 from services.router.http.app import openai_app
 from services.router.lifecycle import RequestLifecycle
-from tests.unit.router.router_builder import MODEL, Router
+from tests.unit.router.router_builder import MODEL, Router, worker
 
 pytestmark = pytest.mark.timeout(60)
 PROMPT = f'"model": "{MODEL}", "prompt": "x", "max_tokens": 2'
@@ -162,6 +162,15 @@ async def test_the_http_span_is_an_error_only_for_the_servers_own_failures():
     spans = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/completions"]
     assert [s.attributes["http.response.status_code"] for s in spans] == [400, 503] * 2
     assert [s.status.status_code for s in spans] == [StatusCode.UNSET, StatusCode.ERROR] * 2
+    # So are the steps under them: a bad request's admission is no failure; a placement without workers is.
+    steps = {(s.name, s.status.status_code) for s in exporter.get_finished_spans() if s.name != spans[0].name}
+    assert steps == {("admission", StatusCode.UNSET), ("admission", StatusCode.ERROR), ("placement", StatusCode.ERROR)}
+    shed = Router([worker("p0", queued_prefill_tokens=30_000), worker("d0", "decode")]).lifecycle(telemetry=telemetry)
+    exporter.clear()
+    assert (await post(shed, "/v1/completions", f"{{{PROMPT}}}".encode())).status_code == 429
+    assert {s.name: s.status.status_code for s in exporter.get_finished_spans()} == dict.fromkeys(
+        ("admission", "placement", "POST /v1/completions"), StatusCode.UNSET
+    )
     telemetry.shutdown()
 
 
