@@ -43,7 +43,7 @@ from services.router.migration import Continuation, continued_request
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request
-from services.router.retry import Moves, blamed_worker, record_move
+from services.router.retry import Moves, avoided_workers, blamed_worker, record_move
 from services.router.ticket import Ticket
 
 log = logging.getLogger(__name__)
@@ -269,7 +269,7 @@ class RequestLifecycle:
         worker = blamed_worker(error, ticket.placement)
         if eject:
             self.placement.ejections.eject(worker, str(error))
-        failed.add(worker.worker_id)
+        failed.update(avoided_workers(worker, ticket.placement))
         streamed = [t for chunk in chunks for t in chunk]
         if not moves.allow(self.config, len(streamed) if chunks else -1, original.sampling.max_tokens, left):
             raise error
@@ -291,9 +291,9 @@ class RequestLifecycle:
         return moved
 
     async def _place_again(self, req: RoutedRequest, failed: set[str], left: float | None) -> Placement:
-        """On workers that did not fail the request; when none is left, on any live one: a worker that failed it
-        may have recovered (one starved of CPU past the first-token bound, say), which beats failing the request
-        while attempts and time remain. UnavailableError when no worker is live. Before it goes back to a worker
+        """On workers that did not fail the request; when none is left, on those of one role that did (the other
+        role's still avoided), then on any live one: a worker that failed it may have recovered (one starved of CPU
+        past the first-token bound, say), which beats failing the request while attempts and time remain. UnavailableError when no worker is live. Before it goes back to a worker
         that failed, it waits for a remote registry view to refresh twice (within the caller's deadline): a
         replacement or a rollout's successor may be listed already, and not yet seen here."""
         _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
@@ -304,7 +304,14 @@ class RequestLifecycle:
         try:
             return await self._place_within(wait_s, args, frozenset(failed), req.cache_salt)
         except NoWorkersError:
-            return await self.placement.place(*args, cache_salt=req.cache_salt)
+            pass
+        # One role's failed workers back first, the other's still avoided: the only prefill worker blamed with its
+        # decode worker (retry.avoided_workers) must not send the retry back to that decode worker too.
+        for role in (Role.PREFILL, Role.DECODE):
+            given_back = {w.worker_id for w in self.placement.registry.workers(role)}
+            with suppress(NoWorkersError):
+                return await self.placement.place(*args, frozenset(failed - given_back), cache_salt=req.cache_salt)
+        return await self.placement.place(*args, cache_salt=req.cache_salt)
 
     async def _place_with_room(
         self, req: RoutedRequest, failed: set[str], left: float | None, moves: Moves

@@ -8,6 +8,7 @@ any message reached the client the request is retried as it came; after, it migr
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -23,11 +24,22 @@ log = logging.getLogger(__name__)
 
 def blamed_worker(error: UnavailableError, placement: Placement) -> WorkerState:
     """The prefill worker when the decode worker's status (or the router's first-token bound) names its address,
-    else the decode worker: the router could not reach it, or it failed on its own."""
+    as a whole address (not inside another host's name), else the decode worker: the router could not reach it,
+    or it failed on its own."""
     prefill = placement.prefill
-    if prefill is not None and prefill.address in str(error):
+    if prefill is not None and re.search(rf"(?<![\w.\-]){re.escape(prefill.address)}(?!\w)", str(error)):
         return prefill
     return placement.decode
+
+
+def avoided_workers(blamed: WorkerState, placement: Placement) -> set[str]:
+    """The workers a failed attempt's request avoids from then on: the blamed one, and with a prefill worker blamed
+    the decode worker too, since its own fault reads the same from here (a KV transfer it could not receive, a hang
+    after it called the prefill worker) and its retries would keep going back to it. Only the blamed one is
+    ejected; a request with no other worker left still goes back to them (lifecycle.py)."""
+    if blamed is placement.prefill:
+        return {blamed.worker_id, placement.decode.worker_id}
+    return {blamed.worker_id}
 
 
 @dataclass

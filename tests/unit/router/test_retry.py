@@ -6,13 +6,18 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import grpc
 import pytest
 
 from pdserve.config import RouterConfig
 from pdserve.errors import UnavailableError
+from pdserve.rpc.metadata import HANDOFF_STARTED_KEY
+from pdserve.v1 import generate_pb2 as pb
 from services.router.ejection import Ejections
+from services.router.generation import generate
 from services.router.retry import Moves, blamed_worker
 from tests.unit.router.router_builder import Router, prompt, worker
+from tests.unit.router.stand_in_decode import StandInDecode, serving
 
 
 def cluster(**config: object) -> Router:
@@ -87,3 +92,52 @@ def test_max_attempts_below_one_and_a_negative_migration_limit_are_refused():
         RouterConfig(max_attempts=0)
     with pytest.raises(ValueError, match="migration_limit"):
         RouterConfig(migration_limit=-1)
+
+
+def test_a_prefill_address_inside_another_hosts_name_is_not_the_prefill_worker_named():
+    r = Router([worker("p0", address="node-1:7000"), worker("d0", "decode", address="gpu-node-1:7000")])
+    placed = r.place(prompt(40), 8, 1.0)
+    gone = UnavailableError("decode worker d0 at gpu-node-1:7000: failed to connect (UNAVAILABLE)")
+    assert blamed_worker(gone, placed) is placed.decode
+    via = UnavailableError("decode worker d0 at gpu-node-1:7000: prefill worker node-1:7000: KV transfer failed")
+    assert blamed_worker(via, placed) is placed.prefill
+
+
+class BrokenReceive(StandInDecode):
+    """What a decode worker relays when the prefill worker's KV send to it fails on its own side."""
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        self.calls += 1
+        message = f"prefill worker {request.prefill_address}: KV transfer to decode worker d0 failed: refused"
+        await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+        yield pb.GenerateResponse()
+
+
+class HangsAfterHandoff(StandInDecode):
+    """A decode worker stopped after it told the router it called its prefill worker (mid KV receive, say)."""
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        self.calls += 1
+        await context.send_initial_metadata(((HANDOFF_STARTED_KEY, "1"),))
+        await asyncio.sleep(3600)
+        yield pb.GenerateResponse()
+
+
+@pytest.mark.parametrize("faulty", [BrokenReceive, HangsAfterHandoff])
+async def test_a_fault_blamed_on_the_prefill_worker_sends_the_retry_to_another_decode_worker(faulty):
+    """Which side failed is read from the decode worker's status, and a decode worker's own fault can name its
+    prefill worker: the retry then avoids both, so it reaches a healthy decode worker instead of going back to
+    the faulty one (which has the most free blocks) until the attempts run out."""
+    bad, healthy = faulty(), StandInDecode()
+    async with serving(bad) as d0, serving(healthy) as d1:
+        r = Router(
+            [worker("p0"), worker("d0", "decode", address=d0), worker("d1", "decode", address=d1, kv_blocks_free=2048)],
+            first_token_timeout_s=0.5,
+        )
+        req = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(max_tokens=4))
+
+        async def admitted(ticket: object) -> None:
+            pass
+
+        tokens = [t async for msg in generate(r.lifecycle(), req, {}, lambda: 10.0, admitted) for t in msg.token_ids]
+    assert len(tokens) == 4 and (bad.calls, healthy.calls) == (1, 1)
