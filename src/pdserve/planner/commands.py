@@ -56,20 +56,24 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="simulate every prefill:decode split of K workers and recommend one")
     p.add_argument("--profile", type=Path, required=True, help="from pdserve profile")
     p.add_argument("--trace", type=Path, help="Mooncake-format JSONL: timestamp (ms), input_length, output_length")
-    p.add_argument("--rate", type=float, help="requests per second (without --trace)")
-    p.add_argument("--input-len", type=int, help="prompt tokens (without --trace)")
-    p.add_argument("--output-len", type=int, help="output tokens (without --trace)")
-    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
-    p.add_argument("--num-requests", type=int, default=400, help="requests simulated per run")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft-ms", type=float, required=True)
-    p.add_argument("--slo-tpot-ms", type=float, required=True)
-    p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both SLOs")
+    p.add_argument("--rate", type=positive_float, help="requests per second (without --trace)")
+    p.add_argument("--input-len", type=at_least_one, help="prompt tokens (without --trace)")
+    p.add_argument("--output-len", type=at_least_one, help="output tokens (without --trace)")
+    p.add_argument("--range-ratio", type=_ratio, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
+    p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    p.add_argument("--num-requests", type=at_least_one, default=400, help="requests simulated per run")
+    p.add_argument("--seed", type=_seed, default=0)
+    _add_slo_flags(p)
     p.add_argument("--workers", type=int, required=True, help="K: the workers to split")
     _add_admission_flags(p)
     p.add_argument("--json", action="store_true", help="print the recommendation and candidates as JSON")
     p.set_defaults(func=_plan)
+
+
+def _add_slo_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slo-ttft-ms", type=positive_float, required=True)
+    p.add_argument("--slo-tpot-ms", type=positive_float, required=True)
+    p.add_argument("--attainment", type=_share, default=0.9, help="share of requests that must meet both SLOs")
 
 
 def _add_admission_flags(p: argparse.ArgumentParser) -> None:
@@ -99,6 +103,29 @@ def _share(value: str) -> float:
     return x
 
 
+def _ratio(value: str) -> float:
+    """An argparse type: a ratio in [0, 1), as --range-ratio takes it."""
+    x = float(value)
+    if not 0 <= x < 1:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1), got {value}")
+    return x
+
+
+def _seed(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return n
+
+
+def _non_negative(value: str) -> float:
+    """An argparse type: a finite number of seconds, 0 or more."""
+    x = float(value)
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return x
+
+
 def _admission(args: argparse.Namespace) -> Admission | None:
     from pdserve.planner.admission_model import Admission
 
@@ -123,6 +150,12 @@ def _plan(args: argparse.Namespace) -> int:
             load = workload.synthetic(*lengths, args.burstiness, args.seed)
         slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment)
         profile = HardwareProfile.load(args.profile)
+        longest = max(i + o for i, o in zip(load.input_lens, load.output_lens, strict=True))
+        if longest > profile.kv_capacity_tokens:
+            raise ValueError(
+                f"a request of {longest} tokens (prompt and output) does not fit a worker's KV cache "
+                f"({profile.kv_capacity_tokens} tokens in the profile): no split serves it"
+            )
         candidates = plan(profile, load, slo, args.workers, _admission(args))
     except (ValueError, OSError) as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
@@ -186,16 +219,19 @@ def _scale(args: argparse.Namespace) -> int:
         )
         return 2
     roles = ("prefill", "decode") if args.kubernetes else ("prefill", "decode", "colocated")
+    if args.kubernetes and args.colocated is not None:
+        print(
+            "pdserve scale: --colocated is --addr only (the chart's RayCluster runs prefill and decode groups)",
+            file=sys.stderr,
+        )
+        return 2
     counts = {role: n for role in roles if (n := getattr(args, role)) is not None}
     if not counts:
         print(f"pdserve scale: give {' and/or '.join('--' + r for r in roles)}", file=sys.stderr)
         return 2
-    if negative := [role for role, n in counts.items() if n < 0]:
-        print(f"pdserve scale: --{negative[0]} must be >= 0", file=sys.stderr)
-        return 2
-    if args.addr and (outside := [r for r, n in counts.items() if not 1 <= n <= MAX_WORKERS_PER_ROLE]):
-        bound = f"1 to {MAX_WORKERS_PER_ROLE}"
-        print(f"pdserve scale: --{outside[0]} must be {bound} on a running cluster", file=sys.stderr)
+    if outside := [r for r, n in counts.items() if not 1 <= n <= MAX_WORKERS_PER_ROLE]:
+        # A role with no worker serves nothing; pods past the bound would hold workers no router can run.
+        print(f"pdserve scale: --{outside[0]} must be 1 to {MAX_WORKERS_PER_ROLE}", file=sys.stderr)
         return 2
     if args.addr and args.kubernetes:
         return _scale_pods_and_workers(args, counts)
@@ -248,12 +284,12 @@ def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
 
 
 def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
-    from pdserve.planner.kube_scale import FLOOR_ADVICE, RayClusterApi, apply_patch, replicas_patch
+    from pdserve.planner.kube_scale import FLOOR_ADVICE, RayClusterApi, apply_patch
 
     name, namespace = _raycluster(args)
     try:
         if args.dry_run:
-            patch, floors = replicas_patch(counts), []
+            patch, floors = _dry_run_patch(name, namespace, counts)
         else:
             patch, floors = apply_patch(RayClusterApi(name, namespace), counts)
     except ValueError as e:
@@ -268,6 +304,19 @@ def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
         advice = FLOOR_ADVICE.format(group=group)
         print(f"pdserve scale: {group} is now below the chart's minReplicas: {advice}", file=sys.stderr)
     return 0
+
+
+def _dry_run_patch(name: str, namespace: str, counts: dict[str, int]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The patch a scale would apply, read against the live RayCluster (the minReplicas/maxReplicas it widens,
+    the floors it lowers); where that cannot be read (no cluster, no rights), the replicas alone, said so."""
+    from pdserve.planner.kube_scale import RayClusterApi, lowered_floors, replicas_patch
+
+    try:
+        live = RayClusterApi(name, namespace).get()
+    except Exception as e:  # the kubernetes client's: no credentials, no such object, refused by the API server
+        print(f"pdserve scale: RayCluster {namespace}/{name} not read ({e}): the replicas alone", file=sys.stderr)
+        return replicas_patch(counts), []
+    return replicas_patch(counts, live), lowered_floors(counts, live)
 
 
 def _scale_pods_and_workers(args: argparse.Namespace, counts: dict[str, int]) -> int:
@@ -337,14 +386,16 @@ def _add_autoscale(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("autoscale", help="re-plan the split from a router's live load and scale it, with hysteresis")
     p.add_argument("--addr", type=host_port, required=True, help="router HOST:PORT")
     p.add_argument("--profile", type=Path, required=True, help="from pdserve profile")
-    p.add_argument("--slo-ttft-ms", type=float, required=True)
-    p.add_argument("--slo-tpot-ms", type=float, required=True)
-    p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both SLOs")
+    _add_slo_flags(p)
     p.add_argument("--max-workers", type=int, required=True, help="never more workers than this in all")
-    p.add_argument("--interval", type=float, default=10.0, help="seconds between decisions")
-    p.add_argument("--window", type=float, default=60.0, help="seconds of admitted load each decision looks at")
-    p.add_argument("--consecutive", type=int, default=3, help="the same recommendation this many times before acting")
-    p.add_argument("--cooldown", type=float, default=120.0, help="seconds after a scale before the next one")
+    p.add_argument("--interval", type=positive_float, default=10.0, help="seconds between decisions")
+    p.add_argument(
+        "--window", type=positive_float, default=60.0, help="seconds of admitted load each decision looks at"
+    )
+    p.add_argument(
+        "--consecutive", type=at_least_one, default=3, help="the same recommendation this many times before acting"
+    )
+    p.add_argument("--cooldown", type=_non_negative, default=120.0, help="seconds after a scale before the next one")
     p.add_argument("--once", action="store_true", help="one decision once the window is covered, printed; then exit")
     p.add_argument("--dry-run", action="store_true", help="decide and print, never scale")
     add_client_flags(p)
@@ -359,8 +410,8 @@ def _autoscale(args: argparse.Namespace) -> int:
     from pdserve.planner.plan import SLO
 
     try:
-        if args.max_workers < 2 or args.consecutive < 1 or args.interval <= 0 or args.window <= 0:
-            raise ValueError("need --max-workers >= 2, --consecutive >= 1, --interval > 0 and --window > 0")
+        if args.max_workers < 2:
+            raise ValueError(f"--max-workers must be at least 2 (a worker per role), got {args.max_workers}")
         config = AutoscaleConfig(
             HardwareProfile.load(args.profile),
             SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment),

@@ -16,7 +16,7 @@ import numpy as np
 from pdserve.planner.admission_model import Admission
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.shape import Shape
-from pdserve.planner.simulator import SimResult, Simulator
+from pdserve.planner.simulator import SimResult, Simulator, decode_token_s, prefill_work_s
 from pdserve.planner.workload import Workload
 
 SEARCH_STEPS = 8  # bisection steps: the rate to within 1/256 of its bracket (a doubling)
@@ -91,12 +91,15 @@ def max_rate(
     profile: HardwareProfile, shape: Shape, workload: Workload, slo: SLO, admission: Admission | None = None
 ) -> float:
     """The highest rate at which `shape` still meets the attainment target; 0 when even an idle one does not.
-    Where the workers share a host's cores, also no rate that asks more of them than there are: the trace is
-    finite, and a host that falls ever further behind can still meet the target over its few seconds."""
+    Never past the rate it can keep up with (`sustainable_rate`), nor, where the workers share a host's cores,
+    one that asks more of them than there are: the trace is finite, and a cluster that falls ever further behind
+    can still meet the target over its few seconds (at a high enough rate the trace is one burst)."""
+    bound = sustainable_rate(profile, shape, workload)
 
     def meets(rate: float) -> bool:
         o = simulate(profile, shape, workload, rate, slo, admission)
-        return o.attainment >= slo.attainment and (not profile.shared_cores or o.demand_cores <= profile.shared_cores)
+        cores = not profile.shared_cores or o.demand_cores <= profile.shared_cores
+        return rate <= bound and o.attainment >= slo.attainment and cores
 
     lo = workload.rate / 1024
     if not meets(lo):
@@ -112,6 +115,19 @@ def max_rate(
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if meets(mid) else (lo, mid)
     return lo
+
+
+def sustainable_rate(profile: HardwareProfile, shape: Shape, workload: Workload) -> float:
+    """The rate past which a phase has more work than its workers have time: prompts prefill one after another,
+    and tokens decode at best in full batches (`max_num_seqs`, or as many sequences as the KV holds)."""
+    p = profile
+    prefill_s = float(np.mean([prefill_work_s(p, n) for n in workload.input_lens]))
+    out, seq_tokens = workload.mean_output_len, workload.mean_input_len + workload.mean_output_len
+    batch = max(1, min(p.max_num_seqs, int(p.kv_capacity_tokens // seq_tokens)))
+    decode_s = out * decode_token_s(p, batch, workload.mean_input_len + out / 2)
+    if shape.colocated:
+        return shape.colocated / (prefill_s + decode_s)
+    return min(shape.prefill / prefill_s, shape.decode / decode_s)
 
 
 @dataclass(frozen=True)

@@ -352,13 +352,10 @@ class Simulator:
         if step.chunks:
             fixed = perf.prefill_fixed_s
             for s, n in step.chunks:
-                seconds += perf.prefill_per_token_s * n + perf.prefill_per_token2_s * n * n
-                seconds += self.p.prefill_per_context_token_s * n * s.prefilled
-                seconds += self.p.prefill_loop_s if s.prefilled + n == s.req.input_len else 0.0
+                seconds += _chunk_s(self.p, n, s.prefilled, last=s.prefilled + n == s.req.input_len)
         if step.decoded:
             fixed = max(fixed, perf.decode_fixed_s)
-            seconds += (perf.decode_per_seq_s + self.p.decode_loop_per_token_s) * step.decoded
-            seconds += self.p.decode_per_context_token_s * step.context
+            seconds += _decoded_s(self.p, step.decoded, step.context)
         return fixed + seconds
 
     def _result(self, seqs: list[_Seq]) -> SimResult:
@@ -392,6 +389,35 @@ class Simulator:
         threads = int(self.p.meta.get("threads", 1))
         cpu_s = self._work_s * threads + len(seqs) * self.p.serving_cpu_s
         return cpu_s / arrivals_s + self.p.background_cores
+
+
+def _chunk_s(p: HardwareProfile, n: int, prefilled: int, last: bool) -> float:
+    """A prompt chunk's share of a step: its tokens, its reads of the earlier chunks, its hand-off when last."""
+    seconds = p.perf.prefill_per_token_s * n + p.perf.prefill_per_token2_s * n * n
+    seconds += p.prefill_per_context_token_s * n * prefilled
+    return seconds + (p.prefill_loop_s if last else 0.0)
+
+
+def _decoded_s(p: HardwareProfile, decoded: int, context: int | float) -> float:
+    """A decode step's share for `decoded` sequences reading `context` tokens of KV between them."""
+    return (p.perf.decode_per_seq_s + p.decode_loop_per_token_s) * decoded + p.decode_per_context_token_s * context
+
+
+def prefill_work_s(p: HardwareProfile, input_len: int) -> float:
+    """A prompt's engine seconds, chunk after chunk as a worker alone runs it: what it adds to its worker's work
+    at any load (a prefill worker runs one prompt per step)."""
+    seconds, done = 0.0, 0
+    while done < input_len:
+        n = min(input_len - done, p.long_prefill_chunk, p.max_num_batched_tokens)
+        seconds += p.step_overhead_s + p.perf.prefill_fixed_s + _chunk_s(p, n, done, last=done + n == input_len)
+        done += n
+    return seconds
+
+
+def decode_token_s(p: HardwareProfile, batch: int, context: float) -> float:
+    """Engine seconds per token of a decode step of `batch` sequences, each reading `context` tokens of KV."""
+    step = p.step_overhead_s + p.perf.decode_fixed_s + _decoded_s(p, batch, batch * context)
+    return step / batch
 
 
 def _streams(d: _Worker) -> int:

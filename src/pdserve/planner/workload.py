@@ -8,6 +8,7 @@ not because one draw was luckier than the next.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def from_trace(path: Path) -> Workload:
     rate = (len(rows) - 1) / span if span > 0 else 1.0
     return Workload(
         tuple(i for _, i, _ in rows),
-        tuple(max(1, o) for _, _, o in rows),
+        tuple(o for _, _, o in rows),
         tuple(float(t) * rate for t in times),
         rate,
     )
@@ -96,8 +97,13 @@ def _trace_row(path: Path, n: int, line: str) -> tuple[float, int, int]:
     which `pdserve plan` reports as a usage error."""
     try:
         row = json.loads(line)
-        return float(row["timestamp"]), int(row["input_length"]), int(row["output_length"])
+        at, lengths = float(row["timestamp"]), (int(row["input_length"]), int(row["output_length"]))
     except KeyError as e:
         raise ValueError(f"trace {path} line {n}: no {e.args[0]!r}") from None
     except (ValueError, TypeError) as e:
         raise ValueError(f"trace {path} line {n}: {e}") from None
+    if not math.isfinite(at):
+        raise ValueError(f"trace {path} line {n}: timestamp {at} is not a time")
+    if min(lengths) < 1:
+        raise ValueError(f"trace {path} line {n}: input_length and output_length must be at least 1, got {lengths}")
+    return at, *lengths

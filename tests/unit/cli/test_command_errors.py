@@ -40,7 +40,10 @@ def test_a_reader_that_leaves_is_status_1_without_a_traceback():
     ("argv", "says"),
     [
         (["client", "--addr", "127.0.0.1:1", "--prompt", "hi", "--max-tokens", "-5"], "--max-tokens: must be >= 0"),
-        (["scale", "--addr", "127.0.0.1:1", "--prefill", "0"], "--prefill must be 1 to 64 on a running cluster"),
+        (["scale", "--addr", "127.0.0.1:1", "--prefill", "0"], "--prefill must be 1 to 64"),
+        (["scale", "--kubernetes", "--dry-run", "--decode", "0"], "--decode must be 1 to 64"),  # a role serving nothing
+        (["scale", "--kubernetes", "--dry-run", "--prefill", "100000"], "--prefill must be 1 to 64"),
+        (["scale", "--kubernetes", "--dry-run", "--colocated", "3"], "--colocated is --addr only"),
     ],
 )
 def test_a_bad_count_is_refused_before_any_call(capsys, argv, says):

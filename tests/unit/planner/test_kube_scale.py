@@ -114,6 +114,22 @@ def test_scale_dry_run_prints_the_patch(capsys: pytest.CaptureFixture[str]) -> N
     captured = capsys.readouterr()
     assert json.loads(captured.out) == replicas_patch({"prefill": 2, "decode": 5})
     assert "serving/prod-pdserve" in captured.err
+    assert "not read" in captured.err and "the replicas alone" in captured.err  # no cluster here
+
+
+def test_a_dry_run_shows_the_patch_the_live_raycluster_would_take(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The range it widens and the floor it lowers, as the scale itself would, not the replicas alone."""
+    live = RecordingRayCluster()
+    for spec in live.live["spec"]["workerGroupSpecs"]:
+        spec.update(replicas=2, minReplicas=2, maxReplicas=2)
+    monkeypatch.setattr(kube_scale, "RayClusterApi", lambda name, namespace: live)
+    assert cli.main(["scale", "--kubernetes", "--dry-run", "--prefill", "1", "--decode", "4"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == replicas_patch({"prefill": 1, "decode": 4}, live.live)
+    assert {op["path"].rsplit("/", 1)[1] for op in json.loads(captured.out)} >= {"minReplicas", "maxReplicas"}
+    assert "prefill is now below the chart's minReplicas" in captured.err and not live.patches
 
 
 def test_scale_without_kubernetes_says_what_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
