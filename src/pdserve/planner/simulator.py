@@ -17,7 +17,10 @@ prompt's blocks, then the prefill worker queues the prompt; once the prompt's la
 the blocks and the prefill worker sends the KV at once; then the decode worker commits the KV and the first
 token reaches the caller, while the prefill worker frees the sent blocks between its own steps. The decode
 worker admits a sequence to its batch only while its whole KV (prompt + output) fits, and takes no hand-off
-while `max_num_seqs` sequences are placed on it (the request fails, or admission sheds it); a worker that
+while `max_num_seqs` sequences are placed on it (the request fails, or admission sheds it). (The engine differs
+under KV pressure: it reserves the prompt's blocks at the hand-off, refusing one it cannot hold, and preempts a
+sequence when the batch outgrows its KV. Here a sequence waiting for room holds no KV and none is preempted:
+the wait shows as TPOT, where the engine would shed or recompute. Plans far from the KV capacity agree.) A worker that
 prefills starts a new prompt only while the sequences in its engine (in prefill or decoding) are fewer, as the
 engine's scheduler does. The profile's serving latency (router, RPCs, relay) delays every request, holding no
 worker.
