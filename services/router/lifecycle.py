@@ -293,9 +293,10 @@ class RequestLifecycle:
     async def _place_again(self, req: RoutedRequest, failed: set[str], left: float | None) -> Placement:
         """On workers that did not fail the request; when none is left, on those of one role that did (the other
         role's still avoided), then on any live one: a worker that failed it may have recovered (one starved of CPU
-        past the first-token bound, say), which beats failing the request while attempts and time remain. UnavailableError when no worker is live. Before it goes back to a worker
-        that failed, it waits for a remote registry view to refresh twice (within the caller's deadline): a
-        replacement or a rollout's successor may be listed already, and not yet seen here."""
+        past the first-token bound, say), which beats failing the request while attempts and time remain.
+        UnavailableError when no worker is live. Before it goes back to a worker that failed, it waits for a
+        remote registry view to refresh twice (within the caller's deadline): a replacement or a rollout's
+        successor may be listed already, and not yet seen here."""
         _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         args = (req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3)
         wait_s = 2 * self.placement.registry.refresh_s

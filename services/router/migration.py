@@ -38,17 +38,20 @@ class Continuation:
 
     def __init__(self, decoder: Tokenizer, original: RoutedRequest, chunks: list[list[int]]) -> None:
         self._detok = IncrementalDetokenizer(decoder, original.prompt_token_ids, stop=original.sampling.stop)
+        self._stop_tokens = set(original.sampling.stop_token_ids)
         for chunk in chunks:
             self._detok.step(chunk)
 
     def rewrite(self, msg: pb.GenerateResponse) -> None:
         """The engine's rule: a stop string ends the stream with STOP (even one the new worker could not see,
         spanning the break), and the message keeps only the tokens up to the one that completed it (a message
-        can carry several); any other finish releases the held-back text."""
+        can carry several); a stop token adds no text; any other finish releases the held-back text."""
         text, kept = "", 0
         for token in msg.token_ids:
-            text += self._detok.step([token])
             kept += 1
+            if token in self._stop_tokens:  # the last the engine sent
+                break
+            text += self._detok.step([token])
             if self._detok.stopped:
                 break
         if self._detok.stopped:

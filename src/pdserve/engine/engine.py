@@ -230,7 +230,8 @@ class LLMEngine:
     def _append_token(self, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         seq = req.seq
         seq.output_token_ids.append(token)
-        text = req.detokenizer.step([token])
+        # A stop token ends the output without its own text, as a stop string does (vLLM's rule); its id stays.
+        text = "" if token in seq.sampling.stop_token_ids else req.detokenizer.step([token])
         reason = self._finish_reason(req, token)
         if reason is not None:
             if reason is not FinishReason.STOP or not req.detokenizer.stopped:

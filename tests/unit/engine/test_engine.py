@@ -3,6 +3,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -233,6 +234,20 @@ def test_stop_token_id_ends_with_stop(engine: LLMEngine, reference: list[list[in
     )
     assert reason is FinishReason.STOP
     assert done in (full[:index], full[: index + 1])
+    assert_idle(engine)
+
+
+def test_a_stop_tokens_own_text_is_not_in_the_output(engine: LLMEngine, reference: list[list[int]]) -> None:
+    """As vLLM (and a stop string here): the output's text ends before the stop token, whose id is still sent."""
+    full = reference[0]
+    # A token of its own ASCII character (tiny-random's byte tokens: id 3 + the byte), first seen past the start.
+    index = next(i for i, t in enumerate(full) if i > 1 and t not in full[:i] and 35 <= t < 130)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    before = engine.generate([prompts(1)[0]], replace(greedy, max_tokens=index))[0]
+    through = engine.generate([prompts(1)[0]], replace(greedy, max_tokens=index + 1))[0]
+    stopped = engine.generate([prompts(1)[0]], replace(greedy, stop_token_ids=(full[index],)))[0]
+    assert stopped.token_ids == full[: index + 1] and stopped.finish_reason is FinishReason.STOP
+    assert stopped.text == before.text != through.text
     assert_idle(engine)
 
 

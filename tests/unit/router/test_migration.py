@@ -93,3 +93,13 @@ def test_a_message_of_several_tokens_ends_at_the_token_that_completed_a_stop_str
     assert list(msg.token_ids) == [6] and msg.finish_reason == pb.FINISH_REASON_STOP
     assert list(msg.logprobs) == logprobs[:1]  # one per token kept
     assert streamed + msg.text == expected_text
+
+
+def test_a_stop_token_after_the_break_adds_no_text_as_the_engine_leaves_its_own_out():
+    """The engine ends on a stop token without its text: the router's rewrite of a continuation does the same,
+    releasing what the detokenizer held back before it."""
+    req = replace(request(), sampling=SamplingParams(max_tokens=10, stop_token_ids=(7,)))  # "e" is token 7
+    continuation = Continuation(LETTERS, req, [[3], [4]])
+    msg = pb.GenerateResponse(token_ids=[5, 7], text="?", finish_reason=pb.FINISH_REASON_STOP)
+    continuation.rewrite(msg)
+    assert msg.text == "c" and list(msg.token_ids) == [5, 7]
