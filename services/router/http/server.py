@@ -17,6 +17,7 @@ from starlette.types import ASGIApp
 
 from pdserve.rpc.credentials import ServerTLS
 from services.router.http.connection_close import ConnectionAge
+from services.router.http.head_deadline import HEAD_TIMEOUT_S, with_head_timeout
 
 STARTUP_TIMEOUT_S = 10.0
 
@@ -36,9 +37,11 @@ class HttpServer:
         tls: ServerTLS | None = None,
         grace_s: int = 1,
         max_connection_age_s: float | None = None,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
     ) -> None:
         """`max_connection_age_s`: a keep-alive connection is closed after its first response past this age (None:
-        never), as the gRPC listener's GOAWAY does."""
+        never), as the gRPC listener's GOAWAY does. `head_timeout_s`: a connection whose request head is not in
+        within this is closed (head_deadline.py)."""
         # The same certificate as the gRPC port: TLS on one public port and plaintext on the other would be a hole.
         ssl: dict[str, Any] = {}
         if tls is not None:
@@ -49,6 +52,7 @@ class HttpServer:
             app = ConnectionAge(app, max_connection_age_s)
         config = uvicorn.Config(
             app,
+            http=with_head_timeout(head_timeout_s),  # h11, with a deadline on each request's head
             host=host,
             port=port,
             lifespan="off",
