@@ -251,6 +251,9 @@ def test_monitors_select_the_metrics_ports(rendered: dict[str, Objects]) -> None
         for component in components:
             ports = pod_templates(objects)[component]["spec"]["containers"][0]["ports"]
             assert port in {p["name"] for p in ports}, (name, component)
+    # The workers' series carry `role` themselves: the scrape's own `role` (for process metrics) must not rename it.
+    workers = one(objects, "PodMonitor", "pd-pdserve-workers")["spec"]["podMetricsEndpoints"][0]
+    assert workers["honorLabels"] is True and workers["relabelings"][0]["targetLabel"] == "role"
     # metricsFrom names the monitoring namespace only
     assert not allowed(objects, "router", "decode", 9401) and not allowed(objects, "router", "controller", 9402)
     assert allowed(rendered["gpu.yaml"], "router", "controller", 9402)  # no metricsFrom: any scraper
