@@ -21,7 +21,7 @@ from starlette.types import Send
 
 from pdserve.errors import OverloadedError
 from pdserve.security.quotas import Choices
-from pdserve.telemetry import mark_ended_by
+from pdserve.telemetry import mark_ended_by, step_span
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, check_model, generate
 from services.router.http.connection_close import CloseWhileDraining
@@ -170,17 +170,17 @@ class OpenAIAPI:
 
         async def run(index: int) -> None:
             # A span of its own under the request's: each choice is placed and streamed apart, and its ids and
-            # counts would overwrite the others' on one span.
-            with self.lifecycle.telemetry.tracer.start_as_current_span("choice", attributes={"choice.index": index}):
-                try:
+            # counts would overwrite the others' on one span. Its failure is marked there (step_span).
+            try:
+                with step_span(self.lifecycle.telemetry.tracer, "choice", choice__index=index):
                     if index:
                         await first_token[index - 1].wait()
                     async for msg in self._generate(req.choice_message(index), req, request, headers, choices):
                         first_token[index].set()
                         queue.put_nowait((index, msg))
                     queue.put_nowait((index, None))
-                except Exception as e:
-                    queue.put_nowait((index, e))
+            except Exception as e:
+                queue.put_nowait((index, e))
 
         with self.lifecycle.holding():
             tasks = [asyncio.ensure_future(run(i)) for i in range(req.n)]

@@ -13,6 +13,7 @@ import httpx2
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from pdserve.env import CLUSTER_SECRET_VAR
 from pdserve.security.api_keys import KeyTable, Tenant, digest
@@ -87,6 +88,33 @@ async def test_each_choice_has_its_own_span_under_the_requests(decode):
     assert all(c.parent.span_id == http.context.span_id for c in choices)
     assert len({c.attributes["request.id"] for c in choices}) == 2  # each its own request, its own id
     assert "request.id" not in http.attributes
+    telemetry.shutdown()
+
+
+class FailsChoiceOne(StandInDecode):
+    """Serves the first choice of `x-request-id: r`, refuses the second (UNAVAILABLE, as a lost worker)."""
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        if request.client_request_id == "r-1":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "lost")
+        async for msg in super().Generate(request, context):
+            yield msg
+
+
+async def test_a_failed_choices_span_is_an_error_with_its_exception(monkeypatch):
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("test-router", span_processor=SimpleSpanProcessor(exporter))
+    async with serving(FailsChoiceOne()) as address:
+        router = Router([worker("p0"), worker("d0", "decode", address=address)], max_attempts=1)
+        lc = router.lifecycle(KeyTable({digest(KEY): Tenant("team", "k")}), telemetry=telemetry)
+        transport = httpx2.ASGITransport(app=openai_app(lc))
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "n": 2, "ignore_eos": True}
+        headers = {"authorization": f"Bearer {KEY}", "x-request-id": "r"}
+        async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+            assert (await http.post("/v1/completions", json=body, headers=headers)).status_code == 503
+    (failed,) = [s for s in exporter.get_finished_spans() if s.name == "choice" and s.attributes["choice.index"] == 1]
+    assert failed.status.status_code is StatusCode.ERROR and [e.name for e in failed.events] == ["exception"]
     telemetry.shutdown()
 
 
