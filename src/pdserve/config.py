@@ -8,6 +8,7 @@ dtype object) are resolved in the engine (`pdserve.engine.device`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field, replace
 
@@ -22,6 +23,7 @@ CLUSTER_MODES = ("disaggregated", "colocated")
 # Workers of one role, also what `pdserve scale` allows: those on one host take consecutive fixed ports, this many
 # (`addresses.PORT_SPAN`).
 MAX_WORKERS_PER_ROLE = 64
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py's from_url takes
 DECODE_GRAPH_MODES = ("auto", "static", "off")
 
 
@@ -277,13 +279,15 @@ class ClusterConfig:
             raise ValueError(
                 "--internal-tls-server-name needs --internal-tls-cert, --internal-tls-key, --internal-tls-ca"
             )
-        for name in ("port", "worker_port", "transfer_port", "worker_metrics_port"):
-            if not 0 <= getattr(self, name) < 65536:
-                raise ValueError(f"{name} must be a TCP port (0: any free one), got {getattr(self, name)}")
+        for name in ("port", "worker_port", "transfer_port", "worker_metrics_port", "metrics_port", "http_port"):
+            if (port := getattr(self, name)) is not None and not 0 <= port < 65536:
+                raise ValueError(f"{name} must be a TCP port (0: any free one), got {port}")
+        if self.redis_url is not None and not self.redis_url.startswith(REDIS_SCHEMES):
+            raise ValueError(f"redis must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
         if self.advertise_host in ("0.0.0.0", "::"):
             raise ValueError(f"advertise_host must be an address others can dial, got {self.advertise_host!r}")
-        if self.drain_grace_s < 0:
-            raise ValueError(f"drain_grace_s must be >= 0 (0: stop at once), got {self.drain_grace_s}")
+        if not 0 <= self.drain_grace_s < math.inf:
+            raise ValueError(f"drain_grace_s must be a finite number >= 0 (0: stop at once), got {self.drain_grace_s}")
         if self.rollout_surge_wait_s < 0:
             raise ValueError(f"rollout_surge_wait_s must be >= 0 (0: never surge), got {self.rollout_surge_wait_s}")
 

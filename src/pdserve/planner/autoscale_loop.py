@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import signal
+import sys
 from dataclasses import asdict, dataclass
 
 import grpc
@@ -37,10 +38,20 @@ class AutoscaleConfig:
     dry_run: bool  # decide and print, never scale
 
 
+# A status call refused for what the caller is or asked: the same call at the next interval fails the same way.
+_FOR_GOOD = (
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.UNIMPLEMENTED,
+)
+
+
 async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleConfig) -> int:
-    """Returns 0 once stopped by a signal (or after one decision with `once`). The signals set an event the
-    loop checks rather than cancel its task: grpc.aio can swallow a task's cancellation when it lands as a
-    call completes, and the loop would then run on."""
+    """Returns 0 once stopped by a signal (or after one decision with `once`); 1 when the router refuses the
+    status call for good (a key without admin rights, say), or with `once` does not answer it. The signals set
+    an event the loop checks rather than cancel its task: grpc.aio can swallow a task's cancellation when it
+    lands as a call completes, and the loop would then run on."""
     window, hysteresis = LoadWindow(c.window_s), Hysteresis(c.consecutive, c.cooldown_s)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -50,6 +61,9 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
         try:
             status = await cluster_status(addr, credentials)
         except grpc.aio.AioRpcError as e:  # the router restarting, say: the next interval asks again
+            if c.once or e.code() in _FOR_GOOD:  # one decision asked for, or no later call can succeed
+                print(f"pdserve autoscale: no status from {addr}: {e.code().name}: {e.details()}", file=sys.stderr)
+                return 1
             log.warning("no status from %s: %s: %s", addr, e.code().name, e.details())
             await _pause(stop, c.interval_s)
             continue

@@ -17,10 +17,11 @@ through here, so TLS (and who holds which certificate) is decided once.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -127,14 +128,24 @@ def add_client_flags(p: argparse.ArgumentParser) -> None:
 
 
 def client_credentials(args: argparse.Namespace) -> ClientCredentials:
+    """The client flags' credentials; a usage error (exit 2, one line) when they do not go together or name a
+    file that is not there."""
     if bool(args.tls_cert) != bool(args.tls_key):
-        raise SystemExit("give both --tls-cert and --tls-key, or neither")
+        _usage_error("give both --tls-cert and --tls-key, or neither")
     if args.tls_cert and not args.tls_ca:
-        raise SystemExit("--tls-cert needs --tls-ca (the client certificate is only sent over TLS)")
+        _usage_error("--tls-cert needs --tls-ca (the client certificate is only sent over TLS)")
     if args.tls_server_name and not args.tls_ca:
-        raise SystemExit("--tls-server-name needs --tls-ca (the name is checked only over TLS)")
+        _usage_error("--tls-server-name needs --tls-ca (the name is checked only over TLS)")
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path and not Path(path).is_file():
+            _usage_error(f"{flag}: no such file: {path}")
     api_key = args.api_key or env.api_key()
     return ClientCredentials(args.tls_ca, args.tls_cert, args.tls_key, api_key, args.tls_server_name)
+
+
+def _usage_error(message: str) -> NoReturn:
+    print(f"pdserve: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def internal_server_tls() -> ServerTLS | None:

@@ -52,6 +52,14 @@ def test_a_bad_count_is_refused_before_any_call(capsys, argv, says):
     assert says in captured.err and captured.out == ""
 
 
+@pytest.mark.parametrize("command", [["status"], ["client", "--prompt", "hi"], ["drain", "w-1"]])
+def test_a_certificate_file_that_is_not_there_is_a_usage_error(capsys, command):
+    with pytest.raises(SystemExit) as exit_:
+        main([command[0], "--addr", "127.0.0.1:1", *command[1:], "--tls-ca", "/nonexistent/ca.pem"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "pdserve: --tls-ca: no such file: /nonexistent/ca.pem\n"
+
+
 def test_loadgen_counts_must_be_positive():
     with pytest.raises(ValueError, match="--num-prompts must be at least 1, got -1"):
         WorkloadConfig(num_prompts=-1)

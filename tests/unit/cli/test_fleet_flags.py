@@ -36,6 +36,24 @@ def test_up_exits_2_with_one_line_before_ray_starts(capsys):
     assert err == ["pdserve up: prefill must be 1 to 64 workers in disaggregated mode, got -1"]
 
 
+ROUTER = ["router", "--model", "tiny-random", "--redis", "redis://127.0.0.1:1/0"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["router", "--model", "tiny-random", "--redis", "notaurl"], "redis must be a redis://"),
+        ([*ROUTER, "--metrics-port", "99999"], "metrics_port must be a TCP port"),
+        ([*ROUTER, "--http-port", "-5"], "http_port must be a TCP port"),
+        ([*ROUTER, "--drain-grace-s", "nan"], "drain_grace_s must be a finite number >= 0"),
+    ],
+)
+def test_a_router_refuses_what_it_could_not_use_in_one_line_not_a_traceback(capsys, argv, line):
+    assert main(argv) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith(f"pdserve router: {line}"), err
+
+
 @pytest.mark.parametrize("command", ["up", "controller", "generate", "profile", "bench engine"])
 def test_a_batch_of_no_sequences_is_refused_by_every_command_that_builds_an_engine(command, capsys):
     with pytest.raises(SystemExit) as exit_:

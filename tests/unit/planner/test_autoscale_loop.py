@@ -89,3 +89,32 @@ async def test_a_routers_own_totals_while_redis_is_down_are_no_load(monkeypatch,
     assert router.scaled == []
     decisions = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert decisions and all(d["load"]["rate"] == 0 for d in decisions), decisions
+
+
+@pytest.mark.parametrize(
+    ("code", "once", "asked"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, False, 3),  # the router restarting: asked again, until the stand-in ends it
+        (grpc.StatusCode.UNAVAILABLE, True, 1),  # one decision asked for: none to make, exit 1
+        (grpc.StatusCode.PERMISSION_DENIED, False, 1),  # a key without admin rights: no later call succeeds
+    ],
+)
+async def test_a_status_refused_for_good_or_missing_under_once_ends_the_loop_with_1(
+    monkeypatch, capsys, code: grpc.StatusCode, once: bool, asked: int
+) -> None:
+    calls = []
+
+    async def refused(addr: str, credentials: ClientCredentials) -> apb.ClusterStatusResponse:
+        calls.append(addr)
+        if len(calls) == 3:
+            raise EOFError("enough")
+        raise grpc.aio.AioRpcError(code, None, None, "no")
+
+    monkeypatch.setattr(autoscale_loop, "cluster_status", refused)
+    if asked == 1:
+        assert await run_autoscale("router:50051", ClientCredentials(), config(once=once)) == 1
+        assert f"no status from router:50051: {code.name}" in capsys.readouterr().err
+    else:
+        with pytest.raises(EOFError):
+            await run_autoscale("router:50051", ClientCredentials(), config(once=once))
+    assert len(calls) == asked

@@ -67,7 +67,9 @@ async def test_with_a_client_ca_the_public_port_takes_the_clusters_internal_cert
         await server.stop(None)
 
 
-async def test_tls_server_name_checks_the_name_the_certificate_carries_instead_of_the_host(tmp_path: Path) -> None:
+async def test_tls_server_name_checks_the_name_the_certificate_carries_instead_of_the_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A router certificate for its public name, reached at another address (a Service name, a port-forward)."""
     certs = make_certs(tmp_path)
     server = Server("127.0.0.1", 0, tls=server_tls(str(certs.internal_cert), str(certs.internal_key)))
@@ -83,8 +85,13 @@ async def test_tls_server_name_checks_the_name_the_certificate_carries_instead_o
             assert await _health(server.address, client_credentials(args)) == expected, named
     finally:
         await server.stop(None)
-    with pytest.raises(SystemExit, match="--tls-server-name needs --tls-ca"):
+    with pytest.raises(SystemExit) as refused:
         client_credentials(parser.parse_args(["--tls-server-name", INTERNAL_NAME]))
+    assert refused.value.code == 2
+    assert "--tls-server-name needs --tls-ca" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as missing:  # a usage error, not a traceback when the channel opens
+        client_credentials(parser.parse_args(["--tls-ca", str(certs.ca) + ".missing"]))
+    assert missing.value.code == 2 and "--tls-ca: no such file" in capsys.readouterr().err
 
 
 def test_half_given_certificates_are_refused() -> None:
