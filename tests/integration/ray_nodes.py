@@ -56,10 +56,16 @@ class RayNode:
         args += ["--node-ip-address", ip, "--resources", json.dumps(resources), "--object-store-memory", "80000000"]
         for name, port in ports.items():
             args += [f"--{name}-port", str(port)]
-        worker_port = free_port()  # a small range of its own for worker processes
-        args += ["--min-worker-port", str(worker_port), "--max-worker-port", str(worker_port + 40)]
         if head_address is None:
             self.port, self.client_port = free_port(), free_port()
+        # A small range of its own for worker processes, clear of every port chosen above: Ray refuses to start a
+        # node whose ports overlap (a CI run failed so, a dashboard agent port inside the range).
+        taken = {*ports.values(), *((self.port, self.client_port) if head_address is None else ())}
+        worker_port = free_port()
+        while taken & set(range(worker_port, worker_port + 41)):
+            worker_port = free_port()
+        args += ["--min-worker-port", str(worker_port), "--max-worker-port", str(worker_port + 40)]
+        if head_address is None:
             args += ["--head", "--port", str(self.port), "--ray-client-server-port", str(self.client_port)]
             args += ["--include-dashboard", "false"]
             self.address = f"{ip}:{self.port}"
