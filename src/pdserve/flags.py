@@ -4,7 +4,7 @@ or by its flag's name, instead of in a keyword list beside every command."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any, TypeVar
 
@@ -67,6 +67,21 @@ def positive_float(value: str) -> float:
     if not 0 < x < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
     return x
+
+
+def in_range(
+    kind: Callable[[str], Any], low: float, high: float, low_in: bool = True, high_in: bool = False
+) -> Callable[[str], Any]:
+    """An argparse type: a number of `kind` between `low` and `high`, each bound in or out (nan never is)."""
+    bounds = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+
+    def parse(value: str) -> Any:
+        x = kind(value)
+        if not ((low <= x if low_in else low < x) and (x <= high if high_in else x < high)):
+            raise argparse.ArgumentTypeError(f"must lie in {bounds}, got {value}")
+        return x
+
+    return parse
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

@@ -159,14 +159,10 @@ class AsyncEngine:
         return await self._call(lambda e: e.reserve(request), undo=lambda e, _: _drop(e, request.request_id))
 
     async def commit_and_stream(
-        self,
-        request_id: str,
-        first_token: int,
-        first_logprobs: TokenLogprobs | None = None,
-        kv_received: bool = True,
+        self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None, kv_received: bool = True
     ) -> AsyncIterator[RequestOutput]:
-        """Decode side: the reserved blocks hold the KV (unless `kv_received` is False: the first token ended the
-        request); yield the first token's output, then the decode's."""
+        """Decode side: the reserved blocks hold the KV (`kv_received` False: none came, the first token ended
+        it); yield the first token's output, then the decode's."""
         stream = self._open(request_id)
         live = True  # reserved by this caller
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.addresses import host_port
 from pdserve.config import MAX_WORKERS_PER_ROLE, RouterConfig
-from pdserve.flags import add_engine_flags, at_least_one, engine_config, positive_float
+from pdserve.flags import add_engine_flags, at_least_one, engine_config, in_range, positive_float
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 if TYPE_CHECKING:
@@ -95,35 +96,10 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-admission", action="store_true", help="simulate a router that sheds nothing")
 
 
-def _share(value: str) -> float:
-    """An argparse type: a share in (0, 1], as the router takes slo_headroom."""
-    x = float(value)
-    if not 0 < x <= 1:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {value}")
-    return x
-
-
-def _ratio(value: str) -> float:
-    """An argparse type: a ratio in [0, 1), as --range-ratio takes it."""
-    x = float(value)
-    if not 0 <= x < 1:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1), got {value}")
-    return x
-
-
-def _seed(value: str) -> int:
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return n
-
-
-def _non_negative(value: str) -> float:
-    """An argparse type: a finite number of seconds, 0 or more."""
-    x = float(value)
-    if not 0 <= x < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
-    return x
+_share = in_range(float, 0, 1, low_in=False, high_in=True)  # as the router takes slo_headroom
+_ratio = in_range(float, 0, 1)  # --range-ratio
+_seed = in_range(int, 0, math.inf)
+_non_negative = in_range(float, 0, math.inf)  # seconds
 
 
 def _admission(args: argparse.Namespace) -> Admission | None:
@@ -389,12 +365,8 @@ def _add_autoscale(sub: argparse._SubParsersAction) -> None:
     _add_slo_flags(p)
     p.add_argument("--max-workers", type=int, required=True, help="never more workers than this in all")
     p.add_argument("--interval", type=positive_float, default=10.0, help="seconds between decisions")
-    p.add_argument(
-        "--window", type=positive_float, default=60.0, help="seconds of admitted load each decision looks at"
-    )
-    p.add_argument(
-        "--consecutive", type=at_least_one, default=3, help="the same recommendation this many times before acting"
-    )
+    p.add_argument("--window", type=positive_float, default=60.0, help="seconds of admitted load per decision")
+    p.add_argument("--consecutive", type=at_least_one, default=3, help="the same recommendation this often first")
     p.add_argument("--cooldown", type=_non_negative, default=120.0, help="seconds after a scale before the next one")
     p.add_argument("--once", action="store_true", help="one decision once the window is covered, printed; then exit")
     p.add_argument("--dry-run", action="store_true", help="decide and print, never scale")

@@ -16,7 +16,8 @@ import numpy as np
 from pdserve.planner.admission_model import Admission
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.shape import Shape
-from pdserve.planner.simulator import SimResult, Simulator, decode_token_s, prefill_work_s
+from pdserve.planner.simulator import SimResult, Simulator
+from pdserve.planner.step_costs import decode_token_s, prefill_work_s
 from pdserve.planner.workload import Workload
 
 SEARCH_STEPS = 8  # bisection steps: the rate to within 1/256 of its bracket (a doubling)

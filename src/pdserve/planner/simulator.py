@@ -17,10 +17,9 @@ prompt's blocks, then the prefill worker queues the prompt; once the prompt's la
 the blocks and the prefill worker sends the KV at once; then the decode worker commits the KV and the first
 token reaches the caller, while the prefill worker frees the sent blocks between its own steps. The decode
 worker admits a sequence to its batch only while its whole KV (prompt + output) fits, and takes no hand-off
-while `max_num_seqs` sequences are placed on it (the request fails, or admission sheds it). (The engine differs
-under KV pressure: it reserves the prompt's blocks at the hand-off, refusing one it cannot hold, and preempts a
-sequence when the batch outgrows its KV. Here a sequence waiting for room holds no KV and none is preempted:
-the wait shows as TPOT, where the engine would shed or recompute. Plans far from the KV capacity agree.) A worker that
+while `max_num_seqs` sequences are placed on it (the request fails, or admission sheds it). Unlike the engine
+(which reserves the prompt at the hand-off and preempts), a sequence waiting for room holds no KV and none is
+preempted: near the KV capacity the wait shows as TPOT where the engine would shed or recompute. A worker that
 prefills starts a new prompt only while the sequences in its engine (in prefill or decoding) are fewer, as the
 engine's scheduler does. The profile's serving latency (router, RPCs, relay) delays every request, holding no
 worker.
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 from pdserve.planner.admission_model import Admission
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.shape import Shape
+from pdserve.planner.step_costs import chunk_s, decoded_s
 from pdserve.planner.workload import SimRequest
 
 
@@ -355,10 +355,10 @@ class Simulator:
         if step.chunks:
             fixed = perf.prefill_fixed_s
             for s, n in step.chunks:
-                seconds += _chunk_s(self.p, n, s.prefilled, last=s.prefilled + n == s.req.input_len)
+                seconds += chunk_s(self.p, n, s.prefilled, last=s.prefilled + n == s.req.input_len)
         if step.decoded:
             fixed = max(fixed, perf.decode_fixed_s)
-            seconds += _decoded_s(self.p, step.decoded, step.context)
+            seconds += decoded_s(self.p, step.decoded, step.context)
         return fixed + seconds
 
     def _result(self, seqs: list[_Seq]) -> SimResult:
@@ -392,35 +392,6 @@ class Simulator:
         threads = int(self.p.meta.get("threads", 1))
         cpu_s = self._work_s * threads + len(seqs) * self.p.serving_cpu_s
         return cpu_s / arrivals_s + self.p.background_cores
-
-
-def _chunk_s(p: HardwareProfile, n: int, prefilled: int, last: bool) -> float:
-    """A prompt chunk's share of a step: its tokens, its reads of the earlier chunks, its hand-off when last."""
-    seconds = p.perf.prefill_per_token_s * n + p.perf.prefill_per_token2_s * n * n
-    seconds += p.prefill_per_context_token_s * n * prefilled
-    return seconds + (p.prefill_loop_s if last else 0.0)
-
-
-def _decoded_s(p: HardwareProfile, decoded: int, context: int | float) -> float:
-    """A decode step's share for `decoded` sequences reading `context` tokens of KV between them."""
-    return (p.perf.decode_per_seq_s + p.decode_loop_per_token_s) * decoded + p.decode_per_context_token_s * context
-
-
-def prefill_work_s(p: HardwareProfile, input_len: int) -> float:
-    """A prompt's engine seconds, chunk after chunk as a worker alone runs it: what it adds to its worker's work
-    at any load (a prefill worker runs one prompt per step)."""
-    seconds, done = 0.0, 0
-    while done < input_len:
-        n = min(input_len - done, p.long_prefill_chunk, p.max_num_batched_tokens)
-        seconds += p.step_overhead_s + p.perf.prefill_fixed_s + _chunk_s(p, n, done, last=done + n == input_len)
-        done += n
-    return seconds
-
-
-def decode_token_s(p: HardwareProfile, batch: int, context: float) -> float:
-    """Engine seconds per token of a decode step of `batch` sequences, each reading `context` tokens of KV."""
-    step = p.step_overhead_s + p.perf.decode_fixed_s + _decoded_s(p, batch, batch * context)
-    return step / batch
 
 
 def _streams(d: _Worker) -> int:
