@@ -47,6 +47,7 @@ class Outcome:
     sent_at: float  # perf_counter seconds
     ended_at: float  # first token, or the error
     predicted_ms: float | None = None
+    details: str = ""  # the error's text
 
     @property
     def seconds(self) -> float:
@@ -63,7 +64,7 @@ async def _send(stub: generate_pb2_grpc.GenerationStub, request: pb.GenerateRequ
             if msg.token_ids and first is None:
                 first = time.perf_counter()
     except grpc.aio.AioRpcError as e:
-        return Outcome(e.code().name, sent, time.perf_counter())
+        return Outcome(e.code().name, sent, time.perf_counter(), details=e.details() or "")
     metadata = dict(await call.initial_metadata() or ())
     predicted = metadata.get(PREDICTED_TTFT_KEY)
     return Outcome("OK", sent, first or time.perf_counter(), float(predicted) if predicted is not None else None)
@@ -77,9 +78,15 @@ def _request(rng: random.Random, bench: AdmissionBench, tokens: int, ttft_slo_ms
     )
 
 
+class RouterNotServing(RuntimeError):
+    """The warm-up request failed: every figure after it would measure the failure, not admission."""
+
+
 async def _sequential(stub: generate_pb2_grpc.GenerationStub, bench: AdmissionBench) -> list[tuple[int, Outcome]]:
     rng = random.Random(bench.seed)
-    await _send(stub, _request(rng, bench, 16, 0))  # warm-up: channels, the first step of each worker
+    warm_up = await _send(stub, _request(rng, bench, 16, 0))  # channels, the first step of each worker
+    if warm_up.status != "OK":
+        raise RouterNotServing(f"the warm-up request failed with {warm_up.status}: {warm_up.details}")
     return [(n, await _send(stub, _request(rng, bench, n, 0))) for n in bench.prompt_lens for _ in range(bench.repeats)]
 
 

@@ -4,6 +4,7 @@ the same run."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -72,14 +73,24 @@ def _add_admission_bench(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_admission(args: argparse.Namespace) -> int:
-    from pdserve.bench.admission_bench import AdmissionBench, run_admission_bench
+    from pdserve.bench.admission_bench import AdmissionBench, RouterNotServing, run_admission_bench
 
     bench = from_flags(AdmissionBench, args, prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")))
     cluster = ("--model", args.model, "--prefill", str(args.prefill), "--decode", str(args.decode))
-    result = run_admission_bench(bench, args.addr, cluster)
+    try:
+        with _tables_to_stderr(args.json):
+            result = run_admission_bench(bench, args.addr, cluster)
+    except RouterNotServing as e:
+        print(f"pdserve bench admission: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def _tables_to_stderr(json_output: bool) -> contextlib.AbstractContextManager:
+    """With --json, stdout carries the one JSON object alone, for a pipe; the tables go to stderr."""
+    return contextlib.redirect_stdout(sys.stderr) if json_output else contextlib.nullcontext()
 
 
 def _bench_placement(args: argparse.Namespace) -> int:
@@ -121,14 +132,15 @@ def _bench_engine(args: argparse.Namespace) -> int:
 def _bench_transfer(args: argparse.Namespace) -> int:
     from pdserve.bench.transfer_bench import default_cases, run_transfer_bench
 
-    result = run_transfer_bench(
-        default_cases(args.tokens, args.mib),
-        host=args.host,
-        device=args.device,
-        backend=args.backend,
-        repeats=args.repeats,
-        pipeline_mib=args.pipeline_mib,
-    )
+    with _tables_to_stderr(args.json):
+        result = run_transfer_bench(
+            default_cases(args.tokens, args.mib),
+            host=args.host,
+            device=args.device,
+            backend=args.backend,
+            repeats=args.repeats,
+            pipeline_mib=args.pipeline_mib,
+        )
     if args.json:
         print(json.dumps(result))
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -73,3 +74,25 @@ def test_an_addr_without_a_port_is_refused(capsys, command):
         main([command[0], "--addr", "localhost", *command[1:]])
     assert exit_.value.code == 2
     assert "'localhost' is not HOST:PORT" in capsys.readouterr().err
+
+
+def test_bench_admission_against_no_router_fails_with_the_reason(capsys):
+    assert main(["bench", "admission", "--addr", "127.0.0.1:1", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("pdserve bench admission: the warm-up request failed with UNAVAILABLE: ")
+
+
+def test_bench_json_is_stdout_alone_and_its_tables_go_to_stderr(capsys, monkeypatch):
+    from pdserve.bench import admission_bench
+    from pdserve.bench.report_console import report_console
+
+    def bench(*_args: object) -> dict:
+        report_console().print("a table")
+        return {"admitted": 3}
+
+    monkeypatch.setattr(admission_bench, "run_admission_bench", bench)
+    assert main(["bench", "admission", "--addr", "127.0.0.1:1", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"admitted": 3}
+    assert "a table" in captured.err
