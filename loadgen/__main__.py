@@ -142,7 +142,11 @@ def _compare(args: argparse.Namespace) -> int:
     from loadgen.report import comparison_table, load_runs, sweep_table
 
     console = Console()
-    runs_a, runs_b = load_runs(args.a), load_runs(args.b)
+    try:
+        runs_a, runs_b = load_runs(args.a), load_runs(args.b)
+    except ValueError as e:
+        Console(stderr=True, soft_wrap=True).print(f"loadgen compare: {e}", style="red")
+        return 2
     label_a, label_b = args.a.stem, args.b.stem
     if label_a == label_b:
         label_a, label_b = str(args.a), str(args.b)

@@ -42,7 +42,7 @@ def _fmt(value: Any) -> str:
 
 def rate_label(result: dict[str, Any]) -> str:
     rate = result["request_rate"]
-    if result["dataset_name"] == "trace":
+    if result.get("dataset_name") == "trace":
         return "trace timestamps"
     return "all at once" if rate == "inf" else f"{rate:g} req/s"
 
@@ -78,11 +78,12 @@ def sweep_table(runs_a: list[dict[str, Any]], runs_b: list[dict[str, Any]], labe
     for column in ("rate", "goodput A", "goodput B", "B / A", "attain A", "attain B", "p99 TPOT A", "p99 TPOT B"):
         table.add_column(column, justify="right")
     for a, b in zip(runs_a, runs_b, strict=False):
-        ga, gb = a["request_goodput"], b["request_goodput"]
+        ga, gb = a.get("request_goodput"), b.get("request_goodput")
         ratio = f"{gb / ga:.2f}x" if ga and gb is not None else "-"
         rate = rate_label(a) if rate_label(a) == rate_label(b) else f"{rate_label(a)} / {rate_label(b)}"
-        attainment = (_fmt(a["slo_attainment"]), _fmt(b["slo_attainment"]))
-        table.add_row(rate, _fmt(ga), _fmt(gb), ratio, *attainment, _fmt(a["p99_tpot_ms"]), _fmt(b["p99_tpot_ms"]))
+        attainment = (_fmt(a.get("slo_attainment")), _fmt(b.get("slo_attainment")))
+        tpot = (_fmt(a.get("p99_tpot_ms")), _fmt(b.get("p99_tpot_ms")))
+        table.add_row(rate, _fmt(ga), _fmt(gb), ratio, *attainment, *tpot)
     return table
 
 
@@ -93,8 +94,15 @@ def write_results(path: Path, runs: list[dict[str, Any]]) -> None:
 
 
 def load_runs(path: Path) -> list[dict[str, Any]]:
-    data = json.loads(path.read_text())
-    return data.get("runs", [data])
+    """A result file's runs; ValueError (naming the file and what is wrong) for one that is not a result."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    runs = data.get("runs", [data]) if isinstance(data, dict) else None
+    if not isinstance(runs, list) or not runs or not all(isinstance(r, dict) and "request_rate" in r for r in runs):
+        raise ValueError(f'{path}: not a loadgen result (one run\'s object with request_rate, or {{"runs": [...]}})')
+    return runs
 
 
 def json_rate(rate: float) -> float | str:

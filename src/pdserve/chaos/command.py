@@ -5,18 +5,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import signal
 import sys
 import tempfile
 from pathlib import Path
 
+import grpc
+
 from pdserve.addresses import host_port
 from pdserve.chaos.run import ChaosConfig
 from pdserve.config import RouterConfig
-from pdserve.flags import from_flags
+from pdserve.flags import at_least_one, from_flags, in_range, positive_float
 
 # The cluster `pdserve chaos` starts when given no --addr: small, with router bounds a stop outlasts.
 FIRST_TOKEN_TIMEOUT_S = 20.0
+
+_count = in_range(int, 0, math.inf)  # --kills, --stops
+_seconds = in_range(float, 0, math.inf)  # --interval
 
 
 def add_chaos_command(sub: argparse._SubParsersAction) -> None:
@@ -29,23 +35,26 @@ def add_chaos_command(sub: argparse._SubParsersAction) -> None:
         help="a running router HOST:PORT on this host (default: start a cluster)",
     )
     p.add_argument("--model", default="tiny-random", help="the served model (for the cluster it starts, and vocab)")
-    p.add_argument("--prefill", type=int, default=2, help="prefill workers of the cluster it starts")
-    p.add_argument("--decode", type=int, default=2, help="decode workers of the cluster it starts")
-    p.add_argument("--kv-cache-gb", type=float, default=0.05, help="KV cache per worker of the cluster it starts")
+    p.add_argument("--prefill", type=at_least_one, default=2, help="prefill workers of the cluster it starts")
+    p.add_argument("--decode", type=at_least_one, default=2, help="decode workers of the cluster it starts")
+    p.add_argument("--kv-cache-gb", type=positive_float, default=0.05, help="KV cache GB per started worker")
     p.add_argument(
-        "--stall-timeout-s", type=float, default=RouterConfig.stall_timeout_s, help="the started router's stall bound"
+        "--stall-timeout-s",
+        type=positive_float,
+        default=RouterConfig.stall_timeout_s,
+        help="the started router's stall bound",
     )
     p.add_argument(
-        "--first-token-timeout-s", type=float, default=FIRST_TOKEN_TIMEOUT_S, help="the started router's bound"
+        "--first-token-timeout-s", type=positive_float, default=FIRST_TOKEN_TIMEOUT_S, help="the started router's bound"
     )
-    p.add_argument("--kills", type=int, default=c.kills, help="SIGKILLs of random workers, one at a time")
-    p.add_argument("--interval", type=float, default=c.interval_s, help="seconds from a recovery to the next fault")
-    p.add_argument("--stops", type=int, default=c.stops, help="SIGSTOPs (decode first, then alternating roles)")
-    p.add_argument("--stop-s", type=float, default=c.stop_s, help="seconds a stopped worker stays stopped")
-    p.add_argument("--rate", type=float, default=c.rate, help="greedy requests per second, Poisson")
-    p.add_argument("--prompts", type=int, default=c.prompts, help="distinct prompts the requests draw from")
-    p.add_argument("--input-len", type=int, default=c.input_len, help="prompt tokens")
-    p.add_argument("--output-len", type=int, default=c.output_len, help="tokens generated per request")
+    p.add_argument("--kills", type=_count, default=c.kills, help="SIGKILLs of random workers, one at a time")
+    p.add_argument("--interval", type=_seconds, default=c.interval_s, help="seconds from a recovery to the next fault")
+    p.add_argument("--stops", type=_count, default=c.stops, help="SIGSTOPs (decode first, then alternating roles)")
+    p.add_argument("--stop-s", type=positive_float, default=c.stop_s, help="seconds a stopped worker stays stopped")
+    p.add_argument("--rate", type=positive_float, default=c.rate, help="greedy requests per second, Poisson")
+    p.add_argument("--prompts", type=at_least_one, default=c.prompts, help="distinct prompts the requests draw from")
+    p.add_argument("--input-len", type=at_least_one, default=c.input_len, help="prompt tokens")
+    p.add_argument("--output-len", type=at_least_one, default=c.output_len, help="tokens generated per request")
     p.add_argument("--seed", type=int, default=c.seed)
     p.add_argument("--log-dir", type=Path, default=None, help="keep the started cluster's log here")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -66,6 +75,9 @@ def run_command(args: argparse.Namespace) -> int:
     config = chaos_config(args)
     try:
         report = _run(config, args)
+    except grpc.aio.AioRpcError as e:  # the router it was given (or started) did not answer
+        print(f"pdserve chaos: the router: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
     except (RuntimeError, OSError) as e:
         print(f"pdserve chaos: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve import cli
 from pdserve.chaos.command import chaos_config
 from pdserve.chaos.faults import Fault
@@ -45,3 +47,13 @@ def test_the_flags_set_the_run() -> None:
     got = (config.kills, config.interval_s, config.stops, config.stop_s, config.rate, config.seed)
     assert got == (5, 2, 0, 9, 1.5, 7)
     assert (config.input_len, config.output_len) == (ChaosConfig.input_len, ChaosConfig.output_len)
+
+
+def test_bad_flags_and_an_unreachable_router_are_one_line_each(capsys):
+    for flag, says in (("--rate=-1", "--rate: must be a positive number"), ("--kills=-2", "--kills: must lie in")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["chaos", "--addr", "127.0.0.1:1", flag])
+        assert exit_.value.code == 2
+        assert says in capsys.readouterr().err
+    assert cli.main(["chaos", "--addr", "127.0.0.1:1", "--kills", "1"]) == 1
+    assert capsys.readouterr().err.startswith("pdserve chaos: the router: UNAVAILABLE: ")

@@ -46,3 +46,22 @@ def test_compare_prints_ratios_and_plots_both_sweeps(tmp_path, capsys):
     names = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert names == ["goodput.png", "slo_attainment.png", "tpot_cdf.png", "ttft_cdf.png"]
     assert all((tmp_path / "plots" / n).stat().st_size > 10_000 for n in names)
+
+
+def test_compare_names_a_file_that_is_not_a_result_and_exits_2(tmp_path, capsys):
+    good = tmp_path / "good.json"
+    write_results(good, [run(1.0, [0.1], 2.0)])
+    (tmp_path / "garbage.json").write_text("nope")
+    (tmp_path / "other.json").write_text('{"x": 1}')
+    for bad, says in (("garbage.json", "not a readable JSON file"), ("other.json", "not a loadgen result")):
+        assert main(["compare", str(good), str(tmp_path / bad)]) == 2
+        assert f"{bad}: {says}" in capsys.readouterr().err
+    assert main(["compare", str(tmp_path / "absent.json"), str(good)]) == 2
+    assert "absent.json: not a readable JSON file" in capsys.readouterr().err
+
+
+def test_compare_reads_a_vllm_result_without_pdserve_fields(tmp_path, capsys):
+    vllm = tmp_path / "vllm.json"
+    vllm.write_text(json.dumps({"request_rate": "inf", "completed": 10, "request_goodput": 2.0}))
+    assert main(["compare", str(vllm), str(vllm)]) == 0
+    assert "all at once" in capsys.readouterr().out
