@@ -102,6 +102,20 @@ class RecvPair:
                     return None
                 self.cond.wait(time_left(deadline))
 
+    def forged_drain_deadline(self, header: Header) -> float | None:
+        """A header whose MAC fails is drained (the pair stays in step for the real transfer behind it) only when
+        it costs no more than a transfer this pair awaits: a waiting recv's layers and block size, at most its
+        blocks, by its deadline. None: its sizes are the sender's word alone, so the pair is dropped instead."""
+        with self.cond:
+            deadlines = [
+                p.deadline
+                for p in self.pending.values()
+                if header.num_layers == p.layout.num_layers
+                and header.block_bytes == block_bytes(p.layout)
+                and header.num_blocks <= p.blocks.n
+            ]
+        return max(deadlines, default=None)
+
     def abandon(self, p: Pending) -> bool:
         """recv's caller gave up; True when the serving thread had not started on it (nothing will write)."""
         with self.cond:

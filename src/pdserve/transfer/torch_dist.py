@@ -293,7 +293,7 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
                 header = Header.decode(group.recv_ctrl(HEADER_LEN, None), self.secret)
                 p = pair.claim(header.tag, header.timeout_ms / 2000) if header.authentic else None
                 code, detail, error = check_header(p, header, name)
-                deadline = p.deadline if p is not None else time.monotonic() + header.timeout_ms / 1000
+                deadline = self._drain_deadline(pair, header, name) if p is None else p.deadline
                 target = (p.blocks, p.kv_caches) if p is not None and code == OK else None
                 receive_messages(
                     group,
@@ -310,11 +310,24 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
                     pair.finish(p, nbytes=p.layout.bytes_for(p.blocks.n) if error is None else 0, error=error)
             except Exception as e:
                 err = as_transfer_error(e, name)
-                if p is not None:
+                err = type(err)(str(err))  # the pair keeps it: its traceback would keep this frame, the group,
+                if p is not None:  # its staging and the pair's store (a listening port) alive until a gc
                     pair.finish(p, error=err)
                 self._drop(pair, err)
                 group.close()
+                pair.close_store()
                 return
+
+    @staticmethod
+    def _drain_deadline(pair: RecvPair, header: Header, name: str) -> float:
+        """Until when a transfer no recv takes is drained; a forged header that fits no awaited transfer is a
+        protocol error (PeerLostError: the pair goes)."""
+        if header.authentic:
+            return time.monotonic() + header.timeout_ms / 1000
+        deadline = pair.forged_drain_deadline(header)
+        if deadline is None:
+            raise PeerLostError(f"{name}: protocol error: a header whose MAC fails, sized as no awaited transfer")
+        return deadline
 
     def _accepted(self, pair: RecvPair, name: str) -> PairGroup | None:
         """The pair's group once a sender claims it; None when it was given up unclaimed. It leaves `_pairs` under

@@ -8,14 +8,18 @@ harness.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from pdserve.transfer.base import (
     LayoutMismatchError,
+    PeerLostError,
     TransferError,
 )
 from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.rendezvous import listening
 from pdserve.transfer.torch_dist import TorchDistReceiver
 from tests.unit.transfer.pair_harness import FINGERPRINT, NUM_BLOCKS, Peer, Recv, assert_landed, bits, make_caches
 
@@ -110,3 +114,22 @@ def test_a_forged_header_is_refused_and_the_real_transfer_still_lands(receiver: 
     sent = peer.call(op="send", rendezvous=rendezvous, tag=44, seed=44, ids=[1, 2, 3])
     assert sent == {"nbytes": r.join()}
     assert_landed(kv, before, make_caches(44), [1, 2, 3], [5, 6, 7])
+
+
+def test_a_forged_header_sized_as_no_awaited_transfer_drops_the_pair_and_its_port(receiver: TorchDistReceiver) -> None:
+    """Its sizes are the forger's word alone (a huge layer count or block size would be allocated to drain it):
+    never drained, the pair goes at once, and with it the store's listening port (not at the next gc)."""
+    rendezvous = receiver.rendezvous("prefill-forger")
+    kv = make_caches(78)
+    r = Recv(receiver, "prefill-forger", 45, kv, [5, 6, 7])
+    forger = Peer()
+    gc.disable()  # the port must close on the drop itself
+    try:
+        forged = forger.call(op="send", rendezvous=rendezvous, tag=45, seed=1, ids=[1, 2, 3, 4], secret="not-it")
+        assert forged["error"] == "PeerLostError", forged
+        err = r.join()
+        assert isinstance(err, PeerLostError) and "a header whose MAC fails, sized as no awaited" in str(err), err
+        assert not listening(rendezvous, 1)
+    finally:
+        gc.enable()
+        forger.close()
