@@ -23,7 +23,9 @@ from pdserve.protocol.handoff import FirstToken, KVSent, KVTarget
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.telemetry import Telemetry, now_ns
 from pdserve.transfer.base import KVSender, TransferError
+from pdserve.transfer.rendezvous import split_address
 from pdserve.transfer.threads import in_transfer_thread
+from pdserve.transfer.wire import check_tag
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,11 @@ class RunAndSend:
 
     def _check(self, job: PrefillJob) -> None:
         """What would make the hand-off fail, found before the prompt runs."""
+        try:
+            check_tag(job.target.tag)
+            split_address(job.target.rendezvous)
+        except ValueError as e:  # else found only by the send, after the prompt ran, as a handler bug
+            raise InvalidRequestError("target", str(e)) from None
         ours = (self.engine.fingerprint, self.engine.block_size)
         theirs = (job.target.model_fingerprint, job.target.block_size)
         if theirs != ours:

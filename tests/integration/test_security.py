@@ -212,6 +212,31 @@ def test_internal_rpcs_take_only_cluster_peers_and_decode_dials_only_granted_pre
     assert served.code == grpc.StatusCode.OK  # the router's own grants still work
 
 
+@pytest.mark.parametrize(
+    ("tag", "rendezvous", "says"),
+    [(2**63, "127.0.0.1:1", "tag must lie in [0, 2**63)"), (5, "127.0.0.1:99999", "a port in 1..65535")],
+)
+def test_a_prefill_request_whose_kv_target_cannot_be_reached_is_invalid(cluster, tag, rendezvous, says) -> None:
+    """Found before the prompt runs; else the send found it after, and it came back as a handler bug (INTERNAL)."""
+    prefill = next(a for w, a in cluster.worker_addresses().items() if w.startswith("prefill"))
+    peer = ((CLUSTER_AUTH_KEY, ClusterSecret(cluster.cluster_secret.encode()).rpc_token),)
+    target = wpb.KVTarget(decode_worker_id="decode-x", rendezvous=rendezvous, block_ids=[0], tag=tag)
+    request = wpb.PrefillRequest(
+        request_id="bad-target", prompt_token_ids=[5, 6], sampling=sampling(1), target=target, transfer_timeout_ms=1000
+    )
+
+    async def call() -> grpc.aio.AioRpcError:
+        async with channel(prefill, credentials=cluster.peer_tls) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(request, timeout=10, metadata=peer):
+                    pass
+            return caught.value
+
+    error = asyncio.run(call())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("target: ")
+    assert says in error.details()
+
+
 def test_fuzzed_requests_never_get_internal_nor_break_the_cluster(cluster, capsys) -> None:
     """Named kinds of bad input and random wire bytes, through the real router: every answer is a status that
     says what happened (never INTERNAL or UNKNOWN), and afterwards the router is SERVING and no KV block is held."""

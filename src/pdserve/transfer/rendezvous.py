@@ -104,10 +104,10 @@ def sender_info(store: dist.Store) -> str | None:
     return store.get(_SEND_KEY).decode()
 
 
-def _split_address(address: str) -> tuple[str, int]:
+def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"rendezvous must be host:port, got {address!r}")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"rendezvous must be host:port with a port in 1..65535, got {address!r}")
     return host.strip("[]"), int(port)
 
 
@@ -115,7 +115,7 @@ def listening(address: str, timeout_s: float) -> bool:
     """Whether anything accepts a connection at `address` now: tells a decode worker that restarted at the address
     of its predecessor (its store listens there again) from one that is gone (refused at once)."""
     try:
-        with socket.create_connection(_split_address(address), timeout=max(timeout_s, 0.001)):
+        with socket.create_connection(split_address(address), timeout=max(timeout_s, 0.001)):
             return True
     except OSError:
         return False
@@ -124,7 +124,7 @@ def listening(address: str, timeout_s: float) -> bool:
 def claim_store(address: str, mine: str, deadline: float, name: str) -> tuple[dist.TCPStore, str, str]:
     """Prefill side: connects to the decode side's store and claims it with our `device_info`; returns the store,
     the receiver's identity and its `device_info`."""
-    host, port = _split_address(address)
+    host, port = split_address(address)
     try:
         store = dist.TCPStore(
             host, port, 2, False, timeout=timedelta(seconds=max(time_left(deadline), 0.001)), use_libuv=True
