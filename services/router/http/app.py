@@ -19,7 +19,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Send
 
-from pdserve.errors import OverloadedError
 from pdserve.security.quotas import Choices
 from pdserve.telemetry import mark_ended_by, step_span
 from pdserve.v1 import generate_pb2 as pb
@@ -189,10 +188,10 @@ class OpenAIAPI:
                 while running:
                     index, item = await queue.get()
                     if isinstance(item, BaseException):
-                        # A 429 promises a retry may succeed: with nothing delivered it must find the tokens. (A
-                        # choice failed otherwise, say an id too long for it, keeps them: its caller would stream
-                        # the others for free; lost mid-answer, it keeps them as a request of one choice does.)
-                        if isinstance(item, OverloadedError) and not (req.stream and sent):
+                        # With nothing delivered the tokens go back, as a request of one choice's do: a 429 or
+                        # 503 promises a retry may succeed, and it must find them. Streamed choices already sent
+                        # keep them; so does the caller's own deadline (a 504).
+                        if not (req.stream and sent) and not isinstance(item, TimeoutError):
                             choices.refund()
                         raise item
                     if item is None:

@@ -153,28 +153,37 @@ async def test_a_drain_begun_after_the_first_choice_was_admitted_waits_for_every
 
 
 class RefusesTheSecond(StandInDecode):
-    """Serves one hand-off, then refuses the next as a full batch does (`refusing` turned off after)."""
+    """Serves one hand-off, then refuses the next ones (and their retries) as a full batch does, or as a worker that
+    lost them (`refusing` turned off after)."""
 
     refusing = True
 
+    def __init__(self, code: grpc.StatusCode) -> None:
+        super().__init__(gap_s=0.005)
+        self.code = code
+
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
-        if self.calls == 1 and self.refusing:
+        if self.calls >= 1 and self.refusing:
             self.calls += 1
             context.set_trailing_metadata((("grpc-retry-pushback-ms", "100"),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "its batch is full (1 sequences, max_num_seqs 1)")
+            await context.abort(self.code, "its batch is full (1 sequences, max_num_seqs 1)")
         async for msg in super().Generate(request, context):
             yield msg
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_request_whose_later_choice_the_cluster_sheds_gives_back_its_tokens_unless_a_choice_was_sent(
-    monkeypatch, stream: bool
+@pytest.mark.parametrize(
+    ("code", "status"), [(grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503)]
+)
+async def test_a_request_whose_later_choice_the_cluster_fails_gives_back_its_tokens_unless_a_choice_was_sent(
+    monkeypatch, stream: bool, code: grpc.StatusCode, status: int
 ):
-    """n=2 of 500 tokens on a key of 1000 a minute: choice 1 is refused by its decode worker (a full batch), so the
-    request is a 429 whose hint says a retry may succeed. Non-streamed, the caller got nothing: its 1000 tokens
-    come back and the retry runs. Streamed, choice 0's tokens went out: they stay spent."""
+    """n=2 of 500 tokens on a key of 1000 a minute: choice 1 is refused by its decode worker (a full batch), or
+    lost, so the request is a 429 or a 503, both saying a retry may succeed. Non-streamed, the caller got
+    nothing: its 1000 tokens come back and the retry runs, as a request of one choice gets them back. Streamed,
+    choice 0's tokens went out: they stay spent."""
     monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
-    stand_in = RefusesTheSecond(gap_s=0.005)
+    stand_in = RefusesTheSecond(code)
     async with serving(stand_in) as address:
         lc = lifecycle(address, Tenant("team", "k", tokens_per_minute=1000))
         transport = httpx2.ASGITransport(app=openai_app(lc))
@@ -185,7 +194,7 @@ async def test_a_request_whose_later_choice_the_cluster_sheds_gives_back_its_tok
             if stream:
                 assert refused.status_code == 200 and "batch is full" in refused.text, refused.text
             else:
-                assert refused.status_code == 429 and "batch is full" in refused.text, refused.text
+                assert refused.status_code == status and "batch is full" in refused.text, refused.text
             stand_in.refusing = False
             retried = await http.post("/v1/completions", json=body, headers=headers)
     assert stand_in.calls >= 2 and lc.in_flight == 0
