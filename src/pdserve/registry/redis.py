@@ -80,8 +80,10 @@ def _options(url: str, timeout_s: float) -> dict[str, Any]:
     options: dict[str, Any] = dict(
         socket_timeout=timeout_s, socket_connect_timeout=timeout_s, password=env.redis_password()
     )
-    if url.startswith("rediss://") and (ca := env.redis_ca_cert()):
-        options["ssl_ca_certs"] = ca
+    if url.startswith("rediss://"):
+        options["ssl_check_hostname"] = True  # redis-py before 6 skipped the check unless told
+        if ca := env.redis_ca_cert():
+            options["ssl_ca_certs"] = ca
     return options
 
 
