@@ -11,7 +11,14 @@ import redis.asyncio as aredis
 
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.roles import Role
-from pdserve.registry.redis import ADMITTED_KEY, DESIRED_COUNTS_KEY, WORKERS_KEY, RedisRegistry, worker_key
+from pdserve.registry.redis import (
+    ADMITTED_KEY,
+    DESIRED_COUNTS_KEY,
+    FLAG_COUNTS_KEY,
+    WORKERS_KEY,
+    RedisRegistry,
+    worker_key,
+)
 from services.router.admitted import ClusterAdmitted
 from tests.redis_server import emptied, started
 
@@ -115,8 +122,10 @@ def test_desired_counts_of_an_unreachable_redis_raise_within_the_timeout(url, se
 def test_desired_counts_are_restored_only_where_redis_has_none(url, server):
     registry = RedisRegistry(url)
     with redis.Redis.from_url(url) as c:
-        c.delete(DESIRED_COUNTS_KEY)
-    registry.restore_desired_counts({Role.PREFILL: 2, Role.DECODE: 3})  # a Redis restarted empty
+        c.delete(DESIRED_COUNTS_KEY, FLAG_COUNTS_KEY)
+    registry.restore_desired_counts({Role.PREFILL: 2, Role.DECODE: 3}, {Role.PREFILL: 1, Role.DECODE: 1})  # empty
     assert registry.desired_counts() == {Role.PREFILL: 2, Role.DECODE: 3}
-    registry.restore_desired_counts({Role.PREFILL: 9, Role.DECODE: 9})  # set meanwhile: kept
+    assert registry.flag_counts() == {Role.PREFILL: 1, Role.DECODE: 1}
+    registry.restore_desired_counts({Role.PREFILL: 9, Role.DECODE: 9}, {Role.DECODE: 9})  # set meanwhile: kept
     assert registry.desired_counts() == {Role.PREFILL: 2, Role.DECODE: 3}
+    assert registry.flag_counts() == {Role.PREFILL: 1, Role.DECODE: 1}

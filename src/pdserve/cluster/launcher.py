@@ -64,6 +64,7 @@ class Cluster:
             partial(drain_over_rpc, timeout_s=drain_s),
             self.actors.kill,
             publish,
+            dict(Counter(config.roles)),
         )
         surge = partial(self.scaler.surge, placement_wait_s=config.rollout_surge_wait_s)
         self.rollout = Rollout(self.supervisor, _requested_spec, partial(drain_over_rpc, timeout_s=drain_s), surge)

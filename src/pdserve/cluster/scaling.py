@@ -102,6 +102,7 @@ class FleetScaler:
         drain: Callable[[Slot], Awaitable[None]],
         kill: Callable[[Any], None],
         publish: bool,
+        flag_counts: dict[Role, int],
         start_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
         self.registry = registry
@@ -113,6 +114,7 @@ class FleetScaler:
         self.drain = drain
         self.kill = kill
         self.publish = publish
+        self.flag_counts = flag_counts  # the fleet's flags': written back with the desired counts a registry lost
         self.start_timeout_s = start_timeout_s
         self._tasks: set[asyncio.Task[None]] = set()
         self.starting: dict[str, Slot] = {}  # actors made, not yet serving: not the supervisor's until they are
@@ -189,7 +191,7 @@ class FleetScaler:
             return {}
         self._unread = False
         if not desired and self._last_desired:  # the registry lost them (a Redis restarted empty): write them back
-            await asyncio.to_thread(self.registry.restore_desired_counts, self._last_desired)
+            await asyncio.to_thread(self.registry.restore_desired_counts, self._last_desired, self.flag_counts)
             log.warning("the registry had no desired worker counts; restored the fleet's %s", self._last_desired)
             desired = await asyncio.to_thread(self.registry.desired_counts)  # a scale just made wins
         self._last_desired = desired or self._last_desired

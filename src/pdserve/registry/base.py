@@ -112,9 +112,9 @@ class Registry(ABC):
         the fleet's own flags', also kept as `flag_counts`. Blocks and raises as `desired_counts`."""
 
     @abstractmethod
-    def restore_desired_counts(self, counts: dict[Role, int]) -> None:
-        """Sets the desired counts only where the registry has none (it restarted empty): counts set meanwhile
-        stay. Blocks and raises as `desired_counts`."""
+    def restore_desired_counts(self, counts: dict[Role, int], flag_counts: dict[Role, int]) -> None:
+        """Sets the desired counts, and the flags' counts, each only where the registry has none (it restarted
+        empty): counts set meanwhile stay. Blocks and raises as `desired_counts`."""
 
     @abstractmethod
     def flag_counts(self) -> dict[Role, int]:

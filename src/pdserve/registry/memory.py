@@ -48,9 +48,10 @@ class InMemoryRegistry(Registry):
             if from_flags:
                 self._flags = dict(self._desired)
 
-    def restore_desired_counts(self, counts: dict[Role, int]) -> None:
+    def restore_desired_counts(self, counts: dict[Role, int], flag_counts: dict[Role, int]) -> None:
         with self._lock:
             self._desired = self._desired or dict(counts)
+            self._flags = self._flags or dict(flag_counts)
 
     def flag_counts(self) -> dict[Role, int]:
         with self._lock:

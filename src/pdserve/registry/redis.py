@@ -170,9 +170,11 @@ class RedisRegistry(Registry):
                 pipe.hset(key, mapping={str(r): int(n) for r, n in counts.items()})
         pipe.execute()
 
-    def restore_desired_counts(self, counts: dict[Role, int]) -> None:
-        pairs = [x for r, n in counts.items() for x in (str(r), int(n))]
-        self._redis.eval(_SET_IF_ABSENT, 1, DESIRED_COUNTS_KEY, *pairs)
+    def restore_desired_counts(self, counts: dict[Role, int], flag_counts: dict[Role, int]) -> None:
+        pipe = self._redis.pipeline()
+        for key, values in ((DESIRED_COUNTS_KEY, counts), (FLAG_COUNTS_KEY, flag_counts)):
+            pipe.eval(_SET_IF_ABSENT, 1, key, *[x for r, n in values.items() for x in (str(r), int(n))])
+        pipe.execute()
 
     def add_admitted(self, more: AdmittedTotals, writer: str, seq: int) -> None:
         # One script: a reader never sees the requests without their tokens, and a retried add counts once.

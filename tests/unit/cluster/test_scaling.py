@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -72,9 +73,11 @@ class Fleet:
             actor = StandInActor(s, running)
             self.supervisor.slots[worker_id] = Slot(s, actor, listed=True, address=f"{worker_id}:1")
             self.registry.publish(actor.worker_state())
+        flags = dict(Counter(Role(w.rpartition("-")[0]) for w in workers))  # the flags the fleet started with
         self.scaler = FleetScaler(
-            self.registry, self.supervisor, roles, spec, StandInActor, self.await_start, self.drain, self.kill, True
-        )
+            self.registry, self.supervisor, roles, spec, StandInActor, self.await_start, self.drain, self.kill,
+            publish=True, flag_counts=flags,
+        )  # fmt: skip
 
     def new_actor(self, s: WorkerSpec) -> StandInActor:
         self.replaced.append(s.worker_id)
@@ -389,12 +392,15 @@ async def test_a_surge_no_node_takes_in_time_is_called_off_and_zero_never_surges
 
 
 async def test_desired_counts_the_registry_lost_are_written_back_and_a_newer_scale_kept() -> None:
-    """A Redis restarted empty: the fleet writes back the last counts it read, unless a scale set new ones."""
+    """A Redis restarted empty: the fleet writes back the last counts it read, unless a scale set new ones, and
+    its flags' counts (a later controller with these flags keeps the scale, as before the restart)."""
     fleet = Fleet({"prefill-0": 0, "decode-1": 0, "decode-2": 0})
     fleet.registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 2})
     await fleet.scaler.reconcile()
-    fleet.registry.set_desired_counts({})  # the registry restarted empty
+    fleet.registry.set_desired_counts({}, from_flags=True)  # the registry restarted empty
     await fleet.scaler.reconcile()
     assert fleet.ids() == ["decode-1", "decode-2", "prefill-0"] and not fleet.drained and not fleet.started
-    fleet.registry.restore_desired_counts({Role.PREFILL: 9, Role.DECODE: 9})  # present: no effect
+    assert fleet.registry.flag_counts() == {Role.PREFILL: 1, Role.DECODE: 2}
+    fleet.registry.restore_desired_counts({Role.PREFILL: 9, Role.DECODE: 9}, {Role.DECODE: 9})  # present: no effect
     assert fleet.registry.desired_counts() == {Role.PREFILL: 1, Role.DECODE: 2}
+    assert fleet.registry.flag_counts() == {Role.PREFILL: 1, Role.DECODE: 2}
