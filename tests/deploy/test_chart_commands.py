@@ -52,7 +52,7 @@ def command_lines(objects: Objects) -> dict[str, list[str]]:
     drain = shlex.split(pdserve_drain)
     assert drain[0] == "pdserve"
     lines["drain"] = drain[1:]
-    lines["ray drain-node"] = shlex.split(ray_drain.removesuffix("|| true"))
+    lines["ray drain-node"] = shlex.split(ray_drain.removesuffix("|| true"))[2:]  # after `timeout 10`
     lines["client"] = pods["smoke-test"]["spec"]["containers"][0]["args"]  # `helm test`
     return lines
 
@@ -67,7 +67,7 @@ def test_ray_drain_node_parses(rendered: dict[str, Objects]) -> None:
     assert argv[:2] == ["ray", "drain-node"]
     context = drain_node.make_context("drain-node", argv[2:])
     assert context.params["reason"] == "DRAIN_NODE_REASON_PREEMPTION"
-    assert context.params["deadline_remaining_seconds"] == 70
+    assert context.params["deadline_remaining_seconds"] == 80
 
 
 @pytest.fixture(scope="module")
