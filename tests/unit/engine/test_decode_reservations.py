@@ -10,7 +10,7 @@ from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
-from tests.unit.engine.test_engine import run_to_end
+from tests.unit.engine.engine_harness import run_to_end
 
 
 def test_a_reservation_leaves_preempted_sequences_the_blocks_they_wait_for() -> None:

@@ -1,99 +1,31 @@
+"""The engine end to end on tiny-random: blocks freed, greedy the same alone, batched, chunked and preempted, stop
+tokens, bad requests refused, the prefix cache per salt."""
+
 from __future__ import annotations
 
-import itertools
-import random
 from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
-import torch
 
-from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.models import resolve_model
-from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.engine_request import EngineRequest
-from pdserve.protocol.outputs import FinishReason, RequestOutput
+from pdserve.protocol.outputs import FinishReason
 from pdserve.protocol.sampling import SamplingParams
+from tests.unit.engine.engine_harness import (
+    GREEDY,
+    assert_idle,
+    complete,
+    make_engine,
+    prompts,
+    record_schedules,
+    run_to_end,
+    tokens,
+)
 
 # A scheduling bug tends to hang the engine loop rather than fail; bound every test.
 pytestmark = pytest.mark.timeout(60)
-
-GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
-_request_ids = itertools.count()
-
-
-def make_engine(num_kv_blocks: int = 256, block_size: int = 16, **scheduler: int) -> LLMEngine:
-    config = EngineConfig(
-        model="tiny-random",
-        dtype="float32",
-        device="cpu",
-        block_size=block_size,
-        num_kv_blocks=num_kv_blocks,
-        num_threads=1,
-        scheduler=SchedulerConfig(**scheduler),
-    )
-    return LLMEngine(config)
-
-
-def prompts(n: int, lo: int = 5, hi: int = 40, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 259) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def assert_idle(engine: LLMEngine) -> None:
-    assert not engine.has_unfinished()
-    assert engine.blocks.num_used_blocks == 0
-    assert engine.blocks.num_used_blocks + engine.blocks.num_free_blocks == engine.blocks.num_blocks
-
-
-def record_schedules(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[SchedulerOutput]:
-    plans: list[SchedulerOutput] = []
-    schedule = engine.scheduler.schedule
-
-    def spy() -> SchedulerOutput:
-        plans.append(schedule())
-        return plans[-1]
-
-    monkeypatch.setattr(engine.scheduler, "schedule", spy)
-    return plans
-
-
-def run_to_end(engine: LLMEngine, max_steps: int = 2000) -> dict[str, list[RequestOutput]]:
-    outs: dict[str, list[RequestOutput]] = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return outs
-        for out in engine.step():
-            outs.setdefault(out.request_id, []).append(out)
-    raise AssertionError(f"engine still busy after {max_steps} steps")
-
-
-def complete(
-    engine: LLMEngine, batch: list[list[int]], params: SamplingParams | list[SamplingParams]
-) -> list[tuple[list[int], FinishReason | None]]:
-    """Like engine.generate, but fails instead of looping forever: (token ids, finish reason) per prompt."""
-    params = params if isinstance(params, list) else [params] * len(batch)
-    ids = [f"req-{next(_request_ids)}" for _ in batch]
-    for request_id, prompt, p in zip(ids, batch, params, strict=True):
-        engine.add_request(EngineRequest(request_id, prompt, p))
-    outs = run_to_end(engine)
-    for request_id in ids:
-        assert [o.finished for o in outs[request_id]] == [False] * (len(outs[request_id]) - 1) + [True]
-    return [([t for o in outs[i] for t in o.new_token_ids], outs[i][-1].finish_reason) for i in ids]
-
-
-def tokens(results: list[tuple[list[int], FinishReason | None]]) -> list[list[int]]:
-    return [t for t, _ in results]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _restore_torch_threads() -> Iterator[None]:
-    """The engines here run single-threaded (much faster for this tiny model); leave torch as found."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -337,79 +269,4 @@ def test_resumed_output_tokens_past_the_prompt_are_invalid(engine: LLMEngine) ->
     with pytest.raises(InvalidRequestError, match=r"must be in \[0, 3\], got 4") as err:
         engine.add_request(EngineRequest("bad", [5, 6, 7], SamplingParams(), resumed_output_tokens=4))
     assert err.value.field == "resumed_output_tokens"
-    assert_idle(engine)
-
-
-def test_logprobs_are_the_models_log_softmax_for_the_rows_that_ask(engine: LLMEngine) -> None:
-    """Checked against transformers' forward pass over each prompt + output: the sampled token's log
-    probability and the k most likely, before temperature or penalties."""
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(str(resolve_model("tiny-random")), dtype=torch.float32)
-    batch = prompts(3, seed=7)
-    params = [
-        SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3),
-        SamplingParams(max_tokens=6, ignore_eos=True),
-        SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0, temperature=1.5, seed=1, frequency_penalty=1.0),
-    ]
-    got = engine.generate(batch, params)
-    assert got[1].logprobs == []
-    for prompt, p, c in ((batch[0], params[0], got[0]), (batch[2], params[2], got[2])):
-        assert len(c.logprobs) == len(c.token_ids) == 6
-        with torch.inference_mode():
-            logits = reference(torch.tensor([prompt + c.token_ids])).logits[0]  # [tokens, vocab]
-        want = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
-        for position, (token, lp) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
-            assert lp.logprob == pytest.approx(want[position, token].item(), abs=1e-4)
-            top = want[position].topk(p.logprobs or 1)
-            assert list(lp.top_token_ids) == top.indices.tolist()[: p.logprobs]
-            assert list(lp.top_logprobs) == pytest.approx(top.values.tolist()[: p.logprobs], abs=1e-4)
-
-
-@pytest.mark.parametrize(("chunk", "blocks"), [(512, 256), (7, 256), (7, 6)], ids=["whole", "chunked", "preempted"])
-def test_prompt_logprobs_are_the_models_for_each_prompt_token_after_the_first(chunk: int, blocks: int) -> None:
-    """Against transformers' forward pass over the prompt; prompts longer than a chunk, a prefix another
-    request just cached (which must not stand in for computed positions), a pool too small for the batch
-    (a preempted prompt runs again: its positions are not recorded twice), and a row that asks for none."""
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(str(resolve_model("tiny-random")), dtype=torch.float32)
-    engine = make_engine(num_kv_blocks=blocks, long_prefill_chunk=chunk)
-    shared = prompts(1, lo=40, hi=40, seed=9)[0]
-    engine.generate([shared], GREEDY)  # caches its blocks: the next prompt starts with them
-    batch = [shared + [7, 8, 9], prompts(1, seed=10)[0], prompts(1, lo=20, hi=20, seed=11)[0]]
-    params = [
-        SamplingParams(max_tokens=20, ignore_eos=True, prompt_logprobs=2),
-        SamplingParams(max_tokens=20, ignore_eos=True),
-        SamplingParams(max_tokens=20, ignore_eos=True, prompt_logprobs=0, logprobs=1),
-    ]
-    got = engine.generate(batch, params)
-    assert got[1].logprobs == got[1].prompt_logprobs == []
-    for prompt, p, c in ((batch[0], params[0], got[0]), (batch[2], params[2], got[2])):
-        found = c.prompt_logprobs
-        assert len(found) == len(prompt) - 1
-        with torch.inference_mode():
-            want = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, :-1], dim=-1)
-        for position, lp in enumerate(found, start=1):
-            assert lp.logprob == pytest.approx(want[position - 1, prompt[position]].item(), abs=1e-4)
-            top = want[position - 1].topk(max(p.prompt_logprobs or 0, 1))
-            assert list(lp.top_token_ids) == top.indices.tolist()[: p.prompt_logprobs]
-    assert (engine.scheduler.num_preemptions > 0) == (blocks < 10)
-    assert_idle(engine)
-
-
-def test_a_prompt_preempted_halfway_through_its_prefill_records_each_position_once() -> None:
-    """Preempted after two of its seven chunks, the prompt runs again from its start: the positions already
-    recorded are skipped, so the first output carries each prompt position's log probability once."""
-    sampling = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1)
-    prompt = prompts(1, lo=45, hi=45, seed=12)[0]
-    unbroken = make_engine(long_prefill_chunk=7).generate([prompt], sampling)[0]
-    engine = make_engine(long_prefill_chunk=7)
-    engine.add_request(EngineRequest("halfway", prompt, sampling))
-    assert engine.step() == [] and engine.step() == []  # two chunks of seven, no token yet
-    (seq,) = engine.scheduler.running
-    engine.scheduler._preempt(seq)
-    outs = run_to_end(engine)["halfway"]
-    assert seq.num_preemptions == 1
-    assert outs[0].prompt_logprobs == tuple(unbroken.prompt_logprobs) and len(unbroken.prompt_logprobs) == 44
     assert_idle(engine)

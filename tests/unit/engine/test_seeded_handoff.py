@@ -11,7 +11,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
-from tests.unit.engine.test_engine import run_to_end
+from tests.unit.engine.engine_harness import run_to_end
 
 PROMPT = [5, 17, 99, 120, 33, 7, 8, 200, 201, 45, 46, 47]
 SEEDED = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
