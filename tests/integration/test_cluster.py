@@ -24,12 +24,17 @@ MODES = {
     "disaggregated": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1"],
     "colocated": ["--mode", "colocated", "--workers", "2"],
 }
+# Requests whose id starts with this decode 50 ms a token more: one a test leaves must still be running when the
+# test checks that the cluster freed it, not have finished on its own meanwhile.
+SLOW = "slow-"
+SLOW_STEPS = {"PDSERVE_FAULT_SLOW_STEP_S": "0.05", "PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX": SLOW}
 
 
 @pytest.fixture(scope="module", params=list(MODES))
 def cluster(request, tmp_path_factory):
     log = tmp_path_factory.mktemp("cluster") / f"{request.param}.log"
-    proc = ClusterProcess("--model", "tiny-random", "--kv-cache-gb", "0.05", *MODES[request.param], log_path=log)
+    args = ("--model", "tiny-random", "--kv-cache-gb", "0.05", *MODES[request.param])
+    proc = ClusterProcess(*args, log_path=log, env=SLOW_STEPS)
     proc.mode = request.param
     yield proc
     proc.stop()
@@ -172,7 +177,7 @@ def test_cancel_mid_stream_frees_blocks_everywhere(cluster):
         return 0
 
     async def start_then_cancel():
-        request = pb.GenerateRequest(prompt="cancel me " * 20, sampling=sampling(3000))
+        request = pb.GenerateRequest(request_id=f"{SLOW}cancel", prompt="cancel me " * 20, sampling=sampling(1000))
         async with channel(cluster.address) as ch:
             call = generate_pb2_grpc.GenerationStub(ch).Generate(request)
             seen = 0
@@ -190,7 +195,8 @@ def test_cancel_mid_stream_frees_blocks_everywhere(cluster):
 
 
 def test_deadline_propagates_and_frees_blocks(cluster):
-    request = pb.GenerateRequest(prompt="slow " * 10, sampling=sampling(3000))
+    # 1000 tokens of 50 ms: 50 s, five times the idle wait.
+    request = pb.GenerateRequest(request_id=f"{SLOW}deadline", prompt="slow " * 10, sampling=sampling(1000))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         collect(cluster.address, request, timeout_s=0.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

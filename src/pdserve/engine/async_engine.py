@@ -190,8 +190,13 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> bool:
         """Drop the request wherever it is and free its blocks; False when it is unknown."""
-        self._slowed.pop(request_id, None)  # a hand-off that failed before its stream opened
-        return await self._call(lambda e: e.abort(request_id))
+        return await self._call(lambda e: self._abort_now(e, request_id))
+
+    def _abort_now(self, engine: LLMEngine, request_id: str) -> bool:
+        """On the engine thread. A slowed request stays slow until the engine drops it: one a bug left running
+        does not speed up and finish unseen before a test looks for its blocks."""
+        self._slowed.pop(request_id, None)
+        return engine.abort(request_id)
 
     async def measure_profile(self) -> PerfProfile:
         """Times the model on the engine thread; before the worker takes requests (it uses scratch blocks)."""
@@ -288,9 +293,10 @@ class AsyncEngine:
         """Stream over: forget it, and abort this caller's request if it is still live (cancel, error)."""
         if self._streams.get(request_id) is stream:
             del self._streams[request_id]
-        self._slowed.pop(request_id, None)
-        if abort and self.alive:
-            await self._call(lambda e: e.abort(request_id))
+        if not abort:  # it finished: the engine holds it no more
+            self._slowed.pop(request_id, None)
+        elif self.alive:
+            await self._call(lambda e: self._abort_now(e, request_id))
 
     def _submit(self, command: Callable[[], None]) -> None:
         if not self.alive:
