@@ -9,6 +9,7 @@ cancels the Prefill call and a receive still waiting for its transfer, so a stuc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -60,8 +61,9 @@ class Handoff:
         except OverloadedError as e:
             raise OverloadedError(f"decode worker {self.worker_id} cannot take it: {e}", e.retry_after_ms) from e
         first = await self._fill(handoff, blocks, time_remaining, on_dispatched)  # frees `blocks` if it fails
-        async for out in self._decode(handoff, first):
-            yield replace(out, num_cached_tokens=first.cached_prompt_tokens)
+        async with contextlib.aclosing(self._decode(handoff, first)) as decoded:  # type: ignore[type-var]
+            async for out in decoded:
+                yield replace(out, num_cached_tokens=first.cached_prompt_tokens)
 
     async def _fill(
         self,
@@ -133,10 +135,12 @@ class Handoff:
         committed_ns = now_ns()
         tokens = 0
         stream, ended_by = None, None
+        committed = self.engine.commit_and_stream(
+            handoff.request.request_id, first.token_id, first.logprobs, kv_received=first.kv_follows
+        )
+        # Closed here, not when the garbage collector reaches it: a stream its caller closed (not cancelled) would
+        # otherwise go on decoding, its blocks held, for nobody.
         try:
-            committed = self.engine.commit_and_stream(
-                handoff.request.request_id, first.token_id, first.logprobs, kv_received=first.kv_follows
-            )
             async for out in committed:
                 if not tokens:  # the first token's output: the prefill worker's prompt logprobs go with it
                     out = replace(out, prompt_logprobs=first.prompt_logprobs)
@@ -150,6 +154,7 @@ class Handoff:
             ended_by = e
             raise
         finally:
+            await committed.aclose()
             if stream is None:
                 stream = self.telemetry.tracer.start_span("decode.stream", start_time=committed_ns, attributes=ids)
             mark_ended_by(stream, ended_by)
