@@ -12,7 +12,14 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from pdserve.errors import ClusterAuthError, PermissionDeniedError, UnauthenticatedError, UnavailableError
+from pdserve.errors import (
+    ClusterAuthError,
+    InvalidRequestError,
+    OverloadedError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from pdserve.rpc.cluster_auth import cluster_client_interceptors
 from pdserve.rpc.errors import error_from_rpc
 from pdserve.rpc.server import Server, channel
@@ -34,6 +41,10 @@ class Raising(generate_pb2_grpc.GenerationServicer):
             raise ClusterAuthError(f"{PREFILL}: internal RPC: not a cluster peer (UNAUTHENTICATED)")
         if request.prompt == "prefill gone":
             raise UnavailableError(f"{PREFILL}: connection refused (UNAVAILABLE)")
+        if request.prompt == "full":
+            raise OverloadedError("every decode worker's batch is full", retry_after_ms=250)
+        if request.prompt == "bad":
+            raise InvalidRequestError("sampling.max_tokens", "must be >= 0")
         raise RuntimeError(SECRET)
         yield pb.GenerateResponse()
 
@@ -66,6 +77,21 @@ async def test_internal_carries_an_error_id_and_never_the_exception_text(caplog:
         assert (await _call(server.address, "auth")).code() == grpc.StatusCode.UNAUTHENTICATED
         denied = await _call(server.address, "priority")
         assert denied.code() == grpc.StatusCode.PERMISSION_DENIED and denied.details().startswith("priority:")
+    finally:
+        await server.stop(None)
+
+
+async def test_each_promise_has_its_code_shed_with_its_retry_hint() -> None:
+    """RESOURCE_EXHAUSTED and a pushback trailer: a later retry can succeed; INVALID_ARGUMENT naming the field: it
+    never will; UNAVAILABLE: the cluster could not recover by itself."""
+    server = await _serve(reflection=False)
+    try:
+        shed = await _call(server.address, "full")
+        assert shed.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ("grpc-retry-pushback-ms", "250") in tuple(shed.trailing_metadata() or ())
+        bad = await _call(server.address, "bad")
+        assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and bad.details().startswith("sampling.max_tokens:")
+        assert (await _call(server.address, "prefill gone")).code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await server.stop(None)
 
