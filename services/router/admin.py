@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.cluster.drain import check_drain_timeout
 from pdserve.errors import UnavailableError
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import Registry, WorkerState
@@ -81,6 +82,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self, request: apb.DrainWorkersRequest, context: grpc.aio.ServicerContext
     ) -> apb.DrainWorkersResponse:
         self.router.authenticate(context.invocation_metadata()).check_admin()
+        check_drain_timeout(request.timeout_s)
         workers = drain_targets(self.registry, list(request.worker_ids), request.host)
         outcomes = await drain_workers(workers, request.timeout_s, self.router.placement.ejections)
         return apb.DrainWorkersResponse(workers=[_drained(o) for o in outcomes])

@@ -288,6 +288,11 @@ class ClusterConfig:
             raise ValueError(f"advertise_host must be an address others can dial, got {self.advertise_host!r}")
         if not 0 <= self.drain_grace_s < math.inf:
             raise ValueError(f"drain_grace_s must be a finite number >= 0 (0: stop at once), got {self.drain_grace_s}")
+        if not 0 <= self.worker_drain_timeout_s < math.inf:
+            raise ValueError(
+                f"worker_drain_timeout_s must be a finite number >= 0 (0: cut at once), got "
+                f"{self.worker_drain_timeout_s}"
+            )
         if self.rollout_surge_wait_s < 0:
             raise ValueError(f"rollout_surge_wait_s must be >= 0 (0: never surge), got {self.rollout_surge_wait_s}")
 

@@ -14,15 +14,19 @@ every worker's KV blocks free. The tests run in file order on one cluster.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import re
 import signal
 import sys
 import time
 
+import grpc
 import pytest
 
 from pdserve.cluster.local_process import ClusterProcess
+from pdserve.rpc.server import channel
+from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from tests.integration.reference import PROMPT, greedy, greedy_request
 from tests.integration.steady_load import assert_all_served, steady_load, tokens
 from tests.integration.worker_view import idle, pid_serving, workers
@@ -129,6 +133,23 @@ def test_pdserve_drain_cuts_long_streams_at_its_timeout_and_they_migrate(cluster
         assert [await t for t in long] == [await expected] * 3  # each one stream, no gap, no repeat
         assert "request migrated after" in cluster.log()
         await full(cluster.address, idle_too=True)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("timeout_s", [-5.0, math.inf, math.nan])
+def test_a_drain_timeout_no_drain_could_keep_is_invalid_and_drains_nothing(cluster, timeout_s):
+    """Negative would cut every stream at once, inf or nan never end: refused before any worker hears of it."""
+
+    async def run() -> None:
+        before = {w.id: w.health for w in await workers(cluster.address)}
+        request = admin_pb2.DrainWorkersRequest(worker_ids=sorted(before)[:1], timeout_s=timeout_s)
+        async with channel(cluster.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await admin_pb2_grpc.AdminStub(ch).DrainWorkers(request, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("timeout_s: must be a finite number of seconds >= 0")
+        assert {w.id: w.health for w in await workers(cluster.address)} == before
 
     asyncio.run(run())
 

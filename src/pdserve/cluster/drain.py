@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -19,11 +20,19 @@ from typing import Any
 
 import grpc
 
-from pdserve.errors import UnavailableError
+from pdserve.errors import InvalidRequestError, UnavailableError
 
 GATED_SERVICES = ("/pdserve.v1.DecodeWorker/", "/pdserve.v1.PrefillWorker/")
 POLL_S = 0.05
 Handler = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+
+
+def check_drain_timeout(timeout_s: float) -> None:
+    """A drain's timeout, as a caller gives it: negative would cut every request at once, inf or nan never end."""
+    if not 0 <= timeout_s < math.inf:
+        raise InvalidRequestError(
+            "timeout_s", f"must be a finite number of seconds >= 0 (0: the worker's own), got {timeout_s}"
+        )
 
 
 class WorkerDrainedError(UnavailableError):

@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from pdserve.cluster.drain import DrainReport
+from pdserve.cluster.drain import DrainReport, check_drain_timeout
 from pdserve.rpc.server import Server
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
@@ -21,6 +21,7 @@ class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
     async def Drain(  # noqa: N802 (gRPC method name)
         self, request: wpb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> wpb.DrainReport:
+        check_drain_timeout(request.timeout_s)
         r = await self._drain(request.timeout_s)
         return wpb.DrainReport(
             worker_id=r.worker_id,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 
 from loadgen.workload import WorkloadConfig
 from pdserve.cli import main
+from pdserve.config import ClusterConfig
 
 NOISY_STATUS = """
 import sys
@@ -96,3 +98,18 @@ def test_bench_json_is_stdout_alone_and_its_tables_go_to_stderr(capsys, monkeypa
     captured = capsys.readouterr()
     assert json.loads(captured.out) == {"admitted": 3}
     assert "a table" in captured.err
+
+
+@pytest.mark.parametrize("command", ["drain", "restart"])
+@pytest.mark.parametrize("timeout", ["-5", "inf", "nan"])
+def test_a_drain_timeout_no_drain_could_keep_is_refused(capsys, command, timeout):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--addr", "127.0.0.1:1", "w-1", "--timeout", timeout])
+    assert exit_.value.code == 2
+    assert f"argument --timeout: must lie in [0, inf), got {timeout}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seconds", [-5.0, math.inf, math.nan])
+def test_a_workers_drain_timeout_must_be_finite_and_not_negative(seconds):
+    with pytest.raises(ValueError, match="worker_drain_timeout_s must be a finite number >= 0"):
+        ClusterConfig(worker_drain_timeout_s=seconds)
