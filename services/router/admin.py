@@ -72,7 +72,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         asked = {Role.PREFILL: request.prefill, Role.DECODE: request.decode, Role.COLOCATED: request.colocated}
         current = await _registry_call(self.registry.desired_counts)
         target = scale_target(asked, current, {w.role for w in self.registry.workers()})
-        await _registry_call(self.registry.set_desired_counts, target)
+        if set(current) == set(target):  # only the roles given change: a scale of another role meanwhile holds
+            await _registry_call(self.registry.merge_desired_counts, {r: n for r, n in asked.items() if n})
+        else:
+            await _registry_call(self.registry.set_desired_counts, target)
         log.warning("desired worker counts %s -> %s", _counts(current), _counts(target))
         return apb.ScaleWorkersResponse(
             previous={str(r): n for r, n in current.items()}, desired={str(r): n for r, n in target.items()}

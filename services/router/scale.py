@@ -11,9 +11,10 @@ from pdserve.protocol.roles import Role
 
 
 def scale_target(asked: dict[Role, int], current: dict[Role, int], registered: set[Role]) -> dict[Role, int]:
-    """The desired counts `asked` sets (a count of 0 is one not given), or InvalidRequestError naming the field.
-    The cluster's mode comes from its desired counts, else from the workers registered, else from what is asked:
-    a colocated cluster takes `colocated` alone, a disaggregated one `prefill` and `decode`, each at least 1."""
+    """The desired counts once `asked` is applied (a count of 0 is one not given: its role keeps its current count),
+    or InvalidRequestError naming the field. The cluster's mode comes from its desired counts, else from the
+    workers registered, else from what is asked: a colocated cluster takes `colocated` alone, a disaggregated one
+    `prefill` and `decode`, each at least 1."""
     known = set(current) or registered
     colocated = Role.COLOCATED in known if known else bool(asked.get(Role.COLOCATED))
     wanted = (Role.COLOCATED,) if colocated else (Role.PREFILL, Role.DECODE)
@@ -21,8 +22,8 @@ def scale_target(asked: dict[Role, int], current: dict[Role, int], registered: s
         if n and role not in wanted:
             shape = "colocated: set colocated only" if colocated else "disaggregated: set prefill and decode"
             raise InvalidRequestError(str(role), f"this cluster is {shape}")
-    for role in wanted:
-        n = asked.get(role, 0)
+    target = {role: asked.get(role, 0) or current.get(role, 0) for role in wanted}
+    for role, n in target.items():
         if not 1 <= n <= MAX_WORKERS_PER_ROLE:
             raise InvalidRequestError(str(role), f"must be 1 to {MAX_WORKERS_PER_ROLE}, got {n}")
-    return {role: asked[role] for role in wanted}
+    return target

@@ -46,6 +46,10 @@ def test_desired_counts_are_one_hash_shared_by_every_registry_and_replaced_whole
         {Role.PREFILL: 5, Role.DECODE: 2},
         {Role.PREFILL: 1, Role.DECODE: 2},
     )
+    other_router = RedisRegistry(url)
+    router.merge_desired_counts({Role.PREFILL: 3})  # two routers scale different roles: both hold
+    other_router.merge_desired_counts({Role.DECODE: 4})
+    assert fleet.desired_counts() == {Role.PREFILL: 3, Role.DECODE: 4}
 
 
 async def test_every_routers_admitted_requests_add_up_in_one_hash_and_a_failed_flush_is_kept(url, server):

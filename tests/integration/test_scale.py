@@ -100,10 +100,28 @@ def test_counts_the_cluster_cannot_take_are_invalid_argument_naming_the_field(cl
         return e.value
 
     async def run() -> None:
-        for counts, field in (({"prefill": 0, "decode": 2}, "prefill"), ({"colocated": 2}, "colocated")):
+        for counts, field in (({"prefill": 65, "decode": 2}, "prefill"), ({"colocated": 2}, "colocated")):
             e = await scale(**counts)
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith(field), e.details()
         assert dict((await status(cluster.address)).desired) == {"prefill": 1, "decode": 1}  # nothing changed
+
+    asyncio.run(run())
+
+
+def test_two_scales_of_different_roles_at_once_both_hold(cluster):
+    """Each names only its role; the router changes only that one (it once wrote both, the other's as read before
+    the other scale landed, so the later call undid the earlier)."""
+
+    async def scale(**counts: int) -> admin_pb2.ScaleWorkersResponse:
+        async with channel(cluster.address) as ch:
+            request = admin_pb2.ScaleWorkersRequest(**counts)
+            return await admin_pb2_grpc.AdminStub(ch).ScaleWorkers(request, timeout=5)
+
+    async def run() -> None:
+        await asyncio.gather(*(scale(prefill=2) if i % 2 else scale(decode=2) for i in range(6)))
+        assert dict((await status(cluster.address)).desired) == {"prefill": 2, "decode": 2}
+        await scale(prefill=1, decode=1)
+        await until(cluster.address, at_counts(1, 1), 120)
 
     asyncio.run(run())
 

@@ -235,7 +235,7 @@ def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
         before = dict(status.desired) or all_counts(status)
         target = {**before, **counts}  # a role not named keeps its count
         if not args.dry_run:  # printed once the router took it: a refused count changes nothing
-            reply = await scale_workers(args.addr, credentials, target)
+            reply = await scale_workers(args.addr, credentials, counts)  # the router keeps the others' counts
         print(f"desired: {format_counts(before)} -> {format_counts(target)}")
         print(f"serving: {format_counts(serving_counts(status))}")
         if args.dry_run:

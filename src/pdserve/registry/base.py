@@ -112,6 +112,11 @@ class Registry(ABC):
         the fleet's own flags', also kept as `flag_counts`. Blocks and raises as `desired_counts`."""
 
     @abstractmethod
+    def merge_desired_counts(self, counts: dict[Role, int]) -> None:
+        """Sets the desired counts of the roles in `counts` and leaves the others', in one step: two scales of
+        different roles at once both hold. Blocks and raises as `desired_counts`."""
+
+    @abstractmethod
     def restore_desired_counts(self, counts: dict[Role, int], flag_counts: dict[Role, int]) -> None:
         """Sets the desired counts, and the flags' counts, each only where the registry has none (it restarted
         empty): counts set meanwhile stay. Blocks and raises as `desired_counts`."""

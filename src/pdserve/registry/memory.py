@@ -48,6 +48,10 @@ class InMemoryRegistry(Registry):
             if from_flags:
                 self._flags = dict(self._desired)
 
+    def merge_desired_counts(self, counts: dict[Role, int]) -> None:
+        with self._lock:
+            self._desired.update({Role(r): int(n) for r, n in counts.items()})
+
     def restore_desired_counts(self, counts: dict[Role, int], flag_counts: dict[Role, int]) -> None:
         with self._lock:
             self._desired = self._desired or dict(counts)

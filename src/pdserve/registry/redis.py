@@ -170,6 +170,10 @@ class RedisRegistry(Registry):
                 pipe.hset(key, mapping={str(r): int(n) for r, n in counts.items()})
         pipe.execute()
 
+    def merge_desired_counts(self, counts: dict[Role, int]) -> None:
+        if counts:
+            self._redis.hset(DESIRED_COUNTS_KEY, mapping={str(r): int(n) for r, n in counts.items()})
+
     def restore_desired_counts(self, counts: dict[Role, int], flag_counts: dict[Role, int]) -> None:
         pipe = self._redis.pipeline()
         for key, values in ((DESIRED_COUNTS_KEY, counts), (FLAG_COUNTS_KEY, flag_counts)):

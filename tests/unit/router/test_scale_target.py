@@ -18,9 +18,10 @@ def asked(prefill: int = 0, decode: int = 0, colocated: int = 0) -> dict[Role, i
     return {P: prefill, D: decode, C: colocated}
 
 
-def test_a_disaggregated_cluster_takes_both_counts() -> None:
+def test_a_disaggregated_cluster_takes_both_counts_or_keeps_the_one_not_given() -> None:
     assert scale_target(asked(2, 3), SPLIT, {P, D}) == {P: 2, D: 3}
     assert scale_target(asked(1, 1), SPLIT, set()) == {P: 1, D: 1}
+    assert scale_target(asked(decode=4), {P: 2, D: 1}, {P, D}) == {P: 2, D: 4}
 
 
 def test_a_colocated_cluster_takes_its_one_count() -> None:
@@ -38,12 +39,12 @@ def test_the_mode_comes_from_the_workers_when_no_counts_were_recorded() -> None:
 @pytest.mark.parametrize(
     ("request_counts", "current", "field"),
     [
-        (asked(0, 2), SPLIT, "prefill"),  # below one: a role without workers fails every request
-        (asked(2, 0), SPLIT, "decode"),
+        (asked(0, 2), {D: 1}, "prefill"),  # none given, none recorded: a role without workers fails every request
+        (asked(2, 0), {P: 1}, "decode"),
         (asked(2, MAX_WORKERS_PER_ROLE + 1), SPLIT, "decode"),
         (asked(1, 1, 2), SPLIT, "colocated"),  # a role this mode does not run
         (asked(1, 0, 2), {C: 2}, "prefill"),
-        (asked(), {C: 2}, "colocated"),
+        (asked(colocated=MAX_WORKERS_PER_ROLE + 1), {C: 2}, "colocated"),
     ],
 )
 def test_bad_counts_are_invalid_argument_naming_the_field(
