@@ -204,10 +204,19 @@ def _serve(args: argparse.Namespace, services: ClusterServices | None) -> int:
     # their own nodes.
     if args.command != "controller" and not _model_in_cache(args.model):
         return 1
+    from redis.exceptions import ConnectionError as RedisUnreachable
+
+    from pdserve.cluster.launcher import WorkerStartError
+
     try:
         asyncio.run(_runner(args.command)(config, services))
-    except OSError as e:  # a listener that could not bind after all (taken since the check): one line, not a trace
+    # A listener that could not bind after all (taken since the check), a worker that never served (its reasons
+    # are logged above), a Redis not there: one line, not a trace.
+    except (OSError, WorkerStartError) as e:
         print(f"{name}: {e}", file=sys.stderr)
+        return 1
+    except RedisUnreachable as e:
+        print(f"{name}: Redis at {config.redis_url}: {e}", file=sys.stderr)
         return 1
     return 0
 

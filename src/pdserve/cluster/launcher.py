@@ -41,6 +41,10 @@ class StartStopped(Exception):
     """The process was told to stop while its workers started."""
 
 
+class WorkerStartError(RuntimeError):
+    """A worker never served: its starts failed past their restarts, or no node took it in time."""
+
+
 class Cluster:
     """`publish`: keep `registry` current for the workers (the embedded registry); with Redis the workers
     heartbeat themselves and the supervisor only removes the ones it finds gone."""
@@ -167,7 +171,7 @@ class Cluster:
             except StartStopped:
                 raise
             except GetTimeoutError:
-                raise RuntimeError(
+                raise WorkerStartError(
                     f"worker {worker_id} did not serve within {timeout_s:g} s (no node for it?)"
                 ) from None
             except ActorUnavailableError:  # Ray is restarting it
@@ -176,12 +180,12 @@ class Cluster:
                 died += 1
                 log.error("worker %s died while starting: %s", worker_id, _reason(e))
                 if died >= 2:
-                    raise RuntimeError(f"worker {worker_id} could not be started: {_reason(e)}") from e
+                    raise WorkerStartError(f"worker {worker_id} could not be started: {_reason(e)}") from e
             except Exception as e:  # its start failed with this reason; it exits and Ray restarts it
                 died, failures = 0, failures + 1
                 log.error("worker %s failed to start (attempt %d): %s", worker_id, failures, _reason(e))
                 if failures > self.config.max_restarts:
-                    raise RuntimeError(f"worker {worker_id} failed to start {failures} times: {_reason(e)}") from e
+                    raise WorkerStartError(f"worker {worker_id} failed to start {failures} times: {_reason(e)}") from e
                 time.sleep(2 * EXIT_GRACE_S)  # until the failed process is gone, not to ask it again
 
     def _get(self, ref: Any, deadline: float) -> Any:

@@ -8,9 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from loadgen.workload import WorkloadConfig
 from pdserve.cli import main
+from pdserve.cluster.launcher import WorkerStartError
 from pdserve.config import ClusterConfig
 
 NOISY_STATUS = """
@@ -113,3 +115,25 @@ def test_a_drain_timeout_no_drain_could_keep_is_refused(capsys, command, timeout
 def test_a_workers_drain_timeout_must_be_finite_and_not_negative(seconds):
     with pytest.raises(ValueError, match="worker_drain_timeout_s must be a finite number >= 0"):
         ClusterConfig(worker_drain_timeout_s=seconds)
+
+
+@pytest.mark.parametrize(
+    ("failure", "says"),
+    [
+        (lambda: WorkerStartError("worker prefill-0 failed to start 1 times: boom"), "failed to start 1 times: boom"),
+        (lambda: RedisConnectionError("Error 111 connecting"), "Redis at redis://127.0.0.1:1/0: Error 111"),
+    ],
+)
+def test_a_cluster_that_cannot_start_is_one_line_and_status_1(capsys, monkeypatch, failure, says):
+    """Its reasons are in the log lines above; the command's own last word is one line, not a traceback."""
+    from pdserve import cli
+    from services.main import SERVICES
+
+    async def fails(config: object, services: object) -> None:
+        raise failure()
+
+    monkeypatch.setattr(cli, "_runner", lambda command: fails)
+    argv = ["up", "--model", "tiny-random", "--port", "0", "--redis", "redis://127.0.0.1:1/0"]
+    assert main(argv, services=SERVICES) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve up: ") and says in err and "Traceback" not in err
