@@ -30,6 +30,7 @@ from pdserve.registry.base import Registry, WorkerState
 log = logging.getLogger(__name__)
 SPEC_TIMEOUT_S = 5.0  # an actor answers what it was asked to be at once, unless it is restarting
 STOP_CHECK_S = 1.0  # how long a start waits on Ray between looks at whether the process is stopping
+ORPHAN_WAIT_S = 30.0  # a stop waits this long for an actor being made (Ray frees the old one's name first)
 # A Ray cluster a controller joins that does not answer (its head restarting: a pod rescheduled, the GCS reloading
 # its tables) is tried again for this long, JOIN_RETRY_S after each failed try (a Ray Client's try takes its 30 s
 # connection timeout), before the process gives up (and its Deployment restarts it, backing off).
@@ -305,6 +306,8 @@ class Cluster:
                     log.warning("worker did not stop cleanly: %r", e)
             self.actors.kill(slot.actor)
         self.supervisor.slots.clear()
+        for actor in self.supervisor.orphans(timeout_s=ORPHAN_WAIT_S):  # made while the supervision ended
+            self.actors.kill(actor)
         if self.actors.started_ray:
             self.actors.disconnect()
 

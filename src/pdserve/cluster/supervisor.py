@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,6 +94,11 @@ class Supervisor:
         self.connected = connected  # this process's own link to Ray: its loss is no worker's failure
         self.slots: dict[str, Slot] = {}
         self._answered_at = float("-inf")  # when an actor last answered its check: the link to Ray then worked
+        # Actors being made on threads, and those made that no slot took yet: a supervision cancelled meanwhile
+        # never takes them, and whoever stops the workers must (`orphans`).
+        self._made = threading.Condition()
+        self._making = 0
+        self._unclaimed: list[Any] = []
 
     async def run(self, interval_s: float) -> None:
         """Checks every slot each `interval_s`, each on its own: a slot busy making a new actor (seconds, while Ray
@@ -229,10 +235,12 @@ class Supervisor:
         slot.actor = None  # the old actor's handle goes first: Ray frees its name (the worker id) only then
         slot.address = ""  # the new one has served nowhere yet
         try:
-            actor = await asyncio.to_thread(self.new_actor, slot.spec)  # may wait for the name, off the loop
+            actor = await asyncio.to_thread(self._make, slot.spec)  # may wait for the name, off the loop
         except Exception as e:
             log.error("worker %s: no new actor (%s); trying again", slot.spec.worker_id, _first_line(e))
             return False
+        with self._made:
+            self._unclaimed.remove(actor)
         if slot.leaving:
             log.warning(
                 "worker %s was scaled away while its new actor was made; stopping that actor", slot.spec.worker_id
@@ -244,6 +252,28 @@ class Supervisor:
             return False
         slot.actor = actor
         return True
+
+    def _make(self, spec: WorkerSpec) -> Any:
+        """On a thread: `new_actor`, kept among the unclaimed until the slot takes it."""
+        with self._made:
+            self._making += 1
+        try:
+            actor = self.new_actor(spec)
+            with self._made:
+                self._unclaimed.append(actor)
+            return actor
+        finally:
+            with self._made:
+                self._making -= 1
+                self._made.notify_all()
+
+    def orphans(self, timeout_s: float) -> list[Any]:
+        """Blocks until no actor is being made (at most `timeout_s`), then hands over the ones made that no slot
+        took: the supervision ended while they were made, and a detached one would serve on, unsupervised."""
+        with self._made:
+            self._made.wait_for(lambda: self._making == 0, timeout_s)
+            orphans, self._unclaimed = self._unclaimed, []
+        return orphans
 
 
 async def _port_open(address: str) -> bool:

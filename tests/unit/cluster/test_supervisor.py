@@ -241,6 +241,34 @@ async def test_a_drained_actor_is_killed_and_a_new_one_takes_its_slot_at_once() 
     assert {w.worker_id for w in registry.workers()} == {"a", "b"}
 
 
+async def test_an_actor_made_while_the_supervision_ended_is_handed_to_whoever_stops_the_workers() -> None:
+    """The supervision is cancelled (the fleet stops) while Ray frees a drained worker's name for its successor: the
+    successor, made after, is no slot's; `orphans` waits for it and hands it over, to be killed, not left serving
+    unsupervised. Actors a slot took are not among them."""
+    name_freed = threading.Event()
+
+    def new_actor(spec: WorkerSpec) -> StandInActor:
+        if spec.worker_id == "b":
+            name_freed.wait(10)
+        return StandInActor(spec.worker_id, "ok")
+
+    sup, _ = supervisor({"a": "drained", "b": "drained"}, new_actor)
+    checks = asyncio.ensure_future(sup.check_all())
+    while sup.slots["b"].actor is not None or sup.slots["a"].actor is None:  # a replaced, b being made
+        await asyncio.sleep(0.01)
+    checks.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await checks
+    sup.slots.clear()  # as a stop does
+    stopping = asyncio.ensure_future(asyncio.to_thread(sup.orphans, 10))
+    await asyncio.sleep(0.2)
+    assert not stopping.done()  # it waits for the actor under way
+    name_freed.set()
+    (orphan,) = await stopping
+    assert orphan.worker_id == "b"
+    assert sup.orphans(0) == []
+
+
 async def test_a_slot_scaled_away_while_it_had_no_actor_is_never_replaced() -> None:
     tries: list[str] = []
 
