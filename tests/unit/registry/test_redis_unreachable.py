@@ -35,7 +35,7 @@ async def test_a_router_view_starts_empty_within_its_timeout_and_answers_without
         start = time.monotonic()
         for _ in range(1000):
             assert registry.workers() == [] and registry.workers("prefill") == []
-        assert time.monotonic() - start < 0.5
+        assert time.monotonic() - start < 5.0  # 2000 reads that asked Redis would wait 200 s at the least
     finally:
         await registry.close()
 
@@ -50,11 +50,11 @@ async def test_prefix_match_gives_no_hits_within_its_budget_and_then_skips_redis
         start = time.monotonic()
         for _ in range(50):  # within retry_s: Redis is not asked again, so no request pays the budget
             assert await index.match(["p0"], hashes) == {"p0": 0}
-        assert time.monotonic() - start < first * 10
+        assert time.monotonic() - start < 1.25  # half of what 50 matches that each paid the budget would take
         start = time.monotonic()
         for i in range(10):
             index.record(f"p{i}", hashes)  # returns at once: the write runs in the background
-        assert time.monotonic() - start < 0.1
+        assert time.monotonic() - start < 1.0  # half of what ten writes that each waited their timeout would take
         await index.close()  # the writes end within record_timeout_s, failed
     assert first < 0.5, f"match took {first:.2f} s against a budget of 0.05 s"
     messages = [r.getMessage() for r in caplog.records]
