@@ -25,20 +25,26 @@ _CLAIM_KEY = "pdserve/claimed"  # counts senders: only the first may use the sto
 
 
 def device_info(device: torch.device, backend: str) -> str:
-    """What `choose_backend` needs from one side: "device preference nccl_ok"."""
+    """What `choose_backend` needs from one side: "device preference nccl_ok", the device "cuda:<GPU uuid>" for
+    a GPU. (A peer of a release before the uuid says "cuda": it then reads ours as no CUDA device, and both
+    choose gloo.)"""
     nccl_ok = int(device.type == "cuda" and dist.is_nccl_available())
-    return f"{device.type} {backend} {nccl_ok}"
+    kind = f"cuda:{torch.cuda.get_device_properties(device).uuid}" if device.type == "cuda" else device.type
+    return f"{kind} {backend} {nccl_ok}"
 
 
 def choose_backend(mine: str, theirs: str) -> str:
-    """Both sides call this with the two `device_info` strings and get the same answer."""
+    """Both sides call this with the two `device_info` strings and get the same answer. NCCL needs two GPUs: a
+    prefill and a decode worker sharing one (a single-GPU node) pair over gloo."""
     devices, prefs, nccl_ok = zip(*(s.split() for s in (mine, theirs)), strict=True)
     forced = set(prefs) - {"auto"}
     if len(forced) > 1:
         raise TransferError(f"backend conflict: one side wants gloo, the other nccl ({mine!r} vs {theirs!r})")
-    nccl_possible = devices == ("cuda", "cuda") and nccl_ok == ("1", "1")
+    kinds, gpus = zip(*(d.split(":", 1) if ":" in d else (d, "") for d in devices), strict=True)
+    two_gpus = kinds == ("cuda", "cuda") and all(gpus) and gpus[0] != gpus[1]
+    nccl_possible = two_gpus and nccl_ok == ("1", "1")
     if forced == {"nccl"} and not nccl_possible:
-        raise TransferError(f"backend nccl needs CUDA caches and NCCL on both sides ({mine!r} vs {theirs!r})")
+        raise TransferError(f"backend nccl needs two GPUs and NCCL, one each side ({mine!r} vs {theirs!r})")
     if forced == {"gloo"}:
         return "gloo"
     return "nccl" if nccl_possible else "gloo"
