@@ -72,7 +72,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle() if capture else None
         for size in reversed(self.sizes):  # the largest first: the smaller ones reuse its memory
             step = self._eager_step(model, kv_caches, size)
-            self._steps[size] = _captured(step, pool) if capture else step
+            self._steps[size] = _captured(step, pool, device) if capture else step
 
     def describe(self) -> str:
         """For a bench's or a log's header: how decode steps run."""
@@ -120,17 +120,22 @@ class DecodeGraphs:
         return step
 
 
-def _captured(step: Callable[[], torch.Tensor], pool: tuple[int, int] | None) -> Callable[[], torch.Tensor]:
-    """Runs `step` twice eagerly (compiling what it compiles, off the capture), then captures it once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-        output = step()
+def _captured(
+    step: Callable[[], torch.Tensor], pool: tuple[int, int] | None, device: torch.device
+) -> Callable[[], torch.Tensor]:
+    """Runs `step` twice eagerly (compiling what it compiles, off the capture), then captures it once. On the
+    model's own GPU: streams made on another (the current one, cuda:0 unless set) would capture nothing of its
+    kernels, and the graph's replay would hand back the capture's logits every step."""
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+            output = step()
 
     def replay() -> torch.Tensor:
         graph.replay()

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.device import synchronize
 from pdserve.protocol.perf_profile import PerfProfile
 
 PREFILL_LENGTHS = (64, 256, 1024)  # the range prompts come in: extrapolating a quadratic misleads
@@ -41,11 +42,11 @@ def measure_profile(engine: Any, repeats: int = 2) -> PerfProfile:
     def timed(chunks: list[ScheduledChunk]) -> float:
         """The mean, not the best: admission must not promise what a busy worker only sometimes does."""
         runner.execute(chunks)  # kernels set up for this shape
+        synchronize(runner.device)  # the warm-up's queued work is not timed
         start = time.perf_counter()
         for _ in range(repeats):
             runner.execute(chunks)
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(runner.device)  # the runner's own GPU, not the current one
         return (time.perf_counter() - start) / repeats
 
     prefill = []
