@@ -89,10 +89,13 @@ class IncrementalDetokenizer:
         """At finish (length or EOS): release the held-back text.
 
         An incomplete multi-byte character at the very end is dropped rather than emitted as "\ufffd":
-        it is not a character the model produced.
+        it is not a character the model produced. Whole characters the waiting tokens hold before it (a byte-level
+        token may carry a space and the first bytes of an emoji) are kept, and a stop string may end in them.
         """
         if self.stopped:
             return ""
+        if self._waiting:
+            self._held += self._decode_waiting().rstrip(_INCOMPLETE)
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:

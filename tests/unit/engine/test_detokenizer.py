@@ -115,6 +115,18 @@ def test_flush_drops_an_incomplete_trailing_character() -> None:
     assert detok.text == "ab"
 
 
+@pytest.mark.parametrize("stop", [(), ("! ",)])
+def test_flush_keeps_the_whole_characters_a_token_holds_before_an_incomplete_one(stop: tuple[str, ...]) -> None:
+    """Byte-level BPE: SmolLM2's token "ĠðŁ" is a space and the first two bytes of an emoji. Output ending on it
+    keeps the space (and a stop string may end with it); only the emoji's bytes are dropped."""
+    tokenizer = Tokenizer(models.WordLevel({"Hi!": 0, "ĠðŁ": 1, "Ĳį": 2, "<unk>": 3}, unk_token="<unk>"))
+    tokenizer.decoder = decoders.ByteLevel()
+    assert tokenizer.decode([0, 1]) == "Hi! \ufffd" and tokenizer.decode([0, 1, 2]) == "Hi! 🐍"
+    detok = IncrementalDetokenizer(tokenizer, [], stop=stop)
+    assert "".join(_stream(detok, [0, 1])) == ("Hi" if stop else "Hi! ")
+    assert detok.stopped == bool(stop)
+
+
 def test_a_prompt_ending_inside_a_character_is_never_repeated_in_the_output() -> None:
     """A prompt of token ids may stop mid-character; the output is the output's text alone."""
     prompt = _ids("ab") + _ids("é")[:1]
