@@ -163,9 +163,9 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
     for name, given in (("top_p", top_p), ("repetition_penalty", repetition_penalty)):
         if given and not getattr(msg, name):  # under float32's smallest: it would read as "off", not as tiny
             raise InvalidRequestError(name, f"{given} is 0 in the float32 the API carries; use 1e-45 or more")
-    seed = _int(body, "seed", 0, UINT64)
+    seed = _int(body, "seed", -(2**63), UINT64)  # vLLM takes any int64: a negative one is its uint64 bits
     if seed is not None:
-        msg.seed = seed
+        msg.seed = seed % (UINT64 + 1)
     msg.stop_token_ids.extend(_token_ids(body, "stop_token_ids"))
     for token, bias in _logit_bias(body).items():
         msg.logit_bias[token] = bias

@@ -255,3 +255,11 @@ def test_the_shared_paths_field_names_read_as_openai_parameters():
     assert openai_param("sampling.stop[1]") == "stop[1]"
     assert openai_param("prompt_token_ids") == "prompt"
     assert (openai_param("slo.tpot_ms"), openai_param("messages[2].role")) == ("slo.tpot_ms", "messages[2].role")
+
+
+def test_a_negative_seed_is_taken_as_vllm_takes_it():
+    for seed, carried in ((-1, 2**64 - 1), (-(2**63), 2**63), (7, 7)):
+        body = {"model": "m", "prompt": "hi", "seed": seed}
+        assert parse_request(body, chat=False, request_id="r").message.sampling.seed == carried
+    with pytest.raises(InvalidRequestError, match="seed"):
+        parse_request({"model": "m", "prompt": "hi", "seed": -(2**63) - 1}, chat=False, request_id="r")
