@@ -240,7 +240,11 @@ class Supervisor:
             log.error("worker %s: no new actor (%s); trying again", slot.spec.worker_id, _first_line(e))
             return False
         with self._made:
-            self._unclaimed.remove(actor)
+            handed_over = actor not in self._unclaimed  # to a stop, which kills it
+            if not handed_over:
+                self._unclaimed.remove(actor)
+        if handed_over:
+            return False
         if slot.leaving:
             log.warning(
                 "worker %s was scaled away while its new actor was made; stopping that actor", slot.spec.worker_id
