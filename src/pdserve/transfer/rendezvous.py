@@ -18,6 +18,7 @@ import torch.distributed as dist
 from pdserve.addresses import bind_first_free, join
 from pdserve.transfer.base import PeerLostError, TransferError, TransferTimeoutError
 from pdserve.transfer.pair_group import error_summary, time_left
+from pdserve.transfer.store_calls import StoreSilent, within
 
 _RECV_KEY = "pdserve/recv"  # "<receiver identity>/<peer id> <device info>"
 _SEND_KEY = "pdserve/send"  # the sender's device info
@@ -129,9 +130,11 @@ def listening(address: str, timeout_s: float) -> bool:
 
 def claim_store(address: str, mine: str, deadline: float, name: str) -> tuple[dist.TCPStore, str, str]:
     """Prefill side: connects to the decode side's store and claims it with our `device_info`; returns the store,
-    the receiver's identity and its `device_info`."""
+    the receiver's identity and its `device_info`; by `deadline` even when the decode process is stopped
+    (store_calls.py)."""
     host, port = split_address(address)
-    try:
+
+    def claim() -> tuple[dist.TCPStore, str, str, int]:
         store = dist.TCPStore(
             host, port, 2, False, timeout=timedelta(seconds=max(time_left(deadline), 0.001)), use_libuv=True
         )
@@ -139,6 +142,12 @@ def claim_store(address: str, mine: str, deadline: float, name: str) -> tuple[di
         claimed = store.add(_CLAIM_KEY, 1)
         if claimed == 1:
             store.set(_SEND_KEY, mine)
+        return store, identity, their_info, claimed
+
+    try:
+        store, identity, their_info, claimed = within(claim, time_left(deadline), "kv-claim")
+    except StoreSilent as e:
+        raise TransferTimeoutError(f"{name}: no answer from the rendezvous store (the process stopped?): {e}") from None
     except RuntimeError as e:
         if time_left(deadline) < 0.05:
             raise TransferTimeoutError(f"{name}: timed out connecting: {error_summary(e)}") from e

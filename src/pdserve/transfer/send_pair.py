@@ -15,11 +15,13 @@ from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.pair_group import PairGroup, error_summary, time_left
 from pdserve.transfer.pipeline import Staging, send_messages
 from pdserve.transfer.rendezvous import choose_backend, claim_store, device_info
+from pdserve.transfer.store_calls import StoreSilent, within
 from pdserve.transfer.wire import BLOCK_COUNT, FORGED, LAYOUT, MAX_SEGMENTS, NOT_EXPECTED, Header, layout_fields
 
 log = logging.getLogger(__name__)
 
 _ALIVE_KEY = "alive?"  # any key: check() only needs the round trip
+CHECK_TIMEOUT_S = 2.0  # for that round trip, on a loaded host; a stopped decode process never answers
 
 
 class SendPair:
@@ -68,13 +70,13 @@ class SendPair:
             g.wait_data(in_flight[-1], deadline)
         return g.recv_status(deadline)
 
-    def check_peer(self) -> None:
+    def check_peer(self, timeout_s: float = CHECK_TIMEOUT_S) -> None:
         """One store round trip (~0.2 ms). gloo does not always notice a decode worker that died while the pair
         sat idle: the header's send then waits out the whole transfer timeout (seen under load). The store the
-        decode worker serves fails at once instead."""
+        decode worker serves fails at once instead; one that does not answer (its process stopped) is lost too."""
         try:
-            self.store.check([_ALIVE_KEY])
-        except RuntimeError as e:
+            within(lambda: self.store.check([_ALIVE_KEY]), timeout_s, "kv-check")
+        except (RuntimeError, StoreSilent) as e:
             raise PeerLostError(f"decode side {self.rendezvous}: peer lost: {error_summary(e)}") from e
 
     def close(self) -> None:

@@ -1,0 +1,66 @@
+"""A decode process that is stopped (SIGSTOP, or hung) still has its kernel accept connections and take requests:
+a prefill worker's send to it must fail by its deadline, on its first send (the store's connect) and on a pair
+that served before (its liveness check), not wait as long as the stop lasts while it holds the prompt's KV."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+
+import pytest
+
+from pdserve.transfer.base import TransferTimeoutError
+from pdserve.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from tests.unit.transfer.pair_harness import FINGERPRINT, HOST, make_caches
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _receiver_main(conn: Connection) -> None:
+    """Opens a rendezvous store for the test's sender, takes one transfer (tag 1), then waits to be stopped."""
+    receiver = TorchDistReceiver(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+    conn.send_bytes(receiver.rendezvous("prefill-test").encode())
+    conn.send_bytes(str(receiver.recv("prefill-test", 1, make_caches(0), [0, 1], 30)).encode())
+    conn.recv_bytes()
+
+
+def _send(sender: TorchDistSender, rendezvous: str, tag: int, outcome: Future[int]) -> None:
+    try:
+        outcome.set_result(sender.send(rendezvous, tag, make_caches(1), [0, 1], 2.0))
+    except BaseException as e:
+        outcome.set_exception(e)
+
+
+@pytest.mark.parametrize("paired_before", [False, True])
+def test_a_send_to_a_stopped_receiver_fails_by_its_deadline(paired_before: bool) -> None:
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(child,), daemon=True)
+    proc.start()
+    sender = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+    try:
+        assert conn.poll(30)
+        rendezvous = conn.recv_bytes().decode()
+        if paired_before:
+            time.sleep(0.2)  # its recv is posted
+            assert sender.send(rendezvous, 1, make_caches(1), [0, 1], 10) == int(conn.recv_bytes())
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGSTOP)
+        start, outcome = time.monotonic(), Future()
+        sending = threading.Thread(target=_send, args=(sender, rendezvous, 2, outcome), daemon=True)
+        sending.start()  # on a thread: a send that hangs (in C++, deaf to pytest's timeout) fails the test instead
+        sending.join(15)
+        assert not sending.is_alive(), "the send to a stopped receiver is still waiting after 15 s"
+        with pytest.raises(TransferTimeoutError, match="no answer from the rendezvous store"):
+            outcome.result()
+        assert time.monotonic() - start < 6  # its 2 s, and the liveness check's of a pair that served before
+    finally:
+        sender.close()
+        if proc.pid is not None and proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)  # its store's connections reset: the calls' threads end
+            proc.join(10)
