@@ -242,7 +242,8 @@ async def test_a_caller_behind_the_engine_gets_the_steps_it_missed_as_one_output
     first = await anext(stream)
     await until_idle(mixed)
     rest = [out async for out in stream]
-    assert len(first.new_token_ids) == 1 and len(rest) == 1
+    # The first read may already merge a few steps (a loaded host runs the engine ahead of the caller's start).
+    assert len(rest) == 1 and len(rest[0].new_token_ids) > 1
     assert first.new_token_ids + rest[0].new_token_ids == [t for out in plain for t in out.new_token_ids]
     assert first.new_text + rest[0].new_text == "".join(out.new_text for out in plain)
     assert rest[0].finish_reason == plain[-1].finish_reason
