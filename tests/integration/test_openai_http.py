@@ -280,6 +280,24 @@ def test_a_non_streamed_request_whose_client_left_is_cancelled(cluster, n):
     assert status_json(cluster.address)["in_flight"] == 0
 
 
+def test_a_streamed_request_whose_client_left_is_cancelled(cluster, client):
+    """The client reads a few SSE events of a long stream and hangs up: the router cancels the request (its KV
+    freed on both workers) instead of generating for nobody until max_tokens."""
+    before = scrape(cluster.metrics_url)
+    stream = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=2000, temperature=0, stream=True, extra_body=IGNORE_EOS
+    )
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    stream.close()
+    deadline = time.monotonic() + 30
+    while (after := scrape(cluster.metrics_url)) and cancelled(after) < cancelled(before) + 1:
+        assert time.monotonic() < deadline, "the stream was not cancelled when its client left"
+        time.sleep(0.2)
+    assert finished(after) == finished(before), "it ran to its end"
+    assert status_json(cluster.address)["in_flight"] == 0
+
+
 def cancelled(samples: dict) -> float:
     return total(samples, "pdserve_requests_total", outcome="cancelled")
 
