@@ -236,6 +236,8 @@ class LLMEngine:
         if reason is not None:
             if reason is not FinishReason.STOP or not req.detokenizer.stopped:
                 text += req.detokenizer.flush()
+                if req.detokenizer.stopped:  # a stop string ending in the last token's whole characters
+                    reason = FinishReason.STOP
             self.scheduler.finish(seq, reason)
             del self._requests[seq.seq_id]
         handoff: tuple[int, ...] = ()

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.engine_request import EngineRequest
@@ -270,3 +271,16 @@ def test_resumed_output_tokens_past_the_prompt_are_invalid(engine: LLMEngine) ->
         engine.add_request(EngineRequest("bad", [5, 6, 7], SamplingParams(), resumed_output_tokens=4))
     assert err.value.field == "resumed_output_tokens"
     assert_idle(engine)
+
+
+def test_a_stop_string_ending_in_the_last_tokens_whole_characters_finishes_with_stop() -> None:
+    """SmolLM2's token 15107 is a space and the first two bytes of an emoji: ending on it, the space is text (the
+    emoji's bytes are dropped), so a stop string " " is found at the finish: cut there, and the reason is STOP."""
+    config = EngineConfig(model="smollm2-135m", dtype="float32", device="cpu", num_kv_blocks=64, num_threads=1)
+    engine = LLMEngine(config)
+    forced = dict(max_tokens=1, ignore_eos=True, logit_bias=((15107, 100.0),))
+    plain, stopped = engine.generate(
+        [engine.tokenizer.encode("Hi")] * 2, [SamplingParams(**forced), SamplingParams(**forced, stop=(" ",))]
+    )
+    assert (plain.token_ids, plain.text, plain.finish_reason) == ([15107], " ", FinishReason.LENGTH)
+    assert (stopped.token_ids, stopped.text, stopped.finish_reason) == ([15107], "", FinishReason.STOP)
