@@ -154,13 +154,13 @@ class Handoff:
             ended_by = e
             raise
         finally:
-            await committed.aclose()
             if stream is None:
                 stream = self.telemetry.tracer.start_span("decode.stream", start_time=committed_ns, attributes=ids)
             mark_ended_by(stream, ended_by)
             stream.set_attribute("completion_tokens", tokens)
             stream.set_attribute("prompt_tokens", len(handoff.request.prompt))
             stream.end()
+            await committed.aclose()  # last: the span is ended even if this raises
             log.debug("decode finished", extra={"completion_tokens": tokens})
 
     def _free(self, request_id: str, peer: str, tag: int, receive: asyncio.Future[int] | None) -> None:
