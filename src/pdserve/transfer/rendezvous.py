@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 from datetime import timedelta
 
 import torch
@@ -23,6 +24,9 @@ from pdserve.transfer.store_calls import StoreSilent, within
 _RECV_KEY = "pdserve/recv"  # "<receiver identity>/<peer id> <device info>"
 _SEND_KEY = "pdserve/send"  # the sender's device info
 _CLAIM_KEY = "pdserve/claimed"  # counts senders: only the first may use the store
+# Rendezvous addresses whose claim is still running on its thread, each with the event set once its caller gave up.
+_unanswered: dict[str, threading.Event] = {}
+_claims_lock = threading.Lock()
 
 
 def device_info(device: torch.device, backend: str) -> str:
@@ -131,22 +135,36 @@ def listening(address: str, timeout_s: float) -> bool:
 def claim_store(address: str, mine: str, deadline: float, name: str) -> tuple[dist.TCPStore, str, str]:
     """Prefill side: connects to the decode side's store and claims it with our `device_info`; returns the store,
     the receiver's identity and its `device_info`; by `deadline` even when the decode process is stopped
-    (store_calls.py)."""
+    (store_calls.py). While an earlier claim of `address` given up on is still unanswered, one more would only
+    leave another thread waiting: it fails at once; and the earlier one, if answered late, claims nothing."""
     host, port = split_address(address)
+    given_up = threading.Event()
 
     def claim() -> tuple[dist.TCPStore, str, str, int]:
-        store = dist.TCPStore(
-            host, port, 2, False, timeout=timedelta(seconds=max(time_left(deadline), 0.001)), use_libuv=True
-        )
-        identity, their_info = store.get(_RECV_KEY).decode().split(" ", 1)
-        claimed = store.add(_CLAIM_KEY, 1)
-        if claimed == 1:
-            store.set(_SEND_KEY, mine)
-        return store, identity, their_info, claimed
+        try:
+            store = dist.TCPStore(
+                host, port, 2, False, timeout=timedelta(seconds=max(time_left(deadline), 0.001)), use_libuv=True
+            )
+            identity, their_info = store.get(_RECV_KEY).decode().split(" ", 1)
+            if given_up.is_set():  # its sender left: a claim now would hold the store for no one
+                return store, identity, their_info, 0
+            claimed = store.add(_CLAIM_KEY, 1)
+            if claimed == 1:
+                store.set(_SEND_KEY, mine)
+            return store, identity, their_info, claimed
+        finally:
+            with _claims_lock:
+                if _unanswered.get(address) is given_up:
+                    del _unanswered[address]
 
+    with _claims_lock:
+        if address in _unanswered:
+            raise TransferTimeoutError(f"{name}: an earlier claim of its rendezvous store is still unanswered")
+        _unanswered[address] = given_up
     try:
         store, identity, their_info, claimed = within(claim, time_left(deadline), "kv-claim")
     except StoreSilent as e:
+        given_up.set()
         raise TransferTimeoutError(f"{name}: no answer from the rendezvous store (the process stopped?): {e}") from None
     except RuntimeError as e:
         if time_left(deadline) < 0.05:

@@ -74,8 +74,9 @@ class SendPair:
         """One store round trip (~0.2 ms). gloo does not always notice a decode worker that died while the pair
         sat idle: the header's send then waits out the whole transfer timeout (seen under load). The store the
         decode worker serves fails at once instead; one that does not answer (its process stopped) is lost too."""
+        store = self.store  # the thread holds the store alone, not this pair (its group and staging buffers)
         try:
-            within(lambda: self.store.check([_ALIVE_KEY]), timeout_s, "kv-check")
+            within(lambda: store.check([_ALIVE_KEY]), timeout_s, "kv-check")
         except (RuntimeError, StoreSilent) as e:
             raise PeerLostError(f"decode side {self.rendezvous}: peer lost: {error_summary(e)}") from e
 

@@ -39,7 +39,7 @@ from pdserve.transfer.pair_group import PairGroup, as_transfer_error, error_summ
 from pdserve.transfer.pipeline import Staging, receive_messages
 from pdserve.transfer.recv_pair import Pending, RecvPair, check_header
 from pdserve.transfer.rendezvous import device_info, listening
-from pdserve.transfer.send_pair import SendPair, rejection
+from pdserve.transfer.send_pair import CHECK_TIMEOUT_S, SendPair, rejection
 from pdserve.transfer.wire import HEADER_LEN, OK, Header, check_tag
 
 Backend = Literal["auto", "gloo", "nccl"]
@@ -140,7 +140,7 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
             lost, handed = PeerLostError(f"decode side {rendezvous}: pair dropped by a concurrent failure"), False
             try:
                 if not pair.broken:
-                    pair.check_peer()
+                    pair.check_peer(min(CHECK_TIMEOUT_S, max(time_left(deadline), 0.001)))
                     handed = True
                     return pair  # locked: the caller releases it
             except PeerLostError as e:

@@ -1,6 +1,7 @@
 """A decode process that is stopped (SIGSTOP, or hung) still has its kernel accept connections and take requests:
 a prefill worker's send to it must fail by its deadline, on its first send (the store's connect) and on a pair
-that served before (its liveness check), not wait as long as the stop lasts while it holds the prompt's KV."""
+that served before (its liveness check), not wait as long as the stop lasts while it holds the prompt's KV; and
+once it resumes, the sends pair with it again."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from pdserve.transfer.base import TransferTimeoutError
+from pdserve.transfer.base import TransferError, TransferTimeoutError
 from pdserve.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from tests.unit.transfer.pair_harness import FINGERPRINT, HOST, make_caches
 
 pytestmark = pytest.mark.timeout(60)
+SEND_TIMEOUT_S = 4.0  # past the liveness check's 2 s: what is left is the claim's
 
 
 def _receiver_main(conn: Connection) -> None:
@@ -31,7 +33,7 @@ def _receiver_main(conn: Connection) -> None:
 
 def _send(sender: TorchDistSender, rendezvous: str, tag: int, outcome: Future[int]) -> None:
     try:
-        outcome.set_result(sender.send(rendezvous, tag, make_caches(1), [0, 1], 2.0))
+        outcome.set_result(sender.send(rendezvous, tag, make_caches(1), [0, 1], SEND_TIMEOUT_S))
     except BaseException as e:
         outcome.set_exception(e)
 
@@ -58,7 +60,22 @@ def test_a_send_to_a_stopped_receiver_fails_by_its_deadline(paired_before: bool)
         assert not sending.is_alive(), "the send to a stopped receiver is still waiting after 15 s"
         with pytest.raises(TransferTimeoutError, match="no answer from the rendezvous store"):
             outcome.result()
-        assert time.monotonic() - start < 6  # its 2 s, and the liveness check's of a pair that served before
+        assert time.monotonic() - start < SEND_TIMEOUT_S + 2
+        again = time.monotonic()  # the claim given up on is still unanswered: another fails at once, no new thread
+        with pytest.raises(TransferTimeoutError, match="still unanswered"):
+            sender.send(rendezvous, 3, make_caches(1), [0, 1], SEND_TIMEOUT_S)
+        assert time.monotonic() - again < 1
+        os.kill(proc.pid, signal.SIGCONT)  # the claim given up on is answered late, and claims nothing
+        resumed = time.monotonic()
+        while not paired_before:  # (a pair that served holds its store's claim: the decode side hands out another)
+            try:
+                sender.send(rendezvous, 4, make_caches(1), [0, 1], SEND_TIMEOUT_S)
+            except TransferError as e:
+                if "still unanswered" in str(e) and time.monotonic() - resumed < 10:
+                    time.sleep(0.1)
+                    continue
+                assert "no recv is waiting" in str(e), e  # a pair that works: the receiver expects no tag 4
+                break
     finally:
         sender.close()
         if proc.pid is not None and proc.is_alive():
