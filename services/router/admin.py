@@ -74,6 +74,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         target = scale_target(asked, current, {w.role for w in self.registry.workers()})
         if set(current) == set(target):  # only the roles given change: a scale of another role meanwhile holds
             await _registry_call(self.registry.merge_desired_counts, {r: n for r, n in asked.items() if n})
+            target = await _registry_call(self.registry.desired_counts) or target  # with such a scale's roles
         else:
             await _registry_call(self.registry.set_desired_counts, target)
         log.warning("desired worker counts %s -> %s", _counts(current), _counts(target))

@@ -245,7 +245,8 @@ def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
             return 0
         start = time.monotonic()
         try:
-            await wait_settled(args.addr, credentials, dict(reply.desired), args.timeout)
+            named = {role: n for role, n in reply.desired.items() if role in counts}  # others are another scale's
+            await wait_settled(args.addr, credentials, named, args.timeout)
         except TimeoutError as e:
             print(f"pdserve scale: not settled: {e}", file=sys.stderr)
             return 1

@@ -51,8 +51,10 @@ def all_counts(status: apb.ClusterStatusResponse) -> Counts:
 
 
 def settled(status: apb.ClusterStatusResponse, desired: Counts) -> bool:
-    """The desired counts serve, and no worker beyond them is still draining away."""
-    return serving_counts(status) == desired and all_counts(status) == desired
+    """Each role's desired count serves, and no worker of its beyond them is still draining away (the roles
+    `desired` names: another scale may set the others meanwhile)."""
+    serving, listed = serving_counts(status), all_counts(status)
+    return all(serving.get(role, 0) == n == listed.get(role, 0) for role, n in desired.items())
 
 
 async def wait_settled(
