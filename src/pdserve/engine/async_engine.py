@@ -193,8 +193,7 @@ class AsyncEngine:
         return await self._call(lambda e: self._abort_now(e, request_id))
 
     def _abort_now(self, engine: LLMEngine, request_id: str) -> bool:
-        """On the engine thread. A slowed request stays slow until the engine drops it: one a bug left running
-        does not speed up and finish unseen before a test looks for its blocks."""
+        """On the engine thread: a slowed request stays slow until the engine drops it (a test sees one left on)."""
         self._slowed.pop(request_id, None)
         return engine.abort(request_id)
 
@@ -221,8 +220,7 @@ class AsyncEngine:
         self._doomed.add(request_id)
 
     def slow_when_stepped(self, request_id: str, seconds: float) -> None:
-        """Fault injection: every engine step that runs `request_id` takes `seconds` longer, as on a slow device,
-        so a test's stream outlasts what it does meanwhile (start a CLI process, drain the worker)."""
+        """Fault injection: each step running `request_id` takes `seconds` more (a slow device, for tests)."""
         self._slowed[request_id] = seconds
 
     async def _call(self, fn: Callable[[LLMEngine], T], undo: Callable[[LLMEngine, T], None] | None = None) -> T:
@@ -296,7 +294,7 @@ class AsyncEngine:
         if not abort:  # it finished: the engine holds it no more
             self._slowed.pop(request_id, None)
         elif self.alive:
-            await self._call(lambda e: self._abort_now(e, request_id))
+            await self.abort(request_id)
 
     def _submit(self, command: Callable[[], None]) -> None:
         if not self.alive:
@@ -337,16 +335,13 @@ class AsyncEngine:
         if self.on_step is not None:
             decode_seqs = min(decoding, self._engine.last_step_tokens)
             self.on_step(self._engine.last_step_tokens - decode_seqs, decode_seqs, time.perf_counter() - start)
-        self._check_doomed(outputs)
+        if self._doomed and (hit := self._doomed & {o.request_id for o in outputs}):
+            raise InjectedEngineFault(f"fault injected: the engine step ran {sorted(hit)}")
         if self._slowed and (delay := max((self._slowed.get(o.request_id, 0.0) for o in outputs), default=0.0)):
             time.sleep(delay)
         self._deliver(outputs)
         self._update_stats()
         return True
-
-    def _check_doomed(self, outputs: list[RequestOutput]) -> None:
-        if self._doomed and (hit := self._doomed & {o.request_id for o in outputs}):
-            raise InjectedEngineFault(f"fault injected: the engine step ran {sorted(hit)}")
 
     def _mark_started(self, outputs: list[RequestOutput], start_ns: int) -> None:
         started = self._started_ns
