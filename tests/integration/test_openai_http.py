@@ -143,7 +143,7 @@ BAD_COMPLETIONS = [
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 10**6}, "max_tokens"),
-    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),  # past uint64 (a negative one is taken, as vLLM takes it)
     ({"stop": [""]}, "stop"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"extra_body": {"top_k": -2}}, "top_k"),
