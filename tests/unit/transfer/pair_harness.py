@@ -130,6 +130,55 @@ class Peer:
                     self.kill()
 
 
+def _receiver_main(conn: Connection, store_port: int = 0) -> None:
+    """Posts a recv per command, each in its own thread (several may wait at once), and answers its byte count."""
+    r = TorchDistReceiver(HOST, "cpu", FINGERPRINT, connect_timeout_s=10, store_port=store_port)
+    conn.send_bytes(r.rendezvous("prefill-test").encode())
+    caches, answering = make_caches(0), threading.Lock()
+
+    def receive(cmd: dict[str, Any]) -> None:
+        nbytes = r.recv("prefill-test", cmd["tag"], caches, cmd["ids"], 20)
+        with answering:
+            conn.send_bytes(json.dumps({"nbytes": nbytes}).encode())
+
+    while True:
+        threading.Thread(target=receive, args=(json.loads(conn.recv_bytes()),), daemon=True).start()
+
+
+class ReceiverProcess:
+    """A decode side in its own process, receiving what the test asks for; `kill` is a crash, `stop` a SIGSTOP."""
+
+    def __init__(self, store_port: int = 0) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_receiver_main, args=(child, store_port), daemon=True)
+        self.proc.start()
+        assert self.conn.poll(30)
+        self.rendezvous = self.conn.recv_bytes().decode()
+
+    def expect(self, tag: int, ids: tuple[int, ...] = (0, 1)) -> None:
+        self.conn.send_bytes(json.dumps({"tag": tag, "ids": ids}).encode())
+        time.sleep(0.2)  # the recv is posted before the send starts
+
+    def received(self) -> int:
+        assert self.conn.poll(30)
+        return json.loads(self.conn.recv_bytes())["nbytes"]
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            assert self.proc.pid is not None
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.join(10)
+
+    def stop(self) -> None:
+        assert self.proc.pid is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc.pid is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+
 class Recv:
     """recv() in a thread, so the test can drive the sender meanwhile."""
 

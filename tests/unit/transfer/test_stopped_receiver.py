@@ -5,30 +5,18 @@ once it resumes, the sends pair with it again."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import signal
 import threading
 import time
 from concurrent.futures import Future
-from multiprocessing.connection import Connection
 
 import pytest
 
 from pdserve.transfer.base import TransferError, TransferTimeoutError
-from pdserve.transfer.torch_dist import TorchDistReceiver, TorchDistSender
-from tests.unit.transfer.pair_harness import FINGERPRINT, HOST, make_caches
+from pdserve.transfer.torch_dist import TorchDistSender
+from tests.unit.transfer.pair_harness import FINGERPRINT, HOST, ReceiverProcess, make_caches
 
 pytestmark = pytest.mark.timeout(60)
 SEND_TIMEOUT_S = 4.0  # past the liveness check's 2 s: what is left is the claim's
-
-
-def _receiver_main(conn: Connection) -> None:
-    """Opens a rendezvous store for the test's sender, takes one transfer (tag 1), then waits to be stopped."""
-    receiver = TorchDistReceiver(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
-    conn.send_bytes(receiver.rendezvous("prefill-test").encode())
-    conn.send_bytes(str(receiver.recv("prefill-test", 1, make_caches(0), [0, 1], 30)).encode())
-    conn.recv_bytes()
 
 
 def _send(sender: TorchDistSender, rendezvous: str, tag: int, outcome: Future[int]) -> None:
@@ -40,19 +28,14 @@ def _send(sender: TorchDistSender, rendezvous: str, tag: int, outcome: Future[in
 
 @pytest.mark.parametrize("paired_before", [False, True])
 def test_a_send_to_a_stopped_receiver_fails_by_its_deadline(paired_before: bool) -> None:
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_main, args=(child,), daemon=True)
-    proc.start()
+    receiver = ReceiverProcess()
     sender = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+    rendezvous = receiver.rendezvous
     try:
-        assert conn.poll(30)
-        rendezvous = conn.recv_bytes().decode()
         if paired_before:
-            time.sleep(0.2)  # its recv is posted
-            assert sender.send(rendezvous, 1, make_caches(1), [0, 1], 10) == int(conn.recv_bytes())
-        assert proc.pid is not None
-        os.kill(proc.pid, signal.SIGSTOP)
+            receiver.expect(1)
+            assert sender.send(rendezvous, 1, make_caches(1), [0, 1], 10) == receiver.received()
+        receiver.stop()
         start, outcome = time.monotonic(), Future()
         sending = threading.Thread(target=_send, args=(sender, rendezvous, 2, outcome), daemon=True)
         sending.start()  # on a thread: a send that hangs (in C++, deaf to pytest's timeout) fails the test instead
@@ -65,7 +48,7 @@ def test_a_send_to_a_stopped_receiver_fails_by_its_deadline(paired_before: bool)
         with pytest.raises(TransferTimeoutError, match="still unanswered"):
             sender.send(rendezvous, 3, make_caches(1), [0, 1], SEND_TIMEOUT_S)
         assert time.monotonic() - again < 1
-        os.kill(proc.pid, signal.SIGCONT)  # the claim given up on is answered late, and claims nothing
+        receiver.resume()  # the claim given up on is answered late, and claims nothing
         resumed = time.monotonic()
         while not paired_before:  # (a pair that served holds its store's claim: the decode side hands out another)
             try:
@@ -78,6 +61,4 @@ def test_a_send_to_a_stopped_receiver_fails_by_its_deadline(paired_before: bool)
                 break
     finally:
         sender.close()
-        if proc.pid is not None and proc.is_alive():
-            os.kill(proc.pid, signal.SIGKILL)  # its store's connections reset: the calls' threads end
-            proc.join(10)
+        receiver.kill()  # its store's connections reset: the calls' threads end

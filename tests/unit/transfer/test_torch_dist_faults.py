@@ -9,14 +9,9 @@ harness.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
-import signal
 import socket
 import threading
 import time
-from multiprocessing.connection import Connection
-from typing import Any
 
 import pytest
 import torch
@@ -29,7 +24,17 @@ from pdserve.transfer.base import (
     TransferTimeoutError,
 )
 from pdserve.transfer.torch_dist import TorchDistReceiver, TorchDistSender
-from tests.unit.transfer.pair_harness import FINGERPRINT, HOST, NUM_BLOCKS, Peer, Recv, assert_landed, bits, make_caches
+from tests.unit.transfer.pair_harness import (
+    FINGERPRINT,
+    HOST,
+    NUM_BLOCKS,
+    Peer,
+    ReceiverProcess,
+    Recv,
+    assert_landed,
+    bits,
+    make_caches,
+)
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of the whole run
 
@@ -264,72 +269,22 @@ def test_sender_stalled_mid_transfer_times_out_and_drops_the_pair(receiver: Torc
     assert peer.call(op="send", rendezvous=new_rendezvous, tag=71, seed=3, ids=[0, 4, 7]) == {"nbytes": r.join()}
 
 
-def _receiver_main(conn: Connection, store_port: int = 0) -> None:
-    """Posts a recv per command, each in its own thread (several may wait at once), and answers its byte count."""
-    r = TorchDistReceiver(HOST, "cpu", FINGERPRINT, connect_timeout_s=10, store_port=store_port)
-    conn.send_bytes(r.rendezvous("prefill-test").encode())
-    caches, answering = make_caches(0), threading.Lock()
-
-    def receive(cmd: dict[str, Any]) -> None:
-        nbytes = r.recv("prefill-test", cmd["tag"], caches, cmd["ids"], 20)
-        with answering:
-            conn.send_bytes(json.dumps({"nbytes": nbytes}).encode())
-
-    while True:
-        threading.Thread(target=receive, args=(json.loads(conn.recv_bytes()),), daemon=True).start()
-
-
 def test_killed_receiver_fails_send_at_once() -> None:
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_main, args=(child,), daemon=True)
-    proc.start()
+    receiver = ReceiverProcess()
     s = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
     try:
-        assert conn.poll(30)
-        rendezvous = conn.recv_bytes().decode()
         kv = make_caches(8)
-        conn.send_bytes(json.dumps({"tag": 1, "ids": [0, 1]}).encode())
-        assert s.send(rendezvous, 1, kv, [2, 3], 10) == json.loads(conn.recv_bytes())["nbytes"]
-        conn.send_bytes(json.dumps({"tag": 2, "ids": [0, 1]}).encode())
-        time.sleep(0.2)
-        assert proc.pid is not None
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join(10)
+        receiver.expect(1)
+        assert s.send(receiver.rendezvous, 1, kv, [2, 3], 10) == receiver.received()
+        receiver.expect(2)
+        receiver.kill()
         start = time.monotonic()
         with pytest.raises(PeerLostError):
-            s.send(rendezvous, 2, kv, [2, 3], 30)
+            s.send(receiver.rendezvous, 2, kv, [2, 3], 30)
         assert time.monotonic() - start < 5
     finally:
         s.close()
-        if proc.is_alive():
-            proc.kill()
-
-
-class _ReceiverProcess:
-    """A decode side in its own process, receiving what the test asks for; `kill` is a crash."""
-
-    def __init__(self, store_port: int = 0) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver_main, args=(child, store_port), daemon=True)
-        self.proc.start()
-        assert self.conn.poll(30)
-        self.rendezvous = self.conn.recv_bytes().decode()
-
-    def expect(self, tag: int, ids: tuple[int, ...] = (0, 1)) -> None:
-        self.conn.send_bytes(json.dumps({"tag": tag, "ids": ids}).encode())
-        time.sleep(0.2)  # the recv is posted before the send starts
-
-    def received(self) -> int:
-        assert self.conn.poll(30)
-        return json.loads(self.conn.recv_bytes())["nbytes"]
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            assert self.proc.pid is not None
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.join(10)
+        receiver.kill()
 
 
 def test_a_receiver_restarted_at_its_address_takes_the_next_send_and_dead_receivers_pairs_go() -> None:
@@ -341,13 +296,13 @@ def test_a_receiver_restarted_at_its_address_takes_the_next_send_and_dead_receiv
         port = probe.getsockname()[1]
     s = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
     kv = make_caches(8)
-    receivers = [_ReceiverProcess(port)]
+    receivers = [ReceiverProcess(port)]
     try:
         receivers[0].expect(1)
         assert s.send(receivers[0].rendezvous, 1, kv, [2, 3], 10) == receivers[0].received()
         receivers[0].kill()
 
-        receivers.append(_ReceiverProcess(port))
+        receivers.append(ReceiverProcess(port))
         assert receivers[1].rendezvous == receivers[0].rendezvous  # its port back at once
         receivers[1].expect(2, (0, 1))
         receivers[1].expect(4, (2, 3))
@@ -371,7 +326,7 @@ def test_a_receiver_restarted_at_its_address_takes_the_next_send_and_dead_receiv
         assert sorted(sent) == sorted(receivers[1].received() for _ in range(2))  # type: ignore[type-var]
         receivers[1].kill()
 
-        receivers.append(_ReceiverProcess())
+        receivers.append(ReceiverProcess())
         assert receivers[2].rendezvous != receivers[1].rendezvous
         receivers[2].expect(3)
         assert s.send(receivers[2].rendezvous, 3, kv, [2, 3], 10) == receivers[2].received()
