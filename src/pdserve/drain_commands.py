@@ -10,21 +10,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import sys
 import time
 from typing import Any
 
 from pdserve.addresses import host_port
 from pdserve.config import ClusterConfig
-from pdserve.flags import in_range
+from pdserve.flags import seconds
 from pdserve.rpc.credentials import ClientCredentials, add_client_flags, client_credentials
 
 ANSWER_SLACK_S = 120.0  # past the drain timeout: cut streams' cleanup, the router's own slack
 READY_POLL_S = 0.5
-
-
-_seconds = in_range(float, 0, math.inf)  # --timeout
 
 
 def add_drain_commands(sub: Any) -> None:
@@ -33,7 +29,7 @@ def add_drain_commands(sub: Any) -> None:
     drain.add_argument("--addr", type=host_port, required=True, help="router HOST:PORT")
     drain.add_argument("worker_ids", nargs="*", metavar="WORKER_ID", help="workers to drain (see pdserve status)")
     drain.add_argument("--host", default=None, help="drain every worker advertised on this host instead")
-    drain.add_argument("--timeout", type=_seconds, default=ClusterConfig.worker_drain_timeout_s, help=timeout_help)
+    drain.add_argument("--timeout", type=seconds, default=ClusterConfig.worker_drain_timeout_s, help=timeout_help)
     drain.add_argument("--json", action="store_true", help="one JSON object per worker per line")
     add_client_flags(drain)
     drain.set_defaults(func=_drain)
@@ -41,7 +37,7 @@ def add_drain_commands(sub: Any) -> None:
     restart = sub.add_parser("restart", help="rolling restart: drain each worker in turn, wait until it is back")
     restart.add_argument("--addr", type=host_port, required=True, help="router HOST:PORT")
     restart.add_argument("worker_ids", nargs="*", metavar="WORKER_ID", help="workers to restart (default: all)")
-    restart.add_argument("--timeout", type=_seconds, default=ClusterConfig.worker_drain_timeout_s, help=timeout_help)
+    restart.add_argument("--timeout", type=seconds, default=ClusterConfig.worker_drain_timeout_s, help=timeout_help)
     restart.add_argument(
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for each new worker to serve"
     )

@@ -4,6 +4,7 @@ or by its flag's name, instead of in a keyword list beside every command."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any, TypeVar
@@ -82,6 +83,10 @@ def in_range(
         return x
 
     return parse
+
+
+natural = in_range(int, 0, math.inf)  # an argparse type: a count that may be 0
+seconds = in_range(float, 0, math.inf)  # an argparse type: a finite time that may be 0
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import signal
 import sys
 import tempfile
@@ -16,13 +15,10 @@ import grpc
 from pdserve.addresses import host_port
 from pdserve.chaos.run import ChaosConfig
 from pdserve.config import RouterConfig
-from pdserve.flags import at_least_one, from_flags, in_range, positive_float
+from pdserve.flags import at_least_one, from_flags, natural, positive_float, seconds
 
 # The cluster `pdserve chaos` starts when given no --addr: small, with router bounds a stop outlasts.
 FIRST_TOKEN_TIMEOUT_S = 20.0
-
-_count = in_range(int, 0, math.inf)  # --kills, --stops
-_seconds = in_range(float, 0, math.inf)  # --interval
 
 
 def add_chaos_command(sub: argparse._SubParsersAction) -> None:
@@ -47,9 +43,9 @@ def add_chaos_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--first-token-timeout-s", type=positive_float, default=FIRST_TOKEN_TIMEOUT_S, help="the started router's bound"
     )
-    p.add_argument("--kills", type=_count, default=c.kills, help="SIGKILLs of random workers, one at a time")
-    p.add_argument("--interval", type=_seconds, default=c.interval_s, help="seconds from a recovery to the next fault")
-    p.add_argument("--stops", type=_count, default=c.stops, help="SIGSTOPs (decode first, then alternating roles)")
+    p.add_argument("--kills", type=natural, default=c.kills, help="SIGKILLs of random workers, one at a time")
+    p.add_argument("--interval", type=seconds, default=c.interval_s, help="seconds from a recovery to the next fault")
+    p.add_argument("--stops", type=natural, default=c.stops, help="SIGSTOPs (decode first, then alternating roles)")
     p.add_argument("--stop-s", type=positive_float, default=c.stop_s, help="seconds a stopped worker stays stopped")
     p.add_argument("--rate", type=positive_float, default=c.rate, help="greedy requests per second, Poisson")
     p.add_argument("--prompts", type=at_least_one, default=c.prompts, help="distinct prompts the requests draw from")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.addresses import host_port
 from pdserve.config import MAX_WORKERS_PER_ROLE, RouterConfig
-from pdserve.flags import add_engine_flags, at_least_one, engine_config, in_range, positive_float
+from pdserve.flags import add_engine_flags, at_least_one, engine_config, in_range, natural, positive_float, seconds
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 if TYPE_CHECKING:
@@ -63,7 +62,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--range-ratio", type=_ratio, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
     p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     p.add_argument("--num-requests", type=at_least_one, default=400, help="requests simulated per run")
-    p.add_argument("--seed", type=_seed, default=0)
+    p.add_argument("--seed", type=natural, default=0)
     _add_slo_flags(p)
     p.add_argument("--workers", type=int, required=True, help="K: the workers to split")
     _add_admission_flags(p)
@@ -98,8 +97,6 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
 
 _share = in_range(float, 0, 1, low_in=False, high_in=True)  # as the router takes slo_headroom
 _ratio = in_range(float, 0, 1)  # --range-ratio
-_seed = in_range(int, 0, math.inf)
-_non_negative = in_range(float, 0, math.inf)  # seconds
 
 
 def _admission(args: argparse.Namespace) -> Admission | None:
@@ -368,7 +365,7 @@ def _add_autoscale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--interval", type=positive_float, default=10.0, help="seconds between decisions")
     p.add_argument("--window", type=positive_float, default=60.0, help="seconds of admitted load per decision")
     p.add_argument("--consecutive", type=at_least_one, default=3, help="the same recommendation this often first")
-    p.add_argument("--cooldown", type=_non_negative, default=120.0, help="seconds after a scale before the next one")
+    p.add_argument("--cooldown", type=seconds, default=120.0, help="seconds after a scale before the next one")
     p.add_argument("--once", action="store_true", help="one decision once the window is covered, printed; then exit")
     p.add_argument("--dry-run", action="store_true", help="decide and print, never scale")
     add_client_flags(p)
