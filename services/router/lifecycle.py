@@ -194,13 +194,18 @@ class RequestLifecycle:
         return await self._place_within(self.config.no_workers_wait_s, args, frozenset(), req.cache_salt)
 
     async def _place_within(
-        self, wait_s: float, args: tuple[list[int], int, float], avoid: frozenset[str], cache_salt: bytes
+        self,
+        wait_s: float,
+        args: tuple[list[int], int, float],
+        avoid: frozenset[str],
+        cache_salt: bytes,
+        must_hold: bool = False,
     ) -> Placement:
         """A placement, tried again while no worker of a role is live for up to `wait_s`; then NoWorkersError."""
         end = time.monotonic() + wait_s
         while True:
             try:
-                return await self.placement.place(*args, avoid, cache_salt)
+                return await self.placement.place(*args, avoid, cache_salt, must_hold)
             except NoWorkersError:
                 if time.monotonic() >= end:
                     raise
@@ -294,16 +299,16 @@ class RequestLifecycle:
         """On workers that did not fail the request; when none is left, on those of one role that did (the other
         role's still avoided), then on any live one: a worker that failed it may have recovered (one starved of CPU
         past the first-token bound, say), which beats failing the request while attempts and time remain.
-        UnavailableError when no worker is live. Before it goes back to a worker that failed, it waits for a
-        remote registry view to refresh twice (within the caller's deadline): a replacement or a rollout's
-        successor may be listed already, and not yet seen here."""
+        UnavailableError when no live decode worker holds it. Before it goes back to a worker that failed, it
+        waits for a remote registry view to refresh twice (within the caller's deadline): a replacement or a
+        rollout's successor may be listed already, and not yet seen here."""
         _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         args = (req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3)
         wait_s = 2 * self.placement.registry.refresh_s
         if left is not None:
             wait_s = min(wait_s, left)
         try:
-            return await self._place_within(wait_s, args, frozenset(failed), req.cache_salt)
+            return await self._place_within(wait_s, args, frozenset(failed), req.cache_salt, must_hold=True)
         except NoWorkersError:
             pass
         # One role's failed workers back first, the other's still avoided: the only prefill worker blamed with its
@@ -311,8 +316,9 @@ class RequestLifecycle:
         for role in (Role.PREFILL, Role.DECODE):
             given_back = {w.worker_id for w in self.placement.registry.workers(role)}
             with suppress(NoWorkersError):
-                return await self.placement.place(*args, frozenset(failed - given_back), cache_salt=req.cache_salt)
-        return await self.placement.place(*args, cache_salt=req.cache_salt)
+                avoid = frozenset(failed - given_back)
+                return await self.placement.place(*args, avoid, req.cache_salt, must_hold=True)
+        return await self.placement.place(*args, cache_salt=req.cache_salt, must_hold=True)
 
     async def _place_with_room(
         self, req: RoutedRequest, failed: set[str], left: float | None, moves: Moves

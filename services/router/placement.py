@@ -67,20 +67,29 @@ class PlacementPolicy(ABC):
         tpot_slo_s: float,
         avoid: frozenset[str] = frozenset(),
         cache_salt: bytes = b"",
+        must_hold: bool = False,
     ) -> Placement:
         """Called by the router per request; raises UnavailableError when no worker serves at all. `avoid`:
         workers that already failed this request (a retry never goes back to them). `cache_salt`: the
-        request's prefix-cache salt; only blocks cached under it count as hits."""
+        request's prefix-cache salt; only blocks cached under it count as hits. `must_hold`: only decode
+        workers whose whole KV holds prompt + max_tokens (NoWorkersError when none is live): a retry or a
+        migration, which admission does not judge again, must not go where it would be refused as invalid."""
         colocated = self._workers(Role.COLOCATED, avoid)
         prefills = colocated or self._workers(Role.PREFILL, avoid)
         decodes = colocated or self._workers(Role.DECODE, avoid)
         if not prefills or not decodes:
             raise NoWorkersError(f"no workers to serve: {len(prefills)} prefill, {len(decodes)} decode live")
-        offered = self._registered(colocated=bool(colocated))
         block_size = prefills[0].block_size
+        blocks = -(-(len(prompt) + max_tokens) // block_size)
+        if must_hold:
+            decodes = [w for w in decodes if w.kv_blocks_total >= blocks]
+            if not decodes:
+                raise NoWorkersError(f"no live decode worker holds {blocks} KV blocks")
+            if colocated:
+                colocated = prefills = decodes
+        offered = self._registered(colocated=bool(colocated))
         hashes = prefix_hashes(prompt[: len(prompt) - 1], block_size, cache_salt)
         hits = await self.prefix_index.match([w.cache_key for w in offered[0]], hashes)
-        blocks = -(-(len(prompt) + max_tokens) // block_size)
         if colocated:  # one worker does both: it must be able to decode the request too
             prefill = decode = self.choose_colocated(colocated, hits, len(prompt), blocks, tpot_slo_s)
         else:

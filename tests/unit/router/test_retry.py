@@ -141,3 +141,38 @@ async def test_a_fault_blamed_on_the_prefill_worker_sends_the_retry_to_another_d
 
         tokens = [t async for msg in generate(r.lifecycle(), req, {}, lambda: 10.0, admitted) for t in msg.token_ids]
     assert len(tokens) == 4 and (bad.calls, healthy.calls) == (1, 1)
+
+
+class FailsFirst(StandInDecode):
+    """A decode worker whose engine thread is down: UNAVAILABLE before any message."""
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        self.calls += 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "engine thread is down")
+        yield pb.GenerateResponse()
+
+
+async def test_a_retry_never_goes_to_a_decode_worker_whose_kv_cannot_hold_the_request():
+    """Decode workers of different KV sizes (mixed GPUs): a retry is not judged by admission again, so placement
+    itself keeps it off a worker too small for prompt + max_tokens, which would refuse it as INVALID_ARGUMENT (a
+    promise that no retry succeeds). With no other worker holding it, the failure itself is the answer."""
+    big, small = FailsFirst(), StandInDecode()
+    async with serving(big) as d0, serving(small) as d1:
+        r = Router(
+            [
+                worker("p0"),
+                worker("d0", "decode", address=d0),
+                worker("d1", "decode", address=d1, kv_blocks_total=2, kv_blocks_free=2),
+            ]
+        )
+        req = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(max_tokens=40))
+
+        async def admitted(ticket: object) -> None:
+            pass
+
+        with pytest.raises(UnavailableError, match="engine thread is down"):
+            async for _ in generate(r.lifecycle(), req, {}, lambda: 10.0, admitted):
+                pass
+        assert big.calls >= 1 and small.calls == 0
+        placed = await r.placement.place([5, 6, 7, 8], 12, 1.0, frozenset({"d0"}), must_hold=True)
+        assert placed.decode.worker_id == "d1"  # a request it holds (1 block) still goes there
