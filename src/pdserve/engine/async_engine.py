@@ -25,6 +25,7 @@ import torch
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import kv_block_bytes
 from pdserve.engine.profiling import measure_profile
+from pdserve.engine.start_times import StartTimes
 from pdserve.errors import InvalidRequestError, UnavailableError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.outputs import RequestOutput, TokenLogprobs
@@ -84,8 +85,7 @@ class AsyncEngine:
         self.on_death: Callable[[BaseException], None] | None = None  # called on the engine thread as it dies
         self.stats: dict[str, int] = {}
         self.on_step: Callable[[int, int, float], None] | None = None  # (prefill tokens, decode seqs, seconds)
-        # request id -> wall-clock ns when the first step that ran it began (its queue wait ends there)
-        self._started_ns: dict[str, int] = {}
+        self._started = StartTimes()
         self._update_stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -208,7 +208,7 @@ class AsyncEngine:
 
     def take_started_ns(self, request_id: str) -> int | None:
         """When the request first ran in a step (time.time_ns), once; None if it has not run."""
-        return self._started_ns.pop(request_id, None)
+        return self._started.take(request_id)
 
     @property
     def alive(self) -> bool:
@@ -344,12 +344,8 @@ class AsyncEngine:
         return True
 
     def _mark_started(self, outputs: list[RequestOutput], start_ns: int) -> None:
-        started = self._started_ns
-        for rid in [o.request_id for o in outputs] + [s.seq_id for s in self._engine.scheduler.running]:
-            if rid not in started and rid in self._streams:
-                started[rid] = start_ns
-        while len(started) > 4096:  # never taken (a caller that does not trace): forget the oldest
-            started.pop(next(iter(started)))
+        ran = [o.request_id for o in outputs] + [s.seq_id for s in self._engine.scheduler.running]
+        self._started.mark([rid for rid in ran if rid in self._streams], start_ns)
 
     def _apply_commands(self) -> None:
         while True:

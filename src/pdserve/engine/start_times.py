@@ -1,0 +1,30 @@
+"""When each request first ran in an engine step: written on the engine thread, taken on the event loop's."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+KEPT = 4096  # times never taken (a caller that does not trace): past this many the oldest are forgotten
+
+
+class StartTimes:
+    """Request id -> wall-clock ns when the first step that ran it began (its queue wait ends there). The lock
+    keeps the engine thread's trimming of the oldest from racing a caller's take of that same one."""
+
+    def __init__(self) -> None:
+        self._ns: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, request_ids: Iterable[str], start_ns: int) -> None:
+        """On the engine thread: the step that began at `start_ns` ran these; earlier marks are kept."""
+        with self._lock:
+            for rid in request_ids:
+                self._ns.setdefault(rid, start_ns)
+            while len(self._ns) > KEPT:
+                self._ns.pop(next(iter(self._ns)))
+
+    def take(self, request_id: str) -> int | None:
+        """The request's start, once; None if it has not run."""
+        with self._lock:
+            return self._ns.pop(request_id, None)
