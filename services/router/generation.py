@@ -47,14 +47,18 @@ async def generate(
     model: str | None = None,
     choices: Choices | None = None,
     default_max_tokens: int | None = None,
+    arrived_at: float | None = None,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """The request's stream. Everything refused before the first message raises here (InvalidRequestError,
     OverloadedError, UnavailableError, ModelNotFoundError for a `model` not served, and the caller's check
     first of all: UnauthenticatedError, PermissionDeniedError); `on_admitted` runs once it is placed, before
     anything is relayed. `choices`: the request is one of these (the HTTP API's `n`), for its key's quotas.
-    `default_max_tokens`: the front end's default for a request without max_tokens (None: the router's)."""
+    `default_max_tokens`: the front end's default for a request without max_tokens (None: the router's).
+    `arrived_at` (time.perf_counter()): when its caller's request came, if earlier than this call (a later
+    choice, held back until the one before it got its first token): its latencies count from there."""
     start = time.perf_counter()
-    with lifecycle.accounting(start) as caller:
+    arrived = start if arrived_at is None else arrived_at
+    with lifecycle.accounting(arrived) as caller:
         caller.tenant = check_caller(lifecycle, headers)
         if model is not None:
             check_model(lifecycle, model)
@@ -64,7 +68,7 @@ async def generate(
                 await on_admitted(ticket)
                 # Closed here when the caller stops reading, not later by the garbage collector in another task:
                 # the decode call is cancelled and the spans end in this request's context.
-                async with aclosing(lifecycle.stream(ticket, time_remaining)) as stream:
+                async with aclosing(lifecycle.stream(ticket, time_remaining, arrived)) as stream:
                     async for msg in stream:
                         quota.delivered()
                         yield msg

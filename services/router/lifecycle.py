@@ -212,7 +212,7 @@ class RequestLifecycle:
                 await asyncio.sleep(NO_WORKERS_POLL_S)
 
     async def stream(
-        self, ticket: Ticket, time_remaining: Callable[[], float | None]
+        self, ticket: Ticket, time_remaining: Callable[[], float | None], arrived_at: float | None = None
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The decode worker's stream. When an attempt fails with UNAVAILABLE the request moves to other workers,
         each attempt with its own ticket: retried as it came before any message reached the caller (up to
@@ -220,7 +220,7 @@ class RequestLifecycle:
         also past a worker that has no room for the stream it was moved to. A worker that refused the router's
         cluster credentials is such a failure; when it is the last, the caller gets UNAVAILABLE without its
         detail. Any other failure reaches the caller with the workers named by id, not address (caller_errors)."""
-        clock = Clock(ticket.started_at, len(ticket.request.prompt_token_ids))
+        clock = Clock(ticket.started_at if arrived_at is None else arrived_at, len(ticket.request.prompt_token_ids))
         original, chunks, moves, failed = ticket.request, [], Moves(), set()
         done = False
         try:

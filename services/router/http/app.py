@@ -158,9 +158,10 @@ class OpenAIAPI:
         once), and a prefill queue that admits one such prompt at a time admits every choice in turn. The
         first choice to fail cancels the others (their KV freed) and raises. The first choice charges the key's
         tokens for all n (`Choices`); once it is admitted, a drain of the router waits for the rest and lets them
-        in."""
+        in. Every choice's latencies count from now, the caller's wait for it included."""
+        arrived = time.perf_counter()
         if req.n == 1:
-            async for msg in self._generate(req.message, req, request, headers):
+            async for msg in self._generate(req.message, req, request, headers, arrived):
                 yield 0, msg
             return
         queue: asyncio.Queue[tuple[int, pb.GenerateResponse | BaseException | None]] = asyncio.Queue()
@@ -174,7 +175,8 @@ class OpenAIAPI:
                 with step_span(self.lifecycle.telemetry.tracer, "choice", choice__index=index):
                     if index:
                         await first_token[index - 1].wait()
-                    async for msg in self._generate(req.choice_message(index), req, request, headers, choices):
+                    message = req.choice_message(index)
+                    async for msg in self._generate(message, req, request, headers, arrived, choices):
                         first_token[index].set()
                         queue.put_nowait((index, msg))
                     queue.put_nowait((index, None))
@@ -210,6 +212,7 @@ class OpenAIAPI:
         req: OpenAIRequest,
         request: Request,
         headers: dict[str, str],
+        arrived_at: float,
         choices: Choices | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         async def on_admitted(ticket: Ticket) -> None:
@@ -224,6 +227,7 @@ class OpenAIAPI:
             req.model,
             choices,
             req.default_max_tokens,
+            arrived_at,
         )
 
     def _span(self, request: Request, req: OpenAIRequest, **options: bool) -> AbstractContextManager[trace.Span]:

@@ -202,3 +202,28 @@ async def test_a_request_whose_later_choice_the_cluster_fails_gives_back_its_tok
         assert retried.status_code == 429 and "tokens_per_minute" in retried.text, retried.text
     else:
         assert retried.status_code == 200 and len(retried.json()["choices"]) == 2, retried.text
+
+
+class SlowFirstToken(StandInDecode):
+    """Each choice's first token comes 0.2 s after its call."""
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        await asyncio.sleep(0.2)
+        async for msg in super().Generate(request, context):
+            yield msg
+
+
+async def test_every_choices_latencies_count_from_the_requests_arrival(monkeypatch):
+    """Choice i starts after choice i-1's first token, so the caller waits at least 0.2 (i + 1) s for its own:
+    the router's TTFT and end-to-end samples (one per choice) say so, not 0.2 s each from when each started."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    telemetry = Telemetry("test-router")
+    async with serving(SlowFirstToken()) as address:
+        router = Router([worker("p0"), worker("d0", "decode", address=address)])
+        lc = router.lifecycle(KeyTable({digest(KEY): Tenant("team", "k")}), telemetry=telemetry)
+        assert (await complete(lc, n=3, max_tokens=2)).status_code == 200
+    samples = {s.name: s.value for f in telemetry.registry.collect() for s in f.samples}
+    for histogram in ("pdserve_time_to_first_token_seconds", "pdserve_e2e_request_latency_seconds"):
+        assert samples[f"{histogram}_count"] == 3
+        assert samples[f"{histogram}_sum"] >= 0.2 + 0.4 + 0.6, (histogram, samples[f"{histogram}_sum"])
+    telemetry.shutdown()
