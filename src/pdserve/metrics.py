@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -128,4 +129,5 @@ class RecentLatencies:
 
 
 def _pick(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(q * len(values)))]
+    """The nearest-rank quantile of sorted `values`: the smallest with at least a `q` share at or below it."""
+    return values[max(0, math.ceil(q * len(values)) - 1)]
