@@ -249,7 +249,8 @@ def _messages(body: dict[str, Any]) -> list[pb.ChatMessage]:
 
 
 def _content(content: object, i: int) -> str:
-    """A string, or a list of text parts (what OpenAI's clients send for multi-part text)."""
+    """A string, or a list of text parts (what OpenAI's clients send for multi-part text), joined by newlines as
+    vLLM joins them, so a client moving between the two gets the same prompt."""
     if isinstance(content, str):
         return _text(content, f"messages[{i}].content")
     if isinstance(content, list):
@@ -258,7 +259,7 @@ def _content(content: object, i: int) -> str:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise InvalidRequestError(f"messages[{i}].content[{j}]", "only text parts are supported")
             parts.append(_text(part["text"], f"messages[{i}].content[{j}].text"))
-        return "".join(parts)
+        return "\n".join(parts)
     raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
 
 

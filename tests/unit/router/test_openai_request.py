@@ -52,7 +52,7 @@ def test_a_chat_takes_text_parts_and_openais_defaults():
     content = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_completion_tokens": 9}
     req = parse_request(body | {"user": None}, chat=True)  # null is "not given"
-    assert list(req.message.messages) == [pb.ChatMessage(role="user", content="ab")]
+    assert list(req.message.messages) == [pb.ChatMessage(role="user", content="a\nb")]  # joined as vLLM joins them
     assert req.message.sampling.max_tokens == 9 and req.max_tokens_param == "max_completion_tokens"
     assert req.message.sampling.temperature == 1.0  # OpenAI's default, not the gRPC API's greedy 0
     assert not req.message.sampling.HasField("seed") and not req.stream and not req.include_usage
