@@ -5,6 +5,10 @@ keepalive notices only after its ping interval and timeout (about 15 s). Past `s
 after the first one, the router cancels the call and treats the stream as broken: an UnavailableError naming only
 the decode worker, so the lifecycle ejects that worker and migrates the request. The bound also covers the gap
 between the first token and the second, which holds the KV transfer: it must exceed the longest transfer.
+
+The bound is the worker's silence, not the router's: when the router's own event loop was held past it (a huge
+request body parsed, a long garbage collection), what the worker sent meanwhile waits unread in the channel, and
+the check gives the loop a short grace to read it before it blames the worker.
 """
 
 from __future__ import annotations
@@ -16,12 +20,47 @@ import grpc
 from pdserve.errors import UnavailableError
 from pdserve.registry.base import WorkerState
 
+LATE_S = 0.05  # a check this late ran behind something that held the loop
+GRACE_S = 0.25  # after such a hold: time to read what came meanwhile
+HELD_MAX_S = 30.0  # past this much of the loop's own holds within one wait, the bound counts them too
+
+
+class _StallCheck:
+    """Expires `timeout` once `bound_s` passed with the loop free to read; re-armed for a grace when it runs late."""
+
+    def __init__(self, timeout: asyncio.Timeout, bound_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._timeout = timeout
+        self._grace_s = min(bound_s, GRACE_S)
+        self._held_s = 0.0
+        self._arm(self._loop.time() + bound_s)
+
+    def _arm(self, when: float) -> None:
+        self._when = when
+        self._handle = self._loop.call_at(when, self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        late = now - self._when
+        if late > LATE_S and self._held_s < HELD_MAX_S:
+            self._held_s += late
+            self._arm(now + self._grace_s)
+        else:
+            self._timeout.reschedule(now)  # the read is cancelled: TimeoutError
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
 
 async def read_within(call: grpc.aio.UnaryStreamCall, bound_s: float, decode: WorkerState) -> object:
     """The call's next message (or EOF), or UnavailableError once `bound_s` passes without one."""
     try:
-        async with asyncio.timeout(bound_s):
-            return await call.read()
+        async with asyncio.timeout(None) as timeout:
+            check = _StallCheck(timeout, bound_s)
+            try:
+                return await call.read()
+            finally:
+                check.cancel()
     except TimeoutError:
         call.cancel()
         raise UnavailableError(

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
 
 from pdserve.config import RouterConfig
 from pdserve.errors import UnavailableError
+from pdserve.rpc.server import channel
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc
 from services.router.retry import blamed_worker
 from services.router.stall import read_within
 from tests.unit.router.router_builder import Router, prompt, worker
+from tests.unit.router.stand_in_decode import StandInDecode, serving
 
 
 class Call:
@@ -54,3 +60,30 @@ def test_the_stall_bound_must_be_a_positive_number():
     for bad in (0.0, -1.0, float("inf")):
         with pytest.raises(ValueError, match="stall_timeout_s"):
             RouterConfig(stall_timeout_s=bad)
+
+
+async def test_a_router_loop_held_past_the_bound_is_not_a_stalled_worker():
+    """The router's own event loop held for 1.5 s (a huge JSON body parsed, a long GC) while a decode worker
+    streams a token every 20 ms: its messages wait in the channel, and the 0.5 s bound must not count the time the
+    router could not read them (before, it cancelled the healthy worker's stream and ejected the worker)."""
+    decode = worker("d0", "decode")
+    async with serving(StandInDecode(gap_s=0.02)) as address, channel(address) as ch:
+        call = worker_pb2_grpc.DecodeWorkerStub(ch).Generate(
+            wpb.WorkerGenerateRequest(request_id="r", sampling=pb.SamplingParams(max_tokens=60))
+        )
+        assert await read_within(call, 0.5, decode) is not grpc.aio.EOF
+        asyncio.get_running_loop().call_later(0.1, time.sleep, 1.5)
+        tokens = 1
+        while await read_within(call, 0.5, decode) is not grpc.aio.EOF:
+            tokens += 1
+    assert tokens == 60
+
+
+async def test_a_silent_worker_is_still_caught_after_the_loop_was_held():
+    decode = worker("d0", "decode")
+    call = Call()  # never sends
+    asyncio.get_running_loop().call_later(0.05, time.sleep, 0.3)
+    started = time.monotonic()
+    with pytest.raises(UnavailableError, match="stall bound"):
+        await read_within(call, 0.1, decode)
+    assert call.cancelled and time.monotonic() - started < 2.0  # the bound, the hold, one grace
