@@ -24,13 +24,14 @@ from pdserve.telemetry import mark_ended_by, step_span
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, check_model, generate
 from services.router.http.connection_close import CloseWhileDraining
-from services.router.http.errors import BodyTooLargeError, error_body, error_response
+from services.router.http.errors import BodyTimeoutError, BodyTooLargeError, error_body, error_response
 from services.router.http.openai_request import OpenAIRequest, parse_json, parse_request
 from services.router.http.openai_response import DONE_EVENT, Answer, sse_events
 from services.router.lifecycle import RequestLifecycle
 from services.router.ticket import Ticket
 
 PREDICTED_TTFT_HEADER = "x-pdserve-predicted-ttft-ms"
+BODY_TIMEOUT_S = 30.0  # from the head's end; the largest body (16 MiB) at ~0.5 MB/s
 
 
 def openai_app(lifecycle: RequestLifecycle) -> Starlette:
@@ -250,15 +251,21 @@ def _span_status(span: trace.Span, status: int, error: BaseException | None = No
 
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, or BodyTooLargeError as soon as it is known to be past `limit`: from its Content-Length before any
-    of it is read, else once what came would pass it. No more than `limit` bytes are ever held."""
+    of it is read, else once what came would pass it. No more than `limit` bytes are ever held. BodyTimeoutError
+    when it is not all in within BODY_TIMEOUT_S: a client sending it a byte at a time would hold its connection and
+    a descriptor for ever, as a slow head would (head_deadline)."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise BodyTooLargeError(limit)
     body = bytearray()
-    async for chunk in request.stream():
-        if len(body) + len(chunk) > limit:
-            raise BodyTooLargeError(limit)
-        body += chunk
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                if len(body) + len(chunk) > limit:
+                    raise BodyTooLargeError(limit)
+                body += chunk
+    except TimeoutError:
+        raise BodyTimeoutError(BODY_TIMEOUT_S) from None
     return bytes(body)
 
 

@@ -29,9 +29,18 @@ class BodyTooLargeError(InvalidRequestError):
         super().__init__("body", f"is larger than this router's limit of {limit} bytes")
 
 
+class BodyTimeoutError(TimeoutError):
+    """A body that did not all arrive within BODY_TIMEOUT_S of its head: a 408, and the connection closes (the rest
+    is never read). A client on a link that fast can send it again."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"body: did not arrive within {timeout_s:g} s of the request's head")
+
+
 _STATUS: list[tuple[type[BaseException], int, str]] = [  # the first match wins: a subclass before its base
     (ModelNotFoundError, 404, "not_found_error"),
     (BodyTooLargeError, 413, "invalid_request_error"),
+    (BodyTimeoutError, 408, "timeout_error"),
     (InvalidRequestError, 400, "invalid_request_error"),
     (UnauthenticatedError, 401, "authentication_error"),
     (PermissionDeniedError, 403, "permission_error"),
@@ -56,6 +65,8 @@ def error_body(exc: BaseException, max_tokens_param: str = "max_tokens") -> tupl
         code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None
         if isinstance(exc, BodyTooLargeError):
             headers = {"connection": "close"}
+    elif isinstance(exc, BodyTimeoutError):
+        headers = {"connection": "close"}
     elif isinstance(exc, PermissionDeniedError):
         param = openai_param(exc.field, max_tokens_param)
     elif isinstance(exc, OverloadedError):

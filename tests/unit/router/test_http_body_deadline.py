@@ -1,0 +1,52 @@
+"""The HTTP API's deadline on a request's body: a client that sends its head and then the body a byte at a time
+gets a 408 and its connection closed, as a slow head is cut (head_deadline); the router serves on. Real uvicorn on
+loopback, the real ASGI app and lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx2
+import pytest
+
+from services.router.http import app as http_app
+from services.router.http.app import openai_app
+from services.router.http.server import HttpServer
+from tests.unit.router.router_builder import Router, worker
+
+DEADLINE_S = 0.5
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_a_body_sent_a_byte_at_a_time_is_a_408_at_its_deadline(monkeypatch):
+    monkeypatch.setattr(http_app, "BODY_TIMEOUT_S", DEADLINE_S)
+    lifecycle = Router([worker("p0"), worker("d0", "decode")]).lifecycle()
+    server = HttpServer(openai_app(lifecycle), "127.0.0.1", 0)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        writer.write(head + b"Content-Length: 1000\r\n\r\n{")
+        start = loop.time()
+
+        async def dribble() -> None:
+            while True:
+                await asyncio.sleep(0.05)
+                writer.write(b" ")
+
+        dribbling = asyncio.ensure_future(dribble())
+        try:
+            answer = await asyncio.wait_for(reader.read(), 10 * DEADLINE_S)  # to the end: the server closed it
+        finally:
+            dribbling.cancel()
+            writer.close()
+        closed_after = loop.time() - start
+        async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=5) as http:
+            assert (await http.get("/health")).status_code in (200, 503)  # still serving
+    finally:
+        await server.stop()
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 408 Request Timeout", answer
+    assert b"connection: close" in rest.lower() and b"did not arrive within 0.5 s" in rest, answer
+    assert DEADLINE_S * 0.8 <= closed_after < 6 * DEADLINE_S, closed_after
