@@ -119,16 +119,17 @@ def max_rate(
 
 
 def sustainable_rate(profile: HardwareProfile, shape: Shape, workload: Workload) -> float:
-    """The rate past which a phase has more work than its workers have time: prompts prefill one after another,
-    and tokens decode at best in full batches (`max_num_seqs`, or as many sequences as the KV holds)."""
+    """The rate past which a phase has more work than its workers have time: prompts prefill in full steps, and
+    tokens after the first (which the prefill makes) decode at best in full batches (`max_num_seqs`, or as many
+    sequences as the KV holds)."""
     p = profile
-    prefill_s = float(np.mean([prefill_work_s(p, n) for n in workload.input_lens]))
+    prefill_s = float(np.mean([prefill_work_s(p, n, packed=True) for n in workload.input_lens]))
     out, seq_tokens = workload.mean_output_len, workload.mean_input_len + workload.mean_output_len
     batch = max(1, min(p.max_num_seqs, int(p.kv_capacity_tokens // seq_tokens)))
-    decode_s = out * decode_token_s(p, batch, workload.mean_input_len + out / 2)
+    decode_s = max(out - 1, 0) * decode_token_s(p, batch, workload.mean_input_len + out / 2)
     if shape.colocated:
         return shape.colocated / (prefill_s + decode_s)
-    return min(shape.prefill / prefill_s, shape.decode / decode_s)
+    return min(shape.prefill / prefill_s, shape.decode / decode_s if decode_s else math.inf)
 
 
 @dataclass(frozen=True)

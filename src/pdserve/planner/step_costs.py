@@ -19,13 +19,16 @@ def decoded_s(p: HardwareProfile, decoded: int, context: int | float) -> float:
     return (p.perf.decode_per_seq_s + p.decode_loop_per_token_s) * decoded + p.decode_per_context_token_s * context
 
 
-def prefill_work_s(p: HardwareProfile, input_len: int) -> float:
-    """A prompt's engine seconds, chunk after chunk as a worker alone runs it: what it adds to its worker's work
-    at any load (a prefill worker runs one prompt per step)."""
+def prefill_work_s(p: HardwareProfile, input_len: int, packed: bool = False) -> float:
+    """A prompt's engine seconds, chunk after chunk as a worker alone runs it. `packed`: at full load, where each
+    step holds as many chunks of this size as its token budget and `max_num_seqs` allow, and they share the step's
+    fixed cost (the engine and the simulator both pack prompts so)."""
     seconds, done = 0.0, 0
     while done < input_len:
         n = min(input_len - done, p.long_prefill_chunk, p.max_num_batched_tokens)
-        seconds += p.step_overhead_s + p.perf.prefill_fixed_s + chunk_s(p, n, done, last=done + n == input_len)
+        sharing = max(1, min(p.max_num_seqs, p.max_num_batched_tokens // n)) if packed else 1
+        seconds += (p.step_overhead_s + p.perf.prefill_fixed_s) / sharing
+        seconds += chunk_s(p, n, done, last=done + n == input_len)
         done += n
     return seconds
 

@@ -237,3 +237,27 @@ def test_plan_sheds_as_the_router_would_unless_told_it_sheds_nothing(
     for bad in (["--first-token-timeout-s", "0"], ["--max-queued-prefill-tokens", "0"], ["--slo-headroom", "1.5"]):
         with pytest.raises(SystemExit):  # argparse's usage error, exit 2, not a traceback from the router's config
             cli.main([*argv, *bad])
+
+
+def test_the_rate_bound_counts_prompts_packed_into_full_steps_and_no_decode_for_the_first_token() -> None:
+    """A GPU-like profile, 20 ms fixed per prefill step: the simulator (as the engine) packs several 128-token
+    prompts into one step, so 1P:1D keeps up with 60 req/s, its prefill worker under fully busy; the bound used to
+    charge each prompt a step of its own (47 req/s) and capped the max rate, and autoscale asked for more workers.
+    One-token outputs never step the decode worker, so they are no bound there."""
+    from pdserve.planner.plan import simulate, sustainable_rate
+    from pdserve.planner.shape import Shape
+    from pdserve.planner.step_costs import prefill_work_s
+    from pdserve.protocol.perf_profile import PerfProfile
+
+    perf = PerfProfile(
+        prefill_fixed_s=0.02, prefill_per_token_s=1e-5, prefill_per_token2_s=0.0, decode_fixed_s=0.005,
+        decode_per_seq_s=0.0001,
+    )  # fmt: skip
+    profile, shape = synthetic_profile(perf=perf), Shape(prefill=1, decode=1)
+    workload = synthetic(60.0, 128, 64, 2000, seed=0)
+    met = simulate(profile, shape, workload, 60.0, SLO(ttft_ms=200, tpot_ms=50, attainment=0.9))
+    assert met.attainment >= 0.9 and met.prefill_busy < 1.0, met
+    assert sustainable_rate(profile, shape, workload) >= 60.0
+    one_token = synthetic(60.0, 128, 1, 200, seed=0)
+    prefill_s = sum(prefill_work_s(profile, n, packed=True) for n in one_token.input_lens) / 200
+    assert sustainable_rate(profile, shape, one_token) == pytest.approx(1 / prefill_s)  # the prefill's bound
