@@ -65,6 +65,7 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
                 print(f"pdserve autoscale: no status from {addr}: {e.code().name}: {e.details()}", file=sys.stderr)
                 return 1
             log.warning("no status from %s: %s: %s", addr, e.code().name, e.details())
+            window.samples.clear()  # the next sample paired with the last before the gap would span all of it
             await _pause(stop, c.interval_s)
             continue
         now = loop.time()

@@ -118,3 +118,31 @@ async def test_a_status_refused_for_good_or_missing_under_once_ends_the_loop_wit
         with pytest.raises(EOFError):
             await run_autoscale("router:50051", ClientCredentials(), config(once=once))
     assert len(calls) == asked
+
+
+async def test_after_the_status_failed_the_window_starts_over(monkeypatch, capsys) -> None:
+    """The first sample after a gap in the router's answers, paired with the last before it, would read the whole
+    gap's requests as the load of one window (here 990 of them, at 1000 req/s of a 1 ms window)."""
+    desired = {"prefill": 1, "decode": 1}
+    before = apb.ClusterStatusResponse(desired=desired, **IDLE)
+    after = apb.ClusterStatusResponse(
+        desired=desired, admitted_requests=1000, admitted_prompt_tokens=100_000, admitted_max_tokens=10_000
+    )
+    answers: list[apb.ClusterStatusResponse | None] = [before] * 3 + [None] * 2 + [after] * 5
+
+    async def status(addr: str, credentials: ClientCredentials) -> apb.ClusterStatusResponse:
+        if not answers:
+            raise EOFError("enough")
+        answer = answers.pop(0)
+        if answer is None:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the router is restarting")
+        return answer
+
+    router = Router([])
+    monkeypatch.setattr(autoscale_loop, "cluster_status", status)
+    monkeypatch.setattr(autoscale_loop, "scale_workers", router.scale)
+    with pytest.raises(EOFError):
+        await run_autoscale("router:50051", ClientCredentials(), config())
+    decisions = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert decisions and all(d["load"]["rate"] == 0 for d in decisions), decisions
+    assert router.scaled == []
