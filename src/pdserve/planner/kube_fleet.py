@@ -74,6 +74,8 @@ async def scale_pods_and_workers(
     live = api.get()
     replicas, grow, shrink = pod_changes(live, counts)
     status = await cluster_status(addr, credentials)
+    if status.admitted_local_only:  # its registry did not answer: its ScaleWorkers would fail after the pods came
+        raise ScaleRefused(f"the router at {addr} cannot reach its registry (Redis down?): nothing was changed")
     target = {**(dict(status.desired) or all_counts(status)), **counts}
     if grow:
         patch = replicas_patch(grow, live)

@@ -203,3 +203,19 @@ def test_a_router_that_cannot_be_reached_leaves_the_pods_as_they_were() -> None:
     with pytest.raises(grpc.aio.AioRpcError):
         asyncio.run(scale_pods_and_workers(api, addr, ClientCredentials(), {"decode": 4}, 5, lambda *_: None))
     assert api.patches == []
+
+
+def test_a_router_without_its_registry_leaves_the_pods_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its status still answers, its own totals only (Redis down): its ScaleWorkers would fail after the pods were
+    added, leaving them empty, so nothing is patched."""
+    from pdserve.planner import kube_fleet
+    from pdserve.v1 import admin_pb2 as apb
+
+    async def status(addr: str, credentials: ClientCredentials) -> apb.ClusterStatusResponse:
+        return apb.ClusterStatusResponse(admitted_local_only=True)
+
+    monkeypatch.setattr(kube_fleet, "cluster_status", status)
+    api = RecordingRayCluster()
+    with pytest.raises(ScaleRefused, match="cannot reach its registry"):
+        asyncio.run(scale_pods_and_workers(api, "router:50051", ClientCredentials(), {"decode": 4}, 5, print))
+    assert api.patches == []
