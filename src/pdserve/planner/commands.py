@@ -157,7 +157,7 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, help="decode workers")
     p.add_argument("--colocated", type=int, help="workers of a colocated cluster (--addr only)")
     p.add_argument("--wait", action="store_true", help="--addr: return once the counts serve (new ones warmed up)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits")
+    p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds --wait waits")
     p.add_argument(
         "--kubernetes",
         action="store_true",

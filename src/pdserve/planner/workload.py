@@ -100,7 +100,7 @@ def _trace_row(path: Path, n: int, line: str) -> tuple[float, int, int]:
         at, lengths = float(row["timestamp"]), (int(row["input_length"]), int(row["output_length"]))
     except KeyError as e:
         raise ValueError(f"trace {path} line {n}: no {e.args[0]!r}") from None
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OverflowError) as e:  # OverflowError: a length of 1e999
         raise ValueError(f"trace {path} line {n}: {e}") from None
     if not math.isfinite(at):
         raise ValueError(f"trace {path} line {n}: timestamp {at} is not a time")

@@ -111,6 +111,14 @@ def test_a_drain_timeout_no_drain_could_keep_is_refused(capsys, command, timeout
     assert f"argument --timeout: must lie in [0, inf), got {timeout}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("timeout", ["0", "-5", "inf", "nan"])
+def test_a_scale_wait_that_could_never_end_or_never_wait_is_refused(capsys, timeout):
+    with pytest.raises(SystemExit) as exit_:
+        main(["scale", "--addr", "127.0.0.1:1", "--decode", "2", "--wait", "--timeout", timeout])
+    assert exit_.value.code == 2
+    assert f"argument --timeout: must be a positive number, got {timeout}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("seconds", [-5.0, math.inf, math.nan])
 def test_a_workers_drain_timeout_must_be_finite_and_not_negative(seconds):
     with pytest.raises(ValueError, match="worker_drain_timeout_s must be a finite number >= 0"):
