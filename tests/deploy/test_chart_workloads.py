@@ -59,8 +59,9 @@ def test_each_worker_group_offers_its_role_resource_and_its_images(rendered: dic
         # KubeRay pastes the value into a shell command line: the shell's word is the JSON.
         (word,) = shlex.split(group["rayStartParams"]["resources"])
         image = container(group["template"])["image"]
-        assert json.loads(word) == {f"pdserve_{role}": 1, build_resource(image): 1}
-        assert {"name": "PDSERVE_BUILD", "value": image} in container(group["template"])["env"]
+        (build,) = [e["value"] for e in container(group["template"])["env"] if e["name"] == "PDSERVE_BUILD"]
+        assert build.startswith(f"{image} pods.")  # the image, and a digest of what its pods are made of
+        assert json.loads(word) == {f"pdserve_{role}": 1, build_resource(build): 1}
         assert group["minReplicas"] <= group["replicas"] == 2 <= group["maxReplicas"]
     args = args_of(objects, "pd-pdserve-controller")
     assert "--role-resources" in args
@@ -313,23 +314,44 @@ def test_an_upgrade_to_a_new_image_is_a_new_build_on_every_pod_and_a_new_worker_
     """The controller rolls adopted workers whose build is not its own: every pdserve container's PDSERVE_BUILD
     names its own image, and a new tag moves the worker groups' build resource, so that the new image's workers
     cannot land on the old image's pods."""
-
-    def builds(tag: str) -> tuple[dict[str, str], set[str]]:
-        objects = render(["gpu.yaml"], {"image.tag": tag})
-        env: dict[str, str] = {}
-        for component, template in pod_templates(objects).items():
-            for c in template["spec"]["containers"]:
-                builds = [e["value"] for e in c.get("env", []) if e["name"] == "PDSERVE_BUILD"]
-                if c["image"].endswith(f"pdserve:{tag}") and builds:  # not the `helm test` client: it serves nothing
-                    env[component] = builds[0]
-        words = [shlex.split(g["rayStartParams"]["resources"])[0] for g in worker_groups(objects).values()]
-        return env, {k for w in words for k in json.loads(w) if k.startswith("pdserve_build_")}
-
-    (old_env, old_resources), (new_env, new_resources) = builds("1.0.0"), builds("1.1.0")
+    (old_env, old_resources), (new_env, new_resources) = builds({"image.tag": "1.0.0"}), builds({"image.tag": "1.1.0"})
     assert set(old_env) == {"controller", "router", "prefill", "decode"}, old_env  # the head runs no pdserve
-    (old_image,) = set(old_env.values())
-    assert old_image.endswith("pdserve:1.0.0") and set(new_env.values()) == {old_image.replace("1.0.0", "1.1.0")}
-    assert old_resources == {build_resource(old_image)} and len(new_resources) == 1 and new_resources != old_resources
+    (old_build,) = set(old_env.values())
+    assert old_build.split()[0].endswith("pdserve:1.0.0")
+    assert set(new_env.values()) == {old_build.replace("1.0.0", "1.1.0")}
+    assert old_resources == {build_resource(old_build)} and len(new_resources) == 1 and new_resources != old_resources
+
+
+@pytest.mark.parametrize(
+    ("sets", "new_build"),
+    [
+        ({"clusterSecret.existingSecret": "pd-cluster-secret"}, True),  # what GitOps users are told to set
+        ({"prefill.tolerations": []}, True),
+        ({"otel.endpoint": "http://collector:4317"}, True),
+        ({"drain.timeoutSeconds": 90}, True),
+        ({"prefill.replicas": 3, "decode.maxReplicas": 9}, False),  # counts change no pod
+        ({"router.replicas": 3, "redis.resources.limits.memory": "1Gi"}, False),  # nothing a worker pod holds
+    ],
+)
+def test_a_change_to_what_worker_pods_are_made_of_is_a_new_build(sets: dict[str, object], new_build: bool) -> None:
+    """KubeRay never recreates a running pod for a changed template: a worker pod change the fleet must get (a
+    Secret switched to an existing one, tolerations, OTel, the drain's grace) is a new build, which the controller
+    rolls onto new pods as it does a new image; a change of counts, or of what no worker pod holds, is not."""
+    (before_env, before_resources), (after_env, after_resources) = builds({}), builds(sets)
+    assert (after_env != before_env) is new_build and (after_resources != before_resources) is new_build
+
+
+def builds(sets: dict[str, object]) -> tuple[dict[str, str], set[str]]:
+    """Each pdserve component's PDSERVE_BUILD, and the worker groups' build resources, as the chart renders them."""
+    objects = render(["gpu.yaml"], sets)
+    env: dict[str, str] = {}
+    for component, template in pod_templates(objects).items():
+        for c in template["spec"]["containers"]:
+            values = [e["value"] for e in c.get("env", []) if e["name"] == "PDSERVE_BUILD"]
+            if values and component != "smoke-test":  # not the `helm test` client: it serves nothing
+                env[component] = values[0]
+    words = [shlex.split(g["rayStartParams"]["resources"])[0] for g in worker_groups(objects).values()]
+    return env, {k for w in words for k in json.loads(w) if k.startswith("pdserve_build_")}
 
 
 @pytest.mark.parametrize(

@@ -22,10 +22,33 @@
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
-{{/* The Ray custom resource the worker pods of this image advertise and `--build-resources` actors ask for: a
-new image's workers land on new pods. pdserve.build.build_resource computes the same from PDSERVE_BUILD. */}}
+{{/* What the worker pods are made of besides the image: the values their spec is rendered from (not the replica
+counts, which change no pod). KubeRay never recreates a running pod for a changed template, so a change here must
+be a new build, whose workers the controller rolls onto new pods, as it does for a new image. */}}
+{{- define "pdserve.workerPodsDigest" -}}
+{{- $v := .Values -}}
+{{- $groups := dict -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $_ := set $groups $role (omit (index $v $role) "replicas" "minReplicas" "maxReplicas") -}}
+{{- end -}}
+{{- $redis := pick $v.redis "enabled" "url" "existingSecret" "passwordKey" "caSecret" "caKey" -}}
+{{- $pods := dict "groups" $groups "model" $v.model "engine" $v.engine "workers" $v.workers "drain" $v.drain
+  "redis" $redis "tls" $v.tls "drainKey" $v.apiKeys.drainKey "clusterSecret" $v.clusterSecret "otel" $v.otel
+  "ray" (pick $v.ray "version" "authToken") "gpuResourceName" $v.gpuResourceName "bindAddress" $v.bindAddress
+  "podSecurityContext" $v.podSecurityContext "securityContext" $v.securityContext
+  "imagePullSecrets" $v.imagePullSecrets "serviceAccount" (pick $v.serviceAccount "create" "name") -}}
+{{- toJson $pods | sha256sum | trunc 12 -}}
+{{- end -}}
+
+{{/* The build every pdserve process reports (PDSERVE_BUILD): the image and the worker pods' digest. */}}
+{{- define "pdserve.build" -}}
+{{- printf "%s pods.%s" (include "pdserve.image" .) (include "pdserve.workerPodsDigest" .) -}}
+{{- end -}}
+
+{{/* The Ray custom resource the worker pods of this build advertise and `--build-resources` actors ask for: a
+new build's workers land on new pods. pdserve.build.build_resource computes the same from PDSERVE_BUILD. */}}
 {{- define "pdserve.buildResource" -}}
-{{- printf "pdserve_build_%s" (include "pdserve.image" . | sha256sum | trunc 12) -}}
+{{- printf "pdserve_build_%s" (include "pdserve.build" . | sha256sum | trunc 12) -}}
 {{- end -}}
 
 {{/* A worker group's replicas: on an upgrade the live RayCluster's (the Ray autoscaler and `pdserve scale --kubernetes`
@@ -146,7 +169,7 @@ variables to the worker actors it starts (they would report the controller's pod
   value: {{ $v.model.cache.mountPath | quote }}
 # The build every pdserve process reports, and a controller compares to roll the workers it adopts.
 - name: PDSERVE_BUILD
-  value: {{ include "pdserve.image" .ctx | quote }}
+  value: {{ include "pdserve.build" .ctx | quote }}
 - name: POD_IP
   valueFrom: {fieldRef: {fieldPath: status.podIP}}
 - name: POD_NAME
