@@ -88,3 +88,12 @@ def test_no_field_renders_empty(rendered: dict[str, list[dict[str, Any]]]) -> No
     for name, objects in [*rendered.items(), ("bare", bare)]:
         for obj in objects:
             assert not _nulls(obj, f"{name}:{obj['kind']}/{obj['metadata']['name']}")
+
+
+def test_the_charts_ray_version_is_the_one_the_image_pins() -> None:
+    """KubeRay's head runs `ray.version`'s image, and Ray refuses nodes and clients of any other version: the
+    package pins Ray exactly, so an image rebuilt later carries the same Ray as the head it joins."""
+    pyproject = (CHART.parents[2] / "pyproject.toml").read_text()
+    (pin,) = [line.split('"')[1] for line in pyproject.splitlines() if line.strip().startswith('"ray==')]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert pin == f"ray=={values['ray']['version']}"
