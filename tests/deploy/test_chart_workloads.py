@@ -400,3 +400,14 @@ def test_every_pod_runs_under_the_runtimes_default_seccomp_profile(rendered: dic
             pod = template["spec"].get("securityContext", {})
             assert pod.get("seccompProfile") == {"type": "RuntimeDefault"}, (values, component)
             assert pod.get("runAsNonRoot") is True, (values, component)
+
+
+def test_every_container_an_init_container_included_asks_for_cpu_and_memory(rendered: dict[str, Objects]) -> None:
+    """A namespace with a ResourceQuota on cpu and memory refuses a pod any of whose containers, init ones too,
+    leaves them out (KubeRay gives its own init container resources for this reason)."""
+    for values, objects in rendered.items():
+        for component, template in pod_templates(objects).items():
+            spec = template["spec"]
+            for c in [*spec.get("initContainers", []), *spec["containers"]]:
+                requests = c.get("resources", {}).get("requests", {})
+                assert {"cpu", "memory"} <= set(requests), (values, component, c["name"])

@@ -230,6 +230,7 @@ variables to the worker actors it starts (they would report the controller's pod
   env:
     - name: PDSERVE_CACHE_DIR
       value: {{ .Values.model.cache.mountPath | quote }}
+  resources: {{- toYaml .Values.model.fetchResources | nindent 4 }}
   securityContext: {{- toYaml .Values.securityContext | nindent 4 }}
   volumeMounts:
     - {name: model-cache, mountPath: {{ .Values.model.cache.mountPath }}}
