@@ -411,3 +411,10 @@ def test_every_container_an_init_container_included_asks_for_cpu_and_memory(rend
             for c in [*spec.get("initContainers", []), *spec["containers"]]:
                 requests = c.get("resources", {}).get("requests", {})
                 assert {"cpu", "memory"} <= set(requests), (values, component, c["name"])
+
+
+def test_every_pod_pulls_with_the_charts_image_pull_secrets() -> None:
+    """A private registry (a mirrored Redis, the pdserve image for `helm test`): every pod the chart makes."""
+    objects = render(["gpu.yaml"], {"imagePullSecrets": [{"name": "regcred"}]})
+    for component, template in pod_templates(objects).items():
+        assert template["spec"].get("imagePullSecrets") == [{"name": "regcred"}], component
