@@ -204,14 +204,18 @@ data:
   scaled: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 5) "values" $v) | quote }}
   past-max: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 12) "values" $v) | quote }}
   below-min: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 0) "values" $v) | quote }}
+  values-kept: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 5) "values" $v "rendered" 2.0) | quote }}
+  values-changed: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 5) "values" $v "rendered" 1.0) | quote }}
 """
 
 
 def test_an_upgrade_renders_each_groups_live_replicas_within_the_releases_bounds(tmp_path: Path) -> None:
     """The Ray autoscaler and `pdserve scale --kubernetes` move a group's replicas after install; an upgrade
-    rendering the install-time count would put it back (KubeRay's workerGroupSpecs is one atomic field). The
-    chart looks the live RayCluster up; `helm template` has no cluster, so a probe chart (this one as its
-    subchart) hands the helper the live group an upgrade would find."""
+    rendering the install-time count would put it back (KubeRay's workerGroupSpecs is one atomic field). But an
+    upgrade whose values' count is not the one the live object was rendered from (its annotation) applies it, as
+    the controller applies changed counts: else its workers would wait for pods that never come. The chart looks
+    the live RayCluster up; `helm template` has no cluster, so a probe chart (this one as its subchart) hands the
+    helper the live group an upgrade would find."""
     probe = tmp_path / "probe"
     shutil.copytree(CHART, probe / "charts" / "pdserve")
     (probe / "Chart.yaml").write_text("apiVersion: v2\nname: probe\nversion: 0.0.1\n")
@@ -221,8 +225,13 @@ def test_an_upgrade_renders_each_groups_live_replicas_within_the_releases_bounds
     assert out.returncode == 0, out.stderr
     objects = [d for d in yaml.safe_load_all(out.stdout) if d]
     probed = next(o for o in objects if o["metadata"]["name"] == "replicas-probe")["data"]
-    assert probed == {"install": "2", "scaled": "5", "past-max": "8", "below-min": "1"}
+    assert probed == {
+        **{"install": "2", "scaled": "5", "past-max": "8", "below-min": "1"},
+        **{"values-kept": "5", "values-changed": "2"},
+    }
     assert [g["replicas"] for g in worker_groups(objects).values()] == [1, 1]  # no live object: the values'
+    (rc,) = [o for o in objects if o["kind"] == "RayCluster"]
+    assert json.loads(rc["metadata"]["annotations"]["pdserve.io/values-replicas"]) == {"prefill": 1, "decode": 1}
 
 
 def test_the_ray_head_is_never_evicted_while_its_loss_would_replace_every_worker() -> None:

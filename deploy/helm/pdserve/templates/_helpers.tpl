@@ -53,12 +53,16 @@ new build's workers land on new pods. pdserve.build.build_resource computes the 
 
 {{/* A worker group's replicas: on an upgrade the live RayCluster's (the Ray autoscaler and `pdserve scale --kubernetes`
 move them after install, and KubeRay's CRD makes workerGroupSpecs one atomic field, so rendering the install-time
-count would put it back: with the autoscaler off KubeRay then deletes pods at random), kept within this release's
-minReplicas..maxReplicas; on install, the values'. `live`: the group's entry in the live object, or nothing. */}}
+count would put it back: with the autoscaler off KubeRay then deletes pods at random), unless the values' count is
+not the one the last release rendered from (`helm upgrade --set prefill.replicas=N`: the controller takes a changed
+count too, so the pods must follow it); kept within this release's minReplicas..maxReplicas; on install, the
+values'. `live`: the group's entry in the live object, or nothing; `rendered`: the values' count the live object
+was rendered from (its pdserve.io/values-replicas annotation), or nothing (a release before it: the live count). */}}
 {{- define "pdserve.workerReplicas" -}}
 {{- $w := .values -}}
 {{- $n := int $w.replicas -}}
-{{- if and .live (hasKey .live "replicas") -}}
+{{- $unchanged := or (kindIs "invalid" .rendered) (eq (toString .rendered) (toString $w.replicas)) -}}
+{{- if and .live (hasKey .live "replicas") $unchanged -}}
 {{- $n = int .live.replicas -}}
 {{- end -}}
 {{- max (int $w.minReplicas) (min $n (int $w.maxReplicas)) -}}
