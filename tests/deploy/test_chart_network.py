@@ -237,8 +237,10 @@ def test_monitors_select_the_metrics_ports(rendered: dict[str, Objects]) -> None
     assert not [o for o in rendered["gpu.yaml"] if o["kind"] in ("ServiceMonitor", "PodMonitor")]
     objects = rendered["external-redis-tls-monitoring.yaml"]
     service_monitor = one(objects, "ServiceMonitor")
-    service = one(objects, "Service", "pd-pdserve-router")
+    service = one(objects, "Service", "pd-pdserve-router-metrics")
     assert selects(service_monitor["spec"]["selector"], service["metadata"]["labels"])
+    public = one(objects, "Service", "pd-pdserve-router")
+    assert not selects(service_monitor["spec"]["selector"], public["metadata"]["labels"])
     assert service_monitor["metadata"]["labels"]["release"] == "prometheus"
     assert service_monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
     pods = labels(objects)
@@ -257,3 +259,13 @@ def test_monitors_select_the_metrics_ports(rendered: dict[str, Objects]) -> None
     # metricsFrom names the monitoring namespace only
     assert not allowed(objects, "router", "decode", 9401) and not allowed(objects, "router", "controller", 9402)
     assert allowed(rendered["gpu.yaml"], "router", "controller", 9402)  # no metricsFrom: any scraper
+
+
+def test_the_routers_metrics_stay_off_its_public_service() -> None:
+    """A LoadBalancer router Service publishes what it carries; the metrics (no key check, per-tenant labels)
+    are on a ClusterIP Service of their own, which selects the same router pods."""
+    objects = render(["gpu.yaml"], {"router.service.type": "LoadBalancer"})
+    public, metrics = one(objects, "Service", "pd-pdserve-router"), one(objects, "Service", "pd-pdserve-router-metrics")
+    assert public["spec"]["type"] == "LoadBalancer" and "metrics" not in {p["name"] for p in public["spec"]["ports"]}
+    assert metrics["spec"]["type"] == "ClusterIP" and [p["name"] for p in metrics["spec"]["ports"]] == ["metrics"]
+    assert metrics["spec"]["selector"] == public["spec"]["selector"]
