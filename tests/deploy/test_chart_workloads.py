@@ -196,6 +196,7 @@ def test_the_gpu_example_keeps_two_pods_per_role_through_node_drains() -> None:
 
 
 PROBE = """{{- $v := dict "replicas" 2 "minReplicas" 1 "maxReplicas" 8 }}
+{{- $five := dict "replicas" 5 }}
 apiVersion: v1
 kind: ConfigMap
 metadata: {name: replicas-probe}
@@ -204,8 +205,8 @@ data:
   scaled: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 5) "values" $v) | quote }}
   past-max: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 12) "values" $v) | quote }}
   below-min: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 0) "values" $v) | quote }}
-  values-kept: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 5) "values" $v "rendered" 2.0) | quote }}
-  values-changed: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 5) "values" $v "rendered" 1.0) | quote }}
+  values-kept: {{ include "pdserve.workerReplicas" (dict "live" $five "values" $v "rendered" 2.0) | quote }}
+  values-changed: {{ include "pdserve.workerReplicas" (dict "live" $five "values" $v "rendered" 1.0) | quote }}
 """
 
 
