@@ -166,6 +166,12 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
         # placed; or actors on the head).
         ({"prefill.rayStartParams.resources": "x"}, "prefill.rayStartParams.resources is set by the chart"),
         ({"ray.head.rayStartParams.num-cpus": "0.5"}, "ray.head.rayStartParams.num-cpus is set by the chart"),
+        # The head's ports its probes, Service and the controller's Ray address are rendered with.
+        ({"ray.head.rayStartParams": {"port": "6380"}}, "ray.head.rayStartParams.port is set by the chart"),
+        (
+            {"ray.head.rayStartParams": {"ray-client-server-port": "10002"}},
+            "ray.head.rayStartParams.ray-client-server-port is set by the chart",
+        ),
     ],
 )
 def test_helm_refuses_bad_values(sets: dict[str, Any], named: str) -> None:
