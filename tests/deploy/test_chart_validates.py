@@ -97,3 +97,28 @@ def test_the_charts_ray_version_is_the_one_the_image_pins() -> None:
     (pin,) = [line.split('"')[1] for line in pyproject.splitlines() if line.strip().startswith('"ray==')]
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert pin == f"ray=={values['ray']['version']}"
+
+
+def test_gpu_platform_settings_reach_every_pod_and_stay_valid() -> None:
+    """A GPU node whose container runtime is not the default (k3s, RKE2: runtimeClassName nvidia), priorities for
+    preemption, pod annotations (a mesh, a queue), and a proxy for the model fetch's PyPI download."""
+    proxy = {"name": "HTTPS_PROXY", "value": "http://proxy:3128"}
+    sets: dict[str, Any] = {"model.fetchEnv": [proxy], "router.priorityClassName": "serving"}
+    sets |= {"router.podAnnotations": {"sidecar.istio.io/inject": "false"}}
+    for role in ("prefill", "decode"):
+        sets |= {f"{role}.runtimeClassName": "nvidia", f"{role}.priorityClassName": "gpu-serving"}
+        sets |= {f"{role}.podAnnotations": {"kueue.x-k8s.io/queue-name": "serving"}}
+    objects = render(["gpu.yaml"], sets)
+    rc = one(objects, "RayCluster")
+    check_raycluster(rc)
+    for group in rc["spec"]["workerGroupSpecs"]:
+        template = group["template"]
+        assert (
+            template["spec"]["runtimeClassName"] == "nvidia" and template["spec"]["priorityClassName"] == "gpu-serving"
+        )
+        assert template["metadata"]["annotations"] == {"kueue.x-k8s.io/queue-name": "serving"}
+        assert proxy in template["spec"]["initContainers"][0]["env"]
+    router = one(objects, "Deployment", "pd-pdserve-router")
+    kubernetes_validate.validate(router, KUBERNETES_VERSION, strict=True)
+    assert router["spec"]["template"]["spec"]["priorityClassName"] == "serving"
+    assert router["spec"]["template"]["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"

@@ -234,6 +234,9 @@ variables to the worker actors it starts (they would report the controller's pod
   env:
     - name: PDSERVE_CACHE_DIR
       value: {{ .Values.model.cache.mountPath | quote }}
+    {{- with .Values.model.fetchEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   resources: {{- toYaml .Values.model.fetchResources | nindent 4 }}
   securityContext: {{- toYaml .Values.securityContext | nindent 4 }}
   volumeMounts:
