@@ -9,6 +9,9 @@ from pathlib import Path
 from pdserve.config import FaultConfig
 
 BUILD_VAR = "PDSERVE_BUILD"
+CLUSTER_SECRET_VAR = "PDSERVE_CLUSTER_SECRET"
+REDIS_PASSWORD_VAR = "PDSERVE_REDIS_PASSWORD"
+API_KEY_VAR = "PDSERVE_API_KEY"
 
 
 def cache_dir() -> Path:
@@ -37,9 +40,23 @@ def build() -> str | None:
 
 
 def worker_env() -> dict[str, str]:
-    """The variables a launched worker process must see as the launcher does (model cache, telemetry). Not the
-    build: a worker's is its own node's, which an older image's node must not be told it runs."""
-    return {k: v for k, v in os.environ.items() if k.startswith(("PDSERVE_", "OTEL_")) and k != BUILD_VAR}
+    """The variables a launched worker process must see as the launcher does (model cache, telemetry), which Ray's
+    runtime env hands it. Not the build: a worker's is its own node's, which an older image's node must not be told
+    it runs. Not a secret (`is_secret`): Ray's runtime-env agent logs the env it makes, and its GCS keeps it; local
+    workers inherit secrets from the process that starts Ray, and a joined Ray cluster's nodes carry their own (the
+    chart's pods do)."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(("PDSERVE_", "OTEL_")) and k != BUILD_VAR and not is_secret(k)
+    }
+
+
+def is_secret(name: str) -> bool:
+    """The cluster secret, the Redis password, an API key, and OTLP exporter headers (a collector's credentials)."""
+    return name in (CLUSTER_SECRET_VAR, REDIS_PASSWORD_VAR, API_KEY_VAR) or (
+        name.startswith("OTEL_EXPORTER_OTLP_") and name.endswith("_HEADERS")
+    )
 
 
 def fault_config() -> FaultConfig:
@@ -92,10 +109,7 @@ def otel_traces_protocol() -> str:
 
 def api_key() -> str | None:
     """PDSERVE_API_KEY: the key clients send when no --api-key is given (keeps it out of `ps` output)."""
-    return os.environ.get("PDSERVE_API_KEY") or None
-
-
-CLUSTER_SECRET_VAR = "PDSERVE_CLUSTER_SECRET"
+    return os.environ.get(API_KEY_VAR) or None
 
 
 def cluster_secret() -> bytes:
@@ -104,8 +118,8 @@ def cluster_secret() -> bytes:
 
 
 def ensure_cluster_secret() -> None:
-    """`pdserve up`: a fresh random secret for this run unless one is set; its workers inherit it with the other
-    PDSERVE_* variables (`worker_env`)."""
+    """`pdserve up`: a fresh random secret for this run unless one is set; the Ray it starts, and so its workers,
+    inherit it from this process's environment (never through Ray: `worker_env`)."""
     if not os.environ.get(CLUSTER_SECRET_VAR):
         os.environ[CLUSTER_SECRET_VAR] = secrets.token_hex(32)
 
@@ -136,7 +150,7 @@ def export_internal_tls(cert: str, key: str, ca: str, server_name: str | None) -
 
 def redis_password() -> str | None:
     """PDSERVE_REDIS_PASSWORD: the registry's Redis password when its URL carries none (a URL's own wins)."""
-    return os.environ.get("PDSERVE_REDIS_PASSWORD") or None
+    return os.environ.get(REDIS_PASSWORD_VAR) or None
 
 
 def redis_ca_cert() -> str | None:

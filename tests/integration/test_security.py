@@ -4,7 +4,9 @@ served, chat content that cannot become control tokens, and no prefix-cache hit 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -300,3 +302,14 @@ async def _all_blocks_free(address: str, admin: ClientCredentials, timeout_s: fl
             break
         await asyncio.sleep(0.2)
     assert all(idle(w) and w.health == "SERVING" for w in workers), workers
+
+
+def test_rays_logs_never_hold_the_cluster_secret(cluster) -> None:
+    """Ray's runtime-env agent logs the env it makes for the workers: the secret reaches them otherwise (it is in
+    their environment, as it is in every pod's)."""
+    ray_dir = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray"
+    (session,) = ray_dir.glob(f"session_*_{cluster.proc.pid}")  # the Ray this cluster's `up` started
+    logs = [p for p in (session / "logs").rglob("*") if p.is_file()]
+    assert any(p.name.startswith("runtime_env_agent") for p in logs), sorted(p.name for p in logs)
+    leaked = [p.name for p in logs if cluster.cluster_secret.encode() in p.read_bytes()]
+    assert not leaked, leaked

@@ -57,3 +57,14 @@ def test_launched_workers_never_inherit_the_launchers_build(monkeypatch: pytest.
     monkeypatch.setenv("PDSERVE_CACHE_DIR", "/models")
     assert env.worker_env().get("PDSERVE_CACHE_DIR") == "/models"
     assert "PDSERVE_BUILD" not in env.worker_env()
+
+
+def test_secrets_never_go_through_rays_runtime_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's runtime-env agent logs the env it makes (and its GCS keeps it): workers get secrets otherwise."""
+    secrets = ["PDSERVE_CLUSTER_SECRET", "PDSERVE_REDIS_PASSWORD", "PDSERVE_API_KEY", "OTEL_EXPORTER_OTLP_HEADERS"]
+    secrets.append("OTEL_EXPORTER_OTLP_TRACES_HEADERS")
+    for name in secrets:
+        monkeypatch.setenv(name, "s3cret")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
+    passed = env.worker_env()
+    assert not set(secrets) & set(passed) and passed["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4317"
