@@ -71,9 +71,10 @@ class PlacementPolicy(ABC):
     ) -> Placement:
         """Called by the router per request; raises UnavailableError when no worker serves at all. `avoid`:
         workers that already failed this request (a retry never goes back to them). `cache_salt`: the
-        request's prefix-cache salt; only blocks cached under it count as hits. `must_hold`: only decode
-        workers whose whole KV holds prompt + max_tokens (NoWorkersError when none is live): a retry or a
-        migration, which admission does not judge again, must not go where it would be refused as invalid."""
+        request's prefix-cache salt; only blocks cached under it count as hits. Prefill workers whose whole KV
+        holds the prompt are preferred. `must_hold`: only those, and only decode workers whose whole KV holds
+        prompt + max_tokens (NoWorkersError when none is live): a retry or a migration, which admission does not
+        judge again, must not go where it would be refused as invalid."""
         colocated = self._workers(Role.COLOCATED, avoid)
         prefills = colocated or self._workers(Role.PREFILL, avoid)
         decodes = colocated or self._workers(Role.DECODE, avoid)
@@ -87,6 +88,12 @@ class PlacementPolicy(ABC):
                 raise NoWorkersError(f"no live decode worker holds {blocks} KV blocks")
             if colocated:
                 colocated = prefills = decodes
+        if not colocated:  # a prefill worker holds the prompt alone; one whose whole KV cannot refuses it
+            prompt_blocks = -(-len(prompt) // block_size)
+            holding = [w for w in prefills if w.kv_blocks_total >= prompt_blocks]
+            if must_hold and not holding:
+                raise NoWorkersError(f"no live prefill worker holds {prompt_blocks} KV blocks")
+            prefills = holding or prefills
         offered = self._registered(colocated=bool(colocated))
         hashes = prefix_hashes(prompt[: len(prompt) - 1], block_size, cache_salt)
         hits = await self.prefix_index.match([w.cache_key for w in offered[0]], hashes)

@@ -88,13 +88,12 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Everything about a request that can be wrong before it runs; raises InvalidRequestError."""
         check_request(prompt_token_ids, sampling, self.model_config)
-        total = len(prompt_token_ids) + sampling.max_tokens
-        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
-            raise InvalidRequestError(
-                "sampling.max_tokens",
-                f"prompt + max_tokens needs {self.blocks.blocks_for(total)} KV blocks; "
-                f"this worker has {self.blocks.num_blocks}",
-            )
+        field, what, total = "sampling.max_tokens", "prompt + max_tokens", len(prompt_token_ids) + sampling.max_tokens
+        if self.config.mode is EngineMode.PREFILL_ONLY:  # it hands the prompt's blocks off: they are all it holds
+            field, what, total = "prompt_token_ids", "the prompt", len(prompt_token_ids)
+        needed, held = self.blocks.blocks_for(total), self.blocks.num_blocks
+        if needed > held:
+            raise InvalidRequestError(field, f"{what} needs {needed} KV blocks; this worker has {held}")
 
     def add_request(self, request: EngineRequest) -> None:
         if self.config.mode is EngineMode.DECODE_ONLY:

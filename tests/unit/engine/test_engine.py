@@ -284,3 +284,18 @@ def test_a_stop_string_ending_in_the_last_tokens_whole_characters_finishes_with_
     )
     assert (plain.token_ids, plain.text, plain.finish_reason) == ([15107], " ", FinishReason.LENGTH)
     assert (stopped.token_ids, stopped.text, stopped.finish_reason) == ([15107], "", FinishReason.STOP)
+
+
+def test_a_prefill_worker_refuses_only_a_prompt_its_whole_kv_cannot_hold() -> None:
+    """It hands the prompt's blocks off after the first token, so max_tokens takes none of its KV: a small prefill
+    worker serves long answers, and a prompt past its KV is invalid there, named as the prompt."""
+    from pdserve.config import SchedulerConfig
+    from pdserve.protocol.roles import EngineMode
+
+    config = EngineConfig(model="tiny-random", dtype="float32", device="cpu", num_kv_blocks=2, num_threads=1)
+    engine = LLMEngine(replace(config, scheduler=SchedulerConfig(mode=EngineMode.PREFILL_ONLY)))
+    size = engine.blocks.block_size
+    engine.add_request(EngineRequest("long-answer", [5] * size, SamplingParams(max_tokens=50 * size)))
+    with pytest.raises(InvalidRequestError, match="the prompt needs 3 KV blocks; this worker has 2") as err:
+        engine.add_request(EngineRequest("long-prompt", [5] * (2 * size + 1), SamplingParams(max_tokens=1)))
+    assert err.value.field == "prompt_token_ids"

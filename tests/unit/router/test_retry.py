@@ -176,3 +176,16 @@ async def test_a_retry_never_goes_to_a_decode_worker_whose_kv_cannot_hold_the_re
         assert big.calls >= 1 and small.calls == 0
         placed = await r.placement.place([5, 6, 7, 8], 12, 1.0, frozenset({"d0"}), must_hold=True)
         assert placed.decode.worker_id == "d1"  # a request it holds (1 block) still goes there
+
+
+async def test_placement_keeps_a_prompt_off_a_prefill_worker_whose_kv_cannot_hold_it():
+    """Prefill workers of different KV sizes: the prompt (5 blocks of 16 tokens) goes to the one that holds it,
+    though the small one comes first (the same predicted TTFT, the lower id); with must_hold (a retry) and only
+    the small one live, no placement at all, rather than one refused as invalid."""
+    r = Router([worker("p-a", kv_blocks_total=4), worker("p-big"), worker("d0", "decode")])
+    for must_hold in (False, True):
+        placed = await r.placement.place(prompt(80), 8, 1.0, must_hold=must_hold)
+        assert placed.prefill_worker.worker_id == "p-big"
+    with pytest.raises(UnavailableError, match="no live prefill worker holds 5 KV blocks"):
+        await r.placement.place(prompt(80), 8, 1.0, frozenset({"p-big"}), must_hold=True)
+    assert (await r.placement.place(prompt(40), 8, 1.0, frozenset({"p-big"}))).prefill_worker.worker_id == "p-a"
