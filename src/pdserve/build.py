@@ -2,9 +2,9 @@
 
 A rollout compares builds as it compares flags: a controller started from a new image (or new code) rolls the
 workers it adopts, which still run the old one. The build is PDSERVE_BUILD where the deployment names it (the
-chart sets the image reference) and otherwise the package version with a digest of its source, so a code change
-without a version bump is a new build too. A worker reports the build it runs, so an operator sees a rollout's
-progress and any worker left on an old node.
+chart: the image reference and a digest of the values its worker pods are made of) and otherwise the package
+version with a digest of its source, so a code change without a version bump is a new build too. A worker reports
+the build it runs, so an operator sees a rollout's progress and any worker left on an old node.
 """
 
 from __future__ import annotations
@@ -35,5 +35,5 @@ def source_digest(package_dir: Path = PACKAGE_DIR) -> str:
 
 def build_resource(build: str) -> str:
     """The Ray custom resource nodes of `build` advertise (the chart's worker pods: `pdserve_build_` and the first
-    12 hex digits of the sha256 of the image reference, which is their PDSERVE_BUILD)."""
+    12 hex digits of the sha256 of their PDSERVE_BUILD)."""
     return "pdserve_build_" + hashlib.sha256(build.encode()).hexdigest()[:DIGEST_CHARS]

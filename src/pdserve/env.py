@@ -35,7 +35,8 @@ def raycluster() -> str | None:
 
 
 def build() -> str | None:
-    """PDSERVE_BUILD: the deployment's name for this build (the chart: the image reference); None: unnamed."""
+    """PDSERVE_BUILD: the deployment's name for this build (the chart: the image and its worker pods' digest);
+    None: unnamed."""
     return os.environ.get(BUILD_VAR) or None
 
 

@@ -326,6 +326,8 @@ def test_an_upgrade_to_a_new_image_is_a_new_build_on_every_pod_and_a_new_worker_
     cannot land on the old image's pods."""
     (old_env, old_resources), (new_env, new_resources) = builds({"image.tag": "1.0.0"}), builds({"image.tag": "1.1.0"})
     assert set(old_env) == {"controller", "router", "prefill", "decode"}, old_env  # the head runs no pdserve
+    router_image = old_env.pop("router")  # a router rolls no workers: its image alone
+    assert router_image.endswith("pdserve:1.0.0") and new_env.pop("router") == router_image.replace("1.0.0", "1.1.0")
     (old_build,) = set(old_env.values())
     assert old_build.split()[0].endswith("pdserve:1.0.0")
     assert set(new_env.values()) == {old_build.replace("1.0.0", "1.1.0")}
@@ -339,8 +341,10 @@ def test_an_upgrade_to_a_new_image_is_a_new_build_on_every_pod_and_a_new_worker_
         ({"prefill.tolerations": []}, True),
         ({"otel.endpoint": "http://collector:4317"}, True),
         ({"drain.timeoutSeconds": 90}, True),
+        ({"router.port": 50052}, True),  # the preStop's drain calls the router there
         ({"prefill.replicas": 3, "decode.maxReplicas": 9}, False),  # counts change no pod
         ({"router.replicas": 3, "redis.resources.limits.memory": "1Gi"}, False),  # nothing a worker pod holds
+        ({"engine.kvCacheGb": 4, "bindAddress": "::"}, False),  # the controller's flags: workers restart in place
     ],
 )
 def test_a_change_to_what_worker_pods_are_made_of_is_a_new_build(sets: dict[str, object], new_build: bool) -> None:
@@ -349,6 +353,7 @@ def test_a_change_to_what_worker_pods_are_made_of_is_a_new_build(sets: dict[str,
     rolls onto new pods as it does a new image; a change of counts, or of what no worker pod holds, is not."""
     (before_env, before_resources), (after_env, after_resources) = builds({}), builds(sets)
     assert (after_env != before_env) is new_build and (after_resources != before_resources) is new_build
+    assert after_env["router"] == before_env["router"]  # the router is not restarted for the workers' pods
 
 
 def builds(sets: dict[str, object]) -> tuple[dict[str, str], set[str]]:

@@ -32,10 +32,12 @@ be a new build, whose workers the controller rolls onto new pods, as it does for
 {{- $_ := set $groups $role (omit (index $v $role) "replicas" "minReplicas" "maxReplicas") -}}
 {{- end -}}
 {{- $redis := pick $v.redis "enabled" "url" "existingSecret" "passwordKey" "caSecret" "caKey" -}}
-{{- $pods := dict "groups" $groups "model" $v.model "engine" $v.engine "workers" $v.workers "drain" $v.drain
-  "redis" $redis "tls" $v.tls "drainKey" $v.apiKeys.drainKey "clusterSecret" $v.clusterSecret "otel" $v.otel
-  "ray" (pick $v.ray "version" "authToken") "gpuResourceName" $v.gpuResourceName "bindAddress" $v.bindAddress
-  "podSecurityContext" $v.podSecurityContext "securityContext" $v.securityContext
+{{- /* Not the engine's values nor the bind address: they reach the workers through the controller's flags, which
+it compares itself (a worker restarts in place, with no new pod to wait for). */ -}}
+{{- $pods := dict "groups" $groups "model" $v.model "workers" $v.workers "drain" $v.drain "redis" $redis
+  "tls" $v.tls "drainKey" $v.apiKeys.drainKey "clusterSecret" $v.clusterSecret "otel" $v.otel
+  "rayAuthToken" $v.ray.authToken "gpuResourceName" $v.gpuResourceName "routerPort" $v.router.port
+  "pullPolicy" $v.image.pullPolicy "podSecurityContext" $v.podSecurityContext "securityContext" $v.securityContext
   "imagePullSecrets" $v.imagePullSecrets "serviceAccount" (pick $v.serviceAccount "create" "name") -}}
 {{- toJson $pods | sha256sum | trunc 12 -}}
 {{- end -}}
@@ -171,9 +173,10 @@ variables to the worker actors it starts (they would report the controller's pod
 {{- $v := .ctx.Values -}}
 - name: PDSERVE_CACHE_DIR
   value: {{ $v.model.cache.mountPath | quote }}
-# The build every pdserve process reports, and a controller compares to roll the workers it adopts.
+# The build every pdserve process reports, and a controller compares to roll the workers it adopts. A router rolls
+# no workers: it reports its image alone, so a change to the worker pods does not restart it.
 - name: PDSERVE_BUILD
-  value: {{ include "pdserve.build" .ctx | quote }}
+  value: {{ ternary (include "pdserve.build" .ctx) (include "pdserve.image" .ctx) .ray | quote }}
 - name: POD_IP
   valueFrom: {fieldRef: {fieldPath: status.podIP}}
 - name: POD_NAME
