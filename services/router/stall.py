@@ -22,7 +22,7 @@ from pdserve.registry.base import WorkerState
 
 LATE_S = 0.05  # a check this late ran behind something that held the loop
 GRACE_S = 0.25  # after such a hold: time to read what came meanwhile
-HELD_MAX_S = 30.0  # past this much of the loop's own holds within one wait, the bound counts them too
+HELD_MAX_S = 10.0  # past the bound by this much in all, the loop's holds count too (a loop always late)
 
 
 class _StallCheck:
@@ -32,7 +32,7 @@ class _StallCheck:
         self._loop = asyncio.get_running_loop()
         self._timeout = timeout
         self._grace_s = min(bound_s, GRACE_S)
-        self._held_s = 0.0
+        self._last = self._loop.time() + bound_s + HELD_MAX_S  # no grace is given past this
         self._arm(self._loop.time() + bound_s)
 
     def _arm(self, when: float) -> None:
@@ -41,9 +41,7 @@ class _StallCheck:
 
     def _check(self) -> None:
         now = self._loop.time()
-        late = now - self._when
-        if late > LATE_S and self._held_s < HELD_MAX_S:
-            self._held_s += late
+        if now - self._when > LATE_S and now < self._last:
             self._arm(now + self._grace_s)
         else:
             self._timeout.reschedule(now)  # the read is cancelled: TimeoutError

@@ -87,3 +87,25 @@ async def test_a_silent_worker_is_still_caught_after_the_loop_was_held():
     with pytest.raises(UnavailableError, match="stall bound"):
         await read_within(call, 0.1, decode)
     assert call.cancelled and time.monotonic() - started < 2.0  # the bound, the hold, one grace
+
+
+async def test_a_loop_late_at_every_check_still_catches_a_silent_worker(monkeypatch):
+    """Each check runs late (the loop held 80 ms a turn): graces are given only until the bound plus HELD_MAX_S
+    has passed, so a silent worker is caught then, not only once the loop stops being late."""
+    from services.router import stall
+
+    monkeypatch.setattr(stall, "HELD_MAX_S", 1.0)
+    loop = asyncio.get_running_loop()
+
+    def hog() -> None:
+        time.sleep(0.08)
+        handle[0] = loop.call_soon(hog)
+
+    handle = [loop.call_soon(hog)]
+    started = time.monotonic()
+    try:
+        with pytest.raises(UnavailableError, match="stall bound"):
+            await read_within(Call(), 0.2, worker("d0", "decode"))
+    finally:
+        handle[0].cancel()
+    assert time.monotonic() - started < 0.2 + 1.0 + 1.0  # the bound, HELD_MAX_S, a grace and the last hold
