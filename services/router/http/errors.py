@@ -29,12 +29,12 @@ class BodyTooLargeError(InvalidRequestError):
         super().__init__("body", f"is larger than this router's limit of {limit} bytes")
 
 
-class BodyTimeoutError(TimeoutError):
-    """A body that did not all arrive within BODY_TIMEOUT_S of its head: a 408, and the connection closes (the rest
-    is never read). A client on a link that fast can send it again."""
+class BodyTimeoutError(InvalidRequestError):
+    """A body that did not all arrive within BODY_TIMEOUT_S of its head: a 408 (counted `invalid`, the caller's
+    doing), and the connection closes (the rest is never read). Sent faster, it may be sent again."""
 
     def __init__(self, timeout_s: float) -> None:
-        super().__init__(f"body: did not arrive within {timeout_s:g} s of the request's head")
+        super().__init__("body", f"did not arrive within {timeout_s:g} s of the request's head")
 
 
 _STATUS: list[tuple[type[BaseException], int, str]] = [  # the first match wins: a subclass before its base
@@ -63,10 +63,8 @@ def error_body(exc: BaseException, max_tokens_param: str = "max_tokens") -> tupl
         param = openai_param(exc.field, max_tokens_param)
         message = f"{param}: {message.split(': ', 1)[1]}" if ": " in message else message
         code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None
-        if isinstance(exc, BodyTooLargeError):
+        if isinstance(exc, (BodyTooLargeError, BodyTimeoutError)):
             headers = {"connection": "close"}
-    elif isinstance(exc, BodyTimeoutError):
-        headers = {"connection": "close"}
     elif isinstance(exc, PermissionDeniedError):
         param = openai_param(exc.field, max_tokens_param)
     elif isinstance(exc, OverloadedError):

@@ -9,6 +9,7 @@ import asyncio
 import httpx2
 import pytest
 
+from pdserve.telemetry import Telemetry
 from services.router.http import app as http_app
 from services.router.http.app import openai_app
 from services.router.http.server import HttpServer
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 
 async def test_a_body_sent_a_byte_at_a_time_is_a_408_at_its_deadline(monkeypatch):
     monkeypatch.setattr(http_app, "BODY_TIMEOUT_S", DEADLINE_S)
-    lifecycle = Router([worker("p0"), worker("d0", "decode")]).lifecycle()
+    lifecycle = Router([worker("p0"), worker("d0", "decode")]).lifecycle(telemetry=Telemetry("test-router"))
     server = HttpServer(openai_app(lifecycle), "127.0.0.1", 0)
     await server.start()
     loop = asyncio.get_running_loop()
@@ -50,3 +51,11 @@ async def test_a_body_sent_a_byte_at_a_time_is_a_408_at_its_deadline(monkeypatch
     assert status == b"HTTP/1.1 408 Request Timeout", answer
     assert b"connection: close" in rest.lower() and b"did not arrive within 0.5 s" in rest, answer
     assert DEADLINE_S * 0.8 <= closed_after < 6 * DEADLINE_S, closed_after
+    counted = {
+        s.labels["outcome"]: s.value
+        for f in lifecycle.telemetry.registry.collect()
+        for s in f.samples
+        if s.name == "pdserve_requests_total"
+    }
+    lifecycle.telemetry.shutdown()
+    assert counted == {"invalid": 1}  # the caller's doing, not a caller that left (cancelled)
