@@ -4,8 +4,6 @@ loopback, the real ASGI app and lifecycle."""
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx2
 import pytest
 
@@ -14,6 +12,7 @@ from services.router.http import app as http_app
 from services.router.http.app import openai_app
 from services.router.http.server import HttpServer
 from tests.unit.router.router_builder import Router, worker
+from tests.unit.router.slow_client import dribbled
 
 DEADLINE_S = 0.5
 pytestmark = pytest.mark.timeout(60)
@@ -24,25 +23,10 @@ async def test_a_body_sent_a_byte_at_a_time_is_a_408_at_its_deadline(monkeypatch
     lifecycle = Router([worker("p0"), worker("d0", "decode")]).lifecycle(telemetry=Telemetry("test-router"))
     server = HttpServer(openai_app(lifecycle), "127.0.0.1", 0)
     await server.start()
-    loop = asyncio.get_running_loop()
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         head = b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
-        writer.write(head + b"Content-Length: 1000\r\n\r\n{")
-        start = loop.time()
-
-        async def dribble() -> None:
-            while True:
-                await asyncio.sleep(0.05)
-                writer.write(b" ")
-
-        dribbling = asyncio.ensure_future(dribble())
-        try:
-            answer = await asyncio.wait_for(reader.read(), 10 * DEADLINE_S)  # to the end: the server closed it
-        finally:
-            dribbling.cancel()
-            writer.close()
-        closed_after = loop.time() - start
+        start = head + b"Content-Length: 1000\r\n\r\n{"
+        answer, closed_after = await dribbled(server.port, start, b" ", 10 * DEADLINE_S)
         async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=5) as http:
             assert (await http.get("/health")).status_code in (200, 503)  # still serving
     finally:

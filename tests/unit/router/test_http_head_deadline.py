@@ -13,6 +13,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from services.router.http.server import HttpServer
+from tests.unit.router.slow_client import dribbled
 
 DEADLINE_S = 0.5
 
@@ -29,24 +30,9 @@ async def serving() -> HttpServer:
 
 async def test_a_head_sent_a_byte_at_a_time_is_cut_at_its_deadline():
     server = await serving()
-    loop = asyncio.get_running_loop()
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        start = loop.time()
-        writer.write(b"GET / HTTP/1.1\r\nHost: router\r\n")
-
-        async def dribble() -> None:
-            while True:
-                await asyncio.sleep(0.05)
-                writer.write(b"X")  # each byte would cancel uvicorn's own (keep-alive) timer
-
-        dribbling = asyncio.ensure_future(dribble())
-        try:
-            answer = await asyncio.wait_for(reader.read(), 5 * DEADLINE_S)  # to the end: the server closed it
-        finally:
-            dribbling.cancel()
-            writer.close()
-        closed_after = loop.time() - start
+        # each byte would cancel uvicorn's own (keep-alive) timer
+        answer, closed_after = await dribbled(server.port, b"GET / HTTP/1.1\r\nHost: router\r\n", b"X", 5 * DEADLINE_S)
     finally:
         await server.stop()
     assert answer == b"" and DEADLINE_S * 0.8 <= closed_after < 3 * DEADLINE_S, (answer, closed_after)
