@@ -22,6 +22,7 @@ RELEASE = "pd"
 # Kinds kubernetes-validate has no schema for; the RayCluster is checked against KubeRay's CRD instead.
 CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "PodMonitor"}
 LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+Objects = list[dict[str, Any]]
 
 
 @cache
@@ -83,6 +84,14 @@ def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> di
     found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
     assert len(found) == 1, f"{len(found)} {kind} objects named {name}"
     return found[0]
+
+
+def worker_groups(objects: Objects) -> dict[str, dict[str, Any]]:
+    return {g["groupName"]: g for g in one(objects, "RayCluster")["spec"]["workerGroupSpecs"]}
+
+
+def container(template: dict[str, Any]) -> dict[str, Any]:
+    return template["spec"]["containers"][0]
 
 
 def pod_templates(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

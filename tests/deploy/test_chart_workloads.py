@@ -6,29 +6,26 @@ from __future__ import annotations
 import importlib.util
 import json
 import shlex
-import shutil
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from pdserve import cli
 from pdserve.build import build_resource
 from pdserve.config import ClusterConfig, RouterConfig
 from pdserve.flags import flag_values
-from tests.deploy.chart import CHART, helm, notes, one, pod_templates, render, render_error
+from tests.deploy.chart import (
+    Objects,
+    container,
+    notes,
+    one,
+    pod_templates,
+    render,
+    render_error,
+    worker_groups,
+)
 
-Objects = list[dict[str, Any]]
 ROUTER = "pd-pdserve-router"
-
-
-def worker_groups(objects: Objects) -> dict[str, dict[str, Any]]:
-    return {g["groupName"]: g for g in one(objects, "RayCluster")["spec"]["workerGroupSpecs"]}
-
-
-def container(template: dict[str, Any]) -> dict[str, Any]:
-    return template["spec"]["containers"][0]
 
 
 def args_of(objects: Objects, name: str) -> list[str]:
@@ -195,46 +192,6 @@ def test_the_gpu_example_keeps_two_pods_per_role_through_node_drains() -> None:
     assert budgets["pd-pdserve-prefill"]["minAvailable"] == budgets["pd-pdserve-decode"]["minAvailable"] == 1
 
 
-PROBE = """{{- $v := dict "replicas" 2 "minReplicas" 1 "maxReplicas" 8 }}
-{{- $five := dict "replicas" 5 }}
-apiVersion: v1
-kind: ConfigMap
-metadata: {name: replicas-probe}
-data:
-  install: {{ include "pdserve.workerReplicas" (dict "live" "" "values" $v) | quote }}
-  scaled: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 5) "values" $v) | quote }}
-  past-max: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 12) "values" $v) | quote }}
-  below-min: {{ include "pdserve.workerReplicas" (dict "live" (dict "replicas" 0) "values" $v) | quote }}
-  values-kept: {{ include "pdserve.workerReplicas" (dict "live" $five "values" $v "rendered" 2.0) | quote }}
-  values-changed: {{ include "pdserve.workerReplicas" (dict "live" $five "values" $v "rendered" 1.0) | quote }}
-"""
-
-
-def test_an_upgrade_renders_each_groups_live_replicas_within_the_releases_bounds(tmp_path: Path) -> None:
-    """The Ray autoscaler and `pdserve scale --kubernetes` move a group's replicas after install; an upgrade
-    rendering the install-time count would put it back (KubeRay's workerGroupSpecs is one atomic field). But an
-    upgrade whose values' count is not the one the live object was rendered from (its annotation) applies it, as
-    the controller applies changed counts: else its workers would wait for pods that never come. The chart looks
-    the live RayCluster up; `helm template` has no cluster, so a probe chart (this one as its subchart) hands the
-    helper the live group an upgrade would find."""
-    probe = tmp_path / "probe"
-    shutil.copytree(CHART, probe / "charts" / "pdserve")
-    (probe / "Chart.yaml").write_text("apiVersion: v2\nname: probe\nversion: 0.0.1\n")
-    (probe / "templates").mkdir()
-    (probe / "templates" / "probe.yaml").write_text(PROBE)
-    out = helm("template", "pd", str(probe))
-    assert out.returncode == 0, out.stderr
-    objects = [d for d in yaml.safe_load_all(out.stdout) if d]
-    probed = next(o for o in objects if o["metadata"]["name"] == "replicas-probe")["data"]
-    assert probed == {
-        **{"install": "2", "scaled": "5", "past-max": "8", "below-min": "1"},
-        **{"values-kept": "5", "values-changed": "2"},
-    }
-    assert [g["replicas"] for g in worker_groups(objects).values()] == [1, 1]  # no live object: the values'
-    (rc,) = [o for o in objects if o["kind"] == "RayCluster"]
-    assert json.loads(rc["metadata"]["annotations"]["pdserve.io/values-replicas"]) == {"prefill": 1, "decode": 1}
-
-
 def test_the_ray_head_is_never_evicted_while_its_loss_would_replace_every_worker() -> None:
     """Without GCS fault tolerance a lost head makes KubeRay replace every worker pod: a budget of no voluntary
     eviction, and the cluster autoscaler told not to evict it. With fault tolerance (or turned off): neither."""
@@ -318,55 +275,6 @@ def test_ray_autoscaler_gives_pending_worker_actors_their_pods(enabled: bool) ->
     assert options["idleTimeoutSeconds"] == 60 and options["upscalingMode"] == "Default"
     assert {e["name"] for e in options["env"]} == {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}
     assert options["securityContext"]["allowPrivilegeEscalation"] is False  # the head pod's context: non-root
-
-
-def test_an_upgrade_to_a_new_image_is_a_new_build_on_every_pod_and_a_new_worker_resource() -> None:
-    """The controller rolls adopted workers whose build is not its own: every pdserve container's PDSERVE_BUILD
-    names its own image, and a new tag moves the worker groups' build resource, so that the new image's workers
-    cannot land on the old image's pods."""
-    (old_env, old_resources), (new_env, new_resources) = builds({"image.tag": "1.0.0"}), builds({"image.tag": "1.1.0"})
-    assert set(old_env) == {"controller", "router", "prefill", "decode"}, old_env  # the head runs no pdserve
-    router_image = old_env.pop("router")  # a router rolls no workers: its image alone
-    assert router_image.endswith("pdserve:1.0.0") and new_env.pop("router") == router_image.replace("1.0.0", "1.1.0")
-    (old_build,) = set(old_env.values())
-    assert old_build.split()[0].endswith("pdserve:1.0.0")
-    assert set(new_env.values()) == {old_build.replace("1.0.0", "1.1.0")}
-    assert old_resources == {build_resource(old_build)} and len(new_resources) == 1 and new_resources != old_resources
-
-
-@pytest.mark.parametrize(
-    ("sets", "new_build"),
-    [
-        ({"clusterSecret.existingSecret": "pd-cluster-secret"}, True),  # what GitOps users are told to set
-        ({"prefill.tolerations": []}, True),
-        ({"otel.endpoint": "http://collector:4317"}, True),
-        ({"drain.timeoutSeconds": 90}, True),
-        ({"router.port": 50052}, True),  # the preStop's drain calls the router there
-        ({"prefill.replicas": 3, "decode.maxReplicas": 9}, False),  # counts change no pod
-        ({"router.replicas": 3, "redis.resources.limits.memory": "1Gi"}, False),  # nothing a worker pod holds
-        ({"engine.kvCacheGb": 4, "bindAddress": "::"}, False),  # the controller's flags: workers restart in place
-    ],
-)
-def test_a_change_to_what_worker_pods_are_made_of_is_a_new_build(sets: dict[str, object], new_build: bool) -> None:
-    """KubeRay never recreates a running pod for a changed template: a worker pod change the fleet must get (a
-    Secret switched to an existing one, tolerations, OTel, the drain's grace) is a new build, which the controller
-    rolls onto new pods as it does a new image; a change of counts, or of what no worker pod holds, is not."""
-    (before_env, before_resources), (after_env, after_resources) = builds({}), builds(sets)
-    assert (after_env != before_env) is new_build and (after_resources != before_resources) is new_build
-    assert after_env["router"] == before_env["router"]  # the router is not restarted for the workers' pods
-
-
-def builds(sets: dict[str, object]) -> tuple[dict[str, str], set[str]]:
-    """Each pdserve component's PDSERVE_BUILD, and the worker groups' build resources, as the chart renders them."""
-    objects = render(["gpu.yaml"], sets)
-    env: dict[str, str] = {}
-    for component, template in pod_templates(objects).items():
-        for c in template["spec"]["containers"]:
-            values = [e["value"] for e in c.get("env", []) if e["name"] == "PDSERVE_BUILD"]
-            if values and component != "smoke-test":  # not the `helm test` client: it serves nothing
-                env[component] = values[0]
-    words = [shlex.split(g["rayStartParams"]["resources"])[0] for g in worker_groups(objects).values()]
-    return env, {k for w in words for k in json.loads(w) if k.startswith("pdserve_build_")}
 
 
 @pytest.mark.parametrize(
