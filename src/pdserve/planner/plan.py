@@ -105,7 +105,9 @@ def max_rate(
     lo = workload.rate / 1024
     if not meets(lo):
         return 0.0
-    hi = workload.rate
+    # From the workload's rate, or near the bound when that is far above it (a trace of a few requests over hours):
+    # the doublings would run out before reaching it, and every split would tie at the same cap.
+    hi = max(workload.rate, bound / 64) if math.isfinite(bound) else workload.rate
     for _ in range(MAX_DOUBLINGS):
         if not meets(hi):
             break

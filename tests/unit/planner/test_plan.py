@@ -262,3 +262,14 @@ def test_the_rate_bound_counts_prompts_packed_into_full_steps_and_no_decode_for_
     one_token = synthetic(60.0, 128, 1, 200, seed=0)
     prefill_s = sum(prefill_work_s(profile, n, packed=True) for n in one_token.input_lens) / 200
     assert sustainable_rate(profile, shape, one_token) == pytest.approx(1 / prefill_s)  # the prefill's bound
+
+
+def test_a_trace_far_slower_than_the_cluster_finds_the_same_max_rate() -> None:
+    """A few requests over hours: the search doubling from the trace's rate ran out of doublings at rate x 2^20,
+    and every split tied at that cap; it starts near the rate bound instead."""
+    from pdserve.planner.plan import max_rate
+    from pdserve.planner.shape import Shape
+
+    profile, shape, slo = synthetic_profile(), Shape(prefill=1, decode=1), SLO(ttft_ms=1000, tpot_ms=60)
+    slow, usual = (max_rate(profile, shape, synthetic(rate, 100, 10, 50, seed=2), slo) for rate in (1e-5, 1.0))
+    assert slow == pytest.approx(usual, rel=0.05)
