@@ -9,6 +9,7 @@ import shlex
 from typing import Any
 
 import pytest
+from ray.autoscaler._private.kuberay.autoscaling_config import _get_custom_resources as custom_resources
 
 from pdserve import cli
 from pdserve.build import build_resource
@@ -53,8 +54,12 @@ def test_each_worker_group_offers_its_role_resource_and_its_images(rendered: dic
     groups = worker_groups(objects)
     assert set(groups) == {"prefill", "decode"}
     for role, group in groups.items():
-        # KubeRay pastes the value into a shell command line: the shell's word is the JSON.
-        (word,) = shlex.split(group["rayStartParams"]["resources"])
+        # KubeRay pastes the value into a shell command line: the shell's word is the JSON. KubeRay also reads it
+        # itself (to add --num-gpus) once it trims the quotes around it (pod.go getResourcesMap).
+        value = group["rayStartParams"]["resources"]
+        (word,) = shlex.split(value)
+        assert json.loads(value.strip("'\"` ")) == json.loads(word)
+        assert custom_resources({}, group["rayStartParams"], role) == json.loads(word)  # and Ray's autoscaler
         image = container(group["template"])["image"]
         (build,) = [e["value"] for e in container(group["template"])["env"] if e["name"] == "PDSERVE_BUILD"]
         assert build.startswith(f"{image} pods.")  # the image, and a digest of what its pods are made of
