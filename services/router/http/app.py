@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import AbstractContextManager, suppress
+from contextlib import AbstractContextManager, aclosing, suppress
 
 from opentelemetry import propagate, trace
 from starlette.applications import Starlette
@@ -138,11 +138,15 @@ class OpenAIAPI:
         with self._span(request, req, record_exception=False, set_status_on_exception=False) as span:
             started = False
             try:
-                async for event in sse_events(answer, self._choices(req, request, {})):
-                    if not started:
-                        _span_status(span, 200)
-                        started = True
-                    yield event
+                async with aclosing(sse_events(answer, self._choices(req, request, {}))) as events:
+                    async for event in events:
+                        if not started:
+                            _span_status(span, 200)
+                            started = True
+                        yield event
+            except (asyncio.CancelledError, GeneratorExit):  # the caller hung up: its leaving, no failure
+                span.set_attribute("cancelled", True)
+                raise
             except Exception as e:
                 if started:  # it broke an open stream: the server's failure
                     mark_ended_by(span, e)
@@ -162,8 +166,9 @@ class OpenAIAPI:
         in. Every choice's latencies count from now, the caller's wait for it included."""
         arrived = time.perf_counter()
         if req.n == 1:
-            async for msg in self._generate(req.message, req, request, headers, arrived):
-                yield 0, msg
+            async with aclosing(self._generate(req.message, req, request, headers, arrived)) as messages:
+                async for msg in messages:
+                    yield 0, msg
             return
         queue: asyncio.Queue[tuple[int, pb.GenerateResponse | BaseException | None]] = asyncio.Queue()
         first_token = [asyncio.Event() for _ in range(req.n)]
@@ -296,9 +301,15 @@ class SSEResponse(StreamingResponse):
         self.max_tokens_param = max_tokens_param
 
     async def stream_response(self, send: Send) -> None:
-        events = self.body_iterator
+        # Closed here whatever ends it: a client that hangs up while a write waits (a slow reader) is a cancel in
+        # `send`, outside the events, which would otherwise stay suspended with their span, ticket and decode call
+        # until a garbage collection in another task.
+        async with aclosing(self.body_iterator) as events:  # type: ignore[type-var]
+            await self._stream(events, send)
+
+    async def _stream(self, events: AsyncIterator[bytes], send: Send) -> None:
         try:
-            first = await anext(events)  # type: ignore[call-overload]
+            first = await anext(events)
         except Exception as e:
             status, body, headers = error_body(e, self.max_tokens_param)
             data = json.dumps(body).encode()
@@ -310,7 +321,7 @@ class SSEResponse(StreamingResponse):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         await send({"type": "http.response.body", "body": first, "more_body": True})
         try:
-            async for event in events:  # type: ignore[attr-defined]
+            async for event in events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
         except Exception as e:
             _, body, _ = error_body(e, self.max_tokens_param)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,9 +177,10 @@ def usage(u: pb.Usage, completion_tokens: int) -> dict[str, Any]:
 
 
 async def sse_events(answer: Answer, stream: AsyncIterator[tuple[int, pb.GenerateResponse]]) -> AsyncIterator[bytes]:
-    """Each choice's messages as they come, tagged with its index."""
-    async for index, msg in stream:
-        yield event(answer.chunk(index, msg))
+    """Each choice's messages as they come, tagged with its index; `stream` closed however this ends."""
+    async with aclosing(stream):
+        async for index, msg in stream:
+            yield event(answer.chunk(index, msg))
     if answer.request.include_usage:
         yield event(answer.usage_chunk())
     yield DONE_EVENT
