@@ -9,6 +9,7 @@ otherwise wait for the step in flight, a whole batch of chunks on a busy worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -139,7 +140,9 @@ class RunAndSend:
                 raise UnavailableError(f"KV transfer to decode worker {target.decode_worker_id} failed: {e}") from e
             finally:
                 if not send.done():  # the caller left: the blocks stay held until the send thread lets go
-                    await asyncio.wait([send])
+                    while not send.done():  # a second cancel (a drain after the caller's) must not end the wait
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await asyncio.wait([send])
                     if not send.cancelled():
                         send.exception()  # seen: the caller left, so its failure is no news (no asyncio error log)
             span.set_attribute("kv.bytes", nbytes)

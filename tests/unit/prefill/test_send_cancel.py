@@ -1,0 +1,74 @@
+"""A prefill worker's KV send whose caller cancels, once or twice (a caller's cancel, then a drain's): the
+prompt's blocks stay held until the send thread is done reading them, never freed under it for another prompt to
+overwrite mid-send. The engine is real (tiny-random, prefill only); the sender is a stand-in that reads slowly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+
+from pdserve.config import EngineConfig, SchedulerConfig
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.engine_request import EngineRequest
+from pdserve.protocol.handoff import KVTarget
+from pdserve.protocol.roles import EngineMode
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.telemetry import Telemetry
+from services.prefill.run_and_send import PrefillJob, RunAndSend
+
+pytestmark = pytest.mark.timeout(60)
+READ_S = 0.6
+
+
+class SlowSender:
+    """Reads the blocks for READ_S, noting whether the engine still held them when it was done."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.held_at_end: list[int] = []
+
+    def send(self, rendezvous: str, tag: int, caches: object, blocks: list[int], timeout_s: float) -> int:
+        time.sleep(READ_S)
+        self.held_at_end.append(self.engine.stats["kv_blocks_used"])
+        return 1
+
+    def close(self) -> None:
+        """Nothing is open."""
+
+
+@pytest.mark.parametrize("cancels", [1, 2])
+async def test_the_blocks_outlive_the_send_however_often_its_caller_cancels(cancels: int) -> None:
+    config = EngineConfig(
+        model="tiny-random", device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, num_threads=1,
+        scheduler=SchedulerConfig(mode=EngineMode.PREFILL_ONLY),
+    )  # fmt: skip
+    engine = AsyncEngine(LLMEngine(config))
+    sender = SlowSender(engine)
+    worker = RunAndSend(engine, sender, "p0", Telemetry("t", enabled=False))  # type: ignore[arg-type]
+    request = EngineRequest("r", list(range(3, 23)), SamplingParams(max_tokens=8, ignore_eos=True))
+    target = KVTarget("d0", "127.0.0.1:1", list(range(5)), 1, engine.fingerprint, engine.block_size)
+
+    async def serve() -> None:  # as the prefill servicer consumes it
+        async with contextlib.aclosing(worker.run(PrefillJob(request, target, 5.0))) as events:
+            async for _ in events:
+                pass
+
+    try:
+        task = asyncio.ensure_future(serve())
+        while not engine.stats["kv_blocks_used"]:  # the prompt ran: its blocks are held for the send
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # the send thread is reading
+        for _ in range(cancels):
+            task.cancel()
+            await asyncio.sleep(0.05)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert sender.held_at_end == [5]  # the whole send read blocks the prompt still held
+        await asyncio.sleep(0.1)
+        assert engine.stats["kv_blocks_used"] == 0  # and they went once it was done
+    finally:
+        engine.stop()
