@@ -14,7 +14,7 @@ from pdserve.transfer.base import LayoutMismatchError, TransferError
 from pdserve.transfer.blocks import Blocks
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.pair_group import PairGroup, time_left
-from pdserve.transfer.rendezvous import choose_backend, open_store, sender_info
+from pdserve.transfer.rendezvous import choose_backend, claims, open_store, sender_info
 from pdserve.transfer.wire import BLOCK_COUNT, FORGED, LAYOUT, NOT_EXPECTED, OK, Header, block_bytes, layout_mask
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,16 @@ class RecvPair:
     def unclaimed(self, unclaimed_s: float) -> bool:
         with self.cond:
             return not self.pending and time.monotonic() - self.last_rendezvous > unclaimed_s
+
+    def dropped_by_sender(self) -> bool:
+        """Its sender claimed the store again (`claims`): it dropped this pair (a liveness check that timed out on
+        a paused decode process, say), and gloo notices only once the sender's sockets close, at its next garbage
+        collection; a rendezvous meanwhile must hand out a fresh pair, not this store, which refuses the claim."""
+        store = self.store
+        try:
+            return store is not None and claims(store) > 1
+        except RuntimeError:  # a store that cannot answer: the serving thread finds out
+            return False
 
     def close_store(self) -> None:
         """A pair that never paired: its store (and listening port) goes now, not whenever the garbage collector

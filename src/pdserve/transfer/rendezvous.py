@@ -108,6 +108,12 @@ def _listen(host: str, first_port: int) -> socket.socket:
     return bind_first_free(listen, first_port)
 
 
+def claims(store: dist.Store) -> int:
+    """Decode side: how many senders have claimed the store. More than one: the first (its prefill process's only
+    sender) dropped the pair and came back, so the pair it dropped is dead, whatever its gloo sockets say."""
+    return store.add(_CLAIM_KEY, 0)
+
+
 def sender_info(store: dist.Store) -> str | None:
     """Decode side: the sender's `device_info` once it claimed the store, else None."""
     if not store.check([_SEND_KEY]):

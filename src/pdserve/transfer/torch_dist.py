@@ -144,7 +144,7 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
                     handed = True
                     return pair  # locked: the caller releases it
             except PeerLostError as e:
-                lost = e
+                lost = PeerLostError(str(e))  # not `e`: its traceback would keep the dropped pair (its sockets) alive
                 self._drop(pair)
             finally:
                 if not handed:
@@ -227,6 +227,12 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
             if self._closed:
                 raise TransferError("receiver is closed")
             pair = self._pairs.get(peer_id)
+            if pair is not None and pair.error is None and pair.dropped_by_sender():
+                lost = PeerLostError(f"prefill peer {peer_id!r}: its sender dropped the pair")
+                del self._pairs[peer_id]  # its serving thread ends once gloo notices
+                pair.closed = True
+                pair.fail(lost)
+                pair.close_store()
             if pair is None or pair.error is not None:
                 info = device_info(self.device, self.backend)
                 pair = RecvPair(

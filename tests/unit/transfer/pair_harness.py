@@ -142,7 +142,12 @@ def _receiver_main(conn: Connection, store_port: int = 0) -> None:
             conn.send_bytes(json.dumps({"nbytes": nbytes}).encode())
 
     while True:
-        threading.Thread(target=receive, args=(json.loads(conn.recv_bytes()),), daemon=True).start()
+        cmd = json.loads(conn.recv_bytes())
+        if cmd.get("op") == "rendezvous":  # what a decode worker asks per hand-off
+            with answering:
+                conn.send_bytes(json.dumps({"rendezvous": r.rendezvous("prefill-test")}).encode())
+            continue
+        threading.Thread(target=receive, args=(cmd,), daemon=True).start()
 
 
 class ReceiverProcess:
@@ -163,6 +168,12 @@ class ReceiverProcess:
     def received(self) -> int:
         assert self.conn.poll(30)
         return json.loads(self.conn.recv_bytes())["nbytes"]
+
+    def handoff_rendezvous(self) -> str:
+        """The address a new hand-off is given (no recv may be answering meanwhile)."""
+        self.conn.send_bytes(json.dumps({"op": "rendezvous"}).encode())
+        assert self.conn.poll(30)
+        return json.loads(self.conn.recv_bytes())["rendezvous"]
 
     def kill(self) -> None:
         if self.proc.is_alive():

@@ -62,3 +62,26 @@ def test_a_send_to_a_stopped_receiver_fails_by_its_deadline(paired_before: bool)
     finally:
         sender.close()
         receiver.kill()  # its store's connections reset: the calls' threads end
+
+
+def test_a_pair_its_sender_dropped_is_replaced_at_the_next_hand_off() -> None:
+    """The decode process pauses 3 s (a loaded host, a long GC) while a send checks the idle pair: the check times
+    out, the sender drops the pair and claims the store again, which the decode side's serving thread (still on the
+    old pair, which gloo sees alive until the sender's sockets close at a garbage collection) refuses. That send is
+    lost; the next hand-off's rendezvous must be a fresh pair, not the same store refusing every sender after."""
+    receiver = ReceiverProcess()
+    sender = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+    try:
+        receiver.expect(1)
+        assert sender.send(receiver.rendezvous, 1, make_caches(1), [0, 1], 10) == receiver.received()
+        receiver.stop()
+        threading.Timer(3.0, receiver.resume).start()
+        with pytest.raises(TransferError, match="another sender already holds"):
+            sender.send(receiver.rendezvous, 2, make_caches(1), [0, 1], 10)
+        fresh = receiver.handoff_rendezvous()
+        assert fresh != receiver.rendezvous
+        receiver.expect(3)
+        assert sender.send(fresh, 3, make_caches(1), [0, 1], 10) == receiver.received()
+    finally:
+        sender.close()
+        receiver.kill()
