@@ -250,6 +250,12 @@ class LocalQuotas(Quotas):
         state.streams += 1
         return state.close_stream
 
+    def count_stream(self, tenant: Tenant) -> Release:
+        """A stream a shared store admitted, counted here too: a fallback to these limits then sees it."""
+        state = self._state(tenant)
+        state.streams += 1
+        return state.close_stream
+
     def take_tokens_now(self, tenant: Tenant, tokens: int) -> Release:
         """As `take_tokens`, without a wait."""
         bucket = self._state(tenant).tokens

@@ -6,12 +6,14 @@ script that reads Redis's own `TIME`, so the routers' clocks never matter; a buc
 refill, after which a missing key reads as a full bucket, so idle keys vanish. Concurrent streams are leases in
 a sorted set, `pdserve:quota:<key name>:streams` (member: the lease id, score: its expiry in Redis's
 milliseconds): expired leases are dropped before counting, each router renews the leases of its open streams in
-one script call per `lease_s / 3`, and a stream's lease is removed when it ends. A router that dies stops
-renewing, so its leases expire within `lease_s` and free their slots.
+one script call per `lease_s / 3` (entering again any Redis lost: a restart, a stream admitted in a fallback),
+and a stream's lease is removed when it ends. A router that dies stops renewing, so its leases expire within
+`lease_s` and free their slots.
 
 No request waits on Redis longer than `budget_s`: a call that fails or takes longer is answered by this
-router's own `LocalQuotas` instead (the per-router limits) until a background ping every `retry_s` has an
-answer; the outage is logged once and its end too. What Redis runs of such a call later has no effect there (a
+router's own `LocalQuotas` instead (the per-router limits, over every stream this router serves, whichever
+admitted it: N routers admit up to N times a key's limits meanwhile) until a background ping every `retry_s` has
+an answer; the outage is logged once and its end too. What Redis runs of such a call later has no effect there (a
 stream's lease is removed, a take's tokens come back), so nothing is counted twice. A lease whose release is lost
 in an outage expires on its own.
 """
@@ -157,15 +159,16 @@ return 0
 """
 )
 
-# KEYS: streams sets (one per lease). ARGV: lease_ms, then the leases. Only leases still there are renewed
-# (XX): one dropped as expired may have had its slot taken by another stream since.
+# KEYS: streams sets (one per lease). ARGV: lease_ms, then the leases. A lease that is missing is added again: its
+# stream is still open (a Redis restarted empty, or one the router admitted while Redis did not answer), and a
+# count without it would let the key open more than its limit beside it.
 _RENEW = (
     _BUCKET
     + """
 local lease_ms = tonumber(ARGV[1])
 local expiry = now_ms() + lease_ms
 for i, key in ipairs(KEYS) do
-  redis.call('ZADD', key, 'XX', expiry, ARGV[i + 1])
+  redis.call('ZADD', key, expiry, ARGV[i + 1])
   redis.call('PEXPIRE', key, lease_ms)
 end
 return 0
@@ -235,8 +238,9 @@ class RedisQuotas(Quotas):
             self._in_background(lambda: self._abandon(keys=[streams, mark], args=[lease, self._lease_ms]), "abandon")
 
         answer = await self._ask(lambda: self._open(keys=keys, args=args), on_miss=abandon)
-        if answer is None:
-            return self.local.open_stream_now(tenant)
+        if answer is None:  # the local limits, over every stream this router serves
+            close_local = self.local.open_stream_now(tenant)
+            return self._held(lease, streams, close_local) if max_streams else close_local
         verdict, value = (v.decode() for v in answer)
         if verdict == "streams":
             raise too_many_streams(tenant, int(value))
@@ -244,9 +248,19 @@ class RedisQuotas(Quotas):
             raise over_request_rate(tenant, float(value) / 1000)
         if not max_streams:
             return lambda: None
+        return self._held(lease, streams, self.local.count_stream(tenant))
+
+    def _held(self, lease: str, streams: str, close_local: Release) -> Release:
+        """An open stream: its lease renewed in Redis (entered there by the renewer if Redis did not admit it),
+        and counted in the local limits too, which a fallback checks against everything this router serves."""
         self._leases[lease] = streams
         self._keep_renewing()
-        return lambda: self._close_stream(lease)
+
+        def close() -> None:
+            close_local()
+            self._close_stream(lease)
+
+        return close
 
     async def take_tokens(self, tenant: Tenant, tokens: int) -> Release:
         tpm = tenant.tokens_per_minute
@@ -345,6 +359,9 @@ class RedisQuotas(Quotas):
                 await asyncio.wait_for(self._renew(keys=keys, args=args), self.write_timeout_s)
             except Exception as e:  # the next interval tries again; until a lease expires nothing is lost
                 self._write_failed.warning("quota redis: %d stream leases not renewed: %r", len(leases), e)
+            for lease, streams in leases.items():  # closed while the renewal ran: it may have come back
+                if lease not in self._leases:
+                    self._in_background(lambda s=streams, x=lease: self._redis.zrem(s, x), "stream lease not removed")
 
     async def flush(self) -> None:
         """Waits for the background writes under way (each ends within `write_timeout_s`)."""

@@ -287,3 +287,49 @@ async def test_a_take_that_reaches_redis_after_its_abandon_charges_nothing(serve
             assert c.get(keys[1]) == b"abandoned"
     finally:
         await quotas.close()
+
+
+async def test_a_redis_restarted_empty_gets_the_open_streams_leases_back(server):
+    """A restart loses every lease: the renewal enters the streams still open again, or every router would open
+    the key's whole limit beside them."""
+    a, b = (RedisQuotas(server.url, budget_s=BUDGET_S, lease_s=0.6) for _ in range(2))
+    tenant = Tenant("t", "restarted", max_concurrent=1)
+    try:
+        async with a.session(tenant):
+            with server.client() as c:
+                c.flushall()  # what a restart without persistence leaves
+            await asyncio.sleep(0.6)  # a renewal or more
+            assert not await admitted(b, tenant)
+        await a.flush()  # the lease's removal, in the background
+        assert await admitted(b, tenant)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_the_fallback_counts_the_streams_redis_admitted_and_redis_gets_the_fallbacks_back(caplog):
+    """One router, max_concurrent 1: its stream admitted through Redis still counts once Redis stops answering
+    (the local limits are over everything it serves); and a stream it admitted alone is entered in Redis once it
+    answers, so another router does not open the key's slot beside it."""
+    server = RedisServer()
+    server.start()
+    a = b = None
+    tenant = Tenant("t", "fallback", max_concurrent=1)
+    try:
+        a, b = (RedisQuotas(server.url, budget_s=BUDGET_S, lease_s=0.6, retry_s=0.1) for _ in range(2))
+        async with a.session(tenant):
+            server.stop()
+            assert not await admitted(a, tenant)  # the fallback sees the stream Redis admitted
+        async with a.session(tenant):  # admitted alone, Redis still down
+            server.start()
+            start = time.monotonic()
+            while a._down_since is not None:
+                assert time.monotonic() - start < 20, "the router never saw Redis answer again"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.6)  # a renewal: the stream's lease is in Redis now
+            assert not await admitted(b, tenant)
+    finally:
+        for q in (a, b):
+            if q is not None:
+                await q.close()
+        server.stop()
