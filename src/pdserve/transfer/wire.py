@@ -24,6 +24,11 @@ _MAGIC = 0x7064_4B56  # "pdKV"
 _VERSION = 3
 MAX_SEGMENTS = 8
 HEADER_LEN = 24
+# Past any model's: a header beyond them is a protocol error, never a drain sized by the sender's word alone.
+MAX_LAYERS = 1024
+MAX_BLOCK_BYTES = 64 * 2**20
+MAX_BLOCKS = 2**24
+MAX_TIMEOUT_MS = 86_400_000
 _MAC_AT = HEADER_LEN - 2  # two int64 words: 128 bits of HMAC-SHA256
 STATUS_LEN = 2  # code, detail
 
@@ -112,6 +117,15 @@ class Header:
         if not segments or min(segments) < 1 or sum(segments) != v[3]:
             raise PeerLostError(f"protocol error: segments {v[12:]} do not split {v[3]} blocks")
         tag, num_blocks, fingerprint_hash, dtype_hash, block_size, num_layers, num_kv_heads, head_dim = v[2:10]
+        sizes = (
+            ("num_layers", num_layers, MAX_LAYERS),
+            ("block_bytes", v[10], MAX_BLOCK_BYTES),
+            ("num_blocks", num_blocks, MAX_BLOCKS),
+            ("timeout_ms", v[11], MAX_TIMEOUT_MS),
+        )
+        for name, value, most in sizes:
+            if not 0 < value <= most:
+                raise PeerLostError(f"protocol error: header {name} {value} outside 1..{most}")
         return cls(
             tag,
             num_blocks,

@@ -75,3 +75,13 @@ def test_a_header_whose_segments_do_not_split_its_blocks_is_a_protocol_error(seg
     encoded[13 : 13 + len(segments)] = torch.tensor(segments)
     with pytest.raises(PeerLostError, match="protocol error"):
         Header.decode(encoded)
+
+
+@pytest.mark.parametrize(("word", "value"), [(7, 2**31), (7, 0), (10, 2**40), (11, 10**12), (11, -1)])
+def test_a_header_sized_past_any_model_is_a_protocol_error(word: int, value: int) -> None:
+    """Layers (word 7), block bytes (10), the transfer's timeout (11): a drain sized by such a header would build
+    billions of messages, allocate a terabyte, or hold the pair for years."""
+    encoded = Header.for_transfer(1, 6, KVLayout("m", "bfloat16", 16, 30, 3, 64), 1.0, segments=(6,)).encode()
+    encoded[word] = value
+    with pytest.raises(PeerLostError, match="protocol error: header .* outside 1\\.\\."):
+        Header.decode(encoded)
