@@ -7,19 +7,22 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from pdserve.transfer.base import LayoutMismatchError, TransferError
 from pdserve.transfer.blocks import Blocks
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.pair_group import PairGroup, time_left
-from pdserve.transfer.rendezvous import choose_backend, claims, open_store, sender_info
+from pdserve.transfer.rendezvous import choose_backend, claims, open_store, sender_info, split_address
 from pdserve.transfer.wire import BLOCK_COUNT, FORGED, LAYOUT, NOT_EXPECTED, OK, Header, block_bytes, layout_mask
 
 log = logging.getLogger(__name__)
 
 _WAITING, _RECEIVING, _FINISHED = range(3)
+WATCH_TIMEOUT = timedelta(seconds=0.5)  # a rendezvous's one question to its own store, on this host
 # Tags whose recv gave up, so a late sender is refused at once; only the latest are kept.
 _MAX_ABANDONED = 4096
 
@@ -52,6 +55,7 @@ class RecvPair:
         self.error: TransferError | None = None
         self.closed = False
         self.last_rendezvous = time.monotonic()  # a hand-off handed out its address: a sender may come
+        self._watch: dist.TCPStore | None = None  # a client of the store for `dropped_by_sender`
 
     def accept(
         self, gloo_device: object, device: torch.device, timeout_s: float, name: str, unclaimed_s: float
@@ -77,17 +81,24 @@ class RecvPair:
     def dropped_by_sender(self) -> bool:
         """Its sender claimed the store again (`claims`): it dropped this pair (a liveness check that timed out on
         a paused decode process, say), and gloo notices only once the sender's sockets close, at its next garbage
-        collection; a rendezvous meanwhile must hand out a fresh pair, not this store, which refuses the claim."""
-        store = self.store
+        collection; a rendezvous meanwhile must hand out a fresh pair, not this store, which refuses the claim.
+        Asked over a client of its own: the pair's is the serving thread's, which gloo may hold for as long as
+        its connect timeout while it builds the group with a slow sender."""
+        if self.store is None:
+            return False
         try:
-            return store is not None and claims(store) > 1
-        except RuntimeError:  # a store that cannot answer: the serving thread finds out
+            if self._watch is None:
+                host, port = split_address(self.address)
+                self._watch = dist.TCPStore(host, port, is_master=False, timeout=WATCH_TIMEOUT, use_libuv=True)
+            return claims(self._watch) > 1
+        except RuntimeError:  # a store that cannot answer now: the serving thread finds out
             return False
 
     def close_store(self) -> None:
         """A pair that never paired: its store (and listening port) goes now, not whenever the garbage collector
         reaches a traceback that still holds the pair."""
         self.store = None  # type: ignore[assignment]
+        self._watch = None
 
     def register(self, p: Pending) -> None:
         with self.cond:

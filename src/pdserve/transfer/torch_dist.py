@@ -224,15 +224,18 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
 
     def rendezvous(self, peer_id: str) -> str:
         with self._lock:
+            pair = self._pairs.get(peer_id)
+        if pair is not None and pair.error is None and pair.dropped_by_sender():  # a store call: not under the lock
+            with self._lock:
+                if self._pairs.get(peer_id) is pair:
+                    del self._pairs[peer_id]  # its serving thread ends once gloo notices
+            pair.closed = True
+            pair.fail(PeerLostError(f"prefill peer {peer_id!r}: its sender dropped the pair"))
+            pair.close_store()
+        with self._lock:
             if self._closed:
                 raise TransferError("receiver is closed")
             pair = self._pairs.get(peer_id)
-            if pair is not None and pair.error is None and pair.dropped_by_sender():
-                lost = PeerLostError(f"prefill peer {peer_id!r}: its sender dropped the pair")
-                del self._pairs[peer_id]  # its serving thread ends once gloo notices
-                pair.closed = True
-                pair.fail(lost)
-                pair.close_store()
             if pair is None or pair.error is not None:
                 info = device_info(self.device, self.backend)
                 pair = RecvPair(

@@ -10,9 +10,11 @@ import time
 from concurrent.futures import Future
 
 import pytest
+import torch
 
 from pdserve.transfer.base import TransferError, TransferTimeoutError
-from pdserve.transfer.torch_dist import TorchDistSender
+from pdserve.transfer.rendezvous import claim_store, device_info
+from pdserve.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from tests.unit.transfer.pair_harness import FINGERPRINT, HOST, ReceiverProcess, make_caches
 
 pytestmark = pytest.mark.timeout(60)
@@ -85,3 +87,21 @@ def test_a_pair_its_sender_dropped_is_replaced_at_the_next_hand_off() -> None:
     finally:
         sender.close()
         receiver.kill()
+
+
+def test_a_rendezvous_never_waits_on_a_pair_its_sender_is_slow_to_build() -> None:
+    """A sender claimed the store and its half of the group does not come (slow, paused): the serving thread waits
+    in gloo on the pair's store client for up to the connect timeout. The next rendezvous asks the store about
+    claims over a client of its own, and outside the receiver's lock, which a cancel (called on the decode
+    worker's event loop) takes too."""
+    receiver = TorchDistReceiver(HOST, "cpu", FINGERPRINT, connect_timeout_s=8)
+    try:
+        address = receiver.rendezvous("p")
+        claim_store(address, device_info(torch.device("cpu"), "gloo"), time.monotonic() + 5, "test")
+        time.sleep(0.5)  # the serving thread is building the group
+        start = time.monotonic()
+        assert receiver.rendezvous("p") == address  # claimed once: the pair stands
+        receiver.cancel("other", 1)
+        assert time.monotonic() - start < 2.0
+    finally:
+        receiver.close()
