@@ -219,6 +219,9 @@ def _known(path: str, table_name: str, table: dict[str, object], cls: type) -> N
         raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)} in {table_name}; known: {known}")
 
 
+MAX_KV_TRANSFER_TIMEOUT_S = 86_400.0  # the KV transfer header's bound (transfer/wire.py MAX_TIMEOUT_MS)
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """What `pdserve up`, `pdserve controller` and `pdserve router` run: the cluster's shape, where it listens,
@@ -295,6 +298,11 @@ class ClusterConfig:
             )
         if self.rollout_surge_wait_s < 0:
             raise ValueError(f"rollout_surge_wait_s must be >= 0 (0: never surge), got {self.rollout_surge_wait_s}")
+        if not 0 < self.kv_transfer_timeout_s <= MAX_KV_TRANSFER_TIMEOUT_S:
+            raise ValueError(
+                f"kv_transfer_timeout_s must be above 0 and at most {MAX_KV_TRANSFER_TIMEOUT_S:g} (a day, the KV "
+                f"transfer header's bound), got {self.kv_transfer_timeout_s}"
+            )
 
     @property
     def roles(self) -> list[Role]:

@@ -145,3 +145,16 @@ def test_a_cluster_that_cannot_start_is_one_line_and_status_1(capsys, monkeypatc
     assert main(argv, services=SERVICES) == 1
     err = capsys.readouterr().err
     assert err.startswith("pdserve up: ") and says in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, 90_000.0, math.inf, math.nan])
+def test_a_kv_transfer_timeout_no_transfer_header_can_carry_is_refused(seconds):
+    """Its header bounds the timeout at a day (a drain sized by a larger one would hold the pair for years): a
+    larger setting would make every transfer a protocol error, so it is refused at start."""
+    from pdserve.config import MAX_KV_TRANSFER_TIMEOUT_S
+    from pdserve.transfer.wire import MAX_TIMEOUT_MS
+
+    assert MAX_TIMEOUT_MS == MAX_KV_TRANSFER_TIMEOUT_S * 1000  # one bound, on both sides
+    with pytest.raises(ValueError, match="kv_transfer_timeout_s must be above 0 and at most 86400"):
+        ClusterConfig(kv_transfer_timeout_s=seconds)
+    assert ClusterConfig(kv_transfer_timeout_s=86_400.0).kv_transfer_timeout_s == 86_400.0
