@@ -18,7 +18,7 @@ import pytest
 from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import QuotaSession
-from pdserve.security.redis_quotas import RedisQuotas
+from pdserve.security.redis_quotas import RedisQuotas, quota_key
 from tests.redis_server import RedisServer, started
 
 pytestmark = pytest.mark.timeout(60)
@@ -298,7 +298,7 @@ async def test_a_redis_restarted_empty_gets_the_open_streams_leases_back(server)
         async with a.session(tenant):
             with server.client() as c:
                 c.flushall()  # what a restart without persistence leaves
-            await asyncio.sleep(0.6)  # a renewal or more
+            await lease_back(server, tenant)
             assert not await admitted(b, tenant)
         await a.flush()  # the lease's removal, in the background
         assert await admitted(b, tenant)
@@ -326,10 +326,19 @@ async def test_the_fallback_counts_the_streams_redis_admitted_and_redis_gets_the
             while a._down_since is not None:
                 assert time.monotonic() - start < 20, "the router never saw Redis answer again"
                 await asyncio.sleep(0.05)
-            await asyncio.sleep(0.6)  # a renewal: the stream's lease is in Redis now
+            await lease_back(server, tenant)
             assert not await admitted(b, tenant)
     finally:
         for q in (a, b):
             if q is not None:
                 await q.close()
         server.stop()
+
+
+async def lease_back(server: RedisServer, tenant: Tenant) -> None:
+    """Until a renewal has entered the tenant's open stream in Redis (each is due every lease_s / 3)."""
+    start = time.monotonic()
+    with server.client() as c:
+        while not c.zcard(quota_key(tenant, "streams")):
+            assert time.monotonic() - start < 20, "no renewal entered the stream's lease"
+            await asyncio.sleep(0.05)
