@@ -105,7 +105,7 @@ class Handoff:
             raise
         finally:
             if call is not None:
-                call.cancel()  # no-op once finished; on our caller's cancel it stops the prefill too
+                await call.cancel()  # no-op once finished; on our caller's cancel it stops the prefill too
 
     async def _rendezvous(self, peer: str) -> str:
         """The store address the prefill worker sends to. A store this worker cannot open (its ports' span taken)
@@ -198,6 +198,7 @@ async def _until_transferred(call: PrefillCall, receive: asyncio.Future[int]) ->
         return await asyncio.shield(receive)  # it confirmed the transfer; the receive is ending too
     finally:
         done.cancel()
+        await asyncio.wait([done])  # its read over: the call is read again to end it (PrefillCall.cancel)
 
 
 def _read_outcome(future: asyncio.Future[Any]) -> None:

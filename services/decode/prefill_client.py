@@ -11,6 +11,7 @@ from pdserve.protocol.handoff import FirstToken, KVTarget
 from pdserve.rpc.channel_pool import ChannelPool
 from pdserve.rpc.convert import logprobs_from_pb, sampling_to_pb
 from pdserve.rpc.errors import error_from_rpc
+from pdserve.rpc.stream_end import cancel_stream
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
@@ -40,9 +41,9 @@ class PrefillCall:
         while await self._read() is not grpc.aio.EOF:
             pass
 
-    def cancel(self) -> None:
-        """Stops the prefill worker's work on it; a no-op once the call ended."""
-        self._call.cancel()
+    async def cancel(self) -> None:
+        """Stops the prefill worker's work on it, and ends the call's span; a no-op once the call ended."""
+        await cancel_stream(self._call)
 
     async def _read(self) -> wpb.PrefillEvent:
         try:

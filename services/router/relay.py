@@ -16,6 +16,7 @@ from pdserve.rpc.channel_pool import ChannelPool
 from pdserve.rpc.convert import sampling_to_pb
 from pdserve.rpc.errors import error_from_rpc
 from pdserve.rpc.metadata import HANDOFF_STARTED_KEY
+from pdserve.rpc.stream_end import cancel_stream
 from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
@@ -87,7 +88,7 @@ class Relay:
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, f"decode worker {p.decode.worker_id} at {p.decode.address}") from e
         finally:
-            call.cancel()  # a no-op once finished
+            await cancel_stream(call)  # a no-op once finished
 
     async def _first(self, call: grpc.aio.UnaryStreamCall, ticket: Ticket, time_remaining: float | None) -> object:
         """The first message, within the router's first-token bound unless the caller's deadline is sooner

@@ -44,7 +44,7 @@ class InstantCall:
     async def sent(self) -> None:
         """Confirmed at once."""
 
-    def cancel(self) -> None:
+    async def cancel(self) -> None:
         """Nothing runs."""
 
 
