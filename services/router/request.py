@@ -19,6 +19,7 @@ from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.request_checks import (
     RequestLimits,
     check_logit_bias,
+    check_message_count,
     check_messages,
     check_prompt_length,
     check_prompt_text,
@@ -100,6 +101,7 @@ def _check_caps(msg: pb.GenerateRequest, field: str, model: ModelConfig, limits:
     if field == "prompt":
         check_prompt_text(msg.prompt, limits, model)
     elif field == "messages":
+        check_message_count(len(msg.messages), limits)  # before the pairs are built
         check_messages([(m.role, m.content) for m in msg.messages], limits, model)
     else:
         check_prompt_length(field, len(msg.prompt_token_ids), model)

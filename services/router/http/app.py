@@ -91,7 +91,13 @@ class OpenAIAPI:
         try:
             tenant = check_caller(self.lifecycle, request.headers)  # a caller without a valid key learns nothing more
             body = await _read_body(request, self.lifecycle.config.max_http_body_bytes)
-            req = parse_request(parse_json(body), chat, request.headers.get("x-request-id", ""))
+            req = parse_request(
+                parse_json(body),
+                chat,
+                limits=self.lifecycle.config.request_limits,
+                model_config=self.lifecycle.model,
+                request_id=request.headers.get("x-request-id", ""),
+            )
             req.check_request_id(self.lifecycle.config.request_limits.max_request_id_chars)
         except ClientDisconnect:  # the caller left while it sent the body: nobody to answer
             self.lifecycle.refused(asyncio.CancelledError("the client disconnected during its body"), start, tenant)

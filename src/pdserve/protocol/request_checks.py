@@ -54,16 +54,20 @@ def check_request_id(request_id: str, limits: RequestLimits) -> None:
 
 
 def check_stops(stop: Sequence[str], stop_token_ids: Sequence[int], limits: RequestLimits) -> None:
-    if len(stop) > limits.max_stop:
-        raise InvalidRequestError("sampling.stop", f"{len(stop)} stop strings; at most {limits.max_stop}")
+    check_stop_counts(len(stop), len(stop_token_ids), limits)
     for i, s in enumerate(stop):
         if utf8_len(s) > limits.max_stop_bytes:
             raise InvalidRequestError(
                 f"sampling.stop[{i}]", f"{utf8_len(s)} bytes; at most {limits.max_stop_bytes} per stop string"
             )
-    if len(stop_token_ids) > limits.max_stop_token_ids:
+
+
+def check_stop_counts(num_stop: int, num_stop_token_ids: int, limits: RequestLimits) -> None:
+    if num_stop > limits.max_stop:
+        raise InvalidRequestError("sampling.stop", f"{num_stop} stop strings; at most {limits.max_stop}")
+    if num_stop_token_ids > limits.max_stop_token_ids:
         raise InvalidRequestError(
-            "sampling.stop_token_ids", f"{len(stop_token_ids)} ids; at most {limits.max_stop_token_ids}"
+            "sampling.stop_token_ids", f"{num_stop_token_ids} ids; at most {limits.max_stop_token_ids}"
         )
 
 
@@ -80,8 +84,7 @@ def check_prompt_text(text: str, limits: RequestLimits, model: ModelConfig) -> N
 
 def check_messages(messages: Sequence[tuple[str, str]], limits: RequestLimits, model: ModelConfig) -> None:
     """(role, content) pairs: their number, each role, each content's size and all contents' together."""
-    if len(messages) > limits.max_messages:
-        raise InvalidRequestError("messages", f"{len(messages)} messages; at most {limits.max_messages}")
+    check_message_count(len(messages), limits)
     cap, total = limits.max_prompt_bytes(model), 0
     for i, (role, content) in enumerate(messages):
         if role not in CHAT_ROLES:
@@ -96,6 +99,11 @@ def check_messages(messages: Sequence[tuple[str, str]], limits: RequestLimits, m
         raise InvalidRequestError(
             "messages", f"contents total {total} bytes; at most {cap} ({_cap_reason(limits, model)})"
         )
+
+
+def check_message_count(count: int, limits: RequestLimits) -> None:
+    if count > limits.max_messages:
+        raise InvalidRequestError("messages", f"{count} messages; at most {limits.max_messages}")
 
 
 def check_prompt_length(field: str, num_tokens: int, model: ModelConfig) -> None:

@@ -4,20 +4,29 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.engine.model_files import locate_model, read_model_config
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.request_checks import RequestLimits
 from pdserve.v1 import generate_pb2 as pb
 from services.router.http.openai_request import (
     COMPLETION_DEFAULT_MAX_TOKENS,
+    OpenAIRequest,
     openai_param,
     parse_json,
     parse_request,
 )
 
+TINY = read_model_config(locate_model("tiny-random"))
+
+
+def parse(body: object, chat: bool, request_id: str = "") -> OpenAIRequest:
+    return parse_request(body, chat, limits=RequestLimits(), model_config=TINY, request_id=request_id)
+
 
 def test_a_completion_becomes_the_grpc_request():
     body = {"model": "m", "prompt": [[5, 6, 7]], "max_tokens": 4, "temperature": 0, "top_p": 0.5, "seed": 3}
     body |= {"stop": "x", "top_k": -1, "ignore_eos": True, "priority": 2, "slo": {"ttft_ms": 500}, "n": 1}
-    req = parse_request(body | {"stream": True, "stream_options": {"include_usage": True}}, chat=False, request_id="r")
+    req = parse(body | {"stream": True, "stream_options": {"include_usage": True}}, chat=False, request_id="r")
     m = req.message
     assert (req.model, req.stream, req.include_usage, req.chat) == ("m", True, True, False)
     assert (m.request_id, list(m.prompt_token_ids), m.priority, m.slo.ttft_ms, m.slo.tpot_ms) == (
@@ -41,17 +50,17 @@ def test_a_completion_becomes_the_grpc_request():
 
 def test_max_tokens_left_out_is_left_to_the_router_with_openais_16_as_a_completions_default():
     """Unset on the gRPC request, so the router caps the default at the context's room (test_http_defaults)."""
-    completion = parse_request({"model": "m", "prompt": "x"}, chat=False)
+    completion = parse({"model": "m", "prompt": "x"}, chat=False)
     assert completion.message.sampling.max_tokens == 0
     assert completion.default_max_tokens == COMPLETION_DEFAULT_MAX_TOKENS == 16
-    chat = parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}, chat=True)
+    chat = parse({"model": "m", "messages": [{"role": "user", "content": "x"}]}, chat=True)
     assert chat.message.sampling.max_tokens == 0 and chat.default_max_tokens is None  # the router's default
 
 
 def test_a_chat_takes_text_parts_and_openais_defaults():
     content = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_completion_tokens": 9}
-    req = parse_request(body | {"user": None}, chat=True)  # null is "not given"
+    req = parse(body | {"user": None}, chat=True)  # null is "not given"
     assert list(req.message.messages) == [pb.ChatMessage(role="user", content="a\nb")]  # joined as vLLM joins them
     assert req.message.sampling.max_tokens == 9 and req.max_tokens_param == "max_completion_tokens"
     assert req.message.sampling.temperature == 1.0  # OpenAI's default, not the gRPC API's greedy 0
@@ -82,7 +91,7 @@ def test_a_chat_takes_text_parts_and_openais_defaults():
 )
 def test_a_refused_shape_names_its_parameter(body, param):
     with pytest.raises(InvalidRequestError) as e:
-        parse_request(body, chat=False)
+        parse(body, chat=False)
     assert e.value.field == param
 
 
@@ -159,23 +168,23 @@ BAD_VALUES = [
 def test_a_bad_json_value_is_refused_naming_its_parameter(raw, param):
     chat = '"messages"' in raw
     with pytest.raises(InvalidRequestError) as e:
-        parse_request(parse_json(raw.encode()), chat=chat)
+        parse(parse_json(raw.encode()), chat=chat)
     assert e.value.field == param
 
 
 def test_penalties_pass_through_and_unset_ones_stay_off():
     body = {"model": "m", "prompt": "x", "presence_penalty": -0.5, "frequency_penalty": 1.5, "repetition_penalty": 1.2}
-    s = parse_request(body, chat=False).message.sampling
+    s = parse(body, chat=False).message.sampling
     assert (s.presence_penalty, s.frequency_penalty) == (-0.5, 1.5)
     assert s.repetition_penalty == pytest.approx(1.2)  # a float on the wire
-    s = parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}, chat=True).message.sampling
+    s = parse({"model": "m", "messages": [{"role": "user", "content": "x"}]}, chat=True).message.sampling
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.0, 0.0, 0.0)  # 0: off
 
 
 def test_logprobs_are_a_count_for_completions_and_a_flag_with_a_count_for_chat():
     def logprobs(body: dict, chat: bool) -> int | None:
         base = {"model": "m", "messages": [{"role": "user", "content": "x"}]} if chat else {"model": "m", "prompt": "x"}
-        sampling = parse_request(base | body, chat=chat).message.sampling
+        sampling = parse(base | body, chat=chat).message.sampling
         return sampling.logprobs if sampling.HasField("logprobs") else None
 
     assert (logprobs({}, False), logprobs({"logprobs": 0}, False), logprobs({"logprobs": 5}, False)) == (None, 0, 5)
@@ -194,35 +203,35 @@ def test_logprobs_are_a_count_for_completions_and_a_flag_with_a_count_for_chat()
 
 
 def test_echo_with_logprobs_asks_for_the_prompts_too():
-    req = parse_request({"model": "m", "prompt": "x", "echo": True, "logprobs": 2}, chat=False)
+    req = parse({"model": "m", "prompt": "x", "echo": True, "logprobs": 2}, chat=False)
     assert req.echo and (req.message.sampling.logprobs, req.message.sampling.prompt_logprobs) == (2, 2)
-    req = parse_request({"model": "m", "prompt": "x", "echo": True}, chat=False)
+    req = parse({"model": "m", "prompt": "x", "echo": True}, chat=False)
     assert req.echo and not req.message.sampling.HasField("prompt_logprobs")
     with pytest.raises(InvalidRequestError) as e:  # chat has no echo
-        parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, chat=True)
+        parse({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, chat=True)
     assert e.value.field == "echo"
 
 
 def test_each_of_n_choices_is_a_request_of_its_own():
-    req = parse_request({"model": "m", "prompt": "x", "n": 3, "seed": 2**64 - 2}, chat=False, request_id="r")
+    req = parse({"model": "m", "prompt": "x", "n": 3, "seed": 2**64 - 2}, chat=False, request_id="r")
     choices = [req.choice_message(i) for i in range(req.n)]
     assert [c.request_id for c in choices] == ["r-0", "r-1", "r-2"]
     assert [c.sampling.seed for c in choices] == [2**64 - 2, 2**64 - 1, 0]  # distinct, each reproducible
     assert req.message.request_id == "r" and req.message.sampling.seed == 2**64 - 2  # the body's, untouched
-    one = parse_request({"model": "m", "prompt": "x"}, chat=False, request_id="r")
+    one = parse({"model": "m", "prompt": "x"}, chat=False, request_id="r")
     assert one.n == 1 and one.choice_message(0) is one.message
     for n in (0, 17):
         with pytest.raises(InvalidRequestError) as e:
-            parse_request({"model": "m", "prompt": "x", "n": n}, chat=False)
+            parse({"model": "m", "prompt": "x", "n": n}, chat=False)
         assert e.value.field == "n"
 
 
 def test_a_chat_message_with_other_fields_is_refused_by_name():
     with pytest.raises(InvalidRequestError) as e:
-        parse_request({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, chat=True)
+        parse({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, chat=True)
     assert e.value.field == "messages[0].tool_calls"
     with pytest.raises(InvalidRequestError) as e:
-        parse_request({"model": "m", "messages": [{"role": "user", "content": "x", "name": 3}]}, chat=True)
+        parse({"model": "m", "messages": [{"role": "user", "content": "x", "name": 3}]}, chat=True)
     assert e.value.field == "messages[0].name"
 
 
@@ -233,20 +242,20 @@ def test_what_openais_clients_send_by_default_is_taken():
     echoed = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": None, "function_call": None}
     messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "x", "name": "bob"}, echoed]
     body = {"model": "m", "messages": messages, "response_format": {"type": "text"}, "store": False}
-    req = parse_request(body | {"slo": {"ttft_ms": None, "tpot_ms": 40}}, chat=True)
+    req = parse(body | {"slo": {"ttft_ms": None, "tpot_ms": 40}}, chat=True)
     assert [(m.role, m.content) for m in req.message.messages] == [
         ("system", "be brief"),
         ("user", "x"),
         ("assistant", "hi"),
     ]
     assert (req.message.slo.ttft_ms, req.message.slo.tpot_ms) == (0, 40)
-    assert parse_request({"model": "m", "prompt": "x", "best_of": 1}, chat=False).message.prompt == "x"
+    assert parse({"model": "m", "prompt": "x", "best_of": 1}, chat=False).message.prompt == "x"
     for param, value in (("best_of", 2), ("best_of", True), ("response_format", {"type": "json_object"})):
         with pytest.raises(InvalidRequestError) as e:
-            parse_request({"model": "m", "prompt": "x", param: value}, chat=False)
+            parse({"model": "m", "prompt": "x", param: value}, chat=False)
         assert e.value.field == param
     with pytest.raises(InvalidRequestError) as e:  # a bias must be a number: no default stands in for it
-        parse_request({"model": "m", "prompt": "x", "logit_bias": {"5": None}}, chat=False)
+        parse({"model": "m", "prompt": "x", "logit_bias": {"5": None}}, chat=False)
     assert e.value.field == "logit_bias.5"
 
 
@@ -260,6 +269,24 @@ def test_the_shared_paths_field_names_read_as_openai_parameters():
 def test_a_negative_seed_is_taken_as_vllm_takes_it():
     for seed, carried in ((-1, 2**64 - 1), (-(2**63), 2**63), (7, 7)):
         body = {"model": "m", "prompt": "hi", "seed": seed}
-        assert parse_request(body, chat=False, request_id="r").message.sampling.seed == carried
+        assert parse(body, chat=False, request_id="r").message.sampling.seed == carried
     with pytest.raises(InvalidRequestError, match="seed"):
-        parse_request({"model": "m", "prompt": "hi", "seed": -(2**63) - 1}, chat=False, request_id="r")
+        parse({"model": "m", "prompt": "hi", "seed": -(2**63) - 1}, chat=False, request_id="r")
+
+
+OVER_THE_CAPS = [  # each list or object one item past its cap, a bad item in it: the count is what is refused
+    (False, {"prompt": [5] * TINY.max_position_embeddings + ["x"]}, "prompt", "tokens leave no room"),
+    (False, {"prompt": [[5] * TINY.max_position_embeddings + ["x"]]}, "prompt", "tokens leave no room"),
+    (False, {"prompt": "x", "stop": [0] * 17}, "sampling.stop", "17 stop strings; at most 16"),
+    (False, {"prompt": "x", "stop_token_ids": ["x"] * 65}, "sampling.stop_token_ids", "65 ids; at most 64"),
+    (False, {"prompt": "x", "logit_bias": {f"x{i}": 1 for i in range(1025)}}, "sampling.logit_bias", "1025 token"),
+    (True, {"messages": [0] * 1025}, "messages", "1025 messages; at most 1024"),
+]
+
+
+@pytest.mark.parametrize(("chat", "body", "field", "message"), OVER_THE_CAPS)
+def test_counts_past_the_caps_are_refused_before_any_item_is_read(chat, body, field, message):
+    """Items are checked one by one in Python, which for a 16 MiB body held the router's loop for a second."""
+    with pytest.raises(InvalidRequestError, match=message) as e:
+        parse({"model": "m"} | body, chat=chat)
+    assert e.value.field == field
