@@ -1,6 +1,6 @@
 """Sending a workload through one backend's session, each request at its arrival offset, in flight at most
-`max_in_flight` at a time (a request held back by loadgen's own bound, not the user's, is timed from its
-arrival). What a request looks like on the wire is the backend's (grpc_backend.py, openai_backend.py); the
+`max_in_flight` at a time (a request held back by loadgen's own bound, not the user's, has that hold added to its
+latencies). What a request looks like on the wire is the backend's (grpc_backend.py, openai_backend.py); the
 timing of every streamed message goes into the same RequestRecord either way."""
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ class Client:
 
             async def one(i: int, req: Request) -> RequestRecord:
                 record = RequestRecord(f"loadgen-{tag}-{i}", req.input_len, req.output_len, req.arrival_s)
+                queued = time.perf_counter()
                 async with slots:
                     record.start_s = time.perf_counter() - start
-                    if self.bound_is_ours:
-                        record.wait_s = max(0.0, record.start_s - record.scheduled_s)
+                    if self.bound_is_ours:  # the bound's hold alone: the client's own lateness is not the server's
+                        record.wait_s = start + record.start_s - queued
                     try:
                         await send(req, record)
                     except Exception as e:  # the client's own (a malformed event, a transport error): this one fails

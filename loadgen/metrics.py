@@ -1,7 +1,7 @@
 """The metric definitions, as `vllm bench serve` has them, as pure functions of the client's records.
 
 Per request: TTFT is send -> first message carrying tokens; E2EL is send -> last message ("send" is the
-request's arrival when only loadgen's own in-flight bound held it back: RequestRecord.wait_s); TPOT is
+request's arrival when loadgen's own in-flight bound held it back: RequestRecord.wait_s); TPOT is
 (E2EL - TTFT) / (output tokens - 1), defined for two or more tokens; ITL is each gap between consecutive
 token-carrying messages, one per message however many tokens it carries (vLLM's: what a reader of the stream
 waits between updates; TPOT is the per-token figure).

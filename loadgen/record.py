@@ -17,8 +17,8 @@ class RequestRecord:
     output_len: int  # asked for (max_tokens with ignore_eos)
     scheduled_s: float  # planned send time, from the run's start
     start_s: float = 0.0  # actual send time, from the run's start (later than planned when concurrency is full)
-    # How long it waited to be sent when only loadgen's own in-flight bound held it (no --max-concurrency): part
-    # of its latency, as a client without that bound would have seen it queued at the server instead.
+    # How long loadgen's own in-flight bound held it back (no --max-concurrency): part of its latency, as a client
+    # without that bound would have seen it queued at the server instead. A late send of loadgen's own is not.
     wait_s: float = 0.0
     status: str = OK  # a gRPC status code name
     error: str = ""

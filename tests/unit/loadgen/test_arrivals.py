@@ -1,4 +1,4 @@
-"""Arrival times: gamma gaps at the asked mean rate, Poisson at burstiness 1, seeded."""
+"""Arrival times: gamma gaps at the asked mean rate, Poisson at burstiness 1, seeded, scaled as vLLM scales them."""
 
 from __future__ import annotations
 
@@ -28,11 +28,13 @@ def test_poisson_gaps_are_exponential():
     assert ks < 1.63 / math.sqrt(len(gaps))  # Kolmogorov-Smirnov at the 1% level
 
 
-def test_first_at_zero_increasing_and_seeded():
+def test_increasing_seeded_and_the_last_at_n_over_the_rate_as_vllm_scales_them():
     a = arrival_offsets(50, 2.0, 1.0, np.random.default_rng(7))
-    assert a[0] == 0.0 and np.all(np.diff(a) > 0)
+    assert a[0] > 0 and np.all(np.diff(a) > 0)
     assert np.array_equal(a, arrival_offsets(50, 2.0, 1.0, np.random.default_rng(7)))
     assert not np.array_equal(a, arrival_offsets(50, 2.0, 1.0, np.random.default_rng(8)))
+    for seed in range(20):  # the offered rate is the asked one whatever the seed
+        assert arrival_offsets(100, 10.0, 1.0, np.random.default_rng(seed))[-1] == pytest.approx(10.0)
 
 
 def test_infinite_rate_sends_everything_at_once():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -41,6 +42,22 @@ async def test_requests_held_back_by_loadgens_own_bound_are_timed_from_their_arr
     ttfts = sorted(metrics.ttft_s(r) for r in records)
     assert ttfts[-1] >= 3 * FIRST_TOKEN_S * 0.9  # the third pair waited two answers for a slot
     assert metrics.summarize(records, 1.0, GoodputSLO(ttft_ms=150))["slo_attainment"] == pytest.approx(2 / 6)
+
+
+async def test_the_clients_own_lateness_is_not_counted_as_the_servers():
+    """A stall of loadgen's loop (a slow callback, a GC) delays the sends due meanwhile; with its bound never
+    reached, none of that is a wait for the bound, and the TTFTs stay the server's."""
+    stalled = []
+
+    def stall_once(record: RequestRecord) -> None:
+        if not stalled:
+            stalled.append(record)
+            time.sleep(5 * FIRST_TOKEN_S)
+
+    paced = [Request([1, 2, 3], output_len=1, arrival_s=i * FIRST_TOKEN_S / 2) for i in range(6)]
+    records, _ = await Client(TimedBackend()).run(paced, stall_once)
+    assert all(r.wait_s < FIRST_TOKEN_S / 10 for r in records)
+    assert max(metrics.ttft_s(r) for r in records) < 2 * FIRST_TOKEN_S
 
 
 async def test_with_max_concurrency_asked_for_requests_are_timed_from_their_send_as_vllm_does():
