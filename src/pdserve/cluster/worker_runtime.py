@@ -235,8 +235,8 @@ class WorkerRuntime:
         self._transfer = self._services(WorkerContext(spec, self._engine, self._server, self.telemetry, metrics))
         add_control_service(self._server, self._drain_here)
         await self._server.start()
+        self._speed = SpeedTracker(await self._engine.measure_profile())  # first: it writes over the KV pool
         await self._warm_up()
-        self._speed = SpeedTracker(await self._engine.measure_profile())
         self._engine.on_step = self._speed.observe
         await self._server.set_serving(True)
         self._ready.set_result(self._server.address)

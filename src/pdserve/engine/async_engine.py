@@ -198,7 +198,7 @@ class AsyncEngine:
         return engine.abort(request_id)
 
     async def measure_profile(self) -> PerfProfile:
-        """Times the model on the engine thread; before the worker takes requests (it uses scratch blocks)."""
+        """Times the model on the engine thread; before the engine runs any request (it writes scratch KV)."""
         return await self._call(measure_profile)
 
     def stop(self) -> None:

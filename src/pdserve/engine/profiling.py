@@ -32,10 +32,14 @@ class SpeedTracker:
 
 
 def measure_profile(engine: Any, repeats: int = 2) -> PerfProfile:
-    """Times the model runner directly on scratch blocks; call before the worker takes requests."""
+    """Times the model runner directly on scratch blocks, the pool's first ones, whatever they hold: only before
+    the engine has run any request (a block the prefix cache kept would then hold the profile's random KV, and
+    every prompt hitting it would get a wrong answer)."""
     from pdserve.engine.scheduler import ScheduledChunk
 
     runner, blocks = engine.runner, engine.blocks
+    if blocks.num_used_blocks or blocks.num_cached_blocks:
+        raise RuntimeError("measure_profile writes scratch KV over the pool: run it before any request")
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
 

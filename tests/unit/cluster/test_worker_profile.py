@@ -1,0 +1,35 @@
+"""A worker times its model on scratch KV blocks (measure_profile) before its warm-up prompt runs: the warm-up
+leaves a block in the prefix cache when the block size is small, and the profile's random KV written over it
+would be every later prompt's wrong prefix hit. The profile refuses to run on a pool that holds anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cluster.worker_runtime import WorkerRuntime
+from pdserve.cluster.worker_spec import WorkerSpec
+from pdserve.config import EngineConfig
+from pdserve.engine.profiling import measure_profile
+from pdserve.protocol.roles import Role
+from pdserve.protocol.sampling import SamplingParams
+from tests.unit.engine.engine_harness import make_engine
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_profile_refuses_a_pool_the_prefix_cache_holds_blocks_of() -> None:
+    engine = make_engine(num_kv_blocks=64, block_size=4)
+    measure_profile(engine)  # a fresh pool: scratch
+    engine.generate([[0, 1, 2, 3]], SamplingParams(max_tokens=1))
+    assert engine.blocks.num_cached_blocks == 1
+    with pytest.raises(RuntimeError, match="before any request"):
+        measure_profile(engine)
+
+
+def test_a_worker_with_small_blocks_profiles_before_its_warm_up() -> None:
+    config = EngineConfig(model="tiny-random", device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
+    worker = WorkerRuntime(WorkerSpec(Role.PREFILL, config, metrics_port=None), lambda ctx: None)
+    try:
+        worker.wait_ready(timeout_s=60)
+    finally:
+        worker.stop()
