@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from pdserve.errors import UnavailableError
 from pdserve.protocol.prefix_hash import prefix_hashes
+from pdserve.protocol.request_checks import kv_tokens
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import PrefixIndex, Registry, WorkerState
 from services.router.ejection import Ejections
@@ -81,7 +82,7 @@ class PlacementPolicy(ABC):
         if not prefills or not decodes:
             raise NoWorkersError(f"no workers to serve: {len(prefills)} prefill, {len(decodes)} decode live")
         block_size = prefills[0].block_size
-        blocks = -(-(len(prompt) + max_tokens) // block_size)
+        blocks = -(-kv_tokens(len(prompt), max_tokens) // block_size)
         if must_hold:
             decodes = [w for w in decodes if w.kv_blocks_total >= blocks]
             if not decodes:

@@ -25,7 +25,7 @@ from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.outputs import FinishReason, RequestOutput, TokenLogprobs
-from pdserve.protocol.request_checks import check_request
+from pdserve.protocol.request_checks import check_request, kv_tokens
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
 
@@ -88,7 +88,8 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Everything about a request that can be wrong before it runs; raises InvalidRequestError."""
         check_request(prompt_token_ids, sampling, self.model_config)
-        field, what, total = "sampling.max_tokens", "prompt + max_tokens", len(prompt_token_ids) + sampling.max_tokens
+        field, what = "sampling.max_tokens", "prompt + max_tokens"
+        total = kv_tokens(len(prompt_token_ids), sampling.max_tokens)
         if self.config.mode is EngineMode.PREFILL_ONLY:  # it hands the prompt's blocks off: they are all it holds
             field, what, total = "prompt_token_ids", "the prompt", len(prompt_token_ids)
         needed, held = self.blocks.blocks_for(total), self.blocks.num_blocks

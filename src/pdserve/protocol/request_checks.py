@@ -115,6 +115,12 @@ def check_prompt_length(field: str, num_tokens: int, model: ModelConfig) -> None
         )
 
 
+def kv_tokens(prompt_tokens: int, max_tokens: int) -> int:
+    """The most KV slots a request fills: its prompt and each generated token but the last, which is sampled and
+    never run through the model."""
+    return prompt_tokens + max(max_tokens, 1) - 1
+
+
 def check_slo_ms(field: str, value: float) -> None:
     if not math.isfinite(value) or value < 0:
         raise InvalidRequestError(field, f"must be a finite number >= 0 (0 = server default), got {value}")

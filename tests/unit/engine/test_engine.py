@@ -299,3 +299,14 @@ def test_a_prefill_worker_refuses_only_a_prompt_its_whole_kv_cannot_hold() -> No
     with pytest.raises(InvalidRequestError, match="the prompt needs 3 KV blocks; this worker has 2") as err:
         engine.add_request(EngineRequest("long-prompt", [5] * (2 * size + 1), SamplingParams(max_tokens=1)))
     assert err.value.field == "prompt_token_ids"
+
+
+def test_a_request_that_fills_the_kv_to_its_last_slot_runs_and_one_token_more_is_refused() -> None:
+    """The last token is sampled, never run through the model: a request fills prompt + max_tokens - 1 slots."""
+    engine = make_engine(num_kv_blocks=4, block_size=4)
+    prompt, greedy = list(range(5, 15)), SamplingParams(max_tokens=7, ignore_eos=True)  # 10 + 7 - 1 = 16 slots
+    ((tokens, reason),) = complete(engine, [prompt], greedy)
+    assert reason is FinishReason.LENGTH and tokens == complete(make_engine(), [prompt], greedy)[0][0]
+    assert_idle(engine)
+    with pytest.raises(InvalidRequestError, match=r"prompt \+ max_tokens needs 5 KV blocks; this worker has 4"):
+        engine.add_request(EngineRequest("one-more", prompt, SamplingParams(max_tokens=8)))

@@ -176,6 +176,8 @@ async def test_a_retry_never_goes_to_a_decode_worker_whose_kv_cannot_hold_the_re
         assert big.calls >= 1 and small.calls == 0
         placed = await r.placement.place([5, 6, 7, 8], 12, 1.0, frozenset({"d0"}), must_hold=True)
         assert placed.decode.worker_id == "d1"  # a request it holds (1 block) still goes there
+        placed = await r.placement.place(list(range(5, 25)), 13, 1.0, frozenset({"d0"}), must_hold=True)
+        assert placed.decode.worker_id == "d1"  # 20 + 13 - 1 slots, its whole KV: the last token is never written
 
 
 async def test_placement_keeps_a_prompt_off_a_prefill_worker_whose_kv_cannot_hold_it():
