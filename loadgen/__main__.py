@@ -139,7 +139,7 @@ _ADDRESS_FLAG = {"grpc": "--addr HOST:PORT", "openai": "--base-url URL", "openai
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from loadgen.report import comparison_table, load_runs, sweep_table
+    from loadgen.report import comparison_table, load_runs, paired_runs, sweep_table
 
     console = Console()
     try:
@@ -150,10 +150,12 @@ def _compare(args: argparse.Namespace) -> int:
     label_a, label_b = args.a.stem, args.b.stem
     if label_a == label_b:
         label_a, label_b = str(args.a), str(args.b)
-    for a, b in zip(runs_a, runs_b, strict=False):
-        console.print(comparison_table(a, b, label_a, label_b))
-    if len(runs_a) > 1 or len(runs_b) > 1:
-        console.print(sweep_table(runs_a, runs_b, label_a, label_b))
+    pairs = paired_runs(runs_a, runs_b)
+    for a, b in pairs:
+        if a is not None and b is not None:
+            console.print(comparison_table(a, b, label_a, label_b))
+    if len(pairs) > 1:
+        console.print(sweep_table(pairs, label_a, label_b))
     if args.plot_dir:
         _plot(console, args.plot_dir, {label_a: runs_a, label_b: runs_b})
     return 0

@@ -72,15 +72,32 @@ def comparison_table(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b
     return table
 
 
-def sweep_table(runs_a: list[dict[str, Any]], runs_b: list[dict[str, Any]], label_a: str, label_b: str) -> Table:
+Pair = tuple[dict[str, Any] | None, dict[str, Any] | None]
+
+
+def paired_runs(runs_a: list[dict[str, Any]], runs_b: list[dict[str, Any]]) -> list[Pair]:
+    """Two runs as they are; two sweeps' runs matched by rate, A's order first, then the rates only B ran (a rate
+    one side lacks is paired with None): by position, sweeps of different rates compared 1 req/s with 2."""
+    if len(runs_a) == 1 and len(runs_b) == 1:
+        return [(runs_a[0], runs_b[0])]
+    left: dict[str, list[dict[str, Any]]] = {}
+    for b in runs_b:
+        left.setdefault(rate_label(b), []).append(b)
+    pairs: list[Pair] = [(a, left[rate_label(a)].pop(0) if left.get(rate_label(a)) else None) for a in runs_a]
+    return pairs + [(None, b) for rest in left.values() for b in rest]
+
+
+def sweep_table(pairs: list[Pair], label_a: str, label_b: str) -> Table:
     """The headline of two sweeps: goodput, attainment and p99 TPOT per rate."""
     table = Table(title=f"{label_a} vs {label_b} across the sweep (ratio B / A)", title_justify="left")
     for column in ("rate", "goodput A", "goodput B", "B / A", "attain A", "attain B", "p99 TPOT A", "p99 TPOT B"):
         table.add_column(column, justify="right")
-    for a, b in zip(runs_a, runs_b, strict=False):
+    for pair in pairs:
+        a, b = (run or {} for run in pair)
+        labels = [rate_label(run) for run in pair if run is not None]
+        rate = labels[0] if len(set(labels)) == 1 else " / ".join(labels)
         ga, gb = a.get("request_goodput"), b.get("request_goodput")
         ratio = f"{gb / ga:.2f}x" if ga and gb is not None else "-"
-        rate = rate_label(a) if rate_label(a) == rate_label(b) else f"{rate_label(a)} / {rate_label(b)}"
         attainment = (_fmt(a.get("slo_attainment")), _fmt(b.get("slo_attainment")))
         tpot = (_fmt(a.get("p99_tpot_ms")), _fmt(b.get("p99_tpot_ms")))
         table.add_row(rate, _fmt(ga), _fmt(gb), ratio, *attainment, *tpot)

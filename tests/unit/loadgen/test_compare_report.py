@@ -48,6 +48,19 @@ def test_compare_prints_ratios_and_plots_both_sweeps(tmp_path, capsys):
     assert all((tmp_path / "plots" / n).stat().st_size > 10_000 for n in names)
 
 
+def test_sweeps_of_different_rates_are_compared_rate_by_rate(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    same = {rate: run(rate, [0.1, 0.5], 2.0) for rate in (2.0, 4.0)}
+    write_results(a, [run(1.0, [0.1, 0.2], 2.0), same[2.0], same[4.0]])
+    write_results(b, [same[2.0], same[4.0], run(8.0, [0.1, 0.2], 2.0)])
+    assert main(["compare", str(a), str(b)]) == 0
+    sweep = capsys.readouterr().out.split("across the sweep")[1].splitlines()
+    rows = {line.split("│")[1].strip(): line for line in sweep if line.count("│") > 3}
+    assert set(rows) >= {"1 req/s", "2 req/s", "4 req/s", "8 req/s"}
+    assert "1.00x" in rows["2 req/s"] and "1.00x" in rows["4 req/s"]
+    assert "x" not in rows["1 req/s"].split("│")[4] and "x" not in rows["8 req/s"].split("│")[4]
+
+
 def test_compare_names_a_file_that_is_not_a_result_and_exits_2(tmp_path, capsys):
     good = tmp_path / "good.json"
     write_results(good, [run(1.0, [0.1], 2.0)])
