@@ -4,12 +4,12 @@ stream_options.include_usage.
 
 Timing follows vLLM's: each SSE chunk with a choice is one streamed message of one token, whatever its text
 (a chat delta's content is empty while a multi-byte character is incomplete, and on the chunk with the
-finish_reason), except a chat opener that names the role and carries no content field at all. The final usage
-chunk's completion_tokens then corrects the count, on the last message, wherever a server packs several tokens
-into one chunk. Chat prompts are the workload's token ids decoded to text, so the server's chat template and
-tokenizer make the prompt's exact length. Each stream is read to its end, past `[DONE]`, so its connection goes
-back to the pool: a connection closed instead would put the next request's connect (and TLS handshake) into its
-TTFT."""
+finish_reason), except a chat opener that names the role and carries no content field at all: one ITL gap per
+chunk. The final usage chunk's completion_tokens is the output's count (`RequestRecord.reported_tokens`), which
+TPOT divides by, whether a server packs several tokens into a chunk or sends chunks with none. Chat prompts
+are the workload's token ids decoded to text, so the server's chat template and tokenizer make the prompt's exact
+length. Each stream is read to its end, past `[DONE]`, so its connection goes back to the pool: a connection
+closed instead would put the next request's connect (and TLS handshake) into its TTFT."""
 
 from __future__ import annotations
 
@@ -118,7 +118,8 @@ class OpenAIBackend:
         except httpx2.HTTPError as e:
             record.status, record.error = "UNAVAILABLE", f"{type(e).__name__}: {e}"
             return
-        _fit_tokens(record, usage_tokens)
+        if record.message_tokens:  # the server's count wins over one token per chunk: TPOT's, not the ITLs'
+            record.reported_tokens = usage_tokens
 
     def _server_name(self) -> str | None:
         """The name the server's certificate must carry when it is not the host dialled."""
@@ -153,17 +154,3 @@ def _failed(record: RequestRecord, status: int, body: str) -> None:
         record.error = json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         record.error = body[:500]
-
-
-def _fit_tokens(record: RequestRecord, usage_tokens: int | None) -> None:
-    """The server's own count wins over one token per chunk: the difference goes on the last message (or comes
-    off the last ones) so the stream's total, and so TPOT, is right."""
-    if usage_tokens is None or not record.message_tokens:
-        return
-    diff = usage_tokens - sum(record.message_tokens)
-    i = len(record.message_tokens) - 1
-    while diff and i >= 0:
-        change = diff if diff > 0 else -min(-diff, record.message_tokens[i])
-        record.message_tokens[i] += change
-        diff -= change
-        i -= 1

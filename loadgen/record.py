@@ -24,10 +24,13 @@ class RequestRecord:
     error: str = ""
     message_times_s: list[float] = field(default_factory=list)  # from start_s to each streamed message
     message_tokens: list[int] = field(default_factory=list)  # tokens in each streamed message
+    # The server's own count of the tokens it streamed, where its messages do not say (an OpenAI stream's usage:
+    # its chunks are counted one token each, and each stays one ITL gap, as vLLM times them).
+    reported_tokens: int | None = None
 
     @property
     def output_tokens(self) -> int:
-        return sum(self.message_tokens)
+        return sum(self.message_tokens) if self.reported_tokens is None else self.reported_tokens
 
     @property
     def completed(self) -> bool:

@@ -7,7 +7,8 @@ import json
 import httpx2
 import pytest
 
-from loadgen.openai_backend import OpenAIBackend, _fit_tokens
+from loadgen import metrics
+from loadgen.openai_backend import OpenAIBackend
 from loadgen.record import RequestRecord
 from loadgen.workload import Request
 
@@ -36,16 +37,19 @@ def record(tokens: list[int]) -> RequestRecord:
     return r
 
 
-def test_the_usage_count_corrects_one_token_per_chunk():
+def test_the_usage_count_is_the_outputs_and_every_chunk_stays_one_itl_gap():
+    """vLLM's chat stream opens with {"role": "assistant", "content": ""}: five chunks for four tokens. TPOT divides
+    by the server's four; the ITLs are the five chunks' gaps, the last one (the slowest here) included."""
+    fewer = record([1, 1, 1, 1, 1])
+    fewer.message_times_s[-1] += 0.3
+    fewer.reported_tokens = 4
+    assert fewer.output_tokens == 4
+    assert metrics.itls_s(fewer) == pytest.approx([0.1, 0.1, 0.1, 0.4])
+    assert metrics.tpot_s(fewer) == pytest.approx((0.8 - 0.1) / 3)
     more = record([1, 1, 1])
-    _fit_tokens(more, 5)  # a server that packed tokens into chunks
-    assert more.message_tokens == [1, 1, 3]
-    fewer = record([1, 1, 1])
-    _fit_tokens(fewer, 1)
-    assert fewer.message_tokens == [1, 0, 0]
-    unknown = record([1, 1])
-    _fit_tokens(unknown, None)  # no usage chunk: one token per chunk stands
-    assert unknown.message_tokens == [1, 1]
+    more.reported_tokens = 5  # a server that packed tokens into chunks
+    assert (more.output_tokens, len(metrics.itls_s(more))) == (5, 2)
+    assert record([1, 1]).output_tokens == 2  # no usage chunk: one token per chunk stands
 
 
 async def stream_of(events: list[dict]) -> RequestRecord:

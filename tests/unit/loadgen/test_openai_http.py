@@ -18,6 +18,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
+from loadgen import metrics
 from loadgen.client import Client
 from loadgen.openai_backend import OpenAIBackend
 from loadgen.record import CLIENT_ERROR, OK
@@ -144,3 +145,16 @@ async def test_a_body_left_open_after_done_ends_the_request_anyway() -> None:
         client = Client(OpenAIBackend(f"http://127.0.0.1:{port}", "m"))
         records, _ = await asyncio.wait_for(client.run([Request([5, 6, 7], 4, 0.0)]), 10)
     assert records[0].status == OK and records[0].output_tokens == 4
+
+
+async def test_vllms_chat_opener_is_one_more_itl_gap_and_the_usage_is_the_token_count() -> None:
+    """vLLM opens a chat stream with {"role": "assistant", "content": ""}: four chunks for three tokens."""
+
+    def chunks(body: dict[str, Any]) -> list[dict[str, Any] | str]:
+        opener = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        return [opener] + [{"choices": [{"index": 0, "delta": {"content": "a"}}]} for _ in range(3)]
+
+    async with serving(FakeServer(chunks)) as port:
+        backend = OpenAIBackend(f"http://127.0.0.1:{port}", "m", chat=True, detokenize=lambda ids: "hi")
+        (record,), _ = await Client(backend).run([Request([5, 6, 7], 3, 0.0)])
+    assert (record.status, record.output_tokens, len(metrics.itls_s(record))) == (OK, 3, 3)
