@@ -18,7 +18,7 @@ from loadgen.metrics import GoodputSLO
 from loadgen.workload import DATASETS, WorkloadConfig, read_trace
 from pdserve.addresses import host_port
 from pdserve.config import EngineConfig
-from pdserve.flags import at_least_one, from_flags, positive_float
+from pdserve.flags import at_least_one, from_flags, natural, positive_float
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 
@@ -75,7 +75,7 @@ def _bench_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--send-slo", action="store_true", help="send the ttft/tpot bounds with each request (router admission)"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=natural, default=0)
     p.add_argument("--result-json", type=Path, help="write the results (with per-request records) here")
     p.add_argument("--plot-dir", type=Path, help="write PNG plots here")
     add_client_flags(p)
@@ -117,6 +117,7 @@ def _bench(args: argparse.Namespace) -> int:
         )
         if workload.trace is not None:
             read_trace(workload.trace)  # a bad trace is a usage error now, not a traceback once the cluster answered
+        _check_outputs(args.result_json, args.plot_dir)
     except (ValueError, OSError, RuntimeError) as e:  # bad flags, or a model whose vocabulary cannot be read
         errors.print(f"loadgen: {e}", style="red")
         return 2
@@ -127,12 +128,23 @@ def _bench(args: argparse.Namespace) -> int:
 
     try:
         results = run_benchmark(config, console, save)
+        if args.plot_dir:
+            _plot(console, args.plot_dir, {args.result_json.stem if args.result_json else "run": results})
     except (ClusterCheckFailed, TimeoutError) as e:
         errors.print(f"loadgen: {str(e) or 'no answer from ' + address}", style="red")
         return 1
-    if args.plot_dir:
-        _plot(console, args.plot_dir, {args.result_json.stem if args.result_json else "run": results})
+    except OSError as e:  # the results or plots could not be written (a full disk, a folder removed meanwhile)
+        errors.print(f"loadgen: {e}", style="red")
+        return 1
     return 0
+
+
+def _check_outputs(result_json: Path | None, plot_dir: Path | None) -> None:
+    """Before any request: a path that cannot take its file fails now, not after the whole run."""
+    if result_json is not None and result_json.is_dir():
+        raise ValueError(f"--result-json {result_json} is a folder; give a file's path")
+    if plot_dir is not None and plot_dir.exists() and not plot_dir.is_dir():
+        raise ValueError(f"--plot-dir {plot_dir} is a file; give a folder's path")
 
 
 _ADDRESS_FLAG = {"grpc": "--addr HOST:PORT", "openai": "--base-url URL", "openai-chat": "--base-url URL"}
@@ -141,16 +153,20 @@ _ADDRESS_FLAG = {"grpc": "--addr HOST:PORT", "openai": "--base-url URL", "openai
 def _compare(args: argparse.Namespace) -> int:
     from loadgen.report import comparison_table, load_runs, paired_runs, sweep_table
 
-    console = Console()
+    console, errors = Console(), Console(stderr=True, soft_wrap=True)
     try:
         runs_a, runs_b = load_runs(args.a), load_runs(args.b)
     except ValueError as e:
-        Console(stderr=True, soft_wrap=True).print(f"loadgen compare: {e}", style="red")
+        errors.print(f"loadgen compare: {e}", style="red")
         return 2
     label_a, label_b = args.a.stem, args.b.stem
     if label_a == label_b:
         label_a, label_b = str(args.a), str(args.b)
     pairs = paired_runs(runs_a, runs_b)
+    for path, runs in ((args.a, runs_a), (args.b, runs_b)):
+        if args.plot_dir and not all("requests" in r for r in runs):
+            errors.print(f"loadgen compare: {path} has no per-request records (plots need loadgen's)", style="red")
+            return 2
     for a, b in pairs:
         if a is not None and b is not None:
             console.print(comparison_table(a, b, label_a, label_b))

@@ -39,7 +39,10 @@ class GoodputSLO:
             name, sep, value = item.partition(":")
             if not sep or name not in GOODPUT_METRICS:
                 raise ValueError(f"--goodput takes NAME:MS with NAME in {GOODPUT_METRICS}, got {item!r}")
-            ms = float(value)
+            try:
+                ms = float(value)
+            except ValueError:
+                raise ValueError(f"--goodput bound must be a number of ms, got {item!r}") from None
             if not ms > 0:
                 raise ValueError(f"--goodput bound must be > 0 ms, got {item!r}")
             bounds[f"{name}_ms"] = ms

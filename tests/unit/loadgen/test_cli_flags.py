@@ -16,7 +16,13 @@ UNREACHABLE = ["--addr", "127.0.0.1:1", "--model", "tiny-random"]  # nothing lis
 
 @pytest.mark.parametrize(
     "flags",
-    [["--burstiness", "nan"], ["--burstiness", "0"], ["--max-concurrency", "0"], ["--max-concurrency", "-1"]],
+    [
+        ["--burstiness", "nan"],
+        ["--burstiness", "0"],
+        ["--max-concurrency", "0"],
+        ["--max-concurrency", "-1"],
+        ["--seed", "-1"],
+    ],
 )
 def test_bad_arrival_flags_exit_2_naming_the_flag(flags, capsys):
     with pytest.raises(SystemExit) as exited:
@@ -30,6 +36,18 @@ def test_a_missing_or_bad_trace_exits_2_before_anything_is_sent(tmp_path, capsys
     bad.write_text('{"timestamp": 0, "input_length": 4}\n')
     assert main([*UNREACHABLE, "--dataset-name", "trace", "--trace", str(bad)]) == 2
     assert "line 1" in capsys.readouterr().err
+
+
+def test_outputs_that_cannot_be_written_and_bad_bounds_exit_2_before_anything_is_sent(tmp_path, capsys):
+    """Against an address where nothing listens, a run would fail with 1: 2 is the check before it."""
+    (tmp_path / "file").write_text("")
+    for flags, says in (
+        (["--result-json", str(tmp_path)], "--result-json"),
+        (["--plot-dir", str(tmp_path / "file")], "--plot-dir"),
+        (["--goodput", "ttft:abc"], "--goodput bound must be a number of ms"),
+    ):
+        assert main([*UNREACHABLE, *flags]) == 2
+        assert says in capsys.readouterr().err
 
 
 def test_the_cdf_plots_only_completed_requests():

@@ -78,3 +78,5 @@ def test_compare_reads_a_vllm_result_without_pdserve_fields(tmp_path, capsys):
     vllm.write_text(json.dumps({"request_rate": "inf", "completed": 10, "request_goodput": 2.0}))
     assert main(["compare", str(vllm), str(vllm)]) == 0
     assert "all at once" in capsys.readouterr().out
+    assert main(["compare", str(vllm), str(vllm), "--plot-dir", str(tmp_path / "plots")]) == 2
+    assert "vllm.json has no per-request records" in capsys.readouterr().err
