@@ -101,10 +101,11 @@ class BlockManager:
         In order: the free blocks right after `after`; a free run that holds `room` (best fit); then, only if
         those did not give `count`, cached blocks, oldest first, with the free blocks around them: a run from the
         free blocks just above the oldest cached block down through it and the blocks below (after a table was
-        freed tail first, the next oldest), taken sorted. A cached block that served a prefix hit stops that run
-        unless it is the oldest: contiguity (a KV transfer moves a run without a copy) may cost the cache blocks
-        no request reused, never a hot prefix. Evicting `room` blocks, not just `count`, leaves the rest of that
-        run free for this table's next chunk. Last, free runs, longest first."""
+        freed tail first, the next oldest), taken sorted. A cached block that served a prefix hit starts a run
+        only when the free blocks cannot make up `count` without it, and stops any other run: contiguity (a KV
+        transfer moves a run without a copy) may cost the cache blocks no request reused, never a hot prefix.
+        Evicting `room` blocks, not just `count`, leaves the rest of that run free for this table's next chunk.
+        Last, free runs, longest first."""
         want = max(room, count)
         taken: list[int] = []
         block = -1 if after is None else after + 1
@@ -118,8 +119,11 @@ class BlockManager:
             self._free.take(run)
             taken.extend(run)
         run: list[int] = []
-        while len(taken) < count and len(taken) + len(run) < want and self._evictable:
-            oldest = next(iter(self._evictable))
+        while len(taken) < count and len(taken) + len(run) < want:
+            hot_too = self._free.count < count - len(taken) - len(run)
+            oldest = next((b for b in self._evictable if hot_too or not self._reused[b]), None)
+            if oldest is None:
+                break
             block = oldest + 1
             while len(taken) + len(run) < want and block < self.num_blocks and block in self._free:
                 self._free.take([block])

@@ -80,6 +80,27 @@ def test_a_run_cut_from_cached_blocks_stops_at_a_prefix_that_served_a_hit() -> N
     assert bm.match_prefix(make_seq("cold-2", cold)) == []
 
 
+def test_a_hot_prefix_is_not_evicted_while_scattered_free_blocks_make_up_the_table() -> None:
+    """A hot prefix is the only cached run and the free blocks are single holes: a new table takes the holes, not
+    a run cut from the prefix; once the holes cannot make up a table, the oldest blocks go, hot or not."""
+    bm = BlockManager(8, BS)
+    prefix = list(range(100, 100 + 3 * BS))
+    h, fillers = make_seq("hot", prefix), [make_seq(f"f{i}", [200 + i] * BS) for i in range(5)]
+    for seq in (h, *fillers):
+        admit(bm, seq)
+    for seq in (fillers[1], fillers[3], h):  # holes at blocks 4 and 6; the prefix cached in 0-2
+        bm.free(seq)
+    again = make_seq("hot-again", prefix + [1])
+    assert admit(bm, again) == [0, 1, 2]  # a hit: the prefix is hot now
+    bm.free(again)
+    scattered = make_seq("scattered", list(range(300, 300 + 2 * BS)))
+    assert bm.allocate_slots(scattered, scattered.num_tokens) and sorted(scattered.block_table) == [4, 6]
+    assert bm.match_prefix(make_seq("hot-3", prefix + [1])) == [0, 1, 2]
+    short = make_seq("short", list(range(400, 400 + 2 * BS)))
+    assert bm.allocate_slots(short, short.num_tokens)  # no free block left: the prefix's oldest go
+    check_counts(bm)
+
+
 def test_a_worker_that_has_served_a_while_still_hands_out_runs() -> None:
     """Fragmentation guard, on the transfer bench's model of a worker's pool (1 GiB of SmolLM2 bf16 blocks):
     a 1,000-token prompt gets at most two runs on a prefill worker and one on a decode worker."""
