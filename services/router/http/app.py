@@ -108,10 +108,10 @@ class OpenAIAPI:
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id or uuid.uuid4().hex}"
         answer = Answer(req, answer_id, self.lifecycle.tokenizer)
         if req.stream:
-            return SSEResponse(self._events(req, answer, request), req.max_tokens_param)
+            return SSEResponse(self._events(req, answer, request, start), req.max_tokens_param)
         headers: dict[str, str] = {}
         with self._span(request, req) as span:
-            whole = asyncio.ensure_future(self._whole(req, answer, request, headers))
+            whole = asyncio.ensure_future(self._whole(req, answer, request, headers, start))
             gone = asyncio.ensure_future(_disconnected(request))
             try:
                 await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -134,17 +134,21 @@ class OpenAIAPI:
             _span_status(span, 200)
         return JSONResponse(answer.whole(), headers=headers)
 
-    async def _whole(self, req: OpenAIRequest, answer: Answer, request: Request, headers: dict[str, str]) -> None:
-        async for index, msg in self._choices(req, request, headers):
+    async def _whole(
+        self, req: OpenAIRequest, answer: Answer, request: Request, headers: dict[str, str], arrived: float
+    ) -> None:
+        async for index, msg in self._choices(req, request, headers, arrived):
             answer.add(index, msg)
 
-    async def _events(self, req: OpenAIRequest, answer: Answer, request: Request) -> AsyncIterator[bytes]:
+    async def _events(
+        self, req: OpenAIRequest, answer: Answer, request: Request, arrived: float
+    ) -> AsyncIterator[bytes]:
         """Within one task (the response's), so the span and the request's context live and end there. An error
         before the first event is the response's status (SSEResponse): an error on the span only when a 5xx."""
         with self._span(request, req, record_exception=False, set_status_on_exception=False) as span:
             started = False
             try:
-                async with aclosing(sse_events(answer, self._choices(req, request, {}))) as events:
+                async with aclosing(sse_events(answer, self._choices(req, request, {}, arrived))) as events:
                     async for event in events:
                         if not started:
                             _span_status(span, 200)
@@ -161,7 +165,7 @@ class OpenAIAPI:
                 raise
 
     async def _choices(
-        self, req: OpenAIRequest, request: Request, headers: dict[str, str]
+        self, req: OpenAIRequest, request: Request, headers: dict[str, str], arrived: float
     ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
         """Each choice's messages tagged with its index, as they come. With n > 1 every choice is a request
         of its own, and each starts once the one before it got its first token: it then meets the prompt in
@@ -169,8 +173,8 @@ class OpenAIAPI:
         once), and a prefill queue that admits one such prompt at a time admits every choice in turn. The
         first choice to fail cancels the others (their KV freed) and raises. The first choice charges the key's
         tokens for all n (`Choices`); once it is admitted, a drain of the router waits for the rest and lets them
-        in. Every choice's latencies count from now, the caller's wait for it included."""
-        arrived = time.perf_counter()
+        in. Every choice's latencies count from `arrived`, the request's head: its body's upload and parse, and a
+        later choice's wait for the one before it, are in them as in its caller's clock."""
         if req.n == 1:
             async with aclosing(self._generate(req.message, req, request, headers, arrived)) as messages:
                 async for msg in messages:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from collections.abc import AsyncIterator
 
 import grpc
 import httpx2
@@ -226,4 +227,28 @@ async def test_every_choices_latencies_count_from_the_requests_arrival(monkeypat
     for histogram in ("pdserve_time_to_first_token_seconds", "pdserve_e2e_request_latency_seconds"):
         assert samples[f"{histogram}_count"] == 3
         assert samples[f"{histogram}_sum"] >= 0.2 + 0.4 + 0.6, (histogram, samples[f"{histogram}_sum"])
+    telemetry.shutdown()
+
+
+async def test_latencies_count_from_the_requests_head_its_bodys_upload_included(decode):
+    """The caller's clock starts when it sends: a body uploaded over 0.5 s is in the TTFT and end-to-end
+    latency the router records, not left out as if the request came once its body was in."""
+    _, address = decode
+    telemetry = Telemetry("test-router")
+    router = Router([worker("p0"), worker("d0", "decode", address=address)])
+    lc = router.lifecycle(KeyTable({digest(KEY): Tenant("team", "k")}), telemetry=telemetry)
+    raw = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
+
+    async def slow_body() -> AsyncIterator[bytes]:
+        for i in range(0, len(raw), len(raw) // 5 + 1):
+            await asyncio.sleep(0.1)
+            yield raw[i : i + len(raw) // 5 + 1]
+
+    transport = httpx2.ASGITransport(app=openai_app(lc))
+    async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+        headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+        assert (await http.post("/v1/completions", content=slow_body(), headers=headers)).status_code == 200
+    sums = {s.name: s.value for f in telemetry.registry.collect() for s in f.samples if s.name.endswith("_sum")}
+    assert sums["pdserve_time_to_first_token_seconds_sum"] >= 0.45
+    assert sums["pdserve_e2e_request_latency_seconds_sum"] >= 0.45
     telemetry.shutdown()
