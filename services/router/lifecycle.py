@@ -55,6 +55,11 @@ CLUSTER_AUTH_FAILED = "a worker refused this router's cluster credentials; the r
 request_key_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_key", default=None)
 
 
+class RouterDrainingError(UnavailableError):
+    """A request a draining router refuses before admitting it: the caller's retry on another replica serves it.
+    Counted `rejected` (refused before admission), not `failed`: a rolling restart fails nothing."""
+
+
 @dataclass
 class Caller:
     """Who sent the request being accounted for, once known (its label on the request metrics and log line)."""
@@ -184,7 +189,7 @@ class RequestLifecycle:
 
     def _refuse_when_draining(self, admitted_before: bool) -> None:
         if self.draining and not admitted_before:
-            raise UnavailableError("the router is draining; retry on another replica")
+            raise RouterDrainingError("the router is draining; retry on another replica")
 
     async def _place_when_served(self, req: RoutedRequest, tpot_slo_s: float) -> Placement:
         """A role without any live worker is mostly a moment's gap: the last worker of a role draining while its
@@ -377,7 +382,7 @@ class RequestLifecycle:
         except InvalidRequestError:
             outcome = "invalid"
             raise
-        except OverloadedError:
+        except (OverloadedError, RouterDrainingError):
             outcome = "rejected"
             raise
         except (asyncio.CancelledError, GeneratorExit, TimeoutError):

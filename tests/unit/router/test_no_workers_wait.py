@@ -11,7 +11,9 @@ import pytest
 
 from pdserve.errors import UnavailableError
 from pdserve.security.api_keys import OPEN
+from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
+from services.router.generation import generate
 from services.router.lifecycle import RequestLifecycle
 from services.router.placement import NoWorkersError
 from services.router.ticket import Ticket
@@ -78,3 +80,26 @@ async def test_a_drain_counts_a_request_waiting_for_a_worker_and_refuses_it_once
     with pytest.raises(UnavailableError, match="draining"):
         await waiting
     assert lc.in_flight == 0
+
+
+async def test_a_draining_routers_refusal_is_counted_rejected_not_failed() -> None:
+    """A rolling restart refuses new requests on the draining replica (UNAVAILABLE: retry on another one): that
+    is no failure for an error-rate alert to page on."""
+
+    async def admitted(ticket: Ticket) -> None:
+        pass
+
+    telemetry = Telemetry("test-router")
+    lc = Router([worker("p0"), worker("d0", "decode")]).lifecycle(telemetry=telemetry)
+    lc.draining = True
+    with pytest.raises(UnavailableError, match="draining"):
+        async for _ in generate(lc, REQUEST, {}, lambda: 10.0, admitted):
+            pass
+    counted = {
+        s.labels["outcome"]: s.value
+        for f in telemetry.registry.collect()
+        for s in f.samples
+        if s.name == "pdserve_requests_total"
+    }
+    assert counted == {"rejected": 1}
+    telemetry.shutdown()
