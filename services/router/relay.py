@@ -139,6 +139,8 @@ class Relay:
                 self.metrics.itl.record(gap)
         if msg.token_ids:
             ticket.prefilled()  # once per ticket: this attempt's first token
+            ticket.first_token_at = ticket.first_token_at or now
+            ticket.tokens += len(msg.token_ids)
             clock.last_token_at = now
         if ticket.continuation is not None:
             ticket.continuation.rewrite(msg)  # may drop tokens past a stop string the new worker did not see
@@ -159,9 +161,11 @@ class Relay:
             )
         )
         if clock.completion_tokens > 1:
-            tpot_s = (now - clock.start - clock.ttft_s) / (clock.completion_tokens - 1)
-            self.metrics.tpot.record(tpot_s)
-            self.recent.add(ticket.placement.decode.worker_id, "tpot", tpot_s)
+            self.metrics.tpot.record((now - clock.start - clock.ttft_s) / (clock.completion_tokens - 1))
+        if ticket.tokens > 1:  # the worker by its own attempt: a moved stream's stall and new prefill are not its
+            self.recent.add(
+                ticket.placement.decode.worker_id, "tpot", (now - ticket.first_token_at) / (ticket.tokens - 1)
+            )
         trace.get_current_span().set_attribute("completion_tokens", clock.completion_tokens)
 
 

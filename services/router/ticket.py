@@ -28,6 +28,9 @@ class Ticket:
     # When the relay called its decode worker: its workers' TTFT counts from here, not from the router's own
     # tokenizing, quota check and wait for a placement, which the prediction it is compared with leaves out.
     dispatched_at: float = field(default=0.0, init=False)
+    # This attempt's own tokens and when its first came: its decode worker's TPOT is judged on them alone.
+    first_token_at: float = field(default=0.0, init=False)
+    tokens: int = field(default=0, init=False)
     _prefilled: bool = field(default=False, init=False)
     _released: bool = field(default=False, init=False)
     _found_idle: bool = field(default=False, init=False)
