@@ -58,7 +58,7 @@ async def generate(
     choice, held back until the one before it got its first token): its latencies count from there."""
     start = time.perf_counter()
     arrived = start if arrived_at is None else arrived_at
-    with lifecycle.accounting(arrived) as caller:
+    with lifecycle.accounting(arrived, choices) as caller:
         caller.tenant = check_caller(lifecycle, headers)
         if model is not None:
             check_model(lifecycle, model)

@@ -22,8 +22,6 @@ from pdserve.errors import (
     InternalError,
     InvalidRequestError,
     OverloadedError,
-    PermissionDeniedError,
-    UnauthenticatedError,
     UnavailableError,
 )
 from pdserve.metrics import RecentLatencies, RouterMetrics
@@ -33,13 +31,14 @@ from pdserve.protocol.request_checks import check_request_id
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import PrefixIndex
 from pdserve.security.api_keys import KeyTable, Metadata, Tenant, authenticate
-from pdserve.security.quotas import LocalQuotas, Quotas, QuotaSession
+from pdserve.security.quotas import Choices, LocalQuotas, Quotas, QuotaSession
 from pdserve.telemetry import Telemetry, request_id_var, step_span
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import Admission, SLOTarget
 from services.router.caller_errors import for_the_caller
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
+from services.router.outcome import RouterDrainingError, outcome_of
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request
@@ -53,11 +52,6 @@ NO_WORKERS_POLL_S = 0.1
 # operator's (the ejection's log line), not the client's.
 CLUSTER_AUTH_FAILED = "a worker refused this router's cluster credentials; the router's log has the details"
 request_key_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_key", default=None)
-
-
-class RouterDrainingError(UnavailableError):
-    """A request a draining router refuses before admitting it: the caller's retry on another replica serves it.
-    Counted `rejected` (refused before admission), not `failed`: a rolling restart fails nothing."""
 
 
 @dataclass
@@ -358,7 +352,7 @@ class RequestLifecycle:
         blocks = -(-prompt_tokens // decode.block_size)
         return predictor.has_batch_room(decode) and predictor.free_blocks(decode) >= blocks
 
-    def refused(self, error: Exception, started_at: float, tenant: Tenant | None = None) -> None:
+    def refused(self, error: BaseException, started_at: float, tenant: Tenant | None = None) -> None:
         """A request its front end refused before it had a GenerateRequest (an HTTP caller without a valid key,
         a body of the wrong shape): counted and logged as `accounting` counts any such refusal, under the
         caller's tenant once its key was checked."""
@@ -367,27 +361,20 @@ class RequestLifecycle:
             raise error
 
     @contextmanager
-    def accounting(self, started_at: float) -> Iterator[Caller]:
-        """Counts the request by how it ended and by tenant, and logs it once."""
+    def accounting(self, started_at: float, choices: Choices | None = None) -> Iterator[Caller]:
+        """Counts the request by how it ended and by tenant, and logs it once. One of `choices` (the HTTP API's
+        `n`) cancelled because another failed ends as that one did; the first to fail says so in `choices`."""
         outcome, caller = "failed", Caller()
         try:
             yield caller
             outcome = "finished"
-        except UnauthenticatedError:
-            outcome = "unauthenticated"
-            raise
-        except PermissionDeniedError:
-            outcome = "denied"
-            raise
-        except InvalidRequestError:
-            outcome = "invalid"
-            raise
-        except (OverloadedError, RouterDrainingError):
-            outcome = "rejected"
-            raise
-        except (asyncio.CancelledError, GeneratorExit, TimeoutError):
-            outcome = "cancelled"  # by the caller, or its deadline passed
-            trace.get_current_span().set_attribute("cancelled", True)  # its status alone may read OK
+        except BaseException as e:
+            sibling = choices.failure if choices is not None else None
+            outcome = outcome_of(sibling if sibling is not None and outcome_of(e) == "cancelled" else e)
+            if outcome == "cancelled":
+                trace.get_current_span().set_attribute("cancelled", True)  # its status alone may read OK
+            elif choices is not None and sibling is None:
+                choices.failure = e
             raise
         finally:
             tenant = caller.tenant.name if caller.tenant else ""  # "": not authenticated

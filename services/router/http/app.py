@@ -187,15 +187,21 @@ class OpenAIAPI:
         async def run(index: int) -> None:
             # A span of its own under the request's: each choice is placed and streamed apart, and its ids and
             # counts would overwrite the others' on one span. Its failure is marked there (step_span).
+            started = False
             try:
                 with step_span(self.lifecycle.telemetry.tracer, "choice", choice__index=index):
                     if index:
                         await first_token[index - 1].wait()
+                    started = True
                     message = req.choice_message(index)
                     async for msg in self._generate(message, req, request, headers, arrived, choices):
                         first_token[index].set()
                         queue.put_nowait((index, msg))
                     queue.put_nowait((index, None))
+            except asyncio.CancelledError:
+                if not started and choices.failure is not None:  # ended by another's failure: counted as it is
+                    self.lifecycle.refused(choices.failure, arrived, check_caller(self.lifecycle, request.headers))
+                raise
             except Exception as e:
                 queue.put_nowait((index, e))
 

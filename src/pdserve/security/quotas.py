@@ -53,6 +53,8 @@ class Choices:
     charged: bool = False  # the first choice has charged for all n
     refund: Release = _nothing  # gives the first choice's charge back (once, whoever calls it first)
     admitted: bool = False  # the first choice was admitted: the request is in, and a drain since lets the rest in
+    # What ended the first choice to fail: the others, cancelled for it or never started, are counted as it is.
+    failure: BaseException | None = None
 
 
 class Quotas(ABC):

@@ -119,6 +119,25 @@ async def test_a_failed_choices_span_is_an_error_with_its_exception(monkeypatch)
     telemetry.shutdown()
 
 
+async def test_choices_a_failed_choice_ends_are_counted_as_failed_not_as_the_callers_cancels(monkeypatch):
+    """n=4, choice 1 fails while choice 0 streams: choice 0 is cancelled for it and 2-3 never start. The caller
+    cancelled nothing: four requests counted, all failed (choice 0 was counted `cancelled`, 2-3 not at all)."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    telemetry = Telemetry("test-router")
+    async with serving(FailsChoiceOne(gap_s=0.05)) as address:
+        router = Router([worker("p0"), worker("d0", "decode", address=address)], max_attempts=1)
+        lc = router.lifecycle(KeyTable({digest(KEY): Tenant("team", "k")}), telemetry=telemetry)
+        transport = httpx2.ASGITransport(app=openai_app(lc))
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "n": 4, "ignore_eos": True}
+        headers = {"authorization": f"Bearer {KEY}", "x-request-id": "r"}
+        async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+            assert (await http.post("/v1/completions", json=body, headers=headers)).status_code == 503
+    counted = [(s.labels["outcome"], s.labels["tenant"], s.value) for f in telemetry.registry.collect()
+               for s in f.samples if s.name == "pdserve_requests_total"]  # fmt: skip
+    assert counted == [("failed", "team", 4)]
+    telemetry.shutdown()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_drain_begun_after_the_first_choice_was_admitted_waits_for_every_choice(decode, stream: bool):
     """The router starts draining (what `drain_and_stop` does: refuse new requests, wait for `in_flight`) while
