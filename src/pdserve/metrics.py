@@ -22,16 +22,28 @@ class RouterMetrics:
 
     def __init__(self, meter: Meter) -> None:
         self.ttft = meter.create_histogram(
-            "pdserve_time_to_first_token_seconds", unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S
+            "pdserve_time_to_first_token_seconds",
+            unit="s",
+            description="from the request's arrival at the router to its first token",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
         )
         self.tpot = meter.create_histogram(
-            "pdserve_time_per_output_token_seconds", unit="s", explicit_bucket_boundaries_advisory=TOKEN_BUCKETS_S
+            "pdserve_time_per_output_token_seconds",
+            unit="s",
+            description="(end-to-end - TTFT) / (tokens - 1), per request of two or more tokens",
+            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS_S,
         )
         self.itl = meter.create_histogram(
-            "pdserve_inter_token_latency_seconds", unit="s", explicit_bucket_boundaries_advisory=TOKEN_BUCKETS_S
+            "pdserve_inter_token_latency_seconds",
+            unit="s",
+            description="each token's gap after the first (tokens of one message share its gap)",
+            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS_S,
         )
         self.e2e = meter.create_histogram(
-            "pdserve_e2e_request_latency_seconds", unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S
+            "pdserve_e2e_request_latency_seconds",
+            unit="s",
+            description="from the request's arrival to its last token, finished requests",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
         )
         self.requests = meter.create_counter("pdserve_requests_total", description="requests by outcome")
         self.moves = meter.create_counter(
@@ -87,7 +99,10 @@ class WorkerMetrics:
             "pdserve_kv_transfer_bytes_total", description="KV bytes sent to decode workers"
         )
         self.transfer_seconds = meter.create_histogram(
-            "pdserve_kv_transfer_seconds", unit="s", explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S
+            "pdserve_kv_transfer_seconds",
+            unit="s",
+            description="one prompt's KV sent to its decode worker, transfers that succeeded",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
         )
 
     def _gauge(self, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:

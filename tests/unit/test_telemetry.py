@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from pdserve.config import RouterConfig
+from pdserve.metrics import RouterMetrics, WorkerMetrics
 from pdserve.rpc.server import Server, channel
 from pdserve.telemetry import (
     LATENCY_BUCKETS_S,
@@ -96,3 +97,18 @@ def test_a_span_says_what_ended_its_operation():
     assert cancelled.status.status_code == StatusCode.UNSET and cancelled.attributes["cancelled"] is True
     assert done.status.status_code == StatusCode.UNSET and "cancelled" not in done.attributes
     assert done.attributes["request.id"] == "r"
+
+
+def test_every_metric_a_router_or_worker_exports_says_what_it_measures():
+    """A dashboard's author reads HELP: an empty one leaves the unit's meaning (per token? per request?) a guess."""
+    telemetry = Telemetry("t")
+    router = RouterMetrics(telemetry.meter)
+    worker = WorkerMetrics(telemetry.meter, "w0", "prefill", lambda: {}, lambda: 0)
+    for histogram in (router.ttft, router.tpot, router.itl, router.e2e, worker.transfer_seconds):
+        histogram.record(0.1)
+    for counter in (router.requests, router.moves, worker.transfer_bytes):
+        counter.add(1)
+    families = [f for f in telemetry.registry.collect() if f.name.startswith("pdserve_")]
+    assert len(families) >= 15
+    assert [f.name for f in families if not f.documentation.strip()] == []
+    telemetry.shutdown()
