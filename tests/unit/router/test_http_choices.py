@@ -21,6 +21,7 @@ from pdserve.security.api_keys import KeyTable, Tenant, digest
 from pdserve.telemetry import Telemetry
 from services.router.http.app import openai_app
 from services.router.lifecycle import RequestLifecycle
+from tests.unit.router.request_counts import requests_by_outcome
 from tests.unit.router.router_builder import MODEL, Router, worker
 from tests.unit.router.stand_in_decode import StandInDecode, serving
 
@@ -102,18 +103,23 @@ class FailsChoiceOne(StandInDecode):
             yield msg
 
 
+async def with_choice_one_failing(telemetry: Telemetry, n: int, max_tokens: int, gap_s: float = 0.0) -> None:
+    """A completion of `n` choices whose second fails (no retry): the caller gets a 503."""
+    async with serving(FailsChoiceOne(gap_s=gap_s)) as address:
+        router = Router([worker("p0"), worker("d0", "decode", address=address)], max_attempts=1)
+        lc = router.lifecycle(KeyTable({digest(KEY): Tenant("team", "k")}), telemetry=telemetry)
+        transport = httpx2.ASGITransport(app=openai_app(lc))
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "n": n, "ignore_eos": True}
+        headers = {"authorization": f"Bearer {KEY}", "x-request-id": "r"}
+        async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+            assert (await http.post("/v1/completions", json=body, headers=headers)).status_code == 503
+
+
 async def test_a_failed_choices_span_is_an_error_with_its_exception(monkeypatch):
     monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
     exporter = InMemorySpanExporter()
     telemetry = Telemetry("test-router", span_processor=SimpleSpanProcessor(exporter))
-    async with serving(FailsChoiceOne()) as address:
-        router = Router([worker("p0"), worker("d0", "decode", address=address)], max_attempts=1)
-        lc = router.lifecycle(KeyTable({digest(KEY): Tenant("team", "k")}), telemetry=telemetry)
-        transport = httpx2.ASGITransport(app=openai_app(lc))
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "n": 2, "ignore_eos": True}
-        headers = {"authorization": f"Bearer {KEY}", "x-request-id": "r"}
-        async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
-            assert (await http.post("/v1/completions", json=body, headers=headers)).status_code == 503
+    await with_choice_one_failing(telemetry, n=2, max_tokens=4)
     (failed,) = [s for s in exporter.get_finished_spans() if s.name == "choice" and s.attributes["choice.index"] == 1]
     assert failed.status.status_code is StatusCode.ERROR and [e.name for e in failed.events] == ["exception"]
     telemetry.shutdown()
@@ -124,17 +130,8 @@ async def test_choices_a_failed_choice_ends_are_counted_as_failed_not_as_the_cal
     cancelled nothing: four requests counted, all failed (choice 0 was counted `cancelled`, 2-3 not at all)."""
     monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
     telemetry = Telemetry("test-router")
-    async with serving(FailsChoiceOne(gap_s=0.05)) as address:
-        router = Router([worker("p0"), worker("d0", "decode", address=address)], max_attempts=1)
-        lc = router.lifecycle(KeyTable({digest(KEY): Tenant("team", "k")}), telemetry=telemetry)
-        transport = httpx2.ASGITransport(app=openai_app(lc))
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "n": 4, "ignore_eos": True}
-        headers = {"authorization": f"Bearer {KEY}", "x-request-id": "r"}
-        async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
-            assert (await http.post("/v1/completions", json=body, headers=headers)).status_code == 503
-    counted = [(s.labels["outcome"], s.labels["tenant"], s.value) for f in telemetry.registry.collect()
-               for s in f.samples if s.name == "pdserve_requests_total"]  # fmt: skip
-    assert counted == [("failed", "team", 4)]
+    await with_choice_one_failing(telemetry, n=4, max_tokens=40, gap_s=0.05)
+    assert requests_by_outcome(telemetry) == {("failed", "team"): 4}
     telemetry.shutdown()
 
 

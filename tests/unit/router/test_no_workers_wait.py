@@ -17,6 +17,7 @@ from services.router.generation import generate
 from services.router.lifecycle import RequestLifecycle
 from services.router.placement import NoWorkersError
 from services.router.ticket import Ticket
+from tests.unit.router.request_counts import requests_by_outcome
 from tests.unit.router.router_builder import Router, worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -95,11 +96,5 @@ async def test_a_draining_routers_refusal_is_counted_rejected_not_failed() -> No
     with pytest.raises(UnavailableError, match="draining"):
         async for _ in generate(lc, REQUEST, {}, lambda: 10.0, admitted):
             pass
-    counted = {
-        s.labels["outcome"]: s.value
-        for f in telemetry.registry.collect()
-        for s in f.samples
-        if s.name == "pdserve_requests_total"
-    }
-    assert counted == {"rejected": 1}
+    assert requests_by_outcome(telemetry) == {("rejected", "anonymous"): 1}
     telemetry.shutdown()

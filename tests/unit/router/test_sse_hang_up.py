@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pdserve.env import CLUSTER_SECRET_VAR
 from pdserve.telemetry import Telemetry
 from services.router.http.app import openai_app
+from tests.unit.router.request_counts import requests_by_outcome
 from tests.unit.router.router_builder import MODEL, Router, worker
 from tests.unit.router.stand_in_decode import StandInDecode, serving
 
@@ -59,13 +60,7 @@ async def test_a_caller_that_hangs_up_during_a_write_ends_everything_at_once(mon
             assert span.attributes["cancelled"] is True
             assert lifecycle.in_flight == 0
             assert not lifecycle.tracker.decoding["d0"]  # the decode call was cancelled
-            counted = {
-                s.labels["outcome"]: s.value
-                for f in telemetry.registry.collect()
-                for s in f.samples
-                if s.name == "pdserve_requests_total"
-            }
-            assert counted == {"cancelled": 1}
+            assert requests_by_outcome(telemetry) == {("cancelled", "anonymous"): 1}
     finally:
         gc.enable()
         telemetry.shutdown()
