@@ -18,7 +18,7 @@ from loadgen.client import BACKENDS, Backend, Client
 from loadgen.metrics import GoodputSLO
 from loadgen.record import OK, REJECTED, RequestRecord
 from loadgen.report import json_rate, summary_table
-from loadgen.workload import WorkloadConfig, build_workload
+from loadgen.workload import Request, WorkloadConfig, build_workload
 from pdserve.config import EngineConfig
 from pdserve.progress import counting
 from pdserve.rpc.credentials import ClientCredentials
@@ -98,7 +98,9 @@ def run_benchmark(
         rng = np.random.default_rng([config.seed, i])
         requests = build_workload(config.workload, rng)
         trace = config.workload.dataset_name == "trace"
-        if not trace:  # a trace brings its own arrival times
+        if trace:  # a trace brings its own arrival times: its rate is the one they offer
+            rate = offered_rate(requests)
+        else:
             requests = schedule(requests, rate, config.burstiness, rng)
         with counting(_run_label(rate, trace), len(requests)) as advance:
             records, duration_s = asyncio.run(client.run(requests, lambda _record: advance()))
@@ -115,6 +117,13 @@ def _run_label(rate: float, trace: bool) -> str:
     return "requests all at once" if math.isinf(rate) else f"requests at {rate:g}/s"
 
 
+def offered_rate(requests: list[Request]) -> float:
+    """n / the last arrival, as vLLM's scaled arrivals define a rate: a trace whose requests all share one
+    timestamp offers them all at once."""
+    last_s = max(r.arrival_s for r in requests)
+    return len(requests) / last_s if last_s > 0 else math.inf
+
+
 def build_result(
     config: BenchmarkConfig, rate: float, records: list[RequestRecord], duration_s: float
 ) -> dict[str, Any]:
@@ -126,7 +135,7 @@ def build_result(
         "dataset_name": config.workload.dataset_name,
         "num_prompts": len(records),
         "request_rate": json_rate(rate),
-        "burstiness": config.burstiness,
+        "burstiness": None if config.workload.dataset_name == "trace" else config.burstiness,
         "max_concurrency": config.max_concurrency,
         "seed": config.seed,
         "goodput": config.slo.as_dict(),

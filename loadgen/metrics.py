@@ -87,9 +87,10 @@ def is_good(record: RequestRecord, slo: GoodputSLO) -> bool:
 
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: GoodputSLO) -> dict[str, Any]:
-    """The result fields of `vllm bench serve` (same names) plus rejected, failed and SLO attainment."""
+    """The result fields of `vllm bench serve` (same names and meanings: `failed` is every request that did not
+    complete, shed ones included) plus rejected (those shed), failures by status code and SLO attainment."""
     done = [r for r in records if r.completed]
-    failures = Counter(r.status for r in records if not r.completed and r.status != REJECTED)
+    failures = Counter(r.status for r in records if not r.completed)
     good = sum(is_good(r, slo) for r in records)
     total_input = sum(r.input_len for r in done)
     total_output = sum(r.output_tokens for r in done)

@@ -11,8 +11,8 @@ from rich.table import Table
 
 COUNTS = [
     ("completed", "Successful requests"),
+    ("failed", "Failed requests (rejected included)"),
     ("rejected", "Rejected (RESOURCE_EXHAUSTED)"),
-    ("failed", "Failed (other status codes)"),
     ("total_input_tokens", "Total input tokens"),
     ("total_output_tokens", "Total generated tokens"),
 ]

@@ -143,6 +143,7 @@ def test_trace_replays_its_timestamps(cluster, tmp_path):
     starts = [r["start_ms"] for r in run["requests"]]
     assert starts == pytest.approx([t - 5000 for t in stamps], abs=60)
     assert run["completed"] == 6
+    assert (run["request_rate"], run["burstiness"]) == (pytest.approx(6 / 1.02), None)  # offered by its stamps
     assert run["total_input_tokens"] == sum(line["input_length"] for line in lines)
     assert run["total_output_tokens"] == sum(line["output_length"] for line in lines)
 
@@ -156,7 +157,7 @@ def test_requests_shed_by_admission_are_counted_as_rejected(tmp_path):
         (run,) = loadgen(proc, tmp_path, "--num-prompts", "10", "--random-input-len", "32", "--random-output-len", "4")
     finally:
         proc.stop()
-    assert run["failed"] == 0 and run["completed"] >= 1 and run["rejected"] >= 1
+    assert run["failed"] == run["rejected"] >= 1 and run["completed"] >= 1
     assert run["completed"] + run["rejected"] == 10
     statuses = {r["status"] for r in run["requests"]}
     assert "RESOURCE_EXHAUSTED" in statuses and statuses <= {"OK", "RESOURCE_EXHAUSTED"}

@@ -75,8 +75,8 @@ def test_summary_counts_goodput_and_attainment():
     s = metrics.summarize(records, duration_s=2.0, slo=GoodputSLO(ttft_ms=200, tpot_ms=150))
     assert s["completed"] == 4
     assert s["rejected"] == 1
-    assert s["failed"] == 3
-    assert s["failed_by_code"] == {"UNAVAILABLE": 2, "DEADLINE_EXCEEDED": 1}
+    assert s["failed"] == 4  # as vLLM counts: every request that did not complete
+    assert s["failed_by_code"] == {"RESOURCE_EXHAUSTED": 1, "UNAVAILABLE": 2, "DEADLINE_EXCEEDED": 1}
     assert s["short_outputs"] == 0
     assert s["total_input_tokens"] == 40
     assert s["total_output_tokens"] == 3 + 2 + 2 + 4
