@@ -102,8 +102,11 @@ class Tokenizer:
 
     def _render(self, messages: list[tuple[str, str]]) -> str:
         assert self._template is not None
+        messages_ = [{"role": r, "content": c} for r, c in messages]
+        # tools and documents as transformers passes them when a caller gives none: None, not undefined (a
+        # template's `is not none` and `is defined` tests tell the two apart)
         return self._template.render(
-            messages=[{"role": r, "content": c} for r, c in messages], add_generation_prompt=True, **self.special_tokens
+            messages=messages_, add_generation_prompt=True, tools=None, documents=None, **self.special_tokens
         )
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

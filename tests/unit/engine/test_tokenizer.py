@@ -130,3 +130,18 @@ def test_text_prompt_gets_the_bos_transformers_adds(tmp_path: Path) -> None:
         assert ours.encode_prompt(text) == theirs(text)["input_ids"], text
         assert ours.encode_prompt(text)[0] == 1
         assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
+
+
+def test_a_template_sees_no_tools_as_transformers_passes_them(tmp_path: Path) -> None:
+    """transformers renders with `tools=None, documents=None`: a template testing `is not none` or `is defined`
+    takes the same branch here."""
+    shutil.copy(resolve_model("tiny-random") / "tokenizer.json", tmp_path / "tokenizer.json")
+    template = (
+        "{% if tools is not none %}TOOLS{% endif %}{% if documents is defined %}DOCS{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    ours, theirs = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    expected = theirs.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert expected == "DOCShi"
+    assert ours.apply_chat_template([("user", "hi")]) == theirs.encode(expected, add_special_tokens=False)
