@@ -65,7 +65,32 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     config = path / "config.json"
     if not config.exists():
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
-    return json.loads(config.read_text())
+    cfg = _json_object(config)
+    generation = path / "generation_config.json"
+    if generation.exists():  # Llama 3 Instruct declares its end of turn there alone
+        cfg["eos_token_id"] = _token_ids(cfg.get("eos_token_id"), _json_object(generation).get("eos_token_id"))
+    return cfg
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UnsupportedModelError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise UnsupportedModelError(f"{path} holds no JSON object")
+    return value
+
+
+def _token_ids(*values: int | list[int] | None) -> int | list[int] | None:
+    """The union of `eos_token_id`-style values (an id, a list of ids or none), in config.json's form: a model
+    stops on every id its config and its generation config declare, as transformers and vLLM stop."""
+    ids: list[int] = []
+    for value in values:
+        for i in value if isinstance(value, list) else ([] if value is None else [value]):
+            if i not in ids:
+                ids.append(i)
+    return ids[0] if len(ids) == 1 else (ids or None)
 
 
 def gguf_hf_config(path: Path) -> dict[str, Any]:
@@ -74,26 +99,37 @@ def gguf_hf_config(path: Path) -> dict[str, Any]:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}: pdserve runs llama")
-    if "llama.rope.scaling.type" in meta:
-        raise UnsupportedModelError("GGUF rope scaling is not supported; convert the model to a folder first")
-    heads = int(meta["llama.attention.head_count"])
-    hidden = int(meta["llama.embedding_length"])
+    # llama.cpp writes Llama 3.1's rope scaling as per-frequency factors (rope_freqs.weight), with no type key:
+    # run without them, the model would be wrong past a few thousand tokens.
+    if "llama.rope.scaling.type" in meta or "rope_freqs.weight" in tensor_names:
+        raise UnsupportedModelError(
+            f"{path}: GGUF rope scaling is not supported; pass the model's Hugging Face folder instead"
+        )
+
+    def need(key: str) -> Any:
+        if key not in meta:
+            raise UnsupportedModelError(f"{path}: its GGUF metadata lacks {key}")
+        return meta[key]
+
+    heads = int(need("llama.attention.head_count"))
+    hidden = int(need("llama.embedding_length"))
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": int(meta["tokenizer.ggml.tokens"]),
+        "vocab_size": int(need("tokenizer.ggml.tokens")),
         "hidden_size": hidden,
-        "intermediate_size": int(meta["llama.feed_forward_length"]),
-        "num_hidden_layers": int(meta["llama.block_count"]),
+        "intermediate_size": int(need("llama.feed_forward_length")),
+        "num_hidden_layers": int(need("llama.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
         "head_dim": int(meta.get("llama.rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"]),
+        "rms_norm_eps": float(need("llama.attention.layer_norm_rms_epsilon")),
         "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
         "hidden_act": "silu",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        # llama.cpp ends generation on each of these (end of sequence, of turn, of message)
+        "eos_token_id": _token_ids(*(meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))),
         "torch_dtype": "float32",
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
@@ -111,6 +147,15 @@ def read_gguf_header(path: Path) -> tuple[dict[str, Any], set[str]]:
     Arrays (the vocabulary, merges, scores) come back as their length: nothing pdserve reads from the header
     needs more, and decoding 100k strings would cost seconds.
     """
+    try:
+        return _read_header(path)
+    except UnsupportedModelError:
+        raise
+    except (ValueError, struct.error) as e:  # an empty file, a header cut short
+        raise UnsupportedModelError(f"{path}: not a readable GGUF file (truncated or malformed: {e})") from None
+
+
+def _read_header(path: Path) -> tuple[dict[str, Any], set[str]]:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != _GGUF_MAGIC:
             raise UnsupportedModelError(f"{path} is not a GGUF file")

@@ -16,7 +16,7 @@ from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_files import read_model_config
 from pdserve.engine.scheduler import ScheduledChunk
-from pdserve.engine.weights import load_folder_weights, read_gguf
+from pdserve.engine.weights import check_weights, load_folder_weights, read_gguf
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.roles import EngineMode
 
@@ -34,7 +34,9 @@ class StepLogits:
 def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LlamaModel:
     """From a model folder or a .gguf file."""
     weights = read_gguf(path)[1] if path.suffix == ".gguf" else load_folder_weights(path)
-    return LlamaModel(read_model_config(path), weights, dtype, device)
+    config = read_model_config(path)
+    check_weights(config, weights, path)
+    return LlamaModel(config, weights, dtype, device)
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

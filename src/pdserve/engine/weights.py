@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from pdserve.engine.model_files import gguf_hf_config
-from pdserve.protocol.model_config import UnsupportedModelError
+from pdserve.protocol.model_config import ModelConfig, UnsupportedModelError
 
 # GGUF tensor names (per layer after "blk.N.") -> Hugging Face names (after "model.layers.N.").
 _GGUF_LAYER_NAMES = {
@@ -51,7 +51,11 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 
     config = gguf_hf_config(path)
     tensors: dict[str, torch.Tensor] = {}
-    for t in GGUFReader(path).tensors:
+    try:
+        gguf_tensors = GGUFReader(path).tensors
+    except ValueError as e:  # the tensor data cut short: gguf cannot shape its memory map
+        raise UnsupportedModelError(f"{path}: its tensor data is truncated or malformed ({e})") from None
+    for t in gguf_tensors:
         array = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if not array.flags.writeable:  # unquantized tensors come straight from the memory map
             array = array.copy()
@@ -68,10 +72,43 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 def _hf_name(gguf_name: str) -> str:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
-    blk, index, rest = gguf_name.split(".", 2)
-    if blk != "blk" or rest not in _GGUF_LAYER_NAMES:
-        raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")
+    blk, index, rest = [*gguf_name.split(".", 2), "", ""][:3]
+    if blk != "blk" or not index.isdigit() or rest not in _GGUF_LAYER_NAMES:
+        raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}: not one of a Llama's")
     return f"model.layers.{index}.{_GGUF_LAYER_NAMES[rest]}"
+
+
+def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: Path) -> None:
+    """UnsupportedModelError naming every tensor a Llama of `config` lacks or holds in another shape, at load,
+    as transformers refuses them: a wrong shape would otherwise load and fail the first request, or a vocabulary
+    larger than the embedding would pass request checks and index past it. Extra tensors are ignored."""
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    expected = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    if "lm_head.weight" in weights:  # absent: tied to the embedding
+        expected["lm_head.weight"] = (config.vocab_size, h)
+    per_layer = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (i, h),
+        "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
+    }
+    for layer in range(config.num_layers):
+        expected |= {f"model.layers.{layer}.{name}": shape for name, shape in per_layer.items()}
+    missing = [name for name in expected if name not in weights]
+    wrong = [
+        f"{name} is {tuple(weights[name].shape)}, its config makes it {shape}"
+        for name, shape in expected.items()
+        if name in weights and tuple(weights[name].shape) != shape
+    ]
+    if missing or wrong:
+        problems = [f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"] if missing else []
+        raise UnsupportedModelError(f"{source}: weights do not match its config: {'; '.join(problems + wrong[:5])}")
 
 
 def _torch_shape(gguf_shape: Any) -> tuple[int, ...]:

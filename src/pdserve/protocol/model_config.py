@@ -7,6 +7,7 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 class UnsupportedModelError(ValueError):
@@ -51,6 +52,9 @@ class ModelConfig:
             raise UnsupportedModelError("Llama variants with attention or MLP biases are not supported")
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"unsupported activation {cfg['hidden_act']!r}: only silu")
+        missing = [key for key in _REQUIRED_KEYS if key not in cfg]
+        if missing:
+            raise UnsupportedModelError(f"the model's config lacks {', '.join(missing)}")
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

@@ -1,0 +1,148 @@
+"""A model folder or .gguf file the engine cannot run is refused by name when it is read (router) or loaded
+(worker), as transformers refuses it: never a bare KeyError or struct error, never a load that fails the first
+request. And the end-of-sequence ids a model declares anywhere all stop it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFWriter
+from safetensors.torch import load_file, save_file
+
+from pdserve.engine.model_files import read_model_config
+from pdserve.engine.model_runner import load_model
+from pdserve.engine.models import resolve_model
+from pdserve.protocol.model_config import UnsupportedModelError
+
+GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GGUF_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    return resolve_model("tiny-random")
+
+
+def load(path: Path) -> None:
+    load_model(path, torch.float32, torch.device("cpu"))
+
+
+def folder(tiny: Path, tmp_path: Path, config: dict | None = None, drop: str = "") -> Path:
+    """tiny-random's folder, its config patched and one tensor dropped."""
+    out = tmp_path / "model"
+    out.mkdir()
+    cfg = json.loads((tiny / "config.json").read_text()) | (config or {})
+    (out / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v for k, v in load_file(tiny / "model.safetensors").items() if k != drop}, out / "model.safetensors")
+    return out
+
+
+def write_gguf(
+    tiny: Path, path: Path, extra_tensors: dict[str, np.ndarray] | None = None, eos: int = 2, **ids: int
+) -> Path:
+    """tiny-random as a float32 .gguf with llama.cpp's names (the q/k rows left as they are: only shapes and
+    metadata matter here); `ids`: extra special token ids by GGUF key (eot, eom)."""
+    cfg = json.loads((tiny / "config.json").read_text())
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_dimension_count(cfg["head_dim"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(cfg["vocab_size"])])
+    writer.add_eos_token_id(eos)
+    for key, value in ids.items():
+        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
+    for name, tensor in load_file(tiny / "model.safetensors").items():
+        stem = name.removesuffix(".weight")
+        if stem in GGUF_GLOBAL_NAMES:
+            gguf_name = GGUF_GLOBAL_NAMES[stem]
+        else:
+            _, _, layer, rest = stem.split(".", 3)
+            gguf_name = f"blk.{layer}.{GGUF_LAYER_NAMES[rest]}"
+        writer.add_tensor(f"{gguf_name}.weight", tensor.numpy())
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_every_eos_id_a_folder_declares_stops_it(tiny: Path, tmp_path: Path) -> None:
+    """Llama 3 Instruct declares its end of turn in generation_config.json alone; transformers and vLLM stop there."""
+    model = folder(tiny, tmp_path)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [186, 2]}))
+    assert read_model_config(model).eos_token_ids == (2, 186)
+
+
+def test_a_gguf_stops_on_its_end_of_turn_too(tiny: Path, tmp_path: Path) -> None:
+    path = write_gguf(tiny, tmp_path / "m.gguf", eot=186, eom=187)
+    assert read_model_config(path).eos_token_ids == (2, 186, 187)
+    load(path)  # and it loads: the writer above is a faithful one
+
+
+def test_a_gguf_with_llama3_rope_factors_is_refused_when_read(tiny: Path, tmp_path: Path) -> None:
+    """llama.cpp stores Llama 3.1's rope scaling as a tensor and no type key: run without it the model is wrong."""
+    path = write_gguf(tiny, tmp_path / "m.gguf", {"rope_freqs.weight": np.ones(8, np.float32)})
+    with pytest.raises(UnsupportedModelError, match="rope scaling is not supported"):
+        read_model_config(path)
+
+
+def test_a_cut_or_empty_gguf_is_named(tiny: Path, tmp_path: Path) -> None:
+    whole = write_gguf(tiny, tmp_path / "m.gguf").read_bytes()
+    for name, data in (("header.gguf", whole[:300]), ("empty.gguf", b"")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(UnsupportedModelError, match=f"{name}: not a readable GGUF file"):
+            read_model_config(tmp_path / name)
+    (tmp_path / "data.gguf").write_bytes(whole[:-1000])
+    read_model_config(tmp_path / "data.gguf")  # the header is whole
+    with pytest.raises(UnsupportedModelError, match="tensor data is truncated"):
+        load(tmp_path / "data.gguf")
+
+
+def test_a_config_missing_a_key_or_not_json_is_named(tiny: Path, tmp_path: Path) -> None:
+    model = folder(tiny, tmp_path)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "num_attention_heads"}))
+    with pytest.raises(UnsupportedModelError, match="lacks num_attention_heads"):
+        read_model_config(model)
+    (model / "config.json").write_text("{not json")
+    with pytest.raises(UnsupportedModelError, match="config.json is not valid JSON"):
+        read_model_config(model)
+
+
+@pytest.mark.parametrize(
+    ("config", "drop", "message"),
+    [
+        ({}, "model.layers.1.self_attn.q_proj.weight", "missing model.layers.1.self_attn.q_proj.weight"),
+        ({"num_key_value_heads": 4}, "", r"k_proj.weight is \(32, 64\), its config makes it \(64, 64\)"),
+        ({"vocab_size": 300}, "", r"embed_tokens.weight is \(259, 64\), its config makes it \(300, 64\)"),
+    ],
+)
+def test_weights_that_do_not_match_the_config_are_refused_at_load(
+    tiny: Path, tmp_path: Path, config: dict, drop: str, message: str
+) -> None:
+    """A wrong KV head count loaded and failed the first request; a vocabulary past the embedding let request
+    checks pass ids that indexed past it."""
+    with pytest.raises(UnsupportedModelError, match=message):
+        load(folder(tiny, tmp_path, config, drop))
