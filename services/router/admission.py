@@ -40,10 +40,25 @@ class Admission:
         self.predictor = predictor
         self.in_flight = 0
 
-    def check(self, placement: Placement, prompt_tokens: int, priority: int, slo: SLOTarget) -> None:
-        """Raises InvalidRequestError when no idle cluster could serve the request as asked, OverloadedError
-        (with a retry hint in milliseconds) when the current load cannot; returns when it is admitted."""
-        self._check_feasible(placement, prompt_tokens, slo)
+    def check_feasible(self, placement: Placement, prompt_tokens: int, slo: SLOTarget, choices: int = 1) -> None:
+        """InvalidRequestError, naming the field, when no idle cluster could serve the request as asked: judged
+        before anything that would shed it, whose retry hint would only lead here. `choices`: the request is the
+        first of so many streamed at once (the HTTP API's n), which must all be in flight together."""
+        self._check_own_cost(placement, prompt_tokens, slo)
+        if choices > self.config.max_in_flight:
+            raise InvalidRequestError(
+                "n",
+                f"{choices} choices are {choices} requests in flight; the router allows {self.config.max_in_flight}",
+            )
+        if choices > placement.offer.held_at_once:
+            raise InvalidRequestError(
+                "n",
+                f"{choices} choices of {placement.blocks_needed} KV blocks each are streamed at once; the decode "
+                f"workers hold {placement.offer.held_at_once} such requests together (their KV and batch caps)",
+            )
+
+    def check_load(self, placement: Placement, prompt_tokens: int, priority: int, slo: SLOTarget) -> None:
+        """OverloadedError, with a retry hint in milliseconds, when the current load cannot serve the request."""
         if self.in_flight >= self.config.max_in_flight:
             raise OverloadedError(f"router has {self.in_flight} requests in flight (limit {self.config.max_in_flight})")
         self._check_queue_bound(placement, prompt_tokens - placement.cached_tokens, priority)
@@ -61,7 +76,7 @@ class Admission:
             )
         self._check_tpot(placement, slo)
 
-    def _check_feasible(self, placement: Placement, prompt_tokens: int, slo: SLOTarget) -> None:
+    def _check_own_cost(self, placement: Placement, prompt_tokens: int, slo: SLOTarget) -> None:
         offer = placement.offer
         if placement.blocks_needed > offer.kv_blocks:
             raise InvalidRequestError(

@@ -48,6 +48,7 @@ async def generate(
     choices: Choices | None = None,
     default_max_tokens: int | None = None,
     arrived_at: float | None = None,
+    streamed: bool = True,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """The request's stream. Everything refused before the first message raises here (InvalidRequestError,
     OverloadedError, UnavailableError, ModelNotFoundError for a `model` not served, and the caller's check
@@ -55,7 +56,9 @@ async def generate(
     anything is relayed. `choices`: the request is one of these (the HTTP API's `n`), for its key's quotas.
     `default_max_tokens`: the front end's default for a request without max_tokens (None: the router's).
     `arrived_at` (time.perf_counter()): when its caller's request came, if earlier than this call (a later
-    choice, held back until the one before it got its first token): its latencies count from there."""
+    choice, held back until the one before it got its first token): its latencies count from there. `streamed`:
+    each message reaches the caller as it comes; False (an HTTP answer sent whole) delivers nothing before the end,
+    so a failure gives the key's tokens back as a refusal does."""
     start = time.perf_counter()
     arrived = start if arrived_at is None else arrived_at
     with lifecycle.accounting(arrived, choices) as caller:
@@ -70,5 +73,6 @@ async def generate(
                 # the decode call is cancelled and the spans end in this request's context.
                 async with aclosing(lifecycle.stream(ticket, time_remaining, arrived)) as stream:
                     async for msg in stream:
-                        quota.delivered()
+                        if streamed:
+                            quota.delivered()
                         yield msg

@@ -134,9 +134,14 @@ class RequestLifecycle:
             )
             span.set_attribute("prompt_tokens", len(req.prompt_token_ids))
             try:
+                placement, slo = await self._place(req, admitted_before=quota.later_choice)
+                # What never fits is refused first: a shed's retry hint (the key's token rate's too) would lead
+                # only to it. A later choice was judged with the first.
+                choices = 1 if quota.later_choice else quota.choices
+                self.admission.check_feasible(placement, len(req.prompt_token_ids), slo, choices)
                 await quota.charge_tokens(len(req.prompt_token_ids) + req.sampling.max_tokens)
                 try:
-                    placement = await self._place_and_check(req, admitted_before=quota.later_choice)
+                    self.admission.check_load(placement, len(req.prompt_token_ids), req.priority, slo)
                 except OverloadedError:
                     self.admitted.turned_away(len(req.prompt_token_ids))  # demand the cluster could not take
                     raise
@@ -152,8 +157,9 @@ class RequestLifecycle:
         self.prefix_index.record(prefill.cache_key, placement.block_hashes)
         return Ticket(key, client_id, req, placement, started_at, self.tracker, self.admission)
 
-    async def _place_and_check(self, req: RoutedRequest, admitted_before: bool = False) -> Placement:
-        """`admitted_before`: a later choice of an admitted request, which a drain waits for (`holding`)."""
+    async def _place(self, req: RoutedRequest, admitted_before: bool = False) -> tuple[Placement, SLOTarget]:
+        """The request's placement and the SLO it is held to. `admitted_before`: a later choice of an admitted
+        request, which a drain waits for (`holding`)."""
         self._refuse_when_draining(admitted_before)
         ttft_ms, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         with step_span(self.telemetry.tracer, "placement") as span:
@@ -167,9 +173,7 @@ class RequestLifecycle:
             span.set_attribute("decode.worker.id", placement.decode.worker_id)
             span.set_attribute("cached_tokens", placement.cached_tokens)
             span.set_attribute("predicted_ttft_s", placement.predicted_ttft_s)
-        slo = SLOTarget(ttft_ms / 1e3, tpot_ms / 1e3, req.ttft_slo_ms > 0, req.tpot_slo_ms > 0)
-        self.admission.check(placement, len(req.prompt_token_ids), req.priority, slo)
-        return placement
+        return placement, SLOTarget(ttft_ms / 1e3, tpot_ms / 1e3, req.ttft_slo_ms > 0, req.tpot_slo_ms > 0)
 
     @contextmanager
     def holding(self) -> Iterator[None]:

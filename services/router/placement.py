@@ -50,6 +50,7 @@ class Offer:
     ttft_s: float  # the smallest own TTFT over the prefill workers
     tpot_s: float  # the smallest one-sequence decode step over the decode workers
     kv_blocks: int  # the most KV blocks any decode worker has in total
+    held_at_once: int  # how many such requests the decode workers hold together (the HTTP API's n choices)
 
 
 class PlacementPolicy(ABC):
@@ -136,17 +137,21 @@ class PlacementPolicy(ABC):
         colocated: bool,
     ) -> Offer:
         """The best an idle cluster does for this request: TPOT only on a decode worker whose KV holds it (a fast
-        one too small for it offers nothing), and with colocated workers TTFT on such a worker too."""
+        one too small for it offers nothing), TTFT only on a prefill worker whose KV holds the prompt (one too small
+        refuses it) or, colocated, on a worker holding the whole request."""
         p = self.predictor
         bs = prefills[0].block_size
         holding = [w for w in decodes if w.kv_blocks_total >= blocks] or decodes
+        if colocated:
+            prefilling = holding
+        else:
+            prompt_blocks = -(-prompt_tokens // bs)
+            prefilling = [w for w in prefills if w.kv_blocks_total >= prompt_blocks] or prefills
         return Offer(
-            ttft_s=min(
-                p.offer_ttft_s(w, prompt_tokens, hits.get(w.cache_key, 0) * bs)
-                for w in (holding if colocated else prefills)
-            ),
+            ttft_s=min(p.offer_ttft_s(w, prompt_tokens, hits.get(w.cache_key, 0) * bs) for w in prefilling),
             tpot_s=min(p.offer_tpot_s(w) for w in holding),
             kv_blocks=max(w.kv_blocks_total for w in decodes),
+            held_at_once=sum(_held_at_once(w, blocks) for w in decodes),
         )
 
     def choose_colocated(
@@ -224,3 +229,10 @@ class RoundRobinPlacement(PlacementPolicy):
         turn = next(self._turn)
         prefills, decodes = sorted(prefills, key=lambda w: w.worker_id), sorted(decodes, key=lambda w: w.worker_id)
         return prefills[turn % len(prefills)], decodes[turn % len(decodes)]
+
+
+def _held_at_once(w: WorkerState, blocks: int) -> int:
+    """Requests of `blocks` KV blocks a worker holds at once: as many as its whole KV fits, and (a decode worker
+    refuses a hand-off past it) no more than its batch cap."""
+    fits = w.kv_blocks_total // blocks
+    return min(fits, w.max_num_seqs) if w.role == Role.DECODE and w.max_num_seqs else fits

@@ -250,6 +250,7 @@ class OpenAIAPI:
             choices,
             req.default_max_tokens,
             arrived_at,
+            streamed=req.stream,
         )
 
     def _span(self, request: Request, req: OpenAIRequest, **options: bool) -> AbstractContextManager[trace.Span]:

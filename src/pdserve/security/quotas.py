@@ -136,19 +136,24 @@ class QuotaSession:
         self._admitted = self._choices.admitted = True
 
     @property
+    def choices(self) -> int:
+        """How many choices the request has (the HTTP API's n), each a request of its own."""
+        return self._choices.n
+
+    @property
     def later_choice(self) -> bool:
         """A later choice of a request whose first choice was admitted."""
         return self._choices.admitted
 
     def delivered(self) -> None:
-        """Called with the request's first message: its tokens stay spent however the stream ends."""
+        """Called with the first message its caller gets: its tokens stay spent however the stream ends."""
         self._delivered = True
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         """The stream slot goes back. The tokens go back when the request was refused, or failed before its
-        first message (every worker it was placed on refused or lost it: a retry the caller was told could
+        caller got a message (every worker it was placed on refused or lost it: a retry the caller was told could
         succeed must not find them spent), unless its caller ended it (cancelled, or its deadline passed)."""
         self._stream()
         if exc is None or self._delivered:

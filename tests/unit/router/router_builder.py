@@ -72,7 +72,9 @@ class Router:
         explicit: bool = True,
     ):
         placed = self.place(tokens, max_tokens, slo_s[1])
-        self.admission.check(placed, len(tokens), priority, SLOTarget(*slo_s, explicit, explicit))
+        slo = SLOTarget(*slo_s, explicit, explicit)
+        self.admission.check_feasible(placed, len(tokens), slo)
+        self.admission.check_load(placed, len(tokens), priority, slo)
         return placed
 
     def lifecycle(

@@ -11,7 +11,7 @@ from pdserve.config import RouterConfig
 from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.protocol.roles import Role
-from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS
+from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS, SLOTarget
 from services.router.calibration import TTFTCalibration
 from services.router.load_tracker import LoadTracker
 from services.router.predictor import Predictor
@@ -288,6 +288,39 @@ def test_a_tpot_slo_only_a_decode_worker_too_small_for_the_request_meets_is_inva
     with pytest.raises(InvalidRequestError, match="slo.tpot_ms"):
         r.admit(prompt(2000), slo_s=slo)
     assert r.admit(prompt(1000), slo_s=slo).decode.worker_id == "d-fast"  # 64 blocks: d-fast holds it
+
+
+def test_a_ttft_slo_only_a_prefill_worker_too_small_for_the_prompt_meets_is_invalid():
+    """The offer's TTFT counts only prefill workers whose KV holds the prompt (one too small refuses it): a fast
+    small one and a slow big one make an SLO between them invalid, not shed on an idle cluster for ever."""
+    fast = replace(PROFILE, prefill_per_token_s=PROFILE.prefill_per_token_s / 4)
+    small = worker("p-fast", profile=fast, kv_blocks_total=10, kv_blocks_free=10)  # 160 tokens
+    r = Router([small, worker("p-big"), worker("d0", "decode")])
+    slo = ((fast.prefill_s(500) + PROFILE.prefill_s(500)) / 2, 1.0)
+    with pytest.raises(InvalidRequestError, match="slo.ttft_ms"):
+        r.admit(prompt(500), slo_s=slo)
+    bound = Router([small, worker("p-big"), worker("d0", "decode")], first_token_timeout_s=slo[0])
+    with pytest.raises(InvalidRequestError, match="first-token bound") as info:
+        bound.admit(prompt(500), explicit=False)
+    assert info.value.field == "prompt"
+    assert r.admit(prompt(100), slo_s=slo).prefill.worker_id == "p-fast"  # 7 blocks: it holds those
+
+
+def test_choices_are_judged_against_what_every_decode_worker_holds_together():
+    """n choices stream at once, each placed on its own: two workers of 2 batch places hold 4 (and a worker's
+    KV bounds it as its batch cap does)."""
+    r = Router([worker("p0"), *(worker(f"d{i}", "decode", max_num_seqs=2) for i in range(2))])
+    slo = SLOTarget(5.0, 1.0)
+    placed = r.place(prompt(100), 16, 1.0)
+    r.admission.check_feasible(placed, 100, slo, choices=4)
+    with pytest.raises(InvalidRequestError, match="hold 4 such requests") as info:
+        r.admission.check_feasible(placed, 100, slo, choices=5)
+    assert info.value.field == "n"
+    kv = Router([worker("p0"), worker("d0", "decode", kv_blocks_total=50, kv_blocks_free=50)])
+    placed = kv.place(prompt(100), 60, 1.0)  # 10 blocks a choice
+    kv.admission.check_feasible(placed, 100, slo, choices=5)
+    with pytest.raises(InvalidRequestError, match="hold 5 such requests"):
+        kv.admission.check_feasible(placed, 100, slo, choices=6)
 
 
 def test_invalid_wins_over_overloaded():

@@ -60,6 +60,28 @@ async def test_more_choices_than_the_keys_streams_are_a_400_naming_n(decode):
     assert (await complete(lc, n=2, max_tokens=4)).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("decode_worker", "router", "held"),
+    [
+        ({"kv_blocks_total": 30, "kv_blocks_free": 30}, {}, "hold 2 such requests"),  # 13 blocks a choice
+        ({"max_num_seqs": 2}, {}, "hold 2 such requests"),
+        ({}, {"max_in_flight": 2}, "the router allows 2"),
+    ],
+)
+async def test_more_choices_than_the_cluster_holds_at_once_are_a_400_naming_n(decode, decode_worker, router, held):
+    """Every choice streams while the next starts: n past what the decode workers' KV or batches hold together,
+    or past the router's in-flight limit, would shed a later choice on an idle cluster, every time (it was a 429)."""
+    stand_in, address = decode
+    workers = [worker("p0"), worker("d0", "decode", address=address, **decode_worker)]
+    lc = Router(workers, **router).lifecycle()
+    for _ in range(2):
+        r = await complete(lc, n=3)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "n" and held in r.json()["error"]["message"]
+    assert stand_in.calls == 0 and lc.in_flight == 0
+    assert (await complete(lc, n=2)).status_code == 200
+
+
 async def test_choices_the_keys_bucket_cannot_hold_together_are_refused_before_any_runs(decode):
     """600 tokens a minute: n=3 of 200 fits the key, but with 200 spent just before, the bucket cannot hold all
     three: the request is a 429 before any choice runs (the first charges for all), not two choices run and then
