@@ -22,7 +22,7 @@ from pdserve.metrics import WorkerMetrics
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.handoff import FirstToken, KVSent, KVTarget
 from pdserve.protocol.outputs import RequestOutput
-from pdserve.telemetry import Telemetry, now_ns
+from pdserve.telemetry import Telemetry, mark_ended_by, now_ns
 from pdserve.transfer.base import KVSender, TransferError
 from pdserve.transfer.rendezvous import split_address
 from pdserve.transfer.threads import in_transfer_thread
@@ -138,6 +138,9 @@ class RunAndSend:
                 nbytes = await asyncio.shield(send)
             except TransferError as e:
                 raise UnavailableError(f"KV transfer to decode worker {target.decode_worker_id} failed: {e}") from e
+            except asyncio.CancelledError as e:  # the caller left: `cancelled`, not a send that reads as done
+                mark_ended_by(span, e)
+                raise
             finally:
                 if not send.done():  # the caller left: the blocks stay held until the send thread lets go
                     while not send.done():  # a second cancel (a drain after the caller's) must not end the wait

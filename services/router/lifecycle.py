@@ -22,6 +22,7 @@ from pdserve.errors import (
     InternalError,
     InvalidRequestError,
     OverloadedError,
+    RouterDrainingError,
     UnavailableError,
 )
 from pdserve.metrics import RecentLatencies, RouterMetrics
@@ -38,7 +39,7 @@ from services.router.admission import Admission, SLOTarget
 from services.router.caller_errors import for_the_caller
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
-from services.router.outcome import RouterDrainingError, outcome_of
+from services.router.outcome import outcome_of
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request

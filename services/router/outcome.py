@@ -13,13 +13,9 @@ from pdserve.errors import (
     InvalidRequestError,
     OverloadedError,
     PermissionDeniedError,
+    RouterDrainingError,
     UnauthenticatedError,
-    UnavailableError,
 )
-
-
-class RouterDrainingError(UnavailableError):
-    """A request a draining router refuses before admitting it."""
 
 
 def outcome_of(error: BaseException) -> str:

@@ -71,7 +71,8 @@ def record_move(
     key: str,
     sent: int | None,
 ) -> None:
-    """A `retry` or `migration` event on the request's span, its `attempts`, and one log line."""
+    """A `retry` or `migration` event on the request's span, its `attempts` and the workers it is on now, and one
+    log line."""
     kind = "retry" if sent is None else "migration"
     attrs: dict[str, str | int] = {"attempt": attempt, "failed.worker.id": worker.worker_id, "error": str(error)}
     attrs["prefill.worker.id"] = placement.prefill_worker.worker_id
@@ -82,5 +83,7 @@ def record_move(
     span = trace.get_current_span()
     span.add_event(kind, attrs)
     span.set_attribute("attempts", attempt)
+    span.set_attribute("prefill.worker.id", placement.prefill_worker.worker_id)
+    span.set_attribute("decode.worker.id", placement.decode.worker_id)
     verb = "placed again" if sent is None else f"migrated after {sent} streamed tokens"
     log.warning("request %s after worker %s failed it", verb, worker.worker_id, extra=attrs | {"key": key})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from pathlib import Path
@@ -86,17 +87,17 @@ def fault_config() -> FaultConfig:
     )
 
 
-def otel_traces_exporter() -> str | None:
-    """Which span exporter the standard OTEL_* variables ask for: "otlp", "console", or None (export nothing).
-    An OTLP endpoint alone means OTLP; OTEL_TRACES_EXPORTER=none turns exporting off."""
-    named = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if named == "none":
-        return None
-    if named in ("otlp", "console"):
-        return named
-    if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        return "otlp"
-    return None
+def otel_traces_exporters() -> tuple[str, ...]:
+    """The span exporters the standard OTEL_* variables ask for, of "otlp" and "console" (OTEL_TRACES_EXPORTER is
+    a comma-separated list); none: export nothing. Unset, an OTLP endpoint alone means OTLP; "none" turns
+    exporting off. A name pdserve has no exporter for is logged and skipped."""
+    named = [n.strip().lower() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    if not named:
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        return ("otlp",) if endpoint else ()
+    for unknown in sorted(set(named) - {"otlp", "console", "none"}):
+        logging.getLogger(__name__).warning("OTEL_TRACES_EXPORTER names %r, which pdserve has no exporter for", unknown)
+    return tuple(dict.fromkeys(n for n in named if n in ("otlp", "console")))
 
 
 def otel_traces_protocol() -> str:

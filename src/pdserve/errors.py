@@ -23,6 +23,11 @@ class UnavailableError(RuntimeError):
     """No worker can take the request (draining, none registered, a peer lost). -> UNAVAILABLE."""
 
 
+class RouterDrainingError(UnavailableError):
+    """A request a draining router refuses before admitting it: its caller's retry, on another replica, serves it
+    (a rolling restart fails nothing)."""
+
+
 class ClusterAuthError(UnavailableError):
     """A cluster peer refused this process's cluster credentials on an internal hop (its PDSERVE_CLUSTER_SECRET is
     another, as mid-rotation). The cluster's fault, never the caller's: the peer is unusable, as a lost one is

@@ -19,7 +19,7 @@ from typing import Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
@@ -27,7 +27,13 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from prometheus_client import CollectorRegistry, start_http_server
 
 from pdserve import env
-from pdserve.errors import InvalidRequestError, OverloadedError, PermissionDeniedError, UnauthenticatedError
+from pdserve.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    PermissionDeniedError,
+    RouterDrainingError,
+    UnauthenticatedError,
+)
 
 # Seconds: first tokens and whole requests (TTFT, e2e) span ms to minutes; per-token gaps ms to seconds.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -39,18 +45,26 @@ MAX_ATTRIBUTE_CHARS = 4096
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_id", default=None)
 
 
-def default_span_processor() -> SpanProcessor | None:
-    """What the OTEL_* environment asks for; None when it asks for nothing (no endpoint, no exporter)."""
-    kind = env.otel_traces_exporter()
-    if kind is None:
-        return None
-    if kind == "console":
-        return BatchSpanProcessor(ConsoleSpanExporter())
-    if env.otel_traces_protocol() == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
-    return BatchSpanProcessor(OTLPSpanExporter())
+def default_span_processors() -> list[SpanProcessor]:
+    """What the OTEL_* environment asks for, one processor per exporter; none when it asks for nothing."""
+    processors: list[SpanProcessor] = []
+    for kind in env.otel_traces_exporters():
+        if kind == "console":
+            processors.append(BatchSpanProcessor(ConsoleSpanExporter()))
+        elif env.otel_traces_protocol() == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            processors.append(BatchSpanProcessor(OTLPSpanExporter()))
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPSpanExporter
+
+            processors.append(BatchSpanProcessor(HTTPSpanExporter()))
+    return processors
+
+
+# Health checks (a kubelet's probes, the router's of its workers, `pdserve status`) are no request's hop: each would
+# be a trace of its own, every few seconds from every pod.
+_TRACED_CALLS = filters.negate(filters.health_check())
 
 
 class Telemetry:
@@ -67,14 +81,15 @@ class Telemetry:
         self.enabled = enabled
         self.registry = CollectorRegistry()
         self._http: Any = None
-        processor = (span_processor or default_span_processor()) if enabled else None
-        self.tracing = processor is not None
+        processors = ([span_processor] if span_processor else default_span_processors()) if enabled else []
+        self.tracing = bool(processors)
         resource = Resource.create({SERVICE_NAME: service})
         self.tracer_provider: Any = trace.NoOpTracerProvider()
-        if processor is not None:
+        if processors:
             limits = SpanLimits(max_attribute_length=MAX_ATTRIBUTE_CHARS)
             self.tracer_provider = TracerProvider(resource=resource, span_limits=limits)
-            self.tracer_provider.add_span_processor(processor)
+            for processor in processors:
+                self.tracer_provider.add_span_processor(processor)
         self.meter_provider: Any = metrics.NoOpMeterProvider()
         if enabled:  # disabled: the baseline the overhead is measured against
             reader = PrometheusMetricReader(registry=self.registry)
@@ -83,10 +98,14 @@ class Telemetry:
         self.meter = self.meter_provider.get_meter("pdserve")
 
     def server_interceptors(self) -> list[Any]:
-        return [aio_server_interceptor(tracer_provider=self.tracer_provider)] if self.tracing else []
+        if not self.tracing:
+            return []
+        return [aio_server_interceptor(tracer_provider=self.tracer_provider, filter_=_TRACED_CALLS)]
 
     def client_interceptors(self) -> list[Any]:
-        return list(aio_client_interceptors(tracer_provider=self.tracer_provider)) if self.tracing else []
+        if not self.tracing:
+            return []
+        return list(aio_client_interceptors(tracer_provider=self.tracer_provider, filter_=_TRACED_CALLS))
 
     def serve_metrics(self, host: str, port: int = 0) -> int:
         """Serves this service's metrics at http://host:port/metrics (port 0: a free one); returns the port."""
@@ -114,9 +133,15 @@ class Telemetry:
 
 
 # What a request is answered for what it asked or may ask (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAUTHENTICATED,
-# PERMISSION_DENIED; HTTP 4xx): no failure of this service, so no ERROR on its spans (OpenTelemetry's convention
-# for server spans); the step says why in its own attributes.
-CALLER_ANSWERS = (InvalidRequestError, OverloadedError, UnauthenticatedError, PermissionDeniedError)
+# PERMISSION_DENIED; HTTP 4xx), or told to ask elsewhere (a draining router): no failure of this service, so no
+# ERROR on its spans (OpenTelemetry's convention for server spans), only a `refused` attribute saying why.
+CALLER_ANSWERS = (
+    InvalidRequestError,
+    OverloadedError,
+    UnauthenticatedError,
+    PermissionDeniedError,
+    RouterDrainingError,
+)
 
 
 @contextmanager
@@ -128,18 +153,21 @@ def step_span(tracer: trace.Tracer, name: str, **attributes: Any) -> Iterator[tr
         try:
             yield span
         except BaseException as e:
-            if not isinstance(e, CALLER_ANSWERS):
-                mark_ended_by(span, e)
+            mark_ended_by(span, e)
             raise
 
 
 def mark_ended_by(span: trace.Span, error: BaseException | None) -> None:
     """What ended a span's operation early, on the span: a failure as ERROR with its exception; the caller's cancel
-    (a cancelled task, a stream closed under it) as `cancelled`, which is no error of this service's."""
+    (a cancelled task, a stream closed under it) as `cancelled` and an answer to the caller as `refused`, neither
+    an error of this service's."""
     if error is None:
         return
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
         span.set_attribute("cancelled", True)
+        return
+    if isinstance(error, CALLER_ANSWERS):
+        span.set_attribute("refused", f"{type(error).__name__}: {error}")
         return
     span.record_exception(error)
     span.set_status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}")

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 
+import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -20,7 +21,7 @@ from pdserve.telemetry import (
     TOKEN_BUCKETS_S,
     JsonFormatter,
     Telemetry,
-    default_span_processor,
+    default_span_processors,
     request_id_var,
 )
 
@@ -28,23 +29,45 @@ from pdserve.telemetry import (
 def test_nothing_exported_without_otel_settings(monkeypatch):
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER"):
         monkeypatch.delenv(name, raising=False)
-    assert default_span_processor() is None
+    assert default_span_processors() == []
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
-    assert default_span_processor() is None
+    assert default_span_processors() == []
 
 
-async def test_one_trace_across_a_grpc_hop_with_a_provider_per_service():
+def test_every_exporter_otel_traces_exporter_lists_is_used(monkeypatch, caplog):
+    """The variable is a comma-separated list (OpenTelemetry's spec): "otlp,console" exported nothing."""
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", " otlp, console,zipkin ")
+    exporters = [type(p.span_exporter).__name__ for p in default_span_processors()]
+    assert exporters == ["OTLPSpanExporter", "ConsoleSpanExporter"]
+    assert "'zipkin', which pdserve has no exporter for" in caplog.text
+
+
+async def _echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    return request
+
+
+def _add_echo(server: grpc.aio.Server) -> None:
+    handler = grpc.unary_unary_rpc_method_handler(_echo)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", {"Echo": handler}),))
+
+
+async def test_one_trace_across_a_grpc_hop_with_a_provider_per_service_and_none_for_health_checks():
     exporter = InMemorySpanExporter()
     server_side = Telemetry("pdserve-decode", span_processor=SimpleSpanProcessor(exporter))
     client_side = Telemetry("pdserve-router", span_processor=SimpleSpanProcessor(exporter))
     server = Server("127.0.0.1", 0, server_side.server_interceptors())
+    server.add(_add_echo, ["test.Echo"])
     await server.start()
     await server.set_serving(True)
     try:
-        with client_side.tracer.start_as_current_span("admission"):
-            async with channel(server.address, client_side.client_interceptors()) as ch:
-                await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        async with channel(server.address, client_side.client_interceptors()) as ch:
+            # a probe every few seconds from every pod: no trace of its own on either side
+            await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert exporter.get_finished_spans() == ()
+            with client_side.tracer.start_as_current_span("admission"):
+                assert await ch.unary_unary("/test.Echo/Echo")(b"hi", timeout=5) == b"hi"
     finally:
         await server.stop(None)
     spans = exporter.get_finished_spans()

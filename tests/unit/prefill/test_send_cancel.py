@@ -1,6 +1,7 @@
 """A prefill worker's KV send whose caller cancels, once or twice (a caller's cancel, then a drain's): the
 prompt's blocks stay held until the send thread is done reading them, never freed under it for another prompt to
-overwrite mid-send. The engine is real (tiny-random, prefill only); the sender is a stand-in that reads slowly."""
+overwrite mid-send; its span says it was cancelled (it read as a send that succeeded). The engine is real
+(tiny-random, prefill only); the sender is a stand-in that reads slowly."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import contextlib
 import time
 
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.async_engine import AsyncEngine
@@ -48,7 +51,8 @@ async def test_the_blocks_outlive_the_send_however_often_its_caller_cancels(canc
     )  # fmt: skip
     engine = AsyncEngine(LLMEngine(config))
     sender = SlowSender(engine)
-    worker = RunAndSend(engine, sender, "p0", Telemetry("t", enabled=False))  # type: ignore[arg-type]
+    exporter = InMemorySpanExporter()
+    worker = RunAndSend(engine, sender, "p0", Telemetry("t", SimpleSpanProcessor(exporter)))  # type: ignore[arg-type]
     request = EngineRequest("r", list(range(3, 23)), SamplingParams(max_tokens=8, ignore_eos=True))
     target = KVTarget("d0", "127.0.0.1:1", list(range(5)), 1, engine.fingerprint, engine.block_size)
 
@@ -70,5 +74,7 @@ async def test_the_blocks_outlive_the_send_however_often_its_caller_cancels(canc
         assert sender.held_at_end == [5]  # the whole send read blocks the prompt still held
         await asyncio.sleep(0.1)
         assert engine.stats["kv_blocks_used"] == 0  # and they went once it was done
+        (send,) = [s for s in exporter.get_finished_spans() if s.name == "kv_transfer.send"]
+        assert send.attributes["cancelled"] is True and "kv.bytes" not in send.attributes
     finally:
         engine.stop()

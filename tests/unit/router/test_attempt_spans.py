@@ -69,3 +69,16 @@ async def test_a_moved_stream_the_caller_closes_ends_the_second_attempts_span(ex
         assert len(attempts(exporter)) == 1
         await stream.aclose()
         assert len(attempts(exporter)) == 2
+
+
+async def test_the_request_span_names_the_workers_that_served_it_after_a_move(exporter):
+    """The `retry`/`migration` event names the failed worker; the span's own ids name the ones it ended on (they
+    named the first placement, d0, for a request d1 answered)."""
+    telemetry = Telemetry("r", SimpleSpanProcessor(exporter))
+    async with serving(DiesAfter(sent=2)) as d0, serving(StandInDecode()) as d1:
+        with telemetry.tracer.start_as_current_span("request"):
+            stream = moved_stream(exporter, d0, d1, max_tokens=6)
+            assert [msg async for msg in stream][-1].finish_reason == pb.FINISH_REASON_LENGTH
+    (request,) = [s for s in exporter.get_finished_spans() if s.name == "request"]
+    assert [(e.name, e.attributes["failed.worker.id"]) for e in request.events] == [("migration", "d0")]
+    assert request.attributes["decode.worker.id"] == "d1" and request.attributes["attempts"] == 2

@@ -8,6 +8,9 @@ import asyncio
 import time
 
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from pdserve.errors import UnavailableError
 from pdserve.security.api_keys import OPEN
@@ -85,16 +88,20 @@ async def test_a_drain_counts_a_request_waiting_for_a_worker_and_refuses_it_once
 
 async def test_a_draining_routers_refusal_is_counted_rejected_not_failed() -> None:
     """A rolling restart refuses new requests on the draining replica (UNAVAILABLE: retry on another one): that
-    is no failure for an error-rate alert to page on."""
+    is no failure for an error-rate alert to page on, in the metrics or in the spans' status."""
 
     async def admitted(ticket: Ticket) -> None:
         pass
 
-    telemetry = Telemetry("test-router")
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("test-router", SimpleSpanProcessor(exporter))
     lc = Router([worker("p0"), worker("d0", "decode")]).lifecycle(telemetry=telemetry)
     lc.draining = True
     with pytest.raises(UnavailableError, match="draining"):
         async for _ in generate(lc, REQUEST, {}, lambda: 10.0, admitted):
             pass
     assert requests_by_outcome(telemetry) == {("rejected", "anonymous"): 1}
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert "draining" in spans["admission"].attributes["refused"]
+    assert all(s.status.status_code != StatusCode.ERROR for s in spans.values())
     telemetry.shutdown()
