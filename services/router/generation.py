@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 
 from pdserve.errors import InvalidRequestError
+from pdserve.rpc.errors import check_parsed
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import Choices
 from pdserve.v1 import generate_pb2 as pb
@@ -65,6 +66,7 @@ async def generate(
         caller.tenant = check_caller(lifecycle, headers)
         if model is not None:
             check_model(lifecycle, model)
+        check_parsed(request)  # after the caller's check, as a front end reads a body only from a known caller
         async with lifecycle.quotas.session(caller.tenant, choices) as quota:
             ticket = await lifecycle.admit(request, start, quota, default_max_tokens)
             with ticket:

@@ -28,7 +28,7 @@ from services.router.lifecycle import RequestLifecycle
 from services.router.load_tracker import LoadTracker
 from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
 from services.router.predictor import Predictor
-from services.router.servicer import GenerationServicer
+from services.router.servicer import GENERATE_METHOD, GenerationServicer
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ async def start_router(
         tls=tls,
         advertise_host=advertise_host,
         max_connection_age_s=config.max_connection_age_s or None,
+        checked_by_handler=[GENERATE_METHOD],  # counted as the caller's mistake with every other refusal
     )
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),

@@ -15,6 +15,9 @@ from services.router.generation import generate
 from services.router.lifecycle import RequestLifecycle
 from services.router.ticket import Ticket
 
+# Its handler gets a request that does not parse as it is, and answers it where requests are counted.
+GENERATE_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Generation'].full_name}/Generate"
+
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, lifecycle: RequestLifecycle) -> None:

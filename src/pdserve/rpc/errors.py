@@ -11,7 +11,7 @@ import asyncio
 import inspect
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
 import grpc
@@ -131,12 +131,21 @@ def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], A
     return parse
 
 
-def _check_parsed(request: Any) -> None:
+def check_parsed(request: Any) -> None:
+    """InvalidRequestError for a request message that did not parse (see ErrorMappingInterceptor)."""
     if request is _MALFORMED:
         raise InvalidRequestError("request", "the message does not parse (corrupt wire format or invalid UTF-8)")
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Maps the typed errors handlers raise to status codes, and answers a request message that does not parse
+    with INVALID_ARGUMENT instead of gRPC's UNKNOWN (or INTERNAL). The handlers of `checked_by_handler` (full
+    method names) get such a message as it is and call `check_parsed` themselves: where they count their
+    requests, a malformed one is counted too."""
+
+    def __init__(self, checked_by_handler: Collection[str] = ()) -> None:
+        self.checked_by_handler = frozenset(checked_by_handler)
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -145,9 +154,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
+        check = handler_call_details.method not in self.checked_by_handler
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary),
+                _wrap_unary(handler.unary_unary, check),
                 request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
@@ -155,17 +165,18 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             # A streaming handler that writes with `context.write` (Health.Watch) is a coroutine, not a generator.
             fn = handler.unary_stream
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(fn) if inspect.isasyncgenfunction(fn) else _wrap_unary(fn),
+                _wrap_stream(fn, check) if inspect.isasyncgenfunction(fn) else _wrap_unary(fn, check),
                 request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler
 
 
-def _wrap_unary(fn: UnaryHandler) -> UnaryHandler:
+def _wrap_unary(fn: UnaryHandler, check: bool) -> UnaryHandler:
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            _check_parsed(request)
+            if check:
+                check_parsed(request)
             return await fn(request, context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
@@ -176,11 +187,12 @@ def _wrap_unary(fn: UnaryHandler) -> UnaryHandler:
 
 
 def _wrap_stream(
-    fn: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]],
+    fn: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]], check: bool
 ) -> Callable[..., AsyncIterator[Any]]:
     async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            _check_parsed(request)
+            if check:
+                check_parsed(request)
             async for item in fn(request, context):
                 yield item
         except (grpc.aio.AbortError, asyncio.CancelledError):

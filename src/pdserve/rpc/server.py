@@ -62,7 +62,8 @@ class Server:
     `tls`: serve TLS (and require client certificates when it names a client CA); None: plaintext.
     `cluster`: an internal server's cluster secret; calls without its token are refused (health stays open).
     `max_connection_age_s`: send each connection a GOAWAY after this long (None: never); its open calls run on
-    to their end (no grace bound), new ones open a new connection, which a load balancer may place elsewhere."""
+    to their end (no grace bound), new ones open a new connection, which a load balancer may place elsewhere.
+    `checked_by_handler`: methods whose handlers answer a request that does not parse (ErrorMappingInterceptor)."""
 
     def __init__(
         self,
@@ -76,11 +77,12 @@ class Server:
         advertise_host: str | None = None,
         port_span: int = 1,
         max_connection_age_s: float | None = None,
+        checked_by_handler: Iterable[str] = (),
     ) -> None:
         # Tracing interceptors first (outermost), so their spans see the status the error mapping chose; `inner`
         # ones (a worker's drain gate) inside the mapping, so the typed errors they raise get their status.
         auth = [ClusterAuthServerInterceptor(cluster)] if cluster is not None and cluster.enabled else []
-        chain = [*interceptors, *auth, ErrorMappingInterceptor(), *inner]
+        chain = [*interceptors, *auth, ErrorMappingInterceptor(tuple(checked_by_handler)), *inner]
         age_ms = None if max_connection_age_s is None else round(max_connection_age_s * 1000)
         age = [] if age_ms is None else [("grpc.max_connection_age_ms", age_ms)]
         self._server = grpc.aio.server(interceptors=chain, options=[*SERVER_OPTIONS, *age])
