@@ -104,7 +104,12 @@ class OpenAIAPI:
             return Response(status_code=499)
         except Exception as e:  # a bug converting a body is a 500 in OpenAI's shape too, its text only in the log
             self.lifecycle.refused(e, start, tenant)
-            return error_response(e)
+            response = error_response(e)
+            with self._span(request, None) as span:  # in its caller's trace, as a gRPC call's refusal is
+                if response.status_code < 500:
+                    span.set_attribute("refused", f"{type(e).__name__}: {e}")
+                _span_status(span, response.status_code, e)
+            return response
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id or uuid.uuid4().hex}"
         answer = Answer(req, answer_id, self.lifecycle.tokenizer)
         if req.stream:
@@ -253,11 +258,11 @@ class OpenAIAPI:
             streamed=req.stream,
         )
 
-    def _span(self, request: Request, req: OpenAIRequest, **options: bool) -> AbstractContextManager[trace.Span]:
+    def _span(self, request: Request, req: OpenAIRequest | None, **options: bool) -> AbstractContextManager[trace.Span]:
         """The request's server span, a child of the caller's trace when its `traceparent` header names one;
-        it carries the body's `user` as OpenTelemetry's `enduser.id`."""
+        it carries the body's `user` as OpenTelemetry's `enduser.id` (None: a body refused before it parsed)."""
         tracer, parent = self.lifecycle.telemetry.tracer, propagate.extract(request.headers)
-        attributes = {"enduser.id": req.user} if req.user else None
+        attributes = {"enduser.id": req.user} if req is not None and req.user else None
         name = f"POST {request.url.path}"
         kind = trace.SpanKind.SERVER
         return tracer.start_as_current_span(name, parent, kind=kind, attributes=attributes, **options)

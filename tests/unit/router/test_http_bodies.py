@@ -174,6 +174,27 @@ async def test_the_http_span_is_an_error_only_for_the_servers_own_failures():
     telemetry.shutdown()
 
 
+async def test_a_body_refused_before_it_parsed_has_a_span_in_its_callers_trace():
+    """A bad key, JSON or field over HTTP is in the caller's trace (its traceparent), as the same refusal over
+    gRPC is in the server span: it had none."""
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("test-router", span_processor=SimpleSpanProcessor(exporter))
+    lc = Router([]).lifecycle(KeyTable({digest("k-1"): Tenant("team-a", "k-1")}), telemetry=telemetry)
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    caller = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+    transport = httpx2.ASGITransport(app=openai_app(lc))
+    async with httpx2.AsyncClient(transport=transport, base_url="http://router") as http:
+        bad_json = await http.post("/v1/completions", content=b"{", headers=caller | {"authorization": "Bearer k-1"})
+        no_key = await http.post("/v1/completions", content=b"{", headers=caller)
+    assert (bad_json.status_code, no_key.status_code) == (400, 401)
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["POST /v1/completions"] * 2
+    assert {f"{s.context.trace_id:032x}" for s in spans} == {trace_id}
+    assert [s.attributes["http.response.status_code"] for s in spans] == [400, 401]
+    assert all(s.status.status_code == StatusCode.UNSET and "refused" in s.attributes for s in spans)
+    telemetry.shutdown()
+
+
 async def test_an_empty_prompt_is_a_400_saying_so(lifecycle):
     for prompt in ('""', '[""]'):
         r = await post(lifecycle, "/v1/completions", f'{{"model": "{MODEL}", "prompt": {prompt}}}'.encode())
