@@ -74,9 +74,10 @@ class PlacementPolicy(ABC):
         """Called by the router per request; raises UnavailableError when no worker serves at all. `avoid`:
         workers that already failed this request (a retry never goes back to them). `cache_salt`: the
         request's prefix-cache salt; only blocks cached under it count as hits. Prefill workers whose whole KV
-        holds the prompt are preferred. `must_hold`: only those, and only decode workers whose whole KV holds
-        prompt + max_tokens (NoWorkersError when none is live): a retry or a migration, which admission does not
-        judge again, must not go where it would be refused as invalid."""
+        holds the prompt are preferred; while none is live but one is registered (draining, ejected),
+        NoWorkersError, which the request waits out. `must_hold`: only those, and only decode workers whose
+        whole KV holds prompt + max_tokens (NoWorkersError when none is live): a retry or a migration, which
+        admission does not judge again, must not go where it would be refused as invalid."""
         colocated = self._workers(Role.COLOCATED, avoid)
         prefills = colocated or self._workers(Role.PREFILL, avoid)
         decodes = colocated or self._workers(Role.DECODE, avoid)
@@ -93,7 +94,9 @@ class PlacementPolicy(ABC):
         if not colocated:  # a prefill worker holds the prompt alone; one whose whole KV cannot refuses it
             prompt_blocks = -(-len(prompt) // block_size)
             holding = [w for w in prefills if w.kv_blocks_total >= prompt_blocks]
-            if must_hold and not holding:
+            # One that would, draining or out of placement for now, makes it a wait, not the small one's refusal
+            # (INVALID_ARGUMENT: never) of what it serves once back.
+            if not holding and (must_hold or self._registered_holds(Role.PREFILL, prompt_blocks)):
                 raise NoWorkersError(f"no live prefill worker holds {prompt_blocks} KV blocks")
             prefills = holding or prefills
         offered = self._registered(colocated=bool(colocated))
@@ -119,6 +122,9 @@ class PlacementPolicy(ABC):
     def _workers(self, role: Role, avoid: frozenset[str]) -> list[WorkerState]:
         live = [w for w in self.registry.workers(role) if w.worker_id not in avoid and not w.draining]
         return self.ejections.usable(live)
+
+    def _registered_holds(self, role: Role, blocks: int) -> bool:
+        return any(w.kv_blocks_total >= blocks for w in self.registry.workers(role))
 
     def _registered(self, colocated: bool) -> tuple[list[WorkerState], list[WorkerState]]:
         """Every registered prefill and decode worker, ejected and draining ones too: what the offer is over."""

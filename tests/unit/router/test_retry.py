@@ -191,3 +191,19 @@ async def test_placement_keeps_a_prompt_off_a_prefill_worker_whose_kv_cannot_hol
     with pytest.raises(UnavailableError, match="no live prefill worker holds 5 KV blocks"):
         await r.placement.place(prompt(80), 8, 1.0, frozenset({"p-big"}), must_hold=True)
     assert (await r.placement.place(prompt(40), 8, 1.0, frozenset({"p-big"}))).prefill_worker.worker_id == "p-a"
+
+
+async def test_a_prompt_only_a_draining_or_ejected_prefill_worker_holds_waits_for_it():
+    """Not sent to the small live one, whose refusal (INVALID_ARGUMENT: never) would be false once the big one is
+    back: no placement (the request waits up to no_workers_wait_s, then UNAVAILABLE). With no worker that could
+    ever hold it, the small one's refusal is the truth."""
+    draining = Router([worker("p-a", kv_blocks_total=4), worker("p-big", draining=True), worker("d0", "decode")])
+    with pytest.raises(UnavailableError, match="no live prefill worker holds 5 KV blocks"):
+        await draining.placement.place(prompt(80), 8, 1.0)
+    big = worker("p-big")
+    ejected = Router([worker("p-a", kv_blocks_total=4), big, worker("d0", "decode")])
+    ejected.placement.ejections.eject(big, "stalled")
+    with pytest.raises(UnavailableError, match="no live prefill worker holds 5 KV blocks"):
+        await ejected.placement.place(prompt(80), 8, 1.0)
+    alone = Router([worker("p-a", kv_blocks_total=4), worker("d0", "decode")])
+    assert (await alone.placement.place(prompt(80), 8, 1.0)).prefill_worker.worker_id == "p-a"
