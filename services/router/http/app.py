@@ -280,7 +280,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     """The body, or BodyTooLargeError as soon as it is known to be past `limit`: from its Content-Length before any
     of it is read, else once what came would pass it. No more than `limit` bytes are ever held. BodyTimeoutError
     when it is not all in within BODY_TIMEOUT_S: a client sending it a byte at a time would hold its connection and
-    a descriptor for ever, as a slow head would (head_deadline)."""
+    a descriptor for ever, as a slow head would (connection_deadlines)."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise BodyTooLargeError(limit)

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp
 
 from pdserve.rpc.credentials import ServerTLS
 from services.router.http.connection_close import ConnectionAge
-from services.router.http.head_deadline import HEAD_TIMEOUT_S, with_head_timeout
+from services.router.http.connection_deadlines import HEAD_TIMEOUT_S, WRITE_STALL_TIMEOUT_S, with_deadlines
 
 STARTUP_TIMEOUT_S = 10.0
 
@@ -38,10 +38,12 @@ class HttpServer:
         grace_s: int = 1,
         max_connection_age_s: float | None = None,
         head_timeout_s: float = HEAD_TIMEOUT_S,
+        write_stall_timeout_s: float = WRITE_STALL_TIMEOUT_S,
     ) -> None:
         """`max_connection_age_s`: a keep-alive connection is closed after its first response past this age (None:
         never), as the gRPC listener's GOAWAY does. `head_timeout_s`: a connection whose request head is not in
-        within this is closed (head_deadline.py)."""
+        within this is closed, as is one whose reader takes none of a response for `write_stall_timeout_s`
+        (connection_deadlines.py)."""
         # The same certificate as the gRPC port: TLS on one public port and plaintext on the other would be a hole.
         ssl: dict[str, Any] = {}
         if tls is not None:
@@ -52,7 +54,7 @@ class HttpServer:
             app = ConnectionAge(app, max_connection_age_s)
         config = uvicorn.Config(
             app,
-            http=with_head_timeout(head_timeout_s),  # h11, with a deadline on each request's head
+            http=with_deadlines(head_timeout_s, write_stall_timeout_s),  # h11, with deadlines of its own
             host=host,
             port=port,
             lifespan="off",

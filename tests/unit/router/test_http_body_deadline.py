@@ -1,6 +1,6 @@
 """The HTTP API's deadline on a request's body: a client that sends its head and then the body a byte at a time
-gets a 408 and its connection closed, as a slow head is cut (head_deadline); the router serves on. Real uvicorn on
-loopback, the real ASGI app and lifecycle."""
+gets a 408 and its connection closed, as a slow head is cut (connection_deadlines); the router serves on. Real
+uvicorn on loopback, the real ASGI app and lifecycle."""
 
 from __future__ import annotations
 

@@ -1,0 +1,102 @@
+"""The HTTP listener closes a connection whose request head (line and headers) is not in within its deadline, as
+a client sending it a byte at a time (slowloris) would hold it for ever otherwise; whole requests, one after
+another on a keep-alive connection, are served as before. A connection whose reader takes none of a response for
+its write deadline is ended, and the response's stream with it (a stalled reader held its request, and the
+router's slot, for ever). Real uvicorn on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import httpx2
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Send
+
+from services.router.http.server import HttpServer
+from tests.unit.router.slow_client import dribbled
+
+DEADLINE_S = 0.5
+
+
+async def ok(request: Request) -> Response:
+    return PlainTextResponse("ok")
+
+
+class Flood:
+    """A response of 1 MiB chunks for ever; notes when it ended."""
+
+    def __init__(self) -> None:
+        self.ended = asyncio.Event()
+
+    async def respond(self, request: Request) -> Response:
+        async def chunks() -> AsyncIterator[bytes]:
+            while True:
+                yield b"x" * 2**20
+                await asyncio.sleep(0)  # as a stream waiting for its next event does: a gone reader's send never does
+
+        flood = self
+
+        class Noted(StreamingResponse):
+            async def stream_response(self, send: Send) -> None:
+                try:
+                    await super().stream_response(send)
+                finally:
+                    flood.ended.set()
+
+        return Noted(chunks())
+
+
+async def serving(flood: Flood | None = None) -> HttpServer:
+    routes = [Route("/", ok), Route("/flood", (flood or Flood()).respond)]
+    server = HttpServer(
+        Starlette(routes=routes), "127.0.0.1", 0, head_timeout_s=DEADLINE_S, write_stall_timeout_s=DEADLINE_S
+    )
+    await server.start()
+    return server
+
+
+async def test_a_head_sent_a_byte_at_a_time_is_cut_at_its_deadline():
+    server = await serving()
+    try:
+        # each byte would cancel uvicorn's own (keep-alive) timer
+        answer, closed_after = await dribbled(server.port, b"GET / HTTP/1.1\r\nHost: router\r\n", b"X", 5 * DEADLINE_S)
+    finally:
+        await server.stop()
+    assert answer == b"" and DEADLINE_S * 0.8 <= closed_after < 3 * DEADLINE_S, (answer, closed_after)
+
+
+async def test_whole_requests_on_a_keep_alive_connection_are_served_across_deadlines():
+    server = await serving()
+    try:
+        async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=5) as http:
+            texts = []
+            for _ in range(4):  # 4 x 0.3 s: past one deadline in all, each head within its own
+                texts.append((await http.get("/")).text)
+                await asyncio.sleep(0.6 * DEADLINE_S)
+    finally:
+        await server.stop()
+    assert texts == ["ok"] * 4
+
+
+async def test_a_reader_that_takes_nothing_is_cut_at_its_write_deadline_and_the_stream_ends():
+    flood = Flood()
+    server = await serving(flood)
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    reader.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(reader, ("127.0.0.1", server.port))
+        reader.send(b"GET /flood HTTP/1.1\r\nHost: router\r\n\r\n")  # and never reads
+        start = time.monotonic()
+        await asyncio.wait_for(flood.ended.wait(), 20)
+        ended_after = time.monotonic() - start
+    finally:
+        reader.close()
+        await server.stop()
+    assert DEADLINE_S <= ended_after < 15, ended_after  # the buffers fill within seconds; then the deadline
