@@ -98,7 +98,10 @@ class Relay:
             return await call.read()
         handed_off = asyncio.ensure_future(_handoff_started(call))
         try:
-            return await asyncio.wait_for(call.read(), max(bound, 0.0))
+            # In this task, not one of wait_for's: a caller's cancel repeated while wait_for waited for its read
+            # task to end left that read running, and the cleanup's read of the call then failed the request.
+            async with asyncio.timeout(max(bound, 0.0)):
+                return await call.read()
         except TimeoutError:
             call.cancel()
             raise UnavailableError(self._no_first_token(ticket.placement, handed_off)) from None
