@@ -127,7 +127,10 @@ async def start_router(
     http = None
     if http_port is not None:
         age = config.max_connection_age_s or None
-        http = HttpServer(openai_app(lifecycle), host, http_port, tls, max_connection_age_s=age)
+        stall = config.reader_stall_timeout_s
+        http = HttpServer(
+            openai_app(lifecycle), host, http_port, tls, max_connection_age_s=age, write_stall_timeout_s=stall
+        )
     await server.start()
     if http is not None:
         await http.start()

@@ -31,8 +31,31 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await send_initial_metadata(context, ((PREDICTED_TTFT_KEY, str(predicted_ms)),))
 
         headers = {m.key: m.value for m in context.invocation_metadata() or () if isinstance(m.value, str)}
-        async for msg in generate(self.lifecycle, request, headers, context.time_remaining, send_prediction):
-            yield msg
+        messages = generate(self.lifecycle, request, headers, context.time_remaining, send_prediction)
+        stall_s = self.lifecycle.config.reader_stall_timeout_s
+        loop = asyncio.get_running_loop()
+        ending: asyncio.Task[None] | None = None
+
+        def reader_gone() -> None:
+            """The caller took none of the stream for stall_s, a write still waiting on its window: its request
+            ends now (cancelled, everything given back), not whenever the caller reads or leaves."""
+            nonlocal ending
+            ending = asyncio.ensure_future(messages.aclose())
+
+        try:
+            async for msg in messages:
+                deadline = loop.call_later(stall_s, reader_gone)
+                try:
+                    yield msg
+                finally:
+                    deadline.cancel()
+                if ending is not None:
+                    await ending
+                    await context.abort(
+                        grpc.StatusCode.CANCELLED, f"the caller took none of its stream for {stall_s:g} s: ended"
+                    )
+        finally:
+            await (ending if ending is not None else messages.aclose())
 
 
 async def send_initial_metadata(context: grpc.aio.ServicerContext, metadata: tuple[tuple[str, str], ...]) -> None:

@@ -125,6 +125,9 @@ class RouterConfig:
     max_http_body_bytes: int = MAX_MESSAGE_BYTES
     first_token_timeout_s: float = 60.0  # no first token by then (and no shorter client deadline): UNAVAILABLE
     stall_timeout_s: float = 5.0  # no message this long after the first: the stream is broken, and migrated
+    # A caller that takes none of its stream this long (its window full, not reading, not gone) is taken as gone:
+    # its request ends, cancelled, and its HTTP connection (a gRPC stream: CANCELLED) with it.
+    reader_stall_timeout_s: float = 60.0
     max_attempts: int = 3  # placements a request may get before its first token (1: never retried)
     migration_limit: int = 3  # moves of a stream to another decode worker after tokens were sent (0: none)
     ejection_s: float = 10.0  # a worker whose call failed stays out of placement this long (or until restarted)
@@ -156,7 +159,8 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.max_http_body_bytes < 1:
             raise ValueError(f"max_http_body_bytes must be at least 1, got {self.max_http_body_bytes}")
-        for name in ("first_token_timeout_s", "stall_timeout_s", "default_ttft_ms", "default_tpot_ms", "heartbeat_s"):
+        positive = ("first_token_timeout_s", "stall_timeout_s", "reader_stall_timeout_s", "default_ttft_ms")
+        for name in (*positive, "default_tpot_ms", "heartbeat_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
         for name in ("max_in_flight", "max_queued_prefill_tokens", "default_max_tokens"):

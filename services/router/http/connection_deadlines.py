@@ -20,15 +20,16 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pdserve.config import RouterConfig
+
 log = logging.getLogger(__name__)
 
 HEAD_TIMEOUT_S = 10.0  # as Go's common ReadHeaderTimeout; a real client sends its head in one write
-WRITE_STALL_TIMEOUT_S = 60.0  # a reader that takes nothing for a minute is gone (nginx's send_timeout)
 
 
 class DeadlineProtocol(H11Protocol):
     head_timeout_s = HEAD_TIMEOUT_S
-    write_stall_timeout_s = WRITE_STALL_TIMEOUT_S
+    write_stall_timeout_s = RouterConfig.reader_stall_timeout_s
     _head_deadline: asyncio.TimerHandle | None = None
     _write_deadline: asyncio.TimerHandle | None = None
 

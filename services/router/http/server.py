@@ -15,9 +15,10 @@ from typing import Any
 import uvicorn
 from starlette.types import ASGIApp
 
+from pdserve.config import RouterConfig
 from pdserve.rpc.credentials import ServerTLS
 from services.router.http.connection_close import ConnectionAge
-from services.router.http.connection_deadlines import HEAD_TIMEOUT_S, WRITE_STALL_TIMEOUT_S, with_deadlines
+from services.router.http.connection_deadlines import HEAD_TIMEOUT_S, with_deadlines
 
 STARTUP_TIMEOUT_S = 10.0
 
@@ -38,7 +39,7 @@ class HttpServer:
         grace_s: int = 1,
         max_connection_age_s: float | None = None,
         head_timeout_s: float = HEAD_TIMEOUT_S,
-        write_stall_timeout_s: float = WRITE_STALL_TIMEOUT_S,
+        write_stall_timeout_s: float = RouterConfig.reader_stall_timeout_s,
     ) -> None:
         """`max_connection_age_s`: a keep-alive connection is closed after its first response past this age (None:
         never), as the gRPC listener's GOAWAY does. `head_timeout_s`: a connection whose request head is not in

@@ -1,0 +1,53 @@
+"""A gRPC caller that takes none of its stream (its flow-control window full, not reading, not gone) is taken as
+gone after reader_stall_timeout_s: its request ends cancelled and gives back its router slot and decode call at
+once, and the caller, when it reads again, gets what was sent and then CANCELLED saying why. Before, the request
+held its slot until the caller read or left: enough such callers shed every other one. A real gRPC server, the
+router's servicer and lifecycle, a stand-in decode worker; the client's window is kept small (no BDP probing, no
+lookahead), as a client that stops reading leaves it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from pdserve.env import CLUSTER_SECRET_VAR
+from pdserve.rpc.server import Server
+from pdserve.telemetry import Telemetry
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc
+from services.router.servicer import GenerationServicer
+from tests.unit.router.request_counts import requests_by_outcome
+from tests.unit.router.router_builder import Router, worker
+from tests.unit.router.stand_in_decode import StandInDecode, serving
+
+pytestmark = pytest.mark.timeout(60)
+SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 0)]
+
+
+async def test_a_caller_that_stops_reading_is_ended_cancelled_and_its_slot_given_back(monkeypatch) -> None:
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    telemetry = Telemetry("test-router")
+    async with serving(StandInDecode()) as d0:
+        router = Router([worker("p0"), worker("d0", "decode", address=d0)], reader_stall_timeout_s=0.5)
+        lifecycle = router.lifecycle(telemetry=telemetry)
+        server = Server("127.0.0.1", 0)
+        server.add(lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(lifecycle), s), [])
+        await server.start()
+        request = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(max_tokens=4000))
+        try:
+            async with grpc.aio.insecure_channel(server.address, options=SMALL_WINDOW) as ch:
+                call = generate_pb2_grpc.GenerationStub(ch).Generate(request)
+                await call.read()  # the first token; then the caller reads nothing
+                await asyncio.sleep(2.0)
+                assert lifecycle.in_flight == 0 and not router.tracker.decoding["d0"]  # before it read again
+                assert requests_by_outcome(telemetry) == {("cancelled", "anonymous"): 1}
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+        finally:
+            await server.stop(None)
+    assert ended.value.code() == grpc.StatusCode.CANCELLED
+    assert "took none of its stream for 0.5 s" in ended.value.details()
+    telemetry.shutdown()
