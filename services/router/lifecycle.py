@@ -141,6 +141,9 @@ class RequestLifecycle:
                 choices = 1 if quota.later_choice else quota.choices
                 self.admission.check_feasible(placement, len(req.prompt_token_ids), slo, choices)
                 await quota.charge_tokens(len(req.prompt_token_ids) + req.sampling.max_tokens)
+                # A drain begun during the charge (a Redis round trip) counted no such request, and stops once the
+                # requests it counted end: none may be admitted past it.
+                self._refuse_when_draining(quota.later_choice)
                 try:
                     self.admission.check_load(placement, len(req.prompt_token_ids), req.priority, slo)
                 except OverloadedError:

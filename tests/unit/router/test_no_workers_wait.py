@@ -12,8 +12,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from pdserve.errors import UnavailableError
-from pdserve.security.api_keys import OPEN
+from pdserve.errors import RouterDrainingError, UnavailableError
+from pdserve.security.api_keys import OPEN, Tenant
+from pdserve.security.quotas import LocalQuotas, Release
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import generate
@@ -84,6 +85,38 @@ async def test_a_drain_counts_a_request_waiting_for_a_worker_and_refuses_it_once
     with pytest.raises(UnavailableError, match="draining"):
         await waiting
     assert lc.in_flight == 0
+
+
+class RoundTripQuotas(LocalQuotas):
+    """The key's token charge waits a round trip, as RedisQuotas' does; `charging` is set when it begins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.charging = asyncio.Event()
+
+    async def take_tokens(self, tenant: Tenant, tokens: int) -> Release:
+        self.charging.set()
+        await asyncio.sleep(0.2)
+        return await super().take_tokens(tenant, tokens)
+
+
+async def test_a_drain_begun_during_the_keys_token_charge_refuses_the_request() -> None:
+    """Nothing counts the request in flight while its key is charged: a drain that began then would stop the server
+    under it, were it admitted after."""
+    quotas = RoundTripQuotas()
+    lc = Router([worker("p0"), worker("d0", "decode")]).lifecycle(quotas=quotas)
+    tenant = Tenant("team", "k", tokens_per_minute=100_000)
+
+    async def admit_for_the_key() -> Ticket:
+        async with lc.quotas.session(tenant) as quota:
+            return await lc.admit(REQUEST, time.monotonic(), quota)
+
+    admitting = asyncio.ensure_future(admit_for_the_key())
+    await quotas.charging.wait()
+    lc.draining = True
+    assert lc.in_flight == 0  # what the drain sees: it would stop the server now
+    with pytest.raises(RouterDrainingError):
+        await admitting
 
 
 async def test_a_draining_routers_refusal_is_counted_rejected_not_failed() -> None:
