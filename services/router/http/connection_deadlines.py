@@ -8,14 +8,19 @@ the connection's start, or from the previous response's end; past it the connect
 
 A client that stops reading a response (a stream's events) without hanging up fills the socket's buffers, and
 uvicorn's next write waits for room for ever: its request holds its router slot (the in-flight limit a full router
-sheds at), its key's stream lease and its span meanwhile. Writes stalled past a deadline end the connection, which
-the request sees as its caller hanging up (it ends cancelled, everything given back).
+sheds at), its key's stream lease and its span meanwhile. A connection whose buffered response does not shrink for
+a deadline is ended (as nginx's send_timeout: a slow reader that takes some of it each time lives on), which the
+request sees as its caller hanging up (it ends cancelled, everything given back).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
+import struct
+import termios
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -32,6 +37,7 @@ class DeadlineProtocol(H11Protocol):
     write_stall_timeout_s = RouterConfig.reader_stall_timeout_s
     _head_deadline: asyncio.TimerHandle | None = None
     _write_deadline: asyncio.TimerHandle | None = None
+    _buffered = 0  # what the transport held when the write deadline was armed
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -50,7 +56,7 @@ class DeadlineProtocol(H11Protocol):
         """The transport's buffer is full: the reader has this long to take some of it."""
         super().pause_writing()
         if self._write_deadline is None:
-            self._write_deadline = self.loop.call_later(self.write_stall_timeout_s, self._write_stalled)
+            self._arm_write_deadline()
 
     def resume_writing(self) -> None:
         self._cancel_write_deadline()
@@ -75,12 +81,29 @@ class DeadlineProtocol(H11Protocol):
         if not self.transport.is_closing():
             self.transport.close()
 
+    def _arm_write_deadline(self) -> None:
+        self._buffered = self._untaken()
+        self._write_deadline = self.loop.call_later(self.write_stall_timeout_s, self._write_stalled)
+
+    def _untaken(self) -> int:
+        """Bytes the reader has yet to take: the transport's buffer, and the socket's (Linux's TIOCOUTQ), which
+        holds megabytes on a fast link and drains first: the transport's alone stays still meanwhile."""
+        untaken = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and hasattr(termios, "TIOCOUTQ"):
+            with contextlib.suppress(OSError):
+                untaken += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0]
+        return untaken
+
     def _cancel_write_deadline(self) -> None:
         if self._write_deadline is not None:
             self._write_deadline.cancel()
             self._write_deadline = None
 
     def _write_stalled(self) -> None:
+        if self._untaken() < self._buffered:  # it took some: a slow reader, not a gone one
+            self._arm_write_deadline()
+            return
         self._write_deadline = None
         log.warning(
             "closing the HTTP connection of %s: it took none of its response for %g s",

@@ -52,8 +52,15 @@ class Flood:
         return Noted(chunks())
 
 
+BIG = 4 * 2**20
+
+
+async def big(request: Request) -> Response:
+    return Response(b"x" * BIG)  # written whole, as a non-streamed answer is
+
+
 async def serving(flood: Flood | None = None) -> HttpServer:
-    routes = [Route("/", ok), Route("/flood", (flood or Flood()).respond)]
+    routes = [Route("/", ok), Route("/flood", (flood or Flood()).respond), Route("/big", big)]
     server = HttpServer(
         Starlette(routes=routes), "127.0.0.1", 0, head_timeout_s=DEADLINE_S, write_stall_timeout_s=DEADLINE_S
     )
@@ -100,3 +107,21 @@ async def test_a_reader_that_takes_nothing_is_cut_at_its_write_deadline_and_the_
         reader.close()
         await server.stop()
     assert DEADLINE_S <= ended_after < 15, ended_after  # the buffers fill within seconds; then the deadline
+
+
+async def test_a_slow_reader_that_takes_some_of_each_deadline_gets_the_whole_response():
+    """As nginx's send_timeout: the deadline is on progress, not on the whole download (a steady reader of a large
+    answer was cut mid-body)."""
+    server = await serving()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port, limit=2**16)
+        writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        writer.write(b"GET /big HTTP/1.1\r\nHost: router\r\n\r\n")
+        got, start = 0, time.monotonic()
+        while chunk := await reader.read(32768):
+            got += len(chunk)
+            await asyncio.sleep(0.01)  # ~3 MB/s: the whole answer takes several deadlines
+        writer.close()
+    finally:
+        await server.stop()
+    assert got > BIG and time.monotonic() - start > 2 * DEADLINE_S
