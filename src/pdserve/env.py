@@ -87,17 +87,26 @@ def fault_config() -> FaultConfig:
     )
 
 
-def otel_traces_exporters() -> tuple[str, ...]:
-    """The span exporters the standard OTEL_* variables ask for, of "otlp" and "console" (OTEL_TRACES_EXPORTER is
-    a comma-separated list); none: export nothing. Unset, an OTLP endpoint alone means OTLP; "none" turns
-    exporting off. A name pdserve has no exporter for is logged and skipped."""
+# OTEL_TRACES_EXPORTER's names -> an exporter and the OTLP protocol it fixes (None: OTEL_EXPORTER_OTLP_PROTOCOL's).
+_EXPORTERS = {
+    "otlp": ("otlp", None),
+    "otlp_proto_http": ("otlp", "http/protobuf"),  # opentelemetry-python's own names
+    "otlp_proto_grpc": ("otlp", "grpc"),
+    "console": ("console", None),
+}
+
+
+def otel_traces_exporters() -> tuple[tuple[str, str | None], ...]:
+    """The span exporters the standard OTEL_* variables ask for, each as (kind, OTLP protocol or None): "otlp"
+    or "console" (OTEL_TRACES_EXPORTER is a comma-separated list); none: export nothing. Unset, an OTLP endpoint
+    alone means OTLP; "none" turns exporting off. A name pdserve has no exporter for is logged and skipped."""
     named = [n.strip().lower() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
     if not named:
         endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        return ("otlp",) if endpoint else ()
-    for unknown in sorted(set(named) - {"otlp", "console", "none"}):
+        return (("otlp", None),) if endpoint else ()
+    for unknown in sorted(set(named) - {*_EXPORTERS, "none"}):
         logging.getLogger(__name__).warning("OTEL_TRACES_EXPORTER names %r, which pdserve has no exporter for", unknown)
-    return tuple(dict.fromkeys(n for n in named if n in ("otlp", "console")))
+    return tuple(dict.fromkeys(_EXPORTERS[n] for n in named if n in _EXPORTERS))
 
 
 def otel_traces_protocol() -> str:

@@ -48,10 +48,10 @@ request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pds
 def default_span_processors() -> list[SpanProcessor]:
     """What the OTEL_* environment asks for, one processor per exporter; none when it asks for nothing."""
     processors: list[SpanProcessor] = []
-    for kind in env.otel_traces_exporters():
+    for kind, protocol in env.otel_traces_exporters():
         if kind == "console":
             processors.append(BatchSpanProcessor(ConsoleSpanExporter()))
-        elif env.otel_traces_protocol() == "grpc":
+        elif (protocol or env.otel_traces_protocol()) == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
             processors.append(BatchSpanProcessor(OTLPSpanExporter()))
@@ -169,6 +169,12 @@ def mark_ended_by(span: trace.Span, error: BaseException | None) -> None:
     if isinstance(error, CALLER_ANSWERS):
         span.set_attribute("refused", f"{type(error).__name__}: {error}")
         return
+    mark_failed(span, error)
+
+
+def mark_failed(span: trace.Span, error: BaseException) -> None:
+    """ERROR with the exception, whatever it is: for an error that broke what the caller was already given (a stream
+    its first events reached), a shed or a refusal included."""
     span.record_exception(error)
     span.set_status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}")
 

@@ -42,6 +42,9 @@ def test_every_exporter_otel_traces_exporter_lists_is_used(monkeypatch, caplog):
     exporters = [type(p.span_exporter).__name__ for p in default_span_processors()]
     assert exporters == ["OTLPSpanExporter", "ConsoleSpanExporter"]
     assert "'zipkin', which pdserve has no exporter for" in caplog.text
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp_proto_grpc")  # opentelemetry-python's names name a protocol
+    (grpc_otlp,) = default_span_processors()
+    assert type(grpc_otlp.span_exporter).__module__.endswith("proto.grpc.trace_exporter")
 
 
 async def _echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:

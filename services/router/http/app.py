@@ -20,7 +20,7 @@ from starlette.routing import Route
 from starlette.types import Send
 
 from pdserve.security.quotas import Choices
-from pdserve.telemetry import mark_ended_by, step_span
+from pdserve.telemetry import mark_ended_by, mark_failed, step_span
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, check_model, generate
 from services.router.http.connection_close import CloseWhileDraining
@@ -163,8 +163,8 @@ class OpenAIAPI:
                 span.set_attribute("cancelled", True)
                 raise
             except Exception as e:
-                if started:  # it broke an open stream: the server's failure
-                    mark_ended_by(span, e)
+                if started:  # it broke an open stream: the server's failure, whatever the error
+                    mark_failed(span, e)
                 else:
                     _span_status(span, error_body(e, req.max_tokens_param)[0], e)
                 raise

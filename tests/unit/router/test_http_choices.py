@@ -147,6 +147,34 @@ async def test_a_failed_choices_span_is_an_error_with_its_exception(monkeypatch)
     telemetry.shutdown()
 
 
+class ShedsChoiceOne(StandInDecode):
+    """Serves the first call; refuses the next as a full batch does."""
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        if self.calls:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "its batch is full (1 sequences, max_num_seqs 1)")
+        async for msg in super().Generate(request, context):
+            yield msg
+
+
+async def test_a_stream_a_later_choices_shed_breaks_is_an_error_on_its_span(monkeypatch):
+    """Choice 0's events went out (a 200): the shed of choice 1 breaks what the caller was given, the server's
+    failure however the shed reads on its own (a shed before the first event is a 429, no error)."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("test-router", span_processor=SimpleSpanProcessor(exporter))
+    async with serving(ShedsChoiceOne(gap_s=0.005)) as address:
+        router = Router([worker("p0"), worker("d0", "decode", address=address)], max_attempts=1)
+        transport = httpx2.ASGITransport(app=openai_app(router.lifecycle(telemetry=telemetry)))
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "n": 2, "ignore_eos": True, "stream": True}
+        async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+            r = await http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and '"error"' in r.text
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/completions"]
+    assert span.status.status_code is StatusCode.ERROR and [e.name for e in span.events] == ["exception"]
+    telemetry.shutdown()
+
+
 async def test_choices_a_failed_choice_ends_are_counted_as_failed_not_as_the_callers_cancels(monkeypatch):
     """n=4, choice 1 fails while choice 0 streams: choice 0 is cancelled for it and 2-3 never start. The caller
     cancelled nothing: four requests counted, all failed (choice 0 was counted `cancelled`, 2-3 not at all)."""
