@@ -14,7 +14,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.device import resolve_device, resolve_dtype
-from pdserve.engine.model_files import tokenizer_folder
+from pdserve.engine.model_files import generation_eos_ids, tokenizer_folder
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes, load_model
 from pdserve.engine.models import resolve_model
 from pdserve.engine.sampler import Sampler, TokenHistory, make_generator
@@ -61,7 +61,7 @@ class LLMEngine:
         self.model = load_model(path, resolve_dtype(config), resolve_device(config))
         self.model_config = self.model.config
         self.tokenizer = Tokenizer(tokenizer_folder(path))
-        eos = set(self.model_config.eos_token_ids)
+        eos = set(self.model_config.eos_token_ids) | set(generation_eos_ids(path))
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)

@@ -65,11 +65,19 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     config = path / "config.json"
     if not config.exists():
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
-    cfg = _json_object(config)
+    return _json_object(config)
+
+
+def generation_eos_ids(path: Path) -> tuple[int, ...]:
+    """End-of-sequence ids a model declares beside its config's: its generation_config.json's (where Llama 3
+    Instruct declares its end of turn alone) or, in a GGUF, llama.cpp's end-of-turn and end-of-message ids. The
+    engine stops on them too, as transformers and vLLM do. No part of the architecture, so not of ModelConfig (whose
+    every field the KV fingerprint hashes: workers of one model must keep handing KV to each other across builds)."""
+    if path.suffix == ".gguf":
+        meta, _ = read_gguf_header(path)
+        return _token_ids(*(meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")))
     generation = path / "generation_config.json"
-    if generation.exists():  # Llama 3 Instruct declares its end of turn there alone
-        cfg["eos_token_id"] = _token_ids(cfg.get("eos_token_id"), _json_object(generation).get("eos_token_id"))
-    return cfg
+    return _token_ids(_json_object(generation).get("eos_token_id")) if generation.exists() else ()
 
 
 def _json_object(path: Path) -> dict[str, Any]:
@@ -82,15 +90,14 @@ def _json_object(path: Path) -> dict[str, Any]:
     return value
 
 
-def _token_ids(*values: int | list[int] | None) -> int | list[int] | None:
-    """The union of `eos_token_id`-style values (an id, a list of ids or none), in config.json's form: a model
-    stops on every id its config and its generation config declare, as transformers and vLLM stop."""
+def _token_ids(*values: int | list[int] | None) -> tuple[int, ...]:
+    """Every id of `eos_token_id`-style values (an id, a list of ids or none), each once, in order."""
     ids: list[int] = []
     for value in values:
         for i in value if isinstance(value, list) else ([] if value is None else [value]):
             if i not in ids:
                 ids.append(i)
-    return ids[0] if len(ids) == 1 else (ids or None)
+    return tuple(ids)
 
 
 def gguf_hf_config(path: Path) -> dict[str, Any]:
@@ -128,8 +135,7 @@ def gguf_hf_config(path: Path) -> dict[str, Any]:
         "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
         "hidden_act": "silu",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        # llama.cpp ends generation on each of these (end of sequence, of turn, of message)
-        "eos_token_id": _token_ids(*(meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }

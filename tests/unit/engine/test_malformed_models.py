@@ -5,6 +5,7 @@ request. And the end-of-sequence ids a model declares anywhere all stop it."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,9 @@ import torch
 from gguf import GGUFWriter
 from safetensors.torch import load_file, save_file
 
-from pdserve.engine.model_files import read_model_config
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.model_files import generation_eos_ids, read_model_config
 from pdserve.engine.model_runner import load_model
 from pdserve.engine.models import resolve_model
 from pdserve.protocol.model_config import UnsupportedModelError
@@ -88,16 +91,28 @@ def write_gguf(
     return path
 
 
-def test_every_eos_id_a_folder_declares_stops_it(tiny: Path, tmp_path: Path) -> None:
-    """Llama 3 Instruct declares its end of turn in generation_config.json alone; transformers and vLLM stop there."""
+def engine_for(path: Path) -> LLMEngine:
+    config = EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=8, num_threads=1)
+    return LLMEngine(config)
+
+
+def test_every_eos_id_a_folder_declares_stops_it_and_its_kv_fingerprint_stays(tiny: Path, tmp_path: Path) -> None:
+    """Llama 3 Instruct declares its end of turn in generation_config.json alone; transformers and vLLM stop there.
+    Those ids are no part of the architecture: workers of the same weights, one reading them and one not (two
+    builds in a rolling upgrade), still hand KV to each other."""
     model = folder(tiny, tmp_path)
+    shutil.copy(tiny / "tokenizer.json", model / "tokenizer.json")
+    before = engine_for(model)
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [186, 2]}))
-    assert read_model_config(model).eos_token_ids == (2, 186)
+    after = engine_for(model)
+    assert generation_eos_ids(model) == (186, 2)
+    assert {2, 186} <= after.eos_token_ids and 186 not in before.eos_token_ids
+    assert after.fingerprint == before.fingerprint
 
 
 def test_a_gguf_stops_on_its_end_of_turn_too(tiny: Path, tmp_path: Path) -> None:
     path = write_gguf(tiny, tmp_path / "m.gguf", eot=186, eom=187)
-    assert read_model_config(path).eos_token_ids == (2, 186, 187)
+    assert generation_eos_ids(path) == (2, 186, 187)
     load(path)  # and it loads: the writer above is a faithful one
 
 
