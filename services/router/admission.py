@@ -53,8 +53,9 @@ class Admission:
         if choices > placement.offer.held_at_once:
             raise InvalidRequestError(
                 "n",
-                f"{choices} choices of {placement.blocks_needed} KV blocks each are streamed at once; the decode "
-                f"workers hold {placement.offer.held_at_once} such requests together (their KV and batch caps)",
+                f"{choices} choices of up to {placement.blocks_needed} KV blocks each (prompt plus max_tokens, as "
+                f"every request is judged) are streamed at once; the decode workers hold "
+                f"{placement.offer.held_at_once} such requests together (their KV and batch caps)",
             )
 
     def check_load(self, placement: Placement, prompt_tokens: int, priority: int, slo: SLOTarget) -> None:
