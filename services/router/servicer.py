@@ -36,26 +36,35 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         loop = asyncio.get_running_loop()
         ending: asyncio.Task[None] | None = None
 
-        def reader_gone() -> None:
+        def reader_gone(last: bool) -> None:
             """The caller took none of the stream for stall_s, a write still waiting on its window: its request
-            ends now (cancelled, everything given back), not whenever the caller reads or leaves."""
+            ends now (cancelled, everything given back), not whenever the caller reads or leaves. Its `last`
+            message waiting (a finish reason): the request is done, and ends as finished."""
             nonlocal ending
-            ending = asyncio.ensure_future(messages.aclose())
+            ending = asyncio.ensure_future(_run_out(messages) if last else messages.aclose())
 
         try:
             async for msg in messages:
-                deadline = loop.call_later(stall_s, reader_gone)
+                last = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                deadline = loop.call_later(stall_s, reader_gone, last)
                 try:
                     yield msg
                 finally:
                     deadline.cancel()
                 if ending is not None:
                     await ending
-                    await context.abort(
-                        grpc.StatusCode.CANCELLED, f"the caller took none of its stream for {stall_s:g} s: ended"
-                    )
+                    if not last:
+                        await context.abort(
+                            grpc.StatusCode.CANCELLED, f"the caller took none of its stream for {stall_s:g} s: ended"
+                        )
         finally:
             await (ending if ending is not None else messages.aclose())
+
+
+async def _run_out(messages: AsyncIterator[pb.GenerateResponse]) -> None:
+    """Runs a stream past its last message (a finish reason: nothing follows), so that it ends as finished."""
+    async for _ in messages:
+        pass
 
 
 async def send_initial_metadata(context: grpc.aio.ServicerContext, metadata: tuple[tuple[str, str], ...]) -> None:

@@ -16,7 +16,7 @@ from pdserve.env import CLUSTER_SECRET_VAR
 from pdserve.rpc.server import Server
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
-from pdserve.v1 import generate_pb2_grpc
+from pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from services.router.servicer import GenerationServicer
 from tests.unit.router.request_counts import requests_by_outcome
 from tests.unit.router.router_builder import Router, worker
@@ -24,6 +24,14 @@ from tests.unit.router.stand_in_decode import StandInDecode, serving
 
 pytestmark = pytest.mark.timeout(60)
 SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 0)]
+
+
+class TwoBigMessages(worker_pb2_grpc.DecodeWorkerServicer):
+    """20,000 tokens, then 20,000 more with the finish reason: the caller's small window holds the first alone."""
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        yield pb.GenerateResponse(token_ids=[5] * 20_000)
+        yield pb.GenerateResponse(token_ids=[5] * 20_000, finish_reason=pb.FINISH_REASON_LENGTH)
 
 
 async def test_a_caller_that_stops_reading_is_ended_cancelled_and_its_slot_given_back(monkeypatch) -> None:
@@ -50,4 +58,31 @@ async def test_a_caller_that_stops_reading_is_ended_cancelled_and_its_slot_given
             await server.stop(None)
     assert ended.value.code() == grpc.StatusCode.CANCELLED
     assert "took none of its stream for 0.5 s" in ended.value.details()
+    telemetry.shutdown()
+
+
+async def test_a_caller_stalled_on_its_last_message_gets_its_whole_answer_counted_finished(monkeypatch) -> None:
+    """The request was done: ended for the stall, it ends as finished, and the caller reading again gets every
+    token and an OK (it got CANCELLED after the whole answer, which clients raise on)."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    telemetry = Telemetry("test-router")
+    async with serving(TwoBigMessages()) as d0:  # type: ignore[arg-type]
+        router = Router([worker("p0"), worker("d0", "decode", address=d0)], reader_stall_timeout_s=0.5)
+        lifecycle = router.lifecycle(telemetry=telemetry)
+        server = Server("127.0.0.1", 0)
+        server.add(lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(lifecycle), s), [])
+        await server.start()
+        request = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(max_tokens=4000))
+        try:
+            async with grpc.aio.insecure_channel(server.address, options=SMALL_WINDOW) as ch:
+                call = generate_pb2_grpc.GenerationStub(ch).Generate(request)
+                tokens = len((await call.read()).token_ids)
+                await asyncio.sleep(1.5)
+                assert lifecycle.in_flight == 0
+                assert requests_by_outcome(telemetry) == {("finished", "anonymous"): 1}
+                while (msg := await call.read()) is not grpc.aio.EOF:
+                    tokens += len(msg.token_ids)
+                assert await call.code() == grpc.StatusCode.OK and tokens == 40_000
+        finally:
+            await server.stop(None)
     telemetry.shutdown()
