@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from pdserve.engine.byte_tokenizer import CHATML_TEMPLATE, build_byte_tokenizer
-from pdserve.engine.model_files import BUILTIN_MODELS, builtin_folder, is_built, locate_model
+from pdserve.engine.model_files import BUILTIN_MODELS, builtin_folder, generation_eos_ids, is_built, locate_model
 from pdserve.engine.weights import read_gguf
 from pdserve.progress import stages
 
@@ -88,6 +88,8 @@ def write_folder_from_gguf(gguf_path: Path, folder: Path) -> None:
 
     config, tensors = read_gguf(gguf_path)
     save_file(tensors, folder / "model.safetensors")
+    if eos := generation_eos_ids(gguf_path):  # its end-of-turn ids, where a folder keeps them
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(eos)}, indent=2))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(folder))

@@ -18,7 +18,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_files import generation_eos_ids, read_model_config
 from pdserve.engine.model_runner import load_model
-from pdserve.engine.models import resolve_model
+from pdserve.engine.models import resolve_model, write_folder_from_gguf
 from pdserve.protocol.model_config import UnsupportedModelError
 
 GGUF_LAYER_NAMES = {
@@ -161,3 +161,12 @@ def test_weights_that_do_not_match_the_config_are_refused_at_load(
     checks pass ids that indexed past it."""
     with pytest.raises(UnsupportedModelError, match=message):
         load(folder(tiny, tmp_path, config, drop))
+
+
+def test_a_gguf_converted_to_a_folder_keeps_its_end_of_turn(tiny: Path, tmp_path: Path) -> None:
+    """The folder keeps them where folders do, in generation_config.json: it stopped only on the eos otherwise."""
+    path = write_gguf(tiny, tmp_path / "m.gguf", eot=186)
+    shutil.copy(tiny / "tokenizer.json", tmp_path / "tokenizer.json")
+    (out := tmp_path / "folder").mkdir()
+    write_folder_from_gguf(path, out)
+    assert generation_eos_ids(out) == (2, 186)
