@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import re
+import socket
 import time
 from typing import Any
 
@@ -27,6 +28,7 @@ from pdserve.config import ClusterConfig
 from pdserve.protocol.roles import Role
 
 log = logging.getLogger(__name__)
+LISTENING_TIMEOUT_S = 5.0  # a Ray address that neither accepts nor refuses by then: unreachable
 NAME_RELEASE_TRIES = 20  # a dead actor's name is free once its handles are gone: well within 5 s
 # A worker's share of its build's resource: a label, not a limit (role resources limit workers per node).
 BUILD_RESOURCE_SHARE = 0.001
@@ -52,6 +54,20 @@ def _log_ray_auth() -> None:
         log.warning("Ray token authentication: OFF (RAY_AUTH_MODE=%s)", os.environ.get("RAY_AUTH_MODE", "unset"))
 
 
+def _check_listening(address: str) -> None:
+    """ConnectionError when nothing accepts connections at a joined Ray's address: ray.init would wait on it for
+    ever on a thread no signal reaches (measured: 11 minutes through a SIGTERM and a SIGINT). A port that accepts
+    is Ray's to judge; "auto" and other forms are passed on as they are."""
+    host_port = address.removeprefix("ray://")
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=LISTENING_TIMEOUT_S).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing accepts connections at the Ray address {address} ({e})") from None
+
+
 class _NotMainThreadWarning(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("SIGTERM handler is not set")
@@ -72,6 +88,8 @@ class WorkerActors:
 
         c = self.config
         if not ray.is_initialized():
+            if c.ray_address:
+                _check_listening(c.ray_address)
             # Off the main thread Ray sets no SIGTERM handler and warns so; pdserve's own handler is the one wanted.
             logging.getLogger("ray._private.worker").addFilter(_NotMainThreadWarning())
             ray.init(

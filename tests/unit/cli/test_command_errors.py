@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -158,3 +160,16 @@ def test_a_kv_transfer_timeout_no_transfer_header_can_carry_is_refused(seconds):
     with pytest.raises(ValueError, match="kv_transfer_timeout_s must be above 0 and at most 86400"):
         ClusterConfig(kv_transfer_timeout_s=seconds)
     assert ClusterConfig(kv_transfer_timeout_s=86_400.0).kv_transfer_timeout_s == 86_400.0
+
+
+def test_a_joined_ray_address_nothing_listens_at_is_refused_at_once_by_name():
+    """ray.init waited on it for ever on a thread no signal reached (11 minutes, through a SIGTERM and a SIGINT)."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    start = time.monotonic()
+    argv = ["up", "--model", "tiny-random", "--port", "0", "--ray-address", f"127.0.0.1:{port}"]
+    run = subprocess.run([sys.executable, "-m", "services.main", *argv], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and time.monotonic() - start < 30
+    assert f"nothing accepts connections at the Ray address 127.0.0.1:{port}" in run.stderr
+    assert "Traceback" not in run.stderr
