@@ -142,3 +142,34 @@ def test_an_unknown_key_in_the_file_is_an_error_naming_it(tmp_path, toml, named)
 def test_settings_out_of_range_are_refused_naming_them(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         RouterConfig(**bad)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[routr]\nmax_in_flight = 10\n", "no [router] table (it has [routr])"),  # dropped without a word before
+        ("max_in_flight = 10\n", "max_in_flight outside any table"),
+        ('[router]\nmax_in_flight = "10"\n', "[router] max_in_flight must be a whole number, got '10'"),
+        ("[router]\nmax_in_flight = 1.5\n", "[router] max_in_flight must be a whole number, got 1.5"),
+        ("[router]\nmax_in_flight = true\n", "[router] max_in_flight must be a whole number, got True"),
+        ('[router]\nreflection = "false"\n', "[router] reflection must be true or false, got 'false'"),  # was truthy
+        ("[router]\nslo_classes = 5\n", "[router] slo_classes must be an array of tables, got 5"),
+        ("[[router.slo_classes]]\nttft_ms = 1\ntpot_ms = 1\n", "[[router.slo_classes]] #1 lacks priority"),
+        ('[[router.slo_classes]]\npriority = "1"\nttft_ms = 1\ntpot_ms = 1\n', "#1 priority must be a whole number"),
+        ('[router.request_limits]\nmax_stop = "16"\n', "[router.request_limits] max_stop must be a whole number"),
+        ("[router]\nejection_s = inf\n", "ejection_s must not be negative, got inf"),
+        ("[router]\nmax_in_flight = \n", "not valid TOML"),
+    ],
+)
+def test_a_config_file_that_says_something_else_is_refused_naming_the_file_and_key(tmp_path, text, says):
+    path = tmp_path / "router.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as refused:
+        RouterConfig.from_file(str(path))
+    assert str(refused.value).startswith(f"{path}: ") and says in str(refused.value)
+
+
+def test_a_whole_number_for_a_float_setting_is_taken_as_a_float(tmp_path):
+    path = tmp_path / "router.toml"
+    path.write_text("[router]\ndefault_ttft_ms = 1500\n")
+    assert RouterConfig.from_file(str(path)).default_ttft_ms == 1500.0
