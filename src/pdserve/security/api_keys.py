@@ -78,10 +78,20 @@ class KeyTable:
     @classmethod
     def from_file(cls, path: str | Path) -> KeyTable:
         """Raises ValueError naming the entry when a key table is malformed, so a typo fails the start."""
-        with open(path, "rb") as f:
-            entries = tomllib.load(f).get("keys", [])
+        try:
+            with open(path, "rb") as f:
+                document = tomllib.load(f)
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid TOML ({e})") from None
+        if unknown := sorted(set(document) - {"keys"}):  # a [[kyes]] entry would be a key dropped without a word
+            raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; the keys go in [[keys]] tables")
+        entries = document.get("keys", [])
+        if not isinstance(entries, list):
+            raise ValueError(f"{path}: keys must be [[keys]] tables, one per key, got {entries!r}")
         tenants: dict[str, Tenant] = {}
         for i, entry in enumerate(entries):
+            if not isinstance(entry, dict):
+                raise ValueError(f"{path}: keys[{i}] must be a table (sha256, tenant, ...), got {entry!r}")
             entry = dict(entry)
             digest = str(entry.pop("sha256", "")).lower()
             if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):

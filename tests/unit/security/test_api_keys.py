@@ -91,3 +91,25 @@ def test_a_malformed_file_fails_naming_the_entry(tmp_path: Path, entry: str, mes
     path.write_text(f"[[keys]]\n{entry}\n")
     with pytest.raises(ValueError, match=message):
         KeyTable.from_file(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # A second key under a misspelled table was dropped without a word; the file started with one key.
+        (
+            f'[[keys]]\nsha256 = "{digest("k")}"\ntenant = "t"\n[[kyes]]\nsha256 = "{digest("j")}"\ntenant = "u"\n',
+            "kyes",
+        ),
+        (f'[keys]\nsha256 = "{digest("k")}"\ntenant = "t"\n', "keys must be \\[\\[keys\\]\\] tables"),  # a table
+        ("keys = [1]\n", r"keys\[0\] must be a table"),  # was a TypeError traceback
+        (f'sha256 = "{digest("k")}"\n', "unknown key\\(s\\) sha256"),
+        ("[[keys]]\nsha256 = \n", "not valid TOML"),  # the file named: the error alone named no file
+    ],
+)
+def test_a_file_of_another_shape_fails_naming_the_file(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as refused:
+        KeyTable.from_file(path)
+    assert str(refused.value).startswith(f"{path}: ")
