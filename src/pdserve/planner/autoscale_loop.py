@@ -73,6 +73,9 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
         if not current or status.admitted_local_only:  # its registry did not answer (Redis down)
             # Its totals are then its own: beside the cluster's before and after, they would read as a burst of
             # the cluster's whole history. The window starts over once the registry answers.
+            if c.once:  # one decision asked for: none can be made now (a cron job must not wait for Redis)
+                print(f"pdserve autoscale: no cluster state from {addr} (its registry did not answer)", file=sys.stderr)
+                return 1
             log.warning("no cluster state from %s (its registry did not answer): no decision", addr)
             window.samples.clear()
             await _pause(stop, c.interval_s)

@@ -69,12 +69,20 @@ async def test_no_decision_is_made_while_the_desired_counts_are_unknown(monkeypa
     ]
     redis_down = apb.ClusterStatusResponse(workers=workers, **IDLE)
     read = apb.ClusterStatusResponse(workers=workers, desired={"prefill": 1, "decode": 1}, **IDLE)
-    router = Router([redis_down] * 5 + [read] * 2)
-    await run(router, monkeypatch, once=True)
+    router = Router([redis_down] * 5 + [read] * 2, calls=7)
+    await run(router, monkeypatch)
     (line,) = capsys.readouterr().out.splitlines()
     # The window starts over once the registry answers: the second answer after is the first decision.
-    assert json.loads(line)["current"] == {"prefill": 1, "decode": 1} and router.asked == 7
+    assert json.loads(line)["current"] == {"prefill": 1, "decode": 1}
     assert router.scaled == []  # at the recommendation: the draining worker is not one to scale away again
+
+
+async def test_once_with_the_routers_registry_down_ends_with_1_at_once(monkeypatch, capsys) -> None:
+    """One decision asked for (a cron job's), none possible now: it waited for Redis for ever."""
+    router = Router([apb.ClusterStatusResponse(**IDLE)] * 5)
+    monkeypatch.setattr(autoscale_loop, "cluster_status", router.status)
+    assert await run_autoscale("router:50051", ClientCredentials(), config(once=True)) == 1
+    assert "no cluster state from router:50051" in capsys.readouterr().err and router.asked == 1
 
 
 async def test_a_routers_own_totals_while_redis_is_down_are_no_load(monkeypatch, capsys) -> None:
