@@ -10,7 +10,7 @@ from typing import Any
 
 from pdserve.addresses import host_port
 from pdserve.errors import InvalidRequestError
-from pdserve.flags import add_sampling_flags, sampling_from_flags
+from pdserve.flags import add_sampling_flags, deadline_seconds, sampling_from_flags
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 
@@ -18,7 +18,7 @@ def add_client_commands(sub: Any) -> None:
     status = sub.add_parser("status", help="a running cluster's workers, their health and load")
     status.add_argument("--addr", type=host_port, required=True, help="router HOST:PORT")
     status.add_argument("--json", action="store_true", help='print {"workers": [...]} as JSON')
-    status.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    status.add_argument("--timeout", type=deadline_seconds, default=10.0, help="seconds")
     add_client_flags(status)
     status.set_defaults(func=_status)
 
@@ -28,7 +28,7 @@ def add_client_commands(sub: Any) -> None:
     client.add_argument("--chat", action="store_true", help="send the prompt as a user message")
     client.add_argument("--max-tokens", type=int, default=0, help="0 = the server's default")
     add_sampling_flags(client)
-    client.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    client.add_argument("--timeout", type=deadline_seconds, default=None, help="deadline in seconds")
     client.add_argument("--json", action="store_true")
     add_client_flags(client)
     client.set_defaults(func=_client)

@@ -16,7 +16,7 @@ from typing import Any
 
 from pdserve.addresses import host_port
 from pdserve.config import ClusterConfig
-from pdserve.flags import seconds
+from pdserve.flags import deadline_seconds, seconds
 from pdserve.rpc.credentials import ClientCredentials, add_client_flags, client_credentials
 
 ANSWER_SLACK_S = 120.0  # past the drain timeout: cut streams' cleanup, the router's own slack
@@ -39,7 +39,7 @@ def add_drain_commands(sub: Any) -> None:
     restart.add_argument("worker_ids", nargs="*", metavar="WORKER_ID", help="workers to restart (default: all)")
     restart.add_argument("--timeout", type=seconds, default=ClusterConfig.worker_drain_timeout_s, help=timeout_help)
     restart.add_argument(
-        "--ready-timeout", type=float, default=300.0, help="seconds to wait for each new worker to serve"
+        "--ready-timeout", type=deadline_seconds, default=300.0, help="seconds to wait for each new worker to serve"
     )
     add_client_flags(restart)
     restart.set_defaults(func=_restart)

@@ -85,8 +85,10 @@ def in_range(
     return parse
 
 
+MAX_SECONDS = 1e6  # 11.6 days: a gRPC deadline past ~1e9 s overflows and expires at once
 natural = in_range(int, 0, math.inf)  # an argparse type: a count that may be 0
-seconds = in_range(float, 0, math.inf)  # an argparse type: a finite time that may be 0
+seconds = in_range(float, 0, MAX_SECONDS, high_in=True)  # an argparse type: a time that may be 0
+deadline_seconds = in_range(float, 0, MAX_SECONDS, low_in=False, high_in=True)  # a wait that must be positive
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

@@ -105,12 +105,26 @@ def test_bench_json_is_stdout_alone_and_its_tables_go_to_stderr(capsys, monkeypa
 
 
 @pytest.mark.parametrize("command", ["drain", "restart"])
-@pytest.mark.parametrize("timeout", ["-5", "inf", "nan"])
+@pytest.mark.parametrize("timeout", ["-5", "inf", "nan", "1e10"])  # 1e10: a gRPC deadline that expired at once
 def test_a_drain_timeout_no_drain_could_keep_is_refused(capsys, command, timeout):
     with pytest.raises(SystemExit) as exit_:
         main([command, "--addr", "127.0.0.1:1", "w-1", "--timeout", timeout])
     assert exit_.value.code == 2
-    assert f"argument --timeout: must lie in [0, inf), got {timeout}" in capsys.readouterr().err
+    assert f"argument --timeout: must lie in [0, 1e+06], got {timeout}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv", [["status"], ["client", "--prompt", "hi"], ["restart", "w-1", "--ready-timeout"]], ids=lambda a: a[0]
+)
+@pytest.mark.parametrize("timeout", ["0", "-5", "inf", "nan", "1e10"])
+def test_a_call_deadline_that_would_expire_at_once_is_refused(capsys, argv, timeout):
+    """Each was DEADLINE_EXCEEDED at once against a healthy router, read as the router's failure."""
+    flag = argv[-1] if argv[-1].startswith("--") else "--timeout"
+    argv = argv if argv[-1].startswith("--") else [*argv, "--timeout"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, timeout, "--addr", "127.0.0.1:1"])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: must lie in (0, 1e+06], got {timeout}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("timeout", ["0", "-5", "inf", "nan"])
