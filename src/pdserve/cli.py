@@ -323,6 +323,7 @@ def _fetch_model(model: str, command: str) -> Path | None:
 def _generate(args: argparse.Namespace) -> int:
     from pdserve.engine.engine import LLMEngine
     from pdserve.errors import InvalidRequestError
+    from pdserve.protocol.model_config import UnsupportedModelError
 
     try:
         sampling = sampling_from_flags(args, args.max_tokens)
@@ -332,6 +333,9 @@ def _generate(args: argparse.Namespace) -> int:
         completions = engine.generate(prompts, sampling)
     except InvalidRequestError as e:
         print(f"pdserve generate: invalid {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, UnsupportedModelError) as e:  # the model named
+        print(f"pdserve generate: {e}", file=sys.stderr)
         return 2
     for prompt, c in zip(args.prompt, completions, strict=True):
         if args.json:

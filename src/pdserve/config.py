@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field, replace
 
 from pdserve.protocol.request_checks import RequestLimits
@@ -64,6 +65,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {[*DTYPE_NAMES, 'auto']}, got {self.dtype!r}")
         if self.decode_graphs not in DECODE_GRAPH_MODES:
             raise ValueError(f"decode_graphs must be one of {list(DECODE_GRAPH_MODES)}, got {self.decode_graphs!r}")
+        if not 0 < self.kv_cache_memory_gb < math.inf:  # nan too: a KV cache of no size, or of every byte
+            raise ValueError(f"kv_cache_gb must be a positive number, got {self.kv_cache_memory_gb}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.num_threads}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
     @property
     def mode(self) -> EngineMode:
@@ -329,8 +336,10 @@ class ClusterConfig:
         for name, n in counts.items():
             if not 1 <= n <= MAX_WORKERS_PER_ROLE:
                 raise ValueError(f"{name} must be 1 to {MAX_WORKERS_PER_ROLE} workers in {self.mode} mode, got {n}")
-        if self.engine.kv_cache_memory_gb <= 0:
-            raise ValueError(f"kv_cache_gb must be > 0, got {self.engine.kv_cache_memory_gb}")
+        if self.max_restarts < 0:
+            raise ValueError(
+                f"max_restarts must be >= 0 (Ray's restarts of a worker before it is replaced), got {self.max_restarts}"
+            )
         given = [self.internal_tls_cert, self.internal_tls_key, self.internal_tls_ca]
         if any(given) and not all(given):
             raise ValueError("give all of --internal-tls-cert, --internal-tls-key and --internal-tls-ca, or none")
@@ -352,7 +361,7 @@ class ClusterConfig:
                 f"worker_drain_timeout_s must be a finite number >= 0 (0: cut at once), got "
                 f"{self.worker_drain_timeout_s}"
             )
-        if self.rollout_surge_wait_s < 0:
+        if not 0 <= self.rollout_surge_wait_s < math.inf:
             raise ValueError(f"rollout_surge_wait_s must be >= 0 (0: never surge), got {self.rollout_surge_wait_s}")
         if not 0 < self.kv_transfer_timeout_s <= MAX_KV_TRANSFER_TIMEOUT_S:
             raise ValueError(

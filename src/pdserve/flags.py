@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any, TypeVar
@@ -35,7 +36,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=s.temperature, help="0: greedy")
     p.add_argument("--top-p", type=float, default=s.top_p, help="nucleus sampling mass")
     p.add_argument("--top-k", type=int, default=s.top_k, help="0: off")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=in_range(int, -(2**63), 2**63), default=None, help="sampling seed (64-bit)")
     p.add_argument("--stop", action="append", default=None, help="a stop string; repeat for several")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--presence-penalty", type=float, default=s.presence_penalty, help="in [-2, 2]")
@@ -85,6 +86,13 @@ def in_range(
     return parse
 
 
+def device(value: str) -> str:
+    """An argparse type: auto, cpu, cuda or cuda:N."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {value!r}")
+    return value
+
+
 MAX_SECONDS = 1e6  # 11.6 days: a gRPC deadline past ~1e9 s overflows and expires at once
 natural = in_range(int, 0, math.inf)  # an argparse type: a count that may be 0
 seconds = in_range(float, 0, MAX_SECONDS, high_in=True)  # an argparse type: a time that may be 0
@@ -99,10 +107,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", default=e.dtype, choices=["auto", *DTYPE_NAMES], help="auto: bfloat16 on CUDA, else float32"
     )
-    p.add_argument("--device", default=e.device, help="auto (cuda when available), cpu, cuda, cuda:N")
+    p.add_argument("--device", type=device, default=e.device, help="auto (cuda when available), cpu, cuda, cuda:N")
     p.add_argument(
         "--threads",
-        type=int,
+        type=at_least_one,
         default=e.num_threads,
         help="CPU threads for torch (default: torch's own; `up`'s workers: a fair share of the cores each)",
     )

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.config import CLUSTER_MODES, ClusterConfig, EngineConfig
+from pdserve.flags import natural, positive_float, seconds
 
 Run = Callable[[argparse.Namespace], Any]
 
@@ -19,7 +20,9 @@ def add_fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=c.prefill, help="prefill workers (disaggregated)")
     p.add_argument("--decode", type=int, default=c.decode, help="decode workers (disaggregated)")
     p.add_argument("--workers", type=int, default=c.workers, help="workers doing both phases (colocated)")
-    p.add_argument("--kv-cache-gb", type=float, default=EngineConfig.kv_cache_memory_gb, help="KV cache per worker")
+    p.add_argument(
+        "--kv-cache-gb", type=positive_float, default=EngineConfig.kv_cache_memory_gb, help="KV cache per worker (GB)"
+    )
     p.add_argument(
         "--ray-namespace", default=c.ray_namespace, help="Ray namespace the worker actors are named (and found) in"
     )
@@ -61,20 +64,20 @@ def add_fleet_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--worker-drain-timeout-s",
-        type=float,
+        type=seconds,
         default=c.worker_drain_timeout_s,
         help="seconds a SIGTERMed worker lets its requests finish before the rest move elsewhere",
     )
     p.add_argument(
         "--rollout-surge-wait-s",
-        type=float,
+        type=seconds,
         default=c.rollout_surge_wait_s,
         help="a rollout starts a role's only worker's successor first if a Ray node takes it within this; "
         "else (or 0) that worker restarts in place",
     )
     p.add_argument(
         "--max-restarts",
-        type=int,
+        type=natural,
         default=c.max_restarts,
         help="times Ray restarts a worker that died; past that the launcher replaces it with a new one",
     )

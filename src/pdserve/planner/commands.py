@@ -28,16 +28,21 @@ def add_planner_commands(sub: argparse._SubParsersAction) -> None:
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure one worker's prefill, decode, KV transfer and KV capacity")
     add_engine_flags(p)
-    p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache per worker, as for up")
+    p.add_argument("--kv-cache-gb", type=positive_float, default=None, help="KV cache per worker (GB), as for up")
     p.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests and smoke runs)")
-    p.add_argument("--transfer-gbps", type=float, default=None, help="use this KV transfer speed, do not measure")
+    p.add_argument(
+        "--transfer-gbps", type=positive_float, default=None, help="use this KV transfer speed (GB/s), do not measure"
+    )
     p.set_defaults(func=_profile)
 
 
 def _profile(args: argparse.Namespace) -> int:
     from pdserve.planner.profiler import QUICK, Grid, run_profile
 
+    if not args.out.resolve().parent.is_dir():  # found now, not after minutes of measuring
+        print(f"pdserve profile: --out {args.out}: its folder does not exist", file=sys.stderr)
+        return 2
     profile = run_profile(engine_config(args), QUICK if args.quick else Grid(), args.transfer_gbps)
     profile.save(args.out)
     perf = profile.perf

@@ -15,7 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from loadgen.workload import WorkloadConfig
 from pdserve.cli import main
 from pdserve.cluster.launcher import WorkerStartError
-from pdserve.config import ClusterConfig
+from pdserve.config import ClusterConfig, EngineConfig
 
 NOISY_STATUS = """
 import sys
@@ -187,3 +187,47 @@ def test_a_joined_ray_address_nothing_listens_at_is_refused_at_once_by_name():
     assert run.returncode == 1 and time.monotonic() - start < 30
     assert f"nothing accepts connections at the Ray address 127.0.0.1:{port}" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [  # each was a traceback, a NaN profile written, or a start that failed only once Ray was up
+        (["generate", "--prompt", "hi", "--threads", "-1"], "argument --threads: must be at least 1"),
+        (["generate", "--prompt", "hi", "--device", "banana"], "argument --device: must be auto, cpu, cuda or cuda:N"),
+        (["generate", "--prompt", "hi", "--seed", str(2**70)], "argument --seed: must lie in"),
+        (["profile", "--out", "p.json", "--kv-cache-gb", "nan"], "argument --kv-cache-gb: must be a positive number"),
+        (["profile", "--out", "p.json", "--transfer-gbps", "nan"], "argument --transfer-gbps: must be a positive"),
+        (["up", "--max-restarts", "-5"], "argument --max-restarts: must lie in [0, inf)"),
+        (["up", "--kv-cache-gb", "inf"], "argument --kv-cache-gb: must be a positive number"),
+        (["up", "--rollout-surge-wait-s", "nan"], "argument --rollout-surge-wait-s: must lie in [0, 1e+06]"),
+        (["up", "--worker-drain-timeout-s", "1e12"], "argument --worker-drain-timeout-s: must lie in [0, 1e+06]"),
+    ],
+)
+def test_an_engine_or_cluster_number_out_of_its_range_is_a_usage_error(capsys, argv, says):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_model_or_output_folder_that_is_not_there_is_named_before_any_work(capsys, tmp_path):
+    assert main(["generate", "--prompt", "hi", "--model", str(tmp_path / "none")]) == 2
+    assert "neither a built-in name" in capsys.readouterr().err
+    assert main(["profile", "--model", "tiny-random", "--out", str(tmp_path / "none" / "p.json")]) == 2
+    assert "its folder does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda: EngineConfig(kv_cache_memory_gb=math.nan), "kv_cache_gb must be a positive number"),
+        (lambda: EngineConfig(num_threads=0), "threads must be at least 1"),
+        (lambda: EngineConfig(device="gpu"), "device must be auto, cpu, cuda or cuda:N"),
+        (lambda: ClusterConfig(max_restarts=-5), "max_restarts must be >= 0"),
+        (lambda: ClusterConfig(rollout_surge_wait_s=math.nan), "rollout_surge_wait_s must be >= 0"),
+    ],
+)
+def test_engine_and_cluster_configs_refuse_what_their_flags_refuse(make, says):
+    """The same bounds for a config built in code (the chart's controller, tests) as for the flags."""
+    with pytest.raises(ValueError, match=says):
+        make()

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from pdserve.config import MAX_WORKERS_PER_ROLE, ClusterConfig, EngineConfig
+from pdserve.config import MAX_WORKERS_PER_ROLE, ClusterConfig
 from services.main import main
 
 
@@ -18,7 +18,6 @@ from services.main import main
         ({"decode": -1}, "decode"),
         ({"decode": MAX_WORKERS_PER_ROLE + 1}, "decode"),
         ({"mode": "colocated", "workers": 0}, "workers"),
-        ({"engine": EngineConfig(kv_cache_memory_gb=0)}, "kv_cache_gb"),
     ],
 )
 def test_a_fleet_that_cannot_serve_is_refused_naming_the_count(fields, named):

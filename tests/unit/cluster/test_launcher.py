@@ -13,6 +13,7 @@ from pdserve.build import build_resource, current_build
 from pdserve.cluster.actors import BUILD_RESOURCE_SHARE
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.supervisor import REPLACE_BACKOFF_S, Slot
+from pdserve.config import ClusterConfig
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryRegistry
@@ -84,10 +85,13 @@ def test_a_fleet_restarted_after_a_scale_down_starts_no_more_than_the_kept_count
     assert [s.worker_id for s in cluster.starting_specs(found)] == starting
 
 
-def test_a_negative_surge_wait_is_refused_naming_the_flag() -> None:
+def test_a_negative_surge_wait_is_refused_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0", "--rollout-surge-wait-s", "-1"]
-    with pytest.raises(ValueError, match="rollout_surge_wait_s must be >= 0"):
-        cli._cluster_config(cli._parser().parse_args(argv))
+    with pytest.raises(SystemExit) as exit_:
+        cli._parser().parse_args(argv)
+    assert exit_.value.code == 2 and "argument --rollout-surge-wait-s: must lie in [0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="rollout_surge_wait_s must be >= 0"):  # and a config built in code
+        ClusterConfig(rollout_surge_wait_s=-1)
 
 
 def test_a_fleets_workers_ask_for_its_build_and_with_build_resources_for_nodes_of_it() -> None:
