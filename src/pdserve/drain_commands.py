@@ -64,7 +64,7 @@ def _run(work: Any, command: str) -> int:
         return asyncio.run(work)
     except grpc.aio.AioRpcError as e:
         print(f"pdserve {command}: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
+        return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1  # as `scale`: what was asked never works
 
 
 async def _drain_and_print(

@@ -69,7 +69,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=at_least_one, default=400, help="requests simulated per run")
     p.add_argument("--seed", type=natural, default=0)
     _add_slo_flags(p)
-    p.add_argument("--workers", type=int, required=True, help="K: the workers to split")
+    p.add_argument(
+        "--workers",
+        type=in_range(int, 2, 2 * MAX_WORKERS_PER_ROLE, high_in=True),
+        required=True,
+        help=f"K: the workers to split (2 to {2 * MAX_WORKERS_PER_ROLE}: what scale can apply)",
+    )
     _add_admission_flags(p)
     p.add_argument("--json", action="store_true", help="print the recommendation and candidates as JSON")
     p.set_defaults(func=_plan)
@@ -366,7 +371,12 @@ def _add_autoscale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--addr", type=host_port, required=True, help="router HOST:PORT")
     p.add_argument("--profile", type=Path, required=True, help="from pdserve profile")
     _add_slo_flags(p)
-    p.add_argument("--max-workers", type=int, required=True, help="never more workers than this in all")
+    p.add_argument(
+        "--max-workers",
+        type=in_range(int, 2, 2 * MAX_WORKERS_PER_ROLE, high_in=True),
+        required=True,
+        help=f"never more workers than this in all (2 to {2 * MAX_WORKERS_PER_ROLE})",
+    )
     p.add_argument("--interval", type=positive_float, default=10.0, help="seconds between decisions")
     p.add_argument("--window", type=positive_float, default=60.0, help="seconds of admitted load per decision")
     p.add_argument("--consecutive", type=at_least_one, default=3, help="the same recommendation this often first")
@@ -385,8 +395,6 @@ def _autoscale(args: argparse.Namespace) -> int:
     from pdserve.planner.plan import SLO
 
     try:
-        if args.max_workers < 2:
-            raise ValueError(f"--max-workers must be at least 2 (a worker per role), got {args.max_workers}")
         config = AutoscaleConfig(
             HardwareProfile.load(args.profile),
             SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment),
