@@ -10,7 +10,8 @@ The raw points stay in the file so a fit can be checked or redone.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,15 @@ class HardwareProfile:
     meta: dict[str, Any] = field(default_factory=dict)  # model, device, dtype, backend, threads
     points: dict[str, list[list[float]]] = field(default_factory=dict)  # the raw measurements
 
+    def __post_init__(self) -> None:
+        """A hand-edited or cut profile is refused naming the field: a string or NaN would break, or silently
+        skew, every simulation after."""
+        for f in fields(self):
+            value, kind = getattr(self, f.name), str(f.type)
+            number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            if kind in ("float", "int") and not (number and (kind == "float" or value == int(value))):
+                raise ValueError(f"{f.name} must be a finite {'whole ' if kind == 'int' else ''}number, got {value!r}")
+
     def transfer_s(self, tokens: int) -> float:
         if self.transfer_gbps <= 0:
             return self.transfer_latency_s
@@ -76,5 +86,5 @@ class HardwareProfile:
     def load(cls, path: Path) -> HardwareProfile:
         try:
             return cls.from_dict(json.loads(path.read_text()))
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path} is not a pdserve profile: {e}") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -273,3 +274,17 @@ def test_a_trace_far_slower_than_the_cluster_finds_the_same_max_rate() -> None:
     profile, shape, slo = synthetic_profile(), Shape(prefill=1, decode=1), SLO(ttft_ms=1000, tpot_ms=60)
     slow, usual = (max_rate(profile, shape, synthetic(rate, 100, 10, 50, seed=2), slo) for rate in (1e-5, 1.0))
     assert slow == pytest.approx(usual, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("kv_capacity_tokens", "100000"), ("step_overhead_s", "0.001"), ("transfer_gbps", math.nan)]
+)
+def test_a_profile_with_a_field_of_the_wrong_kind_is_refused_naming_it(tmp_path, capsys, field, value):
+    """A string broke plan with a TypeError traceback; a NaN transfer speed planned 0 req/s for every split."""
+    path = tmp_path / "profile.json"
+    synthetic_profile().save(path)
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(data | {field: value}))
+    argv = ["plan", "--profile", str(path), "--rate", "1", "--input-len", "8", "--output-len", "8", "--workers", "2"]
+    assert cli.main([*argv, "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"]) == 2
+    assert f"{field} must be a finite" in capsys.readouterr().err
