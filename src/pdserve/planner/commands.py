@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from pdserve.planner.admission_model import Admission
 
 
+WORKER_TOTAL = in_range(int, 2, 2 * MAX_WORKERS_PER_ROLE, high_in=True)  # a worker of each role, what scale applies
+
+
 def add_planner_commands(sub: argparse._SubParsersAction) -> None:
     _add_profile(sub)
     _add_plan(sub)
@@ -31,9 +34,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-gb", type=positive_float, default=None, help="KV cache per worker (GB), as for up")
     p.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests and smoke runs)")
-    p.add_argument(
-        "--transfer-gbps", type=positive_float, default=None, help="use this KV transfer speed (GB/s), do not measure"
-    )
+    p.add_argument("--transfer-gbps", type=positive_float, help="use this KV transfer speed (GB/s), do not measure")
     p.set_defaults(func=_profile)
 
 
@@ -45,8 +46,7 @@ def _profile(args: argparse.Namespace) -> int:
         return 2
     profile = run_profile(engine_config(args), QUICK if args.quick else Grid(), args.transfer_gbps)
     profile.save(args.out)
-    perf = profile.perf
-    gbps = profile.transfer_gbps
+    perf, gbps = profile.perf, profile.transfer_gbps
     bytes_at = f"{gbps:.2f} GB/s" if gbps else "bytes too cheap to measure"
     print(
         f"wrote {args.out}: {profile.meta['model']} on {profile.meta['device']} ({profile.meta['dtype']}); "
@@ -69,12 +69,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=at_least_one, default=400, help="requests simulated per run")
     p.add_argument("--seed", type=natural, default=0)
     _add_slo_flags(p)
-    p.add_argument(
-        "--workers",
-        type=in_range(int, 2, 2 * MAX_WORKERS_PER_ROLE, high_in=True),
-        required=True,
-        help=f"K: the workers to split (2 to {2 * MAX_WORKERS_PER_ROLE}: what scale can apply)",
-    )
+    p.add_argument("--workers", type=WORKER_TOTAL, required=True, help="K: the workers to split (2 to 128)")
     _add_admission_flags(p)
     p.add_argument("--json", action="store_true", help="print the recommendation and candidates as JSON")
     p.set_defaults(func=_plan)
@@ -371,12 +366,7 @@ def _add_autoscale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--addr", type=host_port, required=True, help="router HOST:PORT")
     p.add_argument("--profile", type=Path, required=True, help="from pdserve profile")
     _add_slo_flags(p)
-    p.add_argument(
-        "--max-workers",
-        type=in_range(int, 2, 2 * MAX_WORKERS_PER_ROLE, high_in=True),
-        required=True,
-        help=f"never more workers than this in all (2 to {2 * MAX_WORKERS_PER_ROLE})",
-    )
+    p.add_argument("--max-workers", type=WORKER_TOTAL, required=True, help="never more workers in all (2 to 128)")
     p.add_argument("--interval", type=positive_float, default=10.0, help="seconds between decisions")
     p.add_argument("--window", type=positive_float, default=60.0, help="seconds of admitted load per decision")
     p.add_argument("--consecutive", type=at_least_one, default=3, help="the same recommendation this often first")

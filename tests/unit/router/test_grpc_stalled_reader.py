@@ -8,6 +8,9 @@ lookahead), as a client that stops reading leaves it."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import grpc
 import pytest
@@ -34,10 +37,11 @@ class TwoBigMessages(worker_pb2_grpc.DecodeWorkerServicer):
         yield pb.GenerateResponse(token_ids=[5] * 20_000, finish_reason=pb.FINISH_REASON_LENGTH)
 
 
-async def test_a_caller_that_stops_reading_is_ended_cancelled_and_its_slot_given_back(monkeypatch) -> None:
-    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
-    telemetry = Telemetry("test-router")
-    async with serving(StandInDecode()) as d0:
+@asynccontextmanager
+async def stalled_caller(decode: Any, telemetry: Telemetry) -> AsyncIterator[tuple[Router, Any, Any]]:
+    """The router (a 0.5 s reader stall bound) on a real gRPC server before `decode`, and a call to it that has
+    read its first message and then reads nothing for 2 s, on a channel of a small window."""
+    async with serving(decode) as d0:
         router = Router([worker("p0"), worker("d0", "decode", address=d0)], reader_stall_timeout_s=0.5)
         lifecycle = router.lifecycle(telemetry=telemetry)
         server = Server("127.0.0.1", 0)
@@ -47,15 +51,22 @@ async def test_a_caller_that_stops_reading_is_ended_cancelled_and_its_slot_given
         try:
             async with grpc.aio.insecure_channel(server.address, options=SMALL_WINDOW) as ch:
                 call = generate_pb2_grpc.GenerationStub(ch).Generate(request)
-                await call.read()  # the first token; then the caller reads nothing
+                first = await call.read()
                 await asyncio.sleep(2.0)
-                assert lifecycle.in_flight == 0 and not router.tracker.decoding["d0"]  # before it read again
-                assert requests_by_outcome(telemetry) == {("cancelled", "anonymous"): 1}
-                with pytest.raises(grpc.aio.AioRpcError) as ended:
-                    while await call.read() is not grpc.aio.EOF:
-                        pass
+                yield router, lifecycle, (call, first)
         finally:
             await server.stop(None)
+
+
+async def test_a_caller_that_stops_reading_is_ended_cancelled_and_its_slot_given_back(monkeypatch) -> None:
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    telemetry = Telemetry("test-router")
+    async with stalled_caller(StandInDecode(), telemetry) as (router, lifecycle, (call, _)):
+        assert lifecycle.in_flight == 0 and not router.tracker.decoding["d0"]  # before it read again
+        assert requests_by_outcome(telemetry) == {("cancelled", "anonymous"): 1}
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            while await call.read() is not grpc.aio.EOF:
+                pass
     assert ended.value.code() == grpc.StatusCode.CANCELLED
     assert "took none of its stream for 0.5 s" in ended.value.details()
     telemetry.shutdown()
@@ -66,23 +77,11 @@ async def test_a_caller_stalled_on_its_last_message_gets_its_whole_answer_counte
     token and an OK (it got CANCELLED after the whole answer, which clients raise on)."""
     monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
     telemetry = Telemetry("test-router")
-    async with serving(TwoBigMessages()) as d0:  # type: ignore[arg-type]
-        router = Router([worker("p0"), worker("d0", "decode", address=d0)], reader_stall_timeout_s=0.5)
-        lifecycle = router.lifecycle(telemetry=telemetry)
-        server = Server("127.0.0.1", 0)
-        server.add(lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(lifecycle), s), [])
-        await server.start()
-        request = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(max_tokens=4000))
-        try:
-            async with grpc.aio.insecure_channel(server.address, options=SMALL_WINDOW) as ch:
-                call = generate_pb2_grpc.GenerationStub(ch).Generate(request)
-                tokens = len((await call.read()).token_ids)
-                await asyncio.sleep(1.5)
-                assert lifecycle.in_flight == 0
-                assert requests_by_outcome(telemetry) == {("finished", "anonymous"): 1}
-                while (msg := await call.read()) is not grpc.aio.EOF:
-                    tokens += len(msg.token_ids)
-                assert await call.code() == grpc.StatusCode.OK and tokens == 40_000
-        finally:
-            await server.stop(None)
+    async with stalled_caller(TwoBigMessages(), telemetry) as (_, lifecycle, (call, first)):
+        assert lifecycle.in_flight == 0
+        assert requests_by_outcome(telemetry) == {("finished", "anonymous"): 1}
+        tokens = len(first.token_ids)
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            tokens += len(msg.token_ids)
+        assert await call.code() == grpc.StatusCode.OK and tokens == 40_000
     telemetry.shutdown()
