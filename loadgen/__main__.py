@@ -133,7 +133,7 @@ def _bench(args: argparse.Namespace) -> int:
     except (ClusterCheckFailed, TimeoutError) as e:
         errors.print(f"loadgen: {str(e) or 'no answer from ' + address}", style="red")
         return 1
-    except OSError as e:  # the results or plots could not be written (a full disk, a folder removed meanwhile)
+    except OSError as e:  # nothing listens at the address, or the results or plots could not be written
         errors.print(f"loadgen: {e}", style="red")
         return 1
     return 0

@@ -14,6 +14,7 @@ import grpc
 from loadgen.client import Send
 from loadgen.record import RequestRecord
 from loadgen.workload import Request
+from pdserve.addresses import host_of
 from pdserve.rpc.credentials import ClientCredentials
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
@@ -31,9 +32,24 @@ class GrpcBackend:
     @asynccontextmanager
     async def session(self, max_in_flight: int) -> AsyncIterator[Send]:
         metadata = self.credentials.metadata() if self.credentials else ()
+        await _knock(self.address)
         async with channel(self.address, credentials=self.credentials) as ch:
             await asyncio.wait_for(ch.channel_ready(), CONNECT_TIMEOUT_S)  # connecting is not the server's latency
             yield partial(_stream, generate_pb2_grpc.GenerationStub(ch), self.slo, metadata)
+
+
+async def _knock(address: str) -> None:
+    """ConnectionRefusedError naming `address` when nothing listens there: the channel's own wait for it retries
+    for its whole CONNECT_TIMEOUT_S and then says only that no answer came."""
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host_of(address), int(address.rpartition(":")[2])), CONNECT_TIMEOUT_S
+        )
+    except ConnectionRefusedError:
+        raise ConnectionRefusedError(f"nothing listens at {address} (connection refused)") from None
+    except (TimeoutError, OSError):  # unreachable or slow, not refused: the channel's wait decides
+        return
+    writer.close()
 
 
 async def _stream(

@@ -3,6 +3,8 @@ its CDF plots count the requests its percentiles count."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from loadgen.__main__ import main
@@ -56,3 +58,11 @@ def test_the_cdf_plots_only_completed_requests():
         r.message_times_s, r.message_tokens = [ttft, ttft + 0.1], [1, 1]
     run = build_result(BenchmarkConfig(address="x:1", workload=WorkloadConfig()), 1.0, [ok, failed], 1.0)
     assert list(completed_values(run, "ttft")) == [100.0]
+
+
+def test_an_address_nothing_listens_at_fails_at_once_saying_so(capsys):
+    """It waited the channel's 30 s, then said only that no answer came."""
+    start = time.monotonic()
+    assert main([*UNREACHABLE, "--num-prompts", "2"]) == 1
+    assert time.monotonic() - start < 10
+    assert "nothing listens at 127.0.0.1:1 (connection refused)" in capsys.readouterr().err
