@@ -36,7 +36,9 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=s.temperature, help="0: greedy")
     p.add_argument("--top-p", type=float, default=s.top_p, help="nucleus sampling mass")
     p.add_argument("--top-k", type=int, default=s.top_k, help="0: off")
-    p.add_argument("--seed", type=in_range(int, -(2**63), 2**63), default=None, help="sampling seed (64-bit)")
+    p.add_argument(
+        "--seed", type=in_range(int, 0, 2**64), default=None, help="sampling seed, 0 to 2^64-1 (the API's uint64)"
+    )
     p.add_argument("--stop", action="append", default=None, help="a stop string; repeat for several")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--presence-penalty", type=float, default=s.presence_penalty, help="in [-2, 2]")

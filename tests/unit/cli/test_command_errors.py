@@ -195,6 +195,7 @@ def test_a_joined_ray_address_nothing_listens_at_is_refused_at_once_by_name():
         (["generate", "--prompt", "hi", "--threads", "-1"], "argument --threads: must be at least 1"),
         (["generate", "--prompt", "hi", "--device", "banana"], "argument --device: must be auto, cpu, cuda or cuda:N"),
         (["generate", "--prompt", "hi", "--seed", str(2**70)], "argument --seed: must lie in"),
+        (["client", "--addr", "127.0.0.1:1", "--prompt", "hi", "--seed", "-3"], "argument --seed: must lie in"),
         (["profile", "--out", "p.json", "--kv-cache-gb", "nan"], "argument --kv-cache-gb: must be a positive number"),
         (["profile", "--out", "p.json", "--transfer-gbps", "nan"], "argument --transfer-gbps: must be a positive"),
         (["up", "--max-restarts", "-5"], "argument --max-restarts: must lie in [0, inf)"),
