@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from pdserve.config import RouterConfig, SLOClass
@@ -106,21 +104,6 @@ def test_the_http_body_limit_defaults_to_the_grpc_message_limit_and_is_a_router_
 
 
 @pytest.mark.parametrize(
-    ("toml", "named"),
-    [
-        ("[router]\nmax_inflight = 10\n", "max_inflight in [router]"),
-        ("[[router.slo_classes]]\npriority = 1\nttft_ms = 100\ntpot_ms = 50\ntbt_ms = 3\n", "tbt_ms"),
-        ("[router.request_limits]\nmax_prompt = 5\n", "max_prompt in [router.request_limits]"),
-    ],
-)
-def test_an_unknown_key_in_the_file_is_an_error_naming_it(tmp_path, toml, named):
-    path = tmp_path / "router.toml"
-    path.write_text(toml)
-    with pytest.raises(ValueError, match=re.escape(named)):
-        RouterConfig.from_file(str(path))
-
-
-@pytest.mark.parametrize(
     "bad",
     [
         {"max_in_flight": 0},
@@ -147,6 +130,9 @@ def test_settings_out_of_range_are_refused_naming_them(bad):
 @pytest.mark.parametrize(
     ("text", "says"),
     [
+        ("[router]\nmax_inflight = 10\n", "unknown key(s) max_inflight in [router]"),
+        ("[[router.slo_classes]]\npriority = 1\nttft_ms = 100\ntpot_ms = 50\ntbt_ms = 3\n", "tbt_ms"),
+        ("[router.request_limits]\nmax_prompt = 5\n", "unknown key(s) max_prompt in [router.request_limits]"),
         ("[routr]\nmax_in_flight = 10\n", "no [router] table (it has [routr])"),  # dropped without a word before
         ("max_in_flight = 10\n", "max_in_flight outside any table"),
         ('[router]\nmax_in_flight = "10"\n', "[router] max_in_flight must be a whole number, got '10'"),
