@@ -24,12 +24,12 @@ def add_client_commands(sub: Any) -> None:
 
     client = sub.add_parser("client", help="stream an answer from a running cluster")
     client.add_argument("--addr", type=host_port, required=True, help="router HOST:PORT")
-    client.add_argument("--prompt", required=True)
+    client.add_argument("--prompt", required=True, help="the text to continue (with --chat: the message)")
     client.add_argument("--chat", action="store_true", help="send the prompt as a user message")
     client.add_argument("--max-tokens", type=int, default=0, help="0 = the server's default")
     add_sampling_flags(client)
     client.add_argument("--timeout", type=deadline_seconds, default=None, help="deadline in seconds")
-    client.add_argument("--json", action="store_true")
+    client.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, finish, TTFT, TPOT")
     add_client_flags(client)
     client.set_defaults(func=_client)
 

@@ -40,7 +40,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
         "--seed", type=in_range(int, 0, 2**64), default=None, help="sampling seed, 0 to 2^64-1 (the API's uint64)"
     )
     p.add_argument("--stop", action="append", default=None, help="a stop string; repeat for several")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens, past end-of-sequence")
     p.add_argument("--presence-penalty", type=float, default=s.presence_penalty, help="in [-2, 2]")
     p.add_argument("--frequency-penalty", type=float, default=s.frequency_penalty, help="in [-2, 2]")
     p.add_argument("--repetition-penalty", type=float, default=s.repetition_penalty, help="1: off")
@@ -63,6 +63,17 @@ def at_least_one(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
+
+
+def counts(value: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated counts, each at least 1 (batch sizes, prompt lengths)."""
+    try:
+        parsed = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 1,8,32, got {value!r}") from None
+    if min(parsed) < 1:
+        raise argparse.ArgumentTypeError(f"each must be at least 1, got {value!r}")
+    return parsed
 
 
 def positive_float(value: str) -> float:

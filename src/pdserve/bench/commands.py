@@ -10,7 +10,7 @@ import sys
 
 from pdserve.addresses import host_port
 from pdserve.config import ClusterConfig, EngineConfig
-from pdserve.flags import add_engine_flags, engine_config, from_flags
+from pdserve.flags import add_engine_flags, at_least_one, counts, engine_config, from_flags, natural, positive_float
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
@@ -18,31 +18,35 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     bench_sub = bench.add_subparsers(required=True, metavar="WHAT")
     engine = bench_sub.add_parser("engine", help="prefill and decode tokens/s, engine vs transformers")
     add_engine_flags(engine)
-    engine.add_argument("--batch-sizes", default="1,8,32", help="comma-separated, one row each")
-    engine.add_argument("--prompt-len", type=int, default=512, help="prompt tokens for the prefill figure")
-    engine.add_argument("--decode-prompt-len", type=int, default=32, help="prompt tokens before decoding")
-    engine.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per sequence")
+    engine.add_argument("--batch-sizes", type=counts, default="1,8,32", help="comma-separated, one row each")
+    engine.add_argument("--prompt-len", type=at_least_one, default=512, help="prompt tokens for the prefill figure")
+    engine.add_argument("--decode-prompt-len", type=at_least_one, default=32, help="prompt tokens before decoding")
+    engine.add_argument("--decode-tokens", type=at_least_one, default=64, help="tokens generated per sequence")
     engine.add_argument("--compare", choices=["transformers", "none"], default="transformers", help="baseline")
-    engine.add_argument("--rounds", type=int, default=3, help="rounds of every row on both engines, back to back")
+    engine.add_argument(
+        "--rounds", type=at_least_one, default=3, help="rounds of every row on both engines, back to back"
+    )
     engine.set_defaults(func=_bench_engine)
     placement = bench_sub.add_parser("placement", help="prefix-aware placement vs round-robin, TTFT and hit rate")
     placement.add_argument("--model", default=EngineConfig.model, help="as for up")
-    placement.add_argument("--prefill", type=int, default=2, help="prefill workers")
-    placement.add_argument("--decode", type=int, default=1, help="decode workers")
-    placement.add_argument("--num-prefixes", type=int, default=8, help="distinct shared prefixes")
-    placement.add_argument("--requests-per-prefix", type=int, default=4, help="requests sharing each")
-    placement.add_argument("--prefix-len", type=int, default=512, help="tokens")
-    placement.add_argument("--suffix-len", type=int, default=32, help="tokens after the prefix")
-    placement.add_argument("--request-rate", type=float, default=0.5, help="Poisson arrivals per second")
+    placement.add_argument("--prefill", type=at_least_one, default=2, help="prefill workers")
+    placement.add_argument("--decode", type=at_least_one, default=1, help="decode workers")
+    placement.add_argument("--num-prefixes", type=at_least_one, default=8, help="distinct shared prefixes")
+    placement.add_argument("--requests-per-prefix", type=at_least_one, default=4, help="requests sharing each")
+    placement.add_argument("--prefix-len", type=at_least_one, default=512, help="tokens")
+    placement.add_argument("--suffix-len", type=natural, default=32, help="tokens after the prefix")
+    placement.add_argument("--request-rate", type=positive_float, default=0.5, help="Poisson arrivals per second")
     placement.set_defaults(func=_bench_placement)
     transfer = bench_sub.add_parser("transfer", help="KV transfer GB/s between two processes vs raw gloo and a copy")
     transfer.add_argument("--host", default=ClusterConfig.host, help="address both processes bind")
     transfer.add_argument("--device", default="cpu", help="where the KV caches live: cpu, cuda, cuda:N")
     transfer.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"], help="auto: by device")
-    transfer.add_argument("--tokens", type=int, default=1000, help="sequence length of the SmolLM2 cases")
-    transfer.add_argument("--mib", type=int, default=64, help="size of the large case")
-    transfer.add_argument("--repeats", type=int, default=7, help="timed runs per case")
-    transfer.add_argument("--pipeline-mib", type=int, default=32, help="staging bytes in flight per side")
+    transfer.add_argument("--tokens", type=at_least_one, default=1000, help="sequence length of the SmolLM2 cases")
+    transfer.add_argument("--mib", type=at_least_one, default=64, help="size of the large case")
+    transfer.add_argument("--repeats", type=at_least_one, default=7, help="timed runs per case")
+    transfer.add_argument(
+        "--pipeline-mib", type=natural, default=32, help="staging bytes in flight per side (at least two messages)"
+    )
     transfer.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     transfer.set_defaults(func=_bench_transfer)
     _add_admission_bench(bench_sub)
@@ -60,14 +64,22 @@ def _add_admission_bench(bench_sub: argparse._SubParsersAction) -> None:
         "--addr", type=host_port, default=None, help="a running router HOST:PORT (default: start a cluster)"
     )
     admission.add_argument("--model", default=EngineConfig.model, help="for the cluster it starts")
-    admission.add_argument("--prefill", type=int, default=1, help="for the cluster it starts")
-    admission.add_argument("--decode", type=int, default=1, help="for the cluster it starts")
-    admission.add_argument("--prompt-lens", default=",".join(map(str, d.prompt_lens)), help="sequential phase")
-    admission.add_argument("--repeats", type=int, default=d.repeats, help="sequential requests per prompt length")
-    admission.add_argument("--burst", type=int, default=d.burst, help="simultaneous requests")
-    admission.add_argument("--burst-prompt-len", type=int, default=d.burst_prompt_len)
-    admission.add_argument("--ttft-slo-ms", type=float, default=d.ttft_slo_ms, help="explicit SLO of the burst")
-    admission.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    admission.add_argument("--prefill", type=at_least_one, default=1, help="for the cluster it starts")
+    admission.add_argument("--decode", type=at_least_one, default=1, help="for the cluster it starts")
+    admission.add_argument(
+        "--prompt-lens", type=counts, default=",".join(map(str, d.prompt_lens)), help="sequential phase"
+    )
+    admission.add_argument(
+        "--repeats", type=at_least_one, default=d.repeats, help="sequential requests per prompt length"
+    )
+    admission.add_argument("--burst", type=at_least_one, default=d.burst, help="simultaneous requests")
+    admission.add_argument(
+        "--burst-prompt-len", type=at_least_one, default=d.burst_prompt_len, help="prompt tokens of each"
+    )
+    admission.add_argument(
+        "--ttft-slo-ms", type=positive_float, default=d.ttft_slo_ms, help="explicit SLO of the burst"
+    )
+    admission.add_argument("--max-tokens", type=at_least_one, default=d.max_tokens, help="tokens per request")
     admission.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     admission.set_defaults(func=_bench_admission)
 
@@ -75,7 +87,7 @@ def _add_admission_bench(bench_sub: argparse._SubParsersAction) -> None:
 def _bench_admission(args: argparse.Namespace) -> int:
     from pdserve.bench.admission_bench import AdmissionBench, RouterNotServing, run_admission_bench
 
-    bench = from_flags(AdmissionBench, args, prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")))
+    bench = from_flags(AdmissionBench, args, prompt_lens=args.prompt_lens)
     cluster = ("--model", args.model, "--prefill", str(args.prefill), "--decode", str(args.decode))
     try:
         with _tables_to_stderr(args.json):
@@ -112,7 +124,7 @@ def _bench_placement(args: argparse.Namespace) -> int:
 def _bench_engine(args: argparse.Namespace) -> int:
     from pdserve.bench.engine_bench import run_engine_bench
 
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    batch_sizes = list(args.batch_sizes)
     if max(batch_sizes) > args.max_num_seqs:  # its steps would run fewer sequences than its row names
         message = f"--batch-sizes {max(batch_sizes)} is past --max-num-seqs {args.max_num_seqs}"
         print(f"pdserve bench engine: {message}", file=sys.stderr)

@@ -51,7 +51,7 @@ def add_chaos_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=at_least_one, default=c.prompts, help="distinct prompts the requests draw from")
     p.add_argument("--input-len", type=at_least_one, default=c.input_len, help="prompt tokens")
     p.add_argument("--output-len", type=at_least_one, default=c.output_len, help="tokens generated per request")
-    p.add_argument("--seed", type=int, default=c.seed)
+    p.add_argument("--seed", type=natural, default=c.seed, help="of the faults' and arrivals' random draws")
     p.add_argument("--log-dir", type=Path, default=None, help="keep the started cluster's log here")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=run_command)

@@ -67,7 +67,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--range-ratio", type=_ratio, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
     p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     p.add_argument("--num-requests", type=at_least_one, default=400, help="requests simulated per run")
-    p.add_argument("--seed", type=natural, default=0)
+    p.add_argument("--seed", type=natural, default=0, help="of the synthetic trace")
     _add_slo_flags(p)
     p.add_argument("--workers", type=WORKER_TOTAL, required=True, help="K: the workers to split (2 to 128)")
     _add_admission_flags(p)
@@ -76,8 +76,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_slo_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--slo-ttft-ms", type=positive_float, required=True)
-    p.add_argument("--slo-tpot-ms", type=positive_float, required=True)
+    p.add_argument("--slo-ttft-ms", type=positive_float, required=True, help="time to first token, ms")
+    p.add_argument("--slo-tpot-ms", type=positive_float, required=True, help="time per output token, ms")
     p.add_argument("--attainment", type=_share, default=0.9, help="share of requests that must meet both SLOs")
 
 

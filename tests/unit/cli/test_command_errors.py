@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import socket
@@ -13,7 +14,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from loadgen.workload import WorkloadConfig
-from pdserve.cli import main
+from pdserve.cli import _parser, main
 from pdserve.cluster.launcher import WorkerStartError
 from pdserve.config import ClusterConfig, EngineConfig
 
@@ -209,6 +210,41 @@ def test_an_engine_or_cluster_number_out_of_its_range_is_a_usage_error(capsys, a
         main(argv)
     assert exit_.value.code == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [  # each was a traceback once the bench had started its processes, or a table of nothing
+        (["bench", "transfer", "--repeats", "0"], "argument --repeats: must be at least 1"),
+        (["bench", "transfer", "--tokens", "-1"], "argument --tokens: must be at least 1"),
+        (["bench", "engine", "--batch-sizes", "8,0"], "argument --batch-sizes: each must be at least 1"),
+        (["bench", "engine", "--batch-sizes", "1,x"], "argument --batch-sizes: expected counts like 1,8,32"),
+        (["bench", "engine", "--rounds", "0"], "argument --rounds: must be at least 1"),
+        (["bench", "admission", "--prompt-lens", "x"], "argument --prompt-lens: expected counts like 1,8,32"),
+        (["bench", "admission", "--burst", "-1"], "argument --burst: must be at least 1"),
+        (["bench", "placement", "--request-rate", "0"], "argument --request-rate: must be a positive number"),
+        (["chaos", "--seed", "-1"], "argument --seed: must lie in [0, inf)"),
+    ],
+)
+def test_a_bench_or_chaos_number_out_of_its_range_is_a_usage_error(capsys, argv, says):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_every_flag_of_every_command_says_what_it_is_in_help():
+    def flags_without_help(parser: argparse.ArgumentParser, command: str) -> list[str]:
+        missing = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    missing += flags_without_help(sub, f"{command} {name}")
+            elif action.option_strings and not action.help:
+                missing.append(f"{command} {action.option_strings[-1]}")
+        return missing
+
+    assert flags_without_help(_parser(), "pdserve") == []
 
 
 def test_a_model_or_output_folder_that_is_not_there_is_named_before_any_work(capsys, tmp_path):
