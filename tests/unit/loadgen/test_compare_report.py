@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from loadgen.__main__ import main
 from loadgen.benchmark import BenchmarkConfig, build_result
@@ -73,8 +74,9 @@ def test_compare_names_a_file_that_is_not_a_result_and_exits_2(tmp_path, capsys)
     assert "absent.json: not a readable JSON file" in capsys.readouterr().err
 
 
-def test_compare_reads_a_vllm_result_without_pdserve_fields(tmp_path, capsys):
-    vllm = tmp_path / "vllm.json"
+def test_compare_reads_a_vllm_result_without_pdserve_fields(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a short name: a long temporary path wraps the table's header mid-phrase
+    vllm = Path("vllm.json")
     vllm.write_text(json.dumps({"request_rate": "inf", "completed": 10, "request_goodput": 2.0}))
     assert main(["compare", str(vllm), str(vllm)]) == 0
     assert "all at once" in capsys.readouterr().out
