@@ -43,6 +43,12 @@ class ConnectionAge:
         del self._first_seen[key]  # closed after this response: its next request comes on a new connection
         await self.app(scope, receive, closing(send))
 
+    def forget(self, client: object, server: object) -> None:
+        """The connection closed (`DeadlineProtocol.connection_lost`): its entry goes now, not after twice the age
+        (a caller opening connections fast, each with one request, would keep as many entries)."""
+        if client and server:
+            self._first_seen.pop((*client, *server), None)  # type: ignore[misc]
+
     def _prune(self, now: float) -> None:
         """Forgets connections closed without a request past their age, oldest first: a live one would have been
         told to close at its first request after it, and uvicorn closes one idle for seconds."""

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import socket
 import struct
+from collections.abc import Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -67,6 +68,11 @@ class DeadlineProtocol(H11Protocol):
         self._disarm()
         self._cancel_write_deadline()
         super().connection_lost(exc)
+        self.on_closed(self.client, self.server)
+
+    @staticmethod
+    def on_closed(client: object, server: object) -> None:
+        """What else keeps state per connection forgets it (`ConnectionAge.forget`)."""
 
     def _arm(self) -> None:
         self._disarm()
@@ -116,7 +122,11 @@ class DeadlineProtocol(H11Protocol):
         self.transport.abort()  # close() would wait to flush what the reader never takes
 
 
-def with_deadlines(head_timeout_s: float, write_stall_timeout_s: float) -> type[DeadlineProtocol]:
-    """The protocol class with other deadlines (tests)."""
-    deadlines = {"head_timeout_s": head_timeout_s, "write_stall_timeout_s": write_stall_timeout_s}
-    return type("DeadlineProtocol", (DeadlineProtocol,), deadlines)
+def with_deadlines(
+    head_timeout_s: float, write_stall_timeout_s: float, on_closed: Callable[[object, object], None] | None = None
+) -> type[DeadlineProtocol]:
+    """The protocol class with these deadlines, telling `on_closed` of each connection that closed."""
+    attributes: dict[str, object] = {"head_timeout_s": head_timeout_s, "write_stall_timeout_s": write_stall_timeout_s}
+    if on_closed is not None:
+        attributes["on_closed"] = staticmethod(on_closed)
+    return type("DeadlineProtocol", (DeadlineProtocol,), attributes)

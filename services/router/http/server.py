@@ -51,11 +51,13 @@ class HttpServer:
             ssl = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
             if tls.client_ca:
                 ssl |= {"ssl_ca_certs": tls.client_ca, "ssl_cert_reqs": CERT_REQUIRED}
+        on_closed = None
         if max_connection_age_s is not None:
             app = ConnectionAge(app, max_connection_age_s)
+            on_closed = app.forget
         config = uvicorn.Config(
             app,
-            http=with_deadlines(head_timeout_s, write_stall_timeout_s),  # h11, with deadlines of its own
+            http=with_deadlines(head_timeout_s, write_stall_timeout_s, on_closed),  # h11, with deadlines of its own
             host=host,
             port=port,
             lifespan="off",
