@@ -14,17 +14,28 @@ class StartTimes:
 
     def __init__(self) -> None:
         self._ns: dict[str, int] = {}
+        self._taken: set[str] = set()  # streams still open whose start was taken: never marked again
         self._lock = threading.Lock()
 
     def mark(self, request_ids: Iterable[str], start_ns: int) -> None:
         """On the engine thread: the step that began at `start_ns` ran these; earlier marks are kept."""
         with self._lock:
             for rid in request_ids:
-                self._ns.setdefault(rid, start_ns)
+                if rid not in self._taken:
+                    self._ns.setdefault(rid, start_ns)
             while len(self._ns) > KEPT:
                 self._ns.pop(next(iter(self._ns)))
 
     def take(self, request_id: str) -> int | None:
         """The request's start, once; None if it has not run."""
         with self._lock:
-            return self._ns.pop(request_id, None)
+            ns = self._ns.pop(request_id, None)
+            if ns is not None:
+                self._taken.add(request_id)
+            return ns
+
+    def forget(self, request_id: str) -> None:
+        """Its stream ended: its start, taken or not, is nobody's now (kept, it would fill the map to KEPT)."""
+        with self._lock:
+            self._ns.pop(request_id, None)
+            self._taken.discard(request_id)

@@ -285,3 +285,14 @@ async def test_work_waiting_for_held_blocks_sleeps_until_a_release_and_times_no_
     engine.release("held")
     assert (await asyncio.wait_for(waiting, timeout=10)).handoff_block_ids
     assert len(steps) == 1 and steps[0][0] == 5 * 16
+
+
+async def test_a_streams_start_taken_mid_stream_is_not_marked_again_and_nothing_stays_after_it(mixed):
+    """What a decode worker does: take a stream's start after its first tokens, stream on, end."""
+    stream = mixed.generate(EngineRequest("taken", PROMPT, GREEDY))
+    await anext(stream)
+    await anext(stream)
+    assert mixed.take_started_ns("taken") is not None
+    await tokens(stream)
+    await tokens(mixed.generate(EngineRequest("never-taken", PROMPT, GREEDY)))
+    assert mixed._started._ns == {} and mixed._started._taken == set()  # noqa: SLF001
