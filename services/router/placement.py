@@ -25,7 +25,7 @@ class Placement:
     queue_s: float  # what the load adds: the queue ahead of it there, the decode worker's steps
     predicted_tpot_s: float
     blocks_needed: int
-    block_hashes: list[bytes]
+    block_hashes: list[bytes]  # the prompt's full blocks, which its prefill worker will key
     offer: Offer
 
     @property
@@ -100,8 +100,11 @@ class PlacementPolicy(ABC):
                 raise NoWorkersError(f"no live prefill worker holds {prompt_blocks} KV blocks")
             prefills = holding or prefills
         offered = self._registered(colocated=bool(colocated))
-        hashes = prefix_hashes(prompt[: len(prompt) - 1], block_size, cache_salt)
-        hits = await self.prefix_index.match([w.cache_key for w in offered[0]], hashes)
+        # The worker keys every full block of the prompt, but a hit stops short of its last token (computed anew).
+        keyed = prefix_hashes(prompt, block_size, cache_salt)
+        hits = await self.prefix_index.match(
+            [w.cache_key for w in offered[0]], keyed[: (len(prompt) - 1) // block_size]
+        )
         if colocated:  # one worker does both: it must be able to decode the request too
             prefill = decode = self.choose_colocated(colocated, hits, len(prompt), blocks, tpot_slo_s)
         else:
@@ -115,7 +118,7 @@ class PlacementPolicy(ABC):
             queue_s=self.predictor.queue_s(prefill) + self.predictor.decode_wait_s(decode),
             predicted_tpot_s=self.predictor.tpot_s(decode),
             blocks_needed=blocks,
-            block_hashes=hashes,
+            block_hashes=keyed,
             offer=self._offer(*offered, hits, len(prompt), blocks, colocated=bool(colocated)),
         )
 

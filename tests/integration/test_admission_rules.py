@@ -136,3 +136,24 @@ def test_more_kv_blocks_than_any_worker_holds_is_invalid(cluster):
     assert "grpc-retry-pushback-ms" not in meta
     ((code, _, tokens),) = send(cluster.address, [request(16, seed=3, max_tokens=total * 16 - 32)])
     assert code == "OK", tokens  # what fits in the total is served
+
+
+def test_a_prompt_its_prefill_worker_evicted_is_predicted_uncached_again(cluster):
+    """The router learns of evictions from the worker's prefix-cache journal: a prompt is predicted cached while
+    its blocks are there, and uncached once a prompt as large as the whole cache has evicted them."""
+
+    def predicted_ttft_ms(n: int, seed: int) -> float:
+        wait_idle(cluster.address)
+        time.sleep(2.5)  # a supervisor check or two: the prefill worker's journal reaches the router's index
+        ((code, meta, tokens),) = send(cluster.address, [request(n, seed=seed, max_tokens=1)])
+        assert code == "OK", tokens
+        return float(meta[PREDICTED_TTFT_KEY])
+
+    total = min(w["kv_blocks_total"] for w in wait_idle(cluster.address)["workers"])
+    cold = predicted_ttft_ms(1000, seed=20)
+    warm = predicted_ttft_ms(1000, seed=20)
+    predicted_ttft_ms(total * 16 - 1, seed=21)  # every block of the prefill worker: the first prompt's go
+    after = predicted_ttft_ms(1000, seed=20)
+    print(f"predicted TTFT: cold {cold} ms, cached {warm} ms, after the eviction {after} ms")
+    assert warm < 0.5 * cold, (cold, warm)
+    assert after > 0.8 * cold, (cold, warm, after)

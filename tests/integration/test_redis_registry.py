@@ -21,7 +21,8 @@ from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.registry.base import WorkerState
-from pdserve.registry.redis import PREFIX, RedisPrefixIndex, RedisRegistry
+from pdserve.registry.redis import PREFIX, RedisRegistry
+from pdserve.registry.redis_prefix import RedisPrefixIndex
 from tests.redis_server import RedisServer, emptied, started
 
 pytestmark = pytest.mark.timeout(120)

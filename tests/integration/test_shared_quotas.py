@@ -16,7 +16,8 @@ import httpx2
 import pytest
 
 from pdserve.config import RouterConfig
-from pdserve.registry.redis import RedisPrefixIndex, RedisRegistry
+from pdserve.registry.redis import RedisRegistry
+from pdserve.registry.redis_prefix import RedisPrefixIndex
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc

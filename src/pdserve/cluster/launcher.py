@@ -26,6 +26,7 @@ from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import ClusterConfig
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import Registry, WorkerState
+from pdserve.registry.memory import InMemoryPrefixIndex
 
 log = logging.getLogger(__name__)
 SPEC_TIMEOUT_S = 5.0  # an actor answers what it was asked to be at once, unless it is restarting
@@ -50,13 +51,24 @@ class Cluster:
     """`publish`: keep `registry` current for the workers (the embedded registry); with Redis the workers
     heartbeat themselves and the supervisor only removes the ones it finds gone."""
 
-    def __init__(self, config: ClusterConfig, workers: WorkerServices, registry: Registry, publish: bool) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        workers: WorkerServices,
+        registry: Registry,
+        publish: bool,
+        prefix_index: InMemoryPrefixIndex | None = None,
+    ) -> None:
         self.config = config
         self.registry = registry
         self.actors = WorkerActors(config, workers)
         self.stopping = threading.Event()  # set once: every start in progress gives up
         self.supervisor = Supervisor(
-            registry, publish=publish, new_actor=self.actors.create, connected=self.actors.connected
+            registry,
+            publish=publish,
+            new_actor=self.actors.create,
+            connected=self.actors.connected,
+            prefix_index=prefix_index,
         )
         drain_s = config.worker_drain_timeout_s
         self.scaler = FleetScaler(

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 def registry_for(config: ClusterConfig) -> tuple[Registry, PrefixIndex]:
     """Redis when a URL is given (shared by every router), else the in-process registry of a one-router cluster."""
     if config.redis_url:
-        from pdserve.registry.redis import RedisPrefixIndex, RedisRegistry
+        from pdserve.registry.redis import RedisRegistry
+        from pdserve.registry.redis_prefix import RedisPrefixIndex
 
         r = config.router
         registry = RedisRegistry(config.redis_url, max_view_age_s=r.registry_max_view_age_s)

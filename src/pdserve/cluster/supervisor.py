@@ -31,7 +31,9 @@ from typing import Any
 from pdserve.addresses import host_of
 from pdserve.cluster.drain import WorkerDrainedError
 from pdserve.cluster.worker_spec import WorkerSpec
-from pdserve.registry.base import Registry
+from pdserve.protocol.roles import Role
+from pdserve.registry.base import Registry, WorkerState
+from pdserve.registry.memory import InMemoryPrefixIndex
 
 log = logging.getLogger(__name__)
 CHECK_TIMEOUT_S = 1.0  # an actor's state() is cheap: one that takes longer is restarting, or stuck
@@ -67,6 +69,7 @@ class Slot:
     replace_at: float = 0.0  # set while backing off: no replacement before this time (the supervisor's clock)
     leaving: bool = False  # scaled down: draining for good, never restarted or replaced
     draining: bool = False  # a rollout's drain (a restart) under way: out of service, though its check may pass
+    prefix_lost: bool = False  # its last prefix-cache take never reached the index: the next must be whole
 
 
 class Supervisor:
@@ -83,8 +86,10 @@ class Supervisor:
         kill: Callable[[Any], None] = _kill,
         clock: Callable[[], float] = time.monotonic,
         connected: Callable[[], bool] = lambda: True,
+        prefix_index: InMemoryPrefixIndex | None = None,
     ) -> None:
         self.registry = registry
+        self.prefix_index = prefix_index  # embedded: the workers' prefix-cache journals go there (Redis: heartbeats)
         self.publish = publish
         self.new_actor = new_actor
         self.on_replaced = on_replaced
@@ -170,6 +175,7 @@ class Supervisor:
         slot.address = state.address
         if self.publish:
             self.registry.publish(state)
+            await self._index_prefix_changes(slot, state)
         if not slot.listed:
             log.info("worker %s in placement at %s", slot.spec.worker_id, state.address)
             slot.listed = True
@@ -179,6 +185,21 @@ class Supervisor:
         stuck: the last worker of a role in placement stays there on that alone (the router's first-token and stall
         bounds cover one truly stuck), since taking it out fails every request at once."""
         return any(s is not slot and s.listed and s.spec.role == slot.spec.role for s in self.slots.values())
+
+    async def _index_prefix_changes(self, slot: Slot, state: WorkerState) -> None:
+        """What the worker's prefix cache keyed and evicted since the last check, into the router's prefix index."""
+        if self.prefix_index is None or slot.spec.role == Role.DECODE:  # a decode worker caches no prefixes
+            return
+        try:
+            take = slot.actor.take_prefix_changes.remote(slot.prefix_lost)
+            changes = await asyncio.wait_for(take, timeout=self.check_timeout_s)
+        except Exception as e:  # a lost take: the next one is the whole cache
+            slot.prefix_lost = True
+            log.debug("prefix-cache changes of %s not taken: %r", slot.spec.worker_id, e)
+            return
+        slot.prefix_lost = False
+        if changes is not None:
+            self.prefix_index.apply(state.cache_key, changes, state.kv_blocks_total)
 
     async def _state(self, slot: Slot) -> Any:
         """The actor's state, within the check's timeout."""

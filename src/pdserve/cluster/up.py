@@ -18,6 +18,7 @@ from pdserve.cluster.internal_security import prepare_internal_security
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.router_process import registry_for, start_router_process, stop_signal
 from pdserve.config import ClusterConfig
+from pdserve.registry.memory import InMemoryPrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,9 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
     # so the secret must be the operator's, shared with whichever router takes them over.
     prepare_internal_security(config, make_secret=config.ray_address is None)
     registry, prefix_index = registry_for(config)
-    cluster = Cluster(config, services.workers, registry, publish=not config.redis_url)
+    # Embedded, the supervisor takes the workers' prefix-cache journals into the index; with Redis they write it.
+    journals_to = prefix_index if isinstance(prefix_index, InMemoryPrefixIndex) else None
+    cluster = Cluster(config, services.workers, registry, publish=not config.redis_url, prefix_index=journals_to)
     stop = stop_signal()  # from here on, a signal ends the start cleanly
     if not await cluster.connect_until(stop):
         return

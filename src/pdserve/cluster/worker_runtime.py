@@ -39,6 +39,8 @@ from pdserve.security.cluster_secret import ClusterSecret
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig
+    from pdserve.engine.cache_journal import PrefixCacheChanges
+    from pdserve.registry.redis import RedisRegistry
 
 log = logging.getLogger(__name__)
 HEARTBEAT_FAILURE_LOG_EVERY_S = 30.0
@@ -139,6 +141,7 @@ class WorkerRuntime:
 
     def _heartbeat(self) -> None:
         from pdserve.registry.redis import RedisRegistry, Throttled
+        from pdserve.registry.redis_prefix import drop_entries
 
         assert self.spec.registry_url is not None
         registry = RedisRegistry(self.spec.registry_url, ttl_s=max(2.0, 6 * self.spec.heartbeat_s))
@@ -149,13 +152,38 @@ class WorkerRuntime:
             if self._stopped.is_set():
                 break
             try:
-                registry.publish(self.state())
+                state = self.state()
+                registry.publish(state)
+                self._index_prefix_changes(registry, state)
             except Exception as e:  # Redis down: keep serving, publish again when it is back
                 failed.warning("heartbeat to %s failed: %s", self.spec.registry_url, e)
         try:
             registry.remove(self.worker_id)
+            if self._engine.prefix_journal is not None:
+                drop_entries(registry.client, self.worker_id)  # its prefix-index entry: the cache goes with it
         except Exception as e:
             log.warning("could not deregister %s: %s", self.worker_id, e)
+
+    def _index_prefix_changes(self, registry: RedisRegistry, state: WorkerState) -> None:
+        """What the prefix cache keyed and evicted since the last beat, into this process's prefix-index entry."""
+        from pdserve.registry.redis_prefix import apply_changes
+
+        if (journal := self._engine.prefix_journal) is None:
+            return
+        try:
+            apply_changes(registry.client, state.cache_key, journal.take(), state.kv_blocks_total)
+        except Exception:
+            journal.lost()  # the next beat sends the whole cache
+            raise
+
+    def take_prefix_changes(self, lost: bool = False) -> PrefixCacheChanges | None:
+        """For the supervisor of an embedded registry, which indexes them (with Redis, the heartbeat does); `lost`:
+        its last take never reached the index. None: no prefix cache, or not started."""
+        if not self._ready.done() or (journal := self._engine.prefix_journal) is None:
+            return None
+        if lost:
+            journal.lost()
+        return journal.take()
 
     def stop(self, grace_s: float = 5.0) -> None:
         if self._stopped.is_set():

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import torch
 
+from pdserve.engine.cache_journal import PrefixCacheJournal
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import kv_block_bytes
 from pdserve.engine.profiling import measure_profile
@@ -86,6 +87,7 @@ class AsyncEngine:
         self.stats: dict[str, int] = {}
         self.on_step: Callable[[int, int, float], None] | None = None  # (prefill tokens, decode seqs, seconds)
         self._started = StartTimes()
+        self.prefix_journal: PrefixCacheJournal | None = engine.blocks.journal  # thread-safe; for routers' indexes
         self._update_stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
+from pdserve.engine.cache_journal import PrefixCacheJournal
 from pdserve.engine.free_runs import FreeRuns
 from pdserve.engine.sequence import Sequence
 from pdserve.protocol.prefix_hash import hash_block, prefix_hashes
@@ -35,6 +36,8 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced; oldest first
         self._seq_hashes: dict[str, list[bytes]] = {}  # keys of each sequence's full blocks so far
         self.prefix_hits = 0  # blocks served from the prefix cache, for metrics
+        # Its keys as they come and go, for the routers' prefix index; None without a prefix cache.
+        self.journal = PrefixCacheJournal(max_removed=4 * num_blocks) if enable_prefix_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -159,6 +162,8 @@ class BlockManager:
         self._reused[block] = False
         if key is not None and self._hash_to_block.get(key) == block:
             del self._hash_to_block[key]
+            if self.journal is not None:
+                self.journal.evicted(key)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Key the sequence's blocks that became full of computed tokens, so later requests can reuse them."""
@@ -175,6 +180,8 @@ class BlockManager:
             if self._block_hash[block] is None and key not in self._hash_to_block:
                 self._block_hash[block] = key
                 self._hash_to_block[key] = block
+                if self.journal is not None:
+                    self.journal.stored(key)
 
     def free(self, seq: Sequence) -> None:
         """Return every block the sequence holds. Tail blocks go first, so eviction takes them before

@@ -7,6 +7,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from pdserve.engine.cache_journal import PrefixCacheChanges
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import DEFAULT_TTL_S, PREFIX_TTL_S, PrefixIndex, Registry, WorkerState
@@ -91,21 +92,42 @@ class InMemoryPrefixIndex(PrefixIndex):
         self._lock = threading.Lock()
 
     def record(self, cache_key: str, block_hashes: list[bytes]) -> None:
-        now = self._clock()
         with self._lock:
-            for stale in [k for k, at in self._recorded.items() if now - at > self.ttl_s]:
-                del self._blocks[stale], self._recorded[stale]
-            self._recorded[cache_key] = now
-            if cache_key not in self._blocks:  # a worker's new process: its predecessor's entry goes
-                same_worker = cache_key.split("/", 1)[0] + "/"
-                for old in [k for k in self._blocks if k.startswith(same_worker)]:
-                    del self._blocks[old], self._recorded[old]
-            held = self._blocks.setdefault(cache_key, OrderedDict())
+            held = self._entry(cache_key)
             for h in reversed(block_hashes):  # leading blocks end most recent: evicted last
                 held[h] = None
                 held.move_to_end(h)
-            while len(held) > self.max_blocks:
-                held.popitem(last=False)
+            self._trim(held, self.max_blocks)
+
+    def apply(self, cache_key: str, changes: PrefixCacheChanges, max_blocks: int) -> None:
+        """A worker's prefix-cache journal (the supervisor of an embedded registry takes it): what it evicted
+        leaves, what it keyed joins, as `redis_prefix.apply_changes` does in Redis."""
+        with self._lock:
+            held = self._entry(cache_key)
+            if changes.whole:
+                held.clear()
+            for h in changes.removed:
+                held.pop(h, None)
+            for h in changes.stored:
+                held[h] = None
+                held.move_to_end(h)
+            self._trim(held, min(max_blocks, self.max_blocks))
+
+    def _entry(self, cache_key: str) -> OrderedDict[bytes, None]:
+        now = self._clock()
+        for stale in [k for k, at in self._recorded.items() if now - at > self.ttl_s]:
+            del self._blocks[stale], self._recorded[stale]
+        self._recorded[cache_key] = now
+        if cache_key not in self._blocks:  # a worker's new process: its predecessor's entry goes
+            same_worker = cache_key.split("/", 1)[0] + "/"
+            for old in [k for k in self._blocks if k.startswith(same_worker)]:
+                del self._blocks[old], self._recorded[old]
+        return self._blocks.setdefault(cache_key, OrderedDict())
+
+    @staticmethod
+    def _trim(held: OrderedDict[bytes, None], max_blocks: int) -> None:
+        while len(held) > max_blocks:
+            held.popitem(last=False)
 
     async def match(self, cache_keys: list[str], block_hashes: list[bytes]) -> dict[str, int]:
         with self._lock:

@@ -4,8 +4,7 @@ Each worker's state is one key with a TTL, refreshed by its heartbeat, so a dead
 deleting it. Workers publish with a synchronous client on their own heartbeat thread. A router never waits on
 Redis while serving a request: a background task on its event loop keeps a view of the workers fresh and
 requests read that view; when Redis stops answering the router serves from its last view until the view is
-`max_view_age_s` old, then drops the workers it can no longer confirm. The prefix index answers within a
-budget or not at all, and its writes happen in the background.
+`max_view_age_s` old, then drops the workers it can no longer confirm. The prefix index is `redis_prefix.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from typing import Any
 
 import redis
@@ -24,7 +23,7 @@ from pdserve import env
 from pdserve.background import cancel_and_wait
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.roles import Role
-from pdserve.registry.base import DEFAULT_TTL_S, PREFIX_TTL_S, VIEW_REFRESH_S, PrefixIndex, Registry, WorkerState
+from pdserve.registry.base import DEFAULT_TTL_S, VIEW_REFRESH_S, Registry, WorkerState
 
 log = logging.getLogger(__name__)
 PREFIX = "pdserve"
@@ -133,6 +132,11 @@ class RedisRegistry(Registry):
         self._down_since: float | None = None  # the first failed refresh of the current outage
         self._recovered_at = -math.inf
         self._malformed: set[str] = set()  # ids whose entries failed to parse, logged once each
+
+    @property
+    def client(self) -> redis.Redis:
+        """Its synchronous connection, for a worker's other writes on its heartbeat thread."""
+        return self._redis
 
     def publish(self, state: WorkerState) -> None:
         pipe = self._redis.pipeline()
@@ -303,93 +307,3 @@ class RedisRegistry(Registry):
                 len(self._view),
             )
             self._view = {}
-
-
-@dataclass(eq=False)
-class RedisPrefixIndex(PrefixIndex):
-    """Per worker a sorted set of block hashes scored by last use, trimmed to the worker's cache size.
-
-    Used on the router's event loop only. `match` answers within `match_budget_s` or with no hits, and after a
-    miss skips Redis for `retry_s`, so an outage costs requests their prefix hits, not their latency."""
-
-    url: str
-    max_blocks_per_worker: int = 65536
-    match_budget_s: float = 0.03
-    record_timeout_s: float = 1.0
-    retry_s: float = 1.0
-    max_pending_writes: int = 64
-    log_every_s: float = 30.0
-    _redis: aredis.Redis | None = field(default=None, init=False, repr=False)
-    _writes: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
-    _skip_until: float = field(default=0.0, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._match_failed = Throttled(self.log_every_s)
-        self._record_failed = Throttled(self.log_every_s)
-
-    def _client(self) -> aredis.Redis:
-        if self._redis is None:
-            self._redis = connect_async(self.url, self.record_timeout_s)
-        return self._redis
-
-    def record(self, cache_key: str, block_hashes: list[bytes]) -> None:
-        if not block_hashes:
-            return
-        if len(self._writes) >= self.max_pending_writes:  # Redis is slow: a lost hint beats a pile of tasks
-            self._record_failed.warning(
-                "prefix index not updated for %s: %d writes pending", cache_key, len(self._writes)
-            )
-            return
-        task = asyncio.get_running_loop().create_task(self._record(cache_key, list(block_hashes)))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-
-    async def _record(self, cache_key: str, block_hashes: list[bytes]) -> None:
-        key = f"{PREFIX}:prefix:{cache_key}"
-        now = time.time()
-        pipe = self._client().pipeline()
-        # Leading blocks score highest, so trimming drops a prompt's tail before its shared head.
-        pipe.zadd(key, {h: now - i * 1e-6 for i, h in enumerate(block_hashes)})
-        pipe.zremrangebyrank(key, 0, -self.max_blocks_per_worker - 1)
-        pipe.expire(key, PREFIX_TTL_S)  # a worker that is gone stops refreshing its index
-        try:
-            await asyncio.wait_for(pipe.execute(), self.record_timeout_s)
-        except Exception as e:  # a lost hint costs a cache hit, never a request
-            self._record_failed.warning("prefix index not updated for %s: %r", cache_key, e)
-
-    async def match(self, cache_keys: list[str], block_hashes: list[bytes]) -> dict[str, int]:
-        if not block_hashes or not cache_keys or time.monotonic() < self._skip_until:
-            return dict.fromkeys(cache_keys, 0)
-        pipe = self._client().pipeline(transaction=False)
-        for w in cache_keys:
-            pipe.zmscore(f"{PREFIX}:prefix:{w}", block_hashes)
-        try:
-            scores = await asyncio.wait_for(pipe.execute(), self.match_budget_s)
-        except Exception as e:
-            self._skip_until = time.monotonic() + self.retry_s
-            self._match_failed.warning(
-                "prefix index gave no answer within %.0f ms (%r): placing without prefix hits",
-                1e3 * self.match_budget_s,
-                e,
-            )
-            return dict.fromkeys(cache_keys, 0)
-        return {w: _leading(s) for w, s in zip(cache_keys, scores, strict=True)}
-
-    async def flush(self) -> None:
-        """Waits for the writes under way (each ends within `record_timeout_s`)."""
-        await asyncio.gather(*self._writes, return_exceptions=True)
-
-    async def close(self) -> None:
-        await self.flush()
-        if self._redis is not None:
-            await self._redis.aclose()
-            self._redis = None
-
-
-def _leading(scores: list[float | None]) -> int:
-    n = 0
-    for s in scores:
-        if s is None:
-            break
-        n += 1
-    return n

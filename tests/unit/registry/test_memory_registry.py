@@ -6,6 +6,7 @@ import json
 import time
 from dataclasses import replace
 
+from pdserve.engine.cache_journal import PrefixCacheChanges
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.protocol.roles import Role
@@ -109,6 +110,19 @@ async def test_prefix_index_is_an_lru_bounded_per_worker():
     assert sum([(await index.match(["w"], [h]))["w"] for h in (a, b, c, d, e)]) == 4
     index.record("other", [a, b, c, d, e])  # bounded per worker, not shared
     assert await index.match(["w"], [a]) == {"w": 1}
+
+
+async def test_a_workers_journal_removes_what_it_evicted_adds_what_it_keyed_and_a_whole_take_replaces_all():
+    index = InMemoryPrefixIndex()
+    hashes = prefix_hashes(list(range(160)), 16)
+    index.record("w", hashes[:6])  # what a router placed there
+    index.apply("w", PrefixCacheChanges(stored=hashes[6:8], removed=hashes[3:4]), max_blocks=100)
+    assert await index.match(["w"], hashes) == {"w": 3}  # block 3 evicted: a hit stops there
+    assert await index.match(["w"], hashes[4:]) == {"w": 4}  # 4 and 5 recorded, 6 and 7 keyed by the worker
+    index.apply("w", PrefixCacheChanges(stored=hashes[:2], removed=[], whole=True), max_blocks=100)
+    assert await index.match(["w"], hashes) == {"w": 2} and await index.match(["w"], hashes[4:]) == {"w": 0}
+    index.apply("w", PrefixCacheChanges(stored=hashes[2:5], removed=[]), max_blocks=3)  # the worker's 3 blocks
+    assert await index.match(["w"], hashes[2:]) == {"w": 3} and await index.match(["w"], hashes) == {"w": 0}
 
 
 async def test_a_workers_new_process_replaces_its_predecessors_entry():

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from pdserve.config import RouterConfig
-from pdserve.registry.redis import RedisPrefixIndex, RedisRegistry, Throttled
+from pdserve.registry.redis import RedisRegistry, Throttled
+from pdserve.registry.redis_prefix import RedisPrefixIndex
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,7 +44,7 @@ async def test_a_router_view_starts_empty_within_its_timeout_and_answers_without
 async def test_prefix_match_gives_no_hits_within_its_budget_and_then_skips_redis(silent_url, caplog):
     index = RedisPrefixIndex(silent_url, match_budget_s=0.05, record_timeout_s=0.2, retry_s=30, log_every_s=30)
     hashes = [b"a" * 16, b"b" * 16]
-    with caplog.at_level(logging.WARNING, logger="pdserve.registry.redis"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.registry.redis_prefix"):
         start = time.monotonic()
         assert await index.match(["p0", "p1"], hashes) == {"p0": 0, "p1": 0}
         first = time.monotonic() - start

@@ -171,11 +171,11 @@ def test_slo_placement_prefers_the_prefill_worker_holding_the_prompts_prefix():
     tokens = prompt(1024)
     first = r.place(tokens, 16, 1.0)
     assert first.prefill.worker_id == "p0"  # less loaded, nobody has the prefix
-    assert len(first.block_hashes) == (1024 - 1) // BS
+    assert len(first.block_hashes) == 1024 // BS  # every full block: what the worker keys
     r.index.record(worker("p1").cache_key, first.block_hashes)  # what the router does after placing on p1
     second = r.place(tokens, 16, 1.0)
     assert second.prefill.worker_id == "p1"
-    assert second.cached_tokens == len(first.block_hashes) * BS
+    assert second.cached_tokens == (1024 - 1) // BS * BS  # a hit stops short of the last token, computed anew
     assert second.predicted_ttft_s < first.predicted_ttft_s
     # A different prompt shares no leading block: back to the idle worker.
     assert r.place(prompt(1024, seed=1), 16, 1.0).prefill.worker_id == "p0"

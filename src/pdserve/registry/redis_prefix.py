@@ -1,0 +1,177 @@
+"""The prefix index in Redis, shared by every router: per worker process, a sorted set of block hashes scored by
+last use (`pdserve:prefix:<cache key>`).
+
+Routers add what they place (so a burst sharing a new prefix goes where its first prompt went); the worker itself
+applies its prefix cache's journal on each heartbeat (`apply_changes`), so blocks it evicted leave the index and
+blocks no placement named (a prompt's last full block, a colocated worker's generated tokens) join it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import redis
+import redis.asyncio as aredis
+
+from pdserve.engine.cache_journal import PrefixCacheChanges
+from pdserve.registry.base import PREFIX_TTL_S, PrefixIndex
+from pdserve.registry.redis import PREFIX, Throttled, connect_async
+
+log = logging.getLogger(__name__)
+FIRST_PROBE_BLOCKS = 64  # a match asks this many leading blocks first, then 4x more of the workers still matching
+
+
+def prefix_key(cache_key: str) -> str:
+    return f"{PREFIX}:prefix:{cache_key}"
+
+
+def apply_changes(client: redis.Redis, cache_key: str, changes: PrefixCacheChanges, max_blocks: int) -> None:
+    """A worker's journal into its own entry, in one transaction (no router reads it half replaced). A whole take
+    (a new process's first) also drops the entries its worker id's earlier processes left."""
+    key = prefix_key(cache_key)
+    if changes.whole:
+        drop_entries(client, cache_key.split("/", 1)[0], keep=key)
+    pipe = client.pipeline()
+    if changes.whole:
+        pipe.delete(key)
+    if changes.removed:
+        pipe.zrem(key, *changes.removed)
+    if changes.stored:
+        pipe.zadd(key, dict.fromkeys(changes.stored, time.time()))
+    pipe.zremrangebyrank(key, 0, -max_blocks - 1)
+    pipe.expire(key, PREFIX_TTL_S)  # a worker that is gone stops refreshing its index
+    pipe.execute()
+
+
+def drop_entries(client: redis.Redis, worker_id: str, keep: str = "") -> None:
+    """Every entry of `worker_id`'s processes but `keep`: a process that left, or was replaced, caches nothing
+    now, and its entry (up to ~8 MB) would stay for its hour-long TTL."""
+    pattern = prefix_key(re.sub(r"([*?\[\]\\])", r"\\\1", worker_id) + "/*")
+    stale = [k for k in client.scan_iter(match=pattern, count=1000) if k.decode() != keep]
+    if stale:
+        client.delete(*stale)
+
+
+@dataclass(eq=False)
+class RedisPrefixIndex(PrefixIndex):
+    """Used on the router's event loop only. `match` answers within `match_budget_s` with the hits it counted by
+    then; when Redis gave no answer at all it skips Redis for `retry_s`, so an outage costs requests their prefix
+    hits, not their latency."""
+
+    url: str
+    max_blocks_per_worker: int = 65536
+    match_budget_s: float = 0.03
+    record_timeout_s: float = 1.0
+    retry_s: float = 1.0
+    max_pending_writes: int = 64
+    log_every_s: float = 30.0
+    _redis: aredis.Redis | None = field(default=None, init=False, repr=False)
+    _writes: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
+    _skip_until: float = field(default=0.0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._match_failed = Throttled(self.log_every_s, log)
+        self._match_cut = Throttled(self.log_every_s, log)
+        self._entry_failed = Throttled(self.log_every_s, log)
+        self._record_failed = Throttled(self.log_every_s, log)
+
+    def _client(self) -> aredis.Redis:
+        if self._redis is None:
+            self._redis = connect_async(self.url, self.record_timeout_s)
+        return self._redis
+
+    def record(self, cache_key: str, block_hashes: list[bytes]) -> None:
+        if not block_hashes:
+            return
+        if len(self._writes) >= self.max_pending_writes:  # Redis is slow: a lost hint beats a pile of tasks
+            self._record_failed.warning(
+                "prefix index not updated for %s: %d writes pending", cache_key, len(self._writes)
+            )
+            return
+        task = asyncio.get_running_loop().create_task(self._record(cache_key, list(block_hashes)))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _record(self, cache_key: str, block_hashes: list[bytes]) -> None:
+        key = prefix_key(cache_key)
+        now = time.time()
+        pipe = self._client().pipeline()
+        # Leading blocks score highest, so trimming drops a prompt's tail before its shared head.
+        pipe.zadd(key, {h: now - i * 1e-6 for i, h in enumerate(block_hashes)})
+        pipe.zremrangebyrank(key, 0, -self.max_blocks_per_worker - 1)
+        pipe.expire(key, PREFIX_TTL_S)
+        try:
+            await asyncio.wait_for(pipe.execute(), self.record_timeout_s)
+        except Exception as e:  # a lost hint costs a cache hit, never a request
+            self._record_failed.warning("prefix index not updated for %s: %r", cache_key, e)
+
+    async def match(self, cache_keys: list[str], block_hashes: list[bytes]) -> dict[str, int]:
+        hits = dict.fromkeys(cache_keys, 0)
+        if not block_hashes or not cache_keys or time.monotonic() < self._skip_until:
+            return hits
+        rounds = 0
+        try:
+            async with asyncio.timeout(self.match_budget_s):
+                async for _ in self._count_leading_runs(hits, block_hashes):
+                    rounds += 1
+        except (TimeoutError, redis.RedisError) as e:
+            if not rounds:  # not even the first probe: Redis is down or stalled
+                self._skip_until = time.monotonic() + self.retry_s
+                self._match_failed.warning(
+                    "prefix index gave no answer within %.0f ms (%r): placing without prefix hits",
+                    1e3 * self.match_budget_s,
+                    e,
+                )
+                return dict.fromkeys(cache_keys, 0)
+            self._match_cut.warning(  # a long prompt's runs: the hits counted so far are true, if short
+                "prefix index match cut after %d rounds (%r): placing with the hits counted so far", rounds, e
+            )
+        return hits
+
+    async def _count_leading_runs(self, hits: dict[str, int], block_hashes: list[bytes]) -> AsyncIterator[None]:
+        """Adds to `hits` each worker's run of leading blocks, asking only the workers whose run reached the end
+        of the last probe, each probe 4x the last: a long prompt costs what its hits are, not what it is long
+        for every worker. Yields after each round."""
+        matching, start, size = list(hits), 0, FIRST_PROBE_BLOCKS
+        while matching and start < len(block_hashes):
+            probe = block_hashes[start : start + size]
+            pipe = self._client().pipeline(transaction=False)
+            for w in matching:
+                pipe.zmscore(prefix_key(w), probe)
+            answers = await pipe.execute(raise_on_error=False)
+            still = []
+            for w, scores in zip(matching, answers, strict=True):
+                if isinstance(scores, Exception):  # an entry that is no sorted set: that worker's hits only
+                    self._entry_failed.warning("prefix index entry %s unreadable: %r", prefix_key(w), scores)
+                    hits[w] = 0
+                    continue
+                run = _leading(scores)
+                hits[w] += run
+                if run == len(probe):
+                    still.append(w)
+            matching, start, size = still, start + len(probe), 4 * size
+            yield
+
+    async def flush(self) -> None:
+        """Waits for the writes under way (each ends within `record_timeout_s`)."""
+        await asyncio.gather(*self._writes, return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.flush()
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+
+
+def _leading(scores: list[float | None]) -> int:
+    n = 0
+    for s in scores:
+        if s is None:
+            break
+        n += 1
+    return n
