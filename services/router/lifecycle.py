@@ -47,11 +47,11 @@ from services.router.retry import Moves, avoided_workers, blamed_worker, record_
 from services.router.ticket import Ticket
 
 log = logging.getLogger(__name__)
-# The router's own key of the request being served in this context, for its log lines beside the client's id.
 NO_WORKERS_POLL_S = 0.1
 # What a client hears of a worker that refused the router's cluster credentials: which one, where, and why are the
 # operator's (the ejection's log line), not the client's.
 CLUSTER_AUTH_FAILED = "a worker refused this router's cluster credentials; the router's log has the details"
+# The router's own key of the request being served in this context, for its log lines beside the client's id.
 request_key_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_key", default=None)
 
 
@@ -246,13 +246,13 @@ class RequestLifecycle:
                         return
                     ticket = await self._move(ticket, e, original, chunks, moves, failed, time_remaining())
                 except OverloadedError as e:
-                    if not chunks:  # nothing reached the caller: shed as admission sheds, and a retry may fit
-                        raise
-                    # The worker a stream moved to had no room for it: another may. Else the cluster could not
-                    # recover the stream, which the caller's retry would start over, not continue.
+                    # The worker had no room when the request got there, though this router saw room (another
+                    # router's stream, or a migration, took it): another may. Else, before any message, it is
+                    # shed as admission sheds (a retry may fit); after, the cluster could not recover the stream,
+                    # which the caller's retry would start over, not continue.
                     full = UnavailableError(f"{e} (to continue a stream of {sum(map(len, chunks))} tokens)")
                     args = (original, chunks, moves, failed, time_remaining())
-                    ticket = await self._move(ticket, full, *args, eject=False)
+                    ticket = await self._move(ticket, full if chunks else e, *args, eject=False)
         except ClusterAuthError:
             raise UnavailableError(CLUSTER_AUTH_FAILED) from None
         except (UnavailableError, OverloadedError, TimeoutError, InvalidRequestError, InternalError) as e:
@@ -267,7 +267,7 @@ class RequestLifecycle:
     async def _move(
         self,
         ticket: Ticket,
-        error: UnavailableError,
+        error: UnavailableError | OverloadedError,
         original: RoutedRequest,
         chunks: list[list[int]],
         moves: Moves,
@@ -277,7 +277,8 @@ class RequestLifecycle:
     ) -> Ticket:
         """A new ticket on workers that did not fail the request (the old one released), or `error` raised again
         when it may not or cannot move (the caller's `finally` releases the old one). `eject`: the worker failed,
-        rather than being full, so it leaves placement for a while."""
+        rather than being full, so it leaves placement for a while. A request refused as full before its first
+        message goes only to another worker, one with room as far as this router sees."""
         worker = blamed_worker(error, ticket.placement)
         if eject:
             self.placement.ejections.eject(worker, str(error))
@@ -287,9 +288,16 @@ class RequestLifecycle:
             raise error
         req = continued_request(original, streamed) if chunks else original
         try:
-            placement = await (
-                self._place_with_room(req, failed, left, moves) if chunks else self._place_again(req, failed, left)
-            )
+            if chunks:
+                placement = await self._place_with_room(req, failed, left, moves)
+            elif isinstance(error, OverloadedError):
+                placement = await self._place_within(
+                    0.0, self._place_args(req), frozenset(failed), req.cache_salt, True
+                )
+                if not self.admission.predictor.takes(placement.decode, len(req.prompt_token_ids)):
+                    raise error
+            else:
+                placement = await self._place_again(req, failed, left)
         except UnavailableError:
             raise error from None  # no worker live at all: the failure itself is the answer
         attempt = 1 + moves.retries + moves.migrations
@@ -309,8 +317,7 @@ class RequestLifecycle:
         UnavailableError when no live decode worker holds it. Before it goes back to a worker that failed, it
         waits for a remote registry view to refresh twice (within the caller's deadline): a replacement or a
         rollout's successor may be listed already, and not yet seen here."""
-        _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
-        args = (req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3)
+        args = self._place_args(req)
         wait_s = 2 * self.placement.registry.refresh_s
         if left is not None:
             wait_s = min(wait_s, left)
@@ -327,6 +334,10 @@ class RequestLifecycle:
                 return await self.placement.place(*args, avoid, req.cache_salt, must_hold=True)
         return await self.placement.place(*args, cache_salt=req.cache_salt, must_hold=True)
 
+    def _place_args(self, req: RoutedRequest) -> tuple[list[int], int, float]:
+        _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
+        return req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3
+
     async def _place_with_room(
         self, req: RoutedRequest, failed: set[str], left: float | None, moves: Moves
     ) -> Placement:
@@ -341,7 +352,10 @@ class RequestLifecycle:
         try:
             while True:
                 placement = await self._place_again(req, failed, left)
-                if self._takes(placement, len(req.prompt_token_ids)) or time.monotonic() >= end:
+                if (
+                    self.admission.predictor.takes(placement.decode, len(req.prompt_token_ids))
+                    or time.monotonic() >= end
+                ):
                     return placement
                 if not waiting:
                     moves.waited_for_room = waiting = True
@@ -350,15 +364,6 @@ class RequestLifecycle:
         finally:
             if waiting:
                 self.tracker.moving -= 1
-
-    def _takes(self, placement: Placement, prompt_tokens: int) -> bool:
-        """Whether its decode worker would reserve the prompt now, as far as this router can tell (a colocated
-        worker queues what it cannot run yet)."""
-        decode, predictor = placement.decode, self.admission.predictor
-        if decode.role != Role.DECODE:
-            return True
-        blocks = -(-prompt_tokens // decode.block_size)
-        return predictor.has_batch_room(decode) and predictor.free_blocks(decode) >= blocks
 
     def refused(self, error: BaseException, started_at: float, tenant: Tenant | None = None) -> None:
         """A request its front end refused before it had a GenerateRequest (an HTTP caller without a valid key,

@@ -117,3 +117,11 @@ class Predictor:
         it sampled them (their first token may be back, and their blocks reserved, before the next report)."""
         since = self.tracker.placed_since(w.worker_id, w.load_at or w.updated_at)
         return w.kv_blocks_free - max(self.tracker.pending_blocks[w.worker_id], since)
+
+    def takes(self, decode: WorkerState, prompt_tokens: int) -> bool:
+        """Whether a decode worker would reserve the prompt now, as far as this router can tell (a colocated
+        worker queues what it cannot run yet)."""
+        if decode.role != Role.DECODE:
+            return True
+        blocks = -(-prompt_tokens // decode.block_size)
+        return self.has_batch_room(decode) and self.free_blocks(decode) >= blocks

@@ -13,7 +13,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from pdserve.errors import UnavailableError
+from pdserve.errors import OverloadedError, UnavailableError
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from services.router.generation import generate
@@ -183,3 +183,28 @@ async def test_a_moved_stream_the_caller_stops_reading_is_released_at_once():
         await stream.aclose()
         assert lc.in_flight == 0
     assert len(got) == 3
+
+
+async def test_a_request_refused_as_full_before_its_first_token_goes_to_another_worker_with_room():
+    """Several routers share the decode workers: one this router saw room on may be full when the request gets
+    there (another router's stream took the place). Another worker with room takes it; the full one is not
+    ejected. (It reached the caller as RESOURCE_EXHAUSTED while the other worker had room.)"""
+    async with serving(packed := FullUntilFreed()) as d0, serving(roomy := StandInDecode()) as d1:
+        # Placement prefers the most free blocks: the full one first.
+        workers = [worker("d0", "decode", address=d0), worker("d1", "decode", address=d1, kv_blocks_free=1024)]
+        router = Router([worker("p0"), *workers])
+        out: list[int] = []
+        await stream(router.lifecycle(), out)
+    assert len(out) == MAX_TOKENS and (packed.refused, roomy.calls) == (1, 1)
+    assert not router.placement.ejections.ejected(workers[0])
+
+
+async def test_a_request_refused_as_full_with_no_other_worker_with_room_is_shed_at_once():
+    """The other decode worker reports a full batch: the refusal reaches the caller as the overload it is
+    (RESOURCE_EXHAUSTED, a retry may fit), with no call to a worker this router knows is full."""
+    async with serving(packed := FullUntilFreed()) as d0, serving(other := FullUntilFreed()) as d1:
+        full = worker("d1", "decode", address=d1, sequences=4, max_num_seqs=4)
+        router = Router([worker("p0"), worker("d0", "decode", address=d0, kv_blocks_free=8192), full])
+        with pytest.raises(OverloadedError, match="batch is full"):
+            await stream(router.lifecycle(), [])
+    assert (packed.refused, other.refused) == (1, 0)
