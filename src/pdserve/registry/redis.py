@@ -18,6 +18,9 @@ from typing import Any
 
 import redis
 import redis.asyncio as aredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry as SyncRetry
 
 from pdserve import env
 from pdserve.background import cancel_and_wait
@@ -66,12 +69,18 @@ def connect(url: str, timeout_s: float = TIMEOUT_S) -> redis.Redis:
     URLs connect over TLS, checking the server's certificate against PDSERVE_REDIS_CA_CERT or else the system's
     CAs; the password is the URL's or, without one there, PDSERVE_REDIS_PASSWORD (so it stays out of command
     lines and the registry's logs)."""
-    return redis.Redis.from_url(url, **_options(url, timeout_s))
+    retry = SyncRetry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+    return redis.Redis.from_url(url, retry=retry, **_options(url, timeout_s))
 
 
 def connect_async(url: str, timeout_s: float = TIMEOUT_S) -> aredis.Redis:
-    """For the router's event loop; its connections belong to the loop that first uses it. As `connect`."""
-    return aredis.Redis.from_url(url, **_options(url, timeout_s))
+    """For the router's event loop; its connections belong to the loop that first uses it. As `connect`.
+
+    Both retry a call once, at once, on a connection error, never on a timeout: a Redis restarted since closed
+    every pooled connection, and without it each one failed its next call (quotas fell back to per-router limits
+    for seconds after Redis was back), while a Redis that does not answer still costs one timeout."""
+    retry = AsyncRetry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+    return aredis.Redis.from_url(url, retry=retry, **_options(url, timeout_s))
 
 
 def _options(url: str, timeout_s: float) -> dict[str, Any]:

@@ -237,18 +237,28 @@ class RedisQuotas(Quotas):
         def abandon() -> None:  # Redis may still run the open it did not answer in time
             self._in_background(lambda: self._abandon(keys=[streams, mark], args=[lease, self._lease_ms]), "abandon")
 
-        answer = await self._ask(lambda: self._open(keys=keys, args=args), on_miss=abandon)
-        if answer is None:  # the local limits, over every stream this router serves
+        # Counted here while Redis is asked: a fallback meanwhile (another request's miss began an outage) checks
+        # the local limits against every stream this router serves, this one too.
+        counted = self.local.count_stream(tenant)
+        try:
+            answer = await self._ask(lambda: self._open(keys=keys, args=args), on_miss=abandon)
+        except BaseException:
+            counted()
+            raise
+        if answer is None:  # the local limits, over every stream this router serves (this one's count goes first)
+            counted()
             close_local = self.local.open_stream_now(tenant)
             return self._held(lease, streams, close_local) if max_streams else close_local
         verdict, value = (v.decode() for v in answer)
+        if verdict in ("streams", "requests") or not max_streams:
+            counted()
         if verdict == "streams":
             raise too_many_streams(tenant, int(value))
         if verdict == "requests":
             raise over_request_rate(tenant, float(value) / 1000)
         if not max_streams:
             return lambda: None
-        return self._held(lease, streams, self.local.count_stream(tenant))
+        return self._held(lease, streams, counted)
 
     def _held(self, lease: str, streams: str, close_local: Release) -> Release:
         """An open stream: its lease renewed in Redis (entered there by the renewer if Redis did not admit it),

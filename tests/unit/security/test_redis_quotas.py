@@ -342,3 +342,52 @@ async def lease_back(server: RedisServer, tenant: Tenant) -> None:
         while not c.zcard(quota_key(tenant, "streams")):
             assert time.monotonic() - start < 20, "no renewal entered the stream's lease"
             await asyncio.sleep(0.05)
+
+
+async def test_a_redis_restart_closing_every_pooled_connection_costs_no_fallback():
+    """Each pooled connection fails its next call once Redis restarted; a router took that for an outage and
+    enforced its own limits for seconds after Redis was back (a key of 3 streams opened 8 over two routers)."""
+    server = RedisServer()
+    server.start()
+    quotas = RedisQuotas(server.url, budget_s=BUDGET_S, retry_s=30)
+    tenant = Tenant("t", "pooled", max_concurrent=8)
+    try:
+        async with contextlib.AsyncExitStack() as open_:
+            await asyncio.gather(*(open_.enter_async_context(quotas.session(tenant)) for _ in range(4)))
+        server.stop()
+        server.start()
+        for _ in range(4):  # every connection the pool made before the restart
+            async with quotas.session(tenant):
+                assert quotas._down_since is None  # Redis answered: the limits stayed cluster-wide
+    finally:
+        await quotas.close()
+        server.stop()
+
+
+async def test_a_fallback_during_a_redis_answer_counts_the_stream_redis_is_admitting(server):
+    """Router-local, max_concurrent 1: while one request waits for Redis's answer, another request's miss begins
+    an outage; that one's local check must count the stream Redis is admitting (it admitted a second beside it)."""
+    with server.client() as c:
+        c.flushall()
+    quotas = RedisQuotas(server.url, budget_s=BUDGET_S)
+    tenant = Tenant("t", "racing", max_concurrent=1)
+    answered, real_open = asyncio.Event(), quotas._open
+
+    async def open_after_the_outage(*args, **kwargs):  # type: ignore[no-untyped-def]
+        await answered.wait()
+        return await real_open(*args, **kwargs)
+
+    quotas._open = open_after_the_outage  # type: ignore[method-assign]
+    try:
+        first = asyncio.ensure_future(quotas.open_stream(tenant))
+        await asyncio.sleep(0.05)  # asking Redis
+        quotas._down_since = time.monotonic()  # another request's miss: the fallback answers from here
+        with pytest.raises(OverloadedError, match="concurrent"):
+            await quotas.open_stream(tenant)
+        quotas._down_since = None
+        answered.set()
+        release = await first
+        release()
+        assert quotas.local._state(tenant).streams == 0
+    finally:
+        await quotas.close()
