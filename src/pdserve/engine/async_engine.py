@@ -293,7 +293,7 @@ class AsyncEngine:
         """Stream over: forget it, and abort this caller's request if it is still live (cancel, error)."""
         if self._streams.get(request_id) is stream:
             del self._streams[request_id]
-            self._started.forget(request_id)
+            self._started.stream_ended(request_id)
         if not abort:  # it finished: the engine holds it no more
             self._slowed.pop(request_id, None)
         elif self.alive:

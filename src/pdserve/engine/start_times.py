@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from itertools import islice
 
 KEPT = 4096  # times never taken (a caller that does not trace): past this many the oldest are forgotten
 
@@ -14,28 +15,30 @@ class StartTimes:
 
     def __init__(self) -> None:
         self._ns: dict[str, int] = {}
-        self._taken: set[str] = set()  # streams still open whose start was taken: never marked again
+        # Streams marked once (the engine thread marks every running request each step): never marked again, or a
+        # start taken mid-stream came back for nobody to take. Forgotten when the stream ends.
+        self._marked: dict[str, None] = {}
         self._lock = threading.Lock()
 
     def mark(self, request_ids: Iterable[str], start_ns: int) -> None:
         """On the engine thread: the step that began at `start_ns` ran these; earlier marks are kept."""
         with self._lock:
             for rid in request_ids:
-                if rid not in self._taken:
-                    self._ns.setdefault(rid, start_ns)
+                if rid not in self._marked:
+                    self._marked[rid] = None
+                    self._ns[rid] = start_ns
             while len(self._ns) > KEPT:
                 self._ns.pop(next(iter(self._ns)))
+            for oldest in list(islice(self._marked, max(len(self._marked) - KEPT, 0))):
+                del self._marked[oldest]  # a stream ended between a step's check of it and its mark, never told
 
     def take(self, request_id: str) -> int | None:
         """The request's start, once; None if it has not run."""
         with self._lock:
-            ns = self._ns.pop(request_id, None)
-            if ns is not None:
-                self._taken.add(request_id)
-            return ns
+            return self._ns.pop(request_id, None)
 
-    def forget(self, request_id: str) -> None:
-        """Its stream ended: its start, taken or not, is nobody's now (kept, it would fill the map to KEPT)."""
+    def stream_ended(self, request_id: str) -> None:
+        """Its id may start a new stream (a caller's retry): that one is marked anew. Its start stays for a
+        caller that takes it after the stream ended (a prefill returns before its caller takes it)."""
         with self._lock:
-            self._ns.pop(request_id, None)
-            self._taken.discard(request_id)
+            self._marked.pop(request_id, None)

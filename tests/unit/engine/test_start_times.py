@@ -17,17 +17,18 @@ def test_a_time_is_taken_once_and_a_later_mark_keeps_the_first():
     assert (times.take("a"), times.take("a"), times.take("b"), times.take("never")) == (1, None, 2, None)
 
 
-def test_a_taken_start_is_not_marked_again_while_its_stream_runs_and_a_closed_stream_leaves_nothing():
+def test_a_taken_start_is_not_marked_again_while_its_stream_runs_and_an_ended_streams_id_starts_anew():
     """The engine thread marks every running request each step: a decode stream's start, once taken, came back
-    each step after and stayed when the stream ended (a decode worker's map grew to KEPT)."""
+    each step after, for nobody to take (a decode worker's map grew to KEPT)."""
     times = StartTimes()
     times.mark(["a", "b"], 1)
     assert times.take("a") == 1
     times.mark(["a", "b"], 2)
     assert times.take("a") is None
-    times.forget("a")
-    times.forget("b")  # ended before anyone took its start
-    assert times._ns == {} and times._taken == set()
+    times.stream_ended("a")
+    times.stream_ended("b")
+    assert times.take("b") == 1  # a start taken once its stream ended (a prefill's caller takes it after)
+    assert times._ns == {} and times._marked == {}
     times.mark(["a"], 3)  # an id used again by a later stream
     assert times.take("a") == 3
 
