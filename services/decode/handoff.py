@@ -52,15 +52,21 @@ class Handoff:
     _freeing: set[asyncio.Future[None]] = field(default_factory=set, init=False)
 
     async def stream(
-        self, handoff: HandoffRequest, time_remaining: TimeRemaining, on_dispatched: Callable[[], Awaitable[None]]
+        self,
+        handoff: HandoffRequest,
+        time_remaining: TimeRemaining,
+        on_dispatched: Callable[[], Awaitable[None]],
+        on_prefilled: Callable[[FirstToken], None] = lambda first: None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs; the last one counts the prompt tokens the prefill worker's cache served.
-        `on_dispatched` runs once the prefill worker has been called (what is slow from then on is its side)."""
+        `on_dispatched` runs once the prefill worker has been called (what is slow from then on is its side),
+        `on_prefilled` once its first token and KV are in."""
         try:
             blocks = await self.engine.reserve(handoff.request)
         except OverloadedError as e:
             raise OverloadedError(f"decode worker {self.worker_id} cannot take it: {e}", e.retry_after_ms) from e
         first = await self._fill(handoff, blocks, time_remaining, on_dispatched)  # frees `blocks` if it fails
+        on_prefilled(first)
         async with contextlib.aclosing(self._decode(handoff, first)) as decoded:  # type: ignore[type-var]
             async for out in decoded:
                 yield replace(out, num_cached_tokens=first.cached_prompt_tokens)

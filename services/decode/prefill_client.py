@@ -34,7 +34,8 @@ class PrefillCall:
         first = event.first_token
         logprobs = logprobs_from_pb(first.logprobs) if first.HasField("logprobs") else None
         prompt_logprobs = tuple(logprobs_from_pb(lp) for lp in first.prompt_logprobs)
-        return FirstToken(first.token_id, first.kv_follows, first.cached_prompt_tokens, logprobs, prompt_logprobs)
+        cached, waited_s = first.cached_prompt_tokens, first.waited_ms / 1e3
+        return FirstToken(first.token_id, first.kv_follows, cached, logprobs, prompt_logprobs, waited_s)
 
     async def sent(self) -> None:
         """Returns once the prefill worker confirmed the KV sent and ended the call with OK."""

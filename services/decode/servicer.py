@@ -11,10 +11,11 @@ import grpc
 from pdserve.config import FaultConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.errors import PermissionDeniedError, UnavailableError
+from pdserve.protocol.handoff import FirstToken
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.roles import Role
 from pdserve.rpc.convert import engine_request_from_pb, output_to_pb
-from pdserve.rpc.metadata import HANDOFF_STARTED_KEY
+from pdserve.rpc.metadata import HANDOFF_STARTED_KEY, PREFILL_WAITED_KEY
 from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.telemetry import Telemetry, request_id_var
 from pdserve.v1 import generate_pb2 as pb
@@ -61,7 +62,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             async def dispatched() -> None:
                 await context.send_initial_metadata(((HANDOFF_STARTED_KEY, "1"),))
 
-            outputs = self.handoff.stream(handoff, context.time_remaining, dispatched)
+            def prefilled(first: FirstToken) -> None:
+                context.set_trailing_metadata(((PREFILL_WAITED_KEY, str(round(first.waited_s * 1e3))),))
+
+            outputs = self.handoff.stream(handoff, context.time_remaining, dispatched, prefilled)
         async with contextlib.aclosing(outputs) as stream:  # type: ignore[type-var]
             async for out in stream:
                 yield _to_pb(out)

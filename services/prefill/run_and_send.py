@@ -53,13 +53,14 @@ class RunAndSend:
         self._check(job)
         if self.faults.engine_dies_for(job.client_request_id):
             self.engine.fail_when_stepped(job.request.request_id)
-        out = await self._run_prompt(job)
+        out, waited_s = await self._run_prompt(job)
         first = FirstToken(
             out.new_token_ids[0],
             not out.finished,
             out.num_cached_tokens,
             next(iter(out.logprobs), None),
             out.prompt_logprobs,
+            waited_s,
         )
         if out.finished:
             yield first
@@ -87,9 +88,10 @@ class RunAndSend:
         if job.transfer_timeout_s <= 0:
             raise InvalidRequestError("transfer_timeout_ms", f"must be positive, got {job.transfer_timeout_s * 1e3:g}")
 
-    async def _run_prompt(self, job: PrefillJob) -> RequestOutput:
-        """Prefills the prompt; its blocks stay held for the hand-off. Traces its queue wait and compute, also when
-        they end otherwise: the wait alone when the prompt never ran."""
+    async def _run_prompt(self, job: PrefillJob) -> tuple[RequestOutput, float]:
+        """Prefills the prompt; its blocks stay held for the hand-off. Returns its output and how long it waited for
+        its first step. Traces its queue wait and compute, also when they end otherwise: the wait alone when the
+        prompt never ran."""
         start_ns = now_ns()
         ids = {"request__id": job.request.request_id, "worker__id": self.worker_id}
         try:
@@ -115,7 +117,7 @@ class RunAndSend:
         )
         prefill_ms = round((end_ns - start_ns) / 1e6, 2)
         log.debug("prefilled", extra={"prompt_tokens": len(job.request.prompt), "prefill_ms": prefill_ms})
-        return out
+        return out, max(ran_ns - start_ns, 0) / 1e9
 
     async def _send(self, job: PrefillJob, blocks: list[int]) -> None:
         """Returns only once the send thread is done with the blocks, even when the caller cancels."""

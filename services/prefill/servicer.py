@@ -46,7 +46,10 @@ def _to_pb(event: FirstToken | KVSent) -> wpb.PrefillEvent:
     if isinstance(event, KVSent):
         return wpb.PrefillEvent(transfer_done=wpb.TransferDone())
     first = wpb.FirstToken(
-        token_id=event.token_id, kv_follows=event.kv_follows, cached_prompt_tokens=event.cached_prompt_tokens
+        token_id=event.token_id,
+        kv_follows=event.kv_follows,
+        cached_prompt_tokens=event.cached_prompt_tokens,
+        waited_ms=round(event.waited_s * 1e3),
     )
     if event.logprobs is not None:
         first.logprobs.CopyFrom(logprobs_to_pb(event.logprobs))

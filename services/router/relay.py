@@ -15,7 +15,7 @@ from pdserve.metrics import RecentLatencies, RouterMetrics
 from pdserve.rpc.channel_pool import ChannelPool
 from pdserve.rpc.convert import sampling_to_pb
 from pdserve.rpc.errors import error_from_rpc
-from pdserve.rpc.metadata import HANDOFF_STARTED_KEY
+from pdserve.rpc.metadata import HANDOFF_STARTED_KEY, PREFILL_WAITED_KEY
 from pdserve.rpc.stream_end import cancel_stream
 from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.telemetry import Telemetry
@@ -85,10 +85,21 @@ class Relay:
                 if ticket.continuation is not None and relayed.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     return  # a migrated stream may end on a stop string its decode worker did not see
                 msg = await read_within(call, self.stall_s, p.decode)
+            self._calibrate(ticket, await call.trailing_metadata())
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, f"decode worker {p.decode.worker_id} at {p.decode.address}") from e
         finally:
             await cancel_stream(call)  # a no-op once finished
+
+    def _calibrate(self, ticket: Ticket, trailing: grpc.aio.Metadata | None) -> None:
+        """An attempt that ran alone as far as this router saw teaches calibration its own cost: its TTFT less the
+        wait its prefill worker reports (other routers' prompts ahead of it, which would read as a slow worker)."""
+        if ticket.alone_ttft_s is None:
+            return
+        waited_ms = dict(trailing or ()).get(PREFILL_WAITED_KEY, "0")
+        waited_s = int(waited_ms) / 1e3 if isinstance(waited_ms, str) and waited_ms.isdigit() else 0.0
+        p = ticket.placement
+        self.calibration.observe(p.prefill_worker.worker_id, p.predicted_ttft_s, ticket.alone_ttft_s - waited_s)
 
     async def _first(self, call: grpc.aio.UnaryStreamCall, ticket: Ticket, time_remaining: float | None) -> object:
         """The first message, within the router's first-token bound unless the caller's deadline is sooner
@@ -133,7 +144,7 @@ class Relay:
             for worker in {p.prefill_worker.worker_id, p.decode.worker_id}:
                 self.recent.add(worker, "ttft", attempt_s)
             if ticket.ran_alone():
-                self.calibration.observe(p.prefill_worker.worker_id, p.predicted_ttft_s, attempt_s)
+                ticket.alone_ttft_s = attempt_s
             for _ in msg.token_ids[1:]:  # tokens that came with the first: no gap after it
                 self.metrics.itl.record(0.0)
         elif msg.token_ids:  # a message with several tokens (a worker catching up) spreads its gap over them

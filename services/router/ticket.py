@@ -31,6 +31,9 @@ class Ticket:
     # This attempt's own tokens and when its first came: its decode worker's TPOT is judged on them alone.
     first_token_at: float = field(default=0.0, init=False)
     tokens: int = field(default=0, init=False)
+    # This attempt's TTFT when it ran alone as far as this router saw: calibration learns from it once the
+    # stream ends, when the decode worker's trailing metadata says how long its prefill worker made it wait.
+    alone_ttft_s: float | None = field(default=None, init=False)
     _prefilled: bool = field(default=False, init=False)
     _released: bool = field(default=False, init=False)
     _found_idle: bool = field(default=False, init=False)

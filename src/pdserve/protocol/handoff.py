@@ -28,6 +28,7 @@ class FirstToken:
     cached_prompt_tokens: int  # served by the prefill worker's prefix cache
     logprobs: TokenLogprobs | None = None  # when the request asked for them
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # when the request asked for them
+    waited_s: float = 0.0  # on the prefill worker before its first step: prompts ahead of it, any router's
 
 
 @dataclass(frozen=True)

@@ -11,3 +11,8 @@ PREDICTED_TTFT_KEY = "x-pdserve-predicted-ttft-ms"
 # prefill worker: a router whose first-token bound runs out after it blames the prefill side, before it the
 # decode worker (stuck, or stopped, before it could hand off).
 HANDOFF_STARTED_KEY = "x-pdserve-handoff-started"
+
+# Trailing metadata of a decode worker's Generate stream that took a hand-off: how long the prompt waited on its
+# prefill worker (milliseconds, an integer). Other routers' prompts ahead of it are invisible to this router, which
+# takes the wait out of the TTFT its calibration learns from (services/router/calibration.py).
+PREFILL_WAITED_KEY = "x-pdserve-prefill-waited-ms"

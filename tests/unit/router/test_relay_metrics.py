@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from pdserve.rpc.metadata import PREFILL_WAITED_KEY
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
@@ -68,3 +69,39 @@ async def test_calibration_learns_the_workers_ttft_from_the_dispatch_not_the_rou
         out = [msg async for msg in generate(lifecycle, request, {}, lambda: None, admitted)]
     assert out[-1].usage.ttft_ms >= 1400  # the caller's TTFT holds the wait
     assert router.predictor.calibration.factor("p0") < 1.5
+
+
+class WaitedBehindAnotherRoutersPrompt(StandInDecode):
+    """Its first token comes 1 s late; with `says`, its trailing metadata says the prefill worker held the prompt
+    that long behind another router's (which this router's own count of the worker's queue cannot see)."""
+
+    def __init__(self, says: bool) -> None:
+        super().__init__()
+        self.says = says
+
+    async def Generate(  # noqa: N802
+        self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        await asyncio.sleep(1.0)
+        if self.says:
+            context.set_trailing_metadata(((PREFILL_WAITED_KEY, "1000"),))
+        yield pb.GenerateResponse(token_ids=[3])
+        yield pb.GenerateResponse(token_ids=[4], finish_reason=pb.FINISH_REASON_LENGTH)
+
+
+@pytest.mark.parametrize("says", [True, False])
+async def test_calibration_takes_out_the_wait_the_prefill_worker_reports(says: bool):
+    """Two routers share a prefill worker: a prompt placed alone as far as this router saw waited 1 s behind the
+    other router's. That wait is no slowness of the worker's: the factor stays near 1, where it grew toward its
+    cap on every such request (shedding later requests on an idle cluster as too slow for their SLO)."""
+
+    async def admitted(ticket: Ticket) -> None:
+        pass
+
+    request = pb.GenerateRequest(prompt_token_ids=list(range(1, 60)), sampling=pb.SamplingParams(max_tokens=2))
+    async with serving(WaitedBehindAnotherRoutersPrompt(says)) as address:
+        router = Router([worker("p0"), worker("d0", "decode", address=address)])
+        out = [msg async for msg in generate(router.lifecycle(), request, {}, lambda: None, admitted)]
+    assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    factor = router.predictor.calibration.factor("p0")
+    assert factor < 1.5 if says else factor > 2.0, factor

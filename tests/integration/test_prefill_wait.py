@@ -1,0 +1,66 @@
+"""A prefill worker says how long each prompt waited for it, through its decode worker's trailing metadata: what
+lets a router take other routers' prompts ahead of its own out of the TTFT its calibration learns from. In-process
+workers called as a router calls them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from pdserve.cluster.worker_runtime import WorkerRuntime
+from pdserve.cluster.worker_spec import WorkerSpec
+from pdserve.config import EngineConfig
+from pdserve.rpc.metadata import PREFILL_WAITED_KEY
+from pdserve.rpc.server import channel
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.workers import add_worker_services
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_a_prompt_behind_another_is_reported_waiting_about_as_long_as_that_one_ran():
+    engine = EngineConfig(model="tiny-random", num_threads=1, kv_cache_memory_gb=0.05)
+    prefill = WorkerRuntime(WorkerSpec("prefill", engine, worker_id="wait-prefill"), add_worker_services)
+    decode = WorkerRuntime(WorkerSpec("decode", engine, worker_id="wait-decode"), add_worker_services)
+    try:
+        alone, behind, ahead_s = asyncio.run(waits(decode.address(60), prefill.address(60)))
+    finally:
+        decode.stop()
+        prefill.stop()
+    print(f"waited alone {alone} ms; behind a prompt whose first token took {ahead_s * 1e3:.0f} ms: {behind} ms")
+    assert alone < 50
+    assert 0.3 * ahead_s * 1e3 < behind <= ahead_s * 1e3 + 50
+
+
+async def waits(decode_address: str, prefill_address: str) -> tuple[int, int, float]:
+    """The waits reported for a prompt alone, and for one sent right behind a long one; how long the long one's
+    first token took."""
+
+    def handed_off(prompt_len: int) -> worker_pb2.WorkerGenerateRequest:
+        return worker_pb2.WorkerGenerateRequest(
+            request_id=f"r{time.monotonic_ns()}",
+            prompt_token_ids=[3 + i % 200 for i in range(prompt_len)],
+            sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True),
+            prefill_address=prefill_address,
+        )
+
+    async def waited_ms(stub: worker_pb2_grpc.DecodeWorkerStub, prompt_len: int) -> tuple[int, float]:
+        start = time.monotonic()
+        call, first_at = stub.Generate(handed_off(prompt_len), timeout=60), 0.0
+        async for _ in call:
+            first_at = first_at or time.monotonic() - start
+        assert await call.code() == grpc.StatusCode.OK
+        return int(dict(await call.trailing_metadata())[PREFILL_WAITED_KEY]), first_at
+
+    async with channel(decode_address) as ch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        alone, _ = await waited_ms(stub, 16)
+        long = asyncio.ensure_future(waited_ms(stub, 3500))
+        await asyncio.sleep(0.01)  # the long prompt reaches the prefill worker first
+        behind, _ = await waited_ms(stub, 16)
+        _, ahead_s = await long
+    return alone, behind, ahead_s
