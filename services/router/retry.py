@@ -1,8 +1,10 @@
 """Which worker a failed attempt blames, whether the request may be placed again, and the record of a move.
 
-Only UNAVAILABLE moves a request (a worker gone, a prefill or KV transfer that failed, the first-token bound):
-INVALID_ARGUMENT, RESOURCE_EXHAUSTED and the client's own deadline are answers, not faults of one worker. Before
-any message reached the client the request is retried as it came; after, it migrates (services/router/migration.py).
+UNAVAILABLE moves a request (a worker gone, a prefill or KV transfer that failed, the first-token bound), and so
+does a decode worker's refusal as full (RESOURCE_EXHAUSTED) when the router saw room there (another router's stream
+took it): that one to a worker with room only, the full one not ejected. INVALID_ARGUMENT, other RESOURCE_EXHAUSTED
+and the client's own deadline are answers, not faults of one worker. Before any message reached the client the
+request is retried as it came; after, it migrates (services/router/migration.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from pdserve.config import RouterConfig
-from pdserve.errors import UnavailableError
+from pdserve.errors import OverloadedError, UnavailableError
 from pdserve.metrics import RouterMetrics
 from pdserve.registry.base import WorkerState
 from services.router.placement import Placement
@@ -22,7 +24,7 @@ from services.router.placement import Placement
 log = logging.getLogger(__name__)
 
 
-def blamed_worker(error: UnavailableError, placement: Placement) -> WorkerState:
+def blamed_worker(error: UnavailableError | OverloadedError, placement: Placement) -> WorkerState:
     """The prefill worker when the decode worker's status (or the router's first-token bound) names its address,
     as a whole address (not inside another host's name), else the decode worker: the router could not reach it,
     or it failed on its own."""
@@ -65,7 +67,7 @@ class Moves:
 def record_move(
     metrics: RouterMetrics,
     worker: WorkerState,
-    error: UnavailableError,
+    error: UnavailableError | OverloadedError,
     placement: Placement,
     attempt: int,
     key: str,
@@ -86,4 +88,7 @@ def record_move(
     span.set_attribute("prefill.worker.id", placement.prefill_worker.worker_id)
     span.set_attribute("decode.worker.id", placement.decode.worker_id)
     verb = "placed again" if sent is None else f"migrated after {sent} streamed tokens"
+    if isinstance(error, OverloadedError):  # full, not failed: a race between routers, not a fault
+        log.info("request %s: worker %s was full", verb, worker.worker_id, extra=attrs | {"key": key})
+        return
     log.warning("request %s after worker %s failed it", verb, worker.worker_id, extra=attrs | {"key": key})

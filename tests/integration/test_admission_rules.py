@@ -144,7 +144,7 @@ def test_a_prompt_its_prefill_worker_evicted_is_predicted_uncached_again(cluster
 
     def predicted_ttft_ms(n: int, seed: int) -> float:
         wait_idle(cluster.address)
-        time.sleep(2.5)  # a supervisor check or two: the prefill worker's journal reaches the router's index
+        time.sleep(3.0)  # a few supervisor checks (every 0.5 s): the prefill worker's journal reaches the index
         ((code, meta, tokens),) = send(cluster.address, [request(n, seed=seed, max_tokens=1)])
         assert code == "OK", tokens
         return float(meta[PREDICTED_TTFT_KEY])

@@ -16,6 +16,7 @@ from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import EngineConfig
 from pdserve.engine.cache_journal import PrefixCacheChanges
 from pdserve.protocol.prefix_hash import prefix_hashes
+from pdserve.registry import redis_prefix
 from pdserve.registry.redis_prefix import FIRST_PROBE_BLOCKS, RedisPrefixIndex, apply_changes, prefix_key
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
@@ -54,7 +55,7 @@ async def test_a_workers_heartbeat_indexes_what_it_cached_and_unindexes_what_it_
     spec = WorkerSpec("colocated", engine, worker_id="cw-prefix", registry_url=url, heartbeat_s=0.1)
     client = redis.Redis.from_url(url)
     for left_by in ("cw-prefix/its-last-process", "cw-prefix2/another-worker"):
-        apply_changes(client, left_by, PrefixCacheChanges([b"x" * 16], []), 10)
+        apply_changes(client, left_by, PrefixCacheChanges([b"x" * 16], [], whole=True))
     worker = WorkerRuntime(spec, add_worker_services)
     index = RedisPrefixIndex(url, match_budget_s=1.0)
     try:
@@ -66,25 +67,29 @@ async def test_a_workers_heartbeat_indexes_what_it_cached_and_unindexes_what_it_
         whole_cache = [5 + i % 190 for i in range(state.kv_blocks_total * BS - 1)]
         await generate(address, whole_cache)  # takes every block: a's are evicted
         assert await hits(index, state.cache_key, a, 5.0, want=0) == 0
-        assert await hits(index, state.cache_key, whole_cache, 5.0, want=state.kv_blocks_total - 1) > 0
-        assert client.zcard(prefix_key(state.cache_key)) <= state.kv_blocks_total
+        keyed = state.kv_blocks_total - 1  # its last block holds the last prompt token and the output: not full
+        assert await hits(index, state.cache_key, whole_cache, 5.0, want=keyed) == keyed
+        assert client.zcard(prefix_key(state.cache_key)) == keyed
         others = {k.decode() for k in client.scan_iter(match=prefix_key("*"))} - {prefix_key(state.cache_key)}
-        assert others == {prefix_key("cw-prefix2/another-worker")}  # its last process's entry went at its first beat
+        left = {prefix_key("cw-prefix2/another-worker"), prefix_key("cw-prefix2/another-worker") + ":whole"}
+        assert others == {prefix_key(state.cache_key) + ":whole"} | left  # its last process's went at its first beat
+        client.flushall()  # Redis restarted empty: the worker's next beats copy its whole cache again
+        assert await hits(index, state.cache_key, whole_cache, 5.0, want=keyed) == keyed
     finally:
         await index.close()
         worker.stop()
-    assert not client.exists(prefix_key(state.cache_key))  # it deregistered: its entry went with it
+    assert not client.exists(prefix_key(state.cache_key), prefix_key(state.cache_key) + ":whole")  # it left
     client.close()
 
 
 async def test_a_long_prompts_match_counts_each_workers_leading_run_and_an_unreadable_entry_costs_only_its_own(url):
-    prompt = prefix_hashes(list(range(20 * FIRST_PROBE_BLOCKS * BS)), BS)  # 1280 blocks: four probes
+    prompt = prefix_hashes(list(range(20 * FIRST_PROBE_BLOCKS * BS)), BS)  # 1280 blocks: probes of 64, 256, 960
     with redis.Redis.from_url(url) as client:
-        apply_changes(client, "all/1", PrefixCacheChanges(prompt, [], whole=True), 4096)
-        apply_changes(client, "some/1", PrefixCacheChanges(prompt[:100] + prompt[101:], []), 4096)  # a gap at 100
-        apply_changes(client, "head/1", PrefixCacheChanges(prompt[:FIRST_PROBE_BLOCKS], []), 4096)
+        apply_changes(client, "all/1", PrefixCacheChanges(prompt, [], whole=True))
+        apply_changes(client, "some/1", PrefixCacheChanges(prompt[:100] + prompt[101:], [], whole=True))  # a gap
+        apply_changes(client, "head/1", PrefixCacheChanges(prompt[:FIRST_PROBE_BLOCKS], [], whole=True))
         client.set(prefix_key("broken/1"), "not a sorted set")
-        apply_changes(client, "all/1", PrefixCacheChanges([], prompt[1000:]), 4096)
+        assert apply_changes(client, "all/1", PrefixCacheChanges([], prompt[1000:]))
     index = RedisPrefixIndex(url, match_budget_s=1.0)
     keys = ["all/1", "some/1", "head/1", "broken/1", "none/1"]
     assert await index.match(keys, prompt) == {"all/1": 1000, "some/1": 100, "head/1": 64, "broken/1": 0, "none/1": 0}
@@ -92,12 +97,28 @@ async def test_a_long_prompts_match_counts_each_workers_leading_run_and_an_unrea
     await index.close()
 
 
-async def test_a_whole_take_replaces_the_entry_and_the_entry_is_trimmed_to_the_workers_blocks(url):
+async def test_placements_never_push_out_what_the_worker_says_it_caches(url):
+    cached = [bytes([i]) * 16 for i in range(4)]
+    with redis.Redis.from_url(url) as client:
+        apply_changes(client, "w/1", PrefixCacheChanges(cached, [], whole=True))
+    index = RedisPrefixIndex(url, max_blocks_per_worker=6, match_budget_s=1.0)
+    for i in range(5):  # placements of other prompts, trimmed to 6 in all: the oldest placements go first
+        index.record("w/1", [bytes([100 + i]) * 16, *cached])  # a placement naming a cached block: still cached
+        await index.flush()
+    assert await index.match(["w/1"], cached) == {"w/1": 4}
+    assert await index.match(["w/1"], [bytes([104]) * 16]) == {"w/1": 1}  # the newest placement stays
+    await index.close()
+
+
+async def test_an_entry_redis_lost_makes_the_next_take_whole_and_a_whole_copy_is_swapped_in(url, monkeypatch):
+    monkeypatch.setattr(redis_prefix, "WHOLE_CHUNK", 3)  # several chunks aside, one swap
     keys = [bytes([i]) * 16 for i in range(8)]
     with redis.Redis.from_url(url) as client:
-        apply_changes(client, "w/1", PrefixCacheChanges(keys[:6], []), 4096)
-        apply_changes(client, "w/1", PrefixCacheChanges(keys[6:], [], whole=True), 4096)
-        assert set(client.zrange(prefix_key("w/1"), 0, -1)) == set(keys[6:])
-        apply_changes(client, "w/1", PrefixCacheChanges(keys[:4], []), 3)
-        assert client.zcard(prefix_key("w/1")) == 3
+        assert apply_changes(client, "w/1", PrefixCacheChanges(keys[:7], [], whole=True))
+        assert client.zcard(prefix_key("w/1")) == 7 and not client.exists(prefix_key("w/1") + ":staging")
+        assert apply_changes(client, "w/1", PrefixCacheChanges(keys[7:], keys[:1]))
+        client.flushall()  # a restart without persistence
+        assert not apply_changes(client, "w/1", PrefixCacheChanges([], keys[1:2]))  # the worker must send all
+        assert apply_changes(client, "w/1", PrefixCacheChanges(keys[2:], [], whole=True))
+        assert set(client.zrange(prefix_key("w/1"), 0, -1)) == set(keys[2:])
         assert 0 < client.ttl(prefix_key("w/1")) <= 3600

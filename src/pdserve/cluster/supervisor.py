@@ -194,12 +194,13 @@ class Supervisor:
             take = slot.actor.take_prefix_changes.remote(slot.prefix_lost)
             changes = await asyncio.wait_for(take, timeout=self.check_timeout_s)
         except Exception as e:  # a lost take: the next one is the whole cache
+            if not slot.prefix_lost:  # once per run of failures (an actor of a build without the method: each check)
+                log.warning("prefix-cache changes of %s not taken: %r", slot.spec.worker_id, e)
             slot.prefix_lost = True
-            log.debug("prefix-cache changes of %s not taken: %r", slot.spec.worker_id, e)
             return
         slot.prefix_lost = False
         if changes is not None:
-            self.prefix_index.apply(state.cache_key, changes, state.kv_blocks_total)
+            self.prefix_index.apply(state.cache_key, changes)
 
     async def _state(self, slot: Slot) -> Any:
         """The actor's state, within the check's timeout."""

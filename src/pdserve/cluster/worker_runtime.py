@@ -141,11 +141,12 @@ class WorkerRuntime:
 
     def _heartbeat(self) -> None:
         from pdserve.registry.redis import RedisRegistry, Throttled
-        from pdserve.registry.redis_prefix import drop_entries
+        from pdserve.registry.redis_prefix import drop_own_entry
 
         assert self.spec.registry_url is not None
         registry = RedisRegistry(self.spec.registry_url, ttl_s=max(2.0, 6 * self.spec.heartbeat_s))
         failed = Throttled(HEARTBEAT_FAILURE_LOG_EVERY_S)  # a Redis outage is one line per interval, not per beat
+        cache_key = ""  # this process's prefix-index entry, once it published one
         while not self._stopped.is_set():
             self._beat.wait(self.spec.heartbeat_s)
             self._beat.clear()
@@ -154,13 +155,18 @@ class WorkerRuntime:
             try:
                 state = self.state()
                 registry.publish(state)
-                self._index_prefix_changes(registry, state)
             except Exception as e:  # Redis down: keep serving, publish again when it is back
                 failed.warning("heartbeat to %s failed: %s", self.spec.registry_url, e)
+                continue
+            try:
+                self._index_prefix_changes(registry, state)
+                cache_key = state.cache_key
+            except Exception as e:  # the next beat sends the whole cache
+                failed.warning("prefix-cache changes not written to %s: %s", self.spec.registry_url, e)
         try:
             registry.remove(self.worker_id)
-            if self._engine.prefix_journal is not None:
-                drop_entries(registry.client, self.worker_id)  # its prefix-index entry: the cache goes with it
+            if cache_key and self._engine.prefix_journal is not None:
+                drop_own_entry(registry.client, cache_key)
         except Exception as e:
             log.warning("could not deregister %s: %s", self.worker_id, e)
 
@@ -171,10 +177,12 @@ class WorkerRuntime:
         if (journal := self._engine.prefix_journal) is None:
             return
         try:
-            apply_changes(registry.client, state.cache_key, journal.take(), state.kv_blocks_total)
+            intact = apply_changes(registry.client, state.cache_key, journal.take())
         except Exception:
-            journal.lost()  # the next beat sends the whole cache
+            journal.lost()
             raise
+        if not intact:  # Redis lost the entry (restarted empty): the next beat sends the whole cache
+            journal.lost()
 
     def take_prefix_changes(self, lost: bool = False) -> PrefixCacheChanges | None:
         """For the supervisor of an embedded registry, which indexes them (with Redis, the heartbeat does); `lost`:
@@ -189,6 +197,7 @@ class WorkerRuntime:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self._beat.set()  # the heartbeat deregisters now, not at its next beat
         if self._ready.done() and self._ready.exception() is None:
             asyncio.run_coroutine_threadsafe(self._shutdown(grace_s), self._loop).result(timeout=grace_s + 30)
 
@@ -332,6 +341,8 @@ class WorkerRuntime:
             self._transfer.close()
         self._engine.stop()
         self.telemetry.shutdown()  # flushes spans still batched
+        if self._heartbeat_thread is not None:  # gone from the registry (and its prefix index) once stopped
+            await asyncio.to_thread(self._heartbeat_thread.join, EXIT_GRACE_S)
         self._loop.call_soon(self._loop.stop)
 
 

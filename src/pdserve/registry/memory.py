@@ -6,6 +6,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from pdserve.engine.cache_journal import PrefixCacheChanges
 from pdserve.protocol.admitted import AdmittedTotals
@@ -73,10 +74,23 @@ class InMemoryRegistry(Registry):
             return self._admitted.copy()
 
 
+@dataclass
+class _Entry:
+    """One worker process's: the blocks routers placed there (an LRU, hints until its journal says), and those its
+    journal says it caches (exact: never pushed out by hints)."""
+
+    placed: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    cached: set[bytes] = field(default_factory=set)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.cached or block_hash in self.placed
+
+
 class InMemoryPrefixIndex(PrefixIndex):
-    """Per worker, an LRU set of at most `max_blocks_per_worker` block hashes. An entry nobody recorded into for
-    `ttl_s` goes, as a Redis index's key expires: a worker scaled away or replaced under another id (ids are
-    not reused) would otherwise keep its entry, up to ~9 MB, for the router's life."""
+    """Per worker, the blocks its journal says it caches, and an LRU of at most `max_blocks_per_worker` more that
+    placements named. An entry nobody recorded into for `ttl_s` goes, as a Redis index's key expires: a worker
+    scaled away or replaced under another id (ids are not reused) would otherwise keep its entry, up to ~9 MB, for
+    the router's life."""
 
     def __init__(
         self,
@@ -87,33 +101,35 @@ class InMemoryPrefixIndex(PrefixIndex):
         self.max_blocks = max_blocks_per_worker
         self.ttl_s = ttl_s
         self._clock = clock
-        self._blocks: dict[str, OrderedDict[bytes, None]] = {}
+        self._blocks: dict[str, _Entry] = {}
         self._recorded: dict[str, float] = {}  # cache key -> when it was last recorded into
         self._lock = threading.Lock()
 
     def record(self, cache_key: str, block_hashes: list[bytes]) -> None:
         with self._lock:
-            held = self._entry(cache_key)
+            placed = self._entry(cache_key).placed
             for h in reversed(block_hashes):  # leading blocks end most recent: evicted last
-                held[h] = None
-                held.move_to_end(h)
-            self._trim(held, self.max_blocks)
+                placed[h] = None
+                placed.move_to_end(h)
+            while len(placed) > self.max_blocks:
+                placed.popitem(last=False)
 
-    def apply(self, cache_key: str, changes: PrefixCacheChanges, max_blocks: int) -> None:
+    def apply(self, cache_key: str, changes: PrefixCacheChanges) -> None:
         """A worker's prefix-cache journal (the supervisor of an embedded registry takes it): what it evicted
-        leaves, what it keyed joins, as `redis_prefix.apply_changes` does in Redis."""
+        leaves, placed or cached, and what it keyed joins; a whole take replaces all, as
+        `redis_prefix.apply_changes` does in Redis."""
         with self._lock:
-            held = self._entry(cache_key)
+            entry = self._entry(cache_key)
             if changes.whole:
-                held.clear()
+                entry.placed.clear()
+                entry.cached = set(changes.stored)
+                return
             for h in changes.removed:
-                held.pop(h, None)
-            for h in changes.stored:
-                held[h] = None
-                held.move_to_end(h)
-            self._trim(held, min(max_blocks, self.max_blocks))
+                entry.placed.pop(h, None)
+                entry.cached.discard(h)
+            entry.cached.update(changes.stored)
 
-    def _entry(self, cache_key: str) -> OrderedDict[bytes, None]:
+    def _entry(self, cache_key: str) -> _Entry:
         now = self._clock()
         for stale in [k for k, at in self._recorded.items() if now - at > self.ttl_s]:
             del self._blocks[stale], self._recorded[stale]
@@ -122,22 +138,17 @@ class InMemoryPrefixIndex(PrefixIndex):
             same_worker = cache_key.split("/", 1)[0] + "/"
             for old in [k for k in self._blocks if k.startswith(same_worker)]:
                 del self._blocks[old], self._recorded[old]
-        return self._blocks.setdefault(cache_key, OrderedDict())
-
-    @staticmethod
-    def _trim(held: OrderedDict[bytes, None], max_blocks: int) -> None:
-        while len(held) > max_blocks:
-            held.popitem(last=False)
+        return self._blocks.setdefault(cache_key, _Entry())
 
     async def match(self, cache_keys: list[str], block_hashes: list[bytes]) -> dict[str, int]:
         with self._lock:
-            return {w: _leading(self._blocks.get(w, {}), block_hashes) for w in cache_keys}
+            return {w: _leading(self._blocks.get(w, _Entry()), block_hashes) for w in cache_keys}
 
 
-def _leading(held: object, block_hashes: list[bytes]) -> int:
+def _leading(held: _Entry, block_hashes: list[bytes]) -> int:
     n = 0
     for h in block_hashes:
-        if h not in held:  # type: ignore[operator]
+        if h not in held:
             break
         n += 1
     return n

@@ -1,9 +1,11 @@
-"""The prefix index in Redis, shared by every router: per worker process, a sorted set of block hashes scored by
-last use (`pdserve:prefix:<cache key>`).
+"""The prefix index in Redis, shared by every router: per worker process, a sorted set of block hashes
+(`pdserve:prefix:<cache key>`).
 
-Routers add what they place (so a burst sharing a new prefix goes where its first prompt went); the worker itself
-applies its prefix cache's journal on each heartbeat (`apply_changes`), so blocks it evicted leave the index and
-blocks no placement named (a prompt's last full block, a colocated worker's generated tokens) join it.
+Routers add what they place, scored by the time (so a burst sharing a new prefix goes where its first prompt went,
+and the oldest placements go first when the set is trimmed); the worker itself applies its prefix cache's journal
+on each heartbeat (`apply_changes`), scored above every placement (`CACHED`), so blocks it evicted leave the index,
+blocks no placement named (a prompt's last full block, a colocated worker's generated tokens) join it, and no
+placement ever pushes out a block the worker says it holds.
 """
 
 from __future__ import annotations
@@ -24,37 +26,64 @@ from pdserve.registry.redis import PREFIX, Throttled, connect_async
 
 log = logging.getLogger(__name__)
 FIRST_PROBE_BLOCKS = 64  # a match asks this many leading blocks first, then 4x more of the workers still matching
+CACHED = 1e12  # added to a worker's own keys' scores: above any placement's (a Unix time)
+WHOLE_CHUNK = 8192  # members per command of a whole cache's copy: no one command holds Redis long
 
 
 def prefix_key(cache_key: str) -> str:
     return f"{PREFIX}:prefix:{cache_key}"
 
 
-def apply_changes(client: redis.Redis, cache_key: str, changes: PrefixCacheChanges, max_blocks: int) -> None:
-    """A worker's journal into its own entry, in one transaction (no router reads it half replaced). A whole take
-    (a new process's first) also drops the entries its worker id's earlier processes left."""
-    key = prefix_key(cache_key)
+def apply_changes(client: redis.Redis, cache_key: str, changes: PrefixCacheChanges) -> bool:
+    """A worker's journal into its own entry. False when the entry was lost since its last whole copy (Redis
+    restarted empty, or evicted it): the journal's next take must be whole, or the blocks it still holds would
+    never be indexed again."""
+    key, marker = prefix_key(cache_key), f"{prefix_key(cache_key)}:whole"
     if changes.whole:
-        drop_entries(client, cache_key.split("/", 1)[0], keep=key)
+        _replace(client, cache_key, changes.stored)
+        return True
     pipe = client.pipeline()
-    if changes.whole:
-        pipe.delete(key)
+    pipe.exists(marker)
     if changes.removed:
         pipe.zrem(key, *changes.removed)
     if changes.stored:
-        pipe.zadd(key, dict.fromkeys(changes.stored, time.time()))
-    pipe.zremrangebyrank(key, 0, -max_blocks - 1)
+        pipe.zadd(key, dict.fromkeys(changes.stored, CACHED + time.time()))
     pipe.expire(key, PREFIX_TTL_S)  # a worker that is gone stops refreshing its index
+    pipe.expire(marker, PREFIX_TTL_S)
+    return bool(pipe.execute()[0])
+
+
+def _replace(client: redis.Redis, cache_key: str, stored: list[bytes]) -> None:
+    """The whole cache, copied in chunks aside and swapped in at once (no router reads it half written, and no one
+    command of a 262k-block copy holds Redis past its callers' budgets); the entries its worker id's earlier
+    processes left go too."""
+    key, marker, staging = (f"{prefix_key(cache_key)}{end}" for end in ("", ":whole", ":staging"))
+    drop_entries(client, cache_key.split("/", 1)[0], keep={key, marker, staging})
+    client.delete(staging)
+    score = CACHED + time.time()
+    for i in range(0, len(stored), WHOLE_CHUNK):
+        client.zadd(staging, dict.fromkeys(stored[i : i + WHOLE_CHUNK], score))
+    pipe = client.pipeline()
+    pipe.unlink(key)  # freed by Redis in the background
+    if stored:
+        pipe.rename(staging, key)
+        pipe.expire(key, PREFIX_TTL_S)
+    pipe.set(marker, "1", ex=PREFIX_TTL_S)
     pipe.execute()
 
 
-def drop_entries(client: redis.Redis, worker_id: str, keep: str = "") -> None:
-    """Every entry of `worker_id`'s processes but `keep`: a process that left, or was replaced, caches nothing
-    now, and its entry (up to ~8 MB) would stay for its hour-long TTL."""
+def drop_entries(client: redis.Redis, worker_id: str, keep: set[str]) -> None:
+    """Every entry of `worker_id`'s processes but `keep`: a process replaced caches nothing now, and its entry
+    (up to ~8 MB) would stay for its hour-long TTL."""
     pattern = prefix_key(re.sub(r"([*?\[\]\\])", r"\\\1", worker_id) + "/*")
-    stale = [k for k in client.scan_iter(match=pattern, count=1000) if k.decode() != keep]
+    stale = [k for k in client.scan_iter(match=pattern, count=1000) if k.decode() not in keep]
     if stale:
-        client.delete(*stale)
+        client.unlink(*stale)
+
+
+def drop_own_entry(client: redis.Redis, cache_key: str) -> None:
+    """A process that leaves takes its cache with it."""
+    client.unlink(*(f"{prefix_key(cache_key)}{end}" for end in ("", ":whole", ":staging")))
 
 
 @dataclass(eq=False)
@@ -102,7 +131,7 @@ class RedisPrefixIndex(PrefixIndex):
         now = time.time()
         pipe = self._client().pipeline()
         # Leading blocks score highest, so trimming drops a prompt's tail before its shared head.
-        pipe.zadd(key, {h: now - i * 1e-6 for i, h in enumerate(block_hashes)})
+        pipe.zadd(key, {h: now - i * 1e-6 for i, h in enumerate(block_hashes)}, gt=True)  # never lowers a cached one
         pipe.zremrangebyrank(key, 0, -self.max_blocks_per_worker - 1)
         pipe.expire(key, PREFIX_TTL_S)
         try:

@@ -113,16 +113,18 @@ async def test_prefix_index_is_an_lru_bounded_per_worker():
 
 
 async def test_a_workers_journal_removes_what_it_evicted_adds_what_it_keyed_and_a_whole_take_replaces_all():
-    index = InMemoryPrefixIndex()
+    index = InMemoryPrefixIndex(max_blocks_per_worker=4)
     hashes = prefix_hashes(list(range(160)), 16)
-    index.record("w", hashes[:6])  # what a router placed there
-    index.apply("w", PrefixCacheChanges(stored=hashes[6:8], removed=hashes[3:4]), max_blocks=100)
-    assert await index.match(["w"], hashes) == {"w": 3}  # block 3 evicted: a hit stops there
-    assert await index.match(["w"], hashes[4:]) == {"w": 4}  # 4 and 5 recorded, 6 and 7 keyed by the worker
-    index.apply("w", PrefixCacheChanges(stored=hashes[:2], removed=[], whole=True), max_blocks=100)
-    assert await index.match(["w"], hashes) == {"w": 2} and await index.match(["w"], hashes[4:]) == {"w": 0}
-    index.apply("w", PrefixCacheChanges(stored=hashes[2:5], removed=[]), max_blocks=3)  # the worker's 3 blocks
-    assert await index.match(["w"], hashes[2:]) == {"w": 3} and await index.match(["w"], hashes) == {"w": 0}
+    index.record("w", hashes[:6])  # what a router placed there (the LRU keeps 4: blocks 0-3, newest first)
+    index.apply("w", PrefixCacheChanges(stored=[hashes[0], hashes[2], *hashes[6:8]], removed=[hashes[1]]))
+    assert await index.match(["w"], hashes) == {"w": 1}  # block 1 evicted: a hit stops there, placed or not
+    assert await index.match(["w"], hashes[6:]) == {"w": 2}  # keyed by the worker, never placed
+    for i in range(10):  # placements of other prompts fill the LRU: the worker's own blocks stay
+        index.record("w", prefix_hashes([1000 + i] * 64, 16))
+    assert await index.match(["w"], hashes[6:]) == {"w": 2} and await index.match(["w"], hashes[2:3]) == {"w": 1}
+    index.apply("w", PrefixCacheChanges(stored=hashes[:2], removed=[], whole=True))
+    assert await index.match(["w"], hashes) == {"w": 2} and await index.match(["w"], hashes[6:]) == {"w": 0}
+    assert await index.match(["w"], prefix_hashes([1009] * 64, 16)) == {"w": 0}  # a whole take drops placements
 
 
 async def test_a_workers_new_process_replaces_its_predecessors_entry():
