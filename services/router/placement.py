@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -14,6 +15,8 @@ from pdserve.protocol.roles import Role
 from pdserve.registry.base import PrefixIndex, Registry, WorkerState
 from services.router.ejection import Ejections
 from services.router.predictor import Predictor
+
+INLINE_HASH_TOKENS = 16384  # a prompt's block hashes up to this many tokens (~1.4 ms) on the loop, past it a thread
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,10 @@ class PlacementPolicy(ABC):
             prefills = holding or prefills
         offered = self._registered(colocated=bool(colocated))
         # The worker keys every full block of the prompt, but a hit stops short of its last token (computed anew).
-        keyed = prefix_hashes(prompt, block_size, cache_salt)
+        if len(prompt) <= INLINE_HASH_TOKENS:
+            keyed = prefix_hashes(prompt, block_size, cache_salt)
+        else:  # a 128k-token prompt's hashes take ~11 ms: not on the loop every other stream waits on
+            keyed = await asyncio.to_thread(prefix_hashes, prompt, block_size, cache_salt)
         hits = await self.prefix_index.match(
             [w.cache_key for w in offered[0]], keyed[: (len(prompt) - 1) // block_size]
         )

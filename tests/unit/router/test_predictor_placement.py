@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import replace
 
@@ -11,6 +12,7 @@ import pytest
 from pdserve.config import RouterConfig
 from pdserve.errors import UnavailableError
 from pdserve.protocol.prefix_hash import prefix_hashes
+from services.router import placement as placement_module
 from services.router.load_tracker import LoadTracker
 from services.router.predictor import Predictor
 from tests.unit.round_profile import PROFILE
@@ -356,3 +358,19 @@ def test_a_finished_request_holds_no_blocks_even_on_a_worker_that_reported_befor
     tracker.prefilled(placement)
     tracker.finished(placement)
     assert pred.free_blocks(worker("d0", "decode", kv_blocks_free=100, load_at=sampled)) == 100
+
+
+def test_a_long_prompts_block_hashes_are_computed_off_the_event_loop(monkeypatch):
+    """Every other stream's tokens wait while the loop hashes: a 128k-token prompt took ~11 ms there."""
+    threads: list[bool] = []
+
+    def recording(*args):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread() is threading.main_thread())
+        return prefix_hashes(*args)
+
+    monkeypatch.setattr(placement_module, "prefix_hashes", recording)
+    r = Router([worker("p0"), worker("d0", "decode")])
+    short, long = r.place(prompt(100), 16, 1.0), r.place(prompt(placement_module.INLINE_HASH_TOKENS + 1), 16, 1.0)
+    assert threads == [True, False]  # the loop runs on the main thread here
+    assert long.block_hashes == prefix_hashes(prompt(placement_module.INLINE_HASH_TOKENS + 1), BS)
+    assert len(short.block_hashes) == 100 // BS
