@@ -23,13 +23,16 @@ class TTFTCalibration:
     def factor(self, worker_id: str) -> float:
         return math.exp(self._log_factor[worker_id])
 
-    def observe(self, worker_id: str, predicted_s: float, measured_s: float) -> None:
-        """`predicted_s`: what was predicted with the factor at the time; the factor absorbs the rest."""
-        if predicted_s <= 0 or measured_s <= 0:
+    def observe(self, worker_id: str, predicted_s: float, measured_s: float, factor_then: float) -> None:
+        """`predicted_s`: what was predicted with the factor then, `factor_then`; the factor moves toward the one
+        that would have predicted `measured_s`. Toward it, not by a step from the factor now: requests predicted
+        with one factor that end later (overlapping decodes) would each add the whole correction again."""
+        if predicted_s <= 0 or measured_s <= 0 or factor_then <= 0:
             return
-        step = self.alpha * math.log(measured_s / predicted_s)
+        target = math.log(factor_then * measured_s / predicted_s)
+        now = self._log_factor[worker_id]
         bounds = math.log(MIN_FACTOR), math.log(MAX_FACTOR)
-        self._log_factor[worker_id] = min(max(self._log_factor[worker_id] + step, bounds[0]), bounds[1])
+        self._log_factor[worker_id] = min(max(now + self.alpha * (target - now), bounds[0]), bounds[1])
 
     def worker_ids(self) -> set[str]:
         return set(self._log_factor)

@@ -26,6 +26,8 @@ class Placement:
     cached_tokens: int  # prompt tokens the prefill worker is expected to hold already
     own_ttft_s: float  # this request's TTFT on the chosen prefill worker were it idle
     queue_s: float  # what the load adds: the queue ahead of it there, the decode worker's steps
+    prefill_queue_s: float  # of queue_s, the prefill worker's queue (what that worker reports it waited)
+    ttft_factor: float  # the prefill worker's TTFT calibration factor the prediction was made with
     predicted_tpot_s: float
     blocks_needed: int
     block_hashes: list[bytes]  # the prompt's full blocks, which its prefill worker will key
@@ -121,7 +123,9 @@ class PlacementPolicy(ABC):
             prefill=None if colocated else prefill,
             cached_tokens=cached,
             own_ttft_s=self.predictor.own_ttft_s(prefill, len(prompt), cached),
-            queue_s=self.predictor.queue_s(prefill) + self.predictor.decode_wait_s(decode),
+            queue_s=(prefill_queue_s := self.predictor.queue_s(prefill)) + self.predictor.decode_wait_s(decode),
+            prefill_queue_s=prefill_queue_s,
+            ttft_factor=self.predictor.calibration.factor(prefill.worker_id),
             predicted_tpot_s=self.predictor.tpot_s(decode),
             blocks_needed=blocks,
             block_hashes=keyed,

@@ -77,6 +77,7 @@ class Relay:
         )
         ticket.dispatched_at = time.perf_counter()
         call = self.channels.call(p.decode.address, lambda stub: stub.Generate(forward, timeout=time_remaining))
+        trailing: grpc.aio.Metadata | None = None
         try:
             msg = await self._first(call, ticket, time_remaining)
             while msg is not grpc.aio.EOF:
@@ -85,21 +86,25 @@ class Relay:
                 if ticket.continuation is not None and relayed.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     return  # a migrated stream may end on a stop string its decode worker did not see
                 msg = await read_within(call, self.stall_s, p.decode)
-            self._calibrate(ticket, await call.trailing_metadata())
+            trailing = await call.trailing_metadata()
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, f"decode worker {p.decode.worker_id} at {p.decode.address}") from e
         finally:
+            self._calibrate(ticket, trailing)
             await cancel_stream(call)  # a no-op once finished
 
     def _calibrate(self, ticket: Ticket, trailing: grpc.aio.Metadata | None) -> None:
-        """An attempt that ran alone as far as this router saw teaches calibration its own cost: its TTFT less the
-        wait its prefill worker reports (other routers' prompts ahead of it, which would read as a slow worker)."""
+        """An attempt that ran alone as far as this router saw teaches calibration, once it ended (the wait comes in
+        the decode worker's trailing metadata). With the wait its prefill worker reports (other routers' prompts
+        ahead of it, which would read as a slow worker), its TTFT less that wait against the prediction less its
+        queue; without (a stream that did not end OK, a colocated worker), its TTFT against the whole prediction."""
         if ticket.alone_ttft_s is None:
             return
-        waited_ms = dict(trailing or ()).get(PREFILL_WAITED_KEY, "0")
-        waited_s = int(waited_ms) / 1e3 if isinstance(waited_ms, str) and waited_ms.isdigit() else 0.0
-        p = ticket.placement
-        self.calibration.observe(p.prefill_worker.worker_id, p.predicted_ttft_s, ticket.alone_ttft_s - waited_s)
+        waited = dict(trailing or ()).get(PREFILL_WAITED_KEY)
+        p, measured_s, predicted_s = ticket.placement, ticket.alone_ttft_s, ticket.placement.predicted_ttft_s
+        if isinstance(waited, str) and waited.isdigit():
+            measured_s, predicted_s = measured_s - int(waited) / 1e3, predicted_s - p.prefill_queue_s
+        self.calibration.observe(p.prefill_worker.worker_id, predicted_s, measured_s, p.ttft_factor)
 
     async def _first(self, call: grpc.aio.UnaryStreamCall, ticket: Ticket, time_remaining: float | None) -> object:
         """The first message, within the router's first-token bound unless the caller's deadline is sooner

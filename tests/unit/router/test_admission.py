@@ -229,7 +229,7 @@ def test_an_slo_the_idle_profile_meets_is_never_invalid_while_workers_are_slowed
     shed(slowed, prompt(100), "TPOT", slo_s=(5.0, 0.03))  # 25 ms idle, 50 ms now
     calibrated = Router([worker("p0"), worker("d0", "decode")])
     for _ in range(10):
-        calibrated.predictor.calibration.observe("p0", 0.5, 2.0)
+        calibrated.predictor.calibration.observe("p0", 0.5, 2.0, 1.0)
     shed(calibrated, prompt(500), "TTFT", slo_s=slo)
     ejected = Router([worker("fast"), worker("slow", speed_factor=3.0), worker("d0", "decode")])
     ejected.placement.ejections.eject(
@@ -364,14 +364,24 @@ def test_calibration_moves_predictions_toward_measured_ttfts_per_worker():
     w = worker("p0")
     before = pred.ttft_s(w, 500, 0)
     for _ in range(30):  # the worker is really half as fast as profiled
-        cal.observe("p0", pred.ttft_s(w, 500, 0), 2 * before)
+        cal.observe("p0", pred.ttft_s(w, 500, 0), 2 * before, cal.factor("p0"))
     assert pred.ttft_s(w, 500, 0) == pytest.approx(2 * before, rel=1e-3)
     assert pred.ttft_s(worker("p1"), 500, 0) == pytest.approx(before)  # only the worker it measured
     for _ in range(100):
-        cal.observe("p0", 1.0, 100.0)
+        cal.observe("p0", 1.0, 100.0, 1.0)
     assert cal.factor("p0") == pytest.approx(4.0)  # bounded
-    cal.observe("p0", 0.0, 1.0)  # nothing to learn from
+    cal.observe("p0", 0.0, 1.0, 1.0)  # nothing to learn from
     assert cal.factor("p0") == pytest.approx(4.0)
+
+
+def test_requests_predicted_with_one_factor_that_end_later_do_not_push_it_past_the_truth():
+    """Observed when their streams end, requests placed before any of them ended were all predicted with the
+    same factor: each moves it toward the factor that would have predicted it, not by a step on top of the last
+    (which took a worker 2x slower than profiled to the cap of 4)."""
+    cal = TTFTCalibration(alpha=0.3)
+    for _ in range(20):
+        cal.observe("p0", 1.0, 2.0, 1.0)
+    assert cal.factor("p0") == pytest.approx(2.0, rel=1e-3)
 
 
 def test_the_queue_bound_never_sheds_a_prompt_for_its_own_size():

@@ -41,7 +41,7 @@ class Cluster:
         placed = self.router.place(prompt(64, seed), 16, 1.0)
         p, d = placed.prefill_worker.worker_id, placed.decode.worker_id
         number = self.router.tracker.start(p, d, 64, 0.01, 5, 64)
-        self.router.predictor.calibration.observe(p, 0.01, 0.02)
+        self.router.predictor.calibration.observe(p, 0.01, 0.02, 1.0)
         self.recent.add(p, "ttft", 0.02)
         self.recent.add(d, "tpot", 0.005)
         return number

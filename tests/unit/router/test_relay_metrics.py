@@ -4,6 +4,7 @@ several tokens in one message (as a worker catching up does): one inter-token ga
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -105,3 +106,50 @@ async def test_calibration_takes_out_the_wait_the_prefill_worker_reports(says: b
     assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
     factor = router.predictor.calibration.factor("p0")
     assert factor < 1.5 if says else factor > 2.0, factor
+
+
+async def test_a_queue_the_prefill_worker_reported_is_in_the_prediction_the_reported_wait_is_taken_from():
+    """The heartbeat showed another router's prompt queued: this router's prediction holds that queue, and the
+    request still ran alone as far as this router's own sends go. A decode worker exactly as predicted (its first
+    token after the queue and the own cost, the queue reported as the wait) keeps the factor at 1: the wait comes
+    off the prediction too, not only off the TTFT (which drove the factor to its floor)."""
+    plan: dict[str, tuple[float, float]] = {}
+
+    class AsPredicted(StandInDecode):
+        async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+            queue_s, own_s = plan[request.request_id]
+            await asyncio.sleep(queue_s + own_s)
+            context.set_trailing_metadata(((PREFILL_WAITED_KEY, str(round(queue_s * 1e3))),))
+            yield pb.GenerateResponse(token_ids=[3])
+            yield pb.GenerateResponse(token_ids=[4], finish_reason=pb.FINISH_REASON_LENGTH)
+
+    async with serving(AsPredicted()) as address:
+        queued = dict(queued_prefill_tokens=1500, queued_prefill_prompts=1, queued_prefill_token_squares=1500**2)
+        router = Router([worker("p0", **queued), worker("d0", "decode", address=address)])
+        calibration = router.predictor.calibration
+
+        async def admitted(ticket: Ticket) -> None:
+            p, factor = ticket.placement, calibration.factor("p0")
+            plan[ticket.key] = (p.prefill_queue_s / factor, (p.predicted_ttft_s - p.prefill_queue_s) / factor)
+
+        for i in range(4):
+            router.registry.publish(worker("p0", **queued, load_at=time.time()))  # a fresh heartbeat
+            prompt = [1 + (i * 37 + j) % 250 for j in range(400)]
+            request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=2))
+            [msg async for msg in generate(router.lifecycle(), request, {}, lambda: None, admitted)]
+    assert 0.7 < calibration.factor("p0") < 1.4, calibration.factor("p0")
+
+
+async def test_a_stream_its_caller_leaves_after_the_first_token_still_teaches_calibration():
+    """Learned when the attempt ends, however it ends: without the worker's reported wait, from the whole TTFT."""
+
+    async def admitted(ticket: Ticket) -> None:
+        pass
+
+    request = pb.GenerateRequest(prompt_token_ids=list(range(1, 60)), sampling=pb.SamplingParams(max_tokens=2))
+    async with serving(WaitedBehindAnotherRoutersPrompt(says=True)) as address:
+        router = Router([worker("p0"), worker("d0", "decode", address=address)])
+        stream = generate(router.lifecycle(), request, {}, lambda: None, admitted)
+        await anext(stream)
+        await stream.aclose()
+    assert router.predictor.calibration.factor("p0") > 2.0  # 1 s against a ~70 ms prediction
