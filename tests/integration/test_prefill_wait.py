@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -27,7 +28,8 @@ def test_a_prompt_behind_another_is_reported_waiting_about_as_long_as_that_one_r
     prefill = WorkerRuntime(WorkerSpec("prefill", engine, worker_id="wait-prefill"), add_worker_services)
     decode = WorkerRuntime(WorkerSpec("decode", engine, worker_id="wait-decode"), add_worker_services)
     try:
-        alone, behind, ahead_s = asyncio.run(waits(decode.address(60), prefill.address(60)))
+        queued = lambda: prefill.state().queued_prefill_tokens > 0  # noqa: E731
+        alone, behind, ahead_s = asyncio.run(waits(decode.address(60), prefill.address(60), queued))
     finally:
         decode.stop()
         prefill.stop()
@@ -36,7 +38,7 @@ def test_a_prompt_behind_another_is_reported_waiting_about_as_long_as_that_one_r
     assert 0.3 * ahead_s * 1e3 < behind <= ahead_s * 1e3 + 50
 
 
-async def waits(decode_address: str, prefill_address: str) -> tuple[int, int, float]:
+async def waits(decode_address: str, prefill_address: str, queued: Callable[[], bool]) -> tuple[int, int, float]:
     """The waits reported for a prompt alone, and for one sent right behind a long one; how long the long one's
     first token took."""
 
@@ -60,7 +62,8 @@ async def waits(decode_address: str, prefill_address: str) -> tuple[int, int, fl
         stub = worker_pb2_grpc.DecodeWorkerStub(ch)
         alone, _ = await waited_ms(stub, 16)
         long = asyncio.ensure_future(waited_ms(stub, 3500))
-        await asyncio.sleep(0.01)  # the long prompt reaches the prefill worker first
+        while not queued() and not long.done():  # the long prompt reaches the prefill worker first
+            await asyncio.sleep(0.001)
         behind, _ = await waited_ms(stub, 16)
         _, ahead_s = await long
     return alone, behind, ahead_s

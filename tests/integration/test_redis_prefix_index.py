@@ -55,7 +55,7 @@ async def test_a_workers_heartbeat_indexes_what_it_cached_and_unindexes_what_it_
     spec = WorkerSpec("colocated", engine, worker_id="cw-prefix", registry_url=url, heartbeat_s=0.1)
     client = redis.Redis.from_url(url)
     for left_by in ("cw-prefix/its-last-process", "cw-prefix2/another-worker"):
-        apply_changes(client, left_by, PrefixCacheChanges([b"x" * 16], [], whole=True))
+        apply_changes(client, left_by, PrefixCacheChanges([b"x" * 16], [], whole=True), first=True)
     worker = WorkerRuntime(spec, add_worker_services)
     index = RedisPrefixIndex(url, match_budget_s=1.0)
     try:
@@ -69,16 +69,15 @@ async def test_a_workers_heartbeat_indexes_what_it_cached_and_unindexes_what_it_
         assert await hits(index, state.cache_key, a, 5.0, want=0) == 0
         keyed = state.kv_blocks_total - 1  # its last block holds the last prompt token and the output: not full
         assert await hits(index, state.cache_key, whole_cache, 5.0, want=keyed) == keyed
-        assert client.zcard(prefix_key(state.cache_key)) == keyed
+        assert client.zcard(prefix_key(state.cache_key)) == keyed + 1  # and the mark of its whole copy
         others = {k.decode() for k in client.scan_iter(match=prefix_key("*"))} - {prefix_key(state.cache_key)}
-        left = {prefix_key("cw-prefix2/another-worker"), prefix_key("cw-prefix2/another-worker") + ":whole"}
-        assert others == {prefix_key(state.cache_key) + ":whole"} | left  # its last process's went at its first beat
+        assert others == {prefix_key("cw-prefix2/another-worker")}  # its last process's went at its first beat
         client.flushall()  # Redis restarted empty: the worker's next beats copy its whole cache again
         assert await hits(index, state.cache_key, whole_cache, 5.0, want=keyed) == keyed
     finally:
         await index.close()
         worker.stop()
-    assert not client.exists(prefix_key(state.cache_key), prefix_key(state.cache_key) + ":whole")  # it left
+    assert not client.exists(prefix_key(state.cache_key))  # it left: its entry went with it
     client.close()
 
 
@@ -102,11 +101,14 @@ async def test_placements_never_push_out_what_the_worker_says_it_caches(url):
     with redis.Redis.from_url(url) as client:
         apply_changes(client, "w/1", PrefixCacheChanges(cached, [], whole=True))
     index = RedisPrefixIndex(url, max_blocks_per_worker=6, match_budget_s=1.0)
-    for i in range(5):  # placements of other prompts, trimmed to 6 in all: the oldest placements go first
-        index.record("w/1", [bytes([100 + i]) * 16, *cached])  # a placement naming a cached block: still cached
+    for i in range(8):  # placements of other prompts, trimmed to 6: the oldest placements go first
+        index.record("w/1", [bytes([100 + i]) * 16])
         await index.flush()
     assert await index.match(["w/1"], cached) == {"w/1": 4}
-    assert await index.match(["w/1"], [bytes([104]) * 16]) == {"w/1": 1}  # the newest placement stays
+    assert await index.match(["w/1"], [bytes([107]) * 16]) == {"w/1": 1}  # the newest placement stays
+    assert await index.match(["w/1"], [bytes([101]) * 16]) == {"w/1": 0}  # the oldest went
+    with redis.Redis.from_url(url) as client:
+        assert client.zcard(prefix_key("w/1")) == 4 + 1 + 6  # cached, the mark, 6 placements
     await index.close()
 
 
@@ -115,10 +117,24 @@ async def test_an_entry_redis_lost_makes_the_next_take_whole_and_a_whole_copy_is
     keys = [bytes([i]) * 16 for i in range(8)]
     with redis.Redis.from_url(url) as client:
         assert apply_changes(client, "w/1", PrefixCacheChanges(keys[:7], [], whole=True))
-        assert client.zcard(prefix_key("w/1")) == 7 and not client.exists(prefix_key("w/1") + ":staging")
+        assert client.zcard(prefix_key("w/1")) == 7 + 1 and not client.exists(prefix_key("w/1") + ":staging")
         assert apply_changes(client, "w/1", PrefixCacheChanges(keys[7:], keys[:1]))
         client.flushall()  # a restart without persistence
         assert not apply_changes(client, "w/1", PrefixCacheChanges([], keys[1:2]))  # the worker must send all
         assert apply_changes(client, "w/1", PrefixCacheChanges(keys[2:], [], whole=True))
-        assert set(client.zrange(prefix_key("w/1"), 0, -1)) == set(keys[2:])
+        assert set(client.zrange(prefix_key("w/1"), 0, -1)) == {*keys[2:], redis_prefix.WHOLE_MARK}
         assert 0 < client.ttl(prefix_key("w/1")) <= 3600
+        client.unlink(prefix_key("w/1"))  # the key evicted alone
+        assert not apply_changes(client, "w/1", PrefixCacheChanges([], []))
+
+
+async def test_two_processes_of_one_worker_id_keep_each_others_entries_after_their_first_copies(url):
+    """Only a process's first whole copy drops its worker id's other entries: two alive at once (a killed actor
+    lingering) dropped each other's at every whole copy, so each beat of each was a whole copy again."""
+    keys = [bytes([i]) * 16 for i in range(3)]
+    with redis.Redis.from_url(url) as client:
+        assert apply_changes(client, "w/old", PrefixCacheChanges(keys, [], whole=True), first=True)
+        assert apply_changes(client, "w/new", PrefixCacheChanges(keys, [], whole=True), first=True)
+        assert not client.exists(prefix_key("w/old"))  # the new process's first copy: the old entry goes
+        assert apply_changes(client, "w/old", PrefixCacheChanges(keys, [], whole=True))  # lost: copied again
+        assert apply_changes(client, "w/new", PrefixCacheChanges([], keys[:1]))  # and the new one's stays intact

@@ -159,7 +159,7 @@ class WorkerRuntime:
                 failed.warning("heartbeat to %s failed: %s", self.spec.registry_url, e)
                 continue
             try:
-                self._index_prefix_changes(registry, state)
+                self._index_prefix_changes(registry, state, first=not cache_key)
                 cache_key = state.cache_key
             except Exception as e:  # the next beat sends the whole cache
                 failed.warning("prefix-cache changes not written to %s: %s", self.spec.registry_url, e)
@@ -170,14 +170,15 @@ class WorkerRuntime:
         except Exception as e:
             log.warning("could not deregister %s: %s", self.worker_id, e)
 
-    def _index_prefix_changes(self, registry: RedisRegistry, state: WorkerState) -> None:
-        """What the prefix cache keyed and evicted since the last beat, into this process's prefix-index entry."""
+    def _index_prefix_changes(self, registry: RedisRegistry, state: WorkerState, first: bool) -> None:
+        """What the prefix cache keyed and evicted since the last beat, into this process's prefix-index entry;
+        `first`: none went in yet (its worker id's earlier processes' entries go then)."""
         from pdserve.registry.redis_prefix import apply_changes
 
         if (journal := self._engine.prefix_journal) is None:
             return
         try:
-            intact = apply_changes(registry.client, state.cache_key, journal.take())
+            intact = apply_changes(registry.client, state.cache_key, journal.take(), first)
         except Exception:
             journal.lost()
             raise

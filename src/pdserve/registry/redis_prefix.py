@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator
@@ -28,47 +29,59 @@ log = logging.getLogger(__name__)
 FIRST_PROBE_BLOCKS = 64  # a match asks this many leading blocks first, then 4x more of the workers still matching
 CACHED = 1e12  # added to a worker's own keys' scores: above any placement's (a Unix time)
 WHOLE_CHUNK = 8192  # members per command of a whole cache's copy: no one command holds Redis long
+WHOLE_MARK = b"whole"  # a member no 16-byte block hash equals: the entry holds a whole copy and what followed
+# Trims a worker's entry to ARGV[1] placements, the oldest first, never touching what the worker says it caches
+# (scored from CACHED up): on a worker caching more than that, a rank trim took a random half of its blocks.
+_TRIM_PLACEMENTS = """
+local placed = redis.call('ZCOUNT', KEYS[1], '-inf', '(' .. ARGV[2])
+local over = placed - tonumber(ARGV[1])
+if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
+return over
+"""
 
 
 def prefix_key(cache_key: str) -> str:
     return f"{PREFIX}:prefix:{cache_key}"
 
 
-def apply_changes(client: redis.Redis, cache_key: str, changes: PrefixCacheChanges) -> bool:
+def apply_changes(client: redis.Redis, cache_key: str, changes: PrefixCacheChanges, first: bool = False) -> bool:
     """A worker's journal into its own entry. False when the entry was lost since its last whole copy (Redis
-    restarted empty, or evicted it): the journal's next take must be whole, or the blocks it still holds would
-    never be indexed again."""
-    key, marker = prefix_key(cache_key), f"{prefix_key(cache_key)}:whole"
+    restarted empty, or evicted the key): the journal's next take must be whole, or the blocks it still holds would
+    never be indexed again. `first`: this process's first take, which also drops the entries its worker id's
+    earlier processes left (only then: two processes of one id alive at once would drop each other's each beat)."""
+    key = prefix_key(cache_key)
     if changes.whole:
-        _replace(client, cache_key, changes.stored)
+        if first:
+            drop_entries(client, cache_key.split("/", 1)[0], keep={key, f"{key}:staging"})
+        _replace(client, key, changes.stored)
         return True
     pipe = client.pipeline()
-    pipe.exists(marker)
+    pipe.zscore(key, WHOLE_MARK)
     if changes.removed:
         pipe.zrem(key, *changes.removed)
     if changes.stored:
         pipe.zadd(key, dict.fromkeys(changes.stored, CACHED + time.time()))
     pipe.expire(key, PREFIX_TTL_S)  # a worker that is gone stops refreshing its index
-    pipe.expire(marker, PREFIX_TTL_S)
-    return bool(pipe.execute()[0])
+    return pipe.execute()[0] is not None
 
 
-def _replace(client: redis.Redis, cache_key: str, stored: list[bytes]) -> None:
+def _replace(client: redis.Redis, key: str, stored: list[bytes]) -> None:
     """The whole cache, copied in chunks aside and swapped in at once (no router reads it half written, and no one
-    command of a 262k-block copy holds Redis past its callers' budgets); the entries its worker id's earlier
-    processes left go too."""
-    key, marker, staging = (f"{prefix_key(cache_key)}{end}" for end in ("", ":whole", ":staging"))
-    drop_entries(client, cache_key.split("/", 1)[0], keep={key, marker, staging})
+    command of a 262k-block copy holds Redis past its callers' budgets). Its mark, scored above all, is in the set
+    itself: it goes exactly when the entry does."""
+    staging = f"{key}:staging"
     client.delete(staging)
     score = CACHED + time.time()
     for i in range(0, len(stored), WHOLE_CHUNK):
-        client.zadd(staging, dict.fromkeys(stored[i : i + WHOLE_CHUNK], score))
+        pipe = client.pipeline()
+        pipe.zadd(staging, dict.fromkeys(stored[i : i + WHOLE_CHUNK], score))
+        pipe.expire(staging, PREFIX_TTL_S)  # a copy cut mid-way leaves nothing for ever
+        pipe.execute()
     pipe = client.pipeline()
+    pipe.zadd(staging, {WHOLE_MARK: math.inf})
     pipe.unlink(key)  # freed by Redis in the background
-    if stored:
-        pipe.rename(staging, key)
-        pipe.expire(key, PREFIX_TTL_S)
-    pipe.set(marker, "1", ex=PREFIX_TTL_S)
+    pipe.rename(staging, key)
+    pipe.expire(key, PREFIX_TTL_S)
     pipe.execute()
 
 
@@ -83,7 +96,7 @@ def drop_entries(client: redis.Redis, worker_id: str, keep: set[str]) -> None:
 
 def drop_own_entry(client: redis.Redis, cache_key: str) -> None:
     """A process that leaves takes its cache with it."""
-    client.unlink(*(f"{prefix_key(cache_key)}{end}" for end in ("", ":whole", ":staging")))
+    client.unlink(prefix_key(cache_key), f"{prefix_key(cache_key)}:staging")
 
 
 @dataclass(eq=False)
@@ -132,7 +145,7 @@ class RedisPrefixIndex(PrefixIndex):
         pipe = self._client().pipeline()
         # Leading blocks score highest, so trimming drops a prompt's tail before its shared head.
         pipe.zadd(key, {h: now - i * 1e-6 for i, h in enumerate(block_hashes)}, gt=True)  # never lowers a cached one
-        pipe.zremrangebyrank(key, 0, -self.max_blocks_per_worker - 1)
+        pipe.eval(_TRIM_PLACEMENTS, 1, key, self.max_blocks_per_worker, repr(CACHED))
         pipe.expire(key, PREFIX_TTL_S)
         try:
             await asyncio.wait_for(pipe.execute(), self.record_timeout_s)
