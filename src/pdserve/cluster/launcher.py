@@ -230,7 +230,10 @@ class Cluster:
                 await asyncio.to_thread(self.actors.connect)
                 break
             except ConnectionError as e:  # Ray Client's errors, and a GCS that does not answer
-                if not retry_join or time.monotonic() > deadline:
+                # A Ray Client server that failed to start this client's own server (a race in Ray's proxier: the
+                # process it started read as a zombie) is tried again on a first join too: the next try gets another.
+                started_badly = isinstance(e, ConnectionAbortedError) and "Initialization failure" in str(e)
+                if not (retry_join or started_badly) or time.monotonic() > deadline:
                     raise
                 log.warning("Ray at %s: %s; trying again in %g s", self.config.ray_address, _reason(e), JOIN_RETRY_S)
                 try:

@@ -169,3 +169,32 @@ def test_supervision_that_fails_ends_the_wait_with_its_error(monkeypatch: pytest
 
     with pytest.raises(KeyError, match="a bug in supervision"):
         asyncio.run(supervise())
+
+
+@pytest.mark.parametrize(
+    ("error", "tried"),
+    [
+        (ConnectionAbortedError("Initialization failure from server:\npsutil.ZombieProcess: ..."), 2),
+        (ConnectionRefusedError("nothing listens"), 1),  # a first join that fails otherwise fails at once
+    ],
+)
+def test_a_ray_client_server_that_failed_to_start_its_own_server_is_tried_again(monkeypatch, error, tried) -> None:
+    """Ray's client proxier sometimes fails to start the server of one client (the process it started reads as a
+    zombie): `pdserve up --ray-address` exited on that, though the next try gets another server."""
+    config = ClusterConfig(ray_address="ray://127.0.0.1:10001")
+    cluster = Cluster(config, workers=lambda context: None, registry=InMemoryRegistry(), publish=False)
+    tries: list[int] = []
+
+    def connect() -> None:
+        tries.append(1)
+        if len(tries) == 1:
+            raise error
+
+    monkeypatch.setattr(cluster.actors, "connect", connect)
+    monkeypatch.setattr("pdserve.cluster.launcher.JOIN_RETRY_S", 0.01)
+    if tried == 1:
+        with pytest.raises(ConnectionError):
+            asyncio.run(cluster.connect_until(asyncio.Event()))
+    else:
+        assert asyncio.run(cluster.connect_until(asyncio.Event()))
+    assert len(tries) == tried
