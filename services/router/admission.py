@@ -80,10 +80,12 @@ class Admission:
     def _check_own_cost(self, placement: Placement, prompt_tokens: int, slo: SLOTarget) -> None:
         offer = placement.offer
         if placement.blocks_needed > offer.kv_blocks:
+            if -(-prompt_tokens // placement.decode.block_size) > offer.kv_blocks:  # no max_tokens would fit
+                field, what = "prompt", f"the prompt ({prompt_tokens} tokens) alone needs"
+            else:
+                field, what = "sampling.max_tokens", f"the prompt ({prompt_tokens} tokens) plus max_tokens need"
             raise InvalidRequestError(
-                "sampling.max_tokens",
-                f"the prompt ({prompt_tokens} tokens) plus max_tokens need {placement.blocks_needed} KV blocks; "
-                f"the largest worker has {offer.kv_blocks} in total",
+                field, f"{what} {placement.blocks_needed} KV blocks; the largest worker has {offer.kv_blocks} in total"
             )
         if slo.ttft_explicit and offer.ttft_s > slo.ttft_s:
             raise InvalidRequestError(

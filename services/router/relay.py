@@ -81,10 +81,11 @@ class Relay:
         try:
             msg = await self._first(call, ticket, time_remaining)
             while msg is not grpc.aio.EOF:
-                relayed = self._relayed(msg, ticket, clock)
-                yield relayed
-                if ticket.continuation is not None and relayed.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    return  # a migrated stream may end on a stop string its decode worker did not see
+                if msg.token_ids or msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:  # else: preempted, waiting
+                    relayed = self._relayed(msg, ticket, clock)
+                    yield relayed
+                    if ticket.continuation is not None and relayed.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        return  # a migrated stream may end on a stop string its decode worker did not see
                 msg = await read_within(call, self.stall_s, p.decode)
             trailing = await call.trailing_metadata()
         except grpc.aio.AioRpcError as e:

@@ -95,6 +95,11 @@ class WorkerMetrics:
             callbacks=[lambda options: [Observation(prefix_hits(), self.labels)]],
             description="KV blocks served from the prefix cache instead of computed",
         )
+        meter.create_observable_counter(
+            "pdserve_preemptions_total",
+            callbacks=[lambda options: [Observation(self._stats().get("preemptions", 0), self.labels)]],
+            description="sequences preempted for want of KV blocks, to be recomputed (their streams wait meanwhile)",
+        )
         self.transfer_bytes = meter.create_counter(
             "pdserve_kv_transfer_bytes_total", description="KV bytes sent to decode workers"
         )

@@ -136,6 +136,8 @@ def test_more_kv_blocks_than_any_worker_holds_is_invalid(cluster):
     assert "grpc-retry-pushback-ms" not in meta
     ((code, _, tokens),) = send(cluster.address, [request(16, seed=3, max_tokens=total * 16 - 32)])
     assert code == "OK", tokens  # what fits in the total is served
+    ((code, _, err),) = send(cluster.address, [request((total + 1) * 16, seed=3, max_tokens=1)])
+    assert code == "INVALID_ARGUMENT" and err.details().startswith("prompt: the prompt"), err  # not max_tokens'
 
 
 def test_a_prompt_its_prefill_worker_evicted_is_predicted_uncached_again(cluster):

@@ -34,6 +34,7 @@ from pdserve.protocol.perf_profile import PerfProfile
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+PREEMPTED_NOTICE_S = 1.0  # how often a preempted sequence's stream hears that it waits (router stall bound: 5 s)
 
 
 def _drop(engine: LLMEngine, request_id: str) -> None:
@@ -308,6 +309,7 @@ class AsyncEngine:
     # -- the engine thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        next_notice = 0.0
         try:
             while not self._stopping:
                 self._apply_commands()
@@ -316,6 +318,9 @@ class AsyncEngine:
                     # spinning would starve the threads that send them of the GIL, and time steps that ran nothing.
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
+                if (now := time.monotonic()) >= next_notice:  # from this thread: a hung step sends none
+                    next_notice = now + PREEMPTED_NOTICE_S
+                    self._deliver(self._engine.preempted_outputs())
         except BaseException as e:
             log.exception("engine loop failed")
             self._error = e
@@ -382,18 +387,4 @@ class AsyncEngine:
 
     def _update_stats(self) -> None:
         """Published as one dict swap, so readers on other threads never see the queues mid-change."""
-        e = self._engine
-        queued = e.scheduler.queued_prefill()
-        self.stats = {
-            "kv_blocks_total": e.blocks.num_blocks,
-            "kv_blocks_used": e.blocks.num_used_blocks,
-            "kv_blocks_cached": e.blocks.num_cached_blocks,
-            "running": len(e.scheduler.running),
-            "waiting": len(e.scheduler.waiting),
-            "sequences": e.num_sequences,
-            "queued_prefill_tokens": queued.tokens,
-            "queued_prefill_prompts": queued.prompts,
-            "queued_prefill_token_squares": queued.token_squares,
-            "prefix_hits": e.blocks.prefix_hits,
-            "sampled_at_ns": time.time_ns(),  # what a router subtracts prefills it saw end after from
-        }
+        self.stats = self._engine.stats()

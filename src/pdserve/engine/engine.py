@@ -85,12 +85,44 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    def preempted_outputs(self) -> list[RequestOutput]:
+        """An output with no token for each sequence that streamed and now waits, preempted, to be recomputed:
+        its stream says the worker is alive while nothing comes (a router's stall bound would take the silence
+        for a hung worker, and move the stream to a worker as full)."""
+        return [
+            RequestOutput(seq.seq_id, [], "", None, seq.num_prompt_tokens, seq.num_cached_tokens)
+            for seq in self.scheduler.waiting
+            if seq.num_preemptions and seq.output_token_ids
+        ]
+
+    def stats(self) -> dict[str, int]:
+        """The load a worker publishes (registry, metrics, the router's predictor)."""
+        queued = self.scheduler.queued_prefill()
+        return {
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_blocks_used": self.blocks.num_used_blocks,
+            "kv_blocks_cached": self.blocks.num_cached_blocks,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "sequences": self.num_sequences,
+            "queued_prefill_tokens": queued.tokens,
+            "queued_prefill_prompts": queued.prompts,
+            "queued_prefill_token_squares": queued.token_squares,
+            "prefix_hits": self.blocks.prefix_hits,
+            "preemptions": self.scheduler.num_preemptions,
+            "sampled_at_ns": time.time_ns(),  # what a router subtracts prefills it saw end after from
+        }
+
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Everything about a request that can be wrong before it runs; raises InvalidRequestError."""
         check_request(prompt_token_ids, sampling, self.model_config)
         field, what = "sampling.max_tokens", "prompt + max_tokens"
         total = kv_tokens(len(prompt_token_ids), sampling.max_tokens)
-        if self.config.mode is EngineMode.PREFILL_ONLY:  # it hands the prompt's blocks off: they are all it holds
+        # A prefill worker hands the prompt's blocks off: they are all it holds. A prompt too big alone is the
+        # prompt's fault, not max_tokens'.
+        if self.config.mode is EngineMode.PREFILL_ONLY or self.blocks.blocks_for(len(prompt_token_ids)) > (
+            self.blocks.num_blocks
+        ):
             field, what, total = "prompt_token_ids", "the prompt", len(prompt_token_ids)
         needed, held = self.blocks.blocks_for(total), self.blocks.num_blocks
         if needed > held:
@@ -155,7 +187,7 @@ class LLMEngine:
             del self._requests[request.request_id]
             raise OverloadedError(f"its batch is full ({held} sequences, max_num_seqs {cap})")
         # Sequences preempted here resume first: a reservation takes only what their recompute leaves, or each
-        # block they free goes to the next hand-off and they wait until the router's stall bound moves them.
+        # block they free would go to the next hand-off, and they would wait for ever.
         owed = sum(self.blocks.blocks_for(s.num_tokens) for s in self.scheduler.waiting)
         leaves_owed = self.blocks.blocks_for(seq.num_prompt_tokens) + owed <= self.blocks.num_free_blocks
         if not (leaves_owed and self.blocks.allocate_slots(seq, seq.num_prompt_tokens)):

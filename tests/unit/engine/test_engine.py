@@ -310,3 +310,6 @@ def test_a_request_that_fills_the_kv_to_its_last_slot_runs_and_one_token_more_is
     assert_idle(engine)
     with pytest.raises(InvalidRequestError, match=r"prompt \+ max_tokens needs 5 KV blocks; this worker has 4"):
         engine.add_request(EngineRequest("one-more", prompt, SamplingParams(max_tokens=8)))
+    with pytest.raises(InvalidRequestError, match="the prompt needs 5 KV blocks; this worker has 4") as err:
+        engine.add_request(EngineRequest("too-long", list(range(5, 22)), SamplingParams(max_tokens=1)))
+    assert err.value.field == "prompt_token_ids"  # no max_tokens would make it fit
