@@ -23,7 +23,7 @@ from pdserve.cluster.commands import (
     add_internal_tls_flags,
     add_router_command,
 )
-from pdserve.config import ClusterConfig, EngineConfig, RouterConfig
+from pdserve.config import ClusterConfig, EngineConfig, RouterConfig, redacted_url
 from pdserve.drain_commands import add_drain_commands
 from pdserve.flags import (
     add_engine_flags,
@@ -216,7 +216,7 @@ def _serve(args: argparse.Namespace, services: ClusterServices | None) -> int:
         print(f"{name}: {e}", file=sys.stderr)
         return 1
     except RedisUnreachable as e:
-        print(f"{name}: Redis at {config.redis_url}: {e}", file=sys.stderr)
+        print(f"{name}: Redis at {redacted_url(config.redis_url or '')}: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -28,6 +28,13 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py's from_url
 DECODE_GRAPH_MODES = ("auto", "static", "off")
 
 
+def redacted_url(url: str) -> str:
+    """The URL as a log or an error may show it: its user part (where a password goes) and any password in its
+    query replaced by `***`, however malformed the URL."""
+    url = re.sub(r"(?<=[/:])[^/@?#]*@", "***@", url, count=1)
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits of one engine step."""
@@ -351,7 +358,9 @@ class ClusterConfig:
             if (port := getattr(self, name)) is not None and not 0 <= port < 65536:
                 raise ValueError(f"{name} must be a TCP port (0: any free one), got {port}")
         if self.redis_url is not None and not self.redis_url.startswith(REDIS_SCHEMES):
-            raise ValueError(f"redis must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
+            raise ValueError(
+                f"redis must be a redis://, rediss:// or unix:// URL, got {redacted_url(self.redis_url)!r}"
+            )
         if self.advertise_host in ("0.0.0.0", "::"):
             raise ValueError(f"advertise_host must be an address others can dial, got {self.advertise_host!r}")
         if not 0 <= self.drain_grace_s < math.inf:

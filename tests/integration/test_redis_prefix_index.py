@@ -5,6 +5,7 @@ every worker."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 
@@ -138,3 +139,22 @@ async def test_two_processes_of_one_worker_id_keep_each_others_entries_after_the
         assert not client.exists(prefix_key("w/old"))  # the new process's first copy: the old entry goes
         assert apply_changes(client, "w/old", PrefixCacheChanges(keys, [], whole=True))  # lost: copied again
         assert apply_changes(client, "w/new", PrefixCacheChanges([], keys[:1]))  # and the new one's stays intact
+
+
+async def test_a_heartbeat_that_fails_logs_its_redis_without_the_password(caplog):
+    """A password in `--redis`'s URL is a credential: a failed heartbeat's warning names the Redis without it."""
+    engine = EngineConfig(model="tiny-random", num_threads=1, kv_cache_memory_gb=0.0003)
+    down = "redis://:hunter2@127.0.0.1:1/0"  # nothing listens there
+    spec = WorkerSpec("colocated", engine, worker_id="cw-down", registry_url=down, heartbeat_s=0.05)
+    caplog.set_level(logging.WARNING)
+    worker = WorkerRuntime(spec, add_worker_services)
+    try:
+        await asyncio.to_thread(worker.address, 120)
+        end = time.monotonic() + 10
+        while not (said := [r.getMessage() for r in caplog.records if "heartbeat to" in r.getMessage()]):
+            assert time.monotonic() < end, "no heartbeat failure logged"
+            await asyncio.sleep(0.05)
+    finally:
+        worker.stop()
+    assert "redis://***@127.0.0.1:1/0" in said[0], said
+    assert not [r for r in caplog.records if "hunter2" in r.getMessage()]

@@ -31,6 +31,7 @@ from pdserve.cluster.drain import DrainGate, DrainReport, WorkerDrainedError, ru
 from pdserve.cluster.drain_service import add_control_service
 from pdserve.cluster.factories import WorkerContext, WorkerServices
 from pdserve.cluster.worker_spec import WorkerSpec
+from pdserve.config import redacted_url
 from pdserve.cpus import usable_cpus
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
@@ -156,13 +157,13 @@ class WorkerRuntime:
                 state = self.state()
                 registry.publish(state)
             except Exception as e:  # Redis down: keep serving, publish again when it is back
-                failed.warning("heartbeat to %s failed: %s", self.spec.registry_url, e)
+                failed.warning("heartbeat to %s failed: %s", redacted_url(self.spec.registry_url), e)
                 continue
             try:
                 self._index_prefix_changes(registry, state, first=not cache_key)
                 cache_key = state.cache_key
             except Exception as e:  # the next beat sends the whole cache
-                failed.warning("prefix-cache changes not written to %s: %s", self.spec.registry_url, e)
+                failed.warning("prefix-cache changes not written to %s: %s", redacted_url(self.spec.registry_url), e)
         try:
             registry.remove(self.worker_id)
             if cache_key and self._engine.prefix_journal is not None:

@@ -146,7 +146,7 @@ def test_a_workers_drain_timeout_must_be_finite_and_not_negative(seconds):
     ("failure", "says"),
     [
         (lambda: WorkerStartError("worker prefill-0 failed to start 1 times: boom"), "failed to start 1 times: boom"),
-        (lambda: RedisConnectionError("Error 111 connecting"), "Redis at redis://127.0.0.1:1/0: Error 111"),
+        (lambda: RedisConnectionError("Error 111 connecting"), "Redis at redis://***@127.0.0.1:1/0: Error 111"),
     ],
 )
 def test_a_cluster_that_cannot_start_is_one_line_and_status_1(capsys, monkeypatch, failure, says):
@@ -158,10 +158,11 @@ def test_a_cluster_that_cannot_start_is_one_line_and_status_1(capsys, monkeypatc
         raise failure()
 
     monkeypatch.setattr(cli, "_runner", lambda command: fails)
-    argv = ["up", "--model", "tiny-random", "--port", "0", "--redis", "redis://127.0.0.1:1/0"]
+    argv = ["up", "--model", "tiny-random", "--port", "0", "--redis", "redis://:hunter2@127.0.0.1:1/0"]
     assert main(argv, services=SERVICES) == 1
     err = capsys.readouterr().err
     assert err.startswith("pdserve up: ") and says in err and "Traceback" not in err
+    assert "hunter2" not in err  # the URL's password is a credential
 
 
 @pytest.mark.parametrize("seconds", [0.0, -1.0, 90_000.0, math.inf, math.nan])

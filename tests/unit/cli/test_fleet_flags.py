@@ -42,6 +42,10 @@ ROUTER = ["router", "--model", "tiny-random", "--redis", "redis://127.0.0.1:1/0"
     ("argv", "line"),
     [
         (["router", "--model", "tiny-random", "--redis", "notaurl"], "redis must be a redis://"),
+        (  # a scheme mistyped still hides the password it carries
+            ["router", "--model", "tiny-random", "--redis", "redis:/:hunter2@h:6379?password=hunter2"],
+            "redis must be a redis://, rediss:// or unix:// URL, got 'redis:/***@h:6379?password=***'",
+        ),
         ([*ROUTER, "--metrics-port", "99999"], "metrics_port must be a TCP port"),
         ([*ROUTER, "--http-port", "-5"], "http_port must be a TCP port"),
         ([*ROUTER, "--drain-grace-s", "nan"], "drain_grace_s must be a finite number >= 0"),
