@@ -34,7 +34,7 @@ class PrefillCall:
         first = event.first_token
         logprobs = logprobs_from_pb(first.logprobs) if first.HasField("logprobs") else None
         prompt_logprobs = tuple(logprobs_from_pb(lp) for lp in first.prompt_logprobs)
-        cached, waited_s = first.cached_prompt_tokens, first.waited_ms / 1e3
+        cached, waited_s = first.cached_prompt_tokens, first.waited_ms / 1e3 if first.HasField("waited_ms") else None
         return FirstToken(first.token_id, first.kv_follows, cached, logprobs, prompt_logprobs, waited_s)
 
     async def sent(self) -> None:

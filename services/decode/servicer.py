@@ -63,7 +63,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 await context.send_initial_metadata(((HANDOFF_STARTED_KEY, "1"),))
 
             def prefilled(first: FirstToken) -> None:
-                context.set_trailing_metadata(((PREFILL_WAITED_KEY, str(round(first.waited_s * 1e3))),))
+                if first.waited_s is not None:  # else the router calibrates as if it had no wait to take off
+                    context.set_trailing_metadata(((PREFILL_WAITED_KEY, str(round(first.waited_s * 1e3))),))
 
             outputs = self.handoff.stream(handoff, context.time_remaining, dispatched, prefilled)
         async with contextlib.aclosing(outputs) as stream:  # type: ignore[type-var]

@@ -49,8 +49,9 @@ def _to_pb(event: FirstToken | KVSent) -> wpb.PrefillEvent:
         token_id=event.token_id,
         kv_follows=event.kv_follows,
         cached_prompt_tokens=event.cached_prompt_tokens,
-        waited_ms=round(event.waited_s * 1e3),
     )
+    if event.waited_s is not None:
+        first.waited_ms = round(event.waited_s * 1e3)
     if event.logprobs is not None:
         first.logprobs.CopyFrom(logprobs_to_pb(event.logprobs))
     first.prompt_logprobs.extend(logprobs_to_pb(lp) for lp in event.prompt_logprobs)

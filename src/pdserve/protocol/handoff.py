@@ -28,7 +28,9 @@ class FirstToken:
     cached_prompt_tokens: int  # served by the prefill worker's prefix cache
     logprobs: TokenLogprobs | None = None  # when the request asked for them
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # when the request asked for them
-    waited_s: float = 0.0  # on the prefill worker before its first step: prompts ahead of it, any router's
+    # On the prefill worker before its first step: prompts ahead of it, any router's. None: not reported (a prefill
+    # worker of an earlier build), which is not a prompt that waited 0 s.
+    waited_s: float | None = None
 
 
 @dataclass(frozen=True)
