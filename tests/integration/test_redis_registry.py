@@ -179,28 +179,29 @@ async def test_expired_worker_cleanup_failing_does_not_break_the_view(url, serve
 
 
 async def test_malformed_entries_are_skipped_and_logged_once_each(url, server, caplog):
-    """A field this release does not know is a newer worker's, and is read past: a rolling upgrade that starts
-    with the workers must not hide them from the routers still on the old release."""
+    """A field this release does not know is a newer worker's, and is read past, in the entry or in its profile: a
+    rolling upgrade that starts with the workers must not hide them from the routers still on the old release."""
     publisher = RedisRegistry(url)
-    good = [state("p-good"), state("d-good", "decode"), state("p-newer")]
+    good = [state("p-good"), state("d-good", "decode"), state("p-newer"), state("p-newer-profile")]
     for w in good[:2]:
         publisher.publish(w)
     newer = good[2].to_json().replace('"worker_id"', '"colour": 1, "worker_id"')
+    newer_profile = good[3].to_json().replace('"profile": {', '"profile": {"colour": 1, ')
     bad = {
         "not-json": b"{not json",
         "a-list": b"[1, 2, 3]",
         "bad-role": state("bad-role").to_json().replace('"prefill"', '"sideways"'),
-        "bad-profile": state("bad-profile").to_json().replace('"profile": {', '"profile": {"nonsense": 1, '),
+        "bad-profile": state("bad-profile").to_json().replace('"prefill_fixed_s": 0.01', '"prefill_fixed_s": "fast"'),
     }
     with server.client() as c:
-        for worker_id, value in {**bad, "p-newer": newer}.items():
+        for worker_id, value in {**bad, "p-newer": newer, "p-newer-profile": newer_profile}.items():
             c.set(f"{PREFIX}:worker:{worker_id}", value)
             c.sadd(f"{PREFIX}:workers", worker_id)
     with caplog.at_level(logging.ERROR, logger="pdserve.registry.redis"):
         async with router_view(url, refresh_s=0.02) as router:
             assert router.workers() == sorted(good, key=lambda w: w.worker_id)
             await asyncio.sleep(0.3)  # many refreshes
-            assert ids(router.workers("prefill")) == ["p-good", "p-newer"]
+            assert ids(router.workers("prefill")) == ["p-good", "p-newer", "p-newer-profile"]
             assert ids(router.workers("decode")) == ["d-good"]
     logged = [r.getMessage() for r in caplog.records if "does not parse" in r.getMessage()]
     assert sorted(m.split()[2] for m in logged) == sorted(f"{PREFIX}:worker:{i}" for i in bad)

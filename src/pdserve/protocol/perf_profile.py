@@ -7,7 +7,7 @@ measured points, so the same code describes a 2-core CPU and an H200.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -72,7 +72,10 @@ class PerfProfile:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PerfProfile:
-        return cls(**{k: float(v) for k, v in d.items()})
+        """Fields it does not know are ignored: a newer worker's registry entry must still parse on a router of an
+        earlier build (else the router drops every upgraded worker as malformed)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: float(v) for k, v in d.items() if k in known})
 
 
 def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
