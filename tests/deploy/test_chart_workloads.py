@@ -229,9 +229,17 @@ def test_the_routers_drain_is_what_its_grace_period_leaves(grace: int) -> None:
     assert _window(router["livenessProbe"]) > drain
 
 
+def router_config_map(objects: Objects) -> dict[str, Any]:
+    """The ConfigMap the router pods mount."""
+    (volume,) = [
+        v for v in one(objects, "Deployment", ROUTER)["spec"]["template"]["spec"]["volumes"] if "configMap" in v
+    ]
+    return one(objects, "ConfigMap", volume["configMap"]["name"])
+
+
 def test_router_reads_its_toml_and_the_contract_flags(rendered: dict[str, Objects], tmp_path: Any) -> None:
     objects = render(["gpu.yaml"], {"router.config.slo_headroom": 0.7, "router.config.max_attempts": "2"})
-    toml = one(objects, "ConfigMap", ROUTER)["data"]["router.toml"]
+    toml = router_config_map(objects)["data"]["router.toml"]
     (tmp_path / "router.toml").write_text(toml)
     config = RouterConfig.from_file(str(tmp_path / "router.toml"))
     assert (config.slo_headroom, config.max_attempts, config.policy) == (0.7, 2, "slo")
@@ -240,6 +248,19 @@ def test_router_reads_its_toml_and_the_contract_flags(rendered: dict[str, Object
     assert args[0] == "router" and flag(args, "--router-config") == "/etc/pdserve/router/router.toml"
     assert "--no-reflection" in args
     assert (flag(args, "--host"), flag(args, "--port"), flag(args, "--metrics-port")) == ("0.0.0.0", "50051", "9400")
+
+
+def test_the_routers_config_map_is_named_after_its_content_so_an_upgrade_leaves_the_earlier_pods_theirs() -> None:
+    """A router of the earlier build refuses keys it does not know: one of its pods restarting mid-rollout must
+    read the file it was made with, not the upgrade's (under one name the kubelet hands it the new file)."""
+    names = {
+        limit: router_config_map(render(["gpu.yaml"], {"router.config.request_limits.max_stop": limit}))
+        for limit in (3, 4)
+    }
+    assert names[3]["metadata"]["name"] != names[4]["metadata"]["name"]
+    assert all(m["metadata"]["name"].startswith(f"{ROUTER}-") for m in names.values())
+    same = router_config_map(render(["gpu.yaml"], {"router.config.request_limits.max_stop": 3, "router.replicas": 5}))
+    assert same["metadata"]["name"] == names[3]["metadata"]["name"]  # the same file: the same name, no rollout
 
 
 def test_every_listener_binds_the_address_family_the_cluster_has() -> None:
