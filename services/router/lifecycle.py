@@ -384,9 +384,9 @@ class RequestLifecycle:
         except BaseException as e:
             sibling = choices.failure if choices is not None else None
             outcome = outcome_of(sibling if sibling is not None and outcome_of(e) == "cancelled" else e)
-            if outcome == "cancelled":
-                trace.get_current_span().set_attribute("cancelled", True)  # its status alone may read OK
-            elif choices is not None and sibling is None:
+            if outcome == "cancelled" and (span := trace.get_current_span()).is_recording():
+                span.set_attribute("cancelled", True)  # status alone may read OK; ended: gRPC left it to the GC
+            elif outcome != "cancelled" and choices is not None and sibling is None:
                 choices.failure = e
             raise
         finally:

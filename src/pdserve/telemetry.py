@@ -219,6 +219,34 @@ def configure_logging(level: str | int = "INFO", service: str | None = None) -> 
     root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
     logging.Formatter.converter = time.gmtime
+    quiet_caller_left_errors()
+
+
+def quiet_caller_left_errors() -> None:
+    """Drops the libraries' ERROR records a caller leaving mid-stream makes (below); idempotent."""
+    for name in _CALLER_LEFT_ERRORS:
+        logging.getLogger(name).addFilter(_DROP_CALLER_LEFT)  # one filter object: added once however often called
+
+
+# ERROR records, each with a traceback, that a caller leaving mid-stream makes in libraries, never a fault of this
+# service's (the request itself is counted and logged as cancelled). grpc.aio leaves a streaming handler whose
+# write failed suspended (grpc/grpc#42295): it logs the failed write, and the garbage collector closes the handler
+# later in another context, where OpenTelemetry's server interceptor cannot detach the span context it attached
+# (open-telemetry/opentelemetry-python-contrib#2357). At a few thousand cancels a minute they buried real errors.
+_CALLER_LEFT_ERRORS = {
+    "grpc._cython.cygrpc": ("ExecuteBatchError raised in core by servicer method", "ExecuteBatchError"),
+    "opentelemetry.context": ("Failed to detach context", "ValueError"),
+}
+
+
+class _CallerLeftFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message, error = _CALLER_LEFT_ERRORS.get(record.name, ("", ""))
+        raised = record.exc_info[1] if record.exc_info else None
+        return not (message and record.getMessage().startswith(message) and type(raised).__name__ == error)
+
+
+_DROP_CALLER_LEFT = _CallerLeftFilter()
 
 
 class _ServiceFilter(logging.Filter):

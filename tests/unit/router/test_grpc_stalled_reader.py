@@ -8,6 +8,7 @@ lookahead), as a client that stops reading leaves it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -84,4 +85,49 @@ async def test_a_caller_stalled_on_its_last_message_gets_its_whole_answer_counte
         while (msg := await call.read()) is not grpc.aio.EOF:
             tokens += len(msg.token_ids)
         assert await call.code() == grpc.StatusCode.OK and tokens == 40_000
+    telemetry.shutdown()
+
+
+class ManyBigMessages(worker_pb2_grpc.DecodeWorkerServicer):
+    """Far more than the caller's small window holds: the router's write of one of them blocks."""
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        for _ in range(100):
+            yield pb.GenerateResponse(token_ids=[5] * 20_000)
+        yield pb.GenerateResponse(token_ids=[5], finish_reason=pb.FINISH_REASON_LENGTH)
+
+
+async def test_a_caller_leaving_while_its_write_is_blocked_logs_no_error_and_counts_cancelled(monkeypatch, caplog):
+    """gRPC leaves such a handler to the garbage collector, and it and OpenTelemetry's server interceptor each
+    logged an ERROR with a traceback for what is an ordinary cancel (and the lifecycle a warning, for marking the
+    request's span after the interceptor had ended it)."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pdserve.telemetry import quiet_caller_left_errors
+
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    quiet_caller_left_errors()
+    telemetry = Telemetry("test-router", SimpleSpanProcessor(InMemorySpanExporter()))
+    async with serving(ManyBigMessages()) as d0:
+        lifecycle = Router([worker("p0"), worker("d0", "decode", address=d0)]).lifecycle(telemetry=telemetry)
+        server = Server("127.0.0.1", 0, interceptors=telemetry.server_interceptors())
+        server.add(lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(lifecycle), s), [])
+        await server.start()
+        request = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(max_tokens=4000))
+        try:
+            for _ in range(3):
+                async with grpc.aio.insecure_channel(server.address, options=SMALL_WINDOW) as ch:
+                    call = generate_pb2_grpc.GenerationStub(ch).Generate(request)
+                    await call.read()
+                    await asyncio.sleep(0.3)  # the router's write is blocked on the window
+                    call.cancel()
+                for _ in range(50):
+                    if lifecycle.in_flight == 0:
+                        break
+                    await asyncio.sleep(0.02)
+        finally:
+            await server.stop(None)
+    assert requests_by_outcome(telemetry) == {("cancelled", "anonymous"): 3}
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     telemetry.shutdown()
