@@ -207,12 +207,13 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
-def configure_logging(level: str | int = "INFO", service: str | None = None) -> None:
-    """Structured logs on stderr for this process, at `level` (a name or number)."""
+def configure_logging(level: str | int = "INFO", service: str | None = None, worker_id: str | None = None) -> None:
+    """Structured logs on stderr for this process, at `level` (a name or number); each line names the `service`
+    and, in a worker, its `worker_id` (a driver's stderr carries every worker's lines)."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
     if service:
-        handler.addFilter(_ServiceFilter(service))
+        handler.addFilter(_ServiceFilter(service, worker_id))
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -250,10 +251,13 @@ _DROP_CALLER_LEFT = _CallerLeftFilter()
 
 
 class _ServiceFilter(logging.Filter):
-    def __init__(self, service: str) -> None:
+    def __init__(self, service: str, worker_id: str | None) -> None:
         super().__init__()
         self.service = service
+        self.worker_id = worker_id
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.service = self.service
+        if self.worker_id:
+            record.worker_id = self.worker_id
         return True

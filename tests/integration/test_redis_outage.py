@@ -10,6 +10,7 @@ as a hung or partitioned one does, so every client waits for its timeout instead
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import statistics
 import time
@@ -129,3 +130,7 @@ def test_requests_complete_without_stalls_while_redis_is_stopped_and_after(clust
     assert log.count("registry redis unreachable") == 1, "the outage is logged once, not per refresh"
     assert log.count("registry redis answers again") == 1
     assert log.count("does not parse") == 1  # the malformed entry, logged once and skipped
+    failed_beats = [line for line in log.splitlines() if "heartbeat to" in line]
+    assert failed_beats, "no worker logged the outage"
+    for line in failed_beats:  # on the launcher's stderr as the worker wrote it (not behind Ray's prefix), naming it
+        assert json.loads(line)["worker_id"] in {w.worker_id for w in states}, line

@@ -69,7 +69,7 @@ class WorkerRuntime:
         from pdserve.telemetry import Telemetry, configure_logging
 
         if spec.log_level:
-            configure_logging(spec.log_level, service=f"pdserve-{spec.role}")
+            configure_logging(spec.log_level, service=f"pdserve-{spec.role}", worker_id=self.spec.worker_id)
         self.telemetry = Telemetry(f"pdserve-{spec.role}")
         self._metrics_address = ""
         self._ready: Future[str] = Future()
