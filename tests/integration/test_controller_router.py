@@ -151,9 +151,17 @@ def test_a_restarted_controller_finds_its_workers(rehearsal: Rehearsal, expected
     assert rehearsal.controller.proc.returncode == 0, rehearsal.controller.log()[-3000:]
     assert "leaving workers prefill-0, decode-1 running" in rehearsal.controller.log()
     assert serve(rehearsal, "rehearsal-without-controller") == expected
+    flags = list(rehearsal.controller_args)
+    rehearsal.controller_args += ["--log-level", "DEBUG"]  # the workers take it where they run: none restarts
     log = rehearsal.start_controller().log()
+    rehearsal.controller_args = flags  # the next controller's INFO: they take that back the same way
     for worker_id in WORKERS:
         assert f"worker {worker_id} ready at" in log and f"found running in Ray namespace {NAMESPACE}" in log
+    end = time.monotonic() + 30
+    while not all(f"worker {w} logs at DEBUG now" in log for w in WORKERS):
+        assert time.monotonic() < end, log[-3000:]
+        time.sleep(0.5)
+        log = rehearsal.controller.log()
     after = rehearsal.actors()
     assert {w: a["pid"] for w, a in after.items()} == {w: a["pid"] for w, a in before.items()}
     assert serve(rehearsal, "rehearsal-after-controller-restart") == expected

@@ -84,7 +84,8 @@ class Cluster:
             dict(Counter(config.roles)),
         )
         surge = partial(self.scaler.surge, placement_wait_s=config.rollout_surge_wait_s)
-        self.rollout = Rollout(self.supervisor, _requested_spec, partial(drain_over_rpc, timeout_s=drain_s), surge)
+        drain = partial(drain_over_rpc, timeout_s=drain_s)
+        self.rollout = Rollout(self.supervisor, _requested_spec, drain, surge, _set_log_level)
 
     def spec(self, role: Role, worker_id: str) -> WorkerSpec:
         c = self.config
@@ -341,6 +342,16 @@ async def _requested_spec(actor: Any) -> WorkerSpec | None:
     except AttributeError:
         return None
     return await asyncio.wait_for(method.remote(), SPEC_TIMEOUT_S)
+
+
+async def _set_log_level(actor: Any, level: str | None) -> bool:
+    """False from an actor made by a pdserve that cannot (it has no `set_log_level`)."""
+    try:
+        method = actor.set_log_level
+    except AttributeError:
+        return False
+    await asyncio.wait_for(method.remote(level), SPEC_TIMEOUT_S)
+    return True
 
 
 def _reason(e: BaseException) -> str:

@@ -8,7 +8,8 @@ and only while every other worker of its role is in placement, so capacity drops
 request is lost (a drained worker finishes or moves what it holds). A role's only worker is surged instead: its
 successor starts under a new id and serves before it drains, since a restart in place would leave the role
 empty for a model load (requests would wait, then fail UNAVAILABLE). Where the successor cannot start (no
-node has room for one more), it restarts in place after all.
+node has room for one more), it restarts in place after all. A worker whose spec differs only in its log level
+takes the new level where it runs (`relevel`): turning DEBUG on for an incident must not restart the fleet.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from pdserve.cluster.supervisor import Slot, Supervisor
@@ -29,7 +30,8 @@ ROLLOUT_CHECK_S = 2.0
 class Rollout:
     """`spec_of` asks an actor for the spec it was made with (None: it cannot say, so it is outdated); `drain`
     drains a slot's worker (it restarts); `surge` replaces one by a successor started first, and answers whether
-    it could (`FleetScaler.surge`)."""
+    it could (`FleetScaler.surge`); `relevel` sets an actor's log level where it runs, and answers whether it could
+    (an actor of an earlier build cannot: it is rolled)."""
 
     def __init__(
         self,
@@ -37,11 +39,13 @@ class Rollout:
         spec_of: Callable[[Any], Awaitable[WorkerSpec | None]],
         drain: Callable[[Slot], Awaitable[None]],
         surge: Callable[[Slot], Awaitable[bool]],
+        relevel: Callable[[Any, str | None], Awaitable[bool]] | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.spec_of = spec_of
         self.drain = drain
         self.surge = surge
+        self.relevel = relevel
         # Worker id -> id() of the actor whose spec matched (or was rolled): never the handle itself, since Ray frees
         # a dead actor's name only once every handle to it is gone, and its replacement needs that name.
         self._checked: dict[str, int] = {}
@@ -63,7 +67,7 @@ class Rollout:
                 continue
             checked = id(slot.actor)
             running = await self.spec_of(slot.actor)
-            if running == slot.spec:
+            if running == slot.spec or await self._relevelled(slot, running):
                 self._checked[worker_id] = checked
                 continue
             peers = [s for s in self.supervisor.slots.values() if s is not slot and s.spec.role == slot.spec.role]
@@ -92,6 +96,15 @@ class Rollout:
             self._checked[worker_id] = checked
             return worker_id
         return None
+
+    async def _relevelled(self, slot: Slot, running: WorkerSpec | None) -> bool:
+        """Its log level alone differed, and it took the slot's where it runs."""
+        level = slot.spec.log_level
+        if running is None or self.relevel is None or replace(running, log_level=level) != slot.spec:
+            return False
+        if relevelled := await self.relevel(slot.actor, level):
+            log.info("worker %s logs at %s now", slot.spec.worker_id, level)
+        return relevelled
 
 
 def _differences(a: WorkerSpec | None, b: WorkerSpec) -> str:

@@ -99,6 +99,15 @@ class WorkerRuntime:
     def requested_spec(self) -> WorkerSpec:
         return self.requested
 
+    def set_log_level(self, level: str | None) -> None:
+        """A fleet's new log level, taken without a restart; the spec it reports says so from now on."""
+        from pdserve.telemetry import configure_logging
+
+        if level:
+            configure_logging(level, service=f"pdserve-{self.spec.role}", worker_id=self.spec.worker_id)
+        self.requested = replace(self.requested, log_level=level)
+        self.spec = replace(self.spec, log_level=level)
+
     def wait_ready(self, timeout_s: float = 600.0) -> str:
         """The launcher's wait for the start; raises the start's own error if it failed."""
         return self.address(timeout_s)

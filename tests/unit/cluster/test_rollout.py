@@ -145,3 +145,27 @@ async def test_a_drain_that_failed_is_tried_again() -> None:
         await rollout.step()
     assert await rollout.step() == "decode-0" and len(tries) == 2
     assert await rollout.step() is None  # drained once it worked; not again
+
+
+@pytest.mark.parametrize("can_relevel", [True, False])
+async def test_a_worker_whose_log_level_alone_differs_takes_it_where_it_runs(can_relevel: bool) -> None:
+    """Turning DEBUG on for an incident restarted every worker. An actor of an earlier build, which cannot take a
+    level where it runs, is rolled as before."""
+    rollout, supervisor, drained = fleet(("prefill-0", NEW), ("prefill-1", NEW))
+    for slot in supervisor.slots.values():
+        slot.spec = replace(slot.spec, log_level="DEBUG")  # the fleet's new --log-level
+    relevelled: list[tuple[str, str | None]] = []
+
+    async def relevel(actor: Actor, level: str | None) -> bool:
+        if can_relevel:
+            relevelled.append((actor.spec.worker_id, level))
+            actor.spec = replace(actor.spec, log_level=level)
+        return can_relevel
+
+    rollout.relevel = relevel
+    while await rollout.step() is not None:
+        pass
+    if can_relevel:
+        assert drained == [] and relevelled == [("prefill-0", "DEBUG"), ("prefill-1", "DEBUG")]
+    else:
+        assert drained == ["prefill-0"]  # and prefill-1 once it is back (one of a role at a time)
