@@ -15,7 +15,7 @@ import redis
 from pdserve.cluster.worker_runtime import WorkerRuntime
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import EngineConfig
-from pdserve.engine.cache_journal import PrefixCacheChanges
+from pdserve.engine.cache_journal import PrefixCacheChanges, PrefixCacheJournal
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.registry import redis_prefix
 from pdserve.registry.redis_prefix import FIRST_PROBE_BLOCKS, RedisPrefixIndex, apply_changes, prefix_key
@@ -158,3 +158,21 @@ async def test_a_heartbeat_that_fails_logs_its_redis_without_the_password(caplog
         worker.stop()
     assert "redis://***@127.0.0.1:1/0" in said[0], said
     assert not [r for r in caplog.records if "hunter2" in r.getMessage()]
+
+
+def test_an_entry_holding_fewer_of_the_workers_keys_than_it_caches_is_copied_whole_again(url):
+    """A router of an earlier build placed without `GT`, lowering the worker's own keys to placement scores, and
+    trimmed them: the worker's deltas alone would never send them back."""
+    keys = [bytes([i]) * 16 for i in range(4)]
+    journal = PrefixCacheJournal(max_removed=16)
+    for key in keys:
+        journal.stored(key)
+    with redis.Redis.from_url(url) as client:
+        assert apply_changes(client, "w/1", journal.take(), first=True)
+        client.zadd(prefix_key("w/1"), dict.fromkeys(keys[:2], time.time()))  # the earlier router's placement
+        client.zremrangebyscore(prefix_key("w/1"), "-inf", f"({redis_prefix.CACHED}")  # and its trim
+        journal.stored(b"e" * 16)
+        assert not apply_changes(client, "w/1", journal.take())  # the entry holds 3 of its 5 keys
+        journal.lost()  # as the worker's heartbeat answers it
+        assert apply_changes(client, "w/1", journal.take())
+        assert client.zcount(prefix_key("w/1"), redis_prefix.CACHED, "+inf") == 5 + 1  # and the mark

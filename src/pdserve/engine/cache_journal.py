@@ -18,11 +18,13 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PrefixCacheChanges:
     """What the cache keyed and evicted since the last take. `whole`: `stored` is every key the cache holds,
-    to replace the index's entry (the first take, or one after changes were forgotten or lost)."""
+    to replace the index's entry (the first take, or one after changes were forgotten or lost). `held`: how many
+    keys the cache holds with these applied (None: not counted), which the entry must then hold too."""
 
     stored: list[bytes]
     removed: list[bytes]
     whole: bool = False
+    held: int | None = None
 
 
 class PrefixCacheJournal:
@@ -56,9 +58,9 @@ class PrefixCacheJournal:
     def take(self) -> PrefixCacheChanges:
         with self._lock:
             if self._whole:
-                changes = PrefixCacheChanges(list(self._held), [], whole=True)
+                changes = PrefixCacheChanges(list(self._held), [], whole=True, held=len(self._held))
             else:
-                changes = PrefixCacheChanges(list(self._stored), list(self._removed))
+                changes = PrefixCacheChanges(list(self._stored), list(self._removed), held=len(self._held))
             self._whole = False
             self._stored, self._removed = set(), set()
             return changes

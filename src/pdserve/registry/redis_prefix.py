@@ -46,9 +46,11 @@ def prefix_key(cache_key: str) -> str:
 
 def apply_changes(client: redis.Redis, cache_key: str, changes: PrefixCacheChanges, first: bool = False) -> bool:
     """A worker's journal into its own entry. False when the entry was lost since its last whole copy (Redis
-    restarted empty, or evicted the key): the journal's next take must be whole, or the blocks it still holds would
-    never be indexed again. `first`: this process's first take, which also drops the entries its worker id's
-    earlier processes left (only then: two processes of one id alive at once would drop each other's each beat)."""
+    restarted empty, or evicted the key), or no longer holds as many of the worker's own keys as the worker does (a
+    router of an earlier build wrote placements over them, lowering their scores below `CACHED`, and then trimmed
+    them): the journal's next take must be whole, or the blocks it still holds would never be indexed again.
+    `first`: this process's first take, which also drops the entries its worker id's earlier processes left (only
+    then: two processes of one id alive at once would drop each other's each beat)."""
     key = prefix_key(cache_key)
     if changes.whole:
         if first:
@@ -61,8 +63,10 @@ def apply_changes(client: redis.Redis, cache_key: str, changes: PrefixCacheChang
         pipe.zrem(key, *changes.removed)
     if changes.stored:
         pipe.zadd(key, dict.fromkeys(changes.stored, CACHED + time.time()))
+    pipe.zcount(key, CACHED, math.inf)  # the worker's own keys, and the mark
     pipe.expire(key, PREFIX_TTL_S)  # a worker that is gone stops refreshing its index
-    return pipe.execute()[0] is not None
+    results = pipe.execute()
+    return results[0] is not None and changes.held in (None, results[-2] - 1)
 
 
 def _replace(client: redis.Redis, key: str, stored: list[bytes]) -> None:

@@ -28,9 +28,11 @@ class JournalMachine(BlockManagerMachine):
 
     @rule()
     def take(self) -> None:
-        """Changes built up over any number of steps since the last take rebuild the cache."""
-        self.index = apply(self.index, self._journal().take())
+        """Changes built up over any number of steps since the last take rebuild the cache, and count it."""
+        changes = self._journal().take()
+        self.index = apply(self.index, changes)
         assert self.index == set(self.bm.block_hashes())
+        assert changes.held == len(self.index)
 
     @rule()
     def lose_a_take(self) -> None:
@@ -53,7 +55,7 @@ test_journal_state_machine = JournalMachine.TestCase
 def test_evictions_past_the_bound_are_forgotten_and_the_next_take_is_the_whole_cache() -> None:
     bm = BlockManager(2, 2)
     assert bm.journal is not None
-    assert bm.journal.take() == PrefixCacheChanges([], [], whole=True)  # the first take: the (empty) whole
+    assert bm.journal.take() == PrefixCacheChanges([], [], whole=True, held=0)  # the first take: the (empty) whole
     keys = []
     for i in range(6):  # each prompt of two blocks evicts the last one's: 10 evictions, past 4 per block
         seq = make_seq(f"s{i}", [i, i, i, i])
@@ -62,7 +64,7 @@ def test_evictions_past_the_bound_are_forgotten_and_the_next_take_is_the_whole_c
         keys.append(prefix_hashes(seq.token_ids, 2))
     changes = bm.journal.take()
     assert changes.whole and set(changes.stored) == set(keys[-1]) == set(bm.block_hashes())
-    assert bm.journal.take() == PrefixCacheChanges([], [])
+    assert bm.journal.take() == PrefixCacheChanges([], [], held=2)
 
 
 def test_a_key_evicted_then_keyed_again_before_a_take_is_stored_not_removed() -> None:
@@ -73,7 +75,7 @@ def test_a_key_evicted_then_keyed_again_before_a_take_is_stored_not_removed() ->
     for seq in (a, b, a_again):
         admit(bm, seq)
         bm.free(seq)
-    assert bm.journal.take() == PrefixCacheChanges(prefix_hashes([1, 1], 2), prefix_hashes([2, 2], 2))
+    assert bm.journal.take() == PrefixCacheChanges(prefix_hashes([1, 1], 2), prefix_hashes([2, 2], 2), held=1)
 
 
 def test_a_cache_without_prefix_caching_keeps_no_journal() -> None:
