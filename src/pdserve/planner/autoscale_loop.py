@@ -53,6 +53,8 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
     an event the loop checks rather than cancel its task: grpc.aio can swallow a task's cancellation when it
     lands as a call completes, and the loop would then run on."""
     window, hysteresis = LoadWindow(c.window_s), Hysteresis(c.consecutive, c.cooldown_s)
+    seen: dict[str, int] | None = None  # the desired counts at the last status
+    made: dict[str, int] | None = None  # this loop's last scale
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -80,6 +82,10 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
             window.samples.clear()
             await _pause(stop, c.interval_s)
             continue
+        if seen is not None and current != seen and current != made:  # an operator's scale, another autoscaler's
+            hysteresis.applied(now)  # its cooldown holds here too: two autoscalers must not undo each other's
+            log.info("the desired counts went from %s to %s, not by this autoscaler: cooling down", seen, current)
+        seen = current
         counters = (status.admitted_requests, status.admitted_prompt_tokens, status.admitted_max_tokens)
         finished = (status.finished_requests, status.completion_tokens)
         window.observe(Admitted(now, *counters, *finished, status.shed_requests, status.shed_prompt_tokens))
@@ -99,6 +105,7 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
             target = None if stop.is_set() else decision.target  # stopping: no new scale
             if target and (c.dry_run or await _scale(addr, credentials, target)):
                 hysteresis.applied(loop.time())  # only a scale made starts the cooldown (a dry run: as if made)
+                made = target
             if c.once:
                 return 0
         await _pause(stop, c.interval_s)

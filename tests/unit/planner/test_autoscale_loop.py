@@ -154,3 +154,16 @@ async def test_after_the_status_failed_the_window_starts_over(monkeypatch, capsy
     decisions = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert decisions and all(d["load"]["rate"] == 0 for d in decisions), decisions
     assert router.scaled == []
+
+
+async def test_a_scale_made_elsewhere_starts_the_cooldown_here_too(monkeypatch) -> None:
+    """An operator's `pdserve scale`, or a second autoscaler's: this one does not undo it within its cooldown
+    (two autoscalers out of phase undid each other's scales every window)."""
+    before, after = {"prefill": 2, "decode": 2}, {"prefill": 3, "decode": 3}
+    statuses = [apb.ClusterStatusResponse(desired=d, **IDLE) for d in (before, after)]
+    router = Router(statuses)
+    await run(router, monkeypatch)
+    assert router.scaled == []  # idle: it would have scaled to 1 + 1 at once
+    router = Router(statuses[:1])  # the same load, counts nobody else changed
+    await run(router, monkeypatch)
+    assert router.scaled == [{"prefill": 1, "decode": 1}]
