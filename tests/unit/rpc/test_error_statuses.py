@@ -154,3 +154,33 @@ async def test_a_peer_refusing_this_processs_cluster_credentials_is_a_peer_it_ca
         assert isinstance(gone, UnavailableError) and not isinstance(gone, ClusterAuthError)
     finally:
         await decode.stop(None)
+
+
+async def test_a_traced_streams_answer_to_its_caller_is_its_status_with_no_stack_trace_on_its_span() -> None:
+    """A refusal is the caller's answer, not this service's failure: the tracing interceptor records no exception
+    for it (two stack traces each made a refused request's span six times a served one's, while shedding). A bug
+    keeps its exception on the span."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pdserve.telemetry import Telemetry
+
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("errors", SimpleSpanProcessor(exporter))
+    server = Server("127.0.0.1", 0, interceptors=telemetry.server_interceptors())
+    server.add(lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(Raising(), s), ["pdserve.v1.Generation"])
+    await server.start()
+    try:
+        shed = await _call(server.address, "full")
+        assert shed.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ("grpc-retry-pushback-ms", "250") in tuple(shed.trailing_metadata() or ())
+        assert shed.details() == "every decode worker's batch is full"
+        assert (await _call(server.address, "boom")).code() == grpc.StatusCode.INTERNAL
+    finally:
+        await server.stop(None)
+        telemetry.shutdown()
+    refused, bug = sorted(exporter.get_finished_spans(), key=lambda s: s.attributes["rpc.grpc.status_code"])
+    assert refused.attributes["rpc.grpc.status_code"] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert [e.name for e in refused.events] == []
+    assert bug.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INTERNAL.value[0]
+    assert "exception" in [e.name for e in bug.events]
