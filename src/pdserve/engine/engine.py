@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -86,13 +87,14 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def preempted_outputs(self) -> list[RequestOutput]:
-        """An output with no token for each sequence that streamed and now waits, preempted, to be recomputed:
-        its stream says the worker is alive while nothing comes (a router's stall bound would take the silence
-        for a hung worker, and move the stream to a worker as full)."""
+        """An output with no token for each sequence that streamed and was preempted, while it waits to be
+        recomputed and while it is (a long context's recompute runs chunk by chunk): its stream says the worker is
+        alive while nothing comes (a router's stall bound would take the silence for a hung worker, and move the
+        stream to a worker as full)."""
         return [
             RequestOutput(seq.seq_id, [], "", None, seq.num_prompt_tokens, seq.num_cached_tokens)
-            for seq in self.scheduler.waiting
-            if seq.num_preemptions and seq.output_token_ids
+            for seq in itertools.chain(self.scheduler.waiting, self.scheduler.running)
+            if seq.num_preemptions and seq.output_token_ids and seq.num_computed_tokens < seq.num_tokens - 1
         ]
 
     def stats(self) -> dict[str, int]:
