@@ -46,9 +46,11 @@ class Rollout:
         self.drain = drain
         self.surge = surge
         self.relevel = relevel
-        # Worker id -> id() of the actor whose spec matched (or was rolled): never the handle itself, since Ray frees
-        # a dead actor's name only once every handle to it is gone, and its replacement needs that name.
-        self._checked: dict[str, int] = {}
+        # Worker id -> id() of the actor whose spec matched (or was rolled), and its process's instance: never the
+        # handle itself, since Ray frees a dead actor's name only once every handle to it is gone, and its
+        # replacement needs that name. An actor Ray restarted in place (the same handle) runs the spec it was made
+        # with again, a log level it was given since undone: a new instance is checked anew.
+        self._checked: dict[str, tuple[int, str]] = {}
 
     async def run(self, interval_s: float = ROLLOUT_CHECK_S) -> None:
         while True:
@@ -62,10 +64,9 @@ class Rollout:
         """Compares the specs of the actors not yet checked and drains the first outdated one whose role can
         spare it; returns its worker id."""
         for slot in list(self.supervisor.slots.values()):
-            worker_id = slot.spec.worker_id
-            if slot.leaving or not slot.listed or slot.actor is None or self._checked.get(worker_id) == id(slot.actor):
+            worker_id, checked = slot.spec.worker_id, (id(slot.actor), slot.instance)
+            if slot.leaving or not slot.listed or slot.actor is None or self._checked.get(worker_id) == checked:
                 continue
-            checked = id(slot.actor)
             running = await self.spec_of(slot.actor)
             if running == slot.spec or await self._relevelled(slot, running):
                 self._checked[worker_id] = checked

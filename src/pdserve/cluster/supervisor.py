@@ -61,6 +61,7 @@ class Slot:
     actor: Any
     listed: bool = False  # in placement: its last check succeeded
     address: str = ""  # host:port of its gRPC server, as its last state said
+    instance: str = ""  # its process's, as its last state said: an actor Ray restarted in place has a new one
     died: int = 0  # ActorDiedErrors in a row
     timeouts: int = 0  # checks in a row that got no answer in time
     silent_since: float = 0.0  # when the first of those checks asked (the supervisor's clock)
@@ -172,7 +173,7 @@ class Supervisor:
         slot.died = slot.timeouts = 0
         self._answered_at = max(self._answered_at, self.clock())
         slot.backoff_s = slot.replace_at = 0.0  # it serves: a later death is replaced at once
-        slot.address = state.address
+        slot.address, slot.instance = state.address, state.instance
         if self.publish:
             self.registry.publish(state)
             await self._index_prefix_changes(slot, state)

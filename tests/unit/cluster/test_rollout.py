@@ -167,5 +167,9 @@ async def test_a_worker_whose_log_level_alone_differs_takes_it_where_it_runs(can
         pass
     if can_relevel:
         assert drained == [] and relevelled == [("prefill-0", "DEBUG"), ("prefill-1", "DEBUG")]
+        restarted = supervisor.slots["prefill-0"]  # Ray restarted its actor in place: the spec it was made with
+        restarted.actor.spec, restarted.instance = replace(restarted.actor.spec, log_level=None), "its next process"
+        assert await rollout.step() is None
+        assert relevelled[2:] == [("prefill-0", "DEBUG")] and drained == []
     else:
         assert drained == ["prefill-0"]  # and prefill-1 once it is back (one of a role at a time)
