@@ -29,10 +29,15 @@ DECODE_GRAPH_MODES = ("auto", "static", "off")
 
 
 def redacted_url(url: str) -> str:
-    """The URL as a log or an error may show it: its user part (where a password goes) and any password in its
-    query replaced by `***`, however malformed the URL."""
-    url = re.sub(r"(?<=[/:])[^/@?#]*@", "***@", url, count=1)
-    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
+    """The URL as a log or an error may show it: everything before its last `@` (its user part, where a password
+    goes, itself free to hold `@`) and any `...password=` in its query replaced by `***`, however malformed the
+    URL. A stray `@` elsewhere hides more than it must, never less."""
+    head, sep, rest = url.partition("//")
+    if not sep:
+        head, rest = "", url
+    if "@" in rest:
+        rest = "***" + rest[rest.rindex("@") :]
+    return re.sub(r"([?&][^=&#]*password=)[^&#]*", r"\1***", head + sep + rest)
 
 
 @dataclass(frozen=True)

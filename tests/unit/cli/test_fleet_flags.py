@@ -44,7 +44,7 @@ ROUTER = ["router", "--model", "tiny-random", "--redis", "redis://127.0.0.1:1/0"
         (["router", "--model", "tiny-random", "--redis", "notaurl"], "redis must be a redis://"),
         (  # a scheme mistyped still hides the password it carries
             ["router", "--model", "tiny-random", "--redis", "redis:/:hunter2@h:6379?password=hunter2"],
-            "redis must be a redis://, rediss:// or unix:// URL, got 'redis:/***@h:6379?password=***'",
+            "redis must be a redis://, rediss:// or unix:// URL, got '***@h:6379?password=***'",
         ),
         ([*ROUTER, "--metrics-port", "99999"], "metrics_port must be a TCP port"),
         ([*ROUTER, "--http-port", "-5"], "http_port must be a TCP port"),
@@ -80,3 +80,19 @@ def test_a_taken_port_is_named_before_anything_starts(capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"pdserve up: 127.0.0.1:{port} cannot be bound")
     assert line.endswith("pass another --http-port")
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:hunter2@h:6379/0", "redis://***@h:6379/0"),
+        ("redis://:hunter@2@h:6379", "redis://***@h:6379"),  # redis-py reads the password up to the last @
+        ("rediss://h:6380/0?ssl_password=hunter2&db=1", "rediss://h:6380/0?ssl_password=***&db=1"),
+        ("unix:///run/redis.sock?password=hunter2", "unix:///run/redis.sock?password=***"),
+        ("redis://h:6379/0", "redis://h:6379/0"),
+    ],
+)
+def test_a_redis_url_is_shown_without_its_password(url: str, shown: str) -> None:
+    from pdserve.config import redacted_url
+
+    assert redacted_url(url) == shown
