@@ -12,7 +12,9 @@ import asyncio
 import contextvars
 import json
 import logging
+import os
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -241,10 +243,19 @@ _CALLER_LEFT_ERRORS = {
 
 
 class _CallerLeftFilter(logging.Filter):
+    """A failed detach is dropped only where the gRPC server interceptor's generator was being closed: one of our
+    own (a context attached in one task and detached in another, which breaks span parenting) is still logged."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         message, error = _CALLER_LEFT_ERRORS.get(record.name, ("", ""))
         raised = record.exc_info[1] if record.exc_info else None
-        return not (message and record.getMessage().startswith(message) and type(raised).__name__ == error)
+        if not (message and record.getMessage().startswith(message) and type(raised).__name__ == error):
+            return True
+        if record.name != "opentelemetry.context":
+            return False
+        closing = raised.__context__ if raised is not None else None
+        frames = traceback.extract_tb(closing.__traceback__) if isinstance(closing, GeneratorExit) else []
+        return not any(f"opentelemetry{os.sep}instrumentation{os.sep}grpc{os.sep}" in f.filename for f in frames)
 
 
 _DROP_CALLER_LEFT = _CallerLeftFilter()

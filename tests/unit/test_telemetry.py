@@ -138,3 +138,19 @@ def test_every_metric_a_router_or_worker_exports_says_what_it_measures():
     assert len(families) >= 15
     assert [f.name for f in families if not f.documentation.strip()] == []
     telemetry.shutdown()
+
+
+def test_a_failed_detach_of_our_own_is_still_logged(caplog) -> None:
+    """Only the gRPC server interceptor's (a caller that left) is dropped: a context attached in one task and
+    detached in another breaks span parenting, and says so."""
+    import contextvars
+
+    from opentelemetry import context
+
+    from pdserve.telemetry import quiet_caller_left_errors
+
+    quiet_caller_left_errors()
+    token = context.attach(context.set_value("k", 1))
+    contextvars.Context().run(context.detach, token)
+    context.detach(token)
+    assert [r.getMessage() for r in caplog.records if r.name == "opentelemetry.context"] == ["Failed to detach context"]
