@@ -149,7 +149,8 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
         "--stall-timeout-s",
         type=float,
         help="treat a stream as broken (its decode worker ejected, the request migrated) when the worker sends "
-        f"nothing this long after the first message (default: {r.stall_timeout_s:g})",
+        f"nothing this long after the first message (default: {r.stall_timeout_s:g}; keep it above 2: a worker "
+        "says each second that a stream it preempted waits)",
     )
     p.add_argument(
         "--no-reflection",
