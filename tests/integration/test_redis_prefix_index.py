@@ -176,3 +176,32 @@ def test_an_entry_holding_fewer_of_the_workers_keys_than_it_caches_is_copied_who
         journal.lost()  # as the worker's heartbeat answers it
         assert apply_changes(client, "w/1", journal.take())
         assert client.zcount(prefix_key("w/1"), redis_prefix.CACHED, "+inf") == 5 + 1  # and the mark
+
+
+async def test_an_entry_undone_each_beat_is_copied_whole_once_a_while_not_each_beat(url):
+    """A router of an earlier build lowering the worker's keys at every placement made every beat a whole copy (one of
+    a 262k-block cache holds Redis ~0.5 s)."""
+    engine = EngineConfig(model="tiny-random", num_threads=1, kv_cache_memory_gb=0.0003)
+    spec = WorkerSpec("colocated", engine, worker_id="cw-undone", registry_url=url, heartbeat_s=0.05)
+    client = redis.Redis.from_url(url)
+    worker = WorkerRuntime(spec, add_worker_services)
+    try:
+        address = await asyncio.to_thread(worker.address, 120)
+        await generate(address, [3 + i % 200 for i in range(64)])  # four keys
+        key = prefix_key(worker.state().cache_key)
+        end = time.monotonic() + 5
+        while client.zcount(key, redis_prefix.CACHED, "+inf") < 5:
+            assert time.monotonic() < end, "the worker's keys never reached its entry"
+            await asyncio.sleep(0.05)
+        renames = lambda: client.info("commandstats").get("cmdstat_rename", {}).get("calls", 0)  # noqa: E731
+        before, end = renames(), time.monotonic() + 1.5
+        while time.monotonic() < end:  # ~30 beats, each finding its keys lowered to placements
+            own = client.zrangebyscore(key, redis_prefix.CACHED, "(+inf")
+            if own:
+                client.zadd(key, dict.fromkeys(own, time.time()))
+            await asyncio.sleep(0.02)
+        copies = renames() - before
+    finally:
+        worker.stop()
+        client.close()
+    assert 1 <= copies <= 2, copies  # the first undoing is copied back at once; the rest wait WHOLE_COPY_EVERY_S

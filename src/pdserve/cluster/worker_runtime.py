@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import sys
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import asdict, replace
@@ -45,6 +47,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 HEARTBEAT_FAILURE_LOG_EVERY_S = 30.0
+# A whole copy of the prefix cache into its index entry comes at most this often after the first two: one of a
+# 262k-block cache holds Redis ~0.5 s, and a router of an earlier build undoing the entry each beat asks for one each
+# beat.
+WHOLE_COPY_EVERY_S = 30.0
 EXIT_GRACE_S = 1.0  # a failing worker's last words: its callers get their status, the launcher the reason
 DRAINED_EXIT_S = 10.0  # a drained worker's supervisor replaces it within this; else the process exits by itself
 
@@ -78,6 +84,7 @@ class WorkerRuntime:
         self._fatal: BaseException | None = None  # why this worker can no longer serve
         self._heartbeat_thread: threading.Thread | None = None
         self._beat = threading.Event()  # set: heartbeat now (the registry learns of a drain at once)
+        self._whole_copied_at = -math.inf  # when the prefix cache last went whole into its index entry
         self._drain: asyncio.Future[DrainReport] | None = None
         self._drained = False
         self._gate = DrainGate(self.spec.worker_id)
@@ -187,8 +194,13 @@ class WorkerRuntime:
 
         if (journal := self._engine.prefix_journal) is None:
             return
+        if journal.whole_next and not first and time.monotonic() - self._whole_copied_at < WHOLE_COPY_EVERY_S:
+            return  # the index goes without these changes a while, rather than Redis copying a whole cache each beat
         try:
-            intact = apply_changes(registry.client, state.cache_key, journal.take(), first)
+            changes = journal.take()
+            if changes.whole and not first:  # the first starts no wait: a Redis restarted after it is copied at once
+                self._whole_copied_at = time.monotonic()
+            intact = apply_changes(registry.client, state.cache_key, changes, first)
         except Exception:
             journal.lost()
             raise

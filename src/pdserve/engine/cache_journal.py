@@ -65,6 +65,12 @@ class PrefixCacheJournal:
             self._stored, self._removed = set(), set()
             return changes
 
+    @property
+    def whole_next(self) -> bool:
+        """The next take is the whole cache."""
+        with self._lock:
+            return self._whole
+
     def lost(self) -> None:
         """The consumer could not apply its last take: the next one is whole."""
         with self._lock:
