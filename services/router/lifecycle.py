@@ -395,6 +395,6 @@ class RequestLifecycle:
             e2e_s = time.perf_counter() - started_at
             if outcome == "finished":
                 self.metrics.e2e.record(e2e_s, {"tenant": tenant})
-            extra = {"outcome": outcome, "e2e_ms": round(e2e_s * 1e3, 2), "request_key": request_key_var.get()}
-            extra["tenant"] = tenant
-            log.info("request %s", outcome, extra=extra)
+            if self.config.access_log:  # one line a request (--no-access-log: none)
+                extra = {"outcome": outcome, "e2e_ms": round(e2e_s * 1e3, 2), "request_key": request_key_var.get()}
+                log.info("request %s", outcome, extra=extra | {"tenant": tenant})

@@ -160,6 +160,13 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
         help="turn gRPC server reflection off on the public port (on by default)",
     )
     p.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_const",
+        const=False,
+        help="log no line per request as it ends (the metrics still count them; failures still log a warning)",
+    )
+    p.add_argument(
         "--api-keys",
         dest="api_keys_file",
         metavar="FILE",

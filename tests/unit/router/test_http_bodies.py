@@ -18,6 +18,7 @@ from pdserve.telemetry import Telemetry
 from services.router.http import app as http_app
 from services.router.http.app import openai_app
 from services.router.lifecycle import RequestLifecycle
+from tests.unit.router.request_counts import requests_by_outcome
 from tests.unit.router.router_builder import MODEL, Router, worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -236,3 +237,12 @@ async def test_a_caller_gone_while_it_sent_its_body_is_counted_cancelled_not_a_s
     assert outcomes(caplog) == ["cancelled"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert sent[0]["status"] == 499
+
+
+async def test_without_the_access_log_a_request_logs_no_line_and_is_still_counted(caplog):
+    """--no-access-log: at 1000 req/s the line per request is ~24 GB a day; the metrics count every request still."""
+    lifecycle = Router([], no_workers_wait_s=0.1, access_log=False).lifecycle(telemetry=Telemetry("test-router"))
+    with caplog.at_level(logging.INFO, logger="services.router.lifecycle"):
+        r = await post(lifecycle, "/v1/completions", BAD_BODIES[0][1].encode())
+    assert r.status_code == 400 and outcomes(caplog) == []
+    assert requests_by_outcome(lifecycle.telemetry) == {("invalid", "anonymous"): 1}
