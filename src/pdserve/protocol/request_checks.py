@@ -17,6 +17,11 @@ from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.sampling import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# A request's prompt logprobs travel in one message (the first with a token, as the public API has it), which gRPC
+# bounds at 16 MiB (`config.MAX_MESSAGE_BYTES`): past it the send fails as RESOURCE_EXHAUSTED, which reads as a shed
+# that a retry could pass. At most this much of it, at 16 + 9 bytes per prompt token and alternative (measured: 192
+# bytes a token with 20 alternatives of 31-bit ids).
+PROMPT_LOGPROBS_MAX_BYTES = 12 * 2**20
 
 
 @dataclass(frozen=True)
@@ -143,12 +148,25 @@ def check_request(
     bad = [t for t, _ in sampling.logit_bias if not 0 <= t < vocab]
     if bad:
         raise InvalidRequestError("sampling.logit_bias", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    if sampling.prompt_logprobs is not None:
+        check_prompt_logprobs_size(len(prompt_token_ids), sampling.prompt_logprobs)
     total = len(prompt_token_ids) + sampling.max_tokens
     if total > model.max_position_embeddings:
         raise InvalidRequestError(
             "sampling.max_tokens",
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} exceeds "
             f"the model's context of {model.max_position_embeddings} tokens",
+        )
+
+
+def check_prompt_logprobs_size(num_prompt_tokens: int, alternatives: int) -> None:
+    per_token = 16 + 9 * alternatives
+    if (num_prompt_tokens - 1) * per_token > PROMPT_LOGPROBS_MAX_BYTES:
+        most = PROMPT_LOGPROBS_MAX_BYTES // per_token + 1
+        raise InvalidRequestError(
+            "sampling.prompt_logprobs",
+            f"{alternatives} for a {num_prompt_tokens}-token prompt would not fit in one message; with "
+            f"{alternatives} a prompt may have at most {most} tokens (ask for fewer alternatives or a shorter prompt)",
         )
 
 
