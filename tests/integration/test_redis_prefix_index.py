@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 
@@ -205,3 +206,22 @@ async def test_an_entry_undone_each_beat_is_copied_whole_once_a_while_not_each_b
         worker.stop()
         client.close()
     assert 1 <= copies <= 2, copies  # the first undoing is copied back at once; the rest wait WHOLE_COPY_EVERY_S
+
+
+def test_a_whole_copy_cut_short_is_made_again_at_the_next_beat(url):
+    """Redis going away mid-copy (a restart) starts no wait: the throttle counts copies made, not tried."""
+    from types import SimpleNamespace
+
+    journal = PrefixCacheJournal(max_removed=16)
+    journal.stored(b"k" * 16)
+    runtime = SimpleNamespace(_engine=SimpleNamespace(prefix_journal=journal), _whole_copied_at=-math.inf)
+    state = SimpleNamespace(cache_key="w/1")
+    beat = WorkerRuntime._index_prefix_changes
+    with redis.Redis.from_url(url) as client:
+        beat(runtime, SimpleNamespace(client=client), state, True)  # the first copy
+        client.flushall()  # Redis restarted empty
+        beat(runtime, SimpleNamespace(client=client), state, False)  # finds the entry lost
+        with redis.Redis(port=1) as down, pytest.raises(redis.ConnectionError):
+            beat(runtime, SimpleNamespace(client=down), state, False)  # the whole copy, cut short
+        beat(runtime, SimpleNamespace(client=client), state, False)
+        assert client.zcard(prefix_key("w/1")) == 1 + 1  # copied again at once: the key and the mark

@@ -198,12 +198,12 @@ class WorkerRuntime:
             return  # the index goes without these changes a while, rather than Redis copying a whole cache each beat
         try:
             changes = journal.take()
-            if changes.whole and not first:  # the first starts no wait: a Redis restarted after it is copied at once
-                self._whole_copied_at = time.monotonic()
             intact = apply_changes(registry.client, state.cache_key, changes, first)
-        except Exception:
+        except Exception:  # a copy cut short starts no wait: the next beat copies it again
             journal.lost()
             raise
+        if changes.whole and not first:  # nor does the first: a Redis restarted after it is copied at once
+            self._whole_copied_at = time.monotonic()
         if not intact:  # Redis lost the entry (restarted empty): the next beat sends the whole cache
             journal.lost()
 
