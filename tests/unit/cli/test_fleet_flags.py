@@ -89,6 +89,7 @@ def test_a_taken_port_is_named_before_anything_starts(capsys):
         ("redis://:hunter@2@h:6379", "redis://***@h:6379"),  # redis-py reads the password up to the last @
         ("rediss://h:6380/0?ssl_password=hunter2&db=1", "rediss://h:6380/0?ssl_password=***&db=1"),
         ("unix:///run/redis.sock?password=hunter2", "unix:///run/redis.sock?password=***"),
+        ("redis://h/0?%70assword=hunter2&db=1", "redis://h/0?%70assword=***&db=1"),  # redis-py decodes the name
         ("redis://h:6379/0", "redis://h:6379/0"),
     ],
 )
