@@ -23,7 +23,7 @@ from pdserve.cluster.commands import (
     add_internal_tls_flags,
     add_router_command,
 )
-from pdserve.config import ClusterConfig, EngineConfig, RouterConfig, redacted_url
+from pdserve.config import ClusterConfig, EngineConfig, RouterConfig
 from pdserve.drain_commands import add_drain_commands
 from pdserve.flags import (
     add_engine_flags,
@@ -34,6 +34,7 @@ from pdserve.flags import (
     sampling_from_flags,
 )
 from pdserve.planner.commands import add_planner_commands
+from pdserve.redaction import redacted_url
 
 if TYPE_CHECKING:
     from pdserve.cluster.factories import ClusterServices

@@ -12,10 +12,10 @@ import math
 import os
 import re
 from dataclasses import dataclass, field, replace
-from urllib.parse import unquote_plus
 
 from pdserve.protocol.request_checks import RequestLimits
 from pdserve.protocol.roles import EngineMode, Role
+from pdserve.redaction import redacted_url
 
 # The largest gRPC message any pdserve server takes or sends, and the router's default for an HTTP body: a 16k-token
 # prompt of ids is ~80 KB, so nothing legitimate nears it.
@@ -27,22 +27,6 @@ CLUSTER_MODES = ("disaggregated", "colocated")
 MAX_WORKERS_PER_ROLE = 64
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py's from_url takes
 DECODE_GRAPH_MODES = ("auto", "static", "off")
-
-
-def redacted_url(url: str) -> str:
-    """The URL as a log or an error may show it: everything before its last `@` (its user part, where a password
-    goes, itself free to hold `@`) and the value of any query key naming a password, however encoded (redis-py
-    decodes the names: `%70assword`), replaced by `***`, however malformed the URL. A stray `@` elsewhere hides
-    more than it must, never less."""
-    head, sep, rest = url.partition("//")
-    if not sep:
-        head, rest = "", url
-    if "@" in rest:
-        rest = "***" + rest[rest.rindex("@") :]
-    base, mark, query = (head + sep + rest).partition("?")
-    fields = [f.partition("=") for f in query.split("&")] if mark else []
-    hidden = [f"{k}{eq}***" if "password" in unquote_plus(k).lower() else f"{k}{eq}{v}" for k, eq, v in fields]
-    return base + mark + "&".join(hidden)
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ from pdserve.cluster.drain import DrainGate, DrainReport, WorkerDrainedError, ru
 from pdserve.cluster.drain_service import add_control_service
 from pdserve.cluster.factories import WorkerContext, WorkerServices
 from pdserve.cluster.worker_spec import WorkerSpec
-from pdserve.config import redacted_url
 from pdserve.cpus import usable_cpus
 from pdserve.protocol.roles import Role
+from pdserve.redaction import redacted_url
 from pdserve.registry.base import WorkerState
 from pdserve.rpc.credentials import internal_server_tls
 from pdserve.security.cluster_secret import ClusterSecret

@@ -94,6 +94,6 @@ def test_a_taken_port_is_named_before_anything_starts(capsys):
     ],
 )
 def test_a_redis_url_is_shown_without_its_password(url: str, shown: str) -> None:
-    from pdserve.config import redacted_url
+    from pdserve.redaction import redacted_url
 
     assert redacted_url(url) == shown

@@ -1,0 +1,21 @@
+"""What logs and errors may show of a value that can carry a credential."""
+
+from __future__ import annotations
+
+from urllib.parse import unquote_plus
+
+
+def redacted_url(url: str) -> str:
+    """The URL as a log or an error may show it: everything before its last `@` (its user part, where a password
+    goes, itself free to hold `@`) and the value of any query key naming a password, however encoded (redis-py
+    decodes the names: `%70assword`), replaced by `***`, however malformed the URL. A stray `@` elsewhere hides
+    more than it must, never less."""
+    head, sep, rest = url.partition("//")
+    if not sep:
+        head, rest = "", url
+    if "@" in rest:
+        rest = "***" + rest[rest.rindex("@") :]
+    base, mark, query = (head + sep + rest).partition("?")
+    fields = [f.partition("=") for f in query.split("&")] if mark else []
+    hidden = [f"{k}{eq}***" if "password" in unquote_plus(k).lower() else f"{k}{eq}{v}" for k, eq, v in fields]
+    return base + mark + "&".join(hidden)
