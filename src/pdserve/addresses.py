@@ -49,18 +49,32 @@ def primary_address() -> str:
         return "127.0.0.1"
 
 
-def check_free(host: str, port: int, flag: str) -> None:
+def hold_free(host: str, port: int, flag: str) -> None:
     """OSError naming `flag` when `host:port` cannot be bound now (0: any free port, never taken), so a command
-    fails before it starts anything rather than when its listener binds, after its workers loaded."""
+    fails before it starts anything rather than when its listener binds, after its workers loaded. A free one
+    stays bound here until `release_held`, just before the listener binds it: the workers and Ray's processes
+    started meanwhile bind port 0, and the kernel handed one of them the port (50051 is an ephemeral port too)."""
     if not port:
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listener: TIME_WAIT is no conflict
-        try:
-            probe.bind((host.strip("[]"), port))
-        except OSError as e:
-            raise OSError(f"{join(host, port)} cannot be bound ({e.strerror}); pass another {flag}") from None
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listener: TIME_WAIT is no conflict
+    try:
+        probe.bind((host.strip("[]"), port))
+        probe.listen(1)  # listening: no other socket, SO_REUSEADDR or not, binds it meanwhile
+    except OSError as e:
+        probe.close()
+        raise OSError(f"{join(host, port)} cannot be bound ({e.strerror}); pass another {flag}") from None
+    _held.append(probe)
+
+
+def release_held() -> None:
+    """The ports `hold_free` holds, for their listeners to bind now."""
+    while _held:
+        _held.pop().close()
+
+
+_held: list[socket.socket] = []
 
 
 def host_port(value: str) -> str:

@@ -187,6 +187,15 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
 
 def _serve(args: argparse.Namespace, services: ClusterServices | None) -> int:
     """`pdserve up`, `controller` or `router` (args.command): a long-running process until SIGINT/SIGTERM."""
+    from pdserve.addresses import release_held
+
+    try:
+        return _serve_held(args, services)
+    finally:
+        release_held()  # the ports it held, when it ended before its listeners took them
+
+
+def _serve_held(args: argparse.Namespace, services: ClusterServices | None) -> int:
     import asyncio
     import logging
 
@@ -262,14 +271,15 @@ def _check_security_files(config: ClusterConfig) -> None:
 
 
 def _check_ports_free(command: str, config: ClusterConfig) -> None:
-    """The command's own listeners (a controller serves only metrics), checked before Ray or a worker starts."""
-    from pdserve.addresses import check_free
+    """The command's own listeners (a controller serves only metrics), checked and held before Ray or a worker
+    starts."""
+    from pdserve.addresses import hold_free
 
     ports = {"--metrics-port": config.metrics_port}
     if command != "controller":
         ports |= {"--port": config.port, "--http-port": config.http_port}
     for flag, port in ports.items():
-        check_free(config.host, port or 0, flag)
+        hold_free(config.host, port or 0, flag)
 
 
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:

@@ -69,3 +69,23 @@ def test_the_kv_rendezvous_store_binds_its_host_and_names_the_advertised_one() -
     with socket.create_connection(("127.0.0.1", port), timeout=5):  # bound on every interface, loopback too
         pass
     del store
+
+
+def test_a_free_port_is_held_until_its_listener_is_about_to_bind_it() -> None:
+    """`pdserve up` checks its ports, then starts Ray and the workers, which bind port 0: the kernel handed one of
+    them the router's port (a CI run's cluster never started: "could not bind"). Held, no other socket takes it."""
+    from pdserve.addresses import hold_free, release_held
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    hold_free("127.0.0.1", port, "--port")
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            other.bind(("127.0.0.1", port))
+    finally:
+        release_held()
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))  # released: its listener binds it

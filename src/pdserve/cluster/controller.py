@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pdserve.addresses import release_held
 from pdserve.cluster.factories import ClusterServices
 from pdserve.cluster.internal_security import prepare_internal_security
 from pdserve.cluster.launcher import Cluster
@@ -40,6 +41,7 @@ async def run_controller(config: ClusterConfig, services: ClusterServices) -> No
     telemetry = Telemetry("pdserve-controller")
     cluster.supervisor.on_replaced = SupervisionMetrics(telemetry.meter).replaced
     if config.metrics_port is not None:
+        release_held()  # the port the command held since its start
         port = telemetry.serve_metrics(config.host, config.metrics_port)
         log.info("controller metrics at http://%s:%d/metrics", config.host, port)
     roles = ", ".join(config.roles)

@@ -11,7 +11,7 @@ import logging
 import signal
 from dataclasses import dataclass
 
-from pdserve.addresses import advertised_host, join
+from pdserve.addresses import advertised_host, join, release_held
 from pdserve.cluster.factories import RouterHandle, RouterServer, StartRouter
 from pdserve.cluster.internal_security import prepare_internal_security
 from pdserve.config import ClusterConfig
@@ -67,6 +67,7 @@ async def start_router_process(
     await registry.start()
     host = advertised_host(config.host, config.advertise_host)
     c = config
+    release_held()  # the ports the command held since its start: its listeners bind them now
     server, handle = await start_router(
         c.engine.model, registry, prefix_index, c.router, c.host, c.port, telemetry, host, http_port=c.http_port
     )
