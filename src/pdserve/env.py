@@ -41,6 +41,14 @@ def build() -> str | None:
     return os.environ.get(BUILD_VAR) or None
 
 
+def pass_worker_logs_through() -> None:
+    """Before Ray is first imported (it reads these then): worker lines reach the driver's stderr as they are, in
+    order. Each is one JSON object naming its worker, which Ray's "(WorkerRuntime pid=...)" prefix made
+    unparseable and its dedup held back or folded. An operator's own setting wins."""
+    os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
 def worker_env() -> dict[str, str]:
     """The variables a launched worker process must see as the launcher does (model cache, telemetry), which Ray's
     runtime env hands it. Not the build: a worker's is its own node's, which an older image's node must not be told

@@ -84,11 +84,7 @@ class WorkerActors:
         self._gpus = 0
 
     def connect(self) -> None:
-        # Worker lines reach this driver's stderr as they are, in order: each is one JSON object naming its worker,
-        # which Ray's "(WorkerRuntime pid=...)" prefix made unparseable and its dedup held back or folded. Read when
-        # Ray is first imported; an operator's own setting wins.
-        os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
-        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        env.pass_worker_logs_through()
         import ray
 
         c = self.config
