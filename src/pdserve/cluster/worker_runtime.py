@@ -163,6 +163,7 @@ class WorkerRuntime:
         assert self.spec.registry_url is not None
         registry = RedisRegistry(self.spec.registry_url, ttl_s=max(2.0, 6 * self.spec.heartbeat_s))
         failed = Throttled(HEARTBEAT_FAILURE_LOG_EVERY_S)  # a Redis outage is one line per interval, not per beat
+        shown = redacted_url(self.spec.registry_url)  # what its failures may say of it
         cache_key = ""  # this process's prefix-index entry, once it published one
         while not self._stopped.is_set():
             self._beat.wait(self.spec.heartbeat_s)
@@ -173,13 +174,13 @@ class WorkerRuntime:
                 state = self.state()
                 registry.publish(state)
             except Exception as e:  # Redis down: keep serving, publish again when it is back
-                failed.warning("heartbeat to %s failed: %s", redacted_url(self.spec.registry_url), e)
+                failed.warning("heartbeat to %s failed: %s", shown, e)
                 continue
             try:
                 self._index_prefix_changes(registry, state, first=not cache_key)
                 cache_key = state.cache_key
             except Exception as e:  # the next beat sends the whole cache
-                failed.warning("prefix-cache changes not written to %s: %s", redacted_url(self.spec.registry_url), e)
+                failed.warning("prefix-cache changes not written to %s: %s", shown, e)
         try:
             registry.remove(self.worker_id)
             if cache_key and self._engine.prefix_journal is not None:
