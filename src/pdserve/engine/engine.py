@@ -122,9 +122,8 @@ class LLMEngine:
         total = kv_tokens(len(prompt_token_ids), sampling.max_tokens)
         # A prefill worker hands the prompt's blocks off: they are all it holds. A prompt too big alone is the
         # prompt's fault, not max_tokens'.
-        if self.config.mode is EngineMode.PREFILL_ONLY or self.blocks.blocks_for(len(prompt_token_ids)) > (
-            self.blocks.num_blocks
-        ):
+        prompt_blocks = self.blocks.blocks_for(len(prompt_token_ids))
+        if self.config.mode is EngineMode.PREFILL_ONLY or prompt_blocks > self.blocks.num_blocks:
             field, what, total = "prompt_token_ids", "the prompt", len(prompt_token_ids)
         needed, held = self.blocks.blocks_for(total), self.blocks.num_blocks
         if needed > held:
