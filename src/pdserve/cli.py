@@ -23,7 +23,7 @@ from pdserve.cluster.commands import (
     add_internal_tls_flags,
     add_router_command,
 )
-from pdserve.config import ClusterConfig, EngineConfig, RouterConfig
+from pdserve.config import STALL_TIMEOUT_MIN_S, ClusterConfig, EngineConfig, RouterConfig
 from pdserve.drain_commands import add_drain_commands
 from pdserve.flags import (
     add_engine_flags,
@@ -150,8 +150,8 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
         "--stall-timeout-s",
         type=float,
         help="treat a stream as broken (its decode worker ejected, the request migrated) when the worker sends "
-        f"nothing this long after the first message (default: {r.stall_timeout_s:g}; keep it above 2: a worker "
-        "says each second that a stream it preempted waits)",
+        f"nothing this long after the first message (default: {r.stall_timeout_s:g}; at least "
+        f"{STALL_TIMEOUT_MIN_S:g}: a worker says each second that a stream it preempted waits)",
     )
     p.add_argument(
         "--no-reflection",

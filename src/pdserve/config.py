@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 
+from pdserve.protocol.outputs import PREEMPTED_NOTICE_S
 from pdserve.protocol.request_checks import RequestLimits
 from pdserve.protocol.roles import EngineMode, Role
 from pdserve.redaction import redacted_url
@@ -109,6 +110,7 @@ class SLOClass:
 
 
 MAX_CONNECTION_AGE_S = 2_147_483  # gRPC's max_connection_age_ms is a C int: about 24.8 days
+STALL_TIMEOUT_MIN_S = 2 * PREEMPTED_NOTICE_S  # a notice a second late still keeps a preempted stream in place
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,11 @@ class RouterConfig:
         for name in (*positive, "default_tpot_ms", "heartbeat_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
+        if self.stall_timeout_s < STALL_TIMEOUT_MIN_S:  # a preempted stream, silent but for its notices, would move
+            raise ValueError(
+                f"stall_timeout_s must be at least {STALL_TIMEOUT_MIN_S:g} s (twice the {PREEMPTED_NOTICE_S:g} s "
+                f"between a decode worker's notices that a stream it preempted waits), got {self.stall_timeout_s}"
+            )
         for name in ("max_in_flight", "max_queued_prefill_tokens", "default_max_tokens"):
             if getattr(self, name) < 1:  # a bound of none would shed (or refuse) every request
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

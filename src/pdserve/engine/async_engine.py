@@ -29,12 +29,11 @@ from pdserve.engine.profiling import measure_profile
 from pdserve.engine.start_times import StartTimes
 from pdserve.errors import InvalidRequestError, UnavailableError
 from pdserve.protocol.engine_request import EngineRequest
-from pdserve.protocol.outputs import RequestOutput, TokenLogprobs
+from pdserve.protocol.outputs import PREEMPTED_NOTICE_S, RequestOutput, TokenLogprobs
 from pdserve.protocol.perf_profile import PerfProfile
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-PREEMPTED_NOTICE_S = 1.0  # how often a preempted sequence's stream hears that it waits (router stall bound: 5 s)
 
 
 def _drop(engine: LLMEngine, request_id: str) -> None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+# How often a decode worker tells a stream it preempted that it waits (a message with no token), so that the
+# router's stall bound, which must exceed it (`RouterConfig.stall_timeout_s`), takes the stream for a live one.
+PREEMPTED_NOTICE_S = 1.0
+
 
 class FinishReason(enum.Enum):
     LENGTH = "length"

@@ -10,6 +10,7 @@ import pytest
 
 from pdserve.config import RouterConfig
 from pdserve.errors import UnavailableError
+from pdserve.protocol.outputs import PREEMPTED_NOTICE_S
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
@@ -60,6 +61,14 @@ def test_the_stall_bound_must_be_a_positive_number():
     for bad in (0.0, -1.0, float("inf")):
         with pytest.raises(ValueError, match="stall_timeout_s"):
             RouterConfig(stall_timeout_s=bad)
+
+
+def test_the_stall_bound_outlasts_two_preemption_notices():
+    """A bound within a notice or two of silence would move a stream its decode worker preempted."""
+    assert RouterConfig(stall_timeout_s=2 * PREEMPTED_NOTICE_S).stall_timeout_s == 2.0
+    for short in (PREEMPTED_NOTICE_S, 1.9):
+        with pytest.raises(ValueError, match="stall_timeout_s must be at least 2 s"):
+            RouterConfig(stall_timeout_s=short)
 
 
 async def test_a_router_loop_held_past_the_bound_is_not_a_stalled_worker():
