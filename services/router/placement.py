@@ -114,9 +114,9 @@ class PlacementPolicy(ABC):
             [w.cache_key for w in offered[0]], keyed[: (len(prompt) - 1) // block_size]
         )
         if colocated:  # one worker does both: it must be able to decode the request too
-            prefill = decode = self.choose_colocated(colocated, hits, len(prompt), blocks, tpot_slo_s)
+            prefill = decode = self.choose_colocated(colocated, hits, len(prompt), blocks, tpot_slo_s, not must_hold)
         else:
-            prefill, decode = self.choose(prefills, decodes, hits, len(prompt), blocks, tpot_slo_s)
+            prefill, decode = self.choose(prefills, decodes, hits, len(prompt), blocks, tpot_slo_s, not must_hold)
         cached = hits.get(prefill.cache_key, 0) * block_size
         return Placement(
             decode=decode,
@@ -174,10 +174,16 @@ class PlacementPolicy(ABC):
         )
 
     def choose_colocated(
-        self, workers: list[WorkerState], hits: dict[str, int], prompt_tokens: int, blocks: int, tpot_slo_s: float
+        self,
+        workers: list[WorkerState],
+        hits: dict[str, int],
+        prompt_tokens: int,
+        blocks: int,
+        tpot_slo_s: float,
+        new: bool,
     ) -> WorkerState:
         """The colocated worker for a request; by default the prefill choice among them."""
-        return self.choose(workers, workers, hits, prompt_tokens, blocks, tpot_slo_s)[0]
+        return self.choose(workers, workers, hits, prompt_tokens, blocks, tpot_slo_s, new)[0]
 
     @abstractmethod
     def choose(
@@ -188,8 +194,10 @@ class PlacementPolicy(ABC):
         prompt_tokens: int,
         blocks: int,
         tpot_slo_s: float,
+        new: bool,
     ) -> tuple[WorkerState, WorkerState]:
-        """The (prefill, decode) pair for a request."""
+        """The (prefill, decode) pair for a request. `new`: a request admission judges, which leaves the KV blocks
+        an earlier, larger one claimed (kv_claims.py); a retry or a moving stream does not."""
 
 
 class SLOAwarePlacement(PlacementPolicy):
@@ -197,21 +205,26 @@ class SLOAwarePlacement(PlacementPolicy):
     workers with room in their batch and for prompt + max_tokens whose predicted TPOT meets the SLO, the most
     free blocks."""
 
-    def choose(self, prefills, decodes, hits, prompt_tokens, blocks, tpot_slo_s):  # type: ignore[no-untyped-def]
-        p = self.predictor
+    def choose(self, prefills, decodes, hits, prompt_tokens, blocks, tpot_slo_s, new):  # type: ignore[no-untyped-def]
+        p, free = self.predictor, self._free(blocks, new)
         prefill = min(prefills, key=self._by_ttft(hits, prompt_tokens))
-        roomy, within = self._decodable(decodes, blocks, tpot_slo_s)
+        roomy, within = self._decodable(decodes, blocks, tpot_slo_s, free)
         if within:
-            decode = max(within, key=lambda w: (p.free_blocks(w), -p.tpot_s(w)))
+            decode = max(within, key=lambda w: (free(w), -p.tpot_s(w)))
         else:  # nothing meets both: the best effort, which admission then judges
-            decode = min(roomy or decodes, key=lambda w: (p.tpot_s(w), -p.free_blocks(w)))
+            decode = min(roomy or decodes, key=lambda w: (p.tpot_s(w), -free(w)))
         return prefill, decode
 
-    def choose_colocated(self, workers, hits, prompt_tokens, blocks, tpot_slo_s):  # type: ignore[no-untyped-def]
+    def choose_colocated(self, workers, hits, prompt_tokens, blocks, tpot_slo_s, new):  # type: ignore[no-untyped-def]
         """The lowest TTFT among the workers that can also decode the request (room, TPOT within the SLO), else
         among those with room, else any: the fastest prefill alone may lack the blocks another worker has free."""
-        roomy, within = self._decodable(workers, blocks, tpot_slo_s)
+        roomy, within = self._decodable(workers, blocks, tpot_slo_s, self._free(blocks, new))
         return min(within or roomy or workers, key=self._by_ttft(hits, prompt_tokens))
+
+    def _free(self, blocks: int, new: bool) -> Callable[[WorkerState], int]:
+        """A worker's free blocks as the request may take them (`choose`'s `new`)."""
+        p = self.predictor
+        return (lambda w: p.free_blocks_for(w, blocks)) if new else p.free_blocks
 
     def _by_ttft(self, hits: dict[str, int], prompt_tokens: int) -> Callable[[WorkerState], tuple[float, str]]:
         """Predicted TTFT, a cached prefix counting as work already done; ties by id."""
@@ -223,7 +236,7 @@ class SLOAwarePlacement(PlacementPolicy):
         return key
 
     def _decodable(
-        self, workers: list[WorkerState], blocks: int, tpot_slo_s: float
+        self, workers: list[WorkerState], blocks: int, tpot_slo_s: float, free: Callable[[WorkerState], int]
     ) -> tuple[list[WorkerState], list[WorkerState]]:
         """Workers with room for `blocks` and in their batch, and those of them whose TPOT meets the SLO. Room
         past the places streams waiting to move will take (admission holds a new request to that) where there
@@ -231,7 +244,7 @@ class SLOAwarePlacement(PlacementPolicy):
         p = self.predictor
 
         def roomy_past(spare: int) -> list[WorkerState]:
-            return [w for w in workers if p.free_blocks(w) >= blocks and p.has_batch_room(w, spare)]
+            return [w for w in workers if free(w) >= blocks and p.has_batch_room(w, spare)]
 
         roomy = roomy_past(p.tracker.moving) or roomy_past(0)
         return roomy, [w for w in roomy if p.tpot_s(w) <= tpot_slo_s]
@@ -244,7 +257,7 @@ class RoundRobinPlacement(PlacementPolicy):
         super().__init__(*args)  # type: ignore[arg-type]
         self._turn = itertools.count()
 
-    def choose(self, prefills, decodes, hits, prompt_tokens, blocks, tpot_slo_s):  # type: ignore[no-untyped-def]
+    def choose(self, prefills, decodes, hits, prompt_tokens, blocks, tpot_slo_s, new):  # type: ignore[no-untyped-def]
         turn = next(self._turn)
         prefills, decodes = sorted(prefills, key=lambda w: w.worker_id), sorted(decodes, key=lambda w: w.worker_id)
         return prefills[turn % len(prefills)], decodes[turn % len(decodes)]

@@ -13,6 +13,7 @@ from pdserve.protocol.perf_profile import QueuedPrefill
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from services.router.calibration import TTFTCalibration
+from services.router.kv_claims import KVClaims
 from services.router.load_tracker import LoadTracker
 
 
@@ -21,6 +22,7 @@ class Predictor:
         self.config = config
         self.tracker = tracker
         self.calibration = calibration or TTFTCalibration()
+        self.claims = KVClaims()
 
     def speed(self, w: WorkerState) -> float:
         """Profiled seconds -> predicted seconds on `w`: its live speed and the router's own correction."""
@@ -117,6 +119,11 @@ class Predictor:
         it sampled them (their first token may be back, and their blocks reserved, before the next report)."""
         since = self.tracker.placed_since(w.worker_id, w.load_at or w.updated_at)
         return w.kv_blocks_free - max(self.tracker.pending_blocks[w.worker_id], since)
+
+    def free_blocks_for(self, w: WorkerState, blocks: int) -> int:
+        """The free blocks a new request needing `blocks` may take: those beyond an earlier, larger request's claim
+        (kv_claims.py)."""
+        return self.free_blocks(w) - self.claims.held_from(w.worker_id, blocks)
 
     def takes(self, decode: WorkerState, prompt_tokens: int) -> bool:
         """Whether a decode worker would reserve the prompt now, as far as this router can tell (a colocated

@@ -11,11 +11,13 @@ from pdserve.config import RouterConfig
 from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.protocol.roles import Role
+from services.router import kv_claims
 from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS, SLOTarget
+from services.router.kv_claims import CLAIM_MIN_S
 from services.router.load_tracker import LoadTracker
 from services.router.predictor import Predictor
 from tests.unit.round_profile import PROFILE
-from tests.unit.router.router_builder import BS, Router, prompt, shed, worker
+from tests.unit.router.router_builder import BS, Router, prompt, replace_free, shed, worker
 
 
 def test_admission_admits_when_every_prediction_fits():
@@ -103,9 +105,39 @@ def test_the_queue_bound_counts_only_the_tokens_a_prompt_adds_past_its_cached_pr
 
 
 def test_admission_sheds_when_no_decode_worker_has_the_blocks():
-    r = Router([worker("p0"), worker("d0", "decode", kv_blocks_free=7), worker("d1", "decode", kv_blocks_free=3)])
-    shed(r, prompt(100), "free KV blocks", slo_s=(5.0, 1.0))  # 8 blocks needed, 4096 in total
-    r.admit(prompt(100), max_tokens=12, slo_s=(5.0, 1.0))  # 7 blocks fit
+    def cluster() -> Router:
+        return Router(
+            [worker("p0"), worker("d0", "decode", kv_blocks_free=7), worker("d1", "decode", kv_blocks_free=3)]
+        )
+
+    shed(cluster(), prompt(100), "free KV blocks", slo_s=(5.0, 1.0))  # 8 blocks needed, 4096 in total
+    cluster().admit(prompt(100), max_tokens=12, slo_s=(5.0, 1.0))  # 7 blocks fit
+
+
+def test_a_request_refused_for_kv_room_claims_the_blocks_that_free_up_before_smaller_ones_take_them():
+    """First come, first served: the small requests that keep coming would otherwise take every block a large one
+    waits for. Once the large one's retry gets its blocks, the claim ends."""
+    d0 = worker("d0", "decode", kv_blocks_free=40)
+    r = Router([worker("p0"), d0])
+    large, small = prompt(800), prompt(16)  # 51 blocks with 16 new tokens, 2 blocks
+    shed(r, large, "51 free KV blocks now$", slo_s=(5.0, 1.0))
+    shed(r, small, "2 free KV blocks now that an earlier, larger request did not get", slo_s=(5.0, 1.0))
+    shed(r, large, "51 free KV blocks now$", slo_s=(5.0, 1.0))  # its retry renews the claim
+    r.registry.publish(replace_free(d0, 60))  # streams there ended
+    assert r.admit(large, slo_s=(5.0, 1.0)).decode.worker_id == "d0"
+    r.registry.publish(replace_free(d0, 9))  # what the large one left
+    assert r.admit(small, slo_s=(5.0, 1.0)).decode.worker_id == "d0"  # the claim ended with its admission
+
+
+def test_placement_takes_a_small_request_where_no_claim_holds_the_room_and_a_claim_lapses(monkeypatch):
+    d0, d1 = worker("d0", "decode", kv_blocks_free=40), worker("d1", "decode", kv_blocks_free=3)
+    r = Router([worker("p0"), d0, d1])
+    large, small = prompt(800), prompt(16)
+    shed(r, large, "51 free KV blocks now$", slo_s=(5.0, 1.0))  # placed on d0: the most free blocks
+    assert r.admit(small, slo_s=(5.0, 1.0)).decode.worker_id == "d1"  # d0's 40 are claimed
+    lapsed = time.monotonic() + CLAIM_MIN_S * 100  # far past a few retry hints: the large one did not come back
+    monkeypatch.setattr(kv_claims.time, "monotonic", lambda: lapsed)
+    assert r.admit(small, slo_s=(5.0, 1.0)).decode.worker_id == "d0"
 
 
 def test_admission_sheds_when_every_decode_worker_has_a_full_batch():
