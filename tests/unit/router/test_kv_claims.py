@@ -1,0 +1,42 @@
+"""KV claims keep the first refused request's place: a later one, larger or smaller, neither replaces nor renews it."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.router import kv_claims
+from services.router.kv_claims import CLAIM_MIN_S, KVClaims
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(kv_claims.time, "monotonic", lambda: now[0])
+    return now
+
+
+def test_the_first_claim_holds_against_later_refusals_and_only_its_own_retry_renews_it(clock):
+    claims = KVClaims()
+    claims.claim("d0", 50, retry_after_s=0.1)
+    claims.claim("d0", 80, retry_after_s=0.1)  # larger, but later
+    assert claims.held_from("d0", 40) == 50 and claims.held_from("d0", 50) == claims.held_from("d0", 80) == 0
+    clock[0] += CLAIM_MIN_S * 0.9
+    claims.claim("d0", 80, retry_after_s=0.1)  # does not renew it
+    clock[0] += CLAIM_MIN_S * 0.2
+    assert claims.held_from("d0", 10) == 0  # lapsed
+    claims.claim("d0", 80, retry_after_s=0.1)  # now the first
+    clock[0] += CLAIM_MIN_S * 0.9
+    claims.claim("d0", 80, retry_after_s=0.1)  # its retry
+    clock[0] += CLAIM_MIN_S * 0.9
+    assert claims.held_from("d0", 10) == 80
+
+
+def test_a_claim_lasts_a_few_retry_hints_and_ends_with_the_claimants_admission_not_a_smaller_ones(clock):
+    claims = KVClaims()
+    claims.claim("d0", 50, retry_after_s=2.0)
+    clock[0] += 2.0 * kv_claims.CLAIM_RETRY_HINTS - 0.1
+    assert claims.held_from("d0", 10) == 50 and claims.held_from("d1", 10) == 0
+    claims.admitted("d0", 10)
+    assert claims.held_from("d0", 10) == 50
+    claims.admitted("d0", 50)
+    assert claims.held_from("d0", 10) == 0
