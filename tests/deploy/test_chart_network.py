@@ -122,6 +122,9 @@ def test_gcs_fault_tolerance_keeps_the_gcs_tables_in_a_redis_named_for_it() -> N
     shared = options(["external-redis-tls-monitoring.yaml"], on)["redisPassword"]["valueFrom"]["secretKeyRef"]
     assert shared == {"name": "pdserve-redis-auth", "key": "password"}
     assert "redisAddress" in render_error(sets={**on, "ray.gcsFaultTolerance.redisAddress": f"{address}/0"})
+    for bundled in ("pd-pdserve-redis:6379", "pd-pdserve-redis.default.svc.cluster.local:6379"):
+        refused = render_error(sets={**on, "ray.gcsFaultTolerance.redisAddress": bundled})
+        assert "is the bundled Redis, which keeps nothing" in refused, refused
 
 
 def test_a_redis_ca_is_mounted_wherever_a_rediss_redis_is_reached() -> None:
