@@ -15,7 +15,7 @@ from pdserve.config import MAX_WORKERS_PER_ROLE
 T = TypeVar("T")
 WILDCARDS = ("0.0.0.0", "::", "")
 # A fixed port is the first of this many: several workers on one host (or a decode worker's rendezvous store per
-# prefill peer) take the next free ones, so a NetworkPolicy names the range P..P+PORT_SPAN-1.
+# prefill peer) take the next free ones, P..P+PORT_SPAN-1.
 PORT_SPAN = MAX_WORKERS_PER_ROLE
 
 
