@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,8 @@ def parse_json(body: bytes) -> object:
     try:
         return json.loads(body)
     except ValueError as e:
+        if "integer string conversion" in str(e):  # Python's own limit, whose text advises the server's code
+            raise InvalidRequestError("body", f"a number has more than {sys.get_int_max_str_digits()} digits") from None
         raise InvalidRequestError("body", f"not valid JSON: {e}") from None
     except RecursionError:
         raise InvalidRequestError("body", "nests arrays or objects too deeply") from None
@@ -110,6 +113,8 @@ def parse_request(
     allowed = CHAT_PARAMS if chat else COMPLETION_PARAMS
     for name in body:
         if name not in allowed:
+            if not name:
+                raise InvalidRequestError("body", 'a parameter named "" is not supported by pdserve')
             raise InvalidRequestError(name, "is not supported by pdserve")
     _check_counts(body, limits, model_config)
     model = _typed(body, "model", str)
@@ -226,6 +231,8 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
         value = _number(bias, key, prefix="logit_bias.")
         if value is None:
             raise InvalidRequestError(f"logit_bias.{key}", "must be a finite number, got null")
+        if int(key) in out:  # "70" and "070": one token, which the shared check cannot see twice in a map
+            raise InvalidRequestError("logit_bias", f"names token id {int(key)} more than once (key {key!r})")
         out[int(key)] = value
     return out
 
@@ -333,7 +340,8 @@ def _include_usage(body: dict[str, Any], stream: bool) -> bool:
 def _typed(body: dict[str, Any], name: str, kind: type, prefix: str = "") -> Any:
     value = body.get(name)
     if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
-        raise InvalidRequestError(prefix + name, f"must be a {_JSON_TYPE[kind]}, got {_json_type(value)}")
+        article = "an" if _JSON_TYPE[kind][0] in "aeiou" else "a"
+        raise InvalidRequestError(prefix + name, f"must be {article} {_JSON_TYPE[kind]}, got {_json_type(value)}")
     return _text(value, prefix + name) if isinstance(value, str) else value
 
 
