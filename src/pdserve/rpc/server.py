@@ -41,9 +41,18 @@ _KEEPALIVE = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# A request's metadata (headers) past this is refused by gRPC itself, RESOURCE_EXHAUSTED. By default gRPC refuses
+# at random between a soft (8 KiB) and a hard (16 KiB) limit, so the same request passed or failed by chance; one
+# limit makes the answer the same every time.
+MAX_METADATA_BYTES = 16 * 1024
+_METADATA_SIZE = [
+    ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+    ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
+]
 CHANNEL_OPTIONS = [*_MESSAGE_SIZES, *_KEEPALIVE]
 SERVER_OPTIONS = [
     *_MESSAGE_SIZES,
+    *_METADATA_SIZE,
     *_KEEPALIVE,
     ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
     # gRPC sets SO_REUSEPORT by default: a second server on a taken fixed port would bind it too and silently
