@@ -12,6 +12,7 @@ from pdserve.config import RouterConfig
 from pdserve.protocol.perf_profile import QueuedPrefill
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
+from services.router.best_speed import BestSpeeds
 from services.router.calibration import TTFTCalibration
 from services.router.kv_claims import KVClaims
 from services.router.load_tracker import LoadTracker
@@ -23,6 +24,7 @@ class Predictor:
         self.tracker = tracker
         self.calibration = calibration or TTFTCalibration()
         self.claims = KVClaims()
+        self.best = BestSpeeds()
 
     def speed(self, w: WorkerState) -> float:
         """Profiled seconds -> predicted seconds on `w`: its live speed and the router's own correction."""
@@ -74,17 +76,19 @@ class Predictor:
         """One decode step of this request alone on `w`."""
         return w.profile.decode_step_s(1) * w.speed_factor if w.profile else 0.0
 
-    # What `w` offers at best: its profile as measured idle, or faster where the live corrections say so. They
+    # What `w` offers at best: its profile at the best speed the live corrections have shown (best_speed.py). They
     # also rise with contention, which passes; what admission calls impossible must be so at this speed.
 
     def offer_ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
         """`own_ttft_s` at `w`'s best speed."""
-        own = w.profile.prefill_s(max(prompt_tokens - cached_tokens, 1)) * min(self.speed(w), 1.0) if w.profile else 0.0
-        return own + self.transfer_s(w, prompt_tokens)
+        if not w.profile:
+            return self.transfer_s(w, prompt_tokens)
+        best = self.best.best(w.worker_id, "ttft", self.speed(w))
+        return w.profile.prefill_s(max(prompt_tokens - cached_tokens, 1)) * best + self.transfer_s(w, prompt_tokens)
 
     def offer_tpot_s(self, w: WorkerState) -> float:
         """`idle_tpot_s` at `w`'s best speed."""
-        return w.profile.decode_step_s(1) * min(w.speed_factor, 1.0) if w.profile else 0.0
+        return w.profile.decode_step_s(1) * self.best.best(w.worker_id, "tpot", w.speed_factor) if w.profile else 0.0
 
     def tpot_s(self, w: WorkerState) -> float:
         """The step time once this request joins the batch."""

@@ -135,7 +135,8 @@ async def start_router(
     if http is not None:
         await http.start()
     admitted.start()
-    gone_workers = GoneWorkers(registry, [tracker, policy.predictor.calibration, lifecycle.recent])
+    predictor = policy.predictor
+    gone_workers = GoneWorkers(registry, [tracker, predictor.calibration, predictor.best, lifecycle.recent])
     gone_workers.start()
     await server.set_serving(True)
     return RouterServer(server, http, quotas, admitted, gone_workers, lifecycle.relay.channels), lifecycle

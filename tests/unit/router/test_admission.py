@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import replace
 
@@ -11,7 +12,7 @@ from pdserve.config import RouterConfig
 from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.protocol.roles import Role
-from services.router import kv_claims
+from services.router import best_speed, kv_claims
 from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS, SLOTarget
 from services.router.kv_claims import CLAIM_MIN_S
 from services.router.load_tracker import LoadTracker
@@ -271,6 +272,26 @@ def test_an_slo_the_idle_profile_meets_is_never_invalid_while_workers_are_slowed
     shed(draining, prompt(500), "TTFT", slo_s=slo)
     with pytest.raises(InvalidRequestError, match="slo.ttft_ms"):  # below the profile: no retry can help
         draining.admit(prompt(500), slo_s=(0.3, 1.0))
+
+
+def test_once_a_worker_was_watched_its_best_speed_is_the_offer_and_an_slo_the_offer_meets_is_admitted(monkeypatch):
+    """A worker that never ran at its profile's speed (its steps' own overhead, which the profile leaves out):
+    after WINDOW_S of corrections, an SLO between the profile and the best speed seen is INVALID_ARGUMENT naming
+    what the cluster can offer, and that value is admitted on the idle cluster, not shed for ever."""
+    now = [1000.0]
+    monkeypatch.setattr(best_speed.time, "monotonic", lambda: now[0])
+    slow = Router([worker("p0", speed_factor=2.0), worker("d0", "decode", speed_factor=2.0)])
+    shed(slow, prompt(500), "TTFT", slo_s=(0.6, 1.0))  # ~510 ms on the profile, ~1 s at this speed: may pass
+    now[0] += best_speed.WINDOW_S
+    with pytest.raises(InvalidRequestError, match="slo.ttft_ms") as ttft:
+        slow.admit(prompt(500), slo_s=(0.6, 1.0))
+    offered_ms = int(re.search(r"can offer is (\d+) ms", str(ttft.value)).group(1))
+    assert 0.95 < offered_ms / 1020 < 1.05, str(ttft.value)
+    slow.admit(prompt(500), slo_s=(offered_ms / 1e3, 1.0))  # the advice taken: admitted, nothing queued
+    with pytest.raises(InvalidRequestError, match="slo.tpot_ms") as tpot:
+        slow.admit(prompt(100), slo_s=(5.0, 0.03))  # 25 ms on the profile, 50 ms at this speed
+    offered_ms = int(re.search(r"can offer is (\d+) ms", str(tpot.value)).group(1))
+    slow.admit(prompt(100), slo_s=(5.0, offered_ms / 1e3))
 
 
 def test_explicit_ttft_slo_uses_the_prefix_cache_in_the_offer():
