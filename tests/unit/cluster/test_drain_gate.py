@@ -5,6 +5,7 @@ UNAVAILABLE only after their cleanup ran (as a client's cancel does)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
 
 pytestmark = pytest.mark.timeout(30)
+first_token: contextvars.ContextVar[int | None] = contextvars.ContextVar("first_token", default=None)
 
 
 class SlowDecode(worker_pb2_grpc.DecodeWorkerServicer):
@@ -30,6 +32,9 @@ class SlowDecode(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             for i in range(request.sampling.max_tokens):
                 await asyncio.sleep(0.05)
+                if i == 0:
+                    first_token.set(i)  # what one step sets, the next sees (a log line's request id)
+                assert first_token.get() == 0
                 yield pb.GenerateResponse(token_ids=[i])
         finally:
             await asyncio.sleep(0.05)  # a cleanup that takes a moment: the cut's status must wait for it
@@ -91,3 +96,20 @@ async def test_streams_past_the_timeout_are_cut_unavailable_after_their_cleanup(
     assert 0 < len(got) < 400 and got == list(range(len(got)))  # what was sent before the cut, in order
     assert (report.held, report.finished, report.moved, report.kv_blocks_left) == (2, 1, 1, 0)
     assert gate.in_flight == 0
+
+
+async def test_a_caller_leaving_while_the_gate_cuts_is_a_cancel_and_its_cleanup_runs(served) -> None:
+    """The cut cancels a stream's task; a caller's cancel of the same task stays a cancel (not turned into the
+    cut's UNAVAILABLE), and either way the stream's cleanup runs and it leaves the gate."""
+    gate, servicer, address = served
+    held = asyncio.create_task(tokens(address, "leaves", 400))
+    await asyncio.sleep(0.2)
+    held.cancel()  # the caller's channel closes: its stream's task is cancelled
+    gate.cut()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    for _ in range(100):
+        if "leaves" in servicer.cleaned and gate.in_flight == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert "leaves" in servicer.cleaned and servicer.blocks_held == 0 and gate.in_flight == 0
