@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.model_config import ModelConfig
-from pdserve.protocol.sampling import SamplingParams
+from pdserve.protocol.sampling import SamplingParams, shown
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # A request's prompt logprobs travel in one message (the first with a token, as the public API has it), which gRPC
@@ -128,7 +128,7 @@ def kv_tokens(prompt_tokens: int, max_tokens: int) -> int:
 
 def check_slo_ms(field: str, value: float) -> None:
     if not math.isfinite(value) or value < 0:
-        raise InvalidRequestError(field, f"must be a finite number >= 0 (0 = server default), got {value}")
+        raise InvalidRequestError(field, f"must be a finite number >= 0 (0 = server default), got {shown(value)}")
 
 
 def check_request(

@@ -16,6 +16,14 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 
 
+def shown(value: float) -> str:
+    """A number as a refusal names it: an infinity from the wire is often a caller's finite number past what the
+    float32 field holds (3.4e38), which the caller should read in the message, not just "inf"."""
+    if math.isinf(value):
+        return f"{value} (a float32 field holds at most 3.4e38; anything larger arrives as infinite)"
+    return str(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 means greedy; top_k 0 means off.
@@ -46,19 +54,22 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise InvalidRequestError("sampling.max_tokens", f"must be at least 1, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError("sampling.temperature", f"must be a finite number >= 0, got {self.temperature}")
+            raise InvalidRequestError(
+                "sampling.temperature", f"must be a finite number >= 0, got {shown(self.temperature)}"
+            )
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError("sampling.top_p", f"must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError("sampling.top_p", f"must be in (0, 1], got {shown(self.top_p)}")
         if self.top_k < 0:
             raise InvalidRequestError("sampling.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:  # also refuses nan
                 bounds = f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
-                raise InvalidRequestError(f"sampling.{name}", f"must be in {bounds}, got {value}")
+                raise InvalidRequestError(f"sampling.{name}", f"must be in {bounds}, got {shown(value)}")
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise InvalidRequestError(
-                "sampling.repetition_penalty", f"must be a finite number > 0 (1 = off), got {self.repetition_penalty}"
+                "sampling.repetition_penalty",
+                f"must be a finite number > 0 (1 = off), got {shown(self.repetition_penalty)}",
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -67,7 +78,8 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # also refuses nan
                 raise InvalidRequestError(
-                    f"sampling.logit_bias[{token}]", f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}"
+                    f"sampling.logit_bias[{token}]",
+                    f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {shown(bias)}",
                 )
         if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
             raise InvalidRequestError("sampling.logit_bias", "names a token id more than once")
