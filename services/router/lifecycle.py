@@ -259,7 +259,8 @@ class RequestLifecycle:
             told = for_the_caller(e, ticket.placement)
             if told is e:
                 raise
-            log.warning("request failed: %s", e, extra={"key": ticket.key})
+            level = logging.WARNING if outcome_of(e) == "failed" else logging.INFO  # a caller's deadline: its own
+            log.log(level, "request failed: %s", e, extra={"key": ticket.key})
             raise told from None
         finally:
             ticket.release()
