@@ -49,7 +49,8 @@ class GenerationServicer:
         add; the last message has a finish_reason and usage. Errors are gRPC status codes:
         INVALID_ARGUMENT (bad input; the message names the field), RESOURCE_EXHAUSTED (shed by admission,
         with a grpc-retry-pushback-ms trailer), UNAVAILABLE (draining or no workers), DEADLINE_EXCEEDED,
-        CANCELLED.
+        CANCELLED, UNAUTHENTICATED and PERMISSION_DENIED (API keys), INTERNAL (a bug: the message names an
+        error id in the server's log).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
