@@ -122,7 +122,8 @@ def test_gcs_fault_tolerance_keeps_the_gcs_tables_in_a_redis_named_for_it() -> N
     shared = options(["external-redis-tls-monitoring.yaml"], on)["redisPassword"]["valueFrom"]["secretKeyRef"]
     assert shared == {"name": "pdserve-redis-auth", "key": "password"}
     assert "redisAddress" in render_error(sets={**on, "ray.gcsFaultTolerance.redisAddress": f"{address}/0"})
-    for bundled in ("pd-pdserve-redis:6379", "pd-pdserve-redis.default.svc.cluster.local:6379"):
+    bundled_names = ("pd-pdserve-redis.default.svc.cluster.local:6379", "PD-PDSERVE-REDIS:6379")
+    for bundled in (*bundled_names, "rediss://pd-pdserve-redis-0.pd-pdserve-redis-headless:6379"):
         refused = render_error(sets={**on, "ray.gcsFaultTolerance.redisAddress": bundled})
         assert "is the bundled Redis, which keeps nothing" in refused, refused
 

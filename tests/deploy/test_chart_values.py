@@ -96,6 +96,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"router.config.max_inflight": "10"}, "max_inflight"),  # a typo: the router would not start
     ({"router.config.request_limits.max_stop": "0"}, "max_stop"),  # the router refuses it at start
     ({"router.config.default_max_tokens": "0"}, "default_max_tokens"),
+    ({"router.config.stall_timeout_s": "1"}, "stall_timeout_s"),  # under 2 s the router refuses it at start
     ({"prefill.gpus": "2"}, "prefill/gpus"),  # one worker per pod: the second GPU would idle
     ({"model.name": ""}, "model/name"),
     ({"redis.enabled": "false"}, "redis/url"),

@@ -113,9 +113,9 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{/* Where the GCS keeps its tables (ray.gcsFaultTolerance): a Redis that outlives its pod, never the bundled one. */}}
 {{- define "pdserve.gcsRedisAddress" -}}
 {{- $address := required "ray.gcsFaultTolerance.redisAddress is required: a Redis that keeps its data across its restarts (host:port or rediss://host:port). The GCS stops when its Redis comes back empty, so the bundled Redis, which keeps nothing, would turn each of its restarts into a head restart that replaces every worker" .Values.ray.gcsFaultTolerance.redisAddress -}}
-{{- $host := $address | trimPrefix "rediss://" | trimPrefix "redis://" | splitList ":" | first -}}
+{{- $host := $address | lower | trimPrefix "rediss://" | trimPrefix "redis://" | splitList ":" | first | splitList "." | first -}}
 {{- $bundled := include "pdserve.redisName" . -}}
-{{- if and .Values.redis.enabled (or (eq $host $bundled) (hasPrefix (printf "%s." $bundled) $host) (hasPrefix (printf "%s-0." $bundled) $host)) -}}
+{{- if and .Values.redis.enabled (has $host (list $bundled (printf "%s-0" $bundled) (printf "%s-headless" $bundled))) -}}
 {{- fail (printf "ray.gcsFaultTolerance.redisAddress %s is the bundled Redis, which keeps nothing: the GCS stops when its Redis comes back empty, so each of its restarts would restart the head and replace every worker. Name a Redis that keeps its data" $address) -}}
 {{- end -}}
 {{- $address -}}
