@@ -72,7 +72,7 @@ class Admission:
                 _retry_ms(placement.predicted_tpot_s * 32),
             )
         self._check_tpot(placement, slo)
-        self.predictor.claims.admitted(placement.decode.worker_id, placement.blocks_needed)
+        self.predictor.claims.admitted(placement.blocks_needed)
 
     def _check_kv_room(self, placement: Placement) -> None:
         """Refused for room, a request claims its blocks on the worker (kv_claims.py), unless an earlier one has."""
@@ -81,7 +81,8 @@ class Admission:
         if free - self.predictor.claims.held_from(decode.worker_id, blocks) >= blocks:
             return
         retry_ms = _retry_ms(placement.predicted_tpot_s * 32)
-        self.predictor.claims.claim(decode.worker_id, blocks, retry_ms / 1e3)
+        if decode.kv_blocks_total >= blocks:  # else a claim there would only shut smaller requests out
+            self.predictor.claims.claim(decode.worker_id, blocks, retry_ms / 1e3)
         if free >= blocks:
             raise OverloadedError(
                 f"no decode worker has {blocks} free KV blocks now that an earlier, larger request did not get",

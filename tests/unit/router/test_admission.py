@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from dataclasses import replace
@@ -272,6 +273,45 @@ def test_an_slo_the_idle_profile_meets_is_never_invalid_while_workers_are_slowed
     shed(draining, prompt(500), "TTFT", slo_s=slo)
     with pytest.raises(InvalidRequestError, match="slo.ttft_ms"):  # below the profile: no retry can help
         draining.admit(prompt(500), slo_s=(0.3, 1.0))
+
+
+def test_no_claim_is_made_where_the_claimant_could_never_fit_nor_kept_once_it_was_served_elsewhere():
+    """A worker too small for the large request (it fits only on one draining for a rolling update) gets no claim
+    that would shut small requests out for nothing; nor does one the claimant's retry was no longer placed on
+    once it was served on another."""
+    small_only = worker("d0", "decode", kv_blocks_total=40, kv_blocks_free=40)
+    r = Router([worker("p0"), small_only, worker("d1", "decode", draining=True)])
+    large, small = prompt(800), prompt(16)
+    shed(r, large, "51 free KV blocks now$", slo_s=(5.0, 1.0))
+    assert r.admit(small, slo_s=(5.0, 1.0)).decode.worker_id == "d0"
+    d0, d1 = worker("d0", "decode", kv_blocks_free=40), worker("d1", "decode", kv_blocks_free=30)
+    r = Router([worker("p0"), d0, d1])
+    shed(r, large, "51 free KV blocks now$", slo_s=(5.0, 1.0))  # claims d0, the most free blocks
+    r.registry.publish(replace_free(d1, 60))
+    assert r.admit(large, slo_s=(5.0, 1.0)).decode.worker_id == "d1"
+    r.registry.publish(replace_free(d1, 1))
+    assert r.admit(small, slo_s=(5.0, 1.0)).decode.worker_id == "d0"
+
+
+def test_a_claimant_placed_round_robin_holds_one_claim_and_retries_and_moves_never_wait_on_it():
+    decodes = [worker(f"d{i}", "decode", kv_blocks_free=40) for i in range(3)]
+    r = Router([worker("p0"), *decodes], policy="round-robin")
+    large, small = prompt(800), prompt(16)
+    for _ in range(3):  # placed on d0, d1, d2 in turn
+        shed(r, large, "51 free KV blocks now$", slo_s=(5.0, 1.0))
+    assert [r.predictor.claims.held_from(w.worker_id, 2) for w in decodes] == [51, 0, 0]
+    r = Router([worker("p0"), worker("d0", "decode", kv_blocks_free=42), worker("d1", "decode", kv_blocks_free=40)])
+    shed(r, large, "51 free KV blocks now$", slo_s=(5.0, 1.0))  # claims d0: the most free blocks
+    retry = asyncio.run(r.placement.place(small, 16, 1.0, must_hold=True))  # a retry's or a moving stream's
+    assert (retry.decode.worker_id, r.place(small, 16, 1.0).decode.worker_id) == ("d0", "d1")
+
+
+def test_a_colocated_worker_is_claimed_as_a_decode_worker_is():
+    c0, c1 = worker("c0", "colocated", kv_blocks_free=40), worker("c1", "colocated", kv_blocks_free=3)
+    r = Router([c0, c1])
+    large, small = prompt(800), prompt(16)
+    shed(r, large, "51 free KV blocks now$", slo_s=(5.0, 1.0))
+    assert r.admit(small, slo_s=(5.0, 1.0)).decode.worker_id == "c1"
 
 
 def test_once_a_worker_was_watched_its_best_speed_is_the_offer_and_an_slo_the_offer_meets_is_admitted(monkeypatch):

@@ -1,4 +1,5 @@
-"""KV claims keep the first refused request's place: a later one, larger or smaller, neither replaces nor renews it."""
+"""KV claims keep the first refused request's place: a later one, larger or smaller, neither replaces nor renews it;
+a claimant holds one claim however its retries are placed, and its admission anywhere ends it."""
 
 from __future__ import annotations
 
@@ -36,7 +37,20 @@ def test_a_claim_lasts_a_few_retry_hints_and_ends_with_the_claimants_admission_n
     claims.claim("d0", 50, retry_after_s=2.0)
     clock[0] += 2.0 * kv_claims.CLAIM_RETRY_HINTS - 0.1
     assert claims.held_from("d0", 10) == 50 and claims.held_from("d1", 10) == 0
-    claims.admitted("d0", 10)
+    claims.admitted(10)
     assert claims.held_from("d0", 10) == 50
-    claims.admitted("d0", 50)
+    claims.admitted(50)  # on whichever worker
     assert claims.held_from("d0", 10) == 0
+
+
+def test_a_claimants_refusals_elsewhere_renew_its_one_claim_and_add_none(clock):
+    claims = KVClaims()
+    claims.claim("d0", 50, retry_after_s=0.1)
+    clock[0] += CLAIM_MIN_S * 0.9
+    claims.claim("d1", 50, retry_after_s=0.1)  # its retry, placed on d1 and refused there
+    claims.claim("d2", 50, retry_after_s=0.1)
+    assert [claims.held_from(w, 10) for w in ("d0", "d1", "d2")] == [50, 0, 0]
+    clock[0] += CLAIM_MIN_S * 0.9
+    assert claims.held_from("d0", 10) == 50  # renewed by the refusals on d1 and d2
+    claims.claim("d1", 30, retry_after_s=0.1)  # another request's: a claim of its own, where none is
+    assert claims.held_from("d1", 10) == 30
