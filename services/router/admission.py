@@ -64,7 +64,7 @@ class Admission:
             raise OverloadedError(f"router has {self.in_flight} requests in flight (limit {self.config.max_in_flight})")
         self._check_queue_bound(placement, prompt_tokens - placement.cached_tokens, priority)
         self._check_ttft(placement, slo)
-        self._check_kv_room(placement)
+        self._check_kv_room(placement, slo)
         # A stream waiting to move (its decode worker lost) has the next free place (lifecycle.py).
         if not self.predictor.has_batch_room(placement.decode, spare=self.predictor.tracker.moving):
             raise OverloadedError(
@@ -74,15 +74,16 @@ class Admission:
         self._check_tpot(placement, slo)
         self.predictor.claims.admitted(placement.blocks_needed)
 
-    def _check_kv_room(self, placement: Placement) -> None:
-        """Refused for room, a request claims its blocks on the worker (kv_claims.py), unless an earlier one has."""
+    def _check_kv_room(self, placement: Placement, slo: SLOTarget) -> None:
+        """Refused for room past its TTFT SLO, a request claims its blocks on the worker (kv_claims.py), unless an
+        earlier one has."""
         decode, blocks = placement.decode, placement.blocks_needed
         free = self.predictor.free_blocks(decode)
         if free - self.predictor.claims.held_from(decode.worker_id, blocks) >= blocks:
             return
         retry_ms = _retry_ms(placement.predicted_tpot_s * 32)
         if decode.kv_blocks_total >= blocks:  # else a claim there would only shut smaller requests out
-            self.predictor.claims.claim(decode.worker_id, blocks, retry_ms / 1e3)
+            self.predictor.claims.claim(decode.worker_id, blocks, retry_ms / 1e3, slo.ttft_s)
         if free >= blocks:
             raise OverloadedError(
                 f"no decode worker has {blocks} free KV blocks now that an earlier, larger request did not get",

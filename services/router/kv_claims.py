@@ -1,16 +1,19 @@
-"""First come, first served for a decode worker's KV room, as an engine's waiting queue would give it.
+"""A bound on how long a large request waits for a decode worker's KV room, as an engine's waiting queue would give.
 
 Admission sheds a request that no decode worker has the free blocks for, with a retry hint. Without a claim, the
-blocks that free up meanwhile go to whichever smaller request comes next, so a large request (a long prompt, a
-large max_tokens) can be refused for as long as small ones keep coming. A refused request therefore claims its
-blocks on the worker it was placed on, if that worker could ever hold it: until the claim lapses, a smaller new
-request is placed there only on the blocks beyond the claim, so the free blocks add up to what the claimant
-needs. A worker holds one claim, the earliest. A refusal of a request as large as a live claim (the claimant's own
-retry: the same prompt and max_tokens, the same number of blocks) renews that claim wherever it is, so one
-claimant holds one claim however its retries are placed; a request at least as large admitted anywhere ends it.
-A claim the claimant does not come back for lapses after a few of its retry hints. Streams moving to another
-decode worker are mid-answer and never wait on a claim. Claims are this router's own: another router's requests
-do not see them.
+blocks that free up meanwhile go to whichever smaller request comes next, so a large request (a long prompt, a large
+max_tokens) can be refused for as long as small ones keep coming. A request refused for longer than its TTFT SLO
+therefore claims its blocks on the worker it was placed on, if that worker could ever hold it: until the claim
+lapses, a smaller new request is placed there only on the blocks beyond the claim, so the free blocks add up to what
+the claimant needs. Not at its first refusal: a claim holds blocks back from every smaller request (under a
+sustained overload with one request in eight large, claims at the first refusal cut the large ones' longest wait
+from 146 to 15 s but raised the small ones' median from 0.3 to 2.7 s), so it is kept for a request that has already
+missed its first-token SLO, which only a claim can bound. A worker holds one claim, the earliest. Requests are known
+by their size: a refusal of a request as large as a live claim (the claimant's own retry: the same prompt and
+max_tokens, the same number of blocks) renews that claim wherever it is, so one claimant holds one claim however its
+retries are placed; a request at least as large admitted anywhere ends it. A claim the claimant does not come back
+for lapses after a few of its retry hints. Streams moving to another decode worker are mid-answer and never wait on
+a claim. Claims are this router's own: another router's requests do not see them.
 """
 
 from __future__ import annotations
@@ -28,22 +31,37 @@ class Claim:
     until: float  # time.monotonic()
 
 
+@dataclass
+class Refused:
+    """A request of one size refused for room and retrying, not yet refused for long enough to claim."""
+
+    since: float
+    until: float
+
+
 class KVClaims:
     def __init__(self) -> None:
         self._claims: dict[str, Claim] = {}  # decode worker id -> the oldest live claim on it
+        self._refused: dict[int, Refused] = {}  # blocks -> the first refusal of a request that size
 
-    def claim(self, worker_id: str, blocks: int, retry_after_s: float) -> None:
-        """A request needing `blocks` was refused for room on the worker (one whose whole KV holds it): it claims
-        them there, unless an earlier request holds the worker's claim; a live claim of its size is renewed
-        instead, wherever it is."""
+    def claim(self, worker_id: str, blocks: int, retry_after_s: float, after_s: float) -> None:
+        """A request needing `blocks` was refused for room on the worker (one whose whole KV holds it). A live claim
+        of its size is renewed, wherever it is; else, once requests of its size have been refused for `after_s`
+        (its TTFT SLO), it claims them there, unless an earlier request holds the worker's claim."""
         now = time.monotonic()
         self._claims = {w: c for w, c in self._claims.items() if c.until > now}  # a gone worker's lapse too
+        self._refused = {b: r for b, r in self._refused.items() if r.until > now}
         until = now + max(CLAIM_MIN_S, CLAIM_RETRY_HINTS * retry_after_s)
         renewed = [held for held in self._claims.values() if held.blocks == blocks]
         for held in renewed:
             held.until = until
-        if not renewed and worker_id not in self._claims:
+        if renewed:
+            return
+        refused = self._refused.setdefault(blocks, Refused(now, until))
+        refused.until = until
+        if now - refused.since >= after_s and worker_id not in self._claims:
             self._claims[worker_id] = Claim(blocks, until)
+            del self._refused[blocks]
 
     def held_from(self, worker_id: str, blocks: int) -> int:
         """The worker's free blocks a new request needing `blocks` must leave to a claim: all the claim's, unless it
@@ -53,9 +71,10 @@ class KVClaims:
 
     def admitted(self, blocks: int) -> None:
         """A request needing `blocks` was admitted, on whichever worker: it ends every claim it is as large as
-        (its own, placed elsewhere by an earlier retry, among them)."""
+        (its own, placed elsewhere by an earlier retry, among them), and the wait of requests its size."""
         if self._claims:
             self._claims = {w: c for w, c in self._claims.items() if c.blocks > blocks}
+        self._refused.pop(blocks, None)
 
     def _live(self, worker_id: str) -> Claim | None:
         held = self._claims.get(worker_id)

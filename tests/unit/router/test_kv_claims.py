@@ -18,23 +18,23 @@ def clock(monkeypatch):
 
 def test_the_first_claim_holds_against_later_refusals_and_only_its_own_retry_renews_it(clock):
     claims = KVClaims()
-    claims.claim("d0", 50, retry_after_s=0.1)
-    claims.claim("d0", 80, retry_after_s=0.1)  # larger, but later
+    claims.claim("d0", 50, retry_after_s=0.1, after_s=0.0)
+    claims.claim("d0", 80, retry_after_s=0.1, after_s=0.0)  # larger, but later
     assert claims.held_from("d0", 40) == 50 and claims.held_from("d0", 50) == claims.held_from("d0", 80) == 0
     clock[0] += CLAIM_MIN_S * 0.9
-    claims.claim("d0", 80, retry_after_s=0.1)  # does not renew it
+    claims.claim("d0", 80, retry_after_s=0.1, after_s=0.0)  # does not renew it
     clock[0] += CLAIM_MIN_S * 0.2
     assert claims.held_from("d0", 10) == 0  # lapsed
-    claims.claim("d0", 80, retry_after_s=0.1)  # now the first
+    claims.claim("d0", 80, retry_after_s=0.1, after_s=0.0)  # now the first
     clock[0] += CLAIM_MIN_S * 0.9
-    claims.claim("d0", 80, retry_after_s=0.1)  # its retry
+    claims.claim("d0", 80, retry_after_s=0.1, after_s=0.0)  # its retry
     clock[0] += CLAIM_MIN_S * 0.9
     assert claims.held_from("d0", 10) == 80
 
 
 def test_a_claim_lasts_a_few_retry_hints_and_ends_with_the_claimants_admission_not_a_smaller_ones(clock):
     claims = KVClaims()
-    claims.claim("d0", 50, retry_after_s=2.0)
+    claims.claim("d0", 50, retry_after_s=2.0, after_s=0.0)
     clock[0] += 2.0 * kv_claims.CLAIM_RETRY_HINTS - 0.1
     assert claims.held_from("d0", 10) == 50 and claims.held_from("d1", 10) == 0
     claims.admitted(10)
@@ -45,12 +45,32 @@ def test_a_claim_lasts_a_few_retry_hints_and_ends_with_the_claimants_admission_n
 
 def test_a_claimants_refusals_elsewhere_renew_its_one_claim_and_add_none(clock):
     claims = KVClaims()
-    claims.claim("d0", 50, retry_after_s=0.1)
+    claims.claim("d0", 50, retry_after_s=0.1, after_s=0.0)
     clock[0] += CLAIM_MIN_S * 0.9
-    claims.claim("d1", 50, retry_after_s=0.1)  # its retry, placed on d1 and refused there
-    claims.claim("d2", 50, retry_after_s=0.1)
+    claims.claim("d1", 50, retry_after_s=0.1, after_s=0.0)  # its retry, placed on d1 and refused there
+    claims.claim("d2", 50, retry_after_s=0.1, after_s=0.0)
     assert [claims.held_from(w, 10) for w in ("d0", "d1", "d2")] == [50, 0, 0]
     clock[0] += CLAIM_MIN_S * 0.9
     assert claims.held_from("d0", 10) == 50  # renewed by the refusals on d1 and d2
-    claims.claim("d1", 30, retry_after_s=0.1)  # another request's: a claim of its own, where none is
+    claims.claim("d1", 30, retry_after_s=0.1, after_s=0.0)  # another request's: a claim of its own, where none is
     assert claims.held_from("d1", 10) == 30
+
+
+def test_a_request_claims_only_once_requests_its_size_were_refused_past_its_ttft_slo(clock):
+    """A claim holds blocks back from every smaller request, so a request that may still get in within its SLO
+    makes none; one refused past it does, and an admission of its size in between starts its wait afresh."""
+    claims = KVClaims()
+    for _ in range(4):  # retries 0.6 s apart, within a claim's lapse: 1.8 s in all
+        claims.claim("d0", 50, retry_after_s=0.1, after_s=2.0)
+        assert claims.held_from("d0", 10) == 0
+        clock[0] += 0.6
+    claims.claim("d0", 50, retry_after_s=0.1, after_s=2.0)  # 2.4 s since its first refusal
+    assert claims.held_from("d0", 10) == 50
+    claims.admitted(50)
+    claims.claim("d0", 50, retry_after_s=0.1, after_s=2.0)
+    assert claims.held_from("d0", 10) == 0
+    clock[0] += CLAIM_MIN_S + 0.1  # it stopped retrying: its wait lapsed with it
+    claims.claim("d0", 50, retry_after_s=0.1, after_s=2.0)
+    clock[0] += 0.5
+    claims.claim("d0", 50, retry_after_s=0.1, after_s=2.0)
+    assert claims.held_from("d0", 10) == 0
