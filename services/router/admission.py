@@ -82,7 +82,7 @@ class Admission:
         if free - self.predictor.claims.held_from(decode.worker_id, blocks) >= blocks:
             return
         retry_ms = _retry_ms(placement.predicted_tpot_s * 32)
-        if decode.kv_blocks_total >= blocks:  # else a claim there would only shut smaller requests out
+        if self.config.kv_claims and decode.kv_blocks_total >= blocks:  # else one would shut smaller ones out
             self.predictor.claims.claim(decode.worker_id, blocks, retry_ms / 1e3, slo.ttft_s)
         if free >= blocks:
             raise OverloadedError(

@@ -149,6 +149,15 @@ def test_a_request_refused_for_kv_room_claims_the_blocks_that_free_up_before_sma
     assert r.admit(small, slo_s=(5.0, 1.0)).decode.worker_id == "d0"  # the claim ended with its admission
 
 
+def test_with_kv_claims_off_a_starved_request_claims_nothing(clock, tmp_path):
+    """An operator who prefers small requests' latency to a bound on large ones' wait ([router] kv_claims = false)."""
+    r = Router([worker("p0"), worker("d0", "decode", kv_blocks_free=40)], kv_claims=False)
+    starved(r, prompt(800), clock)
+    assert r.admit(prompt(16), slo_s=(5.0, 1.0)).decode.worker_id == "d0"
+    (path := tmp_path / "router.toml").write_text("[router]\nkv_claims = false\n")
+    assert RouterConfig.from_file(str(path)).kv_claims is False
+
+
 def test_placement_takes_a_small_request_where_no_claim_holds_the_room_and_a_claim_lapses(clock):
     d0, d1 = worker("d0", "decode", kv_blocks_free=40), worker("d1", "decode", kv_blocks_free=3)
     r = Router([worker("p0"), d0, d1])
