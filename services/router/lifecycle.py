@@ -39,7 +39,7 @@ from services.router.admission import Admission, SLOTarget
 from services.router.caller_errors import for_the_caller
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
-from services.router.outcome import outcome_of
+from services.router.outcome import log_level, outcome_of
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request
@@ -259,8 +259,7 @@ class RequestLifecycle:
             told = for_the_caller(e, ticket.placement)
             if told is e:
                 raise
-            level = logging.WARNING if outcome_of(e) == "failed" else logging.INFO  # a caller's deadline: its own
-            log.log(level, "request failed: %s", e, extra={"key": ticket.key})
+            log.log(log_level(e), "request failed: %s", e, extra={"key": ticket.key})
             raise told from None
         finally:
             ticket.release()

@@ -8,6 +8,7 @@ caller's own; `cancelled`: by the caller, or its deadline passed; `failed`: anyt
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from pdserve.errors import (
     InvalidRequestError,
@@ -31,3 +32,9 @@ def outcome_of(error: BaseException) -> str:
     if isinstance(error, asyncio.CancelledError | GeneratorExit | TimeoutError):
         return "cancelled"
     return "failed"
+
+
+def log_level(error: BaseException) -> int:
+    """A request's failure is a WARNING (an SRE is paged on them) only when it is the cluster's: ended by its
+    caller's own deadline or input, it is INFO."""
+    return logging.WARNING if outcome_of(error) == "failed" else logging.INFO

@@ -125,9 +125,7 @@ class RouterConfig:
     policy: str = "slo"  # "slo" (predicted TTFT/TPOT, prefix-aware) or "round-robin"
     transfer_gbps: float = 1.0  # KV transfer speed assumed in TTFT predictions
     slo_headroom: float = 0.8  # share of (SLO - own cost) that the predicted queueing may fill
-    # A request refused for KV room past its TTFT SLO claims the blocks (services/router/kv_claims.py): no wait
-    # without bound for a large request, at the cost of small ones' latency under overload. false: none.
-    kv_claims: bool = True
+    kv_claims: bool = True  # refused for KV room past its TTFT SLO, a request claims the blocks (kv_claims.py)
     heartbeat_s: float = 0.5
     registry_max_view_age_s: float = 15.0  # Redis unreachable this long: drop the workers it cannot confirm
     prefix_match_budget_s: float = 0.03  # a prefix index slower than this: place as if no prefix were cached

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import re
 import time
 from dataclasses import replace
 
@@ -13,13 +11,11 @@ from pdserve.config import RouterConfig
 from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.protocol.roles import Role
-from services.router import best_speed, kv_claims
 from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS, SLOTarget
-from services.router.kv_claims import CLAIM_MIN_S
 from services.router.load_tracker import LoadTracker
 from services.router.predictor import Predictor
 from tests.unit.round_profile import PROFILE
-from tests.unit.router.router_builder import BS, Router, prompt, replace_free, shed, worker
+from tests.unit.router.router_builder import BS, Router, prompt, shed, worker
 
 
 def test_admission_admits_when_every_prediction_fits():
@@ -114,58 +110,6 @@ def test_admission_sheds_when_no_decode_worker_has_the_blocks():
 
     shed(cluster(), prompt(100), "free KV blocks", slo_s=(5.0, 1.0))  # 8 blocks needed, 4096 in total
     cluster().admit(prompt(100), max_tokens=12, slo_s=(5.0, 1.0))  # 7 blocks fit
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    """kv_claims' clock, moved by hand."""
-    now = [1000.0]
-    monkeypatch.setattr(kv_claims.time, "monotonic", lambda: now[0])
-    return now
-
-
-def starved(r: Router, tokens: list[int], clock: list[float]) -> None:
-    """Refused for room, retried every 0.9 s past its 5 s TTFT SLO: it claims its blocks at the last refusal."""
-    for _ in range(7):
-        shed(r, tokens, "51 free KV blocks now$", slo_s=(5.0, 1.0))
-        clock[0] += 0.9
-    clock[0] -= 0.9
-
-
-def test_a_request_refused_for_kv_room_claims_the_blocks_that_free_up_before_smaller_ones_take_them(clock):
-    """The small requests that keep coming would otherwise take every block a large one waits for: refused past its
-    TTFT SLO, it claims them. Until then they get in; once the large one's retry gets its blocks, the claim ends."""
-    d0 = worker("d0", "decode", kv_blocks_free=40)
-    r = Router([worker("p0"), d0])
-    large, small = prompt(800), prompt(16)  # 51 blocks with 16 new tokens, 2 blocks
-    shed(r, large, "51 free KV blocks now$", slo_s=(5.0, 1.0))
-    assert r.admit(small, slo_s=(5.0, 1.0)).decode.worker_id == "d0"  # it may still get in within its SLO
-    starved(r, large, clock)
-    shed(r, small, "2 free KV blocks now that an earlier, larger request did not get", slo_s=(5.0, 1.0))
-    shed(r, large, "51 free KV blocks now$", slo_s=(5.0, 1.0))  # its retry renews the claim
-    r.registry.publish(replace_free(d0, 60))  # streams there ended
-    assert r.admit(large, slo_s=(5.0, 1.0)).decode.worker_id == "d0"
-    r.registry.publish(replace_free(d0, 9))  # what the large one left
-    assert r.admit(small, slo_s=(5.0, 1.0)).decode.worker_id == "d0"  # the claim ended with its admission
-
-
-def test_with_kv_claims_off_a_starved_request_claims_nothing(clock, tmp_path):
-    """An operator who prefers small requests' latency to a bound on large ones' wait ([router] kv_claims = false)."""
-    r = Router([worker("p0"), worker("d0", "decode", kv_blocks_free=40)], kv_claims=False)
-    starved(r, prompt(800), clock)
-    assert r.admit(prompt(16), slo_s=(5.0, 1.0)).decode.worker_id == "d0"
-    (path := tmp_path / "router.toml").write_text("[router]\nkv_claims = false\n")
-    assert RouterConfig.from_file(str(path)).kv_claims is False
-
-
-def test_placement_takes_a_small_request_where_no_claim_holds_the_room_and_a_claim_lapses(clock):
-    d0, d1 = worker("d0", "decode", kv_blocks_free=40), worker("d1", "decode", kv_blocks_free=3)
-    r = Router([worker("p0"), d0, d1])
-    large, small = prompt(800), prompt(16)
-    starved(r, large, clock)  # placed on d0: the most free blocks
-    assert r.admit(small, slo_s=(5.0, 1.0)).decode.worker_id == "d1"  # d0's 40 are claimed
-    clock[0] += CLAIM_MIN_S * 100  # far past a few retry hints: the large one did not come back
-    assert r.admit(small, slo_s=(5.0, 1.0)).decode.worker_id == "d0"
 
 
 def test_admission_sheds_when_every_decode_worker_has_a_full_batch():
@@ -299,66 +243,6 @@ def test_an_slo_the_idle_profile_meets_is_never_invalid_while_workers_are_slowed
     shed(draining, prompt(500), "TTFT", slo_s=slo)
     with pytest.raises(InvalidRequestError, match="slo.ttft_ms"):  # below the profile: no retry can help
         draining.admit(prompt(500), slo_s=(0.3, 1.0))
-
-
-def test_no_claim_is_made_where_the_claimant_could_never_fit_nor_kept_once_it_was_served_elsewhere(clock):
-    """A worker too small for the large request (it fits only on one draining for a rolling update) gets no claim
-    that would shut small requests out for nothing; nor does one the claimant's retry was no longer placed on
-    once it was served on another."""
-    small_only = worker("d0", "decode", kv_blocks_total=40, kv_blocks_free=40)
-    r = Router([worker("p0"), small_only, worker("d1", "decode", draining=True)])
-    large, small = prompt(800), prompt(16)
-    starved(r, large, clock)
-    assert r.admit(small, slo_s=(5.0, 1.0)).decode.worker_id == "d0"
-    d0, d1 = worker("d0", "decode", kv_blocks_free=40), worker("d1", "decode", kv_blocks_free=30)
-    r = Router([worker("p0"), d0, d1])
-    starved(r, large, clock)  # claims d0, the most free blocks
-    r.registry.publish(replace_free(d1, 60))
-    assert r.admit(large, slo_s=(5.0, 1.0)).decode.worker_id == "d1"
-    r.registry.publish(replace_free(d1, 1))
-    assert r.admit(small, slo_s=(5.0, 1.0)).decode.worker_id == "d0"
-
-
-def test_a_claimant_placed_round_robin_holds_one_claim_and_retries_and_moves_never_wait_on_it(clock):
-    decodes = [worker(f"d{i}", "decode", kv_blocks_free=40) for i in range(3)]
-    r = Router([worker("p0"), *decodes], policy="round-robin")
-    large, small = prompt(800), prompt(16)
-    starved(r, large, clock)  # placed on d0, d1, d2 in turn: it claims where its SLO passed, d0
-    for _ in range(3):
-        shed(r, large, "51 free KV blocks now$", slo_s=(5.0, 1.0))
-    assert [r.predictor.claims.held_from(w.worker_id, 2) for w in decodes] == [51, 0, 0]
-    r = Router([worker("p0"), worker("d0", "decode", kv_blocks_free=42), worker("d1", "decode", kv_blocks_free=40)])
-    starved(r, large, clock)  # claims d0: the most free blocks
-    retry = asyncio.run(r.placement.place(small, 16, 1.0, must_hold=True))  # a retry's or a moving stream's
-    assert (retry.decode.worker_id, r.place(small, 16, 1.0).decode.worker_id) == ("d0", "d1")
-
-
-def test_a_colocated_worker_is_claimed_as_a_decode_worker_is(clock):
-    c0, c1 = worker("c0", "colocated", kv_blocks_free=40), worker("c1", "colocated", kv_blocks_free=3)
-    r = Router([c0, c1])
-    large, small = prompt(800), prompt(16)
-    starved(r, large, clock)
-    assert r.admit(small, slo_s=(5.0, 1.0)).decode.worker_id == "c1"
-
-
-def test_once_a_worker_was_watched_its_best_speed_is_the_offer_and_an_slo_the_offer_meets_is_admitted(monkeypatch):
-    """A worker that never ran at its profile's speed (its steps' own overhead, which the profile leaves out):
-    after WINDOW_S of corrections, an SLO between the profile and the best speed seen is INVALID_ARGUMENT naming
-    what the cluster can offer, and that value is admitted on the idle cluster, not shed for ever."""
-    now = [1000.0]
-    monkeypatch.setattr(best_speed.time, "monotonic", lambda: now[0])
-    slow = Router([worker("p0", speed_factor=2.0), worker("d0", "decode", speed_factor=2.0)])
-    shed(slow, prompt(500), "TTFT", slo_s=(0.6, 1.0))  # ~510 ms on the profile, ~1 s at this speed: may pass
-    now[0] += best_speed.WINDOW_S
-    with pytest.raises(InvalidRequestError, match="slo.ttft_ms") as ttft:
-        slow.admit(prompt(500), slo_s=(0.6, 1.0))
-    offered_ms = int(re.search(r"can offer is (\d+) ms", str(ttft.value)).group(1))
-    assert 0.95 < offered_ms / 1020 < 1.05, str(ttft.value)
-    slow.admit(prompt(500), slo_s=(offered_ms / 1e3, 1.0))  # the advice taken: admitted, nothing queued
-    with pytest.raises(InvalidRequestError, match="slo.tpot_ms") as tpot:
-        slow.admit(prompt(100), slo_s=(5.0, 0.03))  # 25 ms on the profile, 50 ms at this speed
-    offered_ms = int(re.search(r"can offer is (\d+) ms", str(tpot.value)).group(1))
-    slow.admit(prompt(100), slo_s=(5.0, offered_ms / 1e3))
 
 
 def test_explicit_ttft_slo_uses_the_prefix_cache_in_the_offer():

@@ -3,8 +3,14 @@ best speed they showed over the last WINDOW_S; a gone worker's is forgotten."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
+from pdserve.errors import InvalidRequestError
 from services.router import best_speed
 from services.router.best_speed import WINDOW_S, BestSpeeds
+from tests.unit.router.router_builder import Router, prompt, shed, worker
 
 
 def test_the_profile_stands_until_the_corrections_were_watched_then_the_best_they_showed(monkeypatch):
@@ -32,3 +38,23 @@ def test_the_watch_starts_at_the_first_correction_not_at_the_first_look(monkeypa
     assert speeds.best("p0", "ttft", 1.0) == 1.0
     now[0] += WINDOW_S + 1
     assert speeds.best("p0", "ttft", 2.5) == 1.0
+
+
+def test_once_a_worker_was_watched_its_best_speed_is_the_offer_and_an_slo_the_offer_meets_is_admitted(monkeypatch):
+    """A worker that never ran at its profile's speed (its steps' own overhead, which the profile leaves out):
+    after WINDOW_S of corrections, an SLO between the profile and the best speed seen is INVALID_ARGUMENT naming
+    what the cluster can offer, and that value is admitted on the idle cluster, not shed for ever."""
+    now = [1000.0]
+    monkeypatch.setattr(best_speed.time, "monotonic", lambda: now[0])
+    slow = Router([worker("p0", speed_factor=2.0), worker("d0", "decode", speed_factor=2.0)])
+    shed(slow, prompt(500), "TTFT", slo_s=(0.6, 1.0))  # ~510 ms on the profile, ~1 s at this speed: may pass
+    now[0] += best_speed.WINDOW_S
+    with pytest.raises(InvalidRequestError, match="slo.ttft_ms") as ttft:
+        slow.admit(prompt(500), slo_s=(0.6, 1.0))
+    offered_ms = int(re.search(r"can offer is (\d+) ms", str(ttft.value)).group(1))
+    assert 0.95 < offered_ms / 1020 < 1.05, str(ttft.value)
+    slow.admit(prompt(500), slo_s=(offered_ms / 1e3, 1.0))  # the advice taken: admitted, nothing queued
+    with pytest.raises(InvalidRequestError, match="slo.tpot_ms") as tpot:
+        slow.admit(prompt(100), slo_s=(5.0, 0.03))  # 25 ms on the profile, 50 ms at this speed
+    offered_ms = int(re.search(r"can offer is (\d+) ms", str(tpot.value)).group(1))
+    slow.admit(prompt(100), slo_s=(5.0, offered_ms / 1e3))
