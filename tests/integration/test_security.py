@@ -308,7 +308,9 @@ def test_rays_logs_never_hold_the_cluster_secret(cluster) -> None:
     """Ray's runtime-env agent logs the env it makes for the workers: the secret reaches them otherwise (it is in
     their environment, as it is in every pod's)."""
     ray_dir = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray"
-    (session,) = ray_dir.glob(f"session_*_{cluster.proc.pid}")  # the Ray this cluster's `up` started
+    # The Ray this cluster's `up` started: pids are reused, so an older run's session may end in the same one, and
+    # the name's timestamp (session_YYYY-MM-DD_hh-mm-ss_micros_pid) sorts the newest last.
+    session = max(ray_dir.glob(f"session_*_{cluster.proc.pid}"), key=lambda p: p.name)
     logs = [p for p in (session / "logs").rglob("*") if p.is_file()]
     assert any(p.name.startswith("runtime_env_agent") for p in logs), sorted(p.name for p in logs)
     leaked = [p.name for p in logs if cluster.cluster_secret.encode() in p.read_bytes()]
