@@ -13,12 +13,15 @@ by their size: a refusal of a request as large as a live claim (the claimant's o
 max_tokens, the same number of blocks) renews that claim wherever it is, so one claimant holds one claim however its
 retries are placed; a request at least as large admitted anywhere ends it. A claim the claimant does not come back
 for lapses after a few of its retry hints. Streams moving to another decode worker are mid-answer and never wait on
-a claim. Claims are this router's own: another router's requests do not see them.
+a claim. Routers that share a Redis registry share their claims (shared_claims.py): each writes the claims it set,
+renewed or ended, and takes every router's, so a claim holds against every router's requests and a claimant's
+retries renew it through whichever router they reach. A request's refusals are counted by the router they reach.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 CLAIM_MIN_S = 1.0
@@ -28,7 +31,7 @@ CLAIM_RETRY_HINTS = 4  # a claim outlasts this many of its claimant's retry hint
 @dataclass
 class Claim:
     blocks: int
-    until: float  # time.monotonic()
+    until: float  # on KVClaims.clock
 
 
 @dataclass
@@ -40,27 +43,32 @@ class Refused:
 
 
 class KVClaims:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self.clock = clock or (lambda: time.monotonic())  # looked up per call: tests move it by hand
         self._claims: dict[str, Claim] = {}  # decode worker id -> the oldest live claim on it
         self._refused: dict[int, Refused] = {}  # blocks -> the first refusal of a request that size
+        self.shared = False  # set by shared_claims.py, which takes the changes: none are kept for no one to take
+        self._changed: set[str] = set()  # workers whose claim this router set, renewed or ended since the last take
 
     def claim(self, worker_id: str, blocks: int, retry_after_s: float, after_s: float) -> None:
         """A request needing `blocks` was refused for room on the worker (one whose whole KV holds it). A live claim
         of its size is renewed, wherever it is; else, once requests of its size have been refused for `after_s`
         (its TTFT SLO), it claims them there, unless an earlier request holds the worker's claim."""
-        now = time.monotonic()
+        now = self.clock()
         self._claims = {w: c for w, c in self._claims.items() if c.until > now}  # a gone worker's lapse too
         self._refused = {b: r for b, r in self._refused.items() if r.until > now}
         until = now + max(CLAIM_MIN_S, CLAIM_RETRY_HINTS * retry_after_s)
-        renewed = [held for held in self._claims.values() if held.blocks == blocks]
-        for held in renewed:
-            held.until = until
+        renewed = [w for w, held in self._claims.items() if held.blocks == blocks]
+        for w in renewed:
+            self._claims[w].until = until
+        self._mark(renewed)
         if renewed:
             return
         refused = self._refused.setdefault(blocks, Refused(now, until))
         refused.until = until
         if now - refused.since >= after_s and worker_id not in self._claims:
             self._claims[worker_id] = Claim(blocks, until)
+            self._mark([worker_id])
             del self._refused[blocks]
 
     def held_from(self, worker_id: str, blocks: int) -> int:
@@ -72,13 +80,36 @@ class KVClaims:
     def admitted(self, blocks: int) -> None:
         """A request needing `blocks` was admitted, on whichever worker: it ends every claim it is as large as
         (its own, placed elsewhere by an earlier retry, among them), and the wait of requests its size."""
-        if self._claims:
-            self._claims = {w: c for w, c in self._claims.items() if c.blocks > blocks}
+        ended = [w for w, c in self._claims.items() if c.blocks <= blocks]
+        for w in ended:
+            del self._claims[w]
+        self._mark(ended)
         self._refused.pop(blocks, None)
+
+    def take_changes(self) -> dict[str, Claim | None]:
+        """What this router changed since the last take, for the other routers: each such worker's live claim, or
+        None where it ended."""
+        changed, self._changed = self._changed, set()
+        return {w: self._live(w) for w in changed}
+
+    def put_back(self, workers: set[str]) -> None:
+        """Changes taken but not written (the shared store did not answer): taken again, as they are then."""
+        self._changed |= workers
+
+    def merge(self, shared: dict[str, Claim]) -> None:
+        """Every router's claims, as the shared store held them, in place of this router's view; a claim this
+        router changed since its last take stays as it is here, to be written next."""
+        mine = {w: self._claims.get(w) for w in self._changed}
+        self._claims = {w: c for w, c in shared.items() if w not in mine}
+        self._claims.update({w: c for w, c in mine.items() if c is not None})
+
+    def _mark(self, workers: list[str]) -> None:
+        if self.shared:
+            self._changed.update(workers)
 
     def _live(self, worker_id: str) -> Claim | None:
         held = self._claims.get(worker_id)
-        if held is not None and held.until <= time.monotonic():
+        if held is not None and held.until <= self.clock():
             del self._claims[worker_id]
             return None
         return held

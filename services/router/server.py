@@ -29,13 +29,15 @@ from services.router.load_tracker import LoadTracker
 from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
 from services.router.predictor import Predictor
 from services.router.servicer import GENERATE_METHOD, GenerationServicer
+from services.router.shared_claims import SharedKVClaims
 
 log = logging.getLogger(__name__)
 
 
 class RouterServer:
     """The router's listeners, drained and stopped together (then the background work of its quotas, admitted
-    totals and gone workers' state, and its channels to decode workers): the launcher sees one server."""
+    totals, shared KV claims and gone workers' state, and its channels to decode workers): the launcher sees one
+    server."""
 
     def __init__(
         self,
@@ -45,6 +47,7 @@ class RouterServer:
         admitted: ClusterAdmitted,
         gone_workers: GoneWorkers,
         decode_channels: ChannelPool[Any],
+        shared_claims: SharedKVClaims | None,
     ) -> None:
         self.grpc = grpc_server
         self.http = http
@@ -52,6 +55,7 @@ class RouterServer:
         self.admitted = admitted
         self.gone_workers = gone_workers
         self.decode_channels = decode_channels
+        self.shared_claims = shared_claims
         self.address = grpc_server.address
         self.port = grpc_server.port
 
@@ -69,6 +73,8 @@ class RouterServer:
             try:
                 await self.quotas.close()
                 await self.admitted.close()
+                if self.shared_claims is not None:
+                    await self.shared_claims.close()
             finally:
                 await self.decode_channels.close()
 
@@ -138,8 +144,19 @@ async def start_router(
     predictor = policy.predictor
     gone_workers = GoneWorkers(registry, [tracker, predictor.calibration, predictor.best, lifecycle.recent])
     gone_workers.start()
+    shared_claims = _shared_claims(registry, config, predictor)
     await server.set_serving(True)
-    return RouterServer(server, http, quotas, admitted, gone_workers, lifecycle.relay.channels), lifecycle
+    channels = lifecycle.relay.channels
+    return RouterServer(server, http, quotas, admitted, gone_workers, channels, shared_claims), lifecycle
+
+
+def _shared_claims(registry: Registry, config: RouterConfig, predictor: Predictor) -> SharedKVClaims | None:
+    """The routers that share a Redis registry share their KV claims there; a lone router keeps its own."""
+    if not (config.kv_claims and isinstance(registry, RedisRegistry)):
+        return None
+    shared = SharedKVClaims(registry.url, predictor.claims)
+    shared.start()
+    return shared
 
 
 def _quotas(registry: Registry, config: RouterConfig) -> Quotas:

@@ -1,7 +1,8 @@
 """Two real in-process routers (gRPC and HTTP on loopback, tiny-random's tokenizer, an API-key file) on one
 redis-server, as the chart's router replicas share one: a key's requests_per_second holds for the pair, whichever
-router and protocol a request comes through. No workers: a request the quota lets in is UNAVAILABLE (503) after
-`no_workers_wait_s`; one over the key's rate is RESOURCE_EXHAUSTED (429) with its retry hint."""
+router and protocol a request comes through, and a KV claim either router sets or ends does for both. No workers: a
+request the quota lets in is UNAVAILABLE (503) after `no_workers_wait_s`; one over the key's rate is
+RESOURCE_EXHAUSTED (429) with its retry hint."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 import hashlib
 import math
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 import httpx2
@@ -104,3 +105,19 @@ async def test_a_keys_rate_holds_for_two_routers_together(two_routers):
     refused = [(i, hint) for i, (status, hint) in enumerate(answers) if status == "RESOURCE_EXHAUSTED"]
     assert {i % 2 for i, _ in refused} == {0, 1}, answers  # each router refused some: the count is shared
     assert all(hint is not None and 0 < hint <= 1000 / RATE + 1 for _, hint in refused), answers
+
+
+async def test_a_kv_claim_set_or_ended_through_one_router_is_for_both(two_routers):
+    """Through each router's own background task (services/router/shared_claims.py), within a few intervals."""
+    a, b = (router.shared_claims.claims for router in two_routers)
+    a.claim("d0", 50, retry_after_s=1.0, after_s=0.0)  # as admission claims for a request refused past its SLO
+    await until(lambda: b.held_from("d0", 10) == 50)
+    b.admitted(50)
+    await until(lambda: a.held_from("d0", 10) == 0)
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not shared in time"
+        await asyncio.sleep(0.05)

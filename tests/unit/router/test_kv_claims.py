@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.router import kv_claims
-from services.router.kv_claims import CLAIM_MIN_S, KVClaims
+from services.router.kv_claims import CLAIM_MIN_S, Claim, KVClaims
 
 
 @pytest.fixture
@@ -74,3 +74,14 @@ def test_a_request_claims_only_once_requests_its_size_were_refused_past_its_ttft
     clock[0] += 0.5
     claims.claim("d0", 50, retry_after_s=0.1, after_s=2.0)
     assert claims.held_from("d0", 10) == 0
+
+
+def test_a_lone_routers_claims_keep_no_changes_for_a_shared_store(clock):
+    """Only shared_claims.py takes them: a router without one would keep an id for every worker ever claimed."""
+    claims = KVClaims()
+    claims.claim("d0", 50, retry_after_s=0.1, after_s=0.0)
+    claims.admitted(50)
+    assert claims.take_changes() == {}
+    claims.shared = True
+    claims.claim("d0", 50, retry_after_s=0.1, after_s=0.0)
+    assert claims.take_changes() == {"d0": Claim(50, clock[0] + CLAIM_MIN_S)}

@@ -1,0 +1,137 @@
+"""KV claims shared through a real redis-server (services/router/shared_claims.py): two routers' predictors,
+placement and admission over one decode worker, as the chart's two router replicas see it. A claim one router set
+holds against the other's small requests, the claimant's retry through the other renews it, its admission through
+either ends it for both; without Redis each keeps its own and writes it once Redis is back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from services.router.kv_claims import CLAIM_MIN_S, CLAIM_RETRY_HINTS, KVClaims
+from services.router.shared_claims import CLAIMS_KEY, SharedKVClaims
+from tests.redis_server import RedisServer, emptied, started
+from tests.unit.router.router_builder import Router, prompt, replace_free, shed, worker
+
+pytestmark = pytest.mark.timeout(60)
+server = pytest.fixture(scope="module")(started)
+url = pytest.fixture(emptied)
+LARGE, SMALL = prompt(800), prompt(16)  # 51 blocks with 16 new tokens, 2 blocks
+SLO_S = (5.0, 1.0)
+UNIX_AT_START = 1.8e9
+LARGE_REFUSED = "51 free KV blocks now$"
+SMALL_HELD_OFF = "2 free KV blocks now that an earlier, larger request did not get"
+
+
+class Pair:
+    """Two routers over one decode worker, their claims on one clock moved by hand and shared through `url`."""
+
+    def __init__(self, url: str) -> None:
+        self.now = [1000.0]
+        self.d0 = worker("d0", "decode", kv_blocks_free=40)
+        self.routers = (Router([worker("p0"), self.d0]), Router([worker("p0"), self.d0]))
+        self.shared: list[SharedKVClaims] = []
+        for r in self.routers:
+            r.predictor.claims = KVClaims(clock=lambda: self.now[0])
+            self.shared.append(SharedKVClaims(url, r.predictor.claims, wall_clock=self.wall))
+
+    def wall(self) -> float:
+        """The Unix time, moved with the claims' clock (each router's monotonic clock starts anywhere)."""
+        return UNIX_AT_START + self.now[0]
+
+    def sync(self) -> list[bool]:
+        """Each router writes what it changed and reads both routers', in turn, twice (as their background tasks
+        would in two intervals): the first router reads what the second wrote. Whether Redis answered each."""
+
+        async def both() -> list[bool]:
+            return [await s.sync() for s in self.shared]
+
+        asyncio.run(both())
+        return asyncio.run(both())
+
+    def free(self, blocks: int) -> None:
+        for r in self.routers:
+            r.registry.publish(replace_free(self.d0, blocks))
+
+    def close(self) -> None:
+        async def all_closed() -> None:
+            for s in self.shared:
+                await s.close()
+
+        asyncio.run(all_closed())
+
+
+@pytest.fixture
+def pair(server: RedisServer, url: str) -> Iterator[Pair]:
+    p = Pair(url)
+    yield p
+    p.close()
+
+
+def starve(r: Router, now: list[float]) -> float:
+    """The large request refused through `r` every 0.9 s past its 5 s TTFT SLO: it claims d0 at the last refusal.
+    Returns how long the claim lasts without a retry."""
+    for _ in range(7):
+        hint_s = shed(r, LARGE, LARGE_REFUSED, slo_s=SLO_S).retry_after_ms / 1e3
+        now[0] += 0.9
+    now[0] -= 0.9
+    return max(CLAIM_MIN_S, CLAIM_RETRY_HINTS * hint_s)
+
+
+def shared_hash(server: RedisServer) -> dict[bytes, bytes]:
+    with server.client() as client:
+        return client.hgetall(CLAIMS_KEY)
+
+
+def test_a_claim_through_one_router_holds_on_the_other_is_renewed_there_and_ends_with_its_admission(pair, server):
+    a, b = pair.routers
+    lasts_s = starve(a, pair.now)
+    assert b.admit(SMALL, slo_s=SLO_S).decode.worker_id == "d0"  # b has not heard of it yet
+    assert pair.sync() == [True, True]
+    shed(b, SMALL, SMALL_HELD_OFF, slo_s=SLO_S)
+    pair.now[0] += lasts_s * 0.9
+    shed(b, LARGE, LARGE_REFUSED, slo_s=SLO_S)  # the claimant's retry reaches b: it renews a's claim, adds none
+    pair.sync()
+    pair.now[0] += lasts_s * 0.5  # past the claim's first lapse
+    shed(a, SMALL, SMALL_HELD_OFF, slo_s=SLO_S)
+    assert list(shared_hash(server)) == [b"d0"]  # one claim for one claimant
+    pair.free(60)  # streams on d0 ended
+    assert b.admit(LARGE, slo_s=SLO_S).decode.worker_id == "d0"
+    pair.free(9)  # what the large one left
+    shed(a, SMALL, SMALL_HELD_OFF, slo_s=SLO_S)  # a has not heard yet
+    pair.sync()
+    assert a.admit(SMALL, slo_s=SLO_S).decode.worker_id == "d0"
+    assert shared_hash(server) == {}
+
+
+def test_without_redis_each_router_keeps_its_own_claims_and_shares_them_once_redis_is_back(pair, server, caplog):
+    a, b = pair.routers
+    server.stop()
+    with caplog.at_level(logging.WARNING, logger="services.router.shared_claims"):
+        starve(a, pair.now)
+        assert pair.sync() == [False, False]
+    assert "KV claims not shared through redis" in caplog.text
+    shed(a, SMALL, SMALL_HELD_OFF, slo_s=SLO_S)  # a's own claim holds there
+    assert b.admit(SMALL, slo_s=SLO_S).decode.worker_id == "d0"
+    server.start()
+    assert pair.sync() == [True, True]
+    shed(b, SMALL, SMALL_HELD_OFF, slo_s=SLO_S)
+
+
+def test_expired_and_malformed_entries_are_dropped_and_a_malformed_one_is_logged(pair, server, caplog):
+    ms = round(pair.wall() * 1000)
+    entries = {"d0": f"51 {ms + 60_000}", "d1": f"20 {ms - 1}", "d2": "many", "d3": f"0 {ms + 60_000}"}
+    with server.client() as client:
+        client.hset(CLAIMS_KEY, mapping=entries)
+    with caplog.at_level(logging.ERROR, logger="services.router.shared_claims"):
+        pair.sync()
+    assert "'d2' = b'many' dropped: not '<blocks> <until, Unix ms>'" in caplog.text
+    assert "'d3' = b'0 " in caplog.text and "dropped: 0 blocks" in caplog.text
+    assert "'d1'" not in caplog.text  # expired: not an error
+    claims = pair.routers[0].predictor.claims
+    assert [claims.held_from(w, 2) for w in ("d0", "d1", "d2", "d3")] == [51, 0, 0, 0]
+    pair.sync()
+    assert set(shared_hash(server)) == {b"d0"}
