@@ -3,26 +3,25 @@ requests: with two routers behind one Service, small requests through the other 
 blocks a claimant waits for, and its retries, reaching either router, would claim twice.
 
 One hash, `pdserve:kv_claims`: decode worker id -> "<blocks> <until, Unix ms>". Every `VIEW_REFRESH_S` a router
-writes the claims it set, renewed or ended since its last write and reads every router's into its own view, in
-one round trip off the event loop; requests read only that view, never Redis. The last write of a worker's claim
-wins: two routers that claim one worker at once leave one claim, and a claim renewed just as another router's
-admission ended it holds until it lapses (a few retry hints). Expired entries are dropped by whichever router
-reads them. Lapses are in Unix time, so they hold as long as the routers' clocks agree within a fraction of a
-second (NTP keeps a cluster's within milliseconds). While Redis does not answer, each router keeps its own claims and
-writes its changes once it does; a Redis restarted empty ends the claims written before.
+writes the claims it set, renewed or ended since its last write and reads every router's into its own view, in one
+round trip on a background task; requests read only that view and never wait on Redis. The last write of a worker's
+claim wins: two routers that claim one worker at once leave one claim, and a claim renewed just as another router's
+admission ended it holds until it lapses (a few retry hints). Expired entries are dropped by whichever router reads
+them. Lapses are in Unix time, so they hold as long as the routers' clocks agree within a fraction of a second (NTP
+keeps a cluster's within milliseconds). While Redis does not answer, each router keeps its own claims and writes its
+changes once it does; a Redis restarted empty ends the claims written before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable
 
 from pdserve.background import cancel_and_wait
 from pdserve.registry.base import VIEW_REFRESH_S
-from pdserve.registry.redis import PREFIX, Throttled, connect
+from pdserve.registry.redis import PREFIX, TIMEOUT_S, Throttled, connect_async
 from services.router.kv_claims import Claim, KVClaims
 
 log = logging.getLogger(__name__)
@@ -41,10 +40,9 @@ class SharedKVClaims:
         claims.shared = True
         self.wall_clock = wall_clock  # the Unix time the routers' entries share; each process's claims keep their own
         self.interval_s = interval_s
-        self._redis = connect(url)
+        self._redis = connect_async(url)  # its connections belong to the loop that first uses it
         self._stale: set[str] = set()  # fields read expired or malformed: dropped with the next write
         self._malformed: set[str] = set()  # logged once each while they stay
-        self._exchanging = threading.Lock()  # close()'s last exchange may start before a cancelled one's ended
         self._warn = Throttled(30.0, log)
         self._task: asyncio.Task[None] | None = None
 
@@ -54,15 +52,19 @@ class SharedKVClaims:
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         await self.sync()  # a claim ended here on the way out ends for the other routers too
-        self._redis.close()
+        await self._redis.aclose()
 
     async def sync(self) -> bool:
         """Writes this router's changes and takes every router's claims; False when Redis did not answer."""
         changes = self.claims.take_changes()
         try:
-            shared = await asyncio.to_thread(self._exchange, changes)
-        except Exception as e:  # unreachable or stalled: this router's claims hold here meanwhile
-            self.claims.put_back(set(changes))
+            async with asyncio.timeout(2 * TIMEOUT_S):
+                shared = await self._exchange(changes)
+        except BaseException as e:
+            self.claims.put_back(set(changes))  # written next time (close() cancels a sync mid-way), as they are then
+            if not isinstance(e, Exception):
+                raise
+            # Unreachable or stalled: this router's claims hold here meanwhile.
             self._warn.warning("KV claims not shared through redis, each router keeps its own meanwhile: %r", e)
             return False
         self.claims.merge(shared)
@@ -73,23 +75,19 @@ class SharedKVClaims:
             await asyncio.sleep(self.interval_s)
             await self.sync()
 
-    def _exchange(self, changes: dict[str, Claim | None]) -> dict[str, Claim]:
-        """On a thread: one pipeline writes `changes` and reads the hash, whose Unix times become the claims' clock's
-        (each process's own monotonic one)."""
-        with self._exchanging:
-            return self._exchange_alone(changes)
-
-    def _exchange_alone(self, changes: dict[str, Claim | None]) -> dict[str, Claim]:
+    async def _exchange(self, changes: dict[str, Claim | None]) -> dict[str, Claim]:
+        """One pipeline writes `changes` and reads the hash, whose Unix times become the claims' clock's (each
+        process's own monotonic one)."""
         wall, mono = self.wall_clock(), self.claims.clock()
         written = {w: f"{c.blocks} {round((wall + c.until - mono) * 1000)}" for w, c in changes.items() if c}
         dropped = [w for w, c in changes.items() if c is None] + sorted(self._stale - set(written))
-        pipe = self._redis.pipeline()
-        if written:
-            pipe.hset(CLAIMS_KEY, mapping=written)
-        if dropped:
-            pipe.hdel(CLAIMS_KEY, *dropped)
-        pipe.hgetall(CLAIMS_KEY)
-        values: dict[bytes, bytes] = pipe.execute()[-1]
+        async with self._redis.pipeline() as pipe:
+            if written:
+                pipe.hset(CLAIMS_KEY, mapping=written)
+            if dropped:
+                pipe.hdel(CLAIMS_KEY, *dropped)
+            pipe.hgetall(CLAIMS_KEY)
+            values: dict[bytes, bytes] = (await pipe.execute())[-1]
         self._stale -= set(dropped)
         shared: dict[str, Claim] = {}
         malformed: set[str] = set()

@@ -7,6 +7,10 @@ they run, one large request (1200-token prompt, 16 out: 77 blocks) is sent, and 
 LARGE_WAIT_S. Per trial: the seconds until the large request's first token (or none within the wait), its
 refusals, and the small streams' tokens per second meanwhile. Appends its rows to --json.
 
+`--routers 2`: the cluster's registry is a redis-server of the script's own, and a second router (`pdserve router`)
+serves beside `up`'s, as the chart's two replicas do. Small clients alternate between the routers; the large
+request's client keeps to the first, as a gRPC client keeps its one connection.
+
     PYTHONPATH=src:. python docs/experiments/kv_claims/starvation.py --side after --trials 3 --json rows.json
     python docs/experiments/kv_claims/starvation.py --report rows.json
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -24,11 +29,13 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.cluster.local_process import ClusterProcess
+from pdserve.cluster.local_process import ClusterProcess, free_port
 from pdserve.rpc.errors import retry_after_ms
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
+from tests.integration.processes import PdserveProcess
+from tests.redis_server import RedisServer
 
 BLOCKS = 200
 CLIENTS = 20
@@ -71,10 +78,14 @@ async def small_client(stub: generate_pb2_grpc.GenerationStub, n: int, stop: asy
             await asyncio.sleep(hint)
 
 
-async def trial(address: str, seed: int) -> dict:
-    async with channel(address) as ch:
-        stub, stop, tally = generate_pb2_grpc.GenerationStub(ch), asyncio.Event(), []
-        clients = [asyncio.create_task(small_client(stub, seed * 100 + n, stop, tally)) for n in range(CLIENTS)]
+async def trial(addresses: list[str], seed: int) -> dict:
+    async with contextlib.AsyncExitStack() as stack:
+        stubs = [generate_pb2_grpc.GenerationStub(await stack.enter_async_context(channel(a))) for a in addresses]
+        stub, stop, tally = stubs[0], asyncio.Event(), []
+        clients = [
+            asyncio.create_task(small_client(stubs[n % len(stubs)], seed * 100 + n, stop, tally))
+            for n in range(CLIENTS)
+        ]
         await asyncio.sleep(WARM_S)
         rng, refusals, begun, admitted_s = random.Random(seed), 0, time.monotonic(), None
         large = request(f"large-{seed}", LARGE_PROMPT, LARGE_OUT, rng)
@@ -96,7 +107,7 @@ async def trial(address: str, seed: int) -> dict:
 def report(rows: list[dict]) -> None:
     print("| side | trials | large request served | seconds to it, median (range) | refusals, median | small tok/s |")
     print("|---|---|---|---|---|---|")
-    for side in ("before", "after"):
+    for side in dict.fromkeys(r["side"] for r in rows):
         mine = [r for r in rows if r["side"] == side]
         if not mine:
             continue
@@ -115,6 +126,7 @@ def main() -> None:
     p.add_argument("--side")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--json", type=Path)
+    p.add_argument("--routers", type=int, choices=(1, 2), default=1)
     args = p.parse_args()
     if args.report:
         report(json.loads(args.report.read_text()))
@@ -122,12 +134,29 @@ def main() -> None:
     env = {"PDSERVE_FAULT_SLOW_STEP_S": str(STEP_S), "PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX": "bg-"}
     cluster_args = ["--model", "tiny-random", "--prefill", "1", "--decode", "1"]
     cluster_args += ["--kv-cache-gb", str(BLOCKS * 8192 / 2**30), "--no-access-log"]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        if args.routers == 2:
+            redis = RedisServer()
+            redis.start()
+            stack.callback(redis.stop)
+            cluster_args += ["--redis", redis.url]
         cluster = ClusterProcess(*cluster_args, log_path=Path(tmp) / "cluster.log", env=env)
-        try:
-            rows = [{"side": args.side, **asyncio.run(trial(cluster.address, seed))} for seed in range(args.trials)]
-        finally:
-            cluster.stop()
+        stack.callback(cluster.stop)
+        addresses = [cluster.address]
+        if args.routers == 2:
+            port = free_port()
+            router_args = ["router", "--model", "tiny-random", "--redis", redis.url, "--port", str(port)]
+            second = PdserveProcess(
+                *router_args,
+                "--no-access-log",
+                log_path=Path(tmp) / "router.log",
+                env={"PDSERVE_CLUSTER_SECRET": cluster.cluster_secret},
+            )
+            stack.callback(second.stop)
+            second.wait_ready()
+            addresses.append(f"127.0.0.1:{port}")
+        side = args.side if args.routers == 1 else f"{args.side}, 2 routers"
+        rows = [{"side": side, **asyncio.run(trial(addresses, seed))} for seed in range(args.trials)]
     for row in rows:
         print(json.dumps(row))
     if args.json:

@@ -6,7 +6,9 @@ either ends it for both; without Redis each keeps its own and writes it once Red
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -33,6 +35,7 @@ class Pair:
         self.now = [1000.0]
         self.d0 = worker("d0", "decode", kv_blocks_free=40)
         self.routers = (Router([worker("p0"), self.d0]), Router([worker("p0"), self.d0]))
+        self.loop = asyncio.new_event_loop()  # where the shared claims' Redis connections live
         self.shared: list[SharedKVClaims] = []
         for r in self.routers:
             r.predictor.claims = KVClaims(clock=lambda: self.now[0])
@@ -49,8 +52,8 @@ class Pair:
         async def both() -> list[bool]:
             return [await s.sync() for s in self.shared]
 
-        asyncio.run(both())
-        return asyncio.run(both())
+        self.loop.run_until_complete(both())
+        return self.loop.run_until_complete(both())
 
     def free(self, blocks: int) -> None:
         for r in self.routers:
@@ -61,7 +64,8 @@ class Pair:
             for s in self.shared:
                 await s.close()
 
-        asyncio.run(all_closed())
+        self.loop.run_until_complete(all_closed())
+        self.loop.close()
 
 
 @pytest.fixture
@@ -135,3 +139,29 @@ def test_expired_and_malformed_entries_are_dropped_and_a_malformed_one_is_logged
     assert [claims.held_from(w, 2) for w in ("d0", "d1", "d2", "d3")] == [51, 0, 0, 0]
     pair.sync()
     assert set(shared_hash(server)) == {b"d0"}
+
+
+def test_a_sync_cancelled_midway_leaves_its_changes_for_the_next(pair, server):
+    """As close() cancels the background task's sync: what it took is written by close()'s own."""
+    pair.routers[0].predictor.claims.claim("d0", 50, retry_after_s=1.0, after_s=0.0)
+    stalled = threading.Thread(target=stall, args=(server, 0.5))
+
+    async def cancelled() -> None:
+        stalled.start()
+        await asyncio.sleep(0.1)  # Redis is asleep
+        sync = asyncio.ensure_future(pair.shared[0].sync())
+        await asyncio.sleep(0.1)
+        sync.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sync
+
+    pair.loop.run_until_complete(cancelled())
+    stalled.join()
+    assert shared_hash(server) == {}
+    assert pair.sync() == [True, True]
+    assert list(shared_hash(server)) == [b"d0"]
+
+
+def stall(server: RedisServer, seconds: float) -> None:
+    with server.client() as client:
+        client.execute_command("DEBUG", "SLEEP", str(seconds))
