@@ -323,6 +323,8 @@ def _set_slo(msg: pb.GenerateRequest, body: dict[str, Any]) -> None:
         value = _number(slo, key, prefix="slo.")
         if value is not None:  # null: not given, as at the top level
             setattr(msg.slo, key, value)
+            if value > 0 and getattr(msg.slo, key) == 0:  # a float32 underflow would read as "the server default"
+                raise InvalidRequestError(f"slo.{key}", f"{value:g} is too small to be an SLO (0 = server default)")
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:

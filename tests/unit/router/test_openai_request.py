@@ -297,14 +297,16 @@ def test_counts_past_the_caps_are_refused_before_any_item_is_read(chat, body, fi
     [
         (f'{{{COMPLETION}, "logit_bias": {{"70": 100, "070": -100}}}}', "logit_bias", "token id 70 more than once"),
         (f'{{{COMPLETION}, "slo": 5}}', "slo", "must be an object, got integer"),
+        (f'{{{COMPLETION}, "slo": {{"ttft_ms": 1e-46}}}}', "slo.ttft_ms", "1e-46 is too small to be an SLO"),
         (f'{{{COMPLETION}, "stop_token_ids": {{}}}}', "stop_token_ids", "must be an array"),
         (f'{{{COMPLETION}, "": 1}}', "body", 'a parameter named "" is not supported'),
         ("1" * 5000, "body", "a number has more than 4300 digits"),
     ],
 )
 def test_a_refusal_says_what_is_wrong_in_the_callers_terms(raw, param, says):
-    """One token named twice is refused as the shared path refuses it, not settled by the last key; no message
-    reads as advice to the server's code ("use sys.set_int_max_str_digits()")."""
+    """One token named twice is refused as the shared path refuses it, not settled by the last key; an SLO too small
+    for the API's float32 is not read as 0 (the server's default); no message reads as advice to the server's code
+    ("use sys.set_int_max_str_digits()")."""
     with pytest.raises(InvalidRequestError) as e:
         parse(parse_json(raw.encode()), chat=False)
     assert e.value.field == param and says in str(e.value), str(e.value)
