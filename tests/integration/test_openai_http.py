@@ -132,7 +132,7 @@ def test_http_requests_are_traced_and_counted_as_grpc_ones(cluster, client, coll
 
 BAD_COMPLETIONS = [
     ({"n": 17}, "n"),
-    ({"logit_bias": {"5": 101}}, "logit_bias[5]"),
+    ({"logit_bias": {"5": 101}}, "logit_bias.5"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"),  # past the vocabulary
     ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"),

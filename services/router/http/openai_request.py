@@ -172,7 +172,8 @@ def openai_param(field: str, max_tokens_param: str = "max_tokens") -> str:
         return max_tokens_param
     if field == "prompt_token_ids":
         return "prompt"
-    return field.removeprefix("sampling.")
+    # A bias's token is a key of the caller's JSON object, named as this module's own checks name it.
+    return re.sub(r"^logit_bias\[(\d+)\]$", r"logit_bias.\1", field.removeprefix("sampling."))
 
 
 def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:

@@ -264,6 +264,7 @@ def test_the_shared_paths_field_names_read_as_openai_parameters():
     assert openai_param("sampling.stop[1]") == "stop[1]"
     assert openai_param("prompt_token_ids") == "prompt"
     assert (openai_param("slo.tpot_ms"), openai_param("messages[2].role")) == ("slo.tpot_ms", "messages[2].role")
+    assert openai_param("sampling.logit_bias[70]") == "logit_bias.70"  # as a bias that is no number is named
 
 
 def test_a_negative_seed_is_taken_as_vllm_takes_it():
