@@ -15,4 +15,4 @@ for round in 1 2; do
       --json "$out/rows-two-routers.json")
   done
 done
-python "$out/starvation.py" --report "$out/rows-two-routers.json"
+PYTHONPATH=src:. python "$out/starvation.py" --report "$out/rows-two-routers.json"
