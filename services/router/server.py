@@ -73,10 +73,12 @@ class RouterServer:
             try:
                 await self.quotas.close()
                 await self.admitted.close()
-                if self.shared_claims is not None:
-                    await self.shared_claims.close()
             finally:
-                await self.decode_channels.close()
+                try:
+                    if self.shared_claims is not None:
+                        await self.shared_claims.close()
+                finally:
+                    await self.decode_channels.close()
 
     async def wait(self) -> None:
         await self.grpc.wait()
@@ -144,18 +146,18 @@ async def start_router(
     predictor = policy.predictor
     gone_workers = GoneWorkers(registry, [tracker, predictor.calibration, predictor.best, lifecycle.recent])
     gone_workers.start()
-    shared_claims = _shared_claims(registry, config, predictor)
+    shared_claims = await _shared_claims(registry, config, predictor)
     await server.set_serving(True)
     channels = lifecycle.relay.channels
     return RouterServer(server, http, quotas, admitted, gone_workers, channels, shared_claims), lifecycle
 
 
-def _shared_claims(registry: Registry, config: RouterConfig, predictor: Predictor) -> SharedKVClaims | None:
+async def _shared_claims(registry: Registry, config: RouterConfig, predictor: Predictor) -> SharedKVClaims | None:
     """The routers that share a Redis registry share their KV claims there; a lone router keeps its own."""
     if not (config.kv_claims and isinstance(registry, RedisRegistry)):
         return None
     shared = SharedKVClaims(registry.url, predictor.claims)
-    shared.start()
+    await shared.start()
     return shared
 
 

@@ -4,12 +4,14 @@ blocks a claimant waits for, and its retries, reaching either router, would clai
 
 One hash, `pdserve:kv_claims`: decode worker id -> "<blocks> <until, Unix ms>". Every `VIEW_REFRESH_S` a router
 writes the claims it set, renewed or ended since its last write and reads every router's into its own view, in one
-round trip on a background task; requests read only that view and never wait on Redis. The last write of a worker's
-claim wins: two routers that claim one worker at once leave one claim, and a claim renewed just as another router's
-admission ended it holds until it lapses (a few retry hints). Expired entries are dropped by whichever router reads
-them. Lapses are in Unix time, so they hold as long as the routers' clocks agree within a fraction of a second (NTP
-keeps a cluster's within milliseconds). While Redis does not answer, each router keeps its own claims and writes its
-changes once it does; a Redis restarted empty ends the claims written before.
+round trip on a background task; requests read only that view and never wait on Redis. A set or renewed claim is
+written over whatever the worker's entry holds; an ended or expired one is deleted only if the entry still holds what
+this router last read or wrote there, so no router deletes a claim it has not seen (another router's new one on the
+same worker). A claim renewed just as another router's admission ended it holds until it lapses (a few retry hints),
+and so does one whose claimant another router admitted before it had read the claim. Lapses are in Unix time, so
+they hold as long as the routers' clocks agree within a fraction of a second (NTP keeps a cluster's within
+milliseconds). While Redis does not answer, each router keeps its own claims and writes its changes once it does; a
+Redis restarted empty ends the claims written before.
 """
 
 from __future__ import annotations
@@ -22,10 +24,24 @@ from collections.abc import Callable
 from pdserve.background import cancel_and_wait
 from pdserve.registry.base import VIEW_REFRESH_S
 from pdserve.registry.redis import PREFIX, TIMEOUT_S, Throttled, connect_async
-from services.router.kv_claims import Claim, KVClaims
+from services.router.admission import MAX_RETRY_MS
+from services.router.kv_claims import CLAIM_RETRY_HINTS, Claim, KVClaims
 
 log = logging.getLogger(__name__)
 CLAIMS_KEY = f"{PREFIX}:kv_claims"
+# The longest a claim may have left: four of the longest retry hints, and a minute for the routers' clocks. An entry
+# that says more is no router's (one far in the future would hold its worker's blocks back for as long).
+HORIZON_MS = CLAIM_RETRY_HINTS * MAX_RETRY_MS + 60_000
+# Deletes each field whose value is still the one given: what another router wrote there since stays.
+_DELETE_IF_UNCHANGED = """
+local deleted = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    deleted = deleted + redis.call('HDEL', KEYS[1], ARGV[i])
+  end
+end
+return deleted
+"""
 
 
 class SharedKVClaims:
@@ -41,18 +57,23 @@ class SharedKVClaims:
         self.wall_clock = wall_clock  # the Unix time the routers' entries share; each process's claims keep their own
         self.interval_s = interval_s
         self._redis = connect_async(url)  # its connections belong to the loop that first uses it
-        self._stale: set[str] = set()  # fields read expired or malformed: dropped with the next write
+        self._known: dict[str, bytes] = {}  # each field's value as this router last read or wrote it
+        self._stale: set[str] = set()  # fields read expired or malformed: deleted with the next write, if unchanged
         self._malformed: set[str] = set()  # logged once each while they stay
         self._warn = Throttled(30.0, log)
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """The other routers' claims before serving (an unreachable Redis costs one timeout), then every interval."""
+        await self.sync()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="shared-kv-claims")
 
     async def close(self) -> None:
-        await cancel_and_wait(self._task)
-        await self.sync()  # a claim ended here on the way out ends for the other routers too
-        await self._redis.aclose()
+        try:
+            await cancel_and_wait(self._task)
+            await self.sync()  # a claim ended here on the way out ends for the other routers too
+        finally:
+            await self._redis.aclose()
 
     async def sync(self) -> bool:
         """Writes this router's changes and takes every router's claims; False when Redis did not answer."""
@@ -79,20 +100,21 @@ class SharedKVClaims:
         """One pipeline writes `changes` and reads the hash, whose Unix times become the claims' clock's (each
         process's own monotonic one)."""
         wall, mono = self.wall_clock(), self.claims.clock()
-        written = {w: f"{c.blocks} {round((wall + c.until - mono) * 1000)}" for w, c in changes.items() if c}
-        dropped = [w for w, c in changes.items() if c is None] + sorted(self._stale - set(written))
+        written = {w: f"{c.blocks} {round((wall + c.until - mono) * 1000)}".encode() for w, c in changes.items() if c}
+        ended = {w for w, c in changes.items() if c is None} | (self._stale - set(written))
+        deleted = [x for w in sorted(ended) if w in self._known for x in (w, self._known[w])]
         async with self._redis.pipeline() as pipe:
             if written:
                 pipe.hset(CLAIMS_KEY, mapping=written)
-            if dropped:
-                pipe.hdel(CLAIMS_KEY, *dropped)
+            if deleted:
+                pipe.eval(_DELETE_IF_UNCHANGED, 1, CLAIMS_KEY, *deleted)
             pipe.hgetall(CLAIMS_KEY)
             values: dict[bytes, bytes] = (await pipe.execute())[-1]
-        self._stale -= set(dropped)
+        self._stale -= ended
+        self._known = {field.decode(errors="replace"): value for field, value in values.items()}
         shared: dict[str, Claim] = {}
         malformed: set[str] = set()
-        for field, value in values.items():
-            worker_id = field.decode(errors="replace")
+        for worker_id, value in self._known.items():
             try:
                 claim = _parse(value, wall, mono)
             except ValueError as e:  # anyone with access to Redis may write one
@@ -116,5 +138,7 @@ def _parse(value: bytes, wall: float, mono: float) -> Claim | None:
         raise ValueError("not '<blocks> <until, Unix ms>'") from None
     if blocks <= 0:
         raise ValueError(f"{blocks} blocks")
-    left_s = until_ms / 1000 - wall
-    return Claim(blocks, mono + left_s) if left_s > 0 else None
+    left_ms = until_ms - round(wall * 1000)  # in ints: a value of any size is refused, never overflows a float
+    if left_ms > HORIZON_MS:
+        raise ValueError(f"it ends {left_ms} ms from now, past any claim's {HORIZON_MS} ms")
+    return Claim(blocks, mono + left_ms / 1000) if left_ms > 0 else None

@@ -110,7 +110,8 @@ async def test_a_keys_rate_holds_for_two_routers_together(two_routers):
 async def test_a_kv_claim_set_or_ended_through_one_router_is_for_both(two_routers):
     """Through each router's own background task (services/router/shared_claims.py), within a few intervals."""
     a, b = (router.shared_claims.claims for router in two_routers)
-    a.claim("d0", 50, retry_after_s=1.0, after_s=0.0)  # as admission claims for a request refused past its SLO
+    # As admission claims for a request refused past its SLO; it would lapse in 40 s, long past `until`'s bound.
+    a.claim("d0", 50, retry_after_s=10.0, after_s=0.0)
     await until(lambda: b.held_from("d0", 10) == 50)
     b.admitted(50)
     await until(lambda: a.held_from("d0", 10) == 0)

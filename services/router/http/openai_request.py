@@ -20,6 +20,7 @@ from pdserve.protocol.request_checks import (
     check_logit_bias,
     check_message_count,
     check_prompt_length,
+    check_slo_ms,
     check_stop_counts,
 )
 from pdserve.protocol.sampling import MAX_LOGPROBS
@@ -323,6 +324,7 @@ def _set_slo(msg: pb.GenerateRequest, body: dict[str, Any]) -> None:
             raise InvalidRequestError(f"slo.{key}", f"is not supported; use {SLO_FIELDS}")
         value = _number(slo, key, prefix="slo.")
         if value is not None:  # null: not given, as at the top level
+            check_slo_ms(f"slo.{key}", value)  # here too: -1e-46 would reach the shared check as -0.0
             setattr(msg.slo, key, value)
             if value > 0 and getattr(msg.slo, key) == 0:  # a float32 underflow would read as "the server default"
                 raise InvalidRequestError(f"slo.{key}", f"{value:g} is too small to be an SLO (0 = server default)")

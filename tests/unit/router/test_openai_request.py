@@ -299,6 +299,7 @@ def test_counts_past_the_caps_are_refused_before_any_item_is_read(chat, body, fi
         (f'{{{COMPLETION}, "logit_bias": {{"70": 100, "070": -100}}}}', "logit_bias", "token id 70 more than once"),
         (f'{{{COMPLETION}, "slo": 5}}', "slo", "must be an object, got integer"),
         (f'{{{COMPLETION}, "slo": {{"ttft_ms": 1e-46}}}}', "slo.ttft_ms", "1e-46 is too small to be an SLO"),
+        (f'{{{COMPLETION}, "slo": {{"tpot_ms": -1e-46}}}}', "slo.tpot_ms", "must be a finite number >= 0"),
         (f'{{{COMPLETION}, "stop_token_ids": {{}}}}', "stop_token_ids", "must be an array"),
         (f'{{{COMPLETION}, "": 1}}', "body", 'a parameter named "" is not supported'),
         ("1" * 5000, "body", "a number has more than 4300 digits"),

@@ -128,17 +128,32 @@ def test_without_redis_each_router_keeps_its_own_claims_and_shares_them_once_red
 def test_expired_and_malformed_entries_are_dropped_and_a_malformed_one_is_logged(pair, server, caplog):
     ms = round(pair.wall() * 1000)
     entries = {"d0": f"51 {ms + 60_000}", "d1": f"20 {ms - 1}", "d2": "many", "d3": f"0 {ms + 60_000}"}
+    entries |= {"d4": "1 " + "9" * 400, "d5": f"5 {ms + 10**7}"}  # no float holds it; past any claim's end
     with server.client() as client:
         client.hset(CLAIMS_KEY, mapping=entries)
     with caplog.at_level(logging.ERROR, logger="services.router.shared_claims"):
         pair.sync()
     assert "'d2' = b'many' dropped: not '<blocks> <until, Unix ms>'" in caplog.text
     assert "'d3' = b'0 " in caplog.text and "dropped: 0 blocks" in caplog.text
+    assert "'d4' = b'1 999" in caplog.text and "'d5' = " in caplog.text and "past any claim's" in caplog.text
     assert "'d1'" not in caplog.text  # expired: not an error
     claims = pair.routers[0].predictor.claims
-    assert [claims.held_from(w, 2) for w in ("d0", "d1", "d2", "d3")] == [51, 0, 0, 0]
+    assert [claims.held_from(w, 2) for w in ("d0", "d1", "d2", "d3", "d4", "d5")] == [51, 0, 0, 0, 0, 0]
     pair.sync()
     assert set(shared_hash(server)) == {b"d0"}
+
+
+def test_a_router_deletes_no_claim_it_has_not_seen(pair, server):
+    """An entry one router read expired, and which another router's new claim took over meanwhile, stays."""
+    a, b = pair.shared
+    with server.client() as client:
+        client.hset(CLAIMS_KEY, "d0", f"20 {round(pair.wall() * 1000) - 1}")
+    assert pair.loop.run_until_complete(a.sync())  # read expired: a deletes it with its next write
+    pair.routers[1].predictor.claims.claim("d0", 30, retry_after_s=1.0, after_s=0.0)
+    assert pair.loop.run_until_complete(b.sync())
+    assert pair.loop.run_until_complete(a.sync())
+    assert shared_hash(server)[b"d0"].startswith(b"30 ")
+    assert pair.routers[0].predictor.claims.held_from("d0", 2) == 30
 
 
 def test_a_sync_cancelled_midway_leaves_its_changes_for_the_next(pair, server):
@@ -165,3 +180,16 @@ def test_a_sync_cancelled_midway_leaves_its_changes_for_the_next(pair, server):
 def stall(server: RedisServer, seconds: float) -> None:
     with server.client() as client:
         client.execute_command("DEBUG", "SLEEP", str(seconds))
+
+
+def test_a_router_starts_with_the_claims_the_others_hold(pair, server):
+    """A router rolled in takes the claims before it serves, not an interval later."""
+    with server.client() as client:
+        client.hset(CLAIMS_KEY, "d0", f"51 {round(pair.wall() * 1000) + 60_000}")
+    claims = KVClaims(clock=lambda: pair.now[0])
+    joining = SharedKVClaims(server.url, claims, interval_s=3600, wall_clock=pair.wall)
+    pair.loop.run_until_complete(joining.start())
+    try:
+        assert claims.held_from("d0", 2) == 51
+    finally:
+        pair.loop.run_until_complete(joining.close())
