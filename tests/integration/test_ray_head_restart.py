@@ -31,12 +31,15 @@ from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import WORKERS_KEY, worker_key
 from tests.integration.processes import PdserveProcess
 from tests.integration.ray_nodes import RayNode, ray_env, remove_temp_dir
-from tests.integration.rehearsal import serve_at
+from tests.integration.rehearsal import serve_at, started
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(600)
 NAMESPACE = "pdserve-head-restart"
 CLIENT_GRACE_S = 5  # RAY_CLIENT_RECONNECT_GRACE_PERIOD: how long a Ray Client tries to reconnect (Ray's default: 30)
+# Past the grace, how long a process may take to notice that Ray is gone: seconds on an idle machine; CI on a busy
+# 2-core one missed 60 s once (nothing in the log said why), so the bound only says that it notices at all.
+NOTICE_SLACK_S = 150
 
 
 @dataclass
@@ -82,12 +85,10 @@ def cluster() -> Iterator[HeadRestart]:
     nodes: list[RayNode] = []
     c: HeadRestart | None = None
     try:
-        nodes.append(RayNode(temp_dir, {}, env={**env, **gcs}))
-        nodes[0].wait_started()
+        nodes.append(started(lambda: RayNode(temp_dir, {}, env={**env, **gcs})))
         node_env = {**env, "RAY_gcs_rpc_server_reconnect_timeout_s": "600"}
         roles = {"pdserve_prefill": 2, "pdserve_decode": 2}  # the controller's workers and a joined pdserve up's
-        nodes.append(RayNode(temp_dir, roles, nodes[0].address, env=node_env))
-        nodes[1].wait_started()
+        nodes.append(started(lambda: RayNode(temp_dir, roles, nodes[0].address, env=node_env)))
         # The clients' (controller, pdserve up) connection attempt to an absent head: 3 tries of 2 s, not Ray's 5,
         # 10 and 15 s; the nodes keep Ray's own timeouts.
         env = {**env, "RAY_CLIENT_INITIAL_CONNECTION_TIMEOUT_S": "2", "RAY_CLIENT_MAX_CONNECTION_TIMEOUT_S": "2"}
@@ -121,7 +122,7 @@ def test_the_workers_serve_through_a_head_restart_and_a_new_controller_finds_the
     while cluster.controller.proc.poll() is None:  # served all along, until the controller has given up
         assert cluster.serve(f"outage-{outage}") == expected
         outage += 1
-        assert time.monotonic() - killed < CLIENT_GRACE_S + 60, (
+        assert time.monotonic() - killed < CLIENT_GRACE_S + NOTICE_SLACK_S, (
             f"the controller never noticed Ray was gone\n{cluster.controller.log()[-4000:]}"
         )
         time.sleep(0.5)
@@ -169,8 +170,10 @@ def start_up(cluster: HeadRestart, name: str, *extra: str) -> tuple[PdserveProce
             return up, port
         except RuntimeError:
             # On this loaded 2-core machine the head's Ray Client proxy now and then fails to start the server
-            # process of a new client (1 in 6 runs): a start that failed there is tried again, nothing else is.
-            if "Starting Ray client server failed" not in up.log() or attempt == 2:
+            # process of a new client (1 in 6 runs; also as a psutil.ZombieProcess in its proxier): a start that
+            # failed there is tried again, nothing else is.
+            proxy_failed = ("Starting Ray client server failed", "Initialization failure from server")
+            if not any(m in up.log() for m in proxy_failed) or attempt == 2:
                 raise
             up.stop(signal.SIGKILL)
     raise AssertionError("unreachable")
@@ -204,7 +207,7 @@ def test_a_joined_pdserve_up_without_redis_exits_and_one_with_redis_serves_on_an
     cluster.head.kill()
     killed = time.monotonic()
     while alone.proc.poll() is None:
-        assert time.monotonic() - killed < CLIENT_GRACE_S + 60, (
+        assert time.monotonic() - killed < CLIENT_GRACE_S + NOTICE_SLACK_S, (
             f"pdserve up never noticed Ray was gone\n{alone.log()[-4000:]}"
         )
         time.sleep(0.5)
@@ -213,7 +216,7 @@ def test_a_joined_pdserve_up_without_redis_exits_and_one_with_redis_serves_on_an
     print(f"pdserve up (own registry) exited {time.monotonic() - killed:.1f} s after the head was killed")
     while "serves on from Redis" not in shared.log():
         assert shared.proc.poll() is None, shared.log()[-3000:]
-        assert time.monotonic() - killed < CLIENT_GRACE_S + 60, (
+        assert time.monotonic() - killed < CLIENT_GRACE_S + NOTICE_SLACK_S, (
             f"pdserve up never noticed Ray was gone\n{shared.log()[-4000:]}"
         )
         time.sleep(0.5)

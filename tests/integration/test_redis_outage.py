@@ -127,8 +127,10 @@ def test_requests_complete_without_stalls_while_redis_is_stopped_and_after(clust
     assert p90(during) < 3 * p90(before), report
     assert len(during) > len(before) / 3, report
     log = cluster.log()
-    assert log.count("registry redis unreachable") == 1, "the outage is logged once, not per refresh"
-    assert log.count("registry redis answers again") == 1
+    # Once, not per refresh (every 0.25 s: a dozen or more in this outage); a stall of Redis past its 0.25 s budget
+    # outside the outage, on this shared machine, is an outage of its own.
+    assert 1 <= log.count("registry redis unreachable") <= 2, "the outage is logged once, not per refresh"
+    assert log.count("registry redis answers again") == log.count("registry redis unreachable")
     assert log.count("does not parse") == 1  # the malformed entry, logged once and skipped
     failed_beats = [line for line in log.splitlines() if "heartbeat to" in line]
     assert failed_beats, "no worker logged the outage"

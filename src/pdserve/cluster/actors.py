@@ -94,7 +94,8 @@ class WorkerActors:
             # Off the main thread Ray sets no SIGTERM handler and warns so; pdserve's own handler is the one wanted.
             logging.getLogger("ray._private.worker").addFilter(_NotMainThreadWarning())
             ray.init(
-                address=c.ray_address,
+                # "local": a new Ray of our own, never one that RAY_ADDRESS or a `ray start` left running names.
+                address=c.ray_address or "local",
                 namespace=c.ray_namespace,
                 include_dashboard=False,
                 num_cpus=None if c.ray_address else os.cpu_count(),
