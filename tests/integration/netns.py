@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import secrets
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -15,6 +16,10 @@ from collections.abc import Iterator
 def _ip(*args: str, netns: str | None = None) -> None:
     cmd = ["ip", *args] if netns is None else ["ip", "netns", "exec", netns, "ip", *args]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
+
+
+def _routes() -> str:
+    return subprocess.run(["ip", "-4", "route"], check=True, capture_output=True, text=True, timeout=30).stdout
 
 
 def unavailable() -> str | None:
@@ -36,8 +41,9 @@ class TwoHosts:
     """`hosts`: [(namespace, address)] for the two hosts; `gateway`: the root namespace's address beside them."""
 
     def __init__(self) -> None:
-        tag = f"{os.getpid() % 10000}"
-        self.subnet = f"10.213.{random.randrange(1, 250)}"
+        # Names and a subnet no one else on the machine uses (a run killed mid-way leaves its own behind).
+        tag = secrets.token_hex(2)
+        self.subnet = random.choice([s for s in (f"10.213.{i}" for i in range(1, 250)) if f"{s}.0/" not in _routes()])
         self.bridge = f"pdbr{tag}"
         self.gateway = f"{self.subnet}.1"
         self.hosts = [(f"pdns{tag}{n}", f"{self.subnet}.{i + 2}") for i, n in enumerate("ab")]
