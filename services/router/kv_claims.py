@@ -1,21 +1,23 @@
 """A bound on how long a large request waits for a decode worker's KV room, as an engine's waiting queue would give.
 
-Admission sheds a request that no decode worker has the free blocks for, with a retry hint. Without a claim, the
-blocks that free up meanwhile go to whichever smaller request comes next, so a large request (a long prompt, a large
+Admission sheds a request that no decode worker has the free blocks for, with a retry hint. Without a claim, the blocks
+that free up meanwhile go to whichever smaller request comes next, so a large request (a long prompt, a large
 max_tokens) can be refused for as long as small ones keep coming. A request refused for longer than its TTFT SLO
-therefore claims its blocks on the worker it was placed on, if that worker could ever hold it: until the claim
-lapses, a smaller new request is placed there only on the blocks beyond the claim, so the free blocks add up to what
-the claimant needs. Not at its first refusal: a claim holds blocks back from every smaller request (under a
-sustained overload with one request in eight large, claims at the first refusal cut the large ones' longest wait
-from 146 to 15 s but raised the small ones' median from 0.3 to 2.7 s), so it is kept for a request that has already
-missed its first-token SLO, which only a claim can bound. A worker holds one claim, the earliest. Requests are known
-by their size: a refusal of a request as large as a live claim (the claimant's own retry: the same prompt and
-max_tokens, the same number of blocks) renews that claim wherever it is, so one claimant holds one claim however its
-retries are placed; a request at least as large admitted anywhere ends it. A claim the claimant does not come back
-for lapses after a few of its retry hints. Streams moving to another decode worker are mid-answer and never wait on
-a claim. Routers that share a Redis registry share their claims (shared_claims.py): each writes the claims it set,
-renewed or ended, and takes every router's, so a claim holds against every router's requests and a claimant's
-retries renew it through whichever router they reach. A request's refusals are counted by the router they reach.
+therefore claims its blocks on the worker it was placed on, if that worker could ever hold it: until the claim lapses, a
+smaller new request is placed there only on the blocks beyond the claim, so the free blocks add up to what the claimant
+needs. Not at its first refusal: a claim holds blocks back from every smaller request (under a sustained overload with
+one request in eight large, claims at the first refusal cut the large ones' longest wait from 146 to 15 s but raised the
+small ones' median from 0.3 to 2.7 s), so it is kept for a request that has already missed its first-token SLO, which
+only a claim can bound. A worker holds one claim: the one of the claimant refused first, so starved requests get in in
+the order they came (a later claimant's claim there gives way to an earlier one's). Requests are known by their size: a
+refusal of a request as large as a live claim (the claimant's own retry: the same prompt and max_tokens, the same number
+of blocks) renews that claim wherever it is, so one claimant holds one claim however its retries are placed; a request
+at least as large admitted anywhere ends it. A claimant whose claim ended so, or gave way, keeps its place: its next
+refusal claims again at once, as early as it first was. A claim the claimant does not come back for lapses after a few
+of its retry hints. Streams moving to another decode worker are mid-answer and never wait on a claim. Routers that share
+a Redis registry share their claims (shared_claims.py): each writes the claims it set, renewed or ended, and takes every
+router's, so a claim holds against every router's requests and a claimant's retries renew it through whichever router
+they reach. A request's refusals are counted by the router they reach.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ CLAIM_RETRY_HINTS = 4  # a claim outlasts this many of its claimant's retry hint
 class Claim:
     blocks: int
     until: float  # on KVClaims.clock
+    since: float  # when its claimant was first refused, on KVClaims.clock: the earliest holds the worker
 
 
 @dataclass
 class Refused:
-    """A request of one size refused for room and retrying, not yet refused for long enough to claim."""
+    """A request of one size refused for room and retrying: since when, and until when it is waited for."""
 
     since: float
     until: float
@@ -45,7 +48,7 @@ class Refused:
 class KVClaims:
     def __init__(self, clock: Callable[[], float] | None = None) -> None:
         self.clock = clock or (lambda: time.monotonic())  # looked up per call: tests move it by hand
-        self._claims: dict[str, Claim] = {}  # decode worker id -> the oldest live claim on it
+        self._claims: dict[str, Claim] = {}  # decode worker id -> the live claim on it
         self._refused: dict[int, Refused] = {}  # blocks -> the first refusal of a request that size
         self.shared = False  # set by shared_claims.py, which takes the changes: none are kept for no one to take
         self._changed: set[str] = set()  # workers whose claim this router set, renewed or ended since the last take
@@ -53,23 +56,23 @@ class KVClaims:
     def claim(self, worker_id: str, blocks: int, retry_after_s: float, after_s: float) -> None:
         """A request needing `blocks` was refused for room on the worker (one whose whole KV holds it). A live claim
         of its size is renewed, wherever it is; else, once requests of its size have been refused for `after_s`
-        (its TTFT SLO), it claims them there, unless an earlier request holds the worker's claim."""
+        (its TTFT SLO), it claims them there, unless a request refused before it holds the worker's claim."""
         now = self.clock()
         self._claims = {w: c for w, c in self._claims.items() if c.until > now}  # a gone worker's lapse too
         self._refused = {b: r for b, r in self._refused.items() if r.until > now}
         until = now + max(CLAIM_MIN_S, CLAIM_RETRY_HINTS * retry_after_s)
+        refused = self._refused.setdefault(blocks, Refused(now, until))  # kept while claimed: its place, if it ends
+        refused.until = until
         renewed = [w for w, held in self._claims.items() if held.blocks == blocks]
         for w in renewed:
             self._claims[w].until = until
         self._mark(renewed)
-        if renewed:
+        if renewed or now - refused.since < after_s:
             return
-        refused = self._refused.setdefault(blocks, Refused(now, until))
-        refused.until = until
-        if now - refused.since >= after_s and worker_id not in self._claims:
-            self._claims[worker_id] = Claim(blocks, until)
+        held = self._claims.get(worker_id)
+        if held is None or refused.since < held.since:
+            self._claims[worker_id] = Claim(blocks, until, refused.since)
             self._mark([worker_id])
-            del self._refused[blocks]
 
     def held_from(self, worker_id: str, blocks: int) -> int:
         """The worker's free blocks a new request needing `blocks` must leave to a claim: all the claim's, unless it

@@ -2,7 +2,8 @@
 requests: with two routers behind one Service, small requests through the other router would otherwise take the
 blocks a claimant waits for, and its retries, reaching either router, would claim twice.
 
-One hash, `pdserve:kv_claims`: decode worker id -> "<blocks> <until, Unix ms>". Every `VIEW_REFRESH_S` a router
+One hash, `pdserve:kv_claims`: decode worker id -> "<blocks> <until> <since>" (Unix ms: when the claim lapses, when
+its claimant was first refused). Every `VIEW_REFRESH_S` a router
 writes the claims it set, renewed or ended since its last write and reads every router's into its own view, in one
 round trip on a background task; requests read only that view and never wait on Redis. A set or renewed claim is
 written over whatever the worker's entry holds; an ended or expired one is deleted only if the entry still holds what
@@ -100,7 +101,7 @@ class SharedKVClaims:
         """One pipeline writes `changes` and reads the hash, whose Unix times become the claims' clock's (each
         process's own monotonic one)."""
         wall, mono = self.wall_clock(), self.claims.clock()
-        written = {w: f"{c.blocks} {round((wall + c.until - mono) * 1000)}".encode() for w, c in changes.items() if c}
+        written = {w: _entry(c, wall, mono) for w, c in changes.items() if c}
         ended = {w for w, c in changes.items() if c is None} | (self._stale - set(written))
         deleted = [x for w in sorted(ended) if w in self._known for x in (w, self._known[w])]
         async with self._redis.pipeline() as pipe:
@@ -130,15 +131,23 @@ class SharedKVClaims:
         return shared
 
 
+def _entry(claim: Claim, wall: float, mono: float) -> bytes:
+    until, since = (round((wall + t - mono) * 1000) for t in (claim.until, claim.since))
+    return f"{claim.blocks} {until} {since}".encode()
+
+
 def _parse(value: bytes, wall: float, mono: float) -> Claim | None:
     """A live claim on this process's monotonic clock, or None once expired."""
     try:
-        blocks, until_ms = (int(x) for x in value.split())
+        blocks, until_ms, since_ms = (int(x) for x in value.split())
     except ValueError:
-        raise ValueError("not '<blocks> <until, Unix ms>'") from None
+        raise ValueError("not '<blocks> <until> <since>' (Unix ms)") from None
     if blocks <= 0:
         raise ValueError(f"{blocks} blocks")
-    left_ms = until_ms - round(wall * 1000)  # in ints: a value of any size is refused, never overflows a float
+    now_ms = round(wall * 1000)  # in ints: a value of any size is refused, never overflows a float
+    left_ms, waited_ms = until_ms - now_ms, now_ms - since_ms
     if left_ms > HORIZON_MS:
         raise ValueError(f"it ends {left_ms} ms from now, past any claim's {HORIZON_MS} ms")
-    return Claim(blocks, mono + left_ms / 1000) if left_ms > 0 else None
+    if abs(waited_ms) >= 2**53:  # a float's exact integers; a little ahead is another router's clock
+        raise ValueError(f"its claimant's first refusal, {since_ms} ms, is no Unix time")
+    return Claim(blocks, mono + left_ms / 1000, mono - waited_ms / 1000) if left_ms > 0 else None

@@ -84,4 +84,46 @@ def test_a_lone_routers_claims_keep_no_changes_for_a_shared_store(clock):
     assert claims.take_changes() == {}
     claims.shared = True
     claims.claim("d0", 50, retry_after_s=0.1, after_s=0.0)
-    assert claims.take_changes() == {"d0": Claim(50, clock[0] + CLAIM_MIN_S)}
+    assert claims.take_changes() == {"d0": Claim(50, clock[0] + CLAIM_MIN_S, clock[0])}
+
+
+def refused(claims: KVClaims, clock: list[float], blocks: int, seconds: float, slo_s: float) -> None:
+    """A request of `blocks` refused on d0 every 0.5 s (its retry hint) for `seconds`."""
+    end = clock[0] + seconds
+    while clock[0] < end:
+        claims.claim("d0", blocks, retry_after_s=0.5, after_s=slo_s)
+        clock[0] += 0.5
+    claims.claim("d0", blocks, retry_after_s=0.5, after_s=slo_s)
+
+
+def test_a_claimant_whose_claim_a_larger_admission_ended_claims_again_at_once(clock):
+    """The soak review's starved request: a larger request got in and ended its claim, and it then waited out a new
+    SLO before it could claim again, for as long as larger ones kept overtaking it (131 s, never served)."""
+    claims = KVClaims()
+    refused(claims, clock, 80, 5.0, slo_s=5.0)
+    assert claims.held_from("d0", 10) == 80
+    claims.admitted(120)  # a larger request's
+    assert claims.held_from("d0", 10) == 0
+    clock[0] += 0.5
+    claims.claim("d0", 80, retry_after_s=0.5, after_s=5.0)  # its next refusal
+    assert claims.held_from("d0", 10) == 80
+    claims.admitted(80)  # its own admission: its place goes too
+    clock[0] += 0.5
+    claims.claim("d0", 80, retry_after_s=0.5, after_s=5.0)  # another request its size starts waiting
+    assert claims.held_from("d0", 10) == 0
+
+
+def test_the_claimant_refused_first_takes_the_worker_from_a_later_one(clock):
+    """Starved requests get in in the order they came: a small one that passed its SLO under the overload and
+    claimed first gives way to a large one refused before it (the soak review saw small claims shut large ones
+    out)."""
+    claims = KVClaims()
+    claims.claim("d0", 80, retry_after_s=0.5, after_s=5.0)  # the large one, first refused at 1000
+    holders = []
+    for _ in range(11):  # then both, every 0.5 s: a small one with a 1 s SLO, first refused at 1000.5
+        clock[0] += 0.5
+        claims.claim("d0", 12, retry_after_s=0.5, after_s=1.0)
+        claims.claim("d0", 80, retry_after_s=0.5, after_s=5.0)
+        holders.append(claims.held_from("d0", 2))
+    # The small one claims at 1001.5; the large one, past its SLO at 1005 and refused before it, takes the worker.
+    assert holders == [0, 0, 12, 12, 12, 12, 12, 12, 12, 80, 80], holders

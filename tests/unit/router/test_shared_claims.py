@@ -127,18 +127,20 @@ def test_without_redis_each_router_keeps_its_own_claims_and_shares_them_once_red
 
 def test_expired_and_malformed_entries_are_dropped_and_a_malformed_one_is_logged(pair, server, caplog):
     ms = round(pair.wall() * 1000)
-    entries = {"d0": f"51 {ms + 60_000}", "d1": f"20 {ms - 1}", "d2": "many", "d3": f"0 {ms + 60_000}"}
-    entries |= {"d4": "1 " + "9" * 400, "d5": f"5 {ms + 10**7}"}  # no float holds it; past any claim's end
+    entries = {"d0": f"51 {ms + 60_000} {ms}", "d1": f"20 {ms - 1} {ms - 9}", "d2": "many", "d3": f"0 {ms} {ms}"}
+    entries |= {"d4": f"1 {'9' * 400} {ms}", "d5": f"5 {ms + 10**7} {ms}", "d6": f"5 {ms + 1} {'9' * 400}"}
+    entries |= {"d7": f"5 {ms + 60_000}"}  # no float holds d4's end or d6's start; d5 ends past any claim's end
     with server.client() as client:
         client.hset(CLAIMS_KEY, mapping=entries)
     with caplog.at_level(logging.ERROR, logger="services.router.shared_claims"):
         pair.sync()
-    assert "'d2' = b'many' dropped: not '<blocks> <until, Unix ms>'" in caplog.text
-    assert "'d3' = b'0 " in caplog.text and "dropped: 0 blocks" in caplog.text
-    assert "'d4' = b'1 999" in caplog.text and "'d5' = " in caplog.text and "past any claim's" in caplog.text
+    for field, says in [("d2", "not '<blocks> <until> <since>'"), ("d3", "0 blocks"), ("d4", "past any claim's")]:
+        assert f"{field!r} = " in caplog.text and says in caplog.text
+    assert "'d5' = " in caplog.text and "'d6' = " in caplog.text and "is no Unix time" in caplog.text
+    assert "'d7' = " in caplog.text  # a claim without its claimant's first refusal
     assert "'d1'" not in caplog.text  # expired: not an error
     claims = pair.routers[0].predictor.claims
-    assert [claims.held_from(w, 2) for w in ("d0", "d1", "d2", "d3", "d4", "d5")] == [51, 0, 0, 0, 0, 0]
+    assert [claims.held_from(f"d{i}", 2) for i in range(8)] == [51, 0, 0, 0, 0, 0, 0, 0]
     pair.sync()
     assert set(shared_hash(server)) == {b"d0"}
 
@@ -147,7 +149,7 @@ def test_a_router_deletes_no_claim_it_has_not_seen(pair, server):
     """An entry one router read expired, and which another router's new claim took over meanwhile, stays."""
     a, b = pair.shared
     with server.client() as client:
-        client.hset(CLAIMS_KEY, "d0", f"20 {round(pair.wall() * 1000) - 1}")
+        client.hset(CLAIMS_KEY, "d0", f"20 {round(pair.wall() * 1000) - 1} {round(pair.wall() * 1000) - 9}")
     assert pair.loop.run_until_complete(a.sync())  # read expired: a deletes it with its next write
     pair.routers[1].predictor.claims.claim("d0", 30, retry_after_s=1.0, after_s=0.0)
     assert pair.loop.run_until_complete(b.sync())
@@ -185,7 +187,7 @@ def stall(server: RedisServer, seconds: float) -> None:
 def test_a_router_starts_with_the_claims_the_others_hold(pair, server):
     """A router rolled in takes the claims before it serves, not an interval later."""
     with server.client() as client:
-        client.hset(CLAIMS_KEY, "d0", f"51 {round(pair.wall() * 1000) + 60_000}")
+        client.hset(CLAIMS_KEY, "d0", f"51 {round(pair.wall() * 1000) + 60_000} {round(pair.wall() * 1000)}")
     claims = KVClaims(clock=lambda: pair.now[0])
     joining = SharedKVClaims(server.url, claims, interval_s=3600, wall_clock=pair.wall)
     pair.loop.run_until_complete(joining.start())
