@@ -24,7 +24,13 @@ from pdserve.telemetry import mark_ended_by, mark_failed, step_span
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, check_model, generate
 from services.router.http.connection_close import CloseWhileDraining
-from services.router.http.errors import BodyTimeoutError, BodyTooLargeError, error_body, error_response
+from services.router.http.errors import (
+    BodyEncodingError,
+    BodyTimeoutError,
+    BodyTooLargeError,
+    error_body,
+    error_response,
+)
 from services.router.http.openai_request import OpenAIRequest, parse_json, parse_request
 from services.router.http.openai_response import DONE_EVENT, Answer, sse_events
 from services.router.lifecycle import RequestLifecycle
@@ -277,10 +283,14 @@ def _span_status(span: trace.Span, status: int, error: BaseException | None = No
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, or BodyTooLargeError as soon as it is known to be past `limit`: from its Content-Length before any
-    of it is read, else once what came would pass it. No more than `limit` bytes are ever held. BodyTimeoutError
-    when it is not all in within BODY_TIMEOUT_S: a client sending it a byte at a time would hold its connection and
-    a descriptor for ever, as a slow head would (connection_deadlines)."""
+    """The body; BodyEncodingError for one sent compressed, before any of it is read. BodyTooLargeError as soon as it
+    is known to be past `limit`: from its Content-Length before any of it is read, else once what came would pass
+    it. No more than `limit` bytes are ever held. BodyTimeoutError when it is not all in within BODY_TIMEOUT_S: a
+    client sending it a byte at a time would hold its connection and a descriptor for ever, as a slow head would
+    (connection_deadlines)."""
+    encoding = request.headers.get("content-encoding", "").strip().lower() or "identity"
+    if encoding != "identity":  # gzip and the like would be read as bytes that are no JSON
+        raise BodyEncodingError(encoding[:64])
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise BodyTooLargeError(limit)

@@ -246,3 +246,18 @@ async def test_without_the_access_log_a_request_logs_no_line_and_is_still_counte
         r = await post(lifecycle, "/v1/completions", BAD_BODIES[0][1].encode())
     assert r.status_code == 400 and outcomes(caplog) == []
     assert requests_by_outcome(lifecycle.telemetry) == {("invalid", "anonymous"): 1}
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br, gzip", "Deflate"])
+async def test_a_compressed_body_is_a_415_before_any_of_it_is_read(limited, caplog, encoding):
+    """A fuzz finding: a gzip body was read, then refused as "not valid JSON", as if the JSON were at fault."""
+    body = Upload(b" " * 100, 5)
+    with caplog.at_level(logging.INFO, logger="services.router.lifecycle"):
+        r = await upload(limited, body, {"content-encoding": encoding, "content-type": "application/json"})
+    assert r.status_code == 415, r.text
+    error = r.json()["error"]
+    assert error["param"] == "body" and "this API takes bodies uncompressed" in error["message"], error
+    assert repr(encoding.lower()) in error["message"] and r.headers["connection"] == "close"
+    assert body.taken == 0 and outcomes(caplog) == ["invalid"]
+    plain = await upload(limited, Upload(b'{"model": "m", "prompt": "x"}', 1), {"content-encoding": "identity"})
+    assert plain.status_code != 415
