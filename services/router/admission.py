@@ -75,8 +75,8 @@ class Admission:
         self.predictor.claims.admitted(placement.blocks_needed)
 
     def _check_kv_room(self, placement: Placement, slo: SLOTarget) -> None:
-        """Refused for room past its TTFT SLO, a request claims its blocks on the worker (kv_claims.py), unless an
-        earlier one has."""
+        """Refused for room past its TTFT SLO, a request claims its blocks on the worker (kv_claims.py), unless one
+        refused before it holds the worker's claim."""
         decode, blocks = placement.decode, placement.blocks_needed
         free = self.predictor.free_blocks(decode)
         if free - self.predictor.claims.held_from(decode.worker_id, blocks) >= blocks:
