@@ -25,9 +25,9 @@ from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, check_model, generate
 from services.router.http.connection_close import CloseWhileDraining
 from services.router.http.errors import (
-    BodyEncodingError,
     BodyTimeoutError,
     BodyTooLargeError,
+    UnsupportedBodyError,
     error_body,
     error_response,
 )
@@ -283,14 +283,12 @@ def _span_status(span: trace.Span, status: int, error: BaseException | None = No
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    """The body; BodyEncodingError for one sent compressed, before any of it is read. BodyTooLargeError as soon as it
-    is known to be past `limit`: from its Content-Length before any of it is read, else once what came would pass
-    it. No more than `limit` bytes are ever held. BodyTimeoutError when it is not all in within BODY_TIMEOUT_S: a
-    client sending it a byte at a time would hold its connection and a descriptor for ever, as a slow head would
-    (connection_deadlines)."""
-    encoding = request.headers.get("content-encoding", "").strip().lower() or "identity"
-    if encoding != "identity":  # gzip and the like would be read as bytes that are no JSON
-        raise BodyEncodingError(encoding[:64])
+    """The body; UnsupportedBodyError for one sent compressed or not as JSON (_check_form), before any of it is read.
+    BodyTooLargeError as soon as it is known to be past `limit`: from its Content-Length before any of it is read,
+    else once what came would pass it. No more than `limit` bytes are ever held. BodyTimeoutError when it is not all
+    in within BODY_TIMEOUT_S: a client sending it a byte at a time would hold its connection and a descriptor for
+    ever, as a slow head would (connection_deadlines)."""
+    _check_form(request)
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise BodyTooLargeError(limit)
@@ -304,6 +302,23 @@ async def _read_body(request: Request, limit: int) -> bytes:
     except TimeoutError:
         raise BodyTimeoutError(BODY_TIMEOUT_S) from None
     return bytes(body)
+
+
+def _check_form(request: Request) -> None:
+    """A body compressed (gzip and the like would be read as bytes that are no JSON) or sent as a type other than
+    JSON is refused. The types are FastAPI's (vLLM's server): none, `application/json` or `application/*+json`, any
+    parameters. A form or `text/plain` is what a web page may make a visitor's browser send to any address without
+    asking it first (CORS), so a router without API keys would serve that page; and `curl -d` without a JSON
+    Content-Type is a client's mistake better named than served."""
+    encoding = request.headers.get("content-encoding", "").strip().lower() or "identity"
+    if encoding != "identity":
+        raise UnsupportedBodyError(
+            f"is sent with Content-Encoding {encoding[:64]!r}; this API takes bodies uncompressed"
+        )
+    content_type = request.headers.get("content-type", "")
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise UnsupportedBodyError(f"is sent as Content-Type {content_type[:64]!r}; this API takes application/json")
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

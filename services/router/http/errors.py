@@ -37,18 +37,18 @@ class BodyTimeoutError(InvalidRequestError):
         super().__init__("body", f"did not arrive within {timeout_s:g} s of the request's head")
 
 
-class BodyEncodingError(InvalidRequestError):
-    """A body sent compressed (Content-Encoding), which the API does not take: a 415 before any of it is read, and
-    the connection closes. Sent as it is (identity), it may be sent again."""
+class UnsupportedBodyError(InvalidRequestError):
+    """A body sent in a form the API does not take, compressed (Content-Encoding) or not JSON (Content-Type): a 415
+    before any of it is read, and the connection closes. Sent as uncompressed JSON, it may be sent again."""
 
-    def __init__(self, encoding: str) -> None:
-        super().__init__("body", f"is sent with Content-Encoding {encoding!r}; this API takes bodies uncompressed")
+    def __init__(self, problem: str) -> None:
+        super().__init__("body", problem)
 
 
 _STATUS: list[tuple[type[BaseException], int, str]] = [  # the first match wins: a subclass before its base
     (ModelNotFoundError, 404, "not_found_error"),
     (BodyTooLargeError, 413, "invalid_request_error"),
-    (BodyEncodingError, 415, "invalid_request_error"),
+    (UnsupportedBodyError, 415, "invalid_request_error"),
     (BodyTimeoutError, 408, "timeout_error"),
     (InvalidRequestError, 400, "invalid_request_error"),
     (UnauthenticatedError, 401, "authentication_error"),
@@ -72,7 +72,7 @@ def error_body(exc: BaseException, max_tokens_param: str = "max_tokens") -> tupl
         param = openai_param(exc.field, max_tokens_param)
         message = f"{param}: {message.split(': ', 1)[1]}" if ": " in message else message
         code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None
-        if isinstance(exc, (BodyTooLargeError, BodyTimeoutError, BodyEncodingError)):
+        if isinstance(exc, (BodyTooLargeError, BodyTimeoutError, UnsupportedBodyError)):
             headers = {"connection": "close"}
     elif isinstance(exc, PermissionDeniedError):
         param = openai_param(exc.field, max_tokens_param)

@@ -261,3 +261,32 @@ async def test_a_compressed_body_is_a_415_before_any_of_it_is_read(limited, capl
     assert body.taken == 0 and outcomes(caplog) == ["invalid"]
     plain = await upload(limited, Upload(b'{"model": "m", "prompt": "x"}', 1), {"content-encoding": "identity"})
     assert plain.status_code != 415
+
+
+@pytest.mark.parametrize(
+    "content_type", ["application/x-www-form-urlencoded", "text/plain;charset=UTF-8", "multipart/form-data; b=x"]
+)
+async def test_a_body_not_sent_as_json_is_a_415_before_any_of_it_is_read(limited, caplog, content_type):
+    """The types a browser sends cross-origin without asking first, and `curl -d`'s form: read as JSON before, so a web
+    page could have a visitor's browser use a router without API keys."""
+    body = Upload(b'{"model": "m", "prompt": "x"}', 1)
+    with caplog.at_level(logging.INFO, logger="services.router.lifecycle"):
+        r = await upload(limited, body, {"content-type": content_type})
+    assert r.status_code == 415, r.text
+    error = r.json()["error"]
+    assert error == {
+        "message": f"body: is sent as Content-Type {content_type!r}; this API takes application/json",
+        "type": "invalid_request_error",
+        "param": "body",
+        "code": None,
+    }
+    assert r.headers["connection"] == "close" and body.taken == 0 and outcomes(caplog) == ["invalid"]
+
+
+@pytest.mark.parametrize(
+    "headers", [{}, {"content-type": "Application/JSON; charset=utf-8"}, {"content-type": "application/vnd.x+json"}]
+)
+async def test_a_body_sent_as_json_or_with_no_type_is_read(lifecycle, headers):
+    """FastAPI's rule (vLLM's server): no Content-Type is JSON, as is any `application/*+json`."""
+    r = await upload(lifecycle, Upload(f"{{{PROMPT}}}".encode(), 1), headers)
+    assert r.status_code == 503, r.text  # read, parsed and checked: no worker to serve it
