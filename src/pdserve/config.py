@@ -23,8 +23,7 @@ from pdserve.redaction import redacted_url
 MAX_MESSAGE_BYTES = 16 * 2**20
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CLUSTER_MODES = ("disaggregated", "colocated")
-# Workers of one role, also what `pdserve scale` allows: those on one host take consecutive fixed ports, this many
-# (`addresses.PORT_SPAN`).
+# Workers of one role, also `pdserve scale`'s bound: one host's take this many consecutive ports (addresses.PORT_SPAN)
 MAX_WORKERS_PER_ROLE = 64
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py's from_url takes
 DECODE_GRAPH_MODES = ("auto", "static", "off")
@@ -139,6 +138,7 @@ class RouterConfig:
     # A caller that takes none of its stream this long (its window full, not reading, not gone) is taken as gone:
     # its request ends, cancelled, and its HTTP connection (a gRPC stream: CANCELLED) with it.
     reader_stall_timeout_s: float = 60.0
+    sse_keepalive_s: float = 15.0  # a started SSE stream silent this long sends a comment (http/keepalive.py)
     max_attempts: int = 3  # placements a request may get before its first token (1: never retried)
     migration_limit: int = 3  # moves of a stream to another decode worker after tokens were sent (0: none)
     ejection_s: float = 10.0  # a worker whose call failed stays out of placement this long (or until restarted)
@@ -173,8 +173,8 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.max_http_body_bytes < 1:
             raise ValueError(f"max_http_body_bytes must be at least 1, got {self.max_http_body_bytes}")
-        positive = ("first_token_timeout_s", "stall_timeout_s", "reader_stall_timeout_s", "default_ttft_ms")
-        for name in (*positive, "default_tpot_ms", "heartbeat_s"):
+        positive = ("first_token_timeout_s", "stall_timeout_s", "reader_stall_timeout_s", "sse_keepalive_s")
+        for name in (*positive, "default_ttft_ms", "default_tpot_ms", "heartbeat_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
         if self.stall_timeout_s < STALL_TIMEOUT_MIN_S:  # a preempted stream, silent but for its notices, would move

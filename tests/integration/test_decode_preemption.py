@@ -1,34 +1,42 @@
 """A decode worker out of KV blocks preempts a stream, which waits to be recomputed: through a real `pdserve up`
 (1 + 1, tiny-random, 26 KV blocks a worker), the stream waits out its turn on its worker, longer than the router's
-stall bound, and ends with the single-process engine's tokens, never taken for a hung worker's and moved."""
+stall bound, and ends with the single-process engine's tokens, never taken for a hung worker's and moved. Streamed
+over the HTTP API, it sends SSE comments while it waits."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
 import grpc
+import httpx2
 import pytest
 
-from pdserve.cluster.local_process import ClusterProcess
+from pdserve.cluster.local_process import ClusterProcess, free_port
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2_grpc
 from tests.integration.cluster_view import scrape, status_json, total
-from tests.integration.reference import greedy, greedy_request
+from tests.integration.reference import greedy, greedy_completion, greedy_request
 
 pytestmark = pytest.mark.timeout(300)
 STALL_S = 2.0
 STEP_S = 0.05  # each decode step running a "slow-" request: the preempted stream waits 100 of them, 5 s
 BLOCKS = 26
+KEEPALIVE_S = 0.5
+LONG_PROMPT, SHORT_PROMPT = [3 + i % 250 for i in range(200)], [7, 8, 9, 10] * 4
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    log = tmp_path_factory.mktemp("preemption") / "cluster.log"
+    folder = tmp_path_factory.mktemp("preemption")
+    (folder / "router.toml").write_text(f"[router]\nsse_keepalive_s = {KEEPALIVE_S}\n")
     args = ["--model", "tiny-random", "--prefill", "1", "--decode", "1", "--kv-cache-gb", str(BLOCKS * 8192 / 2**30)]
+    args += ["--router-config", str(folder / "router.toml"), "--http-port", str(http_port := free_port())]
     env = {"PDSERVE_FAULT_SLOW_STEP_S": str(STEP_S), "PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX": "slow-"}
-    proc = ClusterProcess(*args, "--stall-timeout-s", str(STALL_S), log_path=log, env=env)
+    proc = ClusterProcess(*args, "--stall-timeout-s", str(STALL_S), log_path=folder / "cluster.log", env=env)
+    proc.base_url = f"http://127.0.0.1:{http_port}/v1"
     yield proc
     proc.stop()
 
@@ -52,7 +60,7 @@ async def stream(stub, request, first: asyncio.Event | None = None) -> list[int]
 def test_a_preempted_stream_waits_on_its_worker_past_the_stall_bound_and_is_never_moved(cluster):
     # The long prompt holds 13 blocks from the start; the two streams outgrow 26 blocks after ~100 steps each, when
     # the newer (short) one is preempted and waits ~100 steps for the long one to finish and free its 25.
-    long_prompt, short_prompt = [3 + i % 250 for i in range(200)], [7, 8, 9, 10] * 4
+    long_prompt, short_prompt = LONG_PROMPT, SHORT_PROMPT
     long_req, short_req = greedy_request("slow-long", long_prompt, 200), greedy_request("slow-short", short_prompt, 120)
 
     async def both() -> tuple[list[int], list[int]]:
@@ -74,8 +82,51 @@ def test_a_preempted_stream_waits_on_its_worker_past_the_stall_bound_and_is_neve
     log = cluster.log()
     moved = re.findall(r".*(?:out of placement|migrated after|placed again).*", log)
     assert not moved, moved  # before: "sent nothing for 2 s mid-stream (the router's stall bound)", then a move
+    assert_blocks_freed(cluster)
+
+
+def assert_blocks_freed(cluster: ClusterProcess) -> None:
     end = time.monotonic() + 15
-    while (used := [w["kv_blocks_used"] for w in workers]) != [0, 0] and time.monotonic() < end:
+    while (used := [w["kv_blocks_used"] for w in status_json(cluster.address)["workers"]]) != [0, 0]:
+        assert time.monotonic() < end, used
         time.sleep(0.2)
-        workers = status_json(cluster.address)["workers"]
-    assert used == [0, 0], workers
+
+
+async def sse_lines(base_url: str, request_id: str, prompt: list[int], max_tokens: int) -> list[tuple[float, str]]:
+    """Each line of a streamed completion with when it came; a 429 (the other stream's blocks counted) is retried."""
+    body = {"model": "tiny-random", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    async with httpx2.AsyncClient(base_url=base_url, timeout=120) as http:
+        while True:
+            headers = {"x-request-id": request_id}
+            async with http.stream("POST", "/completions", json=body | {"temperature": 0}, headers=headers) as r:
+                if r.status_code == 429:
+                    await asyncio.sleep(0.1)
+                    continue
+                assert r.status_code == 200, await r.aread()
+                return [(time.monotonic(), line) async for line in r.aiter_lines() if line]
+
+
+def test_a_preempted_sse_stream_sends_comments_while_it_waits(cluster):
+    """The wait is silent but for the router's comments, every `sse_keepalive_s`: a proxy's idle timer in front of the
+    router (60 s by default in nginx and an AWS ALB) would otherwise cut a stream waiting that long."""
+
+    async def both() -> list[tuple[float, str]]:
+        async with channel(cluster.address) as ch:
+            stub, started = generate_pb2_grpc.GenerationStub(ch), asyncio.Event()
+            long_req = greedy_request("slow-long-2", LONG_PROMPT, 200)
+            long_task = asyncio.create_task(stream(stub, long_req, started))
+            await started.wait()
+            lines = await sse_lines(cluster.base_url, "slow-short-2", SHORT_PROMPT, 120)
+            assert await long_task == greedy(LONG_PROMPT, 200)
+            return lines
+
+    lines = asyncio.run(both())
+    events = [(t, json.loads(line.removeprefix("data: "))) for t, line in lines[:-1] if line.startswith("data: ")]
+    assert lines[-1][1] == "data: [DONE]"
+    assert "".join(e["choices"][0]["text"] for _, e in events) == greedy_completion(SHORT_PROMPT, 120).text
+    token_times = [t for t, e in events if e["choices"][0]["text"]]
+    gap, since = max((b - a, a) for a, b in zip(token_times, token_times[1:], strict=False))
+    assert gap > 2 * STALL_S, f"the longest wait between tokens was {gap:.1f} s: the stream was not preempted"
+    comments = [t for t, line in lines if line.startswith(":") and since < t < since + gap]
+    assert len(comments) >= gap / KEEPALIVE_S / 2, (gap, comments)  # one each 0.5 s; half allows a busy host
+    assert_blocks_freed(cluster)

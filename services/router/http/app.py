@@ -31,6 +31,7 @@ from services.router.http.errors import (
     error_body,
     error_response,
 )
+from services.router.http.keepalive import KeptAliveBody
 from services.router.http.openai_request import OpenAIRequest, parse_json, parse_request
 from services.router.http.openai_response import DONE_EVENT, Answer, sse_events
 from services.router.lifecycle import RequestLifecycle
@@ -119,7 +120,8 @@ class OpenAIAPI:
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id or uuid.uuid4().hex}"
         answer = Answer(req, answer_id, self.lifecycle.tokenizer)
         if req.stream:
-            return SSEResponse(self._events(req, answer, request, start), req.max_tokens_param)
+            events = self._events(req, answer, request, start)
+            return SSEResponse(events, req.max_tokens_param, self.lifecycle.config.sse_keepalive_s)
         headers: dict[str, str] = {}
         with self._span(request, req) as span:
             whole = asyncio.ensure_future(self._whole(req, answer, request, headers, start))
@@ -341,11 +343,12 @@ class SSEResponse(StreamingResponse):
     """A stream whose status waits for its first event: a request refused before its first token (invalid,
     shed, nowhere to place it) gets the same JSON error and status as a non-streaming one. An error after the
     first event can only end the stream: an `error` event, then `[DONE]` as every stream ends (vLLM's too), so
-    a reader waiting for it does not take the stream for cut."""
+    a reader waiting for it does not take the stream for cut. Once started, a silence of `keepalive_s` sends a
+    comment (keepalive.py)."""
 
-    def __init__(self, events: AsyncIterator[bytes], max_tokens_param: str) -> None:
+    def __init__(self, events: AsyncIterator[bytes], max_tokens_param: str, keepalive_s: float) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
-        self.max_tokens_param = max_tokens_param
+        self.max_tokens_param, self.keepalive_s = max_tokens_param, keepalive_s
 
     async def stream_response(self, send: Send) -> None:
         # Closed here whatever ends it: a client that hangs up while a write waits (a slow reader) is a cancel in
@@ -368,8 +371,9 @@ class SSEResponse(StreamingResponse):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         await send({"type": "http.response.body", "body": first, "more_body": True})
         try:
-            async for event in events:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+            async with KeptAliveBody(send, self.keepalive_s) as kept_alive:
+                async for event in events:
+                    await kept_alive.send(event)
         except Exception as e:
             _, body, _ = error_body(e, self.max_tokens_param)
             event = b"data: " + json.dumps(body).encode() + b"\n\n" + DONE_EVENT
