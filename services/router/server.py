@@ -26,6 +26,7 @@ from services.router.http.app import openai_app
 from services.router.http.server import HttpServer
 from services.router.lifecycle import RequestLifecycle
 from services.router.load_tracker import LoadTracker
+from services.router.parse_after_key import ParseAfterKeyCheck
 from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
 from services.router.predictor import Predictor
 from services.router.servicer import GENERATE_METHOD, GenerationServicer
@@ -121,6 +122,7 @@ async def start_router(
         advertise_host=advertise_host,
         max_connection_age_s=config.max_connection_age_s or None,
         checked_by_handler=[GENERATE_METHOD],  # counted as the caller's mistake with every other refusal
+        inner=[ParseAfterKeyCheck(lifecycle, [GENERATE_METHOD], generate_pb2.GenerateRequest)],
     )
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),

@@ -156,6 +156,25 @@ async def test_a_peer_refusing_this_processs_cluster_credentials_is_a_peer_it_ca
         await decode.stop(None)
 
 
+async def test_a_non_peers_message_is_refused_without_being_parsed(monkeypatch) -> None:
+    parsed, from_string = [], pb.GenerateRequest.FromString
+
+    def parse(data: bytes) -> pb.GenerateRequest:
+        parsed.append(data)
+        return from_string(data)
+
+    monkeypatch.setattr(pb.GenerateRequest, "FromString", parse)  # what the servicer's registration reads
+    server = await _serve(reflection=False, cluster=ClusterSecret(b"current"))
+    try:
+        refused = await _call(server.address, "boom", ClusterSecret(b"rotated"))
+        assert refused.code() == grpc.StatusCode.UNAUTHENTICATED and parsed == []
+        peers = await _call(server.address, "bad", ClusterSecret(b"current"))
+        assert peers.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert parsed == [pb.GenerateRequest(prompt="bad").SerializeToString()]
+    finally:
+        await server.stop(None)
+
+
 async def test_a_traced_streams_answer_to_its_caller_is_its_status_with_no_stack_trace_on_its_span() -> None:
     """A refusal is the caller's answer, not this service's failure: the tracing interceptor records no exception
     for it (two stack traces each made a refused request's span six times a served one's, while shedding). A bug
