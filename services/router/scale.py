@@ -5,8 +5,9 @@ RPC should, and the fleet may be another process."""
 
 from __future__ import annotations
 
+from pdserve.cluster.scaling import SCALE_CHECK_S
 from pdserve.config import MAX_WORKERS_PER_ROLE
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.roles import Role
 
 
@@ -14,7 +15,9 @@ def scale_target(asked: dict[Role, int], current: dict[Role, int], registered: s
     """The desired counts once `asked` is applied (a count of 0 is one not given: its role keeps its current count),
     or InvalidRequestError naming the field. The cluster's mode comes from its desired counts, else from the
     workers registered, else from what is asked: a colocated cluster takes `colocated` alone, a disaggregated one
-    `prefill` and `decode`, each at least 1."""
+    `prefill` and `decode`, each at least 1. With no counts recorded while workers serve (a Redis restarted empty),
+    a role not given has no count to keep until the fleet writes its counts back (within SCALE_CHECK_S):
+    OverloadedError, whose retry hint says when to ask again."""
     known = set(current) or registered
     colocated = Role.COLOCATED in known if known else bool(asked.get(Role.COLOCATED))
     wanted = (Role.COLOCATED,) if colocated else (Role.PREFILL, Role.DECODE)
@@ -23,6 +26,12 @@ def scale_target(asked: dict[Role, int], current: dict[Role, int], registered: s
             shape = "colocated: set colocated only" if colocated else "disaggregated: set prefill and decode"
             raise InvalidRequestError(str(role), f"this cluster is {shape}")
     target = {role: asked.get(role, 0) or current.get(role, 0) for role in wanted}
+    if not current and registered and not all(target.values()):
+        raise OverloadedError(
+            "the registry holds no desired worker counts (a Redis restarted empty?) until the fleet writes them back; "
+            "retry, or give every role's count",
+            retry_after_ms=round(2 * SCALE_CHECK_S * 1000),
+        )
     for role, n in target.items():
         if not 1 <= n <= MAX_WORKERS_PER_ROLE:
             raise InvalidRequestError(str(role), f"must be 1 to {MAX_WORKERS_PER_ROLE}, got {n}")

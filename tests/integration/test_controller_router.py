@@ -4,7 +4,7 @@ on one and the decode worker on the other; a separate `pdserve router` serves th
 SIGKILLed and a new one serves from the same workers, which were never restarted; a restarted controller finds
 the workers in its Ray namespace instead of starting new ones; `pdserve scale` through the router reaches the
 controller through Redis (each node has room for a second worker of its role), and a restarted controller keeps
-the scale; a controller restarted with other flags rolls the workers onto them, surging each (its role's only
+the scale; a one-role scale while Redis lost the counts waits for the controller to write them back; a controller restarted with other flags rolls the workers onto them, surging each (its role's only
 worker) under a steady load, and the controller after it adopts the successors; a controller of a new image rolls
 them onto a node of that image, never the old image's (`--build-resources`). The cluster: `rehearsal.py`.
 
@@ -192,6 +192,37 @@ def test_a_scale_through_the_router_reaches_the_controller_and_outlives_its_rest
         assert time.monotonic() < end, rehearsal.actors()
         time.sleep(1)
     assert serve(rehearsal, "rehearsal-scaled-back") == expected
+
+
+def test_a_one_role_scale_after_redis_lost_the_counts_waits_for_the_controller_to_write_them_back(
+    rehearsal: Rehearsal,
+) -> None:
+    """A Redis restarted empty holds no desired counts until the controller writes its own back (within a second).
+    A scale naming one role meanwhile has no count to keep for the other: the router answers RESOURCE_EXHAUSTED
+    with a retry hint and `pdserve scale` asks again. Before, INVALID_ARGUMENT ("decode: must be 1 to 64, got 0")."""
+    assert rehearsal.controller is not None
+    controller = rehearsal.controller.proc
+    controller.send_signal(signal.SIGSTOP)  # so the counts stay lost until the scale has been refused
+    try:
+        with rehearsal.redis.client() as r:
+            r.delete(DESIRED_COUNTS_KEY)
+        argv = [sys.executable, "-m", "pdserve.cli", "scale", "--addr", f"127.0.0.1:{rehearsal.router_port}"]
+        asking = subprocess.Popen(
+            [*argv, "--decode", "1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **rehearsal.env},
+        )
+        time.sleep(4)  # the CLI's start, and a refusal or two
+        assert asking.poll() is None, asking.communicate()[0]
+    finally:
+        controller.send_signal(signal.SIGCONT)
+    out, _ = asking.communicate(timeout=60)
+    assert asking.returncode == 0, out
+    with rehearsal.redis.client() as r:
+        assert r.hgetall(DESIRED_COUNTS_KEY) == {b"prefill": b"1", b"decode": b"1"}
+    assert "restored the fleet's" in rehearsal.controller.log()
 
 
 def scale(rehearsal: Rehearsal, router: str, *args: str) -> subprocess.CompletedProcess[str]:

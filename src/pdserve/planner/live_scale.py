@@ -12,7 +12,10 @@ import asyncio
 import time
 from collections import Counter
 
+import grpc
+
 from pdserve.rpc.credentials import ClientCredentials
+from pdserve.rpc.errors import retry_after_ms
 from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2 as apb
 from pdserve.v1 import admin_pb2_grpc
@@ -33,11 +36,22 @@ async def cluster_status(
 async def scale_workers(
     addr: str, credentials: ClientCredentials, counts: Counts, timeout_s: float = 10.0
 ) -> apb.ScaleWorkersResponse:
+    """The router's answer; a RESOURCE_EXHAUSTED (the registry lost its counts until the fleet writes them back) is
+    asked again after its retry hint, while `timeout_s` allows."""
     request = apb.ScaleWorkersRequest(**counts)  # a role's field name is the role
+    deadline = time.monotonic() + timeout_s
     async with channel(addr, credentials=credentials) as ch:
-        return await admin_pb2_grpc.AdminStub(ch).ScaleWorkers(
-            request, timeout=timeout_s, metadata=credentials.metadata()
-        )
+        while True:
+            try:
+                return await admin_pb2_grpc.AdminStub(ch).ScaleWorkers(
+                    request, timeout=deadline - time.monotonic(), metadata=credentials.metadata()
+                )
+            except grpc.aio.AioRpcError as e:
+                shed = e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                hint_ms = retry_after_ms(e.trailing_metadata()) if shed else None
+                if hint_ms is None or time.monotonic() + hint_ms / 1e3 >= deadline:
+                    raise
+                await asyncio.sleep(hint_ms / 1e3)
 
 
 def serving_counts(status: apb.ClusterStatusResponse) -> Counts:

@@ -1,12 +1,12 @@
 """What `pdserve scale --addr` may ask of a cluster: counts in range for the roles of its mode, else INVALID_ARGUMENT
-naming the field."""
+naming the field; while the registry lost its counts, a role not given is asked again later (RESOURCE_EXHAUSTED)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdserve.config import MAX_WORKERS_PER_ROLE
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.roles import Role
 from services.router.scale import scale_target
 
@@ -53,3 +53,12 @@ def test_bad_counts_are_invalid_argument_naming_the_field(
     with pytest.raises(InvalidRequestError) as e:
         scale_target(request_counts, current, set(current))
     assert e.value.field == field
+
+
+def test_while_the_registry_lost_its_counts_a_role_not_given_is_asked_again_later() -> None:
+    """A Redis restarted empty: the fleet writes its counts back within a second or two. Refused as a count of 0
+    before (INVALID_ARGUMENT: never retry), though a retry then succeeds."""
+    with pytest.raises(OverloadedError) as e:
+        scale_target(asked(prefill=3), {}, {P, D})
+    assert e.value.retry_after_ms == 2000 and "retry, or give every role's count" in str(e.value)
+    assert scale_target(asked(3, 2), {}, {P, D}) == {P: 3, D: 2}  # every role given: nothing to keep
