@@ -13,6 +13,7 @@ import contextvars
 import json
 import logging
 import os
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -43,6 +44,9 @@ TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.05, 0.06, 0.08, 0.1
 # A span attribute's longest value: callers' text (an HTTP `user`, an error naming a request) stays far under an
 # OTLP collector's 4 MiB message limit, which one oversized span would break for every span batched with it.
 MAX_ATTRIBUTE_CHARS = 4096
+# A stopping service's last spans get this long to reach the collector: with the collector down, the OTLP exporters'
+# retries (1 + 2 + 4 s of backoff) held every stop ~7 s, inside a pod's termination grace.
+FINAL_EXPORT_S = 2.0
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_id", default=None)
 
@@ -85,6 +89,7 @@ class Telemetry:
         self._http: Any = None
         processors = ([span_processor] if span_processor else default_span_processors()) if enabled else []
         self.tracing = bool(processors)
+        self._exporters = [p.span_exporter for p in processors if isinstance(p, BatchSpanProcessor)]
         resource = Resource.create({SERVICE_NAME: service})
         self.tracer_provider: Any = trace.NoOpTracerProvider()
         if processors:
@@ -129,9 +134,20 @@ class Telemetry:
             self._http.server_close()
             self._http = None
         if self.tracing:
-            self.tracer_provider.shutdown()
+            self._shutdown_tracing()
         if self.enabled:
             self.meter_provider.shutdown()
+
+    def _shutdown_tracing(self) -> None:
+        """The provider's shutdown exports the spans left; past FINAL_EXPORT_S the exporters are shut down, which
+        cuts a retry's backoff short (what is still queued is lost, as a collector that is down loses it anyway)."""
+        cut = threading.Timer(FINAL_EXPORT_S, lambda: [e.shutdown() for e in self._exporters])
+        cut.daemon = True
+        cut.start()
+        try:
+            self.tracer_provider.shutdown()
+        finally:
+            cut.cancel()
 
 
 # What a request is answered for what it asked or may ask (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAUTHENTICATED,

@@ -5,17 +5,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
+from pdserve.cluster.local_process import free_port
 from pdserve.config import RouterConfig
 from pdserve.metrics import RouterMetrics, WorkerMetrics
 from pdserve.rpc.server import Server, channel
 from pdserve.telemetry import (
+    FINAL_EXPORT_S,
     LATENCY_BUCKETS_S,
     MAX_ATTRIBUTE_CHARS,
     TOKEN_BUCKETS_S,
@@ -24,6 +28,7 @@ from pdserve.telemetry import (
     default_span_processors,
     request_id_var,
 )
+from tests.integration.cluster_view import serving_collector
 
 
 def test_nothing_exported_without_otel_settings(monkeypatch):
@@ -154,3 +159,35 @@ def test_a_failed_detach_of_our_own_is_still_logged(caplog) -> None:
     contextvars.Context().run(context.detach, token)
     context.detach(token)
     assert [r.getMessage() for r in caplog.records if r.name == "opentelemetry.context"] == ["Failed to detach context"]
+
+
+@pytest.fixture
+def otlp_grpc(monkeypatch):
+    """Exports to the OTLP endpoint the test sets, over gRPC, only as the service stops (the batch delay is long)."""
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
+    return lambda port: monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+
+
+def stopped_in_s(service: str) -> float:
+    telemetry = Telemetry(service)
+    with telemetry.tracer.start_as_current_span("last"):
+        pass
+    start = time.monotonic()
+    telemetry.shutdown()
+    return time.monotonic() - start
+
+
+def test_a_stop_waits_for_a_collector_that_is_down_at_most_the_final_export_bound(otlp_grpc):
+    """Before, 7.3 s: the OTLP exporter's retries (1 + 2 + 4 s of backoff) in the final export, in every pod's stop."""
+    otlp_grpc(free_port())  # nothing listens there
+    assert stopped_in_s("test-stop") < FINAL_EXPORT_S + 2.0
+
+
+def test_a_stop_still_exports_its_last_spans_to_a_collector_that_is_up(otlp_grpc):
+    with serving_collector() as collector:
+        otlp_grpc(collector.port)
+        assert stopped_in_s("test-stop") < FINAL_EXPORT_S
+        assert [(svc, s.name) for svc, s in collector.spans] == [("test-stop", "last")]
