@@ -30,8 +30,11 @@ redis-server:
 helm: install
 	$(PY) scripts/fetch_helm.py
 
-# Latency tests run in a pytest process of their own, apart from the heavy imports of the rest.
+# Latency tests run in a pytest process of their own, apart from the heavy imports of the rest. The tests' random
+# Llama is built here (nothing downloaded), so any module runs alone: before, the unit tests found it only because a
+# cluster in an earlier module had built it.
 test: model redis-server helm
+	$(VENV)/bin/pdserve fetch --model tiny-random
 	$(PY) -m pytest -q -m "not latency"
 	$(PY) -m pytest -q -m latency
 
