@@ -12,6 +12,7 @@ import grpc
 
 from pdserve.errors import UnauthenticatedError
 from services.router.lifecycle import RequestLifecycle
+from services.router.servicer import caller_headers
 
 
 class ParseAfterKeyCheck(grpc.aio.ServerInterceptor):
@@ -37,7 +38,7 @@ class ParseAfterKeyCheck(grpc.aio.ServerInterceptor):
 
     def _known(self, details: grpc.HandlerCallDetails) -> bool:
         try:
-            self._lifecycle.authenticate(details.invocation_metadata or ())
+            self._lifecycle.authenticate(caller_headers(details.invocation_metadata))  # as the handler reads them
         except UnauthenticatedError:
             return False
         return True

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import grpc
 from grpc._cython import cygrpc
@@ -30,7 +31,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             predicted_ms = round(ticket.placement.predicted_ttft_s * 1e3)
             await send_initial_metadata(context, ((PREDICTED_TTFT_KEY, str(predicted_ms)),))
 
-        headers = {m.key: m.value for m in context.invocation_metadata() or () if isinstance(m.value, str)}
+        headers = caller_headers(context.invocation_metadata())
         messages = generate(self.lifecycle, request, headers, context.time_remaining, send_prediction)
         stall_s = self.lifecycle.config.reader_stall_timeout_s
         loop = asyncio.get_running_loop()
@@ -59,6 +60,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         )
         finally:
             await (ending if ending is not None else messages.aclose())
+
+
+def caller_headers(metadata: Iterable[Any] | None) -> dict[str, str]:
+    """A call's text metadata as the caller check reads it (of a key given twice, the last value)."""
+    return {m.key: m.value for m in metadata or () if isinstance(m.value, str)}
 
 
 async def _run_out(messages: AsyncIterator[pb.GenerateResponse]) -> None:

@@ -18,8 +18,7 @@ from pdserve.protocol.request_checks import RequestLimits
 from pdserve.protocol.roles import EngineMode, Role
 from pdserve.redaction import redacted_url
 
-# The largest gRPC message any pdserve server takes or sends, and the router's default for an HTTP body: a 16k-token
-# prompt of ids is ~80 KB, so nothing legitimate nears it.
+# The largest gRPC message any server takes or sends, and the default HTTP body bound (a 16k-token prompt: ~80 KB)
 MAX_MESSAGE_BYTES = 16 * 2**20
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CLUSTER_MODES = ("disaggregated", "colocated")
@@ -173,10 +172,12 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.max_http_body_bytes < 1:
             raise ValueError(f"max_http_body_bytes must be at least 1, got {self.max_http_body_bytes}")
-        positive = ("first_token_timeout_s", "stall_timeout_s", "reader_stall_timeout_s", "sse_keepalive_s")
-        for name in (*positive, "default_ttft_ms", "default_tpot_ms", "heartbeat_s"):
+        positive = ("first_token_timeout_s", "stall_timeout_s", "reader_stall_timeout_s", "default_ttft_ms")
+        for name in (*positive, "default_tpot_ms", "heartbeat_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
+        if not 0.1 <= self.sse_keepalive_s < float("inf"):  # a comment every millisecond would keep the loop busy
+            raise ValueError(f"sse_keepalive_s must be at least 0.1 s, got {self.sse_keepalive_s}")
         if self.stall_timeout_s < STALL_TIMEOUT_MIN_S:  # a preempted stream, silent but for its notices, would move
             raise ValueError(
                 f"stall_timeout_s must be at least {STALL_TIMEOUT_MIN_S:g} s (twice the {PREEMPTED_NOTICE_S:g} s "
@@ -229,8 +230,6 @@ class RouterConfig:
                 document = tomllib.load(f)
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: not valid TOML ({e})") from None
-        # Other programs' tables may share the file; a setting outside any table, or a [router] misspelled, is no
-        # one's and would be dropped without a word.
         if strays := sorted(key for key, value in document.items() if not isinstance(value, dict)):
             raise ValueError(f"{path}: {', '.join(strays)} outside any table (the router's settings go under [router])")
         if document and "router" not in document:

@@ -4,9 +4,10 @@ on one and the decode worker on the other; a separate `pdserve router` serves th
 SIGKILLed and a new one serves from the same workers, which were never restarted; a restarted controller finds
 the workers in its Ray namespace instead of starting new ones; `pdserve scale` through the router reaches the
 controller through Redis (each node has room for a second worker of its role), and a restarted controller keeps
-the scale; a one-role scale while Redis lost the counts waits for the controller to write them back; a controller restarted with other flags rolls the workers onto them, surging each (its role's only
-worker) under a steady load, and the controller after it adopts the successors; a controller of a new image rolls
-them onto a node of that image, never the old image's (`--build-resources`). The cluster: `rehearsal.py`.
+the scale; a one-role scale while Redis lost the counts waits for the controller to write them back; a controller
+restarted with other flags rolls the workers onto them, surging each (its role's only worker) under a steady load,
+and the controller after it adopts the successors; a controller of a new image rolls them onto a node of that
+image, never the old image's (`--build-resources`). The cluster: `rehearsal.py`.
 
 Where this machine allows (root, `ip netns`), each Ray node is a host of its own: a network namespace with its own
 address, the workers binding 0.0.0.0 and advertising their node's POD_IP, the router and Redis on a third address

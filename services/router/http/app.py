@@ -308,10 +308,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 def _check_form(request: Request) -> None:
     """A body compressed (gzip and the like would be read as bytes that are no JSON) or sent as a type other than
-    JSON is refused. The types are FastAPI's (vLLM's server): none, `application/json` or `application/*+json`, any
-    parameters. A form or `text/plain` is what a web page may make a visitor's browser send to any address without
-    asking it first (CORS), so a router without API keys would serve that page; and `curl -d` without a JSON
-    Content-Type is a client's mistake better named than served."""
+    JSON is refused. The types FastAPI (vLLM's server) reads as JSON: none, `application/json` or
+    `application/*+json`, any parameters. A form, `text/plain` or a body of no type is what a web page may make a
+    visitor's browser send to any address without asking it first (CORS), so a router without API keys would serve
+    that page: no type is taken only from a caller that is no browser (no `Origin` header). And `curl -d` without a
+    JSON Content-Type is a client's mistake better named than served."""
     encoding = request.headers.get("content-encoding", "").strip().lower() or "identity"
     if encoding != "identity":
         raise UnsupportedBodyError(
@@ -319,6 +320,10 @@ def _check_form(request: Request) -> None:
         )
     content_type = request.headers.get("content-type", "")
     media = content_type.split(";", 1)[0].strip().lower()
+    if not media and "origin" in request.headers:
+        raise UnsupportedBodyError(
+            "is sent by a browser (an Origin header) with no Content-Type; send application/json"
+        )
     if media and media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
         raise UnsupportedBodyError(f"is sent as Content-Type {content_type[:64]!r}; this API takes application/json")
 

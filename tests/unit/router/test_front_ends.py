@@ -86,21 +86,25 @@ async def test_an_unknown_callers_message_is_never_parsed(tmp_path, monkeypatch)
     parsed, from_string = [], pb.GenerateRequest.FromString
 
     def parse(data: bytes) -> pb.GenerateRequest:
-        parsed.append(len(data))
-        return from_string(data)
+        request = from_string(data)
+        parsed.append(request.request_id)
+        return request
 
     monkeypatch.setattr(pb.GenerateRequest, "FromString", parse)  # what the servicer's registration reads
     router = await keyed_router(tmp_path)
     large = pb.GenerateRequest(prompt_token_ids=[7] * (4 * 2**20), sampling=pb.SamplingParams(max_tokens=2))
     try:
         async with grpc.aio.insecure_channel(router.address) as ch:
-            for key in (None, "Bearer wrong-key", f"Bearer {KEY}"):
-                metadata = (("authorization", key),) if key else ()
+            # Of a key sent twice the handler reads the last: the check before parsing must read the same one.
+            good, wrong = ("authorization", f"Bearer {KEY}"), ("authorization", "Bearer wrong-key")
+            for i, metadata in enumerate(((), (wrong,), (good,), (wrong, good), (good, wrong))):
+                large.request_id = str(i)
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     async for _ in generate_pb2_grpc.GenerationStub(ch).Generate(large, metadata=metadata, timeout=10):
                         pass
-                code = grpc.StatusCode.INVALID_ARGUMENT if key == f"Bearer {KEY}" else grpc.StatusCode.UNAUTHENTICATED
-                assert e.value.code() == code, e.value.details()
+                known = metadata[-1:] == (good,)
+                code = grpc.StatusCode.INVALID_ARGUMENT if known else grpc.StatusCode.UNAUTHENTICATED
+                assert e.value.code() == code, (metadata, e.value.details())
     finally:
         await router.stop(None)
-    assert parsed == [large.ByteSize()]  # the known caller's only: its prompt is past the context, so refused
+    assert parsed == ["2", "3"]  # the known callers' only: the prompt is past the context, so refused

@@ -283,6 +283,18 @@ async def test_a_body_not_sent_as_json_is_a_415_before_any_of_it_is_read(limited
     assert r.headers["connection"] == "close" and body.taken == 0 and outcomes(caplog) == ["invalid"]
 
 
+async def test_a_body_of_no_type_from_a_browser_is_a_415(limited, caplog):
+    """`fetch(url, {method: "POST", body: new Blob([json])})` sends no Content-Type, and no CORS preflight first."""
+    body = Upload(b'{"model": "m", "prompt": "x"}', 1)
+    with caplog.at_level(logging.INFO, logger="services.router.lifecycle"):
+        r = await upload(limited, body, {"origin": "https://elsewhere.example"})
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["message"] == (
+        "body: is sent by a browser (an Origin header) with no Content-Type; send application/json"
+    )
+    assert body.taken == 0 and outcomes(caplog) == ["invalid"]
+
+
 @pytest.mark.parametrize(
     "headers", [{}, {"content-type": "Application/JSON; charset=utf-8"}, {"content-type": "application/vnd.x+json"}]
 )

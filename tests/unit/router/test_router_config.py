@@ -112,6 +112,7 @@ def test_the_http_body_limit_defaults_to_the_grpc_message_limit_and_is_a_router_
         {"default_tpot_ms": float("nan")},
         {"heartbeat_s": 0.0},
         {"sse_keepalive_s": 0.0},  # a comment after every silence of no length: a busy loop
+        {"sse_keepalive_s": 1e-6},
         {"default_max_tokens": 0},  # every request without max_tokens would be refused as the caller's error
         {"slo_classes": (SLOClass(priority=1, ttft_ms=0.0, tpot_ms=50.0),)},
         {"ejection_s": -1.0},
