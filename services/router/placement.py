@@ -14,6 +14,7 @@ from pdserve.protocol.request_checks import kv_tokens
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import PrefixIndex, Registry, WorkerState
 from services.router.ejection import Ejections
+from services.router.offered_workers import OfferedWorkers
 from services.router.predictor import Predictor
 
 INLINE_HASH_TOKENS = 16384  # a prompt's block hashes up to this many tokens (~1.4 ms) on the loop, past it a thread
@@ -50,7 +51,8 @@ class NoWorkersError(UnavailableError):
 class Offer:
     """The best the cluster could do for this request were it idle: what admission tells a request whose
     SLO asks for less, since no retry can get under it. Over every registered worker (ejected and draining ones
-    too: their absence passes), each at its best speed (Predictor.offer_ttft_s)."""
+    too: their absence passes) and every one gone lately (offered_workers.py: a restart's absence passes too),
+    each at its best speed (Predictor.offer_ttft_s)."""
 
     ttft_s: float  # the smallest own TTFT over the prefill workers
     tpot_s: float  # the smallest one-sequence decode step over the decode workers
@@ -66,6 +68,7 @@ class PlacementPolicy(ABC):
         self.prefix_index = prefix_index
         self.predictor = predictor
         self.ejections = ejections or Ejections(predictor.config.ejection_s)
+        self.offered = OfferedWorkers(registry)
 
     async def place(
         self,
@@ -99,8 +102,8 @@ class PlacementPolicy(ABC):
         if not colocated:  # a prefill worker holds the prompt alone; one whose whole KV cannot refuses it
             prompt_blocks = -(-len(prompt) // block_size)
             holding = [w for w in prefills if w.kv_blocks_total >= prompt_blocks]
-            # One that would, draining or out of placement for now, makes it a wait, not the small one's refusal
-            # (INVALID_ARGUMENT: never) of what it serves once back.
+            # One that would, draining, out of placement or restarting for now, makes it a wait, not the small one's
+            # refusal (INVALID_ARGUMENT: never) of what it serves once back.
             if not holding and (must_hold or self._registered_holds(Role.PREFILL, prompt_blocks)):
                 raise NoWorkersError(f"no live prefill worker holds {prompt_blocks} KV blocks")
             prefills = holding or prefills
@@ -137,14 +140,14 @@ class PlacementPolicy(ABC):
         return self.ejections.usable(live)
 
     def _registered_holds(self, role: Role, blocks: int) -> bool:
-        return any(w.kv_blocks_total >= blocks for w in self.registry.workers(role))
+        return any(w.kv_blocks_total >= blocks for w in self.offered.workers(role))
 
     def _registered(self, colocated: bool) -> tuple[list[WorkerState], list[WorkerState]]:
-        """Every registered prefill and decode worker, ejected and draining ones too: what the offer is over."""
+        """The prefill and decode workers the offer is over (offered_workers.py)."""
         if colocated:
-            every = self.registry.workers(Role.COLOCATED)
+            every = self.offered.workers(Role.COLOCATED)
             return every, every
-        return self.registry.workers(Role.PREFILL), self.registry.workers(Role.DECODE)
+        return self.offered.workers(Role.PREFILL), self.offered.workers(Role.DECODE)
 
     def _offer(
         self,

@@ -146,7 +146,8 @@ async def start_router(
         await http.start()
     admitted.start()
     predictor = policy.predictor
-    gone_workers = GoneWorkers(registry, [tracker, predictor.calibration, predictor.best, lifecycle.recent])
+    gone = [tracker, predictor.calibration, predictor.best, lifecycle.recent, policy.offered]
+    gone_workers = GoneWorkers(registry, gone)
     gone_workers.start()
     shared_claims = await _shared_claims(registry, config, predictor)
     await server.set_serving(True)

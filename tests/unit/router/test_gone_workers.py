@@ -20,7 +20,14 @@ class Cluster:
     def __init__(self, workers: int) -> None:
         self.router = Router([worker("p0"), worker("d0", "decode")])
         self.recent = RecentLatencies()
-        self.parts = [self.router.tracker, self.router.predictor.calibration, self.recent]
+        predictor = self.router.predictor
+        self.parts = [
+            self.router.tracker,
+            predictor.calibration,
+            predictor.best,
+            self.recent,
+            self.router.placement.offered,
+        ]
         self.gone = GoneWorkers(self.router.registry, self.parts, gone_after_s=GONE_AFTER_S)
         self.next_id = 1
         for _ in range(workers - 1):
