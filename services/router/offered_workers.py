@@ -19,20 +19,18 @@ from pdserve.registry.base import Registry, WorkerState
 class OfferedWorkers:
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
-        self._last: dict[Role, dict[str, WorkerState]] = {}  # role -> worker id -> its last state seen
+        self._last: dict[str, WorkerState] = {}  # worker id -> its last state seen (its role: the last it had)
 
     def workers(self, role: Role) -> list[WorkerState]:
-        """The registered workers of `role`, then those gone from the registry and not forgotten yet."""
+        """The registered workers of `role`, then those last seen in it, gone from the registry and not forgotten."""
         listed = list(self._registry.workers(role))
-        last = self._last.setdefault(role, {})
-        last.update((w.worker_id, w) for w in listed)
+        self._last.update((w.worker_id, w) for w in listed)
         registered = {w.worker_id for w in listed}
-        return listed + [w for worker_id, w in last.items() if worker_id not in registered]
+        return listed + [w for w in self._last.values() if w.role == role and w.worker_id not in registered]
 
     def worker_ids(self) -> set[str]:
-        return set().union(*self._last.values())
+        return set(self._last)
 
     def forget(self, worker_id: str) -> bool:
-        for last in self._last.values():
-            last.pop(worker_id, None)
+        self._last.pop(worker_id, None)
         return True

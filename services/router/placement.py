@@ -113,8 +113,10 @@ class PlacementPolicy(ABC):
             keyed = prefix_hashes(prompt, block_size, cache_salt)
         else:  # a 128k-token prompt's hashes take ~11 ms: not on the loop every other stream waits on
             keyed = await asyncio.to_thread(prefix_hashes, prompt, block_size, cache_salt)
+        # Over the registered workers only: a gone worker's cache went with it (its restart starts empty).
+        registered = self.registry.workers(Role.COLOCATED if colocated else Role.PREFILL)
         hits = await self.prefix_index.match(
-            [w.cache_key for w in offered[0]], keyed[: (len(prompt) - 1) // block_size]
+            [w.cache_key for w in registered], keyed[: (len(prompt) - 1) // block_size]
         )
         if colocated:  # one worker does both: it must be able to decode the request too
             prefill = decode = self.choose_colocated(colocated, hits, len(prompt), blocks, tpot_slo_s, not must_hold)
