@@ -51,6 +51,14 @@ class Moves:
     retries: int = 0
     migrations: int = 0
     waited_for_room: bool = False  # a migration waited for a decode worker with room once (lifecycle.py)
+    room_hint_s: float = 0.0  # the retry hint of the decode worker that last refused the moving stream for room
+
+    def room_wait_s(self, most_s: float, left_s: float | None) -> float:
+        """How long the next move waits before it is placed: the last refusal's hint, at most `most_s` and the
+        caller's time left, once."""
+        wait_s = min(self.room_hint_s, most_s if left_s is None else min(most_s, left_s))
+        self.room_hint_s = 0.0
+        return wait_s
 
     def allow(self, config: RouterConfig, sent: int, max_tokens: int, time_remaining: float | None) -> bool:
         """Counts the move when it is allowed. `sent`: tokens already streamed to the client (-1: none, not

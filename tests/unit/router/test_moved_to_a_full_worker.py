@@ -159,6 +159,25 @@ async def test_a_stream_waits_for_room_once_not_at_each_move():
     assert router.tracker.moving == 0  # no longer waiting: new requests take every place again
 
 
+async def test_a_move_refused_for_room_waits_out_the_workers_retry_hint_before_the_next():
+    """A soak saw a stream's three moves spent on one full decode worker within 0.1 s: after the wait for room, each
+    move went to it at once. Now each waits the refusing worker's hint (1 s; at most no_workers_wait_s): a sequence
+    ending there meanwhile lets the next move in."""
+    async with serving(DiesAfter(sent=2)) as d0, serving(packed := FullUntilFreed()) as d1:
+        full = worker("d1", "decode", address=d1, kv_blocks_free=2048, sequences=4, max_num_seqs=4)
+        router = Router([worker("p0"), worker("d0", "decode", address=d0), full], no_workers_wait_s=2.0)
+
+        async def frees_after_its_first_refusal() -> None:
+            while not packed.refused:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            packed.full = False
+
+        out: list[int] = []
+        await asyncio.gather(stream(router.lifecycle(), out), frees_after_its_first_refusal())
+    assert len(out) == MAX_TOKENS and (packed.refused, packed.calls) == (1, 1)
+
+
 async def test_a_moved_stream_the_caller_stops_reading_is_released_at_once():
     """The caller closes the stream after the move: the moved attempt's ticket is released before the close
     returns, not later by the garbage collector's hook in another task."""
