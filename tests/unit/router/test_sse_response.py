@@ -65,7 +65,7 @@ async def test_a_silent_stream_sends_a_comment_each_interval_and_none_once_it_en
     before = asyncio.all_tasks()
     parts = (await respond(events(), 0.1)).split("\n\n")
     assert parts[0] == "data: 1" and parts[-3:] == ["data: 2", "data: [DONE]", ""], parts
-    assert 2 <= len(parts[1:-3]) <= 4 and set(parts[1:-3]) == {KEPT}, parts  # 0.35 s silent at 0.1 s: ~3
+    assert len(parts[1:-3]) >= 2 and set(parts[1:-3]) == {KEPT}, parts  # 0.35 s silent at 0.1 s: ~3
     assert asyncio.all_tasks() == before  # the beat ended with the stream
 
 
