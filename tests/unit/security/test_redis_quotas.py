@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
@@ -199,17 +200,15 @@ async def test_requests_that_miss_the_budget_together_start_one_probe(silent_url
 
 @contextlib.asynccontextmanager
 async def stalled_redis(server: RedisServer, quotas: RedisQuotas) -> AsyncIterator[None]:
-    """Redis sleeps 0.4 s (DEBUG SLEEP) while the body runs, so its calls miss the budget; then waits until the
-    router is back on the shared count, its background writes done."""
-
-    def stall() -> None:
-        with server.client() as c:
-            c.execute_command("DEBUG", "SLEEP", "0.4")
-
-    stalled = asyncio.ensure_future(asyncio.to_thread(stall))
-    await asyncio.sleep(0.05)
-    yield
-    await stalled
+    """Redis stands still (SIGSTOP) while the body runs, so its calls miss the budget, and runs them once the body
+    is done; then waits until the router is back on the shared count, its background writes done. (A DEBUG SLEEP
+    sent from a thread might not have begun by the time the body's call went out on a busy host.)"""
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
     end = time.monotonic() + 5
     while quotas._down_since is not None or quotas._writes:
         assert time.monotonic() < end
