@@ -34,7 +34,7 @@ import redis
 from pdserve.build import build_resource
 from pdserve.cluster.local_process import free_port
 from pdserve.registry.base import WorkerState
-from pdserve.registry.redis import DESIRED_COUNTS_KEY, worker_key
+from pdserve.registry.redis import DESIRED_COUNTS_KEY, RETIRED_KEY, worker_key
 from pdserve.rpc.client import generate
 from pdserve.v1 import generate_pb2 as pb
 from tests.integration import netns
@@ -192,6 +192,8 @@ def test_a_scale_through_the_router_reaches_the_controller_and_outlives_its_rest
     while sorted(rehearsal.actors()) != sorted(WORKERS):  # the newer of two idle workers left; Ray marks it dead
         assert time.monotonic() < end, rehearsal.actors()
         time.sleep(1)
+    with rehearsal.redis.client() as r:  # removed for good: routers stop counting it as a restart to wait for
+        assert r.zrange(RETIRED_KEY, 0, -1) == [b"prefill-2"]
     assert serve(rehearsal, "rehearsal-scaled-back") == expected
 
 

@@ -11,10 +11,12 @@ import redis.asyncio as aredis
 
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.roles import Role
+from pdserve.registry.base import RETIRED_KEEP_S, WorkerState
 from pdserve.registry.redis import (
     ADMITTED_KEY,
     DESIRED_COUNTS_KEY,
     FLAG_COUNTS_KEY,
+    RETIRED_KEY,
     WORKERS_KEY,
     RedisRegistry,
     worker_key,
@@ -107,6 +109,27 @@ async def test_a_worker_that_heartbeats_while_expired_ones_are_dropped_stays_lis
         finally:
             await client.aclose()
         assert c.smembers(WORKERS_KEY) == {b"back-0"}
+
+
+async def test_a_retired_id_reaches_every_router_with_its_removal_and_leaves_when_the_id_publishes_again(url):
+    """What lets routers stop offering a worker scaled away, where one merely gone may be restarting
+    (services/router/offered_workers.py); old entries go as others retire."""
+    controller, router = RedisRegistry(url), RedisRegistry(url, refresh_s=60)
+    await router.start()
+    try:
+        for worker_id in ("d0", "d1"):
+            controller.publish(WorkerState(worker_id, Role.DECODE, f"{worker_id}:1"))
+        with redis.Redis.from_url(url) as c:
+            c.zadd(RETIRED_KEY, {"d-long-ago": time.time() - RETIRED_KEEP_S - 1})
+        controller.retire("d1")
+        assert await router.refresh()
+        assert [w.worker_id for w in router.workers()] == ["d0"] and router.retired() == {"d1"}
+        controller.publish(WorkerState("d1", Role.DECODE, "d1:1"))  # the id handed out anew
+        assert await router.refresh()
+        assert router.retired() == set()
+        assert sorted(w.worker_id for w in router.workers()) == ["d0", "d1"]
+    finally:
+        await router.close()
 
 
 def test_desired_counts_of_an_unreachable_redis_raise_within_the_timeout(url, server):

@@ -286,9 +286,9 @@ class FleetScaler:
         if slot.actor is not None:  # none: its new actor was under way, and the supervisor stops that one
             await asyncio.to_thread(self._kill_quietly, slot.actor)
         try:
-            await asyncio.to_thread(self.registry.remove, name)
-        except Exception as e:  # Redis down: its key's TTL removes it
-            log.warning("could not remove worker %s from the registry: %r", name, e)
+            await asyncio.to_thread(self.registry.retire, name)
+        except Exception as e:  # Redis down: its key's TTL removes it, and routers take it for gone, not retired
+            log.warning("could not retire worker %s in the registry: %r", name, e)
         self.supervisor.slots.pop(name, None)
         log.warning("worker %s removed (scaled down)", name)
 

@@ -15,6 +15,7 @@ from pdserve.protocol.roles import Role
 DEFAULT_TTL_S = 5.0  # a worker silent this long is gone; heartbeats come every fraction of a second
 PREFIX_TTL_S = 3600  # a worker's prefix-index entry nobody refreshed this long is dropped (a worker gone)
 VIEW_REFRESH_S = 0.25  # how often a router re-reads a remote registry: a worker listed reaches it within this
+RETIRED_KEEP_S = 3600.0  # how long a retired id is remembered: past any router's memory of a gone worker (5 min)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,15 @@ class Registry(ABC):
     @abstractmethod
     def remove(self, worker_id: str) -> None:
         """Called when a worker stops or is found dead; routers stop placing on it at once."""
+
+    @abstractmethod
+    def retire(self, worker_id: str) -> None:
+        """Called when a worker is removed for good (a scale-down): removed, and until its id registers again (an
+        id handed out anew) routers know it will not come back, where one merely gone may be restarting."""
+
+    @abstractmethod
+    def retired(self) -> set[str]:
+        """The ids retired lately and not registered since. No I/O, as `workers`."""
 
     @abstractmethod
     def workers(self, role: Role | None = None) -> list[WorkerState]:

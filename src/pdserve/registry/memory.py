@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from pdserve.engine.cache_journal import PrefixCacheChanges
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.roles import Role
-from pdserve.registry.base import DEFAULT_TTL_S, PREFIX_TTL_S, PrefixIndex, Registry, WorkerState
+from pdserve.registry.base import DEFAULT_TTL_S, PREFIX_TTL_S, RETIRED_KEEP_S, PrefixIndex, Registry, WorkerState
 
 
 class InMemoryRegistry(Registry):
     def __init__(self, ttl_s: float = DEFAULT_TTL_S) -> None:
         self.ttl_s = ttl_s
         self._workers: dict[str, WorkerState] = {}
+        self._retired: dict[str, float] = {}  # id -> when it was retired
         self._desired: dict[Role, int] = {}
         self._flags: dict[Role, int] = {}
         self._admitted = AdmittedTotals()
@@ -28,12 +29,24 @@ class InMemoryRegistry(Registry):
         oldest = time.time() - self.ttl_s
         with self._lock:
             self._workers[state.worker_id] = state
+            self._retired.pop(state.worker_id, None)
             for gone in [w.worker_id for w in self._workers.values() if w.updated_at < oldest]:
                 del self._workers[gone]  # past its TTL no view shows it; scaled-away ids never come back
 
     def remove(self, worker_id: str) -> None:
         with self._lock:
             self._workers.pop(worker_id, None)
+
+    def retire(self, worker_id: str) -> None:
+        now = time.time()
+        with self._lock:
+            self._workers.pop(worker_id, None)
+            self._retired = {i: at for i, at in self._retired.items() if now - at < RETIRED_KEEP_S}
+            self._retired[worker_id] = now
+
+    def retired(self) -> set[str]:
+        with self._lock:
+            return set(self._retired)
 
     def workers(self, role: Role | None = None) -> list[WorkerState]:
         oldest = time.time() - self.ttl_s

@@ -26,12 +26,13 @@ from pdserve import env
 from pdserve.background import cancel_and_wait
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.roles import Role
-from pdserve.registry.base import DEFAULT_TTL_S, VIEW_REFRESH_S, Registry, WorkerState
+from pdserve.registry.base import DEFAULT_TTL_S, RETIRED_KEEP_S, VIEW_REFRESH_S, Registry, WorkerState
 
 log = logging.getLogger(__name__)
 PREFIX = "pdserve"
 TIMEOUT_S = 0.25  # any one Redis call: an unreachable Redis costs this, never a stalled thread or request
 WORKERS_KEY = f"{PREFIX}:workers"
+RETIRED_KEY = f"{PREFIX}:retired"  # a sorted set: retired worker ids, scored by when (wall time)
 DESIRED_COUNTS_KEY = f"{PREFIX}:desired_counts"  # a hash role -> workers: the shape the fleet keeps (no TTL)
 FLAG_COUNTS_KEY = f"{PREFIX}:flag_counts"  # the same, as a fleet's flags last set them (no TTL)
 ADMITTED_KEY = f"{PREFIX}:admitted"  # a hash of AdmittedTotals' fields: what every router admitted, cumulative
@@ -137,6 +138,7 @@ class RedisRegistry(Registry):
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._view: dict[str, WorkerState] = {}
+        self._retired: set[str] = set()
         self._confirmed_at = -math.inf  # monotonic time Redis last answered a refresh
         self._down_since: float | None = None  # the first failed refresh of the current outage
         self._recovered_at = -math.inf
@@ -151,14 +153,29 @@ class RedisRegistry(Registry):
         pipe = self._redis.pipeline()
         pipe.set(worker_key(state.worker_id), state.to_json(), px=int(self.ttl_s * 1000))
         pipe.sadd(WORKERS_KEY, state.worker_id)
+        pipe.zrem(RETIRED_KEY, state.worker_id)
         pipe.execute()
 
     def remove(self, worker_id: str) -> None:
-        self._view = {k: w for k, w in self._view.items() if k != worker_id}  # this router stops at once
+        self._unlisting(worker_id).execute()
+
+    def retire(self, worker_id: str) -> None:
+        now = time.time()
+        pipe = self._unlisting(worker_id)  # one transaction: a router reads it registered, or retired
+        pipe.zremrangebyscore(RETIRED_KEY, "-inf", now - RETIRED_KEEP_S)
+        pipe.zadd(RETIRED_KEY, {worker_id: now})
+        pipe.execute()
+
+    def retired(self) -> set[str]:
+        return self._retired
+
+    def _unlisting(self, worker_id: str) -> redis.client.Pipeline:
+        """The writes that take a worker out of the registry, to execute; this router stops placing on it at once."""
+        self._view = {k: w for k, w in self._view.items() if k != worker_id}
         pipe = self._redis.pipeline()
         pipe.delete(worker_key(worker_id))
         pipe.srem(WORKERS_KEY, worker_id)
-        pipe.execute()
+        return pipe
 
     def desired_counts(self) -> dict[Role, int]:
         return self._counts(DESIRED_COUNTS_KEY)
@@ -242,19 +259,23 @@ class RedisRegistry(Registry):
         """One read of every worker's state into the view; False when Redis did not answer in time."""
         assert self._async is not None, "start() first"
         try:
-            values = await asyncio.wait_for(self._read(self._async), 2 * self.timeout_s)
+            values, retired = await asyncio.wait_for(self._read(self._async), 2 * self.timeout_s)
         except Exception as e:  # unreachable, stalled, or a wrong-typed key: the same for a router
             self._unreachable(e)
             return False
         self._reachable(values)
+        self._retired = retired
         await self._forget_expired(self._async, [i for i, v in values.items() if v is None])
         return True
 
     @staticmethod
-    async def _read(client: aredis.Redis) -> dict[str, bytes | None]:
-        ids = sorted(i.decode() for i in await client.smembers(WORKERS_KEY))
+    async def _read(client: aredis.Redis) -> tuple[dict[str, bytes | None], set[str]]:
+        """Every listed worker's state, and the retired ids (read with the list, in one transaction)."""
+        async with client.pipeline() as pipe:
+            listed, retired = await pipe.smembers(WORKERS_KEY).zrange(RETIRED_KEY, 0, -1).execute()
+        ids = sorted(i.decode() for i in listed)
         values = await client.mget([worker_key(i) for i in ids]) if ids else []
-        return dict(zip(ids, values, strict=True))
+        return dict(zip(ids, values, strict=True)), {i.decode() for i in retired}
 
     async def _forget_expired(self, client: aredis.Redis, expired: list[str]) -> None:
         if not expired:

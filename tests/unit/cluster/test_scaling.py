@@ -143,6 +143,7 @@ async def test_scaling_down_drains_the_least_loaded_and_nothing_brings_it_back()
     await fleet.scaler.settle()
     assert sorted(fleet.drained) == ["decode-2", "decode-3"] and sorted(fleet.killed) == ["decode-2", "decode-3"]
     assert fleet.ids() == ["decode-1", "prefill-0"] and fleet.listed() == ["decode-1", "prefill-0"]
+    assert fleet.registry.retired() == {"decode-2", "decode-3"}  # routers stop counting them as coming back
     await fleet.supervisor.check_all()
     assert fleet.replaced == [] and fleet.ids() == ["decode-1", "prefill-0"]  # the supervisor restarted nothing
 

@@ -47,6 +47,17 @@ def test_remove_drops_a_worker_at_once_and_ignores_unknown_ids():
     assert ids(reg.workers()) == ["p1"]
 
 
+def test_a_retired_worker_is_removed_and_listed_retired_until_its_id_publishes_again():
+    reg = InMemoryRegistry(ttl_s=60)
+    reg.publish(state("d0", "decode"))
+    reg.publish(state("d1", "decode"))
+    reg.retire("d1")
+    assert ids(reg.workers()) == ["d0"]
+    assert reg.retired() == {"d1"}
+    reg.publish(state("d1", "decode"))  # the id handed out anew
+    assert reg.retired() == set()
+
+
 def test_a_worker_that_stops_publishing_expires_after_the_ttl():
     reg = InMemoryRegistry(ttl_s=0.15)
     beating = state("beating")

@@ -54,3 +54,18 @@ def test_what_only_a_worker_gone_from_the_registry_serves_is_shed_until_it_is_fo
     assert info.value.field == "n"
     with pytest.raises(InvalidRequestError, match="10 in total"):
         r.admit(prompt(100), max_tokens=200, slo_s=(5.0, 1.0))
+
+
+def test_what_only_a_retired_worker_served_is_invalid_at_once_and_its_id_counts_again_once_handed_out_anew():
+    """A scale-down retires its worker's id: it will not come back, so what only it could serve is never servable
+    from then on, not shed with a retry hint for the minutes a router remembers a gone worker."""
+    r = Router(
+        [worker("p0"), worker("d-big", "decode"), worker("d-small", "decode", kv_blocks_total=10, kv_blocks_free=10)]
+    )
+    r.admit(prompt(100), max_tokens=200, slo_s=(5.0, 1.0))  # 19 blocks: d-big only
+    r.registry.retire("d-big")
+    with pytest.raises(InvalidRequestError, match="10 in total"):
+        r.admit(prompt(100), max_tokens=200, slo_s=(5.0, 1.0))
+    r.registry.publish(worker("d-big", "decode"))  # the id handed out again: a new worker, then it dies
+    r.registry.remove("d-big")
+    shed(r, prompt(100), "free KV blocks", max_tokens=200, slo_s=(5.0, 1.0))
