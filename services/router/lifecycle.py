@@ -282,6 +282,7 @@ class RequestLifecycle:
         if eject:
             self.placement.ejections.eject(worker, str(error))
         failed.update(avoided_workers(worker, ticket.placement))
+        ticket.leave_workers()  # this attempt holds no place there while the next is found (still in flight)
         streamed = [t for chunk in chunks for t in chunk]
         if not moves.allow(self.config, len(streamed) if chunks else -1, original.sampling.max_tokens, left):
             raise error
@@ -346,23 +347,22 @@ class RequestLifecycle:
         moves. Meanwhile admission leaves it the next free place: its caller is mid-answer, a new request's can
         retry. Once per stream: a later move takes the best placement there is, which the worker may refuse, after
         the hint of a worker that refused it for room (a soak saw three moves spent on one full one in 0.1 s)."""
-        await asyncio.sleep(moves.room_wait_s(self.config.no_workers_wait_s, left))
-        wait_s = 0.0 if moves.waited_for_room else self.config.no_workers_wait_s
-        end = time.monotonic() + min(wait_s, left if left is not None else wait_s)
-        waiting = False
+        self.tracker.moving += 1  # from the start: a place freed during the hint's wait is left to it too
         try:
+            hint_s = moves.room_wait_s(self.config.no_workers_wait_s, left)
+            await asyncio.sleep(hint_s)
+            left = None if left is None else max(0.0, left - hint_s)
+            wait_s = 0.0 if moves.waited_for_room else self.config.no_workers_wait_s
+            end = time.monotonic() + min(wait_s, left if left is not None else wait_s)
             while True:
                 placement = await self._place_again(req, failed, left)
                 takes = self.admission.predictor.takes(placement.decode, len(req.prompt_token_ids))
                 if takes or time.monotonic() >= end:
                     return placement
-                if not waiting:
-                    moves.waited_for_room = waiting = True
-                    self.tracker.moving += 1
+                moves.waited_for_room = True
                 await asyncio.sleep(NO_WORKERS_POLL_S)
         finally:
-            if waiting:
-                self.tracker.moving -= 1
+            self.tracker.moving -= 1
 
     def refused(self, error: BaseException, started_at: float, tenant: Tenant | None = None) -> None:
         """A request its front end refused before it had a GenerateRequest (an HTTP caller without a valid key,

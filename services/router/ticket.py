@@ -36,6 +36,7 @@ class Ticket:
     alone_ttft_s: float | None = field(default=None, init=False)
     _prefilled: bool = field(default=False, init=False)
     _released: bool = field(default=False, init=False)
+    _left: bool = field(default=False, init=False)
     _found_idle: bool = field(default=False, init=False)
     _placement_number: int = field(default=-1, init=False)
 
@@ -76,12 +77,20 @@ class Ticket:
         self._prefilled = True
         self.tracker.prefilled(self._placement_number)
 
+    def leave_workers(self) -> None:
+        """This attempt ended on its workers: their load here goes, while the request stays in flight (a move's
+        next attempt is placed meanwhile, and must not find its own failed attempt holding a place)."""
+        if self._left:
+            return
+        self._left = True
+        self.prefilled()
+        self.tracker.finished(self._placement_number)
+
     def release(self) -> None:
         if self._released:
             return
         self._released = True
-        self.prefilled()
-        self.tracker.finished(self._placement_number)
+        self.leave_workers()
         self.admission.in_flight -= 1
 
     def __enter__(self) -> Ticket:

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from pdserve.errors import OverloadedError, UnavailableError
+from pdserve.rpc.errors import RETRY_PUSHBACK_KEY
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from services.router.generation import generate
@@ -54,20 +55,43 @@ class Full(StandInDecode):
 
 
 class FullUntilFreed(StandInDecode):
-    """Refuses as a decode worker whose batch is full does, until `full` is cleared: then streams."""
+    """Refuses as a decode worker whose batch is full does (with a retry hint of `hint_ms`, or none: the router
+    takes 1 s), until `full` is cleared: then streams."""
 
-    def __init__(self) -> None:
+    def __init__(self, hint_ms: int = 0) -> None:
         super().__init__()
-        self.full, self.refused = True, 0
+        self.full, self.refused, self.hint_ms = True, 0, hint_ms
 
     async def Generate(  # noqa: N802
         self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         if self.full:
             self.refused += 1
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "its batch is full (4 sequences, max_num_seqs 4)")
+            hint = ((RETRY_PUSHBACK_KEY, str(self.hint_ms)),) if self.hint_ms else ()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "its batch is full", trailing_metadata=hint)
         async for msg in super().Generate(request, context):
             yield msg
+
+
+class Batch(StandInDecode):
+    """A batch of `size` places, `busy` of them held by other routers' streams: refuses a stream when full."""
+
+    def __init__(self, size: int, busy: int) -> None:
+        super().__init__(gap_s=0.1)
+        self.size, self.busy, self.running, self.refused = size, busy, 0, 0
+
+    async def Generate(  # noqa: N802
+        self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if self.busy + self.running >= self.size:
+            self.refused += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "its batch is full")
+        self.running += 1
+        try:
+            async for msg in super().Generate(request, context):
+                yield msg
+        finally:
+            self.running -= 1
 
 
 async def stream(lc: RequestLifecycle, out: list[int], max_tokens: int = MAX_TOKENS) -> None:
@@ -148,14 +172,17 @@ async def test_a_moved_stream_goes_at_once_to_a_worker_with_blocks_for_its_promp
 
 
 async def test_a_stream_waits_for_room_once_not_at_each_move():
-    """Every move after the first wait goes to the best placement there is: with moves refused by a full worker
-    the stream waits once, then fails."""
-    async with serving(DiesAfter(sent=2)) as d0, serving(packed := FullUntilFreed()) as d1:
+    """Every move after the first wait for room (1.5 s here) waits out the refusing worker's hint alone (50 ms) and
+    goes to the best placement there is: with moves refused by a full worker the stream waits for room once, then
+    fails. Waiting for room at each move too would take at least 1.5 s more per move."""
+    async with serving(DiesAfter(sent=2)) as d0, serving(packed := FullUntilFreed(hint_ms=50)) as d1:
         full = worker("d1", "decode", address=d1, kv_blocks_free=2048, sequences=4, max_num_seqs=4)
-        router = Router([worker("p0"), worker("d0", "decode", address=d0), full], no_workers_wait_s=0.5)
+        router = Router([worker("p0"), worker("d0", "decode", address=d0), full], no_workers_wait_s=1.5)
+        started = time.monotonic()
         rises, failed = await waits(router, stream(router.lifecycle(), []))
-    assert rises == 1 and isinstance(failed, UnavailableError) and "batch is full" in str(failed)
-    assert packed.refused >= 2
+        took = time.monotonic() - started
+    assert rises >= 1 and isinstance(failed, UnavailableError) and "batch is full" in str(failed)
+    assert packed.refused >= 2 and took < 1.5 + 0.75 * (packed.refused - 1)
     assert router.tracker.moving == 0  # no longer waiting: new requests take every place again
 
 
@@ -176,6 +203,44 @@ async def test_a_move_refused_for_room_waits_out_the_workers_retry_hint_before_t
         out: list[int] = []
         await asyncio.gather(stream(router.lifecycle(), out), frees_after_its_first_refusal())
     assert len(out) == MAX_TOKENS and (packed.refused, packed.calls) == (1, 1)
+
+
+async def test_a_place_freed_while_a_refused_stream_waits_out_the_hint_is_left_to_the_stream():
+    """A stream refused for room waits out the worker's hint (1 s). A place that frees there meanwhile is the
+    stream's: a new request is shed (its caller can retry), where it took the place and the stream, mid-answer,
+    spent its moves on refusals and failed."""
+    async with serving(DiesAfter(sent=2)) as d0, serving(batch := Batch(size=4, busy=4)) as d1:
+        full = worker("d1", "decode", address=d1, kv_blocks_free=2048, sequences=4, max_num_seqs=4)
+        router = Router([worker("p0"), worker("d0", "decode", address=d0), full], no_workers_wait_s=1.0)
+        lc, out = router.lifecycle(), []
+        moving = asyncio.ensure_future(stream(lc, out))
+        while not batch.refused:  # it waited for room (1 s), went to d1 anyway and was refused
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # within the hint: a sequence on d1 ends, and its heartbeat says so
+        batch.busy = 3
+        router.registry.publish(replace(full, sequences=3, updated_at=time.time()))
+        waiting = router.tracker.moving
+        with pytest.raises(OverloadedError, match="no decode worker has room"):
+            await stream(lc, [], max_tokens=60)
+        await moving
+    assert waiting == 1 and len(out) == MAX_TOKENS and batch.refused == 1
+
+
+async def test_a_refused_attempt_holds_no_place_on_the_worker_while_its_stream_waits_to_move_again():
+    """Its refusal ended the attempt there: counted on d1 until the next attempt was made, it made d1's one place
+    look taken, and the stream waited all of no_workers_wait_s for a place that was free."""
+    async with serving(DiesAfter(sent=2)) as d0, serving(packed := FullUntilFreed()) as d1:
+        one = worker("d1", "decode", address=d1, kv_blocks_free=2048, sequences=0, max_num_seqs=1)
+        router = Router([worker("p0"), worker("d0", "decode", address=d0), one], no_workers_wait_s=3.0)
+        out: list[int] = []
+        moving = asyncio.ensure_future(stream(router.lifecycle(), out))
+        while not packed.refused:  # another router's stream took the place d1 reported free; it ends at once
+            await asyncio.sleep(0.005)
+        packed.full = False
+        await asyncio.sleep(0.3)  # within the hint (1 s)
+        held = router.tracker.decoding["d1"]
+        await moving
+    assert held == 0 and len(out) == MAX_TOKENS and (packed.refused, packed.calls) == (1, 1)
 
 
 async def test_a_moved_stream_the_caller_stops_reading_is_released_at_once():
