@@ -72,8 +72,8 @@ class Rollout:
                 self._checked[worker_id] = checked
                 continue
             peers = [s for s in self.supervisor.slots.values() if s is not slot and s.spec.role == slot.spec.role]
-            if not all(s.listed and not s.leaving for s in peers):
-                continue  # another worker of its role is restarting or leaving: this one waits for a later pass
+            if not all(s.listed and not s.leaving and not s.said_draining for s in peers):
+                continue  # another worker of its role is restarting, draining or leaving: it waits for a later pass
             differences = _differences(running, slot.spec)
             if not peers:
                 log.warning("worker %s runs an earlier spec (%s); starting its successor first", worker_id, differences)

@@ -285,11 +285,11 @@ class FleetScaler:
             log.error("worker %s did not drain (%r); stopping it anyway", name, e)
         if slot.actor is not None:  # none: its new actor was under way, and the supervisor stops that one
             await asyncio.to_thread(self._kill_quietly, slot.actor)
+        self.supervisor.slots.pop(name, None)  # first: a check under way then publishes its state no more
         try:
             await asyncio.to_thread(self.registry.retire, name)
         except Exception as e:  # Redis down: its key's TTL removes it, and routers take it for gone, not retired
             log.warning("could not retire worker %s in the registry: %r", name, e)
-        self.supervisor.slots.pop(name, None)
         log.warning("worker %s removed (scaled down)", name)
 
 

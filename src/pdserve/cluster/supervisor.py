@@ -70,6 +70,7 @@ class Slot:
     replace_at: float = 0.0  # set while backing off: no replacement before this time (the supervisor's clock)
     leaving: bool = False  # scaled down: draining for good, never restarted or replaced
     draining: bool = False  # a rollout's drain (a restart) under way: out of service, though its check may pass
+    said_draining: bool = False  # its last state said draining (`pdserve drain`, a SIGTERM, a rollout's drain)
     prefix_lost: bool = False  # its last prefix-cache take never reached the index: the next must be whole
 
 
@@ -173,8 +174,8 @@ class Supervisor:
         slot.died = slot.timeouts = 0
         self._answered_at = max(self._answered_at, self.clock())
         slot.backoff_s = slot.replace_at = 0.0  # it serves: a later death is replaced at once
-        slot.address, slot.instance = state.address, state.instance
-        if self.publish:
+        slot.address, slot.instance, slot.said_draining = state.address, state.instance, state.draining
+        if self.publish and self.slots.get(slot.spec.worker_id) is slot:  # not one scaled away during the check
             self.registry.publish(state)
             await self._index_prefix_changes(slot, state)
         if not slot.listed:

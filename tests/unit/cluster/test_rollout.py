@@ -65,6 +65,16 @@ async def test_only_workers_made_with_another_spec_are_drained_one_per_role_at_a
     assert drained == ["prefill-0", "decode-3", "prefill-1"]
 
 
+async def test_no_worker_is_drained_while_its_roles_other_worker_says_it_drains() -> None:
+    """An operator's `pdserve drain` or a SIGTERM (a Kubernetes eviction) drains a peer, whose check still passes:
+    draining this one too would leave the role with no worker in service for a model load."""
+    rollout, supervisor, drained = fleet(("decode-0", OLD), ("decode-1", NEW), ("prefill-2", NEW))
+    supervisor.slots["decode-1"].said_draining = True  # as its last state said (the supervisor's check)
+    assert await rollout.step() is None and drained == []
+    supervisor.slots["decode-1"].said_draining = False  # it restarted and serves
+    assert await rollout.step() == "decode-0"
+
+
 async def test_a_roles_only_worker_is_surged_not_restarted_in_place() -> None:
     rollout, supervisor, drained = fleet(("prefill-0", OLD), ("prefill-1", NEW), ("decode-2", OLD))
     assert await rollout.step() == "prefill-0"  # a peer serves meanwhile: in place

@@ -45,7 +45,9 @@ class StandInActor:
             raise WorkerDrainedError(f"worker {self.worker_id} drained")
         if self.behaviour == "slow":
             await asyncio.sleep(10)
-        return WorkerState(self.worker_id, Role.DECODE, self.address)
+        if self.behaviour == "late":  # answers, after a while
+            await asyncio.sleep(0.2)
+        return WorkerState(self.worker_id, Role.DECODE, self.address, draining=self.behaviour == "draining")
 
 
 @pytest.fixture(autouse=True)
@@ -296,3 +298,25 @@ async def test_the_port_knock_tells_a_listening_worker_from_a_gone_one(host: str
     server.close()
     await server.wait_closed()
     assert not await _port_open(address)
+
+
+async def test_a_check_keeps_whether_the_worker_said_it_drains() -> None:
+    """What a rollout asks before it drains the role's other worker (an operator's drain, a SIGTERM)."""
+    sup, _ = supervisor({"a": "draining", "b": "ok"})
+    await sup.check_all()
+    assert (sup.slots["a"].said_draining, sup.slots["b"].said_draining) == (True, False)
+    sup.slots["a"].actor.behaviour = "ok"
+    await sup.check_all()
+    assert not sup.slots["a"].said_draining
+
+
+async def test_a_check_that_answers_after_its_worker_was_scaled_away_publishes_nothing() -> None:
+    """A scale-down retired the worker while its check waited for the state: publishing it would list a killed
+    worker again for a TTL and undo its retirement."""
+    sup, registry = supervisor({"a": "ok", "b": "late"})
+    checking = asyncio.ensure_future(sup.check_all())
+    await asyncio.sleep(0.05)
+    del sup.slots["b"]  # as the scale-down does, before it retires the worker
+    registry.retire("b")
+    await checking
+    assert [w.worker_id for w in registry.workers()] == ["a"] and registry.retired() == {"b"}
