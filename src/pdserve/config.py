@@ -137,7 +137,7 @@ class RouterConfig:
     # A caller that takes none of its stream this long (its window full, not reading, not gone) is taken as gone:
     # its request ends, cancelled, and its HTTP connection (a gRPC stream: CANCELLED) with it.
     reader_stall_timeout_s: float = 60.0
-    sse_keepalive_s: float = 15.0  # a started SSE stream silent this long sends a comment (http/keepalive.py)
+    sse_keepalive_s: float = 15.0  # an SSE stream silent this long (its first event's wait too) sends a comment
     max_attempts: int = 3  # placements a request may get before its first token (1: never retried)
     migration_limit: int = 3  # moves of a stream to another decode worker after tokens were sent (0: none)
     ejection_s: float = 10.0  # a worker whose call failed stays out of placement this long (or until restarted)

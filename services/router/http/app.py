@@ -345,11 +345,11 @@ async def _disconnected(request: Request) -> None:
 
 
 class SSEResponse(StreamingResponse):
-    """A stream whose status waits for its first event: a request refused before its first token (invalid,
-    shed, nowhere to place it) gets the same JSON error and status as a non-streaming one. An error after the
-    first event can only end the stream: an `error` event, then `[DONE]` as every stream ends (vLLM's too), so
-    a reader waiting for it does not take the stream for cut. Once started, a silence of `keepalive_s` sends a
-    comment (keepalive.py)."""
+    """A stream whose status waits for its first event, for up to `keepalive_s`: a request refused before then
+    (invalid, shed, nowhere to place it) gets the same JSON error and status as a non-streaming one. An error once
+    the stream started can only end it: an `error` event, then `[DONE]` as every stream ends (vLLM's too), so a
+    reader waiting for it does not take the stream for cut. A silence of `keepalive_s`, the first event's wait
+    included, sends a comment (keepalive.py)."""
 
     def __init__(self, events: AsyncIterator[bytes], max_tokens_param: str, keepalive_s: float) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
@@ -363,25 +363,23 @@ class SSEResponse(StreamingResponse):
             await self._stream(events, send)
 
     async def _stream(self, events: AsyncIterator[bytes], send: Send) -> None:
+        body = KeptAliveBody(send, self.keepalive_s, self.status_code, self.raw_headers)
         try:
-            first = await anext(events)
+            async with body:
+                async for event in events:
+                    await body.send(event)
         except Exception as e:
-            status, body, headers = error_body(e, self.max_tokens_param)
-            data = json.dumps(body).encode()
+            status, error, headers = error_body(e, self.max_tokens_param)
+            if body.started:
+                event = b"data: " + json.dumps(error).encode() + b"\n\n" + DONE_EVENT
+                await send({"type": "http.response.body", "body": event})
+                return
+            data = json.dumps(error).encode()
             raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
             raw += [(k.encode(), v.encode()) for k, v in headers.items()]
             await send({"type": "http.response.start", "status": status, "headers": raw})
             await send({"type": "http.response.body", "body": data})
             return
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        await send({"type": "http.response.body", "body": first, "more_body": True})
-        try:
-            async with KeptAliveBody(send, self.keepalive_s) as kept_alive:
-                async for event in events:
-                    await kept_alive.send(event)
-        except Exception as e:
-            _, body, _ = error_body(e, self.max_tokens_param)
-            event = b"data: " + json.dumps(body).encode() + b"\n\n" + DONE_EVENT
-            await send({"type": "http.response.body", "body": event})
-            return
+        if not body.started:  # no event at all: none of the streams the API makes, but a response all the same
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
