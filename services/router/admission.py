@@ -105,7 +105,7 @@ class Admission:
             raise InvalidRequestError(
                 "slo.ttft_ms",
                 f"{slo.ttft_s * 1e3:g} ms is below this {prompt_tokens}-token prompt's TTFT on an idle worker; "
-                f"the smallest this cluster can offer is {math.ceil(offer.ttft_s * 1e3)} ms",
+                f"the smallest this cluster can offer is {math.ceil(max(offer.ttft_s, offer.ttft_now_s) * 1e3)} ms",
             )
         if offer.ttft_s > self.config.first_token_timeout_s:
             raise InvalidRequestError(
@@ -117,7 +117,7 @@ class Admission:
             raise InvalidRequestError(
                 "slo.tpot_ms",
                 f"{slo.tpot_s * 1e3:g} ms is below one decode step on an idle worker; "
-                f"the smallest this cluster can offer is {math.ceil(offer.tpot_s * 1e3)} ms",
+                f"the smallest this cluster can offer is {math.ceil(max(offer.tpot_s, offer.tpot_now_s) * 1e3)} ms",
             )
 
     def _check_queue_bound(self, placement: Placement, new_tokens: int, priority: int) -> None:

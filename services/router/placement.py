@@ -56,6 +56,10 @@ class Offer:
 
     ttft_s: float  # the smallest own TTFT over the prefill workers
     tpot_s: float  # the smallest one-sequence decode step over the decode workers
+    # The same at the workers' speeds now, which may be slower than their best: less than these is shed however
+    # idle the cluster, so an SLO refused as impossible is told to ask for the larger of the two.
+    ttft_now_s: float
+    tpot_now_s: float
     kv_blocks: int  # the most KV blocks any decode worker has in total
     held_at_once: int  # how many such requests the decode workers hold together (the HTTP API's n choices)
 
@@ -174,6 +178,8 @@ class PlacementPolicy(ABC):
         return Offer(
             ttft_s=min(p.offer_ttft_s(w, prompt_tokens, hits.get(w.cache_key, 0) * bs) for w in prefilling),
             tpot_s=min(p.offer_tpot_s(w) for w in holding),
+            ttft_now_s=min(p.own_ttft_s(w, prompt_tokens, hits.get(w.cache_key, 0) * bs) for w in prefilling),
+            tpot_now_s=min(p.idle_tpot_s(w) for w in holding),
             kv_blocks=max(w.kv_blocks_total for w in decodes),
             held_at_once=sum(_held_at_once(w, blocks) for w in decodes),
         )
