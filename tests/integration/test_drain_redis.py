@@ -63,10 +63,11 @@ async def test_a_drained_worker_leaves_the_redis_view_at_once_and_frees_everythi
         address = await asyncio.to_thread(worker.address, 120)
         await router.start()
         await until(lambda: len(router.workers()) == 1, 3 * HEARTBEAT_S, "the worker to register")
-        long = asyncio.create_task(stream(address, "long", 3000))
-        await until(lambda: router.workers() and router.workers()[0].running == 1, 3 * HEARTBEAT_S, "it to run")
+        long = asyncio.create_task(stream(address, "long", 4000))
+        await until(lambda: worker.state().running == 1, 60, "it to run")  # its own state: no beat to wait for
         async with channel(address) as ch:
-            drain = asyncio.ensure_future(worker_pb2_grpc.WorkerControlStub(ch).Drain(wpb.DrainRequest(timeout_s=1)))
+            # 0.2 s: the stream of 4000 tokens runs longer (it finished within a 1 s drain on a quiet machine)
+            drain = asyncio.ensure_future(worker_pb2_grpc.WorkerControlStub(ch).Drain(wpb.DrainRequest(timeout_s=0.2)))
             seen_after = await until(lambda: router.workers() and router.workers()[0].draining, 1.0, "draining")
             with pytest.raises(AssertionError) as refused:
                 await stream(address, "late", 4)
