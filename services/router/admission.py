@@ -66,7 +66,7 @@ class Admission:
         self._check_ttft(placement, slo)
         self._check_kv_room(placement, slo)
         # A stream waiting to move (its decode worker lost) has the next free place (lifecycle.py).
-        if not self.predictor.has_batch_room(placement.decode, spare=self.predictor.tracker.moving):
+        if not self.predictor.has_batch_room(placement.decode, spare=self.predictor.tracker.held_for_moving):
             raise OverloadedError(
                 f"no decode worker has room in its batch now (max_num_seqs {placement.decode.max_num_seqs})",
                 _retry_ms(placement.predicted_tpot_s * 32),

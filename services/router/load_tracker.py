@@ -34,6 +34,7 @@ class LoadTracker:
         self.pending_blocks: Counter[str] = Counter()  # KV blocks a decode worker is about to reserve
         self.decoding: Counter[str] = Counter()  # streams in flight per decode worker
         self.moving = 0  # streams waiting for a decode worker with room to move to: new requests leave them a place
+        self.moving_elsewhere = 0  # the same through the other routers of a shared registry (shared_moving.py)
         # (wall time, (prompt tokens, new tokens: what the worker was to compute))
         self._prefilled: defaultdict[str, deque[tuple[float, tuple[int, int]]]] = defaultdict(deque)
         self._sent: dict[int, Sent] = {}  # placement number -> request, until it ends
@@ -41,6 +42,11 @@ class LoadTracker:
         self._placed: defaultdict[str, dict[int, Sent]] = defaultdict(dict)  # `_sent`, per decode worker
         self._ended: defaultdict[str, deque[tuple[float, float]]] = defaultdict(deque)  # (wall time ended, placed)
         self._placements = itertools.count()
+
+    @property
+    def held_for_moving(self) -> int:
+        """The places new requests leave free in the decode batches: one per stream moving, through any router."""
+        return self.moving + self.moving_elsewhere
 
     def start(
         self, prefill_id: str, decode_id: str, new_tokens: int, seconds: float, blocks: int, prompt_tokens: int

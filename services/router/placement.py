@@ -257,7 +257,7 @@ class SLOAwarePlacement(PlacementPolicy):
         def roomy_past(spare: int) -> list[WorkerState]:
             return [w for w in workers if free(w) >= blocks and p.has_batch_room(w, spare)]
 
-        roomy = roomy_past(p.tracker.moving) or roomy_past(0)
+        roomy = roomy_past(p.tracker.held_for_moving) or roomy_past(0)
         return roomy, [w for w in roomy if p.tpot_s(w) <= tpot_slo_s]
 
 

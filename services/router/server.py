@@ -31,14 +31,15 @@ from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
 from services.router.predictor import Predictor
 from services.router.servicer import GENERATE_METHOD, GenerationServicer
 from services.router.shared_claims import SharedKVClaims
+from services.router.shared_moving import SharedMoving
 
 log = logging.getLogger(__name__)
 
 
 class RouterServer:
     """The router's listeners, drained and stopped together (then the background work of its quotas, admitted
-    totals, shared KV claims and gone workers' state, and its channels to decode workers): the launcher sees one
-    server."""
+    totals, shared KV claims and moving streams, gone workers' state, and its channels to decode workers): the
+    launcher sees one server."""
 
     def __init__(
         self,
@@ -49,6 +50,7 @@ class RouterServer:
         gone_workers: GoneWorkers,
         decode_channels: ChannelPool[Any],
         shared_claims: SharedKVClaims | None,
+        shared_moving: SharedMoving | None,
     ) -> None:
         self.grpc = grpc_server
         self.http = http
@@ -57,6 +59,7 @@ class RouterServer:
         self.gone_workers = gone_workers
         self.decode_channels = decode_channels
         self.shared_claims = shared_claims
+        self.shared_moving = shared_moving
         self.address = grpc_server.address
         self.port = grpc_server.port
 
@@ -78,6 +81,8 @@ class RouterServer:
                 try:
                     if self.shared_claims is not None:
                         await self.shared_claims.close()
+                    if self.shared_moving is not None:  # its close never raises
+                        await self.shared_moving.close()
                 finally:
                     await self.decode_channels.close()
 
@@ -150,9 +155,14 @@ async def start_router(
     gone_workers = GoneWorkers(registry, gone)
     gone_workers.start()
     shared_claims = await _shared_claims(registry, config, predictor)
+    shared_moving = None
+    if isinstance(registry, RedisRegistry):  # the routers of one registry leave each other's moving streams a place
+        shared_moving = SharedMoving(registry.url, tracker)
+        await shared_moving.start()
     await server.set_serving(True)
     channels = lifecycle.relay.channels
-    return RouterServer(server, http, quotas, admitted, gone_workers, channels, shared_claims), lifecycle
+    parts = (quotas, admitted, gone_workers, channels, shared_claims, shared_moving)
+    return RouterServer(server, http, *parts), lifecycle
 
 
 async def _shared_claims(registry: Registry, config: RouterConfig, predictor: Predictor) -> SharedKVClaims | None:

@@ -1,0 +1,108 @@
+"""Streams moving to another decode worker, counted across the routers of one Redis registry. Admission leaves a
+moving stream the next free place in a decode batch (lifecycle.py); a stream moving through one router must be left
+it by the other routers' new requests too: a soak saw one router admit new requests into the places another's ten
+moving streams waited for, and those streams failed mid-answer.
+
+One hash, `pdserve:moving`: router id -> "<streams> <until>" (Unix ms). Every `VIEW_REFRESH_S` a router writes its
+own count (deletes its entry once none moves) and reads the others' in one round trip on a background task; requests
+read only the sum. An entry holds until `until`, LAPSE_INTERVALS refreshes on, so a router gone counts no more. While
+Redis does not answer, the entries last read hold until they lapse. Times are Unix, as the KV claims' are: the
+routers' clocks must agree within a fraction of a second (NTP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+from pdserve.background import cancel_and_wait
+from pdserve.registry.base import VIEW_REFRESH_S
+from pdserve.registry.redis import PREFIX, TIMEOUT_S, Throttled, connect_async
+from services.router.load_tracker import LoadTracker
+
+log = logging.getLogger(__name__)
+MOVING_KEY = f"{PREFIX}:moving"
+LAPSE_INTERVALS = 4
+MAX_STREAMS = 1 << 20  # more than any router holds: an entry that says more is no router's
+
+
+class SharedMoving:
+    def __init__(
+        self,
+        url: str,
+        tracker: LoadTracker,
+        interval_s: float = VIEW_REFRESH_S,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.tracker = tracker
+        self.router_id = uuid.uuid4().hex
+        self.interval_s = interval_s
+        self.wall_clock = wall_clock
+        self._redis = connect_async(url)  # its connections belong to the loop that first uses it
+        self._others: dict[str, tuple[int, int]] = {}  # router id -> (streams, until in Unix ms), as last read
+        self._written = False
+        self._warn = Throttled(30.0, log)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.sync()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="shared-moving")
+
+    async def close(self) -> None:
+        try:
+            await cancel_and_wait(self._task)
+            if self._written:
+                async with asyncio.timeout(2 * TIMEOUT_S):
+                    await self._redis.hdel(MOVING_KEY, self.router_id)
+        except Exception as e:  # its entry lapses on its own
+            log.info("could not remove this router's moving streams from redis: %r", e)
+        finally:
+            await self._redis.aclose()
+
+    async def sync(self) -> bool:
+        """Writes this router's count and reads the others'; False when Redis did not answer (the counts last read
+        hold until they lapse)."""
+        now_ms = round(self.wall_clock() * 1000)
+        moving = self.tracker.moving
+        try:
+            async with asyncio.timeout(2 * TIMEOUT_S), self._redis.pipeline() as pipe:
+                if moving:
+                    until_ms = now_ms + round(LAPSE_INTERVALS * self.interval_s * 1000)
+                    pipe.hset(MOVING_KEY, self.router_id, f"{moving} {until_ms}")
+                elif self._written:
+                    pipe.hdel(MOVING_KEY, self.router_id)
+                pipe.hgetall(MOVING_KEY)
+                values: dict[bytes, bytes] = (await pipe.execute())[-1]
+            self._written = bool(moving)
+            self._others = _parse(values, self.router_id)
+            ok = True
+        except Exception as e:
+            self._warn.warning("moving streams not shared through redis: %r", e)
+            ok = False
+        self.tracker.moving_elsewhere = sum(n for n, until in self._others.values() if until > now_ms)
+        return ok
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.sync()
+
+
+def _parse(values: dict[bytes, bytes], own: str) -> dict[str, tuple[int, int]]:
+    """The other routers' entries; one that does not parse (anyone with access to Redis may write one) is skipped."""
+    others: dict[str, tuple[int, int]] = {}
+    for field, value in values.items():
+        router_id = field.decode(errors="replace")
+        if router_id == own:
+            continue
+        try:
+            streams, until_ms = (int(x) for x in value.split())
+        except ValueError:
+            log.debug("%s: entry %r = %.100r skipped", MOVING_KEY, router_id, value)
+            continue
+        if 0 < streams <= MAX_STREAMS:
+            others[router_id] = (streams, until_ms)
+    return others

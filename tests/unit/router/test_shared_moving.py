@@ -1,0 +1,78 @@
+"""Moving streams counted across routers through a real redis-server (services/router/shared_moving.py): a stream
+moving through one router is left a place by the other router's new requests; a router's count ends when its
+streams stop moving, lapses when the router is gone, and an entry that does not parse is skipped."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from services.router.shared_moving import LAPSE_INTERVALS, MOVING_KEY, SharedMoving
+from tests.redis_server import emptied, started
+from tests.unit.router.router_builder import Router, prompt, shed, worker
+
+pytestmark = pytest.mark.timeout(60)
+server = pytest.fixture(scope="module")(started)
+url = pytest.fixture(emptied)
+INTERVAL_S = 0.25
+
+
+class Pair:
+    """Two routers over one decode worker with one free place in its batch, sharing their moving streams through
+    `url` on one wall clock moved by hand."""
+
+    def __init__(self, url: str) -> None:
+        self.wall = [1.8e9]
+        one_free = worker("d0", "decode", sequences=3, max_num_seqs=4)
+        self.a, self.b = Router([worker("p0"), one_free]), Router([worker("p0"), one_free])
+        self.loop = asyncio.new_event_loop()  # where the Redis connections live (Router.admit runs its own)
+        self.shared = [
+            SharedMoving(url, r.tracker, INTERVAL_S, wall_clock=lambda: self.wall[0]) for r in (self.a, self.b)
+        ]
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def sync(self, *which: int) -> None:
+        for i in which:
+            assert self.run(self.shared[i].sync())
+
+
+@pytest.fixture
+def pair(server, url: str) -> Iterator[Pair]:
+    p = Pair(url)
+    yield p
+    for s in p.shared:
+        p.run(s.close())
+    p.loop.close()
+
+
+def test_a_stream_moving_through_one_router_is_left_its_place_by_the_others_new_requests(pair, url):
+    pair.b.admit(prompt(16))  # the free place is there
+    pair.a.tracker.moving = 1  # a stream of a's lost its decode worker and waits for a place
+    pair.sync(0, 1)
+    assert (pair.a.tracker.moving_elsewhere, pair.b.tracker.moving_elsewhere) == (0, 1)
+    shed(pair.b, prompt(16), "no decode worker has room in its batch")
+    pair.a.tracker.moving = 0  # it moved
+    pair.sync(0, 1)
+    assert pair.b.tracker.moving_elsewhere == 0
+    pair.b.admit(prompt(16))
+    with redis.Redis.from_url(url) as c:
+        assert c.hgetall(MOVING_KEY) == {}  # an entry only while streams move
+
+
+def test_a_gone_routers_count_lapses_and_an_entry_that_does_not_parse_is_skipped(pair, url):
+    pair.a.tracker.moving = 2
+    pair.sync(0)  # then a writes no more, as a router gone
+    with redis.Redis.from_url(url) as c:
+        c.hset(MOVING_KEY, mapping={"junk": "many", "huge": f"{1 << 40} {int(pair.wall[0] * 1000) + 60_000}"})
+    pair.sync(1)
+    assert pair.b.tracker.moving_elsewhere == 2
+    pair.wall[0] += LAPSE_INTERVALS * INTERVAL_S + 0.01
+    pair.sync(1)
+    assert pair.b.tracker.moving_elsewhere == 0
+    pair.b.admit(prompt(16))
