@@ -23,6 +23,10 @@ class TransferTimeoutError(TransferError):
     """The transfer did not complete within its timeout."""
 
 
+class PeerSilentError(TransferTimeoutError):
+    """The other process does not answer (stopped, starved, or cut off): it may resume, and its pair with it."""
+
+
 class TransferCancelledError(TransferError):
     """The caller cancelled the recv before any byte of it arrived; nothing writes its blocks."""
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 
-from pdserve.transfer.base import LayoutMismatchError, PeerLostError, TransferError
+from pdserve.transfer.base import LayoutMismatchError, PeerLostError, PeerSilentError, TransferError
 from pdserve.transfer.blocks import Blocks
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.pair_group import PairGroup, error_summary, time_left
 from pdserve.transfer.pipeline import Staging, send_messages
 from pdserve.transfer.rendezvous import choose_backend, claim_store, device_info
-from pdserve.transfer.store_calls import StoreSilent, within
+from pdserve.transfer.store_calls import StoreSilent, answer, started
 from pdserve.transfer.wire import BLOCK_COUNT, FORGED, LAYOUT, MAX_SEGMENTS, NOT_EXPECTED, Header, layout_fields
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ class SendPair:
         self.lock = threading.Lock()  # one transfer at a time on the wire
         self.staging = Staging(device, wire_on_host=group.backend == "gloo")
         self.broken = False
+        self._check: Future[bool] | None = None  # the last liveness round trip, answered or not yet
+        self._check_lock = threading.Lock()
 
     @classmethod
     def connect(
@@ -73,11 +76,19 @@ class SendPair:
     def check_peer(self, timeout_s: float = CHECK_TIMEOUT_S) -> None:
         """One store round trip (~0.2 ms). gloo does not always notice a decode worker that died while the pair
         sat idle: the header's send then waits out the whole transfer timeout (seen under load). The store the
-        decode worker serves fails at once instead; one that does not answer (its process stopped) is lost too."""
-        store = self.store  # the thread holds the store alone, not this pair (its group and staging buffers)
+        decode worker serves fails at once instead (PeerLostError). One that does not answer within `timeout_s`
+        is silent (PeerSilentError: its process stopped, say); the round trip stays under way, and the next check
+        waits for its answer rather than sending another."""
+        with self._check_lock:
+            if self._check is None or self._check.done():
+                store = self.store  # the thread holds the store alone, not this pair (its group and staging buffers)
+                self._check = started(lambda: store.check([_ALIVE_KEY]), "kv-check")
+            check = self._check
         try:
-            within(lambda: store.check([_ALIVE_KEY]), timeout_s, "kv-check")
-        except (RuntimeError, StoreSilent) as e:
+            answer(check, timeout_s)
+        except StoreSilent as e:
+            raise PeerSilentError(f"decode side {self.rendezvous}: not answering: {e}") from None
+        except RuntimeError as e:
             raise PeerLostError(f"decode side {self.rendezvous}: peer lost: {error_summary(e)}") from e
 
     def close(self) -> None:

@@ -18,8 +18,8 @@ class StoreSilent(TimeoutError):
     """The peer's store gave no answer in time."""
 
 
-def within(call: Callable[[], T], timeout_s: float, name: str) -> T:
-    """`call()`'s result or exception, or StoreSilent after `timeout_s`."""
+def started(call: Callable[[], T], name: str) -> Future[T]:
+    """`call()` running on a daemon thread of its own; its outcome once it returns."""
     outcome: Future[T] = Future()
 
     def run() -> None:
@@ -29,9 +29,19 @@ def within(call: Callable[[], T], timeout_s: float, name: str) -> T:
             outcome.set_exception(e)
 
     threading.Thread(target=run, name=name, daemon=True).start()
+    return outcome
+
+
+def answer(outcome: Future[T], timeout_s: float) -> T:
+    """The call's result or exception, or StoreSilent after `timeout_s` (the call goes on)."""
     try:
         return outcome.result(timeout=max(timeout_s, 0.001))
     except TimeoutError:
         if outcome.done():  # the call's own TimeoutError
             raise
         raise StoreSilent(f"no answer within {timeout_s:.3g} s") from None
+
+
+def within(call: Callable[[], T], timeout_s: float, name: str) -> T:
+    """`call()`'s result or exception, or StoreSilent after `timeout_s`."""
+    return answer(started(call, name), timeout_s)

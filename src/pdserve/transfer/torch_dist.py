@@ -29,6 +29,7 @@ from pdserve.transfer.base import (
     KVReceiver,
     KVSender,
     PeerLostError,
+    PeerSilentError,
     TransferCancelledError,
     TransferError,
     TransferTimeoutError,
@@ -39,7 +40,7 @@ from pdserve.transfer.pair_group import PairGroup, as_transfer_error, error_summ
 from pdserve.transfer.pipeline import Staging, receive_messages
 from pdserve.transfer.recv_pair import Pending, RecvPair, check_header
 from pdserve.transfer.rendezvous import device_info, listening
-from pdserve.transfer.send_pair import CHECK_TIMEOUT_S, SendPair, rejection
+from pdserve.transfer.send_pair import SendPair, rejection
 from pdserve.transfer.wire import HEADER_LEN, OK, Header, check_tag
 
 Backend = Literal["auto", "gloo", "nccl"]
@@ -132,7 +133,9 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
         gloo does not always notice a decode worker that died while the pair sat idle). A pair whose decode process
         is gone is dropped (here, or by a concurrent send or the prune); while a process listens at its address (a
         decode worker restarted on a fixed transfer port) the send takes or connects the pair with it, else it
-        fails at once."""
+        fails at once. A decode process that does not answer (stopped, starved) keeps its pair: the transfer waits
+        for it within its deadline. Dropped, the pair could not be claimed again once the process resumed, and
+        every hand-off sent to its address failed (a review saw three of three lost to a 3 s pause)."""
         while True:
             pair = self._pair(rendezvous, deadline)
             if not pair.lock.acquire(timeout=max(time_left(deadline), 0)):
@@ -140,9 +143,11 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
             lost, handed = PeerLostError(f"decode side {rendezvous}: pair dropped by a concurrent failure"), False
             try:
                 if not pair.broken:
-                    pair.check_peer(min(CHECK_TIMEOUT_S, max(time_left(deadline), 0.001)))
+                    pair.check_peer(max(time_left(deadline), 0.001))
                     handed = True
                     return pair  # locked: the caller releases it
+            except PeerSilentError as e:
+                raise TransferTimeoutError(f"tag {tag}: {e}") from None
             except PeerLostError as e:
                 lost = PeerLostError(str(e))  # not `e`: its traceback would keep the dropped pair (its sockets) alive
                 self._drop(pair)
@@ -192,7 +197,7 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
                 continue
             try:
                 pair.check_peer()
-            except PeerLostError:
+            except (PeerLostError, PeerSilentError):  # a new pair came: the silent one is likely its predecessor's
                 self._drop(pair)
             finally:
                 pair.lock.release()

@@ -21,22 +21,20 @@ pytestmark = pytest.mark.timeout(60)
 SEND_TIMEOUT_S = 4.0  # past the liveness check's 2 s: what is left is the claim's
 
 
-def _send(sender: TorchDistSender, rendezvous: str, tag: int, outcome: Future[int]) -> None:
+def _send(
+    sender: TorchDistSender, rendezvous: str, tag: int, outcome: Future[int], timeout_s: float = SEND_TIMEOUT_S
+) -> None:
     try:
-        outcome.set_result(sender.send(rendezvous, tag, make_caches(1), [0, 1], SEND_TIMEOUT_S))
+        outcome.set_result(sender.send(rendezvous, tag, make_caches(1), [0, 1], timeout_s))
     except BaseException as e:
         outcome.set_exception(e)
 
 
-@pytest.mark.parametrize("paired_before", [False, True])
-def test_a_send_to_a_stopped_receiver_fails_by_its_deadline(paired_before: bool) -> None:
+def test_a_first_send_to_a_stopped_receiver_fails_by_its_deadline() -> None:
     receiver = ReceiverProcess()
     sender = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
     rendezvous = receiver.rendezvous
     try:
-        if paired_before:
-            receiver.expect(1)
-            assert sender.send(rendezvous, 1, make_caches(1), [0, 1], 10) == receiver.received()
         receiver.stop()
         start, outcome = time.monotonic(), Future()
         sending = threading.Thread(target=_send, args=(sender, rendezvous, 2, outcome), daemon=True)
@@ -52,7 +50,7 @@ def test_a_send_to_a_stopped_receiver_fails_by_its_deadline(paired_before: bool)
         assert time.monotonic() - again < SEND_TIMEOUT_S / 2  # not its deadline: at once
         receiver.resume()  # the claim given up on is answered late, and claims nothing
         resumed = time.monotonic()
-        while not paired_before:  # (a pair that served holds its store's claim: the decode side hands out another)
+        while True:
             try:
                 sender.send(rendezvous, 4, make_caches(1), [0, 1], SEND_TIMEOUT_S)
             except TransferError as e:
@@ -66,20 +64,74 @@ def test_a_send_to_a_stopped_receiver_fails_by_its_deadline(paired_before: bool)
         receiver.kill()  # its store's connections reset: the calls' threads end
 
 
-def test_a_pair_its_sender_dropped_is_replaced_at_the_next_hand_off() -> None:
-    """The decode process pauses 3 s (a loaded host, a long GC) while a send checks the idle pair: the check times
-    out, the sender drops the pair and claims the store again, which the decode side's serving thread (still on the
-    old pair, which gloo sees alive until the sender's sockets close at a garbage collection) refuses. That send is
-    lost; the next hand-off's rendezvous must be a fresh pair, not the same store refusing every sender after."""
+def test_a_paired_receiver_stopped_fails_sends_past_their_deadline_and_keeps_its_pair_for_when_it_resumes() -> None:
+    """A send on a pair that served waits for its stopped decode process within its deadline (one liveness round
+    trip, shared by the sends that queue behind it), then times out; the pair stays, and serves once it resumes."""
     receiver = ReceiverProcess()
     sender = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
     try:
         receiver.expect(1)
         assert sender.send(receiver.rendezvous, 1, make_caches(1), [0, 1], 10) == receiver.received()
         receiver.stop()
+        start, outcome = time.monotonic(), Future()
+        sending = threading.Thread(target=_send, args=(sender, receiver.rendezvous, 2, outcome), daemon=True)
+        sending.start()
+        sending.join(15)
+        assert not sending.is_alive(), "the send to a stopped receiver is still waiting after 15 s"
+        with pytest.raises(TransferTimeoutError, match="not answering"):
+            outcome.result()
+        assert time.monotonic() - start < SEND_TIMEOUT_S + 2
+        receiver.resume()
+        receiver.expect(3)
+        assert sender.send(receiver.rendezvous, 3, make_caches(1), [0, 1], 10) == receiver.received()
+    finally:
+        sender.close()
+        receiver.kill()
+
+
+def test_hand_offs_sent_while_their_receiver_pauses_are_received_once_it_resumes() -> None:
+    """The decode process pauses 3 s (a loaded host, a long GC, SIGSTOP) while hand-offs queue for it, each with a
+    10 s deadline. Before, the first send's liveness check timed out after 2 s and dropped the pair, the store
+    refused the sender's claim once the process resumed (one sender per store), and all three were lost."""
+    receiver = ReceiverProcess()
+    sender = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+    try:
+        receiver.expect(1)
+        assert sender.send(receiver.rendezvous, 1, make_caches(1), [0, 1], 10) == receiver.received()
+        for tag in (2, 3, 4):
+            receiver.expect(tag, (2 * tag, 2 * tag + 1))
+        receiver.stop()
         threading.Timer(3.0, receiver.resume).start()
-        with pytest.raises(TransferError, match="another sender already holds"):
-            sender.send(receiver.rendezvous, 2, make_caches(1), [0, 1], 10)
+        outcomes: dict[int, Future[int]] = {tag: Future() for tag in (2, 3, 4)}
+        sends = [
+            threading.Thread(target=_send, args=(sender, receiver.rendezvous, tag, f, 10.0), daemon=True)
+            for tag, f in outcomes.items()
+        ]
+        for thread in sends:
+            thread.start()
+            time.sleep(0.3)
+        for thread in sends:
+            thread.join(30)
+        sent = sorted(f.result() for f in outcomes.values())  # raises the first send that failed
+        assert sent == sorted(receiver.received() for _ in outcomes)
+    finally:
+        sender.close()
+        receiver.kill()
+
+
+def test_a_pair_its_sender_dropped_is_replaced_at_the_next_hand_off() -> None:
+    """The sender dropped a pair whose decode process lives on (a transfer that failed mid-way; the prune, when a
+    new decode worker appears, of one silent for 2 s). A send to its old store is lost: refused (one sender per
+    store) or, once the decode side saw the pair die and closed the store, unanswered till its deadline. The next
+    hand-off's rendezvous must be a fresh pair."""
+    receiver = ReceiverProcess()
+    sender = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+    try:
+        receiver.expect(1)
+        assert sender.send(receiver.rendezvous, 1, make_caches(1), [0, 1], 10) == receiver.received()
+        sender._drop(sender._pairs[receiver.rendezvous])
+        with pytest.raises(TransferError):
+            sender.send(receiver.rendezvous, 2, make_caches(1), [0, 1], SEND_TIMEOUT_S)
         fresh = receiver.handoff_rendezvous()
         assert fresh != receiver.rendezvous
         receiver.expect(3)
