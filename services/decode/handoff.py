@@ -101,6 +101,7 @@ class Handoff:
             )
             receive.add_done_callback(_read_outcome)
             await self._until_received(handoff, call, receive, len(blocks))
+            call = None  # it ended OK: no await below, where a cancel would skip the free of a received reservation
             return first
         except BaseException as e:
             self._free(handoff.request.request_id, peer, tag, receive)
