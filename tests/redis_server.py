@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -86,6 +88,17 @@ class RedisServer:
         self.proc.kill()
         self.proc.wait(timeout=10)
         self.proc = None
+
+    @contextlib.contextmanager
+    def stopped(self) -> Iterator[None]:
+        """SIGSTOP: the server keeps its port and accepts connections but answers nothing, as a hung or
+        partitioned Redis does (not the refused connection of a dead one)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, **({"ssl_ca_certs": str(self.tls.ca)} if self.tls else {}))

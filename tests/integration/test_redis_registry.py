@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 import pytest
@@ -23,7 +22,7 @@ from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import PREFIX, RedisRegistry
 from pdserve.registry.redis_prefix import RedisPrefixIndex
-from tests.redis_server import RedisServer, emptied, started
+from tests.redis_server import emptied, started
 
 pytestmark = pytest.mark.timeout(120)
 PROFILE = PerfProfile(0.01, 1e-3, 1e-8, 0.02, 0.005)
@@ -59,18 +58,6 @@ async def router_view(url: str, **kwargs: object) -> AsyncIterator[RedisRegistry
         yield registry
     finally:
         await registry.close()
-
-
-@contextlib.contextmanager
-def stopped(server: RedisServer) -> Iterator[None]:
-    """SIGSTOP: the server keeps its port and accepts connections but answers nothing, as a hung or
-    partitioned Redis does (not the refused connection of a dead one)."""
-    assert server.proc is not None
-    server.proc.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        server.proc.send_signal(signal.SIGCONT)
 
 
 async def test_a_published_worker_reads_back_whole_profile_included(url):
@@ -219,7 +206,7 @@ async def test_a_stopped_redis_stalls_nothing_the_view_ages_out_and_then_recover
     caplog.set_level(logging.WARNING, logger="pdserve.registry.redis")
     async with router_view(url, ttl_s=1.0, refresh_s=0.05, timeout_s=0.1, max_view_age_s=1.5) as router:
         assert ids(router.workers()) == ["d0", "p0"]
-        with stopped(server):
+        with server.stopped():
             served_stale, slowest = 0, 0.0
             deadline = time.monotonic() + 3.0
             while time.monotonic() < deadline:
@@ -251,7 +238,7 @@ async def test_a_short_stall_keeps_workers_whose_keys_expired_meanwhile(url, ser
     publisher.publish(state("p0"))
     async with router_view(url, ttl_s=1.0, refresh_s=0.05, timeout_s=0.1, max_view_age_s=10) as router:
         assert ids(router.workers()) == ["p0"]
-        with stopped(server):
+        with server.stopped():
             await asyncio.sleep(1.0)  # p0's key expires as soon as Redis runs again: it could not beat
             assert ids(router.workers()) == ["p0"]
         await router.refresh()

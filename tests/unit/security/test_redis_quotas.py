@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
@@ -203,12 +202,8 @@ async def stalled_redis(server: RedisServer, quotas: RedisQuotas) -> AsyncIterat
     """Redis stands still (SIGSTOP) while the body runs, so its calls miss the budget, and runs them once the body
     is done; then waits until the router is back on the shared count, its background writes done. (A DEBUG SLEEP
     sent from a thread might not have begun by the time the body's call went out on a busy host.)"""
-    assert server.proc is not None
-    server.proc.send_signal(signal.SIGSTOP)
-    try:
+    with server.stopped():
         yield
-    finally:
-        server.proc.send_signal(signal.SIGCONT)
     end = time.monotonic() + 5
     while quotas._down_since is not None or quotas._writes:
         assert time.monotonic() < end
