@@ -95,6 +95,7 @@ class Handoff:
             first = await call.first_token()  # bounded by the caller's deadline, or its cancel
             if not first.kv_follows:
                 await call.sent()
+                call = None  # as below
                 return first
             receive = asyncio.ensure_future(
                 in_transfer_thread(self.receiver.recv, peer, tag, self.engine.kv_caches, blocks, timeout_s)

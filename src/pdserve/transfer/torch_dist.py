@@ -189,7 +189,8 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
     def _drop_dead_pairs(self, new: SendPair) -> None:
         """Drops the pairs of decode processes that are gone. A new pair means a decode worker joined or restarted,
         at a new address: nothing sends to its predecessor's again, whose pair (a process group, its sockets and
-        thread) would otherwise stay for this worker's life. A pair busy with a transfer is alive or finds out."""
+        thread) would otherwise stay for this worker's life. A pair busy with a transfer is alive or finds out. A
+        silent one stays: dropped, it could not be claimed again once its process resumed."""
         with self._lock:
             pairs = [p for p in self._pairs.values() if p is not new]
         for pair in pairs:
@@ -197,8 +198,10 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
                 continue
             try:
                 pair.check_peer()
-            except (PeerLostError, PeerSilentError):  # a new pair came: the silent one is likely its predecessor's
+            except PeerLostError:
                 self._drop(pair)
+            except PeerSilentError:  # stopped or starved, it may resume; a host gone silent errs once TCP gives up
+                pass
             finally:
                 pair.lock.release()
 

@@ -119,6 +119,31 @@ def test_hand_offs_sent_while_their_receiver_pauses_are_received_once_it_resumes
         receiver.kill()
 
 
+def test_a_new_decode_workers_pair_does_not_prune_the_pair_of_one_paused_meanwhile() -> None:
+    """Connecting a pair sets off a prune of the pairs whose decode process is gone. One paused then (its liveness
+    check unanswered for 2 s) was pruned too, and once it resumed its store refused the sender's new claim: every
+    hand-off to it failed, as when a send's own check dropped it."""
+    receiver, newcomer = ReceiverProcess(), ReceiverProcess()
+    sender = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+    try:
+        receiver.expect(1)
+        assert sender.send(receiver.rendezvous, 1, make_caches(1), [0, 1], 10) == receiver.received()
+        receiver.stop()
+        newcomer.expect(1)
+        assert sender.send(newcomer.rendezvous, 1, make_caches(1), [0, 1], 10) == newcomer.received()
+        end = time.monotonic() + 15
+        while any(t.name == "kv-send-prune" for t in threading.enumerate()):  # its check of the paused one: 2 s
+            assert time.monotonic() < end, "the prune never ended"
+            time.sleep(0.1)
+        receiver.resume()
+        receiver.expect(2)
+        assert sender.send(receiver.rendezvous, 2, make_caches(1), [0, 1], 10) == receiver.received()
+    finally:
+        sender.close()
+        receiver.kill()
+        newcomer.kill()
+
+
 def test_a_pair_its_sender_dropped_is_replaced_at_the_next_hand_off() -> None:
     """The sender dropped a pair whose decode process lives on (a transfer that failed mid-way; the prune, when a
     new decode worker appears, of one silent for 2 s). A send to its old store is lost: refused (one sender per
