@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from pdserve.background import cancel_and_wait
+from pdserve.background import cancel_and_wait, repeating
 from pdserve.registry.base import VIEW_REFRESH_S
 from pdserve.registry.redis import PREFIX, TIMEOUT_S, Throttled, connect_async
 from services.router.admission import MAX_RETRY_MS
@@ -67,7 +67,7 @@ class SharedKVClaims:
     async def start(self) -> None:
         """The other routers' claims before serving (an unreachable Redis costs one timeout), then every interval."""
         await self.sync()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="shared-kv-claims")
+        self._task = repeating(self.sync, self.interval_s, "shared-kv-claims")
 
     async def close(self) -> None:
         try:
@@ -91,11 +91,6 @@ class SharedKVClaims:
             return False
         self.claims.merge(shared)
         return True
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.sync()
 
     async def _exchange(self, changes: dict[str, Claim | None]) -> dict[str, Claim]:
         """One pipeline writes `changes` and reads the hash, whose Unix times become the claims' clock's (each

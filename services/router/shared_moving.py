@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from pdserve.background import cancel_and_wait
+from pdserve.background import cancel_and_wait, repeating
 from pdserve.registry.base import VIEW_REFRESH_S
 from pdserve.registry.redis import PREFIX, TIMEOUT_S, Throttled, connect_async
 from services.router.load_tracker import LoadTracker
@@ -49,7 +49,7 @@ class SharedMoving:
 
     async def start(self) -> None:
         await self.sync()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="shared-moving")
+        self._task = repeating(self.sync, self.interval_s, "shared-moving")
 
     async def close(self) -> None:
         try:
@@ -84,11 +84,6 @@ class SharedMoving:
             ok = False
         self.tracker.moving_elsewhere = sum(n for n, until in self._others.values() if until > now_ms)
         return ok
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.sync()
 
 
 def _parse(values: dict[bytes, bytes], own: str) -> dict[str, tuple[int, int]]:

@@ -76,3 +76,21 @@ def test_a_gone_routers_count_lapses_and_an_entry_that_does_not_parse_is_skipped
     pair.sync(1)
     assert pair.b.tracker.moving_elsewhere == 0
     pair.b.admit(prompt(16))
+
+
+def test_started_routers_share_their_counts_every_interval(pair, url):
+    """`start` reads once, then its background task writes and reads every interval; `close` deletes the entry."""
+    pair.wall[0] = 1e12  # a wall clock that stands still: only the task's writes can change what b reads
+    for s in pair.shared:
+        pair.run(s.start())
+    pair.a.tracker.moving = 3
+
+    async def until_shared() -> None:
+        while pair.b.tracker.moving_elsewhere != 3:
+            await asyncio.sleep(INTERVAL_S / 5)
+
+    pair.run(asyncio.wait_for(until_shared(), 20))
+    pair.run(pair.shared[0].close())
+    pair.shared.pop(0)
+    with redis.Redis.from_url(url) as c:
+        assert c.hgetall(MOVING_KEY) == {}
