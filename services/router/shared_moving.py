@@ -6,8 +6,10 @@ moving streams waited for, and those streams failed mid-answer.
 One hash, `pdserve:moving`: router id -> "<streams> <until>" (Unix ms). Every `VIEW_REFRESH_S` a router writes its
 own count (deletes its entry once none moves) and reads the others' in one round trip on a background task; requests
 read only the sum. An entry holds until `until`, LAPSE_INTERVALS refreshes on, so a router gone counts no more. While
-Redis does not answer, the entries last read hold until they lapse. Times are Unix, as the KV claims' are: the
-routers' clocks must agree within a fraction of a second (NTP).
+Redis does not answer, the entries last read hold until they lapse. An entry lapsed more than FORGET_AFTER_S ago (its
+router crashed) is deleted at the next sync of a router that read it; should its router write again just before, it
+writes the entry anew one interval later. Times are Unix, as the KV claims' are: the routers' clocks must agree
+within a fraction of a second (NTP).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 MOVING_KEY = f"{PREFIX}:moving"
 LAPSE_INTERVALS = 4
 MAX_STREAMS = 1 << 20  # more than any router holds: an entry that says more is no router's
+FORGET_AFTER_S = 60.0  # far past any clock skew: a router this late to refresh has stopped
 
 
 class SharedMoving:
@@ -43,6 +46,7 @@ class SharedMoving:
         self.wall_clock = wall_clock
         self._redis = connect_async(url)  # its connections belong to the loop that first uses it
         self._others: dict[str, tuple[int, int]] = {}  # router id -> (streams, until in Unix ms), as last read
+        self._forget: list[str] = []  # ids of entries long lapsed when last read, deleted at the next sync
         self._written = False
         self._warn = Throttled(30.0, log)
         self._task: asyncio.Task[None] | None = None
@@ -74,10 +78,14 @@ class SharedMoving:
                     pipe.hset(MOVING_KEY, self.router_id, f"{moving} {until_ms}")
                 elif self._written:
                     pipe.hdel(MOVING_KEY, self.router_id)
+                if self._forget:
+                    pipe.hdel(MOVING_KEY, *self._forget)
                 pipe.hgetall(MOVING_KEY)
                 values: dict[bytes, bytes] = (await pipe.execute())[-1]
             self._written = bool(moving)
             self._others = _parse(values, self.router_id)
+            forget_ms = now_ms - round(FORGET_AFTER_S * 1000)
+            self._forget = [router_id for router_id, (_, until) in self._others.items() if until < forget_ms]
             ok = True
         except Exception as e:
             self._warn.warning("moving streams not shared through redis: %r", e)

@@ -1,6 +1,7 @@
 """Moving streams counted across routers through a real redis-server (services/router/shared_moving.py): a stream
 moving through one router is left a place by the other router's new requests; a router's count ends when its
-streams stop moving, lapses when the router is gone, and an entry that does not parse is skipped."""
+streams stop moving, lapses when the router is gone (and its entry is deleted long after), and an entry that does not
+parse is skipped."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from services.router.shared_moving import LAPSE_INTERVALS, MOVING_KEY, SharedMoving
+from services.router.shared_moving import FORGET_AFTER_S, LAPSE_INTERVALS, MOVING_KEY, SharedMoving
 from tests.redis_server import emptied, started
 from tests.unit.router.router_builder import Router, prompt, shed, worker
 
@@ -93,4 +94,16 @@ def test_started_routers_share_their_counts_every_interval(pair, url):
     pair.run(pair.shared[0].close())
     pair.shared.pop(0)
     with redis.Redis.from_url(url) as c:
+        assert c.hgetall(MOVING_KEY) == {}
+
+
+def test_a_crashed_routers_entry_is_deleted_by_another_router_long_after_it_lapsed(pair, url):
+    pair.a.tracker.moving = 2
+    pair.sync(0)  # a crashes: it never deletes its entry
+    pair.wall[0] += LAPSE_INTERVALS * INTERVAL_S + 1
+    pair.sync(1, 1)
+    with redis.Redis.from_url(url) as c:
+        assert c.hexists(MOVING_KEY, pair.shared[0].router_id)  # lapsed, but kept while a clock may lag
+        pair.wall[0] += FORGET_AFTER_S
+        pair.sync(1, 1)  # the first sync reads it long lapsed, the next deletes it
         assert c.hgetall(MOVING_KEY) == {}
