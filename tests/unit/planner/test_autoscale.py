@@ -63,10 +63,10 @@ def test_the_rate_counts_the_requests_admission_shed_and_the_prompt_length_their
 
 
 def test_an_overloaded_cluster_is_scaled_for_the_load_offered_not_the_load_it_admitted() -> None:
-    """1P:1D offered 14 req/s, more than it serves: the simulated router sheds about a third. Planned for what it
+    """1P:1D offered 10 req/s, more than it serves: the simulated router sheds over a fifth. Planned for what it
     admitted, the cluster would hold its size for ever (it admits about what it serves)."""
     profile, slo = synthetic_profile(), SLO(500, 60)
-    arrivals = workload.synthetic(14, 512, 32, num_requests=400).at_rate(14)
+    arrivals = workload.synthetic(10, 512, 32, num_requests=400).at_rate(10)
     shed = Simulator(profile, Shape(1, 1), Admission(slo.ttft_ms / 1e3)).run(arrivals).rejected
     span, admitted = arrivals[-1].arrival_s - arrivals[0].arrival_s, len(arrivals) - shed
     assert shed > len(arrivals) / 5

@@ -22,7 +22,9 @@ def recommended_prefill(input_len: int, output_len: int) -> int:
 
 
 def test_longer_prompts_move_the_recommendation_toward_prefill() -> None:
-    assert recommended_prefill(128, 64) < recommended_prefill(4096, 64)
+    """2048 tokens, not 4096: on this profile the longest of 4096 ± 20% take about the 1 s TTFT bound even idle, so
+    attainment hangs at the 0.9 target and the split turns on the draw."""
+    assert recommended_prefill(128, 64) < recommended_prefill(2048, 64)
 
 
 def test_longer_outputs_move_the_recommendation_toward_decode() -> None:
@@ -78,6 +80,12 @@ def test_a_trace_is_planned_at_its_own_rate(tmp_path: Path) -> None:
     workload = from_trace(trace)
     assert workload.rate == pytest.approx(2.0)
     assert [r.arrival_s for r in workload.at_rate(workload.rate)][:3] == pytest.approx([0.0, 0.5, 1.0])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_synthetic_workload_arrives_at_the_rate_it_names_whatever_the_seed(seed: int) -> None:
+    arrivals = synthetic(10.0, 256, 8, 400, seed=seed).at_rate(10.0)
+    assert len(arrivals) / arrivals[-1].arrival_s == pytest.approx(10.0)  # unscaled, seed 0 came at 8.9 req/s
 
 
 def test_a_trace_line_without_a_key_is_a_usage_error_naming_it(
