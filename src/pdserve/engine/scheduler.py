@@ -2,7 +2,9 @@
 
 Each step has a token budget. Running sequences go first (a decode costs one token, an unfinished
 prefill continues with a chunk), then waiting ones are admitted, oldest first, while budget, the
-running-sequence cap and free blocks allow. A long prompt is split into chunks across steps. When a
+running-sequence cap and free blocks allow. A long prompt is split into chunks across steps; it is admitted with
+the blocks of all its chunks, so prompts admitted beside it cannot take them and preempt it part-way (when they
+could, recomputes preempted one another: 4x the tokens needed in a review's run). When a
 running sequence needs a block and none is free, the most recently admitted sequence is preempted:
 its blocks are freed and it waits to be recomputed, keeping its generated tokens.
 """
@@ -123,7 +125,7 @@ class Scheduler:
             prefix = self._cached_prefix(seq)
             cached = len(prefix) * self.blocks.block_size
             n = min(seq.num_tokens - cached, budget, self.config.long_prefill_chunk)
-            if not self.blocks.allocate_slots(seq, n, prefix):
+            if not self.blocks.allocate_slots(seq, seq.num_tokens - cached, prefix):  # all its chunks' blocks
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = cached

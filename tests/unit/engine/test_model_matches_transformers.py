@@ -117,11 +117,13 @@ def test_one_batch_matches_transformers(engine_factory, prompts, expected):
 
 
 def test_matches_under_preemption_and_chunked_prefill(engine_factory, prompts, expected):
-    # 120 blocks of 16 tokens hold 1,920 tokens: far less than the batch needs at once.
+    # 120 blocks of 16 tokens hold 1,920 tokens: far less than the batch needs at once. The long prompt goes first
+    # and takes 106 of them for its chunks; the short ones fit beside it, and their growth preempts.
     engine = engine_factory(num_kv_blocks=120, chunk=128)
-    got = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    order = [len(prompts) - 1, *range(len(prompts) - 1)]
+    got = engine.generate([prompts[i] for i in order], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     assert engine.scheduler.num_preemptions > 0
-    for i, (c, want) in enumerate(zip(got, expected, strict=True)):
+    for i, (c, want) in enumerate(zip(got, [expected[i] for i in order], strict=True)):
         assert c.token_ids == want, f"prompt {i} diverges"
     assert engine.blocks.num_used_blocks == 0
 
