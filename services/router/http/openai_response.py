@@ -131,19 +131,24 @@ class Answer:
         for token in tokens:
             offsets.append(choice.text_offset)
             choice.text_offset += len(token)
-        top_logprobs = [
-            None
-            if lp is None
-            else {self._token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
-            | {token: lp.logprob}
-            for token, lp in zip(tokens, logprobs, strict=True)
-        ]
         return {
             "tokens": tokens,
             "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
-            "top_logprobs": top_logprobs,
+            "top_logprobs": [
+                None if lp is None else self._top(token, lp) for token, lp in zip(tokens, logprobs, strict=True)
+            ],
             "text_offset": offsets,
         }
+
+    def _top(self, token: str, lp: pb.TokenLogprobs) -> dict[str, float]:
+        """One token's alternatives keyed by their text, the token's own included. Tokens that decode alike (each
+        byte of a split character is U+FFFD) share a key, which keeps the likeliest's value: the alternatives
+        come most likely first, and the token itself, if not among them, is less likely than all of them."""
+        top: dict[str, float] = {}
+        for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True):
+            top.setdefault(self._token_text(t), v)
+        top.setdefault(token, lp.logprob)
+        return top
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
