@@ -329,11 +329,11 @@ def _check_form(request: Request) -> None:
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
-    """A path or method the API does not have, in OpenAI's error shape (the SDK reads its message from it)."""
+    """A path or method the API does not have, in OpenAI's error shape (the SDK reads its message from it), with
+    OpenAI's type for an unknown URL."""
     assert isinstance(exc, HTTPException)
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
     return JSONResponse(body, exc.status_code, exc.headers)
 
 

@@ -46,7 +46,7 @@ class UnsupportedBodyError(InvalidRequestError):
 
 
 _STATUS: list[tuple[type[BaseException], int, str]] = [  # the first match wins: a subclass before its base
-    (ModelNotFoundError, 404, "not_found_error"),
+    (ModelNotFoundError, 404, "invalid_request_error"),  # OpenAI's type for a 404 too
     (BodyTooLargeError, 413, "invalid_request_error"),
     (UnsupportedBodyError, 415, "invalid_request_error"),
     (BodyTimeoutError, 408, "timeout_error"),

@@ -19,7 +19,7 @@ from services.router.http.errors import error_body
     ("exc", "status", "kind", "param", "code"),
     [
         (InvalidRequestError("sampling.top_p", "must be in (0, 1]"), 400, "invalid_request_error", "top_p", None),
-        (ModelNotFoundError("not served"), 404, "not_found_error", "model", "model_not_found"),
+        (ModelNotFoundError("not served"), 404, "invalid_request_error", "model", "model_not_found"),
         (UnauthenticatedError("no key"), 401, "authentication_error", None, None),
         (PermissionDeniedError("priority", "above the key's cap"), 403, "permission_error", "priority", None),
         (UnavailableError("draining"), 503, "service_unavailable_error", None, None),
