@@ -45,6 +45,11 @@ class UnauthenticatedError(RuntimeError):
     """No credential, or one the server does not know. -> UNAUTHENTICATED."""
 
 
+class MissingKeyError(UnauthenticatedError):
+    """No API key at all: its text says how to send one over gRPC (metadata); the HTTP API says it in its own
+    terms (the Authorization header)."""
+
+
 class PermissionDeniedError(RuntimeError):
     """A known caller asked for more than it may; `field` names what. -> PERMISSION_DENIED."""
 

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse
 from pdserve.errors import (
     InternalError,
     InvalidRequestError,
+    MissingKeyError,
     OverloadedError,
     PermissionDeniedError,
     UnauthenticatedError,
@@ -51,7 +52,7 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [  # the first match wins:
     (UnsupportedBodyError, 415, "invalid_request_error"),
     (BodyTimeoutError, 408, "timeout_error"),
     (InvalidRequestError, 400, "invalid_request_error"),
-    (UnauthenticatedError, 401, "authentication_error"),
+    (UnauthenticatedError, 401, "invalid_request_error"),  # OpenAI's type for a missing or unknown key
     (PermissionDeniedError, 403, "permission_error"),
     (OverloadedError, 429, "rate_limit_error"),
     (UnavailableError, 503, "service_unavailable_error"),
@@ -74,6 +75,10 @@ def error_body(exc: BaseException, max_tokens_param: str = "max_tokens") -> tupl
         code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None
         if isinstance(exc, (BodyTooLargeError, BodyTimeoutError, UnsupportedBodyError)):
             headers = {"connection": "close"}
+    elif isinstance(exc, MissingKeyError):  # its text names gRPC's metadata; OpenAI's code is null
+        message = "this cluster requires an API key: send the header `Authorization: Bearer KEY`"
+    elif isinstance(exc, UnauthenticatedError):
+        code = "invalid_api_key"
     elif isinstance(exc, PermissionDeniedError):
         param = openai_param(exc.field, max_tokens_param)
     elif isinstance(exc, OverloadedError):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.errors import PermissionDeniedError, UnauthenticatedError
+from pdserve.errors import MissingKeyError, PermissionDeniedError, UnauthenticatedError
 
 AUTHORIZATION_KEY = "authorization"  # gRPC metadata keys are lower case; HTTP's Authorization header folds to it
 BEARER = "bearer "
@@ -112,11 +112,11 @@ class KeyTable:
         return cls(tenants)
 
     def authenticate(self, metadata: Metadata) -> Tenant:
-        """The tenant of the request's `authorization: Bearer KEY`, or UnauthenticatedError (no key, or one
-        this table does not hold; the message never echoes the key)."""
+        """The tenant of the request's `authorization: Bearer KEY`, or UnauthenticatedError (MissingKeyError for
+        no key; one this table does not hold: the message never echoes the key)."""
         key = bearer_key(metadata)
         if key is None:
-            raise UnauthenticatedError("this cluster requires an API key: send metadata `authorization: Bearer KEY`")
+            raise MissingKeyError("this cluster requires an API key: send metadata `authorization: Bearer KEY`")
         tenant = self._by_digest.get(digest(key))
         if tenant is None:
             raise UnauthenticatedError("unknown API key")

@@ -18,7 +18,7 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
 from services.router.server import start_router
 
-TYPES = {401: "authentication_error", 403: "permission_error", 503: "service_unavailable_error"}
+TYPES = {401: "invalid_request_error", 403: "permission_error", 503: "service_unavailable_error"}
 KEY = "good-key"
 
 
@@ -78,6 +78,22 @@ async def test_one_caller_check_covers_both_protocols(router, key, priority, sta
         models = await http.get("/v1/models", headers=headers)
         assert models.status_code == (401 if status == 401 else 200)
     assert await grpc_status(router.address, tuple(headers.items()), priority) == code
+
+
+async def test_a_refused_key_is_told_in_each_protocols_terms(router):
+    """No key: HTTP names its header, gRPC its metadata; an unknown key is OpenAI's `invalid_api_key`."""
+    body = {"model": "tiny-random", "prompt": "hi", "max_tokens": 2}
+    async with httpx2.AsyncClient(base_url=f"http://{router.http.address}", timeout=10) as http:
+        missing = (await http.post("/v1/completions", json=body)).json()["error"]
+        unknown = (await http.post("/v1/completions", json=body, headers={"authorization": "Bearer no"})).json()
+    assert "the header `Authorization: Bearer KEY`" in missing["message"] and missing["code"] is None
+    assert unknown["error"]["code"] == "invalid_api_key"
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        async with grpc.aio.insecure_channel(router.address) as ch:
+            request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=2))
+            async for _ in generate_pb2_grpc.GenerationStub(ch).Generate(request, timeout=10):
+                pass
+    assert "send metadata `authorization: Bearer KEY`" in e.value.details()
 
 
 async def test_an_unknown_callers_message_is_never_parsed(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ import pytest
 
 from pdserve.errors import (
     InvalidRequestError,
+    MissingKeyError,
     OverloadedError,
     PermissionDeniedError,
     UnauthenticatedError,
@@ -20,7 +21,8 @@ from services.router.http.errors import error_body
     [
         (InvalidRequestError("sampling.top_p", "must be in (0, 1]"), 400, "invalid_request_error", "top_p", None),
         (ModelNotFoundError("not served"), 404, "invalid_request_error", "model", "model_not_found"),
-        (UnauthenticatedError("no key"), 401, "authentication_error", None, None),
+        (MissingKeyError("no key"), 401, "invalid_request_error", None, None),  # OpenAI's code is null for none
+        (UnauthenticatedError("unknown API key"), 401, "invalid_request_error", None, "invalid_api_key"),
         (PermissionDeniedError("priority", "above the key's cap"), 403, "permission_error", "priority", None),
         (UnavailableError("draining"), 503, "service_unavailable_error", None, None),
         (TimeoutError("deadline"), 504, "timeout_error", None, None),
@@ -37,6 +39,11 @@ def test_a_bug_answers_500_without_its_text():
     status, body, _ = error_body(RuntimeError("/secret/path failed for tenant-b"))
     assert status == 500 and "secret" not in body["error"]["message"]
     assert body["error"]["message"].startswith("internal error (error id ")
+
+
+def test_a_missing_key_is_told_to_send_the_http_header_not_grpc_metadata():
+    _, body, _ = error_body(MissingKeyError("this cluster requires an API key: send metadata `authorization: ...`"))
+    assert body["error"]["message"].endswith("send the header `Authorization: Bearer KEY`")
 
 
 def test_a_bad_field_reads_as_the_openai_parameter_the_body_used():
