@@ -70,6 +70,8 @@ async def _stream(
         async for response in stub.Generate(msg, metadata=metadata):
             record.message_times_s.append(time.perf_counter() - sent)
             record.message_tokens.append(len(response.token_ids))
+            if response.usage.prompt_tokens:  # the last message's: the server's count of what it prefilled
+                record.input_len = response.usage.prompt_tokens
     except grpc.aio.AioRpcError as e:
         record.status = e.code().name
         record.error = e.details() or ""

@@ -6,9 +6,10 @@ Timing follows vLLM's: each SSE chunk with a choice is one streamed message of o
 (a chat delta's content is empty while a multi-byte character is incomplete, and on the chunk with the
 finish_reason), except a chat opener that names the role and carries no content field at all: one ITL gap per
 chunk. The final usage chunk's completion_tokens is the output's count (`RequestRecord.reported_tokens`), which
-TPOT divides by, whether a server packs several tokens into a chunk or sends chunks with none. Chat prompts
-are the workload's token ids decoded to text, so the server's chat template and tokenizer make the prompt's exact
-length. Each stream is read to its end, past `[DONE]`, so its connection goes back to the pool: a connection
+TPOT divides by, whether a server packs several tokens into a chunk or sends chunks with none; its prompt_tokens
+is the request's input length. Chat prompts are the workload's token ids decoded to text, so the server's chat
+template and tokenizer make the prompt's exact length (measured: a workload's 2001 prompt tokens were 4290 to
+the server). Each stream is read to its end, past `[DONE]`, so its connection goes back to the pool: a connection
 closed instead would put the next request's connect (and TLS handshake) into its TTFT."""
 
 from __future__ import annotations
@@ -114,7 +115,9 @@ class OpenAIBackend:
                     if self._carries_output(chunk):
                         record.message_times_s.append(time.perf_counter() - sent)
                         record.message_tokens.append(1)
-                    usage_tokens = (chunk.get("usage") or {}).get("completion_tokens", usage_tokens)
+                    usage = chunk.get("usage") or {}
+                    usage_tokens = usage.get("completion_tokens", usage_tokens)
+                    record.input_len = usage.get("prompt_tokens", record.input_len)
         except httpx2.HTTPError as e:
             record.status, record.error = "UNAVAILABLE", f"{type(e).__name__}: {e}"
             return

@@ -13,6 +13,8 @@ CLIENT_ERROR = "CLIENT_ERROR"  # the client could not read the answer (a malform
 @dataclass
 class RequestRecord:
     request_id: str
+    # Prompt tokens: the server's own count where its answer says (usage.prompt_tokens, as vLLM takes it), else the
+    # workload's. A chat prompt is the ids' text, which the server tokenizes anew inside its chat template.
     input_len: int
     output_len: int  # asked for (max_tokens with ignore_eos)
     scheduled_s: float  # planned send time, from the run's start
