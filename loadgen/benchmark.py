@@ -118,10 +118,12 @@ def _run_label(rate: float, trace: bool) -> str:
 
 
 def offered_rate(requests: list[Request]) -> float:
-    """n / the last arrival, as vLLM's scaled arrivals define a rate: a trace whose requests all share one
-    timestamp offers them all at once."""
-    last_s = max(r.arrival_s for r in requests)
-    return len(requests) / last_s if last_s > 0 else math.inf
+    """A trace's: its gaps per second, (n - 1) / (last - first arrival), as `pdserve plan` reads a trace. Its first
+    request goes at 0, not after a gap as vLLM's scaled arrivals' first does, so n / last overstated it (two lines
+    1 s apart offered 2 req/s). A trace whose requests all share one timestamp offers them all at once."""
+    arrivals = [r.arrival_s for r in requests]
+    span_s = max(arrivals) - min(arrivals)
+    return (len(requests) - 1) / span_s if span_s > 0 else math.inf
 
 
 def build_result(

@@ -78,7 +78,9 @@ def synthetic(
 
 
 def from_trace(path: Path) -> Workload:
-    """Mooncake-format JSONL (timestamp in ms, input_length, output_length), as loadgen replays it."""
+    """Mooncake-format JSONL (timestamp in ms, input_length, output_length), as loadgen replays it, at its gaps per
+    second. A trace whose requests share one timestamp is refused: its arrivals scale to no other rate, so no
+    split has a max rate to plan by (it was planned as "1 req/s", a rate it never offered)."""
     rows = [_trace_row(path, n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     if not rows:
         raise ValueError(f"trace {path} holds no requests")
@@ -86,7 +88,12 @@ def from_trace(path: Path) -> Workload:
     times = np.array([t for t, _, _ in rows]) / 1e3
     times -= times[0]
     span = float(times[-1])
-    rate = (len(rows) - 1) / span if span > 0 else 1.0
+    if not span > 0:
+        raise ValueError(
+            f"trace {path}: its {len(rows)} request(s) share one timestamp, a burst with no rate to scale; plan "
+            "needs arrivals spread in time (or --rate, --input-len and --output-len)"
+        )
+    rate = (len(rows) - 1) / span
     return Workload(
         tuple(i for _, i, _ in rows),
         tuple(o for _, _, o in rows),

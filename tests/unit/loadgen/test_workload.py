@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
 
+from loadgen.benchmark import offered_rate
 from loadgen.workload import FIRST_TOKEN_ID, TRACE_BLOCK_TOKENS, WorkloadConfig, build_workload, read_trace
 
 
@@ -81,6 +83,16 @@ def test_a_trace_out_of_timestamp_order_is_replayed_in_order(tmp_path):
     )
     reqs = build(dataset_name="trace", trace=trace, num_prompts=3)
     assert [(r.arrival_s, r.output_len) for r in reqs] == [(0.0, 1), (0.2, 3), (0.6, 7)]
+
+
+@pytest.mark.parametrize(("stamps", "rate"), [([0, 1000], 1.0), ([500, 1000, 2500, 3000], 1.2), ([7, 7], math.inf)])
+def test_a_trace_offers_its_gaps_per_second_as_the_planner_reads_it(tmp_path, stamps, rate):
+    """Its first request goes at 0: n / last would count a gap before it (two lines 1 s apart at 2 req/s)."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        "".join(json.dumps({"timestamp": t, "input_length": 5, "output_length": 2}) + "\n" for t in stamps)
+    )
+    assert offered_rate(build(dataset_name="trace", trace=trace)) == pytest.approx(rate)
 
 
 @pytest.mark.parametrize(

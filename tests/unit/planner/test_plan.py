@@ -82,6 +82,21 @@ def test_a_trace_is_planned_at_its_own_rate(tmp_path: Path) -> None:
     assert [r.arrival_s for r in workload.at_rate(workload.rate)][:3] == pytest.approx([0.0, 0.5, 1.0])
 
 
+@pytest.mark.parametrize("stamps", [[1000, 1000, 1000], [1000]])
+def test_a_trace_at_one_timestamp_is_a_usage_error_not_a_plan_at_1_req_s(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], stamps: list[int]
+) -> None:
+    """A burst scales to no other rate: there is no max rate to plan by, and it offered no 1 req/s."""
+    profile, trace = tmp_path / "profile.json", tmp_path / "trace.jsonl"
+    synthetic_profile().save(profile)
+    trace.write_text(
+        "".join(json.dumps({"timestamp": t, "input_length": 30, "output_length": 4}) + "\n" for t in stamps)
+    )
+    argv = ["plan", "--profile", str(profile), "--trace", str(trace)]
+    assert cli.main([*argv, "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--workers", "2"]) == 2
+    assert "share one timestamp" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_synthetic_workload_arrives_at_the_rate_it_names_whatever_the_seed(seed: int) -> None:
     arrivals = synthetic(10.0, 256, 8, 400, seed=seed).at_rate(10.0)
