@@ -15,11 +15,12 @@ from rich.console import Console
 
 from loadgen.client import BACKENDS
 from loadgen.metrics import GoodputSLO
-from loadgen.workload import DATASETS, WorkloadConfig, read_trace
+from loadgen.workload import DATASETS, WorkloadConfig
 from pdserve.addresses import host_port
 from pdserve.config import EngineConfig
 from pdserve.flags import at_least_one, from_flags, natural, positive_float
 from pdserve.rpc.credentials import add_client_flags, client_credentials
+from pdserve.trace import read_trace
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,13 +7,12 @@ turn a later rate's prefills into cache hits.
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+
+from pdserve.trace import read_trace
 
 DATASETS = ("random", "sharegpt-synthetic", "prefix-repetition", "trace")
 FIRST_TOKEN_ID = 3  # ids below are special tokens (pad/bos/eos) in the built-in models
@@ -121,48 +120,19 @@ def _prefix_repetition(c: WorkloadConfig, rng: np.random.Generator) -> list[Requ
 
 
 def _trace(c: WorkloadConfig, rng: np.random.Generator) -> list[Request]:
-    """Mooncake-format JSONL replayed from its first timestamp, in timestamp order (requests are sent in list
-    order: a line stamped earlier than the one before it would otherwise go late, its wait counted as TTFT);
-    equal hash ids give equal prompt blocks."""
+    """Mooncake-format JSONL (pdserve.trace: read and checked as `pdserve plan` reads it) replayed from its first
+    timestamp, in timestamp order (requests are sent in list order: a line stamped earlier than the one before it
+    would otherwise go late, its wait counted as TTFT); equal hash ids give equal prompt blocks."""
     assert c.trace is not None
-    lines = sorted(read_trace(c.trace), key=lambda line: line["timestamp"])[: c.num_prompts]
-    start_ms = min(line["timestamp"] for line in lines)
+    lines = read_trace(c.trace, c.num_prompts)
+    start_ms = lines[0].timestamp_ms
     seed = int(rng.integers(2**63))  # one seed for the whole trace, so a hash id means one block everywhere
     requests = []
     for line in lines:
         prompt: list[int] = []
-        for hash_id in line.get("hash_ids", []):
+        for hash_id in line.hash_ids:
             prompt += _tokens(np.random.default_rng([seed, hash_id]), TRACE_BLOCK_TOKENS, c.vocab_size)
-        n = line["input_length"]
+        n = line.input_length
         prompt = prompt[:n] + _tokens(rng, max(0, n - len(prompt)), c.vocab_size)
-        requests.append(Request(prompt, line["output_length"], (line["timestamp"] - start_ms) / 1e3))
-    return requests
-
-
-def read_trace(path: Path) -> list[dict[str, Any]]:
-    """The trace's requests, each checked (ValueError naming the line): a timestamp, an input_length and an
-    output_length of at least one token (a server would read max_tokens 0 as its own default), hash ids."""
-    requests = []
-    for number, text in enumerate(path.read_text().splitlines(), 1):
-        if not text.strip():
-            continue
-        try:
-            line = json.loads(text)
-            ok = (
-                isinstance(line, dict)
-                and isinstance(line.get("timestamp"), int | float)
-                and math.isfinite(line["timestamp"])
-                and all(isinstance(line.get(k), int) and line[k] >= 1 for k in ("input_length", "output_length"))
-                and all(isinstance(h, int) and h >= 0 for h in line.get("hash_ids", []))
-            )
-        except (ValueError, TypeError):
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"trace {path}, line {number}: expected a JSON object with a timestamp (ms), input_length and "
-                f"output_length of at least 1, and optional hash_ids (integers >= 0), got {text[:200]!r}"
-            )
-        requests.append(line)
-    if not requests:
-        raise ValueError(f"trace {path} holds no requests")
+        requests.append(Request(prompt, line.output_length, (line.timestamp_ms - start_ms) / 1e3))
     return requests

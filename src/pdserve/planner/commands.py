@@ -66,7 +66,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=at_least_one, help="output tokens (without --trace)")
     p.add_argument("--range-ratio", type=_ratio, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
     p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
-    p.add_argument("--num-requests", type=at_least_one, default=400, help="requests simulated per run")
+    p.add_argument("--num-requests", type=at_least_one, help="requests per run (default 400); a trace's earliest N")
     p.add_argument("--seed", type=natural, default=0, help="of the synthetic trace")
     _add_slo_flags(p)
     p.add_argument("--workers", type=WORKER_TOTAL, required=True, help="K: the workers to split (2 to 128)")
@@ -120,12 +120,12 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         if args.trace:
-            load = workload.from_trace(args.trace)
+            load = workload.from_trace(args.trace, args.num_requests)
         elif None in (args.rate, args.input_len, args.output_len):
             raise ValueError("give --trace FILE, or --rate, --input-len and --output-len")
         else:
-            lengths = (args.rate, args.input_len, args.output_len, args.num_requests, args.range_ratio)
-            load = workload.synthetic(*lengths, args.burstiness, args.seed)
+            lengths = (args.input_len, args.output_len, args.num_requests or workload.SYNTHETIC_REQUESTS)
+            load = workload.synthetic(args.rate, *lengths, args.range_ratio, args.burstiness, args.seed)
         slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment)
         profile = HardwareProfile.load(args.profile)
         longest = max(i + o for i, o in zip(load.input_lens, load.output_lens, strict=True))

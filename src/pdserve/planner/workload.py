@@ -7,12 +7,14 @@ not because one draw was luckier than the next.
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from pdserve.trace import read_trace
+
+SYNTHETIC_REQUESTS = 400  # per run, unless told (a trace: every request, unless told)
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ def synthetic(
     rate: float,
     input_len: int,
     output_len: int,
-    num_requests: int = 400,
+    num_requests: int = SYNTHETIC_REQUESTS,
     range_ratio: float = 0.0,
     burstiness: float = 1.0,
     seed: int = 0,
@@ -77,43 +79,24 @@ def synthetic(
     return Workload(inputs, outputs, tuple(float(x) for x in offsets), rate)
 
 
-def from_trace(path: Path) -> Workload:
-    """Mooncake-format JSONL (timestamp in ms, input_length, output_length), as loadgen replays it, at its gaps per
-    second. A trace whose requests share one timestamp is refused: its arrivals scale to no other rate, so no
-    split has a max rate to plan by (it was planned as "1 req/s", a rate it never offered)."""
-    rows = [_trace_row(path, n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-    if not rows:
-        raise ValueError(f"trace {path} holds no requests")
-    rows.sort(key=lambda row: row[0])
-    times = np.array([t for t, _, _ in rows]) / 1e3
+def from_trace(path: Path, limit: int | None = None) -> Workload:
+    """The first `limit` requests (None: all) of a Mooncake-format trace, read as loadgen replays it
+    (pdserve.trace), at its gaps per second; its hash_ids are ignored (no prefix cache is simulated). A trace whose
+    requests share one timestamp is refused: its arrivals scale to no other rate, so no split has a max rate to plan
+    by (it was planned as "1 req/s", a rate it never offered)."""
+    requests = read_trace(path, limit)
+    times = np.array([r.timestamp_ms for r in requests]) / 1e3
     times -= times[0]
     span = float(times[-1])
     if not span > 0:
         raise ValueError(
-            f"trace {path}: its {len(rows)} request(s) share one timestamp, a burst with no rate to scale; plan "
+            f"trace {path}: its {len(requests)} request(s) share one timestamp, a burst with no rate to scale; plan "
             "needs arrivals spread in time (or --rate, --input-len and --output-len)"
         )
-    rate = (len(rows) - 1) / span
+    rate = (len(requests) - 1) / span
     return Workload(
-        tuple(i for _, i, _ in rows),
-        tuple(o for _, _, o in rows),
+        tuple(r.input_length for r in requests),
+        tuple(r.output_length for r in requests),
         tuple(float(t) * rate for t in times),
         rate,
     )
-
-
-def _trace_row(path: Path, n: int, line: str) -> tuple[float, int, int]:
-    """Line `n`'s (timestamp ms, input_length, output_length); a ValueError that names the line and what it lacks,
-    which `pdserve plan` reports as a usage error."""
-    try:
-        row = json.loads(line)
-        at, lengths = float(row["timestamp"]), (int(row["input_length"]), int(row["output_length"]))
-    except KeyError as e:
-        raise ValueError(f"trace {path} line {n}: no {e.args[0]!r}") from None
-    except (ValueError, TypeError, OverflowError) as e:  # OverflowError: a length of 1e999
-        raise ValueError(f"trace {path} line {n}: {e}") from None
-    if not math.isfinite(at):
-        raise ValueError(f"trace {path} line {n}: timestamp {at} is not a time")
-    if min(lengths) < 1:
-        raise ValueError(f"trace {path} line {n}: input_length and output_length must be at least 1, got {lengths}")
-    return at, *lengths

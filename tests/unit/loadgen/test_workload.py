@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from loadgen.benchmark import offered_rate
-from loadgen.workload import FIRST_TOKEN_ID, TRACE_BLOCK_TOKENS, WorkloadConfig, build_workload, read_trace
+from loadgen.workload import FIRST_TOKEN_ID, TRACE_BLOCK_TOKENS, WorkloadConfig, build_workload
+from pdserve.trace import read_trace
 
 
 def build(**kw):

@@ -1,0 +1,61 @@
+"""Mooncake-format traces: JSONL, a request a line, its timestamp (ms), input_length, output_length and optional
+hash_ids (one shared prompt block each). One reader and one check, so loadgen replays and `pdserve plan` simulates
+the same requests: the planner accepted `"input_length": 12.7` (truncated) and `"output_length": "5"`, which loadgen
+refused, and planned every line where loadgen replayed the first --num-prompts."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...] = ()  # loadgen's shared prompt blocks; the planner simulates no prefix cache
+
+
+def read_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
+    """The trace's requests in timestamp order (equal stamps in file order), the first `limit` of them (None: all),
+    each checked first: a ValueError names the line and what it lacks, which both commands report as a usage error."""
+    requests = [_request(path, n, text) for n, text in enumerate(path.read_text().splitlines(), 1) if text.strip()]
+    if not requests:
+        raise ValueError(f"trace {path} holds no requests")
+    return sorted(requests, key=lambda r: r.timestamp_ms)[:limit]
+
+
+def _request(path: Path, n: int, text: str) -> TraceRequest:
+    def bad(what: str) -> ValueError:
+        return ValueError(f"trace {path}, line {n}: {what}, in {text[:200]!r}")
+
+    try:
+        line: Any = json.loads(text)
+    except ValueError:
+        raise bad("not JSON") from None
+    if not isinstance(line, dict):
+        raise bad("not a JSON object")
+    for key in ("timestamp", "input_length", "output_length"):
+        if key not in line:
+            raise bad(f"no {key!r}")
+    at, hash_ids = line["timestamp"], line.get("hash_ids", [])
+    if not _number(at) or not math.isfinite(at):
+        raise bad(f"timestamp {at!r} is not a time in ms")
+    lengths = (line["input_length"], line["output_length"])
+    if not all(_integer(x) and x >= 1 for x in lengths):  # a server reads max_tokens 0 as its own default
+        raise bad(f"input_length and output_length must be integers of at least 1, got {lengths}")
+    if not isinstance(hash_ids, list) or not all(_integer(h) and h >= 0 for h in hash_ids):
+        raise bad(f"hash_ids must be a list of integers >= 0, got {hash_ids!r}")
+    return TraceRequest(at, *lengths, tuple(hash_ids))
+
+
+def _integer(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
