@@ -123,21 +123,26 @@ def _bench(args: argparse.Namespace) -> int:
         errors.print(f"loadgen: {e}", style="red")
         return 2
 
+    ran: list[dict[str, Any]] = []
+
     def save(results: list[dict[str, Any]]) -> None:
+        ran[:] = results
         if args.result_json:
             write_results(args.result_json, results)
 
+    status = 0
     try:
-        results = run_benchmark(config, console, save)
-        if args.plot_dir:
-            _plot(console, args.plot_dir, {args.result_json.stem if args.result_json else "run": results})
-    except (ClusterCheckFailed, TimeoutError) as e:
+        run_benchmark(config, console, save)
+    except (ClusterCheckFailed, TimeoutError, OSError) as e:  # OSError: nothing listens, or the JSON was not written
         errors.print(f"loadgen: {str(e) or 'no answer from ' + address}", style="red")
-        return 1
-    except OSError as e:  # nothing listens at the address, or the results or plots could not be written
-        errors.print(f"loadgen: {e}", style="red")
-        return 1
-    return 0
+        status = 1
+    if args.plot_dir and ran:  # a sweep cut short (the cluster gone midway) plots the rates it ran, as its JSON keeps
+        try:
+            _plot(console, args.plot_dir, {args.result_json.stem if args.result_json else "run": ran})
+        except OSError as e:
+            errors.print(f"loadgen: {e}", style="red")
+            status = 1
+    return status
 
 
 def _check_outputs(result_json: Path | None, plot_dir: Path | None) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from loadgen import benchmark
 from loadgen.__main__ import main
 from loadgen.benchmark import BenchmarkConfig, build_result
 from loadgen.metrics import GoodputSLO
@@ -82,3 +85,24 @@ def test_compare_reads_a_vllm_result_without_pdserve_fields(tmp_path, capsys, mo
     assert "all at once" in capsys.readouterr().out
     assert main(["compare", str(vllm), str(vllm), "--plot-dir", str(tmp_path / "plots")]) == 2
     assert "vllm.json has no per-request records" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("error", [TimeoutError(), ConnectionRefusedError("nothing listens at 127.0.0.1:1")])
+def test_a_sweep_cut_short_plots_the_rates_it_ran(tmp_path, capsys, monkeypatch, error):
+    """The cluster gone after the first rate: the JSON kept that rate, and --plot-dir was never made."""
+
+    def first_rate_then_gone(config, console, on_result):
+        on_result([run(1.0, [0.1, 0.2], 2.0)])
+        raise error
+
+    monkeypatch.setattr(benchmark, "run_benchmark", first_rate_then_gone)
+    out, plots = tmp_path / "sweep.json", tmp_path / "plots"
+    argv = ["--addr", "127.0.0.1:1", "--model", "tiny-random", "--request-rate", "1,2"]
+    assert main([*argv, "--result-json", str(out), "--plot-dir", str(plots)]) == 1
+    assert len(load_runs(out)) == 1 and "loadgen: " in capsys.readouterr().err
+    assert sorted(p.name for p in plots.iterdir()) == [
+        "goodput.png",
+        "slo_attainment.png",
+        "tpot_cdf.png",
+        "ttft_cdf.png",
+    ]
