@@ -36,6 +36,31 @@ def test_a_reservation_leaves_preempted_sequences_the_blocks_they_wait_for() -> 
     assert len(engine.reserve(new)) == 4
 
 
+def test_a_reservation_leaves_each_growing_sequence_a_block_to_grow_into() -> None:
+    """A hand-off that takes the block a running sequence is about to need gets it preempted (and its recompute
+    preempted by the next hand-off): a reservation leaves one free block per running sequence that will outgrow
+    its blocks; one whose max_tokens fit in what it holds needs none."""
+    scheduler = SchedulerConfig(mode=EngineMode.DECODE_ONLY)
+    config = EngineConfig(
+        model="tiny-random", dtype="float32", device="cpu", block_size=4, num_kv_blocks=10, scheduler=scheduler
+    )
+    engine = LLMEngine(config)
+    for name, prompt_tokens, max_tokens in (("growing", 8, 6), ("done-growing", 7, 2)):  # 2 blocks each
+        engine.reserve(EngineRequest(name, list(range(1, prompt_tokens + 1)), SamplingParams(max_tokens=max_tokens)))
+        engine.commit(name, 1)
+    assert engine.blocks.num_free_blocks == 6
+
+    def reserve(name: str, tokens: int) -> None:
+        engine.reserve(EngineRequest(name, list(range(1, tokens + 1)), SamplingParams(max_tokens=1)))
+
+    with pytest.raises(OverloadedError, match="no free KV blocks for 24 tokens"):
+        reserve("takes-all", 24)
+    reserve("leaves-one", 20)
+    engine.commit("leaves-one", 1)  # its max_tokens came with its first token: it ends there
+    run_to_end(engine)
+    assert engine.scheduler.num_preemptions == 0
+
+
 def test_a_full_batch_refuses_a_reservation_until_a_sequence_ends() -> None:
     """max_num_seqs holds on a decode worker too: a sequence whose KV is still arriving has its place in the
     batch, and a hand-off past the cap is refused before any byte moves, not run in an oversized step."""
