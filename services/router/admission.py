@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pdserve.config import RouterConfig
 from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.admission_rules import queue_full, queue_room_s, ttft_budget_s
+from pdserve.security.quotas import Choices
 from services.router.placement import Placement
 from services.router.predictor import Predictor
 
@@ -40,21 +41,27 @@ class Admission:
         self.predictor = predictor
         self.in_flight = 0
 
-    def check_feasible(self, placement: Placement, prompt_tokens: int, slo: SLOTarget, choices: int = 1) -> None:
+    def check_feasible(
+        self, placement: Placement, prompt_tokens: int, slo: SLOTarget, choices: Choices | None = None
+    ) -> None:
         """InvalidRequestError, naming the field, when no idle cluster could serve the request as asked: judged
         before anything that would shed it, whose retry hint would only lead here. `choices`: the request is the
-        first of so many streamed at once (the HTTP API's n), which must all be in flight together."""
+        first of so many streamed at once (the HTTP API's n, for each prompt of a batch), which must all be in flight
+        together."""
         self._check_own_cost(placement, prompt_tokens, slo)
-        if choices > self.config.max_in_flight:
+        if choices is None:
+            return
+        if choices.n > self.config.max_in_flight:
             raise InvalidRequestError(
-                "n",
-                f"{choices} choices are {choices} requests in flight; the router allows {self.config.max_in_flight}",
+                choices.param,
+                f"{choices} are {choices.n} requests in flight; the router allows {self.config.max_in_flight}",
             )
-        if choices > placement.offer.held_at_once:
+        if choices.n > placement.offer.held_at_once:
+            first = ", the first prompt's" if choices.prompts > 1 else ""
             raise InvalidRequestError(
-                "n",
-                f"{choices} choices of up to {placement.blocks_needed} KV blocks each (prompt plus max_tokens, as "
-                f"every request is judged) are streamed at once; the decode workers hold "
+                choices.param,
+                f"{choices} of up to {placement.blocks_needed} KV blocks each (prompt plus max_tokens, as every "
+                f"request is judged{first}) are streamed at once; the decode workers hold "
                 f"{placement.offer.held_at_once} such requests together (their KV and batch caps)",
             )
 

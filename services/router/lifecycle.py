@@ -42,7 +42,7 @@ from services.router.migration import Continuation, continued_request
 from services.router.outcome import log_level, outcome_of
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
 from services.router.relay import Clock, Relay
-from services.router.request import RoutedRequest, build_request
+from services.router.request import RoutedRequest, build_request, capped_default
 from services.router.retry import Moves, avoided_workers, blamed_worker, record_move
 from services.router.ticket import Ticket
 
@@ -127,7 +127,7 @@ class RequestLifecycle:
         with step_span(self.telemetry.tracer, "admission", request__id=key, request__client_id=client_id) as span:
             quota.tenant.check_priority(msg.priority)
             config = self.config
-            default = min(default_max_tokens or config.default_max_tokens, config.default_max_tokens)
+            default = capped_default(default_max_tokens, config.default_max_tokens)
             req = await build_request(
                 msg, self.tokenizer, self.model, default, config.request_limits, quota.tenant.name
             )
@@ -136,7 +136,7 @@ class RequestLifecycle:
                 placement, slo = await self._place(req, admitted_before=quota.later_choice)
                 # What never fits is refused first: a shed's retry hint (the key's token rate's too) would lead
                 # only to it. A later choice was judged with the first.
-                choices = 1 if quota.later_choice else quota.choices
+                choices = None if quota.later_choice else quota.choices
                 self.admission.check_feasible(placement, len(req.prompt_token_ids), slo, choices)
                 await quota.charge_tokens(len(req.prompt_token_ids) + req.sampling.max_tokens)
                 # A drain begun during the charge (a Redis round trip) counted no such request, and stops once the

@@ -83,6 +83,11 @@ async def build_request(
     )
 
 
+def capped_default(front_end_default: int | None, router_default: int) -> int:
+    """A front end's max_tokens for a request without one, never past the router's own default."""
+    return min(front_end_default or router_default, router_default)
+
+
 def _input_field(msg: pb.GenerateRequest) -> str:
     """The one of prompt, prompt_token_ids and messages that is set."""
     given = [name for name in ("prompt", "prompt_token_ids", "messages") if len(getattr(msg, name))]

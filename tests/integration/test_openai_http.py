@@ -64,6 +64,28 @@ def test_completion_is_the_grpc_paths_greedy_answer(cluster, client, prompt):
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
 
 
+def test_a_batch_answers_each_prompt_as_sent_alone(cluster, client):
+    """2 prompts × n=2, greedy: choice i is prompt i // 2's answer, streamed or not; usage counts each prompt's
+    tokens once and every choice's completion."""
+    prompts = [PROMPT, [10, 11, 12, 13] * 5]
+    alone = [client.completions.create(model=MODEL, prompt=p, **GREEDY) for p in prompts]
+    expected = [a.choices[0].text for a in alone for _ in range(2)]
+    assert expected[0] != expected[2] and all(expected)
+    prompt_tokens = sum(a.usage.prompt_tokens for a in alone)
+    answer = client.completions.create(model=MODEL, prompt=prompts, n=2, **GREEDY)
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    assert [c.text for c in answer.choices] == expected
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, 4 * MAX_TOKENS)
+
+    options = {"include_usage": True}
+    *chunks, last = client.completions.create(
+        model=MODEL, prompt=prompts, n=2, stream=True, stream_options=options, **GREEDY
+    )
+    assert ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(4)] == expected
+    usage = (last.usage.prompt_tokens, last.usage.completion_tokens)
+    assert last.choices == [] and usage == (prompt_tokens, 4 * MAX_TOKENS)
+
+
 def test_chat_is_the_grpc_paths_greedy_answer_and_streams_usage_last(cluster, client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     grpc_messages = [pb.ChatMessage(**m) for m in messages]
@@ -152,7 +174,10 @@ BAD_COMPLETIONS = [
     ({"extra_body": {"slo": {"e2e_ms": 5}}}, "slo.e2e_ms"),
     ({"extra_body": {"best_of": 2}}, "best_of"),
     ({"prompt": [10**6]}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", [5]]}, "prompt"),  # a batch mixing strings and token lists
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": [[5], [10**6]]}, "prompt"),  # prompt 1 past the vocabulary
+    ({"prompt": ["a"] * 9, "n": 2}, "prompt"),  # 18 choices
 ]
 
 

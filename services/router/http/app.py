@@ -20,9 +20,10 @@ from starlette.routing import Route
 from starlette.types import Send
 
 from pdserve.security.quotas import Choices
-from pdserve.telemetry import mark_ended_by, mark_failed, step_span
+from pdserve.telemetry import mark_ended_by, mark_failed
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, check_model, generate
+from services.router.http.choices import each_choice, request_choices
 from services.router.http.connection_close import CloseWhileDraining
 from services.router.http.errors import (
     BodyTimeoutError,
@@ -106,6 +107,7 @@ class OpenAIAPI:
                 request_id=request.headers.get("x-request-id", ""),
             )
             req.check_request_id(self.lifecycle.config.request_limits.max_request_id_chars)
+            choices = await request_choices(self.lifecycle, req, tenant)
         except ClientDisconnect:  # the caller left while it sent the body: nobody to answer
             self.lifecycle.refused(asyncio.CancelledError("the client disconnected during its body"), start, tenant)
             return Response(status_code=499)
@@ -120,11 +122,11 @@ class OpenAIAPI:
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id or uuid.uuid4().hex}"
         answer = Answer(req, answer_id, self.lifecycle.tokenizer)
         if req.stream:
-            events = self._events(req, answer, request, start)
+            events = self._events(req, choices, answer, request, start)
             return SSEResponse(events, req.max_tokens_param, self.lifecycle.config.sse_keepalive_s)
         headers: dict[str, str] = {}
         with self._span(request, req) as span:
-            whole = asyncio.ensure_future(self._whole(req, answer, request, headers, start))
+            whole = asyncio.ensure_future(self._whole(req, choices, answer, request, headers, start))
             gone = asyncio.ensure_future(_disconnected(request))
             try:
                 await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -148,20 +150,26 @@ class OpenAIAPI:
         return JSONResponse(answer.whole(), headers=headers)
 
     async def _whole(
-        self, req: OpenAIRequest, answer: Answer, request: Request, headers: dict[str, str], arrived: float
+        self,
+        req: OpenAIRequest,
+        choices: Choices | None,
+        answer: Answer,
+        request: Request,
+        headers: dict[str, str],
+        arrived: float,
     ) -> None:
-        async for index, msg in self._choices(req, request, headers, arrived):
+        async for index, msg in self._choices(req, choices, request, headers, arrived):
             answer.add(index, msg)
 
     async def _events(
-        self, req: OpenAIRequest, answer: Answer, request: Request, arrived: float
+        self, req: OpenAIRequest, choices: Choices | None, answer: Answer, request: Request, arrived: float
     ) -> AsyncIterator[bytes]:
         """Within one task (the response's), so the span and the request's context live and end there. An error
         before the first event is the response's status (SSEResponse): an error on the span only when a 5xx."""
         with self._span(request, req, record_exception=False, set_status_on_exception=False) as span:
             started = False
             try:
-                async with aclosing(sse_events(answer, self._choices(req, request, {}, arrived))) as events:
+                async with aclosing(sse_events(answer, self._choices(req, choices, request, {}, arrived))) as events:
                     async for event in events:
                         if not started:
                             _span_status(span, 200)
@@ -177,69 +185,15 @@ class OpenAIAPI:
                     _span_status(span, error_body(e, req.max_tokens_param)[0], e)
                 raise
 
-    async def _choices(
-        self, req: OpenAIRequest, request: Request, headers: dict[str, str], arrived: float
+    def _choices(
+        self, req: OpenAIRequest, choices: Choices | None, request: Request, headers: dict[str, str], arrived: float
     ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
-        """Each choice's messages tagged with its index, as they come. With n > 1 every choice is a request
-        of its own, and each starts once the one before it got its first token: it then meets the prompt in
-        that prefill worker's prefix cache (placement prefers the worker holding it, so the prompt is computed
-        once), and a prefill queue that admits one such prompt at a time admits every choice in turn. The
-        first choice to fail cancels the others (their KV freed) and raises. The first choice charges the key's
-        tokens for all n (`Choices`); once it is admitted, a drain of the router waits for the rest and lets them
-        in. Every choice's latencies count from `arrived`, the request's head: its body's upload and parse, and a
-        later choice's wait for the one before it, are in them as in its caller's clock."""
-        if req.n == 1:
-            async with aclosing(self._generate(req.message, req, request, headers, arrived)) as messages:
-                async for msg in messages:
-                    yield 0, msg
-            return
-        queue: asyncio.Queue[tuple[int, pb.GenerateResponse | BaseException | None]] = asyncio.Queue()
-        first_token = [asyncio.Event() for _ in range(req.n)]
-        choices = Choices(req.n)
+        """Every choice's messages, tagged with its index (choices.py), each choice run as this API runs one."""
 
-        async def run(index: int) -> None:
-            # A span of its own under the request's: each choice is placed and streamed apart, and its ids and
-            # counts would overwrite the others' on one span. Its failure is marked there (step_span).
-            started = False
-            try:
-                with step_span(self.lifecycle.telemetry.tracer, "choice", choice__index=index):
-                    if index:
-                        await first_token[index - 1].wait()
-                    started = True
-                    message = req.choice_message(index)
-                    async for msg in self._generate(message, req, request, headers, arrived, choices):
-                        first_token[index].set()
-                        queue.put_nowait((index, msg))
-                    queue.put_nowait((index, None))
-            except asyncio.CancelledError:
-                if not started and choices.failure is not None:  # ended by another's failure: counted as it is
-                    self.lifecycle.refused(choices.failure, arrived, check_caller(self.lifecycle, request.headers))
-                raise
-            except Exception as e:
-                queue.put_nowait((index, e))
+        def one(message: pb.GenerateRequest, choices: Choices | None) -> AsyncIterator[pb.GenerateResponse]:
+            return self._generate(message, req, request, headers, arrived, choices)
 
-        with self.lifecycle.holding():
-            tasks = [asyncio.ensure_future(run(i)) for i in range(req.n)]
-            try:
-                running, sent = req.n, False
-                while running:
-                    index, item = await queue.get()
-                    if isinstance(item, BaseException):
-                        # With nothing delivered the tokens go back, as a request of one choice's do: a 429 or
-                        # 503 promises a retry may succeed, and it must find them. Streamed choices already sent
-                        # keep them; so does the caller's own deadline (a 504).
-                        if not (req.stream and sent) and not isinstance(item, TimeoutError):
-                            choices.refund()
-                        raise item
-                    if item is None:
-                        running -= 1
-                    else:
-                        sent = True
-                        yield index, item
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+        return each_choice(self.lifecycle, req, choices, one, request.headers, arrived)
 
     def _generate(
         self,

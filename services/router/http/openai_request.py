@@ -19,12 +19,12 @@ from pdserve.protocol.request_checks import (
     RequestLimits,
     check_logit_bias,
     check_message_count,
-    check_prompt_length,
     check_slo_ms,
     check_stop_counts,
 )
 from pdserve.protocol.sampling import MAX_LOGPROBS
 from pdserve.v1 import generate_pb2 as pb
+from services.router.http.openai_prompts import MAX_CHOICES, UINT32, check_prompt_counts, parse_prompts, prompt_messages
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the last is vLLM's
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logit_bias", *PENALTIES)
@@ -41,8 +41,7 @@ NO_OP_VALUES: dict[str, object] = {"best_of": 1, "response_format": {"type": "te
 MESSAGE_FIELDS = ("role", "content", "name")
 # OpenAI's `developer` messages are what `system` messages were before its o-series; chat templates know `system`.
 ROLE_ALIASES = {"developer": "system"}
-UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
-MAX_CHOICES = 16  # `n`: each choice is a request of its own through admission, so the fan-out is bounded
+INT32, UINT64 = 2**31 - 1, 2**64 - 1
 # OpenAI's own default; the gRPC API's is 0 (greedy), which a client asks for with temperature=0.
 DEFAULT_TEMPERATURE = 1.0
 # OpenAI's (and vLLM's) default for a completion, capped by the router's `default_max_tokens` and the context's
@@ -61,8 +60,19 @@ class OpenAIRequest:
     include_usage: bool
     max_tokens_param: str  # which name the body used, for errors about it
     echo: bool = False  # completions: the prompt comes back before the completion (with its logprobs, if asked)
-    n: int = 1  # choices: each a request of its own (`choice_message`)
+    n: int = 1  # choices per prompt: each a request of its own (`choice_message`)
     user: str = ""  # OpenAI's end-user id: recorded on the request's trace, nothing else
+    batch: tuple[pb.GenerateRequest, ...] = ()  # completions: each prompt's request (`message` the first's)
+
+    @property
+    def prompts(self) -> tuple[pb.GenerateRequest, ...]:
+        """Each prompt's request: a completion's one or batch, a chat's messages."""
+        return self.batch or (self.message,)
+
+    @property
+    def choices(self) -> int:
+        """Every prompt's n choices, prompt by prompt: choice i is prompt i // n's (OpenAI's and vLLM's index)."""
+        return len(self.prompts) * self.n
 
     @property
     def default_max_tokens(self) -> int | None:
@@ -73,22 +83,28 @@ class OpenAIRequest:
         """The caller's X-Request-Id, with the `-{index}` each choice's id gets, within `limit`: checked before
         any choice runs, not when the first too long one would be refused after the others had run."""
         given = len(self.message.request_id)
-        allowed = limit - (len(self.choice_message(self.n - 1).request_id) - given)
+        allowed = limit - (len(self.choice_message(self.choices - 1).request_id) - given)
         if given > allowed:
-            with_n = f" with n={self.n} (each choice's id ends with -<index>)" if self.n > 1 else ""
+            batch = f"{len(self.prompts)} prompts and " if len(self.prompts) > 1 else ""
+            with_n = f" with {batch}n={self.n} (each choice's id ends with -<index>)" if self.choices > 1 else ""
             raise InvalidRequestError("x-request-id", f"{given} characters; at most {allowed} are accepted{with_n}")
 
+    def prompt_message(self, index: int) -> pb.GenerateRequest:
+        """The request of choice `index`'s prompt, as the body gave it."""
+        return self.prompts[index // self.n]
+
     def choice_message(self, index: int) -> pb.GenerateRequest:
-        """Choice `index`'s request: with n > 1 its own request id and, for a seeded request, seed + index
-        (distinct choices, each reproducible)."""
-        if self.n == 1:
+        """Choice `index`'s request: with several choices its own request id and, for a seeded request, seed + j
+        for its prompt's choice j (distinct choices, each reproducible; each prompt of a batch answered as that
+        prompt sent alone with the same body)."""
+        if self.choices == 1:
             return self.message
         msg = pb.GenerateRequest()
-        msg.CopyFrom(self.message)
+        msg.CopyFrom(self.prompt_message(index))
         if msg.request_id:
             msg.request_id = f"{msg.request_id}-{index}"
         if msg.sampling.HasField("seed"):
-            msg.sampling.seed = (msg.sampling.seed + index) % (UINT64 + 1)
+            msg.sampling.seed = (msg.sampling.seed + index % self.n) % (UINT64 + 1)
         return msg
 
 
@@ -124,8 +140,8 @@ def parse_request(
     msg = pb.GenerateRequest(request_id=request_id, sampling=_sampling(body, chat), priority=_int(body, "priority"))
     if chat:
         msg.messages.extend(_messages(body))
-    else:
-        _set_prompt(msg, body)
+    else:  # a string's lone surrogates are refused as any string parameter's
+        prompts = [_text(p, "prompt") if isinstance(p, str) else p for p in parse_prompts(body.get("prompt"))]
     _set_slo(msg, body)
     stream = bool(_typed(body, "stream", bool))
     max_tokens_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -133,19 +149,20 @@ def parse_request(
     if echo and msg.sampling.HasField("logprobs"):
         msg.sampling.prompt_logprobs = msg.sampling.logprobs
     n = _int(body, "n", 1, MAX_CHOICES) or 1
+    batch: tuple[pb.GenerateRequest, ...] = ()
+    if not chat:
+        batch = prompt_messages(msg, prompts, n)
+        msg = batch[0]
     user = _typed(body, "user", str) or ""
-    return OpenAIRequest(chat, model, msg, stream, _include_usage(body, stream), max_tokens_param, echo, n, user)
+    include_usage = _include_usage(body, stream)
+    return OpenAIRequest(chat, model, msg, stream, include_usage, max_tokens_param, echo, n, user, batch)
 
 
 def _check_counts(body: dict[str, Any], limits: RequestLimits, model: ModelConfig) -> None:
     """The shared path's caps on how many items the body's lists and objects hold, applied before any loop over
     the items: converting a 16 MiB body of token ids, stop strings or messages, each item checked in Python,
     held the router's event loop for 0.4-1.4 s, for a request the caps then refused."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and _is_int(prompt[0]):
-        check_prompt_length("prompt", len(prompt), model)
+    check_prompt_counts(body.get("prompt"), model)
     if isinstance(messages := body.get("messages"), list):
         check_message_count(len(messages), limits)
     stop, stop_token_ids = body.get("stop"), body.get("stop_token_ids")
@@ -250,23 +267,6 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
             raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
         return None
     return top or 0
-
-
-def _set_prompt(msg: pb.GenerateRequest, body: dict[str, Any]) -> None:
-    """A string, a list of token ids, or a batch of exactly one of either."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if prompt == "":
-        raise InvalidRequestError("prompt", "must not be empty")
-    if isinstance(prompt, str):
-        msg.prompt = _text(prompt, "prompt")
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) and 0 <= t <= UINT32 for t in prompt):
-        msg.prompt_token_ids.extend(prompt)
-    elif prompt is None:
-        raise InvalidRequestError("prompt", "is required")
-    else:
-        raise InvalidRequestError("prompt", "must be a string or a non-empty list of token ids (one prompt)")
 
 
 def _messages(body: dict[str, Any]) -> list[pb.ChatMessage]:

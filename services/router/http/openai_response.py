@@ -33,8 +33,8 @@ class Choice:
 
 @dataclass
 class Answer:
-    """What the OpenAI objects of one request share and each of its `n` choices. The tokenizer decodes the log
-    probabilities' tokens one at a time, and an echoed prompt."""
+    """What the OpenAI objects of one request share and each of its choices (each prompt's `n`). The tokenizer
+    decodes the log probabilities' tokens one at a time, and an echoed prompt."""
 
     request: OpenAIRequest
     id: str
@@ -43,14 +43,14 @@ class Answer:
     choices: list[Choice] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.choices = [Choice(i) for i in range(self.request.n)]
+        self.choices = [Choice(i) for i in range(self.request.choices)]
 
     def add(self, index: int, msg: pb.GenerateResponse) -> str:
         """Gathers one message of choice `index`; returns the text it adds (after the echoed prompt, on the
         first)."""
         choice = self.choices[index]
         echo = self.request.echo and not choice.text
-        text = self._prompt_text() + msg.text if echo else msg.text
+        text = self._prompt_text(index) + msg.text if echo else msg.text
         choice.text.append(text)
         if self.request.message.sampling.HasField("logprobs"):
             parts = [self._prompt_logprobs(choice, msg)] if echo else []
@@ -62,12 +62,12 @@ class Answer:
 
     @property
     def usage(self) -> dict[str, Any] | None:
-        """The request's usage once every choice finished: the prompt counted once, as OpenAI counts it."""
+        """The request's usage once every choice finished: each prompt counted once, as OpenAI and vLLM count it
+        (its first choice's count)."""
         if any(c.usage is None for c in self.choices):
             return None
-        first = self.choices[0].usage
-        assert first is not None
-        return usage(first, sum(c.usage.completion_tokens for c in self.choices if c.usage))
+        prompts = [c.usage for c in self.choices[:: self.request.n] if c.usage is not None]
+        return usage(prompts, sum(c.usage.completion_tokens for c in self.choices if c.usage))
 
     def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.request.model, "choices": choices}
@@ -100,14 +100,14 @@ class Answer:
         chunk = self._object(kind, [choice | {"finish_reason": c.finish_reason}])
         return chunk | {"usage": None} if self.request.include_usage else chunk
 
-    def _prompt_text(self) -> str:
-        message = self.request.message
+    def _prompt_text(self, index: int) -> str:
+        message = self.request.prompt_message(index)
         return message.prompt or self.tokenizer.decode(list(message.prompt_token_ids), skip_special_tokens=False)
 
     def _prompt_logprobs(self, choice: Choice, msg: pb.GenerateResponse) -> dict[str, list[Any]]:
         """The echoed prompt's tokens in the completions API's lists; the first has no log probability (null).
         A text prompt is tokenized again, as the router tokenized it."""
-        message = self.request.message
+        message = self.request.prompt_message(choice.index)
         ids = list(message.prompt_token_ids) or self.tokenizer.encode_prompt(message.prompt)
         return self._legacy(choice, ids, [None, *msg.prompt_logprobs])
 
@@ -169,15 +169,16 @@ def _joined(parts: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
     return {key: [v for part in parts for v in part[key]] for key in parts[0]}
 
 
-def usage(u: pb.Usage, completion_tokens: int) -> dict[str, Any]:
-    """OpenAI's usage, with the prompt tokens the prefix cache served and pdserve's server-side TTFT (the first
-    choice's, as its prompt)."""
+def usage(prompts: list[pb.Usage], completion_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage from each prompt's (its first choice's), with the prompt tokens the prefix cache served and
+    pdserve's server-side TTFT (the first choice's)."""
+    prompt_tokens = sum(u.prompt_tokens for u in prompts)
     return {
-        "prompt_tokens": u.prompt_tokens,
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
-        "total_tokens": u.prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
-        "ttft_ms": round(u.ttft_ms, 3),
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens for u in prompts)},
+        "ttft_ms": round(prompts[0].ttft_ms, 3),
     }
 
 

@@ -47,14 +47,27 @@ class Choices:
     let in. The first choice charges the tokens of all n, so they get in together or not at all (a bucket that let
     in some and refused the next would leave the caller an error for tokens spent); a later one charges nothing.
     What an admitted choice was charged stays spent however the request ends, as any admitted request's does, but
-    for a later choice shed before the caller got anything (`refund`, which its front end calls)."""
+    for a later choice shed before the caller got anything (`refund`, which its front end calls). A batch of
+    prompts (the HTTP API's `prompt` as a list) has each prompt's n choices, n being all of them here: the first
+    charges `tokens`, what its front end summed over every choice's prompt and max_tokens, as the prompts differ."""
 
     n: int = 1
+    prompts: int = 1
+    tokens: int = 0  # a batch's prompt plus max_tokens over all its choices (0: n times the first's)
     charged: bool = False  # the first choice has charged for all n
     refund: Release = _nothing  # gives the first choice's charge back (once, whoever calls it first)
     admitted: bool = False  # the first choice was admitted: the request is in, and a drain since lets the rest in
     # What ended the first choice to fail: the others, cancelled for it or never started, are counted as it is.
     failure: BaseException | None = None
+
+    @property
+    def param(self) -> str:
+        """The request's parameter that asked for them all."""
+        return "prompt" if self.prompts > 1 else "n"
+
+    def __str__(self) -> str:
+        each = f" ({self.prompts} prompts, n={self.n // self.prompts} each)" if self.prompts > 1 else ""
+        return f"{self.n} choices{each}"
 
 
 class Quotas(ABC):
@@ -97,15 +110,17 @@ class QuotaSession:
 
     def _check_choices(self) -> None:
         """More choices than the key's concurrent streams, or than its burst of requests, never all get in."""
-        n, tenant = self._choices.n, self.tenant
+        choices, tenant = self._choices, self.tenant
+        n = choices.n
         if tenant.max_concurrent and n > tenant.max_concurrent:
             raise InvalidRequestError(
-                "n", f"{n} choices are {n} streams at once; API key {tenant.key_name!r} allows {tenant.max_concurrent}"
+                choices.param,
+                f"{choices} are {n} streams at once; API key {tenant.key_name!r} allows {tenant.max_concurrent}",
             )
         if tenant.requests_per_second and n > request_bucket_size(tenant):
             raise InvalidRequestError(
-                "n",
-                f"{n} choices are {n} requests at once; API key {tenant.key_name!r} allows a burst of "
+                choices.param,
+                f"{choices} are {n} requests at once; API key {tenant.key_name!r} allows a burst of "
                 f"{request_bucket_size(tenant):g} (requests_per_second {tenant.requests_per_second:g})",
             )
 
@@ -121,14 +136,16 @@ class QuotaSession:
                 f"the prompt plus max_tokens is {tokens} tokens, more than this API key's tokens_per_minute "
                 f"({tpm:g}) allows in one request",
             )
-        n = self._choices.n
-        if tokens * n > tpm:
+        choices = self._choices
+        total = choices.tokens or tokens * choices.n
+        if total > tpm:
+            each = "" if choices.tokens else f" of {tokens} tokens"
             raise InvalidRequestError(
-                "n",
-                f"{n} choices of {tokens} tokens (prompt plus max_tokens) are {tokens * n}, more than this API key's "
+                choices.param,
+                f"{choices}{each} (prompt plus max_tokens) are {total}, more than this API key's "
                 f"tokens_per_minute ({tpm:g})",
             )
-        self._tokens = self._choices.refund = _once(await self._quotas.take_tokens(self.tenant, tokens * n))
+        self._tokens = choices.refund = _once(await self._quotas.take_tokens(self.tenant, total))
         self._choices.charged = True
 
     def admitted(self) -> None:
@@ -136,9 +153,9 @@ class QuotaSession:
         self._admitted = self._choices.admitted = True
 
     @property
-    def choices(self) -> int:
-        """How many choices the request has (the HTTP API's n), each a request of its own."""
-        return self._choices.n
+    def choices(self) -> Choices:
+        """The request's choices (the HTTP API's n, for each prompt of a batch), each a request of its own."""
+        return self._choices
 
     @property
     def later_choice(self) -> bool:

@@ -11,6 +11,7 @@ from pdserve.config import RouterConfig
 from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.protocol.roles import Role
+from pdserve.security.quotas import Choices
 from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS, SLOTarget
 from services.router.load_tracker import LoadTracker
 from services.router.predictor import Predictor
@@ -315,15 +316,15 @@ def test_choices_are_judged_against_what_every_decode_worker_holds_together():
     r = Router([worker("p0"), *(worker(f"d{i}", "decode", max_num_seqs=2) for i in range(2))])
     slo = SLOTarget(5.0, 1.0)
     placed = r.place(prompt(100), 16, 1.0)
-    r.admission.check_feasible(placed, 100, slo, choices=4)
+    r.admission.check_feasible(placed, 100, slo, choices=Choices(4))
     with pytest.raises(InvalidRequestError, match="hold 4 such requests") as info:
-        r.admission.check_feasible(placed, 100, slo, choices=5)
+        r.admission.check_feasible(placed, 100, slo, choices=Choices(5))
     assert info.value.field == "n"
     kv = Router([worker("p0"), worker("d0", "decode", kv_blocks_total=50, kv_blocks_free=50)])
     placed = kv.place(prompt(100), 60, 1.0)  # 10 blocks a choice
-    kv.admission.check_feasible(placed, 100, slo, choices=5)
+    kv.admission.check_feasible(placed, 100, slo, choices=Choices(5))
     with pytest.raises(InvalidRequestError, match="hold 5 such requests"):
-        kv.admission.check_feasible(placed, 100, slo, choices=6)
+        kv.admission.check_feasible(placed, 100, slo, choices=Choices(6))
 
 
 def test_invalid_wins_over_overloaded():

@@ -8,6 +8,7 @@ import pytest
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.protocol.roles import Role
+from pdserve.security.quotas import Choices
 from services.router.admission import SLOTarget
 from services.router.gone_workers import GONE_AFTER_S, GoneWorkers
 from tests.unit.router.router_builder import BS, Router, prompt, shed, worker
@@ -40,17 +41,17 @@ def test_what_only_a_worker_gone_from_the_registry_serves_is_shed_until_it_is_fo
     r = Router([worker("p0"), *(worker(f"d{i}", "decode", max_num_seqs=2) for i in range(2))])
     gone = GoneWorkers(r.registry, [r.placement.offered])
     slo = SLOTarget(5.0, 1.0)
-    r.admission.check_feasible(r.place(prompt(100), 16, 1.0), 100, slo, choices=4)  # seen: both hold 2
+    r.admission.check_feasible(r.place(prompt(100), 16, 1.0), 100, slo, choices=Choices(4))  # seen: both hold 2
     r.registry.publish(worker("d-small", "decode", kv_blocks_total=10, kv_blocks_free=10))
     r.admit(prompt(100), max_tokens=200, slo_s=(5.0, 1.0))  # 19 blocks: d0 or d1
     for worker_id in ("d0", "d1"):
         r.registry.remove(worker_id)
     assert gone.sweep(now=0.0) == set()
-    r.admission.check_feasible(r.place(prompt(100), 16, 1.0), 100, slo, choices=4)
+    r.admission.check_feasible(r.place(prompt(100), 16, 1.0), 100, slo, choices=Choices(4))
     shed(r, prompt(100), "free KV blocks", max_tokens=200, slo_s=(5.0, 1.0))
     assert gone.sweep(now=GONE_AFTER_S) == {"d0", "d1"}  # gone for good
     with pytest.raises(InvalidRequestError, match="hold 1 such requests") as info:
-        r.admission.check_feasible(r.place(prompt(100), 16, 1.0), 100, slo, choices=4)
+        r.admission.check_feasible(r.place(prompt(100), 16, 1.0), 100, slo, choices=Choices(4))
     assert info.value.field == "n"
     with pytest.raises(InvalidRequestError, match="10 in total"):
         r.admit(prompt(100), max_tokens=200, slo_s=(5.0, 1.0))

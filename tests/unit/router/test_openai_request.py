@@ -226,6 +226,51 @@ def test_each_of_n_choices_is_a_request_of_its_own():
         assert e.value.field == "n"
 
 
+def test_a_batch_is_each_prompts_n_choices_in_order():
+    """Choice i is prompt i // n's (OpenAI's and vLLM's index); choice j of each prompt takes seed + j, so each
+    prompt is answered as if sent alone with the same body."""
+    req = parse({"model": "m", "prompt": ["a", "b"], "n": 2, "seed": 5, "echo": True, "logprobs": 1}, False, "r")
+    assert (req.choices, [m.prompt for m in req.prompts], req.message.prompt) == (4, ["a", "b"], "a")
+    choices = [req.choice_message(i) for i in range(req.choices)]
+    assert [(c.request_id, c.prompt, c.sampling.seed) for c in choices] == [
+        ("r-0", "a", 5),
+        ("r-1", "a", 6),
+        ("r-2", "b", 5),
+        ("r-3", "b", 6),
+    ]
+    assert all(c.sampling.prompt_logprobs == 1 for c in choices)  # each prompt's own echo
+    ids = parse({"model": "m", "prompt": [[5, 6], [7]]}, chat=False)
+    assert [list(m.prompt_token_ids) for m in ids.prompts] == [[5, 6], [7]] and ids.choices == 2
+
+
+@pytest.mark.parametrize(
+    ("prompt", "n", "message"),
+    [
+        (["a", [5]], 1, "a batch must be all strings or all lists of token ids, not a mix"),
+        ([[5], "a"], 1, "a batch must be all strings or all lists of token ids, not a mix"),
+        (["a", ""], 1, "prompt 1 must not be empty"),
+        ([[5], []], 1, "prompt 1 must not be empty"),
+        ([[5], [6, -1]], 1, "prompt 1 must be a string or a non-empty list of token ids (integers >= 0)"),
+        ([[5], [[6]]], 1, "prompt 1 must be a string or a non-empty list of token ids (integers >= 0)"),
+        (["a"] * 17, 1, "a batch of 17 prompts; at most 16 are accepted"),
+        (["a"] * 5, 4, "a batch of 5 prompts with n=4 is 20 choices; at most 16 are accepted"),
+        ([[5]] * 2, 9, "a batch of 2 prompts with n=9 is 18 choices; at most 16 are accepted"),
+    ],
+)
+def test_a_bad_batch_is_refused_naming_prompt(prompt, n, message):
+    with pytest.raises(InvalidRequestError) as e:
+        parse({"model": "m", "prompt": prompt, "n": n}, chat=False)
+    assert (e.value.field, str(e.value)) == ("prompt", f"prompt: {message}")
+
+
+def test_a_batch_too_large_is_refused_before_its_prompts_are_read():
+    """The cap on prompts, and each token list's length, come before any prompt's items are checked."""
+    with pytest.raises(InvalidRequestError, match="a batch of 17 prompts"):
+        parse({"model": "m", "prompt": [[-1]] * 17}, chat=False)
+    with pytest.raises(InvalidRequestError, match="leave no room"):
+        parse({"model": "m", "prompt": [[-1], [1] * TINY.max_position_embeddings]}, chat=False)
+
+
 def test_a_chat_message_with_other_fields_is_refused_by_name():
     with pytest.raises(InvalidRequestError) as e:
         parse({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, chat=True)
