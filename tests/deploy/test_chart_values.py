@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
-from pdserve.config import RouterConfig
+from pdserve.config import MAX_WORKERS_PER_ROLE, ClusterConfig, RouterConfig
 from pdserve.protocol.request_checks import RequestLimits
 from tests.deploy.chart import CHART, one, pod_templates, render, render_error
 
@@ -92,6 +92,11 @@ def test_every_required_value_is_in_the_schema() -> None:
 
 BAD: list[tuple[dict[str, Any], str]] = [
     ({"prefill.replicas": "-1"}, "prefill/replicas"),
+    # The controller runs 1 to 64 workers per role and refuses other counts at start (a crash loop).
+    ({"prefill.replicas": "0", "prefill.minReplicas": "0"}, "prefill/replicas"),
+    ({"decode.replicas": "100", "decode.maxReplicas": "100"}, "decode/replicas"),
+    ({"decode.maxReplicas": "65"}, "decode/maxReplicas"),
+    ({"prefill.minReplicas": "0"}, "prefill/minReplicas"),
     ({"router.replicas": "0"}, "router/replicas"),
     ({"router.config.max_inflight": "10"}, "max_inflight"),  # a typo: the router would not start
     ({"router.config.request_limits.max_stop": "0"}, "max_stop"),  # the router refuses it at start
@@ -148,6 +153,7 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
     [
         ({"prefil.replicas": "1"}, "additional properties 'prefil' not allowed"),
         ({"redis.enabled": "false"}, "/redis/url"),
+        ({"prefill.replicas": "0", "prefill.minReplicas": "0"}, "/prefill/replicas"),
         (
             {"decode.replicas": "9"},
             "decode.replicas (9) must lie between decode.minReplicas (1) and decode.maxReplicas (8)",
@@ -178,6 +184,17 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
 def test_helm_refuses_bad_values(sets: dict[str, Any], named: str) -> None:
     """helm itself enforces the schema and the templates' range check."""
     assert named in render_error(sets=sets)
+
+
+def test_worker_counts_are_the_ones_the_controller_takes() -> None:
+    """replicas and its bounds lie in 1..MAX_WORKERS_PER_ROLE, the counts the controller starts with."""
+    for role in ("prefill", "decode"):
+        for name in ("replicas", "minReplicas", "maxReplicas"):
+            node = SCHEMA["properties"][role]["properties"][name]
+            assert (node["minimum"], node["maximum"]) == (1, MAX_WORKERS_PER_ROLE), (role, name)
+    ClusterConfig(prefill=MAX_WORKERS_PER_ROLE, decode=1)
+    with pytest.raises(ValueError, match="1 to 64"):
+        ClusterConfig(prefill=MAX_WORKERS_PER_ROLE + 1, decode=1)
 
 
 def test_router_config_takes_every_setting_the_router_reads_and_no_other() -> None:
