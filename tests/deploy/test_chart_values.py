@@ -169,6 +169,15 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
         ({"apiKeys.existingSecret": "keys"}, "set apiKeys.drainKey.existingSecret too"),  # or every drain is refused
         ({"decode.gpus": "0"}, "prefill.gpus (1) and decode.gpus (0) must be equal"),  # decode actors never placed
         ({"router.httpPort": "50051"}, "router.port (50051), router.httpPort (50051) and router.metricsPort (9400)"),
+        # A worker pod binds its gRPC and metrics ports, and a decode worker a KV rendezvous store per prefill peer
+        # from workers.transferPort on.
+        ({"workers.transferPort": "50061"}, "workers.port (50061) lies in the KV-transfer ports 50061-50068"),
+        ({"workers.metricsPort": "50061"}, "workers.port (50061) and workers.metricsPort (50061) must differ"),
+        ({"workers.metricsPort": "50069"}, "workers.metricsPort (50069) lies in the KV-transfer ports 50062-50069"),
+        (
+            {"workers.port": "50075", "prefill.maxReplicas": "16"},
+            "workers.port (50075) lies in the KV-transfer ports 50062-50077",
+        ),
         # Keys the chart sets itself: rendered twice, the last would win (the role resource lost: no worker actor
         # placed; or actors on the head).
         ({"prefill.rayStartParams.resources": "x"}, "prefill.rayStartParams.resources is set by the chart"),
@@ -184,6 +193,15 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
 def test_helm_refuses_bad_values(sets: dict[str, Any], named: str) -> None:
     """helm itself enforces the schema and the templates' range check."""
     assert named in render_error(sets=sets)
+
+
+def test_worker_ports_just_past_the_kv_transfer_ports_render() -> None:
+    """The transfer ports are one per prefill peer: workers.transferPort up to prefill.maxReplicas - 1 past it."""
+    objects = render(sets={"workers.port": "50070", "workers.metricsPort": "50061"})
+    assert (flag(objects, "controller", "--worker-port"), flag(objects, "controller", "--transfer-port")) == (
+        "50070",
+        "50062",
+    )
 
 
 def test_worker_counts_are_the_ones_the_controller_takes() -> None:
