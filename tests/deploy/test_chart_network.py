@@ -237,6 +237,18 @@ def test_an_account_named_as_the_raycluster_is_refused() -> None:
     assert "serviceAccount.name must not be" in render_error(sets={"serviceAccount.name": "pd-pdserve"})
 
 
+def test_the_controllers_role_is_never_bound_to_the_namespaces_default_account() -> None:
+    """Without an account of its own (serviceAccount.create=false, no name) the controller runs as `default`,
+    whose token any pod of the namespace may mount: the chart refuses to bind its Role to that account."""
+    refused = render_error(sets={"serviceAccount.create": "false"})
+    assert "set serviceAccount.name" in refused, refused
+    own = render(sets={"serviceAccount.create": "false", "serviceAccount.name": "pdserve-ops"})
+    assert not [o for o in own if o["kind"] == "ServiceAccount"]
+    assert one(own, "RoleBinding")["subjects"][0]["name"] == "pdserve-ops"
+    no_rbac = render(sets={"serviceAccount.create": "false", "rbac.create": "false"})
+    assert not [o for o in no_rbac if o["kind"] in ("Role", "RoleBinding")]
+
+
 def test_monitors_select_the_metrics_ports(rendered: dict[str, Objects]) -> None:
     assert not [o for o in rendered["gpu.yaml"] if o["kind"] in ("ServiceMonitor", "PodMonitor")]
     objects = rendered["external-redis-tls-monitoring.yaml"]
