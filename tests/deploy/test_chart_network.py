@@ -249,6 +249,25 @@ def test_the_controllers_role_is_never_bound_to_the_namespaces_default_account()
     assert not [o for o in no_rbac if o["kind"] in ("Role", "RoleBinding")]
 
 
+@pytest.mark.parametrize("service_type", ["LoadBalancer", "NodePort"])
+def test_a_router_exposed_outside_the_cluster_needs_api_keys_or_an_explicit_opt_in(service_type: str) -> None:
+    """Without API keys anyone reaching the router may send requests and call its Admin service (drain, scale)."""
+    exposed = {"router.service.type": service_type}
+    assert "set apiKeys.existingSecret, or router.service.allowUnauthenticated=true" in render_error(sets=exposed)
+    keys = {"apiKeys.existingSecret": "keys", "apiKeys.drainKey.existingSecret": "drain-key"}
+    for sets in ({**exposed, **keys}, {**exposed, "router.service.allowUnauthenticated": "true"}):
+        assert one(render(sets=sets), "Service", "pd-pdserve-router")["spec"]["type"] == service_type
+
+
+def test_ray_open_to_the_whole_cluster_needs_an_explicit_opt_in() -> None:
+    """No Ray token and no NetworkPolicy: any pod in the cluster may reach the Ray Client port and run code."""
+    open_ray = {"ray.authToken.enabled": "false", "networkPolicy.enabled": "false"}
+    assert "set ray.authToken.allowUnauthenticated=true" in render_error(sets=open_ray)
+    render(sets={**open_ray, "ray.authToken.allowUnauthenticated": "true"})
+    for one_guard in ({"ray.authToken.enabled": "false"}, {"networkPolicy.enabled": "false"}):
+        render(sets=one_guard)
+
+
 def test_monitors_select_the_metrics_ports(rendered: dict[str, Objects]) -> None:
     assert not [o for o in rendered["gpu.yaml"] if o["kind"] in ("ServiceMonitor", "PodMonitor")]
     objects = rendered["external-redis-tls-monitoring.yaml"]
@@ -280,7 +299,7 @@ def test_monitors_select_the_metrics_ports(rendered: dict[str, Objects]) -> None
 def test_the_routers_metrics_stay_off_its_public_service() -> None:
     """A LoadBalancer router Service publishes what it carries; the metrics (no key check, per-tenant labels)
     are on a ClusterIP Service of their own, which selects the same router pods."""
-    objects = render(["gpu.yaml"], {"router.service.type": "LoadBalancer"})
+    objects = render(["external-redis-tls-monitoring.yaml"], {"router.service.type": "LoadBalancer"})  # API keys
     public, metrics = one(objects, "Service", "pd-pdserve-router"), one(objects, "Service", "pd-pdserve-router-metrics")
     assert public["spec"]["type"] == "LoadBalancer" and "metrics" not in {p["name"] for p in public["spec"]["ports"]}
     assert metrics["spec"]["type"] == "ClusterIP" and [p["name"] for p in metrics["spec"]["ports"]] == ["metrics"]

@@ -79,6 +79,7 @@ def test_an_upgrade_to_a_new_image_is_a_new_build_on_every_pod_and_a_new_worker_
         ({"prefill.replicas": 3, "decode.maxReplicas": 9}, False),  # counts change no pod
         ({"router.replicas": 3, "redis.resources.limits.memory": "1Gi"}, False),  # nothing a worker pod holds
         ({"engine.kvCacheGb": 4, "bindAddress": "::"}, False),  # the controller's flags: workers restart in place
+        ({"ray.authToken.allowUnauthenticated": True}, False),  # an opt-in the chart checks, in no pod
     ],
 )
 def test_a_change_to_what_worker_pods_are_made_of_is_a_new_build(sets: dict[str, object], new_build: bool) -> None:

@@ -84,7 +84,14 @@ def _nulls(node: Any, path: str) -> list[str]:
 def test_no_field_renders_empty(rendered: dict[str, list[dict[str, Any]]]) -> None:
     """An optional block left out must leave no `key:` with nothing under it (null), here or with the
     optional parts off."""
-    bare = render(sets={"model.fetch": "false", "ray.authToken.enabled": "false", "networkPolicy.enabled": "false"})
+    bare = render(
+        sets={
+            "model.fetch": "false",
+            "ray.authToken.enabled": "false",
+            "networkPolicy.enabled": "false",
+            "ray.authToken.allowUnauthenticated": "true",  # both guards off: refused without it
+        }
+    )
     for name, objects in [*rendered.items(), ("bare", bare)]:
         for obj in objects:
             assert not _nulls(obj, f"{name}:{obj['kind']}/{obj['metadata']['name']}")

@@ -36,7 +36,7 @@ be a new build, whose workers the controller rolls onto new pods, as it does for
 it compares itself (a worker restarts in place, with no new pod to wait for). */ -}}
 {{- $pods := dict "groups" $groups "model" $v.model "workers" $v.workers "drain" $v.drain "redis" $redis
   "tls" $v.tls "drainKey" $v.apiKeys.drainKey "clusterSecret" $v.clusterSecret "otel" $v.otel
-  "rayAuthToken" $v.ray.authToken "gpuResourceName" $v.gpuResourceName "routerPort" $v.router.port
+  "rayAuthToken" (pick $v.ray.authToken "enabled" "existingSecret") "gpuResourceName" $v.gpuResourceName "routerPort" $v.router.port
   "pullPolicy" $v.image.pullPolicy "podSecurityContext" $v.podSecurityContext "securityContext" $v.securityContext
   "imagePullSecrets" $v.imagePullSecrets "serviceAccount" (pick $v.serviceAccount "create" "name") -}}
 {{- toJson $pods | sha256sum | trunc 12 -}}
