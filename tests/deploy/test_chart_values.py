@@ -117,6 +117,13 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"router.autoscaling.targetCPUUtilizationPercentage": "150"}, "router/autoscaling/targetCPUUtilizationPercentage"),
     ({"router.autoscaling.maxReplicas": "0"}, "router/autoscaling/maxReplicas"),
     ({"router.terminationGracePeriodSeconds": "10"}, "router/terminationGracePeriodSeconds"),  # no time to drain
+    # Names that went unquoted into flow mappings (a YAML parse error) or into the preStop's shell script.
+    ({"clusterSecret.existingSecret": "a}b"}, "clusterSecret/existingSecret"),
+    ({"model.cache.existingClaim": "models, readOnly: true"}, "model/cache/existingClaim"),
+    ({"tls.serverName": "x;touch${IFS}/tmp/pwn"}, "tls/serverName"),
+    ({"tls.internalServerName": "a b"}, "tls/internalServerName"),
+    ({"redis.passwordKey": "pass word"}, "redis/passwordKey"),
+    ({"apiKeys.drainKey.existingSecret": "Drain_Key"}, "apiKeys/drainKey/existingSecret"),
 ]
 
 
@@ -153,6 +160,8 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
     [
         ({"prefil.replicas": "1"}, "additional properties 'prefil' not allowed"),
         ({"redis.enabled": "false"}, "/redis/url"),
+        ({"clusterSecret.existingSecret": "a}b"}, "/clusterSecret/existingSecret"),
+        ({"tls.serverName": "x;touch${IFS}/tmp/pwn"}, "/tls/serverName"),
         ({"prefill.replicas": "0", "prefill.minReplicas": "0"}, "/prefill/replicas"),
         (
             {"decode.replicas": "9"},
@@ -193,6 +202,46 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
 def test_helm_refuses_bad_values(sets: dict[str, Any], named: str) -> None:
     """helm itself enforces the schema and the templates' range check."""
     assert named in render_error(sets=sets)
+
+
+def test_names_from_values_render_as_the_strings_they_are() -> None:
+    """Secret, claim and key names sit in flow mappings, where YAML would read a bare 0x1f as the number 31: each
+    is quoted, so the pods name exactly the objects the values do (a Kubernetes name may look like a number)."""
+    names = {
+        "clusterSecret.existingSecret": "0x1a",
+        "ray.authToken.existingSecret": "0x1b",
+        "redis.existingSecret": "0x1c",
+        "redis.passwordKey": "0x1d",
+        "model.cache.existingClaim": "0x1e",
+        "apiKeys.existingSecret": "0x2a",
+        "apiKeys.drainKey.existingSecret": "0x2b",
+        "apiKeys.drainKey.key": "0x2c",
+        "tls.enabled": "true",
+        "tls.publicSecret": "0x3a",
+        "tls.internalSecret": "0x3b",
+        "tls.clientCASecret": "0x3c",
+        "tls.serverName": "0x3d",
+    }
+    objects = render(sets=names)
+    decode = pod_templates(objects)["decode"]["spec"]
+    env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef") for e in decode["containers"][0]["env"]}
+    assert env["PDSERVE_CLUSTER_SECRET"] == {"name": "0x1a", "key": "secret"}
+    assert env["RAY_AUTH_TOKEN"] == {"name": "0x1b", "key": "token"}
+    assert env["PDSERVE_REDIS_PASSWORD"] == {"name": "0x1c", "key": "0x1d"}
+    assert env["PDSERVE_API_KEY"] == {"name": "0x2b", "key": "0x2c"}
+    volumes = {v["name"]: v for v in decode["volumes"]}
+    assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "0x1e"}
+    assert (volumes["tls-internal"]["secret"]["secretName"], volumes["tls-public"]["secret"]["secretName"]) == (
+        "0x3b",
+        "0x3a",
+    )
+    router = {v["name"]: v for v in pod_templates(objects)["router"]["spec"]["volumes"]}
+    assert [router[n]["secret"]["secretName"] for n in ("api-keys", "tls-client-ca")] == ["0x2a", "0x3c"]
+    probe = pod_templates(objects)["router"]["spec"]["containers"][0]["readinessProbe"]["exec"]["command"]
+    assert probe[probe.index("--server-name") + 1] == "0x3d"
+    redis = pod_templates(render(sets={"redis.passwordKey": "0x1d"}))["redis"]["spec"]["containers"][0]
+    assert redis["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "pd-pdserve-redis", "key": "0x1d"}
+    assert "0x1d" in one(render(sets={"redis.passwordKey": "0x1d"}), "Secret", "pd-pdserve-redis")["data"]
 
 
 def test_worker_ports_just_past_the_kv_transfer_ports_render() -> None:

@@ -164,7 +164,7 @@ explicitly: with RAY_AUTH_MODE unset, Ray 2.60 turns token auth on by itself whe
 - name: RAY_AUTH_MODE
   value: token
 - name: RAY_AUTH_TOKEN
-  valueFrom: {secretKeyRef: {name: {{ include "pdserve.rayTokenSecretName" . }}, key: token}}
+  valueFrom: {secretKeyRef: {name: {{ include "pdserve.rayTokenSecretName" . | quote }}, key: token}}
 {{- else }}
 - name: RAY_AUTH_MODE
   value: disabled
@@ -190,10 +190,10 @@ variables to the worker actors it starts (they would report the controller's pod
 - name: POD_NAMESPACE
   valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
 - name: PDSERVE_CLUSTER_SECRET
-  valueFrom: {secretKeyRef: {name: {{ include "pdserve.clusterSecretName" .ctx }}, key: secret}}
+  valueFrom: {secretKeyRef: {name: {{ include "pdserve.clusterSecretName" .ctx | quote }}, key: secret}}
 {{- with include "pdserve.redisSecretName" .ctx }}
 - name: PDSERVE_REDIS_PASSWORD
-  valueFrom: {secretKeyRef: {name: {{ . }}, key: {{ $v.redis.passwordKey }}}}
+  valueFrom: {secretKeyRef: {name: {{ . | quote }}, key: {{ $v.redis.passwordKey | quote }}}}
 {{- end }}
 {{- if $v.redis.caSecret }}
 - name: PDSERVE_REDIS_CA_CERT
@@ -226,7 +226,7 @@ variables to the worker actors it starts (they would report the controller's pod
 {{- define "pdserve.modelVolume" -}}
 - name: model-cache
 {{- if .Values.model.cache.existingClaim }}
-  persistentVolumeClaim: {claimName: {{ .Values.model.cache.existingClaim }}}
+  persistentVolumeClaim: {claimName: {{ .Values.model.cache.existingClaim | quote }}}
 {{- else if .Values.model.cache.persistentVolumeClaim.create }}
   persistentVolumeClaim: {claimName: {{ include "pdserve.fullname" . }}-models}
 {{- else }}
@@ -249,7 +249,7 @@ variables to the worker actors it starts (they would report the controller's pod
   resources: {{- toYaml .Values.model.fetchResources | nindent 4 }}
   securityContext: {{- toYaml .Values.securityContext | nindent 4 }}
   volumeMounts:
-    - {name: model-cache, mountPath: {{ .Values.model.cache.mountPath }}}
+    - {name: model-cache, mountPath: {{ .Values.model.cache.mountPath | quote }}}
 {{- end }}
 {{- end -}}
 
@@ -268,7 +268,7 @@ variables to the worker actors it starts (they would report the controller's pod
 {{- end }}
 # Only the key named: a Secret without it fails the mount, visibly, rather than every Redis connection.
 - name: redis-ca
-  secret: {secretName: {{ $v.redis.caSecret }}, items: [{key: {{ $v.redis.caKey }}, path: {{ $v.redis.caKey }}}]}
+  secret: {secretName: {{ $v.redis.caSecret | quote }}, items: [{key: {{ $v.redis.caKey | quote }}, path: {{ $v.redis.caKey | quote }}}]}
 {{- end }}
 {{- end -}}
 
@@ -286,20 +286,20 @@ controller, worker or client (the chart's smoke test: a worker's TLS files). */}
 {{- end }}
 {{- if .ctx.Values.tls.enabled }}
 - name: tls-internal
-  secret: {secretName: {{ required "tls.internalSecret is required when tls.enabled" .ctx.Values.tls.internalSecret }}}
+  secret: {secretName: {{ required "tls.internalSecret is required when tls.enabled" .ctx.Values.tls.internalSecret | quote }}}
 {{- if eq .role "router" }}
 - name: tls-public
-  secret: {secretName: {{ required "tls.publicSecret is required when tls.enabled" .ctx.Values.tls.publicSecret }}}
+  secret: {secretName: {{ required "tls.publicSecret is required when tls.enabled" .ctx.Values.tls.publicSecret | quote }}}
 {{- else if or (eq .role "worker") (eq .role "client") }}
 # A worker's preStop drain is a client of the router: it needs the CA, never the router's key.
 - name: tls-public
   secret:
-    secretName: {{ required "tls.publicSecret is required when tls.enabled" .ctx.Values.tls.publicSecret }}
+    secretName: {{ required "tls.publicSecret is required when tls.enabled" .ctx.Values.tls.publicSecret | quote }}
     items: [{key: ca.crt, path: ca.crt}]
 {{- end }}
 {{- if and (eq .role "router") .ctx.Values.tls.clientCASecret }}
 - name: tls-client-ca
-  secret: {secretName: {{ .ctx.Values.tls.clientCASecret }}}
+  secret: {secretName: {{ .ctx.Values.tls.clientCASecret | quote }}}
 {{- end }}
 {{- end }}
 {{- end -}}
@@ -347,7 +347,7 @@ name, and, when the router asks for a client certificate, the pod's internal one
 - --tls-ca
 - /etc/pdserve/tls/public/ca.crt
 - --tls-server-name
-- {{ include "pdserve.publicServerName" . }}
+- {{ include "pdserve.publicServerName" . | quote }}
 {{- if .Values.tls.clientCASecret }}
 - --tls-cert
 - /etc/pdserve/tls/internal/tls.crt
@@ -373,7 +373,7 @@ exec:
     - --tls-ca
     - /etc/pdserve/tls/public/ca.crt
     - --server-name
-    - {{ include "pdserve.publicServerName" .ctx }}
+    - {{ include "pdserve.publicServerName" .ctx | quote }}
 {{- if .ctx.Values.tls.clientCASecret }}
     - --tls-cert
     - /etc/pdserve/tls/internal/tls.crt
@@ -388,7 +388,7 @@ exec:
     - --tls-key
     - /etc/pdserve/tls/internal/tls.key
     - --server-name
-    - {{ .ctx.Values.tls.internalServerName }}
+    - {{ .ctx.Values.tls.internalServerName | quote }}
 {{- end }}
 {{- else }}
 grpc:
