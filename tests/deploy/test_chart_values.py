@@ -106,6 +106,10 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"model.name": ""}, "model/name"),
     ({"redis.enabled": "false"}, "redis/url"),
     ({"redis.url": "http://redis:6379"}, "redis/url"),
+    # A password in the URL would sit in every pod's arguments: redis.existingSecret holds it.
+    ({"redis.url": "redis://:hunter2@r:6379/0"}, "redis/url"),
+    ({"redis.url": "rediss://app:hunter2@r:6380/0"}, "redis/url"),
+    ({"redis.url": "redis://r:6379/0?password=hunter2"}, "redis/url"),
     ({"tls.enabled": "true"}, "tls"),
     ({"networkPolicy.enabled": "yes please"}, "networkPolicy/enabled"),
     ({"workers.port": "70000"}, "workers/port"),
@@ -202,6 +206,15 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
 def test_helm_refuses_bad_values(sets: dict[str, Any], named: str) -> None:
     """helm itself enforces the schema and the templates' range check."""
     assert named in render_error(sets=sets)
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://r:6379/0", "rediss://redis.data.svc:6380/0?ssl_cert_reqs=required", "redis://app@[::1]:6379"]
+)
+def test_a_redis_url_without_a_password_is_taken(url: str) -> None:
+    """A user name alone may stay in the URL (the password then comes from redis.existingSecret)."""
+    values = _merged(yaml.safe_load((CHART / "values.yaml").read_text()), {"redis": {"enabled": False, "url": url}})
+    assert not list(VALIDATOR.iter_errors(values))
 
 
 def test_names_from_values_render_as_the_strings_they_are() -> None:
