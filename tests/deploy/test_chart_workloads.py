@@ -302,7 +302,7 @@ def test_ray_autoscaler_gives_pending_worker_actors_their_pods(enabled: bool) ->
         return
     options = spec["autoscalerOptions"]
     assert options["idleTimeoutSeconds"] == 60 and options["upscalingMode"] == "Default"
-    assert {e["name"] for e in options["env"]} == {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}
+    assert {e["name"] for e in options["env"]} == {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "NVIDIA_VISIBLE_DEVICES"}
     assert options["securityContext"]["allowPrivilegeEscalation"] is False  # the head pod's context: non-root
 
 
@@ -363,6 +363,28 @@ def test_every_container_an_init_container_included_asks_for_cpu_and_memory(rend
             for c in [*spec.get("initContainers", []), *spec["containers"]]:
                 requests = c.get("resources", {}).get("requests", {})
                 assert {"cpu", "memory"} <= set(requests), (values, component, c["name"])
+
+
+def test_a_container_without_a_gpu_request_sees_no_gpu(rendered: dict[str, Objects]) -> None:
+    """The image's CUDA base sets NVIDIA_VISIBLE_DEVICES=all: on a node whose default runtime is nvidia every
+    container of it that asks for no GPU (router, controller, Ray head and its autoscaler, init containers, CPU
+    workers) would see all the node's GPUs, so those say void; a GPU worker's is the device plugin's to set."""
+    for values, objects in rendered.items():
+        image = container(pod_templates(objects)["controller"])["image"]
+        rc = one(objects, "RayCluster")["spec"]
+        autoscaler = {"name": "autoscaler", "image": image, "env": rc["autoscalerOptions"]["env"]}
+        for component, template in [
+            *pod_templates(objects).items(),
+            ("ray-autoscaler", {"spec": {"containers": [autoscaler]}}),
+        ]:
+            spec = template["spec"]
+            for c in [*spec.get("initContainers", []), *spec["containers"]]:
+                if c["image"] != image:  # Redis: its image sets no NVIDIA_VISIBLE_DEVICES
+                    continue
+                gpu = "nvidia.com/gpu" in c.get("resources", {}).get("requests", {})
+                env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                assert env.get("NVIDIA_VISIBLE_DEVICES") == (None if gpu else "void"), (values, component, c["name"])
+    assert "nvidia.com/gpu" in json.dumps(worker_groups(rendered["gpu.yaml"]))  # both kinds were checked
 
 
 def test_every_pod_pulls_with_the_charts_image_pull_secrets() -> None:

@@ -171,6 +171,13 @@ explicitly: with RAY_AUTH_MODE unset, Ray 2.60 turns token auth on by itself whe
 {{- end }}
 {{- end -}}
 
+{{/* A container that asks for no GPU: the image's CUDA base sets NVIDIA_VISIBLE_DEVICES=all, so on a node whose
+default container runtime is nvidia it would see every GPU of the node, those given to other pods too. */}}
+{{- define "pdserve.noGpuEnv" -}}
+- name: NVIDIA_VISIBLE_DEVICES
+  value: void
+{{- end -}}
+
 {{/* Environment of the pdserve processes: the model cache, addresses, secrets, OpenTelemetry. Call with
 (dict "ctx" $ "ray" true "podAttributes" true): `ray` adds the Ray token (the router never talks to Ray);
 `podAttributes` names the pod in OTEL_RESOURCE_ATTRIBUTES, off for the controller, which may hand its OTEL_*
@@ -243,6 +250,7 @@ variables to the worker actors it starts (they would report the controller's pod
   env:
     - name: PDSERVE_CACHE_DIR
       value: {{ .Values.model.cache.mountPath | quote }}
+    {{- include "pdserve.noGpuEnv" . | nindent 4 }}
     {{- with .Values.model.fetchEnv }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
