@@ -76,6 +76,7 @@ class SharedMoving:
                 if moving:
                     until_ms = now_ms + round(LAPSE_INTERVALS * self.interval_s * 1000)
                     pipe.hset(MOVING_KEY, self.router_id, f"{moving} {until_ms}")
+                    self._written = True  # before the answer: a write cut short by a timeout or `close` may have landed
                 elif self._written:
                     pipe.hdel(MOVING_KEY, self.router_id)
                 if self._forget:
