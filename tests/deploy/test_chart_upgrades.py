@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
 from pdserve.build import build_resource
-from tests.deploy.chart import CHART, helm, pod_templates, render, worker_groups
+from tests.deploy.chart import CHART, helm, one, pod_templates, render, worker_groups
+from tests.deploy.test_chart_validates import check_raycluster
 
 PROBE = """{{- $v := dict "replicas" 2 "minReplicas" 1 "maxReplicas" 8 }}
 {{- $five := dict "replicas" 5 }}
@@ -52,6 +54,45 @@ def test_an_upgrade_renders_each_groups_live_replicas_within_the_releases_bounds
     assert [g["replicas"] for g in worker_groups(objects).values()] == [1, 1]  # no live object: the values'
     (rc,) = [o for o in objects if o["kind"] == "RayCluster"]
     assert json.loads(rc["metadata"]["annotations"]["pdserve.io/values-replicas"]) == {"prefill": 1, "decode": 1}
+
+
+def probe_version_guard(tmp_path: Path, running: str | None, strategy: str) -> subprocess.CompletedProcess[str]:
+    """The chart's Ray version guard, as an upgrade over a RayCluster whose spec says `running` would call it (None:
+    an install), through a probe chart: `helm template` has no live object to look up."""
+    probe = tmp_path / "probe"
+    shutil.copytree(CHART, probe / "charts" / "pdserve")
+    (probe / "Chart.yaml").write_text("apiVersion: v2\nname: probe\nversion: 0.0.1\n")
+    (probe / "templates").mkdir()
+    live = "" if running is None else f'(dict "rayVersion" "{running}")'
+    values = f'(dict "ray" (dict "version" "2.60.0" "upgradeStrategy" "{strategy}"))'
+    guard = f'{{{{ include "pdserve.rayVersionGuard" (dict "live" {live or "nil"} "values" {values}) }}}}'
+    (probe / "templates" / "probe.yaml").write_text(f"# {guard}\n")
+    return helm("template", "pd", str(probe))
+
+
+@pytest.mark.parametrize(
+    ("running", "strategy", "refused"),
+    [
+        ("2.59.0", "", True),  # a new Ray over a head KubeRay will not replace: refused
+        ("2.59.0", "Recreate", False),  # KubeRay replaces every pod of the cluster
+        ("2.60.0", "", False),
+        (None, "", False),  # an install, or `helm template`
+    ],
+)
+def test_an_upgrade_that_changes_the_ray_version_is_refused_unless_kuberay_recreates_the_cluster(
+    tmp_path: Path, running: str | None, strategy: str, refused: bool
+) -> None:
+    out = probe_version_guard(tmp_path, running, strategy)
+    assert (out.returncode != 0) == refused, out.stderr
+    if refused:
+        assert "runs Ray 2.59.0" in out.stderr and "ray.upgradeStrategy=Recreate" in out.stderr
+
+
+def test_the_recreate_strategy_is_rendered_as_kuberay_takes_it() -> None:
+    rc = one(render(sets={"ray.upgradeStrategy": "Recreate"}), "RayCluster")
+    assert rc["spec"]["upgradeStrategy"] == {"type": "Recreate"}
+    check_raycluster(rc)
+    assert "upgradeStrategy" not in one(render(), "RayCluster")["spec"]
 
 
 def test_an_upgrade_to_a_new_image_is_a_new_build_on_every_pod_and_a_new_worker_resource() -> None:
