@@ -188,12 +188,13 @@ class LLMEngine:
             del self._requests[request.request_id]
             raise OverloadedError(f"its batch is full ({held} sequences, max_num_seqs {cap})")
         # Sequences preempted here resume first: a reservation takes only what their recompute leaves, or each
-        # block they free would go to the next hand-off, and they would wait for ever. And each running sequence
-        # that will outgrow its blocks keeps one free for its next: taken by a hand-off, a running sequence is
-        # preempted for it, recomputes, and is preempted again by the next hand-off (a review's run of 60 hand-offs
-        # recomputed 697 prompt tokens for 1540 decoded).
+        # block they free would go to the next hand-off, and they would wait for ever. And each sequence running or
+        # with KV arriving that will outgrow its blocks keeps one free for its next: taken by a hand-off, a running
+        # sequence is preempted for it, recomputes, and is preempted again by the next hand-off (a review's run of
+        # 60 hand-offs recomputed 697 prompt tokens for 1540 decoded).
         owed = sum(self.blocks.blocks_for(s.num_tokens) for s in self.scheduler.waiting)
-        owed += sum(1 for s in self.scheduler.running if self._will_grow(s))
+        growing = (SequenceStatus.RUNNING, SequenceStatus.RECEIVING)
+        owed += sum(1 for r in self._requests.values() if r.seq.status in growing and self._will_grow(r.seq))
         leaves_owed = self.blocks.blocks_for(seq.num_prompt_tokens) + owed <= self.blocks.num_free_blocks
         if not (leaves_owed and self.blocks.allocate_slots(seq, seq.num_prompt_tokens)):
             del self._requests[request.request_id]

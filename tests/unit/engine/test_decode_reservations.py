@@ -61,6 +61,24 @@ def test_a_reservation_leaves_each_growing_sequence_a_block_to_grow_into() -> No
     assert engine.scheduler.num_preemptions == 0
 
 
+def test_a_reservation_leaves_a_block_to_grow_into_for_a_hand_off_whose_kv_is_still_arriving() -> None:
+    """Reserved but not yet committed (its prompt still prefilling or its KV in transfer), a sequence will grow
+    as soon as it runs: the next reservation leaves it its block as if it ran."""
+    scheduler = SchedulerConfig(mode=EngineMode.DECODE_ONLY)
+    config = EngineConfig(
+        model="tiny-random", dtype="float32", device="cpu", block_size=4, num_kv_blocks=6, scheduler=scheduler
+    )
+    engine = LLMEngine(config)
+
+    def reserve(name: str, tokens: int, max_tokens: int) -> None:
+        engine.reserve(EngineRequest(name, list(range(1, tokens + 1)), SamplingParams(max_tokens=max_tokens)))
+
+    reserve("arriving", 18, 4)  # 5 blocks of its 6
+    with pytest.raises(OverloadedError, match="no free KV blocks for 4 tokens"):
+        reserve("takes-its-block", 4, 1)
+    assert engine.blocks.num_free_blocks == 1
+
+
 def test_a_full_batch_refuses_a_reservation_until_a_sequence_ends() -> None:
     """max_num_seqs holds on a decode worker too: a sequence whose KV is still arriving has its place in the
     batch, and a hand-off past the cap is refused before any byte moves, not run in an oversized step."""
