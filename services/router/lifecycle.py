@@ -133,7 +133,7 @@ class RequestLifecycle:
             )
             span.set_attribute("prompt_tokens", len(req.prompt_token_ids))
             try:
-                placement, slo = await self._place(req, admitted_before=quota.later_choice)
+                placement, slo = await self.place(req, admitted_before=quota.later_choice)
                 # What never fits is refused first: a shed's retry hint (the key's token rate's too) would lead
                 # only to it. A later choice was judged with the first.
                 choices = None if quota.later_choice else quota.choices
@@ -159,7 +159,7 @@ class RequestLifecycle:
         self.prefix_index.record(prefill.cache_key, placement.block_hashes)
         return Ticket(key, client_id, req, placement, started_at, self.tracker, self.admission)
 
-    async def _place(self, req: RoutedRequest, admitted_before: bool = False) -> tuple[Placement, SLOTarget]:
+    async def place(self, req: RoutedRequest, admitted_before: bool = False) -> tuple[Placement, SLOTarget]:
         """The request's placement and the SLO it is held to. `admitted_before`: a later choice of an admitted
         request, which a drain waits for (`holding`)."""
         self._refuse_when_draining(admitted_before)

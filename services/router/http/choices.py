@@ -23,9 +23,10 @@ Generate = Callable[[pb.GenerateRequest, Choices | None], AsyncIterator[pb.Gener
 
 
 async def request_choices(lifecycle: RequestLifecycle, req: OpenAIRequest, tenant: Tenant) -> Choices | None:
-    """The request's choices for its key's quotas, None for one. A batch's prompts are each built here, tokenized
-    and checked as their own admission will do again: a bad one is a 400 naming its index before any choice runs
-    (not an error once the prompts before it streamed), and the first choice charges what all of them need."""
+    """The request's choices for its key's quotas, None for one. A batch's prompts are each built here, tokenized,
+    checked and judged against what an idle cluster serves (its largest KV, its SLOs), as their own admission will
+    do again: a bad one is a 400 naming its index before any choice runs (not an error once the prompts before it
+    streamed), and the first choice charges what all of them need."""
     if len(req.prompts) == 1:
         return Choices(req.n) if req.n > 1 else None
     check_model(lifecycle, req.model)  # a model not served is its 404 first, as for one prompt
@@ -36,6 +37,8 @@ async def request_choices(lifecycle: RequestLifecycle, req: OpenAIRequest, tenan
             built = await build_request(
                 message, lifecycle.tokenizer, lifecycle.model, default, config.request_limits, tenant.name
             )
+            placement, slo = await lifecycle.place(built)
+            lifecycle.admission.check_feasible(placement, len(built.prompt_token_ids), slo)
         except InvalidRequestError as e:
             raise InvalidRequestError(e.field, f"prompt {i}: {str(e).removeprefix(f'{e.field}: ')}") from None
         tokens += (len(built.prompt_token_ids) + built.sampling.max_tokens) * req.n

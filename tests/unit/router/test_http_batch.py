@@ -113,6 +113,20 @@ async def test_a_bad_prompt_anywhere_in_a_batch_is_a_400_naming_its_index_before
     assert stand_in.calls == 0 and lc.in_flight == 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prompt_no_worker_could_hold_is_a_400_naming_its_index_before_any_choice_runs(decode, stream):
+    """A later prompt past the largest decode worker's KV (a worker's limit, not the model's) was found only when
+    its own choice was placed, once prompt 0's had streamed or run to its end."""
+    stand_in, address = decode
+    router = Router([worker("p0"), worker("d0", "decode", address=address, kv_blocks_total=8, kv_blocks_free=8)])
+    lc = router.lifecycle(KeyTable({digest(KEY): Tenant("team", "k")}))
+    r = await complete(lc, prompt=[PROMPTS[0], list(range(5, 205))], stream=stream)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "prompt" and error["message"].startswith("prompt: prompt 1: the prompt (200 tokens)")
+    assert stand_in.calls == 0 and lc.in_flight == 0
+
+
 async def test_a_batch_is_charged_every_prompts_tokens_by_its_first_choice(decode):
     """4 + 97 and 100 + 97 tokens: 298 in all, past a key of 250 a minute, though the first prompt's cost times
     the choices (202) is not: a 400 naming `prompt` before any choice runs, not a later prompt's 429 once the
