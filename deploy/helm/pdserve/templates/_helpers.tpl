@@ -53,34 +53,6 @@ new build's workers land on new pods. pdserve.build.build_resource computes the 
 {{- printf "pdserve_build_%s" (include "pdserve.build" . | sha256sum | trunc 12) -}}
 {{- end -}}
 
-{{/* A worker group's replicas: on an upgrade the live RayCluster's (the Ray autoscaler and `pdserve scale --kubernetes`
-move them after install, and KubeRay's CRD makes workerGroupSpecs one atomic field, so rendering the install-time
-count would put it back: with the autoscaler off KubeRay then deletes pods at random), unless the values' count is
-not the one the last release rendered from (`helm upgrade --set prefill.replicas=N`: the controller takes a changed
-count too, so the pods must follow it); kept within this release's minReplicas..maxReplicas; on install, the
-values'. `live`: the group's entry in the live object, or nothing; `rendered`: the values' count the live object
-was rendered from (its pdserve.io/values-replicas annotation), or nothing (a release before it: the live count). */}}
-{{- define "pdserve.workerReplicas" -}}
-{{- $w := .values -}}
-{{- $n := int $w.replicas -}}
-{{- $unchanged := or (kindIs "invalid" .rendered) (eq (toString .rendered) (toString $w.replicas)) -}}
-{{- if and .live (hasKey .live "replicas") $unchanged -}}
-{{- $n = int .live.replicas -}}
-{{- end -}}
-{{- max (int $w.minReplicas) (min $n (int $w.maxReplicas)) -}}
-{{- end -}}
-
-{{/* Refuses an upgrade that changes the Ray version of a running RayCluster (`live`: its spec; none on install or
-under `helm template`) unless KubeRay is to recreate the cluster: KubeRay never replaces a running head pod, and
-Ray nodes refuse a peer of another version, so the new worker pods and the controller could never join it. */}}
-{{- define "pdserve.rayVersionGuard" -}}
-{{- $ray := .values.ray -}}
-{{- $running := (default (dict) .live).rayVersion -}}
-{{- if and $running (ne (toString $running) (toString $ray.version)) (ne $ray.upgradeStrategy "Recreate") -}}
-{{- fail (printf "ray.version %s: the running RayCluster's head runs Ray %s, which KubeRay never replaces, and Ray %s cannot join it. Upgrade with --set ray.upgradeStrategy=Recreate (KubeRay then replaces every pod of the cluster: the workers restart and load their model again), then set it back to \"\" in a later upgrade; or keep ray.version %s with an image of that Ray" $ray.version $running $ray.version $running) -}}
-{{- end -}}
-{{- end -}}
-
 {{/* The controller's account (the one with API rights), never the RayCluster's name: with the autoscaler on,
 KubeRay gives the head pod an account of that name and binds its autoscaler Role to it, so sharing the name would
 hand each pod the other's rights. */}}
