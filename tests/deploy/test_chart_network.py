@@ -240,8 +240,9 @@ def test_an_account_named_as_the_raycluster_is_refused() -> None:
 def test_the_controllers_role_is_never_bound_to_the_namespaces_default_account() -> None:
     """Without an account of its own (serviceAccount.create=false, no name) the controller runs as `default`,
     whose token any pod of the namespace may mount: the chart refuses to bind its Role to that account."""
-    refused = render_error(sets={"serviceAccount.create": "false"})
-    assert "set serviceAccount.name" in refused, refused
+    for default in ({"serviceAccount.create": "false"}, {"serviceAccount.name": "default"}):
+        refused = render_error(sets=default)
+        assert "set serviceAccount.name" in refused, refused
     own = render(sets={"serviceAccount.create": "false", "serviceAccount.name": "pdserve-ops"})
     assert not [o for o in own if o["kind"] == "ServiceAccount"]
     assert one(own, "RoleBinding")["subjects"][0]["name"] == "pdserve-ops"
@@ -250,12 +251,18 @@ def test_the_controllers_role_is_never_bound_to_the_namespaces_default_account()
 
 
 @pytest.mark.parametrize("service_type", ["LoadBalancer", "NodePort"])
-def test_a_router_exposed_outside_the_cluster_needs_api_keys_or_an_explicit_opt_in(service_type: str) -> None:
-    """Without API keys anyone reaching the router may send requests and call its Admin service (drain, scale)."""
+def test_a_router_exposed_outside_the_cluster_needs_api_keys_client_certificates_or_an_explicit_opt_in(
+    service_type: str,
+) -> None:
+    """Without API keys or client certificates anyone reaching the router may send requests and call its Admin
+    service (drain, scale)."""
     exposed = {"router.service.type": service_type}
-    assert "set apiKeys.existingSecret, or router.service.allowUnauthenticated=true" in render_error(sets=exposed)
+    assert "router.service.allowUnauthenticated=true to expose it open" in render_error(sets=exposed)
     keys = {"apiKeys.existingSecret": "keys", "apiKeys.drainKey.existingSecret": "drain-key"}
-    for sets in ({**exposed, **keys}, {**exposed, "router.service.allowUnauthenticated": "true"}):
+    tls = {"tls.enabled": "true", "tls.publicSecret": "pub", "tls.internalSecret": "int"}
+    assert "allowUnauthenticated" in render_error(sets={**exposed, **tls})  # TLS alone authenticates nobody
+    certs = {**tls, "tls.clientCASecret": "client-ca"}
+    for sets in ({**exposed, **keys}, {**exposed, **certs}, {**exposed, "router.service.allowUnauthenticated": "true"}):
         assert one(render(sets=sets), "Service", "pd-pdserve-router")["spec"]["type"] == service_type
 
 
