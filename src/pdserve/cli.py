@@ -25,6 +25,7 @@ from pdserve.cluster.commands import (
 )
 from pdserve.config import STALL_TIMEOUT_MIN_S, ClusterConfig, EngineConfig, RouterConfig
 from pdserve.drain_commands import add_drain_commands
+from pdserve.env import REDIS_PASSWORD_VAR
 from pdserve.flags import (
     add_engine_flags,
     add_sampling_flags,
@@ -34,7 +35,7 @@ from pdserve.flags import (
     sampling_from_flags,
 )
 from pdserve.planner.commands import add_planner_commands
-from pdserve.redaction import redacted_url
+from pdserve.redaction import has_password, redacted_url
 
 if TYPE_CHECKING:
     from pdserve.cluster.factories import ClusterServices
@@ -213,6 +214,7 @@ def _serve_held(args: argparse.Namespace, services: ClusterServices | None) -> i
     try:
         config = _cluster_config(args)
         _check_security_files(config)
+        _check_redis_password(args.command, config)
         _check_ports_free(args.command, config)
     except (ValueError, OSError) as e:
         print(f"{name}: {e}", file=sys.stderr)
@@ -251,6 +253,16 @@ def _runner(command: str) -> Callable[[ClusterConfig, ClusterServices], Awaitabl
     from pdserve.cluster.up import run_cluster
 
     return run_cluster
+
+
+def _check_redis_password(command: str, config: ClusterConfig) -> None:
+    """The commands that start workers through Ray hand each the registry's URL in its actor's arguments, which
+    Ray's GCS keeps: a password there would go through Ray, which no secret does (a router's stays in its process)."""
+    if command != "router" and config.redis_url and has_password(config.redis_url):
+        raise ValueError(
+            f"--redis {redacted_url(config.redis_url)}: give the password in {REDIS_PASSWORD_VAR}, not in the URL "
+            "(the URL reaches every worker actor's arguments, which Ray keeps)"
+        )
 
 
 def _check_security_files(config: ClusterConfig) -> None:

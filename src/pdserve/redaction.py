@@ -19,3 +19,15 @@ def redacted_url(url: str) -> str:
     fields = [f.partition("=") for f in query.split("&")] if mark else []
     hidden = [f"{k}{eq}***" if "password" in unquote_plus(k).lower() else f"{k}{eq}{v}" for k, eq, v in fields]
     return base + mark + "&".join(hidden)
+
+
+def has_password(url: str) -> bool:
+    """Whether the URL itself carries a password, where redis-py reads one: its user part (`user:password@`,
+    `:password@`, up to the last `@`) or a query key naming a password."""
+    _, sep, rest = url.partition("//")
+    rest = rest if sep else url
+    base, _, query = rest.partition("?")
+    if "@" in base and ":" in base[: base.rindex("@")]:
+        return True
+    fields = [f.partition("=") for f in query.split("&")] if query else []
+    return any("password" in unquote_plus(k).lower() and v for k, _, v in fields)

@@ -97,3 +97,31 @@ def test_a_redis_url_is_shown_without_its_password(url: str, shown: str) -> None
     from pdserve.redaction import redacted_url
 
     assert redacted_url(url) == shown
+
+
+@pytest.mark.timeout(30)  # let through, the command would try to join the Ray address for minutes
+@pytest.mark.parametrize("command", ["up", "controller"])
+@pytest.mark.parametrize(
+    "url", ["redis://:hunter2@h:6379/0", "redis://app:hunter2@h:6379/0", "redis://h:6379/0?password=hunter2"]
+)
+def test_a_command_starting_workers_through_ray_refuses_a_password_in_the_redis_url(capsys, command, url):
+    """The URL reaches every worker actor's arguments, which Ray's GCS keeps; the environment variable does not."""
+    argv = [command, "--model", "tiny-random", "--redis", url, "--ray-address", "127.0.0.1:1"]
+    assert main(argv) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "give the password in PDSERVE_REDIS_PASSWORD" in err and "hunter2" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("url", "carries"),
+    [
+        ("redis://app@h:6379/0", False),  # an ACL user alone: its password may come from the environment
+        ("redis://h:6379/0?db=1", False),
+        ("unix:///run/redis.sock?%70assword=x", True),
+        ("rediss://:p@ss@h:6380", True),
+    ],
+)
+def test_a_password_is_found_where_redis_py_reads_one(url: str, carries: bool) -> None:
+    from pdserve.redaction import has_password
+
+    assert has_password(url) is carries
