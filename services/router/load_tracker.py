@@ -4,6 +4,7 @@ seen finish since: a heartbeat taken before a prompt's first token came back sti
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
@@ -25,6 +26,17 @@ class Sent:
     seconds: float  # predicted time it holds the prefill worker
     blocks: int  # KV blocks the decode worker reserves for it
     at: float  # wall time placed
+    prompt_blocks: int = 0  # of those, the prompt's: what its hand-off reserves, and a report shows from then on
+
+
+@dataclass(frozen=True)
+class Ended:
+    """One placed request that ended, as reports sampled before its end may still count it."""
+
+    at: float  # wall time it ended (never before the one before it, whatever the clock did)
+    placed_at: float
+    prompt_blocks: int
+    reserved_by: float  # wall time its first token came back (inf: never), by which its blocks were reserved
 
 
 class LoadTracker:
@@ -40,7 +52,8 @@ class LoadTracker:
         self._sent: dict[int, Sent] = {}  # placement number -> request, until it ends
         self._prefilling: set[int] = set()  # placement numbers whose first token is not back
         self._placed: defaultdict[str, dict[int, Sent]] = defaultdict(dict)  # `_sent`, per decode worker
-        self._ended: defaultdict[str, deque[tuple[float, float]]] = defaultdict(deque)  # (wall time ended, placed)
+        self._ended: defaultdict[str, deque[Ended]] = defaultdict(deque)
+        self._first_token_at: dict[int, float] = {}  # placement number -> wall time its first token came back
         self._placements = itertools.count()
 
     @property
@@ -49,10 +62,17 @@ class LoadTracker:
         return self.moving + self.moving_elsewhere
 
     def start(
-        self, prefill_id: str, decode_id: str, new_tokens: int, seconds: float, blocks: int, prompt_tokens: int
+        self,
+        prefill_id: str,
+        decode_id: str,
+        new_tokens: int,
+        seconds: float,
+        blocks: int,
+        prompt_tokens: int,
+        prompt_blocks: int = 0,
     ) -> int:
         """Returns the placement's number, for `prefilled` and `finished`."""
-        sent = Sent(prefill_id, decode_id, new_tokens, prompt_tokens, seconds, blocks, time.time())
+        sent = Sent(prefill_id, decode_id, new_tokens, prompt_tokens, seconds, blocks, time.time(), prompt_blocks)
         self.pending_prefill_tokens[prefill_id] += new_tokens
         self.pending_prefill_s[prefill_id] += seconds
         self.pending_blocks[decode_id] += blocks
@@ -66,6 +86,7 @@ class LoadTracker:
     def prefilled(self, placement: int) -> None:
         """The first token is back (or the request ended before it): its prefill no longer queues. Once only."""
         self._prefilling.remove(placement)
+        self._first_token_at[placement] = time.time()
         sent = self._sent[placement]
         self.pending_prefill_tokens[sent.prefill_id] -= sent.new_tokens
         self.pending_prefill_s[sent.prefill_id] = max(0.0, self.pending_prefill_s[sent.prefill_id] - sent.seconds)
@@ -100,11 +121,24 @@ class LoadTracker:
         """Our requests placed on the decode worker by wall time `since` that have ended after it: a report
         sampled then may still count their places in its batch."""
         count = 0
-        for ended, placed in reversed(self._ended[decode_id]):  # in the order they ended: read back only past `since`
-            if ended <= since:
+        for ended in reversed(self._ended[decode_id]):  # in the order they ended: read back only past `since`
+            if ended.at <= since:
                 break
-            count += placed <= since
+            count += ended.placed_at <= since
         return count
+
+    def blocks_freed_since(self, decode_id: str, since: float) -> int:
+        """KV blocks of our requests that a report sampled at wall time `since` counted as used (their first token,
+        so their hand-off's reservation, was back by then) and that have ended after it: their prompts' blocks, the
+        least such a report showed. Without them, a worker whose streams were just cancelled (say, the other
+        choices of a request whose last was shed) looked full until its next heartbeat, and the next request was
+        shed for room it had."""
+        blocks = 0
+        for ended in reversed(self._ended[decode_id]):
+            if ended.at <= since:
+                break
+            blocks += ended.prompt_blocks if ended.reserved_by <= since else 0
+        return blocks
 
     def _per_worker(self) -> tuple[dict[str, Any], ...]:
         return (
@@ -133,21 +167,22 @@ class LoadTracker:
         sent = self._sent.pop(placement)
         self.decoding[sent.decode_id] -= 1
         del self._placed[sent.decode_id][placement]
+        reserved_by = self._first_token_at.pop(placement, math.inf)
         ended = self._ended[sent.decode_id]
-        ended.append((_later(ended), sent.at))
-        while ended and ended[0][0] < ended[-1][0] - FORGET_AFTER_S:
+        ended.append(Ended(_later(ended[-1].at if ended else None), sent.at, sent.prompt_blocks, reserved_by))
+        while ended and ended[0].at < ended[-1].at - FORGET_AFTER_S:
             ended.popleft()
 
 
 def _log(entries: deque[tuple[float, Any]], amount: Any) -> None:
     """Appends (now, amount), forgetting what no heartbeat a router still places by can predate."""
-    now = _later(entries)
+    now = _later(entries[-1][0] if entries else None)
     entries.append((now, amount))
     while entries and entries[0][0] < now - FORGET_AFTER_S:
         entries.popleft()
 
 
-def _later(entries: deque[tuple[float, Any]]) -> float:
+def _later(newest: float | None) -> float:
     """Now, or the newest entry's time if the wall clock stepped back since: the entries stay in time order, which
     the reads since a time rely on."""
-    return max(time.time(), entries[-1][0]) if entries else time.time()
+    return time.time() if newest is None else max(time.time(), newest)

@@ -50,6 +50,7 @@ class Ticket:
             self.holds_s,
             p.blocks_needed,
             prompt_tokens=len(self.request.prompt_token_ids),
+            prompt_blocks=-(-len(self.request.prompt_token_ids) // p.decode.block_size),
         )
         self.admission.in_flight += 1
 

@@ -80,6 +80,25 @@ def test_our_cached_prompt_prefilled_since_does_not_take_another_routers_prompts
     assert 0.9 * theirs < pred.queue_s(w) <= theirs  # their tokens less our whole prompt's, their squares whole
 
 
+def test_a_report_sampled_while_our_stream_held_its_blocks_gets_them_back_once_it_ended():
+    """Our request's first token came back (its prompt's 4 blocks reserved), then the worker sampled 10 free, then
+    the request ended: it has 14 free, where the report alone would shed the next 12-block request until the next
+    heartbeat. One that ended before its first token came back reserved nothing the report could show."""
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    held = tracker.start("p0", "d0", new_tokens=64, seconds=0.01, blocks=8, prompt_tokens=64, prompt_blocks=4)
+    tracker.prefilled(held)
+    never = tracker.start("p0", "d0", new_tokens=64, seconds=0.01, blocks=8, prompt_tokens=64, prompt_blocks=4)
+    time.sleep(0.01)
+    w = worker("d0", "decode", kv_blocks_total=32, kv_blocks_free=10, load_at=time.time())
+    time.sleep(0.01)
+    assert pred.free_blocks(w) == 10 - 8  # the other, placed before the report, is still pending
+    tracker.finished(held)
+    tracker.prefilled(never)
+    tracker.finished(never)
+    assert pred.free_blocks(w) == 10 + 4
+
+
 def test_ttft_grows_with_work_this_router_sent_but_the_heartbeat_does_not_show_yet():
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
