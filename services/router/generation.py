@@ -69,6 +69,7 @@ async def generate(
         check_parsed(request)  # after the caller's check, as a front end reads a body only from a known caller
         async with lifecycle.quotas.session(caller.tenant, choices) as quota:
             ticket = await lifecycle.admit(request, start, quota, default_max_tokens)
+            caller.prompt_tokens = len(ticket.request.prompt_token_ids)
             with ticket:
                 await on_admitted(ticket)
                 # Closed here when the caller stops reading, not later by the garbage collector in another task:
@@ -77,4 +78,5 @@ async def generate(
                     async for msg in stream:
                         if streamed:
                             quota.delivered()
+                        caller.relayed(msg)
                         yield msg

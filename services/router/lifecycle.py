@@ -11,7 +11,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, contextmanager, suppress
-from dataclasses import dataclass
 
 from opentelemetry import trace
 
@@ -39,7 +38,7 @@ from services.router.admission import Admission, SLOTarget
 from services.router.caller_errors import for_the_caller
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
-from services.router.outcome import log_level, outcome_of
+from services.router.outcome import Caller, log_level, outcome_of
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request, capped_default
@@ -52,13 +51,6 @@ NO_WORKERS_POLL_S = 0.1
 CLUSTER_AUTH_FAILED = "a worker refused this router's cluster credentials; the router's log has the details"
 # The router's own key of the request being served in this context, for its log lines beside the client's id.
 request_key_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_key", default=None)
-
-
-@dataclass
-class Caller:
-    """Who sent the request being accounted for, once known (its label on the request metrics and log line)."""
-
-    tenant: Tenant | None = None
 
 
 class RequestLifecycle:
@@ -376,7 +368,7 @@ class RequestLifecycle:
     def accounting(self, started_at: float, choices: Choices | None = None) -> Iterator[Caller]:
         """Counts the request by how it ended and by tenant, and logs it once. One of `choices` (the HTTP API's
         `n`) cancelled because another failed ends as that one did; the first to fail says so in `choices`."""
-        outcome, caller = "failed", Caller()
+        outcome, caller = "failed", Caller(self.metrics)
         try:
             yield caller
             outcome = "finished"
@@ -389,11 +381,8 @@ class RequestLifecycle:
                 choices.failure = e
             raise
         finally:
-            tenant = caller.tenant.name if caller.tenant else ""  # "": not authenticated
-            self.metrics.requests.add(1, {"outcome": outcome, "tenant": tenant})
             e2e_s = time.perf_counter() - started_at
-            if outcome == "finished":
-                self.metrics.e2e.record(e2e_s, {"tenant": tenant})
+            self.metrics.ended(outcome, caller.label, e2e_s, caller.finish_reason)
             if self.config.access_log:  # one line a request (--no-access-log: none)
                 extra = {"outcome": outcome, "e2e_ms": round(e2e_s * 1e3, 2), "request_key": request_key_var.get()}
-                log.info("request %s", outcome, extra=extra | {"tenant": tenant})
+                log.info("request %s", outcome, extra=extra | {"tenant": caller.label})

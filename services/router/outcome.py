@@ -1,4 +1,4 @@
-"""How a request ended, as `pdserve_requests_total{outcome}` labels it.
+"""How a request ended, as `pdserve_requests_total{outcome}` labels it, and whom it served what (`Caller`).
 
 `finished`; `rejected`: shed by admission or a quota, or refused by a draining router (the caller's retry, on
 another replica, serves it: a rolling restart fails nothing); `invalid`, `unauthenticated`, `denied`: the
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from pdserve.errors import (
     InvalidRequestError,
@@ -17,6 +18,9 @@ from pdserve.errors import (
     RouterDrainingError,
     UnauthenticatedError,
 )
+from pdserve.metrics import RouterMetrics
+from pdserve.security.api_keys import Tenant
+from pdserve.v1 import generate_pb2 as pb
 
 
 def outcome_of(error: BaseException) -> str:
@@ -38,3 +42,30 @@ def log_level(error: BaseException) -> int:
     """A request's failure is a WARNING (an SRE is paged on them) only when it is the cluster's: ended by its
     caller's own deadline or input, it is INFO."""
     return logging.WARNING if outcome_of(error) == "failed" else logging.INFO
+
+
+@dataclass
+class Caller:
+    """Who sent the request being accounted for, once known (its label on the request metrics and log line), and
+    what it was served: counted as it reaches the caller, whichever attempt made it."""
+
+    metrics: RouterMetrics
+    tenant: Tenant | None = None
+    prompt_tokens: int = 0  # the caller's prompt, however long a moved attempt's is
+    finish_reason: str = ""  # the last message's, once it was relayed
+    served: bool = False  # a message reached the caller
+
+    @property
+    def label(self) -> str:
+        return self.tenant.name if self.tenant else ""  # "": not authenticated
+
+    def relayed(self, msg: pb.GenerateResponse) -> None:
+        """Counts the prompt with the first message, each token as it goes: a retry's or migration's own prompt
+        and a failed attempt's lost tokens are the cluster's cost, not what the caller was served."""
+        if not self.served:
+            self.served = True
+            self.metrics.prompt_tokens.add(self.prompt_tokens, {"tenant": self.label})
+        if msg.token_ids:
+            self.metrics.generation_tokens.add(len(msg.token_ids), {"tenant": self.label})
+        if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self.finish_reason = pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()

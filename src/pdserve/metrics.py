@@ -46,9 +46,26 @@ class RouterMetrics:
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
         )
         self.requests = meter.create_counter("pdserve_requests_total", description="requests by outcome")
+        # A counter of its own rather than a label on requests_total: that one's series stay as they were.
+        self.successes = meter.create_counter(
+            "pdserve_request_success_total", description="finished requests by finish reason (length, stop, eos)"
+        )
+        self.prompt_tokens = meter.create_counter(
+            "pdserve_prompt_tokens_total", description="prompt tokens of requests served a first message, once each"
+        )
+        self.generation_tokens = meter.create_counter(
+            "pdserve_generation_tokens_total", description="tokens relayed to callers, over all of a request's attempts"
+        )
         self.moves = meter.create_counter(
             "pdserve_request_moves_total", description="requests placed again after a worker failed them, by kind"
         )
+
+    def ended(self, outcome: str, tenant: str, e2e_s: float, finish_reason: str) -> None:
+        """A request's end: its outcome; a finished one's end-to-end latency and finish reason."""
+        self.requests.add(1, {"outcome": outcome, "tenant": tenant})
+        if outcome == "finished":
+            self.e2e.record(e2e_s, {"tenant": tenant})
+            self.successes.add(1, {"finish_reason": finish_reason, "tenant": tenant})
 
 
 class SupervisionMetrics:

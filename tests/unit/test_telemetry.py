@@ -137,7 +137,8 @@ def test_every_metric_a_router_or_worker_exports_says_what_it_measures():
     worker = WorkerMetrics(telemetry.meter, "w0", "prefill", lambda: {}, lambda: 0)
     for histogram in (router.ttft, router.tpot, router.itl, router.e2e, worker.transfer_seconds):
         histogram.record(0.1)
-    for counter in (router.requests, router.moves, worker.transfer_bytes):
+    counters = (router.requests, router.successes, router.prompt_tokens, router.generation_tokens, router.moves)
+    for counter in (*counters, worker.transfer_bytes):
         counter.add(1)
     families = [f for f in telemetry.registry.collect() if f.name.startswith("pdserve_")]
     assert len(families) >= 15
