@@ -96,6 +96,7 @@ class WorkerMetrics:
         for name, key, what in (
             ("pdserve_queue_tokens", "queued_prefill_tokens", "prompt tokens still to prefill, past cached prefixes"),
             ("pdserve_running_sequences", "running", "sequences in the running batch"),
+            ("pdserve_waiting_sequences", "waiting", "sequences waiting for the batch: new, or preempted to recompute"),
             ("pdserve_kv_blocks_used", "kv_blocks_used", "KV blocks held by live sequences or transfers"),
             ("pdserve_kv_blocks_cached", "kv_blocks_cached", "KV blocks kept only by the prefix cache"),
             ("pdserve_kv_blocks_total", "kv_blocks_total", "KV blocks in the cache"),

@@ -192,3 +192,17 @@ def test_a_stop_still_exports_its_last_spans_to_a_collector_that_is_up(otlp_grpc
         otlp_grpc(collector.port)
         stopped_in_s("test-stop")
         assert [(svc, s.name) for svc, s in collector.spans] == [("test-stop", "last")]
+
+
+def test_a_workers_waiting_sequences_are_a_gauge_beside_its_running_ones():
+    """vLLM's num_requests_waiting: sequences queued for the batch (new, or preempted to be recomputed)."""
+    telemetry = Telemetry("t")
+    WorkerMetrics(telemetry.meter, "w0", "decode", lambda: {"running": 2, "waiting": 3})
+    got = {
+        (s.name, s.labels["worker_id"], s.labels["role"]): s.value
+        for f in telemetry.registry.collect()
+        for s in f.samples
+        if s.name in ("pdserve_running_sequences", "pdserve_waiting_sequences")
+    }
+    assert got == {("pdserve_running_sequences", "w0", "decode"): 2, ("pdserve_waiting_sequences", "w0", "decode"): 3}
+    telemetry.shutdown()
