@@ -83,8 +83,9 @@ async def each_choice(
                     queue.put_nowait((index, msg))
                 queue.put_nowait((index, None))
         except asyncio.CancelledError:
-            if not started and choices.failure is not None:  # ended by another's failure: counted as it is
-                lifecycle.refused(choices.failure, arrived, check_caller(lifecycle, headers))
+            if not started:  # never a request of its own: counted as the others ended, failed or the caller's cancel
+                ended = choices.failure if choices.failure is not None else asyncio.CancelledError()
+                lifecycle.refused(ended, arrived, check_caller(lifecycle, headers))
             raise
         except Exception as e:
             queue.put_nowait((index, e))
