@@ -4,13 +4,13 @@ against a stand-in decode worker: each choice once, however the request ended, s
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 
 from pdserve.env import CLUSTER_SECRET_VAR
 from pdserve.telemetry import Telemetry
 from services.router.http.app import openai_app
+from tests.unit.router.asgi_caller import HangingUpCaller
 from tests.unit.router.request_counts import requests_by_outcome
 from tests.unit.router.router_builder import MODEL, Router, worker
 from tests.unit.router.stand_in_decode import StandInDecode, serving
@@ -31,28 +31,16 @@ class LaterChoicesSlow(StandInDecode):
 async def choices_counted(hang_up: bool) -> dict[tuple[str, str], float]:
     """Runs one streamed n=4 request (the caller hanging up at its first event when `hang_up`); its counts."""
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "n": 4, "stream": True, "ignore_eos": True}
-    request = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
-    gone = asyncio.Event()
-
-    async def receive() -> dict:
-        if request:
-            return request.pop(0)
-        await gone.wait()
-        return {"type": "http.disconnect"}
+    caller = HangingUpCaller(body)
 
     async def send(message: dict) -> None:
         if hang_up and message["type"] == "http.response.body" and message.get("body", b"").startswith(b"data: {"):
-            gone.set()
+            caller.gone.set()
 
-    scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": "POST",
-        "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-        "headers": [(b"content-type", b"application/json")], "scheme": "http", "server": ("r", 80), "client": ("c", 1),
-    }  # fmt: skip
     telemetry = Telemetry("test-router")
     async with serving(LaterChoicesSlow(gap_s=0.3)) as address:
         lifecycle = Router([worker("p0"), worker("d0", "decode", address=address)]).lifecycle(telemetry=telemetry)
-        await asyncio.wait_for(openai_app(lifecycle)(scope, receive, send), 20)
+        await asyncio.wait_for(openai_app(lifecycle)(caller.scope, caller.receive, send), 20)
         assert lifecycle.in_flight == 0
     counted = requests_by_outcome(telemetry)
     telemetry.shutdown()
