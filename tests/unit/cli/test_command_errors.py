@@ -150,7 +150,8 @@ def test_a_workers_drain_timeout_must_be_finite_and_not_negative(seconds):
     ],
 )
 def test_a_cluster_that_cannot_start_is_one_line_and_status_1(capsys, monkeypatch, failure, says):
-    """Its reasons are in the log lines above; the command's own last word is one line, not a traceback."""
+    """Its reasons are in the log lines above; the command's own last word is one line, not a traceback. (`pdserve
+    router`: the commands that start workers refuse a password in the URL before they start.)"""
     from pdserve import cli
     from services.main import SERVICES
 
@@ -158,10 +159,10 @@ def test_a_cluster_that_cannot_start_is_one_line_and_status_1(capsys, monkeypatc
         raise failure()
 
     monkeypatch.setattr(cli, "_runner", lambda command: fails)
-    argv = ["up", "--model", "tiny-random", "--port", "0", "--redis", "redis://:hunter2@127.0.0.1:1/0"]
+    argv = ["router", "--model", "tiny-random", "--port", "0", "--redis", "redis://:hunter2@127.0.0.1:1/0"]
     assert main(argv, services=SERVICES) == 1
     err = capsys.readouterr().err
-    assert err.startswith("pdserve up: ") and says in err and "Traceback" not in err
+    assert err.startswith("pdserve router: ") and says in err and "Traceback" not in err
     assert "hunter2" not in err  # the URL's password is a credential
 
 
