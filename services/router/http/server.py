@@ -17,6 +17,7 @@ from starlette.types import ASGIApp
 
 from pdserve.config import RouterConfig
 from pdserve.rpc.credentials import ServerTLS
+from pdserve.security.rotating_certificate import RotatingCertificate
 from services.router.http.connection_close import ConnectionAge
 from services.router.http.connection_deadlines import HEAD_TIMEOUT_S, with_deadlines
 
@@ -70,6 +71,12 @@ class HttpServer:
             timeout_graceful_shutdown=grace_s,
             **ssl,
         )
+        if tls is not None:
+            # uvicorn makes its SSLContext from the files once; on each handshake this moves the connection onto a
+            # context of the files as they are now, so a renewed certificate or client CA needs no restart.
+            config.load()
+            client_cas = [tls.client_ca] if tls.client_ca else []
+            config.ssl.sni_callback = RotatingCertificate(tls.cert, tls.key, client_cas).sni_callback
         self._server = _Embedded(config)
         self._task: asyncio.Task[None] | None = None
         self.host = host

@@ -12,6 +12,7 @@ through here, so TLS (and who holds which certificate) is decided once.
   workers): each side presents that certificate and accepts only peers whose certificate the CA signed. With
   `--internal-tls-server-name NAME` every internal channel checks the peer's certificate for NAME instead of the
   address it dials: on Kubernetes that address is a pod IP, which no certificate issued ahead of time can name.
+Every listener's certificate, key and CAs are read again when their files change (rotating_certificate.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import grpc
 
 from pdserve import env
 from pdserve.security.api_keys import bearer_metadata
+from pdserve.security.rotating_certificate import RotatingCertificate
 
 
 def _read(path: str | None) -> bytes | None:
@@ -44,9 +46,9 @@ class ServerTLS:
     cluster_ca: str | None = None
 
     def credentials(self) -> grpc.ServerCredentials:
-        pair = [(_read(self.key), _read(self.cert))]
-        roots = b"\n".join(Path(ca).read_bytes() for ca in (self.client_ca, self.cluster_ca) if ca) or None
-        return grpc.ssl_server_credentials(pair, root_certificates=roots, require_client_auth=roots is not None)
+        """Read again when the files change (rotating_certificate.py): a renewed certificate needs no restart."""
+        cas = [ca for ca in (self.client_ca, self.cluster_ca) if ca]
+        return RotatingCertificate(self.cert, self.key, cas).grpc_credentials()
 
 
 def server_tls(cert: str | None, key: str | None, client_ca: str | None = None) -> ServerTLS | None:

@@ -1,0 +1,47 @@
+"""A listener's certificate read again when its files change: a good change is taken, a bad one (a key of
+another certificate, a half-written PEM) leaves the last good set, with one error per change."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import ssl
+from pathlib import Path
+
+import pytest
+
+from pdserve.security.rotating_certificate import RotatingCertificate
+from tests.certs import Certs, make_certs
+
+
+def _certs(folder: Path) -> Certs:
+    folder.mkdir()
+    return make_certs(folder)
+
+
+def test_a_mismatched_pair_keeps_the_previous_certificate_and_logs_once(tmp_path: Path, caplog) -> None:
+    a, b = _certs(tmp_path / "a"), _certs(tmp_path / "b")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    shutil.copy(a.server_cert, cert)
+    shutil.copy(a.server_key, key)
+    rotating = RotatingCertificate(str(cert), str(key), interval_s=0)
+    first = rotating.current
+    shutil.copy(b.server_cert, cert)  # b's certificate, a's key: a write caught half-way
+    with caplog.at_level(logging.ERROR, logger="pdserve.security.rotating_certificate"):
+        assert rotating.refresh() is None and rotating.grpc_fetcher() is None
+    assert rotating.current is first
+    assert [r.getMessage() for r in caplog.records if "KEY_VALUES_MISMATCH" in r.getMessage()] != []
+    assert len(caplog.records) == 1
+    shutil.copy(b.server_key, key)
+    assert rotating.grpc_fetcher() is not None
+    assert rotating.current.cert == b.server_cert.read_bytes()
+
+
+def test_a_client_ca_is_checked_and_a_bad_set_at_start_fails_the_start(tmp_path: Path) -> None:
+    a = _certs(tmp_path / "a")
+    rotating = RotatingCertificate(str(a.server_cert), str(a.server_key), [str(a.ca)])
+    assert rotating.requires_client_certificate and rotating.current.context.verify_mode == ssl.CERT_REQUIRED
+    broken = tmp_path / "ca.pem"
+    broken.write_bytes(a.ca.read_bytes()[:100])  # a PEM cut short
+    with pytest.raises(ssl.SSLError):
+        RotatingCertificate(str(a.server_cert), str(a.server_key), [str(broken)])
