@@ -14,7 +14,7 @@ import asyncio
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -84,6 +84,11 @@ class Quotas(ABC):
     @abstractmethod
     async def take_tokens(self, tenant: Tenant, tokens: int) -> Release:
         """`tokens` of the key's tokens_per_minute (a size the key's whole minute holds)."""
+
+    @abstractmethod
+    def keep_only(self, tenants: Iterable[Tenant]) -> None:
+        """The keys a reload of --api-keys left, with their caps as they are now: a kept key's counters carry
+        on (a reload must not give it a fresh burst, nor forget its open streams), a removed key's go."""
 
     @abstractmethod
     async def close(self) -> None:
@@ -229,13 +234,34 @@ class TokenBucket:
     def give_back(self, cost: float) -> None:
         self.level = min(self.capacity, self.level + cost)
 
+    def retune(self, rate: float, capacity: float) -> None:
+        """New caps from now on: what it held until now was filled at the old rate."""
+        self.take(0)
+        self.rate, self.capacity = rate, capacity
+        self.level = min(capacity, self.level)
+
 
 class _KeyState:
     def __init__(self, tenant: Tenant, clock: Callable[[], float]) -> None:
-        rps, tpm = tenant.requests_per_second, tenant.tokens_per_minute
-        self.requests = TokenBucket(rps, request_bucket_size(tenant), clock=clock) if rps > 0 else None
-        self.tokens = TokenBucket(tpm / 60, tpm, clock=clock) if tpm > 0 else None
+        self._clock = clock
+        self.requests: TokenBucket | None = None
+        self.tokens: TokenBucket | None = None
+        self.retune(tenant)
         self.streams = 0
+
+    def retune(self, tenant: Tenant) -> None:
+        """The key's caps as `tenant` has them; a bucket it had keeps its level (a limit gone drops its bucket)."""
+        rps, tpm = tenant.requests_per_second, tenant.tokens_per_minute
+        self.requests = self._bucket(self.requests, rps, request_bucket_size(tenant))
+        self.tokens = self._bucket(self.tokens, tpm / 60, tpm)
+
+    def _bucket(self, bucket: TokenBucket | None, rate: float, capacity: float) -> TokenBucket | None:
+        if rate <= 0:
+            return None
+        if bucket is None:
+            return TokenBucket(rate, capacity, clock=self._clock)
+        bucket.retune(rate, capacity)
+        return bucket
 
     def close_stream(self) -> None:
         self.streams -= 1
@@ -246,13 +272,26 @@ class LocalQuotas(Quotas):
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._states: dict[Tenant, _KeyState] = {}
+        self._states: dict[str, _KeyState] = {}  # by key name: a reload that changes a key's caps keeps its counts
+        self._kept: set[str] | None = None  # the key names of the last reload (None: none yet, every key counts)
 
     def _state(self, tenant: Tenant) -> _KeyState:
-        state = self._states.get(tenant)
+        state = self._states.get(tenant.key_name)
         if state is None:
-            state = self._states[tenant] = _KeyState(tenant, self._clock)
+            state = _KeyState(tenant, self._clock)
+            if self._kept is None or tenant.key_name in self._kept:  # a removed key's request in flight leaves none
+                self._states[tenant.key_name] = state
         return state
+
+    def keep_only(self, tenants: Iterable[Tenant]) -> None:
+        """A stream still open on a removed key gives its slot back to that key's old state, which nothing holds."""
+        by_name = {t.key_name: t for t in tenants}
+        self._kept = set(by_name)
+        for name in list(self._states):
+            if name in by_name:
+                self._states[name].retune(by_name[name])
+            else:
+                del self._states[name]
 
     async def open_stream(self, tenant: Tenant) -> Release:
         return self.open_stream_now(tenant)

@@ -25,7 +25,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 import redis.asyncio as aredis
@@ -376,6 +376,11 @@ class RedisQuotas(Quotas):
     async def flush(self) -> None:
         """Waits for the background writes under way (each ends within `write_timeout_s`)."""
         await asyncio.gather(*self._writes, return_exceptions=True)
+
+    def keep_only(self, tenants: Iterable[Tenant]) -> None:
+        """Redis keeps a key's counts by its name, under the caps each call brings, and lets a removed key's
+        expire; only the fallback's need forgetting."""
+        self.local.keep_only(tenants)
 
     async def close(self) -> None:
         self._closing = True

@@ -157,3 +157,25 @@ async def test_tokens_come_back_when_the_cluster_fails_a_request_before_its_firs
     with pytest.raises(OverloadedError, match="tokens"):
         async with quotas.session(t) as s:
             await s.charge_tokens(400)
+
+
+async def test_a_reload_keeps_a_kept_keys_counts_under_its_new_caps_and_forgets_a_removed_key() -> None:
+    clock = Clock()
+    quotas = LocalQuotas(clock)
+    kept, gone = (
+        Tenant("a", "kept", requests_per_second=1, max_concurrent=1),
+        Tenant("b", "gone", requests_per_second=1),
+    )
+    async with quotas.session(gone):
+        pass
+    async with quotas.session(kept):  # its burst spent and its one stream open across the reload
+        quotas.keep_only([Tenant("a", "kept", requests_per_second=2, max_concurrent=2)])
+        with pytest.raises(OverloadedError, match="requests_per_second"):
+            async with quotas.session(Tenant("a", "kept", requests_per_second=2, max_concurrent=2)):
+                pass
+        clock.now += 0.5  # the new rate refills one request in half a second; the open stream is one of two
+        async with quotas.session(Tenant("a", "kept", requests_per_second=2, max_concurrent=2)):
+            pass
+    quotas.keep_only([kept, gone])  # `gone` comes back: nothing of its spent burst was kept
+    async with quotas.session(gone):
+        pass
