@@ -14,7 +14,6 @@ from pdserve.registry.redis import RedisRegistry
 from pdserve.rpc.channel_pool import ChannelPool
 from pdserve.rpc.credentials import server_tls
 from pdserve.rpc.server import Server
-from pdserve.security.api_keys import KeyTable
 from pdserve.security.quotas import LocalQuotas, Quotas
 from pdserve.security.redis_quotas import RedisQuotas
 from pdserve.telemetry import Telemetry
@@ -24,6 +23,7 @@ from services.router.admitted import ClusterAdmitted
 from services.router.gone_workers import GoneWorkers
 from services.router.http.app import openai_app
 from services.router.http.server import HttpServer
+from services.router.key_reload import KeyReload
 from services.router.lifecycle import RequestLifecycle
 from services.router.load_tracker import LoadTracker
 from services.router.parse_after_key import ParseAfterKeyCheck
@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 
 class RouterServer:
     """The router's listeners, drained and stopped together (then the background work of its quotas, admitted
-    totals, shared KV claims and moving streams, gone workers' state, and its channels to decode workers): the
-    launcher sees one server."""
+    totals, shared KV claims and moving streams, gone workers' state, API key reloads, and its channels to decode
+    workers): the launcher sees one server."""
 
     def __init__(
         self,
@@ -51,6 +51,7 @@ class RouterServer:
         decode_channels: ChannelPool[Any],
         shared_claims: SharedKVClaims | None,
         shared_moving: SharedMoving | None,
+        key_reload: KeyReload | None,
     ) -> None:
         self.grpc = grpc_server
         self.http = http
@@ -60,6 +61,7 @@ class RouterServer:
         self.decode_channels = decode_channels
         self.shared_claims = shared_claims
         self.shared_moving = shared_moving
+        self.key_reload = key_reload
         self.address = grpc_server.address
         self.port = grpc_server.port
 
@@ -74,6 +76,8 @@ class RouterServer:
             await self.grpc.stop(grace_s)
         finally:  # the background work stops however the listeners did
             await self.gone_workers.close()
+            if self.key_reload is not None:  # its close never raises
+                await self.key_reload.close()
             try:
                 await self.quotas.close()
                 await self.admitted.close()
@@ -110,7 +114,8 @@ async def start_router(
     tracker = LoadTracker()
     policy_cls = SLOAwarePlacement if config.policy == "slo" else RoundRobinPlacement
     policy = policy_cls(registry, prefix_index, Predictor(config, tracker))
-    keys = _key_table(config, host, port)
+    key_reload = _key_reload(config, host, port)
+    keys = key_reload.table if key_reload else None
     quotas = _quotas(registry, config)
     lifecycle = RequestLifecycle(
         tokenizer, model_config, config, policy, prefix_index, tracker, telemetry, model, keys, quotas
@@ -150,6 +155,8 @@ async def start_router(
     if http is not None:
         await http.start()
     admitted.start()
+    if key_reload is not None:
+        key_reload.start(lifecycle)
     predictor = policy.predictor
     gone = [tracker, predictor.calibration, predictor.best, lifecycle.recent, policy.offered]
     gone_workers = GoneWorkers(registry, gone)
@@ -161,7 +168,7 @@ async def start_router(
         await shared_moving.start()
     await server.set_serving(True)
     channels = lifecycle.relay.channels
-    parts = (quotas, admitted, gone_workers, channels, shared_claims, shared_moving)
+    parts = (quotas, admitted, gone_workers, channels, shared_claims, shared_moving, key_reload)
     return RouterServer(server, http, *parts), lifecycle
 
 
@@ -181,13 +188,13 @@ def _quotas(registry: Registry, config: RouterConfig) -> Quotas:
     return LocalQuotas()
 
 
-def _key_table(config: RouterConfig, host: str, port: int) -> KeyTable | None:
-    """The API keys, or None and a warning: without keys anyone who reaches the port is served, at any priority,
-    and may call the Admin service (drain, scale)."""
+def _key_reload(config: RouterConfig, host: str, port: int) -> KeyReload | None:
+    """The API keys, kept as their file says, or None and a warning: without keys anyone who reaches the port is
+    served, at any priority, and may call the Admin service (drain, scale)."""
     if config.api_keys_file:
-        keys = KeyTable.from_file(config.api_keys_file)
-        log.info("API keys required: %d keys from %s", len(keys), config.api_keys_file)
-        return keys
+        reload = KeyReload(config.api_keys_file)
+        log.info("API keys required: %d keys from %s", len(reload.table), config.api_keys_file)
+        return reload
     log.warning(
         "no --api-keys: this cluster is OPEN; anyone who can reach %s:%d may send requests at any priority, and "
         "drain or scale its workers (the Admin service)",

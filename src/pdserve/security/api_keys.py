@@ -75,12 +75,21 @@ class KeyTable:
     def __len__(self) -> int:
         return len(self._by_digest)
 
+    @property
+    def tenants(self) -> list[Tenant]:
+        return list(self._by_digest.values())
+
     @classmethod
     def from_file(cls, path: str | Path) -> KeyTable:
         """Raises ValueError naming the entry when a key table is malformed, so a typo fails the start."""
+        return cls.parse(Path(path).read_bytes(), path)
+
+    @classmethod
+    def parse(cls, data: bytes, path: str | Path) -> KeyTable:
+        """The table of a key file's bytes (as read once: a reload checks what it swaps in); ValueError as
+        `from_file`'s."""
         try:
-            with open(path, "rb") as f:
-                document = tomllib.load(f)
+            document = tomllib.loads(data.decode())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: not valid TOML ({e})") from None
         if unknown := sorted(set(document) - {"keys"}):  # a [[kyes]] entry would be a key dropped without a word
