@@ -37,11 +37,16 @@ def test_a_mismatched_pair_keeps_the_previous_certificate_and_logs_once(tmp_path
     assert rotating.current.cert == b.server_cert.read_bytes()
 
 
-def test_a_client_ca_is_checked_and_a_bad_set_at_start_fails_the_start(tmp_path: Path) -> None:
+def test_a_client_ca_is_checked_at_start_and_rotates_too(tmp_path: Path) -> None:
     a = _certs(tmp_path / "a")
     rotating = RotatingCertificate(str(a.server_cert), str(a.server_key), [str(a.ca)])
     assert rotating.requires_client_certificate and rotating.current.context.verify_mode == ssl.CERT_REQUIRED
-    broken = tmp_path / "ca.pem"
-    broken.write_bytes(a.ca.read_bytes()[:100])  # a PEM cut short
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(a.ca.read_bytes()[:100])  # a PEM cut short
     with pytest.raises(ssl.SSLError):
-        RotatingCertificate(str(a.server_cert), str(a.server_key), [str(broken)])
+        RotatingCertificate(str(a.server_cert), str(a.server_key), [str(ca)])
+    shutil.copy(a.ca, ca)
+    rotating = RotatingCertificate(str(a.server_cert), str(a.server_key), [str(ca)], interval_s=0)
+    b = _certs(tmp_path / "b")
+    shutil.copy(b.ca, ca)  # the client CA rotated: clients' certificates are checked against b's from now on
+    assert rotating.refresh() is not None and rotating.current.roots == b.ca.read_bytes()
