@@ -64,6 +64,7 @@ async def generate(
     arrived = start if arrived_at is None else arrived_at
     with lifecycle.accounting(arrived, choices) as caller:
         caller.tenant = check_caller(lifecycle, headers)
+        await lifecycle.quotas.take_request(caller.tenant)  # one of the key's requests, before its stream's checks
         if model is not None:
             check_model(lifecycle, model)
         check_parsed(request)  # after the caller's check, as a front end reads a body only from a known caller

@@ -1,5 +1,6 @@
-"""Per-key limits: requests per second, tokens per minute (prompt + max_tokens, charged at admission, kept once the
-first message is out) and concurrent streams. Over a limit is RESOURCE_EXHAUSTED with a retry hint, because waiting
+"""Per-key limits: requests per second (charged first, before the request's body is parsed: a key over its rate
+costs the router no parse), tokens per minute (prompt + max_tokens, charged at admission, kept once the first
+message is out) and concurrent streams. Over a limit is RESOURCE_EXHAUSTED with a retry hint, because waiting
 fixes it; a request larger than its key's whole minute of tokens is INVALID_ARGUMENT, because no wait does, and so
 is one asking for more choices (the HTTP API's `n`, each a request of its own) than the key lets in at once.
 
@@ -78,8 +79,15 @@ class Quotas(ABC):
         return QuotaSession(self, tenant, choices or Choices())
 
     @abstractmethod
+    async def take_request(self, tenant: Tenant) -> None:
+        """One of the key's requests_per_second, never given back: whatever answers the request after this (its
+        body not parsing, the key's streams or tokens, the cluster's load) answers a request the key made."""
+
+    @abstractmethod
     async def open_stream(self, tenant: Tenant) -> Release:
-        """One concurrent stream and one request of `tenant`'s key."""
+        """One concurrent stream of `tenant`'s key. Taken once the request is parsed, not before as its request is:
+        a slot is held until the handler that took it gives it back, and gRPC runs no handler for a call whose
+        caller left before its message was in, whose slot would never come back."""
 
     @abstractmethod
     async def take_tokens(self, tenant: Tenant, tokens: int) -> Release:
@@ -96,8 +104,8 @@ class Quotas(ABC):
 
 
 class QuotaSession:
-    """One request's hold on its key's limits, from arrival to the end of its stream (an async context manager:
-    entering takes the stream and the request, or raises OverloadedError)."""
+    """One request's hold on its key's limits, from its parse to the end of its stream (an async context manager:
+    entering takes the stream, or raises OverloadedError); its request was taken before (`Quotas.take_request`)."""
 
     def __init__(self, quotas: Quotas, tenant: Tenant, choices: Choices) -> None:
         self.tenant = tenant
@@ -293,6 +301,9 @@ class LocalQuotas(Quotas):
             else:
                 del self._states[name]
 
+    async def take_request(self, tenant: Tenant) -> None:
+        self.take_request_now(tenant)
+
     async def open_stream(self, tenant: Tenant) -> Release:
         return self.open_stream_now(tenant)
 
@@ -302,14 +313,18 @@ class LocalQuotas(Quotas):
     async def close(self) -> None:
         """Nothing runs in the background."""
 
+    def take_request_now(self, tenant: Tenant) -> None:
+        """As `take_request`, without a wait: what a shared store falls back on."""
+        bucket = self._state(tenant).requests
+        wait_s = bucket.take(1) if bucket else 0.0
+        if wait_s:
+            raise over_request_rate(tenant, wait_s)
+
     def open_stream_now(self, tenant: Tenant) -> Release:
         """As `open_stream`, without a wait: what a shared store falls back on."""
         state = self._state(tenant)
         if tenant.max_concurrent and state.streams >= tenant.max_concurrent:
             raise too_many_streams(tenant, state.streams)
-        wait_s = state.requests.take(1) if state.requests else 0.0
-        if wait_s:
-            raise over_request_rate(tenant, wait_s)
         state.streams += 1
         return state.close_stream
 

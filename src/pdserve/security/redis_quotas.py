@@ -14,8 +14,8 @@ No request waits on Redis longer than `budget_s`: a call that fails or takes lon
 router's own `LocalQuotas` instead (the per-router limits, over every stream this router serves, whichever
 admitted it: N routers admit up to N times a key's limits meanwhile) until a background ping every `retry_s` has
 an answer; the outage is logged once and its end too. What Redis runs of such a call later has no effect there (a
-stream's lease is removed, a take's tokens come back), so nothing is counted twice. A lease whose release is lost
-in an outage expires on its own.
+stream's lease is removed, a take of a request or of tokens comes back), so nothing is counted twice. A lease
+whose release is lost in an outage expires on its own.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import TypeVar
 import redis.asyncio as aredis
 
 from pdserve.background import cancel_and_wait
+from pdserve.errors import OverloadedError
 from pdserve.registry.redis import PREFIX, Throttled, connect_async
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import (
@@ -73,29 +74,19 @@ local function take(key, rate, capacity, cost, ttl_ms, now)
 end
 """
 
-# KEYS: streams, requests, the lease's abandoned mark. ARGV: max_concurrent, lease_ms, lease, rate, capacity, ttl_ms.
-# {'ok'}, {'streams', open count} or {'requests', wait ms}. The lease is added only when the request is taken, and
-# never once its router gave up waiting for this answer (`_ABANDON` ran first).
+# KEYS: streams, the lease's abandoned mark. ARGV: max_concurrent (> 0), lease_ms, lease. {'ok'} or {'streams', open
+# count}. The lease is never added once its router gave up waiting for this answer (`_ABANDON` ran first).
 _OPEN_STREAM = (
     _BUCKET
     + """
 local now = now_ms()
-if redis.call('EXISTS', KEYS[3]) == 1 then return {'abandoned', ''} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'abandoned', ''} end
 local max_streams, lease_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
-if max_streams > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-  local open = redis.call('ZCARD', KEYS[1])
-  if open >= max_streams then return {'streams', tostring(open)} end
-end
-local rate = tonumber(ARGV[4])
-if rate > 0 then
-  local wait = take(KEYS[2], rate, tonumber(ARGV[5]), 1, tonumber(ARGV[6]), now)
-  if wait > 0 then return {'requests', string.format('%.17g', wait)} end
-end
-if max_streams > 0 then
-  redis.call('ZADD', KEYS[1], now + lease_ms, ARGV[3])
-  redis.call('PEXPIRE', KEYS[1], lease_ms)
-end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local open = redis.call('ZCARD', KEYS[1])
+if open >= max_streams then return {'streams', tostring(open)} end
+redis.call('ZADD', KEYS[1], now + lease_ms, ARGV[3])
+redis.call('PEXPIRE', KEYS[1], lease_ms)
 return {'ok', ''}
 """
 )
@@ -118,9 +109,10 @@ local function refund(key, rate, capacity, cost, ttl_ms)
 end
 """
 
-# KEYS: tokens, the take's mark. ARGV: rate, capacity, cost, ttl_ms, mark_ms. The wait in ms, '0' when taken. A
-# take marks itself taken, so that a router that stopped waiting for it can give its tokens back (_ABANDON_TAKE).
-_TAKE_TOKENS = (
+# KEYS: a bucket (requests or tokens), the take's mark. ARGV: rate, capacity, cost, ttl_ms, mark_ms. The wait in ms,
+# '0' when taken. A take marks itself taken, so that a router that stopped waiting for it can give it back
+# (_ABANDON_TAKE).
+_TAKE = (
     _BUCKET
     + """
 if redis.call('GET', KEYS[2]) == 'abandoned' then
@@ -134,9 +126,9 @@ return string.format('%.17g', wait)
 """
 )
 
-# KEYS: tokens, the take's mark. ARGV: rate, capacity, cost, ttl_ms, mark_ms. A take its router stopped waiting
+# KEYS: the bucket, the take's mark. ARGV: rate, capacity, cost, ttl_ms, mark_ms. A take its router stopped waiting
 # for (and charged locally instead) costs nothing in Redis whichever of the two Redis runs first: after the take,
-# its tokens come back; before it, the mark stops it.
+# its cost comes back; before it, the mark stops it.
 _ABANDON_TAKE = (
     _BUCKET
     + _REFUND
@@ -210,7 +202,7 @@ class RedisQuotas(Quotas):
         self.local = LocalQuotas()  # what answers while Redis does not
         self._redis: aredis.Redis = connect_async(url, write_timeout_s)  # connects on first use
         self._open = self._redis.register_script(_OPEN_STREAM)
-        self._take = self._redis.register_script(_TAKE_TOKENS)
+        self._take = self._redis.register_script(_TAKE)
         self._give_back = self._redis.register_script(_GIVE_BACK)
         self._renew = self._redis.register_script(_RENEW)
         self._abandon = self._redis.register_script(_ABANDON)
@@ -224,15 +216,22 @@ class RedisQuotas(Quotas):
         self._outage = Throttled(log_every_s, log)
         self._write_failed = Throttled(log_every_s, log)
 
+    async def take_request(self, tenant: Tenant) -> None:
+        rps = tenant.requests_per_second
+        if not rps:
+            return  # nothing to share: nothing to ask Redis
+        taken = await self._take_from(tenant, "requests", rps, request_bucket_size(tenant), 1, over_request_rate)
+        if taken is None:
+            self.local.take_request_now(tenant)
+
     async def open_stream(self, tenant: Tenant) -> Release:
-        rps, max_streams = tenant.requests_per_second, tenant.max_concurrent
-        if not rps and not max_streams:
+        max_streams = tenant.max_concurrent
+        if not max_streams:
             return self.local.open_stream_now(tenant)  # nothing to share: nothing to ask Redis
         lease, streams = uuid.uuid4().hex, quota_key(tenant, "streams")
-        capacity = request_bucket_size(tenant)
         mark = quota_key(tenant, f"abandoned:{lease}")
-        keys = [streams, quota_key(tenant, "requests"), mark]
-        args: list[Arg] = [max_streams, self._lease_ms, lease, _per_ms(rps), capacity, _refill_ms(rps or 1, capacity)]
+        keys = [streams, mark]
+        args: list[Arg] = [max_streams, self._lease_ms, lease]
 
         def abandon() -> None:  # Redis may still run the open it did not answer in time
             self._in_background(lambda: self._abandon(keys=[streams, mark], args=[lease, self._lease_ms]), "abandon")
@@ -247,17 +246,11 @@ class RedisQuotas(Quotas):
             raise
         if answer is None:  # the local limits, over every stream this router serves (this one's count goes first)
             counted()
-            close_local = self.local.open_stream_now(tenant)
-            return self._held(lease, streams, close_local) if max_streams else close_local
+            return self._held(lease, streams, self.local.open_stream_now(tenant))
         verdict, value = (v.decode() for v in answer)
-        if verdict in ("streams", "requests") or not max_streams:
-            counted()
         if verdict == "streams":
+            counted()
             raise too_many_streams(tenant, int(value))
-        if verdict == "requests":
-            raise over_request_rate(tenant, float(value) / 1000)
-        if not max_streams:
-            return lambda: None
         return self._held(lease, streams, counted)
 
     def _held(self, lease: str, streams: str, close_local: Release) -> Release:
@@ -274,8 +267,22 @@ class RedisQuotas(Quotas):
 
     async def take_tokens(self, tenant: Tenant, tokens: int) -> Release:
         tpm = tenant.tokens_per_minute
-        bucket = [quota_key(tenant, "tokens")]
-        args: list[Arg] = [_per_ms(tpm / 60), tpm, tokens, _refill_ms(tpm / 60, tpm)]
+        taken = await self._take_from(tenant, "tokens", tpm / 60, tpm, tokens, over_token_rate)
+        return self.local.take_tokens_now(tenant, tokens) if taken is None else taken
+
+    async def _take_from(
+        self,
+        tenant: Tenant,
+        what: str,
+        rate_per_s: float,
+        capacity: float,
+        cost: int,
+        over: Callable[[Tenant, float], OverloadedError],
+    ) -> Release | None:
+        """`cost` from the key's `what` bucket (raising `over` when short), with how to give it back; None when Redis
+        gave no answer in time: the caller takes it from the local limits instead."""
+        bucket = [quota_key(tenant, what)]
+        args: list[Arg] = [_per_ms(rate_per_s), capacity, cost, _refill_ms(rate_per_s, capacity)]
         marked = [*bucket, quota_key(tenant, f"take:{uuid.uuid4().hex}")]
 
         def abandon() -> None:  # Redis may still run (or have run) the take it did not answer in time
@@ -284,11 +291,11 @@ class RedisQuotas(Quotas):
 
         answer = await self._ask(lambda: self._take(keys=marked, args=[*args, self._lease_ms]), on_miss=abandon)
         if answer is None:
-            return self.local.take_tokens_now(tenant, tokens)
+            return None
         wait_ms = float(answer)
         if wait_ms:
-            raise over_token_rate(tenant, wait_ms / 1000)
-        return lambda: self._in_background(lambda: self._give_back(keys=bucket, args=args), "tokens given back")
+            raise over(tenant, wait_ms / 1000)
+        return lambda: self._in_background(lambda: self._give_back(keys=bucket, args=args), f"{what} given back")
 
     async def _ask(self, call: Callable[[], Awaitable[T]], on_miss: Callable[[], None] | None = None) -> T | None:
         """Redis's answer within the budget, or None: the caller falls back to the local limits. After a miss no

@@ -24,15 +24,14 @@ async def test_request_rate_refuses_with_a_hint_that_is_enough() -> None:
     clock = Clock()
     quotas, t = LocalQuotas(clock), Tenant("a", "k", requests_per_second=2)
     for _ in range(2):
-        async with quotas.session(t):
-            pass
-    with pytest.raises(OverloadedError) as caught:
-        async with quotas.session(t):
-            pass
+        await quotas.take_request(t)
+    with pytest.raises(OverloadedError, match="requests_per_second") as caught:
+        await quotas.take_request(t)
     assert caught.value.retry_after_ms == 500
-    clock.now += caught.value.retry_after_ms / 1000
-    async with quotas.session(t):
+    async with quotas.session(t):  # a stream is no request: it takes none of the rate
         pass
+    clock.now += caught.value.retry_after_ms / 1000
+    await quotas.take_request(t)
 
 
 async def test_concurrency_counts_open_sessions_only() -> None:
@@ -71,6 +70,7 @@ async def test_tokens_per_minute_charges_admitted_requests_and_refunds_refused_o
 async def test_an_open_tenant_is_never_limited() -> None:
     quotas, t = LocalQuotas(Clock()), Tenant("anonymous")
     for _ in range(1000):
+        await quotas.take_request(t)
         async with quotas.session(t) as s:
             await s.charge_tokens(10**9)
 

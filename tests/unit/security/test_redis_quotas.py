@@ -39,7 +39,9 @@ async def routers(server: RedisServer) -> AsyncIterator[tuple[RedisQuotas, Redis
 
 
 async def admitted(quotas: RedisQuotas, tenant: Tenant) -> bool:
+    """A request's steps, as generation.generate takes them: its request, then its stream."""
     try:
+        await quotas.take_request(tenant)
         async with quotas.session(tenant):
             return True
     except OverloadedError as e:  # over the rate: when the bucket refills; over the streams: a second
@@ -143,6 +145,7 @@ async def test_an_unanswering_redis_leaves_each_router_its_own_limits_within_the
         for _ in range(4):
             start = time.monotonic()
             try:
+                await quotas.take_request(tenant)
                 async with quotas.session(tenant) as s:
                     await s.charge_tokens(100)
                     s.admitted()
@@ -263,6 +266,23 @@ async def test_a_token_take_that_missed_its_answer_is_given_back_in_redis(server
         with server.client() as c:
             level = float(c.hget(f"pdserve:quota:{tenant.key_name}:tokens", "level"))
         assert level > 590  # 599 when the 1 was taken, refilling at 10 a second; 99 if the 500 stayed charged
+    finally:
+        await quotas.close()
+
+
+@pytest.mark.parametrize("how", ["budget", "cancelled"])
+async def test_a_request_take_that_missed_its_answer_is_given_back_in_redis(server, how: str):
+    """A request is taken before its body is parsed, in a take of its own: missed, the router took it from its own
+    limits (or its caller left), so the take Redis runs on waking is given back, not counted a second time."""
+    quotas, tenant = quotas_for(how, server), Tenant("t", "k", requests_per_second=0.01)  # a bucket of one
+    try:
+        assert await admitted(quotas, tenant)  # as in a running router: its connection made, its scripts loaded
+        with server.client() as c:
+            c.delete(quota_key(tenant, "requests"))  # a full bucket again
+        await missing_its_answer(how, server, quotas, quotas.take_request(tenant))
+        with server.client() as c:
+            level = c.hget(quota_key(tenant, "requests"), "level")
+        assert level is None or float(level) > 0.99  # 0 if the take stayed charged
     finally:
         await quotas.close()
 
