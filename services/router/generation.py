@@ -14,6 +14,7 @@ from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import Choices
 from pdserve.v1 import generate_pb2 as pb
 from services.router.lifecycle import RequestLifecycle
+from services.router.parse_after_key import Unparsed, parsed
 from services.router.ticket import Ticket
 
 
@@ -41,7 +42,7 @@ def check_caller(lifecycle: RequestLifecycle, headers: Mapping[str, str]) -> Ten
 
 async def generate(
     lifecycle: RequestLifecycle,
-    request: pb.GenerateRequest,
+    request: pb.GenerateRequest | Unparsed,
     headers: Mapping[str, str],
     time_remaining: Callable[[], float | None],
     on_admitted: Callable[[Ticket], Awaitable[None]],
@@ -59,17 +60,19 @@ async def generate(
     `arrived_at` (time.perf_counter()): when its caller's request came, if earlier than this call (a later
     choice, held back until the one before it got its first token): its latencies count from there. `streamed`:
     each message reaches the caller as it comes; False (an HTTP answer sent whole) delivers nothing before the end,
-    so a failure gives the key's tokens back as a refusal does."""
+    so a failure gives the key's tokens back as a refusal does. The key's request (requests_per_second) is taken
+    before `request` is parsed (parse_after_key)."""
     start = time.perf_counter()
     arrived = start if arrived_at is None else arrived_at
     with lifecycle.accounting(arrived, choices) as caller:
         caller.tenant = check_caller(lifecycle, headers)
-        await lifecycle.quotas.take_request(caller.tenant)  # one of the key's requests, before its stream's checks
+        await lifecycle.quotas.take_request(caller.tenant)
+        message = parsed(request)  # only now: a caller without a key, or over its rate, costs no parse
         if model is not None:
             check_model(lifecycle, model)
-        check_parsed(request)  # after the caller's check, as a front end reads a body only from a known caller
+        check_parsed(message)
         async with lifecycle.quotas.session(caller.tenant, choices) as quota:
-            ticket = await lifecycle.admit(request, start, quota, default_max_tokens)
+            ticket = await lifecycle.admit(message, start, quota, default_max_tokens)
             caller.prompt_tokens = len(ticket.request.prompt_token_ids)
             with ticket:
                 await on_admitted(ticket)

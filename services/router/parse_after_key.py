@@ -1,26 +1,43 @@
-"""A public call from a caller without a known API key is never parsed: its handler gets an empty request, and
-refuses the caller first (`generation.check_caller`), as the HTTP API reads no body before that check. Parsing a
-16 MiB message of token ids holds the router's event loop ~40 ms (measured on 2 cores), which an unknown caller
-could otherwise have for each of its calls."""
+"""A public call's message is parsed only once its caller's key is known and one of the key's requests_per_second
+taken: its handler gets the message unparsed (`Unparsed`) and parses it after those checks (`generation.generate`),
+as the HTTP API reads no body before them. Parsing a 16 MiB message of token ids holds the router's event loop
+~40 ms (measured on 2 cores), which an unknown caller, or a known one past its rate, could otherwise have for each
+of its calls."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from pdserve.errors import UnauthenticatedError
-from services.router.lifecycle import RequestLifecycle
-from services.router.servicer import caller_headers
+from pdserve.rpc.errors import tolerant
+
+
+@dataclass(frozen=True)
+class Unparsed:
+    """A request message as it came, and how it parses (a message that does not becomes what `check_parsed`
+    refuses)."""
+
+    data: bytes
+    parse: Callable[[bytes], Any]
+
+    def parsed(self) -> Any:
+        return self.parse(self.data)
+
+
+def parsed(request: Any) -> Any:
+    """The request message, parsed now if it came unparsed."""
+    return request.parsed() if isinstance(request, Unparsed) else request
 
 
 class ParseAfterKeyCheck(grpc.aio.ServerInterceptor):
-    """For `methods` (full names; unary-request handlers), the request of a caller the lifecycle does not know is
-    read as its message type's empty instance."""
+    """For `methods` (full names; unary-request handlers that call `parsed` after the caller's checks), the request
+    is handed to the handler `Unparsed`."""
 
-    def __init__(self, lifecycle: RequestLifecycle, methods: Collection[str], empty: Callable[[], Any]) -> None:
-        self._lifecycle, self._methods, self._empty = lifecycle, frozenset(methods), empty
+    def __init__(self, methods: Collection[str]) -> None:
+        self._methods = frozenset(methods)
 
     async def intercept_service(
         self,
@@ -28,20 +45,15 @@ class ParseAfterKeyCheck(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method not in self._methods or self._known(details):
+        if handler is None or details.method not in self._methods:
             return handler
-        kinds: dict[str, Any] = {"request_deserializer": self._unread}
+        parse = tolerant(handler.request_deserializer) or _as_is
+        kinds: dict[str, Any] = {"request_deserializer": lambda data: Unparsed(data, parse)}
         kinds["response_serializer"] = handler.response_serializer
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(handler.unary_stream, **kinds)
         return grpc.unary_unary_rpc_method_handler(handler.unary_unary, **kinds)
 
-    def _known(self, details: grpc.HandlerCallDetails) -> bool:
-        try:
-            self._lifecycle.authenticate(caller_headers(details.invocation_metadata))  # as the handler reads them
-        except UnauthenticatedError:
-            return False
-        return True
 
-    def _unread(self, data: bytes) -> Any:
-        return self._empty()
+def _as_is(data: bytes) -> bytes:
+    return data

@@ -132,7 +132,7 @@ async def start_router(
         advertise_host=advertise_host,
         max_connection_age_s=config.max_connection_age_s or None,
         checked_by_handler=[GENERATE_METHOD],  # counted as the caller's mistake with every other refusal
-        inner=[ParseAfterKeyCheck(lifecycle, [GENERATE_METHOD], generate_pb2.GenerateRequest)],
+        inner=[ParseAfterKeyCheck([GENERATE_METHOD])],
     )
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),

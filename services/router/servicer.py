@@ -14,9 +14,11 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
 from services.router.generation import generate
 from services.router.lifecycle import RequestLifecycle
+from services.router.parse_after_key import Unparsed
 from services.router.ticket import Ticket
 
-# Its handler gets a request that does not parse as it is, and answers it where requests are counted.
+# Its handler gets its request unparsed (parse_after_key) or, without that, one that does not parse as it is, and
+# answers it where requests are counted.
 GENERATE_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Generation'].full_name}/Generate"
 
 
@@ -25,7 +27,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.lifecycle = lifecycle
 
     async def Generate(  # noqa: N802 (gRPC method name)
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest | Unparsed, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         async def send_prediction(ticket: Ticket) -> None:
             predicted_ms = round(ticket.placement.predicted_ttft_s * 1e3)

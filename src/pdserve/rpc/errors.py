@@ -125,7 +125,8 @@ class _Malformed:
 _MALFORMED = _Malformed()
 
 
-def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+def tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """`deserialize`, answering a message that does not parse with what `check_parsed` refuses, not an error."""
     if deserialize is None:
         return None
 
@@ -165,7 +166,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, check),
-                request_deserializer=_tolerant(handler.request_deserializer),
+                request_deserializer=tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
@@ -173,7 +174,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             fn = handler.unary_stream
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(fn, check) if inspect.isasyncgenfunction(fn) else _wrap_unary(fn, check),
-                request_deserializer=_tolerant(handler.request_deserializer),
+                request_deserializer=tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler

@@ -1,0 +1,62 @@
+"""A known key's request is charged one of its requests_per_second before its body is parsed, so a key past its
+rate costs the router no parse (a 16 MiB body holds the event loop ~40 ms): its next request, whose body would not
+parse, is refused for the rate (RESOURCE_EXHAUSTED with its retry hint, HTTP 429 with Retry-After), not for the
+body, which was never read. Under the rate, the same body is refused naming what is wrong, and that request has
+used its token. Through a real gRPC server (the router's interceptors) and the real HTTP app."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pdserve.env import CLUSTER_SECRET_VAR
+from pdserve.rpc.errors import RETRY_PUSHBACK_KEY
+from pdserve.rpc.server import Server
+from pdserve.security.api_keys import KeyTable, Tenant, digest
+from pdserve.telemetry import Telemetry
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc
+from services.router.lifecycle import RequestLifecycle
+from services.router.parse_after_key import ParseAfterKeyCheck
+from services.router.servicer import GENERATE_METHOD, GenerationServicer
+from tests.unit.router.request_counts import requests_by_outcome
+from tests.unit.router.router_builder import Router
+
+pytestmark = pytest.mark.timeout(60)
+SLOW = Tenant("team", "slow", requests_per_second=0.01)  # a burst of one, the next 100 s away
+
+
+def lifecycle(telemetry: Telemetry | None = None) -> RequestLifecycle:
+    keys = KeyTable({digest("slow"): SLOW, digest("other"): Tenant("team-b", "other")})
+    return Router([], no_workers_wait_s=0.1).lifecycle(keys, telemetry=telemetry)
+
+
+async def test_a_grpc_message_past_its_keys_rate_is_refused_for_the_rate_unparsed(monkeypatch) -> None:
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    telemetry = Telemetry("test-router")
+    router = lifecycle(telemetry)
+    server = Server("127.0.0.1", 0, checked_by_handler=[GENERATE_METHOD], inner=[ParseAfterKeyCheck([GENERATE_METHOD])])
+    server.add(lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(router), s), [])
+    await server.start()
+    good = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=2)).SerializeToString()
+    malformed = good.replace(b"hi", b"\xff\xfe")  # invalid UTF-8 in a string: it does not parse
+    answers = []
+    try:
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            call = ch.unary_stream(GENERATE_METHOD, request_serializer=bytes)
+            for key in ("slow", "slow", "other"):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    async for _ in call(malformed, metadata=(("authorization", f"Bearer {key}"),)):
+                        pass
+                e = caught.value
+                answers.append((e.code(), e.details(), dict(e.trailing_metadata() or ())))
+    finally:
+        await server.stop(None)
+    (code, details, _), (over, over_details, trailers), (other, _, _) = answers
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request: the message does not parse")
+    assert over == grpc.StatusCode.RESOURCE_EXHAUSTED and "requests_per_second" in over_details, over_details
+    assert 1000 < int(trailers[RETRY_PUSHBACK_KEY]) <= 100_000  # when the bucket has the next request
+    assert other == grpc.StatusCode.INVALID_ARGUMENT  # another key's rate is its own
+    counted = requests_by_outcome(telemetry)
+    assert counted == {("invalid", "team"): 1, ("rejected", "team"): 1, ("invalid", "team-b"): 1}
+    telemetry.shutdown()
