@@ -51,6 +51,7 @@ async def generate(
     default_max_tokens: int | None = None,
     arrived_at: float | None = None,
     streamed: bool = True,
+    request_taken: bool = False,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """The request's stream. Everything refused before the first message raises here (InvalidRequestError,
     OverloadedError, UnavailableError, ModelNotFoundError for a `model` not served, and the caller's check
@@ -61,12 +62,14 @@ async def generate(
     choice, held back until the one before it got its first token): its latencies count from there. `streamed`:
     each message reaches the caller as it comes; False (an HTTP answer sent whole) delivers nothing before the end,
     so a failure gives the key's tokens back as a refusal does. The key's request (requests_per_second) is taken
-    before `request` is parsed (parse_after_key)."""
+    before `request` is parsed (parse_after_key), and never again: `request_taken` says its front end took it
+    before reading the body (the HTTP API; its later choices each take their own here)."""
     start = time.perf_counter()
     arrived = start if arrived_at is None else arrived_at
     with lifecycle.accounting(arrived, choices) as caller:
         caller.tenant = check_caller(lifecycle, headers)
-        await lifecycle.quotas.take_request(caller.tenant)
+        if not request_taken:
+            await lifecycle.quotas.take_request(caller.tenant)
         message = parsed(request)  # only now: a caller without a key, or over its rate, costs no parse
         if model is not None:
             check_model(lifecycle, model)

@@ -4,6 +4,7 @@ Server-Sent Events out. Nothing here decides anything about a request; it conver
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -98,6 +99,9 @@ class OpenAIAPI:
         start, tenant = time.perf_counter(), None
         try:
             tenant = check_caller(self.lifecycle, request.headers)  # a caller without a valid key learns nothing more
+            # Its requests_per_second before its body is read: refused, the body is left unread as a 401's is (the
+            # server reads its bytes off the connection and drops them), never parsed. Its first choice uses it.
+            await self.lifecycle.quotas.take_request(tenant)
             body = await _read_body(request, self.lifecycle.config.max_http_body_bytes)
             req = parse_request(
                 parse_json(body),
@@ -188,10 +192,13 @@ class OpenAIAPI:
     def _choices(
         self, req: OpenAIRequest, choices: Choices | None, request: Request, headers: dict[str, str], arrived: float
     ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
-        """Every choice's messages, tagged with its index (choices.py), each choice run as this API runs one."""
+        """Every choice's messages, tagged with its index (choices.py), each choice run as this API runs one. The
+        first to start uses the request the key was charged before its body was read; each later one is charged its
+        own, as a request of its own."""
+        started = itertools.count()
 
         def one(message: pb.GenerateRequest, choices: Choices | None) -> AsyncIterator[pb.GenerateResponse]:
-            return self._generate(message, req, request, headers, arrived, choices)
+            return self._generate(message, req, request, headers, arrived, choices, next(started) == 0)
 
         return each_choice(self.lifecycle, req, choices, one, request.headers, arrived)
 
@@ -202,7 +209,8 @@ class OpenAIAPI:
         request: Request,
         headers: dict[str, str],
         arrived_at: float,
-        choices: Choices | None = None,
+        choices: Choices | None,
+        request_taken: bool,
     ) -> AsyncIterator[pb.GenerateResponse]:
         async def on_admitted(ticket: Ticket) -> None:
             headers[PREDICTED_TTFT_HEADER] = str(round(ticket.placement.predicted_ttft_s * 1e3))
@@ -218,6 +226,7 @@ class OpenAIAPI:
             req.default_max_tokens,
             arrived_at,
             streamed=req.stream,
+            request_taken=request_taken,
         )
 
     def _span(self, request: Request, req: OpenAIRequest | None, **options: bool) -> AbstractContextManager[trace.Span]:

@@ -7,20 +7,24 @@ used its token. Through a real gRPC server (the router's interceptors) and the r
 from __future__ import annotations
 
 import grpc
+import httpx2
 import pytest
 
 from pdserve.env import CLUSTER_SECRET_VAR
 from pdserve.rpc.errors import RETRY_PUSHBACK_KEY
 from pdserve.rpc.server import Server
 from pdserve.security.api_keys import KeyTable, Tenant, digest
+from pdserve.security.quotas import LocalQuotas
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
+from services.router.http.app import openai_app
 from services.router.lifecycle import RequestLifecycle
 from services.router.parse_after_key import ParseAfterKeyCheck
 from services.router.servicer import GENERATE_METHOD, GenerationServicer
 from tests.unit.router.request_counts import requests_by_outcome
-from tests.unit.router.router_builder import Router
+from tests.unit.router.router_builder import MODEL, Router, worker
+from tests.unit.router.stand_in_decode import StandInDecode, serving
 
 pytestmark = pytest.mark.timeout(60)
 SLOW = Tenant("team", "slow", requests_per_second=0.01)  # a burst of one, the next 100 s away
@@ -60,3 +64,37 @@ async def test_a_grpc_message_past_its_keys_rate_is_refused_for_the_rate_unparse
     counted = requests_by_outcome(telemetry)
     assert counted == {("invalid", "team"): 1, ("rejected", "team"): 1, ("invalid", "team-b"): 1}
     telemetry.shutdown()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_an_http_body_past_its_keys_rate_is_a_429_unparsed(path: str) -> None:
+    transport = httpx2.ASGITransport(app=openai_app(lifecycle()), raise_app_exceptions=False)
+    headers = {"authorization": "Bearer slow", "content-type": "application/json"}
+    async with httpx2.AsyncClient(transport=transport, base_url="http://router") as http:
+        bad = await http.post(path, content=b"{not json", headers=headers)
+        over = await http.post(path, content=b"{not json", headers=headers)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "body", bad.text
+    assert over.status_code == 429, over.text
+    error = over.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+    assert "requests_per_second" in error["message"]
+    assert 1 < int(over.headers["retry-after"]) <= 100 and 1000 < int(over.headers["retry-after-ms"]) <= 100_000
+
+
+async def test_each_http_choice_is_charged_one_request_the_first_before_its_body_is_read(monkeypatch) -> None:
+    """n = 2 from a key with a burst of two and a clock that never refills it: the first choice uses the request
+    charged before the body was read (charged again, the second choice would be refused), the second is charged
+    its own (not charged, the next request's body would be read, and refused as no JSON)."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    async with serving(StandInDecode()) as d0:
+        router = Router([worker("p0"), worker("d0", "decode", address=d0)])
+        pair = Tenant("team", "pair", requests_per_second=2)
+        lc = router.lifecycle(KeyTable({digest("pair"): pair}), quotas=LocalQuotas(clock=lambda: 0.0))
+        transport = httpx2.ASGITransport(app=openai_app(lc))
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "n": 2}
+        async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+            both = await http.post("/v1/completions", json=body, headers={"authorization": "Bearer pair"})
+            headers = {"authorization": "Bearer pair", "content-type": "application/json"}
+            next_one = await http.post("/v1/completions", content=b"{not json", headers=headers)
+    assert both.status_code == 200 and len(both.json()["choices"]) == 2, both.text
+    assert next_one.status_code == 429 and "requests_per_second" in next_one.json()["error"]["message"]
