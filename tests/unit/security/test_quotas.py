@@ -166,16 +166,16 @@ async def test_a_reload_keeps_a_kept_keys_counts_under_its_new_caps_and_forgets_
         Tenant("a", "kept", requests_per_second=1, max_concurrent=1),
         Tenant("b", "gone", requests_per_second=1),
     )
-    async with quotas.session(gone):
-        pass
+    retuned = Tenant("a", "kept", requests_per_second=2, max_concurrent=2)
+    await quotas.take_request(gone)
+    await quotas.take_request(kept)
     async with quotas.session(kept):  # its burst spent and its one stream open across the reload
-        quotas.keep_only([Tenant("a", "kept", requests_per_second=2, max_concurrent=2)])
+        quotas.keep_only([retuned])
         with pytest.raises(OverloadedError, match="requests_per_second"):
-            async with quotas.session(Tenant("a", "kept", requests_per_second=2, max_concurrent=2)):
-                pass
+            await quotas.take_request(retuned)
         clock.now += 0.5  # the new rate refills one request in half a second; the open stream is one of two
-        async with quotas.session(Tenant("a", "kept", requests_per_second=2, max_concurrent=2)):
+        await quotas.take_request(retuned)
+        async with quotas.session(retuned):
             pass
     quotas.keep_only([kept, gone])  # `gone` comes back: nothing of its spent burst was kept
-    async with quotas.session(gone):
-        pass
+    await quotas.take_request(gone)
