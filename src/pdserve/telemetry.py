@@ -206,7 +206,9 @@ def now_ns() -> int:
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, request_id (null outside a request), extras."""
+    """One JSON object per line: time, level, logger, message, request_id (null outside a request), the current
+    span's trace_id and span_id (OpenTelemetry's log data model names; absent outside a span), extras. The ids lead
+    from a log line to its request's trace in the tracing backend."""
 
     _SKIP = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
@@ -218,6 +220,10 @@ class JsonFormatter(logging.Formatter):
             "msg": record.getMessage(),
             "request_id": getattr(record, "request_id", None) or request_id_var.get(),
         }
+        span = trace.get_current_span().get_span_context()
+        if span.is_valid:
+            line["trace_id"] = trace.format_trace_id(span.trace_id)
+            line["span_id"] = trace.format_span_id(span.span_id)
         extras = {k: v for k, v in vars(record).items() if k not in self._SKIP and not k.startswith("_")}
         line.update({k: v for k, v in extras.items() if k not in line})
         if record.exc_info:

@@ -8,6 +8,7 @@ small OTLP trace receiver running in this test process.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -98,6 +99,24 @@ def test_one_request_is_one_trace_across_all_three_services(cluster, collector):
     # Every hop is keyed by the router's own id, which the router's spans carry beside the client's.
     keys = {a.value.string_value for svc, s in spans for a in s.attributes if a.key == "request.id"}
     assert len(keys) == 1 and request_id not in keys, keys
+    # The router's log line for the request leads to that trace (its server span's ids).
+    router_span_ids = {s.span_id.hex() for svc, s in spans if svc == "pdserve-router"}
+    ended = [line for line in logged_lines(cluster) if line.get("request_id") == request_id and "outcome" in line]
+    assert [(line["outcome"], line.get("trace_id")) for line in ended] == [("finished", trace_id.hex())], ended
+    assert ended[0]["span_id"] in router_span_ids
+
+
+def logged_lines(cluster: ClusterProcess) -> list[dict]:
+    """The cluster's JSON log lines (its log also holds lines of other shapes: Ray's, the launcher's banner)."""
+    lines = []
+    for text in cluster.log().splitlines():
+        try:
+            line = json.loads(text[text.find("{") :])
+        except ValueError:
+            continue
+        if isinstance(line, dict):
+            lines.append(line)
+    return lines
 
 
 def test_a_stream_the_caller_cancels_is_marked_cancelled_not_failed(cluster, collector):

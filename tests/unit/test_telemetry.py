@@ -97,6 +97,21 @@ def test_json_log_lines_carry_the_request_id():
     assert line["msg"] == "done ok" and line["request_id"] == "req-1" and line["outcome"] == "finished"
 
 
+def test_json_log_lines_carry_the_current_spans_trace_and_span_ids():
+    """What leads from a log line to its trace: OpenTelemetry's trace_id and span_id, in lower hex."""
+    telemetry = Telemetry("t", span_processor=SimpleSpanProcessor(InMemorySpanExporter()))
+
+    def logged() -> dict:
+        return json.loads(JsonFormatter().format(logging.LogRecord("x", logging.INFO, __file__, 1, "m", (), None)))
+
+    with telemetry.tracer.start_as_current_span("request") as span:
+        inside = logged()
+    ids = span.get_span_context()
+    assert inside["trace_id"] == f"{ids.trace_id:032x}" and inside["span_id"] == f"{ids.span_id:016x}"
+    assert "trace_id" not in logged() and "span_id" not in logged()
+    telemetry.shutdown()
+
+
 def test_the_slos_the_docs_use_are_histogram_bucket_edges():
     """SLO attainment is read from the histograms only at a bucket edge: the router's defaults and the SLOs the
     README's planner and loadgen examples use (TTFT 0.5, 1, 10 s; TPOT 50, 60, 100 ms) must be edges."""
