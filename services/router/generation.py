@@ -67,6 +67,7 @@ async def generate(
     start = time.perf_counter()
     arrived = start if arrived_at is None else arrived_at
     with lifecycle.accounting(arrived, choices) as caller:
+        caller.time_remaining = time_remaining  # a request its deadline ended counts as deadline_exceeded
         caller.tenant = check_caller(lifecycle, headers)
         if not request_taken:
             await lifecycle.quotas.take_request(caller.tenant)

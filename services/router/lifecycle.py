@@ -38,7 +38,7 @@ from services.router.admission import Admission, SLOTarget
 from services.router.caller_errors import for_the_caller
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
-from services.router.outcome import Caller, log_level, outcome_of
+from services.router.outcome import CALLER_ENDED, Caller, log_level
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request, capped_default
@@ -374,10 +374,10 @@ class RequestLifecycle:
             outcome = "finished"
         except BaseException as e:
             sibling = choices.failure if choices is not None else None
-            outcome = outcome_of(sibling if sibling is not None and outcome_of(e) == "cancelled" else e)
-            if outcome == "cancelled" and (span := trace.get_current_span()).is_recording():
-                span.set_attribute("cancelled", True)  # status alone may read OK; ended: gRPC left it to the GC
-            elif outcome != "cancelled" and choices is not None and sibling is None:
+            outcome = caller.outcome(sibling if sibling is not None and caller.outcome(e) in CALLER_ENDED else e)
+            if outcome in CALLER_ENDED and (span := trace.get_current_span()).is_recording():
+                span.set_attribute(outcome, True)  # status alone may read OK; ended: gRPC left it to the GC
+            elif outcome not in CALLER_ENDED and choices is not None and sibling is None:
                 choices.failure = e
             raise
         finally:

@@ -2,13 +2,17 @@
 
 `finished`; `rejected`: shed by admission or a quota, or refused by a draining router (the caller's retry, on
 another replica, serves it: a rolling restart fails nothing); `invalid`, `unauthenticated`, `denied`: the
-caller's own; `cancelled`: by the caller, or its deadline passed; `failed`: anything else.
+caller's own; `cancelled`: by the caller; `deadline_exceeded`: the caller's own deadline (gRPC's) passed first, an
+answer to the caller as a cancel is, kept apart so that a dashboard tells callers whose deadlines are too short
+for the cluster's latency from callers who gave up; `failed`: anything else (the router's first-token and stall
+bounds included: a worker stuck past them is the cluster's failure, which the request moves off or fails with).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import (
@@ -22,9 +26,13 @@ from pdserve.metrics import RouterMetrics
 from pdserve.security.api_keys import Tenant
 from pdserve.v1 import generate_pb2 as pb
 
+# Outcomes of the caller's own doing: no failure of the cluster's; the request's span carries the outcome as a mark.
+CALLER_ENDED = ("cancelled", "deadline_exceeded")
 
-def outcome_of(error: BaseException) -> str:
-    """The label of a request that ended with `error`."""
+
+def outcome_of(error: BaseException, deadline_passed: bool = False) -> str:
+    """The label of a request that ended with `error`; `deadline_passed`: its caller's deadline had passed by then
+    (gRPC ends a handler whose deadline passed as it ends one whose caller cancelled)."""
     if isinstance(error, UnauthenticatedError):
         return "unauthenticated"
     if isinstance(error, PermissionDeniedError):
@@ -33,8 +41,10 @@ def outcome_of(error: BaseException) -> str:
         return "invalid"
     if isinstance(error, OverloadedError | RouterDrainingError):
         return "rejected"
-    if isinstance(error, asyncio.CancelledError | GeneratorExit | TimeoutError):
-        return "cancelled"
+    if isinstance(error, TimeoutError):  # a worker's DEADLINE_EXCEEDED: its call carries the caller's deadline
+        return "deadline_exceeded"
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        return "deadline_exceeded" if deadline_passed else "cancelled"
     return "failed"
 
 
@@ -54,6 +64,12 @@ class Caller:
     prompt_tokens: int = 0  # the caller's prompt, however long a moved attempt's is
     finish_reason: str = ""  # the last message's, once it was relayed
     served: bool = False  # a message reached the caller
+    time_remaining: Callable[[], float | None] = lambda: None  # of the caller's deadline; None: it set none
+
+    def outcome(self, error: BaseException) -> str:
+        """`outcome_of` the error, knowing whether this caller's deadline had passed (gRPC says 0 s left then)."""
+        left = self.time_remaining()
+        return outcome_of(error, deadline_passed=left is not None and left <= 0)
 
     @property
     def label(self) -> str:

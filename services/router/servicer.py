@@ -77,8 +77,9 @@ async def _run_out(messages: AsyncIterator[pb.GenerateResponse]) -> None:
 
 async def send_initial_metadata(context: grpc.aio.ServicerContext, metadata: tuple[tuple[str, str], ...]) -> None:
     """Sends it, or, when the caller already left (cancelled, or its deadline passed, while it was being admitted),
-    ends the request as cancelled: gRPC's own error there would read as a bug of ours and count as failed. The
-    context's done() and cancelled() still say False then; the failed send is what tells."""
+    ends the request as its caller's doing (cancelled, or deadline_exceeded): gRPC's own error there would read as
+    a bug of ours and count as failed. The context's done() and cancelled() still say False then; the failed send is
+    what tells."""
     try:
         await context.send_initial_metadata(metadata)
     except cygrpc.ExecuteBatchError:  # the call's transport is gone: grpc.aio has no public type for it

@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 
+import grpc
 import pytest
 
 from pdserve.build import current_build
@@ -27,6 +28,7 @@ from tests.integration.cluster_view import scrape, status_json, total
 
 pytestmark = pytest.mark.timeout(180)
 SERVICES = {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
+OUTCOMES = ("finished", "cancelled", "deadline_exceeded", "failed")
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +144,40 @@ def test_a_stream_the_caller_cancels_is_marked_cancelled_not_failed(cluster, col
     attrs = {a.key: a.value for a in stream.attributes}
     assert attrs["cancelled"].bool_value and 3 <= attrs["completion_tokens"].int_value < 400, attrs
     assert stream.status.code != stream.status.STATUS_CODE_ERROR
+
+
+def test_a_request_its_callers_deadline_ends_counts_once_as_deadline_exceeded(cluster, collector):
+    """Not `cancelled` (a caller that gave up) nor `failed` (the cluster's): its own outcome, counted once, and
+    marked on the router's span. The stream is far longer than the deadline: it passes mid-stream."""
+    request_id = uuid.uuid4().hex
+    sampling = pb.SamplingParams(max_tokens=3000, ignore_eos=True)
+    request = pb.GenerateRequest(request_id=request_id, prompt="too long for my deadline", sampling=sampling)
+    before = scrape(cluster.metrics_url)
+
+    async def call_with_deadline() -> None:
+        async with channel(cluster.address) as ch:
+            async for _ in generate_pb2_grpc.GenerationStub(ch).Generate(request, timeout=0.5):
+                pass
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(call_with_deadline())
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+
+    def counted(samples: dict) -> dict[str, float]:
+        name = "pdserve_requests_total"
+        return {o: total(samples, name, outcome=o) - total(before, name, outcome=o) for o in OUTCOMES}
+
+    deadline = time.monotonic() + 20
+    while (got := counted(scrape(cluster.metrics_url)))["deadline_exceeded"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)  # a second count, were there one, would come with the first
+    assert counted(scrape(cluster.metrics_url)) == {**dict.fromkeys(OUTCOMES, 0.0), "deadline_exceeded": 1.0}, got
+    marked = None
+    while marked is None and time.monotonic() < deadline:
+        spans = collector.trace(trace_id) if (trace_id := collector.trace_of(request_id)) else []
+        marked = next((s for svc, s in spans for a in s.attributes if a.key == "deadline_exceeded"), None)
+        time.sleep(0.2)
+    assert marked is not None, "no router span marked deadline_exceeded"
 
 
 def test_metrics_count_requests_and_blocks_return_to_zero(cluster):
