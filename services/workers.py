@@ -65,7 +65,8 @@ def _add_decode(ctx: WorkerContext) -> TorchDistReceiver | None:
             store_port=spec.transfer_port,
         )
         prefill = PrefillClient(ctx.telemetry)
-        handoff = Handoff(engine, receiver, prefill, spec.worker_id, ctx.telemetry, spec.kv_transfer_timeout_s)
+        timeout_s = spec.kv_transfer_timeout_s
+        handoff = Handoff(engine, receiver, prefill, spec.worker_id, ctx.telemetry, timeout_s, ctx.metrics)
     servicer = DecodeServicer(engine, handoff, spec.worker_id, spec.role, ctx.telemetry, env.fault_config(), cluster)
     ctx.server.add(
         lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s),

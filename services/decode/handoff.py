@@ -18,11 +18,13 @@ from typing import Any
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.errors import OverloadedError, UnavailableError
+from pdserve.metrics import WorkerMetrics
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.handoff import FirstToken, KVTarget
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.telemetry import Telemetry, mark_ended_by, now_ns
 from pdserve.transfer.base import KVReceiver, TransferError, TransferTimeoutError
+from pdserve.transfer.failures import failure_reason
 from pdserve.transfer.threads import in_transfer_thread
 from services.decode.prefill_client import PrefillCall, PrefillClient
 
@@ -48,6 +50,7 @@ class Handoff:
     worker_id: str
     telemetry: Telemetry
     transfer_timeout_s: float
+    metrics: WorkerMetrics | None = None  # counts the receives that failed
     # Frees waiting for a receive to end; a strong reference each until done (the loop keeps only weak ones).
     _freeing: set[asyncio.Future[None]] = field(default_factory=set, init=False)
 
@@ -126,13 +129,16 @@ class Handoff:
     async def _until_received(
         self, handoff: HandoffRequest, call: PrefillCall, receive: asyncio.Future[int], num_blocks: int
     ) -> None:
-        """Waits for the KV to land and the prefill worker to confirm it; traces the receive, however it ends."""
+        """Waits for the KV to land and the prefill worker to confirm it; traces the receive, however it ends, and
+        counts it when it failed."""
         ids = {"request__id": handoff.request.request_id, "worker__id": self.worker_id, "kv__blocks": num_blocks}
         start_ns = now_ns()
         try:
             nbytes = await _until_transferred(call, receive)
         except BaseException as e:
             self.telemetry.span("kv_transfer.recv", start_ns, now_ns(), e, **ids)
+            if self.metrics is not None:
+                self.metrics.transfer_failed(failure_reason(e))
             raise
         self.telemetry.span("kv_transfer.recv", start_ns, now_ns(), **ids, kv__bytes=nbytes)
 

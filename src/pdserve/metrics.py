@@ -11,10 +11,13 @@ from typing import TYPE_CHECKING
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from pdserve.build import current_build
-from pdserve.telemetry import LATENCY_BUCKETS_S, TOKEN_BUCKETS_S
+from pdserve.telemetry import LATENCY_BUCKETS_S, TOKEN_BUCKETS_S, TRANSFER_BUCKETS_S
 
 if TYPE_CHECKING:
     from pdserve.cluster.worker_spec import WorkerSpec
+
+# Why a KV transfer failed (pdserve.transfer.failures says which is which), a fixed set: each is exported from 0.
+KV_TRANSFER_FAILURE_REASONS = ("peer_gone", "timeout", "cancelled", "error")
 
 
 class RouterMetrics:
@@ -125,8 +128,20 @@ class WorkerMetrics:
             "pdserve_kv_transfer_seconds",
             unit="s",
             description="one prompt's KV sent to its decode worker, transfers that succeeded",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
+            explicit_bucket_boundaries_advisory=TRANSFER_BUCKETS_S,
         )
+        self.transfer_failures = meter.create_counter(
+            "pdserve_kv_transfer_failures_total",
+            description="KV transfers that failed, by reason, on the side that saw them: a decode worker's receives, "
+            "a prefill worker's sends",
+        )
+        if role != "colocated":  # from 0, so that a rate sees the first failure
+            for reason in KV_TRANSFER_FAILURE_REASONS:
+                self.transfer_failures.add(0, {**self.labels, "reason": reason})
+
+    def transfer_failed(self, reason: str) -> None:
+        """One KV transfer this worker saw fail, for `reason` (one of KV_TRANSFER_FAILURE_REASONS)."""
+        self.transfer_failures.add(1, {**self.labels, "reason": reason})
 
     def _gauge(self, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:

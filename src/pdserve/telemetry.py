@@ -41,6 +41,9 @@ from pdserve.errors import (
 # Seconds: first tokens and whole requests (TTFT, e2e) span ms to minutes; per-token gaps ms to seconds.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+# One prompt's KV: well under a millisecond over loopback or NVLink, up to seconds for a long prompt over a slow
+# network; the last edge is the default transfer timeout (a transfer that takes longer fails).
+TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # A span attribute's longest value: callers' text (an HTTP `user`, an error naming a request) stays far under an
 # OTLP collector's 4 MiB message limit, which one oversized span would break for every span batched with it.
 MAX_ATTRIBUTE_CHARS = 4096

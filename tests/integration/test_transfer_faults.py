@@ -17,9 +17,12 @@ import grpc
 import pytest
 
 from pdserve.cluster.local_process import ClusterProcess
+from pdserve.config import RouterConfig
+from pdserve.metrics import KV_TRANSFER_FAILURE_REASONS
 from pdserve.rpc.client import generate
 from pdserve.rpc.server import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from pdserve.v1 import generate_pb2 as pb
+from tests.integration.cluster_view import scrape, total
 from tests.integration.reference import request
 from tests.integration.worker_view import by_role, idle, pid_serving
 
@@ -74,6 +77,16 @@ async def blocks_freed(router: str, roles: tuple[str, ...] = ("prefill", "decode
         await asyncio.sleep(0.1)
 
 
+async def transfer_failures(router: str) -> dict[str, float]:
+    """The decode worker's pdserve_kv_transfer_failures_total, by reason."""
+    samples = scrape(f"http://{(await by_role(router))['decode'].metrics_address}/metrics")
+    return {r: total(samples, "pdserve_kv_transfer_failures_total", reason=r) for r in KV_TRANSFER_FAILURE_REASONS}
+
+
+def plus(counts: dict[str, float], reason: str, n: int) -> dict[str, float]:
+    return {**counts, reason: counts[reason] + n}
+
+
 def stalled_after_first_token(router: str) -> Callable[[], Awaitable[bool]]:
     async def stalled_after_first_token() -> bool:
         # The prompt ran (nothing left to schedule) and its blocks wait for the hand-off: the worker stalls.
@@ -91,6 +104,7 @@ def test_killed_prefill_worker_fails_the_request_at_once_and_ray_restarts_it(clu
         prefill = (await by_role(cluster.address))["prefill"]
         prefill_address = prefill.address
         pid = pid_serving(prefill_address)
+        failures = await transfer_failures(cluster.address)
         start = time.monotonic()
         call = asyncio.create_task(tokens(cluster.address, request(f"{FAULTED}kill")))
 
@@ -106,6 +120,7 @@ def test_killed_prefill_worker_fails_the_request_at_once_and_ray_restarts_it(clu
         assert prefill_address not in err.value.details()
         # The lost peer ends the request, not the transfer timeout (which counts from the first token).
         assert failed_after < TRANSFER_TIMEOUT_S, failed_after
+        assert await transfer_failures(cluster.address) == plus(failures, "peer_gone", 1)  # the decode side saw it
         await blocks_freed(cluster.address, ("decode",))
 
         async def restarted() -> bool:
@@ -129,6 +144,7 @@ def test_transfer_timeout_fails_the_request_and_frees_blocks_on_both_sides(clust
 
     async def run() -> None:
         prefill_pid = pid_serving((await by_role(cluster.address))["prefill"].address)
+        failures = await transfer_failures(cluster.address)
         start = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await tokens(cluster.address, request(f"{FAULTED}timeout"))
@@ -137,6 +153,8 @@ def test_transfer_timeout_fails_the_request_and_frees_blocks_on_both_sides(clust
         assert "KV transfer" in err.value.details() and "timed out" in err.value.details(), err.value.details()
         # The decode side's transfer timeout ended it, not the stalled prefill worker finally sending.
         assert TRANSFER_TIMEOUT_S <= took < SEND_DELAY_S, (took, err.value.details())
+        # Each of the router's attempts (it retries a failed transfer's request) timed out on the decode side.
+        assert await transfer_failures(cluster.address) == plus(failures, "timeout", RouterConfig.max_attempts)
         await blocks_freed(cluster.address)
         assert pid_serving((await by_role(cluster.address))["prefill"].address) == prefill_pid  # stalled, not crashed
         assert await tokens(cluster.address, request("after-timeout")) == expected

@@ -15,14 +15,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from pdserve.cluster.local_process import free_port
-from pdserve.config import RouterConfig
-from pdserve.metrics import RouterMetrics, WorkerMetrics
+from pdserve.config import ClusterConfig, RouterConfig
+from pdserve.metrics import KV_TRANSFER_FAILURE_REASONS, RouterMetrics, WorkerMetrics
 from pdserve.rpc.server import Server, channel
 from pdserve.telemetry import (
     FINAL_EXPORT_S,
     LATENCY_BUCKETS_S,
     MAX_ATTRIBUTE_CHARS,
     TOKEN_BUCKETS_S,
+    TRANSFER_BUCKETS_S,
     JsonFormatter,
     Telemetry,
     default_span_processors,
@@ -220,4 +221,20 @@ def test_a_workers_waiting_sequences_are_a_gauge_beside_its_running_ones():
         if s.name in ("pdserve_running_sequences", "pdserve_waiting_sequences")
     }
     assert got == {("pdserve_running_sequences", "w0", "decode"): 2, ("pdserve_waiting_sequences", "w0", "decode"): 3}
+    telemetry.shutdown()
+
+
+def test_a_kv_transfer_is_timed_in_buckets_from_under_a_millisecond_and_failures_count_from_zero():
+    """A loopback or NVLink transfer takes well under 5 ms, which the request buckets would lump into their first;
+    each failure reason is exported at 0 before any failure, so a rate sees the first one."""
+    telemetry = Telemetry("t")
+    worker = WorkerMetrics(telemetry.meter, "p0", "prefill", lambda: {})
+    worker.transfer_seconds.record(0.0003, worker.labels)
+    worker.transfer_failed("peer_gone")
+    samples = [s for f in telemetry.registry.collect() for s in f.samples]
+    buckets = {s.labels["le"]: s.value for s in samples if s.name == "pdserve_kv_transfer_seconds_bucket"}
+    assert buckets["0.0005"] == 1 and buckets["0.001"] == 1 and float(min(buckets, key=float)) == 0.0005
+    assert ClusterConfig.kv_transfer_timeout_s in TRANSFER_BUCKETS_S  # a transfer any longer fails
+    failures = {s.labels["reason"]: s.value for s in samples if s.name == "pdserve_kv_transfer_failures_total"}
+    assert failures == {**dict.fromkeys(KV_TRANSFER_FAILURE_REASONS, 0.0), "peer_gone": 1.0}
     telemetry.shutdown()
