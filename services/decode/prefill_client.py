@@ -10,6 +10,7 @@ from pdserve.errors import UnavailableError
 from pdserve.protocol.handoff import FirstToken, KVTarget
 from pdserve.rpc.channel_pool import ChannelPool
 from pdserve.rpc.convert import logprobs_from_pb, sampling_to_pb
+from pdserve.rpc.credentials import internal_tls_files
 from pdserve.rpc.errors import error_from_rpc
 from pdserve.rpc.stream_end import cancel_stream
 from pdserve.telemetry import Telemetry
@@ -57,7 +58,9 @@ class PrefillClient:
     """Calls prefill workers over one channel each, closed once idle (`ChannelPool`)."""
 
     def __init__(self, telemetry: Telemetry) -> None:
-        self._channels = ChannelPool(worker_pb2_grpc.PrefillWorkerStub, telemetry.client_interceptors())
+        self._channels = ChannelPool(
+            worker_pb2_grpc.PrefillWorkerStub, telemetry.client_interceptors(), credential_files=internal_tls_files()
+        )
 
     def prefill(
         self,

@@ -14,6 +14,7 @@ from pdserve.errors import UnavailableError
 from pdserve.metrics import RecentLatencies, RouterMetrics
 from pdserve.rpc.channel_pool import ChannelPool
 from pdserve.rpc.convert import sampling_to_pb
+from pdserve.rpc.credentials import internal_tls_files
 from pdserve.rpc.errors import error_from_rpc
 from pdserve.rpc.metadata import HANDOFF_STARTED_KEY, PREFILL_WAITED_KEY
 from pdserve.rpc.stream_end import cancel_stream
@@ -55,7 +56,9 @@ class Relay:
         self.calibration = calibration  # learns from the TTFTs of requests that ran alone
         self.first_token_s = first_token_s
         self.stall_s = stall_s  # the longest silence after the first message (services/router/stall.py)
-        self.channels = ChannelPool(worker_pb2_grpc.DecodeWorkerStub, telemetry.client_interceptors())
+        self.channels = ChannelPool(
+            worker_pb2_grpc.DecodeWorkerStub, telemetry.client_interceptors(), credential_files=internal_tls_files()
+        )
         self.cluster = ClusterSecret.from_env()  # grants the decode worker the prefill address placed
 
     async def stream(

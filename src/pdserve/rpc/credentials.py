@@ -29,6 +29,7 @@ import grpc
 from pdserve import env
 from pdserve.security.api_keys import bearer_metadata
 from pdserve.security.rotating_certificate import RotatingCertificate
+from pdserve.security.watched_files import WatchedFiles
 
 
 def _read(path: str | None) -> bytes | None:
@@ -154,6 +155,13 @@ def internal_server_tls() -> ServerTLS | None:
     """A worker's listener: mTLS with the cluster CA when internal TLS is configured, else plaintext."""
     paths = env.internal_tls()
     return ServerTLS(paths[0], paths[1], client_ca=paths[2]) if paths else None
+
+
+def internal_tls_files() -> WatchedFiles | None:
+    """The internal certificate, key and CA as a long-lived channel pool watches them for renewal (channel_pool.py);
+    None without internal TLS."""
+    paths = env.internal_tls()
+    return WatchedFiles(paths) if paths else None
 
 
 def internal_client_credentials() -> ClientCredentials | None:
