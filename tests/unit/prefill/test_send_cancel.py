@@ -16,11 +16,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
+from pdserve.errors import UnavailableError
+from pdserve.metrics import WorkerMetrics
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.handoff import KVTarget
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.telemetry import Telemetry
+from pdserve.transfer.base import PeerLostError
 from services.prefill.run_and_send import PrefillJob, RunAndSend
 
 pytestmark = pytest.mark.timeout(60)
@@ -78,3 +81,38 @@ async def test_the_blocks_outlive_the_send_however_often_its_caller_cancels(canc
         assert send.attributes["cancelled"] is True and "kv.bytes" not in send.attributes
     finally:
         engine.stop()
+
+
+class LostPeerSender:
+    """A decode worker that died mid-send: the pair's read fails as gloo's does then."""
+
+    def send(self, rendezvous: str, tag: int, caches: object, blocks: list[int], timeout_s: float) -> int:
+        raise PeerLostError("connection closed by peer")
+
+    def close(self) -> None:
+        """Nothing is open."""
+
+
+async def test_a_send_whose_decode_worker_died_counts_as_a_peer_gone_failure() -> None:
+    """Its decode worker, gone, counts nothing: the prefill worker's count is the only one of that failure."""
+    config = EngineConfig(
+        model="tiny-random", device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, num_threads=1,
+        scheduler=SchedulerConfig(mode=EngineMode.PREFILL_ONLY),
+    )  # fmt: skip
+    engine = AsyncEngine(LLMEngine(config))
+    telemetry = Telemetry("t")
+    metrics = WorkerMetrics(telemetry.meter, "p0", "prefill", lambda: {})
+    worker = RunAndSend(engine, LostPeerSender(), "p0", telemetry, metrics)  # type: ignore[arg-type]
+    request = EngineRequest("r", list(range(3, 23)), SamplingParams(max_tokens=8, ignore_eos=True))
+    target = KVTarget("d0", "127.0.0.1:1", list(range(5)), 1, engine.fingerprint, engine.block_size)
+    try:
+        with pytest.raises(UnavailableError, match="KV transfer to decode worker d0 failed"):
+            async with contextlib.aclosing(worker.run(PrefillJob(request, target, 5.0))) as events:
+                async for _ in events:
+                    pass
+        samples = [s for f in telemetry.registry.collect() for s in f.samples]
+        failures = {s.labels["reason"]: s.value for s in samples if s.name == "pdserve_kv_transfer_failures_total"}
+        assert failures["peer_gone"] == 1 and sum(failures.values()) == 1
+    finally:
+        engine.stop()
+        telemetry.shutdown()
