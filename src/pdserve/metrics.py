@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from pdserve.build import current_build
-from pdserve.telemetry import LATENCY_BUCKETS_S, TOKEN_BUCKETS_S, TRANSFER_BUCKETS_S
+from pdserve.telemetry import (
+    LATENCY_BUCKETS_S,
+    STEP_BUCKETS_S,
+    STEP_TOKEN_BUCKETS,
+    TOKEN_BUCKETS_S,
+    TRANSFER_BUCKETS_S,
+)
 
 if TYPE_CHECKING:
     from pdserve.cluster.worker_spec import WorkerSpec
@@ -84,16 +90,9 @@ class SupervisionMetrics:
 
 
 class WorkerMetrics:
-    """One worker's load (gauges read from the engine's stats when scraped) and its KV traffic."""
+    """One worker's load (gauges read from the engine's stats when scraped), its engine steps and its KV traffic."""
 
-    def __init__(
-        self,
-        meter: Meter,
-        worker_id: str,
-        role: str,
-        stats: Callable[[], dict[str, int]],
-        prefix_hits: Callable[[], int] = lambda: 0,
-    ) -> None:
+    def __init__(self, meter: Meter, worker_id: str, role: str, stats: Callable[[], dict[str, int]]) -> None:
         self.labels = {"worker_id": worker_id, "role": role}
         self._stats = stats
         for name, key, what in (
@@ -113,13 +112,24 @@ class WorkerMetrics:
         )
         meter.create_observable_counter(
             "pdserve_prefix_cache_hits_total",
-            callbacks=[lambda options: [Observation(prefix_hits(), self.labels)]],
+            callbacks=[lambda options: [Observation(self._stats().get("prefix_hits", 0), self.labels)]],
             description="KV blocks served from the prefix cache instead of computed",
         )
         meter.create_observable_counter(
             "pdserve_preemptions_total",
             callbacks=[lambda options: [Observation(self._stats().get("preemptions", 0), self.labels)]],
             description="sequences preempted for want of KV blocks, to be recomputed (their streams wait meanwhile)",
+        )
+        self.step_seconds = meter.create_histogram(
+            "pdserve_engine_step_seconds",
+            unit="s",
+            description="one engine step's wall time, steps that ran tokens (prefill chunks and decodes together)",
+            explicit_bucket_boundaries_advisory=STEP_BUCKETS_S,
+        )
+        self.step_tokens = meter.create_histogram(
+            "pdserve_engine_step_tokens",
+            description="tokens in one engine step's batch (prompt tokens prefilled plus sequences decoded)",
+            explicit_bucket_boundaries_advisory=STEP_TOKEN_BUCKETS,
         )
         self.transfer_bytes = meter.create_counter(
             "pdserve_kv_transfer_bytes_total", description="KV bytes sent to decode workers"
@@ -138,6 +148,12 @@ class WorkerMetrics:
         if role != "colocated":  # from 0, so that a rate sees the first failure
             for reason in KV_TRANSFER_FAILURE_REASONS:
                 self.transfer_failures.add(0, {**self.labels, "reason": reason})
+
+    def stepped(self, tokens: int, seconds: float) -> None:
+        """One engine step, on the engine thread (OTel's instruments are thread-safe): a dashboard reads step
+        latency and batch fill per worker, which the request latencies blur over the whole cluster."""
+        self.step_seconds.record(seconds, self.labels)
+        self.step_tokens.record(tokens, self.labels)
 
     def transfer_failed(self, reason: str) -> None:
         """One KV transfer this worker saw fail, for `reason` (one of KV_TRANSFER_FAILURE_REASONS)."""

@@ -44,6 +44,10 @@ TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.05, 0.06, 0.08, 0.1
 # One prompt's KV: well under a millisecond over loopback or NVLink, up to seconds for a long prompt over a slow
 # network; the last edge is the default transfer timeout (a transfer that takes longer fails).
 TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# One engine step: a decode step of a small batch takes ~1 ms on a GPU, a long prefill chunk on a CPU seconds.
+STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10)
+# Tokens in one step's batch: 1 (a lone decode) up to max_num_batched_tokens, powers of two as vLLM's.
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # A span attribute's longest value: callers' text (an HTTP `user`, an error naming a request) stays far under an
 # OTLP collector's 4 MiB message limit, which one oversized span would break for every span batched with it.
 MAX_ATTRIBUTE_CHARS = 4096

@@ -207,6 +207,11 @@ def test_metrics_count_requests_and_blocks_return_to_zero(cluster):
     for w in workers:  # what a dashboard counts by build through a rollout, and the status the same
         assert w["build"] == current_build()
         assert total(scrape(urls[w["id"]]), "pdserve_build_info", build=w["build"], worker_id=w["id"]) == 1
+    for w, u in urls.items():  # every worker's engine steps, timed and counted by their batch's tokens
+        samples = scrape(u)
+        steps = total(samples, "pdserve_engine_step_tokens_count", worker_id=w)
+        assert total(samples, "pdserve_engine_step_seconds_count", worker_id=w) == steps > 0, w
+        assert total(samples, "pdserve_engine_step_tokens_sum", worker_id=w) >= steps, w
     prefill = next(u for w, u in urls.items() if w.startswith("prefill"))
     samples = scrape(prefill)
     assert total(samples, "pdserve_kv_transfer_bytes_total") > 0

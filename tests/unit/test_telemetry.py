@@ -22,6 +22,7 @@ from pdserve.telemetry import (
     FINAL_EXPORT_S,
     LATENCY_BUCKETS_S,
     MAX_ATTRIBUTE_CHARS,
+    STEP_BUCKETS_S,
     TOKEN_BUCKETS_S,
     TRANSFER_BUCKETS_S,
     JsonFormatter,
@@ -150,14 +151,15 @@ def test_every_metric_a_router_or_worker_exports_says_what_it_measures():
     """A dashboard's author reads HELP: an empty one leaves the unit's meaning (per token? per request?) a guess."""
     telemetry = Telemetry("t")
     router = RouterMetrics(telemetry.meter)
-    worker = WorkerMetrics(telemetry.meter, "w0", "prefill", lambda: {}, lambda: 0)
-    for histogram in (router.ttft, router.tpot, router.itl, router.e2e, worker.transfer_seconds):
+    worker = WorkerMetrics(telemetry.meter, "w0", "prefill", lambda: {})
+    histograms = (router.ttft, router.tpot, router.itl, router.e2e, worker.transfer_seconds)
+    for histogram in (*histograms, worker.step_seconds, worker.step_tokens):
         histogram.record(0.1)
     counters = (router.requests, router.successes, router.prompt_tokens, router.generation_tokens, router.moves)
     for counter in (*counters, worker.transfer_bytes):
         counter.add(1)
     families = [f for f in telemetry.registry.collect() if f.name.startswith("pdserve_")]
-    assert len(families) >= 15
+    assert len(families) >= 17
     assert [f.name for f in families if not f.documentation.strip()] == []
     telemetry.shutdown()
 
@@ -237,4 +239,20 @@ def test_a_kv_transfer_is_timed_in_buckets_from_under_a_millisecond_and_failures
     assert ClusterConfig.kv_transfer_timeout_s in TRANSFER_BUCKETS_S  # a transfer any longer fails
     failures = {s.labels["reason"]: s.value for s in samples if s.name == "pdserve_kv_transfer_failures_total"}
     assert failures == {**dict.fromkeys(KV_TRANSFER_FAILURE_REASONS, 0.0), "peer_gone": 1.0}
+    telemetry.shutdown()
+
+
+def test_each_engine_step_is_timed_from_a_millisecond_and_its_batch_counted_by_worker():
+    """Step latency and batch fill per worker (vLLM's iteration tokens and step times): a decode step of a small
+    batch on a GPU takes about a millisecond, which the request buckets (from 5 ms) would lump into their first."""
+    telemetry = Telemetry("t")
+    worker = WorkerMetrics(telemetry.meter, "d0", "decode", lambda: {})
+    worker.stepped(48, 0.0008)
+    worker.stepped(1, 2.0)
+    samples = [s for f in telemetry.registry.collect() for s in f.samples if s.labels.get("worker_id") == "d0"]
+    seconds = {s.labels["le"]: s.value for s in samples if s.name == "pdserve_engine_step_seconds_bucket"}
+    assert (seconds["0.001"], seconds["1"], seconds["2.5"]) == (1, 1, 2) and min(STEP_BUCKETS_S) == 0.001
+    tokens = {s.labels["le"]: s.value for s in samples if s.name == "pdserve_engine_step_tokens_bucket"}
+    assert (tokens["1"], tokens["32"], tokens["64"]) == (1, 1, 2)
+    assert {s.labels["role"] for s in samples if s.name.startswith("pdserve_engine_step_")} == {"decode"}
     telemetry.shutdown()

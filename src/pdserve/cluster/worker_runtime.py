@@ -287,23 +287,26 @@ class WorkerRuntime:
             port_span=PORT_SPAN,
         )
         engine = self._engine
-        metrics = WorkerMetrics(
-            self.telemetry.meter, spec.worker_id, spec.role, lambda: engine.stats, lambda: engine.stats["prefix_hits"]
-        )
+        self._metrics = WorkerMetrics(self.telemetry.meter, spec.worker_id, spec.role, lambda: engine.stats)
         if spec.metrics_port is not None:
             port = bind_first_free(partial(self.telemetry.serve_metrics, spec.host), spec.metrics_port)
             self._metrics_address = join(spec.advertise_host, port)
-        self._transfer = self._services(WorkerContext(spec, self._engine, self._server, self.telemetry, metrics))
+        self._transfer = self._services(WorkerContext(spec, self._engine, self._server, self.telemetry, self._metrics))
         add_control_service(self._server, self._drain_here)
         await self._server.start()
         self._speed = SpeedTracker(await self._engine.measure_profile())  # first: it writes over the KV pool
         await self._warm_up()
-        self._engine.on_step = self._speed.observe
+        self._engine.on_step = self._stepped
         await self._server.set_serving(True)
         self._ready.set_result(self._server.address)
         if spec.registry_url:
             self._heartbeat_thread = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
             self._heartbeat_thread.start()
+
+    def _stepped(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
+        """On the engine thread, each step that ran tokens: the live speed correction, and the step metrics."""
+        self._speed.observe(prefill_tokens, decode_seqs, seconds)
+        self._metrics.stepped(prefill_tokens + decode_seqs, seconds)
 
     async def _warm_up(self) -> None:
         """One tiny step through the model, so the first real request does not pay for lazy kernel set-up."""
