@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from pdserve.registry.base import WorkerState
 
@@ -20,18 +21,25 @@ class Ejections:
     def __init__(self, hold_s: float) -> None:
         self.hold_s = hold_s
         self._until: dict[tuple[str, str], float] = {}  # (worker_id, address) -> monotonic expiry
+        # Told of each worker taken out of placement (not of a hold renewed): the router's ejection counter.
+        self.on_eject: Callable[[WorkerState, str], None] | None = None
 
-    def eject(self, worker: WorkerState, reason: str) -> None:
+    def eject(self, worker: WorkerState, reason: str, detail: str = "") -> None:
+        """Out of placement for `hold_s` from now, for `reason` (one of retry.EJECTION_REASONS); `detail`: the
+        failure's own words, for the log only."""
         now = time.monotonic()
+        fresh = not self.ejected(worker)  # the requests in flight on a lost worker renew one ejection
         self._until = {k: t for k, t in self._until.items() if t > now}  # restarted workers' keys age out here
         self._until[(worker.worker_id, worker.address)] = now + self.hold_s
+        if fresh and self.on_eject is not None:
+            self.on_eject(worker, reason)
         log.warning(
             "worker %s at %s out of placement for %g s: %s",
             worker.worker_id,
             worker.address,
             self.hold_s,
-            reason,
-            extra={"worker_id": worker.worker_id, "address": worker.address},
+            detail or reason,
+            extra={"worker_id": worker.worker_id, "address": worker.address, "reason": reason},
         )
 
     def ejected(self, worker: WorkerState) -> bool:

@@ -42,7 +42,7 @@ from services.router.outcome import CALLER_ENDED, Caller, log_level
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request, capped_default
-from services.router.retry import Moves, avoided_workers, blamed_worker, record_move
+from services.router.retry import Moves, avoided_workers, blamed_worker, ejection_reason, record_move
 from services.router.ticket import Ticket
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class RequestLifecycle:
         self.model = model
         self.config = config
         self.placement = placement
+        placement.ejections.on_eject = self.metrics.ejected
         self.prefix_index = prefix_index
         self.tracker = tracker
         self.admission = Admission(config, placement.predictor)
@@ -272,7 +273,7 @@ class RequestLifecycle:
         message goes only to another worker, one with room as far as this router sees."""
         worker = blamed_worker(error, ticket.placement)
         if eject:
-            self.placement.ejections.eject(worker, str(error))
+            self.placement.ejections.eject(worker, ejection_reason(error), str(error))
         failed.update(avoided_workers(worker, ticket.placement))
         ticket.leave_workers()  # this attempt holds no place there while the next is found (still in flight)
         streamed = [t for chunk in chunks for t in chunk]

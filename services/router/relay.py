@@ -29,6 +29,10 @@ from services.router.stall import read_within
 from services.router.ticket import Ticket
 
 
+class NoFirstTokenError(UnavailableError):
+    """No first token within the router's bound: the router's ejection counts it as `no_first_token`."""
+
+
 @dataclass
 class Clock:
     """One stream's timings, from the router's receipt of the request, across all its attempts."""
@@ -124,7 +128,7 @@ class Relay:
                 return await call.read()
         except TimeoutError:
             call.cancel()
-            raise UnavailableError(self._no_first_token(ticket.placement, handed_off)) from None
+            raise NoFirstTokenError(self._no_first_token(ticket.placement, handed_off)) from None
         finally:
             handed_off.cancel()
 

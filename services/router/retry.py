@@ -16,12 +16,18 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from pdserve.config import RouterConfig
-from pdserve.errors import OverloadedError, UnavailableError
+from pdserve.errors import ClusterAuthError, OverloadedError, UnavailableError
 from pdserve.metrics import RouterMetrics
 from pdserve.registry.base import WorkerState
 from services.router.placement import Placement
+from services.router.relay import NoFirstTokenError
+from services.router.stall import StalledError
 
 log = logging.getLogger(__name__)
+# Why the router took a worker out of placement (pdserve_worker_ejections_total's `reason`), a fixed set: a call that
+# failed UNAVAILABLE (the worker gone, unreachable, or its engine or KV transfer failed), the router's first-token
+# or stall bound, a worker refusing the router's cluster credentials, and a drain (services/router/drain.py).
+EJECTION_REASONS = ("unavailable", "no_first_token", "stalled", "cluster_auth", "draining")
 
 
 def blamed_worker(error: UnavailableError | OverloadedError, placement: Placement) -> WorkerState:
@@ -32,6 +38,14 @@ def blamed_worker(error: UnavailableError | OverloadedError, placement: Placemen
     if prefill is not None and re.search(rf"(?<![\w.\-]){re.escape(prefill.address)}(?!\w)", str(error)):
         return prefill
     return placement.decode
+
+
+def ejection_reason(error: UnavailableError | OverloadedError) -> str:
+    """The failed attempt's reason, of EJECTION_REASONS, for ejecting the worker it blamed."""
+    for kind, reason in ((NoFirstTokenError, "no_first_token"), (StalledError, "stalled")):
+        if isinstance(error, kind):
+            return reason
+    return "cluster_auth" if isinstance(error, ClusterAuthError) else "unavailable"
 
 
 def avoided_workers(blamed: WorkerState, placement: Placement) -> set[str]:

@@ -25,6 +25,10 @@ GRACE_S = 0.25  # after such a hold: time to read what came meanwhile
 HELD_MAX_S = 10.0  # past the bound by this much in all, the loop's holds count too (a loop always late)
 
 
+class StalledError(UnavailableError):
+    """A decode worker silent past the stall bound mid-stream: the router's ejection counts it as `stalled`."""
+
+
 class _StallCheck:
     """Expires `timeout` once `bound_s` passed with the loop free to read; re-armed for a grace when it runs late."""
 
@@ -51,7 +55,7 @@ class _StallCheck:
 
 
 async def read_within(call: grpc.aio.UnaryStreamCall, bound_s: float, decode: WorkerState) -> object:
-    """The call's next message (or EOF), or UnavailableError once `bound_s` passes without one."""
+    """The call's next message (or EOF), or StalledError once `bound_s` passes without one."""
     try:
         async with asyncio.timeout(None) as timeout:
             check = _StallCheck(timeout, bound_s)
@@ -61,7 +65,7 @@ async def read_within(call: grpc.aio.UnaryStreamCall, bound_s: float, decode: Wo
                 check.cancel()
     except TimeoutError:
         call.cancel()
-        raise UnavailableError(
+        raise StalledError(
             f"decode worker {decode.worker_id} at {decode.address} sent nothing for {bound_s:g} s mid-stream "
             "(the router's stall bound); the stream was cancelled there"
         ) from None

@@ -21,6 +21,7 @@ from pdserve.telemetry import (
 
 if TYPE_CHECKING:
     from pdserve.cluster.worker_spec import WorkerSpec
+    from pdserve.registry.base import WorkerState
 
 # Why a KV transfer failed (pdserve.transfer.failures says which is which), a fixed set: each is exported from 0.
 KV_TRANSFER_FAILURE_REASONS = ("peer_gone", "timeout", "cancelled", "error")
@@ -68,6 +69,11 @@ class RouterMetrics:
         self.moves = meter.create_counter(
             "pdserve_request_moves_total", description="requests placed again after a worker failed them, by kind"
         )
+        self.ejections = meter.create_counter(
+            "pdserve_worker_ejections_total",
+            description="workers this router took out of placement, by reason (a failure, a bound, a drain): "
+            "a worker ejected again and again is flapping",
+        )
 
     def ended(self, outcome: str, tenant: str, e2e_s: float, finish_reason: str) -> None:
         """A request's end: its outcome; a finished one's end-to-end latency and finish reason."""
@@ -75,6 +81,11 @@ class RouterMetrics:
         if outcome == "finished":
             self.e2e.record(e2e_s, {"tenant": tenant})
             self.successes.add(1, {"finish_reason": finish_reason, "tenant": tenant})
+
+    def ejected(self, worker: WorkerState, reason: str) -> None:
+        """A worker taken out of placement (services/router/ejection.py), once per ejection however many of its
+        requests failed meanwhile."""
+        self.ejections.add(1, {"worker_id": worker.worker_id, "role": str(worker.role), "reason": reason})
 
 
 class SupervisionMetrics:

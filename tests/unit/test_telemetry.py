@@ -156,10 +156,11 @@ def test_every_metric_a_router_or_worker_exports_says_what_it_measures():
     for histogram in (*histograms, worker.step_seconds, worker.step_tokens):
         histogram.record(0.1)
     counters = (router.requests, router.successes, router.prompt_tokens, router.generation_tokens, router.moves)
+    counters += (router.ejections,)
     for counter in (*counters, worker.transfer_bytes):
         counter.add(1)
     families = [f for f in telemetry.registry.collect() if f.name.startswith("pdserve_")]
-    assert len(families) >= 17
+    assert len(families) >= 18
     assert [f.name for f in families if not f.documentation.strip()] == []
     telemetry.shutdown()
 

@@ -10,12 +10,14 @@ import grpc
 import pytest
 
 from pdserve.config import RouterConfig
-from pdserve.errors import UnavailableError
+from pdserve.errors import ClusterAuthError, UnavailableError
+from pdserve.metrics import RouterMetrics
 from pdserve.rpc.metadata import HANDOFF_STARTED_KEY
+from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from services.router.ejection import Ejections
 from services.router.generation import generate
-from services.router.retry import Moves, blamed_worker
+from services.router.retry import EJECTION_REASONS, Moves, blamed_worker, ejection_reason
 from tests.unit.router.router_builder import Router, prompt, worker
 from tests.unit.router.stand_in_decode import StandInDecode, serving
 
@@ -87,6 +89,36 @@ def test_ejections_never_leave_a_role_empty(monkeypatch):
     assert ejections.usable([]) == []
 
 
+def test_each_ejection_counts_once_by_worker_role_and_reason(monkeypatch):
+    """What an alert on flapping workers reads: the requests in flight on a lost worker fail together, and renew its
+    one ejection rather than count one each."""
+    clock = [100.0]
+    monkeypatch.setattr("services.router.ejection.time.monotonic", lambda: clock[0])
+    telemetry = Telemetry("test-router")
+    ejections = Ejections(hold_s=10.0)
+    ejections.on_eject = RouterMetrics(telemetry.meter).ejected
+    for _ in range(3):
+        ejections.eject(worker("d0", "decode"), "unavailable", "decode worker d0 at d0.local:50051: gone")
+    clock[0] += 10.5  # its hold is over: ejected again
+    ejections.eject(worker("d0", "decode"), "stalled")
+    ejections.eject(worker("p0"), "draining")
+    counted = {
+        (s.labels["worker_id"], s.labels["role"], s.labels["reason"]): s.value
+        for f in telemetry.registry.collect()
+        for s in f.samples
+        if s.name == "pdserve_worker_ejections_total"
+    }
+    assert counted == {
+        ("d0", "decode", "unavailable"): 1,
+        ("d0", "decode", "stalled"): 1,
+        ("p0", "prefill", "draining"): 1,
+    }
+    assert ejection_reason(ClusterAuthError("decode worker d0: refused")) == "cluster_auth"
+    assert ejection_reason(UnavailableError("decode worker d0: failed to connect")) == "unavailable"
+    assert {"unavailable", "stalled", "draining", "cluster_auth"} < set(EJECTION_REASONS)
+    telemetry.shutdown()
+
+
 def test_max_attempts_below_one_and_a_negative_migration_limit_are_refused():
     with pytest.raises(ValueError, match="max_attempts"):
         RouterConfig(max_attempts=0)
@@ -123,12 +155,14 @@ class HangsAfterHandoff(StandInDecode):
         yield pb.GenerateResponse()
 
 
-@pytest.mark.parametrize("faulty", [BrokenReceive, HangsAfterHandoff])
-async def test_a_fault_blamed_on_the_prefill_worker_sends_the_retry_to_another_decode_worker(faulty):
+@pytest.mark.parametrize(("faulty", "reason"), [(BrokenReceive, "unavailable"), (HangsAfterHandoff, "no_first_token")])
+async def test_a_fault_blamed_on_the_prefill_worker_sends_the_retry_to_another_decode_worker(faulty, reason):
     """Which side failed is read from the decode worker's status, and a decode worker's own fault can name its
     prefill worker: the retry then avoids both, so it reaches a healthy decode worker instead of going back to
-    the faulty one (which has the most free blocks) until the attempts run out."""
+    the faulty one (which has the most free blocks) until the attempts run out. The prefill worker is ejected, and
+    counted so, for what failed."""
     bad, healthy = faulty(), StandInDecode()
+    telemetry = Telemetry("test-router")
     async with serving(bad) as d0, serving(healthy) as d1:
         r = Router(
             [worker("p0"), worker("d0", "decode", address=d0), worker("d1", "decode", address=d1, kv_blocks_free=2048)],
@@ -139,8 +173,17 @@ async def test_a_fault_blamed_on_the_prefill_worker_sends_the_retry_to_another_d
         async def admitted(ticket: object) -> None:
             pass
 
-        tokens = [t async for msg in generate(r.lifecycle(), req, {}, lambda: 10.0, admitted) for t in msg.token_ids]
+        lifecycle = r.lifecycle(telemetry=telemetry)
+        tokens = [t async for msg in generate(lifecycle, req, {}, lambda: 10.0, admitted) for t in msg.token_ids]
     assert len(tokens) == 4 and (bad.calls, healthy.calls) == (1, 1)
+    ejected = [
+        (s.labels["worker_id"], s.labels["role"], s.labels["reason"], s.value)
+        for f in telemetry.registry.collect()
+        for s in f.samples
+        if s.name == "pdserve_worker_ejections_total"
+    ]
+    assert ejected == [("p0", "prefill", reason, 1.0)]
+    telemetry.shutdown()
 
 
 class FailsFirst(StandInDecode):

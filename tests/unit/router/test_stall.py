@@ -15,7 +15,7 @@ from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
-from services.router.retry import blamed_worker
+from services.router.retry import blamed_worker, ejection_reason
 from services.router.stall import read_within
 from tests.unit.router.router_builder import Router, prompt, worker
 from tests.unit.router.stand_in_decode import StandInDecode, serving
@@ -54,6 +54,7 @@ def test_a_message_within_the_bound_passes_and_silence_past_it_cancels_the_call_
     assert call.cancelled
     assert "d0" in str(error) and "stall bound" in str(error)
     assert blamed_worker(error, placed) is placed.decode  # ejected, and the request migrates
+    assert ejection_reason(error) == "stalled"  # counted apart from a worker lost
 
 
 def test_the_stall_bound_must_be_a_positive_number():
