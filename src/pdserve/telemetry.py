@@ -199,7 +199,9 @@ def mark_ended_by(span: trace.Span, error: BaseException | None) -> None:
 
 def mark_failed(span: trace.Span, error: BaseException) -> None:
     """ERROR with the exception, whatever it is: for an error that broke what the caller was already given (a stream
-    its first events reached), a shed or a refusal included."""
+    its first events reached), a shed or a refusal included. Its type is OpenTelemetry's `error.type`, which a
+    backend groups failures by (the exception event's text is unbounded)."""
+    span.set_attribute("error.type", type(error).__qualname__)
     span.record_exception(error)
     span.set_status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}")
 

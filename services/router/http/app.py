@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager, aclosing, suppress
 
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -21,7 +21,7 @@ from starlette.routing import Route
 from starlette.types import Send
 
 from pdserve.security.quotas import Choices
-from pdserve.telemetry import mark_ended_by, mark_failed
+from pdserve.telemetry import mark_failed
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, check_model, generate
 from services.router.http.choices import each_choice, request_choices
@@ -36,6 +36,7 @@ from services.router.http.errors import (
 from services.router.http.keepalive import KeptAliveBody
 from services.router.http.openai_request import OpenAIRequest, parse_json, parse_request
 from services.router.http.openai_response import DONE_EVENT, Answer, sse_events
+from services.router.http.server_span import CHAT_ROUTE, COMPLETIONS_ROUTE, route_of, server_span, span_status
 from services.router.lifecycle import RequestLifecycle
 from services.router.ticket import Ticket
 
@@ -47,8 +48,8 @@ def openai_app(lifecycle: RequestLifecycle) -> Starlette:
     api = OpenAIAPI(lifecycle)
     return Starlette(
         routes=[
-            Route("/v1/completions", api.completions, methods=["POST"]),
-            Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+            Route(COMPLETIONS_ROUTE, api.completions, methods=["POST"]),
+            Route(CHAT_ROUTE, api.chat_completions, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/v1/models/", api.models, methods=["GET"]),
             Route("/v1/models/{model:path}", api.model, methods=["GET"]),
@@ -96,7 +97,7 @@ class OpenAIAPI:
         return await self._complete(request, chat=True)
 
     async def _complete(self, request: Request, chat: bool) -> Response:
-        start, tenant = time.perf_counter(), None
+        start, tenant = time.perf_counter(), None  # the head's arrival: the request's span starts there
         try:
             tenant = check_caller(self.lifecycle, request.headers)  # a caller without a valid key learns nothing more
             # Its requests_per_second before its body is read: refused, the body is left unread as a 401's is (the
@@ -118,10 +119,10 @@ class OpenAIAPI:
         except Exception as e:  # a bug converting a body is a 500 in OpenAI's shape too, its text only in the log
             self.lifecycle.refused(e, start, tenant)
             response = error_response(e)
-            with self._span(request, None) as span:  # in its caller's trace, as a gRPC call's refusal is
+            with self._span(request, chat, start) as span:  # in its caller's trace, as a gRPC call's refusal is
                 if response.status_code < 500:
                     span.set_attribute("refused", f"{type(e).__name__}: {e}")
-                _span_status(span, response.status_code, e)
+                span_status(span, response.status_code, e)
             return response
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id or uuid.uuid4().hex}"
         answer = Answer(req, answer_id, self.lifecycle.tokenizer)
@@ -129,7 +130,7 @@ class OpenAIAPI:
             events = self._events(req, choices, answer, request, start)
             return SSEResponse(events, req.max_tokens_param, self.lifecycle.config.sse_keepalive_s)
         headers: dict[str, str] = {}
-        with self._span(request, req) as span:
+        with self._span(request, chat, start, req.user) as span:
             whole = asyncio.ensure_future(self._whole(req, choices, answer, request, headers, start))
             gone = asyncio.ensure_future(_disconnected(request))
             try:
@@ -142,15 +143,15 @@ class OpenAIAPI:
                         await whole  # its ticket and KV are released before the span ends
             if whole.cancelled():  # the caller's leaving, no failure of the router's (as a stream's is)
                 span.set_attribute("cancelled", True)
-                _span_status(span, 499)
+                span_status(span, 499)
                 return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
             try:
                 whole.result()
             except Exception as e:
                 response = error_response(e, req.max_tokens_param)
-                _span_status(span, response.status_code, e)
+                span_status(span, response.status_code, e)
                 return response
-            _span_status(span, 200)
+            span_status(span, 200)
         return JSONResponse(answer.whole(), headers=headers)
 
     async def _whole(
@@ -170,13 +171,13 @@ class OpenAIAPI:
     ) -> AsyncIterator[bytes]:
         """Within one task (the response's), so the span and the request's context live and end there. An error
         before the first event is the response's status (SSEResponse): an error on the span only when a 5xx."""
-        with self._span(request, req, record_exception=False, set_status_on_exception=False) as span:
+        with self._span(request, req.chat, arrived, req.user, on_exception=False) as span:
             started = False
             try:
                 async with aclosing(sse_events(answer, self._choices(req, choices, request, {}, arrived))) as events:
                     async for event in events:
                         if not started:
-                            _span_status(span, 200)
+                            span_status(span, 200)
                             started = True
                         yield event
             except (asyncio.CancelledError, GeneratorExit):  # the caller hung up: its leaving, no failure
@@ -186,7 +187,7 @@ class OpenAIAPI:
                 if started:  # it broke an open stream: the server's failure, whatever the error
                     mark_failed(span, e)
                 else:
-                    _span_status(span, error_body(e, req.max_tokens_param)[0], e)
+                    span_status(span, error_body(e, req.max_tokens_param)[0], e)
                 raise
 
     def _choices(
@@ -229,22 +230,11 @@ class OpenAIAPI:
             request_taken=request_taken,
         )
 
-    def _span(self, request: Request, req: OpenAIRequest | None, **options: bool) -> AbstractContextManager[trace.Span]:
-        """The request's server span, a child of the caller's trace when its `traceparent` header names one;
-        it carries the body's `user` as OpenTelemetry's `enduser.id` (None: a body refused before it parsed)."""
-        tracer, parent = self.lifecycle.telemetry.tracer, propagate.extract(request.headers)
-        attributes = {"enduser.id": req.user} if req is not None and req.user else None
-        name = f"POST {request.url.path}"
-        kind = trace.SpanKind.SERVER
-        return tracer.start_as_current_span(name, parent, kind=kind, attributes=attributes, **options)
-
-
-def _span_status(span: trace.Span, status: int, error: BaseException | None = None) -> None:
-    """The response's status on the request's span; an error there only for a 5xx (OpenTelemetry's convention for
-    server spans: a 4xx is the client's)."""
-    span.set_attribute("http.response.status_code", status)
-    if status >= 500:
-        mark_ended_by(span, error)
+    def _span(
+        self, request: Request, chat: bool, arrived: float, user: str = "", on_exception: bool = True
+    ) -> AbstractContextManager[trace.Span]:
+        """The request's server span (server_span.py), from its head's arrival."""
+        return server_span(self.lifecycle.telemetry.tracer, request, route_of(chat), arrived, user, on_exception)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

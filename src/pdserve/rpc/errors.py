@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from pdserve.errors import (
     ClusterAuthError,
@@ -36,6 +37,17 @@ CLUSTER_AUTH_REFUSED_KEY = "x-pdserve-cluster-auth-refused"
 # Trailer of an INTERNAL that a pdserve handler's bug answered, rather than gRPC's own (a broken connection's
 # RST_STREAM is INTERNAL too, and is a lost peer).
 HANDLER_BUG_KEY = "x-pdserve-handler-bug"
+# The codes OpenTelemetry's gRPC instrumentation marks its server span ERROR for: the span says which error it was.
+_SERVER_FAILURES = frozenset(
+    (
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    )
+)
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
@@ -104,6 +116,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, stream: bool
     mapped = _status_for(exc)
     if mapped is None:
         mapped = (grpc.StatusCode.INTERNAL, internal_error_message(exc))
+    if mapped[0] in _SERVER_FAILURES:  # `error.type`, as the HTTP API's span of a failure has (telemetry.mark_failed)
+        trace.get_current_span().set_attribute("error.type", type(exc).__qualname__)
     if mapped[0] == grpc.StatusCode.INTERNAL:
         context.set_trailing_metadata(((HANDLER_BUG_KEY, "1"),))
     if isinstance(exc, OverloadedError):

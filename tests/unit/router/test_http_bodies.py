@@ -4,14 +4,16 @@ request, never a plain-text 500."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import httpx2
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import SpanKind, StatusCode
 
 from pdserve.security.api_keys import KeyTable, Tenant, digest
 from pdserve.telemetry import Telemetry
@@ -163,6 +165,7 @@ async def test_the_http_span_is_an_error_only_for_the_servers_own_failures():
     spans = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/completions"]
     assert [s.attributes["http.response.status_code"] for s in spans] == [400, 503] * 2
     assert [s.status.status_code for s in spans] == [StatusCode.UNSET, StatusCode.ERROR] * 2
+    assert [s.attributes.get("error.type") for s in spans] == [None, "NoWorkersError"] * 2
     # So are the steps under them: a bad request's admission is no failure; a placement without workers is.
     steps = {(s.name, s.status.status_code) for s in exporter.get_finished_spans() if s.name != spans[0].name}
     assert steps == {("admission", StatusCode.UNSET), ("admission", StatusCode.ERROR), ("placement", StatusCode.ERROR)}
@@ -172,6 +175,44 @@ async def test_the_http_span_is_an_error_only_for_the_servers_own_failures():
     assert {s.name: s.status.status_code for s in exporter.get_finished_spans()} == dict.fromkeys(
         ("admission", "placement", "POST /v1/completions"), StatusCode.UNSET
     )
+    telemetry.shutdown()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_http_span_starts_as_the_head_arrives_with_opentelemetrys_http_attributes(stream):
+    """A slow upload is in the request's span, as it is in a gRPC call's (it started once the body was read), and
+    the span carries the HTTP semantic conventions' attributes that a backend's HTTP views read."""
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("test-router", span_processor=SimpleSpanProcessor(exporter))
+    lc = Router([], no_workers_wait_s=0.1).lifecycle(telemetry=telemetry)
+
+    async def slow_body() -> AsyncIterator[bytes]:
+        await asyncio.sleep(0.3)
+        yield f'{{{CHAT}, "stream": {str(stream).lower()}, "user": "u-1"}}'.encode()
+
+    transport = httpx2.ASGITransport(app=openai_app(lc), raise_app_exceptions=False)
+    headers = {"content-type": "application/json", "user-agent": "probe/1.0"}
+    sent_ns = time.time_ns()
+    async with httpx2.AsyncClient(transport=transport, base_url="http://router.example:8000") as http:
+        r = await http.post("/v1/chat/completions", content=slow_body(), headers=headers)
+    assert r.status_code == 503, r.text  # no workers
+    (span,) = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER]
+    assert span.start_time - sent_ns < 0.2e9 <= 0.3e9 <= span.end_time - span.start_time
+    attrs = dict(span.attributes)
+    assert span.name == "POST /v1/chat/completions" and attrs.pop("client.address") and attrs.pop("client.port")
+    assert attrs == {
+        "http.request.method": "POST",
+        "http.route": "/v1/chat/completions",
+        "url.path": "/v1/chat/completions",
+        "url.scheme": "http",
+        "server.address": "router.example",
+        "server.port": 8000,
+        "user_agent.original": "probe/1.0",
+        "enduser.id": "u-1",
+        "http.response.status_code": 503,
+        "error.type": "NoWorkersError",
+        **{k: v for k, v in attrs.items() if k.startswith("request.")},  # the lifecycle's, as on a gRPC span
+    }
     telemetry.shutdown()
 
 

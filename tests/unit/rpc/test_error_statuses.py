@@ -195,11 +195,15 @@ async def test_a_traced_streams_answer_to_its_caller_is_its_status_with_no_stack
         assert ("grpc-retry-pushback-ms", "250") in tuple(shed.trailing_metadata() or ())
         assert shed.details() == "every decode worker's batch is full"
         assert (await _call(server.address, "boom")).code() == grpc.StatusCode.INTERNAL
+        assert (await _call(server.address, "prefill gone")).code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await server.stop(None)
         telemetry.shutdown()
-    refused, bug = sorted(exporter.get_finished_spans(), key=lambda s: s.attributes["rpc.grpc.status_code"])
+    spans = sorted(exporter.get_finished_spans(), key=lambda s: s.attributes["rpc.grpc.status_code"])
+    refused, bug, gone = spans
     assert refused.attributes["rpc.grpc.status_code"] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert [e.name for e in refused.events] == []
     assert bug.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INTERNAL.value[0]
     assert "exception" in [e.name for e in bug.events]
+    # A failure's span names its error's type (OpenTelemetry's `error.type`), as the HTTP API's does; an answer none.
+    assert [s.attributes.get("error.type") for s in spans] == [None, "RuntimeError", "UnavailableError"]
