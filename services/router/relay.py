@@ -150,7 +150,7 @@ class Relay:
         now = time.perf_counter()
         if msg.token_ids and not clock.ttft_s:
             clock.ttft_s = now - clock.start
-            self.metrics.ttft.record(clock.ttft_s)
+            self.metrics.ttft.record(clock.ttft_s, {"tenant": ticket.request.tenant})
             # The workers are judged by this attempt's TTFT from its dispatch: a retry's request TTFT holds the
             # failed attempt's, and any request's the router's own work before the call.
             attempt_s, p = now - ticket.dispatched_at, ticket.placement
@@ -188,7 +188,8 @@ class Relay:
             )
         )
         if clock.completion_tokens > 1:
-            self.metrics.tpot.record((now - clock.start - clock.ttft_s) / (clock.completion_tokens - 1))
+            tpot_s = (now - clock.start - clock.ttft_s) / (clock.completion_tokens - 1)
+            self.metrics.tpot.record(tpot_s, {"tenant": ticket.request.tenant})
         if ticket.tokens > 1:  # the worker by its own attempt: a moved stream's stall and new prefill are not its
             self.recent.add(
                 ticket.placement.decode.worker_id, "tpot", (now - ticket.first_token_at) / (ticket.tokens - 1)

@@ -52,6 +52,7 @@ class RoutedRequest:
     priority: int
     cache_salt: bytes = b""  # the prefix-cache salt of its tenant (and its own cache_salt)
     resumed_output_tokens: int = 0  # the prompt's last tokens are its own output: a stream moved after a failure
+    tenant: str = OPEN_TENANT  # whose it is: the label on its latency metrics
 
 
 async def build_request(
@@ -63,7 +64,7 @@ async def build_request(
     tenant: str = OPEN_TENANT,
 ) -> RoutedRequest:
     """Raises InvalidRequestError naming the first bad field; nothing is sent anywhere before this passes.
-    `tenant` salts the request's prefix-cache keys."""
+    `tenant` salts the request's prefix-cache keys and labels its latencies."""
     field = _input_field(msg)
     salt = cache_salt(tenant, msg.cache_salt)
     _check_caps(msg, field, model, limits or RequestLimits())
@@ -80,6 +81,7 @@ async def build_request(
         tpot_slo_ms=msg.slo.tpot_ms,
         priority=msg.priority,
         cache_salt=salt,
+        tenant=tenant,
     )
 
 

@@ -186,8 +186,8 @@ def test_metrics_count_requests_and_blocks_return_to_zero(cluster):
     results = run(cluster.address, pb.GenerateRequest(prompt="count me", sampling=pb.SamplingParams(max_tokens=8)), n)
     assert all(r.token_ids for r in results)
     after = scrape(cluster.metrics_url)
-    name = "pdserve_time_to_first_token_seconds_count"
-    assert total(after, name) - total(before, name) == n
+    name = "pdserve_time_to_first_token_seconds_count"  # by tenant: the open cluster's is `anonymous`
+    assert total(after, name, tenant="anonymous") - total(before, name, tenant="anonymous") == n
     finished = "pdserve_requests_total"
     assert total(after, finished, outcome="finished") - total(before, finished, outcome="finished") == n
     assert total(after, "pdserve_e2e_request_latency_seconds_count") >= n

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from pdserve.rpc.metadata import PREFILL_WAITED_KEY
+from pdserve.security.api_keys import OPEN_TENANT, KeyTable, Tenant, digest
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
@@ -33,24 +34,35 @@ class Batched(StandInDecode):
             yield pb.GenerateResponse(token_ids=tokens, finish_reason=pb.FINISH_REASON_LENGTH if last else 0)
 
 
-async def test_every_token_after_the_first_is_one_inter_token_sample():
+@pytest.mark.parametrize("keys", [None, KeyTable({digest("k-1"): Tenant("team-a", "k-1")})], ids=["open", "keyed"])
+async def test_every_token_after_the_first_is_one_inter_token_sample(keys):
+    """TTFT and TPOT by tenant, as the end-to-end latency: one tenant's slow first tokens are its own (an open
+    cluster's tenant is `anonymous`)."""
+
     async def admitted(ticket: Ticket) -> None:
         pass
 
     telemetry = Telemetry("test-router")
     request = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(max_tokens=6))
+    metadata = {"authorization": "Bearer k-1"} if keys else {}
     async with serving(Batched()) as address:
-        lc = Router([worker("p0"), worker("d0", "decode", address=address)]).lifecycle(telemetry=telemetry)
-        got = [t async for msg in generate(lc, request, {}, lambda: 10.0, admitted) for t in msg.token_ids]
+        lc = Router([worker("p0"), worker("d0", "decode", address=address)]).lifecycle(keys, telemetry=telemetry)
+        got = [t async for msg in generate(lc, request, metadata, lambda: 10.0, admitted) for t in msg.token_ids]
     assert got == [t for m in MESSAGES for t in m]
     assert count(telemetry, "pdserve_inter_token_latency_seconds") == len(got) - 1
-    assert count(telemetry, "pdserve_time_to_first_token_seconds") == 1
-    assert count(telemetry, "pdserve_time_per_output_token_seconds") == 1
+    tenant = "team-a" if keys else OPEN_TENANT
+    for latency in ("time_to_first_token", "time_per_output_token", "e2e_request_latency"):
+        assert count(telemetry, f"pdserve_{latency}_seconds", tenant=tenant) == 1, latency
     telemetry.shutdown()
 
 
-def count(telemetry: Telemetry, histogram: str) -> float:
-    return sum(s.value for f in telemetry.registry.collect() for s in f.samples if s.name == f"{histogram}_count")
+def count(telemetry: Telemetry, histogram: str, **labels: str) -> float:
+    return sum(
+        s.value
+        for f in telemetry.registry.collect()
+        for s in f.samples
+        if s.name == f"{histogram}_count" and labels.items() <= s.labels.items()
+    )
 
 
 async def test_calibration_learns_the_workers_ttft_from_the_dispatch_not_the_routers_wait_for_a_worker():
