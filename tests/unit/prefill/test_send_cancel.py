@@ -30,6 +30,15 @@ pytestmark = pytest.mark.timeout(60)
 READ_S = 0.6
 
 
+def prefill_engine() -> AsyncEngine:
+    """A real prefill-only engine (tiny-random) with room for the test's prompt."""
+    config = EngineConfig(
+        model="tiny-random", device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, num_threads=1,
+        scheduler=SchedulerConfig(mode=EngineMode.PREFILL_ONLY),
+    )  # fmt: skip
+    return AsyncEngine(LLMEngine(config))
+
+
 class SlowSender:
     """Reads the blocks for READ_S, noting whether the engine still held them when it was done."""
 
@@ -48,11 +57,7 @@ class SlowSender:
 
 @pytest.mark.parametrize("cancels", [1, 2])
 async def test_the_blocks_outlive_the_send_however_often_its_caller_cancels(cancels: int) -> None:
-    config = EngineConfig(
-        model="tiny-random", device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, num_threads=1,
-        scheduler=SchedulerConfig(mode=EngineMode.PREFILL_ONLY),
-    )  # fmt: skip
-    engine = AsyncEngine(LLMEngine(config))
+    engine = prefill_engine()
     sender = SlowSender(engine)
     exporter = InMemorySpanExporter()
     worker = RunAndSend(engine, sender, "p0", Telemetry("t", SimpleSpanProcessor(exporter)))  # type: ignore[arg-type]
@@ -95,11 +100,7 @@ class LostPeerSender:
 
 async def test_a_send_whose_decode_worker_died_counts_as_a_peer_gone_failure() -> None:
     """Its decode worker, gone, counts nothing: the prefill worker's count is the only one of that failure."""
-    config = EngineConfig(
-        model="tiny-random", device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, num_threads=1,
-        scheduler=SchedulerConfig(mode=EngineMode.PREFILL_ONLY),
-    )  # fmt: skip
-    engine = AsyncEngine(LLMEngine(config))
+    engine = prefill_engine()
     telemetry = Telemetry("t")
     metrics = WorkerMetrics(telemetry.meter, "p0", "prefill", lambda: {})
     worker = RunAndSend(engine, LostPeerSender(), "p0", telemetry, metrics)  # type: ignore[arg-type]
