@@ -118,13 +118,14 @@ class WorkerActors:
         except ValueError:  # no live actor of that name
             return self.create(spec), False
 
-    def found_worker_ids(self, roles: set[Role]) -> list[str]:
-        """The ids of the live worker actors of `roles` in the namespace, whatever their index: a scale or a rollout
-        numbered them past the flags' ids, and a restarted controller must adopt them all, not only those."""
+    def found_worker_ids(self) -> list[str]:
+        """The ids of the live worker actors in the namespace, whatever their index or role: a scale or a rollout
+        numbered them past the flags' ids, and a fleet of the other mode left its own roles' workers; a restarted
+        controller must adopt them all, not only those, or they serve on unsupervised."""
         import ray
 
         names = ray.util.list_named_actors()  # the driver's namespace, the fleet's
-        return sorted(n for n in names if (m := WORKER_ID.fullmatch(n)) and Role(m[1]) in roles)
+        return sorted(n for n in names if WORKER_ID.fullmatch(n))
 
     def create(self, spec: WorkerSpec) -> Any:
         import ray

@@ -111,10 +111,11 @@ class Cluster:
         return [self.spec(role, f"{role}-{i}") for i, role in enumerate(self.config.roles)]
 
     def starting_specs(self, found: list[str]) -> list[WorkerSpec]:
-        """Every worker of the fleet's roles `found` in the Ray namespace (a restarted controller adopts them
-        whatever ids a scale or a rollout gave them), then the flags' own for a role with fewer than its desired
-        count (a live scale's, kept across the restart, else the flags'): a role scaled down is not started back
-        up only for the scaler to drain it. The scaler then brings each role to its desired count."""
+        """Every worker `found` in the Ray namespace (a restarted controller adopts them whatever ids a scale or a
+        rollout gave them, and those of the other mode's roles, to drain away), then the flags' own for a role with
+        fewer than its desired count (a live scale's, kept across the restart, else the flags'): a role scaled down
+        is not started back up only for the scaler to drain it. The scaler then brings each role to its desired
+        count."""
         specs = [self.spec(Role(worker_id.rpartition("-")[0]), worker_id) for worker_id in found]
         have, desired = Counter(s.role for s in specs), self.registry.desired_counts() or Counter(self.config.roles)
         for spec in self.specs():
@@ -131,12 +132,13 @@ class Cluster:
         `fail_fast` (`pdserve up`, whose user waits on the start) it raises instead."""
         self._init_desired_counts()
         self.actors.connect()
-        in_namespace = self.actors.found_worker_ids(set(self.config.roles)) if self.actors.detached else []
+        in_namespace = self.actors.found_worker_ids() if self.actors.detached else []
         found: set[str] = set()
         for spec in self.starting_specs(in_namespace):
             self._raise_if_stopping()
             actor, existed = self.actors.get_or_create(spec)
-            self.supervisor.slots[spec.worker_id] = Slot(spec, actor)
+            # A role of the other mode's fleet: it serves until this fleet's do, then drains away (FleetScaler).
+            self.supervisor.slots[spec.worker_id] = Slot(spec, actor, leaving=spec.role not in self.config.roles)
             if existed:
                 found.add(spec.worker_id)
         for worker_id, slot in self.supervisor.slots.items():

@@ -10,7 +10,8 @@ it if it dies meanwhile. No role goes below one worker, nor loses its last worke
 the background, so a long one never holds up the next change: a start still under way when the count drops again
 is called off before any serving worker drains, and one that does not serve within `START_TIMEOUT_S` (no node can
 host it) is killed, for the next pass to try anew. So is one still starting when the fleet stops: no one else
-knows its actor, which (detached) would serve on.
+knows its actor, which (detached) would serve on. A worker of a role outside the fleet's mode (a restarted
+controller found it, left by a fleet of the other mode) drains away too, once each of the fleet's roles serves.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ class FleetScaler:
         self._last_desired: dict[Role, int] = {}  # the last counts read
 
     async def run(self, interval_s: float = SCALE_CHECK_S) -> None:
+        for slot in [s for s in self.supervisor.slots.values() if s.spec.role not in self.roles]:
+            self._spawn(self._remove_once_replaced(slot, interval_s))
         try:
             while True:
                 try:
@@ -170,6 +173,20 @@ class FleetScaler:
         await asyncio.sleep(ROUTERS_SEE_S)
         await self._remove(old)
         return True
+
+    async def _remove_once_replaced(self, slot: Slot, interval_s: float) -> None:
+        """A worker of a role outside the fleet's mode (adopted from a fleet of the other mode, `leaving` from then on:
+        neither restarted, replaced nor rolled) drains away once each of the fleet's roles has a worker in placement
+        and the routers can see it: until then it is what serves."""
+
+        def replaced() -> bool:
+            slots = self.supervisor.slots.values()
+            return all(any(s.listed and not s.leaving and s.spec.role == r for s in slots) for r in self.roles)
+
+        while not replaced():
+            await asyncio.sleep(interval_s)
+        await asyncio.sleep(ROUTERS_SEE_S)
+        await self._remove(slot)
 
     async def settle(self) -> None:
         """Waits for the starts and drains under way (tests)."""

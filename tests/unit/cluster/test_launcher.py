@@ -85,6 +85,19 @@ def test_a_fleet_restarted_after_a_scale_down_starts_no_more_than_the_kept_count
     assert [s.worker_id for s in cluster.starting_specs(found)] == starting
 
 
+def test_a_restarted_fleet_adopts_the_other_modes_workers_to_drain_them_away() -> None:
+    argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0"]  # disaggregated, 1P:1D
+    cluster = Cluster(cli._cluster_config(cli._parser().parse_args(argv)), lambda c: None, InMemoryRegistry(), False)
+    cluster.actors.connect = lambda: None
+    cluster.actors.found_worker_ids = lambda: ["colocated-0", "colocated-1"]  # a colocated fleet's, left serving
+    cluster.actors.get_or_create = lambda spec: (object(), spec.role is Role.COLOCATED)
+    cluster._await_start = lambda slot: WorkerState(slot.spec.worker_id, slot.spec.role, f"{slot.spec.worker_id}:1")
+    cluster.start_workers()
+    slots = cluster.supervisor.slots
+    assert sorted(slots) == ["colocated-0", "colocated-1", "decode-1", "prefill-0"]
+    assert [w for w, s in sorted(slots.items()) if s.leaving] == ["colocated-0", "colocated-1"]
+
+
 def test_a_negative_surge_wait_is_refused_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["controller", "--ray-address", "auto", "--redis", "redis://r:6379/0", "--rollout-surge-wait-s", "-1"]
     with pytest.raises(SystemExit) as exit_:
@@ -112,7 +125,7 @@ def test_a_controller_whose_worker_cannot_start_goes_on_and_leaves_it_to_the_sup
     registry = InMemoryRegistry()
     cluster = Cluster(cli._cluster_config(cli._parser().parse_args(argv)), lambda context: None, registry, False)
     cluster.actors.connect = lambda: None
-    cluster.actors.found_worker_ids = lambda roles: ["decode-1", "decode-2", "prefill-0"]  # a restarted controller
+    cluster.actors.found_worker_ids = lambda: ["decode-1", "decode-2", "prefill-0"]  # a restarted controller
     cluster.actors.get_or_create = lambda spec: (object(), True)
 
     def await_start(slot: Slot) -> WorkerState:

@@ -156,6 +156,27 @@ async def test_no_role_goes_below_one_worker_and_other_modes_counts_are_ignored(
     assert fleet.ids() == ["decode-1", "prefill-0"] and not fleet.started and not fleet.drained
 
 
+async def test_a_worker_of_the_other_modes_fleet_serves_until_this_fleets_roles_do_then_drains_away() -> None:
+    """A controller restarted as disaggregated adopted colocated-0 (`leaving`); routers place on colocated workers
+    alone while one is listed. It once served on, unsupervised, holding its GPU for good."""
+    fleet = Fleet({"colocated-0": 0, "prefill-1": 0, "decode-2": 0})
+    fleet.registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
+    fleet.supervisor.slots["colocated-0"].leaving = True  # as the fleet's start adopts it
+    fleet.supervisor.slots["decode-2"].listed = False  # still loading its model
+    scaling = asyncio.create_task(fleet.scaler.run(0.01))
+    await asyncio.sleep(0.3)
+    assert not fleet.drained and "colocated-0" in fleet.listed()  # still the one serving
+    fleet.supervisor.slots["decode-2"].listed = True
+    for _ in range(100):  # past ROUTERS_SEE_S
+        if "colocated-0" not in fleet.supervisor.slots:
+            break
+        await asyncio.sleep(0.05)
+    scaling.cancel()
+    assert fleet.drained == ["colocated-0"] and fleet.killed == ["colocated-0"]
+    assert fleet.ids() == ["decode-2", "prefill-1"] and fleet.listed() == ["decode-2", "prefill-1"]
+    assert not fleet.started and not fleet.replaced
+
+
 async def test_unknown_counts_keep_the_fleet_as_it_is() -> None:
     fleet = Fleet({"prefill-0": 0, "decode-1": 0})
     await fleet.scaler.reconcile()  # nothing set in the registry yet
