@@ -12,7 +12,8 @@ from pdserve.cluster.local_process import ClusterProcess, alive, descendants
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.rpc.client import generate
+from pdserve.registry.base import DEFAULT_TTL_S
+from pdserve.rpc.client import StreamResult, generate
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
@@ -221,10 +222,34 @@ def test_the_start_shows_no_warning_about_a_sigterm_handler_ray_did_not_set(clus
     assert "ready" in cluster.log() and "SIGTERM handler is not set" not in cluster.log()
 
 
-def test_sigterm_stops_everything_within_60s(cluster):
+def test_sigterm_drains_with_every_worker_listed_then_stops_everything_within_60s(cluster):
+    """The router's drain keeps its workers in placement (a retry, a move, a later choice needs them): they once
+    dropped out of the embedded registry DEFAULT_TTL_S into it, its supervision already stopped."""
     children = descendants(cluster.proc.pid)
     assert children, "Ray and the worker actors run as child processes"
-    took = cluster.stop()
+
+    async def stop_during_a_stream() -> tuple[set[str], set[str], StreamResult | None, float]:
+        listed = {w.id for w in await workers(cluster.address)}
+        # 200 tokens of 50 ms: 10 s, past the registry's TTL and within the router's 20 s drain.
+        request = pb.GenerateRequest(request_id=f"{SLOW}drain", prompt="drain " * 10, sampling=sampling(200))
+        started, result = asyncio.Event(), None
+
+        async def stream() -> None:
+            nonlocal result
+            async for _, result in generate(cluster.address, request, 60.0):  # noqa: B007 (the last is the answer)
+                started.set()
+
+        streaming = asyncio.create_task(stream())
+        await asyncio.wait_for(started.wait(), 30)
+        stopping = asyncio.create_task(asyncio.to_thread(cluster.stop))
+        await asyncio.sleep(DEFAULT_TTL_S + 1)
+        during = {w.id for w in await workers(cluster.address)}
+        await streaming
+        return listed, during, result, await stopping
+
+    listed, during, result, took = asyncio.run(stop_during_a_stream())
+    assert during == listed and len(listed) == 2
+    assert result is not None and result.finish_reason == "length" and len(result.token_ids) == 200
     assert cluster.proc.returncode == 0, cluster.log()[-2000:]
     assert took < 60
     leftovers = [pid for pid in children if alive(pid)]

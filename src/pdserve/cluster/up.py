@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pdserve.background import cancel_and_wait
 from pdserve.cluster.factories import ClusterServices
 from pdserve.cluster.internal_security import prepare_internal_security
 from pdserve.cluster.launcher import Cluster
@@ -66,7 +67,13 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
                 break
             log.info("joined the Ray cluster at %s again: supervising its workers", config.ray_address)
     finally:
-        await router.drain_and_stop(config.drain_grace_s)
+        # The router's drain needs its workers listed: its streams' retries and moves, an admitted request's later
+        # choices. Embedded, only the supervisor's checks keep them so; without them they drop out DEFAULT_TTL_S in.
+        listing = None if link_lost else asyncio.create_task(cluster.supervisor.run(config.router.heartbeat_s))
+        try:
+            await router.drain_and_stop(config.drain_grace_s)
+        finally:
+            await cancel_and_wait(listing)
         if not link_lost and cluster.actors.connected():  # through Ray, which still answers
             await asyncio.to_thread(cluster.stop_workers)
         telemetry.shutdown()
