@@ -102,8 +102,8 @@ class _Entry:
 class InMemoryPrefixIndex(PrefixIndex):
     """Per worker, the blocks its journal says it caches, and an LRU of at most `max_blocks_per_worker` more that
     placements named. An entry nobody recorded into for `ttl_s` goes, as a Redis index's key expires: a worker
-    scaled away or replaced under another id (ids are not reused) would otherwise keep its entry, up to ~9 MB, for
-    the router's life."""
+    process scaled away or replaced (entries are per process, `WorkerState.cache_key`, so an id handed out again
+    starts a new one) would otherwise keep its entry, up to ~9 MB, for the router's life."""
 
     def __init__(
         self,
