@@ -89,6 +89,9 @@ class SendPair:
         except StoreSilent as e:
             raise PeerSilentError(f"decode side {self.rendezvous}: not answering: {e}") from None
         except RuntimeError as e:
+            # `self._check` keeps `e`; the frames its re-raise gathered (this one holds the pair) would make a cycle
+            # through the pair that only a full collection frees, keeping a dropped pair's gloo group open.
+            e.__traceback__ = None
             raise PeerLostError(f"decode side {self.rendezvous}: peer lost: {error_summary(e)}") from e
 
     def close(self) -> None:

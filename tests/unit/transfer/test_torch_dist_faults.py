@@ -8,10 +8,12 @@ harness.
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -283,6 +285,34 @@ def test_killed_receiver_fails_send_at_once() -> None:
             s.send(receiver.rendezvous, 2, kv, [2, 3], 30)
         assert time.monotonic() - start < 5
     finally:
+        s.close()
+        receiver.kill()
+
+
+def test_a_pair_dropped_for_a_dead_receiver_goes_with_its_gloo_group_at_once() -> None:
+    """The liveness check's failure, kept on the pair for the next check, held check_peer's frame and so the pair
+    itself: a cycle through an old object, which only a full collection (rare in a long-lived worker) frees, and
+    until then the dead pair's gloo group kept its thread and sockets."""
+    receiver = ReceiverProcess()
+    s = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+    gc.disable()
+    try:
+        kv = make_caches(8)
+        receiver.expect(1)
+        assert s.send(receiver.rendezvous, 1, kv, [2, 3], 10) == receiver.received()
+        gc.collect()  # the pair is old now, as a worker's pairs are
+        dropped = weakref.ref(s._pairs[receiver.rendezvous])
+        receiver.kill()
+        lost = False
+        try:
+            s.send(receiver.rendezvous, 2, kv, [2, 3], 10)
+        except PeerLostError:
+            lost = True
+        assert lost
+        gc.collect(1)  # the young generations only
+        assert dropped() is None
+    finally:
+        gc.enable()
         s.close()
         receiver.kill()
 
