@@ -87,10 +87,11 @@ class RecvPair:
         if self.store is None:
             return False
         try:
-            if self._watch is None:
+            watch = self._watch  # read once: `close_store`, on another thread, may clear it meanwhile
+            if watch is None:
                 host, port = split_address(self.address)
-                self._watch = dist.TCPStore(host, port, is_master=False, timeout=WATCH_TIMEOUT, use_libuv=True)
-            return claims(self._watch) > 1
+                watch = self._watch = dist.TCPStore(host, port, is_master=False, timeout=WATCH_TIMEOUT, use_libuv=True)
+            return claims(watch) > 1
         except RuntimeError:  # a store that cannot answer now: the serving thread finds out
             return False
 
