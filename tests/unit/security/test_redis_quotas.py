@@ -253,36 +253,27 @@ async def test_a_stream_open_that_missed_its_answer_leaves_no_slot_behind(server
         await quotas.close()
 
 
+@pytest.mark.parametrize("what", ["tokens", "requests"])
 @pytest.mark.parametrize("how", ["budget", "cancelled"])
-async def test_a_token_take_that_missed_its_answer_is_given_back_in_redis(server, how: str):
-    """Past the budget the router charged the tokens against its own limits; cancelled, the request was never
-    admitted: either way the take Redis runs on waking is given back, so the key is not charged for them there."""
-    quotas, tenant = quotas_for(how, server), Tenant("t", "k", tokens_per_minute=600)
-    try:
-        async with quotas.session(tenant) as s:  # as in a running router: its connection made, its scripts loaded
-            await s.charge_tokens(1)
-            s.admitted()
-        await missing_its_answer(how, server, quotas, quotas.take_tokens(tenant, 500))
-        with server.client() as c:
-            level = float(c.hget(f"pdserve:quota:{tenant.key_name}:tokens", "level"))
-        assert level > 590  # 599 when the 1 was taken, refilling at 10 a second; 99 if the 500 stayed charged
-    finally:
-        await quotas.close()
+async def test_a_take_that_missed_its_answer_is_given_back_in_redis(server, how: str, what: str):
+    """Past the budget the router charged the take against its own limits; cancelled, its caller left: either way
+    the take Redis runs on waking is given back, so the key is not charged for it there. A request (before its
+    body is parsed) is a take of its own, as its tokens are."""
+    tokens = what == "tokens"
+    tenant = Tenant("t", "k", tokens_per_minute=600) if tokens else Tenant("t", "k", requests_per_second=0.01)
 
+    def take() -> Awaitable[object]:
+        return quotas.take_tokens(tenant, 500) if tokens else quotas.take_request(tenant)
 
-@pytest.mark.parametrize("how", ["budget", "cancelled"])
-async def test_a_request_take_that_missed_its_answer_is_given_back_in_redis(server, how: str):
-    """A request is taken before its body is parsed, in a take of its own: missed, the router took it from its own
-    limits (or its caller left), so the take Redis runs on waking is given back, not counted a second time."""
-    quotas, tenant = quotas_for(how, server), Tenant("t", "k", requests_per_second=0.01)  # a bucket of one
+    quotas = quotas_for(how, server)
     try:
-        assert await admitted(quotas, tenant)  # as in a running router: its connection made, its scripts loaded
+        await take()  # as in a running router: its connection made, its scripts loaded
         with server.client() as c:
-            c.delete(quota_key(tenant, "requests"))  # a full bucket again
-        await missing_its_answer(how, server, quotas, quotas.take_request(tenant))
+            c.delete(quota_key(tenant, what))  # a full bucket again (600 tokens; one request)
+        await missing_its_answer(how, server, quotas, take())
         with server.client() as c:
-            level = c.hget(quota_key(tenant, "requests"), "level")
-        assert level is None or float(level) > 0.99  # 0 if the take stayed charged
+            level = c.hget(quota_key(tenant, what), "level")
+        assert level is None or float(level) > (590 if tokens else 0.99)  # 100 or 0 if the take stayed charged
     finally:
         await quotas.close()
 
