@@ -109,7 +109,9 @@ class KeyTable:
                 raise ValueError(f"{path}: keys[{i}] repeats the digest of {tenants[digest].key_name!r}")
             if "tenant" not in entry:
                 raise ValueError(f"{path}: keys[{i}] names no tenant")
-            name = entry.pop("name", f"keys[{i}]")
+            # Unnamed, a key is named by its digest, never by its place: quotas are kept by name, and a reload that
+            # removed a key before it would otherwise hand its counts to the next one.
+            name = entry.pop("name", f"sha256:{digest[:12]}")
             if any(t.key_name == name for t in tenants.values()):  # quotas are kept by name, in Redis too
                 raise ValueError(f"{path}: keys[{i}] repeats the name {name!r}; each key needs its own")
             try:

@@ -113,3 +113,14 @@ def test_a_file_of_another_shape_fails_naming_the_file(tmp_path: Path, text: str
     with pytest.raises(ValueError, match=message) as refused:
         KeyTable.from_file(path)
     assert str(refused.value).startswith(f"{path}: ")
+
+
+def test_an_unnamed_keys_name_stays_when_a_key_before_it_is_removed() -> None:
+    """Quotas are kept by key name across a reload: named by its place, the second key would take the name, and
+    the counts, of the first one once that one is revoked."""
+    both = b"".join(f'[[keys]]\nsha256 = "{digest(k)}"\ntenant = "t"\n'.encode() for k in ("first", "second"))
+    only_second = f'[[keys]]\nsha256 = "{digest("second")}"\ntenant = "t"\n'.encode()
+    bearer = {"authorization": "Bearer second"}
+    table = KeyTable.parse(both, "keys.toml")
+    before, first = (authenticate(table, {"authorization": f"Bearer {k}"}).key_name for k in ("second", "first"))
+    assert before == authenticate(KeyTable.parse(only_second, "keys.toml"), bearer).key_name != first
