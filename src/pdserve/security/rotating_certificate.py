@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import ssl
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -41,14 +42,20 @@ def certificate_set(contents: Contents) -> CertificateSet:
     """The set of a certificate's, its key's and its client CAs' bytes (in that order); ssl.SSLError or
     ValueError when they do not make one."""
     cert, key, *cas = contents
-    roots = b"\n".join(cas) or None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     with _in_memory(cert) as cert_path, _in_memory(key) as key_path:
-        context.load_cert_chain(cert_path, key_path)
-    if roots is not None:
-        context.load_verify_locations(cadata=roots.decode("ascii"))
+        context.load_cert_chain(cert_path, key_path, password=_no_password)
+    for ca in cas:  # each on its own: an emptied one (rewritten in place) must not pass beside a good one
+        with _in_memory(ca) as ca_path:
+            context.load_verify_locations(cafile=ca_path)  # no certificate in it: ssl.SSLError
+    if cas:
         context.verify_mode = ssl.CERT_REQUIRED
-    return CertificateSet(cert, key, roots, context)
+    return CertificateSet(cert, key, b"\n".join(cas) or None, context)
+
+
+def _no_password() -> bytes:
+    """An encrypted key fails to load, as gRPC fails on one, rather than OpenSSL asking for its password on a TTY."""
+    return b""
 
 
 @contextlib.contextmanager
@@ -73,10 +80,16 @@ class RotatingCertificate:
         self._files = WatchedFiles([cert, key, *client_cas], interval_s)
         self.current = certificate_set(self._files.initial)
         self.requires_client_certificate = bool(client_cas)  # fixed for the listener's life
+        self._refreshing = threading.Lock()
 
     def refresh(self) -> CertificateSet | None:
         """The new set when the files changed to a good one; None when they did not, or not to a good one (then
-        one error, and `current` stays)."""
+        one error, and `current` stays). One at a time: gRPC asks from several threads, and a change built slowly
+        must not be set after a later one."""
+        with self._refreshing:
+            return self._refresh()
+
+    def _refresh(self) -> CertificateSet | None:
         change = self._files.changed()
         if change is None:
             return None

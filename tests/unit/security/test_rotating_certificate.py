@@ -50,3 +50,18 @@ def test_a_client_ca_is_checked_at_start_and_rotates_too(tmp_path: Path) -> None
     b = _certs(tmp_path / "b")
     shutil.copy(b.ca, ca)  # the client CA rotated: clients' certificates are checked against b's from now on
     assert rotating.refresh() is not None and rotating.current.roots == b.ca.read_bytes()
+
+
+def test_an_emptied_ca_file_beside_a_good_one_keeps_the_previous_set(tmp_path: Path) -> None:
+    """A CA file rewritten in place reads empty for a moment: taken, it would drop that CA's clients (or, alone,
+    every client: a listener that requires certificates would trust none)."""
+    a = _certs(tmp_path / "a")
+    public, cluster = tmp_path / "client-ca.pem", tmp_path / "cluster-ca.pem"
+    shutil.copy(a.ca, public)
+    shutil.copy(a.ca, cluster)
+    rotating = RotatingCertificate(str(a.server_cert), str(a.server_key), [str(public), str(cluster)], interval_s=0)
+    first = rotating.current
+    public.write_bytes(b"")
+    assert rotating.refresh() is None and rotating.current is first
+    shutil.copy(a.ca, public)
+    assert rotating.refresh() is not None
