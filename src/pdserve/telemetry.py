@@ -230,7 +230,7 @@ class JsonFormatter(logging.Formatter):
             "request_id": getattr(record, "request_id", None) or request_id_var.get(),
         }
         span = trace.get_current_span().get_span_context()
-        if span.is_valid:
+        if span.is_valid and not span.is_remote:  # a caller's traceparent alone (tracing off) is no span of ours
             line["trace_id"] = trace.format_trace_id(span.trace_id)
             line["span_id"] = trace.format_span_id(span.span_id)
         extras = {k: v for k, v in vars(record).items() if k not in self._SKIP and not k.startswith("_")}

@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import context, trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
@@ -111,6 +112,13 @@ def test_json_log_lines_carry_the_current_spans_trace_and_span_ids():
     ids = span.get_span_context()
     assert inside["trace_id"] == f"{ids.trace_id:032x}" and inside["span_id"] == f"{ids.span_id:016x}"
     assert "trace_id" not in logged() and "span_id" not in logged()
+    # Tracing off, a caller's traceparent is the current span context, remote: no span of this process's to lead to.
+    remote = trace.set_span_in_context(trace.NonRecordingSpan(trace.SpanContext(ids.trace_id, 7, is_remote=True)))
+    token = context.attach(remote)
+    try:
+        assert "trace_id" not in logged()
+    finally:
+        context.detach(token)
     telemetry.shutdown()
 
 
