@@ -37,7 +37,10 @@ class KeyReload:
     async def _watch(self, lifecycle: RequestLifecycle) -> None:
         while True:
             await asyncio.sleep(self._interval_s)
-            self.reload(lifecycle)
+            try:
+                self.reload(lifecycle)
+            except Exception:  # a bug here must not end reloads for good, nor come out of the router's stop
+                log.exception("API keys: reload failed; the keys in use stay")
 
     def reload(self, lifecycle: RequestLifecycle) -> None:
         change = self._file.changed()
