@@ -23,7 +23,7 @@ from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.handoff import FirstToken, KVSent, KVTarget
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.telemetry import Telemetry, mark_ended_by, now_ns
-from pdserve.transfer.base import KVSender, TransferError
+from pdserve.transfer.base import KVSender, NotExpectedError, TransferError
 from pdserve.transfer.failures import failure_reason
 from pdserve.transfer.rendezvous import split_address
 from pdserve.transfer.threads import in_transfer_thread
@@ -140,7 +140,7 @@ class RunAndSend:
             try:
                 nbytes = await asyncio.shield(send)
             except TransferError as e:  # counted here: a decode worker lost mid-transfer counts nothing itself
-                if self.metrics is not None:
+                if self.metrics is not None and not isinstance(e, NotExpectedError):  # the decode side counted it
                     self.metrics.transfer_failed(failure_reason(e))
                 raise UnavailableError(f"KV transfer to decode worker {target.decode_worker_id} failed: {e}") from e
             except asyncio.CancelledError as e:  # the caller left: `cancelled`, not a send that reads as done

@@ -31,6 +31,11 @@ class TransferCancelledError(TransferError):
     """The caller cancelled the recv before any byte of it arrived; nothing writes its blocks."""
 
 
+class NotExpectedError(TransferError):
+    """The decode side holds no receive for the tag: it gave up on the transfer (timed out, or its request was
+    cancelled) before the send came, or never posted one. That side counts the failure; the sender's is its echo."""
+
+
 class LayoutMismatchError(TransferError):
     """Both sides disagree on the KV layout (model, dtype, block size, shapes); the message names the fields."""
 

@@ -10,7 +10,13 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from pdserve.transfer.base import LayoutMismatchError, PeerLostError, PeerSilentError, TransferError
+from pdserve.transfer.base import (
+    LayoutMismatchError,
+    NotExpectedError,
+    PeerLostError,
+    PeerSilentError,
+    TransferError,
+)
 from pdserve.transfer.blocks import Blocks
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.pair_group import PairGroup, error_summary, time_left
@@ -105,7 +111,7 @@ def rejection(code: int, detail: int, where: str, layout: KVLayout, num_blocks: 
         names = layout_fields(detail)
         return LayoutMismatchError(f"{where}: KV layout mismatch in {', '.join(names)} (ours: {layout})")
     if code == NOT_EXPECTED:
-        return TransferError(f"{where}: no recv is waiting for that tag (timed out, cancelled or never posted)")
+        return NotExpectedError(f"{where}: no recv is waiting for that tag (timed out, cancelled or never posted)")
     if code == FORGED:
         return TransferError(f"{where}: the header's MAC did not verify (the sides hold different cluster secrets)")
     if code == BLOCK_COUNT:

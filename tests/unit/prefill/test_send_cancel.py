@@ -23,7 +23,7 @@ from pdserve.protocol.handoff import KVTarget
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.telemetry import Telemetry
-from pdserve.transfer.base import PeerLostError
+from pdserve.transfer.base import NotExpectedError, PeerLostError, TransferError
 from services.prefill.run_and_send import PrefillJob, RunAndSend
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,22 +88,33 @@ async def test_the_blocks_outlive_the_send_however_often_its_caller_cancels(canc
         engine.stop()
 
 
-class LostPeerSender:
-    """A decode worker that died mid-send: the pair's read fails as gloo's does then."""
+class FailingSender:
+    """A send the decode side ends: `error` is what the pair raises."""
+
+    def __init__(self, error: TransferError) -> None:
+        self.error = error
 
     def send(self, rendezvous: str, tag: int, caches: object, blocks: list[int], timeout_s: float) -> int:
-        raise PeerLostError("connection closed by peer")
+        raise self.error
 
     def close(self) -> None:
         """Nothing is open."""
 
 
-async def test_a_send_whose_decode_worker_died_counts_as_a_peer_gone_failure() -> None:
-    """Its decode worker, gone, counts nothing: the prefill worker's count is the only one of that failure."""
+@pytest.mark.parametrize(
+    ("error", "counted"),
+    [
+        # Its decode worker died: gone, it counts nothing, so the prefill worker's count is the only one.
+        (PeerLostError("connection closed by peer"), {"peer_gone": 1}),
+        # Its decode worker gave up first (cancelled, timed out) and counted that: this refusal is its echo.
+        (NotExpectedError("no recv is waiting for that tag"), {}),
+    ],
+)
+async def test_a_failed_send_counts_once_on_the_side_that_saw_it(error: TransferError, counted: dict) -> None:
     engine = prefill_engine()
     telemetry = Telemetry("t")
     metrics = WorkerMetrics(telemetry.meter, "p0", "prefill", lambda: {})
-    worker = RunAndSend(engine, LostPeerSender(), "p0", telemetry, metrics)  # type: ignore[arg-type]
+    worker = RunAndSend(engine, FailingSender(error), "p0", telemetry, metrics)  # type: ignore[arg-type]
     request = EngineRequest("r", list(range(3, 23)), SamplingParams(max_tokens=8, ignore_eos=True))
     target = KVTarget("d0", "127.0.0.1:1", list(range(5)), 1, engine.fingerprint, engine.block_size)
     try:
@@ -113,7 +124,7 @@ async def test_a_send_whose_decode_worker_died_counts_as_a_peer_gone_failure() -
                     pass
         samples = [s for f in telemetry.registry.collect() for s in f.samples]
         failures = {s.labels["reason"]: s.value for s in samples if s.name == "pdserve_kv_transfer_failures_total"}
-        assert failures["peer_gone"] == 1 and sum(failures.values()) == 1
+        assert {reason: n for reason, n in failures.items() if n} == counted
     finally:
         engine.stop()
         telemetry.shutdown()

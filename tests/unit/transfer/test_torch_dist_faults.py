@@ -58,7 +58,7 @@ def test_silent_sender_times_out_and_leaves_the_pair_usable(receiver: TorchDistR
     # The sender turns up late with the abandoned tag: refused at once, not after its own timeout.
     start = time.monotonic()
     reply = peer.call(op="send", rendezvous=rendezvous, tag=50, seed=1, ids=[0, 1], timeout=20)
-    assert reply["error"] == "TransferError" and "no recv is waiting" in reply["message"], reply
+    assert reply["error"] == "NotExpectedError" and "no recv is waiting" in reply["message"], reply
     assert time.monotonic() - start < 5
     r = Recv(receiver, "prefill-0", 51, kv, [0, 1])
     assert peer.call(op="send", rendezvous=rendezvous, tag=51, seed=1, ids=[0, 1]) == {"nbytes": r.join()}
@@ -80,7 +80,7 @@ def test_cancelled_recv_ends_at_once_and_the_pair_stays_usable(receiver: TorchDi
         receiver.recv("prefill-0", 53, kv, [0, 1], timeout_s=20)
     # The sender turns up late with the cancelled tag: refused, and nothing written.
     reply = peer.call(op="send", rendezvous=rendezvous, tag=52, seed=1, ids=[0, 1], timeout=20)
-    assert reply["error"] == "TransferError" and "no recv is waiting" in reply["message"], reply
+    assert reply["error"] == "NotExpectedError" and "no recv is waiting" in reply["message"], reply
     for got, old in zip(kv, before, strict=True):
         assert torch.equal(bits(got), bits(old))
     r = Recv(receiver, "prefill-0", 54, kv, [0, 1])
@@ -98,7 +98,7 @@ def test_a_transfer_whose_recv_was_cancelled_before_it_was_posted_is_refused_at_
     receiver.cancel("prefill-0", 55)
     start = time.monotonic()
     reply = peer.call(op="send", rendezvous=rendezvous, tag=55, seed=1, ids=[0, 1], timeout=20)
-    assert reply["error"] == "TransferError" and "no recv is waiting" in reply["message"], reply
+    assert reply["error"] == "NotExpectedError" and "no recv is waiting" in reply["message"], reply
     assert time.monotonic() - start < 3
     send_56 = {"op": "send", "rendezvous": rendezvous, "tag": 56, "seed": 1, "ids": [0, 1], "timeout": 20}
     peer.conn.send_bytes(json.dumps(send_56).encode())  # answered below
@@ -106,7 +106,7 @@ def test_a_transfer_whose_recv_was_cancelled_before_it_was_posted_is_refused_at_
     start = time.monotonic()
     receiver.cancel("prefill-0", 56)
     reply = peer.reply()
-    assert reply["error"] == "TransferError" and "no recv is waiting" in reply["message"], reply
+    assert reply["error"] == "NotExpectedError" and "no recv is waiting" in reply["message"], reply
     assert time.monotonic() - start < 3
     kv = make_caches(4)
     r = Recv(receiver, "prefill-0", 57, kv, [0, 1])
