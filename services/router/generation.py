@@ -43,7 +43,7 @@ def check_caller(lifecycle: RequestLifecycle, headers: Mapping[str, str]) -> Ten
 async def generate(
     lifecycle: RequestLifecycle,
     request: pb.GenerateRequest | Unparsed,
-    headers: Mapping[str, str],
+    who: Mapping[str, str] | Tenant,
     time_remaining: Callable[[], float | None],
     on_admitted: Callable[[Ticket], Awaitable[None]],
     model: str | None = None,
@@ -55,7 +55,9 @@ async def generate(
 ) -> AsyncIterator[pb.GenerateResponse]:
     """The request's stream. Everything refused before the first message raises here (InvalidRequestError,
     OverloadedError, UnavailableError, ModelNotFoundError for a `model` not served, and the caller's check
-    first of all: UnauthenticatedError, PermissionDeniedError); `on_admitted` runs once it is placed, before
+    first of all: UnauthenticatedError, PermissionDeniedError). `who`: the caller's headers, its key checked here,
+    or the tenant its front end already checked (the HTTP API, before reading the body: every choice of the request
+    is that tenant's, whatever a key reload did since). `on_admitted` runs once it is placed, before
     anything is relayed. `choices`: the request is one of these (the HTTP API's `n`), for its key's quotas.
     `default_max_tokens`: the front end's default for a request without max_tokens (None: the router's).
     `arrived_at` (time.perf_counter()): when its caller's request came, if earlier than this call (a later
@@ -68,7 +70,7 @@ async def generate(
     arrived = start if arrived_at is None else arrived_at
     with lifecycle.accounting(arrived, choices) as caller:
         caller.time_remaining = time_remaining  # a request its deadline ended counts as deadline_exceeded
-        caller.tenant = check_caller(lifecycle, headers)
+        caller.tenant = who if isinstance(who, Tenant) else check_caller(lifecycle, who)
         if not request_taken:
             await lifecycle.quotas.take_request(caller.tenant)
         message = parsed(request)  # only now: a caller without a key, or over its rate, costs no parse

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Send
 
+from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import Choices
 from pdserve.telemetry import mark_failed
 from pdserve.v1 import generate_pb2 as pb
@@ -127,11 +128,11 @@ class OpenAIAPI:
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id or uuid.uuid4().hex}"
         answer = Answer(req, answer_id, self.lifecycle.tokenizer)
         if req.stream:
-            events = self._events(req, choices, answer, request, start)
+            events = self._events(req, choices, answer, request, tenant, start)
             return SSEResponse(events, req.max_tokens_param, self.lifecycle.config.sse_keepalive_s)
         headers: dict[str, str] = {}
         with self._span(request, chat, start, req.user) as span:
-            whole = asyncio.ensure_future(self._whole(req, choices, answer, request, headers, start))
+            whole = asyncio.ensure_future(self._whole(req, choices, answer, tenant, headers, start))
             gone = asyncio.ensure_future(_disconnected(request))
             try:
                 await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -159,22 +160,28 @@ class OpenAIAPI:
         req: OpenAIRequest,
         choices: Choices | None,
         answer: Answer,
-        request: Request,
+        tenant: Tenant,
         headers: dict[str, str],
         arrived: float,
     ) -> None:
-        async for index, msg in self._choices(req, choices, request, headers, arrived):
+        async for index, msg in self._choices(req, choices, tenant, headers, arrived):
             answer.add(index, msg)
 
     async def _events(
-        self, req: OpenAIRequest, choices: Choices | None, answer: Answer, request: Request, arrived: float
+        self,
+        req: OpenAIRequest,
+        choices: Choices | None,
+        answer: Answer,
+        request: Request,
+        tenant: Tenant,
+        arrived: float,
     ) -> AsyncIterator[bytes]:
         """Within one task (the response's), so the span and the request's context live and end there. An error
         before the first event is the response's status (SSEResponse): an error on the span only when a 5xx."""
         with self._span(request, req.chat, arrived, req.user, on_exception=False) as span:
             started = False
             try:
-                async with aclosing(sse_events(answer, self._choices(req, choices, request, {}, arrived))) as events:
+                async with aclosing(sse_events(answer, self._choices(req, choices, tenant, {}, arrived))) as events:
                     async for event in events:
                         if not started:
                             span_status(span, 200)
@@ -191,7 +198,7 @@ class OpenAIAPI:
                 raise
 
     def _choices(
-        self, req: OpenAIRequest, choices: Choices | None, request: Request, headers: dict[str, str], arrived: float
+        self, req: OpenAIRequest, choices: Choices | None, tenant: Tenant, headers: dict[str, str], arrived: float
     ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
         """Every choice's messages, tagged with its index (choices.py), each choice run as this API runs one. The
         first to start uses the request the key was charged before its body was read; each later one is charged its
@@ -199,15 +206,15 @@ class OpenAIAPI:
         started = itertools.count()
 
         def one(message: pb.GenerateRequest, choices: Choices | None) -> AsyncIterator[pb.GenerateResponse]:
-            return self._generate(message, req, request, headers, arrived, choices, next(started) == 0)
+            return self._generate(message, req, tenant, headers, arrived, choices, next(started) == 0)
 
-        return each_choice(self.lifecycle, req, choices, one, request.headers, arrived)
+        return each_choice(self.lifecycle, req, choices, one, tenant, arrived)
 
     def _generate(
         self,
         message: pb.GenerateRequest,
         req: OpenAIRequest,
-        request: Request,
+        tenant: Tenant,
         headers: dict[str, str],
         arrived_at: float,
         choices: Choices | None,
@@ -219,7 +226,7 @@ class OpenAIAPI:
         return generate(
             self.lifecycle,
             message,
-            request.headers,
+            tenant,
             lambda: None,
             on_admitted,
             req.model,

@@ -5,7 +5,7 @@ and the first to fail ends them all."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from pdserve.errors import InvalidRequestError
@@ -13,7 +13,7 @@ from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import Choices
 from pdserve.telemetry import step_span
 from pdserve.v1 import generate_pb2 as pb
-from services.router.generation import check_caller, check_model
+from services.router.generation import check_model
 from services.router.http.openai_request import OpenAIRequest
 from services.router.lifecycle import RequestLifecycle
 from services.router.request import build_request, capped_default
@@ -50,7 +50,7 @@ async def each_choice(
     req: OpenAIRequest,
     choices: Choices | None,
     generate: Generate,
-    headers: Mapping[str, str],
+    tenant: Tenant,
     arrived: float,
 ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
     """Each choice's messages tagged with its index, as they come. With several, every choice is a request of its
@@ -85,7 +85,7 @@ async def each_choice(
         except asyncio.CancelledError:
             if not started:  # never a request of its own: counted as the others ended, failed or the caller's cancel
                 ended = choices.failure if choices.failure is not None else asyncio.CancelledError()
-                lifecycle.refused(ended, arrived, check_caller(lifecycle, headers))
+                lifecycle.refused(ended, arrived, tenant)
             raise
         except Exception as e:
             queue.put_nowait((index, e))

@@ -318,3 +318,29 @@ async def test_latencies_count_from_the_requests_head_its_bodys_upload_included(
     assert sums["pdserve_time_to_first_token_seconds_sum"] >= 0.45
     assert sums["pdserve_e2e_request_latency_seconds_sum"] >= 0.45
     telemetry.shutdown()
+
+
+async def test_a_key_revoked_while_its_request_runs_ends_none_of_the_requests_choices(monkeypatch):
+    """Every choice is the tenant the request was admitted as: a reload that revokes the key meanwhile refuses the
+    key's next request, not the later choices of one already running."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    revoked = asyncio.Event()
+
+    class RevokedAtFirstCall(StandInDecode):
+        async def Generate(self, request, context):  # noqa: N802
+            revoked.set()
+            async for msg in super().Generate(request, context):
+                yield msg
+
+    stand_in = RevokedAtFirstCall()
+    async with serving(stand_in) as address:
+        lc = lifecycle(address, Tenant("team", "k"))
+
+        async def revoke() -> None:
+            await revoked.wait()
+            lc.keys = KeyTable({})  # as a reload of a file without the key does
+
+        _, r = await asyncio.gather(revoke(), complete(lc, n=2, max_tokens=4))
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 2 and stand_in.calls == 2
+        assert (await complete(lc, n=1)).status_code == 401
