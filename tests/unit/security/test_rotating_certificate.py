@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import shutil
+import socket
 import ssl
+import threading
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,49 @@ def test_an_emptied_ca_file_beside_a_good_one_keeps_the_previous_set(tmp_path: P
     assert rotating.refresh() is None and rotating.current is first
     shutil.copy(a.ca, public)
     assert rotating.refresh() is not None
+
+
+def _handshake(server: ssl.SSLContext, client_certs: Certs, server_ca: Path) -> bool:
+    """Whether `server` (as the HTTP listener uses it) accepts a client presenting `client_certs`' certificate."""
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.load_verify_locations(server_ca)
+    client.load_cert_chain(client_certs.client_cert, client_certs.client_key)
+    accepted: list[bool] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            try:
+                with server.wrap_socket(conn, server_side=True) as tls:
+                    tls.sendall(b"ok")
+                accepted.append(True)
+            except (ssl.SSLError, OSError):
+                accepted.append(False)
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        with socket.create_connection(listener.getsockname()) as raw:
+            try:
+                with client.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+                    tls.recv(2)  # TLS 1.3 reports a refused client certificate on the first read
+            except (ssl.SSLError, OSError):
+                pass
+        thread.join(10)
+    return accepted == [True]
+
+
+def test_a_rotated_client_ca_decides_the_next_handshake_on_the_http_listeners_context(tmp_path: Path) -> None:
+    """The HTTP listener keeps the context it was started with (its verify mode) and moves each connection onto the
+    current set's in the SNI callback: clients are checked against the CA the files hold now."""
+    a, b = _certs(tmp_path / "a"), _certs(tmp_path / "b")
+    ca = tmp_path / "client-ca.pem"
+    shutil.copy(a.ca, ca)
+    rotating = RotatingCertificate(str(a.server_cert), str(a.server_key), [str(ca)], interval_s=0)
+    listener = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # as uvicorn builds it from the files at start
+    listener.load_cert_chain(a.server_cert, a.server_key)
+    listener.load_verify_locations(ca)
+    listener.verify_mode = ssl.CERT_REQUIRED
+    listener.sni_callback = rotating.sni_callback
+    assert _handshake(listener, a, a.ca) and not _handshake(listener, b, a.ca)
+    shutil.copy(b.ca, ca)
+    assert _handshake(listener, b, a.ca) and not _handshake(listener, a, a.ca)
