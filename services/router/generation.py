@@ -72,6 +72,8 @@ async def generate(
         caller.time_remaining = time_remaining  # a request its deadline ended counts as deadline_exceeded
         caller.tenant = who if isinstance(who, Tenant) else check_caller(lifecycle, who)
         if not request_taken:
+            if choices is None:  # a request of its own (a later choice of an admitted one is let in)
+                lifecycle.refuse_new_when_draining()
             await lifecycle.quotas.take_request(caller.tenant)
         message = parsed(request)  # only now: a caller without a key, or over its rate, costs no parse
         if model is not None:

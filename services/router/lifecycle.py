@@ -180,6 +180,11 @@ class RequestLifecycle:
         finally:
             self._held -= 1
 
+    def refuse_new_when_draining(self) -> None:
+        """Before a new request's key is charged: refused for the drain, its retry on another replica (with quotas
+        shared in Redis) must find the key's rate as it was."""
+        self._refuse_when_draining(admitted_before=False)
+
     def _refuse_when_draining(self, admitted_before: bool) -> None:
         if self.draining and not admitted_before:
             raise RouterDrainingError("the router is draining; retry on another replica")

@@ -102,7 +102,9 @@ class OpenAIAPI:
         try:
             tenant = check_caller(self.lifecycle, request.headers)  # a caller without a valid key learns nothing more
             # Its requests_per_second before its body is read: refused, the body is left unread as a 401's is (the
-            # server reads its bytes off the connection and drops them), never parsed. Its first choice uses it.
+            # server reads its bytes off the connection and drops them), never parsed. Its first choice uses it. A
+            # draining router refuses it before that charge, for its retry on another replica.
+            self.lifecycle.refuse_new_when_draining()
             await self.lifecycle.quotas.take_request(tenant)
             body = await _read_body(request, self.lifecycle.config.max_http_body_bytes)
             req = parse_request(

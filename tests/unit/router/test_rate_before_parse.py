@@ -98,3 +98,34 @@ async def test_each_http_choice_is_charged_one_request_the_first_before_its_body
             next_one = await http.post("/v1/completions", content=b"{not json", headers=headers)
     assert both.status_code == 200 and len(both.json()["choices"]) == 2, both.text
     assert next_one.status_code == 429 and "requests_per_second" in next_one.json()["error"]["message"]
+
+
+async def test_a_draining_routers_refusal_leaves_the_keys_rate_untaken(monkeypatch) -> None:
+    """A draining router's 503 / UNAVAILABLE says: retry on another replica. With quotas shared in Redis that
+    retry meets the same bucket, so the refusal must not have taken the key's request (here: its only one)."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    router = lifecycle()
+    server = Server("127.0.0.1", 0, checked_by_handler=[GENERATE_METHOD], inner=[ParseAfterKeyCheck([GENERATE_METHOD])])
+    server.add(lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(router), s), [])
+    await server.start()
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    headers = {"authorization": "Bearer slow"}
+    transport = httpx2.ASGITransport(app=openai_app(router), raise_app_exceptions=False)
+    request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=2))
+    try:
+        async with (
+            httpx2.AsyncClient(transport=transport, base_url="http://router") as http,
+            grpc.aio.insecure_channel(server.address) as ch,
+        ):
+            generate = generate_pb2_grpc.GenerationStub(ch).Generate
+            router.draining = True
+            assert (await http.post("/v1/completions", json=body, headers=headers)).status_code == 503
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in generate(request, metadata=(("authorization", "Bearer slow"),)):
+                    pass
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value.details()
+            router.draining = False
+            taken = await http.post("/v1/completions", content=b"{not json", headers=headers)
+        assert taken.status_code == 400, taken.text  # its one request: a 429 had the refusals taken it
+    finally:
+        await server.stop(None)
