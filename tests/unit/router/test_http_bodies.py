@@ -186,18 +186,20 @@ async def test_the_http_span_starts_as_the_head_arrives_with_opentelemetrys_http
     telemetry = Telemetry("test-router", span_processor=SimpleSpanProcessor(exporter))
     lc = Router([], no_workers_wait_s=0.1).lifecycle(telemetry=telemetry)
 
+    body_sent_ns: list[int] = []
+
     async def slow_body() -> AsyncIterator[bytes]:
         await asyncio.sleep(0.3)
+        body_sent_ns.append(time.time_ns())
         yield f'{{{CHAT}, "stream": {str(stream).lower()}, "user": "u-1"}}'.encode()
 
     transport = httpx2.ASGITransport(app=openai_app(lc), raise_app_exceptions=False)
     headers = {"content-type": "application/json", "user-agent": "probe/1.0"}
-    sent_ns = time.time_ns()
     async with httpx2.AsyncClient(transport=transport, base_url="http://router.example:8000") as http:
         r = await http.post("/v1/chat/completions", content=slow_body(), headers=headers)
     assert r.status_code == 503, r.text  # no workers
     (span,) = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER]
-    assert span.start_time - sent_ns < 0.2e9 <= 0.3e9 <= span.end_time - span.start_time
+    assert span.start_time < body_sent_ns[0] < span.end_time  # the upload inside it, by order, not by a bound
     attrs = dict(span.attributes)
     assert span.name == "POST /v1/chat/completions" and attrs.pop("client.address") and attrs.pop("client.port")
     assert attrs == {
