@@ -32,10 +32,10 @@ helm: install
 
 # Latency tests run in a pytest process of their own, apart from the heavy imports of the rest. The tests' random
 # Llama is built here (nothing downloaded), so any module runs alone: before, the unit tests found it only because a
-# cluster in an earlier module had built it.
+# cluster in an earlier module had built it. The slowest tests are listed at the end, to keep the suite's time in view.
 test: model redis-server helm
 	$(VENV)/bin/pdserve fetch --model tiny-random
-	$(PY) -m pytest -q -m "not latency"
+	$(PY) -m pytest -q -m "not latency" --durations=25
 	$(PY) -m pytest -q -m latency
 
 lint: install
