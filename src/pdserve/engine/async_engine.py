@@ -290,14 +290,17 @@ class AsyncEngine:
                 return
 
     async def _close(self, request_id: str, stream: _Stream, abort: bool) -> None:
-        """Stream over: forget it, and abort this caller's request if it is still live (cancel, error)."""
-        if self._streams.get(request_id) is stream:
-            del self._streams[request_id]
-            self._started.stream_ended(request_id)
-        if not abort:  # it finished: the engine holds it no more
-            self._slowed.pop(request_id, None)
-        elif self.alive:
-            await self.abort(request_id)
+        """Stream over: abort this caller's request if it is still live (cancel, error), then forget the stream.
+        Until the abort ran the id is in flight (the step running it delivers under it), so a new caller is refused."""
+        try:
+            if not abort:  # it finished: the engine holds it no more
+                self._slowed.pop(request_id, None)
+            elif self.alive:
+                await self.abort(request_id)
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+                self._started.stream_ended(request_id)
 
     def _submit(self, command: Callable[[], None]) -> None:
         if not self.alive:

@@ -297,3 +297,37 @@ async def test_a_streams_start_taken_mid_stream_is_not_marked_again_and_nothing_
     await tokens(mixed.generate(EngineRequest("never-taken", PROMPT, GREEDY)))
     assert mixed._started._marked == {}  # noqa: SLF001
     assert set(mixed._started._ns) == {"never-taken"}  # noqa: SLF001 (kept for a caller that takes it late)
+
+
+async def test_an_id_whose_caller_left_is_in_flight_until_its_abort_ran_and_never_gets_its_outputs(mixed):
+    """A caller that leaves mid-step frees its id only once the engine thread applied its abort: the step in flight
+    still delivers that request's output under the id. A new caller with the id meanwhile is refused; had it been
+    let in, it was handed the old request's last token and finish, and its own request ran on for nobody."""
+    other = [9, 10, 11, 12] * 3
+    expected = await tokens(mixed.generate(EngineRequest("alone", other, GREEDY)))
+    gate, stepping = threading.Event(), threading.Event()
+    steps = 0
+
+    def hold_the_second_step(*_: object) -> None:
+        nonlocal steps
+        steps += 1
+        if steps == 2:
+            stepping.set()
+            gate.wait(10)
+
+    mixed.on_step = hold_the_second_step
+    old = mixed.generate(EngineRequest("x", PROMPT, SamplingParams(max_tokens=2, ignore_eos=True)))
+    await anext(old)
+    assert await asyncio.to_thread(stepping.wait, 10)  # the step of its last token, not yet delivered
+    closing = asyncio.ensure_future(old.aclose())  # its caller leaves: the abort waits for that step
+    for _ in range(5):
+        await asyncio.sleep(0)
+    try:
+        with pytest.raises(DuplicateRequestError):
+            await anext(mixed.generate(EngineRequest("x", other, GREEDY)))
+    finally:
+        mixed.on_step = None
+        gate.set()
+        await asyncio.wait_for(closing, timeout=10)
+    assert await asyncio.wait_for(tokens(mixed.generate(EngineRequest("x", other, GREEDY))), timeout=20) == expected
+    await until_used(mixed, 0)
