@@ -2,8 +2,9 @@
 fill them, then decode in the running batch and stream.
 
 A failed hand-off frees its blocks on every path: at once when nothing can write into them any more, else (a
-receive whose bytes already flow) when that receive ends, by its deadline at the latest. A cancelled caller
-cancels the Prefill call and a receive still waiting for its transfer, so a stuck prefill worker holds nothing.
+receive whose bytes already flow) when that receive ends, at the latest the transfer timeout after they began. A
+cancelled caller cancels the Prefill call and a receive still waiting for its transfer, so a stuck prefill worker
+holds nothing.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class HandoffRequest:
 
 @dataclass
 class Handoff:
-    """One decode worker's hand-offs; `transfer_timeout_s` bounds each KV transfer (the request's own deadline
-    cancels the hand-off, not the transfer on the wire)."""
+    """One decode worker's hand-offs; `transfer_timeout_s` bounds each KV transfer's start, and its bytes once
+    they flow (the request's own deadline cancels the hand-off, not the transfer on the wire)."""
 
     engine: AsyncEngine
     receiver: KVReceiver
@@ -179,7 +180,7 @@ class Handoff:
 
     def _free(self, request_id: str, peer: str, tag: int, receive: asyncio.Future[int] | None) -> None:
         """Frees a failed hand-off's blocks once nothing writes into them any more. A receive still waiting for
-        its transfer is cancelled (it ends at once); one whose bytes already flow ends by its own deadline; one
+        its transfer is cancelled (it ends at once); one whose bytes already flow ends by their own deadline; one
         not posted yet is cancelled too, so the prefill worker's transfer for it is refused, not waited on. The
         caller hears of the failure now, and the blocks go when the receive ends."""
         if receive is None or not receive.done():

@@ -88,8 +88,9 @@ class KVReceiver(_Closeable):
         prefill worker `peer_id` will send under `tag` (unique among this peer's transfers in flight).
         Blocks until every layer's blocks landed in `kv_caches[layer][:, block_ids]`; returns the bytes
         received. Writes only those blocks. Raises TransferError (PeerLostError, TransferTimeoutError,
-        LayoutMismatchError, TransferCancelledError) within about `timeout_s`; once it raised, nothing writes the
-        blocks any more.
+        LayoutMismatchError, TransferCancelledError) when its transfer does not start within `timeout_s`, or is
+        not done within `timeout_s` of starting (so within about twice `timeout_s`); once it raised, nothing
+        writes the blocks any more.
         """
 
     @abstractmethod

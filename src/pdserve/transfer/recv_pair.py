@@ -28,12 +28,16 @@ _MAX_ABANDONED = 4096
 
 
 class Pending:
-    """One recv waiting for its tag; the serving thread fills it in."""
+    """One recv waiting for its tag; the serving thread fills it in. `deadline` bounds the wait for its transfer
+    to start; the claim moves it to `timeout_s` from then, the bytes' own budget: a transfer that started just
+    before the first deadline (queued behind others on the pair) is not cut mid-way, which costs the pair."""
 
     def __init__(
-        self, tag: int, kv_caches: Sequence[torch.Tensor], blocks: Blocks, layout: KVLayout, deadline: float
+        self, tag: int, kv_caches: Sequence[torch.Tensor], blocks: Blocks, layout: KVLayout, timeout_s: float
     ) -> None:
-        self.tag, self.kv_caches, self.blocks, self.layout, self.deadline = tag, kv_caches, blocks, layout, deadline
+        self.tag, self.kv_caches, self.blocks, self.layout = tag, kv_caches, blocks, layout
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
         self.state = _WAITING
         self.done = threading.Event()
         self.error: TransferError | None = None
@@ -112,13 +116,15 @@ class RecvPair:
             self.cond.notify_all()
 
     def claim(self, tag: int, wait_s: float) -> Pending | None:
-        """Serving thread: the recv waiting for `tag`, or None when it gave up or never comes."""
+        """Serving thread: the recv waiting for `tag`, its deadline now its bytes' (`Pending`), or None when it
+        gave up or never comes."""
         deadline = time.monotonic() + wait_s
         with self.cond:
             while True:
                 p = self.pending.get(tag)
                 if p is not None and p.state == _WAITING:
                     p.state = _RECEIVING
+                    p.deadline = time.monotonic() + p.timeout_s
                     return p
                 if tag in self.abandoned or self.error is not None or self.closed or time_left(deadline) <= 0:
                     return None

@@ -259,8 +259,7 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
         layout, blocks = self._checked(kv_caches, block_ids, tag, distinct=True)
         if blocks.n == 0:
             return 0
-        deadline = time.monotonic() + timeout_s
-        p = Pending(tag, kv_caches, blocks, layout, deadline)
+        p = Pending(tag, kv_caches, blocks, layout, timeout_s)
         with self._lock:  # registered under the lock `cancel` takes: a cancel is never missed
             if (peer_id, tag) in self._cancelled:
                 del self._cancelled[(peer_id, tag)]
@@ -272,13 +271,13 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
                     raise PeerLostError(why)
                 raise TransferError(f"no pair with prefill peer {peer_id!r}: call rendezvous() first")
             pair.register(p)
-        if not p.done.wait(max(time_left(deadline), 0)):
-            if pair.abandon(p):
-                raise TransferTimeoutError(f"prefill peer {peer_id!r}: no KV data for tag {tag} within {timeout_s}s")
-            # The serving thread holds it; its waits end at the same deadline.
-            if not p.done.wait(self.connect_timeout_s):
-                self._drop(pair, PeerLostError(f"prefill peer {peer_id!r}: transfer of tag {tag} is stuck"))
-                raise TransferTimeoutError(f"prefill peer {peer_id!r}: tag {tag} stuck past its deadline")
+        if not p.done.wait(max(time_left(p.deadline), 0)) and pair.abandon(p):
+            raise TransferTimeoutError(f"prefill peer {peer_id!r}: no KV data for tag {tag} within {timeout_s}s")
+        # The serving thread claimed it: it writes into the blocks until the bytes' own deadline (the claim set it,
+        # under the lock `abandon` took) and its waits end there; past that (and gloo's close), it is stuck.
+        if not p.done.wait(max(time_left(p.deadline), 0) + self.connect_timeout_s):
+            self._drop(pair, PeerLostError(f"prefill peer {peer_id!r}: transfer of tag {tag} is stuck"))
+            raise TransferTimeoutError(f"prefill peer {peer_id!r}: tag {tag} stuck past its deadline")
         if p.error is not None:
             raise type(p.error)(str(p.error))  # a fresh exception per caller: one error may fail several recvs
         return p.nbytes

@@ -41,7 +41,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def _sender_main(conn: Connection, slow_at: int) -> None:
     """Runs JSON commands from the test; `slow_at` >= 0 makes the send of that data message announce itself and
-    stall, with the messages before it on the wire."""
+    stall, with the messages before it on the wire; a send command's `stall_s` makes it a silent pause instead."""
+    stall = threading.local()  # this thread's send's `stall_s`; None: announce, then never go on
     if slow_at >= 0:
         from pdserve.transfer.pair_group import PairGroup
 
@@ -49,8 +50,11 @@ def _sender_main(conn: Connection, slow_at: int) -> None:
 
         def stalling_data_op(self: Any, send: bool, buf: torch.Tensor, message: int) -> Any:
             if send and message == slow_at:
-                conn.send_bytes(json.dumps({"stalled": True}).encode())
-                time.sleep(3600)
+                if stall.s is not None:
+                    time.sleep(stall.s)
+                else:
+                    conn.send_bytes(json.dumps({"stalled": True}).encode())
+                    time.sleep(3600)
             return original(self, send, buf, message)
 
         PairGroup.data_op = stalling_data_op  # type: ignore[method-assign]
@@ -63,6 +67,7 @@ def _sender_main(conn: Connection, slow_at: int) -> None:
         return senders[fingerprint]
 
     def send(item: dict[str, Any]) -> dict[str, Any]:
+        stall.s = item.get("stall_s")
         kv = make_caches(item["seed"], item.get("dtype", "float32"), item.get("head_dim", 8))
         try:
             s = sender(item.get("fingerprint", FINGERPRINT))
