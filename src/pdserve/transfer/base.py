@@ -67,7 +67,9 @@ class KVSender(_Closeable):
         in `KVTarget`); the pair group is built on first use and cached. Returns the bytes moved, once the
         decode side reports the blocks in place; the caller may then free its own blocks. Reads the caches,
         never changes them. Raises TransferError (PeerLostError, TransferTimeoutError, LayoutMismatchError)
-        within about `timeout_s`; a broken pair group is dropped and rebuilt by a later send.
+        when its turn on the pair does not come within `timeout_s`, or its transfer is not done within
+        `timeout_s` of starting (so within about twice `timeout_s`); a broken pair group is dropped and rebuilt
+        by a later send.
         """
 
 

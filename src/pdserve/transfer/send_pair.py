@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -61,14 +62,16 @@ class SendPair:
         kv_caches: Sequence[torch.Tensor],
         blocks: Blocks,
         layout: KVLayout,
-        deadline: float,
         timeout_s: float,
         pipeline_bytes: int,
         secret: bytes = b"",
     ) -> tuple[int, int]:
-        """Header, data, then the receiver's status (code, detail). There is no "go" round trip before the data:
-        on a busy host each extra wake-up costs up to a scheduler tick."""
+        """Header, data, then the receiver's status (code, detail), within `timeout_s` from now. The recv's budget
+        (the same timeout: the decode side's, which the prefill worker is sent) starts when it claims the header,
+        later: it never gives up on the bytes first. There is no "go" round trip before the data: on a busy host
+        each extra wake-up costs up to a scheduler tick."""
         g = self.group
+        deadline = time.monotonic() + timeout_s
         header = Header.for_transfer(tag, blocks.n, layout, timeout_s, blocks.runs(MAX_SEGMENTS))
         header_work = g.ctrl_op(True, header.encode(secret))
         in_flight = send_messages(

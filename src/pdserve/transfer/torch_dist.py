@@ -9,8 +9,15 @@ sender, one serving thread on the receiver), so several concurrent transfers sha
   3. receiver -> sender, control: status: the blocks are in place, or why not (layout mismatch, no recv waiting
      for that tag, block count); a rejected transfer's messages are received and discarded
 The caller's tag travels in the header, and the receiver hands the transfer to the `recv` waiting for that tag.
-The receiver keeps a header receive posted between transfers, which is what notices a dead sender at once. A
-timeout during steps 1-3 drops the pair; a `recv` that times out before its header arrived leaves it intact.
+The receiver keeps a header receive posted between transfers, which is what notices a dead sender at once.
+A timeout during steps 1-3 drops the pair (gloo closes it), and with it every transfer queued on it, so a deadline
+only keeps a transfer from starting: the send's bounds its wait for the pair's turn, the recv's the wait for its
+header to be claimed (a `recv` that times out then leaves the pair intact). Steps 1-3 get the transfer's timeout
+of their own, from when the sender posts the header and from when the receiver claims it: a transfer that waited
+behind others on the pair for most of its timeout is not cut mid-way. Both sides use the decode side's timeout and
+the claim comes after the header left, so the receiver never gives up on bytes its sender still sends; a silent
+peer fails the transfer at that deadline (gloo's wait), a dead one at once. A transfer ends within about twice its
+timeout.
 """
 
 from __future__ import annotations
@@ -111,12 +118,10 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
         layout, blocks = self._checked(kv_caches, block_ids, tag, distinct=False)
         if blocks.n == 0:
             return 0  # the receiver short-circuits an empty transfer the same way
-        deadline = time.monotonic() + timeout_s
-        pair = self._answering_pair(rendezvous, tag, deadline)
+        # Bounds the wait for the pair's turn; once it comes, the transfer on the wire gets `timeout_s` of its own.
+        pair = self._answering_pair(rendezvous, tag, time.monotonic() + timeout_s)
         try:
-            code, detail = pair.transfer(
-                tag, kv_caches, blocks, layout, deadline, timeout_s, self.pipeline_bytes, self.secret
-            )
+            code, detail = pair.transfer(tag, kv_caches, blocks, layout, timeout_s, self.pipeline_bytes, self.secret)
         except BaseException as e:
             self._drop(pair)
             if isinstance(e, RuntimeError) and not isinstance(e, TransferError):

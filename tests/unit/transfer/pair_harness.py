@@ -67,6 +67,7 @@ def _sender_main(conn: Connection, slow_at: int) -> None:
         return senders[fingerprint]
 
     def send(item: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(item.get("after_s", 0))  # orders the sends of a "send_many"
         stall.s = item.get("stall_s")
         kv = make_caches(item["seed"], item.get("dtype", "float32"), item.get("head_dim", 8))
         try:
