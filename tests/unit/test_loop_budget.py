@@ -1,0 +1,50 @@
+"""`within_budget` on plain futures: a stall of the loop is not counted against the call, a call that never
+answers still times out once the loop runs, and a cancel is never swallowed by an answer at the same moment."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pdserve.loop_budget import within_budget
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def stall_then_answer(answer: asyncio.Future[int] | None) -> None:
+    """The loop blocks for four budgets of 0.1 s at its next callback; `answer` comes 10 ms after."""
+    loop = asyncio.get_running_loop()
+
+    def stall() -> None:
+        time.sleep(0.4)
+        if answer is not None:
+            loop.call_later(0.01, answer.set_result, 1)
+
+    loop.call_soon(stall)
+
+
+async def test_an_answer_that_comes_just_after_a_stall_is_the_calls():
+    answer = asyncio.get_running_loop().create_future()
+    stall_then_answer(answer)
+    assert await within_budget(answer, 0.1) == 1
+
+
+async def test_a_call_that_never_answers_times_out_after_a_stall_and_is_cancelled():
+    never = asyncio.get_running_loop().create_future()
+    stall_then_answer(None)
+    with pytest.raises(TimeoutError):
+        await within_budget(never, 0.1)
+    assert never.cancelled()
+
+
+async def test_a_cancel_is_raised_even_when_the_answer_comes_with_it():
+    """Python 3.11's wait_for returned the answer and dropped the cancel: its caller ran on as if not cancelled."""
+    answer = asyncio.get_running_loop().create_future()
+    caller = asyncio.ensure_future(within_budget(answer, 1.0))
+    await asyncio.sleep(0)  # the caller waits
+    answer.set_result(1)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
