@@ -10,12 +10,13 @@ one script call per `lease_s / 3` (entering again any Redis lost: a restart, a s
 and a stream's lease is removed when it ends. A router that dies stops renewing, so its leases expire within
 `lease_s` and free their slots.
 
-No request waits on Redis longer than `budget_s`: a call that fails or takes longer is answered by this
-router's own `LocalQuotas` instead (the per-router limits, over every stream this router serves, whichever
-admitted it: N routers admit up to N times a key's limits meanwhile) until a background ping every `retry_s` has
-an answer; the outage is logged once and its end too. What Redis runs of such a call later has no effect there (a
-stream's lease is removed, a take of a request or of tokens comes back), so nothing is counted twice. A lease
-whose release is lost in an outage expires on its own.
+No request waits on Redis longer than `budget_s` of the router's loop time (`loop_budget`: a stall of the loop
+itself, a large body parsed, is not Redis's to miss, and an answer that came during it is read): a call that fails
+or takes longer is answered by this router's own `LocalQuotas` instead (the per-router limits, over every stream
+this router serves, whichever admitted it: N routers admit up to N times a key's limits meanwhile) until a
+background ping every `retry_s` has an answer; the outage is logged once and its end too. What Redis runs of such
+a call later has no effect there (a stream's lease is removed, a take of a request or of tokens comes back), so
+nothing is counted twice. A lease whose release is lost in an outage expires on its own.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import redis.asyncio as aredis
 
 from pdserve.background import cancel_and_wait
 from pdserve.errors import OverloadedError
+from pdserve.loop_budget import within_budget
 from pdserve.registry.redis import PREFIX, Throttled, connect_async
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import (
@@ -306,7 +308,7 @@ class RedisQuotas(Quotas):
         if self._down_since is not None:
             return None
         try:
-            return await asyncio.wait_for(call(), self.budget_s)
+            return await within_budget(call(), self.budget_s)
         except asyncio.CancelledError:  # the caller hung up mid-call: Redis may still run it
             if on_miss is not None:
                 on_miss()
