@@ -20,8 +20,9 @@ async def within_budget(call: Awaitable[T], budget_s: float) -> T:
     """`call`'s result, or TimeoutError once it has had `budget_s` of the loop's time without one.
 
     The budget is waited in SLICES steps; a step whose timer fired a step or more late (the loop was blocked)
-    still counts as one, but the wait never ends on one: the loop looks again, reading an answer that came during
-    the stall and sending a request the stall held back. So a call waits about `budget_s` past the stalls. Given
+    still counts as one, but the wait does not end on one: the loop looks again, reading an answer that came during
+    the stall and sending a request the stall held back. So a call waits about `budget_s` past the stalls, and at
+    most 2 * SLICES steps however late each fires (a loop lagging a step at every turn, overloaded). Given
     up or cancelled, the call is cancelled and waited for (as `wait_for` does: nothing of it runs after this
     returns); a cancel is raised even when the answer came at the same moment (3.11's `wait_for` returned it)."""
     loop = asyncio.get_running_loop()
@@ -34,7 +35,7 @@ async def within_budget(call: Awaitable[T], budget_s: float) -> T:
             if task.done():
                 return task.result()
             steps -= 1
-            if steps <= 0 and loop.time() - due < step:  # the loop ran through the last step: no answer came
+            if steps <= 0 and (loop.time() - due < step or steps <= -SLICES):  # it ran through the last step
                 break
     except asyncio.CancelledError:
         await _stopped(task)

@@ -1,5 +1,6 @@
 """`within_budget` on plain futures: a stall of the loop is not counted against the call, a call that never
-answers still times out once the loop runs, and a cancel is never swallowed by an answer at the same moment."""
+answers still times out once the loop runs (and on a loop that lags at every turn), and a cancel is never swallowed
+by an answer at the same moment."""
 
 from __future__ import annotations
 
@@ -36,6 +37,26 @@ async def test_a_call_that_never_answers_times_out_after_a_stall_and_is_cancelle
     stall_then_answer(None)
     with pytest.raises(TimeoutError):
         await within_budget(never, 0.1)
+    assert never.cancelled()
+
+
+async def test_a_call_that_never_answers_times_out_on_a_loop_that_lags_at_every_turn():
+    """An overloaded loop fires every step's timer a step late: each look is one after a stall, and the wait still
+    ends (after twice the budget's steps) while the loop lags, not once it stops lagging (here after 200 turns)."""
+    loop, never = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
+    turns = 0
+
+    def lag() -> None:
+        nonlocal turns
+        time.sleep(0.05)  # longer than a step of the 0.1 s budget
+        turns += 1
+        if turns < 200:
+            loop.call_soon(lag)
+
+    loop.call_soon(lag)
+    with pytest.raises(TimeoutError):
+        await within_budget(never, 0.1)
+    assert turns < 200
     assert never.cancelled()
 
 
