@@ -35,7 +35,7 @@ async def within_budget(call: Awaitable[T], budget_s: float) -> T:
             if task.done():
                 return task.result()
             steps -= 1
-            if steps <= 0 and (loop.time() - due < step or steps <= -SLICES):  # it ran through the last step
+            if steps <= 0 and (loop.time() - due < step or steps <= -SLICES):  # ran through the last, or lagged on
                 break
     except asyncio.CancelledError:
         await _stopped(task)
