@@ -22,6 +22,7 @@ import redis
 import redis.asyncio as aredis
 
 from pdserve.engine.cache_journal import PrefixCacheChanges
+from pdserve.loop_budget import within_budget
 from pdserve.registry.base import PREFIX_TTL_S, PrefixIndex
 from pdserve.registry.redis import PREFIX, Throttled, connect_async
 
@@ -105,9 +106,10 @@ def drop_own_entry(client: redis.Redis, cache_key: str) -> None:
 
 @dataclass(eq=False)
 class RedisPrefixIndex(PrefixIndex):
-    """Used on the router's event loop only. `match` answers within `match_budget_s` with the hits it counted by
-    then; when Redis gave no answer at all it skips Redis for `retry_s`, so an outage costs requests their prefix
-    hits, not their latency."""
+    """Used on the router's event loop only. `match` answers within `match_budget_s` of the loop's running time
+    (`loop_budget`: a stall of the loop itself, a large body parsed, is not Redis's miss) with the hits it counted
+    by then; when Redis gave no answer at all it skips Redis for `retry_s`, so an outage costs requests their
+    prefix hits, not their latency."""
 
     url: str
     max_blocks_per_worker: int = 65536
@@ -161,10 +163,14 @@ class RedisPrefixIndex(PrefixIndex):
         if not block_hashes or not cache_keys or time.monotonic() < self._skip_until:
             return hits
         rounds = 0
-        try:
-            async with asyncio.timeout(self.match_budget_s):
-                async for _ in self._count_leading_runs(hits, block_hashes):
-                    rounds += 1
+
+        async def count() -> None:
+            nonlocal rounds
+            async for _ in self._count_leading_runs(hits, block_hashes):
+                rounds += 1
+
+        try:  # the budget is of the loop's running time: a stall of this router's loop is not Redis's miss
+            await within_budget(count(), self.match_budget_s)
         except (TimeoutError, redis.RedisError) as e:
             if not rounds:  # not even the first probe: Redis is down or stalled
                 self._skip_until = time.monotonic() + self.retry_s
