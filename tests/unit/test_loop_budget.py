@@ -41,14 +41,14 @@ async def test_a_call_that_never_answers_times_out_after_a_stall_and_is_cancelle
 
 
 async def test_a_call_that_never_answers_times_out_on_a_loop_that_lags_at_every_turn():
-    """An overloaded loop fires every step's timer a step late: each look is one after a stall, and the wait still
-    ends (after twice the budget's steps) while the loop lags, not once it stops lagging (here after 200 turns)."""
+    """A loop that stalls at every turn fires every timer a budget late: each look is one after a stall, and the
+    wait still ends (after LOOKS budgets) while the loop stalls, not once it stops (here after 200 turns)."""
     loop, never = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
     turns = 0
 
     def lag() -> None:
         nonlocal turns
-        time.sleep(0.05)  # longer than a step of the 0.1 s budget
+        time.sleep(0.1)  # a stall of the whole 0.1 s budget
         turns += 1
         if turns < 200:
             loop.call_soon(lag)
@@ -58,6 +58,28 @@ async def test_a_call_that_never_answers_times_out_on_a_loop_that_lags_at_every_
         await within_budget(never, 0.1)
     assert turns < 200
     assert never.cancelled()
+
+
+async def test_a_busy_loop_is_no_stall_the_wait_ends_after_one_budget():
+    """Turns of 10 ms (a loaded router) fire the budget's timer a few turns late: no stall, so the call that never
+    answers is given up on then, not looked at for two more budgets. Counted in turns, not timed."""
+    loop, never = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
+    turns, busy = 0, True
+
+    def turn() -> None:
+        nonlocal turns
+        time.sleep(0.01)
+        turns += 1
+        if busy:
+            loop.call_soon(turn)
+
+    loop.call_soon(turn)
+    try:
+        with pytest.raises(TimeoutError):
+            await within_budget(never, 0.1)
+    finally:
+        busy = False
+    assert turns < 2 * 0.1 / 0.01  # one budget's turns and a few: not LOOKS budgets'
 
 
 async def test_a_cancel_is_raised_even_when_the_answer_comes_with_it():
