@@ -291,16 +291,24 @@ class AsyncEngine:
 
     async def _close(self, request_id: str, stream: _Stream, abort: bool) -> None:
         """Stream over: abort this caller's request if it is still live (cancel, error), then forget the stream.
-        Until the abort ran the id is in flight (the step running it delivers under it), so a new caller is refused."""
-        try:
-            if not abort:  # it finished: the engine holds it no more
-                self._slowed.pop(request_id, None)
-            elif self.alive:
-                await self.abort(request_id)
-        finally:
+        Until the engine thread ran the abort the id is in flight (a step delivers under it; a new caller is refused),
+        even if this caller stops waiting for it (cancelled again: a drain or a stop after the caller's cancel)."""
+
+        def forget(aborted: asyncio.Future[bool] | None = None) -> None:
+            if aborted is not None and not aborted.cancelled():
+                aborted.exception()  # seen here: a caller cancelled meanwhile does not read it
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
                 self._started.stream_ended(request_id)
+
+        if abort and self.alive:
+            aborted = asyncio.ensure_future(self.abort(request_id))
+            aborted.add_done_callback(forget)
+            await asyncio.shield(aborted)
+            return
+        if not abort:  # it finished: the engine holds it no more
+            self._slowed.pop(request_id, None)
+        forget()
 
     def _submit(self, command: Callable[[], None]) -> None:
         if not self.alive:
