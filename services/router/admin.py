@@ -38,7 +38,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ClusterStatus(  # noqa: N802 (gRPC method name)
         self, request: apb.ClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> apb.ClusterStatusResponse:
-        self.router.authenticate(context.invocation_metadata()).check_admin()
+        self.router.authenticate(context.invocation_metadata()).check_admin("ClusterStatus")
         workers = sorted(self.registry.workers(), key=lambda w: (w.role, w.worker_id))
         health = await asyncio.gather(*(_health(w.address) for w in workers))
         desired, (admitted, cluster_wide) = await self._desired(), await self.admitted.totals()
@@ -68,7 +68,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ScaleWorkers(  # noqa: N802 (gRPC method name)
         self, request: apb.ScaleWorkersRequest, context: grpc.aio.ServicerContext
     ) -> apb.ScaleWorkersResponse:
-        self.router.authenticate(context.invocation_metadata()).check_admin()
+        self.router.authenticate(context.invocation_metadata()).check_admin("ScaleWorkers")
         asked = {Role.PREFILL: request.prefill, Role.DECODE: request.decode, Role.COLOCATED: request.colocated}
         current = await _registry_call(self.registry.desired_counts)
         target = scale_target(asked, current, {w.role for w in self.registry.workers()})
@@ -85,7 +85,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def DrainWorkers(  # noqa: N802 (gRPC method name)
         self, request: apb.DrainWorkersRequest, context: grpc.aio.ServicerContext
     ) -> apb.DrainWorkersResponse:
-        self.router.authenticate(context.invocation_metadata()).check_admin()
+        self.router.authenticate(context.invocation_metadata()).check_admin("DrainWorkers")
         check_drain_timeout(request.timeout_s)
         workers = drain_targets(self.registry, list(request.worker_ids), request.host)
         outcomes = await drain_workers(workers, request.timeout_s, self.router.placement.ejections)

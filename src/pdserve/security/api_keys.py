@@ -19,7 +19,24 @@ from pdserve.errors import MissingKeyError, PermissionDeniedError, Unauthenticat
 AUTHORIZATION_KEY = "authorization"  # gRPC metadata keys are lower case; HTTP's Authorization header folds to it
 BEARER = "bearer "
 OPEN_TENANT = "anonymous"  # the tenant of every request on a cluster started without --api-keys
+# The Admin service's methods (protos/pdserve/v1/admin.proto), which a key's `admin` list may name; spelled out, as
+# every client imports this module for its bearer metadata and need not load the protos for it.
+ADMIN_CALLS = frozenset({"ClusterStatus", "DrainWorkers", "ScaleWorkers"})
 Metadata = Mapping[str, str] | Iterable[tuple[str, str | bytes]]
+
+
+def _admin_calls(value: object) -> frozenset[str]:
+    """The Admin calls a key file's `admin` list names; anything but a bool or such a list is refused, as an
+    unknown name is: `admin = "drain"` or a misspelt call must not load as a key that silently lacks its rights."""
+    if not isinstance(value, list | tuple | set | frozenset) or not all(isinstance(c, str) for c in value):
+        raise ValueError(f"admin must be true, false or a list of Admin calls ({_names(ADMIN_CALLS)}), got {value!r}")
+    if unknown := set(value) - ADMIN_CALLS:
+        raise ValueError(f"admin: unknown Admin call(s) {_names(unknown)}; the calls are {_names(ADMIN_CALLS)}")
+    return frozenset(value)
+
+
+def _names(calls: Iterable[str]) -> str:
+    return ", ".join(sorted(calls))
 
 
 def _check_number(name: str, value: object, kinds: type | tuple[type, ...]) -> None:
@@ -38,23 +55,41 @@ class Tenant:
     requests_per_second: float = 0.0
     tokens_per_minute: float = 0.0
     max_concurrent: int = 0
-    admin: bool = False  # may call the Admin service (pdserve status); an open cluster lets everyone
+    # The Admin service's calls it may make: true every one, false none, or a list of their names (a worker pod's
+    # drain key: ["DrainWorkers"], so that what its pod's environment leaks can neither scale nor survey the cluster).
+    # An open cluster lets everyone.
+    admin: bool | frozenset[str] = False
 
     def __post_init__(self) -> None:
         """Each field of its type, each limit >= 0: from a key file, `admin = "false"` would be a true flag,
         `max_priority = "5"` fail every request, and a negative limit silently mean none."""
-        for name, kind in (("name", str), ("key_name", str), ("admin", bool)):
+        for name, kind in (("name", str), ("key_name", str)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        if not isinstance(self.admin, bool):  # a key file's list, kept as immutable as the rest of a Tenant
+            object.__setattr__(self, "admin", _admin_calls(self.admin))
         _check_number("max_priority", self.max_priority, int)
         for name in ("max_concurrent", "requests_per_second", "tokens_per_minute"):
             _check_number(name, getattr(self, name), int if name == "max_concurrent" else (int, float))
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: unlimited), got {getattr(self, name)!r}")
 
-    def check_admin(self) -> None:
-        if not self.admin:
-            raise PermissionDeniedError("authorization", f"API key {self.key_name!r} may not call the Admin service")
+    @property
+    def admin_calls(self) -> frozenset[str]:
+        if isinstance(self.admin, bool):
+            return ADMIN_CALLS if self.admin else frozenset()
+        return self.admin
+
+    def check_admin(self, call: str) -> None:
+        """PermissionDeniedError unless this key may make `call`, an Admin method; the refusal names what it may."""
+        if call in (allowed := self.admin_calls):
+            return
+        key = f"API key {self.key_name!r}"
+        if not allowed:
+            raise PermissionDeniedError("authorization", f"{key} may not call the Admin service ({call})")
+        raise PermissionDeniedError(
+            "authorization", f"{key} may call only {_names(allowed)} of the Admin service, not {call}"
+        )
 
     def check_priority(self, priority: int) -> None:
         if priority > self.max_priority:

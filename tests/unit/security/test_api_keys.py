@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.errors import PermissionDeniedError, UnauthenticatedError
-from pdserve.security.api_keys import OPEN, KeyTable, authenticate, bearer_metadata, digest
+from pdserve.security.api_keys import ADMIN_CALLS, OPEN, KeyTable, authenticate, bearer_metadata, digest
+from pdserve.v1 import admin_pb2
 
 KEYS = """
 [[keys]]
@@ -25,13 +26,20 @@ sha256 = "{b}"
 tenant = "ops"
 max_priority = 2
 admin = true
+
+[[keys]]
+name = "drain"
+sha256 = "{c}"
+tenant = "ops"
+max_priority = 0
+admin = ["DrainWorkers"]
 """
 
 
 @pytest.fixture
 def table(tmp_path: Path) -> KeyTable:
     path = tmp_path / "keys.toml"
-    path.write_text(KEYS.format(a=digest("key-a"), b=digest("key-b").upper()))
+    path.write_text(KEYS.format(a=digest("key-a"), b=digest("key-b").upper(), c=digest("key-c")))
     return KeyTable.from_file(path)
 
 
@@ -58,9 +66,28 @@ def test_caps_priority_and_admin(table: KeyTable) -> None:
     a.check_priority(0)
     with pytest.raises(PermissionDeniedError, match="^priority: 1 is above"):
         a.check_priority(1)
-    with pytest.raises(PermissionDeniedError, match="^authorization"):
-        a.check_admin()
-    assert authenticate(None, ()) is OPEN and OPEN.admin  # no key file: an open cluster
+    with pytest.raises(PermissionDeniedError, match="^authorization: API key 'team-a-prod' may not call the Admin"):
+        a.check_admin("DrainWorkers")
+    assert authenticate(None, ()) is OPEN and OPEN.admin_calls == ADMIN_CALLS  # no key file: an open cluster
+
+
+def test_an_admin_list_allows_the_calls_it_names_and_refuses_the_others_naming_them(table: KeyTable) -> None:
+    """A worker pod's drain key may drain and nothing else: whoever reads it from the pod's environment can
+    neither scale the cluster nor survey it."""
+    drain, full = (authenticate(table, bearer_metadata(k)) for k in ("key-c", "key-b"))
+    assert drain.admin_calls == {"DrainWorkers"} and full.admin_calls == ADMIN_CALLS
+    drain.check_admin("DrainWorkers")
+    for call in ("ScaleWorkers", "ClusterStatus"):
+        full.check_admin(call)
+        with pytest.raises(
+            PermissionDeniedError, match=f"^authorization: .* may call only DrainWorkers .*, not {call}"
+        ):
+            drain.check_admin(call)
+    assert drain.max_priority == 0  # the rest of its entry as any key's
+
+
+def test_the_admin_calls_are_the_admin_services_methods() -> None:
+    assert {m.name for m in admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods} == ADMIN_CALLS
 
 
 @pytest.mark.parametrize(
@@ -76,7 +103,14 @@ def test_caps_priority_and_admin(table: KeyTable) -> None:
         ),
         # A value of the wrong type or sign is no silent default: "false" would be a true admin flag, "5" fail
         # every request's priority check, -1 mean no limit at all.
-        (f'sha256 = "{digest("k")}"\ntenant = "t"\nadmin = "false"', r"keys\[0\]: admin must be a bool"),
+        (f'sha256 = "{digest("k")}"\ntenant = "t"\nadmin = "false"', r"keys\[0\]: admin must be true, false or a list"),
+        # A drain key whose call is misspelt or not a list must not load as a key that cannot drain.
+        (f'sha256 = "{digest("k")}"\ntenant = "t"\nadmin = "drain"', r"keys\[0\]: admin must be true, false or a list"),
+        (f'sha256 = "{digest("k")}"\ntenant = "t"\nadmin = [1]', r"keys\[0\]: admin must be true, false or a list"),
+        (
+            f'sha256 = "{digest("k")}"\ntenant = "t"\nadmin = ["DrainWorker"]',
+            r"keys\[0\]: admin: unknown Admin call\(s\) DrainWorker; the calls are ClusterStatus, DrainWorkers, ",
+        ),
         (f'sha256 = "{digest("k")}"\ntenant = "t"\nmax_priority = "5"', "max_priority must be a finite number"),
         (f'sha256 = "{digest("k")}"\ntenant = "t"\nmax_concurrent = 1.5', "max_concurrent must be a finite number"),
         (f'sha256 = "{digest("k")}"\ntenant = "t"\nrequests_per_second = -1', "requests_per_second must be >= 0"),
