@@ -179,7 +179,12 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
             {"router.autoscaling.enabled": "true", "router.resources.requests.cpu": "null"},
             "router.autoscaling needs router.resources.requests.cpu",
         ),
-        ({"apiKeys.existingSecret": "keys"}, "set apiKeys.drainKey.existingSecret too"),  # or every drain is refused
+        # Or every drain is refused; and a drain-only key, as every worker pod holds it.
+        (
+            {"apiKeys.existingSecret": "keys"},
+            "set apiKeys.drainKey.existingSecret too (a Secret holding a drain-only key: its entry in the key file"
+            ' says admin = ["DrainWorkers"]',
+        ),
         ({"decode.gpus": "0"}, "prefill.gpus (1) and decode.gpus (0) must be equal"),  # decode actors never placed
         ({"router.httpPort": "50051"}, "router.port (50051), router.httpPort (50051) and router.metricsPort (9400)"),
         # A worker pod binds its gRPC and metrics ports, and a decode worker a KV rendezvous store per prefill peer
