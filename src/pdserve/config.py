@@ -332,7 +332,8 @@ class ClusterConfig:
     metrics_port: int | None = None  # the router's Prometheus /metrics; None: not served
     http_port: int | None = None  # the router's OpenAI-compatible HTTP API; None (or --http-port 0): not served
     log_level: str = "INFO"
-    kv_transfer_timeout_s: float = 30.0  # decode side: a KV transfer not done by then fails, freeing its blocks
+    # A KV transfer not started by then fails, freeing its blocks; one started gets as long again for its bytes.
+    kv_transfer_timeout_s: float = 30.0
     internal_tls_cert: str | None = None  # PEM files: mTLS on every internal hop (all three, or none)
     internal_tls_key: str | None = None
     internal_tls_ca: str | None = None  # the cluster CA: internal peers must present a certificate it signed

@@ -60,7 +60,7 @@ def add_fleet_flags(p: argparse.ArgumentParser) -> None:
         "--kv-transfer-timeout",
         type=float,
         default=c.kv_transfer_timeout_s,
-        help="seconds a KV transfer may take before it fails",
+        help="seconds a KV transfer may wait to start, and then take on the wire, before it fails",
     )
     p.add_argument(
         "--worker-drain-timeout-s",

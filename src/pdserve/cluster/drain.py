@@ -155,7 +155,8 @@ async def run_drain(
     gate: DrainGate, kv_blocks_used: Callable[[], int], timeout_s: float, cut_wait_s: float
 ) -> DrainReport:
     """Closes the gate, waits up to `timeout_s` for the streams to end, cuts the rest (their cleanup may take up to
-    `cut_wait_s`: a KV send already under way ends by its own deadline), then waits for the KV blocks to be free."""
+    `cut_wait_s`: a KV send ends by its own deadlines, to start and then on the wire), then waits for the KV blocks
+    to be free."""
     start = time.monotonic()
     held, kv_held = gate.close(), kv_blocks_used()
     moved = 0

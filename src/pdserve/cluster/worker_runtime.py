@@ -332,7 +332,7 @@ class WorkerRuntime:
         log.warning("worker %s draining: in-flight requests may take %g s, then move", self.worker_id, timeout_s)
         await self._server.set_serving(False)
         self._beat.set()  # with Redis, the entry says draining now, not at the next beat
-        cut_wait_s = self.spec.kv_transfer_timeout_s + EXIT_GRACE_S
+        cut_wait_s = 2 * self.spec.kv_transfer_timeout_s + EXIT_GRACE_S  # a send's wait to start, then its bytes
         report = await run_drain(self._gate, lambda: engine.stats["kv_blocks_used"], timeout_s, cut_wait_s)
         log.warning(
             "worker %s drained in %.1f s: held %d requests (%d KV blocks); %d finished, %d moved; %d KV blocks left",
