@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.errors import OverloadedError, UnavailableError
 from pdserve.metrics import WorkerMetrics
 from pdserve.protocol.engine_request import EngineRequest
@@ -189,7 +189,8 @@ class Handoff:
         async def when_received() -> None:
             if receive is not None:
                 await asyncio.wait([receive])
-            await self.engine.abort(request_id)
+            with contextlib.suppress(EngineDeadError):  # its blocks went with it
+                await self.engine.abort(request_id)
 
         task = asyncio.ensure_future(when_received())
         self._freeing.add(task)

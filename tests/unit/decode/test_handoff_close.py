@@ -53,7 +53,7 @@ class InstantPrefill:
         return InstantCall()
 
 
-async def test_a_closed_stream_aborts_its_sequence_at_once() -> None:
+def decode_engine() -> AsyncEngine:
     config = EngineConfig(
         model="tiny-random",
         device="cpu",
@@ -63,7 +63,11 @@ async def test_a_closed_stream_aborts_its_sequence_at_once() -> None:
         num_threads=1,
         scheduler=SchedulerConfig(mode=EngineMode.DECODE_ONLY),
     )
-    engine = AsyncEngine(LLMEngine(config))
+    return AsyncEngine(LLMEngine(config))
+
+
+async def test_a_closed_stream_aborts_its_sequence_at_once() -> None:
+    engine = decode_engine()
     handoff = Handoff(engine, InstantReceiver(), InstantPrefill(), "d0", Telemetry("t", enabled=False), 2.0)
     request = EngineRequest("r", list(range(3, 43)), SamplingParams(max_tokens=3000, ignore_eos=True))
     gc.disable()  # the stream must go on its close, not on a collection's
@@ -82,3 +86,18 @@ async def test_a_closed_stream_aborts_its_sequence_at_once() -> None:
     finally:
         gc.enable()
         engine.stop()
+
+
+async def test_a_failed_hand_off_on_a_dead_engine_frees_nothing_and_logs_no_unread_error() -> None:
+    """Its blocks went with the engine: the free's abort finds it dead, which is no error of anyone's, and must not
+    surface as asyncio's "exception was never retrieved" once the free's task is collected."""
+    engine = decode_engine()
+    engine.stop()  # the engine thread is gone: every command raises EngineDeadError
+    handoff = Handoff(engine, InstantReceiver(), InstantPrefill(), "d0", Telemetry("t", enabled=False), 2.0)
+    unread: list[str] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: unread.append(context["message"]))
+    handoff._free("r", "p:1", 7, None)  # noqa: SLF001 (the path every failed hand-off takes)
+    while handoff._freeing:  # noqa: SLF001
+        await asyncio.sleep(0.01)
+    gc.collect()
+    assert unread == []
