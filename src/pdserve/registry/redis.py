@@ -138,10 +138,13 @@ class RedisRegistry(Registry):
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._view: dict[str, WorkerState] = {}
+        self._listed: dict[str, WorkerState] = {}  # the workers Redis itself listed at its last answer
+        # Those it listed before an outage and not since, each kept until one TTL after the first answer that
+        # followed (monotonic): a worker's key may have expired while Redis stood still and it could not beat.
+        self._kept: dict[str, tuple[WorkerState, float]] = {}
         self._retired: set[str] = set()
         self._confirmed_at = -math.inf  # monotonic time Redis last answered a refresh
         self._down_since: float | None = None  # the first failed refresh of the current outage
-        self._recovered_at = -math.inf
         self._malformed: set[str] = set()  # ids whose entries failed to parse, logged once each
 
     @property
@@ -172,6 +175,8 @@ class RedisRegistry(Registry):
     def _unlisting(self, worker_id: str) -> redis.client.Pipeline:
         """The writes that take a worker out of the registry, to execute; this router stops placing on it at once."""
         self._view = {k: w for k, w in self._view.items() if k != worker_id}
+        self._listed = {k: w for k, w in self._listed.items() if k != worker_id}
+        self._kept = {k: kept for k, kept in self._kept.items() if k != worker_id}
         pipe = self._redis.pipeline()
         pipe.delete(worker_key(worker_id))
         pipe.srem(WORKERS_KEY, worker_id)
@@ -290,13 +295,13 @@ class RedisRegistry(Registry):
         now = time.monotonic()
         if self._down_since is not None:
             log.warning("registry redis answers again after %.1f s; the view is current", now - self._down_since)
-            self._down_since, self._recovered_at = None, now
-        view = self._parse(values)
-        if now - self._recovered_at < self.ttl_s:
-            # Keys may have expired while Redis stood still and their workers could not beat: those get one
-            # TTL to heartbeat again before they leave the view.
-            view = {**self._view, **view}
-        self._view, self._confirmed_at = view, now
+            self._down_since = None
+            # One TTL to heartbeat again for the workers Redis listed before the outage; one kept already keeps its
+            # own end: renewed at every recovery, a dead worker stayed while Redis missed a refresh once per TTL.
+            self._kept = {i: (w, now + self.ttl_s) for i, w in self._listed.items()} | self._kept
+        self._listed = listed = self._parse(values)
+        self._kept = {i: kept for i, kept in self._kept.items() if kept[1] > now and i not in listed}
+        self._view, self._confirmed_at = {**{i: w for i, (w, _) in self._kept.items()}, **listed}, now
 
     def _parse(self, values: dict[str, bytes | None]) -> dict[str, WorkerState]:
         """Entries that fail to parse are skipped (logged once each): one bad entry must not fail every request."""
@@ -336,4 +341,4 @@ class RedisRegistry(Registry):
                 self.max_view_age_s,
                 len(self._view),
             )
-            self._view = {}
+            self._view, self._listed, self._kept = {}, {}, {}
