@@ -37,3 +37,24 @@ async def test_a_worker_gone_before_an_outage_gets_no_grace_after_it(url, server
         assert router.workers() == []  # Redis has not listed it since before the first outage
     finally:
         await router.close()
+
+
+async def test_a_worker_retired_after_an_outage_leaves_its_grace_at_once(url, server):
+    """A worker whose key expired while Redis stood still is kept one TTL after the recovery, in case it beats
+    again; retired meanwhile (scaled down, by another router or the fleet) it will not: the next refresh drops it,
+    not the end of its grace, so no router goes on placing on a worker that is draining away or gone."""
+    worker = RedisRegistry(url, ttl_s=0.3)
+    worker.publish(WorkerState("d0", Role.DECODE, "d0:1"))
+    router = RedisRegistry(url, ttl_s=60.0, refresh_s=3600.0, timeout_s=0.1, max_view_age_s=120.0)
+    await router.start()
+    try:
+        with server.stopped():
+            assert not await router.refresh()
+            await asyncio.sleep(0.4)  # d0's key expires meanwhile
+        assert await router.refresh()
+        assert [w.worker_id for w in router.workers()] == ["d0"]  # its grace: a minute to beat again
+        worker.retire("d0")
+        assert await router.refresh()
+        assert router.workers() == []
+    finally:
+        await router.close()

@@ -268,7 +268,7 @@ class RedisRegistry(Registry):
         except Exception as e:  # unreachable, stalled, or a wrong-typed key: the same for a router
             self._unreachable(e)
             return False
-        self._reachable(values)
+        self._reachable(values, retired)
         self._retired = retired
         await self._forget_expired(self._async, [i for i, v in values.items() if v is None])
         return True
@@ -291,7 +291,7 @@ class RedisRegistry(Registry):
         except Exception as e:
             log.info("could not drop expired workers %s: %r", expired, e)
 
-    def _reachable(self, values: dict[str, bytes | None]) -> None:
+    def _reachable(self, values: dict[str, bytes | None], retired: set[str]) -> None:
         now = time.monotonic()
         if self._down_since is not None:
             log.warning("registry redis answers again after %.1f s; the view is current", now - self._down_since)
@@ -300,7 +300,8 @@ class RedisRegistry(Registry):
             # own end: renewed at every recovery, a dead worker stayed while Redis missed a refresh once per TTL.
             self._kept = {i: (w, now + self.ttl_s) for i, w in self._listed.items()} | self._kept
         self._listed = listed = self._parse(values)
-        self._kept = {i: kept for i, kept in self._kept.items() if kept[1] > now and i not in listed}
+        settled = listed.keys() | retired  # listed again: no grace needed; retired since (scaled down): none due
+        self._kept = {i: kept for i, kept in self._kept.items() if kept[1] > now and i not in settled}
         self._view, self._confirmed_at = {**{i: w for i, (w, _) in self._kept.items()}, **listed}, now
 
     def _parse(self, values: dict[str, bytes | None]) -> dict[str, WorkerState]:
