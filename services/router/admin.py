@@ -72,8 +72,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         asked = {Role.PREFILL: request.prefill, Role.DECODE: request.decode, Role.COLOCATED: request.colocated}
         current = await _registry_call(self.registry.desired_counts)
         target = scale_target(asked, current, {w.role for w in self.registry.workers()})
+        merged = False
         if set(current) == set(target):  # only the roles given change: a scale of another role meanwhile holds
-            await _registry_call(self.registry.merge_desired_counts, {r: n for r, n in asked.items() if n})
+            merged = await _registry_call(self.registry.merge_desired_counts, {r: n for r, n in asked.items() if n})
+            if not merged:  # the counts went since they were read (a Redis restarted empty): every role's, or a retry
+                target = scale_target(asked, {}, {w.role for w in self.registry.workers()})
+        if merged:
             target = await _registry_call(self.registry.desired_counts) or target  # with such a scale's roles
         else:
             await _registry_call(self.registry.set_desired_counts, target)

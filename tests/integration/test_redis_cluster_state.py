@@ -49,9 +49,18 @@ def test_desired_counts_are_one_hash_shared_by_every_registry_and_replaced_whole
         {Role.PREFILL: 1, Role.DECODE: 2},
     )
     other_router = RedisRegistry(url)
-    router.merge_desired_counts({Role.PREFILL: 3})  # two routers scale different roles: both hold
-    other_router.merge_desired_counts({Role.DECODE: 4})
+    assert router.merge_desired_counts({Role.PREFILL: 3})  # two routers scale different roles: both hold
+    assert other_router.merge_desired_counts({Role.DECODE: 4})
     assert fleet.desired_counts() == {Role.PREFILL: 3, Role.DECODE: 4}
+
+
+def test_a_merge_onto_counts_gone_since_they_were_read_writes_nothing(url):
+    """A scale of one role read the counts, then Redis restarted empty: merged, the hash would hold that role alone,
+    which the fleet (writing its counts back only where there are none) never mends, and every later scale of one
+    role would be refused for the other's missing count. Nothing is written: the scale is asked again."""
+    router = RedisRegistry(url)
+    assert not router.merge_desired_counts({Role.PREFILL: 3})
+    assert router.desired_counts() == {}
 
 
 async def test_every_routers_admitted_requests_add_up_in_one_hash_and_a_failed_flush_is_kept(url, server):

@@ -122,9 +122,11 @@ class Registry(ABC):
         the fleet's own flags', also kept as `flag_counts`. Blocks and raises as `desired_counts`."""
 
     @abstractmethod
-    def merge_desired_counts(self, counts: dict[Role, int]) -> None:
+    def merge_desired_counts(self, counts: dict[Role, int]) -> bool:
         """Sets the desired counts of the roles in `counts` and leaves the others', in one step: two scales of
-        different roles at once both hold. Blocks and raises as `desired_counts`."""
+        different roles at once both hold. Only onto counts there: False, and nothing written, when there are none
+        (a Redis restarted empty since they were read), where a merge would leave the other roles without one.
+        Blocks and raises as `desired_counts`."""
 
     @abstractmethod
     def restore_desired_counts(self, counts: dict[Role, int], flag_counts: dict[Role, int]) -> None:

@@ -63,9 +63,12 @@ class InMemoryRegistry(Registry):
             if from_flags:
                 self._flags = dict(self._desired)
 
-    def merge_desired_counts(self, counts: dict[Role, int]) -> None:
+    def merge_desired_counts(self, counts: dict[Role, int]) -> bool:
         with self._lock:
+            if not self._desired:
+                return False
             self._desired.update({Role(r): int(n) for r, n in counts.items()})
+            return True
 
     def restore_desired_counts(self, counts: dict[Role, int], flag_counts: dict[Role, int]) -> None:
         with self._lock:

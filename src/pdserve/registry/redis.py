@@ -51,6 +51,12 @@ if redis.call('EXISTS', KEYS[1]) == 1 or #ARGV == 0 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
+# A scale of some roles: only onto counts there, so a Redis restarted empty meanwhile is not left with them alone.
+_SET_IF_PRESENT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if #ARGV > 0 then redis.call('HSET', KEYS[1], unpack(ARGV)) end
+return 1
+"""
 # Drops listed workers whose key is gone, each only if still gone: a heartbeat between the read and this keeps it.
 _FORGET_EXPIRED = """
 local dropped = 0
@@ -59,6 +65,11 @@ for i = 2, #KEYS do
 end
 return dropped
 """
+
+
+def _fields(counts: dict[Role, int]) -> list[str | int]:
+    """A counts hash's fields and values, flat, as HSET takes them in a script."""
+    return [x for r, n in counts.items() for x in (str(r), int(n))]
 
 
 def worker_key(worker_id: str) -> str:
@@ -205,14 +216,13 @@ class RedisRegistry(Registry):
                 pipe.hset(key, mapping={str(r): int(n) for r, n in counts.items()})
         pipe.execute()
 
-    def merge_desired_counts(self, counts: dict[Role, int]) -> None:
-        if counts:
-            self._redis.hset(DESIRED_COUNTS_KEY, mapping={str(r): int(n) for r, n in counts.items()})
+    def merge_desired_counts(self, counts: dict[Role, int]) -> bool:
+        return bool(self._redis.eval(_SET_IF_PRESENT, 1, DESIRED_COUNTS_KEY, *_fields(counts)))
 
     def restore_desired_counts(self, counts: dict[Role, int], flag_counts: dict[Role, int]) -> None:
         pipe = self._redis.pipeline()
         for key, values in ((DESIRED_COUNTS_KEY, counts), (FLAG_COUNTS_KEY, flag_counts)):
-            pipe.eval(_SET_IF_ABSENT, 1, key, *[x for r, n in values.items() for x in (str(r), int(n))])
+            pipe.eval(_SET_IF_ABSENT, 1, key, *_fields(values))
         pipe.execute()
 
     def add_admitted(self, more: AdmittedTotals, writer: str, seq: int) -> None:

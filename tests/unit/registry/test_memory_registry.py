@@ -180,6 +180,12 @@ def test_desired_counts_are_replaced_whole_and_read_back_as_roles():
 def test_merged_desired_counts_change_only_the_roles_given():
     reg = InMemoryRegistry()
     reg.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
-    reg.merge_desired_counts({Role.PREFILL: 2})
-    reg.merge_desired_counts({Role.DECODE: 3})  # a scale of the other role, as if at the same time
+    assert reg.merge_desired_counts({Role.PREFILL: 2})
+    assert reg.merge_desired_counts({Role.DECODE: 3})  # a scale of the other role, as if at the same time
     assert reg.desired_counts() == {Role.PREFILL: 2, Role.DECODE: 3}
+
+
+def test_a_merge_onto_no_counts_writes_nothing():
+    reg = InMemoryRegistry()
+    assert not reg.merge_desired_counts({Role.PREFILL: 2})
+    assert reg.desired_counts() == {}
