@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shutil
 import signal
@@ -99,6 +100,24 @@ class RedisServer:
             yield
         finally:
             self.proc.send_signal(signal.SIGCONT)
+
+    def stall_the_loop(self, stall_s: float, when: str, answer_after_s: float) -> None:
+        """The running event loop blocks for `stall_s` while this server stands still (SIGSTOP from now), and it
+        answers `answer_after_s` after the block, as one across a network would: a stall of a router's own loop
+        with a call in flight. The block comes "before" the call just begun is sent (the loop's next callback) or
+        "after" it (10 ms on, its answer awaited)."""
+        assert self.proc is not None
+        proc, loop = self.proc, asyncio.get_running_loop()
+        proc.send_signal(signal.SIGSTOP)
+
+        def stall() -> None:
+            time.sleep(stall_s)
+            loop.call_later(answer_after_s, proc.send_signal, signal.SIGCONT)
+
+        if when == "before":
+            loop.call_soon(stall)
+        else:
+            loop.call_later(0.01, stall)
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, **({"ssl_ca_certs": str(self.tls.ca)} if self.tls else {}))

@@ -299,10 +299,14 @@ async def test_a_streams_start_taken_mid_stream_is_not_marked_again_and_nothing_
     assert set(mixed._started._ns) == {"never-taken"}  # noqa: SLF001 (kept for a caller that takes it late)
 
 
-async def test_an_id_whose_caller_left_is_in_flight_until_its_abort_ran_and_never_gets_its_outputs(mixed):
+@pytest.mark.parametrize("closing_cancelled", [False, True])
+async def test_an_id_whose_caller_left_is_in_flight_until_its_abort_ran_and_never_gets_its_outputs(
+    mixed, closing_cancelled: bool
+):
     """A caller that leaves mid-step frees its id only once the engine thread applied its abort: the step in flight
     still delivers that request's output under the id. A new caller with the id meanwhile is refused; had it been
-    let in, it was handed the old request's last token and finish, and its own request ran on for nobody."""
+    let in, it was handed the old request's last token and finish, and its own request ran on for nobody. So too
+    when the caller's closing is cancelled again while it awaits the abort (a drain, a stop)."""
     other = [9, 10, 11, 12] * 3
     expected = await tokens(mixed.generate(EngineRequest("alone", other, GREEDY)))
     gate, stepping = threading.Event(), threading.Event()
@@ -322,50 +326,17 @@ async def test_an_id_whose_caller_left_is_in_flight_until_its_abort_ran_and_neve
     closing = asyncio.ensure_future(old.aclose())  # its caller leaves: the abort waits for that step
     for _ in range(5):
         await asyncio.sleep(0)
+    if closing_cancelled:
+        closing.cancel()
+        await asyncio.wait([closing])
     try:
         with pytest.raises(DuplicateRequestError):
             await anext(mixed.generate(EngineRequest("x", other, GREEDY)))
     finally:
         mixed.on_step = None
         gate.set()
-        await asyncio.wait_for(closing, timeout=10)
-    assert await asyncio.wait_for(tokens(mixed.generate(EngineRequest("x", other, GREEDY))), timeout=20) == expected
-    await until_used(mixed, 0)
-
-
-async def test_an_id_stays_in_flight_until_its_abort_ran_though_its_closing_is_cancelled_again(mixed):
-    """The caller leaves mid-step and its closing is then cancelled again (a drain, a stop) while it awaits the
-    abort: the id stays in flight until the engine thread ran the abort, so a new caller with it is refused, not
-    handed the old request's last token."""
-    other = [9, 10, 11, 12] * 3
-    gate, stepping = threading.Event(), threading.Event()
-    steps = 0
-
-    def hold_the_second_step(*_: object) -> None:
-        nonlocal steps
-        steps += 1
-        if steps == 2:
-            stepping.set()
-            gate.wait(10)
-
-    mixed.on_step = hold_the_second_step
-    old = mixed.generate(EngineRequest("x", PROMPT, SamplingParams(max_tokens=2, ignore_eos=True)))
-    await anext(old)
-    assert await asyncio.to_thread(stepping.wait, 10)  # the step of its last token, not yet delivered
-    closing = asyncio.ensure_future(old.aclose())  # its caller leaves: the abort waits for that step
-    for _ in range(5):
-        await asyncio.sleep(0)
-    closing.cancel()  # and its closing is cancelled in turn
-    await asyncio.wait([closing])
-    try:
-        with pytest.raises(DuplicateRequestError):
-            await anext(mixed.generate(EngineRequest("x", other, GREEDY)))
-    finally:
-        mixed.on_step = None
-        gate.set()
+        await asyncio.wait([closing], timeout=10)
     await until_used(mixed, 0)
     while "x" in mixed._streams:  # noqa: SLF001 (forgotten once the loop saw the abort done)
         await asyncio.sleep(0.01)
-    assert await asyncio.wait_for(
-        tokens(mixed.generate(EngineRequest("x", other, GREEDY))), timeout=20
-    ) == await tokens(mixed.generate(EngineRequest("alone", other, GREEDY)))
+    assert await asyncio.wait_for(tokens(mixed.generate(EngineRequest("x", other, GREEDY))), timeout=20) == expected

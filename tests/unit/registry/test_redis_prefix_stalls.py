@@ -5,7 +5,6 @@ given up on about a budget after the loop runs again."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import signal
 import time
@@ -39,24 +38,6 @@ def index(server: RedisServer) -> Iterator[RedisPrefixIndex]:
     server.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]  # a failed test's stopped Redis
 
 
-def stall_the_loop(server: RedisServer, when: str, answer_after_s: float) -> None:
-    """Redis stands still (SIGSTOP) from now and answers `answer_after_s` after a STALL_S block of the running
-    loop, as one across a network would; the block comes "before" the match just begun sends its first probe (the
-    loop's next callback) or "after" it (10 ms on, its answer awaited)."""
-    assert server.proc is not None
-    proc, loop = server.proc, asyncio.get_running_loop()
-    proc.send_signal(signal.SIGSTOP)
-
-    def stall() -> None:
-        time.sleep(STALL_S)
-        loop.call_later(answer_after_s, proc.send_signal, signal.SIGCONT)
-
-    if when == "before":
-        loop.call_soon(stall)
-    else:
-        loop.call_later(0.01, stall)
-
-
 async def test_a_stall_of_the_routers_loop_is_not_taken_for_a_redis_outage(server, index, caplog):
     """The loop blocks for three budgets while the match awaits its first probe, which Redis answers 20 ms after
     the block: the match gets both rounds' answers (the budget was spent by the loop, not by Redis), so the
@@ -64,7 +45,7 @@ async def test_a_stall_of_the_routers_loop_is_not_taken_for_a_redis_outage(serve
     try:
         assert await index.match([WORKER], CACHED) == {WORKER: len(CACHED)}  # as in a running router: connected
         with caplog.at_level(logging.WARNING, logger="pdserve.registry.redis_prefix"):
-            stall_the_loop(server, "after", answer_after_s=0.02)
+            server.stall_the_loop(STALL_S, "after", answer_after_s=0.02)
             assert await index.match([WORKER], CACHED) == {WORKER: len(CACHED)}
         assert index._skip_until < time.monotonic()
         assert not [r.getMessage() for r in caplog.records]
@@ -79,7 +60,7 @@ async def test_a_stall_while_redis_does_not_answer_still_skips_it(server, index,
     try:
         await index.match([WORKER], CACHED)
         with caplog.at_level(logging.WARNING, logger="pdserve.registry.redis_prefix"):
-            stall_the_loop(server, "before", answer_after_s=3.0)
+            server.stall_the_loop(STALL_S, "before", answer_after_s=3.0)
             assert await index.match([WORKER], CACHED) == {WORKER: 0}
             assert index._skip_until > time.monotonic()  # skipped: Redis had not answered
         assert sum(OUTAGE in r.getMessage() for r in caplog.records) == 1

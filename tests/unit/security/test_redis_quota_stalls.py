@@ -5,10 +5,8 @@ given up on about a budget after the loop runs again."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import signal
-import time
 from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
@@ -33,24 +31,6 @@ def quotas(server: RedisServer) -> Iterator[RedisQuotas]:
     # A socket timeout far past the budget: the request's wait must not depend on it.
     yield RedisQuotas(server.url, budget_s=BUDGET_S, retry_s=30, write_timeout_s=30)
     server.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]  # a failed test's stopped Redis
-
-
-def stall_the_loop(server: RedisServer, when: str, answer_after_s: float) -> None:
-    """Redis stands still (SIGSTOP) from now and answers `answer_after_s` after a STALL_S block of the running
-    loop, as one across a network would; the block comes "before" the call just issued is sent (the loop's next
-    callback) or "after" it (10 ms on, its answer awaited)."""
-    assert server.proc is not None
-    proc, loop = server.proc, asyncio.get_running_loop()
-    proc.send_signal(signal.SIGSTOP)
-
-    def stall() -> None:
-        time.sleep(STALL_S)
-        loop.call_later(answer_after_s, proc.send_signal, signal.SIGCONT)
-
-    if when == "before":
-        loop.call_soon(stall)
-    else:
-        loop.call_later(0.01, stall)
 
 
 CALLS: dict[str, Callable[[RedisQuotas], Awaitable[object]]] = {
@@ -78,7 +58,7 @@ async def test_a_stall_of_the_routers_loop_is_not_taken_for_a_redis_outage(serve
         with server.client() as c:
             c.flushall()
         with caplog.at_level(logging.WARNING, logger="pdserve.security.redis_quotas"):
-            stall_the_loop(server, "after", answer_after_s=0.02)
+            server.stall_the_loop(STALL_S, "after", answer_after_s=0.02)
             await CALLS[what](quotas)
         assert quotas._down_since is None
         assert counted_in_redis(server, what)
@@ -95,7 +75,7 @@ async def test_a_stall_while_redis_does_not_answer_still_falls_back(server, quot
     try:
         await quotas.take_request(TENANT)
         with caplog.at_level(logging.WARNING, logger="pdserve.security.redis_quotas"):
-            stall_the_loop(server, "before", answer_after_s=3.0)
+            server.stall_the_loop(STALL_S, "before", answer_after_s=3.0)
             await quotas.take_request(TENANT)
             assert quotas._down_since is not None  # the fallback answered: Redis had not
         assert sum(OUTAGE in r.getMessage() for r in caplog.records) == 1
