@@ -19,6 +19,7 @@ from rich.table import Table
 
 from pdserve.cluster.local_process import ClusterProcess, descendants
 from pdserve.planner.hardware import HardwareProfile
+from pdserve.planner.serving_latency import describe, spread
 from pdserve.planner.shape import Shape
 from pdserve.planner.simulator import Simulator
 from pdserve.planner.workload import SimRequest
@@ -78,7 +79,8 @@ def calibrate(
     use without requests (Ray, heartbeats), a background demand on the shared cores (each row adds what the
     host's other programs used while it ran). Then `CALIBRATION_WINDOWS` windows of requests of the
     workload's size one at a time to the idle cluster, each quantity the median of the windows' (a
-    neighbour's burst spoils one window, not the calibration). The cores: this host's, which all share."""
+    neighbour's burst spoils one window, not the calibration), and the spread of every window's serving latency
+    residuals. The cores: this host's, which all share."""
     pids, roles = cluster_pids(cluster), worker_roles(cluster.address)
     before, before_workers = cpu_clock(pids), {pid: cpu_clock({pid})[0] for pid in roles}
     time.sleep(QUIET_S)
@@ -93,7 +95,8 @@ def calibrate(
         profile,
         shared_cores=os.cpu_count() or 1,
         background_cores=idle_cores,
-        **{name: statistics.median(w[name] for w in windows) for name in windows[0]},
+        serving_latency_quantiles_s=spread([r for _, residuals in windows for r in residuals]),
+        **{name: statistics.median(w[name] for w, _ in windows) for name in windows[0][0]},
     )
 
 
@@ -106,12 +109,13 @@ def calibration_window(
     seed: int,
     idle_cores: float,
     idle_workers: dict[int, float],
-) -> dict[str, float]:
-    """One window of requests sent one at a time. Serving latency: their median TTFT less what the simulator
-    predicts for each alone without one (the time spent outside every engine thread). Each worker's CPU
-    beyond the engine steps the simulator predicts for it: its RPC loop's, per prompt on a prefill worker,
-    per token streamed on a decode or colocated one. Serving CPU: what every other process (the router, Ray,
-    loadgen: this one) used per request. Each beyond its own idle use (`idle_workers`: cores by worker pid)."""
+) -> tuple[dict[str, float], list[float]]:
+    """One window of requests sent one at a time, and its serving latency residuals: each one's TTFT less what
+    the simulator predicts for it alone without one (the time spent outside every engine thread). Serving
+    latency: their median. Each worker's CPU beyond the engine steps the simulator predicts for it: its RPC
+    loop's, per prompt on a prefill worker, per token streamed on a decode or colocated one. Serving CPU: what
+    every other process (the router, Ray, loadgen: this one) used per request. Each beyond its own idle use
+    (`idle_workers`: cores by worker pid)."""
     pids = cluster_pids(cluster)
     roles = worker_roles(cluster.address)
     before, before_workers = cpu_clock(pids), {pid: cpu_clock({pid})[0] for pid in roles}
@@ -132,14 +136,14 @@ def calibration_window(
         "decode": per_sent * decoders * sum(a.decode_busy * a.span_s for a in alone),
     }
     tokens = per_sent * sum(r["output_len"] for r in records)
-    pairs = zip(records, alone, strict=True)
+    residuals = [r["ttft_ms"] / 1e3 - a.ttft_s[0] for r, a in zip(records, alone, strict=True)]
     loop = {role: max(0.0, cpu - steps["decode" if role == "colocated" else role]) for role, cpu in workers.items()}
     return {
-        "serving_latency_s": max(0.0, statistics.median(r["ttft_ms"] / 1e3 - a.ttft_s[0] for r, a in pairs)),
+        "serving_latency_s": max(0.0, statistics.median(residuals)),
         "serving_cpu_s": max(0.0, used - sum(workers.values()) - idle_cores * wall) / sent,
         "prefill_loop_s": loop.get("prefill", 0.0) / sent,
         "decode_loop_per_token_s": (loop.get("decode", 0.0) + loop.get("colocated", 0.0)) / tokens,
-    }
+    }, residuals
 
 
 def worker_roles(address: str) -> dict[int, str]:
@@ -163,7 +167,7 @@ def calibration_table(p: HardwareProfile, on: str) -> Table:
     for col in ("serving latency", "prefill loop per prompt", "decode loop per token", "CPU per request", "idle"):
         t.add_column(col, justify="right")
     t.add_row(
-        f"{p.serving_latency_s * 1e3:.1f} ms",
+        describe(p),
         f"{p.prefill_loop_s * 1e3:.1f} ms",
         f"{p.decode_loop_per_token_s * 1e3:.2f} ms",
         f"{p.serving_cpu_s * 1e3:.0f} ms",

@@ -34,6 +34,9 @@ class HardwareProfile:
     # RPCs, the hand-off's rendezvous, the relay. Pure latency (no worker is held). `pdserve profile` cannot
     # see it (no cluster); scripts/validate_planner.py --calibrate measures it.
     serving_latency_s: float = 0.0
+    # Its spread over those requests, the 5th, 10th, ..., 95th percentiles in seconds (serving_latency.py): the
+    # simulator draws each request's latency from them. Empty: it adds the median to every request.
+    serving_latency_quantiles_s: list[float] = field(default_factory=list)
     # Where the workers share one host's cores with each other and with the serving stack (`pdserve up` on a
     # CPU): those cores, the CPU seconds a request costs outside every engine thread (router, RPCs, the token
     # relay, the client), and the cores kept busy regardless of requests (idle processes, other programs).
@@ -61,6 +64,10 @@ class HardwareProfile:
             number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
             if kind in ("float", "int") and not (number and (kind == "float" or value == int(value))):
                 raise ValueError(f"{f.name} must be a finite {'whole ' if kind == 'int' else ''}number, got {value!r}")
+        q = self.serving_latency_quantiles_s
+        latencies = isinstance(q, list) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in q)
+        if not (latencies and all(0 <= v < math.inf for v in q) and q == sorted(q)):
+            raise ValueError(f"serving_latency_quantiles_s must be finite seconds >= 0 in ascending order, got {q!r}")
 
     def transfer_s(self, tokens: int) -> float:
         if self.transfer_gbps <= 0:

@@ -6,6 +6,7 @@ from rich.table import Table
 
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.plan import SLO, Candidate, recommend
+from pdserve.planner.serving_latency import describe
 from pdserve.planner.workload import Workload
 
 
@@ -48,7 +49,8 @@ def profile_caption(p: HardwareProfile) -> str:
     workers sharing a host's cores."""
     meta = p.meta
     line = f"profile: {meta.get('model', '?')} on {meta.get('device', '?')} ({meta.get('dtype', '?')})"
-    line += f", serving latency {p.serving_latency_s * 1e3:.1f} ms" if p.serving_latency_s else ", no serving latency"
+    served = p.serving_latency_s or p.serving_latency_quantiles_s
+    line += f", serving latency {describe(p)}" if served else ", no serving latency"
     if p.shared_cores:
         line += f"; every worker shares {p.shared_cores} cores with the serving stack"
         return (

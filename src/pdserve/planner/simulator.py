@@ -21,8 +21,7 @@ while `max_num_seqs` sequences are placed on it (the request fails, or admission
 (which reserves the prompt at the hand-off and preempts), a sequence waiting for room holds no KV and none is
 preempted: near the KV capacity the wait shows as TPOT where the engine would shed or recompute. A worker that
 prefills starts a new prompt only while the sequences in its engine (in prefill or decoding) are fewer, as the
-engine's scheduler does. The profile's serving latency (router, RPCs, relay) delays every request, holding no
-worker.
+engine's scheduler does. Each request's serving latency (serving_latency.py) delays it, holding no worker.
 
 Where the workers share a host's cores (the profile's `shared_cores`), the cores are shared as the kernel
 shares them, among everything that wants one at the moment (processor sharing): while more wants them than
@@ -46,6 +45,7 @@ from dataclasses import dataclass, field
 
 from pdserve.planner.admission_model import Admission
 from pdserve.planner.hardware import HardwareProfile
+from pdserve.planner.serving_latency import serving_latencies
 from pdserve.planner.shape import Shape
 from pdserve.planner.step_costs import chunk_s, decoded_s
 from pdserve.planner.workload import SimRequest
@@ -135,8 +135,8 @@ class Simulator:
         seqs = [_Seq(r) for r in sorted(requests, key=lambda r: r.arrival_s)]
         if len(seqs) > 1 and (span := seqs[-1].req.arrival_s - seqs[0].req.arrival_s) > 0:
             self._background_cores += (len(seqs) - 1) / span * self.p.serving_cpu_s
-        for s in seqs:
-            self._at(s.req.arrival_s + self.p.serving_latency_s, "arrive", s)
+        for s, latency in zip(seqs, serving_latencies(self.p, len(seqs)), strict=True):
+            self._at(s.req.arrival_s + latency, "arrive", s)
         while self._events:
             self.now, _, kind, what = heapq.heappop(self._events)
             getattr(self, f"_on_{kind}")(what)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import cli
+from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.plan import SLO, plan, recommend
 from pdserve.planner.workload import synthetic
 from tests.unit.planner.synthetic import synthetic_profile
@@ -311,3 +312,29 @@ def test_a_profile_with_a_field_of_the_wrong_kind_is_refused_naming_it(tmp_path,
     argv = ["plan", "--profile", str(path), "--rate", "1", "--input-len", "8", "--output-len", "8", "--workers", "2"]
     assert cli.main([*argv, "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"]) == 2
     assert f"{field} must be a finite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quantiles", [[-0.001, 0.01], [0.005, math.nan], [0.005, math.inf], [0.02, 0.01], "0.01"])
+def test_a_profile_with_a_bad_serving_latency_spread_is_refused_naming_it(tmp_path, capsys, quantiles):
+    """A negative or endless latency, or quantiles out of order, would skew every draw the simulator makes."""
+    path = tmp_path / "profile.json"
+    synthetic_profile().save(path)
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"serving_latency_quantiles_s": quantiles}))
+    argv = ["plan", "--profile", str(path), "--rate", "1", "--input-len", "8", "--output-len", "8", "--workers", "2"]
+    assert cli.main([*argv, "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"]) == 2
+    assert "serving_latency_quantiles_s must be finite seconds" in capsys.readouterr().err
+
+
+def test_the_table_gives_the_serving_latencys_spread_and_an_older_profile_loads_without_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "profile.json"
+    spread = [0.002 * j for j in range(1, 20)]
+    synthetic_profile(serving_latency_s=0.0086, serving_latency_quantiles_s=spread).save(path)
+    argv = ["plan", "--profile", str(path), "--rate", "2", "--input-len", "512", "--output-len", "32"]
+    assert cli.main([*argv, "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--workers", "2"]) == 0
+    assert "serving latency 8.6 ms (p10-p90 4-36 ms)" in " ".join(capsys.readouterr().out.split())
+    older = json.loads(path.read_text())
+    del older["serving_latency_quantiles_s"]
+    path.write_text(json.dumps(older))
+    assert HardwareProfile.load(path).serving_latency_quantiles_s == []

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
+from pdserve.planner import serving_latency
 from pdserve.planner.admission_model import Admission
 from pdserve.planner.plan import SLO, simulate
+from pdserve.planner.serving_latency import at
 from pdserve.planner.shape import Shape
 from pdserve.planner.simulator import Simulator
 from pdserve.planner.workload import SimRequest, synthetic
@@ -96,6 +99,36 @@ def test_the_serving_latency_delays_every_first_token_but_holds_no_worker() -> N
     assert late.ttft_s == pytest.approx([t + latency for t in base.ttft_s])
     assert late.tpot_s == pytest.approx(base.tpot_s)
     assert late.prefill_busy * late.span_s == pytest.approx(base.prefill_busy * base.span_s)
+
+
+def test_each_request_draws_its_serving_latency_from_the_calibrations_spread() -> None:
+    """Requests 1 s apart never queue: each TTFT is its service plus its serving latency. With the spread (p5 to p95
+    2-38 ms, median 20 ms) the p90 sits about p90 - median above the median's prediction, the median about on it;
+    the same trace gives the same draws every time, and without the spread every request gets the median."""
+    spread = [0.002 * j for j in range(1, 20)]
+    median = replace(synthetic_profile(), serving_latency_s=0.020, serving_latency_quantiles_s=[])
+    drawn = replace(median, serving_latency_quantiles_s=spread)
+    requests, shape = [SimRequest(float(i), 256, 4) for i in range(400)], Shape(prefill=1, decode=1)
+    base = Simulator(synthetic_profile(), shape).run(requests).ttft_s
+    flat = Simulator(median, shape).run(requests)
+    assert flat.ttft_s == pytest.approx([t + 0.020 for t in base])
+    first, again = (Simulator(drawn, shape).run(requests) for _ in range(2))
+    assert first == again
+    p50, p90 = np.percentile(first.ttft_s, [50, 90]) - np.percentile(flat.ttft_s, [50, 90])
+    assert p50 == pytest.approx(0.0, abs=0.002) and p90 == pytest.approx(at(spread, 0.9) - 0.020, abs=0.002)
+    assert first.tpot_s == pytest.approx(flat.tpot_s)
+
+
+def test_the_draw_is_the_inverse_cdf_between_the_quantiles() -> None:
+    """k cut points at 1/(k+1) ... k/(k+1), linear between them, the outermost beyond; the calibration's quantiles
+    of its residuals are never below 0."""
+    assert [at([0.01, 0.02, 0.04], u) for u in (0.0, 0.25, 0.375, 0.5, 0.75, 1.0)] == pytest.approx(
+        [0.01, 0.01, 0.015, 0.02, 0.04, 0.04]
+    )
+    assert at([0.007], 0.9) == 0.007
+    quantiles = serving_latency.spread([-0.004, *(0.001 * k for k in range(100))])
+    assert len(quantiles) == 19 and quantiles[0] >= 0 and quantiles == sorted(quantiles)
+    assert quantiles[9] == pytest.approx(0.049, abs=0.001) and quantiles[17] == pytest.approx(0.089, abs=0.001)
 
 
 def test_a_later_chunk_pays_for_the_context_it_reads_and_every_step_for_the_engine() -> None:
