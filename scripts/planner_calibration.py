@@ -28,6 +28,7 @@ from pdserve.v1 import admin_pb2, admin_pb2_grpc
 
 CALIBRATION_REQUESTS = 24  # a few seconds: enough CPU clock ticks to count
 CALIBRATION_WINDOWS = 5
+CALIBRATION_RATE = 2.0  # requests a second, one at a time: each finds the cluster idle, its threads asleep
 QUIET_S = 3.0  # the idle cluster's own CPU use is measured over this long
 
 
@@ -119,7 +120,8 @@ def calibration_window(
     pids = cluster_pids(cluster)
     roles = worker_roles(cluster.address)
     before, before_workers = cpu_clock(pids), {pid: cpu_clock({pid})[0] for pid in roles}
-    result = measure(cluster.address, random_load(args, vocab, CALIBRATION_REQUESTS, args.output_len), args, seed, 1)
+    load = random_load(args, vocab, CALIBRATION_REQUESTS, args.output_len)
+    result = measure(cluster.address, load, args, seed, 1, rate=CALIBRATION_RATE)
     used, _, wall = cpu_clock(pids) - before
     workers = {role: 0.0 for role in roles.values()}
     for pid, role in roles.items():
