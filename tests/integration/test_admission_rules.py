@@ -142,7 +142,9 @@ def test_more_kv_blocks_than_any_worker_holds_is_invalid(cluster):
 
 def test_a_prompt_its_prefill_worker_evicted_is_predicted_uncached_again(cluster):
     """The router learns of evictions from the worker's prefix-cache journal: a prompt is predicted cached while
-    its blocks are there, and uncached once a prompt as large as the whole cache has evicted them."""
+    its blocks are there, and uncached once a prompt as large as the whole cache has evicted them. Each TTFT the
+    router relays moves its calibration factor, so each prediction is held against one made a request before
+    it: a prompt of the same length seen for the first time."""
 
     def predicted_ttft_ms(n: int, seed: int) -> float:
         wait_idle(cluster.address)
@@ -155,7 +157,8 @@ def test_a_prompt_its_prefill_worker_evicted_is_predicted_uncached_again(cluster
     cold = predicted_ttft_ms(1000, seed=20)
     warm = predicted_ttft_ms(1000, seed=20)
     predicted_ttft_ms(total * 16 - 1, seed=21)  # every block of the prefill worker: the first prompt's go
+    fresh = predicted_ttft_ms(1000, seed=22)
     after = predicted_ttft_ms(1000, seed=20)
-    print(f"predicted TTFT: cold {cold} ms, cached {warm} ms, after the eviction {after} ms")
+    print(f"predicted TTFT: cold {cold} ms, cached {warm} ms; after the eviction {after} ms, a new prompt {fresh} ms")
     assert warm < 0.5 * cold, (cold, warm)
-    assert after > 0.8 * cold, (cold, warm, after)
+    assert after > 0.3 * fresh, (cold, warm, fresh, after)  # cached, it would be near 0.1
