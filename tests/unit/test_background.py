@@ -1,0 +1,40 @@
+"""Stopping a background task that drops a cancel, as Python 3.11's `asyncio.wait_for` does when its call ends
+just as the cancel lands."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.background import cancel_and_wait
+
+
+async def test_a_repeating_task_that_swallowed_the_cancel_is_cancelled_again_and_ends():
+    swallowed = 0
+
+    async def swallows_one_cancel() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed += 1  # the call "returned": the loop goes on
+
+    task = asyncio.get_running_loop().create_task(swallows_one_cancel())
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(cancel_and_wait(task, recancel_s=0.1), timeout=5)
+    assert task.cancelled() and swallowed == 1
+
+
+async def test_a_task_that_failed_raises_its_failure_and_none_is_nothing():
+    async def fails() -> None:
+        raise ValueError("its own")
+
+    task = asyncio.get_running_loop().create_task(fails())
+    await asyncio.sleep(0)
+    with pytest.raises(ValueError, match="its own"):
+        await cancel_and_wait(task)
+    await cancel_and_wait(None)
