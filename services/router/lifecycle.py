@@ -382,7 +382,7 @@ class RequestLifecycle:
             sibling = choices.failure if choices is not None else None
             outcome = caller.outcome(sibling if sibling is not None and caller.outcome(e) in CALLER_ENDED else e)
             if outcome in CALLER_ENDED and (span := trace.get_current_span()).is_recording():
-                span.set_attribute(outcome, True)  # status alone may read OK; ended: gRPC left it to the GC
+                span.set_attribute(outcome, True)  # the HTTP API's span has no status code saying so
             elif outcome not in CALLER_ENDED and choices is not None and sibling is None:
                 choices.failure = e
             raise

@@ -3,7 +3,8 @@
 One `Telemetry` per service, each with its own tracer provider (resource `service.name`) and its own
 Prometheus registry, so several services can live in one process (tests) without mixing. Spans are
 exported only when the standard OTEL_* variables ask for it; the sampler and batch settings are the
-SDK's own OTEL_* handling. Trace context rides gRPC metadata through the instrumentation interceptors.
+SDK's own OTEL_* handling. Trace context rides gRPC metadata: OpenTelemetry's client interceptors put it there,
+and each server's call span (rpc/server_spans.py) takes it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
@@ -37,6 +38,7 @@ from pdserve.errors import (
     RouterDrainingError,
     UnauthenticatedError,
 )
+from pdserve.rpc.server_spans import ServerSpans
 
 # Seconds: first tokens and whole requests (TTFT, e2e) span ms to minutes; per-token gaps ms to seconds.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -114,7 +116,7 @@ class Telemetry:
     def server_interceptors(self) -> list[Any]:
         if not self.tracing:
             return []
-        return [aio_server_interceptor(tracer_provider=self.tracer_provider, filter_=_TRACED_CALLS)]
+        return [ServerSpans(self.tracer, _TRACED_CALLS)]
 
     def client_interceptors(self) -> list[Any]:
         if not self.tracing:
@@ -265,8 +267,10 @@ def quiet_caller_left_errors() -> None:
 # ERROR records, each with a traceback, that a caller leaving mid-stream makes in libraries, never a fault of this
 # service's (the request itself is counted and logged as cancelled). grpc.aio leaves a streaming handler whose
 # write failed suspended (grpc/grpc#42295): it logs the failed write, and the garbage collector closes the handler
-# later in another context, where OpenTelemetry's server interceptor cannot detach the span context it attached
-# (open-telemetry/opentelemetry-python-contrib#2357). At a few thousand cancels a minute they buried real errors.
+# later in another context (a traced server's call spans write their streams themselves: rpc/server_spans.py).
+# OpenTelemetry's gRPC interceptors, closed in another context than their own, cannot detach the span context they
+# attached (open-telemetry/opentelemetry-python-contrib#2357). At a few thousand cancels a minute they buried real
+# errors.
 _CALLER_LEFT_ERRORS = {
     "grpc._cython.cygrpc": ("ExecuteBatchError raised in core by servicer method", "ExecuteBatchError"),
     "opentelemetry.context": ("Failed to detach context", "ValueError"),
@@ -274,7 +278,7 @@ _CALLER_LEFT_ERRORS = {
 
 
 class _CallerLeftFilter(logging.Filter):
-    """A failed detach is dropped only where the gRPC server interceptor's generator was being closed: one of our
+    """A failed detach is dropped only where an OpenTelemetry gRPC interceptor's generator was being closed: one of our
     own (a context attached in one task and detached in another, which breaks span parenting) is still logged."""
 
     def filter(self, record: logging.LogRecord) -> bool:

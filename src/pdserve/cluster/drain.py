@@ -15,6 +15,7 @@ import inspect
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,9 +109,10 @@ class DrainGate(grpc.aio.ServerInterceptor):
             if self.closed:
                 raise UnavailableError(f"worker {self.worker_id} is draining: place the request on another worker")
             self._streams += 1
-            try:
-                async for item in self._until_cut(fn(request, context)):
-                    yield item
+            try:  # each closed here, in the call's span and task, innermost first
+                async with aclosing(fn(request, context)) as items, aclosing(self._until_cut(items)) as until_cut:
+                    async for item in until_cut:
+                        yield item
             finally:
                 self._streams -= 1
 

@@ -12,6 +12,7 @@ import inspect
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -116,9 +117,11 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, stream: bool
     mapped = _status_for(exc)
     if mapped is None:
         mapped = (grpc.StatusCode.INTERNAL, internal_error_message(exc))
+    span = trace.get_current_span()
     if mapped[0] in _SERVER_FAILURES:  # `error.type`, as the HTTP API's span of a failure has (telemetry.mark_failed)
-        trace.get_current_span().set_attribute("error.type", type(exc).__qualname__)
+        span.set_attribute("error.type", type(exc).__qualname__)
     if mapped[0] == grpc.StatusCode.INTERNAL:
+        span.record_exception(exc)  # a bug's stack trace, for the trace's reader (its caller gets only an id)
         context.set_trailing_metadata(((HANDLER_BUG_KEY, "1"),))
     if isinstance(exc, OverloadedError):
         context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(exc.retry_after_ms)),))
@@ -215,8 +218,9 @@ def _wrap_stream(
         try:
             if check:
                 check_parsed(request)
-            async for item in fn(request, context):
-                yield item
+            async with aclosing(fn(request, context)) as items:  # closed here, in the call's span and task
+                async for item in items:
+                    yield item
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as e:

@@ -98,9 +98,9 @@ class ManyBigMessages(worker_pb2_grpc.DecodeWorkerServicer):
 
 
 async def test_a_caller_leaving_while_its_write_is_blocked_logs_no_error_and_counts_cancelled(monkeypatch, caplog):
-    """gRPC leaves such a handler to the garbage collector, and it and OpenTelemetry's server interceptor each
-    logged an ERROR with a traceback for what is an ordinary cancel (and the lifecycle a warning, for marking the
-    request's span after the interceptor had ended it)."""
+    """gRPC left such a handler to the garbage collector, and it and OpenTelemetry's server interceptor (since
+    replaced by rpc/server_spans.py) each logged an ERROR with a traceback for what is an ordinary cancel (and the
+    lifecycle a warning, for marking the request's span after the interceptor had ended it)."""
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 

@@ -1,0 +1,74 @@
+"""A served call's span (pdserve.rpc.server_spans) on a real loopback server: a stream whose caller's deadline
+passes while gRPC writes one of its messages (the caller reads none, so the writes wait on flow control) closes its
+handler inside the span, in the call's task: what the handler does on its way out (the router marks the request's
+outcome, ends its child calls) lands on the span. So it does through each interceptor between them (the error
+mapping; a worker's drain gate). The garbage collector is off, so nothing ends by it."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from pdserve.cluster.drain import DrainGate
+from pdserve.rpc.server import Server, channel
+from pdserve.telemetry import Telemetry
+
+pytestmark = pytest.mark.timeout(60)
+SERVICE = "pdserve.v1.DecodeWorker"  # one a worker's drain gate holds
+METHOD = f"/{SERVICE}/Flood"
+CHUNK = b"x" * (256 * 1024)
+
+
+async def _flood(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    try:
+        while True:
+            yield CHUNK
+    finally:  # as the router's accounting marks a request's outcome on its way out
+        trace.get_current_span().set_attribute("closed_in_span", True)
+
+
+def _add(server: grpc.aio.Server) -> None:
+    handlers = {
+        "Flood": grpc.unary_stream_rpc_method_handler(_flood),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
+@pytest.fixture(params=["error mapping", "drain gate"])
+async def served(request) -> AsyncIterator[tuple[str, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("t", span_processor=SimpleSpanProcessor(exporter))
+    inner = [DrainGate("d0")] if request.param == "drain gate" else []
+    server = Server("127.0.0.1", 0, telemetry.server_interceptors(), inner=inner)
+    server.add(_add, [SERVICE])
+    await server.start()
+    gc.disable()
+    try:
+        yield server.address, exporter
+    finally:
+        gc.enable()
+        await server.stop(None)
+        telemetry.shutdown()
+
+
+async def test_a_stream_its_callers_deadline_ended_mid_write_closes_its_handler_inside_its_span(served):
+    address, exporter = served
+    async with channel(address) as ch:
+        call = ch.unary_stream(METHOD)(b"", timeout=0.5)
+        await call.initial_metadata()
+        assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for _ in range(50):  # the server's side of the call ends a moment after its caller's
+        if any(s.name == METHOD for s in exporter.get_finished_spans()):
+            break
+        await asyncio.sleep(0.1)
+    (server_span,) = [s for s in exporter.get_finished_spans() if s.name == METHOD]
+    assert server_span.attributes.get("closed_in_span") is True, server_span.attributes
+    assert server_span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert server_span.status.status_code != trace.StatusCode.ERROR  # the caller's deadline, not this server's fault
