@@ -23,7 +23,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry as SyncRetry
 
 from pdserve import env
-from pdserve.background import cancel_and_wait
+from pdserve.background import cancel_and_wait, repeating
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import DEFAULT_TTL_S, RETIRED_KEEP_S, VIEW_REFRESH_S, Registry, WorkerState
@@ -147,7 +147,6 @@ class RedisRegistry(Registry):
         self._redis = connect(url, timeout_s)
         self._async: aredis.Redis | None = None
         self._task: asyncio.Task[None] | None = None
-        self._closing = False
         self._view: dict[str, WorkerState] = {}
         self._listed: dict[str, WorkerState] = {}  # the workers Redis itself listed at its last answer
         # Those it listed before an outage and not since, each kept until one TTL after the first answer that
@@ -252,23 +251,15 @@ class RedisRegistry(Registry):
             return
         self._async = connect_async(self.url, self.timeout_s)
         await self.refresh()  # a first view before serving; an unreachable Redis costs one timeout
-        self._task = asyncio.create_task(self._keep_fresh(), name="redis-registry-view")
+        self._task = repeating(self.refresh, self.refresh_s, "redis-registry-view")
 
     async def close(self) -> None:
-        self._closing = True
         await cancel_and_wait(self._task)
         self._task = None
         if self._async is not None:
             await self._async.aclose()
             self._async = None
         self._redis.close()
-
-    async def _keep_fresh(self) -> None:
-        # Not `while True`: on Python 3.11 a wait_for whose read completes just as the task is cancelled
-        # swallows the cancel, and close() would then wait on this loop forever (seen in CI).
-        while not self._closing:
-            await asyncio.sleep(self.refresh_s)
-            await self.refresh()
 
     async def refresh(self) -> bool:
         """One read of every worker's state into the view; False when Redis did not answer in time."""

@@ -365,8 +365,6 @@ class RedisQuotas(Quotas):
             self._renewer = asyncio.get_running_loop().create_task(self._renew_leases(), name="quota-lease-renewal")
 
     async def _renew_leases(self) -> None:
-        # Not `while True`: on Python 3.11 a wait_for whose read completes as the task is cancelled swallows the
-        # cancel (as the registry's view task).
         while not self._closing:
             await asyncio.sleep(self.lease_s / 3)
             if not self._leases or self._down_since is not None:
