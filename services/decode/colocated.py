@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.protocol.engine_request import EngineRequest
@@ -18,9 +19,10 @@ async def generate_here(
     span = telemetry.tracer.start_span("decode.stream", attributes=attributes)
     tokens = 0
     try:
-        async for out in engine.generate(request):
-            tokens += len(out.new_token_ids)
-            yield out
+        async with aclosing(engine.generate(request)) as outs:  # its abort runs here, inside the call's span
+            async for out in outs:
+                tokens += len(out.new_token_ids)
+                yield out
     except BaseException as e:
         mark_ended_by(span, e)
         raise

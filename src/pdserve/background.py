@@ -1,11 +1,16 @@
-"""The process's own background tasks: one that repeats a call, and stopping one (cancelled, and waited for until it
-has ended, so nothing it holds, a connection or a lock, is used after its owner closed)."""
+"""The process's own background tasks: one that repeats a call, stopping one (cancelled, and waited for until it
+has ended, so nothing it holds, a connection or a lock, is used after its owner closed), and a cleanup that runs to
+its end however often its caller is cancelled."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from typing import Any
+import contextlib
+import contextvars
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 RECANCEL_S = 1.0  # longer than any of the process's tasks takes to end once cancelled
 
@@ -34,3 +39,20 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None, recancel_s: float = RE
         await asyncio.wait([task], timeout=recancel_s)
     if not task.cancelled():
         task.result()
+
+
+async def through_cancels(cleanup: Coroutine[Any, Any, T], context: contextvars.Context | None = None) -> T:
+    """Runs `cleanup` to its end in a task of its own (in `context`; None: a copy of the current one), however often
+    the caller is cancelled meanwhile; a cancel the caller got is raised once it has ended. gRPC cancels a call's
+    task once its transport is gone, whatever the handler is doing then: its cleanup would stop at its first await."""
+    task = asyncio.get_running_loop().create_task(cleanup, context=context)
+    caller = asyncio.current_task()
+    cancels = caller.cancelling() if caller is not None else 0
+    while not task.done():
+        with contextlib.suppress(asyncio.CancelledError):  # the caller's, or the cleanup's own: told apart below
+            await asyncio.shield(task)
+    if caller is not None and caller.cancelling() > cancels:
+        if not task.cancelled():
+            task.exception()  # read: a failure the cancel hides is not logged as never retrieved
+        raise asyncio.CancelledError
+    return task.result()

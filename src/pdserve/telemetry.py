@@ -265,12 +265,11 @@ def quiet_caller_left_errors() -> None:
 
 
 # ERROR records, each with a traceback, that a caller leaving mid-stream makes in libraries, never a fault of this
-# service's (the request itself is counted and logged as cancelled). grpc.aio leaves a streaming handler whose
-# write failed suspended (grpc/grpc#42295): it logs the failed write, and the garbage collector closes the handler
-# later in another context (a traced server's call spans write their streams themselves: rpc/server_spans.py).
-# OpenTelemetry's gRPC interceptors, closed in another context than their own, cannot detach the span context they
-# attached (open-telemetry/opentelemetry-python-contrib#2357). At a few thousand cancels a minute they buried real
-# errors.
+# service's (the request itself is counted and logged as cancelled). grpc.aio logs a streaming handler's failed
+# write (grpc/grpc#42295; pdserve's own streams, written by rpc/stream_writer.py, turn it into the cancel it is, but
+# a handler that writes itself, gRPC's Health.Watch, still raises it). OpenTelemetry's gRPC interceptors, closed in
+# another context than their own, cannot detach the span context they attached
+# (open-telemetry/opentelemetry-python-contrib#2357). At a few thousand cancels a minute they buried real errors.
 _CALLER_LEFT_ERRORS = {
     "grpc._cython.cygrpc": ("ExecuteBatchError raised in core by servicer method", "ExecuteBatchError"),
     "opentelemetry.context": ("Failed to detach context", "ValueError"),

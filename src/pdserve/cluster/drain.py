@@ -14,18 +14,19 @@ import contextvars
 import inspect
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from pdserve.background import through_cancels
 from pdserve.errors import InvalidRequestError, UnavailableError
 
 GATED_SERVICES = ("/pdserve.v1.DecodeWorker/", "/pdserve.v1.PrefillWorker/")
 POLL_S = 0.05
-Handler = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+Handler = Callable[[Any, grpc.aio.ServicerContext], AsyncGenerator[Any, None]]
 
 
 def check_drain_timeout(timeout_s: float) -> None:
@@ -109,19 +110,26 @@ class DrainGate(grpc.aio.ServerInterceptor):
             if self.closed:
                 raise UnavailableError(f"worker {self.worker_id} is draining: place the request on another worker")
             self._streams += 1
-            try:  # each closed here, in the call's span and task, innermost first
-                async with aclosing(fn(request, context)) as items, aclosing(self._until_cut(items)) as until_cut:
+            items = fn(request, context)
+            # Every step of the stream runs in one context, so what a step sets (the request id for log lines)
+            # holds for the next, and for the stream's close.
+            steps = contextvars.copy_context()
+            try:
+                async with aclosing(self._until_cut(items, steps)) as until_cut:
                     async for item in until_cut:
                         yield item
             finally:
-                self._streams -= 1
+                try:  # closed here, in the call's span, before a drain counts it ended
+                    if items.ag_frame is not None:
+                        await through_cancels(items.aclose(), steps)
+                finally:
+                    self._streams -= 1
 
         return stream
 
-    async def _until_cut(self, items: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """`items`, each step raced against the cut. Every step runs in the stream's one context, so what a step
-        sets (the request id for log lines) holds for the next."""
-        context, cut = contextvars.copy_context(), self._cut_future()
+    async def _until_cut(self, items: AsyncGenerator[Any, None], context: contextvars.Context) -> AsyncIterator[Any]:
+        """`items`, each step raced against the cut."""
+        cut = self._cut_future()
         while True:
             step = asyncio.get_running_loop().create_task(_next(items), context=context)
             try:
@@ -146,11 +154,20 @@ async def _next(items: AsyncIterator[Any]) -> Any:
 
 
 async def _cancelled(step: asyncio.Task[Any]) -> None:
-    """Cancels the step and waits for its cleanup; an outcome it reached meanwhile goes with the stream."""
+    """Cancels the step and waits for its cleanup (a prefill's KV send ends by its own deadlines), through the
+    stream's own cancels meanwhile, raised once it has ended; an outcome it reached meanwhile goes with the stream.
+    Cut short, the step would still be running the stream's generator, which could then not be closed."""
     step.cancel()
-    await asyncio.wait((step,))
+    interrupted = False
+    while not step.done():
+        try:
+            await asyncio.wait((step,))
+        except asyncio.CancelledError:
+            interrupted = True
     if not step.cancelled():
         step.exception()  # read, so asyncio does not log it as never retrieved
+    if interrupted:
+        raise asyncio.CancelledError
 
 
 async def run_drain(

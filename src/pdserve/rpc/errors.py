@@ -38,8 +38,9 @@ CLUSTER_AUTH_REFUSED_KEY = "x-pdserve-cluster-auth-refused"
 # Trailer of an INTERNAL that a pdserve handler's bug answered, rather than gRPC's own (a broken connection's
 # RST_STREAM is INTERNAL too, and is a lost peer).
 HANDLER_BUG_KEY = "x-pdserve-handler-bug"
-# The codes OpenTelemetry's gRPC instrumentation marks its server span ERROR for: the span says which error it was.
-_SERVER_FAILURES = frozenset(
+# The codes OpenTelemetry's conventions mark a gRPC server span ERROR for (rpc/server_spans.py): the span says which
+# error it was.
+SERVER_FAILURES = frozenset(
     (
         grpc.StatusCode.UNKNOWN,
         grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -118,7 +119,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, stream: bool
     if mapped is None:
         mapped = (grpc.StatusCode.INTERNAL, internal_error_message(exc))
     span = trace.get_current_span()
-    if mapped[0] in _SERVER_FAILURES:  # `error.type`, as the HTTP API's span of a failure has (telemetry.mark_failed)
+    if mapped[0] in SERVER_FAILURES:  # `error.type`, as the HTTP API's span of a failure has (telemetry.mark_failed)
         span.set_attribute("error.type", type(exc).__qualname__)
     if mapped[0] == grpc.StatusCode.INTERNAL:
         span.record_exception(exc)  # a bug's stack trace, for the trace's reader (its caller gets only an id)

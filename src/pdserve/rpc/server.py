@@ -21,6 +21,7 @@ from pdserve.rpc.credentials import (
     make_channel,
 )
 from pdserve.rpc.errors import ErrorMappingInterceptor
+from pdserve.rpc.stream_writer import StreamWriter
 from pdserve.security.cluster_secret import ClusterSecret
 
 _MESSAGE_SIZES = [
@@ -88,10 +89,12 @@ class Server:
         max_connection_age_s: float | None = None,
         checked_by_handler: Iterable[str] = (),
     ) -> None:
-        # Tracing interceptors first (outermost), so their spans see the status the error mapping chose; `inner`
-        # ones (a worker's drain gate) inside the mapping, so the typed errors they raise get their status.
+        # Tracing interceptors first (outermost), so their spans see the status the error mapping chose and end
+        # after the stream writer has closed the handler; `inner` ones (a worker's drain gate) inside the mapping,
+        # so the typed errors they raise get their status.
         auth = [ClusterAuthServerInterceptor(cluster)] if cluster is not None and cluster.enabled else []
-        chain = [*interceptors, *auth, ErrorMappingInterceptor(tuple(checked_by_handler)), *inner]
+        mapping = ErrorMappingInterceptor(tuple(checked_by_handler))
+        chain = [*interceptors, StreamWriter(), *auth, mapping, *inner]
         age_ms = None if max_connection_age_s is None else round(max_connection_age_s * 1000)
         age = [] if age_ms is None else [("grpc.max_connection_age_ms", age_ms)]
         self._server = grpc.aio.server(interceptors=chain, options=[*SERVER_OPTIONS, *age])

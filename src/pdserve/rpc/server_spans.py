@@ -3,40 +3,29 @@ with OpenTelemetry's RPC attributes (`rpc.system`, `rpc.service`, `rpc.method`, 
 status convention for server spans: ERROR only for the codes that are the server's (UNKNOWN, DEADLINE_EXCEEDED,
 UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS).
 
-Ours, not opentelemetry-instrumentation-grpc's server interceptor: its streaming wrapper is a generator, and when a
-call ended while gRPC was writing a message (the caller cancelled, or its deadline passed) gRPC dropped the wrapper
-at its `yield`. The wrapper's span ended there, before the handler inside it had closed; the handler closed later,
-in a task of the garbage collector's, outside the span: the request's outcome never reached its span, its child
-calls' spans ended out of its trace (a test saw it in 3 of 12 calls whose deadline passed mid-stream). Here a
-streaming handler is driven by a coroutine that writes each message (`context.write`): gRPC's cancel lands in it, in
-the call's own task, which closes the handler, and every generator inside it, before the span ends.
+Ours, not opentelemetry-instrumentation-grpc's server interceptor: its streaming wrapper was a generator, which
+gRPC dropped at its `yield` when a call ended while a message was being written (the caller cancelled, or its
+deadline passed): its span ended there, before the handler inside had closed, and the handler closed later, outside
+the span (a test saw 3 of 12 deadline-exceeded requests without their mark). Inside this, the stream writer
+(rpc/stream_writer.py) makes every streaming handler a coroutine that closes in the call's own task, so the span
+ends after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import aclosing, contextmanager
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import unquote
 
 import grpc
-from grpc._cython import cygrpc
 from opentelemetry import propagate, trace
 
+from pdserve.rpc.errors import SERVER_FAILURES
+
 Handler = Callable[[Any, grpc.aio.ServicerContext], Any]
-# OpenTelemetry's semantic conventions for a gRPC server span: these codes are the server's failure.
-SERVER_ERRORS = frozenset(
-    {
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.UNIMPLEMENTED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DATA_LOSS,
-    }
-)
 
 
 class ServerSpans(grpc.aio.ServerInterceptor):
@@ -58,37 +47,21 @@ class ServerSpans(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(self._call(handler.unary_unary, details), **codec)
         if handler.unary_stream is not None:
-            fn = handler.unary_stream
-            traced = self._stream(fn, details) if inspect.isasyncgenfunction(fn) else self._call(fn, details)
-            return grpc.unary_stream_rpc_method_handler(traced, **codec)
+            assert not inspect.isasyncgenfunction(handler.unary_stream), "the stream writer goes inside the spans"
+            return grpc.unary_stream_rpc_method_handler(self._call(handler.unary_stream, details), **codec)
         return handler  # no pdserve service takes a stream of requests
 
     def _call(self, fn: Handler, details: grpc.HandlerCallDetails) -> Handler:
-        """A unary call, or a stream its handler writes itself."""
-
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             with self._span(details, context):
                 return await fn(request, context)
 
         return call
 
-    def _stream(self, fn: Callable[..., AsyncIterator[Any]], details: grpc.HandlerCallDetails) -> Handler:
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> None:
-            with self._span(details, context):
-                async with aclosing(fn(request, context)) as messages:
-                    async for message in messages:
-                        try:
-                            await context.write(message)
-                        except cygrpc.ExecuteBatchError:  # the call ended under the write: grpc.aio has no public type
-                            raise asyncio.CancelledError("the caller left, or its deadline passed") from None
-
-        return stream
-
     @contextmanager
     def _span(self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext) -> Iterator[trace.Span]:
-        """The call's span, current while its handler runs; its status code is the one the call ends with (an
-        exception that is no abort is gRPC's UNKNOWN: the error mapping inside answers every other), and one the
-        caller ended is no error of this server's."""
+        """The call's span, current while its handler runs; its status code is the one the call ends with, and
+        one the caller ended is no error of this server's."""
         carrier = {m.key: m.value for m in context.invocation_metadata() or () if isinstance(m.value, str)}
         service, _, method = details.method.lstrip("/").partition("/")
         attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method, **_peer(context.peer())}
@@ -112,9 +85,12 @@ class ServerSpans(grpc.aio.ServerInterceptor):
             except (asyncio.CancelledError, GeneratorExit):  # the caller left, or its deadline passed: no error here
                 code, callers = _ended_by_caller(context), True
                 raise
+            except BaseException:  # what gRPC sends then: the code set, if any
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
             finally:
                 span.set_attribute("rpc.grpc.status_code", code.value[0])
-                if code in SERVER_ERRORS and not callers:
+                if code in SERVER_FAILURES and not callers:
                     span.set_status(trace.StatusCode.ERROR, f"{code}:{context.details() or ''}")
 
 

@@ -1,12 +1,14 @@
 """A served call's span (pdserve.rpc.server_spans) on a real loopback server: a stream whose caller's deadline
 passes while gRPC writes one of its messages (the caller reads none, so the writes wait on flow control) closes its
-handler inside the span, in the call's task: what the handler does on its way out (the router marks the request's
-outcome, ends its child calls) lands on the span. So it does through each interceptor between them (the error
-mapping; a worker's drain gate). The garbage collector is off, so nothing ends by it."""
+handler inside the span, in the call's context, to the end of its cleanup (gRPC cancels the call's task meanwhile):
+what the handler does on its way out (the router marks the request's outcome, ends its child calls) lands on the
+span. So it does through each interceptor between them (the error mapping; a worker's drain gate, whose steps run
+in a context of the stream's own). The garbage collector is off, so nothing ends by it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 from collections.abc import AsyncIterator
 
@@ -24,14 +26,18 @@ pytestmark = pytest.mark.timeout(60)
 SERVICE = "pdserve.v1.DecodeWorker"  # one a worker's drain gate holds
 METHOD = f"/{SERVICE}/Flood"
 CHUNK = b"x" * (256 * 1024)
+REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
 
 async def _flood(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    REQUEST_ID.set("r1")  # as a worker's handler sets the request id for its log lines
     try:
         while True:
             yield CHUNK
-    finally:  # as the router's accounting marks a request's outcome on its way out
-        trace.get_current_span().set_attribute("closed_in_span", True)
+    finally:  # as a request's cleanup: awaits (an engine's abort, a call cancelled), then marks the request's span
+        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)
+        trace.get_current_span().set_attribute("closed_in_span", REQUEST_ID.get() or "without the request's id")
 
 
 def _add(server: grpc.aio.Server) -> None:
@@ -69,6 +75,6 @@ async def test_a_stream_its_callers_deadline_ended_mid_write_closes_its_handler_
             break
         await asyncio.sleep(0.1)
     (server_span,) = [s for s in exporter.get_finished_spans() if s.name == METHOD]
-    assert server_span.attributes.get("closed_in_span") is True, server_span.attributes
+    assert server_span.attributes.get("closed_in_span") == "r1", server_span.attributes
     assert server_span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     assert server_span.status.status_code != trace.StatusCode.ERROR  # the caller's deadline, not this server's fault

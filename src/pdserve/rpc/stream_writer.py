@@ -1,0 +1,56 @@
+"""Every streaming handler (an async generator) is driven by a coroutine that writes its messages
+(`context.write`), so a call that ends while gRPC writes one of them (its caller left, or its deadline passed, and
+the write fails) closes the handler in the call's own task and context: inside the call's span (rpc/server_spans.py,
+outside this), with the request's context variables, before the call is over.
+
+grpc.aio's own driving of a generator handler left it suspended at its `yield` when a write failed
+(grpc/grpc#42295), to be closed whenever the garbage collector reached it, in a task of its own: the request's
+outcome never reached its span, and its cleanup ran outside its trace. gRPC also cancels the call's task once the
+transport is gone, whatever it is doing then: the handler's close runs to its end through that cancel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc._cython import cygrpc
+
+from pdserve.background import through_cancels
+
+Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]
+
+
+class StreamWriter(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.unary_stream is None or not inspect.isasyncgenfunction(handler.unary_stream):
+            return handler
+        return grpc.unary_stream_rpc_method_handler(
+            _written(handler.unary_stream),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def _written(fn: Callable[[Any, grpc.aio.ServicerContext], AsyncGenerator[Any, None]]) -> Handler:
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> None:
+        messages = fn(request, context)
+        try:
+            async for message in messages:
+                try:
+                    await context.write(message)
+                except cygrpc.ExecuteBatchError:  # the call ended under the write; grpc.aio has no public type for it
+                    raise asyncio.CancelledError("the caller left, or its deadline passed") from None
+        finally:
+            if messages.ag_frame is not None:  # not run to its end, nor closed by what it raised
+                await through_cancels(messages.aclose())
+
+    return stream
