@@ -1,5 +1,5 @@
 """Stopping a background task that drops a cancel, as Python 3.11's `asyncio.wait_for` does when its call ends
-just as the cancel lands."""
+just as the cancel lands; a cleanup that runs to its end through its caller's cancels."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pdserve.background import cancel_and_wait
+from pdserve.background import cancel_and_wait, through_cancels
 
 
 async def test_a_repeating_task_that_swallowed_the_cancel_is_cancelled_again_and_ends():
@@ -38,3 +38,22 @@ async def test_a_task_that_failed_raises_its_failure_and_none_is_nothing():
     with pytest.raises(ValueError, match="its own"):
         await cancel_and_wait(task)
     await cancel_and_wait(None)
+
+
+async def test_a_cleanup_runs_to_its_end_through_its_callers_cancels_which_are_raised_after():
+    steps: list[str] = []
+
+    async def cleanup() -> str:
+        for step in ("abort sent", "blocks freed"):
+            await asyncio.sleep(0.05)
+            steps.append(step)
+        return "closed"
+
+    caller = asyncio.get_running_loop().create_task(through_cancels(cleanup()))
+    for _ in range(2):  # as gRPC cancels a call's task, and a server's stop cancels it again
+        await asyncio.sleep(0.02)
+        caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert steps == ["abort sent", "blocks freed"]
+    assert await through_cancels(cleanup()) == "closed"  # uncancelled: its result
