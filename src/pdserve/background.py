@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 RECANCEL_S = 1.0  # longer than any of the process's tasks takes to end once cancelled
 
@@ -49,10 +51,10 @@ async def through_cancels(cleanup: Coroutine[Any, Any, T], context: contextvars.
     caller = asyncio.current_task()
     cancels = caller.cancelling() if caller is not None else 0
     while not task.done():
-        with contextlib.suppress(asyncio.CancelledError):  # the caller's, or the cleanup's own: told apart below
-            await asyncio.shield(task)
+        with contextlib.suppress(asyncio.CancelledError):  # the caller's: counted below
+            await asyncio.wait([task])
     if caller is not None and caller.cancelling() > cancels:
-        if not task.cancelled():
-            task.exception()  # read: a failure the cancel hides is not logged as never retrieved
+        if not task.cancelled() and (error := task.exception()) is not None:  # the cancel would hide it
+            log.error("cleanup failed while its caller was cancelled: %r", error, exc_info=error)
         raise asyncio.CancelledError
     return task.result()

@@ -4,6 +4,7 @@ just as the cancel lands; a cleanup that runs to its end through its caller's ca
 from __future__ import annotations
 
 import asyncio
+import contextvars
 
 import pytest
 
@@ -57,3 +58,22 @@ async def test_a_cleanup_runs_to_its_end_through_its_callers_cancels_which_are_r
         await caller
     assert steps == ["abort sent", "blocks freed"]
     assert await through_cancels(cleanup()) == "closed"  # uncancelled: its result
+
+
+async def test_a_cleanup_runs_in_the_context_given_and_its_failure_a_cancel_would_hide_is_logged(caplog):
+    request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+    steps = contextvars.copy_context()
+    steps.run(request_id.set, "r1")  # as a worker's stream sets it in a step
+
+    async def cleanup() -> None:
+        await asyncio.sleep(0.05)
+        raise RuntimeError(f"abort of {request_id.get()} failed")
+
+    caller = asyncio.get_running_loop().create_task(through_cancels(cleanup(), steps))
+    await asyncio.sleep(0.01)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        "cleanup failed while its caller was cancelled: RuntimeError('abort of r1 failed')"
+    ]

@@ -106,7 +106,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
         return self._cut
 
     def _gated(self, fn: Handler) -> Handler:
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
             if self.closed:
                 raise UnavailableError(f"worker {self.worker_id} is draining: place the request on another worker")
             self._streams += 1

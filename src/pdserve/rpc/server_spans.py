@@ -47,7 +47,8 @@ class ServerSpans(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(self._call(handler.unary_unary, details), **codec)
         if handler.unary_stream is not None:
-            assert not inspect.isasyncgenfunction(handler.unary_stream), "the stream writer goes inside the spans"
+            if inspect.isasyncgenfunction(handler.unary_stream):
+                raise TypeError(f"{details.method}: a generator handler; rpc/stream_writer.py goes inside the spans")
             return grpc.unary_stream_rpc_method_handler(self._call(handler.unary_stream, details), **codec)
         return handler  # no pdserve service takes a stream of requests
 
@@ -85,8 +86,9 @@ class ServerSpans(grpc.aio.ServerInterceptor):
             except (asyncio.CancelledError, GeneratorExit):  # the caller left, or its deadline passed: no error here
                 code, callers = _ended_by_caller(context), True
                 raise
-            except BaseException:  # what gRPC sends then: the code set, if any
-                code = context.code() or grpc.StatusCode.UNKNOWN
+            except BaseException:  # what gRPC sends then: the code set, if any but OK
+                set_code = context.code()
+                code = set_code if set_code not in (None, grpc.StatusCode.OK) else grpc.StatusCode.UNKNOWN
                 raise
             finally:
                 span.set_attribute("rpc.grpc.status_code", code.value[0])

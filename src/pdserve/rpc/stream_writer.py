@@ -1,12 +1,15 @@
 """Every streaming handler (an async generator) is driven by a coroutine that writes its messages
 (`context.write`), so a call that ends while gRPC writes one of them (its caller left, or its deadline passed, and
-the write fails) closes the handler in the call's own task and context: inside the call's span (rpc/server_spans.py,
-outside this), with the request's context variables, before the call is over.
+the write fails) closes the handler at once, before the call is over: inside the call's span (rpc/server_spans.py,
+outside this), with the request's context variables.
 
 grpc.aio's own driving of a generator handler left it suspended at its `yield` when a write failed
 (grpc/grpc#42295), to be closed whenever the garbage collector reached it, in a task of its own: the request's
 outcome never reached its span, and its cleanup ran outside its trace. gRPC also cancels the call's task once the
-transport is gone, whatever it is doing then: the handler's close runs to its end through that cancel.
+transport is gone, whatever it is doing then, so the close runs in a task of its own, in a copy of the call's
+context, to its end (background.through_cancels). A handler therefore resets no context variable across a `yield`
+(ContextVar.reset, OpenTelemetry's attach and detach: a token is only good in the context it was made in); none
+does (a worker's drain gate closes its streams in the very context their steps ran in).
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ def _written(fn: Callable[[Any, grpc.aio.ServicerContext], AsyncGenerator[Any, N
             async for message in messages:
                 try:
                     await context.write(message)
-                except cygrpc.ExecuteBatchError:  # the call ended under the write; grpc.aio has no public type for it
+                except cygrpc.ExecuteBatchError:  # grpc.aio has no public type for it
+                    # The call ended under the write: its caller left, or its deadline passed (or the message was
+                    # over the channel's limit, which no pdserve message nears: the caller gets RESOURCE_EXHAUSTED).
                     raise asyncio.CancelledError("the caller left, or its deadline passed") from None
         finally:
             if messages.ag_frame is not None:  # not run to its end, nor closed by what it raised
