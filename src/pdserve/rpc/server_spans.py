@@ -7,8 +7,8 @@ Ours, not opentelemetry-instrumentation-grpc's server interceptor: its streaming
 gRPC dropped at its `yield` when a call ended while a message was being written (the caller cancelled, or its
 deadline passed): its span ended there, before the handler inside had closed, and the handler closed later, outside
 the span (a test saw 3 of 12 deadline-exceeded requests without their mark). Inside this, the stream writer
-(rpc/stream_writer.py) makes every streaming handler a coroutine that closes in the call's own task, so the span
-ends after it.
+(rpc/stream_writer.py) makes every streaming handler a coroutine that has closed it by the time it returns, so the
+span ends after the close.
 """
 
 from __future__ import annotations
