@@ -3,6 +3,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 MODEL  ?= smollm2-135m
+# Test modules run at once (pytest-xdist, one module per worker so each shares its cluster): the suite mostly
+# waits on processes it started, so 2 halve its wall time on 2 cores.
+TEST_WORKERS ?= 2
 
 .PHONY: install model demo test lint proto clean redis-server helm image
 
@@ -35,7 +38,7 @@ helm: install
 # cluster in an earlier module had built it. The slowest tests are listed at the end, to keep the suite's time in view.
 test: model redis-server helm
 	$(VENV)/bin/pdserve fetch --model tiny-random
-	$(PY) -m pytest -q -m "not latency" --durations=25
+	$(PY) -m pytest -q -m "not latency" --durations=25 -n $(TEST_WORKERS) --dist loadfile
 	$(PY) -m pytest -q -m latency
 
 lint: install
