@@ -148,20 +148,25 @@ class Admission:
         room = queue_room_s(budget, own, self.config.slo_headroom)
         if placement.queue_s > room:
             bound = "router's first-token bound" if budget == first_token_s else "SLO"
+            # The headroom sheds before the prediction reaches the bound: the message names the queue's share.
             raise OverloadedError(
-                f"predicted TTFT {placement.predicted_ttft_s * 1e3:.0f} ms ({own * 1e3:.0f} ms own, "
-                f"{placement.queue_s * 1e3:.0f} ms queued) exceeds the {bound} of {budget * 1e3:.0f} ms "
-                f"on the best prefill worker",
+                f"predicted TTFT {placement.predicted_ttft_s * 1e3:.0f} ms on the best prefill worker: its "
+                f"{placement.queue_s * 1e3:.0f} ms queued is past the {room * 1e3:.0f} ms of queueing that the "
+                f"{bound} of {budget * 1e3:.0f} ms leaves beyond this prompt's own {own * 1e3:.0f} ms "
+                f"(slo_headroom {self.config.slo_headroom:g})",
                 _retry_ms(placement.queue_s - room),
             )
 
     def _check_tpot(self, placement: Placement, slo: SLOTarget) -> None:
         idle = self.predictor.idle_tpot_s(placement.decode)
         budget = slo.tpot_s if slo.tpot_explicit else max(slo.tpot_s, idle)
-        if placement.predicted_tpot_s - idle > self.config.slo_headroom * (budget - idle):
+        room = self.config.slo_headroom * (budget - idle)
+        if placement.predicted_tpot_s - idle > room:
             raise OverloadedError(
-                f"predicted TPOT {placement.predicted_tpot_s * 1e3:.1f} ms exceeds the SLO of "
-                f"{budget * 1e3:.1f} ms on every decode worker",
+                f"predicted TPOT {placement.predicted_tpot_s * 1e3:.1f} ms on the best decode worker: its batch "
+                f"adds {(placement.predicted_tpot_s - idle) * 1e3:.1f} ms to an idle step's {idle * 1e3:.1f} ms, "
+                f"past the {room * 1e3:.1f} ms that the SLO of {budget * 1e3:.1f} ms leaves "
+                f"(slo_headroom {self.config.slo_headroom:g})",
                 _retry_ms(placement.predicted_tpot_s * 64),
             )
 

@@ -150,6 +150,9 @@ def test_admission_sheds_when_predicted_tpot_exceeds_the_slo():
     r = Router([worker("p0"), worker("d0", "decode", running=100), worker("d1", "decode", running=60)])
     shed(r, prompt(100), "TPOT", slo_s=(5.0, 0.1))
     r.admit(prompt(100), slo_s=(5.0, 0.5))  # d1: 20 + 5 * 61 ms = 325 ms
+    # Within the SLO but past the headroom's share of it: 300 ms added to an idle 25 ms step > 0.8 * (360 - 25) ms.
+    err = shed(r, prompt(100), "TPOT", slo_s=(5.0, 0.36))
+    assert "325.0 ms" in str(err) and "adds 300.0 ms" in str(err) and "past the 268.0 ms" in str(err), err
 
 
 def test_admission_sheds_at_the_in_flight_limit():
@@ -210,7 +213,10 @@ def test_the_margin_applies_to_the_queue_not_to_the_own_cost():
     # The queue may add 0.8 * 90 = 72 ms: 70 queued tokens fit, 80 do not.
     Router([worker("p0", queued_prefill_tokens=70), worker("d0", "decode")]).admit(prompt(500), slo_s=(0.6, 1.0))
     late = Router([worker("p0", queued_prefill_tokens=80), worker("d0", "decode")])
-    shed(late, prompt(500), "TTFT", slo_s=(0.6, 1.0))
+    err = shed(late, prompt(500), "TTFT", slo_s=(0.6, 1.0))
+    # Predicted 590 ms, within the SLO: the message names the queue's share it is past, not the SLO.
+    assert "590 ms" in str(err) and "exceeds" not in str(err), err
+    assert "80 ms queued is past the 72 ms of queueing that the SLO of 600 ms leaves beyond" in str(err), err
 
 
 def test_explicit_ttft_slo_below_the_idle_cost_is_invalid_naming_the_offer():
