@@ -107,7 +107,7 @@ def test_explicit_slo_below_the_idle_cost_is_invalid_naming_the_offer(cluster):
             break
         assert code == "RESOURCE_EXHAUSTED", result
         assert int(meta["grpc-retry-pushback-ms"]) > 0
-        own_ms = float(re.search(r"\((\d+) ms own", result.details()).group(1))
+        own_ms = float(re.search(r"this prompt.s own (\d+) ms", result.details()).group(1))
         assert own_ms > offered  # only a slower live speed sheds what the offer allows
         slo_ms = own_ms * 1.5 + 5
     assert code == "OK", result
