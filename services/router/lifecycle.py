@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, contextmanager, suppress
+from functools import partial
 
 from opentelemetry import trace
 
@@ -42,7 +43,7 @@ from services.router.outcome import CALLER_ENDED, Caller, log_level
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request, capped_default
-from services.router.retry import Moves, avoided_workers, blamed_worker, ejection_reason, record_move
+from services.router.retry import FailedWorkers, Moves, avoided_workers, blamed_worker, ejection_reason, record_move
 from services.router.ticket import Ticket
 
 log = logging.getLogger(__name__)
@@ -194,21 +195,22 @@ class RequestLifecycle:
         replacement starts, or one the supervisor found slow and lists again at its next check. The request waits
         up to `no_workers_wait_s` (within the client's deadline, which cancels it) before UNAVAILABLE."""
         args = (req.prompt_token_ids, req.sampling.max_tokens, tpot_slo_s)
-        return await self._place_within(self.config.no_workers_wait_s, args, frozenset(), req.cache_salt)
+        return await self._place_within(self.config.no_workers_wait_s, args, frozenset, req.cache_salt)
 
     async def _place_within(
         self,
         wait_s: float,
         args: tuple[list[int], int, float],
-        avoid: frozenset[str],
+        avoid: Callable[[], frozenset[str]],
         cache_salt: bytes,
         must_hold: bool = False,
     ) -> Placement:
-        """A placement, tried again while no worker of a role is live for up to `wait_s`; then NoWorkersError."""
+        """A placement, tried again while no worker of a role is live (and not in `avoid()`, asked again at each
+        try) for up to `wait_s`; then NoWorkersError."""
         end = time.monotonic() + wait_s
         while True:
             try:
-                return await self.placement.place(*args, avoid, cache_salt, must_hold)
+                return await self.placement.place(*args, avoid(), cache_salt, must_hold)
             except NoWorkersError:
                 if time.monotonic() >= end:
                     raise
@@ -224,7 +226,7 @@ class RequestLifecycle:
         cluster credentials is such a failure; when it is the last, the caller gets UNAVAILABLE without its
         detail. Any other failure reaches the caller with the workers named by id, not address (caller_errors)."""
         clock = Clock(ticket.started_at if arrived_at is None else arrived_at, len(ticket.request.prompt_token_ids))
-        original, chunks, moves, failed = ticket.request, [], Moves(), set()
+        original, chunks, moves, failed = ticket.request, [], Moves(), FailedWorkers()
         done = False
         try:
             while True:
@@ -268,7 +270,7 @@ class RequestLifecycle:
         original: RoutedRequest,
         chunks: list[list[int]],
         moves: Moves,
-        failed: set[str],
+        failed: FailedWorkers,
         left: float | None,
         eject: bool = True,
     ) -> Ticket:
@@ -279,7 +281,7 @@ class RequestLifecycle:
         worker = blamed_worker(error, ticket.placement)
         if eject:
             self.placement.ejections.eject(worker, ejection_reason(error), str(error))
-        failed.update(avoided_workers(worker, ticket.placement))
+        failed.add(avoided_workers(worker, ticket.placement), fault=eject)
         ticket.leave_workers()  # this attempt holds no place there while the next is found (still in flight)
         streamed = [t for chunk in chunks for t in chunk]
         if not moves.allow(self.config, len(streamed) if chunks else -1, original.sampling.max_tokens, left):
@@ -289,9 +291,8 @@ class RequestLifecycle:
             if chunks:
                 placement = await self._place_with_room(req, failed, left, moves)
             elif isinstance(error, OverloadedError):
-                placement = await self._place_within(
-                    0.0, self._place_args(req), frozenset(failed), req.cache_salt, True
-                )
+                avoid = partial(failed.ids, self.placement.registry)
+                placement = await self._place_within(0.0, self._place_args(req), avoid, req.cache_salt, True)
                 if not self.admission.predictor.takes(placement.decode, len(req.prompt_token_ids)):
                     raise error
             else:
@@ -308,27 +309,29 @@ class RequestLifecycle:
         ticket.release()  # only now: the request stays in flight throughout (a drain waits for it)
         return moved
 
-    async def _place_again(self, req: RoutedRequest, failed: set[str], left: float | None) -> Placement:
-        """On workers that did not fail the request; when none is left, on those of one role that did (the other
-        role's still avoided), then on any live one: a worker that failed it may have recovered (one starved of CPU
-        past the first-token bound, say), which beats failing the request while attempts and time remain.
-        UnavailableError when no live decode worker holds it. Before it goes back to a worker that failed, it
-        waits for a remote registry view to refresh twice (within the caller's deadline): a replacement or a
-        rollout's successor may be listed already, and not yet seen here."""
-        args = self._place_args(req)
-        wait_s = 2 * self.placement.registry.refresh_s
+    async def _place_again(self, req: RoutedRequest, failed: FailedWorkers, left: float | None) -> Placement:
+        """On workers that did not fail the request (or were restarted since), then on one that only refused it as
+        full; when none is left, on those of one role that did (the other role's still avoided), then on any live
+        one: a worker that failed it may have recovered (one starved of CPU past the first-token bound, say), which
+        beats failing the request while attempts and time remain. UnavailableError when no live decode worker holds
+        it. Before it goes back to a worker that failed, it waits `no_workers_wait_s` (at least two refreshes of a
+        remote registry view, within the caller's deadline) for another or for a failed one's restart: going back
+        at once, to a worker whose process died, spent every move in milliseconds while Ray restarted it."""
+        args, registry = self._place_args(req), self.placement.registry
+        wait_s = max(self.config.no_workers_wait_s, 2 * registry.refresh_s)
         if left is not None:
             wait_s = min(wait_s, left)
-        try:
-            return await self._place_within(wait_s, args, frozenset(failed), req.cache_salt, must_hold=True)
-        except NoWorkersError:
-            pass
+        with suppress(NoWorkersError):
+            return await self.placement.place(*args, failed.ids(registry), req.cache_salt, must_hold=True)
+        with suppress(NoWorkersError):
+            faulted = partial(failed.ids, registry, faults_only=True)
+            return await self._place_within(wait_s, args, faulted, req.cache_salt, must_hold=True)
         # One role's failed workers back first, the other's still avoided: the only prefill worker blamed with its
         # decode worker (retry.avoided_workers) must not send the retry back to that decode worker too.
         for role in (Role.PREFILL, Role.DECODE):
             given_back = {w.worker_id for w in self.placement.registry.workers(role)}
             with suppress(NoWorkersError):
-                avoid = frozenset(failed - given_back)
+                avoid = failed.ids(registry) - given_back
                 return await self.placement.place(*args, avoid, req.cache_salt, must_hold=True)
         return await self.placement.place(*args, cache_salt=req.cache_salt, must_hold=True)
 
@@ -337,7 +340,7 @@ class RequestLifecycle:
         return req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3
 
     async def _place_with_room(
-        self, req: RoutedRequest, failed: set[str], left: float | None, moves: Moves
+        self, req: RoutedRequest, failed: FailedWorkers, left: float | None, moves: Moves
     ) -> Placement:
         """A migration's placement, on a decode worker that would take the stream (a place in its batch, free
         blocks for the prompt so far) when one does within `no_workers_wait_s` (and the caller's deadline): a

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -18,7 +19,7 @@ from opentelemetry import trace
 from pdserve.config import RouterConfig
 from pdserve.errors import ClusterAuthError, OverloadedError, UnavailableError
 from pdserve.metrics import RouterMetrics
-from pdserve.registry.base import WorkerState
+from pdserve.registry.base import Registry, WorkerState
 from services.router.placement import Placement
 from services.router.relay import NoFirstTokenError
 from services.router.stall import StalledError
@@ -48,14 +49,38 @@ def ejection_reason(error: UnavailableError | OverloadedError) -> str:
     return "cluster_auth" if isinstance(error, ClusterAuthError) else "unavailable"
 
 
-def avoided_workers(blamed: WorkerState, placement: Placement) -> set[str]:
+def avoided_workers(blamed: WorkerState, placement: Placement) -> list[WorkerState]:
     """The workers a failed attempt's request avoids from then on: the blamed one, and with a prefill worker blamed
     the decode worker too, since its own fault reads the same from here (a KV transfer it could not receive, a hang
     after it called the prefill worker) and its retries would keep going back to it. Only the blamed one is
     ejected; a request with no other worker left still goes back to them (lifecycle.py)."""
     if blamed is placement.prefill:
-        return {blamed.worker_id, placement.decode.worker_id}
-    return {blamed.worker_id}
+        return [blamed, placement.decode]
+    return [blamed]
+
+
+class FailedWorkers:
+    """The workers that failed one request, each at the address it failed at, and whether by a fault (not only
+    refused it as full). One listed again at another address is a new process (Ray restarted it, a new pod took
+    its id): the request no longer avoids it."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, tuple[str, bool]] = {}  # worker id -> (address, fault)
+
+    def add(self, workers: Iterable[WorkerState], fault: bool) -> None:
+        for w in workers:
+            faulted = fault or self._at.get(w.worker_id, (w.address, False))[1]
+            self._at[w.worker_id] = (w.address, faulted)
+
+    def ids(self, registry: Registry, faults_only: bool = False) -> frozenset[str]:
+        """The ids to avoid now (`faults_only`: those that failed it, not those only full), but those the registry
+        lists at a new address."""
+        listed = {w.worker_id: w.address for w in registry.workers()}
+        return frozenset(
+            w
+            for w, (address, fault) in self._at.items()
+            if listed.get(w, address) == address and (fault or not faults_only)
+        )
 
 
 @dataclass
