@@ -281,7 +281,7 @@ class RequestLifecycle:
         worker = blamed_worker(error, ticket.placement)
         if eject:
             self.placement.ejections.eject(worker, ejection_reason(error), str(error))
-        failed.add(avoided_workers(worker, ticket.placement), fault=eject)
+        failed.add(avoided_workers(worker, ticket.placement), self.placement.registry, fault=eject)
         ticket.leave_workers()  # this attempt holds no place there while the next is found (still in flight)
         streamed = [t for chunk in chunks for t in chunk]
         if not moves.allow(self.config, len(streamed) if chunks else -1, original.sampling.max_tokens, left):
@@ -291,8 +291,7 @@ class RequestLifecycle:
             if chunks:
                 placement = await self._place_with_room(req, failed, left, moves)
             elif isinstance(error, OverloadedError):
-                avoid = partial(failed.ids, self.placement.registry)
-                placement = await self._place_within(0.0, self._place_args(req), avoid, req.cache_salt, True)
+                placement = await self._place_within(0.0, self._place_args(req), failed.ids, req.cache_salt, True)
                 if not self.admission.predictor.takes(placement.decode, len(req.prompt_token_ids)):
                     raise error
             else:
@@ -309,29 +308,33 @@ class RequestLifecycle:
         ticket.release()  # only now: the request stays in flight throughout (a drain waits for it)
         return moved
 
-    async def _place_again(self, req: RoutedRequest, failed: FailedWorkers, left: float | None) -> Placement:
-        """On workers that did not fail the request (or were restarted since), then on one that only refused it as
-        full; when none is left, on those of one role that did (the other role's still avoided), then on any live
-        one: a worker that failed it may have recovered (one starved of CPU past the first-token bound, say), which
-        beats failing the request while attempts and time remain. UnavailableError when no live decode worker holds
-        it. Before it goes back to a worker that failed, it waits `no_workers_wait_s` (at least two refreshes of a
-        remote registry view, within the caller's deadline) for another or for a failed one's restart: going back
-        at once, to a worker whose process died, spent every move in milliseconds while Ray restarted it."""
+    async def _place_again(
+        self, req: RoutedRequest, failed: FailedWorkers, left: float | None, mid_stream: bool = False
+    ) -> Placement:
+        """On workers that did not fail the request, waiting for a remote registry view to refresh twice (within the
+        caller's deadline) for one; `mid_stream`, also on one that only refused it as full, was heard from since it
+        failed (its heartbeat: alive) or restarted (a new address), waiting up to `no_workers_wait_s`. When none
+        is left, on those of one role that did (the other role's still avoided), then on any live one: a worker that
+        failed it may have recovered (one starved of CPU past the first-token bound, say), which beats failing the
+        request while attempts and time remain. UnavailableError when no live decode worker holds it. A stream whose
+        only decode worker died went back at once to its refusing port, three moves in milliseconds, and was lost
+        while Ray restarted it; now it waits for the restart."""
         args, registry = self._place_args(req), self.placement.registry
-        wait_s = max(self.config.no_workers_wait_s, 2 * registry.refresh_s)
+        wait_s = max(self.config.no_workers_wait_s if mid_stream else 0.0, 2 * registry.refresh_s)
         if left is not None:
             wait_s = min(wait_s, left)
+        if mid_stream:  # first on one that did not fail it at all
+            with suppress(NoWorkersError):
+                return await self.placement.place(*args, failed.ids(), req.cache_salt, must_hold=True)
+        avoid = partial(failed.unheard, registry) if mid_stream else failed.ids
         with suppress(NoWorkersError):
-            return await self.placement.place(*args, failed.ids(registry), req.cache_salt, must_hold=True)
-        with suppress(NoWorkersError):
-            faulted = partial(failed.ids, registry, faults_only=True)
-            return await self._place_within(wait_s, args, faulted, req.cache_salt, must_hold=True)
+            return await self._place_within(wait_s, args, avoid, req.cache_salt, must_hold=True)
         # One role's failed workers back first, the other's still avoided: the only prefill worker blamed with its
         # decode worker (retry.avoided_workers) must not send the retry back to that decode worker too.
         for role in (Role.PREFILL, Role.DECODE):
             given_back = {w.worker_id for w in self.placement.registry.workers(role)}
             with suppress(NoWorkersError):
-                avoid = failed.ids(registry) - given_back
+                avoid = failed.ids() - given_back
                 return await self.placement.place(*args, avoid, req.cache_salt, must_hold=True)
         return await self.placement.place(*args, cache_salt=req.cache_salt, must_hold=True)
 
@@ -356,7 +359,7 @@ class RequestLifecycle:
             wait_s = 0.0 if moves.waited_for_room else self.config.no_workers_wait_s
             end = time.monotonic() + min(wait_s, left if left is not None else wait_s)
             while True:
-                placement = await self._place_again(req, failed, left)
+                placement = await self._place_again(req, failed, left, mid_stream=True)
                 takes = self.admission.predictor.takes(placement.decode, len(req.prompt_token_ids))
                 if takes or time.monotonic() >= end:
                     return placement

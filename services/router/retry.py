@@ -60,27 +60,34 @@ def avoided_workers(blamed: WorkerState, placement: Placement) -> list[WorkerSta
 
 
 class FailedWorkers:
-    """The workers that failed one request, each at the address it failed at, and whether by a fault (not only
-    refused it as full). One listed again at another address is a new process (Ray restarted it, a new pod took
-    its id): the request no longer avoids it."""
+    """The workers that failed one request: each at the address it failed at, as the registry listed it then (its
+    last heartbeat's `updated_at`, the worker's own clock, compared only with itself), and whether by a fault (not
+    only refused it as full). One listed again at another address is a new process (Ray restarted it, a new pod
+    took its id), and one whose heartbeat came since is alive: a moving stream may go back to either (lifecycle.py)."""
 
     def __init__(self) -> None:
-        self._at: dict[str, tuple[str, bool]] = {}  # worker id -> (address, fault)
+        self._at: dict[str, tuple[str, float, bool]] = {}  # worker id -> (address, updated_at, fault)
 
-    def add(self, workers: Iterable[WorkerState], fault: bool) -> None:
+    def add(self, workers: Iterable[WorkerState], registry: Registry, fault: bool) -> None:
+        listed = {w.worker_id: w for w in registry.workers()}
         for w in workers:
-            faulted = fault or self._at.get(w.worker_id, (w.address, False))[1]
-            self._at[w.worker_id] = (w.address, faulted)
+            seen = listed.get(w.worker_id, w)
+            faulted = fault or (w.worker_id in self._at and self._at[w.worker_id][2])
+            self._at[w.worker_id] = (w.address, seen.updated_at if seen.address == w.address else 0.0, faulted)
 
-    def ids(self, registry: Registry, faults_only: bool = False) -> frozenset[str]:
-        """The ids to avoid now (`faults_only`: those that failed it, not those only full), but those the registry
-        lists at a new address."""
-        listed = {w.worker_id: w.address for w in registry.workers()}
-        return frozenset(
-            w
-            for w, (address, fault) in self._at.items()
-            if listed.get(w, address) == address and (fault or not faults_only)
-        )
+    def ids(self) -> frozenset[str]:
+        return frozenset(self._at)
+
+    def unheard(self, registry: Registry) -> frozenset[str]:
+        """Those that failed it by a fault and have not been heard from since at the address they failed at (dead,
+        hung or unlisted), not restarted at another."""
+        listed = {w.worker_id: w for w in registry.workers()}
+
+        def unheard(worker_id: str, address: str, updated_at: float) -> bool:
+            now = listed.get(worker_id)
+            return now is None or (now.address == address and now.updated_at == updated_at)
+
+        return frozenset(w for w, (a, t, fault) in self._at.items() if fault and unheard(w, a, t))
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -13,6 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from pdserve.errors import RouterDrainingError, UnavailableError
+from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from pdserve.security.api_keys import OPEN, Tenant
 from pdserve.security.quotas import LocalQuotas, Release
@@ -52,15 +54,15 @@ async def test_with_none_coming_back_it_is_unavailable_after_the_wait() -> None:
     assert time.monotonic() - start >= 0.4
 
 
-def failed_at(*workers: WorkerState) -> FailedWorkers:
+def failed_at(router: Router, *workers: WorkerState) -> FailedWorkers:
     failed = FailedWorkers()
-    failed.add(workers, fault=True)
+    failed.add(workers, router.registry, fault=True)
     return failed
 
 
-async def test_a_move_waits_for_a_worker_that_did_not_fail_it_or_a_restart_before_going_back() -> None:
+async def test_a_moving_stream_waits_for_a_worker_that_did_not_fail_it_or_a_restart_before_going_back() -> None:
     """Going back at once to a worker whose process died spent every move in milliseconds while Ray restarted it
-    (a user's review: three migrations in 4 ms, the stream lost)."""
+    (a user's review: three migrations in 4 ms, the stream lost). A worker heard from since it failed is alive."""
     d0 = worker("d0", "decode")
     router = Router([worker("p0"), d0], no_workers_wait_s=2.0)
     lc = router.lifecycle()
@@ -69,37 +71,52 @@ async def test_a_move_waits_for_a_worker_that_did_not_fail_it_or_a_restart_befor
     loop = asyncio.get_running_loop()
     loop.call_later(0.3, router.registry.publish, worker("d1", "decode"))  # another comes
     start = time.monotonic()
-    assert (await lc._place_again(ticket.request, failed_at(d0), None)).decode.worker_id == "d1"
+    assert (
+        await lc._place_again(ticket.request, failed_at(router, d0), None, mid_stream=True)
+    ).decode.worker_id == "d1"
     assert 0.25 < time.monotonic() - start < 1.5
 
     router.registry.remove("d1")
     restarted = worker("d0", "decode", address="d0.local:50052")  # Ray's restart: a new process, a new port
     loop.call_later(0.3, router.registry.publish, restarted)
     start = time.monotonic()
-    placement = await lc._place_again(ticket.request, failed_at(d0), None)
+    placement = await lc._place_again(ticket.request, failed_at(router, d0), None, mid_stream=True)
     assert placement.decode.address == restarted.address and time.monotonic() - start < 1.5  # not the whole wait
 
-    start = time.monotonic()  # none comes: back to the one that failed it, after the wait
-    assert (await lc._place_again(ticket.request, failed_at(restarted), None)).decode.worker_id == "d0"
+    start = time.monotonic()  # its heartbeat comes: alive (a transient failure), gone back to then
+    loop.call_later(0.3, router.registry.publish, replace(restarted, updated_at=restarted.updated_at + 1))
+    assert (
+        await lc._place_again(ticket.request, failed_at(router, restarted), None, mid_stream=True)
+    ).decode.worker_id == "d0"
+    assert 0.25 < time.monotonic() - start < 1.5
+    restarted = router.registry.workers(Role.DECODE)[0]
+
+    start = time.monotonic()  # none comes and no heartbeat (hung): back to the one that failed it, after the wait
+    assert (
+        await lc._place_again(ticket.request, failed_at(router, restarted), None, mid_stream=True)
+    ).decode.worker_id == "d0"
     assert time.monotonic() - start >= 2.0
     start = time.monotonic()  # within the caller's deadline
-    assert (await lc._place_again(ticket.request, failed_at(restarted), 0.2)).decode.worker_id == "d0"
+    assert (
+        await lc._place_again(ticket.request, failed_at(router, restarted), 0.2, mid_stream=True)
+    ).decode.worker_id == "d0"
     assert 0.2 <= time.monotonic() - start < 1.5
 
 
-async def test_a_move_waits_two_refreshes_of_a_remote_view_past_a_shorter_wait() -> None:
+async def test_a_retry_waits_two_refreshes_of_a_remote_view_for_a_worker_that_did_not_fail_it() -> None:
     d0 = worker("d0", "decode")
-    router = Router([worker("p0"), d0], no_workers_wait_s=0.0)
+    router = Router([worker("p0"), d0], no_workers_wait_s=3.0)
     lc = router.lifecycle()
     ticket = await admit(lc, time.monotonic())
     ticket.release()
     start = time.monotonic()
-    assert (await lc._place_again(ticket.request, failed_at(d0), None)).decode.worker_id == "d0"
-    assert time.monotonic() - start < 0.2  # this process's own view is current: no wait
+    assert (await lc._place_again(ticket.request, failed_at(router, d0), None)).decode.worker_id == "d0"
+    # This process's own view is current, and before any message a retry starts over: back at once.
+    assert time.monotonic() - start < 0.2
     router.registry.refresh_s = 0.5  # as a Redis view: another may be listed already, not yet seen here
     asyncio.get_running_loop().call_later(0.3, router.registry.publish, worker("d1", "decode"))
     start = time.monotonic()
-    assert (await lc._place_again(ticket.request, failed_at(d0), None)).decode.worker_id == "d1"
+    assert (await lc._place_again(ticket.request, failed_at(router, d0), None)).decode.worker_id == "d1"
     assert time.monotonic() - start > 0.25
 
 
