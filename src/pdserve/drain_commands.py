@@ -41,6 +41,12 @@ def add_drain_commands(sub: Any) -> None:
     restart.add_argument(
         "--ready-timeout", type=deadline_seconds, default=300.0, help="seconds to wait for each new worker to serve"
     )
+    restart.add_argument(
+        "--no-surge",
+        action="store_true",
+        help="restart a role's only worker in place (a gap as long as its restart) instead of scaling its role up "
+        "by one first and back after",
+    )
     add_client_flags(restart)
     restart.set_defaults(func=_restart)
 
@@ -105,6 +111,10 @@ async def _rolling_restart(args: argparse.Namespace) -> int:
     workers = await _workers(args.addr, creds)
     ids = args.worker_ids or [w.id for w in sorted(workers, key=lambda w: (w.role, w.id))]
     for worker_id in ids:
+        try:
+            surged = None if args.no_surge else await _surge_if_alone(args, worker_id, creds)
+        except TimeoutError:
+            return 1
         if await _drain_and_print(args.addr, [worker_id], "", args.timeout, False, creds) != 0:
             return 1
         start = time.monotonic()
@@ -113,7 +123,54 @@ async def _rolling_restart(args: argparse.Namespace) -> int:
             print(f"pdserve restart: {worker_id} not back within {args.ready_timeout:g} s", file=sys.stderr)
             return 1
         print(f"{worker_id} back at {address} after {time.monotonic() - start:.1f} s", flush=True)
+        if surged is not None and not await _scale_back(args, surged, creds):
+            return 1
     return 0
+
+
+async def _surge_if_alone(args: argparse.Namespace, worker_id: str, creds: ClientCredentials) -> dict[str, int] | None:
+    """When `worker_id` is the only worker of its role serving, its role scaled up by one first, so that one
+    serves while it restarts (a user's review saw requests fail UNAVAILABLE for the gap): the counts to scale
+    back to, None when it is not alone. TimeoutError (said, and scaled back) when the surge did not serve."""
+    import grpc
+
+    from pdserve.planner.live_scale import cluster_status, scale_workers, serving_counts, wait_settled
+
+    status = await cluster_status(args.addr, creds)
+    role = next((w.role for w in status.workers if w.id == worker_id), None)
+    if role is None or serving_counts(status).get(role, 0) != 1:
+        return None
+    n = status.desired.get(role) or 1
+    try:
+        await scale_workers(args.addr, creds, {role: n + 1})
+    except grpc.aio.AioRpcError as e:
+        print(
+            f"pdserve restart: {role} cannot surge to {n + 1} ({e.code().name}: {e.details()}); pass --no-surge to "
+            "restart it in place",
+            file=sys.stderr,
+        )
+        raise TimeoutError from e
+    print(f"{worker_id} is the only {role} worker serving: scaling {role} to {n + 1} while it restarts", flush=True)
+    try:
+        await wait_settled(args.addr, creds, {role: n + 1}, args.ready_timeout)
+    except TimeoutError as e:
+        print(f"pdserve restart: the {role} surge did not serve: {e}; scaling back", file=sys.stderr)
+        await _scale_back(args, {role: n}, creds)
+        raise
+    return {role: n}
+
+
+async def _scale_back(args: argparse.Namespace, counts: dict[str, int], creds: ClientCredentials) -> bool:
+    from pdserve.planner.live_scale import format_counts, scale_workers, wait_settled
+
+    await scale_workers(args.addr, creds, counts)
+    try:
+        await wait_settled(args.addr, creds, counts, args.ready_timeout)
+    except TimeoutError as e:
+        print(f"pdserve restart: scaling back to {format_counts(counts)} did not settle: {e}", file=sys.stderr)
+        return False
+    print(f"scaled back to {format_counts(counts)}", flush=True)
+    return True
 
 
 async def _workers(addr: str, creds: ClientCredentials) -> list[Any]:
