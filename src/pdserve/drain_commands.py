@@ -56,7 +56,28 @@ def _drain(args: argparse.Namespace) -> int:
         print("pdserve drain: name WORKER_IDs or --host, not both or neither", file=sys.stderr)
         return 2
     creds = client_credentials(args)
-    return _run(_drain_and_print(args.addr, args.worker_ids, args.host or "", args.timeout, args.json, creds), "drain")
+    return _run(_drain_named(args, creds), "drain")
+
+
+async def _drain_named(args: argparse.Namespace, creds: ClientCredentials) -> int:
+    if args.worker_ids:
+        _warn_if_a_role_empties(await _workers(args.addr, creds), set(args.worker_ids))
+    return await _drain_and_print(args.addr, args.worker_ids, args.host or "", args.timeout, args.json, creds)
+
+
+def _warn_if_a_role_empties(workers: list[Any], draining: set[str]) -> None:
+    """Draining every serving worker of a role leaves it none until a replacement serves: requests meanwhile wait
+    the router's no_workers_wait_s, then fail UNAVAILABLE. Said, not refused (a preStop hook must drain)."""
+    serving = [w for w in workers if w.health == "SERVING" and not w.draining]
+    for role in sorted({w.role for w in serving}):
+        ids = {w.id for w in serving if w.role == role}
+        if ids <= draining:
+            print(
+                f"pdserve drain: warning: {', '.join(sorted(ids))} {'is' if len(ids) == 1 else 'are'} every {role} "
+                f"worker serving: requests fail UNAVAILABLE until a replacement serves (`pdserve restart` surges "
+                f"a role's only worker instead)",
+                file=sys.stderr,
+            )
 
 
 def _restart(args: argparse.Namespace) -> int:
