@@ -30,6 +30,7 @@ from pdserve.flags import (
     add_engine_flags,
     add_sampling_flags,
     engine_config,
+    fetch_model,
     flag_values,
     from_flags,
     sampling_from_flags,
@@ -315,7 +316,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    path = _fetch_model(args.model, "pdserve fetch")
+    path = fetch_model(args.model, "pdserve fetch")
     if path is None:
         return 1
     print(path)
@@ -337,18 +338,6 @@ def _model_in_cache(model: str) -> bool:
     except FileNotFoundError as e:
         print(f"pdserve: {e}", file=sys.stderr)
         return False
-
-
-def _fetch_model(model: str, command: str) -> Path | None:
-    """The model's folder, fetched and converted on first use (a progress line on a terminal's stderr);
-    None, said on stderr, when it cannot be had."""
-    from pdserve.engine.models import ModelFetchError, resolve_model
-
-    try:
-        return resolve_model(model)
-    except (ModelFetchError, FileNotFoundError) as e:
-        print(f"{command}: {e}", file=sys.stderr)
-        return None
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -1,13 +1,17 @@
 """Parsed command-line flags into the config dataclasses, by field name: each field is mapped once, here
-or by its flag's name, instead of in a keyword list beside every command."""
+or by its flag's name, instead of in a keyword list beside every command. Also the checks of what a flag names
+(a model, a file to write) that commands make before their work."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pdserve.config import DECODE_GRAPH_MODES, DTYPE_NAMES, EngineConfig, SchedulerConfig
@@ -140,6 +144,36 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=SchedulerConfig.max_num_seqs,
         help="the most sequences one engine step decodes; a decode worker refuses hand-offs past it",
     )
+
+
+def fetch_model(model: str, command: str) -> Path | None:
+    """The model's folder, fetched and converted on first use (a progress line on a terminal's stderr);
+    None, said on stderr in one line, when it cannot be had: a name that is no model is no traceback."""
+    from pdserve.engine.models import ModelFetchError, resolve_model
+
+    try:
+        return resolve_model(model)
+    except (ModelFetchError, FileNotFoundError) as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        return None
+
+
+def writable_file(path: Path, flag: str, command: str) -> bool:
+    """Whether `path` takes a file (said on stderr if not), found before the work whose result goes there: a
+    folder, a missing folder or a file system that takes no file fails now, not once the work is done. A file
+    this test created is removed again."""
+    if not path.resolve().parent.is_dir():
+        print(f"{command}: {flag} {path}: its folder does not exist", file=sys.stderr)
+        return False
+    existed = os.path.lexists(path)
+    try:
+        path.open("a").close()
+    except OSError as e:
+        print(f"{command}: {flag} {path} cannot be written as a file ({e.strerror})", file=sys.stderr)
+        return False
+    if not existed:
+        path.unlink()
+    return True
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -10,7 +10,16 @@ import sys
 
 from pdserve.addresses import host_port
 from pdserve.config import ClusterConfig, EngineConfig
-from pdserve.flags import add_engine_flags, at_least_one, counts, engine_config, from_flags, natural, positive_float
+from pdserve.flags import (
+    add_engine_flags,
+    at_least_one,
+    counts,
+    engine_config,
+    fetch_model,
+    from_flags,
+    natural,
+    positive_float,
+)
 
 
 def add_bench_commands(sub: argparse._SubParsersAction) -> None:
@@ -128,6 +137,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
     if max(batch_sizes) > args.max_num_seqs:  # its steps would run fewer sequences than its row names
         message = f"--batch-sizes {max(batch_sizes)} is past --max-num-seqs {args.max_num_seqs}"
         print(f"pdserve bench engine: {message}", file=sys.stderr)
+        return 2
+    if fetch_model(args.model, "pdserve bench engine") is None:  # a name that is no model: one line, no trace
         return 2
     run_engine_bench(
         engine_config(args),

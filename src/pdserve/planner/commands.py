@@ -11,7 +11,17 @@ from typing import TYPE_CHECKING
 
 from pdserve.addresses import host_port
 from pdserve.config import MAX_WORKERS_PER_ROLE, RouterConfig
-from pdserve.flags import add_engine_flags, at_least_one, engine_config, in_range, natural, positive_float, seconds
+from pdserve.flags import (
+    add_engine_flags,
+    at_least_one,
+    engine_config,
+    fetch_model,
+    in_range,
+    natural,
+    positive_float,
+    seconds,
+    writable_file,
+)
 from pdserve.planner.scale_command import add_scale_command
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
@@ -42,8 +52,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 def _profile(args: argparse.Namespace) -> int:
     from pdserve.planner.profiler import QUICK, Grid, run_profile
 
-    if not args.out.resolve().parent.is_dir():  # found now, not after minutes of measuring
-        print(f"pdserve profile: --out {args.out}: its folder does not exist", file=sys.stderr)
+    if not (writable_file(args.out, "--out", "pdserve profile") and fetch_model(args.model, "pdserve profile")):
         return 2
     profile = run_profile(engine_config(args), QUICK if args.quick else Grid(), args.transfer_gbps)
     profile.save(args.out)

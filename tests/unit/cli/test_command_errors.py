@@ -17,6 +17,7 @@ from loadgen.workload import WorkloadConfig
 from pdserve.cli import _parser, main
 from pdserve.cluster.launcher import WorkerStartError
 from pdserve.config import ClusterConfig, EngineConfig
+from pdserve.flags import writable_file
 
 NOISY_STATUS = """
 import sys
@@ -243,6 +244,33 @@ def test_a_model_or_output_folder_that_is_not_there_is_named_before_any_work(cap
     assert "neither a built-in name" in capsys.readouterr().err
     assert main(["profile", "--model", "tiny-random", "--out", str(tmp_path / "none" / "p.json")]) == 2
     assert "its folder does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("out", ["a folder", "/proc/pdserve-profile.json"])
+def test_a_profile_out_that_takes_no_file_is_a_usage_error_before_any_measuring(capsys, monkeypatch, tmp_path, out):
+    """It measured for minutes, then lost it all to an IsADirectoryError (or FileNotFoundError) traceback."""
+    from pdserve.planner import profiler
+
+    monkeypatch.setattr(profiler, "run_profile", lambda *args: pytest.fail("profiled before --out was checked"))
+    path = tmp_path if out == "a folder" else out
+    assert main(["profile", "--model", "tiny-random", "--quick", "--out", str(path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"pdserve profile: --out {path} cannot be written as a file")
+
+
+def test_the_out_check_leaves_no_file_behind_and_an_existing_one_as_it_was(tmp_path):
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    old.write_text("kept")
+    assert writable_file(new, "--out", "pdserve profile") and writable_file(old, "--out", "pdserve profile")
+    assert not new.exists() and old.read_text() == "kept"
+
+
+@pytest.mark.parametrize(("command", "flags"), [("profile", ["--quick", "--out", "p.json"]), ("bench engine", [])])
+def test_a_model_that_is_not_there_is_one_line_not_a_traceback(capsys, monkeypatch, tmp_path, command, flags):
+    monkeypatch.chdir(tmp_path)
+    assert main([*command.split(), *flags, "--model", "nosuch"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"pdserve {command}: model 'nosuch' is neither a built-in name")
 
 
 @pytest.mark.parametrize(
