@@ -22,6 +22,7 @@ from pdserve.cluster.commands import (
     add_fleet_flags,
     add_internal_tls_flags,
     add_router_command,
+    check_mode_counts,
 )
 from pdserve.config import STALL_TIMEOUT_MIN_S, ClusterConfig, EngineConfig, RouterConfig
 from pdserve.drain_commands import add_drain_commands
@@ -296,6 +297,7 @@ def _check_ports_free(command: str, config: ClusterConfig) -> None:
 
 
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    check_mode_counts(args)
     overrides = flag_values(RouterConfig, args)
     if getattr(args, "router_config", None):  # `controller` takes none
         router = RouterConfig.from_file(args.router_config, **overrides)

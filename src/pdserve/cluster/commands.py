@@ -17,9 +17,10 @@ def add_fleet_flags(p: argparse.ArgumentParser) -> None:
     """The workers' shape, their Ray placement and their registry: what `up` and `controller` share."""
     c = ClusterConfig
     p.add_argument("--mode", choices=CLUSTER_MODES, default=c.mode, help="separate prefill/decode workers, or not")
-    p.add_argument("--prefill", type=int, default=c.prefill, help="prefill workers (disaggregated)")
-    p.add_argument("--decode", type=int, default=c.decode, help="decode workers (disaggregated)")
-    p.add_argument("--workers", type=int, default=c.workers, help="workers doing both phases (colocated)")
+    # The counts are unset (None) unless given, so that a count only the other mode takes is refused, not ignored
+    p.add_argument("--prefill", type=int, help=f"prefill workers (disaggregated; default: {c.prefill})")
+    p.add_argument("--decode", type=int, help=f"decode workers (disaggregated; default: {c.decode})")
+    p.add_argument("--workers", type=int, help=f"workers doing both phases (colocated; default: {c.workers})")
     p.add_argument(
         "--kv-cache-gb", type=positive_float, default=EngineConfig.kv_cache_memory_gb, help="KV cache per worker (GB)"
     )
@@ -81,6 +82,19 @@ def add_fleet_flags(p: argparse.ArgumentParser) -> None:
         default=c.max_restarts,
         help="times Ray restarts a worker that died; past that the launcher replaces it with a new one",
     )
+
+
+_MODE_COUNTS = {"disaggregated": ("prefill", "decode"), "colocated": ("workers",)}
+
+
+def check_mode_counts(args: argparse.Namespace) -> None:
+    """A worker count given for the other mode is a ValueError naming both flags: `up --mode colocated --prefill 3`
+    started the 2 workers of --workers' default. A command without fleet flags (`router`) has none to check."""
+    own = _MODE_COUNTS.get(getattr(args, "mode", ""), ())
+    for mode, names in _MODE_COUNTS.items():
+        if given := [f"--{n}" for n in names if n not in own and getattr(args, n, None) is not None]:
+            takes = " and ".join(f"--{n}" for n in own)
+            raise ValueError(f"{given[0]} counts --mode {mode}'s workers; --mode {args.mode} takes {takes}")
 
 
 def add_address_flags(p: argparse.ArgumentParser, host_alias: bool = False) -> None:

@@ -7,6 +7,7 @@ import socket
 
 import pytest
 
+from pdserve import cli
 from pdserve.config import MAX_WORKERS_PER_ROLE, ClusterConfig
 from services.main import main
 
@@ -33,6 +34,39 @@ def test_up_exits_2_with_one_line_before_ray_starts(capsys):
     assert main(["up", "--model", "tiny-random", "--prefill", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["pdserve up: prefill must be 1 to 64 workers in disaggregated mode, got -1"]
+
+
+CONTROLLER = ["controller", "--model", "tiny-random", "--ray-address", "127.0.0.1:1", "--redis", "redis://r:6379/0"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["up", "--mode", "colocated", "--prefill", "3"],
+            "--prefill counts --mode disaggregated's workers; --mode colocated takes --workers",
+        ),
+        (
+            ["up", "--mode", "disaggregated", "--workers", "4"],
+            "--workers counts --mode colocated's workers; --mode disaggregated takes --prefill and --decode",
+        ),
+        (["up", "--workers", "4"], "--workers counts --mode colocated's workers"),  # disaggregated by default
+        ([*CONTROLLER, "--mode", "colocated", "--decode", "2"], "--decode counts --mode disaggregated's workers"),
+    ],
+)
+def test_a_count_of_the_other_mode_is_refused_naming_both_flags_not_ignored(capsys, monkeypatch, argv, line):
+    """`up --mode colocated --prefill 3` started 2 colocated workers, --workers' default, and said nothing."""
+    monkeypatch.setattr(cli, "_runner", lambda command: pytest.fail(f"{command} started with the other mode's count"))
+    assert main([*argv, "--model", "tiny-random"]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith(f"pdserve {argv[0]}: {line}"), err
+
+
+def test_only_a_count_given_is_checked_and_each_mode_takes_its_own():
+    parse = cli._parser().parse_args
+    assert cli._cluster_config(parse(["up", "--mode", "colocated", "--workers", "3"])).roles == ["colocated"] * 3
+    assert cli._cluster_config(parse(["up", "--mode", "colocated"])).workers == ClusterConfig.workers
+    assert cli._cluster_config(parse(["up", "--prefill", "2", "--decode", "3"])).roles.count("decode") == 3
 
 
 ROUTER = ["router", "--model", "tiny-random", "--redis", "redis://127.0.0.1:1/0"]
