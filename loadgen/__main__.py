@@ -18,7 +18,7 @@ from loadgen.metrics import GoodputSLO
 from loadgen.workload import DATASETS, WorkloadConfig
 from pdserve.addresses import host_port
 from pdserve.config import EngineConfig
-from pdserve.flags import at_least_one, from_flags, natural, positive_float
+from pdserve.flags import DefaultsFormatter, at_least_one, from_flags, natural, positive_float
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 from pdserve.trace import read_trace
 
@@ -41,7 +41,7 @@ def _rates(text: str) -> tuple[float, ...]:
 
 
 def _bench_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loadgen", description=__doc__)
+    p = argparse.ArgumentParser(prog="loadgen", description=__doc__, formatter_class=DefaultsFormatter)
     p.add_argument("--backend", choices=BACKENDS, default="grpc", help="grpc: pdserve's Generate; openai*: HTTP")
     p.add_argument("--addr", type=host_port, help="router HOST:PORT (--backend grpc)")
     p.add_argument("--base-url", help="server root, e.g. http://127.0.0.1:8000 (--backend openai, openai-chat)")
@@ -49,19 +49,31 @@ def _bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=EngineConfig.model, help="the served model; its vocabulary bounds the prompt ids")
     p.add_argument("--served-model-name", help="openai backends: the `model` sent (default: --model)")
     w = WorkloadConfig
-    p.add_argument("--dataset-name", choices=DATASETS, default=w.dataset_name)
+    p.add_argument(
+        "--dataset-name",
+        choices=DATASETS,
+        default=w.dataset_name,
+        help="random lengths, ShareGPT-like lengths, shared prefixes, or a --trace replayed",
+    )
     p.add_argument(
         "--num-prompts", type=int, default=w.num_prompts, help="requests per rate (a trace: at most this many)"
     )
-    p.add_argument("--random-input-len", type=int, default=w.random_input_len)
-    p.add_argument("--random-output-len", type=int, default=w.random_output_len)
+    p.add_argument("--random-input-len", type=int, default=w.random_input_len, help="random: prompt tokens")
+    p.add_argument("--random-output-len", type=int, default=w.random_output_len, help="random: output tokens")
     p.add_argument(
         "--random-range-ratio", type=float, default=w.random_range_ratio, help="lengths uniform in len * [1 - r, 1 + r]"
     )
-    p.add_argument("--prefix-repetition-prefix-len", type=int, default=w.prefix_len)
-    p.add_argument("--prefix-repetition-suffix-len", type=int, default=w.suffix_len)
-    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=w.num_prefixes)
-    p.add_argument("--prefix-repetition-output-len", type=int, default=w.prefix_output_len)
+    prefixes = "prefix-repetition: "
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=w.prefix_len, help=f"{prefixes}shared tokens")
+    p.add_argument(
+        "--prefix-repetition-suffix-len", type=int, default=w.suffix_len, help=f"{prefixes}each request's own tokens"
+    )
+    p.add_argument(
+        "--prefix-repetition-num-prefixes", type=int, default=w.num_prefixes, help=f"{prefixes}distinct prefixes"
+    )
+    p.add_argument(
+        "--prefix-repetition-output-len", type=int, default=w.prefix_output_len, help=f"{prefixes}output tokens"
+    )
     p.add_argument("--trace", type=Path, help="Mooncake-format JSONL: timestamp (ms), input_length, output_length")
     p.add_argument(
         "--request-rate",
@@ -72,11 +84,11 @@ def _bench_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     p.add_argument("--max-concurrency", type=at_least_one, default=None, help="requests in flight at most")
-    p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLO bounds: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLO bounds: ttft:MS tpot:MS e2el:MS")
     p.add_argument(
         "--send-slo", action="store_true", help="send the ttft/tpot bounds with each request (router admission)"
     )
-    p.add_argument("--seed", type=natural, default=0)
+    p.add_argument("--seed", type=natural, default=0, help="each rate's prompts and arrival gaps: same seed, same run")
     p.add_argument("--result-json", type=Path, help="write the results (with per-request records) here")
     p.add_argument("--plot-dir", type=Path, help="write PNG plots here")
     add_client_flags(p)
@@ -84,7 +96,11 @@ def _bench_parser() -> argparse.ArgumentParser:
 
 
 def _compare_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loadgen compare", description="two result files side by side, ratios B / A")
+    p = argparse.ArgumentParser(
+        prog="loadgen compare",
+        description="two result files side by side, ratios B / A",
+        formatter_class=DefaultsFormatter,
+    )
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
     p.add_argument("--plot-dir", type=Path, help="write both runs into the same PNG plots here")
@@ -113,7 +129,7 @@ def _bench(args: argparse.Namespace) -> int:
             address=address,
             workload=workload,
             request_rates=args.request_rate or (math.inf,),
-            slo=GoodputSLO.parse(args.goodput),
+            slo=GoodputSLO.parse(args.goodput or []),
             credentials=client_credentials(args),
         )
         if workload.trace is not None:

@@ -28,6 +28,7 @@ from pdserve.config import STALL_TIMEOUT_MIN_S, ClusterConfig, EngineConfig, Rou
 from pdserve.drain_commands import add_drain_commands
 from pdserve.env import REDIS_PASSWORD_VAR
 from pdserve.flags import (
+    DefaultsFormatter,
     add_engine_flags,
     add_sampling_flags,
     engine_config,
@@ -56,20 +57,11 @@ def main(argv: Sequence[str] | None = None, services: ClusterServices | None = N
         return 1
 
 
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, except where there is none to show (None, a flag's False)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
 class _Parser(argparse.ArgumentParser):
     """Every command's and subcommand's --help shows the defaults, which come from the config dataclasses."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
 

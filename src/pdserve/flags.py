@@ -21,6 +21,16 @@ from pdserve.protocol.sampling import MAX_LOGPROBS, SamplingParams
 T = TypeVar("T")
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (None, a flag's False): every command's
+    --help, `pdserve`'s and `loadgen`'s."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def flag_values(cls: type, args: argparse.Namespace, renamed: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The flags that carry one of `cls`'s field names (or the flag `renamed` maps a field to), None left out:
     an unset flag keeps the dataclass's default, or a config file's value."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.addresses import host_port
-from pdserve.config import MAX_WORKERS_PER_ROLE, RouterConfig
+from pdserve.config import MAX_WORKERS_PER_ROLE, EngineConfig, RouterConfig
 from pdserve.flags import (
     add_engine_flags,
     at_least_one,
@@ -42,7 +42,9 @@ def add_planner_commands(sub: argparse._SubParsersAction) -> None:
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure one worker's prefill, decode, KV transfer and KV capacity")
     add_engine_flags(p)
-    p.add_argument("--kv-cache-gb", type=positive_float, default=None, help="KV cache per worker (GB), as for up")
+    p.add_argument(
+        "--kv-cache-gb", type=positive_float, default=EngineConfig.kv_cache_memory_gb, help="KV cache per worker (GB)"
+    )
     p.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests and smoke runs)")
     p.add_argument("--transfer-gbps", type=positive_float, help="use this KV transfer speed (GB/s), do not measure")

@@ -3,11 +3,12 @@ its CDF plots count the requests its percentiles count."""
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import pytest
 
-from loadgen.__main__ import main
+from loadgen.__main__ import _bench_parser, main
 from loadgen.benchmark import BenchmarkConfig, build_result
 from loadgen.plots import completed_values
 from loadgen.record import RequestRecord
@@ -66,3 +67,16 @@ def test_an_address_nothing_listens_at_fails_at_once_saying_so(capsys):
     assert main([*UNREACHABLE, "--num-prompts", "2"]) == 1
     assert time.monotonic() - start < 10
     assert "nothing listens at 127.0.0.1:1 (connection refused)" in capsys.readouterr().err
+
+
+def test_help_shows_each_flags_default_as_pdserves_does(capsys):
+    """The CLI contract (docs/architecture.md): --help shows every flag with its default; loadgen's showed none."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    shown = 0
+    for action in _bench_parser()._actions:
+        if action.option_strings and action.default not in (None, argparse.SUPPRESS) and action.default is not False:
+            assert f"{action.help} (default: {action.default})" in text, action.option_strings
+            shown += 1
+    assert shown > 10 and "(default: None)" not in text and "(default: [])" not in text
