@@ -132,6 +132,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         if args.trace:
+            synthetic_only = {"--rate": args.rate, "--input-len": args.input_len, "--output-len": args.output_len}
+            if given := [flag for flag, value in synthetic_only.items() if value is not None]:  # else ignored
+                raise ValueError(f"{given[0]} applies without --trace: a trace has its own timestamps and lengths")
             load = workload.from_trace(args.trace, args.num_requests)
         elif None in (args.rate, args.input_len, args.output_len):
             raise ValueError("give --trace FILE, or --rate, --input-len and --output-len")

@@ -83,6 +83,20 @@ def test_a_trace_is_planned_at_its_own_rate(tmp_path: Path) -> None:
     assert [r.arrival_s for r in workload.at_rate(workload.rate)][:3] == pytest.approx([0.0, 0.5, 1.0])
 
 
+@pytest.mark.parametrize("flag", ["--rate", "--input-len", "--output-len"])
+def test_a_synthetic_workloads_flag_beside_a_trace_is_a_usage_error_not_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    """`plan --trace T --rate 50` planned the trace at its own rate and said nothing of the 50."""
+    profile, trace = tmp_path / "profile.json", tmp_path / "trace.jsonl"
+    synthetic_profile().save(profile)
+    lines = [{"timestamp": 500 * i, "input_length": 30, "output_length": 4} for i in range(11)]
+    trace.write_text("\n".join(json.dumps(line) for line in lines))
+    argv = ["plan", "--profile", str(profile), "--trace", str(trace), flag, "50"]
+    assert cli.main([*argv, "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--workers", "2"]) == 2
+    assert f"{flag} applies without --trace" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("stamps", [[1000, 1000, 1000], [1000]])
 def test_a_trace_at_one_timestamp_is_a_usage_error_not_a_plan_at_1_req_s(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], stamps: list[int]
