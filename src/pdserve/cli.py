@@ -23,6 +23,7 @@ from pdserve.cluster.commands import (
     add_internal_tls_flags,
     add_router_command,
     check_mode_counts,
+    check_ports_distinct,
 )
 from pdserve.config import STALL_TIMEOUT_MIN_S, ClusterConfig, EngineConfig, RouterConfig
 from pdserve.drain_commands import add_drain_commands
@@ -284,6 +285,7 @@ def _check_ports_free(command: str, config: ClusterConfig) -> None:
     ports = {"--metrics-port": config.metrics_port}
     if command != "controller":
         ports |= {"--port": config.port, "--http-port": config.http_port}
+    check_ports_distinct(ports, command, config)
     for flag, port in ports.items():
         hold_free(config.host, port or 0, flag)
 

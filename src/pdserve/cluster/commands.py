@@ -97,6 +97,22 @@ def check_mode_counts(args: argparse.Namespace) -> None:
             raise ValueError(f"{given[0]} counts --mode {mode}'s workers; --mode {args.mode} takes {takes}")
 
 
+def check_ports_distinct(own: dict[str, int | None], command: str, config: ClusterConfig) -> None:
+    """Two port flags naming one port are a ValueError naming both, before anything binds (the second bind's
+    failure named one). `own`: the command's own listeners, by flag. A worker binds its three ports together;
+    `up`'s workers run beside its router unless it joins a Ray cluster (--ray-address: perhaps on other hosts)."""
+    workers: dict[str, int | None] = {}
+    if command != "router":  # a router starts no worker
+        workers = {"--worker-port": config.worker_port, "--transfer-port": config.transfer_port}
+        workers["--worker-metrics-port"] = config.worker_metrics_port
+    for ports in [own | workers] if command == "up" and not config.ray_address else [own, workers]:
+        flags: dict[int | None, str] = {}
+        for flag, port in ports.items():
+            if port and port in flags:  # 0 or None: a free port, or none
+                raise ValueError(f"{flags[port]} and {flag} are both {port}: give each a port of its own")
+            flags[port] = flag
+
+
 def add_address_flags(p: argparse.ArgumentParser, host_alias: bool = False) -> None:
     """Where every listener binds and which host its addresses name. `host_alias`: `up`'s older --host too."""
     names = ["--bind-host", "--host"] if host_alias else ["--bind-host"]

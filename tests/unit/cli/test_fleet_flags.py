@@ -4,10 +4,12 @@ anything starts: one line, exit 2. Every command that builds an engine refuses a
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 
 import pytest
 
 from pdserve import cli
+from pdserve.cluster.commands import check_ports_distinct
 from pdserve.config import MAX_WORKERS_PER_ROLE, ClusterConfig
 from services.main import main
 
@@ -114,6 +116,35 @@ def test_a_taken_port_is_named_before_anything_starts(capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"pdserve up: 127.0.0.1:{port} cannot be bound")
     assert line.endswith("pass another --http-port")
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["up", "--port", "50962", "--metrics-port", "50962"], "--metrics-port and --port are both 50962"),
+        (["up", "--http-port", "50962", "--worker-port", "50962"], "--http-port and --worker-port are both 50962"),
+        ([*ROUTER, "--port", "50962", "--http-port", "50962"], "--port and --http-port are both 50962"),
+        (
+            [*CONTROLLER, "--transfer-port", "50962", "--worker-metrics-port", "50962"],
+            "--transfer-port and --worker-metrics-port are both 50962",
+        ),
+    ],
+)
+def test_two_port_flags_naming_one_port_are_named_before_anything_binds(capsys, monkeypatch, argv, line):
+    """`up --port P --metrics-port P` said P could not be bound (the second bind's failure): pass another --port."""
+    monkeypatch.setattr(cli, "_runner", lambda command: pytest.fail(f"{command} started"))
+    assert main([*argv, "--model", "tiny-random"]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err == f"pdserve {argv[0]}: {line}: give each a port of its own"
+
+
+def test_a_controllers_metrics_or_a_joined_clusters_workers_may_share_a_port_number_with_the_router():
+    """A controller's workers, and those of an `up` that joins a Ray cluster, may run on other hosts."""
+    check_ports_distinct({"--metrics-port": 9100}, "controller", ClusterConfig(ray_address="auto", worker_port=9100))
+    joined = ClusterConfig(ray_address="10.0.0.1:6379", port=9100, worker_port=9100)
+    check_ports_distinct({"--port": 9100}, "up", joined)
+    with pytest.raises(ValueError, match="^--port and --worker-port are both 9100"):
+        check_ports_distinct({"--port": 9100}, "up", replace(joined, ray_address=None))
 
 
 @pytest.mark.parametrize(
