@@ -93,5 +93,7 @@ class HardwareProfile:
     def load(cls, path: Path) -> HardwareProfile:
         try:
             return cls.from_dict(json.loads(path.read_text()))
-        except (KeyError, TypeError, ValueError) as e:
+        except KeyError as e:  # its text alone is the key's name: "... profile: 'perf'"
+            raise ValueError(f"{path} is not a pdserve profile: it has no {e.args[0]!r} key") from None
+        except (TypeError, ValueError) as e:
             raise ValueError(f"{path} is not a pdserve profile: {e}") from None

@@ -328,6 +328,15 @@ def test_a_profile_with_a_field_of_the_wrong_kind_is_refused_naming_it(tmp_path,
     assert f"{field} must be a finite" in capsys.readouterr().err
 
 
+def test_a_profile_without_its_perf_key_is_refused_naming_the_key(tmp_path, capsys):
+    """It said only "is not a pdserve profile: 'perf'", a KeyError's text."""
+    path = tmp_path / "v2partial.json"
+    path.write_text(json.dumps({"version": 2}))
+    argv = ["plan", "--profile", str(path), "--rate", "1", "--input-len", "8", "--output-len", "8", "--workers", "2"]
+    assert cli.main([*argv, "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"]) == 2
+    assert capsys.readouterr().err == f"pdserve plan: {path} is not a pdserve profile: it has no 'perf' key\n"
+
+
 @pytest.mark.parametrize("quantiles", [[-0.001, 0.01], [0.005, math.nan], [0.005, math.inf], [0.02, 0.01], "0.01"])
 def test_a_profile_with_a_bad_serving_latency_spread_is_refused_naming_it(tmp_path, capsys, quantiles):
     """A negative or endless latency, or quantiles out of order, would skew every draw the simulator makes."""
