@@ -108,7 +108,7 @@ def _compare_parser() -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from loadgen.benchmark import BenchmarkConfig, ClusterCheckFailed, run_benchmark
+    from loadgen.benchmark import BenchmarkConfig, CheckRequestInvalid, ClusterCheckFailed, run_benchmark
     from loadgen.report import write_results
 
     console, errors = Console(), Console(stderr=True, soft_wrap=True)  # an error stays one line, whole for grep
@@ -149,6 +149,9 @@ def _bench(args: argparse.Namespace) -> int:
     status = 0
     try:
         run_benchmark(config, console, save)
+    except CheckRequestInvalid as e:  # before any run: what the flags drew, refused
+        errors.print(f"loadgen: {e}", style="red")
+        return 2
     except (ClusterCheckFailed, TimeoutError, OSError) as e:  # OSError: nothing listens, or the JSON was not written
         errors.print(f"loadgen: {str(e) or 'no answer from ' + address}", style="red")
         status = 1

@@ -29,6 +29,11 @@ class ClusterCheckFailed(RuntimeError):
     """The single request sent before the runs did not complete."""
 
 
+class CheckRequestInvalid(ClusterCheckFailed):
+    """The server refused the single request as invalid: the workload the flags drew (a prompt past the model's
+    context, ids outside its vocabulary, an SLO no worker meets) is a usage error, as a bad flag is."""
+
+
 @dataclass(frozen=True)
 class BenchmarkConfig:
     address: str  # grpc: the router's HOST:PORT; openai backends: the server's base URL
@@ -89,10 +94,12 @@ def run_benchmark(
     check = build_workload(replace(config.workload, num_prompts=1), check_rng)[0]
     record = asyncio.run(client.check(replace(check, arrival_s=0.0)))
     if record.status not in (OK, REJECTED):  # shed by admission is an answer: the cluster serves
-        hint = ""
-        if record.status == "INVALID_ARGUMENT":  # most often prompt ids drawn for another model's vocabulary
-            hint = f" (the prompts were drawn for --model {config.model}: pass the model the server serves)"
-        raise ClusterCheckFailed(f"the check request failed: {record.status}: {record.error}{hint}")
+        message = f"the check request failed: {record.status}: {record.error}"
+        if record.status != "INVALID_ARGUMENT":
+            raise ClusterCheckFailed(message)
+        if "vocabulary" in record.error:  # ids drawn for another model's (pdserve: "outside", vLLM: "out of")
+            message += f" (the prompts were drawn for --model {config.model}: pass the model the server serves)"
+        raise CheckRequestInvalid(message)
     results = []
     for i, rate in enumerate(config.request_rates):
         rng = np.random.default_rng([config.seed, i])

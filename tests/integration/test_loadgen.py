@@ -164,7 +164,7 @@ def test_requests_shed_by_admission_are_counted_as_rejected(tmp_path):
 
 
 def test_an_slo_no_worker_can_meet_stops_the_run_with_the_reason(cluster, tmp_path, capsys):
-    # A 1 µs TTFT bound sent with each request: no retry can meet it, so the check request is INVALID_ARGUMENT.
+    # A 1 µs TTFT bound sent with each request: no retry can meet it, so the check request is INVALID_ARGUMENT (exit 2).
     flags = ["--num-prompts", "2", "--random-input-len", "32", "--random-output-len", "4", "--send-slo"]
     path = tmp_path / "result.json"
     code = main(
@@ -180,6 +180,6 @@ def test_an_slo_no_worker_can_meet_stops_the_run_with_the_reason(cluster, tmp_pa
             "ttft:0.001",
         ]
     )
-    assert code == 1 and not path.exists()
+    assert code == 2 and not path.exists()
     err = capsys.readouterr().err
     assert "INVALID_ARGUMENT" in err and "slo.ttft_ms" in err and "smallest" in err

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from loadgen import benchmark
 from loadgen.__main__ import _bench_parser, main
 from loadgen.benchmark import BenchmarkConfig, build_result
 from loadgen.plots import completed_values
@@ -80,3 +81,31 @@ def test_help_shows_each_flags_default_as_pdserves_does(capsys):
             assert f"{action.help} (default: {action.default})" in text, action.option_strings
             shown += 1
     assert shown > 10 and "(default: None)" not in text and "(default: [])" not in text
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "code", "hint"),
+    [
+        ("INVALID_ARGUMENT", "prompt_token_ids: ids [50000] are outside the vocabulary [0, 1000)", 2, True),
+        ("INVALID_ARGUMENT", "prompt_token_ids: 5000 tokens leave no room to generate in the context", 2, False),
+        ("UNAVAILABLE", "no prefill worker is serving", 1, False),
+    ],
+)
+def test_a_check_request_refused_as_invalid_is_a_usage_error_with_the_model_hint_only_for_the_vocabulary(
+    capsys, monkeypatch, status, error, code, hint
+):
+    """A prompt too long for the right model was told to pass the model the server serves, and exited 1."""
+
+    class RefusingClient:
+        def __init__(self, *args: object) -> None:
+            pass
+
+        async def check(self, request: object) -> RequestRecord:
+            return RequestRecord("check", 5000, 4, 0.0, status=status, error=error)
+
+    monkeypatch.setattr(benchmark, "make_backend", lambda config: None)
+    monkeypatch.setattr(benchmark, "Client", RefusingClient)
+    assert main([*UNREACHABLE, "--num-prompts", "1"]) == code
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"loadgen: the check request failed: {status}: {error}")
+    assert ("pass the model the server serves" in line) == hint
