@@ -153,15 +153,22 @@ def _plan(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 2
+    from pdserve.planner.report import unmet
+
     if args.json:
         print(json.dumps(plan_json(candidates), allow_nan=False))
-        return 0
-    from pdserve.bench.report_console import report_console
-    from pdserve.planner.report import plan_table, verdict
+    else:
+        from pdserve.bench.report_console import report_console
+        from pdserve.planner.report import plan_table, verdict
 
-    console = report_console()
-    console.print(plan_table(candidates, load, slo, profile))
-    console.print(verdict(candidates))
+        console = report_console()
+        console.print(plan_table(candidates, load, slo, profile))
+        console.print(verdict(candidates, load.rate))
+    # No shape meets the SLO even idle: the recommendation (JSON's `recommended` stays, as its contract says) is only
+    # the first of equals; a script applying it must be told.
+    if (why := unmet(candidates)) is not None:
+        print(f"pdserve plan: {why}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -64,7 +64,11 @@ def profile_caption(p: HardwareProfile) -> str:
     return line + "; each worker on its own device and cores"
 
 
-def verdict(candidates: list[Candidate]) -> str:
+def verdict(candidates: list[Candidate], rate: float) -> str:
+    """The recommendation, and what it cannot do: no split meets the SLO (then no recommendation), or none
+    sustains the rate asked for."""
+    if unmet(candidates) is not None:
+        return "recommended: none"
     best = recommend(candidates)
     line = f"recommended: --prefill {best.shape.prefill} --decode {best.shape.decode}"
     line += f" (sustains {best.max_rate:.2f} req/s)"
@@ -72,4 +76,16 @@ def verdict(candidates: list[Candidate]) -> str:
     if co.max_rate > best.max_rate:
         line += f"; {co.shape.colocated} colocated workers sustain more ({co.max_rate:.2f} req/s)"
         line += f": consider --mode colocated --workers {co.shape.colocated}"
+    if rate > max(c.max_rate for c in candidates):
+        line += f"\nno shape of these workers sustains the {rate:.2f} req/s asked for within the SLO: add workers"
     return line
+
+
+def unmet(candidates: list[Candidate]) -> str | None:
+    """Why no recommendation holds, when no shape meets the SLO's attainment at any rate (even idle)."""
+    if any(c.max_rate > 0 for c in candidates):
+        return None
+    return (
+        "no split (nor the colocated shape) meets the SLO at any rate, even idle: loosen --slo-ttft-ms, "
+        "--slo-tpot-ms or --attainment, or profile faster hardware"
+    )

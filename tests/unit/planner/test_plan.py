@@ -361,3 +361,34 @@ def test_the_table_gives_the_serving_latencys_spread_and_an_older_profile_loads_
     del older["serving_latency_quantiles_s"]
     path.write_text(json.dumps(older))
     assert HardwareProfile.load(path).serving_latency_quantiles_s == []
+
+
+def plan_argv(profile: Path, rate: str, ttft_ms: str, *extra: str) -> list[str]:
+    argv = ["plan", "--profile", str(profile), "--rate", rate, "--input-len", "512", "--output-len", "32"]
+    return [*argv, "--num-requests", "60", "--slo-ttft-ms", ttft_ms, "--slo-tpot-ms", "50", "--workers", "3", *extra]
+
+
+def test_an_slo_no_shape_meets_even_idle_recommends_nothing_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user review: every split at 0 req/s, and still `recommended: --prefill 1 --decode 2`, exit 0, which a
+    script would apply. The JSON keeps its documented keys; the exit status and stderr say it."""
+    profile = tmp_path / "profile.json"
+    synthetic_profile().save(profile)
+    assert cli.main(plan_argv(profile, "1", "0.001")) == 1
+    out, err = capsys.readouterr()
+    assert "recommended: none" in out and "recommended: --prefill" not in out, out
+    assert "no split (nor the colocated shape) meets the SLO at any rate" in err, err
+    assert cli.main(plan_argv(profile, "1", "0.001", "--json")) == 1
+    out, err = capsys.readouterr()
+    assert set(json.loads(out)) == {"recommended", "candidates"} and "meets the SLO" in err
+
+
+def test_a_rate_past_every_shapes_capacity_is_said(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "profile.json"
+    synthetic_profile().save(profile)
+    assert cli.main(plan_argv(profile, "2", "500")) == 0
+    assert "sustains the" not in capsys.readouterr().out
+    assert cli.main(plan_argv(profile, "400", "500")) == 0
+    out = capsys.readouterr().out
+    assert "recommended: --prefill" in out and "sustains the 400.00 req/s asked for" in out, out
