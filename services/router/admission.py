@@ -149,11 +149,16 @@ class Admission:
         if placement.queue_s > room:
             bound = "router's first-token bound" if budget == first_token_s else "SLO"
             # The headroom sheds before the prediction reaches the bound: the message names the queue's share.
-            raise OverloadedError(
-                f"predicted TTFT {placement.predicted_ttft_s * 1e3:.0f} ms on the best prefill worker: its "
-                f"{placement.queue_s * 1e3:.0f} ms queued is past the {room * 1e3:.0f} ms of queueing that the "
+            why = (
+                f"its {placement.queue_s * 1e3:.0f} ms queued is past the {room * 1e3:.0f} ms of queueing that the "
                 f"{bound} of {budget * 1e3:.0f} ms leaves beyond this prompt's own {own * 1e3:.0f} ms "
-                f"(slo_headroom {self.config.slo_headroom:g})",
+                f"(slo_headroom {self.config.slo_headroom:g})"
+                if room > 0  # else its own cost, at the worker's speed now (slowed), is past the bound alone
+                else f"this prompt's own {own * 1e3:.0f} ms at its current speed leaves no room for queueing "
+                f"within the {bound} of {budget * 1e3:.0f} ms"
+            )
+            raise OverloadedError(
+                f"predicted TTFT {placement.predicted_ttft_s * 1e3:.0f} ms on the best prefill worker: {why}",
                 _retry_ms(placement.queue_s - room),
             )
 
@@ -162,11 +167,16 @@ class Admission:
         budget = slo.tpot_s if slo.tpot_explicit else max(slo.tpot_s, idle)
         room = self.config.slo_headroom * (budget - idle)
         if placement.predicted_tpot_s - idle > room:
+            why = (
+                f"its batch adds {(placement.predicted_tpot_s - idle) * 1e3:.1f} ms to an idle step's "
+                f"{idle * 1e3:.1f} ms, past the {room * 1e3:.1f} ms that the SLO of {budget * 1e3:.1f} ms leaves "
+                f"(slo_headroom {self.config.slo_headroom:g})"
+                if room > 0
+                else f"an idle step's {idle * 1e3:.1f} ms at its current speed leaves no room within the SLO of "
+                f"{budget * 1e3:.1f} ms"
+            )
             raise OverloadedError(
-                f"predicted TPOT {placement.predicted_tpot_s * 1e3:.1f} ms on the best decode worker: its batch "
-                f"adds {(placement.predicted_tpot_s - idle) * 1e3:.1f} ms to an idle step's {idle * 1e3:.1f} ms, "
-                f"past the {room * 1e3:.1f} ms that the SLO of {budget * 1e3:.1f} ms leaves "
-                f"(slo_headroom {self.config.slo_headroom:g})",
+                f"predicted TPOT {placement.predicted_tpot_s * 1e3:.1f} ms on the decode worker placed: {why}",
                 _retry_ms(placement.predicted_tpot_s * 64),
             )
 

@@ -316,9 +316,8 @@ class RequestLifecycle:
         failed (its heartbeat: alive) or restarted (a new address), waiting up to `no_workers_wait_s`. When none
         is left, on those of one role that did (the other role's still avoided), then on any live one: a worker that
         failed it may have recovered (one starved of CPU past the first-token bound, say), which beats failing the
-        request while attempts and time remain. UnavailableError when no live decode worker holds it. A stream whose
-        only decode worker died went back at once to its refusing port, three moves in milliseconds, and was lost
-        while Ray restarted it; now it waits for the restart."""
+        request while attempts and time remain. UnavailableError when no live decode worker holds it. (A stream went
+        back at once to a dead decode worker's refusing port, three moves in milliseconds, while Ray restarted it.)"""
         args, registry = self._place_args(req), self.placement.registry
         wait_s = max(self.config.no_workers_wait_s if mid_stream else 0.0, 2 * registry.refresh_s)
         if left is not None:
@@ -355,10 +354,11 @@ class RequestLifecycle:
         try:
             hint_s = moves.room_wait_s(self.config.no_workers_wait_s, left)
             await asyncio.sleep(hint_s)
-            left = None if left is None else max(0.0, left - hint_s)
+            deadline = None if left is None else time.monotonic() + max(0.0, left - hint_s)
             wait_s = 0.0 if moves.waited_for_room else self.config.no_workers_wait_s
-            end = time.monotonic() + min(wait_s, left if left is not None else wait_s)
+            end = time.monotonic() + wait_s if deadline is None else min(time.monotonic() + wait_s, deadline)
             while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())  # each wait within it
                 placement = await self._place_again(req, failed, left, mid_stream=True)
                 takes = self.admission.predictor.takes(placement.decode, len(req.prompt_token_ids))
                 if takes or time.monotonic() >= end:

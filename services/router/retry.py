@@ -63,31 +63,39 @@ class FailedWorkers:
     """The workers that failed one request: each at the address it failed at, as the registry listed it then (its
     last heartbeat's `updated_at`, the worker's own clock, compared only with itself), and whether by a fault (not
     only refused it as full). One listed again at another address is a new process (Ray restarted it, a new pod
-    took its id), and one whose heartbeat came since is alive: a moving stream may go back to either (lifecycle.py)."""
+    took its id), and one heard from twice since is alive: a moving stream may go back to either (lifecycle.py).
+    Twice: a view refreshed just before the failure may bring one heartbeat sent before it, from a dead worker."""
 
     def __init__(self) -> None:
         self._at: dict[str, tuple[str, float, bool]] = {}  # worker id -> (address, updated_at, fault)
+        self._heard: dict[str, set[float]] = {}  # worker id -> the newer `updated_at`s seen since its failure
 
     def add(self, workers: Iterable[WorkerState], registry: Registry, fault: bool) -> None:
         listed = {w.worker_id: w for w in registry.workers()}
         for w in workers:
             seen = listed.get(w.worker_id, w)
-            faulted = fault or (w.worker_id in self._at and self._at[w.worker_id][2])
+            before = self._at.get(w.worker_id)
+            faulted = fault or (before is not None and before[0] == w.address and before[2])  # a restart starts clean
             self._at[w.worker_id] = (w.address, seen.updated_at if seen.address == w.address else 0.0, faulted)
+            self._heard[w.worker_id] = set()
 
     def ids(self) -> frozenset[str]:
         return frozenset(self._at)
 
     def unheard(self, registry: Registry) -> frozenset[str]:
-        """Those that failed it by a fault and have not been heard from since at the address they failed at (dead,
-        hung or unlisted), not restarted at another."""
+        """Those that failed it by a fault and have not been heard from twice since at the address they failed at
+        (dead, hung or unlisted), not restarted at another."""
         listed = {w.worker_id: w for w in registry.workers()}
-
-        def unheard(worker_id: str, address: str, updated_at: float) -> bool:
+        unheard = []
+        for worker_id, (address, updated_at, fault) in self._at.items():
             now = listed.get(worker_id)
-            return now is None or (now.address == address and now.updated_at == updated_at)
-
-        return frozenset(w for w, (a, t, fault) in self._at.items() if fault and unheard(w, a, t))
+            if not fault or (now is not None and now.address != address):
+                continue
+            if now is not None and now.updated_at > updated_at:
+                self._heard[worker_id].add(now.updated_at)
+            if len(self._heard[worker_id]) < 2:
+                unheard.append(worker_id)
+        return frozenset(unheard)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from pdserve.rpc.credentials import ClientCredentials, add_client_flags, client_
 
 ANSWER_SLACK_S = 120.0  # past the drain timeout: cut streams' cleanup, the router's own slack
 READY_POLL_S = 0.5
+SURGE_WAIT_S = 120.0  # a role's only worker restarts in place when its surge does not serve by then
 
 
 def add_drain_commands(sub: Any) -> None:
@@ -136,56 +137,69 @@ async def _rolling_restart(args: argparse.Namespace) -> int:
     workers = await _workers(args.addr, creds)
     ids = args.worker_ids or [w.id for w in sorted(workers, key=lambda w: (w.role, w.id))]
     for worker_id in ids:
+        surged = None if args.no_surge else await _surge_if_alone(args, worker_id, creds)
         try:
-            surged = None if args.no_surge else await _surge_if_alone(args, worker_id, creds)
-        except TimeoutError:
-            return 1
-        if await _drain_and_print(args.addr, [worker_id], "", args.timeout, False, creds) != 0:
-            return 1
-        start = time.monotonic()
-        address = await _until_serving(args.addr, worker_id, args.ready_timeout, creds)
-        if address is None:
-            print(f"pdserve restart: {worker_id} not back within {args.ready_timeout:g} s", file=sys.stderr)
-            return 1
-        print(f"{worker_id} back at {address} after {time.monotonic() - start:.1f} s", flush=True)
-        if surged is not None and not await _scale_back(args, surged, creds):
+            restarted = await _restart_one(args, worker_id, creds)
+        finally:  # however it ended (a failed drain, Ctrl-C): the role is not left one worker up
+            scaled_back = surged is None or await _scale_back(args, surged, creds)
+        if not (restarted and scaled_back):
             return 1
     return 0
+
+
+async def _restart_one(args: argparse.Namespace, worker_id: str, creds: ClientCredentials) -> bool:
+    if await _drain_and_print(args.addr, [worker_id], "", args.timeout, False, creds) != 0:
+        return False
+    start = time.monotonic()
+    address = await _until_serving(args.addr, worker_id, args.ready_timeout, creds)
+    if address is None:
+        print(f"pdserve restart: {worker_id} not back within {args.ready_timeout:g} s", file=sys.stderr)
+        return False
+    print(f"{worker_id} back at {address} after {time.monotonic() - start:.1f} s", flush=True)
+    return True
 
 
 async def _surge_if_alone(args: argparse.Namespace, worker_id: str, creds: ClientCredentials) -> dict[str, int] | None:
     """When `worker_id` is the only worker of its role serving, its role scaled up by one first, so that one
     serves while it restarts (a user's review saw requests fail UNAVAILABLE for the gap): the counts to scale
-    back to, None when it is not alone. TimeoutError (said, and scaled back) when the surge did not serve."""
+    back to. None when it is not alone, or when no surge serves within SURGE_WAIT_S (a router without desired
+    counts, a fleet that cannot place one more: said, scaled back, and it restarts in place)."""
     import grpc
 
-    from pdserve.planner.live_scale import cluster_status, scale_workers, serving_counts, wait_settled
+    from pdserve.planner.live_scale import cluster_status, scale_workers, serving_counts
 
     status = await cluster_status(args.addr, creds)
-    role = next((w.role for w in status.workers if w.id == worker_id), None)
-    if role is None or serving_counts(status).get(role, 0) != 1:
+    target = next((w for w in status.workers if w.id == worker_id), None)
+    if target is None or target.health != "SERVING" or target.draining:
         return None
-    n = status.desired.get(role) or 1
+    role = target.role
+    if serving_counts(status).get(role, 0) != 1:
+        return None
+    n = status.desired.get(role, 0)  # 0: the registry did not answer; n + 1 would be a guess, perhaps a cut
+    if n < 1:
+        return _in_place(worker_id, f"the router gave no desired count of {role} workers")
     try:
         await scale_workers(args.addr, creds, {role: n + 1})
     except grpc.aio.AioRpcError as e:
-        print(
-            f"pdserve restart: {role} cannot surge to {n + 1} ({e.code().name}: {e.details()}); pass --no-surge to "
-            "restart it in place",
-            file=sys.stderr,
-        )
-        raise TimeoutError from e
+        return _in_place(worker_id, f"{role} cannot surge to {n + 1} ({e.code().name}: {e.details()})")
     print(f"{worker_id} is the only {role} worker serving: scaling {role} to {n + 1} while it restarts", flush=True)
-    try:
-        await wait_settled(args.addr, creds, {role: n + 1}, args.ready_timeout)
-    except TimeoutError as e:
-        print(f"pdserve restart: the {role} surge did not serve: {e}; scaling back", file=sys.stderr)
-        await _scale_back(args, {role: n}, creds)
-        raise
+    wait_s = min(SURGE_WAIT_S, args.ready_timeout)
+    end = time.monotonic() + wait_s
+    while serving_counts(await cluster_status(args.addr, creds)).get(role, 0) < 2:
+        if time.monotonic() > end:
+            await _scale_back(args, {role: n}, creds)
+            return _in_place(worker_id, f"no second {role} worker served within {wait_s:g} s")
+        await asyncio.sleep(READY_POLL_S)
     return {role: n}
 
 
+def _in_place(worker_id: str, why: str) -> None:
+    print(f"pdserve restart: warning: {why}: {worker_id} restarts in place", file=sys.stderr)
+    return None
+
+
 async def _scale_back(args: argparse.Namespace, counts: dict[str, int], creds: ClientCredentials) -> bool:
+    """The fleet picks the worker that leaves (often the surge's, or the restarted one: either is a new process)."""
     from pdserve.planner.live_scale import format_counts, scale_workers, wait_settled
 
     await scale_workers(args.addr, creds, counts)

@@ -77,14 +77,21 @@ def verdict(candidates: list[Candidate], rate: float) -> str:
         line += f"; {co.shape.colocated} colocated workers sustain more ({co.max_rate:.2f} req/s)"
         line += f": consider --mode colocated --workers {co.shape.colocated}"
     if rate > max(c.max_rate for c in candidates):
-        line += f"\nno shape of these workers sustains the {rate:.2f} req/s asked for within the SLO: add workers"
+        line += f"\nno shape of these workers sustains the workload's {rate:.2f} req/s within the SLO: add workers"
     return line
 
 
 def unmet(candidates: list[Candidate]) -> str | None:
-    """Why no recommendation holds, when no shape meets the SLO's attainment at any rate (even idle)."""
-    if any(c.max_rate > 0 for c in candidates):
+    """Why no recommendation holds, when no split (what `pdserve scale` applies) meets the SLO's attainment at
+    any rate, even idle."""
+    if any(c.max_rate > 0 for c in candidates if not c.shape.colocated):
         return None
+    co = next((c for c in candidates if c.shape.colocated), None)
+    if co is not None and co.max_rate > 0:
+        return (
+            f"no split meets the SLO at any rate, even idle; {co.shape.colocated} colocated workers sustain "
+            f"{co.max_rate:.2f} req/s: consider --mode colocated --workers {co.shape.colocated}"
+        )
     return (
         "no split (nor the colocated shape) meets the SLO at any rate, even idle: loosen --slo-ttft-ms, "
         "--slo-tpot-ms or --attainment, or profile faster hardware"

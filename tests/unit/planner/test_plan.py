@@ -391,4 +391,21 @@ def test_a_rate_past_every_shapes_capacity_is_said(tmp_path: Path, capsys: pytes
     assert "sustains the" not in capsys.readouterr().out
     assert cli.main(plan_argv(profile, "400", "500")) == 0
     out = capsys.readouterr().out
-    assert "recommended: --prefill" in out and "sustains the 400.00 req/s asked for" in out, out
+    assert "recommended: --prefill" in out and "sustains the workload's 400.00 req/s" in out, out
+
+
+def test_only_the_colocated_shape_meeting_the_slo_is_no_recommended_split() -> None:
+    """`pdserve scale` applies splits: a colocated shape that alone meets the SLO is said, no split recommended."""
+    from types import SimpleNamespace
+
+    from pdserve.planner.report import unmet, verdict
+    from pdserve.planner.shape import Shape
+
+    def candidate(shape: Shape, max_rate: float) -> SimpleNamespace:
+        return SimpleNamespace(shape=shape, max_rate=max_rate)
+
+    splits = [candidate(Shape(1, 2), 0.0), candidate(Shape(2, 1), 0.0)]
+    why = unmet([*splits, candidate(Shape(colocated=3), 4.5)])  # type: ignore[list-item]
+    assert why is not None and "3 colocated workers sustain 4.50 req/s" in why
+    assert verdict([*splits, candidate(Shape(colocated=3), 4.5)], 1.0) == "recommended: none"  # type: ignore[list-item]
+    assert unmet([candidate(Shape(1, 2), 0.1), candidate(Shape(colocated=3), 4.5)]) is None  # type: ignore[list-item]

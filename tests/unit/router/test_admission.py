@@ -235,8 +235,12 @@ def test_an_slo_the_idle_profile_meets_is_never_invalid_while_workers_are_slowed
     leaves a request its idle profile meets RESOURCE_EXHAUSTED, with a retry hint."""
     slo = (0.6, 1.0)  # 510 ms idle for 500 tokens
     slowed = Router([worker("p0", speed_factor=2.0), worker("d0", "decode", speed_factor=2.0)])
-    assert shed(slowed, prompt(500), "TTFT", slo_s=slo).retry_after_ms >= MIN_RETRY_MS
-    shed(slowed, prompt(100), "TPOT", slo_s=(5.0, 0.03))  # 25 ms idle, 50 ms now
+    err = shed(slowed, prompt(500), "TTFT", slo_s=slo)
+    assert err.retry_after_ms >= MIN_RETRY_MS
+    # Its own cost now (1020 ms) is past the 600 ms alone: said so, not "past -336 ms of queueing".
+    assert "own 1020 ms at its current speed leaves no room for queueing within the SLO of 600 ms" in str(err), err
+    err = shed(slowed, prompt(100), "TPOT", slo_s=(5.0, 0.03))  # 25 ms idle, 50 ms now
+    assert "idle step's 50.0 ms at its current speed leaves no room within the SLO of 30.0 ms" in str(err), err
     calibrated = Router([worker("p0"), worker("d0", "decode")])
     for _ in range(10):
         calibrated.predictor.calibration.observe("p0", 0.5, 2.0, 1.0)
