@@ -273,6 +273,18 @@ def test_a_model_that_is_not_there_is_one_line_not_a_traceback(capsys, monkeypat
     assert line.startswith(f"pdserve {command}: model 'nosuch' is neither a built-in name")
 
 
+def test_up_with_a_model_that_is_not_there_exits_2_in_one_line(tmp_path):
+    """The `pdserve` command itself (its services composed): `up` said `pdserve: ...` and exited 1."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "services.main", "up", "--model", str(tmp_path / "nosuch"), "--port", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("pdserve up: model ") and "neither a built-in name" in line, line
+
+
 @pytest.mark.parametrize(
     ("make", "says"),
     [
