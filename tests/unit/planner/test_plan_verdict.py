@@ -1,0 +1,59 @@
+"""What `pdserve plan` says when no split meets the SLO at any rate, or none sustains the workload's rate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve import cli
+from tests.unit.planner.synthetic import synthetic_profile
+
+
+def plan_argv(profile: Path, rate: str, ttft_ms: str, *extra: str) -> list[str]:
+    argv = ["plan", "--profile", str(profile), "--rate", rate, "--input-len", "512", "--output-len", "32"]
+    return [*argv, "--num-requests", "60", "--slo-ttft-ms", ttft_ms, "--slo-tpot-ms", "50", "--workers", "3", *extra]
+
+
+def test_an_slo_no_shape_meets_even_idle_recommends_nothing_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user review: every split at 0 req/s, and still `recommended: --prefill 1 --decode 2`, exit 0, which a
+    script would apply. The JSON keeps its documented keys; the exit status and stderr say it."""
+    profile = tmp_path / "profile.json"
+    synthetic_profile().save(profile)
+    assert cli.main(plan_argv(profile, "1", "0.001")) == 1
+    out, err = capsys.readouterr()
+    assert "recommended: none" in out and "recommended: --prefill" not in out, out
+    assert "no split (nor the colocated shape) meets the SLO at any rate" in err, err
+    assert cli.main(plan_argv(profile, "1", "0.001", "--json")) == 1
+    out, err = capsys.readouterr()
+    assert set(json.loads(out)) == {"recommended", "candidates"} and "meets the SLO" in err
+
+
+def test_a_rate_past_every_shapes_capacity_is_said(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "profile.json"
+    synthetic_profile().save(profile)
+    assert cli.main(plan_argv(profile, "2", "500")) == 0
+    assert "sustains the" not in capsys.readouterr().out
+    assert cli.main(plan_argv(profile, "400", "500")) == 0
+    out = capsys.readouterr().out
+    assert "recommended: --prefill" in out and "sustains the workload's 400.00 req/s" in out, out
+
+
+def test_only_the_colocated_shape_meeting_the_slo_is_no_recommended_split() -> None:
+    """`pdserve scale` applies splits: a colocated shape that alone meets the SLO is said, no split recommended."""
+    from types import SimpleNamespace
+
+    from pdserve.planner.report import unmet, verdict
+    from pdserve.planner.shape import Shape
+
+    def candidate(shape: Shape, max_rate: float) -> SimpleNamespace:
+        return SimpleNamespace(shape=shape, max_rate=max_rate)
+
+    splits = [candidate(Shape(1, 2), 0.0), candidate(Shape(2, 1), 0.0)]
+    why = unmet([*splits, candidate(Shape(colocated=3), 4.5)])  # type: ignore[list-item]
+    assert why is not None and "3 colocated workers sustain 4.50 req/s" in why
+    assert verdict([*splits, candidate(Shape(colocated=3), 4.5)], 1.0) == "recommended: none"  # type: ignore[list-item]
+    assert unmet([candidate(Shape(1, 2), 0.1), candidate(Shape(colocated=3), 4.5)]) is None  # type: ignore[list-item]
