@@ -153,7 +153,7 @@ class Admission:
                 f"its {placement.queue_s * 1e3:.0f} ms queued is past the {room * 1e3:.0f} ms of queueing that the "
                 f"{bound} of {budget * 1e3:.0f} ms leaves beyond this prompt's own {own * 1e3:.0f} ms "
                 f"(slo_headroom {self.config.slo_headroom:g})"
-                if room > 0  # else its own cost, at the worker's speed now (slowed), is past the bound alone
+                if room >= 0  # else its own cost, at the worker's speed now (slowed), is past an explicit SLO alone
                 else f"this prompt's own {own * 1e3:.0f} ms at its current speed leaves no room for queueing "
                 f"within the {bound} of {budget * 1e3:.0f} ms"
             )
@@ -171,7 +171,7 @@ class Admission:
                 f"its batch adds {(placement.predicted_tpot_s - idle) * 1e3:.1f} ms to an idle step's "
                 f"{idle * 1e3:.1f} ms, past the {room * 1e3:.1f} ms that the SLO of {budget * 1e3:.1f} ms leaves "
                 f"(slo_headroom {self.config.slo_headroom:g})"
-                if room > 0
+                if room >= 0
                 else f"an idle step's {idle * 1e3:.1f} ms at its current speed leaves no room within the SLO of "
                 f"{budget * 1e3:.1f} ms"
             )
