@@ -84,7 +84,8 @@ class FailedWorkers:
 
     def unheard(self, registry: Registry) -> frozenset[str]:
         """Those that failed it by a fault and have not been heard from twice since at the address they failed at
-        (dead, hung or unlisted), not restarted at another."""
+        (dead, hung or unlisted), not restarted at another. Each call records the heartbeats it sees: a wait asks
+        again and again (lifecycle.py), and two must be seen apart."""
         listed = {w.worker_id: w for w in registry.workers()}
         unheard = []
         for worker_id, (address, updated_at, fault) in self._at.items():

@@ -177,25 +177,27 @@ async def _surge_if_alone(args: argparse.Namespace, worker_id: str, creds: Clien
         return None
     n = status.desired.get(role, 0)  # 0: the registry did not answer; n + 1 would be a guess, perhaps a cut
     if n < 1:
-        return _in_place(worker_id, f"the router gave no desired count of {role} workers")
+        _in_place(worker_id, f"the router gave no desired count of {role} workers")
+        return None
     try:
         await scale_workers(args.addr, creds, {role: n + 1})
     except grpc.aio.AioRpcError as e:
-        return _in_place(worker_id, f"{role} cannot surge to {n + 1} ({e.code().name}: {e.details()})")
+        _in_place(worker_id, f"{role} cannot surge to {n + 1} ({e.code().name}: {e.details()})")
+        return None
     print(f"{worker_id} is the only {role} worker serving: scaling {role} to {n + 1} while it restarts", flush=True)
     wait_s = min(SURGE_WAIT_S, args.ready_timeout)
     end = time.monotonic() + wait_s
     while serving_counts(await cluster_status(args.addr, creds)).get(role, 0) < 2:
         if time.monotonic() > end:
             await _scale_back(args, {role: n}, creds)
-            return _in_place(worker_id, f"no second {role} worker served within {wait_s:g} s")
+            _in_place(worker_id, f"no second {role} worker served within {wait_s:g} s")
+            return None
         await asyncio.sleep(READY_POLL_S)
     return {role: n}
 
 
 def _in_place(worker_id: str, why: str) -> None:
     print(f"pdserve restart: warning: {why}: {worker_id} restarts in place", file=sys.stderr)
-    return None
 
 
 async def _scale_back(args: argparse.Namespace, counts: dict[str, int], creds: ClientCredentials) -> bool:

@@ -29,6 +29,7 @@ from tests.unit.router.request_counts import requests_by_outcome
 from tests.unit.router.router_builder import Router, worker
 
 pytestmark = pytest.mark.timeout(60)
+WAIT_S = 4.0  # a moving stream's no_workers_wait_s: far past each bound it is told apart from
 REQUEST = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(max_tokens=4))
 
 
@@ -62,9 +63,11 @@ def failed_at(router: Router, *workers: WorkerState) -> FailedWorkers:
 
 async def test_a_moving_stream_waits_for_a_worker_that_did_not_fail_it_or_a_restart_before_going_back() -> None:
     """Going back at once to a worker whose process died spent every move in milliseconds while Ray restarted it
-    (a user's review: three migrations in 4 ms, the stream lost). A worker heard from since it failed is alive."""
+    (a user's review: three migrations in 4 ms, the stream lost). A worker heard from twice since it failed is alive."""
     d0 = worker("d0", "decode")
-    router = Router([worker("p0"), d0], no_workers_wait_s=2.0)
+    router = Router(
+        [worker("p0"), d0], no_workers_wait_s=WAIT_S
+    )  # far past each bound below: a loaded machine's delays
     lc = router.lifecycle()
     ticket = await admit(lc, time.monotonic())
     ticket.release()
@@ -74,14 +77,14 @@ async def test_a_moving_stream_waits_for_a_worker_that_did_not_fail_it_or_a_rest
     assert (
         await lc._place_again(ticket.request, failed_at(router, d0), None, mid_stream=True)
     ).decode.worker_id == "d1"
-    assert 0.25 < time.monotonic() - start < 1.5
+    assert 0.25 < time.monotonic() - start < 3.0
 
     router.registry.remove("d1")
     restarted = worker("d0", "decode", address="d0.local:50052")  # Ray's restart: a new process, a new port
     loop.call_later(0.3, router.registry.publish, restarted)
     start = time.monotonic()
     placement = await lc._place_again(ticket.request, failed_at(router, d0), None, mid_stream=True)
-    assert placement.decode.address == restarted.address and time.monotonic() - start < 1.5  # not the whole wait
+    assert placement.decode.address == restarted.address and time.monotonic() - start < 3.0  # not the whole wait
 
     # Its heartbeats come, twice: alive (a transient failure), gone back to then. One alone may be a stale view's,
     # sent before the failure by a worker dead since: the wait goes on past it.
@@ -90,19 +93,19 @@ async def test_a_moving_stream_waits_for_a_worker_that_did_not_fail_it_or_a_rest
     loop.call_later(1.0, router.registry.publish, replace(restarted, updated_at=restarted.updated_at + 2))
     start = time.monotonic()
     assert (await lc._place_again(ticket.request, failed, None, mid_stream=True)).decode.worker_id == "d0"
-    assert 0.95 < time.monotonic() - start < 1.8
+    assert 0.95 < time.monotonic() - start < 3.0
     restarted = router.registry.workers(Role.DECODE)[0]
 
     start = time.monotonic()  # none comes and no heartbeat (hung): back to the one that failed it, after the wait
     assert (
         await lc._place_again(ticket.request, failed_at(router, restarted), None, mid_stream=True)
     ).decode.worker_id == "d0"
-    assert time.monotonic() - start >= 2.0
+    assert time.monotonic() - start >= WAIT_S
     start = time.monotonic()  # within the caller's deadline
     assert (
         await lc._place_again(ticket.request, failed_at(router, restarted), 0.2, mid_stream=True)
     ).decode.worker_id == "d0"
-    assert 0.2 <= time.monotonic() - start < 1.5
+    assert 0.2 <= time.monotonic() - start < 3.0
 
 
 async def test_a_retry_waits_two_refreshes_of_a_remote_view_for_a_worker_that_did_not_fail_it() -> None:
