@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
-from pdserve.errors import UnavailableError
+from pdserve.errors import RouterStoppedError, UnavailableError
 from pdserve.metrics import RecentLatencies, RouterMetrics
 from pdserve.rpc.channel_pool import ChannelPool
 from pdserve.rpc.convert import sampling_to_pb
@@ -64,6 +64,17 @@ class Relay:
             worker_pb2_grpc.DecodeWorkerStub, telemetry.client_interceptors(), credential_files=internal_tls_files()
         )
         self.cluster = ClusterSecret.from_env()  # grants the decode worker the prefill address placed
+        self._calls: set[grpc.aio.UnaryStreamCall] = set()  # the decode calls being relayed
+        self._stopped: str | None = None  # why every stream was cut (`cut_all`), once it was
+
+    def cut_all(self, why: str) -> int:
+        """Ends every stream relayed now or later with RouterStoppedError saying `why` (its decode call cancelled,
+        which frees its blocks): a router stopping past its drain's grace tells its callers so, rather than
+        gRPC's bare "Cancelling all calls" when its server stops. Returns how many were open."""
+        self._stopped = why
+        for call in self._calls:
+            call.cancel()
+        return len(self._calls)
 
     async def stream(
         self, ticket: Ticket, time_remaining: float | None, clock: Clock
@@ -82,9 +93,12 @@ class Relay:
             cache_salt=req.cache_salt,
             resumed_output_tokens=req.resumed_output_tokens,
         )
+        if self._stopped is not None:  # a stream moved after the cut
+            raise RouterStoppedError(self._stopped)
         ticket.dispatched_at = time.perf_counter()
         call = self.channels.call(p.decode.address, lambda stub: stub.Generate(forward, timeout=time_remaining))
         trailing: grpc.aio.Metadata | None = None
+        self._calls.add(call)
         try:
             msg = await self._first(call, ticket, time_remaining)
             while msg is not grpc.aio.EOF:
@@ -97,7 +111,13 @@ class Relay:
             trailing = await call.trailing_metadata()
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, f"decode worker {p.decode.worker_id} at {p.decode.address}") from e
+        except asyncio.CancelledError:  # how a read of a call cancelled here ends: by `cut_all`, unless the task was
+            task = asyncio.current_task()
+            if self._stopped is None or (task is not None and task.cancelling()):
+                raise
+            raise RouterStoppedError(f"{self._stopped} ({clock.completion_tokens} tokens sent)") from None
         finally:
+            self._calls.discard(call)
             self._calibrate(ticket, trailing)
             await cancel_stream(call)  # a no-op once finished
 

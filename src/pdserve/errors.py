@@ -28,6 +28,12 @@ class RouterDrainingError(UnavailableError):
     (a rolling restart fails nothing)."""
 
 
+class RouterStoppedError(RuntimeError):
+    """A stream still open when its router stopped (its drain's grace ran out): the caller's retry, on another
+    replica, starts it over. Not an UnavailableError, which a stream moves past: no worker failed it. ->
+    UNAVAILABLE."""
+
+
 class ClusterAuthError(UnavailableError):
     """A cluster peer refused this process's cluster credentials on an internal hop (its PDSERVE_CLUSTER_SECRET is
     another, as mid-rotation). The cluster's fault, never the caller's: the peer is unusable, as a lost one is

@@ -224,33 +224,42 @@ def test_the_start_shows_no_warning_about_a_sigterm_handler_ray_did_not_set(clus
 
 def test_sigterm_drains_with_every_worker_listed_then_stops_everything_within_60s(cluster):
     """The router's drain keeps its workers in placement (a retry, a move, a later choice needs them): they once
-    dropped out of the embedded registry DEFAULT_TTL_S into it, its supervision already stopped."""
+    dropped out of the embedded registry DEFAULT_TTL_S into it, its supervision already stopped. A stream that
+    outlasts the drain's grace is cut with UNAVAILABLE saying so (it got gRPC's bare "Cancelling all calls")."""
     children = descendants(cluster.proc.pid)
     assert children, "Ray and the worker actors run as child processes"
 
-    async def stop_during_a_stream() -> tuple[set[str], set[str], StreamResult | None, float]:
-        listed = {w.id for w in await workers(cluster.address)}
-        # 200 tokens of 50 ms: 10 s, past the registry's TTL and within the router's 20 s drain.
-        request = pb.GenerateRequest(request_id=f"{SLOW}drain", prompt="drain " * 10, sampling=sampling(200))
-        started, result = asyncio.Event(), None
-
-        async def stream() -> None:
-            nonlocal result
-            async for _, result in generate(cluster.address, request, 60.0):  # noqa: B007 (the last is the answer)
+    async def stream(request: pb.GenerateRequest, started: asyncio.Event) -> StreamResult | grpc.aio.AioRpcError:
+        result = None
+        try:
+            async for _, result in generate(cluster.address, request, 90.0):  # noqa: B007 (the last is the answer)
                 started.set()
+        except grpc.aio.AioRpcError as e:
+            return e
+        return result
 
-        streaming = asyncio.create_task(stream())
-        await asyncio.wait_for(started.wait(), 30)
+    async def stop_during_streams() -> tuple[set[str], set[str], list[StreamResult | grpc.aio.AioRpcError], float]:
+        listed = {w.id for w in await workers(cluster.address)}
+        # 200 tokens of 50 ms: 10 s, past the registry's TTL and within the router's 20 s drain; 800: 40 s, past it.
+        requests = [
+            pb.GenerateRequest(request_id=f"{SLOW}{n}", prompt="drain " * 10, sampling=sampling(n)) for n in (200, 800)
+        ]
+        started = [asyncio.Event() for _ in requests]
+        streaming = [asyncio.create_task(stream(r, s)) for r, s in zip(requests, started, strict=True)]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 30)
         stopping = asyncio.create_task(asyncio.to_thread(cluster.stop))
         await asyncio.sleep(DEFAULT_TTL_S + 1)
         during = {w.id for w in await workers(cluster.address)}
-        await streaming
-        return listed, during, result, await stopping
+        return listed, during, await asyncio.gather(*streaming), await stopping
 
-    listed, during, result, took = asyncio.run(stop_during_a_stream())
+    listed, during, (finished, cut), took = asyncio.run(stop_during_streams())
     assert during == listed and len(listed) == 2
-    assert result is not None and result.finish_reason == "length" and len(result.token_ids) == 200
+    assert isinstance(finished, StreamResult), finished
+    assert finished.finish_reason == "length" and len(finished.token_ids) == 200
+    assert isinstance(cut, grpc.aio.AioRpcError) and cut.code() == grpc.StatusCode.UNAVAILABLE, cut
+    assert "drain's grace of 20 s ran out; retry on another replica" in (cut.details() or ""), cut.details()
     assert cluster.proc.returncode == 0, cluster.log()[-2000:]
+    assert "drain grace of 20 s ran out; streams still open, cut with UNAVAILABLE: 1" in cluster.log()
     assert took < 60
     leftovers = [pid for pid in children if alive(pid)]
     assert not leftovers, leftovers

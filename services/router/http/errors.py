@@ -14,6 +14,7 @@ from pdserve.errors import (
     MissingKeyError,
     OverloadedError,
     PermissionDeniedError,
+    RouterStoppedError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -56,6 +57,7 @@ _STATUS: list[tuple[type[BaseException], int, str]] = [  # the first match wins:
     (PermissionDeniedError, 403, "permission_error"),
     (OverloadedError, 429, "rate_limit_error"),
     (UnavailableError, 503, "service_unavailable_error"),
+    (RouterStoppedError, 503, "service_unavailable_error"),
     (TimeoutError, 504, "timeout_error"),
     (asyncio.TimeoutError, 504, "timeout_error"),
     (InternalError, 500, "internal_error"),  # a worker's bug: its text names the error id in that worker's log

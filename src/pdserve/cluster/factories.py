@@ -40,10 +40,15 @@ class WorkerContext:
 WorkerServices = Callable[[WorkerContext], "Closeable | None"]
 
 
+class StreamRelay(Protocol):
+    def cut_all(self, why: str) -> int: ...
+
+
 class RouterHandle(Protocol):
     """What the launcher needs of a running router to drain it."""
 
     draining: bool
+    relay: StreamRelay  # what a drain whose grace ran out cuts
 
     @property
     def in_flight(self) -> int: ...

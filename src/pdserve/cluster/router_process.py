@@ -19,6 +19,7 @@ from pdserve.registry.base import PrefixIndex, Registry
 from pdserve.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
+CUT_WAIT_S = 1.0  # past the grace: how long the streams cut get to tell their callers why before the server stops
 
 
 def registry_for(config: ClusterConfig) -> tuple[Registry, PrefixIndex]:
@@ -51,6 +52,13 @@ class RunningRouter:
         deadline = loop.time() + grace_s
         while self.handle.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.1)
+        if self.handle.in_flight:
+            why = f"the router stopped: its drain's grace of {grace_s:g} s ran out; retry on another replica"
+            cut = self.handle.relay.cut_all(why)
+            log.warning("drain grace of %g s ran out; streams still open, cut with UNAVAILABLE: %d", grace_s, cut)
+            deadline = loop.time() + CUT_WAIT_S
+            while self.handle.in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
         await self.server.stop(1.0)
         await self.prefix_index.close()
         await self.registry.close()

@@ -24,6 +24,7 @@ from pdserve.errors import (
     InvalidRequestError,
     OverloadedError,
     PermissionDeniedError,
+    RouterStoppedError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -57,7 +58,7 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, OverloadedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, UnavailableError):
+    if isinstance(exc, UnavailableError | RouterStoppedError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
