@@ -55,6 +55,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             admitted_local_only=not cluster_wide,
             shed_requests=admitted.shed,
             shed_prompt_tokens=admitted.shed_prompt_tokens,
+            model=self.router.served_model,
         )
 
     async def _desired(self) -> dict[Role, int]:

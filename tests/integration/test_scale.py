@@ -254,6 +254,11 @@ def test_autoscale_once_prints_one_decision_and_exits(cluster, tmp_path):
     assert len(decisions) == 1, out
     assert decisions[0]["action"] == "hold" and decisions[0]["recommended"] == {"prefill": 1, "decode": 1}
     assert decisions[0]["load"]["rate"] == 0  # idle: no request came in its window
+    other = synthetic_profile()
+    other.meta["model"] = "smollm2-135m"  # this cluster serves tiny-random: the router says so in its status
+    other.save(profile)
+    code, out = asyncio.run(cli(*argv))
+    assert code == 2 and "the profile was measured on model 'smollm2-135m', the cluster serves 'tiny-random'" in out
 
 
 class KubeRayStandIn:

@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import grpc
 
@@ -47,9 +48,20 @@ _FOR_GOOD = (
 )
 
 
+def other_model(profile: HardwareProfile, served: str) -> str | None:
+    """Why `profile` cannot size a cluster that serves `served` (another model's costs would), or None. A model is
+    named as `--model` took it, a built-in name or its folder (the cache names the folder after the model); a
+    router that does not say what it serves ("", before it could) is taken at its word."""
+    measured = str(profile.meta.get("model", ""))
+    if not served or not measured or Path(measured).name == Path(served).name:
+        return None
+    return f"the profile was measured on model {measured!r}, the cluster serves {served!r}: profile that one"
+
+
 async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleConfig) -> int:
     """Returns 0 once stopped by a signal (or after one decision with `once`); 1 when the router refuses the
-    status call for good (a key without admin rights, say), or with `once` does not answer it. The signals set
+    status call for good (a key without admin rights, say), or with `once` does not answer it; 2 when the profile
+    is of another model than the cluster serves (its costs would size the cluster). The signals set
     an event the loop checks rather than cancel its task: grpc.aio can swallow a task's cancellation when it
     lands as a call completes, and the loop would then run on."""
     window, hysteresis = LoadWindow(c.window_s), Hysteresis(c.consecutive, c.cooldown_s)
@@ -70,6 +82,9 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
             window.samples.clear()  # the next sample paired with the last before the gap would span all of it
             await _pause(stop, c.interval_s)
             continue
+        if (mismatch := other_model(c.profile, status.model)) is not None:
+            print(f"pdserve autoscale: {mismatch} (pdserve profile --model {status.model})", file=sys.stderr)
+            return 2
         now = loop.time()
         current = dict(status.desired)
         if not current or status.admitted_local_only:  # its registry did not answer (Redis down)

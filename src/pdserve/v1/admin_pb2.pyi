@@ -125,7 +125,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tpot_p50_ms: _Optional[float] = ..., tpot_p99_ms: _Optional[float] = ..., metrics_address: _Optional[str] = ..., state_age_s: _Optional[float] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ..., build: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("workers", "in_flight", "draining", "desired", "admitted_requests", "admitted_prompt_tokens", "admitted_max_tokens", "finished_requests", "completion_tokens", "admitted_local_only", "shed_requests", "shed_prompt_tokens")
+    __slots__ = ("workers", "in_flight", "draining", "desired", "admitted_requests", "admitted_prompt_tokens", "admitted_max_tokens", "finished_requests", "completion_tokens", "admitted_local_only", "shed_requests", "shed_prompt_tokens", "model")
     class DesiredEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class ClusterStatusResponse(_message.Message):
     ADMITTED_LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     SHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     in_flight: int
     draining: bool
@@ -157,4 +158,5 @@ class ClusterStatusResponse(_message.Message):
     admitted_local_only: bool
     shed_requests: int
     shed_prompt_tokens: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., desired: _Optional[_Mapping[str, int]] = ..., admitted_requests: _Optional[int] = ..., admitted_prompt_tokens: _Optional[int] = ..., admitted_max_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., admitted_local_only: _Optional[bool] = ..., shed_requests: _Optional[int] = ..., shed_prompt_tokens: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., desired: _Optional[_Mapping[str, int]] = ..., admitted_requests: _Optional[int] = ..., admitted_prompt_tokens: _Optional[int] = ..., admitted_max_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., admitted_local_only: _Optional[bool] = ..., shed_requests: _Optional[int] = ..., shed_prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...

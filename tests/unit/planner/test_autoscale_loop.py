@@ -167,3 +167,27 @@ async def test_a_scale_made_elsewhere_starts_the_cooldown_here_too(monkeypatch) 
     router = Router(statuses[:1])  # the same load, counts nobody else changed
     await run(router, monkeypatch)
     assert router.scaled == [{"prefill": 1, "decode": 1}]
+
+
+@pytest.mark.parametrize(
+    ("measured", "served", "refused"),
+    [
+        ("tiny-random", "smollm2-135m", True),
+        ("smollm2-135m", "/root/.cache/pdserve/models/smollm2-135m", False),  # the same model named by its folder
+        ("smollm2-135m", "", False),  # a router from before the field says nothing: taken at its word
+    ],
+)
+async def test_a_profile_of_another_model_than_the_cluster_serves_is_refused_before_any_decision(
+    monkeypatch, capsys, measured: str, served: str, refused: bool
+) -> None:
+    """Another model's costs would size the cluster: its decisions would look as sound as the right profile's."""
+    busy = apb.ClusterStatusResponse(desired={"prefill": 2, "decode": 2}, model=served, **IDLE)
+    router = Router([busy], calls=3)
+    c = config(once=True)
+    c.profile.meta["model"] = measured
+    monkeypatch.setattr(autoscale_loop, "cluster_status", router.status)
+    monkeypatch.setattr(autoscale_loop, "scale_workers", router.scale)
+    assert await run_autoscale("router:50051", ClientCredentials(), c) == (2 if refused else 0)
+    err = capsys.readouterr().err
+    assert ("measured on model 'tiny-random', the cluster serves 'smollm2-135m'" in err) == refused, err
+    assert router.scaled == [] if refused else router.asked >= 2
