@@ -68,7 +68,8 @@ def test_ray_drain_node_parses(rendered: dict[str, Objects]) -> None:
 
 @pytest.fixture(scope="module")
 def with_api_keys() -> Objects:
-    return render(["external-redis-tls-monitoring.yaml"], {"tls.enabled": "false"})
+    no_tls = {"tls.enabled": "false", "tls.publicSecret": "", "tls.clientCASecret": "", "tls.internalSecret": ""}
+    return render(["external-redis-tls-monitoring.yaml"], no_tls)
 
 
 @pytest.mark.parametrize("command", ["router", "controller", "fetch", "drain", "client"])

@@ -186,6 +186,14 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
             ' says admin = ["DrainWorkers"]',
         ),
         ({"decode.gpus": "0"}, "prefill.gpus (1) and decode.gpus (0) must be equal"),  # decode actors never placed
+        # A value the chart would silently ignore: the bundled Redis's URL went to every pod, TLS stayed off.
+        (
+            {"redis.url": "rediss://ext:6380/0"},
+            "redis.url (rediss://ext:6380/0) is set, but redis.enabled is true: the chart would run its bundled Redis",
+        ),
+        ({"tls.publicSecret": "pub"}, "tls.publicSecret (pub) is set, but tls.enabled is false"),
+        ({"tls.clientCASecret": "ca"}, "tls.clientCASecret (ca) is set, but tls.enabled is false"),
+        ({"tls.internalSecret": "int"}, "Set tls.enabled=true (with tls.publicSecret and tls.internalSecret)"),
         ({"router.httpPort": "50051"}, "router.port (50051), router.httpPort (50051) and router.metricsPort (9400)"),
         # A worker pod binds its gRPC and metrics ports, and a decode worker a KV rendezvous store per prefill peer
         # from workers.transferPort on.

@@ -87,6 +87,9 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{/* Redis: the bundled one's URL, or the external redis.url. */}}
 {{- define "pdserve.redisUrl" -}}
 {{- if .Values.redis.enabled -}}
+{{- if .Values.redis.url -}}
+{{- fail (printf "redis.url (%s) is set, but redis.enabled is true: the chart would run its bundled Redis and use it everywhere, ignoring redis.url. To use the external Redis, set redis.enabled=false with redis.url; else leave redis.url empty" .Values.redis.url) -}}
+{{- end -}}
 {{- printf "redis://%s:6379/0" (include "pdserve.redisName" .) -}}
 {{- else -}}
 {{- required "redis.url is required when redis.enabled is false" .Values.redis.url -}}
@@ -272,6 +275,14 @@ variables to the worker actors it starts (they would report the controller's pod
 {{/* TLS: which Secrets a pod mounts, and where (the Redis CA too, but for a client of the router). role: router,
 controller, worker or client (the chart's smoke test: a worker's TLS files). */}}
 {{- define "pdserve.tlsVolumes" -}}
+{{- $tls := .ctx.Values.tls -}}
+{{- if not $tls.enabled -}}
+{{- range $name := list "publicSecret" "clientCASecret" "internalSecret" -}}
+{{- if index $tls $name -}}
+{{- fail (printf "tls.%s (%s) is set, but tls.enabled is false: every connection would be plaintext and the Secret unused. Set tls.enabled=true (with tls.publicSecret and tls.internalSecret), or leave tls.%s empty" $name (index $tls $name) $name) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if ne .role "client" }}
 {{- include "pdserve.redisCAVolume" .ctx }}
 {{- end }}
