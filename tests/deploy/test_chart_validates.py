@@ -129,3 +129,15 @@ def test_gpu_platform_settings_reach_every_pod_and_stay_valid() -> None:
     kubernetes_validate.validate(router, KUBERNETES_VERSION, strict=True)
     assert router["spec"]["template"]["spec"]["priorityClassName"] == "serving"
     assert router["spec"]["template"]["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+
+
+def test_the_readme_installs_a_kuberay_that_has_every_raycluster_field_the_chart_sets() -> None:
+    """spec.upgradeStrategy came with KubeRay 1.6.0 (ray-project/kuberay#4185), gcsFaultToleranceOptions with 1.3.0;
+    an older CRD prunes them silently, so the README's operator install pins a version that has both."""
+    spec = raycluster_validator().schema["properties"]["spec"]["properties"]
+    assert {"upgradeStrategy", "gcsFaultToleranceOptions"} <= set(spec)
+    readme = (CHART.parents[2] / "README.md").read_text()
+    (install,) = [line for line in readme.splitlines() if line.startswith("helm install kuberay-operator")]
+    argv = install.split()
+    version = tuple(int(n) for n in argv[argv.index("--version") + 1].removeprefix("v").split("."))
+    assert version >= (1, 6, 0), install
