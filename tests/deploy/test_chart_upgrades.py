@@ -143,3 +143,43 @@ def builds(sets: dict[str, object]) -> tuple[dict[str, str], set[str]]:
                 env[component] = values[0]
     words = [shlex.split(g["rayStartParams"]["resources"])[0] for g in worker_groups(objects).values()]
     return env, {k for w in words for k in json.loads(w) if k.startswith("pdserve_build_")}
+
+
+def head_image_note(tmp_path: Path, head_image: str | None, strategy: str = "") -> str:
+    """The chart's note on the running head's image, as an upgrade whose namespace has a head pod of the release
+    running `head_image` would render it (None: no such pod, as on install or under `helm template`), beside
+    another release's head and a worker pod, through a probe chart: `helm template` has no live pods to look up."""
+    probe = tmp_path / "probe"
+    if not probe.exists():
+        shutil.copytree(CHART, probe / "charts" / "pdserve")
+        (probe / "Chart.yaml").write_text("apiVersion: v2\nname: probe\nversion: 0.0.1\n")
+        (probe / "templates").mkdir()
+
+    def pod(cluster: str, node_type: str, image: str) -> str:
+        labels = f'(dict "ray.io/cluster" "{cluster}" "ray.io/node-type" "{node_type}")'
+        containers = f'(list (dict "name" "ray-head" "image" "{image}"))'
+        return f'(dict "metadata" (dict "labels" {labels}) "spec" (dict "containers" {containers}))'
+
+    pods = [pod("other-pdserve", "head", "elsewhere:9"), pod("pd-pdserve", "worker", "worker:1")]
+    if head_image is not None:
+        pods.append(pod("pd-pdserve", "head", head_image))
+    args = f'(dict "pods" (list {" ".join(pods)}) "cluster" "pd-pdserve" "image" "r/pdserve:2" "strategy" "{strategy}")'
+    note = f'{{{{ include "pdserve.headImageNote" {args} | toJson }}}}'
+    (probe / "templates" / "probe.yaml").write_text(
+        f"apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: note}}\ndata: {{note: {note}}}\n"
+    )
+    out = helm("template", "pd", str(probe))
+    assert out.returncode == 0, out.stderr
+    return next(d for d in yaml.safe_load_all(out.stdout) if d and d["metadata"]["name"] == "note")["data"]["note"]
+
+
+def test_an_upgrade_to_an_image_the_running_head_does_not_run_warns_in_its_notes(tmp_path: Path) -> None:
+    """KubeRay keeps the head pod's image; the controller (Ray Client) and new worker pods run the new one, and the
+    head unpickles the controller's objects with its own pdserve: the notes say so and name the way out."""
+    note = head_image_note(tmp_path, "r/pdserve:1")
+    assert note.startswith("The Ray head still runs r/pdserve:1:") and "run r/pdserve:2" in note
+    assert "Python minor version" in note and "--set ray.upgradeStrategy=Recreate" in note
+    assert head_image_note(tmp_path, "r/pdserve:2") == ""  # the same image
+    assert head_image_note(tmp_path, None) == ""  # an install: no head yet (not another release's)
+    assert head_image_note(tmp_path, "r/pdserve:1", "Recreate") == ""  # KubeRay replaces the head too
+    assert "lookup" in (CHART / "templates" / "NOTES.txt").read_text()  # the notes read the live pods

@@ -28,3 +28,28 @@ Ray nodes refuse a peer of another version, so the new worker pods and the contr
 {{- fail (printf "ray.version %s: the running RayCluster's head runs Ray %s, which KubeRay never replaces, and Ray %s cannot join it. Upgrade with --set ray.upgradeStrategy=Recreate (KubeRay then replaces every pod of the cluster: the workers restart and load their model again), then set it back to \"\" in a later upgrade; or keep ray.version %s with an image of that Ray" $ray.version $running $ray.version $running) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* A warning for the upgrade's notes when the running Ray head's image is not the one this release renders:
+KubeRay never replaces a running head pod (unless ray.upgradeStrategy=Recreate), while the controller, a Ray Client
+of the head, and the new worker pods run the new image. `pods`: the namespace's pods (`lookup`; none on install or
+under `helm template`), `cluster`: the RayCluster's name, `image`: the image this release renders, `strategy`:
+ray.upgradeStrategy. */}}
+{{- define "pdserve.headImageNote" -}}
+{{- $running := "" -}}
+{{- range .pods -}}
+{{- $labels := default (dict) (.metadata).labels -}}
+{{- if and (eq (get $labels "ray.io/cluster") $.cluster) (eq (get $labels "ray.io/node-type") "head") -}}
+{{- range (.spec).containers -}}
+{{- if eq .name "ray-head" }}{{ $running = .image }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and $running (ne $running .image) (ne .strategy "Recreate") -}}
+The Ray head still runs {{ $running }}: KubeRay does not replace a running head pod, while the controller (a Ray
+Client of the head) and new worker pods run {{ .image }}. Ray Client refuses a Python minor version other than the
+head's, and a new worker pod (a Ray node) even another patch version; and the head unpickles what the controller
+sends it (worker specs, results) with its own pdserve. If {{ .image }} changes the Python version, or pdserve classes the
+controller sends to Ray incompatibly, upgrade again with --set ray.upgradeStrategy=Recreate (KubeRay replaces every
+pod: the workers load their model again), then set it back to "" in a later upgrade.
+{{- end -}}
+{{- end -}}
