@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster.drain import check_drain_timeout
 from pdserve.errors import UnavailableError
+from pdserve.metrics import RecentLatencies
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import Registry, WorkerState
 from pdserve.rpc.server import internal_channel
@@ -43,7 +44,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         health = await asyncio.gather(*(_health(w.address) for w in workers))
         desired, (admitted, cluster_wide) = await self._desired(), await self.admitted.totals()
         return apb.ClusterStatusResponse(
-            workers=[self._status(w, h) for w, h in zip(workers, health, strict=True)],
+            workers=[worker_status(w, h, self.recent) for w, h in zip(workers, health, strict=True)],
             in_flight=self.router.in_flight,
             draining=self.router.draining,
             desired={str(r): n for r, n in desired.items()},
@@ -96,30 +97,31 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         outcomes = await drain_workers(workers, request.timeout_s, self.router.placement.ejections)
         return apb.DrainWorkersResponse(workers=[_drained(o) for o in outcomes])
 
-    def _status(self, w: WorkerState, health: str) -> apb.WorkerStatus:
-        ttft = self.recent.quantiles(w.worker_id, "ttft")
-        tpot = self.recent.quantiles(w.worker_id, "tpot")
-        return apb.WorkerStatus(
-            id=w.worker_id,
-            role=w.role,
-            address=w.address,
-            health=health,
-            running=w.running,
-            waiting=w.waiting,
-            queued_prefill_tokens=w.queued_prefill_tokens,
-            kv_blocks_used=w.kv_blocks_total - w.kv_blocks_free,
-            kv_blocks_cached=w.kv_blocks_cached,
-            kv_blocks_total=w.kv_blocks_total,
-            ttft_p50_ms=ttft[0] * 1e3,
-            ttft_p99_ms=ttft[1] * 1e3,
-            tpot_p50_ms=tpot[0] * 1e3,
-            tpot_p99_ms=tpot[1] * 1e3,
-            metrics_address=w.metrics_address,
-            state_age_s=max(0.0, time.time() - w.updated_at),
-            pid=w.pid,
-            draining=w.draining,
-            build=w.build,
-        )
+
+def worker_status(w: WorkerState, health: str, recent: RecentLatencies) -> apb.WorkerStatus:
+    """One worker's row; a latency without a recent sample stays unset (`-` and null to `pdserve status`)."""
+    latencies: dict[str, float] = {}
+    for kind in ("ttft", "tpot"):
+        if (quantiles := recent.quantiles(w.worker_id, kind)) is not None:
+            latencies[f"{kind}_p50_ms"], latencies[f"{kind}_p99_ms"] = (q * 1e3 for q in quantiles)
+    return apb.WorkerStatus(
+        id=w.worker_id,
+        role=w.role,
+        address=w.address,
+        health=health,
+        running=w.running,
+        waiting=w.waiting,
+        queued_prefill_tokens=w.queued_prefill_tokens,
+        kv_blocks_used=w.kv_blocks_total - w.kv_blocks_free,
+        kv_blocks_cached=w.kv_blocks_cached,
+        kv_blocks_total=w.kv_blocks_total,
+        **latencies,
+        metrics_address=w.metrics_address,
+        state_age_s=max(0.0, time.time() - w.updated_at),
+        pid=w.pid,
+        draining=w.draining,
+        build=w.build,
+    )
 
 
 def _drained(o: DrainOutcome) -> apb.WorkerDrain:

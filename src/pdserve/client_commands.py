@@ -111,6 +111,30 @@ STATUS_FIELDS = (
 )
 
 
+def _status_field(w: Any, field: str) -> Any:
+    """A worker's JSON value: a latency without a sample is null, as `pdserve plan --json` gives no data."""
+    from pdserve.status_view import latency_ms
+
+    return latency_ms(w, field) if field.endswith("_ms") else getattr(w, field)
+
+
+def status_record(reply: Any) -> dict[str, Any]:
+    """What `pdserve status --json` prints for the router's ClusterStatusResponse."""
+    workers = [{f: _status_field(w, f) for f in STATUS_FIELDS} for w in reply.workers]
+    admitted = {
+        "requests": reply.admitted_requests,
+        "prompt_tokens": reply.admitted_prompt_tokens,
+        "max_tokens": reply.admitted_max_tokens,
+        "finished": reply.finished_requests,
+        "completion_tokens": reply.completion_tokens,
+        "shed": reply.shed_requests,
+        "shed_prompt_tokens": reply.shed_prompt_tokens,
+    }
+    record = {"workers": workers, "in_flight": reply.in_flight, "draining": reply.draining}
+    admitted["local_only"] = reply.admitted_local_only  # the registry did not answer: this router's alone
+    return {**record, "desired": dict(reply.desired), "admitted": admitted}
+
+
 def _status(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -133,19 +157,7 @@ def _status(args: argparse.Namespace) -> int:
         print(f"pdserve status: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     if args.json:
-        workers = [{f: getattr(w, f) for f in STATUS_FIELDS} for w in reply.workers]
-        admitted = {
-            "requests": reply.admitted_requests,
-            "prompt_tokens": reply.admitted_prompt_tokens,
-            "max_tokens": reply.admitted_max_tokens,
-            "finished": reply.finished_requests,
-            "completion_tokens": reply.completion_tokens,
-            "shed": reply.shed_requests,
-            "shed_prompt_tokens": reply.shed_prompt_tokens,
-        }
-        record = {"workers": workers, "in_flight": reply.in_flight, "draining": reply.draining}
-        admitted["local_only"] = reply.admitted_local_only  # the registry did not answer: this router's alone
-        print(json.dumps({**record, "desired": dict(reply.desired), "admitted": admitted}))
+        print(json.dumps(status_record(reply)))
         return 0
     from rich.console import Console
 

@@ -189,12 +189,12 @@ class RecentLatencies:
         with self._lock:
             self._samples.setdefault((worker_id, kind), deque(maxlen=self.size)).append(seconds)
 
-    def quantiles(self, worker_id: str, kind: str) -> tuple[float, float]:
-        """(p50, p99) in seconds; zeros without samples."""
+    def quantiles(self, worker_id: str, kind: str) -> tuple[float, float] | None:
+        """(p50, p99) in seconds; None without samples (0 would read as the best latency of all)."""
         with self._lock:
             values = sorted(self._samples.get((worker_id, kind), ()))
         if not values:
-            return 0.0, 0.0
+            return None
         return _pick(values, 0.5), _pick(values, 0.99)
 
     def worker_ids(self) -> set[str]:

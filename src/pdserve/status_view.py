@@ -27,11 +27,22 @@ COLUMNS: tuple[tuple[str, _Cell], ...] = (
     ("waiting", lambda w: str(w.waiting)),
     ("queued tok", lambda w: str(w.queued_prefill_tokens)),
     ("KV used/total", lambda w: f"{w.kv_blocks_used}/{w.kv_blocks_total} ({w.kv_blocks_cached} cached)"),
-    ("TTFT p50/p99 ms", lambda w: f"{w.ttft_p50_ms:.1f} / {w.ttft_p99_ms:.1f}"),
-    ("TPOT p50/p99 ms", lambda w: f"{w.tpot_p50_ms:.1f} / {w.tpot_p99_ms:.1f}"),
+    ("TTFT p50/p99 ms", lambda w: _latency(w, "ttft")),
+    ("TPOT p50/p99 ms", lambda w: _latency(w, "tpot")),
 )
 _UNBOUNDED = 1 << 16  # measure the table as if the terminal had no edge
 _RIGHT = {"TTFT p50/p99 ms", "TPOT p50/p99 ms"}
+
+
+def latency_ms(w: apb.WorkerStatus, field: str) -> float | None:
+    """A latency field of the router's reply; None when it had no sample (a prefill worker's TPOT, a worker just
+    added), never 0, which would read as the best latency of all."""
+    return getattr(w, field) if w.HasField(field) else None
+
+
+def _latency(w: apb.WorkerStatus, kind: str) -> str:
+    p50, p99 = latency_ms(w, f"{kind}_p50_ms"), latency_ms(w, f"{kind}_p99_ms")
+    return "-" if p50 is None or p99 is None else f"{p50:.1f} / {p99:.1f}"
 
 
 def title(reply: apb.ClusterStatusResponse, address: str) -> str:

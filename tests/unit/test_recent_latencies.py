@@ -12,7 +12,7 @@ def test_p50_and_p99_are_the_nearest_rank_samples():
     assert recent.quantiles("d0", "ttft") == (0.050, 0.099)  # not 51 and the maximum
     recent.add("p0", "ttft", 0.007)
     assert recent.quantiles("p0", "ttft") == (0.007, 0.007)
-    assert recent.quantiles("p0", "tpot") == (0.0, 0.0)  # no samples
+    assert recent.quantiles("p0", "tpot") is None  # no samples: not 0, the best latency of all
 
 
 def test_only_the_last_samples_count():

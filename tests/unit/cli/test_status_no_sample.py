@@ -1,0 +1,47 @@
+"""`pdserve status` without a latency sample (a prefill worker's TPOT, a worker just added): `-` in the table and
+null in JSON, from a router that leaves the field unset; never 0.0, which would read as the best latency of all."""
+
+from __future__ import annotations
+
+import json
+
+from pdserve.client_commands import status_record
+from pdserve.metrics import RecentLatencies
+from pdserve.registry.base import WorkerState
+from pdserve.status_view import plain_text, rows
+from pdserve.v1 import admin_pb2 as apb
+from services.router.admin import worker_status
+
+
+def reply() -> apb.ClusterStatusResponse:
+    recent = RecentLatencies()
+    recent.add("prefill-0", "ttft", 0.0125)
+    recent.add("decode-0", "ttft", 0.5)
+    recent.add("decode-0", "tpot", 0.02)
+    workers = [("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-new", "decode")]
+    return apb.ClusterStatusResponse(
+        workers=[worker_status(WorkerState(i, role, "10.0.0.1:1"), "SERVING", recent) for i, role in workers]
+    )
+
+
+def test_the_router_leaves_a_latency_without_samples_unset() -> None:
+    prefill, decode, new = reply().workers
+    assert prefill.HasField("ttft_p50_ms") and prefill.ttft_p50_ms == 12.5
+    assert not prefill.HasField("tpot_p50_ms") and not prefill.HasField("tpot_p99_ms")
+    assert decode.HasField("tpot_p99_ms") and decode.tpot_p99_ms == 20.0
+    assert not any(new.HasField(f) for f in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"))
+
+
+def test_the_table_shows_a_dash_without_samples() -> None:
+    prefill, decode, new = (row[-2:] for row in rows(reply()))
+    assert (prefill, decode, new) == (["12.5 / 12.5", "-"], ["500.0 / 500.0", "20.0 / 20.0"], ["-", "-"])
+    text = plain_text(reply(), "127.0.0.1:50051")
+    assert "0.0 / 0.0" not in text and text.splitlines()[-1].split()[-2:] == ["-", "-"]
+
+
+def test_json_gives_null_without_samples() -> None:
+    prefill, decode, new = json.loads(json.dumps(status_record(reply())))["workers"]
+    assert (prefill["ttft_p50_ms"], prefill["tpot_p50_ms"], prefill["tpot_p99_ms"]) == (12.5, None, None)
+    assert (decode["tpot_p50_ms"], decode["tpot_p99_ms"]) == (20.0, 20.0)
+    assert [new[f] for f in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")] == [None] * 4
+    assert new["id"] == "decode-new" and new["health"] == "SERVING"
