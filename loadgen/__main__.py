@@ -19,6 +19,7 @@ from loadgen.workload import DATASETS, WorkloadConfig
 from pdserve.addresses import host_port
 from pdserve.config import EngineConfig
 from pdserve.flags import DefaultsFormatter, at_least_one, from_flags, natural, positive_float
+from pdserve.rpc.client_hints import TLS_HINT
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 from pdserve.trace import read_trace
 
@@ -153,7 +154,7 @@ def _bench(args: argparse.Namespace) -> int:
         errors.print(f"loadgen: {e}", style="red")
         return 2
     except (ClusterCheckFailed, TimeoutError, OSError) as e:  # OSError: nothing listens, or the JSON was not written
-        errors.print(f"loadgen: {str(e) or 'no answer from ' + address}", style="red")
+        errors.print(f"loadgen: {str(e) or _no_answer(address, config)}", style="red")
         status = 1
     if args.plot_dir and ran:  # a sweep cut short (the cluster gone midway) plots the rates it ran, as its JSON keeps
         try:
@@ -162,6 +163,13 @@ def _bench(args: argparse.Namespace) -> int:
             errors.print(f"loadgen: {e}", style="red")
             status = 1
     return status
+
+
+def _no_answer(address: str, config: Any) -> str:
+    """The channel never became ready: over gRPC without --tls-ca, a router serving TLS is the likely cause (its
+    handshake fails on every try, which gRPC reports only as no connection)."""
+    hint = f" {TLS_HINT}" if config.backend == "grpc" and not (config.credentials and config.credentials.tls_ca) else ""
+    return f"no answer from {address}{hint}"
 
 
 def _check_outputs(result_json: Path | None, plot_dir: Path | None) -> None:

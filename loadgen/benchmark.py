@@ -21,6 +21,7 @@ from loadgen.report import json_rate, summary_table
 from loadgen.workload import Request, WorkloadConfig, build_workload
 from pdserve.config import EngineConfig
 from pdserve.progress import counting
+from pdserve.rpc.client_hints import with_hint
 from pdserve.rpc.credentials import ClientCredentials
 from pdserve.v1 import generate_pb2 as pb
 
@@ -94,7 +95,9 @@ def run_benchmark(
     check = build_workload(replace(config.workload, num_prompts=1), check_rng)[0]
     record = asyncio.run(client.check(replace(check, arrival_s=0.0)))
     if record.status not in (OK, REJECTED):  # shed by admission is an answer: the cluster serves
-        message = f"the check request failed: {record.status}: {record.error}"
+        message = (
+            f"the check request failed: {record.status}: {with_hint(record.status, record.error, config.credentials)}"
+        )
         if record.status != "INVALID_ARGUMENT":
             raise ClusterCheckFailed(message)
         if "vocabulary" in record.error:  # ids drawn for another model's (pdserve: "outside", vLLM: "out of")

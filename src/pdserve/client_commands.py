@@ -11,6 +11,7 @@ from typing import Any
 from pdserve.addresses import host_port
 from pdserve.errors import InvalidRequestError
 from pdserve.flags import add_sampling_flags, deadline_seconds, sampling_from_flags
+from pdserve.rpc.client_hints import rpc_error_line
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 
@@ -57,9 +58,11 @@ def _client(args: argparse.Namespace) -> int:
     else:
         request = pb.GenerateRequest(prompt=args.prompt, sampling=sampling)
 
+    credentials = client_credentials(args)
+
     async def run() -> int:
         result = None
-        async for msg, running in generate(args.addr, request, args.timeout, client_credentials(args)):
+        async for msg, running in generate(args.addr, request, args.timeout, credentials):
             result = running
             if not args.json:
                 print(msg.text, end="", flush=True)
@@ -85,7 +88,7 @@ def _client(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(run())
     except grpc.aio.AioRpcError as e:
-        print(f"pdserve client: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(rpc_error_line("pdserve client", e.code().name, e.details() or "", credentials), file=sys.stderr)
         return 1
 
 
@@ -154,7 +157,7 @@ def _status(args: argparse.Namespace) -> int:
     try:
         reply = asyncio.run(ask())
     except grpc.aio.AioRpcError as e:
-        print(f"pdserve status: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(rpc_error_line("pdserve status", e.code().name, e.details() or "", credentials), file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(status_record(reply)))
