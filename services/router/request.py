@@ -94,7 +94,10 @@ def _input_field(msg: pb.GenerateRequest) -> str:
     """The one of prompt, prompt_token_ids and messages that is set."""
     given = [name for name in ("prompt", "prompt_token_ids", "messages") if len(getattr(msg, name))]
     if not given:
-        raise InvalidRequestError("prompt", "set exactly one of prompt, prompt_token_ids or messages; none is set")
+        raise InvalidRequestError(  # proto3 sends an empty string as no field at all: no "empty" to say apart
+            "prompt",
+            "set exactly one of prompt, prompt_token_ids or messages; none is set (an empty prompt counts as unset)",
+        )
     if len(given) > 1:
         raise InvalidRequestError(given[1], f"set exactly one of prompt, prompt_token_ids or messages; got {given}")
     return given[0]

@@ -46,6 +46,8 @@ def _client(args: argparse.Namespace) -> int:
     from pdserve.v1 import generate_pb2 as pb
 
     try:  # checked here first, so a bad flag never leaves the machine
+        if not args.prompt:
+            raise InvalidRequestError("--prompt", "must not be empty")
         if args.max_tokens < 0:
             raise InvalidRequestError("--max-tokens", f"must be >= 0 (0: the server's default), got {args.max_tokens}")
         sampling = sampling_to_pb(sampling_from_flags(args, max_tokens=max(args.max_tokens, 1)))

@@ -49,6 +49,8 @@ def test_a_reader_that_leaves_is_status_1_without_a_traceback():
     ("argv", "says"),
     [
         (["client", "--addr", "127.0.0.1:1", "--prompt", "hi", "--max-tokens", "-5"], "--max-tokens: must be >= 0"),
+        (["client", "--addr", "127.0.0.1:1", "--prompt", ""], "--prompt: must not be empty"),
+        (["client", "--addr", "127.0.0.1:1", "--prompt", "", "--chat"], "--prompt: must not be empty"),
         (["scale", "--addr", "127.0.0.1:1", "--prefill", "0"], "--prefill must be 1 to 64"),
         (["scale", "--kubernetes", "--dry-run", "--decode", "0"], "--decode must be 1 to 64"),  # a role serving nothing
         (["scale", "--kubernetes", "--dry-run", "--prefill", "100000"], "--prefill must be 1 to 64"),

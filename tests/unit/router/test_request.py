@@ -263,3 +263,11 @@ def test_an_oversized_request_id_is_refused_before_it_tags_the_log_lines():
         return request_id_var.get()
 
     assert asyncio.run(run()) is None
+
+
+def test_an_empty_prompt_is_refused_saying_it_counts_as_unset(tiny):
+    """proto3 cannot tell an empty prompt from none: the message said only "none is set" to a caller who sent one."""
+    with pytest.raises(InvalidRequestError) as err:
+        build(pb.GenerateRequest(prompt=""), NoTokenizer(), tiny[1])
+    assert err.value.field == "prompt"
+    assert str(err.value).endswith("none is set (an empty prompt counts as unset)")
