@@ -65,6 +65,11 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
     an event the loop checks rather than cancel its task: grpc.aio can swallow a task's cancellation when it
     lands as a call completes, and the loop would then run on."""
     window, hysteresis = LoadWindow(c.window_s), Hysteresis(c.consecutive, c.cooldown_s)
+    if c.once:  # silent for its whole window otherwise; stdout stays the decision's one line, which scripts parse
+        print(
+            f"pdserve autoscale: collecting {c.window_s:g} s of {addr}'s load (--window) for one decision",
+            file=sys.stderr,
+        )
     seen: dict[str, int] | None = None  # the desired counts at the last status
     made: dict[str, int] | None = None  # this loop's last scale
     loop = asyncio.get_running_loop()

@@ -191,3 +191,15 @@ async def test_a_profile_of_another_model_than_the_cluster_serves_is_refused_bef
     err = capsys.readouterr().err
     assert ("measured on model 'tiny-random', the cluster serves 'smollm2-135m'" in err) == refused, err
     assert router.scaled == [] if refused else router.asked >= 2
+
+
+async def test_once_says_on_stderr_that_it_collects_the_window_and_prints_only_its_decision(
+    monkeypatch, capsys
+) -> None:
+    """It printed nothing for its whole --window (60 s by default) before its one line."""
+    router = Router([apb.ClusterStatusResponse(desired={"prefill": 1, "decode": 1}, **IDLE)])
+    await run(router, monkeypatch, once=True)
+    out, err = capsys.readouterr()
+    assert err == "pdserve autoscale: collecting 0.001 s of router:50051's load (--window) for one decision\n"
+    (line,) = out.splitlines()
+    assert json.loads(line)["why"] == "one decision (--once)"
