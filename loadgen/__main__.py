@@ -185,6 +185,7 @@ _ADDRESS_FLAG = {"grpc": "--addr HOST:PORT", "openai": "--base-url URL", "openai
 
 def _compare(args: argparse.Namespace) -> int:
     from loadgen.report import comparison_table, load_runs, paired_runs, sweep_table
+    from loadgen.workload_diff import workload_differences
 
     console, errors = Console(), Console(stderr=True, soft_wrap=True)
     try:
@@ -195,6 +196,8 @@ def _compare(args: argparse.Namespace) -> int:
     label_a, label_b = args.a.stem, args.b.stem
     if label_a == label_b:
         label_a, label_b = str(args.a), str(args.b)
+    for difference in workload_differences(runs_a, runs_b):
+        errors.print(f"loadgen compare: warning: the workloads differ, {difference}", style="yellow", markup=False)
     pairs = paired_runs(runs_a, runs_b)
     for path, runs in ((args.a, runs_a), (args.b, runs_b)):
         if args.plot_dir and not all("requests" in r for r in runs):

@@ -76,15 +76,23 @@ Pair = tuple[dict[str, Any] | None, dict[str, Any] | None]
 
 
 def paired_runs(runs_a: list[dict[str, Any]], runs_b: list[dict[str, Any]]) -> list[Pair]:
-    """Two runs as they are; two sweeps' runs matched by rate, A's order first, then the rates only B ran (a rate
-    one side lacks is paired with None): by position, sweeps of different rates compared 1 req/s with 2."""
+    """Two runs as they are; two sweeps' runs matched by rate (a rate one side lacks is paired with None), in
+    ascending rate, all at once last: by position, sweeps of different rates compared 1 req/s with 2, and a sweep
+    run as `--request-rate 0.5,2,1` listed its rates in that order."""
     if len(runs_a) == 1 and len(runs_b) == 1:
         return [(runs_a[0], runs_b[0])]
     left: dict[str, list[dict[str, Any]]] = {}
     for b in runs_b:
         left.setdefault(rate_label(b), []).append(b)
     pairs: list[Pair] = [(a, left[rate_label(a)].pop(0) if left.get(rate_label(a)) else None) for a in runs_a]
-    return pairs + [(None, b) for rest in left.values() for b in rest]
+    pairs += [(None, b) for rest in left.values() for b in rest]
+    return sorted(pairs, key=lambda pair: _rate_value(next(run for run in pair if run is not None)))
+
+
+def _rate_value(run: dict[str, Any]) -> float:
+    """The run's request rate as a number ("inf", as vLLM writes it, is infinity)."""
+    rate = run["request_rate"]
+    return math.inf if rate == "inf" else float(rate)
 
 
 def sweep_table(pairs: list[Pair], label_a: str, label_b: str) -> Table:

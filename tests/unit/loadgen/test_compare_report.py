@@ -106,3 +106,40 @@ def test_a_sweep_cut_short_plots_the_rates_it_ran(tmp_path, capsys, monkeypatch,
         "tpot_cdf.png",
         "ttft_cdf.png",
     ]
+
+
+def test_compare_lists_a_sweeps_rates_in_ascending_order(tmp_path, capsys, monkeypatch):
+    """A sweep run as --request-rate 0.5,2,1 was listed 0.5, 2, 1."""
+    monkeypatch.setenv("COLUMNS", "200")  # no cell wrapped
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    runs = [run(rate, [0.1, 0.2], 2.0) for rate in (0.5, 2.0, 1.0)]
+    write_results(a, runs)
+    write_results(b, [runs[1], runs[0], runs[2], run(0.25, [0.1, 0.2], 2.0)])
+    assert main(["compare", str(a), str(b)]) == 0
+    captured = capsys.readouterr()
+    sweep = captured.out.split("across the sweep")[1].splitlines()
+    cells = [line.split("│")[1].strip() for line in sweep if line.count("│") > 3]
+    rates = [c for c in cells if c.endswith(" req/s") and c[0].isdigit()]
+    assert rates == ["0.25 req/s", "0.5 req/s", "1 req/s", "2 req/s"]
+    titles = [line.split("(")[1].split(")")[0] for line in captured.out.splitlines() if ") vs " in line]
+    assert titles == ["0.5 req/s", "1 req/s", "2 req/s"]  # the side-by-side tables too
+    assert captured.err == ""  # the same workload: no warning
+
+
+def test_compare_warns_on_stderr_naming_how_the_workloads_differ(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    write_results(a, [run(1.0, [0.1, 0.2], 2.0)])
+    other = run(1.0, [0.1, 0.2], 2.0)
+    other.update(backend="openai", goodput={"ttft_ms": 500, "tpot_ms": 100})
+    for r in other["requests"]:
+        r["input_len"], r["output_len"] = 16, 3
+    write_results(b, [other])
+    assert main(["compare", str(a), str(b)]) == 0
+    out, err = capsys.readouterr()
+    assert "Request goodput" in out
+    assert err.splitlines() == [
+        'loadgen compare: warning: the workloads differ, backend: A "grpc", B "openai"',
+        'loadgen compare: warning: the workloads differ, goodput: A {"tpot_ms": 100, "ttft_ms": 300}, '
+        'B {"tpot_ms": 100, "ttft_ms": 500}',
+        "loadgen compare: warning: the workloads differ, mean input length: A 8, B 16",
+    ]
