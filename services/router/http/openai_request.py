@@ -377,8 +377,11 @@ def _int(body: dict[str, Any], name: str, low: int = -INT32 - 1, high: int = INT
     value = body.get(name)
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer():  # 3.0, as some JSON writers send 3: vLLM (pydantic) takes it
+        value = int(value)
     if not _is_int(value):
-        raise InvalidRequestError(name, f"must be an integer, got {_json_type(value)}")
+        got = f"{value:g}" if isinstance(value, float) else _json_type(value)
+        raise InvalidRequestError(name, f"must be an integer, got {got}")
     if not low <= value <= high:
         raise InvalidRequestError(name, f"must be in [{low}, {high}], got {value}")
     return int(value)

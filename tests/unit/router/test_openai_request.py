@@ -140,7 +140,7 @@ BAD_VALUES = [
     (f'{{{COMPLETION}, "prompt": {{"text": "x"}}}}', "prompt"),
     (f'{{{COMPLETION}, "model": ["m"]}}', "model"),
     (f'{{{COMPLETION}, "n": true}}', "n"),
-    (f'{{{COMPLETION}, "max_tokens": 4.0}}', "max_tokens"),
+    (f'{{{COMPLETION}, "max_tokens": 4.5}}', "max_tokens"),
     (f'{{{COMPLETION}, "seed": false}}', "seed"),
     (f'{{{COMPLETION}, "stop_token_ids": [true]}}', "stop_token_ids"),
     (f'{{{COMPLETION}, "stop_token_ids": 5}}', "stop_token_ids"),
@@ -358,3 +358,21 @@ def test_a_refusal_says_what_is_wrong_in_the_callers_terms(raw, param, says):
         parse(parse_json(raw.encode()), chat=False)
     assert e.value.field == param and says in str(e.value), str(e.value)
     assert "sys." not in str(e.value)
+
+
+def test_an_integer_parameter_takes_a_float_with_an_integral_value_as_vllm_does():
+    """`"max_tokens": 3.0` (some JSON writers send every number so) was refused as "got number"; 3.5 still is."""
+    completion = {"max_tokens": 3.0, "n": 2.0, "top_k": 5.0, "seed": -7.0, "priority": 1.0, "logprobs": 2.0}
+    req = parse({"model": "m", "prompt": "x"} | completion, chat=False)
+    s = req.message.sampling
+    assert (s.max_tokens, req.n, s.top_k, s.seed, req.message.priority, s.logprobs) == (3, 2, 5, 2**64 - 7, 1, 2)
+    chat = {"max_completion_tokens": 4.0, "logprobs": True, "top_logprobs": 3.0}
+    s = parse({"model": "m", "messages": [{"role": "user", "content": "x"}]} | chat, chat=True).message.sampling
+    assert (s.max_tokens, s.logprobs) == (4, 3)
+    for param, value in [("max_tokens", 3.5), ("n", 1.5), ("top_k", -0.5), ("seed", 1e-3), ("priority", 0.1)]:
+        with pytest.raises(InvalidRequestError) as e:
+            parse({"model": "m", "prompt": "x", param: value}, chat=False)
+        assert e.value.field == param and str(e.value) == f"{param}: must be an integer, got {value:g}"
+    with pytest.raises(InvalidRequestError) as e:
+        parse({"model": "m", "prompt": "x", "max_tokens": 0.0}, chat=False)  # in range as an integer is
+    assert str(e.value).startswith("max_tokens: must be in [1, ")
