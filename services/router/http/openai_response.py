@@ -70,7 +70,9 @@ class Answer:
         return usage(prompts, sum(c.usage.completion_tokens for c in self.choices if c.usage))
 
     def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.request.model, "choices": choices}
+        """The fields every object shares; `system_fingerprint` null, as OpenAI sends it when it has none."""
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.request.model}
+        return head | {"system_fingerprint": None, "choices": choices}
 
     def whole(self) -> dict[str, Any]:
         """The non-streaming response."""
@@ -79,7 +81,8 @@ class Answer:
             text = "".join(c.text)
             logprobs = _joined(c.logprobs) if c.logprobs else None
             if self.request.chat:
-                choice = {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+                message = {"role": "assistant", "content": text, "refusal": None}  # OpenAI's, null: none refused
+                choice = {"index": c.index, "message": message, "logprobs": logprobs}
             else:
                 choice = {"index": c.index, "text": text, "logprobs": logprobs}
             choices.append(choice | {"finish_reason": c.finish_reason})
