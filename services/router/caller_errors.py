@@ -28,7 +28,9 @@ def for_the_caller(error: Exception, placement: Placement) -> Exception:
         if worker is not None:
             # "decode worker d-1 at host:port" -> "decode worker d-1"; a bare address (as a decode worker names
             # the prefill worker it called) -> its id.
-            text = text.replace(f" at {worker.address}", "").replace(worker.address, worker.worker_id)
+            # gRPC names a peer it could not reach as "ipv4:host:port": the scheme goes with the address.
+            text = text.replace(f" at {worker.address}", "").replace(f"ipv4:{worker.address}", worker.address)
+            text = text.replace(f"ipv6:{worker.address}", worker.address).replace(worker.address, worker.worker_id)
     text = _ADDRESS.sub("<address>", text)
     if text == str(error):
         return error

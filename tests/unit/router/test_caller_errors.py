@@ -80,6 +80,10 @@ def test_each_type_keeps_what_its_status_carries() -> None:
     assert isinstance(shed, OverloadedError) and (str(shed), shed.retry_after_ms) == ("p0 is full", 750)
     late = for_the_caller(TimeoutError(f"decode worker d0 at {d.address}: Deadline Exceeded"), placed)
     assert type(late) is TimeoutError and str(late) == "decode worker d0: Deadline Exceeded"
+    unreachable = f"prefill worker p0: failed to connect; last error: ipv4:{PREFILL_ADDRESS}: Connection refused"
+    assert str(for_the_caller(UnavailableError(unreachable), placed)) == (
+        "prefill worker p0: failed to connect; last error: p0: Connection refused"  # not "ipv4:p0"
+    )
     own = UnavailableError("the router is draining; retry on another replica")
     assert for_the_caller(own, placed) is own  # nothing to hide: the same error
 
