@@ -89,7 +89,10 @@ class LoadTracker:
         self._first_token_at[placement] = time.time()
         sent = self._sent[placement]
         self.pending_prefill_tokens[sent.prefill_id] -= sent.new_tokens
-        self.pending_prefill_s[sent.prefill_id] = max(0.0, self.pending_prefill_s[sent.prefill_id] - sent.seconds)
+        left_s = max(0.0, self.pending_prefill_s[sent.prefill_id] - sent.seconds)
+        if not any(self._sent[p].prefill_id == sent.prefill_id for p in self._prefilling):
+            left_s = 0.0  # nothing of ours queued there: sums taken off in another order than added leave ~1e-16
+        self.pending_prefill_s[sent.prefill_id] = left_s
         self.pending_blocks[sent.decode_id] -= sent.blocks
         _log(self._prefilled[sent.prefill_id], (sent.prompt_tokens, sent.new_tokens))
 

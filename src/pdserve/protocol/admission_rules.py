@@ -11,10 +11,17 @@ def queue_full(queued_tokens: int, prompt_tokens: int, bound: float) -> bool:
     return bool(queued_tokens) and queued_tokens + prompt_tokens > bound
 
 
+# Of the default TTFT SLO, what a request that sets none may always queue beyond its own cost. Without it a prompt
+# whose own prefill reaches the default was left no queueing at all: shed behind any work ahead (one decoding
+# stream's step) for as long as the cluster stayed busy, its retry hint never coming true (a fault review).
+MIN_QUEUE_SHARE = 0.1
+
+
 def ttft_budget_s(slo_s: float, own_s: float, explicit: bool, first_token_s: float) -> float:
-    """The TTFT a request is held to: its own SLO, or the server's default but never less than its own cost; and
-    never past the router's first-token bound, where it would be cancelled (and its prefill worker blamed)."""
-    return min(slo_s if explicit else max(slo_s, own_s), first_token_s)
+    """The TTFT a request is held to: its own SLO, or the server's default but never less than its own cost plus
+    `MIN_QUEUE_SHARE` of that default; and never past the router's first-token bound, where it would be cancelled
+    (and its prefill worker blamed)."""
+    return min(slo_s if explicit else max(slo_s, own_s + MIN_QUEUE_SHARE * slo_s), first_token_s)
 
 
 def queue_room_s(budget_s: float, own_s: float, headroom: float) -> float:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from unittest import mock
 
+import pytest
+
 from pdserve.protocol.perf_profile import QueuedPrefill
 from services.router.load_tracker import LoadTracker
 
@@ -43,3 +45,15 @@ def test_a_wall_clock_stepped_back_does_not_hide_what_came_after() -> None:
         second = tracker.start("p0", "d0", 200, 0.01, 2, 200)
         tracker.prefilled(second)
         assert tracker.prefilled_since("p0", 999.8).tokens == 300  # both ended after it, by the router's account
+
+
+def test_prefills_ending_in_another_order_than_they_started_leave_no_queue_behind() -> None:
+    """0.1 + 0.2 + 0.7 taken off as 0.1, 0.7, 0.2 left ~5.6e-17 s queued on an idle worker: a prompt whose own
+    cost set its budget (no room for queueing) was shed for it, again and again, on an idle cluster (a review)."""
+    t = LoadTracker()
+    placed = [t.start("p0", "d0", 100, seconds, 10, 100) for seconds in (0.1, 0.2, 0.7)]
+    for p in (placed[0], placed[2]):
+        t.prefilled(p)
+    assert t.pending_prefill_s["p0"] == pytest.approx(0.2)  # what is still ours there stays counted
+    t.prefilled(placed[1])
+    assert t.pending_prefill_s["p0"] == 0.0
