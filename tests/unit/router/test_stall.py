@@ -89,6 +89,25 @@ async def test_a_router_loop_held_past_the_bound_is_not_a_stalled_worker():
     assert tokens == 60
 
 
+async def test_a_router_loop_held_past_the_bound_and_all_its_graces_at_once_is_not_a_stalled_worker(monkeypatch):
+    """One hold longer than the bound plus HELD_MAX_S (a router SIGSTOPped 20 s, a frozen VM): its first check
+    runs that late, the healthy worker's messages waiting unread. It blamed every decode worker (a fault review)."""
+    from services.router import stall
+
+    monkeypatch.setattr(stall, "HELD_MAX_S", 0.2)
+    decode = worker("d0", "decode")
+    async with serving(StandInDecode(gap_s=0.02)) as address, channel(address) as ch:
+        call = worker_pb2_grpc.DecodeWorkerStub(ch).Generate(
+            wpb.WorkerGenerateRequest(request_id="r", sampling=pb.SamplingParams(max_tokens=60))
+        )
+        assert await read_within(call, 0.3, decode) is not grpc.aio.EOF
+        asyncio.get_running_loop().call_later(0.05, time.sleep, 1.5)
+        tokens = 1
+        while await read_within(call, 0.3, decode) is not grpc.aio.EOF:
+            tokens += 1
+    assert tokens == 60
+
+
 async def test_a_silent_worker_is_still_caught_after_the_loop_was_held():
     decode = worker("d0", "decode")
     call = Call()  # never sends
