@@ -18,6 +18,7 @@ from typing import Any
 from pdserve.addresses import host_port
 from pdserve.config import ClusterConfig
 from pdserve.flags import deadline_seconds, seconds
+from pdserve.rpc.client_hints import rpc_error_line
 from pdserve.rpc.credentials import ClientCredentials, add_client_flags, client_credentials
 
 ANSWER_SLACK_S = 120.0  # past the drain timeout: cut streams' cleanup, the router's own slack
@@ -58,7 +59,7 @@ def _drain(args: argparse.Namespace) -> int:
         print("pdserve drain: name WORKER_IDs or --host, not both or neither", file=sys.stderr)
         return 2
     creds = client_credentials(args)
-    return _run(_drain_named(args, creds), "drain")
+    return _run(_drain_named(args, creds), "drain", creds)
 
 
 async def _drain_named(args: argparse.Namespace, creds: ClientCredentials) -> int:
@@ -86,16 +87,16 @@ def _warn_if_a_role_empties(workers: list[Any], draining: set[str]) -> None:
 
 
 def _restart(args: argparse.Namespace) -> int:
-    return _run(_rolling_restart(args), "restart")
+    return _run(_rolling_restart(args), "restart", client_credentials(args))
 
 
-def _run(work: Any, command: str) -> int:
+def _run(work: Any, command: str, creds: ClientCredentials) -> int:
     import grpc
 
     try:
         return asyncio.run(work)
     except grpc.aio.AioRpcError as e:
-        print(f"pdserve {command}: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(rpc_error_line(f"pdserve {command}", e.code().name, e.details() or "", creds), file=sys.stderr)
         return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1  # as `scale`: what was asked never works
 
 

@@ -21,6 +21,7 @@ from pdserve.planner.autoscale import Admitted, Decision, Hysteresis, LoadWindow
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.live_scale import cluster_status, scale_workers
 from pdserve.planner.plan import SLO
+from pdserve.rpc.client_hints import rpc_error_line
 from pdserve.rpc.credentials import ClientCredentials
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,10 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
             status = await cluster_status(addr, credentials)
         except grpc.aio.AioRpcError as e:  # the router restarting, say: the next interval asks again
             if c.once or e.code() in _FOR_GOOD:  # one decision asked for, or no later call can succeed
-                print(f"pdserve autoscale: no status from {addr}: {e.code().name}: {e.details()}", file=sys.stderr)
+                line = rpc_error_line(
+                    f"pdserve autoscale: no status from {addr}", e.code().name, e.details() or "", credentials
+                )
+                print(line, file=sys.stderr)
                 return 1
             log.warning("no status from %s: %s: %s", addr, e.code().name, e.details())
             window.samples.clear()  # the next sample paired with the last before the gap would span all of it

@@ -11,6 +11,7 @@ from typing import Any
 from pdserve.addresses import host_port
 from pdserve.config import MAX_WORKERS_PER_ROLE
 from pdserve.flags import positive_float
+from pdserve.rpc.client_hints import rpc_error_line
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 
@@ -122,7 +123,8 @@ def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
     try:
         return asyncio.run(run())
     except grpc.aio.AioRpcError as e:
-        print(f"pdserve scale: {e.code().name}: {e.details()}", file=sys.stderr)
+        line = rpc_error_line("pdserve scale", e.code().name, e.details() or "", client_credentials(args))
+        print(line, file=sys.stderr)
         return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
 
 
@@ -189,7 +191,8 @@ def _scale_pods_and_workers(args: argparse.Namespace, counts: dict[str, int]) ->
         print(f"pdserve scale: workers not settled: {e}", file=sys.stderr)
         return 1
     except grpc.aio.AioRpcError as e:
-        print(f"pdserve scale: {e.code().name}: {e.details()}", file=sys.stderr)
+        line = rpc_error_line("pdserve scale", e.code().name, e.details() or "", client_credentials(args))
+        print(line, file=sys.stderr)
         return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
     except Exception as e:  # the kubernetes client's: no credentials, no such object, refused by the API server
         print(f"pdserve scale: RayCluster {namespace}/{name}: {e}", file=sys.stderr)

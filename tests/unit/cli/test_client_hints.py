@@ -122,3 +122,14 @@ def test_a_hint_only_where_the_flags_passed_do_not_already_cover_it() -> None:
     assert with_hint("UNAVAILABLE", socket_closed, ClientCredentials(tls_ca="ca.pem")) == socket_closed
     assert with_hint("UNAVAILABLE", "no prefill worker is serving", None) == "no prefill worker is serving"
     assert with_hint("UNAUTHENTICATED", "unknown API key", ClientCredentials(api_key="x")) == "unknown API key"
+
+
+async def test_the_admin_commands_name_the_flag_too(keyed_router, capsys, monkeypatch) -> None:
+    """drain, restart and scale printed gRPC's words alone."""
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    assert await _cli("drain", "--addr", keyed_router, "prefill-0") == 1
+    assert await _cli("restart", "--addr", keyed_router) == 1
+    assert await _cli("scale", "--addr", keyed_router, "--prefill", "2", "--decode", "1") == 1
+    lines = capsys.readouterr().err.strip().splitlines()[-3:]
+    for command, line in zip(("drain", "restart", "scale"), lines, strict=True):
+        assert line == f"pdserve {command}: UNAUTHENTICATED: {NO_KEY_MESSAGE} {KEY_HINT}", line
