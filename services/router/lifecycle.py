@@ -308,26 +308,26 @@ class RequestLifecycle:
         ticket.release()  # only now: the request stays in flight throughout (a drain waits for it)
         return moved
 
-    async def _place_again(
-        self, req: RoutedRequest, failed: FailedWorkers, left: float | None, mid_stream: bool = False
-    ) -> Placement:
-        """On workers that did not fail the request, waiting for a remote registry view to refresh twice (within the
-        caller's deadline) for one; `mid_stream`, also on one that only refused it as full, was heard from since it
-        failed (its heartbeat: alive) or restarted (a new address), waiting up to `no_workers_wait_s`. When none
-        is left, on those of one role that did (the other role's still avoided), then on any live one: a worker that
-        failed it may have recovered (one starved of CPU past the first-token bound, say), which beats failing the
-        request while attempts and time remain. UnavailableError when no live decode worker holds it. (A stream went
-        back at once to a dead decode worker's refusing port, three moves in milliseconds, while Ray restarted it.)"""
+    async def _place_again(self, req: RoutedRequest, failed: FailedWorkers, left: float | None) -> Placement:
+        """On a worker that did not fail the request, else one that only refused it as full, was heard from since
+        it failed (its heartbeat: alive) or restarted (a new address), waiting for one up to `no_workers_wait_s` over
+        all the request's moves (within the caller's deadline), as a new request waits for a role's first worker.
+        When none is left, on those of one role that did (the other role's still avoided), then on any live one: one
+        that failed it may have recovered unheard (a stale registry view), better than failing the request while
+        attempts and time remain. UnavailableError when no live decode worker holds it. (A stream went back at once
+        to a dead decode worker's refusing port, three moves in 4 ms, while Ray restarted it; a retry did too.)"""
         args, registry = self._place_args(req), self.placement.registry
-        wait_s = max(self.config.no_workers_wait_s if mid_stream else 0.0, 2 * registry.refresh_s)
-        if left is not None:
-            wait_s = min(wait_s, left)
-        if mid_stream:  # first on one that did not fail it at all
+        with suppress(NoWorkersError):  # first on one that did not fail it at all
+            return await self.placement.place(*args, failed.ids(), req.cache_salt, must_hold=True)
+        wait_s = max(self.config.no_workers_wait_s - failed.waited_s, 2 * registry.refresh_s)
+        started, avoid = time.monotonic(), partial(failed.unheard, registry)
+        try:
             with suppress(NoWorkersError):
-                return await self.placement.place(*args, failed.ids(), req.cache_salt, must_hold=True)
-        avoid = partial(failed.unheard, registry) if mid_stream else failed.ids
-        with suppress(NoWorkersError):
-            return await self._place_within(wait_s, args, avoid, req.cache_salt, must_hold=True)
+                return await self._place_within(
+                    wait_s if left is None else min(wait_s, left), args, avoid, req.cache_salt, True
+                )
+        finally:
+            failed.waited_s += time.monotonic() - started
         # One role's failed workers back first, the other's still avoided: the only prefill worker blamed with its
         # decode worker (retry.avoided_workers) must not send the retry back to that decode worker too.
         for role in (Role.PREFILL, Role.DECODE):
@@ -359,7 +359,7 @@ class RequestLifecycle:
             end = time.monotonic() + wait_s if deadline is None else min(time.monotonic() + wait_s, deadline)
             while True:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())  # each wait within it
-                placement = await self._place_again(req, failed, left, mid_stream=True)
+                placement = await self._place_again(req, failed, left)
                 takes = self.admission.predictor.takes(placement.decode, len(req.prompt_token_ids))
                 if takes or time.monotonic() >= end:
                     return placement

@@ -69,6 +69,7 @@ class FailedWorkers:
     def __init__(self) -> None:
         self._at: dict[str, tuple[str, float, bool]] = {}  # worker id -> (address, updated_at, fault)
         self._heard: dict[str, set[float]] = {}  # worker id -> the newer `updated_at`s seen since its failure
+        self.waited_s = 0.0  # for one of them to be heard from or restarted, over all the request's moves
 
     def add(self, workers: Iterable[WorkerState], registry: Registry, fault: bool) -> None:
         listed = {w.worker_id: w for w in registry.workers()}
