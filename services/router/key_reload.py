@@ -16,6 +16,7 @@ from pdserve.background import cancel_and_wait
 from pdserve.security.api_keys import KeyTable
 from pdserve.security.watched_files import POLL_INTERVAL_S, WatchedFiles
 from services.router.lifecycle import RequestLifecycle
+from services.router.outcome import tenant_labels
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class KeyReload:
             return
         self.table = lifecycle.keys = table
         lifecycle.quotas.keep_only(table.tenants)
+        lifecycle.metrics.count_from_zero(tenant_labels(table))  # a new tenant's series from 0 too
         log.info("API keys reloaded: %d keys from %s", len(table), self.path)
 
     async def close(self) -> None:

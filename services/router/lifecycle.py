@@ -39,7 +39,7 @@ from services.router.admission import Admission, SLOTarget
 from services.router.caller_errors import for_the_caller
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
-from services.router.outcome import CALLER_ENDED, Caller, log_level
+from services.router.outcome import CALLER_ENDED, Caller, log_level, tenant_labels
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request, capped_default
@@ -72,7 +72,7 @@ class RequestLifecycle:
         self.served_model = served_model  # the name clients use for the model (the HTTP API's `model`)
         self.keys = keys  # None: an open cluster
         self.quotas = quotas or LocalQuotas()  # shared by the routers of a Redis registry, else this router's
-        self.metrics = RouterMetrics(telemetry.meter)
+        self.metrics = RouterMetrics(telemetry.meter, tenant_labels(keys))
         self.recent = RecentLatencies()
         self.admitted = AdmittedTotals()
         self.tokenizer = tokenizer

@@ -23,7 +23,7 @@ from pdserve.errors import (
     UnauthenticatedError,
 )
 from pdserve.metrics import RouterMetrics
-from pdserve.security.api_keys import Tenant
+from pdserve.security.api_keys import OPEN_TENANT, KeyTable, Tenant
 from pdserve.v1 import generate_pb2 as pb
 
 # Outcomes of the caller's own doing: no failure of the cluster's; the request's span carries the outcome as a mark.
@@ -46,6 +46,14 @@ def outcome_of(error: BaseException, deadline_passed: bool = False) -> str:
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
         return "deadline_exceeded" if deadline_passed else "cancelled"
     return "failed"
+
+
+def tenant_labels(keys: KeyTable | None) -> list[str]:
+    """The `tenant` label values the router can count now: its key table's tenants and "" (a caller without a valid
+    key), or an open cluster's one tenant."""
+    if keys is None:
+        return [OPEN_TENANT]
+    return ["", *sorted({tenant.name for tenant in keys.tenants})]
 
 
 def log_level(error: BaseException) -> int:

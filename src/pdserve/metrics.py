@@ -25,12 +25,26 @@ if TYPE_CHECKING:
 
 # Why a KV transfer failed (pdserve.transfer.failures says which is which), a fixed set: each is exported from 0.
 KV_TRANSFER_FAILURE_REASONS = ("peer_gone", "timeout", "cancelled", "error")
+# How a request ended (services/router/outcome.py says which is which), and how it moved: fixed sets, each exported
+# from 0 for every tenant the router knows, so that a rate sees the first deadline passed or request refused.
+REQUEST_OUTCOMES = (
+    "finished",
+    "invalid",
+    "unauthenticated",
+    "denied",
+    "rejected",
+    "cancelled",
+    "deadline_exceeded",
+    "failed",
+)
+FINISH_REASONS = ("length", "stop", "eos")
+MOVE_KINDS = ("retry", "migration")
 
 
 class RouterMetrics:
     """Request latencies as the router sees them (it relays every token), and how requests ended."""
 
-    def __init__(self, meter: Meter) -> None:
+    def __init__(self, meter: Meter, tenants: Iterable[str] = ()) -> None:
         self.ttft = meter.create_histogram(
             "pdserve_time_to_first_token_seconds",
             unit="s",
@@ -74,6 +88,24 @@ class RouterMetrics:
             description="workers this router took out of placement, by reason (a failure, a bound, a drain): "
             "a worker ejected again and again is flapping",
         )
+        for kind in MOVE_KINDS:
+            self.moves.add(0, {"kind": kind})
+        self.count_from_zero(tenants)
+
+    def count_from_zero(self, tenants: Iterable[str]) -> None:
+        """Each of `tenants`' series exported from 0 (a tenant known at start, or added by a key reload): the first
+        request of an outcome is then an increase a rate sees, not a new series at 1. "" (not authenticated) has
+        only `unauthenticated`. Counting 0 again is nothing, so a reload passes every tenant."""
+        for tenant in tenants:
+            labels = {"tenant": tenant}
+            for outcome in REQUEST_OUTCOMES if tenant else ("unauthenticated",):
+                self.requests.add(0, {"outcome": outcome, **labels})
+            if not tenant:
+                continue
+            for reason in FINISH_REASONS:
+                self.successes.add(0, {"finish_reason": reason, **labels})
+            self.prompt_tokens.add(0, labels)
+            self.generation_tokens.add(0, labels)
 
     def ended(self, outcome: str, tenant: str, e2e_s: float, finish_reason: str) -> None:
         """A request's end: its outcome; a finished one's end-to-end latency and finish reason."""

@@ -21,12 +21,13 @@ PROMPT = [5, 6, 7, 8]
 
 
 def samples(telemetry: Telemetry, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """Labels (sorted, the exporter's otel_scope_* left out) -> value of every sample of `name`."""
+    """Labels (sorted, the exporter's otel_scope_* left out) -> value of every sample of `name` past 0 (a counter's
+    series of a known tenant start at 0)."""
     return {
         tuple(sorted((k, v) for k, v in s.labels.items() if not k.startswith("otel_scope_"))): s.value
         for f in telemetry.registry.collect()
         for s in f.samples
-        if s.name == name
+        if s.name == name and s.value
     }
 
 
