@@ -120,9 +120,9 @@ class OpenAIAPI:
             self.lifecycle.refused(asyncio.CancelledError("the client disconnected during its body"), start, tenant)
             return Response(status_code=499)
         except Exception as e:  # a bug converting a body is a 500 in OpenAI's shape too, its text only in the log
-            self.lifecycle.refused(e, start, tenant)
             response = error_response(e)
             with self._span(request, chat, start) as span:  # in its caller's trace, as a gRPC call's refusal is
+                self.lifecycle.refused(e, start, tenant)  # its log line in the span: that line leads to its trace
                 if response.status_code < 500:
                     span.set_attribute("refused", f"{type(e).__name__}: {e}")
                 span_status(span, response.status_code, e)

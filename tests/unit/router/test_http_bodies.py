@@ -5,6 +5,7 @@ request, never a plain-text 500."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from pdserve.security.api_keys import KeyTable, Tenant, digest
-from pdserve.telemetry import Telemetry
+from pdserve.telemetry import JsonFormatter, Telemetry
 from services.router.http import app as http_app
 from services.router.http.app import openai_app
 from services.router.lifecycle import RequestLifecycle
@@ -236,6 +237,57 @@ async def test_a_body_refused_before_it_parsed_has_a_span_in_its_callers_trace()
     assert {f"{s.context.trace_id:032x}" for s in spans} == {trace_id}
     assert [s.attributes["http.response.status_code"] for s in spans] == [400, 401]
     assert all(s.status.status_code == StatusCode.UNSET and "refused" in s.attributes for s in spans)
+    telemetry.shutdown()
+
+
+class JsonLines(logging.Handler):
+    """Each record as the router's stderr gets it, formatted where it was logged (its span current)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(JsonFormatter())
+        self.lines: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(self.format(record)))
+
+
+@pytest.mark.parametrize(
+    ("key", "body", "draining", "status"),
+    [
+        ("k-1", b"{", False, 400),  # a body that does not parse
+        ("", b"{}", False, 401),  # no key
+        ("k-slow", b"{}", False, 429),  # its second request, past the key's requests_per_second
+        ("k-1", b"{}", True, 503),  # a draining router's
+    ],
+)
+async def test_a_refused_requests_log_line_leads_to_its_span(key, body, draining, status):
+    """The one line a refused request logs carries its span's trace_id and span_id (it was logged before its span
+    started, with neither), as a request that was served does."""
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("test-router", span_processor=SimpleSpanProcessor(exporter))
+    keys = {
+        digest("k-1"): Tenant("team-a", "k-1"),
+        digest("k-slow"): Tenant("team-b", "k-slow", requests_per_second=0.01),
+    }
+    lc = Router([]).lifecycle(KeyTable(keys), telemetry=telemetry)
+    lc.draining = draining
+    logger, handler = logging.getLogger("services.router.lifecycle"), JsonLines()
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        transport = httpx2.ASGITransport(app=openai_app(lc))
+        async with httpx2.AsyncClient(transport=transport, base_url="http://router") as http:
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            for _ in range(2 if status == 429 else 1):
+                r = await http.post("/v1/completions", content=body, headers=headers)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert r.status_code == status, r.text
+    span = exporter.get_finished_spans()[-1]
+    line = [line for line in handler.lines if "outcome" in line][-1]
+    assert line["trace_id"] == f"{span.context.trace_id:032x}" and line["span_id"] == f"{span.context.span_id:016x}"
     telemetry.shutdown()
 
 
