@@ -88,6 +88,12 @@ class RouterMetrics:
             description="workers this router took out of placement, by reason (a failure, a bound, a drain): "
             "a worker ejected again and again is flapping",
         )
+        built = {"role": "router", "build": current_build()}
+        meter.create_observable_gauge(
+            "pdserve_build_info",
+            callbacks=[lambda options: [Observation(1, built)]],
+            description="1, labelled with the build this router runs: count by build follows a rollout",
+        )
         for kind in MOVE_KINDS:
             self.moves.add(0, {"kind": kind})
         self.count_from_zero(tenants)

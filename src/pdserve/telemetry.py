@@ -28,7 +28,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 
 from pdserve import env
 from pdserve.errors import (
@@ -108,6 +108,7 @@ class Telemetry:
                 self.tracer_provider.add_span_processor(processor)
         self.meter_provider: Any = metrics.NoOpMeterProvider()
         if enabled:  # disabled: the baseline the overhead is measured against
+            ProcessCollector(registry=self.registry)  # process_*: memory, CPU seconds, start time, open fds
             reader = PrometheusMetricReader(registry=self.registry)
             self.meter_provider = MeterProvider(metric_readers=[reader], resource=resource)
         self.tracer = self.tracer_provider.get_tracer("pdserve")

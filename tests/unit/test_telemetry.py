@@ -221,6 +221,15 @@ def test_a_stop_still_exports_its_last_spans_to_a_collector_that_is_up(otlp_grpc
         assert [(svc, s.name) for svc, s in collector.spans] == [("test-stop", "last")]
 
 
+def test_every_services_metrics_include_its_process():
+    """A worker's (and the router's) /metrics has the process collector's series: memory, CPU, start time."""
+    telemetry = Telemetry("pdserve-decode")
+    got = {s.name: s.value for f in telemetry.registry.collect() for s in f.samples}
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_start_time_seconds"):
+        assert got.get(name, 0) > 0, name
+    telemetry.shutdown()
+
+
 def test_a_workers_waiting_sequences_are_a_gauge_beside_its_running_ones():
     """vLLM's num_requests_waiting: sequences queued for the batch (new, or preempted to be recomputed)."""
     telemetry = Telemetry("t")

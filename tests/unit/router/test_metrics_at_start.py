@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.build import current_build
 from pdserve.config import RouterConfig
 from pdserve.metrics import FINISH_REASONS, MOVE_KINDS, REQUEST_OUTCOMES
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
@@ -59,6 +60,15 @@ async def test_an_open_routers_counters_start_at_zero_for_every_outcome() -> Non
     assert zeros(series["pdserve_request_moves_total"]) == {(("kind", k),) for k in MOVE_KINDS}
     for name in ("pdserve_prompt_tokens_total", "pdserve_generation_tokens_total"):
         assert zeros(series[name]) == {(("tenant", OPEN_TENANT),)}
+
+
+async def test_a_router_exports_its_build_and_its_process() -> None:
+    """As each worker does: which build it runs (a rollout followed by `count by (build)`), and the process
+    collector's memory, CPU and start time."""
+    series = await scrape(RouterConfig())
+    assert series["pdserve_build_info"] == {(("build", current_build()), ("role", "router")): 1}
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_start_time_seconds"):
+        assert list(series[name].values())[0] > 0, name
 
 
 async def test_a_keyed_routers_counters_start_at_zero_for_its_tenants_and_unauthenticated_callers(
