@@ -40,9 +40,19 @@ from pdserve.errors import (
 )
 from pdserve.rpc.server_spans import ServerSpans
 
-# Seconds: first tokens and whole requests (TTFT, e2e) span ms to minutes; per-token gaps ms to seconds.
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
-TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+# Seconds: first tokens and whole requests (TTFT, e2e) span ms to minutes; per-token gaps ms to seconds. An SLO is
+# read from a histogram (a burn-rate alert) only at a bucket bound: the common ones (TTFT 100, 200, 300, 500 ms, 1,
+# 2, 3, 5, 10 s; TPOT 10, 20, 25, 30, 50, 75, 100 ms...) are bounds. A bound once exported is never removed: a query
+# naming its `le` would silently read nothing.
+LATENCY_BUCKETS_S = (
+    *(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.25, 0.3, 0.5, 0.75, 1, 1.5, 2, 2.5, 3),
+    *(5, 7.5, 10, 15, 20, 30, 40, 60, 80, 160),
+)
+# Per-token gaps up to the router's 5 s stall bound (past it a stream moves), and a stalled one's 10 s.
+TOKEN_BUCKETS_S = (
+    *(0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.08, 0.1),
+    *(0.15, 0.2, 0.25, 0.3, 0.5, 0.75, 1, 2, 2.5, 5, 10),
+)
 # One prompt's KV: well under a millisecond over loopback or NVLink, up to seconds for a long prompt over a slow
 # network; the last edge is the default transfer timeout (a transfer that takes longer fails).
 TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

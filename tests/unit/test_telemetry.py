@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 
 import grpc
@@ -130,6 +131,28 @@ def test_the_slos_the_docs_use_are_histogram_bucket_edges():
         assert ttft_s in LATENCY_BUCKETS_S
     for tpot_s in (config.default_tpot_ms / 1e3, 0.05, 0.06, 0.1):
         assert tpot_s in TOKEN_BUCKETS_S
+
+
+# The bounds as first exported: an alert or dashboard may name any of them (`le="2.5"`).
+EXPORTED_LATENCY_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+EXPORTED_TOKEN_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+def test_common_slos_are_bucket_bounds_and_no_bound_once_exported_is_gone():
+    """A burn-rate alert on an SLO of 300 ms or 2 s (TTFT), 25 or 30 ms (TPOT) reads the bucket at that bound: with
+    0.25, 0.5, 1, 2.5 s alone it could not be written. Every bound exported before stays, in order."""
+    for ttft_s in (0.1, 0.2, 0.3, 0.5, 1, 2, 3, 5, 10, 30, 60):
+        assert ttft_s in LATENCY_BUCKETS_S, ttft_s
+    for tpot_s in (0.01, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.5, 5):
+        assert tpot_s in TOKEN_BUCKETS_S, tpot_s
+    for bounds, exported in ((LATENCY_BUCKETS_S, EXPORTED_LATENCY_BOUNDS), (TOKEN_BUCKETS_S, EXPORTED_TOKEN_BOUNDS)):
+        assert set(exported) <= set(bounds) and list(bounds) == sorted(set(bounds))
+    telemetry = Telemetry("t")
+    RouterMetrics(telemetry.meter).ttft.record(0.29, {"tenant": "a"})  # as the router's /metrics exports them
+    name = "pdserve_time_to_first_token_seconds_bucket"
+    exported = [float(s.labels["le"]) for f in telemetry.registry.collect() for s in f.samples if s.name == name]
+    assert exported == [*LATENCY_BUCKETS_S, math.inf]
+    telemetry.shutdown()
 
 
 def test_a_callers_long_text_is_cut_in_spans():
