@@ -68,7 +68,8 @@ class Admission:
     def check_load(self, placement: Placement, prompt_tokens: int, priority: int, slo: SLOTarget) -> None:
         """OverloadedError, with a retry hint in milliseconds, when the current load cannot serve the request."""
         if self.in_flight >= self.config.max_in_flight:
-            raise OverloadedError(f"router has {self.in_flight} requests in flight (limit {self.config.max_in_flight})")
+            limit = self.config.max_in_flight
+            raise OverloadedError(f"router has {self.in_flight} requests in flight (limit {limit})", reason="in_flight")
         self._check_queue_bound(placement, prompt_tokens - placement.cached_tokens, priority)
         self._check_ttft(placement, slo)
         self._check_kv_room(placement, slo)
@@ -77,6 +78,7 @@ class Admission:
             raise OverloadedError(
                 f"no decode worker has room in its batch now (max_num_seqs {placement.decode.max_num_seqs})",
                 _retry_ms(placement.predicted_tpot_s * 32),
+                reason="batch",
             )
         self._check_tpot(placement, slo)
         self.predictor.claims.admitted(placement.blocks_needed)
@@ -95,8 +97,9 @@ class Admission:
             raise OverloadedError(
                 f"no decode worker has {blocks} free KV blocks now that an earlier, larger request did not get",
                 retry_ms,
+                reason="kv",
             )
-        raise OverloadedError(f"no decode worker has {blocks} free KV blocks now", retry_ms)
+        raise OverloadedError(f"no decode worker has {blocks} free KV blocks now", retry_ms, reason="kv")
 
     def _check_own_cost(self, placement: Placement, prompt_tokens: int, slo: SLOTarget) -> None:
         offer = placement.offer
@@ -138,6 +141,7 @@ class Admission:
             raise OverloadedError(
                 f"prefill queue full: {queued} + {new_tokens} tokens > {bound:.0f} at priority {priority}",
                 _retry_ms(self.predictor.queue_s(prefill) * overflow),
+                reason="queue",
             )
 
     def _check_ttft(self, placement: Placement, slo: SLOTarget) -> None:
@@ -160,6 +164,7 @@ class Admission:
             raise OverloadedError(
                 f"predicted TTFT {placement.predicted_ttft_s * 1e3:.0f} ms on the best prefill worker: {why}",
                 _retry_ms(placement.queue_s - room),
+                reason="ttft",
             )
 
     def _check_tpot(self, placement: Placement, slo: SLOTarget) -> None:
@@ -178,6 +183,7 @@ class Admission:
             raise OverloadedError(
                 f"predicted TPOT {placement.predicted_tpot_s * 1e3:.1f} ms on the decode worker placed: {why}",
                 _retry_ms(placement.predicted_tpot_s * 64),
+                reason="tpot",
             )
 
 

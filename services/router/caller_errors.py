@@ -37,5 +37,5 @@ def for_the_caller(error: Exception, placement: Placement) -> Exception:
     if isinstance(error, InvalidRequestError):
         return InvalidRequestError(error.field, text.removeprefix(f"{error.field}: "))
     if isinstance(error, OverloadedError):
-        return OverloadedError(text, error.retry_after_ms)
+        return OverloadedError(text, error.retry_after_ms, error.reason)
     return type(error)(text)

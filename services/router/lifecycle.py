@@ -394,7 +394,7 @@ class RequestLifecycle:
             raise
         finally:
             e2e_s = time.perf_counter() - started_at
-            self.metrics.ended(outcome, caller.label, e2e_s, caller.finish_reason)
+            caller.ended(outcome, e2e_s)
             if self.config.access_log:  # one line a request (--no-access-log: none)
                 extra = {"outcome": outcome, "e2e_ms": round(e2e_s * 1e3, 2), "request_key": request_key_var.get()}
                 log.info("request %s", outcome, extra=extra | {"tenant": caller.label})

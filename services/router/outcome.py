@@ -48,6 +48,13 @@ def outcome_of(error: BaseException, deadline_passed: bool = False) -> str:
     return "failed"
 
 
+def rejection_reason(error: BaseException) -> str:
+    """Why a request counted `rejected` was refused, of pdserve.metrics.REJECTION_REASONS."""
+    if isinstance(error, RouterDrainingError):
+        return "draining"
+    return error.reason if isinstance(error, OverloadedError) else "worker"
+
+
 def tenant_labels(keys: KeyTable | None) -> list[str]:
     """The `tenant` label values the router can count now: its key table's tenants and "" (a caller without a valid
     key), or an open cluster's one tenant."""
@@ -73,11 +80,19 @@ class Caller:
     finish_reason: str = ""  # the last message's, once it was relayed
     served: bool = False  # a message reached the caller
     time_remaining: Callable[[], float | None] = lambda: None  # of the caller's deadline; None: it set none
+    ended_by: BaseException | None = None  # the error its outcome was last judged by
 
     def outcome(self, error: BaseException) -> str:
         """`outcome_of` the error, knowing whether this caller's deadline had passed (gRPC says 0 s left then)."""
         left = self.time_remaining()
+        self.ended_by = error
         return outcome_of(error, deadline_passed=left is not None and left <= 0)
+
+    def ended(self, outcome: str, e2e_s: float) -> None:
+        """Counts the request's end (`outcome`, as `outcome` judged it); a rejected one also by why."""
+        self.metrics.ended(outcome, self.label, e2e_s, self.finish_reason)
+        if outcome == "rejected" and self.ended_by is not None:
+            self.metrics.rejected(rejection_reason(self.ended_by), self.label)
 
     @property
     def label(self) -> str:

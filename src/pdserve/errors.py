@@ -12,11 +12,14 @@ class InvalidRequestError(ValueError):
 
 
 class OverloadedError(RuntimeError):
-    """Shed: the request cannot be served in time now. -> RESOURCE_EXHAUSTED with a retry hint."""
+    """Shed: the request cannot be served in time now. -> RESOURCE_EXHAUSTED with a retry hint. `reason`: which
+    refusal, as `pdserve_requests_rejected_total` counts it (pdserve.metrics.REJECTION_REASONS): the router's
+    admission and quotas name theirs; one without (a worker's own, relayed as RESOURCE_EXHAUSTED) is `worker`."""
 
-    def __init__(self, message: str, retry_after_ms: int = 1000) -> None:
+    def __init__(self, message: str, retry_after_ms: int = 1000, reason: str = "worker") -> None:
         super().__init__(message)
         self.retry_after_ms = retry_after_ms
+        self.reason = reason
 
 
 class UnavailableError(RuntimeError):

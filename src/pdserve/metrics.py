@@ -38,6 +38,10 @@ REQUEST_OUTCOMES = (
     "failed",
 )
 FINISH_REASONS = ("length", "stop", "eos")
+# Why a `rejected` request was refused (OverloadedError.reason, or the router draining): admission's sheds (the
+# router's in-flight cap, a prefill queue full, a predicted TTFT or TPOT past its SLO, no decode worker with the KV
+# room or a place in its batch), a worker's own refusal that no retry got past, the API key's quotas, a drain.
+REJECTION_REASONS = ("in_flight", "queue", "ttft", "tpot", "kv", "batch", "worker", "quota", "draining")
 MOVE_KINDS = ("retry", "migration")
 
 
@@ -80,6 +84,11 @@ class RouterMetrics:
         self.generation_tokens = meter.create_counter(
             "pdserve_generation_tokens_total", description="tokens relayed to callers, over all of a request's attempts"
         )
+        self.rejections = meter.create_counter(
+            "pdserve_requests_rejected_total",
+            description="requests counted as rejected in pdserve_requests_total, by why: an admission shed, a "
+            "worker's refusal, a quota, a draining router",
+        )
         self.moves = meter.create_counter(
             "pdserve_request_moves_total", description="requests placed again after a worker failed them, by kind"
         )
@@ -110,6 +119,8 @@ class RouterMetrics:
                 continue
             for reason in FINISH_REASONS:
                 self.successes.add(0, {"finish_reason": reason, **labels})
+            for reason in REJECTION_REASONS:
+                self.rejections.add(0, {"reason": reason, **labels})
             self.prompt_tokens.add(0, labels)
             self.generation_tokens.add(0, labels)
 
@@ -119,6 +130,10 @@ class RouterMetrics:
         if outcome == "finished":
             self.e2e.record(e2e_s, {"tenant": tenant})
             self.successes.add(1, {"finish_reason": finish_reason, "tenant": tenant})
+
+    def rejected(self, reason: str, tenant: str) -> None:
+        """A request counted `rejected`, for `reason` (one of REJECTION_REASONS)."""
+        self.rejections.add(1, {"reason": reason, "tenant": tenant})
 
     def ejected(self, worker: WorkerState, reason: str) -> None:
         """A worker taken out of placement (services/router/ejection.py), once per ejection however many of its

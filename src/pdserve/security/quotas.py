@@ -196,18 +196,23 @@ def too_many_streams(tenant: Tenant, open_streams: int) -> OverloadedError:
     return OverloadedError(
         f"API key {tenant.key_name!r} has {open_streams} streams open (max_concurrent {tenant.max_concurrent})",
         CONCURRENCY_RETRY_MS,
+        reason="quota",
     )
 
 
 def over_request_rate(tenant: Tenant, wait_s: float) -> OverloadedError:
     return OverloadedError(
-        f"API key {tenant.key_name!r} is over its requests_per_second ({tenant.requests_per_second:g})", _ms(wait_s)
+        f"API key {tenant.key_name!r} is over its requests_per_second ({tenant.requests_per_second:g})",
+        _ms(wait_s),
+        reason="quota",
     )
 
 
 def over_token_rate(tenant: Tenant, wait_s: float) -> OverloadedError:
     return OverloadedError(
-        f"API key {tenant.key_name!r} is over its tokens_per_minute ({tenant.tokens_per_minute:g})", _ms(wait_s)
+        f"API key {tenant.key_name!r} is over its tokens_per_minute ({tenant.tokens_per_minute:g})",
+        _ms(wait_s),
+        reason="quota",
     )
 
 
