@@ -33,11 +33,15 @@ class Ejections:
         self._until[(worker.worker_id, worker.address)] = now + self.hold_s
         if fresh and self.on_eject is not None:
             self.on_eject(worker, reason)
-        log.warning(
-            "worker %s at %s out of placement for %g s: %s",
+        # One WARNING an ejection, as it is counted once: each of its other requests failing meanwhile only renews
+        # the hold (a worker lost with 200 streams logged 200 lines).
+        log.log(
+            logging.WARNING if fresh else logging.DEBUG,
+            "worker %s at %s out of placement for %g s%s: %s",
             worker.worker_id,
             worker.address,
             self.hold_s,
+            "" if fresh else " (renewed)",
             detail or reason,
             extra={"worker_id": worker.worker_id, "address": worker.address, "reason": reason},
         )

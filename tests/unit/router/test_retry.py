@@ -4,6 +4,7 @@ workers (ejected for a while, or avoided for the rest of one request)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 
 import grpc
@@ -89,19 +90,27 @@ def test_ejections_never_leave_a_role_empty(monkeypatch):
     assert ejections.usable([]) == []
 
 
-def test_each_ejection_counts_once_by_worker_role_and_reason(monkeypatch):
+def test_each_ejection_counts_once_by_worker_role_and_reason_and_logs_one_warning(monkeypatch, caplog):
     """What an alert on flapping workers reads: the requests in flight on a lost worker fail together, and renew its
-    one ejection rather than count one each."""
+    one ejection rather than count one each, or log a WARNING each."""
     clock = [100.0]
     monkeypatch.setattr("services.router.ejection.time.monotonic", lambda: clock[0])
     telemetry = Telemetry("test-router")
     ejections = Ejections(hold_s=10.0)
     ejections.on_eject = RouterMetrics(telemetry.meter).ejected
-    for _ in range(3):
-        ejections.eject(worker("d0", "decode"), "unavailable", "decode worker d0 at d0.local:50051: gone")
-    clock[0] += 10.5  # its hold is over: ejected again
-    ejections.eject(worker("d0", "decode"), "stalled")
-    ejections.eject(worker("p0"), "draining")
+    with caplog.at_level(logging.DEBUG, logger="services.router.ejection"):
+        for _ in range(3):
+            ejections.eject(worker("d0", "decode"), "unavailable", "decode worker d0 at d0.local:50051: gone")
+        clock[0] += 10.5  # its hold is over: ejected again
+        ejections.eject(worker("d0", "decode"), "stalled")
+        ejections.eject(worker("p0"), "draining")
+    logged = [(r.levelno, r.worker_id, r.reason) for r in caplog.records]
+    assert logged == [
+        (logging.WARNING, "d0", "unavailable"),
+        *[(logging.DEBUG, "d0", "unavailable")] * 2,  # renewed by its other requests
+        (logging.WARNING, "d0", "stalled"),
+        (logging.WARNING, "p0", "draining"),
+    ]
     counted = {
         (s.labels["worker_id"], s.labels["role"], s.labels["reason"]): s.value
         for f in telemetry.registry.collect()
