@@ -94,7 +94,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.router.authenticate(context.invocation_metadata()).check_admin("DrainWorkers")
         check_drain_timeout(request.timeout_s)
         workers = drain_targets(self.registry, list(request.worker_ids), request.host)
-        outcomes = await drain_workers(workers, request.timeout_s, self.router.placement.ejections)
+        ejections, interceptors = self.router.placement.ejections, self.router.telemetry.client_interceptors()
+        outcomes = await drain_workers(workers, request.timeout_s, ejections, interceptors)
         return apb.DrainWorkersResponse(workers=[_drained(o) for o in outcomes])
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -45,16 +47,20 @@ def drain_targets(registry: Registry, worker_ids: list[str], host: str) -> list[
     return [workers[i] for i in dict.fromkeys(worker_ids)]
 
 
-async def drain_workers(workers: list[WorkerState], timeout_s: float, ejections: Ejections) -> list[DrainOutcome]:
+async def drain_workers(
+    workers: list[WorkerState], timeout_s: float, ejections: Ejections, interceptors: Sequence[Any] = ()
+) -> list[DrainOutcome]:
+    """`interceptors`: the router's tracing client interceptors, so that each worker's drain is in the trace of the
+    Admin call that asked for it (without them, a trace of its own)."""
     for w in workers:
         ejections.eject(w, "draining")
-    return list(await asyncio.gather(*(_drain(w, timeout_s) for w in workers)))
+    return list(await asyncio.gather(*(_drain(w, timeout_s, interceptors) for w in workers)))
 
 
-async def _drain(worker: WorkerState, timeout_s: float) -> DrainOutcome:
+async def _drain(worker: WorkerState, timeout_s: float, interceptors: Sequence[Any]) -> DrainOutcome:
     log.warning("draining worker %s at %s", worker.worker_id, worker.address)
     try:
-        async with internal_channel(worker.address) as ch:
+        async with internal_channel(worker.address, interceptors) as ch:
             r = await worker_pb2_grpc.WorkerControlStub(ch).Drain(
                 wpb.DrainRequest(timeout_s=timeout_s), timeout=timeout_s + ANSWER_SLACK_S
             )
