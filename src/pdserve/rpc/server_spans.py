@@ -1,6 +1,8 @@
 """Each served gRPC call's span (SpanKind.SERVER), a child of the caller's trace (its `traceparent` metadata),
-with OpenTelemetry's RPC attributes (`rpc.system`, `rpc.service`, `rpc.method`, `rpc.grpc.status_code`) and its
-status convention for server spans: ERROR only for the codes that are the server's (UNKNOWN, DEADLINE_EXCEEDED,
+named as OpenTelemetry's RPC conventions name it (`pdserve.v1.Generation/Generate`, no leading slash), with their
+attributes (`rpc.system`, `rpc.service`, `rpc.method`, `rpc.grpc.status_code`; the caller's `client.address` and
+integer `client.port`, as the HTTP API's span has them, and the connection's `network.peer.address`/`.port`) and
+their status convention for server spans: ERROR only for the codes that are the server's (UNKNOWN, DEADLINE_EXCEEDED,
 UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS).
 
 Ours, not opentelemetry-instrumentation-grpc's server interceptor: its streaming wrapper was a generator, which
@@ -69,7 +71,7 @@ class ServerSpans(grpc.aio.ServerInterceptor):
         if agent := carrier.get("user-agent"):
             attributes["rpc.user_agent"] = agent
         with self.tracer.start_as_current_span(
-            details.method,
+            details.method.lstrip("/"),
             propagate.extract(carrier),
             kind=trace.SpanKind.SERVER,
             attributes=attributes,
@@ -101,10 +103,15 @@ def _ended_by_caller(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     return grpc.StatusCode.DEADLINE_EXCEEDED if left is not None and left <= 0 else grpc.StatusCode.CANCELLED
 
 
-def _peer(peer: str) -> dict[str, str]:
-    """`ipv4:127.0.0.1:57284` or `ipv6:%5B::1%5D:57284` as OpenTelemetry's peer attributes; a unix socket: none."""
+def _peer(peer: str) -> dict[str, str | int]:
+    """`ipv4:127.0.0.1:57284` or `ipv6:%5B::1%5D:57284` as OpenTelemetry's attributes of a server span's caller (no
+    proxy between: the connection's peer is the client); a unix socket: none."""
     kind, _, address = peer.split(",")[0].partition(":")
     if kind not in ("ipv4", "ipv6") or ":" not in address:
         return {}
     ip, port = unquote(address).rsplit(":", 1)
-    return {"net.peer.ip": ip, "net.peer.port": port}
+    ip = ip.removeprefix("[").removesuffix("]")
+    if not port.isdigit():
+        return {"client.address": ip, "network.peer.address": ip}
+    number = int(port)
+    return {"client.address": ip, "client.port": number, "network.peer.address": ip, "network.peer.port": number}

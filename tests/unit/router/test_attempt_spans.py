@@ -50,6 +50,7 @@ def moved_stream(
 
 
 def attempts(exporter: InMemorySpanExporter) -> list[ReadableSpan]:
+    # the client spans of the router's calls (opentelemetry-instrumentation-grpc names them with the slash)
     return [s for s in exporter.get_finished_spans() if s.name == "/pdserve.v1.DecodeWorker/Generate"]
 
 

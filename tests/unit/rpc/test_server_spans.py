@@ -25,6 +25,7 @@ from pdserve.telemetry import Telemetry
 pytestmark = pytest.mark.timeout(60)
 SERVICE = "pdserve.v1.DecodeWorker"  # one a worker's drain gate holds
 METHOD = f"/{SERVICE}/Flood"
+SPAN = f"{SERVICE}/Flood"  # OpenTelemetry's RPC span name: the method's path without its leading slash
 CHUNK = b"x" * (256 * 1024)
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
@@ -71,10 +72,29 @@ async def test_a_stream_its_callers_deadline_ended_mid_write_closes_its_handler_
         await call.initial_metadata()
         assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     for _ in range(50):  # the server's side of the call ends a moment after its caller's
-        if any(s.name == METHOD for s in exporter.get_finished_spans()):
+        if any(s.name == SPAN for s in exporter.get_finished_spans()):
             break
         await asyncio.sleep(0.1)
-    (server_span,) = [s for s in exporter.get_finished_spans() if s.name == METHOD]
+    (server_span,) = [s for s in exporter.get_finished_spans() if s.name == SPAN]
     assert server_span.attributes.get("closed_in_span") == "r1", server_span.attributes
+    port = server_span.attributes["client.port"]  # the caller as the HTTP API's span names it: an integer port
+    assert isinstance(port, int) and 0 < port < 65536 and server_span.attributes["client.address"] == "127.0.0.1"
+    assert server_span.attributes["network.peer.address"] == "127.0.0.1"
+    assert server_span.attributes["network.peer.port"] == port
     assert server_span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     assert server_span.status.status_code != trace.StatusCode.ERROR  # the caller's deadline, not this server's fault
+
+
+def test_a_callers_address_is_the_client_and_network_peer_attributes_with_an_integer_port():
+    """OpenTelemetry's current names (`net.peer.ip`/`net.peer.port` are deprecated), an IPv6 address without the
+    brackets its URI form has, as the HTTP API's span names its caller."""
+    from pdserve.rpc.server_spans import _peer
+
+    for peer, ip in (("ipv4:10.0.0.7:57284", "10.0.0.7"), ("ipv6:%5B::1%5D:57284", "::1")):
+        assert _peer(peer) == {
+            "client.address": ip,
+            "client.port": 57284,
+            "network.peer.address": ip,
+            "network.peer.port": 57284,
+        }
+    assert _peer("unix:/tmp/s.sock") == {}
