@@ -186,35 +186,6 @@ def test_offer_is_the_best_idle_worker_even_when_placement_picks_another():
     assert placed.offer.ttft_s == pytest.approx(PROFILE.prefill_s(500))  # p1, were it idle
 
 
-def test_no_slo_request_larger_than_the_default_is_served_on_an_idle_cluster():
-    r = Router([worker("p0"), worker("d0", "decode")])
-    placed = r.admit(prompt(2000), slo_s=(1.0, 1.0), explicit=False)  # own cost 2.01 s > the 1 s default
-    assert placed.own_ttft_s > 1.0
-
-
-def test_no_slo_request_larger_than_the_default_is_shed_behind_a_queue_with_a_retry_hint():
-    r = Router([worker("p0", queued_prefill_tokens=500), worker("d0", "decode")])
-    err = shed(r, prompt(2000), "TTFT", slo_s=(1.0, 1.0), explicit=False)
-    # The queue must drain to what it may always queue, a tenth of the default (80 ms with the headroom): 420 ms.
-    assert err.retry_after_ms == pytest.approx(420, abs=2)
-
-
-def test_no_slo_request_larger_than_the_default_is_not_shed_behind_a_decoding_stream():
-    """Its budget was its own cost alone, no queueing: one stream decoding on the decode worker (half a step's
-    wait for the hand-off) shed it, again and again for as long as any stream ran (a fault review)."""
-    r = Router([worker("p0"), worker("d0", "decode", running=1)])
-    placed = r.admit(prompt(2000), slo_s=(1.0, 1.0), explicit=False)
-    assert placed.queue_s > 0 and placed.own_ttft_s > 1.0
-
-
-def test_no_slo_request_within_the_default_keeps_the_default_and_margin():
-    # Own 110 ms, default 1 s: the queue may fill 0.8 * 890 = 712 ms.
-    r = Router([worker("p0", queued_prefill_tokens=700), worker("d0", "decode")])
-    r.admit(prompt(100), slo_s=(1.0, 1.0), explicit=False)
-    r2 = Router([worker("p0", queued_prefill_tokens=750), worker("d0", "decode")])
-    assert shed(r2, prompt(100), "TTFT", slo_s=(1.0, 1.0), explicit=False).retry_after_ms == MIN_RETRY_MS
-
-
 def test_the_margin_applies_to_the_queue_not_to_the_own_cost():
     # Own 510 ms against a 600 ms SLO: the old rule (predicted <= 0.8 * SLO) refused it even when idle.
     r = Router([worker("p0"), worker("d0", "decode")])
