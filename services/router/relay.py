@@ -126,8 +126,8 @@ class Relay:
         the decode worker's trailing metadata). With the wait its prefill worker reports (other routers' prompts
         ahead of it, which would read as a slow worker), its TTFT less that wait against the prediction less its
         queue; without (a stream that did not end OK, a colocated worker), its TTFT against the whole prediction."""
-        if ticket.alone_ttft_s is None:
-            return
+        if ticket.alone_ttft_s is None or ticket.placement.cached_tokens:
+            return  # a prefix-cache hit's TTFT holds a cost the prediction does not price (reading its cached tokens)
         waited = dict(trailing or ()).get(PREFILL_WAITED_KEY)
         p, measured_s, predicted_s = ticket.placement, ticket.alone_ttft_s, ticket.placement.predicted_ttft_s
         if isinstance(waited, str) and waited.isdigit():

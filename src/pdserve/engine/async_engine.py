@@ -85,7 +85,8 @@ class AsyncEngine:
         self._slowed: dict[str, float] = {}  # fault injection: a step that runs one of these sleeps this long
         self.on_death: Callable[[BaseException], None] | None = None  # called on the engine thread as it dies
         self.stats: dict[str, int] = {}
-        self.on_step: Callable[[int, int, float], None] | None = None  # (prefill tokens, decode seqs, seconds)
+        # (prefill tokens, decode seqs, seconds, the earlier tokens its prompt chunks read)
+        self.on_step: Callable[[int, int, float, int], None] | None = None
         self._started = StartTimes()
         self.prefix_journal: PrefixCacheJournal | None = engine.blocks.journal  # thread-safe; for routers' indexes
         self._update_stats()
@@ -352,7 +353,11 @@ class AsyncEngine:
         self._mark_started(outputs, start_ns)
         if self.on_step is not None:
             decode_seqs = min(decoding, self._engine.last_step_tokens)
-            self.on_step(self._engine.last_step_tokens - decode_seqs, decode_seqs, time.perf_counter() - start)
+            prefill_tokens, context = (
+                self._engine.last_step_tokens - decode_seqs,
+                self._engine.last_step_prefill_context,
+            )
+            self.on_step(prefill_tokens, decode_seqs, time.perf_counter() - start, context)
         if self._doomed and (hit := self._doomed & {o.request_id for o in outputs}):
             raise InjectedEngineFault(f"fault injected: the engine step ran {sorted(hit)}")
         if self._slowed and (delay := max((self._slowed.get(o.request_id, 0.0) for o in outputs), default=0.0)):

@@ -74,6 +74,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self.fingerprint = _fingerprint(self.model_config, self.model)
         self.last_step_tokens = 0  # tokens the last step ran (0: it could run nothing), for live speed tracking
+        self.last_step_prefill_context = 0  # the earlier tokens its prompt chunks read (SchedulerOutput's)
 
     def _blocks_for_memory(self) -> int:
         per_block = kv_block_bytes(self.model_config, self.config.block_size, resolve_dtype(self.config))
@@ -233,6 +234,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         self.last_step_tokens = plan.num_tokens
+        self.last_step_prefill_context = plan.prefill_context_tokens
         if not plan.chunks:
             return []
         step = self.runner.execute(plan.chunks)

@@ -22,7 +22,13 @@ class SpeedTracker:
         self.alpha = alpha
         self.factor = 1.0
 
-    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
+    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_context: int = 0) -> None:
+        """`prefill_context`: the earlier tokens the step's prompt chunks read from the cache. Such a step is not
+        observed: the profile prices a prompt's new tokens alone, so a prefix-cache hit's step (or a long prompt's
+        later chunk) read as up to 4x slow, and a review saw the router then refuse every request with an SLO, on
+        an idle cluster, for as long as no other step ran to correct it."""
+        if prefill_context:
+            return
         predicted = self.profile.prefill_s(prefill_tokens) + (
             self.profile.decode_step_s(decode_seqs) if decode_seqs else 0.0
         )

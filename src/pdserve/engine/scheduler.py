@@ -43,6 +43,12 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
 
+    @property
+    def prefill_context_tokens(self) -> int:
+        """The earlier tokens the step's prompt chunks read from the cache (a prefix-cache hit's, a chunked
+        prompt's first chunks): a cost the fitted prefill curve, which prices new tokens alone, does not know."""
+        return sum(c.start_position for c in self.chunks if len(c.token_ids) > 1)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:

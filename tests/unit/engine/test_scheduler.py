@@ -187,8 +187,10 @@ def test_long_prompt_is_prefilled_in_consecutive_chunks(chunk: int, budget: int)
     assert [c.start_position for c in chunks] == list(range(0, 50, size))
     assert [t for c in chunks for t in c.token_ids] == prompt
     assert [c.sample for c in chunks] == [False] * (len(chunks) - 1) + [True]
-    (decode,) = sim.step().chunks
+    out = sim.step()
+    (decode,) = out.chunks
     assert decode.start_position == 50 and len(decode.token_ids) == 1 and decode.sample
+    assert out.prefill_context_tokens == 0  # a decode's context is the decode step's own cost
     assert not sim.sched.has_work
     assert sim.bm.num_used_blocks == 0
 
@@ -303,8 +305,10 @@ def test_a_request_sharing_a_finished_prefix_starts_past_it() -> None:
 
     hits = sim.bm.prefix_hits
     b = sim.add("b", a.prompt_token_ids[:33] + [7] * 12, max_tokens=2)
-    (chunk,) = sim.step().chunks
+    out = sim.step()
+    (chunk,) = out.chunks
     assert b.num_cached_tokens == 32
+    assert out.prefill_context_tokens == 32  # read from the cache, which the fitted prefill curve does not price
     assert chunk.start_position == 32
     assert chunk.token_ids == b.prompt_token_ids[32:]
     assert chunk.block_table[:8] == a_table[:8]

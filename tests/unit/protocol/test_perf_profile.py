@@ -116,3 +116,13 @@ def test_a_queue_less_an_estimate_of_its_part_is_a_queue_that_can_be(
 ) -> None:
     """Tokens need a prompt, and n tokens in p prompts square to between n²/p (equal prompts) and n² (one prompt)."""
     assert queue.minus(out) == left
+
+
+def test_a_step_whose_prompt_chunks_read_cached_tokens_is_not_observed() -> None:
+    """The profile prices a prompt's new tokens alone: a prefix-cache hit's step (or a long prompt's later chunk)
+    read as up to 4x slow, and the router then refused every request with an SLO on an idle cluster (a review)."""
+    t = SpeedTracker(PROFILE, alpha=1.0)
+    t.observe(48, 0, 4 * PROFILE.prefill_s(48), prefill_context=2000)
+    assert t.factor == 1.0
+    t.observe(48, 0, 2 * PROFILE.prefill_s(48))
+    assert t.factor == pytest.approx(2.0)

@@ -6,18 +6,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 import pytest
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.rpc.metadata import PREFILL_WAITED_KEY
 from pdserve.security.api_keys import OPEN_TENANT, KeyTable, Tenant, digest
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from services.router.generation import generate
+from services.router.request import RoutedRequest
 from services.router.ticket import Ticket
-from tests.unit.router.router_builder import Router, worker
+from tests.unit.router.router_builder import Router, prompt, worker
 from tests.unit.router.stand_in_decode import StandInDecode, serving
 
 pytestmark = pytest.mark.timeout(60)
@@ -165,3 +168,21 @@ async def test_a_stream_its_caller_leaves_after_the_first_token_still_teaches_ca
         await anext(stream)
         await stream.aclose()
     assert router.predictor.calibration.factor("p0") > 2.0  # 1 s against a ~70 ms prediction
+
+
+@pytest.mark.parametrize("cached", [0, 32])
+def test_a_prefix_cache_hit_teaches_calibration_nothing(cached: int) -> None:
+    """Its TTFT holds the reading of its cached tokens, which the prediction does not price: a review saw cache
+    hits raise the worker's factor toward its cap, and the router then refuse every request with an SLO."""
+    router = Router([worker("p0"), worker("d0", "decode")])
+    placed = replace(router.place(prompt(64), 8, 1.0), cached_tokens=cached)
+    req = RoutedRequest("client", prompt(64), SamplingParams(max_tokens=8), 0.0, 0.0, 0)
+    ticket = Ticket("key", "client", req, placed, 0.0, router.tracker, router.admission)
+    ticket.alone_ttft_s = 3 * placed.predicted_ttft_s
+
+    async def calibrate() -> None:
+        router.lifecycle().relay._calibrate(ticket, None)
+
+    asyncio.run(calibrate())
+    factor = router.predictor.calibration.factor("p0")
+    assert factor == 1.0 if cached else factor > 1.0
