@@ -11,7 +11,7 @@ from pdserve.planner.workload import Workload
 
 
 def plan_table(candidates: list[Candidate], workload: Workload, slo: SLO, profile: HardwareProfile) -> Table:
-    best = recommend(candidates)
+    best = None if unmet(candidates) is not None else recommend(candidates)  # none marked beside "none"
     table = Table(
         title=f"pdserve plan at {workload.rate:g} req/s (mean {workload.mean_input_len:.0f} in, "
         f"{workload.mean_output_len:.0f} out; SLO TTFT {slo.ttft_ms:g} ms, TPOT {slo.tpot_ms:g} ms, "
@@ -78,6 +78,8 @@ def verdict(candidates: list[Candidate], rate: float) -> str:
         line += f": consider --mode colocated --workers {co.shape.colocated}"
     if rate > max(c.max_rate for c in candidates):
         line += f"\nno shape of these workers sustains the workload's {rate:.2f} req/s within the SLO: add workers"
+    elif rate > best.max_rate:  # the colocated shape would: a split of these workers would not
+        line += f"\nno split of these workers sustains the workload's {rate:.2f} req/s within the SLO: add workers"
     return line
 
 

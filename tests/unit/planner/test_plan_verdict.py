@@ -26,6 +26,7 @@ def test_an_slo_no_shape_meets_even_idle_recommends_nothing_and_exits_1(
     assert cli.main(plan_argv(profile, "1", "0.001")) == 1
     out, err = capsys.readouterr()
     assert "recommended: none" in out and "recommended: --prefill" not in out, out
+    assert " *" not in out, out  # no row marked as the recommended split either
     assert "no split (nor the colocated shape) meets the SLO at any rate" in err, err
     assert cli.main(plan_argv(profile, "1", "0.001", "--json")) == 1
     out, err = capsys.readouterr()
@@ -57,3 +58,22 @@ def test_only_the_colocated_shape_meeting_the_slo_is_no_recommended_split() -> N
     assert why is not None and "3 colocated workers sustain 4.50 req/s" in why
     assert verdict([*splits, candidate(Shape(colocated=3), 4.5)], 1.0) == "recommended: none"  # type: ignore[list-item]
     assert unmet([candidate(Shape(1, 2), 0.1), candidate(Shape(colocated=3), 4.5)]) is None  # type: ignore[list-item]
+
+
+def test_a_rate_only_the_colocated_shape_sustains_says_no_split_does() -> None:
+    """An SRE review: `recommended: --prefill 1 --decode 1 (sustains 3.31 req/s)` at --rate 6, the colocated shape
+    named as sustaining more, and nothing saying the split falls short of the rate asked for."""
+    from types import SimpleNamespace
+
+    from pdserve.planner.report import verdict
+    from pdserve.planner.shape import Shape
+
+    at_rate = SimpleNamespace(attainment=0.8, goodput=4.81)
+    candidates = [
+        SimpleNamespace(shape=Shape(1, 1), max_rate=3.31, at_rate=at_rate),
+        SimpleNamespace(shape=Shape(colocated=2), max_rate=11.86, at_rate=at_rate),
+    ]
+    said = verdict(candidates, 6.0)  # type: ignore[arg-type]
+    assert said.startswith("recommended: --prefill 1 --decode 1 (sustains 3.31 req/s)"), said
+    assert "no split of these workers sustains the workload's 6.00 req/s within the SLO: add workers" in said, said
+    assert "no split" not in verdict(candidates, 3.0)  # type: ignore[arg-type]
