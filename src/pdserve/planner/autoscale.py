@@ -92,18 +92,25 @@ class LoadWindow:
 
 
 def recommend_counts(
-    profile: HardwareProfile, load: Load, slo: SLO, max_workers: int, num_requests: int = PLAN_REQUESTS
+    profile: HardwareProfile,
+    load: Load,
+    slo: SLO,
+    max_workers: int,
+    num_requests: int = PLAN_REQUESTS,
+    range_ratio: float = 0.0,
 ) -> dict[str, int]:
     """The split of the fewest workers (2..max_workers) that sustains `load` at the SLO: the split `pdserve plan`
     recommends at that size (the highest sustainable rate; on a tie, the better attainment and goodput at the
     load's rate, then the fewest prefill workers; the router's admission simulated, as plan does unless told
-    `--no-admission`), so the two never disagree. None sustains it: the best split of `max_workers`."""
+    `--no-admission`), so the two never disagree. None sustains it: the best split of `max_workers`. The window
+    gives mean lengths only: `range_ratio` spreads them as plan's `--range-ratio` does (a spread of 25% cut what
+    a 1P:1D split sustains by a third in a review, which the means alone hid)."""
     if max_workers < 2:
         raise ValueError(f"--max-workers must be at least 2 (a prefill and a decode worker), got {max_workers}")
     if load.idle:
         return dict(SMALLEST)
     lengths = max(1, round(load.input_len)), max(1, round(load.output_len))
-    work = workload.synthetic(load.rate, *lengths, num_requests=num_requests)
+    work = workload.synthetic(load.rate, *lengths, num_requests=num_requests, range_ratio=range_ratio)
     admission = Admission(slo.ttft_ms / 1e3)  # the router's defaults: its requests set no SLO of their own
     for k in range(2, max_workers + 1):
         best = recommend([candidate(profile, s, work, slo, admission) for s in _splits(k)])

@@ -38,6 +38,7 @@ class AutoscaleConfig:
     cooldown_s: float
     once: bool  # one decision (once the window is covered), printed, then exit
     dry_run: bool  # decide and print, never scale
+    range_ratio: float = 0.0  # the spread of lengths around the window's means (plan's --range-ratio)
 
 
 # A status call refused for what the caller is or asked: the same call at the next interval fails the same way.
@@ -117,7 +118,9 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
             raise ValueError("autoscale scales a disaggregated cluster's split; this one is colocated")
         load = window.load()
         if load is not None:
-            plan = await asyncio.to_thread(recommend_counts, c.profile, load, c.slo, c.max_workers)
+            plan = await asyncio.to_thread(
+                recommend_counts, c.profile, load, c.slo, c.max_workers, range_ratio=c.range_ratio
+            )
             recommended = bounded(plan, c.max_workers)
             if c.once:
                 decision = Decision(None if recommended == current else recommended, "one decision (--once)")

@@ -184,6 +184,9 @@ def _add_autoscale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cooldown", type=seconds, default=120.0, help="seconds after a scale before the next one")
     p.add_argument("--once", action="store_true", help="one decision once the window is covered, printed; then exit")
     p.add_argument("--dry-run", action="store_true", help="decide and print, never scale")
+    p.add_argument(
+        "--range-ratio", type=_ratio, default=0.0, help="the workload's lengths spread over len * [1 - r, 1 + r]"
+    )
     add_client_flags(p)
     p.set_defaults(func=_autoscale)
 
@@ -202,6 +205,7 @@ def _autoscale(args: argparse.Namespace) -> int:
             *(args.max_workers, args.interval, args.window, args.consecutive, args.cooldown),
             once=args.once,
             dry_run=args.dry_run,
+            range_ratio=args.range_ratio,
         )
         return asyncio.run(run_autoscale(args.addr, client_credentials(args), config))
     except (ValueError, OSError) as e:

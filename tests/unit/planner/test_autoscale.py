@@ -88,6 +88,15 @@ def test_autoscale_recommends_what_plan_recommends_with_the_routers_admission() 
     assert counts == {"prefill": planned.shape.prefill, "decode": planned.shape.decode} == {"prefill": 2, "decode": 2}
 
 
+def test_lengths_spread_around_the_windows_means_as_plan_spreads_them() -> None:
+    """An SRE review: the window's mean lengths alone recommended 1P:1D where plan, given the workload's spread
+    (25%), said 1P:1D sustained a third less than the load; --range-ratio gives autoscale the spread."""
+    load, slo = Load(8, 400, 16), SLO(400, 50)
+    assert recommend_counts(synthetic_profile(), load, slo, 4, num_requests=200) == {"prefill": 1, "decode": 1}
+    spread = recommend_counts(synthetic_profile(), load, slo, 4, num_requests=200, range_ratio=0.5)
+    assert spread == {"prefill": 2, "decode": 1}
+
+
 def test_a_router_restart_starts_the_window_again() -> None:
     w = LoadWindow(window_s=1)
     w.observe(Admitted(0, 500, 0, 0))
