@@ -48,7 +48,8 @@ def profile_caption(p: HardwareProfile) -> str:
     """What the simulation assumed of the hardware: an SRE reads a plan for GPU pods differently from one for
     workers sharing a host's cores."""
     meta = p.meta
-    line = f"profile: {meta.get('model', '?')} on {meta.get('device', '?')} ({meta.get('dtype', '?')})"
+    threads = f", {meta['threads']} threads" if "threads" in meta else ""  # a CPU profile's speed is its threads'
+    line = f"profile: {meta.get('model', '?')} on {meta.get('device', '?')} ({meta.get('dtype', '?')}{threads})"
     served = p.serving_latency_s or p.serving_latency_quantiles_s
     line += f", serving latency {describe(p)}" if served else ", no serving latency"
     if p.shared_cores:

@@ -77,3 +77,13 @@ def test_a_rate_only_the_colocated_shape_sustains_says_no_split_does() -> None:
     assert said.startswith("recommended: --prefill 1 --decode 1 (sustains 3.31 req/s)"), said
     assert "no split of these workers sustains the workload's 6.00 req/s within the SLO: add workers" in said, said
     assert "no split" not in verdict(candidates, 3.0)  # type: ignore[arg-type]
+
+
+def test_the_caption_names_the_profiles_threads() -> None:
+    """A CPU profile's speed is its thread count's: a review's --threads 2 profile taken in a busy spell said no
+    split met the SLO, and nothing in the plan showed what it was measured with."""
+    from pdserve.planner.report import profile_caption
+
+    profile = synthetic_profile()
+    profile.meta.update(model="tiny-random", device="cpu", dtype="float32", threads=2)
+    assert profile_caption(profile).startswith("profile: tiny-random on cpu (float32, 2 threads)")
