@@ -72,21 +72,27 @@ def test_the_stall_bound_outlasts_two_preemption_notices():
             RouterConfig(stall_timeout_s=short)
 
 
-async def test_a_router_loop_held_past_the_bound_is_not_a_stalled_worker():
-    """The router's own event loop held for 1.5 s (a huge JSON body parsed, a long GC) while a decode worker
-    streams a token every 20 ms: its messages wait in the channel, and the 0.5 s bound must not count the time the
-    router could not read them (before, it cancelled the healthy worker's stream and ejected the worker)."""
+async def tokens_read_through_a_hold(bound_s: float, hold_at_s: float) -> int:
+    """The tokens read, each within `bound_s`, from a stand-in decode worker sending 60 tokens 20 ms apart, while
+    the reading loop is held for 1.5 s `hold_at_s` after the first."""
     decode = worker("d0", "decode")
     async with serving(StandInDecode(gap_s=0.02)) as address, channel(address) as ch:
         call = worker_pb2_grpc.DecodeWorkerStub(ch).Generate(
             wpb.WorkerGenerateRequest(request_id="r", sampling=pb.SamplingParams(max_tokens=60))
         )
-        assert await read_within(call, 0.5, decode) is not grpc.aio.EOF
-        asyncio.get_running_loop().call_later(0.1, time.sleep, 1.5)
+        assert await read_within(call, bound_s, decode) is not grpc.aio.EOF
+        asyncio.get_running_loop().call_later(hold_at_s, time.sleep, 1.5)
         tokens = 1
-        while await read_within(call, 0.5, decode) is not grpc.aio.EOF:
+        while await read_within(call, bound_s, decode) is not grpc.aio.EOF:
             tokens += 1
-    assert tokens == 60
+    return tokens
+
+
+async def test_a_router_loop_held_past_the_bound_is_not_a_stalled_worker():
+    """The router's own event loop held for 1.5 s (a huge JSON body parsed, a long GC) while a decode worker
+    streams a token every 20 ms: its messages wait in the channel, and the 0.5 s bound must not count the time the
+    router could not read them (before, it cancelled the healthy worker's stream and ejected the worker)."""
+    assert await tokens_read_through_a_hold(0.5, 0.1) == 60
 
 
 async def test_a_router_loop_held_past_the_bound_and_all_its_graces_at_once_is_not_a_stalled_worker(monkeypatch):
@@ -95,17 +101,7 @@ async def test_a_router_loop_held_past_the_bound_and_all_its_graces_at_once_is_n
     from services.router import stall
 
     monkeypatch.setattr(stall, "HELD_MAX_S", 0.2)
-    decode = worker("d0", "decode")
-    async with serving(StandInDecode(gap_s=0.02)) as address, channel(address) as ch:
-        call = worker_pb2_grpc.DecodeWorkerStub(ch).Generate(
-            wpb.WorkerGenerateRequest(request_id="r", sampling=pb.SamplingParams(max_tokens=60))
-        )
-        assert await read_within(call, 0.3, decode) is not grpc.aio.EOF
-        asyncio.get_running_loop().call_later(0.05, time.sleep, 1.5)
-        tokens = 1
-        while await read_within(call, 0.3, decode) is not grpc.aio.EOF:
-            tokens += 1
-    assert tokens == 60
+    assert await tokens_read_through_a_hold(0.3, 0.05) == 60
 
 
 async def test_a_silent_worker_is_still_caught_after_the_loop_was_held():
