@@ -1,6 +1,7 @@
 """A stuck prefill worker and a client with no deadline: the router's first-token bound fails the request
 with UNAVAILABLE, and once the worker runs again every KV block is free on both sides. A stuck decode worker
-is the one the bound blames (the retry ejects it, not the healthy prefill worker)."""
+is the one the bound blames (ejected, not the healthy prefill worker; its retry waits for the stopped worker to be
+heard from, then finds it out of placement)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,8 @@ def test_a_stuck_decode_worker_is_the_one_blamed(cluster):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
     log = cluster.log()[seen:]  # the client gets the last attempt's status; the router logs each one's blame
     assert "never handed the prompt to prefill worker" in log
-    assert f"placed again after worker {workers['decode']['id']} failed it" in log
-    assert f"after worker {workers['prefill']['id']} failed it" not in log
+    decode, prefill = workers["decode"], workers["prefill"]
+    assert f"worker {decode['id']} at {decode['address']} out of placement" in log  # blamed: ejected
+    assert f"worker {prefill['id']} at {prefill['address']} out of placement" not in log
+    assert f"after worker {prefill['id']} failed it" not in log
     assert len(asyncio.run(first_token(cluster.address, request))) == 8
