@@ -44,9 +44,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         request_id_var.set(request.client_request_id or request.request_id)
         work = engine_request_from_pb(request)
         if self.faults.engine_dies_for(request.client_request_id):
-            self.engine.fail_when_stepped(request.request_id)
+            self.engine.faults.fail_when_stepped(request.request_id)
         if delay_s := self.faults.step_delay_for(request.client_request_id):
-            self.engine.slow_when_stepped(request.request_id, delay_s)
+            self.engine.faults.slow_when_stepped(request.request_id, delay_s)
         outputs: AsyncIterator[RequestOutput]
         if not request.prefill_address:
             outputs = generate_here(self.engine, self.telemetry, self.worker_id, work)

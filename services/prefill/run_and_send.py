@@ -53,7 +53,7 @@ class RunAndSend:
         """The first token, then (unless it ended the request) the confirmation that the KV was sent."""
         self._check(job)
         if self.faults.engine_dies_for(job.client_request_id):
-            self.engine.fail_when_stepped(job.request.request_id)
+            self.engine.faults.fail_when_stepped(job.request.request_id)
         out, waited_s = await self._run_prompt(job)
         first = FirstToken(
             out.new_token_ids[0],

@@ -27,6 +27,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import kv_block_bytes
 from pdserve.engine.profiling import measure_profile
 from pdserve.engine.start_times import StartTimes
+from pdserve.engine.step_faults import StepFaults
 from pdserve.errors import InvalidRequestError, UnavailableError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.outputs import PREEMPTED_NOTICE_S, RequestOutput, TokenLogprobs
@@ -59,10 +60,6 @@ class EngineDeadError(UnavailableError):
     """The engine thread stopped on an error; the worker must be restarted (its callers get UNAVAILABLE)."""
 
 
-class InjectedEngineFault(RuntimeError):
-    """Raised in the engine step on purpose (`fail_when_stepped`): tests kill the engine thread with it."""
-
-
 class DuplicateRequestError(InvalidRequestError):
     """Another caller's request with this id is in flight on this worker; that one keeps running."""
 
@@ -81,11 +78,10 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._error: BaseException | None = None
         self._pending: set[Future[object]] = set()  # commands awaited: failed at once if the thread dies
-        self._doomed: set[str] = set()  # fault injection: a step that runs one of these request ids raises
-        self._slowed: dict[str, float] = {}  # fault injection: a step that runs one of these sleeps this long
+        self.faults = StepFaults()  # for tests: a step running a named request raises or is slowed
         self.on_death: Callable[[BaseException], None] | None = None  # called on the engine thread as it dies
         self.stats: dict[str, int] = {}
-        # (prefill tokens, decode seqs, seconds, the earlier tokens its prompt chunks read)
+        # (prefill tokens, decode seqs, seconds, the earlier tokens its prompt chunks read), on the engine thread
         self.on_step: Callable[[int, int, float, int], None] | None = None
         self._started = StartTimes()
         self.prefix_journal: PrefixCacheJournal | None = engine.blocks.journal  # thread-safe; for routers' indexes
@@ -197,7 +193,7 @@ class AsyncEngine:
 
     def _abort_now(self, engine: LLMEngine, request_id: str) -> bool:
         """On the engine thread: a slowed request stays slow until the engine drops it (a test sees one left on)."""
-        self._slowed.pop(request_id, None)
+        self.faults.forget(request_id)
         return engine.abort(request_id)
 
     async def measure_profile(self) -> PerfProfile:
@@ -216,15 +212,6 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._error is None and self._thread.is_alive()
-
-    def fail_when_stepped(self, request_id: str) -> None:
-        """Fault injection: the first engine step that runs `request_id` raises, which ends the engine
-        thread as a real step failure would (tests of what a worker does when its engine dies)."""
-        self._doomed.add(request_id)
-
-    def slow_when_stepped(self, request_id: str, seconds: float) -> None:
-        """Fault injection: each step running `request_id` takes `seconds` more (a slow device, for tests)."""
-        self._slowed[request_id] = seconds
 
     async def _call(self, fn: Callable[[LLMEngine], T], undo: Callable[[LLMEngine, T], None] | None = None) -> T:
         """Run `fn(engine)` on the engine thread between steps and await its result. Cancelling the caller
@@ -308,7 +295,7 @@ class AsyncEngine:
             await asyncio.shield(aborted)
             return
         if not abort:  # it finished: the engine holds it no more
-            self._slowed.pop(request_id, None)
+            self.faults.forget(request_id)
         forget()
 
     def _submit(self, command: Callable[[], None]) -> None:
@@ -352,16 +339,10 @@ class AsyncEngine:
             return False
         self._mark_started(outputs, start_ns)
         if self.on_step is not None:
-            decode_seqs = min(decoding, self._engine.last_step_tokens)
-            prefill_tokens, context = (
-                self._engine.last_step_tokens - decode_seqs,
-                self._engine.last_step_prefill_context,
-            )
-            self.on_step(prefill_tokens, decode_seqs, time.perf_counter() - start, context)
-        if self._doomed and (hit := self._doomed & {o.request_id for o in outputs}):
-            raise InjectedEngineFault(f"fault injected: the engine step ran {sorted(hit)}")
-        if self._slowed and (delay := max((self._slowed.get(o.request_id, 0.0) for o in outputs), default=0.0)):
-            time.sleep(delay)
+            e, seconds = self._engine, time.perf_counter() - start
+            decode_seqs = min(decoding, e.last_step_tokens)
+            self.on_step(e.last_step_tokens - decode_seqs, decode_seqs, seconds, e.last_step_prefill_context)
+        self.faults.stepped(o.request_id for o in outputs)
         self._deliver(outputs)
         self._update_stats()
         return True

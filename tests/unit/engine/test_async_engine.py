@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from pdserve.config import EngineConfig
-from pdserve.engine.async_engine import AsyncEngine, DuplicateRequestError, EngineDeadError, InjectedEngineFault
+from pdserve.engine.async_engine import AsyncEngine, DuplicateRequestError, EngineDeadError
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.engine.step_faults import InjectedEngineFault
 from pdserve.errors import InvalidRequestError, UnavailableError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.roles import EngineMode
@@ -180,7 +181,7 @@ async def test_a_dead_engine_thread_fails_every_waiting_caller_as_unavailable_an
     engine.on_step = hold_the_engine_thread
     other = asyncio.ensure_future(tokens(engine.generate(EngineRequest("other", PROMPT, long))))
     assert await asyncio.to_thread(holds[0][0].wait, 10)  # held after other's first step: the add below runs next
-    engine.fail_when_stepped("doomed")
+    engine.faults.fail_when_stepped("doomed")
     doomed = asyncio.ensure_future(tokens(engine.generate(EngineRequest("doomed", PROMPT, long))))
     await asyncio.sleep(0.05)
     holds[0][1].set()
@@ -202,12 +203,12 @@ async def test_a_slowed_request_sleeps_each_step_it_runs_and_is_forgotten_when_d
     """The slow-device fault: the steps that run the request each take the delay longer (a lower bound, so it
     holds on a loaded machine), its output is unchanged, and the engine forgets it once the stream ends."""
     plain = await tokens(mixed.generate(EngineRequest("plain", PROMPT, GREEDY)))
-    mixed.slow_when_stepped("slow", 0.05)
+    mixed.faults.slow_when_stepped("slow", 0.05)
     start = asyncio.get_running_loop().time()
     slowed = await tokens(mixed.generate(EngineRequest("slow", PROMPT, GREEDY)))
     assert slowed == plain
     assert asyncio.get_running_loop().time() - start >= 0.05 * GREEDY.max_tokens
-    assert mixed._slowed == {}  # noqa: SLF001 (no public view of the fault's state)
+    assert mixed.faults._slowed == {}  # noqa: SLF001 (no public view of the fault's state)
 
 
 async def test_a_prefill_names_exactly_the_blocks_it_holds_for_the_hand_off(prefill_only, mixed):
@@ -259,7 +260,7 @@ async def test_a_caller_behind_a_dying_engine_gets_what_was_produced_then_the_fa
         if queue.qsize() >= 3:
             break
         await asyncio.sleep(0.01)
-    mixed.fail_when_stepped("behind")
+    mixed.faults.fail_when_stepped("behind")
     for _ in range(500):
         if not mixed.alive:
             break
