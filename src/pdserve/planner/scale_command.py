@@ -123,9 +123,7 @@ def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
     try:
         return asyncio.run(run())
     except grpc.aio.AioRpcError as e:
-        line = rpc_error_line("pdserve scale", e.code().name, e.details() or "", client_credentials(args))
-        print(line, file=sys.stderr)
-        return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+        return _router_refused(e, args)
 
 
 def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
@@ -137,12 +135,8 @@ def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
             patch, floors = _dry_run_patch(name, namespace, counts)
         else:
             patch, floors = apply_patch(RayClusterApi(name, namespace), counts)
-    except ValueError as e:
-        print(f"pdserve scale: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # the kubernetes client's: no credentials, no such object, refused by the API server
-        print(f"pdserve scale: RayCluster {namespace}/{name}: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:
+        return _refused(e, ValueError, f"RayCluster {namespace}/{name}")
     print(f"RayCluster {namespace}/{name} (ray.io/v1):", file=sys.stderr)
     print(json.dumps(patch, indent=1))
     for group in floors:
@@ -184,19 +178,13 @@ def _scale_pods_and_workers(args: argparse.Namespace, counts: dict[str, int]) ->
     try:
         api = RayClusterApi(name, namespace)
         asyncio.run(scale_pods_and_workers(api, args.addr, client_credentials(args), counts, args.timeout, report))
-    except ScaleRefused as e:
-        print(f"pdserve scale: {e}", file=sys.stderr)
-        return 2
     except TimeoutError as e:
         print(f"pdserve scale: workers not settled: {e}", file=sys.stderr)
         return 1
     except grpc.aio.AioRpcError as e:
-        line = rpc_error_line("pdserve scale", e.code().name, e.details() or "", client_credentials(args))
-        print(line, file=sys.stderr)
-        return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
-    except Exception as e:  # the kubernetes client's: no credentials, no such object, refused by the API server
-        print(f"pdserve scale: RayCluster {namespace}/{name}: {e}", file=sys.stderr)
-        return 1
+        return _router_refused(e, args)
+    except Exception as e:
+        return _refused(e, ScaleRefused, f"RayCluster {namespace}/{name}")
     return 0
 
 
@@ -209,12 +197,8 @@ def _preview_pods_and_workers(args: argparse.Namespace, counts: dict[str, int], 
     try:
         live = RayClusterApi(name, namespace).get()
         _, grow, shrink = pod_changes(live, counts)
-    except ScaleRefused as e:
-        print(f"pdserve scale: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # the kubernetes client's: no credentials, no such object, refused by the API server
-        print(f"pdserve scale: RayCluster {namespace}/{name}: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:
+        return _refused(e, ScaleRefused, f"RayCluster {namespace}/{name}")
     print(f"RayCluster {namespace}/{name} (ray.io/v1), pods added before the workers:", file=sys.stderr)
     print(json.dumps(replicas_patch(grow, live), indent=1))
     print("after the workers drained, with the pods they left empty in workersToDelete:", file=sys.stderr)
@@ -226,3 +210,25 @@ def _raycluster(args: argparse.Namespace) -> tuple[str, str]:
     from pdserve.planner.kube_scale import target_namespace, target_raycluster
 
     return target_raycluster(args.raycluster, args.release), target_namespace(args.namespace)
+
+
+def _refused(error: Exception, asked: type[Exception], cluster: str) -> int:
+    """Says why the RayCluster was not changed: 2 for what was asked (`asked`: it never works), 1 for the kubernetes
+    client's failures (no credentials, no such object, refused by the API server), naming the RayCluster."""
+    if isinstance(error, asked):
+        print(f"pdserve scale: {error}", file=sys.stderr)
+        return 2
+    print(f"pdserve scale: {cluster}: {error}", file=sys.stderr)
+    return 1
+
+
+def _router_refused(error: Any, args: argparse.Namespace) -> int:
+    """Says what the router answered (with the flag a TLS or key failure calls for): 2 for INVALID_ARGUMENT, what
+    was asked never works; else 1. `error`: a grpc.aio.AioRpcError."""
+    import grpc
+
+    print(
+        rpc_error_line("pdserve scale", error.code().name, error.details() or "", client_credentials(args)),
+        file=sys.stderr,
+    )
+    return 2 if error.code() == grpc.StatusCode.INVALID_ARGUMENT else 1

@@ -219,3 +219,26 @@ def test_a_router_without_its_registry_leaves_the_pods_as_they_were(monkeypatch:
     with pytest.raises(ScaleRefused, match="cannot reach its registry"):
         asyncio.run(scale_pods_and_workers(api, "router:50051", ClientCredentials(), {"decode": 4}, 5, print))
     assert api.patches == []
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_a_raycluster_the_scale_cannot_apply_is_2_and_one_the_api_will_not_give_is_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], dry_run: list[str]
+) -> None:
+    """What was asked never works (exit 2, its reason alone), before the router is called; the kubernetes client's
+    failure names the RayCluster (exit 1: a retry, or credentials, may mend it)."""
+    foreign = RecordingRayCluster()
+    foreign.live["spec"]["workerGroupSpecs"] = [{"groupName": "gpu", "replicas": 1}]
+    monkeypatch.setattr(kube_scale, "RayClusterApi", lambda name, namespace: foreign)
+    argv = ["scale", "--kubernetes", "--addr", "127.0.0.1:1", "--raycluster", "rc", "--namespace", "ns"]
+    argv += ["--prefill", "2", "--decode", "1", *dry_run]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.startswith("pdserve scale: its worker groups are ['gpu']")
+
+    class Unreachable(RecordingRayCluster):
+        def get(self) -> dict:
+            raise ConnectionError("the API server did not answer")
+
+    monkeypatch.setattr(kube_scale, "RayClusterApi", lambda name, namespace: Unreachable())
+    assert cli.main(argv) == 1
+    assert capsys.readouterr().err == "pdserve scale: RayCluster ns/rc: the API server did not answer\n"
