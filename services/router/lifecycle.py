@@ -83,14 +83,7 @@ class RequestLifecycle:
         self.prefix_index = prefix_index
         self.tracker = tracker
         self.admission = Admission(config, placement.predictor)
-        self.relay = Relay(
-            telemetry,
-            self.metrics,
-            self.recent,
-            placement.predictor.calibration,
-            config.first_token_timeout_s,
-            config.stall_timeout_s,
-        )
+        self.relay = Relay(telemetry, self.metrics, self.recent, placement, config)
         self.draining = False
         self._placing = 0  # requests waiting for their placement (up to no_workers_wait_s), not yet admitted
         self._held = 0  # requests of several choices (`holding`)
@@ -281,7 +274,7 @@ class RequestLifecycle:
         worker = blamed_worker(error, ticket.placement)
         if eject:
             self.placement.ejections.eject(worker, ejection_reason(error), str(error))
-        failed.add(avoided_workers(worker, ticket.placement), self.placement.registry, fault=eject)
+        failed.add(avoided_workers(worker, ticket.placement, error), self.placement.registry, fault=eject)
         ticket.leave_workers()  # this attempt holds no place there while the next is found (still in flight)
         streamed = [t for chunk in chunks for t in chunk]
         if not moves.allow(self.config, len(streamed) if chunks else -1, original.sampling.max_tokens, left):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
+from pdserve.config import RouterConfig
 from pdserve.errors import RouterStoppedError, UnavailableError
 from pdserve.metrics import RecentLatencies, RouterMetrics
 from pdserve.rpc.channel_pool import ChannelPool
@@ -23,10 +24,10 @@ from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
-from services.router.calibration import TTFTCalibration
-from services.router.placement import Placement
+from services.router.placement import Placement, PlacementPolicy
 from services.router.stall import read_within
 from services.router.ticket import Ticket
+from services.router.unlisted import Listing, UnlistedCheck
 
 
 class NoFirstTokenError(UnavailableError):
@@ -50,16 +51,16 @@ class Relay:
         telemetry: Telemetry,
         metrics: RouterMetrics,
         recent: RecentLatencies,
-        calibration: TTFTCalibration,
-        first_token_s: float,
-        stall_s: float,
+        placement: PlacementPolicy,
+        config: RouterConfig,
     ) -> None:
         self.telemetry = telemetry
         self.metrics = metrics
         self.recent = recent
-        self.calibration = calibration  # learns from the TTFTs of requests that ran alone
-        self.first_token_s = first_token_s
-        self.stall_s = stall_s  # the longest silence after the first message (services/router/stall.py)
+        self.calibration = placement.predictor.calibration  # learns from the TTFTs of requests that ran alone
+        self.listing = Listing(placement.registry)  # a placed worker gone before the first token: moved at once
+        self.first_token_s = config.first_token_timeout_s
+        self.stall_s = config.stall_timeout_s  # the longest silence after the first message (services/router/stall.py)
         self.channels = ChannelPool(
             worker_pb2_grpc.DecodeWorkerStub, telemetry.client_interceptors(), credential_files=internal_tls_files()
         )
@@ -136,18 +137,23 @@ class Relay:
 
     async def _first(self, call: grpc.aio.UnaryStreamCall, ticket: Ticket, time_remaining: float | None) -> object:
         """The first message, within the router's first-token bound unless the caller's deadline is sooner
-        (the decode call carries that one, and ends in DEADLINE_EXCEEDED)."""
+        (the decode call carries that one, and ends in DEADLINE_EXCEEDED), and while its workers stay listed."""
         bound = self.first_token_s - (time.perf_counter() - ticket.started_at)
-        if time_remaining is not None and time_remaining <= bound:
-            return await call.read()
+        by_deadline = time_remaining is not None and time_remaining <= bound
         handed_off = asyncio.ensure_future(_handoff_started(call))
         try:
             # In this task, not one of wait_for's: a caller's cancel repeated while wait_for waited for its read
             # task to end left that read running, and the cleanup's read of the call then failed the request.
-            async with asyncio.timeout(max(bound, 0.0)):
-                return await call.read()
+            async with asyncio.timeout(None if by_deadline else max(bound, 0.0)) as timeout:
+                unlisted = UnlistedCheck(timeout, self.listing, ticket.placement)
+                try:
+                    return await call.read()
+                finally:
+                    unlisted.cancel()
         except TimeoutError:
             call.cancel()
+            if unlisted.gone is not None:
+                raise unlisted.error() from None
             raise NoFirstTokenError(self._no_first_token(ticket.placement, handed_off)) from None
         finally:
             handed_off.cancel()

@@ -23,12 +23,14 @@ from pdserve.registry.base import Registry, WorkerState
 from services.router.placement import Placement
 from services.router.relay import NoFirstTokenError
 from services.router.stall import StalledError
+from services.router.unlisted import UnlistedError
 
 log = logging.getLogger(__name__)
 # Why the router took a worker out of placement (pdserve_worker_ejections_total's `reason`), a fixed set: a call that
 # failed UNAVAILABLE (the worker gone, unreachable, or its engine or KV transfer failed), the router's first-token
-# or stall bound, a worker refusing the router's cluster credentials, and a drain (services/router/drain.py).
-EJECTION_REASONS = ("unavailable", "no_first_token", "stalled", "cluster_auth", "draining")
+# or stall bound, a placed worker the registry no longer lists before the first token (services/router/unlisted.py),
+# a worker refusing the router's cluster credentials, and a drain (services/router/drain.py).
+EJECTION_REASONS = ("unavailable", "no_first_token", "stalled", "unlisted", "cluster_auth", "draining")
 
 
 def blamed_worker(error: UnavailableError | OverloadedError, placement: Placement) -> WorkerState:
@@ -43,18 +45,21 @@ def blamed_worker(error: UnavailableError | OverloadedError, placement: Placemen
 
 def ejection_reason(error: UnavailableError | OverloadedError) -> str:
     """The failed attempt's reason, of EJECTION_REASONS, for ejecting the worker it blamed."""
-    for kind, reason in ((NoFirstTokenError, "no_first_token"), (StalledError, "stalled")):
+    for kind, reason in ((NoFirstTokenError, "no_first_token"), (StalledError, "stalled"), (UnlistedError, "unlisted")):
         if isinstance(error, kind):
             return reason
     return "cluster_auth" if isinstance(error, ClusterAuthError) else "unavailable"
 
 
-def avoided_workers(blamed: WorkerState, placement: Placement) -> list[WorkerState]:
+def avoided_workers(
+    blamed: WorkerState, placement: Placement, error: UnavailableError | OverloadedError
+) -> list[WorkerState]:
     """The workers a failed attempt's request avoids from then on: the blamed one, and with a prefill worker blamed
     the decode worker too, since its own fault reads the same from here (a KV transfer it could not receive, a hang
-    after it called the prefill worker) and its retries would keep going back to it. Only the blamed one is
-    ejected; a request with no other worker left still goes back to them (lifecycle.py)."""
-    if blamed is placement.prefill:
+    after it called the prefill worker) and its retries would keep going back to it, unless the registry itself
+    named the prefill worker gone (UnlistedError). Only the blamed one is ejected; a request with no other worker
+    left still goes back to them (lifecycle.py)."""
+    if blamed is placement.prefill and not isinstance(error, UnlistedError):
         return [blamed, placement.decode]
     return [blamed]
 

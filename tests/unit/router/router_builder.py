@@ -48,9 +48,15 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 class Router:
     """What the router wires together per process, on an in-memory registry."""
 
-    def __init__(self, workers: list[WorkerState], policy: str = "slo", **config: object) -> None:
+    def __init__(
+        self,
+        workers: list[WorkerState],
+        policy: str = "slo",
+        registry: InMemoryRegistry | None = None,
+        **config: object,
+    ) -> None:
         self.config = RouterConfig(policy=policy, **config)  # type: ignore[arg-type]
-        self.registry = InMemoryRegistry(ttl_s=600)
+        self.registry = registry or InMemoryRegistry(ttl_s=600)
         for w in workers:
             self.registry.publish(w)
         self.index = InMemoryPrefixIndex()
