@@ -149,6 +149,12 @@ def _plan(args: argparse.Namespace) -> int:
                 f"a request of {longest} tokens (prompt and output) does not fit a worker's KV cache "
                 f"({profile.kv_capacity_tokens} tokens in the profile): no split serves it"
             )
+        context = profile.meta.get("context_tokens")  # a profile older than this field: unknown, unchecked
+        if isinstance(context, int) and longest > context:
+            raise ValueError(
+                f"a request of {longest} tokens (prompt and output) exceeds the model's context of {context} tokens: "
+                "the router refuses it (INVALID_ARGUMENT); no split serves it"
+            )
         candidates = plan(profile, load, slo, args.workers, _admission(args))
     except (ValueError, OSError) as e:
         print(f"pdserve plan: {e}", file=sys.stderr)

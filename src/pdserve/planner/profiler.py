@@ -243,6 +243,7 @@ def run_profile(config: EngineConfig, grid: Grid, transfer_gbps: float | None = 
             "dtype": str(engine.runner.dtype).removeprefix("torch."),
             "backend": backend,  # of the transfer measured ("given": --transfer-gbps)
             "threads": torch.get_num_threads(),
+            "context_tokens": engine.model_config.max_position_embeddings,  # what the router lets a request use
         },
         points=points,
     )

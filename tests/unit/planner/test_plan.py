@@ -189,6 +189,23 @@ def test_a_request_no_workers_kv_cache_holds_is_a_usage_error(
     assert "a request of 4200 tokens (prompt and output) does not fit a worker's KV cache" in capsys.readouterr().err
 
 
+def test_a_request_longer_than_the_models_context_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The router refuses prompt + max_tokens past the context (INVALID_ARGUMENT): a plan for them would size a
+    cluster for requests it never serves. A profile without the field (an older one) is not checked."""
+    profile = tmp_path / "profile.json"
+    argv = ["plan", "--profile", str(profile), "--rate", "2", "--input-len", "2000", "--output-len", "100"]
+    argv += ["--slo-ttft-ms", "5000", "--slo-tpot-ms", "500", "--workers", "2"]
+    synthetic_profile(meta={"context_tokens": 2048}).save(profile)
+    assert cli.main(argv) == 2
+    assert "a request of 2100 tokens (prompt and output) exceeds the model's context of 2048" in capsys.readouterr().err
+    synthetic_profile(meta={"context_tokens": 8192}).save(profile)
+    assert cli.main(argv) in (0, 1) and "exceeds the model's context" not in capsys.readouterr().err
+    synthetic_profile().save(profile)
+    assert cli.main(argv) in (0, 1) and "exceeds the model's context" not in capsys.readouterr().err
+
+
 def test_the_table_says_whether_the_workers_share_a_hosts_cores(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -19,6 +19,7 @@ def test_profile_quick_writes_a_profile_the_planner_reads(tmp_path: Path) -> Non
     profile = HardwareProfile.load(out)
     assert profile.meta["model"] == "tiny-random" and profile.meta["device"] == "cpu"
     assert profile.meta["backend"] == "gloo"
+    assert profile.meta["context_tokens"] == 4096  # tiny-random's max_position_embeddings: what plan checks against
     # every grid point that fits was measured, and took time
     prefill, decode = profile.points["prefill"], profile.points["decode"]
     assert len(prefill) == len(QUICK.prompt_lens) * len(QUICK.prefill_batches)
