@@ -25,6 +25,17 @@ from services.router.predictor import Predictor
 MIN_RETRY_MS, MAX_RETRY_MS = 100, 30_000
 
 
+class DeadlineTooShortError(TimeoutError):
+    """The caller's deadline ends before the request's predicted first token: DEADLINE_EXCEEDED (HTTP 504) at once,
+    counted `deadline_exceeded`, rather than a prefill the caller will not wait for (a review watched a 1500-token
+    prompt with a 50 ms deadline compute for 2.1 s after its caller had gone). `by_load`: its own cost alone fit,
+    the queue did not: demand the cluster could not take, as a shed is."""
+
+    def __init__(self, message: str, by_load: bool) -> None:
+        super().__init__(message)
+        self.by_load = by_load
+
+
 @dataclass(frozen=True)
 class SLOTarget:
     """The SLO a request is held to, in seconds; `explicit`: the request set it, not the server's default."""
@@ -65,8 +76,11 @@ class Admission:
                 f"{placement.offer.held_at_once} such requests together (their KV and batch caps)",
             )
 
-    def check_load(self, placement: Placement, prompt_tokens: int, priority: int, slo: SLOTarget) -> None:
-        """OverloadedError, with a retry hint in milliseconds, when the current load cannot serve the request."""
+    def check_load(
+        self, placement: Placement, prompt_tokens: int, priority: int, slo: SLOTarget, left_s: float | None = None
+    ) -> None:
+        """OverloadedError, with a retry hint in milliseconds, when the current load cannot serve the request;
+        DeadlineTooShortError when it could, but not within the caller's time left (`left_s`; None: no deadline)."""
         if self.in_flight >= self.config.max_in_flight:
             limit = self.config.max_in_flight
             raise OverloadedError(f"router has {self.in_flight} requests in flight (limit {limit})", reason="in_flight")
@@ -81,6 +95,7 @@ class Admission:
                 reason="batch",
             )
         self._check_tpot(placement, slo)
+        _check_deadline(placement, left_s)
         self.predictor.claims.admitted(placement.blocks_needed)
 
     def _check_kv_room(self, placement: Placement, slo: SLOTarget) -> None:
@@ -185,6 +200,20 @@ class Admission:
                 _retry_ms(placement.predicted_tpot_s * 64),
                 reason="tpot",
             )
+
+
+def _check_deadline(placement: Placement, left_s: float | None) -> None:
+    """Judged after the load's checks: a request the load sheds gets its retry hint (and counts as demand turned
+    away) whatever its deadline. The queue included: the caller would get DEADLINE_EXCEEDED anyway, only later and
+    at the cluster's cost."""
+    if left_s is None or placement.predicted_ttft_s <= left_s:
+        return
+    queued = f", {placement.queue_s * 1e3:.0f} ms of it queued" if placement.queue_s > 0 else ""
+    raise DeadlineTooShortError(
+        f"the first token is predicted in {placement.predicted_ttft_s * 1e3:.0f} ms{queued}, past the caller's "
+        f"deadline ({max(left_s, 0.0) * 1e3:.0f} ms left): not started; a longer deadline would be served",
+        by_load=placement.own_ttft_s <= left_s,
+    )
 
 
 def _retry_ms(seconds: float) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from pdserve.errors import InvalidRequestError, OverloadedError
+from pdserve.errors import InvalidRequestError, OverloadedError, UnavailableError
 from services.router.placement import Placement
 
 # host:port with an IPv4, a bracketed IPv6 or a dotted host name: what a message may name besides the workers.
@@ -39,3 +39,11 @@ def for_the_caller(error: Exception, placement: Placement) -> Exception:
     if isinstance(error, OverloadedError):
         return OverloadedError(text, error.retry_after_ms, error.reason)
     return type(error)(text)
+
+
+def cut_mid_stream(error: Exception, sent: int) -> Exception:
+    """An UnavailableError that ends a stream after `sent` tokens reached the caller says so: the same code ends a
+    stream that never started, and a caller retrying on UNAVAILABLE would start the output over, not continue it."""
+    if not sent or not isinstance(error, UnavailableError):
+        return error
+    return type(error)(f"{error}; the stream ended after {sent} tokens, its output partial (a retry starts over)")

@@ -80,7 +80,7 @@ async def generate(
             check_model(lifecycle, model)
         check_parsed(message)
         async with lifecycle.quotas.session(caller.tenant, choices) as quota:
-            ticket = await lifecycle.admit(message, start, quota, default_max_tokens)
+            ticket = await lifecycle.admit(message, start, quota, default_max_tokens, time_remaining)
             caller.prompt_tokens = len(ticket.request.prompt_token_ids)
             with ticket:
                 await on_admitted(ticket)

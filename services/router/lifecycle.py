@@ -35,8 +35,8 @@ from pdserve.security.api_keys import KeyTable, Metadata, Tenant, authenticate
 from pdserve.security.quotas import Choices, LocalQuotas, Quotas, QuotaSession
 from pdserve.telemetry import Telemetry, request_id_var, step_span
 from pdserve.v1 import generate_pb2 as pb
-from services.router.admission import Admission, SLOTarget
-from services.router.caller_errors import for_the_caller
+from services.router.admission import Admission, DeadlineTooShortError, SLOTarget
+from services.router.caller_errors import cut_mid_stream, for_the_caller
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
 from services.router.outcome import CALLER_ENDED, Caller, log_level, tenant_labels
@@ -99,12 +99,17 @@ class RequestLifecycle:
         return authenticate(self.keys, metadata)
 
     async def admit(
-        self, msg: pb.GenerateRequest, started_at: float, quota: QuotaSession, default_max_tokens: int | None = None
+        self,
+        msg: pb.GenerateRequest,
+        started_at: float,
+        quota: QuotaSession,
+        default_max_tokens: int | None = None,
+        time_remaining: Callable[[], float | None] = lambda: None,
     ) -> Ticket:
-        """Build, place and admit, or raise (InvalidRequestError, OverloadedError, UnavailableError,
-        PermissionDeniedError) before anything is sent. The request gets its own unique key here; the caller's
-        request_id is only echoed. Its prompt and max_tokens are charged to its key's token rate. Without
-        max_tokens it gets `default_max_tokens` (never more than the router's default, nor the context's room)."""
+        """Build, place and admit, or raise before anything is sent: InvalidRequestError, OverloadedError,
+        UnavailableError, PermissionDeniedError, DeadlineTooShortError (`time_remaining` ends first). It gets its own
+        key here; the caller's request_id is only echoed. Its prompt and max_tokens are charged to its key's token rate.
+        Without max_tokens: `default_max_tokens` (never more than the router's default, nor the context's room)."""
         check_request_id(msg.request_id, self.config.request_limits)  # before it tags spans and log lines
         key = uuid.uuid4().hex
         client_id = msg.request_id or key
@@ -130,11 +135,12 @@ class RequestLifecycle:
                 # requests it counted end: none may be admitted past it.
                 self._refuse_when_draining(quota.later_choice)
                 try:
-                    self.admission.check_load(placement, len(req.prompt_token_ids), req.priority, slo)
-                except OverloadedError:
-                    self.admitted.turned_away(len(req.prompt_token_ids))  # demand the cluster could not take
+                    self.admission.check_load(placement, len(req.prompt_token_ids), req.priority, slo, time_remaining())
+                except (OverloadedError, DeadlineTooShortError) as e:
+                    if getattr(e, "by_load", True):
+                        self.admitted.turned_away(len(req.prompt_token_ids))  # demand the cluster could not take
                     raise
-            except (OverloadedError, InvalidRequestError) as e:
+            except (OverloadedError, InvalidRequestError, TimeoutError) as e:
                 span.set_attribute("rejected", str(e))
                 raise
             quota.admitted()
@@ -248,7 +254,7 @@ class RequestLifecycle:
         except ClusterAuthError:
             raise UnavailableError(CLUSTER_AUTH_FAILED) from None
         except (UnavailableError, OverloadedError, TimeoutError, InvalidRequestError, InternalError) as e:
-            told = for_the_caller(e, ticket.placement)
+            told = for_the_caller(cut_mid_stream(e, sum(map(len, chunks))), ticket.placement)
             if told is e:
                 raise
             log.log(log_level(e), "request failed: %s", e, extra={"key": ticket.key})

@@ -56,12 +56,17 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     deadline.cancel()
                 if ending is not None:
                     await ending
-                    if not last:
-                        await context.abort(
-                            grpc.StatusCode.CANCELLED, f"the caller took none of its stream for {stall_s:g} s: ended"
-                        )
+                    if not last:  # ABORTED, not CANCELLED: that code says the caller cancelled, which it did not
+                        await context.abort(grpc.StatusCode.ABORTED, _stalled_reader(stall_s))
         finally:
             await (ending if ending is not None else messages.aclose())
+
+
+def _stalled_reader(stall_s: float) -> str:
+    return (
+        f"the caller took none of its stream for {stall_s:g} s (the router's reader_stall_timeout_s): ended, its "
+        "output partial; read the stream as it comes (a retry starts over)"
+    )
 
 
 def caller_headers(metadata: Iterable[Any] | None) -> dict[str, str]:

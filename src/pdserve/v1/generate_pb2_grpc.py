@@ -46,11 +46,17 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Streams the answer: each message carries the tokens produced since the last one and the text they
-        add; the last message has a finish_reason and usage. Errors are gRPC status codes:
+        add; the last message has a finish_reason and usage. A stream that ends without one failed, whatever
+        it sent. Errors are gRPC status codes:
         INVALID_ARGUMENT (bad input; the message names the field), RESOURCE_EXHAUSTED (shed by admission,
-        with a grpc-retry-pushback-ms trailer), UNAVAILABLE (draining or no workers), DEADLINE_EXCEEDED,
-        CANCELLED, UNAUTHENTICATED and PERMISSION_DENIED (API keys), INTERNAL (a bug: the message names an
-        error id in the server's log).
+        with a grpc-retry-pushback-ms trailer: the earliest worth retrying; add jitter, back off when shed
+        again), UNAVAILABLE (draining, no workers, or a worker failed; after tokens were sent the message
+        says "the stream ended after N tokens, its output partial": a retry starts the output over),
+        DEADLINE_EXCEEDED (the caller's deadline passed, or at once when it is shorter than the predicted
+        first token), CANCELLED (the caller cancelled), ABORTED (the caller read none of its stream for the
+        router's reader_stall_timeout_s), UNAUTHENTICATED and PERMISSION_DENIED (API keys), INTERNAL (a bug:
+        the message names an error id in the server's log). Answers with prompt_logprobs over long prompts
+        can pass gRPC's default 4 MiB receive limit: raise the client's grpc.max_receive_message_length.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,90 @@
+"""A caller's gRPC deadline shorter than its request's predicted first token: the router answers
+DEADLINE_EXCEEDED at once, saying so, and starts nothing (a review watched a 1500-token prompt with a 50 ms deadline
+compute for 2.1 s after its caller had gone). The same request with time to spare is served. A real router on
+loopback (tiny-random's tokenizer), its workers in an in-process registry, the decode worker a stand-in."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from pdserve.config import RouterConfig
+from pdserve.env import CLUSTER_SECRET_VAR
+from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
+from pdserve.telemetry import Telemetry
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc
+from services.router.admission import DeadlineTooShortError
+from services.router.generation import generate
+from services.router.server import start_router
+from services.router.ticket import Ticket
+from tests.unit.router.request_counts import requests_by_outcome
+from tests.unit.router.router_builder import Router, worker
+from tests.unit.router.stand_in_decode import StandInDecode, serving
+
+pytestmark = pytest.mark.timeout(60)
+PROMPT = [5 + i % 200 for i in range(2000)]  # 2 s of prefill on the round profile: 1 ms a token
+
+
+async def call(address: str, timeout_s: float) -> tuple[grpc.StatusCode, str, float]:
+    request = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=4))
+    started = time.monotonic()
+    async with grpc.aio.insecure_channel(address) as ch:
+        stream = generate_pb2_grpc.GenerationStub(ch).Generate(request, timeout=timeout_s)
+        try:
+            async for _ in stream:
+                pass
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or "", time.monotonic() - started
+    return grpc.StatusCode.OK, "", time.monotonic() - started
+
+
+async def test_a_deadline_shorter_than_the_predicted_first_token_is_answered_at_once(monkeypatch):
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    decode = StandInDecode()
+    registry = InMemoryRegistry(ttl_s=600)
+    telemetry = Telemetry("pdserve-router")
+    async with serving(decode) as d0:
+        registry.publish(worker("p0"))
+        registry.publish(worker("d0", "decode", address=d0))
+        server, _ = await start_router(
+            "tiny-random", registry, InMemoryPrefixIndex(), RouterConfig(), "127.0.0.1", 0, telemetry
+        )
+        try:
+            code, details, took = await call(server.address, 1.0)
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED, details
+            assert "predicted in" in details and "past the caller's deadline" in details, details  # the router's
+            assert took < 0.9 and decode.calls == 0  # at once, and nothing started
+            code, details, _ = await call(server.address, 30.0)
+            assert code == grpc.StatusCode.OK and decode.calls == 1, details
+        finally:
+            await server.stop(None)
+    outcomes = requests_by_outcome(telemetry)
+    assert outcomes == {("deadline_exceeded", "anonymous"): 1, ("finished", "anonymous"): 1}, outcomes
+
+
+async def refused_for_deadline(lifecycle, prompt_tokens: int, left_s: float) -> DeadlineTooShortError:
+    request = pb.GenerateRequest(prompt_token_ids=PROMPT[:prompt_tokens], sampling=pb.SamplingParams(max_tokens=4))
+
+    async def admitted(ticket: Ticket) -> None:
+        raise AssertionError("admitted")
+
+    with pytest.raises(DeadlineTooShortError) as err:
+        async for _ in generate(lifecycle, request, {}, lambda: left_s, admitted):
+            pass
+    return err.value
+
+
+async def test_a_deadline_the_queue_alone_rules_out_counts_as_demand_turned_away_and_one_its_own_cost_does_not():
+    """What the planner's autoscaler reads as load the cluster could not take: a prompt whose own 100 ms fits a
+    0.3 s deadline but not behind 500 ms queued is such demand; a 2000-token prompt (2 s) never fits it."""
+    busy = Router([worker("p0", queued_prefill_tokens=500), worker("d0", "decode")])
+    lifecycle = busy.lifecycle()
+    assert (await refused_for_deadline(lifecycle, 100, 0.3)).by_load
+    assert lifecycle.admitted.shed == 1 and lifecycle.admitted.shed_prompt_tokens == 100
+    assert "ms of it queued" in str(await refused_for_deadline(lifecycle, 100, 0.3))
+    idle = Router([worker("p0"), worker("d0", "decode")]).lifecycle()
+    assert not (await refused_for_deadline(idle, 2000, 0.3)).by_load
+    assert idle.admitted.shed == 0  # the request's own cost: no worker added would serve it
