@@ -33,7 +33,6 @@ from pdserve.cluster.drain import DrainGate, DrainReport, WorkerDrainedError, ru
 from pdserve.cluster.drain_service import add_control_service
 from pdserve.cluster.factories import WorkerContext, WorkerServices
 from pdserve.cluster.worker_spec import WorkerSpec
-from pdserve.cpus import usable_cpus
 from pdserve.protocol.roles import Role
 from pdserve.redaction import redacted_url
 from pdserve.registry.base import WorkerState
@@ -41,7 +40,6 @@ from pdserve.rpc.credentials import internal_server_tls
 from pdserve.security.cluster_secret import ClusterSecret
 
 if TYPE_CHECKING:
-    from pdserve.config import EngineConfig
     from pdserve.engine.cache_journal import PrefixCacheChanges
     from pdserve.registry.redis import RedisRegistry
 
@@ -274,7 +272,7 @@ class WorkerRuntime:
 
         spec = self.spec
         _injected_start_fault(spec.worker_id)
-        self._engine = AsyncEngine(await asyncio.to_thread(LLMEngine, _engine_config(spec)))
+        self._engine = AsyncEngine(await asyncio.to_thread(LLMEngine, spec.engine_config()))
         self._engine.on_death = self._engine_died
         self._server = Server(
             spec.host,
@@ -383,18 +381,3 @@ def _injected_start_fault(worker_id: str) -> None:
     if folder and not (marker := Path(folder) / worker_id).exists():
         marker.touch()
         raise RuntimeError(f"fault injected: the first start of {worker_id} fails")
-
-
-def _engine_config(spec: WorkerSpec) -> EngineConfig:
-    """The engine a role runs."""
-    scheduler = replace(spec.engine.scheduler, mode=spec.role.engine_mode)
-    if spec.role is Role.PREFILL:
-        # One prompt (or one chunk of a long one) per step, first come first served: batching later prompts
-        # into an earlier one's step delays its first token past what admission promised it.
-        scheduler = replace(scheduler, max_num_batched_tokens=scheduler.long_prefill_chunk, max_prefills_per_step=1)
-    config = replace(spec.engine, scheduler=scheduler, num_threads=spec.engine.num_threads or usable_cpus())
-    if spec.role is Role.DECODE:
-        # Every prompt block arrives from a prefill worker, so nothing a decode worker caches is ever
-        # matched; uncached freed blocks stay free, and reservations stay whole runs (copy-free transfers).
-        config = replace(config, enable_prefix_caching=False)
-    return config

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.config import ClusterConfig, EngineConfig, RouterConfig
+from pdserve.cpus import usable_cpus
 from pdserve.protocol.roles import Role
 
 
@@ -33,3 +34,17 @@ class WorkerSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # a role's string is accepted, and checked here
+
+    def engine_config(self) -> EngineConfig:
+        """The engine its role runs, as built in the worker's own process (its thread count is that host's CPUs)."""
+        scheduler = replace(self.engine.scheduler, mode=self.role.engine_mode)
+        if self.role is Role.PREFILL:
+            # One prompt (or one chunk of a long one) per step, first come first served: batching later prompts
+            # into an earlier one's step delays its first token past what admission promised it.
+            scheduler = replace(scheduler, max_num_batched_tokens=scheduler.long_prefill_chunk, max_prefills_per_step=1)
+        config = replace(self.engine, scheduler=scheduler, num_threads=self.engine.num_threads or usable_cpus())
+        if self.role is Role.DECODE:
+            # Every prompt block arrives from a prefill worker, so nothing a decode worker caches is ever
+            # matched; uncached freed blocks stay free, and reservations stay whole runs (copy-free transfers).
+            config = replace(config, enable_prefix_caching=False)
+        return config
