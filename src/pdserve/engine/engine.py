@@ -75,6 +75,10 @@ class LLMEngine:
         self.fingerprint = _fingerprint(self.model_config, self.model)
         self.last_step_tokens = 0  # tokens the last step ran (0: it could run nothing), for live speed tracking
         self.last_step_prefill_context = 0  # the earlier tokens its prompt chunks read (SchedulerOutput's)
+        # Its requests' waits, once each (time.monotonic()): arrival to the start of the step that first ran one
+        # (those dropped before any step ran them have none), and that start to its prompt's first token.
+        self.last_step_queue_s: list[float] = []
+        self.last_step_prefill_s: list[float] = []
 
     def _blocks_for_memory(self) -> int:
         per_block = kv_block_bytes(self.model_config, self.config.block_size, resolve_dtype(self.config))
@@ -228,13 +232,19 @@ class LLMEngine:
         if not out.finished:
             if not kv_received:
                 raise RuntimeError(f"{request_id}: no KV came, yet its first token did not end it")
+            req.seq.arrival = time.monotonic()  # its queue here: the KV's wait is pdserve_kv_transfer_seconds
             self.scheduler.add_running(req.seq)
         return out
 
     def step(self) -> list[RequestOutput]:
+        began = time.monotonic()
         plan = self.scheduler.schedule()
         self.last_step_tokens = plan.num_tokens
         self.last_step_prefill_context = plan.prefill_context_tokens
+        for seq in plan.started:
+            seq.first_scheduled = began
+        self.last_step_queue_s = [began - seq.arrival for seq in plan.started]
+        self.last_step_prefill_s = []
         if not plan.chunks:
             return []
         step = self.runner.execute(plan.chunks)
@@ -244,6 +254,7 @@ class LLMEngine:
             if chunk.seq_id in step.prompt:
                 self._record_prompt_logprobs(self._requests[chunk.seq_id], chunk, step.prompt[chunk.seq_id])
         sampled = [self._requests[c.seq_id] for c in plan.chunks if c.sample]
+        prefilled = [r.seq for r in sampled if not r.seq.output_token_ids]  # a recompute's prompt has its tokens
         params = [r.seq.sampling for r in sampled]
         histories = [r.token_history() for r in sampled]
         tokens = self.sampler(logits, params, [r.generator for r in sampled], histories)
@@ -252,10 +263,14 @@ class LLMEngine:
         if asked:
             found = self.sampler.logprobs(logits, tokens, asked, [params[i].logprobs or 0 for i in asked])
             logprobs = dict(zip(asked, found, strict=True))
-        return [
+        outputs = [
             self._append_token(req, tok, logprobs.get(i))
             for i, (req, tok) in enumerate(zip(sampled, tokens.tolist(), strict=True))
         ]
+        if prefilled:
+            done = time.monotonic()
+            self.last_step_prefill_s = [done - s.first_scheduled for s in prefilled if s.first_scheduled is not None]
+        return outputs
 
     def _record_prompt_logprobs(self, req: _Request, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
         """Row j of the chunk predicts the token at position start + j + 1: keep those that are prompt tokens

@@ -38,6 +38,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk]  # decodes (one token) first, then prefill chunks
     preempted: list[str]
+    started: list[Sequence]  # those no step ran before (`first_scheduled` None): each request once, not its recompute
 
     @property
     def num_tokens(self) -> int:
@@ -118,7 +119,8 @@ class Scheduler:
         self._scheduled = scheduled
         scheduled.sort(key=lambda item: item[1] > 1 or item[0].num_computed_tokens == 0)
         chunks = [self._chunk(seq, n) for seq, n in scheduled]
-        return SchedulerOutput(chunks=chunks, preempted=preempted)
+        started = [seq for seq, _ in scheduled if seq.first_scheduled is None]
+        return SchedulerOutput(chunks=chunks, preempted=preempted, started=started)
 
     def _admit(self, budget: int, scheduled: list[tuple[Sequence, int]]) -> int:
         cap = self.config.max_prefills_per_step

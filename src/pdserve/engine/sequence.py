@@ -28,7 +28,9 @@ class Sequence:
     seq_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    # time.monotonic() when it began to wait for its first step: added, or on a decode worker its KV committed.
     arrival: float = 0.0
+    first_scheduled: float | None = None  # when the first step that ran any of it began; a recompute's is not
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
