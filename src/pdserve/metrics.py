@@ -195,6 +195,21 @@ class WorkerMetrics:
             description="tokens in one engine step's batch (prompt tokens prefilled plus sequences decoded)",
             explicit_bucket_boundaries_advisory=STEP_TOKEN_BUCKETS,
         )
+        # TTFT's buckets: a queue time is read against the router's TTFT bound for bound.
+        self.queue_seconds = meter.create_histogram(
+            "pdserve_request_queue_time_seconds",
+            unit="s",
+            description="from a request's arrival in the engine (a decode worker: its KV committed) to the start of "
+            "the first step that ran it, once a request (not its recompute); one dropped before it ran is not counted",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
+        )
+        self.prefill_seconds = meter.create_histogram(
+            "pdserve_request_prefill_time_seconds",
+            unit="s",
+            description="prefill and colocated workers: from the first step that ran a prompt's start to its first "
+            "token, once a prompt however many chunks or recomputes it took",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
+        )
         self.transfer_bytes = meter.create_counter(
             "pdserve_kv_transfer_bytes_total", description="KV bytes sent to decode workers"
         )
@@ -218,6 +233,15 @@ class WorkerMetrics:
         latency and batch fill per worker, which the request latencies blur over the whole cluster."""
         self.step_seconds.record(seconds, self.labels)
         self.step_tokens.record(tokens, self.labels)
+
+    def requests_timed(self, queue_s: list[float], prefill_s: list[float]) -> None:
+        """One step's requests, on the engine thread (AsyncEngine.on_request_times), each once: a prefill queue time
+        rising while prefill time holds is prompts waiting for a prefill worker, not longer prompts. A request
+        cancelled before any step ran it has no queue time (as recent vLLM)."""
+        for seconds in queue_s:
+            self.queue_seconds.record(seconds, self.labels)
+        for seconds in prefill_s:
+            self.prefill_seconds.record(seconds, self.labels)
 
     def transfer_failed(self, reason: str) -> None:
         """One KV transfer this worker saw fail, for `reason` (one of KV_TRANSFER_FAILURE_REASONS)."""

@@ -182,7 +182,10 @@ def test_a_request_its_callers_deadline_ends_counts_once_as_deadline_exceeded(cl
 
 def test_metrics_count_requests_and_blocks_return_to_zero(cluster):
     n = 5
+    workers = status_json(cluster.address)["workers"]
+    urls = {w["id"]: f"http://{w['metrics_address']}/metrics" for w in workers}
     before = scrape(cluster.metrics_url)
+    before_workers = {w: scrape(u) for w, u in urls.items()}
     results = run(cluster.address, pb.GenerateRequest(prompt="count me", sampling=pb.SamplingParams(max_tokens=8)), n)
     assert all(r.token_ids for r in results)
     after = scrape(cluster.metrics_url)
@@ -194,9 +197,19 @@ def test_metrics_count_requests_and_blocks_return_to_zero(cluster):
     itl = "pdserve_inter_token_latency_seconds_count"  # one gap per token after the first, however they were sent
     assert total(after, itl) - total(before, itl) == sum(len(r.token_ids) - 1 for r in results)
 
-    workers = status_json(cluster.address)["workers"]
     assert {w["role"] for w in workers} == {"prefill", "decode"}
-    urls = {w["id"]: f"http://{w['metrics_address']}/metrics" for w in workers}
+    # Each request's queue time once on each worker that ran it (a decode worker: those its first token did not
+    # end), its prefill time once on the prefill worker; observed on the engine thread before its tokens came.
+    decoded = sum(len(r.token_ids) > 1 for r in results)
+    timed = {"prefill": (n, n), "decode": (decoded, 0)}
+    for worker in workers:
+        w = worker["id"]
+        samples, was = scrape(urls[w]), before_workers[w]
+        counts = [
+            total(samples, name, worker_id=w) - total(was, name, worker_id=w)
+            for name in ("pdserve_request_queue_time_seconds_count", "pdserve_request_prefill_time_seconds_count")
+        ]
+        assert tuple(counts) == timed[worker["role"]], (w, counts)
     deadline = time.monotonic() + 15
     while True:
         used = {w: total(scrape(u), "pdserve_kv_blocks_used") for w, u in urls.items()}

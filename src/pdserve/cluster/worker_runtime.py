@@ -295,6 +295,7 @@ class WorkerRuntime:
         self._speed = SpeedTracker(await self._engine.measure_profile())  # first: it writes over the KV pool
         await self._warm_up()
         self._engine.on_step = self._stepped
+        self._engine.on_request_times = self._metrics.requests_timed  # after the warm-up: it is no request
         await self._server.set_serving(True)
         self._ready.set_result(self._server.address)
         if spec.registry_url:
