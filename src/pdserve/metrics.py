@@ -144,10 +144,12 @@ class RouterMetrics:
 class SupervisionMetrics:
     """What the launcher's supervision did: worker actors replaced after their restarts were used up."""
 
-    def __init__(self, meter: Meter) -> None:
+    def __init__(self, meter: Meter, roles: Iterable[str] = ()) -> None:
         self.replacements = meter.create_counter(
             "pdserve_worker_replacements_total", description="worker actors replaced after their restarts ran out"
         )
+        for role in dict.fromkeys(roles):  # from 0, so that increase() (the chart's alert) sees the first replacement
+            self.replacements.add(0, {"role": str(role)})
 
     def replaced(self, spec: WorkerSpec) -> None:
         self.replacements.add(1, {"role": str(spec.role)})

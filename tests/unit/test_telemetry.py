@@ -18,7 +18,8 @@ from opentelemetry.trace import StatusCode
 
 from pdserve.cluster.local_process import free_port
 from pdserve.config import ClusterConfig, RouterConfig
-from pdserve.metrics import KV_TRANSFER_FAILURE_REASONS, RouterMetrics, WorkerMetrics
+from pdserve.metrics import KV_TRANSFER_FAILURE_REASONS, RouterMetrics, SupervisionMetrics, WorkerMetrics
+from pdserve.protocol.roles import Role
 from pdserve.rpc.server import Server, channel
 from pdserve.telemetry import (
     FINAL_EXPORT_S,
@@ -316,4 +317,15 @@ def test_a_workers_request_queue_and_prefill_times_are_bucketed_as_the_routers_t
     queue, prefill = buckets.values()
     assert (queue[0.005], queue[2], queue[2.5], queue[40]) == (1, 1, 2, 3)
     assert (prefill[0.25], prefill[0.3], prefill[0.5]) == (0, 1, 2)
+    telemetry.shutdown()
+
+
+def test_worker_replacements_count_from_zero_for_each_role_of_the_fleet():
+    """The chart's alert reads increase(pdserve_worker_replacements_total[1h]): a series born at 1 would hide the
+    first replacement since the controller started."""
+    telemetry = Telemetry("t")
+    SupervisionMetrics(telemetry.meter, [Role.PREFILL, Role.PREFILL, Role.DECODE])
+    samples = [s for f in telemetry.registry.collect() for s in f.samples]
+    got = {s.labels["role"]: s.value for s in samples if s.name == "pdserve_worker_replacements_total"}
+    assert got == {"prefill": 0.0, "decode": 0.0}
     telemetry.shutdown()

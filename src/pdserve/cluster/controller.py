@@ -39,7 +39,7 @@ async def run_controller(config: ClusterConfig, services: ClusterServices) -> No
     if not await cluster.start_until(stop, end):
         return
     telemetry = Telemetry("pdserve-controller")
-    cluster.supervisor.on_replaced = SupervisionMetrics(telemetry.meter).replaced
+    cluster.supervisor.on_replaced = SupervisionMetrics(telemetry.meter, config.roles).replaced
     if config.metrics_port is not None:
         release_held()  # the port the command held since its start
         port = telemetry.serve_metrics(config.host, config.metrics_port)

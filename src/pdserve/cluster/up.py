@@ -43,7 +43,7 @@ async def run_cluster(config: ClusterConfig, services: ClusterServices, ready_li
     if not await cluster.start_until(stop, cluster.stop_workers, fail_fast=True):
         return
     telemetry = Telemetry("pdserve-router")
-    cluster.supervisor.on_replaced = SupervisionMetrics(telemetry.meter).replaced
+    cluster.supervisor.on_replaced = SupervisionMetrics(telemetry.meter, config.roles).replaced
     try:
         router = await start_router_process(config, services.router, registry, prefix_index, telemetry)
     except BaseException:  # its port taken since the check, say: the workers are not left running
