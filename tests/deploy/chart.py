@@ -20,7 +20,7 @@ EXAMPLES = REPO / "deploy" / "helm" / "examples"
 HELM = REPO / ".cache" / "tools" / "helm"
 RELEASE = "pd"
 # Kinds kubernetes-validate has no schema for; the RayCluster is checked against KubeRay's CRD instead.
-CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "PodMonitor"}
+CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
 LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 Objects = list[dict[str, Any]]
 
