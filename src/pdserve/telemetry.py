@@ -17,9 +17,10 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from opentelemetry import metrics, trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -66,6 +67,8 @@ MAX_ATTRIBUTE_CHARS = 4096
 # A stopping service's last spans get this long to reach the collector: with the collector down, the OTLP exporters'
 # retries (1 + 2 + 4 s of backoff) held every stop ~7 s, inside a pod's termination grace.
 FINAL_EXPORT_S = 2.0
+# Beside /metrics where a service serves a liveness check (the controller: its supervision loop's progress).
+HEALTH_PATH = "/healthz"
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_id", default=None)
 
@@ -134,9 +137,13 @@ class Telemetry:
             return []
         return list(aio_client_interceptors(tracer_provider=self.tracer_provider, filter_=_TRACED_CALLS))
 
-    def serve_metrics(self, host: str, port: int = 0) -> int:
-        """Serves this service's metrics at http://host:port/metrics (port 0: a free one); returns the port."""
+    def serve_metrics(self, host: str, port: int = 0, health: Callable[[], str | None] | None = None) -> int:
+        """Serves this service's metrics at http://host:port/metrics (port 0: a free one); returns the port. With
+        `health`, also HEALTH_PATH: 200 while it returns None, else 503 with what it returned (the server runs on a
+        thread of its own, so /metrics answering says nothing of the service's own loop)."""
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        if health is not None:  # each request asks the server for its app: from here on, every one gets this
+            self._http.set_app(_with_health(self._http.get_app(), health))
         return int(self._http.server_port)
 
     def span(
@@ -217,6 +224,19 @@ def mark_failed(span: trace.Span, error: BaseException) -> None:
     span.set_attribute("error.type", type(error).__qualname__)
     span.record_exception(error)
     span.set_status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}")
+
+
+def _with_health(app: WSGIApplication, health: Callable[[], str | None]) -> WSGIApplication:
+    """`app` (prometheus_client's /metrics), with HEALTH_PATH answered from `health`."""
+
+    def serve(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != HEALTH_PATH:
+            return app(environ, start_response)
+        problem = health()
+        start_response("503 Service Unavailable" if problem else "200 OK", [("Content-Type", "text/plain")])
+        return [f"{problem or 'ok'}\n".encode()]
+
+    return serve
 
 
 def _attrs(attributes: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from pdserve.addresses import release_held
 from pdserve.cluster.factories import ClusterServices
 from pdserve.cluster.internal_security import prepare_internal_security
 from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.liveness import SupervisionLiveness
 from pdserve.cluster.router_process import stop_signal
 from pdserve.config import ClusterConfig
 
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 async def run_controller(config: ClusterConfig, services: ClusterServices) -> None:
     from pdserve.metrics import SupervisionMetrics
     from pdserve.registry.redis import RedisRegistry
-    from pdserve.telemetry import Telemetry
+    from pdserve.telemetry import HEALTH_PATH, Telemetry
 
     if not config.redis_url or not config.ray_address:
         raise ValueError("pdserve controller needs --redis and --ray-address")
@@ -42,8 +43,9 @@ async def run_controller(config: ClusterConfig, services: ClusterServices) -> No
     cluster.supervisor.on_replaced = SupervisionMetrics(telemetry.meter, config.roles).replaced
     if config.metrics_port is not None:
         release_held()  # the port the command held since its start
-        port = telemetry.serve_metrics(config.host, config.metrics_port)
-        log.info("controller metrics at http://%s:%d/metrics", config.host, port)
+        liveness = SupervisionLiveness(cluster.supervisor, cluster.check_interval_s)
+        port = telemetry.serve_metrics(config.host, config.metrics_port, health=liveness.problem)
+        log.info("controller metrics at http://%s:%d/metrics, liveness at %s", config.host, port, HEALTH_PATH)
     roles = ", ".join(config.roles)
     print(f"ready controller ({config.mode}: {roles}) in Ray namespace {config.ray_namespace}", flush=True)
     link_lost = False

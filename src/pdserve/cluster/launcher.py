@@ -273,10 +273,15 @@ class Cluster:
             return False
         return True
 
+    @property
+    def check_interval_s(self) -> float:
+        """How often the supervision checks every worker: as often as the workers heartbeat."""
+        return self.config.router.heartbeat_s
+
     async def watch(self) -> None:
         """Supervises the worker actors, scales them to the desired counts and rolls adopted ones onto this fleet's
         spec until cancelled (see `Supervisor`, `FleetScaler`, `Rollout`)."""
-        await asyncio.gather(self.supervisor.run(self.config.router.heartbeat_s), self.scaler.run(), self.rollout.run())
+        await asyncio.gather(self.supervisor.run(self.check_interval_s), self.scaler.run(), self.rollout.run())
 
     async def supervise_until(self, stop: asyncio.Event) -> bool:
         """`watch` until `stop` is set (True), or until this process's connection to Ray is gone for good (False:

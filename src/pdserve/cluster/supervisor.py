@@ -101,6 +101,7 @@ class Supervisor:
         self.connected = connected  # this process's own link to Ray: its loss is no worker's failure
         self.slots: dict[str, Slot] = {}
         self._answered_at = float("-inf")  # when an actor last answered its check: the link to Ray then worked
+        self.passed_at: float | None = None  # when `run` last ended a pass (its clock): the controller's liveness
         # Actors being made on threads, and those made that no slot took yet: a supervision cancelled meanwhile
         # never takes them, and whoever stops the workers must (`orphans`).
         self._made = threading.Condition()
@@ -120,6 +121,7 @@ class Supervisor:
                         checking[worker_id] = asyncio.ensure_future(self._reported(slot))
                 for worker_id in [w for w, t in checking.items() if t.done() and w not in self.slots]:
                     del checking[worker_id]
+                self.passed_at = self.clock()
                 await asyncio.sleep(interval_s)
         finally:
             for task in checking.values():
