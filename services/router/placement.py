@@ -94,7 +94,10 @@ class PlacementPolicy(ABC):
         prefills = colocated or self._workers(Role.PREFILL, avoid)
         decodes = colocated or self._workers(Role.DECODE, avoid)
         if not prefills or not decodes:
-            raise NoWorkersError(f"no workers to serve: {len(prefills)} prefill, {len(decodes)} decode live")
+            raise NoWorkersError(
+                f"no workers to serve: {len(prefills)} prefill, {len(decodes)} decode live (the others starting, "
+                "restarting or gone: `pdserve status` lists them); retry later"
+            )
         block_size = prefills[0].block_size
         blocks = -(-kv_tokens(len(prompt), max_tokens) // block_size)
         if must_hold:

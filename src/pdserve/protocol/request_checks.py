@@ -155,7 +155,8 @@ def check_request(
         raise InvalidRequestError(
             "sampling.max_tokens",
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} exceeds "
-            f"the model's context of {model.max_position_embeddings} tokens",
+            f"the model's context of {model.max_position_embeddings} tokens: at most "
+            f"{model.max_position_embeddings - len(prompt_token_ids)} for this prompt",
         )
 
 

@@ -122,6 +122,12 @@ def test_model_checks_name_the_field(tiny, case):
     assert err.value.field == field
 
 
+def test_max_tokens_past_the_context_is_told_the_most_this_prompt_allows(tiny):
+    with pytest.raises(InvalidRequestError) as err:
+        build(hi(max_tokens=4095), *tiny)  # "hi": 2 tokens of tiny-random's byte-level 4096
+    assert "= 4097 exceeds the model's context of 4096 tokens: at most 4094 for this prompt" in str(err.value)
+
+
 AT_THE_CAPS = {
     "request_id": pb.GenerateRequest(request_id="r" * LIMITS.max_request_id_chars, prompt="hi"),
     "stop strings": hi(stop=["x" * LIMITS.max_stop_bytes] + [f"s{i}" for i in range(LIMITS.max_stop - 1)]),
