@@ -29,6 +29,7 @@ from services.router.load_tracker import LoadTracker
 from services.router.parse_after_key import ParseAfterKeyCheck
 from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
 from services.router.predictor import Predictor
+from services.router.request_size import max_grpc_request_bytes
 from services.router.servicer import GENERATE_METHOD, GenerationServicer
 from services.router.shared_claims import SharedKVClaims
 from services.router.shared_moving import SharedMoving
@@ -133,6 +134,7 @@ async def start_router(
         max_connection_age_s=config.max_connection_age_s or None,
         checked_by_handler=[GENERATE_METHOD],  # counted as the caller's mistake with every other refusal
         inner=[ParseAfterKeyCheck([GENERATE_METHOD])],
+        max_receive_message_bytes=max_grpc_request_bytes(config.request_limits, model_config),
     )
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),

@@ -18,7 +18,7 @@ from pdserve.protocol.request_checks import RequestLimits
 from pdserve.protocol.roles import EngineMode, Role
 from pdserve.redaction import redacted_url
 
-# The largest gRPC message any server takes or sends, and the default HTTP body bound (a 16k-token prompt: ~80 KB)
+# The largest gRPC message any server sends, and takes but for the router's public port (its requests are smaller)
 MAX_MESSAGE_BYTES = 16 * 2**20
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CLUSTER_MODES = ("disaggregated", "colocated")
@@ -129,9 +129,9 @@ class RouterConfig:
     prefix_match_budget_s: float = 0.03  # a prefix index slower than this: place as if no prefix were cached
     quota_budget_s: float = 0.05  # shared API-key quotas slower than this: this router's own limits answer
     request_limits: RequestLimits = RequestLimits()  # [router.request_limits] in a TOML file
-    # The OpenAI HTTP API's largest request body (413 past it): it is read and parsed on the loop that relays
-    # every stream, so it is bounded as a gRPC message is.
-    max_http_body_bytes: int = MAX_MESSAGE_BYTES
+    # The OpenAI HTTP API's largest request body (413 past it), read and parsed on the loop that relays every stream;
+    # 0: what a valid request can hold at the model's context (services/router/request_size.py, 1 to 16 MiB).
+    max_http_body_bytes: int = 0
     first_token_timeout_s: float = 60.0  # no first token by then (and no shorter client deadline): UNAVAILABLE
     stall_timeout_s: float = 5.0  # no message this long after the first: the stream is broken, and migrated
     # A caller that takes none of its stream this long (its window full, not reading, not gone) is taken as gone:
@@ -170,8 +170,8 @@ class RouterConfig:
             raise ValueError(f"migration_limit must not be negative, got {self.migration_limit}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
-        if self.max_http_body_bytes < 1:
-            raise ValueError(f"max_http_body_bytes must be at least 1, got {self.max_http_body_bytes}")
+        if self.max_http_body_bytes < 0:
+            raise ValueError(f"max_http_body_bytes must be >= 0 (0: derived), got {self.max_http_body_bytes}")
         positive = ("first_token_timeout_s", "stall_timeout_s", "reader_stall_timeout_s", "default_ttft_ms")
         for name in (*positive, "default_tpot_ms", "heartbeat_s"):
             if not 0 < getattr(self, name) < float("inf"):

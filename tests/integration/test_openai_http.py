@@ -220,7 +220,7 @@ RAW_BODIES = [  # as sent on the wire: no SDK would serialize these
 
 def test_a_raw_body_no_parameter_takes_is_a_400_and_one_past_the_size_limit_a_413(cluster, client):
     """Through the real HTTP server: values JSON allows and no parameter takes are OpenAI-shaped 400s naming the
-    parameter, counted invalid; a Content-Length past the 16 MiB limit is a 413 before any of it is sent; the
+    parameter, counted invalid; a Content-Length past the body limit is a 413 before any of it is sent; the
     router serves on."""
     before = scrape(cluster.metrics_url)
     host = cluster.base_url.removeprefix("http://").removesuffix("/v1")

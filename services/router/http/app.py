@@ -39,10 +39,11 @@ from services.router.http.openai_request import OpenAIRequest, parse_json, parse
 from services.router.http.openai_response import DONE_EVENT, Answer, sse_events
 from services.router.http.server_span import CHAT_ROUTE, COMPLETIONS_ROUTE, route_of, server_span, span_status
 from services.router.lifecycle import RequestLifecycle
+from services.router.request_size import http_body_limit
 from services.router.ticket import Ticket
 
 PREDICTED_TTFT_HEADER = "x-pdserve-predicted-ttft-ms"
-BODY_TIMEOUT_S = 30.0  # from the head's end: the default largest body (16 MiB) at 0.6 MB/s
+BODY_TIMEOUT_S = 30.0  # from the head's end: the largest body the router may take (16 MiB) at 0.6 MB/s
 
 
 def openai_app(lifecycle: RequestLifecycle) -> Starlette:
@@ -65,6 +66,7 @@ class OpenAIAPI:
     def __init__(self, lifecycle: RequestLifecycle) -> None:
         self.lifecycle = lifecycle
         self.created = int(time.time())
+        self.body_limit = http_body_limit(lifecycle.config, lifecycle.model)
 
     async def health(self, request: Request) -> Response:
         """200 while the router takes requests, 503 once it drains (a load balancer's readiness probe)."""
@@ -106,7 +108,7 @@ class OpenAIAPI:
             # draining router refuses it before that charge, for its retry on another replica.
             self.lifecycle.refuse_new_when_draining()
             await self.lifecycle.quotas.take_request(tenant)
-            body = await _read_body(request, self.lifecycle.config.max_http_body_bytes)
+            body = await _read_body(request, self.body_limit)
             req = parse_request(
                 parse_json(body),
                 chat,

@@ -73,7 +73,9 @@ class Server:
     `cluster`: an internal server's cluster secret; calls without its token are refused (health stays open).
     `max_connection_age_s`: send each connection a GOAWAY after this long (None: never); its open calls run on
     to their end (no grace bound), new ones open a new connection, which a load balancer may place elsewhere.
-    `checked_by_handler`: methods whose handlers answer a request that does not parse (ErrorMappingInterceptor)."""
+    `checked_by_handler`: methods whose handlers answer a request that does not parse (ErrorMappingInterceptor).
+    `max_receive_message_bytes`: a smaller bound on the messages it takes (a public port: what a valid request can
+    hold, since gRPC buffers a message whole before any handler checks its caller); what it sends keeps the bound."""
 
     def __init__(
         self,
@@ -88,6 +90,7 @@ class Server:
         port_span: int = 1,
         max_connection_age_s: float | None = None,
         checked_by_handler: Iterable[str] = (),
+        max_receive_message_bytes: int | None = None,
     ) -> None:
         # Tracing interceptors first (outermost), so their spans see the status the error mapping chose and end
         # after the stream writer has closed the handler; `inner` ones (a worker's drain gate) inside the mapping,
@@ -97,7 +100,11 @@ class Server:
         chain = [*interceptors, StreamWriter(), *auth, mapping, *inner]
         age_ms = None if max_connection_age_s is None else round(max_connection_age_s * 1000)
         age = [] if age_ms is None else [("grpc.max_connection_age_ms", age_ms)]
-        self._server = grpc.aio.server(interceptors=chain, options=[*SERVER_OPTIONS, *age])
+        options = [*SERVER_OPTIONS, *age]
+        if max_receive_message_bytes is not None:
+            receive = "grpc.max_receive_message_length"
+            options = [o for o in options if o[0] != receive] + [(receive, max_receive_message_bytes)]
+        self._server = grpc.aio.server(interceptors=chain, options=options)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port = _bind(self._server, host, port, port_span, tls)

@@ -6,7 +6,6 @@ import pytest
 
 from pdserve.config import RouterConfig, SLOClass
 from pdserve.protocol.request_checks import RequestLimits
-from pdserve.rpc.server import CHANNEL_OPTIONS
 
 
 def test_slo_for_prefers_the_request_then_its_priority_class_then_the_default():
@@ -94,13 +93,13 @@ def test_the_assumed_transfer_speed_must_be_positive_and_finite():
             RouterConfig(transfer_gbps=bad)
 
 
-def test_the_http_body_limit_defaults_to_the_grpc_message_limit_and_is_a_router_setting(tmp_path):
-    assert RouterConfig().max_http_body_bytes == 16 * 2**20 == dict(CHANNEL_OPTIONS)["grpc.max_receive_message_length"]
+def test_the_http_body_limit_defaults_to_derived_and_is_a_router_setting(tmp_path):
+    assert RouterConfig().max_http_body_bytes == 0  # what a valid body can hold (test_request_size.py)
     path = tmp_path / "router.toml"
     path.write_text("[router]\nmax_http_body_bytes = 65536\n")
     assert RouterConfig.from_file(str(path)).max_http_body_bytes == 65536
     with pytest.raises(ValueError, match="max_http_body_bytes"):
-        RouterConfig(max_http_body_bytes=0)
+        RouterConfig(max_http_body_bytes=-1)
 
 
 @pytest.mark.parametrize(
