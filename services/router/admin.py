@@ -20,12 +20,14 @@ from pdserve.rpc.server import internal_channel
 from pdserve.v1 import admin_pb2 as apb
 from pdserve.v1 import admin_pb2_grpc
 from services.router.admitted import ClusterAdmitted
+from services.router.caller_host import peer_host
 from services.router.drain import DrainOutcome, drain_targets, drain_workers
 from services.router.lifecycle import RequestLifecycle
 from services.router.scale import scale_target
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 1.0
+DRAIN_ONLY = frozenset({"DrainWorkers"})  # a key of this right alone drains only the host it calls from
 T = TypeVar("T")
 
 
@@ -91,9 +93,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def DrainWorkers(  # noqa: N802 (gRPC method name)
         self, request: apb.DrainWorkersRequest, context: grpc.aio.ServicerContext
     ) -> apb.DrainWorkersResponse:
-        self.router.authenticate(context.invocation_metadata()).check_admin("DrainWorkers")
+        tenant = self.router.authenticate(context.invocation_metadata())
+        tenant.check_admin("DrainWorkers")
         check_drain_timeout(request.timeout_s)
-        workers = drain_targets(self.registry, list(request.worker_ids), request.host)
+        # A worker pod's preStop key (drain only) drains its own pod's workers: every pod holds it.
+        own_host = peer_host(context.peer()) if tenant.admin_calls == DRAIN_ONLY else None
+        workers = drain_targets(self.registry, list(request.worker_ids), request.host, own_host)
         ejections, interceptors = self.router.placement.ejections, self.router.telemetry.client_interceptors()
         outcomes = await drain_workers(workers, request.timeout_s, ejections, interceptors)
         return apb.DrainWorkersResponse(workers=[_drained(o) for o in outcomes])

@@ -15,11 +15,12 @@ import grpc
 
 from pdserve.addresses import host_of
 from pdserve.cluster.drain import DrainReport
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import InvalidRequestError, PermissionDeniedError
 from pdserve.registry.base import Registry, WorkerState
 from pdserve.rpc.server import internal_channel
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
+from services.router.caller_host import canonical
 from services.router.ejection import Ejections
 
 log = logging.getLogger(__name__)
@@ -34,11 +35,23 @@ class DrainOutcome:
     error: str = ""
 
 
-def drain_targets(registry: Registry, worker_ids: list[str], host: str) -> list[WorkerState]:
-    """The workers named, or every worker whose address has `host`; bad input is INVALID_ARGUMENT."""
+def drain_targets(
+    registry: Registry, worker_ids: list[str], host: str, caller_host: str | None = None
+) -> list[WorkerState]:
+    """The workers named, or every worker whose address has `host`; bad input is INVALID_ARGUMENT. `caller_host`:
+    the one host whose workers the caller may drain (a drain-only key's, the host it calls from; None: any). Another
+    host, or ids of no worker there, registered elsewhere or not at all, are PERMISSION_DENIED alike, so such a
+    caller learns nothing of other hosts' workers."""
     if bool(worker_ids) == bool(host):
         raise InvalidRequestError("worker_ids", "name the workers to drain, or a host, not both or neither")
     workers = {w.worker_id: w for w in registry.workers()}
+    if caller_host is not None:
+        why = f"a drain-only API key may drain only the workers of the host it calls from ({caller_host or 'none'})"
+        if host and canonical(host) != caller_host:
+            raise PermissionDeniedError("host", f"{why}, not those of {host}")
+        workers = {i: w for i, w in workers.items() if canonical(host_of(w.address)) == caller_host}
+        if elsewhere := sorted(set(worker_ids) - set(workers)):
+            raise PermissionDeniedError("worker_ids", f"{why}; not there: {', '.join(elsewhere)}")
     if host:
         return [w for w in workers.values() if host_of(w.address) == host.strip("[]")]
     unknown = sorted(set(worker_ids) - set(workers))

@@ -139,7 +139,7 @@ def test_scaling_takes_an_admin_key(cluster) -> None:
 
 def test_the_drain_key_drains_and_neither_scales_nor_reads_the_status(cluster) -> None:
     """Every worker pod holds the drain key for its preStop `pdserve drain --host $POD_IP`: whoever reads it there
-    may drain, but neither scale the cluster nor survey it."""
+    may drain its own pod's workers only, and neither scale the cluster nor survey it."""
     drain_key = creds(cluster, "drain-key")
 
     async def drain(host: str) -> apb.DrainWorkersResponse:
@@ -147,7 +147,10 @@ def test_the_drain_key_drains_and_neither_scales_nor_reads_the_status(cluster) -
             request = apb.DrainWorkersRequest(host=host, timeout_s=1)
             return await admin_pb2_grpc.AdminStub(ch).DrainWorkers(request, timeout=10, metadata=drain_key.metadata())
 
-    assert list(asyncio.run(drain("10.255.0.1")).workers) == []  # a pod whose worker already left: nothing to drain
+    with pytest.raises(grpc.aio.AioRpcError) as caught:  # another host's: the caller here is 127.0.0.1
+        asyncio.run(drain("10.255.0.1"))
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "may drain only the workers of the host it calls from (127.0.0.1)" in caught.value.details()
     for call in (
         lambda: scale_workers(cluster.address, drain_key, {"prefill": 3, "decode": 3}),
         lambda: cluster_status(cluster.address, drain_key),

@@ -25,7 +25,7 @@ KEYS = {  # key -> its entry's admin value
     "admin-key": "true",
     "plain-key": "false",
 }
-NO_WORKERS_HOST = "10.255.0.1"  # a pod whose workers are gone: its drain finds none, and answers at once
+NO_WORKERS_HOST = "127.0.0.1"  # the caller's own host (a drain key drains no other), with no worker: drains none
 CALLS = {
     "DrainWorkers": apb.DrainWorkersRequest(host=NO_WORKERS_HOST, timeout_s=1),
     "ScaleWorkers": apb.ScaleWorkersRequest(prefill=1, decode=1),
