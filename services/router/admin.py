@@ -19,6 +19,7 @@ from pdserve.registry.base import Registry, WorkerState
 from pdserve.rpc.server import internal_channel
 from pdserve.v1 import admin_pb2 as apb
 from pdserve.v1 import admin_pb2_grpc
+from services.router.admin_audit import audited
 from services.router.admitted import ClusterAdmitted
 from services.router.caller_host import peer_host
 from services.router.drain import DrainOutcome, drain_targets, drain_workers
@@ -41,7 +42,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ClusterStatus(  # noqa: N802 (gRPC method name)
         self, request: apb.ClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> apb.ClusterStatusResponse:
-        self.router.authenticate(context.invocation_metadata()).check_admin("ClusterStatus")
+        with audited("ClusterStatus", context, "") as call:
+            call.caller(self.router.authenticate(context.invocation_metadata())).check_admin("ClusterStatus")
+            return await self._status()
+
+    async def _status(self) -> apb.ClusterStatusResponse:
         workers = sorted(self.registry.workers(), key=lambda w: (w.role, w.worker_id))
         health = await asyncio.gather(*(_health(w.address) for w in workers))
         desired, (admitted, cluster_wide) = await self._desired(), await self.admitted.totals()
@@ -72,8 +77,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ScaleWorkers(  # noqa: N802 (gRPC method name)
         self, request: apb.ScaleWorkersRequest, context: grpc.aio.ServicerContext
     ) -> apb.ScaleWorkersResponse:
-        self.router.authenticate(context.invocation_metadata()).check_admin("ScaleWorkers")
         asked = {Role.PREFILL: request.prefill, Role.DECODE: request.decode, Role.COLOCATED: request.colocated}
+        with audited("ScaleWorkers", context, _counts({r: n for r, n in asked.items() if n})) as call:
+            call.caller(self.router.authenticate(context.invocation_metadata())).check_admin("ScaleWorkers")
+            return await self._scale(asked)
+
+    async def _scale(self, asked: dict[Role, int]) -> apb.ScaleWorkersResponse:
         current = await _registry_call(self.registry.desired_counts)
         target = scale_target(asked, current, {w.role for w in self.registry.workers()})
         merged = False
@@ -93,12 +102,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def DrainWorkers(  # noqa: N802 (gRPC method name)
         self, request: apb.DrainWorkersRequest, context: grpc.aio.ServicerContext
     ) -> apb.DrainWorkersResponse:
-        tenant = self.router.authenticate(context.invocation_metadata())
-        tenant.check_admin("DrainWorkers")
-        check_drain_timeout(request.timeout_s)
-        # A worker pod's preStop key (drain only) drains its own pod's workers: every pod holds it.
-        own_host = peer_host(context.peer()) if tenant.admin_calls == DRAIN_ONLY else None
-        workers = drain_targets(self.registry, list(request.worker_ids), request.host, own_host)
+        asked = f"host {request.host}" if request.host else f"workers {', '.join(request.worker_ids) or '(none)'}"
+        with audited("DrainWorkers", context, f"{asked}, timeout {request.timeout_s:g} s") as call:
+            tenant = call.caller(self.router.authenticate(context.invocation_metadata()))
+            tenant.check_admin("DrainWorkers")
+            check_drain_timeout(request.timeout_s)
+            # A worker pod's preStop key (drain only) drains its own pod's workers: every pod holds it.
+            own_host = peer_host(context.peer()) if tenant.admin_calls == DRAIN_ONLY else None
+            workers = drain_targets(self.registry, list(request.worker_ids), request.host, own_host)
         ejections, interceptors = self.router.placement.ejections, self.router.telemetry.client_interceptors()
         outcomes = await drain_workers(workers, request.timeout_s, ejections, interceptors)
         return apb.DrainWorkersResponse(workers=[_drained(o) for o in outcomes])
