@@ -5,12 +5,12 @@ converts its wire format to a GenerateRequest and the stream back."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
 from pdserve.errors import InvalidRequestError
 from pdserve.rpc.errors import check_parsed
-from pdserve.security.api_keys import Tenant
+from pdserve.security.api_keys import Metadata, Tenant
 from pdserve.security.quotas import Choices
 from pdserve.v1 import generate_pb2 as pb
 from services.router.lifecycle import RequestLifecycle
@@ -34,7 +34,7 @@ def check_model(lifecycle: RequestLifecycle, model: str) -> None:
         )
 
 
-def check_caller(lifecycle: RequestLifecycle, headers: Mapping[str, str]) -> Tenant:
+def check_caller(lifecycle: RequestLifecycle, headers: Metadata) -> Tenant:
     """The one place a caller's headers (gRPC metadata, HTTP headers: `authorization`) are checked: the
     caller's tenant, or UnauthenticatedError (an open cluster serves everyone as one tenant)."""
     return lifecycle.authenticate(headers)
@@ -43,7 +43,7 @@ def check_caller(lifecycle: RequestLifecycle, headers: Mapping[str, str]) -> Ten
 async def generate(
     lifecycle: RequestLifecycle,
     request: pb.GenerateRequest | Unparsed,
-    who: Mapping[str, str] | Tenant,
+    who: Metadata | Tenant,
     time_remaining: Callable[[], float | None],
     on_admitted: Callable[[Ticket], Awaitable[None]],
     model: str | None = None,

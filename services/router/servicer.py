@@ -69,9 +69,10 @@ def _stalled_reader(stall_s: float) -> str:
     )
 
 
-def caller_headers(metadata: Iterable[Any] | None) -> dict[str, str]:
-    """A call's text metadata as the caller check reads it (of a key given twice, the last value)."""
-    return {m.key: m.value for m in metadata or () if isinstance(m.value, str)}
+def caller_headers(metadata: Iterable[Any] | None) -> tuple[tuple[str, str], ...]:
+    """A call's text metadata as the caller check reads it, a key given twice twice: the check refuses two keys
+    rather than take one of them."""
+    return tuple((m.key, m.value) for m in metadata or () if isinstance(m.value, str))
 
 
 async def _run_out(messages: AsyncIterator[pb.GenerateResponse]) -> None:

@@ -159,10 +159,15 @@ class KeyTable:
 
     def authenticate(self, metadata: Metadata) -> Tenant:
         """The tenant of the request's `authorization: Bearer KEY`, or UnauthenticatedError (MissingKeyError for
-        no key; one this table does not hold: the message never echoes the key)."""
-        key = bearer_key(metadata)
-        if key is None:
+        none). More than one `authorization` is refused, not one of them picked: which one a check takes and which
+        one a proxy in front reads or adds need not agree. A value without the Bearer scheme, or a key this table
+        does not hold, is refused saying so; no message echoes a key."""
+        values = authorization_values(metadata)
+        if not values:
             raise MissingKeyError("this cluster requires an API key: send metadata `authorization: Bearer KEY`")
+        if len(values) > 1:
+            raise UnauthenticatedError(f"authorization given {len(values)} times; send one `authorization: Bearer KEY`")
+        key = bearer_key(values[0])
         tenant = self._by_digest.get(digest(key))
         if tenant is None:
             raise UnauthenticatedError("unknown API key")
@@ -174,14 +179,21 @@ def authenticate(table: KeyTable | None, metadata: Metadata) -> Tenant:
     return OPEN if table is None else table.authenticate(metadata)
 
 
-def bearer_key(metadata: Metadata) -> str | None:
+def authorization_values(metadata: Metadata) -> list[str]:
+    """Every `authorization` value, as text (a mapping's items hold repeats: Starlette's headers keep them)."""
     items = metadata.items() if isinstance(metadata, Mapping) else metadata
-    for name, value in items:
-        if name.lower() == AUTHORIZATION_KEY:
-            text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-            if text[: len(BEARER)].lower() == BEARER and text[len(BEARER) :].strip():
-                return text[len(BEARER) :].strip()
-    return None
+    return [
+        v.decode("utf-8", "replace") if isinstance(v, bytes) else v for k, v in items if k.lower() == AUTHORIZATION_KEY
+    ]
+
+
+def bearer_key(value: str) -> str:
+    """The key of an `authorization` value; UnauthenticatedError, naming what is wrong, for another scheme or none."""
+    if value[: len(BEARER)].lower() != BEARER:
+        raise UnauthenticatedError("authorization lacks the Bearer scheme: send `authorization: Bearer KEY`")
+    if not (key := value[len(BEARER) :].strip()):
+        raise UnauthenticatedError("authorization holds no key after `Bearer `: send `authorization: Bearer KEY`")
+    return key
 
 
 def digest(key: str) -> str:
