@@ -50,12 +50,17 @@ _METADATA_SIZE = [
     ("grpc.max_metadata_size", MAX_METADATA_BYTES),
     ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
 ]
+# A connection that has not finished its handshake (TLS: never sent a ClientHello) within this is closed, as the
+# HTTP API closes one whose request head is not in within 10 s; gRPC's default, 120 s, let idle connections hold
+# the port's file descriptors unauthenticated.
+HANDSHAKE_TIMEOUT_MS = 10_000
 CHANNEL_OPTIONS = [*_MESSAGE_SIZES, *_KEEPALIVE]
 SERVER_OPTIONS = [
     *_MESSAGE_SIZES,
     *_METADATA_SIZE,
     *_KEEPALIVE,
     ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
     # gRPC sets SO_REUSEPORT by default: a second server on a taken fixed port would bind it too and silently
     # take half of its connections. Off, a taken port is an error (and `port_span` moves on to the next).
     ("grpc.so_reuseport", 0),
