@@ -80,7 +80,8 @@ async def start_router_process(
         c.engine.model, registry, prefix_index, c.router, c.host, c.port, telemetry, host, http_port=c.http_port
     )
     if server.http is not None:
-        log.info("router OpenAI-compatible HTTP API at http://%s/v1", join(host, server.http.port))
+        scheme = "https" if c.router.tls_cert else "http"  # the HTTP API serves the gRPC port's certificate
+        log.info("router OpenAI-compatible HTTP API at %s://%s/v1", scheme, join(host, server.http.port))
     if config.metrics_port is not None:
         port = telemetry.serve_metrics(config.host, config.metrics_port)
         log.info("router metrics at http://%s/metrics", join(host, port))
