@@ -9,7 +9,8 @@ from typing import Any
 import grpc
 from grpc._cython import cygrpc
 
-from pdserve.rpc.metadata import PREDICTED_TTFT_KEY
+from pdserve.rpc.metadata import PREDICTED_TTFT_KEY, REQUEST_ID_KEY
+from pdserve.telemetry import request_id_var
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
 from services.router.generation import generate
@@ -31,7 +32,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         async def send_prediction(ticket: Ticket) -> None:
             predicted_ms = round(ticket.placement.predicted_ttft_s * 1e3)
-            await send_initial_metadata(context, ((PREDICTED_TTFT_KEY, str(predicted_ms)),))
+            metadata = ((PREDICTED_TTFT_KEY, str(predicted_ms)), (REQUEST_ID_KEY, ticket.client_id))
+            await send_initial_metadata(context, metadata)
 
         headers = caller_headers(context.invocation_metadata())
         messages = generate(self.lifecycle, request, headers, context.time_remaining, send_prediction)
@@ -60,6 +62,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         await context.abort(grpc.StatusCode.ABORTED, _stalled_reader(stall_s))
         finally:
             await (ending if ending is not None else messages.aclose())
+            if (request_id := request_id_var.get()) is not None:  # set once the request was read (admission)
+                context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
 
 
 def _stalled_reader(stall_s: float) -> str:

@@ -124,16 +124,21 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, stream: bool
         span.set_attribute("error.type", type(exc).__qualname__)
     if mapped[0] == grpc.StatusCode.INTERNAL:
         span.record_exception(exc)  # a bug's stack trace, for the trace's reader (its caller gets only an id)
-        context.set_trailing_metadata(((HANDLER_BUG_KEY, "1"),))
+        _add_trailing(context, HANDLER_BUG_KEY, "1")
     if isinstance(exc, OverloadedError):
-        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(exc.retry_after_ms)),))
+        _add_trailing(context, RETRY_PUSHBACK_KEY, str(exc.retry_after_ms))
     if isinstance(exc, ClusterAuthError):
-        context.set_trailing_metadata(((CLUSTER_AUTH_REFUSED_KEY, "1"),))
+        _add_trailing(context, CLUSTER_AUTH_REFUSED_KEY, "1")
     if stream and mapped[0] != grpc.StatusCode.INTERNAL:
         context.set_code(mapped[0])
         context.set_details(mapped[1])
         return
     await context.abort(*mapped)
+
+
+def _add_trailing(context: grpc.aio.ServicerContext, key: str, value: str) -> None:
+    """Beside what the handler already set (the public Generate's request id): setting replaces it whole."""
+    context.set_trailing_metadata((*(context.trailing_metadata() or ()), (key, value)))
 
 
 class _Malformed:

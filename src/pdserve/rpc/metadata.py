@@ -7,6 +7,11 @@ from __future__ import annotations
 # sent before the first token so clients and `pdserve bench admission` can hold the predictor to account.
 PREDICTED_TTFT_KEY = "x-pdserve-predicted-ttft-ms"
 
+# The request's id (its request_id, or the one the router gave it), in an admitted Generate stream's initial metadata
+# and in every Generate call's trailing metadata once the router read the request: a refused or failed call carries no
+# message to echo it in, and a caller that set none has only this to quote (as OpenAI's x-request-id header).
+REQUEST_ID_KEY = "x-request-id"
+
 # Initial metadata of a decode worker's Generate stream, sent once it has reserved the KV blocks and called its
 # prefill worker: a router whose first-token bound runs out after it blames the prefill side, before it the
 # decode worker (stuck, or stopped, before it could hand off).

@@ -1,7 +1,8 @@
 """A caller's gRPC deadline shorter than its request's predicted first token: the router answers
 DEADLINE_EXCEEDED at once, saying so, and starts nothing (a review watched a 1500-token prompt with a 50 ms deadline
 compute for 2.1 s after its caller had gone). The same request with time to spare is served. A real router on
-loopback (tiny-random's tokenizer), its workers in an in-process registry, the decode worker a stand-in."""
+loopback (tiny-random's tokenizer), its workers in an in-process registry, the decode worker a stand-in. Either way
+the call's metadata carries the request's id (x-request-id), a refusal's in its trailers."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from pdserve.config import RouterConfig
 from pdserve.env import CLUSTER_SECRET_VAR
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
+from pdserve.rpc.metadata import REQUEST_ID_KEY
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
@@ -28,17 +30,25 @@ pytestmark = pytest.mark.timeout(60)
 PROMPT = [5 + i % 200 for i in range(2000)]  # 2 s of prefill on the round profile: 1 ms a token
 
 
-async def call(address: str, timeout_s: float) -> tuple[grpc.StatusCode, str, float]:
-    request = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=4))
+async def call(address: str, timeout_s: float, request_id: str = "") -> tuple[grpc.StatusCode, str, float, dict]:
+    """The call's status, details, time and request ids: the initial metadata's, and the trailing metadata's."""
+    request = pb.GenerateRequest(
+        prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=4), request_id=request_id
+    )
     started = time.monotonic()
     async with grpc.aio.insecure_channel(address) as ch:
         stream = generate_pb2_grpc.GenerationStub(ch).Generate(request, timeout=timeout_s)
+        code, details = grpc.StatusCode.OK, ""
         try:
             async for _ in stream:
                 pass
         except grpc.aio.AioRpcError as e:
-            return e.code(), e.details() or "", time.monotonic() - started
-    return grpc.StatusCode.OK, "", time.monotonic() - started
+            code, details = e.code(), e.details() or ""
+        ids = {
+            "initial": dict(await stream.initial_metadata() or ()).get(REQUEST_ID_KEY),
+            "trailing": dict(await stream.trailing_metadata() or ()).get(REQUEST_ID_KEY),
+        }
+    return code, details, time.monotonic() - started, ids
 
 
 async def test_a_deadline_shorter_than_the_predicted_first_token_is_answered_at_once(monkeypatch):
@@ -53,12 +63,15 @@ async def test_a_deadline_shorter_than_the_predicted_first_token_is_answered_at_
             "tiny-random", registry, InMemoryPrefixIndex(), RouterConfig(), "127.0.0.1", 0, telemetry
         )
         try:
-            code, details, took = await call(server.address, 1.0)
+            code, details, took, ids = await call(server.address, 1.0)
             assert code == grpc.StatusCode.DEADLINE_EXCEEDED, details
             assert "predicted in" in details and "past the caller's deadline" in details, details  # the router's
             assert took < 0.9 and decode.calls == 0  # at once, and nothing started
-            code, details, _ = await call(server.address, 30.0)
+            # No message to echo its id in, and the caller set none: the trailers carry the one the router gave it.
+            assert ids["initial"] is None and len(ids["trailing"] or "") == 32, ids
+            code, details, _, ids = await call(server.address, 30.0, "mine")
             assert code == grpc.StatusCode.OK and decode.calls == 1, details
+            assert ids == {"initial": "mine", "trailing": "mine"}
         finally:
             await server.stop(None)
     outcomes = requests_by_outcome(telemetry)
