@@ -14,6 +14,7 @@ import pytest
 from pdserve.config import RouterConfig
 from pdserve.env import CLUSTER_SECRET_VAR
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
+from pdserve.rpc.errors import RETRY_PUSHBACK_KEY
 from pdserve.rpc.metadata import REQUEST_ID_KEY
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
@@ -101,3 +102,24 @@ async def test_a_deadline_the_queue_alone_rules_out_counts_as_demand_turned_away
     idle = Router([worker("p0"), worker("d0", "decode")]).lifecycle()
     assert not (await refused_for_deadline(idle, 2000, 0.3)).by_load
     assert idle.admitted.shed == 0  # the request's own cost: no worker added would serve it
+
+
+async def test_a_shed_calls_trailers_carry_its_retry_hint_and_its_id(monkeypatch):
+    """The error mapping's retry hint is added beside the request's id, not in its place."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    registry = InMemoryRegistry(ttl_s=600)
+    registry.publish(worker("p0", queued_prefill_tokens=30_000))  # 30 s queued: past the default TTFT SLO
+    registry.publish(worker("d0", "decode"))
+    server, _ = await start_router("tiny-random", registry, InMemoryPrefixIndex(), RouterConfig(), "127.0.0.1", 0)
+    try:
+        request = pb.GenerateRequest(prompt_token_ids=PROMPT[:10], request_id="shed-me")
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stream = generate_pb2_grpc.GenerationStub(ch).Generate(request, timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stream:
+                    pass
+    finally:
+        await server.stop(None)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+    trailers = dict(err.value.trailing_metadata() or ())
+    assert trailers[REQUEST_ID_KEY] == "shed-me" and int(trailers[RETRY_PUSHBACK_KEY]) >= 100, trailers
