@@ -19,6 +19,7 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from services.router.generation import generate
 from services.router.ticket import Ticket
+from tests.unit.router.request_counts import ejections_by_reason
 from tests.unit.router.router_builder import Router, worker
 from tests.unit.router.stand_in_decode import StandInDecode, serving
 
@@ -50,15 +51,6 @@ class OutageView(InMemoryRegistry):
 
     def view_current(self) -> bool:
         return False
-
-
-def ejections(telemetry: Telemetry) -> dict[tuple[str, str], float]:
-    return {
-        (s.labels["worker_id"], s.labels["reason"]): s.value
-        for f in telemetry.registry.collect()
-        for s in f.samples
-        if s.name == "pdserve_worker_ejections_total" and s.value
-    }
 
 
 async def run_while(change: str, registry: InMemoryRegistry | None = None) -> tuple[list[str], float, Telemetry]:
@@ -95,14 +87,14 @@ async def test_a_prefill_worker_unlisted_before_the_first_token_loses_the_reques
     prefills, took, telemetry = await run_while("removed")
     assert prefills == [STUCK, "p1.local:50051"]
     assert took < HOLD_S  # moved within a check of the registry, not after the stuck worker's hold
-    assert ejections(telemetry) == {("p0", "unlisted"): 1}  # blamed on the prefill worker, not the decode one
+    assert ejections_by_reason(telemetry) == {("p0", "unlisted"): 1}  # blamed on the prefill worker, not the decode one
 
 
 async def test_a_draining_prefill_worker_keeps_the_request_it_holds(monkeypatch):
     monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
     prefills, took, telemetry = await run_while("draining")
     assert prefills == [STUCK] and took >= HOLD_S
-    assert ejections(telemetry) == {}
+    assert ejections_by_reason(telemetry) == {}
 
 
 async def test_a_view_kept_through_a_registry_outage_cuts_nothing(monkeypatch):
