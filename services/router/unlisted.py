@@ -4,9 +4,9 @@ The launcher's supervision takes a stuck or dead worker out of the registry with
 whose heartbeats stop expires with its TTL); a request already placed on it would wait for gRPC keepalive (about
 15 s, a SIGSTOPped process's connection stays open) or the first-token bound to notice. Nothing reached the caller
 yet, so the router cancels that attempt once a worker of its placement is listed no more (or at another address:
-a new process) and places the request again, as after any failed attempt. A draining worker stays listed: its
-requests finish there. A registry view kept through an outage says nothing about who is gone: no attempt is cut
-on it.
+a new process) and another worker of its role serves, and places the request again, as after any failed attempt. A
+draining worker stays listed: its requests finish there. A registry view kept through an outage says nothing about
+who is gone: no attempt is cut on it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.errors import UnavailableError
+from pdserve.protocol.roles import Role
 from pdserve.registry.base import Registry, WorkerState
 from services.router.placement import Placement
 
@@ -31,18 +32,25 @@ class Listing:
         self.registry = registry
         self._read_at = -1.0
         self._listed: frozenset[tuple[str, str]] = frozenset()
+        self._serving: frozenset[Role] = frozenset()  # roles with a worker listed and not draining
 
     def gone(self, placement: Placement) -> WorkerState | None:
         """The placement's prefill worker, else its decode worker, that the registry lists no more at the address
-        it was placed at; None when both are listed or the view is not current."""
+        it was placed at while another worker of its role serves; None otherwise, or when the view is not current.
+        The last of a role stays (as the supervision never unlists it for silence alone): a worker starved of CPU
+        past the registry's TTL is as likely as a stuck one, and its request has nowhere else to go."""
         if not self.registry.view_current():
             return None
         now = asyncio.get_running_loop().time()
         if now - self._read_at >= CHECK_S:
-            self._listed = frozenset((w.worker_id, w.address) for w in self.registry.workers())
+            listed = self.registry.workers()
+            self._listed = frozenset((w.worker_id, w.address) for w in listed)
+            self._serving = frozenset(w.role for w in listed if not w.draining)
             self._read_at = now
         for worker in (placement.prefill, placement.decode):
-            if worker is not None and (worker.worker_id, worker.address) not in self._listed:
+            if worker is None or (worker.worker_id, worker.address) in self._listed:
+                continue
+            if worker.role in self._serving:
                 return worker
         return None
 

@@ -1,7 +1,7 @@
 """A placed worker the registry drops before the first token (the supervisor found it stuck, or its heartbeats
-stopped): the router cancels that attempt at once and places the request again, where it waited for gRPC keepalive
-(about 15 s) or the first-token bound (60 s). A draining worker stays listed and keeps its request; a registry view
-kept through an outage cuts nothing."""
+stopped) while another of its role serves: the router cancels that attempt at once and places the request again,
+where it waited for gRPC keepalive (about 15 s) or the first-token bound (60 s). A draining worker stays listed and
+keeps its request, as does the last of its role; a registry view kept through an outage cuts nothing."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ class OutageView(InMemoryRegistry):
 
 async def run_while(change: str, registry: InMemoryRegistry | None = None) -> tuple[list[str], float, Telemetry]:
     """One request placed on p0 (the only prefill worker listed), `change` made to the registry 0.3 s later
-    (p0 `removed` with p1 listed, or p0 `draining`); the prefill addresses its decode calls named, its time."""
+    (p0 `removed` with p1 listed, `removed alone`, or p0 `draining`); the prefill addresses its decode calls named,
+    its time."""
     decode = WaitsOnStuckPrefill()
     async with serving(decode) as d0:
         router = Router([worker("p0"), worker("d0", "decode", address=d0)], registry=registry)
@@ -73,8 +74,9 @@ async def run_while(change: str, registry: InMemoryRegistry | None = None) -> tu
         task = asyncio.ensure_future(consume())
         await asyncio.sleep(0.3)
         assert decode.prefills == [STUCK]
-        if change == "removed":
-            router.registry.publish(worker("p1"))
+        if change.startswith("removed"):
+            if change == "removed":
+                router.registry.publish(worker("p1"))
             router.registry.remove("p0")
         else:
             router.registry.publish(worker("p0", draining=True))
@@ -101,3 +103,12 @@ async def test_a_view_kept_through_a_registry_outage_cuts_nothing(monkeypatch):
     monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
     prefills, took, _ = await run_while("removed", OutageView(ttl_s=600))
     assert prefills == [STUCK] and took >= HOLD_S
+
+
+async def test_the_last_prefill_worker_unlisted_keeps_the_request_it_holds(monkeypatch):
+    """With no other prefill worker the request has nowhere to go, and a worker starved of CPU past the registry's
+    TTL reads as one stuck: it waits there, as before (the first-token bound covers one truly stuck)."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    prefills, took, telemetry = await run_while("removed alone")
+    assert prefills == [STUCK] and took >= HOLD_S
+    assert ejections_by_reason(telemetry) == {}
