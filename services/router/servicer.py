@@ -32,7 +32,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         async def send_prediction(ticket: Ticket) -> None:
             predicted_ms = round(ticket.placement.predicted_ttft_s * 1e3)
-            metadata = ((PREDICTED_TTFT_KEY, str(predicted_ms)), (REQUEST_ID_KEY, ticket.client_id))
+            metadata = ((PREDICTED_TTFT_KEY, str(predicted_ms)), *_request_id(ticket.client_id))
             await send_initial_metadata(context, metadata)
 
         headers = caller_headers(context.invocation_metadata())
@@ -62,8 +62,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         await context.abort(grpc.StatusCode.ABORTED, _stalled_reader(stall_s))
         finally:
             await (ending if ending is not None else messages.aclose())
-            if (request_id := request_id_var.get()) is not None:  # set once the request was read (admission)
-                context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
+            context.set_trailing_metadata(_request_id(request_id_var.get()))  # set once admission read the request
+
+
+def _request_id(request_id: str | None) -> tuple[tuple[str, str], ...]:
+    """The request's id as metadata, when it is one a metadata value can carry (printable ASCII): an id of other
+    characters (the proto allows any string) would fail the call; its messages still echo it."""
+    if not request_id or not all(" " <= c <= "~" for c in request_id):
+        return ()
+    return ((REQUEST_ID_KEY, request_id),)
 
 
 def _stalled_reader(stall_s: float) -> str:

@@ -153,7 +153,9 @@ BAD_REQUESTS = {
     "inf temperature": (hi(pb.SamplingParams(temperature=math.inf)), "sampling.temperature"),
     "request_id too long": (pb.GenerateRequest(request_id="r" * 257, prompt="hi"), "request_id"),
     "too many stop strings": (hi(pb.SamplingParams(stop=["s"] * 17)), "sampling.stop"),
-    "prompt too large": (pb.GenerateRequest(prompt="x" * (1 << 20)), "prompt"),
+    # Past the prompt's cap (16 bytes a context token), within the public port's message size (a larger message is
+    # gRPC's own RESOURCE_EXHAUSTED, before any handler: tests/unit/router/test_public_message_size.py).
+    "prompt too large": (pb.GenerateRequest(prompt="x" * (1 << 17)), "prompt"),
 }
 
 
