@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Send
 
+from pdserve.rpc.metadata import REQUEST_ID_KEY
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import Choices
 from pdserve.telemetry import mark_failed
@@ -35,6 +36,7 @@ from services.router.http.errors import (
     error_response,
 )
 from services.router.http.keepalive import KeptAliveBody
+from services.router.http.openai_prompts import MAX_CHOICES
 from services.router.http.openai_request import OpenAIRequest, parse_json, parse_request
 from services.router.http.openai_response import DONE_EVENT, Answer, sse_events
 from services.router.http.server_span import CHAT_ROUTE, COMPLETIONS_ROUTE, route_of, server_span, span_status
@@ -109,14 +111,15 @@ class OpenAIAPI:
             self.lifecycle.refuse_new_when_draining()
             await self.lifecycle.quotas.take_request(tenant)
             body = await _read_body(request, self.body_limit)
+            limits, given = self.lifecycle.config.request_limits, request.headers.get("x-request-id", "")
             req = parse_request(
                 parse_json(body),
                 chat,
-                limits=self.lifecycle.config.request_limits,
+                limits=limits,
                 model_config=self.lifecycle.model,
-                request_id=request.headers.get("x-request-id", ""),
+                request_id=given or generated_request_id(limits.max_request_id_chars),
             )
-            req.check_request_id(self.lifecycle.config.request_limits.max_request_id_chars)
+            req.check_request_id(limits.max_request_id_chars)
             choices = await request_choices(self.lifecycle, req, tenant)
         except ClientDisconnect:  # the caller left while it sent the body: nobody to answer
             self.lifecycle.refused(asyncio.CancelledError("the client disconnected during its body"), start, tenant)
@@ -129,12 +132,14 @@ class OpenAIAPI:
                     span.set_attribute("refused", f"{type(e).__name__}: {e}")
                 span_status(span, response.status_code, e)
             return response
-        answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id or uuid.uuid4().hex}"
+        answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id}"
         answer = Answer(req, answer_id, self.lifecycle.tokenizer)
         if req.stream:
             events = self._events(req, choices, answer, request, tenant, start)
-            return SSEResponse(events, req.max_tokens_param, self.lifecycle.config.sse_keepalive_s)
-        headers: dict[str, str] = {}
+            response = SSEResponse(events, req.max_tokens_param, self.lifecycle.config.sse_keepalive_s)
+            response.headers[REQUEST_ID_KEY] = req.message.request_id
+            return response
+        headers: dict[str, str] = {REQUEST_ID_KEY: req.message.request_id}
         with self._span(request, chat, start, req.user) as span:
             whole = asyncio.ensure_future(self._whole(req, choices, answer, tenant, headers, start))
             gone = asyncio.ensure_future(_disconnected(request))
@@ -306,6 +311,13 @@ async def _disconnected(request: Request) -> None:
     a streamed response listens the same way inside Starlette."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def generated_request_id(limit: int) -> str:
+    """A request sent without X-Request-Id gets one here, as its response's `id` and X-Request-Id header and the
+    `request_id` of the router's log lines alike (the `id` was a uuid of its own, which no log line named), short
+    enough for `limit` with a choice's `-<index>` (at most MAX_CHOICES choices)."""
+    return uuid.uuid4().hex[: max(1, limit - len(f"-{MAX_CHOICES - 1}"))]
 
 
 class SSEResponse(StreamingResponse):

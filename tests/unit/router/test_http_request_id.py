@@ -1,0 +1,63 @@
+"""An HTTP request sent without X-Request-Id gets one id for everything that names it: the response's `id`, its
+X-Request-Id header and the `request_id` of the router's log line (the `id` was a uuid of its own, which no log line
+named, so a caller quoting it to an operator led nowhere). One sent with the header keeps it, streamed or not."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx2
+import pytest
+
+from pdserve.env import CLUSTER_SECRET_VAR
+from pdserve.telemetry import JsonFormatter
+from services.router.http.app import generated_request_id, openai_app
+from tests.unit.router.router_builder import MODEL, Router, worker
+from tests.unit.router.stand_in_decode import StandInDecode, serving
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class JsonLines(logging.Handler):
+    """The router's log lines as its JSON formatter writes them, formatted as they are emitted (the request's id
+    is read from its context then)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.setFormatter(JsonFormatter())
+        self.lines: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(self.format(record)))
+
+
+async def test_the_response_id_header_and_log_line_name_one_id(monkeypatch):
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    handler, logger = JsonLines(), logging.getLogger("services.router.lifecycle")
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    try:
+        async with serving(StandInDecode()) as address:
+            lifecycle = Router([worker("p0"), worker("d0", "decode", address=address)]).lifecycle()
+            transport = httpx2.ASGITransport(app=openai_app(lifecycle))
+            body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3}
+            async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+                plain = await http.post("/v1/completions", json=body)
+                mine = {"x-request-id": "mine"}
+                named = await http.post("/v1/completions", json=body | {"stream": True}, headers=mine)
+        assert plain.status_code == 200 and named.status_code == 200, (plain.text, named.text)
+        given = plain.headers["x-request-id"]
+        assert plain.json()["id"] == f"cmpl-{given}" and len(given) == 32
+    finally:
+        logger.removeHandler(handler)
+    logged = [line["request_id"] for line in handler.lines if line["msg"] == "request finished"]
+    assert logged == [given, "mine"], handler.lines
+    events = [json.loads(line[6:]) for line in named.text.splitlines() if line.startswith("data: {")]
+    assert named.headers["x-request-id"] == "mine" and {e["id"] for e in events} == {"cmpl-mine"}
+
+
+def test_a_generated_id_leaves_room_for_a_choices_index_within_the_limit():
+    assert len(generated_request_id(256)) == 32
+    assert len(generated_request_id(10)) == 10 - len("-15")  # sixteen choices at most: -0 ... -15
+    assert len(generated_request_id(1)) == 1
