@@ -159,6 +159,7 @@ class OpenAIAPI:
                 whole.result()
             except Exception as e:
                 response = error_response(e, req.max_tokens_param)
+                response.headers[REQUEST_ID_KEY] = req.message.request_id
                 span_status(span, response.status_code, e)
                 return response
             span_status(span, 200)
@@ -353,6 +354,7 @@ class SSEResponse(StreamingResponse):
             data = json.dumps(error).encode()
             raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
             raw += [(k.encode(), v.encode()) for k, v in headers.items()]
+            raw += [(k, v) for k, v in self.raw_headers if k == REQUEST_ID_KEY.encode()]  # the request's, refused
             await send({"type": "http.response.start", "status": status, "headers": raw})
             await send({"type": "http.response.body", "body": data})
             return

@@ -1,6 +1,7 @@
 """An HTTP request sent without X-Request-Id gets one id for everything that names it: the response's `id`, its
 X-Request-Id header and the `request_id` of the router's log line (the `id` was a uuid of its own, which no log line
-named, so a caller quoting it to an operator led nowhere). One sent with the header keeps it, streamed or not."""
+named, so a caller quoting it to an operator led nowhere). One sent with the header keeps it, streamed or not, and a
+refusal carries it too."""
 
 from __future__ import annotations
 
@@ -55,6 +56,18 @@ async def test_the_response_id_header_and_log_line_name_one_id(monkeypatch):
     assert logged == [given, "mine"], handler.lines
     events = [json.loads(line[6:]) for line in named.text.splitlines() if line.startswith("data: {")]
     assert named.headers["x-request-id"] == "mine" and {e["id"] for e in events} == {"cmpl-mine"}
+
+
+async def test_a_refusal_after_the_body_was_read_names_the_request_too(monkeypatch):
+    """Streamed or not: a refusal has no body id to quote, only the header."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    lifecycle = Router([worker("p0"), worker("d0", "decode", draining=True)], no_workers_wait_s=0.1).lifecycle()
+    transport = httpx2.ASGITransport(app=openai_app(lifecycle))
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3}
+    async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+        for stream in (False, True):
+            refused = await http.post("/v1/completions", json=body | {"stream": stream}, headers={"x-request-id": "r"})
+            assert refused.status_code == 503 and refused.headers.get("x-request-id") == "r", (stream, refused.text)
 
 
 def test_a_generated_id_leaves_room_for_a_choices_index_within_the_limit():
