@@ -137,7 +137,7 @@ class RequestLifecycle:
                 try:
                     self.admission.check_load(placement, len(req.prompt_token_ids), req.priority, slo, time_remaining())
                 except (OverloadedError, DeadlineTooShortError) as e:
-                    if getattr(e, "by_load", True):
+                    if not isinstance(e, DeadlineTooShortError) or e.by_load:
                         self.admitted.turned_away(len(req.prompt_token_ids))  # demand the cluster could not take
                     raise
             except (OverloadedError, InvalidRequestError, TimeoutError) as e:
