@@ -41,9 +41,11 @@ test: model redis-server helm
 	$(PY) -m pytest -q -m "not latency" --durations=25 -n $(TEST_WORKERS) --dist loadfile
 	$(PY) -m pytest -q -m latency
 
+# The same checks as tests/unit/test_static_checks.py, which `make test` runs.
 lint: install
-	$(VENV)/bin/ruff check src services loadgen tests
-	$(VENV)/bin/ruff format --check src services loadgen tests
+	$(VENV)/bin/ruff check src services loadgen tests scripts docs/experiments
+	$(VENV)/bin/ruff format --check src services loadgen tests scripts docs/experiments
+	$(VENV)/bin/mypy src services loadgen
 
 # Regenerate src/pdserve/v1 from protos/ (a test fails when the committed code is stale).
 proto: install

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -30,7 +30,7 @@ class GrpcBackend:
     credentials: ClientCredentials | None = None  # TLS and API key (None: plaintext, no key)
 
     @asynccontextmanager
-    async def session(self, max_in_flight: int) -> AsyncIterator[Send]:
+    async def session(self, max_in_flight: int) -> AsyncGenerator[Send, None]:
         metadata = self.credentials.metadata() if self.credentials else ()
         await _knock(self.address)
         async with channel(self.address, credentials=self.credentials) as ch:

@@ -19,7 +19,7 @@ import contextlib
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -68,7 +68,7 @@ class OpenAIBackend:
     credentials: ClientCredentials | None = None  # the API key (`Authorization: Bearer KEY`), TLS CA, client cert
 
     @asynccontextmanager
-    async def session(self, max_in_flight: int) -> AsyncIterator[Send]:
+    async def session(self, max_in_flight: int) -> AsyncGenerator[Send, None]:
         limits = httpx2.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
         creds = self.credentials or ClientCredentials()
         headers = {"authorization": f"Bearer {creds.api_key}"} if creds.api_key else None
@@ -109,7 +109,7 @@ class OpenAIBackend:
                 async for chunk in _events(response):
                     if "error" in chunk:  # failed after the stream began: its type says how, as a status would
                         error = chunk["error"]
-                        status = ERROR_TYPE_STATUS.get(error.get("type"), 500) if isinstance(error, dict) else 500
+                        status = ERROR_TYPE_STATUS.get(str(error.get("type")), 500) if isinstance(error, dict) else 500
                         _failed(record, status, json.dumps(chunk))
                         return
                     if self._carries_output(chunk):
@@ -136,7 +136,7 @@ class OpenAIBackend:
         return not ("role" in delta and "content" not in delta and not choices[0].get("finish_reason"))
 
 
-async def _events(response: httpx2.Response) -> AsyncIterator[dict[str, Any]]:
+async def _events(response: httpx2.Response) -> AsyncGenerator[dict[str, Any], None]:
     lines = response.aiter_lines()
     async for line in lines:
         if not line.startswith("data:"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from pdserve.engine.async_engine import AsyncEngine
@@ -13,7 +13,7 @@ from pdserve.telemetry import Telemetry, mark_ended_by
 
 async def generate_here(
     engine: AsyncEngine, telemetry: Telemetry, worker_id: str, request: EngineRequest
-) -> AsyncIterator[RequestOutput]:
+) -> AsyncGenerator[RequestOutput, None]:
     # Not made current: a span context entered across `yield`s can be left from another context.
     attributes = {"request.id": request.request_id, "worker.id": worker_id}
     span = telemetry.tracer.start_span("decode.stream", attributes=attributes)

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -61,7 +61,7 @@ class Handoff:
         time_remaining: TimeRemaining,
         on_dispatched: Callable[[], Awaitable[None]],
         on_prefilled: Callable[[FirstToken], None] = lambda first: None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs; the last one counts the prompt tokens the prefill worker's cache served.
         `on_dispatched` runs once the prefill worker has been called (what is slow from then on is its side),
         `on_prefilled` once its first token and KV are in."""
@@ -143,7 +143,7 @@ class Handoff:
             raise
         self.telemetry.span("kv_transfer.recv", start_ns, now_ns(), **ids, kv__bytes=nbytes)
 
-    async def _decode(self, handoff: HandoffRequest, first: FirstToken) -> AsyncIterator[RequestOutput]:
+    async def _decode(self, handoff: HandoffRequest, first: FirstToken) -> AsyncGenerator[RequestOutput, None]:
         """Commits the received KV and streams the decode. The stream span starts when the sequence joins the
         batch: that moment (the first step that runs it) is known only once its first decoded token arrives."""
         ids = {"request.id": handoff.request.request_id, "worker.id": self.worker_id}

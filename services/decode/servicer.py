@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -40,7 +40,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         request_id_var.set(request.client_request_id or request.request_id)
         work = engine_request_from_pb(request)
         if self.faults.engine_dies_for(request.client_request_id):

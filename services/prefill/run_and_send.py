@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from pdserve.config import FaultConfig
@@ -49,7 +49,7 @@ class RunAndSend:
     metrics: WorkerMetrics | None = None
     faults: FaultConfig = field(default_factory=FaultConfig)  # none injected
 
-    async def run(self, job: PrefillJob) -> AsyncIterator[FirstToken | KVSent]:
+    async def run(self, job: PrefillJob) -> AsyncGenerator[FirstToken | KVSent, None]:
         """The first token, then (unless it ended the request) the confirmation that the KV was sent."""
         self._check(job)
         if self.faults.engine_dies_for(job.client_request_id):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
@@ -21,7 +21,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(  # noqa: N802 (gRPC method name)
         self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[wpb.PrefillEvent]:
+    ) -> AsyncGenerator[wpb.PrefillEvent, None]:
         request_id_var.set(request.client_request_id or request.request_id)
         target = request.target
         job = PrefillJob(

@@ -5,7 +5,7 @@ converts its wire format to a GenerateRequest and the stream back."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 
 from pdserve.errors import InvalidRequestError
@@ -52,7 +52,7 @@ async def generate(
     arrived_at: float | None = None,
     streamed: bool = True,
     request_taken: bool = False,
-) -> AsyncIterator[pb.GenerateResponse]:
+) -> AsyncGenerator[pb.GenerateResponse, None]:
     """The request's stream. Everything refused before the first message raises here (InvalidRequestError,
     OverloadedError, UnavailableError, ModelNotFoundError for a `model` not served, and the caller's check
     first of all: UnauthenticatedError, PermissionDeniedError). `who`: the caller's headers, its key checked here,

@@ -9,7 +9,7 @@ import contextvars
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import aclosing, contextmanager, suppress
 from functools import partial
 
@@ -217,7 +217,7 @@ class RequestLifecycle:
 
     async def stream(
         self, ticket: Ticket, time_remaining: Callable[[], float | None], arrived_at: float | None = None
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The decode worker's stream. When an attempt fails with UNAVAILABLE the request moves to other workers,
         each attempt with its own ticket: retried as it came before any message reached the caller (up to
         `max_attempts` placements), migrated with the tokens already streamed after (up to `migration_limit`),
@@ -332,8 +332,8 @@ class RequestLifecycle:
         for role in (Role.PREFILL, Role.DECODE):
             given_back = {w.worker_id for w in self.placement.registry.workers(role)}
             with suppress(NoWorkersError):
-                avoid = failed.ids() - given_back
-                return await self.placement.place(*args, avoid, req.cache_salt, must_hold=True)
+                still_avoided = failed.ids() - given_back
+                return await self.placement.place(*args, still_avoided, req.cache_salt, must_hold=True)
         return await self.placement.place(*args, cache_salt=req.cache_salt, must_hold=True)
 
     def _place_args(self, req: RoutedRequest) -> tuple[list[int], int, float]:

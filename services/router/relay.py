@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
@@ -25,7 +25,7 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
 from services.router.placement import Placement, PlacementPolicy
-from services.router.stall import read_within
+from services.router.stall import next_message, read_within
 from services.router.ticket import Ticket
 from services.router.unlisted import Listing, UnlistedCheck
 
@@ -79,7 +79,7 @@ class Relay:
 
     async def stream(
         self, ticket: Ticket, time_remaining: float | None, clock: Clock
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The decode worker's messages, each carrying the caller's request_id, the last one usage. Cancelling
         the decode call (done here however the stream ends) cancels its prefill and frees blocks on both. The
         first-token bound counts from `ticket.started_at` (this attempt's start), latencies from `clock`'s."""
@@ -102,7 +102,7 @@ class Relay:
         self._calls.add(call)
         try:
             msg = await self._first(call, ticket, time_remaining)
-            while msg is not grpc.aio.EOF:
+            while msg is not None:
                 if msg.token_ids or msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:  # else: preempted, waiting
                     relayed = self._relayed(msg, ticket, clock)
                     yield relayed
@@ -135,7 +135,9 @@ class Relay:
             measured_s, predicted_s = measured_s - int(waited) / 1e3, predicted_s - p.prefill_queue_s
         self.calibration.observe(p.prefill_worker.worker_id, predicted_s, measured_s, p.ttft_factor)
 
-    async def _first(self, call: grpc.aio.UnaryStreamCall, ticket: Ticket, time_remaining: float | None) -> object:
+    async def _first(
+        self, call: grpc.aio.UnaryStreamCall, ticket: Ticket, time_remaining: float | None
+    ) -> pb.GenerateResponse | None:
         """The first message, within the router's first-token bound unless the caller's deadline is sooner
         (the decode call carries that one, and ends in DEADLINE_EXCEEDED), and while its workers stay listed."""
         bound = self.first_token_s - (time.perf_counter() - ticket.started_at)
@@ -147,7 +149,7 @@ class Relay:
             async with asyncio.timeout(None if by_deadline else max(bound, 0.0)) as timeout:
                 unlisted = UnlistedCheck(timeout, self.listing, ticket.placement)
                 try:
-                    return await call.read()
+                    return await next_message(call)
                 finally:
                     unlisted.cancel()
         except TimeoutError:

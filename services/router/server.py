@@ -20,7 +20,7 @@ from pdserve.telemetry import Telemetry
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
 from services.router.admin import AdminServicer
 from services.router.admitted import ClusterAdmitted
-from services.router.gone_workers import GoneWorkers
+from services.router.gone_workers import GoneWorkers, PerWorkerState
 from services.router.http.app import openai_app
 from services.router.http.server import HttpServer
 from services.router.key_reload import KeyReload
@@ -160,7 +160,7 @@ async def start_router(
     if key_reload is not None:
         key_reload.start(lifecycle)
     predictor = policy.predictor
-    gone = [tracker, predictor.calibration, predictor.best, lifecycle.recent, policy.offered]
+    gone: list[PerWorkerState] = [tracker, predictor.calibration, predictor.best, lifecycle.recent, policy.offered]
     gone_workers = GoneWorkers(registry, gone)
     gone_workers.start()
     shared_claims = await _shared_claims(registry, config, predictor)

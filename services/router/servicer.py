@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -29,7 +29,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: pb.GenerateRequest | Unparsed, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         async def send_prediction(ticket: Ticket) -> None:
             predicted_ms = round(ticket.placement.predicted_ttft_s * 1e3)
             metadata = ((PREDICTED_TTFT_KEY, str(predicted_ms)), *_request_id(ticket.client_id))

@@ -101,7 +101,7 @@ class SharedKVClaims:
         deleted = [x for w in sorted(ended) if w in self._known for x in (w, self._known[w])]
         async with self._redis.pipeline() as pipe:
             if written:
-                pipe.hset(CLAIMS_KEY, mapping=written)
+                pipe.hset(CLAIMS_KEY, mapping=written)  # type: ignore[arg-type]  # redis-py's Mapping key is invariant
             if deleted:
                 pipe.eval(_DELETE_IF_UNCHANGED, 1, CLAIMS_KEY, *deleted)
             pipe.hgetall(CLAIMS_KEY)

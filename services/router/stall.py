@@ -19,6 +19,7 @@ import grpc
 
 from pdserve.errors import UnavailableError
 from pdserve.registry.base import WorkerState
+from pdserve.v1 import generate_pb2 as pb
 
 LATE_S = 0.05  # a check this late ran behind something that held the loop
 GRACE_S = 0.25  # after such a hold: time to read what came meanwhile
@@ -58,13 +59,21 @@ class _StallCheck:
         self._handle.cancel()
 
 
-async def read_within(call: grpc.aio.UnaryStreamCall, bound_s: float, decode: WorkerState) -> object:
-    """The call's next message (or EOF), or StalledError once `bound_s` passes without one."""
+async def next_message(call: grpc.aio.UnaryStreamCall) -> pb.GenerateResponse | None:
+    """The decode stream's next message; None at its end."""
+    message = await call.read()
+    return None if message is grpc.aio.EOF else message
+
+
+async def read_within(
+    call: grpc.aio.UnaryStreamCall, bound_s: float, decode: WorkerState
+) -> pb.GenerateResponse | None:
+    """The call's next message (None at its end), or StalledError once `bound_s` passes without one."""
     try:
         async with asyncio.timeout(None) as timeout:
             check = _StallCheck(timeout, bound_s)
             try:
-                return await call.read()
+                return await next_message(call)
             finally:
                 check.cancel()
     except TimeoutError:

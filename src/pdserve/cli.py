@@ -7,10 +7,10 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.bench.commands import add_bench_commands
 from pdserve.chaos.command import add_chaos_command
@@ -236,7 +236,7 @@ def _serve_held(args: argparse.Namespace, services: ClusterServices | None) -> i
     return 0
 
 
-def _runner(command: str) -> Callable[[ClusterConfig, ClusterServices], Awaitable[None]]:
+def _runner(command: str) -> Callable[[ClusterConfig, ClusterServices], Coroutine[Any, Any, None]]:
     if command == "controller":
         from pdserve.cluster.controller import run_controller
 

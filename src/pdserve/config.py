@@ -7,11 +7,11 @@ dtype object) are resolved in the engine (`pdserve.engine.device`).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any
 
 from pdserve.protocol.outputs import PREEMPTED_NOTICE_S
 from pdserve.protocol.request_checks import RequestLimits
@@ -218,7 +218,7 @@ class RouterConfig:
         return self.max_queued_prefill_tokens * max(share, 0.0)
 
     @classmethod
-    def from_file(cls, path: str, **overrides: object) -> RouterConfig:
+    def from_file(cls, path: str, **overrides: Any) -> RouterConfig:
         """A TOML file's [router] table (slo classes as [[router.slo_classes]], limits as
         [router.request_limits]), then explicit overrides; other tables are other programs'. ValueError naming the
         file and the key for a misspelled key or [router], a setting outside any table, a value of the wrong type or
@@ -247,19 +247,15 @@ class RouterConfig:
             from_file = cls(**table)
         except ValueError as e:  # a value out of its range
             raise ValueError(f"{path}: {e}") from None
-        return dataclasses.replace(from_file, **{k: v for k, v in overrides.items() if v is not None})
+        return replace(from_file, **{k: v for k, v in overrides.items() if v is not None})
 
 
 # A TOML value's type for a field's annotation (the scalars a config file sets).
 _TOML_TYPES: dict[str, type] = {"float": float, "int": int, "bool": bool, "str": str, "str | None": str}
 _TYPE_NAMES = {
-    float: "a number",
-    int: "a whole number",
-    bool: "true or false",
-    str: "a string",
-    dict: "a table",
+    float: "a number", int: "a whole number", bool: "true or false", str: "a string", dict: "a table",
     list: "an array of tables",
-}
+}  # fmt: skip
 
 
 def _checked(path: str, where: str, table: object, types: dict[str, type]) -> None:
@@ -281,14 +277,14 @@ def _checked_fields(
 ) -> None:
     """`table` sets fields of the dataclass `cls`, each with a value of its type (`nested`: its tables and arrays
     of tables, checked apart); `required`: every field without a default must be there."""
-    fields = dataclasses.fields(cls)
-    types = {f.name: _TOML_TYPES[str(f.type)] for f in fields if str(f.type) in _TOML_TYPES} | (nested or {})
+    declared = fields(cls)
+    types = {f.name: _TOML_TYPES[str(f.type)] for f in declared if str(f.type) in _TOML_TYPES} | (nested or {})
     _checked(path, where, table, types)
     assert isinstance(table, dict)
     for key, value in table.items():  # stored as the field's type: 5 for a float field is 5.0
         if types[key] is float:
             table[key] = float(value)
-    missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in table]
+    missing = [f.name for f in declared if f.default is MISSING and f.name not in table]
     if required and missing:
         raise ValueError(f"{path}: {where} lacks {', '.join(missing)}")
 

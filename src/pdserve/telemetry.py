@@ -147,7 +147,7 @@ class Telemetry:
         return int(self._http.server_port)
 
     def span(
-        self, name: str, start_ns: int, end_ns: int, failed: BaseException | None = None, **attributes: Any
+        self, name: str, start_ns: int, end_ns: int, failed: BaseException | None = None, /, **attributes: Any
     ) -> None:
         """A span measured after the fact (queue waits: their start is known only once they end); `failed`: what
         ended the operation instead of its result (`mark_ended_by`)."""
@@ -193,8 +193,9 @@ CALLER_ANSWERS = (
 def step_span(tracer: trace.Tracer, name: str, **attributes: Any) -> Iterator[trace.Span]:
     """A span for one step of a request, ERROR only when the service failed there (`mark_ended_by`), not when it
     answered the caller: error rates read from span status then do not rise with load shedding or client bugs."""
-    options = {"record_exception": False, "set_status_on_exception": False}
-    with tracer.start_as_current_span(name, attributes=_attrs(attributes), **options) as span:
+    with tracer.start_as_current_span(
+        name, attributes=_attrs(attributes), record_exception=False, set_status_on_exception=False
+    ) as span:
         try:
             yield span
         except BaseException as e:

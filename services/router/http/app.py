@@ -8,7 +8,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import AbstractContextManager, aclosing, suppress
 
 from opentelemetry import trace
@@ -136,9 +136,9 @@ class OpenAIAPI:
         answer = Answer(req, answer_id, self.lifecycle.tokenizer)
         if req.stream:
             events = self._events(req, choices, answer, request, tenant, start)
-            response = SSEResponse(events, req.max_tokens_param, self.lifecycle.config.sse_keepalive_s)
-            response.headers[REQUEST_ID_KEY] = req.message.request_id
-            return response
+            streamed = SSEResponse(events, req.max_tokens_param, self.lifecycle.config.sse_keepalive_s)
+            streamed.headers[REQUEST_ID_KEY] = req.message.request_id
+            return streamed
         headers: dict[str, str] = {REQUEST_ID_KEY: req.message.request_id}
         with self._span(request, chat, start, req.user) as span:
             whole = asyncio.ensure_future(self._whole(req, choices, answer, tenant, headers, start))
@@ -185,7 +185,7 @@ class OpenAIAPI:
         request: Request,
         tenant: Tenant,
         arrived: float,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Within one task (the response's), so the span and the request's context live and end there. An error
         before the first event is the response's status (SSEResponse): an error on the span only when a 5xx."""
         with self._span(request, req.chat, arrived, req.user, on_exception=False) as span:
@@ -209,13 +209,13 @@ class OpenAIAPI:
 
     def _choices(
         self, req: OpenAIRequest, choices: Choices | None, tenant: Tenant, headers: dict[str, str], arrived: float
-    ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    ) -> AsyncGenerator[tuple[int, pb.GenerateResponse], None]:
         """Every choice's messages, tagged with its index (choices.py), each choice run as this API runs one. The
         first to start uses the request the key was charged before its body was read; each later one is charged its
         own, as a request of its own."""
         started = itertools.count()
 
-        def one(message: pb.GenerateRequest, choices: Choices | None) -> AsyncIterator[pb.GenerateResponse]:
+        def one(message: pb.GenerateRequest, choices: Choices | None) -> AsyncGenerator[pb.GenerateResponse, None]:
             return self._generate(message, req, tenant, headers, arrived, choices, next(started) == 0)
 
         return each_choice(self.lifecycle, req, choices, one, tenant, arrived)
@@ -229,7 +229,7 @@ class OpenAIAPI:
         arrived_at: float,
         choices: Choices | None,
         request_taken: bool,
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         async def on_admitted(ticket: Ticket) -> None:
             headers[PREDICTED_TTFT_HEADER] = str(round(ticket.placement.predicted_ttft_s * 1e3))
 
@@ -328,18 +328,18 @@ class SSEResponse(StreamingResponse):
     reader waiting for it does not take the stream for cut. A silence of `keepalive_s`, the first event's wait
     included, sends a comment (keepalive.py)."""
 
-    def __init__(self, events: AsyncIterator[bytes], max_tokens_param: str, keepalive_s: float) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], max_tokens_param: str, keepalive_s: float) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
-        self.max_tokens_param, self.keepalive_s = max_tokens_param, keepalive_s
+        self.events, self.max_tokens_param, self.keepalive_s = events, max_tokens_param, keepalive_s
 
     async def stream_response(self, send: Send) -> None:
         # Closed here whatever ends it: a client that hangs up while a write waits (a slow reader) is a cancel in
         # `send`, outside the events, which would otherwise stay suspended with their span, ticket and decode call
         # until a garbage collection in another task.
-        async with aclosing(self.body_iterator) as events:  # type: ignore[type-var]
+        async with aclosing(self.events) as events:
             await self._stream(events, send)
 
-    async def _stream(self, events: AsyncIterator[bytes], send: Send) -> None:
+    async def _stream(self, events: AsyncGenerator[bytes, None], send: Send) -> None:
         body = KeptAliveBody(send, self.keepalive_s, self.status_code, self.raw_headers)
         try:
             async with body:

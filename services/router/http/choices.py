@@ -5,7 +5,7 @@ and the first to fail ends them all."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 
 from pdserve.errors import InvalidRequestError
@@ -19,7 +19,7 @@ from services.router.lifecycle import RequestLifecycle
 from services.router.request import build_request, capped_default
 
 # One choice's stream, given its request and the request's choices (None: it is the only one).
-Generate = Callable[[pb.GenerateRequest, Choices | None], AsyncIterator[pb.GenerateResponse]]
+Generate = Callable[[pb.GenerateRequest, Choices | None], AsyncGenerator[pb.GenerateResponse, None]]
 
 
 async def request_choices(lifecycle: RequestLifecycle, req: OpenAIRequest, tenant: Tenant) -> Choices | None:
@@ -52,7 +52,7 @@ async def each_choice(
     generate: Generate,
     tenant: Tenant,
     arrived: float,
-) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+) -> AsyncGenerator[tuple[int, pb.GenerateResponse], None]:
     """Each choice's messages tagged with its index, as they come. With several, every choice is a request of its
     own, and each starts once the one before it got its first token: it then meets its prompt (a batch's prompts
     often share a prefix too) in that prefill worker's prefix cache (placement prefers the worker holding it, so

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,7 +185,9 @@ def usage(prompts: list[pb.Usage], completion_tokens: int) -> dict[str, Any]:
     }
 
 
-async def sse_events(answer: Answer, stream: AsyncIterator[tuple[int, pb.GenerateResponse]]) -> AsyncIterator[bytes]:
+async def sse_events(
+    answer: Answer, stream: AsyncGenerator[tuple[int, pb.GenerateResponse], None]
+) -> AsyncGenerator[bytes, None]:
     """Each choice's messages as they come, tagged with its index; `stream` closed however this ends."""
     async with aclosing(stream):
         async for index, msg in stream:

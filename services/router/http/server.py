@@ -75,6 +75,7 @@ class HttpServer:
             # uvicorn makes its SSLContext from the files once; on each handshake this moves the connection onto a
             # context of the files as they are now, so a renewed certificate or client CA needs no restart.
             config.load()
+            assert config.ssl is not None  # load() made it from the files
             client_cas = [tls.client_ca] if tls.client_ca else []
             config.ssl.sni_callback = RotatingCertificate(tls.cert, tls.key, client_cas).sni_callback
         self._server = _Embedded(config)

@@ -103,7 +103,7 @@ class _TransformersRunner:
         self.device = resolve_device(config)
         self.model = AutoModelForCausalLM.from_pretrained(
             str(resolve_model(config.model)), dtype=resolve_dtype(config), attn_implementation="sdpa"
-        ).to(self.device)
+        ).to(self.device)  # type: ignore[arg-type]  # transformers types its wrapped `to` as unbound
         self.model.eval()
         # transformers renamed `past_key_values` to `cache` within 5.x; take whichever this version has.
         forward_args = inspect.signature(self.model.forward).parameters
@@ -252,7 +252,9 @@ def run_engine_bench(
     for runner in runners.values():
         for case in cases:
             case.warm_up(runner, prompts)
-    samples = {case.name: {label: [] for label in [*runners, "floor", "bound"]} for case in cases}
+    samples: dict[str, dict[str, list[float]]] = {
+        case.name: {label: [] for label in [*runners, "floor", "bound"]} for case in cases
+    }
     device = resolve_device(config)
     e = ours.engine
     weights = weight_bytes_per_step(e.model)
@@ -296,9 +298,9 @@ def run_engine_bench(
             "pdserve_share_of_floor": _median_ratio(mine, floor),
             "per_round": per_round,
         }
-        if bound := per_round["bound"]:
-            row["bandwidth_bound_tok_s"] = statistics.median(bound)
-            row["pdserve_share_of_bound"] = _median_ratio(mine, bound)
+        if bounds := per_round["bound"]:
+            row["bandwidth_bound_tok_s"] = statistics.median(bounds)
+            row["pdserve_share_of_bound"] = _median_ratio(mine, bounds)
         if compare_transformers:
             theirs = per_round["transformers"]
             row["transformers_tok_s"] = statistics.median(theirs)

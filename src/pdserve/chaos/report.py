@@ -48,8 +48,10 @@ def summarize(
 
 def clean(report: dict[str, Any]) -> bool:
     """The run lost nothing: no request lost or failed, every output right, nothing held, every fault healed."""
-    keys = ("completed_wrong_output", "failed", "lost", "kv_blocks_held_after_idle", "router_in_flight_after_idle")
-    keys += ("not_recovered",)
+    keys = (
+        "completed_wrong_output", "failed", "lost", "kv_blocks_held_after_idle", "router_in_flight_after_idle",
+        "not_recovered",
+    )  # fmt: skip
     return report["requests"] > 0 and not any(report[k] for k in keys)
 
 

@@ -120,14 +120,16 @@ class DrainGate(grpc.aio.ServerInterceptor):
                         yield item
             finally:
                 try:  # closed here, in the call's span, before a drain counts it ended
-                    if items.ag_frame is not None:
+                    if items.ag_frame is not None:  # type: ignore[attr-defined]  # as in rpc/stream_writer.py
                         await through_cancels(items.aclose(), steps)
                 finally:
                     self._streams -= 1
 
         return stream
 
-    async def _until_cut(self, items: AsyncGenerator[Any, None], context: contextvars.Context) -> AsyncIterator[Any]:
+    async def _until_cut(
+        self, items: AsyncGenerator[Any, None], context: contextvars.Context
+    ) -> AsyncGenerator[Any, None]:
         """`items`, each step raced against the cut."""
         cut = self._cut_future()
         while True:

@@ -48,7 +48,10 @@ class RouterHandle(Protocol):
     """What the launcher needs of a running router to drain it."""
 
     draining: bool
-    relay: StreamRelay  # what a drain whose grace ran out cuts
+
+    @property
+    def relay(self) -> StreamRelay:
+        """What a drain whose grace ran out cuts."""
 
     @property
     def in_flight(self) -> int: ...

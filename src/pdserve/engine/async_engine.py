@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from functools import partial
@@ -124,7 +124,7 @@ class AsyncEngine:
 
     # -- called from asyncio -------------------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Add a request (mixed or prefill-only engine) and yield its outputs; abort it if the caller leaves.
         Raises DuplicateRequestError while another request with this id is in flight here."""
         stream = self._open(request.request_id)
@@ -161,7 +161,7 @@ class AsyncEngine:
 
     async def commit_and_stream(
         self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None, kv_received: bool = True
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Decode side: the reserved blocks hold the KV (`kv_received` False: none came, the first token ended
         it); yield the first token's output, then the decode's."""
         stream = self._open(request_id)
@@ -262,7 +262,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         return stream
 
-    async def _drain(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
+    async def _drain(self, stream: _Stream) -> AsyncGenerator[RequestOutput, None]:
         """The stream's outputs, those already waiting merged into one: a caller that fell behind the engine
         (a slow client, a busy event loop) catches up with one message, not one per step it missed."""
         while True:

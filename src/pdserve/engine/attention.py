@@ -60,7 +60,7 @@ def paged_attention(
         out[: meta.num_decode] = _decode_attention(q[: meta.num_decode], cache, meta)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)
-        if span.block_table is None:
+        if span.block_table is None or span.mask is None:  # set together
             out[rows] = _attend(q[rows], k[rows], v[rows], mask=None)
         else:
             kc, vc = _gather(cache, span.block_table)
@@ -73,6 +73,7 @@ def _decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetad
     """The query heads sharing a KV head are folded into the query-length axis: one fused SDPA call over
     [B, kv_heads, group, d] needs neither a copy of K/V per query head nor the slow GQA path (~1.8x)."""
     num_decode, num_heads, head_dim = q.shape
+    assert meta.decode_block_tables is not None  # set with num_decode
     kc, vc = _gather(cache, meta.decode_block_tables)
     num_kv_heads = kc.shape[-2]
     kc = kc.view(num_decode, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, L, head_dim]
@@ -142,8 +143,11 @@ def _paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_mask: Bl
     num_blocks, block_size, num_kv_heads = cache.shape[1:4]
     keys = cache[0].view(1, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
     values = cache[1].view(1, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    attend = _compiled_flex_attention() if q.is_cuda else flex_attention
-    o = attend(q.unsqueeze(2), keys, values, block_mask=block_mask, enable_gqa=num_heads != num_kv_heads)
+    gqa = num_heads != num_kv_heads
+    if q.is_cuda:
+        o = _compiled_flex_attention()(q.unsqueeze(2), keys, values, block_mask=block_mask, enable_gqa=gqa)
+    else:
+        o = flex_attention(q.unsqueeze(2), keys, values, block_mask=block_mask, enable_gqa=gqa)
     return o.squeeze(2)
 
 

@@ -118,9 +118,9 @@ class BlockManager:
         self._free.take(taken)
         fit = self._free.best_fit(want - len(taken)) if len(taken) < count and self._free.count else None
         if fit is not None and fit[1] >= want - len(taken):
-            run = list(range(fit[0], fit[0] + count - len(taken)))
-            self._free.take(run)
-            taken.extend(run)
+            fitted = list(range(fit[0], fit[0] + count - len(taken)))
+            self._free.take(fitted)
+            taken.extend(fitted)
         run: list[int] = []
         while len(taken) < count and len(taken) + len(run) < want:
             hot_too = self._free.count < count - len(taken) - len(run)

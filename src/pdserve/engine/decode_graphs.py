@@ -121,7 +121,7 @@ class DecodeGraphs:
 
 
 def _captured(
-    step: Callable[[], torch.Tensor], pool: tuple[int, int] | None, device: torch.device
+    step: Callable[[], torch.Tensor], pool: torch.cuda._POOL_HANDLE | None, device: torch.device
 ) -> Callable[[], torch.Tensor]:
     """Runs `step` twice eagerly (compiling what it compiles, off the capture), then captures it once. On the
     model's own GPU: streams made on another (the current one, cuda:0 unless set) would capture nothing of its

@@ -15,6 +15,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.device import resolve_device, resolve_dtype
+from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_files import generation_eos_ids, tokenizer_folder
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes, load_model
 from pdserve.engine.models import resolve_model
@@ -348,7 +349,7 @@ class LLMEngine:
         return [Completion(tokens[i], "".join(texts[i]), reasons[i], logprobs[i], prompt_logprobs[i]) for i in ids]
 
 
-def _fingerprint(config: ModelConfig, model: torch.nn.Module) -> str:
+def _fingerprint(config: ModelConfig, model: LlamaModel) -> str:
     """Equal on two workers only when they run the same architecture with the same weights: KV from one
     is meaningless to the other otherwise. Hashes the config and a slice of the embedding table."""
     sample = model.embed_tokens[:4].detach().float().cpu().numpy().tobytes()

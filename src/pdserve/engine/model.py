@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -142,7 +144,8 @@ class LlamaModel(nn.Module):
 
     def projections(self) -> list[Linear]:
         """Every GEMM of a forward pass, in the order it runs (the LM head last): what bounds a step's speed."""
-        per_layer = [(layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) for layer in self.layers]
+        layers = cast(list[DecoderLayer], list(self.layers))  # a ModuleList's items are typed Module
+        per_layer = [(layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) for layer in layers]
         return [projection for projections in per_layer for projection in projections] + [self.lm_head]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

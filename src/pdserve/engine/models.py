@@ -118,10 +118,11 @@ TINY_RANDOM_CONFIG = {
 
 # Llama 3.2 1B's shape (tied embeddings, llama3 RoPE scaling): a model the size GPU figures mean something for,
 # built without downloading weights. Its byte-level tokenizer names only ids below 259; the others decode to "".
+LLAMA_1B_HIDDEN_SIZE = 2048
 LLAMA_1B_RANDOM_CONFIG = {
     **TINY_RANDOM_CONFIG,
     "vocab_size": 128256,
-    "hidden_size": 2048,
+    "hidden_size": LLAMA_1B_HIDDEN_SIZE,
     "intermediate_size": 8192,
     "num_hidden_layers": 16,
     "num_attention_heads": 32,
@@ -148,9 +149,7 @@ def write_tiny_random(folder: Path) -> None:
 def write_llama_1b_random(folder: Path) -> None:
     """Projections at 1/sqrt(fan-in) keep 16 layers' activations in range; embeddings at 0.1 make the tied
     output's logits spread (std ~4.5) so greedy picks are clear."""
-    write_random_llama(
-        folder, LLAMA_1B_RANDOM_CONFIG, weight_std=LLAMA_1B_RANDOM_CONFIG["hidden_size"] ** -0.5, embedding_std=0.1
-    )
+    write_random_llama(folder, LLAMA_1B_RANDOM_CONFIG, weight_std=LLAMA_1B_HIDDEN_SIZE**-0.5, embedding_std=0.1)
 
 
 def write_random_llama(folder: Path, c: dict, weight_std: float, embedding_std: float) -> None:

@@ -124,8 +124,8 @@ class Sampler:
             if history is None:
                 raise ValueError(f"row {i} has penalties but no token history")
             if p.logit_bias:
-                tokens, values = zip(*p.logit_bias, strict=True)
-                bias.append((i, np.asarray(tokens, dtype=np.int64), np.asarray(values, dtype=np.float32)))
+                tokens, biases = zip(*p.logit_bias, strict=True)
+                bias.append((i, np.asarray(tokens, dtype=np.int64), np.asarray(biases, dtype=np.float32)))
             prompt_tokens, output_list = history
             output = np.asarray(output_list, dtype=np.int64)
             if p.repetition_penalty != 1.0:
@@ -264,5 +264,7 @@ def _scatter_args(
     """(row, tokens, value or a value per token) parts -> flat indices into [rows, vocab] and the value per
     index, one copy each."""
     index = np.concatenate([row * vocab + tokens for row, tokens, _ in parts])
-    values = np.concatenate([np.broadcast_to(np.float32(v) if np.isscalar(v) else v, len(t)) for _, t, v in parts])
+    values = np.concatenate(
+        [np.broadcast_to(v if isinstance(v, np.ndarray) else np.float32(v), len(t)) for _, t, v in parts]
+    )
     return torch.from_numpy(index).to(device), torch.from_numpy(values).to(device)

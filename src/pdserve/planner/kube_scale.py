@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from pdserve import env
 
@@ -146,7 +146,8 @@ class RayClusterApi:
         self._objects, self._core = client.CustomObjectsApi(), client.CoreV1Api()
 
     def get(self) -> dict[str, Any]:
-        return self._objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+        found = self._objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+        return cast(dict[str, Any], found)  # a custom object is its JSON
 
     def patch(self, ops: list[dict[str, Any]]) -> None:
         # The client's default for a PATCH is a merge patch; ours is a JSON patch (a list of operations).
@@ -157,16 +158,15 @@ class RayClusterApi:
     def worker_pods(self) -> list[WorkerPod]:
         selector = f"ray.io/cluster={self.name},ray.io/node-type=worker"  # labels KubeRay sets on its pods
         pods = self._core.list_namespaced_pod(self.namespace, label_selector=selector).items
-        return [
-            WorkerPod(
-                p.metadata.name,
-                (p.metadata.labels or {}).get("ray.io/group", ""),
-                p.status.pod_ip or "",
-                p.status.phase == "Running",
-                p.metadata.deletion_timestamp is not None,
-            )
-            for p in pods
-        ]
+        found = []
+        for p in pods:
+            meta, status = p.metadata, p.status
+            if meta is None or meta.name is None or status is None:  # typed optional; a listed pod has all three
+                continue
+            group = (meta.labels or {}).get("ray.io/group", "")
+            running, deleted = status.phase == "Running", meta.deletion_timestamp is not None
+            found.append(WorkerPod(meta.name, group, status.pod_ip or "", running, deleted))
+        return found
 
 
 def apply_patch(api: RayClusterApi, counts: dict[str, int]) -> tuple[list[dict[str, Any]], list[str]]:

@@ -18,7 +18,7 @@ def plan_table(candidates: list[Candidate], workload: Workload, slo: SLO, profil
         f"{slo.attainment:.0%} attainment)",
         caption=profile_caption(profile),
     )
-    columns = (
+    columns: tuple[str, ...] = (
         "split", "goodput req/s", "attainment", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms",
         "busy prefill/decode", "shed", "max rate req/s",
     )  # fmt: skip

@@ -362,19 +362,16 @@ class Simulator:
         return fixed + seconds
 
     def _result(self, seqs: list[_Seq]) -> SimResult:
-        done = [s for s in seqs if s.done_s is not None and s.first_s is not None]
+        done = [(s.req, s.first_s, s.done_s) for s in seqs if s.done_s is not None and s.first_s is not None]
         start = seqs[0].req.arrival_s if seqs else 0.0
-        span = max((s.done_s for s in done), default=start) - start  # type: ignore[type-var]
-        tpot = [
-            (s.done_s - s.first_s) / (s.req.output_len - 1) if s.req.output_len > 1 else None  # type: ignore[operator]
-            for s in done
-        ]
+        span = max((done_s for _, _, done_s in done), default=start) - start
+        tpot = [(done_s - first_s) / (r.output_len - 1) if r.output_len > 1 else None for r, first_s, done_s in done]
 
         def busy(workers: list[_Worker]) -> float:
             return sum(w.busy_s for w in workers) / (len(workers) * span) if span > 0 else 0.0
 
         return SimResult(
-            ttft_s=[s.first_s - s.req.arrival_s for s in done],  # type: ignore[operator]
+            ttft_s=[first_s - r.arrival_s for r, first_s, _ in done],
             tpot_s=tpot,
             rejected=len(seqs) - len(done),
             shed=self.shed,

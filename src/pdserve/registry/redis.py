@@ -202,7 +202,7 @@ class RedisRegistry(Registry):
         counts: dict[Role, int] = {}
         for role, n in self._redis.hgetall(key).items():
             try:
-                counts[Role(role.decode())] = int(n)
+                counts[Role(role.decode())] = int(n)  # type: ignore[union-attr]  # bytes: the client decodes nothing
             except ValueError:  # written by anyone with access to Redis: a field that is no role, or no count
                 log.error("%s: field %r = %r skipped, not a role and a count", key, role, n)
         return counts
@@ -278,7 +278,9 @@ class RedisRegistry(Registry):
     async def _read(client: aredis.Redis) -> tuple[dict[str, bytes | None], set[str]]:
         """Every listed worker's state, and the retired ids (read with the list, in one transaction)."""
         async with client.pipeline() as pipe:
-            listed, retired = await pipe.smembers(WORKERS_KEY).zrange(RETIRED_KEY, 0, -1).execute()
+            pipe.smembers(WORKERS_KEY)
+            pipe.zrange(RETIRED_KEY, 0, -1)
+            listed, retired = await pipe.execute()
         ids = sorted(i.decode() for i in listed)
         values = await client.mget([worker_key(i) for i in ids]) if ids else []
         return dict(zip(ids, values, strict=True)), {i.decode() for i in retired}

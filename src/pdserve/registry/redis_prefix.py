@@ -15,7 +15,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import redis
@@ -185,7 +185,7 @@ class RedisPrefixIndex(PrefixIndex):
             )
         return hits
 
-    async def _count_leading_runs(self, hits: dict[str, int], block_hashes: list[bytes]) -> AsyncIterator[None]:
+    async def _count_leading_runs(self, hits: dict[str, int], block_hashes: list[bytes]) -> AsyncGenerator[None, None]:
         """Adds to `hits` each worker's run of leading blocks, asking only the workers whose run reached the end
         of the last probe, each probe 4x the last: a long prompt costs what its hits are, not what it is long
         for every worker. Yields after each round."""
@@ -194,7 +194,7 @@ class RedisPrefixIndex(PrefixIndex):
             probe = block_hashes[start : start + size]
             pipe = self._client().pipeline(transaction=False)
             for w in matching:
-                pipe.zmscore(prefix_key(w), probe)
+                pipe.zmscore(prefix_key(w), probe)  # type: ignore[arg-type]  # bytes members, as stored
             answers = await pipe.execute(raise_on_error=False)
             still = []
             for w, scores in zip(matching, answers, strict=True):

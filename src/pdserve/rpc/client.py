@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from pdserve.rpc.credentials import ClientCredentials
@@ -36,7 +36,7 @@ async def generate(
     request: pb.GenerateRequest,
     timeout_s: float | None = None,
     credentials: ClientCredentials | None = None,
-) -> AsyncIterator[tuple[pb.GenerateResponse, StreamResult]]:
+) -> AsyncGenerator[tuple[pb.GenerateResponse, StreamResult], None]:
     """Yields each stream message with the running result (timings filled in as they become known)."""
     result = StreamResult()
     start = time.perf_counter()

@@ -63,7 +63,7 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
-def finish_reason_to_pb(reason: FinishReason | None) -> int:
+def finish_reason_to_pb(reason: FinishReason | None) -> pb.FinishReason:
     if reason is None:
         return pb.FINISH_REASON_UNSPECIFIED
     return _FINISH_TO_PB.get(reason, pb.FINISH_REASON_UNSPECIFIED)

@@ -11,7 +11,7 @@ import asyncio
 import inspect
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection
 from contextlib import aclosing
 from typing import Any
 
@@ -31,7 +31,7 @@ from pdserve.errors import (
 
 log = logging.getLogger(__name__)
 UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
-StreamHandler = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+StreamHandler = Callable[[Any, grpc.aio.ServicerContext], AsyncGenerator[Any, None]]
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 # Trailer of an UNAVAILABLE that is a ClusterAuthError further in (a decode worker's prefill call refused), so the
 # router handles it as the one it got itself.
@@ -219,9 +219,9 @@ def _wrap_unary(fn: UnaryHandler, check: bool) -> UnaryHandler:
 
 
 def _wrap_stream(
-    fn: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]], check: bool
-) -> Callable[..., AsyncIterator[Any]]:
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    fn: Callable[[Any, grpc.aio.ServicerContext], AsyncGenerator[Any, None]], check: bool
+) -> Callable[..., AsyncGenerator[Any, None]]:
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
         try:
             if check:
                 check_parsed(request)

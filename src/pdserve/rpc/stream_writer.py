@@ -55,7 +55,8 @@ def _written(fn: Callable[[Any, grpc.aio.ServicerContext], AsyncGenerator[Any, N
                     # over the channel's limit, which no pdserve message nears: the caller gets RESOURCE_EXHAUSTED).
                     raise asyncio.CancelledError("the caller left, or its deadline passed") from None
         finally:
-            if messages.ag_frame is not None:  # not run to its end, nor closed by what it raised
+            # Not run to its end, nor closed by what it raised (a native generator's frame: typeshed's type lacks it).
+            if messages.ag_frame is not None:  # type: ignore[attr-defined]
                 await through_cancels(messages.aclose())
 
     return stream

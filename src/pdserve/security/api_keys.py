@@ -39,7 +39,8 @@ def _names(calls: Iterable[str]) -> str:
     return ", ".join(sorted(calls))
 
 
-def _check_number(name: str, value: object, kinds: type | tuple[type, ...]) -> None:
+def _check_number(name: str, value: object, whole: bool) -> None:
+    kinds = int if whole else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):  # bool is an int
         raise ValueError(f"{name} must be a finite number (0: unlimited), got {value!r}")
 
@@ -68,9 +69,9 @@ class Tenant:
                 raise ValueError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         if not isinstance(self.admin, bool):  # a key file's list, kept as immutable as the rest of a Tenant
             object.__setattr__(self, "admin", _admin_calls(self.admin))
-        _check_number("max_priority", self.max_priority, int)
+        _check_number("max_priority", self.max_priority, whole=True)
         for name in ("max_concurrent", "requests_per_second", "tokens_per_minute"):
-            _check_number(name, getattr(self, name), int if name == "max_concurrent" else (int, float))
+            _check_number(name, getattr(self, name), whole=name == "max_concurrent")
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: unlimited), got {getattr(self, name)!r}")
 

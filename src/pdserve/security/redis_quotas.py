@@ -27,6 +27,7 @@ import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
+from functools import partial
 from typing import TypeVar
 
 import redis.asyncio as aredis
@@ -378,7 +379,7 @@ class RedisQuotas(Quotas):
                 self._write_failed.warning("quota redis: %d stream leases not renewed: %r", len(leases), e)
             for lease, streams in leases.items():  # closed while the renewal ran: it may have come back
                 if lease not in self._leases:
-                    self._in_background(lambda s=streams, x=lease: self._redis.zrem(s, x), "stream lease not removed")
+                    self._in_background(partial(self._redis.zrem, streams, lease), "stream lease not removed")
 
     async def flush(self) -> None:
         """Waits for the background writes under way (each ends within `write_timeout_s`)."""
