@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from pdserve.cluster.supervisor import CHECK_TIMEOUT_S, Slot, Supervisor
+from pdserve.cluster.supervisor import CHECK_TIMEOUT_S, Slot, Supervisor, polled
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import VIEW_REFRESH_S, Registry, WorkerState
@@ -219,7 +219,7 @@ class FleetScaler:
 
         async def state(slot: Slot) -> WorkerState | None:
             try:
-                return await asyncio.wait_for(slot.actor.state.remote(), CHECK_TIMEOUT_S)
+                return await asyncio.wait_for(polled(slot.actor.state), CHECK_TIMEOUT_S)
             except Exception:  # starting, dead or stuck: it holds nothing a drain could save
                 return None
 

@@ -37,6 +37,15 @@ from pdserve.registry.memory import InMemoryPrefixIndex
 
 log = logging.getLogger(__name__)
 CHECK_TIMEOUT_S = 1.0  # an actor's state() is cheap: one that takes longer is restarting, or stuck
+
+
+def polled(method: Any, *args: Any) -> Any:
+    """Calls an actor method the supervision repeats at every check, leaving no task event: Ray's GCS keeps one
+    per call (up to 100,000, ~3.4 KB each), so a poll or two a second per worker grew its memory by 1.2 MB a
+    minute, idle or not (a soak review), and buried the dashboard's task list."""
+    return method.options(enable_task_events=False).remote(*args)
+
+
 KNOCK_TIMEOUT_S = 0.25  # a port that neither accepts nor refuses by then: the state check decides
 DEAD_AFTER = 2  # ActorDiedErrors in a row that mean the actor is dead for good
 STUCK_AFTER = 2  # checks in a row without an answer that mean stuck (one alone: often a CPU-starved moment)
@@ -195,7 +204,7 @@ class Supervisor:
         if self.prefix_index is None or slot.spec.role == Role.DECODE:  # a decode worker caches no prefixes
             return
         try:
-            take = slot.actor.take_prefix_changes.remote(slot.prefix_lost)
+            take = polled(slot.actor.take_prefix_changes, slot.prefix_lost)
             changes = await asyncio.wait_for(take, timeout=self.check_timeout_s)
         except Exception as e:  # a lost take: the next one is the whole cache
             if not slot.prefix_lost:  # once per run of failures (an actor of a build without the method: each check)
@@ -209,7 +218,7 @@ class Supervisor:
     async def _state(self, slot: Slot) -> Any:
         """The actor's state, within the check's timeout."""
         try:
-            return await asyncio.wait_for(slot.actor.state.remote(), timeout=self.check_timeout_s)
+            return await asyncio.wait_for(polled(slot.actor.state), timeout=self.check_timeout_s)
         except Exception as e:
             if not isinstance(e, TimeoutError) and not self.connected():
                 raise _LinkLost from e

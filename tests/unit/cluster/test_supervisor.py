@@ -88,6 +88,15 @@ async def test_slow_and_failing_actors_neither_stop_nor_delay_the_healthy_ones()
     task.cancel()
 
 
+async def test_a_check_leaves_no_ray_task_event() -> None:
+    """Ray's GCS keeps an event per actor call: checks at every heartbeat grew its memory without traffic."""
+    sup, _ = supervisor({"a": "ok", "b": "ok"})
+    for _ in range(3):
+        await sup.check_all()
+    calls = [call for slot in sup.slots.values() for call in slot.actor.state.calls]
+    assert len(calls) == 6 and all(call == {"enable_task_events": False} for call in calls)
+
+
 async def test_a_slot_making_its_new_actor_holds_up_no_other_workers_checks() -> None:
     """A drained worker's new actor waits seconds for Ray to free its name: meanwhile the loop keeps checking (and,
     with the embedded registry, republishing) the others, which would otherwise drop out of placement."""
