@@ -73,6 +73,19 @@ def test_an_ejected_worker_leaves_placement_until_its_hold_ends_or_it_restarts(m
     assert {r.place(prompt(40), 8, 1.0).prefill_worker.worker_id for _ in range(4)} == {"p0", "p1"}
 
 
+def test_a_worker_restarted_in_place_is_placed_again_at_once():
+    """A pod's worker restarted by Ray keeps its address (the chart pins the port): its new instance ends the
+    ejection, as a new address does; the failed process stays out (an HA review: a restarted worker sat out the
+    whole hold on the router that saw it fail)."""
+    ejections = Ejections(hold_s=60.0)
+    failed = worker("d0", "decode", instance="a1")
+    ejections.eject(failed, "unavailable")
+    assert ejections.ejected(failed)
+    assert not ejections.ejected(worker("d0", "decode", instance="b2"))  # same address, new process
+    assert not ejections.ejected(worker("d0", "decode", instance="a1", address="d0.local:50099"))
+    assert ejections.ejected(worker("d0", "decode", instance="a1"))
+
+
 def test_ejections_never_leave_a_role_empty(monkeypatch):
     """All out: the one ejected longest ago rather than UNAVAILABLE, and not the one that failed a moment ago (CI's
     chaos run: a decode worker resumed after a stall, while requests went back to the one just killed)."""
