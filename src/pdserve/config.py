@@ -125,7 +125,7 @@ class RouterConfig:
     slo_headroom: float = 0.8  # share of (SLO - own cost) that the predicted queueing may fill
     kv_claims: bool = True  # refused for KV room past its TTFT SLO, a request claims the blocks (kv_claims.py)
     heartbeat_s: float = 0.5
-    registry_max_view_age_s: float = 15.0  # Redis unreachable this long: drop the workers it cannot confirm
+    registry_max_view_age_s: float = 0.0  # Redis unreachable this long: drop its workers; 0: serve the last view on
     prefix_match_budget_s: float = 0.03  # a prefix index slower than this: place as if no prefix were cached
     quota_budget_s: float = 0.05  # shared API-key quotas slower than this: this router's own limits answer
     request_limits: RequestLimits = RequestLimits()  # [router.request_limits] in a TOML file
@@ -161,9 +161,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in ("slo", "round-robin"):
             raise ValueError(f"policy must be 'slo' or 'round-robin', got {self.policy!r}")
-        for name in ("registry_max_view_age_s", "prefix_match_budget_s", "quota_budget_s"):
-            if not getattr(self, name) > 0:  # zero would route to nobody, or never use the prefix index or quotas
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        for name, zero in (("registry_max_view_age_s", "0 or "), ("prefix_match_budget_s", ""), ("quota_budget_s", "")):
+            value = getattr(self, name)  # 0: a view kept however old; a budget of 0 would never use the index or quotas
+            if not (value > 0 or (zero and value == 0)):
+                raise ValueError(f"{name} must be {zero}positive, got {value!r}")
         if not 0 < self.transfer_gbps < float("inf"):  # a KV transfer's predicted time divides by it
             raise ValueError(f"transfer_gbps must be a positive number, got {self.transfer_gbps!r}")
         if self.migration_limit < 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from pdserve.addresses import advertised_host, join, release_held
 from pdserve.cluster.factories import RouterHandle, RouterServer, StartRouter
 from pdserve.cluster.internal_security import prepare_internal_security
 from pdserve.config import ClusterConfig
+from pdserve.redaction import redacted_url
 from pdserve.registry.base import PrefixIndex, Registry
 from pdserve.telemetry import Telemetry
 
@@ -29,7 +31,7 @@ def registry_for(config: ClusterConfig) -> tuple[Registry, PrefixIndex]:
         from pdserve.registry.redis_prefix import RedisPrefixIndex
 
         r = config.router
-        registry = RedisRegistry(config.redis_url, max_view_age_s=r.registry_max_view_age_s)
+        registry = RedisRegistry(config.redis_url, max_view_age_s=r.registry_max_view_age_s or math.inf)
         return registry, RedisPrefixIndex(config.redis_url, match_budget_s=r.prefix_match_budget_s)
     from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 
@@ -106,6 +108,9 @@ async def run_router(config: ClusterConfig, start_router: StartRouter) -> None:
     prepare_internal_security(config, make_secret=False)
     telemetry = Telemetry("pdserve-router")
     registry, prefix_index = registry_for(config)
+    if not await _registry_answers(registry, config, stop):
+        await registry.close()
+        return
     router = await start_router_process(config, start_router, registry, prefix_index, telemetry)
     workers = len(registry.workers())
     print(f"ready {router.server.address} (router; {workers} workers in the registry)", flush=True)
@@ -114,3 +119,20 @@ async def run_router(config: ClusterConfig, start_router: StartRouter) -> None:
     finally:
         await router.drain_and_stop(config.drain_grace_s)
         telemetry.shutdown()
+
+
+async def _registry_answers(registry: Registry, config: ClusterConfig, stop: asyncio.Event) -> bool:
+    """Waits, not listening, until the registry has answered once (False: stopped first). A router that never had
+    a view knows no worker: serving, it passed its health check and failed every request it was sent (an HA
+    review's router started before its Redis); unready, its load balancer sends them to the others. One that had
+    a view serves on from it through a later outage."""
+    await registry.start()  # its first read; the view's refresh goes on in the background
+    if registry.view_current():
+        return True
+    log.warning("registry redis at %s does not answer: waiting for it before serving", redacted_url(config.redis_url))
+    while not registry.view_current():
+        if stop.is_set():
+            return False
+        await asyncio.sleep(0.1)
+    log.info("registry redis answers: %d workers listed", len(registry.workers()))
+    return True

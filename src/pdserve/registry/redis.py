@@ -3,8 +3,9 @@
 Each worker's state is one key with a TTL, refreshed by its heartbeat, so a dead worker vanishes without anyone
 deleting it. Workers publish with a synchronous client on their own heartbeat thread. A router never waits on
 Redis while serving a request: a background task on its event loop keeps a view of the workers fresh and
-requests read that view; when Redis stops answering the router serves from its last view until the view is
-`max_view_age_s` old, then drops the workers it can no longer confirm. The prefix index is `redis_prefix.py`.
+requests read that view; when Redis stops answering the router serves from its last view (its workers that fail
+a call are ejected one by one, as any are), or, given a `max_view_age_s`, until the view is that old, then drops
+the workers it can no longer confirm. The prefix index is `redis_prefix.py`.
 """
 
 from __future__ import annotations
@@ -332,11 +333,9 @@ class RedisRegistry(Registry):
         now = time.monotonic()
         if self._down_since is None:
             self._down_since = now
+            limit = "until it answers" if math.isinf(self.max_view_age_s) else f"for up to {self.max_view_age_s:g} s"
             log.warning(
-                "registry redis unreachable (%r); serving the last view of %d workers for up to %.0f s",
-                e,
-                len(self._view),
-                self.max_view_age_s,
+                "registry redis unreachable (%r); serving the last view of %d workers %s", e, len(self._view), limit
             )
         if self._view and now - self._confirmed_at > self.max_view_age_s:
             log.error(

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.config import RouterConfig
+from pdserve.cluster.router_process import registry_for
+from pdserve.config import ClusterConfig, RouterConfig
 from pdserve.registry.redis import RedisRegistry, Throttled
 from pdserve.registry.redis_prefix import RedisPrefixIndex
 
@@ -84,7 +85,18 @@ def test_throttled_warnings_say_how_many_were_held_back(caplog):
 
 @pytest.mark.parametrize("name", ["registry_max_view_age_s", "prefix_match_budget_s", "quota_budget_s"])
 def test_router_config_refuses_a_registry_limit_that_is_not_positive(name):
-    for bad in (0.0, -1.0, math.nan):
+    zero_means_no_limit = name == "registry_max_view_age_s"
+    for bad in (-1.0, math.nan) if zero_means_no_limit else (0.0, -1.0, math.nan):
         with pytest.raises(ValueError, match=name):
             RouterConfig(**{name: bad})
     assert getattr(RouterConfig(**{name: 2.5}), name) == 2.5
+
+
+def test_by_default_a_router_keeps_its_last_registry_view_however_long_redis_is_out():
+    """Dropping it after 15 s took every worker out of every router at once, alive or not (an HA review: a Redis
+    pod rescheduled made the whole cluster UNAVAILABLE); the workers that fail a call are ejected one by one."""
+    assert RouterConfig().registry_max_view_age_s == 0.0
+    registry, _ = registry_for(ClusterConfig(redis_url="redis://127.0.0.1:1/0"))
+    assert isinstance(registry, RedisRegistry) and registry.max_view_age_s == math.inf
+    limited = ClusterConfig(redis_url="redis://127.0.0.1:1/0", router=RouterConfig(registry_max_view_age_s=30.0))
+    assert registry_for(limited)[0].max_view_age_s == 30.0  # type: ignore[attr-defined]
