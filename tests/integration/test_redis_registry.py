@@ -21,7 +21,7 @@ from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.registry.base import WorkerState
-from pdserve.registry.redis import PREFIX, RedisRegistry
+from pdserve.registry.redis import ASYNC_CONNECTIONS, PREFIX, RedisRegistry, connect_async
 from pdserve.registry.redis_prefix import RedisPrefixIndex
 from tests.redis_server import emptied, started
 
@@ -249,6 +249,20 @@ async def test_without_a_view_age_limit_the_last_view_serves_through_a_long_outa
     messages = [r.getMessage() for r in caplog.records]
     assert any("serving the last view of 1 workers until it answers" in m for m in messages)
     assert not any("past its limit" in m for m in messages)
+
+
+async def test_a_burst_of_calls_holds_a_bounded_number_of_connections(url, server):
+    """Each call in flight took a connection of its own, kept for good: a router's clients held their busiest
+    burst's worth for life. They wait for one of ASYNC_CONNECTIONS instead, and all are answered."""
+    client = connect_async(url)
+    try:
+        answers = await asyncio.gather(*(client.eval("return redis.call('ping')", 0) for _ in range(300)))
+        assert answers == [b"PONG"] * 300
+        with server.client() as c:
+            connected = len(c.client_list()) - 1  # less this one
+        assert 1 <= connected <= ASYNC_CONNECTIONS
+    finally:
+        await client.aclose()
 
 
 async def test_a_short_stall_keeps_workers_whose_keys_expired_meanwhile(url, server):

@@ -32,6 +32,9 @@ from pdserve.registry.base import DEFAULT_TTL_S, RETIRED_KEEP_S, VIEW_REFRESH_S,
 log = logging.getLogger(__name__)
 PREFIX = "pdserve"
 TIMEOUT_S = 0.25  # any one Redis call: an unreachable Redis costs this, never a stalled thread or request
+# Per client on a router's loop. Redis runs one command at a time, so more buy no speed: unbounded, each client kept
+# as many as its busiest burst had calls in flight, for good (a soak review: a router held 100 idle connections).
+ASYNC_CONNECTIONS = 32
 WORKERS_KEY = f"{PREFIX}:workers"
 RETIRED_KEY = f"{PREFIX}:retired"  # a sorted set: retired worker ids, scored by when (wall time)
 DESIRED_COUNTS_KEY = f"{PREFIX}:desired_counts"  # a hash role -> workers: the shape the fleet keeps (no TTL)
@@ -91,9 +94,13 @@ def connect_async(url: str, timeout_s: float = TIMEOUT_S) -> aredis.Redis:
 
     Both retry a call once, at once, on a connection error, never on a timeout: a Redis restarted since closed
     every pooled connection, and without it each one failed its next call (quotas fell back to per-router limits
-    for seconds after Redis was back), while a Redis that does not answer still costs one timeout."""
+    for seconds after Redis was back), while a Redis that does not answer still costs one timeout. At most
+    ASYNC_CONNECTIONS at once; a call waits for one within its timeout."""
     retry = AsyncRetry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
-    return aredis.Redis.from_url(url, retry=retry, **_options(url, timeout_s))
+    pool = aredis.BlockingConnectionPool.from_url(
+        url, max_connections=ASYNC_CONNECTIONS, timeout=timeout_s, retry=retry, **_options(url, timeout_s)
+    )
+    return aredis.Redis.from_pool(pool)
 
 
 def _options(url: str, timeout_s: float) -> dict[str, Any]:
