@@ -1,7 +1,9 @@
 """Sending a workload through one backend's session, each request at its arrival offset, in flight at most
-`max_in_flight` at a time (a request held back by loadgen's own bound, not the user's, has that hold added to its
-latencies). What a request looks like on the wire is the backend's (grpc_backend.py, openai_backend.py); the
-timing of every streamed message goes into the same RequestRecord either way."""
+`max_concurrency` at a time. One rule whichever bound holds a request (--max-concurrency, or loadgen's own default):
+its latencies are timed from its send, as vLLM times them under --max-concurrency, and the hold is recorded
+(RequestRecord.wait_s) and summarized apart, never folded into TTFT. What a request looks like on the wire is the
+backend's (grpc_backend.py, openai_backend.py); the timing of every streamed message goes into the same
+RequestRecord either way."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from loadgen.workload import Request
 
 # grpc.aio starts cancelling calls when too many are in flight on one channel (measured: 2,000 unbounded
 # calls gave 140 CANCELLED), so in-flight calls are always bounded: by this when --max-concurrency is not given.
-# Then the bound is ours, not the experiment's: the time a request waits for it counts in its latency.
-DEFAULT_MAX_IN_FLIGHT = 256
+# The result records the bound in force either way (never null, which in vLLM's files means unbounded).
+DEFAULT_MAX_CONCURRENCY = 256
 BACKENDS = ("grpc", "openai", "openai-chat")  # as `vllm bench serve --backend` names the OpenAI ones
 
 # Sends one request and fills its record: status, and the time and token count of each streamed message.
@@ -26,7 +28,7 @@ Send = Callable[[Request, RequestRecord], Awaitable[None]]
 
 
 class Backend(Protocol):
-    def session(self, max_in_flight: int) -> AbstractAsyncContextManager[Send]:
+    def session(self, max_concurrency: int) -> AbstractAsyncContextManager[Send]:
         """Connected (connecting is not the server's latency) until the context ends."""
         ...
 
@@ -34,8 +36,7 @@ class Backend(Protocol):
 class Client:
     def __init__(self, backend: Backend, max_concurrency: int | None = None) -> None:
         self.backend = backend
-        self.max_in_flight = max_concurrency or DEFAULT_MAX_IN_FLIGHT
-        self.bound_is_ours = max_concurrency is None
+        self.max_concurrency = max_concurrency or DEFAULT_MAX_CONCURRENCY
 
     async def run(
         self, requests: list[Request], on_done: Callable[[RequestRecord], None] = lambda r: None
@@ -43,8 +44,8 @@ class Client:
         """Sends each request at its arrival offset; returns the records (in workload order) and the duration
         from the first send to the last answer."""
         tag = uuid.uuid4().hex[:8]
-        async with self.backend.session(self.max_in_flight) as send:
-            slots = asyncio.Semaphore(self.max_in_flight)
+        async with self.backend.session(self.max_concurrency) as send:
+            slots = asyncio.Semaphore(self.max_concurrency)
             start = time.perf_counter()
 
             async def one(i: int, req: Request) -> RequestRecord:
@@ -52,8 +53,7 @@ class Client:
                 queued = time.perf_counter()
                 async with slots:
                     record.start_s = time.perf_counter() - start
-                    if self.bound_is_ours:  # the bound's hold alone: the client's own lateness is not the server's
-                        record.wait_s = start + record.start_s - queued
+                    record.wait_s = start + record.start_s - queued  # the bound's hold alone, not loadgen's lateness
                     try:
                         await send(req, record)
                     except Exception as e:  # the client's own (a malformed event, a transport error): this one fails

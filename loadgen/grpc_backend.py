@@ -30,7 +30,7 @@ class GrpcBackend:
     credentials: ClientCredentials | None = None  # TLS and API key (None: plaintext, no key)
 
     @asynccontextmanager
-    async def session(self, max_in_flight: int) -> AsyncGenerator[Send, None]:
+    async def session(self, max_concurrency: int) -> AsyncGenerator[Send, None]:
         metadata = self.credentials.metadata() if self.credentials else ()
         await _knock(self.address)
         async with channel(self.address, credentials=self.credentials) as ch:

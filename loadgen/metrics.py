@@ -1,7 +1,7 @@
 """The metric definitions, as `vllm bench serve` has them, as pure functions of the client's records.
 
-Per request: TTFT is send -> first message carrying tokens; E2EL is send -> last message ("send" is the
-request's arrival when loadgen's own in-flight bound held it back: RequestRecord.wait_s); TPOT is
+Per request: TTFT is send -> first message carrying tokens; E2EL is send -> last message (a hold by the
+concurrency bound, RequestRecord.wait_s, is before the send, in neither, as vLLM times them); TPOT is
 (E2EL - TTFT) / (output tokens - 1), defined for two or more tokens; ITL is each gap between consecutive
 token-carrying messages, one per message however many tokens it carries (vLLM's: what a reader of the stream
 waits between updates; TPOT is the per-token figure).
@@ -57,12 +57,11 @@ class GoodputSLO:
 
 
 def ttft_s(record: RequestRecord) -> float | None:
-    first = next((t for t, n in zip(record.message_times_s, record.message_tokens, strict=True) if n), None)
-    return None if first is None else record.wait_s + first
+    return next((t for t, n in zip(record.message_times_s, record.message_tokens, strict=True) if n), None)
 
 
 def e2el_s(record: RequestRecord) -> float | None:
-    return record.wait_s + record.message_times_s[-1] if record.message_times_s else None
+    return record.message_times_s[-1] if record.message_times_s else None
 
 
 def tpot_s(record: RequestRecord) -> float | None:

@@ -68,8 +68,8 @@ class OpenAIBackend:
     credentials: ClientCredentials | None = None  # the API key (`Authorization: Bearer KEY`), TLS CA, client cert
 
     @asynccontextmanager
-    async def session(self, max_in_flight: int) -> AsyncGenerator[Send, None]:
-        limits = httpx2.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
+    async def session(self, max_concurrency: int) -> AsyncGenerator[Send, None]:
+        limits = httpx2.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
         creds = self.credentials or ClientCredentials()
         headers = {"authorization": f"Bearer {creds.api_key}"} if creds.api_key else None
         verify: ssl.SSLContext | bool = True

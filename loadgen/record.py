@@ -19,8 +19,8 @@ class RequestRecord:
     output_len: int  # asked for (max_tokens with ignore_eos)
     scheduled_s: float  # planned send time, from the run's start
     start_s: float = 0.0  # actual send time, from the run's start (later than planned when concurrency is full)
-    # How long loadgen's own in-flight bound held it back (no --max-concurrency): part of its latency, as a client
-    # without that bound would have seen it queued at the server instead. A late send of loadgen's own is not.
+    # How long the in-flight bound (--max-concurrency or loadgen's default) held it back before its send: not in
+    # its latencies, which start at the send; start_s - scheduled_s - wait_s is loadgen's own lateness.
     wait_s: float = 0.0
     status: str = OK  # a gRPC status code name
     error: str = ""
