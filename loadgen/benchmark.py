@@ -16,6 +16,7 @@ from loadgen import metrics
 from loadgen.arrivals import schedule
 from loadgen.client import BACKENDS, DEFAULT_MAX_CONCURRENCY, Backend, Client
 from loadgen.metrics import GoodputSLO
+from loadgen.pacing import pacing
 from loadgen.record import OK, REJECTED, RequestRecord
 from loadgen.report import json_rate, summary_table
 from loadgen.workload import Request, WorkloadConfig, build_workload
@@ -103,6 +104,7 @@ def run_benchmark(
         if "vocabulary" in record.error:  # ids drawn for another model's (pdserve: "outside", vLLM: "out of")
             message += f" (the prompts were drawn for --model {config.model}: pass the model the server serves)"
         raise CheckRequestInvalid(message)
+    warn = Console(stderr=True, soft_wrap=True)  # a warning stays one line, whole for grep
     results = []
     for i, rate in enumerate(config.request_rates):
         rng = np.random.default_rng([config.seed, i])
@@ -116,6 +118,8 @@ def run_benchmark(
             records, duration_s = asyncio.run(client.run(requests, lambda _record: advance()))
         result = build_result(config, rate, records, duration_s)
         console.print(summary_table(result))
+        for warning in result["warnings"]:
+            warn.print(f"loadgen: warning: {warning}", style="yellow", markup=False)
         results.append(result)
         on_result(results)
     return results
@@ -153,6 +157,7 @@ def build_result(
         "seed": config.seed,
         "goodput": config.slo.as_dict(),
         "send_slo": config.send_slo,
+        **pacing(records, rate, config.workload.dataset_name == "trace"),
         **metrics.summarize(records, duration_s, config.slo),
         "requests": [_record_json(r, config.slo) for r in records],
     }

@@ -18,6 +18,11 @@ COUNTS = [
 ]
 RATES = [
     ("duration", "Benchmark duration (s)"),
+    ("achieved_request_rate", "Achieved send rate (req/s)"),
+    ("p50_send_lag_ms", "Median send lag (ms)"),
+    ("p99_send_lag_ms", "P99 send lag (ms)"),
+    ("max_send_lag_ms", "Max send lag (ms)"),
+    ("max_concurrency_wait_ms", "Max concurrency wait (ms)"),
     ("request_throughput", "Request throughput (req/s)"),
     ("request_goodput", "Request goodput (req/s)"),
     ("slo_attainment", "SLO attainment"),
@@ -35,7 +40,7 @@ ROWS = COUNTS + RATES + LATENCIES
 def _fmt(value: Any) -> str:
     if value is None:
         return "-"
-    if isinstance(value, int):
+    if isinstance(value, int | str):
         return str(value)
     return f"{value:.2f}"
 
