@@ -15,6 +15,7 @@ from rich.console import Console
 
 from loadgen.client import BACKENDS
 from loadgen.metrics import GoodputSLO
+from loadgen.outcome import EXIT_FAILED, EXIT_OK, EXIT_USAGE, failed_runs
 from loadgen.workload import DATASETS, WorkloadConfig
 from pdserve.addresses import host_port
 from pdserve.config import EngineConfig
@@ -147,21 +148,24 @@ def _bench(args: argparse.Namespace) -> int:
         if args.result_json:
             write_results(args.result_json, results)
 
-    status = 0
+    status = EXIT_OK
     try:
         run_benchmark(config, console, save)
     except CheckRequestInvalid as e:  # before any run: what the flags drew, refused
         errors.print(f"loadgen: {e}", style="red")
-        return 2
+        return EXIT_USAGE
     except (ClusterCheckFailed, TimeoutError, OSError) as e:  # OSError: nothing listens, or the JSON was not written
         errors.print(f"loadgen: {str(e) or _no_answer(address, config)}", style="red")
-        status = 1
+        status = EXIT_FAILED
+    for line in failed_runs(ran):
+        errors.print(f"loadgen: {line}", style="red", markup=False)
+        status = EXIT_FAILED
     if args.plot_dir and ran:  # a sweep cut short (the cluster gone midway) plots the rates it ran, as its JSON keeps
         try:
             _plot(console, args.plot_dir, {args.result_json.stem if args.result_json else "run": ran})
         except OSError as e:
             errors.print(f"loadgen: {e}", style="red")
-            status = 1
+            status = EXIT_FAILED
     return status
 
 

@@ -169,6 +169,7 @@ def _record_json(record: RequestRecord, slo: GoodputSLO) -> dict[str, Any]:
         "request_id": record.request_id,
         "status": record.status,
         "error": record.error,
+        "error_ms": _ms(record.error_s),  # did not complete: send -> its error
         "input_len": record.input_len,
         "output_len": record.output_len,
         "output_tokens": record.output_tokens,

@@ -60,6 +60,8 @@ class Client:
                         record.status, record.error = CLIENT_ERROR, f"{type(e).__name__}: {e}"
                 if record.status == OK and not record.output_tokens:
                     record.status, record.error = EMPTY_STREAM, "the stream ended without a token"
+                if record.status != OK:
+                    record.error_s = time.perf_counter() - start - record.start_s
                 on_done(record)
                 return record
 

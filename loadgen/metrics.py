@@ -7,6 +7,9 @@ token-carrying messages, one per message however many tokens it carries (vLLM's:
 waits between updates; TPOT is the per-token figure).
 A request is good when it completed and meets every goodput bound; goodput is good requests per second
 of the run, SLO attainment the share of all sent requests that were good.
+The latency figures are over the completed requests only (`completed` says how many); with none completed they
+are None (null), not 0, which read as the best latency of all. Time to reject is each shed request's send ->
+its refusal.
 """
 
 from __future__ import annotations
@@ -116,17 +119,17 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: GoodputSLO) 
         "itl": [gap for r in done for gap in itls_s(r)],
         "e2el": [e2el_s(r) for r in done],
     }
+    per_request["time_to_reject"] = [r.error_s for r in records if r.status == REJECTED]
     for name, values in per_request.items():
         summary |= _stats(name, [v * 1e3 for v in values if v is not None])
     return summary
 
 
-def _stats(name: str, ms: list[float]) -> dict[str, float]:
-    """Mean, median, std and percentiles; 0 when there are no values, as vLLM reports them."""
-    values = np.asarray(ms or [0.0])
-    stats = {
-        f"mean_{name}_ms": float(values.mean()),
-        f"median_{name}_ms": float(np.median(values)),
-        f"std_{name}_ms": float(values.std()),
-    }
-    return stats | {f"p{p}_{name}_ms": float(np.percentile(values, p)) for p in PERCENTILES}
+def _stats(name: str, ms: list[float]) -> dict[str, float | None]:
+    """Mean, median, std and percentiles; None when there are no values (vLLM's 0 reads as infinitely fast)."""
+    keys = [f"{stat}_{name}_ms" for stat in ("mean", "median", "std")] + [f"p{p}_{name}_ms" for p in PERCENTILES]
+    if not ms:
+        return dict.fromkeys(keys)
+    values = np.asarray(ms)
+    stats = [values.mean(), np.median(values), values.std()] + [np.percentile(values, p) for p in PERCENTILES]
+    return {key: float(stat) for key, stat in zip(keys, stats, strict=True)}

@@ -24,6 +24,7 @@ class RequestRecord:
     wait_s: float = 0.0
     status: str = OK  # a gRPC status code name
     error: str = ""
+    error_s: float | None = None  # a request that did not complete: from its send to its error (a shed: its refusal)
     message_times_s: list[float] = field(default_factory=list)  # from start_s to each streamed message
     message_tokens: list[int] = field(default_factory=list)  # tokens in each streamed message
     # The server's own count of the tokens it streamed, where its messages do not say (an OpenAI stream's usage:

@@ -34,12 +34,16 @@ LATENCIES = [
     for m in ("ttft", "tpot", "itl", "e2el")
     for stat in ("mean", "median", "std", "p90", "p99")
 ]
+LATENCY_KEYS = frozenset(key for key, _ in LATENCIES)
+TIME_TO_REJECT = [
+    (f"{stat}_time_to_reject_ms", f"{stat.capitalize()} time to reject (ms)") for stat in ("median", "p99")
+]
 ROWS = COUNTS + RATES + LATENCIES
 
 
 def _fmt(value: Any) -> str:
     if value is None:
-        return "-"
+        return "n/a"
     if isinstance(value, int | str):
         return str(value)
     return f"{value:.2f}"
@@ -56,7 +60,11 @@ def summary_table(result: dict[str, Any]) -> Table:
     table = Table(title=f"{result['dataset_name']} @ {rate_label(result)}", title_justify="left")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key, name in ROWS:
+    for key, name in COUNTS + RATES:
+        table.add_row(name, _fmt(result.get(key)))
+    sent = result["completed"] + result["failed"]
+    table.add_row("Latencies below: completed requests only", f"{result['completed']} of {sent}")
+    for key, name in LATENCIES + (TIME_TO_REJECT if result["rejected"] else []):
         table.add_row(name, _fmt(result.get(key)))
     if result["failed_by_code"]:
         table.add_row("Failed by code", ", ".join(f"{k}: {v}" for k, v in result["failed_by_code"].items()))
@@ -71,10 +79,16 @@ def comparison_table(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b
     for column, justify in (("metric", "left"), (label_a, "right"), (label_b, "right"), ("B / A", "right")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for key, name in ROWS:
-        va, vb = a.get(key), b.get(key)
+        va, vb = _figure(a, key), _figure(b, key)
         ratio = vb / va if isinstance(va, int | float) and isinstance(vb, int | float) and va else None
         table.add_row(name, _fmt(va), _fmt(vb), "-" if ratio is None else f"{ratio:.2f}x")
     return table
+
+
+def _figure(run: dict[str, Any], key: str) -> Any:
+    """A run's figure; no latency where no request completed (a file of vLLM's, or loadgen's before it wrote
+    null, has 0 there, which a ratio would read as infinitely fast)."""
+    return None if key in LATENCY_KEYS and run.get("completed") == 0 else run.get(key)
 
 
 Pair = tuple[dict[str, Any] | None, dict[str, Any] | None]

@@ -102,9 +102,24 @@ def test_summary_statistics_are_numpy_over_the_requests():
     assert s["request_goodput"] is None and s["slo_attainment"] is None  # no bounds asked
 
 
-def test_summary_of_nothing_completed_reports_zeros():
+def test_summary_of_nothing_completed_has_no_latencies_not_zeros():
+    """0 ms read as infinitely fast: `loadgen compare` showed such a run's TTFT as 0.00x its baseline's."""
     s = metrics.summarize([stream([], [], status="RESOURCE_EXHAUSTED")], 1.0, GoodputSLO(ttft_ms=1))
-    assert s["completed"] == 0 and s["mean_ttft_ms"] == 0.0 and s["request_goodput"] == 0.0
+    assert s["completed"] == 0 and s["request_goodput"] == 0.0
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert [s[f"{stat}_{name}_ms"] for stat in ("mean", "median", "std", "p90", "p99")] == [None] * 5
+
+
+def test_time_to_reject_is_summarized_over_the_shed_requests_only():
+    shed = [stream([], [], status="RESOURCE_EXHAUSTED") for _ in range(3)]
+    for record, error_s in zip(shed, (0.002, 0.004, 0.009), strict=True):
+        record.error_s = error_s
+    broken = stream([], [], status="UNAVAILABLE")
+    broken.error_s = 5.0
+    s = metrics.summarize([*shed, broken, stream([0.1], [1])], 1.0, GoodputSLO())
+    assert s["median_time_to_reject_ms"] == pytest.approx(4.0)
+    assert s["mean_time_to_reject_ms"] == pytest.approx(5.0)
+    assert metrics.summarize([stream([0.1], [1])], 1.0, GoodputSLO())["p99_time_to_reject_ms"] is None
 
 
 def test_goodput_flag_parsing():
