@@ -2,9 +2,12 @@
 
 Per request: TTFT is send -> first message carrying tokens; E2EL is send -> last message (a hold by the
 concurrency bound, RequestRecord.wait_s, is before the send, in neither, as vLLM times them); TPOT is
-(E2EL - TTFT) / (output tokens - 1), defined for two or more tokens; ITL is each gap between consecutive
-token-carrying messages, one per message however many tokens it carries (vLLM's: what a reader of the stream
-waits between updates; TPOT is the per-token figure).
+(E2EL - TTFT) / (output tokens - 1), defined for two or more tokens. Two ITLs: `itl` is vLLM's, per chunk: each
+gap between consecutive token-carrying messages, one per message however many tokens it carries (what a reader of
+the stream waits between updates; pdserve merges the tokens a slow reader missed into one message, so it exceeds
+the per-token gap). `token_itl` is SGLang's, per token: each such gap spread over the message's k tokens, k values
+of gap / k; only for a request whose messages say how many tokens each carries (an OpenAI stream's chunks do not:
+one counted per chunk, its per-token ITL is known when the usage's total agrees).
 A request is good when it completed and meets every goodput bound; goodput is good requests per second
 of the run, SLO attainment the share of all sent requests that were good.
 The latency figures are over the completed requests only (`completed` says how many); with none completed they
@@ -79,6 +82,14 @@ def itls_s(record: RequestRecord) -> list[float]:
     return [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
 
 
+def token_itls_s(record: RequestRecord) -> list[float] | None:
+    """SGLang's: None when the messages' token counts are not the stream's own (they disagree with its usage)."""
+    if record.reported_tokens is not None and record.reported_tokens != sum(record.message_tokens):
+        return None
+    carrying = [(t, n) for t, n in zip(record.message_times_s, record.message_tokens, strict=True) if n]
+    return [(t - earlier) / n for (earlier, _), (t, n) in zip(carrying, carrying[1:], strict=False) for _ in range(n)]
+
+
 def is_good(record: RequestRecord, slo: GoodputSLO) -> bool:
     if not record.completed:
         return False
@@ -113,10 +124,13 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: GoodputSLO) 
         "output_throughput": total_output / duration_s,
         "total_token_throughput": (total_input + total_output) / duration_s,
     }
+    token_itls = [token_itls_s(r) for r in done]
+    summary["token_itl_requests"] = sum(gaps is not None for gaps in token_itls)  # those whose token counts are known
     per_request: dict[str, list[float | None]] = {
         "ttft": [ttft_s(r) for r in done],
         "tpot": [tpot_s(r) for r in done],
         "itl": [gap for r in done for gap in itls_s(r)],
+        "token_itl": [gap for gaps in token_itls for gap in gaps or ()],
         "e2el": [e2el_s(r) for r in done],
     }
     per_request["time_to_reject"] = [r.error_s for r in records if r.status == REJECTED]

@@ -2,15 +2,17 @@
 over HTTP, streamed as Server-Sent Events, sent as `vllm bench serve` sends them: temperature 0, ignore_eos,
 stream_options.include_usage.
 
-Timing follows vLLM's: each SSE chunk with a choice is one streamed message of one token, whatever its text
-(a chat delta's content is empty while a multi-byte character is incomplete, and on the chunk with the
-finish_reason), except a chat opener that names the role and carries no content field at all: one ITL gap per
-chunk. The final usage chunk's completion_tokens is the output's count (`RequestRecord.reported_tokens`), which
-TPOT divides by, whether a server packs several tokens into a chunk or sends chunks with none; its prompt_tokens
-is the request's input length. Chat prompts are the workload's token ids decoded to text, so the server's chat
-template and tokenizer make the prompt's exact length (measured: a workload's 2001 prompt tokens were 4290 to
-the server). Each stream is read to its end, past `[DONE]`, so its connection goes back to the pool: a connection
-closed instead would put the next request's connect (and TLS handshake) into its TTFT."""
+Timing follows vLLM's: each SSE chunk with a choice is one streamed message of one token, whatever its text (a chat
+delta's content is empty while a multi-byte character is incomplete, and on the chunk with the finish_reason),
+except a chat opener that names the role and carries no content field at all: one ITL-per-chunk gap per chunk. A
+chunk does not say how many tokens it carries, so a stream whose usage counts more tokens than chunks has no
+per-token ITL (metrics.token_itls_s). The final usage chunk's completion_tokens is the output's count
+(`RequestRecord.reported_tokens`), which TPOT divides by, whether a server packs several tokens into a chunk or
+sends chunks with none; its prompt_tokens is the request's input length. Chat prompts are the workload's token ids
+decoded to text, so the server's chat template and tokenizer make the prompt's exact length (measured: a workload's
+2001 prompt tokens were 4290 to the server). Each stream is read to its end, past `[DONE]`, so its connection goes
+back to the pool: a connection closed instead would put the next request's connect (and TLS handshake) into its
+TTFT."""
 
 from __future__ import annotations
 

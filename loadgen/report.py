@@ -29,9 +29,10 @@ RATES = [
     ("output_throughput", "Output token throughput (tok/s)"),
     ("total_token_throughput", "Total token throughput (tok/s)"),
 ]
+METRIC_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL per chunk", "token_itl": "ITL per token", "e2el": "E2EL"}
 LATENCIES = [
-    (f"{stat}_{m}_ms", f"{stat.capitalize()} {m.upper()} (ms)")
-    for m in ("ttft", "tpot", "itl", "e2el")
+    (f"{stat}_{m}_ms", f"{stat.capitalize()} {name} (ms)")
+    for m, name in METRIC_NAMES.items()
     for stat in ("mean", "median", "std", "p90", "p99")
 ]
 LATENCY_KEYS = frozenset(key for key, _ in LATENCIES)

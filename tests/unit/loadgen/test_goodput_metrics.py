@@ -36,6 +36,25 @@ def test_a_message_of_several_tokens_is_one_itl_as_vllm_counts_it():
     assert metrics.itls_s(r) == pytest.approx([0.1, 0.3])
 
 
+def test_per_token_itl_spreads_each_chunks_gap_over_its_tokens_as_sglang_does():
+    r = stream([0.1, 0.5, 0.6, 0.9, 1.0], [0, 2, 1, 3, 0])
+    assert metrics.token_itls_s(r) == pytest.approx([0.1, 0.1, 0.1, 0.1])  # 0.1 over 1 token, 0.3 over 3
+    s = metrics.summarize([r, stream([0.2, 0.6], [1, 1])], 1.0, GoodputSLO())
+    assert s["token_itl_requests"] == 2
+    assert s["mean_token_itl_ms"] == pytest.approx(np.mean([100, 100, 100, 100, 400]))
+    assert s["mean_itl_ms"] == pytest.approx(np.mean([100, 300, 400]))  # per chunk, as vLLM's
+
+
+def test_per_token_itl_is_unknown_where_the_chunks_do_not_say_their_tokens():
+    """An OpenAI stream: one token counted per chunk; a usage total of more tokens means chunks carried several."""
+    merged = stream([0.1, 0.2, 0.3], [1, 1, 1])
+    merged.reported_tokens = 5
+    assert metrics.token_itls_s(merged) is None
+    assert metrics.summarize([merged], 1.0, GoodputSLO())["token_itl_requests"] == 0
+    merged.reported_tokens = 3
+    assert metrics.token_itls_s(merged) == pytest.approx([0.1, 0.1])
+
+
 def test_time_held_back_by_the_concurrency_bound_is_in_no_latency():
     r = stream([0.5, 0.6, 0.9], [1, 1, 1])
     r.wait_s = 0.25
