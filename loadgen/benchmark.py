@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from loadgen import metrics
+from loadgen import metrics, provenance
 from loadgen.arrivals import schedule
 from loadgen.client import BACKENDS, DEFAULT_MAX_CONCURRENCY, Backend, Client
 from loadgen.metrics import GoodputSLO
@@ -143,13 +143,29 @@ def offered_rate(requests: list[Request]) -> float:
 def build_result(
     config: BenchmarkConfig, rate: float, records: list[RequestRecord], duration_s: float
 ) -> dict[str, Any]:
+    end = datetime.datetime.now(datetime.UTC)
+    workload = config.workload
     return {
-        "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "date": end.astimezone().strftime("%Y%m%d-%H%M%S"),  # vLLM's: local time, no zone
+        "start_time": (end - datetime.timedelta(seconds=duration_s)).isoformat(),  # the first send, UTC
+        "end_time": end.isoformat(),
+        "loadgen_version": provenance.version(),
+        "git_commit": provenance.git_commit(),
         "backend": config.backend,
         "model_id": config.model,
+        "served_model_name": config.served_model_name,
         "address": config.address,
-        "dataset_name": config.workload.dataset_name,
+        "endpoint": config.endpoint,
+        "dataset_name": workload.dataset_name,
         "num_prompts": len(records),
+        "random_input_len": workload.random_input_len,
+        "random_output_len": workload.random_output_len,
+        "random_range_ratio": workload.random_range_ratio,
+        "prefix_repetition_prefix_len": workload.prefix_len,
+        "prefix_repetition_suffix_len": workload.suffix_len,
+        "prefix_repetition_num_prefixes": workload.num_prefixes,
+        "prefix_repetition_output_len": workload.prefix_output_len,
+        "trace": None if workload.trace is None else str(workload.trace),
         "request_rate": json_rate(rate),
         "burstiness": None if config.workload.dataset_name == "trace" else config.burstiness,
         "max_concurrency": config.max_concurrency or DEFAULT_MAX_CONCURRENCY,  # the bound in force, never null

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
+import re
+
 import pytest
 
+from loadgen import provenance
 from loadgen.benchmark import BenchmarkConfig, build_result
 from loadgen.record import RequestRecord
 from loadgen.workload import WorkloadConfig
@@ -25,3 +30,35 @@ def test_a_run_the_client_fell_behind_in_says_so_in_its_result():
     run = build_result(BenchmarkConfig("127.0.0.1:50051", WorkloadConfig()), 2.0, late, 3.0)
     assert run["request_rate"] == 2.0 and run["achieved_request_rate"] == pytest.approx(4 / 2.3)
     assert "loadgen fell behind" in run["warnings"][0]
+
+
+def test_a_result_records_every_workload_setting_and_when_and_with_what_it_ran(tmp_path):
+    workload = WorkloadConfig("prefix-repetition", 7, random_input_len=33, random_range_ratio=0.5, prefix_len=12)
+    config = BenchmarkConfig(
+        "http://h:1", workload, backend="openai", endpoint="/v2", served_model_name="m", seed=9, burstiness=0.5
+    )
+    run = build_result(config, 2.0, [], 1.5)
+    expected = {
+        "dataset_name": "prefix-repetition",
+        "random_input_len": 33,
+        "random_output_len": 128,
+        "random_range_ratio": 0.5,
+        "prefix_repetition_prefix_len": 12,
+        "prefix_repetition_suffix_len": 256,
+        "prefix_repetition_num_prefixes": 10,
+        "prefix_repetition_output_len": 128,
+        "trace": None,
+        "backend": "openai",
+        "endpoint": "/v2",
+        "served_model_name": "m",
+        "seed": 9,
+        "burstiness": 0.5,
+        "max_concurrency": 256,
+        "loadgen_version": importlib.metadata.version("pdserve"),
+    }
+    assert {key: run[key] for key in expected} == expected
+    start, end = (datetime.datetime.fromisoformat(run[key]) for key in ("start_time", "end_time"))
+    assert start.utcoffset() == end.utcoffset() == datetime.timedelta(0)
+    assert end - start == datetime.timedelta(seconds=1.5)
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", run["git_commit"])  # these tests run in a checkout
+    assert provenance.git_commit(tmp_path) is None  # outside one: no commit, no error
