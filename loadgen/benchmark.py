@@ -26,6 +26,8 @@ from pdserve.rpc.client_hints import with_hint
 from pdserve.rpc.credentials import ClientCredentials
 from pdserve.v1 import generate_pb2 as pb
 
+PROMPTS_STREAM, ARRIVALS_STREAM, CHECK_STREAM = 0, 1, 2  # independent generators derived from the seed
+
 
 class ClusterCheckFailed(RuntimeError):
     """The single request sent before the runs did not complete."""
@@ -92,7 +94,7 @@ def run_benchmark(
     """One result per rate. Each run draws fresh prompts from (seed, run index): same seed, same benchmark.
     `on_result` gets the results so far after each rate (a sweep stopped midway keeps the rates it ran)."""
     client = Client(make_backend(config), config.max_concurrency)
-    check_rng = np.random.default_rng([config.seed, len(config.request_rates)])
+    check_rng = np.random.default_rng([config.seed, CHECK_STREAM])
     check = build_workload(replace(config.workload, num_prompts=1), check_rng)[0]
     record = asyncio.run(client.check(replace(check, arrival_s=0.0)))
     if record.status not in (OK, REJECTED):  # shed by admission is an answer: the cluster serves
@@ -107,13 +109,10 @@ def run_benchmark(
     warn = Console(stderr=True, soft_wrap=True)  # a warning stays one line, whole for grep
     results = []
     for i, rate in enumerate(config.request_rates):
-        rng = np.random.default_rng([config.seed, i])
-        requests = build_workload(config.workload, rng)
+        requests = drawn_requests(config, i, rate)
         trace = config.workload.dataset_name == "trace"
         if trace:  # a trace brings its own arrival times: its rate is the one they offer
             rate = offered_rate(requests)
-        else:
-            requests = schedule(requests, rate, config.burstiness, rng)
         with counting(_run_label(rate, trace), len(requests)) as advance:
             records, duration_s = asyncio.run(client.run(requests, lambda _record: advance()))
         result = build_result(config, rate, records, duration_s)
@@ -123,6 +122,16 @@ def run_benchmark(
         results.append(result)
         on_result(results)
     return results
+
+
+def drawn_requests(config: BenchmarkConfig, run_index: int, rate: float) -> list[Request]:
+    """The run's prompts, from (seed, run index): each rate its own, so no rate hits the prefix cache another filled;
+    its arrivals (a trace has its own) from a generator of their own, so they depend on the seed, rate,
+    burstiness and count alone: drawn from the prompts' generator, changing a length moved every arrival."""
+    requests = build_workload(config.workload, np.random.default_rng([config.seed, PROMPTS_STREAM, run_index]))
+    if config.workload.dataset_name == "trace":
+        return requests
+    return schedule(requests, rate, config.burstiness, np.random.default_rng([config.seed, ARRIVALS_STREAM]))
 
 
 def _run_label(rate: float, trace: bool) -> str:

@@ -11,6 +11,7 @@ import pytest
 
 from loadgen.__main__ import main
 from loadgen.arrivals import arrival_offsets
+from loadgen.benchmark import ARRIVALS_STREAM, PROMPTS_STREAM
 from loadgen.report import load_runs
 from loadgen.workload import WorkloadConfig, build_workload
 from pdserve.cluster.local_process import ClusterProcess
@@ -51,13 +52,12 @@ def test_poisson_run_counts_statistics_and_arrivals(cluster, tmp_path):
     (run,) = loadgen(cluster, tmp_path, *flags, "--goodput", "ttft:1000", "tpot:200", "e2el:3000")
     records = run["requests"]
 
-    # What was sent: the workload that (seed, run 0) draws, then its arrivals from the same generator.
-    rng = np.random.default_rng([seed, 0])
+    # What was sent: the workload that (seed, run 0) draws, then its arrivals from the seed's own generator for them.
     config = WorkloadConfig(
         num_prompts=n, vocab_size=VOCAB, random_input_len=48, random_output_len=12, random_range_ratio=0.5
     )
-    sent = build_workload(config, rng)
-    planned = arrival_offsets(n, rate, 1.0, rng)
+    sent = build_workload(config, np.random.default_rng([seed, PROMPTS_STREAM, 0]))
+    planned = arrival_offsets(n, rate, 1.0, np.random.default_rng([seed, ARRIVALS_STREAM]))
     assert [r["input_len"] for r in records] == [s.input_len for s in sent]
     assert [r["output_len"] for r in records] == [s.output_len for s in sent]
     assert [r["scheduled_ms"] / 1e3 for r in records] == pytest.approx(planned.tolist())

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from loadgen.arrivals import arrival_offsets, schedule
-from loadgen.workload import Request
+from loadgen.benchmark import BenchmarkConfig, drawn_requests
+from loadgen.workload import Request, WorkloadConfig
 
 
 @pytest.mark.parametrize("burstiness", [0.5, 1.0, 4.0])
@@ -52,3 +53,18 @@ def test_schedule_sets_the_offsets_and_keeps_the_requests():
     scheduled = schedule(requests, 10.0, 1.0, np.random.default_rng(0))
     assert [r.prompt_token_ids for r in scheduled] == [r.prompt_token_ids for r in requests]
     assert [r.arrival_s for r in scheduled] == arrival_offsets(3, 10.0, 1.0, np.random.default_rng(0)).tolist()
+
+
+def test_arrivals_depend_on_the_seed_rate_burstiness_and_count_alone_not_on_the_workload():
+    """One generator drew the prompts and then the gaps: a longer --random-input-len moved every arrival."""
+    short, long = (WorkloadConfig(num_prompts=20, random_input_len=n, random_range_ratio=0.5) for n in (8, 300))
+    sharing = [WorkloadConfig(dataset_name="prefix-repetition", num_prompts=20, prefix_len=4), short]
+    arrivals = [
+        [r.arrival_s for r in drawn_requests(BenchmarkConfig("x:1", w, seed=5), run_index, 2.0)]
+        for w in (short, long, *sharing)
+        for run_index in (0, 1)
+    ]
+    assert all(a == arrivals[0] for a in arrivals)
+    assert [r.arrival_s for r in drawn_requests(BenchmarkConfig("x:1", short, seed=6), 0, 2.0)] != arrivals[0]
+    prompts = [drawn_requests(BenchmarkConfig("x:1", short, seed=5), i, 2.0)[0].prompt_token_ids for i in (0, 1)]
+    assert prompts[0] != prompts[1]  # each rate of a sweep its own prompts, still
