@@ -129,7 +129,9 @@ async def _registry_answers(registry: Registry, config: ClusterConfig, stop: asy
     await registry.start()  # its first read; the view's refresh goes on in the background
     if registry.view_current():
         return True
-    log.warning("registry redis at %s does not answer: waiting for it before serving", redacted_url(config.redis_url))
+    log.warning(
+        "registry redis at %s does not answer: waiting for it before serving", redacted_url(config.redis_url or "")
+    )
     while not registry.view_current():
         if stop.is_set():
             return False
