@@ -172,6 +172,7 @@ variables to the worker actors it starts (they would report the controller's pod
 {{- $v := .ctx.Values -}}
 - name: PDSERVE_CACHE_DIR
   value: {{ $v.model.cache.mountPath | quote }}
+{{ include "pdserve.tmpEnv" .ctx }}
 # The build every pdserve process reports, and a controller compares to roll the workers it adopts. A router rolls
 # no workers: it reports its image alone, so a change to the worker pods does not restart it.
 - name: PDSERVE_BUILD
@@ -215,6 +216,22 @@ variables to the worker actors it starts (they would report the controller's pod
 {{- end }}
 {{- end -}}
 
+{{/* /tmp of every pdserve container, whose root filesystem is read-only (securityContext.readOnlyRootFilesystem):
+Ray's session files, the model fetch's downloads, compile caches (HOME points there: Triton's, matplotlib's). */}}
+{{- define "pdserve.tmpVolume" -}}
+- name: tmp
+  emptyDir: {sizeLimit: {{ .Values.tmp.sizeLimit }}}
+{{- end -}}
+
+{{- define "pdserve.tmpMount" -}}
+- {name: tmp, mountPath: /tmp}
+{{- end -}}
+
+{{- define "pdserve.tmpEnv" -}}
+- name: HOME
+  value: /tmp
+{{- end -}}
+
 {{/* The model cache volume and the init container that fills it. */}}
 {{- define "pdserve.modelVolume" -}}
 - name: model-cache
@@ -236,6 +253,7 @@ variables to the worker actors it starts (they would report the controller's pod
   env:
     - name: PDSERVE_CACHE_DIR
       value: {{ .Values.model.cache.mountPath | quote }}
+    {{- include "pdserve.tmpEnv" . | nindent 4 }}
     {{- include "pdserve.noGpuEnv" . | nindent 4 }}
     {{- with .Values.model.fetchEnv }}
     {{- toYaml . | nindent 4 }}
@@ -244,6 +262,7 @@ variables to the worker actors it starts (they would report the controller's pod
   securityContext: {{- toYaml .Values.securityContext | nindent 4 }}
   volumeMounts:
     - {name: model-cache, mountPath: {{ .Values.model.cache.mountPath | quote }}}
+    {{- include "pdserve.tmpMount" . | nindent 4 }}
 {{- end }}
 {{- end -}}
 
