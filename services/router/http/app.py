@@ -23,7 +23,7 @@ from starlette.types import Send
 from pdserve.rpc.metadata import REQUEST_ID_KEY
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import Choices
-from pdserve.telemetry import mark_failed
+from pdserve.telemetry import mark_failed, request_id_var
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, check_model, generate
 from services.router.http.choices import each_choice, request_choices
@@ -103,6 +103,8 @@ class OpenAIAPI:
 
     async def _complete(self, request: Request, chat: bool) -> Response:
         start, tenant = time.perf_counter(), None  # the head's arrival: the request's span starts there
+        limits, given = self.lifecycle.config.request_limits, request.headers.get("x-request-id", "")
+        request_id = given or generated_request_id(limits.max_request_id_chars)
         try:
             tenant = check_caller(self.lifecycle, request.headers)  # a caller without a valid key learns nothing more
             # Its requests_per_second before its body is read: refused, the body is left unread as a 401's is (the
@@ -111,13 +113,8 @@ class OpenAIAPI:
             self.lifecycle.refuse_new_when_draining()
             await self.lifecycle.quotas.take_request(tenant)
             body = await _read_body(request, self.body_limit)
-            limits, given = self.lifecycle.config.request_limits, request.headers.get("x-request-id", "")
             req = parse_request(
-                parse_json(body),
-                chat,
-                limits=limits,
-                model_config=self.lifecycle.model,
-                request_id=given or generated_request_id(limits.max_request_id_chars),
+                parse_json(body), chat, limits=limits, model_config=self.lifecycle.model, request_id=request_id
             )
             req.check_request_id(limits.max_request_id_chars)
             choices = await request_choices(self.lifecycle, req, tenant)
@@ -126,6 +123,12 @@ class OpenAIAPI:
             return Response(status_code=499)
         except Exception as e:  # a bug converting a body is a 500 in OpenAI's shape too, its text only in the log
             response = error_response(e)
+            # The refusal's id, as a served request's (OpenAI's SDK reads it for `request_id`), in its log line too;
+            # an id over the limit (the refusal's reason) is not echoed.
+            if len(request_id) > limits.max_request_id_chars:
+                request_id = generated_request_id(limits.max_request_id_chars)
+            request_id_var.set(request_id)
+            response.headers[REQUEST_ID_KEY] = request_id
             with self._span(request, chat, start) as span:  # in its caller's trace, as a gRPC call's refusal is
                 self.lifecycle.refused(e, start, tenant)  # its log line in the span: that line leads to its trace
                 if response.status_code < 500:

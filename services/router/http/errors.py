@@ -87,6 +87,8 @@ def error_body(exc: BaseException, max_tokens_param: str = "max_tokens") -> tupl
         ms = exc.retry_after_ms
         headers = {"retry-after": str(max(1, -(-ms // 1000))), "retry-after-ms": str(ms)}
         code = "rate_limit_exceeded"
+    elif status == 500:  # OpenAI's SDK retries a 5xx twice unless told not to: a bug fails the same way again
+        headers = {"x-should-retry": "false"}
     body = {"error": {"message": _encodable(message), "type": kind, "param": param and _encodable(param), "code": code}}
     return status, body, headers
 

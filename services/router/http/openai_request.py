@@ -32,13 +32,18 @@ COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "s
 COMPLETION_PARAMS = frozenset({*COMMON, "prompt", "logprobs", "echo"})
 CHAT_PARAMS = frozenset({*COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
 SLO_FIELDS = ("ttft_ms", "tpot_ms")
-# Parameters pdserve does not implement, at the value that asks for nothing (OpenAI's default): clients send them
-# anyway (older vLLM benchmarks send best_of 1, SDK wrappers store false); any other value is refused by name.
-NO_OP_VALUES: dict[str, object] = {"best_of": 1, "response_format": {"type": "text"}, "store": False}
-# A chat message's fields pdserve takes. `name` (LangChain sends it) is checked and not shown to the model: the
-# chat message the engine renders has none, as most chat templates (SmolLM2's among them) show none. Null-valued
-# fields are not given.
-MESSAGE_FIELDS = ("role", "content", "name")
+# Unimplemented parameters at values that ask for nothing, which clients send anyway (best_of 1, store false, tools
+# [], tool_choice "none"; parallel_tool_calls is moot without tools; pdserve's text skips special tokens, as vLLM's
+# does by default); any other value is refused by name.
+NO_OP_VALUES: dict[str, tuple[object, ...]] = {
+    "best_of": (1,), "response_format": ({"type": "text"},), "store": (False,), "tools": ([],),
+    "tool_choice": ("none",), "parallel_tool_calls": (True, False), "min_p": (0, 0.0), "metadata": ({},),
+    "service_tier": ("auto", "default"), "skip_special_tokens": (True,),
+}  # fmt: skip
+# A chat message's fields pdserve takes. `name` (LangChain sends it) and a tool message's `tool_call_id` (OpenAI
+# requires it) are checked and not shown to the model: the chat message the engine renders has neither, as most chat
+# templates (SmolLM2's among them) show neither. Null-valued fields are not given.
+MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id")
 # OpenAI's `developer` messages are what `system` messages were before its o-series; chat templates know `system`.
 ROLE_ALIASES = {"developer": "system"}
 INT32, UINT64 = 2**31 - 1, 2**64 - 1
@@ -176,12 +181,8 @@ def _check_counts(body: dict[str, Any], limits: RequestLimits, model: ModelConfi
 
 
 def _asks_nothing(name: str, value: object) -> bool:
-    """An unimplemented parameter at its no-op value (NO_OP_VALUES); `true` is not the 1 of best_of."""
-    default = NO_OP_VALUES.get(name, _MISSING)
-    return type(value) is type(default) and value == default
-
-
-_MISSING = object()
+    """An unimplemented parameter at a no-op value (NO_OP_VALUES); `true` is not the 1 of best_of."""
+    return any(type(value) is type(no_op) and value == no_op for no_op in NO_OP_VALUES.get(name, ()))
 
 
 def openai_param(field: str, max_tokens_param: str = "max_tokens") -> str:
@@ -285,6 +286,7 @@ def _messages(body: dict[str, Any]) -> list[pb.ChatMessage]:
         if not isinstance(role, str):
             raise InvalidRequestError(f"messages[{i}].role", "must be a string")
         _typed(m, "name", str, prefix=f"messages[{i}].")
+        _typed(m, "tool_call_id", str, prefix=f"messages[{i}].")
         role = ROLE_ALIASES.get(role, role)
         out.append(pb.ChatMessage(role=_text(role, f"messages[{i}].role"), content=_content(m.get("content"), i)))
     return out

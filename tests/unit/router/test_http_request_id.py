@@ -70,6 +70,33 @@ async def test_a_refusal_after_the_body_was_read_names_the_request_too(monkeypat
             assert refused.status_code == 503 and refused.headers.get("x-request-id") == "r", (stream, refused.text)
 
 
+async def test_a_refusal_before_the_request_was_read_names_it_in_the_header_and_the_log_line(monkeypatch):
+    """A body that does not parse, a key refused: no request was made of it, yet OpenAI's SDK reads the header
+    for its error's `request_id` (it was None on every such refusal), and the operator finds the log line by it.
+    An id over the limit, the refusal's reason, is not echoed."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    handler, logger = JsonLines(), logging.getLogger("services.router.lifecycle")
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    lifecycle = Router([worker("p0"), worker("d0", "decode")]).lifecycle()
+    transport = httpx2.ASGITransport(app=openai_app(lifecycle))
+    try:
+        async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+            mine = await http.post("/v1/completions", content=b"{not json", headers={"x-request-id": "bad-body"})
+            plain = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": "hi"})
+            long_id = "x" * (lifecycle.config.request_limits.max_request_id_chars + 1)
+            too_long = await http.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers={"x-request-id": long_id}
+            )
+    finally:
+        logger.removeHandler(handler)
+    assert [r.status_code for r in (mine, plain, too_long)] == [400, 400, 400], (mine.text, plain.text, too_long.text)
+    ids = [r.headers.get("x-request-id") for r in (mine, plain, too_long)]
+    assert ids[0] == "bad-body" and len(ids[1]) == 32 and len(ids[2]) == 32 and ids[2] != long_id
+    logged = [line["request_id"] for line in handler.lines if line["outcome"] == "invalid"]
+    assert logged == ids, handler.lines
+
+
 def test_a_generated_id_leaves_room_for_a_choices_index_within_the_limit():
     assert len(generated_request_id(256)) == 32
     assert len(generated_request_id(10)) == 10 - len("-15")  # sixteen choices at most: -0 ... -15
