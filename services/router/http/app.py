@@ -93,7 +93,10 @@ class OpenAIAPI:
         return JSONResponse(self._served())
 
     def _served(self) -> dict[str, object]:
-        return {"id": self.lifecycle.served_model, "object": "model", "created": self.created, "owned_by": "pdserve"}
+        """OpenAI's model object, with vLLM's `max_model_len` (the context: a client sizes max_tokens by it)."""
+        context = self.lifecycle.model.max_position_embeddings
+        model = {"id": self.lifecycle.served_model, "object": "model", "created": self.created, "owned_by": "pdserve"}
+        return model | {"max_model_len": context}
 
     async def completions(self, request: Request) -> Response:
         return await self._complete(request, chat=False)

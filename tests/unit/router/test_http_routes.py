@@ -18,6 +18,8 @@ async def get(path: str) -> httpx2.Response:
 async def test_the_served_model_is_retrieved_by_id_and_another_is_model_not_found():
     served = await get(f"/v1/models/{MODEL}")
     assert served.status_code == 200 and served.json()["id"] == MODEL and served.json()["object"] == "model"
+    context = Router([worker("p0")]).lifecycle().model.max_position_embeddings
+    assert served.json()["max_model_len"] == context > 0  # vLLM's: how long a prompt and its answer may be
     other = await get("/v1/models/gpt-4o")
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     assert other.json()["error"]["type"] == "invalid_request_error"  # OpenAI's: no not_found_error type
