@@ -14,12 +14,12 @@ from typing import Any
 from rich.console import Console
 
 from loadgen.client import BACKENDS
-from loadgen.metrics import GoodputSLO
+from loadgen.metrics import DEFAULT_ATTAINMENT_TARGET, GoodputSLO
 from loadgen.outcome import EXIT_FAILED, EXIT_OK, EXIT_USAGE, failed_runs
 from loadgen.workload import DATASETS, WorkloadConfig
 from pdserve.addresses import host_port
 from pdserve.config import EngineConfig
-from pdserve.flags import DefaultsFormatter, at_least_one, from_flags, natural, positive_float
+from pdserve.flags import DefaultsFormatter, at_least_one, from_flags, in_range, natural, positive_float
 from pdserve.rpc.client_hints import TLS_HINT
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 from pdserve.trace import read_trace
@@ -87,6 +87,7 @@ def _bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     p.add_argument("--max-concurrency", type=at_least_one, default=None, help="requests in flight at most")
     p.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLO bounds: ttft:MS tpot:MS e2el:MS")
+    add_attainment_flag(p)
     p.add_argument(
         "--send-slo", action="store_true", help="send the ttft/tpot bounds with each request (router admission)"
     )
@@ -105,13 +106,23 @@ def _compare_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
+    add_attainment_flag(p)
     p.add_argument("--plot-dir", type=Path, help="write both runs into the same PNG plots here")
     return p
 
 
+def add_attainment_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--goodput-attainment",
+        type=in_range(float, 0.0, 1.0, low_in=False, high_in=True),
+        default=DEFAULT_ATTAINMENT_TARGET,
+        help="a sweep's DistServe goodput: the highest rate whose SLO attainment reaches this",
+    )
+
+
 def _bench(args: argparse.Namespace) -> int:
     from loadgen.benchmark import BenchmarkConfig, CheckRequestInvalid, ClusterCheckFailed, run_benchmark
-    from loadgen.report import write_results
+    from loadgen.report import distserve_label, distserve_result, write_results
 
     console, errors = Console(), Console(stderr=True, soft_wrap=True)  # an error stays one line, whole for grep
     if args.dataset_name == "trace" and args.request_rate is not None:
@@ -146,7 +157,7 @@ def _bench(args: argparse.Namespace) -> int:
     def save(results: list[dict[str, Any]]) -> None:
         ran[:] = results
         if args.result_json:
-            write_results(args.result_json, results)
+            write_results(args.result_json, results, args.goodput_attainment)
 
     status = EXIT_OK
     try:
@@ -157,12 +168,19 @@ def _bench(args: argparse.Namespace) -> int:
     except (ClusterCheckFailed, TimeoutError, OSError) as e:  # OSError: nothing listens, or the JSON was not written
         errors.print(f"loadgen: {str(e) or _no_answer(address, config)}", style="red")
         status = EXIT_FAILED
+    distserve = distserve_result(ran, args.goodput_attainment) if len(ran) > 1 else None
+    if distserve is not None:
+        console.print(
+            f"DistServe goodput (highest rate with SLO attainment >= {args.goodput_attainment:g}): "
+            f"{distserve_label(distserve['request_rate'])}"
+        )
     for line in failed_runs(ran):
         errors.print(f"loadgen: {line}", style="red", markup=False)
         status = EXIT_FAILED
     if args.plot_dir and ran:  # a sweep cut short (the cluster gone midway) plots the rates it ran, as its JSON keeps
         try:
-            _plot(console, args.plot_dir, {args.result_json.stem if args.result_json else "run": ran})
+            series = {args.result_json.stem if args.result_json else "run": ran}
+            _plot(console, args.plot_dir, series, args.goodput_attainment)
         except OSError as e:
             errors.print(f"loadgen: {e}", style="red")
             status = EXIT_FAILED
@@ -211,16 +229,16 @@ def _compare(args: argparse.Namespace) -> int:
         if a is not None and b is not None:
             console.print(comparison_table(a, b, label_a, label_b))
     if len(pairs) > 1:
-        console.print(sweep_table(pairs, label_a, label_b))
+        console.print(sweep_table(pairs, label_a, label_b, args.goodput_attainment))
     if args.plot_dir:
-        _plot(console, args.plot_dir, {label_a: runs_a, label_b: runs_b})
+        _plot(console, args.plot_dir, {label_a: runs_a, label_b: runs_b}, args.goodput_attainment)
     return 0
 
 
-def _plot(console: Console, plot_dir: Path, series: dict) -> None:
+def _plot(console: Console, plot_dir: Path, series: dict, attainment_target: float) -> None:
     from loadgen.plots import write_plots
 
-    for path in write_plots(plot_dir, series):
+    for path in write_plots(plot_dir, series, attainment_target):
         console.print(f"wrote {path}")
 
 

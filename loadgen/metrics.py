@@ -8,8 +8,9 @@ the stream waits between updates; pdserve merges the tokens a slow reader missed
 the per-token gap). `token_itl` is SGLang's, per token: each such gap spread over the message's k tokens, k values
 of gap / k; only for a request whose messages say how many tokens each carries (an OpenAI stream's chunks do not:
 one counted per chunk, its per-token ITL is known when the usage's total agrees).
-A request is good when it completed and meets every goodput bound; goodput is good requests per second
-of the run, SLO attainment the share of all sent requests that were good.
+A request is good when it completed and meets every goodput bound; `request_goodput` is vLLM's goodput, good
+requests per second of the run, SLO attainment the share of all sent requests that were good. DistServe's
+goodput is a sweep's figure, not a run's: the highest request rate swept whose SLO attainment reaches a target.
 The latency figures are over the completed requests only (`completed` says how many); with none completed they
 are None (null), not 0, which read as the best latency of all. Time to reject is each shed request's send ->
 its refusal.
@@ -27,6 +28,7 @@ from loadgen.record import REJECTED, RequestRecord
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 PERCENTILES = (90, 99)
+DEFAULT_ATTAINMENT_TARGET = 0.9  # DistServe's: 90% of requests within the SLOs
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,19 @@ def is_good(record: RequestRecord, slo: GoodputSLO) -> bool:
         if bound is not None and value is not None and value * 1e3 > bound:
             return False
     return True
+
+
+def distserve_goodput(runs: list[dict[str, Any]], attainment_target: float) -> float | None:
+    """DistServe's goodput: the highest request rate swept whose SLO attainment is at least the target; None when
+    no rate met it. All at once names no rate, and an interrupted run's attainment is over part of its requests."""
+    met = [
+        run["request_rate"]
+        for run in runs
+        if run["request_rate"] != "inf"
+        and not run.get("interrupted")
+        and (run.get("slo_attainment") or 0.0) >= attainment_target
+    ]
+    return max(met, default=None)
 
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: GoodputSLO) -> dict[str, Any]:

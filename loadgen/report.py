@@ -9,6 +9,8 @@ from typing import Any
 
 from rich.table import Table
 
+from loadgen.metrics import distserve_goodput
+
 COUNTS = [
     ("completed", "Successful requests"),
     ("failed", "Failed requests (rejected included)"),
@@ -24,7 +26,7 @@ RATES = [
     ("max_send_lag_ms", "Max send lag (ms)"),
     ("max_concurrency_wait_ms", "Max concurrency wait (ms)"),
     ("request_throughput", "Request throughput (req/s)"),
-    ("request_goodput", "Request goodput (req/s)"),
+    ("request_goodput", "Goodput, vLLM's (good req/s)"),
     ("slo_attainment", "SLO attainment"),
     ("output_throughput", "Output token throughput (tok/s)"),
     ("total_token_throughput", "Total token throughput (tok/s)"),
@@ -115,11 +117,20 @@ def _rate_value(run: dict[str, Any]) -> float:
     return math.inf if rate == "inf" else float(rate)
 
 
-def sweep_table(pairs: list[Pair], label_a: str, label_b: str) -> Table:
-    """The headline of two sweeps: goodput, attainment and p99 TPOT per rate."""
+def sweep_table(pairs: list[Pair], label_a: str, label_b: str, attainment_target: float) -> Table:
+    """The headline of two sweeps: vLLM's goodput, attainment and p99 TPOT per rate; DistServe's goodput of each
+    sweep (the highest rate whose attainment reaches the target) beneath."""
     table = Table(title=f"{label_a} vs {label_b} across the sweep (ratio B / A)", title_justify="left")
-    for column in ("rate", "goodput A", "goodput B", "B / A", "attain A", "attain B", "p99 TPOT A", "p99 TPOT B"):
+    columns = ("vLLM goodput A", "vLLM goodput B", "B / A", "attain A", "attain B", "p99 TPOT A", "p99 TPOT B")
+    for column in ("rate", *columns):
         table.add_column(column, justify="right")
+    sweeps = ([a for a, _ in pairs if a is not None], [b for _, b in pairs if b is not None])
+    a_rate, b_rate = (distserve_goodput(runs, attainment_target) for runs in sweeps)
+    table.caption = (
+        f"DistServe goodput (highest rate with SLO attainment >= {attainment_target:g}): "
+        f"A {distserve_label(a_rate)}, B {distserve_label(b_rate)}"
+    )
+    table.caption_justify = "left"
     for pair in pairs:
         a, b = (run or {} for run in pair)
         labels = [rate_label(run) for run in pair if run is not None]
@@ -132,10 +143,29 @@ def sweep_table(pairs: list[Pair], label_a: str, label_b: str) -> Table:
     return table
 
 
-def write_results(path: Path, runs: list[dict[str, Any]]) -> None:
-    """One run: the run's object, as `vllm bench serve` writes it; a sweep: {"runs": [...]}, one per rate."""
+def distserve_label(rate: float | None) -> str:
+    return "none met" if rate is None else f"{rate:g} req/s"
+
+
+def distserve_result(runs: list[dict[str, Any]], attainment_target: float) -> dict[str, Any] | None:
+    """A sweep's DistServe goodput with the target and SLO bounds it was measured against; None without bounds."""
+    if not runs or not runs[0].get("goodput"):
+        return None
+    return {
+        "request_rate": distserve_goodput(runs, attainment_target),
+        "slo_attainment_target": attainment_target,
+        "slo": runs[0]["goodput"],
+    }
+
+
+def write_results(path: Path, runs: list[dict[str, Any]], attainment_target: float) -> None:
+    """One run: the run's object, as `vllm bench serve` writes it; a sweep: {"runs": [...]}, one per rate, and with
+    SLO bounds its `distserve_goodput`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}, indent=1))
+    data: dict[str, Any] = runs[0] if len(runs) == 1 else {"runs": runs}
+    if len(runs) > 1 and (distserve := distserve_result(runs, attainment_target)) is not None:
+        data["distserve_goodput"] = distserve
+    path.write_text(json.dumps(data, indent=1))
 
 
 def load_runs(path: Path) -> list[dict[str, Any]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,11 +11,12 @@ import pytest
 from loadgen import benchmark
 from loadgen.__main__ import main
 from loadgen.benchmark import BenchmarkConfig, build_result
-from loadgen.metrics import GoodputSLO
+from loadgen.metrics import DEFAULT_ATTAINMENT_TARGET, GoodputSLO
 from loadgen.record import RequestRecord
 from loadgen.report import load_runs, write_results
 from loadgen.workload import WorkloadConfig
 
+TARGET = DEFAULT_ATTAINMENT_TARGET
 CONFIG = BenchmarkConfig(address="x:1", workload=WorkloadConfig(), slo=GoodputSLO(ttft_ms=300, tpot_ms=100))
 
 
@@ -29,7 +31,7 @@ def run(rate: float, ttfts: list[float], duration_s: float) -> dict:
 
 def test_single_run_file_has_vllm_fields_at_top_level(tmp_path):
     path = tmp_path / "one.json"
-    write_results(path, [run(1.0, [0.1, 0.2], 2.0)])
+    write_results(path, [run(1.0, [0.1, 0.2], 2.0)], TARGET)
     data = json.loads(path.read_text())
     for key in ("completed", "total_input_tokens", "request_goodput", "mean_ttft_ms", "p99_e2el_ms", "duration"):
         assert key in data
@@ -38,15 +40,36 @@ def test_single_run_file_has_vllm_fields_at_top_level(tmp_path):
     assert load_runs(path) == [data]
 
 
-def test_compare_prints_ratios_and_plots_both_sweeps(tmp_path, capsys):
+def test_a_sweeps_file_names_its_distserve_goodput_with_the_target_and_slos_it_used(tmp_path):
+    path = tmp_path / "sweep.json"
+    runs = [run(1.0, [0.1, 0.2], 2.0), run(2.0, [0.1, 0.5], 2.0), run(4.0, [0.5, 0.5], 2.0)]  # attain 1, 0.5, 0
+    write_results(path, runs, 0.5)
+    assert json.loads(path.read_text())["distserve_goodput"] == {
+        "request_rate": 2.0,
+        "slo_attainment_target": 0.5,
+        "slo": {"ttft_ms": 300, "tpot_ms": 100},
+    }
+    write_results(path, runs[1:], 0.9)
+    assert json.loads(path.read_text())["distserve_goodput"]["request_rate"] is None  # none met
+    write_results(path, runs[:1], 0.9)
+    assert "distserve_goodput" not in json.loads(path.read_text())  # one rate is no sweep
+    unbounded = [build_result(replace(CONFIG, slo=GoodputSLO()), rate, [], 1.0) for rate in (1.0, 2.0)]
+    write_results(path, unbounded, 0.9)
+    assert "distserve_goodput" not in json.loads(path.read_text())  # no SLO to attain
+
+
+def test_compare_prints_ratios_and_plots_both_sweeps(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # no cell wrapped
     a, b = tmp_path / "colocated.json", tmp_path / "disaggregated.json"
-    write_results(a, [run(1.0, [0.1, 0.5], 2.0), run(2.0, [0.5, 0.5], 2.0)])  # goodput 0.5, then 0
-    write_results(b, [run(1.0, [0.1, 0.2], 2.0), run(2.0, [0.1, 0.5], 2.0)])  # goodput 1.0, then 0.5
+    write_results(a, [run(1.0, [0.1, 0.5], 2.0), run(2.0, [0.5, 0.5], 2.0)], TARGET)  # goodput 0.5, then 0
+    write_results(b, [run(1.0, [0.1, 0.2], 2.0), run(2.0, [0.1, 0.5], 2.0)], TARGET)  # goodput 1.0, then 0.5
     assert len(load_runs(a)) == 2
     assert main(["compare", str(a), str(b), "--plot-dir", str(tmp_path / "plots")]) == 0
     out = capsys.readouterr().out
-    assert "Request goodput (req/s)" in out and "2.00x" in out
-    assert "across the sweep" in out
+    assert "Goodput, vLLM's (good req/s)" in out and "2.00x" in out
+    assert "across the sweep" in out and "vLLM goodput A" in out
+    # attainment A: 0.5 then 0; B: 1.0 then 0.5
+    assert "DistServe goodput (highest rate with SLO attainment >= 0.9): A none met, B 1 req/s" in out
     names = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert names == ["goodput.png", "slo_attainment.png", "tpot_cdf.png", "ttft_cdf.png"]
     assert all((tmp_path / "plots" / n).stat().st_size > 10_000 for n in names)
@@ -55,8 +78,8 @@ def test_compare_prints_ratios_and_plots_both_sweeps(tmp_path, capsys):
 def test_sweeps_of_different_rates_are_compared_rate_by_rate(tmp_path, capsys):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     same = {rate: run(rate, [0.1, 0.5], 2.0) for rate in (2.0, 4.0)}
-    write_results(a, [run(1.0, [0.1, 0.2], 2.0), same[2.0], same[4.0]])
-    write_results(b, [same[2.0], same[4.0], run(8.0, [0.1, 0.2], 2.0)])
+    write_results(a, [run(1.0, [0.1, 0.2], 2.0), same[2.0], same[4.0]], TARGET)
+    write_results(b, [same[2.0], same[4.0], run(8.0, [0.1, 0.2], 2.0)], TARGET)
     assert main(["compare", str(a), str(b)]) == 0
     sweep = capsys.readouterr().out.split("across the sweep")[1].splitlines()
     rows = {line.split("│")[1].strip(): line for line in sweep if line.count("│") > 3}
@@ -67,7 +90,7 @@ def test_sweeps_of_different_rates_are_compared_rate_by_rate(tmp_path, capsys):
 
 def test_compare_names_a_file_that_is_not_a_result_and_exits_2(tmp_path, capsys):
     good = tmp_path / "good.json"
-    write_results(good, [run(1.0, [0.1], 2.0)])
+    write_results(good, [run(1.0, [0.1], 2.0)], TARGET)
     (tmp_path / "garbage.json").write_text("nope")
     (tmp_path / "other.json").write_text('{"x": 1}')
     for bad, says in (("garbage.json", "not a readable JSON file"), ("other.json", "not a loadgen result")):
@@ -113,8 +136,8 @@ def test_compare_lists_a_sweeps_rates_in_ascending_order(tmp_path, capsys, monke
     monkeypatch.setenv("COLUMNS", "200")  # no cell wrapped
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     runs = [run(rate, [0.1, 0.2], 2.0) for rate in (0.5, 2.0, 1.0)]
-    write_results(a, runs)
-    write_results(b, [runs[1], runs[0], runs[2], run(0.25, [0.1, 0.2], 2.0)])
+    write_results(a, runs, TARGET)
+    write_results(b, [runs[1], runs[0], runs[2], run(0.25, [0.1, 0.2], 2.0)], TARGET)
     assert main(["compare", str(a), str(b)]) == 0
     captured = capsys.readouterr()
     sweep = captured.out.split("across the sweep")[1].splitlines()
@@ -128,15 +151,15 @@ def test_compare_lists_a_sweeps_rates_in_ascending_order(tmp_path, capsys, monke
 
 def test_compare_warns_on_stderr_naming_how_the_workloads_differ(tmp_path, capsys):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    write_results(a, [run(1.0, [0.1, 0.2], 2.0)])
+    write_results(a, [run(1.0, [0.1, 0.2], 2.0)], TARGET)
     other = run(1.0, [0.1, 0.2], 2.0)
     other.update(backend="openai", goodput={"ttft_ms": 500, "tpot_ms": 100})
     for r in other["requests"]:
         r["input_len"], r["output_len"] = 16, 3
-    write_results(b, [other])
+    write_results(b, [other], TARGET)
     assert main(["compare", str(a), str(b)]) == 0
     out, err = capsys.readouterr()
-    assert "Request goodput" in out
+    assert "Goodput, vLLM's" in out
     assert err.splitlines() == [
         'loadgen compare: warning: the workloads differ, backend: A "grpc", B "openai"',
         'loadgen compare: warning: the workloads differ, goodput: A {"tpot_ms": 100, "ttft_ms": 300}, '

@@ -154,3 +154,19 @@ def test_a_request_completed_with_fewer_tokens_than_asked_is_counted_short():
     records = [stream([0.1, 0.2], [1, 1], output_len=64), stream([0.1, 0.2], [1, 1], output_len=2)]
     s = metrics.summarize(records, duration_s=1.0, slo=GoodputSLO(tpot_ms=10))
     assert (s["completed"], s["short_outputs"]) == (2, 1)
+
+
+def sweep(attainments: dict[float | str, float | None], interrupted: float | None = None) -> list[dict]:
+    return [
+        {"request_rate": rate, "slo_attainment": a, "interrupted": rate == interrupted}
+        for rate, a in attainments.items()
+    ]
+
+
+def test_distserve_goodput_is_the_highest_rate_swept_whose_attainment_reaches_the_target():
+    assert metrics.distserve_goodput(sweep({1.0: 1.0, 2.0: 0.9, 4.0: 0.6}), 0.9) == 2.0  # the target is inclusive
+    assert metrics.distserve_goodput(sweep({4.0: 0.95, 1.0: 0.8, 2.0: 0.99}), 0.9) == 4.0  # highest, in any order
+    assert metrics.distserve_goodput(sweep({1.0: 0.8, 2.0: 0.5}), 0.9) is None  # none met
+    assert metrics.distserve_goodput(sweep({1.0: 0.95, "inf": 1.0}), 0.9) == 1.0  # all at once names no rate
+    assert metrics.distserve_goodput(sweep({1.0: 0.95, 2.0: 1.0}, interrupted=2.0), 0.9) == 1.0
+    assert metrics.distserve_goodput(sweep({1.0: None}), 0.9) is None  # no SLO bounds: no attainment
