@@ -15,7 +15,7 @@ from rich.console import Console
 
 from loadgen.client import BACKENDS
 from loadgen.metrics import DEFAULT_ATTAINMENT_TARGET, GoodputSLO
-from loadgen.outcome import EXIT_FAILED, EXIT_OK, EXIT_USAGE, failed_runs
+from loadgen.outcome import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, failed_runs, interrupted_line
 from loadgen.workload import DATASETS, WorkloadConfig
 from pdserve.addresses import host_port
 from pdserve.config import EngineConfig
@@ -160,6 +160,7 @@ def _bench(args: argparse.Namespace) -> int:
             write_results(args.result_json, results, args.goodput_attainment)
 
     status = EXIT_OK
+    interrupted = False
     try:
         run_benchmark(config, console, save)
     except CheckRequestInvalid as e:  # before any run: what the flags drew, refused
@@ -168,22 +169,28 @@ def _bench(args: argparse.Namespace) -> int:
     except (ClusterCheckFailed, TimeoutError, OSError) as e:  # OSError: nothing listens, or the JSON was not written
         errors.print(f"loadgen: {str(e) or _no_answer(address, config)}", style="red")
         status = EXIT_FAILED
+    except KeyboardInterrupt:  # Ctrl-C: the rates run so far (the cut one marked) are saved; one line, no traceback
+        interrupted = True
     distserve = distserve_result(ran, args.goodput_attainment) if len(ran) > 1 else None
-    if distserve is not None:
+    if distserve is not None and not interrupted:
         console.print(
             f"DistServe goodput (highest rate with SLO attainment >= {args.goodput_attainment:g}): "
             f"{distserve_label(distserve['request_rate'])}"
         )
-    for line in failed_runs(ran):
+    for line in [] if interrupted else failed_runs(ran):  # an interrupted run's cancels are loadgen's own
         errors.print(f"loadgen: {line}", style="red", markup=False)
         status = EXIT_FAILED
-    if args.plot_dir and ran:  # a sweep cut short (the cluster gone midway) plots the rates it ran, as its JSON keeps
+    finished = [run for run in ran if not run["interrupted"]]
+    if args.plot_dir and finished:  # a sweep cut short (the cluster gone midway) plots the rates it ran
         try:
-            series = {args.result_json.stem if args.result_json else "run": ran}
+            series = {args.result_json.stem if args.result_json else "run": finished}
             _plot(console, args.plot_dir, series, args.goodput_attainment)
         except OSError as e:
             errors.print(f"loadgen: {e}", style="red")
             status = EXIT_FAILED
+    if interrupted:
+        errors.print(f"loadgen: {interrupted_line(ran, args.result_json)}", style="yellow", markup=False)
+        status = EXIT_INTERRUPTED
     return status
 
 

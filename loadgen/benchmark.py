@@ -14,7 +14,7 @@ from rich.console import Console
 
 from loadgen import metrics, provenance
 from loadgen.arrivals import schedule
-from loadgen.client import BACKENDS, DEFAULT_MAX_CONCURRENCY, Backend, Client
+from loadgen.client import BACKENDS, DEFAULT_MAX_CONCURRENCY, Backend, Client, RunInterrupted
 from loadgen.metrics import GoodputSLO
 from loadgen.pacing import pacing
 from loadgen.record import OK, REJECTED, RequestRecord
@@ -92,11 +92,15 @@ def run_benchmark(
     config: BenchmarkConfig, console: Console, on_result: Callable[[list[dict[str, Any]]], None] = lambda _: None
 ) -> list[dict[str, Any]]:
     """One result per rate. Each run draws fresh prompts from (seed, run index): same seed, same benchmark.
-    `on_result` gets the results so far after each rate (a sweep stopped midway keeps the rates it ran)."""
+    `on_result` gets the results so far after each rate (a sweep stopped midway keeps the rates it ran). Ctrl-C
+    raises KeyboardInterrupt once `on_result` has had the interrupted rate's result, marked `interrupted`."""
     client = Client(make_backend(config), config.max_concurrency)
     check_rng = np.random.default_rng([config.seed, CHECK_STREAM])
     check = build_workload(replace(config.workload, num_prompts=1), check_rng)[0]
-    record = asyncio.run(client.check(replace(check, arrival_s=0.0)))
+    try:
+        record = asyncio.run(client.check(replace(check, arrival_s=0.0)))
+    except RunInterrupted:
+        raise KeyboardInterrupt from None
     if record.status not in (OK, REJECTED):  # shed by admission is an answer: the cluster serves
         message = (
             f"the check request failed: {record.status}: {with_hint(record.status, record.error, config.credentials)}"
@@ -113,14 +117,20 @@ def run_benchmark(
         trace = config.workload.dataset_name == "trace"
         if trace:  # a trace brings its own arrival times: its rate is the one they offer
             rate = offered_rate(requests)
+        interrupted = None
         with counting(_run_label(rate, trace), len(requests)) as advance:
-            records, duration_s = asyncio.run(client.run(requests, lambda _record: advance()))
-        result = build_result(config, rate, records, duration_s)
+            try:
+                records, duration_s = asyncio.run(client.run(requests, lambda _record: advance()))
+            except RunInterrupted as e:
+                interrupted, records, duration_s = e, e.records, e.duration_s
+        result = build_result(config, rate, records, duration_s, interrupted=interrupted is not None)
         console.print(summary_table(result))
         for warning in result["warnings"]:
             warn.print(f"loadgen: warning: {warning}", style="yellow", markup=False)
         results.append(result)
         on_result(results)
+        if interrupted is not None:
+            raise KeyboardInterrupt from interrupted
     return results
 
 
@@ -150,8 +160,10 @@ def offered_rate(requests: list[Request]) -> float:
 
 
 def build_result(
-    config: BenchmarkConfig, rate: float, records: list[RequestRecord], duration_s: float
+    config: BenchmarkConfig, rate: float, records: list[RequestRecord], duration_s: float, interrupted: bool = False
 ) -> dict[str, Any]:
+    """`interrupted`: Ctrl-C cut the run short; its records are the requests sent by then, those in flight
+    CANCELLED, so its figures are over part of the workload and no measurement of the rate."""
     end = datetime.datetime.now(datetime.UTC)
     workload = config.workload
     return {
@@ -182,6 +194,7 @@ def build_result(
         "seed": config.seed,
         "goodput": config.slo.as_dict(),
         "send_slo": config.send_slo,
+        "interrupted": interrupted,
         **pacing(records, rate, config.workload.dataset_name == "trace"),
         **metrics.summarize(records, duration_s, config.slo),
         "requests": [_record_json(r, config.slo) for r in records],

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
-from loadgen.record import CLIENT_ERROR, EMPTY_STREAM, OK, RequestRecord
+from loadgen.record import CANCELLED, CLIENT_ERROR, EMPTY_STREAM, OK, RequestRecord
 from loadgen.workload import Request
 
 # grpc.aio starts cancelling calls when too many are in flight on one channel (measured: 2,000 unbounded
@@ -33,6 +33,15 @@ class Backend(Protocol):
         ...
 
 
+class RunInterrupted(Exception):
+    """The run was cancelled (Ctrl-C) midway: it sent no more, cancelled the requests in flight, and carries the
+    records of those it sent (the cancelled ones CANCELLED) and the time from its first send to the cancel."""
+
+    def __init__(self, records: list[RequestRecord], duration_s: float) -> None:
+        super().__init__(f"interrupted after {len(records)} requests sent")
+        self.records, self.duration_s = records, duration_s
+
+
 class Client:
     def __init__(self, backend: Backend, max_concurrency: int | None = None) -> None:
         self.backend = backend
@@ -47,15 +56,21 @@ class Client:
         async with self.backend.session(self.max_concurrency) as send:
             slots = asyncio.Semaphore(self.max_concurrency)
             start = time.perf_counter()
+            sent: dict[int, RequestRecord] = {}  # by workload index: those that got a slot and went out
 
-            async def one(i: int, req: Request) -> RequestRecord:
+            async def one(i: int, req: Request) -> None:
                 record = RequestRecord(f"loadgen-{tag}-{i}", req.input_len, req.output_len, req.arrival_s)
                 queued = time.perf_counter()
                 async with slots:
                     record.start_s = time.perf_counter() - start
                     record.wait_s = start + record.start_s - queued  # the bound's hold alone, not loadgen's lateness
+                    sent[i] = record
                     try:
                         await send(req, record)
+                    except asyncio.CancelledError:
+                        record.status, record.error = CANCELLED, "loadgen was interrupted before the answer ended"
+                        record.error_s = time.perf_counter() - start - record.start_s
+                        raise
                     except Exception as e:  # the client's own (a malformed event, a transport error): this one fails
                         record.status, record.error = CLIENT_ERROR, f"{type(e).__name__}: {e}"
                 if record.status == OK and not record.output_tokens:
@@ -63,16 +78,21 @@ class Client:
                 if record.status != OK:
                     record.error_s = time.perf_counter() - start - record.start_s
                 on_done(record)
-                return record
 
             tasks = []
-            for i, req in enumerate(requests):
-                delay = start + req.arrival_s - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(i, req)))
-            records = await asyncio.gather(*tasks)
-            return list(records), time.perf_counter() - start
+            try:
+                for i, req in enumerate(requests):
+                    delay = start + req.arrival_s - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    tasks.append(asyncio.create_task(one(i, req)))
+                await asyncio.gather(*tasks)
+            except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task; send no more, cancel the rest
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise RunInterrupted([sent[i] for i in sorted(sent)], time.perf_counter() - start) from None
+            return [sent[i] for i in range(len(requests))], time.perf_counter() - start
 
     async def check(self, request: Request) -> RequestRecord:
         """One request on its own, before a run: a cluster that cannot answer fails fast, not N times."""

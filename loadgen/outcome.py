@@ -3,6 +3,7 @@ must see that without reading the JSON (47 of 60 requests UNAVAILABLE, the serve
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from loadgen.record import REJECTED
@@ -10,6 +11,7 @@ from loadgen.record import REJECTED
 EXIT_OK = 0  # every run completed requests, and failed none but those admission shed
 EXIT_FAILED = 1  # the cluster could not be reached or went away, or a run failed as failed_runs says
 EXIT_USAGE = 2  # bad flags, a bad trace, or a check request the server refused as invalid
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as a shell reports a command it interrupted: 128 + 2
 
 
 def failed_runs(runs: list[dict[str, Any]]) -> list[str]:
@@ -28,3 +30,17 @@ def failed_runs(runs: list[dict[str, Any]]) -> list[str]:
 
 def _counts(by_code: dict[str, int]) -> str:
     return ", ".join(f"{code}: {n}" for code, n in by_code.items()) or "none sent"
+
+
+def interrupted_line(runs: list[dict[str, Any]], result_json: Path | None) -> str:
+    """The one line Ctrl-C prints: where it cut the benchmark, and what of it was kept where."""
+    if not runs:
+        return "interrupted before the first rate: nothing measured"
+    cut = runs[-1] if runs[-1]["interrupted"] else None
+    finished = len(runs) - (cut is not None)
+    where = "between rates"
+    if cut is not None:
+        sent = len(cut["requests"])
+        where = f"during the run at request_rate {cut['request_rate']} ({sent} sent, those in flight cancelled)"
+    kept = f"{finished} finished rate(s)" + (" and the interrupted one, marked interrupted: true," if cut else "")
+    return f"interrupted {where}: {kept} {f'in {result_json}' if result_json else 'not written (no --result-json)'}"

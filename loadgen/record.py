@@ -8,6 +8,7 @@ OK = "OK"
 REJECTED = "RESOURCE_EXHAUSTED"  # shed by the router's admission
 EMPTY_STREAM = "EMPTY_STREAM"  # ended OK without a token: failed, as vLLM counts a stream with no valid chunk
 CLIENT_ERROR = "CLIENT_ERROR"  # the client could not read the answer (a malformed event): failed, the run goes on
+CANCELLED = "CANCELLED"  # in flight when loadgen was interrupted (Ctrl-C): loadgen's cancel, not the server's failure
 
 
 @dataclass
