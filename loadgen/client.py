@@ -29,7 +29,8 @@ Send = Callable[[Request, RequestRecord], Awaitable[None]]
 
 class Backend(Protocol):
     def session(self, max_concurrency: int) -> AbstractAsyncContextManager[Send]:
-        """Connected (connecting is not the server's latency) until the context ends."""
+        """Connected (connecting is not the server's latency) until the context ends, for up to `max_concurrency`
+        requests in flight: the most the run can have (the bound, or its request count when fewer)."""
         ...
 
 
@@ -53,7 +54,7 @@ class Client:
         """Sends each request at its arrival offset; returns the records (in workload order) and the duration
         from the first send to the last answer."""
         tag = uuid.uuid4().hex[:8]
-        async with self.backend.session(self.max_concurrency) as send:
+        async with self.backend.session(min(self.max_concurrency, len(requests))) as send:
             slots = asyncio.Semaphore(self.max_concurrency)
             start = time.perf_counter()
             sent: dict[int, RequestRecord] = {}  # by workload index: those that got a slot and went out

@@ -10,9 +10,11 @@ per-token ITL (metrics.token_itls_s). The final usage chunk's completion_tokens 
 (`RequestRecord.reported_tokens`), which TPOT divides by, whether a server packs several tokens into a chunk or
 sends chunks with none; its prompt_tokens is the request's input length. Chat prompts are the workload's token ids
 decoded to text, so the server's chat template and tokenizer make the prompt's exact length (measured: a workload's
-2001 prompt tokens were 4290 to the server). Each stream is read to its end, past `[DONE]`, so its connection goes
-back to the pool: a connection closed instead would put the next request's connect (and TLS handshake) into its
-TTFT."""
+2001 prompt tokens were 4290 to the server). A request's body (its detokenizing, its JSON) is built before its
+timer starts, as gRPC's message is. Each stream is read to its end, past `[DONE]`, so its connection goes back to
+the pool: a connection closed instead would put the next request's connect (and TLS handshake) into its TTFT. For
+the same reason a session opens its connections before the run, as the gRPC backend waits for its channel: HTTP/1.1
+carries one stream per connection, so it opens as many as may be in flight (`warm_connections`)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ from loadgen.workload import Request
 from pdserve.rpc.credentials import ClientCredentials
 
 AFTER_DONE_S = 1.0  # the longest a stream's body is read past `[DONE]` (its end is due at once)
+JSON_HEADERS = {"content-type": "application/json"}
+WARM_PATH = "/v1/models"  # a cheap GET every OpenAI-compatible server answers (any answer opens the connection)
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 # HTTP statuses as the gRPC code names the records and summaries count (429: shed, as RESOURCE_EXHAUSTED).
 STATUS_NAMES = {
@@ -82,7 +86,14 @@ class OpenAIBackend:
         async with httpx2.AsyncClient(
             base_url=self.base_url, timeout=None, limits=limits, headers=headers, verify=verify
         ) as http:
+            await self.warm_connections(http, max_concurrency)
             yield partial(self._stream, http)
+
+    async def warm_connections(self, http: httpx2.AsyncClient, count: int) -> None:
+        """`count` connections opened and back in the pool: GETs sent together, none finding an idle connection,
+        each opens one. A failure is left to the requests themselves to report (the check request first)."""
+        warm = [http.get(WARM_PATH, extensions=self._extensions()) for _ in range(count)]
+        await asyncio.gather(*warm, return_exceptions=True)
 
     def payload(self, req: Request) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "temperature": 0.0, "ignore_eos": True, "stream": True}
@@ -100,11 +111,12 @@ class OpenAIBackend:
 
     async def _stream(self, http: httpx2.AsyncClient, req: Request, record: RequestRecord) -> None:
         url = self.endpoint or ENDPOINTS["openai-chat" if self.chat else "openai"]
+        body = json.dumps(self.payload(req), ensure_ascii=False, separators=(",", ":")).encode()  # before the timer
         sent = time.perf_counter()
         usage_tokens = None
         try:
-            extensions = {"sni_hostname": server_name} if (server_name := self._server_name()) else None
-            async with http.stream("POST", url, json=self.payload(req), extensions=extensions) as response:
+            stream = http.stream("POST", url, content=body, headers=JSON_HEADERS, extensions=self._extensions())
+            async with stream as response:
                 if response.status_code != 200:
                     _failed(record, response.status_code, (await response.aread()).decode(errors="replace"))
                     return
@@ -126,9 +138,10 @@ class OpenAIBackend:
         if record.message_tokens:  # the server's count wins over one token per chunk: TPOT's, not the ITLs'
             record.reported_tokens = usage_tokens
 
-    def _server_name(self) -> str | None:
-        """The name the server's certificate must carry when it is not the host dialled."""
-        return self.credentials.server_name if self.credentials and self.credentials.tls_ca else None
+    def _extensions(self) -> dict[str, str] | None:
+        """The name the server's certificate must carry, when it is not the host dialled."""
+        server_name = self.credentials.server_name if self.credentials and self.credentials.tls_ca else None
+        return {"sni_hostname": server_name} if server_name else None
 
     def _carries_output(self, chunk: dict[str, Any]) -> bool:
         choices = chunk.get("choices")

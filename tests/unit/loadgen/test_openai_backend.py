@@ -7,7 +7,7 @@ import json
 import httpx2
 import pytest
 
-from loadgen import metrics
+from loadgen import metrics, openai_backend
 from loadgen.openai_backend import OpenAIBackend
 from loadgen.record import RequestRecord
 from loadgen.workload import Request
@@ -60,6 +60,24 @@ async def stream_of(events: list[dict]) -> RequestRecord:
         r = RequestRecord("r", 3, 8, 0.0)
         await OpenAIBackend("http://h", "m")._stream(http, Request([5, 6, 7], 8), r)
         return r
+
+
+async def test_the_body_is_built_before_the_timer_starts(monkeypatch):
+    """Detokenizing a chat prompt (and encoding the body) is loadgen's work, not the server's: it was in the TTFT."""
+    clock = [0.0]
+    monkeypatch.setattr(openai_backend.time, "perf_counter", lambda: clock[0])
+
+    def slow_detokenize(ids: list[int]) -> str:
+        clock[0] += 100.0  # a detokenizer that took 100 s on this clock
+        return "hi"
+
+    body = 'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\ndata: [DONE]\n\n'
+    transport = httpx2.MockTransport(lambda request: httpx2.Response(200, text=body))
+    async with httpx2.AsyncClient(base_url="http://h", transport=transport) as http:
+        r = RequestRecord("r", 3, 1, 0.0)
+        backend = OpenAIBackend("http://h", "m", chat=True, detokenize=slow_detokenize)
+        await backend._stream(http, Request([5, 6, 7], 1), r)
+    assert r.message_times_s == [0.0]
 
 
 @pytest.mark.parametrize(

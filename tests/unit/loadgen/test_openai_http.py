@@ -15,7 +15,7 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from loadgen import metrics
@@ -41,6 +41,7 @@ class FakeServer:
         self.chunks = chunks
         self.linger_s = linger_s  # keeps the body open this long after [DONE], sending keep-alive comments
         self.ports: list[int] = []
+        self.warm_ports: list[int] = []  # of the GETs loadgen opens its connections with
 
     async def completions(self, request: HttpRequest) -> StreamingResponse:
         assert request.client is not None
@@ -61,10 +62,16 @@ class FakeServer:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def models(self, request: HttpRequest) -> JSONResponse:
+        assert request.client is not None
+        self.warm_ports.append(request.client.port)
+        return JSONResponse({"object": "list", "data": []})
+
 
 @asynccontextmanager
 async def serving(fake: FakeServer, **tls: Any) -> AsyncIterator[int]:
     routes = [Route(p, fake.completions, methods=["POST"]) for p in ("/v1/completions", "/v1/chat/completions")]
+    routes.append(Route("/v1/models", fake.models, methods=["GET"]))
     config = uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=0, log_level="warning", **tls)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
@@ -88,6 +95,18 @@ async def test_one_connection_carries_every_request_in_turn() -> None:
         records, _ = await client.run([Request([5, 6, 7], 4, 0.0) for _ in range(8)])
     assert [r.status for r in records] == [OK] * 8
     assert len(set(fake.ports)) == 1  # no request paid for a connect
+
+
+async def test_the_connections_are_open_before_the_run_so_no_request_pays_a_connect() -> None:
+    """As the gRPC backend waits for its channel: over HTTP/1.1 a connection opened for a request put its connect
+    (and TLS handshake) into that request's TTFT."""
+    fake = FakeServer(text_chunks)
+    async with serving(fake) as port:
+        client = Client(OpenAIBackend(f"http://127.0.0.1:{port}", "m"), max_concurrency=8)
+        records, _ = await client.run([Request([5, 6, 7], 4, 0.0) for _ in range(4)])  # all in flight together
+    assert [r.status for r in records] == [OK] * 4
+    assert len(fake.warm_ports) == 4  # as many as the run can have in flight: its 4 requests, under the bound of 8
+    assert sorted(fake.ports) == sorted(fake.warm_ports)  # each request on a connection opened before the run
 
 
 async def test_a_malformed_event_fails_its_request_and_the_others_complete() -> None:
