@@ -42,6 +42,16 @@ def _rates(text: str) -> tuple[float, ...]:
     return rates
 
 
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        percentiles = tuple(float(p) for p in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected percentiles like 90,99 or 50,99.9, got {text!r}") from None
+    if any(not 0 < p <= 100 for p in percentiles):
+        raise argparse.ArgumentTypeError(f"percentiles must lie in (0, 100], got {text!r}")
+    return tuple(sorted(set(percentiles)))
+
+
 def _bench_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loadgen", description=__doc__, formatter_class=DefaultsFormatter)
     p.add_argument("--backend", choices=BACKENDS, default="grpc", help="grpc: pdserve's Generate; openai*: HTTP")
@@ -90,6 +100,18 @@ def _bench_parser() -> argparse.ArgumentParser:
     add_attainment_flag(p)
     p.add_argument(
         "--send-slo", action="store_true", help="send the ttft/tpot bounds with each request (router admission)"
+    )
+    p.add_argument(
+        "--warmup-requests",
+        type=natural,
+        default=0,
+        help="sent all at once and awaited at the start of each rate, in no figure (counted in the JSON)",
+    )
+    p.add_argument(
+        "--metric-percentiles",
+        type=_percentiles,
+        default="90,99",
+        help="latency percentiles reported (p90_ttft_ms, ...), e.g. 50,90,95,99",
     )
     p.add_argument("--seed", type=natural, default=0, help="each rate's prompts and arrival gaps: same seed, same run")
     p.add_argument("--result-json", type=Path, help="write the results (with per-request records) here")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,7 +27,7 @@ from pdserve.rpc.client_hints import with_hint
 from pdserve.rpc.credentials import ClientCredentials
 from pdserve.v1 import generate_pb2 as pb
 
-PROMPTS_STREAM, ARRIVALS_STREAM, CHECK_STREAM = 0, 1, 2  # independent generators derived from the seed
+PROMPTS_STREAM, ARRIVALS_STREAM, CHECK_STREAM, WARMUP_STREAM = 0, 1, 2, 3  # independent generators from the seed
 
 
 class ClusterCheckFailed(RuntimeError):
@@ -52,6 +53,8 @@ class BenchmarkConfig:
     slo: GoodputSLO = field(default_factory=GoodputSLO)
     seed: int = 0
     send_slo: bool = False  # put the goodput TTFT/TPOT bounds into each request, for the router's admission
+    warmup_requests: int = 0  # sent all at once and awaited at the start of each rate, in no figure
+    metric_percentiles: tuple[float, ...] = metrics.PERCENTILES  # of every latency, as vLLM's --metric-percentiles
     credentials: ClientCredentials | None = None  # TLS and API key (None: plaintext, no key)
 
     def __post_init__(self) -> None:
@@ -117,13 +120,14 @@ def run_benchmark(
         trace = config.workload.dataset_name == "trace"
         if trace:  # a trace brings its own arrival times: its rate is the one they offer
             rate = offered_rate(requests)
-        interrupted = None
+        interrupted, warmed = None, list[RequestRecord]()
         with counting(_run_label(rate, trace), len(requests)) as advance:
             try:
-                records, duration_s = asyncio.run(client.run(requests, lambda _record: advance()))
+                run = client.run(requests, lambda _record: advance(), warmup_requests(config, i), warmed.extend)
+                records, duration_s = asyncio.run(run)
             except RunInterrupted as e:
                 interrupted, records, duration_s = e, e.records, e.duration_s
-        result = build_result(config, rate, records, duration_s, interrupted=interrupted is not None)
+        result = build_result(config, rate, records, duration_s, warmed, interrupted=interrupted is not None)
         console.print(summary_table(result))
         for warning in result["warnings"]:
             warn.print(f"loadgen: warning: {warning}", style="yellow", markup=False)
@@ -144,6 +148,15 @@ def drawn_requests(config: BenchmarkConfig, run_index: int, rate: float) -> list
     return schedule(requests, rate, config.burstiness, np.random.default_rng([config.seed, ARRIVALS_STREAM]))
 
 
+def warmup_requests(config: BenchmarkConfig, run_index: int) -> list[Request]:
+    """The rate's warm-up prompts, from a generator of their own: its measured prompts and arrivals stay those of
+    a run without them, and the warm-up fills no prefix cache the measured prompts would hit."""
+    if not config.warmup_requests:
+        return []
+    workload = replace(config.workload, num_prompts=config.warmup_requests)
+    return build_workload(workload, np.random.default_rng([config.seed, WARMUP_STREAM, run_index]))
+
+
 def _run_label(rate: float, trace: bool) -> str:
     if trace:
         return "requests at trace timestamps"
@@ -160,10 +173,17 @@ def offered_rate(requests: list[Request]) -> float:
 
 
 def build_result(
-    config: BenchmarkConfig, rate: float, records: list[RequestRecord], duration_s: float, interrupted: bool = False
+    config: BenchmarkConfig,
+    rate: float,
+    records: list[RequestRecord],
+    duration_s: float,
+    warmed: list[RequestRecord] | None = None,
+    interrupted: bool = False,
 ) -> dict[str, Any]:
     """`interrupted`: Ctrl-C cut the run short; its records are the requests sent by then, those in flight
-    CANCELLED, so its figures are over part of the workload and no measurement of the rate."""
+    CANCELLED, so its figures are over part of the workload and no measurement of the rate. `warmed`: the warm-up
+    requests' records, counted apart and in no figure."""
+    warmed = warmed or []
     end = datetime.datetime.now(datetime.UTC)
     workload = config.workload
     return {
@@ -195,8 +215,12 @@ def build_result(
         "goodput": config.slo.as_dict(),
         "send_slo": config.send_slo,
         "interrupted": interrupted,
+        "warmup_requests": len(warmed),
+        "warmup_completed": sum(r.completed for r in warmed),
+        "warmup_failed_by_code": dict(Counter(r.status for r in warmed if not r.completed)),
+        "metric_percentiles": list(config.metric_percentiles),
         **pacing(records, rate, config.workload.dataset_name == "trace"),
-        **metrics.summarize(records, duration_s, config.slo),
+        **metrics.summarize(records, duration_s, config.slo, config.metric_percentiles),
         "requests": [_record_json(r, config.slo) for r in records],
     }
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
 from typing import Protocol
 
 from loadgen.record import CANCELLED, CLIENT_ERROR, EMPTY_STREAM, OK, RequestRecord
@@ -49,51 +50,73 @@ class Client:
         self.max_concurrency = max_concurrency or DEFAULT_MAX_CONCURRENCY
 
     async def run(
-        self, requests: list[Request], on_done: Callable[[RequestRecord], None] = lambda r: None
+        self,
+        requests: list[Request],
+        on_done: Callable[[RequestRecord], None] = lambda r: None,
+        warmup: Sequence[Request] = (),
+        on_warmup: Callable[[list[RequestRecord]], None] = lambda records: None,
     ) -> tuple[list[RequestRecord], float]:
         """Sends each request at its arrival offset; returns the records (in workload order) and the duration
-        from the first send to the last answer."""
+        from the first send to the last answer. The `warmup` requests go first, all at once in the same session
+        (its connections, the server's caches and compiled paths warmed), and are awaited before the run's clock
+        starts; their records go to `on_warmup`, into no figure of the run."""
         tag = uuid.uuid4().hex[:8]
-        async with self.backend.session(min(self.max_concurrency, len(requests))) as send:
+        async with self.backend.session(min(self.max_concurrency, max(len(requests), len(warmup)))) as send:
             slots = asyncio.Semaphore(self.max_concurrency)
-            start = time.perf_counter()
-            sent: dict[int, RequestRecord] = {}  # by workload index: those that got a slot and went out
+            if warmup:
+                try:
+                    warmed, _ = await self._send_all(send, slots, [replace(r, arrival_s=0.0) for r in warmup], "warmup")
+                except RunInterrupted:  # nothing of the run was sent
+                    raise RunInterrupted([], 0.0) from None
+                on_warmup(warmed)
+            return await self._send_all(send, slots, requests, tag, on_done)
 
-            async def one(i: int, req: Request) -> None:
-                record = RequestRecord(f"loadgen-{tag}-{i}", req.input_len, req.output_len, req.arrival_s)
-                queued = time.perf_counter()
-                async with slots:
-                    record.start_s = time.perf_counter() - start
-                    record.wait_s = start + record.start_s - queued  # the bound's hold alone, not loadgen's lateness
-                    sent[i] = record
-                    try:
-                        await send(req, record)
-                    except asyncio.CancelledError:
-                        record.status, record.error = CANCELLED, "loadgen was interrupted before the answer ended"
-                        record.error_s = time.perf_counter() - start - record.start_s
-                        raise
-                    except Exception as e:  # the client's own (a malformed event, a transport error): this one fails
-                        record.status, record.error = CLIENT_ERROR, f"{type(e).__name__}: {e}"
-                if record.status == OK and not record.output_tokens:
-                    record.status, record.error = EMPTY_STREAM, "the stream ended without a token"
-                if record.status != OK:
+    async def _send_all(
+        self,
+        send: Send,
+        slots: asyncio.Semaphore,
+        requests: Sequence[Request],
+        tag: str,
+        on_done: Callable[[RequestRecord], None] = lambda r: None,
+    ) -> tuple[list[RequestRecord], float]:
+        start = time.perf_counter()
+        sent: dict[int, RequestRecord] = {}  # by workload index: those that got a slot and went out
+
+        async def one(i: int, req: Request) -> None:
+            record = RequestRecord(f"loadgen-{tag}-{i}", req.input_len, req.output_len, req.arrival_s)
+            queued = time.perf_counter()
+            async with slots:
+                record.start_s = time.perf_counter() - start
+                record.wait_s = start + record.start_s - queued  # the bound's hold alone, not loadgen's lateness
+                sent[i] = record
+                try:
+                    await send(req, record)
+                except asyncio.CancelledError:
+                    record.status, record.error = CANCELLED, "loadgen was interrupted before the answer ended"
                     record.error_s = time.perf_counter() - start - record.start_s
-                on_done(record)
+                    raise
+                except Exception as e:  # the client's own (a malformed event, a transport error): this one fails
+                    record.status, record.error = CLIENT_ERROR, f"{type(e).__name__}: {e}"
+            if record.status == OK and not record.output_tokens:
+                record.status, record.error = EMPTY_STREAM, "the stream ended without a token"
+            if record.status != OK:
+                record.error_s = time.perf_counter() - start - record.start_s
+            on_done(record)
 
-            tasks = []
-            try:
-                for i, req in enumerate(requests):
-                    delay = start + req.arrival_s - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    tasks.append(asyncio.create_task(one(i, req)))
-                await asyncio.gather(*tasks)
-            except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task; send no more, cancel the rest
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise RunInterrupted([sent[i] for i in sorted(sent)], time.perf_counter() - start) from None
-            return [sent[i] for i in range(len(requests))], time.perf_counter() - start
+        tasks = []
+        try:
+            for i, req in enumerate(requests):
+                delay = start + req.arrival_s - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(i, req)))
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task; send no more, cancel the rest
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise RunInterrupted([sent[i] for i in sorted(sent)], time.perf_counter() - start) from None
+        return [sent[i] for i in range(len(requests))], time.perf_counter() - start
 
     async def check(self, request: Request) -> RequestRecord:
         """One request on its own, before a run: a cluster that cannot answer fails fast, not N times."""

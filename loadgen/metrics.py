@@ -114,7 +114,9 @@ def distserve_goodput(runs: list[dict[str, Any]], attainment_target: float) -> f
     return max(met, default=None)
 
 
-def summarize(records: list[RequestRecord], duration_s: float, slo: GoodputSLO) -> dict[str, Any]:
+def summarize(
+    records: list[RequestRecord], duration_s: float, slo: GoodputSLO, percentiles: tuple[float, ...] = PERCENTILES
+) -> dict[str, Any]:
     """The result fields of `vllm bench serve` (same names and meanings: `failed` is every request that did not
     complete, shed ones included) plus rejected (those shed), failures by status code and SLO attainment."""
     done = [r for r in records if r.completed]
@@ -150,15 +152,21 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: GoodputSLO) 
     }
     per_request["time_to_reject"] = [r.error_s for r in records if r.status == REJECTED]
     for name, values in per_request.items():
-        summary |= _stats(name, [v * 1e3 for v in values if v is not None])
+        summary |= _stats(name, [v * 1e3 for v in values if v is not None], percentiles)
     return summary
 
 
-def _stats(name: str, ms: list[float]) -> dict[str, float | None]:
+def percentile_stat(percentile: float) -> str:
+    """A percentile's name in the result's keys, as vLLM names it: p99, p99.9."""
+    return f"p{percentile:g}"
+
+
+def _stats(name: str, ms: list[float], percentiles: tuple[float, ...]) -> dict[str, float | None]:
     """Mean, median, std and percentiles; None when there are no values (vLLM's 0 reads as infinitely fast)."""
-    keys = [f"{stat}_{name}_ms" for stat in ("mean", "median", "std")] + [f"p{p}_{name}_ms" for p in PERCENTILES]
+    stats = ["mean", "median", "std", *(percentile_stat(p) for p in percentiles)]
+    keys = [f"{stat}_{name}_ms" for stat in stats]
     if not ms:
         return dict.fromkeys(keys)
     values = np.asarray(ms)
-    stats = [values.mean(), np.median(values), values.std()] + [np.percentile(values, p) for p in PERCENTILES]
-    return {key: float(stat) for key, stat in zip(keys, stats, strict=True)}
+    figures = [values.mean(), np.median(values), values.std()] + [np.percentile(values, p) for p in percentiles]
+    return {key: float(figure) for key, figure in zip(keys, figures, strict=True)}

@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.table import Table
 
-from loadgen.metrics import distserve_goodput
+from loadgen.metrics import PERCENTILES, distserve_goodput, percentile_stat
 
 COUNTS = [
     ("completed", "Successful requests"),
@@ -32,16 +32,24 @@ RATES = [
     ("total_token_throughput", "Total token throughput (tok/s)"),
 ]
 METRIC_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL per chunk", "token_itl": "ITL per token", "e2el": "E2EL"}
-LATENCIES = [
-    (f"{stat}_{m}_ms", f"{stat.capitalize()} {name} (ms)")
-    for m, name in METRIC_NAMES.items()
-    for stat in ("mean", "median", "std", "p90", "p99")
-]
-LATENCY_KEYS = frozenset(key for key, _ in LATENCIES)
-TIME_TO_REJECT = [
-    (f"{stat}_time_to_reject_ms", f"{stat.capitalize()} time to reject (ms)") for stat in ("median", "p99")
-]
-ROWS = COUNTS + RATES + LATENCIES
+
+
+def latency_rows(percentiles: list[float]) -> list[tuple[str, str]]:
+    """Each latency's mean, median, std and the percentiles the run asked for (--metric-percentiles)."""
+    stats = ["mean", "median", "std", *(percentile_stat(p) for p in percentiles)]
+    return [
+        (f"{stat}_{m}_ms", f"{stat.capitalize()} {name} (ms)") for m, name in METRIC_NAMES.items() for stat in stats
+    ]
+
+
+def _percentiles(*runs: dict[str, Any]) -> list[float]:
+    """The percentiles the runs' files hold: those they name, or loadgen's default (a vLLM file, an older one)."""
+    return sorted({p for run in runs for p in run.get("metric_percentiles", PERCENTILES)})
+
+
+def _time_to_reject_rows(percentiles: list[float]) -> list[tuple[str, str]]:
+    stats = ["median", *(percentile_stat(p) for p in percentiles)]
+    return [(f"{stat}_time_to_reject_ms", f"{stat.capitalize()} time to reject (ms)") for stat in stats]
 
 
 def _fmt(value: Any) -> str:
@@ -67,10 +75,14 @@ def summary_table(result: dict[str, Any]) -> Table:
         table.add_row(name, _fmt(result.get(key)))
     sent = result["completed"] + result["failed"]
     table.add_row("Latencies below: completed requests only", f"{result['completed']} of {sent}")
-    for key, name in LATENCIES + (TIME_TO_REJECT if result["rejected"] else []):
+    percentiles = _percentiles(result)
+    for key, name in latency_rows(percentiles) + (_time_to_reject_rows(percentiles) if result["rejected"] else []):
         table.add_row(name, _fmt(result.get(key)))
     if result["failed_by_code"]:
         table.add_row("Failed by code", ", ".join(f"{k}: {v}" for k, v in result["failed_by_code"].items()))
+    if result.get("warmup_requests"):
+        warmed = f"{result['warmup_completed']} of {result['warmup_requests']} completed"
+        table.add_row("Warm-up requests (before the run, in no figure)", warmed)
     if result.get("short_outputs"):
         table.add_row("Completed short of max_tokens", str(result["short_outputs"]))
     return table
@@ -81,7 +93,7 @@ def comparison_table(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b
     table = Table(title=f"{label_a} ({rate_label(a)}) vs {label_b} ({rate_label(b)})", title_justify="left")
     for column, justify in (("metric", "left"), (label_a, "right"), (label_b, "right"), ("B / A", "right")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
-    for key, name in ROWS:
+    for key, name in COUNTS + RATES + latency_rows(_percentiles(a, b)):
         va, vb = _figure(a, key), _figure(b, key)
         ratio = vb / va if isinstance(va, int | float) and isinstance(vb, int | float) and va else None
         table.add_row(name, _fmt(va), _fmt(vb), "-" if ratio is None else f"{ratio:.2f}x")
@@ -91,7 +103,8 @@ def comparison_table(a: dict[str, Any], b: dict[str, Any], label_a: str, label_b
 def _figure(run: dict[str, Any], key: str) -> Any:
     """A run's figure; no latency where no request completed (a file of vLLM's, or loadgen's before it wrote
     null, has 0 there, which a ratio would read as infinitely fast)."""
-    return None if key in LATENCY_KEYS and run.get("completed") == 0 else run.get(key)
+    latency = any(key.endswith(f"_{metric}_ms") for metric in METRIC_NAMES)
+    return None if latency and run.get("completed") == 0 else run.get(key)
 
 
 Pair = tuple[dict[str, Any] | None, dict[str, Any] | None]
