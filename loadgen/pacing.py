@@ -45,12 +45,18 @@ def pacing(records: list[RequestRecord], requested_rate: float, trace: bool) -> 
         "p99_concurrency_wait_ms": float(np.percentile(waits_ms, 99)),
         "max_concurrency_wait_ms": float(waits_ms.max()),
     }
-    behind = achieved < RATE_SHORTFALL * requested_rate or figures["p99_send_lag_ms"] > LAG_WARNING_MS
+    short = achieved < RATE_SHORTFALL * requested_rate
+    lagging = figures["p99_send_lag_ms"] > LAG_WARNING_MS
+    tripped = [f"achieved rate under {RATE_SHORTFALL:.0%} of the asked"] * short
+    tripped += [f"p99 send lag over {LAG_WARNING_MS:g} ms"] * lagging
     warnings = []
-    if behind and not math.isinf(requested_rate):  # all at once has no rate to keep
+    if tripped and not math.isinf(requested_rate):  # all at once has no rate to keep
+        offered = "the server was offered less than request_rate says"
+        if not short:
+            offered = "the rate held over the run, but the arrivals sent were not the ones drawn"
         warnings.append(
-            f"loadgen fell behind: it sent {achieved:.1f} req/s of the {requested_rate:g} asked (send lag p99 "
-            f"{figures['p99_send_lag_ms']:.0f} ms, max {figures['max_send_lag_ms']:.0f} ms; concurrency wait max "
-            f"{figures['max_concurrency_wait_ms']:.0f} ms): the server was offered less than request_rate says"
+            f"loadgen fell behind ({' and '.join(tripped)}): it sent {achieved:.1f} req/s of the {requested_rate:g} "
+            f"asked (send lag p99 {figures['p99_send_lag_ms']:.0f} ms, max {figures['max_send_lag_ms']:.0f} ms; "
+            f"concurrency wait max {figures['max_concurrency_wait_ms']:.0f} ms): {offered}"
         )
     return figures | {"warnings": warnings}

@@ -38,11 +38,15 @@ def test_a_client_that_fell_behind_reports_the_rate_it_sent_and_warns():
     assert figures["p50_send_lag_ms"] == pytest.approx(225.0)
     (warning,) = figures["warnings"]
     assert "sent 6.9 req/s of the 10 asked" in warning
+    assert "(achieved rate under 95% of the asked and p99 send lag over 25 ms)" in warning
+    assert warning.endswith("the server was offered less than request_rate says")
 
 
 def test_a_late_tail_warns_even_when_the_rate_over_the_run_holds():
     late = [0.0] * 9 + [0.03]  # the rate is 9.7 req/s, within 5%, but the p99 lag is past 25 ms
-    assert pacing(sent(ON_TIME, late), RATE, trace=False)["warnings"]
+    (warning,) = pacing(sent(ON_TIME, late), RATE, trace=False)["warnings"]
+    assert "loadgen fell behind (p99 send lag over 25 ms): it sent 9.7 req/s" in warning
+    assert warning.endswith("the rate held over the run, but the arrivals sent were not the ones drawn")
 
 
 def test_the_concurrency_bounds_wait_is_not_send_lag_but_lowers_the_rate_sent():
@@ -50,7 +54,8 @@ def test_the_concurrency_bounds_wait_is_not_send_lag_but_lowers_the_rate_sent():
     assert figures["max_send_lag_ms"] == pytest.approx(0.0)
     assert figures["max_concurrency_wait_ms"] == pytest.approx(500.0)
     assert figures["achieved_request_rate"] == pytest.approx(10 / 1.5)
-    assert figures["warnings"]
+    (warning,) = figures["warnings"]
+    assert "loadgen fell behind (achieved rate under 95% of the asked): it sent 6.7 req/s" in warning
 
 
 def test_a_trace_is_counted_as_its_offered_rate_is_from_its_first_send():
