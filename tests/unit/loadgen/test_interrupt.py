@@ -52,6 +52,9 @@ def test_ctrl_c_mid_run_keeps_the_finished_rates_and_the_cut_one_marked_plots_th
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As a terminal's Ctrl-C finds it: a suite started in the background (`cmd &` in a script) hands its
+        # children SIGINT ignored, and Python then installs no handler of its own for it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdout is not None
     for line in proc.stdout:  # the last rate's last two requests are held open
