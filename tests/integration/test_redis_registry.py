@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 import time
 import uuid
@@ -21,7 +20,7 @@ from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.registry.base import WorkerState
-from pdserve.registry.redis import ASYNC_CONNECTIONS, PREFIX, RedisRegistry, connect_async
+from pdserve.registry.redis import PREFIX, RedisRegistry
 from pdserve.registry.redis_prefix import RedisPrefixIndex
 from tests.redis_server import emptied, started
 
@@ -232,37 +231,6 @@ async def test_a_stopped_redis_stalls_nothing_the_view_ages_out_and_then_recover
     assert sum("registry redis unreachable" in m for m in messages) == 1
     assert sum("past its limit" in m for m in messages) == 1
     assert sum("answers again" in m for m in messages) == 1
-
-
-async def test_without_a_view_age_limit_the_last_view_serves_through_a_long_outage(url, server, caplog):
-    """The routers' default: an outage many TTLs long (Redis rescheduled, say) keeps the workers placed on."""
-    publisher = RedisRegistry(url, ttl_s=0.3)
-    publisher.publish(state("p0"))
-    caplog.set_level(logging.WARNING, logger="pdserve.registry.redis")
-    async with router_view(url, ttl_s=0.3, refresh_s=0.05, timeout_s=0.1, max_view_age_s=math.inf) as router:
-        with server.stopped():
-            await asyncio.sleep(2.0)  # past 3 TTLs, the limit a registry is given by default
-            assert not router.view_current() and ids(router.workers()) == ["p0"]
-        publisher.publish(state("p0"))
-        await wait_for(router.view_current, 5, "the view to be current again")
-        assert ids(router.workers()) == ["p0"]
-    messages = [r.getMessage() for r in caplog.records]
-    assert any("serving the last view of 1 workers until it answers" in m for m in messages)
-    assert not any("past its limit" in m for m in messages)
-
-
-async def test_a_burst_of_calls_holds_a_bounded_number_of_connections(url, server):
-    """Each call in flight took a connection of its own, kept for good: a router's clients held their busiest
-    burst's worth for life. They wait for one of ASYNC_CONNECTIONS instead, and all are answered."""
-    client = connect_async(url)
-    try:
-        answers = await asyncio.gather(*(client.eval("return redis.call('ping')", 0) for _ in range(300)))
-        assert answers == [b"PONG"] * 300
-        with server.client() as c:
-            connected = len(c.client_list()) - 1  # less this one
-        assert 1 <= connected <= ASYNC_CONNECTIONS
-    finally:
-        await client.aclose()
 
 
 async def test_a_short_stall_keeps_workers_whose_keys_expired_meanwhile(url, server):

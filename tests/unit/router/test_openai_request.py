@@ -304,31 +304,6 @@ def test_what_openais_clients_send_by_default_is_taken():
     assert e.value.field == "logit_bias.5"
 
 
-def test_what_agent_frameworks_send_at_values_that_ask_for_nothing_is_taken_and_any_other_value_refused():
-    """A client ported from vLLM or OpenAI sends tools [] and tool_choice "none", parallel_tool_calls, metadata {},
-    service_tier, min_p 0, and a tool message's tool_call_id: a 400 for each broke it (an OpenAI-compatibility
-    review), though none asks for anything pdserve does not do."""
-    no_ops = {
-        "tools": [], "tool_choice": "none", "parallel_tool_calls": False, "metadata": {}, "service_tier": "auto",
-        "min_p": 0, "skip_special_tokens": True,
-    }  # fmt: skip
-    tool = {"role": "tool", "content": "42", "tool_call_id": "call_1"}
-    req = parse({"model": "m", "messages": [{"role": "user", "content": "x"}, tool], **no_ops}, chat=True)
-    assert [(m.role, m.content) for m in req.message.messages] == [("user", "x"), ("tool", "42")]
-    assert parse({"model": "m", "prompt": "x", "min_p": 0.0, "service_tier": "default"}, chat=False).message.prompt
-    refused = (
-        ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"), ("min_p", 0.1),
-        ("min_p", False), ("metadata", {"k": "v"}), ("service_tier", "flex"), ("skip_special_tokens", False),
-    )  # fmt: skip
-    for param, value in refused:
-        with pytest.raises(InvalidRequestError) as e:
-            parse({"model": "m", "messages": [{"role": "user", "content": "x"}], param: value}, chat=True)
-        assert e.value.field == param
-    with pytest.raises(InvalidRequestError) as e:
-        parse({"model": "m", "messages": [{"role": "tool", "content": "1", "tool_call_id": 7}]}, chat=True)
-    assert e.value.field == "messages[0].tool_call_id"
-
-
 def test_the_shared_paths_field_names_read_as_openai_parameters():
     assert openai_param("sampling.max_tokens", "max_completion_tokens") == "max_completion_tokens"
     assert openai_param("sampling.stop[1]") == "stop[1]"
