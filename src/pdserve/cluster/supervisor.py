@@ -37,19 +37,17 @@ from pdserve.registry.memory import InMemoryPrefixIndex
 
 log = logging.getLogger(__name__)
 CHECK_TIMEOUT_S = 1.0  # an actor's state() is cheap: one that takes longer is restarting, or stuck
+KNOCK_TIMEOUT_S = 0.25  # a port that neither accepts nor refuses by then: the state check decides
+DEAD_AFTER = 2  # ActorDiedErrors in a row that mean the actor is dead for good
+STUCK_AFTER = 2  # checks in a row without an answer that mean stuck (one alone: often a CPU-starved moment)
+REPLACE_BACKOFF_S = (10.0, 300.0)  # first and longest wait before replacing a replacement that never served
 
 
 def polled(method: Any, *args: Any) -> Any:
     """Calls an actor method the supervision repeats at every check, leaving no task event: Ray's GCS keeps one
     per call (up to 100,000, ~3.4 KB each), so a poll or two a second per worker grew its memory by 1.2 MB a
-    minute, idle or not (a soak review), and buried the dashboard's task list."""
+    minute, idle or not (a soak review)."""
     return method.options(enable_task_events=False).remote(*args)
-
-
-KNOCK_TIMEOUT_S = 0.25  # a port that neither accepts nor refuses by then: the state check decides
-DEAD_AFTER = 2  # ActorDiedErrors in a row that mean the actor is dead for good
-STUCK_AFTER = 2  # checks in a row without an answer that mean stuck (one alone: often a CPU-starved moment)
-REPLACE_BACKOFF_S = (10.0, 300.0)  # first and longest wait before replacing a replacement that never served
 
 
 class _LinkLost(Exception):
