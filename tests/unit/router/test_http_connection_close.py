@@ -88,11 +88,15 @@ async def test_a_proxys_forwarded_address_is_not_taken_for_the_connection() -> N
     forwarded = {"X-Forwarded-For": "203.0.113.7"}
     base = f"http://127.0.0.1:{server.port}"
     try:
-        async with httpx2.AsyncClient(base_url=base, timeout=10, headers=forwarded) as old:
+        # Both clients made first: making one (its TLS context) took seconds on a loaded CI host, long enough for
+        # the server's 5 s keep-alive to close the old connection, whose next request then came on a new one.
+        async with (
+            httpx2.AsyncClient(base_url=base, timeout=10, headers=forwarded) as old,
+            httpx2.AsyncClient(base_url=base, timeout=10, headers=forwarded) as new,
+        ):
             await old.get("/plain")
             await asyncio.sleep(AGE_S * 1.5)
-            async with httpx2.AsyncClient(base_url=base, timeout=10, headers=forwarded) as new:
-                first = await new.get("/plain")
+            first = await new.get("/plain")
             aged = await old.get("/plain")
     finally:
         await server.stop()
