@@ -120,7 +120,8 @@ def run_benchmark(
         trace = config.workload.dataset_name == "trace"
         if trace:  # a trace brings its own arrival times: its rate is the one they offer
             rate = offered_rate(requests)
-        interrupted, warmed = None, list[RequestRecord]()
+        interrupted: RunInterrupted | None = None
+        warmed: list[RequestRecord] = []
         with counting(_run_label(rate, trace), len(requests)) as advance:
             try:
                 run = client.run(requests, lambda _record: advance(), warmup_requests(config, i), warmed.extend)

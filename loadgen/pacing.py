@@ -47,8 +47,11 @@ def pacing(records: list[RequestRecord], requested_rate: float, trace: bool) -> 
     }
     short = achieved < RATE_SHORTFALL * requested_rate
     lagging = figures["p99_send_lag_ms"] > LAG_WARNING_MS
-    tripped = [f"achieved rate under {RATE_SHORTFALL:.0%} of the asked"] * short
-    tripped += [f"p99 send lag over {LAG_WARNING_MS:g} ms"] * lagging
+    tripped = []
+    if short:
+        tripped.append(f"achieved rate under {RATE_SHORTFALL:.0%} of the asked")
+    if lagging:
+        tripped.append(f"p99 send lag over {LAG_WARNING_MS:g} ms")
     warnings = []
     if tripped and not math.isinf(requested_rate):  # all at once has no rate to keep
         offered = "the server was offered less than request_rate says"
