@@ -27,6 +27,7 @@ from services.router.key_reload import KeyReload
 from services.router.lifecycle import RequestLifecycle
 from services.router.load_tracker import LoadTracker
 from services.router.parse_after_key import ParseAfterKeyCheck
+from services.router.peer_check import PeerCheck
 from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
 from services.router.predictor import Predictor
 from services.router.request_size import max_grpc_request_bytes
@@ -53,9 +54,13 @@ class RouterServer:
         shared_claims: SharedKVClaims | None,
         shared_moving: SharedMoving | None,
         key_reload: KeyReload | None,
+        peers: PeerCheck,
     ) -> None:
         self.grpc = grpc_server
         self.http = http
+        self.peers = peers
+        peers.on_change = self._apply_health
+        self._serving = False
         self.quotas = quotas
         self.admitted = admitted
         self.gone_workers = gone_workers
@@ -67,8 +72,13 @@ class RouterServer:
         self.port = grpc_server.port
 
     async def set_serving(self, serving: bool) -> None:
-        """gRPC health; the HTTP API's /health follows the lifecycle's `draining` flag."""
-        await self.grpc.set_serving(serving)
+        """gRPC health, NOT_SERVING whatever `serving` says while the workers refuse the router's cluster
+        credentials; the HTTP API's /health follows the lifecycle's `draining` flag and the same refusal."""
+        self._serving = serving
+        await self._apply_health()
+
+    async def _apply_health(self) -> None:
+        await self.grpc.set_serving(self._serving and not self.peers.refused)
 
     async def stop(self, grace_s: float | None) -> None:
         try:
@@ -76,6 +86,7 @@ class RouterServer:
                 await self.http.stop()
             await self.grpc.stop(grace_s)
         finally:  # the background work stops however the listeners did
+            await self.peers.close()
             await self.gone_workers.close()
             if self.key_reload is not None:  # its close never raises
                 await self.key_reload.close()
@@ -146,12 +157,13 @@ async def start_router(
         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s),
         [admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name],
     )
+    peers = PeerCheck(registry)
     http = None
     if http_port is not None:
         age = config.max_connection_age_s or None
         stall = config.reader_stall_timeout_s
         http = HttpServer(
-            openai_app(lifecycle), host, http_port, tls, max_connection_age_s=age, write_stall_timeout_s=stall
+            openai_app(lifecycle, peers), host, http_port, tls, max_connection_age_s=age, write_stall_timeout_s=stall
         )
     await server.start()
     if http is not None:
@@ -168,10 +180,13 @@ async def start_router(
     if isinstance(registry, RedisRegistry):  # the routers of one registry leave each other's moving streams a place
         shared_moving = SharedMoving(registry.url, tracker)
         await shared_moving.start()
-    await server.set_serving(True)
     channels = lifecycle.relay.channels
-    parts = (quotas, admitted, gone_workers, channels, shared_claims, shared_moving, key_reload)
-    return RouterServer(server, http, *parts), lifecycle
+    parts = (quotas, admitted, gone_workers, channels, shared_claims, shared_moving, key_reload, peers)
+    router = RouterServer(server, http, *parts)
+    await peers.check()  # a router the workers refuse never reports SERVING, not even for a moment
+    await router.set_serving(True)
+    peers.start()
+    return router, lifecycle
 
 
 async def _shared_claims(registry: Registry, config: RouterConfig, predictor: Predictor) -> SharedKVClaims | None:

@@ -1,7 +1,7 @@
 """A Redis that stops answering, under load, through a real `pdserve up --redis` (1 prefill + 1 decode worker):
 the router serves from its last view of the workers, so requests keep completing, with their right output and
 no stall beyond the timeouts, and it picks Redis up again after. Also: one malformed registry entry changes
-nothing for requests.
+nothing for requests, and a second router of the registry whose cluster secret is not the workers' is never ready.
 
 Redis is SIGSTOPped, not killed: a stopped server keeps its port and accepts connections but answers nothing,
 as a hung or partitioned one does, so every client waits for its timeout instead of failing at once.
@@ -10,19 +10,24 @@ as a hung or partitioned one does, so every client waits for its timeout instead
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import secrets
 import signal
 import statistics
 import time
 from collections.abc import Iterator
 
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.cluster.local_process import ClusterProcess
+from pdserve.cluster.local_process import ClusterProcess, free_port
 from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import PREFIX
 from pdserve.rpc.client import generate
+from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
+from tests.integration.processes import PdserveProcess
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -136,3 +141,35 @@ def test_requests_complete_without_stalls_while_redis_is_stopped_and_after(clust
     assert failed_beats, "no worker logged the outage"
     for line in failed_beats:  # on the launcher's stderr as the worker wrote it (not behind Ray's prefix), naming it
         assert json.loads(line)["worker_id"] in {w.worker_id for w in states}, line
+
+
+def test_a_router_on_another_cluster_secret_never_reports_serving(cluster, redis_server, tmp_path):
+    """A `pdserve router` of this registry whose secret is not the workers' (a mistyped Secret) listens, but its
+    gRPC health and HTTP /health say it is not ready, and its log says why; the cluster's own router is SERVING."""
+    port, http_port = free_port(), free_port()
+    args = ["router", "--model", "tiny-random", "--redis", redis_server.url, "--port", str(port)]
+    router = PdserveProcess(
+        *args, "--http-port", str(http_port), log_path=tmp_path / "router.log",
+        env={"PDSERVE_CLUSTER_SECRET": secrets.token_hex(32)},
+    )  # fmt: skip
+    try:
+        router.wait_ready()
+        assert health(f"127.0.0.1:{port}") == "NOT_SERVING"
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=5)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 503
+        conn.close()
+        refusals = [line for line in router.log().splitlines() if "refused this router's cluster credentials" in line]
+        assert len(refusals) == 1 and "PDSERVE_CLUSTER_SECRET" in refusals[0], router.log()[-3000:]
+    finally:
+        router.stop()
+    assert health(cluster.address) == "SERVING"  # its router checks the same workers, with their secret
+
+
+def health(address: str) -> str:
+    async def check() -> str:
+        async with channel(address) as ch:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    return asyncio.run(check())

@@ -41,6 +41,7 @@ from services.router.http.openai_request import OpenAIRequest, parse_json, parse
 from services.router.http.openai_response import DONE_EVENT, Answer, sse_events
 from services.router.http.server_span import CHAT_ROUTE, COMPLETIONS_ROUTE, route_of, server_span, span_status
 from services.router.lifecycle import RequestLifecycle
+from services.router.peer_check import PeerCheck
 from services.router.request_size import http_body_limit
 from services.router.ticket import Ticket
 
@@ -48,8 +49,9 @@ PREDICTED_TTFT_HEADER = "x-pdserve-predicted-ttft-ms"
 BODY_TIMEOUT_S = 30.0  # from the head's end: the largest body the router may take (16 MiB) at 0.6 MB/s
 
 
-def openai_app(lifecycle: RequestLifecycle) -> Starlette:
-    api = OpenAIAPI(lifecycle)
+def openai_app(lifecycle: RequestLifecycle, peers: PeerCheck | None = None) -> Starlette:
+    """`peers`: the router's check that the workers accept its cluster credentials, which /health reports."""
+    api = OpenAIAPI(lifecycle, peers)
     return Starlette(
         routes=[
             Route(COMPLETIONS_ROUTE, api.completions, methods=["POST"]),
@@ -65,15 +67,19 @@ def openai_app(lifecycle: RequestLifecycle) -> Starlette:
 
 
 class OpenAIAPI:
-    def __init__(self, lifecycle: RequestLifecycle) -> None:
+    def __init__(self, lifecycle: RequestLifecycle, peers: PeerCheck | None) -> None:
         self.lifecycle = lifecycle
+        self.peers = peers
         self.created = int(time.time())
         self.body_limit = http_body_limit(lifecycle.config, lifecycle.model)
 
     async def health(self, request: Request) -> Response:
-        """200 while the router takes requests, 503 once it drains (a load balancer's readiness probe)."""
+        """200 while the router takes requests, 503 once it drains or while the workers refuse its cluster
+        credentials (a load balancer's readiness probe)."""
         if self.lifecycle.draining:
             return JSONResponse({"status": "draining"}, 503)
+        if self.peers is not None and self.peers.refused:
+            return JSONResponse({"status": "the workers refuse this router's cluster credentials"}, 503)
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:

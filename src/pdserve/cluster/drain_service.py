@@ -1,4 +1,5 @@
-"""The WorkerControl service every worker serves: its `Drain`, as the router's `pdserve drain` reaches it."""
+"""The WorkerControl service every worker serves: its `Drain`, as the router's `pdserve drain` reaches it, and
+`CheckPeer`, which a router's readiness asks (services/router/peer_check.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,15 @@ Drain = Callable[[float], Awaitable[DrainReport]]
 
 
 class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
-    def __init__(self, drain: Drain) -> None:
+    def __init__(self, drain: Drain, worker_id: str) -> None:
         self._drain = drain
+        self._worker_id = worker_id
+
+    async def CheckPeer(  # noqa: N802 (gRPC method name)
+        self, request: wpb.CheckPeerRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.CheckPeerReply:
+        """Nothing to do: reaching here, past the cluster-auth interceptor, is the answer."""
+        return wpb.CheckPeerReply(worker_id=self._worker_id)
 
     async def Drain(  # noqa: N802 (gRPC method name)
         self, request: wpb.DrainRequest, context: grpc.aio.ServicerContext
@@ -34,8 +42,8 @@ class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
         )
 
 
-def add_control_service(server: Server, drain: Drain) -> None:
-    servicer = WorkerControlServicer(drain)
+def add_control_service(server: Server, drain: Drain, worker_id: str) -> None:
+    servicer = WorkerControlServicer(drain, worker_id)
     server.add(
         lambda s: worker_pb2_grpc.add_WorkerControlServicer_to_server(servicer, s),
         [wpb.DESCRIPTOR.services_by_name["WorkerControl"].full_name],

@@ -290,7 +290,7 @@ class WorkerRuntime:
             port = bind_first_free(partial(self.telemetry.serve_metrics, spec.host), spec.metrics_port)
             self._metrics_address = join(spec.advertise_host, port)
         self._transfer = self._services(WorkerContext(spec, self._engine, self._server, self.telemetry, self._metrics))
-        add_control_service(self._server, self._drain_here)
+        add_control_service(self._server, self._drain_here, spec.worker_id)
         await self._server.start()
         self._speed = SpeedTracker(await self._engine.measure_profile())  # first: it writes over the KV pool
         await self._warm_up()

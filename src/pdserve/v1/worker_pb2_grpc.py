@@ -196,6 +196,11 @@ class WorkerControlStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.DrainReport.FromString,
                 _registered_method=True)
+        self.CheckPeer = channel.unary_unary(
+                '/pdserve.v1.WorkerControl/CheckPeer',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.CheckPeerRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.CheckPeerReply.FromString,
+                _registered_method=True)
 
 
 class WorkerControlServicer:
@@ -212,6 +217,15 @@ class WorkerControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckPeer(self, request, context):
+        """Answers at once: this worker accepted the caller's cluster credentials (a caller without the cluster's token
+        gets UNAUTHENTICATED, as on every internal RPC). A router's readiness asks it of a few workers, so a router
+        whose secret the workers refuse never reports SERVING.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -219,6 +233,11 @@ def add_WorkerControlServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.DrainReport.SerializeToString,
+            ),
+            'CheckPeer': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckPeer,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.CheckPeerRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.CheckPeerReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -249,6 +268,33 @@ class WorkerControl:
             '/pdserve.v1.WorkerControl/Drain',
             pdserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.DrainReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckPeer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.WorkerControl/CheckPeer',
+            pdserve_dot_v1_dot_worker__pb2.CheckPeerRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.CheckPeerReply.FromString,
             options,
             channel_credentials,
             insecure,
