@@ -69,6 +69,9 @@ MAX_ATTRIBUTE_CHARS = 4096
 FINAL_EXPORT_S = 2.0
 # Beside /metrics where a service serves a liveness check (the controller: its supervision loop's progress).
 HEALTH_PATH = "/healthz"
+# A metrics connection's idle limit: its server runs a thread per connection, which one opened and left silent
+# (or a trickle of them) would otherwise hold forever; a scrape sends its request at once.
+METRICS_READ_TIMEOUT_S = 10.0
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_request_id", default=None)
 
@@ -142,6 +145,8 @@ class Telemetry:
         `health`, also HEALTH_PATH: 200 while it returns None, else 503 with what it returned (the server runs on a
         thread of its own, so /metrics answering says nothing of the service's own loop)."""
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        handler = self._http.RequestHandlerClass  # socketserver applies its `timeout` to each connection's socket
+        self._http.RequestHandlerClass = type("TimedHandler", (handler,), {"timeout": METRICS_READ_TIMEOUT_S})
         if health is not None:  # each request asks the server for its app: from here on, every one gets this
             self._http.set_app(_with_health(self._http.get_app(), health))
         return int(self._http.server_port)
