@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
+from collections.abc import Callable
 
 from pdserve.cluster.drain import WorkerDrainedError
 from pdserve.cluster.scaling import FleetScaler
@@ -39,6 +41,14 @@ class StandInActor:
         if self.drained:
             raise WorkerDrainedError(f"worker {self.spec.worker_id} drained")
         return self.worker_state()
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Polls for what a thread or task does meanwhile: a fixed sleep is too short on a loaded host."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
 
 
 def spec(role: Role, worker_id: str) -> WorkerSpec:

@@ -19,7 +19,7 @@ from pdserve.cluster.supervisor import Slot
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
-from tests.unit.cluster.fleet_harness import Fleet, StandInActor, spec
+from tests.unit.cluster.fleet_harness import Fleet, StandInActor, spec, until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -215,11 +215,11 @@ async def test_a_start_no_longer_wanted_is_called_off_before_any_serving_worker_
     fleet.scaler.await_start = slow_start
     fleet.registry.set_desired_counts({Role.PREFILL: 2, Role.DECODE: 1})
     await fleet.scaler.reconcile()  # never waits on the start
-    await asyncio.sleep(0.1)
     assert list(fleet.scaler.starting) == ["prefill-2"]
+    await until(lambda: fleet.scaler.starting["prefill-2"].actor is not None)  # made, waiting to serve
     fleet.registry.set_desired_counts({Role.PREFILL: 1, Role.DECODE: 1})
     await fleet.scaler.reconcile()
-    await asyncio.sleep(0.1)
+    await until(lambda: bool(fleet.killed))  # on a thread: its kill may take a while on a loaded host
     assert fleet.killed == ["prefill-2"] and not fleet.drained  # the one still starting goes, no drain
     release.set()
     await asyncio.wait_for(fleet.scaler.settle(), 5)
