@@ -54,9 +54,9 @@ class OutageView(InMemoryRegistry):
 
 
 async def run_while(change: str, registry: InMemoryRegistry | None = None) -> tuple[list[str], float, Telemetry]:
-    """One request placed on p0 (the only prefill worker listed), `change` made to the registry 0.3 s later
-    (p0 `removed` with p1 listed, `removed alone`, or p0 `draining`); the prefill addresses its decode calls named,
-    its time."""
+    """One request placed on p0 (the only prefill worker listed), `change` made to the registry once its decode call
+    began (p0 `removed` with p1 listed, `removed alone`, or p0 `draining`); the prefill addresses its decode calls
+    named, its time."""
     decode = WaitsOnStuckPrefill()
     async with serving(decode) as d0:
         router = Router([worker("p0"), worker("d0", "decode", address=d0)], registry=registry)
@@ -72,7 +72,9 @@ async def run_while(change: str, registry: InMemoryRegistry | None = None) -> tu
 
         started = time.monotonic()
         task = asyncio.ensure_future(consume())
-        await asyncio.sleep(0.3)
+        while not decode.prefills:  # placed: a fixed sleep may end before the call on a loaded host
+            assert not task.done() and time.monotonic() - started < 10, task
+            await asyncio.sleep(0.01)
         assert decode.prefills == [STUCK]
         if change.startswith("removed"):
             if change == "removed":
