@@ -109,10 +109,12 @@ def test_a_decode_worker_queues_from_its_commit_not_while_the_kv_arrives() -> No
     scheduler = SchedulerConfig(mode=EngineMode.DECODE_ONLY)
     engine = LLMEngine(EngineConfig(model="tiny-random", dtype="float32", device="cpu", scheduler=scheduler))
     engine.reserve(EngineRequest("handed-off", list(range(1, 21)), SamplingParams(max_tokens=4, ignore_eos=True)))
+    reserved = time.monotonic()
     time.sleep(0.3)  # its KV in transfer
     engine.commit("handed-off", 1)
+    in_transfer = time.monotonic() - reserved
     timed = run_timed(engine)
-    assert len(timed.queue_s) == 1 and timed.queue_s[0] < 0.1
+    assert len(timed.queue_s) == 1 and timed.queue_s[0] < in_transfer  # no 0.1 s guess at a loaded host's step
     assert timed.prefill_s == []
 
 
