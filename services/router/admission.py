@@ -4,7 +4,9 @@ A prediction splits into the request's own isolated cost and what the current qu
 What the own cost alone rules out is the request's fault and no retry helps: INVALID_ARGUMENT naming the
 SLO field and the smallest value the cluster offers, or the KV blocks it needs beyond any worker's total.
 What the queues rule out is shed with RESOURCE_EXHAUSTED and a retry hint estimating when it would fit,
-so a client can go elsewhere while there is still time. A request that set no SLO gets the default, but
+so a client can go elsewhere while there is still time; so is a tenant over its share of a nearly full
+cluster, which leaves the last `fair_share_reserve` of the room to tenants below theirs (tenant_shares.py).
+A request that set no SLO gets the default, but
 never less than its own cost: an idle cluster serves every valid one. The safety margin (slo_headroom)
 applies only to the queueing part, which is the part the predictor knows least. Every check is
 arithmetic on the router's cached view: no I/O, sub-millisecond.
@@ -18,9 +20,11 @@ from dataclasses import dataclass
 from pdserve.config import RouterConfig
 from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.admission_rules import queue_full, queue_room_s, ttft_budget_s
+from pdserve.security.api_keys import OPEN_TENANT
 from pdserve.security.quotas import Choices
 from services.router.placement import Placement
 from services.router.predictor import Predictor
+from services.router.tenant_shares import TenantShares
 
 MIN_RETRY_MS, MAX_RETRY_MS = 100, 30_000
 
@@ -51,6 +55,15 @@ class Admission:
         self.config = config
         self.predictor = predictor
         self.in_flight = 0
+        self.shares = TenantShares()
+
+    def entered(self, tenant: str) -> None:
+        self.in_flight += 1
+        self.shares.entered(tenant)
+
+    def left(self, tenant: str) -> None:
+        self.in_flight -= 1
+        self.shares.left(tenant)
 
     def check_feasible(
         self, placement: Placement, prompt_tokens: int, slo: SLOTarget, choices: Choices | None = None
@@ -77,10 +90,18 @@ class Admission:
             )
 
     def check_load(
-        self, placement: Placement, prompt_tokens: int, priority: int, slo: SLOTarget, left_s: float | None = None
+        self,
+        placement: Placement,
+        prompt_tokens: int,
+        priority: int,
+        slo: SLOTarget,
+        left_s: float | None = None,
+        tenant: str = OPEN_TENANT,
     ) -> None:
-        """OverloadedError, with a retry hint in milliseconds, when the current load cannot serve the request;
-        DeadlineTooShortError when it could, but not within the caller's time left (`left_s`; None: no deadline)."""
+        """OverloadedError, with a retry hint in milliseconds, when the current load cannot serve the request, or
+        could only with the room kept for tenants below their share; DeadlineTooShortError when it could, but not
+        within the caller's time left (`left_s`; None: no deadline)."""
+        self.shares.asked(tenant)
         if self.in_flight >= self.config.max_in_flight:
             limit = self.config.max_in_flight
             raise OverloadedError(f"router has {self.in_flight} requests in flight (limit {limit})", reason="in_flight")
@@ -95,8 +116,47 @@ class Admission:
                 reason="batch",
             )
         self._check_tpot(placement, slo)
+        self._check_fair_share(placement, prompt_tokens - placement.cached_tokens, priority, slo, tenant)
         _check_deadline(placement, left_s)
         self.predictor.claims.admitted(placement.blocks_needed)
+
+    def _check_fair_share(
+        self, placement: Placement, new_tokens: int, priority: int, slo: SLOTarget, tenant: str
+    ) -> None:
+        """A tenant over its share (tenant_shares.py) leaves the last `fair_share_reserve` of each resource the
+        request passed on (its decode worker's batch places and KV blocks, its prefill worker's queue) to tenants
+        below theirs. Judged after every other check passed: only the reserve can refuse it here."""
+        reserve = self.config.fair_share_reserve
+        over = self.shares.over_share(tenant) if reserve > 0 else None
+        if over is None:
+            return
+        decode, blocks = placement.decode, placement.blocks_needed
+        places = math.ceil(reserve * decode.max_num_seqs)
+        spare = self.predictor.tracker.held_for_moving + places
+        kept_blocks = math.ceil(reserve * decode.kv_blocks_total)
+        room = queue_room_s(
+            ttft_budget_s(slo.ttft_s, placement.own_ttft_s, slo.ttft_explicit, self.config.first_token_timeout_s),
+            placement.own_ttft_s,
+            self.config.slo_headroom,
+        )
+        queued = self.predictor.queued_tokens(placement.prefill_worker)
+        if not self.predictor.has_batch_room(decode, spare=spare):
+            what, retry_s = f"{places} batch places of its decode worker", placement.predicted_tpot_s * 32
+        elif self.predictor.free_blocks_for(decode, blocks) - kept_blocks < blocks:
+            what, retry_s = f"{kept_blocks} KV blocks of its decode worker", placement.predicted_tpot_s * 32
+        elif placement.queue_s > room * (1 - reserve) or queue_full(
+            queued, new_tokens, self.config.queue_bound(priority) * (1 - reserve)
+        ):
+            what, retry_s = f"{reserve:.0%} of its prefill worker's queue room", placement.queue_s * reserve
+        else:
+            return
+        raise OverloadedError(
+            f"tenant {tenant!r} holds {over.held} of the {over.total} streams in flight here, more than an equal "
+            f"share among the {over.active} tenants active, and the last {what} are kept for tenants below their "
+            f"share (fair_share_reserve {reserve:g})",
+            _retry_ms(retry_s),
+            reason="fair_share",
+        )
 
     def _check_kv_room(self, placement: Placement, slo: SLOTarget) -> None:
         """Refused for room past its TTFT SLO, a request claims its blocks on the worker (kv_claims.py), unless one

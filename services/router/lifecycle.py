@@ -135,7 +135,8 @@ class RequestLifecycle:
                 # requests it counted end: none may be admitted past it.
                 self._refuse_when_draining(quota.later_choice)
                 try:
-                    self.admission.check_load(placement, len(req.prompt_token_ids), req.priority, slo, time_remaining())
+                    prompt_tokens, left_s = len(req.prompt_token_ids), time_remaining()
+                    self.admission.check_load(placement, prompt_tokens, req.priority, slo, left_s, req.tenant)
                 except (OverloadedError, DeadlineTooShortError) as e:
                     if not isinstance(e, DeadlineTooShortError) or e.by_load:
                         self.admitted.turned_away(len(req.prompt_token_ids))  # demand the cluster could not take

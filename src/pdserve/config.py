@@ -120,6 +120,7 @@ class RouterConfig:
     max_in_flight: int = 1024  # requests streaming through this router
     max_queued_prefill_tokens: int = 32768  # per prefill worker, predicted
     low_priority_reserve: float = 0.2  # share of the queue bound only priority > 0 may fill
+    fair_share_reserve: float = 0.05  # share of batch places, KV, queue a tenant over its share leaves (admission.py)
     policy: str = "slo"  # "slo" (predicted TTFT/TPOT, prefix-aware) or "round-robin"
     transfer_gbps: float = 1.0  # KV transfer speed assumed in TTFT predictions
     slo_headroom: float = 0.8  # share of (SLO - own cost) that the predicted queueing may fill
@@ -195,8 +196,9 @@ class RouterConfig:
         for name in ("ejection_s", "no_workers_wait_s"):
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
-        if not 0 <= self.low_priority_reserve <= 1:
-            raise ValueError(f"low_priority_reserve must lie in [0, 1], got {self.low_priority_reserve}")
+        for name in ("low_priority_reserve", "fair_share_reserve"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
         if not 0 < self.slo_headroom <= 1:
             raise ValueError(f"slo_headroom must lie in (0, 1], got {self.slo_headroom}")
         for c in self.slo_classes:
