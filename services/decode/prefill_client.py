@@ -77,6 +77,8 @@ class PrefillClient:
             prompt_token_ids=handoff.request.prompt,
             sampling=sampling_to_pb(handoff.request.sampling),
             resumed_output_tokens=handoff.request.resumed_output_tokens,
+            tenant=handoff.request.tenant,
+            priority=handoff.request.priority,
             target=wpb.KVTarget(
                 decode_worker_id=target.decode_worker_id,
                 rendezvous=target.rendezvous,

@@ -93,6 +93,8 @@ class Relay:
             client_request_id=ticket.client_id,
             cache_salt=req.cache_salt,
             resumed_output_tokens=req.resumed_output_tokens,
+            tenant=req.tenant,
+            priority=req.priority,
         )
         if self._stopped is not None:  # a stream moved after the cut
             raise RouterStoppedError(self._stopped)

@@ -154,6 +154,8 @@ class LLMEngine:
             arrival=time.monotonic(),
             cache_salt=request.cache_salt,
             resumed_output_tokens=resumed,
+            tenant=request.tenant,
+            priority=request.priority,
         )
         detok = IncrementalDetokenizer(self.tokenizer.backend, seq.prompt_token_ids, stop=sampling.stop)
         generator = make_generator(sampling.seed, self.runner.device, resumed + first_token_elsewhere)

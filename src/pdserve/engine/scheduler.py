@@ -1,12 +1,13 @@
 """Continuous batching: which sequences advance this step, and by how many tokens.
 
 Each step has a token budget. Running sequences go first (a decode costs one token, an unfinished
-prefill continues with a chunk), then waiting ones are admitted, oldest first, while budget, the
-running-sequence cap and free blocks allow. A long prompt is split into chunks across steps; it is admitted with
-the blocks of all its chunks, so prompts admitted beside it cannot take them and preempt it part-way (when they
-could, recomputes preempted one another: 4x the tokens needed in a review's run). When a
-running sequence needs a block and none is free, the most recently admitted sequence is preempted:
-its blocks are freed and it waits to be recomputed, keeping its generated tokens.
+prefill continues with a chunk), then waiting ones are admitted, preempted ones first, then higher priority
+first and each tenant's in turn (fair_queue.py), while budget, the running-sequence cap and free blocks allow.
+A long prompt is split into chunks across steps; it is admitted with the blocks of all its chunks, so prompts
+admitted beside it cannot take them and preempt it part-way (when they could, recomputes preempted one another:
+4x the tokens needed in a review's run). When a running sequence needs a block and none is free, the most
+recently admitted sequence is preempted: its blocks are freed and it waits to be recomputed, keeping its
+generated tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.fair_queue import FairQueue
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.protocol.outputs import FinishReason
 from pdserve.protocol.perf_profile import QueuedPrefill
@@ -55,7 +57,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.blocks = block_manager
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # those preempted first (running before), then in arrival order
+        self.fair = FairQueue()
         self.running: list[Sequence] = []
         self._scheduled: list[tuple[Sequence, int]] = []
         self.num_preemptions = 0  # since start, for metrics and tests
@@ -80,6 +83,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self._wait(seq)
+        self.fair.tag(seq)
         self.waiting.append(seq)
 
     def _wait(self, seq: Sequence) -> None:
@@ -129,13 +133,14 @@ class Scheduler:
             if cap is not None and prefills >= cap:
                 break
             prefills += 1
-            seq = self.waiting[0]
+            seq = self.waiting[0] if self.waiting[0].num_preemptions else self.fair.first(self.waiting)
             prefix = self._cached_prefix(seq)
             cached = len(prefix) * self.blocks.block_size
             n = min(seq.num_tokens - cached, budget, self.config.long_prefill_chunk)
             if not self.blocks.allocate_slots(seq, seq.num_tokens - cached, prefix):  # all its chunks' blocks
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            self.fair.taken(seq)
             seq.num_computed_tokens = cached
             if not seq.num_preemptions:  # a recompute's hits are its own blocks, not a cached prompt
                 seq.num_cached_tokens = cached

@@ -41,6 +41,9 @@ class Sequence:
     cache_salt: bytes = b""  # prefix-cache keys start from it: blocks are shared only under the same salt
     # The prompt's last tokens that this request generated itself before its stream moved here.
     resumed_output_tokens: int = 0
+    tenant: str = ""  # whose it is, and its priority: the order it is taken from a waiting queue (fair_queue.py)
+    priority: int = 0
+    queue_tag: tuple[float, int] = (0.0, 0)  # its place among the waiting of its priority (fair_queue.py)
     # While it waits: the leading tokens the prefix cache held when it began to (what its queue does not cost).
     expected_cached_tokens: int = 0
     # The prefix-cache keys of its first `n` tokens, as (n, keys): a waiting sequence is looked up more than once.

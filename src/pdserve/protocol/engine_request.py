@@ -16,3 +16,5 @@ class EngineRequest:
     cache_salt: bytes = b""  # the prefix cache shares blocks only between requests with the same salt (a tenant's)
     # The prompt's last tokens are this request's own output from before its stream moved (penalties count them).
     resumed_output_tokens: int = 0
+    tenant: str = ""  # whose it is: a waiting queue takes each tenant's prompts in turn (engine/fair_queue.py)
+    priority: int = 0  # higher first in a waiting queue

@@ -97,4 +97,6 @@ def engine_request_from_pb(msg: wpb.WorkerGenerateRequest | wpb.PrefillRequest) 
         sampling_from_pb(msg.sampling),
         msg.cache_salt,
         msg.resumed_output_tokens,
+        msg.tenant,
+        msg.priority,
     )

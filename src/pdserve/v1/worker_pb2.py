@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import generate_pb2 as pdserve_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\"\x12\n\x10\x43heckPeerRequest\"#\n\x0e\x43heckPeerReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"\x90\x01\n\x0b\x44rainReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04held\x18\x02 \x01(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\r\x12\r\n\x05moved\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_held\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_left\x18\x06 \x01(\r\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\"\xf1\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\x12\x15\n\rprefill_grant\x18\x07 \x01(\x0c\x12\x1d\n\x15resumed_output_tokens\x18\x08 \x01(\r\"X\n\x08KVTarget\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x12\n\nrendezvous\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x0b\n\x03tag\x18\x04 \x01(\x04\"|\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\rJ\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x05\x64typeR\nnum_layersR\x0cnum_kv_headsR\x08head_dim\"\xa3\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x1b\n\x13transfer_timeout_ms\x18\x06 \x01(\r\x12\x19\n\x11\x63lient_request_id\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\x12\x1d\n\x15resumed_output_tokens\x18\t \x01(\r\"y\n\x0cPrefillEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12\x31\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\xf9\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x12\n\nkv_follows\x18\x02 \x01(\x08\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12+\n\x08logprobs\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x16\n\twaited_ms\x18\x08 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_waited_msJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\x08queue_msR\nprefill_ms\".\n\x0cTransferDoneJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03R\x05\x62ytesR\x0btransfer_ms2]\n\x0c\x44\x65\x63odeWorker\x12M\n\x08Generate\x12!.pdserve.v1.WorkerGenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32R\n\rPrefillWorker\x12\x41\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x32\x92\x01\n\rWorkerControl\x12:\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x17.pdserve.v1.DrainReport\x12\x45\n\tCheckPeer\x12\x1c.pdserve.v1.CheckPeerRequest\x1a\x1a.pdserve.v1.CheckPeerReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\"\x12\n\x10\x43heckPeerRequest\"#\n\x0e\x43heckPeerReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"\x90\x01\n\x0b\x44rainReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04held\x18\x02 \x01(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\r\x12\r\n\x05moved\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_held\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_left\x18\x06 \x01(\r\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\"\x93\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\x12\x15\n\rprefill_grant\x18\x07 \x01(\x0c\x12\x1d\n\x15resumed_output_tokens\x18\x08 \x01(\r\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\x05\"X\n\x08KVTarget\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x12\n\nrendezvous\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x0b\n\x03tag\x18\x04 \x01(\x04\"|\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\rJ\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x05\x64typeR\nnum_layersR\x0cnum_kv_headsR\x08head_dim\"\xc5\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x1b\n\x13transfer_timeout_ms\x18\x06 \x01(\r\x12\x19\n\x11\x63lient_request_id\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\x12\x1d\n\x15resumed_output_tokens\x18\t \x01(\r\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x10\n\x08priority\x18\x0b \x01(\x05\"y\n\x0cPrefillEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12\x31\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\xf9\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x12\n\nkv_follows\x18\x02 \x01(\x08\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12+\n\x08logprobs\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x16\n\twaited_ms\x18\x08 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_waited_msJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\x08queue_msR\nprefill_ms\".\n\x0cTransferDoneJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03R\x05\x62ytesR\x0btransfer_ms2]\n\x0c\x44\x65\x63odeWorker\x12M\n\x08Generate\x12!.pdserve.v1.WorkerGenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32R\n\rPrefillWorker\x12\x41\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x32\x92\x01\n\rWorkerControl\x12:\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x17.pdserve.v1.DrainReport\x12\x45\n\tCheckPeer\x12\x1c.pdserve.v1.CheckPeerRequest\x1a\x1a.pdserve.v1.CheckPeerReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,23 +41,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAINREPORT']._serialized_start=159
   _globals['_DRAINREPORT']._serialized_end=303
   _globals['_WORKERGENERATEREQUEST']._serialized_start=306
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=547
-  _globals['_KVTARGET']._serialized_start=549
-  _globals['_KVTARGET']._serialized_end=637
-  _globals['_KVLAYOUT']._serialized_start=639
-  _globals['_KVLAYOUT']._serialized_end=763
-  _globals['_PREFILLREQUEST']._serialized_start=766
-  _globals['_PREFILLREQUEST']._serialized_end=1057
-  _globals['_PREFILLEVENT']._serialized_start=1059
-  _globals['_PREFILLEVENT']._serialized_end=1180
-  _globals['_FIRSTTOKEN']._serialized_start=1183
-  _globals['_FIRSTTOKEN']._serialized_end=1432
-  _globals['_TRANSFERDONE']._serialized_start=1434
-  _globals['_TRANSFERDONE']._serialized_end=1480
-  _globals['_DECODEWORKER']._serialized_start=1482
-  _globals['_DECODEWORKER']._serialized_end=1575
-  _globals['_PREFILLWORKER']._serialized_start=1577
-  _globals['_PREFILLWORKER']._serialized_end=1659
-  _globals['_WORKERCONTROL']._serialized_start=1662
-  _globals['_WORKERCONTROL']._serialized_end=1808
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=581
+  _globals['_KVTARGET']._serialized_start=583
+  _globals['_KVTARGET']._serialized_end=671
+  _globals['_KVLAYOUT']._serialized_start=673
+  _globals['_KVLAYOUT']._serialized_end=797
+  _globals['_PREFILLREQUEST']._serialized_start=800
+  _globals['_PREFILLREQUEST']._serialized_end=1125
+  _globals['_PREFILLEVENT']._serialized_start=1127
+  _globals['_PREFILLEVENT']._serialized_end=1248
+  _globals['_FIRSTTOKEN']._serialized_start=1251
+  _globals['_FIRSTTOKEN']._serialized_end=1500
+  _globals['_TRANSFERDONE']._serialized_start=1502
+  _globals['_TRANSFERDONE']._serialized_end=1548
+  _globals['_DECODEWORKER']._serialized_start=1550
+  _globals['_DECODEWORKER']._serialized_end=1643
+  _globals['_PREFILLWORKER']._serialized_start=1645
+  _globals['_PREFILLWORKER']._serialized_end=1727
+  _globals['_WORKERCONTROL']._serialized_start=1730
+  _globals['_WORKERCONTROL']._serialized_end=1876
 # @@protoc_insertion_point(module_scope)

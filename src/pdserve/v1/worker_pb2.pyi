@@ -42,7 +42,7 @@ class DrainReport(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., held: _Optional[int] = ..., finished: _Optional[int] = ..., moved: _Optional[int] = ..., kv_blocks_held: _Optional[int] = ..., kv_blocks_left: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "client_request_id", "cache_salt", "prefill_grant", "resumed_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "client_request_id", "cache_salt", "prefill_grant", "resumed_output_tokens", "tenant", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,8 @@ class WorkerGenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_GRANT_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
@@ -59,7 +61,9 @@ class WorkerGenerateRequest(_message.Message):
     cache_salt: bytes
     prefill_grant: bytes
     resumed_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., client_request_id: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., prefill_grant: _Optional[bytes] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
+    tenant: str
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., client_request_id: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., prefill_grant: _Optional[bytes] = ..., resumed_output_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("decode_worker_id", "rendezvous", "block_ids", "tag")
@@ -82,7 +86,7 @@ class KVLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "layout", "transfer_timeout_ms", "client_request_id", "cache_salt", "resumed_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "layout", "transfer_timeout_ms", "client_request_id", "cache_salt", "resumed_output_tokens", "tenant", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +96,8 @@ class PrefillRequest(_message.Message):
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
@@ -101,7 +107,9 @@ class PrefillRequest(_message.Message):
     client_request_id: str
     cache_salt: bytes
     resumed_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transfer_timeout_ms: _Optional[int] = ..., client_request_id: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
+    tenant: str
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transfer_timeout_ms: _Optional[int] = ..., client_request_id: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., resumed_output_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
     __slots__ = ("first_token", "transfer_done")

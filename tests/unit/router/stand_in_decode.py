@@ -22,11 +22,13 @@ class StandInDecode(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, gap_s: float = 0.0) -> None:
         self.gap_s = gap_s
         self.calls = 0  # the ones past the server's cluster-secret check
+        self.requests: list[wpb.WorkerGenerateRequest] = []  # what those calls asked
 
     async def Generate(  # noqa: N802
         self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         self.calls += 1
+        self.requests.append(request)
         n = request.sampling.max_tokens
         for i in range(n):
             if i:

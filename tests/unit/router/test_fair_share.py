@@ -12,8 +12,8 @@ from pdserve.errors import OverloadedError
 from pdserve.security.api_keys import KeyTable, Tenant, digest
 from pdserve.security.quotas import LocalQuotas
 from pdserve.v1 import generate_pb2 as pb
-from services.router.generation import generate
 from services.router.admission import SLOTarget
+from services.router.generation import generate
 from services.router.placement import Placement
 from services.router.tenant_shares import ACTIVE_S, TenantShares
 from services.router.ticket import Ticket
@@ -124,7 +124,8 @@ async def test_through_the_request_path_each_stream_counts_for_its_keys_tenant()
     """Real gRPC to a stand-in decode worker of 4 batch places, keys of two tenants: the flood's third stream
     would fit, but not beside the place kept for the quiet tenant, whose second stream takes it."""
     keys = KeyTable({digest("f"): Tenant("flood", "f"), digest("q"): Tenant("quiet", "q")})
-    async with serving(StandInDecode(gap_s=1.0)) as address:
+    stand_in = StandInDecode(gap_s=1.0)
+    async with serving(stand_in) as address:
         decode = worker("d0", "decode", address=address, max_num_seqs=4)
         lifecycle = Router([worker("p0"), decode], fair_share_reserve=0.25).lifecycle(keys, LocalQuotas())
         streams: list[asyncio.Task[None]] = []
@@ -153,6 +154,8 @@ async def test_through_the_request_path_each_stream_counts_for_its_keys_tenant()
             assert shed.value.reason == "fair_share"
             await opened("q")  # the kept place
             assert dict(lifecycle.admission.shares.in_flight) == {"flood": 2, "quiet": 2}
+            # Each worker call names its tenant, which the workers' waiting queues take in turn (fair_queue.py).
+            assert [r.tenant for r in stand_in.requests] == ["flood", "flood", "quiet", "quiet"]
         finally:
             for task in streams:
                 task.cancel()
