@@ -1,5 +1,5 @@
-"""Tenants' fair share, off and on: `report.py RUNS [--json rows.json]` reads run.sh's loadgen results (RUNS:
-their folder, or a rows.json written before) and prints, per side, the medians over the rounds (their range in
+"""Tenants' fair share, per side: `report.py RUNS [--json rows.json]` reads run.sh's loadgen results (RUNS: their
+folder, or a rows.json written before) and prints, per side, the medians over the rounds (their range in
 brackets) of what the quiet tenant got and what the cluster served. The machine's speed drifts between rounds
 (a decode step's time with it), and throughput with it; the streams in flight (throughput x mean end-to-end
 latency, both tenants') are what the reserve holds back: the decode worker has 64 batch places."""
@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+SIDES = ("fifo", "reserve", "both")
 FIELDS = (
     "completed",
     "rejected",
@@ -24,12 +25,12 @@ FIELDS = (
 
 
 def rows_of(runs: Path) -> list[dict[str, Any]]:
-    """One row per loadgen result (`TENANT-RESERVE-ROUND.json`): its summary's figures."""
+    """One row per loadgen result (`TENANT-SIDE-ROUND.json`): its summary's figures."""
     rows = []
     for path in sorted(runs.glob("*.json")):
-        tenant, reserve, round_ = path.stem.split("-")
+        tenant, side, round_ = path.stem.split("-")
         run = json.loads(path.read_text())  # one rate: its summary at the top
-        rows.append({"tenant": tenant, "reserve": float(reserve), "round": int(round_)} | {f: run[f] for f in FIELDS})
+        rows.append({"tenant": tenant, "side": side, "round": int(round_)} | {f: run[f] for f in FIELDS})
     return rows
 
 
@@ -39,12 +40,12 @@ def median(values: list[float]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| fair_share_reserve | rounds | quiet shed % | quiet req/s | quiet TTFT p50 / p99 ms | flood req/s "
+        "| side | rounds | quiet shed % | quiet req/s | quiet TTFT p50 / p99 ms | flood req/s "
         "| all req/s | TPOT p50 ms | streams in flight |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for reserve in sorted({r["reserve"] for r in rows}):
-        side = [r for r in rows if r["reserve"] == reserve]
+    for name in dict.fromkeys(r["side"] for r in sorted(rows, key=lambda r: SIDES.index(r["side"]))):
+        side = [r for r in rows if r["side"] == name]
         rounds = sorted({r["round"] for r in side})
         quiet = [next(r for r in side if r["tenant"] == "quiet" and r["round"] == n) for n in rounds]
         flood = [next(r for r in side if r["tenant"] == "flood" and r["round"] == n) for n in rounds]
@@ -53,7 +54,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         both = [q["request_throughput"] + f["request_throughput"] for q, f in pairs]
         held = [sum(r["request_throughput"] * r["mean_e2el_ms"] / 1e3 for r in pair) for pair in pairs]
         lines.append(
-            f"| {reserve:g} | {len(rounds)} | {median(shed)} | {median([q['request_throughput'] for q in quiet])} | "
+            f"| {name} | {len(rounds)} | {median(shed)} | {median([q['request_throughput'] for q in quiet])} | "
             f"{median([q['median_ttft_ms'] for q in quiet])} / {median([q['p99_ttft_ms'] for q in quiet])} | "
             f"{median([f['request_throughput'] for f in flood])} | {median(both)} | "
             f"{median([f['median_tpot_ms'] for f in flood])} | {median(held)} |"
