@@ -72,7 +72,8 @@ class RequestLifecycle:
         self.served_model = served_model  # the name clients use for the model (the HTTP API's `model`)
         self.keys = keys  # None: an open cluster
         self.quotas = quotas or LocalQuotas()  # shared by the routers of a Redis registry, else this router's
-        self.metrics = RouterMetrics(telemetry.meter, tenant_labels(keys))
+        self.admission = Admission(config, placement.predictor)
+        self.metrics = RouterMetrics(telemetry.meter, tenant_labels(keys), self.admission.shares.in_flight)
         self.recent = RecentLatencies()
         self.admitted = AdmittedTotals()
         self.tokenizer = tokenizer
@@ -82,7 +83,6 @@ class RequestLifecycle:
         placement.ejections.on_eject = self.metrics.ejected
         self.prefix_index = prefix_index
         self.tracker = tracker
-        self.admission = Admission(config, placement.predictor)
         self.relay = Relay(telemetry, self.metrics, self.recent, placement, config)
         self.draining = False
         self._placing = 0  # requests waiting for their placement (up to no_workers_wait_s), not yet admitted

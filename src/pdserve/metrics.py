@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -48,7 +48,8 @@ MOVE_KINDS = ("retry", "migration")
 class RouterMetrics:
     """Request latencies as the router sees them (it relays every token), and how requests ended."""
 
-    def __init__(self, meter: Meter, tenants: Iterable[str] = ()) -> None:
+    def __init__(self, meter: Meter, tenants: Iterable[str] = (), in_flight: Mapping[str, int] | None = None) -> None:
+        """`in_flight`: the streams per tenant (admission's), read at each scrape."""
         self.ttft = meter.create_histogram(
             "pdserve_time_to_first_token_seconds",
             unit="s",
@@ -105,7 +106,19 @@ class RouterMetrics:
         )
         for kind in MOVE_KINDS:
             self.moves.add(0, {"kind": kind})
+        self._tenants: set[str] = set()
+        self._in_flight = {} if in_flight is None else in_flight
+        meter.create_observable_gauge(
+            "pdserve_requests_in_flight",
+            callbacks=[self._observe_in_flight],
+            description="requests streaming through this router by tenant: what its fair share of them judges",
+        )
         self.count_from_zero(tenants)
+
+    def _observe_in_flight(self, options: CallbackOptions) -> list[Observation]:
+        """Every known tenant's, 0 when it has none: a series that vanished would read as no data, not as none."""
+        counts = dict(self._in_flight)
+        return [Observation(counts.get(t, 0), {"tenant": t}) for t in sorted(self._tenants | counts.keys())]
 
     def count_from_zero(self, tenants: Iterable[str]) -> None:
         """Each of `tenants`' series exported from 0 (a tenant known at start, or added by a key reload): the first
@@ -117,6 +130,7 @@ class RouterMetrics:
                 self.requests.add(0, {"outcome": outcome, **labels})
             if not tenant:
                 continue
+            self._tenants.add(tenant)
             for reason in FINISH_REASONS:
                 self.successes.add(0, {"finish_reason": reason, **labels})
             for reason in REJECTION_REASONS:

@@ -11,6 +11,7 @@ import pytest
 from pdserve.errors import OverloadedError
 from pdserve.security.api_keys import KeyTable, Tenant, digest
 from pdserve.security.quotas import LocalQuotas
+from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import SLOTarget
 from services.router.generation import generate
@@ -127,7 +128,8 @@ async def test_through_the_request_path_each_stream_counts_for_its_keys_tenant()
     stand_in = StandInDecode(gap_s=1.0)
     async with serving(stand_in) as address:
         decode = worker("d0", "decode", address=address, max_num_seqs=4)
-        lifecycle = Router([worker("p0"), decode], fair_share_reserve=0.25).lifecycle(keys, LocalQuotas())
+        telemetry = Telemetry("test-router")
+        lifecycle = Router([worker("p0"), decode], fair_share_reserve=0.25).lifecycle(keys, LocalQuotas(), telemetry)
         streams: list[asyncio.Task[None]] = []
 
         async def opened(key: str) -> None:
@@ -153,7 +155,7 @@ async def test_through_the_request_path_each_stream_counts_for_its_keys_tenant()
                 await opened("f")
             assert shed.value.reason == "fair_share"
             await opened("q")  # the kept place
-            assert dict(lifecycle.admission.shares.in_flight) == {"flood": 2, "quiet": 2}
+            assert dict(lifecycle.admission.shares.in_flight) == {"flood": 2, "quiet": 2} == in_flight(telemetry)
             # Each worker call names its tenant, which the workers' waiting queues take in turn (fair_queue.py).
             assert [r.tenant for r in stand_in.requests] == ["flood", "flood", "quiet", "quiet"]
         finally:
@@ -161,6 +163,13 @@ async def test_through_the_request_path_each_stream_counts_for_its_keys_tenant()
                 task.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
         assert not lifecycle.admission.shares.in_flight
+        assert in_flight(telemetry) == {"flood": 0, "quiet": 0}  # each known tenant's series stays, at 0
+
+
+def in_flight(telemetry: Telemetry) -> dict[str, float]:
+    """The router's `pdserve_requests_in_flight` gauge by tenant, as a scrape reads it."""
+    samples = (s for f in telemetry.registry.collect() for s in f.samples if s.name == "pdserve_requests_in_flight")
+    return {s.labels["tenant"]: s.value for s in samples}
 
 
 async def none(ticket: Ticket) -> None:
