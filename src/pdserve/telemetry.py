@@ -145,8 +145,7 @@ class Telemetry:
         `health`, also HEALTH_PATH: 200 while it returns None, else 503 with what it returned (the server runs on a
         thread of its own, so /metrics answering says nothing of the service's own loop)."""
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)
-        handler = self._http.RequestHandlerClass  # socketserver applies its `timeout` to each connection's socket
-        self._http.RequestHandlerClass = type("TimedHandler", (handler,), {"timeout": METRICS_READ_TIMEOUT_S})
+        self._http.RequestHandlerClass = _timed(self._http.RequestHandlerClass)
         if health is not None:  # each request asks the server for its app: from here on, every one gets this
             self._http.set_app(_with_health(self._http.get_app(), health))
         return int(self._http.server_port)
@@ -230,6 +229,23 @@ def mark_failed(span: trace.Span, error: BaseException) -> None:
     span.set_attribute("error.type", type(error).__qualname__)
     span.record_exception(error)
     span.set_status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}")
+
+
+def _timed(handler: type[Any]) -> type[Any]:
+    """`handler` with METRICS_READ_TIMEOUT_S on each connection's socket (socketserver applies its `timeout`). A
+    connection it ends just closes: wsgiref's handler lets the timeout out, which socketserver would print to
+    stderr as a traceback, one per idle connection (log lines anyone who opens connections could write)."""
+
+    class TimedHandler(handler):  # type: ignore[misc,valid-type]
+        timeout = METRICS_READ_TIMEOUT_S
+
+        def handle(self) -> None:
+            try:
+                super().handle()
+            except TimeoutError:
+                self.close_connection = True
+
+    return TimedHandler
 
 
 def _with_health(app: WSGIApplication, health: Callable[[], str | None]) -> WSGIApplication:

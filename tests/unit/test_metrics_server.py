@@ -36,3 +36,17 @@ def test_a_silent_connection_is_closed_and_its_thread_ends(monkeypatch):
             assert scrape.status == 200 and b"process_cpu_seconds_total" in scrape.read()
     finally:
         t.shutdown()
+
+
+def test_a_silent_connection_closed_writes_no_traceback(monkeypatch, capfd):
+    """socketserver prints what a handler lets out to stderr: one traceback per idle connection, unlogged."""
+    monkeypatch.setattr(telemetry, "METRICS_READ_TIMEOUT_S", 0.3)
+    t = Telemetry("pdserve-test")
+    port = t.serve_metrics("127.0.0.1", 0)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:
+            assert silent.recv(1) == b""
+        time.sleep(0.2)  # its thread's last words, if any, are written
+        assert "Traceback" not in capfd.readouterr().err
+    finally:
+        t.shutdown()
