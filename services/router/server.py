@@ -157,7 +157,9 @@ async def start_router(
         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s),
         [admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name],
     )
+    # Asked before either listener starts: HTTP /health, unlike gRPC health, answers 200 from its start.
     peers = PeerCheck(registry)
+    await peers.check()  # a router the workers refuse never reports SERVING, not even for a moment
     http = None
     if http_port is not None:
         age = config.max_connection_age_s or None
@@ -183,7 +185,6 @@ async def start_router(
     channels = lifecycle.relay.channels
     parts = (quotas, admitted, gone_workers, channels, shared_claims, shared_moving, key_reload, peers)
     router = RouterServer(server, http, *parts)
-    await peers.check()  # a router the workers refuse never reports SERVING, not even for a moment
     await router.set_serving(True)
     peers.start()
     return router, lifecycle

@@ -8,16 +8,20 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import httpx2
 import pytest
 
 from pdserve.cluster.drain import DrainReport
 from pdserve.cluster.drain_service import add_control_service
 from pdserve.cluster.local_process import free_port
+from pdserve.config import RouterConfig
 from pdserve.env import CLUSTER_SECRET_VAR
-from pdserve.registry.memory import InMemoryRegistry
+from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 from pdserve.rpc.server import Server
 from pdserve.security.cluster_secret import ClusterSecret
+from pdserve.telemetry import Telemetry
 from services.router.peer_check import PeerCheck
+from services.router.server import start_router
 from tests.unit.router.router_builder import worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,3 +92,28 @@ async def test_the_same_secret_is_accepted(monkeypatch):
         peers = checking(accepting)
         await peers.check()
     assert not peers.refused
+
+
+async def test_http_health_is_not_ok_while_the_first_check_runs(monkeypatch):
+    """A load balancer probing /health during the router's start must not see it ready before the workers were
+    asked: a 200 then, and a rollout moves on past a router they refuse."""
+    port, seen = free_port(), []
+
+    async def refused_check(self: PeerCheck) -> None:
+        try:
+            async with httpx2.AsyncClient(timeout=5) as http:
+                seen.append((await http.get(f"http://127.0.0.1:{port}/health")).status_code)
+        except httpx2.ConnectError:
+            seen.append(None)  # not listening yet
+        self.refused = True
+
+    monkeypatch.setattr(PeerCheck, "check", refused_check)
+    telemetry = Telemetry("pdserve-router", enabled=False)
+    args = ("tiny-random", InMemoryRegistry(), InMemoryPrefixIndex(), RouterConfig(), "127.0.0.1", 0, telemetry)
+    server, _ = await start_router(*args, http_port=port)
+    try:
+        assert seen == [None]
+        async with httpx2.AsyncClient(timeout=5) as http:
+            assert (await http.get(f"http://127.0.0.1:{port}/health")).status_code == 503
+    finally:
+        await server.stop(None)
