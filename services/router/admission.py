@@ -96,12 +96,15 @@ class Admission:
         priority: int,
         slo: SLOTarget,
         left_s: float | None = None,
-        tenant: str = OPEN_TENANT,
+        tenant: str | None = OPEN_TENANT,
     ) -> None:
         """OverloadedError, with a retry hint in milliseconds, when the current load cannot serve the request, or
         could only with the room kept for tenants below their share; DeadlineTooShortError when it could, but not
-        within the caller's time left (`left_s`; None: no deadline)."""
-        self.shares.asked(tenant)
+        within the caller's time left (`left_s`; None: no deadline). `tenant` None: a later choice of a request
+        (the HTTP API's n) whose first was admitted, its tenant's share judged then: refused now, it would end
+        the choices already streaming."""
+        if tenant is not None:
+            self.shares.asked(tenant)
         if self.in_flight >= self.config.max_in_flight:
             limit = self.config.max_in_flight
             raise OverloadedError(f"router has {self.in_flight} requests in flight (limit {limit})", reason="in_flight")
@@ -116,7 +119,8 @@ class Admission:
                 reason="batch",
             )
         self._check_tpot(placement, slo)
-        self._check_fair_share(placement, prompt_tokens - placement.cached_tokens, priority, slo, tenant)
+        if tenant is not None:
+            self._check_fair_share(placement, prompt_tokens - placement.cached_tokens, priority, slo, tenant)
         _check_deadline(placement, left_s)
         self.predictor.claims.admitted(placement.blocks_needed)
 

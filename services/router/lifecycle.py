@@ -135,8 +135,9 @@ class RequestLifecycle:
                 # requests it counted end: none may be admitted past it.
                 self._refuse_when_draining(quota.later_choice)
                 try:
-                    prompt_tokens, left_s = len(req.prompt_token_ids), time_remaining()
-                    self.admission.check_load(placement, prompt_tokens, req.priority, slo, left_s, req.tenant)
+                    tenant = None if quota.later_choice else req.tenant  # its share was judged at the first choice
+                    left_s = time_remaining()
+                    self.admission.check_load(placement, len(req.prompt_token_ids), req.priority, slo, left_s, tenant)
                 except (OverloadedError, DeadlineTooShortError) as e:
                     if not isinstance(e, DeadlineTooShortError) or e.by_load:
                         self.admitted.turned_away(len(req.prompt_token_ids))  # demand the cluster could not take
@@ -154,8 +155,7 @@ class RequestLifecycle:
         return Ticket(key, client_id, req, placement, started_at, self.tracker, self.admission)
 
     async def place(self, req: RoutedRequest, admitted_before: bool = False) -> tuple[Placement, SLOTarget]:
-        """The request's placement and the SLO it is held to. `admitted_before`: a later choice of an admitted
-        request, which a drain waits for (`holding`)."""
+        """The request's placement and its SLO. `admitted_before`: a later choice of an admitted request (`holding`)."""
         self._refuse_when_draining(admitted_before)
         ttft_ms, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
         with step_span(self.telemetry.tracer, "placement") as span:

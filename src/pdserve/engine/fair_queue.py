@@ -4,7 +4,8 @@ First come, first served let a tenant that queued a hundred prompts delay anothe
 however fairly the router admitted both. Start-time fair queuing by prompt tokens instead: a prompt's tag starts
 where its tenant's previous prompt's ended (its new tokens later), or at the queue's virtual time if that is
 later, and the lowest tag goes first. A tenant with one prompt waiting so goes next to the one with a hundred,
-not behind them; one tenant alone (or requests of no tenant) is served exactly first come, first served.
+not behind them; one tenant alone (or requests of no tenant) at one priority is served exactly first come,
+first served.
 """
 
 from __future__ import annotations

@@ -86,6 +86,8 @@ def test_the_last_batch_places_are_kept_for_a_tenant_below_its_share():
     placed = place(r, {"flood": 9, "quiet": 0})
     fair_share_shed(r, placed, "flood", "the last 1 batch places of its decode worker")
     check(r, placed, "quiet")
+    # A later choice (the HTTP API's n) of a request admitted at its first: its share was judged then.
+    r.admission.check_load(placed, 100, 0, SLO, tenant=None)
     alone = Router([worker("p0"), decode], fair_share_reserve=0.1)
     check(alone, place(alone, {"flood": 9}), "flood")  # nobody else asking: it takes the last place
     off = Router([worker("p0"), decode], fair_share_reserve=0.0)
