@@ -74,7 +74,7 @@ async def generate(
         if not request_taken:
             if choices is None:  # a request of its own (a later choice of an admitted one is let in)
                 lifecycle.refuse_new_when_draining()
-            await lifecycle.quotas.take_request(caller.tenant)
+            await lifecycle.quotas.charge_request(caller.tenant)
         message = parsed(request)  # only now: a caller without a key, or over its rate, costs no parse
         if model is not None:
             check_model(lifecycle, model)

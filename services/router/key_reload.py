@@ -55,7 +55,7 @@ class KeyReload:
             log.error("API keys not reloaded, the %d keys in use stay: %s", len(self.table), e)
             return
         self.table = lifecycle.keys = table
-        lifecycle.quotas.keep_only(table.tenants)
+        lifecycle.quotas.keep_only(table.limits)
         lifecycle.metrics.count_from_zero(tenant_labels(table))  # a new tenant's series from 0 too
         log.info("API keys reloaded: %d keys from %s", len(table), self.path)
 

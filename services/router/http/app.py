@@ -120,7 +120,7 @@ class OpenAIAPI:
             # server reads its bytes off the connection and drops them), never parsed. Its first choice uses it. A
             # draining router refuses it before that charge, for its retry on another replica.
             self.lifecycle.refuse_new_when_draining()
-            await self.lifecycle.quotas.take_request(tenant)
+            await self.lifecycle.quotas.charge_request(tenant)
             body = await _read_body(request, self.body_limit)
             req = parse_request(
                 parse_json(body), chat, limits=limits, model_config=self.lifecycle.model, request_id=request_id

@@ -19,6 +19,9 @@ from pdserve.errors import MissingKeyError, PermissionDeniedError, Unauthenticat
 AUTHORIZATION_KEY = "authorization"  # gRPC metadata keys are lower case; HTTP's Authorization header folds to it
 BEARER = "bearer "
 OPEN_TENANT = "anonymous"  # the tenant of every request on a cluster started without --api-keys
+# The quota name of a tenant's own limits (a [[tenants]] entry): counted as a key's are, under a name no key takes.
+TENANT_LIMITS = "tenant/"
+TENANT_LIMIT_FIELDS = ("requests_per_second", "tokens_per_minute", "max_concurrent")
 # The Admin service's methods (protos/pdserve/v1/admin.proto), which a key's `admin` list may name; spelled out, as
 # every client imports this module for its bearer metadata and need not load the protos for it.
 ADMIN_CALLS = frozenset({"ClusterStatus", "DrainWorkers", "ScaleWorkers"})
@@ -60,6 +63,8 @@ class Tenant:
     # drain key: ["DrainWorkers"], so that what its pod's environment leaks can neither scale nor survey the cluster).
     # An open cluster lets everyone.
     admin: bool | frozenset[str] = False
+    # Its tenant's own limits (the key file's [[tenants]] entry), charged beside the key's: shared by its keys.
+    shared: Tenant | None = None
 
     def __post_init__(self) -> None:
         """Each field of its type, each limit >= 0: from a key file, `admin = "false"` would be a true flag,
@@ -67,6 +72,8 @@ class Tenant:
         for name, kind in (("name", str), ("key_name", str)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        if self.shared is not None and not isinstance(self.shared, Tenant):
+            raise ValueError(f"shared must be a tenant's limits, got {self.shared!r}")
         if not isinstance(self.admin, bool):  # a key file's list, kept as immutable as the rest of a Tenant
             object.__setattr__(self, "admin", _admin_calls(self.admin))
         _check_number("max_priority", self.max_priority, whole=True)
@@ -74,6 +81,18 @@ class Tenant:
             _check_number(name, getattr(self, name), whole=name == "max_concurrent")
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: unlimited), got {getattr(self, name)!r}")
+
+    @property
+    def holders(self) -> tuple[Tenant, ...]:
+        """Whose limits a request of this key is charged to: the key's, and its tenant's where the file sets any."""
+        return (self,) if self.shared is None else (self, self.shared)
+
+    @property
+    def who(self) -> str:
+        """Whose limits these are, as a refusal names them."""
+        if self.key_name.startswith(TENANT_LIMITS):
+            return f"tenant {self.name!r}"
+        return f"API key {self.key_name!r}"
 
     @property
     def admin_calls(self) -> frozenset[str]:
@@ -115,6 +134,11 @@ class KeyTable:
     def tenants(self) -> list[Tenant]:
         return list(self._by_digest.values())
 
+    @property
+    def limits(self) -> list[Tenant]:
+        """Every holder of limits: each key, and each tenant of a [[tenants]] entry once."""
+        return list({h.key_name: h for t in self.tenants for h in t.holders}.values())
+
     @classmethod
     def from_file(cls, path: str | Path) -> KeyTable:
         """Raises ValueError naming the entry when a key table is malformed, so a typo fails the start."""
@@ -128,8 +152,9 @@ class KeyTable:
             document = tomllib.loads(data.decode())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: not valid TOML ({e})") from None
-        if unknown := sorted(set(document) - {"keys"}):  # a [[kyes]] entry would be a key dropped without a word
+        if unknown := sorted(set(document) - {"keys", "tenants"}):  # a [[kyes]] entry would be a key dropped unsaid
             raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; the keys go in [[keys]] tables")
+        shared = _tenant_limits(document.get("tenants", []), path)
         entries = document.get("keys", [])
         if not isinstance(entries, list):
             raise ValueError(f"{path}: keys must be [[keys]] tables, one per key, got {entries!r}")
@@ -150,12 +175,17 @@ class KeyTable:
             name = entry.pop("name", f"sha256:{digest[:12]}")
             if any(t.key_name == name for t in tenants.values()):  # quotas are kept by name, in Redis too
                 raise ValueError(f"{path}: keys[{i}] repeats the name {name!r}; each key needs its own")
+            if str(name).startswith(TENANT_LIMITS):
+                raise ValueError(f"{path}: keys[{i}]: a key's name may not start with {TENANT_LIMITS!r}")
             try:
-                tenants[digest] = Tenant(name=entry.pop("tenant"), key_name=name, **entry)
+                tenant = entry.pop("tenant")
+                tenants[digest] = Tenant(name=tenant, key_name=name, shared=shared.get(tenant), **entry)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{path}: keys[{i}]: {e}") from None
         if not tenants:
             raise ValueError(f"{path}: holds no [[keys]]; omit --api-keys to run an open cluster")
+        if strays := sorted(set(shared) - {t.name for t in tenants.values()}):  # a misspelt name would limit nobody
+            raise ValueError(f"{path}: [[tenants]] {', '.join(map(repr, strays))}: no key has that tenant")
         return cls(tenants)
 
     def authenticate(self, metadata: Metadata) -> Tenant:
@@ -173,6 +203,26 @@ class KeyTable:
         if tenant is None:
             raise UnauthenticatedError("unknown API key")
         return tenant
+
+
+def _tenant_limits(entries: object, path: str | Path) -> dict[str, Tenant]:
+    """The [[tenants]] entries: a tenant's own limits, which all its keys' requests are charged to as well."""
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"{path}: tenants must be [[tenants]] tables (name and limits), got {entries!r}")
+    limits: dict[str, Tenant] = {}
+    for i, entry in enumerate(entries):
+        entry = dict(entry)
+        name = entry.pop("name", None)
+        if not isinstance(name, str) or name in limits:
+            raise ValueError(f"{path}: tenants[{i}] needs a name of its own (a key's tenant), got {name!r}")
+        if unknown := sorted(set(entry) - set(TENANT_LIMIT_FIELDS)):
+            fields = ", ".join(TENANT_LIMIT_FIELDS)
+            raise ValueError(f"{path}: tenants[{i}]: unknown {', '.join(unknown)}; a tenant's limits are {fields}")
+        try:
+            limits[name] = Tenant(name=name, key_name=TENANT_LIMITS + name, **entry)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: tenants[{i}]: {e}") from None
+    return limits
 
 
 def authenticate(table: KeyTable | None, metadata: Metadata) -> Tenant:

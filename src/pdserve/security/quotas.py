@@ -78,6 +78,11 @@ class Quotas(ABC):
     def session(self, tenant: Tenant, choices: Choices | None = None) -> QuotaSession:
         return QuotaSession(self, tenant, choices or Choices())
 
+    async def charge_request(self, tenant: Tenant) -> None:
+        """One request of the key's requests_per_second, and of its tenant's where the key file limits the tenant."""
+        for holder in tenant.holders:
+            await self.take_request(holder)
+
     @abstractmethod
     async def take_request(self, tenant: Tenant) -> None:
         """One of the key's requests_per_second, never given back: whatever answers the request after this (its
@@ -117,48 +122,51 @@ class QuotaSession:
         self._delivered = False
 
     async def __aenter__(self) -> QuotaSession:
-        self._check_choices()
-        self._stream = await self._quotas.open_stream(self.tenant)
+        for holder in self.tenant.holders:
+            self._check_choices(holder)
+        streams: list[Release] = []
+        try:
+            for holder in self.tenant.holders:  # the key's stream, then its tenant's
+                streams.append(await self._quotas.open_stream(holder))
+        except BaseException:
+            _all(streams)()
+            raise
+        self._stream = _all(streams)
         return self
 
-    def _check_choices(self) -> None:
-        """More choices than the key's concurrent streams, or than its burst of requests, never all get in."""
-        choices, tenant = self._choices, self.tenant
+    def _check_choices(self, holder: Tenant) -> None:
+        """More choices than the key's (or its tenant's) concurrent streams, or burst of requests, never all get in."""
+        choices = self._choices
         n = choices.n
-        if tenant.max_concurrent and n > tenant.max_concurrent:
+        if holder.max_concurrent and n > holder.max_concurrent:
             raise InvalidRequestError(
-                choices.param,
-                f"{choices} are {n} streams at once; API key {tenant.key_name!r} allows {tenant.max_concurrent}",
+                choices.param, f"{choices} are {n} streams at once; {holder.who} allows {holder.max_concurrent}"
             )
-        if tenant.requests_per_second and n > request_bucket_size(tenant):
+        if holder.requests_per_second and n > request_bucket_size(holder):
             raise InvalidRequestError(
                 choices.param,
-                f"{choices} are {n} requests at once; API key {tenant.key_name!r} allows a burst of "
-                f"{request_bucket_size(tenant):g} (requests_per_second {tenant.requests_per_second:g})",
+                f"{choices} are {n} requests at once; {holder.who} allows a burst of "
+                f"{request_bucket_size(holder):g} (requests_per_second {holder.requests_per_second:g})",
             )
 
     async def charge_tokens(self, tokens: int) -> None:
-        """Prompt + max_tokens of the request against the key's tokens_per_minute (for all its choices, by the
-        first)."""
-        tpm = self.tenant.tokens_per_minute
-        if not tpm or self._choices.charged:
+        """Prompt + max_tokens of the request against the key's tokens_per_minute, and its tenant's (for all its
+        choices, by the first)."""
+        holders = [h for h in self.tenant.holders if h.tokens_per_minute]
+        if not holders or self._choices.charged:
             return
-        if tokens > tpm:
-            raise InvalidRequestError(
-                "sampling.max_tokens",
-                f"the prompt plus max_tokens is {tokens} tokens, more than this API key's tokens_per_minute "
-                f"({tpm:g}) allows in one request",
-            )
         choices = self._choices
         total = choices.tokens or tokens * choices.n
-        if total > tpm:
-            each = "" if choices.tokens else f" of {tokens} tokens"
-            raise InvalidRequestError(
-                choices.param,
-                f"{choices}{each} (prompt plus max_tokens) are {total}, more than this API key's "
-                f"tokens_per_minute ({tpm:g})",
-            )
-        self._tokens = choices.refund = _once(await self._quotas.take_tokens(self.tenant, total))
+        for holder in holders:
+            _check_tokens(holder, choices, tokens, total)
+        taken: list[Release] = []
+        try:
+            for holder in holders:
+                taken.append(await self._quotas.take_tokens(holder, total))
+        except BaseException:
+            _all(taken)()
+            raise
+        self._tokens = choices.refund = _once(_all(taken))
         self._choices.charged = True
 
     def admitted(self) -> None:
@@ -192,9 +200,35 @@ class QuotaSession:
             self._tokens()
 
 
+def _check_tokens(holder: Tenant, choices: Choices, tokens: int, total: int) -> None:
+    """A request (or its choices together) past the holder's whole tokens_per_minute never gets in."""
+    tpm = holder.tokens_per_minute
+    if tokens > tpm:
+        raise InvalidRequestError(
+            "sampling.max_tokens",
+            f"the prompt plus max_tokens is {tokens} tokens, more than {holder.who} allows in one request "
+            f"(tokens_per_minute {tpm:g})",
+        )
+    if total > tpm:
+        each = "" if choices.tokens else f" of {tokens} tokens"
+        raise InvalidRequestError(
+            choices.param,
+            f"{choices}{each} (prompt plus max_tokens) are {total}, more than {holder.who} allows in a minute "
+            f"(tokens_per_minute {tpm:g})",
+        )
+
+
+def _all(releases: list[Release]) -> Release:
+    def release() -> None:
+        for give_back in releases:
+            give_back()
+
+    return release
+
+
 def too_many_streams(tenant: Tenant, open_streams: int) -> OverloadedError:
     return OverloadedError(
-        f"API key {tenant.key_name!r} has {open_streams} streams open (max_concurrent {tenant.max_concurrent})",
+        f"{tenant.who} has {open_streams} streams open (max_concurrent {tenant.max_concurrent})",
         CONCURRENCY_RETRY_MS,
         reason="quota",
     )
@@ -202,7 +236,7 @@ def too_many_streams(tenant: Tenant, open_streams: int) -> OverloadedError:
 
 def over_request_rate(tenant: Tenant, wait_s: float) -> OverloadedError:
     return OverloadedError(
-        f"API key {tenant.key_name!r} is over its requests_per_second ({tenant.requests_per_second:g})",
+        f"{tenant.who} is over its requests_per_second ({tenant.requests_per_second:g})",
         _ms(wait_s),
         reason="quota",
     )
@@ -210,7 +244,7 @@ def over_request_rate(tenant: Tenant, wait_s: float) -> OverloadedError:
 
 def over_token_rate(tenant: Tenant, wait_s: float) -> OverloadedError:
     return OverloadedError(
-        f"API key {tenant.key_name!r} is over its tokens_per_minute ({tenant.tokens_per_minute:g})",
+        f"{tenant.who} is over its tokens_per_minute ({tenant.tokens_per_minute:g})",
         _ms(wait_s),
         reason="quota",
     )
