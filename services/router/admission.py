@@ -155,9 +155,9 @@ class Admission:
         else:
             return
         raise OverloadedError(
-            f"tenant {tenant!r} holds {over.held} of the {over.total} streams in flight here, more than an equal "
-            f"share among the {over.active} tenants active, and the last {what} are kept for tenants below their "
-            f"share (fair_share_reserve {reserve:g})",
+            f"tenant {tenant!r} holds {over.held} of the {over.total} streams in flight here, more than its share "
+            f"among the {over.active} tenants active, and the last {what} are kept for tenants below their share "
+            f"(fair_share_reserve {reserve:g})",
             _retry_ms(retry_s),
             reason="fair_share",
         )

@@ -32,7 +32,9 @@ class KeyReload:
         self._task: asyncio.Task[None] | None = None
 
     def start(self, lifecycle: RequestLifecycle) -> None:
-        """Keeps `lifecycle`'s keys, and its quotas' per-key counts, as the file says, until `close`."""
+        """Keeps `lifecycle`'s keys, its quotas' per-key counts and its tenants' weights as the file says, until
+        `close`."""
+        lifecycle.admission.shares.weights = self.table.weights
         self._task = asyncio.get_running_loop().create_task(self._watch(lifecycle), name="api-key-reload")
 
     async def _watch(self, lifecycle: RequestLifecycle) -> None:
@@ -56,6 +58,7 @@ class KeyReload:
             return
         self.table = lifecycle.keys = table
         lifecycle.quotas.keep_only(table.limits)
+        lifecycle.admission.shares.weights = table.weights
         lifecycle.metrics.count_from_zero(tenant_labels(table))  # a new tenant's series from 0 too
         log.info("API keys reloaded: %d keys from %s", len(table), self.path)
 

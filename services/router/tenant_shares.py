@@ -3,9 +3,10 @@ others (admission.py's fair-share reserve).
 
 Admission answers at once, with no queue to reorder, so a tenant flooding the cluster would otherwise take every
 place as it frees and shed the others as often as itself: capacity split by demand. A tenant is over its share
-while it holds more of this router's in-flight streams than an equal share among the tenants active now: those
-with a stream in flight here, or a request in the last ACTIVE_S (one shed at every try is still asking). One
-tenant alone is never over: nobody is waiting for what it leaves. Routers behind one Service see the same mix of
+while it holds more of this router's in-flight streams than its share among the tenants active now (those with a
+stream in flight here, or a request in the last ACTIVE_S: one shed at every try is still asking), shares split
+by the key file's tenant weights (1 each unless [[tenants]] says). One tenant alone is never over: nobody is
+waiting for what it leaves. Routers behind one Service see the same mix of
 tenants, so each judging its own streams approximates the cluster's shares without a shared count.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 ACTIVE_S = 10.0
@@ -31,6 +32,7 @@ class OverShare:
 class TenantShares:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
+        self.weights: Mapping[str, float] = {}  # the key file's, kept current by its reloads; absent: 1
         self.in_flight: Counter[str] = Counter()
         self._asked_at: dict[str, float] = {}
 
@@ -54,4 +56,5 @@ class TenantShares:
         if len(active) < 2:
             return None
         held, total = self.in_flight[tenant], sum(self.in_flight.values())
-        return OverShare(held, total, len(active)) if held * len(active) > total else None
+        weight, weights = self.weights.get(tenant, 1.0), sum(self.weights.get(t, 1.0) for t in active)
+        return OverShare(held, total, len(active)) if held * weights > total * weight else None

@@ -124,8 +124,9 @@ OPEN = Tenant(OPEN_TENANT, admin=True)
 class KeyTable:
     """sha256 hex digest -> Tenant, from the `[[keys]]` tables of an --api-keys file."""
 
-    def __init__(self, tenants: Mapping[str, Tenant]) -> None:
+    def __init__(self, tenants: Mapping[str, Tenant], weights: Mapping[str, float] | None = None) -> None:
         self._by_digest = dict(tenants)
+        self.weights = dict(weights or {})  # each tenant's weight in a full cluster's fair share (absent: 1)
 
     def __len__(self) -> int:
         return len(self._by_digest)
@@ -154,7 +155,7 @@ class KeyTable:
             raise ValueError(f"{path}: not valid TOML ({e})") from None
         if unknown := sorted(set(document) - {"keys", "tenants"}):  # a [[kyes]] entry would be a key dropped unsaid
             raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; the keys go in [[keys]] tables")
-        shared = _tenant_limits(document.get("tenants", []), path)
+        shared, weights = _tenant_limits(document.get("tenants", []), path)
         entries = document.get("keys", [])
         if not isinstance(entries, list):
             raise ValueError(f"{path}: keys must be [[keys]] tables, one per key, got {entries!r}")
@@ -186,7 +187,7 @@ class KeyTable:
             raise ValueError(f"{path}: holds no [[keys]]; omit --api-keys to run an open cluster")
         if strays := sorted(set(shared) - {t.name for t in tenants.values()}):  # a misspelt name would limit nobody
             raise ValueError(f"{path}: [[tenants]] {', '.join(map(repr, strays))}: no key has that tenant")
-        return cls(tenants)
+        return cls(tenants, weights)
 
     def authenticate(self, metadata: Metadata) -> Tenant:
         """The tenant of the request's `authorization: Bearer KEY`, or UnauthenticatedError (MissingKeyError for
@@ -205,24 +206,30 @@ class KeyTable:
         return tenant
 
 
-def _tenant_limits(entries: object, path: str | Path) -> dict[str, Tenant]:
-    """The [[tenants]] entries: a tenant's own limits, which all its keys' requests are charged to as well."""
+def _tenant_limits(entries: object, path: str | Path) -> tuple[dict[str, Tenant], dict[str, float]]:
+    """The [[tenants]] entries: a tenant's own limits, which all its keys' requests are charged to as well, and
+    its weight in the fair share of a full cluster (services/router/tenant_shares.py)."""
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError(f"{path}: tenants must be [[tenants]] tables (name and limits), got {entries!r}")
     limits: dict[str, Tenant] = {}
+    weights: dict[str, float] = {}
     for i, entry in enumerate(entries):
         entry = dict(entry)
         name = entry.pop("name", None)
         if not isinstance(name, str) or name in limits:
             raise ValueError(f"{path}: tenants[{i}] needs a name of its own (a key's tenant), got {name!r}")
+        weight = entry.pop("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
+            raise ValueError(f"{path}: tenants[{i}].weight must be a positive number, got {weight!r}")
+        weights[name] = float(weight)
         if unknown := sorted(set(entry) - set(TENANT_LIMIT_FIELDS)):
-            fields = ", ".join(TENANT_LIMIT_FIELDS)
-            raise ValueError(f"{path}: tenants[{i}]: unknown {', '.join(unknown)}; a tenant's limits are {fields}")
+            fields = ", ".join(("weight", *TENANT_LIMIT_FIELDS))
+            raise ValueError(f"{path}: tenants[{i}]: unknown {', '.join(unknown)}; a tenant's fields are {fields}")
         try:
             limits[name] = Tenant(name=name, key_name=TENANT_LIMITS + name, **entry)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: tenants[{i}]: {e}") from None
-    return limits
+    return limits, weights
 
 
 def authenticate(table: KeyTable | None, metadata: Metadata) -> Tenant:

@@ -59,6 +59,21 @@ def test_a_tenant_holding_more_than_an_equal_share_of_the_active_tenants_streams
     assert shares.over_share("a") is None
 
 
+def test_shares_follow_the_tenants_weights():
+    """Weight 3 beside 1: a tenant's share is three quarters of the streams, not half."""
+    shares = TenantShares()
+    shares.weights = {"big": 3.0}
+    for tenant, n in (("big", 6), ("small", 2)):
+        for _ in range(n):
+            shares.entered(tenant)
+    assert shares.over_share("big") is None and shares.over_share("small") is None  # 6 of 8 is its share
+    shares.entered("big")
+    assert shares.over_share("big") is not None and shares.over_share("small") is None  # 7 of 9 is past it
+    shares.weights = {}
+    shares.left("big")
+    assert shares.over_share("big") is not None  # 6 of 8 is past an equal share
+
+
 def place(r: Router, tenant_streams: dict[str, int], tokens: int = 100) -> Placement:
     for tenant, n in tenant_streams.items():
         r.admission.shares.asked(tenant)

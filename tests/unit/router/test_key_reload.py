@@ -53,3 +53,19 @@ async def test_a_reload_swaps_the_keys_and_trims_the_quotas_to_them(tmp_path: Pa
         reload.reload(lifecycle)
         async with lifecycle.quotas.session(tenant("b")):
             pass
+
+
+async def test_the_tenants_weights_are_the_files_from_the_start_and_after_each_reload(tmp_path: Path) -> None:
+    """What admission's fair share weighs each tenant by (services/router/tenant_shares.py)."""
+    path = tmp_path / "keys.toml"
+    path.write_text(keys_file(a=1, b=1) + '[[tenants]]\nname = "a"\nweight = 3\n')
+    reload = KeyReload(str(path))
+    lifecycle = Router([]).lifecycle(reload.table, LocalQuotas())
+    reload.start(lifecycle)
+    try:
+        assert lifecycle.admission.shares.weights == {"a": 3.0}
+        path.write_text(keys_file(a=1, b=1) + '[[tenants]]\nname = "b"\nweight = 0.5\n')
+        reload.reload(lifecycle)
+        assert lifecycle.admission.shares.weights == {"b": 0.5}
+    finally:
+        await reload.close()

@@ -54,6 +54,7 @@ def test_the_keys_of_a_limited_tenant_share_its_limits_and_no_other_key_does():
     assert (k["old"].shared.max_concurrent, k["old"].shared.who) == (1, "tenant 'team'")
     assert k["other"].shared is None and k["other"].holders == (k["other"],)
     assert [h.key_name for h in KeyTable.parse(FILE, "f").limits] == ["old", "tenant/team", "new", "other"]
+    assert KeyTable.parse(FILE, "f").weights == {"team": 1.0}  # weight absent: 1
 
 
 @pytest.mark.parametrize(
@@ -63,6 +64,8 @@ def test_the_keys_of_a_limited_tenant_share_its_limits_and_no_other_key_does():
         (b'[[tenants]]\nname = "team"\n', "needs a name of its own"),
         (b'[[tenants]]\nname = "elsewhere"\nmax_streams = 1\n', "unknown max_streams"),
         (b'[[tenants]]\nname = "elsewhere"\nmax_concurrent = -1\n', "max_concurrent must be >= 0"),
+        (b'[[tenants]]\nname = "elsewhere"\nweight = 0\n', "weight must be a positive number"),
+        (b'[[tenants]]\nname = "elsewhere"\nweight = true\n', "weight must be a positive number"),
         (b'[[keys]]\nname = "tenant/x"\nsha256 = "%s"\ntenant = "x"\n' % digest("x").encode(), "may not start"),
     ],
 )
