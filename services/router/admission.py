@@ -15,6 +15,7 @@ arithmetic on the router's cached view: no I/O, sub-millisecond.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdserve.config import RouterConfig
@@ -51,11 +52,13 @@ class SLOTarget:
 
 
 class Admission:
-    def __init__(self, config: RouterConfig, predictor: Predictor) -> None:
+    def __init__(self, config: RouterConfig, predictor: Predictor, weights: Mapping[str, float] | None = None) -> None:
+        """`weights`: the key file's tenant weights in the fair share (absent: 1 each)."""
         self.config = config
         self.predictor = predictor
         self.in_flight = 0
         self.shares = TenantShares()
+        self.shares.weights = weights or {}
 
     def entered(self, tenant: str) -> None:
         self.in_flight += 1

@@ -34,7 +34,6 @@ class KeyReload:
     def start(self, lifecycle: RequestLifecycle) -> None:
         """Keeps `lifecycle`'s keys, its quotas' per-key counts and its tenants' weights as the file says, until
         `close`."""
-        lifecycle.admission.shares.weights = self.table.weights
         self._task = asyncio.get_running_loop().create_task(self._watch(lifecycle), name="api-key-reload")
 
     async def _watch(self, lifecycle: RequestLifecycle) -> None:

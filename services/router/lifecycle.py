@@ -72,7 +72,7 @@ class RequestLifecycle:
         self.served_model = served_model  # the name clients use for the model (the HTTP API's `model`)
         self.keys = keys  # None: an open cluster
         self.quotas = quotas or LocalQuotas()  # shared by the routers of a Redis registry, else this router's
-        self.admission = Admission(config, placement.predictor)
+        self.admission = Admission(config, placement.predictor, keys.weights if keys else {})
         self.metrics = RouterMetrics(telemetry.meter, tenant_labels(keys), self.admission.shares.in_flight)
         self.recent = RecentLatencies()
         self.admitted = AdmittedTotals()

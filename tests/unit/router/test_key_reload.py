@@ -61,11 +61,7 @@ async def test_the_tenants_weights_are_the_files_from_the_start_and_after_each_r
     path.write_text(keys_file(a=1, b=1) + '[[tenants]]\nname = "a"\nweight = 3\n')
     reload = KeyReload(str(path))
     lifecycle = Router([]).lifecycle(reload.table, LocalQuotas())
-    reload.start(lifecycle)
-    try:
-        assert lifecycle.admission.shares.weights == {"a": 3.0}
-        path.write_text(keys_file(a=1, b=1) + '[[tenants]]\nname = "b"\nweight = 0.5\n')
-        reload.reload(lifecycle)
-        assert lifecycle.admission.shares.weights == {"b": 0.5}
-    finally:
-        await reload.close()
+    assert lifecycle.admission.shares.weights == {"a": 3.0}
+    path.write_text(keys_file(a=1, b=1) + '[[tenants]]\nname = "b"\nweight = 0.5\n')
+    reload.reload(lifecycle)
+    assert lifecycle.admission.shares.weights == {"b": 0.5}
