@@ -102,6 +102,12 @@ def _bench_parser() -> argparse.ArgumentParser:
         "--send-slo", action="store_true", help="send the ttft/tpot bounds with each request (router admission)"
     )
     p.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="each request's priority: higher is admitted first when capacity is short",
+    )
+    p.add_argument(
         "--warmup-requests",
         type=natural,
         default=0,

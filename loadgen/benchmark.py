@@ -53,6 +53,7 @@ class BenchmarkConfig:
     slo: GoodputSLO = field(default_factory=GoodputSLO)
     seed: int = 0
     send_slo: bool = False  # put the goodput TTFT/TPOT bounds into each request, for the router's admission
+    priority: int = 0  # sent with each request: higher is admitted and scheduled first when capacity is short
     warmup_requests: int = 0  # sent all at once and awaited at the start of each rate, in no figure
     metric_percentiles: tuple[float, ...] = metrics.PERCENTILES  # of every latency, as vLLM's --metric-percentiles
     credentials: ClientCredentials | None = None  # TLS and API key (None: plaintext, no key)
@@ -68,7 +69,8 @@ def make_backend(config: BenchmarkConfig) -> Backend:
     if config.backend == "grpc":
         from loadgen.grpc_backend import GrpcBackend
 
-        return GrpcBackend(config.address, pb.SLO(**bounds) if config.send_slo else None, config.credentials)
+        slo = pb.SLO(**bounds) if config.send_slo else None
+        return GrpcBackend(config.address, slo, config.credentials, config.priority)
     from loadgen.openai_backend import OpenAIBackend
 
     chat = config.backend == "openai-chat"
@@ -80,6 +82,7 @@ def make_backend(config: BenchmarkConfig) -> Backend:
         {k: v for k, v in bounds.items() if v} if config.send_slo else None,
         _detokenizer(config.model) if chat else None,
         config.credentials,
+        config.priority,
     )
 
 
@@ -215,6 +218,7 @@ def build_result(
         "seed": config.seed,
         "goodput": config.slo.as_dict(),
         "send_slo": config.send_slo,
+        "priority": config.priority,
         "interrupted": interrupted,
         "warmup_requests": len(warmed),
         "warmup_completed": sum(r.completed for r in warmed),

@@ -28,6 +28,7 @@ class GrpcBackend:
     address: str
     slo: pb.SLO | None = None  # sent with every request when set, for the router's admission
     credentials: ClientCredentials | None = None  # TLS and API key (None: plaintext, no key)
+    priority: int = 0  # every request's
 
     @asynccontextmanager
     async def session(self, max_concurrency: int) -> AsyncGenerator[Send, None]:
@@ -35,7 +36,7 @@ class GrpcBackend:
         await _knock(self.address)
         async with channel(self.address, credentials=self.credentials) as ch:
             await asyncio.wait_for(ch.channel_ready(), CONNECT_TIMEOUT_S)  # connecting is not the server's latency
-            yield partial(_stream, generate_pb2_grpc.GenerationStub(ch), self.slo, metadata)
+            yield partial(_stream, generate_pb2_grpc.GenerationStub(ch), self.slo, self.priority, metadata)
 
 
 async def _knock(address: str) -> None:
@@ -55,6 +56,7 @@ async def _knock(address: str) -> None:
 async def _stream(
     stub: generate_pb2_grpc.GenerationStub,
     slo: pb.SLO | None,
+    priority: int,
     metadata: tuple[tuple[str, str], ...],
     req: Request,
     record: RequestRecord,
@@ -64,6 +66,7 @@ async def _stream(
         prompt_token_ids=req.prompt_token_ids,
         sampling=pb.SamplingParams(max_tokens=req.output_len, ignore_eos=True),
         slo=slo,
+        priority=priority,
     )
     sent = time.perf_counter()
     try:

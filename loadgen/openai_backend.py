@@ -72,6 +72,7 @@ class OpenAIBackend:
     slo: dict[str, float] | None = None  # pdserve's `slo` extension, sent when set
     detokenize: Callable[[list[int]], str] | None = None  # chat: the prompt ids as text
     credentials: ClientCredentials | None = None  # the API key (`Authorization: Bearer KEY`), TLS CA, client cert
+    priority: int = 0  # pdserve's `priority` extension, sent when not 0
 
     @asynccontextmanager
     async def session(self, max_concurrency: int) -> AsyncGenerator[Send, None]:
@@ -107,6 +108,8 @@ class OpenAIBackend:
             body["max_tokens"] = req.output_len
         if self.slo:
             body["slo"] = self.slo
+        if self.priority:
+            body["priority"] = self.priority
         return body
 
     async def _stream(self, http: httpx2.AsyncClient, req: Request, record: RequestRecord) -> None:

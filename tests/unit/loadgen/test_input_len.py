@@ -55,5 +55,5 @@ class Stub:
 @pytest.mark.parametrize(("reported", "input_len"), [(4, 4), (0, 3)])
 async def test_grpc_takes_the_usage_prompt_tokens_when_the_server_reports_them(reported, input_len):
     record = RequestRecord("r", PROMPT.input_len, PROMPT.output_len, 0.0)
-    await _stream(Stub(reported), None, (), PROMPT, record)  # type: ignore[arg-type]
+    await _stream(Stub(reported), None, 0, (), PROMPT, record)  # type: ignore[arg-type]
     assert (record.input_len, record.output_tokens) == (input_len, 2)
