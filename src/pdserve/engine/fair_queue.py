@@ -29,7 +29,8 @@ class FairQueue:
         seq.queue_tag = (start, next(self._arrivals))
 
     def first(self, waiting: Iterable[Sequence]) -> Sequence:
-        """The prompt to take next of `waiting` (none preempted: those go back first, as they were running)."""
+        """The prompt to take next of `waiting` (the scheduler takes a preempted one back first, but below a higher
+        priority)."""
         return min(waiting, key=lambda s: (-s.priority, s.queue_tag))
 
     def taken(self, seq: Sequence) -> None:

@@ -6,8 +6,8 @@ first and each tenant's in turn (fair_queue.py), while budget, the running-seque
 A long prompt is split into chunks across steps; it is admitted with the blocks of all its chunks, so prompts
 admitted beside it cannot take them and preempt it part-way (when they could, recomputes preempted one another:
 4x the tokens needed in a review's run). When a running sequence needs a block and none is free, the most
-recently admitted sequence is preempted: its blocks are freed and it waits to be recomputed, keeping its
-generated tokens.
+recently admitted sequence of the lowest priority running is preempted: its blocks are freed and it waits to be
+recomputed, keeping its generated tokens, and goes back first unless a higher priority waits.
 """
 
 from __future__ import annotations
@@ -109,12 +109,17 @@ class Scheduler:
             seq = queue.pop(0)
             n = min(seq.num_uncomputed_tokens, budget, self.config.long_prefill_chunk)
             while not self.blocks.allocate_slots(seq, n):
-                victim = self.running[-1]
+                victim = min(reversed(self.running), key=lambda s: s.priority)  # the lowest, newest of them
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
                 if victim is seq:
                     break
                 queue = [s for s in queue if s is not victim]
+                for i, (s, m) in enumerate(scheduled):  # a lower priority scheduled before it gives its place up
+                    if s is victim:
+                        del scheduled[i]
+                        budget += m
+                        break
             else:
                 scheduled.append((seq, n))
                 budget -= n
@@ -133,7 +138,9 @@ class Scheduler:
             if cap is not None and prefills >= cap:
                 break
             prefills += 1
-            seq = self.waiting[0] if self.waiting[0].num_preemptions else self.fair.first(self.waiting)
+            seq = self.fair.first(self.waiting)
+            if self.waiting[0].num_preemptions and self.waiting[0].priority >= seq.priority:
+                seq = self.waiting[0]  # it was running: back first, unless a higher priority waits
             prefix = self._cached_prefix(seq)
             cached = len(prefix) * self.blocks.block_size
             n = min(seq.num_tokens - cached, budget, self.config.long_prefill_chunk)
