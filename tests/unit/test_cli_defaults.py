@@ -29,7 +29,7 @@ def test_up_flags_reach_the_config() -> None:
         (["up"], [f"(default: {EngineConfig.model})", f"(default: {ClusterConfig.kv_transfer_timeout_s})"]),
         (["generate"], ["(default: 128)", f"(default: {EngineConfig.dtype})"]),
         (["bench", "engine"], ["(default: 1,8,32)"]),
-        (["profile"], [f"KV cache per worker (GB) (default: {EngineConfig.kv_cache_memory_gb})"]),  # as up shows
+        (["profile"], [f"KV cache per worker (GiB) (default: {EngineConfig.kv_cache_memory_gb})"]),  # as up shows
     ],
 )
 def test_help_shows_defaults(argv: list[str], shown: list[str], capsys: pytest.CaptureFixture[str]) -> None:

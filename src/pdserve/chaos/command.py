@@ -33,7 +33,7 @@ def add_chaos_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="tiny-random", help="the served model (for the cluster it starts, and vocab)")
     p.add_argument("--prefill", type=at_least_one, default=2, help="prefill workers of the cluster it starts")
     p.add_argument("--decode", type=at_least_one, default=2, help="decode workers of the cluster it starts")
-    p.add_argument("--kv-cache-gb", type=positive_float, default=0.05, help="KV cache GB per started worker")
+    p.add_argument("--kv-cache-gb", type=positive_float, default=0.05, help="KV cache GiB per started worker")
     p.add_argument(
         "--stall-timeout-s",
         type=positive_float,

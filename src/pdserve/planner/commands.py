@@ -43,7 +43,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure one worker's prefill, decode, KV transfer and KV capacity")
     add_engine_flags(p)
     p.add_argument(
-        "--kv-cache-gb", type=positive_float, default=EngineConfig.kv_cache_memory_gb, help="KV cache per worker (GB)"
+        "--kv-cache-gb", type=positive_float, default=EngineConfig.kv_cache_memory_gb, help="KV cache per worker (GiB)"
     )
     p.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests and smoke runs)")
