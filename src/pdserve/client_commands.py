@@ -18,7 +18,9 @@ from pdserve.rpc.credentials import add_client_flags, client_credentials
 def add_client_commands(sub: Any) -> None:
     status = sub.add_parser("status", help="a running cluster's workers, their health and load")
     status.add_argument("--addr", type=host_port, required=True, help="router HOST:PORT")
-    status.add_argument("--json", action="store_true", help="print one JSON object: workers, in_flight, draining, desired, admitted")
+    status.add_argument(
+        "--json", action="store_true", help="print one JSON object: workers, in_flight, draining, desired, admitted"
+    )
     status.add_argument("--timeout", type=deadline_seconds, default=10.0, help="seconds")
     add_client_flags(status)
     status.set_defaults(func=_status)
