@@ -5,7 +5,8 @@ What the own cost alone rules out is the request's fault and no retry helps: INV
 SLO field and the smallest value the cluster offers, or the KV blocks it needs beyond any worker's total.
 What the queues rule out is shed with RESOURCE_EXHAUSTED and a retry hint estimating when it would fit,
 so a client can go elsewhere while there is still time; so is a tenant over its share of a nearly full
-cluster, which leaves the last `fair_share_reserve` of the room to tenants below theirs (tenant_shares.py).
+cluster, which leaves the last `fair_share_reserve` of the room to tenants below theirs (tenant_shares.py), and a
+request below a priority class being served, which leaves it the last `low_priority_reserve` (priority_classes.py).
 A request that set no SLO gets the default, but
 never less than its own cost: an idle cluster serves every valid one. The safety margin (slo_headroom)
 applies only to the queueing part, which is the part the predictor knows least. Every check is
@@ -25,6 +26,7 @@ from pdserve.security.api_keys import OPEN_TENANT
 from pdserve.security.quotas import Choices
 from services.router.placement import Placement
 from services.router.predictor import Predictor
+from services.router.priority_classes import PriorityClasses
 from services.router.tenant_shares import TenantShares
 
 MIN_RETRY_MS, MAX_RETRY_MS = 100, 30_000
@@ -59,14 +61,17 @@ class Admission:
         self.in_flight = 0
         self.shares = TenantShares()
         self.shares.weights = weights or {}
+        self.classes = PriorityClasses()
 
-    def entered(self, tenant: str) -> None:
+    def entered(self, tenant: str, priority: int) -> None:
         self.in_flight += 1
         self.shares.entered(tenant)
+        self.classes.entered(priority)
 
-    def left(self, tenant: str) -> None:
+    def left(self, tenant: str, priority: int) -> None:
         self.in_flight -= 1
         self.shares.left(tenant)
+        self.classes.left(priority)
 
     def check_feasible(
         self, placement: Placement, prompt_tokens: int, slo: SLOTarget, choices: Choices | None = None
@@ -108,6 +113,7 @@ class Admission:
         the choices already streaming."""
         if tenant is not None:
             self.shares.asked(tenant)
+            self.classes.asked(priority)
         if self.in_flight >= self.config.max_in_flight:
             limit = self.config.max_in_flight
             raise OverloadedError(f"router has {self.in_flight} requests in flight (limit {limit})", reason="in_flight")
@@ -123,47 +129,72 @@ class Admission:
             )
         self._check_tpot(placement, slo)
         if tenant is not None:
+            self._check_priority_reserve(placement, priority, slo)
             self._check_fair_share(placement, prompt_tokens - placement.cached_tokens, priority, slo, tenant)
         _check_deadline(placement, left_s)
         self.predictor.claims.admitted(placement.blocks_needed)
+
+    def _check_priority_reserve(self, placement: Placement, priority: int, slo: SLOTarget) -> None:
+        """While a class above the request's is active (priority_classes.py), it leaves that class the last
+        `priority_reserve` of its decode worker's batch places and KV blocks and of its prefill worker's TTFT queue
+        room (its queue bound has the reserve already)."""
+        reserve = self.config.priority_reserve(priority)
+        if reserve <= 0 or not self.classes.higher_active(priority):
+            return
+        kept = self._kept_room(placement, reserve, slo, None)
+        if kept is not None:
+            what, retry_s = kept
+            raise OverloadedError(
+                f"requests of a priority above {priority} are being served, and the last {what} are kept for them "
+                f"(low_priority_reserve {self.config.low_priority_reserve:g})",
+                _retry_ms(retry_s),
+                reason="priority",
+            )
 
     def _check_fair_share(
         self, placement: Placement, new_tokens: int, priority: int, slo: SLOTarget, tenant: str
     ) -> None:
         """A tenant over its share (tenant_shares.py) leaves the last `fair_share_reserve` of each resource the
         request passed on (its decode worker's batch places and KV blocks, its prefill worker's queue) to tenants
-        below theirs. Judged after every other check passed: only the reserve can refuse it here."""
+        below theirs."""
         reserve = self.config.fair_share_reserve
         over = self.shares.over_share(tenant) if reserve > 0 else None
         if over is None:
             return
+        queued = self.predictor.queued_tokens(placement.prefill_worker), new_tokens
+        kept = self._kept_room(placement, reserve, slo, (*queued, self.config.queue_bound(priority) * (1 - reserve)))
+        if kept is not None:
+            what, retry_s = kept
+            raise OverloadedError(
+                f"tenant {tenant!r} holds {over.held} of the {over.total} streams in flight here, more than its "
+                f"share among the {over.active} tenants active, and the last {what} are kept for tenants below their "
+                f"share (fair_share_reserve {reserve:g})",
+                _retry_ms(retry_s),
+                reason="fair_share",
+            )
+
+    def _kept_room(
+        self, placement: Placement, reserve: float, slo: SLOTarget, queue: tuple[int, int, float] | None
+    ) -> tuple[str, float] | None:
+        """Which room the request, having passed every other check, would take from the last `reserve` of: its
+        decode worker's batch places or KV blocks, or its prefill worker's TTFT queue room or (`queue`: tokens
+        queued, the request's new tokens, the bound less the reserve) queue bound; with a retry hint in seconds.
+        None: it fits short of them all."""
         decode, blocks = placement.decode, placement.blocks_needed
         places = math.ceil(reserve * decode.max_num_seqs)
-        spare = self.predictor.tracker.held_for_moving + places
         kept_blocks = math.ceil(reserve * decode.kv_blocks_total)
+        if not self.predictor.has_batch_room(decode, spare=self.predictor.tracker.held_for_moving + places):
+            return f"{places} batch places of its decode worker", placement.predicted_tpot_s * 32
+        if self.predictor.free_blocks_for(decode, blocks) - kept_blocks < blocks:
+            return f"{kept_blocks} KV blocks of its decode worker", placement.predicted_tpot_s * 32
         room = queue_room_s(
             ttft_budget_s(slo.ttft_s, placement.own_ttft_s, slo.ttft_explicit, self.config.first_token_timeout_s),
             placement.own_ttft_s,
             self.config.slo_headroom,
         )
-        queued = self.predictor.queued_tokens(placement.prefill_worker)
-        if not self.predictor.has_batch_room(decode, spare=spare):
-            what, retry_s = f"{places} batch places of its decode worker", placement.predicted_tpot_s * 32
-        elif self.predictor.free_blocks_for(decode, blocks) - kept_blocks < blocks:
-            what, retry_s = f"{kept_blocks} KV blocks of its decode worker", placement.predicted_tpot_s * 32
-        elif placement.queue_s > room * (1 - reserve) or queue_full(
-            queued, new_tokens, self.config.queue_bound(priority) * (1 - reserve)
-        ):
-            what, retry_s = f"{reserve:.0%} of its prefill worker's queue room", placement.queue_s * reserve
-        else:
-            return
-        raise OverloadedError(
-            f"tenant {tenant!r} holds {over.held} of the {over.total} streams in flight here, more than its share "
-            f"among the {over.active} tenants active, and the last {what} are kept for tenants below their share "
-            f"(fair_share_reserve {reserve:g})",
-            _retry_ms(retry_s),
-            reason="fair_share",
-        )
+        if placement.queue_s > room * (1 - reserve) or (queue is not None and queue_full(*queue)):
+            return f"{reserve:.0%} of its prefill worker's queue room", placement.queue_s * reserve
+        return None
 
     def _check_kv_room(self, placement: Placement, slo: SLOTarget) -> None:
         """Refused for room past its TTFT SLO, a request claims its blocks on the worker (kv_claims.py), unless one

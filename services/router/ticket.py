@@ -52,7 +52,7 @@ class Ticket:
             prompt_tokens=len(self.request.prompt_token_ids),
             prompt_blocks=-(-len(self.request.prompt_token_ids) // p.decode.block_size),
         )
-        self.admission.entered(self.request.tenant)
+        self.admission.entered(self.request.tenant, self.request.priority)
 
     @property
     def new_tokens(self) -> int:
@@ -92,7 +92,7 @@ class Ticket:
             return
         self._released = True
         self.leave_workers()
-        self.admission.left(self.request.tenant)
+        self.admission.left(self.request.tenant, self.request.priority)
 
     def __enter__(self) -> Ticket:
         return self

@@ -119,7 +119,7 @@ class RouterConfig:
     default_max_tokens: int = 256
     max_in_flight: int = 1024  # requests streaming through this router
     max_queued_prefill_tokens: int = 32768  # per prefill worker, predicted
-    low_priority_reserve: float = 0.2  # share of the queue bound only priority > 0 may fill
+    low_priority_reserve: float = 0.2  # share of room priority 0 leaves to > 0 (queue bound; batch, KV once > 0 asks)
     fair_share_reserve: float = 0.05  # share of batch places, KV, queue a tenant over its share leaves (admission.py)
     policy: str = "slo"  # "slo" (predicted TTFT/TPOT, prefix-aware) or "round-robin"
     transfer_gbps: float = 1.0  # KV transfer speed assumed in TTFT predictions
@@ -215,10 +215,11 @@ class RouterConfig:
 
     def queue_bound(self, priority: int) -> float:
         """Higher priority gets in first when capacity is short: lower ones see a smaller queue bound."""
-        if priority > 0:
-            return self.max_queued_prefill_tokens
-        share = 1 - self.low_priority_reserve * (1 if priority == 0 else 2)
-        return self.max_queued_prefill_tokens * max(share, 0.0)
+        return self.max_queued_prefill_tokens * (1 - self.priority_reserve(priority))
+
+    def priority_reserve(self, priority: int) -> float:
+        """The share of the room a request leaves to priorities above its own: none above 0, twice 0's below it."""
+        return 0.0 if priority > 0 else min(self.low_priority_reserve * (1 if priority == 0 else 2), 1.0)
 
     @classmethod
     def from_file(cls, path: str, **overrides: Any) -> RouterConfig:

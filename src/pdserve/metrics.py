@@ -40,8 +40,21 @@ REQUEST_OUTCOMES = (
 FINISH_REASONS = ("length", "stop", "eos")
 # Why a `rejected` request was refused (OverloadedError.reason, or the router draining): admission's sheds (the
 # router's in-flight cap, a prefill queue full, a predicted TTFT or TPOT past its SLO, no decode worker with the KV
-# room or a place in its batch), a worker's own refusal that no retry got past, the API key's quotas, a drain.
-REJECTION_REASONS = ("in_flight", "queue", "ttft", "tpot", "kv", "batch", "fair_share", "worker", "quota", "draining")
+# room or a place in its batch, the room kept for a higher priority or for tenants below their share), a worker's own
+# refusal that no retry got past, the API key's quotas, a drain.
+REJECTION_REASONS = (
+    "in_flight",
+    "queue",
+    "ttft",
+    "tpot",
+    "kv",
+    "batch",
+    "priority",
+    "fair_share",
+    "worker",
+    "quota",
+    "draining",
+)
 MOVE_KINDS = ("retry", "migration")
 
 
