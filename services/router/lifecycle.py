@@ -25,7 +25,7 @@ from pdserve.errors import (
     RouterDrainingError,
     UnavailableError,
 )
-from pdserve.metrics import RecentLatencies, RouterMetrics
+from pdserve.metrics import RecentLatencies
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.request_checks import check_request_id
@@ -39,7 +39,7 @@ from services.router.admission import Admission, DeadlineTooShortError, SLOTarge
 from services.router.caller_errors import cut_mid_stream, for_the_caller
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
-from services.router.outcome import CALLER_ENDED, Caller, log_level, tenant_labels
+from services.router.outcome import CALLER_ENDED, Caller, log_level, router_metrics
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request, capped_default
@@ -73,7 +73,7 @@ class RequestLifecycle:
         self.keys = keys  # None: an open cluster
         self.quotas = quotas or LocalQuotas()  # shared by the routers of a Redis registry, else this router's
         self.admission = Admission(config, placement.predictor, keys.weights if keys else {})
-        self.metrics = RouterMetrics(telemetry.meter, tenant_labels(keys), self.admission.shares.in_flight)
+        self.metrics = router_metrics(telemetry.meter, keys, config, self.admission.shares.in_flight)
         self.recent = RecentLatencies()
         self.admitted = AdmittedTotals()
         self.tokenizer = tokenizer

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from opentelemetry.metrics import Meter
+
+from pdserve.config import RouterConfig
 from pdserve.errors import (
     InvalidRequestError,
     OverloadedError,
@@ -25,6 +28,7 @@ from pdserve.errors import (
 from pdserve.metrics import RouterMetrics
 from pdserve.security.api_keys import OPEN_TENANT, KeyTable, Tenant
 from pdserve.v1 import generate_pb2 as pb
+from services.router.slo_attainment import slo_labels
 
 # Outcomes of the caller's own doing: no failure of the cluster's; the request's span carries the outcome as a mark.
 CALLER_ENDED = ("cancelled", "deadline_exceeded")
@@ -61,6 +65,13 @@ def tenant_labels(keys: KeyTable | None) -> list[str]:
     if keys is None:
         return [OPEN_TENANT]
     return ["", *sorted({tenant.name for tenant in keys.tenants})]
+
+
+def router_metrics(
+    meter: Meter, keys: KeyTable | None, config: RouterConfig, in_flight: Mapping[str, int]
+) -> RouterMetrics:
+    """The router's metrics, each closed set of label values exported from 0: its tenants', its SLOs'."""
+    return RouterMetrics(meter, tenant_labels(keys), in_flight, slo_labels(config))
 
 
 def log_level(error: BaseException) -> int:

@@ -25,6 +25,7 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
 from services.router.placement import Placement, PlacementPolicy
+from services.router.slo_attainment import judged_slo
 from services.router.stall import next_message, read_within
 from services.router.ticket import Ticket
 from services.router.unlisted import Listing, UnlistedCheck
@@ -55,6 +56,7 @@ class Relay:
         config: RouterConfig,
     ) -> None:
         self.telemetry = telemetry
+        self.config = config
         self.metrics = metrics
         self.recent = recent
         self.calibration = placement.predictor.calibration  # learns from the TTFTs of requests that ran alone
@@ -217,9 +219,12 @@ class Relay:
                 cached_prompt_tokens=min(msg.usage.cached_prompt_tokens, clock.prompt_tokens),
             )
         )
+        tenant, tpot_s = ticket.request.tenant, 0.0
         if clock.completion_tokens > 1:
             tpot_s = (now - clock.start - clock.ttft_s) / (clock.completion_tokens - 1)
-            self.metrics.tpot.record(tpot_s, {"tenant": ticket.request.tenant})
+            self.metrics.tpot.record(tpot_s, {"tenant": tenant})
+        slo, ttft_bound_s, tpot_bound_s = judged_slo(self.config, ticket.request)
+        self.metrics.slo_judged(tenant, slo, clock.ttft_s <= ttft_bound_s, tpot_s <= tpot_bound_s)
         if ticket.tokens > 1:  # the worker by its own attempt: a moved stream's stall and new prefill are not its
             self.recent.add(
                 ticket.placement.decode.worker_id, "tpot", (now - ticket.first_token_at) / (ticket.tokens - 1)

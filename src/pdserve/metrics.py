@@ -56,13 +56,21 @@ REJECTION_REASONS = (
     "draining",
 )
 MOVE_KINDS = ("retry", "migration")
+SLO_JUDGEMENTS = ("met", "missed")
 
 
 class RouterMetrics:
     """Request latencies as the router sees them (it relays every token), and how requests ended."""
 
-    def __init__(self, meter: Meter, tenants: Iterable[str] = (), in_flight: Mapping[str, int] | None = None) -> None:
-        """`in_flight`: the streams per tenant (admission's), read at each scrape."""
+    def __init__(
+        self,
+        meter: Meter,
+        tenants: Iterable[str] = (),
+        in_flight: Mapping[str, int] | None = None,
+        slo_labels: Iterable[str] = ("own", "default"),
+    ) -> None:
+        """`in_flight`: the streams per tenant (admission's), read at each scrape; `slo_labels`: which SLO a request
+        may be judged by (services/router/slo_attainment.py)."""
         self.ttft = meter.create_histogram(
             "pdserve_time_to_first_token_seconds",
             unit="s",
@@ -98,6 +106,12 @@ class RouterMetrics:
         self.generation_tokens = meter.create_counter(
             "pdserve_generation_tokens_total", description="tokens relayed to callers, over all of a request's attempts"
         )
+        self.slo = meter.create_counter(
+            "pdserve_requests_slo_total",
+            description="finished requests by whether their TTFT and TPOT met the SLO they were held to (slo: their "
+            "own, their priority class's, the default): attainment is the share with both met",
+        )
+        self._slo_labels = tuple(dict.fromkeys(slo_labels))
         self.rejections = meter.create_counter(
             "pdserve_requests_rejected_total",
             description="requests counted as rejected in pdserve_requests_total, by why: an admission shed, a "
@@ -148,6 +162,10 @@ class RouterMetrics:
                 self.successes.add(0, {"finish_reason": reason, **labels})
             for reason in REJECTION_REASONS:
                 self.rejections.add(0, {"reason": reason, **labels})
+            for slo in self._slo_labels:
+                for ttft in SLO_JUDGEMENTS:
+                    for tpot in SLO_JUDGEMENTS:
+                        self.slo.add(0, {"slo": slo, "ttft": ttft, "tpot": tpot, **labels})
             self.prompt_tokens.add(0, labels)
             self.generation_tokens.add(0, labels)
 
@@ -157,6 +175,11 @@ class RouterMetrics:
         if outcome == "finished":
             self.e2e.record(e2e_s, {"tenant": tenant})
             self.successes.add(1, {"finish_reason": finish_reason, "tenant": tenant})
+
+    def slo_judged(self, tenant: str, slo: str, ttft_met: bool, tpot_met: bool) -> None:
+        """A finished request's latencies against the SLO (labelled `slo`) it was held to."""
+        judged = {"ttft": SLO_JUDGEMENTS[not ttft_met], "tpot": SLO_JUDGEMENTS[not tpot_met]}
+        self.slo.add(1, {"slo": slo, **judged, "tenant": tenant})
 
     def rejected(self, reason: str, tenant: str) -> None:
         """A request counted `rejected`, for `reason` (one of REJECTION_REASONS)."""

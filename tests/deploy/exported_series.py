@@ -27,6 +27,7 @@ def exported() -> Series:
     for histogram in (router.ttft, router.tpot, router.e2e):  # as services/router/relay.py and ended() record them
         histogram.record(0.1, {"tenant": "tenant-a"})
     router.itl.record(0.01)
+    router.slo_judged("tenant-a", "default", True, True)  # as services/router/relay.py judges a finished request
     worker = WorkerState("decode-0", Role.DECODE, "10.0.0.1:50061")
     for reason in EJECTION_REASONS:
         router.ejected(worker, reason)

@@ -152,4 +152,6 @@ def test_the_thresholds_come_from_the_values() -> None:
     }
     for name, expr in shown.items():
         assert expr.rstrip().endswith(f"> {thresholds[name]}"), (name, expr)
+    attainment = rules(render([EXAMPLE], {"monitoring.prometheusRule.sloAttainment": 0.75}))
+    assert next(r["expr"] for r in attainment if r["alert"] == "PdserveSLOAttainmentLow").rstrip().endswith("< 0.75")
     assert "exclusiveMinimum" in render_error([EXAMPLE], {"monitoring.prometheusRule.kvUsedShare": 0})

@@ -5,14 +5,15 @@ tenants' series."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.build import current_build
-from pdserve.config import RouterConfig
-from pdserve.metrics import FINISH_REASONS, MOVE_KINDS, REQUEST_OUTCOMES
+from pdserve.config import RouterConfig, SLOClass
+from pdserve.metrics import FINISH_REASONS, MOVE_KINDS, REQUEST_OUTCOMES, SLO_JUDGEMENTS
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 from pdserve.security.api_keys import OPEN_TENANT, digest
 from pdserve.telemetry import Telemetry
@@ -52,12 +53,16 @@ def zeros(series: dict[tuple[tuple[str, str], ...], float]) -> set[tuple[tuple[s
 
 
 async def test_an_open_routers_counters_start_at_zero_for_every_outcome() -> None:
-    series = await scrape(RouterConfig())
+    series = await scrape(RouterConfig(slo_classes=(SLOClass(3, 1000, 100),)))
     requests = zeros(series["pdserve_requests_total"])
     assert requests == {(("outcome", o), ("tenant", OPEN_TENANT)) for o in REQUEST_OUTCOMES}
     successes = zeros(series["pdserve_request_success_total"])
     assert successes == {(("finish_reason", r), ("tenant", OPEN_TENANT)) for r in FINISH_REASONS}
     assert zeros(series["pdserve_request_moves_total"]) == {(("kind", k),) for k in MOVE_KINDS}
+    slos = ("own", "default", "priority>=3")  # each SLO a request may be held to: its own, the class's, the default
+    judged = itertools.product(slos, SLO_JUDGEMENTS, SLO_JUDGEMENTS)
+    expected = {(("slo", s), ("tenant", OPEN_TENANT), ("tpot", p), ("ttft", t)) for s, t, p in judged}
+    assert zeros(series["pdserve_requests_slo_total"]) == expected
     for name in ("pdserve_prompt_tokens_total", "pdserve_generation_tokens_total"):
         assert zeros(series[name]) == {(("tenant", OPEN_TENANT),)}
 
