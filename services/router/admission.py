@@ -179,10 +179,11 @@ class Admission:
         """Which room the request, having passed every other check, would take from the last `reserve` of: its
         decode worker's batch places or KV blocks, or its prefill worker's TTFT queue room or (`queue`: tokens
         queued, the request's new tokens, the bound less the reserve) queue bound; with a retry hint in seconds.
-        None: it fits short of them all."""
+        None: it fits short of them all. What is kept leaves room for the request on an idle worker (a place, its
+        blocks): a reserve that refused it there would refuse it for as long as the class it is kept for asks."""
         decode, blocks = placement.decode, placement.blocks_needed
-        places = math.ceil(reserve * decode.max_num_seqs)
-        kept_blocks = math.ceil(reserve * decode.kv_blocks_total)
+        places = min(math.ceil(reserve * decode.max_num_seqs), max(decode.max_num_seqs - 1, 0))
+        kept_blocks = min(math.ceil(reserve * decode.kv_blocks_total), max(decode.kv_blocks_total - blocks, 0))
         if not self.predictor.has_batch_room(decode, spare=self.predictor.tracker.held_for_moving + places):
             return f"{places} batch places of its decode worker", placement.predicted_tpot_s * 32
         if self.predictor.free_blocks_for(decode, blocks) - kept_blocks < blocks:

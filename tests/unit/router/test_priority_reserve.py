@@ -160,3 +160,18 @@ async def test_through_the_request_path_a_stream_of_a_higher_class_keeps_the_las
 
 async def none(ticket: Ticket) -> None:
     pass
+
+
+def test_an_idle_worker_takes_any_request_that_fits_it_whatever_the_reserve():
+    """Kept room never shuts out a request an idle worker holds: refused there, it would be refused for as long as
+    the class the room is kept for asks, its retry hint never coming true."""
+    one_place = worker("d0", "decode", max_num_seqs=1)
+    r = Router([worker("p0"), one_place], low_priority_reserve=0.2)
+    check(r, place(r, (5,)), 0)  # 0.2 of 1 place rounds up to the only place: none is kept
+    small = worker("d0", "decode", kv_blocks_total=100, kv_blocks_free=100)
+    r = Router([worker("p0", kv_blocks_total=100, kv_blocks_free=100), small], low_priority_reserve=0.5)
+    placed = r.place(prompt(100), 1200, SLO.tpot_s)
+    assert 60 < placed.blocks_needed <= 100  # past what a reserve of 0.5 (twice it below 0) leaves
+    r.admission.classes.asked(5)
+    r.admission.check_load(placed, 100, 0, SLO)
+    r.admission.check_load(placed, 100, -1, SLO)
