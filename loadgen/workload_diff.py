@@ -19,6 +19,7 @@ SETTINGS = (
     "max_concurrency",
     "goodput",
     "send_slo",
+    "priority",
 )
 LENGTHS = {"input_len": "mean input length", "output_len": "mean output length"}
 LENGTH_TOLERANCE = 0.05  # a length drawn with --random-range-ratio: its mean over a run moves by less than this

@@ -153,7 +153,7 @@ def test_compare_warns_on_stderr_naming_how_the_workloads_differ(tmp_path, capsy
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     write_results(a, [run(1.0, [0.1, 0.2], 2.0)], TARGET)
     other = run(1.0, [0.1, 0.2], 2.0)
-    other.update(backend="openai", goodput={"ttft_ms": 500, "tpot_ms": 100})
+    other.update(backend="openai", goodput={"ttft_ms": 500, "tpot_ms": 100}, priority=5)
     for r in other["requests"]:
         r["input_len"], r["output_len"] = 16, 3
     write_results(b, [other], TARGET)
@@ -164,5 +164,6 @@ def test_compare_warns_on_stderr_naming_how_the_workloads_differ(tmp_path, capsy
         'loadgen compare: warning: the workloads differ, backend: A "grpc", B "openai"',
         'loadgen compare: warning: the workloads differ, goodput: A {"tpot_ms": 100, "ttft_ms": 300}, '
         'B {"tpot_ms": 100, "ttft_ms": 500}',
+        "loadgen compare: warning: the workloads differ, priority: A 0, B 5",
         "loadgen compare: warning: the workloads differ, mean input length: A 8, B 16",
     ]
