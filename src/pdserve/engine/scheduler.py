@@ -2,7 +2,8 @@
 
 Each step has a token budget. Running sequences go first (a decode costs one token, an unfinished
 prefill continues with a chunk), then waiting ones are admitted, preempted ones first unless a higher priority
-waits, then higher priority first and each tenant's in turn (fair_queue.py), while budget, the running-sequence cap and free blocks allow.
+waits, then higher priority first and each tenant's in turn (fair_queue.py), while budget, the running-sequence
+cap and free blocks allow.
 A long prompt is split into chunks across steps; it is admitted with the blocks of all its chunks, so prompts
 admitted beside it cannot take them and preempt it part-way (when they could, recomputes preempted one another:
 4x the tokens needed in a review's run). When a running sequence needs a block and none is free, the most
