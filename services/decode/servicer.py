@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import grpc
 
@@ -14,7 +15,7 @@ from pdserve.errors import PermissionDeniedError, UnavailableError
 from pdserve.protocol.handoff import FirstToken
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.roles import Role
-from pdserve.rpc.convert import engine_request_from_pb, output_to_pb
+from pdserve.rpc.convert import engine_request_from_pb, off_the_loop_when_large, output_to_pb
 from pdserve.rpc.metadata import HANDOFF_STARTED_KEY, PREFILL_WAITED_KEY
 from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.telemetry import Telemetry, request_id_var
@@ -42,7 +43,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         request_id_var.set(request.client_request_id or request.request_id)
-        work = engine_request_from_pb(request)
+        work = await off_the_loop_when_large(partial(engine_request_from_pb, request), request.sampling)
         if self.faults.engine_dies_for(request.client_request_id):
             self.engine.faults.fail_when_stepped(request.request_id)
         if delay_s := self.faults.step_delay_for(request.client_request_id):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator
+from functools import partial
 
 import grpc
 
 from pdserve.protocol.handoff import FirstToken, KVSent, KVTarget
-from pdserve.rpc.convert import engine_request_from_pb, logprobs_to_pb
+from pdserve.rpc.convert import engine_request_from_pb, logprobs_to_pb, off_the_loop_when_large
 from pdserve.telemetry import request_id_var
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
@@ -25,7 +26,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         request_id_var.set(request.client_request_id or request.request_id)
         target = request.target
         job = PrefillJob(
-            engine_request_from_pb(request),
+            await off_the_loop_when_large(partial(engine_request_from_pb, request), request.sampling),
             KVTarget(
                 target.decode_worker_id,
                 target.rendezvous,

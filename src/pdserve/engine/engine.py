@@ -8,6 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import llguidance
 import numpy as np
 import torch
 
@@ -15,6 +16,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.device import resolve_device, resolve_dtype
+from pdserve.engine.guided import GuidedDecoding
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_files import generation_eos_ids, tokenizer_folder
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes, load_model
@@ -47,6 +49,7 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     prompt_seen: np.ndarray | None  # with penalties: the prompt's distinct tokens, found once
+    matcher: llguidance.LLMatcher | None  # with an output constraint: what its output may be next (guided.py)
     # With prompt logprobs: those of prompt positions 1, 2, ... found so far (position 0 has no context).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
@@ -72,6 +75,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.runner = ModelRunner(self.model, config, num_blocks)
         self.sampler = Sampler()
+        self.guided = GuidedDecoding(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self.fingerprint = _fingerprint(self.model_config, self.model)
         self.last_step_tokens = 0  # tokens the last step ran (0: it could run nothing), for live speed tracking
@@ -160,7 +164,9 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer.backend, seq.prompt_token_ids, stop=sampling.stop)
         generator = make_generator(sampling.seed, self.runner.device, resumed + first_token_elsewhere)
         seen = np.unique(np.asarray(seq.original_prompt_token_ids, dtype=np.int64)) if sampling.penalized else None
-        self._requests[request.request_id] = _Request(seq, detok, generator, seen)
+        constraint = sampling.constraint
+        matcher = None if constraint is None else self.guided.matcher(constraint, prompt[len(prompt) - resumed :])
+        self._requests[request.request_id] = _Request(seq, detok, generator, seen, matcher)
         return seq
 
     @property
@@ -260,7 +266,8 @@ class LLMEngine:
         prefilled = [r.seq for r in sampled if not r.seq.output_token_ids]  # a recompute's prompt has its tokens
         params = [r.seq.sampling for r in sampled]
         histories = [r.token_history() for r in sampled]
-        tokens = self.sampler(logits, params, [r.generator for r in sampled], histories)
+        masked = self.guided.masked(logits, [r.matcher for r in sampled])
+        tokens = self.sampler(masked, params, [r.generator for r in sampled], histories)
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs: dict[int, TokenLogprobs] = {}
         if asked:
@@ -292,6 +299,8 @@ class LLMEngine:
     def _append_token(self, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         seq = req.seq
         seq.output_token_ids.append(token)
+        if req.matcher is not None:
+            req.matcher.consume_token(token)
         # A stop token ends the output without its own text, as a stop string does (vLLM's rule); its id stays.
         text = "" if token in seq.sampling.stop_token_ids else req.detokenizer.step([token])
         reason = self._finish_reason(req, token)
@@ -325,6 +334,8 @@ class LLMEngine:
             return FinishReason.STOP
         if not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason.EOS
+        if req.matcher is not None and (req.matcher.is_stopped() or req.matcher.is_error()):
+            return FinishReason.STOP  # the constraint is complete: nothing may follow
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from pdserve.errors import InvalidRequestError
+from pdserve.protocol.output_constraint import OutputConstraint
 
 # OpenAI's bound on presence_penalty and frequency_penalty.
 MAX_PENALTY = 2.0
@@ -49,6 +50,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; n: the sampled token's and the n most likely alternatives
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids distinct
+    constraint: OutputConstraint | None = None  # what the whole output must be (constrained decoding)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from typing import TypeVar
+
+from pdserve.errors import InvalidRequestError
 from pdserve.protocol.engine_request import EngineRequest
+from pdserve.protocol.output_constraint import KINDS, OutputConstraint
 from pdserve.protocol.outputs import FinishReason, RequestOutput, TokenLogprobs
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
+
+T = TypeVar("T")
+INLINE_CONSTRAINT_BYTES = 4096
 
 _FINISH_TO_PB = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -36,7 +45,27 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int = 0) -> Sam
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        constraint=constraint_from_pb(msg),
     )
+
+
+def constraint_from_pb(msg: pb.SamplingParams) -> OutputConstraint | None:
+    """The one constraint a request may set (json_schema, json_object or regex), or None."""
+    asked = [kind for kind in KINDS if getattr(msg, kind)]
+    if len(asked) > 1:
+        raise InvalidRequestError(f"sampling.{asked[1]}", f"at most one output constraint; {' and '.join(asked)} set")
+    if not asked:
+        return None
+    return OutputConstraint(asked[0], "" if asked[0] == "json_object" else getattr(msg, asked[0]))
+
+
+async def off_the_loop_when_large(convert: Callable[[], T], sampling: pb.SamplingParams) -> T:
+    """`convert()` of a request with these sampling settings, in a thread when its output constraint is large: a
+    constraint compiles in about 1 ms per KiB (a 56 KiB schema took 56 ms), which would stall every other stream on
+    the event loop."""
+    if len(sampling.json_schema) + len(sampling.regex) > INLINE_CONSTRAINT_BYTES:
+        return await asyncio.to_thread(convert)
+    return convert()
 
 
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
@@ -60,6 +89,8 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
         msg.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
+    if (constraint := params.constraint) is not None:
+        setattr(msg, constraint.kind, True if constraint.kind == "json_object" else constraint.spec)
     return msg
 
 

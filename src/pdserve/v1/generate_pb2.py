@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc5\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\rH\x02\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\'\n\x03SLO\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x02\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x02\"\xec\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1c\n\x03slo\x18\x06 \x01(\x0b\x32\x0f.pdserve.v1.SLO\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\t\"h\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x02\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xfe\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\rH\x02\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x13\n\x0bjson_schema\x18\x0f \x01(\t\x12\x13\n\x0bjson_object\x18\x10 \x01(\x08\x12\r\n\x05regex\x18\x11 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\'\n\x03SLO\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x02\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x02\"\xec\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1c\n\x03slo\x18\x06 \x01(\x0b\x32\x0f.pdserve.v1.SLO\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\t\"h\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x02\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1262
-  _globals['_FINISHREASON']._serialized_end=1380
+  _globals['_FINISHREASON']._serialized_start=1319
+  _globals['_FINISHREASON']._serialized_end=1437
   _globals['_CHATMESSAGE']._serialized_start=41
   _globals['_CHATMESSAGE']._serialized_end=85
   _globals['_SAMPLINGPARAMS']._serialized_start=88
-  _globals['_SAMPLINGPARAMS']._serialized_end=541
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=451
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=499
-  _globals['_TOKENLOGPROBS']._serialized_start=543
-  _globals['_TOKENLOGPROBS']._serialized_end=620
-  _globals['_SLO']._serialized_start=622
-  _globals['_SLO']._serialized_end=661
-  _globals['_GENERATEREQUEST']._serialized_start=664
-  _globals['_GENERATEREQUEST']._serialized_end=900
-  _globals['_USAGE']._serialized_start=902
-  _globals['_USAGE']._serialized_end=1006
-  _globals['_GENERATERESPONSE']._serialized_start=1009
-  _globals['_GENERATERESPONSE']._serialized_end=1260
-  _globals['_GENERATION']._serialized_start=1382
-  _globals['_GENERATION']._serialized_end=1467
+  _globals['_SAMPLINGPARAMS']._serialized_end=598
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=508
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=556
+  _globals['_TOKENLOGPROBS']._serialized_start=600
+  _globals['_TOKENLOGPROBS']._serialized_end=677
+  _globals['_SLO']._serialized_start=679
+  _globals['_SLO']._serialized_end=718
+  _globals['_GENERATEREQUEST']._serialized_start=721
+  _globals['_GENERATEREQUEST']._serialized_end=957
+  _globals['_USAGE']._serialized_start=959
+  _globals['_USAGE']._serialized_end=1063
+  _globals['_GENERATERESPONSE']._serialized_start=1066
+  _globals['_GENERATERESPONSE']._serialized_end=1317
+  _globals['_GENERATION']._serialized_start=1439
+  _globals['_GENERATION']._serialized_end=1524
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,96 @@
+"""Constrained decoding: a request's output is a text its constraint accepts (a JSON value its schema does, any JSON
+object, a regular expression's match), and ends with STOP as soon as nothing may follow; the same tokens however
+its engines split it (colocated, handed from a prefill-only to a decode-only engine, migrated mid-stream)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import jsonschema
+import pytest
+import torch
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.errors import InvalidRequestError
+from pdserve.protocol.engine_request import EngineRequest
+from pdserve.protocol.output_constraint import OutputConstraint
+from pdserve.protocol.outputs import FinishReason
+from pdserve.protocol.roles import EngineMode
+from pdserve.protocol.sampling import SamplingParams
+from tests.unit.engine.test_seeded_handoff import PROMPT, colocated, engine, handed_off
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tag": {"enum": ["red", "green"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["id", "tag", "ok"],
+    "additionalProperties": False,
+}
+
+
+def constrained(kind: str, spec: str = "", **sampling: object) -> SamplingParams:
+    return SamplingParams(max_tokens=48, constraint=OutputConstraint(kind, spec), **sampling)  # type: ignore[arg-type]
+
+
+def text_of(e: LLMEngine, tokens: list[int]) -> str:
+    return e.tokenizer.decode(tokens)
+
+
+@pytest.mark.parametrize("seed", [None, 7])  # greedy, then sampled at temperature 1: the mask holds either way
+def test_the_output_is_what_the_constraint_accepts_and_ends_there(seed):
+    e = engine(EngineMode.MIXED)
+    temperature = 0.0 if seed is None else 1.0
+    kinds = {
+        "schema": constrained("json_schema", json.dumps(SCHEMA), temperature=temperature, seed=seed),
+        "regex": constrained("regex", "[0-9]{3}-(yes|no)", temperature=temperature, seed=seed),
+        "object": constrained("json_object", temperature=temperature, seed=seed),
+        "free": SamplingParams(max_tokens=48, temperature=temperature, seed=seed, ignore_eos=True),
+    }
+    completions = dict(zip(kinds, e.generate([PROMPT] * len(kinds), list(kinds.values())), strict=True))
+    schema, regex = completions["schema"], completions["regex"]
+    jsonschema.validate(json.loads(schema.text), SCHEMA)
+    assert schema.finish_reason is FinishReason.STOP and len(schema.token_ids) < 48
+    assert re.fullmatch("[0-9]{3}-(yes|no)", regex.text) and regex.finish_reason is FinishReason.STOP
+    obj = completions["object"]
+    assert obj.text.startswith("{")  # a random model's object may well run to max_tokens
+    if obj.finish_reason is FinishReason.STOP:
+        assert isinstance(json.loads(obj.text), dict)
+    free = completions["free"].text  # the same model unconstrained: the mask is what made the others so
+    assert not re.fullmatch("[0-9]{3}-(yes|no)", free)
+
+
+def test_the_same_tokens_colocated_handed_off_and_migrated():
+    sampling = constrained("json_schema", json.dumps(SCHEMA), temperature=1.0, seed=11)
+    expected = colocated(EngineRequest("a", PROMPT, sampling))
+    assert handed_off(EngineRequest("a", PROMPT, sampling)) == expected
+    sent = 3  # moved after three tokens: its new decode worker's matcher is fed them from the prompt's tail
+    moved = EngineRequest(
+        "a.2", PROMPT + expected[:sent], replace(sampling, max_tokens=48 - sent), resumed_output_tokens=sent
+    )
+    assert colocated(moved) == expected[sent:]
+    assert handed_off(moved) == expected[sent:]
+
+
+def test_a_resumed_output_that_breaks_the_constraint_is_refused():
+    e = engine(EngineMode.MIXED)
+    digits = constrained("regex", "[0-9]{4}")
+    letters = e.tokenizer.encode("ab")
+    with pytest.raises(InvalidRequestError, match="resumed_output_tokens"):
+        e.add_request(EngineRequest("r", PROMPT + letters, digits, resumed_output_tokens=len(letters)))
+    assert not e.has_unfinished()
+
+
+def test_only_constrained_rows_are_masked():
+    e = engine(EngineMode.MIXED)
+    matcher = e.guided.matcher(OutputConstraint("regex", "[0-9]"), [])
+    logits = torch.zeros(2, e.model_config.vocab_size)
+    masked = e.guided.masked(logits, [None, matcher])
+    allowed = {i for i in range(logits.shape[1]) if masked[1, i] > float("-inf")}
+    assert {e.tokenizer.decode([i]) for i in allowed} == set("0123456789")
+    assert torch.equal(masked[0], logits[0]) and torch.equal(logits, torch.zeros_like(logits))  # read only
+    assert e.guided.masked(logits, [None, None]) is logits
