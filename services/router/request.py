@@ -11,6 +11,7 @@ import asyncio
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TypeVar
 
 from pdserve.engine.tokenizer import Tokenizer
@@ -30,7 +31,7 @@ from pdserve.protocol.request_checks import (
     utf8_len,
 )
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.rpc.convert import sampling_from_pb
+from pdserve.rpc.convert import off_the_loop_when_large, sampling_from_pb
 from pdserve.security.api_keys import OPEN_TENANT
 from pdserve.security.cache_salt import cache_salt
 from pdserve.v1 import generate_pb2 as pb
@@ -68,7 +69,8 @@ async def build_request(
     field = _input_field(msg)
     salt = cache_salt(tenant, msg.cache_salt)
     _check_caps(msg, field, model, limits or RequestLimits())
-    sampling = sampling_from_pb(msg.sampling, default_max_tokens)  # the one conversion, checked before tokenizing
+    # The one conversion, checked before tokenizing.
+    sampling = await off_the_loop_when_large(partial(sampling_from_pb, msg.sampling, default_max_tokens), msg.sampling)
     prompt = await _tokenize(msg, field, tokenizer)
     if not msg.sampling.max_tokens:  # the default never pushes the prompt past the context
         sampling = replace(sampling, max_tokens=min(default_max_tokens, _room(prompt, model)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pdserve.config import MAX_MESSAGE_BYTES, RouterConfig
 from pdserve.protocol.model_config import ModelConfig
+from pdserve.protocol.output_constraint import MAX_SPEC_BYTES
 from pdserve.protocol.request_checks import RequestLimits
 from services.router.http.openai_prompts import MAX_CHOICES
 
@@ -40,6 +41,7 @@ def max_json_body_bytes(limits: RequestLimits, model: ModelConfig) -> int:
         + limits.max_stop * (limits.max_stop_bytes * JSON_ESCAPE + JSON_ITEM)
         + limits.max_stop_token_ids * (10 + JSON_ITEM)
         + limits.max_logit_bias * JSON_BIAS
+        + MAX_SPEC_BYTES * JSON_ESCAPE  # response_format's schema
     )
     return _bounded(prompts + lists)
 
@@ -56,6 +58,7 @@ def max_grpc_request_bytes(limits: RequestLimits, model: ModelConfig) -> int:
         + limits.max_stop_token_ids * PB_VARINT
         + limits.max_logit_bias * (PB_ITEM + PB_VARINT + 4)
         + limits.max_request_id_chars * 4
+        + MAX_SPEC_BYTES  # the output constraint's schema or regex
     )
     return _bounded(prompt + lists)
 

@@ -12,12 +12,12 @@ PROMPT = [5, 6, 7, 8, 9] * 7  # three KV blocks
 MAX_TOKENS = 8
 
 
-def greedy(prompt: list[int], max_tokens: int, **sampling: float) -> list[int]:
+def greedy(prompt: list[int], max_tokens: int, **sampling: object) -> list[int]:
     """tiny-random's greedy tokens for `prompt`, in float32 on one thread, as the cluster's workers compute."""
     return greedy_completion(prompt, max_tokens, **sampling).token_ids
 
 
-def greedy_completion(prompt: list[int], max_tokens: int, **sampling: float) -> Completion:
+def greedy_completion(prompt: list[int], max_tokens: int, **sampling: object) -> Completion:
     """`greedy`'s whole completion: its text and, when `sampling` asks, its log probabilities too."""
     blocks = max(16, -(-(len(prompt) + max_tokens) // EngineConfig.block_size))
     engine = LLMEngine(EngineConfig(model="tiny-random", dtype="float32", num_threads=1, num_kv_blocks=blocks))

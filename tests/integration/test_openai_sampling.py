@@ -1,15 +1,19 @@
 """The sampling controls of the OpenAI-compatible API (penalties, log probabilities, `echo`, `n`, `logit_bias`,
-stop token ids) on a real `pdserve up --http-port`: each reaches the prefill worker, which samples the first
-token, and the decode worker, which samples the rest, and answers as the single-process engine and the gRPC
-path do."""
+stop token ids, output constraints) on a real `pdserve up --http-port`: each reaches the prefill worker, which
+samples the first token, and the decode worker, which samples the rest, and answers as the single-process engine
+and the gRPC path do."""
 
 from __future__ import annotations
 
 import json
+import re
 
+import jsonschema
+import openai
 import pytest
 
 from pdserve import cli
+from pdserve.protocol.output_constraint import OutputConstraint
 from pdserve.v1 import generate_pb2 as pb
 from tests.integration.openai_cluster import IGNORE_EOS, MODEL, TOKENIZER, grpc_result, http_cluster, openai_client
 from tests.integration.reference import MAX_TOKENS, PROMPT, greedy, greedy_completion
@@ -156,6 +160,33 @@ def test_logit_bias_and_stop_token_ids_reach_both_workers(cluster, client):
     stopped = client.completions.create(**request, extra_body=IGNORE_EOS | {"stop_token_ids": [stop]})
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens == expected.index(stop) + 1  # the stop token is the last one
+
+
+def test_an_output_constraint_holds_on_both_workers(cluster, client):
+    """The first token (the prefill worker's) and the rest (the decode worker's) keep to the constraint, as the
+    single-process engine does: a JSON Schema through OpenAI's response_format, a regex through gRPC."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["red", "blue"]}},
+        "required": ["n", "tag"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "tagged", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "Give me a tagged number."}]
+    for seed in (1, 2, 3):
+        answer = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=48, seed=seed, response_format=response_format
+        ).choices[0]
+        jsonschema.validate(json.loads(answer.message.content), schema)
+        assert answer.finish_reason == "stop"
+    regex = "[0-9]{2}-(yes|no)"
+    expected = greedy_completion(PROMPT, 16, constraint=OutputConstraint("regex", regex))
+    result = grpc_result(cluster, prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=16, regex=regex))
+    assert result.token_ids == expected.token_ids and re.fullmatch(regex, result.text)
+    assert result.finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="response_format.json_schema.schema"):
+        bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, response_format=bad)
 
 
 def test_pdserve_client_takes_the_sampling_flags_of_pdserve_generate(cluster, capsys):

@@ -25,20 +25,20 @@ from pdserve.protocol.request_checks import (
 from pdserve.protocol.sampling import MAX_LOGPROBS
 from pdserve.v1 import generate_pb2 as pb
 from services.router.http.openai_prompts import MAX_CHOICES, UINT32, check_prompt_counts, parse_prompts, prompt_messages
+from services.router.http.response_format import PARAMS, set_response_format
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the last is vLLM's
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logit_bias", *PENALTIES)
 COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "slo", "user", *SAMPLING}
-COMPLETION_PARAMS = frozenset({*COMMON, "prompt", "logprobs", "echo"})
-CHAT_PARAMS = frozenset({*COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+COMPLETION_PARAMS = frozenset({*COMMON, "response_format", "prompt", "logprobs", "echo"})
+CHAT_PARAMS = frozenset({*COMMON, "response_format", "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
 SLO_FIELDS = ("ttft_ms", "tpot_ms")
 # Unimplemented parameters at values that ask for nothing, which clients send anyway (best_of 1, store false, tools
 # [], tool_choice "none"; parallel_tool_calls is moot without tools; pdserve's text skips special tokens, as vLLM's
 # does by default); any other value is refused by name.
 NO_OP_VALUES: dict[str, tuple[object, ...]] = {
-    "best_of": (1,), "response_format": ({"type": "text"},), "store": (False,), "tools": ([],),
-    "tool_choice": ("none",), "parallel_tool_calls": (True, False), "min_p": (0, 0.0), "metadata": ({},),
-    "service_tier": ("auto", "default"), "skip_special_tokens": (True,),
+    "best_of": (1,), "store": (False,), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
+    "min_p": (0, 0.0), "metadata": ({},), "service_tier": ("auto", "default"), "skip_special_tokens": (True,),
 }  # fmt: skip
 # A chat message's fields pdserve takes. `name` (LangChain sends it) and a tool message's `tool_call_id` (OpenAI
 # requires it) are checked and not shown to the model: the chat message the engine renders has neither, as most chat
@@ -192,7 +192,7 @@ def openai_param(field: str, max_tokens_param: str = "max_tokens") -> str:
     if field == "prompt_token_ids":
         return "prompt"
     # A bias's token is a key of the caller's JSON object, named as this module's own checks name it.
-    return re.sub(r"^logit_bias\[(\d+)\]$", r"logit_bias.\1", field.removeprefix("sampling."))
+    return PARAMS.get(field) or re.sub(r"^logit_bias\[(\d+)\]$", r"logit_bias.\1", field.removeprefix("sampling."))
 
 
 def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
@@ -227,9 +227,9 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
     msg.stop_token_ids.extend(_token_ids(body, "stop_token_ids"))
     for token, bias in _logit_bias(body).items():
         msg.logit_bias[token] = bias
-    logprobs = _logprobs(body, chat)
-    if logprobs is not None:
+    if (logprobs := _logprobs(body, chat)) is not None:
         msg.logprobs = logprobs
+    set_response_format(body, msg)
     return msg
 
 

@@ -295,7 +295,7 @@ def test_what_openais_clients_send_by_default_is_taken():
     ]
     assert (req.message.slo.ttft_ms, req.message.slo.tpot_ms) == (0, 40)
     assert parse({"model": "m", "prompt": "x", "best_of": 1}, chat=False).message.prompt == "x"
-    for param, value in (("best_of", 2), ("best_of", True), ("response_format", {"type": "json_object"})):
+    for param, value in (("best_of", 2), ("best_of", True), ("response_format", {"type": "xml"})):
         with pytest.raises(InvalidRequestError) as e:
             parse({"model": "m", "prompt": "x", param: value}, chat=False)
         assert e.value.field == param

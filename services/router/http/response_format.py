@@ -1,0 +1,41 @@
+"""OpenAI's `response_format`, as the gRPC API's output constraint (constrained decoding): `{"type": "text"}` asks
+for nothing, `{"type": "json_object"}` any JSON object, `{"type": "json_schema", "json_schema": {"name", "schema",
+"strict", "description"}}` a JSON value its schema accepts. Strict or not, the output is held to the schema, as
+OpenAI's strict mode holds it (vLLM's `response_format` does the same)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdserve.errors import InvalidRequestError
+from pdserve.v1 import generate_pb2 as pb
+
+# The shared path's names of the constraint's fields, as the OpenAI parameter that set them.
+PARAMS = {"sampling.json_schema": "response_format.json_schema.schema", "sampling.json_object": "response_format"}
+SCHEMA_FIELDS = {"name", "schema", "strict", "description"}
+
+
+def set_response_format(body: dict[str, Any], msg: pb.SamplingParams) -> None:
+    fmt = body.get("response_format")
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise InvalidRequestError(
+            "response_format", 'must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", ...}'
+        )
+    if extra := set(fmt) - {"type", "json_schema" if kind == "json_schema" else "type"}:
+        raise InvalidRequestError("response_format", f"{kind} takes no {', '.join(sorted(extra))}")
+    if kind == "json_object":
+        msg.json_object = True
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or set(spec) - SCHEMA_FIELDS:
+            raise InvalidRequestError(
+                "response_format.json_schema", f"must be an object with a name and a schema, of {sorted(SCHEMA_FIELDS)}"
+            )
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise InvalidRequestError("response_format.json_schema.schema", "must be a JSON Schema object")
+        msg.json_schema = json.dumps(schema)

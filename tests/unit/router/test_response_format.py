@@ -1,0 +1,55 @@
+"""OpenAI's response_format becomes the gRPC API's output constraint: json_object, json_schema's schema; text asks
+for nothing; anything else is refused naming the parameter, as is a schema the shared path cannot compile."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.engine.model_files import locate_model, read_model_config
+from pdserve.errors import InvalidRequestError
+from pdserve.protocol.request_checks import RequestLimits
+from pdserve.rpc.convert import sampling_from_pb
+from services.router.http.openai_request import openai_param, parse_request
+
+TINY = read_model_config(locate_model("tiny-random"))
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def sampling(response_format: object, chat: bool = True):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} if chat else {"model": "m", "prompt": "hi"}
+    req = parse_request(body | {"response_format": response_format}, chat, limits=RequestLimits(), model_config=TINY)
+    return req.message.sampling
+
+
+def test_each_format_sets_its_constraint():
+    assert not any((s := sampling({"type": "text"})).json_schema or s.json_object or s.regex)
+    assert sampling({"type": "json_object"}, chat=False).json_object
+    schema = sampling({"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}})
+    assert json.loads(schema.json_schema) == SCHEMA
+    assert json.loads(sampling({"type": "json_schema", "json_schema": {"name": "any"}}).json_schema) == {}
+
+
+@pytest.mark.parametrize(
+    ("response_format", "field"),
+    [
+        ({"type": "xml"}, "response_format"),
+        ("json", "response_format"),
+        ({"type": "json_object", "schema": {}}, "response_format"),
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}, "response_format.json_schema.schema"),
+    ],
+)
+def test_a_malformed_format_is_refused_naming_the_parameter(response_format, field):
+    with pytest.raises(InvalidRequestError) as e:
+        sampling(response_format)
+    assert e.value.field == field
+
+
+def test_a_schema_that_does_not_compile_names_the_openai_parameter():
+    bad = sampling({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+    with pytest.raises(InvalidRequestError) as e:
+        sampling_from_pb(bad, 16)  # the shared path's check, as the router runs it
+    assert openai_param(e.value.field) == "response_format.json_schema.schema"
