@@ -27,6 +27,7 @@ from pdserve.errors import (
 )
 from pdserve.metrics import RecentLatencies
 from pdserve.protocol.admitted import AdmittedTotals
+from pdserve.protocol.compatibility import needed_features
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.request_checks import check_request_id
 from pdserve.protocol.roles import Role
@@ -161,7 +162,7 @@ class RequestLifecycle:
         with step_span(self.telemetry.tracer, "placement") as span:
             self._placing += 1
             try:
-                placement = await self._place_when_served(req, tpot_ms / 1e3)
+                placement = await self._place_when_served(req)
             finally:
                 self._placing -= 1
             self._refuse_when_draining(admitted_before)  # it began while the request waited for a worker
@@ -190,17 +191,16 @@ class RequestLifecycle:
         if self.draining and not admitted_before:
             raise RouterDrainingError("the router is draining; retry on another replica")
 
-    async def _place_when_served(self, req: RoutedRequest, tpot_slo_s: float) -> Placement:
+    async def _place_when_served(self, req: RoutedRequest) -> Placement:
         """A role without any live worker is mostly a moment's gap: the last worker of a role draining while its
         replacement starts, or one the supervisor found slow and lists again at its next check. The request waits
         up to `no_workers_wait_s` (within the client's deadline, which cancels it) before UNAVAILABLE."""
-        args = (req.prompt_token_ids, req.sampling.max_tokens, tpot_slo_s)
-        return await self._place_within(self.config.no_workers_wait_s, args, frozenset, req.cache_salt)
+        return await self._place_within(self.config.no_workers_wait_s, self._place_args(req), frozenset, req.cache_salt)
 
     async def _place_within(
         self,
         wait_s: float,
-        args: tuple[list[int], int, float],
+        args: tuple[list[int], int, float, frozenset[str]],
         avoid: Callable[[], frozenset[str]],
         cache_salt: bytes,
         must_hold: bool = False,
@@ -337,9 +337,9 @@ class RequestLifecycle:
                 return await self.placement.place(*args, still_avoided, req.cache_salt, must_hold=True)
         return await self.placement.place(*args, cache_salt=req.cache_salt, must_hold=True)
 
-    def _place_args(self, req: RoutedRequest) -> tuple[list[int], int, float]:
+    def _place_args(self, req: RoutedRequest) -> tuple[list[int], int, float, frozenset[str]]:
         _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
-        return req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3
+        return req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3, needed_features(req.sampling)
 
     async def _place_with_room(
         self, req: RoutedRequest, failed: FailedWorkers, left: float | None, moves: Moves

@@ -79,6 +79,7 @@ class PlacementPolicy(ABC):
         prompt: list[int],
         max_tokens: int,
         tpot_slo_s: float,
+        needs: frozenset[str] = frozenset(),
         avoid: frozenset[str] = frozenset(),
         cache_salt: bytes = b"",
         must_hold: bool = False,
@@ -89,7 +90,9 @@ class PlacementPolicy(ABC):
         holds the prompt are preferred; while none is live but one is registered (draining, ejected),
         NoWorkersError, which the request waits out. `must_hold`: only those, and only decode workers whose
         whole KV holds prompt + max_tokens (NoWorkersError when none is live): a retry or a migration, which
-        admission does not judge again, must not go where it would be refused as invalid."""
+        admission does not judge again, must not go where it would be refused as invalid. `needs`: the worker
+        features the request needs (protocol/compatibility.py), which only workers that list them serve; a prefill
+        and a decode worker are paired only where their KV transfer versions agree."""
         colocated = self._workers(Role.COLOCATED, avoid)
         prefills = colocated or self._workers(Role.PREFILL, avoid)
         decodes = colocated or self._workers(Role.DECODE, avoid)
@@ -98,6 +101,16 @@ class PlacementPolicy(ABC):
                 f"no workers to serve: {len(prefills)} prefill, {len(decodes)} decode live (the others starting, "
                 "restarting or gone: `pdserve status` lists them); retry later"
             )
+        if needs:  # workers of a build before a feature would ignore what the request asks of it
+            prefills, decodes = _honouring(prefills, needs), _honouring(decodes, needs)
+            if not prefills or not decodes:
+                raise NoWorkersError(
+                    f"no live worker honours {', '.join(sorted(needs))} yet (a rollout under way? `pdserve status` "
+                    "lists each worker's build)"
+                )
+            colocated = prefills if colocated else colocated
+        if not colocated:
+            prefills, decodes = _one_kv_wire_version(prefills, decodes)
         block_size = prefills[0].block_size
         blocks = -(-kv_tokens(len(prompt), max_tokens) // block_size)
         if must_hold:
@@ -275,6 +288,29 @@ class RoundRobinPlacement(PlacementPolicy):
         turn = next(self._turn)
         prefills, decodes = sorted(prefills, key=lambda w: w.worker_id), sorted(decodes, key=lambda w: w.worker_id)
         return prefills[turn % len(prefills)], decodes[turn % len(decodes)]
+
+
+def _honouring(workers: list[WorkerState], needs: frozenset[str]) -> list[WorkerState]:
+    return [w for w in workers if needs <= set(w.features)]
+
+
+def _one_kv_wire_version(
+    prefills: list[WorkerState], decodes: list[WorkerState]
+) -> tuple[list[WorkerState], list[WorkerState]]:
+    """The prefill and decode workers of one KV transfer version, so a pair's hand-offs are never refused: while a
+    rollout runs builds of two, the newest with both roles live. A worker too old to say (0) pairs with any."""
+    versions = sorted({w.kv_wire_version for w in (*prefills, *decodes)} - {0}, reverse=True)
+    if len(versions) < 2:
+        return prefills, decodes
+    for version in versions:
+        paired = [w for w in prefills if w.kv_wire_version in (0, version)]
+        with_them = [w for w in decodes if w.kv_wire_version in (0, version)]
+        if paired and with_them:
+            return paired, with_them
+    raise NoWorkersError(
+        f"no live prefill and decode workers of one KV transfer version (of {versions}): a rollout under way; "
+        "retry later"
+    )
 
 
 def _held_at_once(w: WorkerState, blocks: int) -> int:

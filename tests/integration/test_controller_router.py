@@ -33,6 +33,7 @@ import redis
 
 from pdserve.build import build_resource
 from pdserve.cluster.local_process import free_port
+from pdserve.protocol.compatibility import KV_WIRE_VERSION, WORKER_FEATURES
 from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import DESIRED_COUNTS_KEY, RETIRED_KEY, worker_key
 from pdserve.rpc.client import generate
@@ -75,6 +76,7 @@ def test_each_role_runs_on_its_own_ray_node(rehearsal: Rehearsal) -> None:
     for w in registry.values():  # never a wildcard
         assert not w.address.startswith(("0.0.0.0", "[::]")), w
         assert w.build == BUILD  # its node's, as its pod's PDSERVE_BUILD names it
+        assert (w.features, w.kv_wire_version) == (WORKER_FEATURES, KV_WIRE_VERSION)  # what routers pair it by
 
 
 def test_each_worker_advertises_its_own_hosts_address(rehearsal: Rehearsal, expected: list[int]) -> None:

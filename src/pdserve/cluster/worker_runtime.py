@@ -33,6 +33,7 @@ from pdserve.cluster.drain import DrainGate, DrainReport, WorkerDrainedError, ru
 from pdserve.cluster.drain_service import add_control_service
 from pdserve.cluster.factories import WorkerContext, WorkerServices
 from pdserve.cluster.worker_spec import WorkerSpec
+from pdserve.protocol.compatibility import KV_WIRE_VERSION, WORKER_FEATURES
 from pdserve.protocol.roles import Role
 from pdserve.redaction import redacted_url
 from pdserve.registry.base import WorkerState
@@ -152,6 +153,8 @@ class WorkerRuntime:
             instance=self._instance,
             draining=self._drain is not None,
             build=current_build(),
+            features=WORKER_FEATURES,
+            kv_wire_version=KV_WIRE_VERSION,
         )
 
     def _heartbeat(self) -> None:

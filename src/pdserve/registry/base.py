@@ -48,10 +48,15 @@ class WorkerState:
     # prompt alone (QueuedPrefill). 0 prompts with tokens queued: a worker too old to say.
     queued_prefill_prompts: int = 0
     queued_prefill_token_squares: int = 0
+    # The optional request features it honours, and its KV header's version (protocol/compatibility.py); (), 0: a
+    # worker too old to say, which honours no feature added since and pairs with any version.
+    features: tuple[str, ...] = ()
+    kv_wire_version: int = 0
     updated_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # from JSON or a caller's string: one type, checked
+        object.__setattr__(self, "features", tuple(self.features))  # JSON's list
 
     @property
     def queued_prefill(self) -> QueuedPrefill:

@@ -17,11 +17,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from pdserve.protocol.compatibility import KV_WIRE_VERSION
 from pdserve.transfer.base import PeerLostError
 from pdserve.transfer.layout import KVLayout
 
 _MAGIC = 0x7064_4B56  # "pdKV"
-_VERSION = 3
 MAX_SEGMENTS = 8
 HEADER_LEN = 24
 # Past any model's: a header beyond them is a protocol error, never a drain sized by the sender's word alone.
@@ -99,7 +99,7 @@ class Header:
 
     def encode(self, secret: bytes = b"") -> torch.Tensor:
         t = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        values = [_MAGIC, _VERSION, self.tag, self.num_blocks, self.fingerprint_hash, self.dtype_hash]
+        values = [_MAGIC, KV_WIRE_VERSION, self.tag, self.num_blocks, self.fingerprint_hash, self.dtype_hash]
         values += [self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.block_bytes]
         values += [self.timeout_ms, len(self.segments), *self.segments]
         t[: len(values)] = torch.tensor(values, dtype=torch.int64)
@@ -110,8 +110,10 @@ class Header:
     def decode(cls, t: torch.Tensor, secret: bytes = b"") -> Header:
         v = t.tolist()
         authentic = hmac.compare_digest(_mac_bytes(secret, v[:_MAC_AT]), _words_bytes(v[_MAC_AT:]))
-        if v[0] != _MAGIC or v[1] != _VERSION:
-            raise PeerLostError(f"protocol error: header magic/version {v[0]:#x}/{v[1]}, want {_MAGIC:#x}/{_VERSION}")
+        if v[0] != _MAGIC or v[1] != KV_WIRE_VERSION:
+            raise PeerLostError(
+                f"protocol error: header magic/version {v[0]:#x}/{v[1]}, want {_MAGIC:#x}/{KV_WIRE_VERSION}"
+            )
         num_segments = v[12]
         segments = tuple(v[13 : 13 + num_segments]) if 0 < num_segments <= MAX_SEGMENTS else ()
         if not segments or min(segments) < 1 or sum(segments) != v[3]:

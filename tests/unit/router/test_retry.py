@@ -54,10 +54,10 @@ def test_a_request_is_retried_up_to_max_attempts_then_migrated_up_to_the_limit_w
 def test_placement_avoids_the_workers_that_failed_the_request_and_fails_when_none_is_left():
     r = cluster()
     for _ in range(4):
-        placed = asyncio.run(r.placement.place(prompt(40), 8, 1.0, frozenset({"p0", "d1"})))
+        placed = asyncio.run(r.placement.place(prompt(40), 8, 1.0, avoid=frozenset({"p0", "d1"})))
         assert (placed.prefill_worker.worker_id, placed.decode.worker_id) == ("p1", "d0")
     with pytest.raises(UnavailableError):
-        asyncio.run(r.placement.place(prompt(40), 8, 1.0, frozenset({"p0", "p1"})))
+        asyncio.run(r.placement.place(prompt(40), 8, 1.0, avoid=frozenset({"p0", "p1"})))
 
 
 def test_an_ejected_worker_leaves_placement_until_its_hold_ends_or_it_restarts(monkeypatch):
@@ -239,9 +239,9 @@ async def test_a_retry_never_goes_to_a_decode_worker_whose_kv_cannot_hold_the_re
             async for _ in generate(r.lifecycle(), req, {}, lambda: 10.0, admitted):
                 pass
         assert big.calls >= 1 and small.calls == 0
-        placed = await r.placement.place([5, 6, 7, 8], 12, 1.0, frozenset({"d0"}), must_hold=True)
+        placed = await r.placement.place([5, 6, 7, 8], 12, 1.0, avoid=frozenset({"d0"}), must_hold=True)
         assert placed.decode.worker_id == "d1"  # a request it holds (1 block) still goes there
-        placed = await r.placement.place(list(range(5, 25)), 13, 1.0, frozenset({"d0"}), must_hold=True)
+        placed = await r.placement.place(list(range(5, 25)), 13, 1.0, avoid=frozenset({"d0"}), must_hold=True)
         assert placed.decode.worker_id == "d1"  # 20 + 13 - 1 slots, its whole KV: the last token is never written
 
 
@@ -254,8 +254,8 @@ async def test_placement_keeps_a_prompt_off_a_prefill_worker_whose_kv_cannot_hol
         placed = await r.placement.place(prompt(80), 8, 1.0, must_hold=must_hold)
         assert placed.prefill_worker.worker_id == "p-big"
     with pytest.raises(UnavailableError, match="no live prefill worker holds 5 KV blocks"):
-        await r.placement.place(prompt(80), 8, 1.0, frozenset({"p-big"}), must_hold=True)
-    assert (await r.placement.place(prompt(40), 8, 1.0, frozenset({"p-big"}))).prefill_worker.worker_id == "p-a"
+        await r.placement.place(prompt(80), 8, 1.0, avoid=frozenset({"p-big"}), must_hold=True)
+    assert (await r.placement.place(prompt(40), 8, 1.0, avoid=frozenset({"p-big"}))).prefill_worker.worker_id == "p-a"
 
 
 async def test_a_prompt_only_a_draining_or_ejected_prefill_worker_holds_waits_for_it():

@@ -1,0 +1,67 @@
+"""While a rollout runs two builds, a request reaches only workers that serve it as asked: one needing a feature
+(an output constraint) only workers that list it, and a prefill and a decode worker are paired only where their KV
+transfer versions agree (a decode worker refuses a header of another version, losing every hand-off on the pair).
+A worker too old to say lists no feature and pairs with any version."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.protocol.compatibility import KV_WIRE_VERSION, OUTPUT_CONSTRAINT, WORKER_FEATURES, needed_features
+from pdserve.protocol.output_constraint import OutputConstraint
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.registry.base import WorkerState
+from services.router.placement import NoWorkersError, Placement
+from services.router.request import RoutedRequest
+from tests.unit.router.router_builder import Router, prompt, worker
+
+NEW = {"features": WORKER_FEATURES, "kv_wire_version": KV_WIRE_VERSION}
+CONSTRAINED = SamplingParams(max_tokens=8, constraint=OutputConstraint("regex", "[0-9]+"))
+
+
+def place(r: Router, needs: frozenset[str] = frozenset()) -> Placement:
+    return asyncio.run(r.placement.place(prompt(40), 8, 1.0, needs))
+
+
+def test_the_registry_entry_carries_them_and_an_old_one_reads_as_saying_nothing():
+    state = worker("d0", "decode", **NEW)
+    assert WorkerState.from_json(state.to_json()) == state
+    old = worker("d1", "decode").to_json().replace(', "features": []', "").replace(', "kv_wire_version": 0', "")
+    assert "features" not in old and "kv_wire_version" not in old
+    assert (WorkerState.from_json(old).features, WorkerState.from_json(old).kv_wire_version) == ((), 0)
+
+
+def test_a_request_needing_a_feature_goes_only_to_workers_that_list_it():
+    assert needed_features(CONSTRAINED) == {OUTPUT_CONSTRAINT} and not needed_features(SamplingParams())
+    r = Router([worker("p-old"), worker("p-new", **NEW), worker("d-old", "decode"), worker("d-new", "decode", **NEW)])
+    for _ in range(4):
+        placed = place(r, needed_features(CONSTRAINED))
+        assert (placed.prefill_worker.worker_id, placed.decode.worker_id) == ("p-new", "d-new")
+    old = Router([worker("p-old"), worker("d-new", "decode", **NEW)])
+    with pytest.raises(NoWorkersError, match=f"no live worker honours {OUTPUT_CONSTRAINT} yet"):
+        place(old, needed_features(CONSTRAINED))
+    assert place(old).prefill_worker.worker_id == "p-old"  # a request needing nothing goes anywhere
+
+
+def test_a_pair_agrees_on_its_kv_transfer_version():
+    both = [worker("p3", kv_wire_version=3), worker("p4", kv_wire_version=4)]
+    r = Router([*both, worker("d3", "decode", kv_wire_version=3), worker("d4", "decode", kv_wire_version=4)])
+    for _ in range(4):  # the newest version with both roles live
+        placed = place(r)
+        assert (placed.prefill_worker.worker_id, placed.decode.worker_id) == ("p4", "d4")
+    r = Router([*both, worker("d3", "decode", kv_wire_version=3)])
+    assert {place(r).prefill_worker.worker_id for _ in range(4)} == {"p3"}  # 4 has no decode worker live
+    r = Router([worker("p4", kv_wire_version=4), worker("d-unsaid", "decode")])
+    assert place(r).decode.worker_id == "d-unsaid"  # too old to say: pairs with any
+    r = Router([worker("p3", kv_wire_version=3), worker("d4", "decode", kv_wire_version=4)])
+    with pytest.raises(NoWorkersError, match="one KV transfer version"):
+        place(r)
+
+
+def test_the_lifecycle_places_a_constrained_request_by_what_it_needs():
+    r = Router([worker("p-new", **NEW), worker("d-old", "decode"), worker("d-new", "decode", **NEW)])
+    request = RoutedRequest("r", prompt(40), CONSTRAINED, 0.0, 0.0, 0)
+    placed, _ = asyncio.run(r.lifecycle().place(request))
+    assert placed.decode.worker_id == "d-new"
