@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
+from pdserve.addresses import host_of
 from pdserve.transfer.base import (
     LayoutMismatchError,
     NotExpectedError,
@@ -29,6 +31,7 @@ from pdserve.transfer.wire import BLOCK_COUNT, FORGED, LAYOUT, MAX_SEGMENTS, NOT
 log = logging.getLogger(__name__)
 
 _ALIVE_KEY = "alive?"  # any key: check() only needs the round trip
+REFUSAL_WAIT_S = 0.2  # a refusal is at once; past this, whatever the host does is the store check's to judge
 CHECK_TIMEOUT_S = 2.0  # for that round trip, on a loaded host; a stopped decode process never answers
 
 
@@ -87,7 +90,10 @@ class SendPair:
         sat idle: the header's send then waits out the whole transfer timeout (seen under load). The store the
         decode worker serves fails at once instead (PeerLostError). One that does not answer within `timeout_s`
         is silent (PeerSilentError: its process stopped, say); the round trip stays under way, and the next check
-        waits for its answer rather than sending another."""
+        waits for its answer rather than sending another. A store that refuses connections is lost without the
+        round trip, whose failure torch logs as an 18-line C++ stack trace: at every decode worker's drain."""
+        if _refused(self.rendezvous):
+            raise PeerLostError(f"decode side {self.rendezvous}: peer lost: its store refuses connections")
         with self._check_lock:
             if self._check is None or self._check.done():
                 store = self.store  # the thread holds the store alone, not this pair (its group and staging buffers)
@@ -120,3 +126,15 @@ def rejection(code: int, detail: int, where: str, layout: KVLayout, num_blocks: 
     if code == BLOCK_COUNT:
         return TransferError(f"{where}: it expects {detail} blocks, we sent {num_blocks}")
     return TransferError(f"{where}: receive failed on the decode side (status {code})")
+
+
+def _refused(address: str) -> bool:
+    """Whether a connection to `address` is refused now: nothing listens there, its process gone. Any other answer,
+    or none, leaves the judgement to the store's round trip."""
+    try:
+        socket.create_connection((host_of(address), int(address.rpartition(":")[2])), REFUSAL_WAIT_S).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False

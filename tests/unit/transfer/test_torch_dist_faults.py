@@ -374,3 +374,22 @@ def test_a_receiver_restarted_at_its_address_takes_the_next_send_and_dead_receiv
         s.close()
         for receiver in receivers:
             receiver.kill()
+
+
+def test_a_gone_receivers_pair_is_found_lost_without_torchs_cpp_stack_trace(capfd) -> None:
+    """Its store refuses connections: lost without the store round trip, whose failure torch writes to stderr as an
+    18-line C++ stack trace, at every decode worker's drain (a day-2 review found one per drain in the prefill log)."""
+    receiver = ReceiverProcess()
+    s = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+    try:
+        receiver.expect(1)
+        assert s.send(receiver.rendezvous, 1, make_caches(8), [2, 3], 10) == receiver.received()
+        pair = s._pairs[receiver.rendezvous]
+        pair.check_peer()  # alive: nothing said
+        receiver.kill()
+        with pytest.raises(PeerLostError, match="refuses connections"):
+            pair.check_peer()
+        assert "recvValue failed" not in capfd.readouterr().err
+    finally:
+        s.close()
+        receiver.kill()
