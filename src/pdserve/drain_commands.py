@@ -34,6 +34,12 @@ def add_drain_commands(sub: Any) -> None:
     drain.add_argument("--host", default=None, help="drain every worker advertised on this host instead")
     drain.add_argument("--timeout", type=seconds, default=ClusterConfig.worker_drain_timeout_s, help=timeout_help)
     drain.add_argument("--json", action="store_true", help="one JSON object per worker per line")
+    drain.add_argument(
+        "--force",
+        action="store_true",
+        help="drain named workers even when they are every serving worker of a role (requests fail UNAVAILABLE "
+        "until a replacement serves; `pdserve restart` surges such a worker instead)",
+    )
     add_client_flags(drain)
     drain.set_defaults(func=_drain)
 
@@ -66,24 +72,34 @@ async def _drain_named(args: argparse.Namespace, creds: ClientCredentials) -> in
     import grpc
 
     if args.worker_ids:
-        with suppress(grpc.aio.AioRpcError):  # only a warning's input: the drain's own call says what fails
-            _warn_if_a_role_empties(await _workers(args.addr, creds), set(args.worker_ids))
+        emptied: list[str] = []
+        with suppress(grpc.aio.AioRpcError):  # only the check's input: the drain's own call says what fails
+            emptied = roles_emptied(await _workers(args.addr, creds), set(args.worker_ids))
+        for line in emptied:
+            print(f"pdserve drain: {'warning' if args.force else 'refused'}: {line}", file=sys.stderr)
+        if emptied and not args.force:
+            print(
+                "pdserve drain: `pdserve restart WORKER_ID` surges it instead; --force drains anyway", file=sys.stderr
+            )
+            return 2
     return await _drain_and_print(args.addr, args.worker_ids, args.host or "", args.timeout, args.json, creds)
 
 
-def _warn_if_a_role_empties(workers: list[Any], draining: set[str]) -> None:
+def roles_emptied(workers: list[Any], draining: set[str]) -> list[str]:
     """Draining every serving worker of a role leaves it none until a replacement serves: requests meanwhile wait
-    the router's no_workers_wait_s, then fail UNAVAILABLE. Said, not refused (a preStop hook must drain)."""
+    the router's no_workers_wait_s, then fail UNAVAILABLE (a review: 3 of 45 at 1.5 req/s). Refused unless --force;
+    a host's drain (a preStop hook, which must drain) is never refused."""
     serving = [w for w in workers if w.health == "SERVING" and not w.draining]
+    emptied = []
     for role in sorted({w.role for w in serving}):
         ids = {w.id for w in serving if w.role == role}
         if ids <= draining:
-            print(
-                f"pdserve drain: warning: {', '.join(sorted(ids))} {'is' if len(ids) == 1 else 'are'} every {role} "
-                f"worker serving: requests fail UNAVAILABLE until a replacement serves (`pdserve restart` surges "
-                f"a role's only worker instead)",
-                file=sys.stderr,
+            are = "is" if len(ids) == 1 else "are"
+            emptied.append(
+                f"{', '.join(sorted(ids))} {are} every {role} worker serving: requests would fail UNAVAILABLE until "
+                "a replacement serves"
             )
+    return emptied
 
 
 def _restart(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""`pdserve drain` of every serving worker of a role says that requests fail until a replacement serves."""
+"""`pdserve drain` of every serving worker of a role is refused (exit 2) unless --force, naming the role and what
+its callers would see; `pdserve restart` surges such a worker instead."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.drain_commands import _warn_if_a_role_empties
+from pdserve import drain_commands
+from pdserve.drain_commands import roles_emptied
 
 
 def worker(worker_id: str, role: str, health: str = "SERVING", draining: bool = False) -> SimpleNamespace:
@@ -14,7 +16,7 @@ def worker(worker_id: str, role: str, health: str = "SERVING", draining: bool = 
 
 
 @pytest.mark.parametrize(
-    ("workers", "drained", "warned"),
+    ("workers", "drained", "said"),
     [
         ([worker("p0", "prefill"), worker("d1", "decode")], {"d1"}, "d1 is every decode worker serving"),
         ([worker("d1", "decode"), worker("d2", "decode")], {"d1"}, None),
@@ -23,10 +25,32 @@ def worker(worker_id: str, role: str, health: str = "SERVING", draining: bool = 
         ([worker("d1", "decode"), worker("d2", "decode", health="NOT_SERVING")], {"d1"}, "d1 is every decode"),
     ],
 )
-def test_draining_a_roles_last_serving_worker_is_said(capsys, workers, drained, warned):
-    _warn_if_a_role_empties(workers, drained)
-    err = capsys.readouterr().err
-    if warned is None:
-        assert err == ""
+def test_draining_a_roles_last_serving_worker_is_found(workers, drained, said):
+    found = roles_emptied(workers, drained)
+    if said is None:
+        assert found == []
     else:
-        assert warned in err and "UNAVAILABLE" in err and "pdserve restart" in err, err
+        assert len(found) == 1 and said in found[0] and "UNAVAILABLE" in found[0], found
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_it_is_refused_unless_forced(monkeypatch, capsys, force):
+    drained: list[list[str]] = []
+
+    async def listed(addr, creds):
+        return [worker("p0", "prefill"), worker("d1", "decode")]
+
+    async def drain(addr, worker_ids, *rest):
+        drained.append(worker_ids)
+        return 0
+
+    monkeypatch.setattr(drain_commands, "_workers", listed)
+    monkeypatch.setattr(drain_commands, "_drain_and_print", drain)
+    argv = ["drain", "--addr", "127.0.0.1:1", "d1", *(["--force"] if force else [])]
+    from pdserve.cli import main
+
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert (code, drained) == ((0, [["d1"]]) if force else (2, []))
+    assert f"pdserve drain: {'warning' if force else 'refused'}: d1 is every decode worker serving" in err
+    assert force or "pdserve restart WORKER_ID" in err
