@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 from pdserve.config import DECODE_GRAPH_MODES, DTYPE_NAMES, EngineConfig, SchedulerConfig
 from pdserve.engine.model_files import BUILTIN_MODELS
+from pdserve.errors import InvalidRequestError
+from pdserve.protocol.output_constraint import OutputConstraint
 from pdserve.protocol.sampling import MAX_LOGPROBS, SamplingParams
 
 T = TypeVar("T")
@@ -64,11 +66,27 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"with --json: each token's and its N (0-{MAX_LOGPROBS}) alternatives'",
     )
+    constraint = p.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", help="the output is a JSON value this schema accepts")
+    constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    constraint.add_argument("--regex", help="the output matches this regular expression")
 
 
 def sampling_from_flags(args: argparse.Namespace, max_tokens: int) -> SamplingParams:
     """The flags of `add_sampling_flags` as SamplingParams, checked (InvalidRequestError names the field)."""
-    return from_flags(SamplingParams, args, max_tokens=max_tokens, stop=tuple(args.stop or ()))
+    constraint = None
+    if args.json_schema is not None:
+        try:
+            schema = Path(args.json_schema).read_text()
+        except OSError as e:
+            raise InvalidRequestError("sampling.json_schema", f"cannot read {args.json_schema}: {e}") from None
+        constraint = OutputConstraint("json_schema", schema)
+    elif args.json_object:
+        constraint = OutputConstraint("json_object")
+    elif args.regex is not None:
+        constraint = OutputConstraint("regex", args.regex)
+    stop = tuple(args.stop or ())
+    return from_flags(SamplingParams, args, max_tokens=max_tokens, stop=stop, constraint=constraint)
 
 
 def at_least_one(value: str) -> int:
