@@ -1,6 +1,8 @@
 """Constrained decoding in the engine: each constrained request's llguidance matcher, fed every token of its output,
-masks each step's logits to the tokens its grammar (protocol/output_constraint.py) allows next, after the logit
-biases and penalties, before temperature, top-k and top-p (vLLM's order). Log probabilities stay the model's.
+masks each step's logits to the tokens its grammar (protocol/output_constraint.py) allows next. The sampler's biases
+and penalties come after and leave a masked token out of reach (-inf, or -1e30 past a repetition penalty's clamp,
+below any logit the model gives); temperature, top-k and top-p see the masked logits. Log probabilities stay the
+model's.
 
 A matcher follows the output wherever it was sampled: a decode worker's feeds it the prefill worker's first token
 when the hand-off commits, and a migrated stream's the tokens it had streamed (the prompt's resumed tail).
