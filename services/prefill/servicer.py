@@ -25,8 +25,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> AsyncGenerator[wpb.PrefillEvent, None]:
         request_id_var.set(request.client_request_id or request.request_id)
         target = request.target
+        work = await off_the_loop_when_large(partial(engine_request_from_pb, request), request.sampling)
+        await self.run_and_send.engine.prepare(work.sampling)
         job = PrefillJob(
-            await off_the_loop_when_large(partial(engine_request_from_pb, request), request.sampling),
+            work,
             KVTarget(
                 target.decode_worker_id,
                 target.rendezvous,

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import UnavailableError
+from pdserve.protocol.compatibility import UNSAID_KV_WIRE_VERSION
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.protocol.request_checks import kv_tokens
 from pdserve.protocol.roles import Role
@@ -109,8 +110,6 @@ class PlacementPolicy(ABC):
                     "lists each worker's build)"
                 )
             colocated = prefills if colocated else colocated
-        if not colocated:
-            prefills, decodes = _one_kv_wire_version(prefills, decodes)
         block_size = prefills[0].block_size
         blocks = -(-kv_tokens(len(prompt), max_tokens) // block_size)
         if must_hold:
@@ -140,8 +139,11 @@ class PlacementPolicy(ABC):
         )
         if colocated:  # one worker does both: it must be able to decode the request too
             prefill = decode = self.choose_colocated(colocated, hits, len(prompt), blocks, tpot_slo_s, not must_hold)
-        else:
-            prefill, decode = self.choose(prefills, decodes, hits, len(prompt), blocks, tpot_slo_s, not must_hold)
+        else:  # of several KV versions' groups (a rollout), the pair whose prefill worker answers first
+            args = (hits, len(prompt), blocks, tpot_slo_s, not must_hold)
+            pairs = [self.choose(p, d, *args) for p, d in _kv_wire_groups(prefills, decodes)]
+            ttft = self._by_ttft(hits, len(prompt))
+            prefill, decode = min(pairs, key=lambda pair: ttft(pair[0]))
         cached = hits.get(prefill.cache_key, 0) * block_size
         return Placement(
             decode=decode,
@@ -156,6 +158,15 @@ class PlacementPolicy(ABC):
             block_hashes=keyed,
             offer=self._offer(*offered, hits, len(prompt), blocks, colocated=bool(colocated)),
         )
+
+    def _by_ttft(self, hits: dict[str, int], prompt_tokens: int) -> Callable[[WorkerState], tuple[float, str]]:
+        """Predicted TTFT, a cached prefix counting as work already done; ties by id."""
+        p = self.predictor
+
+        def key(w: WorkerState) -> tuple[float, str]:
+            return p.ttft_s(w, prompt_tokens, hits.get(w.cache_key, 0) * w.block_size), w.worker_id
+
+        return key
 
     def _workers(self, role: Role, avoid: frozenset[str]) -> list[WorkerState]:
         live = [w for w in self.registry.workers(role) if w.worker_id not in avoid and not w.draining]
@@ -253,15 +264,6 @@ class SLOAwarePlacement(PlacementPolicy):
         p = self.predictor
         return (lambda w: p.free_blocks_for(w, blocks)) if new else p.free_blocks
 
-    def _by_ttft(self, hits: dict[str, int], prompt_tokens: int) -> Callable[[WorkerState], tuple[float, str]]:
-        """Predicted TTFT, a cached prefix counting as work already done; ties by id."""
-        p = self.predictor
-
-        def key(w: WorkerState) -> tuple[float, str]:
-            return p.ttft_s(w, prompt_tokens, hits.get(w.cache_key, 0) * w.block_size), w.worker_id
-
-        return key
-
     def _decodable(
         self, workers: list[WorkerState], blocks: int, tpot_slo_s: float, free: Callable[[WorkerState], int]
     ) -> tuple[list[WorkerState], list[WorkerState]]:
@@ -294,23 +296,26 @@ def _honouring(workers: list[WorkerState], needs: frozenset[str]) -> list[Worker
     return [w for w in workers if needs <= set(w.features)]
 
 
-def _one_kv_wire_version(
+def _kv_wire_groups(
     prefills: list[WorkerState], decodes: list[WorkerState]
-) -> tuple[list[WorkerState], list[WorkerState]]:
-    """The prefill and decode workers of one KV transfer version, so a pair's hand-offs are never refused: while a
-    rollout runs builds of two, the newest with both roles live. A worker too old to say (0) pairs with any."""
-    versions = sorted({w.kv_wire_version for w in (*prefills, *decodes)} - {0}, reverse=True)
-    if len(versions) < 2:
-        return prefills, decodes
-    for version in versions:
-        paired = [w for w in prefills if w.kv_wire_version in (0, version)]
-        with_them = [w for w in decodes if w.kv_wire_version in (0, version)]
+) -> list[tuple[list[WorkerState], list[WorkerState]]]:
+    """The prefill and decode workers by KV transfer version, each group with both roles live, so a pair's hand-offs
+    are never refused: one group but while a rollout runs builds of two versions."""
+    groups = []
+    for version in sorted({_kv_wire_version(w) for w in (*prefills, *decodes)}, reverse=True):
+        paired = [w for w in prefills if _kv_wire_version(w) == version]
+        with_them = [w for w in decodes if _kv_wire_version(w) == version]
         if paired and with_them:
-            return paired, with_them
-    raise NoWorkersError(
-        f"no live prefill and decode workers of one KV transfer version (of {versions}): a rollout under way; "
-        "retry later"
-    )
+            groups.append((paired, with_them))
+    if not groups:
+        raise NoWorkersError(
+            "no live prefill and decode workers of one KV transfer version: a rollout under way; retry later"
+        )
+    return groups
+
+
+def _kv_wire_version(w: WorkerState) -> int:
+    return w.kv_wire_version or UNSAID_KV_WIRE_VERSION
 
 
 def _held_at_once(w: WorkerState, blocks: int) -> int:

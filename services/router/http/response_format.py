@@ -38,4 +38,5 @@ def set_response_format(body: dict[str, Any], msg: pb.SamplingParams) -> None:
         schema = spec.get("schema", {})
         if not isinstance(schema, dict):
             raise InvalidRequestError("response_format.json_schema.schema", "must be a JSON Schema object")
-        msg.json_schema = json.dumps(schema)
+        # Its size near what the caller wrote: escaped to ASCII, a non-ASCII schema's would double past the cap.
+        msg.json_schema = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))

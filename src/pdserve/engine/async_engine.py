@@ -32,6 +32,7 @@ from pdserve.errors import InvalidRequestError, UnavailableError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.outputs import PREEMPTED_NOTICE_S, RequestOutput, TokenLogprobs
 from pdserve.protocol.perf_profile import PerfProfile
+from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,6 +91,12 @@ class AsyncEngine:
         self._update_stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+
+    async def prepare(self, sampling: SamplingParams) -> None:
+        """What a request with these settings needs built before its engine takes it, built off the engine thread
+        and the event loop: its output constraint's grammar, compiled (engine/guided.py)."""
+        if sampling.constraint is not None:
+            await asyncio.to_thread(self._engine.guided.compile, sampling.constraint)
 
     # -- what the engine is (fixed at start-up; safe to read from any thread) --------------------------
 

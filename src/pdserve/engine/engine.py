@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from pdserve.protocol.outputs import FinishReason, RequestOutput, TokenLogprobs
 from pdserve.protocol.request_checks import check_request, kv_tokens
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -334,7 +337,12 @@ class LLMEngine:
             return FinishReason.STOP
         if not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason.EOS
-        if req.matcher is not None and (req.matcher.is_stopped() or req.matcher.is_error()):
+        if req.matcher is not None and req.matcher.is_error():  # its limits (llguidance's), not the request's fault
+            log.warning(
+                "%s: its output constraint failed, so its output stops here: %s", seq.seq_id, req.matcher.get_error()
+            )
+            return FinishReason.STOP
+        if req.matcher is not None and req.matcher.is_stopped():
             return FinishReason.STOP  # the constraint is complete: nothing may follow
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

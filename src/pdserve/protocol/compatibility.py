@@ -14,6 +14,7 @@ from pdserve.protocol.sampling import SamplingParams
 OUTPUT_CONSTRAINT = "output_constraint"  # SamplingParams json_schema, json_object, regex
 WORKER_FEATURES = (OUTPUT_CONSTRAINT,)  # what this build's workers honour
 KV_WIRE_VERSION = 3  # the KV transfer header's layout; a decode worker takes only its own
+UNSAID_KV_WIRE_VERSION = 3  # what a worker too old to say speaks: every build since the header's MAC (fee4495)
 
 
 def needed_features(sampling: SamplingParams) -> frozenset[str]:

@@ -35,6 +35,8 @@ class OutputConstraint:
         field = f"sampling.{self.kind}"
         if self.kind not in KINDS:
             raise InvalidRequestError("sampling", f"unknown output constraint {self.kind!r}; one of {KINDS}")
+        if self.kind == "regex" and not self.spec:  # the wire reads an empty string as no constraint at all
+            raise InvalidRequestError(field, "must not be empty")
         if len(self.spec.encode()) > MAX_SPEC_BYTES:
             raise InvalidRequestError(field, f"is {len(self.spec.encode())} bytes; at most {MAX_SPEC_BYTES}")
         error = llguidance.LLMatcher.validate_grammar(self.grammar)

@@ -49,7 +49,7 @@ class WorkerState:
     queued_prefill_prompts: int = 0
     queued_prefill_token_squares: int = 0
     # The optional request features it honours, and its KV header's version (protocol/compatibility.py); (), 0: a
-    # worker too old to say, which honours no feature added since and pairs with any version.
+    # worker too old to say, which honours no feature added since and speaks UNSAID_KV_WIRE_VERSION.
     features: tuple[str, ...] = ()
     kv_wire_version: int = 0
     updated_at: float = field(default_factory=time.time)

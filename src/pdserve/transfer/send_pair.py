@@ -85,14 +85,15 @@ class SendPair:
             g.wait_data(in_flight[-1], deadline)
         return g.recv_status(deadline)
 
-    def check_peer(self, timeout_s: float = CHECK_TIMEOUT_S) -> None:
+    def check_peer(self, timeout_s: float = CHECK_TIMEOUT_S, refusal_first: bool = False) -> None:
         """One store round trip (~0.2 ms). gloo does not always notice a decode worker that died while the pair
         sat idle: the header's send then waits out the whole transfer timeout (seen under load). The store the
         decode worker serves fails at once instead (PeerLostError). One that does not answer within `timeout_s`
         is silent (PeerSilentError: its process stopped, say); the round trip stays under way, and the next check
-        waits for its answer rather than sending another. A store that refuses connections is lost without the
-        round trip, whose failure torch logs as an 18-line C++ stack trace: at every decode worker's drain."""
-        if _refused(self.rendezvous):
+        waits for its answer rather than sending another. `refusal_first`: a store that refuses connections is lost
+        without the round trip, whose failure torch logs as an 18-line C++ stack trace; the prune of gone decode
+        workers' pairs asks so (at every decode worker's drain), not each transfer (a connection per hand-off)."""
+        if refusal_first and _refused(self.rendezvous):
             raise PeerLostError(f"decode side {self.rendezvous}: peer lost: its store refuses connections")
         with self._check_lock:
             if self._check is None or self._check.done():

@@ -202,7 +202,7 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
             if not pair.lock.acquire(blocking=False):
                 continue
             try:
-                pair.check_peer()
+                pair.check_peer(refusal_first=True)
             except PeerLostError:
                 self._drop(pair)
             except PeerSilentError:  # stopped or starved, it may resume; a host gone silent errs once TCP gives up

@@ -22,6 +22,7 @@ SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
         ("json_schema", "[1, 2]", "sampling.json_schema", "must be a JSON Schema object"),
         ("json_schema", '{"type": "nonsense"}', "sampling.json_schema", "does not compile: Invalid type"),
         ("regex", "[a-", "sampling.regex", "does not compile"),
+        ("regex", "", "sampling.regex", "must not be empty"),
         ("regex", "a" * (MAX_SPEC_BYTES + 1), "sampling.regex", f"at most {MAX_SPEC_BYTES}"),
     ],
 )

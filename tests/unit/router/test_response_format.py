@@ -29,6 +29,8 @@ def test_each_format_sets_its_constraint():
     schema = sampling({"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}})
     assert json.loads(schema.json_schema) == SCHEMA
     assert json.loads(sampling({"type": "json_schema", "json_schema": {"name": "any"}}).json_schema) == {}
+    accents = {"type": "object", "properties": {"é" * 40_000: {"type": "string"}}}  # 80 KB as UTF-8, 240 KB escaped
+    assert len(sampling({"type": "json_schema", "json_schema": {"name": "fr", "schema": accents}}).json_schema) < 40_100
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """While a rollout runs two builds, a request reaches only workers that serve it as asked: one needing a feature
 (an output constraint) only workers that list it, and a prefill and a decode worker are paired only where their KV
 transfer versions agree (a decode worker refuses a header of another version, losing every hand-off on the pair).
-A worker too old to say lists no feature and pairs with any version."""
+A worker too old to say lists no feature and speaks version 3."""
 
 from __future__ import annotations
 
@@ -46,18 +46,29 @@ def test_a_request_needing_a_feature_goes_only_to_workers_that_list_it():
 
 
 def test_a_pair_agrees_on_its_kv_transfer_version():
-    both = [worker("p3", kv_wire_version=3), worker("p4", kv_wire_version=4)]
-    r = Router([*both, worker("d3", "decode", kv_wire_version=3), worker("d4", "decode", kv_wire_version=4)])
-    for _ in range(4):  # the newest version with both roles live
-        placed = place(r)
-        assert (placed.prefill_worker.worker_id, placed.decode.worker_id) == ("p4", "d4")
-    r = Router([*both, worker("d3", "decode", kv_wire_version=3)])
-    assert {place(r).prefill_worker.worker_id for _ in range(4)} == {"p3"}  # 4 has no decode worker live
-    r = Router([worker("p4", kv_wire_version=4), worker("d-unsaid", "decode")])
-    assert place(r).decode.worker_id == "d-unsaid"  # too old to say: pairs with any
+    """A worker too old to say speaks 3, as every build did since the header's MAC: a 4 is never paired with it."""
+    r = Router([worker("p-unsaid"), worker("d4", "decode", kv_wire_version=4), worker("d-unsaid", "decode")])
+    assert {place(r).decode.worker_id for _ in range(4)} == {"d-unsaid"}
     r = Router([worker("p3", kv_wire_version=3), worker("d4", "decode", kv_wire_version=4)])
     with pytest.raises(NoWorkersError, match="one KV transfer version"):
         place(r)
+    r = Router([worker("p4", kv_wire_version=4), worker("d3", "decode"), worker("d4", "decode", kv_wire_version=4)])
+    assert {place(r).decode.worker_id for _ in range(4)} == {"d4"}
+
+
+def test_a_rollouts_two_versions_share_the_traffic_by_load():
+    """Four old pairs and one new: each request goes to the group whose prefill worker answers first, not all of
+    them to the one new pair."""
+    def cluster(old_queued: int, new_queued: int) -> Router:
+        old = [worker(f"p{i}", queued_prefill_tokens=old_queued) for i in range(4)]
+        old += [worker(f"d{i}", "decode") for i in range(4)]
+        new = [worker("p-new", kv_wire_version=4, queued_prefill_tokens=new_queued)]
+        return Router([*old, *new, worker("d-new", "decode", kv_wire_version=4)])
+
+    placed = place(cluster(old_queued=0, new_queued=20_000))
+    assert placed.prefill_worker.worker_id != "p-new" and placed.decode.worker_id != "d-new"
+    placed = place(cluster(old_queued=20_000, new_queued=0))
+    assert (placed.prefill_worker.worker_id, placed.decode.worker_id) == ("p-new", "d-new")
 
 
 def test_the_lifecycle_places_a_constrained_request_by_what_it_needs():
