@@ -59,6 +59,7 @@ def test_a_pair_agrees_on_its_kv_transfer_version():
 def test_a_rollouts_two_versions_share_the_traffic_by_load():
     """Four old pairs and one new: each request goes to the group whose prefill worker answers first, not all of
     them to the one new pair."""
+
     def cluster(old_queued: int, new_queued: int) -> Router:
         old = [worker(f"p{i}", queued_prefill_tokens=old_queued) for i in range(4)]
         old += [worker(f"d{i}", "decode") for i in range(4)]
