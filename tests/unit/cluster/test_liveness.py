@@ -13,22 +13,13 @@ from pdserve.cluster.liveness import STALE_PASSES, SupervisionLiveness
 from pdserve.cluster.supervisor import Supervisor
 from pdserve.registry.memory import InMemoryRegistry
 from pdserve.telemetry import HEALTH_PATH, Telemetry
+from tests.unit.hand_clock import HandClock
 
 pytestmark = pytest.mark.timeout(30)
 INTERVAL_S = 0.01
 
 
-class Clock:
-    """The supervisor's clock, moved by hand: staleness without waiting for it."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def supervisor(clock: Clock) -> Supervisor:
+def supervisor(clock: HandClock) -> Supervisor:
     return Supervisor(InMemoryRegistry(), publish=True, new_actor=lambda spec: None, clock=clock)
 
 
@@ -42,7 +33,7 @@ async def passes(supervision: Supervisor, count: int) -> None:
 
 
 async def test_each_pass_of_the_loop_keeps_it_alive_until_the_bound_passes() -> None:
-    clock = Clock()
+    clock = HandClock(100.0)
     supervision = supervisor(clock)
     liveness = SupervisionLiveness(supervision, INTERVAL_S)
     assert liveness.bound_s == STALE_PASSES * INTERVAL_S + supervision.check_timeout_s
@@ -66,7 +57,7 @@ def get(port: int, path: str) -> tuple[int, str]:
 
 
 async def test_healthz_beside_metrics_answers_200_while_the_loop_passes_and_503_naming_the_age_once_it_stops() -> None:
-    clock = Clock()
+    clock = HandClock(100.0)
     supervision = supervisor(clock)
     liveness = SupervisionLiveness(supervision, INTERVAL_S)
     telemetry = Telemetry("pdserve-controller")

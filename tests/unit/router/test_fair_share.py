@@ -18,20 +18,13 @@ from services.router.generation import generate
 from services.router.placement import Placement
 from services.router.tenant_shares import ACTIVE_S, TenantShares
 from services.router.ticket import Ticket
+from tests.unit.hand_clock import HandClock
 from tests.unit.router.router_builder import Router, prompt, worker
 from tests.unit.router.stand_in_decode import StandInDecode, serving
 
 pytestmark = pytest.mark.timeout(60)
 SLO = SLOTarget(5.0, 1.0)
 LONG = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(max_tokens=50))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_one_tenant_alone_is_never_over_its_share():
@@ -42,7 +35,7 @@ def test_one_tenant_alone_is_never_over_its_share():
 
 
 def test_a_tenant_holding_more_than_an_equal_share_of_the_active_tenants_streams_is_over():
-    clock = Clock()
+    clock = HandClock()
     shares = TenantShares(clock)
     for _ in range(3):
         shares.entered("a")

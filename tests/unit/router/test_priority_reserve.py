@@ -16,6 +16,7 @@ from services.router.placement import Placement
 from services.router.priority_classes import PriorityClasses
 from services.router.tenant_shares import ACTIVE_S
 from services.router.ticket import Ticket
+from tests.unit.hand_clock import HandClock
 from tests.unit.router.router_builder import Router, prompt, worker
 from tests.unit.router.stand_in_decode import StandInDecode, serving
 
@@ -23,16 +24,8 @@ pytestmark = pytest.mark.timeout(60)
 SLO = SLOTarget(5.0, 1.0)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_class_above_is_active_while_it_streams_or_asked_lately():
-    clock = Clock()
+    clock = HandClock()
     classes = PriorityClasses(clock)
     assert not classes.higher_active(0) and not classes.higher_active(-3)
     classes.asked(7)

@@ -10,18 +10,11 @@ import pytest
 from pdserve.errors import InvalidRequestError, OverloadedError, UnavailableError
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import Choices, LocalQuotas
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.hand_clock import HandClock
 
 
 async def test_request_rate_refuses_with_a_hint_that_is_enough() -> None:
-    clock = Clock()
+    clock = HandClock(0.0)
     quotas, t = LocalQuotas(clock), Tenant("a", "k", requests_per_second=2)
     for _ in range(2):
         await quotas.take_request(t)
@@ -35,7 +28,7 @@ async def test_request_rate_refuses_with_a_hint_that_is_enough() -> None:
 
 
 async def test_concurrency_counts_open_sessions_only() -> None:
-    quotas, t = LocalQuotas(Clock()), Tenant("a", "k", max_concurrent=1)
+    quotas, t = LocalQuotas(HandClock(0.0)), Tenant("a", "k", max_concurrent=1)
     async with quotas.session(t):
         with pytest.raises(OverloadedError, match="max_concurrent") as caught:
             async with quotas.session(t):
@@ -46,7 +39,7 @@ async def test_concurrency_counts_open_sessions_only() -> None:
 
 
 async def test_tokens_per_minute_charges_admitted_requests_and_refunds_refused_ones() -> None:
-    clock = Clock()
+    clock = HandClock(0.0)
     quotas, t = LocalQuotas(clock), Tenant("a", "k", tokens_per_minute=600)
     with pytest.raises(InvalidRequestError, match="^sampling.max_tokens"):
         async with quotas.session(t) as s:
@@ -68,7 +61,7 @@ async def test_tokens_per_minute_charges_admitted_requests_and_refunds_refused_o
 
 
 async def test_an_open_tenant_is_never_limited() -> None:
-    quotas, t = LocalQuotas(Clock()), Tenant("anonymous")
+    quotas, t = LocalQuotas(HandClock(0.0)), Tenant("anonymous")
     for _ in range(1000):
         await quotas.take_request(t)
         async with quotas.session(t) as s:
@@ -78,7 +71,7 @@ async def test_an_open_tenant_is_never_limited() -> None:
 async def test_more_choices_than_a_key_lets_in_at_once_are_invalid_naming_n() -> None:
     """n choices are n streams, n requests and n times the tokens at once: past a limit no wait lifts, INVALID_ARGUMENT
     before anything is taken; at the limit, let in."""
-    quotas = LocalQuotas(Clock())
+    quotas = LocalQuotas(HandClock(0.0))
     for tenant, n in [
         (Tenant("a", "streams", max_concurrent=2), 3),
         (Tenant("a", "burst", requests_per_second=2), 3),  # a burst of one second's requests
@@ -105,7 +98,7 @@ async def test_the_first_choice_charges_for_all_and_nothing_charged_comes_back_o
     nothing. Once admitted, the charge stays however the request ends: choices cancelled because another failed
     gave their tokens back, which let a caller make a choice fail on purpose (an id too long for the last choice,
     a refused third) and stream the others for free, round after round."""
-    clock = Clock()
+    clock = HandClock(0.0)
     quotas, t = LocalQuotas(clock), Tenant("a", "k", tokens_per_minute=900)
     async with quotas.session(t) as other:  # another request of the key: 800 left
         await other.charge_tokens(100)
@@ -131,7 +124,7 @@ async def test_the_first_choice_charges_for_all_and_nothing_charged_comes_back_o
 async def test_tokens_come_back_when_the_cluster_fails_a_request_before_its_first_message() -> None:
     """Every worker refused or lost it: the caller was told a retry may succeed (RESOURCE_EXHAUSTED, UNAVAILABLE),
     which its spent tokens would refuse. Once a message went out, or when the caller itself gave up, they stay."""
-    quotas, t = LocalQuotas(Clock()), Tenant("a", "k", tokens_per_minute=600)
+    quotas, t = LocalQuotas(HandClock(0.0)), Tenant("a", "k", tokens_per_minute=600)
     for failure in (OverloadedError("decode worker d0: its batch is full"), UnavailableError("lost")):
         with pytest.raises(type(failure)):
             async with quotas.session(t) as s:
@@ -147,7 +140,7 @@ async def test_tokens_come_back_when_the_cluster_fails_a_request_before_its_firs
         with pytest.raises(OverloadedError, match="tokens"):  # its 300 stayed spent
             async with quotas.session(t) as s:
                 await s.charge_tokens(400)
-        quotas, t = LocalQuotas(Clock()), Tenant("a", "k", tokens_per_minute=600)
+        quotas, t = LocalQuotas(HandClock(0.0)), Tenant("a", "k", tokens_per_minute=600)
     with pytest.raises(UnavailableError):
         async with quotas.session(t) as s:
             await s.charge_tokens(300)
@@ -160,7 +153,7 @@ async def test_tokens_come_back_when_the_cluster_fails_a_request_before_its_firs
 
 
 async def test_a_reload_keeps_a_kept_keys_counts_under_its_new_caps_and_forgets_a_removed_key() -> None:
-    clock = Clock()
+    clock = HandClock(0.0)
     quotas = LocalQuotas(clock)
     kept, gone = (
         Tenant("a", "kept", requests_per_second=1, max_concurrent=1),
