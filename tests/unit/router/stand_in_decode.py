@@ -14,6 +14,9 @@ from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
+from services.router.generation import generate
+from services.router.lifecycle import RequestLifecycle
+from services.router.ticket import Ticket
 
 
 class StandInDecode(worker_pb2_grpc.DecodeWorkerServicer):
@@ -47,3 +50,36 @@ async def serving(decode: StandInDecode, secret: bytes = b"") -> AsyncIterator[s
         yield server.address
     finally:
         await server.stop(None)
+
+
+class OpenStreams:
+    """Streams through a router's lifecycle, each held open (its first message in) until `close`."""
+
+    def __init__(self, lifecycle: RequestLifecycle) -> None:
+        self.lifecycle = lifecycle
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def open(self, msg: pb.GenerateRequest, metadata: dict[str, str] | None = None) -> None:
+        """Returns once the stream's first message is in; raises what refused it."""
+        first = asyncio.get_running_loop().create_future()
+
+        async def stream() -> None:
+            try:
+                async for _ in generate(self.lifecycle, msg, metadata or {}, lambda: 60.0, _nothing):
+                    if not first.done():
+                        first.set_result(None)
+            except Exception as e:
+                if not first.done():
+                    first.set_exception(e)
+
+        self.tasks.append(asyncio.create_task(stream()))
+        await first
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def _nothing(ticket: Ticket) -> None:
+    pass

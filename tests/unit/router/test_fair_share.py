@@ -4,8 +4,6 @@ the same tenant alone, is admitted."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from pdserve.errors import OverloadedError
@@ -14,13 +12,11 @@ from pdserve.security.quotas import LocalQuotas
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import SLOTarget
-from services.router.generation import generate
 from services.router.placement import Placement
 from services.router.tenant_shares import ACTIVE_S, TenantShares
-from services.router.ticket import Ticket
 from tests.unit.hand_clock import HandClock
 from tests.unit.router.router_builder import Router, prompt, worker
-from tests.unit.router.stand_in_decode import StandInDecode, serving
+from tests.unit.router.stand_in_decode import OpenStreams, StandInDecode, serving
 
 pytestmark = pytest.mark.timeout(60)
 SLO = SLOTarget(5.0, 1.0)
@@ -140,23 +136,10 @@ async def test_through_the_request_path_each_stream_counts_for_its_keys_tenant()
         decode = worker("d0", "decode", address=address, max_num_seqs=4)
         telemetry = Telemetry("test-router")
         lifecycle = Router([worker("p0"), decode], fair_share_reserve=0.25).lifecycle(keys, LocalQuotas(), telemetry)
-        streams: list[asyncio.Task[None]] = []
+        streams = OpenStreams(lifecycle)
 
         async def opened(key: str) -> None:
-            """A stream of this key, open (its first message in) until the test ends; or what refused it."""
-            first = asyncio.get_running_loop().create_future()
-
-            async def stream() -> None:
-                try:
-                    async for _ in generate(lifecycle, LONG, {"authorization": f"Bearer {key}"}, lambda: 60.0, none):
-                        if not first.done():
-                            first.set_result(None)
-                except Exception as e:
-                    if not first.done():
-                        first.set_exception(e)
-
-            streams.append(asyncio.create_task(stream()))
-            await first
+            await streams.open(LONG, {"authorization": f"Bearer {key}"})
 
         try:
             for key in ("f", "f", "q"):
@@ -169,9 +152,7 @@ async def test_through_the_request_path_each_stream_counts_for_its_keys_tenant()
             # Each worker call names its tenant, which the workers' waiting queues take in turn (fair_queue.py).
             assert [r.tenant for r in stand_in.requests] == ["flood", "flood", "quiet", "quiet"]
         finally:
-            for task in streams:
-                task.cancel()
-            await asyncio.gather(*streams, return_exceptions=True)
+            await streams.close()
         assert not lifecycle.admission.shares.in_flight
         assert in_flight(telemetry) == {"flood": 0, "quiet": 0}  # each known tenant's series stays, at 0
 
@@ -180,7 +161,3 @@ def in_flight(telemetry: Telemetry) -> dict[str, float]:
     """The router's `pdserve_requests_in_flight` gauge by tenant, as a scrape reads it."""
     samples = (s for f in telemetry.registry.collect() for s in f.samples if s.name == "pdserve_requests_in_flight")
     return {s.labels["tenant"]: s.value for s in samples}
-
-
-async def none(ticket: Ticket) -> None:
-    pass

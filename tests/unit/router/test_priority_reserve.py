@@ -4,21 +4,17 @@ retry hint) where a request of the higher class, or the same request with no hig
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from pdserve.errors import OverloadedError
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import SLOTarget
-from services.router.generation import generate
 from services.router.placement import Placement
 from services.router.priority_classes import PriorityClasses
 from services.router.tenant_shares import ACTIVE_S
-from services.router.ticket import Ticket
 from tests.unit.hand_clock import HandClock
 from tests.unit.router.router_builder import Router, prompt, worker
-from tests.unit.router.stand_in_decode import StandInDecode, serving
+from tests.unit.router.stand_in_decode import OpenStreams, StandInDecode, serving
 
 pytestmark = pytest.mark.timeout(60)
 SLO = SLOTarget(5.0, 1.0)
@@ -113,26 +109,12 @@ async def test_through_the_request_path_a_stream_of_a_higher_class_keeps_the_las
     async with serving(stand_in) as address:
         decode = worker("d0", "decode", address=address, max_num_seqs=5)
         lifecycle = Router([worker("p0"), decode], low_priority_reserve=0.2).lifecycle()
-        streams: list[asyncio.Task[None]] = []
+        streams = OpenStreams(lifecycle)
 
         async def opened(priority: int) -> None:
-            """A stream of this priority, open (its first message in) until the test ends; or what refused it."""
-            first = asyncio.get_running_loop().create_future()
-            msg = pb.GenerateRequest(
-                prompt_token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(max_tokens=50), priority=priority
-            )
-
-            async def stream() -> None:
-                try:
-                    async for _ in generate(lifecycle, msg, {}, lambda: 60.0, none):
-                        if not first.done():
-                            first.set_result(None)
-                except Exception as e:
-                    if not first.done():
-                        first.set_exception(e)
-
-            streams.append(asyncio.create_task(stream()))
-            await first
+            msg = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=pb.SamplingParams(max_tokens=50))
+            msg.priority = priority
+            await streams.open(msg)
 
         try:
             for priority in (2, 0, 0):
@@ -145,14 +127,8 @@ async def test_through_the_request_path_a_stream_of_a_higher_class_keeps_the_las
             assert dict(lifecycle.admission.classes.in_flight) == {1: 2, 0: 3}
             assert [r.priority for r in stand_in.requests] == [2, 0, 0, 0, 2]
         finally:
-            for task in streams:
-                task.cancel()
-            await asyncio.gather(*streams, return_exceptions=True)
+            await streams.close()
         assert not +lifecycle.admission.classes.in_flight
-
-
-async def none(ticket: Ticket) -> None:
-    pass
 
 
 def test_an_idle_worker_takes_any_request_that_fits_it_whatever_the_reserve():
