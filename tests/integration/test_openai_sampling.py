@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Literal
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from pdserve import cli
@@ -162,6 +164,11 @@ def test_logit_bias_and_stop_token_ids_reach_both_workers(cluster, client):
     assert stopped.usage.completion_tokens == expected.index(stop) + 1  # the stop token is the last one
 
 
+class Tagged(pydantic.BaseModel):
+    n: int = pydantic.Field(ge=0, le=99)
+    tag: Literal["red", "blue"]
+
+
 def test_an_output_constraint_holds_on_both_workers(cluster, client):
     """The first token (the prefill worker's) and the rest (the decode worker's) keep to the constraint, as the
     single-process engine does: a JSON Schema through OpenAI's response_format, a regex through gRPC."""
@@ -179,6 +186,9 @@ def test_an_output_constraint_holds_on_both_workers(cluster, client):
         ).choices[0]
         jsonschema.validate(json.loads(answer.message.content), schema)
         assert answer.finish_reason == "stop"
+    parsed = client.chat.completions.parse(model=MODEL, messages=messages, max_tokens=48, response_format=Tagged)
+    tagged = parsed.choices[0].message.parsed  # the SDK's strict schema of a pydantic model, its answer read back
+    assert isinstance(tagged, Tagged) and 0 <= tagged.n <= 99
     regex = "[0-9]{2}-(yes|no)"
     expected = greedy_completion(PROMPT, 16, constraint=OutputConstraint("regex", regex))
     result = grpc_result(cluster, prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=16, regex=regex))
