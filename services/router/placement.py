@@ -126,7 +126,8 @@ class PlacementPolicy(ABC):
             if not holding and (must_hold or self._registered_holds(Role.PREFILL, prompt_blocks)):
                 raise NoWorkersError(f"no live prefill worker holds {prompt_blocks} KV blocks")
             prefills = holding or prefills
-        offered = self._registered(colocated=bool(colocated))
+        # What an idle cluster offers the request: on the workers that would serve it as asked (a feature's).
+        offered = tuple(_honouring(ws, needs) or ws for ws in self._registered(colocated=bool(colocated)))
         # The worker keys every full block of the prompt, but a hit stops short of its last token (computed anew).
         if len(prompt) <= INLINE_HASH_TOKENS:
             keyed = prefix_hashes(prompt, block_size, cache_salt)
@@ -156,7 +157,7 @@ class PlacementPolicy(ABC):
             predicted_tpot_s=self.predictor.tpot_s(decode),
             blocks_needed=blocks,
             block_hashes=keyed,
-            offer=self._offer(*offered, hits, len(prompt), blocks, colocated=bool(colocated)),
+            offer=self._offer(offered[0], offered[1], hits, len(prompt), blocks, colocated=bool(colocated)),
         )
 
     def _by_ttft(self, hits: dict[str, int], prompt_tokens: int) -> Callable[[WorkerState], tuple[float, str]]:

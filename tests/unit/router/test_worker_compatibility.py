@@ -77,3 +77,12 @@ def test_the_lifecycle_places_a_constrained_request_by_what_it_needs():
     request = RoutedRequest("r", prompt(40), CONSTRAINED, 0.0, 0.0, 0)
     placed, _ = asyncio.run(r.lifecycle().place(request))
     assert placed.decode.worker_id == "d-new"
+
+
+def test_what_an_idle_cluster_offers_a_constrained_request_is_over_the_workers_that_serve_it():
+    """An SLO below the offer is refused as never servable: a faster worker that would not serve the request as
+    asked (an older build) must not make the offer look better than the cluster can do."""
+    fast_old = worker("d-old", "decode", kv_blocks_total=10_000, kv_blocks_free=10_000)
+    r = Router([worker("p-new", **NEW), fast_old, worker("d-new", "decode", **NEW)])
+    assert place(r, needed_features(CONSTRAINED)).offer.kv_blocks == 4096  # d-new's, not d-old's 10,000
+    assert place(r).offer.kv_blocks == 10_000
