@@ -130,7 +130,10 @@ def test_decode_worker_killed_before_the_stream_starts_requests_complete_on_the_
         # Its registry entry lives on until the TTL: concurrent requests spread over both decode workers.
         got = await asyncio.gather(*(tokens(cluster.address, request(f"after-kill-{i}")) for i in range(4)))
         assert got == [expected] * 4
-        assert retried_after(cluster.log(), victim.id), cluster.log()[-3000:]
+        # Those placed on it are placed again on the other; the supervisor, checking every 0.5 s, may find its
+        # port closed first (a CI run saw it 20 ms after the kill), and none is placed on it at all.
+        log = cluster.log()
+        assert retried_after(log, victim.id) or f"worker {victim.id} left placement" in log, log[-3000:]
         await none_in_flight(cluster.address)
 
     asyncio.run(run())
