@@ -388,27 +388,3 @@ def test_the_queue_counts_the_prompt_tokens_left_to_compute_past_a_cached_prefix
     assert sim.sched.queued_prefill() == QueuedPrefill(2, 5 + 12, 5 * 5 + 12 * 12)
     sim.run()
     assert sim.sched.queued_prefill() == QueuedPrefill()
-
-
-def test_a_higher_priority_is_never_preempted_for_a_lower_one_and_goes_back_before_it() -> None:
-    """The newest running sequence is preempted only among the lowest priority running: here the older one,
-    scheduled before it this very step, gives its place up; preempted, it waits behind a higher priority."""
-    sim = Sim(SchedulerConfig(max_num_batched_tokens=64, long_prefill_chunk=64), 5, 4)
-    low = sim.add("low", list(range(8)), max_tokens=12)
-    sim.step()
-    urgent = sim.add("urgent", list(range(50, 58)), max_tokens=12)
-    urgent.priority = 5
-    out = sim.sched.schedule()
-    assert [c.seq_id for c in out.chunks] == ["low", "urgent"]
-    sim.sched.complete_step()
-    for s in (low, urgent):
-        s.output_token_ids.append(fake_token(s))
-    out = sim.sched.schedule()  # each needs a third block, and one is free: low's goes to urgent
-    assert out.preempted == ["low"] and [c.seq_id for c in out.chunks] == ["urgent"]
-    assert low.block_table == [] and sim.bm.num_free_blocks == 5 - len(urgent.block_table)
-    sim.sched.complete_step()
-    later = sim.add("later", list(range(90, 94)), max_tokens=2)
-    later.priority = 5
-    sim.sched.finish(urgent, FinishReason.LENGTH)
-    out = sim.sched.schedule()
-    assert [c.seq_id for c in out.chunks][0] == "later"  # a higher priority waiting goes before a preempted lower
