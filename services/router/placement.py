@@ -157,7 +157,7 @@ class PlacementPolicy(ABC):
             predicted_tpot_s=self.predictor.tpot_s(decode),
             blocks_needed=blocks,
             block_hashes=keyed,
-            offer=self._offer(*offered, hits, len(prompt), blocks, colocated=bool(colocated)),
+            offer=self._offer(offered[0], offered[1], hits, len(prompt), blocks, colocated=bool(colocated)),
         )
 
     def _by_ttft(self, hits: dict[str, int], prompt_tokens: int) -> Callable[[WorkerState], tuple[float, str]]:
