@@ -138,6 +138,8 @@ def worker_status(w: WorkerState, health: str, recent: RecentLatencies) -> apb.W
         pid=w.pid,
         draining=w.draining,
         build=w.build,
+        features=w.features,
+        kv_wire_version=w.speaks_kv_wire_version,
     )
 
 

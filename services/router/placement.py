@@ -9,7 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import UnavailableError
-from pdserve.protocol.compatibility import UNSAID_KV_WIRE_VERSION
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.protocol.request_checks import kv_tokens
 from pdserve.protocol.roles import Role
@@ -303,9 +302,9 @@ def _kv_wire_groups(
     """The prefill and decode workers by KV transfer version, each group with both roles live, so a pair's hand-offs
     are never refused: one group but while a rollout runs builds of two versions."""
     groups = []
-    for version in sorted({_kv_wire_version(w) for w in (*prefills, *decodes)}, reverse=True):
-        paired = [w for w in prefills if _kv_wire_version(w) == version]
-        with_them = [w for w in decodes if _kv_wire_version(w) == version]
+    for version in sorted({w.speaks_kv_wire_version for w in (*prefills, *decodes)}, reverse=True):
+        paired = [w for w in prefills if w.speaks_kv_wire_version == version]
+        with_them = [w for w in decodes if w.speaks_kv_wire_version == version]
         if paired and with_them:
             groups.append((paired, with_them))
     if not groups:
@@ -313,10 +312,6 @@ def _kv_wire_groups(
             "no live prefill and decode workers of one KV transfer version: a rollout under way; retry later"
         )
     return groups
-
-
-def _kv_wire_version(w: WorkerState) -> int:
-    return w.kv_wire_version or UNSAID_KV_WIRE_VERSION
 
 
 def _held_at_once(w: WorkerState, blocks: int) -> int:

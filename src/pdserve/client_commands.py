@@ -115,6 +115,8 @@ STATUS_FIELDS = (
     "pid",
     "draining",
     "build",
+    "features",
+    "kv_wire_version",
 )
 
 
@@ -122,7 +124,9 @@ def _status_field(w: Any, field: str) -> Any:
     """A worker's JSON value: a latency without a sample is null, as `pdserve plan --json` gives no data."""
     from pdserve.status_view import latency_ms
 
-    return latency_ms(w, field) if field.endswith("_ms") else getattr(w, field)
+    if field.endswith("_ms"):
+        return latency_ms(w, field)
+    return list(w.features) if field == "features" else getattr(w, field)
 
 
 def status_record(reply: Any) -> dict[str, Any]:

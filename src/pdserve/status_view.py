@@ -48,7 +48,8 @@ def _latency(w: apb.WorkerStatus, kind: str) -> str:
 def title(reply: apb.ClusterStatusResponse, address: str) -> str:
     desired = _desired(reply)
     draining = ", draining" if reply.draining else ""
-    return f"pdserve at {address}: {reply.in_flight} in flight{draining}{desired}{_builds(reply)}"
+    mixed = _builds(reply) + _kv_wire_versions(reply) + _features(reply)
+    return f"pdserve at {address}: {reply.in_flight} in flight{draining}{desired}{mixed}"
 
 
 def _builds(reply: apb.ClusterStatusResponse) -> str:
@@ -58,6 +59,23 @@ def _builds(reply: apb.ClusterStatusResponse) -> str:
     if len(counts) < 2:
         return ""
     return "; builds " + ", ".join(f"{b} ({n} worker{'s' if n > 1 else ''})" for b, n in sorted(counts.items()))
+
+
+def _kv_wire_versions(reply: apb.ClusterStatusResponse) -> str:
+    """`; KV wire v3 (2 workers), v4 (1 worker)` while workers speak more than one: a prefill worker hands off
+    only to decode workers of its own version, so each version needs both roles live."""
+    counts = Counter(w.kv_wire_version for w in reply.workers if w.kv_wire_version)
+    if len(counts) < 2:
+        return ""
+    return "; KV wire " + ", ".join(f"v{v} ({n} worker{'s' if n > 1 else ''})" for v, n in sorted(counts.items()))
+
+
+def _features(reply: apb.ClusterStatusResponse) -> str:
+    """`; output_constraint on 2 of 3 workers` for each feature not every worker honours: its requests go only to
+    those that do."""
+    counts = Counter(f for w in reply.workers for f in set(w.features))
+    total = len(reply.workers)
+    return "".join(f"; {f} on {n} of {total} workers" for f, n in sorted(counts.items()) if n < total)
 
 
 def _desired(reply: apb.ClusterStatusResponse) -> str:

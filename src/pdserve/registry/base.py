@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from pdserve.config import EngineConfig
 from pdserve.protocol.admitted import AdmittedTotals
+from pdserve.protocol.compatibility import UNSAID_KV_WIRE_VERSION
 from pdserve.protocol.perf_profile import PerfProfile, QueuedPrefill
 from pdserve.protocol.roles import Role
 
@@ -57,6 +58,10 @@ class WorkerState:
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # from JSON or a caller's string: one type, checked
         object.__setattr__(self, "features", tuple(self.features))  # JSON's list
+
+    @property
+    def speaks_kv_wire_version(self) -> int:
+        return self.kv_wire_version or UNSAID_KV_WIRE_VERSION
 
     @property
     def queued_prefill(self) -> QueuedPrefill:

@@ -83,7 +83,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("id", "role", "address", "health", "running", "waiting", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "metrics_address", "state_age_s", "pid", "draining", "build")
+    __slots__ = ("id", "role", "address", "health", "running", "waiting", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "metrics_address", "state_age_s", "pid", "draining", "build", "features", "kv_wire_version")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class WorkerStatus(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     BUILD_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    KV_WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     address: str
@@ -122,7 +124,9 @@ class WorkerStatus(_message.Message):
     pid: int
     draining: bool
     build: str
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tpot_p50_ms: _Optional[float] = ..., tpot_p99_ms: _Optional[float] = ..., metrics_address: _Optional[str] = ..., state_age_s: _Optional[float] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ..., build: _Optional[str] = ...) -> None: ...
+    features: _containers.RepeatedScalarFieldContainer[str]
+    kv_wire_version: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tpot_p50_ms: _Optional[float] = ..., tpot_p99_ms: _Optional[float] = ..., metrics_address: _Optional[str] = ..., state_age_s: _Optional[float] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ..., build: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., kv_wire_version: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("workers", "in_flight", "draining", "desired", "admitted_requests", "admitted_prompt_tokens", "admitted_max_tokens", "finished_requests", "completion_tokens", "admitted_local_only", "shed_requests", "shed_prompt_tokens", "model")

@@ -7,6 +7,7 @@ import json
 
 from pdserve.client_commands import status_record
 from pdserve.metrics import RecentLatencies
+from pdserve.protocol.compatibility import UNSAID_KV_WIRE_VERSION
 from pdserve.registry.base import WorkerState
 from pdserve.status_view import plain_text, rows
 from pdserve.v1 import admin_pb2 as apb
@@ -45,3 +46,15 @@ def test_json_gives_null_without_samples() -> None:
     assert (decode["tpot_p50_ms"], decode["tpot_p99_ms"]) == (20.0, 20.0)
     assert [new[f] for f in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")] == [None] * 4
     assert new["id"] == "decode-new" and new["health"] == "SERVING"
+
+
+def test_json_gives_features_and_the_kv_wire_version_a_worker_too_old_to_say_speaks() -> None:
+    """A worker of a build before the fields says neither: it honours no feature and speaks the unsaid version."""
+    now = WorkerState("decode-1", "decode", "10.0.0.1:2", features=("output_constraint",), kv_wire_version=4)
+    old = WorkerState("decode-0", "decode", "10.0.0.1:1")
+    r = apb.ClusterStatusResponse(workers=[worker_status(w, "SERVING", RecentLatencies()) for w in (now, old)])
+    listed = json.loads(json.dumps(status_record(r)))["workers"]
+    assert [(w["features"], w["kv_wire_version"]) for w in listed] == [
+        (["output_constraint"], 4),
+        ([], UNSAID_KV_WIRE_VERSION),
+    ]

@@ -119,3 +119,18 @@ def test_the_title_names_the_builds_while_workers_run_more_than_one():
     assert plain_text(r, ADDRESS).splitlines()[0].endswith("; builds img:v1 (1 worker), img:v2 (2 workers)")
     r.workers[1].build = "img:v2"
     assert "builds" not in plain_text(r, ADDRESS)  # one build: nothing said
+
+
+def test_the_title_names_kv_wire_versions_and_features_while_workers_differ():
+    """A rollout that changes the KV header or adds a feature: what splits placement is said, and only then."""
+    r = reply()
+    for w, version in zip(r.workers, (3, 4, 4), strict=True):
+        w.kv_wire_version = version
+        w.features.append("output_constraint")
+    r.workers[2].features.append("other_feature")
+    title = plain_text(r, ADDRESS).splitlines()[0]
+    assert title.endswith("; KV wire v3 (1 worker), v4 (2 workers); other_feature on 1 of 3 workers")
+    r.workers[0].kv_wire_version = 4
+    r.workers[0].features.append("other_feature")
+    r.workers[1].features.append("other_feature")
+    assert plain_text(r, ADDRESS).splitlines()[0] == f"pdserve at {ADDRESS}: 5 in flight"
