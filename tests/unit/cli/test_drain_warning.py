@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve import drain_commands
+from pdserve.cluster.local_process import free_port
 from pdserve.drain_commands import roles_emptied
 
 
@@ -54,3 +55,23 @@ def test_it_is_refused_unless_forced(monkeypatch, capsys, force):
     assert (code, drained) == ((0, [["d1"]]) if force else (2, []))
     assert f"pdserve drain: {'warning' if force else 'refused'}: d1 is every decode worker serving" in err
     assert force or "pdserve restart WORKER_ID" in err
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_drain_it_could_not_check_is_refused_unless_forced(monkeypatch, capsys, force):
+    """No router answers the status call here (a key may drain but not read the status, a router going away):
+    the drain might empty a role, so it is refused as one that would, saying why."""
+    drained: list[list[str]] = []
+
+    async def drain(addr, worker_ids, *rest):
+        drained.append(worker_ids)
+        return 0
+
+    monkeypatch.setattr(drain_commands, "_drain_and_print", drain)
+    from pdserve.cli import main
+
+    code = main(["drain", "--addr", f"127.0.0.1:{free_port()}", "d1", "--timeout", "5", *(["--force"] * force)])
+    err = capsys.readouterr().err
+    assert (code, drained) == ((0, [["d1"]]) if force else (2, []))
+    said = f"pdserve drain: {'warning' if force else 'refused'}: could not check that the drain leaves each role a "
+    assert said + "worker (UNAVAILABLE: " in err, err
