@@ -61,7 +61,6 @@ failed_final = [r for r in reqs if r["status"] not in ("OK", "RESOURCE_EXHAUSTED
 print(
     "requests whose final status is an error:", len(failed_final), [(r["id"], r["status"]) for r in failed_final][:10]
 )
-stop_t = ev.get("load stopping", 1e9)
 for name, large in (("large", True), ("small", False)):
     served = [r["ttft"] for r in reqs if r["large"] == large and r["ttft"] is not None]
     refs = [r["refusals"] for r in reqs if r["large"] == large]
@@ -143,11 +142,7 @@ rs = ev.get("redis stop")
 if rs:
     print(
         "  around redis restart:",
-        [
-            (c["t"], c.get("claims", c.get("err", ""))[:0] if False else (len(c["claims"]) if "claims" in c else "ERR"))
-            for c in claims
-            if rs - 4 <= c["t"] <= rs + 20
-        ],
+        [(c["t"], len(c["claims"]) if "claims" in c else "ERR") for c in claims if rs - 4 <= c["t"] <= rs + 20],
     )
 
 print("proc samples:")

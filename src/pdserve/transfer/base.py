@@ -66,10 +66,10 @@ class KVSender(_Closeable):
         `rendezvous` is the decode side's "host:port" for this pair (from `KVReceiver.rendezvous`, carried
         in `KVTarget`); the pair group is built on first use and cached. Returns the bytes moved, once the
         decode side reports the blocks in place; the caller may then free its own blocks. Reads the caches,
-        never changes them. Raises TransferError (PeerLostError, TransferTimeoutError, LayoutMismatchError)
-        when its turn on the pair does not come within `timeout_s`, or its transfer is not done within
-        `timeout_s` of starting (so within about twice `timeout_s`); a broken pair group is dropped and rebuilt
-        by a later send.
+        never changes them. Raises TransferError (PeerLostError, TransferTimeoutError, LayoutMismatchError, or
+        NotExpectedError: the decode side no longer waits for `tag`, a failure it counts itself) when its turn on
+        the pair does not come within `timeout_s`, or its transfer is not done within `timeout_s` of starting (so
+        within about twice `timeout_s`); a broken pair group is dropped and rebuilt by a later send.
         """
 
 

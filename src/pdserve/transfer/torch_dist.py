@@ -227,7 +227,8 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
 
 
 class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
-    """Decode side (rank 1 of every pair): hosts a store per prefill peer, on a port the OS picks."""
+    """Decode side (rank 1 of every pair): hosts a store per prefill peer, on `store_port` or the next free port after
+    it (0: a port the OS picks)."""
 
     def _init_side(self) -> None:
         self._identity = uuid.uuid4().hex
