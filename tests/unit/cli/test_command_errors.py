@@ -327,6 +327,10 @@ def test_a_drain_the_router_refuses_as_invalid_exits_2_as_scale_does(capsys, mon
     async def refused(*args: object) -> int:
         raise grpc.aio.AioRpcError(getattr(grpc.StatusCode, code), None, None, "worker w-1 is not registered")
 
+    async def listed(*args: object) -> list:
+        return []  # the check that the drain leaves each role a worker finds nothing to keep
+
+    monkeypatch.setattr(drain_commands, "_workers", listed)
     monkeypatch.setattr(drain_commands, "_drain_and_print", refused)
     assert main(["drain", "w-1", "--addr", "127.0.0.1:1"]) == status
     assert f"pdserve drain: {code}: worker w-1 is not registered" in capsys.readouterr().err
