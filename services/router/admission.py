@@ -124,7 +124,7 @@ class Admission:
         if not self.predictor.has_batch_room(placement.decode, spare=self.predictor.tracker.held_for_moving):
             raise OverloadedError(
                 f"no decode worker has room in its batch now (max_num_seqs {placement.decode.max_num_seqs})",
-                _retry_ms(placement.predicted_tpot_s * 32),
+                _retry_ms(_batch_turn_s(placement)),
                 reason="batch",
             )
         self._check_tpot(placement, slo)
@@ -185,14 +185,10 @@ class Admission:
         places = min(math.ceil(reserve * decode.max_num_seqs), max(decode.max_num_seqs - 1, 0))
         kept_blocks = min(math.ceil(reserve * decode.kv_blocks_total), max(decode.kv_blocks_total - blocks, 0))
         if not self.predictor.has_batch_room(decode, spare=self.predictor.tracker.held_for_moving + places):
-            return f"{places} batch places of its decode worker", placement.predicted_tpot_s * 32
+            return f"{places} batch places of its decode worker", _batch_turn_s(placement)
         if self.predictor.free_blocks_for(decode, blocks) - kept_blocks < blocks:
-            return f"{kept_blocks} KV blocks of its decode worker", placement.predicted_tpot_s * 32
-        room = queue_room_s(
-            ttft_budget_s(slo.ttft_s, placement.own_ttft_s, slo.ttft_explicit, self.config.first_token_timeout_s),
-            placement.own_ttft_s,
-            self.config.slo_headroom,
-        )
+            return f"{kept_blocks} KV blocks of its decode worker", _batch_turn_s(placement)
+        room = self._ttft_room_s(placement, slo)[1]
         if placement.queue_s > room * (1 - reserve) or (queue is not None and queue_full(*queue)):
             return f"{reserve:.0%} of its prefill worker's queue room", placement.queue_s * reserve
         return None
@@ -204,7 +200,7 @@ class Admission:
         free = self.predictor.free_blocks(decode)
         if free - self.predictor.claims.held_from(decode.worker_id, blocks) >= blocks:
             return
-        retry_ms = _retry_ms(placement.predicted_tpot_s * 32)
+        retry_ms = _retry_ms(_batch_turn_s(placement))
         if self.config.kv_claims and decode.kv_blocks_total >= blocks:  # else one would shut smaller ones out
             self.predictor.claims.claim(decode.worker_id, blocks, retry_ms / 1e3, slo.ttft_s)
         if free >= blocks:
@@ -261,11 +257,10 @@ class Admission:
     def _check_ttft(self, placement: Placement, slo: SLOTarget) -> None:
         """Also within the first-token bound, whatever the SLO: the router would cancel a request still waiting
         there, and blame (eject) its busy but healthy prefill worker."""
-        own, first_token_s = placement.own_ttft_s, self.config.first_token_timeout_s
-        budget = ttft_budget_s(slo.ttft_s, own, slo.ttft_explicit, first_token_s)
-        room = queue_room_s(budget, own, self.config.slo_headroom)
+        own = placement.own_ttft_s
+        budget, room = self._ttft_room_s(placement, slo)
         if placement.queue_s > room:
-            bound = "router's first-token bound" if budget == first_token_s else "SLO"
+            bound = "router's first-token bound" if budget == self.config.first_token_timeout_s else "SLO"
             # The headroom sheds before the prediction reaches the bound: the message names the queue's share.
             why = (
                 f"its {placement.queue_s * 1e3:.0f} ms queued is past the {room * 1e3:.0f} ms of queueing that the "
@@ -280,6 +275,13 @@ class Admission:
                 _retry_ms(placement.queue_s - room),
                 reason="ttft",
             )
+
+    def _ttft_room_s(self, placement: Placement, slo: SLOTarget) -> tuple[float, float]:
+        """The TTFT the request is held to (its SLO, within the router's first-token bound) and the queueing that
+        leaves beyond the prompt's own cost, less the headroom."""
+        own = placement.own_ttft_s
+        budget = ttft_budget_s(slo.ttft_s, own, slo.ttft_explicit, self.config.first_token_timeout_s)
+        return budget, queue_room_s(budget, own, self.config.slo_headroom)
 
     def _check_tpot(self, placement: Placement, slo: SLOTarget) -> None:
         idle = self.predictor.idle_tpot_s(placement.decode)
@@ -313,6 +315,12 @@ def _check_deadline(placement: Placement, left_s: float | None) -> None:
         f"deadline ({max(left_s, 0.0) * 1e3:.0f} ms left): not started; a longer deadline would be served",
         by_load=placement.own_ttft_s <= left_s,
     )
+
+
+def _batch_turn_s(placement: Placement) -> float:
+    """The retry hint for a decode worker's batch or KV room: 32 of its steps, a guess at when a stream of a full
+    batch has ended."""
+    return placement.predicted_tpot_s * 32
 
 
 def _retry_ms(seconds: float) -> int:
