@@ -13,7 +13,7 @@ from pdserve.protocol.admission_rules import queue_full, queue_room_s, ttft_budg
 
 
 @dataclass(frozen=True)
-class Admission:
+class AdmissionModel:
     """A router whose default TTFT SLO is `ttft_s` (what a plan's requests, setting none, are held to), with its
     `slo_headroom`, its queue bound at priority 0 (`max_queued_prefill_tokens`' share) and its first-token bound."""
 

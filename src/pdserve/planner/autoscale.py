@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.planner import workload
-from pdserve.planner.admission_model import Admission
+from pdserve.planner.admission_model import AdmissionModel
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.plan import SLO, candidate, recommend
 from pdserve.planner.shape import Shape
@@ -111,7 +111,7 @@ def recommend_counts(
         return dict(SMALLEST)
     lengths = max(1, round(load.input_len)), max(1, round(load.output_len))
     work = workload.synthetic(load.rate, *lengths, num_requests=num_requests, range_ratio=range_ratio)
-    admission = Admission(slo.ttft_ms / 1e3)  # the router's defaults: its requests set no SLO of their own
+    admission = AdmissionModel(slo.ttft_ms / 1e3)  # the router's defaults: its requests set no SLO of their own
     for k in range(2, max_workers + 1):
         best = recommend([candidate(profile, s, work, slo, admission) for s in _splits(k)])
         if best.max_rate >= load.rate:

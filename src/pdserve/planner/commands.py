@@ -26,7 +26,7 @@ from pdserve.planner.scale_command import add_scale_command
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 if TYPE_CHECKING:
-    from pdserve.planner.admission_model import Admission
+    from pdserve.planner.admission_model import AdmissionModel
 
 
 WORKER_TOTAL = in_range(int, 2, 2 * MAX_WORKERS_PER_ROLE, high_in=True)  # a worker of each role, what scale applies
@@ -116,13 +116,13 @@ _share = in_range(float, 0, 1, low_in=False, high_in=True)  # as the router take
 _ratio = in_range(float, 0, 1)  # --range-ratio
 
 
-def _admission(args: argparse.Namespace) -> Admission | None:
-    from pdserve.planner.admission_model import Admission
+def _admission(args: argparse.Namespace) -> AdmissionModel | None:
+    from pdserve.planner.admission_model import AdmissionModel
 
     if args.no_admission:
         return None
     bound = RouterConfig(max_queued_prefill_tokens=args.max_queued_prefill_tokens).queue_bound(0)
-    return Admission(args.slo_ttft_ms / 1e3, args.slo_headroom, bound, args.first_token_timeout_s)
+    return AdmissionModel(args.slo_ttft_ms / 1e3, args.slo_headroom, bound, args.first_token_timeout_s)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """Every prefill:decode split of K workers and K colocated ones, simulated at the workload's rate, and the
 highest rate each sustains at the SLO attainment target (found by bisection, as DistServe searches the rate
 per configuration). The recommended split is the one that sustains the highest rate; ties go to the better
-attainment and goodput at the asked rate. With the router's admission (`Admission`) the simulation sheds what
+attainment and goodput at the asked rate. With a model of the router's admission (`AdmissionModel`) the simulation sheds what
 the router would, so a rate above a split's capacity shows the goodput the cluster keeps, not a collapse.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.planner.admission_model import Admission
+from pdserve.planner.admission_model import AdmissionModel
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.shape import Shape
 from pdserve.planner.simulator import SimResult, Simulator
@@ -82,14 +82,14 @@ def simulate(
     workload: Workload,
     rate: float,
     slo: SLO,
-    admission: Admission | None = None,
+    admission: AdmissionModel | None = None,
 ) -> Outcome:
     requests = workload.at_rate(rate)
     return outcome(Simulator(profile, shape, admission).run(requests), len(requests), slo)
 
 
 def max_rate(
-    profile: HardwareProfile, shape: Shape, workload: Workload, slo: SLO, admission: Admission | None = None
+    profile: HardwareProfile, shape: Shape, workload: Workload, slo: SLO, admission: AdmissionModel | None = None
 ) -> float:
     """The highest rate at which `shape` still meets the attainment target; 0 when even an idle one does not.
     Never past the rate it can keep up with (`sustainable_rate`), nor, where the workers share a host's cores,
@@ -167,7 +167,7 @@ def shapes(workers: int) -> list[Shape]:
 
 
 def candidate(
-    profile: HardwareProfile, shape: Shape, workload: Workload, slo: SLO, admission: Admission | None = None
+    profile: HardwareProfile, shape: Shape, workload: Workload, slo: SLO, admission: AdmissionModel | None = None
 ) -> Candidate:
     return Candidate(
         shape,
@@ -177,7 +177,7 @@ def candidate(
 
 
 def plan(
-    profile: HardwareProfile, workload: Workload, slo: SLO, workers: int, admission: Admission | None = None
+    profile: HardwareProfile, workload: Workload, slo: SLO, workers: int, admission: AdmissionModel | None = None
 ) -> list[Candidate]:
     return [candidate(profile, s, workload, slo, admission) for s in shapes(workers)]
 

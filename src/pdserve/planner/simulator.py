@@ -29,7 +29,7 @@ there are cores (the engine threads stepping, the serving stack's own demand at 
 at the offered rate, the host's background demand), every step in flight runs that much slower, and speeds up
 again when a step ends. A profile timed in one process on an idle machine sees none of that.
 
-With an `Admission` (admission_model.py), each arrival first passes the router's admission: a shed request
+With an `AdmissionModel` (admission_model.py), each arrival first passes the router's admission: a shed request
 never runs and counts against attainment. Its predicted wait is the profile's prefill time of every prompt
 placed on its prefill worker whose first token is not out, plus one decode step of the streams placed on its
 decode worker (which its hand-off waits for), at the shared cores' current slowdown.
@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.planner.admission_model import Admission
+from pdserve.planner.admission_model import AdmissionModel
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.serving_latency import serving_latencies
 from pdserve.planner.shape import Shape
@@ -111,7 +111,7 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, profile: HardwareProfile, shape: Shape, admission: Admission | None = None) -> None:
+    def __init__(self, profile: HardwareProfile, shape: Shape, admission: AdmissionModel | None = None) -> None:
         self.p = profile
         self.shape = shape
         self.admission = admission

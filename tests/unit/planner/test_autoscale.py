@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from pdserve.planner import workload
-from pdserve.planner.admission_model import Admission
+from pdserve.planner.admission_model import AdmissionModel
 from pdserve.planner.autoscale import (
     PLAN_REQUESTS,
     SMALLEST,
@@ -67,7 +67,7 @@ def test_an_overloaded_cluster_is_scaled_for_the_load_offered_not_the_load_it_ad
     admitted, the cluster would hold its size for ever (it admits about what it serves)."""
     profile, slo = synthetic_profile(), SLO(500, 60)
     arrivals = workload.synthetic(10, 512, 32, num_requests=400).at_rate(10)
-    shed = Simulator(profile, Shape(1, 1), Admission(slo.ttft_ms / 1e3)).run(arrivals).rejected
+    shed = Simulator(profile, Shape(1, 1), AdmissionModel(slo.ttft_ms / 1e3)).run(arrivals).rejected
     span, admitted = arrivals[-1].arrival_s - arrivals[0].arrival_s, len(arrivals) - shed
     assert shed > len(arrivals) / 5
     w = LoadWindow(window_s=span)
@@ -82,7 +82,7 @@ def test_autoscale_recommends_what_plan_recommends_with_the_routers_admission() 
     """At a size where the router's admission matters (queues shed rather than grow), the two agree."""
     profile, slo = synthetic_profile(), SLO(500, 60)
     work = workload.synthetic(6, 1024, 64, num_requests=PLAN_REQUESTS)
-    admission = Admission(slo.ttft_ms / 1e3)
+    admission = AdmissionModel(slo.ttft_ms / 1e3)
     planned = recommend([candidate(profile, s, work, slo, admission) for s in (Shape(p, 4 - p) for p in (1, 2, 3))])
     counts = recommend_counts(profile, Load(6, 1024, 64), slo, max_workers=4)
     assert counts == {"prefill": planned.shape.prefill, "decode": planned.shape.decode} == {"prefill": 2, "decode": 2}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pdserve.planner import serving_latency
-from pdserve.planner.admission_model import Admission
+from pdserve.planner.admission_model import AdmissionModel
 from pdserve.planner.plan import SLO, simulate
 from pdserve.planner.serving_latency import at
 from pdserve.planner.shape import Shape
@@ -218,5 +218,5 @@ def test_a_decode_worker_takes_no_hand_off_past_max_num_seqs_placed_on_it() -> N
     assert (len(one.ttft_s), one.rejected, one.shed) == (2, 3, 0)
     assert max(one.tpot_s) < 1.1 * min(one.tpot_s)
     assert Simulator(profile, Shape(prefill=1, decode=2)).run(requests).rejected == 1
-    routed = Simulator(profile, Shape(prefill=1, decode=1), Admission(ttft_s=100.0)).run(requests)
+    routed = Simulator(profile, Shape(prefill=1, decode=1), AdmissionModel(ttft_s=100.0)).run(requests)
     assert (routed.rejected, routed.shed) == (3, 3)
