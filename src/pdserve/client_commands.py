@@ -113,6 +113,7 @@ STATUS_FIELDS = (
     "tpot_p99_ms",
     "metrics_address",
     "pid",
+    "state_age_s",
     "draining",
     "build",
     "features",
