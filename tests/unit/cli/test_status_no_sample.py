@@ -58,3 +58,4 @@ def test_json_gives_features_and_the_kv_wire_version_a_worker_too_old_to_say_spe
         (["output_constraint"], 4),
         ([], UNSAID_KV_WIRE_VERSION),
     ]
+    assert all(0 <= w["state_age_s"] < 60 for w in listed)  # both just made
