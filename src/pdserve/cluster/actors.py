@@ -196,3 +196,9 @@ def _wants_gpu(device: str) -> bool:
     if device == "auto":
         return ray.cluster_resources().get("GPU", 0) > 0
     return device.startswith("cuda")
+
+
+def actor_error_reason(e: BaseException) -> str:
+    """An actor's own exception without Ray's traceback around it: its first line, for a log line or an error."""
+    cause: BaseException = getattr(e, "cause", None) or e
+    return (str(cause).strip() or repr(cause)).splitlines()[0][:500]

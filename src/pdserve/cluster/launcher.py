@@ -16,7 +16,7 @@ from functools import partial
 from typing import Any
 
 from pdserve.build import current_build
-from pdserve.cluster.actors import WorkerActors
+from pdserve.cluster.actors import WorkerActors, actor_error_reason
 from pdserve.cluster.factories import WorkerServices
 from pdserve.cluster.rollout import Rollout
 from pdserve.cluster.scaling import START_TIMEOUT_S, FleetScaler, drain_over_rpc
@@ -194,14 +194,16 @@ class Cluster:
                 time.sleep(0.5)
             except RayActorError as e:  # its process died; twice in a row at once: dead for good
                 died += 1
-                log.error("worker %s died while starting: %s", worker_id, _reason(e))
+                log.error("worker %s died while starting: %s", worker_id, actor_error_reason(e))
                 if died >= 2:
-                    raise WorkerStartError(f"worker {worker_id} could not be started: {_reason(e)}") from e
+                    raise WorkerStartError(f"worker {worker_id} could not be started: {actor_error_reason(e)}") from e
             except Exception as e:  # its start failed with this reason; it exits and Ray restarts it
                 died, failures = 0, failures + 1
-                log.error("worker %s failed to start (attempt %d): %s", worker_id, failures, _reason(e))
+                log.error("worker %s failed to start (attempt %d): %s", worker_id, failures, actor_error_reason(e))
                 if failures > self.config.max_restarts:
-                    raise WorkerStartError(f"worker {worker_id} failed to start {failures} times: {_reason(e)}") from e
+                    raise WorkerStartError(
+                        f"worker {worker_id} failed to start {failures} times: {actor_error_reason(e)}"
+                    ) from e
                 time.sleep(2 * EXIT_GRACE_S)  # until the failed process is gone, not to ask it again
 
     def _get(self, ref: Any, deadline: float) -> Any:
@@ -238,7 +240,9 @@ class Cluster:
                 started_badly = isinstance(e, ConnectionAbortedError) and "Initialization failure" in str(e)
                 if not (retry_join or started_badly) or time.monotonic() > deadline:
                     raise
-                log.warning("Ray at %s: %s; trying again in %g s", self.config.ray_address, _reason(e), JOIN_RETRY_S)
+                log.warning(
+                    "Ray at %s: %s; trying again in %g s", self.config.ray_address, actor_error_reason(e), JOIN_RETRY_S
+                )
                 try:
                     await asyncio.wait_for(stop.wait(), JOIN_RETRY_S)
                 except TimeoutError:
@@ -312,7 +316,7 @@ class Cluster:
                     return False
                 break
             except ConnectionError as e:
-                log.warning("Ray at %s: %s; still trying", self.config.ray_address, _reason(e))
+                log.warning("Ray at %s: %s; still trying", self.config.ray_address, actor_error_reason(e))
         return await self.start_until(stop, self.stop_workers)
 
     def stop_workers(self) -> None:
@@ -359,9 +363,3 @@ async def _set_log_level(actor: Any, level: str | None) -> bool:
         return False
     await asyncio.wait_for(method.remote(level), SPEC_TIMEOUT_S)
     return True
-
-
-def _reason(e: BaseException) -> str:
-    """An actor's own exception without Ray's traceback around it."""
-    cause: Any = getattr(e, "cause", None) or e
-    return (str(cause).strip() or repr(cause)).splitlines()[0][:500]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.addresses import host_of
+from pdserve.cluster.actors import actor_error_reason
 from pdserve.cluster.drain import WorkerDrainedError
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.protocol.roles import Role
@@ -176,7 +177,7 @@ class Supervisor:
             return
         except Exception as e:  # starting, leaving (its engine died, or drained), or an error of its own
             slot.died = 0
-            await self._unlist(slot, _first_line(e))
+            await self._unlist(slot, actor_error_reason(e))
             if isinstance(getattr(e, "cause", None) or e, WorkerDrainedError) and not slot.leaving:
                 await self._restart_drained(slot)
             return
@@ -241,14 +242,14 @@ class Supervisor:
             slot.replace_at = now + slot.backoff_s
             log.error(
                 "worker %s has not served since its last replacement (%s); the next replacement in %g s",
-                *(slot.spec.worker_id, _first_line(error), slot.backoff_s),
+                *(slot.spec.worker_id, actor_error_reason(error), slot.backoff_s),
             )
         if now < slot.replace_at:
             return
         slot.replacements += 1
         log.error(
             "worker %s is dead for good (its restarts are used up: %s); replacing it with a new actor (replacement %d)",
-            *(slot.spec.worker_id, _first_line(error), slot.replacements),
+            *(slot.spec.worker_id, actor_error_reason(error), slot.replacements),
         )
         first, longest = REPLACE_BACKOFF_S
         slot.backoff_s, slot.replace_at = min(longest, max(first, 2 * slot.backoff_s)), 0.0
@@ -270,7 +271,7 @@ class Supervisor:
         try:
             actor = await asyncio.to_thread(self._make, slot.spec)  # may wait for the name, off the loop
         except Exception as e:
-            log.error("worker %s: no new actor (%s); trying again", slot.spec.worker_id, _first_line(e))
+            log.error("worker %s: no new actor (%s); trying again", slot.spec.worker_id, actor_error_reason(e))
             return False
         with self._made:
             handed_over = actor not in self._unclaimed  # to a stop, which kills it
@@ -324,10 +325,3 @@ async def _port_open(address: str) -> bool:
         return True
     writer.close()
     return True
-
-
-def _first_line(e: BaseException) -> str:
-    """The reason, without Ray's traceback around an actor's own exception."""
-    e = getattr(e, "cause", None) or e
-    text = str(e).strip() or repr(e)
-    return text.splitlines()[0][:300]
