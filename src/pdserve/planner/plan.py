@@ -1,8 +1,8 @@
 """Every prefill:decode split of K workers and K colocated ones, simulated at the workload's rate, and the
 highest rate each sustains at the SLO attainment target (found by bisection, as DistServe searches the rate
 per configuration). The recommended split is the one that sustains the highest rate; ties go to the better
-attainment and goodput at the asked rate. With a model of the router's admission (`AdmissionModel`) the simulation sheds what
-the router would, so a rate above a split's capacity shows the goodput the cluster keeps, not a collapse.
+attainment and goodput at the asked rate. With a model of the router's admission (`AdmissionModel`) the simulation
+sheds what the router would, so a rate above a split's capacity shows the goodput the cluster keeps, not a collapse.
 """
 
 from __future__ import annotations

@@ -56,7 +56,6 @@ def test_it_is_refused_unless_forced(monkeypatch, capsys, force):
     assert force or "pdserve restart WORKER_ID" in err
 
 
-
 @pytest.mark.parametrize("force", [False, True])
 def test_a_drain_it_could_not_check_is_refused_unless_forced(monkeypatch, capsys, force):
     """A key that may drain but not read the status: the drain might empty a role, so it is refused as one that
