@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.protocol.outputs import PREEMPTED_NOTICE_S
@@ -223,74 +223,12 @@ class RouterConfig:
 
     @classmethod
     def from_file(cls, path: str, **overrides: Any) -> RouterConfig:
-        """A TOML file's [router] table (slo classes as [[router.slo_classes]], limits as
-        [router.request_limits]), then explicit overrides; other tables are other programs'. ValueError naming the
-        file and the key for a misspelled key or [router], a setting outside any table, a value of the wrong type or
-        out of its range: none is dropped or taken silently. An empty file is the defaults."""
-        import tomllib
+        """A TOML file's [router] table (config_file.py), then explicit overrides. ValueError naming the file and the
+        key for a misspelled key or [router], a setting outside any table, a value of the wrong type or out of its
+        range: none is dropped or taken silently."""
+        from pdserve.config_file import read_router_config
 
-        try:
-            with open(path, "rb") as f:
-                document = tomllib.load(f)
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: not valid TOML ({e})") from None
-        if strays := sorted(key for key, value in document.items() if not isinstance(value, dict)):
-            raise ValueError(f"{path}: {', '.join(strays)} outside any table (the router's settings go under [router])")
-        if document and "router" not in document:
-            raise ValueError(f"{path}: no [router] table (it has {', '.join(f'[{t}]' for t in sorted(document))})")
-        table = dict(document.get("router", {}))
-        _checked_fields(path, "[router]", table, cls, nested={"slo_classes": list, "request_limits": dict})
-        classes = table.get("slo_classes", [])
-        for i, c in enumerate(classes):
-            _checked_fields(path, f"[[router.slo_classes]] #{i + 1}", c, SLOClass, required=True)
-        limits = table.get("request_limits", {})
-        _checked_fields(path, "[router.request_limits]", limits, RequestLimits)
-        table["slo_classes"] = tuple(SLOClass(**c) for c in classes)
-        table["request_limits"] = RequestLimits(**limits)
-        try:
-            from_file = cls(**table)
-        except ValueError as e:  # a value out of its range
-            raise ValueError(f"{path}: {e}") from None
-        return replace(from_file, **{k: v for k, v in overrides.items() if v is not None})
-
-
-# A TOML value's type for a field's annotation (the scalars a config file sets).
-_TOML_TYPES: dict[str, type] = {"float": float, "int": int, "bool": bool, "str": str, "str | None": str}
-_TYPE_NAMES = {
-    float: "a number", int: "a whole number", bool: "true or false", str: "a string", dict: "a table",
-    list: "an array of tables",
-}  # fmt: skip
-
-
-def _checked(path: str, where: str, table: object, types: dict[str, type]) -> None:
-    """`table` is a table whose keys are all in `types`, each of its type (a float takes a whole number; a number
-    is never a bool, nor a bool a number)."""
-    if not isinstance(table, dict):
-        raise ValueError(f"{path}: {where} must be a table, got {table!r}")
-    if unknown := sorted(set(table) - set(types)):
-        raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)} in {where}; known: {', '.join(sorted(types))}")
-    for key, value in table.items():
-        expected = types[key]
-        taken = (int, float) if expected is float else expected
-        if not isinstance(value, taken) or (isinstance(value, bool) and expected is not bool):
-            raise ValueError(f"{path}: {where} {key} must be {_TYPE_NAMES[expected]}, got {value!r}")
-
-
-def _checked_fields(
-    path: str, where: str, table: object, cls: type, nested: dict[str, type] | None = None, required: bool = False
-) -> None:
-    """`table` sets fields of the dataclass `cls`, each with a value of its type (`nested`: its tables and arrays
-    of tables, checked apart); `required`: every field without a default must be there."""
-    declared = fields(cls)
-    types = {f.name: _TOML_TYPES[str(f.type)] for f in declared if str(f.type) in _TOML_TYPES} | (nested or {})
-    _checked(path, where, table, types)
-    assert isinstance(table, dict)
-    for key, value in table.items():  # stored as the field's type: 5 for a float field is 5.0
-        if types[key] is float:
-            table[key] = float(value)
-    missing = [f.name for f in declared if f.default is MISSING and f.name not in table]
-    if required and missing:
-        raise ValueError(f"{path}: {where} lacks {', '.join(missing)}")
+        return replace(read_router_config(path, cls), **{k: v for k, v in overrides.items() if v is not None})
 
 
 MAX_KV_TRANSFER_TIMEOUT_S = 86_400.0  # the KV transfer header's bound (transfer/wire.py MAX_TIMEOUT_MS)
