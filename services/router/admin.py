@@ -13,7 +13,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster.drain import check_drain_timeout
 from pdserve.errors import UnavailableError
-from pdserve.metrics import RecentLatencies
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import Registry, WorkerState
 from pdserve.rpc.server import internal_channel
@@ -24,6 +23,7 @@ from services.router.admitted import ClusterAdmitted
 from services.router.caller_host import peer_host
 from services.router.drain import DrainOutcome, drain_targets, drain_workers
 from services.router.lifecycle import RequestLifecycle
+from services.router.recent_latencies import RecentLatencies
 from services.router.scale import scale_target
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,6 @@ from pdserve.errors import (
     RouterDrainingError,
     UnavailableError,
 )
-from pdserve.metrics import RecentLatencies
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.compatibility import needed_features
 from pdserve.protocol.model_config import ModelConfig
@@ -42,6 +41,7 @@ from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
 from services.router.outcome import CALLER_ENDED, Caller, log_level, router_metrics
 from services.router.placement import NoWorkersError, Placement, PlacementPolicy
+from services.router.recent_latencies import RecentLatencies
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request, capped_default
 from services.router.retry import FailedWorkers, Moves, avoided_workers, blamed_worker, ejection_reason, record_move

@@ -12,7 +12,7 @@ from opentelemetry import trace
 
 from pdserve.config import RouterConfig
 from pdserve.errors import RouterStoppedError, UnavailableError
-from pdserve.metrics import RecentLatencies, RouterMetrics
+from pdserve.metrics import RouterMetrics
 from pdserve.rpc.channel_pool import ChannelPool
 from pdserve.rpc.convert import sampling_to_pb
 from pdserve.rpc.credentials import internal_tls_files
@@ -25,6 +25,7 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
 from services.router.placement import Placement, PlacementPolicy
+from services.router.recent_latencies import RecentLatencies
 from services.router.slo_attainment import judged_slo
 from services.router.stall import next_message, read_within
 from services.router.ticket import Ticket

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 from pdserve.client_commands import status_record
-from pdserve.metrics import RecentLatencies
 from pdserve.protocol.compatibility import UNSAID_KV_WIRE_VERSION
 from pdserve.registry.base import WorkerState
 from pdserve.status_view import plain_text, rows
 from pdserve.v1 import admin_pb2 as apb
 from services.router.admin import worker_status
+from services.router.recent_latencies import RecentLatencies
 
 
 def reply() -> apb.ClusterStatusResponse:

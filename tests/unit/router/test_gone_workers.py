@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.cluster.local_process import free_port
-from pdserve.metrics import RecentLatencies
 from pdserve.registry.redis import RedisRegistry
 from services.router.gone_workers import GoneWorkers
+from services.router.recent_latencies import RecentLatencies
 from tests.unit.router.router_builder import Router, prompt, worker
 
 GONE_AFTER_S = 300.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.metrics import RecentLatencies
+from services.router.recent_latencies import RecentLatencies
 
 
 def test_p50_and_p99_are_the_nearest_rank_samples():
