@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 import grpc
@@ -145,17 +146,10 @@ def worker_status(w: WorkerState, health: str, recent: RecentLatencies) -> apb.W
 
 def _drained(o: DrainOutcome) -> apb.WorkerDrain:
     msg = apb.WorkerDrain(id=o.worker.worker_id, address=o.worker.address, drained=o.report is not None, error=o.error)
-    if (r := o.report) is not None:
-        msg.MergeFrom(
-            apb.WorkerDrain(
-                held=r.held,
-                finished=r.finished,
-                moved=r.moved,
-                kv_blocks_held=r.kv_blocks_held,
-                kv_blocks_left=r.kv_blocks_left,
-                seconds=r.seconds,
-            )
-        )
+    if o.report is not None:
+        report = asdict(o.report)
+        del report["worker_id"]  # the message's `id`
+        msg.MergeFrom(apb.WorkerDrain(**report))
     return msg
 
 

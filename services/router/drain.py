@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import grpc
@@ -80,5 +80,4 @@ async def _drain(worker: WorkerState, timeout_s: float, interceptors: Sequence[A
     except grpc.aio.AioRpcError as e:
         log.error("worker %s did not drain: %s", worker.worker_id, e.details())
         return DrainOutcome(worker, None, f"{e.code().name}: {e.details()}")
-    report = DrainReport(r.worker_id, r.held, r.finished, r.moved, r.kv_blocks_held, r.kv_blocks_left, r.seconds)
-    return DrainOutcome(worker, report)
+    return DrainOutcome(worker, DrainReport(**{f.name: getattr(r, f.name) for f in fields(DrainReport)}))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 
 import grpc
 
@@ -30,16 +31,7 @@ class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
         self, request: wpb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> wpb.DrainReport:
         check_drain_timeout(request.timeout_s)
-        r = await self._drain(request.timeout_s)
-        return wpb.DrainReport(
-            worker_id=r.worker_id,
-            held=r.held,
-            finished=r.finished,
-            moved=r.moved,
-            kv_blocks_held=r.kv_blocks_held,
-            kv_blocks_left=r.kv_blocks_left,
-            seconds=r.seconds,
-        )
+        return wpb.DrainReport(**asdict(await self._drain(request.timeout_s)))
 
 
 def add_control_service(server: Server, drain: Drain, worker_id: str) -> None:
