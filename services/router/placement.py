@@ -64,6 +64,17 @@ class Offer:
     held_at_once: int  # how many such requests the decode workers hold together (the HTTP API's n choices)
 
 
+@dataclass(frozen=True)
+class Ask:
+    """What a policy chooses a request's workers for."""
+
+    hits: dict[str, int]  # cache key -> prompt blocks that worker's prefix cache holds
+    prompt_tokens: int
+    blocks: int  # KV blocks of prompt + max_tokens
+    tpot_slo_s: float
+    new: bool  # a request admission judges, which leaves the KV blocks an earlier, larger one claimed (kv_claims.py)
+
+
 class PlacementPolicy(ABC):
     def __init__(
         self, registry: Registry, prefix_index: PrefixIndex, predictor: Predictor, ejections: Ejections | None = None
@@ -137,11 +148,11 @@ class PlacementPolicy(ABC):
         hits = await self.prefix_index.match(
             [w.cache_key for w in registered], keyed[: (len(prompt) - 1) // block_size]
         )
+        ask = Ask(hits, len(prompt), blocks, tpot_slo_s, new=not must_hold)
         if colocated:  # one worker does both: it must be able to decode the request too
-            prefill = decode = self.choose_colocated(colocated, hits, len(prompt), blocks, tpot_slo_s, not must_hold)
+            prefill = decode = self.choose_colocated(colocated, ask)
         else:  # of several KV versions' groups (a rollout), the pair whose prefill worker answers first
-            args = (hits, len(prompt), blocks, tpot_slo_s, not must_hold)
-            pairs = [self.choose(p, d, *args) for p, d in _kv_wire_groups(prefills, decodes)]
+            pairs = [self.choose(p, d, ask) for p, d in _kv_wire_groups(prefills, decodes)]
             ttft = self._by_ttft(hits, len(prompt))
             prefill, decode = min(pairs, key=lambda pair: ttft(pair[0]))
         cached = hits.get(prefill.cache_key, 0) * block_size
@@ -211,31 +222,15 @@ class PlacementPolicy(ABC):
             held_at_once=sum(_held_at_once(w, blocks) for w in decodes),
         )
 
-    def choose_colocated(
-        self,
-        workers: list[WorkerState],
-        hits: dict[str, int],
-        prompt_tokens: int,
-        blocks: int,
-        tpot_slo_s: float,
-        new: bool,
-    ) -> WorkerState:
+    def choose_colocated(self, workers: list[WorkerState], ask: Ask) -> WorkerState:
         """The colocated worker for a request; by default the prefill choice among them."""
-        return self.choose(workers, workers, hits, prompt_tokens, blocks, tpot_slo_s, new)[0]
+        return self.choose(workers, workers, ask)[0]
 
     @abstractmethod
     def choose(
-        self,
-        prefills: list[WorkerState],
-        decodes: list[WorkerState],
-        hits: dict[str, int],
-        prompt_tokens: int,
-        blocks: int,
-        tpot_slo_s: float,
-        new: bool,
+        self, prefills: list[WorkerState], decodes: list[WorkerState], ask: Ask
     ) -> tuple[WorkerState, WorkerState]:
-        """The (prefill, decode) pair for a request. `new`: a request admission judges, which leaves the KV blocks
-        an earlier, larger one claimed (kv_claims.py); a retry or a moving stream does not."""
+        """The (prefill, decode) pair for a request."""
 
 
 class SLOAwarePlacement(PlacementPolicy):
@@ -243,50 +238,56 @@ class SLOAwarePlacement(PlacementPolicy):
     workers with room in their batch and for prompt + max_tokens whose predicted TPOT meets the SLO, the most
     free blocks."""
 
-    def choose(self, prefills, decodes, hits, prompt_tokens, blocks, tpot_slo_s, new):  # type: ignore[no-untyped-def]
-        p, free = self.predictor, self._free(blocks, new)
-        prefill = min(prefills, key=self._by_ttft(hits, prompt_tokens))
-        roomy, within = self._decodable(decodes, blocks, tpot_slo_s, free)
+    def choose(
+        self, prefills: list[WorkerState], decodes: list[WorkerState], ask: Ask
+    ) -> tuple[WorkerState, WorkerState]:
+        p, free = self.predictor, self._free(ask)
+        prefill = min(prefills, key=self._by_ttft(ask.hits, ask.prompt_tokens))
+        roomy, within = self._decodable(decodes, ask, free)
         if within:
             decode = max(within, key=lambda w: (free(w), -p.tpot_s(w)))
         else:  # nothing meets both: the best effort, which admission then judges
             decode = min(roomy or decodes, key=lambda w: (p.tpot_s(w), -free(w)))
         return prefill, decode
 
-    def choose_colocated(self, workers, hits, prompt_tokens, blocks, tpot_slo_s, new):  # type: ignore[no-untyped-def]
+    def choose_colocated(self, workers: list[WorkerState], ask: Ask) -> WorkerState:
         """The lowest TTFT among the workers that can also decode the request (room, TPOT within the SLO), else
         among those with room, else any: the fastest prefill alone may lack the blocks another worker has free."""
-        roomy, within = self._decodable(workers, blocks, tpot_slo_s, self._free(blocks, new))
-        return min(within or roomy or workers, key=self._by_ttft(hits, prompt_tokens))
+        roomy, within = self._decodable(workers, ask, self._free(ask))
+        return min(within or roomy or workers, key=self._by_ttft(ask.hits, ask.prompt_tokens))
 
-    def _free(self, blocks: int, new: bool) -> Callable[[WorkerState], int]:
-        """A worker's free blocks as the request may take them (`choose`'s `new`)."""
+    def _free(self, ask: Ask) -> Callable[[WorkerState], int]:
+        """A worker's free blocks as the request may take them (`Ask.new`)."""
         p = self.predictor
-        return (lambda w: p.free_blocks_for(w, blocks)) if new else p.free_blocks
+        return (lambda w: p.free_blocks_for(w, ask.blocks)) if ask.new else p.free_blocks
 
     def _decodable(
-        self, workers: list[WorkerState], blocks: int, tpot_slo_s: float, free: Callable[[WorkerState], int]
+        self, workers: list[WorkerState], ask: Ask, free: Callable[[WorkerState], int]
     ) -> tuple[list[WorkerState], list[WorkerState]]:
-        """Workers with room for `blocks` and in their batch, and those of them whose TPOT meets the SLO. Room
-        past the places streams waiting to move will take (admission holds a new request to that) where there
-        is; else any room, which a moving stream's own placement looks for."""
+        """Workers with room for the request's blocks and in their batch, and those of them whose TPOT meets its
+        SLO. Room past the places streams waiting to move will take (admission holds a new request to that) where
+        there is; else any room, which a moving stream's own placement looks for."""
         p = self.predictor
 
         def roomy_past(spare: int) -> list[WorkerState]:
-            return [w for w in workers if free(w) >= blocks and p.has_batch_room(w, spare)]
+            return [w for w in workers if free(w) >= ask.blocks and p.has_batch_room(w, spare)]
 
         roomy = roomy_past(p.tracker.held_for_moving) or roomy_past(0)
-        return roomy, [w for w in roomy if p.tpot_s(w) <= tpot_slo_s]
+        return roomy, [w for w in roomy if p.tpot_s(w) <= ask.tpot_slo_s]
 
 
 class RoundRobinPlacement(PlacementPolicy):
     """Each role in turn, blind to load and cache: the baseline placement is compared against."""
 
-    def __init__(self, *args: object) -> None:
-        super().__init__(*args)  # type: ignore[arg-type]
+    def __init__(
+        self, registry: Registry, prefix_index: PrefixIndex, predictor: Predictor, ejections: Ejections | None = None
+    ) -> None:
+        super().__init__(registry, prefix_index, predictor, ejections)
         self._turn = itertools.count()
 
-    def choose(self, prefills, decodes, hits, prompt_tokens, blocks, tpot_slo_s, new):  # type: ignore[no-untyped-def]
+    def choose(
+        self, prefills: list[WorkerState], decodes: list[WorkerState], ask: Ask
+    ) -> tuple[WorkerState, WorkerState]:
         turn = next(self._turn)
         prefills, decodes = sorted(prefills, key=lambda w: w.worker_id), sorted(decodes, key=lambda w: w.worker_id)
         return prefills[turn % len(prefills)], decodes[turn % len(decodes)]
