@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from pdserve.config import DECODE_GRAPH_MODES, DTYPE_NAMES, EngineConfig, SchedulerConfig
 from pdserve.engine.model_files import BUILTIN_MODELS
 from pdserve.errors import InvalidRequestError
-from pdserve.protocol.output_constraint import OutputConstraint
+from pdserve.protocol.output_constraint import MAX_SPEC_BYTES, OutputConstraint
 from pdserve.protocol.sampling import MAX_LOGPROBS, SamplingParams
 
 T = TypeVar("T")
@@ -76,17 +76,28 @@ def sampling_from_flags(args: argparse.Namespace, max_tokens: int) -> SamplingPa
     """The flags of `add_sampling_flags` as SamplingParams, checked (InvalidRequestError names the field)."""
     constraint = None
     if args.json_schema is not None:
-        try:
-            schema = Path(args.json_schema).read_text()
-        except OSError as e:
-            raise InvalidRequestError("sampling.json_schema", f"cannot read {args.json_schema}: {e}") from None
-        constraint = OutputConstraint("json_schema", schema)
+        constraint = OutputConstraint("json_schema", _schema_file(args.json_schema))
     elif args.json_object:
         constraint = OutputConstraint("json_object")
     elif args.regex is not None:
         constraint = OutputConstraint("regex", args.regex)
     stop = tuple(args.stop or ())
     return from_flags(SamplingParams, args, max_tokens=max_tokens, stop=stop, constraint=constraint)
+
+
+def _schema_file(path: str) -> str:
+    """The file's text, read no further than the cap past which it is refused (`/dev/zero` is a file too)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        raise InvalidRequestError("sampling.json_schema", f"cannot read {path}: {e}") from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise InvalidRequestError("sampling.json_schema", f"{path} is over {MAX_SPEC_BYTES} bytes, the most it may be")
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError("sampling.json_schema", f"{path} is not UTF-8 text ({e})") from None
 
 
 def at_least_one(value: str) -> int:

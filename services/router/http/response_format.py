@@ -35,8 +35,18 @@ def set_response_format(body: dict[str, Any], msg: pb.SamplingParams) -> None:
             raise InvalidRequestError(
                 "response_format.json_schema", f"must be an object with a name and a schema, of {sorted(SCHEMA_FIELDS)}"
             )
+        for name, kind, article in (("strict", bool, "true or false"), ("description", str, "a string")):
+            if name in spec and not isinstance(spec[name], kind):
+                raise InvalidRequestError(f"response_format.json_schema.{name}", f"must be {article}")
         schema = spec.get("schema", {})
         if not isinstance(schema, dict):
             raise InvalidRequestError("response_format.json_schema.schema", "must be a JSON Schema object")
         # Its size near what the caller wrote: escaped to ASCII, a non-ASCII schema's would double past the cap.
-        msg.json_schema = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+        text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+        try:
+            text.encode()
+        except UnicodeEncodeError:  # a lone surrogate (\ud800), which a protobuf string cannot hold
+            raise InvalidRequestError(
+                "response_format.json_schema.schema", "holds a lone UTF-16 surrogate, which is not Unicode text"
+            ) from None
+        msg.json_schema = text

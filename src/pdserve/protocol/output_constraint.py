@@ -37,8 +37,12 @@ class OutputConstraint:
             raise InvalidRequestError("sampling", f"unknown output constraint {self.kind!r}; one of {KINDS}")
         if self.kind == "regex" and not self.spec:  # the wire reads an empty string as no constraint at all
             raise InvalidRequestError(field, "must not be empty")
-        if len(self.spec.encode()) > MAX_SPEC_BYTES:
-            raise InvalidRequestError(field, f"is {len(self.spec.encode())} bytes; at most {MAX_SPEC_BYTES}")
+        try:
+            size = len(self.spec.encode())
+        except UnicodeEncodeError:  # a lone surrogate: a JSON body's \ud800, a command line's undecodable byte
+            raise InvalidRequestError(field, "holds a lone UTF-16 surrogate, which is not Unicode text") from None
+        if size > MAX_SPEC_BYTES:
+            raise InvalidRequestError(field, f"is {size} bytes; at most {MAX_SPEC_BYTES}")
         error = llguidance.LLMatcher.validate_grammar(self.grammar)
         if error:
             raise InvalidRequestError(field, f"does not compile: {error}")

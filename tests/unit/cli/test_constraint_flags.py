@@ -32,10 +32,14 @@ def test_generate_holds_its_output_to_the_constraint(tmp_path, capsys):
     ("flags", "says"),
     [
         (["--json-schema", "/nonexistent/schema.json"], "sampling.json_schema: cannot read /nonexistent/schema.json"),
+        (["--json-schema", "/dev/zero"], "sampling.json_schema: /dev/zero is over 65536 bytes, the most it may be"),
+        (["--json-schema", "LATIN1"], "sampling.json_schema: LATIN1 is not UTF-8 text"),
         (["--regex", "[0-9"], "sampling.regex: does not compile"),
     ],
 )
-def test_a_bad_constraint_is_exit_2_naming_it(flags, says, capsys):
+def test_a_bad_constraint_is_exit_2_naming_it(flags, says, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "LATIN1").write_bytes('{"enum": ["café"]}'.encode("latin-1"))
     assert main(["generate", "--model", "tiny-random", "--prompt", "hi", *flags]) == 2
     assert says in capsys.readouterr().err
 

@@ -24,6 +24,7 @@ SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
         ("regex", "[a-", "sampling.regex", "does not compile"),
         ("regex", "", "sampling.regex", "must not be empty"),
         ("regex", "a" * (MAX_SPEC_BYTES + 1), "sampling.regex", f"at most {MAX_SPEC_BYTES}"),
+        ("regex", "a\udcff", "sampling.regex", "lone UTF-16 surrogate"),  # a command line's byte 0xff
     ],
 )
 def test_a_constraint_that_does_not_compile_is_refused_naming_its_field(kind, spec, field, says):

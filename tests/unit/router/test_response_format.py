@@ -42,6 +42,16 @@ def test_each_format_sets_its_constraint():
         ({"type": "json_schema"}, "response_format.json_schema"),
         ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, "response_format.json_schema"),
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}, "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}, "response_format.json_schema.strict"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "description": 1}},
+            "response_format.json_schema.description",
+        ),
+        # A lone surrogate, which JSON's \ud800 escape reads into a Python string but no protobuf string holds.
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["\ud800"]}}},
+            "response_format.json_schema.schema",
+        ),
     ],
 )
 def test_a_malformed_format_is_refused_naming_the_parameter(response_format, field):
