@@ -1,7 +1,8 @@
 """OpenAI's `response_format`, as the gRPC API's output constraint (constrained decoding): `{"type": "text"}` asks
 for nothing, `{"type": "json_object"}` any JSON object, `{"type": "json_schema", "json_schema": {"name", "schema",
-"strict", "description"}}` a JSON value its schema accepts. Strict or not, the output is held to the schema, as
-OpenAI's strict mode holds it (vLLM's `response_format` does the same)."""
+"strict", "description"}}` a JSON value its schema accepts. Strict or not, the output is held to the schema as
+written, as vLLM's `response_format` holds it; OpenAI's strict mode also refuses schemas whose objects allow keys
+they do not list (the SDK's pydantic models never do), which this does not."""
 
 from __future__ import annotations
 
