@@ -14,7 +14,7 @@ import grpc
 from loadgen.client import Send
 from loadgen.record import RequestRecord
 from loadgen.workload import Request
-from pdserve.addresses import host_of
+from pdserve.addresses import split_host_port
 from pdserve.rpc.credentials import ClientCredentials
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
@@ -43,9 +43,7 @@ async def _knock(address: str) -> None:
     """ConnectionRefusedError naming `address` when nothing listens there: the channel's own wait for it retries
     for its whole CONNECT_TIMEOUT_S and then says only that no answer came."""
     try:
-        _, writer = await asyncio.wait_for(
-            asyncio.open_connection(host_of(address), int(address.rpartition(":")[2])), CONNECT_TIMEOUT_S
-        )
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*split_host_port(address)), CONNECT_TIMEOUT_S)
     except ConnectionRefusedError:
         raise ConnectionRefusedError(f"nothing listens at {address} (connection refused)") from None
     except (TimeoutError, OSError):  # unreachable or slow, not refused: the channel's wait decides

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
+from pdserve.addresses import split_host_port
 from pdserve.config import FaultConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.errors import InvalidRequestError, UnavailableError
@@ -25,7 +26,6 @@ from pdserve.protocol.outputs import RequestOutput
 from pdserve.telemetry import Telemetry, mark_ended_by, now_ns
 from pdserve.transfer.base import KVSender, NotExpectedError, TransferError
 from pdserve.transfer.failures import failure_reason
-from pdserve.transfer.rendezvous import split_address
 from pdserve.transfer.threads import in_transfer_thread
 from pdserve.transfer.wire import check_tag
 
@@ -79,7 +79,7 @@ class RunAndSend:
         """What would make the hand-off fail, found before the prompt runs."""
         try:
             check_tag(job.target.tag)
-            split_address(job.target.rendezvous)
+            split_host_port(job.target.rendezvous)
         except ValueError as e:  # else found only by the send, after the prompt ran, as a handler bug
             raise InvalidRequestError("target", str(e)) from None
         ours = (self.engine.fingerprint, self.engine.block_size)

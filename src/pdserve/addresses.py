@@ -91,6 +91,15 @@ def host_of(address: str) -> str:
     return address.rpartition(":")[0].strip("[]")
 
 
+def split_host_port(address: str) -> tuple[str, int]:
+    """The host (an IPv6 literal without its brackets) and port of a host:port; ValueError unless the port is one a
+    socket can dial."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"must be host:port with a port in 1..65535, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
 def join(host: str, port: int) -> str:
     """host:port, an IPv6 literal in brackets."""
     try:

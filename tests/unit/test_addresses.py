@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from pdserve.addresses import advertised_host, bind_first_free, join, primary_address
+from pdserve.addresses import advertised_host, bind_first_free, join, primary_address, split_host_port
 from pdserve.rpc.server import Server
 
 
@@ -89,3 +89,17 @@ def test_a_free_port_is_held_until_its_listener_is_about_to_bind_it() -> None:
     with socket.socket() as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", port))  # released: its listener binds it
+
+
+@pytest.mark.parametrize(
+    ("address", "split"),
+    [("10.0.0.1:50061", ("10.0.0.1", 50061)), ("[fd00::1]:50061", ("fd00::1", 50061)), ("host:1", ("host", 1))],
+)
+def test_split_host_port_unbrackets_an_ipv6_literal(address, split):
+    assert split_host_port(address) == split
+
+
+@pytest.mark.parametrize("address", ["10.0.0.1", ":50061", "host:0", "host:65536", "host:http", "host:-1"])
+def test_split_host_port_refuses_what_no_socket_dials(address):
+    with pytest.raises(ValueError, match="must be host:port with a port in 1..65535"):
+        split_host_port(address)

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from pdserve import env
+from pdserve.addresses import split_host_port
 from pdserve.build import build_resource
 from pdserve.cluster.factories import WorkerServices
 from pdserve.cluster.worker_runtime import WorkerRuntime
@@ -58,12 +59,12 @@ def _check_listening(address: str) -> None:
     """ConnectionError when nothing accepts connections at a joined Ray's address: ray.init would wait on it for
     ever on a thread no signal reaches (measured: 11 minutes through a SIGTERM and a SIGINT). A port that accepts
     is Ray's to judge; "auto" and other forms are passed on as they are."""
-    host_port = address.removeprefix("ray://")
-    host, _, port = host_port.rpartition(":")
-    if not host or not port.isdigit():
+    try:
+        dialed = split_host_port(address.removeprefix("ray://"))
+    except ValueError:
         return
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=LISTENING_TIMEOUT_S).close()
+        socket.create_connection(dialed, timeout=LISTENING_TIMEOUT_S).close()
     except OSError as e:
         raise ConnectionError(f"nothing accepts connections at the Ray address {address} ({e})") from None
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.addresses import host_of
+from pdserve.addresses import split_host_port
 from pdserve.cluster.actors import actor_error_reason
 from pdserve.cluster.drain import WorkerDrainedError
 from pdserve.cluster.worker_spec import WorkerSpec
@@ -316,9 +316,8 @@ class Supervisor:
 
 async def _port_open(address: str) -> bool:
     """False only when the port refuses connections (nothing listens: the process is gone)."""
-    port = address.rpartition(":")[2]
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host_of(address), int(port)), KNOCK_TIMEOUT_S)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*split_host_port(address)), KNOCK_TIMEOUT_S)
     except (ConnectionRefusedError, ValueError):
         return False
     except (TimeoutError, OSError):  # slow or unreachable, not refused: not proof of death

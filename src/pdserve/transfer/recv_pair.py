@@ -12,11 +12,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pdserve.addresses import split_host_port
 from pdserve.transfer.base import LayoutMismatchError, TransferError
 from pdserve.transfer.blocks import Blocks
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.pair_group import PairGroup, time_left
-from pdserve.transfer.rendezvous import choose_backend, claims, open_store, sender_info, split_address
+from pdserve.transfer.rendezvous import choose_backend, claims, open_store, sender_info
 from pdserve.transfer.wire import BLOCK_COUNT, FORGED, LAYOUT, NOT_EXPECTED, OK, Header, block_bytes, layout_mask
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class RecvPair:
         try:
             watch = self._watch  # read once: `close_store`, on another thread, may clear it meanwhile
             if watch is None:
-                host, port = split_address(self.address)
+                host, port = split_host_port(self.address)
                 watch = self._watch = dist.TCPStore(host, port, is_master=False, timeout=WATCH_TIMEOUT, use_libuv=True)
             return claims(watch) > 1
         except RuntimeError:  # a store that cannot answer now: the serving thread finds out

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pdserve.addresses import bind_first_free, join
+from pdserve.addresses import bind_first_free, join, split_host_port
 from pdserve.transfer.base import PeerLostError, TransferError, TransferTimeoutError
 from pdserve.transfer.pair_group import error_summary, time_left
 from pdserve.transfer.store_calls import StoreSilent, within
@@ -121,18 +121,11 @@ def sender_info(store: dist.Store) -> str | None:
     return store.get(_SEND_KEY).decode()
 
 
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"rendezvous must be host:port with a port in 1..65535, got {address!r}")
-    return host.strip("[]"), int(port)
-
-
 def listening(address: str, timeout_s: float) -> bool:
     """Whether anything accepts a connection at `address` now: tells a decode worker that restarted at the address
     of its predecessor (its store listens there again) from one that is gone (refused at once)."""
     try:
-        with socket.create_connection(split_address(address), timeout=max(timeout_s, 0.001)):
+        with socket.create_connection(split_host_port(address), timeout=max(timeout_s, 0.001)):
             return True
     except OSError:
         return False
@@ -143,7 +136,7 @@ def claim_store(address: str, mine: str, deadline: float, name: str) -> tuple[di
     the receiver's identity and its `device_info`; by `deadline` even when the decode process is stopped
     (store_calls.py). While an earlier claim of `address` given up on is still unanswered, one more would only
     leave another thread waiting: it fails at once; and the earlier one, if answered late, claims nothing."""
-    host, port = split_address(address)
+    host, port = split_host_port(address)
     given_up = threading.Event()
 
     def claim() -> tuple[dist.TCPStore, str, str, int]:

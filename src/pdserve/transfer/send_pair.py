@@ -12,7 +12,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from pdserve.addresses import host_of
+from pdserve.addresses import split_host_port
 from pdserve.transfer.base import (
     LayoutMismatchError,
     NotExpectedError,
@@ -133,7 +133,7 @@ def _refused(address: str) -> bool:
     """Whether a connection to `address` is refused now: nothing listens there, its process gone. Any other answer,
     or none, leaves the judgement to the store's round trip."""
     try:
-        socket.create_connection((host_of(address), int(address.rpartition(":")[2])), REFUSAL_WAIT_S).close()
+        socket.create_connection(split_host_port(address), REFUSAL_WAIT_S).close()
     except ConnectionRefusedError:
         return True
     except OSError:
