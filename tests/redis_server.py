@@ -6,22 +6,16 @@ import asyncio
 import contextlib
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 
 import redis
 
+from pdserve.cluster.local_process import free_port
 from tests.certs import Certs
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

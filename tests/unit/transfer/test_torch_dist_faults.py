@@ -18,6 +18,7 @@ import weakref
 import pytest
 import torch
 
+from pdserve.cluster.local_process import free_port
 from pdserve.transfer import torch_dist
 from pdserve.transfer.base import (
     PeerLostError,
@@ -39,12 +40,6 @@ from tests.unit.transfer.pair_harness import (
 )
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of the whole run
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def test_silent_sender_times_out_and_leaves_the_pair_usable(receiver: TorchDistReceiver, peer: Peer) -> None:
