@@ -195,7 +195,7 @@ def _serve_held(args: argparse.Namespace, services: ClusterServices | None) -> i
     import asyncio
     import logging
 
-    from pdserve.telemetry import configure_logging
+    from pdserve.log_setup import configure_logging
 
     name = f"pdserve {args.command}"
     if services is None:

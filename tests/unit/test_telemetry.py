@@ -18,6 +18,7 @@ from opentelemetry.trace import StatusCode
 
 from pdserve.cluster.local_process import free_port
 from pdserve.config import ClusterConfig, RouterConfig
+from pdserve.log_setup import JsonFormatter
 from pdserve.metrics import KV_TRANSFER_FAILURE_REASONS, RouterMetrics, SupervisionMetrics, WorkerMetrics
 from pdserve.protocol.roles import Role
 from pdserve.rpc.server import Server, channel
@@ -28,7 +29,6 @@ from pdserve.telemetry import (
     STEP_BUCKETS_S,
     TOKEN_BUCKETS_S,
     TRANSFER_BUCKETS_S,
-    JsonFormatter,
     Telemetry,
     default_span_processors,
     request_id_var,
@@ -204,7 +204,7 @@ def test_a_failed_detach_of_our_own_is_still_logged(caplog) -> None:
 
     from opentelemetry import context
 
-    from pdserve.telemetry import quiet_caller_left_errors
+    from pdserve.log_setup import quiet_caller_left_errors
 
     quiet_caller_left_errors()
     token = context.attach(context.set_value("k", 1))

@@ -65,7 +65,7 @@ def run_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from pdserve.chaos.report import clean, print_report
-    from pdserve.telemetry import configure_logging
+    from pdserve.log_setup import configure_logging
 
     configure_logging("INFO", service="pdserve-chaos")
     config = chaos_config(args)

@@ -71,7 +71,8 @@ class WorkerRuntime:
         )
         self._services = services
         self._instance = uuid.uuid4().hex  # this runtime's own: a restart under the same id and address differs
-        from pdserve.telemetry import Telemetry, configure_logging
+        from pdserve.log_setup import configure_logging
+        from pdserve.telemetry import Telemetry
 
         if spec.log_level:
             configure_logging(spec.log_level, service=f"pdserve-{spec.role}", worker_id=self.spec.worker_id)
@@ -107,7 +108,7 @@ class WorkerRuntime:
 
     def set_log_level(self, level: str | None) -> None:
         """A fleet's new log level, taken without a restart; the spec it reports says so from now on."""
-        from pdserve.telemetry import configure_logging
+        from pdserve.log_setup import configure_logging
 
         if level:
             configure_logging(level, service=f"pdserve-{self.spec.role}", worker_id=self.spec.worker_id)

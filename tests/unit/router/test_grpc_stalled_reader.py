@@ -104,7 +104,7 @@ async def test_a_caller_leaving_while_its_write_is_blocked_logs_no_error_and_cou
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from pdserve.telemetry import quiet_caller_left_errors
+    from pdserve.log_setup import quiet_caller_left_errors
 
     monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
     quiet_caller_left_errors()

@@ -16,8 +16,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from pdserve.log_setup import JsonFormatter
 from pdserve.security.api_keys import KeyTable, Tenant, digest
-from pdserve.telemetry import JsonFormatter, Telemetry
+from pdserve.telemetry import Telemetry
 from services.router.http import app as http_app
 from services.router.http.app import openai_app
 from services.router.lifecycle import RequestLifecycle

@@ -12,7 +12,7 @@ import httpx2
 import pytest
 
 from pdserve.env import CLUSTER_SECRET_VAR
-from pdserve.telemetry import JsonFormatter
+from pdserve.log_setup import JsonFormatter
 from services.router.http.app import generated_request_id, openai_app
 from tests.unit.router.router_builder import MODEL, Router, worker
 from tests.unit.router.stand_in_decode import StandInDecode, serving
