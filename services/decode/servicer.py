@@ -44,7 +44,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         request_id_var.set(request.client_request_id or request.request_id)
         work = await off_the_loop_when_large(partial(engine_request_from_pb, request), request.sampling)
-        await self.engine.prepare(work.sampling)
+        work = await self.engine.prepare(work)
         if self.faults.engine_dies_for(request.client_request_id):
             self.engine.faults.fail_when_stepped(request.request_id)
         if delay_s := self.faults.step_delay_for(request.client_request_id):

@@ -26,7 +26,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         request_id_var.set(request.client_request_id or request.request_id)
         target = request.target
         work = await off_the_loop_when_large(partial(engine_request_from_pb, request), request.sampling)
-        await self.run_and_send.engine.prepare(work.sampling)
+        work = await self.run_and_send.engine.prepare(work)
         job = PrefillJob(
             work,
             KVTarget(

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TypeVar
 
@@ -32,7 +32,6 @@ from pdserve.errors import InvalidRequestError, UnavailableError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.outputs import PREEMPTED_NOTICE_S, RequestOutput, TokenLogprobs
 from pdserve.protocol.perf_profile import PerfProfile
-from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,11 +91,13 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    async def prepare(self, sampling: SamplingParams) -> None:
-        """What a request with these settings needs built before its engine takes it, built off the engine thread
-        and the event loop: its output constraint's grammar, compiled (engine/guided.py)."""
-        if sampling.constraint is not None:
-            await asyncio.to_thread(self._engine.guided.compile, sampling.constraint)
+    async def prepare(self, request: EngineRequest) -> EngineRequest:
+        """The request with what it needs built before its engine takes it, built off the engine thread and the
+        event loop: its output constraint's grammar, compiled (engine/guided.py)."""
+        if request.sampling.constraint is None:
+            return request
+        grammar = await asyncio.to_thread(self._engine.guided.compile, request.sampling.constraint)
+        return replace(request, grammar=grammar)
 
     # -- what the engine is (fixed at start-up; safe to read from any thread) --------------------------
 

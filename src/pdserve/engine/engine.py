@@ -167,8 +167,8 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer.backend, seq.prompt_token_ids, stop=sampling.stop)
         generator = make_generator(sampling.seed, self.runner.device, resumed + first_token_elsewhere)
         seen = np.unique(np.asarray(seq.original_prompt_token_ids, dtype=np.int64)) if sampling.penalized else None
-        constraint = sampling.constraint
-        matcher = None if constraint is None else self.guided.matcher(constraint, prompt[len(prompt) - resumed :])
+        constraint, so_far = sampling.constraint, prompt[len(prompt) - resumed :]
+        matcher = None if constraint is None else self.guided.matcher(constraint, so_far, request.grammar)
         self._requests[request.request_id] = _Request(seq, detok, generator, seen, matcher)
         return seq
 

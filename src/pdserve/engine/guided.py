@@ -8,8 +8,9 @@ A matcher follows the output wherever it was sampled: a decode worker's feeds it
 when the hand-off commits, and a migrated stream's the tokens it had streamed (the prompt's resumed tail).
 
 Compiling a grammar against the vocabulary takes about 1.5 ms per KiB of schema (25 ms for 16 KiB with SmolLM2's),
-which on the engine thread would hold every stream of the worker: a worker compiles each grammar once, off that
-thread (`compile`, from its request handler), and each request's matcher is a copy of it (a microsecond).
+which on the engine thread would hold every stream of the worker: a worker compiles each grammar off that thread
+(`compile`, from its request handler), the request carries it to the engine (EngineRequest.grammar), and each
+request's matcher is a copy of it (a microsecond).
 """
 
 from __future__ import annotations
@@ -54,9 +55,12 @@ class GuidedDecoding:
                 self._compiled.popitem(last=False)
         return compiled
 
-    def matcher(self, constraint: OutputConstraint, output_so_far: Sequence[int]) -> llguidance.LLMatcher:
-        """A matcher for a request whose output so far is `output_so_far` (tokens sampled elsewhere)."""
-        matcher = self.compile(constraint).deep_copy()
+    def matcher(
+        self, constraint: OutputConstraint, output_so_far: Sequence[int], compiled: llguidance.LLMatcher | None = None
+    ) -> llguidance.LLMatcher:
+        """A matcher for a request whose output so far is `output_so_far` (tokens sampled elsewhere), copied from
+        `compiled` (`compile`'s, from the request's handler), or compiled here when the request came without it."""
+        matcher = (compiled or self.compile(constraint)).deep_copy()
         if output_so_far and not matcher.consume_tokens(list(output_so_far)):
             why = matcher.get_error()
             raise InvalidRequestError("resumed_output_tokens", f"the output so far breaks its {constraint.kind}: {why}")

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import llguidance
 
 from pdserve.protocol.sampling import SamplingParams
 
@@ -18,3 +20,7 @@ class EngineRequest:
     resumed_output_tokens: int = 0
     tenant: str = ""  # whose it is: a waiting queue takes each tenant's prompts in turn (engine/fair_queue.py)
     priority: int = 0  # higher first in a waiting queue
+    # The output constraint's grammar compiled against the worker's vocabulary (AsyncEngine.prepare, off the engine
+    # thread): the engine copies it, where one evicted from the worker's compiled grammars meanwhile would be
+    # compiled again on the engine thread, holding every stream. Worker-local: never sent.
+    grammar: llguidance.LLMatcher | None = field(default=None, compare=False, repr=False)

@@ -4,6 +4,7 @@ its engines split it (colocated, handed from a prefill-only to a decode-only eng
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import replace
@@ -12,6 +13,7 @@ import jsonschema
 import pytest
 import torch
 
+from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.engine_request import EngineRequest
@@ -94,6 +96,37 @@ def test_only_constrained_rows_are_masked():
     assert {e.tokenizer.decode([i]) for i in allowed} == set("0123456789")
     assert torch.equal(masked[0], logits[0]) and torch.equal(logits, torch.zeros_like(logits))  # read only
     assert e.guided.masked(logits, [None, None]) is logits
+
+
+def test_a_request_that_carries_its_compiled_grammar_is_never_compiled_on_the_engine_thread(monkeypatch):
+    """The worker's handler compiles it (AsyncEngine.prepare); one dropped from the kept grammars before the request
+    reaches the engine (64 kept) is not compiled again there, holding every stream."""
+    e = engine(EngineMode.MIXED)
+    sampling = constrained("regex", "[0-9]{3}")
+    assert sampling.constraint is not None
+    grammar = e.guided.compile(sampling.constraint)
+
+    def compile_here(constraint: OutputConstraint) -> None:
+        raise AssertionError("compiled on the engine thread")
+
+    monkeypatch.setattr(e.guided, "compile", compile_here)
+    e.add_request(EngineRequest("r", PROMPT, sampling, grammar=grammar))
+    texts = [out.new_text for _ in range(8) for out in e.step()]
+    assert re.fullmatch("[0-9]{3}", "".join(texts))
+
+
+def test_prepare_gives_the_request_its_compiled_grammar():
+    async_engine = AsyncEngine(engine(EngineMode.MIXED))
+    try:
+        plain = EngineRequest("p", PROMPT, SamplingParams(max_tokens=4))
+        digits = EngineRequest("d", PROMPT, constrained("regex", "[0-9]{3}"))
+        assert asyncio.run(async_engine.prepare(plain)) is plain
+        prepared = asyncio.run(async_engine.prepare(digits))
+        constraint = digits.sampling.constraint
+        assert constraint is not None and digits.grammar is None
+        assert prepared == digits and prepared.grammar is async_engine._engine.guided.compile(constraint)
+    finally:
+        async_engine.stop()
 
 
 def test_a_grammar_is_compiled_once_and_each_request_gets_a_fresh_copy():
