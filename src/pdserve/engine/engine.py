@@ -259,17 +259,18 @@ class LLMEngine:
         self.last_step_prefill_s = []
         if not plan.chunks:
             return []
+        sampled = [self._requests[c.seq_id] for c in plan.chunks if c.sample]
+        mask = self.guided.start([r.matcher for r in sampled])  # beside the forward: their matchers wait for it
         step = self.runner.execute(plan.chunks)
         logits = step.sampled
         self.scheduler.complete_step()
         for chunk in plan.chunks:
             if chunk.seq_id in step.prompt:
                 self._record_prompt_logprobs(self._requests[chunk.seq_id], chunk, step.prompt[chunk.seq_id])
-        sampled = [self._requests[c.seq_id] for c in plan.chunks if c.sample]
         prefilled = [r.seq for r in sampled if not r.seq.output_token_ids]  # a recompute's prompt has its tokens
         params = [r.seq.sampling for r in sampled]
         histories = [r.token_history() for r in sampled]
-        masked = self.guided.masked(logits, [r.matcher for r in sampled])
+        masked = logits if mask is None else mask.masked(logits)
         tokens = self.sampler(masked, params, [r.generator for r in sampled], histories)
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs: dict[int, TokenLogprobs] = {}

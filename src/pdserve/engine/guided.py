@@ -11,6 +11,12 @@ Compiling a grammar against the vocabulary takes about 1.5 ms per KiB of schema 
 which on the engine thread would hold every stream of the worker: a worker compiles each grammar off that thread
 (`compile`, from its request handler), the request carries it to the engine (EngineRequest.grammar), and each
 request's matcher is a copy of it (a microsecond).
+
+A row's next mask depends only on the tokens its matcher has consumed, all known before the step's forward: `start`
+computes the step's masks beside it, on a thread of its own, with llguidance's executor (its rows in parallel, the GIL
+released), and turns the bits into an additive bias (0 or -inf per token; adding it costs a tenth of a masked fill
+over the same logits on a CPU). The engine thread only adds it after the forward: 32 rows of SmolLM2's 49,152 tokens
+took ~1 ms there, against ~8 ms computing and applying the bits serially after the forward.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
+import llguidance.numpy
 import numpy as np
 import torch
 
@@ -29,6 +37,24 @@ from pdserve.protocol.output_constraint import OutputConstraint
 
 COMPILED_KEPT = 64  # grammars a worker keeps compiled, the least recently used dropped past it
 
+# Row b of the table: byte value b's eight tokens (lowest bit first, llguidance's order), 0 where allowed, -inf not.
+_BYTE_BIAS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, 0.0, -np.inf).astype(np.float32)
+
+
+class StepMask:
+    """The masks of one step's constrained rows, being computed beside its forward. Until `masked` returns, their
+    matchers are the mask thread's: nothing else may touch them."""
+
+    def __init__(self, rows: list[int], bias: Future[np.ndarray]) -> None:
+        self.rows = rows  # the constrained rows' places among the step's sampled rows
+        self._bias = bias  # [len(rows), vocab] float32: 0 where allowed, -inf where not
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [N, V] (read only) with each constrained row's disallowed tokens at -inf: a float copy."""
+        bias = torch.from_numpy(self._bias.result()).to(logits.device)
+        rows = torch.tensor(self.rows, device=logits.device)
+        return logits.to(torch.float32, copy=True).index_add_(0, rows, bias)
+
 
 class GuidedDecoding:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
@@ -36,8 +62,11 @@ class GuidedDecoding:
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
         )
+        self.vocab_size = vocab_size
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # `compile` runs in request handlers' threads, `matcher` on the engine's
+        self._executor = llguidance.LLExecutor()  # its own threads: the rows' masks in parallel
+        self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guided-mask")
 
     def compile(self, constraint: OutputConstraint) -> llguidance.LLMatcher:
         """The constraint's grammar compiled against the vocabulary, once per grammar while it is kept; any thread."""
@@ -66,17 +95,18 @@ class GuidedDecoding:
             raise InvalidRequestError("resumed_output_tokens", f"the output so far breaks its {constraint.kind}: {why}")
         return matcher
 
-    @staticmethod
-    def masked(logits: torch.Tensor, matchers: Sequence[llguidance.LLMatcher | None]) -> torch.Tensor:
-        """`logits` [N, V] (read only) with each constrained row's disallowed tokens at -inf: a float copy, or
-        `logits` itself when no row is constrained."""
-        rows = [(i, m) for i, m in enumerate(matchers) if m is not None]
+    def start(self, matchers: Sequence[llguidance.LLMatcher | None]) -> StepMask | None:
+        """Starts computing the masks of a step's sampled rows (None: unconstrained); None when no row is."""
+        rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
         if not rows:
-            return logits
-        bits = np.stack([np.frombuffer(m.compute_bitmask(), dtype=np.uint8) for _, m in rows])
-        # The disallowed tokens: inverted as bytes, unpacked, read as bools in place, and one fill over the whole
-        # batch (a bool copy, then a gather and scatter of the rows, took 4 of the 4.3 ms 32 rows cost a step).
-        disallowed = np.zeros(logits.shape, dtype=bool)
-        unpacked = np.unpackbits(np.invert(bits), axis=1, bitorder="little")[:, : logits.shape[1]]
-        disallowed[[i for i, _ in rows]] = unpacked.view(bool)
-        return logits.float().clone().masked_fill_(torch.from_numpy(disallowed).to(logits.device), float("-inf"))
+            return None
+        return StepMask([i for _, i in rows], self._mask_thread.submit(self._bias, [m for m, _ in rows]))
+
+    def _bias(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
+        """On the mask thread: each matcher's next mask as an additive bias, one row each."""
+        bits = llguidance.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)  # int32 words, -1: all
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, j) for j, m in enumerate(matchers)], bits)
+        # Token t is bit t % 8 of byte t // 8 of the words read little-endian: each byte picks its eight biases.
+        as_bytes = bits.astype("<i4", copy=False).view(np.uint8)
+        bias = np.take(_BYTE_BIAS, as_bytes, axis=0).reshape(len(matchers), -1)
+        return np.ascontiguousarray(bias[:, : self.vocab_size])

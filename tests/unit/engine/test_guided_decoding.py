@@ -87,15 +87,44 @@ def test_a_resumed_output_that_breaks_the_constraint_is_refused():
     assert not e.has_unfinished()
 
 
-def test_only_constrained_rows_are_masked():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32: the copy must not be `logits` itself
+def test_each_constrained_row_keeps_exactly_what_its_grammar_allows_and_no_other_row_is_touched(dtype):
+    """Rows of three grammars in different states among unconstrained ones, each row's logits its own: a constrained
+    row keeps the tokens its matcher accepts next (asked token by token, not through a bitmask), the rest at -inf
+    (259 tokens: the last word's three bits, and 256 in the words before, all read); every other row, and `logits`,
+    stay as they were."""
     e = engine(EngineMode.MIXED)
-    matcher = e.guided.matcher(OutputConstraint("regex", "[0-9]"), [])
-    logits = torch.zeros(2, e.model_config.vocab_size)
-    masked = e.guided.masked(logits, [None, matcher])
-    allowed = {i for i in range(logits.shape[1]) if masked[1, i] > float("-inf")}
-    assert {e.tokenizer.decode([i]) for i in allowed} == set("0123456789")
-    assert torch.equal(masked[0], logits[0]) and torch.equal(logits, torch.zeros_like(logits))  # read only
-    assert e.guided.masked(logits, [None, None]) is logits
+    digits = e.guided.matcher(OutputConstraint("regex", "[0-9]{1,3}"), e.tokenizer.encode("1"))  # digits or the end
+    letters = e.guided.matcher(OutputConstraint("regex", "[a-z]+!"), [])
+    schema = e.guided.matcher(OutputConstraint("json_schema", json.dumps(SCHEMA)), e.tokenizer.encode('{"id":12,'))
+    matchers = [None, digits, None, letters, schema, None]
+    vocab = e.model_config.vocab_size
+    logits = torch.randn(len(matchers), vocab, generator=torch.Generator().manual_seed(0)).to(dtype)
+    given = logits.clone()
+    mask = e.guided.start(matchers)
+    assert mask is not None
+    masked = mask.masked(logits)
+    assert torch.equal(logits, given) and masked.dtype == torch.float32
+    for row, matcher in enumerate(matchers):
+        if matcher is None:
+            assert torch.equal(masked[row], logits[row].float())
+            continue
+        allowed = torch.tensor([matcher.validate_tokens([t]) == 1 for t in range(vocab)])
+        assert 0 < int(allowed.sum()) < vocab
+        assert torch.equal(masked[row, allowed], logits[row, allowed].float())
+        assert bool((masked[row, ~allowed] == float("-inf")).all())
+    assert e.guided.start([None, None]) is None  # nothing to mask: the engine samples `logits` as they are
+
+
+def test_a_steps_masks_are_started_before_its_forward(monkeypatch):
+    """They depend only on the tokens each matcher has consumed: computed beside the model, not after it."""
+    e = engine(EngineMode.MIXED)
+    calls: list[str] = []
+    start, execute = e.guided.start, e.runner.execute
+    monkeypatch.setattr(e.guided, "start", lambda matchers: calls.append("masks") or start(matchers))
+    monkeypatch.setattr(e.runner, "execute", lambda chunks: calls.append("forward") or execute(chunks))
+    e.generate([PROMPT], constrained("regex", "[0-9]{3}"))
+    assert calls[:4] == ["masks", "forward", "masks", "forward"]
 
 
 def test_a_request_that_carries_its_compiled_grammar_is_never_compiled_on_the_engine_thread(monkeypatch):
