@@ -36,6 +36,14 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
         "--rounds", type=at_least_one, default=3, help="rounds of every row on both engines, back to back"
     )
     engine.set_defaults(func=_bench_engine)
+    guided = bench_sub.add_parser("guided", help="decode step time with rows held to a JSON schema vs none")
+    add_engine_flags(guided)
+    guided.add_argument("--batch", type=at_least_one, default=32, help="decoding rows")
+    guided.add_argument("--constrained", type=counts, default="8,32", help="comma-separated, constrained rows of each")
+    guided.add_argument("--prompt-len", type=at_least_one, default=16, help="prompt tokens before decoding")
+    guided.add_argument("--steps", type=at_least_one, default=32, help="decode steps timed per case and round")
+    guided.add_argument("--rounds", type=at_least_one, default=3, help="rounds of every case")
+    guided.set_defaults(func=_bench_guided)
     placement = bench_sub.add_parser("placement", help="prefix-aware placement vs round-robin, TTFT and hit rate")
     placement.add_argument("--model", default=EngineConfig.model, help="as for up")
     placement.add_argument("--prefill", type=at_least_one, default=2, help="prefill workers")
@@ -149,6 +157,20 @@ def _bench_engine(args: argparse.Namespace) -> int:
         compare_transformers=args.compare == "transformers",
         rounds=args.rounds,
     )
+    return 0
+
+
+def _bench_guided(args: argparse.Namespace) -> int:
+    from pdserve.bench.guided_bench import run_guided_bench
+
+    if args.batch > args.max_num_seqs or max(args.constrained) > args.batch:
+        message = f"--batch {args.batch} must be within --max-num-seqs {args.max_num_seqs} and hold --constrained"
+        print(f"pdserve bench guided: {message}", file=sys.stderr)
+        return 2
+    if fetch_model(args.model, "pdserve bench guided") is None:
+        return 2
+    config = engine_config(args)
+    run_guided_bench(config, args.batch, args.constrained, args.prompt_len, args.steps, args.rounds)
     return 0
 
 

@@ -267,7 +267,9 @@ def test_the_out_check_leaves_no_file_behind_and_an_existing_one_as_it_was(tmp_p
     assert not new.exists() and old.read_text() == "kept"
 
 
-@pytest.mark.parametrize(("command", "flags"), [("profile", ["--quick", "--out", "p.json"]), ("bench engine", [])])
+@pytest.mark.parametrize(
+    ("command", "flags"), [("profile", ["--quick", "--out", "p.json"]), ("bench engine", []), ("bench guided", [])]
+)
 def test_a_model_that_is_not_there_is_one_line_not_a_traceback(capsys, monkeypatch, tmp_path, command, flags):
     monkeypatch.chdir(tmp_path)
     assert main([*command.split(), *flags, "--model", "nosuch"]) == 2
