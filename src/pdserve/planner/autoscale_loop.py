@@ -63,7 +63,8 @@ def other_model(profile: HardwareProfile, served: str) -> str | None:
 async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleConfig) -> int:
     """Returns 0 once stopped by a signal (or after one decision with `once`); 1 when the router refuses the
     status call for good (a key without admin rights, say), or with `once` does not answer it; 2 when the profile
-    is of another model than the cluster serves (its costs would size the cluster). The signals set
+    is of another model than the cluster serves (its costs would size the cluster), or the cluster is colocated
+    (ValueError: it has no split to scale). The signals set
     an event the loop checks rather than cancel its task: grpc.aio can swallow a task's cancellation when it
     lands as a call completes, and the loop would then run on."""
     window, hysteresis = LoadWindow(c.window_s), Hysteresis(c.consecutive, c.cooldown_s)
