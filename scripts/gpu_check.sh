@@ -3,7 +3,7 @@
 # decode in CUDA graphs == eager, bfloat16 on CUDA, llama-1b-random == transformers, a transfer of CUDA caches
 # over gloo), then the benches on CUDA: the transfer bench (gloo: NCCL needs two GPUs, one rank each) and, per
 # model, the engine bench against transformers and once more with decode eager (--decode-graphs off) to show
-# what the graphs buy.
+# what the graphs buy, and the guided bench (constrained rows' step cost: the mask bias copied to the device).
 # Models: llama-1b-random (built where it runs: seeded, ~5 GB, no download) gives the GPU figures;
 # smollm2-135m joins where its converted folder is in the cache (it is too big to carry to a device machine,
 # which cannot download it), tiny-random runs in the tests. PY picks the interpreter (a device machine brings
@@ -31,5 +31,7 @@ for model in $models; do
   "$PY" -m pdserve.cli bench engine --model "$model" --device cuda --dtype bfloat16 --batch-sizes 1,32 \
     --compare none --rounds 2 --decode-graphs off 2>&1 | tee "$LOGS/engine_bench_eager_$model.log"
   note "eager engine bench $model"
+  "$PY" -m pdserve.cli bench guided --model "$model" --device cuda --dtype bfloat16 --batch 32 --constrained 8,32 \
+    --rounds 2 2>&1 | tee "$LOGS/guided_bench_$model.log"; note "guided bench $model"
 done
 exit "$status"
