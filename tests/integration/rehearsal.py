@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.build import build_resource
-from pdserve.cluster.local_process import free_port
+from pdserve.cluster.local_process import PdserveProcess, free_port
 from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import WORKERS_KEY, worker_key
 from pdserve.rpc.client import generate
 from tests.integration import netns
-from tests.integration.processes import PdserveProcess
 from tests.integration.ray_nodes import RayNode, named_actors, ray_env, remove_temp_dir
 from tests.integration.reference import request
 from tests.redis_server import RedisServer

@@ -32,14 +32,13 @@ import pytest
 import redis
 
 from pdserve.build import build_resource
-from pdserve.cluster.local_process import free_port
+from pdserve.cluster.local_process import PdserveProcess, free_port
 from pdserve.protocol.compatibility import KV_WIRE_VERSION, WORKER_FEATURES
 from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import DESIRED_COUNTS_KEY, RETIRED_KEY, worker_key
 from pdserve.rpc.client import generate
 from pdserve.v1 import generate_pb2 as pb
 from tests.integration import netns
-from tests.integration.processes import PdserveProcess
 from tests.integration.ray_nodes import actor_names
 from tests.integration.reference import MAX_TOKENS, PROMPT, greedy_request
 from tests.integration.rehearsal import (

@@ -26,10 +26,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from pdserve.cluster.local_process import free_port
+from pdserve.cluster.local_process import PdserveProcess, free_port
 from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import WORKERS_KEY, worker_key
-from tests.integration.processes import PdserveProcess
 from tests.integration.ray_nodes import RayNode, ray_env, remove_temp_dir
 from tests.integration.rehearsal import serve_at, started
 from tests.redis_server import RedisServer

@@ -21,13 +21,12 @@ from collections.abc import Iterator
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.cluster.local_process import ClusterProcess, free_port
+from pdserve.cluster.local_process import ClusterProcess, PdserveProcess, free_port
 from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import PREFIX
 from pdserve.rpc.client import generate
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
-from tests.integration.processes import PdserveProcess
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(300)

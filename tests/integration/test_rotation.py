@@ -17,11 +17,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.cluster.local_process import PdserveProcess
 from pdserve.rpc.credentials import ClientCredentials
 from pdserve.rpc.server import channel
 from pdserve.security.api_keys import digest
 from tests.certs import Certs, make_certs
-from tests.integration.processes import PdserveProcess
 from tests.integration.secure_client import cluster_status
 from tests.redis_server import RedisServer, free_port, started
 

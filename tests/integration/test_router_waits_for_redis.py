@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.processes import PdserveProcess
+from pdserve.cluster.local_process import PdserveProcess
 from tests.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.timeout(180)

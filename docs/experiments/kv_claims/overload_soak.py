@@ -31,12 +31,11 @@ from pathlib import Path
 import grpc
 import redis as redislib
 
-from pdserve.cluster.local_process import ClusterProcess, descendants, free_port
+from pdserve.cluster.local_process import ClusterProcess, PdserveProcess, descendants, free_port
 from pdserve.rpc.errors import retry_after_ms
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
-from tests.integration.processes import PdserveProcess
 from tests.redis_server import RedisServer
 
 BLOCKS = 300

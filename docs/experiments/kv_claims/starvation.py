@@ -29,12 +29,11 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.cluster.local_process import ClusterProcess, free_port
+from pdserve.cluster.local_process import ClusterProcess, PdserveProcess, free_port
 from pdserve.rpc.errors import retry_after_ms
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
-from tests.integration.processes import PdserveProcess
 from tests.redis_server import RedisServer
 
 BLOCKS = 200

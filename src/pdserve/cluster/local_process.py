@@ -51,41 +51,38 @@ def alive(pid: int) -> bool:
     return fields[0] != "Z"
 
 
-class ClusterProcess:
-    def __init__(
-        self, *args: str, log_path: Path, startup_timeout_s: float = 180.0, env: dict[str, str] | None = None
-    ) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+class PdserveProcess:
+    """A `pdserve` command in a session of its own, its output in `log_path`; `netns`: run inside that network
+    namespace (`ip netns exec`)."""
+
+    def __init__(self, *args: str, log_path: Path, env: dict[str, str] | None = None, netns: str | None = None) -> None:
         self.log_path = log_path
-        # Known to the test, so it can call the workers' internal RPCs as a cluster peer would.
-        self.cluster_secret = (env or {}).get("PDSERVE_CLUSTER_SECRET") or secrets.token_hex(32)
-        # The `pdserve` command: its module composes the services (this package never imports them).
-        cmd = [sys.executable, "-m", PDSERVE_COMMAND, "up", "--port", str(self.port), *args]
+        self.args = args
+        cmd = [sys.executable, "-m", PDSERVE_COMMAND, *args]
+        if netns:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            cmd,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "PDSERVE_CLUSTER_SECRET": self.cluster_secret, **(env or {})},
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
         )
-        deadline = time.monotonic() + startup_timeout_s
-        while not re.search(r"^ready \S+", self.log(), re.MULTILINE):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"pdserve up did not become ready:\n{self.log()[-3000:]}")
-            time.sleep(0.2)
 
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def worker_addresses(self) -> dict[str, str]:
-        """worker id -> address, from the launcher's log lines."""
-        return dict(re.findall(r"worker (\S+) ready at ([\w.\-]+:\d+)", self.log()))
+    def wait_ready(self, timeout_s: float = 300.0) -> str:
+        """The ready line's first word after `ready`; RuntimeError with the log's tail when the process exits or
+        the time passes first (stopped then, as `stop` does: a SIGKILL would leave a `pdserve up`'s Ray behind)."""
+        deadline = time.monotonic() + timeout_s
+        while not (m := re.search(r"^ready (\S+)", self.log(), re.MULTILINE)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"pdserve {' '.join(self.args)} did not become ready:\n{self.log()[-4000:]}")
+            time.sleep(0.2)
+        return m.group(1)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> float:
-        """Signals the launcher; returns the seconds it took to exit. Kills the whole group if it hangs."""
+        """`sig` to the process (SIGKILL: as a node failure or `kubectl delete --force` would), then its whole group
+        if it hangs; returns the seconds it took to exit."""
         start = time.monotonic()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -96,3 +93,22 @@ class ClusterProcess:
                 self.proc.wait()
         self._log.close()
         return time.monotonic() - start
+
+
+class ClusterProcess(PdserveProcess):
+    """`pdserve up` on a free port, returned once ready, with a cluster secret the test knows (so it can call the
+    workers' internal RPCs as a cluster peer would)."""
+
+    def __init__(
+        self, *args: str, log_path: Path, startup_timeout_s: float = 180.0, env: dict[str, str] | None = None
+    ) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.cluster_secret = (env or {}).get("PDSERVE_CLUSTER_SECRET") or secrets.token_hex(32)
+        secret = {"PDSERVE_CLUSTER_SECRET": self.cluster_secret}
+        super().__init__("up", "--port", str(self.port), *args, log_path=log_path, env={**secret, **(env or {})})
+        self.wait_ready(startup_timeout_s)
+
+    def worker_addresses(self) -> dict[str, str]:
+        """worker id -> address, from the launcher's log lines."""
+        return dict(re.findall(r"worker (\S+) ready at ([\w.\-]+:\d+)", self.log()))
