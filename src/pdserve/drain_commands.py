@@ -71,19 +71,19 @@ async def _drain_named(args: argparse.Namespace, creds: ClientCredentials) -> in
     import grpc
 
     if args.worker_ids:
+        hint = "`pdserve restart WORKER_ID` surges it instead; "
         try:
             emptied = roles_emptied(await _workers(args.addr, creds), set(args.worker_ids))
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.PERMISSION_DENIED:
-                raise  # the drain's call would fail alike: _run says what fails, with its hints
-            # A key that may drain but not read the status: the drain might empty a role, as far as it can tell.
-            emptied = [f"could not check that the drain leaves each role a worker ({e.details()})"]
+            if e.code() != grpc.StatusCode.PERMISSION_DENIED and not args.force:
+                raise  # the drain's call would most likely fail alike: _run says what fails, with its hints
+            # A key that may drain but not read the status (which restart needs too), or a check --force passes:
+            # the drain might empty a role, as far as this can tell.
+            emptied, hint = [f"could not check that the drain leaves each role a worker ({e.details()})"], ""
         for line in emptied:
             print(f"pdserve drain: {'warning' if args.force else 'refused'}: {line}", file=sys.stderr)
         if emptied and not args.force:
-            print(
-                "pdserve drain: `pdserve restart WORKER_ID` surges it instead; --force drains anyway", file=sys.stderr
-            )
+            print(f"pdserve drain: {hint}--force drains anyway", file=sys.stderr)
             return 2
     return await _drain_and_print(args.addr, args.worker_ids, args.host or "", args.timeout, args.json, creds)
 

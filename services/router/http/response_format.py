@@ -37,7 +37,7 @@ def set_response_format(body: dict[str, Any], msg: pb.SamplingParams) -> None:
                 "response_format.json_schema", f"must be an object with a name and a schema, of {sorted(SCHEMA_FIELDS)}"
             )
         for name, kind, article in (("strict", bool, "true or false"), ("description", str, "a string")):
-            if name in spec and not isinstance(spec[name], kind):
+            if spec.get(name) is not None and not isinstance(spec[name], kind):  # null: not given, as OpenAI reads it
                 raise InvalidRequestError(f"response_format.json_schema.{name}", f"must be {article}")
         schema = spec.get("schema", {})
         if not isinstance(schema, dict):
@@ -48,6 +48,7 @@ def set_response_format(body: dict[str, Any], msg: pb.SamplingParams) -> None:
             text.encode()
         except UnicodeEncodeError:  # a lone surrogate (\ud800), which a protobuf string cannot hold
             raise InvalidRequestError(
-                "response_format.json_schema.schema", "holds a lone UTF-16 surrogate, which is not Unicode text"
+                "response_format.json_schema.schema",
+                "holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not Unicode text",
             ) from None
         msg.json_schema = text

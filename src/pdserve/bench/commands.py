@@ -170,7 +170,11 @@ def _bench_guided(args: argparse.Namespace) -> int:
     if fetch_model(args.model, "pdserve bench guided") is None:
         return 2
     config = engine_config(args)
-    run_guided_bench(config, args.batch, args.constrained, args.prompt_len, args.steps, args.rounds)
+    try:
+        run_guided_bench(config, args.batch, args.constrained, args.prompt_len, args.steps, args.rounds)
+    except ValueError as e:  # a prompt past the model's context, a batch its KV cannot hold
+        print(f"pdserve bench guided: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

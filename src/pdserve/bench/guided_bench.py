@@ -34,8 +34,8 @@ class _TimedMasks:
         self._start = engine.guided.start
         engine.guided.start = self.start  # type: ignore[method-assign]
 
-    def start(self, matchers: Sequence[llguidance.LLMatcher | None]) -> StepMask | None:
-        mask = self._start(matchers)
+    def start(self, matchers: Sequence[llguidance.LLMatcher | None], device: torch.device) -> StepMask | None:
+        mask = self._start(matchers, device)
         if mask is not None:
             masked = mask.masked
 
@@ -64,8 +64,11 @@ def _case(
         )
         ids.append(f"bench-{uuid.uuid4().hex}")
         engine.add_request(EngineRequest(ids[-1], prompt, sampling))
-    while sum(not o.finished for o in engine.step()) < batch:  # prompts, up to a step sampling every row
-        pass
+    for _ in range(batch * prompt_len + 1):  # prompts, up to a step sampling every row (one token a step at least)
+        if sum(not o.finished for o in engine.step()) == batch:
+            break
+    else:
+        raise ValueError(f"no step decoded all {batch} rows: too few KV blocks for them (--num-kv-blocks)?")
     step_s, mask_s = [], []
     for _ in range(steps):
         masks.seconds = 0.0
@@ -93,7 +96,7 @@ def run_guided_bench(
         raise ValueError(f"constrained rows must be in [1, {batch}], got {list(constrained)}")
     engine = LLMEngine(config)
     masks = _TimedMasks(engine)
-    cases = [0, *constrained]
+    cases = sorted({0, *constrained})
     _case(engine, masks, batch, max(cases), prompt_len, 2)  # warm-up
     samples: dict[int, list[tuple[float, float]]] = {k: [] for k in cases}
     for round_index in range(rounds):

@@ -214,6 +214,7 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self._engine.guided.close()
 
     def take_started_ns(self, request_id: str) -> int | None:
         """When the request first ran in a step (time.time_ns), once; None if it has not run."""

@@ -78,7 +78,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.runner = ModelRunner(self.model, config, num_blocks)
         self.sampler = Sampler()
-        self.guided = GuidedDecoding(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.guided = GuidedDecoding(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, config.num_threads
+        )
         self._requests: dict[str, _Request] = {}
         self.fingerprint = _fingerprint(self.model_config, self.model)
         self.last_step_tokens = 0  # tokens the last step ran (0: it could run nothing), for live speed tracking
@@ -260,7 +262,8 @@ class LLMEngine:
         if not plan.chunks:
             return []
         sampled = [self._requests[c.seq_id] for c in plan.chunks if c.sample]
-        mask = self.guided.start([r.matcher for r in sampled])  # beside the forward: their matchers wait for it
+        # Beside the forward: their matchers wait for it.
+        mask = self.guided.start([r.matcher for r in sampled], self.runner.device)
         step = self.runner.execute(plan.chunks)
         logits = step.sampled
         self.scheduler.complete_step()

@@ -14,15 +14,18 @@ request's matcher is a copy of it (a microsecond).
 
 A row's next mask depends only on the tokens its matcher has consumed, all known before the step's forward: `start`
 computes the step's masks beside it, on a thread of its own, with llguidance's executor (its rows in parallel, the GIL
-released), and turns the bits into an additive bias (0 or -inf per token, for finite logits; adding it costs a tenth
-of a masked fill over the same logits on a CPU). The engine thread only adds it after the forward: 32 rows of
-SmolLM2's 49,152 tokens took a median 1.3 ms there on a shared 2-core CPU, against 7.1 ms computing and filling the
-bits after the forward. Not llguidance.torch.apply_token_bitmask_inplace: it is torch.compile'd, 25 s to compile at
-its first call here.
+released). For logits on a CPU it turns the bits into an additive bias (0 or -inf per token; adding it costs a tenth
+of a masked fill over the same logits there, and a +inf logit's NaN is made -inf after): the engine thread only adds
+it after the forward, 32 rows of SmolLM2's 49,152 tokens a median 1.3 ms there on a shared 2-core CPU, against 7.1 ms
+computing and filling the bits after the forward. For a GPU's it keeps the bits, 32 times fewer bytes to copy there
+than a bias (6 MB a step for those 32 rows), which the device expands and fills (`disallowed`). Not
+llguidance.torch.apply_token_bitmask_inplace: it is torch.compile'd, 25 s to compile at its first call here.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -38,6 +41,7 @@ from pdserve.errors import InvalidRequestError
 from pdserve.protocol.output_constraint import OutputConstraint
 
 COMPILED_KEPT = 64  # grammars a worker keeps compiled, the least recently used dropped past it
+MAX_MASK_THREADS = 8  # a step's rows' masks take microseconds each: more threads only crowd the forward's
 
 # Row b of the table: byte value b's eight tokens (lowest bit first, llguidance's order), 0 where allowed, -inf not.
 _BYTE_BIAS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, 0.0, -np.inf).astype(np.float32)
@@ -47,19 +51,39 @@ class StepMask:
     """The masks of one step's constrained rows, being computed beside its forward. Until `masked` returns, their
     matchers are the mask thread's: nothing else may touch them."""
 
-    def __init__(self, rows: list[int], bias: Future[np.ndarray]) -> None:
+    def __init__(self, rows: list[int], masks: Future[np.ndarray], as_bias: bool) -> None:
         self.rows = rows  # the constrained rows' places among the step's sampled rows
-        self._bias = bias  # [len(rows), vocab] float32: 0 where allowed, -inf where not
+        # `as_bias` (logits on a CPU): [len(rows), vocab] float32 biases, 0 where allowed and -inf where not; else
+        # (a GPU's) the packed bits, [len(rows), ceil(vocab / 32)] int32, 32 times fewer bytes to copy to it.
+        self._masks = masks
+        self._as_bias = as_bias
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [N, V] (read only) with each constrained row's disallowed tokens at -inf: a float copy."""
-        bias = torch.from_numpy(self._bias.result()).to(logits.device)
-        rows = torch.tensor(self.rows, device=logits.device)
-        return logits.to(torch.float32, copy=True).index_add_(0, rows, bias)
+        masks, device = self._masks.result(), logits.device
+        rows = torch.tensor(self.rows, device=device)
+        out = logits.to(torch.float32, copy=True)
+        if self._as_bias:  # an add: a tenth of a masked fill's time on a CPU
+            out.index_add_(0, rows, torch.from_numpy(masks))
+            # A +inf logit plus its -inf bias is NaN, which argmax would pick: -inf, as the fill would make it.
+            return out.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        bits = torch.from_numpy(masks).to(device, non_blocking=True)
+        out[rows] = out[rows].masked_fill_(disallowed(bits, logits.shape[1]), -math.inf)
+        return out
+
+
+def disallowed(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Packed masks [R, W] int32 (bit t % 32 of word t // 32 set: token t allowed) as [R, vocab_size] bools, True
+    where disallowed, on the bits' device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], -1)[:, :vocab_size] == 0
 
 
 class GuidedDecoding:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int], threads: int | None = None
+    ) -> None:
+        """`threads`: the CPUs the worker may use (None: this host's), which bound the mask's threads."""
         # At start (0.3 s for SmolLM2's 49,152 tokens), not at the first constrained request on the engine thread.
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
@@ -67,8 +91,10 @@ class GuidedDecoding:
         self.vocab_size = vocab_size
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # `compile` runs in request handlers' threads, `matcher` on the engine's
-        self._executor = llguidance.LLExecutor()  # its own threads: the rows' masks in parallel
-        self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guided-mask")
+        self._threads = max(1, min(threads or os.cpu_count() or 1, MAX_MASK_THREADS))
+        # Made at the first constrained step: a worker that never sees one starts no thread for them.
+        self._executor: llguidance.LLExecutor | None = None  # the rows' masks in parallel, on threads of its own
+        self._mask_thread: ThreadPoolExecutor | None = None
 
     def compile(self, constraint: OutputConstraint) -> llguidance.LLMatcher:
         """The constraint's grammar compiled against the vocabulary, once per grammar while it is kept; any thread."""
@@ -97,17 +123,33 @@ class GuidedDecoding:
             raise InvalidRequestError("resumed_output_tokens", f"the output so far breaks its {constraint.kind}: {why}")
         return matcher
 
-    def start(self, matchers: Sequence[llguidance.LLMatcher | None]) -> StepMask | None:
-        """Starts computing the masks of a step's sampled rows (None: unconstrained); None when no row is."""
+    def start(self, matchers: Sequence[llguidance.LLMatcher | None], device: torch.device) -> StepMask | None:
+        """Starts computing the masks of a step's sampled rows (None: unconstrained), for logits on `device`; None
+        when no row is constrained."""
         rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
-        return StepMask([i for _, i in rows], self._mask_thread.submit(self._bias, [m for m, _ in rows]))
+        if self._mask_thread is None:
+            self._executor = llguidance.LLExecutor(num_threads=self._threads)
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guided-mask")
+        as_bias, executor = device.type == "cpu", self._executor
+        assert executor is not None  # made with the thread
+        masks = self._mask_thread.submit(self._masks, executor, [m for m, _ in rows], as_bias)
+        return StepMask([i for _, i in rows], masks, as_bias)
 
-    def _bias(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
-        """On the mask thread: each matcher's next mask as an additive bias, one row each."""
+    def close(self) -> None:
+        """Ends the mask's threads (a stopped engine's), once its last step's are done."""
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown()
+
+    def _masks(
+        self, executor: llguidance.LLExecutor, matchers: list[llguidance.LLMatcher], as_bias: bool
+    ) -> np.ndarray:
+        """On the mask thread: each matcher's next mask, packed, or as an additive bias (`StepMask`)."""
         bits = llguidance.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)  # int32 words, -1: all
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, j) for j, m in enumerate(matchers)], bits)
+        llguidance.numpy.fill_next_token_bitmask_par(executor, [(m, j) for j, m in enumerate(matchers)], bits)
+        if not as_bias:
+            return bits
         # Token t is bit t % 8 of byte t // 8 of the words read little-endian: each byte picks its eight biases.
         as_bytes = bits.astype("<i4", copy=False).view(np.uint8)
         bias = np.take(_BYTE_BIAS, as_bytes, axis=0).reshape(len(matchers), -1)

@@ -40,7 +40,9 @@ class OutputConstraint:
         try:
             size = len(self.spec.encode())
         except UnicodeEncodeError:  # a lone surrogate: a JSON body's \ud800, a command line's undecodable byte
-            raise InvalidRequestError(field, "holds a lone UTF-16 surrogate, which is not Unicode text") from None
+            raise InvalidRequestError(
+                field, "holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not Unicode text"
+            ) from None
         if size > MAX_SPEC_BYTES:
             raise InvalidRequestError(field, f"is {size} bytes; at most {MAX_SPEC_BYTES}")
         error = llguidance.LLMatcher.validate_grammar(self.grammar)

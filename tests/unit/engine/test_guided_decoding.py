@@ -88,11 +88,12 @@ def test_a_resumed_output_that_breaks_the_constraint_is_refused():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32: the copy must not be `logits` itself
-def test_each_constrained_row_keeps_exactly_what_its_grammar_allows_and_no_other_row_is_touched(dtype):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # the mask as a bias, and (its torch ops run here) as bits
+def test_each_constrained_row_keeps_exactly_what_its_grammar_allows_and_no_other_row_is_touched(dtype, device):
     """Rows of three grammars in different states among unconstrained ones, each row's logits its own: a constrained
     row keeps the tokens its matcher accepts next (asked token by token, not through a bitmask), the rest at -inf
-    (259 tokens: the last word's three bits, and 256 in the words before, all read); every other row, and `logits`,
-    stay as they were."""
+    (259 tokens: the last word's three bits, and 256 in the words before, all read), a +inf logit too; every other
+    row, and `logits`, stay as they were."""
     e = engine(EngineMode.MIXED)
     digits = e.guided.matcher(OutputConstraint("regex", "[0-9]{1,3}"), e.tokenizer.encode("1"))  # digits or the end
     letters = e.guided.matcher(OutputConstraint("regex", "[a-z]+!"), [])
@@ -100,8 +101,10 @@ def test_each_constrained_row_keeps_exactly_what_its_grammar_allows_and_no_other
     matchers = [None, digits, None, letters, schema, None]
     vocab = e.model_config.vocab_size
     logits = torch.randn(len(matchers), vocab, generator=torch.Generator().manual_seed(0)).to(dtype)
+    letter_a = e.tokenizer.encode("a")[0]
+    logits[1, letter_a] = logits[0, letter_a] = float("inf")  # fp16 logits overflow: not a digit, all the same
     given = logits.clone()
-    mask = e.guided.start(matchers)
+    mask = e.guided.start(matchers, torch.device(device))
     assert mask is not None
     masked = mask.masked(logits)
     assert torch.equal(logits, given) and masked.dtype == torch.float32
@@ -113,7 +116,10 @@ def test_each_constrained_row_keeps_exactly_what_its_grammar_allows_and_no_other
         assert 0 < int(allowed.sum()) < vocab
         assert torch.equal(masked[row, allowed], logits[row, allowed].float())
         assert bool((masked[row, ~allowed] == float("-inf")).all())
-    assert e.guided.start([None, None]) is None  # nothing to mask: the engine samples `logits` as they are
+    assert masked[1, letter_a] == float("-inf") and masked[0, letter_a] == float("inf")
+    assert (
+        e.guided.start([None, None], torch.device(device)) is None
+    )  # nothing to mask: the engine samples `logits` as they are
 
 
 def test_a_steps_masks_are_started_before_its_forward(monkeypatch):
@@ -121,7 +127,7 @@ def test_a_steps_masks_are_started_before_its_forward(monkeypatch):
     e = engine(EngineMode.MIXED)
     calls: list[str] = []
     start, execute = e.guided.start, e.runner.execute
-    monkeypatch.setattr(e.guided, "start", lambda matchers: calls.append("masks") or start(matchers))
+    monkeypatch.setattr(e.guided, "start", lambda *args: calls.append("masks") or start(*args))
     monkeypatch.setattr(e.runner, "execute", lambda chunks: calls.append("forward") or execute(chunks))
     e.generate([PROMPT], constrained("regex", "[0-9]{3}"))
     assert calls[:4] == ["masks", "forward", "masks", "forward"]

@@ -27,6 +27,8 @@ def test_each_format_sets_its_constraint():
     assert not any((s := sampling({"type": "text"})).json_schema or s.json_object or s.regex)
     assert sampling({"type": "json_object"}, chat=False).json_object
     schema = sampling({"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}})
+    nulls = sampling({"type": "json_schema", "json_schema": {"name": "x", "strict": None, "description": None}})
+    assert json.loads(nulls.json_schema) == {}  # null: not given, as OpenAI takes it
     assert json.loads(schema.json_schema) == SCHEMA
     assert json.loads(sampling({"type": "json_schema", "json_schema": {"name": "any"}}).json_schema) == {}
     accents = {"type": "object", "properties": {"é" * 40_000: {"type": "string"}}}  # 80 KB as UTF-8, 240 KB escaped
