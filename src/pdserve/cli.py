@@ -107,6 +107,9 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
 
     fetch = sub.add_parser("fetch", help="fetch and convert a built-in model into the cache, once")
     fetch.add_argument("--model", default=EngineConfig.model, help="a built-in model name")
+    fetch.add_argument(
+        "--force", action="store_true", help="build it again even when the cache holds it complete (a damaged file)"
+    )
     fetch.set_defaults(func=_fetch)
 
     add_bench_commands(sub)
@@ -312,7 +315,12 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    path = fetch_model(args.model, "pdserve fetch")
+    from pdserve.engine.model_files import BUILTIN_MODELS
+
+    if args.force and args.model not in BUILTIN_MODELS:
+        print(f"pdserve fetch: --force rebuilds built-in models only, not {args.model}", file=sys.stderr)
+        return 2
+    path = fetch_model(args.model, "pdserve fetch", args.force)
     if path is None:
         return 1
     print(path)

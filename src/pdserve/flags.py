@@ -185,13 +185,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def fetch_model(model: str, command: str) -> Path | None:
-    """The model's folder, fetched and converted on first use (a progress line on a terminal's stderr);
-    None, said on stderr in one line, when it cannot be had: a name that is no model is no traceback."""
-    from pdserve.engine.models import ModelFetchError, resolve_model
+def fetch_model(model: str, command: str, force: bool = False) -> Path | None:
+    """The model's folder, fetched and converted on first use (a progress line on a terminal's stderr), or again
+    with `force`; None, said on stderr in one line, when it cannot be had: a name that is no model is no traceback."""
+    from pdserve.engine.model_cache import ModelFetchError
+    from pdserve.engine.models import resolve_model
 
     try:
-        return resolve_model(model)
+        return resolve_model(model, force)
     except (ModelFetchError, FileNotFoundError) as e:
         print(f"{command}: {e}", file=sys.stderr)
         return None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import env
+from pdserve.engine.cache_manifest import problem
 from pdserve.protocol.model_config import ModelConfig, UnsupportedModelError
 
 BUILTIN_MODELS = ("smollm2-135m", "tiny-random", "llama-1b-random")
@@ -29,16 +30,20 @@ def builtin_folder(name: str) -> Path:
 
 
 def is_built(folder: Path) -> bool:
-    """config.json is written last (the folder is renamed into place whole), so it marks a complete build."""
-    return (folder / "config.json").exists()
+    """Whether the folder holds every file its build wrote, at the size written (`cache_manifest`)."""
+    return problem(folder) is None
 
 
 def locate_model(model: str) -> Path:
     """A built-in name, a Hugging Face model folder or a .gguf file -> the path to read, without building."""
     if model in BUILTIN_MODELS:
         folder = builtin_folder(model)
-        if not is_built(folder):
+        if (why := problem(folder)) == "not built":
             raise ModelNotFetchedError(f"model {model!r} is not in the cache yet: run `pdserve fetch --model {model}`")
+        if why:
+            raise ModelNotFetchedError(
+                f"model {model!r} in {folder} is incomplete ({why}): run `pdserve fetch --model {model}` to rebuild it"
+            )
         return folder
     path = Path(model).expanduser()
     if not path.exists():

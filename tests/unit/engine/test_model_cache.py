@@ -1,0 +1,113 @@
+"""Building a built-in model into the cache: complete or rebuilt, and readable by other users. Builders here are
+fakes writing a few small files (no download): what is under test is the cache around them."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pdserve.engine.cache_manifest import MANIFEST
+from pdserve.engine.model_cache import build_cached
+from pdserve.engine.model_files import ModelNotFetchedError, builtin_folder, is_built, locate_model
+
+NAME = "tiny-random"
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    return tmp_path / "models"
+
+
+@pytest.fixture
+def umask_022() -> Iterator[None]:
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+class FakeBuilder:
+    """Writes what a model folder needs, safetensors' way (mode 0600); counts its builds and where it worked."""
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.builds, self.seconds, self.scratch = 0, seconds, Path()
+
+    def __call__(self, folder: Path, scratch: Path, stage: object) -> None:
+        self.builds += 1
+        self.scratch = scratch
+        (scratch / "wheel.whl").write_bytes(b"a download")
+        time.sleep(self.seconds)
+        save_file({"w": torch.zeros(4)}, folder / "model.safetensors")
+        (folder / "tokenizer.json").write_text("{}")
+        (folder / "config.json").write_text(json.dumps({"builds": self.builds}))
+
+
+def test_built_files_are_readable_by_other_users(cache: Path, umask_022: None) -> None:
+    """safetensors writes 0600 whatever the umask: a cache an image baked as root was unreadable by uid 1000."""
+    folder = build_cached(NAME, FakeBuilder())
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+    assert modes == dict.fromkeys(["model.safetensors", "tokenizer.json", "config.json", MANIFEST], 0o644)
+    assert folder.stat().st_mode & 0o777 == 0o755
+
+
+def test_the_umask_still_narrows_them(cache: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        folder = build_cached(NAME, FakeBuilder())
+    finally:
+        os.umask(old)
+    assert {p.stat().st_mode & 0o777 for p in folder.iterdir()} == {0o640}
+
+
+def test_a_cut_file_makes_the_folder_incomplete_and_the_next_build_replaces_it(cache: Path) -> None:
+    build = FakeBuilder()
+    folder = build_cached(NAME, build)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    assert not is_built(folder)
+    with pytest.raises(ModelNotFetchedError, match=r"incomplete \(model.safetensors is \d+ bytes, its build wrote"):
+        locate_model(NAME)
+    assert build_cached(NAME, build) == folder and build.builds == 2
+    assert is_built(folder) and json.loads((folder / "config.json").read_text()) == {"builds": 2}
+
+
+def test_a_folder_without_its_config_is_rebuilt_not_a_rename_failure(cache: Path) -> None:
+    """It made every fetch convert again and then fail: "Directory not empty"."""
+    folder = builtin_folder(NAME)
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"half")
+    assert build_cached(NAME, FakeBuilder()) == folder and is_built(folder)
+    assert [p.name for p in cache.iterdir()] == [NAME]  # the bad folder went too
+
+
+def test_a_folder_built_before_the_manifest_still_counts(cache: Path) -> None:
+    folder = builtin_folder(NAME)
+    folder.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (folder / name).write_text("{}")
+    build = FakeBuilder()
+    assert build_cached(NAME, build) == folder and build.builds == 0
+    (folder / "tokenizer.json").unlink()
+    assert not is_built(folder)
+
+
+def test_force_rebuilds_a_complete_folder(cache: Path) -> None:
+    build = FakeBuilder()
+    build_cached(NAME, build)
+    build_cached(NAME, build, force=True)
+    assert build.builds == 2 and json.loads((builtin_folder(NAME) / "config.json").read_text()) == {"builds": 2}
+
+
+def test_the_download_is_in_the_staging_folder_and_goes_with_it(cache: Path) -> None:
+    """It was left in TMPDIR (183 MB for smollm2) when a fetch was killed."""
+    build = FakeBuilder()
+    build_cached(NAME, build)
+    assert build.scratch.parent.parent == cache and build.scratch.parent.name.startswith(f".{NAME}-")
+    assert not build.scratch.parent.exists()
