@@ -315,12 +315,20 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def _fetch(args: argparse.Namespace) -> int:
+    """SIGTERM (what Kubernetes sends an init container) ends it as SIGINT would, through the build's cleanup: its
+    staging folder (the download and half a model) is removed, not left in the cache."""
+    import signal
+
     from pdserve.engine.model_files import BUILTIN_MODELS
 
     if args.force and args.model not in BUILTIN_MODELS:
         print(f"pdserve fetch: --force rebuilds built-in models only, not {args.model}", file=sys.stderr)
         return 2
-    path = fetch_model(args.model, "pdserve fetch", args.force)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        path = fetch_model(args.model, "pdserve fetch", args.force)
+    finally:  # `main` called in a process that goes on (a test's)
+        signal.signal(signal.SIGTERM, previous)
     if path is None:
         return 1
     print(path)
