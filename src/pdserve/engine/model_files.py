@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,33 @@ def locate_model(model: str) -> Path:
             f"model {model!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}) nor an existing path"
         )
     return path
+
+
+def damaged(path: Path, reason: str) -> UnsupportedModelError:
+    """A model file that cannot be read as what it should be, named, with the fix where it is ours to rebuild (a
+    built-in model's cache folder; a folder or .gguf the user named is theirs)."""
+    owner = path.parent
+    fix = f"; run `pdserve fetch --force --model {owner.name}`" if _in_cache(owner) else ""
+    return UnsupportedModelError(f"{path}: damaged ({reason}){fix}")
+
+
+def _in_cache(folder: Path) -> bool:
+    try:
+        return folder.name in BUILTIN_MODELS and folder.parent == env.cache_dir() / "models"
+    except OSError:  # no cache to be in
+        return False
+
+
+def unreadable(path: Path) -> PermissionError | None:
+    """A file that is there but that this user may not read (a cache built by another user), said so: safetensors
+    and tokenizers report it as missing. None when it is readable or not there."""
+    if not path.exists() or os.access(path, os.R_OK):
+        return None
+    st = path.stat()
+    return PermissionError(
+        f"{path}: not readable by uid {os.getuid()} (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}); "
+        "let the files be read (chmod a+r) or build the cache as this user"
+    )
 
 
 def tokenizer_folder(path: Path) -> Path:

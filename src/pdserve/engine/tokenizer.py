@@ -27,6 +27,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders
 
 from pdserve.engine.byte_tokenizer import byte_level_bytes
+from pdserve.engine.model_files import damaged, unreadable
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.request_checks import CHAT_ROLES
 
@@ -39,8 +40,10 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"{folder} has no tokenizer.json: pdserve reads fast (tokenizers) tokenizers")
-        self._tok = _HFTokenizer.from_file(str(path))
-        self._text_tok = _HFTokenizer.from_file(str(path))  # a second instance: the flag is per object
+        if error := unreadable(path):
+            raise error
+        self._tok = _read_tokenizer(path)
+        self._text_tok = _read_tokenizer(path)  # a second instance: the flag is per object
         self._text_tok.encode_special_tokens = True  # special-token text in content stays text
         self._added = self._tok.get_added_tokens_decoder()
         self._specials = [t.content for t in self._added.values() if t.special]
@@ -126,6 +129,14 @@ class Tokenizer:
             return bytes([int(fallback[1], 16)])
         text = self._tok.decode([token_id], skip_special_tokens=False)
         return None if "\ufffd" in text else text.encode()
+
+
+def _read_tokenizer(path: Path) -> _HFTokenizer:
+    """tokenizers says what is wrong with a cut or overwritten file (its JSON error) but not which file."""
+    try:
+        return _HFTokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise damaged(path, str(e)) from None
 
 
 def _tokenizer_settings(folder: Path) -> dict[str, Any]:

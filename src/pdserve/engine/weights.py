@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from pdserve.engine.model_files import gguf_hf_config
+from pdserve.engine.model_files import damaged, gguf_hf_config, unreadable
 from pdserve.protocol.model_config import ModelConfig, UnsupportedModelError
 
 # GGUF tensor names (per layer after "blk.N.") -> Hugging Face names (after "model.layers.N.").
@@ -34,13 +35,19 @@ _GGUF_GLOBAL_NAMES = {
 
 
 def load_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of every *.safetensors file in a Hugging Face model folder."""
+    """All tensors of every *.safetensors file in a Hugging Face model folder. A file that cannot be read is named
+    (safetensors names none, and calls an unreadable one missing)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}: pdserve reads safetensors, never pickles")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_file(f))
+        if error := unreadable(f):
+            raise error
+        try:
+            tensors.update(load_file(f))
+        except SafetensorError as e:  # a truncated or overwritten file
+            raise damaged(f, str(e)) from None
     return tensors
 
 

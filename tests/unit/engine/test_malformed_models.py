@@ -5,6 +5,8 @@ request. And the end-of-sequence ids a model declares anywhere all stop it."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_files import generation_eos_ids, read_model_config
 from pdserve.engine.model_runner import load_model
 from pdserve.engine.models import resolve_model, write_folder_from_gguf
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protocol.model_config import UnsupportedModelError
 
 GGUF_LAYER_NAMES = {
@@ -170,3 +173,45 @@ def test_a_gguf_converted_to_a_folder_keeps_its_end_of_turn(tiny: Path, tmp_path
     (out := tmp_path / "folder").mkdir()
     write_folder_from_gguf(path, out)
     assert generation_eos_ids(out) == (2, 186)
+
+
+def cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_a_cut_file_in_the_cache_is_named_with_the_command_that_rebuilds_it(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors said "incomplete metadata" and tokenizers an EOF, naming no file, in every worker's four tries.
+    (A folder built before the manifest existed: one built since is found incomplete before it is loaded.)"""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    cached = shutil.copytree(tiny, tmp_path / "models" / "tiny-random")
+    cut(cached / "model.safetensors")
+    cut(cached / "tokenizer.json")
+    fix = "; run `pdserve fetch --force --model tiny-random`"
+    with pytest.raises(UnsupportedModelError, match=r"model.safetensors: damaged \(.+\)" + re.escape(fix)):
+        load(cached)
+    with pytest.raises(UnsupportedModelError, match=r"tokenizer.json: damaged \(.+\)" + re.escape(fix)):
+        Tokenizer(cached)
+    mine = shutil.copytree(cached, tmp_path / "mine")  # the user's own folder: not ours to rebuild
+    with pytest.raises(UnsupportedModelError, match=r"mine/model.safetensors: damaged \([^)]+\)$"):
+        load(mine)
+
+
+def test_a_weights_file_this_user_may_not_read_is_named_with_its_owner_and_mode(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors raises FileNotFoundError on EACCES: "No such file or directory", for a file that is there.
+    (Root reads every file, so the denial is the os's answer here; `..._as_another_user` checks the real one.)"""
+    model = folder(tiny, tmp_path)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(PermissionError, match=rf"model.safetensors: not readable by uid {os.getuid()} \(owner uid"):
+        load(model)
+
+
+@pytest.mark.skipif(os.getuid() == 0, reason="root reads every file")
+def test_a_weights_file_this_user_may_not_read_as_another_user(tiny: Path, tmp_path: Path) -> None:
+    model = folder(tiny, tmp_path)
+    (model / "model.safetensors").chmod(0o200)
+    with pytest.raises(PermissionError, match=r"model.safetensors: not readable .* mode 200"):
+        load(model)
