@@ -122,7 +122,7 @@ class LlamaModel(nn.Module):
             layers.append(DecoderLayer(config, {n[len(prefix) :]: take(n) for n in names}))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(take("model.norm.weight"), config.rms_norm_eps)
-        if config.tie_word_embeddings or "lm_head.weight" not in weights:
+        if config.tie_word_embeddings:  # an untied model without its head is refused at load (`check_weights`)
             self.lm_head = Linear(self.embed_tokens.data)
         else:
             self.lm_head = Linear(take("lm_head.weight"))

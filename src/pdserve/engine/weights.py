@@ -4,6 +4,7 @@ The config alone is read without any of this, from metadata (`pdserve.engine.mod
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ _GGUF_GLOBAL_NAMES = {
 def load_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of every *.safetensors file in a Hugging Face model folder. A file that cannot be read is named
     (safetensors names none, and calls an unreadable one missing)."""
+    _check_shards(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}: pdserve reads safetensors, never pickles")
@@ -49,6 +51,20 @@ def load_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
         except SafetensorError as e:  # a truncated or overwritten file
             raise damaged(f, str(e)) from None
     return tensors
+
+
+def _check_shards(folder: Path) -> None:
+    """Every shard a sharded checkpoint's index names is there: one missing would leave its tensors out, which
+    `check_weights` names only by tensor (and a missing lm_head would once have been tied silently)."""
+    index = folder / "model.safetensors.index.json"
+    if not index.exists():
+        return
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise damaged(index, f"no readable weight_map: {e!r}") from None
+    if missing := sorted(str(name) for name in shards if not (folder / str(name)).is_file()):
+        raise UnsupportedModelError(f"{folder}: {', '.join(missing)} missing, named by {index.name}")
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -92,7 +108,7 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source:
     h, i = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     expected = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
-    if "lm_head.weight" in weights:  # absent: tied to the embedding
+    if not config.tie_word_embeddings or "lm_head.weight" in weights:  # tied: the embedding serves as the head
         expected["lm_head.weight"] = (config.vocab_size, h)
     per_layer = {
         "input_layernorm.weight": (h,),

@@ -155,6 +155,7 @@ def test_a_config_missing_a_key_or_not_json_is_named(tiny: Path, tmp_path: Path)
         ({}, "model.layers.1.self_attn.q_proj.weight", "missing model.layers.1.self_attn.q_proj.weight"),
         ({"num_key_value_heads": 4}, "", r"k_proj.weight is \(32, 64\), its config makes it \(64, 64\)"),
         ({"vocab_size": 300}, "", r"embed_tokens.weight is \(259, 64\), its config makes it \(300, 64\)"),
+        ({"tie_word_embeddings": False}, "lm_head.weight", "missing lm_head.weight"),  # was tied, silently
     ],
 )
 def test_weights_that_do_not_match_the_config_are_refused_at_load(
@@ -173,6 +174,17 @@ def test_a_gguf_converted_to_a_folder_keeps_its_end_of_turn(tiny: Path, tmp_path
     (out := tmp_path / "folder").mkdir()
     write_folder_from_gguf(path, out)
     assert generation_eos_ids(out) == (2, 186)
+
+
+def test_a_shard_its_index_names_must_be_there(tiny: Path, tmp_path: Path) -> None:
+    """A sharded checkpoint missing the shard with lm_head.weight ran on the embedding instead."""
+    model = folder(tiny, tmp_path)
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}
+    weight_map["lm_head.weight"] = "model-00002-of-00002.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(UnsupportedModelError, match="model-00002-of-00002.safetensors missing, named by model.saf"):
+        load(model)
 
 
 def cut(path: Path) -> None:
