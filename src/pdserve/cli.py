@@ -36,6 +36,7 @@ from pdserve.flags import (
     fetch_model,
     flag_values,
     from_flags,
+    model_unready,
     sampling_from_flags,
 )
 from pdserve.planner.commands import add_planner_commands
@@ -220,7 +221,7 @@ def _serve_held(args: argparse.Namespace, services: ClusterServices | None) -> i
     configure_logging(args.log_level, service=f"pdserve-{args.command}")
     # The model, here with progress on a terminal rather than in every worker; a controller's workers fetch it on
     # their own nodes.
-    if args.command != "controller" and (failed := _model_not_in_cache(args.model, f"pdserve {args.command}")):
+    if args.command != "controller" and (failed := model_unready(args.model, name)):
         return failed
     from redis.exceptions import ConnectionError as RedisUnreachable
 
@@ -333,25 +334,6 @@ def _fetch(args: argparse.Namespace) -> int:
         return 1
     print(path)
     return 0
-
-
-def _model_not_in_cache(model: str, command: str) -> int:
-    """For `pdserve up`: 0 when the model is there to read, a built-in one fetched and converted first by
-    `pdserve fetch` in a child process, so that this process (the router's) never imports torch; else the exit
-    status: 2 for a name that is no model (a usage error, as `generate` answers it), 1 for a fetch that failed."""
-    import subprocess
-
-    from pdserve.engine.model_files import ModelNotFetchedError, locate_model
-
-    try:
-        locate_model(model)
-        return 0
-    except ModelNotFetchedError:
-        fetched = subprocess.run([sys.executable, "-m", "pdserve.cli", "fetch", "--model", model]).returncode == 0
-        return 0 if fetched else 1
-    except FileNotFoundError as e:
-        print(f"{command}: {e}", file=sys.stderr)
-        return 2
 
 
 def _generate(args: argparse.Namespace) -> int:

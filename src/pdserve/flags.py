@@ -198,6 +198,33 @@ def fetch_model(model: str, command: str, force: bool = False) -> Path | None:
         return None
 
 
+def model_unready(model: str, command: str) -> int:
+    """For `pdserve up` and `router`, before Ray or any worker starts: 0 when the model is there to read and can be
+    run, a built-in one fetched and converted first by `pdserve fetch` in a child process, so that this process
+    (the router's) never imports torch. Else the exit status, the reason said in one line: 2 for a name that is no
+    model or one pdserve cannot run (as `generate` answers them: workers retrying could not change it), 1 for a
+    fetch that failed."""
+    import subprocess
+
+    from pdserve.engine.model_files import ModelNotFetchedError, locate_model, read_model_config, tokenizer_folder
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.protocol.model_config import UnsupportedModelError
+
+    try:
+        try:
+            path = locate_model(model)
+        except ModelNotFetchedError:
+            if subprocess.run([sys.executable, "-m", "pdserve.cli", "fetch", "--model", model]).returncode != 0:
+                return 1
+            path = locate_model(model)
+        read_model_config(path)
+        Tokenizer(tokenizer_folder(path))
+    except (FileNotFoundError, UnsupportedModelError) as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def writable_file(path: Path, flag: str, command: str) -> bool:
     """Whether `path` takes a file (said on stderr if not), found before the work whose result goes there: a
     folder, a missing folder or a file system that takes no file fails now, not once the work is done. A file

@@ -1,0 +1,69 @@
+"""What a command says about a model it cannot use: once, in one line, before any worker starts (retrying workers
+cannot make an architecture supported or a cache writable), never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pdserve import cli
+from pdserve.cli import main
+from pdserve.engine.models import resolve_model
+
+
+@pytest.fixture
+def tiny() -> Path:
+    return resolve_model("tiny-random")
+
+
+def no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(command: str) -> None:
+        pytest.fail("the cluster started")
+
+    monkeypatch.setattr(cli, "_runner", never)
+
+
+def one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    return line
+
+
+def test_up_refuses_an_unsupported_architecture_at_once_as_generate_does(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It cost 46 s of eight worker starts before the same error."""
+    from services.main import SERVICES
+
+    model = shutil.copytree(tiny, tmp_path / "mistral")
+    config = json.loads((model / "config.json").read_text()) | {"architectures": ["MistralForCausalLM"]}
+    (model / "config.json").write_text(json.dumps(config | {"model_type": "mistral"}))
+    no_cluster(monkeypatch)
+    assert main(["up", "--model", str(model), "--port", "0"], services=SERVICES) == 2
+    up = one_line(capsys)
+    assert main(["generate", "--model", str(model), "--prompt", "hi"]) == 2
+    generate = one_line(capsys)
+    assert "unsupported architecture ('MistralForCausalLM',)" in up
+    assert up.removeprefix("pdserve up: ") == generate.removeprefix("pdserve generate: ")
+
+
+@pytest.mark.parametrize("command", ["up", "router"])
+def test_a_damaged_tokenizer_is_named_before_any_worker_starts(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    from services.main import SERVICES
+
+    model = shutil.copytree(tiny, tmp_path / "model")
+    (model / "tokenizer.json").write_text('{"version": "1.0", "trunc')
+    no_cluster(monkeypatch)
+    redis = ["--redis", "redis://127.0.0.1:1/0"] if command == "router" else []
+    assert main([command, "--model", str(model), "--port", "0", *redis], services=SERVICES) == 2
+    assert one_line(capsys).startswith(f"pdserve {command}: {model / 'tokenizer.json'}: damaged (")
+
+
+def test_force_is_for_built_in_models_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder or .gguf the user named is theirs: pdserve never rebuilds it."""
+    assert main(["fetch", "--force", "--model", str(tmp_path)]) == 2
+    assert one_line(capsys) == f"pdserve fetch: --force rebuilds built-in models only, not {tmp_path}"
