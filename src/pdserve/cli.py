@@ -338,6 +338,7 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.model_cache import ModelFetchError
     from pdserve.errors import InvalidRequestError
     from pdserve.protocol.model_config import UnsupportedModelError
 
@@ -353,6 +354,9 @@ def _generate(args: argparse.Namespace) -> int:
     except (FileNotFoundError, UnsupportedModelError) as e:  # the model named
         print(f"pdserve generate: {e}", file=sys.stderr)
         return 2
+    except (ModelFetchError, OSError) as e:  # the cache: not writable, full, unreadable, no home for its default
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 1
     for prompt, c in zip(args.prompt, completions, strict=True):
         if args.json:
             reason = c.finish_reason.value

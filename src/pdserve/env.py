@@ -16,8 +16,14 @@ API_KEY_VAR = "PDSERVE_API_KEY"
 
 
 def cache_dir() -> Path:
-    """Where converted models live: $PDSERVE_CACHE_DIR, default ~/.cache/pdserve."""
-    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+    """Where converted models live: $PDSERVE_CACHE_DIR, default ~/.cache/pdserve. OSError, saying which variable
+    to set, when there is no home to default to (no HOME, and a uid with no passwd entry: a container's)."""
+    if configured := os.environ.get("PDSERVE_CACHE_DIR"):
+        return Path(configured)
+    try:
+        return Path.home() / ".cache" / "pdserve"
+    except RuntimeError as e:
+        raise OSError(f"{e} to put the model cache under (~/.cache/pdserve): set PDSERVE_CACHE_DIR") from None
 
 
 def pod_ip() -> str | None:

@@ -187,7 +187,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 def fetch_model(model: str, command: str, force: bool = False) -> Path | None:
     """The model's folder, fetched and converted on first use (a progress line on a terminal's stderr), or again
-    with `force`; None, said on stderr in one line, when it cannot be had: a name that is no model is no traceback."""
+    with `force`; None, said on stderr in one line, when it cannot be had: a name that is no model, a cache that
+    cannot be written, are no traceback."""
     from pdserve.engine.model_cache import ModelFetchError
     from pdserve.engine.models import resolve_model
 
@@ -203,7 +204,7 @@ def model_unready(model: str, command: str) -> int:
     run, a built-in one fetched and converted first by `pdserve fetch` in a child process, so that this process
     (the router's) never imports torch. Else the exit status, the reason said in one line: 2 for a name that is no
     model or one pdserve cannot run (as `generate` answers them: workers retrying could not change it), 1 for a
-    fetch that failed."""
+    fetch that failed or a cache that cannot be read."""
     import subprocess
 
     from pdserve.engine.model_files import ModelNotFetchedError, locate_model, read_model_config, tokenizer_folder
@@ -222,6 +223,9 @@ def model_unready(model: str, command: str) -> int:
     except (FileNotFoundError, UnsupportedModelError) as e:
         print(f"{command}: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a cache another user built unreadable, no home for the default cache
+        print(f"{command}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

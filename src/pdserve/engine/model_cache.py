@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from pdserve.engine.cache_manifest import write_manifest
 from pdserve.engine.model_files import builtin_folder, is_built
 from pdserve.progress import stages
@@ -40,16 +42,24 @@ class ModelFetchError(RuntimeError):
 
 
 def build_cached(name: str, build: Builder, force: bool = False) -> Path:
-    """The built-in model's cache folder, built first when it is not complete (or `force`)."""
-    target = builtin_folder(name)
-    if not force and is_built(target):
-        return target
-    with _build_lock(target):
-        if not force and is_built(target):  # built by the process this one waited for
+    """The built-in model's cache folder, built first when it is not complete (or `force`). A failure of the
+    environment (a read-only or full disk, no home for the default cache) is a ModelFetchError naming the
+    folder and PDSERVE_CACHE_DIR, not a traceback."""
+    try:
+        target = builtin_folder(name)
+        if not force and is_built(target):
             return target
-        _remove_abandoned_staging(target)
-        _build(target, build)
-    return target
+        with _build_lock(target):
+            if not force and is_built(target):  # built by the process this one waited for
+                return target
+            _remove_abandoned_staging(target)
+            _build(target, build)
+        return target
+    except (OSError, SafetensorError) as e:
+        raise ModelFetchError(
+            f"could not build {name} in the model cache ({e}); make room there, or set PDSERVE_CACHE_DIR to a "
+            "writable folder with space"
+        ) from None
 
 
 @contextmanager

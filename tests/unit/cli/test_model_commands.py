@@ -63,6 +63,36 @@ def test_a_damaged_tokenizer_is_named_before_any_worker_starts(
     assert one_line(capsys).startswith(f"pdserve {command}: {model / 'tokenizer.json'}: damaged (")
 
 
+@pytest.mark.parametrize("command", [["fetch"], ["generate", "--prompt", "hi"], ["up", "--port", "0"]])
+def test_no_home_for_the_default_cache_is_one_line_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """A container's uid with no passwd entry and no HOME: RuntimeError "Could not determine home directory"."""
+    from services.main import SERVICES
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("PDSERVE_CACHE_DIR", raising=False)
+    monkeypatch.setattr(Path, "home", no_home)
+    no_cluster(monkeypatch)
+    assert main([*command, "--model", "tiny-random"], services=SERVICES) == 1
+    line = one_line(capsys)
+    assert line.startswith(f"pdserve {command[0]}: ") and "set PDSERVE_CACHE_DIR" in line
+
+
+@pytest.mark.parametrize("command", [["fetch"], ["generate", "--prompt", "hi"]])
+def test_a_cache_that_cannot_be_written_is_one_line_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """(`up` fetches through `pdserve fetch`.) /sys takes no folder, even from root: as a read-only volume."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", "/sys/pdserve-cache")
+    assert main([*command, "--model", "tiny-random"]) == 1
+    line = one_line(capsys)
+    assert line.startswith(f"pdserve {command[0]}: could not build tiny-random in the model cache (")
+    assert "PDSERVE_CACHE_DIR" in line
+
+
 def test_force_is_for_built_in_models_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A folder or .gguf the user named is theirs: pdserve never rebuilds it."""
     assert main(["fetch", "--force", "--model", str(tmp_path)]) == 2

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from pdserve.engine.cache_manifest import MANIFEST
-from pdserve.engine.model_cache import OWNER_FILE, STALE_AFTER_S, build_cached
+from pdserve.engine.model_cache import OWNER_FILE, STALE_AFTER_S, ModelFetchError, build_cached
 from pdserve.engine.model_files import ModelNotFetchedError, builtin_folder, is_built, locate_model
 
 NAME = "tiny-random"
@@ -162,6 +162,30 @@ def test_concurrent_builds_build_once_and_the_others_wait(cache: Path, caplog: p
         t.join()
     assert build.builds == 1 and results == [builtin_folder(NAME)] * 4
     assert "waiting for another process to finish building tiny-random" in caplog.text
+
+
+@pytest.mark.parametrize("where", ["/sys/pdserve-cache", "no home"])
+def test_a_cache_that_cannot_be_written_is_a_fetch_error_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    if where == "no home":
+        monkeypatch.delenv("PDSERVE_CACHE_DIR", raising=False)
+        monkeypatch.setattr(Path, "home", lambda: (_ for _ in ()).throw(RuntimeError("Could not determine home")))
+    else:
+        monkeypatch.setenv("PDSERVE_CACHE_DIR", where)
+    with pytest.raises(ModelFetchError, match="set PDSERVE_CACHE_DIR"):
+        build_cached(NAME, FakeBuilder())
+
+
+def test_a_full_disk_is_a_fetch_error_and_leaves_no_staging(cache: Path) -> None:
+    from safetensors import SafetensorError
+
+    def full(folder: Path, scratch: Path, stage: object) -> None:
+        raise SafetensorError("No space left on device")
+
+    with pytest.raises(ModelFetchError, match="No space left on device"):
+        build_cached(NAME, full)
+    assert [p.name for p in cache.iterdir()] == [f".{NAME}.lock"]
 
 
 def test_sigterm_of_a_fetch_removes_its_staging_folder(tmp_path: Path) -> None:
