@@ -201,13 +201,19 @@ def fetch_model(model: str, command: str, force: bool = False) -> Path | None:
 
 def model_unready(model: str, command: str) -> int:
     """For `pdserve up` and `router`, before Ray or any worker starts: 0 when the model is there to read and can be
-    run, a built-in one fetched and converted first by `pdserve fetch` in a child process, so that this process
-    (the router's) never imports torch. Else the exit status, the reason said in one line: 2 for a name that is no
-    model or one pdserve cannot run (as `generate` answers them: workers retrying could not change it), 1 for a
-    fetch that failed or a cache that cannot be read."""
+    run (its config, tokenizer and weight files' headers read), a built-in one fetched and converted first by
+    `pdserve fetch` in a child process, so that this process (the router's) never imports torch. Else the exit
+    status, the reason said in one line: 2 for a name that is no model or one pdserve cannot run (as `generate`
+    answers them: workers retrying could not change it), 1 for a fetch that failed or a cache that cannot be read."""
     import subprocess
 
-    from pdserve.engine.model_files import ModelNotFetchedError, locate_model, read_model_config, tokenizer_folder
+    from pdserve.engine.model_files import (
+        ModelNotFetchedError,
+        check_weight_files,
+        locate_model,
+        read_model_config,
+        tokenizer_folder,
+    )
     from pdserve.engine.tokenizer import Tokenizer
     from pdserve.protocol.model_config import UnsupportedModelError
 
@@ -220,6 +226,8 @@ def model_unready(model: str, command: str) -> int:
             path = locate_model(model)
         read_model_config(path)
         Tokenizer(tokenizer_folder(path))
+        if path.is_dir():
+            check_weight_files(path)
     except (FileNotFoundError, UnsupportedModelError) as e:
         print(f"{command}: {e}", file=sys.stderr)
         return 2

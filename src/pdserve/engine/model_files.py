@@ -81,6 +81,21 @@ def unreadable(path: Path) -> PermissionError | None:
     )
 
 
+def check_weight_files(folder: Path) -> None:
+    """Each *.safetensors file of a model folder readable and whole, from its header alone (no tensor is read): a
+    cut file is named before a cluster starts, not by each worker's load, four times over."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(folder.glob("*.safetensors")):
+        if error := unreadable(f):
+            raise error
+        try:
+            with safe_open(f, framework="numpy"):  # checks the header covers the file exactly
+                pass
+        except SafetensorError as e:
+            raise damaged(f, str(e)) from None
+
+
 def tokenizer_folder(path: Path) -> Path:
     """A model folder holds its tokenizer; a .gguf file's is read from the folder beside it."""
     return path if path.is_dir() else path.parent

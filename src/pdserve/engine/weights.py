@@ -10,10 +10,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from pdserve.engine.model_files import damaged, gguf_hf_config, unreadable
+from pdserve.engine.model_files import check_weight_files, damaged, gguf_hf_config
 from pdserve.protocol.model_config import ModelConfig, UnsupportedModelError
 
 # GGUF tensor names (per layer after "blk.N.") -> Hugging Face names (after "model.layers.N.").
@@ -42,14 +41,10 @@ def load_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}: pdserve reads safetensors, never pickles")
+    check_weight_files(folder)
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        if error := unreadable(f):
-            raise error
-        try:
-            tensors.update(load_file(f))
-        except SafetensorError as e:  # a truncated or overwritten file
-            raise damaged(f, str(e)) from None
+        tensors.update(load_file(f))
     return tensors
 
 
