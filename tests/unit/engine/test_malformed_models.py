@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.model_files import generation_eos_ids, read_model_config
+from pdserve.engine.model_files import generation_eos_ids, read_model_config, unreadable
 from pdserve.engine.model_runner import load_model
 from pdserve.engine.models import resolve_model, write_folder_from_gguf
 from pdserve.engine.tokenizer import Tokenizer
@@ -227,3 +228,27 @@ def test_a_weights_file_this_user_may_not_read_as_another_user(tiny: Path, tmp_p
     (model / "model.safetensors").chmod(0o200)
     with pytest.raises(PermissionError, match=r"model.safetensors: not readable .* mode 200"):
         load(model)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="becomes another user")
+def test_a_file_root_wrote_0600_is_named_to_another_user(tiny: Path) -> None:
+    """The reported case, for real: a cache baked as root, read by uid 65534 (a forked child, which imports nothing
+    more: the interpreter's own files may not be readable by that user)."""
+    shared = Path(tempfile.mkdtemp())  # pytest's tmp_path lies under a 0700 folder
+    try:
+        shared.chmod(0o755)
+        model = folder(tiny, shared)  # safetensors wrote it 0600
+        read, write = os.pipe()
+        if (child := os.fork()) == 0:
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                os.write(write, str(unreadable(model / "model.safetensors")).encode())
+            finally:
+                os._exit(0)  # never back into pytest
+        os.waitpid(child, 0)
+        os.close(write)
+        said = os.read(read, 4096).decode()
+    finally:
+        shutil.rmtree(shared)
+    assert said.startswith(f"{model / 'model.safetensors'}: not readable by uid 65534 (owner uid 0, mode 600)")
