@@ -1,7 +1,7 @@
 """Constrained decoding in the engine: each constrained request's llguidance matcher, fed every token of its output,
 masks each step's logits to the tokens its grammar (protocol/output_constraint.py) allows next. The sampler's biases
-and penalties come after and leave a masked token out of reach (-inf, or -1e30 past a repetition penalty's clamp,
-below any logit the model gives); temperature, top-k and top-p see the masked logits. Log probabilities stay the
+and penalties come after and leave a masked token out of reach (-inf, kept through a repetition penalty's clamp,
+which lifts only finite logits to -1e30); temperature, top-k and top-p see the masked logits. Log probabilities stay the
 model's.
 
 A matcher follows the output wherever it was sampled: a decode worker's feeds it the prefill worker's first token

@@ -145,8 +145,11 @@ class Sampler:
             # A token seen twice is written twice with the same value, computed from the logit before either.
             values = flat[index]
             penalized = torch.where(values > 0, values / factor, values * factor)
-            # A penalty near 0 divides a logit past float range: an infinite logit would make the softmax NaN.
-            flat[index] = penalized.clamp(-_LARGEST_LOGIT, _LARGEST_LOGIT)
+            # A penalty near 0 divides a logit past float range: an infinite logit would make the softmax NaN. A
+            # masked token (-inf before, an output constraint's) stays -inf: clamped, it would tie with an allowed
+            # token a huge penalty pushed to -1e30, and a greedy row's argmax could pick it.
+            clamped = penalized.clamp(-_LARGEST_LOGIT, _LARGEST_LOGIT)
+            flat[index] = torch.where(torch.isneginf(values), values, clamped)
         if subtract:
             index, amount = _scatter_args(subtract, vocab, out.device)
             flat.index_add_(0, index, -amount)

@@ -304,3 +304,13 @@ def test_a_generator_that_skips_draws_continues_where_one_draw_per_token_would(d
     assert skipped is not None
     expected = torch.empty(4, dtype=torch.float64).uniform_(generator=one_at_a_time)
     assert torch.equal(torch.empty(4, dtype=torch.float64).uniform_(generator=skipped), expected)
+
+
+def test_a_huge_repetition_penalty_never_lifts_a_masked_token_to_an_allowed_ones_level() -> None:
+    """probe_rep3's case: an output constraint masks tokens 0 and 1 (-inf), logit biases and a huge penalty push the
+    allowed 2 and 3 to the clamp's floor; all four were seen. Greedy must still pick an allowed token, not the
+    lowest id among tokens tied at -1e30."""
+    logits = torch.tensor([[float("-inf"), float("-inf"), 3.0, 1.0]])
+    params = SamplingParams(temperature=0.0, repetition_penalty=3e38, logit_bias=((2, -100.0), (3, -100.0)))
+    drawn = Sampler()(logits, [params], [None], [(np.array([0, 1, 2, 3]), [])])
+    assert drawn.tolist() == [2]
