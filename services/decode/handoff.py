@@ -150,9 +150,7 @@ class Handoff:
         committed_ns = now_ns()
         tokens = 0
         stream, ended_by = None, None
-        committed = self.engine.commit_and_stream(
-            handoff.request.request_id, first.token_id, first.logprobs, kv_received=first.kv_follows
-        )
+        committed = self.engine.commit_and_stream(handoff.request.request_id, first)
         # Closed here, not when the garbage collector reaches it: a stream its caller closed (not cancelled) would
         # otherwise go on decoding, its blocks held, for nobody.
         try:

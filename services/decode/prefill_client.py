@@ -9,7 +9,7 @@ import grpc
 from pdserve.errors import UnavailableError
 from pdserve.protocol.handoff import FirstToken, KVTarget
 from pdserve.rpc.channel_pool import ChannelPool
-from pdserve.rpc.convert import logprobs_from_pb, sampling_to_pb
+from pdserve.rpc.convert import finish_reason_from_pb, logprobs_from_pb, sampling_to_pb
 from pdserve.rpc.credentials import internal_tls_files
 from pdserve.rpc.errors import error_from_rpc
 from pdserve.rpc.stream_end import cancel_stream
@@ -36,7 +36,8 @@ class PrefillCall:
         logprobs = logprobs_from_pb(first.logprobs) if first.HasField("logprobs") else None
         prompt_logprobs = tuple(logprobs_from_pb(lp) for lp in first.prompt_logprobs)
         cached, waited_s = first.cached_prompt_tokens, first.waited_ms / 1e3 if first.HasField("waited_ms") else None
-        return FirstToken(first.token_id, first.kv_follows, cached, logprobs, prompt_logprobs, waited_s)
+        ended = finish_reason_from_pb(first.finish_reason)
+        return FirstToken(first.token_id, first.kv_follows, cached, logprobs, prompt_logprobs, waited_s, ended)
 
     async def sent(self) -> None:
         """Returns once the prefill worker confirmed the KV sent and ended the call with OK."""

@@ -62,6 +62,7 @@ class RunAndSend:
             next(iter(out.logprobs), None),
             out.prompt_logprobs,
             waited_s,
+            out.finish_reason,
         )
         if out.finished:
             yield first

@@ -9,7 +9,7 @@ from functools import partial
 import grpc
 
 from pdserve.protocol.handoff import FirstToken, KVSent, KVTarget
-from pdserve.rpc.convert import engine_request_from_pb, logprobs_to_pb, off_the_loop_when_large
+from pdserve.rpc.convert import engine_request_from_pb, finish_reason_to_pb, logprobs_to_pb, off_the_loop_when_large
 from pdserve.telemetry import request_id_var
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
@@ -52,6 +52,7 @@ def _to_pb(event: FirstToken | KVSent) -> wpb.PrefillEvent:
         token_id=event.token_id,
         kv_follows=event.kv_follows,
         cached_prompt_tokens=event.cached_prompt_tokens,
+        finish_reason=finish_reason_to_pb(event.finish_reason),
     )
     if event.waited_s is not None:
         first.waited_ms = round(event.waited_s * 1e3)

@@ -30,7 +30,8 @@ from pdserve.engine.start_times import StartTimes
 from pdserve.engine.step_faults import StepFaults
 from pdserve.errors import InvalidRequestError, UnavailableError
 from pdserve.protocol.engine_request import EngineRequest
-from pdserve.protocol.outputs import PREEMPTED_NOTICE_S, RequestOutput, TokenLogprobs
+from pdserve.protocol.handoff import FirstToken
+from pdserve.protocol.outputs import PREEMPTED_NOTICE_S, RequestOutput
 from pdserve.protocol.perf_profile import PerfProfile
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | Exception]
 
 
-def _put_all(deliveries: list[tuple[_Stream, RequestOutput]]) -> None:
+def _put_all(deliveries: list[tuple[_Stream, RequestOutput | Exception]]) -> None:
     """On the streams' loop: one step's outputs, each to its caller."""
     for stream, out in deliveries:
         stream.queue.put_nowait(out)
@@ -167,17 +168,18 @@ class AsyncEngine:
         meanwhile holds nothing."""
         return await self._call(lambda e: e.reserve(request), undo=lambda e, _: _drop(e, request.request_id))
 
-    async def commit_and_stream(
-        self, request_id: str, first_token: int, first_logprobs: TokenLogprobs | None = None, kv_received: bool = True
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Decode side: the reserved blocks hold the KV (`kv_received` False: none came, the first token ended
-        it); yield the first token's output, then the decode's."""
+    async def commit_and_stream(self, request_id: str, first: FirstToken) -> AsyncGenerator[RequestOutput, None]:
+        """Decode side: the reserved blocks hold the KV (unless `first.kv_follows` is False: none came, the first
+        token ended it); yield the first token's output, then the decode's."""
         stream = self._open(request_id)
         live = True  # reserved by this caller
         try:
-            first = await self._call(lambda e: e.commit(request_id, first_token, first_logprobs, kv_received))
-            live = not first.finished
-            yield first
+            args = (first.token_id, first.logprobs, first.kv_follows, first.finish_reason)
+            out = await self._call(lambda e: e.commit(request_id, *args))
+            live = not out.finished
+            if out.error is not None:
+                raise out.error
+            yield out
             if live:
                 async for out in self._drain(stream):
                     live = not out.finished
@@ -376,10 +378,10 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """One wake-up per event loop per step, not one per output: each costs the loop a self-pipe write and
         read, and a decode step has an output for every sequence in its batch."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
-        for out in outputs:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | Exception]]] = {}
+        for out in outputs:  # a failed request's stream ends with its error, raised after the outputs before it
             if (target := self._streams.get(out.request_id)) is not None:
-                by_loop.setdefault(target.loop, []).append((target, out))
+                by_loop.setdefault(target.loop, []).append((target, out if out.error is None else out.error))
         for loop, deliveries in by_loop.items():
             loop.call_soon_threadsafe(_put_all, deliveries)
 

@@ -231,21 +231,24 @@ class LLMEngine:
         first_token: int,
         first_logprobs: TokenLogprobs | None = None,
         kv_received: bool = True,
+        first_finish: FinishReason | None = None,
     ) -> RequestOutput:
         """Decode side: the KV arrived and the prefill side sampled `first_token` (and computed its
         `first_logprobs`, when the request asked); start decoding. `kv_received` False: the first token ended
-        the request, so no KV came; its blocks, never written, must not enter the prefix cache (a later prompt
-        with that prefix would attend to whatever they held)."""
+        the request (for `first_finish`, when the prefill worker said), so no KV came; its blocks, never written,
+        must not enter the prefix cache (a later prompt with that prefix would attend to whatever they held). That
+        decision holds here even where this worker's would differ (a matcher's lexer, whose states its compiled
+        grammar shares with earlier requests, may fail on one worker and not on the other): nothing could decode
+        without the KV. A prefill worker of an earlier build says no reason: this worker's own, else STOP."""
         req = self._requests[request_id]
         if req.seq.status is not SequenceStatus.RECEIVING:
             raise RuntimeError(f"{request_id} is {req.seq.status.value}, not receiving")
         req.seq.num_computed_tokens = req.seq.num_prompt_tokens
         if kv_received:
             self.blocks.cache_full_blocks(req.seq)
-        out = self._append_token(req, first_token, first_logprobs)
+        ends = None if kv_received else first_finish
+        out = self._append_token(req, first_token, first_logprobs, ends, must_end=not kv_received)
         if not out.finished:
-            if not kv_received:
-                raise RuntimeError(f"{request_id}: no KV came, yet its first token did not end it")
             req.seq.arrival = time.monotonic()  # its queue here: the KV's wait is pdserve_kv_transfer_seconds
             self.scheduler.add_running(req.seq)
         return out
@@ -303,16 +306,28 @@ class LLMEngine:
         targets_tensor = torch.tensor(targets, device=logits.device)
         req.prompt_logprobs += self.sampler.logprobs(logits, targets_tensor, rows, [count] * len(rows))
 
-    def _append_token(self, req: _Request, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
+    def _append_token(
+        self,
+        req: _Request,
+        token: int,
+        logprobs: TokenLogprobs | None = None,
+        ends: FinishReason | None = None,
+        must_end: bool = False,
+    ) -> RequestOutput:
+        """`ends`: the request ends at this token for that reason, decided elsewhere (`must_end`: it ends here
+        whatever this engine finds, STOP when it finds no reason)."""
         seq = req.seq
         seq.output_token_ids.append(token)
         if req.matcher is not None:
             req.matcher.consume_token(token)
         # A stop token ends the output without its own text, as a stop string does (vLLM's rule); its id stays.
         text = "" if token in seq.sampling.stop_token_ids else req.detokenizer.step([token])
-        reason = self._finish_reason(req, token)
+        error = None if must_end else self._constraint_failure(req)
+        reason = ends or (FinishReason.ABORT if error else self._finish_reason(req, token))
+        if must_end and reason is None:
+            reason = FinishReason.STOP
         if reason is not None:
-            if reason is not FinishReason.STOP or not req.detokenizer.stopped:
+            if error is None and (reason is not FinishReason.STOP or not req.detokenizer.stopped):
                 text += req.detokenizer.flush()
                 if req.detokenizer.stopped:  # a stop string ending in the last token's whole characters
                     reason = FinishReason.STOP
@@ -333,7 +348,18 @@ class LLMEngine:
             handoff_block_ids=handoff,
             logprobs=() if logprobs is None else (logprobs,),
             prompt_logprobs=tuple(req.prompt_logprobs) if seq.num_output_tokens == 1 else (),
+            error=error,
         )
+
+    def _constraint_failure(self, req: _Request) -> InvalidRequestError | None:
+        if req.matcher is None or not req.matcher.is_error():
+            return None
+        seq = req.seq
+        error = self.guided.failure(
+            seq.sampling.constraint, req.matcher, seq.resumed_output_tokens + seq.num_output_tokens - 1
+        )
+        log.warning("%s: %s", seq.seq_id, error)
+        return error
 
     def _finish_reason(self, req: _Request, token: int) -> FinishReason | None:
         seq, params = req.seq, req.seq.sampling
@@ -341,11 +367,6 @@ class LLMEngine:
             return FinishReason.STOP
         if not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason.EOS
-        if req.matcher is not None and req.matcher.is_error():  # its limits (llguidance's), not the request's fault
-            log.warning(
-                "%s: its output constraint failed, so its output stops here: %s", seq.seq_id, req.matcher.get_error()
-            )
-            return FinishReason.STOP
         if req.matcher is not None and req.matcher.is_stopped():
             return FinishReason.STOP  # the constraint is complete: nothing may follow
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:

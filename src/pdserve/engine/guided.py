@@ -145,6 +145,22 @@ class GuidedDecoding:
             )
         return compiled
 
+    def failure(
+        self, constraint: OutputConstraint | None, matcher: llguidance.LLMatcher, followed: int
+    ) -> InvalidRequestError:
+        """The error of a request whose matcher failed on its last token, after `followed` tokens it held to the
+        constraint: its grammar ran past the limits (`_limits`), which no retry changes. Not a STOP: its output so far
+        is no complete match, and its caller must not take it for one. The grammar's kept copy is dropped: its lexer
+        states, which every copy shares and adds to, may be what ran out; the next request compiles it afresh."""
+        assert constraint is not None
+        with self._lock:
+            self._compiled.pop(constraint.grammar, None)
+        why = matcher.get_error().splitlines()[0]
+        return InvalidRequestError(
+            f"sampling.{constraint.kind}",
+            f"the output could not be held to it past {followed} tokens (this worker's limits on grammars): {why}",
+        )
+
     def matcher(
         self, constraint: OutputConstraint, output_so_far: Sequence[int], compiled: llguidance.LLMatcher | None = None
     ) -> llguidance.LLMatcher:

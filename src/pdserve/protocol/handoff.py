@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.protocol.outputs import TokenLogprobs
+from pdserve.protocol.outputs import FinishReason, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class FirstToken:
     # On the prefill worker before its first step: prompts ahead of it, any router's. None: not reported (a prefill
     # worker of an earlier build), which is not a prompt that waited 0 s.
     waited_s: float | None = None
+    # Why the first token ended the request, when it did (kv_follows False): the decode side ends it so too. None
+    # from a prefill worker of an earlier build.
+    finish_reason: FinishReason | None = None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pdserve.errors import InvalidRequestError
+
 # How often a decode worker tells a stream it preempted that it waits (a message with no token), so that the
 # router's stall bound, which must exceed it (`RouterConfig.stall_timeout_s`), takes the stream for a live one.
 PREEMPTED_NOTICE_S = 1.0
@@ -14,7 +16,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
     STOP = "stop"  # a stop string or stop token id
     EOS = "eos"
-    ABORT = "abort"
+    ABORT = "abort"  # dropped, or failed (`RequestOutput.error`): never a caller's finish reason
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ class RequestOutput:
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for them
     # On the first output, when the request asked: one per prompt token after the first.
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    # The request failed here (finish ABORT): its output could not be held to its constraint. The caller's stream
+    # ends with this error after the tokens before; this output's token, which the constraint could not follow,
+    # is not sent.
+    error: InvalidRequestError | None = None
 
     @property
     def finished(self) -> bool:

@@ -100,6 +100,11 @@ def finish_reason_to_pb(reason: FinishReason | None) -> pb.FinishReason:
     return _FINISH_TO_PB.get(reason, pb.FINISH_REASON_UNSPECIFIED)
 
 
+def finish_reason_from_pb(reason: pb.FinishReason) -> FinishReason | None:
+    """None for UNSPECIFIED: not finished, or not said (a peer of an earlier build)."""
+    return next((ours for ours, theirs in _FINISH_TO_PB.items() if theirs == reason), None)
+
+
 def output_to_pb(out: RequestOutput) -> pb.GenerateResponse:
     """One engine output -> one stream message (usage is the router's to add on the last)."""
     return pb.GenerateResponse(

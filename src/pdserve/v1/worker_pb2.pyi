@@ -120,20 +120,22 @@ class PrefillEvent(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "kv_follows", "cached_prompt_tokens", "logprobs", "prompt_logprobs", "waited_ms")
+    __slots__ = ("token_id", "kv_follows", "cached_prompt_tokens", "logprobs", "prompt_logprobs", "waited_ms", "finish_reason")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WAITED_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     kv_follows: bool
     cached_prompt_tokens: int
     logprobs: _generate_pb2.TokenLogprobs
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprobs]
     waited_ms: int
-    def __init__(self, token_id: _Optional[int] = ..., kv_follows: _Optional[bool] = ..., cached_prompt_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[_generate_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprobs, _Mapping]]] = ..., waited_ms: _Optional[int] = ...) -> None: ...
+    finish_reason: _generate_pb2.FinishReason
+    def __init__(self, token_id: _Optional[int] = ..., kv_follows: _Optional[bool] = ..., cached_prompt_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[_generate_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprobs, _Mapping]]] = ..., waited_ms: _Optional[int] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ...) -> None: ...
 
 class TransferDone(_message.Message):
     __slots__ = ()

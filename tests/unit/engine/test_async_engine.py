@@ -16,6 +16,7 @@ from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.engine.step_faults import InjectedEngineFault
 from pdserve.errors import InvalidRequestError, UnavailableError
 from pdserve.protocol.engine_request import EngineRequest
+from pdserve.protocol.handoff import FirstToken
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
 
@@ -127,7 +128,7 @@ async def test_duplicate_reservation_leaves_the_first_alone():
         with pytest.raises(InvalidRequestError, match="request_id"):
             await engine.reserve(EngineRequest("dup", PROMPT, GREEDY))
         await until_used(engine, 2)
-        outputs = await tokens(engine.commit_and_stream("dup", 7))
+        outputs = await tokens(engine.commit_and_stream("dup", FirstToken(7, True, 0)))
         assert outputs[0] == 7 and len(outputs) == GREEDY.max_tokens
         await until_used(engine, 0)
     finally:
@@ -147,7 +148,7 @@ async def test_a_reservation_whose_caller_left_holds_no_blocks():
             gate.wait(10)
 
         engine.on_step = hold_the_engine_thread
-        busy = engine.commit_and_stream("busy", 7)
+        busy = engine.commit_and_stream("busy", FirstToken(7, True, 0))
         await anext(busy)  # committed: the engine thread now steps it
         assert await asyncio.to_thread(stepping.wait, 10)
         reserve = asyncio.ensure_future(engine.reserve(EngineRequest("left", PROMPT, GREEDY)))
