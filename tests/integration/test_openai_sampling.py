@@ -9,6 +9,7 @@ import json
 import re
 from typing import Literal
 
+import grpc
 import jsonschema
 import openai
 import pydantic
@@ -197,6 +198,33 @@ def test_an_output_constraint_holds_on_both_workers(cluster, client):
     with pytest.raises(openai.BadRequestError, match="response_format.json_schema.schema"):
         bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, response_format=bad)
+
+
+def test_an_output_constraint_that_fails_mid_output_ends_in_an_error_not_a_stop(cluster, client):
+    """The id's pattern runs the matcher past the workers' limits on grammars once the output reaches it: the caller
+    is told so, as a 400, an error event ending the stream, or INVALID_ARGUMENT, never a STOP after '{"name":"…",'
+    that would read as a complete match (nor a retry: every worker has the same limits)."""
+    pattern = "^(x{1000}){1301}$"
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "id": {"type": "string", "pattern": pattern}},
+        "required": ["name", "id"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "late", "schema": schema}}
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "JSON please"}], max_tokens=60)
+    with pytest.raises(openai.BadRequestError, match="could not be held to it past"):
+        client.chat.completions.create(**ask, response_format=response_format)
+    streamed = ""
+    with pytest.raises(openai.APIError, match="could not be held to it past"):
+        for chunk in client.chat.completions.create(**ask, response_format=response_format, stream=True):
+            streamed += chunk.choices[0].delta.content or "" if chunk.choices else ""
+    assert streamed.startswith('{"name":"')
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        grpc_result(
+            cluster, prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=60, json_schema=json.dumps(schema))
+        )
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.json_schema" in failed.value.details()
 
 
 def test_pdserve_client_takes_the_sampling_flags_of_pdserve_generate(cluster, capsys):
