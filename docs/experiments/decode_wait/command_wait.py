@@ -18,6 +18,7 @@ from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
 from pdserve.protocol.engine_request import EngineRequest
+from pdserve.protocol.handoff import FirstToken
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
 
@@ -30,7 +31,7 @@ async def _handoff(engine: AsyncEngine, request_id: str) -> tuple[float, float]:
     await engine.reserve(EngineRequest(request_id, PROMPT, SamplingParams(max_tokens=2, ignore_eos=True)))
     reserved = time.perf_counter()
     first = None
-    async for _ in engine.commit_and_stream(request_id, 5):
+    async for _ in engine.commit_and_stream(request_id, FirstToken(5, True, 0)):
         first = first or time.perf_counter()
     assert first is not None
     return (reserved - start) * 1e3, (first - reserved) * 1e3
@@ -38,7 +39,7 @@ async def _handoff(engine: AsyncEngine, request_id: str) -> tuple[float, float]:
 
 async def _decode(engine: AsyncEngine, request_id: str) -> None:
     await engine.reserve(EngineRequest(request_id, PROMPT[:16], SamplingParams(max_tokens=1500, ignore_eos=True)))
-    async for _ in engine.commit_and_stream(request_id, 5):
+    async for _ in engine.commit_and_stream(request_id, FirstToken(5, True, 0)):
         pass
 
 
