@@ -95,10 +95,9 @@ class AsyncEngine:
     async def prepare(self, request: EngineRequest) -> EngineRequest:
         """The request with what it needs built before its engine takes it, built off the engine thread and the
         event loop: its output constraint's grammar, compiled (engine/guided.py)."""
-        if request.sampling.constraint is None:
+        if (constraint := request.sampling.constraint) is None:
             return request
-        grammar = await asyncio.to_thread(self._engine.guided.compile, request.sampling.constraint)
-        return replace(request, grammar=grammar)
+        return replace(request, grammar=await asyncio.to_thread(self._engine.guided.compile, constraint))
 
     # -- what the engine is (fixed at start-up; safe to read from any thread) --------------------------
 

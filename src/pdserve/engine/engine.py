@@ -78,9 +78,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.runner = ModelRunner(self.model, config, num_blocks)
         self.sampler = Sampler()
-        self.guided = GuidedDecoding(
-            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, config.num_threads
-        )
+        vocab_size, threads = self.model_config.vocab_size, config.num_threads
+        self.guided = GuidedDecoding(self.tokenizer, vocab_size, self.eos_token_ids, threads)
         self._requests: dict[str, _Request] = {}
         self.fingerprint = _fingerprint(self.model_config, self.model)
         self.last_step_tokens = 0  # tokens the last step ran (0: it could run nothing), for live speed tracking
@@ -265,8 +264,7 @@ class LLMEngine:
         if not plan.chunks:
             return []
         sampled = [self._requests[c.seq_id] for c in plan.chunks if c.sample]
-        # Beside the forward: their matchers wait for it.
-        mask = self.guided.start([r.matcher for r in sampled], self.runner.device)
+        mask = self.guided.start([r.matcher for r in sampled], self.runner.device)  # beside the forward
         step = self.runner.execute(plan.chunks)
         logits = step.sampled
         self.scheduler.complete_step()
