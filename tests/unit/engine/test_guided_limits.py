@@ -11,6 +11,7 @@ import time
 
 import llguidance
 import pytest
+import torch
 
 from pdserve.engine import guided
 from pdserve.engine.guided import GuidedDecoding
@@ -40,9 +41,9 @@ def test_a_grammar_past_the_limits_fails_at_its_first_token_not_on_every_step(sm
     """Under llguidance's defaults `(x{500}){500}` is followed, at ~130 ms a mask every step, and `(x{1000}){6000}`'s
     first mask takes over a second; under the worker's limits each fails at the first long token."""
     matcher = smollm2.matcher(OutputConstraint("regex", regex), [])
-    mask = smollm2.start([matcher])
+    mask = smollm2.start([matcher], torch.device("cpu"))
     assert mask is not None
-    allowed = (mask._bias.result()[0] == 0).nonzero()[0].tolist()
+    allowed = (mask._masks.result()[0] == 0).nonzero()[0].tolist()
     matcher.consume_token(max(allowed, key=lambda t: len(smollm2.tokenizer.decode_bytes([t]))))
     assert matcher.is_error() and "too many expressions" in matcher.get_error()
 
@@ -76,9 +77,9 @@ def test_realistic_constraints_stay_within_the_limits_as_their_outputs_grow(smol
     """Forty tokens each, the longest allowed token every step (the runs that cost a lexer most)."""
     matcher = smollm2.matcher(OutputConstraint(kind, spec), [])
     for _ in range(40):
-        mask = smollm2.start([matcher])
+        mask = smollm2.start([matcher], torch.device("cpu"))
         assert mask is not None
-        allowed = [t for t in (mask._bias.result()[0] == 0).nonzero()[0].tolist() if t != 2]
+        allowed = [t for t in (mask._masks.result()[0] == 0).nonzero()[0].tolist() if t != 2]
         if not allowed:
             break
         matcher.consume_token(max(allowed, key=lambda t: len(smollm2.tokenizer.decode_bytes([t]))))
