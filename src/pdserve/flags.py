@@ -8,6 +8,7 @@ import argparse
 import math
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import fields
@@ -205,8 +206,6 @@ def model_unready(model: str, command: str) -> int:
     `pdserve fetch` in a child process, so that this process (the router's) never imports torch. Else the exit
     status, the reason said in one line: 2 for a name that is no model or one pdserve cannot run (as `generate`
     answers them: workers retrying could not change it), 1 for a fetch that failed or a cache that cannot be read."""
-    import subprocess
-
     from pdserve.engine.model_files import (
         ModelNotFetchedError,
         check_weight_files,
@@ -221,8 +220,8 @@ def model_unready(model: str, command: str) -> int:
         try:
             path = locate_model(model)
         except ModelNotFetchedError:
-            if subprocess.run([sys.executable, "-m", "pdserve.cli", "fetch", "--model", model]).returncode != 0:
-                return 1
+            if fetched := _fetch_in_child(model):
+                return fetched
             path = locate_model(model)
         read_model_config(path)
         Tokenizer(tokenizer_folder(path))
@@ -235,6 +234,29 @@ def model_unready(model: str, command: str) -> int:
         print(f"{command}: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _fetch_in_child(model: str) -> int:
+    """`pdserve fetch --model` in a child process: 0 once fetched, 1 when it failed, 143 when this process was told
+    to stop (SIGTERM: a pod's stop, which reaches only this process), passed on to the child so that it cleans up
+    and ends rather than building on, orphaned."""
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "fetch", "--model", model])
+    stopped: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        stopped.append(signum)
+        child.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        code = child.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if stopped:
+        return 128 + signal.SIGTERM
+    return 0 if code == 0 else 1
 
 
 def writable_file(path: Path, flag: str, command: str) -> bool:

@@ -104,3 +104,27 @@ def test_force_is_for_built_in_models_only(tmp_path: Path, capsys: pytest.Captur
     """A folder or .gguf the user named is theirs: pdserve never rebuilds it."""
     assert main(["fetch", "--force", "--model", str(tmp_path)]) == 2
     assert one_line(capsys) == f"pdserve fetch: --force rebuilds built-in models only, not {tmp_path}"
+
+
+def test_sigterm_of_up_during_its_fetch_stops_the_fetch_too(tmp_path: Path) -> None:
+    """A pod's stop reaches `pdserve up` alone: its child fetch built on, orphaned, and left its staging folder."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pdserve.cluster.local_process import PDSERVE_COMMAND, alive, descendants
+    from pdserve.engine.model_cache import OWNER_FILE
+
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    up = subprocess.Popen([sys.executable, "-m", PDSERVE_COMMAND, "up", "--model", "tiny-random"], env=env)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(f"models/.tiny-random-*/{OWNER_FILE}")):
+        assert up.poll() is None and time.monotonic() < deadline, "the fetch never began building"
+        time.sleep(0.01)
+    children = descendants(up.pid)
+    up.send_signal(signal.SIGTERM)
+    assert up.wait(timeout=60) == 128 + signal.SIGTERM
+    assert children and not any(alive(pid) for pid in children)
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [".tiny-random.lock"]
