@@ -4,7 +4,8 @@ through a cluster (retried, migrated or not) must equal token for token."""
 from __future__ import annotations
 
 from pdserve.config import EngineConfig
-from pdserve.engine.engine import Completion, LLMEngine
+from pdserve.engine.batch_generate import Completion
+from pdserve.engine.engine import LLMEngine
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.v1 import generate_pb2 as pb
 

@@ -6,7 +6,6 @@ import hashlib
 import itertools
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import llguidance
@@ -14,6 +13,7 @@ import numpy as np
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.batch_generate import Completion, generate_all
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.device import resolve_device, resolve_dtype
@@ -35,15 +35,6 @@ from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Completion:
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    logprobs: list[TokenLogprobs]  # one per token when the request asked for them
-    prompt_logprobs: list[TokenLogprobs]  # one per prompt token after the first when the request asked
 
 
 @dataclass
@@ -372,25 +363,8 @@ class LLMEngine:
         return None
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:
-        """Runs every prompt to completion in one continuous batch; results in prompt order."""
-        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        ids = [f"generate-{uuid.uuid4().hex}" for _ in prompts]
-        for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-            self.add_request(EngineRequest(request_id, prompt, p))
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        texts: dict[str, list[str]] = {i: [] for i in ids}
-        logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
-        prompt_logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
-        reasons: dict[str, FinishReason] = {}
-        while self.has_unfinished():
-            for out in self.step():
-                tokens[out.request_id] += out.new_token_ids
-                texts[out.request_id].append(out.new_text)
-                logprobs[out.request_id] += out.logprobs
-                prompt_logprobs[out.request_id] += out.prompt_logprobs
-                if out.finish_reason is not None:
-                    reasons[out.request_id] = out.finish_reason
-        return [Completion(tokens[i], "".join(texts[i]), reasons[i], logprobs[i], prompt_logprobs[i]) for i in ids]
+        """Runs every prompt to completion in one continuous batch (batch_generate.py)."""
+        return generate_all(self, prompts, sampling)
 
 
 def _fingerprint(config: ModelConfig, model: LlamaModel) -> str:

@@ -128,3 +128,11 @@ def test_a_decode_worker_whose_own_matcher_fails_on_the_first_token_raises():
     finally:
         async_engine.stop()
     assert e.blocks.num_used_blocks == 0
+
+
+def test_a_batch_run_raises_the_error_rather_than_return_a_cut_output_as_complete():
+    """`pdserve generate` printed the tokens before the failure and the failing one, finish `abort`."""
+    e = engine(EngineMode.MIXED)
+    with pytest.raises(InvalidRequestError, match="could not be held to it past"):
+        e.generate([PROMPT, PROMPT], [letters(), SamplingParams(max_tokens=4)])
+    assert not e.has_unfinished()
