@@ -224,6 +224,14 @@ class Recv:
         return self.result
 
 
+def assert_only_pair(sender: TorchDistSender, rendezvous: str, within_s: float = 10.0) -> None:
+    """The sender keeps a pair with `rendezvous` alone, once its prune of the gone ones (in the background) ran."""
+    deadline = time.monotonic() + within_s
+    while list(sender._pairs) != [rendezvous] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(sender._pairs) == [rendezvous]
+
+
 def assert_landed(kv: list[torch.Tensor], before: list[torch.Tensor], src: list[torch.Tensor],
                   src_ids: list[int], dst_ids: list[int]) -> None:  # fmt: skip
     others = [b for b in range(NUM_BLOCKS) if b not in dst_ids]

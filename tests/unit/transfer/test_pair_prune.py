@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 from pdserve.transfer.torch_dist import TorchDistSender
-from tests.unit.transfer.pair_harness import FINGERPRINT, HOST, ReceiverProcess, make_caches
+from tests.unit.transfer.pair_harness import FINGERPRINT, HOST, ReceiverProcess, assert_only_pair, make_caches
 
 
 def test_a_gone_receivers_pair_is_pruned_without_torchs_cpp_stack_trace(capfd) -> None:
@@ -22,10 +20,7 @@ def test_a_gone_receivers_pair_is_pruned_without_torchs_cpp_stack_trace(capfd) -
         receivers.append(ReceiverProcess())
         receivers[1].expect(2)
         assert s.send(receivers[1].rendezvous, 2, kv, [2, 3], 10) == receivers[1].received()
-        deadline = time.monotonic() + 10
-        while list(s._pairs) != [receivers[1].rendezvous] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert list(s._pairs) == [receivers[1].rendezvous]
+        assert_only_pair(s, receivers[1].rendezvous)
         assert "recvValue failed" not in capfd.readouterr().err
     finally:
         s.close()
