@@ -30,7 +30,7 @@ RUN apt-get update \
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 # The project itself (not editable: the source tree stays out of the image).
-COPY pyproject.toml README.md /tmp/pdserve-src/
+COPY pyproject.toml README.md LICENSE /tmp/pdserve-src/
 COPY src /tmp/pdserve-src/src
 COPY services /tmp/pdserve-src/services
 COPY loadgen /tmp/pdserve-src/loadgen

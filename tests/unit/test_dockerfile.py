@@ -65,3 +65,14 @@ def test_make_image_builds_it_and_the_chart_runs_that_version() -> None:
     assert chart["appVersion"] == pyproject()["project"]["version"]
     ignored = (REPO / ".dockerignore").read_text().split()
     assert {".venv", ".cache", ".git"} <= set(ignored)
+
+
+def test_the_image_builds_from_every_file_the_build_reads() -> None:
+    """The packages, pyproject's readme and its license files: one not copied in is missing from the installed
+    package (setuptools only warns that `license-files` matched nothing, and builds on)."""
+    project = pyproject()["project"]
+    needed = {"pyproject.toml", project["readme"], *project["license-files"]}
+    needed |= set(pyproject()["tool"]["setuptools"]["package-dir"].values())
+    copied = {source for args in of("COPY") for source in args.split()[:-1]}
+    assert sorted(needed - copied) == []
+    assert not needed & set((REPO / ".dockerignore").read_text().split())

@@ -1,23 +1,114 @@
-"""What `pip install pdserve` gets: pyproject's build backend must be one that reads pyproject's fields."""
+"""What `pip install pdserve` gets, checked on a real build: the sdist made from the files git tracks, then the wheel
+made from that sdist (as `python -m build` does), so a file the sdist leaves out is missing from the wheel too.
+The wheel must hold every file of the three packages, the license and the console scripts; and pyproject's build
+backend must be one that reads pyproject's fields."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import tarfile
 import tomllib
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
+# Where each package's files sit in the checkout, and where the wheel puts them (pyproject's package-dir).
+PACKAGE_DIRS = {"src/pdserve/": "pdserve/", "services/": "services/", "loadgen/": "loadgen/"}
+BUILD_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class Built:
+    sdist: list[str]  # names inside the sdist, less its top folder
+    wheel: dict[str, bytes]  # name -> contents
 
 
 def pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
+def tracked_files() -> list[str]:
+    try:
+        done = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=30)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"not a git checkout, so no list of the files a release is made of: {e}")
+    return [name for name in done.stdout.decode().split("\0") if name]
+
+
+def _build(backend_call: str, source: Path, out: Path) -> str:
+    """Run one setuptools build_meta hook in `source` (it builds the folder it runs in); the file it made."""
+    code = f"import sys; from setuptools import build_meta; print(build_meta.{backend_call}(sys.argv[1]))"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(out)], cwd=source, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+    )
+    assert done.returncode == 0, f"{backend_call} failed:\n{done.stderr[-4000:]}"
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    work = tmp_path_factory.mktemp("release")
+    checkout, out = work / "checkout", work / "dist"
+    for name in tracked_files():
+        target = checkout / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes((ROOT / name).read_bytes())
+    out.mkdir()
+    sdist = out / _build("build_sdist", checkout, out)
+    with tarfile.open(sdist) as archive:
+        archive.extractall(work / "unpacked", filter="data")
+        names = [m.name.split("/", 1)[1] for m in archive.getmembers() if m.isfile()]
+    (unpacked,) = (work / "unpacked").iterdir()
+    with zipfile.ZipFile(out / _build("build_wheel", unpacked, out)) as wheel:
+        return Built(sdist=names, wheel={n: wheel.read(n) for n in wheel.namelist()})
+
+
+def dist_info(built: Built, name: str) -> str:
+    (path,) = [n for n in built.wheel if n.endswith(f".dist-info/{name}") and n.count("/") == 1]
+    return built.wheel[path].decode()
+
+
+def test_the_wheel_holds_every_file_of_the_packages(built: Built) -> None:
+    """Generated gRPC code, stubs and any data file added beside the code: in the wheel, or a pip install lacks it."""
+    expected = {
+        installed + name.removeprefix(source)
+        for name in tracked_files()
+        for source, installed in PACKAGE_DIRS.items()
+        if name.startswith(source)
+    }
+    assert {"pdserve/v1/generate_pb2.py", "pdserve/v1/generate_pb2_grpc.py", "services/main.py"} <= expected
+    assert sorted(expected - set(built.wheel)) == []
+
+
+def test_the_wheel_and_sdist_carry_the_license(built: Built) -> None:
+    (license_file,) = pyproject()["project"]["license-files"]
+    text = (ROOT / license_file).read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert license_file in built.sdist
+    (in_wheel,) = [n for n in built.wheel if n.endswith(f".dist-info/licenses/{license_file}")]
+    assert built.wheel[in_wheel].decode() == text
+    metadata = dist_info(built, "METADATA").splitlines()
+    assert "License-Expression: Apache-2.0" in metadata and f"License-File: {license_file}" in metadata
+
+
+def test_the_wheel_installs_both_commands(built: Built) -> None:
+    scripts = dist_info(built, "entry_points.txt").split("[console_scripts]\n", 1)[1].split("\n\n")[0]
+    assert dict(line.split(" = ") for line in scripts.splitlines()) == pyproject()["project"]["scripts"]
+    for target in pyproject()["project"]["scripts"].values():
+        module = target.split(":")[0].replace(".", "/")
+        assert f"{module}.py" in built.wheel, target
+
+
 def test_the_build_backend_reads_the_license_fields() -> None:
-    """A string `license` (PEP 639) needs setuptools 77: an older one, which a build without isolation uses (a
-    distro's, an image's), refuses pyproject.toml ("project.license must be valid exactly by one definition")."""
+    """A string `license` and `license-files` (PEP 639) need setuptools 77: an older one, which a build without
+    isolation uses (a distro's, an image's), refuses pyproject.toml ("project.license must be valid exactly by
+    one definition")."""
     project = pyproject()["project"]
-    assert isinstance(project["license"], str)
+    assert isinstance(project["license"], str) and project["license-files"]
     (backend,) = [Requirement(r) for r in pyproject()["build-system"]["requires"] if r.startswith("setuptools")]
     assert not backend.specifier.contains("76.99"), backend
