@@ -47,7 +47,8 @@ lint: install
 	$(VENV)/bin/ruff format --check src services loadgen tests scripts docs/experiments
 	$(VENV)/bin/mypy src services loadgen
 
-# Regenerate src/pdserve/v1 from protos/ (a test fails when the committed code is stale).
+# Regenerate src/pdserve/v1 from protos/ (a test fails when the committed code is stale). A new grpcio-tools pin
+# generates for a newer grpcio and protobuf: pyproject's floors for them follow (tests/unit/test_packaging.py).
 proto: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=src --grpc_python_out=src --pyi_out=src \
 	  protos/pdserve/v1/generate.proto protos/pdserve/v1/worker.proto protos/pdserve/v1/admin.proto

@@ -1,10 +1,11 @@
 """What `pip install pdserve` gets, checked on a real build: the sdist made from the files git tracks, then the wheel
 made from that sdist (as `python -m build` does), so a file the sdist leaves out is missing from the wheel too.
-The wheel must hold every file of the three packages, the license and the console scripts; and pyproject's build
-backend must be one that reads pyproject's fields."""
+The wheel must hold every file of the three packages, the license and the console scripts; pyproject's build
+backend must be one that reads pyproject's fields; and its dependency floors must be versions the code imports on."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tarfile
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[2]
 # Where each package's files sit in the checkout, and where the wheel puts them (pyproject's package-dir).
@@ -112,3 +114,28 @@ def test_the_build_backend_reads_the_license_fields() -> None:
     assert isinstance(project["license"], str) and project["license-files"]
     (backend,) = [Requirement(r) for r in pyproject()["build-system"]["requires"] if r.startswith("setuptools")]
     assert not backend.specifier.contains("76.99"), backend
+
+
+def floor(requirement: Requirement) -> Version:
+    """The oldest version the requirement lets pip install."""
+    bounds = [Version(s.version) for s in requirement.specifier if s.operator in (">=", "==", "~=", ">")]
+    assert bounds, f"{requirement}: no floor"
+    return max(bounds)
+
+
+def test_the_floors_are_what_the_generated_grpc_code_needs() -> None:
+    """Each module of src/pdserve/v1 refuses at import a protobuf older than the one that generated it, or a grpcio
+    older than its GRPC_GENERATED_VERSION: every install pyproject allows must import them. grpcio-tools, pinned
+    at the generating release, once pulled these floors up at run time and so hid them."""
+    v1 = ROOT / "src" / "pdserve" / "v1"
+    protobuf_call = r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),"
+    protobuf = {Version(".".join(m)) for p in v1.glob("*_pb2.py") for m in re.findall(protobuf_call, p.read_text())}
+    grpc = {
+        Version(m)
+        for p in v1.glob("*_pb2_grpc.py")
+        for m in re.findall(r"GRPC_GENERATED_VERSION = '(.+)'", p.read_text())
+    }
+    assert len(protobuf) == len(grpc) == 1, (protobuf, grpc)
+    requirements = {r.name: r for r in map(Requirement, pyproject()["project"]["dependencies"])}
+    assert floor(requirements["protobuf"]) >= max(protobuf)
+    assert floor(requirements["grpcio"]) >= max(grpc)
