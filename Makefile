@@ -54,7 +54,7 @@ proto: install
 	  protos/pdserve/v1/generate.proto protos/pdserve/v1/worker.proto protos/pdserve/v1/admin.proto
 
 # The container image the Helm chart runs (deploy/helm/pdserve); needs a Docker daemon, which CI machines lack.
-IMAGE ?= pdserve:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= pdserve:$(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/pdserve/__init__.py)
 image:
 	docker build -t $(IMAGE) .
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import tomllib
 
 import yaml
 
+from pdserve import __version__
 from tests.deploy.chart import CHART, REPO  # paths only: these checks need no helm
 
 
@@ -61,8 +63,10 @@ def test_runs_as_non_root_with_pdserve_as_entrypoint() -> None:
 def test_make_image_builds_it_and_the_chart_runs_that_version() -> None:
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^image:\n\tdocker build -t \$\(IMAGE\) \.$", makefile, re.M)
+    printed = subprocess.run(["make", "-s", "-n", "image"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert printed.stdout.strip() == f"docker build -t pdserve:{__version__} .", printed
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    assert chart["appVersion"] == pyproject()["project"]["version"]
+    assert chart["appVersion"] == __version__
     ignored = (REPO / ".dockerignore").read_text().split()
     assert {".venv", ".cache", ".git"} <= set(ignored)
 

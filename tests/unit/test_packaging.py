@@ -18,6 +18,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from pdserve import __version__
+
 ROOT = Path(__file__).resolve().parents[2]
 # Where each package's files sit in the checkout, and where the wheel puts them (pyproject's package-dir).
 PACKAGE_DIRS = {"src/pdserve/": "pdserve/", "services/": "services/", "loadgen/": "loadgen/"}
@@ -85,6 +87,13 @@ def test_the_wheel_holds_every_file_of_the_packages(built: Built) -> None:
     }
     assert {"pdserve/v1/generate_pb2.py", "pdserve/v1/generate_pb2_grpc.py", "services/main.py"} <= expected
     assert sorted(expected - set(built.wheel)) == []
+
+
+def test_the_wheel_is_the_version_the_code_reports(built: Built) -> None:
+    """One version: the package's metadata (what pip shows) is pdserve.__version__ (what `pdserve --version` and
+    the build each process reports say)."""
+    assert "version" in pyproject()["project"]["dynamic"] and "version" not in pyproject()["project"]
+    assert f"Version: {__version__}" in dist_info(built, "METADATA").splitlines()
 
 
 def test_the_wheel_and_sdist_carry_the_license(built: Built) -> None:
