@@ -12,7 +12,9 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve import __version__
 from pdserve.bench.commands import add_bench_commands
+from pdserve.build import current_build
 from pdserve.chaos.command import add_chaos_command
 from pdserve.client_commands import add_client_commands
 from pdserve.cluster.commands import (
@@ -67,8 +69,18 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
 
+class _Version(argparse.Action):
+    """`--version`: the package's version and the build this process reports (PDSERVE_BUILD, else the version and a
+    digest of the source), which `pdserve status --json` and pdserve_build_info show of running ones."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(f"pdserve {__version__} (build {current_build()})")
+        parser.exit()
+
+
 def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version and build, then exit")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="run prompts through the engine in one process, one continuous batch")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import __version__, build, env
+from pdserve import __version__, build, cli, env
 
 
 @pytest.fixture
@@ -68,3 +68,15 @@ def test_secrets_never_go_through_rays_runtime_env(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
     passed = env.worker_env()
     assert not set(secrets) & set(passed) and passed["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4317"
+
+
+def test_pdserve_version_prints_the_version_and_the_build(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fresh_build
+) -> None:
+    """What an operator runs in a pod to see what it holds: the package version, and the build its processes
+    report (the chart's PDSERVE_BUILD there), before any command's required flags are asked for."""
+    monkeypatch.setenv("PDSERVE_BUILD", "registry.example/pdserve:1.4.2")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"pdserve {__version__} (build registry.example/pdserve:1.4.2)\n"
