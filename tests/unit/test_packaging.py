@@ -107,6 +107,13 @@ def test_the_wheel_and_sdist_carry_the_license(built: Built) -> None:
     assert "License-Expression: Apache-2.0" in metadata and f"License-File: {license_file}" in metadata
 
 
+def test_the_sdist_carries_the_proto_sources(built: Built) -> None:
+    """The source of the generated code, and the API contract a client in another language is built from."""
+    protos = [name for name in tracked_files() if name.startswith("protos/") and name.endswith(".proto")]
+    assert "protos/pdserve/v1/generate.proto" in protos
+    assert sorted(set(protos) - set(built.sdist)) == []
+
+
 def test_the_wheel_installs_both_commands(built: Built) -> None:
     scripts = dist_info(built, "entry_points.txt").split("[console_scripts]\n", 1)[1].split("\n\n")[0]
     assert dict(line.split(" = ") for line in scripts.splitlines()) == pyproject()["project"]["scripts"]
