@@ -4,18 +4,18 @@ file names the loadgen that measured it. Outside a checkout (an installed wheel)
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import subprocess
 from pathlib import Path
+
+import pdserve
 
 GIT_TIMEOUT_S = 5.0
 
 
-def version() -> str | None:
-    try:
-        return importlib.metadata.version("pdserve")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def version() -> str:
+    """The running code's own version, not an installed distribution's metadata, which an editable install keeps
+    from when it was made and a checkout run by PYTHONPATH may not have at all."""
+    return pdserve.__version__
 
 
 @functools.cache  # once per process, not per rate
