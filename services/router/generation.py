@@ -57,7 +57,8 @@ async def generate(
     OverloadedError, UnavailableError, ModelNotFoundError for a `model` not served, and the caller's check
     first of all: UnauthenticatedError, PermissionDeniedError). `who`: the caller's headers, its key checked here,
     or the tenant its front end already checked (the HTTP API, before reading the body: every choice of the request
-    is that tenant's, whatever a key reload did since). `on_admitted` runs once it is placed, before
+    is that tenant's, as long as a key reload keeps its key: KeyRevokedError, before or mid-stream, once one does not,
+    key_revocation.py). `on_admitted` runs once it is placed, before
     anything is relayed. `choices`: the request is one of these (the HTTP API's `n`), for its key's quotas.
     `default_max_tokens`: the front end's default for a request without max_tokens (None: the router's).
     `arrived_at` (time.perf_counter()): when its caller's request came, if earlier than this call (a later
@@ -71,24 +72,26 @@ async def generate(
     with lifecycle.accounting(arrived, choices) as caller:
         caller.time_remaining = time_remaining  # a request its deadline ended counts as deadline_exceeded
         caller.tenant = who if isinstance(who, Tenant) else check_caller(lifecycle, who)
-        if not request_taken:
-            if choices is None:  # a request of its own (a later choice of an admitted one is let in)
-                lifecycle.refuse_new_when_draining()
-            await lifecycle.quotas.charge_request(caller.tenant)
-        message = parsed(request)  # only now: a caller without a key, or over its rate, costs no parse
-        if model is not None:
-            check_model(lifecycle, model)
-        check_parsed(message)
-        async with lifecycle.quotas.session(caller.tenant, choices) as quota:
-            ticket = await lifecycle.admit(message, start, quota, default_max_tokens, time_remaining)
-            caller.prompt_tokens = len(ticket.request.prompt_token_ids)
-            with ticket:
-                await on_admitted(ticket)
-                # Closed here when the caller stops reading, not later by the garbage collector in another task:
-                # the decode call is cancelled and the spans end in this request's context.
-                async with aclosing(lifecycle.stream(ticket, time_remaining, arrived)) as stream:
-                    async for msg in stream:
-                        if streamed:
-                            quota.delivered()
-                        caller.relayed(msg)
-                        yield msg
+        # Held from here to its end: a key revoked since its check is refused, one revoked later ends the stream.
+        with lifecycle.relay.keyed.held(caller.tenant, lifecycle.keys) as keyed:
+            if not request_taken:
+                if choices is None:  # a request of its own (a later choice of an admitted one is let in)
+                    lifecycle.refuse_new_when_draining()
+                await lifecycle.quotas.charge_request(caller.tenant)
+            message = parsed(request)  # only now: a caller without a key, or over its rate, costs no parse
+            if model is not None:
+                check_model(lifecycle, model)
+            check_parsed(message)
+            async with lifecycle.quotas.session(caller.tenant, choices) as quota:
+                ticket = await lifecycle.admit(message, start, quota, default_max_tokens, time_remaining)
+                caller.prompt_tokens = len(ticket.request.prompt_token_ids)
+                with ticket:
+                    await on_admitted(ticket)
+                    # Closed here when the caller stops reading, not later by the garbage collector in another task:
+                    # the decode call is cancelled and the spans end in this request's context.
+                    async with aclosing(lifecycle.stream(ticket, time_remaining, arrived, keyed)) as stream:
+                        async for msg in stream:
+                            if streamed:
+                                quota.delivered()
+                            caller.relayed(msg)
+                            yield msg

@@ -2,9 +2,10 @@
 a Kubernetes Secret), so that no restart drops the streams in flight.
 
 The file is looked at every `interval_s` on the router's loop. A file that parses swaps the whole table at once:
-a request authenticated before keeps the tenant it was given, the next one is checked against the new table (a
-revoked key's is UNAUTHENTICATED). One that does not parse leaves the table in use, with one error naming the
-problem, until the file changes again.
+the next request is checked against the new table (a revoked key's is UNAUTHENTICATED), a request in flight keeps
+the tenant it was given while the new table still holds its key for that tenant, and ends, UNAUTHENTICATED, when it
+does not (key_revocation.py). One that does not parse leaves the table in use, with one error naming the problem,
+until the file changes again.
 """
 
 from __future__ import annotations
@@ -56,10 +57,14 @@ class KeyReload:
             log.error("API keys not reloaded, the %d keys in use stay: %s", len(self.table), e)
             return
         self.table = lifecycle.keys = table
+        ended = lifecycle.relay.keyed.revoke(table)
         lifecycle.quotas.keep_only(table.limits)
         lifecycle.admission.shares.weights = table.weights
         lifecycle.metrics.count_from_zero(tenant_labels(table))  # a new tenant's series from 0 too
         log.info("API keys reloaded: %d keys from %s", len(table), self.path)
+        if ended:  # by the keys' names (never the keys), as the key file names them
+            names = ", ".join(sorted({repr(t.key_name) for t in ended}))
+            log.info("API keys revoked with %d streams open: %s; those streams were ended", len(ended), names)
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)

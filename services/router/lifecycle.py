@@ -37,6 +37,7 @@ from pdserve.telemetry import Telemetry, request_id_var, step_span
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import Admission, DeadlineTooShortError, SLOTarget
 from services.router.caller_errors import cut_mid_stream, for_the_caller
+from services.router.key_revocation import KeyedStream
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
 from services.router.outcome import CALLER_ENDED, Caller, log_level, router_metrics
@@ -217,7 +218,7 @@ class RequestLifecycle:
                 await asyncio.sleep(NO_WORKERS_POLL_S)
 
     async def stream(
-        self, ticket: Ticket, time_remaining: Callable[[], float | None], arrived_at: float | None = None
+        self, ticket: Ticket, time_remaining: Callable[[], float | None], arrived_at: float, keyed: KeyedStream
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The decode worker's stream. When an attempt fails with UNAVAILABLE the request moves to other workers,
         each attempt with its own ticket: retried as it came before any message reached the caller (up to
@@ -225,13 +226,12 @@ class RequestLifecycle:
         also past a worker that has no room for the stream it was moved to. A worker that refused the router's
         cluster credentials is such a failure; when it is the last, the caller gets UNAVAILABLE without its
         detail. Any other failure reaches the caller with the workers named by id, not address (caller_errors)."""
-        clock = Clock(ticket.started_at if arrived_at is None else arrived_at, len(ticket.request.prompt_token_ids))
-        original, chunks, moves, failed = ticket.request, [], Moves(), FailedWorkers()
-        done = False
+        clock = Clock(arrived_at, len(ticket.request.prompt_token_ids))
+        original, chunks, moves, failed, done = ticket.request, [], Moves(), FailedWorkers(), False
         try:
             while True:
                 try:
-                    async with aclosing(self.relay.stream(ticket, time_remaining(), clock)) as relayed:
+                    async with aclosing(self.relay.stream(ticket, time_remaining(), clock, keyed)) as relayed:
                         async for msg in relayed:
                             chunks.append(list(msg.token_ids))
                             done = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED

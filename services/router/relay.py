@@ -24,6 +24,7 @@ from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
+from services.router.key_revocation import KeyedStream, KeyedStreams, KeyRevokedError
 from services.router.placement import Placement, PlacementPolicy
 from services.router.recent_latencies import RecentLatencies
 from services.router.slo_attainment import judged_slo
@@ -70,6 +71,7 @@ class Relay:
         self.cluster = ClusterSecret.from_env()  # grants the decode worker the prefill address placed
         self._calls: set[grpc.aio.UnaryStreamCall] = set()  # the decode calls being relayed
         self._stopped: str | None = None  # why every stream was cut (`cut_all`), once it was
+        self.keyed = KeyedStreams()  # each request under its API key: a key's revocation cuts its streams
 
     def cut_all(self, why: str) -> int:
         """Ends every stream relayed now or later with RouterStoppedError saying `why` (its decode call cancelled,
@@ -81,11 +83,12 @@ class Relay:
         return len(self._calls)
 
     async def stream(
-        self, ticket: Ticket, time_remaining: float | None, clock: Clock
+        self, ticket: Ticket, time_remaining: float | None, clock: Clock, keyed: KeyedStream | None = None
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The decode worker's messages, each carrying the caller's request_id, the last one usage. Cancelling
         the decode call (done here however the stream ends) cancels its prefill and frees blocks on both. The
-        first-token bound counts from `ticket.started_at` (this attempt's start), latencies from `clock`'s."""
+        first-token bound counts from `ticket.started_at` (this attempt's start), latencies from `clock`'s.
+        `keyed`: the request's hold on its API key, whose revocation cancels the call (KeyRevokedError)."""
         p, req = ticket.placement, ticket.request
         forward = wpb.WorkerGenerateRequest(
             request_id=ticket.key,
@@ -101,10 +104,14 @@ class Relay:
         )
         if self._stopped is not None:  # a stream moved after the cut
             raise RouterStoppedError(self._stopped)
+        if keyed is not None:  # revoked while it was admitted or moved
+            keyed.check(clock.completion_tokens)
         ticket.dispatched_at = time.perf_counter()
         call = self.channels.call(p.decode.address, lambda stub: stub.Generate(forward, timeout=time_remaining))
         trailing: grpc.aio.Metadata | None = None
         self._calls.add(call)
+        if keyed is not None:
+            keyed.call = call
         try:
             msg = await self._first(call, ticket, time_remaining)
             while msg is not None:
@@ -117,13 +124,19 @@ class Relay:
             trailing = await call.trailing_metadata()
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e, f"decode worker {p.decode.worker_id} at {p.decode.address}") from e
-        except asyncio.CancelledError:  # how a read of a call cancelled here ends: by `cut_all`, unless the task was
-            task = asyncio.current_task()
-            if self._stopped is None or (task is not None and task.cancelling()):
+        except asyncio.CancelledError:  # how a read of a call cancelled here ends: by `cut_all` or its key's
+            task = asyncio.current_task()  # revocation, unless the task was cancelled
+            if task is not None and task.cancelling():
+                raise
+            if keyed is not None and keyed.revoked:
+                raise KeyRevokedError(clock.completion_tokens) from None
+            if self._stopped is None:
                 raise
             raise RouterStoppedError(f"{self._stopped} ({clock.completion_tokens} tokens sent)") from None
         finally:
             self._calls.discard(call)
+            if keyed is not None:
+                keyed.call = None
             self._calibrate(ticket, trailing)
             await cancel_stream(call)  # a no-op once finished
 

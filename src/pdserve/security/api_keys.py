@@ -11,7 +11,7 @@ import hashlib
 import math
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pdserve.errors import MissingKeyError, PermissionDeniedError, UnauthenticatedError
@@ -65,11 +65,15 @@ class Tenant:
     admin: bool | frozenset[str] = False
     # Its tenant's own limits (the key file's [[tenants]] entry), charged beside the key's: shared by its keys.
     shared: Tenant | None = None
+    # The SHA-256 of the key it was authenticated with (as the file stores it; its KeyTable sets it): which key a
+    # reload revoked, whatever its name (a name may be kept for a new key). Empty for a tenant's own limits and an
+    # open cluster. Not compared: the same key under the same caps is the same caller.
+    key_digest: str = field(default="", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         """Each field of its type, each limit >= 0: from a key file, `admin = "false"` would be a true flag,
         `max_priority = "5"` fail every request, and a negative limit silently mean none."""
-        for name, kind in (("name", str), ("key_name", str)):
+        for name, kind in (("name", str), ("key_name", str), ("key_digest", str)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         if self.shared is not None and not isinstance(self.shared, Tenant):
@@ -125,7 +129,7 @@ class KeyTable:
     """sha256 hex digest -> Tenant, from the `[[keys]]` tables of an --api-keys file."""
 
     def __init__(self, tenants: Mapping[str, Tenant], weights: Mapping[str, float] | None = None) -> None:
-        self._by_digest = dict(tenants)
+        self._by_digest = {d: t if t.key_digest == d else replace(t, key_digest=d) for d, t in tenants.items()}
         self.weights = dict(weights or {})  # each tenant's weight in a full cluster's fair share (absent: 1)
 
     def __len__(self) -> int:
@@ -180,7 +184,9 @@ class KeyTable:
                 raise ValueError(f"{path}: keys[{i}]: a key's name may not start with {TENANT_LIMITS!r}")
             try:
                 tenant = entry.pop("tenant")
-                tenants[digest] = Tenant(name=tenant, key_name=name, shared=shared.get(tenant), **entry)
+                tenants[digest] = Tenant(
+                    name=tenant, key_name=name, shared=shared.get(tenant), key_digest=digest, **entry
+                )
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{path}: keys[{i}]: {e}") from None
         if not tenants:
@@ -188,6 +194,12 @@ class KeyTable:
         if strays := sorted(set(shared) - {t.name for t in tenants.values()}):  # a misspelt name would limit nobody
             raise ValueError(f"{path}: [[tenants]] {', '.join(map(repr, strays))}: no key has that tenant")
         return cls(tenants, weights)
+
+    def grants(self, tenant: Tenant) -> bool:
+        """Whether `tenant`'s key (authenticated against this table or an earlier one) still authenticates here as
+        that tenant: a key removed, or moved to another tenant, no longer does; new caps change nothing."""
+        now = self._by_digest.get(tenant.key_digest)
+        return now is not None and now.name == tenant.name
 
     def authenticate(self, metadata: Metadata) -> Tenant:
         """The tenant of the request's `authorization: Bearer KEY`, or UnauthenticatedError (MissingKeyError for

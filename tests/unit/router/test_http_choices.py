@@ -20,6 +20,7 @@ from pdserve.env import CLUSTER_SECRET_VAR
 from pdserve.security.api_keys import KeyTable, Tenant, digest
 from pdserve.telemetry import Telemetry
 from services.router.http.app import openai_app
+from services.router.key_reload import KeyReload
 from services.router.lifecycle import RequestLifecycle
 from tests.unit.router.request_counts import requests_by_outcome
 from tests.unit.router.router_builder import MODEL, Router, worker
@@ -320,27 +321,39 @@ async def test_latencies_count_from_the_requests_head_its_bodys_upload_included(
     telemetry.shutdown()
 
 
-async def test_a_key_revoked_while_its_request_runs_ends_none_of_the_requests_choices(monkeypatch):
-    """Every choice is the tenant the request was admitted as: a reload that revokes the key meanwhile refuses the
-    key's next request, not the later choices of one already running."""
+@pytest.mark.parametrize(("kept", "status"), [(False, 401), (True, 200)])
+async def test_a_key_revoked_while_its_request_runs_ends_all_of_its_choices(monkeypatch, tmp_path, kept, status):
+    """Every choice is the tenant the request was admitted as while a reload keeps its key (new caps change
+    nothing); a reload that revokes it ends the whole request, the choices running and those yet to start alike
+    (once, a later choice checked the key again: 401 after the first had streamed, the first running on)."""
     monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
-    revoked = asyncio.Event()
+    revoked, finished = asyncio.Event(), []
 
-    class RevokedAtFirstCall(StandInDecode):
+    class ReloadedAtFirstCall(StandInDecode):
         async def Generate(self, request, context):  # noqa: N802
             revoked.set()
             async for msg in super().Generate(request, context):
                 yield msg
+            finished.append(request.client_request_id)
 
-    stand_in = RevokedAtFirstCall()
+    path = tmp_path / "keys.toml"
+    entry = '[[keys]]\nname = "{}"\nsha256 = "{}"\ntenant = "team"\nmax_concurrent = {}\n'
+    path.write_text(entry.format("k", digest(KEY), 2))
+    keys = KeyReload(str(path))
+    stand_in = ReloadedAtFirstCall(gap_s=0.05)
     async with serving(stand_in) as address:
-        lc = lifecycle(address, Tenant("team", "k"))
+        lc = Router([worker("p0"), worker("d0", "decode", address=address)]).lifecycle(keys.table)
 
-        async def revoke() -> None:
+        async def reload() -> None:
             await revoked.wait()
-            lc.keys = KeyTable({})  # as a reload of a file without the key does
+            path.write_text(entry.format("k", digest(KEY), 3) if kept else entry.format("other", digest("other"), 2))
+            keys.reload(lc)
 
-        _, r = await asyncio.gather(revoke(), complete(lc, n=2, max_tokens=4))
-        assert r.status_code == 200, r.text
-        assert len(r.json()["choices"]) == 2 and stand_in.calls == 2
-        assert (await complete(lc, n=1)).status_code == 401
+        _, r = await asyncio.gather(reload(), complete(lc, n=2, max_tokens=20))
+        assert r.status_code == status, r.text
+        if kept:
+            assert len(r.json()["choices"]) == 2 and len(finished) == 2
+        else:  # the first choice too, mid-stream
+            assert "API key was revoked" in r.json()["error"]["message"] and not finished
+            assert (await complete(lc, n=1)).status_code == 401
+        assert lc.in_flight == 0
