@@ -1,9 +1,10 @@
 """Calls into a cluster that serves TLS and requires API keys: one stream's messages, or the status it ended
-with (and its trailers), as a test sees them."""
+with (and its trailers), and its workers' KV state, as a test sees them."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -13,6 +14,7 @@ from pdserve.rpc.errors import retry_after_ms
 from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2_grpc
 from pdserve.v1 import generate_pb2 as pb
+from tests.integration.worker_view import idle
 
 
 @dataclass
@@ -47,3 +49,22 @@ async def cluster_status(address: str, creds: ClientCredentials) -> admin_pb2.Cl
     async with channel(address, credentials=creds) as ch:
         stub = admin_pb2_grpc.AdminStub(ch)
         return await stub.ClusterStatus(admin_pb2.ClusterStatusRequest(), timeout=5, metadata=creds.metadata())
+
+
+async def all_blocks_free(address: str, admin: ClientCredentials, timeout_s: float = 15) -> None:
+    """Returns once every worker is SERVING and idle (no KV block held, nothing queued); fails past `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = (await cluster_status(address, admin)).workers
+        if all(idle(w) and w.health == "SERVING" for w in workers) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert all(idle(w) and w.health == "SERVING" for w in workers), workers
+
+
+async def decode_state(address: str, admin: ClientCredentials, since: float) -> tuple[int, int, bool]:
+    """(free KV blocks, running sequences) of the cluster's one decode worker as its last heartbeat reported them, and
+    whether that report came after `since` (time.monotonic())."""
+    (decode,) = [w for w in (await cluster_status(address, admin)).workers if w.role == "decode"]
+    fresh = time.monotonic() - decode.state_age_s > since
+    return decode.kv_blocks_total - decode.kv_blocks_used, decode.running, fresh
