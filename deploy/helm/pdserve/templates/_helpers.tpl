@@ -133,11 +133,18 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{- end -}}
 
 {{/* A generated secret keeps its value across upgrades (lookup). `helm template`, and GitOps tools that render
-with it, cannot look up: each render makes a new value, so there the existing-secret values must be set. */}}
+with it, cannot look up (lookup answers an empty map there): each render makes a new value, so there the
+existing-secret values must be set. */}}
 {{- define "pdserve.keptSecret" -}}
-{{- $old := lookup "v1" "Secret" .ctx.Release.Namespace .name -}}
-{{- if and $old $old.data (hasKey $old.data .key) -}}
-{{- index $old.data .key -}}
+{{- include "pdserve.keptValue" (dict "old" (lookup "v1" "Secret" .ctx.Release.Namespace .name) "key" .key) -}}
+{{- end -}}
+
+{{/* `old`: the Secret as it is live (empty: none yet). Its base64 value at `key`, else a new random one (48
+letters and digits): an empty value is replaced too, since an empty cluster secret would turn internal auth off. */}}
+{{- define "pdserve.keptValue" -}}
+{{- $kept := index ((.old | default dict).data | default dict) .key -}}
+{{- if $kept -}}
+{{- $kept -}}
 {{- else -}}
 {{- randAlphaNum 48 | b64enc -}}
 {{- end -}}
