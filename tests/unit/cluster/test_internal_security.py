@@ -1,0 +1,35 @@
+"""Internal authentication is on by default wherever pdserve starts the whole cluster: a local `pdserve up` makes a
+random cluster secret for its run when none is set (its workers inherit it), keeps one that is set, and a process
+whose workers outlive it (a controller, a lone router, `up --ray-address`) makes none and warns."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from pdserve.cluster.internal_security import prepare_internal_security
+from pdserve.config import ClusterConfig
+from pdserve.env import CLUSTER_SECRET_VAR
+
+
+def test_up_makes_a_secret_for_its_run_unless_one_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    prepare_internal_security(ClusterConfig(), make_secret=True)
+    made = os.environ[CLUSTER_SECRET_VAR]
+    assert len(made) == 64 and set(made) <= set("0123456789abcdef")  # 32 random bytes, hex
+    monkeypatch.delenv(CLUSTER_SECRET_VAR)
+    prepare_internal_security(ClusterConfig(), make_secret=True)
+    assert os.environ[CLUSTER_SECRET_VAR] != made  # one per run, not a fixed default
+    monkeypatch.setenv(CLUSTER_SECRET_VAR, "the operator's")
+    prepare_internal_security(ClusterConfig(), make_secret=True)
+    assert os.environ[CLUSTER_SECRET_VAR] == "the operator's"
+
+
+def test_a_process_whose_workers_outlive_it_makes_none_and_warns(monkeypatch, caplog) -> None:
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    with caplog.at_level(logging.WARNING, logger="pdserve.cluster.internal_security"):
+        prepare_internal_security(ClusterConfig(), make_secret=False)
+    assert CLUSTER_SECRET_VAR not in os.environ
+    assert "PDSERVE_CLUSTER_SECRET is not set" in caplog.text
