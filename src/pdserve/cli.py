@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve import __version__
+from pdserve import __version__, env
 from pdserve.bench.commands import add_bench_commands
 from pdserve.build import current_build
 from pdserve.chaos.command import add_chaos_command
@@ -277,11 +277,12 @@ def _check_redis_password(command: str, config: ClusterConfig) -> None:
 
 
 def _check_security_files(config: ClusterConfig) -> None:
-    """Before any worker starts: a key file that does not parse or a certificate file that is missing fails
-    the command at once, naming it, instead of after the workers are up."""
+    """Before any worker starts: a key file that does not parse, a certificate file that is missing or a cluster
+    secret too short to be one fails the command at once, naming it, instead of after the workers are up."""
     from pdserve.rpc.credentials import server_tls
     from pdserve.security.api_keys import KeyTable
 
+    env.check_cluster_secret()
     r = config.router
     if r.api_keys_file:
         KeyTable.from_file(r.api_keys_file)

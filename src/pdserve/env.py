@@ -142,6 +142,21 @@ def cluster_secret() -> bytes:
     return os.environ.get(CLUSTER_SECRET_VAR, "").encode()
 
 
+CLUSTER_SECRET_MIN_CHARS = 16
+
+
+def check_cluster_secret() -> None:
+    """ValueError for a cluster secret that is set but too short to keep anyone out: an empty one (an operator's
+    Secret with an empty key) would run the cluster open, as if none were set, where one was meant."""
+    secret = os.environ.get(CLUSTER_SECRET_VAR)
+    if secret is not None and len(secret) < CLUSTER_SECRET_MIN_CHARS:
+        raise ValueError(
+            f"{CLUSTER_SECRET_VAR} is set but has {len(secret)} characters, under the {CLUSTER_SECRET_MIN_CHARS} "
+            "a cluster secret needs (the chart makes 48 random ones); set a longer one on every process, or unset "
+            "it (`pdserve up` then makes one per run; elsewhere the cluster runs open)"
+        )
+
+
 def ensure_cluster_secret() -> None:
     """`pdserve up`: a fresh random secret for this run unless one is set; the Ray it starts, and so its workers,
     inherit it from this process's environment (never through Ray: `worker_env`)."""

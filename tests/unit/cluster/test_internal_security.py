@@ -33,3 +33,27 @@ def test_a_process_whose_workers_outlive_it_makes_none_and_warns(monkeypatch, ca
         prepare_internal_security(ClusterConfig(), make_secret=False)
     assert CLUSTER_SECRET_VAR not in os.environ
     assert "PDSERVE_CLUSTER_SECRET is not set" in caplog.text
+
+
+@pytest.mark.parametrize("command", ["up", "router", "controller"])
+@pytest.mark.parametrize("secret", ["", "short"])
+def test_a_secret_set_too_short_to_keep_anyone_out_is_refused_before_any_start(monkeypatch, capsys, command, secret):
+    """An empty one (a Secret's empty key) ran the cluster open as if none were set; a short one is guessable."""
+    from pdserve import cli
+    from services.main import SERVICES
+
+    def never(command: str) -> None:
+        raise AssertionError("the cluster started")
+
+    monkeypatch.setenv(CLUSTER_SECRET_VAR, secret)
+    monkeypatch.setattr(cli, "_runner", never)
+    joined = {"up": [], "router": ["--redis", "redis://127.0.0.1:1/0", "--port", "0"]}
+    joined["controller"] = ["--redis", "redis://127.0.0.1:1/0", "--ray-address", "127.0.0.1:1"]
+    argv = [command, "--model", "tiny-random", "--metrics-port", "0", *joined[command]]
+    assert cli.main(argv, services=SERVICES) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"pdserve {command}: PDSERVE_CLUSTER_SECRET is set but has {len(secret)} characters, under the 16 a cluster "
+        "secret needs (the chart makes 48 random ones); set a longer one on every process, or unset it (`pdserve up` "
+        "then makes one per run; elsewhere the cluster runs open)\n"
+    )
