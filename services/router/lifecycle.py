@@ -111,7 +111,7 @@ class RequestLifecycle:
         """Build, place and admit, or raise before anything is sent: InvalidRequestError, OverloadedError,
         UnavailableError, PermissionDeniedError, DeadlineTooShortError (`time_remaining` ends first). It gets its own
         key here; the caller's request_id is only echoed. Its prompt and max_tokens are charged to its key's token rate.
-        Without max_tokens: `default_max_tokens` (never more than the router's default, nor the context's room)."""
+        Without max_tokens: `default_max_tokens` (never past the router's default, nor the context's or KV's room)."""
         check_request_id(msg.request_id, self.config.request_limits)  # before it tags spans and log lines
         key = uuid.uuid4().hex
         client_id = msg.request_id or key
@@ -120,10 +120,10 @@ class RequestLifecycle:
         trace.get_current_span().set_attributes({"request.id": key, "request.client_id": client_id})
         with step_span(self.telemetry.tracer, "admission", request__id=key, request__client_id=client_id) as span:
             quota.tenant.check_priority(msg.priority)
-            config = self.config
-            default = capped_default(default_max_tokens, config.default_max_tokens)
+            default = capped_default(default_max_tokens, self.config.default_max_tokens)
+            kv_room = self.placement.kv_capacity_tokens()
             req = await build_request(
-                msg, self.tokenizer, self.model, default, config.request_limits, quota.tenant.name
+                msg, self.tokenizer, self.model, default, self.config.request_limits, quota.tenant.name, kv_room
             )
             span.set_attribute("prompt_tokens", len(req.prompt_token_ids))
             try:

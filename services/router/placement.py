@@ -170,6 +170,13 @@ class PlacementPolicy(ABC):
             offer=self._offer(offered[0], offered[1], hits, len(prompt), blocks, colocated=bool(colocated)),
         )
 
+    def kv_capacity_tokens(self) -> int | None:
+        """The most KV slots one request may fill (prompt + max_tokens - 1): the largest decode (or colocated)
+        worker's whole KV, over the workers an offer counts; None while none has said. More is refused as never
+        servable, so a default max_tokens must not ask for it, nor the models list promise it."""
+        workers = self.offered.workers(Role.COLOCATED) or self.offered.workers(Role.DECODE)
+        return max((w.kv_blocks_total * w.block_size for w in workers if w.kv_blocks_total), default=None)
+
     def _by_ttft(self, hits: dict[str, int], prompt_tokens: int) -> Callable[[WorkerState], tuple[float, str]]:
         """Predicted TTFT, a cached prefix counting as work already done; ties by id."""
         p = self.predictor

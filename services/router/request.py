@@ -63,17 +63,20 @@ async def build_request(
     default_max_tokens: int,
     limits: RequestLimits | None = None,
     tenant: str = OPEN_TENANT,
+    kv_capacity_tokens: int | None = None,
 ) -> RoutedRequest:
     """Raises InvalidRequestError naming the first bad field; nothing is sent anywhere before this passes.
-    `tenant` salts the request's prefix-cache keys and labels its latencies."""
+    `tenant` salts the request's prefix-cache keys and labels its latencies. `kv_capacity_tokens`: the most KV slots
+    a request may fill on the cluster's largest worker (PlacementPolicy.kv_capacity_tokens), which a default
+    max_tokens stays within as it does within the context."""
     field = _input_field(msg)
     salt = cache_salt(tenant, msg.cache_salt)
     _check_caps(msg, field, model, limits or RequestLimits())
     # The one conversion, checked before tokenizing.
     sampling = await off_the_loop_when_large(partial(sampling_from_pb, msg.sampling, default_max_tokens), msg.sampling)
     prompt = await _tokenize(msg, field, tokenizer)
-    if not msg.sampling.max_tokens:  # the default never pushes the prompt past the context
-        sampling = replace(sampling, max_tokens=min(default_max_tokens, _room(prompt, model)))
+    if not msg.sampling.max_tokens:  # the default never pushes the request past the context, nor any worker's KV
+        sampling = replace(sampling, max_tokens=min(default_max_tokens, _room(prompt, model, kv_capacity_tokens)))
     check_request(prompt, sampling, model, prompt_field=field)
     return RoutedRequest(
         request_id=msg.request_id or uuid.uuid4().hex,
@@ -137,6 +140,10 @@ async def _off_loop_if_large(size: int, fn: Callable[[_T], list[int]], arg: _T) 
     return await asyncio.to_thread(fn, arg)
 
 
-def _room(prompt: list[int], model: ModelConfig) -> int:
-    """At least 1, which SamplingParams requires; check_request then names a prompt that fills the context."""
-    return max(1, model.max_position_embeddings - len(prompt))
+def _room(prompt: list[int], model: ModelConfig, kv_capacity_tokens: int | None) -> int:
+    """At least 1, which SamplingParams requires; check_request then names a prompt that fills the context, and
+    admission one that fills the KV alone. The last token sampled takes no KV slot (`kv_tokens`)."""
+    room = model.max_position_embeddings - len(prompt)
+    if kv_capacity_tokens is not None:
+        room = min(room, kv_capacity_tokens - len(prompt) + 1)
+    return max(1, room)

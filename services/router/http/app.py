@@ -99,10 +99,14 @@ class OpenAIAPI:
         return JSONResponse(self._served())
 
     def _served(self) -> dict[str, object]:
-        """OpenAI's model object, with vLLM's `max_model_len` (the context: a client sizes max_tokens by it)."""
-        context = self.lifecycle.model.max_position_embeddings
+        """OpenAI's model object, with vLLM's `max_model_len`, the longest prompt + max_tokens served (a client sizes
+        max_tokens by it): the context, or less where the largest worker's KV holds less (its last token takes no
+        KV slot), as vLLM's never exceeds what its KV holds."""
+        longest = self.lifecycle.model.max_position_embeddings
+        if (kv_room := self.lifecycle.placement.kv_capacity_tokens()) is not None:
+            longest = min(longest, kv_room + 1)
         model = {"id": self.lifecycle.served_model, "object": "model", "created": self.created, "owned_by": "pdserve"}
-        return model | {"max_model_len": context}
+        return model | {"max_model_len": longest}
 
     async def completions(self, request: Request) -> Response:
         return await self._complete(request, chat=False)

@@ -32,10 +32,11 @@ async def request_choices(lifecycle: RequestLifecycle, req: OpenAIRequest, tenan
     check_model(lifecycle, req.model)  # a model not served is its 404 first, as for one prompt
     config, tokens = lifecycle.config, 0
     default = capped_default(req.default_max_tokens, config.default_max_tokens)
+    kv_room = lifecycle.placement.kv_capacity_tokens()  # as each prompt's own admission will bound its default
     for i, message in enumerate(req.prompts):
         try:
             built = await build_request(
-                message, lifecycle.tokenizer, lifecycle.model, default, config.request_limits, tenant.name
+                message, lifecycle.tokenizer, lifecycle.model, default, config.request_limits, tenant.name, kv_room
             )
             placement, slo = await lifecycle.place(built)
             lifecycle.admission.check_feasible(placement, len(built.prompt_token_ids), slo)
