@@ -42,6 +42,12 @@ class WorkerSpec:
             # One prompt (or one chunk of a long one) per step, first come first served: batching later prompts
             # into an earlier one's step delays its first token past what admission promised it.
             scheduler = replace(scheduler, max_num_batched_tokens=scheduler.long_prefill_chunk, max_prefills_per_step=1)
+        else:
+            # A step takes its running sequences in order while its token budget lasts: past the budget, a full
+            # batch's last sequences got no token, silent, until those ahead ended (a router takes such a silence
+            # for a hung worker). Every sequence decodes each step, with a recompute's chunk beside them.
+            whole_batch = scheduler.max_num_seqs + scheduler.long_prefill_chunk
+            scheduler = replace(scheduler, max_num_batched_tokens=max(scheduler.max_num_batched_tokens, whole_batch))
         config = replace(self.engine, scheduler=scheduler, num_threads=self.engine.num_threads or usable_cpus())
         if self.role is Role.DECODE:
             # Every prompt block arrives from a prefill worker, so nothing a decode worker caches is ever
