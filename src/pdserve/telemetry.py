@@ -180,13 +180,9 @@ class Telemetry:
 # What a request is answered for what it asked or may ask (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAUTHENTICATED,
 # PERMISSION_DENIED; HTTP 4xx), or told to ask elsewhere (a draining router): no failure of this service, so no
 # ERROR on its spans (OpenTelemetry's convention for server spans), only a `refused` attribute saying why.
-CALLER_ANSWERS = (
-    InvalidRequestError,
-    OverloadedError,
-    UnauthenticatedError,
-    PermissionDeniedError,
-    RouterDrainingError,
-)
+# The caller's own doing, whenever it ends a request; with a shed or a draining router, answers to the caller.
+CALLER_FAULTS = (InvalidRequestError, UnauthenticatedError, PermissionDeniedError)
+CALLER_ANSWERS = (*CALLER_FAULTS, OverloadedError, RouterDrainingError)
 
 
 @contextmanager
@@ -220,7 +216,7 @@ def mark_ended_by(span: trace.Span, error: BaseException | None) -> None:
 
 def mark_failed(span: trace.Span, error: BaseException) -> None:
     """ERROR with the exception, whatever it is: for an error that broke what the caller was already given (a stream
-    its first events reached), a shed or a refusal included. Its type is OpenTelemetry's `error.type`, which a
+    its first events reached), a shed included. Its type is OpenTelemetry's `error.type`, which a
     backend groups failures by (the exception event's text is unbounded)."""
     span.set_attribute("error.type", type(error).__qualname__)
     span.record_exception(error)

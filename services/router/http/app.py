@@ -23,7 +23,7 @@ from starlette.types import Send
 from pdserve.rpc.metadata import REQUEST_ID_KEY
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import Choices
-from pdserve.telemetry import mark_failed, request_id_var
+from pdserve.telemetry import CALLER_FAULTS, mark_ended_by, mark_failed, request_id_var
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, check_model, generate
 from services.router.http.choices import each_choice, request_choices
@@ -217,10 +217,12 @@ class OpenAIAPI:
                 span.set_attribute("cancelled", True)
                 raise
             except Exception as e:
-                if started:  # it broke an open stream: the server's failure, whatever the error
-                    mark_failed(span, e)
-                else:
+                if not started:
                     span_status(span, error_body(e, req.max_tokens_param)[0], e)
+                elif isinstance(e, CALLER_FAULTS):  # a revoked key, an output its constraint could not hold
+                    mark_ended_by(span, e)
+                else:  # it broke an open stream: the server's failure, a shed included
+                    mark_failed(span, e)
                 raise
 
     def _choices(

@@ -148,23 +148,38 @@ async def test_a_failed_choices_span_is_an_error_with_its_exception(monkeypatch)
     telemetry.shutdown()
 
 
-class ShedsChoiceOne(StandInDecode):
-    """Serves the first call; refuses the next as a full batch does."""
+class RefusesChoiceOne(StandInDecode):
+    """Serves the first call; refuses the next with `code`: as a full batch does, or as a constraint the output
+    could not be held to."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(gap_s=0.005)
+        self.code, self.details = code, details
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
         if self.calls:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "its batch is full (1 sequences, max_num_seqs 1)")
+            await context.abort(self.code, self.details)
         async for msg in super().Generate(request, context):
             yield msg
 
 
-async def test_a_stream_a_later_choices_shed_breaks_is_an_error_on_its_span(monkeypatch):
+@pytest.mark.parametrize(
+    "code, details, failed",
+    [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "its batch is full (1 sequences, max_num_seqs 1)", True),
+        (grpc.StatusCode.INVALID_ARGUMENT, "response_format: the output could not be held to it past 3 tokens", False),
+    ],
+)
+async def test_a_stream_a_later_choice_breaks_is_an_error_on_its_span_unless_the_callers(
+    monkeypatch, code, details, failed
+):
     """Choice 0's events went out (a 200): the shed of choice 1 breaks what the caller was given, the server's
-    failure however the shed reads on its own (a shed before the first event is a 429, no error)."""
+    failure however the shed reads on its own (a shed before the first event is a 429, no error). A refusal that
+    is the caller's own (its constraint, its revoked key) is none of the server's mid-stream either, as on gRPC."""
     monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
     exporter = InMemorySpanExporter()
     telemetry = Telemetry("test-router", span_processor=SimpleSpanProcessor(exporter))
-    async with serving(ShedsChoiceOne(gap_s=0.005)) as address:
+    async with serving(RefusesChoiceOne(code, details)) as address:
         router = Router([worker("p0"), worker("d0", "decode", address=address)], max_attempts=1)
         transport = httpx2.ASGITransport(app=openai_app(router.lifecycle(telemetry=telemetry)))
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "n": 2, "ignore_eos": True, "stream": True}
@@ -172,7 +187,11 @@ async def test_a_stream_a_later_choices_shed_breaks_is_an_error_on_its_span(monk
             r = await http.post("/v1/completions", json=body)
     assert r.status_code == 200 and '"error"' in r.text
     (span,) = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/completions"]
-    assert span.status.status_code is StatusCode.ERROR and [e.name for e in span.events] == ["exception"]
+    if failed:
+        assert span.status.status_code is StatusCode.ERROR and [e.name for e in span.events] == ["exception"]
+    else:
+        assert span.status.status_code is StatusCode.UNSET and not span.events, span.status
+        assert details in str(span.attributes["refused"])
     telemetry.shutdown()
 
 
