@@ -101,58 +101,85 @@ class BlockManager:
     def _take_blocks(self, count: int, after: int | None, room: int) -> list[int]:
         """`count` blocks, in runs where the pool allows; `room` >= count is what the table will grow to.
 
-        In order: the free blocks right after `after`; a free run that holds `room` (best fit); then, only if
-        those did not give `count`, cached blocks, oldest first, with the free blocks around them: a run from the
-        free blocks just above the oldest cached block down through it and the blocks below (after a table was
-        freed tail first, the next oldest), taken sorted. A cached block that served a prefix hit starts a run
-        only when the free blocks cannot make up `count` without it, and stops any other run: contiguity (a KV
-        transfer moves a run without a copy) may cost the cache blocks no request reused, never a hot prefix.
-        Evicting `room` blocks, not just `count`, leaves the rest of that run free for this table's next chunk.
-        Last, free runs, longest first."""
+        Each step runs only while the ones before it did not give `count`: the free blocks right after `after`
+        (the table's run goes on); a free run that holds `room` (best fit); a run through the cache
+        (`_run_through_cache`); last, free runs, longest first."""
         want = max(room, count)
-        taken: list[int] = []
-        block = -1 if after is None else after + 1
-        while 0 <= block < self.num_blocks and len(taken) < count and block in self._free:
-            taken.append(block)
-            block += 1
-        self._free.take(taken)
-        fit = self._free.best_fit(want - len(taken)) if len(taken) < count and self._free.count else None
-        if fit is not None and fit[1] >= want - len(taken):
-            fitted = list(range(fit[0], fit[0] + count - len(taken)))
-            self._free.take(fitted)
-            taken.extend(fitted)
+        taken = [] if after is None else self._free_from(after + 1, count)
+        if len(taken) < count:
+            taken += self._free_run_holding(count - len(taken), want - len(taken))
+        if len(taken) < count:
+            taken += self._run_through_cache(count - len(taken), want - len(taken))
+        if len(taken) < count:
+            taken += self._longest_free_runs(count - len(taken))
+        for block in taken:
+            self._ref_counts[block] = 1
+        return taken
+
+    def _free_from(self, block: int, most: int) -> list[int]:
+        """The free blocks from `block` up to the first used one, at most `most`: taken."""
         run: list[int] = []
-        while len(taken) < count and len(taken) + len(run) < want:
-            hot_too = self._free.count < count - len(taken) - len(run)
+        while len(run) < most and block + len(run) < self.num_blocks and block + len(run) in self._free:
+            run.append(block + len(run))
+        self._free.take(run)
+        return run
+
+    def _free_run_holding(self, count: int, room: int) -> list[int]:
+        """The first `count` blocks of the shortest free run that holds `room` (the table grows on into the rest),
+        taken; none when no free run holds it."""
+        if not self._free.count:
+            return []
+        start, length = self._free.best_fit(room)
+        if length < room:
+            return []
+        run = list(range(start, start + count))
+        self._free.take(run)
+        return run
+
+    def _run_through_cache(self, count: int, room: int) -> list[int]:
+        """`count` blocks, fewer when the cache runs out, cut from cached blocks, oldest first, with the free blocks
+        around them: from the free blocks just above the oldest cached block down through it and the blocks below
+        (after a table was freed tail first, the next oldest), sorted. A cached block that served a prefix hit
+        starts a run only when the free blocks cannot make up `count` without it, and stops any other run:
+        contiguity (a KV transfer moves a run without a copy) may cost the cache blocks no request reused, never a
+        hot prefix. Evicting `room` blocks, not just `count`, leaves the rest of that run free for the table's next
+        chunk."""
+        run: list[int] = []
+        while len(run) < room:
+            hot_too = self._free.count < count - len(run)
             oldest = next((b for b in self._evictable if hot_too or not self._reused[b]), None)
             if oldest is None:
                 break
-            block = oldest + 1
-            while len(taken) + len(run) < want and block < self.num_blocks and block in self._free:
-                self._free.take([block])
-                run.append(block)
-                block += 1
-            block = oldest
-            while len(taken) + len(run) < want and block >= 0:
-                if block in self._evictable and (block == oldest or not self._reused[block]):
-                    self._evict(block)
-                elif block in self._free:
-                    self._free.take([block])
-                else:
-                    break
-                run.append(block)
-                block -= 1
+            run += self._free_from(oldest + 1, room - len(run))
+            run += self._cold_down_from(oldest, room - len(run))
         run.sort()
-        spare = run[count - len(taken) :]
-        taken.extend(run[: count - len(taken)])
-        self._free.give(spare)
+        self._free.give(run[count:])
+        return run[:count]
+
+    def _cold_down_from(self, oldest: int, most: int) -> list[int]:
+        """`oldest` (evicted) and the blocks below it down to the first used or hot one, at most `most`: taken, the
+        cached ones evicted."""
+        run: list[int] = []
+        block = oldest
+        while len(run) < most and block >= 0:
+            if block in self._evictable and (block == oldest or not self._reused[block]):
+                self._evict(block)
+            elif block in self._free:
+                self._free.take([block])
+            else:
+                break
+            run.append(block)
+            block -= 1
+        return run
+
+    def _longest_free_runs(self, count: int) -> list[int]:
+        """`count` blocks from the free runs, longest first: the pool holds them, but in no one run."""
+        taken: list[int] = []
         while len(taken) < count:
             start, length = self._free.best_fit(count - len(taken))
             run = list(range(start, start + min(length, count - len(taken))))
             self._free.take(run)
             taken.extend(run)
-        for block in taken:
-            self._ref_counts[block] = 1
         return taken
 
     def _evict(self, block: int) -> None:
