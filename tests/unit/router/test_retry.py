@@ -258,6 +258,22 @@ async def test_placement_keeps_a_prompt_off_a_prefill_worker_whose_kv_cannot_hol
     assert (await r.placement.place(prompt(40), 8, 1.0, avoid=frozenset({"p-big"}))).prefill_worker.worker_id == "p-a"
 
 
+async def test_a_retry_waits_rather_than_go_to_a_worker_whose_kv_cannot_hold_it():
+    """A retry (must_hold) is not judged by admission again: with no prefill worker, live or registered, whose KV
+    holds its prompt, no placement (it waits, then UNAVAILABLE), where a new request goes to the small one, which
+    refuses it. Colocated, only a worker whose whole KV holds prompt + max_tokens takes it, though one that cannot
+    comes first (neither has room now; the same TTFT, the lower id)."""
+    alone = Router([worker("p-a", kv_blocks_total=4), worker("d0", "decode")])
+    with pytest.raises(UnavailableError, match="no live prefill worker holds 5 KV blocks"):
+        await alone.placement.place(prompt(80), 8, 1.0, must_hold=True)
+    colocated = Router(
+        [worker("c-a", "colocated", kv_blocks_total=4, kv_blocks_free=0), worker("c-b", "colocated", kv_blocks_free=0)]
+    )
+    assert (await colocated.placement.place(prompt(80), 8, 1.0)).decode.worker_id == "c-a"
+    placed = await colocated.placement.place(prompt(80), 8, 1.0, must_hold=True)
+    assert (placed.decode.worker_id, placed.prefill) == ("c-b", None)
+
+
 async def test_a_prompt_only_a_draining_or_ejected_prefill_worker_holds_waits_for_it():
     """Not sent to the small live one, whose refusal (INVALID_ARGUMENT: never) would be false once the big one is
     back: no placement (the request waits up to no_workers_wait_s, then UNAVAILABLE). With no worker that could
