@@ -104,6 +104,41 @@ class PlacementPolicy(ABC):
         admission does not judge again, must not go where it would be refused as invalid. `needs`: the worker
         features the request needs (protocol/compatibility.py), which only workers that list them serve; a prefill
         and a decode worker are paired only where their KV transfer versions agree."""
+        colocated, prefills, decodes = self._serving(avoid, needs)
+        block_size = prefills[0].block_size
+        blocks = -(-kv_tokens(len(prompt), max_tokens) // block_size)
+        if must_hold:
+            decodes = _holding_request(decodes, blocks)
+            prefills = decodes if colocated else prefills
+        if not colocated:  # a prefill worker holds the prompt alone; one whose whole KV cannot refuses it
+            prefills = self._holding_prompt(prefills, -(-len(prompt) // block_size), must_hold)
+        # What an idle cluster offers the request: on the workers that would serve it as asked (a feature's).
+        offered = tuple(_honouring(ws, needs) or ws for ws in self._registered(colocated))
+        keyed = await _block_keys(prompt, block_size, cache_salt)
+        # The worker keys every full block of the prompt, but a hit stops short of its last token (computed anew).
+        hits = await self._prefix_hits(colocated, keyed[: (len(prompt) - 1) // block_size])
+        ask = Ask(hits, len(prompt), blocks, tpot_slo_s, new=not must_hold)
+        prefill, decode = self._pair(colocated, prefills, decodes, ask)
+        cached = hits.get(prefill.cache_key, 0) * block_size
+        return Placement(
+            decode=decode,
+            prefill=None if colocated else prefill,
+            cached_tokens=cached,
+            own_ttft_s=self.predictor.own_ttft_s(prefill, len(prompt), cached),
+            queue_s=(prefill_queue_s := self.predictor.queue_s(prefill)) + self.predictor.decode_wait_s(decode),
+            prefill_queue_s=prefill_queue_s,
+            ttft_factor=self.predictor.calibration.factor(prefill.worker_id),
+            predicted_tpot_s=self.predictor.tpot_s(decode),
+            blocks_needed=blocks,
+            block_hashes=keyed,
+            offer=self._offer(offered[0], offered[1], hits, len(prompt), blocks, colocated=colocated),
+        )
+
+    def _serving(
+        self, avoid: frozenset[str], needs: frozenset[str]
+    ) -> tuple[bool, list[WorkerState], list[WorkerState]]:
+        """Whether the cluster runs colocated, and its live prefill and decode workers (colocated: the same ones)
+        that honour `needs`; none of a role is a NoWorkersError, a wait (starting, restarting, a rollout)."""
         colocated = self._workers(Role.COLOCATED, avoid)
         prefills = colocated or self._workers(Role.PREFILL, avoid)
         decodes = colocated or self._workers(Role.DECODE, avoid)
@@ -119,56 +154,34 @@ class PlacementPolicy(ABC):
                     f"no live worker honours {', '.join(sorted(needs))} yet (a rollout under way? `pdserve status` "
                     "lists each worker's build)"
                 )
-            colocated = prefills if colocated else colocated
-        block_size = prefills[0].block_size
-        blocks = -(-kv_tokens(len(prompt), max_tokens) // block_size)
-        if must_hold:
-            decodes = [w for w in decodes if w.kv_blocks_total >= blocks]
-            if not decodes:
-                raise NoWorkersError(f"no live decode worker holds {blocks} KV blocks")
-            if colocated:
-                colocated = prefills = decodes
-        if not colocated:  # a prefill worker holds the prompt alone; one whose whole KV cannot refuses it
-            prompt_blocks = -(-len(prompt) // block_size)
-            holding = [w for w in prefills if w.kv_blocks_total >= prompt_blocks]
-            # One that would, draining, out of placement or restarting for now, makes it a wait, not the small one's
-            # refusal (INVALID_ARGUMENT: never) of what it serves once back.
-            if not holding and (must_hold or self._registered_holds(Role.PREFILL, prompt_blocks)):
-                raise NoWorkersError(f"no live prefill worker holds {prompt_blocks} KV blocks")
-            prefills = holding or prefills
-        # What an idle cluster offers the request: on the workers that would serve it as asked (a feature's).
-        offered = tuple(_honouring(ws, needs) or ws for ws in self._registered(colocated=bool(colocated)))
-        # The worker keys every full block of the prompt, but a hit stops short of its last token (computed anew).
-        if len(prompt) <= INLINE_HASH_TOKENS:
-            keyed = prefix_hashes(prompt, block_size, cache_salt)
-        else:  # a 128k-token prompt's hashes take ~11 ms: not on the loop every other stream waits on
-            keyed = await asyncio.to_thread(prefix_hashes, prompt, block_size, cache_salt)
-        # Over the registered workers only: a gone worker's cache went with it (its restart starts empty).
+        return bool(colocated), prefills, decodes
+
+    def _holding_prompt(self, prefills: list[WorkerState], prompt_blocks: int, must_hold: bool) -> list[WorkerState]:
+        """The prefill workers whose whole KV holds the prompt, else (none live does) all of them. A registered one
+        that would, draining, out of placement or restarting for now, makes it a wait (NoWorkersError), not the
+        small one's refusal (INVALID_ARGUMENT: never) of what it serves once back; so does `must_hold`."""
+        holding = [w for w in prefills if w.kv_blocks_total >= prompt_blocks]
+        if not holding and (must_hold or self._registered_holds(Role.PREFILL, prompt_blocks)):
+            raise NoWorkersError(f"no live prefill worker holds {prompt_blocks} KV blocks")
+        return holding or prefills
+
+    async def _prefix_hits(self, colocated: bool, keys: list[bytes]) -> dict[str, int]:
+        """Cache key -> leading `keys` its worker's prefix cache holds, over the registered workers only: a gone
+        worker's cache went with it (its restart starts empty)."""
         registered = self.registry.workers(Role.COLOCATED if colocated else Role.PREFILL)
-        hits = await self.prefix_index.match(
-            [w.cache_key for w in registered], keyed[: (len(prompt) - 1) // block_size]
-        )
-        ask = Ask(hits, len(prompt), blocks, tpot_slo_s, new=not must_hold)
-        if colocated:  # one worker does both: it must be able to decode the request too
-            prefill = decode = self.choose_colocated(colocated, ask)
-        else:  # of several KV versions' groups (a rollout), the pair whose prefill worker answers first
-            pairs = [self.choose(p, d, ask) for p, d in _kv_wire_groups(prefills, decodes)]
-            ttft = self._by_ttft(hits, len(prompt))
-            prefill, decode = min(pairs, key=lambda pair: ttft(pair[0]))
-        cached = hits.get(prefill.cache_key, 0) * block_size
-        return Placement(
-            decode=decode,
-            prefill=None if colocated else prefill,
-            cached_tokens=cached,
-            own_ttft_s=self.predictor.own_ttft_s(prefill, len(prompt), cached),
-            queue_s=(prefill_queue_s := self.predictor.queue_s(prefill)) + self.predictor.decode_wait_s(decode),
-            prefill_queue_s=prefill_queue_s,
-            ttft_factor=self.predictor.calibration.factor(prefill.worker_id),
-            predicted_tpot_s=self.predictor.tpot_s(decode),
-            blocks_needed=blocks,
-            block_hashes=keyed,
-            offer=self._offer(offered[0], offered[1], hits, len(prompt), blocks, colocated=bool(colocated)),
-        )
+        return await self.prefix_index.match([w.cache_key for w in registered], keys)
+
+    def _pair(
+        self, colocated: bool, prefills: list[WorkerState], decodes: list[WorkerState], ask: Ask
+    ) -> tuple[WorkerState, WorkerState]:
+        """The (prefill, decode) pair: colocated, one worker, which must be able to decode the request too; else,
+        of several KV versions' groups (a rollout), the pair whose prefill worker answers first."""
+        if colocated:
+            worker = self.choose_colocated(prefills, ask)
+            return worker, worker
+        pairs = [self.choose(p, d, ask) for p, d in _kv_wire_groups(prefills, decodes)]
+        ttft = self._by_ttft(ask.hits, ask.prompt_tokens)
+        return min(pairs, key=lambda pair: ttft(pair[0]))
 
     def kv_capacity_tokens(self) -> int | None:
         """The most KV slots one request may fill (prompt + max_tokens - 1): the largest decode (or colocated)
@@ -298,6 +311,23 @@ class RoundRobinPlacement(PlacementPolicy):
         turn = next(self._turn)
         prefills, decodes = sorted(prefills, key=lambda w: w.worker_id), sorted(decodes, key=lambda w: w.worker_id)
         return prefills[turn % len(prefills)], decodes[turn % len(decodes)]
+
+
+def _holding_request(decodes: list[WorkerState], blocks: int) -> list[WorkerState]:
+    """The decode workers whose whole KV holds the request, for one admission does not judge again (a retry, a
+    migration): NoWorkersError, a wait, when none live does."""
+    holding = [w for w in decodes if w.kv_blocks_total >= blocks]
+    if not holding:
+        raise NoWorkersError(f"no live decode worker holds {blocks} KV blocks")
+    return holding
+
+
+async def _block_keys(prompt: list[int], block_size: int, cache_salt: bytes) -> list[bytes]:
+    """The keys of the prompt's full blocks, hashed off the loop past INLINE_HASH_TOKENS: a 128k-token prompt's take
+    ~11 ms, which every other stream on the loop would wait out."""
+    if len(prompt) <= INLINE_HASH_TOKENS:
+        return prefix_hashes(prompt, block_size, cache_salt)
+    return await asyncio.to_thread(prefix_hashes, prompt, block_size, cache_salt)
 
 
 def _honouring(workers: list[WorkerState], needs: frozenset[str]) -> list[WorkerState]:
