@@ -2,8 +2,8 @@
 
 gRPC servicers live on an event loop; the model step is long, blocking tensor work. One thread owns the
 engine: it applies queued commands (add, abort, reserve, commit, release) between steps and hands
-each step's outputs to the per-request asyncio queues. Nothing else touches the engine: callers use the
-named operations below. A request id is a key here: a second caller with an id in flight is refused.
+each step's outputs to the per-request streams (output_streams.py). Nothing else touches the engine: callers use
+the named operations below.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import TypeVar
 
@@ -25,10 +25,11 @@ import torch
 from pdserve.engine.cache_journal import PrefixCacheJournal
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import kv_block_bytes
+from pdserve.engine.output_streams import OutputStreams, Stream
 from pdserve.engine.profiling import measure_profile
 from pdserve.engine.start_times import StartTimes
 from pdserve.engine.step_faults import StepFaults
-from pdserve.errors import InvalidRequestError, UnavailableError
+from pdserve.errors import UnavailableError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.handoff import FirstToken
 from pdserve.protocol.outputs import PREEMPTED_NOTICE_S, RequestOutput
@@ -43,29 +44,8 @@ def _drop(engine: LLMEngine, request_id: str) -> None:
     engine.abort(request_id)
 
 
-@dataclass(frozen=True)
-class _Stream:
-    """One caller's outputs: the engine thread puts them on the caller's loop."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | Exception]
-
-
-def _put_all(deliveries: list[tuple[_Stream, RequestOutput | Exception]]) -> None:
-    """On the streams' loop: one step's outputs, each to its caller."""
-    for stream, out in deliveries:
-        stream.queue.put_nowait(out)
-
-
 class EngineDeadError(UnavailableError):
     """The engine thread stopped on an error; the worker must be restarted (its callers get UNAVAILABLE)."""
-
-
-class DuplicateRequestError(InvalidRequestError):
-    """Another caller's request with this id is in flight on this worker; that one keeps running."""
-
-    def __init__(self, request_id: str) -> None:
-        super().__init__("request_id", f"{request_id!r} is already in flight on this worker")
 
 
 class AsyncEngine:
@@ -76,7 +56,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
-        self._streams: dict[str, _Stream] = {}
+        self._streams = OutputStreams()
         self._error: BaseException | None = None
         self._pending: set[Future[object]] = set()  # commands awaited: failed at once if the thread dies
         self.faults = StepFaults()  # for tests: a step running a named request raises or is slowed
@@ -135,12 +115,12 @@ class AsyncEngine:
     async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Add a request (mixed or prefill-only engine) and yield its outputs; abort it if the caller leaves.
         Raises DuplicateRequestError while another request with this id is in flight here."""
-        stream = self._open(request.request_id)
+        stream = self._streams.open(request.request_id)
         live = False  # the engine holds this caller's request: abort it if the caller leaves early
         try:
             await self._add(request)
             live = True
-            async for out in self._drain(stream):
+            async for out in stream.outputs():
                 live = not out.finished
                 yield out
         finally:
@@ -149,12 +129,12 @@ class AsyncEngine:
     async def prefill(self, request: EngineRequest) -> RequestOutput:
         """Prefill-only engine: run the prompt and return the first token. Unless that finished the
         request, its blocks stay held for the hand-off until `release` (or `abort`)."""
-        stream = self._open(request.request_id)
+        stream = self._streams.open(request.request_id)
         live = False
         try:
             await self._add(request)
             live = True
-            async for out in self._drain(stream):
+            async for out in stream.outputs():
                 live = False  # finished, or held for the hand-off: the caller releases it
                 return out
             raise AssertionError("unreachable: a prefill always yields its first token")
@@ -170,7 +150,7 @@ class AsyncEngine:
     async def commit_and_stream(self, request_id: str, first: FirstToken) -> AsyncGenerator[RequestOutput, None]:
         """Decode side: the reserved blocks hold the KV (unless `first.kv_follows` is False: none came, the first
         token ended it); yield the first token's output, then the decode's."""
-        stream = self._open(request_id)
+        stream = self._streams.open(request_id)
         live = True  # reserved by this caller
         try:
             args = (first.token_id, first.logprobs, first.kv_follows, first.finish_reason)
@@ -180,7 +160,7 @@ class AsyncEngine:
                 raise out.error
             yield out
             if live:
-                async for out in self._drain(stream):
+                async for out in stream.outputs():
                     live = not out.finished
                     yield out
         finally:
@@ -264,32 +244,7 @@ class AsyncEngine:
     async def _add(self, request: EngineRequest) -> None:
         await self._call(lambda e: e.add_request(request), undo=lambda e, _: _drop(e, request.request_id))
 
-    def _open(self, request_id: str) -> _Stream:
-        """The request's output queue. An id already streaming belongs to another caller: never replaced."""
-        if request_id in self._streams:
-            raise DuplicateRequestError(request_id)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        return stream
-
-    async def _drain(self, stream: _Stream) -> AsyncGenerator[RequestOutput, None]:
-        """The stream's outputs, those already waiting merged into one: a caller that fell behind the engine
-        (a slow client, a busy event loop) catches up with one message, not one per step it missed."""
-        while True:
-            item = await stream.queue.get()
-            while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
-                later = stream.queue.get_nowait()
-                if isinstance(later, Exception):
-                    yield item
-                    raise later
-                item = item.followed_by(later)
-            if isinstance(item, Exception):
-                raise item
-            yield item
-            if item.finished:
-                return
-
-    async def _close(self, request_id: str, stream: _Stream, abort: bool) -> None:
+    async def _close(self, request_id: str, stream: Stream, abort: bool) -> None:
         """Stream over: abort this caller's request if it is still live (cancel, error), then forget the stream.
         Until the engine thread ran the abort the id is in flight (a step delivers under it; a new caller is refused),
         even if this caller stops waiting for it (cancelled again: a drain or a stop after the caller's cancel)."""
@@ -297,8 +252,7 @@ class AsyncEngine:
         def forget(aborted: asyncio.Future[bool] | None = None) -> None:
             if aborted is not None and not aborted.cancelled():
                 aborted.exception()  # seen here: a caller cancelled meanwhile does not read it
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
+            if self._streams.forget(request_id, stream):
                 self._started.stream_ended(request_id)
 
         if abort and self.alive:
@@ -330,7 +284,7 @@ class AsyncEngine:
                     self._wake.clear()
                 if (now := time.monotonic()) >= next_notice:  # from this thread: a hung step sends none
                     next_notice = now + PREEMPTED_NOTICE_S
-                    self._deliver(self._engine.preempted_outputs())
+                    self._streams.deliver(self._engine.preempted_outputs())
         except BaseException as e:
             log.exception("engine loop failed")
             self._error = e
@@ -357,7 +311,7 @@ class AsyncEngine:
         if self.on_request_times is not None and (self._engine.last_step_queue_s or self._engine.last_step_prefill_s):
             self.on_request_times(self._engine.last_step_queue_s, self._engine.last_step_prefill_s)
         self.faults.stepped(o.request_id for o in outputs)
-        self._deliver(outputs)
+        self._streams.deliver(outputs)
         self._update_stats()
         return True
 
@@ -374,23 +328,9 @@ class AsyncEngine:
                 return
             command()
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """One wake-up per event loop per step, not one per output: each costs the loop a self-pipe write and
-        read, and a decode step has an output for every sequence in its batch."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | Exception]]] = {}
-        for out in outputs:  # a failed request's stream ends with its error, raised after the outputs before it
-            if (target := self._streams.get(out.request_id)) is not None:
-                by_loop.setdefault(target.loop, []).append((target, out if out.error is None else out.error))
-        for loop, deliveries in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, deliveries)
-
     def _fail_all(self, error: Exception) -> None:
         """Every caller waiting on the dead thread gets `error`: streams, and commands it will never run."""
-        for stream in list(self._streams.values()):
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
-        self._fail_pending(error)
-
-    def _fail_pending(self, error: Exception) -> None:
+        self._streams.fail_all(error)
         for future in list(self._pending):
             with contextlib.suppress(InvalidStateError):
                 future.set_exception(error)

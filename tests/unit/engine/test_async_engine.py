@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from pdserve.config import EngineConfig
-from pdserve.engine.async_engine import AsyncEngine, DuplicateRequestError, EngineDeadError
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.output_streams import DuplicateRequestError
 from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.engine.step_faults import InjectedEngineFault
 from pdserve.errors import InvalidRequestError, UnavailableError
@@ -256,7 +257,9 @@ async def test_a_caller_behind_a_dying_engine_gets_what_was_produced_then_the_fa
     """Outputs queued before the engine thread died reach the caller, merged, before the EngineDeadError."""
     stream = mixed.generate(EngineRequest("behind", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True)))
     await anext(stream)
-    queue = mixed._streams["behind"].queue  # noqa: SLF001 (what the caller has not read yet)
+    behind = mixed._streams.get("behind")  # noqa: SLF001 (what the caller has not read yet)
+    assert behind is not None
+    queue = behind.queue
     for _ in range(500):
         if queue.qsize() >= 3:
             break
