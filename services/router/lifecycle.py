@@ -4,14 +4,12 @@ through generation.py and only convert around it."""
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import aclosing, contextmanager, suppress
-from functools import partial
 
 from opentelemetry import trace
 
@@ -26,10 +24,8 @@ from pdserve.errors import (
     UnavailableError,
 )
 from pdserve.protocol.admitted import AdmittedTotals
-from pdserve.protocol.compatibility import needed_features
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.request_checks import check_request_id
-from pdserve.protocol.roles import Role
 from pdserve.registry.base import PrefixIndex
 from pdserve.security.api_keys import KeyTable, Metadata, Tenant, authenticate
 from pdserve.security.quotas import Choices, LocalQuotas, Quotas, QuotaSession
@@ -41,7 +37,8 @@ from services.router.key_revocation import KeyedStream
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
 from services.router.outcome import CALLER_ENDED, Caller, log_level, router_metrics
-from services.router.placement import NoWorkersError, Placement, PlacementPolicy
+from services.router.placement import Placement, PlacementPolicy
+from services.router.placement_waits import PlacementWaits
 from services.router.recent_latencies import RecentLatencies
 from services.router.relay import Clock, Relay
 from services.router.request import RoutedRequest, build_request, capped_default
@@ -49,7 +46,6 @@ from services.router.retry import FailedWorkers, Moves, avoided_workers, blamed_
 from services.router.ticket import Ticket
 
 log = logging.getLogger(__name__)
-NO_WORKERS_POLL_S = 0.1
 # What a client hears of a worker refusing the router's cluster credentials (which, where, why: the operator's log)
 CLUSTER_AUTH_FAILED = "a worker refused this router's cluster credentials; the router's log has the details"
 # The router's own key of the request being served in this context, for its log lines beside the client's id.
@@ -86,6 +82,7 @@ class RequestLifecycle:
         self.prefix_index = prefix_index
         self.tracker = tracker
         self.relay = Relay(telemetry, self.metrics, self.recent, placement, config)
+        self.waits = PlacementWaits(placement, config, tracker)
         self.draining = False
         self._placing = 0  # requests waiting for their placement (up to no_workers_wait_s), not yet admitted
         self._held = 0  # requests of several choices (`holding`)
@@ -163,7 +160,7 @@ class RequestLifecycle:
         with step_span(self.telemetry.tracer, "placement") as span:
             self._placing += 1
             try:
-                placement = await self._place_when_served(req)
+                placement = await self.waits.first(req)
             finally:
                 self._placing -= 1
             self._refuse_when_draining(admitted_before)  # it began while the request waited for a worker
@@ -191,31 +188,6 @@ class RequestLifecycle:
     def _refuse_when_draining(self, admitted_before: bool) -> None:
         if self.draining and not admitted_before:
             raise RouterDrainingError("the router is draining; retry on another replica")
-
-    async def _place_when_served(self, req: RoutedRequest) -> Placement:
-        """A role without any live worker is mostly a moment's gap: the last worker of a role draining while its
-        replacement starts, or one the supervisor found slow and lists again at its next check. The request waits
-        up to `no_workers_wait_s` (within the client's deadline, which cancels it) before UNAVAILABLE."""
-        return await self._place_within(self.config.no_workers_wait_s, self._place_args(req), frozenset, req.cache_salt)
-
-    async def _place_within(
-        self,
-        wait_s: float,
-        args: tuple[list[int], int, float, frozenset[str]],
-        avoid: Callable[[], frozenset[str]],
-        cache_salt: bytes,
-        must_hold: bool = False,
-    ) -> Placement:
-        """A placement, tried again while no worker of a role is live (and not in `avoid()`, asked again at each
-        try) for up to `wait_s`; then NoWorkersError."""
-        end = time.monotonic() + wait_s
-        while True:
-            try:
-                return await self.placement.place(*args, avoid(), cache_salt, must_hold)
-            except NoWorkersError:
-                if time.monotonic() >= end:
-                    raise
-                await asyncio.sleep(NO_WORKERS_POLL_S)
 
     async def stream(
         self, ticket: Ticket, time_remaining: Callable[[], float | None], arrived_at: float, keyed: KeyedStream
@@ -289,13 +261,13 @@ class RequestLifecycle:
         req = continued_request(original, streamed) if chunks else original
         try:
             if chunks:
-                placement = await self._place_with_room(req, failed, left, moves)
+                placement = await self.waits.with_room(req, failed, left, moves)
             elif isinstance(error, OverloadedError):
-                placement = await self._place_within(0.0, self._place_args(req), failed.ids, req.cache_salt, True)
+                placement = await self.waits.within(0.0, self.waits.args(req), failed.ids, req.cache_salt, True)
                 if not self.admission.predictor.takes(placement.decode, len(req.prompt_token_ids)):
                     raise error
             else:
-                placement = await self._place_again(req, failed, left)
+                placement = await self.waits.again(req, failed, left)
         except UnavailableError:
             raise error from None  # no worker live at all: the failure itself is the answer
         attempt = 1 + moves.retries + moves.migrations
@@ -307,66 +279,6 @@ class RequestLifecycle:
         moved = Ticket(key, ticket.client_id, req, placement, started, self.tracker, self.admission, continuation)
         ticket.release()  # only now: the request stays in flight throughout (a drain waits for it)
         return moved
-
-    async def _place_again(self, req: RoutedRequest, failed: FailedWorkers, left: float | None) -> Placement:
-        """On a worker that did not fail the request, else one that only refused it as full, was heard from since
-        it failed (its heartbeat: alive) or restarted (a new address), waiting for one up to `no_workers_wait_s` over
-        all the request's moves (within the caller's deadline), as a new request waits for a role's first worker.
-        When none is left, on those of one role that did (the other role's still avoided), then on any live one: one
-        that failed it may have recovered unheard (a stale registry view), better than failing the request while
-        attempts and time remain. UnavailableError when no live decode worker holds it. (A stream went back at once
-        to a dead decode worker's refusing port, three moves in 4 ms, while Ray restarted it; a retry did too.)"""
-        args, registry = self._place_args(req), self.placement.registry
-        with suppress(NoWorkersError):  # first on one that did not fail it at all
-            return await self.placement.place(*args, failed.ids(), req.cache_salt, must_hold=True)
-        wait_s = max(self.config.no_workers_wait_s - failed.waited_s, 2 * registry.refresh_s)
-        started, avoid = time.monotonic(), partial(failed.unheard, registry)
-        try:
-            with suppress(NoWorkersError):
-                return await self._place_within(
-                    wait_s if left is None else min(wait_s, left), args, avoid, req.cache_salt, True
-                )
-        finally:
-            failed.waited_s += time.monotonic() - started
-        # One role's failed workers back first, the other's still avoided: the only prefill worker blamed with its
-        # decode worker (retry.avoided_workers) must not send the retry back to that decode worker too.
-        for role in (Role.PREFILL, Role.DECODE):
-            given_back = {w.worker_id for w in self.placement.registry.workers(role)}
-            with suppress(NoWorkersError):
-                still_avoided = failed.ids() - given_back
-                return await self.placement.place(*args, still_avoided, req.cache_salt, must_hold=True)
-        return await self.placement.place(*args, cache_salt=req.cache_salt, must_hold=True)
-
-    def _place_args(self, req: RoutedRequest) -> tuple[list[int], int, float, frozenset[str]]:
-        _, tpot_ms = self.config.slo_for(req.priority, req.ttft_slo_ms, req.tpot_slo_ms)
-        return req.prompt_token_ids, req.sampling.max_tokens, tpot_ms / 1e3, needed_features(req.sampling)
-
-    async def _place_with_room(
-        self, req: RoutedRequest, failed: FailedWorkers, left: float | None, moves: Moves
-    ) -> Placement:
-        """A migration's placement, on a decode worker that would take the stream (a place in its batch, free
-        blocks for the prompt so far) when one does within `no_workers_wait_s` (and the caller's deadline): a
-        sequence ending frees a place soon, while a stream sent to a full worker is refused and spends one of its
-        moves. Meanwhile admission leaves it the next free place: its caller is mid-answer, a new request's can
-        retry. Once per stream: a later move takes the best placement there is, which the worker may refuse, after
-        the hint of a worker that refused it for room (a soak saw three moves spent on one full one in 0.1 s)."""
-        self.tracker.moving += 1  # from the start: a place freed during the hint's wait is left to it too
-        try:
-            hint_s = moves.room_wait_s(self.config.no_workers_wait_s, left)
-            await asyncio.sleep(hint_s)
-            deadline = None if left is None else time.monotonic() + max(0.0, left - hint_s)
-            wait_s = 0.0 if moves.waited_for_room else self.config.no_workers_wait_s
-            end = time.monotonic() + wait_s if deadline is None else min(time.monotonic() + wait_s, deadline)
-            while True:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())  # each wait within it
-                placement = await self._place_again(req, failed, left)
-                takes = self.admission.predictor.takes(placement.decode, len(req.prompt_token_ids))
-                if takes or time.monotonic() >= end:
-                    return placement
-                moves.waited_for_room = True
-                await asyncio.sleep(NO_WORKERS_POLL_S)
-        finally:
-            self.tracker.moving -= 1
 
     def refused(self, error: BaseException, started_at: float, tenant: Tenant | None = None) -> None:
         """A request its front end refused before it had a GenerateRequest (an HTTP caller without a valid key,

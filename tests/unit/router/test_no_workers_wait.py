@@ -74,14 +74,14 @@ async def test_a_moving_stream_waits_for_a_worker_that_did_not_fail_it_or_a_rest
     loop = asyncio.get_running_loop()
     loop.call_later(0.3, router.registry.publish, worker("d1", "decode"))  # another comes
     start = time.monotonic()
-    assert (await lc._place_again(ticket.request, failed_at(router, d0), None)).decode.worker_id == "d1"
+    assert (await lc.waits.again(ticket.request, failed_at(router, d0), None)).decode.worker_id == "d1"
     assert 0.25 < time.monotonic() - start < 3.0
 
     router.registry.remove("d1")
     restarted = worker("d0", "decode", address="d0.local:50052")  # Ray's restart: a new process, a new port
     loop.call_later(0.3, router.registry.publish, restarted)
     start = time.monotonic()
-    placement = await lc._place_again(ticket.request, failed_at(router, d0), None)
+    placement = await lc.waits.again(ticket.request, failed_at(router, d0), None)
     assert placement.decode.address == restarted.address and time.monotonic() - start < 3.0  # not the whole wait
 
     # Its heartbeats come, twice: alive (a transient failure), gone back to then. One alone may be a stale view's,
@@ -90,15 +90,15 @@ async def test_a_moving_stream_waits_for_a_worker_that_did_not_fail_it_or_a_rest
     loop.call_later(0.2, router.registry.publish, replace(restarted, updated_at=restarted.updated_at + 1))
     loop.call_later(1.0, router.registry.publish, replace(restarted, updated_at=restarted.updated_at + 2))
     start = time.monotonic()
-    assert (await lc._place_again(ticket.request, failed, None)).decode.worker_id == "d0"
+    assert (await lc.waits.again(ticket.request, failed, None)).decode.worker_id == "d0"
     assert 0.95 < time.monotonic() - start < 3.0
     restarted = router.registry.workers(Role.DECODE)[0]
 
     start = time.monotonic()  # none comes and no heartbeat (hung): back to the one that failed it, after the wait
-    assert (await lc._place_again(ticket.request, failed_at(router, restarted), None)).decode.worker_id == "d0"
+    assert (await lc.waits.again(ticket.request, failed_at(router, restarted), None)).decode.worker_id == "d0"
     assert time.monotonic() - start >= WAIT_S
     start = time.monotonic()  # within the caller's deadline
-    assert (await lc._place_again(ticket.request, failed_at(router, restarted), 0.2)).decode.worker_id == "d0"
+    assert (await lc.waits.again(ticket.request, failed_at(router, restarted), 0.2)).decode.worker_id == "d0"
     assert 0.2 <= time.monotonic() - start < 3.0
 
 
@@ -112,15 +112,15 @@ async def test_a_retry_waits_as_a_stream_does_no_longer_than_the_wait_over_all_i
     ticket = await admit(lc, time.monotonic())
     ticket.release()
     failed, start = failed_at(router, d0), time.monotonic()
-    assert (await lc._place_again(ticket.request, failed, None)).decode.worker_id == "d0"  # never heard from
+    assert (await lc.waits.again(ticket.request, failed, None)).decode.worker_id == "d0"  # never heard from
     assert time.monotonic() - start >= 1.0
     start = time.monotonic()
-    assert (await lc._place_again(ticket.request, failed, None)).decode.worker_id == "d0"
+    assert (await lc.waits.again(ticket.request, failed, None)).decode.worker_id == "d0"
     assert time.monotonic() - start < 0.5  # its wait is spent
     router.registry.refresh_s = 0.5  # as a Redis view: another may be listed already, not yet seen here
     asyncio.get_running_loop().call_later(0.3, router.registry.publish, worker("d1", "decode"))
     start = time.monotonic()
-    assert (await lc._place_again(ticket.request, failed, None)).decode.worker_id == "d1"  # two refreshes, still
+    assert (await lc.waits.again(ticket.request, failed, None)).decode.worker_id == "d1"  # two refreshes, still
     assert time.monotonic() - start > 0.25
 
 
