@@ -35,9 +35,10 @@ from services.router.http.errors import (
     error_body,
     error_response,
 )
+from services.router.http.json_values import parse_json
 from services.router.http.keepalive import KeptAliveBody
 from services.router.http.openai_prompts import MAX_CHOICES
-from services.router.http.openai_request import OpenAIRequest, parse_json, parse_request
+from services.router.http.openai_request import OpenAIRequest, parse_request
 from services.router.http.openai_response import DONE_EVENT, Answer, sse_events
 from services.router.http.server_span import CHAT_ROUTE, COMPLETIONS_ROUTE, route_of, server_span, span_status
 from services.router.lifecycle import RequestLifecycle

@@ -9,6 +9,7 @@ from pdserve.errors import InvalidRequestError
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.request_checks import check_prompt_length
 from pdserve.v1 import generate_pb2 as pb
+from services.router.http.json_values import is_int
 
 UINT32 = 2**32 - 1
 # Choices of one request, each prompt's n together: each is a request of its own through admission, so the
@@ -27,7 +28,7 @@ def check_prompt_counts(prompt: object, model: ModelConfig) -> None:
         for ids in prompt:
             if isinstance(ids, list):
                 check_prompt_length("prompt", len(ids), model)
-    elif isinstance(prompt, list) and prompt and _is_int(prompt[0]):
+    elif isinstance(prompt, list) and prompt and is_int(prompt[0]):
         check_prompt_length("prompt", len(prompt), model)
 
 
@@ -73,7 +74,7 @@ def _one(prompt: object, index: int | None) -> Prompt:
         raise InvalidRequestError("prompt", f"{which}must not be empty")
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and all(_is_int(t) and 0 <= t <= UINT32 for t in prompt):
+    if isinstance(prompt, list) and all(is_int(t) and 0 <= t <= UINT32 for t in prompt):
         return prompt
     if index is None:
         raise InvalidRequestError("prompt", "must be a string, a non-empty list of token ids, or a list of either")
@@ -83,7 +84,3 @@ def _one(prompt: object, index: int | None) -> Prompt:
 def _is_batch(prompt: object) -> bool:
     """A list of strings or of lists; a list of token ids is one prompt (and an empty list is none: refused)."""
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

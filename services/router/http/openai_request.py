@@ -6,10 +6,7 @@ ignored: a client must not believe it got what it did not."""
 
 from __future__ import annotations
 
-import json
-import math
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +21,7 @@ from pdserve.protocol.request_checks import (
 )
 from pdserve.protocol.sampling import MAX_LOGPROBS
 from pdserve.v1 import generate_pb2 as pb
+from services.router.http.json_values import INT32, integer, is_int, number, typed, unicode_text
 from services.router.http.openai_prompts import MAX_CHOICES, UINT32, check_prompt_counts, parse_prompts, prompt_messages
 from services.router.http.response_format import PARAMS, set_response_format
 
@@ -46,14 +44,12 @@ NO_OP_VALUES: dict[str, tuple[object, ...]] = {
 MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id")
 # OpenAI's `developer` messages are what `system` messages were before its o-series; chat templates know `system`.
 ROLE_ALIASES = {"developer": "system"}
-INT32, UINT64 = 2**31 - 1, 2**64 - 1
+UINT64 = 2**64 - 1
 # OpenAI's own default; the gRPC API's is 0 (greedy), which a client asks for with temperature=0.
 DEFAULT_TEMPERATURE = 1.0
 # OpenAI's (and vLLM's) default for a completion, capped by the router's `default_max_tokens` and the context's
 # room; a chat's is the router's (OpenAI's: the context's room).
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-# JSON's \u escapes can spell half of a UTF-16 pair alone: no Unicode text, and UTF-8 (protobuf, JSON out) has none.
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -113,18 +109,6 @@ class OpenAIRequest:
         return msg
 
 
-def parse_json(body: bytes) -> object:
-    """The body's JSON value; InvalidRequestError when it is none, or nests deeper than the parser recurses."""
-    try:
-        return json.loads(body)
-    except ValueError as e:
-        if "integer string conversion" in str(e):  # Python's own limit, whose text advises the server's code
-            raise InvalidRequestError("body", f"a number has more than {sys.get_int_max_str_digits()} digits") from None
-        raise InvalidRequestError("body", f"not valid JSON: {e}") from None
-    except RecursionError:
-        raise InvalidRequestError("body", "nests arrays or objects too deeply") from None
-
-
 def parse_request(
     body: object, chat: bool, *, limits: RequestLimits, model_config: ModelConfig, request_id: str = ""
 ) -> OpenAIRequest:
@@ -139,26 +123,26 @@ def parse_request(
                 raise InvalidRequestError("body", 'a parameter named "" is not supported by pdserve')
             raise InvalidRequestError(name, "is not supported by pdserve")
     _check_counts(body, limits, model_config)
-    model = _typed(body, "model", str)
+    model = typed(body, "model", str)
     if model is None:
         raise InvalidRequestError("model", "is required")
-    msg = pb.GenerateRequest(request_id=request_id, sampling=_sampling(body, chat), priority=_int(body, "priority"))
+    msg = pb.GenerateRequest(request_id=request_id, sampling=_sampling(body, chat), priority=integer(body, "priority"))
     if chat:
         msg.messages.extend(_messages(body))
     else:  # a string's lone surrogates are refused as any string parameter's
-        prompts = [_text(p, "prompt") if isinstance(p, str) else p for p in parse_prompts(body.get("prompt"))]
+        prompts = [unicode_text(p, "prompt") if isinstance(p, str) else p for p in parse_prompts(body.get("prompt"))]
     _set_slo(msg, body)
-    stream = bool(_typed(body, "stream", bool))
+    stream = bool(typed(body, "stream", bool))
     max_tokens_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    echo = bool(_typed(body, "echo", bool))
+    echo = bool(typed(body, "echo", bool))
     if echo and msg.sampling.HasField("logprobs"):
         msg.sampling.prompt_logprobs = msg.sampling.logprobs
-    n = _int(body, "n", 1, MAX_CHOICES) or 1
+    n = integer(body, "n", 1, MAX_CHOICES) or 1
     batch: tuple[pb.GenerateRequest, ...] = ()
     if not chat:
         batch = prompt_messages(msg, prompts, n)
         msg = batch[0]
-    user = _typed(body, "user", str) or ""
+    user = typed(body, "user", str) or ""
     include_usage = _include_usage(body, stream)
     return OpenAIRequest(chat, model, msg, stream, include_usage, max_tokens_param, echo, n, user, batch)
 
@@ -196,15 +180,15 @@ def openai_param(field: str, max_tokens_param: str = "max_tokens") -> str:
 
 
 def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
-    max_tokens = _int(body, "max_completion_tokens", 1, UINT32) if chat else None
+    max_tokens = integer(body, "max_completion_tokens", 1, UINT32) if chat else None
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, UINT32)
-    temperature = _number(body, "temperature")
-    top_p = _number(body, "top_p")
+        max_tokens = integer(body, "max_tokens", 1, UINT32)
+    temperature = number(body, "temperature")
+    top_p = number(body, "top_p")
     if top_p is not None and not 0 < top_p <= 1:  # checked here: the gRPC API reads 0 as "off"
         raise InvalidRequestError("top_p", f"must be in (0, 1], got {top_p}")
-    top_k = _int(body, "top_k", -1, INT32)
-    repetition_penalty = _number(body, "repetition_penalty")
+    top_k = integer(body, "top_k", -1, INT32)
+    repetition_penalty = number(body, "repetition_penalty")
     if repetition_penalty is not None and not repetition_penalty > 0:  # here: the gRPC API reads 0 as "off"
         raise InvalidRequestError("repetition_penalty", f"must be > 0 (1 = off), got {repetition_penalty}")
     msg = pb.SamplingParams(
@@ -213,15 +197,15 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
         top_p=top_p or 0.0,
         top_k=max(top_k or 0, 0),  # -1 is vLLM's "off", as 0 is ours
         stop=_stops(body),
-        ignore_eos=bool(_typed(body, "ignore_eos", bool)),
-        presence_penalty=_number(body, "presence_penalty") or 0.0,
-        frequency_penalty=_number(body, "frequency_penalty") or 0.0,
+        ignore_eos=bool(typed(body, "ignore_eos", bool)),
+        presence_penalty=number(body, "presence_penalty") or 0.0,
+        frequency_penalty=number(body, "frequency_penalty") or 0.0,
         repetition_penalty=repetition_penalty or 0.0,
     )
     for name, given in (("top_p", top_p), ("repetition_penalty", repetition_penalty)):
         if given and not getattr(msg, name):  # under float32's smallest: it would read as "off", not as tiny
             raise InvalidRequestError(name, f"{given} is 0 in the float32 the API carries; use 1e-45 or more")
-    seed = _int(body, "seed", -(2**63), UINT64)  # vLLM takes any int64: a negative one is its uint64 bits
+    seed = integer(body, "seed", -(2**63), UINT64)  # vLLM takes any int64: a negative one is its uint64 bits
     if seed is not None:
         msg.seed = seed % (UINT64 + 1)
     msg.stop_token_ids.extend(_token_ids(body, "stop_token_ids"))
@@ -234,8 +218,8 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
 
 
 def _token_ids(body: dict[str, Any], name: str) -> list[int]:
-    ids = _typed(body, name, list) or []
-    if not all(_is_int(t) and 0 <= t <= UINT32 for t in ids):
+    ids = typed(body, name, list) or []
+    if not all(is_int(t) and 0 <= t <= UINT32 for t in ids):
         raise InvalidRequestError(name, "must be a list of token ids (integers >= 0)")
     return ids
 
@@ -243,12 +227,12 @@ def _token_ids(body: dict[str, Any], name: str) -> list[int]:
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     """OpenAI's JSON object from token ids (as strings: JSON keys are) to biases; the values' range is the
     shared path's to check."""
-    bias = _typed(body, "logit_bias", dict) or {}
+    bias = typed(body, "logit_bias", dict) or {}
     out = {}
     for key in bias:  # 10 digits hold any uint32; int() refuses thousands (ValueError)
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= UINT32):
             raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key[:32]!r}")
-        value = _number(bias, key, prefix="logit_bias.")
+        value = number(bias, key, prefix="logit_bias.")
         if value is None:
             raise InvalidRequestError(f"logit_bias.{key}", "must be a finite number, got null")
         if int(key) in out:  # "70" and "070": one token, which the shared check cannot see twice in a map
@@ -261,9 +245,9 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     """How many alternatives per token: completions' `logprobs` is the count, chat's a flag with the count in
     `top_logprobs` (which OpenAI refuses without it)."""
     if not chat:
-        return _int(body, "logprobs", 0, MAX_LOGPROBS)
-    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
-    if not _typed(body, "logprobs", bool):
+        return integer(body, "logprobs", 0, MAX_LOGPROBS)
+    top = integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if not typed(body, "logprobs", bool):
         if top is not None:
             raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
         return None
@@ -285,10 +269,12 @@ def _messages(body: dict[str, Any]) -> list[pb.ChatMessage]:
         role = m.get("role")
         if not isinstance(role, str):
             raise InvalidRequestError(f"messages[{i}].role", "must be a string")
-        _typed(m, "name", str, prefix=f"messages[{i}].")
-        _typed(m, "tool_call_id", str, prefix=f"messages[{i}].")
+        typed(m, "name", str, prefix=f"messages[{i}].")
+        typed(m, "tool_call_id", str, prefix=f"messages[{i}].")
         role = ROLE_ALIASES.get(role, role)
-        out.append(pb.ChatMessage(role=_text(role, f"messages[{i}].role"), content=_content(m.get("content"), i)))
+        out.append(
+            pb.ChatMessage(role=unicode_text(role, f"messages[{i}].role"), content=_content(m.get("content"), i))
+        )
     return out
 
 
@@ -296,13 +282,13 @@ def _content(content: object, i: int) -> str:
     """A string, or a list of text parts (what OpenAI's clients send for multi-part text), joined by newlines as
     vLLM joins them, so a client moving between the two gets the same prompt."""
     if isinstance(content, str):
-        return _text(content, f"messages[{i}].content")
+        return unicode_text(content, f"messages[{i}].content")
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise InvalidRequestError(f"messages[{i}].content[{j}]", "only text parts are supported")
-            parts.append(_text(part["text"], f"messages[{i}].content[{j}].text"))
+            parts.append(unicode_text(part["text"], f"messages[{i}].content[{j}].text"))
         return "\n".join(parts)
     raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
 
@@ -312,19 +298,19 @@ def _stops(body: dict[str, Any]) -> list[str]:
     if stop is None:
         return []
     if isinstance(stop, str):
-        return [_text(stop, "stop")]
+        return [unicode_text(stop, "stop")]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return [_text(s, f"stop[{k}]") for k, s in enumerate(stop)]
+        return [unicode_text(s, f"stop[{k}]") for k, s in enumerate(stop)]
     raise InvalidRequestError("stop", "must be a string or a list of strings")
 
 
 def _set_slo(msg: pb.GenerateRequest, body: dict[str, Any]) -> None:
     """`slo`: {"ttft_ms": .., "tpot_ms": ..}, the gRPC API's SLO message under the same names."""
-    slo = _typed(body, "slo", dict)
+    slo = typed(body, "slo", dict)
     for key in slo or {}:
         if key not in SLO_FIELDS:
             raise InvalidRequestError(f"slo.{key}", f"is not supported; use {SLO_FIELDS}")
-        value = _number(slo, key, prefix="slo.")
+        value = number(slo, key, prefix="slo.")
         if value is not None:  # null: not given, as at the top level
             check_slo_ms(f"slo.{key}", value)  # here too: -1e-46 would reach the shared check as -0.0
             setattr(msg.slo, key, value)
@@ -333,7 +319,7 @@ def _set_slo(msg: pb.GenerateRequest, body: dict[str, Any]) -> None:
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:
-    options = _typed(body, "stream_options", dict)
+    options = typed(body, "stream_options", dict)
     if options is None:
         return False
     if not stream:
@@ -341,60 +327,4 @@ def _include_usage(body: dict[str, Any], stream: bool) -> bool:
     for key in options:
         if key != "include_usage":
             raise InvalidRequestError(f"stream_options.{key}", "is not supported by pdserve")
-    return bool(_typed(options, "include_usage", bool, prefix="stream_options."))
-
-
-def _typed(body: dict[str, Any], name: str, kind: type, prefix: str = "") -> Any:
-    value = body.get(name)
-    if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
-        article = "an" if _JSON_TYPE[kind][0] in "aeiou" else "a"
-        raise InvalidRequestError(prefix + name, f"must be {article} {_JSON_TYPE[kind]}, got {_json_type(value)}")
-    return _text(value, prefix + name) if isinstance(value, str) else value
-
-
-def _text(value: str, name: str) -> str:
-    if _LONE_SURROGATE.search(value):
-        raise InvalidRequestError(name, "holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not Unicode text")
-    return value
-
-
-def _number(body: dict[str, Any], name: str, prefix: str = "") -> float | None:
-    """A finite float: NaN and Infinity (Python's JSON reads them) are refused, and so is an integer past a float's
-    range (JSON's integers have no bound)."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequestError(prefix + name, f"must be a finite number, got {_json_type(value)}")
-    try:
-        number = float(value)
-    except OverflowError:
-        raise InvalidRequestError(prefix + name, "must be a finite number, got an integer too large for one") from None
-    if not math.isfinite(number):
-        raise InvalidRequestError(prefix + name, f"must be a finite number, got {number}")
-    return number
-
-
-def _int(body: dict[str, Any], name: str, low: int = -INT32 - 1, high: int = INT32) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():  # 3.0, as some JSON writers send 3: vLLM (pydantic) takes it
-        value = int(value)
-    if not _is_int(value):
-        got = f"{value:g}" if isinstance(value, float) else _json_type(value)
-        raise InvalidRequestError(name, f"must be an integer, got {got}")
-    if not low <= value <= high:
-        raise InvalidRequestError(name, f"must be in [{low}, {high}], got {value}")
-    return int(value)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-_JSON_TYPE = {str: "string", bool: "boolean", dict: "object", list: "array", int: "integer", float: "number"}
-
-
-def _json_type(value: object) -> str:
-    return next((name for kind, name in _JSON_TYPE.items() if isinstance(value, kind)), type(value).__name__)
+    return bool(typed(options, "include_usage", bool, prefix="stream_options."))

@@ -8,11 +8,11 @@ from pdserve.engine.model_files import locate_model, read_model_config
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.request_checks import RequestLimits
 from pdserve.v1 import generate_pb2 as pb
+from services.router.http.json_values import parse_json
 from services.router.http.openai_request import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     OpenAIRequest,
     openai_param,
-    parse_json,
     parse_request,
 )
 
