@@ -9,7 +9,7 @@ changes with load, so only it can make a retry succeed.
 from __future__ import annotations
 
 from pdserve.config import RouterConfig
-from pdserve.protocol.perf_profile import QueuedPrefill
+from pdserve.protocol.perf_profile import QueuedPrefill, kv_transfer_s
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from services.router.best_speed import BestSpeeds
@@ -68,9 +68,9 @@ class Predictor:
         return self.queue_s(w) + self.own_ttft_s(w, prompt_tokens, cached_tokens)
 
     def transfer_s(self, w: WorkerState, prompt_tokens: int) -> float:
-        if w.role == Role.COLOCATED or not w.kv_bytes_per_token:
+        if w.role == Role.COLOCATED:  # the prompt's KV stays where it was computed
             return 0.0
-        return prompt_tokens * w.kv_bytes_per_token / (self.config.transfer_gbps * 1e9)
+        return kv_transfer_s(prompt_tokens, w.kv_bytes_per_token, self.config.transfer_gbps)
 
     def idle_tpot_s(self, w: WorkerState) -> float:
         """One decode step of this request alone on `w`."""

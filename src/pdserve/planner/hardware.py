@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from pdserve.protocol.perf_profile import PerfProfile
+from pdserve.protocol.perf_profile import PerfProfile, kv_transfer_s
 
 FORMAT_VERSION = 2  # 2: the chunk context term and the step overhead
 
@@ -70,9 +70,7 @@ class HardwareProfile:
             raise ValueError(f"serving_latency_quantiles_s must be finite seconds >= 0 in ascending order, got {q!r}")
 
     def transfer_s(self, tokens: int) -> float:
-        if self.transfer_gbps <= 0:
-            return self.transfer_latency_s
-        return self.transfer_latency_s + tokens * self.kv_bytes_per_token / (self.transfer_gbps * 1e9)
+        return kv_transfer_s(tokens, self.kv_bytes_per_token, self.transfer_gbps, self.transfer_latency_s)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -1,4 +1,4 @@
-"""How fast a worker runs, as routers read it: a fitted prefill curve and decode step line.
+"""How fast a worker runs, as routers read it: a fitted prefill curve and decode step line, and a KV hand-off's time.
 
 Prefill time grows linearly in tokens plus a quadratic attention term; a decode step costs a fixed part
 (reading the weights) plus a part per sequence in the batch. Both are least-squares fits of a few
@@ -76,6 +76,15 @@ class PerfProfile:
         earlier build (else the router drops every upgraded worker as malformed)."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: float(v) for k, v in d.items() if k in known})
+
+
+def kv_transfer_s(tokens: int, kv_bytes_per_token: int, gbps: float, latency_s: float = 0.0) -> float:
+    """A KV hand-off of `tokens` prompt tokens: `latency_s` (the hand-shake, the ack) plus its bytes at `gbps`, GB =
+    1e9 bytes; 0 GB/s: bytes too cheap to measure. One definition for the router's prediction (its configured speed,
+    no latency) and the planner's simulation (a profile's measured speed and latency), so both count it alike."""
+    if gbps <= 0:
+        return latency_s
+    return latency_s + tokens * kv_bytes_per_token / (gbps * 1e9)
 
 
 def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

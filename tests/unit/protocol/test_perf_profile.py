@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.profiling import SpeedTracker
-from pdserve.protocol.perf_profile import PerfProfile, QueuedPrefill
+from pdserve.protocol.perf_profile import PerfProfile, QueuedPrefill, kv_transfer_s
 from tests.unit.round_profile import PROFILE
 
 
@@ -126,3 +126,12 @@ def test_a_step_whose_prompt_chunks_read_cached_tokens_is_not_observed() -> None
     assert t.factor == 1.0
     t.observe(48, 0, 2 * PROFILE.prefill_s(48))
     assert t.factor == pytest.approx(2.0)
+
+
+def test_a_kv_transfer_is_its_latency_plus_its_bytes_at_decimal_gigabytes_per_second():
+    """One formula for the router's prediction and the planner's simulation: 1000 tokens of 1 MB each take 1 s at
+    1 GB/s (1e9 bytes, not 2**30), after the latency; at 0 GB/s (bytes too cheap to measure) the latency alone."""
+    assert kv_transfer_s(1000, 1_000_000, 1.0) == pytest.approx(1.0)
+    assert kv_transfer_s(1000, 1_000_000, 10.0, latency_s=0.002) == pytest.approx(0.102)
+    assert kv_transfer_s(1000, 1_000_000, 0.0, latency_s=0.002) == 0.002
+    assert kv_transfer_s(1000, 0, 1.0) == 0.0  # a worker that reports no KV size: nothing predicted
