@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -132,3 +133,12 @@ def emptied(server: RedisServer) -> str:
     with server.client() as c:
         c.flushall()
     return server.url
+
+
+def silent() -> Iterator[str]:
+    """The URL of a Redis that never answers (register with `pytest.fixture`): a listener that accepts connections
+    and reads nothing, as a stopped or partitioned server looks."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)  # the kernel completes handshakes; nobody ever reads or writes
+        yield f"redis://127.0.0.1:{s.getsockname()[1]}/0"

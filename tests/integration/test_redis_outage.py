@@ -27,7 +27,7 @@ from pdserve.registry.redis import PREFIX
 from pdserve.rpc.client import generate
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
-from tests.redis_server import RedisServer
+from tests.redis_server import started
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = [5, 6, 7, 8, 9] * 7
@@ -35,12 +35,7 @@ PHASE_S = 4.0  # load before, during and after the stop; the stop is longer than
 CLIENTS = 2
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
+redis_server = pytest.fixture(scope="module")(started)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import httpx2
@@ -23,19 +23,14 @@ from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
 from services.router.server import RouterServer, start_router
-from tests.redis_server import RedisServer
+from tests.redis_server import started
 
 pytestmark = pytest.mark.timeout(120)
 KEY = "shared-key"
 RATE = 2  # requests per second for the key, on both routers together
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
+redis_server = pytest.fixture(scope="module")(started)
 
 
 @pytest.fixture

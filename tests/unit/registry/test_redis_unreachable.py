@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,16 +13,12 @@ from pdserve.cluster.router_process import registry_for
 from pdserve.config import ClusterConfig, RouterConfig
 from pdserve.registry.redis import RedisRegistry, Throttled
 from pdserve.registry.redis_prefix import RedisPrefixIndex
+from tests.redis_server import silent
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def silent_url() -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(64)  # the kernel completes handshakes; nobody ever reads or writes
-        yield f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+silent_url = pytest.fixture(silent)
 
 
 async def test_a_router_view_starts_empty_within_its_timeout_and_answers_without_io(silent_url):

@@ -9,9 +9,8 @@ import asyncio
 import contextlib
 import logging
 import math
-import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable
 
 import pytest
 
@@ -19,7 +18,7 @@ from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import QuotaSession
 from pdserve.security.redis_quotas import RedisQuotas, quota_key
-from tests.redis_server import RedisServer, started
+from tests.redis_server import RedisServer, silent, started
 
 pytestmark = pytest.mark.timeout(60)
 BUDGET_S = 2.0  # generous on a loaded machine: these tests are about the shared counts, not the fallback
@@ -129,12 +128,7 @@ async def test_a_dead_routers_lease_expires_while_a_live_ones_is_renewed(server)
         await other.close()
 
 
-@pytest.fixture
-def silent_url() -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(64)  # the kernel completes handshakes; nobody ever reads or writes
-        yield f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+silent_url = pytest.fixture(silent)
 
 
 async def test_an_unanswering_redis_leaves_each_router_its_own_limits_within_the_budget(silent_url, caplog):
