@@ -15,12 +15,15 @@ from pdserve.protocol.admission_rules import queue_full, queue_room_s, ttft_budg
 @dataclass(frozen=True)
 class AdmissionModel:
     """A router whose default TTFT SLO is `ttft_s` (what a plan's requests, setting none, are held to), with its
-    `slo_headroom`, its queue bound at priority 0 (`max_queued_prefill_tokens`' share) and its first-token bound."""
+    `slo_headroom`, its queue bound at priority 0 (`max_queued_prefill_tokens`' share), its first-token bound and
+    the KV transfer speed its TTFT predictions assume (`transfer_gbps`: configured, not the profile's measured
+    one, so a prompt's predicted hand-off is the router's, which is what it sheds on)."""
 
     ttft_s: float
     headroom: float = RouterConfig.slo_headroom
     queue_bound_tokens: float = RouterConfig().queue_bound(0)
     first_token_s: float = RouterConfig.first_token_timeout_s
+    transfer_gbps: float = RouterConfig.transfer_gbps
 
     def sheds(self, queued_tokens: int, queued_s: float, prompt_tokens: int, own_s: float) -> bool:
         """Whether a prompt of `prompt_tokens` whose own TTFT is `own_s` is shed by a prefill worker holding

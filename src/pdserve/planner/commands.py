@@ -109,6 +109,12 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
         default=r.first_token_timeout_s,
         help="the router's first-token bound (admission holds every TTFT SLO to it)",
     )
+    p.add_argument(
+        "--router-transfer-gbps",
+        type=positive_float,
+        default=r.transfer_gbps,
+        help="the router's transfer_gbps: the KV transfer speed its TTFT predictions assume (admission)",
+    )
     p.add_argument("--no-admission", action="store_true", help="simulate a router that sheds nothing")
 
 
@@ -122,7 +128,9 @@ def _admission(args: argparse.Namespace) -> AdmissionModel | None:
     if args.no_admission:
         return None
     bound = RouterConfig(max_queued_prefill_tokens=args.max_queued_prefill_tokens).queue_bound(0)
-    return AdmissionModel(args.slo_ttft_ms / 1e3, args.slo_headroom, bound, args.first_token_timeout_s)
+    return AdmissionModel(
+        args.slo_ttft_ms / 1e3, args.slo_headroom, bound, args.first_token_timeout_s, args.router_transfer_gbps
+    )
 
 
 def _plan(args: argparse.Namespace) -> int:

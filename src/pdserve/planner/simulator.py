@@ -49,6 +49,7 @@ from pdserve.planner.serving_latency import serving_latencies
 from pdserve.planner.shape import Shape
 from pdserve.planner.step_costs import chunk_s, decoded_s
 from pdserve.planner.workload import SimRequest
+from pdserve.protocol.perf_profile import kv_transfer_s
 
 
 @dataclass
@@ -184,8 +185,8 @@ class Simulator:
         assert self.admission is not None
         slowdown = self._stretch()  # what the router's measured speed factor sees on shared cores
         own = self.p.perf.prefill_s(prompt_tokens) * slowdown
-        if not self.shape.colocated:
-            own += self.p.transfer_s(prompt_tokens)
+        if not self.shape.colocated:  # as the router predicts it (predictor.py): its configured speed, no latency
+            own += kv_transfer_s(prompt_tokens, self.p.kv_bytes_per_token, self.admission.transfer_gbps)
         streams = _streams(d)
         wait = p.placed_s + (self.p.perf.decode_step_s(streams) if streams else 0.0)
         return self.admission.sheds(p.placed_tokens, wait * slowdown, prompt_tokens, own)

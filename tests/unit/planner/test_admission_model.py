@@ -83,3 +83,28 @@ def test_the_simulated_router_holds_a_loose_slo_to_its_first_token_bound_as_the_
     """SLO 120 s: a prompt behind 10 s of queue is admitted under the default 60 s bound, shed under a 5 s one."""
     assert not AdmissionModel(ttft_s=120.0).sheds(queued_tokens=1000, queued_s=10.0, prompt_tokens=100, own_s=0.1)
     assert AdmissionModel(ttft_s=120.0, first_token_s=5.0).sheds(1000, 10.0, 100, 0.1)
+
+
+def test_the_simulated_router_prices_a_hand_off_at_its_configured_speed_not_the_profiles() -> None:
+    """The router predicts a prompt's KV transfer at its `transfer_gbps` with no latency (predictor.py) and sheds
+    on that prediction; the profile's measured transfer is what a simulated hand-off then takes, not what
+    admission sees. Three 512-token prompts at once: the router at 1 GB/s admits them all, one assuming 1 MB/s
+    (0.5 s a hand-off, over the 400 ms SLO's room) sheds those behind the first; a profile measuring a 5 s
+    transfer sheds none the router would not."""
+    requests = burst(3)
+    assert Simulator(synthetic_profile(), ONE_TO_ONE, AdmissionModel(ttft_s=0.4)).run(requests).shed == 0
+    slow_router = AdmissionModel(ttft_s=0.4, transfer_gbps=0.001)
+    assert Simulator(synthetic_profile(), ONE_TO_ONE, slow_router).run(requests).shed == 2
+    slow_transfer = replace(synthetic_profile(), transfer_gbps=0.001, transfer_latency_s=5.0)
+    assert Simulator(slow_transfer, ONE_TO_ONE, AdmissionModel(ttft_s=0.4)).run(requests).shed == 0
+
+
+def test_plans_admission_flags_are_the_simulated_routers() -> None:
+    from pdserve.cli import _parser
+    from pdserve.planner.commands import _admission
+
+    flags = ["--slo-ttft-ms", "400", "--slo-tpot-ms", "50", "--slo-headroom", "0.5", "--first-token-timeout-s", "9"]
+    args = _parser().parse_args(
+        ["plan", "--profile", "p.json", "--workers", "4", *flags, "--router-transfer-gbps", "0.25"]
+    )
+    assert _admission(args) == AdmissionModel(0.4, 0.5, AdmissionModel(0.4).queue_bound_tokens, 9.0, 0.25)
