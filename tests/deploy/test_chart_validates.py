@@ -131,13 +131,13 @@ def test_gpu_platform_settings_reach_every_pod_and_stay_valid() -> None:
     assert router["spec"]["template"]["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
 
 
-def test_the_readme_installs_a_kuberay_that_has_every_raycluster_field_the_chart_sets() -> None:
+def test_the_install_guide_installs_a_kuberay_that_has_every_raycluster_field_the_chart_sets() -> None:
     """spec.upgradeStrategy came with KubeRay 1.6.0 (ray-project/kuberay#4185), gcsFaultToleranceOptions with 1.3.0;
-    an older CRD prunes them silently, so the README's operator install pins a version that has both."""
+    an older CRD prunes them silently, so the operator install in docs/kubernetes.md pins a version that has both."""
     spec = raycluster_validator().schema["properties"]["spec"]["properties"]
     assert {"upgradeStrategy", "gcsFaultToleranceOptions"} <= set(spec)
-    readme = (CHART.parents[2] / "README.md").read_text()
-    (install,) = [line for line in readme.splitlines() if line.startswith("helm install kuberay-operator")]
+    guide = (CHART.parents[2] / "docs" / "kubernetes.md").read_text()
+    (install,) = [line for line in guide.splitlines() if line.startswith("helm install kuberay-operator")]
     argv = install.split()
     version = tuple(int(n) for n in argv[argv.index("--version") + 1].removeprefix("v").split("."))
     assert version >= (1, 6, 0), install

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The planner's simulator against the local cluster (README "The simulator against the local cluster").
+# The planner's simulator against the local cluster (docs/planning.md, "The simulator against the local cluster").
 # From the repository root; about 15 minutes on two cores. Needs a quiet machine: the host's other programs'
 # CPU is charged to each row, but their bursts still move a row's p90. The files are suffixed with the run's name
 # (the first argument, e.g. run6), so earlier runs' files stay.

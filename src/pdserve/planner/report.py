@@ -58,8 +58,8 @@ def profile_caption(p: HardwareProfile) -> str:
             line
             + f"\nhost cores: the share of the {p.shared_cores} cores the split asks for at this rate; "
             + (
-                "toward 100% the measured TTFT tails ran above the prediction (README: the simulator against the "
-                "local cluster)"
+                'toward 100% the measured TTFT tails ran above the prediction (docs/planning.md, "The simulator '
+                'against the local cluster")'
             )
         )
     return line + "; each worker on its own device and cores"
