@@ -135,7 +135,9 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
 def _add_router_flags(p: argparse.ArgumentParser) -> None:
     """Unset (None) unless given, so a --router-config file's values stand; the help shows RouterConfig's."""
     r = RouterConfig
-    p.add_argument("--router-config", default=None, help="TOML file with a [router] table (see README)")
+    p.add_argument(
+        "--router-config", default=None, help="TOML file with a [router] table (see docs/router.md#configuration)"
+    )
     p.add_argument("--policy", choices=["slo", "round-robin"], help=f"placement policy (default: {r.policy})")
     p.add_argument(
         "--default-ttft-ms", type=float, help=f"TTFT SLO for requests that set none (default: {r.default_ttft_ms:g})"
@@ -183,7 +185,8 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
         "--api-keys",
         dest="api_keys_file",
         metavar="FILE",
-        help="TOML file of API keys (SHA-256 digests, tenants, limits; see README); without it the cluster is open",
+        help="TOML file of API keys (SHA-256 digests, tenants, limits; see docs/security.md#api-keys); without it the "
+        "cluster is open",
     )
     p.add_argument("--tls-cert", help="PEM certificate: serve TLS on the public port (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")

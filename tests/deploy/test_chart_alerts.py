@@ -1,7 +1,7 @@
 """The chart's alert rules (monitoring.prometheusRule): rendered only when asked for, beside the monitors whose
 series they read; every expression parses as PromQL and selects only metrics, labels and label values pdserve
 exports (tests/deploy/exported_series.py reads them from a real registry) and the monitors' own scrape jobs; every
-alert says how urgent it is and what to check."""
+alert says how urgent it is, what to check, and which docs page holds the text to read (its runbook)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import promql_parser
 
 from tests.deploy.chart import RELEASE, one, render, render_error, selects
 from tests.deploy.exported_series import TARGET_LABELS, exported
+from tests.docs_pages import ROOT, broken
 
 Objects = list[dict[str, Any]]
 NAMESPACE = "serving"  # chart.template_args' --namespace
 EXAMPLE = "external-redis-tls-monitoring.yaml"  # both monitors and the rules on
 WORD = re.compile(r"[A-Za-z0-9_]*")
+DOCS_PAGE = re.compile(r"docs/[\w-]+\.md(?:#[\w-]+)?")  # a page of the repository's docs, with its anchor
 
 
 def rules(objects: Objects) -> list[dict[str, Any]]:
@@ -132,7 +134,10 @@ def test_every_alert_says_how_urgent_it_is_and_what_to_check(rendered: dict[str,
     for alert in alerts:
         assert re.fullmatch(r"\d+m", alert["for"]) and alert["labels"]["severity"] in ("critical", "warning"), alert
         summary, description = alert["annotations"]["summary"], alert["annotations"]["description"]
-        assert summary and "README" in description, alert["alert"]
+        assert summary, alert["alert"]
+        # Where the runbook text is: at least one docs page, each one there, with the heading it names.
+        pages = DOCS_PAGE.findall(description)
+        assert pages and [broken(page, ROOT) for page in pages] == [None] * len(pages), (alert["alert"], pages)
         assert "pdserve status --addr pd-pdserve-router.serving:50051" in description, alert["alert"]
         # Prometheus' own templates reach it as written, not eaten by Helm's.
         templates = re.findall(r"\{\{.*?\}\}", summary)

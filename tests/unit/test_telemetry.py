@@ -126,7 +126,7 @@ def test_json_log_lines_carry_the_current_spans_trace_and_span_ids():
 
 def test_the_slos_the_docs_use_are_histogram_bucket_edges():
     """SLO attainment is read from the histograms only at a bucket edge: the router's defaults and the SLOs the
-    README's planner and loadgen examples use (TTFT 0.5, 1, 10 s; TPOT 50, 60, 100 ms) must be edges."""
+    planner's and loadgen's examples in docs/ use (TTFT 0.5, 1, 10 s; TPOT 50, 60, 100 ms) must be edges."""
     config = RouterConfig()
     for ttft_s in (config.default_ttft_ms / 1e3, 0.5, 1.0, 10.0):
         assert ttft_s in LATENCY_BUCKETS_S
