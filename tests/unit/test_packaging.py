@@ -19,6 +19,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from pdserve import __version__
+from tests.docs_pages import relative_links
 
 ROOT = Path(__file__).resolve().parents[2]
 # Where each package's files sit in the checkout, and where the wheel puts them (pyproject's package-dir).
@@ -112,6 +113,14 @@ def test_the_sdist_carries_the_proto_sources(built: Built) -> None:
     protos = [name for name in tracked_files() if name.startswith("protos/") and name.endswith(".proto")]
     assert "protos/pdserve/v1/generate.proto" in protos
     assert sorted(set(protos) - set(built.sdist)) == []
+
+
+def test_the_sdist_carries_every_page_the_readme_links_to(built: Built) -> None:
+    """The README, pyproject's readme, is a front page whose links lead to docs/: an unpacked sdist holds them."""
+    linked = {target.partition("#")[0] for target in relative_links(ROOT / "README.md")}
+    files = {name for name in linked if name and not name.endswith("/")}  # a folder's link leads to a listing
+    assert "docs/architecture.md" in files
+    assert sorted(files - set(built.sdist)) == []
 
 
 def test_the_wheel_installs_both_commands(built: Built) -> None:
