@@ -24,7 +24,34 @@ from services.router.http.connection_deadlines import HEAD_TIMEOUT_S, with_deadl
 STARTUP_TIMEOUT_S = 10.0
 
 
+TICK_S = 1.0  # the Date header's resolution: uvicorn's own loop wakes ten times as often to refresh it
+
+
 class _Embedded(uvicorn.Server):
+    """Ticks once a second, or at once when told to exit, where uvicorn's loop wakes every 0.1 s to see whether it
+    should exit: on an idle router that was 10 wake-ups a second of the loop that relays every stream."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        self._exit = asyncio.Event()
+        super().__init__(config)
+
+    @property  # uvicorn assigns a plain attribute (its __init__, handle_exit; our stop): each write lands here
+    def should_exit(self) -> bool:
+        return self._exit.is_set()
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if value:
+            self._exit.set()
+        else:
+            self._exit.clear()
+
+    async def main_loop(self) -> None:
+        while not await self.on_tick(0):  # counter 0: each tick refreshes the Date header
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(TICK_S):
+                    await self._exit.wait()
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
