@@ -21,7 +21,7 @@ from pdserve.protocol.request_checks import (
 )
 from pdserve.protocol.sampling import MAX_LOGPROBS
 from pdserve.v1 import generate_pb2 as pb
-from services.router.http.json_values import INT32, integer, is_int, number, typed, unicode_text
+from services.router.http.json_values import integer, is_int, number, typed, unicode_text
 from services.router.http.openai_prompts import MAX_CHOICES, UINT32, check_prompt_counts, parse_prompts, prompt_messages
 from services.router.http.response_format import PARAMS, set_response_format
 
@@ -187,7 +187,7 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
     top_p = number(body, "top_p")
     if top_p is not None and not 0 < top_p <= 1:  # checked here: the gRPC API reads 0 as "off"
         raise InvalidRequestError("top_p", f"must be in (0, 1], got {top_p}")
-    top_k = integer(body, "top_k", -1, INT32)
+    top_k = integer(body, "top_k")  # its range is the shared path's (-1 and 0: off)
     repetition_penalty = number(body, "repetition_penalty")
     if repetition_penalty is not None and not repetition_penalty > 0:  # here: the gRPC API reads 0 as "off"
         raise InvalidRequestError("repetition_penalty", f"must be > 0 (1 = off), got {repetition_penalty}")
@@ -195,7 +195,7 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
         max_tokens=max_tokens or 0,
         temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
         top_p=top_p or 0.0,
-        top_k=max(top_k or 0, 0),  # -1 is vLLM's "off", as 0 is ours
+        top_k=top_k or 0,
         stop=_stops(body),
         ignore_eos=bool(typed(body, "ignore_eos", bool)),
         presence_penalty=number(body, "presence_penalty") or 0.0,

@@ -16,6 +16,7 @@ from pdserve.v1 import worker_pb2 as wpb
 
 T = TypeVar("T")
 INLINE_CONSTRAINT_BYTES = 4096
+TOP_K_OFF = -1  # vLLM's "no top-k cut", which clients of either API send; 0 (proto3's unset) is off too
 
 _FINISH_TO_PB = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -29,12 +30,12 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int = 0) -> Sam
 
     Unset max_tokens takes `default_max_tokens`; the router sets it on everything it forwards, so a worker
     needs no default of its own (0: a missing value is an error, not a guess). top_p and repetition_penalty
-    0 mean 1 (off)."""
+    0 mean 1 (off); top_k -1 means off as 0 does (vLLM's), on both public APIs alike."""
     return SamplingParams(
         max_tokens=msg.max_tokens or default_max_tokens,
         temperature=msg.temperature,
         top_p=msg.top_p or 1.0,
-        top_k=msg.top_k,
+        top_k=top_k_from_pb(msg.top_k),
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
@@ -47,6 +48,14 @@ def sampling_from_pb(msg: pb.SamplingParams, default_max_tokens: int = 0) -> Sam
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         constraint=constraint_from_pb(msg),
     )
+
+
+def top_k_from_pb(top_k: int) -> int:
+    """0 (unset) and vLLM's -1 are off, which SamplingParams spells 0; below -1 is refused here, naming the range the
+    wire takes (the HTTP API passes its `top_k` through to this one rule)."""
+    if top_k < TOP_K_OFF:
+        raise InvalidRequestError("sampling.top_k", f"must be >= -1 (0 or -1 = off), got {top_k}")
+    return max(top_k, 0)
 
 
 def constraint_from_pb(msg: pb.SamplingParams) -> OutputConstraint | None:

@@ -41,7 +41,7 @@ def test_a_completion_becomes_the_grpc_request():
         4,
         0.0,
         0.5,
-        0,
+        -1,  # as given: the shared conversion reads it as off, for a gRPC caller's -1 too (test_api_parity)
         3,
         ["x"],
         True,

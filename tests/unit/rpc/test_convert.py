@@ -60,7 +60,7 @@ def test_an_unset_max_tokens_without_a_default_is_an_error():
         (pb.SamplingParams(max_tokens=1, logprobs=21), "sampling.logprobs"),
         (pb.SamplingParams(max_tokens=1, prompt_logprobs=21), "sampling.prompt_logprobs"),
         (pb.SamplingParams(max_tokens=1, logit_bias={3: 100.5}), "sampling.logit_bias[3]"),
-        (pb.SamplingParams(max_tokens=1, top_k=-1), "sampling.top_k"),
+        (pb.SamplingParams(max_tokens=1, top_k=-2), "sampling.top_k"),  # -1 is off, as vLLM has it
         (pb.SamplingParams(max_tokens=1, stop=["a", ""]), "sampling.stop"),
     ],
 )
