@@ -19,7 +19,7 @@ from pdserve.protocol.request_checks import (
     check_slo_ms,
     check_stop_counts,
 )
-from pdserve.protocol.sampling import MAX_LOGPROBS
+from pdserve.protocol.sampling import MAX_LOGPROBS, check_repetition_penalty, check_top_p
 from pdserve.v1 import generate_pb2 as pb
 from services.router.http.json_values import integer, is_int, number, typed, unicode_text
 from services.router.http.openai_prompts import MAX_CHOICES, UINT32, check_prompt_counts, parse_prompts, prompt_messages
@@ -185,12 +185,12 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
         max_tokens = integer(body, "max_tokens", 1, UINT32)
     temperature = number(body, "temperature")
     top_p = number(body, "top_p")
-    if top_p is not None and not 0 < top_p <= 1:  # checked here: the gRPC API reads 0 as "off"
-        raise InvalidRequestError("top_p", f"must be in (0, 1], got {top_p}")
+    if top_p is not None:  # checked as given: on the wire, the gRPC API's 0 is "off"
+        check_top_p(top_p, "top_p")
     top_k = integer(body, "top_k")  # its range is the shared path's (-1 and 0: off)
     repetition_penalty = number(body, "repetition_penalty")
-    if repetition_penalty is not None and not repetition_penalty > 0:  # here: the gRPC API reads 0 as "off"
-        raise InvalidRequestError("repetition_penalty", f"must be > 0 (1 = off), got {repetition_penalty}")
+    if repetition_penalty is not None:  # likewise
+        check_repetition_penalty(repetition_penalty, "repetition_penalty")
     msg = pb.SamplingParams(
         max_tokens=max_tokens or 0,
         temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,

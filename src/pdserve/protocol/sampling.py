@@ -25,6 +25,18 @@ def shown(value: float) -> str:
     return str(value)
 
 
+def check_top_p(value: float, field: str = "sampling.top_p") -> None:
+    """The one rule, which the HTTP API also applies to its `top_p` as given, before the wire's 0 would read as off."""
+    if not math.isfinite(value) or not 0 < value <= 1:
+        raise InvalidRequestError(field, f"must be in (0, 1], got {shown(value)}")
+
+
+def check_repetition_penalty(value: float, field: str = "sampling.repetition_penalty") -> None:
+    """The one rule, which the HTTP API also applies to its `repetition_penalty` as given (the wire's 0 is off)."""
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidRequestError(field, f"must be a finite number > 0 (1 = off), got {shown(value)}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 means greedy; top_k 0 means off.
@@ -59,8 +71,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 "sampling.temperature", f"must be a finite number >= 0, got {shown(self.temperature)}"
             )
-        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError("sampling.top_p", f"must be in (0, 1], got {shown(self.top_p)}")
+        check_top_p(self.top_p)
         if self.top_k < 0:
             raise InvalidRequestError("sampling.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -68,11 +79,7 @@ class SamplingParams:
             if not -MAX_PENALTY <= value <= MAX_PENALTY:  # also refuses nan
                 bounds = f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
                 raise InvalidRequestError(f"sampling.{name}", f"must be in {bounds}, got {shown(value)}")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise InvalidRequestError(
-                "sampling.repetition_penalty",
-                f"must be a finite number > 0 (1 = off), got {shown(self.repetition_penalty)}",
-            )
+        check_repetition_penalty(self.repetition_penalty)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

@@ -33,6 +33,8 @@ CASES = {
     "top_k below -1": ({"sampling": {"top_k": -2}}, {"top_k": -2}),
     "top_k on": ({"sampling": {"top_k": 5}}, {"top_k": 5}),
     "top_p past 1": ({"sampling": {"top_p": 1.5}}, {"top_p": 1.5}),
+    "top_p below 0": ({"sampling": {"top_p": -0.5}}, {"top_p": -0.5}),
+    "repetition_penalty below 0": ({"sampling": {"repetition_penalty": -1}}, {"repetition_penalty": -1}),
     "temperature below 0": ({"sampling": {"temperature": -1}}, {"temperature": -1}),
     "presence_penalty past 2": ({"sampling": {"presence_penalty": 3}}, {"presence_penalty": 3}),
     "logprobs past 20": ({"sampling": {"logprobs": 21}}, {"logprobs": 21}),
