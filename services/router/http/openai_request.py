@@ -42,8 +42,6 @@ NO_OP_VALUES: dict[str, tuple[object, ...]] = {
 # requires it) are checked and not shown to the model: the chat message the engine renders has neither, as most chat
 # templates (SmolLM2's among them) show neither. Null-valued fields are not given.
 MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id")
-# OpenAI's `developer` messages are what `system` messages were before its o-series; chat templates know `system`.
-ROLE_ALIASES = {"developer": "system"}
 UINT64 = 2**64 - 1
 # OpenAI's own default; the gRPC API's is 0 (greedy), which a client asks for with temperature=0.
 DEFAULT_TEMPERATURE = 1.0
@@ -271,7 +269,6 @@ def _messages(body: dict[str, Any]) -> list[pb.ChatMessage]:
             raise InvalidRequestError(f"messages[{i}].role", "must be a string")
         typed(m, "name", str, prefix=f"messages[{i}].")
         typed(m, "tool_call_id", str, prefix=f"messages[{i}].")
-        role = ROLE_ALIASES.get(role, role)
         out.append(
             pb.ChatMessage(role=unicode_text(role, f"messages[{i}].role"), content=_content(m.get("content"), i))
         )

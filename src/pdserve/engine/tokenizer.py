@@ -29,7 +29,7 @@ from tokenizers import decoders
 from pdserve.engine.byte_tokenizer import byte_level_bytes
 from pdserve.engine.model_files import damaged, unreadable
 from pdserve.errors import InvalidRequestError
-from pdserve.protocol.request_checks import CHAT_ROLES
+from pdserve.protocol.request_checks import chat_role, check_role
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 _BYTE_FALLBACK = re.compile("<0x([0-9A-Fa-f]{2})>")
@@ -87,8 +87,8 @@ class Tokenizer:
         if not messages:
             raise InvalidRequestError("messages", "must hold at least one message")
         for i, (role, _) in enumerate(messages):
-            if role not in CHAT_ROLES:
-                raise InvalidRequestError(f"messages[{i}].role", f"unknown role {role!r}; use one of {CHAT_ROLES}")
+            check_role(i, role)
+        messages = [(chat_role(role), content) for role, content in messages]
         if self._template is None:
             raise InvalidRequestError("messages", "this model has no chat template; send a prompt instead")
         if not any(s in content for _, content in messages for s in self._specials):

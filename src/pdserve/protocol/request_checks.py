@@ -17,6 +17,9 @@ from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.sampling import SamplingParams, shown
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# OpenAI's `developer` messages are what `system` messages were before its o-series; chat templates know `system`.
+# Taken on both public APIs: an OpenAI conversation sent over gRPC means what it means over HTTP.
+ROLE_ALIASES = {"developer": "system"}
 # A request's prompt logprobs travel in one message (the first with a token, as the public API has it), which gRPC
 # bounds at 16 MiB (`config.MAX_MESSAGE_BYTES`): past it the send fails as RESOURCE_EXHAUSTED, which reads as a shed
 # that a retry could pass. At most this much of it, at 16 + 9 bytes per prompt token and alternative (measured: 192
@@ -92,8 +95,7 @@ def check_messages(messages: Sequence[tuple[str, str]], limits: RequestLimits, m
     check_message_count(len(messages), limits)
     cap, total = limits.max_prompt_bytes(model), 0
     for i, (role, content) in enumerate(messages):
-        if role not in CHAT_ROLES:
-            raise InvalidRequestError(f"messages[{i}].role", f"unknown role {role[:32]!r}; use one of {CHAT_ROLES}")
+        check_role(i, role)
         size = utf8_len(content)
         if size > cap:
             raise InvalidRequestError(
@@ -104,6 +106,17 @@ def check_messages(messages: Sequence[tuple[str, str]], limits: RequestLimits, m
         raise InvalidRequestError(
             "messages", f"contents total {total} bytes; at most {cap} ({_cap_reason(limits, model)})"
         )
+
+
+def chat_role(role: str) -> str:
+    """The role a chat template knows `role` as: itself, or the one its alias stands for."""
+    return ROLE_ALIASES.get(role, role)
+
+
+def check_role(index: int, role: str) -> None:
+    if chat_role(role) not in CHAT_ROLES:
+        known = (*CHAT_ROLES, *ROLE_ALIASES)
+        raise InvalidRequestError(f"messages[{index}].role", f"unknown role {role[:32]!r}; use one of {known}")
 
 
 def check_message_count(count: int, limits: RequestLimits) -> None:

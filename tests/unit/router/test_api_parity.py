@@ -42,6 +42,14 @@ CASES = {
     "a bias past 100": ({"sampling": {"logit_bias": {5: 200}}}, {"logit_bias": {"5": 200}}),
     "max_tokens past the context": ({"sampling": {"max_tokens": 5000}}, {"max_tokens": 5000}),
     "a negative SLO": ({"slo": {"ttft_ms": -1}}, {"slo": {"ttft_ms": -1}}),
+    "a developer message": (
+        {"messages": [pb.ChatMessage(role="developer", content="be brief"), pb.ChatMessage(role="user", content="hi")]},
+        {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+    ),
+    "an unknown role": (
+        {"messages": [pb.ChatMessage(role="wizard", content="hi")]},
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+    ),
 }
 
 
@@ -78,3 +86,10 @@ def http_answer(params: dict[str, object]) -> RoutedRequest | tuple[str, str]:
 @pytest.mark.parametrize(("grpc_fields", "http_params"), CASES.values(), ids=CASES.keys())
 def test_both_apis_serve_or_refuse_a_request_alike(grpc_fields, http_params):
     assert http_answer(http_params) == grpc_answer(grpc_fields)
+
+
+def test_a_developer_message_is_a_system_message_on_either_api():
+    """OpenAI's newer name for the system role, which chat templates know by the older one."""
+    developer = grpc_request({"messages": [pb.ChatMessage(role="developer", content="be brief")]})
+    system = grpc_request({"messages": [pb.ChatMessage(role="system", content="be brief")]})
+    assert served(developer) == served(system)

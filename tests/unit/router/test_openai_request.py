@@ -289,7 +289,7 @@ def test_what_openais_clients_send_by_default_is_taken():
     body = {"model": "m", "messages": messages, "response_format": {"type": "text"}, "store": False}
     req = parse(body | {"slo": {"ttft_ms": None, "tpot_ms": 40}}, chat=True)
     assert [(m.role, m.content) for m in req.message.messages] == [
-        ("system", "be brief"),
+        ("developer", "be brief"),  # as given: the shared path takes it as system, for gRPC too (test_api_parity)
         ("user", "x"),
         ("assistant", "hi"),
     ]
