@@ -27,7 +27,7 @@ from services.router.http.response_format import PARAMS, set_response_format
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the last is vLLM's
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logit_bias", *PENALTIES)
-COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "slo", "user", *SAMPLING}
+COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "slo", "user", "cache_salt", *SAMPLING}
 COMPLETION_PARAMS = frozenset({*COMMON, "response_format", "prompt", "logprobs", "echo"})
 CHAT_PARAMS = frozenset({*COMMON, "response_format", "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
 SLO_FIELDS = ("ttft_ms", "tpot_ms")
@@ -125,6 +125,7 @@ def parse_request(
     if model is None:
         raise InvalidRequestError("model", "is required")
     msg = pb.GenerateRequest(request_id=request_id, sampling=_sampling(body, chat), priority=integer(body, "priority"))
+    msg.cache_salt = typed(body, "cache_salt", str) or ""  # vLLM's name and the gRPC API's: its size is checked there
     if chat:
         msg.messages.extend(_messages(body))
     else:  # a string's lone surrogates are refused as any string parameter's

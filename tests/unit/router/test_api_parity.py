@@ -42,6 +42,8 @@ CASES = {
     "a bias past 100": ({"sampling": {"logit_bias": {5: 200}}}, {"logit_bias": {"5": 200}}),
     "max_tokens past the context": ({"sampling": {"max_tokens": 5000}}, {"max_tokens": 5000}),
     "a negative SLO": ({"slo": {"ttft_ms": -1}}, {"slo": {"ttft_ms": -1}}),
+    "a cache salt": ({"cache_salt": "team-a"}, {"cache_salt": "team-a"}),
+    "a cache salt past 256 bytes": ({"cache_salt": "s" * 257}, {"cache_salt": "s" * 257}),
     "a developer message": (
         {"messages": [pb.ChatMessage(role="developer", content="be brief"), pb.ChatMessage(role="user", content="hi")]},
         {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]},
