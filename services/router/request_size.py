@@ -41,7 +41,7 @@ def max_json_body_bytes(limits: RequestLimits, model: ModelConfig) -> int:
         + limits.max_stop * (limits.max_stop_bytes * JSON_ESCAPE + JSON_ITEM)
         + limits.max_stop_token_ids * (10 + JSON_ITEM)
         + limits.max_logit_bias * JSON_BIAS
-        + MAX_SPEC_BYTES * JSON_ESCAPE  # response_format's schema
+        + MAX_SPEC_BYTES * JSON_ESCAPE  # response_format's schema or the regex (one constraint at most)
     )
     return _bounded(prompts + lists)
 

@@ -23,13 +23,13 @@ from pdserve.protocol.sampling import MAX_LOGPROBS, check_repetition_penalty, ch
 from pdserve.v1 import generate_pb2 as pb
 from services.router.http.json_values import integer, is_int, number, typed, unicode_text
 from services.router.http.openai_prompts import MAX_CHOICES, UINT32, check_prompt_counts, parse_prompts, prompt_messages
-from services.router.http.response_format import PARAMS, set_response_format
+from services.router.http.response_format import CONSTRAINTS, PARAMS, set_constraint
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the last is vLLM's
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logit_bias", *PENALTIES)
 COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "slo", "user", "cache_salt", *SAMPLING}
-COMPLETION_PARAMS = frozenset({*COMMON, "response_format", "prompt", "logprobs", "echo"})
-CHAT_PARAMS = frozenset({*COMMON, "response_format", "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+COMPLETION_PARAMS = frozenset({*COMMON, *CONSTRAINTS, "prompt", "logprobs", "echo"})
+CHAT_PARAMS = frozenset({*COMMON, *CONSTRAINTS, "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
 SLO_FIELDS = ("ttft_ms", "tpot_ms")
 # Unimplemented parameters at values that ask for nothing, which clients send anyway (best_of 1, store false, tools
 # [], tool_choice "none"; parallel_tool_calls is moot without tools; pdserve's text skips special tokens, as vLLM's
@@ -212,7 +212,7 @@ def _sampling(body: dict[str, Any], chat: bool) -> pb.SamplingParams:
         msg.logit_bias[token] = bias
     if (logprobs := _logprobs(body, chat)) is not None:
         msg.logprobs = logprobs
-    set_response_format(body, msg)
+    set_constraint(body, msg)
     return msg
 
 

@@ -1,8 +1,10 @@
-"""OpenAI's `response_format`, as the gRPC API's output constraint (constrained decoding): `{"type": "text"}` asks
-for nothing, `{"type": "json_object"}` any JSON object, `{"type": "json_schema", "json_schema": {"name", "schema",
-"strict", "description"}}` a JSON value its schema accepts. Strict or not, the output is held to the schema as
-written, as vLLM's `response_format` holds it; OpenAI's strict mode also refuses schemas whose objects allow keys
-they do not list (the SDK's pydantic models never do), which this does not."""
+"""OpenAI's `response_format`, and pdserve's `regex`, as the gRPC API's output constraint (constrained decoding):
+`{"type": "text"}` asks for nothing, `{"type": "json_object"}` any JSON object, `{"type": "json_schema",
+"json_schema": {"name", "schema", "strict", "description"}}` a JSON value its schema accepts. Strict or not, the
+output is held to the schema as written, as vLLM's `response_format` holds it; OpenAI's strict mode also refuses
+schemas whose objects allow keys they do not list (the SDK's pydantic models never do), which this does not.
+`regex`, the gRPC field under its name: a text the regular expression matches. At most one constraint, as on the
+gRPC API (the shared path refuses a second)."""
 
 from __future__ import annotations
 
@@ -11,13 +13,24 @@ from typing import Any
 
 from pdserve.errors import InvalidRequestError
 from pdserve.v1 import generate_pb2 as pb
+from services.router.http.json_values import typed
 
 # The shared path's names of the constraint's fields, as the OpenAI parameter that set them.
 PARAMS = {"sampling.json_schema": "response_format.json_schema.schema", "sampling.json_object": "response_format"}
 SCHEMA_FIELDS = {"name", "schema", "strict", "description"}
+CONSTRAINTS = ("response_format", "regex")  # the parameters that set one
 
 
-def set_response_format(body: dict[str, Any], msg: pb.SamplingParams) -> None:
+def set_constraint(body: dict[str, Any], msg: pb.SamplingParams) -> None:
+    """The body's `response_format` and `regex` on the gRPC request, for the shared path to check and compile."""
+    _set_response_format(body, msg)
+    regex = typed(body, "regex", str)
+    if regex == "":  # the wire's "" is no constraint at all: a caller asking for one is told, as the gRPC CLI is
+        raise InvalidRequestError("regex", "must not be empty")
+    msg.regex = regex or ""
+
+
+def _set_response_format(body: dict[str, Any], msg: pb.SamplingParams) -> None:
     fmt = body.get("response_format")
     if fmt is None:
         return

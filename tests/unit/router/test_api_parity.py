@@ -42,6 +42,13 @@ CASES = {
     "a bias past 100": ({"sampling": {"logit_bias": {5: 200}}}, {"logit_bias": {"5": 200}}),
     "max_tokens past the context": ({"sampling": {"max_tokens": 5000}}, {"max_tokens": 5000}),
     "a negative SLO": ({"slo": {"ttft_ms": -1}}, {"slo": {"ttft_ms": -1}}),
+    "a regex": ({"sampling": {"regex": "[ab]{3}"}}, {"regex": "[ab]{3}"}),
+    "a regex that does not compile": ({"sampling": {"regex": "[ab"}}, {"regex": "[ab"}),
+    "a regex past 64 KiB": ({"sampling": {"regex": "a" * 65537}}, {"regex": "a" * 65537}),
+    "a regex and a JSON object": (
+        {"sampling": {"regex": "a", "json_object": True}},
+        {"regex": "a", "response_format": {"type": "json_object"}},
+    ),
     "a cache salt": ({"cache_salt": "team-a"}, {"cache_salt": "team-a"}),
     "a cache salt past 256 bytes": ({"cache_salt": "s" * 257}, {"cache_salt": "s" * 257}),
     "a developer message": (

@@ -1,5 +1,6 @@
-"""OpenAI's response_format becomes the gRPC API's output constraint: json_object, json_schema's schema; text asks
-for nothing; anything else is refused naming the parameter, as is a schema the shared path cannot compile."""
+"""OpenAI's response_format (and pdserve's regex) becomes the gRPC API's output constraint: json_object, json_schema's
+schema, the regex; text asks for nothing; anything else is refused naming the parameter, as is a schema the shared
+path cannot compile."""
 
 from __future__ import annotations
 
@@ -67,3 +68,14 @@ def test_a_schema_that_does_not_compile_names_the_openai_parameter():
     with pytest.raises(InvalidRequestError) as e:
         sampling_from_pb(bad, 16)  # the shared path's check, as the router runs it
     assert openai_param(e.value.field) == "response_format.json_schema.schema"
+
+
+@pytest.mark.parametrize(
+    ("regex", "problem"), [("", "must not be empty"), (5, "must be a string"), ("a\ud800", "lone UTF-16 surrogate")]
+)
+def test_a_regex_the_wire_cannot_carry_is_refused_naming_it(regex, problem):
+    """An empty one would reach the gRPC request as no constraint at all: asked for, it is refused, not dropped."""
+    body = {"model": "m", "prompt": "hi", "regex": regex}
+    with pytest.raises(InvalidRequestError, match=problem) as e:
+        parse_request(body, False, limits=RequestLimits(), model_config=TINY)
+    assert e.value.field == "regex"
