@@ -172,7 +172,7 @@ class Tagged(pydantic.BaseModel):
 
 def test_an_output_constraint_holds_on_both_workers(cluster, client):
     """The first token (the prefill worker's) and the rest (the decode worker's) keep to the constraint, as the
-    single-process engine does: a JSON Schema through OpenAI's response_format, a regex through gRPC."""
+    single-process engine does: a JSON Schema through OpenAI's response_format, a regex through gRPC and HTTP alike."""
     schema = {
         "type": "object",
         "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["red", "blue"]}},
@@ -195,6 +195,10 @@ def test_an_output_constraint_holds_on_both_workers(cluster, client):
     result = grpc_result(cluster, prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=16, regex=regex))
     assert result.token_ids == expected.token_ids and re.fullmatch(regex, result.text)
     assert result.finish_reason == "stop"
+    over_http = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"regex": regex}
+    ).choices[0]
+    assert (over_http.text, over_http.finish_reason) == (result.text, "stop")
     with pytest.raises(openai.BadRequestError, match="response_format.json_schema.schema"):
         bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, response_format=bad)
@@ -225,6 +229,20 @@ def test_an_output_constraint_that_fails_mid_output_ends_in_an_error_not_a_stop(
             cluster, prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=60, json_schema=json.dumps(schema))
         )
     assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.json_schema" in failed.value.details()
+
+
+def test_a_cache_salt_shares_the_prefix_cache_across_both_apis_and_only_with_its_own(cluster, client):
+    """The same salt over gRPC and HTTP is one cache; another salt, or none, never hits its blocks."""
+    prompt = [(7 * i) % 250 + 3 for i in range(64)]  # 4 full blocks no other test's prompt starts with
+    grpc_result(cluster, prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=1), cache_salt="team-a")
+
+    def cached(**salt: str) -> int:
+        usage = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body=salt).usage
+        assert usage is not None
+        return usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+
+    # team-a's blocks hit: all but the last, which its last token is computed in
+    assert (cached(cache_salt="team-b"), cached(), cached(cache_salt="team-a")) == (0, 0, 48)
 
 
 def test_pdserve_client_takes_the_sampling_flags_of_pdserve_generate(cluster, capsys):
