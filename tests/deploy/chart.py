@@ -4,6 +4,7 @@ the objects back, for tests that check the chart offline: no cluster can run her
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,6 +72,25 @@ def notes(values: Iterable[str] = (), sets: Mapping[str, Any] = {}) -> str:
     out = helm("install", *args[1:], "--dry-run=client")
     assert out.returncode == 0, out.stderr
     return out.stdout.split("\nNOTES:\n", 1)[1]
+
+
+def render_helper(tmp_path: Path, expression: str) -> Any:
+    """What one of the chart's named templates renders to, called as `expression` (`include "pdserve.x" (dict
+    ...)`, with any arguments: a lookup's answer, live pods) through a probe chart with the chart as its
+    subchart, since `helm template` has nothing live to look up; the result read back as JSON."""
+    probe = tmp_path / "probe"
+    if not probe.exists():
+        shutil.copytree(CHART, probe / "charts" / "pdserve")
+        (probe / "Chart.yaml").write_text("apiVersion: v2\nname: probe\nversion: 0.0.1\n")
+        (probe / "templates").mkdir()
+    value = f"{{{{ {expression} | toJson | quote }}}}"
+    (probe / "templates" / "probe.yaml").write_text(
+        f"apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: probe}}\ndata: {{value: {value}}}\n"
+    )
+    out = helm("template", "pd", str(probe))
+    assert out.returncode == 0, out.stderr
+    (probe_map,) = [d for d in yaml.safe_load_all(out.stdout) if d and d["metadata"]["name"] == "probe"]
+    return json.loads(probe_map["data"]["value"])
 
 
 def render_error(values: Iterable[str] = (), sets: Mapping[str, Any] = {}) -> str:

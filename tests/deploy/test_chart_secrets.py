@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from tests.deploy.chart import CHART, helm, one, pod_templates, render
+from tests.deploy.chart import CHART, one, pod_templates, render, render_helper
 
 PDSERVE_PODS = ("router", "controller", "prefill", "decode")
 GENERATED = (("pd-pdserve-cluster", "secret"), ("pd-pdserve-ray-token", "token"), ("pd-pdserve-redis", "password"))
@@ -47,19 +44,8 @@ def test_a_default_install_makes_a_cluster_secret_that_every_pdserve_process_rea
 def kept_value(tmp_path: Path, live: dict[str, Any] | None, key: str = "secret") -> str:
     """What the chart writes at `key` of a generated Secret when the cluster holds `live` (None: no such Secret, as
     on install), through a probe chart with the chart as its subchart."""
-    probe = tmp_path / "probe"
-    if not probe.exists():
-        shutil.copytree(CHART, probe / "charts" / "pdserve")
-        (probe / "Chart.yaml").write_text("apiVersion: v2\nname: probe\nversion: 0.0.1\n")
-        (probe / "templates").mkdir()
     old = "(dict)" if live is None else f"(fromJson `{json.dumps(live)}`)"
-    value = f'include "pdserve.keptValue" (dict "old" {old} "key" "{key}") | quote'
-    (probe / "templates" / "probe.yaml").write_text(
-        f"apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: kept}}\ndata:\n  value: {{{{ {value} }}}}\n"
-    )
-    out = helm("template", "pd", str(probe))
-    assert out.returncode == 0, out.stderr
-    return next(d for d in yaml.safe_load_all(out.stdout) if d and d["metadata"]["name"] == "kept")["data"]["value"]
+    return render_helper(tmp_path, f'include "pdserve.keptValue" (dict "old" {old} "key" "{key}")')
 
 
 def test_an_upgrade_keeps_the_live_secrets_value_and_replaces_only_a_missing_or_empty_one(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from pdserve.build import build_resource
-from tests.deploy.chart import CHART, helm, one, pod_templates, render, worker_groups
+from tests.deploy.chart import CHART, helm, one, pod_templates, render, render_helper, worker_groups
 from tests.deploy.test_chart_validates import check_raycluster
 
 PROBE = """{{- $v := dict "replicas" 2 "minReplicas" 1 "maxReplicas" 8 }}
@@ -149,11 +149,6 @@ def head_image_note(tmp_path: Path, head_image: str | None, strategy: str = "") 
     """The chart's note on the running head's image, as an upgrade whose namespace has a head pod of the release
     running `head_image` would render it (None: no such pod, as on install or under `helm template`), beside
     another release's head and a worker pod, through a probe chart: `helm template` has no live pods to look up."""
-    probe = tmp_path / "probe"
-    if not probe.exists():
-        shutil.copytree(CHART, probe / "charts" / "pdserve")
-        (probe / "Chart.yaml").write_text("apiVersion: v2\nname: probe\nversion: 0.0.1\n")
-        (probe / "templates").mkdir()
 
     def pod(cluster: str, node_type: str, image: str) -> str:
         labels = f'(dict "ray.io/cluster" "{cluster}" "ray.io/node-type" "{node_type}")'
@@ -164,13 +159,7 @@ def head_image_note(tmp_path: Path, head_image: str | None, strategy: str = "") 
     if head_image is not None:
         pods.append(pod("pd-pdserve", "head", head_image))
     args = f'(dict "pods" (list {" ".join(pods)}) "cluster" "pd-pdserve" "image" "r/pdserve:2" "strategy" "{strategy}")'
-    note = f'{{{{ include "pdserve.headImageNote" {args} | toJson }}}}'
-    (probe / "templates" / "probe.yaml").write_text(
-        f"apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: note}}\ndata: {{note: {note}}}\n"
-    )
-    out = helm("template", "pd", str(probe))
-    assert out.returncode == 0, out.stderr
-    return next(d for d in yaml.safe_load_all(out.stdout) if d and d["metadata"]["name"] == "note")["data"]["note"]
+    return render_helper(tmp_path, f'include "pdserve.headImageNote" {args}')
 
 
 def test_an_upgrade_to_an_image_the_running_head_does_not_run_warns_in_its_notes(tmp_path: Path) -> None:
