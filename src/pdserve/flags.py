@@ -52,7 +52,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     s = SamplingParams
     p.add_argument("--temperature", type=float, default=s.temperature, help="0: greedy")
     p.add_argument("--top-p", type=float, default=s.top_p, help="nucleus sampling mass")
-    p.add_argument("--top-k", type=int, default=s.top_k, help="0: off")
+    p.add_argument("--top-k", type=in_range(int, -1, 2**31), default=s.top_k, help="0 or -1 (as the APIs take it): off")
     p.add_argument(
         "--seed", type=in_range(int, 0, 2**64), default=None, help="sampling seed, 0 to 2^64-1 (the API's uint64)"
     )
@@ -83,7 +83,8 @@ def sampling_from_flags(args: argparse.Namespace, max_tokens: int) -> SamplingPa
     elif args.regex is not None:
         constraint = OutputConstraint("regex", args.regex)
     stop = tuple(args.stop or ())
-    return from_flags(SamplingParams, args, max_tokens=max_tokens, stop=stop, constraint=constraint)
+    top_k = max(args.top_k, 0)  # vLLM's -1, which both APIs read as off, is SamplingParams' 0
+    return from_flags(SamplingParams, args, max_tokens=max_tokens, stop=stop, constraint=constraint, top_k=top_k)
 
 
 def _schema_file(path: str) -> str:

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from pdserve.cli import main
+from pdserve.cli import _parser, main
+from pdserve.flags import sampling_from_flags
 
 
 def test_generate_holds_its_output_to_the_constraint(tmp_path, capsys):
@@ -48,3 +49,14 @@ def test_one_constraint_at_most(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["generate", "--prompt", "hi", "--regex", "a", "--json-object"])
     assert exited.value.code == 2 and "not allowed with argument --regex" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["generate", "--model", "tiny-random"], ["client", "--addr", "127.0.0.1:1"]])
+def test_top_k_minus_one_is_off_as_both_apis_read_it_and_below_is_a_usage_error(capsys, command) -> None:
+    """The CLI refused the -1 that vLLM clients send and both APIs take as off."""
+    parse = _parser().parse_args
+    assert sampling_from_flags(parse([*command, "--prompt", "hi", "--top-k", "-1"]), 8).top_k == 0
+    assert sampling_from_flags(parse([*command, "--prompt", "hi", "--top-k", "5"]), 8).top_k == 5
+    with pytest.raises(SystemExit):
+        parse([*command, "--prompt", "hi", "--top-k", "-2"])
+    assert "argument --top-k: must lie in [-1, 2.14748e+09)" in capsys.readouterr().err
