@@ -7,7 +7,7 @@ MODEL  ?= smollm2-135m
 # waits on processes it started, so 2 halve its wall time on 2 cores.
 TEST_WORKERS ?= 2
 
-.PHONY: install model demo test lint proto clean redis-server helm image
+.PHONY: install model demo test lint proto proto-snapshot clean redis-server helm image
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -52,6 +52,17 @@ lint: install
 proto: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=src --grpc_python_out=src --pyi_out=src \
 	  protos/pdserve/v1/generate.proto protos/pdserve/v1/worker.proto protos/pdserve/v1/admin.proto
+
+# The wire contract of protos/ (docs/architecture.md#contracts): protos/compat holds each .proto's descriptor, and
+# tests/unit/rpc/test_wire_compat.py fails on a change that breaks a reader of that version (a caller of the public
+# API, the other build of a rollout): a field or enum value removed without `reserved` for its number and name,
+# renumbered, renamed, retyped (only int32/uint32, int64/uint64, fixed/sfixed pairs swap), made repeated, map or
+# (un)optional, moved into or out of a oneof; a reservation dropped; a message, enum, service or RPC removed; an RPC's
+# types or streaming changed. Adding is free, and the test wants it snapshotted so it is guarded from then on: this
+# target writes compatible changes and refuses a breaking one unless BREAKING=1, for a break made on purpose (never
+# within pdserve.v1: a breaking API is a new package). PYTHONPATH: this tree's generated code, whatever is installed.
+proto-snapshot: proto
+	PYTHONPATH=src $(PY) -m tests.proto_snapshot $(if $(BREAKING),--allow-breaking)
 
 # The container image the Helm chart runs (deploy/helm/pdserve); needs a Docker daemon, which CI machines lack.
 IMAGE ?= pdserve:$(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' src/pdserve/__init__.py)
