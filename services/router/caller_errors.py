@@ -35,7 +35,7 @@ def for_the_caller(error: Exception, placement: Placement) -> Exception:
     if text == str(error):
         return error
     if isinstance(error, InvalidRequestError):
-        return InvalidRequestError(error.field, text.removeprefix(f"{error.field}: "))
+        return InvalidRequestError(error.field, text.removeprefix(f"{error.field}: "), error.recorded_message)
     if isinstance(error, OverloadedError):
         return OverloadedError(text, error.retry_after_ms, error.reason)
     return type(error)(text)

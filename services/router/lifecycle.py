@@ -26,6 +26,7 @@ from pdserve.errors import (
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.request_checks import check_request_id
+from pdserve.redaction import recorded_text
 from pdserve.registry.base import PrefixIndex
 from pdserve.security.api_keys import KeyTable, Metadata, Tenant, authenticate
 from pdserve.security.quotas import Choices, LocalQuotas, Quotas, QuotaSession
@@ -142,7 +143,7 @@ class RequestLifecycle:
                         self.admitted.turned_away(len(req.prompt_token_ids))  # demand the cluster could not take
                     raise
             except (OverloadedError, InvalidRequestError, TimeoutError) as e:
-                span.set_attribute("rejected", str(e))
+                span.set_attribute("rejected", recorded_text(e))
                 raise
             quota.admitted()
             self.admitted.add(len(req.prompt_token_ids), req.sampling.max_tokens)

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+# In a recorded message (InvalidRequestError.recorded), where its caller's answer quotes the request.
+WITHHELD = "[in the caller's answer only: it quotes the request]"
+
 
 class InvalidRequestError(ValueError):
-    """Bad input from a caller; `field` names what is wrong. -> INVALID_ARGUMENT."""
+    """Bad input from a caller; `field` names what is wrong. -> INVALID_ARGUMENT. `recorded`: the message as a log
+    line or a span may keep it, for one that quotes what the request holds back to its caller (a regex's compile
+    error shows the regex): a request's content leaves the router only in its own answer
+    (docs/security.md#what-pdserve-records-of-a-request)."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, recorded: str | None = None) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+        self.recorded_message = message if recorded is None else recorded
+
+    @property
+    def recorded(self) -> str:
+        return f"{self.field}: {self.recorded_message}"
 
 
 class OverloadedError(RuntimeError):

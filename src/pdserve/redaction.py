@@ -1,8 +1,16 @@
-"""What logs and errors may show of a value that can carry a credential."""
+"""What logs, errors and spans may show of a value that can carry a credential or a request's content."""
 
 from __future__ import annotations
 
 from urllib.parse import unquote_plus
+
+from pdserve.errors import InvalidRequestError
+
+
+def recorded_text(error: BaseException) -> str:
+    """`error`'s text as a span or a log line keeps it: less what of the request its caller's answer quotes
+    (InvalidRequestError.recorded)."""
+    return error.recorded if isinstance(error, InvalidRequestError) else str(error)
 
 
 def redacted_url(url: str) -> str:

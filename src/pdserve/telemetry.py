@@ -35,6 +35,7 @@ from pdserve.errors import (
     RouterDrainingError,
     UnauthenticatedError,
 )
+from pdserve.redaction import recorded_text
 from pdserve.rpc.server_spans import ServerSpans
 
 # Seconds: first tokens and whole requests (TTFT, e2e) span ms to minutes; per-token gaps ms to seconds. An SLO is
@@ -209,7 +210,7 @@ def mark_ended_by(span: trace.Span, error: BaseException | None) -> None:
         span.set_attribute("cancelled", True)
         return
     if isinstance(error, CALLER_ANSWERS):
-        span.set_attribute("refused", f"{type(error).__name__}: {error}")
+        span.set_attribute("refused", f"{type(error).__name__}: {recorded_text(error)}")
         return
     mark_failed(span, error)
 

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Send
 
+from pdserve.redaction import recorded_text
 from pdserve.rpc.metadata import REQUEST_ID_KEY
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import Choices
@@ -146,7 +147,7 @@ class OpenAIAPI:
             with self._span(request, chat, start) as span:  # in its caller's trace, as a gRPC call's refusal is
                 self.lifecycle.refused(e, start, tenant)  # its log line in the span: that line leads to its trace
                 if response.status_code < 500:
-                    span.set_attribute("refused", f"{type(e).__name__}: {e}")
+                    span.set_attribute("refused", f"{type(e).__name__}: {recorded_text(e)}")
                 span_status(span, response.status_code, e)
             return response
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id}"

@@ -41,7 +41,8 @@ async def request_choices(lifecycle: RequestLifecycle, req: OpenAIRequest, tenan
             placement, slo = await lifecycle.place(built)
             lifecycle.admission.check_feasible(placement, len(built.prompt_token_ids), slo)
         except InvalidRequestError as e:
-            raise InvalidRequestError(e.field, f"prompt {i}: {str(e).removeprefix(f'{e.field}: ')}") from None
+            which = f"prompt {i}: "
+            raise InvalidRequestError(e.field, which + e.message, which + e.recorded_message) from None
         tokens += (len(built.prompt_token_ids) + built.sampling.max_tokens) * req.n
     return Choices(req.choices, prompts=len(req.prompts), tokens=tokens)
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import WITHHELD, InvalidRequestError
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.request_checks import (
     RequestLimits,
@@ -230,7 +230,8 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     out = {}
     for key in bias:  # 10 digits hold any uint32; int() refuses thousands (ValueError)
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= UINT32):
-            raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key[:32]!r}")
+            must = "keys must be token ids, got"
+            raise InvalidRequestError("logit_bias", f"{must} {key[:32]!r}", f"{must} {WITHHELD}")
         value = number(bias, key, prefix="logit_bias.")
         if value is None:
             raise InvalidRequestError(f"logit_bias.{key}", "must be a finite number, got null")

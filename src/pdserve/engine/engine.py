@@ -347,7 +347,7 @@ class LLMEngine:
         error = self.guided.failure(
             seq.sampling.constraint, req.matcher, seq.resumed_output_tokens + seq.num_output_tokens - 1
         )
-        log.warning("%s: %s", seq.seq_id, error)
+        log.warning("%s: %s", seq.seq_id, error.recorded)
         return error
 
     def _finish_reason(self, req: _Request, token: int) -> FinishReason | None:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import WITHHELD, InvalidRequestError
 from pdserve.protocol.output_constraint import OutputConstraint
 
 COMPILED_KEPT = 64  # grammars a worker keeps compiled, the least recently used dropped past it
@@ -135,7 +135,7 @@ class GuidedDecoding:
         field = f"sampling.{constraint.kind}"
         compiled = llguidance.LLMatcher(self.tokenizer, constraint.grammar, log_level=0, limits=_limits())
         if compiled.is_error():
-            raise InvalidRequestError(field, compiled.get_error())
+            raise InvalidRequestError(field, compiled.get_error(), WITHHELD)
         first = compiled.deep_copy()
         first.compute_bitmask()
         if first.is_error():
@@ -168,8 +168,9 @@ class GuidedDecoding:
         `compiled` (`compile`'s, from the request's handler), or compiled here when the request came without it."""
         matcher = (compiled or self.compile(constraint)).deep_copy()
         if output_so_far and not matcher.consume_tokens(list(output_so_far)):
-            why = matcher.get_error()
-            raise InvalidRequestError("resumed_output_tokens", f"the output so far breaks its {constraint.kind}: {why}")
+            why = matcher.get_error().splitlines()[0]  # then the tokens so far and the grammar, dumped
+            breaks = f"the output so far breaks its {constraint.kind}"
+            raise InvalidRequestError("resumed_output_tokens", f"{breaks}: {why}", f"{breaks}: {WITHHELD}")
         return matcher
 
     def start(self, matchers: Sequence[llguidance.LLMatcher | None], device: torch.device) -> StepMask | None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import llguidance
 
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import WITHHELD, InvalidRequestError
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -47,7 +47,7 @@ class OutputConstraint:
             raise InvalidRequestError(field, f"is {size} bytes; at most {MAX_SPEC_BYTES}")
         error = llguidance.LLMatcher.validate_grammar(self.grammar)
         if error:
-            raise InvalidRequestError(field, f"does not compile: {error}")
+            raise InvalidRequestError(field, f"does not compile: {error}", f"does not compile: {WITHHELD}")
 
     @cached_property
     def grammar(self) -> str:
@@ -64,4 +64,5 @@ class OutputConstraint:
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
         except ValueError as e:
-            raise InvalidRequestError(f"sampling.{self.kind}", f"does not compile: {e}") from None
+            withheld = f"does not compile: {WITHHELD}"
+            raise InvalidRequestError(f"sampling.{self.kind}", f"does not compile: {e}", withheld) from None

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import WITHHELD, InvalidRequestError
 from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.sampling import SamplingParams, shown
 
@@ -116,7 +116,8 @@ def chat_role(role: str) -> str:
 def check_role(index: int, role: str) -> None:
     if chat_role(role) not in CHAT_ROLES:
         known = (*CHAT_ROLES, *ROLE_ALIASES)
-        raise InvalidRequestError(f"messages[{index}].role", f"unknown role {role[:32]!r}; use one of {known}")
+        field, choose = f"messages[{index}].role", f"use one of {known}"
+        raise InvalidRequestError(field, f"unknown role {role[:32]!r}; {choose}", f"unknown role {WITHHELD}; {choose}")
 
 
 def check_message_count(count: int, limits: RequestLimits) -> None:
@@ -152,15 +153,9 @@ def check_request(
         raise InvalidRequestError("prompt", "the prompt is empty")
     check_prompt_length(prompt_field, len(prompt_token_ids), model)
     vocab = model.vocab_size
-    bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-    if bad:
-        raise InvalidRequestError("prompt_token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    bad = [t for t in sampling.stop_token_ids if not 0 <= t < vocab]
-    if bad:
-        raise InvalidRequestError("sampling.stop_token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    bad = [t for t, _ in sampling.logit_bias if not 0 <= t < vocab]
-    if bad:
-        raise InvalidRequestError("sampling.logit_bias", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    check_vocabulary("prompt_token_ids", prompt_token_ids, vocab)
+    check_vocabulary("sampling.stop_token_ids", sampling.stop_token_ids, vocab)
+    check_vocabulary("sampling.logit_bias", [t for t, _ in sampling.logit_bias], vocab)
     if sampling.prompt_logprobs is not None:
         check_prompt_logprobs_size(len(prompt_token_ids), sampling.prompt_logprobs)
     total = len(prompt_token_ids) + sampling.max_tokens
@@ -171,6 +166,15 @@ def check_request(
             f"the model's context of {model.max_position_embeddings} tokens: at most "
             f"{model.max_position_embeddings - len(prompt_token_ids)} for this prompt",
         )
+
+
+def check_vocabulary(field: str, token_ids: Sequence[int], vocab: int) -> None:
+    """The caller is shown the first ids outside the vocabulary; a log or span only how many (ids another model's
+    tokenizer made are that prompt's text)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+        outside = f"are outside the vocabulary [0, {vocab})"
+        raise InvalidRequestError(field, f"ids {bad[:5]} {outside}", f"{len(bad)} ids {outside}")
 
 
 def check_prompt_logprobs_size(num_prompt_tokens: int, alternatives: int) -> None:

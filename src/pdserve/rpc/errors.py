@@ -39,6 +39,9 @@ CLUSTER_AUTH_REFUSED_KEY = "x-pdserve-cluster-auth-refused"
 # Trailer of an INTERNAL that a pdserve handler's bug answered, rather than gRPC's own (a broken connection's
 # RST_STREAM is INTERNAL too, and is a lost peer).
 HANDLER_BUG_KEY = "x-pdserve-handler-bug"
+# Trailer of an INVALID_ARGUMENT whose text quotes the request: its text as a log line or a span may keep it
+# (InvalidRequestError.recorded), so the next hop records no more of the request than this one did.
+RECORDED_KEY = "x-pdserve-recorded-bin"
 # The codes OpenTelemetry's conventions mark a gRPC server span ERROR for (rpc/server_spans.py): the span says which
 # error it was.
 SERVER_FAILURES = frozenset(
@@ -78,7 +81,8 @@ def error_from_rpc(e: grpc.aio.AioRpcError, peer: str) -> Exception:
     detail = f"{peer}: {e.details()}"
     code = e.code()
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequestError("request", detail)
+        recorded = _value(e.trailing_metadata(), RECORDED_KEY)  # set: the peer's text quotes the request
+        return InvalidRequestError("request", detail, None if recorded is None else f"{peer}: {recorded.decode()}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return OverloadedError(detail, retry_after_ms(e.trailing_metadata()) or 1000)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -94,6 +98,10 @@ def error_from_rpc(e: grpc.aio.AioRpcError, peer: str) -> Exception:
 
 def _has(metadata: Any, key: str) -> bool:
     return any(k == key for k, _ in metadata or ())
+
+
+def _value(metadata: Any, key: str) -> Any:
+    return next((v for k, v in metadata or () if k == key), None)
 
 
 def retry_after_ms(metadata: Any) -> int | None:
@@ -129,6 +137,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, stream: bool
         _add_trailing(context, RETRY_PUSHBACK_KEY, str(exc.retry_after_ms))
     if isinstance(exc, ClusterAuthError):
         _add_trailing(context, CLUSTER_AUTH_REFUSED_KEY, "1")
+    if isinstance(exc, InvalidRequestError) and exc.recorded != str(exc):
+        _add_trailing(context, RECORDED_KEY, exc.recorded.encode())
     if stream and mapped[0] != grpc.StatusCode.INTERNAL:
         context.set_code(mapped[0])
         context.set_details(mapped[1])
@@ -136,7 +146,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, stream: bool
     await context.abort(*mapped)
 
 
-def _add_trailing(context: grpc.aio.ServicerContext, key: str, value: str) -> None:
+def _add_trailing(context: grpc.aio.ServicerContext, key: str, value: str | bytes) -> None:
     """Beside what the handler already set (the public Generate's request id): setting replaces it whole."""
     context.set_trailing_metadata((*(context.trailing_metadata() or ()), (key, value)))
 

@@ -15,7 +15,7 @@ import torch
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import WITHHELD, InvalidRequestError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.output_constraint import OutputConstraint
 from pdserve.protocol.outputs import FinishReason
@@ -78,13 +78,17 @@ def test_the_same_tokens_colocated_handed_off_and_migrated():
     assert handed_off(moved) == expected[sent:]
 
 
-def test_a_resumed_output_that_breaks_the_constraint_is_refused():
+def test_a_resumed_output_that_breaks_the_constraint_is_refused_naming_no_more_than_the_token():
+    """The matcher's first line, which names the token that breaks it; not its dump of the output so far and the
+    grammar after it. A log line or a span keeps neither (the output is the caller's)."""
     e = engine(EngineMode.MIXED)
     digits = constrained("regex", "[0-9]{4}")
     letters = e.tokenizer.encode("ab")
-    with pytest.raises(InvalidRequestError, match="resumed_output_tokens"):
+    with pytest.raises(InvalidRequestError, match="resumed_output_tokens") as refused:
         e.add_request(EngineRequest("r", PROMPT + letters, digits, resumed_output_tokens=len(letters)))
     assert not e.has_unfinished()
+    assert "\n" not in str(refused.value) and "[0-9]{4}" not in str(refused.value)
+    assert refused.value.recorded == f"resumed_output_tokens: the output so far breaks its regex: {WITHHELD}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32: the copy must not be `logits` itself

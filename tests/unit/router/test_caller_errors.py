@@ -76,6 +76,8 @@ def test_each_type_keeps_what_its_status_carries() -> None:
     invalid = for_the_caller(InvalidRequestError("request", f"decode worker d0 at {d.address}: bad"), placed)
     assert isinstance(invalid, InvalidRequestError) and invalid.field == "request"
     assert str(invalid) == "request: decode worker d0: bad"
+    quoting = InvalidRequestError("request", f"decode worker d0 at {d.address}: bad regex 'x(['", "(quoted)")
+    assert for_the_caller(quoting, placed).recorded == "request: (quoted)"  # what logs and spans keep: no quote
     shed = for_the_caller(OverloadedError(f"{PREFILL_ADDRESS} is full", 750), placed)
     assert isinstance(shed, OverloadedError) and (str(shed), shed.retry_after_ms) == ("p0 is full", 750)
     late = for_the_caller(TimeoutError(f"decode worker d0 at {d.address}: Deadline Exceeded"), placed)

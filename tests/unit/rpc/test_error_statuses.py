@@ -29,6 +29,7 @@ from pdserve.v1 import generate_pb2_grpc
 
 SECRET = "/home/alice/.ssh/id_rsa other-tenant-prompt"
 PREFILL = "prefill worker 10.1.2.3:50062"
+QUOTED = 'invalid regex "SECRET-CANARY-123([" ✓'
 
 
 class Raising(generate_pb2_grpc.GenerationServicer):
@@ -45,6 +46,8 @@ class Raising(generate_pb2_grpc.GenerationServicer):
             raise OverloadedError("every decode worker's batch is full", retry_after_ms=250)
         if request.prompt == "bad":
             raise InvalidRequestError("sampling.max_tokens", "must be >= 0")
+        if request.prompt == "quoting":  # a message that quotes the request back to its caller
+            raise InvalidRequestError("sampling.regex", f"does not compile: {QUOTED}", "does not compile")
         raise RuntimeError(SECRET)
         yield pb.GenerateResponse()
 
@@ -94,6 +97,20 @@ async def test_each_promise_has_its_code_shed_with_its_retry_hint() -> None:
         assert (await _call(server.address, "prefill gone")).code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await server.stop(None)
+
+
+async def test_a_refusal_quoting_the_request_is_recorded_without_the_quote_on_the_next_hop_too() -> None:
+    """The caller beyond the next hop is told all of it; the next hop's log lines and spans keep what this one's
+    would (InvalidRequestError.recorded), so a worker's quote of the request does not reach the router's trace."""
+    server = await _serve(reflection=False)
+    try:
+        error = error_from_rpc(await _call(server.address, "quoting"), "decode worker d0")
+        plain = error_from_rpc(await _call(server.address, "bad"), "decode worker d0")
+    finally:
+        await server.stop(None)
+    assert isinstance(error, InvalidRequestError) and QUOTED in str(error)
+    assert error.recorded == "request: decode worker d0: sampling.regex: does not compile"
+    assert isinstance(plain, InvalidRequestError) and plain.recorded == str(plain)
 
 
 @pytest.mark.parametrize("on", [True, False])
