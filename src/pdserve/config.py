@@ -154,6 +154,9 @@ class RouterConfig:
     # One INFO line per request as it ends (~250 B: at 1000 req/s, ~24 GB a day); --no-access-log: none, while the
     # metrics still count every request and a failure still logs its warning.
     access_log: bool = True
+    # The HTTP body's `user` on its request's span as `enduser.id`: an end user's id, which OpenTelemetry's registry
+    # marks as personal data (PII), for a tracing backend that may hold it; off, it is read and dropped.
+    trace_enduser_id: bool = False
     api_keys_file: str | None = None  # TOML of API keys (--api-keys); None: an open cluster, said at start
     tls_cert: str | None = None  # PEM files: TLS on the public port (--tls-cert/--tls-key); None: plaintext
     tls_key: str | None = None

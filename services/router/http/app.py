@@ -270,7 +270,9 @@ class OpenAIAPI:
     def _span(
         self, request: Request, chat: bool, arrived: float, user: str = "", on_exception: bool = True
     ) -> AbstractContextManager[trace.Span]:
-        """The request's server span (server_span.py), from its head's arrival."""
+        """The request's server span (server_span.py), from its head's arrival; the body's `user` on it only where the
+        router's `trace_enduser_id` says so."""
+        user = user if self.lifecycle.config.trace_enduser_id else ""
         return server_span(self.lifecycle.telemetry.tracer, request, route_of(chat), arrived, user, on_exception)
 
 

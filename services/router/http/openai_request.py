@@ -60,7 +60,7 @@ class OpenAIRequest:
     max_tokens_param: str  # which name the body used, for errors about it
     echo: bool = False  # completions: the prompt comes back before the completion (with its logprobs, if asked)
     n: int = 1  # choices per prompt: each a request of its own (`choice_message`)
-    user: str = ""  # OpenAI's end-user id: recorded on the request's trace, nothing else
+    user: str = ""  # OpenAI's end-user id: on the request's trace with `trace_enduser_id`, else nowhere
     batch: tuple[pb.GenerateRequest, ...] = ()  # completions: each prompt's request (`message` the first's)
 
     @property

@@ -186,7 +186,7 @@ async def test_the_http_span_starts_as_the_head_arrives_with_opentelemetrys_http
     the span carries the HTTP semantic conventions' attributes that a backend's HTTP views read."""
     exporter = InMemorySpanExporter()
     telemetry = Telemetry("test-router", span_processor=SimpleSpanProcessor(exporter))
-    lc = Router([], no_workers_wait_s=0.1).lifecycle(telemetry=telemetry)
+    lc = Router([], no_workers_wait_s=0.1, trace_enduser_id=True).lifecycle(telemetry=telemetry)  # `user` kept
 
     body_sent_ns: list[int] = []
 

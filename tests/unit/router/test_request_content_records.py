@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import httpx2
@@ -22,7 +24,7 @@ from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
-from services.router.server import start_router
+from services.router.server import RouterServer, start_router
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "tiny-random"
@@ -46,18 +48,27 @@ QUOTING_HTTP = {  # (path, body past the model)
 }
 
 
-@pytest.fixture
-async def router():
+@asynccontextmanager
+async def serving(**config: object) -> AsyncIterator[RouterServer]:
+    """A router without workers (a request past its checks waits 0.1 s for one, then 503), its spans in `.exporter`."""
     exporter = InMemorySpanExporter()
     telemetry = Telemetry("pdserve-router", SimpleSpanProcessor(exporter))
-    config = RouterConfig(no_workers_wait_s=0.1)
+    settings = RouterConfig(no_workers_wait_s=0.1, **config)  # type: ignore[arg-type]
     server, _ = await start_router(
-        MODEL, InMemoryRegistry(), InMemoryPrefixIndex(), config, "127.0.0.1", 0, telemetry, http_port=0
+        MODEL, InMemoryRegistry(), InMemoryPrefixIndex(), settings, "127.0.0.1", 0, telemetry, http_port=0
     )
-    server.exporter = exporter
-    yield server
-    await server.stop(None)
-    telemetry.shutdown()
+    server.exporter = exporter  # type: ignore[attr-defined]
+    try:
+        yield server
+    finally:
+        await server.stop(None)
+        telemetry.shutdown()
+
+
+@pytest.fixture
+async def router():
+    async with serving() as server:
+        yield server
 
 
 def recorded(exporter: InMemorySpanExporter, caplog: pytest.LogCaptureFixture) -> str:
@@ -92,3 +103,20 @@ async def test_a_refusal_quoting_the_request_is_answered_whole_and_recorded_with
         assert quote not in kept, (quote, [line for line in kept.splitlines() if quote in line])
     assert kept.count(WITHHELD) >= len(QUOTING_GRPC) + len(QUOTING_HTTP) - 2  # the ids' are counted instead
     assert "1 ids are outside the vocabulary [0, 259)" in kept
+
+
+@pytest.mark.parametrize("traced", [False, True])
+async def test_the_http_bodys_user_is_on_the_span_only_where_the_router_says_so(traced, caplog):
+    """An end user's id, which OpenTelemetry's registry marks as personal data: `enduser.id` with the router's
+    `trace_enduser_id`, else read and dropped (not in any span or log line)."""
+    caplog.set_level(logging.DEBUG)
+    async with serving(trace_enduser_id=traced) as router:
+        async with httpx2.AsyncClient(base_url=f"http://{router.http.address}", timeout=10) as http:
+            for stream in (False, True):
+                body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "user": "CANARY-user", "stream": stream}
+                assert (await http.post("/v1/completions", json=body)).status_code == 503  # no worker: placed nowhere
+        spans = [s for s in router.exporter.get_finished_spans() if s.name == "POST /v1/completions"]
+        kept = recorded(router.exporter, caplog)
+    assert len(spans) == 2
+    assert [(s.attributes or {}).get("enduser.id") for s in spans] == ["CANARY-user" if traced else None] * 2
+    assert kept.count("CANARY-user") == (2 if traced else 0) and "CANARY-prompt" not in kept
