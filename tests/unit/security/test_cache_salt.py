@@ -1,4 +1,5 @@
-"""Salts differ per tenant and per request salt; the anonymous tenant unsalted keeps the old keys."""
+"""Salts differ per tenant and per request salt, the open cluster's anonymous tenant's too, each keyed with the
+cluster secret."""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ from pdserve.security.cluster_secret import ClusterSecret
 
 def test_salts_separate_tenants_and_request_salts() -> None:
     salts = {cache_salt(t, s) for t in ("a", "b", "ab", "anonymous") for s in ("", "b", "x")}
-    assert len(salts) == 12 and cache_salt("anonymous") == b""
+    assert len(salts) == 12 and b"" not in salts
     assert cache_salt("a", "b") != cache_salt("ab", "")  # no ambiguous joins
     tokens = list(range(64))
-    assert prefix_hashes(tokens, 16) == prefix_hashes(tokens, 16, cache_salt("anonymous"))
     assert not set(prefix_hashes(tokens, 16, cache_salt("a"))) & set(prefix_hashes(tokens, 16, cache_salt("b")))
 
 
@@ -32,4 +32,12 @@ def test_a_salt_is_keyed_with_the_cluster_secret() -> None:
     assert cache_salt("acme", cluster=one) != cache_salt("acme", cluster=other)
     assert cache_salt("acme", cluster=one) != cache_salt("acme", cluster=ClusterSecret())
     assert cache_salt("acme", cluster=one) == cache_salt("acme", cluster=ClusterSecret(b"one"))
-    assert cache_salt("anonymous", cluster=one) == b""  # the open cluster's unsalted chain is unchanged
+
+
+def test_the_open_clusters_prefix_keys_are_keyed_too() -> None:
+    """An unsalted chain is a hash of the tokens alone: whoever reads the prefix index in Redis could hash a prompt
+    it guesses and find whether it was sent. Keyed, only a holder of the cluster secret can."""
+    tokens = list(range(64))
+    salt = cache_salt("anonymous", cluster=ClusterSecret(b"one"))
+    assert salt != cache_salt("anonymous", cluster=ClusterSecret(b"other"))
+    assert not set(prefix_hashes(tokens, 16)) & set(prefix_hashes(tokens, 16, salt))
