@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from unittest import mock
 
 import pytest
 
@@ -14,17 +15,20 @@ from pdserve.config import ClusterConfig
 from pdserve.env import CLUSTER_SECRET_VAR
 
 
-def test_up_makes_a_secret_for_its_run_unless_one_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
-    prepare_internal_security(ClusterConfig(), make_secret=True)
-    made = os.environ[CLUSTER_SECRET_VAR]
-    assert len(made) == 64 and set(made) <= set("0123456789abcdef")  # 32 random bytes, hex
-    monkeypatch.delenv(CLUSTER_SECRET_VAR)
-    prepare_internal_security(ClusterConfig(), make_secret=True)
-    assert os.environ[CLUSTER_SECRET_VAR] != made  # one per run, not a fixed default
-    monkeypatch.setenv(CLUSTER_SECRET_VAR, "the operator's")
-    prepare_internal_security(ClusterConfig(), make_secret=True)
-    assert os.environ[CLUSTER_SECRET_VAR] == "the operator's"
+def test_up_makes_a_secret_for_its_run_unless_one_is_set() -> None:
+    # patch.dict restores the environment whole: monkeypatch records nothing for a variable it deletes while unset,
+    # so the secret `up` writes outlived the test (and made later in-process workers refuse their callers)
+    with mock.patch.dict(os.environ):
+        os.environ.pop(CLUSTER_SECRET_VAR, None)
+        prepare_internal_security(ClusterConfig(), make_secret=True)
+        made = os.environ[CLUSTER_SECRET_VAR]
+        assert len(made) == 64 and set(made) <= set("0123456789abcdef")  # 32 random bytes, hex
+        del os.environ[CLUSTER_SECRET_VAR]
+        prepare_internal_security(ClusterConfig(), make_secret=True)
+        assert os.environ[CLUSTER_SECRET_VAR] != made  # one per run, not a fixed default
+        os.environ[CLUSTER_SECRET_VAR] = "the operator's"
+        prepare_internal_security(ClusterConfig(), make_secret=True)
+        assert os.environ[CLUSTER_SECRET_VAR] == "the operator's"
 
 
 def test_a_process_whose_workers_outlive_it_makes_none_and_warns(monkeypatch, caplog) -> None:
