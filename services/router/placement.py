@@ -134,6 +134,14 @@ class PlacementPolicy(ABC):
             offer=self._offer(offered[0], offered[1], hits, len(prompt), blocks, colocated=colocated),
         )
 
+    def can_place(self) -> bool:
+        """Whether a request asking no particular feature would find a live prefill and decode worker now."""
+        try:
+            self._serving(frozenset(), frozenset())
+        except NoWorkersError:
+            return False
+        return True
+
     def _serving(
         self, avoid: frozenset[str], needs: frozenset[str]
     ) -> tuple[bool, list[WorkerState], list[WorkerState]]:

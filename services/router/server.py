@@ -34,8 +34,11 @@ from services.router.request_size import max_grpc_request_bytes
 from services.router.servicer import GENERATE_METHOD, GenerationServicer
 from services.router.shared_claims import SharedKVClaims
 from services.router.shared_moving import SharedMoving
+from services.router.worker_presence import WorkerPresence
 
 log = logging.getLogger(__name__)
+
+GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 class RouterServer:
@@ -55,11 +58,14 @@ class RouterServer:
         shared_moving: SharedMoving | None,
         key_reload: KeyReload | None,
         peers: PeerCheck,
+        presence: WorkerPresence,
     ) -> None:
         self.grpc = grpc_server
         self.http = http
         self.peers = peers
         peers.on_change = self._apply_health
+        self.presence = presence
+        presence.on_change = self._apply_health
         self._serving = False
         self.quotas = quotas
         self.admitted = admitted
@@ -73,12 +79,14 @@ class RouterServer:
 
     async def set_serving(self, serving: bool) -> None:
         """gRPC health, NOT_SERVING whatever `serving` says while the workers refuse the router's cluster
-        credentials; the HTTP API's /health follows the lifecycle's `draining` flag and the same refusal."""
+        credentials, and its Generation service's while it has no live workers (worker_presence.py); the HTTP API's
+        /health follows the lifecycle's `draining` flag and the same refusal."""
         self._serving = serving
         await self._apply_health()
 
     async def _apply_health(self) -> None:
-        await self.grpc.set_serving(self._serving and not self.peers.refused)
+        held = () if self.presence.servable else (GENERATION_SERVICE,)
+        await self.grpc.set_serving(self._serving and not self.peers.refused, held)
 
     async def stop(self, grace_s: float | None) -> None:
         try:
@@ -87,6 +95,7 @@ class RouterServer:
             await self.grpc.stop(grace_s)
         finally:  # the background work stops however the listeners did
             await self.peers.close()
+            await self.presence.close()
             await self.gone_workers.close()
             if self.key_reload is not None:  # its close never raises
                 await self.key_reload.close()
@@ -149,7 +158,7 @@ async def start_router(
     )
     server.add(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
-        [generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+        [GENERATION_SERVICE],
     )
     admitted = ClusterAdmitted(registry, lifecycle.admitted)
     admin = AdminServicer(registry, lifecycle, admitted)
@@ -183,10 +192,12 @@ async def start_router(
         shared_moving = SharedMoving(registry.url, tracker)
         await shared_moving.start()
     channels = lifecycle.relay.channels
-    parts = (quotas, admitted, gone_workers, channels, shared_claims, shared_moving, key_reload, peers)
+    presence = WorkerPresence(policy)
+    parts = (quotas, admitted, gone_workers, channels, shared_claims, shared_moving, key_reload, peers, presence)
     router = RouterServer(server, http, *parts)
     await router.set_serving(True)
     peers.start()
+    presence.start()
     return router, lifecycle
 
 

@@ -1,4 +1,5 @@
-"""`python -m pdserve.rpc.health_probe --addr HOST:PORT`: exit 0 when the server answers SERVING, else 1.
+"""`python -m pdserve.rpc.health_probe --addr HOST:PORT [--service NAME]`: exit 0 when the server (or that one of
+its services) answers SERVING, else 1.
 
 The kubelet's own gRPC probe speaks plaintext only; with TLS on (the Helm chart's `tls.enabled`) pods probe
 their gRPC health with this instead, presenting the pod's certificates.
@@ -22,7 +23,7 @@ def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials:
 
 
 def check(args: argparse.Namespace) -> bool:
-    """One Health/Check of the server's overall status ("" service) within the timeout."""
+    """One Health/Check of the server's overall status ("" service), or of `--service`, within the timeout."""
     if args.tls_ca or args.tls_cert:
         options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else []
         channel = grpc.secure_channel(args.addr, _credentials(args), options=options)
@@ -30,7 +31,8 @@ def check(args: argparse.Namespace) -> bool:
         channel = grpc.insecure_channel(args.addr)
     with channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+            asked = health_pb2.HealthCheckRequest(service=args.service)
+            reply = health_pb2_grpc.HealthStub(channel).Check(asked, timeout=args.timeout)
         except grpc.RpcError as e:
             print(f"{args.addr}: {e.code().name}", file=sys.stderr)
             return False
@@ -47,6 +49,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", help="the client certificate's key")
     p.add_argument("--server-name", help="the name the server's certificate must carry (default: the host)")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds")
+    p.add_argument(
+        "--service",
+        default="",
+        help="a service's own health, e.g. pdserve.v1.Generation: NOT_SERVING on a router without live workers "
+        "(default: the server's)",
+    )
     return p
 
 

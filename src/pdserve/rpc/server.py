@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -129,9 +129,11 @@ class Server:
         await self.set_serving(False)
         await self._server.start()
 
-    async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    async def set_serving(self, serving: bool, held: Collection[str] = ()) -> None:
+        """Every service's health, and the server's (""); those `held` are NOT_SERVING whatever `serving` says."""
         for name in ("", *self._service_names):
+            up = serving and name not in held
+            status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float | None) -> None:

@@ -33,6 +33,20 @@ async def test_plaintext_serving_then_not_serving() -> None:
     assert await _probe("--addr", server.address, "--timeout", "0.5") == 1  # nothing listens
 
 
+async def test_a_service_held_not_serving_while_the_server_serves() -> None:
+    server = Server("127.0.0.1", 0)
+    server.add(lambda s: None, ["pdserve.v1.Generation"])
+    await server.start()
+    try:
+        await server.set_serving(True, held=["pdserve.v1.Generation"])
+        assert await _probe("--addr", server.address) == 0
+        assert await _probe("--addr", server.address, "--service", "pdserve.v1.Generation") == 1
+        await server.set_serving(True)
+        assert await _probe("--addr", server.address, "--service", "pdserve.v1.Generation") == 0
+    finally:
+        await server.stop(None)
+
+
 def _self_signed(tmp: Path, name: str) -> tuple[Path, Path]:
     key, cert = tmp / f"{name}.key", tmp / f"{name}.crt"
     subprocess.run(
