@@ -130,7 +130,7 @@ def worker_status(w: WorkerState, health: str, recent: RecentLatencies) -> apb.W
         running=w.running,
         waiting=w.waiting,
         queued_prefill_tokens=w.queued_prefill_tokens,
-        kv_blocks_used=w.kv_blocks_total - w.kv_blocks_free,
+        kv_blocks_used=w.kv_blocks_used,
         kv_blocks_cached=w.kv_blocks_cached,
         kv_blocks_total=w.kv_blocks_total,
         **latencies,

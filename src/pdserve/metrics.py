@@ -214,6 +214,11 @@ class WorkerMetrics:
             ("pdserve_waiting_sequences", "waiting", "sequences waiting for the batch: new, or preempted to recompute"),
             ("pdserve_kv_blocks_used", "kv_blocks_used", "KV blocks held by live sequences or transfers"),
             ("pdserve_kv_blocks_cached", "kv_blocks_cached", "KV blocks kept only by the prefix cache"),
+            (
+                "pdserve_kv_blocks_owed",
+                "kv_blocks_owed",
+                "free KV blocks a decode worker's preempted and growing sequences will need: no hand-off takes them",
+            ),
             ("pdserve_kv_blocks_total", "kv_blocks_total", "KV blocks in the cache"),
         ):
             meter.create_observable_gauge(name, callbacks=[self._gauge(key)], description=what)

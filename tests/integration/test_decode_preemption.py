@@ -1,7 +1,8 @@
 """A decode worker out of KV blocks preempts a stream, which waits to be recomputed: through a real `pdserve up`
-(1 + 1, tiny-random, 26 KV blocks a worker), the stream waits out its turn on its worker, longer than the router's
-stall bound, and ends with the single-process engine's tokens, never taken for a hung worker's and moved. Streamed
-over the HTTP API, it sends SSE comments while it waits."""
+(1 + 1, tiny-random, 26 KV blocks a worker, its registry in a real Redis), the stream waits out its turn on its
+worker, longer than the router's stall bound, and ends with the single-process engine's tokens, never taken for a hung
+worker's and moved. Streamed over the HTTP API, it sends SSE comments while it waits. The worker publishes the blocks
+it is owed apart from its free ones, so a hand-off meanwhile is shed by the router, not placed there and refused."""
 
 from __future__ import annotations
 
@@ -15,10 +16,14 @@ import httpx2
 import pytest
 
 from pdserve.cluster.local_process import ClusterProcess, free_port
+from pdserve.registry.base import WorkerState
+from pdserve.registry.redis import worker_key
 from pdserve.rpc.server import channel
-from pdserve.v1 import generate_pb2_grpc
+from pdserve.v1 import admin_pb2 as apb
+from pdserve.v1 import admin_pb2_grpc, generate_pb2_grpc
 from tests.integration.cluster_view import scrape, status_json, total
 from tests.integration.reference import greedy, greedy_completion, greedy_request
+from tests.redis_server import RedisServer, started
 
 pytestmark = pytest.mark.timeout(300)
 STALL_S = 2.0
@@ -28,26 +33,34 @@ KEEPALIVE_S = 0.5
 LONG_PROMPT, SHORT_PROMPT = [3 + i % 250 for i in range(200)], [7, 8, 9, 10] * 4
 
 
+redis_server = pytest.fixture(scope="module")(started)
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(redis_server, tmp_path_factory):
     folder = tmp_path_factory.mktemp("preemption")
     (folder / "router.toml").write_text(f"[router]\nsse_keepalive_s = {KEEPALIVE_S}\n")
     args = ["--model", "tiny-random", "--prefill", "1", "--decode", "1", "--kv-cache-gb", str(BLOCKS * 8192 / 2**30)]
     args += ["--router-config", str(folder / "router.toml"), "--http-port", str(http_port := free_port())]
+    args += ["--redis", redis_server.url, "--metrics-port", str(metrics_port := free_port())]
     env = {"PDSERVE_FAULT_SLOW_STEP_S": str(STEP_S), "PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX": "slow-"}
     proc = ClusterProcess(*args, "--stall-timeout-s", str(STALL_S), log_path=folder / "cluster.log", env=env)
     proc.base_url = f"http://127.0.0.1:{http_port}/v1"
+    proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     yield proc
     proc.stop()
 
 
-async def stream(stub, request, first: asyncio.Event | None = None) -> list[int]:
-    """The stream's tokens; RESOURCE_EXHAUSTED (the other stream's blocks counted) is retried as its hint says."""
+async def stream(stub, request, first: asyncio.Event | None = None, arrivals: list[float] | None = None) -> list[int]:
+    """The stream's tokens, and (`arrivals`) when each message of them came; RESOURCE_EXHAUSTED (the other stream's
+    blocks counted) is retried as its hint says."""
     while True:
         tokens: list[int] = []
         try:
             async for msg in stub.Generate(request, timeout=120):
                 tokens += msg.token_ids
+                if arrivals is not None and msg.token_ids:
+                    arrivals.append(time.monotonic())
                 if first is not None:
                     first.set()
             return tokens
@@ -83,6 +96,74 @@ def test_a_preempted_stream_waits_on_its_worker_past_the_stall_bound_and_is_neve
     moved = re.findall(r".*(?:out of placement|migrated after|placed again).*", log)
     assert not moved, moved  # before: "sent nothing for 2 s mid-stream (the router's stall bound)", then a move
     assert_blocks_freed(cluster)
+
+
+def test_a_hand_off_while_a_preempted_stream_is_owed_its_blocks_is_shed_and_takes_none_of_them(cluster, redis_server):
+    """While the short stream waits to be recomputed, its decode worker publishes the blocks it will need (and the
+    long stream's next) as owed, not free: none free. A new hand-off then is shed by the router for KV
+    (`RESOURCE_EXHAUSTED`, retried), never placed there to be refused by the worker, and is placed once the long
+    stream ended; every stream ends with the greedy reference's tokens, every block free again."""
+    decode = next(w for w in status_json(cluster.address)["workers"] if w["role"] == "decode")
+    router_before = scrape(cluster.metrics_url)
+    long_req = greedy_request("slow-long-3", LONG_PROMPT, 200)
+    short_req = greedy_request("slow-short-3", SHORT_PROMPT, 120)
+    new_prompt = [11, 12, 13, 14] * 4
+    new_req = greedy_request("slow-new-3", new_prompt, 8)
+
+    async def all_three() -> tuple[WorkerState, apb.WorkerStatus, list[float], list[float], list[list[int]]]:
+        async with channel(cluster.address) as ch:
+            stub, started, long_arrivals, new_arrivals = generate_pb2_grpc.GenerationStub(ch), asyncio.Event(), [], []
+            long_task = asyncio.create_task(stream(stub, long_req, started, long_arrivals))
+            await started.wait()
+            short_task = asyncio.create_task(stream(stub, short_req))
+            owing = await published_while(redis_server, decode["id"], lambda s: s.waiting > 0)
+            new_task = asyncio.create_task(stream(stub, new_req, None, new_arrivals))
+            row = await router_row_while(ch, decode["id"], lambda w: w.waiting > 0)
+            tokens = [await long_task, await short_task, await new_task]
+            return owing, row, long_arrivals, new_arrivals, tokens
+
+    owing, row, long_arrivals, new_arrivals, tokens = asyncio.run(all_three())
+    assert owing.kv_blocks_free == 0 and owing.kv_blocks_owed > 0, owing  # its recompute needs more than are free
+    assert row.kv_blocks_used < BLOCKS, row  # `pdserve status`: the owed blocks are not in use
+    assert tokens == [greedy(LONG_PROMPT, 200), greedy(SHORT_PROMPT, 120), greedy(new_prompt, 8)]
+    assert new_arrivals[0] > long_arrivals[-1]  # taken once the long stream's blocks were back, not from the owed
+    router_after = scrape(cluster.metrics_url)
+    rejected = {
+        reason: total(router_after, "pdserve_requests_rejected_total", reason=reason)
+        - total(router_before, "pdserve_requests_rejected_total", reason=reason)
+        for reason in ("kv", "worker")
+    }
+    assert rejected["kv"] >= 1 and rejected["worker"] == 0, rejected
+    assert_blocks_freed(cluster)
+    idle = published(redis_server, decode["id"])
+    assert (idle.kv_blocks_free, idle.kv_blocks_owed) == (idle.kv_blocks_total, 0), idle
+
+
+def published(redis_server: RedisServer, worker_id: str) -> WorkerState:
+    """The worker's state as it last published it to the routers' registry."""
+    with redis_server.client() as client:
+        return WorkerState.from_json(client.get(worker_key(worker_id)))
+
+
+async def published_while(redis_server: RedisServer, worker_id: str, cond) -> WorkerState:
+    """The first state the worker publishes that meets `cond` (it beats every 0.5 s)."""
+    end = time.monotonic() + 60
+    while not cond(state := await asyncio.to_thread(published, redis_server, worker_id)):
+        assert time.monotonic() < end, state
+        await asyncio.sleep(0.05)
+    return state
+
+
+async def router_row_while(ch: grpc.aio.Channel, worker_id: str, cond) -> apb.WorkerStatus:
+    """The worker's row in the router's ClusterStatus (what `pdserve status` shows) once it meets `cond`."""
+    end = time.monotonic() + 60
+    while True:
+        reply = await admin_pb2_grpc.AdminStub(ch).ClusterStatus(apb.ClusterStatusRequest(), timeout=10)
+        [row] = [w for w in reply.workers if w.id == worker_id]
+        if cond(row):
+            return row
+        assert time.monotonic() < end, row
+        await asyncio.sleep(0.05)
 
 
 def assert_blocks_freed(cluster: ClusterProcess) -> None:

@@ -53,7 +53,7 @@ def load_of(state: WorkerState | None) -> tuple[int, int, int]:
     """What leaving would cost: requests held, prompt tokens queued, KV blocks in use (None: not serving, nothing)."""
     if state is None:
         return (0, 0, 0)
-    return (state.running + state.waiting, state.queued_prefill_tokens, state.kv_blocks_total - state.kv_blocks_free)
+    return (state.running + state.waiting, state.queued_prefill_tokens, state.kv_blocks_used)
 
 
 def in_service(slot: Slot, state: WorkerState | None) -> bool:

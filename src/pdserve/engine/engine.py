@@ -104,10 +104,12 @@ class LLMEngine:
 
     def stats(self) -> dict[str, int]:
         """The load a worker publishes (registry, metrics, the router's predictor)."""
-        queued = self.scheduler.queued_prefill()
+        queued, free = self.scheduler.queued_prefill(), self.blocks_free_for_new()
         return {
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_blocks_used": self.blocks.num_used_blocks,
+            "kv_blocks_free": free,  # a new request's: less those owed
+            "kv_blocks_owed": self.blocks.num_free_blocks - free,  # free, but owed to its own sequences
             "kv_blocks_cached": self.blocks.num_cached_blocks,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -196,20 +198,30 @@ class LLMEngine:
         if (held := self.num_sequences - 1) >= (cap := self.config.scheduler.max_num_seqs):
             del self._requests[request.request_id]
             raise OverloadedError(f"its batch is full ({held} sequences, max_num_seqs {cap})")
-        # Sequences preempted here resume first: a reservation takes only what their recompute leaves, or each
-        # block they free would go to the next hand-off, and they would wait for ever. And each sequence running or
-        # with KV arriving that will outgrow its blocks keeps one free for its next: taken by a hand-off, a running
-        # sequence is preempted for it, recomputes, and is preempted again by the next hand-off (a review's run of
-        # 60 hand-offs recomputed 697 prompt tokens for 1540 decoded).
-        owed = sum(self.blocks.blocks_for(s.num_tokens) for s in self.scheduler.waiting)
-        growing = (SequenceStatus.RUNNING, SequenceStatus.RECEIVING)
-        owed += sum(1 for r in self._requests.values() if r.seq.status in growing and self._will_grow(r.seq))
-        leaves_owed = self.blocks.blocks_for(seq.num_prompt_tokens) + owed <= self.blocks.num_free_blocks
+        leaves_owed = self.blocks.blocks_for(seq.num_prompt_tokens) <= self.blocks_free_for_new()
         if not (leaves_owed and self.blocks.allocate_slots(seq, seq.num_prompt_tokens)):
             del self._requests[request.request_id]
             raise OverloadedError(f"no free KV blocks for {seq.num_prompt_tokens} tokens")
         seq.status = SequenceStatus.RECEIVING
         return list(seq.block_table)
+
+    def blocks_owed(self) -> int:
+        """Decode-only: the free blocks its own sequences will need before a new hand-off may take one (0 elsewhere).
+        Sequences preempted here resume first: a reservation takes only what their recompute leaves, or each block
+        they free would go to the next hand-off, and they would wait for ever. And each sequence running or with KV
+        arriving that will outgrow its blocks keeps one free for its next: taken by a hand-off, a running sequence
+        is preempted for it, recomputes, and is preempted again by the next hand-off (a review's run of 60
+        hand-offs recomputed 697 prompt tokens for 1540 decoded)."""
+        if self.config.mode is not EngineMode.DECODE_ONLY:
+            return 0
+        owed = sum(self.blocks.blocks_for(s.num_tokens) for s in self.scheduler.waiting)
+        growing = (SequenceStatus.RUNNING, SequenceStatus.RECEIVING)
+        return owed + sum(1 for r in self._requests.values() if r.seq.status in growing and self._will_grow(r.seq))
+
+    def blocks_free_for_new(self) -> int:
+        """What a reservation may take, and what the worker publishes as free: its routers place no hand-off it
+        would refuse."""
+        return max(0, self.blocks.num_free_blocks - self.blocks_owed())
 
     def _will_grow(self, seq: Sequence) -> bool:
         """Whether `seq` may yet need a block it does not hold (its max_tokens past its blocks)."""

@@ -30,7 +30,8 @@ class WorkerState:
     block_size: int = EngineConfig.block_size
     kv_bytes_per_token: int = 0  # what moving one prompt token's KV costs
     kv_blocks_total: int = 0
-    kv_blocks_free: int = 0  # free now, prefix-cached blocks included (evicted on demand)
+    # Free now for a new request, prefix-cached blocks included (evicted on demand), less kv_blocks_owed.
+    kv_blocks_free: int = 0
     queued_prefill_tokens: int = 0
     running: int = 0
     waiting: int = 0
@@ -53,6 +54,9 @@ class WorkerState:
     # worker too old to say, which honours no feature added since and speaks UNSAID_KV_WIRE_VERSION.
     features: tuple[str, ...] = ()
     kv_wire_version: int = 0
+    # Of the free blocks, those its own sequences will need (a decode worker's preempted and growing ones: its
+    # reservations leave them), so not in kv_blocks_free; 0: none, or a worker too old to say.
+    kv_blocks_owed: int = 0
     updated_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -62,6 +66,11 @@ class WorkerState:
     @property
     def speaks_kv_wire_version(self) -> int:
         return self.kv_wire_version or UNSAID_KV_WIRE_VERSION
+
+    @property
+    def kv_blocks_used(self) -> int:
+        """Blocks held by live sequences or transfers: neither free for a new request nor owed."""
+        return self.kv_blocks_total - self.kv_blocks_free - self.kv_blocks_owed
 
     @property
     def queued_prefill(self) -> QueuedPrefill:

@@ -16,7 +16,8 @@ from tests.unit.engine.engine_harness import run_to_end
 
 def test_a_reservation_leaves_preempted_sequences_the_blocks_they_wait_for() -> None:
     """On a decode worker a sequence preempted for want of blocks resumes before new hand-offs take what frees
-    up: a reservation that would leave it short is refused (the router sheds it or places it elsewhere)."""
+    up: a reservation that would leave it short is refused, and the worker publishes those blocks as owed, not free
+    (its routers shed the hand-off or place it elsewhere instead of on a worker that refuses it)."""
     scheduler = SchedulerConfig(mode=EngineMode.DECODE_ONLY)
     config = EngineConfig(
         model="tiny-random", dtype="float32", device="cpu", block_size=4, num_kv_blocks=8, scheduler=scheduler
@@ -28,19 +29,27 @@ def test_a_reservation_leaves_preempted_sequences_the_blocks_they_wait_for() -> 
         engine.commit(name, 1)
     engine.step()  # each needs one more block, one is free: the last admitted is preempted
     assert [s.seq_id for s in engine.scheduler.waiting] == ["preempted"] and engine.blocks.num_free_blocks == 4
+    assert published(engine) == {"kv_blocks_free": 0, "kv_blocks_owed": 4, "kv_blocks_used": 4}  # it needs 5
     new = EngineRequest("new", list(range(1, 17)), SamplingParams(max_tokens=2, ignore_eos=True))
     with pytest.raises(OverloadedError, match="no free KV blocks for 16 tokens"):
         engine.reserve(new)
     finished = run_to_end(engine)
     resumed = finished["preempted"]
     assert resumed[-1].finished and sum(len(o.new_token_ids) for o in resumed) == 5  # the first came with commit
+    assert published(engine) == {"kv_blocks_free": 8, "kv_blocks_owed": 0, "kv_blocks_used": 0}
     assert len(engine.reserve(new)) == 4
+
+
+def published(engine: LLMEngine) -> dict[str, int]:
+    """The KV blocks the worker publishes: free for a new hand-off, owed to its own sequences, used."""
+    return {k: v for k, v in engine.stats().items() if k in ("kv_blocks_free", "kv_blocks_owed", "kv_blocks_used")}
 
 
 def test_a_reservation_leaves_each_growing_sequence_a_block_to_grow_into() -> None:
     """A hand-off that takes the block a running sequence is about to need gets it preempted (and its recompute
     preempted by the next hand-off): a reservation leaves one free block per running sequence that will outgrow
-    its blocks; one whose max_tokens fit in what it holds needs none."""
+    its blocks; one whose max_tokens fit in what it holds needs none. What it publishes as free is what a
+    reservation may take."""
     scheduler = SchedulerConfig(mode=EngineMode.DECODE_ONLY)
     config = EngineConfig(
         model="tiny-random", dtype="float32", device="cpu", block_size=4, num_kv_blocks=10, scheduler=scheduler
@@ -50,6 +59,7 @@ def test_a_reservation_leaves_each_growing_sequence_a_block_to_grow_into() -> No
         engine.reserve(EngineRequest(name, list(range(1, prompt_tokens + 1)), SamplingParams(max_tokens=max_tokens)))
         engine.commit(name, 1)
     assert engine.blocks.num_free_blocks == 6
+    assert published(engine) == {"kv_blocks_free": 5, "kv_blocks_owed": 1, "kv_blocks_used": 4}
 
     def reserve(name: str, tokens: int) -> None:
         engine.reserve(EngineRequest(name, list(range(1, tokens + 1)), SamplingParams(max_tokens=1)))
