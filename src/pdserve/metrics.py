@@ -257,6 +257,13 @@ class WorkerMetrics:
             "the first step that ran it, once a request (not its recompute); one dropped before it ran is not counted",
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
         )
+        self.preemption_wait_seconds = meter.create_histogram(
+            "pdserve_preemption_wait_seconds",
+            unit="s",
+            description="from a sequence's preemption to the start of the step that ran it again (its recompute), "
+            "once a preemption: the time it lost waiting; one dropped while it waited is not counted",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
+        )
         self.prefill_seconds = meter.create_histogram(
             "pdserve_request_prefill_time_seconds",
             unit="s",
@@ -288,14 +295,16 @@ class WorkerMetrics:
         self.step_seconds.record(seconds, self.labels)
         self.step_tokens.record(tokens, self.labels)
 
-    def requests_timed(self, queue_s: list[float], prefill_s: list[float]) -> None:
+    def requests_timed(self, queue_s: list[float], prefill_s: list[float], requeue_s: list[float]) -> None:
         """One step's requests, on the engine thread (AsyncEngine.on_request_times), each once: a prefill queue time
         rising while prefill time holds is prompts waiting for a prefill worker, not longer prompts. A request
-        cancelled before any step ran it has no queue time (as recent vLLM)."""
+        cancelled before any step ran it has no queue time (as recent vLLM). `requeue_s`: once a preemption."""
         for seconds in queue_s:
             self.queue_seconds.record(seconds, self.labels)
         for seconds in prefill_s:
             self.prefill_seconds.record(seconds, self.labels)
+        for seconds in requeue_s:
+            self.preemption_wait_seconds.record(seconds, self.labels)
 
     def transfer_failed(self, reason: str) -> None:
         """One KV transfer this worker saw fail, for `reason` (one of KV_TRANSFER_FAILURE_REASONS)."""

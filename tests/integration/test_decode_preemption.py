@@ -102,9 +102,11 @@ def test_a_hand_off_while_a_preempted_stream_is_owed_its_blocks_is_shed_and_take
     """While the short stream waits to be recomputed, its decode worker publishes the blocks it will need (and the
     long stream's next) as owed, not free: none free. A new hand-off then is shed by the router for KV
     (`RESOURCE_EXHAUSTED`, retried), never placed there to be refused by the worker, and is placed once the long
-    stream ended; every stream ends with the greedy reference's tokens, every block free again."""
+    stream ended; every stream ends with the greedy reference's tokens, every block free again. The short stream's
+    wait is timed in pdserve_preemption_wait_seconds, once a preemption."""
     decode = next(w for w in status_json(cluster.address)["workers"] if w["role"] == "decode")
-    router_before = scrape(cluster.metrics_url)
+    worker_metrics = f"http://{decode['metrics_address']}/metrics"
+    before, router_before = scrape(worker_metrics), scrape(cluster.metrics_url)
     long_req = greedy_request("slow-long-3", LONG_PROMPT, 200)
     short_req = greedy_request("slow-short-3", SHORT_PROMPT, 120)
     new_prompt = [11, 12, 13, 14] * 4
@@ -127,13 +129,22 @@ def test_a_hand_off_while_a_preempted_stream_is_owed_its_blocks_is_shed_and_take
     assert row.kv_blocks_used < BLOCKS, row  # `pdserve status`: the owed blocks are not in use
     assert tokens == [greedy(LONG_PROMPT, 200), greedy(SHORT_PROMPT, 120), greedy(new_prompt, 8)]
     assert new_arrivals[0] > long_arrivals[-1]  # taken once the long stream's blocks were back, not from the owed
-    router_after = scrape(cluster.metrics_url)
+    after, router_after = scrape(worker_metrics), scrape(cluster.metrics_url)
     rejected = {
         reason: total(router_after, "pdserve_requests_rejected_total", reason=reason)
         - total(router_before, "pdserve_requests_rejected_total", reason=reason)
         for reason in ("kv", "worker")
     }
     assert rejected["kv"] >= 1 and rejected["worker"] == 0, rejected
+    preempted, waits, waited_s = (
+        total(after, name) - total(before, name)
+        for name in (
+            "pdserve_preemptions_total",
+            "pdserve_preemption_wait_seconds_count",
+            "pdserve_preemption_wait_seconds_sum",
+        )
+    )
+    assert waits == preempted >= 1 and waited_s > 2 * STALL_S, (preempted, waits, waited_s)  # ~100 slow steps
     assert_blocks_freed(cluster)
     idle = published(redis_server, decode["id"])
     assert (idle.kv_blocks_free, idle.kv_blocks_owed) == (idle.kv_blocks_total, 0), idle

@@ -300,23 +300,28 @@ def test_each_engine_step_is_timed_from_a_millisecond_and_its_batch_counted_by_w
     telemetry.shutdown()
 
 
-def test_a_workers_request_queue_and_prefill_times_are_bucketed_as_the_routers_ttft():
+def test_a_workers_request_queue_prefill_and_preemption_wait_times_are_bucketed_as_the_routers_ttft():
     """Queue time is read against TTFT bound for bound (a prefill queue eating the TTFT SLO shows at the same `le`);
     every observation a step reports is recorded, under the worker's own labels."""
     telemetry = Telemetry("t")
     worker = WorkerMetrics(telemetry.meter, "p0", "prefill", lambda: {})
-    worker.requests_timed([0.004, 2.2], [0.29, 0.31])
-    worker.requests_timed([40.0], [])
+    worker.requests_timed([0.004, 2.2], [0.29, 0.31], [])
+    worker.requests_timed([40.0], [], [7.0])
     samples = [s for f in telemetry.registry.collect() for s in f.samples if s.labels.get("worker_id") == "p0"]
     buckets: dict[str, dict[float, float]] = {}
-    for name, count in (("pdserve_request_queue_time_seconds", 3), ("pdserve_request_prefill_time_seconds", 2)):
+    for name, count in (
+        ("pdserve_request_queue_time_seconds", 3),
+        ("pdserve_request_prefill_time_seconds", 2),
+        ("pdserve_preemption_wait_seconds", 1),
+    ):
         buckets[name] = {float(s.labels["le"]): s.value for s in samples if s.name == f"{name}_bucket"}
         assert list(buckets[name]) == [*LATENCY_BUCKETS_S, math.inf]
         assert [s.value for s in samples if s.name == f"{name}_count"] == [count]
         assert {s.labels["role"] for s in samples if s.name.startswith(name)} == {"prefill"}
-    queue, prefill = buckets.values()
+    queue, prefill, requeue = buckets.values()
     assert (queue[0.005], queue[2], queue[2.5], queue[40]) == (1, 1, 2, 3)
     assert (prefill[0.25], prefill[0.3], prefill[0.5]) == (0, 1, 2)
+    assert (requeue[5], requeue[7.5]) == (0, 1)
     telemetry.shutdown()
 
 

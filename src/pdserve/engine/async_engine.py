@@ -64,8 +64,8 @@ class AsyncEngine:
         self.stats: dict[str, int] = {}
         # (prefill tokens, decode seqs, seconds, the earlier tokens its prompt chunks read), on the engine thread
         self.on_step: Callable[[int, int, float, int], None] | None = None
-        # (queue seconds, prefill seconds) of the step's requests, each once (LLMEngine.last_step_queue_s), same thread
-        self.on_request_times: Callable[[list[float], list[float]], None] | None = None
+        # (queue, prefill, requeue seconds) of the step's requests, each once (LLMEngine.last_step_queue_s), same thread
+        self.on_request_times: Callable[[list[float], list[float], list[float]], None] | None = None
         self._started = StartTimes()
         self.prefix_journal: PrefixCacheJournal | None = engine.blocks.journal  # thread-safe; for routers' indexes
         self._update_stats()
@@ -308,8 +308,9 @@ class AsyncEngine:
             e, seconds = self._engine, time.perf_counter() - start
             decode_seqs = min(decoding, e.last_step_tokens)
             self.on_step(e.last_step_tokens - decode_seqs, decode_seqs, seconds, e.last_step_prefill_context)
-        if self.on_request_times is not None and (self._engine.last_step_queue_s or self._engine.last_step_prefill_s):
-            self.on_request_times(self._engine.last_step_queue_s, self._engine.last_step_prefill_s)
+        times = (self._engine.last_step_queue_s, self._engine.last_step_prefill_s, self._engine.last_step_requeue_s)
+        if self.on_request_times is not None and any(times):
+            self.on_request_times(*times)
         self.faults.stepped(o.request_id for o in outputs)
         self._streams.deliver(outputs)
         self._update_stats()

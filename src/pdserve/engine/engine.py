@@ -23,7 +23,7 @@ from pdserve.engine.model_files import generation_eos_ids, tokenizer_folder
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes, load_model
 from pdserve.engine.models import resolve_model
 from pdserve.engine.sampler import Sampler, TokenHistory, make_generator
-from pdserve.engine.scheduler import ScheduledChunk, Scheduler
+from pdserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError, OverloadedError
@@ -79,6 +79,8 @@ class LLMEngine:
         # (those dropped before any step ran them have none), and that start to its prompt's first token.
         self.last_step_queue_s: list[float] = []
         self.last_step_prefill_s: list[float] = []
+        # Once a preemption: from it to the start of the step that ran its sequence again (its stream's wait).
+        self.last_step_requeue_s: list[float] = []
 
     def _blocks_for_memory(self) -> int:
         per_block = kv_block_bytes(self.model_config, self.config.block_size, resolve_dtype(self.config))
@@ -263,6 +265,7 @@ class LLMEngine:
         for seq in plan.started:
             seq.first_scheduled = began
         self.last_step_queue_s = [began - seq.arrival for seq in plan.started]
+        self.last_step_requeue_s = self._requeue_waits(plan, began)
         self.last_step_prefill_s = []
         if not plan.chunks:
             return []
@@ -292,6 +295,17 @@ class LLMEngine:
             done = time.monotonic()
             self.last_step_prefill_s = [done - s.first_scheduled for s in prefilled if s.first_scheduled is not None]
         return outputs
+
+    def _requeue_waits(self, plan: SchedulerOutput, began: float) -> list[float]:
+        """The waits of the preempted sequences this step runs again; those it preempts begin theirs."""
+        waits = []
+        for seq in (self._requests[c.seq_id].seq for c in plan.chunks):
+            if seq.preempted_at is not None:
+                waits.append(began - seq.preempted_at)
+                seq.preempted_at = None
+        for seq_id in plan.preempted:
+            self._requests[seq_id].seq.preempted_at = began
+        return waits
 
     def _record_prompt_logprobs(self, req: _Request, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
         """Row j of the chunk predicts the token at position start + j + 1: keep those that are prompt tokens

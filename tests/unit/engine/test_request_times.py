@@ -29,6 +29,7 @@ class Timed:
 
     queue_s: list[float] = field(default_factory=list)
     prefill_s: list[float] = field(default_factory=list)
+    requeue_s: list[float] = field(default_factory=list)
     steps: list[tuple[float, float]] = field(default_factory=list)
     finished_at: dict[str, float] = field(default_factory=dict)
 
@@ -44,6 +45,7 @@ def run_timed(engine: LLMEngine, max_steps: int = 2000) -> Timed:
         timed.steps.append((began, ended))
         timed.queue_s += engine.last_step_queue_s
         timed.prefill_s += engine.last_step_prefill_s
+        timed.requeue_s += engine.last_step_requeue_s
         timed.finished_at |= {out.request_id: ended for out in outputs if out.finished}
     raise AssertionError(f"engine still busy after {max_steps} steps")
 
@@ -91,6 +93,28 @@ def test_a_preempted_and_recomputed_request_is_timed_by_its_first_scheduling_onl
     assert len(timed.queue_s) == 2 and len(timed.prefill_s) == 2
 
 
+def test_each_preemption_is_timed_from_its_step_to_the_step_that_runs_the_sequence_again(monkeypatch) -> None:
+    """pdserve_preemption_wait_seconds: the time a preempted sequence lost waiting to be recomputed, once a
+    preemption, which its request's queue time (its first wait) leaves out."""
+    config = EngineConfig(model="tiny-random", dtype="float32", device="cpu", block_size=4, num_kv_blocks=16)
+    engine = LLMEngine(config)
+    plans = record_schedules(engine, monkeypatch)
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    for name, first in (("a", 5), ("b", 100)):
+        engine.add_request(EngineRequest(name, list(range(first, first + 10)), sampling))
+    timed = run_timed(engine)
+    waits: list[tuple[int, int]] = []  # (the step that preempted it, the step that ran it again), in that order
+    since: dict[str, int] = {}
+    for step, plan in enumerate(plans):
+        waits += [(since.pop(c.seq_id), step) for c in plan.chunks if c.seq_id in since]
+        since |= dict.fromkeys(plan.preempted, step)
+    assert len(waits) == engine.scheduler.num_preemptions >= 1 and not since
+    assert len(timed.requeue_s) == len(waits) and len(timed.queue_s) == 2
+    for wait, (preempted, ran) in zip(timed.requeue_s, waits, strict=True):
+        (began, ended), (ran_began, ran_ended) = timed.steps[preempted], timed.steps[ran]
+        assert ran_began - ended <= wait <= ran_ended - began
+
+
 def test_a_request_dropped_before_any_step_ran_it_has_no_queue_time() -> None:
     engine = make_engine(max_num_seqs=1)
     first, second = prompts(2, seed=2)
@@ -121,9 +145,9 @@ def test_a_decode_worker_queues_from_its_commit_not_while_the_kv_arrives() -> No
 async def test_the_async_engine_hands_each_steps_times_to_its_hook_on_the_engine_thread() -> None:
     config = EngineConfig(model="tiny-random", device="cpu", num_kv_blocks=16, num_threads=1)
     engine = AsyncEngine(LLMEngine(config))
-    reported: list[tuple[list[float], list[float], str]] = []
-    engine.on_request_times = lambda queue_s, prefill_s: reported.append(
-        (queue_s, prefill_s, threading.current_thread().name)
+    reported: list[tuple[list[float], list[float], list[float], str]] = []
+    engine.on_request_times = lambda queue_s, prefill_s, requeue_s: reported.append(
+        (queue_s, prefill_s, requeue_s, threading.current_thread().name)
     )
     try:
         request = EngineRequest("timed", [5, 6, 7, 8] * 5, SamplingParams(max_tokens=6, ignore_eos=True))
@@ -132,4 +156,4 @@ async def test_the_async_engine_hands_each_steps_times_to_its_hook_on_the_engine
     finally:
         engine.stop()
     assert outputs[-1].finished
-    assert [(len(q), len(p), thread) for q, p, thread in reported] == [(1, 1, "engine-loop")]
+    assert [(len(q), len(p), len(r), thread) for q, p, r, thread in reported] == [(1, 1, 0, "engine-loop")]
