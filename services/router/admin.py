@@ -135,7 +135,7 @@ def worker_status(w: WorkerState, health: str, recent: RecentLatencies) -> apb.W
         kv_blocks_total=w.kv_blocks_total,
         **latencies,
         metrics_address=w.metrics_address,
-        state_age_s=max(0.0, time.time() - w.updated_at),
+        state_age_s=max(0.0, time.monotonic() - w.heard_at),  # this process's clock only: the worker's may be off
         pid=w.pid,
         draining=w.draining,
         build=w.build,

@@ -1,5 +1,6 @@
 """What this router has sent to each worker that the worker's last heartbeat cannot show yet, and what it has
-seen finish since: a heartbeat taken before a prompt's first token came back still counts that prompt."""
+seen finish since: a heartbeat taken before a prompt's first token came back still counts that prompt. Every time
+here is this process's monotonic clock, as a report's sampling is (`WorkerState.load_sampled_at`)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class Sent:
     prompt_tokens: int  # the most a prefill worker's queue can show of it: its cache may hold less than we predict
     seconds: float  # predicted time it holds the prefill worker
     blocks: int  # KV blocks the decode worker reserves for it
-    at: float  # wall time placed
+    at: float  # when placed
     prompt_blocks: int = 0  # of those, the prompt's: what its hand-off reserves, and a report shows from then on
 
 
@@ -33,10 +34,10 @@ class Sent:
 class Ended:
     """One placed request that ended, as reports sampled before its end may still count it."""
 
-    at: float  # wall time it ended (never before the one before it, whatever the clock did)
+    at: float  # when it ended
     placed_at: float
     prompt_blocks: int
-    reserved_by: float  # wall time its first token came back (inf: never), by which its blocks were reserved
+    reserved_by: float  # when its first token came back (inf: never), by which its blocks were reserved
 
 
 class LoadTracker:
@@ -47,13 +48,13 @@ class LoadTracker:
         self.decoding: Counter[str] = Counter()  # streams in flight per decode worker
         self.moving = 0  # streams waiting for a decode worker with room to move to: new requests leave them a place
         self.moving_elsewhere = 0  # the same through the other routers of a shared registry (shared_moving.py)
-        # (wall time, (prompt tokens, new tokens: what the worker was to compute))
+        # (when, (prompt tokens, new tokens: what the worker was to compute))
         self._prefilled: defaultdict[str, deque[tuple[float, tuple[int, int]]]] = defaultdict(deque)
         self._sent: dict[int, Sent] = {}  # placement number -> request, until it ends
         self._prefilling: set[int] = set()  # placement numbers whose first token is not back
         self._placed: defaultdict[str, dict[int, Sent]] = defaultdict(dict)  # `_sent`, per decode worker
         self._ended: defaultdict[str, deque[Ended]] = defaultdict(deque)
-        self._first_token_at: dict[int, float] = {}  # placement number -> wall time its first token came back
+        self._first_token_at: dict[int, float] = {}  # placement number -> when its first token came back
         self._placements = itertools.count()
 
     @property
@@ -72,7 +73,7 @@ class LoadTracker:
         prompt_blocks: int = 0,
     ) -> int:
         """Returns the placement's number, for `prefilled` and `finished`."""
-        sent = Sent(prefill_id, decode_id, new_tokens, prompt_tokens, seconds, blocks, time.time(), prompt_blocks)
+        sent = Sent(prefill_id, decode_id, new_tokens, prompt_tokens, seconds, blocks, time.monotonic(), prompt_blocks)
         self.pending_prefill_tokens[prefill_id] += new_tokens
         self.pending_prefill_s[prefill_id] += seconds
         self.pending_blocks[decode_id] += blocks
@@ -86,7 +87,7 @@ class LoadTracker:
     def prefilled(self, placement: int) -> None:
         """The first token is back (or the request ended before it): its prefill no longer queues. Once only."""
         self._prefilling.remove(placement)
-        self._first_token_at[placement] = time.time()
+        self._first_token_at[placement] = time.monotonic()
         sent = self._sent[placement]
         self.pending_prefill_tokens[sent.prefill_id] -= sent.new_tokens
         left_s = max(0.0, self.pending_prefill_s[sent.prefill_id] - sent.seconds)
@@ -97,7 +98,7 @@ class LoadTracker:
         _log(self._prefilled[sent.prefill_id], (sent.prompt_tokens, sent.new_tokens))
 
     def prefilled_since(self, prefill_id: str, since: float) -> QueuedPrefill:
-        """The most a queue sampled at wall time `since` (a heartbeat's) can show of our prompts whose prefill
+        """The most a queue sampled at `since` (a heartbeat's) can show of our prompts whose prefill
         has ended since: each whole prompt's tokens, since the worker's prefix cache may hold less of it than we
         predicted (our prefix index learns of its evictions late); the squares of what we predicted it would
         compute, as a worker counts a prompt's squares past its cached prefix (`QueuedPrefill.minus` keeps the rest
@@ -110,18 +111,18 @@ class LoadTracker:
         return QueuedPrefill(prompts, tokens, squares)
 
     def placed_since(self, decode_id: str, since: float) -> int:
-        """KV blocks of our unfinished requests placed on the decode worker after wall time `since` (a
-        heartbeat's): reserved there after it sampled its free blocks, first token back or not. A finished
-        request holds none, whether it reserved them or ended before (an idle worker samples no more)."""
+        """KV blocks of our unfinished requests placed on the decode worker after `since` (a heartbeat's): reserved
+        there after it sampled its free blocks, first token back or not. A finished request holds none, whether it
+        reserved them or ended before (an idle worker samples no more)."""
         return sum(sent.blocks for sent in self._placed[decode_id].values() if sent.at > since)
 
     def streams_placed_since(self, decode_id: str, since: float) -> int:
-        """Our unfinished requests placed on the decode worker after wall time `since`: each holds a place in its
+        """Our unfinished requests placed on the decode worker after `since`: each holds a place in its
         batch that a report sampled then cannot show."""
         return sum(1 for sent in self._placed[decode_id].values() if sent.at > since)
 
     def streams_ended_since(self, decode_id: str, since: float) -> int:
-        """Our requests placed on the decode worker by wall time `since` that have ended after it: a report
+        """Our requests placed on the decode worker by `since` that have ended after it: a report
         sampled then may still count their places in its batch."""
         count = 0
         for ended in reversed(self._ended[decode_id]):  # in the order they ended: read back only past `since`
@@ -131,7 +132,7 @@ class LoadTracker:
         return count
 
     def blocks_freed_since(self, decode_id: str, since: float) -> int:
-        """KV blocks of our requests that a report sampled at wall time `since` counted as used (their first token,
+        """KV blocks of our requests that a report sampled at `since` counted as used (their first token,
         so their hand-off's reservation, was back by then) and that have ended after it: their prompts' blocks, the
         least such a report showed. Without them, a worker whose streams were just cancelled (say, the other
         choices of a request whose last was shed) looked full until its next heartbeat, and the next request was
@@ -172,20 +173,14 @@ class LoadTracker:
         del self._placed[sent.decode_id][placement]
         reserved_by = self._first_token_at.pop(placement, math.inf)
         ended = self._ended[sent.decode_id]
-        ended.append(Ended(_later(ended[-1].at if ended else None), sent.at, sent.prompt_blocks, reserved_by))
+        ended.append(Ended(time.monotonic(), sent.at, sent.prompt_blocks, reserved_by))
         while ended and ended[0].at < ended[-1].at - FORGET_AFTER_S:
             ended.popleft()
 
 
 def _log(entries: deque[tuple[float, Any]], amount: Any) -> None:
     """Appends (now, amount), forgetting what no heartbeat a router still places by can predate."""
-    now = _later(entries[-1][0] if entries else None)
+    now = time.monotonic()
     entries.append((now, amount))
     while entries and entries[0][0] < now - FORGET_AFTER_S:
         entries.popleft()
-
-
-def _later(newest: float | None) -> float:
-    """Now, or the newest entry's time if the wall clock stepped back since: the entries stay in time order, which
-    the reads since a time rely on."""
-    return time.time() if newest is None else max(time.time(), newest)

@@ -51,7 +51,7 @@ class Predictor:
     def reported_queue(self, w: WorkerState) -> QueuedPrefill:
         """The worker's last reported queue, less what of ours it has finished since it sampled that queue (not
         since it sent the report: a prefill ending in between would count twice, and shed for a heartbeat)."""
-        sampled_at = w.load_at or w.updated_at
+        sampled_at = w.load_sampled_at
         return w.queued_prefill.minus(self.tracker.prefilled_since(w.worker_id, sampled_at))
 
     def reported_tokens(self, w: WorkerState) -> int:
@@ -113,7 +113,7 @@ class Predictor:
         if w.role != Role.DECODE or not w.max_num_seqs:
             return True
         held = max(w.sequences, w.running + w.waiting)  # a worker of the build before `sequences` reports 0
-        sampled_at, t = w.load_at or w.updated_at, self.tracker
+        sampled_at, t = w.load_sampled_at, self.tracker
         reported = max(0, held - t.streams_ended_since(w.worker_id, sampled_at))
         reported += t.streams_placed_since(w.worker_id, sampled_at)
         return max(reported, t.decoding[w.worker_id]) + spare < w.max_num_seqs
@@ -122,7 +122,7 @@ class Predictor:
         """The report's free blocks, less ours it cannot show: those about to be reserved, and those placed since
         it sampled them (their first token may be back, and their blocks reserved, before the next report); plus
         ours it still counts that have ended since."""
-        sampled_at = w.load_at or w.updated_at
+        sampled_at = w.load_sampled_at
         since = self.tracker.placed_since(w.worker_id, sampled_at)
         freed = self.tracker.blocks_freed_since(w.worker_id, sampled_at)
         return w.kv_blocks_free + freed - max(self.tracker.pending_blocks[w.worker_id], since)

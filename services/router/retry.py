@@ -66,14 +66,15 @@ def avoided_workers(
 
 class FailedWorkers:
     """The workers that failed one request: each at the address it failed at, as the registry listed it then (its
-    last heartbeat's `updated_at`, the worker's own clock, compared only with itself), and whether by a fault (not
-    only refused it as full). One listed again at another address is a new process (Ray restarted it, a new pod
-    took its id), and one heard from twice since is alive: a moving stream may go back to either (lifecycle.py).
+    last heartbeat's `updated_at`, the worker's own clock, compared with nothing: any other value is a later
+    heartbeat, even one that clock stepped back for), and whether by a fault (not only refused it as full). One
+    listed again at another address is a new process (Ray restarted it, a new pod took its id), and one heard from
+    twice since is alive: a moving stream may go back to either (lifecycle.py).
     Twice: a view refreshed just before the failure may bring one heartbeat sent before it, from a dead worker."""
 
     def __init__(self) -> None:
         self._at: dict[str, tuple[str, float, bool]] = {}  # worker id -> (address, updated_at, fault)
-        self._heard: dict[str, set[float]] = {}  # worker id -> the newer `updated_at`s seen since its failure
+        self._heard: dict[str, set[float]] = {}  # worker id -> the other `updated_at`s seen since its failure
         self.waited_s = 0.0  # for one of them to be heard from or restarted, over all the request's moves
 
     def add(self, workers: Iterable[WorkerState], registry: Registry, fault: bool) -> None:
@@ -98,7 +99,7 @@ class FailedWorkers:
             now = listed.get(worker_id)
             if not fault or (now is not None and now.address != address):
                 continue
-            if now is not None and now.updated_at > updated_at:
+            if now is not None and now.updated_at != updated_at:
                 self._heard[worker_id].add(now.updated_at)
             if len(self._heard[worker_id]) < 2:
                 unheard.append(worker_id)

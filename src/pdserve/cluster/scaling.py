@@ -295,7 +295,8 @@ class FleetScaler:
         if self.publish:  # out of placement now, not at the supervisor's next check
             found = [w for w in self.registry.workers() if w.worker_id == name]
             if found:
-                self.registry.publish(replace(found[0], draining=True, updated_at=time.time()))
+                w = found[0]  # its load as sampled then: as old now as it was, on this process's clock
+                self.registry.publish(replace(w, draining=True, load_age_s=time.monotonic() - w.load_sampled_at))
         try:
             await self.drain(slot)
         except Exception as e:  # unreachable or dead: what it held moves as after a crash

@@ -148,6 +148,7 @@ class WorkerRuntime:
             max_num_seqs=self._engine.max_num_seqs,
             sequences=stats["sequences"],
             load_at=stats["sampled_at_ns"] / 1e9,
+            load_age_s=max(0, time.monotonic_ns() - stats["sampled_mono_ns"]) / 1e9,
             profile=self._speed.profile,
             speed_factor=self._speed.factor,
             metrics_address=self._metrics_address,

@@ -121,7 +121,8 @@ class LLMEngine:
             "queued_prefill_token_squares": queued.token_squares,
             "prefix_hits": self.blocks.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,
-            "sampled_at_ns": time.time_ns(),  # what a router subtracts prefills it saw end after from
+            "sampled_at_ns": time.time_ns(),  # for routers of an earlier build, which read it on their own clocks
+            "sampled_mono_ns": time.monotonic_ns(),  # the age the worker reports with it (WorkerState.load_age_s)
         }
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:

@@ -44,7 +44,7 @@ class WorkerState:
     build: str = ""  # the build its process runs (`pdserve.build`); "": a worker too old to say
     max_num_seqs: int = 0  # the most sequences its batch decodes (a decode worker refuses more); 0: unknown
     sequences: int = 0  # running, waiting, and (decode) those whose KV is arriving: what max_num_seqs bounds
-    load_at: float = 0.0  # wall time the load fields were sampled (before updated_at); 0: unknown, updated_at
+    load_at: float = 0.0  # its wall time the load fields were sampled (before updated_at); 0: unknown, updated_at
     instance: str = ""  # a random id of its process, new on every start; "": a worker too old to say
     # The prompts of queued_prefill_tokens and their tokens squared, summed: a router prices the queue as each
     # prompt alone (QueuedPrefill). 0 prompts with tokens queued: a worker too old to say.
@@ -57,7 +57,15 @@ class WorkerState:
     # Of the free blocks, those its own sequences will need (a decode worker's preempted and growing ones: its
     # reservations leave them), so not in kv_blocks_free; 0: none, or a worker too old to say.
     kv_blocks_owed: int = 0
-    updated_at: float = field(default_factory=time.time)
+    # How long before it was handed on (written to Redis, returned to the supervisor) its load was sampled, on its own
+    # monotonic clock; -1: a worker too old to say (its load_at and updated_at say it on its wall clock).
+    load_age_s: float = -1.0
+    # The TTL its Redis entry was written with (the entry's, not the worker's): less the key's PTTL, the entry's age.
+    written_ttl_ms: int = field(default=0, compare=False)
+    updated_at: float = field(default_factory=time.time)  # its wall clock: never compared with another host's
+    # Not on the wire: when this process heard it, on this process's monotonic clock (a registry sets it as it takes
+    # the state in: the supervisor's receipt, or the Redis entry's write, reckoned on Redis's clock).
+    heard_at: float = field(default_factory=time.monotonic, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # from JSON or a caller's string: one type, checked
@@ -77,6 +85,15 @@ class WorkerState:
         return QueuedPrefill(self.queued_prefill_prompts, self.queued_prefill_tokens, self.queued_prefill_token_squares)
 
     @property
+    def load_sampled_at(self) -> float:
+        """When its load was sampled, on this process's monotonic clock: what a router's own placements are timed
+        against, so no two hosts' clocks ever meet (hosts need no synchronized clocks for placement)."""
+        if self.load_age_s >= 0:
+            return self.heard_at - self.load_age_s
+        # A worker too old to say: the age its two wall-clock stamps give, its clock read against itself.
+        return self.heard_at - (max(0.0, self.updated_at - self.load_at) if self.load_at else 0.0)
+
+    @property
     def cache_key(self) -> str:
         """Its process's prefix cache in a prefix index: a worker restarted under the same id (a drain's restart,
         a crash's replacement, a removed id handed out again) starts with an empty cache, which the index must
@@ -86,6 +103,7 @@ class WorkerState:
 
     def to_json(self) -> str:
         d = asdict(self)
+        del d["heard_at"]  # this process's clock: meaningless on another host
         d["profile"] = self.profile.to_dict() if self.profile else None
         return json.dumps(d)
 
@@ -93,7 +111,8 @@ class WorkerState:
     def from_json(cls, text: str | bytes) -> WorkerState:
         d = json.loads(text)
         d["profile"] = PerfProfile.from_dict(d["profile"]) if d.get("profile") else None
-        known = {f.name for f in fields(cls)}  # a newer worker's extra fields: ignored while routers upgrade
+        # A newer worker's extra fields: ignored while routers upgrade; `heard_at` is the reader's own to set.
+        known = {f.name for f in fields(cls)} - {"heard_at"}
         return cls(**{k: v for k, v in d.items() if k in known})
 
 

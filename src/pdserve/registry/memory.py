@@ -6,7 +6,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.engine.cache_journal import PrefixCacheChanges
 from pdserve.protocol.admitted import AdmittedTotals
@@ -15,10 +15,15 @@ from pdserve.registry.base import DEFAULT_TTL_S, PREFIX_TTL_S, RETIRED_KEEP_S, P
 
 
 class InMemoryRegistry(Registry):
-    def __init__(self, ttl_s: float = DEFAULT_TTL_S) -> None:
+    """A worker is live for `ttl_s` from when this process heard it (its `heard_at`, stamped at `publish` on this
+    process's monotonic clock): the supervisor hears workers that may run on other Ray nodes, whose clocks are not
+    this one's (a worker's clock 5 s behind read as silent for 5 s, and no worker was ever listed)."""
+
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
+        self._clock = clock
         self._workers: dict[str, WorkerState] = {}
-        self._retired: dict[str, float] = {}  # id -> when it was retired
+        self._retired: dict[str, float] = {}  # id -> when it was retired (the clock's)
         self._desired: dict[Role, int] = {}
         self._flags: dict[Role, int] = {}
         self._admitted = AdmittedTotals()
@@ -26,11 +31,11 @@ class InMemoryRegistry(Registry):
         self._lock = threading.Lock()
 
     def publish(self, state: WorkerState) -> None:
-        oldest = time.time() - self.ttl_s
+        now = self._clock()
         with self._lock:
-            self._workers[state.worker_id] = state
+            self._workers[state.worker_id] = replace(state, heard_at=now)
             self._retired.pop(state.worker_id, None)
-            for gone in [w.worker_id for w in self._workers.values() if w.updated_at < oldest]:
+            for gone in [w.worker_id for w in self._workers.values() if w.heard_at < now - self.ttl_s]:
                 del self._workers[gone]  # past its TTL no view shows it; scaled-away ids never come back
 
     def remove(self, worker_id: str) -> None:
@@ -38,7 +43,7 @@ class InMemoryRegistry(Registry):
             self._workers.pop(worker_id, None)
 
     def retire(self, worker_id: str) -> None:
-        now = time.time()
+        now = self._clock()
         with self._lock:
             self._workers.pop(worker_id, None)
             self._retired = {i: at for i, at in self._retired.items() if now - at < RETIRED_KEEP_S}
@@ -49,9 +54,9 @@ class InMemoryRegistry(Registry):
             return set(self._retired)
 
     def workers(self, role: Role | None = None) -> list[WorkerState]:
-        oldest = time.time() - self.ttl_s
+        oldest = self._clock() - self.ttl_s
         with self._lock:
-            return [w for w in self._workers.values() if w.updated_at >= oldest and (role is None or w.role == role)]
+            return [w for w in self._workers.values() if w.heard_at >= oldest and (role is None or w.role == role)]
 
     def desired_counts(self) -> dict[Role, int]:
         with self._lock:

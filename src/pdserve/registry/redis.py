@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import redis
@@ -171,8 +171,9 @@ class RedisRegistry(Registry):
         return self._redis
 
     def publish(self, state: WorkerState) -> None:
+        ttl_ms = int(self.ttl_s * 1000)
         pipe = self._redis.pipeline()
-        pipe.set(worker_key(state.worker_id), state.to_json(), px=int(self.ttl_s * 1000))
+        pipe.set(worker_key(state.worker_id), replace(state, written_ttl_ms=ttl_ms).to_json(), px=ttl_ms)
         pipe.sadd(WORKERS_KEY, state.worker_id)
         pipe.zrem(RETIRED_KEY, state.worker_id)
         pipe.execute()
@@ -273,25 +274,35 @@ class RedisRegistry(Registry):
         """One read of every worker's state into the view; False when Redis did not answer in time."""
         assert self._async is not None, "start() first"
         try:
-            values, retired = await asyncio.wait_for(self._read(self._async), 2 * self.timeout_s)
+            entries, retired = await asyncio.wait_for(self._read(self._async), 2 * self.timeout_s)
         except Exception as e:  # unreachable, stalled, or a wrong-typed key: the same for a router
             self._unreachable(e)
             return False
-        self._reachable(values, retired)
+        self._reachable(entries, retired)
         self._retired = retired
-        await self._forget_expired(self._async, [i for i, v in values.items() if v is None])
+        await self._forget_expired(self._async, [i for i, entry in entries.items() if entry is None])
         return True
 
     @staticmethod
-    async def _read(client: aredis.Redis) -> tuple[dict[str, bytes | None], set[str]]:
-        """Every listed worker's state, and the retired ids (read with the list, in one transaction)."""
+    async def _read(client: aredis.Redis) -> tuple[dict[str, _Entry | None], set[str]]:
+        """Every listed worker's entry, and the retired ids (read with the list, in one transaction)."""
         async with client.pipeline() as pipe:
             pipe.smembers(WORKERS_KEY)
             pipe.zrange(RETIRED_KEY, 0, -1)
             listed, retired = await pipe.execute()
         ids = sorted(i.decode() for i in listed)
-        values = await client.mget([worker_key(i) for i in ids]) if ids else []
-        return dict(zip(ids, values, strict=True)), {i.decode() for i in retired}
+        entries: dict[str, _Entry | None] = {}
+        if ids:
+            keys = [worker_key(i) for i in ids]
+            async with client.pipeline() as pipe:  # one transaction: each value with its time to live then
+                pipe.mget(keys)
+                for key in keys:
+                    pipe.pttl(key)
+                values, *ttls_ms = await pipe.execute()
+            received = time.monotonic()  # the transaction ran before: what is reckoned from this is late, if off
+            for i, value, ttl_ms in zip(ids, values, ttls_ms, strict=True):
+                entries[i] = None if value is None else _Entry(value, ttl_ms, received)
+        return entries, {i.decode() for i in retired}
 
     async def _forget_expired(self, client: aredis.Redis, expired: list[str]) -> None:
         if not expired:
@@ -302,7 +313,7 @@ class RedisRegistry(Registry):
         except Exception as e:
             log.info("could not drop expired workers %s: %r", expired, e)
 
-    def _reachable(self, values: dict[str, bytes | None], retired: set[str]) -> None:
+    def _reachable(self, entries: dict[str, _Entry | None], retired: set[str]) -> None:
         now = time.monotonic()
         if self._down_since is not None:
             log.warning("registry redis answers again after %.1f s; the view is current", now - self._down_since)
@@ -310,20 +321,21 @@ class RedisRegistry(Registry):
             # One TTL to heartbeat again for the workers Redis listed before the outage; one kept already keeps its
             # own end: renewed at every recovery, a dead worker stayed while Redis missed a refresh once per TTL.
             self._kept = {i: (w, now + self.ttl_s) for i, w in self._listed.items()} | self._kept
-        self._listed = listed = self._parse(values)
+        self._listed = listed = self._parse(entries)
         settled = listed.keys() | retired  # listed again: no grace needed; retired since (scaled down): none due
         self._kept = {i: kept for i, kept in self._kept.items() if kept[1] > now and i not in settled}
         self._view, self._confirmed_at = {**{i: w for i, (w, _) in self._kept.items()}, **listed}, now
 
-    def _parse(self, values: dict[str, bytes | None]) -> dict[str, WorkerState]:
-        """Entries that fail to parse are skipped (logged once each): one bad entry must not fail every request."""
+    def _parse(self, entries: dict[str, _Entry | None]) -> dict[str, WorkerState]:
+        """Entries that fail to parse are skipped (logged once each): one bad entry must not fail every request.
+        Each is heard when it was written, on this process's clock."""
         view: dict[str, WorkerState] = {}
         malformed: set[str] = set()
-        for worker_id, value in values.items():
-            if value is None:
+        for worker_id, entry in entries.items():
+            if entry is None:
                 continue
             try:
-                view[worker_id] = WorkerState.from_json(value)
+                state = WorkerState.from_json(entry.value)
             except Exception as e:  # written by anyone with access to Redis: any shape at all
                 malformed.add(worker_id)
                 if worker_id not in self._malformed:
@@ -331,8 +343,10 @@ class RedisRegistry(Registry):
                         "registry entry %s skipped, it does not parse: %r; value %.200r",
                         worker_key(worker_id),
                         e,
-                        value,
+                        entry.value,
                     )
+                continue
+            view[worker_id] = replace(state, heard_at=entry.written_at(state))
         self._malformed = malformed
         return view
 
@@ -352,3 +366,20 @@ class RedisRegistry(Registry):
                 len(self._view),
             )
             self._view, self._listed, self._kept = {}, {}, {}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A worker's registry entry as one read found it."""
+
+    value: bytes
+    ttl_ms: int  # its key's PTTL then
+    received: float  # this process's monotonic time the read's answer came
+
+    def written_at(self, state: WorkerState) -> float:
+        """When its worker wrote it, on this process's monotonic clock: its age on Redis's clock (the TTL it was
+        written with less what is left), so no two hosts' clocks meet. A worker too old to say its TTL: its wall
+        clock against this one's, the one place hosts' clocks must agree (NTP), until the last such worker is gone."""
+        if state.written_ttl_ms > 0 and self.ttl_ms >= 0:
+            return self.received - max(0, state.written_ttl_ms - self.ttl_ms) / 1e3
+        return self.received - max(0.0, time.time() - state.updated_at)

@@ -6,6 +6,8 @@ import json
 import time
 from dataclasses import replace
 
+import pytest
+
 from pdserve.engine.cache_journal import PrefixCacheChanges
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.prefix_hash import prefix_hashes
@@ -74,10 +76,20 @@ def test_a_worker_that_stops_publishing_expires_after_the_ttl():
     assert ids(reg.workers()) == ["beating", "quiet"]
 
 
-def test_a_stale_state_is_not_live_even_when_just_published():
-    reg = InMemoryRegistry(ttl_s=1.0)
-    reg.publish(state("old", updated_at=time.time() - 5))
-    assert reg.workers() == []
+def test_a_worker_is_live_for_the_ttl_from_when_it_was_heard_whatever_its_own_clock_says():
+    """The supervisor hears workers on other Ray nodes: a worker's clock 30 s behind this one's (or ahead) says
+    nothing of whether it is silent. Each is live for the TTL from its publish, on the registry's clock alone."""
+    now = [100.0]
+    reg = InMemoryRegistry(ttl_s=1.0, clock=lambda: now[0])
+    reg.publish(state("behind", updated_at=time.time() - 30, load_at=time.time() - 30.2))
+    reg.publish(state("ahead", updated_at=time.time() + 30))
+    assert ids(reg.workers()) == ["ahead", "behind"]
+    (behind,) = (w for w in reg.workers() if w.worker_id == "behind")
+    assert behind.heard_at == 100.0 and behind.load_sampled_at == pytest.approx(99.8)  # its own clock's 0.2 s
+    now[0] += 0.9
+    reg.publish(state("ahead", updated_at=time.time() + 30))
+    now[0] += 0.2
+    assert ids(reg.workers()) == ["ahead"]  # "behind" silent past the TTL; "ahead" heard 0.2 s ago
 
 
 def test_worker_state_json_round_trip_with_and_without_profile():
@@ -162,8 +174,10 @@ async def test_an_entry_nobody_recorded_into_for_its_ttl_goes():
 
 
 def test_a_worker_past_its_ttl_is_dropped_when_another_publishes():
-    reg = InMemoryRegistry(ttl_s=60)
-    reg.publish(replace(state("scaled-away"), updated_at=time.time() - 61))
+    now = [0.0]
+    reg = InMemoryRegistry(ttl_s=60, clock=lambda: now[0])
+    reg.publish(state("scaled-away"))
+    now[0] += 61
     reg.publish(state("live"))
     assert list(reg._workers) == ["live"]  # not only hidden from views: gone
 

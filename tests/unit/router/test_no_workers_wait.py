@@ -102,6 +102,19 @@ async def test_a_moving_stream_waits_for_a_worker_that_did_not_fail_it_or_a_rest
     assert 0.2 <= time.monotonic() - start < 3.0
 
 
+def test_heartbeats_from_a_worker_whose_clock_stepped_back_since_it_failed_are_heard() -> None:
+    """A heartbeat is told from the last by its own stamp, never by which is later: an NTP step back on the worker's
+    host left its next heartbeats "older" than the one before its failure, and it read as dead to moving streams."""
+    d0 = worker("d0", "decode")
+    router = Router([worker("p0"), d0])
+    failed = failed_at(router, d0)
+    assert failed.unheard(router.registry) == {"d0"}
+    for beat in (1, 2):  # its clock stepped 30 s back
+        router.registry.publish(replace(d0, updated_at=d0.updated_at - 30 + beat))
+        heard = failed.unheard(router.registry)
+    assert heard == frozenset()
+
+
 async def test_a_retry_waits_as_a_stream_does_no_longer_than_the_wait_over_all_its_moves() -> None:
     """Before its first token too: it went back at once to a dead worker (and failed) while a request arriving
     then waited for the restart. The wait is the request's, not each move's: a worker that never comes back costs

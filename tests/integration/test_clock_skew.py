@@ -1,0 +1,123 @@
+"""Workers on hosts whose clocks are not the router's, end to end: a `pdserve up` whose worker actors run with their
+wall clock 30 s behind the router's and their monotonic clock a day on (skewed_clock/sitecustomize.py shifts those
+processes' clock functions, as another host's would be), with the embedded registry and with Redis. The router lists
+the workers, shows their reports' true age, and counts a decode worker's batch once: a report is placed in time on
+the router's own clock (the Redis entry's age on Redis's clock, the load's age on the worker's), so the streams this
+router placed before the report are not counted again on top of it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdserve.cluster.local_process import ClusterProcess
+from pdserve.registry.redis import worker_key
+from pdserve.rpc.server import channel
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc
+from tests.integration.cluster_view import status_json
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.timeout(400)
+SKEW_DIR = Path(__file__).parent / "skewed_clock"
+SKEW_S = -30.0
+CAP = 3  # the decode worker's batch: two streams held, a third request must find its place
+
+
+class Skewed:
+    def __init__(self, cluster: ClusterProcess, redis: RedisServer | None) -> None:
+        self.cluster, self.redis = cluster, redis
+
+
+@pytest.fixture(scope="module", params=["embedded", "redis"])
+def skewed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Skewed]:
+    redis = RedisServer() if request.param == "redis" else None
+    args = ["--model", "tiny-random", "--prefill", "1", "--decode", "1", "--kv-cache-gb", "0.05"]
+    args += ["--max-num-seqs", str(CAP)]
+    if redis is not None:
+        redis.start()
+        args += ["--redis", redis.url]
+    env = {"PYTHONPATH": os.pathsep.join([str(SKEW_DIR), os.environ.get("PYTHONPATH", "")])}
+    env["PDSERVE_TEST_CLOCK_SKEW_S"] = str(SKEW_S)
+    log = tmp_path_factory.mktemp(f"clock_skew_{request.param}") / "cluster.log"
+    try:
+        cluster = ClusterProcess(*args, log_path=log, env=env)
+    except BaseException:
+        if redis is not None:
+            redis.stop()
+        raise
+    yield Skewed(cluster, redis)
+    cluster.stop()
+    if redis is not None:
+        redis.stop()
+
+
+def test_the_hook_runs_a_ray_worker_process_on_skewed_clocks(tmp_path: Path) -> None:
+    """What the cluster below rests on: a process started as a Ray worker gets the shifted clocks, others do not."""
+    probe = "import time; print(time.time(), time.monotonic())"
+    script = tmp_path / "default_worker.py"
+    script.write_text(probe)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SKEW_DIR), os.environ.get("PYTHONPATH", "")])}
+    env["PDSERVE_TEST_CLOCK_SKEW_S"] = str(SKEW_S)
+    wall, mono = time.time(), time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True)
+    shifted_wall, shifted_mono = map(float, out.stdout.split())
+    assert shifted_wall - wall == pytest.approx(SKEW_S, abs=5) and shifted_mono - mono > 86000
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert float(out.stdout.split()[0]) - wall == pytest.approx(0, abs=5)
+
+
+def test_workers_whose_clocks_are_behind_are_listed_with_their_reports_true_age(skewed: Skewed) -> None:
+    """The embedded registry took a worker's own stamp for when it was heard: 30 s behind, no worker was ever
+    listed. Status read the age of a Redis entry off the worker's clock against the router's: 30 s."""
+    if skewed.redis is not None:  # the workers really write on a clock 30 s behind
+        entry = json.loads(skewed.redis.client().get(worker_key("decode-1")) or "{}")
+        assert entry["updated_at"] - time.time() == pytest.approx(SKEW_S, abs=5)
+    workers = status_json(skewed.cluster.address)["workers"]
+    assert sorted(w["role"] for w in workers) == ["decode", "prefill"], workers
+    assert all(0 <= w["state_age_s"] < 3 for w in workers), workers
+
+
+def request(max_tokens: int) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=sampling)
+
+
+async def tokens(stub: generate_pb2_grpc.GenerationStub, max_tokens: int) -> int:
+    return sum([len(msg.token_ids) async for msg in stub.Generate(request(max_tokens), timeout=30)])
+
+
+async def test_a_report_of_streams_placed_before_it_is_not_counted_twice(skewed: Skewed) -> None:
+    """Two streams hold two of the decode batch's three places, and a report shows them: the third request has its
+    place. Read on the router's wall clock, a report sampled on a clock 30 s behind looked 30 s old, so every
+    stream placed in those 30 s counted on top of it (2 + 2 of 3: shed with RESOURCE_EXHAUSTED)."""
+    async with channel(skewed.cluster.address) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        assert await tokens(stub, 4) == 4  # warm: channels and the KV rendezvous made
+        held = [stub.Generate(request(4000)) for _ in range(CAP - 1)]
+        try:
+            for call in held:
+                assert (await call.read()).token_ids  # streaming: each holds a place in the batch
+            end = time.monotonic() + 15
+            while not any(w["role"] == "decode" and w["running"] >= CAP - 1 for w in await _workers(skewed)):
+                assert time.monotonic() < end, "no report showed the held streams"
+                await asyncio.sleep(0.2)
+            assert await tokens(stub, 4) == 4
+        except grpc.aio.AioRpcError as e:
+            pytest.fail(f"{e.code()}: {e.details()}; workers {await _workers(skewed)}")
+        finally:
+            for call in held:
+                call.cancel()
+
+
+async def _workers(skewed: Skewed) -> list[dict]:
+    return (await asyncio.to_thread(status_json, skewed.cluster.address))["workers"]
