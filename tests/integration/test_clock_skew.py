@@ -3,7 +3,8 @@ wall clock 30 s behind the router's and their monotonic clock a day on (skewed_c
 processes' clock functions, as another host's would be), with the embedded registry and with Redis. The router lists
 the workers, shows their reports' true age, and counts a decode worker's batch once: a report is placed in time on
 the router's own clock (the Redis entry's age on Redis's clock, the load's age on the worker's), so the streams this
-router placed before the report are not counted again on top of it."""
+router placed before the report are not counted again on top of it. And routers whose clocks disagree share their
+moving streams and KV claims in Redis's time: another router's, 30 s behind or ahead, hold as long as they should."""
 
 from __future__ import annotations
 
@@ -24,13 +25,22 @@ from pdserve.registry.redis import worker_key
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
+from services.router.kv_claims import KVClaims
+from services.router.load_tracker import LoadTracker
+from services.router.shared_claims import SharedKVClaims
+from services.router.shared_moving import SharedMoving
 from tests.integration.cluster_view import status_json
-from tests.redis_server import RedisServer
+from tests.integration.skewed_clock.other_router import CLAIMED_BLOCKS, MOVING
+from tests.redis_server import RedisServer, emptied, started
 
 pytestmark = pytest.mark.timeout(400)
 SKEW_DIR = Path(__file__).parent / "skewed_clock"
 SKEW_S = -30.0
 CAP = 3  # the decode worker's batch: two streams held, a third request must find its place
+
+
+server = pytest.fixture(scope="module")(started)
+url = pytest.fixture(emptied)
 
 
 class Skewed:
@@ -121,3 +131,26 @@ async def test_a_report_of_streams_placed_before_it_is_not_counted_twice(skewed:
 
 async def _workers(skewed: Skewed) -> list[dict]:
     return (await asyncio.to_thread(status_json, skewed.cluster.address))["workers"]
+
+
+@pytest.mark.parametrize("skew_s", [SKEW_S, -SKEW_S])
+async def test_another_routers_moving_streams_and_claims_hold_as_long_as_they_should(skew_s: float, url: str) -> None:
+    """Another router, its clock 30 s behind (or ahead), shares three moving streams and a claim on d0 that lapse
+    4 s on: this router counts them at once, and no more 4.5 s later. On the routers' own clocks, those of a router
+    behind read lapsed 26 s ago (and the claim was deleted), those of one ahead held 34 s."""
+    lapse_s = 4.0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SKEW_DIR), os.environ.get("PYTHONPATH", "")])}
+    env |= {"PDSERVE_TEST_CLOCK_SKEW_S": str(skew_s), "PDSERVE_TEST_SKEWED_SCRIPT": "other_router.py"}
+    script = SKEW_DIR / "other_router.py"
+    await asyncio.to_thread(subprocess.run, [sys.executable, str(script), url, str(lapse_s)], env=env, check=True)
+    tracker, claims = LoadTracker(), KVClaims()
+    moving, shared = SharedMoving(url, tracker), SharedKVClaims(url, claims)
+    try:
+        assert await moving.sync() and await shared.sync()
+        assert (tracker.moving_elsewhere, claims.held_from("d0", 2)) == (MOVING, CLAIMED_BLOCKS)
+        await asyncio.sleep(lapse_s + 0.5)
+        assert await moving.sync() and await shared.sync()
+        assert (tracker.moving_elsewhere, claims.held_from("d0", 2)) == (0, 0)
+    finally:
+        await moving.close()
+        await shared.close()

@@ -12,10 +12,12 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from services.router.kv_claims import CLAIM_MIN_S, CLAIM_RETRY_HINTS, KVClaims
 from services.router.shared_claims import CLAIMS_KEY, SharedKVClaims
 from tests.redis_server import RedisServer, emptied, started
+from tests.unit.hand_clock import HandRedisClock
 from tests.unit.router.router_builder import Router, prompt, replace_free, shed, worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -23,27 +25,34 @@ server = pytest.fixture(scope="module")(started)
 url = pytest.fixture(emptied)
 LARGE, SMALL = prompt(800), prompt(16)  # 51 blocks with 16 new tokens, 2 blocks
 SLO_S = (5.0, 1.0)
-UNIX_AT_START = 1.8e9
 LARGE_REFUSED = "51 free KV blocks now$"
 SMALL_HELD_OFF = "2 free KV blocks now that an earlier, larger request did not get"
 
 
 class Pair:
-    """Two routers over one decode worker, their claims on one clock moved by hand and shared through `url`."""
+    """Two routers over one decode worker, their claims each on its own clock (a router's monotonic clock starts
+    anywhere: the second's a day on), both moved by hand, and shared through `url` in Redis's time, moved with them."""
 
     def __init__(self, url: str) -> None:
+        self.url = url
         self.now = [1000.0]
         self.d0 = worker("d0", "decode", kv_blocks_free=40)
         self.routers = (Router([worker("p0"), self.d0]), Router([worker("p0"), self.d0]))
         self.loop = asyncio.new_event_loop()  # where the shared claims' Redis connections live
         self.shared: list[SharedKVClaims] = []
-        for r in self.routers:
-            r.predictor.claims = KVClaims(clock=lambda: self.now[0])
-            self.shared.append(SharedKVClaims(url, r.predictor.claims, wall_clock=self.wall))
+        clocks = (lambda: self.now[0], lambda: self.now[0] + 86400.0)
+        for r, clock in zip(self.routers, clocks, strict=True):
+            r.predictor.claims = KVClaims(clock=clock)
+            self.shared.append(SharedKVClaims(url, r.predictor.claims, redis_clock=self.redis_clock()))
 
-    def wall(self) -> float:
-        """The Unix time, moved with the claims' clock (each router's monotonic clock starts anywhere)."""
-        return UNIX_AT_START + self.now[0]
+    def redis_clock(self) -> HandRedisClock:
+        return HandRedisClock(lambda: self.now[0] - 1000.0)
+
+    def shared_time(self) -> float:
+        """Redis's time as the routers read it: its `TIME`, moved on with their clocks."""
+        with redis.Redis.from_url(self.url) as client:
+            seconds, micros = client.time()
+        return seconds + micros / 1e6 + self.now[0] - 1000.0
 
     def sync(self) -> list[bool]:
         """Each router writes what it changed and reads both routers', in turn, twice (as their background tasks
@@ -126,7 +135,7 @@ def test_without_redis_each_router_keeps_its_own_claims_and_shares_them_once_red
 
 
 def test_expired_and_malformed_entries_are_dropped_and_a_malformed_one_is_logged(pair, server, caplog):
-    ms = round(pair.wall() * 1000)
+    ms = round(pair.shared_time() * 1000)
     entries = {"d0": f"51 {ms + 60_000} {ms}", "d1": f"20 {ms - 1} {ms - 9}", "d2": "many", "d3": f"0 {ms} {ms}"}
     entries |= {"d4": f"1 {'9' * 400} {ms}", "d5": f"5 {ms + 10**7} {ms}", "d6": f"5 {ms + 1} {'9' * 400}"}
     entries |= {"d7": f"5 {ms + 60_000}"}  # no float holds d4's end or d6's start; d5 ends past any claim's end
@@ -148,8 +157,9 @@ def test_expired_and_malformed_entries_are_dropped_and_a_malformed_one_is_logged
 def test_a_router_deletes_no_claim_it_has_not_seen(pair, server):
     """An entry one router read expired, and which another router's new claim took over meanwhile, stays."""
     a, b = pair.shared
+    ms = round(pair.shared_time() * 1000)
     with server.client() as client:
-        client.hset(CLAIMS_KEY, "d0", f"20 {round(pair.wall() * 1000) - 1} {round(pair.wall() * 1000) - 9}")
+        client.hset(CLAIMS_KEY, "d0", f"20 {ms - 1} {ms - 9}")
     assert pair.loop.run_until_complete(a.sync())  # read expired: a deletes it with its next write
     pair.routers[1].predictor.claims.claim("d0", 30, retry_after_s=1.0, after_s=0.0)
     assert pair.loop.run_until_complete(b.sync())
@@ -186,10 +196,11 @@ def stall(server: RedisServer, seconds: float) -> None:
 
 def test_a_router_starts_with_the_claims_the_others_hold(pair, server):
     """A router rolled in takes the claims before it serves, not an interval later."""
+    ms = round(pair.shared_time() * 1000)
     with server.client() as client:
-        client.hset(CLAIMS_KEY, "d0", f"51 {round(pair.wall() * 1000) + 60_000} {round(pair.wall() * 1000)}")
+        client.hset(CLAIMS_KEY, "d0", f"51 {ms + 60_000} {ms}")
     claims = KVClaims(clock=lambda: pair.now[0])
-    joining = SharedKVClaims(server.url, claims, interval_s=3600, wall_clock=pair.wall)
+    joining = SharedKVClaims(server.url, claims, interval_s=3600, redis_clock=pair.redis_clock())
     pair.loop.run_until_complete(joining.start())
     try:
         assert claims.held_from("d0", 2) == 51

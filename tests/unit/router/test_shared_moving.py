@@ -14,6 +14,7 @@ import redis
 
 from services.router.shared_moving import FORGET_AFTER_S, LAPSE_INTERVALS, MOVING_KEY, SharedMoving
 from tests.redis_server import emptied, started
+from tests.unit.hand_clock import HandRedisClock
 from tests.unit.router.router_builder import Router, prompt, shed, worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -24,16 +25,23 @@ INTERVAL_S = 0.25
 
 class Pair:
     """Two routers over one decode worker with one free place in its batch, sharing their moving streams through
-    `url` on one wall clock moved by hand."""
+    `url` in Redis's time, moved by hand (`moved`) with each router's own clock (the second's a day on)."""
 
     def __init__(self, url: str) -> None:
-        self.wall = [1.8e9]
+        self.url, self.moved = url, [0.0]
         one_free = worker("d0", "decode", sequences=3, max_num_seqs=4)
         self.a, self.b = Router([worker("p0"), one_free]), Router([worker("p0"), one_free])
         self.loop = asyncio.new_event_loop()  # where the Redis connections live (Router.admit runs its own)
         self.shared = [
-            SharedMoving(url, r.tracker, INTERVAL_S, wall_clock=lambda: self.wall[0]) for r in (self.a, self.b)
+            SharedMoving(url, r.tracker, INTERVAL_S, clock, HandRedisClock(lambda: self.moved[0]))
+            for r, clock in ((self.a, lambda: self.moved[0]), (self.b, lambda: self.moved[0] + 86400.0))
         ]
+
+    def shared_time(self) -> float:
+        """Redis's time as the routers read it: its `TIME`, moved on by hand."""
+        with redis.Redis.from_url(self.url) as client:
+            seconds, micros = client.time()
+        return seconds + micros / 1e6 + self.moved[0]
 
     def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return self.loop.run_until_complete(coro)
@@ -70,10 +78,10 @@ def test_a_gone_routers_count_lapses_and_an_entry_that_does_not_parse_is_skipped
     pair.a.tracker.moving = 2
     pair.sync(0)  # then a writes no more, as a router gone
     with redis.Redis.from_url(url) as c:
-        c.hset(MOVING_KEY, mapping={"junk": "many", "huge": f"{1 << 40} {int(pair.wall[0] * 1000) + 60_000}"})
+        c.hset(MOVING_KEY, mapping={"junk": "many", "huge": f"{1 << 40} {int(pair.shared_time() * 1000) + 60_000}"})
     pair.sync(1)
     assert pair.b.tracker.moving_elsewhere == 2
-    pair.wall[0] += LAPSE_INTERVALS * INTERVAL_S + 0.01
+    pair.moved[0] += LAPSE_INTERVALS * INTERVAL_S + 0.01
     pair.sync(1)
     assert pair.b.tracker.moving_elsewhere == 0
     pair.b.admit(prompt(16))
@@ -81,7 +89,6 @@ def test_a_gone_routers_count_lapses_and_an_entry_that_does_not_parse_is_skipped
 
 def test_started_routers_share_their_counts_every_interval(pair, url):
     """`start` reads once, then its background task writes and reads every interval; `close` deletes the entry."""
-    pair.wall[0] = 1e12  # a wall clock that stands still: only the task's writes can change what b reads
     for s in pair.shared:
         pair.run(s.start())
     pair.a.tracker.moving = 3
@@ -100,11 +107,11 @@ def test_started_routers_share_their_counts_every_interval(pair, url):
 def test_a_crashed_routers_entry_is_deleted_by_another_router_long_after_it_lapsed(pair, url):
     pair.a.tracker.moving = 2
     pair.sync(0)  # a crashes: it never deletes its entry
-    pair.wall[0] += LAPSE_INTERVALS * INTERVAL_S + 1
+    pair.moved[0] += LAPSE_INTERVALS * INTERVAL_S + 1
     pair.sync(1, 1)
     with redis.Redis.from_url(url) as c:
         assert c.hexists(MOVING_KEY, pair.shared[0].router_id)  # lapsed, but kept while a clock may lag
-        pair.wall[0] += FORGET_AFTER_S
+        pair.moved[0] += FORGET_AFTER_S
         pair.sync(1, 1)  # the first sync reads it long lapsed, the next deletes it
         assert c.hgetall(MOVING_KEY) == {}
 
