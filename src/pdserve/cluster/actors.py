@@ -2,7 +2,8 @@
 
 Joined to a Ray cluster (`--ray-address`), actors are detached: they outlive the process that made them, so a
 controller or router restart (a Kubernetes Deployment's pod replaced) finds the same workers serving instead of
-starting a second fleet. A local Ray started by `pdserve up` ends with it, and its actors are its own.
+starting a second fleet. A local Ray started by `pdserve up` ends with it, a SIGKILLed one too (`ray_reaper.py`),
+and its actors are its own.
 With role resources each actor asks for the Ray custom resource of its role (`pdserve_prefill`, `pdserve_decode`,
 `pdserve_colocated`), so a Ray node (a KubeRay worker group) started with that resource hosts that role only.
 With build resources each also asks for its build's resource, so a rollout to a new image starts its workers on
@@ -12,6 +13,7 @@ nodes (pods) of that image, which Ray's autoscaler adds, never on the old image'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -23,6 +25,7 @@ from pdserve import env
 from pdserve.addresses import split_host_port
 from pdserve.build import build_resource
 from pdserve.cluster.factories import WorkerServices
+from pdserve.cluster.ray_reaper import RayReaper
 from pdserve.cluster.worker_runtime import WorkerRuntime
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import ClusterConfig
@@ -82,6 +85,7 @@ class WorkerActors:
         self.services = services
         self.detached = config.ray_address is not None
         self.started_ray = False
+        self._reaper: RayReaper | None = None  # of the local Ray this process started
         self._gpus = 0
 
     def connect(self) -> None:
@@ -94,18 +98,28 @@ class WorkerActors:
                 _check_listening(c.ray_address)
             # Off the main thread Ray sets no SIGTERM handler and warns so; pdserve's own handler is the one wanted.
             logging.getLogger("ray._private.worker").addFilter(_NotMainThreadWarning())
-            ray.init(
-                # "local": a new Ray of our own, never one that RAY_ADDRESS or a `ray start` left running names.
-                address=c.ray_address or "local",
-                namespace=c.ray_namespace,
-                include_dashboard=False,
-                num_cpus=None if c.ray_address else os.cpu_count(),
-                object_store_memory=None if c.ray_address else 100 * 2**20,  # we pass no objects through it
-                runtime_env={"env_vars": env.worker_env()},
-                logging_level=logging.WARNING,
-                log_to_driver=True,
-            )
-            self.started_ray = c.ray_address is None
+            reaper = None if c.ray_address else RayReaper()  # a SIGKILL of this process leaves none of it running
+            try:
+                with reaper.marking() if reaper else contextlib.nullcontext():
+                    ray.init(
+                        # "local": a new Ray of our own, never one that RAY_ADDRESS or a `ray start` left running names.
+                        address=c.ray_address or "local",
+                        namespace=c.ray_namespace,
+                        include_dashboard=False,
+                        num_cpus=None if c.ray_address else os.cpu_count(),
+                        object_store_memory=None if c.ray_address else 100 * 2**20,  # we pass no objects through it
+                        runtime_env={"env_vars": env.worker_env()},
+                        logging_level=logging.WARNING,
+                        log_to_driver=True,
+                    )
+            except BaseException:
+                if reaper:
+                    reaper.close()  # what the failed start left
+                raise
+            if reaper:
+                context = ray.get_runtime_context()
+                reaper.watch_session(os.path.join(context.get_temp_dir(), context.get_session_name()))
+            self.started_ray, self._reaper = c.ray_address is None, reaper
             _log_ray_auth()
         self._gpus = 1 if _wants_gpu(c.engine.device) else 0
 
@@ -174,6 +188,9 @@ class WorkerActors:
             ray.shutdown()
         elif ray.util.client.num_connected_contexts():  # a Ray Client that lost its connection: it stays registered
             ray.util.client.ray.disconnect()  # and would refuse the next connect
+        if self._reaper:  # what the shutdown left (nothing, normally)
+            self._reaper.close()
+            self._reaper = None
 
     @staticmethod
     def connected() -> bool:
