@@ -71,7 +71,7 @@ class PdserveProcess:
 
     def wait_ready(self, timeout_s: float = 300.0) -> str:
         """The ready line's first word after `ready`; RuntimeError with the log's tail when the process exits or
-        the time passes first (stopped then, as `stop` does: a SIGKILL would leave a `pdserve up`'s Ray behind)."""
+        the time passes first (stopped then, as `stop` does)."""
         deadline = time.monotonic() + timeout_s
         while not (m := re.search(r"^ready (\S+)", self.log(), re.MULTILINE)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -96,13 +96,18 @@ class PdserveProcess:
 
 
 class ClusterProcess(PdserveProcess):
-    """`pdserve up` on a free port, returned once ready, with a cluster secret the test knows (so it can call the
-    workers' internal RPCs as a cluster peer would)."""
+    """`pdserve up` on `port` (default: a free one), returned once ready, with a cluster secret the test knows (so it
+    can call the workers' internal RPCs as a cluster peer would)."""
 
     def __init__(
-        self, *args: str, log_path: Path, startup_timeout_s: float = 180.0, env: dict[str, str] | None = None
+        self,
+        *args: str,
+        log_path: Path,
+        startup_timeout_s: float = 180.0,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.cluster_secret = (env or {}).get("PDSERVE_CLUSTER_SECRET") or secrets.token_hex(32)
         secret = {"PDSERVE_CLUSTER_SECRET": self.cluster_secret}
