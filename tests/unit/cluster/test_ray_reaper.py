@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 
@@ -88,6 +89,7 @@ def test_a_sigkilled_process_group_leaves_the_reaper_to_sweep_the_rest(launched)
     assert wait_gone([orphan, reaper]) == []
 
 
+@mock.patch.dict(os.environ)  # as it was, should `marking` fail to restore it
 def test_a_clean_close_sweeps_and_ends_the_reaper_and_unmarks_the_environment() -> None:
     reaper = RayReaper()
     with reaper.marking():
