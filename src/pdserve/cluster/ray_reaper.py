@@ -120,8 +120,15 @@ def named_session(marks: Marks) -> str | None:
             continue
         for argument in arguments:
             if named := SESSION_ARGUMENT.fullmatch(argument):
-                return named.group(1).decode(errors="replace")
+                return one_session(named.group(1).decode(errors="replace"))
     return None
+
+
+def one_session(directory: str) -> str | None:
+    """`directory` if it is one Ray session's (`.../session_<time>_<pid>`), else None: what writes under a parent
+    of it (`/tmp/ray`) may be another Ray's, which the reaper must never take for its own."""
+    name = Path(directory).name
+    return directory if name.startswith("session_") and name != "session_latest" else None
 
 
 def _writes_under(pid: int, directory: str) -> bool:
@@ -199,7 +206,7 @@ def watch(marks: Marks) -> Marks:
             return marks if marks.session_dir else replace(marks, session_dir=named_session(marks))
         *lines, told = (told + chunk).split(b"\n")
         for line in lines:
-            marks = replace(marks, session_dir=line.decode())
+            marks = replace(marks, session_dir=one_session(line.decode()))
 
 
 def main(mark: str, launcher: str) -> None:

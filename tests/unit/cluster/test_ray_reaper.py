@@ -39,6 +39,8 @@ with reaper.marking():
         subprocess.run([sys.executable, "-c", "import time; time.sleep(1)", "--session-dir=" + session])
 if how == "tell":
     reaper.watch_session(session)
+elif how == "parent":  # not one session's directory: what writes under it may be another Ray's
+    reaper.watch_session(session.rsplit("/", 1)[0])
 logging = subprocess.Popen(["sleep", "600"], stdout=open(session + "/worker.out", "w"))
 unmarked = subprocess.Popen(["sleep", "600"])
 reader = subprocess.Popen(["sleep", "600"], stdin=open(session + "/worker.out"))
@@ -50,8 +52,10 @@ time.sleep(600)
 @pytest.fixture
 def launched(request, tmp_path) -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
     how = getattr(request, "param", "tell")
+    session = tmp_path / "session_2026-12-06_10-00-00_000000_4242"  # as Ray names one
+    session.mkdir()
     launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, str(tmp_path), how], stdout=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, "-c", LAUNCHER, str(session), how], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
     assert launcher.stdout is not None
     pids = [int(pid) for pid in launcher.stdout.readline().split()]
@@ -78,6 +82,15 @@ def test_a_sigkilled_launcher_takes_what_it_marked_with_it(launched) -> None:
     launcher.wait()
     assert wait_gone([marked, orphan, logging, reaper]) == []
     assert alive(unmarked) and alive(older) and alive(reader)
+
+
+@pytest.mark.parametrize("launched", ["parent"], indirect=True)
+def test_a_directory_that_is_no_session_marks_nothing(launched) -> None:
+    launcher, (reaper, marked, _, logging, *_) = launched
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    assert wait_gone([marked, reaper]) == []
+    assert alive(logging)
 
 
 def test_a_sigkilled_process_group_leaves_the_reaper_to_sweep_the_rest(launched) -> None:
