@@ -9,7 +9,6 @@ import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve import __version__, env
@@ -34,6 +33,7 @@ from pdserve.flags import (
     DefaultsFormatter,
     add_engine_flags,
     add_sampling_flags,
+    check_readable,
     engine_config,
     fetch_model,
     flag_values,
@@ -226,6 +226,7 @@ def _serve_held(args: argparse.Namespace, services: ClusterServices | None) -> i
         print(f"{name}: unknown --log-level {args.log_level!r}", file=sys.stderr)
         return 2
     try:
+        check_readable(args, _FILE_FLAGS)
         config = _cluster_config(args)
         _check_security_files(config)
         _check_redis_password(args.command, config)
@@ -280,8 +281,8 @@ def _check_redis_password(command: str, config: ClusterConfig) -> None:
 
 
 def _check_security_files(config: ClusterConfig) -> None:
-    """Before any worker starts: a key file that does not parse, a certificate file that is missing or a cluster
-    secret too short to be one fails the command at once, naming it, instead of after the workers are up."""
+    """Before any worker starts: a key file that does not parse, a TLS pair half given or a cluster secret too short
+    to be one fails the command at once, naming it, instead of after the workers are up."""
     from pdserve.rpc.credentials import server_tls
     from pdserve.security.api_keys import KeyTable
 
@@ -290,11 +291,14 @@ def _check_security_files(config: ClusterConfig) -> None:
     if r.api_keys_file:
         KeyTable.from_file(r.api_keys_file)
     server_tls(r.tls_cert, r.tls_key, r.tls_client_ca)
-    paths = [r.tls_cert, r.tls_key, r.tls_client_ca, config.internal_tls_cert]
-    paths += [config.internal_tls_key, config.internal_tls_ca]
-    for path in filter(None, paths):
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"no such file: {path}")
+
+
+# The files `up`, `controller` and `router` read (those the command takes), checked before anything parses them.
+_FILE_FLAGS = {
+    "--router-config": "router_config", "--api-keys": "api_keys_file", "--tls-cert": "tls_cert", "--tls-key": "tls_key",
+    "--tls-client-ca": "tls_client_ca", "--internal-tls-cert": "internal_tls_cert",
+    "--internal-tls-key": "internal_tls_key", "--internal-tls-ca": "internal_tls_ca",
+}  # fmt: skip
 
 
 def _check_ports_free(command: str, config: ClusterConfig) -> None:

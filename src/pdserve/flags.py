@@ -278,6 +278,19 @@ def writable_file(path: Path, flag: str, command: str) -> bool:
     return True
 
 
+def check_readable(args: argparse.Namespace, flags: Mapping[str, str]) -> None:
+    """Each file flag (flag: its dest) that `args` has and was given names a file this process can read; else
+    ValueError naming the flag, the path and why (open's own `[Errno 2] No such file or directory: 'keys.toml'`
+    names no flag)."""
+    for flag, dest in flags.items():
+        if path := getattr(args, dest, None):
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as e:
+                raise ValueError(f"{flag} {path}: cannot be read ({e.strerror})") from None
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     given = getattr(args, "max_num_seqs", None)  # None: a command without engine flags (`router`)
     scheduler = SchedulerConfig() if given is None else SchedulerConfig(max_num_seqs=given)
