@@ -72,6 +72,15 @@ def _check_listening(address: str) -> None:
         raise ConnectionError(f"nothing accepts connections at the Ray address {address} ({e})") from None
 
 
+def _local_ray_failed(e: Exception) -> ChildProcessError:
+    """What a start of our own Ray that failed says (Ray's own `Exception: The current node timed out during startup`
+    on a loaded machine, where its processes took more than the 30 s it waits), with where Ray's logs are."""
+    from ray._common.utils import get_default_ray_temp_dir
+
+    logs = os.path.join(get_default_ray_temp_dir(), "session_latest", "logs")
+    return ChildProcessError(f"the local Ray did not start: {e} (its logs: {logs}; on a loaded machine, try again)")
+
+
 class _NotMainThreadWarning(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("SIGTERM handler is not set")
@@ -112,9 +121,11 @@ class WorkerActors:
                         logging_level=logging.WARNING,
                         log_to_driver=True,
                     )
-            except BaseException:
+            except BaseException as e:
                 if reaper:
                     reaper.close()  # what the failed start left
+                if reaper and isinstance(e, Exception):  # Ray's own start failing is no bug of ours: no traceback
+                    raise _local_ray_failed(e) from e
                 raise
             if reaper:
                 context = ray.get_runtime_context()

@@ -1,0 +1,31 @@
+"""A local Ray that does not start (its processes slower than the 30 s Ray waits, on a loaded machine) ends `pdserve
+up` in one line naming Ray and where its logs are, exit status 1: it was a 50-line traceback ending in Ray's
+`Exception: The current node timed out during startup`."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from pdserve.cli import main
+
+RAY_SAYS = "The current node timed out during startup."
+
+
+def test_a_local_ray_that_does_not_start_is_one_line_naming_its_logs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.main import SERVICES
+
+    def init(**_: object) -> None:
+        raise Exception(RAY_SAYS)  # what Ray raises
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setenv("RAY_TMPDIR", "/var/tmp/pdserve-test")
+    argv = ["up", "--model", "tiny-random", "--port", "0", "--http-port", "0", "--metrics-port", "0"]
+    assert main(argv, services=SERVICES) == 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == (
+        f"pdserve up: the local Ray did not start: {RAY_SAYS} (its logs: /var/tmp/pdserve-test/ray/session_latest/logs;"
+        " on a loaded machine, try again)"
+    )
