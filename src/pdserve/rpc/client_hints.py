@@ -1,5 +1,6 @@
 """What a command that calls the router adds to a failure the caller's own flags explain: a plaintext client that
-cannot connect to a router serving TLS sees only gRPC's "failed to connect ... Socket closed", and a client without
+cannot connect to a router serving TLS sees only gRPC's "failed to connect ... Socket closed" (a TLS one at a plaintext
+router OpenSSL's "WRONG_VERSION_NUMBER"), and a client without
 a key the server's "send metadata `authorization: Bearer KEY`", which names no flag. The server's message stays as
 it is for other gRPC callers; only the CLI (`pdserve client`, `pdserve status`, loadgen) says which flag to pass."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 from pdserve.rpc.credentials import ClientCredentials
 
 TLS_HINT = "(if the router serves TLS, pass --tls-ca)"
+PLAINTEXT_HINT = "(the router answered without TLS: drop --tls-ca, or serve TLS with its --tls-cert and --tls-key)"
 KEY_HINT = "(--api-key or PDSERVE_API_KEY)"
 
 
@@ -22,6 +24,8 @@ def with_hint(code: str, details: str, credentials: ClientCredentials | None) ->
     credentials = credentials or ClientCredentials()
     if not credentials.tls_ca and connection_failed(code, details):
         return f"{details} {TLS_HINT}"
+    if credentials.tls_ca and connection_failed(code, details) and "WRONG_VERSION_NUMBER" in details:
+        return f"{details} {PLAINTEXT_HINT}"  # OpenSSL's words for an answer that is no TLS record
     if code == "UNAUTHENTICATED" and not credentials.api_key:
         return f"{details} {KEY_HINT}"
     return details

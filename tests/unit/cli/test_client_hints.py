@@ -17,7 +17,7 @@ from loadgen.record import RequestRecord
 from pdserve.cli import main
 from pdserve.config import RouterConfig
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
-from pdserve.rpc.client_hints import KEY_HINT, TLS_HINT, with_hint
+from pdserve.rpc.client_hints import KEY_HINT, PLAINTEXT_HINT, TLS_HINT, with_hint
 from pdserve.rpc.credentials import ClientCredentials, server_tls
 from pdserve.rpc.server import Server
 from pdserve.security.api_keys import bearer_metadata, digest
@@ -51,6 +51,19 @@ async def test_a_plaintext_client_at_a_tls_router_is_told_to_pass_tls_ca(tls_ser
     for command, line in (("status", status), ("client", client)):
         assert line.startswith(f"pdserve {command}: UNAVAILABLE: failed to connect"), line
         assert line.endswith(TLS_HINT), line
+
+
+async def test_a_tls_client_at_a_plaintext_router_is_told_to_drop_tls_ca(tmp_path, capsys) -> None:
+    """It was told OpenSSL's `WRONG_VERSION_NUMBER: Invalid certificate verification context` alone."""
+    server = Server("127.0.0.1", 0)
+    await server.start()
+    try:
+        ca = str(make_certs(tmp_path).ca)
+        assert await _cli("client", "--addr", server.address, "--prompt", "hi", "--tls-ca", ca, "--timeout", "5") == 1
+    finally:
+        await server.stop(None)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("pdserve client: UNAVAILABLE: failed to connect") and line.endswith(PLAINTEXT_HINT), line
 
 
 async def test_nothing_listening_gets_no_tls_hint(capsys) -> None:
