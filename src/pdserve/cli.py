@@ -223,7 +223,7 @@ def _serve_held(args: argparse.Namespace, services: ClusterServices | None) -> i
     try:
         logging.getLevelName(args.log_level.upper()) + 0
     except TypeError:
-        print(f"{name}: unknown --log-level {args.log_level!r}", file=sys.stderr)
+        print(f"{name}: unknown --log-level {args.log_level!r} (DEBUG, INFO, WARNING or ERROR)", file=sys.stderr)
         return 2
     try:
         check_readable(args, _FILE_FLAGS)
@@ -350,8 +350,8 @@ def _fetch(args: argparse.Namespace) -> int:
         path = fetch_model(args.model, "pdserve fetch", args.force)
     finally:  # `main` called in a process that goes on (a test's)
         signal.signal(signal.SIGTERM, previous)
-    if path is None:
-        return 1
+    if path is None:  # a built-in's cache or download failed (1); any other name is no model, the user's to mend (2)
+        return 1 if args.model in BUILTIN_MODELS else 2
     print(path)
     return 0
 

@@ -128,3 +128,24 @@ def test_sigterm_of_up_during_its_fetch_stops_the_fetch_too(tmp_path: Path) -> N
     assert up.wait(timeout=60) == 128 + signal.SIGTERM
     assert children and not any(alive(pid) for pid in children)
     assert [p.name for p in (tmp_path / "models").iterdir()] == [".tiny-random.lock"]
+
+
+@pytest.mark.parametrize("command", [["fetch"], ["generate", "--prompt", "hi"], ["up", "--port", "0"]])
+def test_a_name_that_is_no_model_is_a_usage_error_for_every_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, command: list[str]
+) -> None:
+    """`fetch` answered it 1, as a cache it could not write, where `up` and `generate` answer 2."""
+    from services.main import SERVICES
+
+    no_cluster(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert main([*command, "--model", "smollm-135m"], services=SERVICES) == 2
+    line = one_line(capsys)
+    assert line.startswith(f"pdserve {command[0]}: model 'smollm-135m' is neither a built-in name (smollm2-135m,"), line
+
+
+def test_an_unknown_log_level_names_the_levels(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.main import SERVICES
+
+    assert main(["up", "--model", "tiny-random", "--port", "0", "--log-level", "LOUD"], services=SERVICES) == 2
+    assert one_line(capsys) == "pdserve up: unknown --log-level 'LOUD' (DEBUG, INFO, WARNING or ERROR)"
