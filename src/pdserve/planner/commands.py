@@ -14,6 +14,7 @@ from pdserve.config import MAX_WORKERS_PER_ROLE, EngineConfig, RouterConfig
 from pdserve.flags import (
     add_engine_flags,
     at_least_one,
+    check_readable,
     engine_config,
     fetch_model,
     in_range,
@@ -139,6 +140,7 @@ def _plan(args: argparse.Namespace) -> int:
     from pdserve.planner.plan import SLO, plan, plan_json
 
     try:
+        check_readable(args, {"--profile": "profile", "--trace": "trace"})
         if args.trace:
             synthetic_only = {"--rate": args.rate, "--input-len": args.input_len, "--output-len": args.output_len}
             if given := [flag for flag, value in synthetic_only.items() if value is not None]:  # else ignored
@@ -213,6 +215,7 @@ def _autoscale(args: argparse.Namespace) -> int:
     from pdserve.planner.plan import SLO
 
     try:
+        check_readable(args, {"--profile": "profile"})
         config = AutoscaleConfig(
             HardwareProfile.load(args.profile),
             SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment),
