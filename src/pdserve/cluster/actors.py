@@ -81,6 +81,11 @@ def _local_ray_failed(e: Exception) -> ChildProcessError:
     return ChildProcessError(f"the local Ray did not start: {e} (its logs: {logs}; on a loaded machine, try again)")
 
 
+def _join_failed(address: str | None, e: Exception) -> ConnectionError:
+    """A --ray-address Ray would not take (`Invalid address format: x`, an auth token it refuses)."""
+    return ConnectionError(f"could not join the Ray cluster at --ray-address {address}: {e}")
+
+
 class _NotMainThreadWarning(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("SIGTERM handler is not set")
@@ -124,8 +129,8 @@ class WorkerActors:
             except BaseException as e:
                 if reaper:
                     reaper.close()  # what the failed start left
-                if reaper and isinstance(e, Exception):  # Ray's own start failing is no bug of ours: no traceback
-                    raise _local_ray_failed(e) from e
+                if isinstance(e, Exception):  # Ray's own start or join failing is no bug of ours: no traceback
+                    raise _local_ray_failed(e) if reaper else _join_failed(c.ray_address, e) from e
                 raise
             if reaper:
                 context = ray.get_runtime_context()
