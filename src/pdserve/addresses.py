@@ -78,7 +78,10 @@ _held: list[socket.socket] = []
 
 
 def host_port(value: str) -> str:
-    """An --addr flag's value, checked: gRPC would dial a bare host on port 443."""
+    """An --addr flag's value, checked: gRPC would dial a bare host on port 443, and read `http://h:p` as a host
+    named so (`Misformatted domain name`)."""
+    if value.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{value!r} is a URL: give the router's gRPC HOST:PORT (its --port)")
     host, colon, port = value.rpartition(":")
     if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (gRPC would dial port 443)")

@@ -1,14 +1,16 @@
 """What a command that calls the router adds to a failure the caller's own flags explain: a plaintext client that
-cannot connect to a router serving TLS sees only gRPC's "failed to connect ... Socket closed" (a TLS one at a plaintext
-router OpenSSL's "WRONG_VERSION_NUMBER"), and a client without
-a key the server's "send metadata `authorization: Bearer KEY`", which names no flag. The server's message stays as
-it is for other gRPC callers; only the CLI (`pdserve client`, `pdserve status`, loadgen) says which flag to pass."""
+cannot connect to a router serving TLS sees only gRPC's "failed to connect ... Socket closed" (a TLS one at a
+plaintext router OpenSSL's "WRONG_VERSION_NUMBER"; one at the HTTP API's port "Failed parsing HTTP/2"), and a client
+without a key the server's "send metadata `authorization: Bearer KEY`", which names no flag. The server's message
+stays as it is for other gRPC callers; only the CLI (`pdserve client`, `pdserve status`, loadgen) says which flag to
+pass."""
 
 from __future__ import annotations
 
 from pdserve.rpc.credentials import ClientCredentials
 
 TLS_HINT = "(if the router serves TLS, pass --tls-ca)"
+GRPC_PORT_HINT = "(what answered speaks HTTP/1, not gRPC: pass the router's gRPC --port, not its --http-port)"
 PLAINTEXT_HINT = "(the router answered without TLS: drop --tls-ca, or serve TLS with its --tls-cert and --tls-key)"
 KEY_HINT = "(--api-key or PDSERVE_API_KEY)"
 
@@ -22,6 +24,8 @@ def connection_failed(code: str, details: str) -> bool:
 def with_hint(code: str, details: str, credentials: ClientCredentials | None) -> str:
     """`details` and, where the caller passed neither TLS nor a key and that explains `code`, the flag to pass."""
     credentials = credentials or ClientCredentials()
+    if connection_failed(code, details) and "Failed parsing HTTP/2" in details:
+        return f"{details} {GRPC_PORT_HINT}"  # the OpenAI API's port, or any web server
     if not credentials.tls_ca and connection_failed(code, details):
         return f"{details} {TLS_HINT}"
     if credentials.tls_ca and connection_failed(code, details) and "WRONG_VERSION_NUMBER" in details:

@@ -17,7 +17,7 @@ from loadgen.record import RequestRecord
 from pdserve.cli import main
 from pdserve.config import RouterConfig
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
-from pdserve.rpc.client_hints import KEY_HINT, PLAINTEXT_HINT, TLS_HINT, with_hint
+from pdserve.rpc.client_hints import GRPC_PORT_HINT, KEY_HINT, PLAINTEXT_HINT, TLS_HINT, with_hint
 from pdserve.rpc.credentials import ClientCredentials, server_tls
 from pdserve.rpc.server import Server
 from pdserve.security.api_keys import bearer_metadata, digest
@@ -64,6 +64,35 @@ async def test_a_tls_client_at_a_plaintext_router_is_told_to_drop_tls_ca(tmp_pat
         await server.stop(None)
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("pdserve client: UNAVAILABLE: failed to connect") and line.endswith(PLAINTEXT_HINT), line
+
+
+async def test_a_client_at_an_http_port_is_told_to_pass_the_grpc_port_not_tls(capsys) -> None:
+    """Pointed at the OpenAI API's port (or any web server), it was told to pass --tls-ca, which could not help."""
+
+    async def http_1(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(http_1, "127.0.0.1", 0)
+    address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        assert await _cli("client", "--addr", address, "--prompt", "hi", "--timeout", "5") == 1
+    finally:
+        server.close()
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "Failed parsing HTTP/2" in line and line.endswith(GRPC_PORT_HINT) and TLS_HINT not in line, line
+
+
+def test_an_addr_given_as_a_url_is_refused_naming_the_grpc_port(capsys) -> None:
+    """gRPC read `http://h:p` as a host of that name: `Misformatted domain name`."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["status", "--addr", "http://127.0.0.1:8000"])
+    assert exit_.value.code == 2
+    assert "argument --addr: 'http://127.0.0.1:8000' is a URL: give the router's gRPC HOST:PORT (its --port)" in (
+        capsys.readouterr().err
+    )
 
 
 async def test_nothing_listening_gets_no_tls_hint(capsys) -> None:
