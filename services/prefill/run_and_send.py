@@ -54,6 +54,8 @@ class RunAndSend:
         self._check(job)
         if self.faults.engine_dies_for(job.client_request_id):
             self.engine.faults.fail_when_stepped(job.request.request_id)
+        if delay_s := self.faults.step_delay_for(job.client_request_id):
+            self.engine.faults.slow_when_stepped(job.request.request_id, delay_s)
         out, waited_s = await self._run_prompt(job)
         first = FirstToken(
             out.new_token_ids[0],

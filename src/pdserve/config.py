@@ -84,7 +84,7 @@ class FaultConfig:
     kv_send_delay_s: float = 0.0  # a prefill worker stalls this long between the first token and the KV send
     request_id_prefix: str = ""  # only requests whose id starts with this are faulted ("": every request)
     engine_die_prefix: str = ""  # a worker's engine thread dies stepping a request whose id starts with this
-    slow_step_prefix: str = ""  # a decode worker's engine step that runs a request whose id starts with this...
+    slow_step_prefix: str = ""  # a worker's engine step that runs a request whose id starts with this...
     slow_step_s: float = 0.0  # ...takes this much longer
     first_start_fails_dir: str = ""  # set: a worker's start fails unless this folder holds a file named after it
 

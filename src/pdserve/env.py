@@ -85,9 +85,9 @@ def fault_config() -> FaultConfig:
       so healthy requests can run beside faulted ones on the same cluster.
     PDSERVE_FAULT_ENGINE_DIE_REQUEST_ID_PREFIX: a worker's engine step raises (its engine thread dies, as on a
       real step failure) when it runs a request whose client request id starts with this; unset: never.
-    PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX, PDSERVE_FAULT_SLOW_STEP_S: a decode worker's engine step that runs a
-      request whose client request id starts with the prefix takes this many seconds longer (a slow device), so a
-      test's streams last long enough for what it does meanwhile; unset: never.
+    PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX, PDSERVE_FAULT_SLOW_STEP_S: a decode or prefill worker's engine step
+      that runs a request whose client request id starts with the prefix takes this many seconds longer (a slow
+      device), so a test's streams, or its prompts, last long enough for what it does meanwhile; unset: never.
     PDSERVE_FAULT_FIRST_START_FAILS_DIR: each worker's first start fails (after it leaves a file named after it
       in this folder, so its restart by Ray succeeds); unset: never.
     """

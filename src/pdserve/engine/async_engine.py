@@ -303,7 +303,8 @@ class AsyncEngine:
         outputs = self._engine.step()
         if not self._engine.last_step_tokens:
             return False
-        self._mark_started(outputs, start_ns)
+        ran = [o.request_id for o in outputs] + [s.seq_id for s in self._engine.scheduler.running]
+        self._mark_started(ran, start_ns)
         if self.on_step is not None:
             e, seconds = self._engine, time.perf_counter() - start
             decode_seqs = min(decoding, e.last_step_tokens)
@@ -311,13 +312,13 @@ class AsyncEngine:
         times = (self._engine.last_step_queue_s, self._engine.last_step_prefill_s, self._engine.last_step_requeue_s)
         if self.on_request_times is not None and any(times):
             self.on_request_times(*times)
-        self.faults.stepped(o.request_id for o in outputs)
+        self.faults.stepped(ran)  # a long prompt's chunks too, which have no output before its last
         self._streams.deliver(outputs)
         self._update_stats()
         return True
 
-    def _mark_started(self, outputs: list[RequestOutput], start_ns: int) -> None:
-        ran = [o.request_id for o in outputs] + [s.seq_id for s in self._engine.scheduler.running]
+    def _mark_started(self, ran: list[str], start_ns: int) -> None:
+        """`ran`: the requests the step ran (those it finished or handed off, and those still running)."""
         self._started.mark([rid for rid in ran if rid in self._streams], start_ns)
 
     def _apply_commands(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 
 import pytest
 
@@ -14,7 +14,7 @@ from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.output_streams import DuplicateRequestError
 from pdserve.engine.scheduler import SchedulerConfig
-from pdserve.engine.step_faults import InjectedEngineFault
+from pdserve.engine.step_faults import InjectedEngineFault, StepFaults
 from pdserve.errors import InvalidRequestError, UnavailableError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.handoff import FirstToken
@@ -211,6 +211,28 @@ async def test_a_slowed_request_sleeps_each_step_it_runs_and_is_forgotten_when_d
     assert slowed == plain
     assert asyncio.get_running_loop().time() - start >= 0.05 * GREEDY.max_tokens
     assert mixed.faults._slowed == {}  # noqa: SLF001 (no public view of the fault's state)
+
+
+async def test_the_fault_sees_each_step_that_runs_a_long_prompt_not_only_its_last_chunk():
+    """A prompt of 4 chunks runs in 4 steps, and a slowed one is slowed in each (a test holds a prefill worker with
+    it): the steps before its last have no output for it."""
+    scheduler = SchedulerConfig(
+        mode=EngineMode.PREFILL_ONLY, long_prefill_chunk=16, max_num_batched_tokens=16, max_prefills_per_step=1
+    )
+    config = EngineConfig(model="tiny-random", device="cpu", num_kv_blocks=16, num_threads=1, scheduler=scheduler)
+    engine = AsyncEngine(LLMEngine(config))
+    seen: list[list[str]] = []
+
+    class Recorded(StepFaults):
+        def stepped(self, request_ids: Iterable[str]) -> None:
+            seen.append(list(request_ids))
+
+    engine.faults = Recorded()
+    try:
+        await engine.prefill(EngineRequest("long", [3 + i % 200 for i in range(64)], SamplingParams(max_tokens=1)))
+    finally:
+        engine.stop()
+    assert [ids.count("long") for ids in seen] == [1, 1, 1, 1]
 
 
 async def test_a_prefill_names_exactly_the_blocks_it_holds_for_the_hand_off(prefill_only, mixed):
