@@ -1,0 +1,110 @@
+"""Overload through a real `pdserve up` (1 + 1, tiny-random, a decode batch of 4): a request whose caller cancelled,
+hung up or let its deadline pass while it waited behind another prompt for the prefill worker is never prefilled.
+No timing is asserted: the engine steps of `hold-` requests are slowed (PDSERVE_FAULT_SLOW_STEP_*) so that the
+states tested last, and each test waits for the state it tests before it acts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import grpc
+import httpx2
+import pytest
+
+from pdserve.cluster.local_process import ClusterProcess, free_port
+from pdserve.rpc.metadata import PREDICTED_TTFT_KEY
+from pdserve.rpc.server import channel
+from pdserve.v1 import admin_pb2, generate_pb2_grpc
+from tests.integration.cluster_view import scrape, total
+from tests.integration.reference import greedy_request
+from tests.integration.worker_view import by_role, idle
+
+pytestmark = pytest.mark.timeout(300)
+HOLD, HOLD_STEP_S = "hold-", 1.0  # each engine step running a `hold-` request takes 1 s longer
+BATCH = 4  # the decode worker's max_num_seqs
+CHUNK = 512  # tokens of a prompt one prefill step runs (EngineConfig's long_prefill_chunk)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("overload")
+    args = ["--model", "tiny-random", "--prefill", "1", "--decode", "1", "--max-num-seqs", str(BATCH)]
+    args += ["--http-port", str(http_port := free_port())]
+    env = {"PDSERVE_FAULT_SLOW_STEP_S": str(HOLD_STEP_S), "PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX": HOLD}
+    proc = ClusterProcess(*args, log_path=folder / "cluster.log", env=env)
+    proc.base_url = f"http://127.0.0.1:{http_port}/v1"
+    yield proc
+    proc.stop()
+
+
+def prompt(seed: int, tokens: int = 16) -> list[int]:
+    return [3 + (seed * 31 + i * 7) % 250 for i in range(tokens)]
+
+
+def test_requests_that_left_while_waiting_for_the_prefill_worker_are_never_prefilled(cluster):
+    """A `hold-` prompt of 7 chunks holds the prefill worker for 7 slowed steps (at least 7 s); three requests admitted
+    behind it wait there: one its gRPC caller cancels, one whose 3 s deadline passes, one whose HTTP caller hangs up.
+    Each ends as its caller left, and the prefill worker runs only the `hold-` prompt: its prefill count grows by
+    one."""
+
+    async def run() -> tuple[float, dict[str, str]]:
+        prefill_metrics = f"http://{(await by_role(cluster.address))['prefill'].metrics_address}/metrics"
+        prefilled = total(scrape(prefill_metrics), "pdserve_request_prefill_time_seconds_count")
+        async with channel(cluster.address) as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            held = stub.Generate(greedy_request(f"{HOLD}prefill", prompt(7, 7 * CHUNK), 1), timeout=120)
+            held_tokens = asyncio.ensure_future(tokens_of(held))
+            await until(cluster.address, lambda w: w["prefill"].running == 1)
+            cancelled = stub.Generate(greedy_request("cancelled", prompt(8), 4), timeout=120)
+            deadline = stub.Generate(greedy_request("deadline", prompt(9), 4), timeout=3.0)
+            admitted = [dict(await c.initial_metadata()) for c in (cancelled, deadline)]
+            assert all(PREDICTED_TTFT_KEY in m for m in admitted), admitted  # both admitted, not refused at once
+            hung_up = asyncio.ensure_future(http_completion(cluster.base_url, prompt(10)))
+            # Queued behind the hold- prompt (the one with a deadline too, unless that passed already).
+            await until(cluster.address, lambda w: w["prefill"].waiting >= 2)
+            cancelled.cancel()
+            hung_up.cancel()
+            outcomes = {"cancelled": await code_of(cancelled), "deadline": await code_of(deadline)}
+            assert await held_tokens == 1
+            await until(cluster.address, lambda w: idle(w["prefill"]) and idle(w["decode"]))
+            return total(scrape(prefill_metrics), "pdserve_request_prefill_time_seconds_count") - prefilled, outcomes
+
+    prefills, outcomes = asyncio.run(run())
+    assert outcomes == {"cancelled": "CANCELLED", "deadline": "DEADLINE_EXCEEDED"}
+    assert prefills == 1  # the hold- prompt's alone
+
+
+async def tokens_of(call: grpc.aio.UnaryStreamCall) -> int:
+    return sum([len(m.token_ids) async for m in call])
+
+
+async def code_of(call: grpc.aio.UnaryStreamCall) -> str:
+    """How the call ended, as its caller saw it."""
+    try:
+        await tokens_of(call)
+    except grpc.aio.AioRpcError as e:
+        return e.code().name
+    except asyncio.CancelledError:
+        return "CANCELLED"
+    return "OK"
+
+
+async def http_completion(base_url: str, tokens: list[int]) -> None:
+    """A streamed completion over the HTTP API, read to its end (its caller hangs up when cancelled)."""
+    body = {"model": "tiny-random", "prompt": tokens, "max_tokens": 4, "stream": True}
+    async with (
+        httpx2.AsyncClient(base_url=base_url, timeout=120) as http,
+        http.stream("POST", "/completions", json=body) as answer,
+    ):
+        async for _ in answer.aiter_lines():
+            pass
+
+
+async def until(router: str, state: Callable[[dict[str, admin_pb2.WorkerStatus]], bool]) -> None:
+    """Waits for the workers (the router's view: role -> status, as of their last heartbeat) to reach `state`."""
+    end = time.monotonic() + 60
+    while not state(await by_role(router)):
+        assert time.monotonic() < end, "the cluster never reached the state the test waits for"
+        await asyncio.sleep(0.1)
