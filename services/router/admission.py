@@ -27,6 +27,7 @@ from pdserve.security.quotas import Choices
 from services.router.placement import Placement
 from services.router.predictor import Predictor
 from services.router.priority_classes import PriorityClasses
+from services.router.retry_pacing import RetryPacing
 from services.router.tenant_shares import TenantShares
 
 MIN_RETRY_MS, MAX_RETRY_MS = 100, 30_000
@@ -62,6 +63,7 @@ class Admission:
         self.shares = TenantShares()
         self.shares.weights = weights or {}
         self.classes = PriorityClasses()
+        self.pacing = RetryPacing()
 
     def entered(self, tenant: str, priority: int) -> None:
         self.in_flight += 1
@@ -114,6 +116,20 @@ class Admission:
         if tenant is not None:
             self.shares.asked(tenant)
             self.classes.asked(priority)
+        try:
+            self._check_room(placement, prompt_tokens, priority, slo, tenant)
+        except OverloadedError as e:
+            if e.reason != "kv":  # paced where its KV claim is judged (_check_kv_room)
+                e.retry_after_ms = self.pacing.hint_ms(e.retry_after_ms, MAX_RETRY_MS)
+            raise
+        _check_deadline(placement, left_s)
+        self.predictor.claims.admitted(placement.blocks_needed)
+        self.pacing.admitted()
+
+    def _check_room(
+        self, placement: Placement, prompt_tokens: int, priority: int, slo: SLOTarget, tenant: str | None
+    ) -> None:
+        """OverloadedError, with admission's own retry hint, when the load leaves the request no room."""
         if self.in_flight >= self.config.max_in_flight:
             limit = self.config.max_in_flight
             raise OverloadedError(f"router has {self.in_flight} requests in flight (limit {limit})", reason="in_flight")
@@ -131,8 +147,6 @@ class Admission:
         if tenant is not None:
             self._check_priority_reserve(placement, priority, slo)
             self._check_fair_share(placement, prompt_tokens - placement.cached_tokens, priority, slo, tenant)
-        _check_deadline(placement, left_s)
-        self.predictor.claims.admitted(placement.blocks_needed)
 
     def _check_priority_reserve(self, placement: Placement, priority: int, slo: SLOTarget) -> None:
         """While a class above the request's is active (priority_classes.py), it leaves that class the last
@@ -200,9 +214,14 @@ class Admission:
         free = self.predictor.free_blocks(decode)
         if free - self.predictor.claims.held_from(decode.worker_id, blocks) >= blocks:
             return
-        retry_ms = _retry_ms(_batch_turn_s(placement))
-        if self.config.kv_claims and decode.kv_blocks_total >= blocks:  # else one would shut smaller ones out
-            self.predictor.claims.claim(decode.worker_id, blocks, retry_ms / 1e3, slo.ttft_s)
+        own_ms = _retry_ms(_batch_turn_s(placement))
+        claims = self.predictor.claims
+        claimable = self.config.kv_claims and decode.kv_blocks_total >= blocks  # else one would shut smaller ones out
+        # The one request a claim calls back comes at its own hint, to the blocks kept for it; the others are paced.
+        called = claimable and claims.claim(decode.worker_id, blocks, own_ms / 1e3, slo.ttft_s)
+        retry_ms = self.pacing.hint_ms(own_ms, MAX_RETRY_MS, ahead=called)
+        if claimable and not called:
+            claims.expect(blocks, retry_ms / 1e3)
         if free >= blocks:
             raise OverloadedError(
                 f"no decode worker has {blocks} free KV blocks now that an earlier, larger request did not get",

@@ -43,6 +43,7 @@ class Refused:
 
     since: float
     until: float
+    called_until: float = 0.0  # a request of its size was told to come back for its claim by then (one at a time)
 
 
 class KVClaims:
@@ -53,26 +54,38 @@ class KVClaims:
         self.shared = False  # set by shared_claims.py, which takes the changes: none are kept for no one to take
         self._changed: set[str] = set()  # workers whose claim this router set, renewed or ended since the last take
 
-    def claim(self, worker_id: str, blocks: int, retry_after_s: float, after_s: float) -> None:
+    def claim(self, worker_id: str, blocks: int, retry_after_s: float, after_s: float) -> bool:
         """A request needing `blocks` was refused for room on the worker (one whose whole KV holds it). A live claim
         of its size is renewed, wherever it is; else, once requests of its size have been refused for `after_s`
-        (its TTFT SLO), it claims them there, unless a request refused before it holds the worker's claim."""
+        (its TTFT SLO), it claims them there, unless a request refused before it holds the worker's claim. True when
+        this request is the one a live claim of its size calls back at `retry_after_s`: one per such hint, as the blocks
+        are kept for one request; the others of its size are told to come back later (retry_pacing.py)."""
         now = self.clock()
         self._claims = {w: c for w, c in self._claims.items() if c.until > now}  # a gone worker's lapse too
         self._refused = {b: r for b, r in self._refused.items() if r.until > now}
         until = now + max(CLAIM_MIN_S, CLAIM_RETRY_HINTS * retry_after_s)
         refused = self._refused.setdefault(blocks, Refused(now, until))  # kept while claimed: its place, if it ends
-        refused.until = until
+        refused.until = max(refused.until, until)
         renewed = [w for w, held in self._claims.items() if held.blocks == blocks]
         for w in renewed:
             self._claims[w].until = until
         self._mark(renewed)
-        if renewed or now - refused.since < after_s:
-            return
-        held = self._claims.get(worker_id)
-        if held is None or refused.since < held.since:
-            self._claims[worker_id] = Claim(blocks, until, refused.since)
-            self._mark([worker_id])
+        if not renewed and now - refused.since >= after_s:
+            held = self._claims.get(worker_id)
+            if held is None or refused.since < held.since:
+                self._claims[worker_id] = Claim(blocks, until, refused.since)
+                self._mark([worker_id])
+                renewed = [worker_id]
+        if not renewed or refused.called_until > now:
+            return False
+        refused.called_until = now + retry_after_s
+        return True
+
+    def expect(self, blocks: int, retry_after_s: float) -> None:
+        """A request needing `blocks`, refused for room, was told to come back in `retry_after_s` (a later hint than
+        its claim's): its size's wait is remembered until a few such hints past, so that it can still claim."""
+        if (refused := self._refused.get(blocks)) is not None:
+            refused.until = max(refused.until, self.clock() + CLAIM_RETRY_HINTS * retry_after_s)
 
     def held_from(self, worker_id: str, blocks: int) -> int:
         """The worker's free blocks a new request needing `blocks` must leave to a claim: all the claim's, unless it

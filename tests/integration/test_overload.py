@@ -1,7 +1,9 @@
-"""Overload through a real `pdserve up` (1 + 1, tiny-random, a decode batch of 4): a request whose caller cancelled,
-hung up or let its deadline pass while it waited behind another prompt for the prefill worker is never prefilled.
-No timing is asserted: the engine steps of `hold-` requests are slowed (PDSERVE_FAULT_SLOW_STEP_*) so that the
-states tested last, and each test waits for the state it tests before it acts."""
+"""Overload through a real `pdserve up` (1 + 1, tiny-random, a decode batch of 4): a crowd shed at once is told to
+come back apart, later the larger it is, over gRPC (grpc-retry-pushback-ms) and the HTTP API (retry-after-ms and
+Retry-After), and a retry once the room freed is served; a request whose caller cancelled, hung up or let its deadline
+pass while it waited behind another prompt for the prefill worker is never prefilled. No timing is asserted: the
+engine steps of `hold-` requests are slowed (PDSERVE_FAULT_SLOW_STEP_*) so that the states tested last, and each test
+waits for the state it tests before it acts."""
 
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ import httpx2
 import pytest
 
 from pdserve.cluster.local_process import ClusterProcess, free_port
+from pdserve.rpc.errors import retry_after_ms
 from pdserve.rpc.metadata import PREDICTED_TTFT_KEY
 from pdserve.rpc.server import channel
 from pdserve.v1 import admin_pb2, generate_pb2_grpc
+from pdserve.v1 import generate_pb2 as pb
+from services.router.retry_pacing import MAX_SLOT_S, WINDOW_S
 from tests.integration.cluster_view import scrape, total
 from tests.integration.reference import greedy_request
 from tests.integration.worker_view import by_role, idle
@@ -41,6 +46,69 @@ def cluster(tmp_path_factory):
 
 def prompt(seed: int, tokens: int = 16) -> list[int]:
     return [3 + (seed * 31 + i * 7) % 250 for i in range(tokens)]
+
+
+async def first_token(stub: generate_pb2_grpc.GenerationStub, request: pb.GenerateRequest) -> grpc.aio.Call:
+    """The call once its first token came (its stream left open, holding its place in the decode batch)."""
+    call = stub.Generate(request, timeout=120)
+    while not (await call.read()).token_ids:
+        pass
+    return call
+
+
+async def shed_hint_ms(stub: generate_pb2_grpc.GenerationStub, request: pb.GenerateRequest) -> int:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in stub.Generate(request, timeout=60):
+            pass
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    hint = retry_after_ms(info.value.trailing_metadata())
+    assert hint is not None
+    return hint
+
+
+async def http_shed_hint_ms(base_url: str, seed: int) -> int:
+    body = {"model": "tiny-random", "prompt": prompt(seed), "max_tokens": 4}
+    async with httpx2.AsyncClient(base_url=base_url, timeout=60) as http:
+        answer = await http.post("/completions", json=body)
+    assert answer.status_code == 429, answer.text
+    ms = int(answer.headers["retry-after-ms"])
+    assert int(answer.headers["retry-after"]) == -(-ms // 1000)  # whole seconds, never sooner
+    return ms
+
+
+def test_a_crowd_shed_at_once_is_told_to_come_back_apart_and_a_retry_once_there_is_room_is_served(cluster):
+    """The decode batch held full by BATCH streams, 12 gRPC and 4 HTTP requests come at once: every one is shed with a
+    hint of its own, each a slot (the router's admissions of the last WINDOW_S spread over it) after the one before,
+    not the same hint for all (they came back together and were shed together again). Once the batch frees, one of
+    them retried is served: the hint's promise."""
+
+    async def run() -> tuple[list[int], int]:
+        async with channel(cluster.address) as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            holders = [
+                await first_token(stub, greedy_request(f"{HOLD}batch-{i}", prompt(i), 500)) for i in range(BATCH)
+            ]
+            crowd = [
+                pb.GenerateRequest(prompt_token_ids=prompt(100 + i), sampling=pb.SamplingParams(max_tokens=4))
+                for i in range(12)
+            ]
+            hints = await asyncio.gather(
+                *(shed_hint_ms(stub, r) for r in crowd), *(http_shed_hint_ms(cluster.base_url, i) for i in range(4))
+            )
+            for call in holders:
+                call.cancel()
+            while not idle((await by_role(cluster.address))["decode"]):
+                await asyncio.sleep(0.2)
+            served = [m async for m in stub.Generate(crowd[0], timeout=60)]
+            return list(hints), sum(len(m.token_ids) for m in served)
+
+    hints, tokens = asyncio.run(run())
+    hints.sort()
+    admitted = BATCH + 8  # at most, in the last WINDOW_S: the holders, and earlier tests' requests
+    slot_ms = min(MAX_SLOT_S, WINDOW_S / admitted) * 1e3
+    assert len(set(hints)) == len(hints), hints
+    assert hints[-1] - hints[0] >= (len(hints) - 2) * slot_ms, hints  # the k-th within the k-th slot
+    assert tokens == 4
 
 
 def test_requests_that_left_while_waiting_for_the_prefill_worker_are_never_prefilled(cluster):
