@@ -117,17 +117,23 @@ class Admission:
             self.shares.asked(tenant)
             self.classes.asked(priority)
         try:
-            self._check_room(placement, prompt_tokens, priority, slo, tenant)
+            self._check_room(placement, prompt_tokens, priority, slo, tenant, left_s)
         except OverloadedError as e:
             if e.reason != "kv":  # paced where its KV claim is judged (_check_kv_room)
-                e.retry_after_ms = self.pacing.hint_ms(e.retry_after_ms, MAX_RETRY_MS)
+                e.retry_after_ms = self.pacing.hint_ms(e.retry_after_ms, MAX_RETRY_MS, left_s=left_s)
             raise
         _check_deadline(placement, left_s)
         self.predictor.claims.admitted(placement.blocks_needed)
         self.pacing.admitted()
 
     def _check_room(
-        self, placement: Placement, prompt_tokens: int, priority: int, slo: SLOTarget, tenant: str | None
+        self,
+        placement: Placement,
+        prompt_tokens: int,
+        priority: int,
+        slo: SLOTarget,
+        tenant: str | None,
+        left_s: float | None,
     ) -> None:
         """OverloadedError, with admission's own retry hint, when the load leaves the request no room."""
         if self.in_flight >= self.config.max_in_flight:
@@ -135,7 +141,7 @@ class Admission:
             raise OverloadedError(f"router has {self.in_flight} requests in flight (limit {limit})", reason="in_flight")
         self._check_queue_bound(placement, prompt_tokens - placement.cached_tokens, priority)
         self._check_ttft(placement, slo)
-        self._check_kv_room(placement, slo)
+        self._check_kv_room(placement, slo, left_s)
         # A stream waiting to move (its decode worker lost) has the next free place (lifecycle.py).
         if not self.predictor.has_batch_room(placement.decode, spare=self.predictor.tracker.held_for_moving):
             raise OverloadedError(
@@ -207,7 +213,7 @@ class Admission:
             return f"{reserve:.0%} of its prefill worker's queue room", placement.queue_s * reserve
         return None
 
-    def _check_kv_room(self, placement: Placement, slo: SLOTarget) -> None:
+    def _check_kv_room(self, placement: Placement, slo: SLOTarget, left_s: float | None) -> None:
         """Refused for room past its TTFT SLO, a request claims its blocks on the worker (kv_claims.py), unless one
         refused before it holds the worker's claim."""
         decode, blocks = placement.decode, placement.blocks_needed
@@ -219,7 +225,7 @@ class Admission:
         claimable = self.config.kv_claims and decode.kv_blocks_total >= blocks  # else one would shut smaller ones out
         # The one request a claim calls back comes at its own hint, to the blocks kept for it; the others are paced.
         called = claimable and claims.claim(decode.worker_id, blocks, own_ms / 1e3, slo.ttft_s)
-        retry_ms = self.pacing.hint_ms(own_ms, MAX_RETRY_MS, ahead=called)
+        retry_ms = self.pacing.hint_ms(own_ms, MAX_RETRY_MS, ahead=called, left_s=left_s)
         if claimable and not called:
             claims.expect(blocks, retry_ms / 1e3)
         if free >= blocks:

@@ -11,9 +11,11 @@ the overload: back at 1x, sheds went on for 35 s (docs/experiments/retry_storm/)
 So each shed request gets the next slot of a schedule that lets retries back at about the rate this router admits
 requests (its admissions over the last WINDOW_S, so slots are 1/rate apart): no sooner than admission's own hint, after
 the slots of the requests shed before it, at a random point within its slot. The hint then grows with the crowd told to
-come back (the slots taken), and the requests of one crowd return apart. A slot past the longest hint is not taken: that
-request is told the longest hint (most callers' deadlines end before it: a retry at the hint could succeed, a sooner one
-is unlikely to). With nothing shed lately the schedule is empty and a shed request gets admission's hint.
+come back (the slots taken), and the requests of one crowd return apart. A slot past the longest hint, or past the
+caller's gRPC deadline, is not taken: that request is told when the slot starts (at most the longest hint), which says
+it would not get in within its time, and the next request shed gets the slot, so the schedule holds the retries that
+can still come back, not those of callers gone by then. With nothing shed lately the schedule is empty and a shed
+request gets admission's own hint.
 """
 
 from __future__ import annotations
@@ -45,19 +47,22 @@ class RetryPacing:
         self._forget(self.clock())
         return min(MAX_SLOT_S, WINDOW_S / max(len(self._admitted), 1))
 
-    def hint_ms(self, own_ms: int, longest_ms: int, ahead: bool = False) -> int:
+    def hint_ms(self, own_ms: int, longest_ms: int, ahead: bool = False, left_s: float | None = None) -> int:
         """The hint for a request admission shed with `own_ms`: the next free slot no sooner than that, a random point
-        within it; `longest_ms` (and no slot taken) when that slot starts past it. `ahead`: the request goes before the
-        crowd (the one a KV claim calls back to its blocks): its own hint, the crowd one slot later."""
+        within it. `ahead`: the request goes before the crowd (the one a KV claim calls back to its blocks): its own
+        hint, the crowd one slot later. A slot that starts past `longest_ms`, or past the caller's deadline (`left_s`
+        left; None: none), is not taken: the request is told when it starts (at most `longest_ms`), and the next one
+        shed gets it."""
         now, slot, own_s = self.clock(), self.slot_s(), own_ms / 1e3
-        if ahead or self._next_slot <= now + own_s:  # no crowd ahead of it: admission's own hint
+        crowd = not ahead and self._next_slot > now + own_s  # else admission's own hint
+        wait_s = self._next_slot - now if crowd else own_s
+        if wait_s > longest_ms / 1e3 or (left_s is not None and wait_s >= left_s):
+            return min(longest_ms, max(own_ms, round(wait_s * 1e3)))
+        if not crowd:
             self._next_slot = max(self._next_slot, now + own_s) + slot
             return own_ms
-        start = self._next_slot
-        if start - now > longest_ms / 1e3:
-            return longest_ms
-        self._next_slot = start + slot
-        return min(longest_ms, math.ceil((start - now + self.rng.uniform(0.0, slot)) * 1e3))
+        self._next_slot += slot
+        return min(longest_ms, math.ceil((wait_s + self.rng.uniform(0.0, slot)) * 1e3))
 
     def _forget(self, now: float) -> None:
         while self._admitted and self._admitted[0] <= now - WINDOW_S:

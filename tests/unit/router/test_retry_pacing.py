@@ -1,7 +1,7 @@
 """Retry hints that spread a crowd of shed requests over the rate the router admits (services/router/retry_pacing.py),
 alone and through admission: a crowd shed together is told to come back apart, later the larger it is; a request shed
-alone, or after the crowd's slots have passed, gets admission's own hint; a KV claim calls back one request of its
-size at its own hint."""
+alone, or after the crowd's slots have passed, gets admission's own hint; one whose deadline ends first takes no slot;
+a KV claim calls back one request of its size at its own hint."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from dataclasses import replace
 
 import pytest
 
+from pdserve.errors import OverloadedError
 from services.router import kv_claims
-from services.router.admission import MAX_RETRY_MS
+from services.router.admission import MAX_RETRY_MS, SLOTarget
 from services.router.retry_pacing import MAX_SLOT_S, WINDOW_S, RetryPacing
 from tests.unit.hand_clock import HandClock
 from tests.unit.router.router_builder import Router, prompt, replace_free, shed, worker
@@ -53,6 +54,15 @@ def test_the_hint_grows_with_the_crowd_and_stops_at_the_longest_without_taking_a
     assert p.hint_ms(100, 5_000) == 100
 
 
+def test_a_caller_whose_deadline_ends_before_its_slot_is_told_so_and_leaves_the_slot_to_the_next():
+    """The schedule holds the retries that can still come back: a slot past the caller's deadline is not taken."""
+    clock = HandClock()
+    p = pacing(10, clock)  # 1 s slots
+    assert p.hint_ms(100, MAX_RETRY_MS) == 100
+    assert p.hint_ms(100, MAX_RETRY_MS, left_s=0.5) == 1_100  # its slot starts 1.1 s on: past its 0.5 s
+    assert 1_100 <= p.hint_ms(100, MAX_RETRY_MS, left_s=60.0) <= 2_100  # the next one shed gets that slot
+
+
 def test_a_router_that_admits_little_spaces_retries_at_most_the_widest_slot_apart():
     clock = HandClock()
     p = pacing(0, clock)
@@ -74,6 +84,16 @@ def test_admission_paces_a_crowd_shed_for_a_full_batch_at_the_rate_it_admitted()
     own = hints[0]
     for k, hint in enumerate(hints[1:], start=1):
         assert own + 500 * k <= hint <= own + 500 * (k + 1) + 1, (k, hints)
+
+
+def test_admission_gives_no_slot_to_a_caller_whose_deadline_ends_before_it():
+    r = Router([worker("p0"), worker("d0", "decode", sequences=2, max_num_seqs=2)])
+    own = shed(r, prompt(100), "room in its batch", slo_s=(5.0, 1.0)).retry_after_ms
+    placed, slo = r.place(prompt(100), 16, 1.0), SLOTarget(5.0, 1.0)
+    with pytest.raises(OverloadedError) as info:
+        r.admission.check_load(placed, 100, 0, slo, left_s=0.5)
+    assert info.value.retry_after_ms == pytest.approx(own + 1000, abs=5)  # nothing admitted lately: 1 s slots
+    assert shed(r, prompt(100), "room in its batch", slo_s=(5.0, 1.0)).retry_after_ms <= own + 2005  # that slot
 
 
 @pytest.fixture
