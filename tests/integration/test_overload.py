@@ -76,6 +76,41 @@ async def http_shed_hint_ms(base_url: str, seed: int) -> int:
     return ms
 
 
+def test_requests_that_left_while_waiting_for_the_prefill_worker_are_never_prefilled(cluster):
+    """A `hold-` prompt of 7 chunks holds the prefill worker for 7 slowed steps (at least 7 s); three requests admitted
+    behind it wait there: one its gRPC caller cancels, one whose 3 s deadline passes, one whose HTTP caller hangs up.
+    Each ends as its caller left, and the prefill worker runs only the `hold-` prompt: its prefill count grows by
+    one."""
+
+    async def run() -> tuple[float, dict[str, str]]:
+        prefill_metrics = f"http://{(await by_role(cluster.address))['prefill'].metrics_address}/metrics"
+        prefilled = total(scrape(prefill_metrics), "pdserve_request_prefill_time_seconds_count")
+        async with channel(cluster.address) as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            held = stub.Generate(greedy_request(f"{HOLD}prefill", prompt(7, 7 * CHUNK), 1), timeout=120)
+            held_tokens = asyncio.ensure_future(tokens_of(held))
+            await until(cluster.address, lambda w: w["prefill"].running == 1)
+            # An SLO past what the hold- prompt's slowed steps may make the router predict: admitted, not shed.
+            cancelled = stub.Generate(waiting_request("cancelled", prompt(8)), timeout=120)
+            deadline = stub.Generate(waiting_request("deadline", prompt(9)), timeout=3.0)
+            admitted = [PREDICTED_TTFT_KEY in dict(await c.initial_metadata()) for c in (cancelled, deadline)]
+            if not all(admitted):  # both admitted, not refused at once
+                pytest.fail(f"refused at once: {[await c.details() for c in (cancelled, deadline)]}")
+            hung_up = asyncio.ensure_future(http_completion(cluster.base_url, prompt(10)))
+            # Queued behind the hold- prompt (the one with a deadline too, unless that passed already).
+            await until(cluster.address, lambda w: w["prefill"].waiting >= 2)
+            cancelled.cancel()
+            hung_up.cancel()
+            outcomes = {"cancelled": await code_of(cancelled), "deadline": await code_of(deadline)}
+            assert await held_tokens == 1
+            await until(cluster.address, lambda w: idle(w["prefill"]) and idle(w["decode"]))
+            return total(scrape(prefill_metrics), "pdserve_request_prefill_time_seconds_count") - prefilled, outcomes
+
+    prefills, outcomes = asyncio.run(run())
+    assert outcomes == {"cancelled": "CANCELLED", "deadline": "DEADLINE_EXCEEDED"}
+    assert prefills == 1  # the hold- prompt's alone
+
+
 def test_a_crowd_shed_at_once_is_told_to_come_back_apart_and_a_retry_once_there_is_room_is_served(cluster):
     """The decode batch held full by BATCH streams, 12 gRPC and 4 HTTP requests come at once: every one is shed with a
     hint of its own, each a slot (the router's admissions of the last WINDOW_S spread over it) after the one before,
@@ -111,37 +146,10 @@ def test_a_crowd_shed_at_once_is_told_to_come_back_apart_and_a_retry_once_there_
     assert tokens == 4
 
 
-def test_requests_that_left_while_waiting_for_the_prefill_worker_are_never_prefilled(cluster):
-    """A `hold-` prompt of 7 chunks holds the prefill worker for 7 slowed steps (at least 7 s); three requests admitted
-    behind it wait there: one its gRPC caller cancels, one whose 3 s deadline passes, one whose HTTP caller hangs up.
-    Each ends as its caller left, and the prefill worker runs only the `hold-` prompt: its prefill count grows by
-    one."""
-
-    async def run() -> tuple[float, dict[str, str]]:
-        prefill_metrics = f"http://{(await by_role(cluster.address))['prefill'].metrics_address}/metrics"
-        prefilled = total(scrape(prefill_metrics), "pdserve_request_prefill_time_seconds_count")
-        async with channel(cluster.address) as ch:
-            stub = generate_pb2_grpc.GenerationStub(ch)
-            held = stub.Generate(greedy_request(f"{HOLD}prefill", prompt(7, 7 * CHUNK), 1), timeout=120)
-            held_tokens = asyncio.ensure_future(tokens_of(held))
-            await until(cluster.address, lambda w: w["prefill"].running == 1)
-            cancelled = stub.Generate(greedy_request("cancelled", prompt(8), 4), timeout=120)
-            deadline = stub.Generate(greedy_request("deadline", prompt(9), 4), timeout=3.0)
-            admitted = [dict(await c.initial_metadata()) for c in (cancelled, deadline)]
-            assert all(PREDICTED_TTFT_KEY in m for m in admitted), admitted  # both admitted, not refused at once
-            hung_up = asyncio.ensure_future(http_completion(cluster.base_url, prompt(10)))
-            # Queued behind the hold- prompt (the one with a deadline too, unless that passed already).
-            await until(cluster.address, lambda w: w["prefill"].waiting >= 2)
-            cancelled.cancel()
-            hung_up.cancel()
-            outcomes = {"cancelled": await code_of(cancelled), "deadline": await code_of(deadline)}
-            assert await held_tokens == 1
-            await until(cluster.address, lambda w: idle(w["prefill"]) and idle(w["decode"]))
-            return total(scrape(prefill_metrics), "pdserve_request_prefill_time_seconds_count") - prefilled, outcomes
-
-    prefills, outcomes = asyncio.run(run())
-    assert outcomes == {"cancelled": "CANCELLED", "deadline": "DEADLINE_EXCEEDED"}
-    assert prefills == 1  # the hold- prompt's alone
+def waiting_request(request_id: str, tokens: list[int]) -> pb.GenerateRequest:
+    request = greedy_request(request_id, tokens, 4)
+    request.slo.ttft_ms = 30_000
+    return request
 
 
 async def tokens_of(call: grpc.aio.UnaryStreamCall) -> int:
@@ -161,7 +169,7 @@ async def code_of(call: grpc.aio.UnaryStreamCall) -> str:
 
 async def http_completion(base_url: str, tokens: list[int]) -> None:
     """A streamed completion over the HTTP API, read to its end (its caller hangs up when cancelled)."""
-    body = {"model": "tiny-random", "prompt": tokens, "max_tokens": 4, "stream": True}
+    body = {"model": "tiny-random", "prompt": tokens, "max_tokens": 4, "stream": True, "slo": {"ttft_ms": 30_000}}
     async with (
         httpx2.AsyncClient(base_url=base_url, timeout=120) as http,
         http.stream("POST", "/completions", json=body) as answer,
