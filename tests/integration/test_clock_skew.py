@@ -4,7 +4,8 @@ processes' clock functions, as another host's would be), with the embedded regis
 the workers, shows their reports' true age, and counts a decode worker's batch once: a report is placed in time on
 the router's own clock (the Redis entry's age on Redis's clock, the load's age on the worker's), so the streams this
 router placed before the report are not counted again on top of it. And routers whose clocks disagree share their
-moving streams and KV claims in Redis's time: another router's, 30 s behind or ahead, hold as long as they should."""
+moving streams and KV claims in Redis's time: another router's, 30 s behind or ahead, hold as long as they should.
+A worker's Redis entry is heard when Redis says it was written, whatever the writer's wall clock says."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import grpc
 import pytest
 
 from pdserve.cluster.local_process import ClusterProcess
-from pdserve.registry.redis import worker_key
+from pdserve.registry.redis import PREFIX, RedisRegistry, worker_key
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
@@ -31,6 +32,7 @@ from services.router.shared_claims import SharedKVClaims
 from services.router.shared_moving import SharedMoving
 from tests.integration.cluster_view import status_json
 from tests.integration.skewed_clock.other_router import CLAIMED_BLOCKS, MOVING
+from tests.integration.test_redis_registry import router_view, state
 from tests.redis_server import RedisServer, emptied, started
 
 pytestmark = pytest.mark.timeout(400)
@@ -154,3 +156,27 @@ async def test_another_routers_moving_streams_and_claims_hold_as_long_as_they_sh
     finally:
         await moving.close()
         await shared.close()
+
+
+async def test_an_entry_is_heard_when_written_by_redis_clock_whatever_the_writers_clocks_say(url, server):
+    """Two workers whose wall clocks are 30 s behind and ahead of the router's: each entry is placed in time on the
+    router's own clock from its age on Redis's (the TTL it was written with less its PTTL), and its load's from the
+    age the worker measured on its own monotonic clock."""
+    publisher = RedisRegistry(url, ttl_s=5.0)
+    async with router_view(url, refresh_s=3600) as router:
+        written = time.monotonic()
+        for worker_id, skew_s in (("behind", -30.0), ("ahead", 30.0)):
+            at = time.time() + skew_s  # its wall clock, as its own stamps say it, stepped 5 s on since the sample:
+            publisher.publish(state(worker_id, updated_at=at, load_at=at - 5.25, load_age_s=0.25))  # 0.25 s ago
+        await asyncio.sleep(0.3)  # the entries age 0.3 s in Redis before the router reads them
+        assert await router.refresh()
+        read = time.monotonic()
+        for w in router.workers():
+            assert written <= w.heard_at <= read - 0.3, (w.worker_id, w.heard_at - written, read - written)
+            assert w.load_sampled_at == pytest.approx(w.heard_at - 0.25)
+    with server.client() as c:  # an entry of a build before its TTL was written: its wall clock against ours
+        c.set(f"{PREFIX}:worker:older", state("older", updated_at=time.time() - 1.0).to_json(), px=5000)
+        c.sadd(f"{PREFIX}:workers", "older")
+    async with router_view(url, refresh_s=3600) as router:
+        (older,) = (w for w in router.workers() if w.worker_id == "older")
+        assert time.monotonic() - older.heard_at == pytest.approx(1.0, abs=0.2)

@@ -74,30 +74,6 @@ async def test_a_published_worker_reads_back_whole_profile_included(url):
         assert router.workers("colocated") == []
 
 
-async def test_an_entry_is_heard_when_written_by_redis_clock_whatever_the_writers_clocks_say(url, server):
-    """Two workers whose wall clocks are 30 s behind and ahead of the router's: each entry is placed in time on the
-    router's own clock from its age on Redis's (the TTL it was written with less its PTTL), and its load's from the
-    age the worker measured on its own monotonic clock."""
-    publisher = RedisRegistry(url, ttl_s=5.0)
-    async with router_view(url, refresh_s=3600) as router:
-        written = time.monotonic()
-        for worker_id, skew_s in (("behind", -30.0), ("ahead", 30.0)):
-            at = time.time() + skew_s  # its wall clock, as its own stamps say it, stepped 5 s on since the sample:
-            publisher.publish(state(worker_id, updated_at=at, load_at=at - 5.25, load_age_s=0.25))  # 0.25 s ago
-        await asyncio.sleep(0.3)  # the entries age 0.3 s in Redis before the router reads them
-        assert await router.refresh()
-        read = time.monotonic()
-        for w in router.workers():
-            assert written <= w.heard_at <= read - 0.3, (w.worker_id, w.heard_at - written, read - written)
-            assert w.load_sampled_at == pytest.approx(w.heard_at - 0.25)
-    with server.client() as c:  # an entry of a build before its TTL was written: its wall clock against ours
-        c.set(f"{PREFIX}:worker:older", state("older", updated_at=time.time() - 1.0).to_json(), px=5000)
-        c.sadd(f"{PREFIX}:workers", "older")
-    async with router_view(url, refresh_s=3600) as router:
-        (older,) = (w for w in router.workers() if w.worker_id == "older")
-        assert time.monotonic() - older.heard_at == pytest.approx(1.0, abs=0.2)
-
-
 async def test_a_worker_that_stops_heartbeating_expires(url, server):
     publisher = RedisRegistry(url, ttl_s=1.0)
     publisher.publish(state("quiet"))

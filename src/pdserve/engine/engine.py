@@ -222,8 +222,7 @@ class LLMEngine:
         return owed + sum(1 for r in self._requests.values() if r.seq.status in growing and self._will_grow(r.seq))
 
     def blocks_free_for_new(self) -> int:
-        """What a reservation may take, and what the worker publishes as free: its routers place no hand-off it
-        would refuse."""
+        """What a reservation may take; the worker publishes it as free, so no router places a hand-off it refuses."""
         return max(0, self.blocks.num_free_blocks - self.blocks_owed())
 
     def _will_grow(self, seq: Sequence) -> bool:

@@ -354,27 +354,6 @@ def test_a_profile_without_its_perf_key_is_refused_naming_the_key(tmp_path, caps
     assert capsys.readouterr().err == f"pdserve plan: {path} is not a pdserve profile: it has no 'perf' key\n"
 
 
-SLOS = ["--slo-ttft-ms", "500", "--slo-tpot-ms", "50"]
-
-
-@pytest.mark.parametrize(
-    ("flag", "argv"),
-    [
-        ("--profile", ["plan", "--rate", "1", "--input-len", "8", "--output-len", "8", "--workers", "2"]),
-        ("--trace", ["plan", "--profile", "PROFILE", "--workers", "2"]),
-        ("--profile", ["autoscale", "--addr", "127.0.0.1:1", "--max-workers", "4", "--once"]),
-    ],
-)
-def test_a_profile_or_trace_that_is_not_there_is_refused_naming_the_flag(tmp_path, capsys, flag, argv):
-    """It said only open's `[Errno 2] No such file or directory: 'p.json'`, naming no flag."""
-    profile, missing = tmp_path / "profile.json", tmp_path / "none.json"
-    synthetic_profile().save(profile)
-    argv = [str(profile) if a == "PROFILE" else a for a in argv]
-    assert cli.main([*argv, flag, str(missing), *SLOS]) == 2
-    said = f"pdserve {argv[0]}: {flag} {missing}: cannot be read (No such file or directory)\n"
-    assert capsys.readouterr().err == said
-
-
 @pytest.mark.parametrize("quantiles", [[-0.001, 0.01], [0.005, math.nan], [0.005, math.inf], [0.02, 0.01], "0.01"])
 def test_a_profile_with_a_bad_serving_latency_spread_is_refused_naming_it(tmp_path, capsys, quantiles):
     """A negative or endless latency, or quantiles out of order, would skew every draw the simulator makes."""
