@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from pdserve.background import cancel_and_wait
+from pdserve.background import cancel_and_wait, repeating
 from services.router.placement import PlacementPolicy
 
 log = logging.getLogger(__name__)
@@ -46,15 +46,13 @@ class WorkerPresence:
             await self.on_change()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="worker-presence")
+        self._task = repeating(self._check_logged, self.every_s, "worker-presence")
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.every_s)
-            try:
-                await self.check()
-            except Exception:  # the router's health must not stop following its workers over one bad round
-                log.exception("worker presence check failed")
+    async def _check_logged(self) -> None:
+        try:
+            await self.check()
+        except Exception:  # the router's health must not stop following its workers over one bad round
+            log.exception("worker presence check failed")
