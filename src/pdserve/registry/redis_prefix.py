@@ -39,6 +39,27 @@ local over = placed - tonumber(ARGV[1])
 if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
 return over
 """
+# Each key's run of leading ARGV members (-1: the key is no sorted set), one number a worker for the router to read. A
+# key that lacks the first member costs one lookup, one that holds it a ZMSCORE of them all. It replaced a pipelined
+# ZMSCORE of the whole probe on every worker, which cost Redis every probe block of every worker and the router's loop
+# the parsing of every score: at 128 prefill workers, where one in 16 holds the prompt's first blocks, ~4.7 ms of
+# Redis and ~12 ms of the loop a request, and ~300 KB over the network (docs/experiments/router_at_scale/).
+_LEADING_RUNS = """
+local runs = {}
+for i = 1, #KEYS do
+  local run = 0
+  local first = redis.pcall('ZSCORE', KEYS[i], ARGV[1])
+  if type(first) == 'table' and first.err then
+    run = -1
+  elseif first then
+    local scores = redis.call('ZMSCORE', KEYS[i], unpack(ARGV))
+    while run < #ARGV and scores[run + 1] do run = run + 1 end
+  end
+  runs[i] = run
+end
+return runs
+"""
+LOOKUPS_PER_CALL = 4096  # blocks one call of the script looks up at most (and its unpack takes): a few ms of Redis
 
 
 def prefix_key(cache_key: str) -> str:
@@ -188,21 +209,32 @@ class RedisPrefixIndex(PrefixIndex):
     async def _count_leading_runs(self, hits: dict[str, int], block_hashes: list[bytes]) -> AsyncGenerator[None, None]:
         """Adds to `hits` each worker's run of leading blocks, asking only the workers whose run reached the end
         of the last probe, each probe 4x the last: a long prompt costs what its hits are, not what it is long
-        for every worker. Yields after each round."""
+        for every worker. Yields after each round, one pipeline of `_LEADING_RUNS` calls of at most
+        LOOKUPS_PER_CALL blocks each (a probe longer than that is asked in segments)."""
         matching, start, size = list(hits), 0, FIRST_PROBE_BLOCKS
         while matching and start < len(block_hashes):
             probe = block_hashes[start : start + size]
+            segments = [probe[i : i + LOOKUPS_PER_CALL] for i in range(0, len(probe), LOOKUPS_PER_CALL)]
+            per_call = max(1, LOOKUPS_PER_CALL // len(segments[0]))
             pipe = self._client().pipeline(transaction=False)
-            for w in matching:
-                pipe.zmscore(prefix_key(w), probe)  # type: ignore[arg-type]  # bytes members, as stored
+            asked = []  # each call's workers, in the pipeline's order: segment by segment
+            for segment in segments:
+                for i in range(0, len(matching), per_call):
+                    asked.append(workers := matching[i : i + per_call])
+                    keys = [prefix_key(w) for w in workers]
+                    pipe.eval(_LEADING_RUNS, len(keys), *keys, *segment)  # type: ignore[arg-type]  # bytes members
             answers = await pipe.execute(raise_on_error=False)
+            runs: dict[str, list[int | Exception]] = {w: [] for w in matching}
+            for workers, answer in zip(asked, answers, strict=True):
+                for j, w in enumerate(workers):
+                    runs[w].append(answer if isinstance(answer, Exception) else answer[j])
             still = []
-            for w, scores in zip(matching, answers, strict=True):
-                if isinstance(scores, Exception):  # an entry that is no sorted set: that worker's hits only
-                    self._entry_failed.warning("prefix index entry %s unreadable: %r", prefix_key(w), scores)
+            for w in matching:
+                run = _leading_run(segments, runs[w])
+                if isinstance(run, Exception):  # an entry that is no sorted set: that worker's hits only
+                    self._entry_failed.warning("prefix index entry %s unreadable: %r", prefix_key(w), run)
                     hits[w] = 0
                     continue
-                run = _leading(scores)
                 hits[w] += run
                 if run == len(probe):
                     still.append(w)
@@ -220,10 +252,16 @@ class RedisPrefixIndex(PrefixIndex):
             self._redis = None
 
 
-def _leading(scores: list[float | None]) -> int:
-    n = 0
-    for s in scores:
-        if s is None:
+def _leading_run(segments: list[list[bytes]], runs: list[int | Exception]) -> int | Exception:
+    """A worker's run over a probe, from its run in each segment (-1: its entry is no sorted set): on into the next
+    segment only through one it holds whole."""
+    total = 0
+    for segment, run in zip(segments, runs, strict=True):
+        if isinstance(run, Exception):
+            return run
+        if run < 0:
+            return redis.ResponseError("WRONGTYPE: not a sorted set")
+        total += run
+        if run < len(segment):
             break
-        n += 1
-    return n
+    return total
