@@ -112,8 +112,11 @@ class WorkerState:
         d = json.loads(text)
         d["profile"] = PerfProfile.from_dict(d["profile"]) if d.get("profile") else None
         # A newer worker's extra fields: ignored while routers upgrade; `heard_at` is the reader's own to set.
-        known = {f.name for f in fields(cls)} - {"heard_at"}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        return cls(**{k: v for k, v in d.items() if k in _STATE_FIELDS})
+
+
+# Read once: `fields` walks the class, and every router parses every worker's entry at each view refresh.
+_STATE_FIELDS = frozenset(f.name for f in fields(WorkerState)) - {"heard_at"}
 
 
 class Registry(ABC):

@@ -164,6 +164,9 @@ class RedisRegistry(Registry):
         self._confirmed_at = -math.inf  # monotonic time Redis last answered a refresh
         self._down_since: float | None = None  # the first failed refresh of the current outage
         self._malformed: set[str] = set()  # ids whose entries failed to parse, logged once each
+        # Each listed worker's entry as last read, and what it parsed to: an entry its worker has not rewritten since
+        # (a heartbeat every 0.5 s, a refresh every 0.25 s: half of them) is not parsed again.
+        self._parsed: dict[str, tuple[bytes, WorkerState]] = {}
 
     @property
     def client(self) -> redis.Redis:
@@ -330,12 +333,14 @@ class RedisRegistry(Registry):
         """Entries that fail to parse are skipped (logged once each): one bad entry must not fail every request.
         Each is heard when it was written, on this process's clock."""
         view: dict[str, WorkerState] = {}
+        parsed: dict[str, tuple[bytes, WorkerState]] = {}
         malformed: set[str] = set()
         for worker_id, entry in entries.items():
             if entry is None:
                 continue
+            last = self._parsed.get(worker_id)
             try:
-                state = WorkerState.from_json(entry.value)
+                state = last[1] if last is not None and last[0] == entry.value else WorkerState.from_json(entry.value)
             except Exception as e:  # written by anyone with access to Redis: any shape at all
                 malformed.add(worker_id)
                 if worker_id not in self._malformed:
@@ -346,8 +351,9 @@ class RedisRegistry(Registry):
                         entry.value,
                     )
                 continue
+            parsed[worker_id] = (entry.value, state)
             view[worker_id] = replace(state, heard_at=entry.written_at(state))
-        self._malformed = malformed
+        self._malformed, self._parsed = malformed, parsed
         return view
 
     def _unreachable(self, e: Exception) -> None:
