@@ -103,9 +103,6 @@ class _Entry:
     placed: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     cached: set[bytes] = field(default_factory=set)
 
-    def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self.cached or block_hash in self.placed
-
 
 class InMemoryPrefixIndex(PrefixIndex):
     """Per worker, the blocks its journal says it caches, and an LRU of at most `max_blocks_per_worker` more that
@@ -167,9 +164,10 @@ class InMemoryPrefixIndex(PrefixIndex):
 
 
 def _leading(held: _Entry, block_hashes: list[bytes]) -> int:
+    cached, placed = held.cached, held.placed  # not `in held`: a method call per block, of every prefill worker
     n = 0
     for h in block_hashes:
-        if h not in held:
+        if h not in cached and h not in placed:
             break
         n += 1
     return n
