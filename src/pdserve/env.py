@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 from pdserve.config import FaultConfig
@@ -39,6 +40,12 @@ def pod_namespace() -> str | None:
 def raycluster() -> str | None:
     """PDSERVE_RAYCLUSTER: the RayCluster a chart's pod belongs to, as the chart rendered its name; None: unknown."""
     return os.environ.get("PDSERVE_RAYCLUSTER") or None
+
+
+def ray_logs_dir() -> str:
+    """Where a local Ray started here keeps its latest session's logs: under RAY_TMPDIR, else the temp dir, as Ray
+    places them."""
+    return os.path.join(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(), "ray", "session_latest", "logs")
 
 
 def build() -> str | None:

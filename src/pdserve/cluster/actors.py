@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import socket
-import tempfile
 import time
 from typing import Any
 
@@ -76,7 +75,7 @@ def _check_listening(address: str) -> None:
 def _local_ray_failed(e: Exception) -> ChildProcessError:
     """What a start of our own Ray that failed says (Ray's own `Exception: The current node timed out during startup`
     on a loaded machine, where its processes took more than the 30 s it waits), with where Ray's logs are."""
-    logs = os.path.join(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(), "ray", "session_latest", "logs")
+    logs = env.ray_logs_dir()
     return ChildProcessError(f"the local Ray did not start: {e} (its logs: {logs}; on a loaded machine, try again)")
 
 
