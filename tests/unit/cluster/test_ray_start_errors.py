@@ -5,12 +5,24 @@ each was a 50-line traceback ending in Ray's `Exception: The current node timed 
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 import ray
 
 from pdserve.cli import main
 
 RAY_SAYS = "The current node timed out during startup."
+# `up` writes the cluster secret it made into this process's environment: kept, every in-process worker a later test
+# module of this process starts would refuse its callers as no cluster peer.
+pytestmark = pytest.mark.usefixtures("environment_kept")
+
+
+@pytest.fixture
+def environment_kept():
+    with mock.patch.dict(os.environ):
+        yield
 
 
 def test_a_local_ray_that_does_not_start_is_one_line_naming_its_logs(
