@@ -3,17 +3,8 @@ a claimant holds one claim however its retries are placed, and its admission any
 
 from __future__ import annotations
 
-import pytest
-
 from services.router import kv_claims
 from services.router.kv_claims import CLAIM_MIN_S, Claim, KVClaims
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    now = [1000.0]
-    monkeypatch.setattr(kv_claims.time, "monotonic", lambda: now[0])
-    return now
 
 
 def test_the_first_claim_holds_against_later_refusals_and_only_its_own_retry_renews_it(clock):

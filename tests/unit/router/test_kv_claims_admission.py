@@ -5,20 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from pdserve.config import RouterConfig
-from services.router import kv_claims
 from services.router.kv_claims import CLAIM_MIN_S
 from tests.unit.router.router_builder import Router, prompt, replace_free, shed, worker
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    """kv_claims' clock, moved by hand."""
-    now = [1000.0]
-    monkeypatch.setattr(kv_claims.time, "monotonic", lambda: now[0])
-    return now
 
 
 def starved(r: Router, tokens: list[int], clock: list[float]) -> None:

@@ -12,7 +12,6 @@ from dataclasses import replace
 import pytest
 
 from pdserve.errors import OverloadedError
-from services.router import kv_claims
 from services.router.admission import MAX_RETRY_MS, SLOTarget
 from services.router.retry_pacing import MAX_SLOT_S, WINDOW_S, RetryPacing
 from tests.unit.hand_clock import HandClock
@@ -94,14 +93,6 @@ def test_admission_gives_no_slot_to_a_caller_whose_deadline_ends_before_it():
         r.admission.check_load(placed, 100, 0, slo, left_s=0.5)
     assert info.value.retry_after_ms == pytest.approx(own + 1000, abs=5)  # nothing admitted lately: 1 s slots
     assert shed(r, prompt(100), "room in its batch", slo_s=(5.0, 1.0)).retry_after_ms <= own + 2005  # that slot
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    """kv_claims' and retry_pacing's clock (time.monotonic), moved by hand."""
-    now = [1000.0]
-    monkeypatch.setattr(kv_claims.time, "monotonic", lambda: now[0])
-    return now
 
 
 def test_a_kv_claim_calls_back_one_request_of_its_size_at_its_own_hint_and_paces_the_others(clock):
