@@ -9,6 +9,7 @@ harness.
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -118,7 +119,8 @@ def test_a_forged_header_is_refused_and_the_real_transfer_still_lands(receiver: 
 
 def test_a_forged_header_sized_as_no_awaited_transfer_drops_the_pair_and_its_port(receiver: TorchDistReceiver) -> None:
     """Its sizes are the forger's word alone (a huge layer count or block size would be allocated to drain it):
-    never drained, the pair goes at once, and with it the store's listening port (not at the next gc)."""
+    never drained, the pair goes at once, and with it the store's listening port (not at the next gc). The port
+    closes on the store's own server thread, a moment after the sender sees the pair's sockets close: waited for."""
     rendezvous = receiver.rendezvous("prefill-forger")
     kv = make_caches(78)
     r = Recv(receiver, "prefill-forger", 45, kv, [5, 6, 7])
@@ -129,6 +131,9 @@ def test_a_forged_header_sized_as_no_awaited_transfer_drops_the_pair_and_its_por
         assert forged["error"] == "PeerLostError", forged
         err = r.join()
         assert isinstance(err, PeerLostError) and "a header whose MAC fails, sized as no awaited" in str(err), err
+        deadline = time.monotonic() + 10
+        while listening(rendezvous, 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert not listening(rendezvous, 1)
     finally:
         gc.enable()
