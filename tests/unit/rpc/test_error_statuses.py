@@ -124,10 +124,8 @@ async def test_reflection_is_a_switch(on: bool) -> None:
                 replies = [r async for r in stub.ServerReflectionInfo(iter([ask]))]
                 names = [s.name for s in replies[0].list_services_response.service]
                 assert "pdserve.v1.Generation" in names
-            else:
-                with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    _ = [r async for r in stub.ServerReflectionInfo(iter([ask]))]
-                assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            else:  # nothing written: a write racing the server's UNIMPLEMENTED may fail INTERNAL (grpc/grpc#36066)
+                assert await stub.ServerReflectionInfo(timeout=10).code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         await server.stop(None)
 
