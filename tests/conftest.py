@@ -32,3 +32,14 @@ def _environment_as_found() -> Iterator[None]:
     saved = dict(os.environ)
     yield
     _restore(saved)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """A failure's report parses the test's source (`ast.parse`); under CPython 3.11 that raises SystemError when
+    another thread parses at the same moment (a traceback formatted by a cluster's thread: CPython gh-106905), and
+    the pytest-xdist worker crashes, ending the whole run without saying what failed. The report is made again."""
+    try:
+        return (yield)
+    except SystemError:
+        return pytest.TestReport.from_item_and_call(item, call)
