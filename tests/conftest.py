@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 
@@ -35,7 +35,9 @@ def _environment_as_found() -> Iterator[None]:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A failure's report parses the test's source (`ast.parse`); under CPython 3.11 that raises SystemError when
     another thread parses at the same moment (a traceback formatted by a cluster's thread: CPython gh-106905), and
     the pytest-xdist worker crashes, ending the whole run without saying what failed. The report is made again."""
