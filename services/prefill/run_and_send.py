@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pdserve.addresses import split_host_port
 from pdserve.config import FaultConfig
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.errors import InvalidRequestError, UnavailableError
+from pdserve.errors import InvalidRequestError, KVMismatchError, UnavailableError
 from pdserve.metrics import WorkerMetrics
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.handoff import FirstToken, KVSent, KVTarget
@@ -88,7 +88,7 @@ class RunAndSend:
         ours = (self.engine.fingerprint, self.engine.block_size)
         theirs = (job.target.model_fingerprint, job.target.block_size)
         if theirs != ours:
-            raise UnavailableError(f"KV layout mismatch: decode runs (model, block size) {theirs}, this worker {ours}")
+            raise KVMismatchError(f"KV layout mismatch: decode runs (model, block size) {theirs}, this worker {ours}")
         if job.transfer_timeout_s <= 0:
             raise InvalidRequestError("transfer_timeout_ms", f"must be positive, got {job.transfer_timeout_s * 1e3:g}")
 

@@ -19,6 +19,7 @@ from pdserve.errors import (
     ClusterAuthError,
     InternalError,
     InvalidRequestError,
+    KVMismatchError,
     OverloadedError,
     RouterDrainingError,
     UnavailableError,
@@ -215,7 +216,10 @@ class RequestLifecycle:
                 except UnavailableError as e:
                     if done:  # the last message is out: a worker lost after it leaves nothing to redo
                         return
-                    ticket = await self._move(ticket, e, original, chunks, moves, failed, time_remaining())
+                    # A pair refused for other weights (a registry view older than a worker's restart onto new
+                    # ones) moves the request; neither worker failed, so neither leaves placement.
+                    eject = not isinstance(e, KVMismatchError)
+                    ticket = await self._move(ticket, e, original, chunks, moves, failed, time_remaining(), eject)
                 except OverloadedError as e:
                     # The worker had no room when the request got there, though this router saw room (another
                     # router's stream, or a migration, took it): another may. Else, before any message, it is
@@ -250,7 +254,8 @@ class RequestLifecycle:
         """A new ticket on workers that did not fail the request (the old one released), or `error` raised again
         when it may not or cannot move (the caller's `finally` releases the old one). `eject`: the worker failed,
         rather than being full, so it leaves placement for a while. A request refused as full before its first
-        message goes only to another worker, one with room as far as this router sees."""
+        message goes only to another worker, one with room as far as this router sees; a stream moving mid-answer
+        only to workers of the weights its answer so far came from."""
         worker = blamed_worker(error, ticket.placement)
         if eject:
             self.placement.ejections.eject(worker, ejection_reason(error), str(error))
@@ -262,7 +267,8 @@ class RequestLifecycle:
         req = continued_request(original, streamed) if chunks else original
         try:
             if chunks:
-                placement = await self.waits.with_room(req, failed, left, moves)
+                weights = ticket.placement.decode.model_fingerprint  # its answer so far is of these weights
+                placement = await self.waits.with_room(req, failed, left, moves, weights)
             elif isinstance(error, OverloadedError):
                 placement = await self.waits.within(0.0, self.waits.args(req), failed.ids, req.cache_salt, True)
                 if not self.admission.predictor.takes(placement.decode, len(req.prompt_token_ids)):

@@ -14,6 +14,7 @@ from pdserve.protocol.request_checks import kv_tokens
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import PrefixIndex, Registry, WorkerState
 from services.router.ejection import Ejections
+from services.router.kv_pairing import Group, pairable, pairing_groups, running, versions
 from services.router.offered_workers import OfferedWorkers
 from services.router.predictor import Predictor
 
@@ -45,6 +46,11 @@ class Placement:
 
 class NoWorkersError(UnavailableError):
     """No live worker of a role (after ejections and drains): often a moment's gap, see RequestLifecycle."""
+
+
+class UnpairedError(NoWorkersError):
+    """Live prefill and decode workers, but none of them may be paired (another model or block size, a rollout's
+    gap): once its wait is out a new request is shed with a retry hint (placement_waits.py), not UNAVAILABLE."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,7 @@ class PlacementPolicy(ABC):
         avoid: frozenset[str] = frozenset(),
         cache_salt: bytes = b"",
         must_hold: bool = False,
+        weights: str | None = None,
     ) -> Placement:
         """Called by the router per request; raises UnavailableError when no worker serves at all. `avoid`:
         workers that already failed this request (a retry never goes back to them). `cache_salt`: the
@@ -102,9 +109,43 @@ class PlacementPolicy(ABC):
         NoWorkersError, which the request waits out. `must_hold`: only those, and only decode workers whose
         whole KV holds prompt + max_tokens (NoWorkersError when none is live): a retry or a migration, which
         admission does not judge again, must not go where it would be refused as invalid. `needs`: the worker
-        features the request needs (protocol/compatibility.py), which only workers that list them serve; a prefill
-        and a decode worker are paired only where their KV transfer versions agree."""
-        colocated, prefills, decodes = self._serving(avoid, needs)
+        features the request needs (protocol/compatibility.py), which only workers that list them serve. A prefill
+        and a decode worker are paired only where their `kv_pairing` (weights, block size, KV transfer version) is
+        equal; of several such groups (a rollout), the pair whose prefill worker answers first. `weights`: a model
+        fingerprint, the only one whose workers may take the request (a stream moving mid-answer)."""
+        colocated, prefills, decodes = self._serving(avoid, needs, weights)
+        groups = [(prefills, decodes)] if colocated else _pairing_groups(prefills, decodes)
+        # What an idle cluster offers the request: on the workers that would serve it as asked (a feature's), of a
+        # version with both roles (a rollout's prefill worker whose weights no decode worker runs serves nothing).
+        offered_prefills, offered_decodes = (_honouring(ws, needs) or ws for ws in self._registered(colocated))
+        offered = (offered_prefills, offered_decodes) if colocated else pairable(offered_prefills, offered_decodes)
+        hashed: dict[int, tuple[list[bytes], dict[str, int]]] = {}  # block size -> the prompt's keys, their hits
+        placed: list[Placement] = []
+        refused = NoWorkersError("no live worker holds the request")
+        for group_prefills, group_decodes in groups:
+            try:
+                args = (prompt, max_tokens, tpot_slo_s, cache_salt, must_hold)
+                placed.append(await self._place_in(colocated, group_prefills, group_decodes, offered, hashed, *args))
+            except NoWorkersError as e:  # none of this group holds it: another group may
+                refused = e
+        if not placed:
+            raise refused
+        return min(placed, key=lambda p: (p.own_ttft_s + p.prefill_queue_s, p.prefill_worker.worker_id))
+
+    async def _place_in(
+        self,
+        colocated: bool,
+        prefills: list[WorkerState],
+        decodes: list[WorkerState],
+        offered: tuple[list[WorkerState], list[WorkerState]],
+        hashed: dict[int, tuple[list[bytes], dict[str, int]]],
+        prompt: list[int],
+        max_tokens: int,
+        tpot_slo_s: float,
+        cache_salt: bytes,
+        must_hold: bool,
+    ) -> Placement:
+        """The request's placement on one group of workers that may be paired with each other."""
         block_size = prefills[0].block_size
         blocks = -(-kv_tokens(len(prompt), max_tokens) // block_size)
         if must_hold:
@@ -112,13 +153,16 @@ class PlacementPolicy(ABC):
             prefills = decodes if colocated else prefills
         if not colocated:  # a prefill worker holds the prompt alone; one whose whole KV cannot refuses it
             prefills = self._holding_prompt(prefills, -(-len(prompt) // block_size), must_hold)
-        # What an idle cluster offers the request: on the workers that would serve it as asked (a feature's).
-        offered = tuple(_honouring(ws, needs) or ws for ws in self._registered(colocated))
-        keyed = await _block_keys(prompt, block_size, cache_salt)
-        # The worker keys every full block of the prompt, but a hit stops short of its last token (computed anew).
-        hits = await self._prefix_hits(colocated, keyed[: (len(prompt) - 1) // block_size])
+        if block_size not in hashed:
+            keyed = await _block_keys(prompt, block_size, cache_salt)
+            # The worker keys every full block of the prompt, but a hit stops short of its last token (computed anew).
+            hashed[block_size] = keyed, await self._prefix_hits(colocated, keyed[: (len(prompt) - 1) // block_size])
+        keyed, hits = hashed[block_size]
         ask = Ask(hits, len(prompt), blocks, tpot_slo_s, new=not must_hold)
-        prefill, decode = self._pair(colocated, prefills, decodes, ask)
+        if colocated:
+            prefill = decode = self.choose_colocated(prefills, ask)
+        else:
+            prefill, decode = self.choose(prefills, decodes, ask)
         cached = hits.get(prefill.cache_key, 0) * block_size
         return Placement(
             decode=decode,
@@ -135,18 +179,22 @@ class PlacementPolicy(ABC):
         )
 
     def can_place(self) -> bool:
-        """Whether a request asking no particular feature would find a live prefill and decode worker now."""
+        """Whether a request asking no particular feature would find a live prefill and decode worker that may be
+        paired now."""
         try:
-            self._serving(frozenset(), frozenset())
+            colocated, prefills, decodes = self._serving(frozenset(), frozenset())
+            if not colocated:
+                _pairing_groups(prefills, decodes)
         except NoWorkersError:
             return False
         return True
 
     def _serving(
-        self, avoid: frozenset[str], needs: frozenset[str]
+        self, avoid: frozenset[str], needs: frozenset[str], weights: str | None = None
     ) -> tuple[bool, list[WorkerState], list[WorkerState]]:
         """Whether the cluster runs colocated, and its live prefill and decode workers (colocated: the same ones)
-        that honour `needs`; none of a role is a NoWorkersError, a wait (starting, restarting, a rollout)."""
+        that honour `needs` and run `weights` (when given); none of a role is a NoWorkersError, a wait (starting,
+        restarting, a rollout)."""
         colocated = self._workers(Role.COLOCATED, avoid)
         prefills = colocated or self._workers(Role.PREFILL, avoid)
         decodes = colocated or self._workers(Role.DECODE, avoid)
@@ -162,6 +210,10 @@ class PlacementPolicy(ABC):
                     f"no live worker honours {', '.join(sorted(needs))} yet (a rollout under way? `pdserve status` "
                     "lists each worker's build)"
                 )
+        if weights is not None:  # a stream continues on the weights that began it, or not at all
+            prefills, decodes = running(prefills, weights), running(decodes, weights)
+            if not prefills or not decodes:
+                raise NoWorkersError(f"no live prefill and decode worker runs the weights {weights} any more")
         return bool(colocated), prefills, decodes
 
     def _holding_prompt(self, prefills: list[WorkerState], prompt_blocks: int, must_hold: bool) -> list[WorkerState]:
@@ -178,18 +230,6 @@ class PlacementPolicy(ABC):
         worker's cache went with it (its restart starts empty)."""
         registered = self.registry.workers(Role.COLOCATED if colocated else Role.PREFILL)
         return await self.prefix_index.match([w.cache_key for w in registered], keys)
-
-    def _pair(
-        self, colocated: bool, prefills: list[WorkerState], decodes: list[WorkerState], ask: Ask
-    ) -> tuple[WorkerState, WorkerState]:
-        """The (prefill, decode) pair: colocated, one worker, which must be able to decode the request too; else,
-        of several KV versions' groups (a rollout), the pair whose prefill worker answers first."""
-        if colocated:
-            worker = self.choose_colocated(prefills, ask)
-            return worker, worker
-        pairs = [self.choose(p, d, ask) for p, d in _kv_wire_groups(prefills, decodes)]
-        ttft = self._by_ttft(ask.hits, ask.prompt_tokens)
-        return min(pairs, key=lambda pair: ttft(pair[0]))
 
     def kv_capacity_tokens(self) -> int | None:
         """The most KV slots one request may fill (prompt + max_tokens - 1): the largest decode (or colocated)
@@ -342,22 +382,14 @@ def _honouring(workers: list[WorkerState], needs: frozenset[str]) -> list[Worker
     return [w for w in workers if needs <= set(w.features)]
 
 
-def _kv_wire_groups(
-    prefills: list[WorkerState], decodes: list[WorkerState]
-) -> list[tuple[list[WorkerState], list[WorkerState]]]:
-    """The prefill and decode workers by KV transfer version, each group with both roles live, so a pair's hand-offs
-    are never refused: one group but while a rollout runs builds of two versions."""
-    groups = []
-    for version in sorted({w.speaks_kv_wire_version for w in (*prefills, *decodes)}, reverse=True):
-        paired = [w for w in prefills if w.speaks_kv_wire_version == version]
-        with_them = [w for w in decodes if w.speaks_kv_wire_version == version]
-        if paired and with_them:
-            groups.append((paired, with_them))
-    if not groups:
-        raise NoWorkersError(
-            "no live prefill and decode workers of one KV transfer version: a rollout under way; retry later"
-        )
-    return groups
+def _pairing_groups(prefills: list[WorkerState], decodes: list[WorkerState]) -> list[Group]:
+    """kv_pairing.pairing_groups; none is an UnpairedError."""
+    if groups := pairing_groups(prefills, decodes):
+        return groups
+    raise UnpairedError(
+        "no live prefill and decode worker share weights, block size and KV transfer version (prefill workers "
+        f"{versions(prefills)}, decode workers {versions(decodes)}): a rollout under way; retry later"
+    )
 
 
 def _held_at_once(w: WorkerState, blocks: int) -> int:

@@ -11,10 +11,11 @@ from contextlib import suppress
 from functools import partial
 
 from pdserve.config import RouterConfig
+from pdserve.errors import OverloadedError
 from pdserve.protocol.compatibility import needed_features
 from pdserve.protocol.roles import Role
 from services.router.load_tracker import LoadTracker
-from services.router.placement import NoWorkersError, Placement, PlacementPolicy
+from services.router.placement import NoWorkersError, Placement, PlacementPolicy, UnpairedError
 from services.router.request import RoutedRequest
 from services.router.retry import FailedWorkers, Moves
 
@@ -39,8 +40,14 @@ class PlacementWaits:
     async def first(self, req: RoutedRequest) -> Placement:
         """A role without any live worker is mostly a moment's gap: the last worker of a role draining while its
         replacement starts, or one the supervisor found slow and lists again at its next check. The request waits
-        up to `no_workers_wait_s` (within the client's deadline, which cancels it) before UNAVAILABLE."""
-        return await self.within(self.config.no_workers_wait_s, self.args(req), frozenset, req.cache_salt)
+        up to `no_workers_wait_s` (within the client's deadline, which cancels it) before UNAVAILABLE. Live workers
+        of both roles none of which may be paired (a rollout of new weights between its halves) are no fault to
+        recover from: the rollout brings the other half, so the request is shed with a retry hint instead."""
+        try:
+            return await self.within(self.config.no_workers_wait_s, self.args(req), frozenset, req.cache_salt)
+        except UnpairedError as e:
+            retry_ms = max(1, round(self.config.no_workers_wait_s * 1e3))
+            raise OverloadedError(str(e), retry_after_ms=retry_ms, reason="unpaired") from None
 
     async def within(
         self,
@@ -49,35 +56,39 @@ class PlacementWaits:
         avoid: Callable[[], frozenset[str]],
         cache_salt: bytes,
         must_hold: bool = False,
+        weights: str | None = None,
     ) -> Placement:
         """A placement, tried again while no worker of a role is live (and not in `avoid()`, asked again at each
-        try) for up to `wait_s`; then NoWorkersError."""
+        try) for up to `wait_s`; then NoWorkersError. `weights`: only on workers of that model fingerprint."""
         end = time.monotonic() + wait_s
         while True:
             try:
-                return await self.placement.place(*args, avoid(), cache_salt, must_hold)
+                return await self.placement.place(*args, avoid(), cache_salt, must_hold, weights)
             except NoWorkersError:
                 if time.monotonic() >= end:
                     raise
                 await asyncio.sleep(NO_WORKERS_POLL_S)
 
-    async def again(self, req: RoutedRequest, failed: FailedWorkers, left: float | None) -> Placement:
+    async def again(
+        self, req: RoutedRequest, failed: FailedWorkers, left: float | None, weights: str | None = None
+    ) -> Placement:
         """On a worker that did not fail the request, else one that only refused it as full, was heard from since
         it failed (its heartbeat: alive) or restarted (a new address), waiting for one up to `no_workers_wait_s` over
         all the request's moves (within the caller's deadline), as a new request waits for a role's first worker.
         When none is left, on those of one role that did (the other role's still avoided), then on any live one: one
         that failed it may have recovered unheard (a stale registry view), better than failing the request while
         attempts and time remain. UnavailableError when no live decode worker holds it. (A stream went back at once
-        to a dead decode worker's refusing port, three moves in 4 ms, while Ray restarted it; a retry did too.)"""
+        to a dead decode worker's refusing port, three moves in 4 ms, while Ray restarted it; a retry did too.)
+        `weights`: a moving stream's model fingerprint, the only workers it may go to."""
         args, registry = self.args(req), self.placement.registry
         with suppress(NoWorkersError):  # first on one that did not fail it at all
-            return await self.placement.place(*args, failed.ids(), req.cache_salt, must_hold=True)
+            return await self.placement.place(*args, failed.ids(), req.cache_salt, True, weights)
         wait_s = max(self.config.no_workers_wait_s - failed.waited_s, 2 * registry.refresh_s)
         started, avoid = time.monotonic(), partial(failed.unheard, registry)
         try:
             with suppress(NoWorkersError):
                 return await self.within(
-                    wait_s if left is None else min(wait_s, left), args, avoid, req.cache_salt, True
+                    wait_s if left is None else min(wait_s, left), args, avoid, req.cache_salt, True, weights
                 )
         finally:
             failed.waited_s += time.monotonic() - started
@@ -87,16 +98,20 @@ class PlacementWaits:
             given_back = {w.worker_id for w in self.placement.registry.workers(role)}
             with suppress(NoWorkersError):
                 still_avoided = failed.ids() - given_back
-                return await self.placement.place(*args, still_avoided, req.cache_salt, must_hold=True)
-        return await self.placement.place(*args, cache_salt=req.cache_salt, must_hold=True)
+                return await self.placement.place(*args, still_avoided, req.cache_salt, True, weights)
+        return await self.placement.place(*args, cache_salt=req.cache_salt, must_hold=True, weights=weights)
 
-    async def with_room(self, req: RoutedRequest, failed: FailedWorkers, left: float | None, moves: Moves) -> Placement:
+    async def with_room(
+        self, req: RoutedRequest, failed: FailedWorkers, left: float | None, moves: Moves, weights: str
+    ) -> Placement:
         """A migration's placement, on a decode worker that would take the stream (a place in its batch, free
         blocks for the prompt so far) when one does within `no_workers_wait_s` (and the caller's deadline): a
         sequence ending frees a place soon, while a stream sent to a full worker is refused and spends one of its
         moves. Meanwhile admission leaves it the next free place: its caller is mid-answer, a new request's can
         retry. Once per stream: a later move takes the best placement there is, which the worker may refuse, after
-        the hint of a worker that refused it for room (a soak saw three moves spent on one full one in 0.1 s)."""
+        the hint of a worker that refused it for room (a soak saw three moves spent on one full one in 0.1 s).
+        Only on workers of `weights`, the model fingerprint its answer so far came from: other weights would go on
+        from the streamed tokens with an answer of their own (NoWorkersError when none is live)."""
         self.tracker.moving += 1  # from the start: a place freed during the hint's wait is left to it too
         try:
             hint_s = moves.room_wait_s(self.config.no_workers_wait_s, left)
@@ -106,7 +121,7 @@ class PlacementWaits:
             end = time.monotonic() + wait_s if deadline is None else min(time.monotonic() + wait_s, deadline)
             while True:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())  # each wait within it
-                placement = await self.again(req, failed, left)
+                placement = await self.again(req, failed, left, weights)
                 takes = self.placement.predictor.takes(placement.decode, len(req.prompt_token_ids))
                 if takes or time.monotonic() >= end:
                     return placement

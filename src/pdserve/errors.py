@@ -56,6 +56,12 @@ class ClusterAuthError(UnavailableError):
     router's client is told less."""
 
 
+class KVMismatchError(UnavailableError):
+    """A prefill worker refused a decode worker whose KV is not its own kind (other weights or block size): the pair
+    was wrong, neither worker is at fault (a router's view older than a worker's restart onto new weights). ->
+    UNAVAILABLE, marked as such on every hop, so the request moves without ejecting either worker."""
+
+
 class InternalError(RuntimeError):
     """A cluster peer's own bug (an exception its handler did not expect, logged there under the error id its
     text names). Not a lost worker: the request would meet the same bug on the next one, so it neither moves nor

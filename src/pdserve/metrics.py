@@ -38,7 +38,8 @@ FINISH_REASONS = ("length", "stop", "eos")
 # Why a `rejected` request was refused (OverloadedError.reason, or the router draining): admission's sheds (the
 # router's in-flight cap, a prefill queue full, a predicted TTFT or TPOT past its SLO, no decode worker with the KV
 # room or a place in its batch, the room kept for a higher priority or for tenants below their share), a worker's own
-# refusal that no retry got past, the API key's quotas, a drain.
+# refusal that no retry got past, the API key's quotas, a drain, live workers none of which may be paired (a rollout's
+# gap between its halves: services/router/kv_pairing.py).
 REJECTION_REASONS = (
     "in_flight",
     "queue",
@@ -51,6 +52,7 @@ REJECTION_REASONS = (
     "worker",
     "quota",
     "draining",
+    "unpaired",
 )
 MOVE_KINDS = ("retry", "migration")
 SLO_JUDGEMENTS = ("met", "missed")

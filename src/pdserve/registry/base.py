@@ -76,6 +76,13 @@ class WorkerState:
         return self.kv_wire_version or UNSAID_KV_WIRE_VERSION
 
     @property
+    def kv_pairing(self) -> tuple[str, int, int]:
+        """What a prefill and a decode worker must share for one's KV to serve the other: the weights and block size
+        (a prefill worker refuses a decode worker's others, services/prefill/run_and_send.py) and the KV header's
+        version (a decode worker drops a pair speaking another). Routers pair workers only where it is equal."""
+        return self.model_fingerprint, self.block_size, self.speaks_kv_wire_version
+
+    @property
     def kv_blocks_used(self) -> int:
         """Blocks held by live sequences or transfers: neither free for a new request nor owed."""
         return self.kv_blocks_total - self.kv_blocks_free - self.kv_blocks_owed

@@ -22,6 +22,7 @@ from pdserve.errors import (
     ClusterAuthError,
     InternalError,
     InvalidRequestError,
+    KVMismatchError,
     OverloadedError,
     PermissionDeniedError,
     RouterStoppedError,
@@ -36,6 +37,9 @@ RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 # Trailer of an UNAVAILABLE that is a ClusterAuthError further in (a decode worker's prefill call refused), so the
 # router handles it as the one it got itself.
 CLUSTER_AUTH_REFUSED_KEY = "x-pdserve-cluster-auth-refused"
+# Trailer of an UNAVAILABLE that is a KVMismatchError further in (a decode worker's prefill call refused for another
+# model or block size), so the router moves the request without ejecting a healthy worker.
+KV_MISMATCH_KEY = "x-pdserve-kv-mismatch"
 # Trailer of an INTERNAL that a pdserve handler's bug answered, rather than gRPC's own (a broken connection's
 # RST_STREAM is INTERNAL too, and is a lost peer).
 HANDLER_BUG_KEY = "x-pdserve-handler-bug"
@@ -91,6 +95,8 @@ def error_from_rpc(e: grpc.aio.AioRpcError, peer: str) -> Exception:
         return ClusterAuthError(f"{detail} (UNAUTHENTICATED: it refused this process's cluster credentials)")
     if code == grpc.StatusCode.UNAVAILABLE and _has(e.trailing_metadata(), CLUSTER_AUTH_REFUSED_KEY):
         return ClusterAuthError(f"{detail} (UNAVAILABLE)")
+    if code == grpc.StatusCode.UNAVAILABLE and _has(e.trailing_metadata(), KV_MISMATCH_KEY):
+        return KVMismatchError(f"{detail} (UNAVAILABLE)")
     if code == grpc.StatusCode.INTERNAL and _has(e.trailing_metadata(), HANDLER_BUG_KEY):
         return InternalError(detail)
     return UnavailableError(f"{detail} ({code.name})")
@@ -137,6 +143,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, stream: bool
         _add_trailing(context, RETRY_PUSHBACK_KEY, str(exc.retry_after_ms))
     if isinstance(exc, ClusterAuthError):
         _add_trailing(context, CLUSTER_AUTH_REFUSED_KEY, "1")
+    if isinstance(exc, KVMismatchError):
+        _add_trailing(context, KV_MISMATCH_KEY, "1")
     if isinstance(exc, InvalidRequestError) and exc.recorded != str(exc):
         _add_trailing(context, RECORDED_KEY, exc.recorded.encode())
     if stream and mapped[0] != grpc.StatusCode.INTERNAL:

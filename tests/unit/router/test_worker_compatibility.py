@@ -13,7 +13,7 @@ from pdserve.protocol.compatibility import KV_WIRE_VERSION, OUTPUT_CONSTRAINT, W
 from pdserve.protocol.output_constraint import OutputConstraint
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.registry.base import WorkerState
-from services.router.placement import NoWorkersError, Placement
+from services.router.placement import NoWorkersError, Placement, UnpairedError
 from services.router.request import RoutedRequest
 from tests.unit.router.router_builder import Router, prompt, worker
 
@@ -50,7 +50,7 @@ def test_a_pair_agrees_on_its_kv_transfer_version():
     r = Router([worker("p-unsaid"), worker("d4", "decode", kv_wire_version=4), worker("d-unsaid", "decode")])
     assert {place(r).decode.worker_id for _ in range(4)} == {"d-unsaid"}
     r = Router([worker("p3", kv_wire_version=3), worker("d4", "decode", kv_wire_version=4)])
-    with pytest.raises(NoWorkersError, match="one KV transfer version"):
+    with pytest.raises(UnpairedError, match="share weights, block size and KV transfer version"):
         place(r)
     r = Router([worker("p4", kv_wire_version=4), worker("d3", "decode"), worker("d4", "decode", kv_wire_version=4)])
     assert {place(r).decode.worker_id for _ in range(4)} == {"d4"}

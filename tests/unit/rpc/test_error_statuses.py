@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pdserve.errors import (
     ClusterAuthError,
     InvalidRequestError,
+    KVMismatchError,
     OverloadedError,
     PermissionDeniedError,
     UnauthenticatedError,
@@ -40,6 +41,8 @@ class Raising(generate_pb2_grpc.GenerationServicer):
             raise PermissionDeniedError("priority", "above this key's cap")
         if request.prompt == "prefill refused":  # a decode worker whose prefill call was refused
             raise ClusterAuthError(f"{PREFILL}: internal RPC: not a cluster peer (UNAUTHENTICATED)")
+        if request.prompt == "prefill of other weights":  # a decode worker's prefill worker refused its KV layout
+            raise KVMismatchError(f"{PREFILL}: KV layout mismatch: decode runs (model, block size) ('a', 16)")
         if request.prompt == "prefill gone":
             raise UnavailableError(f"{PREFILL}: connection refused (UNAVAILABLE)")
         if request.prompt == "full":
@@ -167,6 +170,21 @@ async def test_a_peer_refusing_this_processs_cluster_credentials_is_a_peer_it_ca
         assert isinstance(error, ClusterAuthError) and PREFILL in str(error)
         gone = error_from_rpc(await _call(decode.address, "prefill gone"), "decode worker d0")
         assert isinstance(gone, UnavailableError) and not isinstance(gone, ClusterAuthError)
+    finally:
+        await decode.stop(None)
+
+
+async def test_a_kv_mismatch_stays_one_on_every_hop() -> None:
+    """A prefill worker refusing a decode worker of other weights is UNAVAILABLE marked so, and the decode worker
+    passes it on marked, so the router reads a KVMismatchError (moved from, no worker ejected), not a fault."""
+    decode = await _serve(reflection=False)
+    try:
+        e = await _call(decode.address, "prefill of other weights")
+        assert e.code() == grpc.StatusCode.UNAVAILABLE
+        error = error_from_rpc(e, "decode worker d0")
+        assert isinstance(error, KVMismatchError) and PREFILL in str(error)
+        gone = error_from_rpc(await _call(decode.address, "prefill gone"), "decode worker d0")
+        assert not isinstance(gone, KVMismatchError)
     finally:
         await decode.stop(None)
 
