@@ -7,6 +7,7 @@ view paired wrongly without ejecting either healthy worker."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -36,14 +37,15 @@ def pair(placed: Placement) -> tuple[str, str]:
 
 
 def mixed(old_queued: int = 0, new_queued: int = 0, policy: str = "slo") -> Router:
-    """A 2P:2D fleet half rolled: one prefill and one decode worker on each weights, the decode workers' free blocks
-    crossed with their prefill workers' load, so a pairing blind to weights would cross them."""
+    """A 2P:2D fleet half rolled: one prefill and one decode worker on each weights, ids and free blocks crossed so
+    that a pairing blind to weights would cross them (the lower id's prefill worker, the roomier decode worker;
+    round-robin's first of each by id)."""
     return Router(
         [
-            worker("p-old", model_fingerprint=OLD, queued_prefill_tokens=old_queued),
-            worker("p-new", model_fingerprint=NEW, queued_prefill_tokens=new_queued),
-            worker("d-old", "decode", model_fingerprint=OLD, kv_blocks_free=1000),
-            worker("d-new", "decode", model_fingerprint=NEW, kv_blocks_free=4000),
+            worker("p0-new", model_fingerprint=NEW, queued_prefill_tokens=new_queued),
+            worker("p1-old", model_fingerprint=OLD, queued_prefill_tokens=old_queued),
+            worker("d0-old", "decode", model_fingerprint=OLD, kv_blocks_free=4000),
+            worker("d1-new", "decode", model_fingerprint=NEW, kv_blocks_free=1000),
         ],
         policy,
     )
@@ -53,12 +55,12 @@ def mixed(old_queued: int = 0, new_queued: int = 0, policy: str = "slo") -> Rout
 def test_a_prefill_worker_is_paired_only_with_a_decode_worker_of_its_own_weights(policy):
     r = mixed(policy=policy)
     pairs = {pair(place(r)) for _ in range(8)}
-    assert pairs <= {("p-old", "d-old"), ("p-new", "d-new")}, pairs
+    assert pairs <= {("p1-old", "d0-old"), ("p0-new", "d1-new")}, pairs
 
 
 def test_of_the_compatible_pairs_the_one_whose_prefill_worker_answers_first_is_chosen():
-    assert pair(place(mixed(old_queued=0, new_queued=20_000))) == ("p-old", "d-old")
-    assert pair(place(mixed(old_queued=20_000, new_queued=0))) == ("p-new", "d-new")
+    assert pair(place(mixed(old_queued=0, new_queued=20_000))) == ("p1-old", "d0-old")
+    assert pair(place(mixed(old_queued=20_000, new_queued=0))) == ("p0-new", "d1-new")
 
 
 def test_a_block_size_of_its_own_is_another_version_though_the_weights_are_the_same():
@@ -111,25 +113,27 @@ def test_no_pair_at_all_is_a_shed_with_a_retry_hint_after_the_wait_not_unavailab
 
 
 def test_a_moving_stream_goes_only_to_workers_of_the_weights_that_began_it():
-    r = mixed()
+    r = mixed(new_queued=20_000)
     for _ in range(4):
-        assert pair(place(r, weights=OLD, must_hold=True)) == ("p-old", "d-old")  # d-new has the most free blocks
-    r.registry.remove("d-old")
-    with pytest.raises(UnavailableError, match=f"runs the weights {OLD}"):
-        place(r, weights=OLD, must_hold=True)
+        assert pair(place(r, weights=NEW, must_hold=True)) == ("p0-new", "d1-new")  # p1-old answers first
+    r.registry.remove("d1-new")
+    with pytest.raises(UnavailableError, match=f"runs the weights {NEW}"):
+        place(r, weights=NEW, must_hold=True)
 
 
 class CutAfter(StandInDecode):
-    """Streams `cut` tokens, then fails UNAVAILABLE (a decode worker lost mid-stream)."""
+    """Streams `cut` tokens, then fails UNAVAILABLE (a decode worker lost mid-stream), `before_cut` run first."""
 
-    def __init__(self, cut: int) -> None:
+    def __init__(self, cut: int, before_cut: Callable[[], None] = lambda: None) -> None:
         super().__init__()
         self.cut = cut
+        self.before_cut = before_cut
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
         self.calls += 1
         for i in range(self.cut):
             yield pb.GenerateResponse(token_ids=[3 + i])
+        self.before_cut()
         await context.abort(grpc.StatusCode.UNAVAILABLE, "engine thread is down")
 
 
@@ -143,8 +147,16 @@ async def stream(r: Router, max_tokens: int, telemetry: Telemetry | None = None)
     return [t async for msg in generate(lifecycle, req, {}, lambda: 10.0, admitted) for t in msg.token_ids]
 
 
-async def test_a_stream_cut_mid_answer_migrates_to_a_decode_worker_of_its_weights_not_the_roomiest():
-    lost, same, other = CutAfter(3), StandInDecode(), StandInDecode()
+async def test_a_stream_cut_mid_answer_migrates_to_a_decode_worker_of_its_weights_though_others_answer_first():
+    """Begun on the old weights; by the cut the old prefill worker is loaded and the new pair idle, where a blind
+    migration would go, continuing the old weights' answer with the new weights' tokens."""
+    routers: list[Router] = []
+
+    def old_prefill_loaded() -> None:
+        routers[0].registry.publish(worker("p-old", model_fingerprint=OLD, queued_prefill_tokens=20_000))
+        routers[0].registry.publish(worker("p-new", model_fingerprint=NEW))
+
+    lost, same, other = CutAfter(3, old_prefill_loaded), StandInDecode(), StandInDecode()
     async with serving(lost) as d0, serving(same) as d1, serving(other) as d2:
         r = Router(
             [
@@ -155,6 +167,7 @@ async def test_a_stream_cut_mid_answer_migrates_to_a_decode_worker_of_its_weight
                 worker("d-new", "decode", model_fingerprint=NEW, address=d2),
             ]
         )
+        routers.append(r)
         tokens = await stream(r, 8)
     assert len(tokens) == 8 and (lost.calls, same.calls, other.calls) == (1, 1, 0)
 
