@@ -1,0 +1,93 @@
+"""A fleet mid-rollout of new weights (tests/integration/mixed_fleet.py: a prefill and a decode worker of tiny-random,
+a prefill and a decode worker of other weights, real Ray actors, Redis, a separate router): the router pairs a
+prefill and a decode worker only where they run the same weights, so every request is served, with its version's
+greedy answer, none is placed twice, no worker is ejected and every KV block comes back. Before the pairing rule a
+share of the requests met a prefill worker refusing a decode worker of the other weights (UNAVAILABLE, `KV layout
+mismatch`): each was placed again, and the healthy prefill worker ejected."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.sampling import SamplingParams
+from tests.integration.cluster_view import scrape
+from tests.integration.mixed_fleet import FLEET, MixedFleet, mixed_fleet_cluster
+from tests.integration.reference import greedy_request
+from tests.integration.steady_load import tokens
+from tests.integration.worker_view import idle, workers
+
+pytestmark = pytest.mark.timeout(900)
+PROMPTS = [[5, 6, 7, 8, 9] * 7, [11, 12, 13] * 30, list(range(20, 120))]
+MAX_TOKENS = 8
+ROUNDS = 6  # each round sends every prompt four times at once, so load spreads the requests over both versions
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[MixedFleet]:
+    with mixed_fleet_cluster(dict(os.environ)) as f:
+        yield f
+
+
+def answers(model: str) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(model=model, dtype="float32", num_threads=1, num_kv_blocks=32))
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [c.token_ids for c in engine.generate(PROMPTS, sampling)]
+
+
+async def send_rounds(router: str) -> list[tuple[int, list[int] | BaseException]]:
+    outcomes: list[tuple[int, list[int] | BaseException]] = []
+    for r in range(ROUNDS):
+        calls = [
+            (i, greedy_request(f"mixed-{r}-{i}-{k}", p, MAX_TOKENS)) for i, p in enumerate(PROMPTS) for k in range(4)
+        ]
+        got = await asyncio.gather(*(tokens(router, req) for _, req in calls), return_exceptions=True)
+        outcomes += [(i, g) for (i, _), g in zip(calls, got, strict=True)]
+    return outcomes
+
+
+async def until_idle(router: str, timeout_s: float = 30.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = await workers(router)
+        if (len(listed) == len(FLEET) and all(map(idle, listed))) or time.monotonic() > deadline:
+            return listed
+        await asyncio.sleep(0.5)
+
+
+def test_every_request_is_served_by_one_version_with_its_answer_and_no_worker_is_harmed(fleet: MixedFleet) -> None:
+    old, new = answers("tiny-random"), answers(str(fleet.new_model))
+    assert all(o != n for o, n in zip(old, new, strict=True))  # each answer says which weights served it
+    outcomes = asyncio.run(send_rounds(fleet.router_address))
+    served = [version_of(old[i], new[i], got) for i, got in outcomes]
+    log = fleet.router.log() if fleet.router else ""
+    ejections = scrape(f"http://127.0.0.1:{fleet.metrics_port}/metrics").get("pdserve_worker_ejections_total", [])
+    listed = asyncio.run(until_idle(fleet.router_address))
+    seen = {
+        "served": Counter(s if isinstance(s, str) else "failed" for s in served),
+        "placed again": log.count("placed again"),
+        "ejected": log.count("out of placement"),
+        "ejections": [(labels["worker_id"], value) for labels, value in ejections if value],
+        "workers": [(w.id, w.health, w.kv_blocks_used, w.running, w.waiting) for w in listed],
+    }
+    print(seen)
+    failed = [o for o in served if not isinstance(o, str)]
+    assert not failed, f"{len(failed)} of {len(outcomes)} failed: {failed[:3]}; {seen}"
+    assert seen["served"].keys() == {"old", "new"}, seen  # every answer its version's, and both versions served
+    assert (seen["placed again"], seen["ejected"], seen["ejections"]) == (0, 0, []), log[-3000:]
+    assert sorted(w.id for w in listed) == sorted(FLEET)
+    assert all(w.health == "SERVING" and idle(w) for w in listed), seen
+
+
+def version_of(old: list[int], new: list[int], got: list[int] | BaseException) -> str | BaseException:
+    """Which weights answered, by the greedy answer: "old", "new", "neither" (wrong), or the request's failure."""
+    if isinstance(got, BaseException):
+        return got
+    return "old" if got == old else "new" if got == new else "neither"
