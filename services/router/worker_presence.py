@@ -5,7 +5,8 @@ each request UNAVAILABLE after `no_workers_wait_s`. Its server's health ("") sta
 answers, and the chart's probes restart or unlist a router only for its own faults, not for its workers' absence
 (every router of a cluster shares it; unlisting them all turns a clear UNAVAILABLE into refused connections). The
 health of `pdserve.v1.Generation` says what a caller choosing among clusters needs: NOT_SERVING while placement has
-no live prefill and decode worker, so a global load balancer or a client's health check can route to another.
+no live prefill and decode worker that may be paired (kv_pairing.py), so a global load balancer or a client's
+health check can route to another.
 """
 
 from __future__ import annotations
