@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import time
@@ -18,7 +17,6 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.guided import GuidedDecoding
-from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_files import generation_eos_ids, tokenizer_folder
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes, load_model
 from pdserve.engine.models import resolve_model
@@ -28,7 +26,6 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError, OverloadedError
 from pdserve.protocol.engine_request import EngineRequest
-from pdserve.protocol.model_config import ModelConfig
 from pdserve.protocol.outputs import FinishReason, RequestOutput, TokenLogprobs
 from pdserve.protocol.request_checks import check_request, kv_tokens
 from pdserve.protocol.roles import EngineMode
@@ -72,7 +69,7 @@ class LLMEngine:
         vocab_size, threads = self.model_config.vocab_size, config.num_threads
         self.guided = GuidedDecoding(self.tokenizer, vocab_size, self.eos_token_ids, threads)
         self._requests: dict[str, _Request] = {}
-        self.fingerprint = _fingerprint(self.model_config, self.model)
+        self.fingerprint = self.model.fingerprint
         self.last_step_tokens = 0  # tokens the last step ran (0: it could run nothing), for live speed tracking
         self.last_step_prefill_context = 0  # the earlier tokens its prompt chunks read (SchedulerOutput's)
         # Its requests' waits, once each (time.monotonic()): arrival to the start of the step that first ran one
@@ -391,10 +388,3 @@ class LLMEngine:
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[Completion]:
         """Runs every prompt to completion in one continuous batch (batch_generate.py)."""
         return generate_all(self, prompts, sampling)
-
-
-def _fingerprint(config: ModelConfig, model: LlamaModel) -> str:
-    """Equal on two workers only when they run the same architecture with the same weights: KV from one
-    is meaningless to the other otherwise. Hashes the config and a slice of the embedding table."""
-    sample = model.embed_tokens[:4].detach().float().cpu().numpy().tobytes()
-    return hashlib.blake2b(repr(config).encode() + sample, digest_size=8).hexdigest()

@@ -10,6 +10,7 @@ from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata, paged_attention, write_kv
 from pdserve.engine.rotary import RotaryEmbedding, apply_rotary
+from pdserve.engine.weights import weights_fingerprint
 from pdserve.protocol.model_config import ModelConfig
 
 
@@ -110,6 +111,7 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        self.fingerprint = weights_fingerprint(config, weights)  # before `take` empties `weights`
 
         def take(name: str) -> torch.Tensor:
             return weights.pop(name).to(device=device, dtype=dtype)

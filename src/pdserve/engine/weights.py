@@ -4,6 +4,7 @@ The config alone is read without any of this, from metadata (`pdserve.engine.mod
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+FINGERPRINT_SAMPLES = 1024  # values hashed per tensor, spread evenly over it
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -139,3 +141,17 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     out_features = weight.shape[0]
     half = out_features // num_heads // 2
     return weight.reshape(num_heads, half, 2, -1).transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def weights_fingerprint(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str:
+    """Equal on two workers only when they run the same architecture with the same weights: KV from one is
+    meaningless to the other otherwise. Every tensor counts (a fine-tune may leave the embeddings as they were),
+    by its name, shape and values spread evenly over it (a tuned tensor changes throughout), as read from the
+    files: the same whatever device, dtype or kernel layout a worker then keeps them in."""
+    digest = hashlib.blake2b(repr(config).encode(), digest_size=8)
+    for name in sorted(weights):
+        flat = weights[name].reshape(-1)
+        sample = flat[:: max(1, flat.numel() // FINGERPRINT_SAMPLES)][:FINGERPRINT_SAMPLES]
+        digest.update(f"{name}{tuple(weights[name].shape)}".encode())
+        digest.update(sample.float().cpu().numpy().tobytes())
+    return digest.hexdigest()
