@@ -1,4 +1,5 @@
-"""Every PDSERVE_* environment variable is read here, once, and nowhere else."""
+"""This process's environment is read and written here and nowhere else (tests/unit/test_environment_access.py):
+every PDSERVE_* variable, and the others pdserve reads (Kubernetes', Ray's, OpenTelemetry's)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import logging
 import os
 import secrets
 import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from pdserve.config import FaultConfig
@@ -14,6 +17,8 @@ BUILD_VAR = "PDSERVE_BUILD"
 CLUSTER_SECRET_VAR = "PDSERVE_CLUSTER_SECRET"
 REDIS_PASSWORD_VAR = "PDSERVE_REDIS_PASSWORD"
 API_KEY_VAR = "PDSERVE_API_KEY"
+# Set only while `pdserve up` starts its local Ray; the reaper reads it from /proc (cluster/ray_reaper.py).
+LOCAL_RAY_MARK_VAR = "PDSERVE_LOCAL_RAY_MARK"
 
 
 def cache_dir() -> Path:
@@ -46,6 +51,35 @@ def ray_logs_dir() -> str:
     """Where a local Ray started here keeps its latest session's logs: under RAY_TMPDIR, else the temp dir, as Ray
     places them."""
     return os.path.join(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(), "ray", "session_latest", "logs")
+
+
+def ray_auth_mode() -> str | None:
+    """RAY_AUTH_MODE: Ray's token authentication as the operator set it (its own default when None), for the log
+    line that says authentication is off."""
+    return os.environ.get("RAY_AUTH_MODE")
+
+
+@contextmanager
+def local_ray_mark(mark: str) -> Iterator[None]:
+    """PDSERVE_LOCAL_RAY_MARK=`mark` in this process's environment while `pdserve up` starts its local Ray, so that
+    every process Ray starts meanwhile, and theirs, inherit it: what marks them as the reaper's to kill. As it was
+    afterwards, so that nothing started later (another Ray) is taken for them."""
+    before = os.environ.get(LOCAL_RAY_MARK_VAR)
+    os.environ[LOCAL_RAY_MARK_VAR] = mark
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[LOCAL_RAY_MARK_VAR]
+        else:
+            os.environ[LOCAL_RAY_MARK_VAR] = before
+
+
+def inherited_with(extra: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment with `extra` added or replaced: a child process's that must see it all (its
+    secrets too), as one started without an env of its own would, and `extra` besides (a PYTHONPATH that finds
+    this very pdserve)."""
+    return {**os.environ, **extra}
 
 
 def build() -> str | None:

@@ -55,7 +55,7 @@ def _log_ray_auth() -> None:
     if is_token_auth_enabled():
         log.info("Ray token authentication: on")
     else:
-        log.warning("Ray token authentication: OFF (RAY_AUTH_MODE=%s)", os.environ.get("RAY_AUTH_MODE", "unset"))
+        log.warning("Ray token authentication: OFF (RAY_AUTH_MODE=%s)", env.ray_auth_mode() or "unset")
 
 
 def _check_listening(address: str) -> None:

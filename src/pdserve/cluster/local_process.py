@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from pdserve import env as environment
+
 PDSERVE_COMMAND = "services.main"  # the module behind the `pdserve` console script
 
 
@@ -63,7 +65,11 @@ class PdserveProcess:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=environment.inherited_with(env or {}),
         )
 
     def log(self) -> str:

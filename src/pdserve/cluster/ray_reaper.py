@@ -24,12 +24,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-MARK_VAR = "PDSERVE_LOCAL_RAY_MARK"  # set in the launcher's environment only while Ray starts; read from /proc only
+from pdserve import env
+
 SWEEP_S = 5.0  # a process SIGKILLed is gone within milliseconds; this bounds a sweep that finds one that is not
 CLOSE_WAIT_S = 10.0
 LEARN_EVERY_S = 0.1  # while Ray starts: the GCS starts seconds before the agents, which soon blank their environment
@@ -48,21 +48,12 @@ class RayReaper:
             stdin=subprocess.PIPE,  # its write end stays here alone (not inheritable: close-on-exec)
             stdout=subprocess.DEVNULL,
             start_new_session=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},  # this very pdserve
+            env=env.inherited_with({"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}),  # this very pdserve
         )
 
-    @contextmanager
-    def marking(self) -> Iterator[None]:
+    def marking(self) -> AbstractContextManager[None]:
         """The mark in this process's environment, which the processes Ray starts meanwhile inherit."""
-        before = os.environ.get(MARK_VAR)
-        os.environ[MARK_VAR] = self.mark
-        try:
-            yield
-        finally:
-            if before is None:
-                del os.environ[MARK_VAR]
-            else:
-                os.environ[MARK_VAR] = before
+        return env.local_ray_mark(self.mark)
 
     def watch_session(self, session_dir: str) -> None:
         """Tells the reaper the Ray session's directory (`Marks`), once Ray started."""
@@ -211,7 +202,7 @@ def watch(marks: Marks) -> Marks:
 
 def main(mark: str, launcher: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the launcher's to handle; the pipe says when it ended
-    marks = watch(Marks(f"{MARK_VAR}={mark}".encode(), started(os.getpid())))
+    marks = watch(Marks(f"{env.LOCAL_RAY_MARK_VAR}={mark}".encode(), started(os.getpid())))
     if killed := sweep(marks):
         print(
             f"pdserve up (pid {launcher}) ended: killed the {len(killed)} processes of its local Ray still running "

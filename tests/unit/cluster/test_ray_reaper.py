@@ -14,7 +14,8 @@ from unittest import mock
 import pytest
 
 from pdserve.cluster.local_process import alive
-from pdserve.cluster.ray_reaper import MARK_VAR, RayReaper
+from pdserve.cluster.ray_reaper import RayReaper
+from pdserve.env import LOCAL_RAY_MARK_VAR
 
 GONE_WITHIN_S = 10.0  # the reaper takes milliseconds; a marked `sleep` left alone would live 600 s
 
@@ -106,9 +107,9 @@ def test_a_sigkilled_process_group_leaves_the_reaper_to_sweep_the_rest(launched)
 def test_a_clean_close_sweeps_and_ends_the_reaper_and_unmarks_the_environment() -> None:
     reaper = RayReaper()
     with reaper.marking():
-        assert os.environ[MARK_VAR] == reaper.mark
+        assert os.environ[LOCAL_RAY_MARK_VAR] == reaper.mark
         left_running = subprocess.Popen(["sleep", "600"])
-    assert MARK_VAR not in os.environ
+    assert LOCAL_RAY_MARK_VAR not in os.environ
     try:
         reaper.close()
         assert reaper.process.returncode == 0
