@@ -159,7 +159,8 @@ class Handoff:
                     out = replace(out, prompt_logprobs=first.prompt_logprobs)
                 tokens += len(out.new_token_ids)
                 if stream is None and tokens > 1:
-                    ran_ns = self.engine.take_started_ns(handoff.request.request_id) or committed_ns
+                    ran = self.engine.take_started(handoff.request.request_id)
+                    ran_ns = ran.wall_ns if ran else committed_ns
                     self.telemetry.span("decode.queue_wait", committed_ns, ran_ns, **ids)
                     stream = self.telemetry.tracer.start_span("decode.stream", start_time=ran_ns, attributes=ids)
                 yield out

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pdserve.addresses import split_host_port
 from pdserve.config import FaultConfig
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.start_times import StepStart
 from pdserve.errors import InvalidRequestError, KVMismatchError, UnavailableError
 from pdserve.metrics import WorkerMetrics
 from pdserve.protocol.engine_request import EngineRequest
@@ -94,34 +95,34 @@ class RunAndSend:
 
     async def _run_prompt(self, job: PrefillJob) -> tuple[RequestOutput, float]:
         """Prefills the prompt; its blocks stay held for the hand-off. Returns its output and how long it waited for
-        its first step. Traces its queue wait and compute, also when they end otherwise: the wait alone when the
-        prompt never ran."""
-        start_ns = now_ns()
+        its first step, on the monotonic clock (a step of the wall clock would skew the router's calibration by as
+        much). Traces its queue wait and compute (wall-clock times, as spans are exported), also when they end
+        otherwise: the wait alone when the prompt never ran."""
+        start_ns, start_monotonic_ns = now_ns(), time.monotonic_ns()
         ids = {"request__id": job.request.request_id, "worker__id": self.worker_id}
         try:
             out = await self.engine.prefill(job.request)
         except BaseException as e:
-            ran_ns = self.engine.take_started_ns(job.request.request_id)
-            if ran_ns is None:
+            ran = self.engine.take_started(job.request.request_id)
+            if ran is None:
                 self.telemetry.span("prefill.queue_wait", start_ns, now_ns(), e, **ids)
             else:
-                self.telemetry.span("prefill.queue_wait", start_ns, ran_ns, **ids)
-                self.telemetry.span("prefill.compute", ran_ns, now_ns(), e, **ids)
+                self.telemetry.span("prefill.queue_wait", start_ns, ran.wall_ns, **ids)
+                self.telemetry.span("prefill.compute", ran.wall_ns, now_ns(), e, **ids)
             raise
-        end_ns = now_ns()
-        ran_ns = self.engine.take_started_ns(job.request.request_id) or start_ns
-        self.telemetry.span("prefill.queue_wait", start_ns, ran_ns, **ids)
+        end_ns, prefill_ms = now_ns(), round((time.monotonic_ns() - start_monotonic_ns) / 1e6, 2)
+        ran = self.engine.take_started(job.request.request_id) or StepStart(start_ns, start_monotonic_ns)
+        self.telemetry.span("prefill.queue_wait", start_ns, ran.wall_ns, **ids)
         self.telemetry.span(
             "prefill.compute",
-            ran_ns,
+            ran.wall_ns,
             end_ns,
             **ids,
             prompt_tokens=len(job.request.prompt),
             cached_prompt_tokens=out.num_cached_tokens,
         )
-        prefill_ms = round((end_ns - start_ns) / 1e6, 2)
         log.debug("prefilled", extra={"prompt_tokens": len(job.request.prompt), "prefill_ms": prefill_ms})
-        return out, max(ran_ns - start_ns, 0) / 1e9
+        return out, max(ran.monotonic_ns - start_monotonic_ns, 0) / 1e9
 
     async def _send(self, job: PrefillJob, blocks: list[int]) -> None:
         """Returns only once the send thread is done with the blocks, even when the caller cancels."""

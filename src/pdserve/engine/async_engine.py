@@ -27,7 +27,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import kv_block_bytes
 from pdserve.engine.output_streams import OutputStreams, Stream
 from pdserve.engine.profiling import measure_profile
-from pdserve.engine.start_times import StartTimes
+from pdserve.engine.start_times import StartTimes, StepStart
 from pdserve.engine.step_faults import StepFaults
 from pdserve.errors import UnavailableError
 from pdserve.protocol.engine_request import EngineRequest
@@ -197,8 +197,8 @@ class AsyncEngine:
         self._thread.join(timeout=30)
         self._engine.guided.close()
 
-    def take_started_ns(self, request_id: str) -> int | None:
-        """When the request first ran in a step (time.time_ns), once; None if it has not run."""
+    def take_started(self, request_id: str) -> StepStart | None:
+        """When the request first ran in a step, once; None if it has not run."""
         return self._started.take(request_id)
 
     @property
@@ -299,12 +299,12 @@ class AsyncEngine:
         """One engine step and its deliveries; False when the scheduler could run nothing."""
         decoding = len(self._engine.scheduler.running)
         start = time.perf_counter()
-        start_ns = time.time_ns()
+        started = StepStart(time.time_ns(), time.monotonic_ns())
         outputs = self._engine.step()
         if not self._engine.last_step_tokens:
             return False
         ran = [o.request_id for o in outputs] + [s.seq_id for s in self._engine.scheduler.running]
-        self._mark_started(ran, start_ns)
+        self._mark_started(ran, started)
         if self.on_step is not None:
             e, seconds = self._engine, time.perf_counter() - start
             decode_seqs = min(decoding, e.last_step_tokens)
@@ -317,9 +317,9 @@ class AsyncEngine:
         self._update_stats()
         return True
 
-    def _mark_started(self, ran: list[str], start_ns: int) -> None:
+    def _mark_started(self, ran: list[str], started: StepStart) -> None:
         """`ran`: the requests the step ran (those it finished or handed off, and those still running)."""
-        self._started.mark([rid for rid in ran if rid in self._streams], start_ns)
+        self._started.mark([rid for rid in ran if rid in self._streams], started)
 
     def _apply_commands(self) -> None:
         while True:

@@ -319,7 +319,7 @@ async def test_a_streams_start_taken_mid_stream_is_not_marked_again_and_nothing_
     stream = mixed.generate(EngineRequest("taken", PROMPT, GREEDY))
     await anext(stream)
     await anext(stream)
-    assert mixed.take_started_ns("taken") is not None
+    assert mixed.take_started("taken") is not None
     await tokens(stream)
     await tokens(mixed.generate(EngineRequest("never-taken", PROMPT, GREEDY)))
     assert mixed._started._marked == {}  # noqa: SLF001

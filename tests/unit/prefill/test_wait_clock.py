@@ -1,0 +1,53 @@
+"""The wait a prefill worker reports for a prompt (`waited_ms`, which routers take out of the TTFT their calibration
+learns from) is a duration on the monotonic clock: a step of the wall clock (NTP's) between the prompt's arrival
+and its first step leaves it as it was. The spans keep wall-clock times, which they export."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from pdserve.config import EngineConfig, SchedulerConfig
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.engine_request import EngineRequest
+from pdserve.protocol.handoff import FirstToken, KVTarget
+from pdserve.protocol.roles import EngineMode
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.telemetry import Telemetry
+from services.prefill.run_and_send import PrefillJob, RunAndSend
+
+pytestmark = pytest.mark.timeout(60)
+STEP_NS = 3600 * 10**9  # the wall clock an hour on, as an NTP step after a long drift may set it
+
+
+async def test_a_wall_clock_step_before_the_prompts_first_step_leaves_its_wait_as_it_was(monkeypatch) -> None:
+    config = EngineConfig(
+        model="tiny-random", device="cpu", dtype="float32", num_kv_blocks=16, block_size=4, num_threads=1,
+        scheduler=SchedulerConfig(mode=EngineMode.PREFILL_ONLY),
+    )  # fmt: skip
+    engine = AsyncEngine(LLMEngine(config))
+    exporter = InMemorySpanExporter()
+    worker = RunAndSend(engine, None, "p0", Telemetry("t", SimpleSpanProcessor(exporter)))  # type: ignore[arg-type]
+    request = EngineRequest("stepped", list(range(3, 11)), SamplingParams(max_tokens=1))  # done at its first token
+    target = KVTarget("d0", "127.0.0.1:1", [0, 1], 1, engine.fingerprint, engine.block_size)
+    wall_ns = time.time_ns
+    # Read on the engine thread (the step's start) the wall clock is an hour on; on the caller's (the prompt's
+    # arrival), not yet: the step came between the two.
+    monkeypatch.setattr(
+        time, "time_ns", lambda: wall_ns() + (STEP_NS if threading.current_thread().name == "engine-loop" else 0)
+    )
+    try:
+        async with contextlib.aclosing(worker.run(PrefillJob(request, target, 5.0))) as events:
+            (first,) = [event async for event in events]
+    finally:
+        engine.stop()
+    assert isinstance(first, FirstToken) and first.waited_s is not None
+    assert 0 <= first.waited_s < 60, first.waited_s  # an hour's step would show as 3600 s
+    (queue_wait,) = [s for s in exporter.get_finished_spans() if s.name == "prefill.queue_wait"]
+    assert queue_wait.end_time - queue_wait.start_time > STEP_NS // 2  # the spans' times are the wall clock's
