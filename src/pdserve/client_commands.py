@@ -11,7 +11,7 @@ from typing import Any
 from pdserve.addresses import host_port
 from pdserve.errors import InvalidRequestError
 from pdserve.flags import add_sampling_flags, deadline_seconds, sampling_from_flags
-from pdserve.rpc.client_hints import rpc_error_line
+from pdserve.rpc.client_hints import exit_status, rpc_error_line
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 
@@ -93,7 +93,7 @@ def _client(args: argparse.Namespace) -> int:
         return asyncio.run(run())
     except grpc.aio.AioRpcError as e:
         print(rpc_error_line("pdserve client", e.code().name, e.details() or "", credentials), file=sys.stderr)
-        return 1
+        return exit_status(e.code().name)
 
 
 STATUS_FIELDS = (
@@ -167,7 +167,7 @@ def _status(args: argparse.Namespace) -> int:
         reply = asyncio.run(ask())
     except grpc.aio.AioRpcError as e:
         print(rpc_error_line("pdserve status", e.code().name, e.details() or "", credentials), file=sys.stderr)
-        return 1
+        return exit_status(e.code().name)
     if args.json:
         print(json.dumps(status_record(reply)))
         return 0

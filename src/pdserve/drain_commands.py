@@ -17,7 +17,7 @@ from typing import Any
 from pdserve.addresses import host_port
 from pdserve.config import ClusterConfig
 from pdserve.flags import deadline_seconds, seconds
-from pdserve.rpc.client_hints import rpc_error_line
+from pdserve.rpc.client_hints import exit_status, rpc_error_line
 from pdserve.rpc.credentials import ClientCredentials, add_client_flags, client_credentials
 
 ANSWER_SLACK_S = 120.0  # past the drain timeout: cut streams' cleanup, the router's own slack
@@ -116,7 +116,7 @@ def _run(work: Any, command: str, creds: ClientCredentials) -> int:
         return asyncio.run(work)
     except grpc.aio.AioRpcError as e:
         print(rpc_error_line(f"pdserve {command}", e.code().name, e.details() or "", creds), file=sys.stderr)
-        return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1  # as `scale`: what was asked never works
+        return exit_status(e.code().name)
 
 
 async def _drain_and_print(

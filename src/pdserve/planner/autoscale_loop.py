@@ -21,7 +21,7 @@ from pdserve.planner.autoscale import Admitted, Decision, Hysteresis, LoadWindow
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.live_scale import cluster_status, scale_workers
 from pdserve.planner.plan import SLO
-from pdserve.rpc.client_hints import rpc_error_line
+from pdserve.rpc.client_hints import exit_status, rpc_error_line
 from pdserve.rpc.credentials import ClientCredentials
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
                     f"pdserve autoscale: no status from {addr}", e.code().name, e.details() or "", credentials
                 )
                 print(line, file=sys.stderr)
-                return 1
+                return exit_status(e.code().name)
             log.warning("no status from %s: %s: %s", addr, e.code().name, e.details())
             window.samples.clear()  # the next sample paired with the last before the gap would span all of it
             await _pause(stop, c.interval_s)

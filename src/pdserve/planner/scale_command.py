@@ -11,7 +11,7 @@ from typing import Any
 from pdserve.addresses import host_port
 from pdserve.config import MAX_WORKERS_PER_ROLE
 from pdserve.flags import positive_float
-from pdserve.rpc.client_hints import rpc_error_line
+from pdserve.rpc.client_hints import exit_status, rpc_error_line
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
 
@@ -223,12 +223,10 @@ def _refused(error: Exception, asked: type[Exception], cluster: str) -> int:
 
 
 def _router_refused(error: Any, args: argparse.Namespace) -> int:
-    """Says what the router answered (with the flag a TLS or key failure calls for): 2 for INVALID_ARGUMENT, what
-    was asked never works; else 1. `error`: a grpc.aio.AioRpcError."""
-    import grpc
-
+    """Says what the router answered (with the flag a TLS or key failure calls for); its exit status (`exit_status`).
+    `error`: a grpc.aio.AioRpcError."""
     print(
         rpc_error_line("pdserve scale", error.code().name, error.details() or "", client_credentials(args)),
         file=sys.stderr,
     )
-    return 2 if error.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    return exit_status(error.code().name)

@@ -21,6 +21,13 @@ def connection_failed(code: str, details: str) -> bool:
     return code == "UNAVAILABLE" and "failed to connect" in details.lower() and "refused" not in details.lower()
 
 
+def exit_status(code: str) -> int:
+    """A command's exit status when the router refused its call with `code` (a status's name): 2 when the request
+    is wrong, so that retrying it as it is can never work (INVALID_ARGUMENT, as for a bad flag), else 1
+    (docs/cli.md#exit-status)."""
+    return 2 if code == "INVALID_ARGUMENT" else 1
+
+
 def with_hint(code: str, details: str, credentials: ClientCredentials | None) -> str:
     """`details` and, where the caller passed neither TLS nor a key and that explains `code`, the flag to pass."""
     credentials = credentials or ClientCredentials()

@@ -318,21 +318,3 @@ def test_a_worker_count_no_scale_could_apply_is_a_usage_error(capsys, argv):
     with pytest.raises(SystemExit) as exit_:
         main([*argv, "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"])
     assert exit_.value.code == 2 and "must lie in [2, 128]" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(("code", "status"), [("INVALID_ARGUMENT", 2), ("UNAVAILABLE", 1)])
-def test_a_drain_the_router_refuses_as_invalid_exits_2_as_scale_does(capsys, monkeypatch, code, status):
-    import grpc
-
-    from pdserve import drain_commands
-
-    async def refused(*args: object) -> int:
-        raise grpc.aio.AioRpcError(getattr(grpc.StatusCode, code), None, None, "worker w-1 is not registered")
-
-    async def listed(*args: object) -> list:
-        return []  # the check that the drain leaves each role a worker finds nothing to keep
-
-    monkeypatch.setattr(drain_commands, "_workers", listed)
-    monkeypatch.setattr(drain_commands, "_drain_and_print", refused)
-    assert main(["drain", "w-1", "--addr", "127.0.0.1:1"]) == status
-    assert f"pdserve drain: {code}: worker w-1 is not registered" in capsys.readouterr().err
