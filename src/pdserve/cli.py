@@ -25,6 +25,7 @@ from pdserve.cluster.commands import (
     add_router_command,
     check_mode_counts,
     check_ports_distinct,
+    registry_unanswered,
 )
 from pdserve.config import STALL_TIMEOUT_MIN_S, ClusterConfig, EngineConfig, RouterConfig
 from pdserve.drain_commands import add_drain_commands
@@ -235,6 +236,8 @@ def _serve_held(args: argparse.Namespace, services: ClusterServices | None) -> i
         print(f"{name}: {e}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, service=f"pdserve-{args.command}")
+    if args.command == "up" and (failed := registry_unanswered(config, name)):
+        return failed  # before the model's fetch and Ray: nothing started, nothing to stop
     # The model, here with progress on a terminal rather than in every worker; a controller's workers fetch it on
     # their own nodes.
     if args.command != "controller" and (failed := model_unready(args.model, name)):
@@ -251,7 +254,7 @@ def _serve_held(args: argparse.Namespace, services: ClusterServices | None) -> i
         print(f"{name}: {e}", file=sys.stderr)
         return 1
     except RedisUnreachable as e:
-        print(f"{name}: Redis at {redacted_url(config.redis_url or '')}: {e}", file=sys.stderr)
+        print(f"{name}: --redis {redacted_url(config.redis_url or '')}: {e}", file=sys.stderr)
         return 1
     return 0
 

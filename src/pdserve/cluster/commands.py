@@ -4,11 +4,13 @@ worker fleet in a Ray cluster) and `pdserve router` (the public API from the Red
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from pdserve.config import CLUSTER_MODES, ClusterConfig, EngineConfig
 from pdserve.flags import natural, positive_float, seconds
+from pdserve.redaction import redacted_url
 
 Run = Callable[[argparse.Namespace], Any]
 
@@ -95,6 +97,23 @@ def check_mode_counts(args: argparse.Namespace) -> None:
         if given := [f"--{n}" for n in names if n not in own and getattr(args, n, None) is not None]:
             takes = " and ".join(f"--{n}" for n in own)
             raise ValueError(f"{given[0]} counts --mode {mode}'s workers; --mode {args.mode} takes {takes}")
+
+
+def registry_unanswered(config: ClusterConfig, command: str) -> int:
+    """`pdserve up` with --redis, before it fetches the model or starts Ray (which took 6 s to start and stop again
+    before the first call to Redis failed): 0 when its Redis answers, else 1, said in one line naming the flag and
+    the address. (`pdserve router` waits for its Redis instead, unready.)"""
+    from redis.exceptions import ConnectionError as RedisUnreachable
+
+    from pdserve.registry.redis import check_answers
+
+    try:
+        if config.redis_url:
+            check_answers(config.redis_url)
+    except RedisUnreachable as e:
+        print(f"{command}: --redis {redacted_url(config.redis_url or '')}: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def check_ports_distinct(own: dict[str, int | None], command: str, config: ClusterConfig) -> None:

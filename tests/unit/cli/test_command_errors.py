@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -149,7 +152,7 @@ def test_a_workers_drain_timeout_must_be_finite_and_not_negative(seconds):
     ("failure", "says"),
     [
         (lambda: WorkerStartError("worker prefill-0 failed to start 1 times: boom"), "failed to start 1 times: boom"),
-        (lambda: RedisConnectionError("Error 111 connecting"), "Redis at redis://***@127.0.0.1:1/0: Error 111"),
+        (lambda: RedisConnectionError("Error 111 connecting"), "--redis redis://***@127.0.0.1:1/0: Error 111"),
     ],
 )
 def test_a_cluster_that_cannot_start_is_one_line_and_status_1(capsys, monkeypatch, failure, says):
@@ -193,6 +196,43 @@ def test_a_joined_ray_address_nothing_listens_at_is_refused_at_once_by_name():
     assert run.returncode == 1 and time.monotonic() - start < 30
     assert f"nothing accepts connections at the Ray address 127.0.0.1:{port}" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@contextlib.contextmanager
+def http_server() -> Iterator[int]:
+    """A port where an HTTP server answers whatever it is sent with a 400, as a Redis URL's wrong port may."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def answer() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    conn, _ = server.accept()
+                    with conn:
+                        conn.recv(4096)
+                        conn.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        yield server.getsockname()[1]
+
+
+@pytest.mark.parametrize(("listener", "says"), [("none", "Connection refused"), ("http", "no Redis")])
+def test_up_with_a_redis_that_does_not_answer_is_one_line_before_ray_starts(listener, says):
+    """`up` started Ray first, and failed when its workers first called Redis, 6-18 s later, after Ray's own lines."""
+    with contextlib.ExitStack() as stack:
+        if listener == "http":
+            port = stack.enter_context(http_server())
+        else:
+            with socket.socket() as closed:
+                closed.bind(("127.0.0.1", 0))
+                port = closed.getsockname()[1]
+        url = f"redis://127.0.0.1:{port}"
+        argv = ["up", "--model", "tiny-random", "--port", "0", "--redis", url]
+        run = subprocess.run([sys.executable, "-m", "services.main", *argv], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1, run.stderr
+    (line,) = run.stderr.splitlines()  # nothing of Ray's: it never started
+    assert line.startswith(f"pdserve up: --redis {url}: ") and says in line, line
 
 
 @pytest.mark.parametrize(
