@@ -38,6 +38,7 @@ from pdserve.flags import (
     engine_config,
     fetch_model,
     flag_values,
+    flags_named,
     from_flags,
     model_unready,
     sampling_from_flags,
@@ -320,10 +321,11 @@ def _check_ports_free(command: str, config: ClusterConfig) -> None:
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
     check_mode_counts(args)
     overrides = flag_values(RouterConfig, args)
-    if getattr(args, "router_config", None):  # `controller` takes none
-        router = RouterConfig.from_file(args.router_config, **overrides)
-    else:
-        router = RouterConfig(**overrides)
+    with flags_named(args):
+        if getattr(args, "router_config", None):  # `controller` takes none
+            router = RouterConfig.from_file(args.router_config, **overrides)
+        else:
+            router = RouterConfig(**overrides)
     renamed = {"redis_url": "redis", "kv_transfer_timeout_s": "kv_transfer_timeout"}
     return from_flags(
         ClusterConfig,

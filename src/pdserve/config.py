@@ -28,6 +28,15 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py's from_url
 DECODE_GRAPH_MODES = ("auto", "static", "off")
 
 
+class ConfigError(ValueError):
+    """A setting out of its range, said naming its field (`setting`). A command names the flag that set it instead
+    (`flags.flags_named`), a config file its key."""
+
+    def __init__(self, setting: str, problem: str) -> None:
+        super().__init__(f"{setting} {problem}")
+        self.setting, self.problem = setting, problem
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits of one engine step."""
@@ -40,7 +49,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+            raise ConfigError("max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
 
 
 @dataclass(frozen=True)
@@ -62,15 +71,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in (*DTYPE_NAMES, "auto"):
-            raise ValueError(f"dtype must be one of {[*DTYPE_NAMES, 'auto']}, got {self.dtype!r}")
+            raise ConfigError("dtype", f"must be one of {[*DTYPE_NAMES, 'auto']}, got {self.dtype!r}")
         if self.decode_graphs not in DECODE_GRAPH_MODES:
-            raise ValueError(f"decode_graphs must be one of {list(DECODE_GRAPH_MODES)}, got {self.decode_graphs!r}")
+            raise ConfigError("decode_graphs", f"must be one of {list(DECODE_GRAPH_MODES)}, got {self.decode_graphs!r}")
         if not 0 < self.kv_cache_memory_gb < math.inf:  # nan too: a KV cache of no size, or of every byte
-            raise ValueError(f"kv_cache_gb must be a positive number, got {self.kv_cache_memory_gb}")
+            raise ConfigError("kv_cache_memory_gb", f"must be a positive number, got {self.kv_cache_memory_gb}")
         if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"threads must be at least 1, got {self.num_threads}")
+            raise ConfigError("num_threads", f"must be at least 1, got {self.num_threads}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+            raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
     @property
     def mode(self) -> EngineMode:
@@ -164,46 +173,47 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in ("slo", "round-robin"):
-            raise ValueError(f"policy must be 'slo' or 'round-robin', got {self.policy!r}")
+            raise ConfigError("policy", f"must be 'slo' or 'round-robin', got {self.policy!r}")
         for name, zero in (("registry_max_view_age_s", "0 or "), ("prefix_match_budget_s", ""), ("quota_budget_s", "")):
             value = getattr(self, name)  # 0: a view kept however old; a budget of 0 would never use the index or quotas
             if not (value > 0 or (zero and value == 0)):
-                raise ValueError(f"{name} must be {zero}positive, got {value!r}")
+                raise ConfigError(name, f"must be {zero}positive, got {value!r}")
         if not 0 < self.transfer_gbps < float("inf"):  # a KV transfer's predicted time divides by it
-            raise ValueError(f"transfer_gbps must be a positive number, got {self.transfer_gbps!r}")
+            raise ConfigError("transfer_gbps", f"must be a positive number, got {self.transfer_gbps!r}")
         if self.migration_limit < 0:
-            raise ValueError(f"migration_limit must not be negative, got {self.migration_limit}")
+            raise ConfigError("migration_limit", f"must not be negative, got {self.migration_limit}")
         if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+            raise ConfigError("max_attempts", f"must be at least 1, got {self.max_attempts}")
         if self.max_http_body_bytes < 0:
-            raise ValueError(f"max_http_body_bytes must be >= 0 (0: derived), got {self.max_http_body_bytes}")
+            raise ConfigError("max_http_body_bytes", f"must be >= 0 (0: derived), got {self.max_http_body_bytes}")
         positive = ("first_token_timeout_s", "stall_timeout_s", "reader_stall_timeout_s", "default_ttft_ms")
         for name in (*positive, "default_tpot_ms", "heartbeat_s"):
             if not 0 < getattr(self, name) < float("inf"):
-                raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
+                raise ConfigError(name, f"must be a positive number, got {getattr(self, name)}")
         if not 0.1 <= self.sse_keepalive_s < float("inf"):  # a comment every millisecond would keep the loop busy
-            raise ValueError(f"sse_keepalive_s must be at least 0.1 s, got {self.sse_keepalive_s}")
+            raise ConfigError("sse_keepalive_s", f"must be at least 0.1 s, got {self.sse_keepalive_s}")
         if self.stall_timeout_s < STALL_TIMEOUT_MIN_S:  # a preempted stream, silent but for its notices, would move
-            raise ValueError(
-                f"stall_timeout_s must be at least {STALL_TIMEOUT_MIN_S:g} s (twice the {PREEMPTED_NOTICE_S:g} s "
-                f"between a decode worker's notices that a stream it preempted waits), got {self.stall_timeout_s}"
+            raise ConfigError(
+                "stall_timeout_s",
+                f"must be at least {STALL_TIMEOUT_MIN_S:g} s (twice the {PREEMPTED_NOTICE_S:g} s "
+                f"between a decode worker's notices that a stream it preempted waits), got {self.stall_timeout_s}",
             )
         for name in ("max_in_flight", "max_queued_prefill_tokens", "default_max_tokens"):
             if getattr(self, name) < 1:  # a bound of none would shed (or refuse) every request
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(name, f"must be at least 1, got {getattr(self, name)}")
         if not (self.max_connection_age_s == 0 or 0.001 <= self.max_connection_age_s <= MAX_CONNECTION_AGE_S):
-            raise ValueError(  # gRPC takes whole milliseconds in a C int
-                f"max_connection_age_s must be 0 (never) or lie in [0.001, {MAX_CONNECTION_AGE_S}], "
-                f"got {self.max_connection_age_s!r}"
+            raise ConfigError(  # gRPC takes whole milliseconds in a C int
+                "max_connection_age_s",
+                f"must be 0 (never) or lie in [0.001, {MAX_CONNECTION_AGE_S}], got {self.max_connection_age_s!r}",
             )
         for name in ("ejection_s", "no_workers_wait_s"):
             if not 0 <= getattr(self, name) < float("inf"):
-                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+                raise ConfigError(name, f"must not be negative, got {getattr(self, name)}")
         for name in ("low_priority_reserve", "fair_share_reserve"):
             if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+                raise ConfigError(name, f"must lie in [0, 1], got {getattr(self, name)}")
         if not 0 < self.slo_headroom <= 1:
-            raise ValueError(f"slo_headroom must lie in (0, 1], got {self.slo_headroom}")
+            raise ConfigError("slo_headroom", f"must lie in (0, 1], got {self.slo_headroom}")
         for c in self.slo_classes:
             if not (0 < c.ttft_ms < float("inf") and 0 < c.tpot_ms < float("inf")):
                 raise ValueError(f"slo_classes: priority {c.priority}'s ttft_ms and tpot_ms must be positive, got {c}")
@@ -283,15 +293,16 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in CLUSTER_MODES:
-            raise ValueError(f"mode must be one of {CLUSTER_MODES}, got {self.mode!r}")
+            raise ConfigError("mode", f"must be one of {CLUSTER_MODES}, got {self.mode!r}")
         colocated = self.mode == "colocated"
         counts = {"workers": self.workers} if colocated else {"prefill": self.prefill, "decode": self.decode}
         for name, n in counts.items():
             if not 1 <= n <= MAX_WORKERS_PER_ROLE:
-                raise ValueError(f"{name} must be 1 to {MAX_WORKERS_PER_ROLE} workers in {self.mode} mode, got {n}")
+                raise ConfigError(name, f"must be 1 to {MAX_WORKERS_PER_ROLE} workers in {self.mode} mode, got {n}")
         if self.max_restarts < 0:
-            raise ValueError(
-                f"max_restarts must be >= 0 (Ray's restarts of a worker before it is replaced), got {self.max_restarts}"
+            raise ConfigError(
+                "max_restarts",
+                f"must be >= 0 (Ray's restarts of a worker before it is replaced), got {self.max_restarts}",
             )
         given = [self.internal_tls_cert, self.internal_tls_key, self.internal_tls_ca]
         if any(given) and not all(given):
@@ -302,26 +313,29 @@ class ClusterConfig:
             )
         for name in ("port", "worker_port", "transfer_port", "worker_metrics_port", "metrics_port", "http_port"):
             if (port := getattr(self, name)) is not None and not 0 <= port < 65536:
-                raise ValueError(f"{name} must be a TCP port (0: any free one), got {port}")
+                raise ConfigError(name, f"must be a TCP port (0: any free one), got {port}")
         if self.redis_url is not None and not self.redis_url.startswith(REDIS_SCHEMES):
-            raise ValueError(
-                f"redis must be a redis://, rediss:// or unix:// URL, got {redacted_url(self.redis_url)!r}"
+            raise ConfigError(
+                "redis_url", f"must be a redis://, rediss:// or unix:// URL, got {redacted_url(self.redis_url)!r}"
             )
         if self.advertise_host in ("0.0.0.0", "::"):
-            raise ValueError(f"advertise_host must be an address others can dial, got {self.advertise_host!r}")
+            raise ConfigError("advertise_host", f"must be an address others can dial, got {self.advertise_host!r}")
         if not 0 <= self.drain_grace_s < math.inf:
-            raise ValueError(f"drain_grace_s must be a finite number >= 0 (0: stop at once), got {self.drain_grace_s}")
+            raise ConfigError(
+                "drain_grace_s", f"must be a finite number >= 0 (0: stop at once), got {self.drain_grace_s}"
+            )
         if not 0 <= self.worker_drain_timeout_s < math.inf:
-            raise ValueError(
-                f"worker_drain_timeout_s must be a finite number >= 0 (0: cut at once), got "
-                f"{self.worker_drain_timeout_s}"
+            raise ConfigError(
+                "worker_drain_timeout_s",
+                f"must be a finite number >= 0 (0: cut at once), got {self.worker_drain_timeout_s}",
             )
         if not 0 <= self.rollout_surge_wait_s < math.inf:
-            raise ValueError(f"rollout_surge_wait_s must be >= 0 (0: never surge), got {self.rollout_surge_wait_s}")
+            raise ConfigError("rollout_surge_wait_s", f"must be >= 0 (0: never surge), got {self.rollout_surge_wait_s}")
         if not 0 < self.kv_transfer_timeout_s <= MAX_KV_TRANSFER_TIMEOUT_S:
-            raise ValueError(
-                f"kv_transfer_timeout_s must be above 0 and at most {MAX_KV_TRANSFER_TIMEOUT_S:g} (a day, the KV "
-                f"transfer header's bound), got {self.kv_transfer_timeout_s}"
+            raise ConfigError(
+                "kv_transfer_timeout_s",
+                f"must be above 0 and at most {MAX_KV_TRANSFER_TIMEOUT_S:g} (a day, the KV "
+                f"transfer header's bound), got {self.kv_transfer_timeout_s}",
             )
 
     @property

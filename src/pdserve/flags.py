@@ -10,12 +10,13 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pdserve.config import DECODE_GRAPH_MODES, DTYPE_NAMES, EngineConfig, SchedulerConfig
+from pdserve.config import DECODE_GRAPH_MODES, DTYPE_NAMES, ConfigError, EngineConfig, SchedulerConfig
 from pdserve.engine.model_files import BUILTIN_MODELS
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.output_constraint import MAX_SPEC_BYTES, OutputConstraint
@@ -43,8 +44,24 @@ def flag_values(cls: type, args: argparse.Namespace, renamed: Mapping[str, str] 
 
 
 def from_flags(cls: type[T], args: argparse.Namespace, renamed: Mapping[str, str] | None = None, **given: Any) -> T:
-    """`cls` built from the flags named after its fields; `given` values win."""
-    return cls(**{**flag_values(cls, args, renamed), **given})
+    """`cls` built from the flags named after its fields; `given` values win. A setting out of its range is named
+    by its flag (`flags_named`)."""
+    with flags_named(args, renamed):
+        return cls(**{**flag_values(cls, args, renamed), **given})
+
+
+@contextmanager
+def flags_named(args: argparse.Namespace, renamed: Mapping[str, str] | None = None) -> Iterator[None]:
+    """A ConfigError raised meanwhile about a setting that one of `args`'s flags gave (the flag named after the
+    field, or the one `renamed` maps it to) names that flag, as the operator typed it: `--stall-timeout-s must be
+    at least 2 s`, not `stall_timeout_s`. One a config file gave names its key there (config_file.py)."""
+    try:
+        yield
+    except ConfigError as e:
+        dest = (renamed or {}).get(e.setting, e.setting)
+        if getattr(args, dest, None) is None:  # not a flag of this command, or not given: the file's or the code's
+            raise
+        raise ConfigError(f"--{dest.replace('_', '-')}", e.problem) from None
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:

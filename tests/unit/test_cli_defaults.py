@@ -60,5 +60,5 @@ def test_controller_and_router_flags_reach_the_config() -> None:
 
 
 def test_a_wildcard_is_never_advertised() -> None:
-    with pytest.raises(ValueError, match="advertise_host"):
+    with pytest.raises(ValueError, match="--advertise-host must be an address others can dial"):
         cli._cluster_config(cli._parser().parse_args(["up", "--advertise-host", "0.0.0.0"]))

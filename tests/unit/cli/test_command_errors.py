@@ -332,8 +332,8 @@ def test_up_with_a_model_that_is_not_there_exits_2_in_one_line(tmp_path):
 @pytest.mark.parametrize(
     ("make", "says"),
     [
-        (lambda: EngineConfig(kv_cache_memory_gb=math.nan), "kv_cache_gb must be a positive number"),
-        (lambda: EngineConfig(num_threads=0), "threads must be at least 1"),
+        (lambda: EngineConfig(kv_cache_memory_gb=math.nan), "kv_cache_memory_gb must be a positive number"),
+        (lambda: EngineConfig(num_threads=0), "num_threads must be at least 1"),
         (lambda: EngineConfig(device="gpu"), "device must be auto, cpu, cuda or cuda:N"),
         (lambda: ClusterConfig(max_restarts=-5), "max_restarts must be >= 0"),
         (lambda: ClusterConfig(rollout_surge_wait_s=math.nan), "rollout_surge_wait_s must be >= 0"),

@@ -35,7 +35,7 @@ def test_the_other_modes_counts_do_not_matter():
 def test_up_exits_2_with_one_line_before_ray_starts(capsys):
     assert main(["up", "--model", "tiny-random", "--prefill", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["pdserve up: prefill must be 1 to 64 workers in disaggregated mode, got -1"]
+    assert err == ["pdserve up: --prefill must be 1 to 64 workers in disaggregated mode, got -1"]
 
 
 CONTROLLER = ["controller", "--model", "tiny-random", "--ray-address", "127.0.0.1:1", "--redis", "redis://r:6379/0"]
@@ -77,20 +77,51 @@ ROUTER = ["router", "--model", "tiny-random", "--redis", "redis://127.0.0.1:1/0"
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
-        (["router", "--model", "tiny-random", "--redis", "notaurl"], "redis must be a redis://"),
+        (["router", "--model", "tiny-random", "--redis", "notaurl"], "--redis must be a redis://"),
         (  # a scheme mistyped still hides the password it carries
             ["router", "--model", "tiny-random", "--redis", "redis:/:hunter2@h:6379?password=hunter2"],
-            "redis must be a redis://, rediss:// or unix:// URL, got '***@h:6379?password=***'",
+            "--redis must be a redis://, rediss:// or unix:// URL, got '***@h:6379?password=***'",
         ),
-        ([*ROUTER, "--metrics-port", "99999"], "metrics_port must be a TCP port"),
-        ([*ROUTER, "--http-port", "-5"], "http_port must be a TCP port"),
-        ([*ROUTER, "--drain-grace-s", "nan"], "drain_grace_s must be a finite number >= 0"),
+        ([*ROUTER, "--metrics-port", "99999"], "--metrics-port must be a TCP port"),
+        ([*ROUTER, "--http-port", "-5"], "--http-port must be a TCP port"),
+        ([*ROUTER, "--drain-grace-s", "nan"], "--drain-grace-s must be a finite number >= 0"),
+        ([*ROUTER, "--max-attempts", "0"], "--max-attempts must be at least 1"),
     ],
 )
 def test_a_router_refuses_what_it_could_not_use_in_one_line_not_a_traceback(capsys, argv, line):
     assert main(argv) == 2
     (err,) = capsys.readouterr().err.strip().splitlines()
     assert err.startswith(f"pdserve router: {line}"), err
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [  # each named the dataclass field (kv_transfer_timeout_s, stall_timeout_s), not the flag the operator typed
+        (["--kv-transfer-timeout", "0"], "--kv-transfer-timeout must be above 0"),
+        (["--stall-timeout-s", "1"], "--stall-timeout-s must be at least 2 s"),
+        (["--first-token-timeout-s", "0"], "--first-token-timeout-s must be a positive number"),
+        (["--redis", "localhost:6379"], "--redis must be a redis://, rediss:// or unix:// URL"),
+        (["--advertise-host", "0.0.0.0"], "--advertise-host must be an address others can dial"),
+        (["--mode", "colocated", "--workers", "0"], "--workers must be 1 to 64 workers in colocated mode"),
+    ],
+)
+def test_a_setting_out_of_its_range_is_named_by_the_flag_that_gave_it(capsys, flags, line):
+    assert main(["up", "--model", "tiny-random", *flags]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith(f"pdserve up: {line}"), err
+
+
+def test_a_router_config_files_setting_is_named_by_its_key_and_a_flag_over_it_by_the_flag(capsys, tmp_path):
+    config = tmp_path / "router.toml"
+    config.write_text("[router]\nstall_timeout_s = 1.0\n")
+    argv = ["up", "--model", "tiny-random", "--router-config", str(config)]
+    assert main(argv) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith(f"pdserve up: {config}: stall_timeout_s must be at least 2 s"), err
+    config.write_text("[router]\nstall_timeout_s = 10.0\n")
+    assert main([*argv, "--stall-timeout-s", "1"]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith("pdserve up: --stall-timeout-s must be at least 2 s"), err
 
 
 @pytest.mark.parametrize("command", ["up", "controller", "generate", "profile", "bench engine"])
