@@ -105,7 +105,7 @@ def registry_unanswered(config: ClusterConfig, command: str) -> int:
     the address. (`pdserve router` waits for its Redis instead, unready.)"""
     from redis.exceptions import ConnectionError as RedisUnreachable
 
-    from pdserve.registry.redis import check_answers
+    from pdserve.registry.redis_reachable import check_answers
 
     try:
         if config.redis_url:

@@ -89,23 +89,6 @@ def connect(url: str, timeout_s: float = TIMEOUT_S) -> redis.Redis:
     return redis.Redis.from_url(url, retry=retry, **_options(url, timeout_s))
 
 
-def check_answers(url: str) -> None:
-    """redis.ConnectionError, saying why, when no Redis at `url` answers a PING within TIMEOUT_S (nothing listening,
-    no route, its TLS or password refused, another server on that port): `pdserve up` asks before it starts Ray,
-    which took 6 s to start and stop again before the first call to Redis failed."""
-    client = connect(url)
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        raise
-    except redis.TimeoutError as e:  # a host that drops the connection's SYN
-        raise redis.ConnectionError(f"no answer within {TIMEOUT_S:g} s ({e})") from None
-    except redis.RedisError as e:  # InvalidResponse: an HTTP server's answer, say
-        raise redis.ConnectionError(f"what answers there is no Redis ({e})") from None
-    finally:
-        client.close()
-
-
 def connect_async(url: str, timeout_s: float = TIMEOUT_S) -> aredis.Redis:
     """For the router's event loop; its connections belong to the loop that first uses it. As `connect`.
 
