@@ -71,7 +71,7 @@ def test_a_router_that_admits_little_spaces_retries_at_most_the_widest_slot_apar
     assert p.slot_s() == MAX_SLOT_S
 
 
-def test_admission_paces_a_crowd_shed_for_a_full_batch_at_the_rate_it_admitted():
+def test_admission_paces_a_crowd_shed_for_a_full_batch_at_the_rate_it_admitted(clock):
     """Through admission: 20 requests admitted (slots of 10 s / 20), then the decode batch is full, and the requests
     shed for it are told hints one slot apart, later in turn."""
     d0 = worker("d0", "decode", max_num_seqs=20)
@@ -85,7 +85,7 @@ def test_admission_paces_a_crowd_shed_for_a_full_batch_at_the_rate_it_admitted()
         assert own + 500 * k <= hint <= own + 500 * (k + 1) + 1, (k, hints)
 
 
-def test_admission_gives_no_slot_to_a_caller_whose_deadline_ends_before_it():
+def test_admission_gives_no_slot_to_a_caller_whose_deadline_ends_before_it(clock):
     r = Router([worker("p0"), worker("d0", "decode", sequences=2, max_num_seqs=2)])
     own = shed(r, prompt(100), "room in its batch", slo_s=(5.0, 1.0)).retry_after_ms
     placed, slo = r.place(prompt(100), 16, 1.0), SLOTarget(5.0, 1.0)
