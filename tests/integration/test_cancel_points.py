@@ -201,10 +201,12 @@ async def test_a_request_cancelled_waiting_behind_other_prompts_on_the_prefill_w
             async for _ in stub.Generate(req, metadata=metadata(BULK_KEY), timeout=60):
                 pass
 
-        # Three long prompts ahead of it: the prefill worker runs them a 512-token chunk a step, first come first
-        # (about 0.3 s in all on a loaded 2-core machine; it was queued behind them in 35 ms).
-        ahead = [asyncio.ensure_future(run(request(f"ahead-{i}", 4000, 1, seed=1 + i))) for i in range(3)]
-        await until(lambda: prefill.state().sequences == 3)
+        # Three long prompts ahead of it: the prefill worker runs them a 512-token chunk a step, first come first,
+        # each step 50 ms slower (SLOW): over 1.2 s in all, so the first is still there when the third comes (in a
+        # CI under 4x load one was not), and it is queued behind them (in 35 ms here).
+        ahead = [asyncio.ensure_future(run(request(f"{SLOW}ahead-{i}", 4000, 1, seed=1 + i))) for i in range(3)]
+        await until(lambda: prefill.state().sequences == 3 or any(f.done() for f in ahead))
+        assert not any(f.done() for f in ahead), [f.exception() or "served" for f in ahead if f.done()]
         call = stub.Generate(request("behind", 64, 16), metadata=metadata(KEY), timeout=60)
         reading = asyncio.ensure_future(call.read())
         await until(lambda: prefill.state().sequences == 4)  # its blocks reserved there, its prompt queued here
