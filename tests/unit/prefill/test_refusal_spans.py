@@ -7,32 +7,20 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from pdserve.config import EngineConfig, SchedulerConfig
-from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.engine import LLMEngine
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.handoff import KVTarget
-from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.telemetry import Telemetry
-from services.prefill.run_and_send import PrefillJob, RunAndSend
+from services.prefill.run_and_send import PrefillJob
+from tests.unit.prefill.traced_worker import traced_worker
 
 pytestmark = pytest.mark.timeout(60)
 
 
 async def test_a_prompt_past_the_workers_kv_is_refused_on_its_spans_not_an_error() -> None:
-    config = EngineConfig(
-        model="tiny-random", device="cpu", dtype="float32", num_kv_blocks=16, block_size=4, num_threads=1,
-        scheduler=SchedulerConfig(mode=EngineMode.PREFILL_ONLY),
-    )  # fmt: skip
-    engine = AsyncEngine(LLMEngine(config))
-    exporter = InMemorySpanExporter()
-    worker = RunAndSend(engine, None, "p0", Telemetry("t", SimpleSpanProcessor(exporter)))  # type: ignore[arg-type]
+    worker, engine, exporter = traced_worker()
     request = EngineRequest("too-long", list(range(3, 103)), SamplingParams(max_tokens=8))  # 25 blocks of 4
     target = KVTarget("d0", "127.0.0.1:1", list(range(25)), 1, engine.fingerprint, engine.block_size)
     try:

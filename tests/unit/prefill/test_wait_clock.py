@@ -9,31 +9,19 @@ import threading
 import time
 
 import pytest
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pdserve.config import EngineConfig, SchedulerConfig
-from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.engine import LLMEngine
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.handoff import FirstToken, KVTarget
-from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.telemetry import Telemetry
-from services.prefill.run_and_send import PrefillJob, RunAndSend
+from services.prefill.run_and_send import PrefillJob
+from tests.unit.prefill.traced_worker import traced_worker
 
 pytestmark = pytest.mark.timeout(60)
 STEP_NS = 3600 * 10**9  # the wall clock an hour on, as an NTP step after a long drift may set it
 
 
 async def test_a_wall_clock_step_before_the_prompts_first_step_leaves_its_wait_as_it_was(monkeypatch) -> None:
-    config = EngineConfig(
-        model="tiny-random", device="cpu", dtype="float32", num_kv_blocks=16, block_size=4, num_threads=1,
-        scheduler=SchedulerConfig(mode=EngineMode.PREFILL_ONLY),
-    )  # fmt: skip
-    engine = AsyncEngine(LLMEngine(config))
-    exporter = InMemorySpanExporter()
-    worker = RunAndSend(engine, None, "p0", Telemetry("t", SimpleSpanProcessor(exporter)))  # type: ignore[arg-type]
+    worker, engine, exporter = traced_worker()
     request = EngineRequest("stepped", list(range(3, 11)), SamplingParams(max_tokens=1))  # done at its first token
     target = KVTarget("d0", "127.0.0.1:1", [0, 1], 1, engine.fingerprint, engine.block_size)
     wall_ns = time.time_ns
