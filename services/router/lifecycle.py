@@ -170,6 +170,10 @@ class RequestLifecycle:
             span.set_attribute("decode.worker.id", placement.decode.worker_id)
             span.set_attribute("cached_tokens", placement.cached_tokens)
             span.set_attribute("predicted_ttft_s", placement.predicted_ttft_s)
+            # Its parts, for comparing with the workers' spans (docs/experiments/ttft_prediction/)
+            span.set_attribute("predicted_own_ttft_s", placement.own_ttft_s)
+            span.set_attribute("predicted_prefill_queue_s", placement.prefill_queue_s)
+            span.set_attribute("predicted_queue_s", placement.queue_s)
         return placement, SLOTarget(ttft_ms / 1e3, tpot_ms / 1e3, req.ttft_slo_ms > 0, req.tpot_slo_ms > 0)
 
     @contextmanager
