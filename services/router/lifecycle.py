@@ -174,6 +174,7 @@ class RequestLifecycle:
             span.set_attribute("predicted_own_ttft_s", placement.own_ttft_s)
             span.set_attribute("predicted_prefill_queue_s", placement.prefill_queue_s)
             span.set_attribute("predicted_queue_s", placement.queue_s)
+            span.set_attribute("predicted_profiled_queue_s", placement.profiled_queue_s)
         return placement, SLOTarget(ttft_ms / 1e3, tpot_ms / 1e3, req.ttft_slo_ms > 0, req.tpot_slo_ms > 0)
 
     @contextmanager

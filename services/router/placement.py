@@ -27,8 +27,9 @@ class Placement:
     prefill: WorkerState | None  # None: the decode worker prefills itself (colocated)
     cached_tokens: int  # prompt tokens the prefill worker is expected to hold already
     own_ttft_s: float  # this request's TTFT on the chosen prefill worker were it idle
-    queue_s: float  # what the load adds: the queue ahead of it there, the decode worker's steps
-    prefill_queue_s: float  # of queue_s, the prefill worker's queue (what that worker reports it waited)
+    queue_s: float  # what the load adds: `profiled_queue_s` as loaded requests showed it (load_calibration.py)
+    profiled_queue_s: float  # the queue ahead of it there and the decode worker's step, as the profiles price them
+    prefill_queue_s: float  # of profiled_queue_s, the prefill worker's queue (what that worker reports it waited)
     ttft_factor: float  # the prefill worker's TTFT calibration factor the prediction was made with
     predicted_tpot_s: float
     blocks_needed: int
@@ -164,12 +165,18 @@ class PlacementPolicy(ABC):
         else:
             prefill, decode = self.choose(prefills, decodes, ask)
         cached = hits.get(prefill.cache_key, 0) * block_size
+        own_s, prefill_queue_s = (
+            self.predictor.own_ttft_s(prefill, len(prompt), cached),
+            self.predictor.queue_s(prefill),
+        )
+        profiled_queue_s = prefill_queue_s + self.predictor.decode_wait_s(decode)
         return Placement(
             decode=decode,
             prefill=None if colocated else prefill,
             cached_tokens=cached,
-            own_ttft_s=self.predictor.own_ttft_s(prefill, len(prompt), cached),
-            queue_s=(prefill_queue_s := self.predictor.queue_s(prefill)) + self.predictor.decode_wait_s(decode),
+            own_ttft_s=own_s,
+            queue_s=self.predictor.load_calibration.queueing_s(prefill.worker_id, own_s, profiled_queue_s),
+            profiled_queue_s=profiled_queue_s,
             prefill_queue_s=prefill_queue_s,
             ttft_factor=self.predictor.calibration.factor(prefill.worker_id),
             predicted_tpot_s=self.predictor.tpot_s(decode),

@@ -2,8 +2,9 @@
 
 A prediction has two parts that admission treats differently: the request's own isolated cost (its
 prefill on an idle worker, minus prefix-cache hits, plus the KV transfer; one decode step on an idle
-batch) and the part other requests add (the queue ahead of it, the batch it joins). Only the second
-changes with load, so only it can make a retry succeed.
+batch) and the part other requests add (the queue ahead of it, the batch it joins), which the factor
+requests under load taught (load_calibration.py) scales. Only the second changes with load, so only it can make a
+retry succeed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pdserve.registry.base import WorkerState
 from services.router.best_speed import BestSpeeds
 from services.router.calibration import TTFTCalibration
 from services.router.kv_claims import KVClaims
+from services.router.load_calibration import LoadCalibration
 from services.router.load_tracker import LoadTracker
 
 
@@ -23,6 +25,7 @@ class Predictor:
         self.config = config
         self.tracker = tracker
         self.calibration = calibration or TTFTCalibration()
+        self.load_calibration = LoadCalibration()
         self.claims = KVClaims()
         self.best = BestSpeeds()
 
@@ -65,7 +68,8 @@ class Predictor:
         return self.prefill_s(w, max(prompt_tokens - cached_tokens, 1)) + self.transfer_s(w, prompt_tokens)
 
     def ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
-        return self.queue_s(w) + self.own_ttft_s(w, prompt_tokens, cached_tokens)
+        own_s = self.own_ttft_s(w, prompt_tokens, cached_tokens)
+        return own_s + self.load_calibration.queueing_s(w.worker_id, own_s, self.queue_s(w))
 
     def transfer_s(self, w: WorkerState, prompt_tokens: int) -> float:
         if w.role == Role.COLOCATED:  # the prompt's KV stays where it was computed

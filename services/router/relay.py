@@ -62,6 +62,7 @@ class Relay:
         self.metrics = metrics
         self.recent = recent
         self.calibration = placement.predictor.calibration  # learns from the TTFTs of requests that ran alone
+        self.load_calibration = placement.predictor.load_calibration  # and this from the others'
         self.listing = Listing(placement.registry)  # a placed worker gone before the first token: moved at once
         self.first_token_s = config.first_token_timeout_s
         self.stall_s = config.stall_timeout_s  # the longest silence after the first message (services/router/stall.py)
@@ -144,14 +145,23 @@ class Relay:
         """An attempt that ran alone as far as this router saw teaches calibration, once it ended (the wait comes in
         the decode worker's trailing metadata). With the wait its prefill worker reports (other routers' prompts
         ahead of it, which would read as a slow worker), its TTFT less that wait against the prediction less its
-        queue; without (a stream that did not end OK, a colocated worker), its TTFT against the whole prediction."""
+        queue; without (a stream that did not end OK, a colocated worker), its TTFT against the whole prediction.
+        The prediction before the load's factor (load_calibration.py), which requests that did not run alone teach."""
         if ticket.alone_ttft_s is None or ticket.placement.cached_tokens:
             return  # a prefix-cache hit's TTFT holds a cost the prediction does not price (reading its cached tokens)
         waited = dict(trailing or ()).get(PREFILL_WAITED_KEY)
-        p, measured_s, predicted_s = ticket.placement, ticket.alone_ttft_s, ticket.placement.predicted_ttft_s
+        p, measured_s = ticket.placement, ticket.alone_ttft_s
+        predicted_s = p.own_ttft_s + p.profiled_queue_s
         if isinstance(waited, str) and waited.isdigit():
             measured_s, predicted_s = measured_s - int(waited) / 1e3, predicted_s - p.prefill_queue_s
         self.calibration.observe(p.prefill_worker.worker_id, predicted_s, measured_s, p.ttft_factor)
+
+    def _calibrate_load(self, p: Placement, measured_s: float) -> None:
+        """An attempt placed behind queueing that did not run alone teaches the load's factor at its first token:
+        its TTFT against its prediction before that factor."""
+        if p.cached_tokens or p.profiled_queue_s <= 0:
+            return  # as in `_calibrate`; and with no queueing the factor is not applied
+        self.load_calibration.observe(p.prefill_worker.worker_id, p.own_ttft_s + p.profiled_queue_s, measured_s)
 
     async def _first(
         self, call: grpc.aio.UnaryStreamCall, ticket: Ticket, time_remaining: float | None
@@ -204,6 +214,8 @@ class Relay:
                 self.recent.add(worker, "ttft", attempt_s)
             if ticket.ran_alone():
                 ticket.alone_ttft_s = attempt_s
+            else:
+                self._calibrate_load(p, attempt_s)
             for _ in msg.token_ids[1:]:  # tokens that came with the first: no gap after it
                 self.metrics.itl.record(0.0)
         elif msg.token_ids:  # a message with several tokens (a worker catching up) spreads its gap over them

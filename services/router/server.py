@@ -183,7 +183,14 @@ async def start_router(
     if key_reload is not None:
         key_reload.start(lifecycle)
     predictor = policy.predictor
-    gone: list[PerWorkerState] = [tracker, predictor.calibration, predictor.best, lifecycle.recent, policy.offered]
+    gone: list[PerWorkerState] = [
+        tracker,
+        predictor.calibration,
+        predictor.load_calibration,
+        predictor.best,
+        lifecycle.recent,
+        policy.offered,
+    ]
     gone_workers = GoneWorkers(registry, gone)
     gone_workers.start()
     shared_claims = await _shared_claims(registry, config, predictor)
