@@ -2,13 +2,15 @@
 alone.
 
 calibration.py corrects a prediction from requests that ran alone, so it never sees what load does beyond the queue
-the profile prices: measured on a shared host, a prompt placed beside others computed 1.3-1.6x slower than alone
-(the busy decode worker and the prompts batched with it share the cores and steps), and a queue priced prompt by
-prompt is not what a batched queue costs (docs/experiments/ttft_prediction/). From each request placed behind
-queueing (a prefill queue, a decode worker's step) that did not run alone, this keeps its measured TTFT and its
-prediction before this factor, each as a moving average: their ratio scales such predictions. A ratio of averages,
-so a long prediction weighs as much as it is long. What it adds counts as queueing, and a request placed with no
-queueing is predicted as before, so only the load can make a shed request's retry succeed.
+the profiles price: measured on a shared host, a prompt that computed beside another prompt took 1.2-1.7x its own
+cost as predicted, one computed alone while the decode worker was busy 1.0-1.5x, and the prefill queue the prompts
+waited in was short (docs/experiments/ttft_prediction/). A request shares steps and cores with the work ahead of it
+for at most as long as that work lasts, so a factor k scales the queueing q ahead of it (a prefill queue, a decode
+worker's step) and as much of its own cost as q is long: q and min(own, q) are predicted to take k times as long.
+From each request placed behind queueing that did not run alone, its measured TTFT less the rest of its own cost
+and its q + min(own, q) are kept as moving averages; their ratio is k. A ratio of averages, so a request behind a
+short queue moves k as little as it weighs. What k adds counts as queueing and vanishes with the queue: a request
+placed with none is predicted as before, so only the load can make a shed request's retry succeed.
 """
 
 from __future__ import annotations
@@ -28,22 +30,22 @@ class LoadCalibration:
             return 1.0
         return min(max(self._measured_s[worker_id] / predicted, MIN_FACTOR), MAX_FACTOR)
 
-    def observe(self, worker_id: str, predicted_s: float, measured_s: float) -> None:
-        """`predicted_s`: a loaded request's TTFT as predicted before this factor. A first observation moves the
-        factor from 1 as any later one does."""
-        if predicted_s <= 0 or measured_s <= 0:
+    def observe(self, worker_id: str, own_s: float, queue_s: float, measured_s: float) -> None:
+        """A loaded request placed with own cost `own_s` behind `queue_s` of queueing (as the profiles price them)
+        whose TTFT was `measured_s`. A first observation moves the factor from 1 as any later one does."""
+        if queue_s <= 0 or measured_s <= 0:
             return
-        predicted = self._predicted_s.get(worker_id, predicted_s)
-        measured = self._measured_s.get(worker_id, predicted_s)
-        self._predicted_s[worker_id] = predicted + self.alpha * (predicted_s - predicted)
-        self._measured_s[worker_id] = measured + self.alpha * (measured_s - measured)
+        shared_s = queue_s + min(own_s, queue_s)
+        predicted = self._predicted_s.get(worker_id, shared_s)
+        measured = self._measured_s.get(worker_id, shared_s)
+        self._predicted_s[worker_id] = predicted + self.alpha * (shared_s - predicted)
+        self._measured_s[worker_id] = measured + self.alpha * (measured_s - own_s + min(own_s, queue_s) - measured)
 
     def queueing_s(self, worker_id: str, own_s: float, queue_s: float) -> float:
-        """The queueing a request placed with own cost `own_s` behind `queue_s` of queueing (as the profile prices
-        it) is predicted to wait: what the factor adds to the whole, none without queueing."""
-        if queue_s <= 0:
-            return 0.0
-        return max(0.0, self.factor(worker_id) * (own_s + queue_s) - own_s)
+        """The queueing a request placed with own cost `own_s` behind `queue_s` of queueing is predicted to wait:
+        k * (queue_s + min(own_s, queue_s)) - min(own_s, queue_s), so none without queueing."""
+        overlap_s = min(own_s, queue_s)
+        return max(0.0, self.factor(worker_id) * (queue_s + overlap_s) - overlap_s)
 
     def worker_ids(self) -> set[str]:
         return set(self._predicted_s)

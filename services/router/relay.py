@@ -159,9 +159,9 @@ class Relay:
     def _calibrate_load(self, p: Placement, measured_s: float) -> None:
         """An attempt placed behind queueing that did not run alone teaches the load's factor at its first token:
         its TTFT against its prediction before that factor."""
-        if p.cached_tokens or p.profiled_queue_s <= 0:
-            return  # as in `_calibrate`; and with no queueing the factor is not applied
-        self.load_calibration.observe(p.prefill_worker.worker_id, p.own_ttft_s + p.profiled_queue_s, measured_s)
+        if p.cached_tokens:
+            return  # as in `_calibrate`
+        self.load_calibration.observe(p.prefill_worker.worker_id, p.own_ttft_s, p.profiled_queue_s, measured_s)
 
     async def _first(
         self, call: grpc.aio.UnaryStreamCall, ticket: Ticket, time_remaining: float | None

@@ -1,6 +1,7 @@
 """The factor on predictions made under load, learned from requests that did not run alone: it moves a loaded
-prediction toward what loaded requests measured, leaves a request placed with no queueing predicted as before (so
-only the load can make a retry succeed), and the relay teaches it from loaded requests only."""
+prediction toward what loaded requests measured, adds no more than the queue's length allows (a request placed with
+none is predicted as before, so only the load can make a retry succeed), and the relay teaches it from loaded
+requests only."""
 
 from __future__ import annotations
 
@@ -29,28 +30,33 @@ QUEUED = dict(queued_prefill_tokens=1500, queued_prefill_prompts=1, queued_prefi
 
 def test_the_factor_moves_toward_what_loaded_requests_measured_per_worker():
     cal = LoadCalibration(alpha=0.3)
-    for _ in range(40):  # loaded requests took 1.5x their prediction
-        cal.observe("p0", predicted_s=0.4, measured_s=0.6)
+    for _ in range(40):  # own 0.2 s behind 0.4 s of queueing: the 0.4 s and 0.2 s of its own shared took 1.5x
+        cal.observe("p0", own_s=0.2, queue_s=0.4, measured_s=0.2 + 1.5 * 0.6 - 0.2)
     assert cal.factor("p0") == pytest.approx(1.5, rel=1e-3)
+    assert cal.queueing_s("p0", own_s=0.2, queue_s=0.4) == pytest.approx(1.5 * 0.6 - 0.2)
     assert cal.factor("p1") == 1.0  # only the worker it measured
+    for _ in range(40):  # own 1 s behind 0.2 s: only 0.2 s of its own cost shared the queue's steps
+        cal.observe("p1", own_s=1.0, queue_s=0.2, measured_s=1.0 + 1.5 * 0.4 - 0.2)
+    assert cal.factor("p1") == pytest.approx(1.5, rel=1e-3)
     for _ in range(100):
-        cal.observe("p0", predicted_s=0.1, measured_s=10.0)
+        cal.observe("p0", own_s=0.2, queue_s=0.1, measured_s=10.0)
     assert cal.factor("p0") == MAX_FACTOR
     for _ in range(100):
-        cal.observe("p0", predicted_s=10.0, measured_s=0.1)
+        cal.observe("p0", own_s=0.2, queue_s=1.0, measured_s=0.2)
     assert cal.factor("p0") == MIN_FACTOR
-    cal.observe("p2", predicted_s=0.0, measured_s=1.0)  # nothing to learn from
+    cal.observe("p2", own_s=0.2, queue_s=0.0, measured_s=1.0)  # no queueing: nothing to learn
     assert "p2" not in cal.worker_ids()
 
 
 def test_a_short_prediction_moves_the_factor_as_much_as_it_weighs():
-    """A ratio of averages: a 20 ms prediction that took 200 ms (a loaded host's noise) moves the factor little, where
-    an average of ratios would move it by a share of 10x."""
+    """A ratio of averages: a request behind 20 ms of queueing that took 500 ms more than its own cost (a loaded
+    host's noise) moves the factor little, where an average of ratios would move it by a share of 13x."""
     cal = LoadCalibration(alpha=0.3)
     for _ in range(40):
-        cal.observe("p0", predicted_s=1.0, measured_s=1.0)
-    cal.observe("p0", predicted_s=0.02, measured_s=0.2)
-    assert cal.factor("p0") < 1.1
+        cal.observe("p0", own_s=1.0, queue_s=1.0, measured_s=2.0)
+    assert cal.factor("p0") == pytest.approx(1.0)
+    cal.observe("p0", own_s=1.0, queue_s=0.02, measured_s=1.5)
+    assert cal.factor("p0") < 1.2
 
 
 def test_only_a_request_behind_queueing_is_scaled_and_what_is_added_counts_as_queueing():
@@ -61,21 +67,35 @@ def test_only_a_request_behind_queueing_is_scaled_and_what_is_added_counts_as_qu
     own, queue = pred.own_ttft_s(idle, 500, 0), pred.queue_s(queued)
     assert queue > 0
     for _ in range(200):
-        pred.load_calibration.observe("p0", predicted_s=1.0, measured_s=1.5)
+        pred.load_calibration.observe("p0", own_s=1.0, queue_s=1.0, measured_s=1.0 + 1.5 * 2 - 1.0)
+    assert queue > own  # so the whole own cost is shared: all of the prediction is scaled
     assert pred.ttft_s(queued, 500, 0) == pytest.approx(1.5 * (own + queue), rel=1e-3)
     assert pred.own_ttft_s(queued, 500, 0) == pytest.approx(own)
     assert pred.ttft_s(idle, 500, 0) == pytest.approx(own)
     assert pred.load_calibration.queueing_s("p0", own, 0.0) == 0.0
     for _ in range(200):  # a factor under 1 takes off queueing, never the request's own cost
-        pred.load_calibration.observe("p0", predicted_s=1.0, measured_s=0.1)
+        pred.load_calibration.observe("p0", own_s=1.0, queue_s=1.0, measured_s=0.3)  # under its own cost
+    assert pred.load_calibration.factor("p0") == MIN_FACTOR
     assert MIN_FACTOR * (own + queue) < own  # what the factor would make of the whole
     assert pred.ttft_s(queued, 500, 0) == pytest.approx(own)
+
+
+def test_a_short_queue_adds_about_as_much_as_it_is_long():
+    """A step's worth of queueing (say, a heartbeat's stale count of the decode worker's streams) in front of a long
+    prompt adds about the factor times that step: the request shares nothing longer with it. Scaled whole, a factor
+    learned under a burst shed a request on an idle cluster (RESOURCE_EXHAUSTED, its 2 s "queued" being 3x its own
+    cost)."""
+    cal = LoadCalibration()
+    for _ in range(200):
+        cal.observe("p0", own_s=1.0, queue_s=1.0, measured_s=1.0 + 4 * 2 - 1.0)
+    assert cal.factor("p0") == pytest.approx(MAX_FACTOR)
+    assert cal.queueing_s("p0", own_s=1.5, queue_s=0.05) == pytest.approx(MAX_FACTOR * 0.1 - 0.05)
 
 
 def test_the_placement_carries_the_queue_before_and_after_the_factor():
     router = Router([worker("p0", **QUEUED), worker("d0", "decode")])
     for _ in range(200):
-        router.predictor.load_calibration.observe("p0", predicted_s=1.0, measured_s=2.0)
+        router.predictor.load_calibration.observe("p0", own_s=1.0, queue_s=1.0, measured_s=1.0 + 2 * 2 - 1.0)
     placed = router.place(prompt(100), 8, 1.0)
     assert placed.profiled_queue_s == pytest.approx(placed.prefill_queue_s)  # an idle decode worker: no step to wait
     assert placed.queue_s == pytest.approx(2 * (placed.own_ttft_s + placed.profiled_queue_s) - placed.own_ttft_s)
@@ -99,9 +119,9 @@ class LoadCostsTwice(StandInDecode):
 
 async def test_the_relay_learns_the_load_factor_from_loaded_requests_and_the_other_from_those_alone():
     """A request alone, then a pair on the same prefill worker, the second placed while the first waits for its
-    first token (so neither ran alone): a request alone takes its prediction, the second of a pair twice its
-    prediction before the load's factor. That factor climbs toward 2; the one learned from requests alone stays
-    near 1 (it is taught the prediction before the load's factor)."""
+    first token (so neither ran alone): a request alone takes its prediction, the second of a pair what a factor
+    of 2 predicts. That factor climbs toward 2; the one learned from requests alone stays near 1 (it is taught the
+    prediction before the load's factor)."""
     plan: dict[str, float] = {}
     async with serving(LoadCostsTwice(plan)) as address:
         router = Router([worker("p0"), worker("d0", "decode", address=address)])
@@ -109,7 +129,8 @@ async def test_the_relay_learns_the_load_factor_from_loaded_requests_and_the_oth
 
         async def admitted(ticket: Ticket) -> None:
             p = ticket.placement
-            plan[ticket.key] = (p.own_ttft_s + p.profiled_queue_s) * (2 if p.prefill_queue_s else 1)
+            shared_s = min(p.own_ttft_s, p.profiled_queue_s)
+            plan[ticket.key] = p.own_ttft_s + 2 * (p.profiled_queue_s + shared_s) - shared_s
 
         async def one(seed: int) -> None:
             request = pb.GenerateRequest(
@@ -134,7 +155,7 @@ def test_a_request_alone_teaches_calibration_its_prediction_before_the_load_fact
     learn to undo."""
     router = Router([worker("p0", **QUEUED), worker("d0", "decode")])
     for _ in range(200):
-        router.predictor.load_calibration.observe("p0", predicted_s=1.0, measured_s=2.0)
+        router.predictor.load_calibration.observe("p0", own_s=1.0, queue_s=1.0, measured_s=1.0 + 2 * 2 - 1.0)
     placed = router.place(prompt(64), 8, 1.0)
     assert placed.predicted_ttft_s > 1.5 * (placed.own_ttft_s + placed.profiled_queue_s)
     req = RoutedRequest("client", prompt(64), SamplingParams(max_tokens=8), 0.0, 0.0, 0)
