@@ -19,6 +19,7 @@ import random
 import statistics
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import grpc
@@ -56,7 +57,7 @@ async def send(stub: generate_pb2_grpc.GenerationStub, rid: str, n: int, out: in
         predicted = dict(await call.initial_metadata() or ()).get(PREDICTED_TTFT_KEY)
         row.update(status="OK", predicted_ms=float(predicted) if predicted is not None else None)
     except grpc.aio.AioRpcError as e:
-        row.update(status=e.code().name, error_ms=(time.perf_counter() - sent) * 1e3)
+        row.update(status=e.code().name, error_ms=(time.perf_counter() - sent) * 1e3, details=e.details())
     return row
 
 
@@ -81,7 +82,7 @@ async def capacity(address: str, concurrency: int, seconds: float, args: argpars
 
 
 async def poisson(address: str, label: str, rate: float, seconds: float, args: argparse.Namespace) -> list[dict]:
-    rng = random.Random(hash(label) & 0xFFFF)
+    rng = random.Random(zlib.crc32(label.encode()))  # the same arrivals and prompts on every run
     tasks = []
     async with channel(address) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
@@ -146,10 +147,13 @@ def split(collector: Collector, rows: list[dict]) -> None:
         a = _attrs(place)
         first_ns = row["sent_ns"] + row["measured_ms"] * 1e6
         ms = lambda a_ns, b_ns: (b_ns - a_ns) / 1e6  # noqa: E731
+        queue_s, prefill_queue_s = a.get("predicted_queue_s", 0), a.get("predicted_prefill_queue_s", 0)
+        profiled_s = a.get("predicted_profiled_queue_s", queue_s)  # before the load's factor (none before it)
         row["predicted"] = {
             "own": a.get("predicted_own_ttft_s", 0) * 1e3,
-            "prefill_queue": a.get("predicted_prefill_queue_s", 0) * 1e3,
-            "decode_wait": (a.get("predicted_queue_s", 0) - a.get("predicted_prefill_queue_s", 0)) * 1e3,
+            "prefill_queue": prefill_queue_s * 1e3,
+            "decode_wait": (profiled_s - prefill_queue_s) * 1e3,
+            "load_factor": (queue_s - profiled_s) * 1e3,  # what the load's factor added
         }
         row["compute_ns"] = [compute.start_time_unix_nano, compute.end_time_unix_nano]
         row["measured"] = {
@@ -187,7 +191,7 @@ async def measure(address: str, collector: Collector, args: argparse.Namespace) 
     await poisson(address, "warmup", 2.0, 3.0, args)
     cap = args.capacity or await capacity(address, args.concurrency, args.capacity_seconds, args)
     print(f"capacity {cap:.2f} req/s", flush=True)
-    result: dict = {"capacity_rps": cap, "loads": {}}
+    result: dict = {"capacity_rps": cap, "default_ttft_ms": args.default_ttft_ms, "loads": {}}
     for load in [0.0, *args.loads]:
         label = f"load{load:g}"
         if load:
@@ -214,9 +218,11 @@ def main() -> None:
     parser.add_argument("--prompt-max", type=int, default=2048)
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--ttft-slo-ms", type=float, default=0.0, help="each request's; 0: the router's default")
+    parser.add_argument("--default-ttft-ms", type=float, default=5000.0, help="the router's --default-ttft-ms")
     parser.add_argument("--rows", type=Path, help="write every request here as JSON")
     args = parser.parse_args()
     flags = ["--model", args.model, "--prefill", "1", "--decode", "1", "--kv-cache-gb", "0.5"]
+    flags += ["--default-ttft-ms", f"{args.default_ttft_ms:g}"]
     with serving_collector() as collector, tempfile.TemporaryDirectory() as tmp:
         env = {
             "OTEL_TRACES_EXPORTER": "otlp",
