@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,10 +164,8 @@ class PlacementPolicy(ABC):
         else:
             prefill, decode = self.choose(prefills, decodes, ask)
         cached = hits.get(prefill.cache_key, 0) * block_size
-        own_s, prefill_queue_s = (
-            self.predictor.own_ttft_s(prefill, len(prompt), cached),
-            self.predictor.queue_s(prefill),
-        )
+        own_s = self.predictor.own_ttft_s(prefill, len(prompt), cached)
+        prefill_queue_s = self.predictor.queue_s(prefill)
         profiled_queue_s = prefill_queue_s + self.predictor.decode_wait_s(decode)
         return Placement(
             decode=decode,
@@ -349,23 +346,6 @@ class SLOAwarePlacement(PlacementPolicy):
 
         roomy = roomy_past(p.tracker.held_for_moving) or roomy_past(0)
         return roomy, [w for w in roomy if p.tpot_s(w) <= ask.tpot_slo_s]
-
-
-class RoundRobinPlacement(PlacementPolicy):
-    """Each role in turn, blind to load and cache: the baseline placement is compared against."""
-
-    def __init__(
-        self, registry: Registry, prefix_index: PrefixIndex, predictor: Predictor, ejections: Ejections | None = None
-    ) -> None:
-        super().__init__(registry, prefix_index, predictor, ejections)
-        self._turn = itertools.count()
-
-    def choose(
-        self, prefills: list[WorkerState], decodes: list[WorkerState], ask: Ask
-    ) -> tuple[WorkerState, WorkerState]:
-        turn = next(self._turn)
-        prefills, decodes = sorted(prefills, key=lambda w: w.worker_id), sorted(decodes, key=lambda w: w.worker_id)
-        return prefills[turn % len(prefills)], decodes[turn % len(decodes)]
 
 
 def _holding_request(decodes: list[WorkerState], blocks: int) -> list[WorkerState]:

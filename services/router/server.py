@@ -28,9 +28,10 @@ from services.router.lifecycle import RequestLifecycle
 from services.router.load_tracker import LoadTracker
 from services.router.parse_after_key import ParseAfterKeyCheck
 from services.router.peer_check import PeerCheck
-from services.router.placement import RoundRobinPlacement, SLOAwarePlacement
+from services.router.placement import SLOAwarePlacement
 from services.router.predictor import Predictor
 from services.router.request_size import max_grpc_request_bytes
+from services.router.round_robin_placement import RoundRobinPlacement
 from services.router.servicer import GENERATE_METHOD, GenerationServicer
 from services.router.shared_claims import SharedKVClaims
 from services.router.shared_moving import SharedMoving

@@ -21,8 +21,9 @@ from pdserve.telemetry import Telemetry
 from services.router.admission import MAX_RETRY_MS, MIN_RETRY_MS, Admission, SLOTarget
 from services.router.lifecycle import RequestLifecycle
 from services.router.load_tracker import LoadTracker
-from services.router.placement import Placement, RoundRobinPlacement, SLOAwarePlacement
+from services.router.placement import Placement, SLOAwarePlacement
 from services.router.predictor import Predictor
+from services.router.round_robin_placement import RoundRobinPlacement
 from tests.unit.round_profile import PROFILE
 
 BS = 16
