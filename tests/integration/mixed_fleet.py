@@ -11,7 +11,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.cluster.local_process import PdserveProcess, free_port
@@ -43,8 +43,8 @@ def write_new_weights(folder: Path) -> None:
 class MixedFleet:
     temp_dir: Path
     redis_url: str
-    router_port: int = field(default_factory=free_port)
-    metrics_port: int = field(default_factory=free_port)
+    router_port: int = 0  # chosen once the Ray node and its actors hold the ports they take
+    metrics_port: int = 0
     router: PdserveProcess | None = None
 
     @property
@@ -82,6 +82,7 @@ def mixed_fleet_cluster(env: dict[str, str]) -> Iterator[MixedFleet]:
         write_new_weights(fleet.new_model)
         node = started(lambda: RayNode(temp_dir, {}, env=env))
         start_actors(node.address, redis_server.url, fleet.new_model, env)
+        fleet.router_port, fleet.metrics_port = free_port(), free_port()
         args = ["router", "--model", "tiny-random", "--redis", redis_server.url, "--port", str(fleet.router_port)]
         args += ["--metrics-port", str(fleet.metrics_port)]
         fleet.router = PdserveProcess(*args, log_path=temp_dir / "router.log", env=env)

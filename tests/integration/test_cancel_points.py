@@ -108,11 +108,15 @@ def metadata(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
 
-def request(request_id: str, prompt_tokens: int, max_tokens: int, seed: int = 0) -> pb.GenerateRequest:
-    """`seed`: prompts of other seeds share no prefix (none is served from another's cached blocks)."""
+def request(
+    request_id: str, prompt_tokens: int, max_tokens: int, seed: int = 0, ttft_s: float = 0
+) -> pb.GenerateRequest:
+    """`seed`: prompts of other seeds share no prefix (none is served from another's cached blocks). `ttft_s`: its
+    TTFT SLO (0: the router's default)."""
     prompt = [3 + (seed + i) % 200 for i in range(prompt_tokens)]
     sampling = pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
+    slo = pb.SLO(ttft_ms=ttft_s * 1e3)
+    return pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling, slo=slo)
 
 
 async def until(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
@@ -204,10 +208,11 @@ async def test_a_request_cancelled_waiting_behind_other_prompts_on_the_prefill_w
         # Three long prompts ahead of it: the prefill worker runs them a 512-token chunk a step, first come first,
         # each step 50 ms slower (SLOW): over 1.2 s in all, so the first is still there when the third comes (in a
         # CI under 4x load one was not), and it is queued behind them (in 35 ms here).
-        ahead = [asyncio.ensure_future(run(request(f"{SLOW}ahead-{i}", 4000, 1, seed=1 + i))) for i in range(3)]
+        # A TTFT SLO past what their slow steps make the router predict: admitted, not shed (a CI shed the third).
+        ahead = [asyncio.ensure_future(run(request(f"{SLOW}ahead-{i}", 4000, 1, 1 + i, 600))) for i in range(3)]
         await until(lambda: prefill.state().sequences == 3 or any(f.done() for f in ahead))
         assert not any(f.done() for f in ahead), [f.exception() or "served" for f in ahead if f.done()]
-        call = stub.Generate(request("behind", 64, 16), metadata=metadata(KEY), timeout=60)
+        call = stub.Generate(request("behind", 64, 16, ttft_s=600), metadata=metadata(KEY), timeout=60)
         reading = asyncio.ensure_future(call.read())
         await until(lambda: prefill.state().sequences == 4)  # its blocks reserved there, its prompt queued here
         assert prefill.state().running and not reading.done()  # a prompt ahead of it still runs
