@@ -52,14 +52,21 @@ async def cluster_status(address: str, creds: ClientCredentials) -> admin_pb2.Cl
 
 
 async def all_blocks_free(address: str, admin: ClientCredentials, timeout_s: float = 15) -> None:
-    """Returns once every worker is SERVING and idle (no KV block held, nothing queued); fails past `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
+    """Returns once every worker is SERVING and idle (no KV block held, nothing queued) by a report made after this
+    call (an older one may predate the last request's blocks and a newer one still count them); fails past
+    `timeout_s`."""
+    called_at = time.monotonic()
+    deadline = called_at + timeout_s
+
+    def free(w: admin_pb2.WorkerStatus) -> bool:
+        return idle(w) and w.health == "SERVING" and time.monotonic() - w.state_age_s > called_at
+
     while True:
         workers = (await cluster_status(address, admin)).workers
-        if all(idle(w) and w.health == "SERVING" for w in workers) or time.monotonic() > deadline:
+        if all(free(w) for w in workers) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.2)
-    assert all(idle(w) and w.health == "SERVING" for w in workers), workers
+    assert all(free(w) for w in workers), workers
 
 
 async def decode_state(address: str, admin: ClientCredentials, since: float) -> tuple[int, int, bool]:

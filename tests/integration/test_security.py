@@ -214,8 +214,8 @@ def test_a_revoked_keys_streams_end_with_their_kv_freed_and_another_keys_runs_on
 
     async def revoke_mid_stream() -> tuple[list[Ended], float, float]:
         await all_blocks_free(cluster.address, admin)
-        # Every block, not those free now: a report after all_blocks_free's may still count a block of a request
-        # before this test's (a CI saw 4 used at the start, all free at the end).
+        # Every block back at the end, not as many as a report at the start said free: one that all_blocks_free
+        # did not wait for once still counted the last test's 4 (a CI; all_blocks_free now waits for a fresh one).
         (decode,) = [w for w in (await cluster_status(cluster.address, admin)).workers if w.role == "decode"]
         all_blocks = decode.kv_blocks_total
         streams = [
