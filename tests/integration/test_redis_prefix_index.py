@@ -19,6 +19,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.cache_journal import PrefixCacheChanges, PrefixCacheJournal
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.registry import redis_prefix
+from pdserve.registry.prefix_holders import BACKSTOP_S, SLOTS_KEY
 from pdserve.registry.redis_prefix import FIRST_PROBE_BLOCKS, RedisPrefixIndex, apply_changes, prefix_key
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
@@ -89,8 +90,8 @@ async def test_a_long_prompts_match_counts_each_workers_leading_run_and_an_unrea
         apply_changes(client, "all/1", PrefixCacheChanges(prompt, [], whole=True))
         apply_changes(client, "some/1", PrefixCacheChanges(prompt[:100] + prompt[101:], [], whole=True))  # a gap
         apply_changes(client, "head/1", PrefixCacheChanges(prompt[:FIRST_PROBE_BLOCKS], [], whole=True))
-        client.set(prefix_key("broken/1"), "not a sorted set")
         assert apply_changes(client, "all/1", PrefixCacheChanges([], prompt[1000:]))
+        client.hset(SLOTS_KEY, "broken/1", "not a slot")  # a mapping that does not parse
     index = RedisPrefixIndex(url, match_budget_s=1.0)
     keys = ["all/1", "some/1", "head/1", "broken/1", "none/1"]
     assert await index.match(keys, prompt) == {"all/1": 1000, "some/1": 100, "head/1": 64, "broken/1": 0, "none/1": 0}
@@ -125,7 +126,9 @@ async def test_an_entry_redis_lost_makes_the_next_take_whole_and_a_whole_copy_is
         assert not apply_changes(client, "w/1", PrefixCacheChanges([], keys[1:2]))  # the worker must send all
         assert apply_changes(client, "w/1", PrefixCacheChanges(keys[2:], [], whole=True))
         assert set(client.zrange(prefix_key("w/1"), 0, -1)) == {*keys[2:], redis_prefix.WHOLE_MARK}
-        assert 0 < client.ttl(prefix_key("w/1")) <= 3600
+        assert 0 < client.ttl(prefix_key("w/1")) <= BACKSTOP_S  # and its lease, an hour, in its slot's mapping:
+        lease_end = int(client.hget(SLOTS_KEY, "w/1").split(b":")[1])
+        assert 0 < lease_end - int(client.time()[0]) <= 3600
         client.unlink(prefix_key("w/1"))  # the key evicted alone
         assert not apply_changes(client, "w/1", PrefixCacheChanges([], []))
 
@@ -162,8 +165,8 @@ async def test_a_heartbeat_that_fails_logs_its_redis_without_the_password(caplog
 
 
 def test_an_entry_holding_fewer_of_the_workers_keys_than_it_caches_is_copied_whole_again(url):
-    """A router of an earlier build placed without `GT`, lowering the worker's own keys to placement scores, and
-    trimmed them: the worker's deltas alone would never send them back."""
+    """A writer that lowered the worker's own keys to placement scores and trimmed them (a router of a build before
+    `GT`, in an earlier format): the worker's deltas alone would never send them back."""
     keys = [bytes([i]) * 16 for i in range(4)]
     journal = PrefixCacheJournal(max_removed=16)
     for key in keys:
@@ -179,9 +182,9 @@ def test_an_entry_holding_fewer_of_the_workers_keys_than_it_caches_is_copied_who
         assert client.zcount(prefix_key("w/1"), redis_prefix.CACHED, "+inf") == 5 + 1  # and the mark
 
 
-async def test_an_entry_undone_each_beat_is_copied_whole_once_a_while_not_each_beat(url):
-    """A router of an earlier build lowering the worker's keys at every placement made every beat a whole copy (one of
-    a 262k-block cache holds Redis ~0.5 s)."""
+async def test_an_entry_undone_each_beat_is_copied_whole_once_a_while_not_each_beat(url, monkeypatch):
+    """A writer lowering the worker's keys at every placement (a router of a build before `GT`, in an earlier format)
+    made every beat a whole copy (one of a 262k-block cache holds Redis ~0.5 s)."""
     engine = EngineConfig(model="tiny-random", num_threads=1, kv_cache_memory_gb=0.0003)
     spec = WorkerSpec("colocated", engine, worker_id="cw-undone", registry_url=url, heartbeat_s=0.05)
     client = redis.Redis.from_url(url)
@@ -194,14 +197,16 @@ async def test_an_entry_undone_each_beat_is_copied_whole_once_a_while_not_each_b
         while client.zcount(key, redis_prefix.CACHED, "+inf") < 5:
             assert time.monotonic() < end, "the worker's keys never reached its entry"
             await asyncio.sleep(0.05)
-        renames = lambda: client.info("commandstats").get("cmdstat_rename", {}).get("calls", 0)  # noqa: E731
-        before, end = renames(), time.monotonic() + 1.5
+        swapped: list[str] = []  # each whole copy swapped in (the real one, counted)
+        replace = redis_prefix._replace
+        monkeypatch.setattr(redis_prefix, "_replace", lambda c, k, *a: (swapped.append(k), replace(c, k, *a)))
+        end = time.monotonic() + 1.5
         while time.monotonic() < end:  # ~30 beats, each finding its keys lowered to placements
             own = client.zrangebyscore(key, redis_prefix.CACHED, "(+inf")
             if own:
                 client.zadd(key, dict.fromkeys(own, time.time()))
             await asyncio.sleep(0.02)
-        copies = renames() - before
+        copies = len(swapped)
     finally:
         worker.stop()
         client.close()

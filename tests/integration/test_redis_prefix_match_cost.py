@@ -1,7 +1,8 @@
-"""What a prefix match costs Redis, against a real redis-server: a worker whose entry lacks the prompt's first block
-costs one lookup, not the whole probe (at 128 prefill workers, where one in 16 held the prompt's first blocks, the probe
-of every worker cost Redis ~4.7 ms and the router's loop ~12 ms a request, docs/experiments/router_at_scale/); and the
-calls that ask it stay bounded however long the prompt, with the same hits counted."""
+"""What a prefix match costs Redis, against a real redis-server: the bitmaps of the probe's blocks read once, however
+many workers hold them, and no further than the block where the last asked worker's run ended (at 128 prefill
+workers all holding a shared system prompt, looking up each holder's probe cost Redis ~8 ms a request,
+docs/experiments/router_at_scale/); and the calls that ask it stay bounded however long the prompt, with the same
+hits counted."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import redis
 from pdserve.engine.cache_journal import PrefixCacheChanges
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.registry import redis_prefix
-from pdserve.registry.redis_prefix import FIRST_PROBE_BLOCKS, RedisPrefixIndex, apply_changes, prefix_key
+from pdserve.registry.prefix_holders import SLOTS_KEY
+from pdserve.registry.redis_prefix import FIRST_PROBE_BLOCKS, RedisPrefixIndex, apply_changes
 from tests.redis_server import emptied, started
 
 pytestmark = pytest.mark.timeout(120)
@@ -25,30 +27,34 @@ def calls(client: redis.Redis, command: str) -> int:
     return int(client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
-async def test_a_worker_that_lacks_the_prompts_first_block_costs_redis_one_lookup(url):
-    prompt = prefix_hashes(list(range(FIRST_PROBE_BLOCKS * BS)), BS)  # one probe of 64 blocks
+async def test_a_match_reads_the_probes_blocks_once_however_many_workers_hold_them(url):
+    """40 workers all hold the first 64 of a 1280-block prompt's blocks: the first round reads the workers' slots and
+    the 64 blocks' bitmaps (one HMGET each), the second the slots and the next 64 blocks' only (its AND is empty at
+    the first), not 40 workers' lookups of 64 blocks each; one worker holding 10 of another prompt's costs the same."""
+    prompt = prefix_hashes(list(range(20 * FIRST_PROBE_BLOCKS * BS)), BS)  # probes of 64, then 256
     keys = [f"w{i}/1" for i in range(40)]
     with redis.Redis.from_url(url) as client:
-        apply_changes(client, "w0/1", PrefixCacheChanges(prompt[:10], [], whole=True))
-        other = prefix_hashes(list(range(7, 7 + 64 * BS)), BS)  # another prompt's 64 blocks
-        for key in keys[1:]:
-            apply_changes(client, key, PrefixCacheChanges(other, [], whole=True))
+        for key in keys:
+            apply_changes(client, key, PrefixCacheChanges(prompt[:FIRST_PROBE_BLOCKS], [], whole=True))
+        other = prefix_hashes(list(range(7, 7 + 64 * BS)), BS)
+        apply_changes(client, "x/1", PrefixCacheChanges(other[:10], [], whole=True))
         index = RedisPrefixIndex(url, match_budget_s=5.0)
         try:
-            assert await index.match(keys[:1], prompt) == {"w0/1": 10}  # connected
-            looked_up = calls(client, "zscore"), calls(client, "zmscore")
-            hits = await index.match(keys, prompt)
-            assert hits == {"w0/1": 10, **dict.fromkeys(keys[1:], 0)}
-            # each worker's first block, and w0's whole probe: not 40 x 64 blocks
-            assert (calls(client, "zscore") - looked_up[0], calls(client, "zmscore") - looked_up[1]) == (40, 1)
+            assert await index.match(keys[:1], prompt[:1]) == {"w0/1": 1}  # connected
+            commands = ("hmget", "zscore", "zmscore")
+            for probe, want in ((prompt, dict.fromkeys(keys, 64)), (other, {**dict.fromkeys(keys, 0), "x/1": 10})):
+                looked_up = [calls(client, c) for c in commands]
+                assert await index.match(list(want), probe) == want
+                rounds = 2 if probe is prompt else 1  # slots and blocks, a round: no worker's own lookup
+                assert [calls(client, c) - n for c, n in zip(commands, looked_up, strict=True)] == [2 * rounds, 0, 0]
         finally:
             await index.close()
 
 
 async def test_a_long_match_in_calls_of_few_lookups_counts_the_same_runs(url, monkeypatch):
-    """16 lookups a call: each probe is asked in segments, one worker a call, and a run that ends at a segment's
-    end, or at a gap in a later segment, counts as it does in one call; an entry that is no sorted set costs only its
-    own worker's hits."""
+    """16 lookups a call: each probe is asked in segments, and a run that ends at a segment's end, or at a gap in a
+    later segment, counts as it does in one call; a slot mapping that does not parse costs only its own worker's
+    hits."""
     prompt = prefix_hashes(list(range(20 * FIRST_PROBE_BLOCKS * BS)), BS)  # 1280 blocks: probes of 64, 256, 960
     held = {
         "all/1": prompt,
@@ -71,7 +77,7 @@ async def test_a_long_match_in_calls_of_few_lookups_counts_the_same_runs(url, mo
     with redis.Redis.from_url(url) as client:
         for key, blocks in held.items():
             apply_changes(client, key, PrefixCacheChanges(blocks, [], whole=True))
-        client.set(prefix_key("broken/1"), "not a sorted set")
+        client.hset(SLOTS_KEY, "broken/1", "not a slot")  # a mapping that does not parse
     index = RedisPrefixIndex(url, match_budget_s=5.0)
     try:
         assert await index.match(list(want), prompt) == want  # in one call a segment

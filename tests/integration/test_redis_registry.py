@@ -21,7 +21,7 @@ from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.prefix_hash import prefix_hashes
 from pdserve.registry.base import WorkerState
 from pdserve.registry.redis import PREFIX, RedisRegistry
-from pdserve.registry.redis_prefix import RedisPrefixIndex
+from pdserve.registry.redis_prefix import RedisPrefixIndex, prefix_key
 from tests.redis_server import emptied, started
 
 pytestmark = pytest.mark.timeout(120)
@@ -141,7 +141,7 @@ async def test_prefix_index_is_bounded_per_worker_dropping_the_least_recently_us
     other = RedisPrefixIndex(url, match_budget_s=1.0)
     assert {h: (await other.match(["w"], [h]))["w"] for h in (a, b, c, d)} == {a: 1, b: 0, c: 1, d: 1}
     with redis.Redis.from_url(url) as client:
-        assert client.zcard(f"{PREFIX}:prefix:w") == 3
+        assert client.zcard(prefix_key("w")) == 3
     await index.close()
     await other.close()
 
