@@ -30,10 +30,12 @@ def calls(client: redis.Redis, command: str) -> int:
 async def test_a_match_reads_the_probes_blocks_once_however_many_workers_hold_them(url):
     """40 workers all hold the first 64 of a 1280-block prompt's blocks: the first round reads the workers' slots and
     the 64 blocks' bitmaps (one HMGET each), the second the slots and the next 64 blocks' only (its AND is empty at
-    the first), not 40 workers' lookups of 64 blocks each; one worker holding 10 of another prompt's costs the same."""
+    the first: a worker not asked, holding them all, does not keep it going), not 40 workers' lookups of 64 blocks
+    each; one worker holding 10 of another prompt's costs the same."""
     prompt = prefix_hashes(list(range(20 * FIRST_PROBE_BLOCKS * BS)), BS)  # probes of 64, then 256
     keys = [f"w{i}/1" for i in range(40)]
     with redis.Redis.from_url(url) as client:
+        apply_changes(client, "unasked/1", PrefixCacheChanges(prompt, [], whole=True))  # holds on, but is not asked
         for key in keys:
             apply_changes(client, key, PrefixCacheChanges(prompt[:FIRST_PROBE_BLOCKS], [], whole=True))
         other = prefix_hashes(list(range(7, 7 + 64 * BS)), BS)
