@@ -7,6 +7,8 @@ and in a real redis-server this script starts, then times, per request, on the r
 - `place`: SLOAwarePlacement.place (candidates, predictions per worker, the offer, the prefix match)
 - `admit`: Admission.check_feasible + check_load on that placement
 - `match`: the prefix index's match alone (Redis: its round trips; the Redis CPU it costs, from INFO commandstats)
+- `index_bytes_per_held`: what the prefix index holds in Redis (INFO memory's used_memory, filled less empty) per
+  block a worker holds; `holders_bytes_per_block`: the holders' bitmaps alone (MEMORY USAGE), per block indexed
 
 and per view refresh of the Redis registry (what every router does every 0.25 s, half the entries rewritten since the
 last by their workers' heartbeats): its time on the router's loop, its Redis CPU and the bytes Redis sends. Each
@@ -42,6 +44,12 @@ from pdserve.registry.base import PrefixIndex, Registry, WorkerState
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 from pdserve.registry.redis import RedisRegistry
 from pdserve.registry.redis_prefix import RedisPrefixIndex, apply_changes
+
+try:
+    from pdserve.registry import prefix_holders as holders
+    from pdserve.registry.redis_prefix import sweep
+except ImportError:  # the build before the holders index
+    holders, sweep = None, None  # type: ignore[assignment]
 from services.router.admission import Admission, SLOTarget
 from services.router.load_tracker import LoadTracker
 from services.router.placement import SLOAwarePlacement
@@ -53,6 +61,7 @@ TEAM_PROMPT = [(i * 37) % 30000 + 3 for i in range(512)]  # 32 blocks one prefil
 OWN_BLOCKS = 2000  # blocks of its own each prefill worker's entry holds besides
 IN_FLIGHT_PER_DECODE = 4  # this router's requests on each decode worker, placed within the last second
 # SmolLM2-135M on a 2-core CPU, roughly: what a worker's heartbeat carries (the numbers do not change the cost)
+FINGERPRINT = uuid.uuid4().hex
 PROFILE = PerfProfile(0.012, 3.1e-4, 4.0e-8, 0.021, 0.0012)
 
 
@@ -63,7 +72,7 @@ def synthetic_worker(i: int, role: Role) -> WorkerState:
         worker_id=f"{role.value}-{i}",
         role=role,
         address=f"10.1.{i // 200}.{i % 200 + 2}:50051",
-        model_fingerprint=uuid.uuid4().hex,
+        model_fingerprint=FINGERPRINT,  # one model: placement pairs only workers of the same weights
         block_size=BS,
         kv_bytes_per_token=18432,
         kv_blocks_total=16384,
@@ -95,7 +104,7 @@ def fleet(n: int) -> list[WorkerState]:
 
 
 def cached_blocks(w: WorkerState, i: int) -> list[bytes]:
-    own = [(w.pid * 100_000 + j) % 30000 + 1 for j in range(OWN_BLOCKS * BS)]
+    own = [30001 + i] + [(w.pid * 100_000 + j) % 30000 + 1 for j in range(OWN_BLOCKS * BS - 1)]  # its own alone
     team = prefix_hashes(TEAM_PROMPT, BS) if i % 16 == 0 else []
     return prefix_hashes(SYSTEM_PROMPT, BS) + team + prefix_hashes(own, BS)
 
@@ -143,7 +152,7 @@ class Setup:
     workers: list[WorkerState]
 
 
-async def build(backend: str, n: int, url: str) -> Setup:
+async def build(backend: str, n: int, url: str, figures: Figures) -> Setup:
     workers = fleet(n)
     registry: Registry
     index: PrefixIndex
@@ -158,9 +167,18 @@ async def build(backend: str, n: int, url: str) -> Setup:
     else:
         with redis.Redis.from_url(url) as c:
             c.flushall()
+            empty = c.info("memory")["used_memory"]
+            held: list[bytes] = []
             for i, w in enumerate(workers):
                 if w.role == Role.PREFILL:
+                    held += cached_blocks(w, i)
                     apply_changes(c, w.cache_key, PrefixCacheChanges(cached_blocks(w, i), [], whole=True))
+            while sweep is not None and sweep(c):  # the build before the holders index has none
+                pass
+            figures.add("index_bytes_per_held", (c.info("memory")["used_memory"] - empty) / len(held))
+            if holders is not None:  # the bitmaps alone, per block they index
+                per_block = c.memory_usage(holders.BLOCKS_KEY, samples=0) / (c.hlen(holders.BLOCKS_KEY) - 1)
+                figures.add("holders_bytes_per_block", per_block)
         # Refreshed by hand (the benchmark times its refresh), not every 0.25 s in the background.
         registry = RedisRegistry(url, ttl_s=3600, refresh_s=3600, timeout_s=5.0)
         for w in workers:
@@ -198,7 +216,7 @@ async def timed(figures: Figures, what: str, reps: int, step: Callable[[], Await
 
 
 async def measure(backend: str, n: int, url: str, reps: int, stats: RedisStats, figures: Figures) -> None:
-    setup = await build(backend, n, url)
+    setup = await build(backend, n, url, figures)
     suffix = [(j * 17) % 30000 + 7 for j in range(512)]
     prompt = SYSTEM_PROMPT + suffix  # 64 blocks, the first 32 held by every prefill worker
     hashes = prefix_hashes(prompt, BS)[: (len(prompt) - 1) // BS]
@@ -304,6 +322,8 @@ ROWS = [
     ("refresh_cpu", "µs", 1e6),
     ("refresh_redis_usec", "µs", 1.0),
     ("refresh_bytes_out", "B", 1.0),
+    ("index_bytes_per_held", "B", 1.0),
+    ("holders_bytes_per_block", "B", 1.0),
 ]
 
 
