@@ -19,8 +19,8 @@ def controller(objects: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def longest_start_s(prefill_max: int, decode_max: int) -> float:
-    """Ray's join tried for its window (a try begun just before its end runs its course), then each worker waited
-    for in turn, up to START_TIMEOUT_S each, up to every pod each group may have."""
+    """Redis waited for and Ray's join tried within one window (a try of Ray's begun just before its end runs its
+    course), then each worker waited for in turn, up to START_TIMEOUT_S each, up to every pod each group may have."""
     return JOIN_WINDOW_S + RAY_CLIENT_TRY_S + JOIN_RETRY_S + START_TIMEOUT_S * (prefill_max + decode_max)
 
 

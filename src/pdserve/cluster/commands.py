@@ -102,7 +102,8 @@ def check_mode_counts(args: argparse.Namespace) -> None:
 def registry_unanswered(config: ClusterConfig, command: str) -> int:
     """`pdserve up` with --redis, before it fetches the model or starts Ray (which took 6 s to start and stop again
     before the first call to Redis failed): 0 when its Redis answers, else 1, said in one line naming the flag and
-    the address. (`pdserve router` waits for its Redis instead, unready.)"""
+    the address. (`pdserve router` waits for its Redis instead, unready; `pdserve controller` waits too, for up to
+    its join window: `registry.redis_reachable.wait_until_answers`.)"""
     from redis.exceptions import ConnectionError as RedisUnreachable
 
     from pdserve.registry.redis_reachable import check_answers

@@ -34,7 +34,8 @@ STOP_CHECK_S = 1.0  # how long a start waits on Ray between looks at whether the
 ORPHAN_WAIT_S = 30.0  # a stop waits this long for an actor being made (Ray frees the old one's name first)
 # A Ray cluster a controller joins that does not answer (its head restarting: a pod rescheduled, the GCS reloading
 # its tables) is tried again for this long, JOIN_RETRY_S after each failed try (a Ray Client's try takes its 30 s
-# connection timeout), before the process gives up (and its Deployment restarts it, backing off).
+# connection timeout), before the process gives up (and its Deployment restarts it, backing off). A controller's
+# wait for its Redis comes out of the same window (controller.py), so the chart's startup probe allows one.
 JOIN_WINDOW_S = 300.0
 JOIN_RETRY_S = 5.0
 
@@ -224,12 +225,12 @@ class Cluster:
         if self.stopping.is_set():
             raise StartStopped("the process is stopping")
 
-    async def connect_until(self, stop: asyncio.Event, retry_join: bool = False) -> bool:
+    async def connect_until(self, stop: asyncio.Event, retry_join: bool = False, deadline: float | None = None) -> bool:
         """Connects to Ray (starting a local one), which cannot be interrupted; `retry_join`: tries a joined one
-        again while it does not answer (JOIN_WINDOW_S; each try takes Ray's own connection timeout, 30 s for a
-        Ray Client). False, disconnected again, when `stop` was set meanwhile. The caller takes its signals back
-        after (`router_process.stop_signal`)."""
-        deadline = time.monotonic() + JOIN_WINDOW_S
+        again while it does not answer, until `deadline` (monotonic; default JOIN_WINDOW_S on; each try takes Ray's
+        own connection timeout, 30 s for a Ray Client). False, disconnected again, when `stop` was set meanwhile.
+        The caller takes its signals back after (`router_process.stop_signal`)."""
+        deadline = time.monotonic() + JOIN_WINDOW_S if deadline is None else deadline
         while True:
             try:
                 await asyncio.to_thread(self.actors.connect)
