@@ -285,12 +285,13 @@ def _check_redis_password(command: str, config: ClusterConfig) -> None:
 
 
 def _check_security_files(config: ClusterConfig) -> None:
-    """Before any worker starts: a key file that does not parse, a TLS pair half given or a cluster secret too short
-    to be one fails the command at once, naming it, instead of after the workers are up."""
+    """Before any worker starts: a key file that does not parse, a TLS pair half given, a cluster secret too short
+    to be one or another variable's setting that is wrong fails the command at once, naming it, instead of after
+    the workers are up."""
     from pdserve.rpc.credentials import server_tls
     from pdserve.security.api_keys import KeyTable
 
-    env.check_cluster_secret()
+    env.check_variables(config.redis_url, internal_tls_flags=bool(config.internal_tls_cert))
     r = config.router
     if r.api_keys_file:
         KeyTable.from_file(r.api_keys_file)

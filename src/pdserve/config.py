@@ -97,6 +97,11 @@ class FaultConfig:
     slow_step_s: float = 0.0  # ...takes this much longer
     first_start_fails_dir: str = ""  # set: a worker's start fails unless this folder holds a file named after it
 
+    def __post_init__(self) -> None:
+        for name in ("kv_send_delay_s", "slow_step_s"):  # a sleep of a negative time raises in the engine's step
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ConfigError(name, f"must be a finite number of seconds >= 0, got {getattr(self, name)}")
+
     def kv_send_delay_for(self, request_id: str) -> float:
         return self.kv_send_delay_s if request_id.startswith(self.request_id_prefix) else 0.0
 

@@ -10,8 +10,9 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from pdserve.config import FaultConfig
+from pdserve.config import ConfigError, FaultConfig
 
 BUILD_VAR = "PDSERVE_BUILD"
 CLUSTER_SECRET_VAR = "PDSERVE_CLUSTER_SECRET"
@@ -116,6 +117,38 @@ def is_secret(name: str) -> bool:
     )
 
 
+class VariableError(ValueError):
+    """A setting given by an environment variable that is wrong, said naming the variable, as the operator set it,
+    and its value (unless a secret): a command exits 2 on it, as on a flag's (`flags.flags_named`)."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        shown = name if is_secret(name) else f"{name}={os.environ.get(name, '')!r}"
+        super().__init__(f"{shown} {problem}")
+
+
+@contextmanager
+def variables_named(variables: Mapping[str, str]) -> Iterator[None]:
+    """A ConfigError raised meanwhile about a field that one of `variables` (field: variable) set names that variable
+    and its value, not the field."""
+    try:
+        yield
+    except ConfigError as e:
+        name = variables.get(e.setting)
+        if name is None or not os.environ.get(name):  # not set by a variable: the code's default
+            raise
+        raise VariableError(name, e.problem) from None
+
+
+_FAULT_VARIABLES = {  # FaultConfig's fields, each set by this variable
+    "kv_send_delay_s": "PDSERVE_FAULT_KV_SEND_DELAY_S",
+    "request_id_prefix": "PDSERVE_FAULT_REQUEST_ID_PREFIX",
+    "engine_die_prefix": "PDSERVE_FAULT_ENGINE_DIE_REQUEST_ID_PREFIX",
+    "slow_step_prefix": "PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX",
+    "slow_step_s": "PDSERVE_FAULT_SLOW_STEP_S",
+    "first_start_fails_dir": "PDSERVE_FAULT_FIRST_START_FAILS_DIR",
+}
+
+
 def fault_config() -> FaultConfig:
     """Testing and chaos knobs, all off unless set; they let tests fail a real cluster at a chosen moment.
 
@@ -132,14 +165,15 @@ def fault_config() -> FaultConfig:
     PDSERVE_FAULT_FIRST_START_FAILS_DIR: each worker's first start fails (after it leaves a file named after it
       in this folder, so its restart by Ray succeeds); unset: never.
     """
-    return FaultConfig(
-        kv_send_delay_s=float(os.environ.get("PDSERVE_FAULT_KV_SEND_DELAY_S") or FaultConfig.kv_send_delay_s),
-        request_id_prefix=os.environ.get("PDSERVE_FAULT_REQUEST_ID_PREFIX") or FaultConfig.request_id_prefix,
-        engine_die_prefix=os.environ.get("PDSERVE_FAULT_ENGINE_DIE_REQUEST_ID_PREFIX") or FaultConfig.engine_die_prefix,
-        slow_step_prefix=os.environ.get("PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX") or "",
-        slow_step_s=float(os.environ.get("PDSERVE_FAULT_SLOW_STEP_S") or FaultConfig.slow_step_s),
-        first_start_fails_dir=os.environ.get("PDSERVE_FAULT_FIRST_START_FAILS_DIR") or "",
-    )
+    values: dict[str, Any] = {f: v for f, name in _FAULT_VARIABLES.items() if (v := os.environ.get(name))}
+    for f in ("kv_send_delay_s", "slow_step_s"):
+        if f in values:
+            try:
+                values[f] = float(values[f])
+            except ValueError:
+                raise VariableError(_FAULT_VARIABLES[f], "must be a number of seconds") from None
+    with variables_named(_FAULT_VARIABLES):
+        return FaultConfig(**values)
 
 
 # OTEL_TRACES_EXPORTER's names -> an exporter and the OTLP protocol it fixes (None: OTEL_EXPORTER_OTLP_PROTOCOL's).
@@ -191,10 +225,11 @@ def check_cluster_secret() -> None:
     Secret with an empty key) would run the cluster open, as if none were set, where one was meant."""
     secret = os.environ.get(CLUSTER_SECRET_VAR)
     if secret is not None and len(secret) < CLUSTER_SECRET_MIN_CHARS:
-        raise ValueError(
-            f"{CLUSTER_SECRET_VAR} is set but has {len(secret)} characters, under the {CLUSTER_SECRET_MIN_CHARS} "
+        raise VariableError(
+            CLUSTER_SECRET_VAR,
+            f"is set but has {len(secret)} characters, under the {CLUSTER_SECRET_MIN_CHARS} "
             "a cluster secret needs (the chart makes 48 random ones); set a longer one on every process, or unset "
-            "it (`pdserve up` then makes one per run; elsewhere the cluster runs open)"
+            "it (`pdserve up` then makes one per run; elsewhere the cluster runs open)",
         )
 
 
@@ -207,6 +242,7 @@ def ensure_cluster_secret() -> None:
 
 _INTERNAL_TLS_VARS = ("PDSERVE_INTERNAL_TLS_CERT", "PDSERVE_INTERNAL_TLS_KEY", "PDSERVE_INTERNAL_TLS_CA")
 _INTERNAL_TLS_SERVER_NAME_VAR = "PDSERVE_INTERNAL_TLS_SERVER_NAME"
+_INTERNAL_TLS = "PDSERVE_INTERNAL_TLS_{CERT,KEY,CA}"
 
 
 def internal_tls() -> tuple[str, str, str] | None:
@@ -238,3 +274,34 @@ def redis_ca_cert() -> str | None:
     """PDSERVE_REDIS_CA_CERT: a PEM file of the CA(s) a `rediss://` Redis's certificate is checked against, for
     one no public CA signed; None: the system's CAs. An `ssl_ca_certs` in the URL's query wins."""
     return os.environ.get("PDSERVE_REDIS_CA_CERT") or None
+
+
+def check_variables(redis_url: str | None, internal_tls_flags: bool) -> None:
+    """VariableError for a variable whose setting is wrong, before a cluster command starts anything: the cluster
+    secret, the fault knobs, a `rediss://` Redis's CA file (`redis_url`'s), and the internal TLS files, unless
+    `internal_tls_flags` were given (they replace them). Such a value failed later, as a worker's start or a
+    Redis that "does not answer", naming a flag or nothing; an internal TLS file set without the other two ran the
+    cluster in plaintext."""
+    check_cluster_secret()
+    fault_config()
+    if redis_url is not None and redis_url.startswith("rediss://"):
+        _check_readable("PDSERVE_REDIS_CA_CERT")
+    if internal_tls_flags:
+        return
+    named = [name for name in (*_INTERNAL_TLS_VARS, _INTERNAL_TLS_SERVER_NAME_VAR) if os.environ.get(name)]
+    if named and (missing := [name for name in _INTERNAL_TLS_VARS if not os.environ.get(name)]):
+        raise VariableError(
+            named[0], f"is set but {' and '.join(missing)} not: set all three of {_INTERNAL_TLS} or none"
+        )
+    for name in _INTERNAL_TLS_VARS:
+        _check_readable(name)
+
+
+def _check_readable(name: str) -> None:
+    """The file the variable names, if set, can be read by this process."""
+    if path := os.environ.get(name):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            raise VariableError(name, f"cannot be read ({e.strerror})") from None
