@@ -5,7 +5,8 @@ the workers, shows their reports' true age, and counts a decode worker's batch o
 the router's own clock (the Redis entry's age on Redis's clock, the load's age on the worker's), so the streams this
 router placed before the report are not counted again on top of it. And routers whose clocks disagree share their
 moving streams and KV claims in Redis's time: another router's, 30 s behind or ahead, hold as long as they should.
-A worker's Redis entry is heard when Redis says it was written, whatever the writer's wall clock says."""
+A worker's Redis entry is heard when Redis says it was written, whatever the writer's wall clock says; retirements and
+prefix-index placements are scored on Redis's clock, whichever host writes them."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ import grpc
 import pytest
 
 from pdserve.cluster.local_process import ClusterProcess
-from pdserve.registry.redis import PREFIX, RedisRegistry, worker_key
+from pdserve.registry.base import RETIRED_KEEP_S
+from pdserve.registry.redis import PREFIX, RETIRED_KEY, RedisRegistry, worker_key
+from pdserve.registry.redis_prefix import RedisPrefixIndex, prefix_key
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
@@ -180,3 +183,48 @@ async def test_an_entry_is_heard_when_written_by_redis_clock_whatever_the_writer
     async with router_view(url, refresh_s=3600) as router:
         (older,) = (w for w in router.workers() if w.worker_id == "older")
         assert time.monotonic() - older.heard_at == pytest.approx(1.0, abs=0.2)
+
+
+def on_other_host(skew_s: float, *args: str) -> None:
+    """skewed_clock/other_host.py, its wall clock `skew_s` off this machine's."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SKEW_DIR), os.environ.get("PYTHONPATH", "")])}
+    env |= {"PDSERVE_TEST_CLOCK_SKEW_S": str(skew_s), "PDSERVE_TEST_SKEWED_SCRIPT": "other_host.py"}
+    subprocess.run([sys.executable, str(SKEW_DIR / "other_host.py"), *args], env=env, check=True)
+
+
+@pytest.mark.parametrize("skew_s", [2 * RETIRED_KEEP_S, -2 * RETIRED_KEEP_S])
+def test_a_retirement_is_recorded_on_redis_clock_whatever_the_retiring_hosts_clock(url, server, skew_s) -> None:
+    """Each retired id is kept its hour. On the retiring host's clock, one 2 h ahead trimmed every other record (its
+    hour ago was an hour on), and one 2 h behind wrote a record that the next retirement on a true clock trimmed."""
+    here = RedisRegistry(url)
+    here.retire("before")
+    on_other_host(skew_s, "retire", url, "skewed")
+    here.retire("after")
+    with server.client() as c:
+        scores = dict(c.zrange(RETIRED_KEY, 0, -1, withscores=True))
+        seconds, micros = c.time()
+    assert sorted(scores) == [b"after", b"before", b"skewed"]
+    assert all(0 <= seconds + micros / 1e6 - score < 10 for score in scores.values()), scores
+
+
+@pytest.mark.parametrize("skew_s", [SKEW_S, -SKEW_S])
+async def test_a_trim_keeps_the_newest_placement_whichever_routers_clock_is_off(url, server, skew_s) -> None:
+    """Two routers place a prompt each on one worker, one after the other, into an entry that holds one placement:
+    the later is kept. On the routers' own clocks, the later lost whenever it came from a router 30 s behind the
+    other (it ranked older), or the earlier from one 30 s ahead."""
+    earlier, later = [bytes([1, i]) * 8 for i in range(3)], [bytes([2, i]) * 8 for i in range(3)]
+    skewed_first = skew_s > 0
+
+    async def place(block_hashes: list[bytes], skewed: bool) -> None:
+        if skewed:
+            args = ["place", url, "w/1", str(len(block_hashes)), *(h.hex() for h in block_hashes)]
+            return await asyncio.to_thread(on_other_host, skew_s, *args)
+        index = RedisPrefixIndex(url, max_blocks_per_worker=len(block_hashes))
+        index.record("w/1", block_hashes)
+        await index.close()
+
+    await place(earlier, skewed=skewed_first)
+    await asyncio.sleep(0.01)
+    await place(later, skewed=not skewed_first)
+    with server.client() as c:
+        assert sorted(c.zrange(prefix_key("w/1"), 0, -1)) == sorted(later)

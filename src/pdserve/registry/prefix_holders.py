@@ -209,9 +209,9 @@ for k, slot in pairs(slot_of) do runs[k] = ended[slot] or total end
 return runs
 """
 
-# A router's placement. ARGV: the cache key, the placements an entry keeps, then score, block pairs (scores from
-# Python: Lua would round a Unix time's microseconds). Never lowers a cached block's score (GT); trims the oldest
-# placements past the limit, never what the worker says it caches (scored from CACHED up).
+# A router's placement. ARGV: the cache key, the placements an entry keeps, then the blocks, scored by Redis's
+# `TIME` (formatted with %.6f: Lua's tostring would round a Unix time to 10 us). Never lowers a cached block's score
+# (GT); trims the oldest placements past the limit, never what the worker says it caches (scored from CACHED up).
 RECORD = r"""
 consistent()
 local key, keep = ARGV[1], tonumber(ARGV[2])
@@ -222,8 +222,13 @@ if not slot then
   slot = take_slot()
   redis.call('DEL', ekey)  -- a set left from before a reset: none of it is indexed
 end
-local pairs_, members = args_from(3), {}
-for i = 2, #pairs_, 2 do members[#members + 1] = pairs_[i] end
+-- Scored on Redis's clock, the leading blocks highest, so trimming drops a prompt's tail before its shared head.
+local t = redis.call('TIME')
+local now, members, pairs_ = tonumber(t[1]) + tonumber(t[2]) / 1e6, args_from(3), {}
+for i, member in ipairs(members) do
+  pairs_[#pairs_ + 1] = string.format('%.6f', now - (i - 1) * 1e-6)
+  pairs_[#pairs_ + 1] = member
+end
 for i = 1, #pairs_, 2 * BATCH do
   redis.call('ZADD', ekey, 'GT', unpack(pairs_, i, math.min(i + 2 * BATCH - 1, #pairs_)))
 end

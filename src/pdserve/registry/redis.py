@@ -36,7 +36,7 @@ TIMEOUT_S = 0.25  # any one Redis call: an unreachable Redis costs this, never a
 # as many as its busiest burst had calls in flight, for good (a soak review: a router held 100 idle connections).
 ASYNC_CONNECTIONS = 32
 WORKERS_KEY = f"{PREFIX}:workers"
-RETIRED_KEY = f"{PREFIX}:retired"  # a sorted set: retired worker ids, scored by when (wall time)
+RETIRED_KEY = f"{PREFIX}:retired"  # a sorted set: retired worker ids, scored by when (Unix time, Redis's clock)
 DESIRED_COUNTS_KEY = f"{PREFIX}:desired_counts"  # a hash role -> workers: the shape the fleet keeps (no TTL)
 FLAG_COUNTS_KEY = f"{PREFIX}:flag_counts"  # the same, as a fleet's flags last set them (no TTL)
 ADMITTED_KEY = f"{PREFIX}:admitted"  # a hash of AdmittedTotals' fields: what every router admitted, cumulative
@@ -60,6 +60,17 @@ _SET_IF_PRESENT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if #ARGV > 0 then redis.call('HSET', KEYS[1], unpack(ARGV)) end
 return 1
+"""
+# Retires a worker: out of the registry, its id recorded on Redis's clock, records older than ARGV[2] s dropped (on the
+# writer's clock, one ahead trimmed others' early, one behind wrote records trimmed at once). Older builds write their
+# host's Unix time: the same unit, so a mix compares as their clocks agree, as every record did before.
+_RETIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', string.format('%.17g', now - tonumber(ARGV[2])))
+redis.call('ZADD', KEYS[3], string.format('%.17g', now), ARGV[1])
 """
 # Drops listed workers whose key is gone, each only if still gone: a heartbeat between the read and this keeps it.
 _FORGET_EXPIRED = """
@@ -182,27 +193,25 @@ class RedisRegistry(Registry):
         pipe.execute()
 
     def remove(self, worker_id: str) -> None:
-        self._unlisting(worker_id).execute()
+        self._unlist(worker_id)
+        pipe = self._redis.pipeline()
+        pipe.delete(worker_key(worker_id))
+        pipe.srem(WORKERS_KEY, worker_id)
+        pipe.execute()
 
     def retire(self, worker_id: str) -> None:
-        now = time.time()
-        pipe = self._unlisting(worker_id)  # one transaction: a router reads it registered, or retired
-        pipe.zremrangebyscore(RETIRED_KEY, "-inf", now - RETIRED_KEEP_S)
-        pipe.zadd(RETIRED_KEY, {worker_id: now})
-        pipe.execute()
+        self._unlist(worker_id)  # one script: a router reads it registered, or retired
+        keys = [worker_key(worker_id), WORKERS_KEY, RETIRED_KEY]
+        self._redis.eval(_RETIRE, len(keys), *keys, worker_id, RETIRED_KEEP_S)
 
     def retired(self) -> set[str]:
         return self._retired
 
-    def _unlisting(self, worker_id: str) -> redis.client.Pipeline:
-        """The writes that take a worker out of the registry, to execute; this router stops placing on it at once."""
+    def _unlist(self, worker_id: str) -> None:
+        """This router stops placing on the worker at once, before its removal from Redis."""
         self._view = {k: w for k, w in self._view.items() if k != worker_id}
         self._listed = {k: w for k, w in self._listed.items() if k != worker_id}
         self._kept = {k: kept for k, kept in self._kept.items() if k != worker_id}
-        pipe = self._redis.pipeline()
-        pipe.delete(worker_key(worker_id))
-        pipe.srem(WORKERS_KEY, worker_id)
-        return pipe
 
     def desired_counts(self) -> dict[Role, int]:
         return self._counts(DESIRED_COUNTS_KEY)

@@ -1,11 +1,12 @@
 """The prefix index in Redis, shared by every router: per block, the worker processes holding it (a bitmap of their
 entries' slots, `prefix_holders`), and per worker process its sorted set of blocks.
 
-Routers add what they place, scored by the time (so a burst sharing a new prefix goes where its first prompt went,
-and the oldest placements go first when the set is trimmed); the worker itself applies its prefix cache's journal
-on each heartbeat (`apply_changes`), scored above every placement (`CACHED`), so blocks it evicted leave the index,
-blocks no placement named (a prompt's last full block, a colocated worker's generated tokens) join it, and no
-placement ever pushes out a block the worker says it holds.
+Routers add what they place (so a burst sharing a new prefix goes where its first prompt went), scored by the time
+on Redis's clock (the script reads `TIME`), one for every router, so the oldest placements go first when the set is
+trimmed, whichever router made them; the worker itself applies its prefix cache's journal on each heartbeat
+(`apply_changes`), scored above every placement (`CACHED`, plus its own clock's time, which is compared with nothing
+but `CACHED`), so blocks it evicted leave the index, blocks no placement named (a prompt's last full block, a
+colocated worker's generated tokens) join it, and no placement ever pushes out a block the worker says it holds.
 """
 
 from __future__ import annotations
@@ -133,11 +134,10 @@ class RedisPrefixIndex(PrefixIndex):
         task.add_done_callback(self._writes.discard)
 
     async def _record(self, cache_key: str, block_hashes: list[bytes]) -> None:
-        now = time.time()
-        # Leading blocks score highest, so trimming drops a prompt's tail before its shared head.
-        pairs = [x for i, h in enumerate(block_hashes) for x in (repr(now - i * 1e-6), h)]
+        """Scored in the script on Redis's clock, one for every router: on its own clock, a router behind ranked its
+        placements older than they were, and a trim dropped them first."""
         try:
-            call = self._script(holders.RECORD)(KEYS, [cache_key, self.max_blocks_per_worker, *pairs])
+            call = self._script(holders.RECORD)(KEYS, [cache_key, self.max_blocks_per_worker, *block_hashes])
             await asyncio.wait_for(call, self.record_timeout_s)
         except Exception as e:  # a lost hint costs a cache hit, never a request
             self._record_failed.warning("prefix index not updated for %s: %r", cache_key, e)
