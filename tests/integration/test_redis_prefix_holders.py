@@ -122,3 +122,30 @@ async def test_an_index_half_lost_starts_afresh_and_hands_no_slot_out_with_stale
             assert not apply_changes(client, "w/1", PrefixCacheChanges([], A[:1]))  # lost: the next take is whole
         finally:
             await index.close()
+
+
+async def test_a_routers_kept_slots_never_read_a_reused_slot_as_its_former_owners(url):
+    """A router keeps the slots it read while the mappings' version holds. w/1 leaves, its bits are swept and its slot
+    is handed to another process's copy under way: the router's next match, given w/1's slot as it read it, is
+    answered "stale" and reads the mappings again, so w/1 holds nothing (not the copy's blocks); an entry that came
+    since (from no index at all, a copy swapped in, a placement on a new process) is seen at the next match."""
+    index = RedisPrefixIndex(url, match_budget_s=5.0)
+    try:
+        assert await index.match(["w/1"], A) == {"w/1": 0}  # no index yet
+        with redis.Redis.from_url(url) as client:
+            assert apply_changes(client, "w/1", PrefixCacheChanges(A, [], whole=True))
+            assert await index.match(["w/1", "q/1", "p/1"], A) == {"w/1": 40, "q/1": 0, "p/1": 0}  # slots kept
+            slot = client.hget(SLOTS_KEY, "w/1").split(b":")[0]
+            drop_own_entry(client, "w/1")
+            swept(client)
+            client.register_script(holders.script(holders.STAGE))(KEYS, ["q/1", 0])
+            client.register_script(holders.script(holders.STAGE_MORE))(KEYS, ["q/1:staging", repr(CACHED), *A[:10]])
+            assert client.hget(SLOTS_KEY, "q/1:staging").split(b":")[0] == slot  # w/1's, reused
+            assert await index.match(["w/1", "q/1", "p/1"], A) == {"w/1": 0, "q/1": 0, "p/1": 0}
+            client.register_script(holders.script(holders.SWAP))(KEYS, ["q/1"])
+            assert await index.match(["w/1", "q/1", "p/1"], A) == {"w/1": 0, "q/1": 10, "p/1": 0}
+            index.record("p/1", A[:3])
+            await index.flush()
+            assert await index.match(["w/1", "q/1", "p/1"], A) == {"w/1": 0, "q/1": 10, "p/1": 3}
+    finally:
+        await index.close()

@@ -28,10 +28,10 @@ def calls(client: redis.Redis, command: str) -> int:
 
 
 async def test_a_match_reads_the_probes_blocks_once_however_many_workers_hold_them(url):
-    """40 workers all hold the first 64 of a 1280-block prompt's blocks: the first round reads the workers' slots and
-    the 64 blocks' bitmaps (one HMGET each), the second the slots and the next 64 blocks' only (its AND is empty at
-    the first: a worker not asked, holding them all, does not keep it going), not 40 workers' lookups of 64 blocks
-    each; one worker holding 10 of another prompt's costs the same."""
+    """40 workers all hold the first 64 of a 1280-block prompt's blocks: with their slots read before (and kept while
+    no mapping changes), the first round reads the 64 blocks' bitmaps (one HMGET), the second the next 64 blocks'
+    only (its AND is empty at the first: a worker not asked, holding them all, does not keep it going), not 40
+    workers' lookups of 64 blocks each; one worker holding 10 of another prompt's costs the same."""
     prompt = prefix_hashes(list(range(20 * FIRST_PROBE_BLOCKS * BS)), BS)  # probes of 64, then 256
     keys = [f"w{i}/1" for i in range(40)]
     with redis.Redis.from_url(url) as client:
@@ -42,13 +42,13 @@ async def test_a_match_reads_the_probes_blocks_once_however_many_workers_hold_th
         apply_changes(client, "x/1", PrefixCacheChanges(other[:10], [], whole=True))
         index = RedisPrefixIndex(url, match_budget_s=5.0)
         try:
-            assert await index.match(keys[:1], prompt[:1]) == {"w0/1": 1}  # connected
+            assert await index.match([*keys, "x/1"], prompt[:1]) == {**dict.fromkeys(keys, 1), "x/1": 0}  # slots read
             commands = ("hmget", "zscore", "zmscore")
             for probe, want in ((prompt, dict.fromkeys(keys, 64)), (other, {**dict.fromkeys(keys, 0), "x/1": 10})):
                 looked_up = [calls(client, c) for c in commands]
                 assert await index.match(list(want), probe) == want
-                rounds = 2 if probe is prompt else 1  # slots and blocks, a round: no worker's own lookup
-                assert [calls(client, c) - n for c, n in zip(commands, looked_up, strict=True)] == [2 * rounds, 0, 0]
+                rounds = 2 if probe is prompt else 1  # a round's bitmaps: no slot mapping read, no worker's own lookup
+                assert [calls(client, c) - n for c, n in zip(commands, looked_up, strict=True)] == [rounds, 0, 0]
         finally:
             await index.close()
 

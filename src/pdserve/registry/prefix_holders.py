@@ -11,8 +11,11 @@ Every write keeps both in one script: a block is in an entry's set exactly when 
 walk those sets a chunk at a time (`sweep`, run by writes, at most every SWEEP_EVERY_MS across the fleet) clearing
 their bits; only then is the slot free again, so a reused slot never inherits a former owner's bits. `SLOTS_KEY`
 holds the mappings (cache key -> "slot:lease end") and the slots' bookkeeping; its fields of bookkeeping start with
-a NUL byte, which no cache key does. Both hashes carry one epoch: one lost alone (deleted by hand, or left to its
-backstop TTL) resets the index, as a Redis restarted empty would, and the workers copy their caches again.
+a NUL byte, which no cache key does. Its version moves on every change of a mapping (a slot given out, or put aside),
+so routers keep the slots they read while it holds, and a match given slots of another version answers "stale"
+instead of reading a slot put aside, or reused, as its former owner's. Both hashes carry one epoch: one lost alone
+(deleted by hand, or left to its backstop TTL) resets the index, as a Redis restarted empty would, and the workers
+copy their caches again.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pdserve.registry.redis import PREFIX
 
 NAMESPACE = f"{PREFIX}:prefix_index"  # apart from the build before's `pdserve:prefix:*`: neither reads the other's
 SLOTS_KEY = f"{NAMESPACE}:slots"
+VERSION_FIELD = b"\0version"  # SLOTS_KEY's count of mapping changes: a router's cached slots hold while it does
 BLOCKS_KEY = f"{NAMESPACE}:blocks"
 KEYS = [SLOTS_KEY, BLOCKS_KEY]
 CACHED = 1e12  # added to a worker's own keys' scores: above any placement's (a Unix time)
@@ -37,7 +41,7 @@ def entry_key(cache_key: str) -> str:
 
 _PRELUDE = r"""
 local SLOTS, BLOCKS = KEYS[1], KEYS[2]
-local NS, MARK, CACHED = '@NS@', '@MARK@', '@CACHED@'
+local NS, MARK, CACHED, VERSION = '@NS@', '@MARK@', '@CACHED@', '\0version'
 local LEASE, BACKSTOP, SWEEP_MS, WALK = @LEASE@, @BACKSTOP@, @SWEEP_MS@, @WALK@
 local BATCH = 1000  -- arguments a command is given at once (Lua's unpack takes ~8000)
 
@@ -56,7 +60,8 @@ local function save(field, list) redis.call('HSET', SLOTS, field, table.concat(l
 local function reset(why)
   redis.call('UNLINK', SLOTS, BLOCKS)
   local t = redis.call('TIME')
-  redis.call('HSET', SLOTS, '\0epoch', t[1] .. '.' .. t[2], '\0next', 0)
+  -- the version starts at the time in µs: above any a router read before the reset
+  redis.call('HSET', SLOTS, '\0epoch', t[1] .. '.' .. t[2], '\0next', 0, VERSION, t[1] .. string.format('%06d', t[2]))
   redis.call('HSET', BLOCKS, '\0epoch', t[1] .. '.' .. t[2])
   redis.log(redis.LOG_WARNING, 'pdserve prefix index reset: ' .. why)
 end
@@ -75,6 +80,8 @@ local function take_slot()  -- the lowest free: bitmaps stay as short as the fle
   return slot
 end
 
+-- A mapping changed (a key given a slot, or its slot put aside): routers' cached mappings no longer hold.
+local function moved() redis.call('HINCRBY', SLOTS, VERSION, 1) end
 local function map(key, slot) redis.call('HSET', SLOTS, key, slot .. ':' .. (now() + LEASE)) end
 local function refresh(ekey)
   redis.call('EXPIRE', ekey, BACKSTOP)
@@ -120,6 +127,7 @@ local function retire(key)
   local slot = slot_in(value)
   if not slot then inconsistent('entry ' .. key .. ' maps to ' .. value) end
   redis.call('HDEL', SLOTS, key)
+  moved()
   local ekey, fkey = entry_key(key), freeing_key(slot)
   if redis.call('TYPE', ekey).ok ~= 'zset' then inconsistent('entry ' .. key .. ' lost its set') end
   redis.call('RENAME', ekey, fkey)
@@ -167,28 +175,24 @@ local function args_from(first, last)  -- a table of ARGV's, without unpack's li
 end
 """
 
-# Each key's run of leading probe blocks (-1: a mapping that does not parse). ARGV: the number of keys, the keys, the
-# probe. The bitmaps are read 64 at a time and ANDed, block by block, over the asked keys' slots only (a slot no key
-# asked for never keeps the walk going), until none is left: a match costs what its hit blocks are.
+# Each slot's run of leading probe blocks, or "stale" when a mapping changed since the slots were read (a slot given
+# out, or put aside to be swept and reused: read as it was, it could be another entry's). ARGV: the mappings' version
+# the router read the slots at, the number of slots, the slots, the probe. The bitmaps are read 64 at a time and
+# ANDed, block by block, over the asked slots only (a slot no one asked for never keeps the walk going), until none
+# is left: a match costs what its hit blocks are.
 MATCH = r"""
-local n = tonumber(ARGV[1])
-local runs, slot_of, active, ended = {}, {}, {}, {}
-for i = 1, n, BATCH do
-  local values = redis.call('HMGET', SLOTS, unpack(ARGV, i + 1, math.min(i + BATCH, n + 1)))
-  for j, value in ipairs(values) do
-    local k, slot = i + j - 1, slot_in(value)
-    runs[k] = value and -1 or 0
-    if slot then
-      slot_of[k] = slot
-      local at = math.floor(slot / 8) + 1
-      active[at] = bit.bor(active[at] or 0, bit.lshift(1, slot % 8))
-    end
-  end
+if (redis.call('HGET', SLOTS, VERSION) or '') ~= ARGV[1] then return 'stale' end
+local n = tonumber(ARGV[2])
+local active, ended = {}, {}
+for k = 1, n do
+  local slot = tonumber(ARGV[k + 2])
+  local at = math.floor(slot / 8) + 1
+  active[at] = bit.bor(active[at] or 0, bit.lshift(1, slot % 8))
 end
-local total, done = #ARGV - n - 1, 0
+local first, total, done = n + 3, #ARGV - n - 2, 0
 while next(active) and done < total do
   local last = math.min(done + 64, total)
-  local maps = redis.call('HMGET', BLOCKS, unpack(ARGV, n + 2 + done, n + 1 + last))
+  local maps = redis.call('HMGET', BLOCKS, unpack(ARGV, first + done, first - 1 + last))
   for j = 1, #maps do
     local v = maps[j] or ''
     for at, cur in pairs(active) do
@@ -205,7 +209,8 @@ while next(active) and done < total do
   end
   done = last
 end
-for k, slot in pairs(slot_of) do runs[k] = ended[slot] or total end
+local runs = {}
+for k = 1, n do runs[k] = ended[tonumber(ARGV[k + 2])] or total end
 return runs
 """
 
@@ -220,6 +225,7 @@ local slot = slot_in(value)
 if value and not slot then inconsistent('entry ' .. key .. ' maps to ' .. value) end
 if not slot then
   slot = take_slot()
+  moved()
   redis.call('DEL', ekey)  -- a set left from before a reset: none of it is indexed
 end
 -- Scored on Redis's clock, the leading blocks highest, so trimming drops a prompt's tail before its shared head.
@@ -325,6 +331,7 @@ retire(key)
 redis.call('HDEL', SLOTS, staging)
 redis.call('RENAME', entry_key(staging), entry_key(key))
 map(key, slot)
+moved()
 refresh(entry_key(key))
 sweep(false)
 return slot

@@ -17,6 +17,7 @@ import re
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis
 import redis.asyncio as aredis
@@ -26,13 +27,15 @@ from pdserve.engine.cache_journal import PrefixCacheChanges
 from pdserve.loop_budget import within_budget
 from pdserve.registry import prefix_holders as holders
 from pdserve.registry.base import PrefixIndex
-from pdserve.registry.prefix_holders import CACHED, KEYS, WHOLE_MARK, entry_key
+from pdserve.registry.prefix_holders import CACHED, KEYS, SLOTS_KEY, VERSION_FIELD, WHOLE_MARK, entry_key
 from pdserve.registry.redis import PREFIX, Throttled, connect_async
 
 log = logging.getLogger(__name__)
 FIRST_PROBE_BLOCKS = 64  # a match asks this many leading blocks first, then 4x more of the workers still matching
 WHOLE_CHUNK = 4096  # blocks per call of a whole cache's copy: no one call holds Redis long
 LOOKUPS_PER_CALL = 4096  # probe blocks one call of the match script is given at most: a few ms of Redis at worst
+UNREADABLE = -1  # a slot mapping that does not parse (its worker's hits are 0), as a router caches it
+STALE = b"stale"  # the match script's answer when the slots it was given are of another version of the mappings
 __all__ = ["CACHED", "WHOLE_MARK", "apply_changes", "drop_own_entry", "prefix_key", "RedisPrefixIndex"]
 
 
@@ -109,6 +112,8 @@ class RedisPrefixIndex(PrefixIndex):
     _writes: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
     _skip_until: float = field(default=0.0, init=False, repr=False)
     _scripts: dict[str, AsyncScript] = field(default_factory=dict, init=False, repr=False)
+    _slots: dict[str, int | None] = field(default_factory=dict, init=False, repr=False)  # None: no entry
+    _slots_version: bytes | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._match_failed = Throttled(self.log_every_s, log)
@@ -178,20 +183,30 @@ class RedisPrefixIndex(PrefixIndex):
         """Adds to `hits` each worker's run of leading blocks, asking only the workers whose run reached the end
         of the last probe, each probe 4x the last: a long prompt costs what its hits are. Yields after each round,
         one pipeline of `MATCH` calls of at most LOOKUPS_PER_CALL blocks each (a probe longer than that is asked in
-        segments), each reading its blocks' bitmaps once, however many workers are asked."""
-        matching, start, size = list(hits), 0, FIRST_PROBE_BLOCKS
+        segments), each reading its blocks' bitmaps once, however many workers are asked, over the workers' slots
+        as this router last read them; a round answered "stale" (a mapping changed since) reads them again and is
+        asked again."""
+        matching, start, size, fresh = list(hits), 0, FIRST_PROBE_BLOCKS, False
         while matching and start < len(block_hashes):
+            version, slots = await self._slots_of(matching, fresh)
+            for w in matching:
+                if slots[w] == UNREADABLE:  # that worker's hits only
+                    self._entry_failed.warning("prefix index entry %s unreadable: its slot mapping does not parse", w)
+            asked = {w: slot for w in matching if (slot := slots[w]) is not None and slot != UNREADABLE}
             probe = block_hashes[start : start + size]
             segments = [probe[i : i + LOOKUPS_PER_CALL] for i in range(0, len(probe), LOOKUPS_PER_CALL)]
             pipe = self._client().pipeline(transaction=False)
             for segment in segments:
-                await self._script(holders.MATCH)(KEYS, [len(matching), *matching, *segment], client=pipe)
+                args: list[bytes | int] = [version, len(asked), *asked.values(), *segment]
+                await self._script(holders.MATCH)(KEYS, args, client=pipe)
             answers = await pipe.execute(raise_on_error=False)
-            still = []
-            for j, w in enumerate(matching):
-                runs = [answer if isinstance(answer, Exception) else answer[j] for answer in answers]
-                run = _leading_run(segments, runs)
-                if isinstance(run, Exception):  # a mapping that does not parse: that worker's hits only
+            if STALE in answers:
+                fresh = True
+                continue
+            fresh, still = False, []
+            for j, w in enumerate(asked):
+                run = _leading_run(segments, [a if isinstance(a, Exception) else a[j] for a in answers])
+                if isinstance(run, Exception):
                     self._entry_failed.warning("prefix index entry %s unreadable: %r", w, run)
                     hits[w] = 0
                     continue
@@ -200,6 +215,22 @@ class RedisPrefixIndex(PrefixIndex):
                     still.append(w)
             matching, start, size = still, start + len(probe), 4 * size
             yield
+
+    async def _slots_of(self, keys: list[str], fresh: bool) -> tuple[bytes, dict[str, int | None]]:
+        """The keys' slots and the version of the mappings they were read at: as cached, unless one is not cached
+        or `fresh` (the cached version went stale), when all are read again, with the version, in one command."""
+        if not fresh and all(k in self._slots for k in keys) and self._slots_version is not None:
+            return self._slots_version, self._slots
+        replies = cast(list[bytes | None], await self._client().hmget(SLOTS_KEY, [VERSION_FIELD, *keys]))
+        # No version: no index of this build (none yet, or lost): no slot is read, and the match's check of the
+        # version says when one is there.
+        version = replies[0] or b""
+        read = {k: _slot_in(v) if replies[0] else None for k, v in zip(keys, replies[1:], strict=True)}
+        if version == self._slots_version:
+            self._slots.update(read)
+        else:
+            self._slots, self._slots_version = read, version
+        return version, read
 
     async def flush(self) -> None:
         """Waits for the writes under way (each ends within `record_timeout_s`)."""
@@ -212,15 +243,21 @@ class RedisPrefixIndex(PrefixIndex):
             self._redis = None
 
 
+def _slot_in(mapping: bytes | None) -> int | None:
+    """The slot in a mapping ("slot:lease end"); None without one, UNREADABLE when it does not parse."""
+    if mapping is None:
+        return None
+    found = re.match(rb"(\d+):", mapping)
+    return int(found.group(1)) if found else UNREADABLE
+
+
 def _leading_run(segments: list[list[bytes]], runs: list[int | Exception]) -> int | Exception:
-    """A worker's run over a probe, from its run in each segment (-1: its slot's mapping does not parse): on into
-    the next segment only through one it holds whole."""
+    """A worker's run over a probe, from its run in each segment: on into the next segment only through one it holds
+    whole."""
     total = 0
     for segment, run in zip(segments, runs, strict=True):
         if isinstance(run, Exception):
             return run
-        if run < 0:
-            return redis.ResponseError("its slot mapping does not parse")
         total += run
         if run < len(segment):
             break
