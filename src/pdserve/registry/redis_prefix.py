@@ -185,7 +185,7 @@ class RedisPrefixIndex(PrefixIndex):
         one pipeline of `MATCH` calls of at most LOOKUPS_PER_CALL blocks each (a probe longer than that is asked in
         segments), each reading its blocks' bitmaps once, however many workers are asked, over the workers' slots
         as this router last read them; a round answered "stale" (a mapping changed since) reads them again and is
-        asked again."""
+        asked again (it yields too: Redis answered)."""
         matching, start, size, fresh = list(hits), 0, FIRST_PROBE_BLOCKS, False
         while matching and start < len(block_hashes):
             version, slots = await self._slots_of(matching, fresh)
@@ -200,8 +200,9 @@ class RedisPrefixIndex(PrefixIndex):
                 args: list[bytes | int] = [version, len(asked), *asked.values(), *segment]
                 await self._script(holders.MATCH)(KEYS, args, client=pipe)
             answers = await pipe.execute(raise_on_error=False)
-            if STALE in answers:
+            if STALE in answers:  # an answer all the same: Redis is up, whatever the budget leaves of the retry
                 fresh = True
+                yield
                 continue
             fresh, still = False, []
             for j, w in enumerate(asked):
