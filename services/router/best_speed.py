@@ -28,13 +28,14 @@ class BestSpeeds:
         # (worker id, what) -> (time, factor) within the window, factors rising: the front is the lowest
         self._lowest: dict[tuple[str, str], deque[tuple[float, float]]] = {}
 
-    def best(self, worker_id: str, what: str, factor: float) -> float:
+    def best(self, worker_id: str, what: str, factor: float, uncorrected: float = UNCORRECTED) -> float:
         """The speed to offer `worker_id`'s `what` ("ttft", "tpot") at, given its live `factor` now (a multiplier
-        of the profile's times: lower is faster)."""
+        of the profile's times: lower is faster). Or any other live correction where lower is faster, `uncorrected`
+        its value before anything corrected it (a first token's fixed cost, "fixed": 0 s)."""
         key, now = (worker_id, what), time.monotonic()
         if key not in self._since:
-            if factor == UNCORRECTED:
-                return UNCORRECTED
+            if factor == uncorrected:
+                return uncorrected
             self._since[key], self._lowest[key] = now, deque()
         seen = self._lowest[key]
         while seen and seen[-1][1] >= factor:
@@ -43,7 +44,7 @@ class BestSpeeds:
         while seen[0][0] < now - self.window_s:
             seen.popleft()
         lowest = seen[0][1]
-        return lowest if now - self._since[key] >= self.window_s else min(lowest, UNCORRECTED)
+        return lowest if now - self._since[key] >= self.window_s else min(lowest, uncorrected)
 
     def worker_ids(self) -> set[str]:
         return {worker_id for worker_id, _ in self._since}

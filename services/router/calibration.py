@@ -4,7 +4,9 @@ A worker's profile is measured once at start-up (often while its neighbours meas
 its own step times; what a client waits for also holds the hops, the hand-off and the scheduling around the
 steps. The router sees every first token it predicted; from a request that ran alone on its prefill worker (its
 TTFT is then its own cost, with no queue or batch-mates to blur it) it keeps the residual: a factor that
-moves, in log space, a share of the way toward the factor that would have predicted each such TTFT.
+moves, in log space, a share of the way toward the factor that would have predicted each such TTFT. A first
+token's fixed cost (fixed_cost.py) is learned from the same request first and taken off the TTFT: the factor
+corrects what is left, of which it multiplies the compute.
 """
 
 from __future__ import annotations

@@ -172,6 +172,8 @@ class RequestLifecycle:
             span.set_attribute("predicted_ttft_s", placement.predicted_ttft_s)
             # Its parts, for comparing with the workers' spans (docs/experiments/ttft_prediction/)
             span.set_attribute("predicted_own_ttft_s", placement.own_ttft_s)
+            span.set_attribute("predicted_fixed_s", placement.fixed_s)  # of the own TTFT: fixed_cost.py
+            span.set_attribute("ttft_factor", placement.ttft_factor)  # what multiplied its compute: calibration.py
             span.set_attribute("predicted_prefill_queue_s", placement.prefill_queue_s)
             span.set_attribute("predicted_queue_s", placement.queue_s)
             span.set_attribute("predicted_profiled_queue_s", placement.profiled_queue_s)

@@ -26,6 +26,8 @@ class Placement:
     prefill: WorkerState | None  # None: the decode worker prefills itself (colocated)
     cached_tokens: int  # prompt tokens the prefill worker is expected to hold already
     own_ttft_s: float  # this request's TTFT on the chosen prefill worker were it idle
+    fixed_s: float  # of own_ttft_s, the prefill worker's fixed cost of a first token (fixed_cost.py)
+    compute_s: float  # the prompt's compute there at its live speed, before the TTFT calibration factor
     queue_s: float  # what the load adds: `profiled_queue_s` as loaded requests showed it (load_calibration.py)
     profiled_queue_s: float  # the queue ahead of it there and the decode worker's step, as the profiles price them
     prefill_queue_s: float  # of profiled_queue_s, the prefill worker's queue (what that worker reports it waited)
@@ -172,6 +174,8 @@ class PlacementPolicy(ABC):
             prefill=None if colocated else prefill,
             cached_tokens=cached,
             own_ttft_s=own_s,
+            fixed_s=self.predictor.fixed_s(prefill),
+            compute_s=self.predictor.compute_s(prefill, max(len(prompt) - cached, 1)),
             queue_s=self.predictor.load_calibration.queueing_s(prefill.worker_id, own_s, profiled_queue_s),
             profiled_queue_s=profiled_queue_s,
             prefill_queue_s=prefill_queue_s,

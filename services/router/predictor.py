@@ -1,10 +1,10 @@
 """Predicted TTFT and TPOT of a request on a candidate worker, from its profile, heartbeat and our own sends.
 
-A prediction has two parts that admission treats differently: the request's own isolated cost (its
-prefill on an idle worker, minus prefix-cache hits, plus the KV transfer; one decode step on an idle
-batch) and the part other requests add (the queue ahead of it, the batch it joins), which the factor
-requests under load taught (load_calibration.py) scales. Only the second changes with load, so only it can make a
-retry succeed.
+A prediction has two parts that admission treats differently: the request's own isolated cost (the fixed cost of
+a first token's hops, fixed_cost.py, plus its prefill on an idle worker, minus prefix-cache hits, plus the KV
+transfer; one decode step on an idle batch) and the part other requests add (the queue ahead of it, the batch it
+joins), which the factor requests under load taught (load_calibration.py) scales. Only the second changes with load,
+so only it can make a retry succeed.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from services.router.best_speed import BestSpeeds
 from services.router.calibration import TTFTCalibration
+from services.router.fixed_cost import FixedCost
 from services.router.kv_claims import KVClaims
 from services.router.load_calibration import LoadCalibration
 from services.router.load_tracker import LoadTracker
@@ -26,6 +27,7 @@ class Predictor:
         self.tracker = tracker
         self.calibration = calibration or TTFTCalibration()
         self.load_calibration = LoadCalibration()
+        self.fixed_cost = FixedCost()
         self.claims = KVClaims()
         self.best = BestSpeeds()
 
@@ -33,9 +35,18 @@ class Predictor:
         """Profiled seconds -> predicted seconds on `w`: its live speed and the router's own correction."""
         return w.speed_factor * self.calibration.factor(w.worker_id)
 
+    def compute_s(self, w: WorkerState, new_tokens: int) -> float:
+        """This prompt's compute on `w` at its live speed, before the router's correction (what fixed_cost.py fits
+        the TTFTs of requests alone against)."""
+        return w.profile.prefill_s(new_tokens) * w.speed_factor if w.profile else 0.0
+
     def prefill_s(self, w: WorkerState, new_tokens: int) -> float:
-        """This prompt's own compute on `w`, live speed included."""
-        return w.profile.prefill_s(new_tokens) * self.speed(w) if w.profile else 0.0
+        """This prompt's own compute on `w`, live speed and the router's correction included."""
+        return self.compute_s(w, new_tokens) * self.calibration.factor(w.worker_id)
+
+    def fixed_s(self, w: WorkerState) -> float:
+        """What a first token from `w` takes besides the compute and the transfer, whatever the prompt."""
+        return self.fixed_cost.fixed_s(w.worker_id)
 
     def queue_s(self, w: WorkerState) -> float:
         """Work ahead of a new prompt: what we sent and is not done, or what the worker last reported (other
@@ -65,7 +76,8 @@ class Predictor:
 
     def own_ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
         """The request's TTFT on `w` were it idle: what no amount of waiting makes shorter."""
-        return self.prefill_s(w, max(prompt_tokens - cached_tokens, 1)) + self.transfer_s(w, prompt_tokens)
+        new_tokens = max(prompt_tokens - cached_tokens, 1)
+        return self.fixed_s(w) + self.prefill_s(w, new_tokens) + self.transfer_s(w, prompt_tokens)
 
     def ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
         own_s = self.own_ttft_s(w, prompt_tokens, cached_tokens)
@@ -84,11 +96,14 @@ class Predictor:
     # also rise with contention, which passes; what admission calls impossible must be so at this speed.
 
     def offer_ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
-        """`own_ttft_s` at `w`'s best speed."""
+        """`own_ttft_s` at `w`'s best speed and least fixed cost (each the best of the window on its own: their sum
+        is never above any one moment's)."""
+        fixed = self.best.best(w.worker_id, "fixed", self.fixed_s(w), uncorrected=0.0)
         if not w.profile:
-            return self.transfer_s(w, prompt_tokens)
+            return fixed + self.transfer_s(w, prompt_tokens)
         best = self.best.best(w.worker_id, "ttft", self.speed(w))
-        return w.profile.prefill_s(max(prompt_tokens - cached_tokens, 1)) * best + self.transfer_s(w, prompt_tokens)
+        compute = w.profile.prefill_s(max(prompt_tokens - cached_tokens, 1)) * best
+        return fixed + compute + self.transfer_s(w, prompt_tokens)
 
     def offer_tpot_s(self, w: WorkerState) -> float:
         """`idle_tpot_s` at `w`'s best speed."""

@@ -62,6 +62,7 @@ class Relay:
         self.metrics = metrics
         self.recent = recent
         self.calibration = placement.predictor.calibration  # learns from the TTFTs of requests that ran alone
+        self.fixed_cost = placement.predictor.fixed_cost  # and this, before it, from the same
         self.load_calibration = placement.predictor.load_calibration  # and this from the others'
         self.listing = Listing(placement.registry)  # a placed worker gone before the first token: moved at once
         self.first_token_s = config.first_token_timeout_s
@@ -146,7 +147,9 @@ class Relay:
         the decode worker's trailing metadata). With the wait its prefill worker reports (other routers' prompts
         ahead of it, which would read as a slow worker), its TTFT less that wait against the prediction less its
         queue; without (a stream that did not end OK, a colocated worker), its TTFT against the whole prediction.
-        The prediction before the load's factor (load_calibration.py), which requests that did not run alone teach."""
+        The prediction before the load's factor (load_calibration.py), which requests that did not run alone teach.
+        The fixed cost learns first, from the TTFT less the prediction's parts other than it and the compute; the
+        factor then learns the rest, with that fixed cost taken off: the factor that would have predicted it."""
         if ticket.alone_ttft_s is None or ticket.placement.cached_tokens:
             return  # a prefix-cache hit's TTFT holds a cost the prediction does not price (reading its cached tokens)
         waited = dict(trailing or ()).get(PREFILL_WAITED_KEY)
@@ -154,7 +157,9 @@ class Relay:
         predicted_s = p.own_ttft_s + p.profiled_queue_s
         if isinstance(waited, str) and waited.isdigit():
             measured_s, predicted_s = measured_s - int(waited) / 1e3, predicted_s - p.prefill_queue_s
-        self.calibration.observe(p.prefill_worker.worker_id, predicted_s, measured_s, p.ttft_factor)
+        worker, others_s = p.prefill_worker.worker_id, predicted_s - p.fixed_s - p.ttft_factor * p.compute_s
+        fixed_s = self.fixed_cost.observe(worker, p.compute_s, measured_s - others_s)
+        self.calibration.observe(worker, predicted_s - p.fixed_s, measured_s - fixed_s, p.ttft_factor)
 
     def _calibrate_load(self, p: Placement, measured_s: float) -> None:
         """An attempt placed behind queueing that did not run alone teaches the load's factor at its first token:

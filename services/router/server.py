@@ -188,6 +188,7 @@ async def start_router(
         tracker,
         predictor.calibration,
         predictor.load_calibration,
+        predictor.fixed_cost,
         predictor.best,
         lifecycle.recent,
         policy.offered,
