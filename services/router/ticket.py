@@ -61,9 +61,11 @@ class Ticket:
 
     @property
     def holds_s(self) -> float:
-        """What the request adds to its prefill worker's queue until its first token: its whole own TTFT, not
-        only its compute, since behind a queue the hand-offs (KV send, decode commit) measure as serial too."""
-        return self.placement.own_ttft_s
+        """What the request adds to its prefill worker's queue until its first token: its own TTFT, not only its
+        compute, since behind a queue the hand-offs (KV send, decode commit) measure as serial too; but not its fixed
+        cost (fixed_cost.py), most of which (the calls before its prefill, the commit after) the next prompt's
+        compute overlaps: counted, each smollm2-135m prompt queued added the 60-115 ms it was learned at under load."""
+        return self.placement.own_ttft_s - self.placement.fixed_s
 
     def ran_alone(self) -> bool:
         """Nothing of ours was queued on its prefill worker when it was placed, nor placed there since: until

@@ -169,3 +169,17 @@ def test_an_slo_below_the_fixed_cost_is_shed_with_a_hint_then_refused_naming_an_
     offered_ms = int(re.search(r"can offer is (\d+) ms", str(ttft.value)).group(1))
     assert offered_ms >= own * 1e3
     router.admit(prompt(64, seed=50), slo_s=(offered_ms / 1e3, 1.0))
+
+
+def test_a_request_queued_ahead_holds_its_prefill_worker_for_its_own_cost_less_the_fixed_cost():
+    """The next prompt's compute overlaps most of a request's fixed cost (its calls before its prefill, its commit
+    after): what it adds to the queue a later request is predicted behind is its own cost without it."""
+    router = tiny_router()
+    for i in range(MIN_SAMPLES * 2):
+        teach(router, prompt(64 * (1 + i % 8), seed=i))
+    placed = router.place(prompt(256, seed=60), 8, 1.0)
+    assert placed.fixed_s == pytest.approx(FIXED_S, abs=0.003)
+    req = RoutedRequest("client", prompt(256, seed=60), SamplingParams(max_tokens=8), 0.0, 0.0, 0)
+    with Ticket("key", "client", req, placed, 0.0, router.tracker, router.admission):
+        queued_s = router.predictor.queue_s(placed.prefill_worker)
+        assert queued_s == pytest.approx(placed.own_ttft_s - FIXED_S, abs=0.003)
