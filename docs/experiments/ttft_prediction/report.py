@@ -8,9 +8,12 @@ TTFT SLO (the median of the rounds).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 from pathlib import Path
+
+TIGHT_SLOS_MS = (25.0, 50.0, 100.0)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -29,6 +32,14 @@ def wrongly_shed(rows: list[dict], slo_ms: float) -> int:
         after = next((r for r in rows[i + 1 :] if r["status"] == "OK"), None)
         count += all(r is not None and r["measured_ms"] <= slo_ms for r in (before, after))
     return count
+
+
+def tight_slo(rows: list[dict], slo_ms: float) -> tuple[int, int]:
+    """(admitted yet missed, refused yet met) of requests sent alone, had each asked for a TTFT SLO of `slo_ms`:
+    admission admits an idle cluster's request whose predicted TTFT is within its SLO."""
+    admitted_missed = sum(r["predicted_ms"] <= slo_ms < r["measured_ms"] for r in rows)
+    refused_met = sum(r["measured_ms"] <= slo_ms < r["predicted_ms"] for r in rows)
+    return admitted_missed, refused_met
 
 
 def users(rows: list[dict], slo_ms: float, seconds: float) -> dict[str, float]:
@@ -51,19 +62,28 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the tables' figures here")
     args = parser.parse_args()
     runs: dict[str, list[dict]] = {}
-    for path in sorted(args.folder.glob("rows-*-*.json")):
-        side = path.stem.split("-")[1]
-        runs.setdefault(side, []).append(json.loads(path.read_text()))
+    for path in sorted(args.folder.glob("rows-*-*.json*")):  # rows-<side>-<round>.json, or .json.gz
+        side = path.name.split("-")[1]
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        runs.setdefault(side, []).append(json.loads(text))
     out: dict = {}
-    print("| side | load | served (rounds pooled) | measured/predicted p50 | p90 |")
-    print("|---|---|---|---|---|")
+    print("| side | load | served (rounds pooled) | measured/predicted p10 | p50 | p90 ", end="")
+    print("| p50, shorter half of the prompts | longer half |")
+    print("|---|---|---|---|---|---|---|---|")
     for side, results in runs.items():
         for load in results[0]["loads"]:
             rows = [r for res in results for r in res["loads"][load]]
             ok = [r for r in rows if r["status"] == "OK" and r.get("predicted_ms")]
             ratio = [r["measured_ms"] / r["predicted_ms"] for r in ok]
-            out.setdefault(side, {})[load] = {"served": len(ok), "p50": pct(ratio, 50), "p90": pct(ratio, 90)}
-            print(f"| {side} | {load}x | {len(ok)} | {pct(ratio, 50):.2f} | {pct(ratio, 90):.2f} |")
+            median_tokens = statistics.median(r["prompt_tokens"] for r in ok)
+            halves = [
+                [r["measured_ms"] / r["predicted_ms"] for r in ok if (r["prompt_tokens"] > median_tokens) == longer]
+                for longer in (False, True)
+            ]
+            p10, p50, p90, short, long = pct(ratio, 10), pct(ratio, 50), pct(ratio, 90), *(pct(h, 50) for h in halves)
+            out.setdefault(side, {})[load] = {"served": len(ok), "p10": p10, "p50": p50, "p90": p90}
+            out[side][load] |= {"p50_shorter_half": short, "p50_longer_half": long}
+            print(f"| {side} | {load}x | {len(ok)} | {p10:.2f} | {p50:.2f} | {p90:.2f} | {short:.2f} | {long:.2f} |")
     print("\nmedians, ms: measured parts | predicted parts (served requests, rounds pooled)")
     for side, results in runs.items():
         for load in results[0]["loads"]:
@@ -92,6 +112,15 @@ def main() -> None:
                 f"| {side} | {load}x | {med['attainment']:.0%} | {med['goodput']:.2f} | {med['shed']:g} | "
                 f"{med['admitted_missed']:g} | {med['wrongly_shed']:g} |"
             )
+    print("\nRequests sent one at a time (rounds pooled), judged against an explicit TTFT SLO offline: admitted")
+    print("(predicted within it) yet measured past it / refused (predicted past it) yet measured within it")
+    print("\n| side | " + " | ".join(f"SLO {slo:g} ms" for slo in TIGHT_SLOS_MS) + " |")
+    print("|---|" + "---|" * len(TIGHT_SLOS_MS))
+    for side, results in runs.items():
+        ok = [r for res in results for r in res["loads"]["0"] if r["status"] == "OK" and r.get("predicted_ms")]
+        judged = [tight_slo(ok, slo) for slo in TIGHT_SLOS_MS]
+        out[side]["0"]["tight_slo"] = dict(zip(TIGHT_SLOS_MS, judged, strict=True))
+        print(f"| {side} | " + " | ".join(f"{a} / {r} of {len(ok)}" for a, r in judged) + " |")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

@@ -151,6 +151,7 @@ def split(collector: Collector, rows: list[dict]) -> None:
         profiled_s = a.get("predicted_profiled_queue_s", queue_s)  # before the load's factor (none before it)
         row["predicted"] = {
             "own": a.get("predicted_own_ttft_s", 0) * 1e3,
+            "fixed": a.get("predicted_fixed_s", 0) * 1e3,  # of own: the fixed cost (none before fixed_cost.py)
             "prefill_queue": prefill_queue_s * 1e3,
             "decode_wait": (profiled_s - prefill_queue_s) * 1e3,
             "load_factor": (queue_s - profiled_s) * 1e3,  # what the load's factor added
