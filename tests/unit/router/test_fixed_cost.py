@@ -92,13 +92,13 @@ def test_prompts_of_one_size_leave_it_what_the_factor_at_its_cap_cannot_explain(
 
 def teach(router: Router, tokens: list[int]) -> None:
     """The relay's lesson from a request alone on an idle p0 whose TTFT was FIXED_S + FACTOR * its compute, plus
-    its KV transfer as predicted."""
+    its KV transfer and its decode worker's step (none on an idle one) as predicted."""
     placed = router.place(tokens, 8, 1.0)
-    assert placed.profiled_queue_s == 0
+    assert placed.prefill_queue_s == 0
     req = RoutedRequest("client", tokens, SamplingParams(max_tokens=8), 0.0, 0.0, 0)
     ticket = Ticket("key", "client", req, placed, 0.0, router.tracker, router.admission)
     transfer_s = router.predictor.transfer_s(placed.prefill_worker, len(tokens))
-    ticket.alone_ttft_s = FIXED_S + FACTOR * placed.compute_s + transfer_s
+    ticket.alone_ttft_s = FIXED_S + FACTOR * placed.compute_s + transfer_s + placed.profiled_queue_s
     ticket.release()
 
     async def calibrate() -> None:
@@ -127,6 +127,16 @@ def test_the_relay_teaches_the_fixed_cost_then_the_factor_what_is_left():
         truth = FIXED_S + FACTOR * placed.compute_s + router.predictor.transfer_s(placed.prefill_worker, n)
         assert placed.predicted_ttft_s == pytest.approx(truth, rel=0.05), n
         assert placed.fixed_s == pytest.approx(FIXED_S, abs=0.003)
+
+
+def test_a_busy_decode_workers_step_is_not_taken_for_a_fixed_cost():
+    """A request alone on its prefill worker whose decode worker is busy waits for one of its steps, which the
+    prediction holds apart (the decode wait): the fixed cost is learned from the TTFT less it."""
+    router = Router([worker("p0", speed_factor=0.02), worker("d0", "decode", running=4)])
+    assert router.place(prompt(64), 8, 1.0).profiled_queue_s > FIXED_S / 2
+    for i in range(MIN_SAMPLES * 2):
+        teach(router, prompt(64 * (1 + i % 8), seed=i))
+    assert router.predictor.fixed_cost.fixed_s("p0") == pytest.approx(FIXED_S, abs=0.003)
 
 
 def test_the_factor_is_taught_the_ttft_with_the_fixed_cost_taken_off_as_this_request_left_it():
