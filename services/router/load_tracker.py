@@ -97,18 +97,30 @@ class LoadTracker:
         self.pending_blocks[sent.decode_id] -= sent.blocks
         _log(self._prefilled[sent.prefill_id], (sent.prompt_tokens, sent.new_tokens))
 
-    def prefilled_since(self, prefill_id: str, since: float) -> QueuedPrefill:
+    def prefilled_since(self, prefill_id: str, since: float, most_tokens: int | None = None) -> QueuedPrefill:
         """The most a queue sampled at `since` (a heartbeat's) can show of our prompts whose prefill
-        has ended since: each whole prompt's tokens, since the worker's prefix cache may hold less of it than we
-        predicted (our prefix index learns of its evictions late); the squares of what we predicted it would
-        compute, as a worker counts a prompt's squares past its cached prefix (`QueuedPrefill.minus` keeps the rest
-        a queue that can be)."""
+        has ended since (those of at most `most_tokens` new tokens, if given): each whole prompt's tokens, since the
+        worker's prefix cache may hold less of it than we predicted (our prefix index learns of its evictions late);
+        the squares of what we predicted it would compute, as a worker counts a prompt's squares past its cached
+        prefix (`QueuedPrefill.minus` keeps the rest a queue that can be)."""
         prompts = tokens = squares = 0
         for at, (prompt, new) in reversed(self._prefilled.get(prefill_id, ())):  # newest first: only past `since`
             if at <= since:
                 break
-            prompts, tokens, squares = prompts + 1, tokens + prompt, squares + new * new
+            if most_tokens is None or new <= most_tokens:
+                prompts, tokens, squares = prompts + 1, tokens + prompt, squares + new * new
         return QueuedPrefill(prompts, tokens, squares)
+
+    def pending_ahead_of_short_s(self, prefill_id: str, short_tokens: int) -> float:
+        """Of ours placed on the prefill worker whose first token is not back, what a prompt of at most
+        `short_tokens` new tokens waits for there (engine/short_first.py), in predicted seconds: the short ones, and
+        one chunk of the longest other (its share of that prompt's seconds), the one that may be in flight."""
+        pending = [s for p in self._prefilling if (s := self._sent[p]).prefill_id == prefill_id]
+        short = sum(s.seconds for s in pending if s.new_tokens <= short_tokens)
+        chunk = max(
+            (s.seconds * short_tokens / s.new_tokens for s in pending if s.new_tokens > short_tokens), default=0
+        )
+        return short + chunk
 
     def placed_since(self, decode_id: str, since: float) -> int:
         """KV blocks of our unfinished requests placed on the decode worker after `since` (a heartbeat's): reserved

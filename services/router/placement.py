@@ -167,7 +167,7 @@ class PlacementPolicy(ABC):
             prefill, decode = self.choose(prefills, decodes, ask)
         cached = hits.get(prefill.cache_key, 0) * block_size
         own_s = self.predictor.own_ttft_s(prefill, len(prompt), cached)
-        prefill_queue_s = self.predictor.queue_s(prefill)
+        prefill_queue_s = self.predictor.queue_s(prefill, max(len(prompt) - cached, 1))
         profiled_queue_s = prefill_queue_s + self.predictor.decode_wait_s(decode)
         return Placement(
             decode=decode,

@@ -48,24 +48,34 @@ class Predictor:
         """What a first token from `w` takes besides the compute and the transfer, whatever the prompt."""
         return self.fixed_cost.fixed_s(w.worker_id)
 
-    def queue_s(self, w: WorkerState) -> float:
-        """Work ahead of a new prompt: what we sent and is not done, or what the worker last reported (other
-        routers' prompts too), each prompt priced as we price our own; a worker too old to count its prompts
-        has its tokens priced linearly."""
-        local = self.tracker.pending_prefill_s[w.worker_id]
+    def queue_s(self, w: WorkerState, new_tokens: int = 0) -> float:
+        """Work ahead of a new prompt of `new_tokens` to compute (0: any prompt, all the queue): what we sent and is
+        not done, or what the worker last reported (other routers' prompts too), each prompt priced as we price our
+        own; a worker too old to count its prompts has its tokens priced linearly. Where a prompt that fits one step
+        goes ahead of longer ones (engine/short_first.py), such a prompt waits only for the short prompts queued
+        and the chunk in flight."""
+        short = 0 < new_tokens <= w.short_prompt_tokens
+        if short:
+            local = self.tracker.pending_ahead_of_short_s(w.worker_id, w.short_prompt_tokens)
+        else:
+            local = self.tracker.pending_prefill_s[w.worker_id]
         if not w.profile:
             return local
-        queue = self.reported_queue(w)
+        queue = self.reported_queue(w, new_tokens if short else 0)
         if w.queued_prefill_prompts:
             reported = w.profile.queued_prefill_s(queue)
         else:
             reported = w.profile.prefill_per_token_s * queue.tokens
         return max(local, reported * self.speed(w))
 
-    def reported_queue(self, w: WorkerState) -> QueuedPrefill:
-        """The worker's last reported queue, less what of ours it has finished since it sampled that queue (not
-        since it sent the report: a prefill ending in between would count twice, and shed for a heartbeat)."""
+    def reported_queue(self, w: WorkerState, new_tokens: int = 0) -> QueuedPrefill:
+        """The worker's last reported queue (of it, what a prompt of `new_tokens` waits for), less what of ours it
+        has finished since it sampled that queue (not since it sent the report: a prefill ending in between would
+        count twice, and shed for a heartbeat)."""
         sampled_at = w.load_sampled_at
+        if 0 < new_tokens <= w.short_prompt_tokens:
+            done = self.tracker.prefilled_since(w.worker_id, sampled_at, most_tokens=w.short_prompt_tokens)
+            return w.queued_prefill_ahead_of(new_tokens).minus(done)
         return w.queued_prefill.minus(self.tracker.prefilled_since(w.worker_id, sampled_at))
 
     def reported_tokens(self, w: WorkerState) -> int:
@@ -81,7 +91,8 @@ class Predictor:
 
     def ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
         own_s = self.own_ttft_s(w, prompt_tokens, cached_tokens)
-        return own_s + self.load_calibration.queueing_s(w.worker_id, own_s, self.queue_s(w))
+        queue_s = self.queue_s(w, max(prompt_tokens - cached_tokens, 1))
+        return own_s + self.load_calibration.queueing_s(w.worker_id, own_s, queue_s)
 
     def transfer_s(self, w: WorkerState, prompt_tokens: int) -> float:
         if w.role == Role.COLOCATED:  # the prompt's KV stays where it was computed

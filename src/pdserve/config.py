@@ -45,6 +45,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512  # no single prefill takes more of a step than this
     max_prefills_per_step: int | None = None  # prompts a step may run; None: as many as the budget holds
+    # A prompt that fits one step runs ahead of a longer prompt's next chunk (engine/short_first.py): prefill workers.
+    short_prompts_first: bool = False
     mode: EngineMode = EngineMode.MIXED
 
     def __post_init__(self) -> None:

@@ -39,9 +39,15 @@ class WorkerSpec:
         """The engine its role runs, as built in the worker's own process (its thread count is that host's CPUs)."""
         scheduler = replace(self.engine.scheduler, mode=self.role.engine_mode)
         if self.role is Role.PREFILL:
-            # One prompt (or one chunk of a long one) per step, first come first served: batching later prompts
-            # into an earlier one's step delays its first token past what admission promised it.
-            scheduler = replace(scheduler, max_num_batched_tokens=scheduler.long_prefill_chunk, max_prefills_per_step=1)
+            # One prompt (or one chunk of a long one) per step: batching later prompts into an earlier one's step
+            # delays its first token past what admission promised it. A prompt that fits one step goes ahead of a
+            # longer one's remaining chunks (engine/short_first.py), as the routers price it.
+            scheduler = replace(
+                scheduler,
+                max_num_batched_tokens=scheduler.long_prefill_chunk,
+                max_prefills_per_step=1,
+                short_prompts_first=True,
+            )
         else:
             # A step takes its running sequences in order while its token budget lasts: past the budget, a full
             # batch's last sequences got no token, silent, until those ahead ended (a router takes such a silence

@@ -104,6 +104,7 @@ class LLMEngine:
     def stats(self) -> dict[str, int]:
         """The load a worker publishes (registry, metrics, the router's predictor)."""
         queued, free = self.scheduler.queued_prefill(), self.blocks_free_for_new()
+        short = self.scheduler.queued_ahead_of_short() or queued
         return {
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_blocks_used": self.blocks.num_used_blocks,
@@ -116,6 +117,11 @@ class LLMEngine:
             "queued_prefill_tokens": queued.tokens,
             "queued_prefill_prompts": queued.prompts,
             "queued_prefill_token_squares": queued.token_squares,
+            # What a prompt that fits one step waits for, where such prompts go ahead (engine/short_first.py).
+            "short_prompt_tokens": self.scheduler.short_first.chunk if self.scheduler.short_first else 0,
+            "queued_short_prefill_prompts": short.prompts,
+            "queued_short_prefill_tokens": short.tokens,
+            "queued_short_prefill_token_squares": short.token_squares,
             "prefix_hits": self.blocks.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,
             "sampled_at_ns": time.time_ns(),  # for routers of an earlier build, which read it on their own clocks

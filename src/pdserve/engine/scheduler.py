@@ -9,6 +9,8 @@ admitted beside it cannot take them and preempt it part-way (when they could, re
 4x the tokens needed in a review's run). When a running sequence needs a block and none is free, the most
 recently admitted sequence of the lowest priority running is preempted: its blocks are freed and it waits to be
 recomputed, keeping its generated tokens, and goes back first unless a higher priority waits.
+On a prefill worker (`short_prompts_first`), a waiting prompt that fits one step runs ahead of a longer prompt's next
+chunk, within a credit (short_first.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pdserve.config import SchedulerConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.fair_queue import FairQueue
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.short_first import ShortFirst, queued_ahead_of_short
 from pdserve.protocol.outputs import FinishReason
 from pdserve.protocol.perf_profile import QueuedPrefill
 
@@ -60,6 +63,7 @@ class Scheduler:
         self.blocks = block_manager
         self.waiting: deque[Sequence] = deque()  # those preempted first (running before), then in arrival order
         self.fair = FairQueue()
+        self.short_first = ShortFirst(config.long_prefill_chunk) if config.short_prompts_first else None
         self.running: list[Sequence] = []
         self._scheduled: list[tuple[Sequence, int]] = []
         self.num_preemptions = 0  # since start, for metrics and tests
@@ -81,6 +85,12 @@ class Scheduler:
                 n = max(s.num_prompt_tokens - s.expected_cached_tokens, left)
                 prompts, tokens, squares = prompts + 1, tokens + left, squares + n * n - (n - left) ** 2
         return QueuedPrefill(prompts, tokens, squares)
+
+    def queued_ahead_of_short(self) -> QueuedPrefill | None:
+        """What a prompt that fits one step waits for here (short_first.py); None: it waits for all the queue."""
+        if self.short_first is None:
+            return None
+        return queued_ahead_of_short(self.waiting, self.running, self.short_first.chunk)
 
     def add(self, seq: Sequence) -> None:
         self._wait(seq)
@@ -105,7 +115,26 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[str] = []
-        queue = list(self.running)
+        ahead = self._short_ahead()
+        # The prompts part-way through their prefill wait a step for those ahead of them.
+        held = [s for s in self.running if ahead and s.num_computed_tokens < s.num_prompt_tokens]
+        budget = self._continue([s for s in self.running if s not in held], budget, scheduled, preempted)
+        if not preempted:
+            budget = self._admit(budget, scheduled, ahead)
+        if held and not any(s in ahead for s, _ in scheduled):  # none could start (no blocks): no step is lost
+            budget = self._continue(held, budget, scheduled, preempted)
+        if self.short_first is not None:
+            _count_credit(self.short_first, scheduled, ahead)
+        self._scheduled = scheduled
+        scheduled.sort(key=lambda item: item[1] > 1 or item[0].num_computed_tokens == 0)
+        chunks = [self._chunk(seq, n) for seq, n in scheduled]
+        started = [seq for seq, _ in scheduled if seq.first_scheduled is None]
+        return SchedulerOutput(chunks=chunks, preempted=preempted, started=started)
+
+    def _continue(
+        self, queue: list[Sequence], budget: int, scheduled: list[tuple[Sequence, int]], preempted: list[str]
+    ) -> int:
+        """Schedules the running sequences of `queue` in order while the budget lasts, preempting for blocks."""
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_uncomputed_tokens, budget, self.config.long_prefill_chunk)
@@ -124,23 +153,26 @@ class Scheduler:
             else:
                 scheduled.append((seq, n))
                 budget -= n
-        if not preempted:
-            budget = self._admit(budget, scheduled)
-        self._scheduled = scheduled
-        scheduled.sort(key=lambda item: item[1] > 1 or item[0].num_computed_tokens == 0)
-        chunks = [self._chunk(seq, n) for seq, n in scheduled]
-        started = [seq for seq, _ in scheduled if seq.first_scheduled is None]
-        return SchedulerOutput(chunks=chunks, preempted=preempted, started=started)
+        return budget
 
-    def _admit(self, budget: int, scheduled: list[tuple[Sequence, int]]) -> int:
+    def _short_ahead(self) -> list[Sequence]:
+        """The waiting prompts that may run this step ahead of a longer prompt's chunks (short_first.py)."""
+        if self.short_first is None or not self.waiting:
+            return []
+        fits = self.short_first.fits
+        longer = [s for s in self.running if s.num_computed_tokens < s.num_prompt_tokens]
+        longer += [s for s in self.waiting if not fits(s)]
+        return self.short_first.pick(self.waiting, longer)
+
+    def _admit(self, budget: int, scheduled: list[tuple[Sequence, int]], ahead: list[Sequence]) -> int:
         cap = self.config.max_prefills_per_step
         prefills = sum(1 for seq, n in scheduled if n > 1 or seq.num_computed_tokens == 0)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if cap is not None and prefills >= cap:
                 break
             prefills += 1
-            seq = self.fair.first(self.waiting)
-            if self.waiting[0].num_preemptions and self.waiting[0].priority >= seq.priority:
+            seq = self.fair.first([s for s in ahead if s.status is SequenceStatus.WAITING] or self.waiting)
+            if not ahead and self.waiting[0].num_preemptions and self.waiting[0].priority >= seq.priority:
                 seq = self.waiting[0]  # it was running: back first, unless a higher priority waits
             prefix = self._cached_prefix(seq)
             cached = len(prefix) * self.blocks.block_size
@@ -205,3 +237,12 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+
+def _count_credit(policy: ShortFirst, scheduled: list[tuple[Sequence, int]], ahead: list[Sequence]) -> None:
+    """The short prompts' tokens that went ahead this step, or a longer prompt's chunk that ran (short_first.py)."""
+    for seq, n in scheduled:
+        if seq in ahead:
+            policy.went_ahead(n)
+        elif seq.num_prompt_tokens - seq.num_cached_tokens > policy.chunk:
+            policy.longer_ran()

@@ -50,6 +50,13 @@ class WorkerState:
     # prompt alone (QueuedPrefill). 0 prompts with tokens queued: a worker too old to say.
     queued_prefill_prompts: int = 0
     queued_prefill_token_squares: int = 0
+    # A prompt of at most short_prompt_tokens new tokens runs ahead of longer prompts' remaining chunks
+    # (engine/short_first.py) and waits only for the queued_short_prefill_* part of the queue: the short prompts
+    # waiting and the chunk in flight. 0: the worker takes prompts in order (or is too old to say).
+    short_prompt_tokens: int = 0
+    queued_short_prefill_prompts: int = 0
+    queued_short_prefill_tokens: int = 0
+    queued_short_prefill_token_squares: int = 0
     # The optional request features it honours, and its KV header's version (protocol/compatibility.py); (), 0: a
     # worker too old to say, which honours no feature added since and speaks UNSAID_KV_WIRE_VERSION.
     features: tuple[str, ...] = ()
@@ -90,6 +97,16 @@ class WorkerState:
     @property
     def queued_prefill(self) -> QueuedPrefill:
         return QueuedPrefill(self.queued_prefill_prompts, self.queued_prefill_tokens, self.queued_prefill_token_squares)
+
+    def queued_prefill_ahead_of(self, new_tokens: int) -> QueuedPrefill:
+        """The part of its queue a prompt of `new_tokens` to compute waits for."""
+        if 0 < new_tokens <= self.short_prompt_tokens:
+            return QueuedPrefill(
+                self.queued_short_prefill_prompts,
+                self.queued_short_prefill_tokens,
+                self.queued_short_prefill_token_squares,
+            )
+        return self.queued_prefill
 
     @property
     def load_sampled_at(self) -> float:

@@ -38,3 +38,10 @@ def test_a_decoding_workers_budget_holds_a_full_batch_and_a_recomputes_chunk(rol
 def test_a_prefill_workers_budget_is_one_chunk() -> None:
     scheduler = WorkerSpec(Role.PREFILL, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=3000))).engine_config()
     assert scheduler.scheduler.max_num_batched_tokens == SchedulerConfig.long_prefill_chunk
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_only_a_prefill_worker_lets_short_prompts_ahead_of_long_ones_chunks(role: Role) -> None:
+    """Where one prompt runs per step; a decoding worker's budget already holds a short prompt beside a chunk."""
+    scheduler = WorkerSpec(role, EngineConfig()).engine_config().scheduler
+    assert scheduler.short_prompts_first == (role is Role.PREFILL)

@@ -1,0 +1,64 @@
+"""A prefill worker's order at chunk boundaries: a prompt that fits one step goes ahead of a longer prompt's remaining
+chunks, within a credit that keeps the longer one moving.
+
+A prefill worker runs one prompt per step, long ones in chunks. First come, first served, a chat prompt of 100
+tokens queued behind one of 3000 waited for all six of its chunks (8.8 s on smollm2-135m, 2 cores), though its own
+step takes 0.1 s (docs/experiments/prefill_head_of_line/). Here a waiting prompt whose new tokens fit one chunk runs
+at the next step boundary instead of the longer prompt's next chunk, so it waits at most for the chunk in flight and
+the short prompts queued before it. Short prompts go ahead by at most one chunk's tokens between two chunks of the
+longer prompt: under any stream of them it still gets every other step, at least half the worker's tokens. Among
+themselves, short prompts keep the waiting queue's order (priority, each tenant's in turn: fair_queue.py), and none
+goes ahead of a longer prompt of a higher priority.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pdserve.engine.sequence import Sequence
+from pdserve.protocol.perf_profile import QueuedPrefill
+
+
+def new_tokens(seq: Sequence) -> int:
+    """What is left of its prompt to compute, past the prefix the cache held when it began to wait."""
+    return seq.num_uncomputed_tokens - seq.expected_cached_tokens
+
+
+class ShortFirst:
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk  # a prompt of at most this many new tokens runs in one step
+        self.ahead = 0  # short prompts' tokens run ahead of a longer one since its last chunk
+
+    def fits(self, seq: Sequence) -> bool:
+        return new_tokens(seq) <= self.chunk
+
+    def pick(self, waiting: Iterable[Sequence], longer: list[Sequence]) -> list[Sequence]:
+        """The waiting prompts that may run this step ahead of `longer` (the prompts that need several steps, running
+        or waiting): those that fit one step and are of no lower priority than any of them, while the credit
+        lasts. None when nothing longer waits for them to pass."""
+        if not longer or self.ahead >= self.chunk:
+            return []
+        floor = max(s.priority for s in longer)
+        return [s for s in waiting if s.priority >= floor and self.fits(s)]
+
+    def went_ahead(self, tokens: int) -> None:
+        self.ahead += tokens
+
+    def longer_ran(self) -> None:
+        self.ahead = 0
+
+
+def queued_ahead_of_short(waiting: Iterable[Sequence], running: Iterable[Sequence], chunk: int) -> QueuedPrefill:
+    """What a prompt that fits one step, arriving now, waits for: the short prompts waiting, and the next chunk of each
+    prompt part-way through its prefill (the one in flight). A chunk of a prompt of n new tokens with `done` of them
+    computed counts (done + k)² - done² squared tokens: its share of the n² a router prices that prompt at."""
+    prompts = tokens = squares = 0
+    for s in waiting:
+        if 0 < (n := new_tokens(s)) <= chunk:
+            prompts, tokens, squares = prompts + 1, tokens + n, squares + n * n
+    for s in running:
+        if (left := s.num_prompt_tokens - s.num_computed_tokens) > 0:
+            done = max(s.num_prompt_tokens - s.expected_cached_tokens, left) - left
+            k = min(left, chunk)
+            prompts, tokens, squares = prompts + 1, tokens + k, squares + (done + k) ** 2 - done**2
+    return QueuedPrefill(prompts, tokens, squares)

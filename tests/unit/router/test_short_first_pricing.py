@@ -1,0 +1,75 @@
+"""The router prices a prompt's wait as the prefill worker orders it (engine/short_first.py): a prompt that fits one
+step waits for the short prompts queued and the chunk in flight, a longer one for the whole queue."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdserve.config import RouterConfig
+from services.router.load_tracker import LoadTracker
+from services.router.predictor import Predictor
+from tests.unit.round_profile import PROFILE
+from tests.unit.router.router_builder import Router, prompt, shed, worker
+
+# A 3000-token prompt part-way (2488 left) and two 100-token ones queued; of it, a short prompt waits for the two
+# and the long prompt's 512-token chunk in flight.
+REPORT = dict(
+    queued_prefill_prompts=3,
+    queued_prefill_tokens=2488 + 200,
+    queued_prefill_token_squares=2 * 100**2,
+    queued_short_prefill_prompts=3,
+    queued_short_prefill_tokens=512 + 200,
+    queued_short_prefill_token_squares=2 * 100**2,
+)
+
+
+def test_a_short_prompt_is_priced_behind_the_short_prompts_and_the_chunk_in_flight_a_long_one_behind_all() -> None:
+    pred = Predictor(RouterConfig(), LoadTracker())
+    w = worker("p0", short_prompt_tokens=512, **REPORT)
+    assert pred.queue_s(w, 100) == pytest.approx(PROFILE.prefill_s(512) + 2 * PROFILE.prefill_s(100))
+    assert pred.queue_s(w, 512) == pred.queue_s(w, 100)  # fits one step
+    whole = 3 * PROFILE.prefill_fixed_s + (2488 + 200) * PROFILE.prefill_per_token_s
+    assert pred.queue_s(w, 513) == pytest.approx(whole)
+    assert pred.queue_s(w) == pytest.approx(whole)  # any prompt: the whole queue (a retry hint's)
+    assert pred.ttft_s(w, 100, 0) == pytest.approx(pred.own_ttft_s(w, 100, 0) + pred.queue_s(w, 100))
+
+
+def test_admission_serves_a_short_prompt_behind_a_long_ones_chunk_that_it_sheds_behind_all_of_the_long_one() -> None:
+    """A 1.5 s TTFT SLO: 0.73 s of short work queued on a worker that lets it ahead, 2.71 s on one that does not."""
+    ordered = Router([worker("p0", short_prompt_tokens=512, **REPORT), worker("d0", "decode")])
+    placed = ordered.admit(prompt(100), slo_s=(1.5, 1.0))
+    assert placed.prefill_queue_s == pytest.approx(PROFILE.prefill_s(512) + 2 * PROFILE.prefill_s(100))
+    in_order = Router([worker("p0", **REPORT), worker("d0", "decode")])
+    shed(in_order, prompt(100), "queue", slo_s=(1.5, 1.0))
+
+
+def test_a_worker_that_takes_prompts_in_order_has_every_prompt_priced_behind_all_its_queue() -> None:
+    pred = Predictor(RouterConfig(), LoadTracker())
+    w = worker("p0", **REPORT)  # short_prompt_tokens 0: in order, or a worker too old to say
+    assert pred.queue_s(w, 100) == pytest.approx(pred.queue_s(w, 3000))
+
+
+def test_our_own_prompts_not_yet_reported_count_for_a_short_prompt_as_the_short_ones_and_one_chunk() -> None:
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    tracker.start("p0", "d0", new_tokens=3000, seconds=3.0, blocks=200, prompt_tokens=3000)
+    tracker.start("p0", "d0", new_tokens=100, seconds=0.1, blocks=8, prompt_tokens=100)
+    w = worker("p0", short_prompt_tokens=500)
+    assert pred.queue_s(w, 100) == pytest.approx(0.1 + 3.0 * 500 / 3000)
+    assert pred.queue_s(w, 1000) == pytest.approx(3.1)
+
+
+def test_our_short_prompt_prefilled_since_the_report_comes_off_the_short_part_and_a_long_one_does_not() -> None:
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    sampled = time.time() - 1.0
+    w = worker("p0", short_prompt_tokens=512, load_at=sampled, **REPORT)
+    before = pred.queue_s(w, 100)
+    long = tracker.start("p0", "d0", new_tokens=3000, seconds=3.0, blocks=200, prompt_tokens=3000)
+    tracker.prefilled(long)
+    assert pred.queue_s(w, 100) == pytest.approx(before)
+    short = tracker.start("p0", "d0", new_tokens=100, seconds=0.1, blocks=8, prompt_tokens=100)
+    tracker.prefilled(short)
+    assert pred.queue_s(w, 100) == pytest.approx(PROFILE.prefill_s(512) + PROFILE.prefill_s(100))
