@@ -111,16 +111,18 @@ class LoadTracker:
                 prompts, tokens, squares = prompts + 1, tokens + prompt, squares + new * new
         return QueuedPrefill(prompts, tokens, squares)
 
-    def pending_ahead_of_short_s(self, prefill_id: str, short_tokens: int) -> float:
+    def pending_ahead_of_short_s(self, prefill_id: str, short_tokens: int, since: float) -> float:
         """Of ours placed on the prefill worker whose first token is not back, what a prompt of at most
         `short_tokens` new tokens waits for there (engine/short_first.py), in predicted seconds: the short ones, and
-        one chunk of the longest other (its share of that prompt's seconds), the one that may be in flight."""
+        a chunk (its share of the prompt's seconds) of a longer one placed after `since`, a report's sampling, which
+        cannot show the chunk it may have in flight (a later report prices that chunk itself: the share of the
+        whole, held for all of a long prompt's prefill, read 5.4 s where its chunks took 1.2-2.1 s)."""
         pending = [s for p in self._prefilling if (s := self._sent[p]).prefill_id == prefill_id]
         short = sum(s.seconds for s in pending if s.new_tokens <= short_tokens)
-        chunk = max(
-            (s.seconds * short_tokens / s.new_tokens for s in pending if s.new_tokens > short_tokens), default=0
-        )
-        return short + chunk
+        longer = [
+            s.seconds * short_tokens / s.new_tokens for s in pending if s.new_tokens > short_tokens and s.at > since
+        ]
+        return short + max(longer, default=0.0)
 
     def placed_since(self, decode_id: str, since: float) -> int:
         """KV blocks of our unfinished requests placed on the decode worker after `since` (a heartbeat's): reserved

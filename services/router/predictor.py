@@ -56,7 +56,7 @@ class Predictor:
         and the chunk in flight."""
         short = 0 < new_tokens <= w.short_prompt_tokens
         if short:
-            local = self.tracker.pending_ahead_of_short_s(w.worker_id, w.short_prompt_tokens)
+            local = self.tracker.pending_ahead_of_short_s(w.worker_id, w.short_prompt_tokens, w.load_sampled_at)
         else:
             local = self.tracker.pending_prefill_s[w.worker_id]
         if not w.profile:

@@ -52,13 +52,19 @@ def test_a_worker_that_takes_prompts_in_order_has_every_prompt_priced_behind_all
 
 
 def test_our_own_prompts_not_yet_reported_count_for_a_short_prompt_as_the_short_ones_and_one_chunk() -> None:
+    """A long prompt of ours counts one chunk (its share of its seconds) until a report sampled after it was placed,
+    which shows the chunk it has in flight, if any; a short one counts until its first token is back."""
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
+    before = worker("p0", short_prompt_tokens=500)
+    time.sleep(0.01)
     tracker.start("p0", "d0", new_tokens=3000, seconds=3.0, blocks=200, prompt_tokens=3000)
     tracker.start("p0", "d0", new_tokens=100, seconds=0.1, blocks=8, prompt_tokens=100)
-    w = worker("p0", short_prompt_tokens=500)
-    assert pred.queue_s(w, 100) == pytest.approx(0.1 + 3.0 * 500 / 3000)
-    assert pred.queue_s(w, 1000) == pytest.approx(3.1)
+    assert pred.queue_s(before, 100) == pytest.approx(0.1 + 3.0 * 500 / 3000)
+    assert pred.queue_s(before, 1000) == pytest.approx(3.1)
+    time.sleep(0.01)
+    after = worker("p0", short_prompt_tokens=500)  # its report shows neither: the local count is the least
+    assert pred.queue_s(after, 100) == pytest.approx(0.1)
 
 
 def test_our_short_prompt_prefilled_since_the_report_comes_off_the_short_part_and_a_long_one_does_not() -> None:
