@@ -66,7 +66,8 @@ class Predictor:
             reported = w.profile.queued_prefill_s(queue)
         else:
             reported = w.profile.prefill_per_token_s * queue.tokens
-        return max(local, reported * self.speed(w))
+        in_flight_s = w.prefill_chunk_s if short else 0.0  # measured on the worker, not priced
+        return max(local, reported * self.speed(w) + in_flight_s)
 
     def reported_queue(self, w: WorkerState, new_tokens: int = 0) -> QueuedPrefill:
         """The worker's last reported queue (of it, what a prompt of `new_tokens` waits for), less what of ours it

@@ -104,7 +104,7 @@ class LLMEngine:
     def stats(self) -> dict[str, int]:
         """The load a worker publishes (registry, metrics, the router's predictor)."""
         queued, free = self.scheduler.queued_prefill(), self.blocks_free_for_new()
-        short = self.scheduler.queued_ahead_of_short() or queued
+        short, chunk_s = self.scheduler.queued_ahead_of_short() or (queued, 0.0)
         return {
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_blocks_used": self.blocks.num_used_blocks,
@@ -122,6 +122,7 @@ class LLMEngine:
             "queued_short_prefill_prompts": short.prompts,
             "queued_short_prefill_tokens": short.tokens,
             "queued_short_prefill_token_squares": short.token_squares,
+            "prefill_chunk_us": round(chunk_s * 1e6),
             "prefix_hits": self.blocks.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,
             "sampled_at_ns": time.time_ns(),  # for routers of an earlier build, which read it on their own clocks
@@ -294,8 +295,11 @@ class LLMEngine:
             self._append_token(req, tok, logprobs.get(i))
             for i, (req, tok) in enumerate(zip(sampled, tokens.tolist(), strict=True))
         ]
+        done = time.monotonic()
+        for chunk in plan.chunks:
+            if len(chunk.token_ids) > 1 and not chunk.sample:  # a prompt part-way: its next chunk takes about as long
+                self._requests[chunk.seq_id].seq.last_chunk_s = done - began
         if prefilled:
-            done = time.monotonic()
             self.last_step_prefill_s = [done - s.first_scheduled for s in prefilled if s.first_scheduled is not None]
         return outputs
 

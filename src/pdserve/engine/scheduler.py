@@ -86,8 +86,9 @@ class Scheduler:
                 prompts, tokens, squares = prompts + 1, tokens + left, squares + n * n - (n - left) ** 2
         return QueuedPrefill(prompts, tokens, squares)
 
-    def queued_ahead_of_short(self) -> QueuedPrefill | None:
-        """What a prompt that fits one step waits for here (short_first.py); None: it waits for all the queue."""
+    def queued_ahead_of_short(self) -> tuple[QueuedPrefill, float] | None:
+        """What a prompt that fits one step waits for here, in tokens and seconds (short_first.py); None: it waits
+        for all the queue."""
         if self.short_first is None:
             return None
         return queued_ahead_of_short(self.waiting, self.running, self.short_first.chunk)

@@ -31,6 +31,9 @@ class Sequence:
     # time.monotonic() when it began to wait for its first step: added, or on a decode worker its KV committed.
     arrival: float = 0.0
     first_scheduled: float | None = None  # when the first step that ran any of it began; a recompute's is not
+    # How long the last step that ran a chunk of its prompt short of the end took (0: none yet): what its next chunk,
+    # the one a short prompt waits for (short_first.py), is expected to take.
+    last_chunk_s: float = 0.0
     preempted_at: float | None = None  # when the step that preempted it began, until a step runs it again
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -51,12 +51,14 @@ class WorkerState:
     queued_prefill_prompts: int = 0
     queued_prefill_token_squares: int = 0
     # A prompt of at most short_prompt_tokens new tokens runs ahead of longer prompts' remaining chunks
-    # (engine/short_first.py) and waits only for the queued_short_prefill_* part of the queue: the short prompts
-    # waiting and the chunk in flight. 0: the worker takes prompts in order (or is too old to say).
+    # (engine/short_first.py) and waits only for the short prompts waiting and the chunk in flight: the
+    # queued_short_prefill_* part of the queue, and prefill_chunk_s, the seconds of a chunk in flight where an earlier
+    # chunk of its prompt ran (as long as that took). 0: the worker takes prompts in order (or is too old to say).
     short_prompt_tokens: int = 0
     queued_short_prefill_prompts: int = 0
     queued_short_prefill_tokens: int = 0
     queued_short_prefill_token_squares: int = 0
+    prefill_chunk_s: float = 0.0
     # The optional request features it honours, and its KV header's version (protocol/compatibility.py); (), 0: a
     # worker too old to say, which honours no feature added since and speaks UNSAID_KV_WIRE_VERSION.
     features: tuple[str, ...] = ()

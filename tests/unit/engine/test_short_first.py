@@ -3,8 +3,14 @@ longer prompt's remaining chunks, within a credit of one chunk's tokens between 
 
 from __future__ import annotations
 
-from pdserve.config import SchedulerConfig
+import time
+
+from pdserve.config import EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.perf_profile import QueuedPrefill
+from pdserve.protocol.roles import EngineMode
+from pdserve.protocol.sampling import SamplingParams
 from tests.unit.engine.test_scheduler import Sim
 
 PREFILL = SchedulerConfig(
@@ -77,15 +83,39 @@ def test_in_order_without_the_policy() -> None:
 
 
 def test_a_short_prompt_waits_for_the_short_ones_queued_and_the_long_prompts_chunk_in_flight() -> None:
-    """What the worker reports for a router to price a short prompt's wait: a chunk of the long prompt priced as its
-    share of the long one's squares (from 8 done to 16: 16² - 8²), the short prompts whole; the whole queue apart."""
+    """What the worker reports for a router to price a short prompt's wait: the short prompts whole, and a chunk of the
+    long prompt as long as its last chunk took, or before one ran, priced as its share of the long one's squares (from
+    8 done to 16: 16² - 8²); the whole queue apart."""
     sim = Sim(PREFILL, num_blocks=64)
-    sim.add("long", list(range(30)), max_tokens=1)
+    long = sim.add("long", list(range(30)), max_tokens=1)
     steps(sim, 1)
     sim.add("a", list(range(100, 105)), max_tokens=1)
     sim.add("b", list(range(110, 116)), max_tokens=1)
     sim.add("other long", list(range(200, 220)), max_tokens=1)
-    assert sim.sched.queued_ahead_of_short() == QueuedPrefill(3, 8 + 5 + 6, 16**2 - 8**2 + 5**2 + 6**2)
+    shorts = QueuedPrefill(2, 5 + 6, 5**2 + 6**2)
+    assert sim.sched.queued_ahead_of_short() == (QueuedPrefill(3, 8 + 11, 16**2 - 8**2 + shorts.token_squares), 0.0)
     assert sim.sched.queued_prefill() == QueuedPrefill(4, 22 + 5 + 6 + 20, 30**2 - 8**2 + 5**2 + 6**2 + 20**2)
+    long.last_chunk_s = 1.5  # the engine's step timed its first chunk
+    assert sim.sched.queued_ahead_of_short() == (shorts, 1.5)
     sim.run()
-    assert sim.sched.queued_ahead_of_short() == QueuedPrefill()
+    assert sim.sched.queued_ahead_of_short() == (QueuedPrefill(), 0.0)
+
+
+def test_a_prefill_engine_reports_a_chunk_in_flight_as_long_as_its_prompts_last_chunk_took() -> None:
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=64,
+        long_prefill_chunk=64,
+        max_prefills_per_step=1,
+        short_prompts_first=True,
+        mode=EngineMode.PREFILL_ONLY,
+    )
+    engine = LLMEngine(EngineConfig(model="tiny-random", num_threads=1, num_kv_blocks=64, scheduler=scheduler))
+    engine.add_request(EngineRequest("long", list(range(3, 203)), SamplingParams(max_tokens=2)))
+    stats = engine.stats()
+    assert (stats["short_prompt_tokens"], stats["prefill_chunk_us"], stats["queued_short_prefill_tokens"]) == (64, 0, 0)
+    began = time.monotonic()
+    engine.step()  # its first chunk
+    took = time.monotonic() - began
+    stats = engine.stats()
+    assert 0 < stats["prefill_chunk_us"] <= took * 1e6
+    assert stats["queued_short_prefill_tokens"] == 0 and stats["queued_prefill_tokens"] == 200 - 64

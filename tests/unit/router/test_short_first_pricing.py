@@ -45,6 +45,18 @@ def test_admission_serves_a_short_prompt_behind_a_long_ones_chunk_that_it_sheds_
     shed(in_order, prompt(100), "queue", slo_s=(1.5, 1.0))
 
 
+def test_a_chunk_in_flight_that_the_worker_timed_counts_its_seconds_as_measured() -> None:
+    pred = Predictor(RouterConfig(), LoadTracker())
+    shorts = dict(
+        queued_short_prefill_prompts=2, queued_short_prefill_tokens=200, queued_short_prefill_token_squares=2 * 100**2
+    )
+    w = worker("p0", short_prompt_tokens=512, prefill_chunk_s=1.5, speed_factor=2.0, **{**REPORT, **shorts})
+    assert pred.queue_s(w, 100) == pytest.approx(2 * 2 * PROFILE.prefill_s(100) + 1.5)
+    assert pred.queue_s(w, 1000) == pytest.approx(
+        2 * (3 * PROFILE.prefill_fixed_s + 2688 * PROFILE.prefill_per_token_s)
+    )
+
+
 def test_a_worker_that_takes_prompts_in_order_has_every_prompt_priced_behind_all_its_queue() -> None:
     pred = Predictor(RouterConfig(), LoadTracker())
     w = worker("p0", **REPORT)  # short_prompt_tokens 0: in order, or a worker too old to say
