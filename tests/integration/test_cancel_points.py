@@ -212,7 +212,8 @@ async def test_a_request_cancelled_waiting_behind_other_prompts_on_the_prefill_w
         ahead = [asyncio.ensure_future(run(request(f"{SLOW}ahead-{i}", 4000, 1, 1 + i, 600))) for i in range(3)]
         await until(lambda: prefill.state().sequences == 3 or any(f.done() for f in ahead))
         assert not any(f.done() for f in ahead), [f.exception() or "served" for f in ahead if f.done()]
-        call = stub.Generate(request("behind", 64, 16, ttft_s=600), metadata=metadata(KEY), timeout=60)
+        # Longer than a chunk itself: a prompt that fits one step would run ahead of their chunks (short_first.py).
+        call = stub.Generate(request("behind", 600, 16, ttft_s=600), metadata=metadata(KEY), timeout=60)
         reading = asyncio.ensure_future(call.read())
         await until(lambda: prefill.state().sequences == 4)  # its blocks reserved there, its prompt queued here
         assert prefill.state().running and not reading.done()  # a prompt ahead of it still runs
