@@ -39,20 +39,21 @@ def test_a_prompt_behind_another_is_reported_waiting_about_as_long_as_that_one_r
 
 
 async def waits(decode_address: str, prefill_address: str, queued: Callable[[], bool]) -> tuple[int, int, float]:
-    """The waits reported for a prompt alone, and for one sent right behind a long one; how long the long one's
-    first token took."""
+    """The waits reported for a prompt alone, and for one sent right behind a long one (itself longer than a step,
+    so it does not go ahead of the long one's chunks: engine/short_first.py); how long the long one's first token
+    took."""
 
-    def handed_off(prompt_len: int) -> worker_pb2.WorkerGenerateRequest:
+    def handed_off(prompt_len: int, shift: int) -> worker_pb2.WorkerGenerateRequest:
         return worker_pb2.WorkerGenerateRequest(
             request_id=f"r{time.monotonic_ns()}",
-            prompt_token_ids=[3 + i % 200 for i in range(prompt_len)],
+            prompt_token_ids=[3 + (i + shift) % 200 for i in range(prompt_len)],
             sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True),
             prefill_address=prefill_address,
         )
 
-    async def waited_ms(stub: worker_pb2_grpc.DecodeWorkerStub, prompt_len: int) -> tuple[int, float]:
+    async def waited_ms(stub: worker_pb2_grpc.DecodeWorkerStub, prompt_len: int, shift: int = 0) -> tuple[int, float]:
         start = time.monotonic()
-        call, first_at = stub.Generate(handed_off(prompt_len), timeout=60), 0.0
+        call, first_at = stub.Generate(handed_off(prompt_len, shift), timeout=60), 0.0
         async for _ in call:
             first_at = first_at or time.monotonic() - start
         assert await call.code() == grpc.StatusCode.OK
@@ -64,6 +65,7 @@ async def waits(decode_address: str, prefill_address: str, queued: Callable[[], 
         long = asyncio.ensure_future(waited_ms(stub, 3500))
         while not queued() and not long.done():  # the long prompt reaches the prefill worker first
             await asyncio.sleep(0.001)
-        behind, _ = await waited_ms(stub, 16)
+        # Past one step's 512 tokens and sharing no block with the long one: no short prompt, so it waits its turn.
+        behind, _ = await waited_ms(stub, 600, shift=1)
         _, ahead_s = await long
     return alone, behind, ahead_s
