@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(300)
 HOLD, HOLD_STEP_S = "hold-", 1.0  # each engine step running a `hold-` request takes 1 s longer
 BATCH = 4  # the decode worker's max_num_seqs
 CHUNK = 512  # tokens of a prompt one prefill step runs (EngineConfig's long_prefill_chunk)
+BEHIND = CHUNK + 64  # a prompt that waits behind a hold- one: past one step, it does not go ahead of its chunks
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +92,12 @@ def test_requests_that_left_while_waiting_for_the_prefill_worker_are_never_prefi
             held_tokens = asyncio.ensure_future(tokens_of(held))
             await until(cluster.address, lambda w: w["prefill"].running == 1)
             # An SLO past what the hold- prompt's slowed steps may make the router predict: admitted, not shed.
-            cancelled = stub.Generate(waiting_request("cancelled", prompt(8)), timeout=120)
-            deadline = stub.Generate(waiting_request("deadline", prompt(9)), timeout=3.0)
+            cancelled = stub.Generate(waiting_request("cancelled", prompt(8, BEHIND)), timeout=120)
+            deadline = stub.Generate(waiting_request("deadline", prompt(9, BEHIND)), timeout=3.0)
             admitted = [PREDICTED_TTFT_KEY in dict(await c.initial_metadata()) for c in (cancelled, deadline)]
             if not all(admitted):  # both admitted, not refused at once
                 pytest.fail(f"refused at once: {[await c.details() for c in (cancelled, deadline)]}")
-            hung_up = asyncio.ensure_future(http_completion(cluster.base_url, prompt(10)))
+            hung_up = asyncio.ensure_future(http_completion(cluster.base_url, prompt(10, BEHIND)))
             # Queued behind the hold- prompt (the one with a deadline too, unless that passed already).
             await until(cluster.address, lambda w: w["prefill"].waiting >= 2)
             cancelled.cancel()
