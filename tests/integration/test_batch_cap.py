@@ -12,14 +12,12 @@ import grpc
 import pytest
 
 from pdserve.cluster.local_process import ClusterProcess
-from pdserve.cluster.worker_runtime import WorkerRuntime
-from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import EngineConfig, SchedulerConfig
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.workers import add_worker_services
 from tests.integration.cluster_view import status_json
+from tests.integration.in_process_workers import in_process_workers
 
 pytestmark = pytest.mark.timeout(300)
 CAP = 2
@@ -75,13 +73,8 @@ def test_a_decode_worker_with_a_full_batch_refuses_a_hand_off_before_any_prefill
     engine = EngineConfig(
         model="tiny-random", num_threads=1, kv_cache_memory_gb=0.05, scheduler=SchedulerConfig(max_num_seqs=1)
     )
-    prefill = WorkerRuntime(WorkerSpec("prefill", engine, worker_id="cap-prefill"), add_worker_services)
-    decode = WorkerRuntime(WorkerSpec("decode", engine, worker_id="cap-decode"), add_worker_services)
-    try:
+    with in_process_workers("cap", engine=engine) as (prefill, decode):
         asyncio.run(refused_while_full(decode.address(60), prefill.address(60)))
-    finally:
-        decode.stop()
-        prefill.stop()
 
 
 async def refused_while_full(decode_address: str, prefill_address: str) -> None:

@@ -13,27 +13,23 @@ import asyncio
 import collections
 import hashlib
 import json
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from unittest import mock
 
 import grpc
 import pytest
 
 from pdserve.cluster.worker_runtime import WorkerRuntime
-from pdserve.cluster.worker_spec import WorkerSpec
-from pdserve.config import EngineConfig, RouterConfig
-from pdserve.env import CLUSTER_SECRET_VAR
+from pdserve.config import RouterConfig
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
 from services.router.lifecycle import RequestLifecycle
 from services.router.server import RouterServer, start_router
-from services.workers import add_worker_services
+from tests.integration.in_process_workers import in_process_workers
 
 pytestmark = pytest.mark.timeout(300)
 SEND_DELAY_S = 60.0  # requests whose id starts with STALLED: the prefill worker holds their KV this long first
@@ -49,17 +45,8 @@ def workers() -> Iterator[tuple[WorkerRuntime, WorkerRuntime]]:
         "PDSERVE_FAULT_SLOW_STEP_S": "0.05",
         "PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX": SLOW,
     }
-    with mock.patch.dict(os.environ, faults):
-        os.environ.pop(CLUSTER_SECRET_VAR, None)  # in-process: no cluster credentials on either side
-        engine = EngineConfig(model="tiny-random", num_threads=1, kv_cache_memory_gb=0.05)
-        prefill = WorkerRuntime(WorkerSpec("prefill", engine, worker_id="cancel-prefill"), add_worker_services)
-        decode = WorkerRuntime(WorkerSpec("decode", engine, worker_id="cancel-decode"), add_worker_services)
-        try:
-            prefill.address(120), decode.address(120)
-            yield prefill, decode
-        finally:
-            decode.stop()
-            prefill.stop()
+    with in_process_workers("cancel", faults) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")

@@ -6,25 +6,21 @@ first come, first served it waited for every chunk of the long one."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
-from unittest import mock
 
 import grpc
 import pytest
 
 from pdserve.cluster.worker_runtime import WorkerRuntime
-from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import EngineConfig, RouterConfig
-from pdserve.env import CLUSTER_SECRET_VAR
 from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
 from services.router.server import RouterServer, start_router
-from services.workers import add_worker_services
+from tests.integration.in_process_workers import in_process_workers
 
 pytestmark = pytest.mark.timeout(300)
 LONG = "long-"  # each prefill step that runs it takes 0.4 s more: its 4 chunks hold the prefill worker 1.6 s
@@ -34,17 +30,8 @@ CHUNK = EngineConfig().scheduler.long_prefill_chunk
 @pytest.fixture(scope="module")
 def workers() -> Iterator[tuple[WorkerRuntime, WorkerRuntime]]:
     faults = {"PDSERVE_FAULT_SLOW_STEP_S": "0.4", "PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX": LONG}
-    with mock.patch.dict(os.environ, faults):
-        os.environ.pop(CLUSTER_SECRET_VAR, None)  # in-process: no cluster credentials on either side
-        engine = EngineConfig(model="tiny-random", num_threads=1, kv_cache_memory_gb=0.05)
-        prefill = WorkerRuntime(WorkerSpec("prefill", engine, worker_id="order-prefill"), add_worker_services)
-        decode = WorkerRuntime(WorkerSpec("decode", engine, worker_id="order-decode"), add_worker_services)
-        try:
-            prefill.address(120), decode.address(120)
-            yield prefill, decode
-        finally:
-            decode.stop()
-            prefill.stop()
+    with in_process_workers("order", faults) as both:
+        yield both
 
 
 @asynccontextmanager

@@ -11,28 +11,19 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from pdserve.cluster.worker_runtime import WorkerRuntime
-from pdserve.cluster.worker_spec import WorkerSpec
-from pdserve.config import EngineConfig
 from pdserve.rpc.metadata import PREFILL_WAITED_KEY
 from pdserve.rpc.server import channel
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services.workers import add_worker_services
+from tests.integration.in_process_workers import in_process_workers
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_a_prompt_behind_another_is_reported_waiting_about_as_long_as_that_one_ran():
-    engine = EngineConfig(model="tiny-random", num_threads=1, kv_cache_memory_gb=0.05)
-    prefill = WorkerRuntime(WorkerSpec("prefill", engine, worker_id="wait-prefill"), add_worker_services)
-    decode = WorkerRuntime(WorkerSpec("decode", engine, worker_id="wait-decode"), add_worker_services)
-    try:
+    with in_process_workers("wait") as (prefill, decode):
         queued = lambda: prefill.state().queued_prefill_tokens > 0  # noqa: E731
         alone, behind, ahead_s = asyncio.run(waits(decode.address(60), prefill.address(60), queued))
-    finally:
-        decode.stop()
-        prefill.stop()
     print(f"waited alone {alone} ms; behind a prompt whose first token took {ahead_s * 1e3:.0f} ms: {behind} ms")
     assert alone < 50
     assert 0.3 * ahead_s * 1e3 < behind <= ahead_s * 1e3 + 50
