@@ -1,17 +1,22 @@
 """A prefill and a decode worker in the test's own process (gRPC on loopback, the KV transfer over torch.distributed,
-engine threads): called as a router calls them, or put behind a router the test starts itself."""
+engine threads): called as a router calls them, or put behind a real router in the same process."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from unittest import mock
 
 from pdserve.cluster.worker_runtime import WorkerRuntime
 from pdserve.cluster.worker_spec import WorkerSpec
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, RouterConfig
 from pdserve.env import CLUSTER_SECRET_VAR
+from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
+from pdserve.telemetry import Telemetry
+from services.router.lifecycle import RequestLifecycle
+from services.router.server import RouterServer, start_router
 from services.workers import add_worker_services
 
 TINY = EngineConfig(model="tiny-random", num_threads=1, kv_cache_memory_gb=0.05)
@@ -33,3 +38,38 @@ def in_process_workers(
         finally:
             decode.stop()
             prefill.stop()
+
+
+@asynccontextmanager
+async def router_over(
+    workers: tuple[WorkerRuntime, ...], config: RouterConfig | None = None, http_port: int | None = None
+) -> AsyncIterator[tuple[RouterServer, RequestLifecycle]]:
+    """A tiny-random router whose registry the workers' states are published into every 0.1 s, as a launcher's
+    heartbeat does. `http_port`: as start_router's."""
+    registry = InMemoryRegistry(ttl_s=600)
+
+    async def publish() -> None:
+        while True:
+            for w in workers:
+                registry.publish(w.state())
+            await asyncio.sleep(0.1)
+
+    for w in workers:
+        registry.publish(w.state())
+    publishing = asyncio.ensure_future(publish())
+    telemetry = Telemetry("pdserve-router", enabled=False)
+    server, lifecycle = await start_router(
+        "tiny-random",
+        registry,
+        InMemoryPrefixIndex(),
+        config or RouterConfig(),
+        "127.0.0.1",
+        0,
+        telemetry,
+        http_port=http_port,
+    )
+    try:
+        yield server, lifecycle
+    finally:
+        await server.stop(None)
+        publishing.cancel()

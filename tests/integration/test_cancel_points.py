@@ -14,8 +14,8 @@ import collections
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import grpc
@@ -23,13 +23,11 @@ import pytest
 
 from pdserve.cluster.worker_runtime import WorkerRuntime
 from pdserve.config import RouterConfig
-from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
-from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
 from services.router.lifecycle import RequestLifecycle
-from services.router.server import RouterServer, start_router
-from tests.integration.in_process_workers import in_process_workers
+from services.router.server import RouterServer
+from tests.integration.in_process_workers import in_process_workers, router_over
 
 pytestmark = pytest.mark.timeout(300)
 SEND_DELAY_S = 60.0  # requests whose id starts with STALLED: the prefill worker holds their KV this long first
@@ -63,32 +61,11 @@ def keys_file(tmp_path_factory) -> Path:
     return path
 
 
-@asynccontextmanager
-async def router(
+def router(
     workers: tuple[WorkerRuntime, ...], keys_file: Path
-) -> AsyncIterator[tuple[RouterServer, RequestLifecycle]]:
-    """A router whose registry the workers' states are published into, as a launcher's heartbeat does."""
-    registry = InMemoryRegistry(ttl_s=600)
-
-    async def publish() -> None:
-        while True:
-            for w in workers:
-                registry.publish(w.state())
-            await asyncio.sleep(0.1)
-
-    for w in workers:
-        registry.publish(w.state())
-    publishing = asyncio.ensure_future(publish())
-    config = RouterConfig(api_keys_file=str(keys_file))
-    telemetry = Telemetry("pdserve-router", enabled=False)
-    server, lifecycle = await start_router(
-        "tiny-random", registry, InMemoryPrefixIndex(), config, "127.0.0.1", 0, telemetry, http_port=0
-    )
-    try:
-        yield server, lifecycle
-    finally:
-        await server.stop(None)
-        publishing.cancel()
+) -> AbstractAsyncContextManager[tuple[RouterServer, RequestLifecycle]]:
+    """A router over the workers, gRPC and HTTP, with the API keys of `keys_file`."""
+    return router_over(workers, RouterConfig(api_keys_file=str(keys_file)), http_port=0)
 
 
 def metadata(key: str) -> tuple[tuple[str, str], ...]:

@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 
 from pdserve.cluster.worker_runtime import WorkerRuntime
-from pdserve.config import EngineConfig, RouterConfig
-from pdserve.registry.memory import InMemoryPrefixIndex, InMemoryRegistry
-from pdserve.telemetry import Telemetry
+from pdserve.config import EngineConfig
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc
-from services.router.server import RouterServer, start_router
-from tests.integration.in_process_workers import in_process_workers
+from tests.integration.in_process_workers import in_process_workers, router_over
 
 pytestmark = pytest.mark.timeout(300)
 LONG = "long-"  # each prefill step that runs it takes 0.4 s more: its 4 chunks hold the prefill worker 1.6 s
@@ -32,31 +28,6 @@ def workers() -> Iterator[tuple[WorkerRuntime, WorkerRuntime]]:
     faults = {"PDSERVE_FAULT_SLOW_STEP_S": "0.4", "PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX": LONG}
     with in_process_workers("order", faults) as both:
         yield both
-
-
-@asynccontextmanager
-async def router(workers: tuple[WorkerRuntime, ...]) -> AsyncIterator[RouterServer]:
-    """A router whose registry the workers' states are published into, as a launcher's heartbeat does."""
-    registry = InMemoryRegistry(ttl_s=600)
-
-    async def publish() -> None:
-        while True:
-            for w in workers:
-                registry.publish(w.state())
-            await asyncio.sleep(0.1)
-
-    for w in workers:
-        registry.publish(w.state())
-    publishing = asyncio.ensure_future(publish())
-    telemetry = Telemetry("pdserve-router", enabled=False)
-    server, _ = await start_router(
-        "tiny-random", registry, InMemoryPrefixIndex(), RouterConfig(), "127.0.0.1", 0, telemetry
-    )
-    try:
-        yield server
-    finally:
-        await server.stop(None)
-        publishing.cancel()
 
 
 async def first_token_at(stub: generate_pb2_grpc.GenerationStub, request_id: str, prompt_tokens: int, seed: int):
@@ -82,7 +53,7 @@ async def until(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
 
 async def test_a_short_prompt_sent_during_a_long_ones_prefill_gets_its_first_token_first(workers):
     prefill, _ = workers
-    async with router(workers) as server, grpc.aio.insecure_channel(server.address) as ch:
+    async with router_over(workers) as (server, _), grpc.aio.insecure_channel(server.address) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
         long = asyncio.ensure_future(first_token_at(stub, f"{LONG}1", 4 * CHUNK - 10, seed=1))
 
