@@ -167,7 +167,8 @@ class PlacementPolicy(ABC):
             prefill, decode = self.choose(prefills, decodes, ask)
         cached = hits.get(prefill.cache_key, 0) * block_size
         own_s = self.predictor.own_ttft_s(prefill, len(prompt), cached)
-        prefill_queue_s = self.predictor.queue_s(prefill, max(len(prompt) - cached, 1))
+        new_tokens = max(len(prompt) - cached, 1)
+        prefill_queue_s = self.predictor.queue_s(prefill, new_tokens)
         profiled_queue_s = prefill_queue_s + self.predictor.decode_wait_s(decode)
         return Placement(
             decode=decode,
@@ -175,7 +176,7 @@ class PlacementPolicy(ABC):
             cached_tokens=cached,
             own_ttft_s=own_s,
             fixed_s=self.predictor.fixed_s(prefill),
-            compute_s=self.predictor.compute_s(prefill, max(len(prompt) - cached, 1)),
+            compute_s=self.predictor.compute_s(prefill, new_tokens, len(prompt) - new_tokens),
             queue_s=self.predictor.load_calibration.queueing_s(prefill.worker_id, own_s, profiled_queue_s),
             profiled_queue_s=profiled_queue_s,
             prefill_queue_s=prefill_queue_s,

@@ -35,14 +35,14 @@ class Predictor:
         """Profiled seconds -> predicted seconds on `w`: its live speed and the router's own correction."""
         return w.speed_factor * self.calibration.factor(w.worker_id)
 
-    def compute_s(self, w: WorkerState, new_tokens: int) -> float:
+    def compute_s(self, w: WorkerState, new_tokens: int, cached_tokens: int = 0) -> float:
         """This prompt's compute on `w` at its live speed, before the router's correction (what fixed_cost.py fits
         the TTFTs of requests alone against)."""
-        return w.profile.prefill_s(new_tokens) * w.speed_factor if w.profile else 0.0
+        return w.profile.prefill_s(new_tokens, cached_tokens) * w.speed_factor if w.profile else 0.0
 
-    def prefill_s(self, w: WorkerState, new_tokens: int) -> float:
+    def prefill_s(self, w: WorkerState, new_tokens: int, cached_tokens: int = 0) -> float:
         """This prompt's own compute on `w`, live speed and the router's correction included."""
-        return self.compute_s(w, new_tokens) * self.calibration.factor(w.worker_id)
+        return self.compute_s(w, new_tokens, cached_tokens) * self.calibration.factor(w.worker_id)
 
     def fixed_s(self, w: WorkerState) -> float:
         """What a first token from `w` takes besides the compute and the transfer, whatever the prompt."""
@@ -88,7 +88,11 @@ class Predictor:
     def own_ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
         """The request's TTFT on `w` were it idle: what no amount of waiting makes shorter."""
         new_tokens = max(prompt_tokens - cached_tokens, 1)
-        return self.fixed_s(w) + self.prefill_s(w, new_tokens) + self.transfer_s(w, prompt_tokens)
+        return (
+            self.fixed_s(w)
+            + self.prefill_s(w, new_tokens, prompt_tokens - new_tokens)
+            + self.transfer_s(w, prompt_tokens)
+        )
 
     def ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
         own_s = self.own_ttft_s(w, prompt_tokens, cached_tokens)
@@ -114,7 +118,8 @@ class Predictor:
         if not w.profile:
             return fixed + self.transfer_s(w, prompt_tokens)
         best = self.best.best(w.worker_id, "ttft", self.speed(w))
-        compute = w.profile.prefill_s(max(prompt_tokens - cached_tokens, 1)) * best
+        new_tokens = max(prompt_tokens - cached_tokens, 1)
+        compute = w.profile.prefill_s(new_tokens, prompt_tokens - new_tokens) * best
         return fixed + compute + self.transfer_s(w, prompt_tokens)
 
     def offer_tpot_s(self, w: WorkerState) -> float:

@@ -10,7 +10,11 @@ import torch
 from pdserve.engine.device import synchronize
 from pdserve.protocol.perf_profile import PerfProfile
 
-PREFILL_LENGTHS = (64, 256, 1024)  # the range prompts come in: extrapolating a quadratic misleads
+PREFILL_LENGTHS = (64, 256)  # and a whole chunk: prompts that run in one step
+# A chunk after 3 and 7 chunks' worth of context (a 2k and a 4k prompt's last): attention's cost, measured where long
+# prompts reach it. A quadratic fitted on short prompts alone, extrapolated there, priced a 4k prompt at 40-80 s on
+# a host whose load varied while it was measured, where it took 11-21 s, and admission refused it as impossible.
+CHUNK_CONTEXTS = (3, 7)
 DECODE_BATCHES = (1, 8, 32)
 
 
@@ -23,10 +27,10 @@ class SpeedTracker:
         self.factor = 1.0
 
     def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_context: int = 0) -> None:
-        """`prefill_context`: the earlier tokens the step's prompt chunks read from the cache. Such a step is not
-        observed: the profile prices a prompt's new tokens alone, so a prefix-cache hit's step (or a long prompt's
-        later chunk) read as up to 4x slow, and a review saw the router then refuse every request with an SLO, on
-        an idle cluster, for as long as no other step ran to correct it."""
+        """`prefill_context`: the earlier tokens the step's prompt chunks read from the cache, summed over its
+        chunks. Such a step is not observed: a sum prices no chunk's attention exactly (once priced as new tokens
+        alone, a prefix-cache hit's step or a long prompt's later chunk read as up to 4x slow, and a review saw the
+        router then refuse every request with an SLO, on an idle cluster, until another step corrected it)."""
         if prefill_context:
             return
         predicted = self.profile.prefill_s(prefill_tokens) + (
@@ -49,23 +53,32 @@ def measure_profile(engine: Any, repeats: int = 2) -> PerfProfile:
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
 
-    def timed(chunks: list[ScheduledChunk]) -> float:
+    def timed(chunks: list[ScheduledChunk], warm_up: bool = True) -> float:
         """The mean, not the best: admission must not promise what a busy worker only sometimes does."""
-        runner.execute(chunks)  # kernels set up for this shape
-        synchronize(runner.device)  # the warm-up's queued work is not timed
+        if warm_up:
+            runner.execute(chunks)  # kernels set up for this shape
+            synchronize(runner.device)  # the warm-up's queued work is not timed
         start = time.perf_counter()
         for _ in range(repeats):
             runner.execute(chunks)
         synchronize(runner.device)  # the runner's own GPU, not the current one
         return (time.perf_counter() - start) / repeats
 
+    def fits(tokens: int) -> bool:
+        return tokens < engine.max_model_len and blocks.blocks_for(tokens) <= blocks.num_blocks
+
+    scheduler = engine.config.scheduler
+    chunk = min(scheduler.long_prefill_chunk, scheduler.max_num_batched_tokens)
+    steps = [(n, 0) for n in sorted({*PREFILL_LENGTHS, chunk}) if n <= chunk]
+    steps += [(chunk, chunk * k) for k in CHUNK_CONTEXTS]
     prefill = []
-    for n in PREFILL_LENGTHS:
-        if n >= engine.max_model_len or blocks.blocks_for(n) > blocks.num_blocks:
+    for n, context in steps:
+        if not fits(context + n):
             continue
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        table = list(range(blocks.blocks_for(n)))
-        prefill.append((n, timed([ScheduledChunk("profile", ids, 0, table, True)])))
+        table = list(range(blocks.blocks_for(context + n)))
+        # A later chunk's shapes are the first chunk's, warm: only the context it reads differs.
+        prefill.append((n, context, timed([ScheduledChunk("profile", ids, context, table, True)], not context)))
     decode = []
     context = 64
     per_seq = blocks.blocks_for(context + 1)
@@ -77,4 +90,4 @@ def measure_profile(engine: Any, repeats: int = 2) -> PerfProfile:
             for i in range(batch)
         ]
         decode.append((batch, timed(chunks)))
-    return PerfProfile.fit(prefill, decode)
+    return PerfProfile.fit(prefill, decode, prefill_chunk_tokens=chunk)

@@ -143,7 +143,7 @@ def fit(points: dict[str, list[list[float]]]) -> tuple[PerfProfile, float, float
     """The router's form from single prompts; beside it the decode line's context term, a later chunk's
     cost per (new token x cached token) it reads back, and what an engine step costs beside the runner:
     (perf, decode per context token s, prefill per context token s, step overhead s)."""
-    single = [(int(n), s) for n, b, s in points["prefill"] if b == 1]
+    single = [(int(n), 0, s) for n, b, s in points["prefill"] if b == 1]
     d = np.array(points["decode"], dtype=float)
     if not single or not len(d):
         raise ValueError("the engine's cache holds none of the profile's shapes; raise --kv-cache-gb")

@@ -1,8 +1,9 @@
 """How fast a worker runs, as routers read it: a fitted prefill curve and decode step line, and a KV hand-off's time.
 
-Prefill time grows linearly in tokens plus a quadratic attention term; a decode step costs a fixed part
-(reading the weights) plus a part per sequence in the batch. Both are least-squares fits of a few
-measured points, so the same code describes a 2-core CPU and an H200.
+A prompt's prefill costs a fixed part per step it runs in (a long prompt runs in chunks), a part per token, and
+causal attention's: the tokens before each new one, (cached + new)² - cached² in all, whether it runs in one step
+or many. A decode step costs a fixed part (reading the weights) plus a part per sequence in the batch. Both are
+least-squares fits of measured points, so the same code describes a 2-core CPU and an H200.
 """
 
 from __future__ import annotations
@@ -36,22 +37,32 @@ class QueuedPrefill:
 
 @dataclass(frozen=True)
 class PerfProfile:
-    prefill_fixed_s: float
+    prefill_fixed_s: float  # per step a prompt runs in
     prefill_per_token_s: float
-    prefill_per_token2_s: float
+    prefill_per_token2_s: float  # per unit of (cached + new)² - cached²: a new token's attention to those before it
     decode_fixed_s: float
     decode_per_seq_s: float
+    # The most new tokens of one prompt a step runs (the engine's long_prefill_chunk): a longer prompt pays the
+    # fixed part once per chunk. 0: an earlier worker's entry, which priced every prompt as one step.
+    prefill_chunk_tokens: int = 0
 
-    def prefill_s(self, tokens: int) -> float:
+    def prefill_s(self, tokens: int, cached: int = 0) -> float:
+        """`tokens` new tokens of a prompt whose first `cached` tokens' KV is already there (a prefix-cache hit):
+        each new token also attends to those."""
         if tokens <= 0:
             return 0.0
-        return self.prefill_fixed_s + self.prefill_per_token_s * tokens + self.prefill_per_token2_s * tokens**2
+        chunks = -(-tokens // self.prefill_chunk_tokens) if self.prefill_chunk_tokens > 0 else 1
+        attention = (cached + tokens) ** 2 - cached**2
+        return self.prefill_fixed_s * chunks + self.prefill_per_token_s * tokens + self.prefill_per_token2_s * attention
 
     def queued_prefill_s(self, queue: QueuedPrefill) -> float:
         """A queue of prompts priced as each prompt alone, as `prefill_s` prices one: `token_squares` carries the
-        quadratic term, which a count of tokens alone would leave out."""
+        quadratic term, which a count of tokens alone would leave out; a step at least per chunk of tokens."""
+        steps = queue.prompts
+        if self.prefill_chunk_tokens > 0:
+            steps = max(steps, -(-queue.tokens // self.prefill_chunk_tokens))
         return (
-            self.prefill_fixed_s * queue.prompts
+            self.prefill_fixed_s * steps
             + self.prefill_per_token_s * queue.tokens
             + self.prefill_per_token2_s * queue.token_squares
         )
@@ -60,12 +71,16 @@ class PerfProfile:
         return self.decode_fixed_s + self.decode_per_seq_s * max(batch, 1)
 
     @classmethod
-    def fit(cls, prefill: list[tuple[int, float]], decode: list[tuple[int, float]]) -> PerfProfile:
-        n = np.array([p[0] for p in prefill], dtype=float)
-        a = nonneg_lstsq(np.stack([np.ones_like(n), n, n**2], axis=1), np.array([p[1] for p in prefill]))
+    def fit(
+        cls, prefill: list[tuple[int, int, float]], decode: list[tuple[int, float]], prefill_chunk_tokens: int = 0
+    ) -> PerfProfile:
+        """`prefill`: (new tokens, cached tokens before them, seconds) of one step each; `decode`: (batch, seconds)."""
+        new, cached, seconds = (np.array(column, dtype=float) for column in zip(*prefill, strict=True))
+        attention = (cached + new) ** 2 - cached**2
+        a = nonneg_lstsq(np.stack([np.ones_like(new), new, attention], axis=1), seconds)
         b_ = np.array([d[0] for d in decode], dtype=float)
         b = nonneg_lstsq(np.stack([np.ones_like(b_), b_], axis=1), np.array([d[1] for d in decode]))
-        return cls(float(a[0]), float(a[1]), float(a[2]), float(b[0]), float(b[1]))
+        return cls(float(a[0]), float(a[1]), float(a[2]), float(b[0]), float(b[1]), prefill_chunk_tokens)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -74,10 +89,14 @@ class PerfProfile:
     def from_dict(cls, d: dict[str, Any]) -> PerfProfile:
         """Fields it does not know are ignored: a newer worker's registry entry must still parse on a router of an
         earlier build (else the router drops every upgraded worker as malformed)."""
-        return cls(**{k: float(v) for k, v in d.items() if k in _PROFILE_FIELDS})
+        known: dict[str, Any] = {k: _PROFILE_FIELDS[k](float(v)) for k, v in d.items() if k in _PROFILE_FIELDS}
+        return cls(**known)
 
 
-_PROFILE_FIELDS = frozenset(f.name for f in fields(PerfProfile))  # once: each worker's entry is parsed 4 times a second
+# Once: each worker's entry is parsed 4 times a second.
+_PROFILE_FIELDS: dict[str, type[int] | type[float]] = {
+    f.name: int if f.type == "int" else float for f in fields(PerfProfile)
+}
 
 
 def kv_transfer_s(tokens: int, kv_bytes_per_token: int, gbps: float, latency_s: float = 0.0) -> float:

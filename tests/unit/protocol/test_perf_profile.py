@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdserve.engine.profiling import SpeedTracker
@@ -11,7 +13,7 @@ from tests.unit.round_profile import PROFILE
 
 def test_fit_recovers_exact_quadratic_prefill_and_linear_decode():
     truth = PerfProfile(0.004, 2.5e-4, 3e-7, 0.015, 0.0021)
-    prefill = [(n, truth.prefill_s(n)) for n in (32, 128, 512)]
+    prefill = [(n, 0, truth.prefill_s(n)) for n in (32, 128, 512)]
     decode = [(b, truth.decode_step_s(b)) for b in (1, 8, 32)]
     fitted = PerfProfile.fit(prefill, decode)
     for name, want in truth.to_dict().items():
@@ -21,7 +23,7 @@ def test_fit_recovers_exact_quadratic_prefill_and_linear_decode():
 def test_fit_recovers_a_purely_linear_prefill_with_no_quadratic_term():
     truth = PerfProfile(0.002, 1e-4, 0.0, 0.01, 0.0)
     fitted = PerfProfile.fit(
-        [(n, truth.prefill_s(n)) for n in (16, 64, 256, 1024)], [(b, truth.decode_step_s(b)) for b in (1, 4, 16)]
+        [(n, 0, truth.prefill_s(n)) for n in (16, 64, 256, 1024)], [(b, truth.decode_step_s(b)) for b in (1, 4, 16)]
     )
     assert fitted.prefill_per_token_s == pytest.approx(1e-4, rel=1e-6)
     assert fitted.prefill_per_token2_s == pytest.approx(0.0, abs=1e-15)
@@ -33,9 +35,9 @@ def test_fit_recovers_a_purely_linear_prefill_with_no_quadratic_term():
 @pytest.mark.parametrize(
     "prefill,decode",
     [
-        ([(32, 0.05), (128, 0.04), (512, 0.03)], [(1, 0.01), (8, 0.009), (32, 0.008)]),  # faster with more work
-        ([(32, 0.001), (128, 0.2), (512, 0.21)], [(1, 0.0), (8, 0.05), (32, 0.051)]),  # concave: a negative n^2
-        ([(32, 0.0), (128, 0.0), (512, 0.0)], [(1, 0.0), (8, 0.0), (32, 0.0)]),  # all zero
+        ([(32, 0, 0.05), (128, 0, 0.04), (512, 0, 0.03)], [(1, 0.01), (8, 0.009), (32, 0.008)]),  # faster with more
+        ([(32, 0, 0.001), (128, 0, 0.2), (512, 0, 0.21)], [(1, 0.0), (8, 0.05), (32, 0.051)]),  # concave: -n^2
+        ([(32, 0, 0.0), (128, 0, 0.0), (512, 0, 0.0)], [(1, 0.0), (8, 0.0), (32, 0.0)]),  # all zero
     ],
 )
 def test_fit_never_yields_negative_coefficients_or_times(prefill, decode):
@@ -47,7 +49,7 @@ def test_fit_never_yields_negative_coefficients_or_times(prefill, decode):
 
 def test_fit_drops_a_negative_term_and_refits_the_rest():
     # Prefill time flat in tokens: the fit must keep the fixed part, not zero everything.
-    fitted = PerfProfile.fit([(32, 0.05), (128, 0.05), (512, 0.05)], [(1, 0.02), (8, 0.02), (32, 0.02)])
+    fitted = PerfProfile.fit([(32, 0, 0.05), (128, 0, 0.05), (512, 0, 0.05)], [(1, 0.02), (8, 0.02), (32, 0.02)])
     assert fitted.prefill_s(100) == pytest.approx(0.05, rel=1e-3)
     assert fitted.decode_step_s(4) == pytest.approx(0.02, rel=1e-3)
 
@@ -56,6 +58,44 @@ def test_profile_round_trips_through_a_dict():
     assert PerfProfile.from_dict(PROFILE.to_dict()) == PROFILE
     assert PerfProfile.from_dict({k: str(v) for k, v in PROFILE.to_dict().items()}) == PROFILE
     assert PROFILE.prefill_s(0) == 0.0
+    chunked = PerfProfile(0.01, 1e-4, 1e-8, 0.02, 1e-3, prefill_chunk_tokens=512)
+    parsed = PerfProfile.from_dict(json.loads(json.dumps(chunked.to_dict())))
+    assert parsed == chunked and isinstance(parsed.prefill_chunk_tokens, int)
+
+
+CHUNKED = PerfProfile(0.02, 1.5e-3, 5e-7, 0.06, 4e-3, prefill_chunk_tokens=512)
+
+
+def test_fit_recovers_attention_from_chunks_at_depth_and_prices_a_long_prompt_as_its_chunks():
+    """The start-up profile times a chunk after thousands of tokens of context, where long prompts' attention
+    costs: fitted from those, a 4k prompt is priced as the sum of its chunks as the worker runs them."""
+    steps = [(64, 0), (256, 0), (512, 0), (512, 1536), (512, 3584)]
+    points = [(n, c, CHUNKED.prefill_s(n, cached=c)) for n, c in steps]
+    fitted = PerfProfile.fit(points, [(b, CHUNKED.decode_step_s(b)) for b in (1, 8)], prefill_chunk_tokens=512)
+    for name, want in CHUNKED.to_dict().items():
+        assert getattr(fitted, name) == pytest.approx(want, rel=1e-6), name
+    chunks = [CHUNKED.prefill_s(min(512, 3873 - done), cached=done) for done in range(0, 3873, 512)]
+    assert CHUNKED.prefill_s(3873) == pytest.approx(sum(chunks), rel=1e-9)
+
+
+def test_a_prompt_after_a_cached_prefix_pays_for_reading_it():
+    assert CHUNKED.prefill_s(100, cached=3000) - CHUNKED.prefill_s(100) == pytest.approx(5e-7 * 2 * 100 * 3000)
+
+
+def test_an_earlier_workers_profile_prices_every_prompt_as_one_step():
+    """An entry without `prefill_chunk_tokens` (a worker of an earlier build) parses, priced as that build did."""
+    earlier = {k: v for k, v in CHUNKED.to_dict().items() if k != "prefill_chunk_tokens"}
+    profile = PerfProfile.from_dict(earlier)
+    assert profile.prefill_chunk_tokens == 0
+    assert profile.prefill_s(2048) == pytest.approx(0.02 + 1.5e-3 * 2048 + 5e-7 * 2048**2)
+    assert CHUNKED.prefill_s(2048) == pytest.approx(profile.prefill_s(2048) + 3 * 0.02)
+
+
+def test_a_queue_pays_a_step_per_chunk_of_its_tokens_and_per_prompt():
+    one_long = QueuedPrefill(1, 2048, 2048**2)
+    assert CHUNKED.queued_prefill_s(one_long) == pytest.approx(CHUNKED.prefill_s(2048))
+    many_short = QueuedPrefill(8, 800, 8 * 100**2)
+    assert CHUNKED.queued_prefill_s(many_short) == pytest.approx(8 * CHUNKED.prefill_s(100))
 
 
 def test_speed_tracker_moves_toward_the_measured_over_predicted_ratio():
@@ -119,8 +159,9 @@ def test_a_queue_less_an_estimate_of_its_part_is_a_queue_that_can_be(
 
 
 def test_a_step_whose_prompt_chunks_read_cached_tokens_is_not_observed() -> None:
-    """The profile prices a prompt's new tokens alone: a prefix-cache hit's step (or a long prompt's later chunk)
-    read as up to 4x slow, and the router then refused every request with an SLO on an idle cluster (a review)."""
+    """A step reports its chunks' contexts summed, which prices none of them exactly: once priced as new tokens
+    alone, a prefix-cache hit's step read as up to 4x slow, and the router refused every request with an SLO on an
+    idle cluster (a review)."""
     t = SpeedTracker(PROFILE, alpha=1.0)
     t.observe(48, 0, 4 * PROFILE.prefill_s(48), prefill_context=2000)
     assert t.factor == 1.0
