@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pdserve.config import ClusterConfig, EngineConfig, RouterConfig
+from pdserve.config import ClusterConfig, EngineConfig, RouterConfig, SchedulerConfig
 from pdserve.cpus import usable_cpus
 from pdserve.protocol.roles import Role
 
@@ -37,26 +37,33 @@ class WorkerSpec:
 
     def engine_config(self) -> EngineConfig:
         """The engine its role runs, as built in the worker's own process (its thread count is that host's CPUs)."""
-        scheduler = replace(self.engine.scheduler, mode=self.role.engine_mode)
-        if self.role is Role.PREFILL:
-            # One prompt (or one chunk of a long one) per step: batching later prompts into an earlier one's step
-            # delays its first token past what admission promised it. A prompt that fits one step goes ahead of a
-            # longer one's remaining chunks (engine/short_first.py), as the routers price it.
-            scheduler = replace(
-                scheduler,
-                max_num_batched_tokens=scheduler.long_prefill_chunk,
-                max_prefills_per_step=1,
-                short_prompts_first=True,
-            )
-        else:
-            # A step takes its running sequences in order while its token budget lasts: past the budget, a full
-            # batch's last sequences got no token, silent, until those ahead ended (a router takes such a silence
-            # for a hung worker). Every sequence decodes each step, with a recompute's chunk beside them.
-            whole_batch = scheduler.max_num_seqs + scheduler.long_prefill_chunk
-            scheduler = replace(scheduler, max_num_batched_tokens=max(scheduler.max_num_batched_tokens, whole_batch))
+        scheduler = role_scheduler(self.engine.scheduler, self.role)
         config = replace(self.engine, scheduler=scheduler, num_threads=self.engine.num_threads or usable_cpus())
         if self.role is Role.DECODE:
             # Every prompt block arrives from a prefill worker, so nothing a decode worker caches is ever
             # matched; uncached freed blocks stay free, and reservations stay whole runs (copy-free transfers).
             config = replace(config, enable_prefix_caching=False)
         return config
+
+
+def role_scheduler(scheduler: SchedulerConfig, role: Role) -> SchedulerConfig:
+    """The batching a worker of `role` runs from the configured limits: the planner's simulator steps its workers
+    by it too (planner/prefill_steps.py)."""
+    scheduler = replace(scheduler, mode=role.engine_mode)
+    if role is Role.PREFILL:
+        # One prompt (or one chunk of a long one) per step: batching later prompts into an earlier one's step
+        # delays its first token past what admission promised it. A prompt that fits one step goes ahead of a
+        # longer one's remaining chunks (engine/short_first.py), as the routers price it.
+        scheduler = replace(
+            scheduler,
+            max_num_batched_tokens=scheduler.long_prefill_chunk,
+            max_prefills_per_step=1,
+            short_prompts_first=True,
+        )
+    else:
+        # A step takes its running sequences in order while its token budget lasts: past the budget, a full
+        # batch's last sequences got no token, silent, until those ahead ended (a router takes such a silence
+        # for a hung worker). Every sequence decodes each step, with a recompute's chunk beside them.
+        whole_batch = scheduler.max_num_seqs + scheduler.long_prefill_chunk
+        scheduler = replace(scheduler, max_num_batched_tokens=max(scheduler.max_num_batched_tokens, whole_batch))
+    return scheduler

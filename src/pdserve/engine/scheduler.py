@@ -22,7 +22,7 @@ from pdserve.config import SchedulerConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.fair_queue import FairQueue
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.short_first import ShortFirst, queued_ahead_of_short
+from pdserve.engine.short_first import ShortFirst, new_tokens, queued_ahead_of_short
 from pdserve.protocol.outputs import FinishReason
 from pdserve.protocol.perf_profile import QueuedPrefill
 
@@ -63,7 +63,7 @@ class Scheduler:
         self.blocks = block_manager
         self.waiting: deque[Sequence] = deque()  # those preempted first (running before), then in arrival order
         self.fair = FairQueue()
-        self.short_first = ShortFirst(config.long_prefill_chunk) if config.short_prompts_first else None
+        self.short_first = ShortFirst(config.long_prefill_chunk, new_tokens) if config.short_prompts_first else None
         self.running: list[Sequence] = []
         self._scheduled: list[tuple[Sequence, int]] = []
         self.num_preemptions = 0  # since start, for metrics and tests
@@ -240,10 +240,7 @@ class Scheduler:
             self.waiting.remove(seq)
 
 
-def _count_credit(policy: ShortFirst, scheduled: list[tuple[Sequence, int]], ahead: list[Sequence]) -> None:
+def _count_credit(policy: ShortFirst[Sequence], scheduled: list[tuple[Sequence, int]], ahead: list[Sequence]) -> None:
     """The short prompts' tokens that went ahead this step, or a longer prompt's chunk that ran (short_first.py)."""
     for seq, n in scheduled:
-        if seq in ahead:
-            policy.went_ahead(n)
-        elif seq.num_prompt_tokens - seq.num_cached_tokens > policy.chunk:
-            policy.longer_ran()
+        policy.ran(n, seq in ahead, seq.num_prompt_tokens - seq.num_cached_tokens)

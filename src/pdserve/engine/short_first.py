@@ -8,15 +8,25 @@ at the next step boundary instead of the longer prompt's next chunk, so it waits
 the short prompts queued before it. Short prompts go ahead by at most one chunk's tokens between two chunks of the
 longer prompt: under any stream of them it still gets every other step, at least half the worker's tokens. Among
 themselves, short prompts keep the waiting queue's order (priority, each tenant's in turn: fair_queue.py), and none
-goes ahead of a longer prompt of a higher priority.
+goes ahead of a longer prompt of a higher priority. The planner's simulator (planner/prefill_steps.py) orders its
+prefill workers' prompts with this same class, so the plan models the order the workers run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Generic, Protocol, TypeVar
 
 from pdserve.engine.sequence import Sequence
 from pdserve.protocol.perf_profile import QueuedPrefill
+
+
+class Prompt(Protocol):
+    @property
+    def priority(self) -> int: ...
+
+
+P = TypeVar("P", bound=Prompt)
 
 
 def new_tokens(seq: Sequence) -> int:
@@ -24,15 +34,19 @@ def new_tokens(seq: Sequence) -> int:
     return seq.num_uncomputed_tokens - seq.expected_cached_tokens
 
 
-class ShortFirst:
-    def __init__(self, chunk: int) -> None:
+class ShortFirst(Generic[P]):
+    """One worker's order. `new_tokens`: what is left of a waiting prompt to compute (an engine's `Sequence`, or a
+    simulated prompt)."""
+
+    def __init__(self, chunk: int, new_tokens: Callable[[P], int]) -> None:
         self.chunk = chunk  # a prompt of at most this many new tokens runs in one step
+        self.new_tokens = new_tokens
         self.ahead = 0  # short prompts' tokens run ahead of a longer one since its last chunk
 
-    def fits(self, seq: Sequence) -> bool:
-        return new_tokens(seq) <= self.chunk
+    def fits(self, prompt: P) -> bool:
+        return self.new_tokens(prompt) <= self.chunk
 
-    def pick(self, waiting: Iterable[Sequence], longer: list[Sequence]) -> list[Sequence]:
+    def pick(self, waiting: Iterable[P], longer: list[P]) -> list[P]:
         """The waiting prompts that may run this step ahead of `longer` (the prompts that need several steps, running
         or waiting): those that fit one step and are of no lower priority than any of them, while the credit
         lasts. None when nothing longer waits for them to pass."""
@@ -41,11 +55,13 @@ class ShortFirst:
         floor = max(s.priority for s in longer)
         return [s for s in waiting if s.priority >= floor and self.fits(s)]
 
-    def went_ahead(self, tokens: int) -> None:
-        self.ahead += tokens
-
-    def longer_ran(self) -> None:
-        self.ahead = 0
+    def ran(self, tokens: int, went_ahead: bool, prompt_new_tokens: int) -> None:
+        """A chunk of `tokens` ran: a short prompt's that went ahead spends the credit; a chunk of a prompt whose new
+        tokens (all of them, at its start) need several steps renews it."""
+        if went_ahead:
+            self.ahead += tokens
+        elif prompt_new_tokens > self.chunk:
+            self.ahead = 0
 
 
 def queued_ahead_of_short(
