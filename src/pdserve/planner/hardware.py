@@ -53,6 +53,10 @@ class HardwareProfile:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512
+    # Whether prefill workers run a prompt that fits one step ahead of a longer prompt's remaining chunks, as
+    # pdserve's do (cluster/worker_spec.py, engine/short_first.py); False: first come, first served, as they did
+    # before. Colocated workers run theirs in order either way.
+    short_prompts_first: bool = True
     meta: dict[str, Any] = field(default_factory=dict)  # model, device, dtype, backend, threads
     points: dict[str, list[list[float]]] = field(default_factory=dict)  # the raw measurements
 
@@ -61,6 +65,8 @@ class HardwareProfile:
         skew, every simulation after."""
         for f in fields(self):
             value, kind = getattr(self, f.name), str(f.type)
+            if kind == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be true or false, got {value!r}")
             number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
             if kind in ("float", "int") and not (number and (kind == "float" or value == int(value))):
                 raise ValueError(f"{f.name} must be a finite {'whole ' if kind == 'int' else ''}number, got {value!r}")

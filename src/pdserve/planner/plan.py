@@ -16,7 +16,8 @@ import numpy as np
 from pdserve.planner.admission_model import AdmissionModel
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.shape import Shape
-from pdserve.planner.simulator import SimResult, Simulator
+from pdserve.planner.sim_result import SimResult
+from pdserve.planner.simulator import Simulator
 from pdserve.planner.step_costs import decode_token_s, prefill_work_s
 from pdserve.planner.workload import Workload
 
@@ -121,11 +122,11 @@ def max_rate(
 
 
 def sustainable_rate(profile: HardwareProfile, shape: Shape, workload: Workload) -> float:
-    """The rate past which a phase has more work than its workers have time: prompts prefill in full steps, and
-    tokens after the first (which the prefill makes) decode at best in full batches (`max_num_seqs`, or as many
-    sequences as the KV holds)."""
+    """The rate past which a phase has more work than its workers have time: prompts prefill one a step on a
+    prefill worker (cluster/worker_spec.py), in full steps on a colocated one, and tokens after the first (which the
+    prefill makes) decode at best in full batches (`max_num_seqs`, or as many sequences as the KV holds)."""
     p = profile
-    prefill_s = float(np.mean([prefill_work_s(p, n, packed=True) for n in workload.input_lens]))
+    prefill_s = float(np.mean([prefill_work_s(p, n, packed=bool(shape.colocated)) for n in workload.input_lens]))
     out, seq_tokens = workload.mean_output_len, workload.mean_input_len + workload.mean_output_len
     batch = max(1, min(p.max_num_seqs, int(p.kv_capacity_tokens // seq_tokens)))
     decode_s = max(out - 1, 0) * decode_token_s(p, batch, workload.mean_input_len + out / 2)

@@ -5,9 +5,13 @@ the profile: a prefill chunk costs its tokens (linear and attention terms) and i
 earlier chunks from the cache, a decode step its batch and the context it reads, and every step the
 engine's own overhead, plus what the worker's RPC loop does meanwhile under the same interpreter lock (per
 prompt handed off, per token streamed); a colocated worker's step holds both, so a prompt's prefill slows
-every decode in its step (the interference disaggregation removes). Prompts are split into chunks of at most
-`long_prefill_chunk` within the step budget of `max_num_batched_tokens`, FIFO. Routing is least-loaded, as
-the router's is when no prefix is shared: the least predicted wait of the prompts the router placed there,
+every decode in its step (the interference disaggregation removes). Each role's batching is the one its workers
+get (worker_spec.py `role_scheduler`): a prefill worker runs one prompt a step, a long one in chunks of
+`long_prefill_chunk`, and (the profile's `short_prompts_first`, as pdserve's prefill workers do) a prompt that fits
+one step ahead of a longer prompt's next chunk, by the engine's own rule (prefill_steps.py); a colocated worker
+packs chunks of at most `long_prefill_chunk` beside its decodes within its step budget, first come, first served.
+Routing is least-loaded, as the router's is when no prefix is shared: the least predicted wait of the prompts the
+router placed there (placed_prompts.py: a short prompt's counts only what it waits for on a short-first worker),
 counted from their placement (not when they reach the worker) until their first token is out.
 
 A disaggregated request follows the hand-off as the workers run it (services/decode/handoff.py,
@@ -30,9 +34,9 @@ at the offered rate, the host's background demand), every step in flight runs th
 again when a step ends. A profile timed in one process on an idle machine sees none of that.
 
 With an `AdmissionModel` (admission_model.py), each arrival first passes the router's admission: a shed request
-never runs and counts against attainment. Its predicted wait is the profile's prefill time of every prompt
-placed on its prefill worker whose first token is not out, plus one decode step of the streams placed on its
-decode worker (which its hand-off waits for), at the shared cores' current slowdown.
+never runs and counts against attainment. Its predicted wait is that same wait on its prefill worker, plus one
+decode step of the streams placed on its decode worker (which its hand-off waits for), at the shared cores'
+current slowdown.
 """
 
 from __future__ import annotations
@@ -41,21 +45,28 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from pdserve.cluster.worker_spec import role_scheduler
+from pdserve.config import SchedulerConfig
 from pdserve.planner.admission_model import AdmissionModel
 from pdserve.planner.hardware import HardwareProfile
+from pdserve.planner.placed_prompts import PlacedPrompts
+from pdserve.planner.prefill_steps import PrefillSteps
 from pdserve.planner.serving_latency import serving_latencies
 from pdserve.planner.shape import Shape
+from pdserve.planner.sim_result import SimResult, sim_result
 from pdserve.planner.step_costs import chunk_s, decoded_s
 from pdserve.planner.workload import SimRequest
 from pdserve.protocol.perf_profile import kv_transfer_s
+from pdserve.protocol.roles import Role
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
     req: SimRequest
     prefilled: int = 0
+    priority: int = 0  # no priority classes are simulated: every request at the default
     first_s: float | None = None
     done_s: float | None = None
     decoder: _Worker | None = None  # disaggregated: placed with its prefill worker, on arrival
@@ -69,6 +80,8 @@ Command = Callable[[], None]
 class _Worker:
     prefills: bool
     decodes: bool
+    placed: PlacedPrompts  # of prompts placed here whose first token is not out, as the router counts them
+    prefill_steps: PrefillSteps[_Seq] | None = None  # a prefill worker's; None: a colocated worker's packing
     queue: deque[_Seq] = field(default_factory=deque)  # waiting for or in prefill
     waiting: deque[_Seq] = field(default_factory=deque)  # KV arrived (or prefilled), waiting for a batch slot
     finishing: list[tuple[int, int, _Seq]] = field(default_factory=list)  # heap: (last decode step, order, seq)
@@ -76,8 +89,6 @@ class _Worker:
     running: int = 0  # sequences in the decode batch
     incoming: int = 0  # sequences placed here whose KV has not been committed yet
     steps: int = 0  # decode steps run so far: a sequence joining at step j with m tokens to go ends at j + m
-    placed_tokens: int = 0  # of prompts placed here whose first token is not out, as the router counts them
-    placed_s: float = 0.0  # their prefill time by the profile: the router's predicted wait
     context: int = 0  # tokens of KV the running batch reads per step
     kv_used: int = 0
     busy: bool = False
@@ -95,34 +106,25 @@ class _Step:
     context: int  # their KV tokens
 
 
-@dataclass(frozen=True)
-class SimResult:
-    ttft_s: list[float]  # of every request that finished
-    tpot_s: list[float | None]  # of the same; None for fewer than 2 tokens, which have none (as loadgen)
-    rejected: int  # not served: could never fit a worker's KV, or shed
-    shed: int  # of those, shed by admission
-    span_s: float  # first arrival to last completion
-    prefill_busy: float  # share of the span the prefill (or colocated) workers spent stepping
-    decode_busy: float
-    busy_s: float  # engine-thread seconds, every worker summed
-    # The cores the run asked of a host the workers share, on average while requests arrived: every step's work
-    # at full speed (its threads), the serving stack's CPU per request and the background. Over the cores, the
-    # host falls ever further behind, however a finite trace's percentiles look.
-    demand_cores: float
-
-
 class Simulator:
     def __init__(self, profile: HardwareProfile, shape: Shape, admission: AdmissionModel | None = None) -> None:
         self.p = profile
         self.shape = shape
         self.admission = admission
         self.shed = 0
+        limits = SchedulerConfig(profile.max_num_seqs, profile.max_num_batched_tokens, profile.long_prefill_chunk)
+        self.colocated_budget = role_scheduler(limits, Role.COLOCATED).max_num_batched_tokens
+        prefill = replace(role_scheduler(limits, Role.PREFILL), short_prompts_first=profile.short_prompts_first)
+        short_tokens = prefill.long_prefill_chunk if prefill.short_prompts_first else 0
         if shape.colocated:
-            self.prefillers = [_Worker(True, True) for _ in range(shape.colocated)]
+            self.prefillers = [_Worker(True, True, PlacedPrompts(profile.perf, 0)) for _ in range(shape.colocated)]
             self.decoders = self.prefillers
         else:
-            self.prefillers = [_Worker(True, False) for _ in range(shape.prefill)]
-            self.decoders = [_Worker(False, True) for _ in range(shape.decode)]
+            self.prefillers = [
+                _Worker(True, False, PlacedPrompts(profile.perf, short_tokens), PrefillSteps[_Seq](prefill))
+                for _ in range(shape.prefill)
+            ]
+            self.decoders = [_Worker(False, True, PlacedPrompts(profile.perf, 0)) for _ in range(shape.decode)]
         self.workers = self.prefillers if shape.colocated else self.prefillers + self.decoders
         self._events: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
@@ -161,7 +163,7 @@ class Simulator:
             return  # never fits: the request fails, as the worker refuses it
         # As the router: a prompt counts from its placement, though in a split it reaches the worker only after the
         # decode worker's step in flight. Ties go to the first worker, as the router's go by worker id.
-        p = min(self.prefillers, key=lambda w: w.placed_s)
+        p = min(self.prefillers, key=lambda w: w.placed.wait_s(s.req.input_len))
         d = p if self.shape.colocated else min(self.decoders, key=_streams)
         if not self.shape.colocated and _streams(d) >= self.p.max_num_seqs:
             self.shed += bool(self.admission)  # every batch is full: the router sheds it, or the worker refuses it
@@ -170,8 +172,7 @@ class Simulator:
             self.shed += 1
             return
         s.prefiller = p
-        p.placed_tokens += s.req.input_len
-        p.placed_s += self.p.perf.prefill_s(s.req.input_len)
+        p.placed.place(s.req.input_len)
         if self.shape.colocated:
             self._enqueue(p, s)
             return
@@ -180,16 +181,17 @@ class Simulator:
         self._command(d, lambda: self._enqueue(p, s))  # the decode worker reserves, then calls the prefill one
 
     def _sheds(self, p: _Worker, d: _Worker, prompt_tokens: int) -> bool:
-        """The router's admission on the predictions it would make of `p` and `d` now: the wait holds the
-        prefill queue and one step of the decode worker's streams (services/router/predictor.py)."""
+        """The router's admission on the predictions it would make of `p` and `d` now: the wait holds what the
+        prompt waits for on the prefill worker and one step of the decode worker's streams
+        (services/router/predictor.py)."""
         assert self.admission is not None
         slowdown = self._stretch()  # what the router's measured speed factor sees on shared cores
         own = self.p.perf.prefill_s(prompt_tokens) * slowdown
         if not self.shape.colocated:  # as the router predicts it (predictor.py): its configured speed, no latency
             own += kv_transfer_s(prompt_tokens, self.p.kv_bytes_per_token, self.admission.transfer_gbps)
         streams = _streams(d)
-        wait = p.placed_s + (self.p.perf.decode_step_s(streams) if streams else 0.0)
-        return self.admission.sheds(p.placed_tokens, wait * slowdown, prompt_tokens, own)
+        wait = p.placed.wait_s(prompt_tokens) + (self.p.perf.decode_step_s(streams) if streams else 0.0)
+        return self.admission.sheds(p.placed.tokens, wait * slowdown, prompt_tokens, own)
 
     def _enqueue(self, w: _Worker, s: _Seq) -> None:
         w.queue.append(s)
@@ -262,9 +264,7 @@ class Simulator:
         worker (LoadTracker.prefilled), though a split's prefill ended a transfer and a commit before."""
         s.first_s, p = self.now, s.prefiller
         assert p is not None
-        p.placed_tokens -= s.req.input_len
-        # none left: exactly idle, so rounding leaves no idle worker looking busier than another
-        p.placed_s = p.placed_s - self.p.perf.prefill_s(s.req.input_len) if p.placed_tokens else 0.0
+        p.placed.first_token(s.req.input_len)
 
     def _finish(self, w: _Worker, s: _Seq) -> None:
         """The sequence leaves the batch with all its tokens."""
@@ -330,20 +330,29 @@ class Simulator:
 
     def _plan(self, w: _Worker) -> _Step:
         """As the engine's scheduler: a new prompt starts only while the sequences in the engine, those part-way
-        through their prefill and those decoding, are under `max_num_seqs`."""
-        decoded = w.running if w.decodes else 0
-        budget = self.p.max_num_batched_tokens - decoded
-        chunks: list[tuple[_Seq, int]] = []
+        through their prefill and those decoding, are under `max_num_seqs`, and its KV fits."""
         in_engine = w.running + len(w.waiting) + sum(s.prefilled > 0 for s in w.queue)
+
+        def start(s: _Seq) -> bool:
+            nonlocal in_engine
+            need = s.req.input_len + (s.req.output_len if w.decodes else 0)
+            if in_engine >= self.p.max_num_seqs or w.kv_used + need > self.p.kv_capacity_tokens:
+                return False
+            w.kv_used += need
+            in_engine += 1
+            return True
+
+        if w.prefill_steps:
+            chunk = w.prefill_steps.next(w.queue, start)
+            return _Step([chunk] if chunk else [], 0, 0)
+        decoded = w.running if w.decodes else 0
+        budget = self.colocated_budget - decoded
+        chunks: list[tuple[_Seq, int]] = []
         for s in w.queue if w.prefills else ():
-            if budget <= 0:
+            if budget <= 0 or (
+                s.prefilled == 0 and not start(s)
+            ):  # a new prompt reserves its KV before its first chunk
                 break
-            if s.prefilled == 0:  # a new prompt reserves its KV before its first chunk
-                need = s.req.input_len + (s.req.output_len if w.decodes else 0)
-                if in_engine >= self.p.max_num_seqs or w.kv_used + need > self.p.kv_capacity_tokens:
-                    break
-                w.kv_used += need
-                in_engine += 1
             n = min(s.req.input_len - s.prefilled, self.p.long_prefill_chunk, budget)
             chunks.append((s, n))
             budget -= n
@@ -363,33 +372,17 @@ class Simulator:
         return fixed + seconds
 
     def _result(self, seqs: list[_Seq]) -> SimResult:
-        done = [(s.req, s.first_s, s.done_s) for s in seqs if s.done_s is not None and s.first_s is not None]
-        start = seqs[0].req.arrival_s if seqs else 0.0
-        span = max((done_s for _, _, done_s in done), default=start) - start
-        tpot = [(done_s - first_s) / (r.output_len - 1) if r.output_len > 1 else None for r, first_s, done_s in done]
-
-        def busy(workers: list[_Worker]) -> float:
-            return sum(w.busy_s for w in workers) / (len(workers) * span) if span > 0 else 0.0
-
-        return SimResult(
-            ttft_s=[first_s - r.arrival_s for r, first_s, _ in done],
-            tpot_s=tpot,
-            rejected=len(seqs) - len(done),
-            shed=self.shed,
-            span_s=span,
-            prefill_busy=busy(self.prefillers),
-            decode_busy=busy(self.decoders),
-            busy_s=sum(w.busy_s for w in self.workers),
-            demand_cores=self._demand_cores(seqs),
+        return sim_result(
+            self.p,
+            [(s.req, s.first_s, s.done_s) for s in seqs],
+            self.shed,
+            (
+                [w.busy_s for w in self.prefillers],
+                [w.busy_s for w in self.decoders],
+                sum(w.busy_s for w in self.workers),
+            ),
+            self._work_s,
         )
-
-    def _demand_cores(self, seqs: list[_Seq]) -> float:
-        arrivals_s = seqs[-1].req.arrival_s - seqs[0].req.arrival_s if seqs else 0.0
-        if arrivals_s <= 0:
-            return self.p.background_cores
-        threads = int(self.p.meta.get("threads", 1))
-        cpu_s = self._work_s * threads + len(seqs) * self.p.serving_cpu_s
-        return cpu_s / arrivals_s + self.p.background_cores
 
 
 def _streams(d: _Worker) -> int:

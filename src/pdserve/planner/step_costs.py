@@ -22,7 +22,7 @@ def decoded_s(p: HardwareProfile, decoded: int, context: int | float) -> float:
 def prefill_work_s(p: HardwareProfile, input_len: int, packed: bool = False) -> float:
     """A prompt's engine seconds, chunk after chunk as a worker alone runs it. `packed`: at full load, where each
     step holds as many chunks of this size as its token budget and `max_num_seqs` allow, and they share the step's
-    fixed cost (the engine and the simulator both pack prompts so)."""
+    fixed cost (a colocated worker's engine and the simulator pack prompts so; a prefill worker runs one a step)."""
     seconds, done = 0.0, 0
     while done < input_len:
         n = min(input_len - done, p.long_prefill_chunk, p.max_num_batched_tokens)

@@ -296,11 +296,12 @@ def test_plan_sheds_as_the_router_would_unless_told_it_sheds_nothing(
             cli.main([*argv, *bad])
 
 
-def test_the_rate_bound_counts_prompts_packed_into_full_steps_and_no_decode_for_the_first_token() -> None:
-    """A GPU-like profile, 20 ms fixed per prefill step: the simulator (as the engine) packs several 128-token
-    prompts into one step, so 1P:1D keeps up with 60 req/s, its prefill worker under fully busy; the bound used to
-    charge each prompt a step of its own (47 req/s) and capped the max rate, and autoscale asked for more workers.
-    One-token outputs never step the decode worker, so they are no bound there."""
+def test_the_rate_bound_counts_a_prefill_workers_prompts_a_step_each_and_a_colocated_workers_packed() -> None:
+    """A GPU-like profile, 20 ms fixed per prefill step: a colocated worker (as its engine) packs several 128-token
+    prompts into one step, so it keeps up with 60 req/s (the bound used to charge each prompt a step of its own, 47
+    req/s, and capped the max rate, and autoscale asked for more workers); a prefill worker runs one prompt a step
+    (cluster/worker_spec.py), so 1P:1D does not, and its bound is that one. One-token outputs never step the decode
+    worker, so they are no bound there."""
     from pdserve.planner.plan import simulate, sustainable_rate
     from pdserve.planner.shape import Shape
     from pdserve.planner.step_costs import prefill_work_s
@@ -310,14 +311,14 @@ def test_the_rate_bound_counts_prompts_packed_into_full_steps_and_no_decode_for_
         prefill_fixed_s=0.02, prefill_per_token_s=1e-5, prefill_per_token2_s=0.0, decode_fixed_s=0.005,
         decode_per_seq_s=0.0001,
     )  # fmt: skip
-    profile, shape = synthetic_profile(perf=perf), Shape(prefill=1, decode=1)
-    workload = synthetic(60.0, 128, 64, 2000, seed=0)
-    met = simulate(profile, shape, workload, 60.0, SLO(ttft_ms=200, tpot_ms=50, attainment=0.9))
-    assert met.attainment >= 0.9 and met.prefill_busy < 1.0, met
-    assert sustainable_rate(profile, shape, workload) >= 60.0
+    profile, slo = synthetic_profile(perf=perf), SLO(ttft_ms=200, tpot_ms=50, attainment=0.9)
     one_token = synthetic(60.0, 128, 1, 200, seed=0)
-    prefill_s = sum(prefill_work_s(profile, n, packed=True) for n in one_token.input_lens) / 200
-    assert sustainable_rate(profile, shape, one_token) == pytest.approx(1 / prefill_s)  # the prefill's bound
+    for shape, packed in ((Shape(colocated=1), True), (Shape(prefill=1, decode=1), False)):
+        prefill_s = sum(prefill_work_s(profile, n, packed=packed) for n in one_token.input_lens) / 200
+        assert sustainable_rate(profile, shape, one_token) == pytest.approx(1 / prefill_s)  # the prefill's bound
+        met = simulate(profile, shape, one_token, 60.0, slo)
+        assert (met.attainment >= 0.9 and met.prefill_busy < 1.0) == packed, (shape, met)
+    assert sustainable_rate(profile, Shape(prefill=1, decode=1), one_token) < 48.0
 
 
 def test_a_trace_far_slower_than_the_cluster_finds_the_same_max_rate() -> None:
@@ -332,7 +333,13 @@ def test_a_trace_far_slower_than_the_cluster_finds_the_same_max_rate() -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("kv_capacity_tokens", "100000"), ("step_overhead_s", "0.001"), ("transfer_gbps", math.nan)]
+    ("field", "value"),
+    [
+        ("kv_capacity_tokens", "100000"),
+        ("step_overhead_s", "0.001"),
+        ("transfer_gbps", math.nan),
+        ("short_prompts_first", "false"),  # a string is true
+    ],
 )
 def test_a_profile_with_a_field_of_the_wrong_kind_is_refused_naming_it(tmp_path, capsys, field, value):
     """A string broke plan with a TypeError traceback; a NaN transfer speed planned 0 req/s for every split."""
@@ -342,7 +349,8 @@ def test_a_profile_with_a_field_of_the_wrong_kind_is_refused_naming_it(tmp_path,
     path.write_text(json.dumps(data | {field: value}))
     argv = ["plan", "--profile", str(path), "--rate", "1", "--input-len", "8", "--output-len", "8", "--workers", "2"]
     assert cli.main([*argv, "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"]) == 2
-    assert f"{field} must be a finite" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{field} must be a finite" in err or f"{field} must be true or false" in err
 
 
 def test_a_profile_without_its_perf_key_is_refused_naming_the_key(tmp_path, capsys):
