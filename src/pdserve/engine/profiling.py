@@ -16,10 +16,14 @@ PREFILL_LENGTHS = (64, 256)  # and a whole chunk: prompts that run in one step
 # a host whose load varied while it was measured, where it took 11-21 s, and admission refused it as impossible.
 CHUNK_CONTEXTS = (3, 7)
 DECODE_BATCHES = (1, 8, 32)
+FASTEST_RATIO = 1 / 16
 
 
 class SpeedTracker:
-    """An exponentially weighted ratio of measured to predicted step time: the live correction."""
+    """An exponentially weighted ratio of measured to predicted step time: the live correction. A step's ratio
+    counts up to 4x slow (one pathological step moves it by a bounded amount) and down to 16x fast: a profile
+    measured while other processes loaded this 2-core host read 5.7x slow (a 3873-token prompt priced at 80 s, 14 s
+    on the quiet host), and bounded at 4x fast, the worker stayed priced over what it ran at once they left."""
 
     def __init__(self, profile: PerfProfile, alpha: float = 0.1) -> None:
         self.profile = profile
@@ -37,7 +41,7 @@ class SpeedTracker:
             self.profile.decode_step_s(decode_seqs) if decode_seqs else 0.0
         )
         if predicted > 0:
-            ratio = min(max(seconds / predicted, 0.25), 4.0)
+            ratio = min(max(seconds / predicted, FASTEST_RATIO), 4.0)
             self.factor += self.alpha * (ratio - self.factor)
 
 

@@ -113,6 +113,14 @@ def test_speed_tracker_moves_toward_the_measured_over_predicted_ratio():
     assert fast.factor == pytest.approx(0.5, rel=1e-3)
 
 
+def test_a_profile_measured_on_a_loaded_host_is_corrected_to_the_speed_the_worker_runs_at():
+    """Profiled while other processes held the cores, 10x slow: the live steps bring the price to what they take."""
+    t = SpeedTracker(PROFILE, alpha=0.5)
+    for _ in range(40):
+        t.observe(100, 0, PROFILE.prefill_s(100) / 10)
+    assert t.factor == pytest.approx(0.1, rel=1e-3)
+
+
 def test_speed_tracker_counts_both_phases_of_a_mixed_step_and_ignores_empty_ones():
     t = SpeedTracker(PROFILE, alpha=1.0)
     t.observe(64, 4, PROFILE.prefill_s(64) + PROFILE.decode_step_s(4))
