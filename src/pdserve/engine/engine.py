@@ -72,6 +72,7 @@ class LLMEngine:
         self.fingerprint = self.model.fingerprint
         self.last_step_tokens = 0  # tokens the last step ran (0: it could run nothing), for live speed tracking
         self.last_step_prefill_context = 0  # the earlier tokens its prompt chunks read (SchedulerOutput's)
+        self.last_step_decode_context = 0  # the tokens its decoding sequences attend over (SchedulerOutput's)
         # Its requests' waits, once each (time.monotonic()): arrival to the start of the step that first ran one
         # (those dropped before any step ran them have none), and that start to its prompt's first token.
         self.last_step_queue_s: list[float] = []
@@ -266,6 +267,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         self.last_step_tokens = plan.num_tokens
         self.last_step_prefill_context = plan.prefill_context_tokens
+        self.last_step_decode_context = plan.decode_context_tokens
         for seq in plan.started:
             seq.first_scheduled = began
         self.last_step_queue_s = [began - seq.arrival for seq in plan.started]

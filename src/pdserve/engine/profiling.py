@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,6 +18,10 @@ PREFILL_LENGTHS = (64, 256)  # and a whole chunk: prompts that run in one step
 CHUNK_CONTEXTS = (3, 7)
 DECODE_BATCHES = (1, 8, 32)
 FASTEST_RATIO = 1 / 16
+DECODE_CONTEXT = 64  # each sequence's context at the batches above
+# Where each sequence reads a long context, the batches timed: the step's cost per context token (on smollm2-135m,
+# one CPU thread, these add ~3 s to the start-up's ~18).
+DEEP_CONTEXT, DEEP_BATCHES = 2048, (1, 8)
 
 
 class SpeedTracker:
@@ -30,15 +35,19 @@ class SpeedTracker:
         self.alpha = alpha
         self.factor = 1.0
 
-    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_context: int = 0) -> None:
+    def observe(
+        self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_context: int = 0, decode_context: int = 0
+    ) -> None:
         """`prefill_context`: the earlier tokens the step's prompt chunks read from the cache, summed over its
         chunks. Such a step is not observed: a sum prices no chunk's attention exactly (once priced as new tokens
         alone, a prefix-cache hit's step or a long prompt's later chunk read as up to 4x slow, and a review saw the
-        router then refuse every request with an SLO, on an idle cluster, until another step corrected it)."""
+        router then refuse every request with an SLO, on an idle cluster, until another step corrected it).
+        `decode_context`: the tokens the step's decoding sequences attend over, summed, which the profile prices
+        (else a long-context batch would read as a slow worker, and the router would count its context twice)."""
         if prefill_context:
             return
         predicted = self.profile.prefill_s(prefill_tokens) + (
-            self.profile.decode_step_s(decode_seqs) if decode_seqs else 0.0
+            self.profile.decode_step_s(decode_seqs, decode_context) if decode_seqs else 0.0
         )
         if predicted > 0:
             ratio = min(max(seconds / predicted, FASTEST_RATIO), 4.0)
@@ -83,15 +92,26 @@ def measure_profile(engine: Any, repeats: int = 2) -> PerfProfile:
         table = list(range(blocks.blocks_for(context + n)))
         # A later chunk's shapes are the first chunk's, warm: only the context it reads differs.
         prefill.append((n, context, timed([ScheduledChunk("profile", ids, context, table, True)], not context)))
-    decode = []
-    context = 64
-    per_seq = blocks.blocks_for(context + 1)
-    for batch in DECODE_BATCHES:
+    return PerfProfile.fit(prefill, _decode_points(engine, timed), prefill_chunk_tokens=chunk)
+
+
+def _decode_points(engine: Any, timed: Callable[[list[Any]], float]) -> list[tuple[int, int, float]]:
+    """(batch, each sequence's context, s) of decode steps at a short context and at a deep one, those the pool
+    and the batch cap hold."""
+    from pdserve.engine.scheduler import ScheduledChunk
+
+    blocks = engine.blocks
+    shapes = [(b, DECODE_CONTEXT) for b in DECODE_BATCHES]
+    if engine.max_model_len > DEEP_CONTEXT:
+        shapes += [(b, DEEP_CONTEXT) for b in DEEP_BATCHES]
+    points = []
+    for batch, context in shapes:
+        per_seq = blocks.blocks_for(context + 1)
         if batch * per_seq > blocks.num_blocks or batch > engine.config.scheduler.max_num_seqs:
             continue
         chunks = [
             ScheduledChunk(f"p{i}", [1], context, list(range(i * per_seq, (i + 1) * per_seq)), True)
             for i in range(batch)
         ]
-        decode.append((batch, timed(chunks)))
-    return PerfProfile.fit(prefill, decode, prefill_chunk_tokens=chunk)
+        points.append((batch, context, timed(chunks)))
+    return points

@@ -56,6 +56,12 @@ class SchedulerOutput:
         prompt's first chunks): a cost the fitted prefill curve, which prices new tokens alone, does not know."""
         return sum(c.start_position for c in self.chunks if len(c.token_ids) > 1)
 
+    @property
+    def decode_context_tokens(self) -> int:
+        """The tokens the step's decoding sequences attend over, summed: what the profile prices a decode step by
+        beside its batch size."""
+        return sum(c.start_position + 1 for c in self.chunks if len(c.token_ids) == 1)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:

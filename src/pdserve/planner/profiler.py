@@ -147,10 +147,8 @@ def fit(points: dict[str, list[list[float]]]) -> tuple[PerfProfile, float, float
     d = np.array(points["decode"], dtype=float)
     if not single or not len(d):
         raise ValueError("the engine's cache holds none of the profile's shapes; raise --kv-cache-gb")
-    x = np.stack([np.ones(len(d)), d[:, 0], d[:, 0] * d[:, 1]], axis=1)
-    fixed, per_seq, per_context = nonneg_lstsq(x, d[:, 2])
-    perf = PerfProfile.fit(single, [(1, 0.0)])  # prefill terms; the decode ones come from the fit above
-    perf = PerfProfile(perf.prefill_fixed_s, perf.prefill_per_token_s, perf.prefill_per_token2_s, fixed, per_seq)
+    perf = PerfProfile.fit(single, [(int(b), int(c), s) for b, c, s in d])
+    fixed, per_seq, per_context = perf.decode_fixed_s, perf.decode_per_seq_s, perf.decode_per_context_token_s
     # A later chunk costs what the same chunks at context 0 cost, plus its reads of the context.
     first = {(n, b): s for n, b, c, s in points.get("prefill_chunk", []) if c == 0}
     later = [(b * n * c, s - first[n, b]) for n, b, c, s in points.get("prefill_chunk", []) if c and (n, b) in first]

@@ -2,8 +2,10 @@
 
 A prompt's prefill costs a fixed part per step it runs in (a long prompt runs in chunks), a part per token, and
 causal attention's: the tokens before each new one, (cached + new)² - cached² in all, whether it runs in one step
-or many. A decode step costs a fixed part (reading the weights) plus a part per sequence in the batch. Both are
-least-squares fits of measured points, so the same code describes a 2-core CPU and an H200.
+or many. A decode step costs a fixed part (reading the weights), a part per sequence in the batch, and a part per
+token of context its sequences attend over (long prompts: a step at 8 x 6000 tokens of context took 25x one at
+8 x 64 on a CPU). All are least-squares fits of measured points, so the same code describes a 2-core CPU and an
+H200.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class PerfProfile:
     # The most new tokens of one prompt a step runs (the engine's long_prefill_chunk): a longer prompt pays the
     # fixed part once per chunk. 0: an earlier worker's entry, which priced every prompt as one step.
     prefill_chunk_tokens: int = 0
+    # Per token of KV a decode step reads, the batch's sequences summed; 0: a worker of a build that did not
+    # measure it (its step is priced by batch size alone, as then).
+    decode_per_context_token_s: float = 0.0
 
     def prefill_s(self, tokens: int, cached: int = 0) -> float:
         """`tokens` new tokens of a prompt whose first `cached` tokens' KV is already there (a prefix-cache hit):
@@ -67,20 +72,36 @@ class PerfProfile:
             + self.prefill_per_token2_s * queue.token_squares
         )
 
-    def decode_step_s(self, batch: int) -> float:
-        return self.decode_fixed_s + self.decode_per_seq_s * max(batch, 1)
+    def decode_step_s(self, batch: int, context_tokens: int = 0) -> float:
+        """`context_tokens`: the tokens the batch's sequences attend over, summed."""
+        return (
+            self.decode_fixed_s
+            + self.decode_per_seq_s * max(batch, 1)
+            + self.decode_per_context_token_s * max(context_tokens, 0)
+        )
 
     @classmethod
     def fit(
-        cls, prefill: list[tuple[int, int, float]], decode: list[tuple[int, float]], prefill_chunk_tokens: int = 0
+        cls,
+        prefill: list[tuple[int, int, float]],
+        decode: list[tuple[int, int, float]],
+        prefill_chunk_tokens: int = 0,
     ) -> PerfProfile:
-        """`prefill`: (new tokens, cached tokens before them, seconds) of one step each; `decode`: (batch, seconds)."""
+        """`prefill`: (new tokens, cached tokens before them, seconds) of one step each; `decode`: (batch, each
+        sequence's context, seconds) points (fit_decode)."""
         new, cached, seconds = (np.array(column, dtype=float) for column in zip(*prefill, strict=True))
         attention = (cached + new) ** 2 - cached**2
         a = nonneg_lstsq(np.stack([np.ones_like(new), new, attention], axis=1), seconds)
-        b_ = np.array([d[0] for d in decode], dtype=float)
-        b = nonneg_lstsq(np.stack([np.ones_like(b_), b_], axis=1), np.array([d[1] for d in decode]))
-        return cls(float(a[0]), float(a[1]), float(a[2]), float(b[0]), float(b[1]), prefill_chunk_tokens)
+        fixed, per_seq, per_context = fit_decode(decode)
+        return cls(
+            float(a[0]),
+            float(a[1]),
+            float(a[2]),
+            fixed,
+            per_seq,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            decode_per_context_token_s=per_context,
+        )
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -106,6 +127,18 @@ def kv_transfer_s(tokens: int, kv_bytes_per_token: int, gbps: float, latency_s: 
     if gbps <= 0:
         return latency_s
     return latency_s + tokens * kv_bytes_per_token / (gbps * 1e9)
+
+
+def fit_decode(points: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """(batch, each sequence's context, s) points as fixed + per sequence x batch + per context token x batch x
+    context: (decode_fixed_s, decode_per_seq_s, decode_per_context_token_s). One definition for a worker's start-up
+    profile and `pdserve profile`. Points all at one context cannot tell a sequence's cost from its context's:
+    the context term is then 0 (the batch line alone, as before the term)."""
+    d = np.array(points, dtype=float).reshape(-1, 3)
+    batch, context = d[:, 0], d[:, 1]
+    columns = [np.ones_like(batch), batch] + ([batch * context] if len(set(context)) > 1 else [])
+    coef = nonneg_lstsq(np.stack(columns, axis=1), d[:, 2])
+    return float(coef[0]), float(coef[1]), float(coef[2]) if len(coef) > 2 else 0.0
 
 
 def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -9,8 +9,9 @@ import pytest
 from pdserve.cluster.worker_runtime import WorkerRuntime
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import EngineConfig
-from pdserve.engine.profiling import measure_profile
+from pdserve.engine.profiling import DEEP_CONTEXT, _decode_points, measure_profile
 from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.roles import Role
 from pdserve.protocol.sampling import SamplingParams
 from tests.unit.engine.engine_harness import make_engine
@@ -25,6 +26,24 @@ def test_the_profile_refuses_a_pool_the_prefix_cache_holds_blocks_of() -> None:
     assert engine.blocks.num_cached_blocks == 1
     with pytest.raises(RuntimeError, match="before any request"):
         measure_profile(engine)
+
+
+def test_the_profile_times_decode_at_a_deep_context_too_where_the_pool_holds_it() -> None:
+    """Decode steps at context 64 alone cannot tell a sequence's cost from its context's; the deep ones can."""
+    timed: list[tuple[int, int]] = []
+
+    def cost(chunks: list[ScheduledChunk]) -> float:
+        timed.append((len(chunks), chunks[0].start_position))
+        return 0.02 + 0.005 * len(chunks) + 1e-6 * sum(c.start_position + 1 for c in chunks)
+
+    roomy = make_engine(num_kv_blocks=8 * 129)  # 8 sequences of 2049 tokens
+    fitted = PerfProfile.fit([(64, 0, 0.01)], _decode_points(roomy, cost))
+    assert timed == [(1, 64), (8, 64), (32, 64), (1, DEEP_CONTEXT), (8, DEEP_CONTEXT)]
+    assert (fitted.decode_fixed_s, fitted.decode_per_seq_s) == pytest.approx((0.02, 0.005 + 1e-6))
+    assert fitted.decode_per_context_token_s == pytest.approx(1e-6)
+    timed.clear()
+    _decode_points(make_engine(num_kv_blocks=256), cost)  # one sequence of 2049 tokens fits, eight do not
+    assert timed == [(1, 64), (8, 64), (32, 64), (1, DEEP_CONTEXT)]
 
 
 def test_a_worker_with_small_blocks_profiles_before_its_warm_up() -> None:

@@ -191,6 +191,7 @@ def test_long_prompt_is_prefilled_in_consecutive_chunks(chunk: int, budget: int)
     (decode,) = out.chunks
     assert decode.start_position == 50 and len(decode.token_ids) == 1 and decode.sample
     assert out.prefill_context_tokens == 0  # a decode's context is the decode step's own cost
+    assert out.decode_context_tokens == 51  # which reads the prompt's 50 tokens and its own
     assert not sim.sched.has_work
     assert sim.bm.num_used_blocks == 0
 
@@ -205,6 +206,7 @@ def test_decodes_come_before_prefill_chunks() -> None:
     second = sim.step()
     assert [c.seq_id for c in second.chunks] == ["a", "c", "b"]
     assert [len(c.token_ids) for c in second.chunks] == [1, 1, 8]
+    assert second.decode_context_tokens == 5 + 4  # a's 4 prompt tokens and c's 3, each with its new token
     assert second.chunks[2].start_position == 8
     sim.run()
     assert sim.bm.num_used_blocks == 0

@@ -3,27 +3,52 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from pdserve.engine.profiling import SpeedTracker
 from pdserve.protocol.perf_profile import PerfProfile, QueuedPrefill, kv_transfer_s
+from pdserve.registry.base import WorkerState
 from tests.unit.round_profile import PROFILE
+from tests.unit.router.router_builder import worker
 
 
 def test_fit_recovers_exact_quadratic_prefill_and_linear_decode():
     truth = PerfProfile(0.004, 2.5e-4, 3e-7, 0.015, 0.0021)
     prefill = [(n, 0, truth.prefill_s(n)) for n in (32, 128, 512)]
-    decode = [(b, truth.decode_step_s(b)) for b in (1, 8, 32)]
+    decode = [(b, 64, truth.decode_step_s(b)) for b in (1, 8, 32)]
     fitted = PerfProfile.fit(prefill, decode)
     for name, want in truth.to_dict().items():
         assert getattr(fitted, name) == pytest.approx(want, rel=1e-6, abs=1e-12), name
 
 
+def test_fit_recovers_the_decode_steps_cost_per_context_token():
+    """A step at a deep context costs more than the batch line at a short one says (a CPU's 8 x 6000 tokens took
+    25x its 8 x 64): the fit takes it apart from the per-sequence cost."""
+    truth = replace(PROFILE, decode_per_context_token_s=2e-6)
+    shapes = ((1, 64), (8, 64), (32, 64), (1, 2048), (8, 2048))
+    decode = [(b, c, truth.decode_step_s(b, b * c)) for b, c in shapes]
+    fitted = PerfProfile.fit([(n, 0, truth.prefill_s(n)) for n in (32, 128, 512)], decode)
+    for name, want in truth.to_dict().items():
+        assert getattr(fitted, name) == pytest.approx(want, rel=1e-6, abs=1e-12), name
+
+
+def test_a_profile_of_a_build_without_the_context_term_parses_and_prices_by_batch_alone():
+    """An older worker's registry entry: no decode_per_context_token_s. It parses, and its step costs what that
+    build's router predicted, whatever context the batch holds."""
+    entry = {k: v for k, v in PROFILE.to_dict().items() if k != "decode_per_context_token_s"}
+    old = PerfProfile.from_dict(entry)
+    assert old.decode_per_context_token_s == 0.0
+    assert old.decode_step_s(8, 8 * 6000) == old.decode_step_s(8) == pytest.approx(0.02 + 8 * 0.005)
+    state = worker("d0", "decode", profile=None).to_json().replace('"profile": null', f'"profile": {json.dumps(entry)}')
+    assert WorkerState.from_json(state).profile == old
+
+
 def test_fit_recovers_a_purely_linear_prefill_with_no_quadratic_term():
     truth = PerfProfile(0.002, 1e-4, 0.0, 0.01, 0.0)
     fitted = PerfProfile.fit(
-        [(n, 0, truth.prefill_s(n)) for n in (16, 64, 256, 1024)], [(b, truth.decode_step_s(b)) for b in (1, 4, 16)]
+        [(n, 0, truth.prefill_s(n)) for n in (16, 64, 256, 1024)], [(b, 64, truth.decode_step_s(b)) for b in (1, 4, 16)]
     )
     assert fitted.prefill_per_token_s == pytest.approx(1e-4, rel=1e-6)
     assert fitted.prefill_per_token2_s == pytest.approx(0.0, abs=1e-15)
@@ -35,21 +60,27 @@ def test_fit_recovers_a_purely_linear_prefill_with_no_quadratic_term():
 @pytest.mark.parametrize(
     "prefill,decode",
     [
-        ([(32, 0, 0.05), (128, 0, 0.04), (512, 0, 0.03)], [(1, 0.01), (8, 0.009), (32, 0.008)]),  # faster with more
-        ([(32, 0, 0.001), (128, 0, 0.2), (512, 0, 0.21)], [(1, 0.0), (8, 0.05), (32, 0.051)]),  # concave: -n^2
-        ([(32, 0, 0.0), (128, 0, 0.0), (512, 0, 0.0)], [(1, 0.0), (8, 0.0), (32, 0.0)]),  # all zero
+        (
+            [(32, 0, 0.05), (128, 0, 0.04), (512, 0, 0.03)],
+            [(1, 64, 0.01), (8, 64, 0.009), (32, 64, 0.008)],
+        ),  # faster with more
+        ([(32, 0, 0.001), (128, 0, 0.2), (512, 0, 0.21)], [(1, 64, 0.0), (8, 64, 0.05), (32, 64, 0.051)]),  # concave
+        ([(32, 0, 0.0), (128, 0, 0.0), (512, 0, 0.0)], [(1, 64, 0.0), (8, 64, 0.0), (32, 64, 0.0)]),  # all zero
+        ([(32, 0, 0.01)], [(1, 64, 0.02), (8, 64, 0.03), (8, 2048, 0.025)]),  # shorter with more context
     ],
 )
 def test_fit_never_yields_negative_coefficients_or_times(prefill, decode):
     fitted = PerfProfile.fit(prefill, decode)
     assert all(v >= 0 for v in fitted.to_dict().values()), fitted
     assert all(fitted.prefill_s(n) >= 0 for n in range(0, 4096, 7))
-    assert all(fitted.decode_step_s(b) >= 0 for b in range(0, 128))
+    assert all(fitted.decode_step_s(b, c) >= 0 for b in range(0, 128) for c in (0, 64 * b, 4096 * b))
 
 
 def test_fit_drops_a_negative_term_and_refits_the_rest():
     # Prefill time flat in tokens: the fit must keep the fixed part, not zero everything.
-    fitted = PerfProfile.fit([(32, 0, 0.05), (128, 0, 0.05), (512, 0, 0.05)], [(1, 0.02), (8, 0.02), (32, 0.02)])
+    fitted = PerfProfile.fit(
+        [(32, 0, 0.05), (128, 0, 0.05), (512, 0, 0.05)], [(1, 64, 0.02), (8, 64, 0.02), (32, 64, 0.02)]
+    )
     assert fitted.prefill_s(100) == pytest.approx(0.05, rel=1e-3)
     assert fitted.decode_step_s(4) == pytest.approx(0.02, rel=1e-3)
 
@@ -71,7 +102,7 @@ def test_fit_recovers_attention_from_chunks_at_depth_and_prices_a_long_prompt_as
     costs: fitted from those, a 4k prompt is priced as the sum of its chunks as the worker runs them."""
     steps = [(64, 0), (256, 0), (512, 0), (512, 1536), (512, 3584)]
     points = [(n, c, CHUNKED.prefill_s(n, cached=c)) for n, c in steps]
-    fitted = PerfProfile.fit(points, [(b, CHUNKED.decode_step_s(b)) for b in (1, 8)], prefill_chunk_tokens=512)
+    fitted = PerfProfile.fit(points, [(b, 64, CHUNKED.decode_step_s(b)) for b in (1, 8)], prefill_chunk_tokens=512)
     for name, want in CHUNKED.to_dict().items():
         assert getattr(fitted, name) == pytest.approx(want, rel=1e-6), name
     chunks = [CHUNKED.prefill_s(min(512, 3873 - done), cached=done) for done in range(0, 3873, 512)]
@@ -119,6 +150,16 @@ def test_a_profile_measured_on_a_loaded_host_is_corrected_to_the_speed_the_worke
     for _ in range(40):
         t.observe(100, 0, PROFILE.prefill_s(100) / 10)
     assert t.factor == pytest.approx(0.1, rel=1e-3)
+
+
+def test_speed_tracker_prices_the_context_a_decode_step_reads():
+    """A long-context batch's step at its profiled cost is no slower than predicted: were its context left out,
+    the worker's speed factor would rise (here to 1.55) and the router, which prices the context too, count it
+    twice."""
+    deep = replace(PROFILE, decode_per_context_token_s=1e-6)
+    t = SpeedTracker(deep, alpha=1.0)
+    t.observe(0, 8, deep.decode_step_s(8, 8 * 4096), decode_context=8 * 4096)
+    assert t.factor == pytest.approx(1.0)
 
 
 def test_speed_tracker_counts_both_phases_of_a_mixed_step_and_ignores_empty_ones():
