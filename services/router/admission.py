@@ -261,7 +261,8 @@ class Admission:
         if slo.tpot_explicit and offer.tpot_s > slo.tpot_s:
             raise InvalidRequestError(
                 "slo.tpot_ms",
-                f"{slo.tpot_s * 1e3:g} ms is below one decode step on an idle worker; "
+                f"{slo.tpot_s * 1e3:g} ms is below one decode step of this request's context "
+                f"({placement.own_context_tokens} tokens on average) on an idle worker; "
                 f"the smallest this cluster can offer is {math.ceil(max(offer.tpot_s, offer.tpot_now_s) * 1e3)} ms",
             )
 
@@ -309,7 +310,7 @@ class Admission:
         return budget, queue_room_s(budget, own, self.config.slo_headroom)
 
     def _check_tpot(self, placement: Placement, slo: SLOTarget) -> None:
-        idle = self.predictor.idle_tpot_s(placement.decode)
+        idle = self.predictor.idle_tpot_s(placement.decode, placement.own_context_tokens)
         budget = slo.tpot_s if slo.tpot_explicit else max(slo.tpot_s, idle)
         room = self.config.slo_headroom * (budget - idle)
         if placement.predicted_tpot_s - idle > room:

@@ -15,7 +15,7 @@ from pdserve.registry.base import PrefixIndex, Registry, WorkerState
 from services.router.ejection import Ejections
 from services.router.kv_pairing import Group, pairable, pairing_groups, running, versions
 from services.router.offered_workers import OfferedWorkers
-from services.router.predictor import Predictor
+from services.router.predictor import Predictor, own_context_tokens
 
 INLINE_HASH_TOKENS = 16384  # a prompt's block hashes up to this many tokens (~1.4 ms) on the loop, past it a thread
 
@@ -33,6 +33,7 @@ class Placement:
     prefill_queue_s: float  # of profiled_queue_s, the prefill worker's queue (what that worker reports it waited)
     ttft_factor: float  # the prefill worker's TTFT calibration factor the prediction was made with
     predicted_tpot_s: float
+    own_context_tokens: int  # what the request's decode steps attend over on average (predictor.own_context_tokens)
     blocks_needed: int
     block_hashes: list[bytes]  # the prompt's full blocks, which its prefill worker will key
     offer: Offer
@@ -63,7 +64,7 @@ class Offer:
     each at its best speed (Predictor.offer_ttft_s)."""
 
     ttft_s: float  # the smallest own TTFT over the prefill workers
-    tpot_s: float  # the smallest one-sequence decode step over the decode workers
+    tpot_s: float  # the smallest one-sequence decode step over the decode workers, at the request's own context
     # The same at the workers' speeds now, which may be slower than their best: less than these is shed however
     # idle the cluster, so an SLO refused as impossible is told to ask for the larger of the two.
     ttft_now_s: float
@@ -80,6 +81,7 @@ class Ask:
     prompt_tokens: int
     blocks: int  # KV blocks of prompt + max_tokens
     tpot_slo_s: float
+    own_context: int  # what its decode steps attend over on average (predictor.own_context_tokens)
     new: bool  # a request admission judges, which leaves the KV blocks an earlier, larger one claimed (kv_claims.py)
 
 
@@ -160,7 +162,8 @@ class PlacementPolicy(ABC):
             # The worker keys every full block of the prompt, but a hit stops short of its last token (computed anew).
             hashed[block_size] = keyed, await self._prefix_hits(colocated, keyed[: (len(prompt) - 1) // block_size])
         keyed, hits = hashed[block_size]
-        ask = Ask(hits, len(prompt), blocks, tpot_slo_s, new=not must_hold)
+        own_context = own_context_tokens(len(prompt), max_tokens)
+        ask = Ask(hits, len(prompt), blocks, tpot_slo_s, own_context, new=not must_hold)
         if colocated:
             prefill = decode = self.choose_colocated(prefills, ask)
         else:
@@ -181,10 +184,11 @@ class PlacementPolicy(ABC):
             profiled_queue_s=profiled_queue_s,
             prefill_queue_s=prefill_queue_s,
             ttft_factor=self.predictor.calibration.factor(prefill.worker_id),
-            predicted_tpot_s=self.predictor.tpot_s(decode),
+            predicted_tpot_s=self.predictor.tpot_s(decode, own_context),
+            own_context_tokens=own_context,
             blocks_needed=blocks,
             block_hashes=keyed,
-            offer=self._offer(offered[0], offered[1], hits, len(prompt), blocks, colocated=colocated),
+            offer=self._offer(offered[0], offered[1], hits, len(prompt), blocks, own_context, colocated=colocated),
         )
 
     def can_place(self) -> bool:
@@ -277,6 +281,7 @@ class PlacementPolicy(ABC):
         hits: dict[str, int],
         prompt_tokens: int,
         blocks: int,
+        own_context: int,
         colocated: bool,
     ) -> Offer:
         """The best an idle cluster does for this request: TPOT only on a decode worker whose KV holds it (a fast
@@ -292,9 +297,9 @@ class PlacementPolicy(ABC):
             prefilling = [w for w in prefills if w.kv_blocks_total >= prompt_blocks] or prefills
         return Offer(
             ttft_s=min(p.offer_ttft_s(w, prompt_tokens, hits.get(w.cache_key, 0) * bs) for w in prefilling),
-            tpot_s=min(p.offer_tpot_s(w) for w in holding),
+            tpot_s=min(p.offer_tpot_s(w, own_context) for w in holding),
             ttft_now_s=min(p.own_ttft_s(w, prompt_tokens, hits.get(w.cache_key, 0) * bs) for w in prefilling),
-            tpot_now_s=min(p.idle_tpot_s(w) for w in holding),
+            tpot_now_s=min(p.idle_tpot_s(w, own_context) for w in holding),
             kv_blocks=max(w.kv_blocks_total for w in decodes),
             held_at_once=sum(_held_at_once(w, blocks) for w in decodes),
         )
@@ -322,9 +327,9 @@ class SLOAwarePlacement(PlacementPolicy):
         prefill = min(prefills, key=self._by_ttft(ask.hits, ask.prompt_tokens))
         roomy, within = self._decodable(decodes, ask, free)
         if within:
-            decode = max(within, key=lambda w: (free(w), -p.tpot_s(w)))
+            decode = max(within, key=lambda w: (free(w), -p.tpot_s(w, ask.own_context)))
         else:  # nothing meets both: the best effort, which admission then judges
-            decode = min(roomy or decodes, key=lambda w: (p.tpot_s(w), -free(w)))
+            decode = min(roomy or decodes, key=lambda w: (p.tpot_s(w, ask.own_context), -free(w)))
         return prefill, decode
 
     def choose_colocated(self, workers: list[WorkerState], ask: Ask) -> WorkerState:
@@ -350,7 +355,7 @@ class SLOAwarePlacement(PlacementPolicy):
             return [w for w in workers if free(w) >= ask.blocks and p.has_batch_room(w, spare)]
 
         roomy = roomy_past(p.tracker.held_for_moving) or roomy_past(0)
-        return roomy, [w for w in roomy if p.tpot_s(w) <= ask.tpot_slo_s]
+        return roomy, [w for w in roomy if p.tpot_s(w, ask.own_context) <= ask.tpot_slo_s]
 
 
 def _holding_request(decodes: list[WorkerState], blocks: int) -> list[WorkerState]:

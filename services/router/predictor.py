@@ -104,9 +104,10 @@ class Predictor:
             return 0.0
         return kv_transfer_s(prompt_tokens, w.kv_bytes_per_token, self.config.transfer_gbps)
 
-    def idle_tpot_s(self, w: WorkerState) -> float:
-        """One decode step of this request alone on `w`."""
-        return w.profile.decode_step_s(1) * w.speed_factor if w.profile else 0.0
+    def idle_tpot_s(self, w: WorkerState, own_context: int = 0) -> float:
+        """One decode step of this request alone on `w`. `own_context`: the tokens its steps attend over
+        (own_context_tokens)."""
+        return w.profile.decode_step_s(1, own_context) * w.speed_factor if w.profile else 0.0
 
     # What `w` offers at best: its profile at the best speed the live corrections have shown (best_speed.py). They
     # also rise with contention, which passes; what admission calls impossible must be so at this speed.
@@ -122,13 +123,17 @@ class Predictor:
         compute = w.profile.prefill_s(new_tokens, prompt_tokens - new_tokens) * best
         return fixed + compute + self.transfer_s(w, prompt_tokens)
 
-    def offer_tpot_s(self, w: WorkerState) -> float:
+    def offer_tpot_s(self, w: WorkerState, own_context: int = 0) -> float:
         """`idle_tpot_s` at `w`'s best speed."""
-        return w.profile.decode_step_s(1) * self.best.best(w.worker_id, "tpot", w.speed_factor) if w.profile else 0.0
+        if not w.profile:
+            return 0.0
+        return w.profile.decode_step_s(1, own_context) * self.best.best(w.worker_id, "tpot", w.speed_factor)
 
-    def tpot_s(self, w: WorkerState) -> float:
-        """The step time once this request joins the batch."""
-        return w.profile.decode_step_s(self._running(w) + 1) * w.speed_factor if w.profile else 0.0
+    def tpot_s(self, w: WorkerState, own_context: int = 0) -> float:
+        """The step time once this request joins the batch: its sequences' context and the request's own."""
+        if not w.profile:
+            return 0.0
+        return w.profile.decode_step_s(self._running(w) + 1, batch_context_tokens(w) + own_context) * w.speed_factor
 
     def decode_wait_s(self, w: WorkerState) -> float:
         """What a busy decode worker adds to a first token: its engine takes the hand-off's two commands (reserve
@@ -136,7 +141,9 @@ class Predictor:
         idle worker. (A colocated worker's prefill waits half a step, then shares its step with the batch: at
         least as much.)"""
         running = self._running(w)
-        return w.profile.decode_step_s(running) * w.speed_factor if w.profile and running else 0.0
+        if not (w.profile and running):
+            return 0.0
+        return w.profile.decode_step_s(running, batch_context_tokens(w)) * w.speed_factor
 
     def _running(self, w: WorkerState) -> int:
         return max(w.running, self.tracker.decoding[w.worker_id])
@@ -175,3 +182,17 @@ class Predictor:
             return True
         blocks = -(-prompt_tokens // decode.block_size)
         return self.has_batch_room(decode) and self.free_blocks(decode) >= blocks
+
+
+def own_context_tokens(prompt_tokens: int, max_tokens: int) -> int:
+    """What a request's decode steps attend over on average: its prompt and half its output (its context halfway
+    through max_tokens, as its KV blocks are reserved for all of them)."""
+    return prompt_tokens + max(max_tokens, 1) // 2
+
+
+def batch_context_tokens(w: WorkerState) -> int:
+    """The tokens `w`'s batch attends over each step, as its last report holds them: its used KV blocks, whole (a
+    decode worker keeps no prefix cache, so no block is shared between sequences; a colocated worker's shared
+    prefix blocks count once, where each sequence reads them). A worker whose profile has no context term adds
+    nothing for it (its step is priced by batch size alone)."""
+    return max(0, w.kv_blocks_used) * w.block_size

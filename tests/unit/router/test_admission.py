@@ -253,6 +253,23 @@ def test_explicit_tpot_slo_below_an_idle_decode_step_is_invalid():
     shed(r, prompt(100), "TPOT", slo_s=(5.0, 0.1))  # meets it alone, not in these batches
 
 
+def test_a_long_context_request_or_batch_is_held_to_its_tpot_slo():
+    """A decode step's cost grows with the context it reads (smollm2 on a CPU: 8 x 6000 tokens took 25x 8 x 64):
+    a TPOT SLO only a short request meets idle is INVALID_ARGUMENT for a long one (no retry shortens its context),
+    and a worker whose batch holds long contexts sheds what its batch size alone would admit."""
+    deep = replace(PROFILE, decode_per_context_token_s=1e-5)  # 6000 tokens: 60 ms a step
+    idle = Router([worker("p0"), worker("d0", "decode", profile=deep)])
+    with pytest.raises(InvalidRequestError, match="offer is 86 ms") as info:  # 20 + 5 + 60.08 ms
+        idle.admit(prompt(6000), slo_s=(30.0, 0.05))
+    assert info.value.field == "slo.tpot_ms"
+    idle.admit(prompt(100), slo_s=(30.0, 0.05))  # 26 ms
+    idle.admit(prompt(6000), slo_s=(30.0, 0.1))  # its context is its own cost, which no load adds to
+    busy = Router([worker("p0"), worker("d0", "decode", profile=deep, running=4, kv_blocks_free=4096 - 4 * 375)])
+    shed(busy, prompt(100), "TPOT", slo_s=(30.0, 0.1))  # 45 ms by its batch's size, 286 ms with its context
+    old = Router([worker("p0"), worker("d0", "decode", running=4, kv_blocks_free=4096 - 4 * 375)])
+    old.admit(prompt(100), slo_s=(30.0, 0.1))  # a worker that did not measure the context: by batch size alone
+
+
 def test_default_tpot_slo_never_sheds_what_one_idle_step_costs():
     r = Router([worker("p0"), worker("d0", "decode")])
     r.admit(prompt(100), slo_s=(5.0, 0.001), explicit=False)
