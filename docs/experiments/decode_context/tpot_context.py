@@ -4,8 +4,8 @@ A decode-only engine, profiled at start-up as a worker profiles itself, takes `b
 prompt tokens each through `reserve` and `commit` as a hand-off does (their KV is never sent: what the blocks hold
 does not change a step's cost), then runs real engine steps. The prediction is the router's for the last of them:
 `Predictor.tpot_s` on the worker's state as it reported it with the others decoding (speed factor 1, a fresh
-profile). Prints measured / predicted per (batch, context), and for a mixed batch (one long context, the rest
-short).
+profile), for a request of that context and max_tokens. Prints measured / predicted per (batch, context), and
+for a mixed batch (one long context, the rest short).
 
     .venv/bin/python docs/experiments/decode_context/tpot_context.py --model smollm2-135m
 """
@@ -25,7 +25,7 @@ from pdserve.protocol.roles import EngineMode, Role
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.registry.base import WorkerState
 from services.router.load_tracker import LoadTracker
-from services.router.predictor import Predictor
+from services.router.predictor import Predictor, own_context_tokens
 
 
 def _state(engine: LLMEngine, profile: PerfProfile) -> WorkerState:
@@ -74,7 +74,7 @@ def _predict(engine: LLMEngine, profile: PerfProfile, contexts: list[int], steps
         _add(engine, f"o{i}", c, steps)
     w = _state(engine, profile)
     predictor = Predictor(RouterConfig(), LoadTracker())
-    predicted = predictor.tpot_s(w)
+    predicted = predictor.tpot_s(w, own_context_tokens(contexts[-1], steps + 2))
     while engine.has_unfinished():
         engine.step()
     return predicted

@@ -1,10 +1,10 @@
 """One worker's measured speed and limits, as `pdserve profile` writes it and the simulator reads it.
 
 The prefill curve and decode step line are the router's own `PerfProfile`; beside it are the terms the
-simulator needs and the router does not: the decode step's growth with the context it attends over (the
-router predicts from batch size alone, the simulator follows contexts as they grow), a later prefill chunk's
-reads of the prompt's earlier chunks from the cache, and what an engine step costs beside the model runner.
-The raw points stay in the file so a fit can be checked or redone.
+simulator needs and the router does not: the decode step's growth with the context it attends over (also in
+`perf`, where the router prices a batch's reported context; the simulator follows contexts as they grow), a
+later prefill chunk's reads of the prompt's earlier chunks from the cache, and what an engine step costs beside
+the model runner. The raw points stay in the file so a fit can be checked or redone.
 """
 
 from __future__ import annotations
