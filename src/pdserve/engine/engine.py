@@ -71,8 +71,8 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self.fingerprint = self.model.fingerprint
         self.last_step_tokens = 0  # tokens the last step ran (0: it could run nothing), for live speed tracking
-        self.last_step_prefill_context = 0  # the earlier tokens its prompt chunks read (SchedulerOutput's)
-        self.last_step_decode_context = 0  # the tokens its decoding sequences attend over (SchedulerOutput's)
+        # The earlier tokens its prompt chunks read, and those its decoding sequences attend over (SchedulerOutput's).
+        self.last_step_prefill_context = self.last_step_decode_context = 0
         # Its requests' waits, once each (time.monotonic()): arrival to the start of the step that first ran one
         # (those dropped before any step ran them have none), and that start to its prompt's first token.
         self.last_step_queue_s: list[float] = []
@@ -94,8 +94,7 @@ class LLMEngine:
     def preempted_outputs(self) -> list[RequestOutput]:
         """An output with no token for each sequence that streamed and was preempted, while it waits to be
         recomputed and while it is (a long context's recompute runs chunk by chunk): its stream says the worker is
-        alive while nothing comes (a router's stall bound would take the silence for a hung worker, and move the
-        stream to a worker as full)."""
+        alive while nothing comes (a router's stall bound would take the silence for a hung worker)."""
         return [
             RequestOutput(seq.seq_id, [], "", None, seq.num_prompt_tokens, seq.num_cached_tokens)
             for seq in itertools.chain(self.scheduler.waiting, self.scheduler.running)
@@ -188,8 +187,7 @@ class LLMEngine:
         self.scheduler.finish(req.seq, FinishReason.ABORT)
         return True
 
-    # Hand-off between a prefill-only and a decode-only engine. The KV bytes move outside the engine
-    # (pdserve.transfer); these calls only account for the blocks on each side.
+    # Hand-off between a prefill-only and a decode-only engine: the KV bytes move outside it (pdserve.transfer).
 
     def release(self, request_id: str) -> None:
         """Prefill side: the decode side has the KV (or gave up); free the sequence's blocks."""
