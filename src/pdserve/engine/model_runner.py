@@ -13,6 +13,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.attention import AttentionMetadata, PrefillSpan
 from pdserve.engine.decode_graphs import DecodeBatch, DecodeGraphs
 from pdserve.engine.device import resolve_device, resolve_dtype
+from pdserve.engine.host_heap import keep_large_allocations_in_heap
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.model_files import read_model_config
 from pdserve.engine.scheduler import ScheduledChunk
@@ -49,6 +50,8 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, engine_config: EngineConfig, num_blocks: int) -> None:
         self.model = model
         self.device = resolve_device(engine_config)
+        if self.device.type == "cpu":
+            keep_large_allocations_in_heap()
         self.dtype = resolve_dtype(engine_config)
         self.block_size = engine_config.block_size
         c = model.config
