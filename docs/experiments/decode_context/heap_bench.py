@@ -17,7 +17,7 @@ SHAPES = ((1, 2048), (8, 2048), (1, 6000), (8, 6000))
 def child(raise_threshold: bool) -> None:
     import torch
 
-    from pdserve.engine.attention import AttentionMetadata, _decode_attention
+    from pdserve.engine.attention import DecodeGroup, _decode_attention
     from pdserve.engine.host_heap import keep_large_allocations_in_heap
 
     if raise_threshold:
@@ -30,12 +30,12 @@ def child(raise_threshold: bool) -> None:
         per = -(-context // block)
         mask = torch.zeros(batch, 1, 1, per * block)
         mask[..., context:] = float("-inf")
-        meta = AttentionMetadata(torch.zeros(batch, dtype=torch.int64), batch, torch.arange(batch * per), mask)
+        group = DecodeGroup(None, torch.arange(batch * per), mask)
         q = torch.randn(batch, heads, head_dim)
-        _decode_attention(q, cache, meta)
+        _decode_attention(q, cache, group)
         start = time.perf_counter()
         for _ in range(30):
-            _decode_attention(q, cache, meta)
+            _decode_attention(q, cache, group)
         out[f"{batch}x{context}"] = time.perf_counter() - start
     print(json.dumps(out))
 

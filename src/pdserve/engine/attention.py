@@ -33,11 +33,20 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Decode rows of similar context, attended in one call over their gathered blocks: a row in a call with a far
+    longer one would be padded to its width, and read (on a CPU, copy) that many blocks for nothing."""
+
+    rows: torch.Tensor | None  # [n] int64: which of the batch's decode rows; None: all of them, in order
+    block_tables: torch.Tensor  # [n * max_blocks] int64, flattened
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size]: 0 where allowed, else -inf
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset) of each token
     num_decode: int
-    decode_block_tables: torch.Tensor | None  # [num_decode * max_blocks] int64, flattened
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size]: 0 where allowed, else -inf
+    decode_groups: tuple[DecodeGroup, ...] = ()  # the gathering path's, covering every decode row once
     decode_block_mask: BlockMask | None = None  # set: decode attention reads the cache in place (flex)
     prefills: tuple[PrefillSpan, ...] = ()
 
@@ -56,8 +65,13 @@ def paged_attention(
     out = torch.empty_like(q)
     if meta.decode_block_mask is not None:
         out[: meta.num_decode] = _paged_decode_attention(q[: meta.num_decode], cache, meta.decode_block_mask)
-    elif meta.num_decode:
-        out[: meta.num_decode] = _decode_attention(q[: meta.num_decode], cache, meta)
+    else:
+        decode_q = q[: meta.num_decode]
+        for group in meta.decode_groups:
+            if group.rows is None:
+                out[: meta.num_decode] = _decode_attention(decode_q, cache, group)
+            else:
+                out.index_copy_(0, group.rows, _decode_attention(decode_q.index_select(0, group.rows), cache, group))
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)
         if span.block_table is None or span.mask is None:  # set together
@@ -69,17 +83,16 @@ def paged_attention(
     return out
 
 
-def _decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
     """The query heads sharing a KV head are folded into the query-length axis: one fused SDPA call over
     [B, kv_heads, group, d] needs neither a copy of K/V per query head nor the slow GQA path (~1.8x)."""
     num_decode, num_heads, head_dim = q.shape
-    assert meta.decode_block_tables is not None  # set with num_decode
-    kc, vc = _gather(cache, meta.decode_block_tables)
+    kc, vc = _gather(cache, group.block_tables)
     num_kv_heads = kc.shape[-2]
     kc = kc.view(num_decode, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, L, head_dim]
     vc = vc.view(num_decode, -1, num_kv_heads, head_dim).transpose(1, 2)
     grouped_q = q.view(num_decode, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(grouped_q, kc, vc, attn_mask=meta.decode_mask)
+    o = F.scaled_dot_product_attention(grouped_q, kc, vc, attn_mask=group.mask)
     return o.reshape(num_decode, num_heads, head_dim)
 
 

@@ -107,8 +107,6 @@ class DecodeGraphs:
         meta = AttentionMetadata(
             slot_mapping=slots,
             num_decode=size,
-            decode_block_tables=None,
-            decode_mask=None,
             decode_block_mask=self._mask.block_mask(size),
         )
 

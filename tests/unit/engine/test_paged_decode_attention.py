@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from pdserve.engine.attention import AttentionMetadata, PagedDecodeMask, paged_attention
+from pdserve.engine.attention import AttentionMetadata, DecodeGroup, PagedDecodeMask, paged_attention
 
 BLOCK_SIZE, NUM_BLOCKS, KV_HEADS, HEADS, HEAD_DIM = 16, 40, 2, 6, 16
 # Context lengths: inside a block, exactly one block, several blocks ending mid-block and on a boundary, one token.
@@ -39,8 +39,7 @@ def _gathered(cache: torch.Tensor, q: torch.Tensor, tables: torch.Tensor) -> tor
     meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.int64),
         num_decode=len(CONTEXTS),
-        decode_block_tables=tables[:, :widest].long().reshape(-1),
-        decode_mask=mask,
+        decode_groups=(DecodeGroup(None, tables[:, :widest].long().reshape(-1), mask),),
     )
     return paged_attention(q, q, q, cache, meta)
 
@@ -65,8 +64,6 @@ def test_the_engine_path_through_the_tables_equals_the_gathered_context() -> Non
     meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.int64),
         num_decode=len(CONTEXTS),
-        decode_block_tables=None,
-        decode_mask=None,
         decode_block_mask=mask.block_mask(len(CONTEXTS)),
     )
     mask.refresh(len(CONTEXTS))
