@@ -148,6 +148,7 @@ class WorkerRuntime:
             queued_short_prefill_tokens=stats["queued_short_prefill_tokens"],
             queued_short_prefill_token_squares=stats["queued_short_prefill_token_squares"],
             prefill_chunk_s=stats["prefill_chunk_us"] / 1e6,
+            prefill_stretch=stats["prefill_stretch_milli"] / 1e3,
             running=stats["running"],
             waiting=stats["waiting"],
             max_num_seqs=self._engine.max_num_seqs,

@@ -123,6 +123,7 @@ class LLMEngine:
             "queued_short_prefill_tokens": short.tokens,
             "queued_short_prefill_token_squares": short.token_squares,
             "prefill_chunk_us": round(chunk_s * 1e6),
+            "prefill_stretch_milli": round(self.scheduler.prefill_stretch() * 1e3),  # prefill_stretch.py
             "prefix_hits": self.blocks.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,
             "sampled_at_ns": time.time_ns(),  # for routers of an earlier build, which read it on their own clocks
@@ -175,8 +176,7 @@ class LLMEngine:
 
     @property
     def num_sequences(self) -> int:
-        """The requests this engine holds: waiting, running, and on a decode worker those whose KV is arriving
-        (each takes a place in its batch, which `max_num_seqs` bounds there)."""
+        """Its requests: waiting, running, and (decode) those whose KV is arriving: what `max_num_seqs` bounds."""
         return len(self._requests)
 
     def abort(self, request_id: str) -> bool:
@@ -299,6 +299,7 @@ class LLMEngine:
         for chunk in plan.chunks:
             if len(chunk.token_ids) > 1 and not chunk.sample:  # a prompt part-way: its next chunk takes about as long
                 self._requests[chunk.seq_id].seq.last_chunk_s = done - began
+        self.scheduler.step_took(began, done)
         if prefilled:
             self.last_step_prefill_s = [done - s.first_scheduled for s in prefilled if s.first_scheduled is not None]
         return outputs

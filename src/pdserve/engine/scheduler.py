@@ -10,17 +10,19 @@ admitted beside it cannot take them and preempt it part-way (when they could, re
 recently admitted sequence of the lowest priority running is preempted: its blocks are freed and it waits to be
 recomputed, keeping its generated tokens, and goes back first unless a higher priority waits.
 On a prefill worker (`short_prompts_first`), a waiting prompt that fits one step runs ahead of a longer prompt's next
-chunk, within a credit (short_first.py).
+chunk, within a credit (short_first.py), and measures how much that stretches its long prompts (prefill_stretch.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.fair_queue import FairQueue
+from pdserve.engine.prefill_stretch import PrefillStretch
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.short_first import ShortFirst, new_tokens, queued_ahead_of_short
 from pdserve.protocol.outputs import FinishReason
@@ -70,8 +72,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()  # those preempted first (running before), then in arrival order
         self.fair = FairQueue()
         self.short_first = ShortFirst(config.long_prefill_chunk, new_tokens) if config.short_prompts_first else None
+        self.stretch = PrefillStretch(config.long_prefill_chunk) if config.short_prompts_first else None
         self.running: list[Sequence] = []
         self._scheduled: list[tuple[Sequence, int]] = []
+        self._ran: list[tuple[Sequence, int]] = []  # what the last step completed (`step_took` times it)
         self.num_preemptions = 0  # since start, for metrics and tests
 
     @property
@@ -228,8 +232,20 @@ class Scheduler:
             self.blocks.cache_full_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 sampled.append(seq)
-        self._scheduled = []
+        self._ran, self._scheduled = self._scheduled, []
         return sampled
+
+    def step_took(self, began: float, done: float) -> None:
+        """The step `complete_step` completed ran from `began` to `done`: the long prompts whose chunks it ran count
+        its time as their own (prefill_stretch.py)."""
+        if self.stretch is not None:
+            prompts = [s for s, n in self._ran if s.num_computed_tokens - n < s.num_prompt_tokens]  # not decode steps
+            self.stretch.step_ran([(s, s.num_computed_tokens >= s.num_prompt_tokens) for s in prompts], began, done)
+        self._ran = []
+
+    def prefill_stretch(self) -> float:
+        """How much short prompts going ahead stretch a long prompt's prefill here now (1: none)."""
+        return self.stretch.value(time.monotonic()) if self.stretch is not None else 1.0
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Stop the sequence and free its blocks, wherever it is."""

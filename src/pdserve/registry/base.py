@@ -69,6 +69,9 @@ class WorkerState:
     # How long before it was handed on (written to Redis, returned to the supervisor) its load was sampled, on its own
     # monotonic clock; -1: a worker too old to say (its load_at and updated_at say it on its wall clock).
     load_age_s: float = -1.0
+    # How much the short prompts that go ahead of a long prompt's chunks stretched its recent long prompts' prefill
+    # (engine/prefill_stretch.py): their wall time over their own chunks'. 1.0: none, or a worker too old to say.
+    prefill_stretch: float = 1.0
     # The TTL its Redis entry was written with (the entry's, not the worker's): less the key's PTTL, the entry's age.
     written_ttl_ms: int = field(default=0, compare=False)
     updated_at: float = field(default_factory=time.time)  # its wall clock: never compared with another host's
