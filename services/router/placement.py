@@ -171,7 +171,7 @@ class PlacementPolicy(ABC):
         cached = hits.get(prefill.cache_key, 0) * block_size
         own_s = self.predictor.own_ttft_s(prefill, len(prompt), cached)
         new_tokens = max(len(prompt) - cached, 1)
-        prefill_queue_s = self.predictor.queue_s(prefill, new_tokens)
+        prefill_queue_s = self.predictor.queue_s(prefill, new_tokens, len(prompt) - new_tokens)
         profiled_queue_s = prefill_queue_s + self.predictor.decode_wait_s(decode)
         return Placement(
             decode=decode,

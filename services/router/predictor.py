@@ -48,12 +48,12 @@ class Predictor:
         """What a first token from `w` takes besides the compute and the transfer, whatever the prompt."""
         return self.fixed_cost.fixed_s(w.worker_id)
 
-    def queue_s(self, w: WorkerState, new_tokens: int = 0) -> float:
+    def queue_s(self, w: WorkerState, new_tokens: int = 0, cached_tokens: int = 0) -> float:
         """Work ahead of a new prompt of `new_tokens` to compute (0: any prompt, all the queue): what we sent and is
         not done, or what the worker last reported (other routers' prompts too), each prompt priced as we price our
         own; a worker too old to count its prompts has its tokens priced linearly. Where a prompt that fits one step
         goes ahead of longer ones (engine/short_first.py), such a prompt waits only for the short prompts queued
-        and the chunk in flight."""
+        and the chunk in flight, and a longer one also for those that will go ahead of its chunks (`stretch_s`)."""
         short = 0 < new_tokens <= w.short_prompt_tokens
         if short:
             local = self.tracker.pending_ahead_of_short_s(w.worker_id, w.short_prompt_tokens, w.load_sampled_at)
@@ -67,7 +67,16 @@ class Predictor:
         else:
             reported = w.profile.prefill_per_token_s * queue.tokens
         in_flight_s = w.prefill_chunk_s if short else 0.0  # measured on the worker, not priced
-        return max(local, reported * self.speed(w) + in_flight_s)
+        return max(local, reported * self.speed(w) + in_flight_s) + self.stretch_s(w, new_tokens, cached_tokens)
+
+    def stretch_s(self, w: WorkerState, new_tokens: int, cached_tokens: int = 0) -> float:
+        """What the short prompts that go ahead of a prompt's chunks on `w` add to its prefill: its own compute times
+        the stretch `w` measured on its recent long prompts, less one (engine/prefill_stretch.py). Load that passes,
+        so part of the queue (a retry can meet an SLO it misses now), never of the prompt's own cost or the offer.
+        None for a prompt that fits one step, or where prompts run in order."""
+        if not 0 < w.short_prompt_tokens < new_tokens:
+            return 0.0
+        return (max(w.prefill_stretch, 1.0) - 1.0) * self.prefill_s(w, new_tokens, cached_tokens)
 
     def reported_queue(self, w: WorkerState, new_tokens: int = 0) -> QueuedPrefill:
         """The worker's last reported queue (of it, what a prompt of `new_tokens` waits for), less what of ours it
@@ -96,7 +105,8 @@ class Predictor:
 
     def ttft_s(self, w: WorkerState, prompt_tokens: int, cached_tokens: int) -> float:
         own_s = self.own_ttft_s(w, prompt_tokens, cached_tokens)
-        queue_s = self.queue_s(w, max(prompt_tokens - cached_tokens, 1))
+        new_tokens = max(prompt_tokens - cached_tokens, 1)
+        queue_s = self.queue_s(w, new_tokens, prompt_tokens - new_tokens)
         return own_s + self.load_calibration.queueing_s(w.worker_id, own_s, queue_s)
 
     def transfer_s(self, w: WorkerState, prompt_tokens: int) -> float:

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from pdserve.config import RouterConfig
+from pdserve.registry.base import WorkerState
 from services.router.load_tracker import LoadTracker
 from services.router.predictor import Predictor
 from tests.unit.round_profile import PROFILE
@@ -91,3 +92,41 @@ def test_our_short_prompt_prefilled_since_the_report_comes_off_the_short_part_an
     short = tracker.start("p0", "d0", new_tokens=100, seconds=0.1, blocks=8, prompt_tokens=100)
     tracker.prefilled(short)
     assert pred.queue_s(w, 100) == pytest.approx(PROFILE.prefill_s(512) + PROFILE.prefill_s(100))
+
+
+def test_a_long_prompt_on_a_stretched_worker_is_priced_its_stretch_as_load_and_a_short_one_is_not() -> None:
+    """A worker whose long prompts took 1.5x their own chunks' time under the short prompts that went ahead: a
+    3000-token prompt's queue counts half its own compute more; its own cost and what an idle worker offers do not
+    move, nor a short prompt's price, nor any prompt's where prompts run in order."""
+    pred = Predictor(RouterConfig(), LoadTracker())
+    plain = worker("p0", short_prompt_tokens=512, **REPORT)
+    stretched = worker("p0", short_prompt_tokens=512, prefill_stretch=1.5, **REPORT)
+    own = pred.prefill_s(stretched, 3000)
+    assert pred.queue_s(stretched, 3000) == pytest.approx(pred.queue_s(plain, 3000) + 0.5 * own)
+    assert pred.ttft_s(stretched, 3000, 0) == pytest.approx(pred.ttft_s(plain, 3000, 0) + 0.5 * own)
+    assert pred.own_ttft_s(stretched, 3000, 0) == pred.own_ttft_s(plain, 3000, 0)
+    assert pred.offer_ttft_s(stretched, 3000, 0) == pred.offer_ttft_s(plain, 3000, 0)
+    assert pred.queue_s(stretched, 512) == pred.queue_s(plain, 512)  # fits one step: it is what goes ahead
+    assert pred.queue_s(stretched) == pred.queue_s(plain)  # the whole queue, as a retry hint prices it
+    in_order = worker("p0", prefill_stretch=1.5, **REPORT)  # short_prompt_tokens 0
+    assert pred.queue_s(in_order, 3000) == pred.queue_s(worker("p0", **REPORT), 3000)
+
+
+def test_admission_sheds_a_long_prompt_that_its_stretch_takes_past_its_slo_as_overloaded_with_a_retry_hint() -> None:
+    """An idle worker, a 3000-token prompt (3.01 s of its own) and a 5 s SLO: admitted unstretched; stretched 2x, the
+    short prompts that will pass push it past its SLO, which a retry may meet once they have: RESOURCE_EXHAUSTED,
+    never INVALID_ARGUMENT (no idle worker is too slow for it)."""
+    plain = Router([worker("p0", short_prompt_tokens=512), worker("d0", "decode")])
+    assert plain.admit(prompt(3000), slo_s=(5.0, 1.0)).queue_s == 0
+    stretched = Router([worker("p0", short_prompt_tokens=512, prefill_stretch=2.0), worker("d0", "decode")])
+    shed(stretched, prompt(3000), "predicted TTFT", slo_s=(5.0, 1.0))
+    assert stretched.admit(prompt(500), slo_s=(5.0, 1.0)).queue_s == 0
+
+
+def test_a_worker_entry_without_the_stretch_reads_as_none_and_one_with_it_carries_it() -> None:
+    """A worker of an earlier build writes no prefill_stretch: 1.0, no stretch. An entry with it carries it; a router
+    of an earlier build ignores a field it does not know (WorkerState.from_json)."""
+    state = worker("p0", short_prompt_tokens=512, prefill_stretch=1.7)
+    assert WorkerState.from_json(state.to_json()) == state
+    old = worker("p1").to_json().replace(', "prefill_stretch": 1.0', "")
+    assert "prefill_stretch" not in old and WorkerState.from_json(old).prefill_stretch == 1.0
