@@ -1,7 +1,8 @@
 """A short prompt sent while a long one's chunks run on the prefill worker gets its first token first, through real
 workers (in-process WorkerRuntimes: gRPC on loopback, the KV transfer over torch.distributed, engine threads) behind
 a real router (start_router): the prefill worker runs it at the next chunk boundary (engine/short_first.py), where
-first come, first served it waited for every chunk of the long one."""
+first come, first served it waited for every chunk of the long one; the prefill worker then reports the long one's
+prefill stretched by the short one's step (engine/prefill_stretch.py), which routers price its next long prompts by."""
 
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ async def test_a_short_prompt_sent_during_a_long_ones_prefill_gets_its_first_tok
             queued = prefill.state().queued_prefill_tokens
             return 0 < queued < 4 * CHUNK - 10
 
+        assert prefill.state().prefill_stretch == 1.0
         await until(long_prompt_part_way)
         short = await first_token_at(stub, "short-1", 100, seed=2)
         assert not long.done()
         assert short < await long
+        assert prefill.state().prefill_stretch > 1.0
