@@ -14,7 +14,7 @@ from pathlib import Path
 # before: first come, first served; after: short prompts first, as this change leaves it ("final"), and as its two
 # earlier versions priced a short prompt's wait (v1: a long prompt's share of its own seconds per chunk, held for all
 # its prefill; v2: the chunk in flight priced by the profile)
-SIDES = ("fcfs", "v1", "v2", "final")
+SIDES = ("fcfs", "v1", "v2", "final", "base", "stretch")
 KINDS = ("short", "long")
 
 
