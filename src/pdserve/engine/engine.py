@@ -73,8 +73,7 @@ class LLMEngine:
         self.last_step_tokens = 0  # tokens the last step ran (0: it could run nothing), for live speed tracking
         # The earlier tokens its prompt chunks read, and those its decoding sequences attend over (SchedulerOutput's).
         self.last_step_prefill_context = self.last_step_decode_context = 0
-        # Its requests' waits, once each (time.monotonic()): arrival to the start of the step that first ran one
-        # (those dropped before any step ran them have none), and that start to its prompt's first token.
+        # Its requests' waits, once each (monotonic): arrival to the start of its first step, then to its first token.
         self.last_step_queue_s: list[float] = []
         self.last_step_prefill_s: list[float] = []
         # Once a preemption: from it to the start of the step that ran its sequence again (its stream's wait).
