@@ -1,8 +1,8 @@
-"""How a worker's start-up profile prices long prompts, against how long they take: the profile as it was (a
-quadratic through whole prompts of 64, 256 and 1024 tokens) and as it is (engine/profiling.py: one chunk's steps
-at context 0 and after 3 and 7 chunks), each measured in the same round, with and without another process
-loading the cores while the profile is measured; the prompts then run quiet, chunk by chunk as the engine runs
-them. Prints JSON lines; report.py tabulates them."""
+"""How a worker's start-up profile prices long prompts, against how long they take: the profile as workers measure
+it (a quadratic through whole prompts of 64, 256 and 1024 tokens) and as it was tried (steps of 64, 256 and one
+chunk at context 0, and a chunk after 3 and 7 chunks of context, least squares), each measured in the same round,
+with and without another process loading the cores while the profile is measured; the prompts then run quiet,
+chunk by chunk as the engine runs them. Prints JSON lines; report.py tabulates them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.profiling import measure_profile
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.protocol.perf_profile import PerfProfile
 
@@ -24,11 +23,18 @@ HOG = "import torch\ntorch.set_num_threads(2)\na = torch.randn(768, 768)\nwhile 
 
 
 def whole_prompt_profile(engine: LLMEngine, repeats: int = 2) -> PerfProfile:
-    """The profile as workers measured it before: whole prompts of 64, 256 and 1024 tokens, each warmed up and
-    timed as the mean of `repeats`, a quadratic fitted through them."""
-    points = []
-    for n in (64, 256, 1024):
-        points.append((n, 0, run_chunks(engine, [(n, 0)], repeats, warm_up=True)))
+    """Whole prompts of 64, 256 and 1024 tokens, each warmed up and timed as the mean of `repeats`, a quadratic
+    through them (engine/profiling.py's prefill part)."""
+    points = [(n, 0, run_chunks(engine, [(n, 0)], repeats, warm_up=True)) for n in (64, 256, 1024)]
+    return PerfProfile.fit(points, [(1, 64, 0.0)])
+
+
+def chunks_at_depth_profile(engine: LLMEngine, repeats: int = 2) -> PerfProfile:
+    """The alternative tried: steps of 64, 256 and one chunk at context 0 (warmed up), and a chunk after 3 and 7
+    chunks of context (its shapes warm already), least squares over the five."""
+    chunk = engine.config.scheduler.long_prefill_chunk
+    steps = [(64, 0), (256, 0), (chunk, 0), (chunk, 3 * chunk), (chunk, 7 * chunk)]
+    points = [(n, c, run_chunks(engine, [(n, c)], repeats, warm_up=not c)) for n, c in steps]
     return PerfProfile.fit(points, [(1, 64, 0.0)])
 
 
@@ -75,11 +81,11 @@ def main() -> None:
             try:
                 time.sleep(1.0 if hog else 0.0)
                 start = time.perf_counter()
-                before = whole_prompt_profile(engine)
-                before_s = time.perf_counter() - start
+                whole = whole_prompt_profile(engine)
+                whole_took_s = time.perf_counter() - start
                 start = time.perf_counter()
-                after = measure_profile(engine)
-                after_s = time.perf_counter() - start
+                depth = chunks_at_depth_profile(engine)
+                depth_took_s = time.perf_counter() - start
             finally:
                 if hog:
                     hog.kill()
@@ -91,10 +97,10 @@ def main() -> None:
                     "profile_under_load": loaded,
                     "tokens": tokens,
                     "measured_s": measured,
-                    "before_s": before.prefill_s(tokens),
-                    "after_s": after.prefill_s(tokens),
-                    "before_profile_took_s": before_s,
-                    "after_profile_took_s": after_s,
+                    "whole_s": whole.prefill_s(tokens),
+                    "depth_s": depth.prefill_s(tokens) + (-(-tokens // chunk) - 1) * depth.prefill_fixed_s,
+                    "whole_profile_took_s": whole_took_s,
+                    "depth_profile_took_s": depth_took_s,
                 }
                 print(json.dumps(row), flush=True)
 

@@ -11,11 +11,10 @@ import torch
 from pdserve.engine.device import synchronize
 from pdserve.protocol.perf_profile import PerfProfile
 
-PREFILL_LENGTHS = (64, 256)  # and a whole chunk: prompts that run in one step
-# A chunk after 3 and 7 chunks' worth of context (a 2k and a 4k prompt's last): attention's cost, measured where long
-# prompts reach it. A quadratic fitted on short prompts alone, extrapolated there, priced a 4k prompt at 40-80 s on
-# a host whose load varied while it was measured, where it took 11-21 s, and admission refused it as impossible.
-CHUNK_CONTEXTS = (3, 7)
+# Whole prompts, fitted as a quadratic: within 0.90-1.18x of what 1-6k-token prompts took run in chunks, where
+# timing chunks at 3 and 7 chunks of context instead priced them 0.80-1.25x, and 3.5-3.9x (against 2.3-3.3x)
+# when another process loaded the cores during the profile (docs/experiments/long_prompt_pricing).
+PREFILL_LENGTHS = (64, 256, 1024)
 DECODE_BATCHES = (1, 8, 32)
 FASTEST_RATIO = 1 / 16
 DECODE_CONTEXT = 64  # each sequence's context at the batches above
@@ -66,33 +65,24 @@ def measure_profile(engine: Any, repeats: int = 2) -> PerfProfile:
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
 
-    def timed(chunks: list[ScheduledChunk], warm_up: bool = True) -> float:
+    def timed(chunks: list[ScheduledChunk]) -> float:
         """The mean, not the best: admission must not promise what a busy worker only sometimes does."""
-        if warm_up:
-            runner.execute(chunks)  # kernels set up for this shape
-            synchronize(runner.device)  # the warm-up's queued work is not timed
+        runner.execute(chunks)  # kernels set up for this shape
+        synchronize(runner.device)  # the warm-up's queued work is not timed
         start = time.perf_counter()
         for _ in range(repeats):
             runner.execute(chunks)
         synchronize(runner.device)  # the runner's own GPU, not the current one
         return (time.perf_counter() - start) / repeats
 
-    def fits(tokens: int) -> bool:
-        return tokens < engine.max_model_len and blocks.blocks_for(tokens) <= blocks.num_blocks
-
-    scheduler = engine.config.scheduler
-    chunk = min(scheduler.long_prefill_chunk, scheduler.max_num_batched_tokens)
-    steps = [(n, 0) for n in sorted({*PREFILL_LENGTHS, chunk}) if n <= chunk]
-    steps += [(chunk, chunk * k) for k in CHUNK_CONTEXTS]
     prefill = []
-    for n, context in steps:
-        if not fits(context + n):
+    for n in PREFILL_LENGTHS:
+        if n >= engine.max_model_len or blocks.blocks_for(n) > blocks.num_blocks:
             continue
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        table = list(range(blocks.blocks_for(context + n)))
-        # A later chunk's shapes are the first chunk's, warm: only the context it reads differs.
-        prefill.append((n, context, timed([ScheduledChunk("profile", ids, context, table, True)], not context)))
-    return PerfProfile.fit(prefill, _decode_points(engine, timed), prefill_chunk_tokens=chunk)
+        table = list(range(blocks.blocks_for(n)))
+        prefill.append((n, 0, timed([ScheduledChunk("profile", ids, 0, table, True)])))
+    return PerfProfile.fit(prefill, _decode_points(engine, timed))
 
 
 def _decode_points(engine: Any, timed: Callable[[list[Any]], float]) -> list[tuple[int, int, float]]:

@@ -1,11 +1,10 @@
 """How fast a worker runs, as routers read it: a fitted prefill curve and decode step line, and a KV hand-off's time.
 
-A prompt's prefill costs a fixed part per step it runs in (a long prompt runs in chunks), a part per token, and
-causal attention's: the tokens before each new one, (cached + new)² - cached² in all, whether it runs in one step
-or many. A decode step costs a fixed part (reading the weights), a part per sequence in the batch, and a part per
-token of context its sequences attend over (long prompts: a step at 8 x 6000 tokens of context took 25x one at
-8 x 64 on a CPU). All are least-squares fits of measured points, so the same code describes a 2-core CPU and an
-H200.
+A prompt's prefill costs a fixed part, a part per token, and causal attention's: the tokens before each new one,
+(cached + new)² - cached² in all, whether it runs in one step or many. A decode step costs a fixed part (reading
+the weights), a part per sequence in the batch, and a part per token of context its sequences attend over (long
+prompts: a step at 8 x 6000 tokens of context took 25x one at 8 x 64 on a CPU). All are least-squares fits of
+measured points, so the same code describes a 2-core CPU and an H200.
 """
 
 from __future__ import annotations
@@ -39,14 +38,11 @@ class QueuedPrefill:
 
 @dataclass(frozen=True)
 class PerfProfile:
-    prefill_fixed_s: float  # per step a prompt runs in
+    prefill_fixed_s: float
     prefill_per_token_s: float
     prefill_per_token2_s: float  # per unit of (cached + new)² - cached²: a new token's attention to those before it
     decode_fixed_s: float
     decode_per_seq_s: float
-    # The most new tokens of one prompt a step runs (the engine's long_prefill_chunk): a longer prompt pays the
-    # fixed part once per chunk. 0: an earlier worker's entry, which priced every prompt as one step.
-    prefill_chunk_tokens: int = 0
     # Per token of KV a decode step reads, the batch's sequences summed; 0: a worker of a build that did not
     # measure it (its step is priced by batch size alone, as then).
     decode_per_context_token_s: float = 0.0
@@ -56,18 +52,14 @@ class PerfProfile:
         each new token also attends to those."""
         if tokens <= 0:
             return 0.0
-        chunks = -(-tokens // self.prefill_chunk_tokens) if self.prefill_chunk_tokens > 0 else 1
         attention = (cached + tokens) ** 2 - cached**2
-        return self.prefill_fixed_s * chunks + self.prefill_per_token_s * tokens + self.prefill_per_token2_s * attention
+        return self.prefill_fixed_s + self.prefill_per_token_s * tokens + self.prefill_per_token2_s * attention
 
     def queued_prefill_s(self, queue: QueuedPrefill) -> float:
         """A queue of prompts priced as each prompt alone, as `prefill_s` prices one: `token_squares` carries the
-        quadratic term, which a count of tokens alone would leave out; a step at least per chunk of tokens."""
-        steps = queue.prompts
-        if self.prefill_chunk_tokens > 0:
-            steps = max(steps, -(-queue.tokens // self.prefill_chunk_tokens))
+        quadratic term, which a count of tokens alone would leave out."""
         return (
-            self.prefill_fixed_s * steps
+            self.prefill_fixed_s * queue.prompts
             + self.prefill_per_token_s * queue.tokens
             + self.prefill_per_token2_s * queue.token_squares
         )
@@ -85,7 +77,6 @@ class PerfProfile:
         cls,
         prefill: list[tuple[int, int, float]],
         decode: list[tuple[int, int, float]],
-        prefill_chunk_tokens: int = 0,
     ) -> PerfProfile:
         """`prefill`: (new tokens, cached tokens before them, seconds) of one step each; `decode`: (batch, each
         sequence's context, seconds) points (fit_decode)."""
@@ -99,7 +90,6 @@ class PerfProfile:
             float(a[2]),
             fixed,
             per_seq,
-            prefill_chunk_tokens=prefill_chunk_tokens,
             decode_per_context_token_s=per_context,
         )
 
@@ -110,14 +100,10 @@ class PerfProfile:
     def from_dict(cls, d: dict[str, Any]) -> PerfProfile:
         """Fields it does not know are ignored: a newer worker's registry entry must still parse on a router of an
         earlier build (else the router drops every upgraded worker as malformed)."""
-        known: dict[str, Any] = {k: _PROFILE_FIELDS[k](float(v)) for k, v in d.items() if k in _PROFILE_FIELDS}
-        return cls(**known)
+        return cls(**{k: float(v) for k, v in d.items() if k in _PROFILE_FIELDS})
 
 
-# Once: each worker's entry is parsed 4 times a second.
-_PROFILE_FIELDS: dict[str, type[int] | type[float]] = {
-    f.name: int if f.type == "int" else float for f in fields(PerfProfile)
-}
+_PROFILE_FIELDS = frozenset(f.name for f in fields(PerfProfile))  # once: each worker's entry is parsed 4 times a second
 
 
 def kv_transfer_s(tokens: int, kv_bytes_per_token: int, gbps: float, latency_s: float = 0.0) -> float:

@@ -53,22 +53,3 @@ def test_a_worker_with_small_blocks_profiles_before_its_warm_up() -> None:
         worker.wait_ready(timeout_s=60)
     finally:
         worker.stop()
-
-
-def test_the_profile_times_a_chunk_where_long_prompts_read_thousands_of_tokens(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Attention's cost is measured at depth (a chunk after 3 and 7 chunks of context), not extrapolated from short
-    prompts; a step runs at most one chunk of a prompt, and the profile says how long one is."""
-    engine = make_engine(num_kv_blocks=64, block_size=4, long_prefill_chunk=32, max_num_batched_tokens=64)
-    contexts: list[int] = []
-    execute = engine.runner.execute
-
-    def recorded(chunks: list[ScheduledChunk]) -> object:
-        contexts.extend(c.start_position for c in chunks if len(c.token_ids) > 1)
-        return execute(chunks)
-
-    monkeypatch.setattr(engine.runner, "execute", recorded)
-    profile = measure_profile(engine)
-    assert profile.prefill_chunk_tokens == 32
-    assert set(contexts) == {0, 3 * 32, 7 * 32}

@@ -12,7 +12,7 @@ from services.router.predictor import Predictor
 from tests.unit.router.router_builder import worker
 
 # Round numbers near what smollm2-135m measured on 2 CPU cores: a 512-token chunk ~1 s, ~3 s after 3.5k tokens.
-CHUNKED = PerfProfile(0.02, 1.5e-3, 5e-7, 0.06, 4e-3, prefill_chunk_tokens=512)
+CHUNKED = PerfProfile(0.02, 1.5e-3, 5e-7, 0.06, 4e-3)
 
 
 @pytest.mark.parametrize("method", ["own_ttft_s", "offer_ttft_s"])
@@ -25,11 +25,3 @@ def test_a_prompt_after_a_cached_prefix_pays_for_reading_it(method: str) -> None
     tail, alone, whole = price(w, 4096, 3584), price(w, 512, 0), price(w, 4096, 0)
     assert tail - alone == pytest.approx(5e-7 * 2 * 512 * 3584)
     assert alone < tail < whole
-
-
-def test_a_long_prompt_is_priced_as_its_chunks() -> None:
-    pred = Predictor(RouterConfig(), LoadTracker())
-    w = worker("p0", profile=CHUNKED)
-    chunks = sum(CHUNKED.prefill_s(min(512, 3873 - done), done) for done in range(0, 3873, 512))
-    assert pred.own_ttft_s(w, 3873, 0) == pytest.approx(chunks)
-    assert pred.compute_s(w, 3873) == pytest.approx(chunks)
