@@ -3,10 +3,11 @@
 glibc's malloc serves an allocation above its mmap threshold (32 MiB at most by default) with pages of its own,
 returned to the kernel when freed: each step's next one page-faults them in again. A decode step's attention
 gathers every sequence's K/V per layer; with long contexts those tensors pass the threshold, and on a 2-core host
-eight sequences of 6000 tokens took 1.7-3.1 s of attention a step against 0.52-1.16 s with the threshold raised
-(2.7-3.3x; docs/experiments/decode_context/heap_bench.py). Memory freed at the heap's top went back to the kernel
-too, so a whole decode step of eight 2048-token sequences took ~1 s against 0.37 s with both kept (one thread).
-Freed memory stays in the heap for the next step: a worker's resident memory is what its largest step needed.
+eight sequences of 6000 tokens took 1.4-3.1 s of attention a step against 0.52-1.16 s with the threshold raised
+(2.4-3.3x over four runs; docs/experiments/decode_context/heap_bench.py). Memory freed at the heap's top went
+back to the kernel too, so a whole decode step of eight 2048-token sequences took ~1 s against 0.37 s with both
+kept (one thread). Freed memory stays in the heap for the next step: a worker's resident memory is what its
+largest step needed.
 """
 
 from __future__ import annotations
