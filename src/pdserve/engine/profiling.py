@@ -11,9 +11,9 @@ import torch
 from pdserve.engine.device import synchronize
 from pdserve.protocol.perf_profile import PerfProfile
 
-# Whole prompts, fitted as a quadratic: 1-6k-token prompts run in chunks took 1/1.05-1/1.08 of its price at the
-# median, where timing chunks at 3 and 7 chunks of context priced them 0.86-1.18x, and 3.5-3.9x (against 2.3-3.3x)
-# when another process loaded the cores during the profile (docs/experiments/long_prompt_pricing).
+# Whole prompts, fitted as a quadratic: it priced 1-6k-token prompts (run in chunks) at 1.05-1.08x what they took
+# (medians), where timing chunks at 3 and 7 chunks of context priced them 0.86-1.18x, and 3.5-3.9x (against
+# 2.3-3.3x) when another process loaded the cores during the profile (docs/experiments/long_prompt_pricing).
 PREFILL_LENGTHS = (64, 256, 1024)
 DECODE_BATCHES = (1, 8, 32)
 FASTEST_RATIO = 1 / 16
