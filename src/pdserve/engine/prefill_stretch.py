@@ -5,13 +5,14 @@ Short prompts may run between two chunks of a long prompt, up to one chunk's tok
 them a long prompt's prefill takes up to about twice its own compute. A router pricing a long prompt as its own
 compute plus the queue ahead of it sees none of the short prompts that will arrive during its prefill: in
 docs/experiments/prefill_head_of_line/ such prompts measured 1.51x their prediction at the median. Per long prompt
-whose prefill ends, the stretch is the wall time from the start of its first chunk's step to the end of its last
-one's, over the time its own chunks' steps took. In seconds, not in tokens: a short prompt's step costs its fixed
-part whatever its tokens, and a long prompt's chunk at depth costs its attention to the tokens before it, so the short
-tokens that went ahead over its own would misprice both; and a ratio of this worker's own times prices a long prompt
-whatever the profile's error on its compute. An average over recent long prompts, which decays toward 1 (no stretch)
-while no long prompt runs: the short prompts' stream may have stopped, and a worker that shed its long prompts for a
-stretch it no longer has would never measure it again.
+whose prefill ends, the stretch is the time of its own chunks' steps and of the steps between them that ran other
+prompts, over its own (not the wall time: the engine's idle moments between steps stretched a long prompt alone, and
+a router then shed, on an idle cluster, a prompt whose SLO its own cost filled). In seconds, not in tokens: a short
+prompt's step costs its fixed part whatever its tokens, and a long prompt's chunk at depth costs its attention to
+the tokens before it, so the short tokens that went ahead over its own would misprice both; and a ratio of this
+worker's own times prices a long prompt whatever the profile's error on its compute. An average over recent long
+prompts, which decays toward 1 (no stretch) while no long prompt runs: the short prompts' stream may have stopped,
+and a worker that shed its long prompts for a stretch it no longer has would never measure it again.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class PrefillStretch:
         """A step from `began` to `done` ran a chunk of each of `ran`'s sequences (True: the chunk ended its
         prompt). A long prompt's chunk counts the step's time as its own; its last one ends its stretch's sample. A
         recompute (a preempted sequence's) is skipped: its wait is no short prompt's doing."""
+        ran = list(ran)
+        stepped = {id(seq) for seq, _ in ran}
+        for seq in self._part_way:
+            if id(seq) not in stepped and _part_way(seq):
+                seq.passed_s += done - began  # a step of other prompts, between two of its chunks
         for seq, last in ran:
             if seq.num_prompt_tokens - seq.num_cached_tokens <= self.chunk or seq.num_preemptions:
                 continue
@@ -55,8 +61,8 @@ class PrefillStretch:
                     self._part_way.append(seq)
             seq.own_chunks_s += done - began
             self._at = done
-            if last and seq.first_scheduled is not None:
-                sample = max(1.0, (done - seq.first_scheduled) / seq.own_chunks_s)
+            if last:
+                sample = (seq.own_chunks_s + seq.passed_s) / seq.own_chunks_s
                 self._stretch += self.weight * (sample - self._stretch)
 
 

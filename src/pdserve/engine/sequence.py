@@ -35,6 +35,7 @@ class Sequence:
     # the one a short prompt waits for (short_first.py), is expected to take.
     last_chunk_s: float = 0.0
     own_chunks_s: float = 0.0  # of a long prompt, the time the steps that ran its chunks took (prefill_stretch.py)
+    passed_s: float = 0.0  # and the time of the steps between them that ran other prompts
     preempted_at: float | None = None  # when the step that preempted it began, until a step runs it again
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -1,6 +1,7 @@
 """How much short prompts going ahead of a long prompt's chunks stretch its prefill, as a prefill worker measures it
-(engine/prefill_stretch.py): its wall time from first chunk to last over its own chunks' time, averaged over recent
-long prompts, decaying toward 1 while none runs. Steps are timed on a clock of the test's own, one second each."""
+(engine/prefill_stretch.py): its own chunks' steps and the other prompts' steps between them over its own chunks'
+time, averaged over recent long prompts, decaying toward 1 while none runs. Steps are timed on a clock of the
+test's own, one second each."""
 
 from __future__ import annotations
 
@@ -48,6 +49,17 @@ def test_a_long_prompt_alone_is_not_stretched() -> None:
     c.sim.add("long", list(range(32)), max_tokens=1)
     assert c.steps() == ["long"] * 4
     assert c.stretch() == 1.0
+
+
+def test_the_engines_idle_moments_between_a_long_prompts_chunks_are_no_stretch() -> None:
+    """Its steps 1 s each with 2 s of nothing between them (the loop's own time, a busy host): a router pricing
+    that as stretch shed, on an idle cluster, a long prompt whose SLO its own cost filled (a CI run)."""
+    c = Clocked()
+    c.sim.add("long", list(range(32)), max_tokens=1)
+    for _ in range(4):
+        c.steps(1)
+        c.now += 2.0
+    assert c.stretch(c.now - 2.0) == 1.0
 
 
 def test_short_prompts_that_went_ahead_of_its_chunks_stretch_it_by_their_steps() -> None:
