@@ -39,6 +39,14 @@ class Clocked:
             ran += [c.seq_id for c in out.chunks]
         return ran
 
+    def long_passed_by_five_short(self) -> Clocked:
+        """A long prompt's first chunk run, then five short prompts waiting to go ahead of its others."""
+        self.sim.add("long", list(range(32)), max_tokens=1)
+        self.steps(1)
+        for i in range(5):
+            self.sim.add(f"s{i}", list(range(100 + 10 * i, 103 + 10 * i)), max_tokens=1)
+        return self
+
     def stretch(self, at: float | None = None) -> float:
         assert self.sim.sched.stretch is not None
         return self.sim.sched.stretch.value(self.now if at is None else at)
@@ -64,11 +72,7 @@ def test_the_engines_idle_moments_between_a_long_prompts_chunks_are_no_stretch()
 
 def test_short_prompts_that_went_ahead_of_its_chunks_stretch_it_by_their_steps() -> None:
     """9 s from its first chunk to its last, 4 of them its own: a sample of 2.25, weighed into the average of 1."""
-    c = Clocked()
-    c.sim.add("long", list(range(32)), max_tokens=1)
-    c.steps(1)
-    for i in range(5):
-        c.sim.add(f"s{i}", list(range(100 + 10 * i, 103 + 10 * i)), max_tokens=1)
+    c = Clocked().long_passed_by_five_short()
     assert c.steps() == ["s0", "s1", "s2", "long", "s3", "s4", "long", "long"]
     assert c.stretch() == pytest.approx(1 + WEIGHT * (9 / 4 - 1))
     # Short prompts alone measure nothing: no long prompt of theirs ran.
@@ -78,11 +82,7 @@ def test_short_prompts_that_went_ahead_of_its_chunks_stretch_it_by_their_steps()
 
 
 def test_the_stretch_decays_toward_one_while_no_long_prompt_runs_and_holds_while_one_is_part_way() -> None:
-    c = Clocked()
-    c.sim.add("long", list(range(32)), max_tokens=1)
-    c.steps(1)
-    for i in range(5):
-        c.sim.add(f"s{i}", list(range(100 + 10 * i, 103 + 10 * i)), max_tokens=1)
+    c = Clocked().long_passed_by_five_short()
     c.steps()
     measured = 1 + WEIGHT * (9 / 4 - 1)
     assert c.stretch(c.now + HALF_LIFE_S) == pytest.approx(1 + (measured - 1) / 2)
