@@ -7,8 +7,10 @@ a keep-alive connection older than the age says `Connection: close`, and the ser
 replica added since; no request is cut.
 
 The age counts from the connection's first request, known by its client address (host and port), which stays
-the same for the connection's life. A connection whose address is reused later, within twice the age, is told to
-close after its first response: one reconnection more, never a lost request.
+the same for the connection's life. A connection is forgotten when it closes, or at the latest once a live one
+would have made its next request (the age and the keep-alive timeout): a live connection idle past twice the age
+is still told to close. A connection whose address is reused before that is told to close after its first
+response: one reconnection more, never a lost request.
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ CLOSE = (b"connection", b"close")
 
 
 class ConnectionAge:
-    def __init__(self, app: ASGIApp, max_age_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, app: ASGIApp, max_age_s: float, keep_alive_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """`keep_alive_s`: the server's keep-alive timeout, the longest a live connection waits between requests."""
         self.app = app
         self.max_age_s = max_age_s
+        self.keep_alive_s = keep_alive_s
         self.clock = clock
         # (client, server) -> its first request's time, oldest first: the clock only moves on
         self._first_seen: OrderedDict[tuple[object, ...], float] = OrderedDict()
@@ -44,17 +50,18 @@ class ConnectionAge:
         await self.app(scope, receive, closing(send))
 
     def forget(self, client: object, server: object) -> None:
-        """The connection closed (`DeadlineProtocol.connection_lost`): its entry goes now, not after twice the age
+        """The connection closed (`DeadlineProtocol.connection_lost`): its entry goes now, not past its horizon
         (a caller opening connections fast, each with one request, would keep as many entries)."""
         if client and server:
             self._first_seen.pop((*client, *server), None)  # type: ignore[misc]
 
     def _prune(self, now: float) -> None:
-        """Forgets connections closed without a request past their age, oldest first: a live one would have been
-        told to close at its first request after it, and uvicorn closes one idle for seconds."""
+        """Forgets connections gone without a request past their age, oldest first: a live one makes its next
+        request within the keep-alive timeout, so one past its age and that is closed (pruning at twice the age
+        forgot a live connection idle between, whose next request then started a new age)."""
         while self._first_seen:
             key, first = next(iter(self._first_seen.items()))
-            if now - first < 2 * self.max_age_s:
+            if now - first < self.max_age_s + self.keep_alive_s:
                 return
             del self._first_seen[key]
 

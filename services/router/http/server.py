@@ -22,6 +22,7 @@ from services.router.http.connection_close import ConnectionAge
 from services.router.http.connection_deadlines import HEAD_TIMEOUT_S, with_deadlines
 
 STARTUP_TIMEOUT_S = 10.0
+KEEP_ALIVE_S = 5  # uvicorn's default: an idle keep-alive connection is closed after this
 
 
 TICK_S = 1.0  # the Date header's resolution: uvicorn's own loop wakes ten times as often to refresh it
@@ -81,7 +82,7 @@ class HttpServer:
                 ssl |= {"ssl_ca_certs": tls.client_ca, "ssl_cert_reqs": CERT_REQUIRED}
         on_closed = None
         if max_connection_age_s is not None:
-            app = ConnectionAge(app, max_connection_age_s)
+            app = ConnectionAge(app, max_connection_age_s, KEEP_ALIVE_S)
             on_closed = app.forget
         config = uvicorn.Config(
             app,
@@ -96,6 +97,7 @@ class HttpServer:
             # X-Forwarded-For of a proxy in front.
             proxy_headers=False,
             timeout_graceful_shutdown=grace_s,
+            timeout_keep_alive=KEEP_ALIVE_S,
             **ssl,
         )
         if tls is not None:

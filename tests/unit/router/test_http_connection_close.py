@@ -123,7 +123,7 @@ async def test_the_ages_kept_stay_bounded() -> None:
 
         await age(scope, None, send)  # type: ignore[arg-type]
 
-    age = ConnectionAge(ok, AGE_S, clock=lambda: now[0])
+    age = ConnectionAge(ok, AGE_S, keep_alive_s=AGE_S, clock=lambda: now[0])
     for port in range(1000):
         await request(port, "1.0")
         await request(port + 1000, headers=((b"connection", b"close"),))
@@ -132,9 +132,36 @@ async def test_the_ages_kept_stay_bounded() -> None:
         now[0] += AGE_S / 1000
         await request(port)
     assert len(age._first_seen) == 1000
-    now[0] += AGE_S * 1.5  # the first half of them are now past twice the age
+    now[0] += AGE_S * 1.5  # the first half of them are now past the age and the keep-alive timeout
     await request(5000)
     assert 400 <= len(age._first_seen) <= 601
+
+
+async def test_a_live_connection_idle_past_twice_the_age_is_still_told_to_close() -> None:
+    """A connection may wait up to the keep-alive timeout between requests: one whose first request is older than
+    twice the age, but not than the age and the keep-alive timeout, is still live and past its age (the map forgot
+    it at twice the age, and its next request started a new age: a loaded CI host took that long)."""
+    now = [0.0]
+    sent: list[dict] = []
+
+    async def ok(scope, receive, send):  # type: ignore[no-untyped-def]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def send(message):  # type: ignore[no-untyped-def]
+        sent.append(message)
+
+    def request(port: int):  # type: ignore[no-untyped-def]
+        scope = {"type": "http", "client": ("10.0.0.1", port), "server": ("10.0.0.2", 8000), "http_version": "1.1"}
+        return age(scope | {"headers": []}, None, send)  # type: ignore[arg-type]
+
+    age = ConnectionAge(ok, AGE_S, keep_alive_s=10 * AGE_S, clock=lambda: now[0])
+    await request(1)
+    now[0] += 3 * AGE_S
+    await request(2)  # another connection's request prunes the map
+    await request(1)
+    assert (b"connection", b"close") not in sent[0]["headers"]
+    assert (b"connection", b"close") not in sent[1]["headers"]
+    assert (b"connection", b"close") in sent[2]["headers"]
 
 
 async def test_a_connection_that_closed_is_forgotten_at_once() -> None:
