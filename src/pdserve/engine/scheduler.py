@@ -26,7 +26,7 @@ from pdserve.engine.prefill_stretch import PrefillStretch
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.short_first import ShortFirst, new_tokens, queued_ahead_of_short
 from pdserve.protocol.outputs import FinishReason
-from pdserve.protocol.perf_profile import QueuedPrefill
+from pdserve.protocol.perf_profile import QueuedPrefill, attention_squares
 
 
 @dataclass(frozen=True)
@@ -84,16 +84,18 @@ class Scheduler:
 
     def queued_prefill(self) -> QueuedPrefill:
         """Prompt work still to compute, per prompt: the waiting prompts past what the prefix cache held when they
-        began to wait, and the rest of the prompts part-way through a chunked prefill. A prompt of n new tokens
-        with r left counts n² - (n - r)² squared tokens: what is left of the n² a router priced it at."""
+        began to wait, and the rest of the prompts part-way through a chunked prefill. Each counts the squares a
+        router prices it at (`attention_squares`): n new tokens after c cached ones count (c + n)² - c², and a
+        prompt with `done` of its tokens computed (cached ones included) and r left, (done + r)² - done²."""
         prompts = tokens = squares = 0
         for s in self.waiting:
             if (n := s.num_uncomputed_tokens - s.expected_cached_tokens) > 0:
-                prompts, tokens, squares = prompts + 1, tokens + n, squares + n * n
+                prompts, tokens = prompts + 1, tokens + n
+                squares += attention_squares(n, s.num_tokens - n)
         for s in self.running:
             if (left := s.num_prompt_tokens - s.num_computed_tokens) > 0:
-                n = max(s.num_prompt_tokens - s.expected_cached_tokens, left)
-                prompts, tokens, squares = prompts + 1, tokens + left, squares + n * n - (n - left) ** 2
+                prompts, tokens = prompts + 1, tokens + left
+                squares += attention_squares(left, s.num_computed_tokens)
         return QueuedPrefill(prompts, tokens, squares)
 
     def queued_ahead_of_short(self) -> tuple[QueuedPrefill, float] | None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
 from pdserve.engine.sequence import Sequence
-from pdserve.protocol.perf_profile import QueuedPrefill
+from pdserve.protocol.perf_profile import QueuedPrefill, attention_squares
 
 
 class Prompt(Protocol):
@@ -70,20 +70,20 @@ def queued_ahead_of_short(
     """What a prompt that fits one step, arriving now, waits for: the short prompts waiting, and the next chunk of each
     prompt part-way through its prefill (the one in flight), in seconds where an earlier chunk of that prompt ran
     (as long as that one took: a profile timed on whole prompts of up to 1024 tokens knows nothing of a chunk's
-    attention to thousands before it), else in tokens: a chunk of a prompt of n new tokens with `done` of them
-    computed counts (done + k)² - done² squared tokens, its share of the n² a router prices that prompt at."""
+    attention to thousands before it), else in tokens. Squares as a router prices them (`attention_squares`): a short
+    prompt's n new tokens after c cached count (c + n)² - c², and a chunk of k tokens of a prompt with `done` of its
+    tokens computed (cached ones included), (done + k)² - done²."""
     prompts = tokens = squares = 0
     seconds = 0.0
     for s in waiting:
         if 0 < (n := new_tokens(s)) <= chunk:
-            prompts, tokens, squares = prompts + 1, tokens + n, squares + n * n
+            prompts, tokens, squares = prompts + 1, tokens + n, squares + attention_squares(n, s.num_tokens - n)
     for s in running:
         if (left := s.num_prompt_tokens - s.num_computed_tokens) <= 0:
             continue
         if s.last_chunk_s:
             seconds += s.last_chunk_s
             continue
-        done = max(s.num_prompt_tokens - s.expected_cached_tokens, left) - left
         k = min(left, chunk)
-        prompts, tokens, squares = prompts + 1, tokens + k, squares + (done + k) ** 2 - done**2
+        prompts, tokens, squares = prompts + 1, tokens + k, squares + attention_squares(k, s.num_computed_tokens)
     return QueuedPrefill(prompts, tokens, squares), seconds

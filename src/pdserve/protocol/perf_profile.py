@@ -15,14 +15,22 @@ from typing import Any
 import numpy as np
 
 
+def attention_squares(new: int, cached: int = 0) -> int:
+    """A prompt's causal attention, in the units of `PerfProfile.prefill_per_token2_s`: `new` tokens each attending to
+    those before them, the `cached` ones (a prefix-cache hit, a chunked prompt's earlier chunks) included."""
+    return (cached + new) ** 2 - cached**2
+
+
 @dataclass(frozen=True)
 class QueuedPrefill:
     """The prompt work a prefill worker has queued, as it reports it: enough for a router to price it (a prompt's
     prefill grows faster than its length, so the same tokens in fewer, longer prompts take longer)."""
 
     prompts: int = 0
-    tokens: int = 0
-    token_squares: int = 0  # each prompt's tokens, squared, summed
+    tokens: int = 0  # new tokens: past each prompt's cached prefix and what of it is computed
+    # Each prompt's attention_squares summed: its new tokens' reads of the tokens before them, the cached ones too (a
+    # prompt of n new tokens after c cached counts (c + n)² - c², so it may hold far more than its tokens squared).
+    token_squares: int = 0
 
     def minus(self, other: QueuedPrefill) -> QueuedPrefill:
         """What is left of this queue once `other`'s prompts are out of it, as a queue could be: no tokens without
@@ -52,12 +60,13 @@ class PerfProfile:
         each new token also attends to those."""
         if tokens <= 0:
             return 0.0
-        attention = (cached + tokens) ** 2 - cached**2
+        attention = attention_squares(tokens, cached)
         return self.prefill_fixed_s + self.prefill_per_token_s * tokens + self.prefill_per_token2_s * attention
 
     def queued_prefill_s(self, queue: QueuedPrefill) -> float:
         """A queue of prompts priced as each prompt alone, as `prefill_s` prices one: `token_squares` carries the
-        quadratic term, which a count of tokens alone would leave out."""
+        attention term, each prompt's reads of its cached prefix included, which a count of tokens alone would leave
+        out."""
         return (
             self.prefill_fixed_s * queue.prompts
             + self.prefill_per_token_s * queue.tokens

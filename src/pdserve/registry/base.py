@@ -46,8 +46,9 @@ class WorkerState:
     sequences: int = 0  # running, waiting, and (decode) those whose KV is arriving: what max_num_seqs bounds
     load_at: float = 0.0  # its wall time the load fields were sampled (before updated_at); 0: unknown, updated_at
     instance: str = ""  # a random id of its process, new on every start; "": a worker too old to say
-    # The prompts of queued_prefill_tokens and their tokens squared, summed: a router prices the queue as each
-    # prompt alone (QueuedPrefill). 0 prompts with tokens queued: a worker too old to say.
+    # The prompts of queued_prefill_tokens and their attention squares, summed (QueuedPrefill: a prompt's new tokens'
+    # reads of its cached prefix too): a router prices the queue as each prompt alone. 0 prompts with tokens queued: a
+    # worker too old to say.
     queued_prefill_prompts: int = 0
     queued_prefill_token_squares: int = 0
     # A prompt of at most short_prompt_tokens new tokens runs ahead of longer prompts' remaining chunks

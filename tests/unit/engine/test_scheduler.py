@@ -377,7 +377,9 @@ def test_detached_blocks_are_not_handed_out_under_pressure() -> None:
 
 
 def test_the_queue_counts_the_prompt_tokens_left_to_compute_past_a_cached_prefix_and_mid_chunk() -> None:
-    """What a prefill worker reports as queued, per prompt: a router predicts the wait behind it from this."""
+    """What a prefill worker reports as queued, per prompt: a router predicts the wait behind it from this. Its squares
+    are each prompt's attention as a router prices it: new tokens read the cached and computed tokens before them too
+    (n new after c counts (c + n)² - c²)."""
     sim = Sim(SchedulerConfig(max_num_batched_tokens=10, long_prefill_chunk=10, max_prefills_per_step=1), 64, 4)
     a = sim.add("a", list(range(30)), max_tokens=1)
     assert sim.sched.queued_prefill() == QueuedPrefill(1, 30, 30 * 30)
@@ -385,8 +387,10 @@ def test_the_queue_counts_the_prompt_tokens_left_to_compute_past_a_cached_prefix
     # the rest of a prompt part-way through: what is left of its 30² once 10 tokens are done
     assert sim.sched.queued_prefill() == QueuedPrefill(1, 20, 30 * 30 - 10 * 10)
     sim.run()
-    sim.add("b", a.prompt_token_ids[:20] + list(range(60, 65)), max_tokens=1)  # 20 cached
-    sim.add("c", list(range(70, 82)), max_tokens=1)
-    assert sim.sched.queued_prefill() == QueuedPrefill(2, 5 + 12, 5 * 5 + 12 * 12)
+    sim.add("b", a.prompt_token_ids[:20] + list(range(60, 72)), max_tokens=1)  # 20 cached, 12 new
+    sim.add("c", list(range(80, 92)), max_tokens=1)
+    assert sim.sched.queued_prefill() == QueuedPrefill(2, 12 + 12, 32 * 32 - 20 * 20 + 12 * 12)
+    sim.step()  # b's first chunk: 10 of its 12 new tokens, after its 20 cached
+    assert sim.sched.queued_prefill() == QueuedPrefill(2, 2 + 12, 32 * 32 - 30 * 30 + 12 * 12)
     sim.run()
     assert sim.sched.queued_prefill() == QueuedPrefill()

@@ -101,6 +101,22 @@ def test_a_short_prompt_waits_for_the_short_ones_queued_and_the_long_prompts_chu
     assert sim.sched.queued_ahead_of_short() == (QueuedPrefill(), 0.0)
 
 
+def test_what_a_short_prompt_waits_for_counts_the_reads_of_each_prompts_cached_prefix() -> None:
+    """A short prompt after 16 cached tokens counts 21² - 16², and the chunk in flight of a long prompt with 24 of its
+    tokens computed (16 of them cached) counts 32² - 24², as a router prices them (not 5² and 16² - 8², as though
+    nothing came before their new tokens)."""
+    sim = Sim(PREFILL, num_blocks=64)
+    seed = sim.add("seed", list(range(20)), max_tokens=1)
+    sim.run()
+    prefix = seed.prompt_token_ids[:16]
+    sim.add("long", prefix + list(range(100, 120)), max_tokens=1)  # 16 cached, 20 new
+    steps(sim, 1)  # its first chunk: 8 tokens
+    sim.add("short", prefix + list(range(200, 205)), max_tokens=1)  # 16 cached, 5 new
+    short = 21**2 - 16**2
+    assert sim.sched.queued_ahead_of_short() == (QueuedPrefill(2, 8 + 5, 32**2 - 24**2 + short), 0.0)
+    assert sim.sched.queued_prefill() == QueuedPrefill(2, 12 + 5, 36**2 - 24**2 + short)
+
+
 def test_a_prefill_engine_reports_a_chunk_in_flight_as_long_as_its_prompts_last_chunk_took() -> None:
     scheduler = SchedulerConfig(
         max_num_batched_tokens=64,
