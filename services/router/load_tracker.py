@@ -11,7 +11,7 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.protocol.perf_profile import QueuedPrefill
+from pdserve.protocol.perf_profile import QueuedPrefill, attention_squares
 
 FORGET_AFTER_S = 60.0  # far older than any heartbeat a router still places by
 
@@ -101,14 +101,15 @@ class LoadTracker:
         """The most a queue sampled at `since` (a heartbeat's) can show of our prompts whose prefill
         has ended since (those of at most `most_tokens` new tokens, if given): each whole prompt's tokens, since the
         worker's prefix cache may hold less of it than we predicted (our prefix index learns of its evictions late);
-        the squares of what we predicted it would compute, as a worker counts a prompt's squares past its cached
-        prefix (`QueuedPrefill.minus` keeps the rest a queue that can be)."""
+        the squares of what we predicted it would compute, its new tokens' reads of its cached prefix included, as a
+        worker counts a prompt's squares (`QueuedPrefill.minus` keeps the rest a queue that can be)."""
         prompts = tokens = squares = 0
         for at, (prompt, new) in reversed(self._prefilled.get(prefill_id, ())):  # newest first: only past `since`
             if at <= since:
                 break
             if most_tokens is None or new <= most_tokens:
-                prompts, tokens, squares = prompts + 1, tokens + prompt, squares + new * new
+                prompts, tokens = prompts + 1, tokens + prompt
+                squares += attention_squares(new, prompt - new)
         return QueuedPrefill(prompts, tokens, squares)
 
     def pending_ahead_of_short_s(self, prefill_id: str, short_tokens: int, since: float) -> float:

@@ -34,13 +34,17 @@ class QueuedPrefill:
 
     def minus(self, other: QueuedPrefill) -> QueuedPrefill:
         """What is left of this queue once `other`'s prompts are out of it, as a queue could be: no tokens without
-        a prompt, and squares between what those tokens in that many equal prompts and in one prompt would have
-        (`other` is an estimate, which may take more of one part than it took of another)."""
+        a prompt, and squares at least those tokens' in that many equal prompts with nothing cached. No cap above:
+        new tokens after a cached prefix hold far more than their count squared (that cap, from before their reads
+        counted, cut another router's 512 tokens after 3584 cached to a fifteenth of their squares). `other` is an
+        estimate, which may take more of one part than it took of another; its squares are what we predicted the
+        worker counted for our prompts, so where its cache held less than we predicted (an eviction our prefix
+        index learns of late), the rest is priced high until the next report."""
         tokens = self.tokens - other.tokens
         if tokens <= 0:
             return QueuedPrefill()
         prompts = max(1, self.prompts - other.prompts)
-        squares = min(max(self.token_squares - other.token_squares, -(-(tokens * tokens) // prompts)), tokens * tokens)
+        squares = max(self.token_squares - other.token_squares, -(-(tokens * tokens) // prompts))
         return QueuedPrefill(prompts, tokens, squares)
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from pdserve.engine.profiling import SpeedTracker
-from pdserve.protocol.perf_profile import PerfProfile, QueuedPrefill, kv_transfer_s
+from pdserve.protocol.perf_profile import PerfProfile, QueuedPrefill, attention_squares, kv_transfer_s
 from pdserve.registry.base import WorkerState
 from tests.unit.round_profile import PROFILE
 from tests.unit.router.router_builder import worker
@@ -150,31 +150,38 @@ def test_speed_tracker_counts_both_phases_of_a_mixed_step_and_ignores_empty_ones
         (
             QueuedPrefill(2, 300, 50_000),
             QueuedPrefill(3, 200, 0),
-            QueuedPrefill(1, 100, 10_000),
+            QueuedPrefill(1, 100, 50_000),
         ),  # no tokens without a prompt
         # another router's 4 x 1024 tokens, and ours: 2048 of which 1984 were cached (the estimate takes all 2048)
         (
-            QueuedPrefill(5, 4160, 4 * 1024**2 + 64**2),
-            QueuedPrefill(1, 2048, 64**2),
+            QueuedPrefill(5, 4160, 4 * 1024**2 + attention_squares(64, 1984)),
+            QueuedPrefill(1, 2048, attention_squares(64, 1984)),
             QueuedPrefill(4, 2112, 4 * 1024**2),
+        ),
+        # another router's 512 tokens after 3584 cached keep their reads of the prefix, with ours out or none
+        (
+            QueuedPrefill(2, 612, attention_squares(512, 3584) + 100**2),
+            QueuedPrefill(1, 100, 100**2),
+            QueuedPrefill(1, 512, attention_squares(512, 3584)),
+        ),
+        (
+            QueuedPrefill(1, 512, attention_squares(512, 3584)),
+            QueuedPrefill(),
+            QueuedPrefill(1, 512, attention_squares(512, 3584)),
         ),
         (
             QueuedPrefill(4, 1000, 250_000),
             QueuedPrefill(1, 100, 240_000),
             QueuedPrefill(3, 900, 270_000),
         ),  # equal thirds at least
-        (
-            QueuedPrefill(2, 500, 130_000),
-            QueuedPrefill(1, 450, 0),
-            QueuedPrefill(1, 50, 2_500),
-        ),  # one prompt of 50 at most
         (QueuedPrefill(1, 100, 10_000), QueuedPrefill(1, 200, 40_000), QueuedPrefill()),
     ],
 )
 def test_a_queue_less_an_estimate_of_its_part_is_a_queue_that_can_be(
     queue: QueuedPrefill, out: QueuedPrefill, left: QueuedPrefill
 ) -> None:
-    """Tokens need a prompt, and n tokens in p prompts square to between n²/p (equal prompts) and n² (one prompt)."""
+    """Tokens need a prompt, and n tokens in p prompts square to at least n²/p (equal prompts, nothing cached); at
+    most, with a cached prefix before them, to anything."""
     assert queue.minus(out) == left
 
 

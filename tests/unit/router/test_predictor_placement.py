@@ -64,22 +64,6 @@ def test_a_reported_queue_loses_the_prompts_this_router_saw_prefilled_since_it_w
     assert pred.queued_tokens(w) == 256
 
 
-def test_our_cached_prompt_prefilled_since_does_not_take_another_routers_prompts_squares():
-    """Our 2048-token prompt, 1984 of it cached, was 64 new tokens on the worker: once it is prefilled, what is left
-    of the report is the other router's four 1024-token prompts, priced close to what they cost, not as if the
-    2048 tokens taken off had been one of them."""
-    convex = replace(PROFILE, prefill_per_token2_s=5e-6)
-    tracker = LoadTracker()
-    pred = Predictor(RouterConfig(), tracker)
-    sampled = time.time() - 1.0
-    report = dict(queued_prefill_tokens=4 * 1024 + 64, queued_prefill_prompts=5)
-    w = worker("p0", profile=convex, load_at=sampled, queued_prefill_token_squares=4 * 1024**2 + 64**2, **report)
-    placed = tracker.start("p0", "d0", new_tokens=64, seconds=convex.prefill_s(64), blocks=128, prompt_tokens=2048)
-    tracker.prefilled(placed)
-    theirs = 4 * convex.prefill_s(1024)
-    assert 0.9 * theirs < pred.queue_s(w) <= theirs  # their tokens less our whole prompt's, their squares whole
-
-
 def test_a_report_sampled_while_our_stream_held_its_blocks_gets_them_back_once_it_ended():
     """Our request's first token came back (its prompt's 4 blocks reserved), then the worker sampled 10 free, then
     the request ended: it has 14 free, where the report alone would shed the next 12-block request until the next
