@@ -58,7 +58,11 @@ def test_choices_the_whole_fleet_holds_are_shed_not_invalid_while_a_decode_worke
         finally:
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-        assert out.status_code in (429, 503), out.text  # the offer keeps the worker: a retry may succeed
+        # The offer keeps the worker: a retry may succeed. Or the router's wait for a place outlasts the first two
+        # choices on the worker left, and the third takes their blocks: served whole, as a retry would be.
+        assert out.status_code in (200, 429, 503), out.text
+        if out.status_code == 200:
+            assert len(out.json()["choices"]) == 3, out.text
         if out.status_code == 429:
             assert out.headers["retry-after-ms"], out.headers
         until(lambda: len(decode_workers(cluster)) == 2, 60, "the worker back in the registry")
