@@ -315,10 +315,10 @@ class WorkerRuntime:
             self._heartbeat_thread.start()
 
     def _stepped(
-        self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_context: int, decode_context: int
+        self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_squares: int, decode_context: int
     ) -> None:
         """On the engine thread, each step that ran tokens: the live speed correction, and the step metrics."""
-        self._speed.observe(prefill_tokens, decode_seqs, seconds, prefill_context, decode_context)
+        self._speed.observe(prefill_tokens, decode_seqs, seconds, prefill_squares, decode_context)
         self._metrics.stepped(prefill_tokens + decode_seqs, seconds)
 
     async def _warm_up(self) -> None:

@@ -62,7 +62,7 @@ class AsyncEngine:
         self.faults = StepFaults()  # for tests: a step running a named request raises or is slowed
         self.on_death: Callable[[BaseException], None] | None = None  # called on the engine thread as it dies
         self.stats: dict[str, int] = {}
-        # (prefill tokens, decode seqs, seconds, the earlier tokens its prompt chunks read, the tokens its decoding
+        # (prefill tokens, decode seqs, seconds, its prompt chunks' attention squares, the tokens its decoding
         # sequences attend over), on the engine thread
         self.on_step: Callable[[int, int, float, int, int], None] | None = None
         # (queue, prefill, requeue seconds) of the step's requests, each once (LLMEngine.last_step_queue_s), same thread
@@ -309,8 +309,8 @@ class AsyncEngine:
         if self.on_step is not None:
             e, seconds = self._engine, time.perf_counter() - start
             decode_seqs = min(decoding, e.last_step_tokens)
-            prefill_tokens, contexts = e.last_step_tokens - decode_seqs, e.last_step_prefill_context
-            self.on_step(prefill_tokens, decode_seqs, seconds, contexts, e.last_step_decode_context)
+            prefill_tokens, squares = e.last_step_tokens - decode_seqs, e.last_step_prefill_squares
+            self.on_step(prefill_tokens, decode_seqs, seconds, squares, e.last_step_decode_context)
         times = (self._engine.last_step_queue_s, self._engine.last_step_prefill_s, self._engine.last_step_requeue_s)
         if self.on_request_times is not None and any(times):
             self.on_request_times(*times)

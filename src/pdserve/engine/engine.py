@@ -72,7 +72,7 @@ class LLMEngine:
         self.fingerprint = self.model.fingerprint
         self.last_step_tokens = 0  # tokens the last step ran (0: it could run nothing), for live speed tracking
         # The earlier tokens its prompt chunks read, and those its decoding sequences attend over (SchedulerOutput's).
-        self.last_step_prefill_context = self.last_step_decode_context = 0
+        self.last_step_prefill_squares = self.last_step_decode_context = 0
         # Its requests' waits, once each (monotonic): arrival to the start of its first step, then to its first token.
         self.last_step_queue_s: list[float] = []
         self.last_step_prefill_s: list[float] = []
@@ -263,7 +263,7 @@ class LLMEngine:
         began = time.monotonic()
         plan = self.scheduler.schedule()
         self.last_step_tokens = plan.num_tokens
-        self.last_step_prefill_context = plan.prefill_context_tokens
+        self.last_step_prefill_squares = plan.prefill_attention_squares
         self.last_step_decode_context = plan.decode_context_tokens
         for seq in plan.started:
             seq.first_scheduled = began

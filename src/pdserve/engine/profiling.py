@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from pdserve.engine.device import synchronize
-from pdserve.protocol.perf_profile import PerfProfile
+from pdserve.protocol.perf_profile import PerfProfile, QueuedPrefill
 
 # Whole prompts, fitted as a quadratic: it priced 1-6k-token prompts (run in chunks) at 1.05-1.08x what they took
 # (medians), where timing chunks at 3 and 7 chunks of context priced them 0.86-1.18x, and 3.5-3.9x (against
@@ -35,17 +35,24 @@ class SpeedTracker:
         self.factor = 1.0
 
     def observe(
-        self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_context: int = 0, decode_context: int = 0
+        self,
+        prefill_tokens: int,
+        decode_seqs: int,
+        seconds: float,
+        prefill_squares: int | None = None,
+        decode_context: int = 0,
     ) -> None:
-        """`prefill_context`: the earlier tokens the step's prompt chunks read from the cache, summed over its
-        chunks. Such a step is not observed: a sum prices no chunk's attention exactly (once priced as new tokens
-        alone, a prefix-cache hit's step or a long prompt's later chunk read as up to 4x slow, and a review saw the
-        router then refuse every request with an SLO, on an idle cluster, until another step corrected it).
-        `decode_context`: the tokens the step's decoding sequences attend over, summed, which the profile prices
-        (else a long-context batch would read as a slow worker, and the router would count its context twice)."""
-        if prefill_context:
-            return
-        predicted = self.profile.prefill_s(prefill_tokens) + (
+        """`prefill_squares`: the step's prompt chunks' attention (`SchedulerOutput.prefill_attention_squares`), each
+        chunk's reads of the cached tokens before it included, as the router prices a prompt after a cached prefix;
+        None: one chunk with nothing before it. Priced as new tokens alone, a prefix-cache hit's step or a long
+        prompt's later chunk read as up to 4x slow (a review saw the router refuse every request with an SLO, on an
+        idle cluster); left unobserved, a worker whose every prompt follows a cached prefix (a chat's turns) was
+        never corrected from its start-up profile. `decode_context`: the tokens the step's decoding sequences
+        attend over, summed, which the profile prices (else a long-context batch would read as a slow worker, and
+        the router would count its context twice)."""
+        squares = prefill_tokens * prefill_tokens if prefill_squares is None else prefill_squares
+        prefill = QueuedPrefill(1, prefill_tokens, squares) if prefill_tokens else QueuedPrefill()  # one call's fixed
+        predicted = self.profile.queued_prefill_s(prefill) + (
             self.profile.decode_step_s(decode_seqs, decode_context) if decode_seqs else 0.0
         )
         if predicted > 0:

@@ -53,10 +53,10 @@ class SchedulerOutput:
         return sum(len(c.token_ids) for c in self.chunks)
 
     @property
-    def prefill_context_tokens(self) -> int:
-        """The earlier tokens the step's prompt chunks read from the cache (a prefix-cache hit's, a chunked
-        prompt's first chunks): a cost the fitted prefill curve, which prices new tokens alone, does not know."""
-        return sum(c.start_position for c in self.chunks if len(c.token_ids) > 1)
+    def prefill_attention_squares(self) -> int:
+        """The step's prompt chunks' attention as the profile prices it (`attention_squares`), each chunk's reads of
+        the tokens before it in the cache (a prefix-cache hit's, a chunked prompt's earlier chunks) included."""
+        return sum(attention_squares(len(c.token_ids), c.start_position) for c in self.chunks if len(c.token_ids) > 1)
 
     @property
     def decode_context_tokens(self) -> int:

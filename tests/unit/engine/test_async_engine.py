@@ -372,7 +372,7 @@ async def test_an_id_whose_caller_left_is_in_flight_until_its_abort_ran_and_neve
 async def test_each_step_reports_the_context_its_decoding_sequences_attend_over(mixed):
     """What the live speed correction prices a decode step by (a long-context batch is not a slow worker)."""
     steps: list[tuple[int, int, int]] = []
-    mixed.on_step = lambda prefill, decode, seconds, prefill_context, decode_context: steps.append(
+    mixed.on_step = lambda prefill, decode, seconds, prefill_squares, decode_context: steps.append(
         (prefill, decode, decode_context)
     )
     await tokens(mixed.generate(EngineRequest("ctx", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))))

@@ -190,7 +190,7 @@ def test_long_prompt_is_prefilled_in_consecutive_chunks(chunk: int, budget: int)
     out = sim.step()
     (decode,) = out.chunks
     assert decode.start_position == 50 and len(decode.token_ids) == 1 and decode.sample
-    assert out.prefill_context_tokens == 0  # a decode's context is the decode step's own cost
+    assert out.prefill_attention_squares == 0  # a decode's context is the decode step's own cost
     assert out.decode_context_tokens == 51  # which reads the prompt's 50 tokens and its own
     assert not sim.sched.has_work
     assert sim.bm.num_used_blocks == 0
@@ -310,7 +310,7 @@ def test_a_request_sharing_a_finished_prefix_starts_past_it() -> None:
     out = sim.step()
     (chunk,) = out.chunks
     assert b.num_cached_tokens == 32
-    assert out.prefill_context_tokens == 32  # read from the cache, which the fitted prefill curve does not price
+    assert out.prefill_attention_squares == (32 + 13) ** 2 - 32**2  # its 13 new tokens read the 32 cached too
     assert chunk.start_position == 32
     assert chunk.token_ids == b.prompt_token_ids[32:]
     assert chunk.block_table[:8] == a_table[:8]

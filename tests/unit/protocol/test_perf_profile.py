@@ -185,15 +185,22 @@ def test_a_queue_less_an_estimate_of_its_part_is_a_queue_that_can_be(
     assert queue.minus(out) == left
 
 
-def test_a_step_whose_prompt_chunks_read_cached_tokens_is_not_observed() -> None:
-    """A step reports its chunks' contexts summed, which prices none of them exactly: once priced as new tokens
-    alone, a prefix-cache hit's step read as up to 4x slow, and the router refused every request with an SLO on an
-    idle cluster (a review)."""
-    t = SpeedTracker(PROFILE, alpha=1.0)
-    t.observe(48, 0, 4 * PROFILE.prefill_s(48), prefill_context=2000)
-    assert t.factor == 1.0
-    t.observe(48, 0, 2 * PROFILE.prefill_s(48))
-    assert t.factor == pytest.approx(2.0)
+def test_a_step_whose_prompt_chunks_read_cached_tokens_is_priced_with_those_reads() -> None:
+    """A chunk after a cached prefix at its profiled cost is a worker on profile: priced as new tokens alone it read
+    as up to 4x slow, and the router refused every request with an SLO on an idle cluster (a review). Observed, a
+    worker whose every prompt follows a cached prefix (a chat's turns) is corrected from its start-up profile too
+    (it was never, while such steps went unobserved)."""
+    host = PerfProfile(0.02, 1.5e-3, 5e-7, 0.06, 4e-3)
+    t = SpeedTracker(host, alpha=1.0)
+    t.observe(512, 0, host.prefill_s(512, cached=3584), prefill_squares=attention_squares(512, 3584))
+    assert t.factor == pytest.approx(1.0)
+    for _ in range(40):  # a profile measured on a loaded host, 3x slow: every step a chat's next turn
+        t.observe(512, 0, host.prefill_s(512, cached=3584) / 3, prefill_squares=attention_squares(512, 3584))
+    assert t.factor == pytest.approx(1 / 3)
+    two = attention_squares(64, 1000) + attention_squares(32, 200)  # two prompts' chunks in one step: one call's fixed
+    t = SpeedTracker(host, alpha=1.0)
+    t.observe(96, 0, host.prefill_s(64, cached=1000) + host.prefill_s(32, cached=200) - 0.02, prefill_squares=two)
+    assert t.factor == pytest.approx(1.0)
 
 
 def test_a_kv_transfer_is_its_latency_plus_its_bytes_at_decimal_gigabytes_per_second():
