@@ -21,6 +21,7 @@ from pdserve.cluster.commands import (
     add_controller_command,
     add_drain_grace_flag,
     add_fleet_flags,
+    add_http_flags,
     add_internal_tls_flags,
     add_router_command,
     check_mode_counts,
@@ -101,9 +102,7 @@ def _parser(services: ClusterServices | None = None) -> argparse.ArgumentParser:
     add_address_flags(up, host_alias=True)
     up.add_argument("--port", type=int, default=c.port, help="the router's gRPC port")
     up.add_argument("--metrics-port", type=int, default=c.metrics_port, help="serve the router's metrics at :P/metrics")
-    up.add_argument(
-        "--http-port", type=int, default=c.http_port, help="serve the OpenAI-compatible HTTP API on this port (0: off)"
-    )
+    add_http_flags(up)
     up.add_argument("--redis", default=c.redis_url, help="redis://... registry (default: in-process)")
     up.add_argument(
         "--ray-address",

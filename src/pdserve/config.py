@@ -17,6 +17,7 @@ from pdserve.protocol.outputs import PREEMPTED_NOTICE_S
 from pdserve.protocol.request_checks import RequestLimits
 from pdserve.protocol.roles import EngineMode, Role
 from pdserve.redaction import redacted_url
+from pdserve.security.cors_origins import check_cors_origins
 
 # The largest gRPC message any server sends, and takes but for the router's public port (its requests are smaller)
 MAX_MESSAGE_BYTES = 16 * 2**20
@@ -173,12 +174,22 @@ class RouterConfig:
     # The HTTP body's `user` on its request's span as `enduser.id`: an end user's id, which OpenTelemetry's registry
     # marks as personal data (PII), for a tracing backend that may hold it; off, it is read and dropped.
     trace_enduser_id: bool = False
+    # Web origins whose pages a browser lets call the HTTP API (CORS; `*`: any); none: no CORS headers at all.
+    http_cors_origins: tuple[str, ...] = ()
+    http_cors_allow_credentials: bool = False  # those pages may send cookies and client certificates too
     api_keys_file: str | None = None  # TOML of API keys (--api-keys); None: an open cluster, said at start
     tls_cert: str | None = None  # PEM files: TLS on the public port (--tls-cert/--tls-key); None: plaintext
     tls_key: str | None = None
     tls_client_ca: str | None = None  # clients must present a certificate signed by this CA (mTLS)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "http_cors_origins", tuple(self.http_cors_origins))  # a flag's or a file's list
+        if self.http_cors_allow_credentials and not self.http_cors_origins:
+            raise ConfigError("http_cors_allow_credentials", "needs the origins that may send them (http_cors_origins)")
+        try:
+            check_cors_origins(self.http_cors_origins, self.http_cors_allow_credentials)
+        except ValueError as e:
+            raise ConfigError("http_cors_origins", str(e)) from None
         if self.policy not in ("slo", "round-robin"):
             raise ConfigError("policy", f"must be 'slo' or 'round-robin', got {self.policy!r}")
         for name, zero in (("registry_max_view_age_s", "0 or "), ("prefix_match_budget_s", ""), ("quota_budget_s", "")):
@@ -318,6 +329,8 @@ class ClusterConfig:
             raise ValueError(
                 "--internal-tls-server-name needs --internal-tls-cert, --internal-tls-key, --internal-tls-ca"
             )
+        if self.router.http_cors_origins and self.http_port is None:
+            raise ValueError("--http-cors-origins needs --http-port: it is the HTTP API's")
         for name in ("port", "worker_port", "transfer_port", "worker_metrics_port", "metrics_port", "http_port"):
             if (port := getattr(self, name)) is not None and not 0 <= port < 65536:
                 raise ConfigError(name, f"must be a TCP port (0: any free one), got {port}")

@@ -43,10 +43,12 @@ def read_router_config(path: str, cls: type[RouterConfig]) -> RouterConfig:
 
 
 # A TOML value's type for a field's annotation (the scalars a config file sets).
-_TOML_TYPES: dict[str, type] = {"float": float, "int": int, "bool": bool, "str": str, "str | None": str}
+_TOML_TYPES: dict[str, type] = {
+    "float": float, "int": int, "bool": bool, "str": str, "str | None": str, "tuple[str, ...]": tuple,
+}  # fmt: skip
 _TYPE_NAMES = {
     float: "a number", int: "a whole number", bool: "true or false", str: "a string", dict: "a table",
-    list: "an array of tables",
+    list: "an array of tables", tuple: "an array of strings",
 }  # fmt: skip
 
 
@@ -59,8 +61,9 @@ def _checked(path: str, where: str, table: object, types: dict[str, type]) -> No
         raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)} in {where}; known: {', '.join(sorted(types))}")
     for key, value in table.items():
         expected = types[key]
-        taken = (int, float) if expected is float else expected
-        if not isinstance(value, taken) or (isinstance(value, bool) and expected is not bool):
+        taken = (int, float) if expected is float else list if expected is tuple else expected
+        strings = expected is not tuple or all(isinstance(item, str) for item in value)
+        if not isinstance(value, taken) or (isinstance(value, bool) and expected is not bool) or not strings:
             raise ValueError(f"{path}: {where} {key} must be {_TYPE_NAMES[expected]}, got {value!r}")
 
 

@@ -168,6 +168,35 @@ def add_drain_grace_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_http_flags(p: argparse.ArgumentParser) -> None:
+    """The OpenAI-compatible HTTP API's port and which web pages a browser lets call it (CORS): `up` and `router`.
+    The CORS flags are unset (None) unless given, so a --router-config file's values stand."""
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=ClusterConfig.http_port,
+        help="serve the OpenAI-compatible HTTP API on this port (0: off)",
+    )
+    p.add_argument(
+        "--http-cors-origins",
+        action="extend",
+        type=_comma_separated,
+        metavar="ORIGIN[,ORIGIN...]",
+        help="let browser pages from these origins (scheme://host[:port], or *) call the HTTP API: CORS headers on "
+        "its responses; repeatable (default: none, no CORS headers)",
+    )
+    p.add_argument(
+        "--http-cors-allow-credentials",
+        action="store_const",
+        const=True,
+        help="let those pages send cookies and client certificates too (not with *; an API key needs no credentials)",
+    )
+
+
+def _comma_separated(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",")]
+
+
 def add_controller_command(sub: Any, run: Run, add_engine_flags: Callable[[argparse.ArgumentParser], None]) -> None:
     c = ClusterConfig
     p = sub.add_parser("controller", help="create and supervise the worker actors in a Ray cluster (no router)")
@@ -195,9 +224,7 @@ def add_router_command(sub: Any, run: Run, add_router_flags: Callable[[argparse.
     add_address_flags(p, host_alias=True)
     p.add_argument("--port", type=int, default=c.port, help="the router's gRPC port")
     p.add_argument("--metrics-port", type=int, default=c.metrics_port, help="serve the router's metrics at :P/metrics")
-    p.add_argument(
-        "--http-port", type=int, default=c.http_port, help="serve the OpenAI-compatible HTTP API on this port (0: off)"
-    )
+    add_http_flags(p)
     add_router_flags(p)
     add_internal_tls_flags(p)
     add_drain_grace_flag(p)
