@@ -14,11 +14,10 @@ from contextlib import AbstractContextManager, aclosing, suppress
 from opentelemetry import trace
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Send
+from starlette.types import ASGIApp, Send
 
 from pdserve.redaction import recorded_text
 from pdserve.rpc.metadata import REQUEST_ID_KEY
@@ -29,6 +28,7 @@ from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import check_caller, check_model, generate
 from services.router.http.choices import each_choice, request_choices
 from services.router.http.connection_close import CloseWhileDraining
+from services.router.http.cors import with_cors
 from services.router.http.errors import (
     BodyTimeoutError,
     BodyTooLargeError,
@@ -51,10 +51,12 @@ PREDICTED_TTFT_HEADER = "x-pdserve-predicted-ttft-ms"
 BODY_TIMEOUT_S = 30.0  # from the head's end: the largest body the router may take (16 MiB) at 0.6 MB/s
 
 
-def openai_app(lifecycle: RequestLifecycle, peers: PeerCheck | None = None) -> Starlette:
-    """`peers`: the router's check that the workers accept its cluster credentials, which /health reports."""
+def openai_app(lifecycle: RequestLifecycle, peers: PeerCheck | None = None) -> ASGIApp:
+    """`peers`: the router's check that the workers accept its cluster credentials, which /health reports. CORS
+    wraps Starlette's whole app, its error middleware included (cors.py); the drain's `Connection: close` wraps
+    that, so a preflight during the drain says it too."""
     api = OpenAIAPI(lifecycle, peers)
-    return Starlette(
+    app = Starlette(
         routes=[
             Route(COMPLETIONS_ROUTE, api.completions, methods=["POST"]),
             Route(CHAT_ROUTE, api.chat_completions, methods=["POST"]),
@@ -64,8 +66,8 @@ def openai_app(lifecycle: RequestLifecycle, peers: PeerCheck | None = None) -> S
             Route("/health", api.health, methods=["GET"]),
         ],
         exception_handlers={HTTPException: _http_error},
-        middleware=[Middleware(CloseWhileDraining, draining=lambda: lifecycle.draining)],
     )
+    return CloseWhileDraining(with_cors(app, lifecycle.config), draining=lambda: lifecycle.draining)
 
 
 class OpenAIAPI:
@@ -303,7 +305,8 @@ def _check_form(request: Request) -> None:
     JSON is refused. The types FastAPI (vLLM's server) reads as JSON: none, `application/json` or
     `application/*+json`, any parameters. A form, `text/plain` or a body of no type is what a web page may make a
     visitor's browser send to any address without asking it first (CORS), so a router without API keys would serve
-    that page: no type is taken only from a caller that is no browser (no `Origin` header). And `curl -d` without a
+    that page, whatever origins --http-cors-origins allows: no type is taken only from a caller that is no browser
+    (no `Origin` header). And `curl -d` without a
     JSON Content-Type is a client's mistake better named than served."""
     encoding = request.headers.get("content-encoding", "").strip().lower() or "identity"
     if encoding != "identity":
