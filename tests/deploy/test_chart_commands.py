@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from pdserve import cli
+from pdserve.config import RouterConfig
+from pdserve.flags import flag_values
 from pdserve.rpc import health_probe
 from tests.deploy.chart import pod_templates, render
 from tests.deploy.conftest import EXAMPLE_FILES
@@ -141,3 +143,13 @@ def test_the_http_api_is_served_and_exposed_on_its_port_unless_off(http_port: st
 def test_the_kv_cache_size_reaches_the_workers_command_line() -> None:
     assert parse(command_lines(render(sets={"engine.kvCacheGb": "40"}))["controller"]).kv_cache_gb == 40.0
     assert "--kv-cache-gb" not in command_lines(render())["controller"]  # pdserve's own default
+
+
+@pytest.mark.parametrize("credentials", [False, True])
+def test_the_http_apis_cors_origins_reach_the_router_as_it_takes_them(credentials: bool) -> None:
+    origins = ["https://chat.example.com", "http://localhost:5173"]
+    sets = {"router.httpCors.origins": origins, "router.httpCors.allowCredentials": credentials}
+    router = RouterConfig(**flag_values(RouterConfig, parse(command_lines(render(sets=sets))["router"])))
+    assert router.http_cors_origins == tuple(origins) and router.http_cors_allow_credentials is credentials
+    default = RouterConfig(**flag_values(RouterConfig, parse(command_lines(render())["router"])))
+    assert default.http_cors_origins == () and not default.http_cors_allow_credentials

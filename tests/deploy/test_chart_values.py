@@ -117,6 +117,9 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"decode.resources": {"limits": {"memory": "lots"}}}, "decode/resources/limits/memory"),
     ({"router.config.policy": "random"}, "router/config/policy"),
     ({"router.config.slo_headroom": "0.7"}, "router/config/slo_headroom"),  # --set makes it a string
+    # An origin no browser sends so would never match; the router refuses it at start.
+    ({"router.httpCors.origins": ["https://chat.example.com/app"]}, "router/httpCors/origins/0"),
+    ({"router.httpCors.origins": ["HTTPS://Chat.example.com"]}, "router/httpCors/origins/0"),
     ({"engine.device": "tpu"}, "engine/device"),
     ({"router.autoscaling.targetCPUUtilizationPercentage": "150"}, "router/autoscaling/targetCPUUtilizationPercentage"),
     ({"router.autoscaling.maxReplicas": "0"}, "router/autoscaling/maxReplicas"),
@@ -195,6 +198,19 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
         ({"tls.clientCASecret": "ca"}, "tls.clientCASecret (ca) is set, but tls.enabled is false"),
         ({"tls.internalSecret": "int"}, "Set tls.enabled=true (with tls.publicSecret and tls.internalSecret)"),
         ({"router.httpPort": "50051"}, "router.port (50051), router.httpPort (50051) and router.metricsPort (9400)"),
+        # What the router refuses at start (a crash loop), or a value the chart would send to no HTTP API.
+        (
+            {"router.httpCors.origins": ["*"], "router.httpCors.allowCredentials": "true"},
+            'router.httpCors.origins "*" cannot go with router.httpCors.allowCredentials',
+        ),
+        (
+            {"router.httpCors.allowCredentials": "true"},
+            "router.httpCors.allowCredentials needs router.httpCors.origins",
+        ),
+        (
+            {"router.httpCors.origins": ["https://a.example"], "router.httpPort": "0"},
+            "router.httpCors.origins needs router.httpPort",
+        ),
         # A worker pod binds its gRPC and metrics ports, and a decode worker a KV rendezvous store per prefill peer
         # from workers.transferPort on.
         ({"workers.transferPort": "50061"}, "workers.port (50061) lies in the KV-transfer ports 50061-50068"),
@@ -292,9 +308,10 @@ def test_worker_counts_are_the_ones_the_controller_takes() -> None:
 
 def test_router_config_takes_every_setting_the_router_reads_and_no_other() -> None:
     """A key the router does not know would stop it at start (pdserve.config), so the schema refuses it first; the
-    chart sets TLS, API keys and reflection by flags, and heartbeat_s is the controller's."""
+    chart sets TLS, API keys, reflection and CORS by flags, and heartbeat_s is the controller's."""
     config = SCHEMA["properties"]["router"]["properties"]["config"]
     by_chart = {"api_keys_file", "tls_cert", "tls_key", "tls_client_ca", "reflection", "heartbeat_s"}
+    by_chart |= {"http_cors_origins", "http_cors_allow_credentials"}  # router.httpCors
     assert set(config["properties"]) == {f.name for f in dataclasses.fields(RouterConfig)} - by_chart
     assert config["additionalProperties"] is False
     limits = config["properties"]["request_limits"]
