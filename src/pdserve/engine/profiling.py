@@ -11,10 +11,14 @@ import torch
 from pdserve.engine.device import synchronize
 from pdserve.protocol.perf_profile import PerfProfile, QueuedPrefill
 
-# Whole prompts, fitted as a quadratic: it priced 1-6k-token prompts (run in chunks) at 1.05-1.08x what they took
-# (medians), where timing chunks at 3 and 7 chunks of context priced them 0.86-1.18x, and 3.5-3.9x (against
-# 2.3-3.3x) when another process loaded the cores during the profile (docs/experiments/long_prompt_pricing).
-PREFILL_LENGTHS = (64, 256, 1024)
+# (new tokens, cached tokens before them) of the prefill steps timed, fitted as a quadratic. Whole prompts: they
+# priced 1-6k-token prompts (run in chunks) at 1.05-1.08x what they took (medians), where timing chunks at 3 and 7
+# chunks of context instead priced them 0.86-1.18x, and 3.5-3.9x (against 2.3-3.3x) when another process loaded the
+# cores during the profile. And one chunk after a cached prefix: three points fix three terms exactly, so one noisy
+# whole prompt could move the attention term anywhere (to 0 in one run); over seven runs a chat's next turn (256 new
+# tokens after 2-3k cached) ran 0.81-2.02x its price without it and 0.85-1.32x with it, a 3000-token prompt
+# 0.86-1.46x and 0.97-1.13x (docs/experiments/long_prompt_pricing/cached_point.py).
+PREFILL_SHAPES = ((64, 0), (256, 0), (1024, 0), (256, 1024))
 DECODE_BATCHES = (1, 8, 32)
 FASTEST_RATIO = 1 / 16
 DECODE_CONTEXT = 64  # each sequence's context at the batches above
@@ -69,7 +73,6 @@ def measure_profile(engine: Any, repeats: int = 2) -> PerfProfile:
     runner, blocks = engine.runner, engine.blocks
     if blocks.num_used_blocks or blocks.num_cached_blocks:
         raise RuntimeError("measure_profile writes scratch KV over the pool: run it before any request")
-    vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
 
     def timed(chunks: list[ScheduledChunk]) -> float:
@@ -82,14 +85,27 @@ def measure_profile(engine: Any, repeats: int = 2) -> PerfProfile:
         synchronize(runner.device)  # the runner's own GPU, not the current one
         return (time.perf_counter() - start) / repeats
 
-    prefill = []
-    for n in PREFILL_LENGTHS:
-        if n >= engine.max_model_len or blocks.blocks_for(n) > blocks.num_blocks:
+    return PerfProfile.fit(_prefill_points(engine, timed, gen), _decode_points(engine, timed))
+
+
+def _prefill_points(
+    engine: Any,
+    timed: Callable[[list[Any]], float],
+    gen: torch.Generator,
+    shapes: tuple[tuple[int, int], ...] = PREFILL_SHAPES,
+) -> list[tuple[int, int, float]]:
+    """(new tokens, cached tokens before them, s) of the `shapes` the model length and the pool hold."""
+    from pdserve.engine.scheduler import ScheduledChunk
+
+    blocks, vocab = engine.blocks, engine.model_config.vocab_size
+    points = []
+    for new, cached in shapes:
+        if cached + new >= engine.max_model_len or blocks.blocks_for(cached + new) > blocks.num_blocks:
             continue
-        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        table = list(range(blocks.blocks_for(n)))
-        prefill.append((n, 0, timed([ScheduledChunk("profile", ids, 0, table, True)])))
-    return PerfProfile.fit(prefill, _decode_points(engine, timed))
+        ids = torch.randint(0, vocab, (new,), generator=gen).tolist()
+        table = list(range(blocks.blocks_for(cached + new)))
+        points.append((new, cached, timed([ScheduledChunk("profile", ids, cached, table, True)])))
+    return points
 
 
 def _decode_points(engine: Any, timed: Callable[[list[Any]], float]) -> list[tuple[int, int, float]]:

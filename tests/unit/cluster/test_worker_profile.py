@@ -5,11 +5,12 @@ would be every later prompt's wrong prefix hit. The profile refuses to run on a 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve.cluster.worker_runtime import WorkerRuntime
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.config import EngineConfig
-from pdserve.engine.profiling import DEEP_CONTEXT, _decode_points, measure_profile
+from pdserve.engine.profiling import DEEP_CONTEXT, _decode_points, _prefill_points, measure_profile
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.roles import Role
@@ -44,6 +45,27 @@ def test_the_profile_times_decode_at_a_deep_context_too_where_the_pool_holds_it(
     timed.clear()
     _decode_points(make_engine(num_kv_blocks=256), cost)  # one sequence of 2049 tokens fits, eight do not
     assert timed == [(1, 64), (8, 64), (32, 64), (1, DEEP_CONTEXT)]
+
+
+def test_the_profile_times_a_chunk_after_a_cached_prefix_where_the_pool_holds_it() -> None:
+    """Three whole prompts fix the quadratic's three terms exactly, so the attention term a conversation's next turn
+    pays would carry one point's noise (0 in one run: cached_point.py); a chunk after 1024 cached tokens pins it."""
+    timed: list[tuple[int, int]] = []
+
+    def cost(chunks: list[ScheduledChunk]) -> float:
+        (chunk,) = chunks
+        new, cached = len(chunk.token_ids), chunk.start_position
+        assert len(chunk.block_table) * 16 >= cached + new  # the blocks its context and its own tokens take
+        timed.append((new, cached))
+        return 0.01 + 1e-4 * new + 1e-8 * ((cached + new) ** 2 - cached**2)
+
+    points = _prefill_points(make_engine(num_kv_blocks=128), cost, torch.Generator().manual_seed(0))
+    assert timed == [(64, 0), (256, 0), (1024, 0), (256, 1024)]
+    fitted = PerfProfile.fit(points, [(1, 64, 0.01)])
+    assert fitted.prefill_s(256, cached=2048) == pytest.approx(0.01 + 1e-4 * 256 + 1e-8 * (2304**2 - 2048**2))
+    timed.clear()
+    _prefill_points(make_engine(num_kv_blocks=72), cost, torch.Generator())  # 1024 tokens fit, 1280 do not
+    assert timed == [(64, 0), (256, 0), (1024, 0)]
 
 
 def test_a_worker_with_small_blocks_profiles_before_its_warm_up() -> None:
