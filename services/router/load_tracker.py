@@ -49,7 +49,8 @@ class LoadTracker:
         self.moving = 0  # streams waiting for a decode worker with room to move to: new requests leave them a place
         self.moving_elsewhere = 0  # the same through the other routers of a shared registry (shared_moving.py)
         # (when, (prompt tokens, new tokens: what the worker was to compute))
-        self._prefilled: defaultdict[str, deque[tuple[float, tuple[int, int]]]] = defaultdict(deque)
+        # prefill worker -> (when its prefill ended, (when placed, prompt tokens, new tokens)), oldest first
+        self._prefilled: defaultdict[str, deque[tuple[float, tuple[float, int, int]]]] = defaultdict(deque)
         self._sent: dict[int, Sent] = {}  # placement number -> request, until it ends
         self._prefilling: set[int] = set()  # placement numbers whose first token is not back
         self._placed: defaultdict[str, dict[int, Sent]] = defaultdict(dict)  # `_sent`, per decode worker
@@ -95,20 +96,22 @@ class LoadTracker:
             left_s = 0.0  # nothing of ours queued there: sums taken off in another order than added leave ~1e-16
         self.pending_prefill_s[sent.prefill_id] = left_s
         self.pending_blocks[sent.decode_id] -= sent.blocks
-        _log(self._prefilled[sent.prefill_id], (sent.prompt_tokens, sent.new_tokens))
+        _log(self._prefilled[sent.prefill_id], (sent.at, sent.prompt_tokens, sent.new_tokens))
 
     def prefilled_since(self, prefill_id: str, since: float, most_tokens: int | None = None) -> QueuedPrefill:
-        """The most a queue sampled at `since` (a heartbeat's) can show of our prompts whose prefill
-        has ended since (those of at most `most_tokens` new tokens, if given): each whole prompt's tokens, since the
-        worker's prefix cache may hold less of it than we predicted (our prefix index learns of its evictions late);
-        the squares of what we predicted it would compute, its new tokens' reads of its cached prefix included, as a
-        worker counts a prompt's squares (`QueuedPrefill.minus` keeps the rest a queue that can be)."""
+        """What a queue sampled at `since` (a heartbeat's) showed of our prompts whose prefill has ended since (those
+        of at most `most_tokens` new tokens, if given): those placed by then (one placed after it was never in it,
+        and taking it off took another's prompts), their new tokens and squares as we predicted the worker counted
+        them, its reads of a cached prefix included (`QueuedPrefill.minus` keeps the rest a queue that can be). Where
+        its cache held less than we predicted (an eviction our prefix index learns of late) it counted more, and the
+        rest is priced high until its next report, unless all it held was ours; each whole prompt's tokens taken off
+        instead emptied a rest shorter than that prompt, another router's prompts with it."""
         prompts = tokens = squares = 0
-        for at, (prompt, new) in reversed(self._prefilled.get(prefill_id, ())):  # newest first: only past `since`
+        for at, (placed_at, prompt, new) in reversed(self._prefilled.get(prefill_id, ())):  # newest first
             if at <= since:
                 break
-            if most_tokens is None or new <= most_tokens:
-                prompts, tokens = prompts + 1, tokens + prompt
+            if placed_at <= since and (most_tokens is None or new <= most_tokens):
+                prompts, tokens = prompts + 1, tokens + new
                 squares += attention_squares(new, prompt - new)
         return QueuedPrefill(prompts, tokens, squares)
 

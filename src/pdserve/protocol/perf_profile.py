@@ -39,9 +39,10 @@ class QueuedPrefill:
         counted, cut another router's 512 tokens after 3584 cached to a fifteenth of their squares). `other` is an
         estimate, which may take more of one part than it took of another; its squares are what we predicted the
         worker counted for our prompts, so where its cache held less than we predicted (an eviction our prefix
-        index learns of late), the rest is priced high until the next report."""
+        index learns of late), the rest is priced high until the next report, unless every prompt it held is one of
+        `other`'s (an idle worker priced busy would shed what it could serve at once)."""
         tokens = self.tokens - other.tokens
-        if tokens <= 0:
+        if tokens <= 0 or 0 < self.prompts <= other.prompts:
             return QueuedPrefill()
         prompts = max(1, self.prompts - other.prompts)
         squares = max(self.token_squares - other.token_squares, -(-(tokens * tokens) // prompts))

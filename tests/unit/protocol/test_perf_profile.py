@@ -147,16 +147,15 @@ def test_speed_tracker_counts_both_phases_of_a_mixed_step_and_ignores_empty_ones
     ("queue", "out", "left"),
     [
         (QueuedPrefill(3, 300, 30_000), QueuedPrefill(1, 100, 10_000), QueuedPrefill(2, 200, 20_000)),  # exact
-        (
-            QueuedPrefill(2, 300, 50_000),
-            QueuedPrefill(3, 200, 0),
-            QueuedPrefill(1, 100, 50_000),
-        ),  # no tokens without a prompt
-        # another router's 4 x 1024 tokens, and ours: 2048 of which 1984 were cached (the estimate takes all 2048)
+        (QueuedPrefill(3, 300, 50_000), QueuedPrefill(2, 100, 0), QueuedPrefill(1, 200, 50_000)),
+        # every prompt it held was ours: nothing left, though it counted more of them than we predicted (a prefix
+        # evicted since we placed them), which would price an idle worker busy
+        (QueuedPrefill(2, 300, 50_000), QueuedPrefill(2, 200, 0), QueuedPrefill()),
+        # another router's 4 x 1024 tokens, and ours: 2048 of which 1984 were cached, 64 new
         (
             QueuedPrefill(5, 4160, 4 * 1024**2 + attention_squares(64, 1984)),
-            QueuedPrefill(1, 2048, attention_squares(64, 1984)),
-            QueuedPrefill(4, 2112, 4 * 1024**2),
+            QueuedPrefill(1, 64, attention_squares(64, 1984)),
+            QueuedPrefill(4, 4096, 4 * 1024**2),
         ),
         # another router's 512 tokens after 3584 cached keep their reads of the prefix, with ours out or none
         (

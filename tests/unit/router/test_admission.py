@@ -347,9 +347,10 @@ def test_invalid_wins_over_overloaded():
 def test_a_stale_heartbeat_does_not_count_prompts_this_router_saw_prefilled_since():
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
-    stale = worker("p0", queued_prefill_tokens=512, updated_at=time.time() - 1.0)  # taken mid-prefill
-    assert pred.queued_tokens(stale) == 512 and pred.queue_s(stale) == pytest.approx(0.512)
     placement = tracker.start("p0", "d0", new_tokens=512, seconds=0.52, blocks=33, prompt_tokens=512)
+    time.sleep(0.01)
+    stale = worker("p0", queued_prefill_tokens=512, updated_at=time.time() - 1.0)  # taken mid-prefill
+    assert pred.queued_tokens(stale) == 512
     tracker.prefilled(placement)  # its first token came back since
     assert pred.queued_tokens(stale) == 0 and pred.queue_s(stale) == 0.0
     fresh = worker("p0", queued_prefill_tokens=300)  # reported after: all of it still queues
@@ -360,8 +361,9 @@ def test_a_prefill_that_ends_between_sampling_and_reporting_a_queue_is_not_count
     """The report is sent after its load was sampled: what ended in between is in it, and must come off."""
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
-    sampled = time.time()
     placement = tracker.start("p0", "d0", new_tokens=40, seconds=0.04, blocks=3, prompt_tokens=40)
+    time.sleep(0.02)  # the report's sampling (10 ms before it was sent, below) after the placement
+    sampled = time.time()
     tracker.prefilled(placement)
     late = worker("p0", queued_prefill_tokens=40, load_at=sampled, updated_at=time.time() + 0.01)
     assert pred.queued_tokens(late) == 0
@@ -382,9 +384,9 @@ def test_a_prompt_the_prefix_cache_held_leaves_no_phantom_queue_in_a_stale_repor
     sampled while it waited must count none of it, or an idle worker sheds the next prompt for a queue it lacks."""
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
-    sampled = time.time()
     placement = tracker.start("p0", "d0", new_tokens=1, seconds=0.001, blocks=4, prompt_tokens=49)
-    while_waiting = worker("p0", queued_prefill_tokens=49, load_at=sampled)
+    time.sleep(0.01)
+    while_waiting = worker("p0", queued_prefill_tokens=49, queued_prefill_prompts=1, load_at=time.time())
     assert pred.queued_tokens(while_waiting) == 49
     tracker.prefilled(placement)
     assert pred.queued_tokens(while_waiting) == 0

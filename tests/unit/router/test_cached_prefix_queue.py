@@ -104,21 +104,48 @@ def test_admission_sheds_a_request_its_slo_would_miss_behind_a_turn_after_a_cach
 def test_our_cached_prompt_prefilled_since_does_not_take_another_routers_prompts_squares():
     """Our 2048-token prompt, 1984 of it cached, was 64 new tokens on the worker, which counted their reads of the
     1984 in its squares: once it is prefilled, what is left of the report is the other router's four 1024-token
-    prompts, priced close to what they cost, not as if the 2048 tokens taken off had been one of them, nor with the
-    reads of our prefix left in."""
+    prompts, priced as what they cost, not as if the 2048 tokens taken off had been one of them, nor with the reads
+    of our prefix left in."""
     convex = replace(PROFILE, prefill_per_token2_s=5e-6)
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
-    sampled = time.time() - 1.0
     ours = attention_squares(64, 1984)
     report = dict(queued_prefill_tokens=4 * 1024 + 64, queued_prefill_prompts=5)
-    w = worker("p0", profile=convex, load_at=sampled, queued_prefill_token_squares=4 * 1024**2 + ours, **report)
     placed = tracker.start(
         "p0", "d0", new_tokens=64, seconds=convex.prefill_s(64, 1984), blocks=128, prompt_tokens=2048
     )
+    time.sleep(0.01)  # the report sampled after our placement, before its prefill ended
+    w = worker("p0", profile=convex, load_at=time.time(), queued_prefill_token_squares=4 * 1024**2 + ours, **report)
     tracker.prefilled(placed)
-    assert tracker.prefilled_since("p0", w.load_sampled_at) == QueuedPrefill(1, 2048, ours)
-    # their tokens less our whole prompt's (the most the report could show of it), their squares whole
-    assert pred.reported_queue(w) == QueuedPrefill(4, 4 * 1024 + 64 - 2048, 4 * 1024**2)
-    theirs = 4 * convex.prefill_s(1024)
-    assert 0.9 * theirs < pred.queue_s(w) <= theirs
+    assert tracker.prefilled_since("p0", w.load_sampled_at) == QueuedPrefill(1, 64, ours)
+    assert pred.reported_queue(w) == QueuedPrefill(4, 4 * 1024, 4 * 1024**2)
+    assert pred.queue_s(w) == pytest.approx(4 * convex.prefill_s(1024))
+
+
+def test_our_cached_prompt_prefilled_since_leaves_a_shorter_rest_of_the_queue_in_place():
+    """Another router's 300-token prompt queued behind our chat turn (64 new tokens after 1984 cached): once ours is
+    prefilled, theirs is still queued. Taking our whole prompt's 2048 tokens off emptied the report (300 + 64 - 2048
+    < 0), and the worker was priced idle behind a prompt it had yet to run."""
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    ours = attention_squares(64, 1984)
+    placed = tracker.start("p0", "d0", new_tokens=64, seconds=HOST.prefill_s(64, 1984), blocks=128, prompt_tokens=2048)
+    time.sleep(0.01)
+    report = dict(queued_prefill_tokens=300 + 64, queued_prefill_prompts=2, queued_prefill_token_squares=300**2 + ours)
+    w = worker("p0", profile=HOST, load_at=time.time(), **report)
+    tracker.prefilled(placed)
+    assert pred.reported_queue(w) == QueuedPrefill(1, 300, 300**2)
+    assert pred.queue_s(w) == pytest.approx(HOST.prefill_s(300))
+
+
+def test_a_prompt_placed_after_the_report_was_sampled_takes_nothing_off_it():
+    """Our short prompt placed and prefilled between two heartbeats was never in the report sampled before it:
+    taking it off took another router's queued prompt with it."""
+    tracker = LoadTracker()
+    pred = Predictor(RouterConfig(), tracker)
+    w = worker("p0", profile=HOST, load_at=time.time(), queued_prefill_tokens=200, queued_prefill_prompts=1)
+    time.sleep(0.01)
+    tracker.prefilled(
+        tracker.start("p0", "d0", new_tokens=200, seconds=HOST.prefill_s(200), blocks=13, prompt_tokens=200)
+    )
+    assert pred.reported_queue(w) == QueuedPrefill(1, 200, 200**2)

@@ -16,7 +16,7 @@ def test_counts_since_a_time_match_the_whole_history() -> None:
     now = [1000.0]
     with mock.patch("services.router.load_tracker.time.monotonic", lambda: now[0]):
         tracker = LoadTracker()
-        prefilled: list[tuple[float, int]] = []  # (when its prefill ended, prompt tokens)
+        prefilled: list[tuple[float, float, int]] = []  # (when its prefill ended, when placed, prompt tokens)
         ended: list[tuple[float, float]] = []  # (when it ended, when it was placed)
         live: list[tuple[int, float]] = []
         for _ in range(400):
@@ -26,11 +26,11 @@ def test_counts_since_a_time_match_the_whole_history() -> None:
             if live and rng.random() < 0.9:  # requests end out of order
                 placement, placed = live.pop(rng.randrange(len(live)))
                 tracker.prefilled(placement)
-                prefilled.append((now[0], tracker._sent[placement].prompt_tokens))
+                prefilled.append((now[0], placed, tracker._sent[placement].prompt_tokens))
                 tracker.finished(placement)
                 ended.append((now[0], placed))
         for since in [now[0] - x for x in (0.0, 0.01, 0.1, 0.5, 1.0, 3.0, 100.0)]:
-            ours = [t for at, t in prefilled if at > since]
+            ours = [t for at, placed, t in prefilled if placed <= since < at]  # in a report sampled at `since`
             assert tracker.prefilled_since("p0", since) == QueuedPrefill(len(ours), sum(ours), sum(t * t for t in ours))
             assert tracker.streams_ended_since("d0", since) == sum(1 for e, p in ended if p <= since < e)
 

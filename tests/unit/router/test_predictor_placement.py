@@ -53,11 +53,12 @@ def test_a_reported_queue_loses_the_prompts_this_router_saw_prefilled_since_it_w
     convex = replace(PROFILE, prefill_per_token2_s=5e-6)
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
-    sampled = time.time() - 1.0
     report = dict(
         queued_prefill_tokens=1024 + 256, queued_prefill_prompts=2, queued_prefill_token_squares=1024**2 + 256**2
     )
     placed = tracker.start("p0", "d0", new_tokens=1024, seconds=convex.prefill_s(1024), blocks=64, prompt_tokens=1024)
+    time.sleep(0.01)
+    sampled = time.time()
     tracker.prefilled(placed)  # ours, the 1024-token one, prefilled after the report was sampled
     w = worker("p0", profile=convex, load_at=sampled, **report)
     assert pred.queue_s(w) == pytest.approx(convex.prefill_s(256))  # the other router's 256-token prompt is left

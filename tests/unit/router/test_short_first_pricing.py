@@ -83,13 +83,13 @@ def test_our_own_prompts_not_yet_reported_count_for_a_short_prompt_as_the_short_
 def test_our_short_prompt_prefilled_since_the_report_comes_off_the_short_part_and_a_long_one_does_not() -> None:
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
-    sampled = time.time() - 1.0
-    w = worker("p0", short_prompt_tokens=512, load_at=sampled, **REPORT)
-    before = pred.queue_s(w, 100)
     long = tracker.start("p0", "d0", new_tokens=3000, seconds=3.0, blocks=200, prompt_tokens=3000)
+    short = tracker.start("p0", "d0", new_tokens=100, seconds=0.1, blocks=8, prompt_tokens=100)
+    time.sleep(0.01)  # the report sampled with both of ours in it
+    w = worker("p0", short_prompt_tokens=512, load_at=time.time(), **REPORT)
+    before = pred.queue_s(w, 100)
     tracker.prefilled(long)
     assert pred.queue_s(w, 100) == pytest.approx(before)
-    short = tracker.start("p0", "d0", new_tokens=100, seconds=0.1, blocks=8, prompt_tokens=100)
     tracker.prefilled(short)
     assert pred.queue_s(w, 100) == pytest.approx(PROFILE.prefill_s(512) + PROFILE.prefill_s(100))
 
