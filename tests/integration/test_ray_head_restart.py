@@ -39,6 +39,7 @@ CLIENT_GRACE_S = 5  # RAY_CLIENT_RECONNECT_GRACE_PERIOD: how long a Ray Client t
 # Past the grace, how long a process may take to notice that Ray is gone: seconds on an idle machine; CI on a busy
 # 2-core one missed 60 s once (nothing in the log said why), so the bound only says that it notices at all.
 NOTICE_SLACK_S = 150
+GRACE_STALL_BOUND_S = 2.5  # a request's seconds, at most, in that grace (a stalled loop: up to the grace itself)
 
 
 @dataclass
@@ -205,6 +206,15 @@ def test_a_joined_pdserve_up_without_redis_exits_and_one_with_redis_serves_on_an
     assert len(before) == 2, before
     cluster.head.kill()
     killed = time.monotonic()
+    # While the Ray Client tries to reconnect, a supervision call that waited for the head on the router's loop
+    # stalled every stream for the whole grace: the router serves on at its usual pace.
+    slowest, served = 0.0, 0
+    while time.monotonic() - killed < CLIENT_GRACE_S + 2:
+        asked = time.monotonic()
+        assert serve(f"grace-{served}") == expected
+        slowest, served = max(slowest, time.monotonic() - asked), served + 1
+    assert slowest < GRACE_STALL_BOUND_S, f"a request took {slowest:.1f} s while the Ray Client reconnected"
+    print(f"{served} requests while the Ray Client reconnected, the slowest {slowest:.2f} s")
     while alone.proc.poll() is None:
         assert time.monotonic() - killed < CLIENT_GRACE_S + NOTICE_SLACK_S, (
             f"pdserve up never noticed Ray was gone\n{alone.log()[-4000:]}"

@@ -16,6 +16,7 @@ from functools import partial
 from typing import Any
 
 from pdserve.build import current_build
+from pdserve.cluster.actor_calls import answer
 from pdserve.cluster.actors import WorkerActors, actor_error_reason
 from pdserve.cluster.factories import WorkerServices
 from pdserve.cluster.rollout import Rollout
@@ -353,7 +354,7 @@ async def _requested_spec(actor: Any) -> WorkerSpec | None:
         method = actor.requested_spec
     except AttributeError:
         return None
-    return await asyncio.wait_for(method.remote(), SPEC_TIMEOUT_S)
+    return await answer(method, timeout_s=SPEC_TIMEOUT_S)
 
 
 async def _set_log_level(actor: Any, level: str | None) -> bool:
@@ -362,5 +363,5 @@ async def _set_log_level(actor: Any, level: str | None) -> bool:
         method = actor.set_log_level
     except AttributeError:
         return False
-    await asyncio.wait_for(method.remote(level), SPEC_TIMEOUT_S)
+    await answer(method, level, timeout_s=SPEC_TIMEOUT_S)
     return True

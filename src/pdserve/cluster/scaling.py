@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from pdserve.cluster.supervisor import CHECK_TIMEOUT_S, Slot, Supervisor, polled
+from pdserve.cluster.supervisor import CHECK_TIMEOUT_S, Slot, Supervisor
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import VIEW_REFRESH_S, Registry, WorkerState
@@ -219,7 +219,7 @@ class FleetScaler:
 
         async def state(slot: Slot) -> WorkerState | None:
             try:
-                return await asyncio.wait_for(polled(slot.actor.state), CHECK_TIMEOUT_S)
+                return await self.supervisor.call(slot.actor.state, timeout_s=CHECK_TIMEOUT_S, task_events=False)
             except Exception:  # starting, dead or stuck: it holds nothing a drain could save
                 return None
 
@@ -249,7 +249,7 @@ class FleetScaler:
         try:
             await _on_own_thread(self._create, slot)  # may wait seconds for Ray to free the name
             if placement_wait_s is not None:  # its constructor returns at once: an answer means a node took it
-                await asyncio.wait_for(slot.actor.requested_spec.remote(), placement_wait_s)
+                await self.supervisor.call(slot.actor.requested_spec, timeout_s=placement_wait_s)
             state = None if slot.leaving else await self._serving(slot)
             if state is None or slot.leaving:
                 raise RuntimeError("called off")

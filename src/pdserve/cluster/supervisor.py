@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.addresses import split_host_port
+from pdserve.cluster.actor_calls import ActorCall, answer
 from pdserve.cluster.actors import actor_error_reason
 from pdserve.cluster.drain import WorkerDrainedError
 from pdserve.cluster.worker_spec import WorkerSpec
@@ -42,13 +43,6 @@ KNOCK_TIMEOUT_S = 0.25  # a port that neither accepts nor refuses by then: the s
 DEAD_AFTER = 2  # ActorDiedErrors in a row that mean the actor is dead for good
 STUCK_AFTER = 2  # checks in a row without an answer that mean stuck (one alone: often a CPU-starved moment)
 REPLACE_BACKOFF_S = (10.0, 300.0)  # first and longest wait before replacing a replacement that never served
-
-
-def polled(method: Any, *args: Any) -> Any:
-    """Calls an actor method the supervision repeats at every check, leaving no task event: Ray's GCS keeps one
-    per call (up to 100,000, ~3.4 KB each), so a poll or two a second per worker grew its memory by 1.2 MB a
-    minute, idle or not (a soak review)."""
-    return method.options(enable_task_events=False).remote(*args)
 
 
 class _LinkLost(Exception):
@@ -97,6 +91,7 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         connected: Callable[[], bool] = lambda: True,
         prefix_index: InMemoryPrefixIndex | None = None,
+        call: ActorCall = answer,
     ) -> None:
         self.registry = registry
         self.prefix_index = prefix_index  # embedded: the workers' prefix-cache journals go there (Redis: heartbeats)
@@ -107,6 +102,7 @@ class Supervisor:
         self.kill = kill
         self.clock = clock
         self.connected = connected  # this process's own link to Ray: its loss is no worker's failure
+        self.call = call
         self.slots: dict[str, Slot] = {}
         self._answered_at = float("-inf")  # when an actor last answered its check: the link to Ray then worked
         self.passed_at: float | None = None  # when `run` last ended a pass (its clock): the controller's liveness
@@ -203,8 +199,8 @@ class Supervisor:
         if self.prefix_index is None or slot.spec.role == Role.DECODE:  # a decode worker caches no prefixes
             return
         try:
-            take = polled(slot.actor.take_prefix_changes, slot.prefix_lost)
-            changes = await asyncio.wait_for(take, timeout=self.check_timeout_s)
+            take = slot.actor.take_prefix_changes
+            changes = await self.call(take, slot.prefix_lost, timeout_s=self.check_timeout_s, task_events=False)
         except Exception as e:  # a lost take: the next one is the whole cache
             if not slot.prefix_lost:  # once per run of failures (an actor of a build without the method: each check)
                 log.warning("prefix-cache changes of %s not taken: %r", slot.spec.worker_id, e)
@@ -217,7 +213,7 @@ class Supervisor:
     async def _state(self, slot: Slot) -> Any:
         """The actor's state, within the check's timeout."""
         try:
-            return await asyncio.wait_for(polled(slot.actor.state), timeout=self.check_timeout_s)
+            return await self.call(slot.actor.state, timeout_s=self.check_timeout_s, task_events=False)
         except Exception as e:
             if not isinstance(e, TimeoutError) and not self.connected():
                 raise _LinkLost from e
@@ -259,7 +255,7 @@ class Supervisor:
 
     async def _restart_drained(self, slot: Slot) -> None:
         log.warning("worker %s drained; a new actor takes its place", slot.spec.worker_id)
-        self.kill(slot.actor)
+        await asyncio.to_thread(self.kill, slot.actor)  # a Ray Client's kill waits for the head: off the loop
         await self._new_actor(slot)  # none made: the next check replaces it, as a dead one
 
     async def _new_actor(self, slot: Slot) -> bool:
@@ -284,7 +280,7 @@ class Supervisor:
                 "worker %s was scaled away while its new actor was made; stopping that actor", slot.spec.worker_id
             )
             try:
-                self.kill(actor)
+                await asyncio.to_thread(self.kill, actor)
             except Exception as e:  # gone already
                 log.info("kill: %r", e)
             return False

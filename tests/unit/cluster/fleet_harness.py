@@ -15,7 +15,7 @@ from pdserve.config import EngineConfig
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryRegistry
-from tests.unit.cluster.remote_method import RemoteMethod
+from tests.unit.cluster.remote_method import RemoteMethod, call_on_loop
 
 
 class StandInActor:
@@ -60,7 +60,9 @@ class Fleet:
 
     def __init__(self, workers: dict[str, int], roles: tuple[Role, ...] = (Role.PREFILL, Role.DECODE)) -> None:
         self.registry = InMemoryRegistry()
-        self.supervisor = Supervisor(self.registry, publish=True, new_actor=self.new_actor, kill=self.kill)
+        self.supervisor = Supervisor(
+            self.registry, publish=True, new_actor=self.new_actor, kill=self.kill, call=call_on_loop
+        )
         self.started: list[str] = []
         self.drained: list[str] = []
         self.killed: list[str] = []

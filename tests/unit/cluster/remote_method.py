@@ -1,8 +1,9 @@
-"""A stand-in for a Ray actor method: `.remote()` returns an awaitable, as a Ray ObjectRef is; `.options(...)`
+"""A stand-in for a Ray actor method: `.remote()` returns an awaitable, answered on the test's loop; `.options(...)`
 records the call options each call carried, as Ray's method handle takes them."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -27,3 +28,11 @@ class _WithOptions:
     def remote(self) -> Any:
         self.method.calls.append(self.options)
         return self.method.answer()
+
+
+async def call_on_loop(method: Any, *args: Any, timeout_s: float, task_events: bool = True) -> Any:
+    """The supervision's `call` over stand-ins, whose answers are coroutines of the test's loop (with Ray,
+    `actor_calls.answer` makes the call on a thread of its own): the same options, the same timeout."""
+    if not task_events:
+        method = method.options(enable_task_events=False)
+    return await asyncio.wait_for(method.remote(*args), timeout_s)

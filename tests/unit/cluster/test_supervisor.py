@@ -20,7 +20,7 @@ from pdserve.config import EngineConfig
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryRegistry
-from tests.unit.cluster.remote_method import RemoteMethod
+from tests.unit.cluster.remote_method import RemoteMethod, call_on_loop
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -69,6 +69,7 @@ def supervisor(
         new_actor=new_actor or (lambda spec: None),
         check_timeout_s=0.3,
         kill=kill or (lambda actor: None),
+        call=call_on_loop,
     )
     for worker_id, behaviour in behaviours.items():
         sup.slots[worker_id] = Slot(WorkerSpec(Role.DECODE, EngineConfig(), worker_id=worker_id), None)
