@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.errors import UnavailableError
-from pdserve.protocol.prefix_hash import prefix_hashes
+from pdserve.protocol.prefix_hash import prefix_hashes_off_loop
 from pdserve.protocol.request_checks import kv_tokens
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import PrefixIndex, Registry, WorkerState
@@ -16,8 +15,7 @@ from services.router.ejection import Ejections
 from services.router.kv_pairing import Group, pairable, pairing_groups, running, versions
 from services.router.offered_workers import OfferedWorkers
 from services.router.predictor import Predictor, own_context_tokens
-
-INLINE_HASH_TOKENS = 16384  # a prompt's block hashes up to this many tokens (~1.4 ms) on the loop, past it a thread
+from services.router.same_tokenizer import of_tokenizer, other_tokenizers
 
 
 @dataclass(frozen=True)
@@ -87,9 +85,16 @@ class Ask:
 
 class PlacementPolicy(ABC):
     def __init__(
-        self, registry: Registry, prefix_index: PrefixIndex, predictor: Predictor, ejections: Ejections | None = None
+        self,
+        registry: Registry,
+        prefix_index: PrefixIndex,
+        predictor: Predictor,
+        ejections: Ejections | None = None,
+        tokenizer: str = "",
     ) -> None:
+        """`tokenizer`: the router's Tokenizer.digest; only workers of the same one take its requests ("": any)."""
         self.registry = registry
+        self.tokenizer = tokenizer
         self.prefix_index = prefix_index
         self.predictor = predictor
         self.ejections = ejections or Ejections(predictor.config.ejection_s)
@@ -158,7 +163,7 @@ class PlacementPolicy(ABC):
         if not colocated:  # a prefill worker holds the prompt alone; one whose whole KV cannot refuses it
             prefills = self._holding_prompt(prefills, -(-len(prompt) // block_size), must_hold)
         if block_size not in hashed:
-            keyed = await _block_keys(prompt, block_size, cache_salt)
+            keyed = await prefix_hashes_off_loop(prompt, block_size, cache_salt)
             # The worker keys every full block of the prompt, but a hit stops short of its last token (computed anew).
             hashed[block_size] = keyed, await self._prefix_hits(colocated, keyed[: (len(prompt) - 1) // block_size])
         keyed, hits = hashed[block_size]
@@ -212,6 +217,8 @@ class PlacementPolicy(ABC):
         prefills = colocated or self._workers(Role.PREFILL, avoid)
         decodes = colocated or self._workers(Role.DECODE, avoid)
         if not prefills or not decodes:
+            if why := other_tokenizers(self.registry.workers(), self.tokenizer):
+                raise NoWorkersError(why)
             raise NoWorkersError(
                 f"no workers to serve: {len(prefills)} prefill, {len(decodes)} decode live (the others starting, "
                 "restarting or gone: `pdserve status` lists them); retry later"
@@ -261,18 +268,23 @@ class PlacementPolicy(ABC):
         return key
 
     def _workers(self, role: Role, avoid: frozenset[str]) -> list[WorkerState]:
-        live = [w for w in self.registry.workers(role) if w.worker_id not in avoid and not w.draining]
+        ours = of_tokenizer(self.registry.workers(role), self.tokenizer)
+        live = [w for w in ours if w.worker_id not in avoid and not w.draining]
         return self.ejections.usable(live)
 
     def _registered_holds(self, role: Role, blocks: int) -> bool:
-        return any(w.kv_blocks_total >= blocks for w in self.offered.workers(role))
+        return any(w.kv_blocks_total >= blocks for w in self._offered(role))
 
     def _registered(self, colocated: bool) -> tuple[list[WorkerState], list[WorkerState]]:
-        """The prefill and decode workers the offer is over (offered_workers.py)."""
+        """The prefill and decode workers the offer is over."""
         if colocated:
-            every = self.offered.workers(Role.COLOCATED)
+            every = self._offered(Role.COLOCATED)
             return every, every
-        return self.offered.workers(Role.PREFILL), self.offered.workers(Role.DECODE)
+        return self._offered(Role.PREFILL), self._offered(Role.DECODE)
+
+    def _offered(self, role: Role) -> list[WorkerState]:
+        """Of the workers the offer is over (offered_workers.py), those of this router's tokenizer."""
+        return of_tokenizer(self.offered.workers(role), self.tokenizer)
 
     def _offer(
         self,
@@ -365,14 +377,6 @@ def _holding_request(decodes: list[WorkerState], blocks: int) -> list[WorkerStat
     if not holding:
         raise NoWorkersError(f"no live decode worker holds {blocks} KV blocks")
     return holding
-
-
-async def _block_keys(prompt: list[int], block_size: int, cache_salt: bytes) -> list[bytes]:
-    """The keys of the prompt's full blocks, hashed off the loop past INLINE_HASH_TOKENS: a 128k-token prompt's take
-    ~11 ms, which every other stream on the loop would wait out."""
-    if len(prompt) <= INLINE_HASH_TOKENS:
-        return prefix_hashes(prompt, block_size, cache_salt)
-    return await asyncio.to_thread(prefix_hashes, prompt, block_size, cache_salt)
 
 
 def _honouring(workers: list[WorkerState], needs: frozenset[str]) -> list[WorkerState]:

@@ -14,9 +14,14 @@ class RoundRobinPlacement(PlacementPolicy):
     """Each role in turn, blind to load and cache: the baseline placement is compared against."""
 
     def __init__(
-        self, registry: Registry, prefix_index: PrefixIndex, predictor: Predictor, ejections: Ejections | None = None
+        self,
+        registry: Registry,
+        prefix_index: PrefixIndex,
+        predictor: Predictor,
+        ejections: Ejections | None = None,
+        tokenizer: str = "",
     ) -> None:
-        super().__init__(registry, prefix_index, predictor, ejections)
+        super().__init__(registry, prefix_index, predictor, ejections, tokenizer)
         self._turn = itertools.count()
 
     def choose(

@@ -135,7 +135,7 @@ async def start_router(
     tokenizer, model_config = Tokenizer(tokenizer_folder(path)), read_model_config(path)
     tracker = LoadTracker()
     policy_cls = SLOAwarePlacement if config.policy == "slo" else RoundRobinPlacement
-    policy = policy_cls(registry, prefix_index, Predictor(config, tracker))
+    policy = policy_cls(registry, prefix_index, Predictor(config, tracker), tokenizer=tokenizer.digest)
     key_reload = _key_reload(config, host, port)
     keys = key_reload.table if key_reload else None
     quotas = _quotas(registry, config)

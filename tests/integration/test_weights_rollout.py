@@ -13,10 +13,14 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
+from pdserve.cluster.local_process import PdserveProcess, free_port
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.model_files import locate_model, tokenizer_folder
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protocol.sampling import SamplingParams
 from tests.integration.cluster_view import scrape
 from tests.integration.mixed_fleet import FLEET, MixedFleet, mixed_fleet_cluster
@@ -91,3 +95,22 @@ def version_of(old: list[int], new: list[int], got: list[int] | BaseException) -
     if isinstance(got, BaseException):
         return got
     return "old" if got == old else "new" if got == new else "neither"
+
+
+def test_a_router_of_another_vocabulary_places_nothing_on_the_fleet_and_says_why(fleet: MixedFleet) -> None:
+    """A router started with a model of another tokenizer (a new vocabulary's rollout reached it before the workers,
+    or never reached them) beside the fleet: its prompt's ids would be other text to these workers, and their
+    answers garbage here. It places nothing and fails the request UNAVAILABLE, naming both tokenizers."""
+    port = free_port()
+    args = ["router", "--model", "smollm2-135m", "--redis", fleet.redis_url, "--port", str(port)]
+    other = PdserveProcess(*args, log_path=fleet.temp_dir / "other-vocabulary-router.log", env=dict(os.environ))
+    try:
+        other.wait_ready()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            asyncio.run(tokens(f"127.0.0.1:{port}", greedy_request("other-vocabulary", PROMPTS[0], MAX_TOKENS)))
+    finally:
+        other.stop()
+    fleets = Tokenizer(tokenizer_folder(locate_model("tiny-random"))).digest  # the new weights' too: copied
+    mine = Tokenizer(tokenizer_folder(locate_model("smollm2-135m"))).digest
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+    assert f"this router's tokenizer ({mine}); others run {fleets}" in (refused.value.details() or ""), refused.value

@@ -134,6 +134,7 @@ class WorkerRuntime:
             role=self.spec.role,
             address=self._server.address,
             model_fingerprint=self._engine.fingerprint,
+            tokenizer=self._engine.tokenizer_digest,
             block_size=self._engine.block_size,
             kv_bytes_per_token=self._engine.kv_bytes_per_token,
             kv_blocks_total=stats["kv_blocks_total"],

@@ -88,6 +88,11 @@ class AsyncEngine:
         return self._engine.fingerprint
 
     @property
+    def tokenizer_digest(self) -> str:
+        """Identifies its tokenizer: routers place a prompt they tokenized only on workers of the same one."""
+        return self._engine.tokenizer.digest
+
+    @property
     def block_size(self) -> int:
         return self._engine.config.block_size
 

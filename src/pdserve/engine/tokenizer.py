@@ -13,6 +13,7 @@ the template's own text is tokenized with special tokens parsed, and each conten
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -43,6 +44,9 @@ class Tokenizer:
         if error := unreadable(path):
             raise error
         self._tok = _read_tokenizer(path)
+        # Routers place a prompt they tokenized only on workers of the same digest: its ids mean the same text only
+        # there (a model of another vocabulary rolled out under routers still running the old one).
+        self.digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         self._text_tok = _read_tokenizer(path)  # a second instance: the flag is per object
         self._text_tok.encode_special_tokens = True  # special-token text in content stays text
         self._added = self._tok.get_added_tokens_decoder()

@@ -54,6 +54,7 @@ class Router:
         workers: list[WorkerState],
         policy: str = "slo",
         registry: InMemoryRegistry | None = None,
+        tokenizer: str = "",
         **config: object,
     ) -> None:
         self.config = RouterConfig(policy=policy, **config)  # type: ignore[arg-type]
@@ -64,7 +65,7 @@ class Router:
         self.tracker = LoadTracker()
         self.predictor = Predictor(self.config, self.tracker)
         cls = SLOAwarePlacement if policy == "slo" else RoundRobinPlacement
-        self.placement = cls(self.registry, self.index, self.predictor)
+        self.placement = cls(self.registry, self.index, self.predictor, tokenizer=tokenizer)
         self.admission = Admission(self.config, self.predictor)
 
     def place(self, tokens: list[int], max_tokens: int, tpot_slo_s: float) -> Placement:

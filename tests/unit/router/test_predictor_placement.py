@@ -11,8 +11,8 @@ import pytest
 
 from pdserve.config import RouterConfig
 from pdserve.errors import UnavailableError
-from pdserve.protocol.prefix_hash import prefix_hashes
-from services.router import placement as placement_module
+from pdserve.protocol import prefix_hash
+from pdserve.protocol.prefix_hash import INLINE_HASH_TOKENS, prefix_hashes
 from services.router.load_tracker import LoadTracker
 from services.router.predictor import Predictor
 from tests.unit.round_profile import PROFILE
@@ -372,9 +372,9 @@ def test_a_long_prompts_block_hashes_are_computed_off_the_event_loop(monkeypatch
         threads.append(threading.current_thread() is threading.main_thread())
         return prefix_hashes(*args)
 
-    monkeypatch.setattr(placement_module, "prefix_hashes", recording)
+    monkeypatch.setattr(prefix_hash, "prefix_hashes", recording)
     r = Router([worker("p0"), worker("d0", "decode")])
-    short, long = r.place(prompt(100), 16, 1.0), r.place(prompt(placement_module.INLINE_HASH_TOKENS + 1), 16, 1.0)
+    short, long = r.place(prompt(100), 16, 1.0), r.place(prompt(INLINE_HASH_TOKENS + 1), 16, 1.0)
     assert threads == [True, False]  # the loop runs on the main thread here
-    assert long.block_hashes == prefix_hashes(prompt(placement_module.INLINE_HASH_TOKENS + 1), BS)
+    assert long.block_hashes == prefix_hashes(prompt(INLINE_HASH_TOKENS + 1), BS)
     assert len(short.block_hashes) == 100 // BS
