@@ -65,6 +65,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             shed_requests=admitted.shed,
             shed_prompt_tokens=admitted.shed_prompt_tokens,
             model=self.router.served_model,
+            tokenizer=self.router.tokenizer.digest,
         )
 
     async def _desired(self) -> dict[Role, int]:
@@ -141,6 +142,7 @@ def worker_status(w: WorkerState, health: str, recent: RecentLatencies) -> apb.W
         build=w.build,
         features=w.features,
         kv_wire_version=w.speaks_kv_wire_version,
+        tokenizer=w.tokenizer,
     )
 
 

@@ -118,6 +118,7 @@ STATUS_FIELDS = (
     "build",
     "features",
     "kv_wire_version",
+    "tokenizer",
 )
 
 
@@ -144,7 +145,7 @@ def status_record(reply: Any) -> dict[str, Any]:
     }
     record = {"workers": workers, "in_flight": reply.in_flight, "draining": reply.draining}
     admitted["local_only"] = reply.admitted_local_only  # the registry did not answer: this router's alone
-    return {**record, "desired": dict(reply.desired), "admitted": admitted}
+    return {**record, "desired": dict(reply.desired), "admitted": admitted, "tokenizer": reply.tokenizer}
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -48,7 +48,7 @@ def _latency(w: apb.WorkerStatus, kind: str) -> str:
 def title(reply: apb.ClusterStatusResponse, address: str) -> str:
     desired = _desired(reply)
     draining = ", draining" if reply.draining else ""
-    mixed = _builds(reply) + _kv_wire_versions(reply) + _features(reply)
+    mixed = _builds(reply) + _kv_wire_versions(reply) + _features(reply) + _tokenizers(reply)
     return f"pdserve at {address}: {reply.in_flight} in flight{draining}{desired}{mixed}"
 
 
@@ -76,6 +76,17 @@ def _features(reply: apb.ClusterStatusResponse) -> str:
     counts = Counter(f for w in reply.workers for f in set(w.features))
     total = len(reply.workers)
     return "".join(f"; {f} on {n} of {total} workers" for f, n in sorted(counts.items()) if n < total)
+
+
+def _tokenizers(reply: apb.ClusterStatusResponse) -> str:
+    """`; tokenizer bf346d64f6f0fbce (this router's) on 0 of 2 workers, 97ac7e8fa221920f on 2` while a worker runs
+    another tokenizer than this router's, which takes none of its requests (a vocabulary's rollout half done)."""
+    counts = Counter(w.tokenizer for w in reply.workers if w.tokenizer)
+    if not reply.tokenizer or set(counts) <= {reply.tokenizer}:
+        return ""
+    others = ", ".join(f"{t} on {n}" for t, n in sorted(counts.items()) if t != reply.tokenizer)
+    own = f"{reply.tokenizer} (this router's) on {counts[reply.tokenizer]} of {len(reply.workers)} workers"
+    return f"; tokenizer {own}, {others}"
 
 
 def _desired(reply: apb.ClusterStatusResponse) -> str:

@@ -22,7 +22,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_files import locate_model, tokenizer_folder
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protocol.sampling import SamplingParams
-from tests.integration.cluster_view import scrape
+from tests.integration.cluster_view import scrape, status_json
 from tests.integration.mixed_fleet import FLEET, MixedFleet, mixed_fleet_cluster
 from tests.integration.reference import greedy_request
 from tests.integration.steady_load import tokens
@@ -108,9 +108,11 @@ def test_a_router_of_another_vocabulary_places_nothing_on_the_fleet_and_says_why
         other.wait_ready()
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             asyncio.run(tokens(f"127.0.0.1:{port}", greedy_request("other-vocabulary", PROMPTS[0], MAX_TOKENS)))
+        status = status_json(f"127.0.0.1:{port}")
     finally:
         other.stop()
     fleets = Tokenizer(tokenizer_folder(locate_model("tiny-random"))).digest  # the new weights' too: copied
     mine = Tokenizer(tokenizer_folder(locate_model("smollm2-135m"))).digest
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
     assert f"this router's tokenizer ({mine}); others run {fleets}" in (refused.value.details() or ""), refused.value
+    assert status["tokenizer"] == mine and [w["tokenizer"] for w in status["workers"]] == [fleets] * len(FLEET)

@@ -83,7 +83,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("id", "role", "address", "health", "running", "waiting", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "metrics_address", "state_age_s", "pid", "draining", "build", "features", "kv_wire_version")
+    __slots__ = ("id", "role", "address", "health", "running", "waiting", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "metrics_address", "state_age_s", "pid", "draining", "build", "features", "kv_wire_version", "tokenizer")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class WorkerStatus(_message.Message):
     BUILD_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     KV_WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     address: str
@@ -126,10 +127,11 @@ class WorkerStatus(_message.Message):
     build: str
     features: _containers.RepeatedScalarFieldContainer[str]
     kv_wire_version: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tpot_p50_ms: _Optional[float] = ..., tpot_p99_ms: _Optional[float] = ..., metrics_address: _Optional[str] = ..., state_age_s: _Optional[float] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ..., build: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., kv_wire_version: _Optional[int] = ...) -> None: ...
+    tokenizer: str
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tpot_p50_ms: _Optional[float] = ..., tpot_p99_ms: _Optional[float] = ..., metrics_address: _Optional[str] = ..., state_age_s: _Optional[float] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ..., build: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., kv_wire_version: _Optional[int] = ..., tokenizer: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("workers", "in_flight", "draining", "desired", "admitted_requests", "admitted_prompt_tokens", "admitted_max_tokens", "finished_requests", "completion_tokens", "admitted_local_only", "shed_requests", "shed_prompt_tokens", "model")
+    __slots__ = ("workers", "in_flight", "draining", "desired", "admitted_requests", "admitted_prompt_tokens", "admitted_max_tokens", "finished_requests", "completion_tokens", "admitted_local_only", "shed_requests", "shed_prompt_tokens", "model", "tokenizer")
     class DesiredEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +152,7 @@ class ClusterStatusResponse(_message.Message):
     SHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     in_flight: int
     draining: bool
@@ -163,4 +166,5 @@ class ClusterStatusResponse(_message.Message):
     shed_requests: int
     shed_prompt_tokens: int
     model: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., desired: _Optional[_Mapping[str, int]] = ..., admitted_requests: _Optional[int] = ..., admitted_prompt_tokens: _Optional[int] = ..., admitted_max_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., admitted_local_only: _Optional[bool] = ..., shed_requests: _Optional[int] = ..., shed_prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    tokenizer: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., desired: _Optional[_Mapping[str, int]] = ..., admitted_requests: _Optional[int] = ..., admitted_prompt_tokens: _Optional[int] = ..., admitted_max_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., admitted_local_only: _Optional[bool] = ..., shed_requests: _Optional[int] = ..., shed_prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ..., tokenizer: _Optional[str] = ...) -> None: ...

@@ -134,3 +134,17 @@ def test_the_title_names_kv_wire_versions_and_features_while_workers_differ():
     r.workers[0].features.append("other_feature")
     r.workers[1].features.append("other_feature")
     assert plain_text(r, ADDRESS).splitlines()[0] == f"pdserve at {ADDRESS}: 5 in flight"
+
+
+def test_the_title_names_the_tokenizers_while_a_worker_runs_another_than_the_routers():
+    """A vocabulary's rollout half done: the workers of another tokenizer take none of this router's requests."""
+    r = reply()
+    r.tokenizer = "a" * 16
+    for w, t in zip(r.workers, ("a" * 16, "b" * 16, ""), strict=True):  # "": a worker too old to say
+        w.tokenizer = t
+    title = plain_text(r, ADDRESS).splitlines()[0]
+    assert title.endswith(f"; tokenizer {'a' * 16} (this router's) on 1 of 3 workers, {'b' * 16} on 1")
+    r.workers[1].tokenizer = "a" * 16
+    assert "tokenizer" not in plain_text(r, ADDRESS)  # every worker the router's: nothing said
+    r.tokenizer, r.workers[1].tokenizer = "", "b" * 16
+    assert "tokenizer" not in plain_text(r, ADDRESS)  # a router too old to say
