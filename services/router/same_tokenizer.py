@@ -1,5 +1,5 @@
 """Which workers a router places on by tokenizer: the ids it tokenized a prompt into are other text to a worker of
-another tokenizer.json, and the ids such a worker streams back are detokenized here as garbage (a model of another
+another vocabulary, and the ids such a worker streams back are detokenized here as garbage (a model of another
 vocabulary rolled out under routers still running the old one)."""
 
 from __future__ import annotations

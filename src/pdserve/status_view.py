@@ -79,7 +79,7 @@ def _features(reply: apb.ClusterStatusResponse) -> str:
 
 
 def _tokenizers(reply: apb.ClusterStatusResponse) -> str:
-    """`; tokenizer bf346d64f6f0fbce (this router's) on 0 of 2 workers, 97ac7e8fa221920f on 2` while a worker runs
+    """`; tokenizer ebab3b7e903b792d (this router's) on 0 of 2 workers, 6a6fb509e8d32202 on 2` while a worker runs
     another tokenizer than this router's, which takes none of its requests (a vocabulary's rollout half done)."""
     counts = Counter(w.tokenizer for w in reply.workers if w.tokenizer)
     if not reply.tokenizer or set(counts) <= {reply.tokenizer}:

@@ -44,9 +44,7 @@ class Tokenizer:
         if error := unreadable(path):
             raise error
         self._tok = _read_tokenizer(path)
-        # Routers place a prompt they tokenized only on workers of the same digest: its ids mean the same text only
-        # there (a model of another vocabulary rolled out under routers still running the old one).
-        self.digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        self.digest = _vocabulary_digest(self._tok)
         self._text_tok = _read_tokenizer(path)  # a second instance: the flag is per object
         self._text_tok.encode_special_tokens = True  # special-token text in content stays text
         self._added = self._tok.get_added_tokens_decoder()
@@ -133,6 +131,15 @@ class Tokenizer:
             return bytes([int(fallback[1], 16)])
         text = self._tok.decode([token_id], skip_special_tokens=False)
         return None if "\ufffd" in text else text.encode()
+
+
+def _vocabulary_digest(tok: _HFTokenizer) -> str:
+    """What routers compare with a worker's before placing a prompt they tokenized there: its ids mean the same text
+    only to a worker of the same vocabulary (a model of another rolled out under routers still running the old one).
+    Every token and its id, not the file's bytes: nodes of two builds may write one vocabulary's tokenizer.json
+    differently (a model cache converted by another `tokenizers`)."""
+    vocabulary = sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda token_id: token_id[1])
+    return hashlib.sha256(json.dumps(vocabulary, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def _read_tokenizer(path: Path) -> _HFTokenizer:

@@ -73,7 +73,7 @@ class WorkerState:
     # How much the short prompts that go ahead of a long prompt's chunks stretched its recent long prompts' prefill
     # (engine/prefill_stretch.py): their wall time over their own chunks'. 1.0: none, or a worker too old to say.
     prefill_stretch: float = 1.0
-    # Its tokenizer.json's digest (Tokenizer.digest): routers place only on workers of their own tokenizer's. "": a
+    # Its vocabulary's digest (Tokenizer.digest): routers place only on workers of their own tokenizer's. "": a
     # worker too old to say, placed as before.
     tokenizer: str = ""
     # The TTL its Redis entry was written with (the entry's, not the worker's): less the key's PTTL, the entry's age.

@@ -4,6 +4,10 @@ still running the old one)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 
 from pdserve.engine.model_files import locate_model, tokenizer_folder
@@ -49,8 +53,19 @@ def test_workers_of_another_tokenizer_only_are_no_workers_naming_both() -> None:
         r.place(prompt(64), 16, 1.0)
 
 
-def test_the_digest_tells_tokenizers_apart_and_is_stable() -> None:
-    tiny, again = (Tokenizer(tokenizer_folder(locate_model("tiny-random"))) for _ in range(2))
-    smollm = Tokenizer(tokenizer_folder(locate_model("smollm2-135m")))
-    assert tiny.digest == again.digest and len(tiny.digest) == 16
-    assert smollm.digest != tiny.digest
+def test_the_digest_is_the_vocabularys_not_the_files(tmp_path: Path) -> None:
+    """Two builds may write one vocabulary's tokenizer.json differently (a model cache converted by another
+    `tokenizers`): the same digest; a token renamed, or another model's vocabulary, another."""
+    tiny = tokenizer_folder(locate_model("tiny-random"))
+    written = json.loads((tiny / "tokenizer.json").read_text())
+    rewritten, renamed = tmp_path / "rewritten", tmp_path / "renamed"
+    for folder in (rewritten, renamed):
+        shutil.copytree(tiny, folder)
+    (rewritten / "tokenizer.json").write_text(json.dumps(written, indent=4, sort_keys=True))
+    last = written["added_tokens"][-1]  # a special token: renamed, the text its id stands for differs
+    written["model"]["vocab"]["<|renamed|>"] = written["model"]["vocab"].pop(last["content"])
+    last["content"] = "<|renamed|>"
+    (renamed / "tokenizer.json").write_text(json.dumps(written))
+    digests = [Tokenizer(f).digest for f in (tiny, rewritten, renamed, tokenizer_folder(locate_model("smollm2-135m")))]
+    assert digests[0] == digests[1] and len(digests[0]) == 16
+    assert len(set(digests)) == 3, digests
