@@ -69,6 +69,7 @@ class AsyncEngine:
         self.on_request_times: Callable[[list[float], list[float], list[float]], None] | None = None
         self._started = StartTimes()
         self.prefix_journal: PrefixCacheJournal | None = engine.blocks.journal  # thread-safe; for routers' indexes
+        self.tokenizer_digest = engine.tokenizer.digest  # read at each state check: computed once, here (~0.1 s)
         self._update_stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -86,11 +87,6 @@ class AsyncEngine:
     def fingerprint(self) -> str:
         """Identifies the model's weights: both sides of a KV hand-off must run the same."""
         return self._engine.fingerprint
-
-    @property
-    def tokenizer_digest(self) -> str:
-        """Identifies its tokenizer: routers place a prompt they tokenized only on workers of the same one."""
-        return self._engine.tokenizer.digest
 
     @property
     def block_size(self) -> int:
