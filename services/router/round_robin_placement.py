@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
-from pdserve.registry.base import PrefixIndex, Registry, WorkerState
-from services.router.ejection import Ejections
+from pdserve.registry.base import WorkerState
 from services.router.placement import Ask, PlacementPolicy
-from services.router.predictor import Predictor
 
 
 class RoundRobinPlacement(PlacementPolicy):
     """Each role in turn, blind to load and cache: the baseline placement is compared against."""
 
-    def __init__(
-        self,
-        registry: Registry,
-        prefix_index: PrefixIndex,
-        predictor: Predictor,
-        ejections: Ejections | None = None,
-        tokenizer: str = "",
-    ) -> None:
-        super().__init__(registry, prefix_index, predictor, ejections, tokenizer)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """PlacementPolicy's arguments."""
+        super().__init__(*args, **kwargs)
         self._turn = itertools.count()
 
     def choose(
