@@ -48,7 +48,6 @@ class LoadTracker:
         self.decoding: Counter[str] = Counter()  # streams in flight per decode worker
         self.moving = 0  # streams waiting for a decode worker with room to move to: new requests leave them a place
         self.moving_elsewhere = 0  # the same through the other routers of a shared registry (shared_moving.py)
-        # (when, (prompt tokens, new tokens: what the worker was to compute))
         # prefill worker -> (when its prefill ended, (when placed, prompt tokens, new tokens)), oldest first
         self._prefilled: defaultdict[str, deque[tuple[float, tuple[float, int, int]]]] = defaultdict(deque)
         self._sent: dict[int, Sent] = {}  # placement number -> request, until it ends
