@@ -147,7 +147,7 @@ def test_the_kv_cache_size_reaches_the_workers_command_line() -> None:
 
 @pytest.mark.parametrize("credentials", [False, True])
 def test_the_http_apis_cors_origins_reach_the_router_as_it_takes_them(credentials: bool) -> None:
-    origins = ["https://chat.example.com", "http://localhost:5173"]
+    origins = ["https://chat.example.com", "http://localhost:5173", "https://*.preview.example.com"]
     sets = {"router.httpCors.origins": origins, "router.httpCors.allowCredentials": credentials}
     router = RouterConfig(**flag_values(RouterConfig, parse(command_lines(render(sets=sets))["router"])))
     assert router.http_cors_origins == tuple(origins) and router.http_cors_allow_credentials is credentials

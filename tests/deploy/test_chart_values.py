@@ -120,6 +120,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     # An origin no browser sends so would never match; the router refuses it at start.
     ({"router.httpCors.origins": ["https://chat.example.com/app"]}, "router/httpCors/origins/0"),
     ({"router.httpCors.origins": ["HTTPS://Chat.example.com"]}, "router/httpCors/origins/0"),
+    ({"router.httpCors.origins": ["https://a.*.example.com"]}, "router/httpCors/origins/0"),
     ({"engine.device": "tpu"}, "engine/device"),
     ({"router.autoscaling.targetCPUUtilizationPercentage": "150"}, "router/autoscaling/targetCPUUtilizationPercentage"),
     ({"router.autoscaling.maxReplicas": "0"}, "router/autoscaling/maxReplicas"),

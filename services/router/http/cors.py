@@ -12,6 +12,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 
 from pdserve.config import RouterConfig
+from pdserve.security.cors_origins import subdomain_pattern
 
 ALLOWED_METHODS = ("GET", "POST")  # the API's own; a preflight asking for another is refused
 # What a client reads of a response beyond the headers every page may read (Content-Type and the like): the id
@@ -32,6 +33,7 @@ def with_cors(app: ASGIApp, config: RouterConfig) -> ASGIApp:
     return CORSMiddleware(
         app,
         allow_origins=config.http_cors_origins,
+        allow_origin_regex=subdomain_pattern(config.http_cors_origins),
         allow_methods=ALLOWED_METHODS,
         allow_headers=["*"],
         allow_credentials=config.http_cors_allow_credentials,

@@ -182,8 +182,8 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
         action="extend",
         type=_comma_separated,
         metavar="ORIGIN[,ORIGIN...]",
-        help="let browser pages from these origins (scheme://host[:port], or *) call the HTTP API: CORS headers on "
-        "its responses; repeatable (default: none, no CORS headers)",
+        help="let browser pages from these origins (scheme://host[:port]; scheme://*.domain for the hosts under it; "
+        "or *) call the HTTP API: CORS headers on its responses; repeatable (default: none, no CORS headers)",
     )
     p.add_argument(
         "--http-cors-allow-credentials",

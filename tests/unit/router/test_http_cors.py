@@ -173,6 +173,40 @@ async def test_credentials_are_allowed_only_when_asked_and_a_drains_preflight_cl
     check_readable(refused)
 
 
+async def test_a_subdomain_origin_allows_every_host_under_its_domain_on_its_scheme_and_port(decode_address) -> None:
+    """`https://*.preview.example.com` beside an exact origin: a branch's preview page is allowed, and answered with
+    its own origin; the domain itself, a look-alike, a host that only begins so, another scheme or port are not."""
+    server, _ = await served(decode_address, http_cors_origins=(PAGE, "https://*.preview.example.com"))
+    allowed = ["https://pr-17.preview.example.com", "https://a.b.preview.example.com", PAGE]
+    refused = [
+        "https://preview.example.com",
+        "https://evil-preview.example.com",
+        "https://pr-17.preview.example.com.evil.net",
+        "http://pr-17.preview.example.com",
+        "https://pr-17.preview.example.com:8443",
+        "https://pr-17.chat.example.com",
+    ]
+    try:
+        async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as http:
+            answers = {
+                origin: (
+                    await http.options("/v1/completions", headers=preflight(origin=origin)),
+                    await http.get("/v1/models", headers=from_page(origin=origin)),
+                )
+                for origin in allowed + refused
+            }
+    finally:
+        await server.stop()
+    for origin in allowed:
+        asked, got = answers[origin]
+        assert asked.status_code == 200 and asked.headers[ALLOW_ORIGIN] == origin, (origin, asked.headers)
+        assert got.status_code == 200 and got.headers[ALLOW_ORIGIN] == origin, (origin, got.headers)
+    for origin in refused:
+        asked, got = answers[origin]
+        assert asked.status_code == 400 and ALLOW_ORIGIN not in asked.headers, origin
+        assert got.status_code == 200 and ALLOW_ORIGIN not in got.headers, origin
+
+
 async def test_a_bugs_500_is_readable_too(decode_address) -> None:
     """Starlette's error middleware answers an exception no handler caught; CORS wraps it as well."""
     server, lifecycle = await served(decode_address, http_cors_origins=("*",))

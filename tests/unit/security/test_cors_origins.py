@@ -27,6 +27,12 @@ ROUTER = ["router", "--model", "tiny-random", "--redis", "redis://127.0.0.1:1/0"
         (["--http-cors-origins", "https://chat.example.com:99999"], "has no valid port"),
         (["--http-cors-origins", "https://a.example,"], "'' is no origin"),
         (["--http-cors-origins", "null"], "'null' cannot be allowed"),
+        (["--http-cors-origins", "https://*.com"], "one domain of two labels at least"),
+        (["--http-cors-origins", "http://*.localhost:5173"], "one domain of two labels at least"),
+        (["--http-cors-origins", "https://*.*.example.com"], "stands only before it"),
+        (["--http-cors-origins", "https://*.10.0.0.1"], "one domain of two labels at least"),
+        (["--http-cors-origins", "https://pr-*.example.com"], "is no origin: scheme://host[:port]"),
+        (["--http-cors-origins", "https://*.Example.com:443"], "write 'https://*.example.com'"),
         (["--http-cors-origins", "*,https://a.example"], "'*' already allows every origin"),
         (["--http-cors-origins", "*", "--http-cors-allow-credentials"], "'*' cannot go with credentials"),
     ],
@@ -54,6 +60,7 @@ def test_a_setting_that_would_do_nothing_is_refused(capsys, argv, line):
 def test_origins_come_repeated_or_comma_separated_and_none_by_default():
     parse = cli._parser().parse_args
     origins = ("https://a.example", "http://localhost:5173", "chrome-extension://abcdefgh", "http://[::1]:8080")
+    origins += ("https://*.preview.example.com", "http://*.dev.example.com:8080")
     flags = ["--http-cors-origins", ", ".join(origins[:2]), "--http-cors-origins", ",".join(origins[2:])]
     config = cli._cluster_config(parse([*ROUTER, *flags, "--http-cors-allow-credentials"])).router
     assert config.http_cors_origins == origins and config.http_cors_allow_credentials
