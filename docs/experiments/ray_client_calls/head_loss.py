@@ -4,10 +4,11 @@ A Ray head of its own (RayNode, the tests' helper), this process joined to it th
 grace, one actor; a call to it whose wait timed out is in flight when the head is SIGKILLed, and the loop goes on
 checking every 0.5 s until Ray says the link is gone (or 60 s). A ticker task records the loop's longest stall.
 `--plain`: each call is `await asyncio.wait_for(ref, t)` (pdserve before actor_calls); otherwise
-`actor_calls.answer`. Prints one JSON line: when the link loss was noticed, the loop's longest stall and the checks'
-outcomes, or that the loop froze for good.
+`actor_calls.answer`. `--slots-held`: `answer` with 2 thread slots, both held at the kill by calls whose answers
+are due after it (a fleet's worth of checks mid-answer). Prints one JSON line: when the link loss was noticed, the
+loop's longest stall and the checks' outcomes, or that the loop froze for good.
 
-    PYTHONPATH=.:src .venv/bin/python docs/experiments/ray_client_calls/head_loss.py [--plain]
+    PYTHONPATH=.:src .venv/bin/python docs/experiments/ray_client_calls/head_loss.py [--plain | --slots-held]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.cluster import actor_calls
 from pdserve.cluster.actor_calls import answer
 from tests.integration.ray_nodes import RayNode, ray_env
 
@@ -30,7 +32,7 @@ GRACE_S = 5
 FROZEN_S = 60  # the loop not run this long: frozen (the checks' own bound is 60 s too)
 
 
-async def checks(actor: Any, head: RayNode, plain: bool) -> dict[str, Any]:
+async def checks(actor: Any, head: RayNode, plain: bool, slots_held: bool) -> dict[str, Any]:
     import ray
 
     longest_stall, last = 0.0, time.monotonic()
@@ -54,11 +56,14 @@ async def checks(actor: Any, head: RayNode, plain: bool) -> dict[str, Any]:
 
     tick = asyncio.ensure_future(ticker())
     before = await check()
+    if slots_held:  # every slot's call answers 0.5 s after the kill
+        held = [asyncio.ensure_future(answer(actor.due, timeout_s=5.0)) for _ in range(actor_calls.MAX_THREADS)]
+        await asyncio.sleep(0.5)
     # A call in flight whose wait timed out when the head dies (a check of a slow actor): its answer never comes.
     with contextlib.suppress(TimeoutError):
         if plain:
             await asyncio.wait_for(actor.slow.remote(), 0.5)
-        else:
+        elif not slots_held:
             await answer(actor.slow, timeout_s=0.5)
     head.kill()
     killed, longest_stall, outcomes = time.monotonic(), 0.0, []
@@ -67,7 +72,8 @@ async def checks(actor: Any, head: RayNode, plain: bool) -> dict[str, Any]:
         """The loop frozen for good cannot say so itself."""
         while time.monotonic() - last < FROZEN_S:
             time.sleep(1)
-        print(json.dumps({"plain": plain, "before": before, "loop_frozen_for_s": FROZEN_S}), flush=True)
+        frozen = {"plain": plain, "slots_held": slots_held, "before": before, "loop_frozen_for_s": FROZEN_S}
+        print(json.dumps(frozen), flush=True)
         head.stop()
         os._exit(0)
 
@@ -76,10 +82,13 @@ async def checks(actor: Any, head: RayNode, plain: bool) -> dict[str, Any]:
         outcomes.append(await check())
         await asyncio.sleep(0.5)
     tick.cancel()
+    if slots_held:
+        outcomes += [type(e).__name__ for e in await asyncio.gather(*held, return_exceptions=True)]
     gone = time.monotonic() - killed
     return {
-        "plain": plain, "before": before, "link_lost_noticed_s": round(gone, 1) if gone < 60 else None,
-        "longest_loop_stall_s": round(longest_stall, 2), "checks": dict(zip(*_counts(outcomes), strict=True)),
+        "plain": plain, "slots_held": slots_held, "before": before,
+        "link_lost_noticed_s": round(gone, 1) if gone < 60 else None, "longest_loop_stall_s": round(longest_stall, 2),
+        "checks": dict(zip(*_counts(outcomes), strict=True)),
     }  # fmt: skip
 
 
@@ -91,14 +100,17 @@ def _counts(outcomes: list[str]) -> tuple[list[str], list[int]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--plain", action="store_true")
-    plain = parser.parse_args().plain
+    parser.add_argument("--slots-held", action="store_true")
+    args = parser.parse_args()
+    if args.slots_held:
+        actor_calls.MAX_THREADS = 2
     temp_dir = Path(tempfile.mkdtemp(prefix="head-loss-"))
     env = ray_env(temp_dir) | {"RAY_CLIENT_RECONNECT_GRACE_PERIOD": str(GRACE_S)}
     os.environ.update(env)
     head = RayNode(temp_dir, {"head": 1}, env=env)
     try:
         head.wait_started()
-        print(json.dumps(asyncio.run(checks(joined(head), head, plain))), flush=True)
+        print(json.dumps(asyncio.run(checks(joined(head), head, args.plain, args.slots_held))), flush=True)
     finally:
         head.stop()  # what the kill left (nothing), or the whole head when a start failed
     os._exit(0)  # a client whose head is gone may block its own shutdown
@@ -125,6 +137,10 @@ def joined(head: RayNode) -> Any:
 
         def slow(self) -> None:
             time.sleep(30)
+
+        def due(self) -> int:
+            time.sleep(1.0)
+            return os.getpid()
 
     actor = Actor.remote()  # type: ignore[attr-defined]
     ray.get(actor.state.remote())
