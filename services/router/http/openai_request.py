@@ -38,6 +38,9 @@ NO_OP_VALUES: dict[str, tuple[object, ...]] = {
     "best_of": (1,), "store": (False,), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
     "min_p": (0, 0.0), "metadata": ({},), "service_tier": ("auto", "default"), "skip_special_tokens": (True,),
 }  # fmt: skip
+# The same within stream_options: pdserve's chunks carry no `obfuscation` padding, which OpenAI's docs suggest
+# turning off on a trusted network.
+STREAM_OPTION_NO_OP_VALUES: dict[str, tuple[object, ...]] = {"include_obfuscation": (False,)}
 # A chat message's fields pdserve takes. `name` (LangChain sends it) and a tool message's `tool_call_id` (OpenAI
 # requires it) are checked and not shown to the model: the chat message the engine renders has neither, as most chat
 # templates (SmolLM2's among them) show neither. Null-valued fields are not given.
@@ -163,9 +166,9 @@ def _check_counts(body: dict[str, Any], limits: RequestLimits, model: ModelConfi
         check_logit_bias(len(logit_bias), limits)
 
 
-def _asks_nothing(name: str, value: object) -> bool:
+def _asks_nothing(name: str, value: object, no_ops: dict[str, tuple[object, ...]] = NO_OP_VALUES) -> bool:
     """An unimplemented parameter at a no-op value (NO_OP_VALUES); `true` is not the 1 of best_of."""
-    return any(type(value) is type(no_op) and value == no_op for no_op in NO_OP_VALUES.get(name, ()))
+    return any(type(value) is type(no_op) and value == no_op for no_op in no_ops.get(name, ()))
 
 
 def openai_param(field: str, max_tokens_param: str = "max_tokens") -> str:
@@ -323,6 +326,8 @@ def _include_usage(body: dict[str, Any], stream: bool) -> bool:
         return False
     if not stream:
         raise InvalidRequestError("stream_options", "is only allowed when stream is true")
+    no_ops = STREAM_OPTION_NO_OP_VALUES
+    options = {k: v for k, v in options.items() if v is not None and not _asks_nothing(k, v, no_ops)}
     for key in options:
         if key != "include_usage":
             raise InvalidRequestError(f"stream_options.{key}", "is not supported by pdserve")

@@ -32,3 +32,18 @@ def test_what_agent_frameworks_send_at_values_that_ask_for_nothing_is_taken_and_
     with pytest.raises(InvalidRequestError) as e:
         parse({"model": "m", "messages": [{"role": "tool", "content": "1", "tool_call_id": 7}]}, chat=True)
     assert e.value.field == "messages[0].tool_call_id"
+
+
+def test_stream_options_include_obfuscation_false_is_taken_and_true_refused():
+    """OpenAI's stream_options.include_obfuscation (its chunks' `obfuscation` padding, on by default) set to false,
+    as OpenAI's docs suggest on a trusted network, asks for what pdserve's chunks are: it was a 400. True asks for
+    padding pdserve does not send: refused by name. A null option is not given, as at the top level."""
+    body = {"model": "m", "prompt": "x", "stream": True}
+    options = {"include_usage": True, "include_obfuscation": False}
+    assert parse(body | {"stream_options": options}, chat=False).include_usage
+    assert not parse(body | {"stream_options": {"include_obfuscation": False}}, chat=False).include_usage
+    assert parse(body | {"stream_options": {"include_usage": True, "continuous_usage_stats": None}}, chat=False)
+    for value in (True, 0, "false"):
+        with pytest.raises(InvalidRequestError) as e:
+            parse(body | {"stream_options": {"include_obfuscation": value}}, chat=False)
+        assert e.value.field == "stream_options.include_obfuscation"
