@@ -171,8 +171,9 @@ class RouterConfig:
     # One INFO line per request as it ends (~250 B: at 1000 req/s, ~24 GB a day); --no-access-log: none, while the
     # metrics still count every request and a failure still logs its warning.
     access_log: bool = True
-    # The HTTP body's `user` on its request's span as `enduser.id`: an end user's id, which OpenTelemetry's registry
-    # marks as personal data (PII), for a tracing backend that may hold it; off, it is read and dropped.
+    # The HTTP body's `safety_identifier` or `user` on its request's span as `enduser.id`: an end user's id, which
+    # OpenTelemetry's registry marks as personal data (PII), for a tracing backend that may hold it; off, it is read
+    # and dropped.
     trace_enduser_id: bool = False
     # Web origins whose pages a browser lets call the HTTP API (CORS; `*`: any); none: no CORS headers at all.
     http_cors_origins: tuple[str, ...] = ()

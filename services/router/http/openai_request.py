@@ -27,7 +27,9 @@ from services.router.http.response_format import CONSTRAINTS, PARAMS, set_constr
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the last is vLLM's
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logit_bias", *PENALTIES)
-COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "slo", "user", "cache_salt", *SAMPLING}
+# OpenAI's end-user ids: `user`, and `safety_identifier` and `prompt_cache_key`, which OpenAI split it into.
+END_USER = ("user", "safety_identifier", "prompt_cache_key")
+COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "slo", "cache_salt", *END_USER, *SAMPLING}
 COMPLETION_PARAMS = frozenset({*COMMON, *CONSTRAINTS, "prompt", "logprobs", "echo"})
 CHAT_PARAMS = frozenset({*COMMON, *CONSTRAINTS, "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
 SLO_FIELDS = ("ttft_ms", "tpot_ms")
@@ -63,7 +65,9 @@ class OpenAIRequest:
     max_tokens_param: str  # which name the body used, for errors about it
     echo: bool = False  # completions: the prompt comes back before the completion (with its logprobs, if asked)
     n: int = 1  # choices per prompt: each a request of its own (`choice_message`)
-    user: str = ""  # OpenAI's end-user id: on the request's trace with `trace_enduser_id`, else nowhere
+    user: str = (
+        ""  # OpenAI's end-user id (`safety_identifier`, or `user`): on the request's trace with `trace_enduser_id`
+    )
     batch: tuple[pb.GenerateRequest, ...] = ()  # completions: each prompt's request (`message` the first's)
 
     @property
@@ -145,6 +149,9 @@ def parse_request(
         batch = prompt_messages(msg, prompts, n)
         msg = batch[0]
     user = typed(body, "user", str) or ""
+    user = typed(body, "safety_identifier", str) or user  # its successor's, where a client sends both
+    # Asks that prompts sharing prefixes be served where those are cached, which placement does by their content.
+    typed(body, "prompt_cache_key", str)
     include_usage = _include_usage(body, stream)
     return OpenAIRequest(chat, model, msg, stream, include_usage, max_tokens_param, echo, n, user, batch)
 

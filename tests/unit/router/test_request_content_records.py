@@ -108,15 +108,21 @@ async def test_a_refusal_quoting_the_request_is_answered_whole_and_recorded_with
 @pytest.mark.parametrize("traced", [False, True])
 async def test_the_http_bodys_user_is_on_the_span_only_where_the_router_says_so(traced, caplog):
     """An end user's id, which OpenTelemetry's registry marks as personal data: `enduser.id` with the router's
-    `trace_enduser_id`, else read and dropped (not in any span or log line)."""
+    `trace_enduser_id`, else read and dropped (not in any span or log line). OpenAI split `user` into
+    `safety_identifier`, the end user's id where a client sends both, and `prompt_cache_key`, never recorded."""
     caplog.set_level(logging.DEBUG)
+    ids = (
+        {"user": "CANARY-user"},
+        {"user": "CANARY-old", "safety_identifier": "CANARY-user", "prompt_cache_key": "CANARY-cache-key"},
+    )
     async with serving(trace_enduser_id=traced) as router:
         async with httpx2.AsyncClient(base_url=f"http://{router.http.address}", timeout=10) as http:
-            for stream in (False, True):
-                body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "user": "CANARY-user", "stream": stream}
+            for stream, given in zip((False, True), ids, strict=True):
+                body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": stream, **given}
                 assert (await http.post("/v1/completions", json=body)).status_code == 503  # no worker: placed nowhere
         spans = [s for s in router.exporter.get_finished_spans() if s.name == "POST /v1/completions"]
         kept = recorded(router.exporter, caplog)
     assert len(spans) == 2
     assert [(s.attributes or {}).get("enduser.id") for s in spans] == ["CANARY-user" if traced else None] * 2
     assert kept.count("CANARY-user") == (2 if traced else 0) and "CANARY-prompt" not in kept
+    assert "CANARY-old" not in kept and "CANARY-cache-key" not in kept
