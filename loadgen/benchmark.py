@@ -224,7 +224,7 @@ def build_result(
         "warmup_completed": sum(r.completed for r in warmed),
         "warmup_failed_by_code": dict(Counter(r.status for r in warmed if not r.completed)),
         "metric_percentiles": list(config.metric_percentiles),
-        **pacing(records, rate, config.workload.dataset_name == "trace"),
+        **pacing(records, rate, config.workload.dataset_name == "trace", interrupted),
         **metrics.summarize(records, duration_s, config.slo, config.metric_percentiles),
         "requests": [_record_json(r, config.slo) for r in records],
     }

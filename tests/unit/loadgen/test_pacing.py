@@ -68,3 +68,15 @@ def test_all_at_once_has_no_rate_to_fall_behind():
     figures = pacing(sent([0.0] * 4, [0.0, 0.1, 0.2, 0.3]), math.inf, trace=False)
     assert figures["warnings"] == []
     assert pacing([], RATE, trace=False) == {"achieved_request_rate": None, "warnings": []}
+
+
+def test_a_run_cut_short_is_judged_against_the_part_of_its_schedule_it_reached():
+    """Ctrl-C after 4 of 10 sends: a Poisson prefix strays from the whole run's rate by chance alone (here it was
+    due at 4 / 0.8 s = 5 req/s, not 10), so sent on time it is no client that fell behind."""
+    prefix = [0.2, 0.4, 0.6, 0.8]
+    figures = pacing(sent(prefix, [0.0] * 4), RATE, trace=False, interrupted=True)
+    assert figures["achieved_request_rate"] == pytest.approx(5.0)
+    assert figures["warnings"] == []
+    late = [0.0, 0.0, 0.0, 0.4]  # its last send 0.4 s late: 4 in 1.2 s where 4 in 0.8 s were due
+    (warning,) = pacing(sent(prefix, late), RATE, trace=False, interrupted=True)["warnings"]
+    assert "it sent 3.3 req/s of the 5.0 its schedule asked before the cut" in warning

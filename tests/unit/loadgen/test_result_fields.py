@@ -32,6 +32,13 @@ def test_a_run_the_client_fell_behind_in_says_so_in_its_result():
     assert "loadgen fell behind" in run["warnings"][0]
 
 
+def test_a_run_cut_short_on_schedule_does_not_say_the_client_fell_behind():
+    """Ctrl-C after 3 sends at 2 req/s that were due, and went, at 1 req/s: its schedule's, not the client's."""
+    on_time = [RequestRecord(f"r{i}", 4, 4, 1.0 * (i + 1), start_s=1.0 * (i + 1)) for i in range(3)]
+    run = build_result(BenchmarkConfig("127.0.0.1:50051", WorkloadConfig()), 2.0, on_time, 3.0, interrupted=True)
+    assert run["interrupted"] is True and run["warnings"] == []
+
+
 def test_a_result_records_every_workload_setting_and_when_and_with_what_it_ran(tmp_path, monkeypatch):
     monkeypatch.setattr(pdserve, "__version__", "9.8.7")  # the code's version, whatever metadata pip has of it
     workload = WorkloadConfig("prefix-repetition", 7, random_input_len=33, random_range_ratio=0.5, prefix_len=12)
