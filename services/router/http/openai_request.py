@@ -39,6 +39,7 @@ SLO_FIELDS = ("ttft_ms", "tpot_ms")
 NO_OP_VALUES: dict[str, tuple[object, ...]] = {
     "best_of": (1,), "store": (False,), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
     "min_p": (0, 0.0), "metadata": ({},), "service_tier": ("auto", "default"), "skip_special_tokens": (True,),
+    "modalities": (["text"],),
 }  # fmt: skip
 # The same within stream_options: pdserve's chunks carry no `obfuscation` padding, which OpenAI's docs suggest
 # turning off on a trusted network.

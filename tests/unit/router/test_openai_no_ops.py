@@ -15,7 +15,7 @@ def test_what_agent_frameworks_send_at_values_that_ask_for_nothing_is_taken_and_
     review), though none asks for anything pdserve does not do."""
     no_ops = {
         "tools": [], "tool_choice": "none", "parallel_tool_calls": False, "metadata": {}, "service_tier": "auto",
-        "min_p": 0, "skip_special_tokens": True,
+        "min_p": 0, "skip_special_tokens": True, "modalities": ["text"],
     }  # fmt: skip
     tool = {"role": "tool", "content": "42", "tool_call_id": "call_1"}
     req = parse({"model": "m", "messages": [{"role": "user", "content": "x"}, tool], **no_ops}, chat=True)
@@ -24,6 +24,7 @@ def test_what_agent_frameworks_send_at_values_that_ask_for_nothing_is_taken_and_
     refused = (
         ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"), ("min_p", 0.1),
         ("min_p", False), ("metadata", {"k": "v"}), ("service_tier", "flex"), ("skip_special_tokens", False),
+        ("modalities", ["text", "audio"]), ("modalities", "text"),
     )  # fmt: skip
     for param, value in refused:
         with pytest.raises(InvalidRequestError) as e:
