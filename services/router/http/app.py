@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Send
 
+from pdserve.protocol.request_checks import non_printable_ascii
 from pdserve.redaction import recorded_text
 from pdserve.rpc.metadata import REQUEST_ID_KEY
 from pdserve.security.api_keys import Tenant
@@ -141,8 +142,8 @@ class OpenAIAPI:
         except Exception as e:  # a bug converting a body is a 500 in OpenAI's shape too, its text only in the log
             response = error_response(e)
             # The refusal's id, as a served request's (OpenAI's SDK reads it for `request_id`), in its log line too;
-            # an id over the limit (the refusal's reason) is not echoed.
-            if len(request_id) > limits.max_request_id_chars:
+            # an id over the limit or of other than printable ASCII (the refusal's reason) is not echoed.
+            if len(request_id) > limits.max_request_id_chars or non_printable_ascii(request_id) is not None:
                 request_id = generated_request_id(limits.max_request_id_chars)
             request_id_var.set(request_id)
             response.headers[REQUEST_ID_KEY] = request_id

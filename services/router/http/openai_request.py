@@ -16,6 +16,7 @@ from pdserve.protocol.request_checks import (
     RequestLimits,
     check_logit_bias,
     check_message_count,
+    check_request_id_characters,
     check_slo_ms,
     check_stop_counts,
 )
@@ -87,14 +88,15 @@ class OpenAIRequest:
         return None if self.chat else COMPLETION_DEFAULT_MAX_TOKENS
 
     def check_request_id(self, limit: int) -> None:
-        """The caller's X-Request-Id, with the `-{index}` each choice's id gets, within `limit`: checked before
-        any choice runs, not when the first too long one would be refused after the others had run."""
+        """The caller's X-Request-Id, with the `-{index}` each choice's id gets, within `limit`, and printable ASCII:
+        checked before any choice runs, not when the first too long one would be refused after the others had run."""
         given = len(self.message.request_id)
         allowed = limit - (len(self.choice_message(self.choices - 1).request_id) - given)
         if given > allowed:
             batch = f"{len(self.prompts)} prompts and " if len(self.prompts) > 1 else ""
             with_n = f" with {batch}n={self.n} (each choice's id ends with -<index>)" if self.choices > 1 else ""
             raise InvalidRequestError("x-request-id", f"{given} characters; at most {allowed} are accepted{with_n}")
+        check_request_id_characters(self.message.request_id, "x-request-id")
 
     def prompt_message(self, index: int) -> pb.GenerateRequest:
         """The request of choice `index`'s prompt, as the body gave it."""

@@ -59,6 +59,22 @@ def check_request_id(request_id: str, limits: RequestLimits) -> None:
         raise InvalidRequestError(
             "request_id", f"{len(request_id)} characters; at most {limits.max_request_id_chars} are accepted"
         )
+    check_request_id_characters(request_id, "request_id")
+
+
+def check_request_id_characters(request_id: str, field: str) -> None:
+    """Printable ASCII only: the id travels in gRPC metadata and HTTP headers, which carry nothing else (a UTF-8
+    X-Request-Id was read as Latin-1 and answered garbled; a gRPC id of other characters came back in no metadata),
+    and it is recorded in every log line and span of the request, where a control character has no business."""
+    if (at := non_printable_ascii(request_id)) is not None:
+        raise InvalidRequestError(
+            field, f"character {at} ({ascii(request_id[at])}) is not printable ASCII, which a request id must be"
+        )
+
+
+def non_printable_ascii(text: str) -> int | None:
+    """The index of the first character outside printable ASCII (space to `~`), or None."""
+    return next((i for i, c in enumerate(text) if not " " <= c <= "~"), None)
 
 
 def check_stops(stop: Sequence[str], stop_token_ids: Sequence[int], limits: RequestLimits) -> None:

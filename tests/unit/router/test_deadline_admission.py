@@ -73,13 +73,15 @@ async def test_a_deadline_shorter_than_the_predicted_first_token_is_answered_at_
             code, details, _, ids = await call(server.address, 30.0, "mine")
             assert code == grpc.StatusCode.OK and decode.calls == 1, details
             assert ids == {"initial": "mine", "trailing": "mine"}
-            # An id no metadata value can carry (the proto allows any string): served, its messages echo it.
+            # An id no metadata value can carry (the proto allows any string): refused naming it, echoed nowhere.
             code, details, _, ids = await call(server.address, 30.0, "\x00\n\u202e")
-            assert code == grpc.StatusCode.OK and ids == {"initial": None, "trailing": None}, details
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request_id:"), details
+            assert ids == {"initial": None, "trailing": None}, ids
         finally:
             await server.stop(None)
     outcomes = requests_by_outcome(telemetry)
-    assert outcomes == {("deadline_exceeded", "anonymous"): 1, ("finished", "anonymous"): 2}, outcomes
+    expected = {("deadline_exceeded", "anonymous"): 1, ("finished", "anonymous"): 1, ("invalid", "anonymous"): 1}
+    assert outcomes == expected, outcomes
 
 
 async def refused_for_deadline(lifecycle, prompt_tokens: int, left_s: float) -> DeadlineTooShortError:

@@ -101,3 +101,31 @@ def test_a_generated_id_leaves_room_for_a_choices_index_within_the_limit():
     assert len(generated_request_id(256)) == 32
     assert len(generated_request_id(10)) == 10 - len("-15")  # sixteen choices at most: -0 ... -15
     assert len(generated_request_id(1)) == 1
+
+
+async def test_an_x_request_id_of_other_than_printable_ascii_is_refused_naming_it(monkeypatch):
+    """A UTF-8 id came back garbled in the response's `id` and the log line (the header's bytes read as Latin-1:
+    `café` as `cafÃ©`), while gRPC echoed it whole: both refuse such an id now, before any choice runs, and answer
+    with an id of their own, as for one too long."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    handler, logger = JsonLines(), logging.getLogger("services.router.lifecycle")
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    lifecycle = Router([worker("p0"), worker("d0", "decode")]).lifecycle()
+    transport = httpx2.ASGITransport(app=openai_app(lifecycle))
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3}
+    try:
+        async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+            refused = [
+                await http.post("/v1/completions", json=body | {"stream": stream}, headers={"x-request-id": given})
+                for given, stream in ((b"caf\xc3\xa9-1", False), (b"caf\xc3\xa9-2", True), (b"tab\there", False))
+            ]
+    finally:
+        logger.removeHandler(handler)
+    for response in refused:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "x-request-id" and "printable ASCII" in error["message"], error
+        assert len(response.headers["x-request-id"]) == 32  # the router's own, not the caller's bytes echoed
+    logged = [line["request_id"] for line in handler.lines if line["outcome"] == "invalid"]
+    assert logged == [r.headers["x-request-id"] for r in refused], handler.lines

@@ -57,6 +57,11 @@ REJECTED_BEFORE_TOKENIZING = {
         pb.GenerateRequest(request_id="r" * (LIMITS.max_request_id_chars + 1), prompt="hi"),
         "request_id",
     ),
+    # Echoed in metadata and HTTP headers (printable ASCII) and recorded in every log line and span: a newline
+    # or a non-ASCII id came back only in the messages, and over HTTP garbled.
+    "request_id not ASCII": (pb.GenerateRequest(request_id="café-1", prompt="hi"), "request_id"),
+    "request_id with a newline": (pb.GenerateRequest(request_id="a\nrequest finished", prompt="hi"), "request_id"),
+    "request_id with a DEL": (pb.GenerateRequest(request_id="a\x7f", prompt="hi"), "request_id"),
     "too many stop strings": (hi(stop=[f"s{i}" for i in range(LIMITS.max_stop + 1)]), "sampling.stop"),
     "stop string too long": (hi(stop=["ok", "x" * (LIMITS.max_stop_bytes + 1)]), "sampling.stop[1]"),
     "stop string too long in UTF-8 bytes": (hi(stop=["€" * (LIMITS.max_stop_bytes // 3 + 1)]), "sampling.stop[0]"),
@@ -130,6 +135,9 @@ def test_max_tokens_past_the_context_is_told_the_most_this_prompt_allows(tiny):
 
 AT_THE_CAPS = {
     "request_id": pb.GenerateRequest(request_id="r" * LIMITS.max_request_id_chars, prompt="hi"),
+    "request_id of every printable ASCII character": pb.GenerateRequest(
+        request_id="".join(map(chr, range(0x20, 0x7F))), prompt="hi"
+    ),
     "stop strings": hi(stop=["x" * LIMITS.max_stop_bytes] + [f"s{i}" for i in range(LIMITS.max_stop - 1)]),
     "stop string in UTF-8 bytes": hi(stop=["€" * (LIMITS.max_stop_bytes // 3)]),
     "stop token ids": hi(stop_token_ids=[5] * LIMITS.max_stop_token_ids),
