@@ -21,6 +21,7 @@ from pdserve.rpc.credentials import (
     make_channel,
 )
 from pdserve.rpc.errors import ErrorMappingInterceptor
+from pdserve.rpc.request_deadline import RequestMessageDeadline
 from pdserve.rpc.stream_writer import StreamWriter
 from pdserve.security.cluster_secret import ClusterSecret
 
@@ -54,6 +55,9 @@ _METADATA_SIZE = [
 # HTTP API closes one whose request head is not in within 10 s; gRPC's default, 120 s, let idle connections hold
 # the port's file descriptors unauthenticated.
 HANDSHAKE_TIMEOUT_MS = 10_000
+# A call's request message must be in within this of the call's start, as the HTTP API's body within 30 s of its
+# head (the largest message, 16 MiB, at 0.6 MB/s); a call without one held its stream for ever.
+REQUEST_MESSAGE_TIMEOUT_S = 30.0
 CHANNEL_OPTIONS = [*_MESSAGE_SIZES, *_KEEPALIVE]
 SERVER_OPTIONS = [
     *_MESSAGE_SIZES,
@@ -80,7 +84,9 @@ class Server:
     to their end (no grace bound), new ones open a new connection, which a load balancer may place elsewhere.
     `checked_by_handler`: methods whose handlers answer a request that does not parse (ErrorMappingInterceptor).
     `max_receive_message_bytes`: a smaller bound on the messages it takes (a public port: what a valid request can
-    hold, since gRPC buffers a message whole before any handler checks its caller); what it sends keeps the bound."""
+    hold, since gRPC buffers a message whole before any handler checks its caller); what it sends keeps the bound.
+    `request_timeout_s`: a unary-request call whose message is not in this long after its start ends
+    DEADLINE_EXCEEDED (request_deadline.py)."""
 
     def __init__(
         self,
@@ -96,13 +102,15 @@ class Server:
         max_connection_age_s: float | None = None,
         checked_by_handler: Iterable[str] = (),
         max_receive_message_bytes: int | None = None,
+        request_timeout_s: float = REQUEST_MESSAGE_TIMEOUT_S,
     ) -> None:
-        # Tracing interceptors first (outermost), so their spans see the status the error mapping chose and end
+        # The request message's deadline outermost (a call without its message runs nothing else), then tracing
+        # interceptors, so their spans see the status the error mapping chose and end
         # after the stream writer has closed the handler; `inner` ones (a worker's drain gate) inside the mapping,
         # so the typed errors they raise get their status.
         auth = [ClusterAuthServerInterceptor(cluster)] if cluster is not None and cluster.enabled else []
         mapping = ErrorMappingInterceptor(tuple(checked_by_handler))
-        chain = [*interceptors, StreamWriter(), *auth, mapping, *inner]
+        chain = [RequestMessageDeadline(request_timeout_s), *interceptors, StreamWriter(), *auth, mapping, *inner]
         age_ms = None if max_connection_age_s is None else round(max_connection_age_s * 1000)
         age = [] if age_ms is None else [("grpc.max_connection_age_ms", age_ms)]
         options = [*SERVER_OPTIONS, *age]

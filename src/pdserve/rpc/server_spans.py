@@ -31,7 +31,8 @@ Handler = Callable[[Any, grpc.aio.ServicerContext], Any]
 
 
 class ServerSpans(grpc.aio.ServerInterceptor):
-    """The outermost interceptor: every call `traced` says yes to runs inside its span."""
+    """The outermost interceptor but the request message's deadline (request_deadline.py): every call `traced` says
+    yes to runs inside its span."""
 
     def __init__(self, tracer: trace.Tracer, traced: Callable[[grpc.HandlerCallDetails], bool]) -> None:
         self.tracer = tracer
