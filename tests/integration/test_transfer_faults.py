@@ -1,5 +1,6 @@
-"""A KV transfer that fails mid-way (a stalled or killed prefill worker) through a real `pdserve up`: the client
-gets a clear status at once, the KV blocks are freed on both sides, and the cluster serves the next request.
+"""A KV transfer that fails mid-way (a stalled or killed prefill worker, a killed decode worker) through a real
+`pdserve up`: the client gets a clear status at once, the KV blocks are freed on both sides, and the cluster serves
+the next request.
 
 A tiny-random transfer takes well under a millisecond, so the prefill worker is made to stall between the first
 token and the KV send with the PDSERVE_FAULT_* knobs (`pdserve.env.fault_config`), for faulted request ids only.
@@ -212,5 +213,35 @@ def test_stopped_prefill_worker_fails_a_request_without_deadline_by_keepalive(cl
             os.kill(pid, signal.SIGCONT)
         await blocks_freed(cluster.address)
         assert await tokens(cluster.address, request("after-stopped")) == expected
+
+    asyncio.run(run())
+
+
+def test_killed_decode_worker_frees_the_kv_its_prefill_worker_holds_for_it_at_once(cluster, expected):
+    """The decode worker is SIGKILLed while the prefill worker holds the prompt's KV for it (the stall before the
+    send): its lost Prefill call frees the prefill worker's blocks at once, not when the stall would have ended
+    (SEND_DELAY_S). The only decode worker is restarting, so the client gets UNAVAILABLE; its restart serves."""
+
+    async def run() -> None:
+        decode = (await by_role(cluster.address))["decode"]
+        pid = pid_serving(decode.address)
+        call = asyncio.create_task(tokens(cluster.address, request(f"{FAULTED}decode-kill"), timeout_s=60))
+        await until(stalled_after_first_token(cluster.address), timeout_s=5)
+        await asyncio.sleep(0.3)  # the first token reaches the decode worker, which waits for the KV
+        os.kill(pid, signal.SIGKILL)
+        # Seen idle once within seconds: a retry the restarted decode worker might take would stall anew only later.
+        await blocks_freed(cluster.address, ("prefill",), within_s=SEND_DELAY_S / 4)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert f"decode worker {decode.id}" in err.value.details(), err.value.details()
+
+        async def restarted() -> bool:
+            back = (await by_role(cluster.address)).get("decode")
+            return back is not None and back.address != decode.address and back.health == "SERVING"
+
+        await until(restarted, timeout_s=RESTART_S, interval_s=0.5)
+        assert await tokens(cluster.address, request("after-decode-kill")) == expected
+        await blocks_freed(cluster.address)
 
     asyncio.run(run())
