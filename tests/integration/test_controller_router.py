@@ -1,8 +1,9 @@
 """The deployment's process model on this machine (issue 13 item 6, issue 12 item 6): two Ray nodes started with
 `ray start`, each with a custom resource of its own; `pdserve controller --role-resources` puts the prefill worker
 on one and the decode worker on the other; a separate `pdserve router` serves through a real Redis; the router is
-SIGKILLed and a new one serves from the same workers, which were never restarted; a restarted controller finds
-the workers in its Ray namespace instead of starting new ones; `pdserve scale` through the router reaches the
+SIGKILLed mid-stream (the decode worker frees the stream's blocks at once) and a new one serves from the same
+workers, which were never restarted; a restarted controller finds the workers in its Ray namespace instead of
+starting new ones; `pdserve scale` through the router reaches the
 controller through Redis (each node has room for a second worker of its role), and a restarted controller keeps
 the scale; a one-role scale while Redis lost the counts waits for the controller to write them back; a controller
 restarted with other flags rolls the workers onto them, surging each (its role's only worker) under a steady load,
@@ -136,9 +137,27 @@ async def status_of(router: str, req: pb.GenerateRequest, timeout_s: float) -> g
 
 
 def test_a_killed_router_is_replaced_and_the_workers_keep_serving(rehearsal: Rehearsal, expected: list[int]) -> None:
+    """Killed mid-stream: its caller gets UNAVAILABLE, and the decode worker frees the stream's blocks at once (its
+    call's connection is gone), not once the stream would have ended (4000 tokens: many seconds of decoding)."""
     before = rehearsal.actors()
     assert rehearsal.router is not None
-    rehearsal.router.stop(signal.SIGKILL)  # no drain, no goodbye: as a lost pod
+    router, long = f"127.0.0.1:{rehearsal.router_port}", greedy_request("rehearsal-cut-by-its-router", PROMPT, 4000)
+
+    async def killed_mid_stream() -> grpc.StatusCode | None:
+        assert rehearsal.router is not None
+        try:
+            async for msg, _ in generate(router, long, timeout_s=60):
+                if msg.token_ids and rehearsal.router.proc.poll() is None:
+                    rehearsal.router.stop(signal.SIGKILL)  # no drain, no goodbye: as a lost pod
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+        return None
+
+    assert asyncio.run(killed_mid_stream()) == grpc.StatusCode.UNAVAILABLE
+    killed, decode = time.monotonic(), next(w for w in WORKERS if w.startswith("decode"))
+    while (state := rehearsal.registry()[decode]).kv_blocks_used or state.sequences:  # as it heartbeats into Redis
+        assert time.monotonic() - killed < 5, state
+        time.sleep(0.1)
     rehearsal.start_router()
     assert serve(rehearsal, "rehearsal-after-router-restart") == expected
     after = rehearsal.actors()
