@@ -90,9 +90,11 @@ def default_span_processors() -> list[SpanProcessor]:
     return processors
 
 
-# Health checks (a kubelet's probes, the router's of its workers, `pdserve status`) are no request's hop: each would
-# be a trace of its own, every few seconds from every pod.
-_TRACED_CALLS = filters.negate(filters.health_check())
+# Health checks (a kubelet's probes, the router's of its workers, `pdserve status`) and a router's check of its
+# cluster credentials (`CheckPeer`, to a few workers every 10 s: services/router/peer_check.py) are no request's hop:
+# each would be a trace of its own, every few seconds from every pod.
+_PEER_CHECK = filters.all_of(filters.service_name("pdserve.v1.WorkerControl"), filters.method_name("CheckPeer"))
+_TRACED_CALLS = filters.negate(filters.any_of(filters.health_check(), _PEER_CHECK))
 
 
 class Telemetry:

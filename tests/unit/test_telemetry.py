@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
+from pdserve.cluster.drain_service import add_control_service
 from pdserve.cluster.local_process import free_port
 from pdserve.config import ClusterConfig, RouterConfig
 from pdserve.log_setup import JsonFormatter
@@ -33,6 +34,7 @@ from pdserve.telemetry import (
     default_span_processors,
     request_id_var,
 )
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.integration.cluster_view import serving_collector
 
 
@@ -66,18 +68,25 @@ def _add_echo(server: grpc.aio.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", {"Echo": handler}),))
 
 
+async def _never_drained(timeout_s: float) -> None:
+    raise AssertionError("not asked to drain")
+
+
 async def test_one_trace_across_a_grpc_hop_with_a_provider_per_service_and_none_for_health_checks():
     exporter = InMemorySpanExporter()
     server_side = Telemetry("pdserve-decode", span_processor=SimpleSpanProcessor(exporter))
     client_side = Telemetry("pdserve-router", span_processor=SimpleSpanProcessor(exporter))
     server = Server("127.0.0.1", 0, server_side.server_interceptors())
     server.add(_add_echo, ["test.Echo"])
+    add_control_service(server, _never_drained, "w")
     await server.start()
     await server.set_serving(True)
     try:
         async with channel(server.address, client_side.client_interceptors()) as ch:
             # a probe every few seconds from every pod: no trace of its own on either side
             await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            # nor a router's check of its cluster credentials, every 10 s to a few workers (router/peer_check.py)
+            await worker_pb2_grpc.WorkerControlStub(ch).CheckPeer(worker_pb2.CheckPeerRequest(), timeout=5)
             assert exporter.get_finished_spans() == ()
             with client_side.tracer.start_as_current_span("admission"):
                 assert await ch.unary_unary("/test.Echo/Echo")(b"hi", timeout=5) == b"hi"
