@@ -82,8 +82,9 @@ async def generate(
             if model is not None:
                 check_model(lifecycle, model)
             check_parsed(message)
+            ids = lifecycle.identify(message)
             async with lifecycle.quotas.session(caller.tenant, choices) as quota:
-                ticket = await lifecycle.admit(message, start, quota, default_max_tokens, time_remaining)
+                ticket = await lifecycle.admit(message, ids, start, quota, default_max_tokens, time_remaining)
                 caller.prompt_tokens = len(ticket.request.prompt_token_ids)
                 with ticket:
                     await on_admitted(ticket)

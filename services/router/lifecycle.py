@@ -31,7 +31,7 @@ from pdserve.redaction import recorded_text
 from pdserve.registry.base import PrefixIndex
 from pdserve.security.api_keys import KeyTable, Metadata, Tenant, authenticate
 from pdserve.security.quotas import Choices, LocalQuotas, Quotas, QuotaSession
-from pdserve.telemetry import Telemetry, request_id_var, step_span
+from pdserve.telemetry import CALLER_ANSWERS, Telemetry, mark_ended_by, request_id_var, step_span
 from pdserve.v1 import generate_pb2 as pb
 from services.router.admission import Admission, DeadlineTooShortError, SLOTarget
 from services.router.caller_errors import cut_mid_stream, for_the_caller
@@ -99,24 +99,32 @@ class RequestLifecycle:
         """The caller's tenant from its `authorization` metadata (UnauthenticatedError without a known key)."""
         return authenticate(self.keys, metadata)
 
-    async def admit(
-        self,
-        msg: pb.GenerateRequest,
-        started_at: float,
-        quota: QuotaSession,
-        default_max_tokens: int | None = None,
-        time_remaining: Callable[[], float | None] = lambda: None,
-    ) -> Ticket:
-        """Build, place and admit, or raise before anything is sent: InvalidRequestError, OverloadedError,
-        UnavailableError, PermissionDeniedError, DeadlineTooShortError (`time_remaining` ends first). It gets its own
-        key here; the caller's request_id is only echoed. Its prompt and max_tokens are charged to its key's token rate.
-        Without max_tokens: `default_max_tokens` (never past the router's default, nor the context's or KV's room)."""
+    def identify(self, msg: pb.GenerateRequest) -> tuple[str, str]:
+        """The request's own key and its caller's id (the key when it gave none), which tag its span and log lines
+        from here on: before its key's quotas are charged, so that a refusal there is logged under that id too."""
         check_request_id(msg.request_id, self.config.request_limits)  # before it tags spans and log lines
         key = uuid.uuid4().hex
         client_id = msg.request_id or key
         request_id_var.set(client_id)
         request_key_var.set(key)
         trace.get_current_span().set_attributes({"request.id": key, "request.client_id": client_id})
+        return key, client_id
+
+    async def admit(
+        self,
+        msg: pb.GenerateRequest,
+        ids: tuple[str, str],
+        started_at: float,
+        quota: QuotaSession,
+        default_max_tokens: int | None = None,
+        time_remaining: Callable[[], float | None] = lambda: None,
+    ) -> Ticket:
+        """Build, place and admit, or raise before anything is sent: InvalidRequestError, OverloadedError,
+        UnavailableError, PermissionDeniedError, DeadlineTooShortError (`time_remaining` ends first). `ids`: its own
+        key and its caller's id (`identify`); the caller's request_id is only echoed. Its prompt and max_tokens are
+        charged to its key's token rate. Without max_tokens: `default_max_tokens` (never past the router's default,
+        nor the context's or KV's room)."""
+        key, client_id = ids
         with step_span(self.telemetry.tracer, "admission", request__id=key, request__client_id=client_id) as span:
             quota.tenant.check_priority(msg.priority)
             default = capped_default(default_max_tokens, self.config.default_max_tokens)
@@ -315,6 +323,8 @@ class RequestLifecycle:
             outcome = caller.outcome(sibling if sibling is not None and caller.outcome(e) in CALLER_ENDED else e)
             if outcome in CALLER_ENDED and (span := trace.get_current_span()).is_recording():
                 span.set_attribute(outcome, True)  # the HTTP API's span has no status code saying so
+            elif isinstance(e, CALLER_ANSWERS):  # the request's span says why, whichever step refused it
+                mark_ended_by(trace.get_current_span(), e)
             elif outcome not in CALLER_ENDED and choices is not None and sibling is None:
                 choices.failure = e
             raise

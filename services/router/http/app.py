@@ -20,7 +20,6 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Send
 
 from pdserve.protocol.request_checks import non_printable_ascii
-from pdserve.redaction import recorded_text
 from pdserve.rpc.metadata import REQUEST_ID_KEY
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import Choices
@@ -148,9 +147,8 @@ class OpenAIAPI:
             request_id_var.set(request_id)
             response.headers[REQUEST_ID_KEY] = request_id
             with self._span(request, chat, start) as span:  # in its caller's trace, as a gRPC call's refusal is
-                self.lifecycle.refused(e, start, tenant)  # its log line in the span: that line leads to its trace
-                if response.status_code < 500:
-                    span.set_attribute("refused", f"{type(e).__name__}: {recorded_text(e)}")
+                # Its log line in the span, which that line leads to; its `refused` marks the span (accounting).
+                self.lifecycle.refused(e, start, tenant)
                 span_status(span, response.status_code, e)
             return response
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.message.request_id}"

@@ -35,7 +35,7 @@ REQUEST = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], sampling=pb.Sampling
 
 async def admit(lc: RequestLifecycle, start: float) -> Ticket:
     async with lc.quotas.session(OPEN) as quota:
-        return await lc.admit(REQUEST, start, quota)
+        return await lc.admit(REQUEST, lc.identify(REQUEST), start, quota)
 
 
 async def test_a_request_waits_for_the_first_worker_of_a_role_to_come_back() -> None:
@@ -174,7 +174,7 @@ async def test_a_drain_begun_during_the_keys_token_charge_refuses_the_request() 
 
     async def admit_for_the_key() -> Ticket:
         async with lc.quotas.session(tenant) as quota:
-            return await lc.admit(REQUEST, time.monotonic(), quota)
+            return await lc.admit(REQUEST, lc.identify(REQUEST), time.monotonic(), quota)
 
     admitting = asyncio.ensure_future(admit_for_the_key())
     await quotas.charging.wait()
