@@ -323,10 +323,10 @@ class RequestLifecycle:
             outcome = caller.outcome(sibling if sibling is not None and caller.outcome(e) in CALLER_ENDED else e)
             if outcome in CALLER_ENDED and (span := trace.get_current_span()).is_recording():
                 span.set_attribute(outcome, True)  # the HTTP API's span has no status code saying so
-            elif isinstance(e, CALLER_ANSWERS):  # the request's span says why, whichever step refused it
-                mark_ended_by(trace.get_current_span(), e)
             elif outcome not in CALLER_ENDED and choices is not None and sibling is None:
                 choices.failure = e
+            if outcome not in CALLER_ENDED and isinstance(e, CALLER_ANSWERS):  # the span says why, whichever step
+                mark_ended_by(trace.get_current_span(), e)  # refused it
             raise
         finally:
             e2e_s = time.perf_counter() - started_at

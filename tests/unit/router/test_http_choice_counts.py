@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from pdserve.env import CLUSTER_SECRET_VAR
@@ -28,7 +29,17 @@ class LaterChoicesSlow(StandInDecode):
             yield msg
 
 
-async def choices_counted(hang_up: bool) -> dict[tuple[str, str], float]:
+class LaterChoicesRefused(StandInDecode):
+    """Every call after the first is refused as a request no retry can mend."""
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        if self.calls:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a refusal of the second choice")
+        async for msg in super().Generate(request, context):
+            yield msg
+
+
+async def choices_counted(hang_up: bool, decode: StandInDecode | None = None) -> dict[tuple[str, str], float]:
     """Runs one streamed n=4 request (the caller hanging up at its first event when `hang_up`); its counts."""
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "n": 4, "stream": True, "ignore_eos": True}
     caller = HangingUpCaller(body)
@@ -38,7 +49,7 @@ async def choices_counted(hang_up: bool) -> dict[tuple[str, str], float]:
             caller.gone.set()
 
     telemetry = Telemetry("test-router")
-    async with serving(LaterChoicesSlow(gap_s=0.3)) as address:
+    async with serving(decode or LaterChoicesSlow(gap_s=0.3)) as address:
         lifecycle = Router([worker("p0"), worker("d0", "decode", address=address)]).lifecycle(telemetry=telemetry)
         await asyncio.wait_for(openai_app(lifecycle)(caller.scope, caller.receive, send), 20)
         assert lifecycle.in_flight == 0
@@ -57,3 +68,10 @@ async def test_choices_that_never_started_count_as_cancelled_when_the_caller_han
 async def test_a_request_whose_choices_all_finish_counts_each_once(monkeypatch):
     monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
     assert await choices_counted(hang_up=False) == {("finished", "anonymous"): 4}
+
+
+async def test_choices_a_refused_sibling_ended_count_as_it_ended(monkeypatch):
+    """Choice 1 refused INVALID_ARGUMENT by its decode worker ends the others: each counts as that refusal (the
+    first failure, which the request's span also says it was refused for), not as the caller's cancel."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    assert await choices_counted(hang_up=False, decode=LaterChoicesRefused(gap_s=0.3)) == {("invalid", "anonymous"): 4}
