@@ -5,7 +5,6 @@ request, never a plain-text 500."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,12 +15,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from pdserve.log_setup import JsonFormatter
 from pdserve.security.api_keys import KeyTable, Tenant, digest
 from pdserve.telemetry import Telemetry
 from services.router.http import app as http_app
 from services.router.http.app import openai_app
 from services.router.lifecycle import RequestLifecycle
+from tests.unit.router.json_lines import JsonLines
 from tests.unit.router.request_counts import requests_by_outcome
 from tests.unit.router.router_builder import MODEL, Router, worker
 
@@ -239,18 +238,6 @@ async def test_a_body_refused_before_it_parsed_has_a_span_in_its_callers_trace()
     assert [s.attributes["http.response.status_code"] for s in spans] == [400, 401]
     assert all(s.status.status_code == StatusCode.UNSET and "refused" in s.attributes for s in spans)
     telemetry.shutdown()
-
-
-class JsonLines(logging.Handler):
-    """Each record as the router's stderr gets it, formatted where it was logged (its span current)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.setFormatter(JsonFormatter())
-        self.lines: list[dict] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(json.loads(self.format(record)))
 
 
 @pytest.mark.parametrize(

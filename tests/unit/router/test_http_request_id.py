@@ -12,25 +12,12 @@ import httpx2
 import pytest
 
 from pdserve.env import CLUSTER_SECRET_VAR
-from pdserve.log_setup import JsonFormatter
 from services.router.http.app import generated_request_id, openai_app
+from tests.unit.router.json_lines import JsonLines
 from tests.unit.router.router_builder import MODEL, Router, worker
 from tests.unit.router.stand_in_decode import StandInDecode, serving
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class JsonLines(logging.Handler):
-    """The router's log lines as its JSON formatter writes them, formatted as they are emitted (the request's id
-    is read from its context then)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.setFormatter(JsonFormatter())
-        self.lines: list[dict] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(json.loads(self.format(record)))
 
 
 async def test_the_response_id_header_and_log_line_name_one_id(monkeypatch):

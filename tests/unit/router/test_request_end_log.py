@@ -6,7 +6,6 @@ Through a real lifecycle against stand-in decode workers on real gRPC servers.""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from contextlib import aclosing
 
@@ -16,12 +15,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from pdserve.env import CLUSTER_SECRET_VAR
 from pdserve.errors import OverloadedError
-from pdserve.log_setup import JsonFormatter
 from pdserve.security.api_keys import KeyTable, Tenant, digest
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from services.router.generation import generate
 from services.router.ticket import Ticket
+from tests.unit.router.json_lines import JsonLines
 from tests.unit.router.request_counts import requests_by_outcome
 from tests.unit.router.router_builder import Router, worker
 from tests.unit.router.stand_in_decode import StandInDecode, serving
@@ -55,18 +54,6 @@ def test_a_callers_deadline_is_logged_at_info_and_names_no_address(monkeypatch, 
     ended = [r for r in caplog.records if r.name == "services.router.lifecycle" and "Deadline" in r.getMessage()]
     assert ended and all(r.levelno == logging.INFO for r in ended), [(r.levelname, r.getMessage()) for r in ended]
     assert "127.0.0.1" not in str(error)  # the caller is told the worker's id, not its address
-
-
-class JsonLines(logging.Handler):
-    """Each record as the router's stderr gets it, formatted as it is emitted (in the request's context)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.setFormatter(JsonFormatter())
-        self.lines: list[dict] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(json.loads(self.format(record)))
 
 
 async def admitted(ticket: Ticket) -> None:
