@@ -64,10 +64,13 @@ class PlacementWaits:
         while True:
             try:
                 return await self.placement.place(*args, avoid(), cache_salt, must_hold, weights)
-            except NoWorkersError:
-                if time.monotonic() >= end:
+            except NoWorkersError as e:
+                if time.monotonic() < end:
+                    await asyncio.sleep(NO_WORKERS_POLL_S)
+                elif wait_s > 0:  # an operator reading it learns what to raise to ride out longer restarts
+                    raise type(e)(f"{e}; the router waited {wait_s:g} s for one (its no_workers_wait_s)") from None
+                else:
                     raise
-                await asyncio.sleep(NO_WORKERS_POLL_S)
 
     async def again(
         self, req: RoutedRequest, failed: FailedWorkers, left: float | None, weights: str | None = None

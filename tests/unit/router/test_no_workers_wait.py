@@ -50,7 +50,8 @@ async def test_a_request_waits_for_the_first_worker_of_a_role_to_come_back() -> 
 async def test_with_none_coming_back_it_is_unavailable_after_the_wait() -> None:
     router = Router([worker("p0"), worker("d0", "decode", draining=True)], no_workers_wait_s=0.4)
     start = time.monotonic()
-    with pytest.raises(NoWorkersError, match=r"0 decode live .*`pdserve status` lists them\); retry later"):
+    lists = r"0 decode live .*`pdserve status` lists them\); retry later; the router waited 0.4 s for one"
+    with pytest.raises(NoWorkersError, match=lists + r" \(its no_workers_wait_s\)$"):
         await admit(router.lifecycle(), start)
     assert time.monotonic() - start >= 0.4
 
