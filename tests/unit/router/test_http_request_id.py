@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 
 import httpx2
 import pytest
@@ -20,27 +21,31 @@ from tests.unit.router.stand_in_decode import StandInDecode, serving
 pytestmark = pytest.mark.timeout(60)
 
 
-async def test_the_response_id_header_and_log_line_name_one_id(monkeypatch):
+@pytest.fixture
+def router_log(monkeypatch) -> Iterator[JsonLines]:
+    """The lifecycle's log lines at INFO as the router writes them, for a router without a cluster secret."""
     monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
     handler, logger = JsonLines(), logging.getLogger("services.router.lifecycle")
     logger.addHandler(handler)
     monkeypatch.setattr(logger, "level", logging.INFO)
-    try:
-        async with serving(StandInDecode()) as address:
-            lifecycle = Router([worker("p0"), worker("d0", "decode", address=address)]).lifecycle()
-            transport = httpx2.ASGITransport(app=openai_app(lifecycle))
-            body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3}
-            async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
-                plain = await http.post("/v1/completions", json=body)
-                mine = {"x-request-id": "mine"}
-                named = await http.post("/v1/completions", json=body | {"stream": True}, headers=mine)
-        assert plain.status_code == 200 and named.status_code == 200, (plain.text, named.text)
-        given = plain.headers["x-request-id"]
-        assert plain.json()["id"] == f"cmpl-{given}" and len(given) == 32
-    finally:
-        logger.removeHandler(handler)
-    logged = [line["request_id"] for line in handler.lines if line["msg"] == "request finished"]
-    assert logged == [given, "mine"], handler.lines
+    yield handler
+    logger.removeHandler(handler)
+
+
+async def test_the_response_id_header_and_log_line_name_one_id(router_log: JsonLines):
+    async with serving(StandInDecode()) as address:
+        lifecycle = Router([worker("p0"), worker("d0", "decode", address=address)]).lifecycle()
+        transport = httpx2.ASGITransport(app=openai_app(lifecycle))
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3}
+        async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+            plain = await http.post("/v1/completions", json=body)
+            mine = {"x-request-id": "mine"}
+            named = await http.post("/v1/completions", json=body | {"stream": True}, headers=mine)
+    assert plain.status_code == 200 and named.status_code == 200, (plain.text, named.text)
+    given = plain.headers["x-request-id"]
+    assert plain.json()["id"] == f"cmpl-{given}" and len(given) == 32
+    logged = [line["request_id"] for line in router_log.lines if line["msg"] == "request finished"]
+    assert logged == [given, "mine"], router_log.lines
     events = [json.loads(line[6:]) for line in named.text.splitlines() if line.startswith("data: {")]
     assert named.headers["x-request-id"] == "mine" and {e["id"] for e in events} == {"cmpl-mine"}
 
@@ -57,31 +62,24 @@ async def test_a_refusal_after_the_body_was_read_names_the_request_too(monkeypat
             assert refused.status_code == 503 and refused.headers.get("x-request-id") == "r", (stream, refused.text)
 
 
-async def test_a_refusal_before_the_request_was_read_names_it_in_the_header_and_the_log_line(monkeypatch):
+async def test_a_refusal_before_the_request_was_read_names_it_in_the_header_and_the_log_line(router_log: JsonLines):
     """A body that does not parse, a key refused: no request was made of it, yet OpenAI's SDK reads the header
     for its error's `request_id` (it was None on every such refusal), and the operator finds the log line by it.
     An id over the limit, the refusal's reason, is not echoed."""
-    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
-    handler, logger = JsonLines(), logging.getLogger("services.router.lifecycle")
-    logger.addHandler(handler)
-    monkeypatch.setattr(logger, "level", logging.INFO)
     lifecycle = Router([worker("p0"), worker("d0", "decode")]).lifecycle()
     transport = httpx2.ASGITransport(app=openai_app(lifecycle))
-    try:
-        async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
-            mine = await http.post("/v1/completions", content=b"{not json", headers={"x-request-id": "bad-body"})
-            plain = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": "hi"})
-            long_id = "x" * (lifecycle.config.request_limits.max_request_id_chars + 1)
-            too_long = await http.post(
-                "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers={"x-request-id": long_id}
-            )
-    finally:
-        logger.removeHandler(handler)
+    async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+        mine = await http.post("/v1/completions", content=b"{not json", headers={"x-request-id": "bad-body"})
+        plain = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": "hi"})
+        long_id = "x" * (lifecycle.config.request_limits.max_request_id_chars + 1)
+        too_long = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers={"x-request-id": long_id}
+        )
     assert [r.status_code for r in (mine, plain, too_long)] == [400, 400, 400], (mine.text, plain.text, too_long.text)
     ids = [r.headers.get("x-request-id") for r in (mine, plain, too_long)]
     assert ids[0] == "bad-body" and len(ids[1]) == 32 and len(ids[2]) == 32 and ids[2] != long_id
-    logged = [line["request_id"] for line in handler.lines if line["outcome"] == "invalid"]
-    assert logged == ids, handler.lines
+    logged = [line["request_id"] for line in router_log.lines if line["outcome"] == "invalid"]
+    assert logged == ids, router_log.lines
 
 
 def test_a_generated_id_leaves_room_for_a_choices_index_within_the_limit():
@@ -90,29 +88,22 @@ def test_a_generated_id_leaves_room_for_a_choices_index_within_the_limit():
     assert len(generated_request_id(1)) == 1
 
 
-async def test_an_x_request_id_of_other_than_printable_ascii_is_refused_naming_it(monkeypatch):
+async def test_an_x_request_id_of_other_than_printable_ascii_is_refused_naming_it(router_log: JsonLines):
     """A UTF-8 id came back garbled in the response's `id` and the log line (the header's bytes read as Latin-1:
     `café` as `cafÃ©`), while gRPC echoed it whole: both refuse such an id now, before any choice runs, and answer
     with an id of their own, as for one too long."""
-    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
-    handler, logger = JsonLines(), logging.getLogger("services.router.lifecycle")
-    logger.addHandler(handler)
-    monkeypatch.setattr(logger, "level", logging.INFO)
     lifecycle = Router([worker("p0"), worker("d0", "decode")]).lifecycle()
     transport = httpx2.ASGITransport(app=openai_app(lifecycle))
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3}
-    try:
-        async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
-            refused = [
-                await http.post("/v1/completions", json=body | {"stream": stream}, headers={"x-request-id": given})
-                for given, stream in ((b"caf\xc3\xa9-1", False), (b"caf\xc3\xa9-2", True), (b"tab\there", False))
-            ]
-    finally:
-        logger.removeHandler(handler)
+    async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+        refused = [
+            await http.post("/v1/completions", json=body | {"stream": stream}, headers={"x-request-id": given})
+            for given, stream in ((b"caf\xc3\xa9-1", False), (b"caf\xc3\xa9-2", True), (b"tab\there", False))
+        ]
     for response in refused:
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == "x-request-id" and "printable ASCII" in error["message"], error
         assert len(response.headers["x-request-id"]) == 32  # the router's own, not the caller's bytes echoed
-    logged = [line["request_id"] for line in handler.lines if line["outcome"] == "invalid"]
-    assert logged == [r.headers["x-request-id"] for r in refused], handler.lines
+    logged = [line["request_id"] for line in router_log.lines if line["outcome"] == "invalid"]
+    assert logged == [r.headers["x-request-id"] for r in refused], router_log.lines
