@@ -30,6 +30,9 @@ PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # t
 SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logit_bias", *PENALTIES)
 # OpenAI's end-user ids: `user`, and `safety_identifier` and `prompt_cache_key`, which OpenAI split it into.
 END_USER = ("user", "safety_identifier", "prompt_cache_key")
+# OpenAI's documented cap on `safety_identifier`; `user`, for which OpenAI states none, is cut to it on the trace: a
+# span attribute of a body's size (up to 16 MiB) would go to every trace backend.
+MAX_END_USER_ID = 128
 COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "priority", "slo", "cache_salt", *END_USER, *SAMPLING}
 COMPLETION_PARAMS = frozenset({*COMMON, *CONSTRAINTS, "prompt", "logprobs", "echo"})
 CHAT_PARAMS = frozenset({*COMMON, *CONSTRAINTS, "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
@@ -152,7 +155,11 @@ def parse_request(
         batch = prompt_messages(msg, prompts, n)
         msg = batch[0]
     user = typed(body, "user", str) or ""
-    user = typed(body, "safety_identifier", str) or user  # its successor's, where a client sends both
+    if len(safety_identifier := typed(body, "safety_identifier", str) or "") > MAX_END_USER_ID:
+        raise InvalidRequestError(
+            "safety_identifier", f"must be at most {MAX_END_USER_ID} characters, got {len(safety_identifier)}"
+        )
+    user = (safety_identifier or user)[:MAX_END_USER_ID]  # its successor's, where a client sends both
     # Asks that prompts sharing prefixes be served where those are cached, which placement does by their content.
     typed(body, "prompt_cache_key", str)
     include_usage = _include_usage(body, stream)

@@ -153,6 +153,7 @@ BAD_VALUES = [
     (f'{{{COMPLETION}, "safety_identifier": 7, "user": "u"}}', "safety_identifier"),
     (f'{{{CHAT}, "user": 7, "safety_identifier": "u"}}', "user"),
     (f'{{{CHAT}, "prompt_cache_key": ["k"]}}', "prompt_cache_key"),
+    (f'{{{CHAT}, "safety_identifier": "{"u" * 129}"}}', "safety_identifier"),  # past OpenAI's cap
     (f'{{{CHAT}, "logprobs": 1}}', "logprobs"),
     ('{"model": "m", "messages": [{"role": ["user"], "content": "x"}]}', "messages[0].role"),
     ('{"model": "m", "messages": [{"role": "user", "content": [["x"]]}]}', "messages[0].content[0]"),
@@ -305,6 +306,13 @@ def test_what_openais_clients_send_by_default_is_taken():
     with pytest.raises(InvalidRequestError) as e:  # a bias must be a number: no default stands in for it
         parse({"model": "m", "prompt": "x", "logit_bias": {"5": None}}, chat=False)
     assert e.value.field == "logit_bias.5"
+
+
+def test_the_end_user_id_is_the_safety_identifier_over_user_and_at_most_128_characters():
+    body = {"model": "m", "prompt": "x"}
+    assert parse(body | {"user": "old", "safety_identifier": "new"}, chat=False).user == "new"
+    assert parse(body | {"safety_identifier": "s" * 128}, chat=False).user == "s" * 128
+    assert parse(body | {"user": "u" * 1000}, chat=False).user == "u" * 128  # OpenAI caps no `user`: cut, not refused
 
 
 def test_the_shared_paths_field_names_read_as_openai_parameters():
