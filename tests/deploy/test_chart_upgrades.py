@@ -117,6 +117,7 @@ def test_an_upgrade_to_a_new_image_is_a_new_build_on_every_pod_and_a_new_worker_
         ({"otel.endpoint": "http://collector:4317"}, True),
         ({"drain.timeoutSeconds": 90}, True),
         ({"router.port": 50052}, True),  # the preStop's drain calls the router there
+        ({"tmp.sizeLimit": "16Gi"}, True),  # the /tmp emptyDir Ray's session files and logs fill
         ({"prefill.replicas": 3, "decode.maxReplicas": 9}, False),  # counts change no pod
         ({"router.replicas": 3, "redis.resources.limits.memory": "1Gi"}, False),  # nothing a worker pod holds
         ({"engine.kvCacheGb": 4, "bindAddress": "::"}, False),  # the controller's flags: workers restart in place

@@ -38,7 +38,7 @@ it compares itself (a worker restarts in place, with no new pod to wait for). */
   "tls" $v.tls "drainKey" $v.apiKeys.drainKey "clusterSecret" $v.clusterSecret "otel" $v.otel
   "rayAuthToken" (pick $v.ray.authToken "enabled" "existingSecret") "gpuResourceName" $v.gpuResourceName "routerPort" $v.router.port
   "pullPolicy" $v.image.pullPolicy "podSecurityContext" $v.podSecurityContext "securityContext" $v.securityContext
-  "imagePullSecrets" $v.imagePullSecrets "serviceAccount" (pick $v.serviceAccount "create" "name") -}}
+  "imagePullSecrets" $v.imagePullSecrets "serviceAccount" (pick $v.serviceAccount "create" "name") "tmp" $v.tmp -}}
 {{- toJson $pods | sha256sum | trunc 12 -}}
 {{- end -}}
 
