@@ -115,6 +115,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"workers.port": "70000"}, "workers/port"),
     ({"prefil.replicas": "1"}, "prefil"),
     ({"decode.resources": {"limits": {"memory": "lots"}}}, "decode/resources/limits/memory"),
+    ({"tmp.sizeLimit": "lots"}, "tmp/sizeLimit"),  # every pod's /tmp emptyDir: the API server would refuse each
     ({"router.config.policy": "random"}, "router/config/policy"),
     ({"router.config.slo_headroom": "0.7"}, "router/config/slo_headroom"),  # --set makes it a string
     # An origin no browser sends so would never match; the router refuses it at start.
