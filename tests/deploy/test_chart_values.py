@@ -168,6 +168,13 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
     ("sets", "named"),
     [
         ({"prefil.replicas": "1"}, "additional properties 'prefil' not allowed"),
+        # Only OTEL_* variables: refused naming the map (helm's message for a propertyNames failure named a random
+        # other value's path).
+        ({"otel.env": {"SERVICE_NAME": "x"}}, "at '/otel/env': additional properties 'SERVICE_NAME' not allowed"),
+        (
+            {"otel.secretEnv": {"HEADERS": {"name": "otel-auth", "key": "headers"}}},
+            "at '/otel/secretEnv': additional properties 'HEADERS' not allowed",
+        ),
         ({"redis.enabled": "false"}, "/redis/url"),
         ({"clusterSecret.existingSecret": "a}b"}, "/clusterSecret/existingSecret"),
         ({"tls.serverName": "x;touch${IFS}/tmp/pwn"}, "/tls/serverName"),
