@@ -88,6 +88,47 @@ def test_an_upgrade_that_changes_the_ray_version_is_refused_unless_kuberay_recre
         assert "runs Ray 2.59.0" in out.stderr and "ray.upgradeStrategy=Recreate" in out.stderr
 
 
+def probe_token_guard(tmp_path: Path, guard: str, live: dict[str, object] | None) -> str | None:
+    """The chart's Ray token guard called as `guard` (a template call) through a probe chart whose `.Values.live` is
+    `live` (a RayCluster's spec, as an upgrade's lookup finds it; None: an install): `helm template` has nothing live
+    to look up. None when it renders, else helm's error."""
+    probe = tmp_path / "probe"
+    shutil.copytree(CHART, probe / "charts" / "pdserve")
+    (probe / "Chart.yaml").write_text("apiVersion: v2\nname: probe\nversion: 0.0.1\n")
+    (probe / "values.yaml").write_text(json.dumps({"live": live}))
+    (probe / "templates").mkdir()
+    (probe / "templates" / "probe.yaml").write_text(f"# {{{{ {guard} }}}}\n")
+    out = helm("template", "pd", str(probe))
+    return None if out.returncode == 0 else out.stderr
+
+
+@pytest.mark.parametrize(
+    ("enabled", "secret", "strategy", "refused"),
+    [
+        (True, "pd-pdserve-ray-token", "", None),  # the generated Secret, kept across upgrades
+        (True, "pd-ray-token", "", "the token in Secret pd-ray-token, and the running head's env names pd-pdserve"),
+        (False, "", "", "RAY_AUTH_MODE=disabled, and the running head has token"),
+        (True, "pd-ray-token", "Recreate", None),  # KubeRay replaces the head too
+    ],
+)
+def test_an_upgrade_that_changes_the_ray_token_is_refused_unless_kuberay_recreates_the_cluster(
+    tmp_path: Path, enabled: bool, secret: str, strategy: str, refused: str | None
+) -> None:
+    """KubeRay keeps the running head pod, and with it the token it started with and the Secret its env names: the
+    controller and new worker pods presenting another token (a Secret switched to, as GitOps users are told to set,
+    or auth turned off) would be refused, the controller restarting for good, and the head's container could not
+    start again once Helm deleted the Secret; so the upgrade is refused as a Ray version change is."""
+    live = one(render(), "RayCluster")["spec"]
+    values = f'(dict "ray" (dict "authToken" (dict "enabled" {str(enabled).lower()}) "upgradeStrategy" "{strategy}"))'
+    guard = f'include "pdserve.rayTokenGuard" (dict "live" .Values.live "values" {values} "secret" "{secret}")'
+    error = probe_token_guard(tmp_path, guard, live)
+    assert (error is None) if refused is None else (error is not None and refused in error), error
+    if refused:
+        assert "ray.upgradeStrategy=Recreate" in str(error)
+    assert probe_token_guard(tmp_path / "install", guard, None) is None  # no RayCluster yet
+    assert 'include "pdserve.rayTokenGuard"' in (CHART / "templates" / "raycluster.yaml").read_text()  # on upgrade
+
+
 def test_the_recreate_strategy_is_rendered_as_kuberay_takes_it() -> None:
     rc = one(render(sets={"ray.upgradeStrategy": "Recreate"}), "RayCluster")
     assert rc["spec"]["upgradeStrategy"] == {"type": "Recreate"}

@@ -53,3 +53,31 @@ controller sends to Ray incompatibly, upgrade again with --set ray.upgradeStrate
 pod: the workers load their model again), then set it back to "" in a later upgrade.
 {{- end -}}
 {{- end -}}
+
+{{/* Refuses an upgrade that changes the Ray token of a running RayCluster (`live`: its spec; none on install or
+under `helm template`) unless KubeRay is to recreate the cluster: token auth turned on or off, or the token taken
+from another Secret (`secret`: the one this release names). KubeRay never replaces a running head pod, so the head
+keeps the token it started with and refuses the controller (its Ray Client) and new worker pods presenting another;
+and even the same token under a new name leaves the head's env naming the old Secret, which Helm deletes once the
+chart stops making it, so the head's container could not start again. */}}
+{{- define "pdserve.rayTokenGuard" -}}
+{{- $env := dict -}}
+{{- range (dig "headGroupSpec" "template" "spec" "containers" (list) (default (dict) .live)) -}}
+{{- if eq .name "ray-head" -}}
+{{- range (.env | default list) }}{{ $_ := set $env .name . }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- $ray := .values.ray -}}
+{{- $mode := ternary "token" "disabled" $ray.authToken.enabled -}}
+{{- $liveMode := dig "RAY_AUTH_MODE" "value" "" $env -}}
+{{- $liveSecret := dig "RAY_AUTH_TOKEN" "valueFrom" "secretKeyRef" "name" "" $env -}}
+{{- $changed := "" -}}
+{{- if and $liveMode (ne $liveMode $mode) -}}
+{{- $changed = printf "RAY_AUTH_MODE=%s, and the running head has %s" $mode $liveMode -}}
+{{- else if and (eq $mode "token") $liveSecret (ne $liveSecret .secret) -}}
+{{- $changed = printf "the token in Secret %s, and the running head's env names %s" .secret $liveSecret -}}
+{{- end -}}
+{{- if and $changed (ne $ray.upgradeStrategy "Recreate") -}}
+{{- fail (printf "ray.authToken: this upgrade gives the controller and new worker pods %s; KubeRay never replaces a running head pod, which keeps its token (and its env's Secret, which Helm deletes once the chart stops making it). Keep ray.authToken as it was, or upgrade with --set ray.upgradeStrategy=Recreate (KubeRay then replaces every pod of the cluster: the workers restart and load their model again), then set it back to \"\" in a later upgrade" $changed) -}}
+{{- end -}}
+{{- end -}}
