@@ -145,6 +145,21 @@ def test_the_kv_cache_size_reaches_the_workers_command_line() -> None:
     assert "--kv-cache-gb" not in command_lines(render())["controller"]  # pdserve's own default
 
 
+@pytest.mark.parametrize(
+    ("sets", "device"),
+    [
+        ({}, "cuda"),  # the default worker pods hold a GPU each
+        ({"prefill.gpus": 0, "decode.gpus": 0}, "cpu"),
+        ({"engine.device": "auto"}, "auto"),  # as the operator says
+        ({"prefill.gpus": 0, "decode.gpus": 0, "engine.device": "cuda"}, "cuda"),
+    ],
+)
+def test_the_workers_device_follows_their_pods_gpus_unless_set(sets: dict[str, object], device: str) -> None:
+    """pdserve's "auto" asks Ray for GPUs when the controller starts, before any worker pod exists under the
+    autoscaler: the workers would then ask Ray for none while running on the pods' GPUs."""
+    assert parse(command_lines(render(sets=sets))["controller"]).device == device
+
+
 @pytest.mark.parametrize("credentials", [False, True])
 def test_the_http_apis_cors_origins_reach_the_router_as_it_takes_them(credentials: bool) -> None:
     origins = ["https://chat.example.com", "http://localhost:5173", "https://*.preview.example.com"]
