@@ -230,11 +230,19 @@ def _no_answer(address: str, config: Any) -> str:
 
 
 def _check_outputs(result_json: Path | None, plot_dir: Path | None) -> None:
-    """Before any request: a path that cannot take its file fails now, not after the whole run."""
+    """Before any request: a path that cannot take its file fails now, not after the whole run (a file on the
+    way to it failed the folders' making once the run was over, its JSON never written)."""
     if result_json is not None and result_json.is_dir():
         raise ValueError(f"--result-json {result_json} is a folder; give a file's path")
     if plot_dir is not None and plot_dir.exists() and not plot_dir.is_dir():
         raise ValueError(f"--plot-dir {plot_dir} is a file; give a folder's path")
+    for flag, path, folder in (
+        ("--result-json", result_json, result_json and result_json.parent),
+        ("--plot-dir", plot_dir, plot_dir),
+    ):
+        on_the_way = next((p for p in (folder, *folder.parents) if p.exists()), None) if folder else None
+        if on_the_way is not None and not on_the_way.is_dir():
+            raise ValueError(f"{flag} {path}: {on_the_way} is a file, not a folder")
 
 
 _ADDRESS_FLAG = {"grpc": "--addr HOST:PORT", "openai": "--base-url URL", "openai-chat": "--base-url URL"}

@@ -48,6 +48,9 @@ def test_outputs_that_cannot_be_written_and_bad_bounds_exit_2_before_anything_is
     for flags, says in (
         (["--result-json", str(tmp_path)], "--result-json"),
         (["--plot-dir", str(tmp_path / "file")], "--plot-dir"),
+        # A file on the way: the folders' making failed once the run was over, the JSON never written (exit 1).
+        (["--result-json", str(tmp_path / "file" / "sub" / "r.json")], f"{tmp_path / 'file'} is a file"),
+        (["--plot-dir", str(tmp_path / "file" / "plots")], f"{tmp_path / 'file'} is a file"),
         (["--goodput", "ttft:abc"], "--goodput bound must be a number of ms"),
     ):
         assert main([*UNREACHABLE, *flags]) == 2
