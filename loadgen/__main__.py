@@ -156,6 +156,11 @@ def _bench(args: argparse.Namespace) -> int:
     if args.dataset_name == "trace" and args.request_rate is not None:
         errors.print("loadgen: a trace replays its own timestamps; drop --request-rate", style="red")
         return 2
+    unused = _unused_flags(args)
+    for line in unused:
+        errors.print(f"loadgen: {line}", style="red", markup=False)
+    if unused:
+        return 2
     address = args.addr if args.backend == "grpc" else args.base_url
     if not address:
         errors.print(f"loadgen: --backend {args.backend} needs {_ADDRESS_FLAG[args.backend]}", style="red")
@@ -220,6 +225,18 @@ def _bench(args: argparse.Namespace) -> int:
         errors.print(f"loadgen: {interrupted_line(ran, args.result_json)}", style="yellow", markup=False)
         status = EXIT_INTERRUPTED
     return status
+
+
+def _unused_flags(args: argparse.Namespace) -> list[str]:
+    """Flags given that this run would not use, yet its result records as if it had: `--trace` with another dataset
+    sent that dataset and wrote `"trace": PATH` beside it."""
+    unused = []
+    if args.trace is not None and args.dataset_name != "trace":
+        unused.append(f"--trace is replayed only with --dataset-name trace, not {args.dataset_name}")
+    for flag, value in (("--endpoint", args.endpoint), ("--served-model-name", args.served_model_name)):
+        if value is not None and args.backend == "grpc":
+            unused.append(f"{flag} is for the openai backends; --backend grpc calls pdserve's Generate")
+    return unused
 
 
 def _no_answer(address: str, config: Any) -> str:

@@ -57,6 +57,23 @@ def test_outputs_that_cannot_be_written_and_bad_bounds_exit_2_before_anything_is
         assert says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--trace", "t.jsonl"], "--trace is replayed only with --dataset-name trace, not random"),
+        (["--endpoint", "/v1/completions"], "--endpoint is for the openai backends"),
+        (["--served-model-name", "m"], "--served-model-name is for the openai backends"),
+    ],
+)
+def test_a_flag_the_run_would_not_use_exits_2_before_anything_is_sent(flags, says, tmp_path, capsys):
+    """`--trace` without `--dataset-name trace` sent the random workload and recorded `"trace": PATH` as if
+    replayed; the openai backends' flags with gRPC were recorded as what ran too."""
+    (tmp_path / "t.jsonl").write_text('{"timestamp": 0, "input_length": 4, "output_length": 2}\n')
+    flags = [str(tmp_path / f) if f.endswith(".jsonl") else f for f in flags]
+    assert main([*UNREACHABLE, *flags]) == 2
+    assert says in capsys.readouterr().err
+
+
 def test_the_cdf_plots_only_completed_requests():
     ok, failed = RequestRecord("a", 4, 3, 0.0), RequestRecord("b", 4, 3, 0.0, status="UNAVAILABLE")
     for r, ttft in ((ok, 0.1), (failed, 0.05)):  # the failed one had its first token, then lost its worker
