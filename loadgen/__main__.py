@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,15 @@ def _rates(text: str) -> tuple[float, ...]:
     return rates
 
 
+def _base_url(text: str) -> str:
+    """An http(s) server root: the HTTP client refused any other only at the check request, which exited 1 as if
+    the server had failed (`UNAVAILABLE: UnsupportedProtocol`)."""
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(f"expected a URL like http://HOST:PORT, got {text!r}")
+    return text
+
+
 def _percentiles(text: str) -> tuple[float, ...]:
     try:
         percentiles = tuple(float(p) for p in text.split(","))
@@ -56,7 +66,9 @@ def _bench_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loadgen", description=__doc__, formatter_class=DefaultsFormatter)
     p.add_argument("--backend", choices=BACKENDS, default="grpc", help="grpc: pdserve's Generate; openai*: HTTP")
     p.add_argument("--addr", type=host_port, help="router HOST:PORT (--backend grpc)")
-    p.add_argument("--base-url", help="server root, e.g. http://127.0.0.1:8000 (--backend openai, openai-chat)")
+    p.add_argument(
+        "--base-url", type=_base_url, help="server root, e.g. http://127.0.0.1:8000 (--backend openai, openai-chat)"
+    )
     p.add_argument("--endpoint", help="openai backends: default /v1/completions or /v1/chat/completions")
     p.add_argument("--model", default=EngineConfig.model, help="the served model; its vocabulary bounds the prompt ids")
     p.add_argument("--served-model-name", help="openai backends: the `model` sent (default: --model)")

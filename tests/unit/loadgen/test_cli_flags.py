@@ -34,6 +34,14 @@ def test_bad_arrival_flags_exit_2_naming_the_flag(flags, capsys):
     assert exited.value.code == 2 and flags[0] in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "localhost:8000", "ftp://h:1", "http://"])
+def test_a_base_url_that_is_no_http_url_exits_2_naming_the_flag(url, capsys):
+    """It was refused only by the check request's HTTP client: exit 1, `UNAVAILABLE: UnsupportedProtocol`."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--backend", "openai", "--base-url", url, "--model", "tiny-random", "--num-prompts", "1"])
+    assert exited.value.code == 2 and "--base-url" in capsys.readouterr().err
+
+
 def test_a_missing_or_bad_trace_exits_2_before_anything_is_sent(tmp_path, capsys):
     assert main([*UNREACHABLE, "--dataset-name", "trace", "--trace", str(tmp_path / "none.jsonl")]) == 2
     bad = tmp_path / "bad.jsonl"
