@@ -157,8 +157,9 @@ def summarize(
 
 
 def percentile_stat(percentile: float) -> str:
-    """A percentile's name in the result's keys, as vLLM names it: p99, p99.9."""
-    return f"p{percentile:g}"
+    """A percentile's name in the result's keys, as vLLM names it: p99, p99.9, every digit kept (`:g` wrote
+    99.99999 as p100, the maximum's key)."""
+    return f"p{int(percentile)}" if percentile == int(percentile) else f"p{percentile!r}"
 
 
 def _stats(name: str, ms: list[float], percentiles: tuple[float, ...]) -> dict[str, float | None]:

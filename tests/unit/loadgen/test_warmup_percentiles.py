@@ -70,6 +70,15 @@ def test_metric_percentiles_add_the_keys_asked_and_default_to_p90_p99():
     assert "P50 TTFT (ms)" in rows and "P99.9 ITL per token (ms)" in rows and "P90 TTFT (ms)" not in rows
 
 
+def test_a_percentile_of_many_digits_keeps_its_own_key_as_vllm_names_it():
+    """`p{:g}` rounded to six digits: 99.99999 was written as p100, the key of the maximum, and overwritten by it."""
+    records = [stream([0.001 * (i + 1), 0.001 * (i + 1) + 0.05], [1, 1]) for i in range(1000)]
+    config = BenchmarkConfig("x:1", WorkloadConfig(), metric_percentiles=(99.99999, 100))
+    run = build_result(config, 1.0, records, 1.0)
+    assert run["p100_ttft_ms"] == pytest.approx(1000.0)
+    assert run["p99.99999_ttft_ms"] == pytest.approx(999.9999001)
+
+
 @pytest.mark.parametrize("bad", ["0", "101", "x", "50,"])
 def test_a_bad_percentile_exits_2_naming_the_flag(bad, capsys):
     with pytest.raises(SystemExit) as exited:
