@@ -192,7 +192,7 @@ def build_result(
     workload = config.workload
     return {
         "date": end.astimezone().strftime("%Y%m%d-%H%M%S"),  # vLLM's: local time, no zone
-        "start_time": (end - datetime.timedelta(seconds=duration_s)).isoformat(),  # the first send, UTC
+        "start_time": (end - datetime.timedelta(seconds=duration_s)).isoformat(),  # the clock start: arrivals' 0, UTC
         "end_time": end.isoformat(),
         "loadgen_version": provenance.version(),
         "git_commit": provenance.git_commit(),

@@ -37,7 +37,7 @@ class Backend(Protocol):
 
 class RunInterrupted(Exception):
     """The run was cancelled (Ctrl-C) midway: it sent no more, cancelled the requests in flight, and carries the
-    records of those it sent (the cancelled ones CANCELLED) and the time from its first send to the cancel."""
+    records of those it sent (the cancelled ones CANCELLED) and the time from the run's clock start to the cancel."""
 
     def __init__(self, records: list[RequestRecord], duration_s: float) -> None:
         super().__init__(f"interrupted after {len(records)} requests sent")
@@ -57,7 +57,8 @@ class Client:
         on_warmup: Callable[[list[RequestRecord]], None] = lambda records: None,
     ) -> tuple[list[RequestRecord], float]:
         """Sends each request at its arrival offset; returns the records (in workload order) and the duration
-        from the first send to the last answer. The `warmup` requests go first, all at once in the same session
+        from the run's clock start (its arrival offsets' 0, a drawn gap before the first send, as vLLM starts its
+        clock) to the last answer. The `warmup` requests go first, all at once in the same session
         (its connections, the server's caches and compiled paths warmed), and are awaited before the run's clock
         starts; their records go to `on_warmup`, into no figure of the run."""
         tag = uuid.uuid4().hex[:8]
