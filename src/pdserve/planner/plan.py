@@ -103,12 +103,16 @@ def max_rate(
         cores = not profile.shared_cores or o.demand_cores <= profile.shared_cores
         return rate <= bound and o.attainment >= slo.attainment and cores
 
-    lo = workload.rate / 1024
+    # From the workload's rate, but never past the bound: asked far above it (a rate for more workers than these),
+    # the near-idle start (rate / 1024) was itself past the bound, every shape read as one that fails even idle, and
+    # a bracket as wide as the asked rate left the bisection short of the max rate.
+    start = min(workload.rate, bound)
+    lo = start / 1024
     if not meets(lo):
         return 0.0
-    # From the workload's rate, or near the bound when that is far above it (a trace of a few requests over hours):
-    # the doublings would run out before reaching it, and every split would tie at the same cap.
-    hi = max(workload.rate, bound / 64) if math.isfinite(bound) else workload.rate
+    # Or near the bound when that is far above the rate (a trace of a few requests over hours): the doublings would
+    # run out before reaching it, and every split would tie at the same cap.
+    hi = max(start, bound / 64) if math.isfinite(bound) else start
     for _ in range(MAX_DOUBLINGS):
         if not meets(hi):
             break

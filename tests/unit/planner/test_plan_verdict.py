@@ -43,6 +43,28 @@ def test_a_rate_past_every_shapes_capacity_is_said(tmp_path: Path, capsys: pytes
     assert "recommended: --prefill" in out and "sustains the workload's 400.00 req/s" in out, out
 
 
+def test_a_rate_far_past_every_shapes_capacity_finds_the_max_rates_a_rate_within_it_finds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan asked for a bigger fleet's rate: its search began at the rate / 1024, itself past what these workers
+    keep up with, so every shape read as failing even idle ("loosen the SLO", exit 1), and at a lesser multiple
+    the bisection's bracket, as wide as the rate, left each max rate short (here at 2000 req/s, 1P:2D's 8.4 req/s
+    came out 2.0)."""
+    profile = tmp_path / "profile.json"
+    synthetic_profile().save(profile)
+
+    def max_rates(rate: str) -> list[float]:
+        assert cli.main(plan_argv(profile, rate, "500", "--json")) == 0
+        return [c["max_rate"] for c in json.loads(capsys.readouterr().out)["candidates"]]
+
+    within = max_rates("2")
+    for rate in ("2000", "100000"):
+        assert max_rates(rate) == pytest.approx(within, rel=0.02), rate
+    assert cli.main(plan_argv(profile, "100000", "500")) == 0
+    out, err = capsys.readouterr()
+    assert "recommended: --prefill" in out and "sustains the workload's 100000.00 req/s" in out and not err, out
+
+
 def test_only_the_colocated_shape_meeting_the_slo_is_no_recommended_split() -> None:
     """`pdserve scale` applies splits: a colocated shape that alone meets the SLO is said, no split recommended."""
     from types import SimpleNamespace
