@@ -18,6 +18,7 @@ from typing import Any
 from pdserve.protocol.perf_profile import PerfProfile, kv_transfer_s
 
 FORMAT_VERSION = 2  # 2: the chunk context term and the step overhead
+_COUNTS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk")  # 0 would never run a step
 
 
 @dataclass(frozen=True)
@@ -61,15 +62,30 @@ class HardwareProfile:
     points: dict[str, list[list[float]]] = field(default_factory=dict)  # the raw measurements
 
     def __post_init__(self) -> None:
-        """A hand-edited or cut profile is refused naming the field: a string or NaN would break, or silently
-        skew, every simulation after."""
+        """A hand-edited or cut profile is refused naming the field: a string, NaN or negative cost would break, or
+        silently skew, every simulation after (read as an SLO no split meets), a 0-token chunk would never end a
+        prompt, and a prompt that costs nothing leaves no rate to bound."""
         for f in fields(self):
             value, kind = getattr(self, f.name), str(f.type)
             if kind == "bool" and not isinstance(value, bool):
                 raise ValueError(f"{f.name} must be true or false, got {value!r}")
+            if kind.startswith("dict") and not isinstance(value, dict):
+                raise ValueError(f"{f.name} must be a JSON object, got {value!r}")
             number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-            if kind in ("float", "int") and not (number and (kind == "float" or value == int(value))):
-                raise ValueError(f"{f.name} must be a finite {'whole ' if kind == 'int' else ''}number, got {value!r}")
+            if kind in ("float", "int") and not (number and value >= 0 and (kind == "float" or value == int(value))):
+                whole = "whole " if kind == "int" else ""
+                raise ValueError(f"{f.name} must be a finite {whole}number >= 0, got {value!r}")
+        for name in _COUNTS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        perf = asdict(self.perf)
+        if bad := next(((k, v) for k, v in perf.items() if not 0 <= v < math.inf), None):
+            raise ValueError(f"perf.{bad[0]} must be a finite number >= 0, got {bad[1]!r}")
+        if not perf["prefill_per_token_s"] + perf["prefill_per_token2_s"] > 0:
+            raise ValueError("perf.prefill_per_token_s: a prompt's tokens must cost time (both per-token terms are 0)")
+        context = self.meta.get("context_tokens", 1)  # a profile older than the field has none
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            raise ValueError(f"meta.context_tokens must be a whole number >= 1, got {context!r}")
         q = self.serving_latency_quantiles_s
         latencies = isinstance(q, list) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in q)
         if not (latencies and all(0 <= v < math.inf for v in q) and q == sorted(q)):
@@ -88,6 +104,8 @@ class HardwareProfile:
         d = dict(d)
         if d.pop("version", FORMAT_VERSION) != FORMAT_VERSION:
             raise ValueError(f"profile format version must be {FORMAT_VERSION}; profile again with pdserve profile")
+        if not isinstance(d.get("perf", {}), dict):
+            raise ValueError(f"perf must be a JSON object, got {d['perf']!r}")
         return cls(**{**d, "perf": PerfProfile.from_dict(d["perf"])})
 
     def save(self, path: Path) -> None:
