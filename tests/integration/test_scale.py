@@ -1,5 +1,5 @@
 """Live scaling through a real `pdserve up` (tiny-random, 1 prefill + 1 decode), under load:
-- ScaleWorkers refuses counts the cluster cannot take, naming the field;
+- ScaleWorkers refuses counts the cluster cannot take, naming the field, and a dry run refuses them too;
 - `pdserve scale --addr` to 2P:2D and back to 1P:1D while greedy requests keep coming: none fails, every output is
   the single-process engine's, the status shows the counts, the new workers take requests, the removed workers
   drained (not replaced), and at the end every KV block is free (through Redis and a separate controller:
@@ -104,6 +104,19 @@ def test_counts_the_cluster_cannot_take_are_invalid_argument_naming_the_field(cl
             e = await scale(**counts)
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith(field), e.details()
         assert dict((await status(cluster.address)).desired) == {"prefill": 1, "decode": 1}  # nothing changed
+
+    asyncio.run(run())
+
+
+def test_a_dry_run_refuses_what_the_router_refuses_and_changes_nothing(cluster):
+    """It printed `1 prefill, 1 decode -> 1 prefill, 1 decode, 2 colocated`, exit 0, for a scale the router refuses."""
+
+    async def run() -> None:
+        code, out = await cli("scale", "--addr", cluster.address, "--colocated", "2", "--dry-run")
+        assert code == 2 and "--colocated: this cluster is disaggregated: set prefill and decode" in out, out
+        code, out = await cli("scale", "--addr", cluster.address, "--prefill", "3", "--dry-run")
+        assert code == 0 and "desired: 1 prefill, 1 decode -> 3 prefill, 1 decode" in out, out
+        assert dict((await status(cluster.address)).desired) == {"prefill": 1, "decode": 1}
 
     asyncio.run(run())
 
