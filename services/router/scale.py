@@ -8,7 +8,7 @@ from __future__ import annotations
 from pdserve.cluster.scaling import SCALE_CHECK_S
 from pdserve.config import MAX_WORKERS_PER_ROLE
 from pdserve.errors import InvalidRequestError, OverloadedError
-from pdserve.protocol.roles import Role
+from pdserve.protocol.roles import Role, mode_roles, other_mode_role
 
 
 def scale_target(asked: dict[Role, int], current: dict[Role, int], registered: set[Role]) -> dict[Role, int]:
@@ -20,11 +20,9 @@ def scale_target(asked: dict[Role, int], current: dict[Role, int], registered: s
     OverloadedError, whose retry hint says when to ask again."""
     known = set(current) or registered
     colocated = Role.COLOCATED in known if known else bool(asked.get(Role.COLOCATED))
-    wanted = (Role.COLOCATED,) if colocated else (Role.PREFILL, Role.DECODE)
-    for role, n in asked.items():
-        if n and role not in wanted:
-            shape = "colocated: set colocated only" if colocated else "disaggregated: set prefill and decode"
-            raise InvalidRequestError(str(role), f"this cluster is {shape}")
+    wanted = mode_roles(colocated)
+    if refused := other_mode_role(asked, colocated):
+        raise InvalidRequestError(*refused)
     target = {role: asked.get(role, 0) or current.get(role, 0) for role in wanted}
     if not current and registered and not all(target.values()):
         raise OverloadedError(

@@ -11,6 +11,7 @@ from typing import Any
 from pdserve.addresses import host_port
 from pdserve.config import MAX_WORKERS_PER_ROLE
 from pdserve.flags import positive_float
+from pdserve.protocol.roles import other_mode_role
 from pdserve.rpc.client_hints import exit_status, rpc_error_line
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
@@ -100,8 +101,9 @@ def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
     async def run() -> int:
         status = await cluster_status(args.addr, credentials)
         before = dict(status.desired) or all_counts(status)
-        if args.dry_run and (refused := _other_mode(before, counts)):  # what the router's ScaleWorkers refuses
-            print(f"pdserve scale: {refused}", file=sys.stderr)
+        # What the router's ScaleWorkers refuses: a dry run printed `1 prefill, 1 decode, 2 colocated`, exit 0.
+        if args.dry_run and before and (refused := other_mode_role(counts, "colocated" in before)):
+            print(f"pdserve scale: --{refused[0]}: {refused[1]}", file=sys.stderr)
             return 2
         target = {**before, **counts}  # a role not named keeps its count
         if not args.dry_run:  # printed once the router took it: a refused count changes nothing
@@ -127,18 +129,6 @@ def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
         return asyncio.run(run())
     except grpc.aio.AioRpcError as e:
         return _router_refused(e, args)
-
-
-def _other_mode(before: dict[str, int], counts: dict[str, int]) -> str | None:
-    """Why the router would refuse `counts` for a cluster whose counts are `before`, as its ScaleWorkers does: a role
-    of the other mode (a dry run that printed `1 prefill, 1 decode, 2 colocated` and exit 0 was refused for real)."""
-    if not before:
-        return None
-    colocated = "colocated" in before
-    if role := next((r for r in counts if (r == "colocated") != colocated), None):
-        mode = "colocated: set colocated only" if colocated else "disaggregated: set prefill and decode"
-        return f"--{role}: this cluster is {mode}"
-    return None
 
 
 def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 
 
 class EngineMode(enum.Enum):
@@ -28,3 +29,20 @@ _ENGINE_MODES = {
     Role.DECODE: EngineMode.DECODE_ONLY,
     Role.COLOCATED: EngineMode.MIXED,
 }
+
+
+def mode_roles(colocated: bool) -> tuple[Role, ...]:
+    """The roles a cluster of that mode is scaled by: a colocated one by `colocated` alone, a disaggregated one by
+    `prefill` and `decode`."""
+    return (Role.COLOCATED,) if colocated else (Role.PREFILL, Role.DECODE)
+
+
+def other_mode_role(asked: Mapping[Role, int] | Mapping[str, int], colocated: bool) -> tuple[str, str] | None:
+    """The first role asked a count for that a cluster of the other mode has, and why it is refused (the router's
+    ScaleWorkers and `pdserve scale --dry-run` give the same answer)."""
+    wanted = mode_roles(colocated)
+    role = next((r for r, n in asked.items() if n and r not in wanted), None)
+    if role is None:
+        return None
+    shape = "colocated: set colocated only" if colocated else "disaggregated: set prefill and decode"
+    return str(role), f"this cluster is {shape}"
