@@ -17,7 +17,16 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.planner.autoscale import Admitted, Decision, Hysteresis, LoadWindow, bounded, recommend_counts
+from pdserve.planner.autoscale import (
+    Admitted,
+    Decision,
+    Hysteresis,
+    Load,
+    LoadWindow,
+    bounded,
+    recommend_counts,
+    with_scale_down_margin,
+)
 from pdserve.planner.hardware import HardwareProfile
 from pdserve.planner.live_scale import cluster_status, scale_workers
 from pdserve.planner.plan import SLO
@@ -39,6 +48,7 @@ class AutoscaleConfig:
     once: bool  # one decision (once the window is covered), printed, then exit
     dry_run: bool  # decide and print, never scale
     range_ratio: float = 0.0  # the spread of lengths around the window's means (plan's --range-ratio)
+    scale_down_margin: float = 0.2  # fewer workers only when they would sustain this much more load
 
 
 # A status call refused for what the caller is or asked: the same call at the next interval fails the same way.
@@ -119,14 +129,19 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
             raise ValueError("autoscale scales a disaggregated cluster's split; this one is colocated")
         load = window.load()
         if load is not None:
-            plan = await asyncio.to_thread(
-                recommend_counts, c.profile, load, c.slo, c.max_workers, range_ratio=c.range_ratio
-            )
-            recommended = bounded(plan, c.max_workers)
+
+            def recommend(load: Load) -> dict[str, int]:
+                plan = recommend_counts(c.profile, load, c.slo, c.max_workers, range_ratio=c.range_ratio)
+                return bounded(plan, c.max_workers)
+
+            margin = c.scale_down_margin
+            recommended, held = await asyncio.to_thread(with_scale_down_margin, recommend, load, current, margin)
             if c.once:
                 decision = Decision(None if recommended == current else recommended, "one decision (--once)")
             else:
                 decision = hysteresis.decide(now, current, recommended)
+            if held:
+                decision = Decision(decision.target, held)
             action = "scale" if decision.target else "hold"
             record = {"load": asdict(load), "current": current, "recommended": recommended, "action": action}
             print(json.dumps({**record, "why": decision.why}), flush=True)

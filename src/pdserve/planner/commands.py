@@ -121,6 +121,7 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
 
 _share = in_range(float, 0, 1, low_in=False, high_in=True)  # as the router takes slo_headroom
 _ratio = in_range(float, 0, 1)  # --range-ratio
+_margin = in_range(float, 0, 10)  # --scale-down-margin
 
 
 def _admission(args: argparse.Namespace) -> AdmissionModel | None:
@@ -198,6 +199,12 @@ def _add_autoscale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=positive_float, default=60.0, help="seconds of admitted load per decision")
     p.add_argument("--consecutive", type=at_least_one, default=3, help="the same recommendation this often first")
     p.add_argument("--cooldown", type=seconds, default=120.0, help="seconds after a scale before the next one")
+    p.add_argument(
+        "--scale-down-margin",
+        type=_margin,
+        default=0.2,
+        help="fewer workers only when they would sustain this fraction more than the load (0: as soon as they do)",
+    )
     p.add_argument("--once", action="store_true", help="one decision once the window is covered, printed; then exit")
     p.add_argument("--dry-run", action="store_true", help="decide and print, never scale")
     p.add_argument(
@@ -223,6 +230,7 @@ def _autoscale(args: argparse.Namespace) -> int:
             once=args.once,
             dry_run=args.dry_run,
             range_ratio=args.range_ratio,
+            scale_down_margin=args.scale_down_margin,
         )
         return asyncio.run(run_autoscale(args.addr, client_credentials(args), config))
     except (ValueError, OSError) as e:

@@ -20,6 +20,7 @@ from pdserve.planner.autoscale import (
     LoadWindow,
     bounded,
     recommend_counts,
+    with_scale_down_margin,
 )
 from pdserve.planner.plan import SLO, candidate, recommend
 from pdserve.planner.shape import Shape
@@ -129,6 +130,22 @@ def test_splits_that_tie_get_the_split_plan_recommends() -> None:
     impossible = SLO(ttft_ms=500, tpot_ms=5, attainment=0.9)
     counts = recommend_counts(synthetic_profile(), Load(2.0, 512, 16), impossible, max_workers=3, num_requests=50)
     assert counts == {"prefill": 1, "decode": 2}
+
+
+def test_a_smaller_cluster_only_when_it_would_sustain_the_margin_more() -> None:
+    """One prefill worker sustains 2.0 but not 2.2 of these prompts a second: at 1.9 req/s, 2P:1D scaled down to
+    1P:1D would be scaled up again by the next windows a little above 2.0; at 1.5 it goes down."""
+
+    def recommend(load: Load) -> dict[str, int]:
+        return recommend_counts(SLOW_PREFILL, load, SLO_, max_workers=3)
+
+    two_prefill = {"prefill": 2, "decode": 1}
+    counts, why = with_scale_down_margin(recommend, Load(1.9, 400, 4), two_prefill, margin=0.2)
+    assert counts == two_prefill and why is not None and "not 20% more" in why
+    assert with_scale_down_margin(recommend, Load(1.9, 400, 4), two_prefill, margin=0.0) == (SMALLEST, None)
+    assert with_scale_down_margin(recommend, Load(1.5, 400, 4), two_prefill, margin=0.2) == (SMALLEST, None)
+    # Up as soon as the load needs it: the margin is for going down only.
+    assert with_scale_down_margin(recommend, Load(2.2, 400, 4), SMALLEST, margin=0.2) == (two_prefill, None)
 
 
 def test_bounds_keep_a_worker_per_role_and_the_cap() -> None:
