@@ -167,16 +167,16 @@ def _bench(args: argparse.Namespace) -> int:
     console, errors = Console(), Console(stderr=True, soft_wrap=True)  # an error stays one line, whole for grep
     if args.dataset_name == "trace" and args.request_rate is not None:
         errors.print("loadgen: a trace replays its own timestamps; drop --request-rate", style="red")
-        return 2
+        return EXIT_USAGE
     unused = _unused_flags(args)
     for line in unused:
         errors.print(f"loadgen: {line}", style="red", markup=False)
     if unused:
-        return 2
+        return EXIT_USAGE
     address = args.addr if args.backend == "grpc" else args.base_url
     if not address:
         errors.print(f"loadgen: --backend {args.backend} needs {_ADDRESS_FLAG[args.backend]}", style="red")
-        return 2
+        return EXIT_USAGE
     try:
         prefixed = {f: f"prefix_repetition_{f}" for f in ("prefix_len", "suffix_len", "num_prefixes")}
         prefixed["prefix_output_len"] = "prefix_repetition_output_len"
@@ -195,7 +195,7 @@ def _bench(args: argparse.Namespace) -> int:
         _check_outputs(args.result_json, args.plot_dir)
     except (ValueError, OSError, RuntimeError) as e:  # bad flags, or a model whose vocabulary cannot be read
         errors.print(f"loadgen: {e}", style="red")
-        return 2
+        return EXIT_USAGE
 
     ran: list[dict[str, Any]] = []
 
