@@ -233,10 +233,6 @@ def run_engine_bench(
     GEMM floor after them: a shared machine's speed drifts by tens of percent over minutes, so figures taken
     one engine after the other would compare different machines.
     """
-    from rich.table import Table
-
-    from pdserve.bench.report_console import report_console
-
     if decode_tokens < 2:
         raise ValueError(f"decode_tokens must be at least 2 (the first token is prefill), got {decode_tokens}")
     if rounds < 1:
@@ -247,38 +243,13 @@ def run_engine_bench(
     runners: dict[str, _Runner] = {"pdserve": ours}
     if compare_transformers:
         runners["transformers"] = _TransformersRunner(config)
-    prompts = _Prompts(ours.engine.model_config.vocab_size)
     cases = _cases(batch_sizes, prompt_len, decode_prompt_len, decode_tokens)
-    for runner in runners.values():
-        for case in cases:
-            case.warm_up(runner, prompts)
-    samples: dict[str, dict[str, list[float]]] = {
-        case.name: {label: [] for label in [*runners, "floor", "bound"]} for case in cases
-    }
-    device = resolve_device(config)
+    samples, copy_gbps = _timed_rounds(ours, runners, cases, rounds)
     e = ours.engine
-    weights = weight_bytes_per_step(e.model)
-    kv_per_token = kv_block_bytes(e.model_config, e.config.block_size, e.runner.dtype) // e.config.block_size
-    copy_gbps: list[float] = []
-    for round_index in range(rounds):
-        copy_gbps.append(copy_bandwidth_gbps(device))
-        order = list(runners.items())
-        if round_index % 2:
-            order.reverse()
-        for case in cases:
-            batch = case.prompts(prompts)  # both engines get the same prompts
-            for label, runner in order:
-                samples[case.name][label].append(case.tok_s(runner, batch))
-            samples[case.name]["floor"].append(case.gemm_floor_tok_s(ours.engine.model, device))
-            if not case.is_prefill:  # a prefill is bound by its GEMMs, not by reading the weights
-                context = case.prompt_len + (case.decode_tokens - 1) / 2  # on average over the decode
-                bound = decode_bound_tok_s(weights, kv_per_token, case.batch, context, copy_gbps[-1])
-                samples[case.name]["bound"].append(bound)
-
     result: dict[str, Any] = {
         "model": config.model,
         "dtype": str(resolve_dtype(config)).removeprefix("torch."),
-        "device": str(resolve_device(config)),
+        "device": str(ours.device),
         "threads": torch.get_num_threads(),
         "decode_steps": e.runner.decode_graphs.describe() if e.runner.decode_graphs else "eager",
         "prompt_len": prompt_len,
@@ -286,43 +257,87 @@ def run_engine_bench(
         "decode_tokens": decode_tokens,
         "rounds": rounds,
         "copy_gbps": statistics.median(copy_gbps),
-        "weight_bytes_per_step": weights,
-        "rows": [],
+        "weight_bytes_per_step": weight_bytes_per_step(e.model),
+        "rows": [_row(name, per_round, compare_transformers) for name, per_round in samples.items()],
     }
-    for name, per_round in samples.items():
-        mine, floor = per_round["pdserve"], per_round["floor"]
-        row: dict[str, Any] = {
-            "name": name,
-            "pdserve_tok_s": statistics.median(mine),
-            "gemm_floor_tok_s": statistics.median(floor),
-            "pdserve_share_of_floor": _median_ratio(mine, floor),
-            "per_round": per_round,
-        }
-        if bounds := per_round["bound"]:
-            row["bandwidth_bound_tok_s"] = statistics.median(bounds)
-            row["pdserve_share_of_bound"] = _median_ratio(mine, bounds)
-        if compare_transformers:
-            theirs = per_round["transformers"]
-            row["transformers_tok_s"] = statistics.median(theirs)
-            row["ratio"] = _median_ratio(mine, theirs)
-            row["floor_ratio"] = _median_ratio(floor, theirs)
-        result["rows"].append(row)
+    _print_report(result, compare_transformers)
+    return result
+
+
+def _timed_rounds(
+    ours: _EngineRunner, runners: dict[str, _Runner], cases: list[_Case], rounds: int
+) -> tuple[dict[str, dict[str, list[float]]], list[float]]:
+    """Per case, per runner (and "floor", "bound"), its tokens/s in each round; and each round's copy GB/s."""
+    prompts = _Prompts(ours.engine.model_config.vocab_size)
+    for runner in runners.values():
+        for case in cases:
+            case.warm_up(runner, prompts)
+    samples: dict[str, dict[str, list[float]]] = {
+        case.name: {label: [] for label in [*runners, "floor", "bound"]} for case in cases
+    }
+    e = ours.engine
+    weights = weight_bytes_per_step(e.model)
+    kv_per_token = kv_block_bytes(e.model_config, e.config.block_size, e.runner.dtype) // e.config.block_size
+    copy_gbps: list[float] = []
+    for round_index in range(rounds):
+        copy_gbps.append(copy_bandwidth_gbps(ours.device))
+        order = list(runners.items())
+        if round_index % 2:
+            order.reverse()
+        for case in cases:
+            batch = case.prompts(prompts)  # both engines get the same prompts
+            for label, runner in order:
+                samples[case.name][label].append(case.tok_s(runner, batch))
+            samples[case.name]["floor"].append(case.gemm_floor_tok_s(e.model, ours.device))
+            if not case.is_prefill:  # a prefill is bound by its GEMMs, not by reading the weights
+                context = case.prompt_len + (case.decode_tokens - 1) / 2  # on average over the decode
+                bound = decode_bound_tok_s(weights, kv_per_token, case.batch, context, copy_gbps[-1])
+                samples[case.name]["bound"].append(bound)
+    return samples, copy_gbps
+
+
+def _row(name: str, per_round: dict[str, list[float]], compare_transformers: bool) -> dict[str, Any]:
+    """One case's medians, and its ratios as medians of the rounds' ratios."""
+    mine, floor = per_round["pdserve"], per_round["floor"]
+    row: dict[str, Any] = {
+        "name": name,
+        "pdserve_tok_s": statistics.median(mine),
+        "gemm_floor_tok_s": statistics.median(floor),
+        "pdserve_share_of_floor": _median_ratio(mine, floor),
+        "per_round": per_round,
+    }
+    if bounds := per_round["bound"]:
+        row["bandwidth_bound_tok_s"] = statistics.median(bounds)
+        row["pdserve_share_of_bound"] = _median_ratio(mine, bounds)
+    if compare_transformers:
+        theirs = per_round["transformers"]
+        row["transformers_tok_s"] = statistics.median(theirs)
+        row["ratio"] = _median_ratio(mine, theirs)
+        row["floor_ratio"] = _median_ratio(floor, theirs)
+    return row
+
+
+def _print_report(result: dict[str, Any], compare_transformers: bool) -> None:
+    from rich.table import Table
+
+    from pdserve.bench.report_console import report_console
 
     console = report_console()
     console.print(
         f"model {result['model']}, dtype {result['dtype']}, device {result['device']}, {result['threads']} threads"
     )
     console.print(
-        f"prefill: {prompt_len} tokens; decode: {decode_tokens} tokens after {decode_prompt_len}-token prompts; "
-        f"decode steps {result['decode_steps']}"
+        f"prefill: {result['prompt_len']} tokens; decode: {result['decode_tokens']} tokens after "
+        f"{result['decode_prompt_len']}-token prompts; decode steps {result['decode_steps']}"
     )
     console.print(
-        f"medians of {rounds} rounds, the engines back to back in each; ratios are medians of per-round ratios"
+        f"medians of {result['rounds']} rounds, the engines back to back in each; ratios are medians of per-round "
+        "ratios"
     )
     console.print("GEMM floor: the step reduced to the model's projections; no engine using these kernels is faster")
     console.print(
-        f"bandwidth bound: a decode step reading only its {weights / 1e6:.0f} MB of weights and its KV once, at "
-        f"the {result['copy_gbps']:.1f} GB/s a copy measured here"
+        f"bandwidth bound: a decode step reading only its {result['weight_bytes_per_step'] / 1e6:.0f} MB of weights "
+        f"and its KV once, at the {result['copy_gbps']:.1f} GB/s a copy measured here"
     )
     table = Table(title="pdserve engine bench")
     table.add_column("")
@@ -349,4 +364,3 @@ def run_engine_bench(
             cells += ["-", "-"]
         table.add_row(*cells)
     console.print(table)
-    return result
