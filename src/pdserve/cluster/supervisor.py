@@ -132,7 +132,8 @@ class Supervisor:
                 task.cancel()
 
     async def check_all(self) -> None:
-        """One check of every slot, together (what `run` does each interval, waiting for the slowest)."""
+        """One check of every slot, together, returning once the slowest is done: a pass of `run`'s checks that a
+        caller can wait for (`run` itself never waits on a slow slot, so tests step through passes with this)."""
         await asyncio.gather(*(self._reported(s) for s in list(self.slots.values())))
 
     async def _reported(self, slot: Slot) -> None:
