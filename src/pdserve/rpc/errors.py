@@ -236,9 +236,7 @@ def _wrap_unary(fn: UnaryHandler, check: bool) -> UnaryHandler:
     return unary
 
 
-def _wrap_stream(
-    fn: Callable[[Any, grpc.aio.ServicerContext], AsyncGenerator[Any, None]], check: bool
-) -> Callable[..., AsyncGenerator[Any, None]]:
+def _wrap_stream(fn: StreamHandler, check: bool) -> StreamHandler:
     async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
         try:
             if check:
