@@ -1,4 +1,5 @@
-"""The metric names and meanings (contract: see the observability issue), for the router and the workers."""
+"""The metric names and meanings, a contract (docs/architecture.md, "Metrics"; docs/observability.md#metrics), of
+the router, the workers and the launcher's supervision."""
 
 from __future__ import annotations
 
