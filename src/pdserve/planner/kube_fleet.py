@@ -18,6 +18,7 @@ from pdserve.addresses import host_of
 from pdserve.planner.kube_scale import (
     FLOOR_ADVICE,
     WorkerPod,
+    check_replicas_are_ours,
     empty_pods,
     group_replicas,
     lowered_floors,
@@ -46,12 +47,8 @@ class ScaleRefused(Exception):
 def pod_changes(live: dict[str, Any], counts: dict[str, int]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """The groups' replicas now, and of `counts` the groups to grow and to shrink; ScaleRefused where the Ray
     autoscaler owns the replicas or the groups are not the chart's."""
-    if live.get("spec", {}).get("enableInTreeAutoscaling"):
-        raise ScaleRefused(
-            "the Ray autoscaler owns this RayCluster's pods (the chart's ray.autoscaler.enabled); "
-            "scale the workers with --addr alone and it follows them"
-        )
     try:
+        check_replicas_are_ours(live)
         replicas = group_replicas(live)
     except ValueError as e:
         raise ScaleRefused(str(e)) from None

@@ -169,10 +169,22 @@ class RayClusterApi:
         return found
 
 
+def check_replicas_are_ours(live: Mapping[str, Any]) -> None:
+    """ValueError when the Ray autoscaler owns the live RayCluster's replicas: it sets them back to what its
+    workers need within seconds, so a patch of them alone changed nothing but said it had."""
+    if live.get("spec", {}).get("enableInTreeAutoscaling"):
+        raise ValueError(
+            "the Ray autoscaler owns this RayCluster's pods (the chart's ray.autoscaler.enabled); "
+            "scale the workers with --addr alone and it follows them"
+        )
+
+
 def apply_patch(api: RayClusterApi, counts: dict[str, int]) -> tuple[list[dict[str, Any]], list[str]]:
     """Reads the live RayCluster, patches its replicas, returns the patch and the groups it took below their
-    disruption budget's floor (`lowered_floors`)."""
+    disruption budget's floor (`lowered_floors`); ValueError, patching nothing, where the Ray autoscaler owns
+    them."""
     live = api.get()
+    check_replicas_are_ours(live)
     patch = replicas_patch(counts, live)
     api.patch(patch)
     return patch, lowered_floors(counts, live)

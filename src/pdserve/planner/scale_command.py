@@ -152,14 +152,16 @@ def _scale_kubernetes(args: argparse.Namespace, counts: dict[str, int]) -> int:
 
 def _dry_run_patch(name: str, namespace: str, counts: dict[str, int]) -> tuple[list[dict[str, Any]], list[str]]:
     """The patch a scale would apply, read against the live RayCluster (the minReplicas/maxReplicas it widens,
-    the floors it lowers); where that cannot be read (no cluster, no rights), the replicas alone, said so."""
-    from pdserve.planner.kube_scale import RayClusterApi, lowered_floors, replicas_patch
+    the floors it lowers; ValueError where the scale would refuse it); where that cannot be read (no cluster, no
+    rights), the replicas alone, said so."""
+    from pdserve.planner.kube_scale import RayClusterApi, check_replicas_are_ours, lowered_floors, replicas_patch
 
     try:
         live = RayClusterApi(name, namespace).get()
     except Exception as e:  # the kubernetes client's: no credentials, no such object, refused by the API server
         print(f"pdserve scale: RayCluster {namespace}/{name} not read ({e}): the replicas alone", file=sys.stderr)
         return replicas_patch(counts), []
+    check_replicas_are_ours(live)
     return replicas_patch(counts, live), lowered_floors(counts, live)
 
 

@@ -195,6 +195,20 @@ class RecordingRayCluster:
         return []
 
 
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_replicas_the_ray_autoscaler_owns_are_refused_unpatched(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], dry_run: list[str]
+) -> None:
+    """The chart's default: the autoscaler would set them back to what the workers need, the patch printed as done."""
+    owned = RecordingRayCluster()
+    owned.live["spec"]["enableInTreeAutoscaling"] = True
+    monkeypatch.setattr(kube_scale, "RayClusterApi", lambda name, namespace: owned)
+    assert cli.main(["scale", "--kubernetes", "--prefill", "2", "--decode", "1", *dry_run]) == 2
+    captured = capsys.readouterr()
+    assert "the Ray autoscaler owns this RayCluster's pods" in captured.err and "--addr" in captured.err
+    assert not captured.out and not owned.patches
+
+
 def test_a_router_that_cannot_be_reached_leaves_the_pods_as_they_were() -> None:
     api = RecordingRayCluster()
     with socket.socket() as s:  # a port nothing listens on
