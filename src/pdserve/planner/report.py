@@ -48,7 +48,8 @@ def profile_caption(p: HardwareProfile) -> str:
     """What the simulation assumed of the hardware: an SRE reads a plan for GPU pods differently from one for
     workers sharing a host's cores."""
     meta = p.meta
-    threads = f", {meta['threads']} threads" if "threads" in meta else ""  # a CPU profile's speed is its threads'
+    # A CPU profile's speed is its threads'.
+    threads = f", {meta['threads']} thread{'s' * (meta['threads'] != 1)}" if "threads" in meta else ""
     line = f"profile: {meta.get('model', '?')} on {meta.get('device', '?')} ({meta.get('dtype', '?')}{threads})"
     served = p.serving_latency_s or p.serving_latency_quantiles_s
     line += f", serving latency {describe(p)}" if served else ", no serving latency"

@@ -120,7 +120,8 @@ def _scale_live(args: argparse.Namespace, counts: dict[str, int]) -> int:
             named = {role: n for role, n in reply.desired.items() if role in counts}  # others are another scale's
             await wait_settled(args.addr, credentials, named, args.timeout)
         except TimeoutError as e:
-            print(f"pdserve scale: not settled: {e}", file=sys.stderr)
+            # The counts stay set: the fleet goes on starting or draining workers to them after this command exits.
+            print(f"pdserve scale: not settled: {e}; the counts stay set and the cluster goes on", file=sys.stderr)
             return 1
         print(f"serving: {format_counts(dict(reply.desired))} ({time.monotonic() - start:.1f} s)")
         return 0

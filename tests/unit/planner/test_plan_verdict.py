@@ -109,3 +109,5 @@ def test_the_caption_names_the_profiles_threads() -> None:
     profile = synthetic_profile()
     profile.meta.update(model="tiny-random", device="cpu", dtype="float32", threads=2)
     assert profile_caption(profile).startswith("profile: tiny-random on cpu (float32, 2 threads)")
+    profile.meta.update(threads=1)
+    assert profile_caption(profile).startswith("profile: tiny-random on cpu (float32, 1 thread)")
