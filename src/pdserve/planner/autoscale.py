@@ -10,8 +10,9 @@ get) or, in a window where none finished, from `max_tokens`. A client that retri
 load is what reached the routers. The recommendation re-plans that load with the planner's simulator, the router's
 admission included (as `pdserve plan` does): the fewest workers (2 up to the cap) whose best split sustains the
 observed rate at the SLO attainment target, and that split; an idle window recommends the smallest cluster, one
-worker per role; a smaller cluster than the current one only when it would sustain a margin more than the load
-(`with_scale_down_margin`), so a load near one size's capacity does not scale it up and down. A recommendation
+worker per role; a smaller cluster than the current one only when it would sustain the window's rate at its
+upper bound and a margin more (`with_scale_down_margin`), so a load near one size's capacity does not scale it up
+and down. A recommendation
 becomes a scale only after it came `consecutive` times in a row (one busy window is not a trend) and the last scale
 applied is `cooldown_s` old (a scale changes the load each worker sees, and new
 workers need time to warm up before their effect shows). A scale that failed changed nothing: no cooldown, and the
@@ -33,6 +34,7 @@ from pdserve.planner.shape import Shape
 
 SMALLEST = {"prefill": 1, "decode": 1}
 PLAN_REQUESTS = 200  # requests per simulated run: enough for a p90, few enough to re-plan every interval
+NOISE_Z = 2.0  # standard deviations of a window's rate a scale down allows for (one-sided: ~98% of windows)
 
 
 @dataclass(frozen=True)
@@ -122,21 +124,37 @@ def recommend_counts(
     return {"prefill": best.shape.prefill, "decode": best.shape.decode}
 
 
+def scale_down_rate(rate: float, window_s: float, margin: float) -> float:
+    """The rate a smaller cluster must sustain before the autoscaler goes down to it: the window's rate at its
+    upper bound (Poisson arrivals: `NOISE_Z` standard deviations, sqrt(rate / window), above it) and `margin` more.
+    A window of a few requests reads a steady rate anywhere from a third to nearly twice it (3 s at 2.1 req/s:
+    0.67-3.67 req/s, 5th to 95th percentile): a margin alone of 20% still scaled a cluster at the edge of one
+    size's capacity up and down every few seconds."""
+    return (rate + NOISE_Z * math.sqrt(rate / window_s)) * (1 + margin)
+
+
 def with_scale_down_margin(
-    recommend: Callable[[Load], dict[str, int]], load: Load, current: dict[str, int], margin: float
+    recommend: Callable[[Load], dict[str, int]],
+    load: Load,
+    current: dict[str, int],
+    margin: float,
+    window_s: float,
 ) -> tuple[dict[str, int], str | None]:
-    """`recommend(load)`, but fewer workers than `current` only as many as would also sustain `margin` more load
-    (`recommend` at that rate); when that is no fewer, `current` and why it holds. Without the gap a steady load
-    at the edge of a size's capacity, its windows' rates now above and now below it, scaled the cluster up and
-    down at every cooldown: 12 scales in 65 s at a steady 2.1 req/s with the test's short window and cooldown."""
+    """`recommend(load)`, but fewer workers than `current` only as many as would also sustain `scale_down_rate`
+    (`recommend` at that rate); when that is no fewer, `current` and why it holds. Going up needs no such bound:
+    a load that outgrew the cluster misses its SLOs until it grows."""
     recommended = recommend(load)
-    if margin <= 0 or sum(recommended.values()) >= sum(current.values()):
+    if sum(recommended.values()) >= sum(current.values()):
         return recommended, None
-    padded = recommend(replace(load, rate=load.rate * (1 + margin)))
+    padded_rate = scale_down_rate(load.rate, window_s, margin)
+    padded = recommend(replace(load, rate=padded_rate))
     if sum(padded.values()) < sum(current.values()):
         return padded, None
     fewer = sum(recommended.values())
-    why = f"{fewer} workers would sustain {load.rate:.3g} req/s but not {margin:.0%} more (--scale-down-margin)"
+    why = (
+        f"{fewer} workers would sustain {load.rate:.3g} req/s but not {padded_rate:.3g}, its upper bound over the "
+        f"window and --scale-down-margin more"
+    )
     return dict(current), why
 
 

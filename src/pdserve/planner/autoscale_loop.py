@@ -48,7 +48,7 @@ class AutoscaleConfig:
     once: bool  # one decision (once the window is covered), printed, then exit
     dry_run: bool  # decide and print, never scale
     range_ratio: float = 0.0  # the spread of lengths around the window's means (plan's --range-ratio)
-    scale_down_margin: float = 0.2  # fewer workers only when they would sustain this much more load
+    scale_down_margin: float = 0.2  # fewer workers only when they would sustain this much more (than the bound)
 
 
 # A status call refused for what the caller is or asked: the same call at the next interval fails the same way.
@@ -134,8 +134,10 @@ async def run_autoscale(addr: str, credentials: ClientCredentials, c: AutoscaleC
                 plan = recommend_counts(c.profile, load, c.slo, c.max_workers, range_ratio=c.range_ratio)
                 return bounded(plan, c.max_workers)
 
-            margin = c.scale_down_margin
-            recommended, held = await asyncio.to_thread(with_scale_down_margin, recommend, load, current, margin)
+            margin, window_s = c.scale_down_margin, c.window_s
+            recommended, held = await asyncio.to_thread(
+                with_scale_down_margin, recommend, load, current, margin, window_s
+            )
             if c.once:
                 decision = Decision(None if recommended == current else recommended, "one decision (--once)")
             else:
