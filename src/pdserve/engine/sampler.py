@@ -48,8 +48,10 @@ def make_generator(seed: int | None, device: torch.device, drawn: int = 0) -> to
 class Sampler:
     """Stateless; the engine calls it once per step on the whole batch.
 
-    A row with a generator draws its randomness only from it, so a seeded request gives the same tokens
-    whatever else shares its batch. Rows without one use the global RNG. Greedy rows draw nothing.
+    A row with a generator draws its randomness only from it: a seeded request draws the same numbers whatever
+    else shares its batch, but a batch moves the model's logits by up to ~1e-4, and a draw that lands that near
+    a cut-off of the cumulative sum takes the neighbouring token (docs/engine.md says how often). Rows without
+    one use the global RNG. Greedy rows draw nothing.
     Logit biases apply first, then penalties (as in vLLM), then temperature, top-k and top-p.
     """
 
