@@ -195,11 +195,13 @@ class RedisPrefixIndex(PrefixIndex):
             asked = {w: slot for w in matching if (slot := slots[w]) is not None and slot != UNREADABLE}
             probe = block_hashes[start : start + size]
             segments = [probe[i : i + LOOKUPS_PER_CALL] for i in range(0, len(probe), LOOKUPS_PER_CALL)]
-            pipe = self._client().pipeline(transaction=False)
-            for segment in segments:
-                args: list[bytes | int] = [version, len(asked), *asked.values(), *segment]
-                await self._script(holders.MATCH)(KEYS, args, client=pipe)
-            answers = await pipe.execute(raise_on_error=False)
+            # Closed however the round ends: a match given up on while the pipeline checked its script (its first
+            # round trip) kept that connection from the pool for good, and 32 such misses left none.
+            async with self._client().pipeline(transaction=False) as pipe:
+                for segment in segments:
+                    args: list[bytes | int] = [version, len(asked), *asked.values(), *segment]
+                    await self._script(holders.MATCH)(KEYS, args, client=pipe)
+                answers = await pipe.execute(raise_on_error=False)
             if STALE in answers:  # an answer all the same: Redis is up, whatever the budget leaves of the retry
                 fresh = True
                 yield
