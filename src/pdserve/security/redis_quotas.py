@@ -15,8 +15,8 @@ itself, a large body parsed, is not Redis's to miss, and an answer that came dur
 or takes longer is answered by this router's own `LocalQuotas` instead (the per-router limits, over every stream
 this router serves, whichever admitted it: N routers admit up to N times a key's limits meanwhile) until a
 background ping every `retry_s` has an answer; the outage is logged once and its end too. What Redis runs of such
-a call later has no effect there (a stream's lease is removed, a take of a request or of tokens comes back), so
-nothing is counted twice. A lease whose release is lost in an outage expires on its own.
+a call later has no effect there (a stream's lease is removed, a take comes back: sent until Redis has it, however
+long it stood still), so nothing is counted twice. A lease whose release is lost in an outage expires on its own.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import redis.asyncio as aredis
 
@@ -175,10 +175,6 @@ def quota_key(tenant: Tenant, what: str) -> str:
     return f"{PREFIX}:quota:{tenant.key_name}:{what}"
 
 
-def _per_ms(rate_per_s: float) -> float:
-    return rate_per_s / 1000
-
-
 def _refill_ms(rate_per_s: float, capacity: float) -> int:
     """A bucket's TTL: once it could have refilled, a missing key means the same."""
     return math.ceil(1000 * capacity / rate_per_s) + 1000
@@ -285,12 +281,13 @@ class RedisQuotas(Quotas):
         """`cost` from the key's `what` bucket (raising `over` when short), with how to give it back; None when Redis
         gave no answer in time: the caller takes it from the local limits instead."""
         bucket = [quota_key(tenant, what)]
-        args: list[Arg] = [_per_ms(rate_per_s), capacity, cost, _refill_ms(rate_per_s, capacity)]
+        args: list[Arg] = [rate_per_s / 1000, capacity, cost, _refill_ms(rate_per_s, capacity)]
         marked = [*bucket, quota_key(tenant, f"take:{uuid.uuid4().hex}")]
 
         def abandon() -> None:  # Redis may still run (or have run) the take it did not answer in time
             call = lambda: self._abandon_take(keys=marked, args=[*args, self._lease_ms])  # noqa: E731
-            self._in_background(call, "abandon")
+            # Until Redis has it: one stopped past the write's timeout runs the take when it wakes, charged twice.
+            self._in_background(call, "abandon", until_done=True)
 
         answer = await self._ask(lambda: self._take(keys=marked, args=[*args, self._lease_ms]), on_miss=abandon)
         if answer is None:
@@ -348,14 +345,19 @@ class RedisQuotas(Quotas):
         streams = self._leases.pop(lease)
         self._in_background(lambda: self._redis.zrem(streams, lease), "stream lease not removed")
 
-    def _in_background(self, call: Callable[[], Awaitable[object]], what: str) -> None:
-        """A write no request waits for; lost, it costs a lease's expiry or a refill's wait, never a request."""
+    def _in_background(self, call: Callable[[], Awaitable[object]], what: str, until_done: bool = False) -> None:
+        """A write no request waits for; lost, it costs a lease's expiry or a refill's wait, never a request.
+        `until_done`: tried again every `retry_s` until Redis has it (an idempotent one)."""
 
         async def write() -> None:
-            try:
-                await asyncio.wait_for(call(), self.write_timeout_s)
-            except Exception as e:
-                self._write_failed.warning("quota redis: %s failed: %r", what, e)
+            while True:
+                try:
+                    return await asyncio.wait_for(cast(Awaitable[None], call()), self.write_timeout_s)
+                except Exception as e:
+                    self._write_failed.warning("quota redis: %s failed: %r", what, e)
+                if not until_done or self._closing:
+                    return
+                await asyncio.sleep(self.retry_s)
 
         task = asyncio.get_running_loop().create_task(write())
         self._writes.add(task)
