@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from pdserve.engine.sampler import Sampler, make_generator
+from pdserve.engine.sampler import Sampler
 from pdserve.protocol.sampling import SamplingParams
 
 VOCAB = 49_152
@@ -40,8 +40,8 @@ SETTINGS = {
 
 def step(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, histories: list) -> None:
     rows = len(histories)
-    generators = [make_generator(params.seed, logits.device) for _ in range(rows)]  # none unless seeded
-    tokens = sampler(logits, [params] * rows, generators, histories if params.penalized else None)
+    seeded = [None if params.seed is None else (params.seed + row, 100) for row in range(rows)]
+    tokens = sampler(logits, [params] * rows, seeded, histories if params.penalized else None)
     if params.logprobs is not None:
         sampler.logprobs(logits, tokens, list(range(rows)), [params.logprobs] * rows)
     if logits.is_cuda:

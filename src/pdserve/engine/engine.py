@@ -20,7 +20,7 @@ from pdserve.engine.guided import GuidedDecoding
 from pdserve.engine.model_files import generation_eos_ids, tokenizer_folder
 from pdserve.engine.model_runner import ModelRunner, kv_block_bytes, load_model
 from pdserve.engine.models import resolve_model
-from pdserve.engine.sampler import Sampler, TokenHistory, make_generator
+from pdserve.engine.sampler import Sampler, TokenHistory
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.tokenizer import Tokenizer
@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 class _Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
     prompt_seen: np.ndarray | None  # with penalties: the prompt's distinct tokens, found once
     matcher: llguidance.LLMatcher | None  # with an output constraint: what its output may be next (guided.py)
     # With prompt logprobs: those of prompt positions 1, 2, ... found so far (position 0 has no context).
@@ -148,7 +147,7 @@ class LLMEngine:
             raise RuntimeError("a decode-only engine takes sequences with their KV, through receive()")
         self.scheduler.add(self._new_request(request))
 
-    def _new_request(self, request: EngineRequest, first_token_elsewhere: bool = False) -> Sequence:
+    def _new_request(self, request: EngineRequest) -> Sequence:
         if request.request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         prompt, sampling, resumed = request.prompt, request.sampling, request.resumed_output_tokens
@@ -166,11 +165,10 @@ class LLMEngine:
             priority=request.priority,
         )
         detok = IncrementalDetokenizer(self.tokenizer.backend, seq.prompt_token_ids, stop=sampling.stop)
-        generator = make_generator(sampling.seed, self.runner.device, resumed + first_token_elsewhere)
         seen = np.unique(np.asarray(seq.original_prompt_token_ids, dtype=np.int64)) if sampling.penalized else None
         constraint, so_far = sampling.constraint, prompt[len(prompt) - resumed :]
         matcher = None if constraint is None else self.guided.matcher(constraint, so_far, request.grammar)
-        self._requests[request.request_id] = _Request(seq, detok, generator, seen, matcher)
+        self._requests[request.request_id] = _Request(seq, detok, seen, matcher)
         return seq
 
     @property
@@ -199,7 +197,7 @@ class LLMEngine:
         OverloadedError (the caller sheds it) when the batch is full, or the pool cannot hold it now beside what
         preempted sequences wait for."""
         # Checked first: what is never valid says so, full batch or not. Its first token is the prefill worker's.
-        seq = self._new_request(request, first_token_elsewhere=True)
+        seq = self._new_request(request)
         if (held := self.num_sequences - 1) >= (cap := self.config.scheduler.max_num_seqs):
             del self._requests[request.request_id]
             raise OverloadedError(f"its batch is full ({held} sequences, max_num_seqs {cap})")
@@ -284,7 +282,9 @@ class LLMEngine:
         params = [r.seq.sampling for r in sampled]
         histories = [r.token_history() for r in sampled]
         masked = logits if mask is None else mask.masked(logits)
-        tokens = self.sampler(masked, params, [r.generator for r in sampled], histories)
+        # The position each row draws is its sequence's length: the same on whichever engine draws it.
+        seeded = [None if p.seed is None else (p.seed, r.seq.num_tokens) for p, r in zip(params, sampled, strict=True)]
+        tokens = self.sampler(masked, params, seeded, histories)
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs: dict[int, TokenLogprobs] = {}
         if asked:

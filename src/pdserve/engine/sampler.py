@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pdserve.engine.seeded_noise import exponential_noise
 from pdserve.protocol.outputs import TokenLogprobs
 from pdserve.protocol.sampling import SamplingParams
 
@@ -25,33 +26,17 @@ CANDIDATES = (64, 1024)
 # row without penalties). The prompt's part is computed once per request, the output's grows by a token a step.
 TokenHistory = tuple[np.ndarray, list[int]] | None
 
-
-def make_generator(seed: int | None, device: torch.device, drawn: int = 0) -> torch.Generator | None:
-    """The per-request RNG: created once when a seeded request enters and kept across its steps. `drawn`: the
-    tokens of this request sampled elsewhere (a prefill worker's first token, a migrated stream's tokens), whose
-    draws it skips, so a seeded request's tokens are the same however its engines split it. Each sampled token
-    takes one draw of its own (`_uniforms`): a CPU generator draws in sequence, so `drawn` at once are the same;
-    a CUDA generator's offset advances per call, so there it skips them one call each."""
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    if device.type == "cpu":
-        torch.empty(drawn, dtype=torch.float64).uniform_(generator=generator)
-    else:
-        skipped = torch.empty(1, dtype=torch.float64, device=device)
-        for _ in range(drawn):
-            skipped.uniform_(generator=generator)
-    return generator
+# A seeded row's (seed, position of the token it draws in its sequence); None for a row drawing from the global RNG.
+SeedAt = tuple[int, int] | None
 
 
 class Sampler:
     """Stateless; the engine calls it once per step on the whole batch.
 
-    A row with a generator draws its randomness only from it: a seeded request draws the same numbers whatever
-    else shares its batch, but a batch moves the model's logits by up to ~1e-4, and a draw that lands that near
-    a cut-off of the cumulative sum takes the neighbouring token (docs/engine.md says how often). Rows without
-    one use the global RNG. Greedy rows draw nothing.
+    A seeded row races its tokens with noise from its (seed, position) alone (seeded_noise.py): its token does not
+    depend on what shares its batch, or on which engine draws it, unless a batch's ~1e-4 move of the logits
+    reorders its two best scores. Unseeded rows draw one uniform from the global RNG against the cumulative sum,
+    cheaper on a CPU. Greedy rows draw nothing.
     Logit biases apply first, then penalties (as in vLLM), then temperature, top-k and top-p.
     """
 
@@ -59,7 +44,7 @@ class Sampler:
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        seeded: Sequence[SeedAt],
         histories: Sequence[TokenHistory] | None = None,
     ) -> torch.Tensor:
         """logits [N, V] in any float dtype, read only; returns [N] int64 token ids on logits.device.
@@ -74,26 +59,24 @@ class Sampler:
         if not sampled_rows:
             return logits.argmax(dim=-1)
         if len(sampled_rows) == len(params):
-            return self._sample(logits, params, generators)
+            return self._sample(logits, params, seeded)
         tokens = logits.argmax(dim=-1)
         rows = torch.tensor(sampled_rows, device=logits.device)
-        tokens[rows] = self._sample(
-            logits[rows], [params[i] for i in sampled_rows], [generators[i] for i in sampled_rows]
-        )
+        tokens[rows] = self._sample(logits[rows], [params[i] for i in sampled_rows], [seeded[i] for i in sampled_rows])
         return tokens
 
     def _sample(
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        seeded: Sequence[SeedAt],
     ) -> torch.Tensor:
         device = logits.device
         temperature = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params], device=device)
         logits = logits / temperature.unsqueeze(1)  # [n, V], a copy the masking below may write into
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             logits.masked_fill_(self._outside_top_k_top_p(logits, params), float("-inf"))
-        return _inverse_cdf_draw(logits.softmax(dim=-1), _uniforms(logits.shape[0], generators, device))
+        return _draw(logits.softmax(dim=-1), seeded)
 
     @staticmethod
     def logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], counts: list[int]) -> list[TokenLogprobs]:
@@ -203,27 +186,39 @@ class Sampler:
         return torch.empty_like(drop).scatter_(-1, order, drop)
 
 
-def _uniforms(rows: int, generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) draw per row (float64), a seeded row's from its own generator: unlike torch.multinomial, a
-    seeded request's tokens then do not depend on what shares its batch."""
-    u = torch.empty(rows, dtype=torch.float64, device=device)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if len(unseeded) == rows:
-        return u.uniform_()
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            u[i : i + 1].uniform_(generator=generator)
-    if unseeded:
-        u[torch.tensor(unseeded, device=device)] = u.new_empty(len(unseeded)).uniform_()
-    return u
+def _draw(probs: torch.Tensor, seeded: Sequence[SeedAt]) -> torch.Tensor:
+    """Each row's token: a seeded row's by its race, the others' by the inverse CDF."""
+    raced = [i for i, at in enumerate(seeded) if at is not None]
+    if not raced:
+        return _inverse_cdf_draw(probs)
+    if len(raced) == len(seeded):
+        return _race(probs, seeded)
+    tokens = torch.empty(len(seeded), dtype=torch.int64, device=probs.device)
+    raced_index = torch.tensor(raced, device=probs.device)
+    drawn_index = torch.tensor([i for i, at in enumerate(seeded) if at is None], device=probs.device)
+    tokens[raced_index] = _race(probs[raced_index], [seeded[i] for i in raced])
+    tokens[drawn_index] = _inverse_cdf_draw(probs[drawn_index])
+    return tokens
 
 
-def _inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Row i's token: the first whose cumulative probability exceeds u[i] of the row's total. One uniform draw
-    per row, where the exponential race drew one per token of the vocabulary (most of a sampled step's cost
-    on a CPU: docs/experiments/sampling_costs/). Summed in float64, so that a token's share of [0, total) is
-    its probability to well below float32's resolution; a masked token (probability 0) covers none of it."""
+def _race(probs: torch.Tensor, seeded: Sequence[SeedAt]) -> torch.Tensor:
+    """Row i's token: the argmax of probability / Exp(1) noise, which is token j with probability probs[i, j]
+    (the first of n exponential clocks of rates p to ring is j with probability p_j / sum p). A masked token
+    (probability 0) never wins; the noise is at least 6e-8, so no score overflows."""
+    keys = [at for at in seeded if at is not None]
+    seeds, positions = [seed for seed, _ in keys], [position for _, position in keys]
+    return (probs / exponential_noise(seeds, positions, probs.shape[1], probs.device)).argmax(dim=-1)
+
+
+def _inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability exceeds u[i] (from the global RNG when None) of the
+    row's total. One uniform draw per row, where the race draws noise for every token of the vocabulary (on a
+    CPU, most of a sampled step's cost: docs/experiments/sampling_costs/). Summed in float64, so that a token's
+    share of [0, total) is its probability to well below float32's resolution; a masked token (probability 0)
+    covers none of it."""
     cdf = probs.double().cumsum_(dim=-1)
+    if u is None:
+        u = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)
     target = u * cdf[:, -1]  # below the total, which the last token with any probability reaches: u < 1
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 

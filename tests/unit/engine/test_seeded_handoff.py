@@ -1,6 +1,6 @@
 """A seeded request's tokens are the same however its engines split it: colocated, handed from a prefill-only to a
 decode-only engine (the KV copied as a transfer would), or migrated mid-stream with the tokens it already sent.
-Each sampled token takes one draw of the request's generator, so an engine skips the draws made elsewhere."""
+A seeded token's noise is its seed's and position's alone, so no engine needs to know what was drawn elsewhere."""
 
 from __future__ import annotations
 
