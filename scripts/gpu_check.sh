@@ -1,9 +1,10 @@
 #!/bin/bash
 # The checks to run on a machine with a GPU, as one command: the CUDA tests (engine float32 on CUDA == CPU,
 # decode in CUDA graphs == eager, bfloat16 on CUDA, llama-1b-random == transformers, a transfer of CUDA caches
-# over gloo), then the benches on CUDA: the transfer bench (gloo: NCCL needs two GPUs, one rank each) and, per
-# model, the engine bench against transformers and once more with decode eager (--decode-graphs off) to show
-# what the graphs buy, and the guided bench (constrained rows' step cost: the mask bias copied to the device).
+# over gloo, the sampler and its seeded noise on CUDA), then the benches on CUDA: the transfer bench (gloo: NCCL
+# needs two GPUs, one rank each) and, per model, the engine bench against transformers and once more with decode
+# eager (--decode-graphs off) to show what the graphs buy, and the guided bench (constrained rows' step cost: the
+# mask bias copied to the device).
 # Models: llama-1b-random (built where it runs: seeded, ~5 GB, no download) gives the GPU figures;
 # smollm2-135m joins where its converted folder is in the cache (it is too big to carry to a device machine,
 # which cannot download it), tiny-random runs in the tests. PY picks the interpreter (a device machine brings
@@ -22,7 +23,8 @@ status=0
 note() { local rc=$?; [ "$rc" -eq 0 ] || { echo "FAILED ($rc): $1" >&2; [ "$status" -ne 0 ] || status=$rc; }; }
 "$PY" -m pdserve.cli fetch --model llama-1b-random; note "fetch"
 "$PY" -m pytest -q -p no:cacheprovider -m cuda -k "$filter" tests/unit/engine/test_cuda_engine.py \
-  tests/unit/transfer/test_device_caches.py 2>&1 | tee "$LOGS/cuda_tests.log"; note "CUDA tests"
+  tests/unit/transfer/test_device_caches.py tests/unit/engine/test_sampler.py tests/unit/engine/test_seeded_noise.py \
+  2>&1 | tee "$LOGS/cuda_tests.log"; note "CUDA tests"
 "$PY" -m pdserve.cli bench transfer --device cuda --backend gloo --repeats 5 2>&1 | tee "$LOGS/transfer_bench.log"
 note "transfer bench"
 for model in $models; do

@@ -10,7 +10,9 @@ from pdserve.engine.sampler import Sampler, _inverse_cdf_draw, _outside_among_ca
 from pdserve.protocol.sampling import SamplingParams
 
 CPU = torch.device("cpu")
-DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+# The CUDA case is marked, so scripts/gpu_check.sh runs it with the other CUDA tests (`-m cuda`).
+CUDA = pytest.param(torch.device("cuda"), marks=pytest.mark.cuda)
+DEVICES = [CPU] + ([CUDA] if torch.cuda.is_available() else [])
 
 
 def _draws(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:

@@ -10,7 +10,9 @@ import torch
 
 from pdserve.engine.seeded_noise import exponential_noise, lowbias32_
 
-DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+# The CUDA case is marked, so scripts/gpu_check.sh runs it with the other CUDA tests (`-m cuda`).
+CUDA = pytest.param(torch.device("cuda"), marks=pytest.mark.cuda)
+DEVICES = [torch.device("cpu")] + ([CUDA] if torch.cuda.is_available() else [])
 MASK = 0xFFFFFFFF
 
 
