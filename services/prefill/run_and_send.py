@@ -27,6 +27,7 @@ from pdserve.protocol.outputs import RequestOutput
 from pdserve.telemetry import Telemetry, mark_ended_by, now_ns
 from pdserve.transfer.base import KVSender, NotExpectedError, TransferError
 from pdserve.transfer.failures import failure_reason
+from pdserve.transfer.send_start import SendStart
 from pdserve.transfer.threads import in_transfer_thread
 from pdserve.transfer.wire import check_tag
 
@@ -125,7 +126,9 @@ class RunAndSend:
         return out, max(ran.monotonic_ns - start_monotonic_ns, 0) / 1e9
 
     async def _send(self, job: PrefillJob, blocks: list[int]) -> None:
-        """Returns only once the send thread is done with the blocks, even when the caller cancels."""
+        """Returns only once the send thread is done with the blocks, even when the caller cancels: at once when the
+        send had not begun reading them (called off: a stopped or hung decode process holds it in its wait for the
+        pair's turn or liveness check until its deadline), else when it ends."""
         target = job.target
         if len(blocks) != len(target.block_ids):
             raise UnavailableError(f"decode side reserved {len(target.block_ids)} blocks, prompt has {len(blocks)}")
@@ -135,11 +138,11 @@ class RunAndSend:
             "decode.worker.id": target.decode_worker_id,
             "kv.blocks": len(blocks),
         }
-        start = time.perf_counter()
+        began = time.perf_counter()
         with self.telemetry.tracer.start_as_current_span("kv_transfer.send", attributes=attributes) as span:
-            caches, timeout_s = self.engine.kv_caches, job.transfer_timeout_s
+            caches, timeout_s, start = self.engine.kv_caches, job.transfer_timeout_s, SendStart()
             send = asyncio.ensure_future(
-                in_transfer_thread(self.sender.send, target.rendezvous, target.tag, caches, blocks, timeout_s)
+                in_transfer_thread(self.sender.send, target.rendezvous, target.tag, caches, blocks, timeout_s, start)
             )
             try:
                 nbytes = await asyncio.shield(send)
@@ -151,17 +154,26 @@ class RunAndSend:
                 mark_ended_by(span, e)
                 raise
             finally:
-                if not send.done():  # the caller left: the blocks stay held until the send thread lets go
+                if not send.done() and start.call_off():  # the caller left before the send read the blocks
+                    send.add_done_callback(_read_outcome)
+                elif not send.done():  # the caller left: the blocks stay held until the send thread lets go
                     while not send.done():  # a second cancel (a drain after the caller's) must not end the wait
                         with contextlib.suppress(asyncio.CancelledError):
                             await asyncio.wait([send])
                     if not send.cancelled():
                         send.exception()  # seen: the caller left, so its failure is no news (no asyncio error log)
             span.set_attribute("kv.bytes", nbytes)
-        self._record(nbytes, time.perf_counter() - start)
+        self._record(nbytes, time.perf_counter() - began)
 
     def _record(self, nbytes: int, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.transfer_bytes.add(nbytes, self.metrics.labels)
             self.metrics.transfer_seconds.record(seconds, self.metrics.labels)
         log.debug("kv sent", extra={"bytes": nbytes, "transfer_ms": round(seconds * 1e3, 2)})
+
+
+def _read_outcome(send: asyncio.Future[int]) -> None:
+    """A send called off ends later, unawaited (TransferCancelledError, or its deadline's error): reading it keeps
+    asyncio from logging it as never retrieved."""
+    if not send.cancelled():
+        send.exception()

@@ -18,7 +18,7 @@ import pytest
 
 from pdserve.cluster.local_process import ClusterProcess, free_port
 from pdserve.rpc.client import generate
-from pdserve.rpc.server import channel
+from pdserve.rpc.server import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, channel
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from pdserve.v1 import generate_pb2 as pb
 from tests.integration.cluster_view import Collector, scrape, total
@@ -31,6 +31,7 @@ HELD = "held-"
 # The router's first-token bound: past HOLD_S, so a held request is not cut short by it, and past the supervisor's
 # two missed checks, so a stuck worker leaves placement before it.
 FIRST_TOKEN_S = 12.0
+KEEPALIVE_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1e3  # a stopped peer's calls fail within this
 STALL_S = 10.0  # the router's stall bound: the hold falls between the first and second token, so past HOLD_S too
 
 
@@ -162,6 +163,42 @@ def test_a_stuck_prefill_worker_loses_its_requests_to_the_other_once_out_of_plac
         assert f"prefill worker {victim.id} at {victim.address} left placement before the first token" in log
         assert "no first token within the router's bound" not in log, log[-3000:]
         assert took < FIRST_TOKEN_S + 20, took
+        await none_in_flight(cluster.address)
+
+    asyncio.run(run())
+
+
+def test_a_stuck_decode_worker_leaves_no_kv_held_on_its_prefill_worker(cluster, expected):
+    """SIGSTOPped while its prefill worker holds the prompt's KV for it, the decode worker loses the request to the
+    other once out of placement, as a stuck prefill worker does. Stopped before the hold ends, it leaves the send
+    waiting for its answer: the prefill worker used to hold the KV until the send gave up at the transfer timeout
+    (30 s), though the request had gone elsewhere. Its Prefill call ends by gRPC keepalive, which now frees the KV
+    at once."""
+
+    async def run() -> None:
+        await all_serving(cluster.address)
+        seen = len(cluster.log())
+        call = asyncio.create_task(tokens(cluster.address, request(f"{HELD}decode-stop")))
+        prefill = await holding(cluster.address)
+        decode = next(w for w in await workers(cluster.address) if w.role == "decode" and w.kv_blocks_used)
+        await asyncio.sleep(HOLD_S - 1.5)  # stopped before the hold ends, the send then waits for it
+        pid = pid_serving(decode.address)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+
+            async def prefill_holds() -> bool:
+                return any(w.id == prefill.id and w.kv_blocks_used for w in await workers(cluster.address))
+
+            while await prefill_holds() and time.monotonic() - stopped < KEEPALIVE_S + 15:
+                await asyncio.sleep(0.1)
+            freed_after = time.monotonic() - stopped
+            assert await call == expected
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        log = cluster.log()[seen:]
+        assert f"decode worker {decode.id} at {decode.address} left placement before the first token" in log, log
+        assert freed_after < KEEPALIVE_S + 3, freed_after
         await none_in_flight(cluster.address)
 
     asyncio.run(run())

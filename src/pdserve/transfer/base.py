@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import torch
+
+if TYPE_CHECKING:
+    from pdserve.transfer.send_start import SendStart
 
 KVCaches = Sequence[torch.Tensor]  # one cache tensor per layer
 
@@ -59,7 +62,15 @@ class KVSender(_Closeable):
     """Prefill side. One per prefill worker, shared by its request handlers (thread-safe)."""
 
     @abstractmethod
-    def send(self, rendezvous: str, tag: int, kv_caches: KVCaches, block_ids: Sequence[int], timeout_s: float) -> int:
+    def send(
+        self,
+        rendezvous: str,
+        tag: int,
+        kv_caches: KVCaches,
+        block_ids: Sequence[int],
+        timeout_s: float,
+        start: SendStart | None = None,
+    ) -> int:
         """Called by the prefill worker once the prompt has run: copies `kv_caches[layer][:, block_ids]`
         (the sequence's blocks, in block-table order) into the decode side's blocks waiting under `tag`.
 
@@ -69,7 +80,8 @@ class KVSender(_Closeable):
         never changes them. Raises TransferError (PeerLostError, TransferTimeoutError, LayoutMismatchError, or
         NotExpectedError: the decode side no longer waits for `tag`, a failure it counts itself) when its turn on
         the pair does not come within `timeout_s`, or its transfer is not done within `timeout_s` of starting (so
-        within about twice `timeout_s`); a broken pair group is dropped and rebuilt by a later send.
+        within about twice `timeout_s`); a broken pair group is dropped and rebuilt by a later send. A `start` its
+        caller called off before the transfer began raises TransferCancelledError there, without reading the caches.
         """
 
 

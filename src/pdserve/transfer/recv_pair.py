@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.addresses import split_host_port
-from pdserve.transfer.base import LayoutMismatchError, TransferError
+from pdserve.transfer.base import LayoutMismatchError, PeerLostError, TransferError
 from pdserve.transfer.blocks import Blocks
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.pair_group import PairGroup, time_left
@@ -131,10 +131,13 @@ class RecvPair:
                     return None
                 self.cond.wait(time_left(deadline))
 
-    def forged_drain_deadline(self, header: Header) -> float | None:
-        """A header whose MAC fails is drained (the pair stays in step for the real transfer behind it) only when
-        it costs no more than a transfer this pair awaits: a waiting recv's layers and block size, at most its
-        blocks, by its deadline. None: its sizes are the sender's word alone, so the pair is dropped instead."""
+    def drain_deadline(self, header: Header, name: str) -> float:
+        """Until when a transfer no recv takes is drained. A header whose MAC fails is drained (the pair stays in
+        step for the real transfer behind it) only when it costs no more than a transfer this pair awaits: a
+        waiting recv's layers and block size, at most its blocks, by its deadline. Else its sizes are the sender's
+        word alone: a protocol error (PeerLostError: the pair goes)."""
+        if header.authentic:
+            return time.monotonic() + header.timeout_ms / 1000
         with self.cond:
             deadlines = [
                 p.deadline
@@ -143,7 +146,9 @@ class RecvPair:
                 and header.block_bytes == block_bytes(p.layout)
                 and header.num_blocks <= p.blocks.n
             ]
-        return max(deadlines, default=None)
+        if not deadlines:
+            raise PeerLostError(f"{name}: protocol error: a header whose MAC fails, sized as no awaited transfer")
+        return max(deadlines)
 
     def abandon(self, p: Pending) -> bool:
         """recv's caller gave up; True when the serving thread had not started on it (nothing will write)."""

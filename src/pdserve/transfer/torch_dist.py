@@ -48,6 +48,7 @@ from pdserve.transfer.pipeline import Staging, receive_messages
 from pdserve.transfer.recv_pair import Pending, RecvPair, check_header
 from pdserve.transfer.rendezvous import device_info, listening
 from pdserve.transfer.send_pair import SendPair, rejection
+from pdserve.transfer.send_start import SendStart
 from pdserve.transfer.wire import HEADER_LEN, OK, Header, check_tag
 
 Backend = Literal["auto", "gloo", "nccl"]
@@ -114,12 +115,20 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
     def _init_side(self) -> None:
         self._connecting: dict[str, threading.Lock] = {}
 
-    def send(self, rendezvous: str, tag: int, kv_caches: KVCaches, block_ids: Sequence[int], timeout_s: float) -> int:
+    def send(
+        self,
+        rendezvous: str,
+        tag: int,
+        kv_caches: KVCaches,
+        block_ids: Sequence[int],
+        timeout_s: float,
+        start: SendStart | None = None,
+    ) -> int:
         layout, blocks = self._checked(kv_caches, block_ids, tag, distinct=False)
         if blocks.n == 0:
             return 0  # the receiver short-circuits an empty transfer the same way
         # Bounds the wait for the pair's turn; once it comes, the transfer on the wire gets `timeout_s` of its own.
-        pair = self._answering_pair(rendezvous, tag, time.monotonic() + timeout_s)
+        pair = self._answering_pair(rendezvous, tag, time.monotonic() + timeout_s, start or SendStart())
         try:
             code, detail = pair.transfer(tag, kv_caches, blocks, layout, timeout_s, self.pipeline_bytes, self.secret)
         except BaseException as e:
@@ -133,7 +142,7 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
             return layout.bytes_for(blocks.n)
         raise rejection(code, detail, f"decode side {rendezvous} rejected tag {tag}", layout, blocks.n)
 
-    def _answering_pair(self, rendezvous: str, tag: int, deadline: float) -> SendPair:
+    def _answering_pair(self, rendezvous: str, tag: int, deadline: float, start: SendStart) -> SendPair:
         """The pair for `rendezvous`, locked for one transfer, its decode side checked alive (one store round trip:
         gloo does not always notice a decode worker that died while the pair sat idle). A pair whose decode process
         is gone is dropped (here, or by a concurrent send or the prune); while a process listens at its address (a
@@ -149,6 +158,7 @@ class TorchDistSender(_Endpoint[SendPair], KVSender):
             try:
                 if not pair.broken:
                     pair.check_peer(max(time_left(deadline), 0.001))
+                    start.begin()  # TransferCancelledError when its caller called it off meanwhile
                     handed = True
                     return pair  # locked: the caller releases it
             except PeerSilentError as e:
@@ -315,7 +325,7 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
                 header = Header.decode(group.recv_ctrl(HEADER_LEN, None), self.secret)
                 p = pair.claim(header.tag, header.timeout_ms / 2000) if header.authentic else None
                 code, detail, error = check_header(p, header, name)
-                deadline = self._drain_deadline(pair, header, name) if p is None else p.deadline
+                deadline = pair.drain_deadline(header, name) if p is None else p.deadline
                 target = (p.blocks, p.kv_caches) if p is not None and code == OK else None
                 receive_messages(
                     group,
@@ -339,17 +349,6 @@ class TorchDistReceiver(_Endpoint[RecvPair], KVReceiver):
                 group.close()
                 pair.close_store()
                 return
-
-    @staticmethod
-    def _drain_deadline(pair: RecvPair, header: Header, name: str) -> float:
-        """Until when a transfer no recv takes is drained; a forged header that fits no awaited transfer is a
-        protocol error (PeerLostError: the pair goes)."""
-        if header.authentic:
-            return time.monotonic() + header.timeout_ms / 1000
-        deadline = pair.forged_drain_deadline(header)
-        if deadline is None:
-            raise PeerLostError(f"{name}: protocol error: a header whose MAC fails, sized as no awaited transfer")
-        return deadline
 
     def _accepted(self, pair: RecvPair, name: str) -> PairGroup | None:
         """The pair's group once a sender claims it; None when it was given up unclaimed. It leaves `_pairs` under

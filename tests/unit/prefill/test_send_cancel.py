@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 
 import pytest
@@ -23,11 +24,13 @@ from pdserve.protocol.handoff import KVTarget
 from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.telemetry import Telemetry
-from pdserve.transfer.base import NotExpectedError, PeerLostError, TransferError
+from pdserve.transfer.base import NotExpectedError, PeerLostError, TransferCancelledError, TransferError
+from pdserve.transfer.send_start import SendStart
 from services.prefill.run_and_send import PrefillJob, RunAndSend
 
 pytestmark = pytest.mark.timeout(60)
 READ_S = 0.6
+WAIT_S = 3.0  # a send's wait for a stopped decode process: its deadline, here shorter
 
 
 def prefill_engine() -> AsyncEngine:
@@ -46,7 +49,10 @@ class SlowSender:
         self.engine = engine
         self.held_at_end: list[int] = []
 
-    def send(self, rendezvous: str, tag: int, caches: object, blocks: list[int], timeout_s: float) -> int:
+    def send(
+        self, rendezvous: str, tag: int, caches: object, blocks: list[int], timeout_s: float, start: SendStart
+    ) -> int:
+        start.begin()  # as the real sender, before it reads
         time.sleep(READ_S)
         self.held_at_end.append(self.engine.stats["kv_blocks_used"])
         return 1
@@ -88,13 +94,68 @@ async def test_the_blocks_outlive_the_send_however_often_its_caller_cancels(canc
         engine.stop()
 
 
+class SilentPeerSender:
+    """Waits WAIT_S for its decode process's answer (stopped, it never comes) before it reads the blocks."""
+
+    def __init__(self) -> None:
+        self.called_off = threading.Event()
+
+    def send(
+        self, rendezvous: str, tag: int, caches: object, blocks: list[int], timeout_s: float, start: SendStart
+    ) -> int:
+        time.sleep(WAIT_S)
+        try:
+            start.begin()
+        except TransferCancelledError:
+            self.called_off.set()
+            raise
+        return 1
+
+    def close(self) -> None:
+        """Nothing is open."""
+
+
+async def test_a_send_still_waiting_for_its_peer_when_its_caller_cancels_frees_the_blocks_at_once() -> None:
+    """Its decode worker stopped (its Prefill call ended by keepalive, or the router gave up on it): the blocks
+    go at once, not when the send's wait ends (its deadline: `--kv-transfer-timeout`), and the send never reads
+    them."""
+    engine = prefill_engine()
+    sender = SilentPeerSender()
+    worker = RunAndSend(engine, sender, "p0", Telemetry("t"))  # type: ignore[arg-type]
+    request = EngineRequest("r", list(range(3, 23)), SamplingParams(max_tokens=8, ignore_eos=True))
+    target = KVTarget("d0", "127.0.0.1:1", list(range(5)), 1, engine.fingerprint, engine.block_size)
+
+    async def serve() -> None:
+        async with contextlib.aclosing(worker.run(PrefillJob(request, target, 5.0))) as events:
+            async for _ in events:
+                pass
+
+    try:
+        task = asyncio.ensure_future(serve())
+        while not engine.stats["kv_blocks_used"]:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # the send waits for its peer
+        task.cancel()
+        cancelled = time.monotonic()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        while engine.stats["kv_blocks_used"]:
+            assert time.monotonic() - cancelled < WAIT_S / 4, "the blocks wait for the send"
+            await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(sender.called_off.wait, WAIT_S + 5)  # it ended without reading them
+    finally:
+        engine.stop()
+
+
 class FailingSender:
     """A send the decode side ends: `error` is what the pair raises."""
 
     def __init__(self, error: TransferError) -> None:
         self.error = error
 
-    def send(self, rendezvous: str, tag: int, caches: object, blocks: list[int], timeout_s: float) -> int:
+    def send(
+        self, rendezvous: str, tag: int, caches: object, blocks: list[int], timeout_s: float, start: SendStart
+    ) -> int:
         raise self.error
 
     def close(self) -> None:

@@ -12,8 +12,9 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from pdserve.transfer.base import TransferError, TransferTimeoutError
+from pdserve.transfer.base import TransferCancelledError, TransferError, TransferTimeoutError
 from pdserve.transfer.rendezvous import claim_store, device_info
+from pdserve.transfer.send_start import SendStart
 from pdserve.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from tests.unit.transfer.pair_harness import FINGERPRINT, HOST, ReceiverProcess, make_caches
 
@@ -22,10 +23,15 @@ SEND_TIMEOUT_S = 4.0  # past the liveness check's 2 s: what is left is the claim
 
 
 def _send(
-    sender: TorchDistSender, rendezvous: str, tag: int, outcome: Future[int], timeout_s: float = SEND_TIMEOUT_S
+    sender: TorchDistSender,
+    rendezvous: str,
+    tag: int,
+    outcome: Future[int],
+    timeout_s: float = SEND_TIMEOUT_S,
+    start: SendStart | None = None,
 ) -> None:
     try:
-        outcome.set_result(sender.send(rendezvous, tag, make_caches(1), [0, 1], timeout_s))
+        outcome.set_result(sender.send(rendezvous, tag, make_caches(1), [0, 1], timeout_s, start))
     except BaseException as e:
         outcome.set_exception(e)
 
@@ -87,6 +93,43 @@ def test_a_paired_receiver_stopped_fails_sends_past_their_deadline_and_keeps_its
     finally:
         sender.close()
         receiver.kill()
+
+
+def test_a_send_called_off_while_its_receiver_is_stopped_never_reads_the_blocks_and_the_pair_serves_on() -> None:
+    """The prefill worker's caller left while the send waits for its stopped decode process (the pair's liveness
+    check): called off, the send must never start its transfer, so the caller frees the blocks at once. Once the
+    process resumes, the send raises TransferCancelledError (before, it sent the blocks, long freed by then), and
+    the pair serves the next hand-off."""
+    receiver = ReceiverProcess()
+    sender = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+    try:
+        receiver.expect(1)
+        assert sender.send(receiver.rendezvous, 1, make_caches(1), [0, 1], 10) == receiver.received()
+        receiver.stop()
+        start, outcome = SendStart(), Future()
+        sending = threading.Thread(
+            target=_send, args=(sender, receiver.rendezvous, 2, outcome, 10.0, start), daemon=True
+        )
+        sending.start()
+        time.sleep(0.5)  # it waits for the stopped process's answer
+        assert start.call_off()
+        receiver.resume()
+        sending.join(5)
+        assert not sending.is_alive(), "the send called off still waits 5 s after its receiver resumed"
+        with pytest.raises(TransferCancelledError):
+            outcome.result()
+        receiver.expect(3)
+        assert sender.send(receiver.rendezvous, 3, make_caches(1), [0, 1], 10) == receiver.received()
+    finally:
+        sender.close()
+        receiver.kill()
+
+
+def test_a_send_whose_transfer_began_cannot_be_called_off() -> None:
+    start = SendStart()
+    start.begin()
+    assert not start.call_off()  # its blocks are in use until it ends
+    start.begin()  # a send that was not called off goes on
 
 
 def test_hand_offs_sent_while_their_receiver_pauses_are_received_once_it_resumes() -> None:
