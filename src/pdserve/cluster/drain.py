@@ -14,7 +14,7 @@ import contextvars
 import inspect
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +23,7 @@ import grpc
 
 from pdserve.background import through_cancels
 from pdserve.errors import InvalidRequestError, UnavailableError
+from pdserve.rpc.raced_steps import until_ended
 
 GATED_SERVICES = ("/pdserve.v1.DecodeWorker/", "/pdserve.v1.PrefillWorker/")
 POLL_S = 0.05
@@ -115,7 +116,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
             # holds for the next, and for the stream's close.
             steps = contextvars.copy_context()
             try:
-                async with aclosing(self._until_cut(items, steps)) as until_cut:
+                async with aclosing(until_ended(items, self._cut_future(), steps, self._cut_error)) as until_cut:
                     async for item in until_cut:
                         yield item
             finally:
@@ -127,49 +128,10 @@ class DrainGate(grpc.aio.ServerInterceptor):
 
         return stream
 
-    async def _until_cut(
-        self, items: AsyncGenerator[Any, None], context: contextvars.Context
-    ) -> AsyncGenerator[Any, None]:
-        """`items`, each step raced against the cut."""
-        cut = self._cut_future()
-        while True:
-            step = asyncio.get_running_loop().create_task(_next(items), context=context)
-            try:
-                await asyncio.wait((step, cut), return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:  # the caller left: the step's cleanup runs before the handler ends
-                await _cancelled(step)
-                raise
-            if not step.done():
-                await _cancelled(step)
-                raise UnavailableError(
-                    f"worker {self.worker_id} drained before this request finished: move it to another worker"
-                )
-            try:
-                item = step.result()
-            except StopAsyncIteration:
-                return
-            yield item
-
-
-async def _next(items: AsyncIterator[Any]) -> Any:
-    return await items.__anext__()
-
-
-async def _cancelled(step: asyncio.Task[Any]) -> None:
-    """Cancels the step and waits for its cleanup (a prefill's KV send ends by its own deadlines), through the
-    stream's own cancels meanwhile, raised once it has ended; an outcome it reached meanwhile goes with the stream.
-    Cut short, the step would still be running the stream's generator, which could then not be closed."""
-    step.cancel()
-    interrupted = False
-    while not step.done():
-        try:
-            await asyncio.wait((step,))
-        except asyncio.CancelledError:
-            interrupted = True
-    if not step.cancelled():
-        step.exception()  # read, so asyncio does not log it as never retrieved
-    if interrupted:
-        raise asyncio.CancelledError
+    def _cut_error(self) -> UnavailableError:
+        return UnavailableError(
+            f"worker {self.worker_id} drained before this request finished: move it to another worker"
+        )
 
 
 async def run_drain(
