@@ -1,24 +1,33 @@
-"""PrefillWorker gRPC service: converts, and hands the request to run-and-send."""
+"""PrefillWorker gRPC service: converts, and hands the request to run-and-send; ends a request's hand-off when the
+router abandons it (its decode worker, stopped or hung, cannot cancel the call itself)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
+import logging
 from collections.abc import AsyncGenerator
 from functools import partial
 
 import grpc
 
+from pdserve.errors import UnavailableError
 from pdserve.protocol.handoff import FirstToken, KVSent, KVTarget
 from pdserve.rpc.convert import engine_request_from_pb, finish_reason_to_pb, logprobs_to_pb, off_the_loop_when_large
+from pdserve.rpc.raced_steps import until_ended
 from pdserve.telemetry import request_id_var
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
 from services.prefill.run_and_send import PrefillJob, RunAndSend
 
+log = logging.getLogger(__name__)
+
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, run_and_send: RunAndSend) -> None:
         self.run_and_send = run_and_send
+        self._abandoned: dict[str, asyncio.Future[None]] = {}  # each Prefill call's, by request id, until it ends
 
     async def Prefill(  # noqa: N802 (gRPC method name)
         self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
@@ -40,9 +49,33 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             request.transfer_timeout_ms / 1e3,
             request.client_request_id,
         )
-        async with contextlib.aclosing(self.run_and_send.run(job)) as events:  # type: ignore[type-var]
-            async for event in events:
-                yield _to_pb(event)
+        abandoned = asyncio.get_running_loop().create_future()
+        self._abandoned[request.request_id] = abandoned
+        try:
+            async with contextlib.aclosing(self.run_and_send.run(job)) as run:  # type: ignore[type-var]
+                steps = contextvars.copy_context()
+                async with contextlib.aclosing(until_ended(run, abandoned, steps, _abandoned_error)) as events:
+                    async for event in events:
+                        yield _to_pb(event)
+        finally:
+            if self._abandoned.get(request.request_id) is abandoned:
+                del self._abandoned[request.request_id]
+
+    async def Abandon(  # noqa: N802 (gRPC method name)
+        self, request: wpb.AbandonRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.AbandonReply:
+        """Ends the request's Prefill call as its caller's cancel would: the prompt's KV blocks are freed at once,
+        unless their send is already under way (it ends by its own deadline)."""
+        abandoned = self._abandoned.get(request.request_id)
+        if abandoned is None or abandoned.done():
+            return wpb.AbandonReply(ended=False)
+        abandoned.set_result(None)
+        log.info("hand-off abandoned by the router before its first token", extra={"key": request.request_id})
+        return wpb.AbandonReply(ended=True)
+
+
+def _abandoned_error() -> UnavailableError:
+    return UnavailableError("the router abandoned this request before its first token (its decode worker was lost)")
 
 
 def _to_pb(event: FirstToken | KVSent) -> wpb.PrefillEvent:

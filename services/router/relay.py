@@ -24,6 +24,7 @@ from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
+from services.router.abandon import Abandons
 from services.router.key_revocation import KeyedStream, KeyedStreams, KeyRevokedError
 from services.router.placement import Placement, PlacementPolicy
 from services.router.recent_latencies import RecentLatencies
@@ -74,6 +75,7 @@ class Relay:
         self._calls: set[grpc.aio.UnaryStreamCall] = set()  # the decode calls being relayed
         self._stopped: str | None = None  # why every stream was cut (`cut_all`), once it was
         self.keyed = KeyedStreams()  # each request under its API key: a key's revocation cuts its streams
+        self.abandons = Abandons()  # a prefill worker told of an attempt given up on before its first token
 
     def cut_all(self, why: str) -> int:
         """Ends every stream relayed now or later with RouterStoppedError saying `why` (its decode call cancelled,
@@ -186,7 +188,9 @@ class Relay:
                 finally:
                     unlisted.cancel()
         except TimeoutError:
-            call.cancel()
+            call.cancel()  # a stopped decode worker cannot pass this on to its prefill worker: the router tells it
+            if ticket.placement.prefill is not None and unlisted.gone is not ticket.placement.prefill:
+                self.abandons.send(ticket.placement.prefill, ticket.key)
             if unlisted.gone is not None:
                 raise unlisted.error() from None
             raise NoFirstTokenError(self._no_first_token(ticket.placement, handed_off)) from None

@@ -111,6 +111,18 @@ class PrefillRequest(_message.Message):
     priority: int
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., transfer_timeout_ms: _Optional[int] = ..., client_request_id: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., resumed_output_tokens: _Optional[int] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
+class AbandonRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbandonReply(_message.Message):
+    __slots__ = ("ended",)
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    ended: bool
+    def __init__(self, ended: _Optional[bool] = ...) -> None: ...
+
 class PrefillEvent(_message.Message):
     __slots__ = ("first_token", "transfer_done")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]

@@ -118,6 +118,11 @@ class PrefillWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillEvent.FromString,
                 _registered_method=True)
+        self.Abandon = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/Abandon',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.AbandonRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.AbandonReply.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -133,6 +138,16 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abandon(self, request, context):
+        """Called by the router once it gave up on the request before its first token (its decode worker left placement,
+        or the first-token bound passed): ends that request's Prefill call here as if its caller had cancelled it,
+        freeing its KV blocks unless their send is already under way. A decode worker that is stopped or hung cannot
+        cancel the call itself. A request this worker does not hold is nothing to end.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +155,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillEvent.SerializeToString,
+            ),
+            'Abandon': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abandon,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.AbandonRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.AbandonReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -170,6 +190,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/Prefill',
             pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.PrefillEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abandon(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/Abandon',
+            pdserve_dot_v1_dot_worker__pb2.AbandonRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.AbandonReply.FromString,
             options,
             channel_credentials,
             insecure,

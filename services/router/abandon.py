@@ -1,0 +1,51 @@
+"""Telling a prefill worker that the router gave up on a request before its first token.
+
+A decode worker that is stopped or hung (SIGSTOPped: its kernel keeps its connections open) cannot cancel the
+Prefill call it made, so its prefill worker held the prompt's KV for it until that call ended by gRPC keepalive
+(measured: 12.5 s after the stop) or by the KV send's own deadline, while the request ran elsewhere. When the
+router gives up on an attempt before its first token (a worker of it left the registry, or the first-token bound
+passed), it tells the prefill worker itself (`PrefillWorker.Abandon`), which ends that hand-off as the decode
+worker's cancel would. Fire and forget, off the request's path: a prefill worker that does not answer (stuck
+itself) or predates the call (UNIMPLEMENTED, the earlier build of a rollout) costs the call and nothing more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from pdserve.registry.base import WorkerState
+from pdserve.rpc.server import internal_channel
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_S = 2.0
+
+
+class Abandons:
+    """The Abandon calls in flight; each ends within TIMEOUT_S."""
+
+    def __init__(self) -> None:
+        self._calls: set[asyncio.Task[None]] = set()  # strong references until done (the loop keeps weak ones)
+
+    def send(self, prefill: WorkerState, key: str) -> None:
+        """Tells `prefill` that the attempt `key` (the request id it was sent) was given up on."""
+        task = asyncio.get_running_loop().create_task(_abandon(prefill, key), name="abandon")
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+
+async def _abandon(prefill: WorkerState, key: str) -> None:
+    try:
+        async with internal_channel(prefill.address) as ch:
+            request = wpb.AbandonRequest(request_id=key)
+            reply = await worker_pb2_grpc.PrefillWorkerStub(ch).Abandon(request, timeout=TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        log.debug("prefill worker %s did not take the abandon: %s", prefill.worker_id, e.code(), extra={"key": key})
+        return
+    if reply.ended:
+        log.info("prefill worker %s ended the hand-off given up on", prefill.worker_id, extra={"key": key})
