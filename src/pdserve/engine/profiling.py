@@ -17,8 +17,12 @@ from pdserve.protocol.perf_profile import PerfProfile, QueuedPrefill
 # cores during the profile. And one chunk after a cached prefix: three points fix three terms exactly, so one noisy
 # whole prompt could move the attention term anywhere (to 0 in one run); over seven runs a chat's next turn (256 new
 # tokens after 2-3k cached) ran 0.81-2.02x its price without it and 0.85-1.32x with it, a 3000-token prompt
-# 0.86-1.46x and 0.97-1.13x (docs/experiments/long_prompt_pricing/cached_point.py).
-PREFILL_SHAPES = ((64, 0), (256, 0), (1024, 0), (256, 1024))
+# 0.86-1.46x and 0.97-1.13x (docs/experiments/long_prompt_pricing/cached_point.py). And one chunk deep in a long
+# context, where the model and the pool hold it: priced from points of at most 1.6M squares, an 8160-token prompt
+# (66M) took the attention term's noise 40-fold, and profiles taken beside a bursty neighbour priced it 31-86 s
+# (it ran in 62-65 s); with this point 73-85 s, and 57-62 s on the quiet host (52-64 without), for ~5 s more of
+# start-up on smollm2-135m (deep_point.py).
+PREFILL_SHAPES = ((64, 0), (256, 0), (1024, 0), (256, 1024), (256, 3840))
 DECODE_BATCHES = (1, 8, 32)
 FASTEST_RATIO = 1 / 16
 DECODE_CONTEXT = 64  # each sequence's context at the batches above
