@@ -46,8 +46,9 @@ def reference():
     """The single-process engine: what every cluster answer must equal for greedy requests."""
     engine = LLMEngine(EngineConfig(model="tiny-random", dtype="float32", num_threads=1))
 
-    def run(prompt_ids: list[int], max_tokens: int) -> list[int]:
-        return engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+    def run(prompt_ids: list[int], max_tokens: int, **kw: object) -> list[int]:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)  # type: ignore[arg-type]
+        return engine.generate([prompt_ids], params)[0].token_ids
 
     return engine.tokenizer, run
 
@@ -105,6 +106,26 @@ def test_concurrent_requests_match_single_process_engine(cluster, reference):
         assert result.usage.prompt_tokens == len(prompt_ids)
         assert result.usage.completion_tokens == len(want)
         assert result.usage.ttft_ms > 0
+
+
+def test_seeded_requests_sample_what_the_single_process_engine_samples_alone(cluster, reference):
+    """The first token drawn on the prefill worker, the rest on the decode worker, beside other requests: each
+    seeded request's tokens are the engine's for that seed run alone (the noise is its seed's and positions')."""
+    _, run = reference
+    prompts = [[5, 6, 7, 8, 9] * 7, [11, 12, 13], list(range(100, 160))]
+    seeded = [(p, seed) for seed in (3, 2**64 - 1) for p in prompts]
+    requests = [
+        pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(16, temperature=1.0, top_p=0.95, seed=seed))
+        for p, seed in seeded
+    ] + [pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(24)) for p in prompts]  # greedy neighbours
+
+    async def all_at_once():
+        return await asyncio.gather(*(asyncio.to_thread(collect, cluster.address, r) for r in requests))
+
+    results = asyncio.run(all_at_once())
+    drawn = [result.token_ids for result in results[: len(seeded)]]
+    assert drawn == [run(p, 16, temperature=1.0, top_p=0.95, seed=seed) for p, seed in seeded]
+    assert drawn[: len(prompts)] != drawn[len(prompts) :]  # the seed matters
 
 
 def test_stop_token_finishes_with_stop(cluster, reference):
