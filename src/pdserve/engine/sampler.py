@@ -204,7 +204,7 @@ def _draw(probs: torch.Tensor, seeded: Sequence[SeedAt]) -> torch.Tensor:
 def _race(probs: torch.Tensor, seeded: Sequence[SeedAt]) -> torch.Tensor:
     """Row i's token: the argmax of probability / Exp(1) noise, which is token j with probability probs[i, j]
     (the first of n exponential clocks of rates p to ring is j with probability p_j / sum p). A masked token
-    (probability 0) never wins; the noise is at least 6e-8, so no score overflows."""
+    (probability 0) never wins; the noise is at least 2**-32, so no score overflows."""
     keys = [at for at in seeded if at is not None]
     seeds, positions = [seed for seed, _ in keys], [position for _, position in keys]
     return (probs / exponential_noise(seeds, positions, probs.shape[1], probs.device)).argmax(dim=-1)

@@ -20,7 +20,12 @@ import torch
 
 _GOLDEN = -1640531535  # 0x9E3779B1 as an int32: spreads consecutive token ids over the 32 bits
 _SEED_SALT, _POSITION_SALT = 0x2545F491, 0x68E31DA4  # keep 0 (lowbias32's fixed point) out of the inputs
-_UNIFORM_BITS = 23  # float32 holds (k + 0.5) / 2**23 exactly, so a uniform is never 0 or 1 (noise 0 or inf)
+# A uniform v = (k + 0.5) / 2**31 from 31 bits of the hash, never 0; its noise -log(1 - v), taken as -log1p(-v), is
+# resolved down to 2**-32, where a token far less likely than the others wins. -log(u) of a 23-bit u went no lower than
+# 6e-8 (float32's spacing near 1), so tokens below ~3e-8 of probability never won: 1.3e-4 of smollm2-135m's mass a
+# token at temperature 1, against ~1e-6 below 1e-9. v rounds to 1 for the largest k: clamped below it (noise <= 16.6).
+_UNIFORM_BITS = 31
+_LARGEST_UNIFORM = 1 - 2.0**-24  # float32's largest below 1
 
 
 def lowbias32_(x: torch.Tensor) -> torch.Tensor:
@@ -56,6 +61,6 @@ def exponential_noise(seeds: Sequence[int], positions: Sequence[int], vocab: int
     would then give the same noise shifted by that many token ids."""
     bits = torch.arange(vocab, dtype=torch.int32, device=device).unsqueeze(0) * _GOLDEN
     bits = lowbias32_(bits ^ row_keys(seeds, positions, device))
-    bits >>= 32 - _UNIFORM_BITS
     bits &= (1 << _UNIFORM_BITS) - 1
-    return bits.float().add_(0.5).mul_(2.0**-_UNIFORM_BITS).log_().neg_()
+    minus_v = bits.float().mul_(-(2.0**-_UNIFORM_BITS)).sub_(2.0 ** -(_UNIFORM_BITS + 1))
+    return minus_v.clamp_(min=-_LARGEST_UNIFORM).log1p_().neg_()

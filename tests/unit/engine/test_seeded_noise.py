@@ -63,3 +63,14 @@ def test_the_noise_is_exp_1_and_never_0_or_infinite() -> None:
     assert abs(torch.corrcoef(torch.stack([noise[:, :-1].flatten(), noise[:, 1:].flatten()]))[0, 1]) < 0.01
     rows = exponential_noise([9] * 200, list(range(200)), 4096, torch.device("cpu")).double()
     assert abs(torch.corrcoef(torch.stack([rows[:-1].flatten(), rows[1:].flatten()]))[0, 1]) < 0.01
+
+
+def test_the_noise_resolves_the_small_values_where_unlikely_tokens_win() -> None:
+    """A token p times as likely as another beats it when its noise is below about p times the other's: noise that
+    went no lower than 6e-8 (-log of a float32 uniform, spaced 6e-8 near 1) let no token below ~3e-8 of probability
+    win. Exp(1) puts ~8 of 2**27 draws below 5.9e-8."""
+    below = 0
+    for chunk in range(8):
+        seeds = list(range(chunk * 256, (chunk + 1) * 256))
+        below += int((exponential_noise(seeds, [3] * 256, 1 << 16, torch.device("cpu")) < 5.9e-8).sum())
+    assert 1 <= below <= 20, below
