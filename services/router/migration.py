@@ -6,10 +6,9 @@ continuation itself: an `IncrementalDetokenizer` over the original prompt, fed t
 the client got, then the continuation's. Text the old worker still held back (half a character, the start of a
 possible stop string) and stop strings spanning the break come out exactly as in an unfailed run. The workers
 are told how many of the prompt's tokens were streamed (`resumed_output_tokens`), so presence and frequency
-penalties count them as output, as the failed worker did. Limits: the
-sampler's random state restarts on the new worker, so a sampled (seeded) request continues validly but not
-bit-identically; greedy output is identical (the prompt's KV is recomputed, not copied, so a near-tie between
-two logits could in principle flip).
+penalties count them as output, as the failed worker did. Greedy and seeded output is what an unfailed run gives (a
+seeded token's noise is its seed's and position's alone, engine/seeded_noise.py), up to a near-tie of two scores that
+the recomputed KV's rounding could flip; an unseeded sampled one continues validly from the tokens streamed.
 """
 
 from __future__ import annotations
