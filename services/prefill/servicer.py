@@ -33,25 +33,28 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[wpb.PrefillEvent, None]:
         request_id_var.set(request.client_request_id or request.request_id)
-        target = request.target
-        work = await off_the_loop_when_large(partial(engine_request_from_pb, request), request.sampling)
-        work = await self.run_and_send.engine.prepare(work)
-        job = PrefillJob(
-            work,
-            KVTarget(
-                target.decode_worker_id,
-                target.rendezvous,
-                list(target.block_ids),
-                target.tag,
-                request.layout.model_fingerprint,
-                request.layout.block_size,
-            ),
-            request.transfer_timeout_ms / 1e3,
-            request.client_request_id,
-        )
+        # Listed first: an abandon that comes while the request is converted (a grammar compiled) still ends it.
         abandoned = asyncio.get_running_loop().create_future()
         self._abandoned[request.request_id] = abandoned
         try:
+            target = request.target
+            work = await off_the_loop_when_large(partial(engine_request_from_pb, request), request.sampling)
+            work = await self.run_and_send.engine.prepare(work)
+            if abandoned.done():
+                raise _abandoned_error()
+            job = PrefillJob(
+                work,
+                KVTarget(
+                    target.decode_worker_id,
+                    target.rendezvous,
+                    list(target.block_ids),
+                    target.tag,
+                    request.layout.model_fingerprint,
+                    request.layout.block_size,
+                ),
+                request.transfer_timeout_ms / 1e3,
+                request.client_request_id,
+            )
             async with contextlib.aclosing(self.run_and_send.run(job)) as run:  # type: ignore[type-var]
                 steps = contextvars.copy_context()
                 async with contextlib.aclosing(until_ended(run, abandoned, steps, _abandoned_error)) as events:
