@@ -104,7 +104,7 @@ def _prefill_points(
     blocks, vocab = engine.blocks, engine.model_config.vocab_size
     points = []
     for new, cached in shapes:
-        if cached + new > engine.max_model_len or blocks.blocks_for(cached + new) > blocks.num_blocks:
+        if cached + new >= engine.max_model_len or blocks.blocks_for(cached + new) > blocks.num_blocks:
             continue
         ids = torch.randint(0, vocab, (new,), generator=gen).tolist()
         table = list(range(blocks.blocks_for(cached + new)))
