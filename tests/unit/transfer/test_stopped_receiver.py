@@ -5,8 +5,10 @@ once it resumes, the sends pair with it again."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 
 import pytest
@@ -34,6 +36,24 @@ def _send(
         outcome.set_result(sender.send(rendezvous, tag, make_caches(1), [0, 1], timeout_s, start))
     except BaseException as e:
         outcome.set_exception(e)
+
+
+@contextlib.contextmanager
+def a_paired_receiver_stopped() -> Iterator[tuple[TorchDistSender, ReceiverProcess]]:
+    """A pair that served one hand-off (tag 1), its decode process then stopped; the test resumes it. Checks, after
+    the test, that the pair serves the next hand-off (tag 3)."""
+    receiver = ReceiverProcess()
+    sender = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
+    try:
+        receiver.expect(1)
+        assert sender.send(receiver.rendezvous, 1, make_caches(1), [0, 1], 10) == receiver.received()
+        receiver.stop()
+        yield sender, receiver
+        receiver.expect(3)
+        assert sender.send(receiver.rendezvous, 3, make_caches(1), [0, 1], 10) == receiver.received()
+    finally:
+        sender.close()
+        receiver.kill()
 
 
 def test_a_first_send_to_a_stopped_receiver_fails_by_its_deadline() -> None:
@@ -73,12 +93,7 @@ def test_a_first_send_to_a_stopped_receiver_fails_by_its_deadline() -> None:
 def test_a_paired_receiver_stopped_fails_sends_past_their_deadline_and_keeps_its_pair_for_when_it_resumes() -> None:
     """A send on a pair that served waits for its stopped decode process within its deadline (one liveness round
     trip, shared by the sends that queue behind it), then times out; the pair stays, and serves once it resumes."""
-    receiver = ReceiverProcess()
-    sender = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
-    try:
-        receiver.expect(1)
-        assert sender.send(receiver.rendezvous, 1, make_caches(1), [0, 1], 10) == receiver.received()
-        receiver.stop()
+    with a_paired_receiver_stopped() as (sender, receiver):
         start, outcome = time.monotonic(), Future()
         sending = threading.Thread(target=_send, args=(sender, receiver.rendezvous, 2, outcome), daemon=True)
         sending.start()
@@ -88,11 +103,6 @@ def test_a_paired_receiver_stopped_fails_sends_past_their_deadline_and_keeps_its
             outcome.result()
         assert time.monotonic() - start < SEND_TIMEOUT_S + 2
         receiver.resume()
-        receiver.expect(3)
-        assert sender.send(receiver.rendezvous, 3, make_caches(1), [0, 1], 10) == receiver.received()
-    finally:
-        sender.close()
-        receiver.kill()
 
 
 def test_a_send_called_off_while_its_receiver_is_stopped_never_reads_the_blocks_and_the_pair_serves_on() -> None:
@@ -100,12 +110,7 @@ def test_a_send_called_off_while_its_receiver_is_stopped_never_reads_the_blocks_
     check): called off, the send must never start its transfer, so the caller frees the blocks at once. Once the
     process resumes, the send raises TransferCancelledError (before, it sent the blocks, long freed by then), and
     the pair serves the next hand-off."""
-    receiver = ReceiverProcess()
-    sender = TorchDistSender(HOST, "cpu", FINGERPRINT, connect_timeout_s=10)
-    try:
-        receiver.expect(1)
-        assert sender.send(receiver.rendezvous, 1, make_caches(1), [0, 1], 10) == receiver.received()
-        receiver.stop()
+    with a_paired_receiver_stopped() as (sender, receiver):
         start, outcome = SendStart(), Future()
         sending = threading.Thread(
             target=_send, args=(sender, receiver.rendezvous, 2, outcome, 10.0, start), daemon=True
@@ -118,11 +123,6 @@ def test_a_send_called_off_while_its_receiver_is_stopped_never_reads_the_blocks_
         assert not sending.is_alive(), "the send called off still waits 5 s after its receiver resumed"
         with pytest.raises(TransferCancelledError):
             outcome.result()
-        receiver.expect(3)
-        assert sender.send(receiver.rendezvous, 3, make_caches(1), [0, 1], 10) == receiver.received()
-    finally:
-        sender.close()
-        receiver.kill()
 
 
 def test_a_send_whose_transfer_began_cannot_be_called_off() -> None:
