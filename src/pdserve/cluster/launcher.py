@@ -49,6 +49,15 @@ class WorkerStartError(RuntimeError):
     """A worker never served: its starts failed past their restarts, or no node took it in time."""
 
 
+def _client_server_failed_to_start(e: ConnectionError) -> bool:
+    """Whether a Ray Client join failed because the head's proxier could not start this client's own server (a
+    race in Ray's proxier: the process it started read as a zombie, or exited at once): the next try gets another
+    server, so even a first join tries again. Ray raises it as ConnectionAbortedError, which `WorkerActors.connect`
+    words as a join failure of ours (its cause)."""
+    cause = e.__cause__ if e.__cause__ is not None else e
+    return isinstance(cause, ConnectionAbortedError) and "Initialization failure" in str(cause)
+
+
 class Cluster:
     """`publish`: keep `registry` current for the workers (the embedded registry); with Redis the workers
     heartbeat themselves and the supervisor only removes the ones it finds gone."""
@@ -237,10 +246,7 @@ class Cluster:
                 await asyncio.to_thread(self.actors.connect)
                 break
             except ConnectionError as e:  # Ray Client's errors, and a GCS that does not answer
-                # A Ray Client server that failed to start this client's own server (a race in Ray's proxier: the
-                # process it started read as a zombie) is tried again on a first join too: the next try gets another.
-                started_badly = isinstance(e, ConnectionAbortedError) and "Initialization failure" in str(e)
-                if not (retry_join or started_badly) or time.monotonic() > deadline:
+                if not (retry_join or _client_server_failed_to_start(e)) or time.monotonic() > deadline:
                     raise
                 log.warning(
                     "Ray at %s: %s; trying again in %g s", self.config.ray_address, actor_error_reason(e), JOIN_RETRY_S

@@ -13,7 +13,7 @@ from pdserve.build import build_resource, current_build
 from pdserve.cluster.actors import BUILD_RESOURCE_SHARE
 from pdserve.cluster.launcher import Cluster
 from pdserve.cluster.supervisor import REPLACE_BACKOFF_S, Slot
-from pdserve.config import ClusterConfig
+from pdserve.config import ClusterConfig, EngineConfig
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryRegistry
@@ -188,25 +188,30 @@ def test_supervision_that_fails_ends_the_wait_with_its_error(monkeypatch: pytest
     ("error", "tried"),
     [
         (ConnectionAbortedError("Initialization failure from server:\npsutil.ZombieProcess: ..."), 2),
+        (ConnectionAbortedError("Initialization failure from server:\nStarting Ray client server failed."), 2),
         (ConnectionRefusedError("nothing listens"), 1),  # a first join that fails otherwise fails at once
     ],
 )
 def test_a_ray_client_server_that_failed_to_start_its_own_server_is_tried_again(monkeypatch, error, tried) -> None:
     """Ray's client proxier sometimes fails to start the server of one client (the process it started reads as a
-    zombie): `pdserve up --ray-address` exited on that, though the next try gets another server."""
-    config = ClusterConfig(ray_address="ray://127.0.0.1:10001")
+    zombie, or exits at once): `pdserve up --ray-address` exited on that, though the next try gets another server.
+    Ray's error goes through `WorkerActors.connect`, which words it as a join failure of ours."""
+    config = ClusterConfig(engine=EngineConfig(device="cpu"), ray_address="ray://127.0.0.1:10001")
     cluster = Cluster(config, workers=lambda context: None, registry=InMemoryRegistry(), publish=False)
     tries: list[int] = []
 
-    def connect() -> None:
+    def ray_init(**kwargs) -> None:
         tries.append(1)
         if len(tries) == 1:
             raise error
 
-    monkeypatch.setattr(cluster.actors, "connect", connect)
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
+    monkeypatch.setattr("ray.init", ray_init)
+    monkeypatch.setattr("pdserve.cluster.actors._check_listening", lambda address: None)
+    monkeypatch.setattr("pdserve.cluster.actors._log_ray_auth", lambda: None)
     monkeypatch.setattr("pdserve.cluster.launcher.JOIN_RETRY_S", 0.01)
     if tried == 1:
-        with pytest.raises(ConnectionError):
+        with pytest.raises(ConnectionError, match="could not join the Ray cluster at --ray-address ray://"):
             asyncio.run(cluster.connect_until(asyncio.Event()))
     else:
         assert asyncio.run(cluster.connect_until(asyncio.Event()))
