@@ -2,11 +2,14 @@
 
 A decode worker that is stopped or hung (SIGSTOPped: its kernel keeps its connections open) cannot cancel the
 Prefill call it made, so its prefill worker held the prompt's KV for it until that call ended by gRPC keepalive
-(measured: 12.5 s after the stop) or by the KV send's own deadline, while the request ran elsewhere. When the
-router gives up on an attempt before its first token (a worker of it left the registry, or the first-token bound
-passed), it tells the prefill worker itself (`PrefillWorker.Abandon`), which ends that hand-off as the decode
-worker's cancel would. Fire and forget, off the request's path: a prefill worker that does not answer (stuck
-itself) or predates the call (UNIMPLEMENTED, the earlier build of a rollout) costs the call and nothing more.
+(measured: 12.5 s after the stop) or by the KV send's own deadline, while the request ran elsewhere. Whenever an
+attempt ends before its first token (a worker of it left the registry, the first-token bound passed, the caller
+cancelled or its deadline passed, the decode worker failed it), the router tells the prefill worker itself
+(`PrefillWorker.Abandon`), which ends that hand-off as the decode worker's cancel would; one that had already
+ended answers so, and nothing else happens. Fire and forget, off the request's path, over one pooled channel per
+prefill worker (a burst of cancels is a burst of small calls, not of connections): a prefill worker that does not
+answer (stuck itself) or predates the call (UNIMPLEMENTED, the earlier build of a rollout) costs the call and
+nothing more.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import logging
 import grpc
 
 from pdserve.registry.base import WorkerState
-from pdserve.rpc.server import internal_channel
+from pdserve.rpc.channel_pool import ChannelPool
+from pdserve.rpc.credentials import internal_tls_files
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc
 
@@ -31,21 +35,24 @@ class Abandons:
 
     def __init__(self) -> None:
         self._calls: set[asyncio.Task[None]] = set()  # strong references until done (the loop keeps weak ones)
+        self._channels = ChannelPool(worker_pb2_grpc.PrefillWorkerStub, credential_files=internal_tls_files())
 
     def send(self, prefill: WorkerState, key: str) -> None:
         """Tells `prefill` that the attempt `key` (the request id it was sent) was given up on."""
-        task = asyncio.get_running_loop().create_task(_abandon(prefill, key), name="abandon")
+        task = asyncio.get_running_loop().create_task(self._abandon(prefill, key), name="abandon")
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
 
+    async def close(self) -> None:
+        """Closes the channels, cancelling the calls still in flight (a router stopping owes none of them)."""
+        await self._channels.close()
 
-async def _abandon(prefill: WorkerState, key: str) -> None:
-    try:
-        async with internal_channel(prefill.address) as ch:
-            request = wpb.AbandonRequest(request_id=key)
-            reply = await worker_pb2_grpc.PrefillWorkerStub(ch).Abandon(request, timeout=TIMEOUT_S)
-    except grpc.aio.AioRpcError as e:
-        log.debug("prefill worker %s did not take the abandon: %s", prefill.worker_id, e.code(), extra={"key": key})
-        return
-    if reply.ended:
-        log.info("prefill worker %s ended the hand-off given up on", prefill.worker_id, extra={"key": key})
+    async def _abandon(self, prefill: WorkerState, key: str) -> None:
+        request = wpb.AbandonRequest(request_id=key)
+        try:
+            reply = await self._channels.call(prefill.address, lambda stub: stub.Abandon(request, timeout=TIMEOUT_S))
+        except grpc.aio.AioRpcError as e:
+            log.debug("prefill worker %s did not take the abandon: %s", prefill.worker_id, e.code(), extra={"key": key})
+            return
+        if reply.ended:
+            log.info("prefill worker %s ended the hand-off given up on", prefill.worker_id, extra={"key": key})

@@ -13,6 +13,7 @@ from opentelemetry import trace
 from pdserve.config import RouterConfig
 from pdserve.errors import RouterStoppedError, UnavailableError
 from pdserve.metrics import RouterMetrics
+from pdserve.registry.base import WorkerState
 from pdserve.rpc.channel_pool import ChannelPool
 from pdserve.rpc.convert import sampling_to_pb
 from pdserve.rpc.credentials import internal_tls_files
@@ -188,14 +189,30 @@ class Relay:
                 finally:
                     unlisted.cancel()
         except TimeoutError:
-            call.cancel()  # a stopped decode worker cannot pass this on to its prefill worker: the router tells it
-            if ticket.placement.prefill is not None and unlisted.gone is not ticket.placement.prefill:
-                self.abandons.send(ticket.placement.prefill, ticket.key)
+            call.cancel()
+            self._abandon(ticket, unlisted.gone)
             if unlisted.gone is not None:
                 raise unlisted.error() from None
             raise NoFirstTokenError(self._no_first_token(ticket.placement, handed_off)) from None
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):  # the caller left or its deadline passed, the router
+            self._abandon(ticket)  # cut the stream, or the decode worker failed it
+            raise
         finally:
             handed_off.cancel()
+
+    def _abandon(self, ticket: Ticket, gone: WorkerState | None = None) -> None:
+        """Tells the attempt's prefill worker, unless it is the one `gone`, that the attempt ended before its first
+        token: its decode worker passes a cancel on itself, but a stopped one cannot (services/router/abandon.py)."""
+        prefill = ticket.placement.prefill
+        if prefill is not None and prefill is not gone:
+            self.abandons.send(prefill, ticket.key)
+
+    async def close_channels(self) -> None:
+        """Closes the channels to decode workers and those of the abandons (cancelling their calls in flight)."""
+        try:
+            await self.abandons.close()
+        finally:
+            await self.channels.close()
 
     def _no_first_token(self, p: Placement, handed_off: asyncio.Future[bool]) -> str:
         """Names the prefill worker's address (which blames it, services/router/retry.py) only when the decode

@@ -4,14 +4,12 @@ and its listeners: gRPC always, the OpenAI-compatible HTTP API when asked, both 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from pdserve.config import RouterConfig
 from pdserve.engine.model_files import locate_model, read_model_config, tokenizer_folder
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.registry.base import PrefixIndex, Registry
 from pdserve.registry.redis import RedisRegistry
-from pdserve.rpc.channel_pool import ChannelPool
 from pdserve.rpc.credentials import server_tls
 from pdserve.rpc.server import Server
 from pdserve.security.quotas import LocalQuotas, Quotas
@@ -30,6 +28,7 @@ from services.router.parse_after_key import ParseAfterKeyCheck
 from services.router.peer_check import PeerCheck
 from services.router.placement import SLOAwarePlacement
 from services.router.predictor import Predictor
+from services.router.relay import Relay
 from services.router.request_size import max_grpc_request_bytes
 from services.router.round_robin_placement import RoundRobinPlacement
 from services.router.servicer import GENERATE_METHOD, GenerationServicer
@@ -44,7 +43,7 @@ GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full
 
 class RouterServer:
     """The router's listeners, drained and stopped together (then the background work of its quotas, admitted
-    totals, shared KV claims and moving streams, gone workers' state, API key reloads, and its channels to decode
+    totals, shared KV claims and moving streams, gone workers' state, API key reloads, and its relay's channels to
     workers): the launcher sees one server."""
 
     def __init__(
@@ -54,7 +53,7 @@ class RouterServer:
         quotas: Quotas,
         admitted: ClusterAdmitted,
         gone_workers: GoneWorkers,
-        decode_channels: ChannelPool[Any],
+        relay: Relay,
         shared_claims: SharedKVClaims | None,
         shared_moving: SharedMoving | None,
         key_reload: KeyReload | None,
@@ -71,7 +70,7 @@ class RouterServer:
         self.quotas = quotas
         self.admitted = admitted
         self.gone_workers = gone_workers
-        self.decode_channels = decode_channels
+        self.relay = relay
         self.shared_claims = shared_claims
         self.shared_moving = shared_moving
         self.key_reload = key_reload
@@ -110,7 +109,7 @@ class RouterServer:
                     if self.shared_moving is not None:  # its close never raises
                         await self.shared_moving.close()
                 finally:
-                    await self.decode_channels.close()
+                    await self.relay.close_channels()
 
     async def wait(self) -> None:
         await self.grpc.wait()
@@ -200,9 +199,8 @@ async def start_router(
     if isinstance(registry, RedisRegistry):  # the routers of one registry leave each other's moving streams a place
         shared_moving = SharedMoving(registry.url, tracker)
         await shared_moving.start()
-    channels = lifecycle.relay.channels
     presence = WorkerPresence(policy)
-    parts = (quotas, admitted, gone_workers, channels, shared_claims, shared_moving, key_reload, peers, presence)
+    parts = (quotas, admitted, gone_workers, lifecycle.relay, shared_claims, shared_moving, key_reload, peers, presence)
     router = RouterServer(server, http, *parts)
     await router.set_serving(True)
     peers.start()

@@ -16,6 +16,7 @@ import os
 import signal
 import time
 
+import grpc
 import pytest
 
 from pdserve.cluster.local_process import ClusterProcess, free_port
@@ -180,6 +181,67 @@ def test_a_stuck_decode_worker_leaves_no_kv_held_on_its_prefill_worker(cluster, 
         await none_in_flight(cluster.address)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("leaves", ["cancel", "deadline"])
+def test_a_caller_that_leaves_while_its_decode_worker_is_stuck_frees_the_prefill_workers_kv(cluster, leaves):
+    """The caller cancels, or its deadline passes, while the prefill worker holds the prompt's KV for a decode
+    worker that is SIGSTOPped. The deadline reaches the prefill worker with the Prefill call, which ends there by
+    itself; a cancel does not, and the stopped worker cannot pass it on, so the prefill worker held the KV until
+    keepalive ended that call (15 s after the cancel, measured). The router tells the prefill worker."""
+    deadline_s = 3.0  # past the prefill and the stop below, within the hold: the prefill worker still holds the KV
+
+    async def run() -> None:
+        await all_serving(cluster.address)
+        req = request(f"{HELD}leaves-{leaves}")
+        call = asyncio.create_task(tokens_within(cluster.address, req, deadline_s if leaves == "deadline" else 60))
+        started = time.monotonic()
+        prefill = await holding(cluster.address)
+        decode = await receiving(cluster.address)
+        pid = pid_serving(decode.address)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            if leaves == "cancel":
+                call.cancel()
+                left = time.monotonic()
+            else:
+                left = started + deadline_s
+            with pytest.raises(asyncio.CancelledError if leaves == "cancel" else grpc.aio.AioRpcError) as ended:
+                await call
+            if leaves == "deadline":
+                assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ended.value
+
+            async def prefill_holds() -> bool:
+                return any(w.id == prefill.id and w.kv_blocks_used for w in await workers(cluster.address))
+
+            while await prefill_holds() and time.monotonic() - left < KEEPALIVE_S + 15:
+                await asyncio.sleep(0.1)
+            freed_after = time.monotonic() - left
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Seen through the prefill worker's heartbeat (every 0.5 s) and a status call that took ~1 s here: 1-2.1 s;
+        # keepalive, which pings every KEEPALIVE_TIME_MS, ends a call no sooner than KEEPALIVE_TIMEOUT_MS (5 s).
+        print(f"the prefill worker's KV freed {freed_after:.2f} s after the caller's {leaves}")
+        assert freed_after < 4.0, freed_after
+        await none_in_flight(cluster.address)
+
+    asyncio.run(run())
+
+
+async def tokens_within(address: str, req: pb.GenerateRequest, timeout_s: float) -> None:
+    async for _ in generate(address, req, timeout_s):
+        pass
+
+
+async def receiving(router: str, timeout_s: float = 5.0) -> admin_pb2.WorkerStatus:
+    """The decode worker that took the request and waits for its KV: blocks allocated, nothing running."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for w in await workers(router):
+            if w.role == "decode" and w.kv_blocks_used > 0:
+                return w
+        await asyncio.sleep(0.05)
+    raise AssertionError("no decode worker took the request")
 
 
 def logged(log: str, text: str) -> dict:
