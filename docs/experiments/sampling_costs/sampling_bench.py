@@ -1,7 +1,7 @@
 """What a decode step's sampler costs with each per-request feature, against plain greedy in the same run.
 
 One step's logits for B rows of SmolLM2's vocabulary (49,152): standard normal (flat: a top-p nucleus of most
-of the vocabulary) and, for the "peaked" setting, the same times 8 (a nucleus of a few tokens, as a model's
+of the vocabulary) and, for the "peaked" settings, the same times 8 (a nucleus of a few tokens, as a model's
 mostly are); every row has a prompt of P tokens and an output of O tokens so far (the histories penalties
 read). Each setting is timed over many calls, the settings interleaved round by round so a noisy host slows
 them alike; the median round is printed, and its ratio to plain greedy.
@@ -31,6 +31,8 @@ SETTINGS = {
     "the same, peaked logits": SamplingParams(temperature=0.8, top_p=0.9),
     "top-k 50": SamplingParams(temperature=1.0, top_k=50),
     "top-k 50, top-p 0.9": SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
+    "top-k 50, seeded": SamplingParams(temperature=1.0, top_k=50, seed=1),
+    "peaked top-p 0.9, seeded": SamplingParams(temperature=0.8, top_p=0.9, seed=1),
     "repetition 1.1": SamplingParams(repetition_penalty=1.1),
     "presence 0.5 + frequency 0.5": SamplingParams(presence_penalty=0.5, frequency_penalty=0.5),
     "logit_bias, 16 tokens": SamplingParams(logit_bias=tuple((t, -5.0) for t in range(16))),

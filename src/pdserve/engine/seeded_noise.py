@@ -56,11 +56,18 @@ def row_keys(seeds: Sequence[int], positions: Sequence[int], device: torch.devic
 
 
 def exponential_noise(seeds: Sequence[int], positions: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """[n, vocab] float32 Exp(1) noise, row i's from (seeds[i], positions[i]) alone: each token id's golden-step
-    multiple XORed with the row's key, then hashed. XOR, not a sum: two keys a multiple of the golden step apart
-    would then give the same noise shifted by that many token ids."""
-    bits = torch.arange(vocab, dtype=torch.int32, device=device).unsqueeze(0) * _GOLDEN
-    bits = lowbias32_(bits ^ row_keys(seeds, positions, device))
+    """[n, vocab] float32 Exp(1) noise, row i's from (seeds[i], positions[i]) alone."""
+    return exponential_noise_at(seeds, positions, torch.arange(vocab, dtype=torch.int32, device=device).unsqueeze(0))
+
+
+def exponential_noise_at(seeds: Sequence[int], positions: Sequence[int], token_ids: torch.Tensor) -> torch.Tensor:
+    """float32 Exp(1) noise of the `token_ids` ([n, m], or [1, m] for every row), row i's from (seeds[i],
+    positions[i]) alone: a token's noise is the same whichever other tokens it is drawn with, so a row whose
+    top-k or top-p left few candidates is raced over those alone. Each token id's golden-step multiple XORed with
+    the row's key, then hashed. XOR, not a sum: two keys a multiple of the golden step apart would then give the
+    same noise shifted by that many token ids."""
+    bits = token_ids.to(torch.int32) * _GOLDEN
+    bits = lowbias32_(bits ^ row_keys(seeds, positions, token_ids.device))
     bits &= (1 << _UNIFORM_BITS) - 1
     minus_v = bits.float().mul_(-(2.0**-_UNIFORM_BITS)).sub_(2.0 ** -(_UNIFORM_BITS + 1))
     return minus_v.clamp_(min=-_LARGEST_UNIFORM).log1p_().neg_()

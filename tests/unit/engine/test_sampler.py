@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.engine import sampler as sampler_module
 from pdserve.engine.sampler import Sampler, _inverse_cdf_draw, _outside_among_candidates
+from pdserve.engine.seeded_noise import exponential_noise_at
 from pdserve.protocol.sampling import SamplingParams
 
 CPU = torch.device("cpu")
@@ -77,6 +79,49 @@ def test_same_seed_with_top_k_top_p_neighbours() -> None:
         alone = Sampler()(logits[:1], [plain], [(5, position)])
         together = Sampler()(logits, [plain, filtered], [(5, position), None])
         assert alone[0] == together[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_seeded_row_that_keeps_few_tokens_draws_what_the_race_over_the_vocabulary_draws(
+    device: torch.device, monkeypatch
+) -> None:
+    """A batch whose rows keep few tokens (top-k, top-p) races those alone; each row's token is the one the race
+    over the whole vocabulary gives, which it takes where a neighbour keeps the whole vocabulary."""
+    logits = torch.randn(3, 4096, generator=torch.Generator().manual_seed(5)).to(device) * 2
+    params = [SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=1.0, top_p=0.5)]
+    plain = SamplingParams(temperature=1.0)
+    raced_over_candidates = []
+    monkeypatch.setattr(sampler_module, "exponential_noise_at", spy(raced_over_candidates, exponential_noise_at))
+    drawn = []
+    for position in range(100):
+        seeded = [(9, position), (10, position), (11, position)]
+        few = Sampler()(logits[:2], params, seeded[:2])
+        assert len(raced_over_candidates) == position + 1  # the few candidates' race
+        with_plain = Sampler()(logits, [*params, plain], seeded)
+        assert len(raced_over_candidates) == position + 1  # the vocabulary's
+        assert few.tolist() == with_plain[:2].tolist(), position
+        drawn.append(few.tolist())
+    assert all(len({d[row] for d in drawn}) > 5 for row in range(2))  # the draws really vary
+
+
+def test_a_tie_of_scores_goes_to_the_lower_id_over_candidates_as_over_the_vocabulary(monkeypatch) -> None:
+    """Tokens of equal probability (bf16 logits tie often) whose noise ties too: the lowest id wins either way."""
+    monkeypatch.setattr(sampler_module, "exponential_noise", lambda seeds, _, n, device: torch.ones(len(seeds), n))
+    monkeypatch.setattr(sampler_module, "exponential_noise_at", lambda seeds, _, ids: torch.ones(ids.shape))
+    logits = torch.full((2, 4096), -math.inf)
+    logits[0, [3000, 17, 2000, 999]] = 0.0
+    logits[1] = 0.0
+    tied, plain = SamplingParams(temperature=1.0, top_k=4), SamplingParams(temperature=1.0)
+    assert Sampler()(logits[:1], [tied], [(1, 0)]).tolist() == [17]  # over its four candidates
+    assert Sampler()(logits, [tied, plain], [(1, 0), (2, 0)]).tolist() == [17, 0]  # over the vocabulary
+
+
+def spy(calls: list, f):
+    def called(*args):
+        calls.append(args)
+        return f(*args)
+
+    return called
 
 
 def test_different_seeds_differ() -> None:
