@@ -12,7 +12,7 @@ from functools import partial
 
 import grpc
 
-from pdserve.errors import UnavailableError
+from pdserve.errors import AbandonedError
 from pdserve.protocol.handoff import FirstToken, KVSent, KVTarget
 from pdserve.rpc.convert import engine_request_from_pb, finish_reason_to_pb, logprobs_to_pb, off_the_loop_when_large
 from pdserve.rpc.raced_steps import until_ended
@@ -77,8 +77,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return wpb.AbandonReply(ended=True)
 
 
-def _abandoned_error() -> UnavailableError:
-    return UnavailableError("the router abandoned this request before its first token (its decode worker was lost)")
+def _abandoned_error() -> AbandonedError:
+    return AbandonedError("the router ended this attempt before its first token (its caller left, or it gave up on it)")
 
 
 def _to_pb(event: FirstToken | KVSent) -> wpb.PrefillEvent:

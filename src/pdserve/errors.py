@@ -62,6 +62,12 @@ class KVMismatchError(UnavailableError):
     UNAVAILABLE, marked as such on every hop, so the request moves without ejecting either worker."""
 
 
+class AbandonedError(UnavailableError):
+    """The router ended this attempt before its first token and told its prefill worker, which ended the hand-off
+    (services/router/abandon.py). -> UNAVAILABLE, marked as such: a decode worker that was still waiting on it (a
+    stopped one, resumed) counts its transfer `cancelled`, the request having ended first, not a lost peer."""
+
+
 class InternalError(RuntimeError):
     """A cluster peer's own bug (an exception its handler did not expect, logged there under the error id its
     text names). Not a lost worker: the request would meet the same bug on the next one, so it neither moves nor

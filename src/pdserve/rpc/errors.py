@@ -19,6 +19,7 @@ import grpc
 from opentelemetry import trace
 
 from pdserve.errors import (
+    AbandonedError,
     ClusterAuthError,
     InternalError,
     InvalidRequestError,
@@ -40,6 +41,7 @@ CLUSTER_AUTH_REFUSED_KEY = "x-pdserve-cluster-auth-refused"
 # Trailer of an UNAVAILABLE that is a KVMismatchError further in (a decode worker's prefill call refused for another
 # model or block size), so the router moves the request without ejecting a healthy worker.
 KV_MISMATCH_KEY = "x-pdserve-kv-mismatch"
+ABANDONED_KEY = "x-pdserve-abandoned"
 # Trailer of an INTERNAL that a pdserve handler's bug answered, rather than gRPC's own (a broken connection's
 # RST_STREAM is INTERNAL too, and is a lost peer).
 HANDLER_BUG_KEY = "x-pdserve-handler-bug"
@@ -97,6 +99,8 @@ def error_from_rpc(e: grpc.aio.AioRpcError, peer: str) -> Exception:
         return ClusterAuthError(f"{detail} (UNAVAILABLE)")
     if code == grpc.StatusCode.UNAVAILABLE and _has(e.trailing_metadata(), KV_MISMATCH_KEY):
         return KVMismatchError(f"{detail} (UNAVAILABLE)")
+    if code == grpc.StatusCode.UNAVAILABLE and _has(e.trailing_metadata(), ABANDONED_KEY):
+        return AbandonedError(f"{detail} (UNAVAILABLE)")
     if code == grpc.StatusCode.INTERNAL and _has(e.trailing_metadata(), HANDLER_BUG_KEY):
         return InternalError(detail)
     return UnavailableError(f"{detail} ({code.name})")
@@ -145,6 +149,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, stream: bool
         _add_trailing(context, CLUSTER_AUTH_REFUSED_KEY, "1")
     if isinstance(exc, KVMismatchError):
         _add_trailing(context, KV_MISMATCH_KEY, "1")
+    if isinstance(exc, AbandonedError):
+        _add_trailing(context, ABANDONED_KEY, "1")
     if isinstance(exc, InvalidRequestError) and exc.recorded != str(exc):
         _add_trailing(context, RECORDED_KEY, exc.recorded.encode())
     if stream and mapped[0] != grpc.StatusCode.INTERNAL:

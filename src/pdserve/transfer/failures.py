@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.errors import UnavailableError
+from pdserve.errors import AbandonedError, UnavailableError
 from pdserve.transfer.base import PeerLostError, TransferCancelledError, TransferTimeoutError
 
 
@@ -15,6 +15,8 @@ def failure_reason(error: BaseException) -> str:
     the decode side refused)."""
     if isinstance(error, TransferTimeoutError):
         return "timeout"
+    if isinstance(error, AbandonedError):  # the router ended the attempt: a decode worker resumed from a stop reads it
+        return "cancelled"
     if isinstance(error, PeerLostError | UnavailableError):
         return "peer_gone"
     if isinstance(error, TransferCancelledError | asyncio.CancelledError | TimeoutError):

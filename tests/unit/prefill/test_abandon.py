@@ -9,7 +9,7 @@ import contextlib
 
 import pytest
 
-from pdserve.errors import UnavailableError
+from pdserve.errors import AbandonedError
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
@@ -38,7 +38,7 @@ async def test_an_abandon_while_the_request_is_converted_ends_the_call_before_it
         assert not first.done()
         reply = await servicer.Abandon(wpb.AbandonRequest(request_id="r"), None)  # type: ignore[arg-type]
         assert reply.ended
-        with pytest.raises(UnavailableError, match="abandoned"):
+        with pytest.raises(AbandonedError, match="ended this attempt before its first token"):
             await first
         assert engine.stats["kv_blocks_used"] == 0
         assert not (await servicer.Abandon(wpb.AbandonRequest(request_id="r"), None)).ended  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.errors import (
+    AbandonedError,
     ClusterAuthError,
     InvalidRequestError,
     KVMismatchError,
@@ -43,6 +44,8 @@ class Raising(generate_pb2_grpc.GenerationServicer):
             raise ClusterAuthError(f"{PREFILL}: internal RPC: not a cluster peer (UNAUTHENTICATED)")
         if request.prompt == "prefill of other weights":  # a decode worker's prefill worker refused its KV layout
             raise KVMismatchError(f"{PREFILL}: KV layout mismatch: decode runs (model, block size) ('a', 16)")
+        if request.prompt == "prefill abandoned":  # the router ended the attempt while its decode worker waited
+            raise AbandonedError(f"{PREFILL}: the router ended this attempt before its first token (UNAVAILABLE)")
         if request.prompt == "prefill gone":
             raise UnavailableError(f"{PREFILL}: connection refused (UNAVAILABLE)")
         if request.prompt == "full":
@@ -185,6 +188,21 @@ async def test_a_kv_mismatch_stays_one_on_every_hop() -> None:
         assert isinstance(error, KVMismatchError) and PREFILL in str(error)
         gone = error_from_rpc(await _call(decode.address, "prefill gone"), "decode worker d0")
         assert not isinstance(gone, KVMismatchError)
+    finally:
+        await decode.stop(None)
+
+
+async def test_an_abandoned_hand_off_stays_one_on_every_hop() -> None:
+    """A prefill worker ending a hand-off the router abandoned is UNAVAILABLE marked so: the decode worker that
+    waited on it (a stopped one, resumed) counts no lost peer, and passes it on marked."""
+    decode = await _serve(reflection=False)
+    try:
+        e = await _call(decode.address, "prefill abandoned")
+        assert e.code() == grpc.StatusCode.UNAVAILABLE
+        error = error_from_rpc(e, "decode worker d0")
+        assert isinstance(error, AbandonedError) and PREFILL in str(error)
+        gone = error_from_rpc(await _call(decode.address, "prefill gone"), "decode worker d0")
+        assert not isinstance(gone, AbandonedError)
     finally:
         await decode.stop(None)
 

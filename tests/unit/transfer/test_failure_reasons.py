@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pdserve.errors import UnavailableError
+from pdserve.errors import AbandonedError, UnavailableError
 from pdserve.metrics import KV_TRANSFER_FAILURE_REASONS
 from pdserve.transfer.base import (
     LayoutMismatchError,
@@ -24,6 +24,7 @@ from pdserve.transfer.failures import failure_reason
     [
         (PeerLostError("decode side: peer lost"), "peer_gone"),
         (UnavailableError("prefill worker p0: Socket closed (UNAVAILABLE)"), "peer_gone"),  # its call, lost
+        (AbandonedError("prefill worker p0: the router ended this attempt (UNAVAILABLE)"), "cancelled"),
         (TransferTimeoutError("timed out"), "timeout"),
         (PeerSilentError("decode side: not answering"), "timeout"),
         (TransferCancelledError("cancelled before any byte"), "cancelled"),
