@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -33,9 +35,13 @@ TIMEOUT_S = 2.0
 class Abandons:
     """The Abandon calls in flight; each ends within TIMEOUT_S."""
 
-    def __init__(self) -> None:
+    def __init__(self, interceptors: Sequence[Any] = ()) -> None:
+        """`interceptors`: the router's tracing ones; a call is sent from its request's context, so the prefill
+        worker's span of it joins that request's trace rather than starting one of its own."""
         self._calls: set[asyncio.Task[None]] = set()  # strong references until done (the loop keeps weak ones)
-        self._channels = ChannelPool(worker_pb2_grpc.PrefillWorkerStub, credential_files=internal_tls_files())
+        self._channels = ChannelPool(
+            worker_pb2_grpc.PrefillWorkerStub, interceptors, credential_files=internal_tls_files()
+        )
 
     def send(self, prefill: WorkerState, key: str) -> None:
         """Tells `prefill` that the attempt `key` (the request id it was sent) was given up on."""

@@ -76,7 +76,8 @@ class Relay:
         self._calls: set[grpc.aio.UnaryStreamCall] = set()  # the decode calls being relayed
         self._stopped: str | None = None  # why every stream was cut (`cut_all`), once it was
         self.keyed = KeyedStreams()  # each request under its API key: a key's revocation cuts its streams
-        self.abandons = Abandons()  # a prefill worker told of an attempt given up on before its first token
+        # A prefill worker told of an attempt given up on before its first token.
+        self.abandons = Abandons(telemetry.client_interceptors())
 
     def cut_all(self, why: str) -> int:
         """Ends every stream relayed now or later with RouterStoppedError saying `why` (its decode call cancelled,

@@ -184,7 +184,7 @@ def test_a_stuck_decode_worker_leaves_no_kv_held_on_its_prefill_worker(cluster, 
 
 
 @pytest.mark.parametrize("leaves", ["cancel", "deadline"])
-def test_a_caller_that_leaves_while_its_decode_worker_is_stuck_frees_the_prefill_workers_kv(cluster, leaves):
+def test_a_caller_that_leaves_while_its_decode_worker_is_stuck_frees_the_prefill_workers_kv(cluster, collector, leaves):
     """The caller cancels, or its deadline passes, while the prefill worker holds the prompt's KV for a decode
     worker that is SIGSTOPped. The deadline reaches the prefill worker with the Prefill call, which ends there by
     itself; a cancel does not, and the stopped worker cannot pass it on, so the prefill worker held the KV until
@@ -223,9 +223,33 @@ def test_a_caller_that_leaves_while_its_decode_worker_is_stuck_frees_the_prefill
         # keepalive, which pings every KEEPALIVE_TIME_MS, ends a call no sooner than KEEPALIVE_TIMEOUT_MS (5 s).
         print(f"the prefill worker's KV freed {freed_after:.2f} s after the caller's {leaves}")
         assert freed_after < 4.0, freed_after
+        if leaves == "cancel":  # the prefill worker's span of the Abandon is in the request's trace
+            request_trace = await router_trace(collector, f"{HELD}leaves-{leaves}")
+            assert "pdserve.v1.PrefillWorker/Abandon" in await trace_spans(collector, request_trace), request_trace
         await none_in_flight(cluster.address)
 
     asyncio.run(run())
+
+
+async def router_trace(collector: Collector, client_id: str, timeout_s: float = 10.0) -> bytes:
+    """The trace id of the router's span of the request the client sent as `client_id`."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        with collector.lock:
+            spans = [s for svc, s in collector.spans if svc == "pdserve-router"]
+        for s in spans:
+            attrs = {a.key: a.value.string_value for a in s.attributes}
+            if attrs.get("request.client_id") == client_id:
+                return s.trace_id
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no router span of {client_id}")
+
+
+async def trace_spans(collector: Collector, trace_id: bytes, wait_s: float = 3.0) -> set[str]:
+    """The names of the spans of that trace, every service's, once the exporters' batches came in."""
+    await asyncio.sleep(wait_s)
+    with collector.lock:
+        return {s.name for _, s in collector.spans if s.trace_id == trace_id}
 
 
 async def tokens_within(address: str, req: pb.GenerateRequest, timeout_s: float) -> None:
