@@ -58,6 +58,16 @@ def _client_server_failed_to_start(e: ConnectionError) -> bool:
     return isinstance(cause, ConnectionAbortedError) and "Initialization failure" in str(cause)
 
 
+def _refused_as_asked(e: ConnectionError) -> bool:
+    """Whether Ray refused the join for what it was asked, before it reached a head (an address it cannot parse, no
+    auth token where the cluster wants one): no later try differs, so a join that tries a Ray that does not answer
+    again (a controller's) fails at once instead of for JOIN_WINDOW_S. `WorkerActors.connect` words Ray's error as a
+    join failure of ours (its cause)."""
+    from ray.exceptions import AuthenticationError
+
+    return isinstance(e.__cause__, (ValueError, AuthenticationError))
+
+
 class Cluster:
     """`publish`: keep `registry` current for the workers (the embedded registry); with Redis the workers
     heartbeat themselves and the supervisor only removes the ones it finds gone."""
@@ -246,7 +256,8 @@ class Cluster:
                 await asyncio.to_thread(self.actors.connect)
                 break
             except ConnectionError as e:  # Ray Client's errors, and a GCS that does not answer
-                if not (retry_join or _client_server_failed_to_start(e)) or time.monotonic() > deadline:
+                retried = (retry_join and not _refused_as_asked(e)) or _client_server_failed_to_start(e)
+                if not retried or time.monotonic() > deadline:
                     raise
                 log.warning(
                     "Ray at %s: %s; trying again in %g s", self.config.ray_address, actor_error_reason(e), JOIN_RETRY_S
@@ -324,6 +335,8 @@ class Cluster:
                     return False
                 break
             except ConnectionError as e:
+                if _refused_as_asked(e):  # tried again at once, for ever
+                    raise
                 log.warning("Ray at %s: %s; still trying", self.config.ray_address, actor_error_reason(e))
         return await self.start_until(stop, self.stop_workers)
 

@@ -7,6 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from ray.exceptions import AuthenticationError
 
 from pdserve import cli
 from pdserve.build import build_resource, current_build
@@ -196,6 +197,35 @@ def test_a_ray_client_server_that_failed_to_start_its_own_server_is_tried_again(
     """Ray's client proxier sometimes fails to start the server of one client (the process it started reads as a
     zombie, or exits at once): `pdserve up --ray-address` exited on that, though the next try gets another server.
     Ray's error goes through `WorkerActors.connect`, which words it as a join failure of ours."""
+    assert _tries_to_join(monkeypatch, error, retry_join=False) == tried
+
+
+@pytest.mark.parametrize(
+    ("error", "tried"),
+    [
+        (ValueError("Invalid address format: not-an-address"), 1),
+        (AuthenticationError("Token authentication is enabled but Ray couldn't find an authentication token."), 1),
+        (ConnectionError("ray client connection timeout"), 2),  # a head that does not answer (yet)
+        (ConnectionRefusedError("nothing listens"), 2),
+    ],
+)
+def test_a_controllers_join_that_ray_refused_as_asked_fails_at_once(monkeypatch, error, tried) -> None:
+    """A controller tries a Ray that does not answer again for 5 minutes; an address Ray cannot parse, or no auth
+    token where the cluster wants one, was tried for those 5 minutes too once `WorkerActors.connect` worded every
+    join failure as a ConnectionError of ours, though no later try differs."""
+    assert _tries_to_join(monkeypatch, error, retry_join=True) == tried
+
+
+def test_a_rejoin_that_ray_refuses_as_asked_ends_rather_than_trying_again_at_once(monkeypatch) -> None:
+    """A rejoin tries a Ray that does not answer again for as long as it takes; one that Ray refused as asked would
+    have been tried again at once, in a loop with no pause."""
+    tries = _tries_to_join(monkeypatch, ValueError("Invalid address format: x"), retry_join=True, rejoin=True)
+    assert tries == 1
+
+
+def _tries_to_join(monkeypatch: pytest.MonkeyPatch, error: Exception, retry_join: bool, rejoin: bool = False) -> int:
+    """How many times `connect_until` (or `rejoin`) called `ray.init`, whose first call raised `error`; a join that
+    fails is expected to raise our own wording of it."""
     config = ClusterConfig(engine=EngineConfig(device="cpu"), ray_address="ray://127.0.0.1:10001")
     cluster = Cluster(config, workers=lambda context: None, registry=InMemoryRegistry(), publish=False)
     tries: list[int] = []
@@ -210,9 +240,14 @@ def test_a_ray_client_server_that_failed_to_start_its_own_server_is_tried_again(
     monkeypatch.setattr("pdserve.cluster.actors._check_listening", lambda address: None)
     monkeypatch.setattr("pdserve.cluster.actors._log_ray_auth", lambda: None)
     monkeypatch.setattr("pdserve.cluster.launcher.JOIN_RETRY_S", 0.01)
-    if tried == 1:
-        with pytest.raises(ConnectionError, match="could not join the Ray cluster at --ray-address ray://"):
-            asyncio.run(cluster.connect_until(asyncio.Event()))
-    else:
-        assert asyncio.run(cluster.connect_until(asyncio.Event()))
-    assert len(tries) == tried
+    monkeypatch.setattr(cluster, "start_until", _started)
+    joining = cluster.rejoin(asyncio.Event()) if rejoin else cluster.connect_until(asyncio.Event(), retry_join)
+    try:
+        assert asyncio.run(asyncio.wait_for(joining, 10))
+    except ConnectionError as e:
+        assert str(e).startswith("could not join the Ray cluster at --ray-address ray://")
+    return len(tries)
+
+
+async def _started(stop: asyncio.Event, end: object) -> bool:
+    return True  # a rejoin's start of the workers, which these tests leave out
