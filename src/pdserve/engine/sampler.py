@@ -77,9 +77,10 @@ class Sampler:
         device = logits.device
         temperature = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params], device=device)
         logits = logits / temperature.unsqueeze(1)  # [n, V], a copy the masking below may write into
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        narrowed = [p.top_k > 0 or p.top_p < 1.0 for p in params]
+        if any(narrowed):
             logits.masked_fill_(self._outside_top_k_top_p(logits, params), float("-inf"))
-        return _draw(logits.softmax(dim=-1), seeded)
+        return _draw(logits.softmax(dim=-1), seeded, narrowed)
 
     @staticmethod
     def logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], counts: list[int]) -> list[TokenLogprobs]:
@@ -189,29 +190,32 @@ class Sampler:
         return torch.empty_like(drop).scatter_(-1, order, drop)
 
 
-def _draw(probs: torch.Tensor, seeded: Sequence[SeedAt]) -> torch.Tensor:
-    """Each row's token: a seeded row's by its race, the others' by the inverse CDF."""
+def _draw(probs: torch.Tensor, seeded: Sequence[SeedAt], narrowed: Sequence[bool]) -> torch.Tensor:
+    """Each row's token: a seeded row's by its race, the others' by the inverse CDF. `narrowed`: whether each row's
+    top-k or top-p masked some of its tokens."""
     raced = [i for i, at in enumerate(seeded) if at is not None]
     if not raced:
         return _inverse_cdf_draw(probs)
     if len(raced) == len(seeded):
-        return _race(probs, seeded)
+        return _race(probs, seeded, all(narrowed))
     tokens = torch.empty(len(seeded), dtype=torch.int64, device=probs.device)
     raced_index = torch.tensor(raced, device=probs.device)
     drawn_index = torch.tensor([i for i, at in enumerate(seeded) if at is None], device=probs.device)
-    tokens[raced_index] = _race(probs[raced_index], [seeded[i] for i in raced])
+    tokens[raced_index] = _race(probs[raced_index], [seeded[i] for i in raced], all(narrowed[i] for i in raced))
     tokens[drawn_index] = _inverse_cdf_draw(probs[drawn_index])
     return tokens
 
 
-def _race(probs: torch.Tensor, seeded: Sequence[SeedAt]) -> torch.Tensor:
+def _race(probs: torch.Tensor, seeded: Sequence[SeedAt], narrowed: bool) -> torch.Tensor:
     """Row i's token: the argmax of probability / Exp(1) noise, which is token j with probability probs[i, j]
     (the first of n exponential clocks of rates p to ring is j with probability p_j / sum p). A masked token
     (probability 0) never wins; the noise is at least 2**-32, so no score overflows."""
     keys = [at for at in seeded if at is not None]
     seeds, positions = [seed for seed, _ in keys], [position for _, position in keys]
     vocab = probs.shape[1]
-    widest = int(probs.count_nonzero(dim=-1).max())
+    # Counted only where every row's top-k or top-p masked some tokens: a pass over the logits (and, on a GPU, a
+    # wait for it) that a batch with a row keeping the vocabulary would spend for nothing.
+    widest = int(probs.count_nonzero(dim=-1).max()) if narrowed else vocab
     if widest * RACE_CANDIDATES_SHARE > vocab:
         return (probs / exponential_noise(seeds, positions, vocab, probs.device)).argmax(dim=-1)
     # Top-k or top-p left every row few candidates: the noise of those alone, which is theirs whatever else is

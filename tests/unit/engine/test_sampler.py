@@ -116,10 +116,23 @@ def test_a_tie_of_scores_goes_to_the_lower_id_over_candidates_as_over_the_vocabu
     assert Sampler()(logits, [tied, plain], [(1, 0), (2, 0)]).tolist() == [17, 0]  # over the vocabulary
 
 
+def test_a_seeded_batch_with_a_row_keeping_the_vocabulary_counts_no_candidates(monkeypatch) -> None:
+    """Counting the rows' candidates is a pass over the logits (on a GPU, a wait for it): a batch with a row that
+    keeps the whole vocabulary races over it anyway, so it does not count."""
+    counted: list = []
+    monkeypatch.setattr(torch.Tensor, "count_nonzero", spy(counted, torch.Tensor.count_nonzero))
+    logits = torch.randn(2, 4096, generator=torch.Generator().manual_seed(6))
+    top_k, plain = SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=1.0)
+    Sampler()(logits, [top_k, plain], [(1, 0), (2, 0)])
+    assert not counted
+    Sampler()(logits, [top_k, top_k], [(1, 0), (2, 0)])
+    assert counted
+
+
 def spy(calls: list, f):
-    def called(*args):
+    def called(*args, **kwargs):
         calls.append(args)
-        return f(*args)
+        return f(*args, **kwargs)
 
     return called
 
