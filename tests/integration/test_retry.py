@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -63,15 +64,39 @@ async def tokens(address: str, req: pb.GenerateRequest) -> list[int]:
     return result.token_ids
 
 
-async def holding(router: str, timeout_s: float = 5.0) -> admin_pb2.WorkerStatus:
+async def holding(router: str) -> admin_pb2.WorkerStatus:
     """The prefill worker that ran the prompt and now holds its blocks for the delayed KV send."""
+    return await first_worker(
+        router,
+        lambda w: w.role == "prefill" and w.kv_blocks_used > 0 and w.running == 0 and w.waiting == 0,
+        "no prefill worker held the request",
+    )
+
+
+async def receiving(router: str) -> admin_pb2.WorkerStatus:
+    """The decode worker that took the request and waits for its KV: blocks allocated, nothing running."""
+    return await first_worker(
+        router, lambda w: w.role == "decode" and w.kv_blocks_used > 0, "no decode worker took the request"
+    )
+
+
+async def decoding(router: str) -> admin_pb2.WorkerStatus:
+    return await first_worker(
+        router, lambda w: w.role == "decode" and w.running > 0, "no decode worker shows the request running"
+    )
+
+
+async def first_worker(
+    router: str, matches: Callable[[admin_pb2.WorkerStatus], bool], nothing: str, timeout_s: float = 5.0
+) -> admin_pb2.WorkerStatus:
+    """The first worker of the router's view that `matches`, looked for until `timeout_s`; else fails, `nothing`."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         for w in await workers(router):
-            if w.role == "prefill" and w.kv_blocks_used > 0 and w.running == 0 and w.waiting == 0:
+            if matches(w):
                 return w
         await asyncio.sleep(0.05)
-    raise AssertionError("no prefill worker held the request")
+    raise AssertionError(nothing)
 
 
 async def none_in_flight(router: str, timeout_s: float = 3.0) -> None:
@@ -257,17 +282,6 @@ async def tokens_within(address: str, req: pb.GenerateRequest, timeout_s: float)
         pass
 
 
-async def receiving(router: str, timeout_s: float = 5.0) -> admin_pb2.WorkerStatus:
-    """The decode worker that took the request and waits for its KV: blocks allocated, nothing running."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        for w in await workers(router):
-            if w.role == "decode" and w.kv_blocks_used > 0:
-                return w
-        await asyncio.sleep(0.05)
-    raise AssertionError("no decode worker took the request")
-
-
 def logged(log: str, text: str) -> dict:
     """The first record of the cluster's log whose message holds `text`."""
     for line in log.splitlines():
@@ -340,16 +354,6 @@ async def no_decode_running(router: str, timeout_s: float = 10.0) -> None:
     while any(w.role == "decode" and w.running for w in await workers(router)):
         assert time.monotonic() < end, await workers(router)
         await asyncio.sleep(0.1)
-
-
-async def decoding(router: str, timeout_s: float = 5.0) -> admin_pb2.WorkerStatus:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        for w in await workers(router):
-            if w.role == "decode" and w.running > 0:
-                return w
-        await asyncio.sleep(0.05)
-    raise AssertionError("no decode worker shows the request running")
 
 
 def test_decode_worker_killed_mid_stream_the_client_gets_the_unfailed_output(cluster, collector):

@@ -177,32 +177,27 @@ async def test_a_peer_refusing_this_processs_cluster_credentials_is_a_peer_it_ca
         await decode.stop(None)
 
 
-async def test_a_kv_mismatch_stays_one_on_every_hop() -> None:
-    """A prefill worker refusing a decode worker of other weights is UNAVAILABLE marked so, and the decode worker
-    passes it on marked, so the router reads a KVMismatchError (moved from, no worker ejected), not a fault."""
+@pytest.mark.parametrize(
+    ("prompt", "marked"),
+    [
+        # A prefill worker refusing a decode worker of other weights: the router reads a KVMismatchError (moved
+        # from, no worker ejected), not a fault.
+        ("prefill of other weights", KVMismatchError),
+        # A prefill worker ending a hand-off the router abandoned: the decode worker that waited on it (a stopped
+        # one, resumed) counts no lost peer.
+        ("prefill abandoned", AbandonedError),
+    ],
+)
+async def test_a_marked_unavailable_stays_marked_on_every_hop(prompt: str, marked: type[UnavailableError]) -> None:
+    """UNAVAILABLE marked by its trailer, which the decode worker passes on marked; a plain one is not read so."""
     decode = await _serve(reflection=False)
     try:
-        e = await _call(decode.address, "prefill of other weights")
+        e = await _call(decode.address, prompt)
         assert e.code() == grpc.StatusCode.UNAVAILABLE
         error = error_from_rpc(e, "decode worker d0")
-        assert isinstance(error, KVMismatchError) and PREFILL in str(error)
+        assert isinstance(error, marked) and PREFILL in str(error)
         gone = error_from_rpc(await _call(decode.address, "prefill gone"), "decode worker d0")
-        assert not isinstance(gone, KVMismatchError)
-    finally:
-        await decode.stop(None)
-
-
-async def test_an_abandoned_hand_off_stays_one_on_every_hop() -> None:
-    """A prefill worker ending a hand-off the router abandoned is UNAVAILABLE marked so: the decode worker that
-    waited on it (a stopped one, resumed) counts no lost peer, and passes it on marked."""
-    decode = await _serve(reflection=False)
-    try:
-        e = await _call(decode.address, "prefill abandoned")
-        assert e.code() == grpc.StatusCode.UNAVAILABLE
-        error = error_from_rpc(e, "decode worker d0")
-        assert isinstance(error, AbandonedError) and PREFILL in str(error)
-        gone = error_from_rpc(await _call(decode.address, "prefill gone"), "decode worker d0")
-        assert not isinstance(gone, AbandonedError)
+        assert not isinstance(gone, marked)
     finally:
         await decode.stop(None)
 
