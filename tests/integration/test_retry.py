@@ -186,13 +186,8 @@ def test_a_stuck_decode_worker_leaves_no_kv_held_on_its_prefill_worker(cluster, 
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
         try:
-
-            async def prefill_holds() -> bool:
-                return any(w.id == prefill.id and w.kv_blocks_used for w in await workers(cluster.address))
-
-            while await prefill_holds() and time.monotonic() - stopped < KEEPALIVE_S + 15:
-                await asyncio.sleep(0.1)
-            freed_at, freed_after = time.time(), time.monotonic() - stopped
+            freed = await freed_on(cluster.address, prefill.id, KEEPALIVE_S + 15)
+            freed_at, freed_after = time.time() - (time.monotonic() - freed), freed - stopped
             assert await call == expected
         finally:
             os.kill(pid, signal.SIGCONT)
@@ -235,17 +230,11 @@ def test_a_caller_that_leaves_while_its_decode_worker_is_stuck_frees_the_prefill
                 await call
             if leaves == "deadline":
                 assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ended.value
-
-            async def prefill_holds() -> bool:
-                return any(w.id == prefill.id and w.kv_blocks_used for w in await workers(cluster.address))
-
-            while await prefill_holds() and time.monotonic() - left < KEEPALIVE_S + 15:
-                await asyncio.sleep(0.1)
-            freed_after = time.monotonic() - left
+            freed_after = await freed_on(cluster.address, prefill.id, KEEPALIVE_S + 15) - left
         finally:
             os.kill(pid, signal.SIGCONT)
-        # Seen through the prefill worker's heartbeat (every 0.5 s) and a status call that took ~1 s here: 1-2.1 s;
-        # keepalive, which pings every KEEPALIVE_TIME_MS, ends a call no sooner than KEEPALIVE_TIMEOUT_MS (5 s).
+        # Seen through the prefill worker's heartbeat (every 0.5 s); keepalive, which pings every KEEPALIVE_TIME_MS,
+        # ends a call no sooner than KEEPALIVE_TIMEOUT_MS (5 s).
         print(f"the prefill worker's KV freed {freed_after:.2f} s after the caller's {leaves}")
         assert freed_after < 4.0, freed_after
         if leaves == "cancel":  # the prefill worker's span of the Abandon is in the request's trace
@@ -280,6 +269,18 @@ async def trace_spans(collector: Collector, trace_id: bytes, wait_s: float = 3.0
 async def tokens_within(address: str, req: pb.GenerateRequest, timeout_s: float) -> None:
     async for _ in generate(address, req, timeout_s):
         pass
+
+
+async def freed_on(router: str, worker_id: str, limit_s: float) -> float:
+    """When (monotonic) the router's view first showed `worker_id` holding no KV block, or `limit_s` from now: the
+    time its status call was made, as the view is read then, before the workers' health checks (which a stopped
+    worker holds up to their timeout, ~1 s a call)."""
+    end = time.monotonic() + limit_s
+    while True:
+        asked = time.monotonic()
+        if not any(w.id == worker_id and w.kv_blocks_used for w in await workers(router)) or asked > end:
+            return asked
+        await asyncio.sleep(0.1)
 
 
 def logged(log: str, text: str) -> dict:
