@@ -47,7 +47,8 @@ async def answer(method: Any, *args: Any, timeout_s: float, task_events: bool = 
     async with asyncio.timeout_at(deadline):
         await limit.acquire()  # released by the thread when its call ends, however long after this wait
         done: asyncio.Future[Any] = loop.create_future()
-        call = (loop, done, limit, method, args, max(deadline - loop.time(), 0.0), task_events)
+        # In a list the thread empties: the Thread object keeps its arguments until its target returns.
+        call = (loop, done, limit, [method, args], max(deadline - loop.time(), 0.0), task_events)
         threading.Thread(target=_call, args=call, name="ray-call", daemon=True).start()
         # An error raised here keeps this frame in its traceback, and the supervision keeps the error while it makes
         # the actor's replacement: this frame holds no handle of the actor, since Ray frees its name only with them.
@@ -59,19 +60,24 @@ def _call(
     loop: asyncio.AbstractEventLoop,
     done: asyncio.Future[Any],
     limit: asyncio.Semaphore,
-    method: Any,
-    args: tuple[Any, ...],
+    target: list[Any],
     timeout_s: float,
     task_events: bool,
 ) -> None:
+    """`target`: [the actor method, its arguments], taken out here."""
     import ray
 
+    method, args = target
+    target.clear()
     try:
         if not task_events:
             method = method.options(enable_task_events=False)
         outcome: tuple[Any, BaseException | None] = (ray.get(method.remote(*args), timeout=timeout_s), None)
     except BaseException as e:  # handed to the awaiting task as `ray.get` raised it, less this thread's frames,
         outcome = (None, e.with_traceback(None))  # which hold the actor's handle (see `answer`)
+    # Let go of the handle before the awaiting task resumes, which may replace the actor at once: a CI run's check
+    # found the handle alive while this thread, handing the error over, had yet to return.
+    del method, args
     with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: no one waits
         loop.call_soon_threadsafe(_settle, done, limit, *outcome)
 

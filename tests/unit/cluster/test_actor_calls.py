@@ -112,9 +112,20 @@ async def test_threads_are_bounded_and_each_gives_its_slot_back_when_its_call_en
     assert await asyncio.gather(*(answer(actor.echo, n, timeout_s=5) for n in range(6))) == list(range(6))
 
 
-async def test_an_error_holds_no_handle_of_the_actor(actor: Any) -> None:
+async def test_an_error_holds_no_handle_of_the_actor(actor: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The supervision replaces a dead actor under the same name while it holds the error that said so: Ray frees a
-    name only once every handle of its actor is gone."""
+    name only once every handle of its actor is gone. The call's thread lingers after handing over the error (as a
+    loaded machine's may), and must hold no handle meanwhile."""
+    loop = asyncio.get_running_loop()
+    hand_over = loop.call_soon_threadsafe
+
+    def then_linger(*args: Any) -> Any:
+        handle = hand_over(*args)
+        if threading.current_thread().name == "ray-call":
+            time.sleep(0.5)
+        return handle
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", then_linger)
     other = Answering.remote()  # type: ignore[attr-defined]
     gone = weakref.ref(other)
     with pytest.raises(ray.exceptions.RayTaskError) as error:
