@@ -1,5 +1,10 @@
 """PrefillWorker gRPC service: converts, and hands the request to run-and-send; ends a request's hand-off when the
-router abandons it (its decode worker, stopped or hung, cannot cancel the call itself)."""
+router abandons it (its decode worker, stopped or hung, cannot cancel the call itself).
+
+An Abandon can overtake its Prefill call: a decode worker frozen between sending the call and its arrival here (or
+one whose call waits on a congested connection) resumes after the router gave up. The key of an Abandon that found
+no call is kept (the last EARLY_ABANDONS_KEPT of them: an attempt's key is never sent twice), and a Prefill call
+that comes with it ends at once, before its prompt takes a KV block; else it held them until keepalive ended it."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncGenerator
 from functools import partial
 
@@ -23,16 +29,22 @@ from services.prefill.run_and_send import PrefillJob, RunAndSend
 
 log = logging.getLogger(__name__)
 
+EARLY_ABANDONS_KEPT = 4096  # ~0.5 MB of keys; an Abandon takes at most milliseconds to overtake its call
+
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, run_and_send: RunAndSend) -> None:
         self.run_and_send = run_and_send
         self._abandoned: dict[str, asyncio.Future[None]] = {}  # each Prefill call's, by request id, until it ends
+        self._abandoned_early: OrderedDict[str, None] = OrderedDict()  # keys abandoned before their call came
 
     async def Prefill(  # noqa: N802 (gRPC method name)
         self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[wpb.PrefillEvent, None]:
         request_id_var.set(request.client_request_id or request.request_id)
+        if request.request_id in self._abandoned_early:
+            del self._abandoned_early[request.request_id]
+            raise _abandoned_error()
         # Listed first: an abandon that comes while the request is converted (a grammar compiled) still ends it.
         abandoned = asyncio.get_running_loop().create_future()
         self._abandoned[request.request_id] = abandoned
@@ -70,7 +82,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         """Ends the request's Prefill call as its caller's cancel would: the prompt's KV blocks are freed at once,
         unless their send is already under way (it ends by its own deadline)."""
         abandoned = self._abandoned.get(request.request_id)
-        if abandoned is None or abandoned.done():
+        if abandoned is None:
+            self._abandoned_early[request.request_id] = None  # its call may still come (or ended: kept alike)
+            if len(self._abandoned_early) > EARLY_ABANDONS_KEPT:
+                self._abandoned_early.popitem(last=False)
+            return wpb.AbandonReply(ended=False)
+        if abandoned.done():
             return wpb.AbandonReply(ended=False)
         abandoned.set_result(None)
         log.info("hand-off abandoned by the router before its first token", extra={"key": request.request_id})

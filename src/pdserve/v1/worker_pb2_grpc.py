@@ -142,7 +142,7 @@ class PrefillWorkerServicer:
         """Called by the router once it gave up on the request before its first token (its decode worker left placement,
         or the first-token bound passed): ends that request's Prefill call here as if its caller had cancelled it,
         freeing its KV blocks unless their send is already under way. A decode worker that is stopped or hung cannot
-        cancel the call itself. A request this worker does not hold is nothing to end.
+        cancel the call itself. One that comes before its Prefill call (ended=false) ends that call when it comes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

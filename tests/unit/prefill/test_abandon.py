@@ -1,6 +1,7 @@
 """The router's Abandon reaches a Prefill call from its start: one that comes while the request is still being
 converted (a grammar compiled on the engine's thread) ends the call before its prompt runs, as one that comes
-later ends the step in flight. The engine is real (tiny-random, prefill only); no KV is sent."""
+later ends the step in flight, and one that overtakes its call ends it on arrival. The engine is real
+(tiny-random, prefill only); no KV is sent."""
 
 from __future__ import annotations
 
@@ -45,4 +46,34 @@ async def test_an_abandon_while_the_request_is_converted_ends_the_call_before_it
     finally:
         with contextlib.suppress(Exception):
             await call.aclose()
+        engine.stop()
+
+
+async def test_an_abandon_that_overtakes_its_call_ends_the_call_when_it_comes_before_it_takes_kv() -> None:
+    engine = prefill_engine()
+    servicer = PrefillServicer(RunAndSend(engine, SlowSender(engine), "p0", Telemetry("t")))  # type: ignore[arg-type]
+
+    def request(request_id: str) -> wpb.PrefillRequest:
+        return wpb.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=list(range(3, 23)),
+            sampling=pb.SamplingParams(max_tokens=8),
+            target=wpb.KVTarget(decode_worker_id="d0", rendezvous="127.0.0.1:1", block_ids=list(range(5)), tag=1),
+            layout=wpb.KVLayout(model_fingerprint=engine.fingerprint, block_size=engine.block_size),
+            transfer_timeout_ms=5000,
+        )
+
+    try:
+        reply = await servicer.Abandon(wpb.AbandonRequest(request_id="late"), None)  # type: ignore[arg-type]
+        assert not reply.ended  # nothing held yet
+        late = servicer.Prefill(request("late"), None)  # type: ignore[arg-type]
+        with pytest.raises(AbandonedError, match="ended this attempt before its first token"):
+            await late.__anext__()
+        assert engine.stats["kv_blocks_used"] == 0 and engine.stats["kv_blocks_cached"] == 0  # its prompt never ran
+        other = servicer.Prefill(request("other"), None)  # type: ignore[arg-type]
+        try:
+            assert (await other.__anext__()).HasField("first_token")  # only the abandoned key is refused
+        finally:
+            await other.aclose()
+    finally:
         engine.stop()
