@@ -9,7 +9,8 @@ cancelled or its deadline passed, the decode worker failed it), the router tells
 ended answers so, and nothing else happens. Fire and forget, off the request's path, over one pooled channel per
 prefill worker (a burst of cancels is a burst of small calls, not of connections): a prefill worker that does not
 answer (stuck itself) or predates the call (UNIMPLEMENTED, the earlier build of a rollout) costs the call and
-nothing more.
+nothing more. The prefill worker logs the hand-off it ended (INFO); the router's line of it is DEBUG, so a burst of
+cancels logs one line each, not two.
 """
 
 from __future__ import annotations
@@ -61,4 +62,4 @@ class Abandons:
             log.debug("prefill worker %s did not take the abandon: %s", prefill.worker_id, e.code(), extra={"key": key})
             return
         if reply.ended:
-            log.info("prefill worker %s ended the hand-off given up on", prefill.worker_id, extra={"key": key})
+            log.debug("prefill worker %s ended the hand-off given up on", prefill.worker_id, extra={"key": key})
