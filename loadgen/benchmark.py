@@ -61,6 +61,12 @@ class BenchmarkConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.send_slo and self.slo.ttft_ms is None and self.slo.tpot_ms is None:
+            # A bound of 0 is the server's default (the proto's SLO): sent, it changed nothing but the result's record.
+            raise ValueError(
+                "--send-slo sends the --goodput ttft and tpot bounds with each request; give at least one "
+                "(--goodput ttft:MS tpot:MS): without, every request would go with the server's default SLO"
+            )
 
 
 def make_backend(config: BenchmarkConfig) -> Backend:

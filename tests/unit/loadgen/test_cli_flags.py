@@ -82,6 +82,15 @@ def test_a_flag_the_run_would_not_use_exits_2_before_anything_is_sent(flags, say
     assert says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("goodput", [[], ["--goodput", "e2el:500"]])
+def test_send_slo_without_a_ttft_or_tpot_bound_exits_2_naming_what_it_needs(goodput, capsys):
+    """It sent SLO(ttft_ms=0, tpot_ms=0), which the router reads as its defaults: the requests went as without the
+    flag, and the result recorded `send_slo: true`. With a bound it sends (nothing listens here: exit 1)."""
+    assert main([*UNREACHABLE, "--send-slo", *goodput]) == 2
+    assert "--send-slo sends the --goodput ttft and tpot bounds" in capsys.readouterr().err
+    assert main([*UNREACHABLE, "--num-prompts", "1", "--send-slo", "--goodput", "tpot:50"]) == 1
+
+
 def test_the_cdf_plots_only_completed_requests():
     ok, failed = RequestRecord("a", 4, 3, 0.0), RequestRecord("b", 4, 3, 0.0, status="UNAVAILABLE")
     for r, ttft in ((ok, 0.1), (failed, 0.05)):  # the failed one had its first token, then lost its worker
