@@ -20,7 +20,7 @@ from loadgen.outcome import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, 
 from loadgen.workload import DATASETS, WorkloadConfig
 from pdserve.addresses import host_port
 from pdserve.config import EngineConfig
-from pdserve.flags import DefaultsFormatter, at_least_one, from_flags, in_range, natural, positive_float
+from pdserve.flags import DefaultsFormatter, at_least_one, burstiness, from_flags, in_range, natural
 from pdserve.rpc.client_hints import TLS_HINT
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 from pdserve.trace import read_trace
@@ -106,7 +106,7 @@ def _bench_parser() -> argparse.ArgumentParser:
         default=None,
         help="requests per second, inf = all at once (default); a comma list (0.5,1,2,4) runs each in turn",
     )
-    p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    p.add_argument("--burstiness", type=burstiness, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     p.add_argument("--max-concurrency", type=at_least_one, default=None, help="requests in flight at most")
     p.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLO bounds: ttft:MS tpot:MS e2el:MS")
     add_attainment_flag(p)

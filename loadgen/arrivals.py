@@ -14,12 +14,14 @@ from dataclasses import replace
 import numpy as np
 
 from loadgen.workload import Request
+from pdserve.burstiness import check_burstiness
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
     """Seconds from the start for `n` requests. An infinite rate sends all at once."""
-    if rate <= 0 or burstiness <= 0:
-        raise ValueError(f"request rate and burstiness must be > 0, got {rate} and {burstiness}")
+    if not rate > 0:
+        raise ValueError(f"request rate must be > 0, got {rate}")
+    check_burstiness(burstiness)
     if math.isinf(rate) or n == 0:
         return np.zeros(n)
     offsets = np.cumsum(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n))

@@ -16,6 +16,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pdserve.burstiness import check_burstiness
 from pdserve.config import DECODE_GRAPH_MODES, DTYPE_NAMES, ConfigError, EngineConfig, SchedulerConfig
 from pdserve.engine.model_files import BUILTIN_MODELS
 from pdserve.errors import InvalidRequestError
@@ -144,6 +145,14 @@ def positive_float(value: str) -> float:
     if not 0 < x < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
     return x
+
+
+def burstiness(value: str) -> float:
+    """An argparse type: the gamma shape of arrival gaps, in the range whose draws mean it (pdserve.burstiness)."""
+    try:
+        return check_burstiness(float(value))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def in_range(

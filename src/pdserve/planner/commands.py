@@ -14,6 +14,7 @@ from pdserve.config import MAX_WORKERS_PER_ROLE, EngineConfig, RouterConfig
 from pdserve.flags import (
     add_engine_flags,
     at_least_one,
+    burstiness,
     check_readable,
     engine_config,
     fetch_model,
@@ -78,7 +79,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=at_least_one, help="prompt tokens (without --trace)")
     p.add_argument("--output-len", type=at_least_one, help="output tokens (without --trace)")
     p.add_argument("--range-ratio", type=_ratio, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
-    p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    p.add_argument("--burstiness", type=burstiness, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     p.add_argument("--num-requests", type=at_least_one, help="requests per run (default 400); a trace's earliest N")
     p.add_argument("--seed", type=natural, default=0, help="of the synthetic trace")
     _add_slo_flags(p)

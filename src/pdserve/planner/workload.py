@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.burstiness import check_burstiness
 from pdserve.trace import read_trace
 
 SYNTHETIC_REQUESTS = 400  # per run, unless told (a trace: every request, unless told)
@@ -63,8 +64,9 @@ def synthetic(
     loadgen and vLLM scale them, so that the last of n arrivals is at n / rate: the rate simulated is the one named
     whatever the seed (unscaled, seed 0's 400 arrivals at 10 req/s came at 8.9 req/s, and a plan's max rate
     overstated what the split sustains by as much)."""
-    if rate <= 0 or burstiness <= 0 or num_requests < 1:
-        raise ValueError("rate, burstiness and num_requests must be > 0")
+    if rate <= 0 or num_requests < 1:
+        raise ValueError("rate and num_requests must be > 0")
+    check_burstiness(burstiness)
     if not 0 <= range_ratio < 1:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
     rng = np.random.default_rng(seed)

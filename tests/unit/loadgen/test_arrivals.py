@@ -43,9 +43,18 @@ def test_infinite_rate_sends_everything_at_once():
 
 
 def test_bad_rates_are_refused():
-    for rate, burstiness in ((0.0, 1.0), (-1.0, 1.0), (1.0, 0.0)):
+    for rate, burstiness in ((0.0, 1.0), (-1.0, 1.0), (math.nan, 1.0), (1.0, 0.0), (1.0, 1e-300), (1.0, 1e7)):
         with pytest.raises(ValueError):
             arrival_offsets(3, rate, burstiness, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("burstiness", [0.02, 1e6])
+def test_either_end_of_the_burstiness_range_draws_arrivals_spread_to_the_rate(burstiness):
+    """At 1e-300 every gamma gap underflowed to 0, and the run went all at once with no word; at 1e308 the scale
+    1 / (rate * burstiness) did. The range's ends still draw distinct arrivals, the last at n / rate."""
+    for seed in range(20):
+        a = arrival_offsets(200, 10.0, burstiness, np.random.default_rng(seed))
+        assert a[-1] == pytest.approx(20.0) and len(np.unique(a)) > 1
 
 
 def test_schedule_sets_the_offsets_and_keeps_the_requests():

@@ -23,6 +23,8 @@ UNREACHABLE = ["--addr", "127.0.0.1:1", "--model", "tiny-random"]  # nothing lis
     [
         ["--burstiness", "nan"],
         ["--burstiness", "0"],
+        ["--burstiness", "1e-300"],
+        ["--burstiness", "1e7"],
         ["--max-concurrency", "0"],
         ["--max-concurrency", "-1"],
         ["--seed", "-1"],
@@ -32,6 +34,15 @@ def test_bad_arrival_flags_exit_2_naming_the_flag(flags, capsys):
     with pytest.raises(SystemExit) as exited:
         main([*UNREACHABLE, *flags])
     assert exited.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
+def test_a_burstiness_whose_gamma_gaps_underflow_says_the_range_and_why(capsys):
+    """1e-300 drew every gap 0: the whole run went at once, a rate in its result that was never offered."""
+    with pytest.raises(SystemExit) as exited:
+        main([*UNREACHABLE, "--burstiness", "1e-300"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert exited.value.code == 2
+    assert "--burstiness: burstiness must lie in [0.02, 1e+06], got 1e-300" in err and "underflow to 0" in err
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:8000", "localhost:8000", "ftp://h:1", "http://"])

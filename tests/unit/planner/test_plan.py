@@ -118,6 +118,15 @@ def test_a_synthetic_workload_arrives_at_the_rate_it_names_whatever_the_seed(see
     assert len(arrivals) / arrivals[-1].arrival_s == pytest.approx(10.0)  # unscaled, seed 0 came at 8.9 req/s
 
 
+@pytest.mark.parametrize("burstiness", [0.02, 1e6])
+def test_a_synthetic_workload_at_either_end_of_the_burstiness_range_arrives_at_its_rate(burstiness: float) -> None:
+    """Below the range every gamma gap drew 0 and the arrivals were NaN; the library refuses it as the flag does."""
+    arrivals = synthetic(10.0, 256, 8, 400, burstiness=burstiness, seed=1).at_rate(10.0)
+    assert len(arrivals) / arrivals[-1].arrival_s == pytest.approx(10.0)
+    with pytest.raises(ValueError, match=r"burstiness must lie in \[0.02, 1e\+06\], got 1e-10"):
+        synthetic(10.0, 256, 8, 400, burstiness=1e-10)
+
+
 def test_a_trace_line_without_a_key_is_a_usage_error_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -156,6 +165,8 @@ def test_a_trace_line_no_request_could_have_is_a_usage_error_naming_it(
         ("--rate", "inf"),
         ("--rate", "nan"),
         ("--burstiness", "nan"),
+        ("--burstiness", "1e-300"),
+        ("--burstiness", "1e7"),
         ("--slo-ttft-ms", "nan"),
         ("--slo-tpot-ms", "0"),
         ("--input-len", "0"),
