@@ -89,19 +89,20 @@ class Client:
             async with slots:
                 record.start_s = time.perf_counter() - start
                 record.wait_s = start + record.start_s - queued  # the bound's hold alone, not loadgen's lateness
+                record.sent_clock = start + record.start_s  # until the backend sends, its message built
                 sent[i] = record
                 try:
                     await send(req, record)
                 except asyncio.CancelledError:
                     record.status, record.error = CANCELLED, "loadgen was interrupted before the answer ended"
-                    record.error_s = time.perf_counter() - start - record.start_s
+                    record.error_s = time.perf_counter() - record.sent_clock
                     raise
                 except Exception as e:  # the client's own (a malformed event, a transport error): this one fails
                     record.status, record.error = CLIENT_ERROR, f"{type(e).__name__}: {e}"
             if record.status == OK and not record.output_tokens:
                 record.status, record.error = EMPTY_STREAM, "the stream ended without a token"
             if record.status != OK:
-                record.error_s = time.perf_counter() - start - record.start_s
+                record.error_s = time.perf_counter() - record.sent_clock
             on_done(record)
 
         tasks = []

@@ -66,7 +66,7 @@ async def _stream(
         slo=slo,
         priority=priority,
     )
-    sent = time.perf_counter()
+    sent = record.sent_clock = time.perf_counter()
     try:
         async for response in stub.Generate(msg, metadata=metadata):
             record.message_times_s.append(time.perf_counter() - sent)

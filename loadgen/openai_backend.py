@@ -115,7 +115,7 @@ class OpenAIBackend:
     async def _stream(self, http: httpx2.AsyncClient, req: Request, record: RequestRecord) -> None:
         url = self.endpoint or ENDPOINTS["openai-chat" if self.chat else "openai"]
         body = json.dumps(self.payload(req), ensure_ascii=False, separators=(",", ":")).encode()  # before the timer
-        sent = time.perf_counter()
+        sent = record.sent_clock = time.perf_counter()
         usage_tokens = None
         try:
             stream = http.stream("POST", url, content=body, headers=JSON_HEADERS, extensions=self._extensions())

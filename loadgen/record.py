@@ -26,7 +26,10 @@ class RequestRecord:
     status: str = OK  # a gRPC status code name
     error: str = ""
     error_s: float | None = None  # a request that did not complete: from its send to its error (a shed: its refusal)
-    message_times_s: list[float] = field(default_factory=list)  # from start_s to each streamed message
+    # time.perf_counter() at its send, the 0 of message_times_s and error_s: the backend's, once its message is built
+    # (as vLLM's timer starts), else the client's at start_s. A clock reading, in no result.
+    sent_clock: float = 0.0
+    message_times_s: list[float] = field(default_factory=list)  # from its send to each streamed message
     message_tokens: list[int] = field(default_factory=list)  # tokens in each streamed message
     # The server's own count of the tokens it streamed, where its messages do not say (an OpenAI stream's usage:
     # its chunks are counted one token each, and each stays one ITL gap, as vLLM times them).

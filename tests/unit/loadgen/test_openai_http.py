@@ -1,12 +1,14 @@
 """The openai backends against a real HTTP server on loopback (Starlette under uvicorn, as pdserve's API): one
 connection carries request after request, a malformed event fails its request only, every chat chunk with a
-choice is timed, and TLS (with a client certificate) uses the credentials given."""
+choice is timed, a shed's time to reject counts from its send, and TLS (with a client certificate) uses the
+credentials given."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import ssl
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,7 +23,7 @@ from starlette.routing import Route
 from loadgen import metrics
 from loadgen.client import Client
 from loadgen.openai_backend import OpenAIBackend
-from loadgen.record import CLIENT_ERROR, OK
+from loadgen.record import CLIENT_ERROR, OK, REJECTED
 from loadgen.workload import Request
 from pdserve.rpc.credentials import ClientCredentials
 from tests.certs import make_certs
@@ -66,6 +68,13 @@ class FakeServer:
         assert request.client is not None
         self.warm_ports.append(request.client.port)
         return JSONResponse({"object": "list", "data": []})
+
+
+class SheddingServer(FakeServer):
+    """Refuses every request at once, as pdserve's HTTP API sheds one under load."""
+
+    async def completions(self, request: HttpRequest) -> JSONResponse:  # type: ignore[override]
+        return JSONResponse({"error": {"message": "shed", "type": "rate_limit_error"}}, status_code=429)
 
 
 @asynccontextmanager
@@ -138,6 +147,22 @@ async def test_every_chat_chunk_with_a_choice_is_timed_even_with_empty_content()
     times = record.message_times_s
     assert times[0] >= 2 * GAP_S  # the opener (the first chunk) is not the first token; the empty delta after it is
     assert times[-1] - times[0] >= 3 * GAP_S  # the closing chunk ends the stream
+
+
+async def test_a_sheds_time_to_reject_counts_from_its_send_as_its_ttft_would() -> None:
+    """Its error_ms counted from when it took its concurrency slot, so the body's building (a chat prompt's
+    detokenizing, here 0.5 s), which its TTFT would leave out, was in its time to reject."""
+    build_s = 0.5
+
+    def slow_detokenize(ids: list[int]) -> str:
+        time.sleep(build_s)
+        return "hi"
+
+    async with serving(SheddingServer(text_chunks)) as port:
+        backend = OpenAIBackend(f"http://127.0.0.1:{port}", "m", chat=True, detokenize=slow_detokenize)
+        (record,), _ = await Client(backend).run([Request([5, 6, 7], 3, 0.0)])
+    assert record.status == REJECTED and record.error_s is not None
+    assert record.error_s < build_s / 2
 
 
 async def test_tls_with_a_client_certificate_uses_the_credentials_given(tmp_path: Path) -> None:
