@@ -235,6 +235,21 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
         ({"ray.head.rayStartParams.num-cpus": "0.5"}, "ray.head.rayStartParams.num-cpus is set by the chart"),
         # The head's ports its probes, Service and the controller's Ray address are rendered with.
         ({"ray.head.rayStartParams": {"port": "6380"}}, "ray.head.rayStartParams.port is set by the chart"),
+        # Names the API server refuses only at install, each object then failing alone: not a DNS label (the chart's
+        # name, within every object's), a DNS-1035 label (the prefix of every Service's) or a DNS subdomain.
+        ({"nameOverride": "My_App"}, "at '/nameOverride'"),
+        ({"fullnameOverride": "1pd"}, "at '/fullnameOverride'"),
+        ({"serviceAccount.name": "Controller_Account"}, "at '/serviceAccount/name'"),
+        ({"prefill.runtimeClassName": "NVIDIA"}, "at '/prefill/runtimeClassName'"),
+        ({"decode.priorityClassName": "gpu serving"}, "at '/decode/priorityClassName'"),
+        ({"router.priorityClassName": "high_priority"}, "at '/router/priorityClassName'"),
+        # Not a Prometheus duration: prometheus-operator's CRD refuses the monitor; empty rendered `interval:` null.
+        (
+            {"monitoring.serviceMonitor.enabled": "true", "monitoring.serviceMonitor.interval": "15 seconds"},
+            "at '/monitoring/serviceMonitor/interval'",
+        ),
+        ({"monitoring.serviceMonitor.interval": ""}, "at '/monitoring/serviceMonitor/interval'"),
+        ({"monitoring.podMonitor.interval": "1m30"}, "at '/monitoring/podMonitor/interval'"),
         (
             {"ray.head.rayStartParams": {"ray-client-server-port": "10002"}},
             "ray.head.rayStartParams.ray-client-server-port is set by the chart",
@@ -253,6 +268,19 @@ def test_a_redis_url_without_a_password_is_taken(url: str) -> None:
     """A user name alone may stay in the URL (the password then comes from redis.existingSecret)."""
     values = _merged(yaml.safe_load((CHART / "values.yaml").read_text()), {"redis": {"enabled": False, "url": url}})
     assert not list(VALIDATOR.iter_errors(values))
+
+
+def test_names_and_durations_kubernetes_and_prometheus_take_are_taken() -> None:
+    """The patterns refuse no name the API server takes, nor a duration prometheus-operator takes."""
+    taken = {
+        "nameOverride": "llm-2",
+        "fullnameOverride": "pd",
+        "serviceAccount": {"name": "pd.controller"},
+        "prefill": {"runtimeClassName": "nvidia", "priorityClassName": "system-cluster-critical"},
+        "decode": {"priorityClassName": "gpu.serving"},
+        "monitoring": {"serviceMonitor": {"interval": "1m30s"}, "podMonitor": {"interval": "500ms"}},
+    }
+    assert not list(VALIDATOR.iter_errors(_merged(yaml.safe_load((CHART / "values.yaml").read_text()), taken)))
 
 
 def test_names_from_values_render_as_the_strings_they_are() -> None:
