@@ -243,6 +243,9 @@ def test_schema_refuses_bad_values_naming_the_field(sets: dict[str, Any], named:
         ({"prefill.runtimeClassName": "NVIDIA"}, "at '/prefill/runtimeClassName'"),
         ({"decode.priorityClassName": "gpu serving"}, "at '/decode/priorityClassName'"),
         ({"router.priorityClassName": "high_priority"}, "at '/router/priorityClassName'"),
+        # A budget of no pod refused every eviction: no node holding a router could ever be drained.
+        ({"router.pdb.maxUnavailable": "0"}, "at '/router/pdb/maxUnavailable'"),
+        ({"router.pdb.maxUnavailable": "0%"}, "at '/router/pdb/maxUnavailable'"),
         # Not a Prometheus duration: prometheus-operator's CRD refuses the monitor; empty rendered `interval:` null.
         (
             {"monitoring.serviceMonitor.enabled": "true", "monitoring.serviceMonitor.interval": "15 seconds"},
@@ -281,6 +284,13 @@ def test_names_and_durations_kubernetes_and_prometheus_take_are_taken() -> None:
         "monitoring": {"serviceMonitor": {"interval": "1m30s"}, "podMonitor": {"interval": "500ms"}},
     }
     assert not list(VALIDATOR.iter_errors(_merged(yaml.safe_load((CHART / "values.yaml").read_text()), taken)))
+
+
+@pytest.mark.parametrize("max_unavailable", [1, 3, "1%", "50%", "100%"])
+def test_a_router_budget_that_lets_a_drain_through_is_taken(max_unavailable: int | str) -> None:
+    """A percentage is rounded up (at least one pod may go), so only 0 and 0% refuse every eviction."""
+    budget = _nested("router.pdb.maxUnavailable", max_unavailable)
+    assert not list(VALIDATOR.iter_errors(_merged(yaml.safe_load((CHART / "values.yaml").read_text()), budget)))
 
 
 def test_names_from_values_render_as_the_strings_they_are() -> None:
