@@ -14,6 +14,8 @@ from pdserve.flags import add_sampling_flags, deadline_seconds, sampling_from_fl
 from pdserve.rpc.client_hints import exit_status, rpc_error_line
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 
+MAX_TOKENS_FIELD = 2**32 - 1  # the wire's SamplingParams.max_tokens is a uint32
+
 
 def add_client_commands(sub: Any) -> None:
     status = sub.add_parser("status", help="a running cluster's workers, their health and load")
@@ -50,8 +52,10 @@ def _client(args: argparse.Namespace) -> int:
     try:  # checked here first, so a bad flag never leaves the machine
         if not args.prompt:
             raise InvalidRequestError("--prompt", "must not be empty")
-        if args.max_tokens < 0:
-            raise InvalidRequestError("--max-tokens", f"must be >= 0 (0: the server's default), got {args.max_tokens}")
+        if not 0 <= args.max_tokens <= MAX_TOKENS_FIELD:
+            raise InvalidRequestError(
+                "--max-tokens", f"must be in [0, {MAX_TOKENS_FIELD}] (0: the server's default), got {args.max_tokens}"
+            )
         sampling = sampling_to_pb(sampling_from_flags(args, max_tokens=max(args.max_tokens, 1)))
     except InvalidRequestError as e:
         print(f"pdserve client: invalid {e}", file=sys.stderr)

@@ -51,7 +51,9 @@ def test_a_reader_that_leaves_is_status_1_without_a_traceback():
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["client", "--addr", "127.0.0.1:1", "--prompt", "hi", "--max-tokens", "-5"], "--max-tokens: must be >= 0"),
+        (["client", "--addr", "127.0.0.1:1", "--prompt", "hi", "--max-tokens", "-5"], "--max-tokens: must be in [0, "),
+        # past the wire's uint32: protobuf raised ValueError, a traceback and status 1
+        (["client", "--addr", "127.0.0.1:1", "--prompt", "hi", "--max-tokens", str(2**32)], "4294967295]"),
         (["client", "--addr", "127.0.0.1:1", "--prompt", ""], "--prompt: must not be empty"),
         (["client", "--addr", "127.0.0.1:1", "--prompt", "", "--chat"], "--prompt: must not be empty"),
         (["scale", "--addr", "127.0.0.1:1", "--prefill", "0"], "--prefill must be 1 to 64"),
