@@ -99,7 +99,7 @@ def test_an_explicit_body_limit_wins_over_the_derived_one() -> None:
 
 async def test_by_default_a_body_past_what_a_valid_request_holds_is_a_413_unread(caplog):
     """Bounded by gRPC's 16 MiB, a 10 MiB body of a million logit_bias entries was read and parsed on the loop every
-    stream shares (0.8 s); the default now is what a valid body can hold at tiny-random's context (~1.3 MB)."""
+    stream shares (0.8 s); the default now is what a valid body can hold at tiny-random's context (~1.7 MB)."""
     lifecycle: RequestLifecycle = Router([], no_workers_wait_s=0.1).lifecycle()
     limit = max_json_body_bytes(lifecycle.config.request_limits, lifecycle.model)
     assert limit < 2 * 2**20
