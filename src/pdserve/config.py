@@ -99,11 +99,15 @@ class FaultConfig:
     slow_step_prefix: str = ""  # a worker's engine step that runs a request whose id starts with this...
     slow_step_s: float = 0.0  # ...takes this much longer
     first_start_fails_dir: str = ""  # set: a worker's start fails unless this folder holds a file named after it
+    slow_profile_worker_id: str = ""  # this worker's start-up profile prices every step...
+    slow_profile_times: float = 1.0  # ...this many times what it measured (a profile timed on a loaded host)
 
     def __post_init__(self) -> None:
         for name in ("kv_send_delay_s", "slow_step_s"):  # a sleep of a negative time raises in the engine's step
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(name, f"must be a finite number of seconds >= 0, got {getattr(self, name)}")
+        if not 0 < self.slow_profile_times < math.inf:
+            raise ConfigError("slow_profile_times", f"must be a finite number > 0, got {self.slow_profile_times}")
 
     def kv_send_delay_for(self, request_id: str) -> float:
         return self.kv_send_delay_s if request_id.startswith(self.request_id_prefix) else 0.0
@@ -113,6 +117,9 @@ class FaultConfig:
 
     def step_delay_for(self, request_id: str) -> float:
         return self.slow_step_s if self.slow_step_prefix and request_id.startswith(self.slow_step_prefix) else 0.0
+
+    def profile_times_for(self, worker_id: str) -> float:
+        return self.slow_profile_times if worker_id == self.slow_profile_worker_id else 1.0
 
 
 @dataclass(frozen=True)

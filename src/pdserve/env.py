@@ -146,6 +146,8 @@ _FAULT_VARIABLES = {  # FaultConfig's fields, each set by this variable
     "slow_step_prefix": "PDSERVE_FAULT_SLOW_STEP_REQUEST_ID_PREFIX",
     "slow_step_s": "PDSERVE_FAULT_SLOW_STEP_S",
     "first_start_fails_dir": "PDSERVE_FAULT_FIRST_START_FAILS_DIR",
+    "slow_profile_worker_id": "PDSERVE_FAULT_SLOW_PROFILE_WORKER_ID",
+    "slow_profile_times": "PDSERVE_FAULT_SLOW_PROFILE_TIMES",
 }
 
 
@@ -164,14 +166,17 @@ def fault_config() -> FaultConfig:
       device), so a test's streams, or its prompts, last long enough for what it does meanwhile; unset: never.
     PDSERVE_FAULT_FIRST_START_FAILS_DIR: each worker's first start fails (after it leaves a file named after it
       in this folder, so its restart by Ray succeeds); unset: never.
+    PDSERVE_FAULT_SLOW_PROFILE_WORKER_ID, PDSERVE_FAULT_SLOW_PROFILE_TIMES: that worker's start-up profile prices
+      its steps this many times what it measured (as one timed while other processes loaded its host); unset: never.
     """
     values: dict[str, Any] = {f: v for f, name in _FAULT_VARIABLES.items() if (v := os.environ.get(name))}
-    for f in ("kv_send_delay_s", "slow_step_s"):
+    for f in ("kv_send_delay_s", "slow_step_s", "slow_profile_times"):
         if f in values:
             try:
                 values[f] = float(values[f])
             except ValueError:
-                raise VariableError(_FAULT_VARIABLES[f], "must be a number of seconds") from None
+                unit = " of seconds" if f.endswith("_s") else ""
+                raise VariableError(_FAULT_VARIABLES[f], f"must be a number{unit}") from None
     with variables_named(_FAULT_VARIABLES):
         return FaultConfig(**values)
 

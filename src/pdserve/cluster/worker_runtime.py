@@ -32,6 +32,7 @@ from pdserve.build import current_build
 from pdserve.cluster.drain import DrainGate, DrainReport, WorkerDrainedError, run_drain
 from pdserve.cluster.drain_service import add_control_service
 from pdserve.cluster.factories import WorkerContext, WorkerServices
+from pdserve.cluster.start_faults import fail_first_start, slowed_profile
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.protocol.compatibility import KV_WIRE_VERSION, WORKER_FEATURES
 from pdserve.protocol.roles import Role
@@ -284,7 +285,7 @@ class WorkerRuntime:
         from pdserve.rpc.server import Server
 
         spec = self.spec
-        _injected_start_fault(spec.worker_id)
+        fail_first_start(spec.worker_id)
         self._engine = AsyncEngine(await asyncio.to_thread(LLMEngine, spec.engine_config()))
         self._engine.on_death = self._engine_died
         self._server = Server(
@@ -305,7 +306,8 @@ class WorkerRuntime:
         self._transfer = self._services(WorkerContext(spec, self._engine, self._server, self.telemetry, self._metrics))
         add_control_service(self._server, self._drain_here, spec.worker_id)
         await self._server.start()
-        self._speed = SpeedTracker(await self._engine.measure_profile())  # first: it writes over the KV pool
+        profile = slowed_profile(await self._engine.measure_profile(), spec.worker_id)  # first: it writes over the pool
+        self._speed = SpeedTracker(profile)
         await self._warm_up()
         self._engine.on_step = self._stepped
         self._engine.on_request_times = self._metrics.requests_timed  # after the warm-up: it is no request
@@ -385,15 +387,3 @@ class WorkerRuntime:
         if self._heartbeat_thread is not None:  # gone from the registry (and its prefix index) once stopped
             await asyncio.to_thread(self._heartbeat_thread.join, EXIT_GRACE_S)
         self._loop.call_soon(self._loop.stop)
-
-
-def _injected_start_fault(worker_id: str) -> None:
-    """Fault injection (PDSERVE_FAULT_FIRST_START_FAILS_DIR): this worker's first start fails, its next succeeds."""
-    from pathlib import Path
-
-    from pdserve import env
-
-    folder = env.fault_config().first_start_fails_dir
-    if folder and not (marker := Path(folder) / worker_id).exists():
-        marker.touch()
-        raise RuntimeError(f"fault injected: the first start of {worker_id} fails")

@@ -39,6 +39,8 @@ def refusal(command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
         ("PDSERVE_FAULT_SLOW_STEP_S", "soon", "must be a number of seconds"),
         ("PDSERVE_FAULT_KV_SEND_DELAY_S", "-1", "must be a finite number of seconds >= 0, got -1.0"),
         ("PDSERVE_FAULT_SLOW_STEP_S", "inf", "must be a finite number of seconds >= 0, got inf"),
+        ("PDSERVE_FAULT_SLOW_PROFILE_TIMES", "twice", "must be a number"),
+        ("PDSERVE_FAULT_SLOW_PROFILE_TIMES", "0", "must be a finite number > 0, got 0.0"),
     ],
 )
 def test_a_fault_knob_that_is_no_time_is_named(monkeypatch, capsys, command, variable, value, problem) -> None:
