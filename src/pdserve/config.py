@@ -311,6 +311,12 @@ class ClusterConfig:
     log_level: str = "INFO"
     # A KV transfer not started by then fails, freeing its blocks; one started gets as long again for its bytes.
     kv_transfer_timeout_s: float = 30.0
+    # An idle worker that takes prompts times one of its own (cluster/speed_recheck.py) once nothing ran or was held
+    # for `speed_recheck_idle_s` (a lull in traffic shorter than that, its live steps read) and its speed was last
+    # read (a live step, a probe) `speed_recheck_s` ago (0: never): twice in the router's 60 s best-speed window, for
+    # 0.8% of a core while idle on smollm2-135m, one thread (a probe: 0.22 s).
+    speed_recheck_idle_s: float = 5.0
+    speed_recheck_s: float = 30.0
     internal_tls_cert: str | None = None  # PEM files: mTLS on every internal hop (all three, or none)
     internal_tls_key: str | None = None
     internal_tls_ca: str | None = None  # the cluster CA: internal peers must present a certificate it signed
@@ -357,6 +363,10 @@ class ClusterConfig:
                 "worker_drain_timeout_s",
                 f"must be a finite number >= 0 (0: cut at once), got {self.worker_drain_timeout_s}",
             )
+        if not 0 < self.speed_recheck_idle_s < math.inf:
+            raise ConfigError("speed_recheck_idle_s", f"must be a positive number, got {self.speed_recheck_idle_s}")
+        if not 0 <= self.speed_recheck_s < math.inf:
+            raise ConfigError("speed_recheck_s", f"must be >= 0 (0: never), got {self.speed_recheck_s}")
         if not 0 <= self.rollout_surge_wait_s < math.inf:
             raise ConfigError("rollout_surge_wait_s", f"must be >= 0 (0: never surge), got {self.rollout_surge_wait_s}")
         if not 0 < self.kv_transfer_timeout_s <= MAX_KV_TRANSFER_TIMEOUT_S:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.config import CLUSTER_MODES, ClusterConfig, EngineConfig
-from pdserve.flags import natural, positive_float, seconds
+from pdserve.flags import deadline_seconds, natural, positive_float, seconds
 from pdserve.redaction import redacted_url
 
 Run = Callable[[argparse.Namespace], Any]
@@ -70,6 +70,19 @@ def add_fleet_flags(p: argparse.ArgumentParser) -> None:
         type=seconds,
         default=c.worker_drain_timeout_s,
         help="seconds a SIGTERMed worker lets its requests finish before the rest move elsewhere",
+    )
+    p.add_argument(
+        "--speed-recheck-s",
+        type=seconds,
+        default=c.speed_recheck_s,
+        help="an idle prefill or colocated worker times a prompt of its own to correct its speed, at most this often "
+        "after its speed was last read (0: never)",
+    )
+    p.add_argument(
+        "--speed-recheck-idle-s",
+        type=deadline_seconds,
+        default=c.speed_recheck_idle_s,
+        help="seconds a worker runs and holds nothing before it may time such a prompt",
     )
     p.add_argument(
         "--rollout-surge-wait-s",

@@ -122,6 +122,8 @@ class Cluster:
             log_level=c.log_level,
             kv_transfer_timeout_s=c.kv_transfer_timeout_s,
             drain_timeout_s=c.worker_drain_timeout_s,
+            speed_recheck_idle_s=c.speed_recheck_idle_s,
+            speed_recheck_s=c.speed_recheck_s,
             exit_on_fatal=True,
             advertise_host=c.advertise_host or "",
             transfer_port=c.transfer_port,

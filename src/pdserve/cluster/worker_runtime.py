@@ -32,6 +32,7 @@ from pdserve.build import current_build
 from pdserve.cluster.drain import DrainGate, DrainReport, WorkerDrainedError, run_drain
 from pdserve.cluster.drain_service import add_control_service
 from pdserve.cluster.factories import WorkerContext, WorkerServices
+from pdserve.cluster.speed_recheck import SpeedRecheck
 from pdserve.cluster.start_faults import fail_first_start, slowed_profile
 from pdserve.cluster.worker_spec import WorkerSpec
 from pdserve.protocol.compatibility import KV_WIRE_VERSION, WORKER_FEATURES
@@ -89,6 +90,7 @@ class WorkerRuntime:
         self._drain: asyncio.Future[DrainReport] | None = None
         self._drained = False
         self._gate = DrainGate(self.spec.worker_id)
+        self._recheck = SpeedRecheck(spec.role, spec.speed_recheck_idle_s, spec.speed_recheck_s)
         self._thread = threading.Thread(target=self._run, name="worker-rpc", daemon=True)
         self._thread.start()
         if spec.exit_on_fatal:  # a process of its own: SIGTERM drains it
@@ -313,6 +315,7 @@ class WorkerRuntime:
         self._engine.on_request_times = self._metrics.requests_timed  # after the warm-up: it is no request
         await self._server.set_serving(True)
         self._ready.set_result(self._server.address)
+        self._recheck.start(self._engine, self._speed)
         if spec.registry_url:
             self._heartbeat_thread = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
             self._heartbeat_thread.start()
@@ -347,6 +350,7 @@ class WorkerRuntime:
         engine = self._engine
         log.warning("worker %s draining: in-flight requests may take %g s, then move", self.worker_id, timeout_s)
         await self._server.set_serving(False)
+        await self._recheck.stop()
         self._beat.set()  # with Redis, the entry says draining now, not at the next beat
         cut_wait_s = 2 * self.spec.kv_transfer_timeout_s + EXIT_GRACE_S  # a send's wait to start, then its bytes
         report = await run_drain(self._gate, lambda: engine.stats["kv_blocks_used"], timeout_s, cut_wait_s)
@@ -378,6 +382,7 @@ class WorkerRuntime:
         asyncio.run_coroutine_threadsafe(self._drain_here(), self._loop).result()
 
     async def _shutdown(self, grace_s: float) -> None:
+        await self._recheck.stop()
         await self._server.set_serving(False)
         await self._server.stop(grace_s)
         if self._transfer is not None:

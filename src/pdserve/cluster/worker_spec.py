@@ -26,6 +26,10 @@ class WorkerSpec:
     # in tests that run a worker inside their own process.
     exit_on_fatal: bool = False
     drain_timeout_s: float = ClusterConfig.worker_drain_timeout_s  # SIGTERM's drain, and a drain asking for 0
+    # Idle this long, and its speed read this long ago (0: never): a worker that takes prompts probes it
+    # (cluster/speed_recheck.py).
+    speed_recheck_idle_s: float = ClusterConfig.speed_recheck_idle_s
+    speed_recheck_s: float = ClusterConfig.speed_recheck_s
     # The host its addresses name (gRPC, metrics, KV rendezvous): "" until the worker resolves it in its own
     # process (`pdserve.addresses.advertised_host`: the flag, its node's POD_IP, or the bind host).
     advertise_host: str = ""

@@ -57,6 +57,10 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def holds_free_run(self, count: int) -> bool:
+        """Whether one run of never-keyed free blocks holds `count`: an allocation of them evicts no cached block."""
+        return 0 < count <= self._free.count and self._free.best_fit(count)[1] >= count
+
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the sequence's leading tokens. At least one token is always left to
         compute, because the last one's logits are what the next token is sampled from."""

@@ -35,12 +35,22 @@ class SpeedTracker:
     """An exponentially weighted ratio of measured to predicted step time: the live correction. A step's ratio
     counts up to 4x slow (one pathological step moves it by a bounded amount) and down to 16x fast: a profile
     measured while other processes loaded this 2-core host read 5.7x slow (a 3873-token prompt priced at 80 s, 14 s
-    on the quiet host), and bounded at 4x fast, the worker stayed priced over what it ran at once they left."""
+    on the quiet host), and bounded at 4x fast, the worker stayed priced over what it ran at once they left.
+
+    Live steps alone never correct a worker that gets none: one priced slow by such a profile got no request at low
+    load (a rollout's CI run sent 72 of 72 to the other version's worker), so stayed priced slow. An idle worker
+    that takes prompts is probed instead (cluster/speed_recheck.py): one prompt of its own through its engine, whose
+    ratio replaces the factor. A live step's weight is small because its batch and neighbours vary; a probe runs
+    alone on an idle engine, and on smollm2-135m (one thread) twenty probes of 64 tokens read 0.96-1.25x their
+    price, median 1.01, spread 7% (256 tokens: 0.95-1.00x, but 0.7 s each against 0.22 s), so one reading is a
+    fair one, and a profile k-times slow is corrected by the first probe, whatever k."""
 
     def __init__(self, profile: PerfProfile, alpha: float = 0.1) -> None:
         self.profile = profile
         self.alpha = alpha
         self.factor = 1.0
+        self.stepped_at = time.monotonic()  # the last live step (none yet: the profile's time)
+        self.observed_at = self.stepped_at  # the last reading, a live step's or a probe's
 
     def observe(
         self,
@@ -58,14 +68,26 @@ class SpeedTracker:
         never corrected from its start-up profile. `decode_context`: the tokens the step's decoding sequences
         attend over, summed, which the profile prices (else a long-context batch would read as a slow worker, and
         the router would count its context twice)."""
-        squares = prefill_tokens * prefill_tokens if prefill_squares is None else prefill_squares
-        prefill = QueuedPrefill(1, prefill_tokens, squares) if prefill_tokens else QueuedPrefill()  # one call's fixed
-        predicted = self.profile.queued_prefill_s(prefill) + (
-            self.profile.decode_step_s(decode_seqs, decode_context) if decode_seqs else 0.0
-        )
-        if predicted > 0:
-            ratio = min(max(seconds / predicted, FASTEST_RATIO), 4.0)
+        self.stepped_at = time.monotonic()
+        if (ratio := self._ratio(prefill_tokens, decode_seqs, seconds, prefill_squares, decode_context)) is not None:
             self.factor += self.alpha * (ratio - self.factor)
+            self.observed_at = self.stepped_at
+
+    def probed(self, prefill_tokens: int, seconds: float, prefill_squares: int) -> None:
+        """A probe's prompt (engine/speed_probe.py) took `seconds`: its ratio is the factor now."""
+        if (ratio := self._ratio(prefill_tokens, 0, seconds, prefill_squares, 0)) is not None:
+            self.factor = ratio
+            self.observed_at = time.monotonic()
+
+    def _ratio(self, tokens: int, seqs: int, seconds: float, squares: int | None, context: int) -> float | None:
+        """A step's measured over predicted time, bounded (as `observe` takes its arguments); None where the profile
+        predicts nothing."""
+        squares = tokens * tokens if squares is None else squares
+        prefill = QueuedPrefill(1, tokens, squares) if tokens else QueuedPrefill()  # one call's fixed
+        predicted = self.profile.queued_prefill_s(prefill) + (
+            self.profile.decode_step_s(seqs, context) if seqs else 0.0
+        )
+        return min(max(seconds / predicted, FASTEST_RATIO), 4.0) if predicted > 0 else None
 
 
 def measure_profile(engine: Any, repeats: int = 2) -> PerfProfile:

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import socket
 import subprocess
 import sys
@@ -151,6 +152,21 @@ def test_a_workers_drain_timeout_must_be_finite_and_not_negative(seconds):
 
 
 @pytest.mark.parametrize(
+    ("setting", "seconds", "says"),
+    [
+        ("speed_recheck_s", -1.0, "must be >= 0 (0: never)"),
+        ("speed_recheck_s", math.inf, "must be >= 0 (0: never)"),
+        ("speed_recheck_idle_s", 0.0, "must be a positive number"),
+        ("speed_recheck_idle_s", math.nan, "must be a positive number"),
+    ],
+)
+def test_a_workers_speed_recheck_timing_must_be_a_time_it_can_keep(setting, seconds, says):
+    """An idle time of 0 would have a worker look at its engine without pause; a period that is no number, never."""
+    with pytest.raises(ValueError, match=rf"{setting} {re.escape(says)}"):
+        ClusterConfig(**{setting: seconds})
+
+
+@pytest.mark.parametrize(
     ("failure", "says"),
     [
         (lambda: WorkerStartError("worker prefill-0 failed to start 1 times: boom"), "failed to start 1 times: boom"),
@@ -250,6 +266,8 @@ def test_up_with_a_redis_that_does_not_answer_is_one_line_before_ray_starts(list
         (["up", "--kv-cache-gb", "inf"], "argument --kv-cache-gb: must be a positive number"),
         (["up", "--rollout-surge-wait-s", "nan"], "argument --rollout-surge-wait-s: must lie in [0, 1e+06]"),
         (["up", "--worker-drain-timeout-s", "1e12"], "argument --worker-drain-timeout-s: must lie in [0, 1e+06]"),
+        (["up", "--speed-recheck-s", "-1"], "argument --speed-recheck-s: must lie in [0, 1e+06]"),
+        (["controller", "--speed-recheck-idle-s", "0"], "argument --speed-recheck-idle-s: must lie in (0, 1e+06]"),
         # bench and chaos: each was a traceback once the bench had started its processes, or a table of nothing
         (["bench", "transfer", "--repeats", "0"], "argument --repeats: must be at least 1"),
         (["bench", "transfer", "--tokens", "-1"], "argument --tokens: must be at least 1"),

@@ -27,6 +27,13 @@ def test_the_sigterm_drain_timeout_reaches_every_worker_spec() -> None:
     assert [s.drain_timeout_s for s in cluster.specs()] == [120.0, 120.0]
 
 
+def test_the_speed_recheck_timings_reach_every_worker_spec() -> None:
+    argv = ["up", "--speed-recheck-s", "0", "--speed-recheck-idle-s", "2"]
+    config = cli._cluster_config(cli._parser().parse_args(argv))
+    cluster = Cluster(config, workers=lambda context: None, registry=InMemoryRegistry(), publish=False)
+    assert [(s.speed_recheck_s, s.speed_recheck_idle_s) for s in cluster.specs()] == [(0.0, 2.0)] * 2
+
+
 @pytest.mark.parametrize(
     ("flags_before", "live", "flags_now", "desired"),
     [

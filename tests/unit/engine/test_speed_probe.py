@@ -1,0 +1,92 @@
+"""A speed probe (engine/speed_probe.py) times one prompt of its own through an idle engine: one step, its reading
+handed over, and the pool and the prefix cache as they were (nothing keyed, nothing evicted, no block left held).
+It runs only on an idle engine. Its reading replaces the live correction (SpeedTracker.probed)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pdserve.cluster.worker_spec import role_scheduler
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.profiling import SpeedTracker
+from pdserve.engine.speed_probe import PROBE_TOKENS, run_probe
+from pdserve.protocol.engine_request import EngineRequest
+from pdserve.protocol.perf_profile import PerfProfile
+from pdserve.protocol.roles import Role
+from pdserve.protocol.sampling import SamplingParams
+from tests.unit.engine.engine_harness import assert_idle, complete
+
+pytestmark = pytest.mark.timeout(60)
+CACHED = list(range(3, 3 + 48))  # three full blocks the prefix cache keeps
+
+
+def engine_of(role: Role, num_kv_blocks: int = 64) -> LLMEngine:
+    config = EngineConfig(model="tiny-random", dtype="float32", device="cpu", num_kv_blocks=num_kv_blocks)
+    return LLMEngine(replace(config, num_threads=1, scheduler=role_scheduler(config.scheduler, role)))
+
+
+def probe(engine: LLMEngine, may_run: bool = True) -> list[tuple[int, float, int]]:
+    readings: list[tuple[int, float, int]] = []
+    ran = run_probe(engine, lambda *reading: readings.append(reading), lambda: may_run)
+    assert ran == bool(readings)
+    return readings
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.COLOCATED])
+def test_a_probe_times_one_step_and_leaves_the_pool_and_the_prefix_cache_as_they_were(role: Role) -> None:
+    engine = engine_of(role)
+    complete(engine, [CACHED + [60]], SamplingParams(max_tokens=1))
+    blocks, journal = engine.blocks, engine.blocks.journal
+    assert journal is not None and blocks.num_cached_blocks == 3
+    journal.take()
+    cached, hits = blocks.block_hashes(), blocks.prefix_hits
+    (reading,) = probe(engine)
+    assert reading[0] == PROBE_TOKENS and reading[1] > 0 and reading[2] == PROBE_TOKENS**2
+    assert_idle(engine)
+    assert (blocks.block_hashes(), blocks.prefix_hits, blocks.enable_prefix_caching) == (cached, hits, True)
+    changes = journal.take()  # the routers' prefix index learns nothing of it
+    assert (changes.stored, changes.removed) == ([], [])
+    complete(engine, [CACHED + [61]], SamplingParams(max_tokens=1))
+    assert blocks.prefix_hits == hits + 3  # the cached prompt is still there
+
+
+def test_no_probe_runs_beside_a_request_or_once_told_not_to() -> None:
+    engine = engine_of(Role.PREFILL)
+    engine.add_request(EngineRequest("held", [5, 6, 7], SamplingParams(max_tokens=4)))
+    assert probe(engine) == []
+    assert [r.request_id for r in engine.step()] == ["held"]  # a prefill worker holds it for its hand-off
+    assert probe(engine) == []
+    engine.release("held")
+    assert probe(engine, may_run=False) == []
+    assert len(probe(engine)) == 1
+
+
+def test_a_probe_runs_only_where_one_run_of_free_blocks_holds_it_and_evicts_no_cached_block() -> None:
+    """Three prompts in one step of a colocated engine take blocks 0-1, 2-5 and 6-8; their full blocks stay cached
+    between the partial ones freed: 4 free blocks (the probe's 64 tokens), in runs of 1, 1 and 2. Allocated through
+    the cache, the probe would evict cached blocks to make a run."""
+    engine = engine_of(Role.COLOCATED, num_kv_blocks=10)
+    complete(engine, [list(range(200, 217)), CACHED + [60], list(range(100, 133))], SamplingParams(max_tokens=1))
+    blocks = engine.blocks
+    assert (blocks.num_cached_blocks, blocks.num_free_blocks) == (6, 10)
+    assert probe(engine) == [] and blocks.num_cached_blocks == 6
+    roomy = engine_of(Role.COLOCATED, num_kv_blocks=10)
+    complete(roomy, [CACHED + [60]], SamplingParams(max_tokens=1))  # 3 cached, then a run of 7 free blocks
+    assert len(probe(roomy)) == 1 and roomy.blocks.num_cached_blocks == 3
+
+
+def test_a_probe_replaces_the_live_correction_a_live_step_moves_it_a_tenth() -> None:
+    profile = PerfProfile(0.01, 1e-3, 0.0, 0.01, 1e-3)
+    speed = SpeedTracker(profile)
+    stepped_at = speed.stepped_at
+    speed.probed(64, profile.prefill_s(64) / 4, 64 * 64)  # a profile timed 4x slow: one probe corrects it
+    assert speed.factor == pytest.approx(0.25)
+    assert speed.stepped_at == stepped_at < speed.observed_at  # a probe is a reading, not a live step
+    speed.observe(64, 0, profile.prefill_s(64), 64 * 64)
+    assert speed.factor == pytest.approx(0.25 + 0.1 * 0.75)
+    assert speed.stepped_at == speed.observed_at
+    speed.probed(64, 100.0, 64 * 64)  # bounded as a live step's ratio is
+    assert speed.factor == 4.0
