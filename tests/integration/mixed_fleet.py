@@ -11,7 +11,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdserve.cluster.local_process import PdserveProcess, free_port
@@ -20,6 +20,9 @@ NAMESPACE = "pdserve-mixed"
 # worker id -> which weights it runs: ids count across roles, as a controller's do.
 OLD, NEW = "old", "new"
 FLEET = {"prefill-0": OLD, "prefill-1": NEW, "decode-2": OLD, "decode-3": NEW}
+# Each prefill worker re-checks its speed once idle this long, this often (cluster/speed_recheck.py): the defaults'
+# 5 s and 30 s, shortened.
+SPEED_RECHECK = {"speed_recheck_idle_s": 0.5, "speed_recheck_s": 1.0}
 
 
 def write_new_weights(folder: Path) -> None:
@@ -115,7 +118,7 @@ def _drive(ray_address: str, redis_url: str, new_model: str) -> None:
         engine = EngineConfig(model=models[version], dtype="float32", num_threads=1, kv_cache_memory_gb=0.05)
         role = Role(worker_id.rpartition("-")[0])
         spec = WorkerSpec(role, engine, worker_id=worker_id, registry_url=redis_url, exit_on_fatal=True)
-        made.append(actors.get_or_create(spec)[0])
+        made.append(actors.get_or_create(replace(spec, **SPEED_RECHECK))[0])
     print("serving at", ray.get([actor.address.remote(300.0) for actor in made]), flush=True)
 
 

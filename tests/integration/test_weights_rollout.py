@@ -3,11 +3,16 @@ a prefill and a decode worker of other weights, real Ray actors, Redis, a separa
 prefill and a decode worker only where they run the same weights, so every request is served, with its version's
 greedy answer, none is placed twice, no worker is ejected and every KV block comes back. Before the pairing rule a
 share of the requests met a prefill worker refusing a decode worker of the other weights (UNAVAILABLE, `KV layout
-mismatch`): each was placed again, and the healthy prefill worker ejected."""
+mismatch`): each was placed again, and the healthy prefill worker ejected.
+
+The new version's prefill worker starts with a profile that reads SLOW times slow (PDSERVE_FAULT_SLOW_PROFILE_*), as
+one timed while the old workers served beside it: no request reaches it at low load, and only its idle re-checks of
+its speed (cluster/speed_recheck.py) price it as it runs."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections import Counter
@@ -22,6 +27,8 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_files import locate_model, tokenizer_folder
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.registry.base import WorkerState
+from pdserve.registry.redis import RedisRegistry
 from tests.integration.cluster_view import scrape, status_json
 from tests.integration.mixed_fleet import FLEET, MixedFleet, mixed_fleet_cluster
 from tests.integration.reference import greedy_request
@@ -35,12 +42,45 @@ ROUNDS = 6  # each round sends every prompt four times at once, so load spreads 
 # Unless one version's prefill worker is priced far above the other's (its start-up profile timed on a loaded
 # machine: two CI runs sent all 72 to one version): rounds this much busier then, until its queue spills over.
 BUSIER_ROUNDS, BUSIER = 3, 16
+SLOWED, SLOW = "prefill-1", 4.0  # its profile reads this many times slow
+ALIKE = 1.5  # prefill prices within this of each other: corrected (else SLOW times the profiles' own spread)
 
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[MixedFleet]:
-    with mixed_fleet_cluster(dict(os.environ)) as f:
+    slowed = {"PDSERVE_FAULT_SLOW_PROFILE_WORKER_ID": SLOWED, "PDSERVE_FAULT_SLOW_PROFILE_TIMES": str(SLOW)}
+    with mixed_fleet_cluster({**os.environ, **slowed}) as f:
         yield f
+
+
+def test_a_prefill_worker_whose_profile_read_slow_is_priced_as_it_runs_once_idle(fleet: MixedFleet) -> None:
+    """No request has reached either prefill worker yet: each one's published price of a prompt (its profile times its
+    speed factor, as routers read them from Redis) is corrected by its idle re-checks alone: the slowed one's factor
+    falls from 1 (to about 1/SLOW of the other's, but for the profiles' own spread: uncorrected, its price was 1.3x
+    to 11x the other's over six runs) and its price comes within ALIKE of the other's."""
+
+    async def priced_alike(timeout_s: float = 30.0) -> dict[str, tuple[float, float]]:
+        registry = RedisRegistry(fleet.redis_url)
+        await registry.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                prices = {w.worker_id: (price(w), w.speed_factor) for w in registry.workers() if w.role == "prefill"}
+                cheapest = min((p for p, _ in prices.values()), default=0.0)
+                corrected = prices.get(SLOWED, (0.0, 1.0))[1] < 1.0
+                if len(prices) == 2 and corrected and all(p <= ALIKE * cheapest for p, _ in prices.values()):
+                    return prices
+                assert time.monotonic() < deadline, f"{SLOWED} uncorrected, or not within {ALIKE}x: {prices}"
+                await asyncio.sleep(0.2)
+        finally:
+            await registry.close()
+
+    print("prefill prices (s, speed factor):", asyncio.run(priced_alike()))
+
+
+def price(w: WorkerState) -> float:
+    """The longest prompt's prefill on `w`, as its state prices it."""
+    return w.profile.prefill_s(len(PROMPTS[2])) * w.speed_factor if w.profile else math.inf
 
 
 def answers(model: str) -> list[list[int]]:
