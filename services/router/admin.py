@@ -143,6 +143,7 @@ def worker_status(w: WorkerState, health: str, recent: RecentLatencies) -> apb.W
         features=w.features,
         kv_wire_version=w.speaks_kv_wire_version,
         tokenizer=w.tokenizer,
+        speed_factor=w.speed_factor,
     )
 
 

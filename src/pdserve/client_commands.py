@@ -123,6 +123,7 @@ STATUS_FIELDS = (
     "features",
     "kv_wire_version",
     "tokenizer",
+    "speed_factor",
 )
 
 
@@ -132,6 +133,8 @@ def _status_field(w: Any, field: str) -> Any:
 
     if field.endswith("_ms"):
         return latency_ms(w, field)
+    if field == "speed_factor" and not w.HasField(field):
+        return None  # a router too old to say, not a worker at its profile's speed
     return list(w.features) if field == "features" else getattr(w, field)
 
 

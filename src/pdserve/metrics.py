@@ -210,7 +210,7 @@ class WorkerMetrics:
 
     def __init__(self, meter: Meter, worker_id: str, role: str, stats: Callable[[], dict[str, int]]) -> None:
         self.labels = {"worker_id": worker_id, "role": role}
-        self._stats = stats
+        self._stats, self._meter = stats, meter
         for name, key, what in (
             ("pdserve_queue_tokens", "queued_prefill_tokens", "prompt tokens still to prefill, past cached prefixes"),
             ("pdserve_running_sequences", "running", "sequences in the running batch"),
@@ -291,6 +291,16 @@ class WorkerMetrics:
         if role != "colocated":  # from 0, so that a rate sees the first failure
             for reason in KV_TRANSFER_FAILURE_REASONS:
                 self.transfer_failures.add(0, {**self.labels, "reason": reason})
+
+    def track_speed(self, factor: Callable[[], float]) -> None:
+        """Once the worker's start-up profile is measured: its live correction, read when scraped. A worker priced
+        slow gets no traffic at low load (the router places by profile times factor), so this says why."""
+        self._meter.create_observable_gauge(
+            "pdserve_worker_speed_factor",
+            callbacks=[lambda options: [Observation(factor(), self.labels)]],
+            description="measured over profiled step time (live steps, and an idle worker's own timed prompts): "
+            "2 = priced twice as slow as its start-up profile",
+        )
 
     def stepped(self, tokens: int, seconds: float) -> None:
         """One engine step, on the engine thread (OTel's instruments are thread-safe): a dashboard reads step

@@ -29,9 +29,10 @@ COLUMNS: tuple[tuple[str, _Cell], ...] = (
     ("KV used/total", lambda w: f"{w.kv_blocks_used}/{w.kv_blocks_total} ({w.kv_blocks_cached} cached)"),
     ("TTFT p50/p99 ms", lambda w: _latency(w, "ttft")),
     ("TPOT p50/p99 ms", lambda w: _latency(w, "tpot")),
+    ("speed", lambda w: f"{w.speed_factor:.2f}x" if w.HasField("speed_factor") else "-"),
 )
 _UNBOUNDED = 1 << 16  # measure the table as if the terminal had no edge
-_RIGHT = {"TTFT p50/p99 ms", "TPOT p50/p99 ms"}
+_RIGHT = {"TTFT p50/p99 ms", "TPOT p50/p99 ms", "speed"}
 
 
 def latency_ms(w: apb.WorkerStatus, field: str) -> float | None:

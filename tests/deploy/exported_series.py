@@ -34,6 +34,7 @@ def exported() -> Series:
     for role in (Role.PREFILL, Role.DECODE):
         metrics = WorkerMetrics(telemetry.meter, f"{role}-0", str(role), lambda: {})
         metrics.stepped(8, 0.01)
+        metrics.track_speed(lambda: 1.0)
         metrics.transfer_seconds.record(0.01, metrics.labels)
         metrics.transfer_bytes.add(1, metrics.labels)
     SupervisionMetrics(telemetry.meter, [Role.PREFILL, Role.DECODE])  # each role from 0

@@ -227,6 +227,7 @@ def test_metrics_count_requests_and_blocks_return_to_zero(cluster):
         steps = total(samples, "pdserve_engine_step_tokens_count", worker_id=w)
         assert total(samples, "pdserve_engine_step_seconds_count", worker_id=w) == steps > 0, w
         assert total(samples, "pdserve_engine_step_tokens_sum", worker_id=w) >= steps, w
+        assert total(samples, "pdserve_worker_speed_factor", worker_id=w) > 0, w  # what the router prices it by
     prefill = next(u for w, u in urls.items() if w.startswith("prefill"))
     samples = scrape(prefill)
     assert total(samples, "pdserve_kv_transfer_bytes_total") > 0
@@ -250,7 +251,7 @@ def test_status_lists_workers_with_block_counts(cluster):
             "waiting",
         } <= set(w)
         assert w["kv_blocks_total"] > 0 and 0 <= w["kv_blocks_used"] <= w["kv_blocks_total"]
-        assert w["health"] == "SERVING"
+        assert w["health"] == "SERVING" and w["speed_factor"] > 0  # the live correction its heartbeat published
     table = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "status", "--addr", cluster.address],
         env={**os.environ, "COLUMNS": "200"},

@@ -277,6 +277,22 @@ def test_a_workers_waiting_sequences_are_a_gauge_beside_its_running_ones():
     telemetry.shutdown()
 
 
+def test_a_workers_speed_factor_is_a_gauge_read_when_scraped():
+    """The live correction the router prices a worker by: one priced slow gets no traffic at low load."""
+    telemetry = Telemetry("t")
+    speed = [1.0]
+    WorkerMetrics(telemetry.meter, "p1", "prefill", lambda: {}).track_speed(lambda: speed[0])
+    speed[0] = 2.5  # corrected after the gauge was made: the scrape reads it now
+
+    def scraped() -> dict[tuple[str, str], float]:
+        samples = (s for f in telemetry.registry.collect() for s in f.samples)
+        return {(s.labels["worker_id"], s.labels["role"]): s.value for s in samples
+                if s.name == "pdserve_worker_speed_factor"}  # fmt: skip
+
+    assert scraped() == {("p1", "prefill"): 2.5}
+    telemetry.shutdown()
+
+
 def test_a_kv_transfer_is_timed_in_buckets_from_under_a_millisecond_and_failures_count_from_zero():
     """A loopback or NVLink transfer takes well under 5 ms, which the request buckets would lump into their first;
     each failure reason is exported at 0 before any failure, so a rate sees the first one."""

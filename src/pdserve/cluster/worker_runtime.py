@@ -310,6 +310,7 @@ class WorkerRuntime:
         await self._server.start()
         profile = slowed_profile(await self._engine.measure_profile(), spec.worker_id)  # first: it writes over the pool
         self._speed = SpeedTracker(profile)
+        self._metrics.track_speed(lambda: self._speed.factor)
         await self._warm_up()
         self._engine.on_step = self._stepped
         self._engine.on_request_times = self._metrics.requests_timed  # after the warm-up: it is no request

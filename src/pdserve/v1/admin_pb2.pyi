@@ -83,7 +83,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("id", "role", "address", "health", "running", "waiting", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "metrics_address", "state_age_s", "pid", "draining", "build", "features", "kv_wire_version", "tokenizer")
+    __slots__ = ("id", "role", "address", "health", "running", "waiting", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "metrics_address", "state_age_s", "pid", "draining", "build", "features", "kv_wire_version", "tokenizer", "speed_factor")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class WorkerStatus(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     KV_WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    SPEED_FACTOR_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     address: str
@@ -128,7 +129,8 @@ class WorkerStatus(_message.Message):
     features: _containers.RepeatedScalarFieldContainer[str]
     kv_wire_version: int
     tokenizer: str
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tpot_p50_ms: _Optional[float] = ..., tpot_p99_ms: _Optional[float] = ..., metrics_address: _Optional[str] = ..., state_age_s: _Optional[float] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ..., build: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., kv_wire_version: _Optional[int] = ..., tokenizer: _Optional[str] = ...) -> None: ...
+    speed_factor: float
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., tpot_p50_ms: _Optional[float] = ..., tpot_p99_ms: _Optional[float] = ..., metrics_address: _Optional[str] = ..., state_age_s: _Optional[float] = ..., pid: _Optional[int] = ..., draining: _Optional[bool] = ..., build: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., kv_wire_version: _Optional[int] = ..., tokenizer: _Optional[str] = ..., speed_factor: _Optional[float] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("workers", "in_flight", "draining", "desired", "admitted_requests", "admitted_prompt_tokens", "admitted_max_tokens", "finished_requests", "completion_tokens", "admitted_local_only", "shed_requests", "shed_prompt_tokens", "model", "tokenizer")

@@ -34,10 +34,10 @@ def test_the_router_leaves_a_latency_without_samples_unset() -> None:
 
 
 def test_the_table_shows_a_dash_without_samples() -> None:
-    prefill, decode, new = (row[-2:] for row in rows(reply()))
+    prefill, decode, new = (row[-3:-1] for row in rows(reply()))  # the speed after them
     assert (prefill, decode, new) == (["12.5 / 12.5", "-"], ["500.0 / 500.0", "20.0 / 20.0"], ["-", "-"])
     text = plain_text(reply(), "127.0.0.1:50051")
-    assert "0.0 / 0.0" not in text and text.splitlines()[-1].split()[-2:] == ["-", "-"]
+    assert "0.0 / 0.0" not in text and text.splitlines()[-1].split()[-3:-1] == ["-", "-"]
 
 
 def test_json_gives_null_without_samples() -> None:
@@ -59,3 +59,14 @@ def test_json_gives_features_and_the_kv_wire_version_a_worker_too_old_to_say_spe
         ([], UNSAID_KV_WIRE_VERSION),
     ]
     assert all(0 <= w["state_age_s"] < 60 for w in listed)  # both just made
+
+
+def test_the_speed_factor_is_shown_and_a_router_too_old_to_say_reads_as_unknown() -> None:
+    """The worker's live correction of its profile, which the router prices it by: a worker priced twice as slow as
+    its neighbour says why it gets no traffic. Unset (an older router): `-` and null, never the profile's 1.00x."""
+    slow = WorkerState("prefill-1", "prefill", "10.0.0.1:2", speed_factor=2.5)
+    r = apb.ClusterStatusResponse(workers=[worker_status(slow, "SERVING", RecentLatencies())])
+    r.workers.add(id="prefill-old", role="prefill", health="SERVING")  # from a router before the field
+    assert [row[-1] for row in rows(r)] == ["2.50x", "-"]
+    listed = json.loads(json.dumps(status_record(r)))["workers"]
+    assert [w["speed_factor"] for w in listed] == [2.5, None]
