@@ -7,8 +7,9 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from bisect import bisect_right
 from collections import Counter, defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.protocol.perf_profile import QueuedPrefill, attention_squares
@@ -30,14 +31,32 @@ class Sent:
     prompt_blocks: int = 0  # of those, the prompt's: what its hand-off reserves, and a report shows from then on
 
 
+@dataclass
+class KVGrowth:
+    """When a stream's KV on its decode worker reached each size, as its tokens coming back here show it."""
+
+    reserved_by: float = math.inf  # when its first token came back (inf: never), by which its prompt's were reserved
+    grew_at: list[float] = field(default_factory=list)  # when its tokens back filled each block past its prompt's
+
+    def held_at(self, since: float, sent: Sent, owed: bool) -> int:
+        """The least a report sampled at `since` showed it holding: nothing before its first token came back, else
+        the blocks its prompt and its tokens back by then fill, and (`owed`: a decode worker's) the one its worker
+        keeps free for its next while its max_tokens may outgrow them (engine.py's `blocks_owed`), its whole
+        reservation at most. Its worker is at least as far as the tokens that reached us; a stream preempted then
+        held one block less than this."""
+        if self.reserved_by > since:
+            return 0
+        filled = sent.prompt_blocks + bisect_right(self.grew_at, since)
+        return min(filled + owed, max(sent.blocks, filled))
+
+
 @dataclass(frozen=True)
 class Ended:
     """One placed request that ended, as reports sampled before its end may still count it."""
 
     at: float  # when it ended
-    placed_at: float
-    prompt_blocks: int
-    reserved_by: float  # when its first token came back (inf: never), by which its blocks were reserved
+    sent: Sent
+    growth: KVGrowth
 
 
 class LoadTracker:
@@ -54,7 +73,7 @@ class LoadTracker:
         self._prefilling: set[int] = set()  # placement numbers whose first token is not back
         self._placed: defaultdict[str, dict[int, Sent]] = defaultdict(dict)  # `_sent`, per decode worker
         self._ended: defaultdict[str, deque[Ended]] = defaultdict(deque)
-        self._first_token_at: dict[int, float] = {}  # placement number -> when its first token came back
+        self._growth: dict[int, KVGrowth] = {}  # placement number -> its KV's growth, from its first token on
         self._placements = itertools.count()
 
     @property
@@ -87,7 +106,7 @@ class LoadTracker:
     def prefilled(self, placement: int) -> None:
         """The first token is back (or the request ended before it): its prefill no longer queues. Once only."""
         self._prefilling.remove(placement)
-        self._first_token_at[placement] = time.monotonic()
+        self._growth[placement] = KVGrowth(time.monotonic())
         sent = self._sent[placement]
         self.pending_prefill_tokens[sent.prefill_id] -= sent.new_tokens
         left_s = max(0.0, self.pending_prefill_s[sent.prefill_id] - sent.seconds)
@@ -96,6 +115,14 @@ class LoadTracker:
         self.pending_prefill_s[sent.prefill_id] = left_s
         self.pending_blocks[sent.decode_id] -= sent.blocks
         _log(self._prefilled[sent.prefill_id], (sent.at, sent.prompt_tokens, sent.new_tokens))
+
+    def streamed(self, placement: int, blocks: int) -> None:
+        """The stream's tokens back so far (`prefilled` first) fill `blocks` KV blocks on its decode worker: its
+        prompt and every token but the last, which is not run through the model yet."""
+        if (growth := self._growth.get(placement)) is None:
+            return  # it ended
+        now, grew = time.monotonic(), growth.grew_at
+        grew.extend([now] * (blocks - self._sent[placement].prompt_blocks - len(grew)))
 
     def prefilled_since(self, prefill_id: str, since: float, most_tokens: int | None = None) -> QueuedPrefill:
         """What a queue sampled at `since` (a heartbeat's) showed of our prompts whose prefill has ended since (those
@@ -145,21 +172,26 @@ class LoadTracker:
         for ended in reversed(self._ended[decode_id]):  # in the order they ended: read back only past `since`
             if ended.at <= since:
                 break
-            count += ended.placed_at <= since
+            count += ended.sent.at <= since
         return count
 
-    def blocks_freed_since(self, decode_id: str, since: float) -> int:
-        """KV blocks of our requests that a report sampled at `since` counted as used (their first token,
-        so their hand-off's reservation, was back by then) and that have ended after it: their prompts' blocks, the
-        least such a report showed. Without them, a worker whose streams were just cancelled (say, the other
-        choices of a request whose last was shed) looked full until its next heartbeat, and the next request was
-        shed for room it had."""
-        blocks = 0
+    def blocks_freed_since(self, decode_id: str, since: float, reported_held: int, owed: bool) -> int:
+        """KV blocks of our requests that a report sampled at `since` counted as held and that have ended after it:
+        the least each held then (`KVGrowth.held_at`). Without them, a worker whose streams were just cancelled (say,
+        the other choices of a request whose last was shed) looked full until its next heartbeat, and the next
+        request was shed for room it had; counted as their prompts' blocks alone, one that needs the whole pool was
+        shed for up to a heartbeat after a long answer ended (60 of 65 blocks held then, 1 counted back). At most
+        what the report held (`reported_held`: not free, owed included) beyond the least our unfinished streams
+        held then: one that ended on its worker before the report but reached us after it is not counted twice.
+        `owed`: a decode worker's report, which counts the block each growing stream keeps free for its next."""
+        freed = 0
         for ended in reversed(self._ended[decode_id]):
             if ended.at <= since:
                 break
-            blocks += ended.prompt_blocks if ended.reserved_by <= since else 0
-        return blocks
+            freed += ended.growth.held_at(since, ended.sent, owed)
+        growth = self._growth
+        live = sum(growth[p].held_at(since, sent, owed) for p, sent in self._placed[decode_id].items() if p in growth)
+        return max(0, min(freed, reported_held - live))
 
     def _per_worker(self) -> tuple[dict[str, Any], ...]:
         return (
@@ -188,9 +220,9 @@ class LoadTracker:
         sent = self._sent.pop(placement)
         self.decoding[sent.decode_id] -= 1
         del self._placed[sent.decode_id][placement]
-        reserved_by = self._first_token_at.pop(placement, math.inf)
+        growth = self._growth.pop(placement, KVGrowth())
         ended = self._ended[sent.decode_id]
-        ended.append(Ended(time.monotonic(), sent.at, sent.prompt_blocks, reserved_by))
+        ended.append(Ended(time.monotonic(), sent, growth))
         while ended and ended[0].at < ended[-1].at - FORGET_AFTER_S:
             ended.popleft()
 

@@ -174,10 +174,11 @@ class Predictor:
     def free_blocks(self, w: WorkerState) -> int:
         """The report's free blocks, less ours it cannot show: those about to be reserved, and those placed since
         it sampled them (their first token may be back, and their blocks reserved, before the next report); plus
-        ours it still counts that have ended since."""
+        what it still counts of ours that have ended since."""
         sampled_at = w.load_sampled_at
         since = self.tracker.placed_since(w.worker_id, sampled_at)
-        freed = self.tracker.blocks_freed_since(w.worker_id, sampled_at)
+        held = w.kv_blocks_total - w.kv_blocks_free
+        freed = self.tracker.blocks_freed_since(w.worker_id, sampled_at, held, owed=w.role == Role.DECODE)
         return w.kv_blocks_free + freed - max(self.tracker.pending_blocks[w.worker_id], since)
 
     def free_blocks_for(self, w: WorkerState, blocks: int) -> int:

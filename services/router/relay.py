@@ -252,7 +252,7 @@ class Relay:
         if msg.token_ids:
             ticket.prefilled()  # once per ticket: this attempt's first token
             ticket.first_token_at = ticket.first_token_at or now
-            ticket.tokens += len(msg.token_ids)
+            ticket.streamed(len(msg.token_ids))
             clock.last_token_at = now
         if ticket.continuation is not None:
             ticket.continuation.rewrite(msg)  # may drop tokens past a stop string the new worker did not see

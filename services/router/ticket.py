@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from pdserve.protocol.request_checks import kv_tokens
 from services.router.admission import Admission
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation
@@ -79,6 +80,13 @@ class Ticket:
             return
         self._prefilled = True
         self.tracker.prefilled(self._placement_number)
+
+    def streamed(self, tokens: int) -> None:
+        """`tokens` more of this attempt's tokens came back (its first among them: `prefilled` first): its KV on the
+        decode worker holds its prompt and every token but the last, which the router counts as freed once it ends."""
+        self.tokens += tokens
+        kv = kv_tokens(len(self.request.prompt_token_ids), self.tokens)
+        self.tracker.streamed(self._placement_number, -(-kv // self.placement.decode.block_size))
 
     def leave_workers(self) -> None:
         """This attempt ended on its workers: their load here goes, while the request stays in flight (a move's

@@ -2,7 +2,8 @@
 (1 + 1, tiny-random, 26 KV blocks a worker, its registry in a real Redis), the stream waits out its turn on its
 worker, longer than the router's stall bound, and ends with the single-process engine's tokens, never taken for a hung
 worker's and moved. Streamed over the HTTP API, it sends SSE comments while it waits. The worker publishes the blocks
-it is owed apart from its free ones, so a hand-off meanwhile is shed by the router, not placed there and refused."""
+it is owed apart from its free ones, so a hand-off meanwhile is shed by the router, not placed there and refused. A
+request for the whole pool is admitted as soon as the stream that held it ends, before the worker's next report."""
 
 from __future__ import annotations
 
@@ -148,6 +149,25 @@ def test_a_hand_off_while_a_preempted_stream_is_owed_its_blocks_is_shed_and_take
     assert_blocks_freed(cluster)
     idle = published(redis_server, decode["id"])
     assert (idle.kv_blocks_free, idle.kv_blocks_owed) == (idle.kv_blocks_total, 0), idle
+
+
+def test_a_request_for_the_whole_pool_is_admitted_as_soon_as_the_stream_holding_it_ended(cluster):
+    """A 384-token prompt (24 blocks) for 33 slow tokens held 26 blocks (25 filled, and the one kept for its next) when
+    its worker last reported; a request needing all 26 sent as it ended is admitted at once. The router counted back
+    only its prompt's 24: 'no decode worker has 26 free KV blocks now' until the worker's next report."""
+    holder = greedy_request("slow-holder", [3 + i % 250 for i in range(384)], 33)
+    whole = greedy_request("whole", SHORT_PROMPT, 401)  # 16 + 401 - 1 tokens: 26 blocks
+
+    async def one_after_the_other() -> list[int]:
+        async with channel(cluster.address) as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            assert len([t async for msg in stub.Generate(holder, timeout=60) for t in msg.token_ids]) == 33
+            async for msg in stub.Generate(whole, timeout=60):  # RESOURCE_EXHAUSTED before
+                return list(msg.token_ids)  # admitted: the rest is cancelled with the call
+        return []
+
+    assert asyncio.run(one_after_the_other())
+    assert_blocks_freed(cluster)
 
 
 def published(redis_server: RedisServer, worker_id: str) -> WorkerState:

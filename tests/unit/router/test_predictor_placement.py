@@ -66,9 +66,10 @@ def test_a_reported_queue_loses_the_prompts_this_router_saw_prefilled_since_it_w
 
 
 def test_a_report_sampled_while_our_stream_held_its_blocks_gets_them_back_once_it_ended():
-    """Our request's first token came back (its prompt's 4 blocks reserved), then the worker sampled 10 free, then
-    the request ended: it has 14 free, where the report alone would shed the next 12-block request until the next
-    heartbeat. One that ended before its first token came back reserved nothing the report could show."""
+    """Our request's first token came back (its prompt's 4 blocks reserved, and the one its worker keeps free for its
+    next), then the worker sampled 10 free, then the request ended: it has 15 free, where the report alone would shed
+    the next 12-block request until the next heartbeat. One that ended before its first token came back reserved
+    nothing the report could show."""
     tracker = LoadTracker()
     pred = Predictor(RouterConfig(), tracker)
     held = tracker.start("p0", "d0", new_tokens=64, seconds=0.01, blocks=8, prompt_tokens=64, prompt_blocks=4)
@@ -81,7 +82,7 @@ def test_a_report_sampled_while_our_stream_held_its_blocks_gets_them_back_once_i
     tracker.finished(held)
     tracker.prefilled(never)
     tracker.finished(never)
-    assert pred.free_blocks(w) == 10 + 4
+    assert pred.free_blocks(w) == 10 + 4 + 1
 
 
 def test_ttft_grows_with_work_this_router_sent_but_the_heartbeat_does_not_show_yet():
