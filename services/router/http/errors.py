@@ -5,6 +5,7 @@ its own exception (openai.BadRequestError, RateLimitError, ...)."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 from starlette.responses import JSONResponse
 
@@ -74,6 +75,8 @@ def error_body(exc: BaseException, max_tokens_param: str = "max_tokens") -> tupl
     if isinstance(exc, InvalidRequestError):
         param = openai_param(exc.field, max_tokens_param)
         message = f"{param}: {message.split(': ', 1)[1]}" if ": " in message else message
+        if exc.field == "sampling.max_tokens":  # its text names it as the shared path does, not as the caller sent it
+            message = re.sub(r"\bmax_tokens\b", param, message)
         code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None
         if isinstance(exc, (BodyTooLargeError, BodyTimeoutError, UnsupportedBodyError)):
             headers = {"connection": "close"}

@@ -285,6 +285,14 @@ async def test_an_empty_prompt_is_a_400_saying_so(lifecycle):
         assert r.status_code == 400 and r.json()["error"]["message"] == "prompt: must not be empty", r.text
 
 
+async def test_max_completion_tokens_past_the_context_is_told_by_that_name_not_as_max_tokens(lifecycle):
+    body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "x"}}], "max_completion_tokens": 5000}}'
+    r = await post(lifecycle, "/v1/chat/completions", body.encode())
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "max_completion_tokens", r.text
+    assert "+ max_completion_tokens (5000) = " in error["message"] and "max_tokens" not in error["message"], error
+
+
 async def test_an_x_request_id_too_long_for_its_choices_is_a_400_before_any_choice_runs(lifecycle, caplog):
     """With n choices each runs as `{id}-{index}`: an id that fits alone but not with its suffix is refused at
     once, naming the header, instead of after the choices before the first too long one ran."""
