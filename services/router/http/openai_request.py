@@ -305,9 +305,12 @@ def _content(content: object, i: int) -> str:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            if not (isinstance(part, dict) and part.get("type") == "text"):
                 raise InvalidRequestError(f"messages[{i}].content[{j}]", "only text parts are supported")
-            parts.append(unicode_text(part["text"], f"messages[{i}].content[{j}].text"))
+            if not isinstance(text := part.get("text"), str):  # a text part, told what of it is wrong
+                wrong = "is required for a text part" if text is None else "must be a string"
+                raise InvalidRequestError(f"messages[{i}].content[{j}].text", wrong)
+            parts.append(unicode_text(text, f"messages[{i}].content[{j}].text"))
         return "\n".join(parts)
     raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
 

@@ -176,6 +176,15 @@ def test_a_bad_json_value_is_refused_naming_its_parameter(raw, param):
     assert e.value.field == param
 
 
+@pytest.mark.parametrize(
+    ("part", "wrong"), [({"type": "text"}, "is required"), ({"type": "text", "text": 5}, "a string")]
+)
+def test_a_text_part_without_its_text_is_told_so_not_that_only_text_parts_are_supported(part, wrong):
+    with pytest.raises(InvalidRequestError) as e:
+        parse({"model": "m", "messages": [{"role": "user", "content": [part]}]}, chat=True)
+    assert e.value.field == "messages[0].content[0].text" and wrong in e.value.message, e.value
+
+
 def test_penalties_pass_through_and_unset_ones_stay_off():
     body = {"model": "m", "prompt": "x", "presence_penalty": -0.5, "frequency_penalty": 1.5, "repetition_penalty": 1.2}
     s = parse(body, chat=False).message.sampling
