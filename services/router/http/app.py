@@ -7,7 +7,6 @@ import asyncio
 import itertools
 import json
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from contextlib import AbstractContextManager, aclosing, suppress
 
@@ -19,7 +18,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Send
 
-from pdserve.protocol.request_checks import non_printable_ascii
 from pdserve.rpc.metadata import REQUEST_ID_KEY
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import Choices
@@ -38,9 +36,9 @@ from services.router.http.errors import (
 )
 from services.router.http.json_values import parse_json
 from services.router.http.keepalive import KeptAliveBody
-from services.router.http.openai_prompts import MAX_CHOICES
 from services.router.http.openai_request import OpenAIRequest, parse_request
 from services.router.http.openai_response import DONE_EVENT, Answer, sse_events
+from services.router.http.request_id_header import RequestIdHeader, echoed_request_id, generated_request_id
 from services.router.http.server_span import CHAT_ROUTE, COMPLETIONS_ROUTE, route_of, server_span, span_status
 from services.router.lifecycle import RequestLifecycle
 from services.router.peer_check import PeerCheck
@@ -54,7 +52,7 @@ BODY_TIMEOUT_S = 30.0  # from the head's end: the largest body the router may ta
 def openai_app(lifecycle: RequestLifecycle, peers: PeerCheck | None = None) -> ASGIApp:
     """`peers`: the router's check that the workers accept its cluster credentials, which /health reports. CORS
     wraps Starlette's whole app, its error middleware included (cors.py); the drain's `Connection: close` wraps
-    that, so a preflight during the drain says it too."""
+    that, so a preflight during the drain says it too; the request id (request_id_header.py) wraps them all."""
     api = OpenAIAPI(lifecycle, peers)
     app = Starlette(
         routes=[
@@ -67,7 +65,8 @@ def openai_app(lifecycle: RequestLifecycle, peers: PeerCheck | None = None) -> A
         ],
         exception_handlers={HTTPException: _http_error},
     )
-    return CloseWhileDraining(with_cors(app, lifecycle.config), draining=lambda: lifecycle.draining)
+    closing = CloseWhileDraining(with_cors(app, lifecycle.config), draining=lambda: lifecycle.draining)
+    return RequestIdHeader(closing, lifecycle.config.request_limits.max_request_id_chars)
 
 
 class OpenAIAPI:
@@ -142,8 +141,7 @@ class OpenAIAPI:
             response = error_response(e)
             # The refusal's id, as a served request's (OpenAI's SDK reads it for `request_id`), in its log line too;
             # an id over the limit or of other than printable ASCII (the refusal's reason) is not echoed.
-            if len(request_id) > limits.max_request_id_chars or non_printable_ascii(request_id) is not None:
-                request_id = generated_request_id(limits.max_request_id_chars)
+            request_id = echoed_request_id(request_id, limits.max_request_id_chars)
             request_id_var.set(request_id)
             response.headers[REQUEST_ID_KEY] = request_id
             with self._span(request, chat, start) as span:  # in its caller's trace, as a gRPC call's refusal is
@@ -336,13 +334,6 @@ async def _disconnected(request: Request) -> None:
     a streamed response listens the same way inside Starlette."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def generated_request_id(limit: int) -> str:
-    """A request sent without X-Request-Id gets one here, as its response's `id` and X-Request-Id header and the
-    `request_id` of the router's log lines alike (the `id` was a uuid of its own, which no log line named), short
-    enough for `limit` with a choice's `-<index>` (at most MAX_CHOICES choices)."""
-    return uuid.uuid4().hex[: max(1, limit - len(f"-{MAX_CHOICES - 1}"))]
 
 
 class SSEResponse(StreamingResponse):

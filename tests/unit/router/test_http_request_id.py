@@ -1,7 +1,7 @@
 """An HTTP request sent without X-Request-Id gets one id for everything that names it: the response's `id`, its
 X-Request-Id header and the `request_id` of the router's log line (the `id` was a uuid of its own, which no log line
 named, so a caller quoting it to an operator led nowhere). One sent with the header keeps it, streamed or not, and a
-refusal carries it too."""
+refusal carries it too, and so does every other response."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import httpx2
 import pytest
 
 from pdserve.env import CLUSTER_SECRET_VAR
+from pdserve.security.api_keys import KeyTable, Tenant, digest
 from services.router.http.app import generated_request_id, openai_app
 from tests.unit.router.json_lines import JsonLines
 from tests.unit.router.router_builder import MODEL, Router, worker
@@ -107,3 +108,21 @@ async def test_an_x_request_id_of_other_than_printable_ascii_is_refused_naming_i
         assert len(response.headers["x-request-id"]) == 32  # the router's own, not the caller's bytes echoed
     logged = [line["request_id"] for line in router_log.lines if line["outcome"] == "invalid"]
     assert logged == [r.headers["x-request-id"] for r in refused], router_log.lines
+
+
+async def test_every_response_names_a_request_id_the_model_routes_health_and_unknown_paths_too():
+    """OpenAI's responses all carry one (its SDK's `request_id`); the router's carried one on generation's alone. The
+    caller's id is echoed, else one of the router's own, on a 401 too, and a page from an allowed origin reads it."""
+    page = "https://chat.example.com"
+    router = Router([worker("p0"), worker("d0", "decode")], http_cors_origins=(page,))
+    transport = httpx2.ASGITransport(app=openai_app(router.lifecycle(KeyTable({digest("k-1"): Tenant("t", "k-1")}))))
+    statuses = {"/v1/models": 200, f"/v1/models/{MODEL}": 200, "/v1/models/gpt-4o": 404, "/health": 200}
+    async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+        for path in [*statuses, "/v1/embeddings"]:
+            for key in ({"authorization": "Bearer k-1"}, {}):
+                mine = await http.get(path, headers=key | {"origin": page, "x-request-id": "mine"})
+                plain = await http.get(path, headers=key | {"origin": page, "x-request-id": "x" * 257})  # too long
+                assert (mine.headers.get("x-request-id"), len(plain.headers.get("x-request-id", ""))) == ("mine", 32)
+                assert "x-request-id" in mine.headers["access-control-expose-headers"].split(", ")
+                status = statuses.get(path, 404) if key or path == "/health" else 401 if path in statuses else 404
+                assert mine.status_code == plain.status_code == status, (path, key, mine.text)
