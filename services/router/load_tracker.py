@@ -50,6 +50,19 @@ class KVGrowth:
         return min(filled + owed, max(sent.blocks, filled))
 
 
+@dataclass
+class LiveHeld:
+    """The least our unfinished streams on one decode worker held at one report's sampling (`since`), each
+    stream's share kept so that its end takes it off: once `since` has passed, what a stream held then never
+    changes (its later tokens come back after it). Summed afresh for each placement, it cost ~0.8 ms a request with
+    8 decode workers of 128 streams each; now once per report."""
+
+    since: float
+    owed: bool
+    each: dict[int, int]  # placement number -> its share
+    total: int
+
+
 @dataclass(frozen=True)
 class Ended:
     """One placed request that ended, as reports sampled before its end may still count it."""
@@ -74,6 +87,7 @@ class LoadTracker:
         self._placed: defaultdict[str, dict[int, Sent]] = defaultdict(dict)  # `_sent`, per decode worker
         self._ended: defaultdict[str, deque[Ended]] = defaultdict(deque)
         self._growth: dict[int, KVGrowth] = {}  # placement number -> its KV's growth, from its first token on
+        self._live_held: dict[str, LiveHeld] = {}  # per decode worker, at its last report read
         self._placements = itertools.count()
 
     @property
@@ -189,9 +203,19 @@ class LoadTracker:
             if ended.at <= since:
                 break
             freed += ended.growth.held_at(since, ended.sent, owed)
-        growth = self._growth
-        live = sum(growth[p].held_at(since, sent, owed) for p, sent in self._placed[decode_id].items() if p in growth)
-        return max(0, min(freed, reported_held - live))
+        if not freed:
+            return 0
+        return max(0, min(freed, reported_held - self._live_held_at(decode_id, since, owed)))
+
+    def _live_held_at(self, decode_id: str, since: float, owed: bool) -> int:
+        live = self._live_held.get(decode_id)
+        if live is None or (live.since, live.owed) != (since, owed):
+            growth = self._growth
+            each = {p: growth[p].held_at(since, s, owed) for p, s in self._placed[decode_id].items() if p in growth}
+            live = LiveHeld(since, owed, each, sum(each.values()))
+            if since <= time.monotonic():  # else tokens that come back before `since` would still add to it
+                self._live_held[decode_id] = live
+        return live.total
 
     def _per_worker(self) -> tuple[dict[str, Any], ...]:
         return (
@@ -202,6 +226,7 @@ class LoadTracker:
             self._prefilled,
             self._placed,
             self._ended,
+            self._live_held,
         )
 
     def worker_ids(self) -> set[str]:
@@ -220,6 +245,8 @@ class LoadTracker:
         sent = self._sent.pop(placement)
         self.decoding[sent.decode_id] -= 1
         del self._placed[sent.decode_id][placement]
+        if (live := self._live_held.get(sent.decode_id)) is not None:
+            live.total -= live.each.pop(placement, 0)
         growth = self._growth.pop(placement, KVGrowth())
         ended = self._ended[sent.decode_id]
         ended.append(Ended(time.monotonic(), sent, growth))
