@@ -20,6 +20,7 @@ CHART = REPO / "deploy" / "helm" / "pdserve"
 EXAMPLES = REPO / "deploy" / "helm" / "examples"
 HELM = REPO / ".cache" / "tools" / "helm"
 RELEASE = "pd"
+NAMESPACE = "serving"  # the release's namespace in every render
 # Kinds kubernetes-validate has no schema for; the RayCluster is checked against KubeRay's CRD instead.
 CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
 LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -52,7 +53,7 @@ def helm(*args: str) -> subprocess.CompletedProcess[str]:
 def template_args(values: Iterable[str] = (), sets: Mapping[str, Any] = {}) -> list[str]:
     """`sets`: a str value is a --set (helm parses it: "3" is a number, "0.7" a string), anything else a
     --set-json."""
-    args = ["template", RELEASE, str(CHART), "--namespace", "serving"]
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
     for name in values:
         args += ["-f", str(EXAMPLES / name)]
     for key, value in sets.items():
