@@ -59,6 +59,9 @@ REQUIRED: list[tuple[str, dict[str, Any], Any]] = [
      lambda o: "redis://elsewhere:6379/0" in args(o, "router") and "redis://elsewhere:6379/0" in args(o, "controller")),
     ("monitoring.serviceMonitor.enabled", {"monitoring.serviceMonitor.enabled": "true"},
      lambda o: "ServiceMonitor" in kinds(o)),
+    ("monitoring.grafanaDashboard.enabled",
+     {"monitoring.grafanaDashboard.enabled": "true", "monitoring.podMonitor.enabled": "true"},
+     lambda o: any(c["metadata"]["labels"].get("grafana_dashboard") == "1" for c in o if c["kind"] == "ConfigMap")),
     ("networkPolicy.enabled", {"networkPolicy.enabled": "false"}, lambda o: "NetworkPolicy" not in kinds(o)),
     ("tls.enabled", {"tls.enabled": "true", "tls.publicSecret": "pub", "tls.internalSecret": "int"},
      lambda o: "--tls-cert" in args(o, "router") and "--internal-tls-ca" in args(o, "controller")),
@@ -133,6 +136,12 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"tls.internalServerName": "a b"}, "tls/internalServerName"),
     ({"redis.passwordKey": "pass word"}, "redis/passwordKey"),
     ({"apiKeys.drainKey.existingSecret": "Drain_Key"}, "apiKeys/drainKey/existingSecret"),
+    # Names the API server refuses in a ConfigMap's labels and annotations (the Grafana dashboard's).
+    ({"monitoring.grafanaDashboard.label": "grafana dashboard"}, "monitoring/grafanaDashboard/label"),
+    ({"monitoring.grafanaDashboard.labelValue": "-1"}, "monitoring/grafanaDashboard/labelValue"),
+    ({"monitoring.grafanaDashboard.labelValue": "x" * 64}, "monitoring/grafanaDashboard/labelValue"),
+    ({"monitoring.grafanaDashboard.labelValue": "true"}, "monitoring/grafanaDashboard/labelValue"),
+    ({"monitoring.grafanaDashboard.folderAnnotation": "Grafana.Folder/x"}, "grafanaDashboard/folderAnnotation"),
 ]
 
 
@@ -281,7 +290,11 @@ def test_names_and_durations_kubernetes_and_prometheus_take_are_taken() -> None:
         "serviceAccount": {"name": "pd.controller"},
         "prefill": {"runtimeClassName": "nvidia", "priorityClassName": "system-cluster-critical"},
         "decode": {"priorityClassName": "gpu.serving"},
-        "monitoring": {"serviceMonitor": {"interval": "1m30s"}, "podMonitor": {"interval": "500ms"}},
+        "monitoring": {
+            "serviceMonitor": {"interval": "1m30s"},
+            "podMonitor": {"interval": "500ms"},
+            "grafanaDashboard": {"label": "grafana.example.com/dashboard", "labelValue": "", "folder": "LLM / pdserve"},
+        },
     }
     assert not list(VALIDATOR.iter_errors(_merged(yaml.safe_load((CHART / "values.yaml").read_text()), taken)))
 
