@@ -314,7 +314,8 @@ class ClusterConfig:
     # An idle worker that takes prompts times one of its own (cluster/speed_recheck.py) once nothing ran or was held
     # for `speed_recheck_idle_s` (a lull in traffic shorter than that, its live steps read) and its speed was last
     # read (a live step, a probe) `speed_recheck_s` ago (0: never): twice in the router's 60 s best-speed window, for
-    # 0.8% of a core while idle on smollm2-135m, one thread (a probe: 0.22 s).
+    # 0.8% of a core while idle on smollm2-135m, one thread (a probe: 0.22 s; a colocated worker's, its decodes too:
+    # 0.36 s).
     speed_recheck_idle_s: float = 5.0
     speed_recheck_s: float = 30.0
     internal_tls_cert: str | None = None  # PEM files: mTLS on every internal hop (all three, or none)

@@ -4,8 +4,9 @@ A worker's start-up profile, timed while other processes loaded its host (new wo
 old ones serving), prices it k times slow; at low load the router then places every request elsewhere, its live
 steps never come, and its correction (`SpeedTracker`) never moves. So a worker that takes prompts times one of its
 own through its engine (engine/speed_probe.py) when it idles: once nothing ran or was held there for `idle_s`, at
-most every `every_s` after its speed was last read, by a live step or a probe. The probe's reading replaces the
-factor, which the heartbeat publishes.
+most every `every_s` after its speed was last read, by a live step or a probe. The probe's reading (a prefill
+worker's: its prompt's step; a colocated worker's: a decode step after it) replaces the factor, which the heartbeat
+publishes.
 
 A decode-only worker is not probed: the router takes, among the decode workers with room that meet a request's
 TPOT SLO, the one with the most free blocks, so a slow profile keeps one idle only under an SLO it seems to miss;

@@ -194,7 +194,7 @@ class AsyncEngine:
         """Times the model on the engine thread; before the engine runs any request (it writes scratch KV)."""
         return await self._call(measure_profile)
 
-    async def probe_speed(self, took: Callable[[int, float, int], None], may_run: Callable[[], bool]) -> bool:
+    async def probe_speed(self, took: Callable[[int, int, float, int, int], None], may_run: Callable[[], bool]) -> bool:
         """One speed probe between steps (speed_probe.py), unless a request or `may_run()` says no there; `took` gets
         its reading on the engine thread, where the live steps' corrections are made too. False: none ran."""
         return await self._call(partial(run_probe, took=took, may_run=may_run))

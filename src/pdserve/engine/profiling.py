@@ -40,10 +40,11 @@ class SpeedTracker:
     Live steps alone never correct a worker that gets none: one priced slow by such a profile got no request at low
     load (a rollout's CI run sent 72 of 72 to the other version's worker), so stayed priced slow. An idle worker
     that takes prompts is probed instead (cluster/speed_recheck.py): one prompt of its own through its engine, whose
-    ratio replaces the factor. A live step's weight is small because its batch and neighbours vary; a probe runs
-    alone on an idle engine, and on smollm2-135m (one thread) twenty probes of 64 tokens read 0.96-1.25x their
-    price, median 1.01, spread 7% (256 tokens: 0.95-1.00x, but 0.7 s each against 0.22 s), so one reading is a
-    fair one, and a profile k-times slow is corrected by the first probe, whatever k."""
+    step's ratio (a colocated worker's: a decode step's, as most of its live steps are) replaces the factor. A live
+    step's weight is small because its batch and neighbours vary; a probe runs alone on an idle engine, and on
+    smollm2-135m (one thread) twenty probes of 64 tokens read 0.96-1.25x their price, median 1.01, spread 7% (256
+    tokens: 0.95-1.00x, but 0.7 s each against 0.22 s), so one reading is a fair one, and a profile k-times slow is
+    corrected by the first probe, whatever k."""
 
     def __init__(self, profile: PerfProfile, alpha: float = 0.1) -> None:
         self.profile = profile
@@ -73,9 +74,12 @@ class SpeedTracker:
             self.factor += self.alpha * (ratio - self.factor)
             self.observed_at = self.stepped_at
 
-    def probed(self, prefill_tokens: int, seconds: float, prefill_squares: int) -> None:
-        """A probe's prompt (engine/speed_probe.py) took `seconds`: its ratio is the factor now."""
-        if (ratio := self._ratio(prefill_tokens, 0, seconds, prefill_squares, 0)) is not None:
+    def probed(
+        self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_squares: int, decode_context: int
+    ) -> None:
+        """A probe's step (engine/speed_probe.py), as `observe` takes a live one, took `seconds`: its ratio is the
+        factor now."""
+        if (ratio := self._ratio(prefill_tokens, decode_seqs, seconds, prefill_squares, decode_context)) is not None:
             self.factor = ratio
             self.observed_at = time.monotonic()
 

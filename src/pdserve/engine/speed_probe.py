@@ -1,14 +1,18 @@
-"""One timed prefill through an idle engine: a clean reading of a worker's speed when no live step gives one.
+"""One timed prompt through an idle engine: a clean reading of a worker's speed when no live step gives one.
 
 A worker whose start-up profile read slow (timed while other processes loaded its host) is priced slow, so at low
 load the router sends it nothing, and without steps its live correction never moves (cluster/speed_recheck.py
-decides when to probe). The probe is one step of random tokens, as a request of its own would run, timed as
-`AsyncEngine` times a live step, so its reading and the live steps' agree. It runs on the engine thread between
-steps, only while the engine holds no request (a request that comes meanwhile waits this one step), with the
-prefix cache off around it: its random blocks are neither matched nor keyed (nothing enters the cache or the
-routers' prefix index; freed, they are plain free blocks for the next probe), and taken only from one run of free
-blocks (the allocator would evict cached ones to make a run). Not a request: no output, no stream, no step or
-request metrics.
+decides when to probe). The probe is a request of random tokens of its own, each step timed as `AsyncEngine` times a
+live step, so its reading and the live steps' agree. A prefill worker's reading is its prompt's step. A colocated
+worker's is a decode step of it (the middle of PROBE_DECODES): its one factor prices its decode steps too, and its
+live steps are mostly decode steps, which may read far from a prompt's (smollm2-135m, one thread: one stream's
+decode steps 0.66-0.78x the profile, a 64-token prompt 0.94-1.31x), so a prompt's reading priced an idle colocated
+worker's decode 1.3-1.8x slow, and admission refused a TPOT SLO it met as one no worker could meet. It runs on the
+engine thread between steps, only while the engine holds no request (a request that comes meanwhile waits for its
+steps), with the prefix cache off around it: its random blocks are neither matched nor keyed (nothing enters the
+cache or the routers' prefix index; freed, they are plain free blocks for the next probe), and taken only from one
+run of free blocks (the allocator would evict cached ones to make a run). Not a request: no output, no stream, no
+step or request metrics.
 """
 
 from __future__ import annotations
@@ -19,40 +23,61 @@ from collections.abc import Callable
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.protocol.engine_request import EngineRequest
+from pdserve.protocol.roles import EngineMode
 from pdserve.protocol.sampling import SamplingParams
 
 # A prompt size the profile times (PREFILL_SHAPES): on smollm2-135m, one thread, a probe takes 0.22 s (256: 0.7 s).
 PROBE_TOKENS = 64
+PROBE_DECODES = 3  # a colocated worker's probe decodes this many tokens after its prompt (smollm2-135m: 0.05 s each)
 PROBE_ID = "pdserve-speed-probe"  # its own tenant too: the fair queue's tags of real tenants do not move for it
+
+# As `AsyncEngine.on_step` takes a step: prefill tokens, decode seqs, seconds, prefill squares, decode context.
+Reading = tuple[int, int, float, int, int]
+
+
+def probe_decodes(engine: LLMEngine) -> int:
+    """The decode steps a probe times after its prompt: a colocated worker's (its factor prices its decodes too)."""
+    return PROBE_DECODES if engine.config.mode is EngineMode.MIXED else 0
 
 
 def probe_tokens(engine: LLMEngine) -> int:
     """The probe's prompt: PROBE_TOKENS, fewer only where one step or the model holds fewer; 0 where no run of free
-    blocks holds it (no cached block is evicted for a probe; a shorter one would read mostly a step's fixed cost)."""
-    tokens = min(PROBE_TOKENS, engine.config.scheduler.max_num_batched_tokens, engine.max_model_len - 1)
-    return tokens if engine.blocks.holds_free_run(engine.blocks.blocks_for(tokens)) else 0
+    blocks holds it and its decodes (no cached block is evicted for a probe; a shorter one would read mostly a
+    step's fixed cost)."""
+    decodes = probe_decodes(engine)
+    tokens = min(PROBE_TOKENS, engine.config.scheduler.max_num_batched_tokens, engine.max_model_len - 1 - decodes)
+    return tokens if engine.blocks.holds_free_run(engine.blocks.blocks_for(tokens + decodes)) else 0
 
 
-def run_probe(engine: LLMEngine, took: Callable[[int, float, int], None], may_run: Callable[[], bool]) -> bool:
-    """On the engine thread: one probe step, unless the engine holds a request or `may_run()` says no (a drain
-    began); `took(prefill tokens, seconds, attention squares)` gets its reading. False: no probe ran."""
-    tokens = probe_tokens(engine)
+def run_probe(
+    engine: LLMEngine, took: Callable[[int, int, float, int, int], None], may_run: Callable[[], bool]
+) -> bool:
+    """On the engine thread: one probe, unless the engine holds a request or `may_run()` says no (a drain began);
+    `took` gets its reading, as `AsyncEngine.on_step` gets a live step's. False: no probe ran."""
+    tokens, decodes = probe_tokens(engine), probe_decodes(engine)
     if engine.num_sequences or engine.has_unfinished() or tokens < 1 or not may_run():
         return False
     vocab = engine.model_config.vocab_size
     prompt = [random.randrange(vocab) for _ in range(tokens)]
-    request = EngineRequest(PROBE_ID, prompt, SamplingParams(max_tokens=1), tenant=PROBE_ID)
+    sampling = SamplingParams(max_tokens=1 + decodes, ignore_eos=True)
+    readings: list[Reading] = []
     blocks, caching = engine.blocks, engine.blocks.enable_prefix_caching
     blocks.enable_prefix_caching = False
     try:
-        engine.add_request(request)
-        start = time.perf_counter()
-        engine.step()
-        seconds = time.perf_counter() - start
+        engine.add_request(EngineRequest(PROBE_ID, prompt, sampling, tenant=PROBE_ID))
+        for step in range(1 + decodes):
+            start = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - start
+            if engine.last_step_tokens != (1 if step else tokens):  # the pool could not hold it after all
+                return False
+            if step:
+                readings.append((0, 1, seconds, 0, engine.last_step_decode_context))
+            else:
+                readings.append((tokens, 0, seconds, engine.last_step_prefill_squares, 0))
     finally:
-        engine.abort(PROBE_ID)  # finished by its one token already, unless the step failed
+        engine.abort(PROBE_ID)  # finished by its last token already, unless a step failed or ran short
         blocks.enable_prefix_caching = caching
-    if engine.last_step_tokens != tokens:  # the pool could not hold it after all: no reading
-        return False
-    took(tokens, seconds, engine.last_step_prefill_squares)
+    decoded = sorted(readings[1:], key=lambda reading: reading[2])
+    took(*(decoded[len(decoded) // 2] if decoded else readings[0]))
     return True

@@ -1,6 +1,7 @@
-"""A speed probe (engine/speed_probe.py) times one prompt of its own through an idle engine: one step, its reading
-handed over, and the pool and the prefix cache as they were (nothing keyed, nothing evicted, no block left held).
-It runs only on an idle engine. Its reading replaces the live correction (SpeedTracker.probed)."""
+"""A speed probe (engine/speed_probe.py) times one prompt of its own through an idle engine: a prefill worker's
+reading is its prompt's step, a colocated worker's a decode step after it; the pool and the prefix cache are left as
+they were (nothing keyed, nothing evicted, no block left held). It runs only on an idle engine. Its reading replaces
+the live correction (SpeedTracker.probed)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pdserve.cluster.worker_spec import role_scheduler
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.profiling import SpeedTracker
-from pdserve.engine.speed_probe import PROBE_TOKENS, run_probe
+from pdserve.engine.speed_probe import PROBE_TOKENS, Reading, run_probe
 from pdserve.protocol.engine_request import EngineRequest
 from pdserve.protocol.perf_profile import PerfProfile
 from pdserve.protocol.roles import Role
@@ -28,8 +29,8 @@ def engine_of(role: Role, num_kv_blocks: int = 64) -> LLMEngine:
     return LLMEngine(replace(config, num_threads=1, scheduler=role_scheduler(config.scheduler, role)))
 
 
-def probe(engine: LLMEngine, may_run: bool = True) -> list[tuple[int, float, int]]:
-    readings: list[tuple[int, float, int]] = []
+def probe(engine: LLMEngine, may_run: bool = True) -> list[Reading]:
+    readings: list[Reading] = []
     ran = run_probe(engine, lambda *reading: readings.append(reading), lambda: may_run)
     assert ran == bool(readings)
     return readings
@@ -44,13 +45,22 @@ def test_a_probe_times_one_step_and_leaves_the_pool_and_the_prefix_cache_as_they
     journal.take()
     cached, hits = blocks.block_hashes(), blocks.prefix_hits
     (reading,) = probe(engine)
-    assert reading[0] == PROBE_TOKENS and reading[1] > 0 and reading[2] == PROBE_TOKENS**2
+    assert reading[2] > 0
     assert_idle(engine)
     assert (blocks.block_hashes(), blocks.prefix_hits, blocks.enable_prefix_caching) == (cached, hits, True)
     changes = journal.take()  # the routers' prefix index learns nothing of it
     assert (changes.stored, changes.removed) == ([], [])
     complete(engine, [CACHED + [61]], SamplingParams(max_tokens=1))
     assert blocks.prefix_hits == hits + 3  # the cached prompt is still there
+
+
+def test_a_prefill_workers_probe_reads_its_prompt_and_a_colocated_workers_a_decode_step_after_it() -> None:
+    """A colocated worker's one factor prices its decode steps too, which are most of its live steps: a prompt's
+    reading priced an idle one's decode 1.3-1.8x slow (smollm2-135m), and a TPOT SLO it met was refused."""
+    (prompt,) = probe(engine_of(Role.PREFILL))
+    assert (prompt[0], prompt[1], prompt[3], prompt[4]) == (PROBE_TOKENS, 0, PROBE_TOKENS**2, 0)
+    (decode,) = probe(engine_of(Role.COLOCATED))
+    assert (decode[0], decode[1], decode[3]) == (0, 1, 0) and PROBE_TOKENS + 1 <= decode[4] <= PROBE_TOKENS + 3
 
 
 def test_no_probe_runs_beside_a_request_or_once_told_not_to() -> None:
@@ -66,12 +76,12 @@ def test_no_probe_runs_beside_a_request_or_once_told_not_to() -> None:
 
 def test_a_probe_runs_only_where_one_run_of_free_blocks_holds_it_and_evicts_no_cached_block() -> None:
     """Three prompts in one step of a colocated engine take blocks 0-1, 2-5 and 6-8; their full blocks stay cached
-    between the partial ones freed: 4 free blocks (the probe's 64 tokens), in runs of 1, 1 and 2. Allocated through
-    the cache, the probe would evict cached blocks to make a run."""
-    engine = engine_of(Role.COLOCATED, num_kv_blocks=10)
+    between the partial ones freed: 5 free blocks (the probe's 64 tokens and its 3 decodes), in runs of 1, 1 and 3.
+    Allocated through the cache, the probe would evict cached blocks to make a run."""
+    engine = engine_of(Role.COLOCATED, num_kv_blocks=11)
     complete(engine, [list(range(200, 217)), CACHED + [60], list(range(100, 133))], SamplingParams(max_tokens=1))
     blocks = engine.blocks
-    assert (blocks.num_cached_blocks, blocks.num_free_blocks) == (6, 10)
+    assert (blocks.num_cached_blocks, blocks.num_free_blocks) == (6, 11)
     assert probe(engine) == [] and blocks.num_cached_blocks == 6
     roomy = engine_of(Role.COLOCATED, num_kv_blocks=10)
     complete(roomy, [CACHED + [60]], SamplingParams(max_tokens=1))  # 3 cached, then a run of 7 free blocks
@@ -82,11 +92,13 @@ def test_a_probe_replaces_the_live_correction_a_live_step_moves_it_a_tenth() -> 
     profile = PerfProfile(0.01, 1e-3, 0.0, 0.01, 1e-3)
     speed = SpeedTracker(profile)
     stepped_at = speed.stepped_at
-    speed.probed(64, profile.prefill_s(64) / 4, 64 * 64)  # a profile timed 4x slow: one probe corrects it
+    speed.probed(64, 0, profile.prefill_s(64) / 4, 64 * 64, 0)  # a profile timed 4x slow: one probe corrects it
     assert speed.factor == pytest.approx(0.25)
     assert speed.stepped_at == stepped_at < speed.observed_at  # a probe is a reading, not a live step
     speed.observe(64, 0, profile.prefill_s(64), 64 * 64)
     assert speed.factor == pytest.approx(0.25 + 0.1 * 0.75)
     assert speed.stepped_at == speed.observed_at
-    speed.probed(64, 100.0, 64 * 64)  # bounded as a live step's ratio is
+    speed.probed(64, 0, 100.0, 64 * 64, 0)  # bounded as a live step's ratio is
     assert speed.factor == 4.0
+    speed.probed(0, 1, profile.decode_step_s(1, 65) / 2, 0, 65)  # a colocated worker's: a decode step's
+    assert speed.factor == pytest.approx(0.5)
