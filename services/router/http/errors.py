@@ -48,6 +48,10 @@ class UnsupportedBodyError(InvalidRequestError):
         super().__init__("body", problem)
 
 
+# The shared path's fields whose refusals speak of the request's max_tokens: its own, and its choices' (n), which are
+# refused as their prompt plus max_tokens over n. Any other field's text is about a parameter the caller named.
+NAMES_MAX_TOKENS = frozenset({"sampling.max_tokens", "n"})
+
 _STATUS: list[tuple[type[BaseException], int, str]] = [  # the first match wins: a subclass before its base
     (ModelNotFoundError, 404, "invalid_request_error"),  # OpenAI's type for a 404 too
     (BodyTooLargeError, 413, "invalid_request_error"),
@@ -75,8 +79,8 @@ def error_body(exc: BaseException, max_tokens_param: str = "max_tokens") -> tupl
     if isinstance(exc, InvalidRequestError):
         param = openai_param(exc.field, max_tokens_param)
         message = f"{param}: {message.split(': ', 1)[1]}" if ": " in message else message
-        if exc.field == "sampling.max_tokens":  # its text names it as the shared path does, not as the caller sent it
-            message = re.sub(r"\bmax_tokens\b", param, message)
+        if exc.field in NAMES_MAX_TOKENS:  # its text names it as the shared path does, not as the caller sent it
+            message = re.sub(r"\bmax_tokens\b", max_tokens_param, message)
         code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None
         if isinstance(exc, (BodyTooLargeError, BodyTimeoutError, UnsupportedBodyError)):
             headers = {"connection": "close"}

@@ -83,6 +83,27 @@ async def test_more_choices_than_the_cluster_holds_at_once_are_a_400_naming_n(de
     assert (await complete(lc, n=2)).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("decode_worker", "tenant"),
+    [
+        ({"kv_blocks_total": 30, "kv_blocks_free": 30}, Tenant("team", "k")),
+        ({}, Tenant("t", "k", tokens_per_minute=600)),
+    ],
+)
+async def test_choices_refused_over_their_n_name_the_max_tokens_field_the_chat_sent(decode, decode_worker, tenant):
+    """n times prompt plus max_completion_tokens past the decode workers' KV, or the key's minute: a chat sent no
+    max_tokens, and its refusal says what it sent (it read "prompt plus max_tokens")."""
+    stand_in, address = decode
+    lc = Router([worker("p0"), worker("d0", "decode", address=address, **decode_worker)]).lifecycle(
+        KeyTable({digest(KEY): tenant})
+    )
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 196, "n": 4}
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=openai_app(lc)), base_url="http://router") as http:
+        r = await http.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert "prompt plus max_completion_tokens" in r.json()["error"]["message"] and stand_in.calls == 0, r.text
+
+
 async def test_choices_the_keys_bucket_cannot_hold_together_are_refused_before_any_runs(decode):
     """600 tokens a minute: n=3 of 200 fits the key, but with 200 spent just before, the bucket cannot hold all
     three: the request is a 429 before any choice runs (the first charges for all), not two choices run and then
