@@ -87,9 +87,8 @@ class Client:
             record = RequestRecord(f"loadgen-{tag}-{i}", req.input_len, req.output_len, req.arrival_s)
             queued = time.perf_counter()
             async with slots:
-                record.start_s = time.perf_counter() - start
-                record.wait_s = start + record.start_s - queued  # the bound's hold alone, not loadgen's lateness
-                record.sent_clock = start + record.start_s  # until the backend sends, its message built
+                record.sent_clock = time.perf_counter()  # until the backend sends, its message built
+                record.wait_s = record.sent_clock - queued  # the bound's hold alone, not loadgen's lateness
                 sent[i] = record
                 try:
                     await send(req, record)
@@ -99,6 +98,8 @@ class Client:
                     raise
                 except Exception as e:  # the client's own (a malformed event, a transport error): this one fails
                     record.status, record.error = CLIENT_ERROR, f"{type(e).__name__}: {e}"
+                finally:  # the send its latencies count from, its message built: what the server was offered
+                    record.start_s = record.sent_clock - start
             if record.status == OK and not record.output_tokens:
                 record.status, record.error = EMPTY_STREAM, "the stream ended without a token"
             if record.status != OK:

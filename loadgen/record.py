@@ -19,7 +19,9 @@ class RequestRecord:
     input_len: int
     output_len: int  # asked for (max_tokens with ignore_eos)
     scheduled_s: float  # planned send time, from the run's start
-    start_s: float = 0.0  # actual send time, from the run's start (later than planned when concurrency is full)
+    # Actual send time, from the run's start: its message built, when its latencies' clock starts (sent_clock); later
+    # than planned when the concurrency bound held it or loadgen ran late.
+    start_s: float = 0.0
     # How long the in-flight bound (--max-concurrency or loadgen's default) held it back before its send: not in
     # its latencies, which start at the send; start_s - scheduled_s - wait_s is loadgen's own lateness.
     wait_s: float = 0.0
@@ -27,7 +29,7 @@ class RequestRecord:
     error: str = ""
     error_s: float | None = None  # a request that did not complete: from its send to its error (a shed: its refusal)
     # time.perf_counter() at its send, the 0 of message_times_s and error_s: the backend's, once its message is built
-    # (as vLLM's timer starts), else the client's at start_s. A clock reading, in no result.
+    # (as vLLM's timer starts), else the client's as the bound let it go. A clock reading, in no result.
     sent_clock: float = 0.0
     message_times_s: list[float] = field(default_factory=list)  # from its send to each streamed message
     message_tokens: list[int] = field(default_factory=list)  # tokens in each streamed message

@@ -14,6 +14,7 @@ from loadgen import client as client_module
 from loadgen import metrics
 from loadgen.client import Client, Send
 from loadgen.metrics import GoodputSLO
+from loadgen.pacing import pacing
 from loadgen.record import EMPTY_STREAM, RequestRecord
 from loadgen.workload import Request
 from tests.unit.loadgen.scripted import ScriptedBackend
@@ -73,3 +74,31 @@ async def test_a_stream_that_ends_ok_without_a_token_is_failed():
     assert [r.status for r in records] == [EMPTY_STREAM, "OK"]
     summary = metrics.summarize(records, 1.0, GoodputSLO(ttft_ms=1000))
     assert summary["completed"] == 1 and summary["slo_attainment"] == pytest.approx(1 / 2)
+
+
+BUILD_S = 0.05
+
+
+class SlowToBuild:
+    """A backend whose message takes BUILD_S to build before its send (as a long chat prompt's detokenizing takes
+    the openai backend's), which is where it starts the request's clock."""
+
+    @asynccontextmanager
+    async def session(self, max_concurrency: int) -> AsyncIterator[Send]:
+        async def send(req: Request, record: RequestRecord) -> None:
+            time.sleep(BUILD_S)
+            record.sent_clock = time.perf_counter()
+            record.message_times_s.append(0.001)
+            record.message_tokens.append(1)
+
+        yield send
+
+
+async def test_send_lag_and_the_rate_sent_count_to_the_actual_send_its_message_built():
+    """The server is offered each request when it is sent, its message built: a build of BUILD_S is loadgen's own
+    lateness, in its send lag (it was counted to the slot the request took before building, so read 0)."""
+    paced = [Request([1, 2, 3], output_len=1, arrival_s=0.2 * (i + 1)) for i in range(3)]
+    records, _ = await Client(SlowToBuild()).run(paced)
+    assert all(r.start_s >= r.scheduled_s + BUILD_S for r in records), [(r.scheduled_s, r.start_s) for r in records]
+    figures = pacing(records, 5.0, trace=False)
+    assert figures["p50_send_lag_ms"] >= BUILD_S * 1e3 and figures["achieved_request_rate"] <= 3 / (0.6 + BUILD_S)
