@@ -14,6 +14,7 @@ from typing import Any
 
 from rich.console import Console
 
+from loadgen.arrivals import check_request_rate
 from loadgen.client import BACKENDS
 from loadgen.metrics import DEFAULT_ATTAINMENT_TARGET, GoodputSLO
 from loadgen.outcome import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, failed_runs, interrupted_line
@@ -38,9 +39,10 @@ def _rates(text: str) -> tuple[float, ...]:
         rates = tuple(float(r) for r in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected rates like 0.5,1,2 or inf, got {text!r}") from None
-    if any(not r > 0 for r in rates):
-        raise argparse.ArgumentTypeError(f"request rates must be > 0, got {text!r}")
-    return rates
+    try:
+        return tuple(check_request_rate(r) for r in rates)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _base_url(text: str) -> str:

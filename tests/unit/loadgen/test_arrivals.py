@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from loadgen.arrivals import arrival_offsets, schedule
+from loadgen.arrivals import MAX_REQUEST_RATE, arrival_offsets, schedule
 from loadgen.benchmark import BenchmarkConfig, drawn_requests
 from loadgen.workload import Request, WorkloadConfig
 
@@ -43,9 +43,15 @@ def test_infinite_rate_sends_everything_at_once():
 
 
 def test_bad_rates_are_refused():
-    for rate, burstiness in ((0.0, 1.0), (-1.0, 1.0), (math.nan, 1.0), (1.0, 0.0), (1.0, 1e-300), (1.0, 1e7)):
+    rates = [(rate, 1.0) for rate in (0.0, -1.0, math.nan, 1.000001e6, 1e303)]
+    for rate, burstiness in [*rates, *((1.0, burstiness) for burstiness in (0.0, 1e-300, 1e7))]:
         with pytest.raises(ValueError):
             arrival_offsets(3, rate, burstiness, np.random.default_rng(0))
+
+
+def test_the_highest_rate_taken_still_draws_arrivals_spread_to_it():
+    a = arrival_offsets(200, MAX_REQUEST_RATE, 1e6, np.random.default_rng(0))
+    assert a[-1] == pytest.approx(200 / MAX_REQUEST_RATE) and len(np.unique(a)) == 200
 
 
 @pytest.mark.parametrize("burstiness", [0.02, 1e6])

@@ -25,6 +25,9 @@ UNREACHABLE = ["--addr", "127.0.0.1:1", "--model", "tiny-random"]  # nothing lis
         ["--burstiness", "0"],
         ["--burstiness", "1e-300"],
         ["--burstiness", "1e7"],
+        ["--request-rate", "0"],
+        ["--request-rate", "nan"],
+        ["--request-rate", "2,1e303"],
         ["--max-concurrency", "0"],
         ["--max-concurrency", "-1"],
         ["--seed", "-1"],
@@ -43,6 +46,15 @@ def test_a_burstiness_whose_gamma_gaps_underflow_says_the_range_and_why(capsys):
     err = " ".join(capsys.readouterr().err.split())
     assert exited.value.code == 2
     assert "--burstiness: burstiness must lie in [0.02, 1e+06], got 1e-300" in err and "underflow to 0" in err
+
+
+def test_a_request_rate_no_sender_keeps_says_the_bound_and_that_inf_names_it(capsys):
+    """1e303 was taken: sent all at once, its result (and a sweep's goodput) named a rate never offered."""
+    with pytest.raises(SystemExit) as exited:
+        main([*UNREACHABLE, "--request-rate", "1e303"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert exited.value.code == 2
+    assert "--request-rate/--sweep: request rate must be at most 1e+06 req/s, or inf, got 1e+303" in err, err
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:8000", "localhost:8000", "ftp://h:1", "http://"])
