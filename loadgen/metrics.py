@@ -11,6 +11,8 @@ one counted per chunk, its per-token ITL is known when the usage's total agrees)
 A request is good when it completed and meets every goodput bound; `request_goodput` is vLLM's goodput, good
 requests per second of the run, SLO attainment the share of all sent requests that were good. DistServe's
 goodput is a sweep's figure, not a run's: the highest request rate swept whose SLO attainment reaches a target.
+The throughputs and vLLM's goodput divide by the run's duration, its clock start (the arrivals' 0, a drawn gap
+before the first send) to its last answer, as vLLM's do; genai-perf's runs from the first send.
 The latency figures are over the completed requests only (`completed` says how many); with none completed they
 are None (null), not 0, which read as the best latency of all. Time to reject is each shed request's send ->
 its refusal.
