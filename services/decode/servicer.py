@@ -16,7 +16,7 @@ from pdserve.protocol.handoff import FirstToken
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.roles import Role
 from pdserve.rpc.convert import engine_request_from_pb, off_the_loop_when_large, output_to_pb
-from pdserve.rpc.metadata import HANDOFF_STARTED_KEY, PREFILL_WAITED_KEY
+from pdserve.rpc.metadata import HANDOFF_STARTED_KEY, PREFILL_WAITED_KEY, SEQUENCES_FREED_KEY
 from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.telemetry import Telemetry, request_id_var
 from pdserve.v1 import generate_pb2 as pb
@@ -50,6 +50,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if delay_s := self.faults.step_delay_for(request.client_request_id):
             self.engine.faults.slow_when_stepped(request.request_id, delay_s)
         outputs: AsyncIterator[RequestOutput]
+        trailing: dict[str, str] = {}  # for the router's accounting, set as each is known
+
+        def trail(key: str, value: str) -> None:
+            trailing[key] = value
+            context.set_trailing_metadata(tuple(trailing.items()))
+
         if not request.prefill_address:
             outputs = generate_here(self.engine, self.telemetry, self.worker_id, work)
         elif self.handoff is None:
@@ -66,11 +72,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
             def prefilled(first: FirstToken) -> None:
                 if first.waited_s is not None:  # else the router calibrates as if it had no wait to take off
-                    context.set_trailing_metadata(((PREFILL_WAITED_KEY, str(round(first.waited_s * 1e3))),))
+                    trail(PREFILL_WAITED_KEY, str(round(first.waited_s * 1e3)))
 
             outputs = self.handoff.stream(handoff, context.time_remaining, dispatched, prefilled)
         async with contextlib.aclosing(outputs) as stream:  # type: ignore[type-var]
             async for out in stream:
+                if out.finished and out.sequences_freed:  # its blocks are free here: which reports say so
+                    trail(SEQUENCES_FREED_KEY, str(out.sequences_freed))
                 yield _to_pb(out)
 
 

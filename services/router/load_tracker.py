@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.protocol.perf_profile import QueuedPrefill, attention_squares
+from services.router.worker_frees import FreedAt
 
 FORGET_AFTER_S = 60.0  # far older than any heartbeat a router still places by
 
@@ -67,9 +68,10 @@ class LiveHeld:
 class Ended:
     """One placed request that ended, as reports sampled before its end may still count it."""
 
-    at: float  # when it ended
+    at: float  # when it ended here
     sent: Sent
     growth: KVGrowth
+    freed: FreedAt | None  # when its worker freed it, in the worker's own order, where the worker said
 
 
 class LoadTracker:
@@ -179,30 +181,40 @@ class LoadTracker:
         batch that a report sampled then cannot show."""
         return sum(1 for sent in self._placed[decode_id].values() if sent.at > since)
 
-    def streams_ended_since(self, decode_id: str, since: float) -> int:
-        """Our requests placed on the decode worker by `since` that have ended after it: a report
-        sampled then may still count their places in its batch."""
+    def streams_ended_since(self, decode_id: str, since: float, instance: str, sequences_freed: int) -> int:
+        """Our requests placed on the decode worker by `since` that have ended after it: a report sampled then may
+        still count their places in its batch, unless their worker had freed them (`FreedAt`: the report's process
+        `instance` had freed `sequences_freed` sequences then)."""
         count = 0
         for ended in reversed(self._ended[decode_id]):  # in the order they ended: read back only past `since`
             if ended.at <= since:
                 break
-            count += ended.sent.at <= since
+            freed = ended.freed  # FreedAt's test inline, here and below: as calls, a placement cost ~50% more
+            if ended.sent.at <= since and (freed is None or freed.instance == instance and freed.nth > sequences_freed):
+                count += 1
         return count
 
-    def blocks_freed_since(self, decode_id: str, since: float, reported_held: int, owed: bool) -> int:
+    def blocks_freed_since(
+        self, decode_id: str, since: float, reported_held: int, owed: bool, instance: str, sequences_freed: int
+    ) -> int:
         """KV blocks of our requests that a report sampled at `since` counted as held and that have ended after it:
         the least each held then (`KVGrowth.held_at`). Without them, a worker whose streams were just cancelled (say,
         the other choices of a request whose last was shed) looked full until its next heartbeat, and the next
         request was shed for room it had; counted as their prompts' blocks alone, one that needs the whole pool was
         shed for up to a heartbeat after a long answer ended (60 of 65 blocks held then, 1 counted back). At most
         what the report held (`reported_held`: not free, owed included) beyond the least our unfinished streams
-        held then: one that ended on its worker before the report but reached us after it is not counted twice.
-        `owed`: a decode worker's report, which counts the block each growing stream keeps free for its next."""
+        held then. One that ended on its worker before the report but reached us after it was free in the report
+        already: not counted where its worker said so (`FreedAt`: the report's process `instance` had freed
+        `sequences_freed` sequences then); else only that cap keeps it from being counted twice, which holds where
+        every block the report held was ours. `owed`: a decode worker's report, which counts the block each growing
+        stream keeps free for its next."""
         freed = 0
         for ended in reversed(self._ended[decode_id]):
             if ended.at <= since:
                 break
-            freed += ended.growth.held_at(since, ended.sent, owed)
+            said = ended.freed
+            if said is None or said.instance == instance and said.nth > sequences_freed:  # not free in the report
+                freed += ended.growth.held_at(since, ended.sent, owed)
         if not freed:
             return 0
         return max(0, min(freed, reported_held - self._live_held_at(decode_id, since, owed)))
@@ -240,8 +252,9 @@ class LoadTracker:
             per_worker.pop(worker_id, None)
         return True
 
-    def finished(self, placement: int) -> None:
-        """The request ended, its prefill too (`prefilled` first)."""
+    def finished(self, placement: int, freed: FreedAt | None = None) -> None:
+        """The request ended, its prefill too (`prefilled` first); `freed`: when its decode worker freed it, where
+        the worker said."""
         sent = self._sent.pop(placement)
         self.decoding[sent.decode_id] -= 1
         del self._placed[sent.decode_id][placement]
@@ -249,7 +262,7 @@ class LoadTracker:
             live.total -= live.each.pop(placement, 0)
         growth = self._growth.pop(placement, KVGrowth())
         ended = self._ended[sent.decode_id]
-        ended.append(Ended(time.monotonic(), sent, growth))
+        ended.append(Ended(time.monotonic(), sent, growth, freed))
         while ended and ended[0].at < ended[-1].at - FORGET_AFTER_S:
             ended.popleft()
 

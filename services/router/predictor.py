@@ -167,7 +167,7 @@ class Predictor:
             return True
         held = max(w.sequences, w.running + w.waiting)  # a worker of the build before `sequences` reports 0
         sampled_at, t = w.load_sampled_at, self.tracker
-        reported = max(0, held - t.streams_ended_since(w.worker_id, sampled_at))
+        reported = max(0, held - t.streams_ended_since(w.worker_id, sampled_at, w.instance, w.sequences_freed))
         reported += t.streams_placed_since(w.worker_id, sampled_at)
         return max(reported, t.decoding[w.worker_id]) + spare < w.max_num_seqs
 
@@ -178,7 +178,8 @@ class Predictor:
         sampled_at = w.load_sampled_at
         since = self.tracker.placed_since(w.worker_id, sampled_at)
         held = w.kv_blocks_total - w.kv_blocks_free
-        freed = self.tracker.blocks_freed_since(w.worker_id, sampled_at, held, owed=w.role == Role.DECODE)
+        owed = w.role == Role.DECODE
+        freed = self.tracker.blocks_freed_since(w.worker_id, sampled_at, held, owed, w.instance, w.sequences_freed)
         return w.kv_blocks_free + freed - max(self.tracker.pending_blocks[w.worker_id], since)
 
     def free_blocks_for(self, w: WorkerState, blocks: int) -> int:

@@ -33,6 +33,7 @@ from services.router.slo_attainment import judged_slo
 from services.router.stall import next_message, read_within
 from services.router.ticket import Ticket
 from services.router.unlisted import Listing, UnlistedCheck
+from services.router.worker_frees import freed_at
 
 
 class NoFirstTokenError(UnavailableError):
@@ -144,6 +145,7 @@ class Relay:
             if keyed is not None:
                 keyed.call = None
             self._calibrate(ticket, trailing)
+            ticket.freed_at = freed_at(p.decode.instance, trailing)
             await cancel_stream(call)  # a no-op once finished
 
     def _calibrate(self, ticket: Ticket, trailing: grpc.aio.Metadata | None) -> None:

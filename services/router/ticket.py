@@ -11,6 +11,7 @@ from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation
 from services.router.placement import Placement
 from services.router.request import RoutedRequest
+from services.router.worker_frees import FreedAt
 
 
 @dataclass
@@ -35,6 +36,8 @@ class Ticket:
     # This attempt's TTFT when it ran alone as far as this router saw: calibration learns from it once the
     # stream ends, when the decode worker's trailing metadata says how long its prefill worker made it wait.
     alone_ttft_s: float | None = field(default=None, init=False)
+    # Where this attempt's end fell in its decode worker's frees, once its call ended saying (worker_frees.py).
+    freed_at: FreedAt | None = field(default=None, init=False)
     _prefilled: bool = field(default=False, init=False)
     _released: bool = field(default=False, init=False)
     _left: bool = field(default=False, init=False)
@@ -95,7 +98,7 @@ class Ticket:
             return
         self._left = True
         self.prefilled()
-        self.tracker.finished(self._placement_number)
+        self.tracker.finished(self._placement_number, self.freed_at)
 
     def release(self) -> None:
         if self._released:

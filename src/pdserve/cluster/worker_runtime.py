@@ -157,6 +157,7 @@ class WorkerRuntime:
             waiting=stats["waiting"],
             max_num_seqs=self._engine.max_num_seqs,
             sequences=stats["sequences"],
+            sequences_freed=stats["sequences_freed"],
             load_at=stats["sampled_at_ns"] / 1e9,
             load_age_s=max(0, time.monotonic_ns() - stats["sampled_mono_ns"]) / 1e9,
             profile=self._speed.profile,

@@ -124,6 +124,7 @@ class LLMEngine:
             "prefill_stretch_milli": round(self.scheduler.prefill_stretch() * 1e3),  # prefill_stretch.py
             "prefix_hits": self.blocks.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,
+            "sequences_freed": self.scheduler.num_freed,  # sampled with the free blocks: which ends they hold
             "sampled_at_ns": time.time_ns(),  # for routers of an earlier build, which read it on their own clocks
             "sampled_mono_ns": time.monotonic_ns(),  # the age the worker reports with it (WorkerState.load_age_s)
         }
@@ -178,11 +179,9 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Drop the request wherever it is and free its blocks; False when it is unknown."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return False
-        self.scheduler.finish(req.seq, FinishReason.ABORT)
-        return True
+        if (req := self._requests.pop(request_id, None)) is not None:
+            self.scheduler.finish(req.seq, FinishReason.ABORT)
+        return req is not None
 
     # Hand-off between a prefill-only and a decode-only engine: the KV bytes move outside it (pdserve.transfer).
 
@@ -371,6 +370,7 @@ class LLMEngine:
             logprobs=() if logprobs is None else (logprobs,),
             prompt_logprobs=tuple(req.prompt_logprobs) if seq.num_output_tokens == 1 else (),
             error=error,
+            sequences_freed=self.scheduler.num_freed,
         )
 
     def _constraint_failure(self, req: _Request) -> InvalidRequestError | None:

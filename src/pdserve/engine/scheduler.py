@@ -77,6 +77,9 @@ class Scheduler:
         self._scheduled: list[tuple[Sequence, int]] = []
         self._ran: list[tuple[Sequence, int]] = []  # what the last step completed (`step_took` times it)
         self.num_preemptions = 0  # since start, for metrics and tests
+        # Sequences whose blocks `finish` freed since start: a report and a stream's end each say it, so a router can
+        # tell whether the report was sampled with the stream's blocks free (services/router/worker_frees.py).
+        self.num_freed = 0
 
     @property
     def has_work(self) -> bool:
@@ -253,6 +256,7 @@ class Scheduler:
         """Stop the sequence and free its blocks, wherever it is."""
         self.detach(seq)
         self.blocks.free(seq)
+        self.num_freed += 1
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

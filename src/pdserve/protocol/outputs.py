@@ -48,6 +48,9 @@ class RequestOutput:
     # ends with this error after the tokens before; this output's token, which the constraint could not follow,
     # is not sent.
     error: InvalidRequestError | None = None
+    # How many sequences its engine had freed when it was made (Scheduler.num_freed): on the last output, this one's
+    # blocks among them. 0: unknown.
+    sequences_freed: int = 0
 
     @property
     def finished(self) -> bool:
@@ -66,4 +69,5 @@ class RequestOutput:
             self.handoff_block_ids or later.handoff_block_ids,
             self.logprobs + later.logprobs,
             self.prompt_logprobs or later.prompt_logprobs,
+            sequences_freed=later.sequences_freed,
         )

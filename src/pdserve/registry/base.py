@@ -76,6 +76,10 @@ class WorkerState:
     # Its vocabulary's digest (Tokenizer.digest): routers place only on workers of their own tokenizer's. "": a
     # worker too old to say, placed as before.
     tokenizer: str = ""
+    # How many sequences its engine had freed when its load was sampled (Scheduler.num_freed): a stream whose end said
+    # at most this many (x-pdserve-sequences-freed) was free in its kv_blocks_free already. 0: none, or a worker too
+    # old to say.
+    sequences_freed: int = 0
     # The TTL its Redis entry was written with (the entry's, not the worker's): less the key's PTTL, the entry's age.
     written_ttl_ms: int = field(default=0, compare=False)
     updated_at: float = field(default_factory=time.time)  # its wall clock: never compared with another host's

@@ -1,4 +1,4 @@
-"""gRPC metadata keys beside the messages: the public Generate API's (protos/pdserve/v1/generate.proto), and one
+"""gRPC metadata keys beside the messages: the public Generate API's (protos/pdserve/v1/generate.proto), and those
 of the internal decode worker's Generate (worker.proto)."""
 
 from __future__ import annotations
@@ -21,3 +21,9 @@ HANDOFF_STARTED_KEY = "x-pdserve-handoff-started"
 # prefill worker (milliseconds, an integer). Other routers' prompts ahead of it are invisible to this router, which
 # takes the wait out of the TTFT its calibration learns from (services/router/calibration.py).
 PREFILL_WAITED_KEY = "x-pdserve-prefill-waited-ms"
+
+# Trailing metadata of a decode (or colocated) worker's Generate stream that ended there: how many sequences its
+# engine had freed once this one's KV blocks were (an integer, this one counted). A report of the worker's load that
+# says as many (`WorkerState.sequences_freed`) was sampled with the blocks free, and a router counts them back as freed
+# only against an earlier report (services/router/worker_frees.py).
+SEQUENCES_FREED_KEY = "x-pdserve-sequences-freed"

@@ -32,7 +32,7 @@ def test_counts_since_a_time_match_the_whole_history() -> None:
         for since in [now[0] - x for x in (0.0, 0.01, 0.1, 0.5, 1.0, 3.0, 100.0)]:
             ours = [t for at, placed, t in prefilled if placed <= since < at]  # in a report sampled at `since`
             assert tracker.prefilled_since("p0", since) == QueuedPrefill(len(ours), sum(ours), sum(t * t for t in ours))
-            assert tracker.streams_ended_since("d0", since) == sum(1 for e, p in ended if p <= since < e)
+            assert tracker.streams_ended_since("d0", since, "", 0) == sum(1 for e, p in ended if p <= since < e)
 
 
 def test_prefills_ending_in_another_order_than_they_started_leave_no_queue_behind() -> None:
