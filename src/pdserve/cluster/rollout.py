@@ -51,6 +51,7 @@ class Rollout:
         # replacement needs that name. An actor Ray restarted in place (the same handle) runs the spec it was made
         # with again, a log level it was given since undone: a new instance is checked anew.
         self._checked: dict[str, tuple[int, str]] = {}
+        self._unanswered: set[str] = set()  # worker ids whose last spec read failed: logged once per run of failures
 
     async def run(self, interval_s: float = ROLLOUT_CHECK_S) -> None:
         while True:
@@ -67,7 +68,12 @@ class Rollout:
             worker_id, checked = slot.spec.worker_id, (id(slot.actor), slot.instance)
             if slot.leaving or not slot.listed or slot.actor is None or self._checked.get(worker_id) == checked:
                 continue
-            running = await self.spec_of(slot.actor)
+            try:
+                running = await self.spec_of(slot.actor)
+            except Exception as e:  # stopped or hung (a timeout), or gone mid-call: the others are checked meanwhile
+                self._unanswered_once(worker_id, e)
+                continue
+            self._unanswered.discard(worker_id)
             if running == slot.spec or await self._relevelled(slot, running):
                 self._checked[worker_id] = checked
                 continue
@@ -97,6 +103,18 @@ class Rollout:
             self._checked[worker_id] = checked
             return worker_id
         return None
+
+    def _unanswered_once(self, worker_id: str, error: Exception) -> None:
+        """A worker that cannot say its spec is asked again at the next pass. A role's only worker stays in placement
+        while it is stopped (supervisor.py), so its read times out every pass: it used to fail the whole pass, and no
+        worker after it was checked (rolled) until it answered, with a warning every pass naming none of them."""
+        if worker_id not in self._unanswered:
+            self._unanswered.add(worker_id)
+            log.warning(
+                "worker %s did not say which spec it runs (%r); the rollout checks the others and asks it again",
+                worker_id,
+                error,
+            )
 
     async def _relevelled(self, slot: Slot, running: WorkerSpec | None) -> bool:
         """Its log level alone differed, and it took the slot's where it runs."""

@@ -4,6 +4,7 @@ rather than drained, and each actor checked once."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import pytest
@@ -22,6 +23,7 @@ class Actor:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.asked = 0
+        self.stopped = False  # SIGSTOPped or hung: its spec read times out
 
 
 def fleet(*made_with: tuple[str, EngineConfig], successor_starts: bool = True) -> tuple[Rollout, Supervisor, list[str]]:
@@ -35,6 +37,8 @@ def fleet(*made_with: tuple[str, EngineConfig], successor_starts: bool = True) -
 
     async def spec_of(actor: Actor) -> WorkerSpec:
         actor.asked += 1
+        if actor.stopped:
+            raise TimeoutError()  # as `answer` gives up on an actor call
         return actor.spec
 
     async def drain(slot: Slot) -> None:
@@ -95,6 +99,26 @@ async def test_each_actor_is_asked_once() -> None:
     for _ in range(3):
         assert await rollout.step() is None
     assert [s.actor.asked for s in supervisor.slots.values()] == [1, 1] and not drained
+
+
+async def test_a_stopped_worker_holds_up_no_other_and_is_asked_again(caplog) -> None:
+    """A role's only worker SIGSTOPped (or hung) stays in placement, and its spec read times out at every pass: the
+    workers after it still roll, it is logged once, not per pass, and it rolls once it answers again."""
+    rollout, supervisor, drained = fleet(("decode-0", OLD), ("prefill-1", OLD), ("prefill-2", NEW))
+    stopped = supervisor.slots["decode-0"].actor
+    stopped.stopped = True
+    with caplog.at_level(logging.WARNING, logger="pdserve.cluster.rollout"):
+        assert await rollout.step() == "prefill-1"
+        assert await rollout.step() is None  # prefill-2 runs the fleet's spec; prefill-1 is not back yet
+    assert stopped.asked == 2
+    unanswered = [r.getMessage() for r in caplog.records if "did not say" in r.getMessage()]
+    assert unanswered == [
+        "worker decode-0 did not say which spec it runs (TimeoutError()); the rollout checks the others and asks it "
+        "again"
+    ]
+    stopped.stopped = False  # SIGCONT
+    assert await rollout.step() == "decode-0"
+    assert drained == ["prefill-1", "surged:decode-0"]
 
 
 @pytest.mark.parametrize("leaving", [True, False])
