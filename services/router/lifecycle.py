@@ -39,6 +39,7 @@ from services.router.key_revocation import KeyedStream
 from services.router.load_tracker import LoadTracker
 from services.router.migration import Continuation, continued_request
 from services.router.outcome import CALLER_ENDED, Caller, log_level, router_metrics
+from services.router.own_holds import HOLD_FAILURES, OwnHolds
 from services.router.placement import Placement, PlacementPolicy
 from services.router.placement_waits import PlacementWaits
 from services.router.recent_latencies import RecentLatencies
@@ -85,6 +86,7 @@ class RequestLifecycle:
         self.tracker = tracker
         self.relay = Relay(telemetry, self.metrics, self.recent, placement, config)
         self.waits = PlacementWaits(placement, config, tracker)
+        self.own_holds = OwnHolds()  # started with the router's server (server.py)
         self.draining = False
         self._placing = 0  # requests waiting for their placement (up to no_workers_wait_s), not yet admitted
         self._held = 0  # requests of several choices (`holding`)
@@ -272,8 +274,11 @@ class RequestLifecycle:
         message goes only to another worker, one with room as far as this router sees; a stream moving mid-answer
         only to workers of the weights its answer so far came from."""
         worker = blamed_worker(error, ticket.placement)
-        if eject:
-            self.placement.ejections.eject(worker, ejection_reason(error), str(error))
+        reason = ejection_reason(error)
+        if eject and reason in HOLD_FAILURES and self.own_holds.excuse():
+            log.debug("worker %s not ejected: it failed as the router's own hold ended: %s", worker.worker_id, error)
+        elif eject:
+            self.placement.ejections.eject(worker, reason, str(error))
         failed.add(avoided_workers(worker, ticket.placement, error), self.placement.registry, fault=eject)
         ticket.leave_workers()  # this attempt holds no place there while the next is found (still in flight)
         streamed = [t for chunk in chunks for t in chunk]

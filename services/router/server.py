@@ -24,6 +24,7 @@ from services.router.http.server import HttpServer
 from services.router.key_reload import KeyReload
 from services.router.lifecycle import RequestLifecycle
 from services.router.load_tracker import LoadTracker
+from services.router.own_holds import OwnHolds
 from services.router.parse_after_key import ParseAfterKeyCheck
 from services.router.peer_check import PeerCheck
 from services.router.placement import SLOAwarePlacement
@@ -43,8 +44,8 @@ GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full
 
 class RouterServer:
     """The router's listeners, drained and stopped together (then the background work of its quotas, admitted
-    totals, shared KV claims and moving streams, gone workers' state, API key reloads, and its relay's channels to
-    workers): the launcher sees one server."""
+    totals, shared KV claims and moving streams, gone workers' state, API key reloads, the watch on its own holds, and
+    its relay's channels to workers): the launcher sees one server."""
 
     def __init__(
         self,
@@ -59,6 +60,7 @@ class RouterServer:
         key_reload: KeyReload | None,
         peers: PeerCheck,
         presence: WorkerPresence,
+        own_holds: OwnHolds,
     ) -> None:
         self.grpc = grpc_server
         self.http = http
@@ -66,6 +68,7 @@ class RouterServer:
         peers.on_change = self._apply_health
         self.presence = presence
         presence.on_change = self._apply_health
+        self.own_holds = own_holds
         self._serving = False
         self.quotas = quotas
         self.admitted = admitted
@@ -96,6 +99,7 @@ class RouterServer:
         finally:  # the background work stops however the listeners did
             await self.peers.close()
             await self.presence.close()
+            await self.own_holds.close()
             await self.gone_workers.close()
             if self.key_reload is not None:  # its close never raises
                 await self.key_reload.close()
@@ -201,10 +205,11 @@ async def start_router(
         await shared_moving.start()
     presence = WorkerPresence(policy)
     parts = (quotas, admitted, gone_workers, lifecycle.relay, shared_claims, shared_moving, key_reload, peers, presence)
-    router = RouterServer(server, http, *parts)
+    router = RouterServer(server, http, *parts, lifecycle.own_holds)
     await router.set_serving(True)
     peers.start()
     presence.start()
+    lifecycle.own_holds.start()
     return router, lifecycle
 
 

@@ -6,7 +6,10 @@ the same cluster first, and no KV block stays held once the cluster is idle."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
+import grpc
 import pytest
 
 from pdserve.chaos.command import cluster_args
@@ -16,6 +19,9 @@ from pdserve.chaos.run import ChaosConfig, run_chaos
 from pdserve.cluster.local_process import ClusterProcess
 from pdserve.engine.model_files import read_model_config
 from pdserve.engine.models import resolve_model
+from pdserve.rpc.server import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
+from pdserve.v1 import generate_pb2_grpc
+from tests.integration.reference import PROMPT, greedy, greedy_request
 
 pytestmark = pytest.mark.timeout(300)
 STALL_S = 3.0  # short, to keep the stop short; a CPU-starved gap past it only migrates a stream
@@ -48,3 +54,40 @@ def test_a_small_chaos_run_loses_nothing(cluster):
     assert report["not_recovered"] == 0, report["faults"]
     assert clean(report)
     assert "sent nothing for" in cluster.log(), "the stopped decode worker's streams did not meet the stall bound"
+
+
+def test_a_router_stopped_past_its_workers_pings_ejects_none_of_them(cluster):
+    """`pdserve up` (its router) SIGSTOPped while it relays two long streams, past the decode workers' keepalive
+    pings, which drop their connections to it. Resumed, the router reads both calls failed: it moves the streams
+    (each ends with the single-process engine's output), but takes neither decode worker out of placement for
+    what was its own silence (before, both were ejected for 10 s and counted as flapping). The callers' channels
+    send no pings of their own: they wait the stop out."""
+    tokens = 1500  # at 10 ms a step more (SLOW_DECODE): still streaming once the workers' pings give up
+    expected = greedy(PROMPT, tokens)
+
+    async def stream(address: str, request_id: str, started: asyncio.Event) -> list[int]:
+        got: list[int] = []
+        async with grpc.aio.insecure_channel(address) as ch:
+            request = greedy_request(f"{REQUEST_ID_PREFIX}{request_id}", PROMPT, tokens)
+            async for msg in generate_pb2_grpc.GenerationStub(ch).Generate(request, timeout=120):
+                got += msg.token_ids
+                started.set()
+        return got
+
+    async def run() -> list[list[int]]:
+        started = [asyncio.Event(), asyncio.Event()]
+        streams = [asyncio.ensure_future(stream(cluster.address, f"held-router-{i}", s)) for i, s in enumerate(started)]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 30)
+        cluster.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep((KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1e3 + 2)
+        finally:
+            os.kill(cluster.proc.pid, signal.SIGCONT)
+        return await asyncio.gather(*streams)
+
+    before = len(cluster.log())
+    assert asyncio.run(run()) == [expected, expected]
+    log = cluster.log()[before:]
+    assert "the router was held" in log, log[-3000:]
+    assert "request migrated" in log, "no call failed: the stop did not outlast the workers' pings"
+    assert "out of placement" not in log, log[-3000:]
