@@ -23,7 +23,7 @@ from pdserve.background import cancel_and_wait, repeating
 
 log = logging.getLogger(__name__)
 TICK_S = 0.25
-HELD_S = 1.0  # a tick this much late: the loop was held, not merely busy
+HELD_S = 2.0  # a tick this much late: the loop was held, not merely busy (a starved one lags less)
 EXCUSE_S = 5.0  # past the hold's end: reading what failed meanwhile (every stream's call) takes a loaded loop a while
 # The ejection reasons (retry.EJECTION_REASONS) a hold of the router alone can cause: a connection its worker dropped,
 # a bound that passed on the router's clock. Not a worker the registry unlisted, that refused the router, or drains.
