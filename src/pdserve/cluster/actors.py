@@ -25,6 +25,7 @@ from pdserve import env
 from pdserve.addresses import split_host_port
 from pdserve.build import build_resource
 from pdserve.cluster.factories import WorkerServices
+from pdserve.cluster.ray_join_check import check_join
 from pdserve.cluster.ray_reaper import RayReaper
 from pdserve.cluster.worker_runtime import WorkerRuntime
 from pdserve.cluster.worker_spec import WorkerSpec
@@ -112,6 +113,8 @@ class WorkerActors:
             logging.getLogger("ray._private.worker").addFilter(_NotMainThreadWarning())
             reaper = None if c.ray_address else RayReaper()  # a SIGKILL of this process leaves none of it running
             try:
+                if c.ray_address:
+                    check_join(c.ray_address)  # Ray Client tries a token it was refused for 30 s
                 with reaper.marking() if reaper else contextlib.nullcontext():
                     ray.init(
                         # "local": a new Ray of our own, never one that RAY_ADDRESS or a `ray start` left running names.

@@ -19,6 +19,7 @@ from pdserve.build import current_build
 from pdserve.cluster.actor_calls import answer
 from pdserve.cluster.actors import WorkerActors, actor_error_reason
 from pdserve.cluster.factories import WorkerServices
+from pdserve.cluster.ray_join_check import TokenRefused
 from pdserve.cluster.rollout import Rollout
 from pdserve.cluster.scaling import START_TIMEOUT_S, FleetScaler, drain_over_rpc
 from pdserve.cluster.supervisor import REPLACE_BACKOFF_S, Slot, Supervisor
@@ -59,13 +60,13 @@ def _client_server_failed_to_start(e: ConnectionError) -> bool:
 
 
 def _refused_as_asked(e: ConnectionError) -> bool:
-    """Whether Ray refused the join for what it was asked, before it reached a head (an address it cannot parse, no
-    auth token where the cluster wants one): no later try differs, so a join that tries a Ray that does not answer
+    """Whether Ray refused the join for what it was asked (an address it cannot parse, no auth token where the
+    cluster wants one, a token the head refuses): no later try differs, so a join that tries a Ray that does not answer
     again (a controller's) fails at once instead of for JOIN_WINDOW_S. `WorkerActors.connect` words Ray's error as a
     join failure of ours (its cause)."""
     from ray.exceptions import AuthenticationError
 
-    return isinstance(e.__cause__, (ValueError, AuthenticationError))
+    return isinstance(e.__cause__, (ValueError, AuthenticationError, TokenRefused))
 
 
 class Cluster:

@@ -13,6 +13,7 @@ from pdserve import cli
 from pdserve.build import build_resource, current_build
 from pdserve.cluster.actors import BUILD_RESOURCE_SHARE
 from pdserve.cluster.launcher import Cluster
+from pdserve.cluster.ray_join_check import TokenRefused
 from pdserve.cluster.supervisor import REPLACE_BACKOFF_S, Slot
 from pdserve.config import ClusterConfig, EngineConfig
 from pdserve.protocol.roles import Role
@@ -212,6 +213,7 @@ def test_a_ray_client_server_that_failed_to_start_its_own_server_is_tried_again(
     [
         (ValueError("Invalid address format: not-an-address"), 1),
         (AuthenticationError("Token authentication is enabled but Ray couldn't find an authentication token."), 1),
+        (TokenRefused("Ray refused the auth token (its Ray Client server answered UNAUTHENTICATED: ...)"), 1),
         (ConnectionError("ray client connection timeout"), 2),  # a head that does not answer (yet)
         (ConnectionRefusedError("nothing listens"), 2),
     ],
@@ -219,7 +221,8 @@ def test_a_ray_client_server_that_failed_to_start_its_own_server_is_tried_again(
 def test_a_controllers_join_that_ray_refused_as_asked_fails_at_once(monkeypatch, error, tried) -> None:
     """A controller tries a Ray that does not answer again for 5 minutes; an address Ray cannot parse, or no auth
     token where the cluster wants one, was tried for those 5 minutes too once `WorkerActors.connect` worded every
-    join failure as a ConnectionError of ours, though no later try differs."""
+    join failure as a ConnectionError of ours, though no later try differs; so was a token the head refuses
+    (`ray_join_check`), which Ray Client reads as a head that does not answer."""
     assert _tries_to_join(monkeypatch, error, retry_join=True) == tried
 
 
@@ -245,6 +248,7 @@ def _tries_to_join(monkeypatch: pytest.MonkeyPatch, error: Exception, retry_join
     monkeypatch.setattr("ray.is_initialized", lambda: False)
     monkeypatch.setattr("ray.init", ray_init)
     monkeypatch.setattr("pdserve.cluster.actors._check_listening", lambda address: None)
+    monkeypatch.setattr("pdserve.cluster.actors.check_join", lambda address: None)
     monkeypatch.setattr("pdserve.cluster.actors._log_ray_auth", lambda: None)
     monkeypatch.setattr("pdserve.cluster.launcher.JOIN_RETRY_S", 0.01)
     monkeypatch.setattr(cluster, "start_until", _started)
