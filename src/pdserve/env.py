@@ -60,6 +60,11 @@ def ray_auth_mode() -> str | None:
     return os.environ.get("RAY_AUTH_MODE")
 
 
+def ray_use_tls() -> bool:
+    """RAY_USE_TLS, as Ray reads it: whether this process speaks TLS to Ray (a join's error names a mismatch)."""
+    return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+
+
 @contextmanager
 def local_ray_mark(mark: str) -> Iterator[None]:
     """PDSERVE_LOCAL_RAY_MARK=`mark` in this process's environment while `pdserve up` starts its local Ray, so that

@@ -80,9 +80,15 @@ def _local_ray_failed(e: Exception) -> ChildProcessError:
     return ChildProcessError(f"the local Ray did not start: {e} (its logs: {logs}; on a loaded machine, try again)")
 
 
-def _join_failed(address: str | None, e: Exception) -> ConnectionError:
-    """A --ray-address Ray would not take (`Invalid address format: x`, an auth token it refuses)."""
-    return ConnectionError(f"could not join the Ray cluster at --ray-address {address}: {e}")
+def _join_failed(address: str | None, e: Exception, called: str) -> ConnectionError:
+    """A --ray-address Ray would not take (`Invalid address format: x`, an auth token it refuses), on one line: Ray's
+    version mismatch names the versions on lines of their own, which a retry's log line (the first) left out.
+    `called`: what `check_join`'s call got instead of an answer, where Ray Client says "connection timeout"."""
+    reason = " ".join(str(e).split())
+    return ConnectionError(
+        f"could not join the Ray cluster at --ray-address {address}: {reason}"
+        + (f"; called directly: {called}" if called else "")
+    )
 
 
 class _NotMainThreadWarning(logging.Filter):
@@ -112,9 +118,10 @@ class WorkerActors:
             # Off the main thread Ray sets no SIGTERM handler and warns so; pdserve's own handler is the one wanted.
             logging.getLogger("ray._private.worker").addFilter(_NotMainThreadWarning())
             reaper = None if c.ray_address else RayReaper()  # a SIGKILL of this process leaves none of it running
+            called = ""
             try:
                 if c.ray_address:
-                    check_join(c.ray_address)  # Ray Client tries a token it was refused for 30 s
+                    called = check_join(c.ray_address)  # Ray Client tries a token it was refused for 30 s
                 with reaper.marking() if reaper else contextlib.nullcontext():
                     ray.init(
                         # "local": a new Ray of our own, never one that RAY_ADDRESS or a `ray start` left running names.
@@ -131,7 +138,7 @@ class WorkerActors:
                 if reaper:
                     reaper.close()  # what the failed start left
                 if isinstance(e, Exception):  # Ray's own start or join failing is no bug of ours: no traceback
-                    raise _local_ray_failed(e) if reaper else _join_failed(c.ray_address, e) from e
+                    raise _local_ray_failed(e) if reaper else _join_failed(c.ray_address, e, called) from e
                 raise
             if reaper:
                 context = ray.get_runtime_context()

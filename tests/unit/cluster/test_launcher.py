@@ -248,7 +248,7 @@ def _tries_to_join(monkeypatch: pytest.MonkeyPatch, error: Exception, retry_join
     monkeypatch.setattr("ray.is_initialized", lambda: False)
     monkeypatch.setattr("ray.init", ray_init)
     monkeypatch.setattr("pdserve.cluster.actors._check_listening", lambda address: None)
-    monkeypatch.setattr("pdserve.cluster.actors.check_join", lambda address: None)
+    monkeypatch.setattr("pdserve.cluster.actors.check_join", lambda address: "")
     monkeypatch.setattr("pdserve.cluster.actors._log_ray_auth", lambda: None)
     monkeypatch.setattr("pdserve.cluster.launcher.JOIN_RETRY_S", 0.01)
     monkeypatch.setattr(cluster, "start_until", _started)
