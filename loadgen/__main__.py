@@ -14,7 +14,6 @@ from typing import Any
 
 from rich.console import Console
 
-from loadgen.arrivals import check_request_rate
 from loadgen.client import BACKENDS
 from loadgen.metrics import DEFAULT_ATTAINMENT_TARGET, GoodputSLO
 from loadgen.outcome import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, failed_runs, interrupted_line
@@ -22,6 +21,7 @@ from loadgen.workload import DATASETS, WorkloadConfig
 from pdserve.addresses import host_port
 from pdserve.config import EngineConfig
 from pdserve.flags import DefaultsFormatter, at_least_one, burstiness, from_flags, in_range, natural
+from pdserve.request_rate import check_request_rate
 from pdserve.rpc.client_hints import TLS_HINT
 from pdserve.rpc.credentials import add_client_flags, client_credentials
 from pdserve.trace import read_trace

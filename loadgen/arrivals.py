@@ -15,23 +15,7 @@ import numpy as np
 
 from loadgen.workload import Request
 from pdserve.burstiness import check_burstiness
-
-# A microsecond's mean gap, 50 times what one loadgen process sends (measured, gRPC, two cores: 256 requests due
-# at once went out in 13 ms, 20,000 req/s): a finite rate past it is sent as `inf` is, while its result, plots and
-# DistServe goodput (the highest rate swept that met the SLOs) name a rate never offered (1e303 was taken).
-MAX_REQUEST_RATE = 1e6
-
-
-def check_request_rate(rate: float) -> float:
-    """`rate`, or a ValueError saying the range and why it ends where it does (nan is out; inf, all at once, in)."""
-    if not rate > 0:
-        raise ValueError(f"request rate must be > 0, got {rate:g}")
-    if MAX_REQUEST_RATE < rate < math.inf:
-        raise ValueError(
-            f"request rate must be at most {MAX_REQUEST_RATE:g} req/s, or inf, got {rate:g}: past it, loadgen "
-            "sends all at once whatever the rate says, which inf names"
-        )
-    return rate
+from pdserve.request_rate import check_request_rate
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:

@@ -22,6 +22,7 @@ from pdserve.engine.model_files import BUILTIN_MODELS
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.output_constraint import MAX_SPEC_BYTES, OutputConstraint
 from pdserve.protocol.sampling import MAX_LOGPROBS, SamplingParams
+from pdserve.request_rate import check_request_rate
 
 T = TypeVar("T")
 
@@ -151,6 +152,16 @@ def burstiness(value: str) -> float:
     """An argparse type: the gamma shape of arrival gaps, in the range whose draws mean it (pdserve.burstiness)."""
     try:
         return check_burstiness(float(value))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def request_rate(value: str) -> float:
+    """An argparse type: requests per second, finite, in the range loadgen's --request-rate takes
+    (pdserve.request_rate): a plan, a bench or a chaos run at 1e303 req/s named a rate no sender offers."""
+    rate = positive_float(value)
+    try:
+        return check_request_rate(rate, infinite=False)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

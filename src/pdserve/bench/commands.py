@@ -19,6 +19,7 @@ from pdserve.flags import (
     from_flags,
     natural,
     positive_float,
+    request_rate,
 )
 
 
@@ -52,7 +53,7 @@ def add_bench_commands(sub: argparse._SubParsersAction) -> None:
     placement.add_argument("--requests-per-prefix", type=at_least_one, default=4, help="requests sharing each")
     placement.add_argument("--prefix-len", type=at_least_one, default=512, help="tokens")
     placement.add_argument("--suffix-len", type=natural, default=32, help="tokens after the prefix")
-    placement.add_argument("--request-rate", type=positive_float, default=0.5, help="Poisson arrivals per second")
+    placement.add_argument("--request-rate", type=request_rate, default=0.5, help="Poisson arrivals per second")
     placement.set_defaults(func=_bench_placement)
     transfer = bench_sub.add_parser("transfer", help="KV transfer GB/s between two processes vs raw gloo and a copy")
     transfer.add_argument("--host", default=ClusterConfig.host, help="address both processes bind")

@@ -15,7 +15,7 @@ import grpc
 from pdserve.addresses import host_port
 from pdserve.chaos.run import ChaosConfig
 from pdserve.config import RouterConfig
-from pdserve.flags import at_least_one, from_flags, natural, positive_float, seconds
+from pdserve.flags import at_least_one, from_flags, natural, positive_float, request_rate, seconds
 
 # The cluster `pdserve chaos` starts when given no --addr: small, with router bounds a stop outlasts.
 FIRST_TOKEN_TIMEOUT_S = 20.0
@@ -47,7 +47,7 @@ def add_chaos_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--interval", type=seconds, default=c.interval_s, help="seconds from a recovery to the next fault")
     p.add_argument("--stops", type=natural, default=c.stops, help="SIGSTOPs (decode first, then alternating roles)")
     p.add_argument("--stop-s", type=positive_float, default=c.stop_s, help="seconds a stopped worker stays stopped")
-    p.add_argument("--rate", type=positive_float, default=c.rate, help="greedy requests per second, Poisson")
+    p.add_argument("--rate", type=request_rate, default=c.rate, help="greedy requests per second, Poisson")
     p.add_argument("--prompts", type=at_least_one, default=c.prompts, help="distinct prompts the requests draw from")
     p.add_argument("--input-len", type=at_least_one, default=c.input_len, help="prompt tokens")
     p.add_argument("--output-len", type=at_least_one, default=c.output_len, help="tokens generated per request")

@@ -21,6 +21,7 @@ from pdserve.flags import (
     in_range,
     natural,
     positive_float,
+    request_rate,
     seconds,
     writable_file,
 )
@@ -75,7 +76,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="simulate every prefill:decode split of K workers and recommend one")
     p.add_argument("--profile", type=Path, required=True, help="from pdserve profile")
     p.add_argument("--trace", type=Path, help="Mooncake-format JSONL: timestamp (ms), input_length, output_length")
-    p.add_argument("--rate", type=positive_float, help="requests per second (without --trace)")
+    p.add_argument("--rate", type=request_rate, help="requests per second (without --trace)")
     p.add_argument("--input-len", type=at_least_one, help="prompt tokens (without --trace)")
     p.add_argument("--output-len", type=at_least_one, help="output tokens (without --trace)")
     p.add_argument("--range-ratio", type=_ratio, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")

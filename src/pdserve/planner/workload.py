@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.burstiness import check_burstiness
+from pdserve.request_rate import check_request_rate
 from pdserve.trace import read_trace
 
 SYNTHETIC_REQUESTS = 400  # per run, unless told (a trace: every request, unless told)
@@ -85,7 +86,7 @@ def from_trace(path: Path, limit: int | None = None) -> Workload:
     """The first `limit` requests (None: all) of a Mooncake-format trace, read as loadgen replays it
     (pdserve.trace), at its gaps per second; its hash_ids are ignored (no prefix cache is simulated). A trace whose
     requests share one timestamp is refused: its arrivals scale to no other rate, so no split has a max rate to plan
-    by (it was planned as "1 req/s", a rate it never offered)."""
+    by (it was planned as "1 req/s", a rate it never offered); so is one whose rate no sender offers."""
     requests = read_trace(path, limit)
     times = np.array([r.timestamp_ms for r in requests]) / 1e3
     times -= times[0]
@@ -96,6 +97,10 @@ def from_trace(path: Path, limit: int | None = None) -> Workload:
             "needs arrivals spread in time (or --rate, --input-len and --output-len)"
         )
     rate = (len(requests) - 1) / span
+    try:  # a span of 1e-300 ms planned at 1e303 req/s
+        check_request_rate(rate, infinite=False)
+    except ValueError as e:
+        raise ValueError(f"trace {path}: its gaps per second, {len(requests) - 1} over {span:g} s: {e}") from None
     return Workload(
         tuple(r.input_length for r in requests),
         tuple(r.output_length for r in requests),

@@ -7,9 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from loadgen.arrivals import MAX_REQUEST_RATE, arrival_offsets, schedule
+from loadgen.arrivals import arrival_offsets, schedule
 from loadgen.benchmark import BenchmarkConfig, drawn_requests
 from loadgen.workload import Request, WorkloadConfig
+from pdserve.request_rate import MAX_REQUEST_RATE
 
 
 @pytest.mark.parametrize("burstiness", [0.5, 1.0, 4.0])
