@@ -1,0 +1,48 @@
+"""`pdserve plan` refuses a workload it cannot simulate faithfully, naming the flag, instead of planning it: never a
+numpy message, hours of simulation, or latencies the simulator's clock rounded away."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve import cli
+from pdserve.planner.plan import SLO, simulate
+from pdserve.planner.shape import Shape
+from pdserve.planner.workload import MAX_SPAN_S, synthetic
+from tests.unit.planner.synthetic import synthetic_profile
+
+SLO_FLAGS = ["--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--workers", "2"]
+
+
+def plan(tmp_path: Path, *flags: str) -> int:
+    profile = tmp_path / "profile.json"
+    synthetic_profile().save(profile)
+    return cli.main(["plan", "--profile", str(profile), *flags, *SLO_FLAGS, "--json"])
+
+
+def test_a_rate_whose_arrivals_outlast_the_simulations_clock_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    """At 1e-15 req/s every TTFT read 0 ms (float64 seconds near 4e17 s step by 64 s): a plan that met any SLO."""
+    assert plan(tmp_path, "--rate", "1e-15", "--input-len", "100", "--output-len", "8") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve plan: --rate 1e-15 spreads 400 requests over 4e+17 s, past the 1e+09 s"), err
+
+
+def test_a_trace_that_outlasts_the_simulations_clock_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "trace.jsonl"
+    lines = ({"timestamp": t, "input_length": 100, "output_length": 8} for t in (0, 1e300))
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert plan(tmp_path, "--trace", str(trace)) == 2
+    assert f"pdserve plan: trace {trace} spans 1e+297 s, past the 1e+09 s" in capsys.readouterr().err
+
+
+def test_the_slowest_workload_taken_keeps_its_latencies_well_within_a_millisecond() -> None:
+    """At its rate to the nanosecond; at its max-rate search's idle probe, 1024 times slower, to 23 us."""
+    profile, shape, slo = synthetic_profile(), Shape(prefill=1, decode=1), SLO(500, 50)
+    slowest = synthetic(400 / MAX_SPAN_S, 100, 8, 400)
+    idle = simulate(profile, shape, slowest, 1.0 / 1e6, slo)  # 1e6 s between requests: none waits for another
+    for rate in (slowest.rate, slowest.rate / 1024):
+        o = simulate(profile, shape, slowest, rate, slo)
+        assert o.ttft_ms == pytest.approx(idle.ttft_ms, abs=0.05) and o.tpot_ms == pytest.approx(idle.tpot_ms, abs=0.05)
