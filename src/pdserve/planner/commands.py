@@ -77,11 +77,13 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", type=Path, required=True, help="from pdserve profile")
     p.add_argument("--trace", type=Path, help="Mooncake-format JSONL: timestamp (ms), input_length, output_length")
     p.add_argument("--rate", type=request_rate, help="requests per second (without --trace)")
-    p.add_argument("--input-len", type=at_least_one, help="prompt tokens (without --trace)")
-    p.add_argument("--output-len", type=at_least_one, help="output tokens (without --trace)")
+    p.add_argument("--input-len", type=_length, help="prompt tokens (without --trace)")
+    p.add_argument("--output-len", type=_length, help="output tokens (without --trace)")
     p.add_argument("--range-ratio", type=_ratio, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
     p.add_argument("--burstiness", type=burstiness, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
-    p.add_argument("--num-requests", type=at_least_one, help="requests per run (default 400); a trace's earliest N")
+    p.add_argument(
+        "--num-requests", type=_requests, help="requests per run (default 400); a trace's earliest N, at most 100000"
+    )
     p.add_argument("--seed", type=natural, default=0, help="of the synthetic trace")
     _add_slo_flags(p)
     p.add_argument("--workers", type=WORKER_TOTAL, required=True, help="K: the workers to split (2 to 128)")
@@ -123,6 +125,12 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
 
 _share = in_range(float, 0, 1, low_in=False, high_in=True)  # as the router takes slo_headroom
 _ratio = in_range(float, 0, 1)  # --range-ratio
+# --num-requests: a simulation of 200,000 took 21 s and 120 MiB here, and a plan runs 8-12 a shape (its max-rate
+# search), so the bound is minutes a shape; 1e8 took 60 GiB, 2**63 was numpy's "Maximum allowed dimension exceeded"
+_requests = in_range(int, 1, 100_000, high_in=True)
+# --input-len and --output-len: far past any model's context, which the plan checks (numpy drew lengths past 2**63
+# as "high is out of bounds for int64")
+_length = in_range(int, 1, 1e9, high_in=True)
 _margin = in_range(float, 0, 10)  # --scale-down-margin
 
 

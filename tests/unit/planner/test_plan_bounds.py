@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import cli
+from pdserve.cli import _parser
 from pdserve.planner.plan import SLO, simulate
 from pdserve.planner.shape import Shape
 from pdserve.planner.workload import MAX_SPAN_S, synthetic
@@ -46,3 +47,20 @@ def test_the_slowest_workload_taken_keeps_its_latencies_well_within_a_millisecon
     for rate in (slowest.rate, slowest.rate / 1024):
         o = simulate(profile, shape, slowest, rate, slo)
         assert o.ttft_ms == pytest.approx(idle.ttft_ms, abs=0.05) and o.tpot_ms == pytest.approx(idle.tpot_ms, abs=0.05)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [  # each was numpy's message (exit 2, no flag named), or a run of hours and tens of GiB (1e8 requests)
+        ("--num-requests", str(2**63), "argument --num-requests: must lie in [1, 100000]"),
+        ("--num-requests", "100000000", "argument --num-requests: must lie in [1, 100000]"),
+        ("--input-len", str(2**63), "argument --input-len: must lie in [1, 1e+09]"),
+        ("--output-len", str(2**63), "argument --output-len: must lie in [1, 1e+09]"),
+    ],
+)
+def test_a_workload_too_large_to_draw_or_simulate_is_a_usage_error_naming_the_flag(capsys, flag, value, says):
+    """Refused as the flags parse, before anything is drawn or simulated."""
+    flags = {"--rate": "5", "--input-len": "100", "--output-len": "8", flag: value}
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["plan", "--profile", "p.json", *(x for kv in flags.items() for x in kv), *SLO_FLAGS])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
