@@ -27,6 +27,9 @@ CLUSTER_MODES = ("disaggregated", "colocated")
 MAX_WORKERS_PER_ROLE = 64
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py's from_url takes
 DECODE_GRAPH_MODES = ("auto", "static", "off")
+# A worker's KV cache at most, in GiB: a PiB, past what any host or device holds (1e303 overflowed the block count:
+# an OverflowError traceback from `pdserve profile`, a worker that never started under `up`)
+MAX_KV_CACHE_GB = 1e6
 
 
 class ConfigError(ValueError):
@@ -79,6 +82,10 @@ class EngineConfig:
             raise ConfigError("decode_graphs", f"must be one of {list(DECODE_GRAPH_MODES)}, got {self.decode_graphs!r}")
         if not 0 < self.kv_cache_memory_gb < math.inf:  # nan too: a KV cache of no size, or of every byte
             raise ConfigError("kv_cache_memory_gb", f"must be a positive number, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_memory_gb > MAX_KV_CACHE_GB:
+            raise ConfigError(
+                "kv_cache_memory_gb", f"must be at most {MAX_KV_CACHE_GB:g} GiB, got {self.kv_cache_memory_gb:g}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", f"must be at least 1, got {self.num_threads}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pdserve.burstiness import check_burstiness
-from pdserve.config import DECODE_GRAPH_MODES, DTYPE_NAMES, ConfigError, EngineConfig, SchedulerConfig
+from pdserve.config import (
+    DECODE_GRAPH_MODES,
+    DTYPE_NAMES,
+    MAX_KV_CACHE_GB,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+)
 from pdserve.engine.model_files import BUILTIN_MODELS
 from pdserve.errors import InvalidRequestError
 from pdserve.protocol.output_constraint import MAX_SPEC_BYTES, OutputConstraint
@@ -146,6 +153,14 @@ def positive_float(value: str) -> float:
     if not 0 < x < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
     return x
+
+
+def kv_cache_gb(value: str) -> float:
+    """An argparse type: a worker's KV cache in GiB, positive and at most MAX_KV_CACHE_GB (EngineConfig's bound)."""
+    gb = positive_float(value)
+    if gb > MAX_KV_CACHE_GB:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_KV_CACHE_GB:g} GiB, got {value}")
+    return gb
 
 
 def burstiness(value: str) -> float:

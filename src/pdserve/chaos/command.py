@@ -15,7 +15,7 @@ import grpc
 from pdserve.addresses import host_port
 from pdserve.chaos.run import ChaosConfig
 from pdserve.config import RouterConfig
-from pdserve.flags import at_least_one, from_flags, natural, positive_float, request_rate, seconds
+from pdserve.flags import at_least_one, from_flags, kv_cache_gb, natural, positive_float, request_rate, seconds
 
 # The cluster `pdserve chaos` starts when given no --addr: small, with router bounds a stop outlasts.
 FIRST_TOKEN_TIMEOUT_S = 20.0
@@ -33,7 +33,7 @@ def add_chaos_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="tiny-random", help="the served model (for the cluster it starts, and vocab)")
     p.add_argument("--prefill", type=at_least_one, default=2, help="prefill workers of the cluster it starts")
     p.add_argument("--decode", type=at_least_one, default=2, help="decode workers of the cluster it starts")
-    p.add_argument("--kv-cache-gb", type=positive_float, default=0.05, help="KV cache GiB per started worker")
+    p.add_argument("--kv-cache-gb", type=kv_cache_gb, default=0.05, help="KV cache GiB per started worker")
     p.add_argument(
         "--stall-timeout-s",
         type=positive_float,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.config import CLUSTER_MODES, ClusterConfig, EngineConfig
-from pdserve.flags import deadline_seconds, natural, positive_float, seconds
+from pdserve.flags import deadline_seconds, kv_cache_gb, natural, seconds
 from pdserve.redaction import redacted_url
 
 Run = Callable[[argparse.Namespace], Any]
@@ -24,7 +24,7 @@ def add_fleet_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, help=f"decode workers (disaggregated; default: {c.decode})")
     p.add_argument("--workers", type=int, help=f"workers doing both phases (colocated; default: {c.workers})")
     p.add_argument(
-        "--kv-cache-gb", type=positive_float, default=EngineConfig.kv_cache_memory_gb, help="KV cache per worker (GiB)"
+        "--kv-cache-gb", type=kv_cache_gb, default=EngineConfig.kv_cache_memory_gb, help="KV cache per worker (GiB)"
     )
     p.add_argument(
         "--ray-namespace", default=c.ray_namespace, help="Ray namespace the worker actors are named (and found) in"

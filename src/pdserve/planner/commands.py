@@ -19,6 +19,7 @@ from pdserve.flags import (
     engine_config,
     fetch_model,
     in_range,
+    kv_cache_gb,
     natural,
     positive_float,
     request_rate,
@@ -46,7 +47,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure one worker's prefill, decode, KV transfer and KV capacity")
     add_engine_flags(p)
     p.add_argument(
-        "--kv-cache-gb", type=positive_float, default=EngineConfig.kv_cache_memory_gb, help="KV cache per worker (GiB)"
+        "--kv-cache-gb", type=kv_cache_gb, default=EngineConfig.kv_cache_memory_gb, help="KV cache per worker (GiB)"
     )
     p.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests and smoke runs)")
@@ -55,11 +56,23 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from pdserve.planner.profiler import QUICK, Grid, run_profile
+    from pdserve.planner.profiler import QUICK, Grid, NoisyMeasurement, run_profile
+    from pdserve.protocol.model_config import UnsupportedModelError
 
     if not (writable_file(args.out, "--out", "pdserve profile") and fetch_model(args.model, "pdserve profile")):
         return 2
-    profile = run_profile(engine_config(args), QUICK if args.quick else Grid(), args.transfer_gbps)
+    try:
+        profile = run_profile(engine_config(args), QUICK if args.quick else Grid(), args.transfer_gbps)
+    # What was asked: a model folder without its weights, a KV cache that holds none of the grid's shapes
+    except (FileNotFoundError, UnsupportedModelError, ValueError) as e:
+        print(f"pdserve profile: {e}", file=sys.stderr)
+        return 2
+    except NoisyMeasurement as e:  # after the whole grid: said in one line, not a traceback
+        print(f"pdserve profile: {e}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"pdserve profile: out of memory for a KV cache of --kv-cache-gb {args.kv_cache_gb:g}", file=sys.stderr)
+        return 1
     profile.save(args.out)
     perf, gbps = profile.perf, profile.transfer_gbps
     bytes_at = f"{gbps:.2f} GB/s" if gbps else "bytes too cheap to measure"

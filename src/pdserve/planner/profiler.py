@@ -139,6 +139,10 @@ def measure_engine_steps(engine: Any, grid: Grid) -> list[list[float]]:
     return points
 
 
+class NoisyMeasurement(RuntimeError):
+    """The grid was measured, but its times do not show what the fit needs (a host too busy to time it)."""
+
+
 def fit(points: dict[str, list[list[float]]]) -> tuple[PerfProfile, float, float, float]:
     """The router's form from single prompts; beside it the decode line's context term, a later chunk's
     cost per (new token x cached token) it reads back, and what an engine step costs beside the runner:
@@ -148,6 +152,12 @@ def fit(points: dict[str, list[list[float]]]) -> tuple[PerfProfile, float, float
     if not single or not len(d):
         raise ValueError("the engine's cache holds none of the profile's shapes; raise --kv-cache-gb")
     perf = PerfProfile.fit(single, [(int(b), int(c), s) for b, c, s in d])
+    if not perf.prefill_per_token_s + perf.prefill_per_token2_s > 0:  # no profile: a prompt must cost its tokens
+        times = ", ".join(f"{n} tokens {s * 1e3:.2f} ms" for n, _, s in single)
+        raise NoisyMeasurement(
+            f"longer prompts prefilled no slower ({times}): this host's noise hid their cost; profile again on a "
+            "quieter host, or without --quick (longer prompts)"
+        )
     fixed, per_seq, per_context = perf.decode_fixed_s, perf.decode_per_seq_s, perf.decode_per_context_token_s
     # A later chunk costs what the same chunks at context 0 cost, plus its reads of the context.
     first = {(n, b): s for n, b, c, s in points.get("prefill_chunk", []) if c == 0}
