@@ -30,6 +30,9 @@ DECODE_GRAPH_MODES = ("auto", "static", "off")
 # A worker's KV cache at most, in GiB: a PiB, past what any host or device holds (1e303 overflowed the block count:
 # an OverflowError traceback from `pdserve profile`, a worker that never started under `up`)
 MAX_KV_CACHE_GB = 1e6
+# torch's threads in one process at most: more than any host's cores, far below where creating them fails (here
+# 32768 made libgomp say "Thread creation failed" and 100000 was a segmentation fault, exit 139)
+MAX_TORCH_THREADS = 1024
 
 
 class ConfigError(ValueError):
@@ -88,6 +91,8 @@ class EngineConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", f"must be at least 1, got {self.num_threads}")
+        if self.num_threads is not None and self.num_threads > MAX_TORCH_THREADS:
+            raise ConfigError("num_threads", f"must be at most {MAX_TORCH_THREADS}, got {self.num_threads}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 

@@ -21,6 +21,7 @@ from pdserve.config import (
     DECODE_GRAPH_MODES,
     DTYPE_NAMES,
     MAX_KV_CACHE_GB,
+    MAX_TORCH_THREADS,
     ConfigError,
     EngineConfig,
     SchedulerConfig,
@@ -136,6 +137,14 @@ def at_least_one(value: str) -> int:
     return n
 
 
+def threads(value: str) -> int:
+    """An argparse type: torch's threads, at least 1 and at most MAX_TORCH_THREADS (EngineConfig's bound)."""
+    n = at_least_one(value)
+    if n > MAX_TORCH_THREADS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TORCH_THREADS}, got {n}")
+    return n
+
+
 def counts(value: str) -> tuple[int, ...]:
     """An argparse type: comma-separated counts, each at least 1 (batch sizes, prompt lengths)."""
     try:
@@ -220,7 +229,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device, default=e.device, help="auto (cuda when available), cpu, cuda, cuda:N")
     p.add_argument(
         "--threads",
-        type=at_least_one,
+        type=threads,
         default=e.num_threads,
         help="CPU threads for torch (default: torch's own; `up`'s workers: a fair share of the cores each)",
     )
