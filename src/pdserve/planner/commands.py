@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING
 from pdserve.addresses import host_port
 from pdserve.config import MAX_WORKERS_PER_ROLE, EngineConfig, RouterConfig
 from pdserve.flags import (
+    MAX_SECONDS,
     add_engine_flags,
     at_least_one,
     burstiness,
     check_readable,
+    deadline_seconds,
     engine_config,
     fetch_model,
     in_range,
@@ -145,6 +147,9 @@ _requests = in_range(int, 1, 100_000, high_in=True)
 # as "high is out of bounds for int64")
 _length = in_range(int, 1, 1e9, high_in=True)
 _margin = in_range(float, 0, 10)  # --scale-down-margin
+# --interval: at 1e-9 the loop asked the router's status ~100 times a second (829 decisions printed in 8 s); past
+# MAX_SECONDS it never decided again, as --window never was covered
+_interval = in_range(float, 0.1, MAX_SECONDS, high_in=True)
 
 
 def _admission(args: argparse.Namespace) -> AdmissionModel | None:
@@ -218,8 +223,8 @@ def _add_autoscale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", type=Path, required=True, help="from pdserve profile")
     _add_slo_flags(p)
     p.add_argument("--max-workers", type=WORKER_TOTAL, required=True, help="never more workers in all (2 to 128)")
-    p.add_argument("--interval", type=positive_float, default=10.0, help="seconds between decisions")
-    p.add_argument("--window", type=positive_float, default=60.0, help="seconds of admitted load per decision")
+    p.add_argument("--interval", type=_interval, default=10.0, help="seconds between decisions")
+    p.add_argument("--window", type=deadline_seconds, default=60.0, help="seconds of admitted load per decision")
     p.add_argument("--consecutive", type=at_least_one, default=3, help="the same recommendation this often first")
     p.add_argument("--cooldown", type=seconds, default=120.0, help="seconds after a scale before the next one")
     p.add_argument(

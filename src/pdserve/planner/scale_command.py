@@ -10,7 +10,7 @@ from typing import Any
 
 from pdserve.addresses import host_port
 from pdserve.config import MAX_WORKERS_PER_ROLE
-from pdserve.flags import positive_float
+from pdserve.flags import deadline_seconds
 from pdserve.protocol.roles import other_mode_role
 from pdserve.rpc.client_hints import exit_status, rpc_error_line
 from pdserve.rpc.credentials import add_client_flags, client_credentials
@@ -28,7 +28,7 @@ def add_scale_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, help="decode workers")
     p.add_argument("--colocated", type=int, help="workers of a colocated cluster (--addr only)")
     p.add_argument("--wait", action="store_true", help="--addr: return once the counts serve (new ones warmed up)")
-    p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds --wait waits")
+    p.add_argument("--timeout", type=deadline_seconds, default=600.0, help="seconds --wait waits")
     p.add_argument(
         "--kubernetes",
         action="store_true",
