@@ -23,7 +23,11 @@ class TraceRequest:
 def read_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     """The trace's requests in timestamp order (equal stamps in file order), the first `limit` of them (None: all),
     each checked first: a ValueError names the line and what it lacks, which both commands report as a usage error."""
-    requests = [_request(path, n, text) for n, text in enumerate(path.read_text().splitlines(), 1) if text.strip()]
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:  # it named neither the trace nor the flag
+        raise ValueError(f"trace {path} is not UTF-8 text ({e})") from None
+    requests = [_request(path, n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not requests:
         raise ValueError(f"trace {path} holds no requests")
     return sorted(requests, key=lambda r: r.timestamp_ms)[:limit]

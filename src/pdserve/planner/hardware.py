@@ -101,6 +101,8 @@ class HardwareProfile:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
+        if not isinstance(d, dict):  # a list read as "cannot convert dictionary update sequence element #0 ..."
+            raise ValueError(f"it must be a JSON object, got {type(d).__name__}")
         d = dict(d)
         if d.pop("version", FORMAT_VERSION) != FORMAT_VERSION:
             raise ValueError(f"profile format version must be {FORMAT_VERSION}; profile again with pdserve profile")

@@ -47,3 +47,15 @@ def test_a_damaged_profile_is_a_usage_error_naming_what_is_wrong(
     assert cli.main([*argv, "--workers", "2", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"pdserve plan: {path} is not a pdserve profile: ") and named in err, err
+
+
+@pytest.mark.parametrize(("text", "named"), [("[1, 2]", "got list"), ("null", "got NoneType"), ("7", "got int")])
+def test_a_profile_that_is_no_json_object_is_a_usage_error_saying_so(tmp_path: Path, capsys, text, named) -> None:
+    """A list was 'cannot convert dictionary update sequence element #0 to a sequence', null "'NoneType' object is
+    not iterable": Python's words, not what is wrong with the file."""
+    path = tmp_path / "profile.json"
+    path.write_text(text)
+    argv = ["plan", "--profile", str(path), "--rate", "1", "--input-len", "60", "--output-len", "8"]
+    assert cli.main([*argv, "--workers", "2", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"pdserve plan: {path} is not a pdserve profile: it must be a JSON object, {named}"

@@ -69,3 +69,13 @@ def test_plan_num_requests_keeps_the_earliest_lines_of_a_trace(
     assert "does not fit a worker's KV cache" in capsys.readouterr().err
     assert cli.main([*argv, "--num-requests", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["recommended"]
+
+
+def test_a_trace_that_is_not_text_is_refused_naming_the_trace(tmp_path: Path, capsys) -> None:
+    """It was the codec's words alone ("pdserve plan: 'utf-8' codec can't decode byte 0xff ..."), naming no file."""
+    profile, trace = tmp_path / "profile.json", tmp_path / "trace.jsonl"
+    synthetic_profile().save(profile)
+    trace.write_bytes(b'{"timestamp": 0, "input_length": 3, "output_length": 2}\n\xff\xfe\n')
+    argv = ["plan", "--profile", str(profile), "--trace", str(trace), "--workers", "2"]
+    assert cli.main([*argv, "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"]) == 2
+    assert capsys.readouterr().err.startswith(f"pdserve plan: trace {trace} is not UTF-8 text ('utf-8' codec")
