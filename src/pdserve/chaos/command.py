@@ -15,7 +15,16 @@ import grpc
 from pdserve.addresses import host_port
 from pdserve.chaos.run import ChaosConfig
 from pdserve.config import RouterConfig
-from pdserve.flags import at_least_one, from_flags, kv_cache_gb, natural, positive_float, request_rate, seconds
+from pdserve.flags import (
+    at_least_one,
+    deadline_seconds,
+    from_flags,
+    kv_cache_gb,
+    natural,
+    positive_float,
+    request_rate,
+    seconds,
+)
 
 # The cluster `pdserve chaos` starts when given no --addr: small, with router bounds a stop outlasts.
 FIRST_TOKEN_TIMEOUT_S = 20.0
@@ -46,7 +55,7 @@ def add_chaos_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kills", type=natural, default=c.kills, help="SIGKILLs of random workers, one at a time")
     p.add_argument("--interval", type=seconds, default=c.interval_s, help="seconds from a recovery to the next fault")
     p.add_argument("--stops", type=natural, default=c.stops, help="SIGSTOPs (decode first, then alternating roles)")
-    p.add_argument("--stop-s", type=positive_float, default=c.stop_s, help="seconds a stopped worker stays stopped")
+    p.add_argument("--stop-s", type=deadline_seconds, default=c.stop_s, help="seconds a stopped worker stays stopped")
     p.add_argument("--rate", type=request_rate, default=c.rate, help="greedy requests per second, Poisson")
     p.add_argument("--prompts", type=at_least_one, default=c.prompts, help="distinct prompts the requests draw from")
     p.add_argument("--input-len", type=at_least_one, default=c.input_len, help="prompt tokens")
@@ -74,7 +83,7 @@ def run_command(args: argparse.Namespace) -> int:
     except grpc.aio.AioRpcError as e:  # the router it was given (or started) did not answer
         print(f"pdserve chaos: the router: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ValueError) as e:
         print(f"pdserve chaos: {e}", file=sys.stderr)
         return 2
     if args.json:
@@ -105,7 +114,15 @@ def _run(config: ChaosConfig, args: argparse.Namespace) -> dict:
     from pdserve.engine.model_files import read_model_config
     from pdserve.engine.models import resolve_model
 
-    vocab_size = read_model_config(resolve_model(args.model)).vocab_size
+    model = read_model_config(resolve_model(args.model))
+    if (tokens := args.input_len + args.output_len) > model.max_position_embeddings:
+        # Before any cluster starts: every request would be refused, and an --output-len past the wire's uint32
+        # was a ValueError traceback once the load began
+        raise ValueError(
+            f"--input-len {args.input_len} + --output-len {args.output_len} = {tokens} tokens exceed {args.model}'s "
+            f"context of {model.max_position_embeddings}: the router would refuse every request"
+        )
+    vocab_size = model.vocab_size
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # as SIGINT: the cluster started here is stopped
     if args.addr:
         return asyncio.run(run_chaos(config, args.addr, vocab_size))

@@ -57,3 +57,20 @@ def test_bad_flags_and_an_unreachable_router_are_one_line_each(capsys):
         assert says in capsys.readouterr().err
     assert cli.main(["chaos", "--addr", "127.0.0.1:1", "--kills", "1"]) == 1
     assert capsys.readouterr().err.startswith("pdserve chaos: the router: UNAVAILABLE: ")
+
+
+@pytest.mark.parametrize(
+    ("flags", "tokens"), [(["--output-len", str(2**32)], 2**32 + 64), (["--input-len", "5000"], 5120)]
+)
+def test_lengths_past_the_models_context_are_one_line_before_any_load(capsys, flags, tokens):
+    """Every request would be refused (found only once a started cluster served); --output-len 2**32 was a
+    ValueError traceback ("Value out of range") as the first request was built."""
+    assert cli.main(["chaos", "--addr", "127.0.0.1:1", *flags]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("pdserve chaos: --input-len ") and f"= {tokens} tokens exceed tiny-random's context" in line
+
+
+def test_a_stop_no_run_outlasts_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli._parser().parse_args(["chaos", "--stop-s", "1e303"])
+    assert exit_.value.code == 2 and "argument --stop-s: must lie in (0, 1e+06], got 1e303" in capsys.readouterr().err
