@@ -149,15 +149,19 @@ def _bench_engine(args: argparse.Namespace) -> int:
         return 2
     if fetch_model(args.model, "pdserve bench engine") is None:  # a name that is no model: one line, no trace
         return 2
-    run_engine_bench(
-        engine_config(args),
-        batch_sizes=batch_sizes,
-        prompt_len=args.prompt_len,
-        decode_prompt_len=args.decode_prompt_len,
-        decode_tokens=args.decode_tokens,
-        compare_transformers=args.compare == "transformers",
-        rounds=args.rounds,
-    )
+    try:
+        run_engine_bench(
+            engine_config(args),
+            batch_sizes=batch_sizes,
+            prompt_len=args.prompt_len,
+            decode_prompt_len=args.decode_prompt_len,
+            decode_tokens=args.decode_tokens,
+            compare_transformers=args.compare == "transformers",
+            rounds=args.rounds,
+        )
+    except ValueError as e:  # a prompt or its tokens past the model's context: InvalidRequestError, a traceback
+        print(f"pdserve bench engine: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

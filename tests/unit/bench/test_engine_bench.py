@@ -65,3 +65,20 @@ def test_a_step_reads_every_weight_once_but_the_embedding_table() -> None:
         per_layer += 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
         params = c.num_layers * per_layer + c.hidden_size + c.vocab_size * c.hidden_size  # + final norm, LM head
         assert weight_bytes_per_step(engine.model) == 4 * params
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--prompt-len", "5000", "prompt_token_ids: 5000 tokens leave no room to generate"),
+        ("--decode-tokens", "5000", "exceeds the model's context of 4096 tokens"),
+    ],
+)
+def test_lengths_past_the_models_context_are_exit_2_in_a_line(capsys, flag, value, says) -> None:
+    """As bench guided answers them: each was an InvalidRequestError traceback, exit 1."""
+    from pdserve.cli import main
+
+    argv = ["bench", "engine", "--model", "tiny-random", "--compare", "none", "--rounds", "1", "--batch-sizes", "1"]
+    assert main([*argv, "--threads", "1", flag, value]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("pdserve bench engine: ") and says in line, line
