@@ -10,7 +10,7 @@ import uuid
 from pdserve.background import cancel_and_wait
 from pdserve.protocol.admitted import AdmittedTotals
 from pdserve.registry.base import Registry
-from pdserve.registry.redis import Throttled
+from pdserve.throttled_log import Throttled
 
 log = logging.getLogger(__name__)
 FLUSH_S = 1.0

@@ -23,8 +23,9 @@ import logging
 
 from pdserve.background import cancel_and_wait, repeating
 from pdserve.registry.base import VIEW_REFRESH_S
-from pdserve.registry.redis import PREFIX, TIMEOUT_S, Throttled, connect_async
+from pdserve.registry.redis import PREFIX, TIMEOUT_S, connect_async
 from pdserve.registry.redis_clock import RedisClock
+from pdserve.throttled_log import Throttled
 from services.router.admission import MAX_RETRY_MS
 from services.router.kv_claims import CLAIM_RETRY_HINTS, Claim, KVClaims
 

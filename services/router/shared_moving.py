@@ -24,8 +24,9 @@ from collections.abc import Callable
 
 from pdserve.background import cancel_and_wait, repeating
 from pdserve.registry.base import VIEW_REFRESH_S
-from pdserve.registry.redis import PREFIX, TIMEOUT_S, Throttled, connect_async
+from pdserve.registry.redis import PREFIX, TIMEOUT_S, connect_async
 from pdserve.registry.redis_clock import RedisClock
+from pdserve.throttled_log import Throttled
 from services.router.load_tracker import LoadTracker
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The prefix index as the build before the holders index wrote and read it (src/pdserve/registry/redis_prefix.py at
-575d263, verbatim below this docstring but for it): routers and workers of both builds run side by side during a
-rollout, and test_redis_prefix_mixed_builds.py runs this one beside the current. Delete it, and that test, once no
-build before the holders index can be running."""
+575d263, verbatim below this docstring but for it and Throttled's import, moved since): routers and workers of both
+builds run side by side during a rollout, and test_redis_prefix_mixed_builds.py runs this one beside the current.
+Delete it, and that test, once no build before the holders index can be running."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import redis.asyncio as aredis
 from pdserve.engine.cache_journal import PrefixCacheChanges
 from pdserve.loop_budget import within_budget
 from pdserve.registry.base import PREFIX_TTL_S, PrefixIndex
-from pdserve.registry.redis import PREFIX, Throttled, connect_async
+from pdserve.registry.redis import PREFIX, connect_async
+from pdserve.throttled_log import Throttled
 
 log = logging.getLogger(__name__)
 FIRST_PROBE_BLOCKS = 64  # a match asks this many leading blocks first, then 4x more of the workers still matching

@@ -172,12 +172,13 @@ class WorkerRuntime:
         )
 
     def _heartbeat(self) -> None:
-        from pdserve.registry.redis import RedisRegistry, Throttled
+        from pdserve.registry.redis import RedisRegistry
         from pdserve.registry.redis_prefix import drop_own_entry
+        from pdserve.throttled_log import Throttled
 
         assert self.spec.registry_url is not None
         registry = RedisRegistry(self.spec.registry_url, ttl_s=max(2.0, 6 * self.spec.heartbeat_s))
-        failed = Throttled(HEARTBEAT_FAILURE_LOG_EVERY_S)  # a Redis outage is one line per interval, not per beat
+        failed = Throttled(HEARTBEAT_FAILURE_LOG_EVERY_S, log)  # a Redis outage is one line per interval, not per beat
         shown = redacted_url(self.spec.registry_url)  # what its failures may say of it
         cache_key = ""  # this process's prefix-index entry, once it published one
         while not self._stopped.is_set():

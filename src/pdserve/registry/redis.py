@@ -126,26 +126,6 @@ def _options(url: str, timeout_s: float) -> dict[str, Any]:
     return options
 
 
-class Throttled:
-    """A warning a lasting failure would repeat on every request: logged at most once per interval."""
-
-    def __init__(self, interval_s: float, logger: logging.Logger = log) -> None:
-        self.interval_s = interval_s
-        self.log = logger
-        self._next = 0.0
-        self._suppressed = 0
-
-    def warning(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now < self._next:
-            self._suppressed += 1
-            return
-        if self._suppressed:
-            msg, args = msg + " (and %d more since the last report)", (*args, self._suppressed)
-        self.log.warning(msg, *args)
-        self._next, self._suppressed = now + self.interval_s, 0
-
-
 class RedisRegistry(Registry):
     """Workers call `publish`/`remove` (blocking, short timeouts); a router calls `start` on its loop, then
     reads `workers` per request without I/O."""

@@ -28,7 +28,8 @@ from pdserve.loop_budget import within_budget
 from pdserve.registry import prefix_holders as holders
 from pdserve.registry.base import PrefixIndex
 from pdserve.registry.prefix_holders import CACHED, KEYS, SLOTS_KEY, VERSION_FIELD, WHOLE_MARK, entry_key
-from pdserve.registry.redis import PREFIX, Throttled, connect_async
+from pdserve.registry.redis import PREFIX, connect_async
+from pdserve.throttled_log import Throttled
 
 log = logging.getLogger(__name__)
 FIRST_PROBE_BLOCKS = 64  # a match asks this many leading blocks first, then 4x more of the workers still matching

@@ -35,7 +35,7 @@ import redis.asyncio as aredis
 from pdserve.background import cancel_and_wait
 from pdserve.errors import OverloadedError
 from pdserve.loop_budget import within_budget
-from pdserve.registry.redis import PREFIX, Throttled, connect_async
+from pdserve.registry.redis import PREFIX, connect_async
 from pdserve.security.api_keys import Tenant
 from pdserve.security.quotas import (
     LocalQuotas,
@@ -46,6 +46,7 @@ from pdserve.security.quotas import (
     request_bucket_size,
     too_many_streams,
 )
+from pdserve.throttled_log import Throttled
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

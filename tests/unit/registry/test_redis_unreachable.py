@@ -11,8 +11,9 @@ import pytest
 
 from pdserve.cluster.router_process import registry_for
 from pdserve.config import ClusterConfig, RouterConfig
-from pdserve.registry.redis import RedisRegistry, Throttled
+from pdserve.registry.redis import RedisRegistry
 from pdserve.registry.redis_prefix import RedisPrefixIndex
+from pdserve.throttled_log import Throttled
 from tests.redis_server import silent
 
 pytestmark = pytest.mark.timeout(60)
@@ -68,8 +69,8 @@ async def test_pending_prefix_writes_are_bounded(silent_url):
 
 
 def test_throttled_warnings_say_how_many_were_held_back(caplog):
-    throttled = Throttled(interval_s=0.2)
-    with caplog.at_level(logging.WARNING, logger="pdserve.registry.redis"):
+    throttled = Throttled(interval_s=0.2, logger=logging.getLogger("tests.throttled"))
+    with caplog.at_level(logging.WARNING, logger="tests.throttled"):
         for _ in range(5):
             throttled.warning("lost %s", "x")
         time.sleep(0.25)
