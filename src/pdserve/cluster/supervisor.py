@@ -225,11 +225,13 @@ class Supervisor:
             return
         slot.listed = False
         log.warning("worker %s left placement: %s", slot.spec.worker_id, why)
+        # Only the process its last state named: one Ray restarted while this process was frozen (SIGSTOP, a stalled
+        # VM) listed itself in Redis already, and deleting its entry hid it from every router until its next beat.
         if self.publish:
-            self.registry.remove(slot.spec.worker_id)
+            self.registry.remove(slot.spec.worker_id, slot.instance)
         else:  # Redis: a blocking call, off the loop; the worker's own heartbeat re-adds it if it is alive
             try:
-                await asyncio.to_thread(self.registry.remove, slot.spec.worker_id)
+                await asyncio.to_thread(self.registry.remove, slot.spec.worker_id, slot.instance)
             except Exception as e:  # Redis down: its key's TTL removes it
                 log.warning("could not remove worker %s from the registry: %r", slot.spec.worker_id, e)
 

@@ -166,8 +166,10 @@ class Registry(ABC):
         `ttl_s`. A worker that stops publishing drops out of `workers` when the TTL runs out."""
 
     @abstractmethod
-    def remove(self, worker_id: str) -> None:
-        """Called when a worker stops or is found dead; routers stop placing on it at once."""
+    def remove(self, worker_id: str, instance: str = "") -> None:
+        """Called when a worker stops or is found dead; routers stop placing on it at once. `instance`: only while
+        its entry is that process's (`WorkerState.instance`): one found dead late (a launcher resumed from a freeze)
+        must not take out the process Ray restarted in its place meanwhile, which listed itself already."""
 
     @abstractmethod
     def retire(self, worker_id: str) -> None:

@@ -38,9 +38,11 @@ class InMemoryRegistry(Registry):
             for gone in [w.worker_id for w in self._workers.values() if w.heard_at < now - self.ttl_s]:
                 del self._workers[gone]  # past its TTL no view shows it; scaled-away ids never come back
 
-    def remove(self, worker_id: str) -> None:
+    def remove(self, worker_id: str, instance: str = "") -> None:
         with self._lock:
-            self._workers.pop(worker_id, None)
+            listed = self._workers.get(worker_id)
+            if listed is not None and (not instance or listed.instance == instance):
+                del self._workers[worker_id]
 
     def retire(self, worker_id: str) -> None:
         now = self._clock()

@@ -72,6 +72,18 @@ redis.call('SREM', KEYS[2], ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', string.format('%.17g', now - tonumber(ARGV[2])))
 redis.call('ZADD', KEYS[3], string.format('%.17g', now), ARGV[1])
 """
+# Removes a worker's entry, unless ARGV[2] names a process and the entry is another's: an unlist of a process found
+# gone (the supervisor's, late after a freeze) must not delete the entry its restarted successor wrote meanwhile.
+_REMOVE = """
+local value = redis.call('GET', KEYS[1])
+if value and ARGV[2] ~= '' then
+  local parsed, state = pcall(cjson.decode, value)
+  if not parsed or type(state) ~= 'table' or state.instance ~= ARGV[2] then return 0 end
+end
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[1])
+return 1
+"""
 # Drops listed workers whose key is gone, each only if still gone: a heartbeat between the read and this keeps it.
 _FORGET_EXPIRED = """
 local dropped = 0
@@ -172,12 +184,10 @@ class RedisRegistry(Registry):
         pipe.zrem(RETIRED_KEY, state.worker_id)
         pipe.execute()
 
-    def remove(self, worker_id: str) -> None:
-        self._unlist(worker_id)
-        pipe = self._redis.pipeline()
-        pipe.delete(worker_key(worker_id))
-        pipe.srem(WORKERS_KEY, worker_id)
-        pipe.execute()
+    def remove(self, worker_id: str, instance: str = "") -> None:
+        self._unlist(worker_id, instance)
+        keys = [worker_key(worker_id), WORKERS_KEY]
+        self._redis.eval(_REMOVE, len(keys), *keys, worker_id, instance)
 
     def retire(self, worker_id: str) -> None:
         self._unlist(worker_id)  # one script: a router reads it registered, or retired
@@ -187,11 +197,16 @@ class RedisRegistry(Registry):
     def retired(self) -> set[str]:
         return self._retired
 
-    def _unlist(self, worker_id: str) -> None:
-        """This router stops placing on the worker at once, before its removal from Redis."""
-        self._view = {k: w for k, w in self._view.items() if k != worker_id}
-        self._listed = {k: w for k, w in self._listed.items() if k != worker_id}
-        self._kept = {k: kept for k, kept in self._kept.items() if k != worker_id}
+    def _unlist(self, worker_id: str, instance: str = "") -> None:
+        """This router stops placing on the worker at once, before its removal from Redis (`instance`: only on
+        that process of it)."""
+
+        def stays(w: WorkerState) -> bool:
+            return w.worker_id != worker_id or bool(instance) and w.instance != instance
+
+        self._view = {k: w for k, w in self._view.items() if stays(w)}
+        self._listed = {k: w for k, w in self._listed.items() if stays(w)}
+        self._kept = {k: kept for k, kept in self._kept.items() if stays(kept[0])}
 
     def desired_counts(self) -> dict[Role, int]:
         return self._counts(DESIRED_COUNTS_KEY)

@@ -20,9 +20,13 @@ from pdserve.config import EngineConfig
 from pdserve.protocol.roles import Role
 from pdserve.registry.base import WorkerState
 from pdserve.registry.memory import InMemoryRegistry
+from pdserve.registry.redis import RedisRegistry
+from tests.redis_server import emptied, started
 from tests.unit.cluster.remote_method import RemoteMethod, call_on_loop
 
 pytestmark = pytest.mark.timeout(30)
+server = pytest.fixture(scope="module")(started)  # a redis-server, started only for the tests that use it
+url = pytest.fixture(emptied)
 
 
 class StandInActor:
@@ -33,6 +37,7 @@ class StandInActor:
     def __init__(self, worker_id: str, behaviour: str) -> None:
         self.worker_id = worker_id
         self.behaviour = behaviour
+        self.instance = "first"  # its process's: Ray restarting the actor in place makes another
         self.state = RemoteMethod(self._state)
 
     async def _state(self) -> WorkerState:
@@ -47,7 +52,8 @@ class StandInActor:
             await asyncio.sleep(10)
         if self.behaviour == "late":  # answers, after a while
             await asyncio.sleep(0.2)
-        return WorkerState(self.worker_id, Role.DECODE, self.address, draining=self.behaviour == "draining")
+        draining = self.behaviour == "draining"
+        return WorkerState(self.worker_id, Role.DECODE, self.address, instance=self.instance, draining=draining)
 
 
 @pytest.fixture(autouse=True)
@@ -330,3 +336,25 @@ async def test_a_check_that_answers_after_its_worker_was_scaled_away_publishes_n
     registry.retire("b")
     await checking
     assert [w.worker_id for w in registry.workers()] == ["a"] and registry.retired() == {"b"}
+
+
+async def test_a_resumed_launcher_unlists_the_process_it_saw_not_the_one_ray_restarted_meanwhile(url, server) -> None:
+    """With Redis the workers list themselves. A launcher frozen (SIGSTOP, ~40 s) while Ray restarted a worker on
+    another port resumes to find the old port refused: its unlist deleted the new process's entry, which no router
+    placed on until its next heartbeat re-listed it."""
+    sup = Supervisor(RedisRegistry(url), publish=False, new_actor=lambda spec: None, call=call_on_loop)
+    sup.slots["a"] = slot = Slot(WorkerSpec(Role.DECODE, EngineConfig(), worker_id="a"), StandInActor("a", "ok"))
+    old_port = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    slot.actor.address = join("127.0.0.1", old_port.sockets[0].getsockname()[1])
+    sup.registry.publish(await slot.actor._state())  # the first process's heartbeat
+    await sup.check_all()
+    assert slot.listed and slot.instance == "first"
+    old_port.close()
+    await old_port.wait_closed()
+    slot.actor.instance, slot.actor.address = "second", StandInActor.address  # restarted while the launcher slept
+    sup.registry.publish(await slot.actor._state())  # and listed itself
+    await sup.check_all()  # resumed: the old port refuses, so out of placement, and the answer lists it again
+    with server.client() as c:
+        assert WorkerState.from_json(c.get("pdserve:worker:a")).instance == "second"
+        assert c.smembers("pdserve:workers") == {b"a"}
+    assert slot.listed and slot.instance == "second"
