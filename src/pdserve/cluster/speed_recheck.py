@@ -6,7 +6,8 @@ steps never come, and its correction (`SpeedTracker`) never moves. So a worker t
 own through its engine (engine/speed_probe.py) when it idles: once nothing ran or was held there for `idle_s`, at
 most every `every_s` after its speed was last read, by a live step or a probe. The probe's reading (a prefill
 worker's: its prompt's step; a colocated worker's: a decode step after it) replaces the factor, which the heartbeat
-publishes.
+publishes; one far off the factor only once a second probe confirms it (a probe paused by a GC or a freeze read up to
+4x slow, and the worker got nothing until the next probe).
 
 A decode-only worker is not probed: the router takes, among the decode workers with room that meet a request's
 TPOT SLO, the one with the most free blocks, so a slow profile keeps one idle only under an SLO it seems to miss;
@@ -64,7 +65,7 @@ class SpeedRecheck:
                 continue
             tried_at, factor = now, speed.factor
             try:
-                if await engine.probe_speed(speed.probed, lambda: not self._stopped):
+                if await engine.probe_speed(speed, lambda: not self._stopped):
                     log.debug("speed probe: factor %.3f -> %.3f", factor, speed.factor)
             except Exception as e:  # the engine died (the loop ends), or its step failed: the next probe may not
                 log.warning("speed probe failed: %r", e)

@@ -27,7 +27,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import kv_block_bytes
 from pdserve.engine.output_streams import OutputStreams, Stream
 from pdserve.engine.profiling import measure_profile
-from pdserve.engine.speed_probe import run_probe
+from pdserve.engine.speed_probe import ProbeReader, run_probe
 from pdserve.engine.start_times import StartTimes, StepStart
 from pdserve.engine.step_faults import StepFaults
 from pdserve.errors import UnavailableError
@@ -194,10 +194,11 @@ class AsyncEngine:
         """Times the model on the engine thread; before the engine runs any request (it writes scratch KV)."""
         return await self._call(measure_profile)
 
-    async def probe_speed(self, took: Callable[[int, int, float, int, int], None], may_run: Callable[[], bool]) -> bool:
-        """One speed probe between steps (speed_probe.py), unless a request or `may_run()` says no there; `took` gets
-        its reading on the engine thread, where the live steps' corrections are made too. False: none ran."""
-        return await self._call(partial(run_probe, took=took, may_run=may_run))
+    async def probe_speed(self, reader: ProbeReader, may_run: Callable[[], bool]) -> bool:
+        """One speed probe between steps (speed_probe.py), unless a request or `may_run()` says no there; `reader`
+        (the worker's `SpeedTracker`) gets its reading on the engine thread, where the live steps' corrections are
+        made too. False: none ran."""
+        return await self._call(partial(run_probe, reader=reader, may_run=may_run))
 
     def stop(self) -> None:
         self._stopping = True

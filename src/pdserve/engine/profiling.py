@@ -25,6 +25,7 @@ from pdserve.protocol.perf_profile import PerfProfile, QueuedPrefill
 PREFILL_SHAPES = ((64, 0), (256, 0), (1024, 0), (256, 1024), (256, 3840))
 DECODE_BATCHES = (1, 8, 32)
 FASTEST_RATIO = 1 / 16
+FAR_RATIO = 1.5  # a probe reading this far off the factor either way waits for a second to confirm it
 DECODE_CONTEXT = 64  # each sequence's context at the batches above
 # Where each sequence reads a long context, the batches timed: the step's cost per context token (on smollm2-135m,
 # one CPU thread, these add ~3 s to the start-up's ~18).
@@ -44,7 +45,8 @@ class SpeedTracker:
     step's weight is small because its batch and neighbours vary; a probe runs alone on an idle engine, and on
     smollm2-135m (one thread) twenty probes of 64 tokens read 0.96-1.25x their price, median 1.01, spread 7% (256
     tokens: 0.95-1.00x, but 0.7 s each against 0.22 s), so one reading is a fair one, and a profile k-times slow is
-    corrected by the first probe, whatever k."""
+    corrected by the first probe, whatever k. Not one paused mid-probe (a GC, a freeze), which read up to 4x: a
+    reading `far` from the factor replaces it only once a second probe confirms it (engine/speed_probe.py)."""
 
     def __init__(self, profile: PerfProfile, alpha: float = 0.1) -> None:
         self.profile = profile
@@ -82,6 +84,14 @@ class SpeedTracker:
         if (ratio := self._ratio(prefill_tokens, decode_seqs, seconds, prefill_squares, decode_context)) is not None:
             self.factor = ratio
             self.observed_at = time.monotonic()
+
+    def far(
+        self, prefill_tokens: int, decode_seqs: int, seconds: float, prefill_squares: int, decode_context: int
+    ) -> bool:
+        """Whether a probe's reading (as `probed` takes it) is over FAR_RATIO off the factor, either way: one to confirm
+        with a second before it replaces the factor (engine/speed_probe.py)."""
+        ratio = self._ratio(prefill_tokens, decode_seqs, seconds, prefill_squares, decode_context)
+        return ratio is not None and not self.factor / FAR_RATIO <= ratio <= self.factor * FAR_RATIO
 
     def _ratio(self, tokens: int, seqs: int, seconds: float, squares: int | None, context: int) -> float | None:
         """A step's measured over predicted time, bounded (as `observe` takes its arguments); None where the profile

@@ -13,6 +13,15 @@ steps), with the prefix cache off around it: its random blocks are neither match
 cache or the routers' prefix index; freed, they are plain free blocks for the next probe), and taken only from one
 run of free blocks (the allocator would evict cached ones to make a run). Not a request: no output, no stream, no
 step or request metrics.
+
+A reading far from the factor now (`SpeedTracker.far`: over 1.5x either way) is taken only after a second probe at
+once confirms it, and then the faster of the two: a pause of the process mid-probe (a GC, a SIGSTOP, a stalled VM)
+only ever adds time, and one such reading, up to the 4x bound, replaced the factor, so routers priced the worker 4x
+slow and sent it nothing until the next probe, 30 s on; a real change of speed reads in both. Not the thread's CPU
+time against its wall time: a host truly slowed by other processes' load is wall time the thread did not run too,
+and on CUDA the host thread's CPU time is not the step's work. A steady worker's readings stay within that bound
+(smollm2-135m: 0.96-1.25x of their median), so it pays no second probe; a request that comes during the pair waits
+for both.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.protocol.engine_request import EngineRequest
@@ -33,6 +43,16 @@ PROBE_ID = "pdserve-speed-probe"  # its own tenant too: the fair queue's tags of
 
 # As `AsyncEngine.on_step` takes a step: prefill tokens, decode seqs, seconds, prefill squares, decode context.
 Reading = tuple[int, int, float, int, int]
+
+
+class ProbeReader(Protocol):
+    """Where a probe's reading goes (`SpeedTracker`): each argument list a `Reading`."""
+
+    def probed(self, tokens: int, seqs: int, seconds: float, squares: int, context: int, /) -> None:
+        """Takes the reading."""
+
+    def far(self, tokens: int, seqs: int, seconds: float, squares: int, context: int, /) -> bool:
+        """Whether the reading is to be confirmed by a second probe before it is taken."""
 
 
 def probe_decodes(engine: LLMEngine) -> int:
@@ -49,14 +69,27 @@ def probe_tokens(engine: LLMEngine) -> int:
     return tokens if engine.blocks.holds_free_run(engine.blocks.blocks_for(tokens + decodes)) else 0
 
 
-def run_probe(
-    engine: LLMEngine, took: Callable[[int, int, float, int, int], None], may_run: Callable[[], bool]
-) -> bool:
+def run_probe(engine: LLMEngine, reader: ProbeReader, may_run: Callable[[], bool]) -> bool:
     """On the engine thread: one probe, unless the engine holds a request or `may_run()` says no (a drain began);
-    `took` gets its reading, as `AsyncEngine.on_step` gets a live step's. False: no probe ran."""
+    `reader.probed` gets its reading, as `AsyncEngine.on_step` gets a live step's; one `reader.far` off, only once a
+    second probe confirms it, the faster of the two (or none: a drain began between them). False: no probe ran."""
+    reading = _timed(engine, may_run)
+    if reading is None:
+        return False
+    if reader.far(*reading):
+        again = _timed(engine, may_run)
+        if again is None:  # unconfirmed: nothing taken
+            return True
+        reading = min(reading, again, key=lambda r: r[2])  # the same shape: the faster is the lower ratio
+    reader.probed(*reading)
+    return True
+
+
+def _timed(engine: LLMEngine, may_run: Callable[[], bool]) -> Reading | None:
+    """One probe's reading (a colocated worker's: its middle decode step); None where none may run."""
     tokens, decodes = probe_tokens(engine), probe_decodes(engine)
     if engine.num_sequences or engine.has_unfinished() or tokens < 1 or not may_run():
-        return False
+        return None
     vocab = engine.model_config.vocab_size
     prompt = [random.randrange(vocab) for _ in range(tokens)]
     sampling = SamplingParams(max_tokens=1 + decodes, ignore_eos=True)
@@ -70,7 +103,7 @@ def run_probe(
             engine.step()
             seconds = time.perf_counter() - start
             if engine.last_step_tokens != (1 if step else tokens):  # the pool could not hold it after all
-                return False
+                return None
             if step:
                 readings.append((0, 1, seconds, 0, engine.last_step_decode_context))
             else:
@@ -79,5 +112,4 @@ def run_probe(
         engine.abort(PROBE_ID)  # finished by its last token already, unless a step failed or ran short
         blocks.enable_prefix_caching = caching
     decoded = sorted(readings[1:], key=lambda reading: reading[2])
-    took(*(decoded[len(decoded) // 2] if decoded else readings[0]))
-    return True
+    return decoded[len(decoded) // 2] if decoded else readings[0]

@@ -1,10 +1,13 @@
 """A speed probe (engine/speed_probe.py) times one prompt of its own through an idle engine: a prefill worker's
 reading is its prompt's step, a colocated worker's a decode step after it; the pool and the prefix cache are left as
 they were (nothing keyed, nothing evicted, no block left held). It runs only on an idle engine. Its reading replaces
-the live correction (SpeedTracker.probed)."""
+the live correction (SpeedTracker.probed); one far from it only once a second probe confirms it, so a probe paused
+midway (a GC, a freeze) moves nothing, and a worker truly slowed or sped up is read so at once."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -29,11 +32,38 @@ def engine_of(role: Role, num_kv_blocks: int = 64) -> LLMEngine:
     return LLMEngine(replace(config, num_threads=1, scheduler=role_scheduler(config.scheduler, role)))
 
 
+class Readings:
+    """A probe's reader that takes each reading as it comes, none confirmed by a second probe."""
+
+    def __init__(self) -> None:
+        self.taken: list[Reading] = []
+
+    def probed(self, *reading: int | float) -> None:
+        self.taken.append(reading)  # type: ignore[arg-type]
+
+    def far(self, *reading: int | float) -> bool:
+        return False
+
+
 def probe(engine: LLMEngine, may_run: bool = True) -> list[Reading]:
-    readings: list[Reading] = []
-    ran = run_probe(engine, lambda *reading: readings.append(reading), lambda: may_run)
-    assert ran == bool(readings)
-    return readings
+    readings = Readings()
+    ran = run_probe(engine, readings, lambda: may_run)
+    assert ran == bool(readings.taken)
+    return readings.taken
+
+
+class DelayedSteps:
+    """The engine's steps, each `seconds` longer (a host that slow), and the next one `pause` more (a GC or a freeze
+    mid-probe): set far over tiny-random's own step (milliseconds), so a probe's reading is known."""
+
+    def __init__(self, engine: LLMEngine, seconds: float) -> None:
+        self.step, self.seconds, self.pause, self.steps = engine.step, seconds, 0.0, 0
+        engine.step = self  # type: ignore[method-assign]
+
+    def __call__(self) -> object:
+        time.sleep(self.seconds + self.pause)
+        self.pause, self.steps = 0.0, self.steps + 1
+        return self.step()
 
 
 @pytest.mark.parametrize("role", [Role.PREFILL, Role.COLOCATED])
@@ -102,3 +132,31 @@ def test_a_probe_replaces_the_live_correction_a_live_step_moves_it_a_tenth() -> 
     assert speed.factor == 4.0
     speed.probed(0, 1, profile.decode_step_s(1, 65) / 2, 0, 65)  # a colocated worker's: a decode step's
     assert speed.factor == pytest.approx(0.5)
+
+
+def test_a_probe_paused_midway_moves_the_factor_nothing_and_a_worker_truly_slowed_or_sped_up_is_read_at_once() -> None:
+    """A pause of the process mid-probe only adds time: read alone, it set the factor to the 4x bound, and routers sent
+    the worker nothing until the next probe (30 s). A reading over 1.5x off the factor waits for a second probe at once
+    and takes the faster: the pause's is dropped, a real change reads in both."""
+    profile = PerfProfile(0.1, 1e-3, 0.0, 0.01, 1e-3)
+    base = profile.prefill_s(PROBE_TOKENS)  # 164 ms: a probe's step reads its price, plus tiny-random's own few ms
+    engine, speed = engine_of(Role.PREFILL), SpeedTracker(profile)
+    steps = DelayedSteps(engine, base)
+
+    def probe_into_speed(may_run: Callable[[], bool] = lambda: True) -> int:
+        before = steps.steps
+        assert run_probe(engine, speed, may_run)
+        return steps.steps - before
+
+    assert probe_into_speed() == 1 and 1.0 <= speed.factor < 1.5  # near the factor (1.0 at the start): one probe
+    settled = speed.factor
+    steps.pause = 1.0
+    assert probe_into_speed() == 2 and speed.factor < 1.5  # read 4x, confirmed by nothing
+    assert speed.factor != settled  # the second probe's reading, taken
+    steps.seconds = 3 * base  # the host truly slowed 3x (another process's load)
+    assert probe_into_speed() == 2 and 2.9 <= speed.factor < 3.6
+    steps.seconds = base  # and back (or a profile timed 3x slow): a probe corrects it at once, downwards too
+    assert probe_into_speed() == 2 and speed.factor < 1.5
+    steps.pause, settled, drain = 1.0, speed.factor, iter([True, False])
+    assert probe_into_speed(lambda: next(drain)) == 1  # a drain began before the second: unconfirmed, not taken
+    assert speed.factor == settled
