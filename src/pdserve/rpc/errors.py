@@ -8,6 +8,7 @@ meaning across every hop.
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import logging
 import uuid
@@ -62,6 +63,23 @@ SERVER_FAILURES = frozenset(
 )
 
 
+# What an OSError's errno says its host ran out of (an EAGAIN is left out: a non-blocking socket's, no exhaustion).
+_EXHAUSTED_ERRNOS = {errno.EMFILE: "file descriptors", errno.ENFILE: "file descriptors", errno.ENOMEM: "memory"}
+
+
+def _exhausted_resource(exc: BaseException) -> str | None:
+    """What this process's host ran out of, where `exc` says so: threads (CPython's error where one does not start),
+    memory, file descriptors. Another process, on another host, may serve: UNAVAILABLE, which the router retries on
+    another worker, ejecting this one a while. INTERNAL, a bug's, reached the caller as it was, never retried."""
+    if isinstance(exc, MemoryError):
+        return "memory"
+    if isinstance(exc, OSError):
+        return _EXHAUSTED_ERRNOS.get(exc.errno or 0)
+    if isinstance(exc, RuntimeError) and str(exc).startswith("can't start new thread"):
+        return "threads"
+    return None
+
+
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
@@ -77,6 +95,9 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.INTERNAL, str(exc)
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
+    if (resource := _exhausted_resource(exc)) is not None:  # its text may name a file: the log has it, not the caller
+        log.error("out of %s on this host: %r", resource, exc, exc_info=exc)
+        return grpc.StatusCode.UNAVAILABLE, f"out of {resource} on its host ({type(exc).__name__})"
     return None
 
 

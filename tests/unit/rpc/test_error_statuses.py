@@ -4,7 +4,9 @@ peer it cannot use on every hop; reflection is a switch."""
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import re
 from collections.abc import AsyncIterator
 
@@ -52,6 +54,13 @@ class Raising(generate_pb2_grpc.GenerationServicer):
             raise OverloadedError("every decode worker's batch is full", retry_after_ms=250)
         if request.prompt == "bad":
             raise InvalidRequestError("sampling.max_tokens", "must be >= 0")
+        if request.prompt == "no threads":  # CPython's error where a thread does not start
+            raise RuntimeError("can't start new thread")
+        if request.prompt == "no memory":
+            raise MemoryError()
+        if request.prompt.startswith("errno "):  # an OSError whose text names a file
+            code = int(request.prompt.split()[1])
+            raise OSError(code, os.strerror(code), SECRET)
         if request.prompt == "quoting":  # a message that quotes the request back to its caller
             raise InvalidRequestError("sampling.regex", f"does not compile: {QUOTED}", "does not compile")
         raise RuntimeError(SECRET)
@@ -103,6 +112,35 @@ async def test_each_promise_has_its_code_shed_with_its_retry_hint() -> None:
         assert (await _call(server.address, "prefill gone")).code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await server.stop(None)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "resource"),
+    [
+        ("no threads", "threads"),
+        ("no memory", "memory"),
+        (f"errno {errno.EMFILE}", "file descriptors"),
+        (f"errno {errno.ENFILE}", "file descriptors"),
+        (f"errno {errno.ENOMEM}", "memory"),
+        (f"errno {errno.ECONNREFUSED}", None),  # no exhaustion: a bug, as any error a handler did not expect
+    ],
+)
+async def test_a_host_out_of_threads_memory_or_descriptors_is_unavailable_naming_the_resource_alone(
+    prompt: str, resource: str | None
+) -> None:
+    """Another worker may serve: the router moves the request and ejects this one a while, where INTERNAL, a bug's
+    code, reached the caller as it was, never retried. An OSError's text may name a file: only the log has it."""
+    server = await _serve(reflection=False)
+    try:
+        e = await _call(server.address, prompt)
+    finally:
+        await server.stop(None)
+    assert "alice" not in e.details()
+    if resource is None:
+        assert e.code() == grpc.StatusCode.INTERNAL
+        return
+    assert e.code() == grpc.StatusCode.UNAVAILABLE and e.details().startswith(f"out of {resource} on its host")
+    assert type(error_from_rpc(e, PREFILL)) is UnavailableError
 
 
 async def test_a_refusal_quoting_the_request_is_recorded_without_the_quote_on_the_next_hop_too() -> None:
