@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -22,6 +23,20 @@ _POOL = ThreadPoolExecutor(max_workers=TRANSFER_THREADS, thread_name_prefix="kv-
 
 async def in_transfer_thread(fn: Callable[..., T], *args: object) -> T:
     """`fn(*args)` in a transfer thread, in the caller's context (its request ids tag the thread's log lines), as
-    asyncio.to_thread runs it in the default pool."""
+    asyncio.to_thread runs it in the default pool. One whose thread does not start (a host out of threads) raises
+    and never runs: CPython queues the call before it starts the thread and leaves it queued, so the next thread to
+    start ran it, a send or a receive its caller had given up on, over blocks freed since."""
     call = functools.partial(contextvars.copy_context().run, fn, *args)
-    return await asyncio.get_running_loop().run_in_executor(_POOL, call)
+    given_up = threading.Event()
+
+    def run() -> T:
+        if given_up.is_set():
+            raise RuntimeError("not run: its thread did not start")  # nobody awaits it
+        return call()
+
+    try:
+        future = _POOL.submit(run)
+    except BaseException:
+        given_up.set()
+        raise
+    return await asyncio.wrap_future(future)
