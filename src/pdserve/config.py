@@ -27,12 +27,8 @@ CLUSTER_MODES = ("disaggregated", "colocated")
 MAX_WORKERS_PER_ROLE = 64
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py's from_url takes
 DECODE_GRAPH_MODES = ("auto", "static", "off")
-# A worker's KV cache at most, in GiB: a PiB, past what any host or device holds (1e303 overflowed the block count:
-# an OverflowError traceback from `pdserve profile`, a worker that never started under `up`)
-MAX_KV_CACHE_GB = 1e6
-# torch's threads in one process at most: more than any host's cores, far below where creating them fails (here
-# 32768 made libgomp say "Thread creation failed" and 100000 was a segmentation fault, exit 139)
-MAX_TORCH_THREADS = 1024
+MAX_KV_CACHE_GB = 1e6  # a PiB, past any host or device (1e303 overflowed the block count: OverflowError tracebacks)
+MAX_TORCH_THREADS = 1024  # past any host's cores, far below where threads fail to start (100000: a segfault)
 
 
 class ConfigError(ValueError):
@@ -85,14 +81,11 @@ class EngineConfig:
             raise ConfigError("decode_graphs", f"must be one of {list(DECODE_GRAPH_MODES)}, got {self.decode_graphs!r}")
         if not 0 < self.kv_cache_memory_gb < math.inf:  # nan too: a KV cache of no size, or of every byte
             raise ConfigError("kv_cache_memory_gb", f"must be a positive number, got {self.kv_cache_memory_gb}")
-        if self.kv_cache_memory_gb > MAX_KV_CACHE_GB:
-            raise ConfigError(
-                "kv_cache_memory_gb", f"must be at most {MAX_KV_CACHE_GB:g} GiB, got {self.kv_cache_memory_gb:g}"
-            )
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ConfigError("num_threads", f"must be at least 1, got {self.num_threads}")
-        if self.num_threads is not None and self.num_threads > MAX_TORCH_THREADS:
-            raise ConfigError("num_threads", f"must be at most {MAX_TORCH_THREADS}, got {self.num_threads}")
+        if (gb := self.kv_cache_memory_gb) > MAX_KV_CACHE_GB:
+            raise ConfigError("kv_cache_memory_gb", f"must be at most {MAX_KV_CACHE_GB:g} GiB, got {gb:g}")
+        if (threads := self.num_threads) is not None and not 1 <= threads <= MAX_TORCH_THREADS:
+            bound = "at least 1" if threads < 1 else f"at most {MAX_TORCH_THREADS}"
+            raise ConfigError("num_threads", f"must be {bound}, got {threads}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 

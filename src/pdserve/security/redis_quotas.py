@@ -389,8 +389,7 @@ class RedisQuotas(Quotas):
         await asyncio.gather(*self._writes, return_exceptions=True)
 
     def keep_only(self, tenants: Iterable[Tenant]) -> None:
-        """Redis keeps a key's counts by its name, under the caps each call brings, and lets a removed key's
-        expire; only the fallback's need forgetting."""
+        """Redis keeps a key's counts by its name, under the caps each call brings, and lets a removed key's expire."""
         self.local.keep_only(tenants)
 
     async def close(self) -> None:
