@@ -11,6 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.capped_read import read_capped
+
+# The largest trace read: 100,000 requests (the most `pdserve plan --num-requests` simulates) of 2 KiB lines, each
+# the 256 hash ids of a 128k-token prompt; a million lines without hash ids (~70 bytes each) fit too.
+MAX_TRACE_BYTES = 256 * 2**20
+
 
 @dataclass(frozen=True)
 class TraceRequest:
@@ -22,9 +28,10 @@ class TraceRequest:
 
 def read_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     """The trace's requests in timestamp order (equal stamps in file order), the first `limit` of them (None: all),
-    each checked first: a ValueError names the line and what it lacks, which both commands report as a usage error."""
+    each checked first: a ValueError names the line and what it lacks, or the size it is past, which
+    both commands report as a usage error."""
     try:
-        text = path.read_text()
+        text = read_capped(path, MAX_TRACE_BYTES, "--trace", "100,000 lines of 2 KiB").decode()
     except UnicodeDecodeError as e:  # it named neither the trace nor the flag
         raise ValueError(f"trace {path} is not UTF-8 text ({e})") from None
     requests = [_request(path, n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]

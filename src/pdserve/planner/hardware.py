@@ -15,8 +15,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from pdserve.capped_read import read_capped
 from pdserve.protocol.perf_profile import PerfProfile, kv_transfer_s
 
+MAX_PROFILE_BYTES = 2**20  # `pdserve profile` writes about 3 KB: a file 300 times that is no profile
 FORMAT_VERSION = 2  # 2: the chunk context term and the step overhead
 _COUNTS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk")  # 0 would never run a step
 
@@ -115,8 +117,9 @@ class HardwareProfile:
 
     @classmethod
     def load(cls, path: Path) -> HardwareProfile:
+        text = read_capped(path, MAX_PROFILE_BYTES, "--profile", "pdserve profile writes about 3 KB")
         try:
-            return cls.from_dict(json.loads(path.read_text()))
+            return cls.from_dict(json.loads(text))
         except KeyError as e:  # its text alone is the key's name: "... profile: 'perf'"
             raise ValueError(f"{path} is not a pdserve profile: it has no {e.args[0]!r} key") from None
         except (TypeError, ValueError) as e:

@@ -64,3 +64,19 @@ def test_a_workload_too_large_to_draw_or_simulate_is_a_usage_error_naming_the_fl
     with pytest.raises(SystemExit) as exit_:
         _parser().parse_args(["plan", "--profile", "p.json", *(x for kv in flags.items() for x in kv), *SLO_FLAGS])
     assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [  # each was read until memory ran out
+        ("--trace", "pdserve plan: --trace /dev/zero is over 268,435,456 bytes, the most it may be"),
+        ("--profile", "pdserve plan: --profile /dev/zero is over 1,048,576 bytes, the most it may be"),
+    ],
+)
+def test_a_file_past_its_cap_is_a_usage_error_naming_the_flag(tmp_path: Path, capsys, flag: str, says: str) -> None:
+    profile = tmp_path / "profile.json"
+    synthetic_profile().save(profile)
+    given = {"--profile": str(profile), "--trace": "/dev/zero"} if flag == "--trace" else {"--profile": "/dev/zero"}
+    rate = [] if flag == "--trace" else ["--rate", "5", "--input-len", "100", "--output-len", "8"]
+    assert cli.main(["plan", *(x for kv in given.items() for x in kv), *rate, *SLO_FLAGS]) == 2
+    assert capsys.readouterr().err.startswith(says)
