@@ -193,7 +193,9 @@ def _bench(args: argparse.Namespace) -> int:
             credentials=client_credentials(args),
         )
         if workload.trace is not None:
-            read_trace(workload.trace)  # a bad trace is a usage error now, not a traceback once the cluster answered
+            # a bad trace is a usage error now, not a traceback once the cluster answered; a span past the bound too,
+            # among the --num-prompts replayed
+            read_trace(workload.trace, workload.num_prompts)
         _check_outputs(args.result_json, args.plot_dir)
     except (ValueError, OSError, RuntimeError) as e:  # bad flags, or a model whose vocabulary cannot be read
         errors.print(f"loadgen: {e}", style="red")

@@ -23,6 +23,7 @@ from loadgen.report import json_rate, summary_table
 from loadgen.workload import Request, WorkloadConfig, build_workload
 from pdserve.config import EngineConfig
 from pdserve.progress import counting
+from pdserve.request_rate import check_span
 from pdserve.rpc.client_hints import with_hint
 from pdserve.rpc.credentials import ClientCredentials
 from pdserve.v1 import generate_pb2 as pb
@@ -59,6 +60,7 @@ class BenchmarkConfig:
     credentials: ClientCredentials | None = None  # TLS and API key (None: plaintext, no key)
 
     def __post_init__(self) -> None:
+        check_span(self.workload.num_prompts, min(self.request_rates), "--request-rate", "--num-prompts")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.send_slo and self.slo.ttft_ms is None and self.slo.tpot_ms is None:

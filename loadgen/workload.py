@@ -37,6 +37,11 @@ class Request:
         return len(self.prompt_token_ids)
 
 
+# Ten times the most `pdserve plan --num-requests` simulates: 50 s at the 20,000 req/s one loadgen process sends
+# (request_rate.py), hours at a rate a cluster serves. Every prompt is built before the first is sent, 41 bytes a token
+# (measured): 10**8 of the default 1024 tokens would need 4 TB; a million of them is still 42 GB, so count and
+# --random-input-len together bound the memory, this only the count.
+MAX_NUM_PROMPTS = 1_000_000
 AT_LEAST_ONE = {  # field -> its flag
     "num_prompts": "--num-prompts",
     "random_input_len": "--random-input-len",
@@ -72,6 +77,8 @@ class WorkloadConfig:
         for name, flag in AT_LEAST_ONE.items():
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag} must be at least 1, got {getattr(self, name)}")
+        if self.num_prompts > MAX_NUM_PROMPTS:
+            raise ValueError(f"--num-prompts must be at most {MAX_NUM_PROMPTS:,}, got {self.num_prompts:,}")
         if self.vocab_size <= FIRST_TOKEN_ID:
             raise ValueError(f"vocab size {self.vocab_size} leaves no ordinary token ids")
 

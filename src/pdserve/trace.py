@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.capped_read import read_capped
+from pdserve.request_rate import MAX_SPAN_S
 
 # The largest trace read: 100,000 requests (the most `pdserve plan --num-requests` simulates) of 2 KiB lines, each
 # the 256 hash ids of a 128k-token prompt; a million lines without hash ids (~70 bytes each) fit too.
@@ -28,7 +29,7 @@ class TraceRequest:
 
 def read_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     """The trace's requests in timestamp order (equal stamps in file order), the first `limit` of them (None: all),
-    each checked first: a ValueError names the line and what it lacks, or the size it is past, which
+    each checked first: a ValueError names the line and what it lacks, or the bound (size, span) it is past, which
     both commands report as a usage error."""
     try:
         text = read_capped(path, MAX_TRACE_BYTES, "--trace", "100,000 lines of 2 KiB").decode()
@@ -37,7 +38,10 @@ def read_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     requests = [_request(path, n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not requests:
         raise ValueError(f"trace {path} holds no requests")
-    return sorted(requests, key=lambda r: r.timestamp_ms)[:limit]
+    requests = sorted(requests, key=lambda r: r.timestamp_ms)[:limit]
+    if (span := (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1e3) > MAX_SPAN_S:  # replayed for ever
+        raise ValueError(f"trace {path} spans {span:.3g} s, past the {MAX_SPAN_S:g} s (~32 years) arrivals may span")
+    return requests
 
 
 def _request(path: Path, n: int, text: str) -> TraceRequest:

@@ -13,15 +13,14 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.burstiness import check_burstiness
-from pdserve.request_rate import check_request_rate
+from pdserve.request_rate import check_request_rate, check_span
 from pdserve.trace import read_trace
 
 SYNTHETIC_REQUESTS = 400  # per run, unless told (a trace: every request, unless told)
-# Arrivals spread over at most ~32 years. The simulator's clock is float64 seconds from the first arrival, and a
-# request's latencies are differences of it: past this span they lose sub-millisecond precision (the max-rate
-# search simulates down to 1/1024 of the rate, so its idle probe spans 1024 times as long). At 1e-12 req/s every
-# TTFT read 31.25 ms, at 1e-15 req/s 0 ms, a plan that met any SLO.
-MAX_SPAN_S = 1e9
+# Arrivals span at most MAX_SPAN_S (request_rate.py). The simulator's clock is float64 seconds from the first
+# arrival, and a request's latencies are differences of it: past this span they lose sub-millisecond precision (the
+# max-rate search simulates down to 1/1024 of the rate, so its idle probe spans 1024 times as long). At 1e-12 req/s
+# every TTFT read 31.25 ms, at 1e-15 req/s 0 ms, a plan that met any SLO.
 
 
 @dataclass(frozen=True)
@@ -72,11 +71,7 @@ def synthetic(
     overstated what the split sustains by as much)."""
     if rate <= 0 or num_requests < 1:
         raise ValueError("rate and num_requests must be > 0")
-    if num_requests / rate > MAX_SPAN_S:
-        raise ValueError(
-            f"--rate {rate:g} spreads {num_requests} requests over {num_requests / rate:.3g} s, past the "
-            f"{MAX_SPAN_S:g} s the simulation's clock keeps to a millisecond: raise --rate or lower --num-requests"
-        )
+    check_span(num_requests, rate, "--rate", "--num-requests")
     check_burstiness(burstiness)
     if not 0 <= range_ratio < 1:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
@@ -97,7 +92,7 @@ def from_trace(path: Path, limit: int | None = None) -> Workload:
     (pdserve.trace), at its gaps per second; its hash_ids are ignored (no prefix cache is simulated). A trace whose
     requests share one timestamp is refused: its arrivals scale to no other rate, so no split has a max rate to plan
     by (it was planned as "1 req/s", a rate it never offered); so is one whose rate no sender offers, or that spans
-    more than the simulation's clock keeps to a millisecond (MAX_SPAN_S)."""
+    more than the simulation's clock keeps to a millisecond (MAX_SPAN_S, which the reader checks)."""
     requests = read_trace(path, limit)
     times = np.array([r.timestamp_ms for r in requests]) / 1e3
     times -= times[0]
@@ -106,10 +101,6 @@ def from_trace(path: Path, limit: int | None = None) -> Workload:
         raise ValueError(
             f"trace {path}: its {len(requests)} request(s) share one timestamp, a burst with no rate to scale; plan "
             "needs arrivals spread in time (or --rate, --input-len and --output-len)"
-        )
-    if span > MAX_SPAN_S:
-        raise ValueError(
-            f"trace {path} spans {span:.3g} s, past the {MAX_SPAN_S:g} s the simulation's clock keeps to a millisecond"
         )
     rate = (len(requests) - 1) / span
     try:  # a span of 1e-300 ms planned at 1e303 req/s

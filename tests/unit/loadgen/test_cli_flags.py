@@ -169,3 +169,25 @@ def test_a_check_request_refused_as_invalid_is_a_usage_error_with_the_model_hint
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"loadgen: the check request failed: {status}: {error}")
     assert ("pass the model the server serves" in line) == hint
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [  # the gaps would be ~1e12 s and 1e7 s; 10**8 prompts would need 4 TB before the first went
+        (["--request-rate", "1e-12"], "--request-rate 1e-12 spreads 1000 requests over 1e+15 s, past the 1e+09 s"),
+        (["--request-rate", "2,1e-7"], "--request-rate 1e-07 spreads 1000 requests over 1e+10 s, past the 1e+09 s"),
+        (["--num-prompts", "1000001", "--random-input-len", "1"], "--num-prompts must be at most 1,000,000"),
+        (["--dataset-name", "trace", "--trace", "/dev/zero"], "--trace /dev/zero is over 268,435,456 bytes"),
+    ],
+)
+def test_a_run_past_loadgens_bounds_exits_2_before_anything_is_sent(flags, says, capsys):
+    assert main([*UNREACHABLE, *flags]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_trace_replayed_past_the_arrivals_span_exits_2_unless_num_prompts_stops_short_of_it(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(f'{{"timestamp": {t}, "input_length": 4, "output_length": 2}}\n' for t in (0, 1, 1e300)))
+    assert main([*UNREACHABLE, "--dataset-name", "trace", "--trace", str(trace)]) == 2
+    assert f"trace {trace} spans 1e+297 s, past the 1e+09 s" in capsys.readouterr().err
+    assert main([*UNREACHABLE, "--dataset-name", "trace", "--trace", str(trace), "--num-prompts", "2"]) == 1

@@ -12,7 +12,8 @@ from pdserve import cli
 from pdserve.cli import _parser
 from pdserve.planner.plan import SLO, simulate
 from pdserve.planner.shape import Shape
-from pdserve.planner.workload import MAX_SPAN_S, synthetic
+from pdserve.planner.workload import synthetic
+from pdserve.request_rate import MAX_SPAN_S
 from tests.unit.planner.synthetic import synthetic_profile
 
 SLO_FLAGS = ["--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--workers", "2"]
