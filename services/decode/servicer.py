@@ -15,7 +15,7 @@ from pdserve.errors import PermissionDeniedError, UnavailableError
 from pdserve.protocol.handoff import FirstToken
 from pdserve.protocol.outputs import RequestOutput
 from pdserve.protocol.roles import Role
-from pdserve.rpc.convert import engine_request_from_pb, off_the_loop_when_large, output_to_pb
+from pdserve.rpc.convert import engine_request_from_pb, off_the_loop_when_constrained, output_to_pb
 from pdserve.rpc.metadata import HANDOFF_STARTED_KEY, PREFILL_WAITED_KEY, SEQUENCES_FREED_KEY
 from pdserve.security.cluster_secret import ClusterSecret
 from pdserve.telemetry import Telemetry, request_id_var
@@ -43,7 +43,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: wpb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         request_id_var.set(request.client_request_id or request.request_id)
-        work = await off_the_loop_when_large(partial(engine_request_from_pb, request), request.sampling)
+        work = await off_the_loop_when_constrained(partial(engine_request_from_pb, request), request.sampling)
         work = await self.engine.prepare(work)
         if self.faults.engine_dies_for(request.client_request_id):
             self.engine.faults.fail_when_stepped(request.request_id)

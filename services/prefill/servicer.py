@@ -20,7 +20,12 @@ import grpc
 
 from pdserve.errors import AbandonedError
 from pdserve.protocol.handoff import FirstToken, KVSent, KVTarget
-from pdserve.rpc.convert import engine_request_from_pb, finish_reason_to_pb, logprobs_to_pb, off_the_loop_when_large
+from pdserve.rpc.convert import (
+    engine_request_from_pb,
+    finish_reason_to_pb,
+    logprobs_to_pb,
+    off_the_loop_when_constrained,
+)
 from pdserve.rpc.raced_steps import until_ended
 from pdserve.telemetry import request_id_var
 from pdserve.v1 import worker_pb2 as wpb
@@ -50,7 +55,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._abandoned[request.request_id] = abandoned
         try:
             target = request.target
-            work = await off_the_loop_when_large(partial(engine_request_from_pb, request), request.sampling)
+            work = await off_the_loop_when_constrained(partial(engine_request_from_pb, request), request.sampling)
             work = await self.run_and_send.engine.prepare(work)
             if abandoned.done():
                 raise _abandoned_error()

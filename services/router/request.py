@@ -31,7 +31,7 @@ from pdserve.protocol.request_checks import (
     utf8_len,
 )
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.rpc.convert import off_the_loop_when_large, sampling_from_pb
+from pdserve.rpc.convert import off_the_loop_when_constrained, sampling_from_pb
 from pdserve.security.api_keys import OPEN_TENANT
 from pdserve.security.cache_salt import cache_salt
 from pdserve.v1 import generate_pb2 as pb
@@ -73,7 +73,9 @@ async def build_request(
     salt = cache_salt(tenant, msg.cache_salt)
     _check_caps(msg, field, model, limits or RequestLimits())
     # The one conversion, checked before tokenizing.
-    sampling = await off_the_loop_when_large(partial(sampling_from_pb, msg.sampling, default_max_tokens), msg.sampling)
+    sampling = await off_the_loop_when_constrained(
+        partial(sampling_from_pb, msg.sampling, default_max_tokens), msg.sampling
+    )
     prompt = await _tokenize(msg, field, tokenizer)
     if not msg.sampling.max_tokens:  # the default never pushes the request past the context, nor any worker's KV
         sampling = replace(sampling, max_tokens=min(default_max_tokens, _room(prompt, model, kv_capacity_tokens)))
