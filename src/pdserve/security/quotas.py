@@ -19,11 +19,21 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from pdserve.errors import InvalidRequestError, OverloadedError
+from pdserve.errors import InvalidRequestError, OverloadedError, PermissionDeniedError, UnauthenticatedError
 from pdserve.security.api_keys import Tenant
 
 CONCURRENCY_RETRY_MS = 1000  # when a stream ends is unknown; a second is a short wait for a typical one
 Release = Callable[[], None]  # gives back what a store took; never waits (a shared store's runs in the background)
+# An admitted request ended by its caller (its hang-up, its deadline) or for its own fault (an output its constraint
+# could not be held to, its key revoked), however late, keeps its tokens spent: no failure of the cluster's.
+CALLERS_ENDS = (
+    asyncio.CancelledError,
+    GeneratorExit,
+    TimeoutError,
+    InvalidRequestError,
+    UnauthenticatedError,
+    PermissionDeniedError,
+)
 
 
 def _nothing() -> None:
@@ -192,11 +202,13 @@ class QuotaSession:
     ) -> None:
         """The stream slot goes back. The tokens go back when the request was refused, or failed before its
         caller got a message (every worker it was placed on refused or lost it: a retry the caller was told could
-        succeed must not find them spent), unless its caller ended it (cancelled, or its deadline passed)."""
+        succeed must not find them spent), unless its caller ended it or it failed for the caller's own fault
+        (CALLERS_ENDS): a non-streamed answer whose constraint failed after 4000 tokens got them all back, so a key
+        could have the cluster generate without end within its tokens_per_minute."""
         self._stream()
         if exc is None or self._delivered:
             return
-        if not self._admitted or not isinstance(exc, asyncio.CancelledError | GeneratorExit | TimeoutError):
+        if not self._admitted or not isinstance(exc, CALLERS_ENDS):
             self._tokens()
 
 

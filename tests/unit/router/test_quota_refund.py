@@ -1,7 +1,7 @@
 """A key's tokens_per_minute through a real lifecycle against stand-in decode workers on real gRPC servers: a request
 every worker refused before its first message (a full batch: RESOURCE_EXHAUSTED, a retry may succeed) leaves the
-key's tokens as they were, so retrying as told is not refused for them; a request served, or lost after its first
-message, spends them."""
+key's tokens as they were, so retrying as told is not refused for them; a request served, lost after its first
+message, or failed for its own fault (an output its constraint could not be held to), spends them."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.env import CLUSTER_SECRET_VAR
 from pdserve.errors import InvalidRequestError, OverloadedError, UnavailableError
+from pdserve.protocol.compatibility import WORKER_FEATURES
 from pdserve.security.api_keys import KeyTable, Tenant, digest
 from pdserve.security.quotas import LocalQuotas
 from pdserve.v1 import generate_pb2 as pb
@@ -29,8 +30,9 @@ REQUEST = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=pb.SamplingPar
 
 
 class Decode(StandInDecode):
-    """Refuses every hand-off as a decode worker whose batch is full does (`mode` "full"), serves it ("serves"), or
-    sends one token and is lost ("breaks")."""
+    """Refuses every hand-off as a decode worker whose batch is full does (`mode` "full"), serves it ("serves"),
+    sends one token and is lost ("breaks"), or sends all but the last token and fails the request's constraint
+    ("unheld")."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,6 +46,10 @@ class Decode(StandInDecode):
                 yield msg
             return
         self.calls += 1
+        if self.mode == "unheld":  # as a worker whose grammar ran past its limits late in the output
+            for _ in range(request.sampling.max_tokens - 1):
+                yield pb.GenerateResponse(token_ids=[3])
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.regex: the output could not be held to it")
         if self.mode == "breaks":
             yield pb.GenerateResponse(token_ids=[3])
             await context.abort(grpc.StatusCode.UNAVAILABLE, "lost")
@@ -115,3 +121,27 @@ async def test_a_whole_http_answer_lost_after_its_first_token_gives_back_its_key
                 assert r.status_code == 503, r.text
             decode.mode = "serves"
             assert (await http.post("/v1/completions", json=body, headers=KEY)).status_code == 200
+
+
+async def test_a_whole_http_answer_its_constraint_failed_late_keeps_its_keys_tokens_spent(monkeypatch) -> None:
+    """The caller's own fault (a 400), after the cluster generated its tokens: given back, a key could have its
+    requests generate up to max_tokens and fail, again and again, its tokens_per_minute never spent."""
+    monkeypatch.delenv(CLUSTER_SECRET_VAR, raising=False)
+    decode = Decode()
+    decode.mode = "unheld"
+    async with serving(decode) as address:
+        workers = [
+            worker(w, role, address=address, features=WORKER_FEATURES)
+            for w, role in (("p0", "prefill"), ("d0", "decode"))
+        ]
+        router = Router(workers, migration_limit=0)
+        lifecycle = router.lifecycle(KeyTable({digest("k1"): Tenant("team", "k", tokens_per_minute=1000)}))
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 297, "regex": "[a-z]+"}  # 300 tokens
+        transport = httpx2.ASGITransport(app=openai_app(lifecycle))
+        async with httpx2.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+            for _ in range(3):  # 900 of the key's 1000 tokens spent, 296 generated for each
+                r = await http.post("/v1/completions", json=body, headers=KEY)
+                assert r.status_code == 400 and "could not be held" in r.text, r.text
+            r = await http.post("/v1/completions", json=body, headers=KEY)
+    assert r.status_code == 429 and "tokens_per_minute" in r.text, r.text
+    assert decode.calls == 3
