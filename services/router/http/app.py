@@ -180,7 +180,7 @@ class OpenAIAPI:
                 span_status(span, response.status_code, e)
                 return response
             span_status(span, 200)
-        return JSONResponse(answer.whole(), headers=headers)
+        return Response(await answer.whole_json(), headers=headers, media_type="application/json")
 
     async def _whole(
         self,
@@ -192,7 +192,7 @@ class OpenAIAPI:
         arrived: float,
     ) -> None:
         async for index, msg in self._choices(req, choices, tenant, headers, arrived):
-            answer.add(index, msg)
+            await answer.add_off_the_loop(index, msg)
 
     async def _events(
         self,
