@@ -5,10 +5,9 @@ other stream of the router 0.6-0.9 s (tiny-random, a 4000-token prompt)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import httpx2
 import pytest
@@ -18,6 +17,7 @@ from pdserve.security.api_keys import KeyTable, Tenant, digest
 from pdserve.v1 import generate_pb2 as pb
 from services.router.http.app import openai_app
 from services.router.lifecycle import RequestLifecycle
+from tests.loop_gaps import longest_loop_gap
 from tests.unit.router.router_builder import MODEL, Router, worker
 from tests.unit.router.stand_in_decode import StandInDecode, serving
 
@@ -56,29 +56,6 @@ async def lifecycle(monkeypatch) -> AsyncIterator[RequestLifecycle]:
     async with serving(EchoesLogprobs()) as address:
         router = Router([worker("p0"), worker("d0", "decode", address=address)])
         yield router.lifecycle(KeyTable({digest(KEY): Tenant("team", "k")}))
-
-
-async def longest_loop_gap(during: Callable[[], Awaitable[httpx2.Response]]) -> tuple[float, httpx2.Response]:
-    """The longest the loop went without running a 1 ms tick while `during()` ran on it, and what it returned."""
-    gaps: list[float] = []
-    done = asyncio.Event()
-
-    async def tick() -> None:
-        last = time.perf_counter()
-        while not done.is_set():
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    ticker = asyncio.create_task(tick())
-    await asyncio.sleep(0.01)
-    try:
-        answer = await during()
-    finally:
-        done.set()
-        await ticker
-    return max(gaps), answer
 
 
 async def test_sixteen_echoed_prompts_with_their_alternatives_leave_the_loop_running(lifecycle):
