@@ -17,7 +17,6 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
 
 from pdserve.background import cancel_and_wait, repeating
 
@@ -31,15 +30,14 @@ HOLD_FAILURES = ("unavailable", "no_first_token", "stalled")
 
 
 class OwnHolds:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._ticked_at = clock()
+    def __init__(self) -> None:
+        self._ticked_at = time.monotonic()
         self._held_until = -math.inf
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         """On the router's loop, once it serves."""
-        self._ticked_at = self._clock()
+        self._ticked_at = time.monotonic()
         self._task = repeating(self._tick, TICK_S, "own-holds")
 
     async def close(self) -> None:
@@ -49,12 +47,12 @@ class OwnHolds:
     def excuse(self) -> bool:
         """Whether a worker's failure seen now may be the router's own hold's: one ends now (its late tick has not
         run yet), or ended within EXCUSE_S."""
-        now = self._clock()
+        now = time.monotonic()
         ending = self._task is not None and now - self._ticked_at > TICK_S + HELD_S
         return ending or now - self._held_until < EXCUSE_S
 
     async def _tick(self) -> None:
-        now = self._clock()
+        now = time.monotonic()
         held_s = now - self._ticked_at - TICK_S
         self._ticked_at = now
         if held_s > HELD_S:
